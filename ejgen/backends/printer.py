@@ -1,0 +1,79 @@
+"""Expression printing shared by every backend.
+
+A backend subclasses ``Printer`` and fills in the function table and how names, params and
+boolean operators are spelled. Output is parenthesised only where Python precedence needs it.
+"""
+
+from __future__ import annotations
+
+from ejgen.ir.expr import Binary, Call, Const, Expr, ParamRef, Unary, Var
+
+_PREC = {"**": 7, "neg": 6, "*": 5, "/": 5, "+": 4, "-": 4, "cmp": 3}
+_ATOM = 9
+
+
+class Printer:
+    functions: dict = {}  # DSL function name -> callable spelling, e.g. {"exp": "jnp.exp"}
+    logical_and = "logical_and"
+    logical_or = "logical_or"
+    logical_not = "logical_not"
+
+    def __init__(self, names: dict[str, str]):
+        self.names = names  # DSL name -> code (builtins and options)
+
+    def __call__(self, e: Expr) -> str:
+        return self.expr(e)[0]
+
+    def expr(self, e: Expr) -> tuple[str, int]:
+        if isinstance(e, Const):
+            negative = not isinstance(e.value, bool) and e.value < 0
+            return self.const(e.value), _PREC["neg"] if negative else _ATOM
+        if isinstance(e, Var):
+            return self.names[e.name], _ATOM
+        if isinstance(e, ParamRef):
+            return self.param(e), _ATOM
+        if isinstance(e, Unary):
+            if e.op == "not":
+                return f"{self.logical_not}({self(e.x)})", _ATOM
+            return f"-{self.wrap(e.x, _PREC['neg'])}", _PREC["neg"]
+        if isinstance(e, Binary):
+            return self.binary(e)
+        if isinstance(e, Call):
+            return self.call(e), _ATOM
+        raise TypeError(f"not an expression: {e!r}")
+
+    def wrap(self, e: Expr, prec: int, strict: bool = False) -> str:
+        text, p = self.expr(e)
+        return f"({text})" if p < prec or (strict and p == prec) else text
+
+    def binary(self, e: Binary) -> tuple[str, int]:
+        if e.op == "and":
+            return f"{self.logical_and}({self(e.a)}, {self(e.b)})", _ATOM
+        if e.op == "or":
+            return f"{self.logical_or}({self(e.a)}, {self(e.b)})", _ATOM
+        if e.op in ("<", "<=", ">", ">=", "==", "!="):
+            prec = _PREC["cmp"]
+            return f"{self.wrap(e.a, prec + 1)} {e.op} {self.wrap(e.b, prec + 1)}", prec
+        prec = _PREC[e.op]
+        if e.op == "**":
+            return self.power(e), prec
+        # left-associative: the right operand needs parentheses at equal precedence
+        return f"{self.wrap(e.a, prec)} {e.op} {self.wrap(e.b, prec, strict=True)}", prec
+
+    def power(self, e: Binary) -> str:
+        return f"{self.wrap(e.a, _PREC['**'], strict=True)} ** {self.wrap(e.b, _PREC['neg'])}"
+
+    def call(self, e: Call) -> str:
+        return f"{self.functions[e.fn]}({', '.join(self(a) for a in e.args)})"
+
+    def const(self, value) -> str:
+        if isinstance(value, bool):
+            return "True" if value else "False"
+        if isinstance(value, float):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError(f"non-finite constant {value}")
+            return repr(value)
+        return str(value)
+
+    def param(self, e: ParamRef) -> str:
+        raise NotImplementedError

@@ -1,0 +1,158 @@
+"""Expression IR for the spec DSL (``score`` and ``mask``).
+
+Nodes are frozen attrs classes. ``loc`` never takes part in equality, so structurally equal
+expressions compare equal wherever they came from. ``ty`` is ``None`` until the type checker
+(``ejgen.ir.passes.typecheck``) fills it in.
+
+Names a DSL expression may use:
+- ``s``: the logit (float);
+- ``q_idx``, ``kv_idx``, ``b``, ``h``, ``q_len``, ``kv_len``: ints (``Var`` with kind ``index``);
+- options: ``Var`` with kind ``option`` and the option's type;
+- params: ``ParamRef(name, indices)``, one index per dim of the param's shape.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from ejgen.errors import Loc
+
+
+class Type(enum.Enum):
+    BOOL = "bool"
+    INT = "int"
+    FLOAT = "float"
+
+    @property
+    def numeric(self) -> bool:
+        return self is not Type.BOOL
+
+
+INDEX_VARS = ("s", "q_idx", "kv_idx", "b", "h", "q_len", "kv_len")
+"""Built-in names. ``s`` is float, the others int."""
+
+UNARY_FUNCS = ("exp", "log", "tanh", "sigmoid", "abs", "sqrt")
+BINARY_FUNCS = ("min", "max")
+FUNCS = UNARY_FUNCS + BINARY_FUNCS + ("where",)
+
+ARITH_OPS = ("+", "-", "*", "/", "**")
+COMPARE_OPS = ("<", "<=", ">", ">=", "==", "!=")
+BOOL_OPS = ("and", "or")
+
+
+def _loc_field():
+    return attrs.field(default=None, eq=False, repr=False, kw_only=True)
+
+
+def _ty_field():
+    return attrs.field(default=None, eq=False, repr=False, kw_only=True)
+
+
+@attrs.frozen
+class Const:
+    value: bool | int | float
+    loc: Loc | None = _loc_field()
+    ty: Type | None = _ty_field()
+
+
+@attrs.frozen
+class Var:
+    """A built-in name or an option. ``kind`` is ``"builtin"`` or ``"option"`` once resolved."""
+
+    name: str
+    kind: str | None = attrs.field(default=None, kw_only=True)
+    loc: Loc | None = _loc_field()
+    ty: Type | None = _ty_field()
+
+
+@attrs.frozen
+class ParamRef:
+    """``name[i0, i1, ...]``: one element of a tensor param."""
+
+    name: str
+    indices: tuple = ()
+    loc: Loc | None = _loc_field()
+    ty: Type | None = _ty_field()
+
+
+@attrs.frozen
+class Unary:
+    op: str  # "-" or "not"
+    x: object
+    loc: Loc | None = _loc_field()
+    ty: Type | None = _ty_field()
+
+
+@attrs.frozen
+class Binary:
+    op: str  # ARITH_OPS + COMPARE_OPS + BOOL_OPS
+    a: object
+    b: object
+    loc: Loc | None = _loc_field()
+    ty: Type | None = _ty_field()
+
+
+@attrs.frozen
+class Call:
+    fn: str  # one of FUNCS
+    args: tuple = ()
+    loc: Loc | None = _loc_field()
+    ty: Type | None = _ty_field()
+
+
+Expr = Const | Var | ParamRef | Unary | Binary | Call
+
+
+def children(e: Expr) -> tuple:
+    if isinstance(e, ParamRef):
+        return e.indices
+    if isinstance(e, Unary):
+        return (e.x,)
+    if isinstance(e, Binary):
+        return (e.a, e.b)
+    if isinstance(e, Call):
+        return e.args
+    return ()
+
+
+def walk(e: Expr):
+    """Pre-order traversal."""
+    yield e
+    for c in children(e):
+        yield from walk(c)
+
+
+def with_children(e: Expr, new: tuple) -> Expr:
+    if isinstance(e, ParamRef):
+        return attrs.evolve(e, indices=tuple(new))
+    if isinstance(e, Unary):
+        return attrs.evolve(e, x=new[0])
+    if isinstance(e, Binary):
+        return attrs.evolve(e, a=new[0], b=new[1])
+    if isinstance(e, Call):
+        return attrs.evolve(e, args=tuple(new))
+    return e
+
+
+def to_text(e: Expr) -> str:
+    """DSL text of an expression, fully parenthesised where precedence could be in doubt."""
+    if isinstance(e, Const):
+        if isinstance(e.value, bool):
+            return "true" if e.value else "false"
+        return repr(e.value)
+    if isinstance(e, Var):
+        return e.name
+    if isinstance(e, ParamRef):
+        return f"{e.name}[{', '.join(to_text(i) for i in e.indices)}]"
+    if isinstance(e, Unary):
+        inner = to_text(e.x)
+        if not isinstance(e.x, (Const, Var, ParamRef, Call)):
+            inner = f"({inner})"
+        return f"not {inner}" if e.op == "not" else f"-{inner}"
+    if isinstance(e, Binary):
+        return f"({to_text(e.a)} {e.op} {to_text(e.b)})"
+    if isinstance(e, Call):
+        return f"{e.fn}({', '.join(to_text(a) for a in e.args)})"
+    raise TypeError(f"not an expression: {e!r}")

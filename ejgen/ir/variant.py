@@ -1,0 +1,108 @@
+"""The variant IR: what one spec describes, after loading and validation.
+
+A ``Variant`` is what the spec loader (``ejgen.spec``) produces and every later pass consumes.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ejgen.errors import Loc
+from ejgen.ir.expr import Expr
+
+FAMILIES = ("attention", "linear_recurrent", "pooling")
+MODES = ("train", "decode", "paged")
+BACKENDS = ("triton", "pallas", "xla")
+DIMS = ("batch", "heads", "kv_heads", "q_len", "kv_len", "head_dim")
+PARAM_DTYPES = ("float32", "bfloat16", "float16", "int32")
+OPTION_TYPES = ("int", "float", "bool")
+
+# Attention features and the settings each accepts (DESIGN §2):
+#   "runtime": a keyword argument of the op (tensors: optional; flags: default off);
+#   "always":  compiled in and on; the op takes no argument (tensors: the argument is required);
+#   a value:   compiled in (sliding_window: int or [left, right]; logits_soft_cap: float).
+FEATURES = {
+    "causal": ("runtime", "always"),
+    "sliding_window": ("runtime", "value"),
+    "logits_soft_cap": ("runtime", "value"),
+    "sinks": ("runtime", "always"),
+    "gqa": ("runtime", "always"),
+    "segment_ids": ("runtime", "always"),
+    "attention_mask": ("runtime", "always"),
+    "bias": ("runtime", "always"),
+    "varlen": ("runtime", "always"),
+}
+
+
+@attrs.frozen
+class Feature:
+    """One built-in feature. ``mode`` is ``"runtime"``, ``"always"`` or ``"value"``.
+
+    ``value`` is the compiled-in value for ``mode == "value"``: ``(left, right)`` ints for
+    sliding_window, a float for logits_soft_cap; ``None`` otherwise. ``causal: true`` and
+    ``gqa: true`` load as ``"always"``.
+    """
+
+    name: str
+    mode: str
+    value: object = None
+    loc: Loc | None = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class Param:
+    """An extra tensor input. ``shape`` holds dim names (``DIMS``) or ints."""
+
+    name: str
+    shape: tuple
+    dtype: str = "float32"
+    grad: bool = False
+    loc: Loc | None = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class Option:
+    """An extra runtime scalar keyword argument."""
+
+    name: str
+    type: str  # "int" | "float" | "bool"
+    default: bool | int | float
+    loc: Loc | None = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class Variant:
+    name: str
+    family: str
+    doc: str
+    modes: tuple
+    backends: tuple
+    features: tuple  # of Feature, sorted by name
+    params: tuple  # of Param, in spec order
+    options: tuple  # of Option, in spec order
+    score: Expr
+    mask: Expr
+    path: str  # the spec's path as given to the loader (relative where it was relative)
+    source_hash: str  # sha256 hex of the spec file's bytes
+    loc: Loc | None = attrs.field(default=None, eq=False, repr=False)
+
+    def feature(self, name: str) -> Feature | None:
+        for f in self.features:
+            if f.name == name:
+                return f
+        return None
+
+    def feature_names(self) -> set[str]:
+        return {f.name for f in self.features}
+
+    def param(self, name: str) -> Param | None:
+        for p in self.params:
+            if p.name == name:
+                return p
+        return None
+
+    def option(self, name: str) -> Option | None:
+        for o in self.options:
+            if o.name == name:
+                return o
+        return None

@@ -1,0 +1,1 @@
+"""What generated code imports at run time. Importing it has no side effects."""

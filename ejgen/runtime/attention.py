@@ -1,0 +1,367 @@
+"""What every generated attention op does before and after its kernels: check the arguments,
+bring them to the kernel layout, pad to whole blocks, and undo all of it on the way out.
+
+Kernel layout: q [B, Hkv, G, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] with G = Hq // Hkv;
+varlen packs all sequences into batch 1. ``ctx`` carries every other tensor the kernels read.
+Everything here is plain jnp outside the ``custom_vjp``, so autodiff transposes it for free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ejgen.runtime.config import AttentionConfig
+from ejgen.types import MaskInfo
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecInfo:
+    """What a generated op knows of its spec, for messages and argument checks."""
+
+    name: str
+    path: str
+    features: dict  # feature name -> "runtime" | "always" | ("value", value)
+    accepted: tuple  # keyword arguments the op accepts
+
+
+def reject_unsupported(spec: SpecInfo, unsupported: dict) -> None:
+    if not unsupported:
+        return
+    name = sorted(unsupported)[0]
+    builtin = {
+        "causal": "causal", "sliding_window": "sliding_window", "logits_soft_cap": "logits_soft_cap",
+        "softmax_aux": "sinks", "bias": "bias", "cu_seqlens_q": "varlen", "cu_seqlens_k": "varlen",
+        "max_seqlen_q": "varlen", "max_seqlen_k": "varlen", "mask_info": "segment_ids or attention_mask",
+    }
+    if name in builtin:
+        feature = builtin[name]
+        setting = spec.features.get(feature.split(" ")[0])
+        why = (f"the spec compiles feature '{feature}' in ({_setting_text(setting)})" if setting
+               else f"the spec does not enable feature '{feature}'")
+    else:
+        why = "it is not a feature, param or option of the spec"
+    raise TypeError(f"{spec.name}() got an unsupported argument '{name}': {why} ({spec.path}). "
+                    f"Accepted keyword arguments: {', '.join(spec.accepted)}")
+
+
+def _setting_text(setting) -> str:
+    if isinstance(setting, tuple):
+        return f"{setting[0]} {setting[1]}"
+    return str(setting)
+
+
+def choose_platform(spec: SpecInfo, platform: str, backends: dict) -> str:
+    """The backend to run: ``platform`` when available, else why not; ``auto`` picks by device."""
+    known = ("auto", "triton", "pallas", "xla")
+    if platform not in known:
+        raise ValueError(f"{spec.name}(): platform must be one of {', '.join(known)}, got {platform!r}")
+    if platform == "auto":
+        kind = jax.default_backend()
+        preferred = {"gpu": "triton", "cuda": "triton", "tpu": "pallas"}.get(kind)
+        if preferred in backends and backends[preferred].available()[0]:
+            return preferred
+        return "xla"
+    if platform not in backends:
+        raise ValueError(f"{spec.name}(): platform '{platform}' was not generated for this spec "
+                         f"(backends: {', '.join(backends)}; see {spec.path})")
+    ok, why = backends[platform].available()
+    if not ok:
+        raise RuntimeError(f"{spec.name}(): platform '{platform}' is not available here: {why}")
+    return platform
+
+
+def _shape(x) -> str:
+    return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+
+def _check_float(spec, name, x):
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{spec.name}(): {name} must be float32, bfloat16 or float16, got {_shape(x)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Inputs in kernel layout, and how to bring the outputs back."""
+
+    cfg: AttentionConfig
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    ctx: dict
+    dims: dict  # batch, heads, kv_heads, q_len, kv_len, head_dim
+    varlen: bool
+
+    def padded(self, block_q: int, block_k: int):
+        """(q, k, v, ctx) padded so that Sq and Sk are whole blocks."""
+        sq, sk = self.q.shape[3], self.k.shape[2]
+        pq, pk = -sq % block_q, -sk % block_k
+        pad = lambda x, axis, n, value: x if n == 0 else jnp.pad(
+            x, [(0, n) if a == axis % x.ndim else (0, 0) for a in range(x.ndim)], constant_values=value)
+        q = pad(self.q, 3, pq, 0)
+        k, v = pad(self.k, 2, pk, 0), pad(self.v, 2, pk, 0)
+        ctx = dict(self.ctx)
+        for key, axes in _PADDED.items():
+            if key in ctx:
+                x = ctx[key]
+                for axis, which, value in axes:
+                    x = pad(x, axis, pq if which == "q" else pk, value)
+                ctx[key] = x
+        return q, k, v, ctx
+
+    def finish(self, out, lse, return_lse: bool):
+        """Back to the caller's layout: out [B, Sq, Hq, Dv] (varlen [Tq, Hq, Dv]), lse [B, Hq, Sq]."""
+        b, hkv, g, _, dv = out.shape
+        sq = self.cfg.seq_q
+        out = out[:, :, :, :sq].reshape(b, hkv * g, sq, dv).transpose(0, 2, 1, 3)
+        lse = lse[:, :, :, :sq].reshape(b, hkv * g, sq)
+        if self.varlen:
+            out, lse = out[0], lse[0]
+        return (out, lse) if return_lse else out
+
+
+# ctx entries with sequence axes: (axis, "q" | "k", pad value)
+_PADDED = {
+    "q_pos": ((1, "q", 0),),
+    "kv_pos": ((1, "k", 0),),
+    "q_seg": ((1, "q", -1),),
+    "kv_seg": ((1, "k", -1),),
+    "q_lens": ((1, "q", 0),),
+    "kv_lens": ((1, "q", 0),),
+    "bias": ((3, "q", 0), (4, "k", 0)),
+    "mask": ((3, "q", False), (4, "k", False)),
+}
+
+
+def prepare(spec: SpecInfo, query, key, value, *, causal=False, sliding_window=None, logits_soft_cap=None,
+            softmax_aux=None, bias=None, mask_info=None, cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None) -> Prepared:
+    """Check the built-in arguments (only those the spec accepts reach here) and lay them out."""
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _check_float(spec, name, x)
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(f"{spec.name}(): query, key and value must share a dtype, got "
+                         f"{_shape(query)}, {_shape(key)}, {_shape(value)}")
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    rank = 3 if varlen else 4
+    layout = "[tokens, heads, head_dim]" if varlen else "[batch, seq, heads, head_dim]"
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim != rank:
+            extra = " (varlen: cu_seqlens given)" if varlen else ""
+            raise ValueError(f"{spec.name}(): {name} must be {layout}{extra}, got {_shape(x)}")
+    if varlen:
+        query, key, value = query[None], key[None], value[None]
+    batch, sq, hq, d = query.shape
+    _, sk, hkv, _ = key.shape
+    if key.shape[0] != batch or value.shape[0] != batch:
+        raise ValueError(f"{spec.name}(): query, key and value must share the batch size, got "
+                         f"{_shape(query)}, {_shape(key)}, {_shape(value)}")
+    if key.shape[-1] != d:
+        raise ValueError(f"{spec.name}(): key head_dim {key.shape[-1]} differs from query head_dim {d}")
+    if value.shape[1] != sk or value.shape[2] != hkv:
+        raise ValueError(f"{spec.name}(): value {_shape(value)} must match key {_shape(key)} "
+                         f"in sequence length and heads")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{spec.name}(): query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if hkv != hq and "gqa" not in spec.features:
+        raise ValueError(f"{spec.name}(): key/value heads ({hkv}) differ from query heads ({hq}), but the "
+                         f"spec does not enable feature 'gqa' ({spec.path})")
+    groups = hq // hkv
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    ctx = {
+        "scale": jnp.asarray(scale, jnp.float32),
+        "q_pos": jnp.arange(sq, dtype=jnp.int32)[None],
+        "kv_pos": jnp.arange(sk, dtype=jnp.int32)[None],
+    }
+    flags = {}
+    if varlen:
+        flags["varlen"] = True
+        ctx.update(_varlen(spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sq, sk))
+    flags["causal"] = _check_bool(spec, "causal", causal)
+    if sliding_window is not None:
+        left, right = _window(spec, sliding_window)
+        flags["window"] = True
+        ctx["window_left"], ctx["window_right"] = left, right
+    if logits_soft_cap is not None:
+        flags["softcap"] = True
+        ctx["softcap"] = _positive_scalar(spec, "logits_soft_cap", logits_soft_cap)
+    if softmax_aux is not None:
+        flags["sinks"] = True
+        ctx["softmax_aux"] = _sinks(spec, softmax_aux, hq, hkv, groups)
+    if bias is not None:
+        flags["bias"] = True
+        ctx["bias"] = _bias(spec, bias, batch, hq, hkv, groups, sq, sk, varlen)
+    if mask_info is not None:
+        if not isinstance(mask_info, MaskInfo):
+            raise ValueError(f"{spec.name}(): mask_info must be an ejgen.types.MaskInfo, got {type(mask_info).__name__}")
+        if varlen:
+            raise ValueError(f"{spec.name}(): mask_info cannot be combined with cu_seqlens (varlen already "
+                             f"separates sequences)")
+        if mask_info.has_segments:
+            _require(spec, "segment_ids", "mask_info with segment ids")
+            flags["segments"] = True
+            ctx["q_seg"], ctx["kv_seg"] = _segments(spec, mask_info, batch, sq, sk)
+        if mask_info.has_mask:
+            _require(spec, "attention_mask", "mask_info with a dense attention_mask")
+            flags["dense_mask"] = True
+            ctx["mask"] = _dense_mask(spec, mask_info.attention_mask, batch, hq, hkv, groups, sq, sk)
+    q = query.reshape(batch, sq, hkv, groups, d).transpose(0, 2, 3, 1, 4)
+    k = key.transpose(0, 2, 1, 3)
+    v = value.transpose(0, 2, 1, 3)
+    dims = {"batch": batch, "heads": hq, "kv_heads": hkv, "q_len": sq, "kv_len": sk, "head_dim": d}
+    cfg = AttentionConfig(seq_q=sq, seq_k=sk, **flags)
+    return Prepared(cfg, q, k, v, ctx, dims, varlen)
+
+
+def _require(spec, feature, what):
+    if feature not in spec.features:
+        raise TypeError(f"{spec.name}() got {what}, but the spec does not enable feature '{feature}' ({spec.path})")
+
+
+def _check_bool(spec, name, x) -> bool:
+    if not isinstance(x, bool):
+        raise ValueError(f"{spec.name}(): {name} must be a Python bool, got {x!r}")
+    return x
+
+
+def _window(spec, window):
+    pair = (window, window) if isinstance(window, int) and not isinstance(window, bool) else window
+    if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in pair)):
+        raise ValueError(f"{spec.name}(): sliding_window must be a non-negative int or a (left, right) "
+                         f"pair of them, got {window!r}")
+    return jnp.int32(pair[0]), jnp.int32(pair[1])
+
+
+def _positive_scalar(spec, name, x):
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        if x <= 0:
+            raise ValueError(f"{spec.name}(): {name} must be positive, got {x!r}")
+        return jnp.float32(x)
+    x = jnp.asarray(x)
+    if x.ndim != 0 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{spec.name}(): {name} must be a positive float scalar, got {_shape(x)}")
+    return x.astype(jnp.float32)
+
+
+def _sinks(spec, aux, hq, hkv, groups):
+    aux = jnp.asarray(aux)
+    ok = jnp.issubdtype(aux.dtype, jnp.floating) and (
+        (aux.ndim == 1) or (aux.ndim == 2 and aux.shape[0] == hq))
+    if not ok:
+        raise ValueError(f"{spec.name}(): softmax_aux must be float [heads={hq}], [heads={hq}, n] or [n], "
+                         f"got {_shape(aux)}")
+    aux = aux.astype(jnp.float32)
+    if aux.ndim == 1:
+        # [Hq] means one sink per head; any other length is n sinks shared by all heads
+        aux = aux[:, None] if aux.shape[0] == hq else jnp.broadcast_to(aux[None], (hq, aux.shape[0]))
+    return aux.reshape(hkv, groups, aux.shape[-1])
+
+
+def _bias(spec, bias, batch, hq, hkv, groups, sq, sk, varlen):
+    bias = jnp.asarray(bias)
+    if varlen:
+        raise ValueError(f"{spec.name}(): bias cannot be combined with cu_seqlens")
+    _check_float(spec, "bias", bias)
+    ok = bias.ndim == 4 and bias.shape[0] in (1, batch) and bias.shape[1] in (1, hq) and bias.shape[2:] == (sq, sk)
+    if not ok:
+        raise ValueError(f"{spec.name}(): bias must be broadcastable as [batch|1, heads|1, q_len, kv_len] = "
+                         f"[{batch}|1, {hq}|1, {sq}, {sk}], got {_shape(bias)}")
+    if bias.shape[1] == hq:
+        return bias.reshape(bias.shape[0], hkv, groups, sq, sk)
+    return bias[:, :, None]
+
+
+def _dense_mask(spec, mask, batch, hq, hkv, groups, sq, sk):
+    if mask.shape[0] != batch or mask.shape[1] not in (1, hq) or mask.shape[2:] != (sq, sk):
+        raise ValueError(f"{spec.name}(): mask_info.attention_mask must be [batch, 1|heads, q_len, kv_len] = "
+                         f"[{batch}, 1|{hq}, {sq}, {sk}], got {_shape(mask)}")
+    if mask.shape[1] == hq:
+        return mask.reshape(batch, hkv, groups, sq, sk)
+    return mask[:, :, None]
+
+
+def _segments(spec, info, batch, sq, sk):
+    q, kv = info.q_segment_ids, info.kv_segment_ids
+    if q.shape != (batch, sq):
+        raise ValueError(f"{spec.name}(): mask_info.q_segment_ids must be [batch, q_len] = [{batch}, {sq}], got {_shape(q)}")
+    if kv.shape != (batch, sk):
+        raise ValueError(f"{spec.name}(): mask_info.kv_segment_ids must be [batch, kv_len] = [{batch}, {sk}], got {_shape(kv)}")
+    return q.astype(jnp.int32), kv.astype(jnp.int32)
+
+
+def _varlen(spec, cu_q, cu_k, max_q, max_k, tq, tk):
+    if cu_q is None or cu_k is None:
+        missing = "cu_seqlens_k" if cu_k is None else "cu_seqlens_q"
+        raise ValueError(f"{spec.name}(): varlen needs both cu_seqlens_q and cu_seqlens_k; {missing} is missing")
+    cu_q, cu_k = jnp.asarray(cu_q), jnp.asarray(cu_k)
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if cu.ndim != 1 or cu.dtype != jnp.int32 or cu.shape[0] < 2:
+            raise ValueError(f"{spec.name}(): {name} must be int32 [num_seqs + 1], got {_shape(cu)}")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"{spec.name}(): cu_seqlens_q {_shape(cu_q)} and cu_seqlens_k {_shape(cu_k)} must "
+                         f"describe the same number of sequences")
+    for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+        if m is None or isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"{spec.name}(): {name} must be a non-negative Python int with cu_seqlens, got {m!r}")
+    q_seq, q_pos, q_len = _tokens(cu_q, tq)
+    kv_seq, kv_pos, _ = _tokens(cu_k, tk)
+    kv_lens = cu_k[1:] - cu_k[:-1]
+    kv_len_of_q = jnp.where(q_seq >= 0, kv_lens[jnp.maximum(q_seq, 0)], 0)
+    return {
+        "q_seg": q_seq[None], "kv_seg": kv_seq[None], "q_pos": q_pos[None], "kv_pos": kv_pos[None],
+        "q_lens": q_len[None], "kv_lens": kv_len_of_q[None],
+    }
+
+
+def _tokens(cu, total):
+    """Per token: its sequence (-1 past the last), position in it, and that sequence's length."""
+    t = jnp.arange(total, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1
+    inside = jnp.logical_and(seq >= 0, t < cu[-1])
+    seq = jnp.where(inside, jnp.minimum(seq, cu.shape[0] - 2), -1)
+    safe = jnp.maximum(seq, 0)
+    pos = jnp.where(inside, t - cu[safe], 0)
+    length = jnp.where(inside, cu[safe + 1] - cu[safe], 0)
+    return seq, pos, length
+
+
+def check_param(spec: SpecInfo, name: str, x, shape: tuple, dtype, dims: dict):
+    """A spec param: its shape resolved against the call's dims, cast to the declared dtype."""
+    x = jnp.asarray(x)
+    want = tuple(dims[d] if isinstance(d, str) else d for d in shape)
+    if x.shape != want:
+        described = ", ".join(f"{d}={dims[d]}" if isinstance(d, str) else str(d) for d in shape)
+        raise ValueError(f"{spec.name}(): param {name} must have shape [{described}], got {_shape(x)}")
+    return x.astype(dtype)
+
+
+def check_option(spec: SpecInfo, name: str, x, kind: str):
+    """A spec option: a runtime scalar (Python value or 0-d array), never a recompile."""
+    dtype = {"int": jnp.int32, "float": jnp.float32, "bool": jnp.bool_}[kind]
+    if isinstance(x, bool) != (kind == "bool") and not hasattr(x, "dtype"):
+        raise ValueError(f"{spec.name}(): option {name} must be a {kind}, got {x!r}")
+    if kind == "int" and isinstance(x, float):
+        raise ValueError(f"{spec.name}(): option {name} must be an int, got {x!r}")
+    x = jnp.asarray(x)
+    if x.ndim != 0:
+        raise ValueError(f"{spec.name}(): option {name} must be a scalar, got {_shape(x)}")
+    return x.astype(dtype)
+
+
+def ctx_cotangents(ctx: dict, dctx: dict) -> dict:
+    """Cotangents for every ``ctx`` entry: gradients where the kernels computed one, else None."""
+    params = dctx.get("params", {})
+    out = {}
+    for key, x in ctx.items():
+        grad = dctx.get(key)
+        if key.startswith("param_") and key[len("param_"):] in params:
+            grad = params[key[len("param_"):]]
+        out[key] = None if grad is None else grad.astype(x.dtype)
+    return out

@@ -1,0 +1,25 @@
+"""Static configuration of one attention call: which features are on. Hashable, so it can be a
+``nondiff_argnames`` argument of ``jax.custom_vjp`` and a jit cache key."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    seq_q: int  # true query length (total tokens when varlen)
+    seq_k: int  # true key length (total tokens when varlen)
+    causal: bool = False
+    window: bool = False
+    softcap: bool = False
+    sinks: bool = False
+    bias: bool = False
+    segments: bool = False
+    dense_mask: bool = False
+    varlen: bool = False
+
+    @property
+    def runtime_block_mask(self) -> bool:
+        """Masks only known at run time: block skipping comes from a block mask computed per call."""
+        return self.segments or self.dense_mask or self.varlen
