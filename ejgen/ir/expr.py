@@ -6,7 +6,7 @@ expressions compare equal wherever they came from. ``ty`` is ``None`` until the 
 
 Names a DSL expression may use:
 - ``s``: the logit (float);
-- ``q_idx``, ``kv_idx``, ``b``, ``h``, ``q_len``, ``kv_len``: ints (``Var`` with kind ``index``);
+- ``q_idx``, ``kv_idx``, ``b``, ``h``, ``q_len``, ``kv_len``: ints (``Var`` with kind ``builtin``);
 - options: ``Var`` with kind ``option`` and the option's type;
 - params: ``ParamRef(name, indices)``, one index per dim of the param's shape.
 """
