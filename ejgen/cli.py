@@ -50,8 +50,7 @@ def _build(args) -> int:
         return 0
     write_package(files, out)
     for v in sorted(variants, key=lambda v: v.name):
-        backends = sorted(p.split("/")[1][:-3] for p in files if p.startswith(v.name + "/") and
-                          p.split("/")[1] not in ("__init__.py", "op.py"))
+        backends = [b for b in v.backends if any(p.startswith(f"{v.name}/{b}") for p in files)]
         print(f"{v.name:<32} {v.path} -> {out / v.name} ({', '.join(backends)})")
     return 0
 

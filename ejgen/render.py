@@ -8,12 +8,12 @@ from pathlib import PurePosixPath
 
 import jinja2
 
-from ejgen.backends import xla
+from ejgen.backends import triton, xla
 from ejgen.describe import describe
 from ejgen.errors import SpecError
 from ejgen.ir.plan import AttentionPlan, plan_attention
 
-EMITTED_BACKENDS = ("xla",)  # backends with templates; the others join as they land
+EMITTED_BACKENDS = ("triton", "xla")  # backends with templates; pallas joins as it lands
 
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("ejgen", "templates"),
@@ -116,7 +116,7 @@ def render_op(plan: AttentionPlan) -> dict[str, str]:
     op = _ENV.get_template("glue/op.py.j2").render(
         **common,
         notation=describe(plan),
-        backends=backends,
+        backends=[{"name": b, "module": "triton_launch" if b == "triton" else b} for b in backends],
         feature_settings=_feature_settings(plan),
         accepted=accepted,
         signature=sig,
@@ -129,6 +129,10 @@ def render_op(plan: AttentionPlan) -> dict[str, str]:
         f"{v.name}/__init__.py": _ENV.get_template("glue/op_init.py.j2").render(**common),
         f"{v.name}/op.py": op,
     }
+    if "triton" in backends:
+        ctx = triton.template_context(plan)
+        files[f"{v.name}/triton_kernels.py"] = _ENV.get_template("triton/kernels.py.j2").render(**common, **ctx)
+        files[f"{v.name}/triton_launch.py"] = _ENV.get_template("triton/launch.py.j2").render(**common, **ctx)
     if "xla" in backends:
         files[f"{v.name}/xla.py"] = _ENV.get_template("xla/attention.py.j2").render(**common, **xla.template_context(plan))
     return files

@@ -181,7 +181,7 @@ def prepare(spec: SpecInfo, query, key, value, *, causal=False, sliding_window=N
     }
     flags = {}
     if varlen:
-        flags["varlen"] = True
+        flags.update(varlen=True, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         ctx.update(_varlen(spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sq, sk))
     flags["causal"] = _check_bool(spec, "causal", causal)
     if sliding_window is not None:
@@ -315,6 +315,7 @@ def _varlen(spec, cu_q, cu_k, max_q, max_k, tq, tk):
     kv_lens = cu_k[1:] - cu_k[:-1]
     kv_len_of_q = jnp.where(q_seq >= 0, kv_lens[jnp.maximum(q_seq, 0)], 0)
     return {
+        "cu_q": cu_q, "cu_k": cu_k,
         "q_seg": q_seq[None], "kv_seg": kv_seq[None], "q_pos": q_pos[None], "kv_pos": kv_pos[None],
         "q_lens": q_len[None], "kv_lens": kv_len_of_q[None],
     }

@@ -18,6 +18,8 @@ class AttentionConfig:
     segments: bool = False
     dense_mask: bool = False
     varlen: bool = False
+    max_seqlen_q: int = 0  # varlen: the longest sequence (kernel grids)
+    max_seqlen_k: int = 0
 
     @property
     def runtime_block_mask(self) -> bool:

@@ -1,0 +1,174 @@
+"""The Triton backend's plumbing, shared by every generated variant: argument packing, grids,
+configs, and the reductions that finish the backward pass deterministically.
+
+A generated ``triton_launch.py`` names its kernels module and its runtime scalars (``Layout``);
+everything else is here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+from ejgen.runtime import triton_call, triton_configs
+
+
+def available():
+    return triton_call.available()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    kernel_module: str
+    name: str
+    f32_options: tuple
+    i32_options: tuple
+    params: tuple
+    grad_params: tuple
+    runtime_mask_from_spec: bool
+
+    def kernels(self):
+        return importlib.import_module(self.kernel_module)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _pow2(n):
+    p = 16
+    while p < n:
+        p *= 2
+    return p
+
+
+def _arch():
+    how, _ = triton_call.mode()
+    return "interpret" if how == "interpret" else "sm90"
+
+
+def _dummy(dtype=jnp.float32):
+    return jnp.zeros((1,), dtype)
+
+
+def _inputs(layout: Layout, ctx, cfg, hq):
+    """(scalar arrays, feature tensors, params) in kernel-signature order."""
+    f32 = [ctx["scale"], ctx.get("softcap", jnp.float32(1.0))] + [ctx[n] for n in layout.f32_options]
+    i32 = [ctx.get("window_left", jnp.int32(0)), ctx.get("window_right", jnp.int32(0))]
+    i32 += [ctx[n] for n in layout.i32_options]
+    scalars = [jnp.stack([jnp.asarray(x, jnp.float32) for x in f32]), jnp.stack([jnp.asarray(x, jnp.int32) for x in i32])]
+    if cfg.bias:
+        bias = ctx["bias"]  # [Bb, Hkv|1, G|1, Sq, Sk]
+        bias = bias.reshape(bias.shape[0], -1, bias.shape[3], bias.shape[4])
+    else:
+        bias = _dummy()
+    if cfg.dense_mask:
+        mask = ctx["mask"]
+        mask = mask.reshape(mask.shape[0], -1, mask.shape[3], mask.shape[4]).astype(jnp.int8)
+    else:
+        mask = _dummy(jnp.int8)
+    qseg = ctx["q_seg"] if cfg.segments else _dummy(jnp.int32)
+    kvseg = ctx["kv_seg"] if cfg.segments else _dummy(jnp.int32)
+    cu_q = ctx["cu_q"] if cfg.varlen else _dummy(jnp.int32)
+    cu_k = ctx["cu_k"] if cfg.varlen else _dummy(jnp.int32)
+    aux = ctx["softmax_aux"].reshape(hq, -1) if cfg.sinks else _dummy()
+    features = [bias, qseg, kvseg, mask, cu_q, cu_k]
+    params = [ctx[f"param_{p}"] for p in layout.params]
+    return scalars, features, aux, params
+
+
+def _constexprs(layout, q, k, v, ctx, cfg, block_m, block_n, bias, mask, aux):
+    batch, hkv, groups, sq, d = q.shape
+    dv = v.shape[-1]
+    n_sinks = aux.shape[-1] if cfg.sinks else 1
+    return dict(
+        B=batch, HQ=hkv * groups, HKV=hkv, SEQ_Q=sq, SEQ_K=k.shape[2], D=d, DV=dv, D_PAD=_pow2(d), DV_PAD=_pow2(dv),
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=cfg.causal, WINDOW=cfg.window, SOFTCAP=cfg.softcap, SINKS=cfg.sinks, N_SINKS=n_sinks,
+        SINKS_PAD=_pow2(n_sinks), BIAS_ON=cfg.bias, BIAS_BATCH=bias.shape[0] if cfg.bias else 1,
+        BIAS_HEADS=bias.shape[1] if cfg.bias else 1, SEGMENTS=cfg.segments, DENSE=cfg.dense_mask,
+        MASK_HEADS=mask.shape[1] if cfg.dense_mask else 1, VARLEN=cfg.varlen,
+        RUNTIME_MASK=cfg.segments or cfg.dense_mask or layout.runtime_mask_from_spec,
+        PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+    )
+
+
+def _rows(cfg, q_side: bool):
+    """(sequences, longest sequence) that the grid covers."""
+    if cfg.varlen:
+        return None, cfg.max_seqlen_q if q_side else cfg.max_seqlen_k
+    return None, cfg.seq_q if q_side else cfg.seq_k
+
+
+def _grid_batch(q, ctx, cfg):
+    return ctx["cu_q"].shape[0] - 1 if cfg.varlen else q.shape[0]
+
+
+def forward(layout: Layout, q, k, v, ctx, cfg):
+    batch, hkv, groups, sq, d = q.shape
+    hq, dv = hkv * groups, v.shape[-1]
+    conf = triton_configs.pick(_arch(), "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8)
+    scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
+    consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
+    _, longest = _rows(cfg, True)
+    grid = (max(_cdiv(longest, conf.block_m), 1), _grid_batch(q, ctx, cfg) * hq)
+    outs = [jax.ShapeDtypeStruct((batch, hq, sq, dv), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32)]
+    kernel = getattr(layout.kernels(), f"{layout.name}_fwd_kernel")
+    out, lse = triton_call.launch(
+        kernel, grid, [q.reshape(batch, hq, sq, d), k, v, *scalars, *features, aux, *params], outs,
+        zeroed=(0, 1) if cfg.varlen else (), num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
+    return out.reshape(batch, hkv, groups, sq, dv), lse.reshape(batch, hkv, groups, sq), None
+
+
+def backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
+    batch, hkv, groups, sq, d = q.shape
+    hq, sk, dv = hkv * groups, k.shape[2], v.shape[-1]
+    bits = jnp.dtype(q.dtype).itemsize * 8
+    scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+    q4, do4 = q.reshape(batch, hq, sq, d), d_out.reshape(batch, hq, sq, dv)
+    lse3, delta3 = lse.reshape(batch, hq, sq), delta.reshape(batch, hq, sq)
+    kernels = layout.kernels()
+    common = [q4, k, v, do4, lse3, delta3, *scalars, *features, params]
+    n_seq = _grid_batch(q, ctx, cfg)
+
+    conf = triton_configs.pick(_arch(), "dkdv", max(d, dv), bits)
+    consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
+    _, longest_k = _rows(cfg, False)
+    grid = (max(_cdiv(longest_k, conf.block_n), 1), n_seq * hkv)
+    n_prog = grid[0] * grid[1]
+    dbias_shape = (batch, hq, sq, sk) if cfg.bias else (1,)
+    outs = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(dbias_shape, jnp.float32)]
+    outs += [jax.ShapeDtypeStruct((n_prog, ctx[f"param_{p}"].size), jnp.float32) for p in layout.grad_params]
+    zeroed = tuple(range(len(outs))) if cfg.varlen else tuple(range(2, len(outs)))
+    inputs = common[:-1] + params
+    dk, dv_, dbias, *dparams = triton_call.launch(
+        getattr(kernels, f"{layout.name}_bwd_dkdv_kernel"), grid, inputs, outs, zeroed=zeroed,
+        num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
+
+    conf = triton_configs.pick(_arch(), "dq", max(d, dv), bits)
+    consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
+    _, longest_q = _rows(cfg, True)
+    grid = (max(_cdiv(longest_q, conf.block_m), 1), n_seq * hq)
+    (dq,) = triton_call.launch(
+        getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid, inputs,
+        [jax.ShapeDtypeStruct((batch, hq, sq, d), q.dtype)], zeroed=(0,) if cfg.varlen else (),
+        num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
+
+    dctx = {}
+    if cfg.bias:
+        bias = ctx["bias"]
+        db = dbias.reshape(batch, hkv, groups, sq, sk)
+        dctx["bias"] = jnp.sum(db, axis=tuple(i for i in range(3) if bias.shape[i] == 1), keepdims=True)
+    if cfg.sinks:
+        sinks = ctx["softmax_aux"][None, :, :, None, :]
+        lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+        dctx["softmax_aux"] = -jnp.sum(jnp.exp(sinks - lse_safe[..., None]) * delta[..., None], axis=(0, 3))
+    if layout.grad_params:
+        dctx["params"] = {p: jnp.sum(g, axis=0).reshape(ctx[f"param_{p}"].shape)
+                          for p, g in zip(layout.grad_params, dparams)}
+    return dq.reshape(q.shape), dk, dv_, dctx

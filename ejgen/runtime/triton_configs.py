@@ -1,0 +1,55 @@
+"""Block sizes, warps and stages of the Triton attention kernels, per (arch, head dim, dtype, pass).
+
+A heuristic table kept apart from the kernels. The interpreter gets the smallest tiles `tl.dot`
+allows, which keeps CPU runs fast and exercises many blocks on small shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+
+
+INTERPRET = KernelConfig(16, 16, 4, 1)
+
+# (arch, pass) -> [(max head dim, 16-bit config, float32 config)], first match wins
+_TABLE = {
+    ("sm90", "fwd"): [
+        (64, KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 2)),
+        (128, KernelConfig(128, 128, 8, 3), KernelConfig(64, 32, 4, 2)),
+        (256, KernelConfig(128, 64, 8, 2), KernelConfig(32, 32, 4, 1)),
+    ],
+    ("sm90", "dkdv"): [
+        (64, KernelConfig(64, 128, 8, 3), KernelConfig(32, 64, 4, 2)),
+        (128, KernelConfig(64, 128, 8, 2), KernelConfig(32, 32, 4, 1)),
+        (256, KernelConfig(32, 64, 8, 1), KernelConfig(16, 32, 4, 1)),
+    ],
+    ("sm90", "dq"): [
+        (64, KernelConfig(128, 64, 8, 3), KernelConfig(64, 32, 4, 2)),
+        (128, KernelConfig(128, 64, 8, 2), KernelConfig(32, 32, 4, 1)),
+        (256, KernelConfig(64, 32, 8, 1), KernelConfig(16, 32, 4, 1)),
+    ],
+}
+
+
+def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int) -> KernelConfig:
+    if arch == "interpret":
+        return INTERPRET
+    table = _TABLE.get((arch, pass_)) or _TABLE[("sm90", pass_)]
+    for max_dim, half, single in table:
+        if head_dim <= max_dim:
+            return half if dtype_bits <= 16 else single
+    raise ValueError(f"head_dim {head_dim} is larger than the triton backend supports (256)")
