@@ -14,7 +14,7 @@ Runtime scalars live in two small arrays: F32 = [scale, softcap], I32 = [window_
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

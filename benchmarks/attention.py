@@ -1,0 +1,157 @@
+"""Attention benchmark: ejgen against cuDNN, JAX's Pallas-Triton `mha` and XLA, in one process.
+
+    python benchmarks/attention.py [--quick] [--out DIR]
+
+bf16, [B, S, H, D] with B*S = 32k tokens, H = 16; forward and forward+backward; causal and not;
+plus a sliding-window case (S = 16k, window (1024, 0)). FLOPs as FlashAttention counts them
+(DESIGN §6): forward 4*B*H*Sq*Sk*D over visible pairs, backward 2.5x forward. Prints a table
+(TFLOP/s, ratio to cuDNN), writes results.json, results.md and a PNG plot to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejgen.ops import flash_attention
+
+TOKENS = 32768
+HEADS = 16
+
+
+def _visible_pairs(s: int, causal: bool, window) -> int:
+    i = np.arange(s)
+    lo = np.zeros(s, np.int64) if window is None else np.maximum(i - window[0], 0)
+    hi = i if causal else (np.full(s, s - 1) if window is None else np.minimum(i + window[1], s - 1))
+    return int(np.sum(hi - lo + 1))
+
+
+def _impls(causal: bool, window):
+    impls = {
+        "ejgen-triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, sliding_window=window, platform="triton"),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn"),
+    }
+    if window is None:
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+        impls["pallas-mha"] = lambda q, k, v: pallas_attention.mha(q, k, v, segment_ids=None, causal=causal)
+        impls["xla"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+    return impls
+
+
+def _time(fn, args, reps: int) -> float:
+    """Median seconds of one call, after warm-up (compilation excluded)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def run_case(s, d, causal, window, reps):
+    b = TOKENS // s
+    keys = jax.random.split(jax.random.PRNGKey(s * 7 + d), 4)
+    q, k, v = (jax.random.normal(kk, (b, s, HEADS, d), jnp.bfloat16) for kk in keys[:3])
+    do = jax.random.normal(keys[3], (b, s, HEADS, d), jnp.bfloat16)
+    flops_fwd = 4.0 * b * HEADS * d * _visible_pairs(s, causal, window)
+    rows = []
+    for name, f in _impls(causal, window).items():
+        fwd = jax.jit(f)
+
+        def loss(q, k, v, f=f):
+            return jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+
+        fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        for pass_, fn, flops in (("fwd", fwd, flops_fwd), ("fwd+bwd", fwd_bwd, 3.5 * flops_fwd)):
+            try:
+                sec = _time(fn, (q, k, v), reps)
+                tflops = flops / sec / 1e12
+                rows.append(dict(impl=name, s=s, d=d, causal=causal, window=window, pass_=pass_, ms=sec * 1e3, tflops=tflops))
+            except Exception as e:  # an impl that cannot run this case is reported, not hidden
+                msg = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
+                rows.append(dict(impl=name, s=s, d=d, causal=causal, window=window, pass_=pass_, ms=None, tflops=None, error=msg))
+    return rows
+
+
+def table(rows) -> str:
+    cudnn = {(r["s"], r["d"], r["causal"], str(r["window"]), r["pass_"]): r["tflops"] for r in rows if r["impl"] == "cudnn"}
+    lines = ["| S | D | causal | window | pass | impl | ms | TFLOP/s | x cuDNN |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = cudnn.get((r["s"], r["d"], r["causal"], str(r["window"]), r["pass_"]))
+        ms = f"{r['ms']:.3f}" if r["ms"] else "—"
+        tf = f"{r['tflops']:.0f}" if r["tflops"] else r.get("error", "—")
+        ratio = f"{r['tflops'] / ref:.2f}" if r["tflops"] and ref else "—"
+        win = "" if r["window"] is None else f"{r['window'][0]},{r['window'][1]}"
+        lines.append(f"| {r['s']} | {r['d']} | {int(r['causal'])} | {win} | {r['pass_']} | {r['impl']} | {ms} | {tf} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [(d, c, p) for d in sorted({r["d"] for r in rows}) for c in (False, True) for p in ("fwd", "fwd+bwd")]
+    fig, axes = plt.subplots(1, len(cases), figsize=(4 * len(cases), 3.5), squeeze=False)
+    for ax, (d, c, p) in zip(axes[0], cases):
+        for impl in sorted({r["impl"] for r in rows}):
+            pts = [(r["s"], r["tflops"]) for r in rows if r["impl"] == impl and r["d"] == d and r["causal"] == c
+                   and r["pass_"] == p and r["window"] is None and r["tflops"]]
+            if pts:
+                ax.plot(*zip(*sorted(pts)), marker="o", label=impl)
+        ax.set_title(f"D={d} causal={int(c)} {p}", fontsize=9)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("S")
+        ax.set_ylabel("TFLOP/s")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="head dim 128, S 4k and 16k, and the window case")
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("benchmarks/attention.py needs an NVIDIA GPU", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = jax.devices()[0].device_kind
+    seqs = (4096, 16384) if args.quick else (1024, 2048, 4096, 8192, 16384)
+    dims = (128,) if args.quick else (64, 128)
+    rows = []
+    for d in dims:
+        for s in seqs:
+            for causal in (False, True):
+                rows += run_case(s, d, causal, None, args.reps)
+                print(table(rows[-8:]).split("\n", 2)[2], flush=True)
+    rows += run_case(16384, 128, True, (1024, 0), args.reps)
+    text = f"Device: {device}; jax {jax.__version__}; bf16, B*S = {TOKENS}, H = {HEADS}\n\n{table(rows)}\n"
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
+    try:
+        plot(rows, out / "attention.png")
+    except ImportError as e:
+        print(f"no plot: {e}", file=sys.stderr)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
