@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import keyword
 import sys
 from pathlib import Path
 
 from ejgen.errors import BuildError, EjgenError, SpecError
 
 SCAFFOLD = """\
-name: {name}
+name: "{name}"
 family: attention
 doc: One line on what this variant is for.
 modes: [train]
@@ -65,9 +64,10 @@ def _show(args) -> int:
 
 
 def _new(args) -> int:
+    from ejgen.spec.schema import _identifier
+
     name = args.name
-    if not name.isidentifier() or keyword.iskeyword(name):
-        raise BuildError(f"'{name}' is not a valid op name (a Python identifier is needed)")
+    _identifier(name, None, "op name")
     path = Path(args.dir) / f"{name}.yaml"
     if path.exists():
         raise BuildError(f"{path} already exists")
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     try:
         return args.run(args)
     except SpecError as e:
-        print(e.render(), file=sys.stderr)
+        print(e.render() if e.loc else f"ejgen: {e.render()}", file=sys.stderr)
         return 1
     except EjgenError as e:
         print(f"ejgen: {e}", file=sys.stderr)

@@ -4,7 +4,8 @@ except reading templates (see ``ejgen.writer`` for writing)."""
 from __future__ import annotations
 
 import hashlib
-from pathlib import PurePosixPath
+import os
+from pathlib import Path
 
 import jinja2
 
@@ -80,7 +81,7 @@ def _docstring(plan: AttentionPlan, sig: list[str]) -> str:
     rest = v.doc.strip().split("\n\n")[1:]
     if rest:
         lines += ["\n\n".join(rest), ""]
-    lines.append(f"Generated from {v.path}; semantics of DESIGN §3. Keyword arguments:")
+    lines.append(f"Generated from {_spec_path(v.path)}; semantics of DESIGN §3. Keyword arguments:")
     lines += [f"  {a}" for a in sig]
     return "\n".join(lines).rstrip()
 
@@ -95,8 +96,8 @@ def _feature_settings(plan: AttentionPlan) -> str:
 
 def _spec_path(path: str) -> str:
     """The spec's path as ``<folder>/<file>``: stable wherever the build runs."""
-    p = PurePosixPath(str(path).replace("\\", "/"))
-    return str(PurePosixPath(p.parent.name) / p.name) if p.parent.name else p.name
+    p = Path(os.path.abspath(path))
+    return f"{p.parent.name}/{p.name}" if p.parent.name else p.name
 
 
 def render_op(plan: AttentionPlan) -> dict[str, str]:
@@ -151,4 +152,9 @@ def render(variants) -> dict[str, str]:
         spec_hash=digest,
         ops=[{"name": p.name, "summary": _summary(p.variant.doc)} for p in plans],
     )
-    return dict(sorted(files.items()))
+    return {path: _tidy(text) for path, text in sorted(files.items())}
+
+
+def _tidy(text: str) -> str:
+    """No trailing spaces, exactly one final newline."""
+    return "\n".join(line.rstrip() for line in text.rstrip().splitlines()) + "\n"

@@ -109,28 +109,29 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_rel_tab
 
 @triton.jit
 def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, PRECISION: tl.constexpr):
-    """Segment ids and the dense mask, for rows o_m and keys o_n (sequence offsets)."""
+    """Segment ids and the dense mask. o_m, o_n: query and key rows as broadcastable tiles."""
     if SEGMENTS:
         b_qs = tl.load(QSEG + off_b * SEQ_Q + o_m, mask=o_m < SEQ_Q, other=-1)
         b_ks = tl.load(KVSEG + off_b * SEQ_K + o_n, mask=o_n < SEQ_K, other=-2)
-        vis = vis & (b_qs[:, None] == b_ks[None, :]) & (b_qs[:, None] >= 0)
+        vis = vis & (b_qs == b_ks) & (b_qs >= 0)
     if DENSE:
-        p_mask = MASK + ((off_b * MASK_HEADS + (off_h % MASK_HEADS)) * SEQ_Q + o_m[:, None]) * SEQ_K + o_n[None, :]
-        m_in = (o_m[:, None] < SEQ_Q) & (o_n[None, :] < SEQ_K)
-        vis = vis & (tl.load(p_mask, mask=m_in, other=0) != 0)
+        p_mask = MASK + ((off_b * MASK_HEADS + (off_h % MASK_HEADS)) * SEQ_Q + o_m) * SEQ_K + o_n
+        vis = vis & (tl.load(p_mask, mask=(o_m < SEQ_Q) & (o_n < SEQ_K), other=0) != 0)
     return vis
 
 
 @triton.jit
-def _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
+def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
             PARAM_rel_table, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, PRECISION: tl.constexpr):
-    """(s, s_score, s_final): after bias, after the score hook, after the soft cap."""
-    s = tl.dot(b_q, b_kt, input_precision=PRECISION) * scale
+    """(s, s_score, s_final) of the tile a @ bt: after bias, after the score hook, after the soft cap.
+
+    The tile is [queries, keys] or, in the dK/dV kernel, [keys, queries]: every index (q_idx,
+    kv_idx, o_m, o_n) is a broadcastable tile in the same orientation.
+    """
+    s = tl.dot(a, bt, input_precision=PRECISION) * scale
     if BIAS_ON:
         off_bias = ((off_b % BIAS_BATCH) * BIAS_HEADS + (off_h % BIAS_HEADS)) * SEQ_Q * SEQ_K
-        p_bias = BIAS + off_bias + o_m[:, None] * SEQ_K + o_n[None, :]
-        m_in = (o_m[:, None] < SEQ_Q) & (o_n[None, :] < SEQ_K)
-        s += tl.load(p_bias, mask=m_in, other=0.0).to(tl.float32)
+        s += tl.load(BIAS + off_bias + o_m * SEQ_K + o_n, mask=(o_m < SEQ_Q) & (o_n < SEQ_K), other=0.0).to(tl.float32)
     s_score = _score(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N).to(tl.float32)
     s_final = s_score
     if SOFTCAP:
@@ -150,11 +151,12 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, scale, q_idx, o_m, row_
         b_kt = tl.load(p_k + o_pos[None, :] * D + o_d[:, None], mask=m_n[None, :] & (o_d[:, None] < D), other=0.0)  # [D_PAD, BLOCK_N]
         b_v = tl.load(p_v + o_pos[:, None] * DV + o_dv[None, :], mask=m_n[:, None] & (o_dv[None, :] < DV), other=0.0)  # [BLOCK_N, DV_PAD]
         kv_idx = o_pos[None, :]
-        _, _, s = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, row_k + o_pos, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
+        o_n = (row_k + o_pos)[None, :]
+        _, _, s = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
                           PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION)
         if MASKED:
             vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION)
-            vis = _tile_mask(vis, o_m, row_k + o_pos, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION)
+            vis = _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION)
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -182,11 +184,13 @@ def _sequence(CU_Q, CU_K, off_b, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.cons
 
 @triton.jit
 def relative_bias_attention_fwd_kernel(
-    Q, K, V, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, AUX, PARAM_rel_table, 
+    Q, K, V, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, AUX, PARAM_rel_table,
     O, LSE,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows first: less idle tail
+        i_m = tl.num_programs(0) - 1 - i_m
     i_bh = tl.program_id(1)
     off_b = i_bh // HQ
     off_h = i_bh % HQ
@@ -211,11 +215,11 @@ def relative_bias_attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
     if i_m * BLOCK_M < q_len:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, flo, scale, q_idx, o_m, row_k, off_b, off_h, q_len, kv_len,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, flo, scale, q_idx, o_m[:, None], row_k, off_b, off_h, q_len, kv_len,
                                    F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, True)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, flo, fhi, scale, q_idx, o_m, row_k, off_b, off_h, q_len, kv_len,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, q_len, kv_len,
                                    F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, False)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, fhi, hi, scale, q_idx, o_m, row_k, off_b, off_h, q_len, kv_len,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, fhi, hi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, q_len, kv_len,
                                    F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, True)
     if SINKS:
         o_s = tl.arange(0, SINKS_PAD)
@@ -235,19 +239,19 @@ def relative_bias_attention_fwd_kernel(
 
 
 @triton.jit
-def _bwd_tile(b_q, b_kt, b_v, b_do, b_lse, b_delta, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
+def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
               F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
-    """(p, ds1, ds0, vis) of one tile: probabilities, d loss / d score output, d loss / d logit."""
-    s, s_score, s_final = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
+    """(p, ds1, ds0, s) of one tile, in the orientation of s_a @ s_bt (b_lse, b_delta broadcast to it):
+    probabilities, d loss / d score output (before the soft cap's chain rule: after it), d loss / d logit."""
+    s, s_score, s_final = _logits(s_a, s_bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
                                   PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION)
-    p = tl.math.exp2((s_final - b_lse[:, None]) * LOG2E)
-    vis = s_final == s_final
+    p = tl.math.exp2((s_final - b_lse) * LOG2E)
     if MASKED:
         vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION)
         vis = _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION)
         p = tl.where(vis, p, 0.0)
-    dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
-    ds1 = p * (dp - b_delta[:, None])
+    dp = tl.dot(dp_a, dp_bt, input_precision=PRECISION)
+    ds1 = p * (dp - b_delta)
     if SOFTCAP:
         t = _tanh(s_score / tl.load(F32 + 1))
         ds1 = ds1 * (1.0 - t * t)
@@ -259,28 +263,30 @@ def _bwd_tile(b_q, b_kt, b_v, b_do, b_lse, b_delta, scale, q_idx, kv_idx, o_m, o
 
 
 @triton.jit
-def _dkdv_inner(b_dk, b_dv, b_kt, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n, row_q, off_b, off_h,
-                q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, DBIAS, DPARAM_rel_table, 
+def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n, row_q, off_b, off_h,
+                q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, DBIAS, DPARAM_rel_table,
                 B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """Tiles in [keys, queries] orientation: pT and dsT feed dV and dK without a register transpose."""
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
     for i_m in range(m_lo, m_hi):
         o_pos = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_m = o_pos < q_len
-        b_q = tl.load(p_q + o_pos[:, None] * D + o_d[None, :], mask=m_m[:, None] & (o_d[None, :] < D), other=0.0)
-        b_do = tl.load(p_do + o_pos[:, None] * DV + o_dv[None, :], mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)
+        b_qt = tl.load(p_q + o_pos[None, :] * D + o_d[:, None], mask=m_m[None, :] & (o_d[:, None] < D), other=0.0)  # [D_PAD, BLOCK_M]
+        b_do = tl.load(p_do + o_pos[:, None] * DV + o_dv[None, :], mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)  # [BLOCK_M, DV_PAD]
         b_lse = tl.load(p_lse + o_pos, mask=m_m, other=0.0)
         b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse)
         b_delta = tl.load(p_delta + o_pos, mask=m_m, other=0.0)
-        q_idx = o_pos[:, None]
-        p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_v, b_do, b_lse, b_delta, scale, q_idx, kv_idx, row_q + o_pos, o_n, off_b, off_h,
-                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N,
-                                   CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, MASKED)
-        b_dv += tl.dot(tl.trans(p.to(b_do.dtype)), b_do, input_precision=PRECISION)
-        b_dk += tl.dot(tl.trans(ds0.to(b_q.dtype)), b_q, input_precision=PRECISION)
+        q_idx = o_pos[None, :]
+        o_m = (row_q + o_pos)[None, :]
+        pt, ds1, ds0t, s = _bwd_tile(b_k, b_qt, b_v, tl.trans(b_do), b_lse[None, :], b_delta[None, :], scale, q_idx, kv_idx,
+                                     o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                     PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, MASKED)  # [BLOCK_N, BLOCK_M]
+        b_dv += tl.dot(pt.to(b_do.dtype), b_do, input_precision=PRECISION)
+        b_dk += tl.dot(ds0t.to(b_qt.dtype), tl.trans(b_qt), input_precision=PRECISION)
         if BIAS_ON:
-            p_db = DBIAS + ((off_b * HQ + off_h) * SEQ_Q + row_q + o_pos[:, None]) * SEQ_K + o_n[None, :]
-            tl.store(p_db, ds0, mask=m_m[:, None] & (o_n[None, :] < SEQ_K))
+            p_db = DBIAS + ((off_b * HQ + off_h) * SEQ_Q + o_m) * SEQ_K + o_n
+            tl.store(p_db, ds0t, mask=(o_m < SEQ_Q) & (o_n < SEQ_K))
         # d score / d rel_table[h, ((kv_idx - q_idx) + 16)] = bias_scale
         c = ds1 * _dscore_d0(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N)
         pos = tl.minimum(tl.maximum(kv_idx - q_idx + 16, 0), 32)
@@ -292,8 +298,8 @@ def _dkdv_inner(b_dk, b_dv, b_kt, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, sc
 
 @triton.jit
 def relative_bias_attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_rel_table, 
-    DK, DV_OUT, DBIAS, DPARAM_rel_table, 
+    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_rel_table,
+    DK, DV_OUT, DBIAS, DPARAM_rel_table,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One key block of one kv head: dK, dV over every query head of its group (no atomics)."""
@@ -311,9 +317,9 @@ def relative_bias_attention_bwd_dkdv_kernel(
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
     kv_base = (batch * HKV + off_hk) * SEQ_K
-    b_kt = tl.load(K + (kv_base + o_n[None, :]) * D + o_d[:, None], mask=m_n[None, :] & (o_d[:, None] < D), other=0.0)
+    b_k = tl.load(K + (kv_base + o_n[:, None]) * D + o_d[None, :], mask=m_n[:, None] & (o_d[None, :] < D), other=0.0)  # [BLOCK_N, D_PAD]
     b_v = tl.load(V + (kv_base + o_n[:, None]) * DV + o_dv[None, :], mask=m_n[:, None] & (o_dv[None, :] < DV), other=0.0)
-    kv_idx = o_pos[None, :]
+    kv_idx = o_pos[:, None]
     x1 = tl.minimum(i_n * BLOCK_N + BLOCK_N, kv_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_n * BLOCK_N, x1, q_len, I32, BLOCK_M, tl.cdiv(q_len, BLOCK_M), q_len, kv_len,
                                      False, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION)
@@ -329,15 +335,15 @@ def relative_bias_attention_bwd_dkdv_kernel(
             p_do = DO + q_base * DV
             p_lse = LSE + q_base
             p_delta = DELTA + q_base
-            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_kt, b_v, lo, flo, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n, row_q,
-                                     off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, DBIAS,
-                                     DPARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, True)
-            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_kt, b_v, flo, fhi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n, row_q,
-                                     off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, DBIAS,
-                                     DPARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, False)
-            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_kt, b_v, fhi, hi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n, row_q,
-                                     off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, DBIAS,
-                                     DPARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, True)
+            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, flo, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
+                                     row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                     PARAM_rel_table, DBIAS, DPARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, True)
+            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, flo, fhi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
+                                     row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                     PARAM_rel_table, DBIAS, DPARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, False)
+            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, fhi, hi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
+                                     row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                     PARAM_rel_table, DBIAS, DPARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, True)
     tl.store(DK + (kv_base + o_n[:, None]) * D + o_d[None, :], (b_dk * scale).to(DK.dtype.element_ty),
              mask=m_n[:, None] & (o_d[None, :] < D))
     tl.store(DV_OUT + (kv_base + o_n[:, None]) * DV + o_dv[None, :], b_dv.to(DV_OUT.dtype.element_ty),
@@ -352,23 +358,25 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, scale, q_id
     for i_n in range(n_lo, n_hi):
         o_pos = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_pos < kv_len
-        b_kt = tl.load(p_k + o_pos[None, :] * D + o_d[:, None], mask=m_n[None, :] & (o_d[:, None] < D), other=0.0)
-        b_v = tl.load(p_v + o_pos[:, None] * DV + o_dv[None, :], mask=m_n[:, None] & (o_dv[None, :] < DV), other=0.0)
+        b_kt = tl.load(p_k + o_pos[None, :] * D + o_d[:, None], mask=m_n[None, :] & (o_d[:, None] < D), other=0.0)  # [D_PAD, BLOCK_N]
+        b_vt = tl.load(p_v + o_pos[None, :] * DV + o_dv[:, None], mask=m_n[None, :] & (o_dv[:, None] < DV), other=0.0)  # [DV_PAD, BLOCK_N]
         kv_idx = o_pos[None, :]
-        p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_v, b_do, b_lse, b_delta, scale, q_idx, kv_idx, o_m, row_k + o_pos, off_b, off_h,
-                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N,
-                                   CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, MASKED)
+        p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_do, b_vt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, (row_k + o_pos)[None, :],
+                                   off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                   PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, MASKED)
         b_dq += tl.dot(ds0.to(b_kt.dtype), tl.trans(b_kt), input_precision=PRECISION)
     return b_dq
 
 
 @triton.jit
 def relative_bias_attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_rel_table, 
+    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_rel_table,
     DQ,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows first: less idle tail
+        i_m = tl.num_programs(0) - 1 - i_m
     i_bh = tl.program_id(1)
     off_b = i_bh // HQ
     off_h = i_bh % HQ
@@ -395,11 +403,14 @@ def relative_bias_attention_bwd_dq_kernel(
                                      True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION)
     b_dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if i_m * BLOCK_M < q_len:
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, lo, flo, scale, q_idx, o_m, row_k, off_b, off_h, q_len, kv_len,
-                         F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, True)
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, flo, fhi, scale, q_idx, o_m, row_k, off_b, off_h, q_len, kv_len,
-                         F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, False)
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, fhi, hi, scale, q_idx, o_m, row_k, off_b, off_h, q_len, kv_len,
-                         F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, True)
+        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, scale, q_idx, o_m[:, None], row_k,
+                         off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                         PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, True)
+        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, flo, fhi, scale, q_idx, o_m[:, None], row_k,
+                         off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                         PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, False)
+        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, fhi, hi, scale, q_idx, o_m[:, None], row_k,
+                         off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                         PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, PRECISION, True)
     tl.store(DQ + (q_base + o_m[:, None]) * D + o_d[None, :], (b_dq * scale).to(DQ.dtype.element_ty),
              mask=m_m[:, None] & (o_d[None, :] < D))

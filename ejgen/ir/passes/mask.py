@@ -164,7 +164,7 @@ def _bounds(a: int, b: int, c: int, x0: int, x1: int, for_all: bool):
         return _ceildiv(-total, b), None
     if b < 0:
         return None, _floordiv(total, -b)
-    return (None, None) if total >= 0 else (1, 0)
+    return (None, None) if total >= 0 else (None, -1)
 
 
 def other_range(constraints, x0: int, x1: int, n_other: int, env: dict, *, x_is_q: bool):

@@ -1,0 +1,53 @@
+"""Ahead-of-time compilation of generated Triton kernels for a GPU target, on any machine.
+
+``compile_attention(module, name, ...)`` compiles the forward, dK/dV and dQ kernels of one
+generated variant for ``cuda`` at the given compute capability with a representative constexpr
+configuration, and returns ``{kernel name: compiled kernel}``. No GPU is needed: Triton's bundled
+ptxas assembles the code, so shapes, layouts and lowering rules are all checked.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_DTYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
+
+
+def _signature(kernel, dtype: str, params: dict) -> dict:
+    ptr = {"F32": "*fp32", "I32": "*i32", "BIAS": "*fp32", "QSEG": "*i32", "KVSEG": "*i32", "MASK": "*i8",
+           "CU_Q": "*i32", "CU_K": "*i32", "AUX": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DBIAS": "*fp32"}
+    for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_OUT"):
+        ptr[name] = _DTYPES[dtype]
+    for p, dt in params.items():
+        ptr[f"PARAM_{p}"] = "*i32" if dt == "int32" else _DTYPES.get(dt, "*fp32")
+        ptr[f"DPARAM_{p}"] = "*fp32"
+    return {n: ptr.get(n, "constexpr") for n in kernel.arg_names}
+
+
+def constexprs(*, batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128, block_m=128, block_n=64, causal=True,
+               window=False, softcap=False, sinks=False, bias=False, segments=False, dense=False, varlen=False,
+               runtime_mask=False, dtype="bfloat16") -> dict:
+    pad = max(16, 1 << (head_dim - 1).bit_length())
+    return dict(B=batch, HQ=heads, HKV=kv_heads, SEQ_Q=seq, SEQ_K=seq, D=head_dim, DV=head_dim, D_PAD=pad, DV_PAD=pad,
+                BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, SINKS=sinks,
+                N_SINKS=1, SINKS_PAD=16, BIAS_ON=bias, BIAS_BATCH=1, BIAS_HEADS=1, SEGMENTS=segments, DENSE=dense,
+                MASK_HEADS=1, VARLEN=varlen, RUNTIME_MASK=runtime_mask or segments or dense,
+                PRECISION="ieee" if dtype == "float32" else "tf32")
+
+
+def compile_attention(package: str, name: str, *, capability: int = 90, params: dict | None = None,
+                      dtype: str = "bfloat16", num_warps: int = 4, num_stages: int = 2, **config) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = importlib.import_module(f"{package}.{name}.triton_kernels")
+    consts = constexprs(dtype=dtype, **config)
+    compiled = {}
+    for suffix in ("fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"):
+        kernel = getattr(module, f"{name}_{suffix}")
+        sig = _signature(kernel, dtype, params or {})
+        source = ASTSource(fn=kernel, signature=sig, constexprs={n: consts[n] for n in kernel.arg_names if n in consts})
+        options = {"num_warps": num_warps, "num_stages": num_stages}
+        compiled[suffix] = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+    return compiled
