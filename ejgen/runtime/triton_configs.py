@@ -7,6 +7,7 @@ allows, which keeps CPU runs fast and exercises many blocks on small shapes.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,23 @@ _TABLE = {
 }
 
 
+def _override(pass_: str) -> KernelConfig | None:
+    """``EJGEN_TRITON_CONFIG="fwd=128,64,8,3;dkdv=32,128,4,3"`` pins configs (tuning, tests)."""
+    text = os.environ.get("EJGEN_TRITON_CONFIG", "")
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        name, _, values = item.partition("=")
+        if name.strip() == pass_:
+            try:
+                return KernelConfig(*(int(x) for x in values.split(",")))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"EJGEN_TRITON_CONFIG: bad entry {item!r} (want pass=block_m,block_n,warps,stages): {e}")
+    return None
+
+
 def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int) -> KernelConfig:
+    pinned = _override(pass_)
+    if pinned is not None:
+        return pinned
     if arch == "interpret":
         return INTERPRET
     table = _TABLE.get((arch, pass_)) or _TABLE[("sm90", pass_)]

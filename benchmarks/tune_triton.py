@@ -1,0 +1,72 @@
+"""Sweep Triton kernel configs (EJGEN_TRITON_CONFIG) on the GPU; prints TFLOP/s per config.
+
+    python benchmarks/tune_triton.py [--pass fwd|dkdv|dq|all]
+
+Each pass is varied alone, the others at their table defaults; fwd is timed forward only, dkdv and
+dq as forward+backward. The winners go into ejgen/runtime/triton_configs.py by hand.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from ejgen.ops import flash_attention
+
+CANDIDATES = {
+    "fwd": ["128,128,8,3", "128,64,8,3", "128,64,4,3", "128,128,8,2", "128,64,8,4", "64,64,4,4", "128,32,4,3"],
+    "dkdv": ["64,128,8,2", "32,128,4,3", "64,128,4,3", "32,64,4,4", "64,64,4,3", "128,128,8,2", "64,128,8,3", "32,128,8,3"],
+    "dq": ["128,64,8,2", "128,32,4,3", "64,64,4,3", "128,64,4,3", "64,128,8,2", "128,64,8,3", "64,32,4,4"],
+}
+CASES = [(16384, False), (16384, True), (4096, True)]
+
+
+def bench(fn, args, reps=10):
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--pass", dest="pass_", default="all")
+    p.add_argument("--d", type=int, default=128)
+    args = p.parse_args()
+    passes = list(CANDIDATES) if args.pass_ == "all" else [args.pass_]
+    d, h = args.d, 16
+    for s, causal in CASES:
+        b = 32768 // s
+        ks = jax.random.split(jax.random.PRNGKey(s), 4)
+        q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in ks[:3])
+        do = jax.random.normal(ks[3], (b, s, h, d), jnp.bfloat16)
+        flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+        for pass_ in passes:
+            for cfg in CANDIDATES[pass_]:
+                os.environ["EJGEN_TRITON_CONFIG"] = f"{pass_}={cfg}"
+                f = lambda q, k, v: flash_attention(q, k, v, causal=causal, platform="triton")
+                try:
+                    if pass_ == "fwd":
+                        sec = bench(jax.jit(f), (q, k, v))
+                        tf = flops / sec / 1e12
+                    else:
+                        g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do), (0, 1, 2)))
+                        sec = bench(g, (q, k, v))
+                        tf = 3.5 * flops / sec / 1e12
+                    print(f"S={s} causal={int(causal)} {pass_:5} {cfg:14} {sec * 1e3:8.3f} ms {tf:6.0f} TFLOP/s", flush=True)
+                except Exception as e:
+                    print(f"S={s} causal={int(causal)} {pass_:5} {cfg:14} failed: {str(e).splitlines()[0][:100]}", flush=True)
+    os.environ.pop("EJGEN_TRITON_CONFIG", None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
