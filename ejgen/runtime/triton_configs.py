@@ -26,21 +26,22 @@ class KernelConfig:
 
 INTERPRET = KernelConfig(16, 16, 4, 1)
 
-# (arch, pass) -> [(max head dim, 16-bit config, float32 config)], first match wins
+# (arch, pass) -> [(max head dim, 16-bit config, float32 config)], first match wins.
+# D=128 bf16 rows: the best of benchmarks/tune_triton.py on an H200 (notes/perf.md, v2).
 _TABLE = {
     ("sm90", "fwd"): [
         (64, KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 2)),
-        (128, KernelConfig(128, 128, 8, 3), KernelConfig(64, 32, 4, 2)),
+        (128, KernelConfig(128, 64, 8, 4), KernelConfig(64, 32, 4, 2)),
         (256, KernelConfig(128, 64, 8, 2), KernelConfig(32, 32, 4, 1)),
     ],
     ("sm90", "dkdv"): [
         (64, KernelConfig(64, 128, 8, 3), KernelConfig(32, 64, 4, 2)),
-        (128, KernelConfig(64, 128, 8, 2), KernelConfig(32, 32, 4, 1)),
+        (128, KernelConfig(64, 128, 8, 3), KernelConfig(32, 32, 4, 1)),
         (256, KernelConfig(32, 64, 8, 1), KernelConfig(16, 32, 4, 1)),
     ],
     ("sm90", "dq"): [
         (64, KernelConfig(128, 64, 8, 3), KernelConfig(64, 32, 4, 2)),
-        (128, KernelConfig(128, 64, 8, 2), KernelConfig(32, 32, 4, 1)),
+        (128, KernelConfig(128, 64, 8, 3), KernelConfig(32, 32, 4, 1)),
         (256, KernelConfig(64, 32, 8, 1), KernelConfig(16, 32, 4, 1)),
     ],
 }
