@@ -107,7 +107,7 @@ def _grid_batch(q, ctx, cfg):
     return ctx["cu_q"].shape[0] - 1 if cfg.varlen else q.shape[0]
 
 
-def forward(layout: Layout, q, k, v, ctx, cfg):
+def _forward(layout: Layout, q, k, v, ctx, cfg):
     batch, hkv, groups, sq, d = q.shape
     hq, dv = hkv * groups, v.shape[-1]
     conf = triton_configs.pick(_arch(), "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8)
@@ -123,7 +123,7 @@ def forward(layout: Layout, q, k, v, ctx, cfg):
     return out.reshape(batch, hkv, groups, sq, dv), lse.reshape(batch, hkv, groups, sq), None
 
 
-def backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
+def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     batch, hkv, groups, sq, d = q.shape
     hq, sk, dv = hkv * groups, k.shape[2], v.shape[-1]
     bits = jnp.dtype(q.dtype).itemsize * 8
@@ -165,10 +165,104 @@ def backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
         db = dbias.reshape(batch, hkv, groups, sq, sk)
         dctx["bias"] = jnp.sum(db, axis=tuple(i for i in range(3) if bias.shape[i] == 1), keepdims=True)
     if cfg.sinks:
-        sinks = ctx["softmax_aux"][None, :, :, None, :]
-        lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
-        dctx["softmax_aux"] = -jnp.sum(jnp.exp(sinks - lse_safe[..., None]) * delta[..., None], axis=(0, 3))
+        dctx["softmax_aux"] = _sinks_grad(ctx["softmax_aux"], lse, delta)
     if layout.grad_params:
         dctx["params"] = {p: jnp.sum(g, axis=0).reshape(ctx[f"param_{p}"].shape)
                           for p, g in zip(layout.grad_params, dparams)}
     return dq.reshape(q.shape), dk, dv_, dctx
+
+
+def _sinks_grad(aux, lse, delta):
+    """d loss / d softmax_aux [Hkv, G, n] = -sum over batch and rows of p_sink * delta."""
+    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    p_sink = jnp.exp(aux[None, :, :, None, :] - lse_safe[..., None])
+    return -jnp.sum(p_sink * delta[..., None], axis=(0, 3))
+
+
+# Batching: jax-triton's primitive has no vmap rule. Under vmap, a mapped axis is folded into the
+# batch axis of every tensor that has one, and the kernels run once; only when a per-call scalar,
+# the sinks or a param is mapped (or params need gradients) do the calls run one after another
+# with lax.map.
+
+_BATCHED_CTX = ("bias", "mask", "q_seg", "kv_seg")
+_IGNORED_CTX = ("q_pos", "kv_pos")  # the kernels compute positions themselves
+
+
+def _foldable(ctx_batched: dict, layout: Layout) -> bool:
+    return not layout.grad_params and not any(
+        b for key, b in ctx_batched.items() if key not in _BATCHED_CTX + _IGNORED_CTX)
+
+
+def _fold(x, batched: bool, n: int, batch: int):
+    """[n, batch, ...] (or shared [batch|1, ...]) -> [n * batch, ...]."""
+    if not batched:
+        x = jnp.broadcast_to(x[None], (n,) + x.shape)
+    x = jnp.broadcast_to(x, (n, batch) + x.shape[2:])
+    return x.reshape((n * batch,) + x.shape[2:])
+
+
+def _fold_ctx(ctx, ctx_batched, n, batch):
+    out = dict(ctx)
+    for key in _BATCHED_CTX:
+        if key in ctx:
+            out[key] = _fold(ctx[key], ctx_batched[key], n, batch)
+    for key in _IGNORED_CTX:
+        if ctx_batched.get(key):
+            out[key] = ctx[key][0]
+    return out
+
+
+def _sequential(fn, n, in_batched, args):
+    """Run ``fn`` once per mapped index (lax.map); every output comes back mapped."""
+    def one(i):
+        pick = lambda x, b: x[i] if b else x
+        return fn(*jax.tree.map(pick, args, in_batched))
+    return jax.lax.map(one, jnp.arange(n))
+
+
+def forward(layout: Layout, q, k, v, ctx, cfg):
+    fn = jax.custom_batching.custom_vmap(lambda q, k, v, ctx: _forward(layout, q, k, v, ctx, cfg)[:2])
+
+    @fn.def_vmap
+    def rule(n, in_batched, q, k, v, ctx):
+        if not _foldable(in_batched[3], layout) or cfg.varlen:
+            outs = _sequential(lambda *a: _forward(layout, *a, cfg)[:2], n, in_batched, (q, k, v, ctx))
+            return outs, (True, True)
+        batch = q.shape[1] if in_batched[0] else q.shape[0]
+        qf, kf, vf = (_fold(x, b, n, batch) for x, b in zip((q, k, v), in_batched[:3]))
+        out, lse, _ = _forward(layout, qf, kf, vf, _fold_ctx(ctx, in_batched[3], n, batch), cfg)
+        return (out.reshape((n, batch) + out.shape[1:]), lse.reshape((n, batch) + lse.shape[1:])), (True, True)
+
+    out, lse = fn(q, k, v, ctx)
+    return out, lse, None
+
+
+def backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
+    fn = jax.custom_batching.custom_vmap(
+        lambda *a: _backward(layout, *a, cfg))
+
+    @fn.def_vmap
+    def rule(n, in_batched, q, k, v, out, lse, d_out, d_lse, ctx):
+        args = (q, k, v, out, lse, d_out, d_lse, ctx)
+        ctx_batched = in_batched[7]
+        if not _foldable(ctx_batched, layout) or cfg.varlen:
+            grads = _sequential(lambda *a: _backward(layout, *a, cfg), n, in_batched, args)
+            return grads, jax.tree.map(lambda _: True, grads)
+        batch = q.shape[1] if in_batched[0] else q.shape[0]
+        folded = [_fold(x, b, n, batch) for x, b in zip(args[:7], in_batched[:7])]
+        fctx = _fold_ctx(ctx, ctx_batched, n, batch)
+        dq, dk, dv, dctx = _backward(layout, *folded, fctx, cfg)
+        unfold = lambda x: x.reshape((n, batch) + x.shape[1:])
+        grads = {}
+        if "bias" in dctx:
+            db = unfold(dctx["bias"])
+            shared_batch = (ctx["bias"].shape[1] if ctx_batched["bias"] else ctx["bias"].shape[0]) == 1
+            grads["bias"] = jnp.sum(db, axis=1, keepdims=True) if shared_batch else db
+        if "softmax_aux" in dctx:
+            delta = jnp.sum(folded[5].astype(jnp.float32) * folded[3].astype(jnp.float32), axis=-1) - folded[6]
+            grads["softmax_aux"] = jax.vmap(_sinks_grad, in_axes=(None, 0, 0))(
+                ctx["softmax_aux"], unfold(folded[4]), unfold(delta))
+        result = (unfold(dq), unfold(dk), unfold(dv), grads)
+        return result, jax.tree.map(lambda _: True, result)
+
+    return fn(q, k, v, out, lse, d_out, d_lse, ctx)
