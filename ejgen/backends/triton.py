@@ -163,7 +163,7 @@ def template_context(plan: AttentionPlan) -> dict:
     dparam_ptrs = "".join(f"DPARAM_{p.name}, " for p in plan.grad_params)
     dims = ["B", "HQ", "HKV", "SEQ_Q", "SEQ_K", "D", "DV", "D_PAD", "DV_PAD", "BLOCK_M", "BLOCK_N"]
     flags = ["CAUSAL", "WINDOW", "SOFTCAP", "SINKS", "N_SINKS", "SINKS_PAD", "BIAS_ON", "BIAS_BATCH", "BIAS_HEADS",
-             "SEGMENTS", "DENSE", "MASK_HEADS", "VARLEN", "RUNTIME_MASK", "PRECISION"]
+             "SEGMENTS", "DENSE", "MASK_HEADS", "VARLEN", "RUNTIME_MASK", "PLAIN", "PRECISION"]
     builtin = []
     for c in plan.builtin_constraints:
         expr = _affine_expr(c.affine.a, c.affine.b, c.affine.c)
@@ -206,6 +206,7 @@ def template_context(plan: AttentionPlan) -> dict:
         "spec_mask_code": None if spec_mask is None else printer(spec_mask),
         "mask_bindings": [] if spec_mask is None else _bindings([spec_mask], variant),
         "runtime_mask_from_spec": plan.mask.needs_block_mask,
+        "score_is_identity_py": repr(plan.score_is_identity),
         "f32_options": [n for n in f32[2:]],
         "i32_options": [n for n in i32[2:]],
         "params": [{"name": p.name, "dtype": p.dtype} for p in variant.params],

@@ -29,6 +29,7 @@ class Layout:
     params: tuple
     grad_params: tuple
     runtime_mask_from_spec: bool
+    score_is_identity: bool
 
     def kernels(self):
         return importlib.import_module(self.kernel_module)
@@ -92,6 +93,7 @@ def _constexprs(layout, q, k, v, ctx, cfg, block_m, block_n, bias, mask, aux):
         BIAS_HEADS=bias.shape[1] if cfg.bias else 1, SEGMENTS=cfg.segments, DENSE=cfg.dense_mask,
         MASK_HEADS=mask.shape[1] if cfg.dense_mask else 1, VARLEN=cfg.varlen,
         RUNTIME_MASK=cfg.segments or cfg.dense_mask or layout.runtime_mask_from_spec,
+        PLAIN=layout.score_is_identity and not cfg.softcap and not cfg.bias,
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
     )
 
