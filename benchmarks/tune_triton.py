@@ -22,7 +22,15 @@ CANDIDATES = {
     "dkdv": ["64,128,8,2", "32,128,4,3", "64,128,4,3", "32,64,4,4", "64,64,4,3", "128,128,8,2", "64,128,8,3", "32,128,8,3"],
     "dq": ["128,64,8,2", "128,32,4,3", "64,64,4,3", "128,64,4,3", "64,128,8,2", "128,64,8,3", "64,32,4,4"],
 }
-CASES = [(16384, False), (16384, True), (4096, True)]
+CASES = [(16384, False, None), (16384, True, None), (4096, True, None)]
+WINDOW_CASES = [(16384, True, (1024, 0))]
+WINDOW_SWEEP = [  # (EJGEN_TRITON_STAGED, EJGEN_TRITON_CONFIG)
+    ("1", ""), ("0", ""),
+    ("0", "fwd=128,64,8,3;dkdv=64,128,8,2;dq=128,64,8,2"),
+    ("0", "fwd=64,64,4,3;dkdv=64,64,4,3;dq=64,64,4,3"),
+    ("1", "fwd=128,128,8,3;dkdv=64,128,8,3;dq=128,128,8,3"),
+    ("0", "fwd=128,128,8,3;dkdv=128,128,8,2;dq=128,128,8,2"),
+]
 
 
 def bench(fn, args, reps=10):
@@ -40,10 +48,13 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--pass", dest="pass_", default="all")
     p.add_argument("--d", type=int, default=128)
+    p.add_argument("--window", action="store_true", help="sweep the sliding-window case instead")
     args = p.parse_args()
     passes = list(CANDIDATES) if args.pass_ == "all" else [args.pass_]
     d, h = args.d, 16
-    for s, causal in CASES:
+    if args.window:
+        return sweep_window(args.d)
+    for s, causal, _ in CASES:
         b = 32768 // s
         ks = jax.random.split(jax.random.PRNGKey(s), 4)
         q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in ks[:3])
@@ -64,6 +75,24 @@ def main():
                     print(f"S={s} causal={int(causal)} {pass_:5} {cfg:14} {sec * 1e3:8.3f} ms {tf:6.0f} TFLOP/s", flush=True)
                 except Exception as e:
                     print(f"S={s} causal={int(causal)} {pass_:5} {cfg:14} failed: {str(e).splitlines()[0][:100]}", flush=True)
+    os.environ.pop("EJGEN_TRITON_CONFIG", None)
+    return 0
+
+
+def sweep_window(d, h=16):
+    for s, causal, window in WINDOW_CASES:
+        b = 32768 // s
+        ks = jax.random.split(jax.random.PRNGKey(s), 4)
+        q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in ks[:3])
+        do = jax.random.normal(ks[3], (b, s, h, d), jnp.bfloat16)
+        for staged, cfg in WINDOW_SWEEP:
+            os.environ["EJGEN_TRITON_STAGED"], os.environ["EJGEN_TRITON_CONFIG"] = staged, cfg
+            f = lambda q, k, v: flash_attention(q, k, v, causal=causal, sliding_window=window, platform="triton")
+            g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do), (0, 1, 2)))
+            t_f, t_fb = bench(jax.jit(f), (q, k, v)), bench(g, (q, k, v))
+            print(f"window S={s} staged={staged} {cfg or 'defaults':48} fwd {t_f * 1e3:7.3f} ms  fwd+bwd {t_fb * 1e3:7.3f} ms",
+                  flush=True)
+    os.environ.pop("EJGEN_TRITON_STAGED", None)
     os.environ.pop("EJGEN_TRITON_CONFIG", None)
     return 0
 

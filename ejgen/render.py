@@ -9,12 +9,12 @@ from pathlib import Path
 
 import jinja2
 
-from ejgen.backends import triton, xla
+from ejgen.backends import pallas, triton, xla
 from ejgen.describe import describe
 from ejgen.errors import SpecError
 from ejgen.ir.plan import AttentionPlan, plan_attention
 
-EMITTED_BACKENDS = ("triton", "xla")  # backends with templates; pallas joins as it lands
+EMITTED_BACKENDS = ("triton", "pallas", "xla")  # backends with templates
 
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("ejgen", "templates"),
@@ -134,6 +134,9 @@ def render_op(plan: AttentionPlan) -> dict[str, str]:
         ctx = triton.template_context(plan)
         files[f"{v.name}/triton_kernels.py"] = _ENV.get_template("triton/kernels.py.j2").render(**common, **ctx)
         files[f"{v.name}/triton_launch.py"] = _ENV.get_template("triton/launch.py.j2").render(**common, **ctx)
+    if "pallas" in backends:
+        files[f"{v.name}/pallas.py"] = _ENV.get_template("pallas/attention.py.j2").render(
+            **common, **pallas.template_context(plan))
     if "xla" in backends:
         files[f"{v.name}/xla.py"] = _ENV.get_template("xla/attention.py.j2").render(**common, **xla.template_context(plan))
     return files

@@ -94,6 +94,7 @@ def _constexprs(layout, q, k, v, ctx, cfg, block_m, block_n, bias, mask, aux):
         MASK_HEADS=mask.shape[1] if cfg.dense_mask else 1, VARLEN=cfg.varlen,
         RUNTIME_MASK=cfg.segments or cfg.dense_mask or layout.runtime_mask_from_spec,
         PLAIN=layout.score_is_identity and not cfg.softcap and not cfg.bias,
+        STAGED=triton_configs.staged(cfg),
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
     )
 

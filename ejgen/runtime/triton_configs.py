@@ -71,3 +71,13 @@ def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int) -> KernelConfig:
         if head_dim <= max_dim:
             return half if dtype_bits <= 16 else single
     raise ValueError(f"head_dim {head_dim} is larger than the triton backend supports (256)")
+
+
+def staged(cfg) -> bool:
+    """Split each key loop into masked edges and an unmasked middle (else: one masked loop).
+
+    ``EJGEN_TRITON_STAGED=0|1`` pins it (tuning)."""
+    pinned = os.environ.get("EJGEN_TRITON_STAGED")
+    if pinned in ("0", "1"):
+        return pinned == "1"
+    return True

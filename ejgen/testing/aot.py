@@ -32,7 +32,7 @@ def constexprs(*, batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128, block_
                 BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, SINKS=sinks,
                 N_SINKS=1, SINKS_PAD=16, BIAS_ON=bias, BIAS_BATCH=1, BIAS_HEADS=1, SEGMENTS=segments, DENSE=dense,
                 MASK_HEADS=1, VARLEN=varlen, RUNTIME_MASK=runtime_mask or segments or dense,
-                PLAIN=not (softcap or bias),
+                PLAIN=not (softcap or bias), STAGED=True,
                 PRECISION="ieee" if dtype == "float32" else "tf32")
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from ejgen.runtime import attention as _attention
 
 from . import triton_launch as _triton
+from . import pallas as _pallas
 from . import xla as _xla
 
 SPEC = _attention.SpecInfo(
@@ -36,7 +37,7 @@ SPEC = _attention.SpecInfo(
         "return_lse",
     ),
 )
-BACKENDS = {"triton": _triton, "xla": _xla}
+BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("cfg", "backend"))
