@@ -46,10 +46,11 @@ def dispatch(gpu, tpu, *args):
     on every other platform the kernels chosen by ``interpret_kernels`` with ``interpret=True``.
     One traced op: ``jax.export`` for any of these platforms works from any machine."""
     interpreted = gpu if _INTERPRET.get() == "gpu" else tpu
+    on_gpu = functools.partial(gpu, interpret=False)  # one branch for CUDA and ROCm
     return lax.platform_dependent(
         *args,
-        cuda=functools.partial(gpu, interpret=False),
-        rocm=functools.partial(gpu, interpret=False),
+        cuda=on_gpu,
+        rocm=on_gpu,
         tpu=functools.partial(tpu, interpret=False),
         default=functools.partial(interpreted, interpret=True),
     )

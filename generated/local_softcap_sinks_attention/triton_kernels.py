@@ -26,6 +26,15 @@ def _floordiv(x, y: tl.constexpr):
 
 
 @triton.jit
+def _load(ptr, m_a, m_b, CHECK: tl.constexpr):
+    """A tile load, bounds-checked only where a block can cross an edge (CHECK)."""
+    if CHECK:
+        return tl.load(ptr, mask=m_a & m_b, other=0.0)
+    else:
+        return tl.load(ptr)
+
+
+@triton.jit
 def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
@@ -160,8 +169,8 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, scale, q_idx, o_m, row_
     for i_n in range(n_lo, n_hi):
         o_pos = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # key positions in the sequence
         m_n = o_pos < kv_len
-        b_kt = tl.load(p_k + o_pos[None, :] * D + o_d[:, None], mask=m_n[None, :] & (o_d[:, None] < D), other=0.0)  # [D_PAD, BLOCK_N]
-        b_v = tl.load(p_v + o_pos[:, None] * DV + o_dv[None, :], mask=m_n[:, None] & (o_dv[None, :] < DV), other=0.0)  # [BLOCK_N, DV_PAD]
+        b_kt = _load(p_k + o_pos[None, :] * D + o_d[:, None], m_n[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_N]
+        b_v = _load(p_v + o_pos[:, None] * DV + o_dv[None, :], m_n[:, None], o_dv[None, :] < DV, MASKED or DV != DV_PAD)  # [BLOCK_N, DV_PAD]
         kv_idx = o_pos[None, :]
         o_n = (row_k + o_pos)[None, :]
         _, _, x, x_scale = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
@@ -284,8 +293,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, sca
     for i_m in range(m_lo, m_hi):
         o_pos = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_m = o_pos < q_len
-        b_qt = tl.load(p_q + o_pos[None, :] * D + o_d[:, None], mask=m_m[None, :] & (o_d[:, None] < D), other=0.0)  # [D_PAD, BLOCK_M]
-        b_do = tl.load(p_do + o_pos[:, None] * DV + o_dv[None, :], mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)  # [BLOCK_M, DV_PAD]
+        b_qt = _load(p_q + o_pos[None, :] * D + o_d[:, None], m_m[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_M]
+        b_do = _load(p_do + o_pos[:, None] * DV + o_dv[None, :], m_m[:, None], o_dv[None, :] < DV, MASKED or DV != DV_PAD)  # [BLOCK_M, DV_PAD]
         b_lse = tl.load(p_lse + o_pos, mask=m_m, other=0.0)
         b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse) * LOG2E
         b_delta = tl.load(p_delta + o_pos, mask=m_m, other=0.0)
@@ -364,8 +373,8 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, scale, q_id
     for i_n in range(n_lo, n_hi):
         o_pos = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_pos < kv_len
-        b_kt = tl.load(p_k + o_pos[None, :] * D + o_d[:, None], mask=m_n[None, :] & (o_d[:, None] < D), other=0.0)  # [D_PAD, BLOCK_N]
-        b_vt = tl.load(p_v + o_pos[None, :] * DV + o_dv[:, None], mask=m_n[None, :] & (o_dv[:, None] < DV), other=0.0)  # [DV_PAD, BLOCK_N]
+        b_kt = _load(p_k + o_pos[None, :] * D + o_d[:, None], m_n[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_N]
+        b_vt = _load(p_v + o_pos[None, :] * DV + o_dv[:, None], m_n[None, :], o_dv[:, None] < DV, MASKED or DV != DV_PAD)  # [DV_PAD, BLOCK_N]
         kv_idx = o_pos[None, :]
         p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_do, b_vt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, (row_k + o_pos)[None, :],
                                    off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
