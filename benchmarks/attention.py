@@ -37,6 +37,7 @@ def _visible_pairs(s: int, causal: bool, window) -> int:
 def _impls(causal: bool, window):
     impls = {
         "ejgen-triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, sliding_window=window, platform="triton"),
+        "ejgen-pallas": lambda q, k, v: flash_attention(q, k, v, causal=causal, sliding_window=window, platform="pallas"),
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn"),
     }

@@ -51,6 +51,12 @@ def _tuple(codes) -> str:
     return f"({', '.join(items)},)" if len(items) == 1 else f"({', '.join(items)})"
 
 
+def _names_tuple(names) -> str:
+    """A tuple literal of strings: ``()``, ``("a",)``, ``("a", "b")``."""
+    items = [f'"{n}"' for n in names]
+    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+
+
 def positional(e: Expr) -> bool:
     return any(isinstance(n, Var) and n.kind == "builtin" and n.name in POSITIONAL for n in walk(e))
 
@@ -127,5 +133,6 @@ def template_context(plan: AttentionPlan) -> dict:
         "options": [{"name": f"opt_{o.name}", "dtype": "float32" if o.type == "float" else "int32"}
                     for o in variant.options],
         "params": [{"name": p.name, "dtype": "int32" if p.dtype == "int32" else "float32"} for p in variant.params],
-        "grad_params": [p.name for p in plan.grad_params],
+        "params_tuple": _names_tuple(p.name for p in variant.params),
+        "grad_params_tuple": _names_tuple(p.name for p in plan.grad_params),
     }

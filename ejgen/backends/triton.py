@@ -163,7 +163,7 @@ def template_context(plan: AttentionPlan) -> dict:
     dparam_ptrs = "".join(f"DPARAM_{p.name}, " for p in plan.grad_params)
     dims = ["B", "HQ", "HKV", "SEQ_Q", "SEQ_K", "D", "DV", "D_PAD", "DV_PAD", "BLOCK_M", "BLOCK_N"]
     flags = ["CAUSAL", "WINDOW", "SOFTCAP", "SINKS", "N_SINKS", "SINKS_PAD", "BIAS_ON", "BIAS_BATCH", "BIAS_HEADS",
-             "SEGMENTS", "DENSE", "MASK_HEADS", "VARLEN", "RUNTIME_MASK", "STAGED", "PLAIN", "PRECISION"]
+             "SEGMENTS", "DENSE", "MASK_HEADS", "VARLEN", "RUNTIME_MASK", "STAGED", "PLAIN", "PRECISION", "UPCAST"]
     builtin = []
     for c in plan.builtin_constraints:
         expr = _affine_expr(c.affine.a, c.affine.b, c.affine.c)

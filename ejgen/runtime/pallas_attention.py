@@ -11,7 +11,6 @@ import contextlib
 import contextvars
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -19,7 +18,7 @@ NUM_LANES = 128
 NUM_SUBLANES = 8
 KERNELS = ("gpu", "tpu")
 
-_INTERPRET = contextvars.ContextVar("ejgen_pallas_interpret", default="gpu")
+_INTERPRET = contextvars.ContextVar("ejgen_pallas_interpret", default=("gpu", True))
 
 
 def available():
@@ -28,13 +27,15 @@ def available():
 
 
 @contextlib.contextmanager
-def interpret_kernels(which: str):
+def interpret_kernels(which: str, interpret=True):
     """Which kernels ``platform="pallas"`` interprets where there is no GPU or TPU: ``"gpu"`` (the
-    default) or ``"tpu"``. Read when the op is traced, so a function jitted before keeps its choice.
-    For tests: both kernel families run on a CPU."""
+    default) or ``"tpu"``, and how: ``interpret`` is what ``pallas_call`` gets, True (JAX's HLO
+    interpreter) or, for the TPU kernels, a ``pltpu.InterpretParams`` (the TPU interpreter, which
+    also models DMAs and poisons uninitialised memory). Read when the op is traced, so a function
+    jitted before keeps its choice. For tests: both kernel families run on a CPU."""
     if which not in KERNELS:
         raise ValueError(f"interpret_kernels: which must be one of {', '.join(KERNELS)}, got {which!r}")
-    token = _INTERPRET.set(which)
+    token = _INTERPRET.set((which, interpret))
     try:
         yield
     finally:
@@ -43,16 +44,16 @@ def interpret_kernels(which: str):
 
 def dispatch(gpu, tpu, *args):
     """``gpu(*args, interpret=False)`` when lowering for CUDA or ROCm, ``tpu(...)`` for TPUs, and
-    on every other platform the kernels chosen by ``interpret_kernels`` with ``interpret=True``.
+    on every other platform the kernels chosen by ``interpret_kernels``, interpreted.
     One traced op: ``jax.export`` for any of these platforms works from any machine."""
-    interpreted = gpu if _INTERPRET.get() == "gpu" else tpu
+    which, interpret = _INTERPRET.get()
     on_gpu = functools.partial(gpu, interpret=False)  # one branch for CUDA and ROCm
     return lax.platform_dependent(
         *args,
         cuda=on_gpu,
         rocm=on_gpu,
         tpu=functools.partial(tpu, interpret=False),
-        default=functools.partial(interpreted, interpret=True),
+        default=functools.partial(gpu if which == "gpu" else tpu, interpret=interpret),
     )
 
 

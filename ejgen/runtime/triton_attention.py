@@ -96,6 +96,7 @@ def _constexprs(layout, q, k, v, ctx, cfg, block_m, block_n, bias, mask, aux):
         PLAIN=layout.score_is_identity and not cfg.softcap and not cfg.bias,
         STAGED=triton_configs.staged(cfg),
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+        UPCAST=_arch() == "interpret" and q.dtype == jnp.bfloat16,
     )
 
 

@@ -4,11 +4,19 @@
 generated variant for ``cuda`` at the given compute capability with a representative constexpr
 configuration, and returns ``{kernel name: compiled kernel}``. No GPU is needed: Triton's bundled
 ptxas assembles the code, so shapes, layouts and lowering rules are all checked.
+
+Triton chooses between compiler and interpreter when a kernel (its own library included) is
+decorated, so a process that runs the interpreter cannot compile: ``compile_in_subprocess`` runs
+this module's ``main`` in a fresh interpreter with TRITON_INTERPRET unset.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
+import sys
 
 _DTYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 
@@ -33,7 +41,7 @@ def constexprs(*, batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128, block_
                 N_SINKS=1, SINKS_PAD=16, BIAS_ON=bias, BIAS_BATCH=1, BIAS_HEADS=1, SEGMENTS=segments, DENSE=dense,
                 MASK_HEADS=1, VARLEN=varlen, RUNTIME_MASK=runtime_mask or segments or dense,
                 PLAIN=not (softcap or bias), STAGED=True,
-                PRECISION="ieee" if dtype == "float32" else "tf32")
+                PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False)
 
 
 def compile_attention(package: str, name: str, *, capability: int = 90, params: dict | None = None,
@@ -52,3 +60,29 @@ def compile_attention(package: str, name: str, *, capability: int = 90, params: 
         options = {"num_warps": num_warps, "num_stages": num_stages}
         compiled[suffix] = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     return compiled
+
+
+def summary(compiled: dict) -> dict:
+    return {name: {"shared": c.metadata.shared, "cubin": bool(c.asm.get("cubin")), "wgmma": "wgmma" in c.asm["ptx"]}
+            for name, c in compiled.items()}
+
+
+def compile_in_subprocess(package: str, name: str, **kwargs) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    args = json.dumps({"package": package, "name": name, **kwargs})
+    proc = subprocess.run([sys.executable, "-m", "ejgen.testing.aot", args], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"AOT compile of {package}.{name} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    args = json.loads((argv or sys.argv[1:])[0])
+    package, name = args.pop("package"), args.pop("name")
+    print(json.dumps(summary(compile_attention(package, name, **args))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,9 +11,11 @@ Block metadata comes from the mask analysis, once per call outside the kernels: 
 queries the key blocks to visit and those that need no element mask (and the transpose for the
 dK/dV kernel); masks only known at run time refine it into block kinds (0 skip, 1 element mask,
 2 no mask).
-GPU: a program per (query block, batch, head) loops over its key blocks in three stages
-(masked, unmasked, masked); backward: a dK/dV kernel per key block over every query head of its
-group, then a dQ kernel; no atomics, so gradients are deterministic.
+GPU: the kernels read q, k, v in the op's own [B, S, H, D] layout, heads strided (the transposes
+to and from the kernel layout cancel out in XLA). A program per (query block, batch, head) loops
+over its key blocks in three stages (masked, unmasked, masked); backward: a dK/dV kernel per key
+block over every query head of its group, then a dQ kernel; no atomics, so gradients are
+deterministic.
 TPU: the key blocks are the innermost grid axis, m, l and acc live in VMEM scratch, the kinds are
 scalar-prefetched and a skipped step repeats the previous block index (no DMA).
 """
@@ -34,8 +36,8 @@ from ejgen.runtime import pallas_attention as _rt
 from ejgen.runtime import xla_blocks
 
 NAME = "alibi_attention"
-PARAMS = ("slopes", )
-GRAD_PARAMS = ("slopes", )
+PARAMS = ("slopes",)
+GRAD_PARAMS = ("slopes",)
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
 PAD = 128  # padding granularity of the op: GPU blocks divide it, TPU blocks are multiples of it
@@ -63,8 +65,9 @@ class BlockSizes:
 
     @staticmethod
     def get_default(kernel: str, head_dim: int, dtype, interpret: bool = False) -> "BlockSizes":
-        """Tiles of ``kernel`` ("fwd", "dkdv" or "dq"): the H200 table of the Triton backend's
-        sweep on GPUs; small tiles, many blocks, when interpreted."""
+        """Tiles of ``kernel`` ("fwd", "dkdv" or "dq"): on GPUs the table below (the Triton
+        backend's H200 sweep; the D=128 bf16 forward re-tuned for these kernels on an H200); small
+        tiles, many blocks, when interpreted."""
         if interpret:
             return INTERPRET_BLOCKS
         half = jnp.dtype(dtype).itemsize <= 2
@@ -78,7 +81,7 @@ class BlockSizes:
 GPU_BLOCKS = {
     "fwd": [
         (64, BlockSizes(128, 128, 8, 3), BlockSizes(64, 64, 4, 2)),
-        (128, BlockSizes(128, 64, 8, 4), BlockSizes(64, 32, 4, 2)),
+        (128, BlockSizes(128, 128, 8, 3), BlockSizes(64, 32, 4, 2)),
         (256, BlockSizes(128, 64, 8, 2), BlockSizes(32, 32, 4, 1)),
     ],
     "dkdv": [
@@ -110,7 +113,8 @@ class TpuBlockSizes:
                 raise ValueError(f"TpuBlockSizes.{name} must be {PAD} times a power of two, got {size}")
 
     @staticmethod
-    def get_default(interpret: bool = False) -> "TpuBlockSizes":
+    def get_default(interpret=False) -> "TpuBlockSizes":
+        """The defaults; interpreted (``interpret`` True or TPU interpreter params): the smallest."""
         return TpuBlockSizes(PAD, PAD) if interpret else TpuBlockSizes()
 
     def fit(self, seq_q: int, seq_k: int) -> "TpuBlockSizes":
@@ -389,7 +393,7 @@ def _gpu_tile(r, b, h, rows, cols, q_at, k_at, mask, cfg):
     )
 
 
-def _gpu_fwd_kernel(*refs, names, cfg, blocks, n_q, groups, d, dv, n_sinks, precision, use_kinds):
+def _gpu_fwd_kernel(*refs, names, cfg, blocks, n_q, d, dv, n_sinks, precision, use_kinds):
     """One block of queries of one head: online softmax over its key blocks (FlashAttention-2)."""
     r = dict(zip(names, refs))
     o_ref, lse_ref = refs[len(names):]
@@ -468,8 +472,8 @@ def _gpu_dkdv_kernel(*refs, names, out_names, cfg, blocks, groups, d, dv, precis
             dk, dv_acc, acc = carry
             start = pl.multiple_of(i_q * block_q, block_q)
             q_at = pl.ds(start, block_q)
-            q = _gpu_load(r["q"].at[g, q_at, :], d)  # [block_q, D_PAD]
-            do = _gpu_load(r["do"].at[g, q_at, :], dv)  # [block_q, DV_PAD]
+            q = _gpu_load(r["q"].at[q_at, g, :], d)  # [block_q, D_PAD]
+            do = _gpu_load(r["do"].at[q_at, g, :], dv)  # [block_q, DV_PAD]
             lse = r["lse"][g, q_at][None, :]
             delta = r["delta"][g, q_at][None, :]
             s = lax.dot_general(k, q, NT, precision=precision, preferred_element_type=jnp.float32) * sc.scale
@@ -540,21 +544,39 @@ def _gpu_dq_kernel(*refs, names, cfg, blocks, n_q, d, dv, precision, use_kinds):
     _gpu_store(dq_ref, (dq * sc.scale).astype(dq_ref.dtype), d)
 
 
+def _to_gpu_layout(x):
+    """Kernel layout to the op's own, which the GPU kernels read with a head stride (as JAX's Pallas
+    `mha`): q-like [B, Hkv, G, S, X] -> [B, S, Hkv * G, X], k-like [B, Hkv, S, X] -> [B, S, Hkv, X].
+    These transposes undo the op's, and XLA cancels the pairs: no copy is made."""
+    if x.ndim == 5:
+        b, hk, g, s, d = x.shape
+        return x.transpose(0, 3, 1, 2, 4).reshape(b, s, hk * g, d)
+    return x.transpose(0, 2, 1, 3)
+
+
+def _from_gpu_layout(x, groups=None):
+    """The inverse of `_to_gpu_layout`; ``groups`` for q-like arrays."""
+    if groups is None:
+        return x.transpose(0, 2, 1, 3)
+    b, s, h, d = x.shape
+    return x.reshape(b, s, h // groups, groups, d).transpose(0, 2, 3, 1, 4)
+
+
 def _gpu_operands(kernel, q, k, v, ctx, cfg, scalars, prm, blocks, metadata, q_side=()):
-    """Inputs of a GPU kernel with their BlockSpecs. fwd, dq: grid (query block, batch, head), one
-    block of queries and every key; dkdv: grid (key block, batch, kv head), one block of keys and
-    every query of the group. ``q_side``: more (name, [B, Hkv, G, Sq(, X)]) arrays laid out as q."""
-    batch, kv_heads, groups, sq, d = q.shape
-    sk, dv = k.shape[2], v.shape[-1]
+    """Inputs of a GPU kernel with their BlockSpecs, on q [B, Sq, H, D], k, v [B, Sk, Hkv, D(v)].
+    fwd, dq: grid (query block, batch, head), one block of queries and every key; dkdv: grid
+    (key block, batch, kv head), one block of keys and every query of the group. ``q_side``: more
+    (name, array) laid out as q ([B, Sq, H, X]) or as lse ([B, H, Sq])."""
+    batch, sq, heads, d = q.shape
+    sk, kv_heads = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
     block_q, block_k = blocks.block_q, blocks.block_k
     n_q = sq // block_q
     by_keys = kernel == "dkdv"
 
     def coords(i, b, h):
-        """(batch, kv head, group member or None, block): what the program reads."""
-        if by_keys:
-            return b, h, None, i
-        return b, *_head(h, groups), (n_q - 1 - i if cfg.causal else i)
+        """(batch, head, block): the query head (fwd, dq) or the kv head (dkdv) of the program."""
+        return b, h, i if by_keys or not cfg.causal else n_q - 1 - i
 
     def spec(shape, index):
         return pl.BlockSpec(shape, lambda i, b, h: index(*coords(i, b, h)))
@@ -562,25 +584,35 @@ def _gpu_operands(kernel, q, k, v, ctx, cfg, scalars, prm, blocks, metadata, q_s
     def whole(x):
         return pl.BlockSpec(x.shape, lambda i, b, h: (0,) * x.ndim)
 
-    def q_like(x):  # [B, Hkv, G, Sq(, X)]
-        tail = (_rt.pow2(x.shape[-1]),) if x.ndim == 5 else ()
-        zeros = (0,) * len(tail)
+    def q_like(x):  # [B, Sq, H, X] or [B, H, Sq]
+        if x.ndim == 3:
+            if by_keys:
+                return spec((None, groups, sq), lambda b, hk, i: (b, hk, 0))
+            return spec((None, None, block_q), lambda b, h, i: (b, h, i))
+        cols = _rt.pow2(x.shape[-1])
         if by_keys:
-            return spec((None, None, groups, sq) + tail, lambda b, hk, g, i: (b, hk, 0, 0) + zeros)
-        return spec((None, None, None, block_q) + tail, lambda b, hk, g, i: (b, hk, g, i) + zeros)
+            return spec((None, sq, groups, cols), lambda b, hk, i: (b, 0, hk, 0))
+        return spec((None, block_q, None, cols), lambda b, h, i: (b, i, h, 0))
 
-    def kv_like(x):  # [B, Hkv, Sk, X]
-        rows = block_k if by_keys else sk
-        return spec((None, None, rows, _rt.pow2(x.shape[-1])), lambda b, hk, g, i: (b, hk, i if by_keys else 0, 0))
+    def kv_like(x):  # [B, Sk, Hkv, X]
+        cols = _rt.pow2(x.shape[-1])
+        if by_keys:
+            return spec((None, block_k, None, cols), lambda b, hk, i: (b, i, hk, 0))
+        return spec((None, sk, None, cols), lambda b, h, i: (b, 0, _head(h, groups)[0], 0))
 
     def logits_like(x):  # [B|1, Hkv|1, G|1, Sq, Sk]
         pick = lambda axis, j: j if x.shape[axis] > 1 else 0
         if by_keys:
-            return spec((None, None, x.shape[2], sq, block_k), lambda b, hk, g, i: (pick(0, b), pick(1, hk), 0, 0, i))
-        return spec((None, None, None, block_q, sk), lambda b, hk, g, i: (pick(0, b), pick(1, hk), pick(2, g), i, 0))
+            return spec((None, None, x.shape[2], sq, block_k), lambda b, hk, i: (pick(0, b), pick(1, hk), 0, 0, i))
+
+        def index(b, h, i):
+            hk, g = _head(h, groups)
+            return pick(0, b), pick(1, hk), pick(2, g), i, 0
+
+        return spec((None, None, None, block_q, sk), index)
 
     def row_of(x):  # [B, S]: one batch row
-        return spec((None, x.shape[1]), lambda b, hk, g, i: (b, 0))
+        return spec((None, x.shape[1]), lambda b, h, i: (b, 0))
 
     ops = _rt.Operands()
     ops.add("f32", scalars[0], whole(scalars[0]))
@@ -588,9 +620,9 @@ def _gpu_operands(kernel, q, k, v, ctx, cfg, scalars, prm, blocks, metadata, q_s
     for name, x in prm.items():
         ops.add("param_" + name, x, whole(x))
     ranges, kinds = metadata
-    ops.add("ranges", ranges, spec((None, 4), lambda b, hk, g, i: (i, 0)))
+    ops.add("ranges", ranges, spec((None, 4), lambda b, h, i: (i, 0)))
     if kinds is not None:
-        ops.add("kinds", kinds, spec((None, kinds.shape[1]), lambda b, hk, g, i: (i, 0)))
+        ops.add("kinds", kinds, spec((None, kinds.shape[1]), lambda b, h, i: (i, 0)))
     for name, x in (("q", q), *q_side):
         ops.add(name, x, q_like(x))
     ops.add("k", k, kv_like(k))
@@ -605,8 +637,8 @@ def _gpu_operands(kernel, q, k, v, ctx, cfg, scalars, prm, blocks, metadata, q_s
         if used:
             ops.add(name, ctx[name], row_of(ctx[name]))
     if cfg.sinks and not by_keys:
-        aux = ctx["softmax_aux"]
-        ops.add("aux", aux, spec((None, None, aux.shape[-1]), lambda b, hk, g, i: (hk, g, 0)))
+        aux = ctx["softmax_aux"].reshape(heads, -1)
+        ops.add("aux", aux, spec((None, aux.shape[-1]), lambda b, h, i: (h, 0)))
     return ops
 
 
@@ -624,57 +656,61 @@ def _gpu_params(blocks):
 
 
 def _gpu_forward(q, k, v, ctx, *, cfg, interpret):
+    """(out, lse) in the kernel layout, from one forward kernel."""
     batch, kv_heads, groups, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[-1]
     blocks = BlockSizes.get_default("fwd", max(d, dv), q.dtype, interpret)
     scalars, prm = _pack_scalars(ctx), _params(ctx)
-    sc = _scalars(*scalars)
-    shape = (batch, kv_heads, groups, sq, sk)
-    ops = _gpu_operands("fwd", q, k, v, ctx, cfg, scalars, prm, blocks, _gpu_metadata("fwd", blocks, ctx, sc, prm, cfg, shape))
-    n_q = sq // blocks.block_q
-    q_map = lambda i, b, h: (b, *_head(h, groups), n_q - 1 - i if cfg.causal else i)
+    metadata = _gpu_metadata("fwd", blocks, ctx, _scalars(*scalars), prm, cfg, (batch, kv_heads, groups, sq, sk))
+    q, k, v = _to_gpu_layout(q), _to_gpu_layout(k), _to_gpu_layout(v)
+    ops = _gpu_operands("fwd", q, k, v, ctx, cfg, scalars, prm, blocks, metadata)
+    n_q, heads = sq // blocks.block_q, kv_heads * groups
+    q_block = lambda i: n_q - 1 - i if cfg.causal else i
     kernel = functools.partial(
-        _gpu_fwd_kernel, names=tuple(ops.names), cfg=cfg, blocks=blocks, n_q=n_q, groups=groups, d=d, dv=dv,
+        _gpu_fwd_kernel, names=tuple(ops.names), cfg=cfg, blocks=blocks, n_q=n_q, d=d, dv=dv,
         n_sinks=ctx["softmax_aux"].shape[-1] if cfg.sinks else 0, precision=_precision(q.dtype),
         use_kinds=_runtime_mask(cfg))
     out, lse = pl.pallas_call(
         kernel,
-        grid=(n_q, batch, kv_heads * groups),
+        grid=(n_q, batch, heads),
         in_specs=ops.specs,
         out_specs=[
-            pl.BlockSpec((None, None, None, blocks.block_q, _rt.pow2(dv)), lambda i, b, h: q_map(i, b, h) + (0,)),
-            pl.BlockSpec((None, None, None, blocks.block_q), q_map),
+            pl.BlockSpec((None, blocks.block_q, None, _rt.pow2(dv)), lambda i, b, h: (b, q_block(i), h, 0)),
+            pl.BlockSpec((None, None, blocks.block_q), lambda i, b, h: (b, h, q_block(i))),
         ],
-        out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, groups, sq, dv), q.dtype),
-                   jax.ShapeDtypeStruct((batch, kv_heads, groups, sq), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((batch, sq, heads, dv), q.dtype),
+                   jax.ShapeDtypeStruct((batch, heads, sq), jnp.float32)],
         compiler_params=_gpu_params(blocks),
         interpret=interpret,
         name=f"{NAME}_fwd",
     )(*ops.arrays)
-    return out, lse
+    return _from_gpu_layout(out, groups), lse.reshape(batch, kv_heads, groups, sq)
 
 
 def _gpu_backward(q, k, v, d_out, lse, delta, ctx, *, cfg, interpret):
     """(dq, dk, dv, dbias or None, {param: flat gradient}): a dK/dV kernel, then a dQ kernel."""
     batch, kv_heads, groups, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[-1]
+    heads = kv_heads * groups
     scalars, prm = _pack_scalars(ctx), _params(ctx)
     sc = _scalars(*scalars)
     shape = (batch, kv_heads, groups, sq, sk)
-    q_side = (("do", d_out), ("lse", lse), ("delta", delta))
     precision = _precision(q.dtype)
+    q_side = (("do", _to_gpu_layout(d_out)), ("lse", lse.reshape(batch, heads, sq)),
+              ("delta", delta.reshape(batch, heads, sq)))
+    q, k, v = _to_gpu_layout(q), _to_gpu_layout(k), _to_gpu_layout(v)
 
     blocks = BlockSizes.get_default("dkdv", max(d, dv), q.dtype, interpret)
     n_kv = sk // blocks.block_k
     ops = _gpu_operands("dkdv", q, k, v, ctx, cfg, scalars, prm, blocks,
                         _gpu_metadata("dkdv", blocks, ctx, sc, prm, cfg, shape), q_side)
-    k_map = lambda i, b, hk: (b, hk, i, 0)
-    outs = [("dk", jax.ShapeDtypeStruct(k.shape, k.dtype), pl.BlockSpec((None, None, blocks.block_k, _rt.pow2(d)), k_map)),
-            ("dv", jax.ShapeDtypeStruct(v.shape, v.dtype), pl.BlockSpec((None, None, blocks.block_k, _rt.pow2(dv)), k_map))]
+    k_map = lambda i, b, hk: (b, i, hk, 0)
+    outs = [("dk", jax.ShapeDtypeStruct(k.shape, k.dtype), pl.BlockSpec((None, blocks.block_k, None, _rt.pow2(d)), k_map)),
+            ("dv", jax.ShapeDtypeStruct(v.shape, v.dtype), pl.BlockSpec((None, blocks.block_k, None, _rt.pow2(dv)), k_map))]
     aliases = {}
     if cfg.bias:  # tiles no program visits stay zero: the output starts as zeros
-        aliases[len(ops.names)] = len(outs)
         dbias_spec = pl.BlockSpec((None, None, groups, sq, blocks.block_k), lambda i, b, hk: (b, hk, 0, 0, i))
+        aliases[len(ops.names)] = len(outs)
         ops.add("dbias_zeros", jnp.zeros(shape, jnp.float32), dbias_spec)
         outs.append(("dbias", jax.ShapeDtypeStruct(shape, jnp.float32), dbias_spec))
     for name in GRAD_PARAMS:
@@ -701,21 +737,22 @@ def _gpu_backward(q, k, v, d_out, lse, delta, ctx, *, cfg, interpret):
     n_q = sq // blocks.block_q
     ops = _gpu_operands("dq", q, k, v, ctx, cfg, scalars, prm, blocks,
                         _gpu_metadata("dq", blocks, ctx, sc, prm, cfg, shape), q_side)
-    q_map = lambda i, b, h: (b, *_head(h, groups), n_q - 1 - i if cfg.causal else i, 0)
+    q_block = lambda i: n_q - 1 - i if cfg.causal else i
     kernel = functools.partial(_gpu_dq_kernel, names=tuple(ops.names), cfg=cfg, blocks=blocks, n_q=n_q, d=d, dv=dv,
                                precision=precision, use_kinds=_runtime_mask(cfg))
     dq = pl.pallas_call(
         kernel,
-        grid=(n_q, batch, kv_heads * groups),
+        grid=(n_q, batch, heads),
         in_specs=ops.specs,
-        out_specs=pl.BlockSpec((None, None, None, blocks.block_q, _rt.pow2(d)), q_map),
+        out_specs=pl.BlockSpec((None, blocks.block_q, None, _rt.pow2(d)), lambda i, b, h: (b, q_block(i), h, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_gpu_params(blocks),
         interpret=interpret,
         name=f"{NAME}_bwd_dq",
     )(*ops.arrays)
     dparams = {name: jnp.sum(grads["dparam_" + name], axis=(0, 1, 2, 3)) for name in GRAD_PARAMS}
-    return dq, grads["dk"], grads["dv"], grads.get("dbias"), dparams
+    dk, dv_ = _from_gpu_layout(grads["dk"]), _from_gpu_layout(grads["dv"])
+    return _from_gpu_layout(dq, groups), dk, dv_, grads.get("dbias"), dparams
 
 
 def _tpu_tile(r, b, h, i_q, i_k, block_q, block_k, cfg):

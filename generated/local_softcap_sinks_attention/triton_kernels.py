@@ -35,6 +35,25 @@ def _load(ptr, m_a, m_b, CHECK: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b in float32. UPCAST (CPU interpreter only) widens bf16 operands first: Triton 3.9's
+    interpreter multiplies the raw bits of bf16 tiles. Exact: bf16 products fit in float32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b, accumulated in place by the tensor cores (UPCAST as in `_dot`)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
@@ -76,7 +95,7 @@ def _to_blocks(lo, hi, flo, fhi, BLOCK: tl.constexpr, n_blocks):
 
 @triton.jit
 def _other_blocks(x0, x1, n_other, I32, BLOCK: tl.constexpr, n_blocks, q_len, kv_len,
-                  X_IS_Q: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr):
+                  X_IS_Q: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Blocks of the other index for the block [x0, x1] of queries (X_IS_Q) or keys."""
     lo = n_other * 0
     hi = n_other - 1
@@ -110,7 +129,7 @@ def _score(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, B: tl.conste
 
 
 @triton.jit
-def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr):
+def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Element mask from causal, window and the spec's mask (segments and dense masks: `_tile_mask`)."""
     vis = (q_idx < q_len) & (kv_idx < kv_len)
     if CAUSAL:  # causal
@@ -125,7 +144,7 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, B: tl.constex
 
 
 @triton.jit
-def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr):
+def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Segment ids and the dense mask. o_m, o_n: query and key rows as broadcastable tiles."""
     if SEGMENTS:
         b_qs = tl.load(QSEG + off_b * SEQ_Q + o_m, mask=o_m < SEQ_Q, other=-1)
@@ -139,14 +158,14 @@ def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B: tl.constexpr, 
 
 @triton.jit
 def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
-            B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr):
+            B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """(s, s_score, x, x_scale) of the tile a @ bt: the logit after bias, after the score hook, and the
     final logit in base 2 as the product x * x_scale (left to the caller to fuse into exp2's argument).
 
     The tile is [queries, keys] or, in the dK/dV kernel, [keys, queries]: every index (q_idx,
     kv_idx, o_m, o_n) is a broadcastable tile in the same orientation.
     """
-    raw = tl.dot(a, bt, input_precision=PRECISION)
+    raw = _dot(a, bt, PRECISION, UPCAST)
     if PLAIN:  # s = scale * q k^T: fold the scale into the exponent
         return raw, raw, raw, scale * LOG2E
     s = raw * scale
@@ -163,7 +182,7 @@ def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, scale, q_idx, o_m, row_k, off_b, off_h, q_len, kv_len,
-               F32, I32, BIAS, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+               F32, I32, BIAS, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr):
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
     for i_n in range(n_lo, n_hi):
@@ -174,10 +193,10 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, scale, q_idx, o_m, row_
         kv_idx = o_pos[None, :]
         o_n = (row_k + o_pos)[None, :]
         _, _, x, x_scale = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
-                                   B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION)
+                                   B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST)
         if MASKED:
-            vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION)
-            vis = _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION)
+            vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST)
+            vis = _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST)
             x = tl.where(vis, x, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, 1) * x_scale)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -187,13 +206,13 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, scale, q_idx, o_m, row_
         p = tl.math.exp2(x * x_scale - m_use[:, None])  # base-2 running max m_i: one FMA per element
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(b_v.dtype), b_v, acc * alpha[:, None], input_precision=PRECISION)
+        acc = _dot_acc(p.to(b_v.dtype), b_v, acc * alpha[:, None], PRECISION, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def _sequence(CU_Q, CU_K, off_b, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr):
+def _sequence(CU_Q, CU_K, off_b, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """(first row of q, first row of k, q_len, kv_len) of the program's sequence."""
     if VARLEN:
         q0 = tl.load(CU_Q + off_b)
@@ -207,7 +226,7 @@ def _sequence(CU_Q, CU_K, off_b, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.cons
 def local_softcap_sinks_attention_fwd_kernel(
     Q, K, V, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, AUX,
     O, LSE,
-    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr,
+    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: less idle tail
@@ -216,7 +235,7 @@ def local_softcap_sinks_attention_fwd_kernel(
     off_b = i_bh // HQ
     off_h = i_bh % HQ
     off_hk = off_h // (HQ // HKV)
-    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION)
+    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST)
     batch = 0 if VARLEN else off_b
     scale = tl.load(F32)
     o_pos = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions in the sequence
@@ -231,17 +250,17 @@ def local_softcap_sinks_attention_fwd_kernel(
     q_idx = o_pos[:, None]
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
-                                     True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION)
+                                     True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
     if i_m * BLOCK_M < q_len:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, flo, scale, q_idx, o_m[:, None], row_k, off_b, off_h, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, True)
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, True)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, False)
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, False)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, fhi, hi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, True)
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, True)
     if SINKS:
         o_s = tl.arange(0, SINKS_PAD)
         b_aux = tl.load(AUX + off_h * N_SINKS + o_s, mask=o_s < N_SINKS, other=float("-inf")) * LOG2E
@@ -261,17 +280,17 @@ def local_softcap_sinks_attention_fwd_kernel(
 
 @triton.jit
 def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
-              F32, I32, BIAS, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+              F32, I32, BIAS, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr):
     """(p, ds1, ds0, s) of one tile, in the orientation of s_a @ s_bt (b_lse, b_delta broadcast to it):
     probabilities, d loss / d score output (before the soft cap's chain rule: after it), d loss / d logit."""
     s, s_score, x, x_scale = _logits(s_a, s_bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
-                                     B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION)
+                                     B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST)
     p = tl.math.exp2(x * x_scale - b_lse)  # b_lse in base 2
     if MASKED:
-        vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION)
-        vis = _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION)
+        vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST)
+        vis = _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST)
         p = tl.where(vis, p, 0.0)
-    dp = tl.dot(dp_a, dp_bt, input_precision=PRECISION)
+    dp = _dot(dp_a, dp_bt, PRECISION, UPCAST)
     ds1 = p * (dp - b_delta)
     if SOFTCAP:
         t = _tanh(s_score / tl.load(F32 + 1))
@@ -286,7 +305,7 @@ def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
 @triton.jit
 def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n, row_q, off_b, off_h,
                 q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK, DBIAS,
-                B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+                B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr):
     """Tiles in [keys, queries] orientation: pT and dsT feed dV and dK without a register transpose."""
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
@@ -302,9 +321,9 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, sca
         o_m = (row_q + o_pos)[None, :]
         pt, ds1, ds0t, s = _bwd_tile(b_k, b_qt, b_v, tl.trans(b_do), b_lse[None, :], b_delta[None, :], scale, q_idx, kv_idx,
                                      o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                     B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, MASKED)  # [BLOCK_N, BLOCK_M]
-        b_dv += tl.dot(pt.to(b_do.dtype), b_do, input_precision=PRECISION)
-        b_dk += tl.dot(ds0t.to(b_qt.dtype), tl.trans(b_qt), input_precision=PRECISION)
+                                     B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, MASKED)  # [BLOCK_N, BLOCK_M]
+        b_dv = _dot_acc(pt.to(b_do.dtype), b_do, b_dv, PRECISION, UPCAST)
+        b_dk = _dot_acc(ds0t.to(b_qt.dtype), tl.trans(b_qt), b_dk, PRECISION, UPCAST)
         if BIAS_ON:
             p_db = DBIAS + ((off_b * HQ + off_h) * SEQ_Q + o_m) * SEQ_K + o_n
             tl.store(p_db, ds0t, mask=(o_m < SEQ_Q) & (o_n < SEQ_K))
@@ -315,7 +334,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, sca
 def local_softcap_sinks_attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K,
     DK, DV_OUT, DBIAS,
-    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr,
+    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One key block of one kv head: dK, dV over every query head of its group (no atomics)."""
     i_n = tl.program_id(0)
@@ -323,7 +342,7 @@ def local_softcap_sinks_attention_bwd_dkdv_kernel(
     off_b = i_bh // HKV
     off_hk = i_bh % HKV
     prog = i_bh * tl.num_programs(0) + i_n
-    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION)
+    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST)
     batch = 0 if VARLEN else off_b
     scale = tl.load(F32)
     o_pos = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -337,7 +356,7 @@ def local_softcap_sinks_attention_bwd_dkdv_kernel(
     kv_idx = o_pos[:, None]
     x1 = tl.minimum(i_n * BLOCK_N + BLOCK_N, kv_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_n * BLOCK_N, x1, q_len, I32, BLOCK_M, tl.cdiv(q_len, BLOCK_M), q_len, kv_len,
-                                     False, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION)
+                                     False, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST)
     if i_n * BLOCK_N + BLOCK_N > kv_len:  # padded keys always need the element mask
         fhi = flo
     b_dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
@@ -352,13 +371,13 @@ def local_softcap_sinks_attention_bwd_dkdv_kernel(
             p_delta = DELTA + q_base
             b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, flo, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
                                      row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                     DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, True)
+                                     DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, True)
             b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, flo, fhi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
                                      row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                     DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, False)
+                                     DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, False)
             b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, fhi, hi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
                                      row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                     DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, True)
+                                     DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, True)
     tl.store(DK + (kv_base + o_n[:, None]) * D + o_d[None, :], (b_dk * scale).to(DK.dtype.element_ty),
              mask=m_n[:, None] & (o_d[None, :] < D))
     tl.store(DV_OUT + (kv_base + o_n[:, None]) * DV + o_dv[None, :], b_dv.to(DV_OUT.dtype.element_ty),
@@ -367,7 +386,7 @@ def local_softcap_sinks_attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, scale, q_idx, o_m, row_k, off_b, off_h, q_len, kv_len,
-              F32, I32, BIAS, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+              F32, I32, BIAS, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr):
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
     for i_n in range(n_lo, n_hi):
@@ -378,8 +397,8 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, scale, q_id
         kv_idx = o_pos[None, :]
         p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_do, b_vt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, (row_k + o_pos)[None, :],
                                    off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                   B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, MASKED)
-        b_dq += tl.dot(ds0.to(b_kt.dtype), tl.trans(b_kt), input_precision=PRECISION)
+                                   B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, MASKED)
+        b_dq = _dot_acc(ds0.to(b_kt.dtype), tl.trans(b_kt), b_dq, PRECISION, UPCAST)
     return b_dq
 
 
@@ -387,7 +406,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, scale, q_id
 def local_softcap_sinks_attention_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K,
     DQ,
-    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr,
+    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: less idle tail
@@ -396,7 +415,7 @@ def local_softcap_sinks_attention_bwd_dq_kernel(
     off_b = i_bh // HQ
     off_h = i_bh % HQ
     off_hk = off_h // (HQ // HKV)
-    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION)
+    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST)
     batch = 0 if VARLEN else off_b
     scale = tl.load(F32)
     o_pos = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -415,17 +434,17 @@ def local_softcap_sinks_attention_bwd_dq_kernel(
     q_idx = o_pos[:, None]
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
-                                     True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION)
+                                     True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST)
     b_dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if i_m * BLOCK_M < q_len:
         b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, scale, q_idx, o_m[:, None], row_k,
                          off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                         B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, True)
+                         B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, True)
         b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, flo, fhi, scale, q_idx, o_m[:, None], row_k,
                          off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                         B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, False)
+                         B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, False)
         b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, fhi, hi, scale, q_idx, o_m[:, None], row_k,
                          off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                         B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, True)
+                         B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, True)
     tl.store(DQ + (q_base + o_m[:, None]) * D + o_d[None, :], (b_dq * scale).to(DQ.dtype.element_ty),
              mask=m_m[:, None] & (o_d[None, :] < D))

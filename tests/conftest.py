@@ -1,0 +1,97 @@
+"""Shared fixtures: the backend list, the jit + vjp harness, a guard against x64 leaking."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import pytest
+
+# The helper modules (oracle, shapes) sit next to the tests; keep them importable under any
+# pytest import mode.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+ON_GPU = jax.default_backend() == "gpu"
+if not ON_GPU:
+    # Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before the
+    # kernels are first imported (Triton decides when a kernel is decorated).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+BACKENDS = ["xla", "triton"]
+"""Backends every conformance test runs on."""
+
+ACCELERATOR_BACKENDS = ("triton", "pallas")
+"""On a GPU these run natively and carry the `gpu` mark (`pytest -m gpu` on the GPU host); on a
+CPU they run in their interpreters."""
+
+INTERPRETED = () if ON_GPU else ACCELERATOR_BACKENDS
+
+
+def backend_cases(cases, ids):
+    """``(backend, case)`` params: every case on XLA and on a GPU; in an interpreter (slow) every
+    other case, picked so that each feature still appears once and shapes keep alternating."""
+    params = []
+    for backend in BACKENDS:
+        for i, (case, case_id) in enumerate(zip(cases, ids)):
+            if backend in INTERPRETED and i % 2 != (i // 2) % 2:
+                continue
+            params.append(pytest.param(backend, case, id=f"{backend}-{case_id}"))
+    return params
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    """The ``platform=`` value of the op under test."""
+    return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a GPU, tests of the accelerator backends are the `gpu` suite."""
+    if not ON_GPU:
+        return
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("backend") in ACCELERATOR_BACKENDS:
+            item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture
+def x64_stays_off():
+    """The oracle enables float64 only inside a context; the op under test must never see it.
+    Modules that use the oracle opt in with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    assert not jax.config.jax_enable_x64, "jax_enable_x64 is on before the test"
+    yield
+    assert not jax.config.jax_enable_x64, "jax_enable_x64 leaked out of the test"
+
+
+def jit_vjp(op, diff: dict, rest: dict, static: dict, d_out, d_lse):
+    """Run ``op(query, key, value, **others, **rest, **static, return_lse=True)`` under
+    ``jax.jit`` and take its vjp with cotangents ``(d_out, d_lse)`` with respect to every entry of
+    ``diff`` (query, key, value, and ``others``: bias, softmax_aux, params, by keyword).
+
+    ``rest`` holds traced non-differentiable arguments (mask_info, cu_seqlens, options); ``static``
+    holds Python values closed over (flags, window, cap, scale, platform, max_seqlen).
+    Returns ``(out, lse, grads)`` with ``grads`` keyed like ``diff``.
+    """
+
+    def call(d, r):
+        d = dict(d)
+        q, k, v = d.pop("query"), d.pop("key"), d.pop("value")
+        return op(q, k, v, **d, **r, **static, return_lse=True)
+
+    @jax.jit
+    def fwd_bwd(d, r, d_out, d_lse):
+        (out, lse), vjp = jax.vjp(lambda d_: call(d_, r), d)
+        (grads,) = vjp((d_out, d_lse))
+        return out, lse, grads
+
+    return fwd_bwd(diff, rest, d_out, d_lse)
+
+
+@pytest.fixture
+def run_vjp():
+    """``jit_vjp`` as a fixture, so test modules need not import this conftest."""
+    return jit_vjp

@@ -1,0 +1,242 @@
+"""Shape registry for attention tests and benchmarks; ids read like ``B2-Sq63-Sk65-H4x2-D48``.
+
+Test shapes stay small (S <= 130, D <= 72, B <= 2) so the CPU suite runs in minutes. Benchmarks
+add their own large shapes here under their own names, with the same classes and ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnShape:
+    """``query [B, Sq, Hq, D], key [B, Sk, Hkv, D], value [B, Sk, Hkv, Dv]``."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None  # None: same as head_dim
+
+    def __post_init__(self):
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"{self.id}: q_heads must be a multiple of kv_heads")
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def id(self) -> str:
+        dv = "" if self.v_head_dim is None else f"-Dv{self.v_head_dim}"
+        return (
+            f"B{self.batch}-Sq{self.q_len}-Sk{self.kv_len}-H{self.q_heads}x{self.kv_heads}"
+            f"-D{self.head_dim}{dv}"
+        )
+
+    def __str__(self) -> str:
+        return self.id
+
+    @property
+    def gqa(self) -> bool:
+        return self.q_heads != self.kv_heads
+
+    @property
+    def odd(self) -> bool:
+        return bool(self.q_len % 2 or self.kv_len % 2)
+
+    @property
+    def query(self) -> tuple:
+        return (self.batch, self.q_len, self.q_heads, self.head_dim)
+
+    @property
+    def key(self) -> tuple:
+        return (self.batch, self.kv_len, self.kv_heads, self.head_dim)
+
+    @property
+    def value(self) -> tuple:
+        return (self.batch, self.kv_len, self.kv_heads, self.dv)
+
+    @property
+    def out(self) -> tuple:
+        return (self.batch, self.q_len, self.q_heads, self.dv)
+
+    @property
+    def lse(self) -> tuple:
+        return (self.batch, self.q_heads, self.q_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenShape:
+    """Packed sequences: ``query [Tq, Hq, D], key [Tk, Hkv, D], value [Tk, Hkv, Dv]``, sequence
+    ``n`` holding ``q_lens[n]`` queries and ``kv_lens[n]`` keys."""
+
+    q_lens: tuple
+    kv_lens: tuple
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+
+    def __post_init__(self):
+        if len(self.q_lens) != len(self.kv_lens):
+            raise ValueError("q_lens and kv_lens must have one entry per sequence")
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"{self.id}: q_heads must be a multiple of kv_heads")
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def id(self) -> str:
+        dv = "" if self.v_head_dim is None else f"-Dv{self.v_head_dim}"
+        q = ".".join(map(str, self.q_lens))
+        k = ".".join(map(str, self.kv_lens))
+        return (
+            f"N{len(self.q_lens)}-q{q}-k{k}-H{self.q_heads}x{self.kv_heads}-D{self.head_dim}{dv}"
+        )
+
+    def __str__(self) -> str:
+        return self.id
+
+    @property
+    def gqa(self) -> bool:
+        return self.q_heads != self.kv_heads
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def total_kv(self) -> int:
+        return sum(self.kv_lens)
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(self.q_lens)
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return max(self.kv_lens)
+
+    @property
+    def cu_seqlens_q(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int32)
+
+    @property
+    def cu_seqlens_k(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.kv_lens)]).astype(np.int32)
+
+    @property
+    def query(self) -> tuple:
+        return (self.total_q, self.q_heads, self.head_dim)
+
+    @property
+    def key(self) -> tuple:
+        return (self.total_kv, self.kv_heads, self.head_dim)
+
+    @property
+    def value(self) -> tuple:
+        return (self.total_kv, self.kv_heads, self.dv)
+
+    @property
+    def out(self) -> tuple:
+        return (self.total_q, self.q_heads, self.dv)
+
+    @property
+    def lse(self) -> tuple:
+        return (self.q_heads, self.total_q)
+
+
+# Shapes where Hq != Hkv (GQA, MQA).
+GQA_SHAPES = (
+    AttnShape(2, 63, 65, 4, 2, 48),  # odd, Sq < Sk
+    AttnShape(1, 97, 61, 4, 1, 72),  # odd, Sq > Sk (causal leaves rows empty), MQA, D = 72
+    AttnShape(1, 1, 77, 4, 2, 48),  # a single query
+    AttnShape(1, 128, 128, 6, 2, 64),  # block aligned, group of 3
+)
+
+# Shapes where Hq == Hkv.
+MHA_SHAPES = (
+    AttnShape(2, 45, 45, 2, 2, 72, 40),  # odd, square, Dv != D
+    AttnShape(1, 33, 1, 2, 2, 16),  # a single key, Sq > Sk
+    AttnShape(2, 17, 130, 3, 3, 32),  # Sq << Sk
+    AttnShape(1, 1, 1, 1, 1, 8),  # one query, one key
+)
+
+VARLEN_SHAPES = (
+    VarlenShape((5, 0, 17, 1), (7, 0, 21, 4), 4, 2, 48),  # an empty sequence, GQA
+    VarlenShape((13, 9, 0, 30), (13, 0, 11, 25), 2, 2, 72, 40),  # queries with no keys; Dv != D
+    VarlenShape((31, 2), (3, 40), 4, 1, 32),  # MQA, Sq > Sk and Sq < Sk in one batch
+)
+
+SHAPES = {s.id: s for s in GQA_SHAPES + MHA_SHAPES + VARLEN_SHAPES}
+"""Every registered shape by id."""
+
+DTYPE_IDS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+"""How a dtype reads in a test id (``B2-Sq63-Sk65-H4x2-D48-bf16``)."""
+
+
+def rng_for(*parts) -> np.random.Generator:
+    """A generator seeded from readable parts (a test id), the same on every run."""
+    return np.random.default_rng(zlib.crc32("/".join(map(str, parts)).encode()))
+
+
+def random_qkv(shape: AttnShape | VarlenShape, dtype: str, rng: np.random.Generator) -> dict:
+    """Standard-normal ``query, key, value`` of ``shape`` in ``dtype``, as jax arrays by name."""
+    return {
+        name: jnp.asarray(rng.standard_normal(getattr(shape, name)), dtype=dtype)
+        for name in ("query", "key", "value")
+    }
+
+
+def random_cotangents(shape: AttnShape | VarlenShape, dtype: str, rng: np.random.Generator):
+    """``(d_out, d_lse)``: standard normal in ``dtype``, and float32 uniform in [0.5, 1.5].
+
+    The lse cotangent is positive and away from 0. The gradient of a sink (or of a head's row of
+    a param) sums ``p_sink · (d_lse - delta)`` over every query row; with random signs those
+    terms cancel (by 400x in one registry case) and the float32 reduction error, relative to the
+    small sum, exceeds any sensible tolerance. And for a query with a single visible key the lse
+    path alone carries the gradient, which a near-zero draw would reduce to rounding noise.
+    """
+    d_out = jnp.asarray(rng.standard_normal(shape.out), dtype)
+    d_lse = jnp.asarray(rng.uniform(0.5, 1.5, size=shape.lse), jnp.float32)
+    return d_out, d_lse
+
+
+def random_sinks(kind: str, q_heads: int, rng: np.random.Generator):
+    """float32 ``softmax_aux`` of one of the three shapes of DESIGN §3, around 1.0 so that the
+    sinks take a visible share of the mass: ``"h"`` [Hq], ``"hn"`` [Hq, 2], ``"n"`` [Hq + 1]
+    (shared by every head; one longer than Hq so that it cannot read as [Hq])."""
+    shape = {"h": (q_heads,), "hn": (q_heads, 2), "n": (q_heads + 1,)}[kind]
+    return jnp.asarray(rng.standard_normal(shape) + 1.0, jnp.float32)
+
+
+def packed_segments(batch: int, length: int, rng) -> np.ndarray:
+    """int32 [batch, length]: up to three contiguous segments, then -1 padding (when length > 1)."""
+    ids = np.full((batch, length), -1, np.int32)
+    for b in range(batch):
+        pad = int(rng.integers(1, length // 6 + 2)) if length > 1 else 0
+        n = length - pad
+        cuts = np.arange(1, n)
+        cuts = np.sort(rng.choice(cuts, size=min(2, n - 1), replace=False)) if n > 1 else []
+        ids[b, :n] = np.searchsorted(cuts, np.arange(n), side="right")
+    return ids
+
+
+def random_mask(shape: tuple, rng) -> np.ndarray:
+    """bool mask, True = visible; query 0 sees nothing and the last key is seen by nobody."""
+    mask = rng.random(shape) < 0.75
+    if shape[-2] > 1:
+        mask[..., 0, :] = False
+    if shape[-1] > 1:
+        mask[..., -1] = False
+    return mask

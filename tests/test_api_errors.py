@@ -1,0 +1,239 @@
+"""Bad runtime input gives one clear error naming the argument (DESIGN §5): ValueError for a bad
+value or shape, TypeError naming the spec for an argument a variant does not accept, and for a
+missing required param."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+B, SQ, SK, HQ, HKV, D = 2, 9, 11, 4, 2, 8
+
+
+def _flash_attention():
+    from ejgen.ops import flash_attention
+
+    return flash_attention
+
+
+def _variant(name: str):
+    return getattr(importlib.import_module("ejgen.generated"), name)
+
+
+def _mask_info():
+    from ejgen.types import MaskInfo
+
+    return MaskInfo
+
+
+def _arr(*shape, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(len(shape)).standard_normal(shape), dtype)
+
+
+def _qkv():
+    return _arr(B, SQ, HQ, D), _arr(B, SK, HKV, D), _arr(B, SK, HKV, D)
+
+
+def _varlen_qkv():
+    return _arr(10, HQ, D), _arr(12, HKV, D), _arr(12, HKV, D)
+
+
+CU_Q = jnp.asarray([0, 4, 10], jnp.int32)
+CU_K = jnp.asarray([0, 7, 12], jnp.int32)
+
+
+def _names_all(exc_info, *names):
+    message = str(exc_info.value)
+    for name in names:
+        assert re.search(rf"\b{re.escape(name)}\b", message), f"{name!r} not in: {message}"
+
+
+def _bad_inputs():
+    """(id, arguments to replace or add, a word the message must contain)."""
+    q, k, v = _qkv()
+    MaskInfo = _mask_info()
+    return {
+        "query-rank": (dict(query=q[0]), "query"),
+        "key-rank": (dict(key=k[..., None]), "key"),
+        "value-rank": (dict(value=v[0]), "value"),
+        "heads-not-divisible": (dict(key=_arr(B, SK, 3, D), value=_arr(B, SK, 3, D)), "key"),
+        "head-dim-q-vs-k": (dict(key=_arr(B, SK, HKV, D + 1)), "key"),
+        "value-vs-key-length": (dict(value=_arr(B, SK + 1, HKV, D)), "value"),
+        "value-vs-key-heads": (dict(value=_arr(B, SK, HKV * 2, D)), "value"),
+        "int-query": (dict(query=jnp.ones((B, SQ, HQ, D), jnp.int32)), "query"),
+        "batch-mismatch": (dict(key=_arr(B + 1, SK, HKV, D), value=_arr(B + 1, SK, HKV, D)), "key"),
+        "softmax_aux-rank": (dict(softmax_aux=_arr(HQ, 2, 1)), "softmax_aux"),
+        "softmax_aux-heads": (dict(softmax_aux=_arr(HQ + 1, 2)), "softmax_aux"),
+        "bias-rank": (dict(bias=_arr(SQ, SK)), "bias"),
+        "bias-kv-len": (dict(bias=_arr(B, HQ, SQ, SK + 1)), "bias"),
+        "bias-heads": (dict(bias=_arr(1, HQ + 1, SQ, SK)), "bias"),
+        "bias-batch": (dict(bias=_arr(B + 1, 1, SQ, SK)), "bias"),
+        "segment-ids-q-len": (
+            dict(mask_info=lambda: MaskInfo.from_segments(
+                jnp.zeros((B, SQ + 1), jnp.int32), jnp.zeros((B, SK), jnp.int32))),
+            "segment",
+        ),
+        "segment-ids-kv-len": (
+            dict(mask_info=lambda: MaskInfo.from_segments(
+                jnp.zeros((B, SQ), jnp.int32), jnp.zeros((B, SK - 1), jnp.int32))),
+            "segment",
+        ),
+        "segment-ids-default-kv-with-sq-ne-sk": (
+            dict(mask_info=lambda: MaskInfo.from_segments(jnp.zeros((B, SQ), jnp.int32))),
+            "segment",
+        ),
+        "attention-mask-shape": (
+            dict(mask_info=lambda: MaskInfo.from_attention_mask(jnp.ones((B, SQ, SK + 2), bool))),
+            "mask",
+        ),
+        "platform-unknown": (dict(platform="no_such_backend"), "platform"),
+    }
+
+
+BAD_INPUT_IDS = [
+    "query-rank", "key-rank", "value-rank", "heads-not-divisible", "head-dim-q-vs-k",
+    "value-vs-key-length", "value-vs-key-heads", "int-query", "batch-mismatch",
+    "softmax_aux-rank", "softmax_aux-heads", "bias-rank", "bias-kv-len", "bias-heads",
+    "bias-batch", "segment-ids-q-len", "segment-ids-kv-len",
+    "segment-ids-default-kv-with-sq-ne-sk", "attention-mask-shape", "platform-unknown",
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUT_IDS)
+def test_bad_input_raises_value_error_naming_the_argument(case):
+    op = _flash_attention()
+    q, k, v = _qkv()
+    args, word = _bad_inputs()[case]
+    kwargs = dict(query=q, key=k, value=v)
+    with pytest.raises(ValueError, match=rf"(?i){re.escape(word)}") as info:
+        # The MaskInfo is built inside: a constructor that checks shapes may raise as well.
+        kwargs.update({n: a() if callable(a) else a for n, a in args.items()})
+        op(kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value"), **kwargs)
+    if case == "platform-unknown":
+        assert "xla" in str(info.value), "the error must say which platforms are available"
+
+
+def test_bad_input_ids_match_the_table():
+    assert set(BAD_INPUT_IDS) == set(_bad_inputs())
+
+
+VARLEN_BAD = {
+    "cu_seqlens_q-without-max_seqlen_q": (dict(max_seqlen_q=None), "max_seqlen_q"),
+    "cu_seqlens_k-without-max_seqlen_k": (dict(max_seqlen_k=None), "max_seqlen_k"),
+    "cu_seqlens_q-without-cu_seqlens_k": (dict(cu_seqlens_k=None), "cu_seqlens_k"),
+    "cu_seqlens_q-float": (dict(cu_seqlens_q=CU_Q.astype(jnp.float32)), "cu_seqlens_q"),
+    "cu_seqlens_k-rank": (dict(cu_seqlens_k=CU_K[None]), "cu_seqlens_k"),
+    "cu_seqlens-count-mismatch": (dict(cu_seqlens_k=jnp.asarray([0, 12], jnp.int32)), "cu_seqlens"),
+    "varlen-query-rank": (dict(query=_arr(1, 10, HQ, D)), "query"),
+}
+
+
+@pytest.mark.parametrize("case", VARLEN_BAD.values(), ids=VARLEN_BAD.keys())
+def test_bad_varlen_input_raises_value_error(case):
+    op = _flash_attention()
+    q, k, v = _varlen_qkv()
+    args, word = case
+    kwargs = dict(
+        query=q, key=k, value=v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, max_seqlen_q=6,
+        max_seqlen_k=7,
+    )
+    kwargs.update(args)
+    with pytest.raises(ValueError, match=re.escape(word)):
+        op(kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value"), **kwargs)
+
+
+def _variant_args(name):
+    q, k, v = _qkv()
+    params = {
+        "alibi_attention": {"slopes": _arr(HQ)},
+        "relative_bias_attention": {"rel_table": _arr(HQ, 33)},
+        "local_softcap_sinks_attention": {"softmax_aux": _arr(HQ)},
+        "prefix_lm_attention": {},
+    }[name]
+    return (q, k, v), params
+
+
+UNSUPPORTED = {
+    "alibi-bias": ("alibi_attention", "bias", lambda: _arr(1, HQ, SQ, SK)),
+    "alibi-softmax_aux": ("alibi_attention", "softmax_aux", lambda: _arr(HQ)),
+    "alibi-sliding_window": ("alibi_attention", "sliding_window", lambda: 4),
+    "alibi-logits_soft_cap": ("alibi_attention", "logits_soft_cap", lambda: 5.0),
+    "alibi-cu_seqlens_q": ("alibi_attention", "cu_seqlens_q", lambda: CU_Q),
+    "local-causal": ("local_softcap_sinks_attention", "causal", lambda: True),
+    "local-sliding_window": ("local_softcap_sinks_attention", "sliding_window", lambda: 8),
+    "local-logits_soft_cap": ("local_softcap_sinks_attention", "logits_soft_cap", lambda: 5.0),
+    "local-mask_info": (
+        "local_softcap_sinks_attention", "mask_info",
+        lambda: _mask_info().from_segments(
+            jnp.zeros((B, SQ), jnp.int32), jnp.zeros((B, SK), jnp.int32)
+        ),
+    ),
+    "prefix_lm-causal": ("prefix_lm_attention", "causal", lambda: True),
+    "prefix_lm-bias": ("prefix_lm_attention", "bias", lambda: _arr(1, HQ, SQ, SK)),
+    "relative_bias-softmax_aux": ("relative_bias_attention", "softmax_aux", lambda: _arr(HQ)),
+    "relative_bias-sliding_window": ("relative_bias_attention", "sliding_window", lambda: (4, 0)),
+    "relative_bias-slopes": ("relative_bias_attention", "slopes", lambda: _arr(HQ)),
+    "alibi-prefix_len": ("alibi_attention", "prefix_len", lambda: 3),
+}
+
+
+@pytest.mark.parametrize("case", UNSUPPORTED.values(), ids=UNSUPPORTED.keys())
+def test_variant_rejects_an_argument_its_spec_lacks(case):
+    name, arg, value = case
+    op = _variant(name)
+    (q, k, v), params = _variant_args(name)
+    with pytest.raises(TypeError) as info:
+        op(q, k, v, **params, **{arg: value()})
+    _names_all(info, name, arg)
+
+
+def test_flash_attention_rejects_a_variant_param():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError) as info:
+        _flash_attention()(q, k, v, slopes=_arr(HQ))
+    _names_all(info, "flash_attention", "slopes")
+
+
+MISSING = {
+    "alibi-slopes": ("alibi_attention", "slopes"),
+    "relative_bias-rel_table": ("relative_bias_attention", "rel_table"),
+    "local-softmax_aux": ("local_softcap_sinks_attention", "softmax_aux"),
+}
+
+
+@pytest.mark.parametrize("case", MISSING.values(), ids=MISSING.keys())
+def test_variant_requires_its_params(case):
+    name, arg = case
+    op = _variant(name)
+    (q, k, v), params = _variant_args(name)
+    del params[arg]
+    with pytest.raises(TypeError) as info:
+        op(q, k, v, **params)
+    _names_all(info, arg)
+
+
+WRONG_PARAM = {
+    "alibi-slopes-len": ("alibi_attention", "slopes", lambda: _arr(HQ + 1)),
+    "alibi-slopes-rank": ("alibi_attention", "slopes", lambda: _arr(HQ, 1)),
+    "relative_bias-rel_table-cols": ("relative_bias_attention", "rel_table", lambda: _arr(HQ, 32)),
+    "relative_bias-rel_table-heads": (
+        "relative_bias_attention", "rel_table", lambda: _arr(HKV, 33)
+    ),
+    "local-softmax_aux-heads": (
+        "local_softcap_sinks_attention", "softmax_aux", lambda: _arr(HQ + 1, 2)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", WRONG_PARAM.values(), ids=WRONG_PARAM.keys())
+def test_variant_param_of_wrong_shape(case):
+    name, arg, value = case
+    op = _variant(name)
+    (q, k, v), params = _variant_args(name)
+    params[arg] = value()
+    with pytest.raises(ValueError, match=re.escape(arg)):
+        op(q, k, v, **params)
