@@ -61,7 +61,7 @@ def _time(fn, args, reps: int) -> float:
     return statistics.median(samples)
 
 
-def run_case(s, d, causal, window, reps):
+def run_case(s, d, causal, window, reps, only=None):
     b = TOKENS // s
     keys = jax.random.split(jax.random.PRNGKey(s * 7 + d), 4)
     q, k, v = (jax.random.normal(kk, (b, s, HEADS, d), jnp.bfloat16) for kk in keys[:3])
@@ -69,6 +69,8 @@ def run_case(s, d, causal, window, reps):
     flops_fwd = 4.0 * b * HEADS * d * _visible_pairs(s, causal, window)
     rows = []
     for name, f in _impls(causal, window).items():
+        if only and name not in only:
+            continue
         fwd = jax.jit(f)
 
         def loss(q, k, v, f=f):
@@ -127,10 +129,12 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="head dim 128, S 4k and 16k, and the window case")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--impls", default="", help="comma-separated subset, e.g. ejgen-triton,cudnn (default: all)")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("benchmarks/attention.py needs an NVIDIA GPU", file=sys.stderr)
         return 2
+    only = set(filter(None, args.impls.split(",")))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0].device_kind
@@ -140,9 +144,9 @@ def main(argv=None) -> int:
     for d in dims:
         for s in seqs:
             for causal in (False, True):
-                rows += run_case(s, d, causal, None, args.reps)
-                print(table(rows[-8:]).split("\n", 2)[2], flush=True)
-    rows += run_case(16384, 128, True, (1024, 0), args.reps)
+                rows += run_case(s, d, causal, None, args.reps, only)
+                print(table(rows[-2 * (len(only) or 5):]).split("\n", 2)[2], flush=True)
+    rows += run_case(16384, 128, True, (1024, 0), args.reps, only)
     text = f"Device: {device}; jax {jax.__version__}; bf16, B*S = {TOKENS}, H = {HEADS}\n\n{table(rows)}\n"
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
