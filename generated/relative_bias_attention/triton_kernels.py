@@ -326,7 +326,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, sca
         # d score / d rel_table[h, ((kv_idx - q_idx) + 16)] = bias_scale
         c = ds1 * _dscore_d0(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_rel_table, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N)
         pos = tl.minimum(tl.maximum(kv_idx - q_idx + 16, 0), 32)
-        for i_p in range(33):
+        for i_p in tl.range(33, num_stages=1):  # a reduction per table entry: nothing to pipeline
             p_dparam = DPARAM_rel_table + prog * (HQ * 33) + (tl.minimum(tl.maximum(off_h, 0), HQ - 1) * (33)) + i_p * (1)
             tl.store(p_dparam, tl.load(p_dparam) + tl.sum(tl.sum(tl.where(pos == i_p, c, 0.0), 1), 0))
     return b_dk, b_dv
