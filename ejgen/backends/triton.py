@@ -207,6 +207,9 @@ def template_context(plan: AttentionPlan) -> dict:
         "mask_bindings": [] if spec_mask is None else _bindings([spec_mask], variant),
         "runtime_mask_from_spec": plan.mask.needs_block_mask,
         "score_is_identity_py": repr(plan.score_is_identity),
+        "gathers_by_position": repr(any(
+            isinstance(n, ParamRef) and any(_positional(i) for i in n.indices)
+            for e in [plan.score, plan.variant.mask] for n in walk(e))),
         "f32_options": [n for n in f32[2:]],
         "i32_options": [n for n in i32[2:]],
         "params": [{"name": p.name, "dtype": p.dtype} for p in variant.params],

@@ -30,6 +30,7 @@ class Layout:
     grad_params: tuple
     runtime_mask_from_spec: bool
     score_is_identity: bool
+    gathers_by_position: bool  # the score reads a param tile by position (a gather in every block)
 
     def kernels(self):
         return importlib.import_module(self.kernel_module)
@@ -44,6 +45,15 @@ def _pow2(n):
     while p < n:
         p *= 2
     return p
+
+
+def _config(layout: Layout, pass_: str, head_dim: int, bits: int) -> triton_configs.KernelConfig:
+    conf = triton_configs.pick(_arch(), pass_, head_dim, bits)
+    if layout.gathers_by_position and conf.num_stages > 1:
+        # Triton 3.6 multi-buffers the gathered [BLOCK_M, BLOCK_N] float32 tile in shared memory
+        # with the K/V tiles (240 KB at 128x128, 3 stages: over the limit): do not pipeline.
+        conf = dataclasses.replace(conf, num_stages=1)
+    return conf
 
 
 def _arch():
@@ -114,7 +124,7 @@ def _grid_batch(q, ctx, cfg):
 def _forward(layout: Layout, q, k, v, ctx, cfg):
     batch, hkv, groups, sq, d = q.shape
     hq, dv = hkv * groups, v.shape[-1]
-    conf = triton_configs.pick(_arch(), "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8)
+    conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8)
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
     _, longest = _rows(cfg, True)
@@ -139,7 +149,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     common = [q4, k, v, do4, lse3, delta3, *scalars, *features, params]
     n_seq = _grid_batch(q, ctx, cfg)
 
-    conf = triton_configs.pick(_arch(), "dkdv", max(d, dv), bits)
+    conf = _config(layout, "dkdv", max(d, dv), bits)
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
     _, longest_k = _rows(cfg, False)
     grid = (max(_cdiv(longest_k, conf.block_n), 1), n_seq * hkv)
@@ -154,7 +164,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
         getattr(kernels, f"{layout.name}_bwd_dkdv_kernel"), grid, inputs, outs, zeroed=zeroed,
         num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
 
-    conf = triton_configs.pick(_arch(), "dq", max(d, dv), bits)
+    conf = _config(layout, "dq", max(d, dv), bits)
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
     _, longest_q = _rows(cfg, True)
     grid = (max(_cdiv(longest_q, conf.block_m), 1), n_seq * hq)

@@ -17,6 +17,7 @@ LAYOUT = triton_attention.Layout(
     grad_params=(),
     runtime_mask_from_spec=False,
     score_is_identity=True,
+    gathers_by_position=False,
 )
 
 

@@ -17,6 +17,7 @@ LAYOUT = triton_attention.Layout(
     grad_params=("rel_table", ),
     runtime_mask_from_spec=False,
     score_is_identity=False,
+    gathers_by_position=True,
 )
 
 
