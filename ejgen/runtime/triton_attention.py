@@ -146,7 +146,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     q4, do4 = q.reshape(batch, hq, sq, d), d_out.reshape(batch, hq, sq, dv)
     lse3, delta3 = lse.reshape(batch, hq, sq), delta.reshape(batch, hq, sq)
     kernels = layout.kernels()
-    common = [q4, k, v, do4, lse3, delta3, *scalars, *features, params]
+    inputs = [q4, k, v, do4, lse3, delta3, *scalars, *features, *params]
     n_seq = _grid_batch(q, ctx, cfg)
 
     conf = _config(layout, "dkdv", max(d, dv), bits)
@@ -159,7 +159,6 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32)]
     outs += [jax.ShapeDtypeStruct((n_prog, ctx[f"param_{p}"].size), jnp.float32) for p in layout.grad_params]
     zeroed = tuple(range(len(outs))) if cfg.varlen else tuple(range(2, len(outs)))
-    inputs = common[:-1] + params
     dk, dv_, dbias, *dparams = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dkdv_kernel"), grid, inputs, outs, zeroed=zeroed,
         num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
