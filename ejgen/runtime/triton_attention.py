@@ -110,11 +110,11 @@ def _constexprs(layout, q, k, v, ctx, cfg, block_m, block_n, bias, mask, aux):
     )
 
 
-def _rows(cfg, q_side: bool):
-    """(sequences, longest sequence) that the grid covers."""
+def _longest(cfg, q_side: bool) -> int:
+    """The longest query (or key) sequence: the grid's extent along the sequence."""
     if cfg.varlen:
-        return None, cfg.max_seqlen_q if q_side else cfg.max_seqlen_k
-    return None, cfg.seq_q if q_side else cfg.seq_k
+        return cfg.max_seqlen_q if q_side else cfg.max_seqlen_k
+    return cfg.seq_q if q_side else cfg.seq_k
 
 
 def _grid_batch(q, ctx, cfg):
@@ -127,7 +127,7 @@ def _forward(layout: Layout, q, k, v, ctx, cfg):
     conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8)
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
-    _, longest = _rows(cfg, True)
+    longest = _longest(cfg, True)
     grid = (max(_cdiv(longest, conf.block_m), 1), _grid_batch(q, ctx, cfg) * hq)
     outs = [jax.ShapeDtypeStruct((batch, hq, sq, dv), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32)]
     kernel = getattr(layout.kernels(), f"{layout.name}_fwd_kernel")
@@ -151,7 +151,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
 
     conf = _config(layout, "dkdv", max(d, dv), bits)
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
-    _, longest_k = _rows(cfg, False)
+    longest_k = _longest(cfg, False)
     grid = (max(_cdiv(longest_k, conf.block_n), 1), n_seq * hkv)
     n_prog = grid[0] * grid[1]
     dbias_shape = (batch, hq, sq, sk) if cfg.bias else (1,)
@@ -165,7 +165,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
 
     conf = _config(layout, "dq", max(d, dv), bits)
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
-    _, longest_q = _rows(cfg, True)
+    longest_q = _longest(cfg, True)
     grid = (max(_cdiv(longest_q, conf.block_m), 1), n_seq * hq)
     (dq,) = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid, inputs,
