@@ -160,6 +160,8 @@ LOWERINGS = (
     Lowering("flash_attention", (("causal", True),), ("softmax_aux",), varlen=True),
     Lowering("relative_bias_attention", (("causal", True),), ("rel_table",)),
     Lowering("alibi_attention", (), ("slopes",)),
+    Lowering("prefix_lm_attention", (), ("softmax_aux",)),
+    Lowering("local_softcap_sinks_attention", (), ("softmax_aux",)),
 )
 B, S, HQ, HKV, D = 2, 384, 4, 2, 64  # three TPU blocks of 128, a GPU grid of several blocks
 
