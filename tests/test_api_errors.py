@@ -237,3 +237,24 @@ def test_variant_param_of_wrong_shape(case):
     params[arg] = value()
     with pytest.raises(ValueError, match=re.escape(arg)):
         op(q, k, v, **params)
+
+
+@pytest.mark.parametrize(
+    "cu, longest, match",
+    [
+        ([0, 4, 10], 5, "max_seqlen_q=5 is shorter than a sequence of cu_seqlens_q"),
+        ([0, 5, 4], 9, "cu_seqlens_q must start at 0, never decrease"),
+        ([1, 4, 10], 9, "cu_seqlens_q must start at 0"),
+        ([0, 4, 11], 9, "end at most at the 10 tokens"),
+    ],
+    ids=["max-too-short", "decreasing", "not-from-zero", "past-the-tokens"],
+)
+def test_concrete_cu_seqlens_are_checked(cu, longest, match):
+    """Outside jit the offsets are concrete: the op checks them against the tokens and max_seqlen."""
+    from ejgen.ops import flash_attention
+
+    q = jnp.ones((10, 2, 16), jnp.float32)
+    cu = jnp.asarray(cu, jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=jnp.asarray([0, 4, 10], jnp.int32),
+                        max_seqlen_q=longest, max_seqlen_k=10, platform="xla")

@@ -13,6 +13,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ejgen.runtime.config import AttentionConfig
 from ejgen.types import MaskInfo
@@ -310,6 +311,8 @@ def _varlen(spec, cu_q, cu_k, max_q, max_k, tq, tk):
     for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
         if m is None or isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"{spec.name}(): {name} must be a non-negative Python int with cu_seqlens, got {m!r}")
+    _check_concrete_cu_seqlens(spec, cu_q, "cu_seqlens_q", max_q, tq)
+    _check_concrete_cu_seqlens(spec, cu_k, "cu_seqlens_k", max_k, tk)
     q_seq, q_pos, q_len = _tokens(cu_q, tq)
     kv_seq, kv_pos, _ = _tokens(cu_k, tk)
     kv_lens = cu_k[1:] - cu_k[:-1]
@@ -319,6 +322,23 @@ def _varlen(spec, cu_q, cu_k, max_q, max_k, tq, tk):
         "q_seg": q_seq[None], "kv_seg": kv_seq[None], "q_pos": q_pos[None], "kv_pos": kv_pos[None],
         "q_lens": q_len[None], "kv_lens": kv_len_of_q[None],
     }
+
+
+def _check_concrete_cu_seqlens(spec, cu, name, longest, total):
+    """Where cu_seqlens is a concrete array (not traced under jit), check it fully: non-decreasing
+    from 0, within the tokens, no sequence longer than max_seqlen (the kernels' grid extent)."""
+    try:
+        values = np.asarray(cu)
+    except jax.errors.TracerArrayConversionError:
+        return
+    max_name = "max_seqlen_q" if name.endswith("_q") else "max_seqlen_k"
+    lengths = np.diff(values)
+    if values[0] != 0 or np.any(lengths < 0) or values[-1] > total:
+        raise ValueError(f"{spec.name}(): {name} must start at 0, never decrease and end at most at the "
+                         f"{total} tokens given, got {values.tolist()}")
+    if lengths.size and lengths.max() > longest:
+        raise ValueError(f"{spec.name}(): {max_name}={longest} is shorter than a sequence of {name} "
+                         f"({int(lengths.max())} tokens)")
 
 
 def _tokens(cu, total):
