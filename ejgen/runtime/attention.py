@@ -57,17 +57,23 @@ def _setting_text(setting) -> str:
     return str(setting)
 
 
+_AUTO_ORDER = {"gpu": ("triton", "pallas", "xla"), "tpu": ("pallas", "xla")}
+
+
 def choose_platform(spec: SpecInfo, platform: str, backends: dict) -> str:
     """The backend to run: ``platform`` when available, else why not; ``auto`` picks by device."""
     known = ("auto", "triton", "pallas", "xla")
     if platform not in known:
         raise ValueError(f"{spec.name}(): platform must be one of {', '.join(known)}, got {platform!r}")
     if platform == "auto":
-        kind = jax.default_backend()
-        preferred = {"gpu": "triton", "cuda": "triton", "tpu": "pallas"}.get(kind)
-        if preferred in backends and backends[preferred].available()[0]:
-            return preferred
-        return "xla"
+        order = _AUTO_ORDER.get(jax.default_backend(), ("xla", "pallas", "triton"))
+        reasons = []
+        for name in (b for b in order if b in backends):
+            ok, why = backends[name].available()
+            if ok:
+                return name
+            reasons.append(f"{name}: {why}")
+        raise RuntimeError(f"{spec.name}(): no generated backend can run here ({'; '.join(reasons)})")
     if platform not in backends:
         raise ValueError(f"{spec.name}(): platform '{platform}' was not generated for this spec "
                          f"(backends: {', '.join(backends)}; see {spec.path})")
