@@ -19,7 +19,7 @@ def describe(plan: AttentionPlan) -> str:
     v = plan.variant
     lines = [
         f"{v.name} ({v.family}; modes {', '.join(v.modes)}; backends {', '.join(v.backends)})",
-        f"  query [B, Sq, Hq, D], key [B, Sk, Hkv, D], value [B, Sk, Hkv, Dv] -> out [B, Sq, Hq, Dv], lse [B, Hq, Sq]",
+        "  query [B, Sq, Hq, D], key [B, Sk, Hkv, D], value [B, Sk, Hkv, Dv] -> out [B, Sq, Hq, Dv], lse [B, Hq, Sq]",
         f"  features: {', '.join(_feature(f) for f in v.features) or 'none'}",
     ]
     for p in v.params:

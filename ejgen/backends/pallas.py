@@ -10,7 +10,8 @@ dim (``_rt.gather``), so that Mosaic and Triton both lower it; its gradient is s
 
 from __future__ import annotations
 
-from ejgen.backends.xla import JnpPrinter, _affine_expr
+from ejgen.backends.constraints import range_constraints
+from ejgen.backends.xla import JnpPrinter
 from ejgen.errors import SpecError
 from ejgen.ir.expr import Expr, ParamRef, Var, to_text, walk
 from ejgen.ir.plan import AttentionPlan
@@ -96,15 +97,7 @@ def template_context(plan: AttentionPlan) -> dict:
     hook = KernelPrinter(names, params)
     scalar = KernelPrinter({**names, "q_len": "cfg.seq_q", "kv_len": "cfg.seq_k"}, params)
 
-    builtin = [
-        {"guard": c.guard, "text": c.affine.source, "element_code": hook(_affine_expr(c.affine.a, c.affine.b, c.affine.c)),
-         "a": c.affine.a, "b": c.affine.b, "c_code": scalar(c.affine.c)}
-        for c in plan.builtin_constraints
-    ]
-    spec_ranges = [
-        {"guard": "True", "text": f"spec mask: {c.source}", "a": c.a, "b": c.b, "c_code": scalar(c.c)}
-        for c in plan.mask.constraints
-    ]
+    builtin, spec_ranges = range_constraints(plan, hook, scalar)
     param_grads = []
     for i, g in enumerate(plan.param_grads):
         codes, pos = hook.indices(g.ref)

@@ -9,7 +9,7 @@ from ``PARAM_<name>`` with row-major offsets.
 from __future__ import annotations
 
 from ejgen.backends.printer import Printer
-from ejgen.backends.xla import _affine_expr
+from ejgen.backends.constraints import range_constraints
 from ejgen.errors import SpecError
 from ejgen.ir.expr import Binary, Const, Expr, ParamRef, Var, to_text, walk
 from ejgen.ir.plan import AttentionPlan
@@ -164,18 +164,10 @@ def template_context(plan: AttentionPlan) -> dict:
     dims = ["B", "HQ", "HKV", "SEQ_Q", "SEQ_K", "D", "DV", "D_PAD", "DV_PAD", "BLOCK_M", "BLOCK_N"]
     flags = ["CAUSAL", "WINDOW", "SOFTCAP", "SINKS", "N_SINKS", "SINKS_PAD", "BIAS_ON", "BIAS_BATCH", "BIAS_HEADS",
              "SEGMENTS", "DENSE", "MASK_HEADS", "VARLEN", "RUNTIME_MASK", "STAGED", "PLAIN", "PRECISION", "UPCAST"]
-    builtin = []
-    for c in plan.builtin_constraints:
-        expr = _affine_expr(c.affine.a, c.affine.b, c.affine.c)
-        builtin.append({
-            "guard": c.guard.replace("cfg.causal", "CAUSAL").replace("cfg.window", "WINDOW").replace("not ", "not "),
-            "text": c.affine.source,
-            "element_code": printer(expr),
-            "bindings": _bindings([expr], variant),
-            "a": c.affine.a, "b": c.affine.b, "c_code": printer(c.affine.c),
-        })
-    spec_ranges = [{"guard": "True", "text": f"spec mask: {c.source}", "a": c.a, "b": c.b, "c_code": printer(c.c)}
-                   for c in plan.mask.constraints]
+    builtin, spec_ranges = range_constraints(
+        plan, printer, printer, guard=lambda g: g.replace("cfg.causal", "CAUSAL").replace("cfg.window", "WINDOW"))
+    for c in builtin:
+        c["bindings"] = _bindings([c["expr"]], variant)
     ranges = builtin + spec_ranges
     grad_hooks = [{"fn": "_dscore_ds", "text": f"d score / d s = {to_text(plan.dscore_ds)}",
                    "code": printer(plan.dscore_ds), "bindings": _bindings([plan.dscore_ds], variant)}]

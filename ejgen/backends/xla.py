@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from ejgen.backends.constraints import range_constraints
 from ejgen.backends.printer import Printer
-from ejgen.ir.expr import Binary, Const, Expr, ParamRef, Type, Var, to_text, walk
-from ejgen.ir.passes.derivative import add, const, mul, neg, sub
+from ejgen.ir.expr import Expr, ParamRef, Var, to_text, walk
 from ejgen.ir.plan import AttentionPlan
 
 BUILTINS = ("b", "h", "q_idx", "kv_idx", "q_len", "kv_len")
@@ -68,19 +68,6 @@ def _bindings(exprs, exclude=()) -> list[str]:
     return lines
 
 
-def _affine_expr(a: int, b: int, c: Expr) -> Expr:
-    q = Var("q_idx", kind="builtin", ty=Type.INT)
-    k = Var("kv_idx", kind="builtin", ty=Type.INT)
-    lhs = None
-    for coef, var in ((a, q), (b, k)):
-        if coef == 0:
-            continue
-        term = mul(const(abs(coef)), var)
-        lhs = (term if coef > 0 else neg(term)) if lhs is None else (add(lhs, term) if coef > 0 else sub(lhs, term))
-    lhs = c if lhs is None else add(lhs, c)
-    return Binary(">=", lhs, const(0), ty=Type.BOOL)
-
-
 def _deps(e: Expr) -> set[int]:
     axes = set()
     for n in walk(e):
@@ -99,15 +86,7 @@ def template_context(plan: AttentionPlan) -> dict:
     scalar = JnpPrinter({**names, **window, "q_len": "cfg.seq_q", "kv_len": "cfg.seq_k",
                          **{o.name: f'ctx["opt_{o.name}"]' for o in variant.options}}, params)
 
-    builtin = [
-        {"guard": c.guard, "text": c.affine.source, "element_code": element(_affine_expr(c.affine.a, c.affine.b, c.affine.c)),
-         "a": c.affine.a, "b": c.affine.b, "c_code": scalar(c.affine.c)}
-        for c in plan.builtin_constraints
-    ]
-    spec_ranges = [
-        {"guard": "True", "text": f"spec mask: {c.source}", "a": c.a, "b": c.b, "c_code": scalar(c.c)}
-        for c in plan.mask.constraints
-    ]
+    builtin, spec_ranges = range_constraints(plan, element, scalar)
     grad_exprs = [plan.dscore_ds] + [g.deriv for g in plan.param_grads]
     param_grads = []
     for g in plan.param_grads:

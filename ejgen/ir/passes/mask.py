@@ -34,6 +34,19 @@ class Affine:
     c: Expr
     source: str = attrs.field(default="", eq=False)
 
+    def as_expr(self) -> Expr:
+        """The constraint as a typed DSL predicate (what backends print for the element mask)."""
+        q = Var("q_idx", kind="builtin", ty=Type.INT)
+        k = Var("kv_idx", kind="builtin", ty=Type.INT)
+        lhs = None
+        for coef, var in ((self.a, q), (self.b, k)):
+            if coef == 0:
+                continue
+            term = mul(const(abs(coef)), var)
+            lhs = (term if coef > 0 else neg(term)) if lhs is None else (add(lhs, term) if coef > 0 else sub(lhs, term))
+        lhs = self.c if lhs is None else add(lhs, self.c)
+        return Binary(">=", lhs, const(0), ty=Type.BOOL)
+
     def text(self) -> str:
         terms = []
         for coef, name in ((self.a, "q_idx"), (self.b, "kv_idx")):
