@@ -1,4 +1,4 @@
-"""The ``ejgen`` command: build, check, show, new."""
+"""The ``ejgen`` command: build, check, show, new, tune."""
 
 from __future__ import annotations
 
@@ -77,6 +77,15 @@ def _new(args) -> int:
     return 0
 
 
+def _tune(args) -> int:
+    from ejgen.tune import tune
+
+    for seq in args.seq:
+        print(f"tuning S={seq} D={args.head_dim} {args.dtype} {'causal' if args.causal else 'full'}:")
+        tune(seq, args.head_dim, args.dtype, args.causal, heads=args.heads, batch=args.batch, reps=args.reps)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ejgen", description="Attention-kernel compiler for JAX.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -96,6 +105,15 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("name")
     n.add_argument("-d", "--dir", default="specs", help="folder for the spec (default: specs)")
     n.set_defaults(run=_new)
+    t = sub.add_parser("tune", help="time Triton kernel configs on this device; keep the fastest in the config cache")
+    t.add_argument("--seq", type=int, nargs="+", required=True, help="sequence length(s)")
+    t.add_argument("--head-dim", type=int, default=128)
+    t.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    t.add_argument("--causal", action="store_true")
+    t.add_argument("--heads", type=int, default=16)
+    t.add_argument("--batch", type=int, default=1)
+    t.add_argument("--reps", type=int, default=10)
+    t.set_defaults(run=_tune)
     return p
 
 

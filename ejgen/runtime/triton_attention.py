@@ -47,8 +47,9 @@ def _pow2(n):
     return p
 
 
-def _config(layout: Layout, pass_: str, head_dim: int, bits: int) -> triton_configs.KernelConfig:
-    conf = triton_configs.pick(_arch(), pass_, head_dim, bits)
+def _config(layout: Layout, pass_: str, head_dim: int, bits: int, cfg) -> triton_configs.KernelConfig:
+    seq = max(_longest(cfg, True), _longest(cfg, False))
+    conf = triton_configs.pick(_arch(), pass_, head_dim, bits, seq, cfg.causal)
     if layout.gathers_by_position and conf.num_stages > 1:
         # Triton 3.6 multi-buffers the gathered [BLOCK_M, BLOCK_N] float32 tile in shared memory
         # with the K/V tiles (240 KB at 128x128, 3 stages: over the limit): do not pipeline.
@@ -124,7 +125,7 @@ def _grid_batch(q, ctx, cfg):
 def _forward(layout: Layout, q, k, v, ctx, cfg):
     batch, hkv, groups, sq, d = q.shape
     hq, dv = hkv * groups, v.shape[-1]
-    conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8)
+    conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg)
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
     longest = _longest(cfg, True)
@@ -149,7 +150,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     inputs = [q4, k, v, do4, lse3, delta3, *scalars, *features, *params]
     n_seq = _grid_batch(q, ctx, cfg)
 
-    conf = _config(layout, "dkdv", max(d, dv), bits)
+    conf = _config(layout, "dkdv", max(d, dv), bits, cfg)
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
     longest_k = _longest(cfg, False)
     grid = (max(_cdiv(longest_k, conf.block_n), 1), n_seq * hkv)
@@ -163,7 +164,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
         getattr(kernels, f"{layout.name}_bwd_dkdv_kernel"), grid, inputs, outs, zeroed=zeroed,
         num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
 
-    conf = _config(layout, "dq", max(d, dv), bits)
+    conf = _config(layout, "dq", max(d, dv), bits, cfg)
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
     longest_q = _longest(cfg, True)
     grid = (max(_cdiv(longest_q, conf.block_m), 1), n_seq * hq)

@@ -1,6 +1,7 @@
 """Block sizes, warps and stages of the Triton attention kernels, per (arch, head dim, dtype, pass).
 
-A heuristic table kept apart from the kernels. The interpreter gets the smallest tiles `tl.dot`
+A heuristic table kept apart from the kernels, overridden by tuned entries (`ejgen tune`,
+ejgen/runtime/tuning_cache.py) and by EJGEN_TRITON_CONFIG. The interpreter gets the smallest tiles `tl.dot`
 allows, which keeps CPU runs fast and exercises many blocks on small shapes.
 """
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+
+from ejgen.runtime import tuning_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +63,15 @@ def _override(pass_: str) -> KernelConfig | None:
     return None
 
 
-def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int) -> KernelConfig:
+def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int = 0, causal: bool = False) -> KernelConfig:
+    """The config of one kernel: pinned (EJGEN_TRITON_CONFIG), else tuned (`ejgen tune`'s cache),
+    else the interpreter's, else the heuristic table."""
     pinned = _override(pass_)
     if pinned is not None:
         return pinned
+    tuned = tuning_cache.lookup(tuning_cache.key(arch, pass_, head_dim, dtype_bits, seq, causal))
+    if tuned is not None:
+        return KernelConfig(*tuned)
     if arch == "interpret":
         return INTERPRET
     table = _TABLE.get((arch, pass_)) or _TABLE[("sm90", pass_)]

@@ -1,0 +1,49 @@
+"""`ejgen tune` and the shape-keyed config cache, exercised through the Triton interpreter (the
+timings mean nothing on a CPU; the mechanics — sweep, cache, lookup — are what is tested)."""
+
+import json
+
+import pytest
+
+from ejgen.cli import main
+from ejgen.runtime import triton_configs, tuning_cache
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("EJGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
+    return tmp_path
+
+
+def test_keys_bucket_sequences_by_powers_of_two():
+    assert tuning_cache.key("sm90", "fwd", 128, 16, 3000, True) == "sm90/fwd/d128/16bit/s4096/causal"
+    assert tuning_cache.key("sm90", "dq", 64, 32, 10, False) == "sm90/dq/d64/32bit/s128/full"
+
+
+def test_a_cached_config_wins_over_the_table_and_a_pinned_one_over_both(cache_dir, monkeypatch):
+    assert triton_configs.pick("sm90", "fwd", 128, 16, 4096, True) == triton_configs.KernelConfig(128, 64, 8, 4)
+    tuning_cache.store({tuning_cache.key("sm90", "fwd", 128, 16, 4096, True): [64, 64, 4, 2]})
+    assert triton_configs.pick("sm90", "fwd", 128, 16, 4000, True) == triton_configs.KernelConfig(64, 64, 4, 2)
+    assert triton_configs.pick("sm90", "fwd", 128, 16, 4096, False) == triton_configs.KernelConfig(128, 64, 8, 4)
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", "fwd=32,32,4,1")
+    assert triton_configs.pick("sm90", "fwd", 128, 16, 4096, True) == triton_configs.KernelConfig(32, 32, 4, 1)
+
+
+def test_an_unreadable_cache_is_an_error_that_says_what_to_do(cache_dir):
+    (cache_dir / "triton-configs.json").write_text("{not json")
+    with pytest.raises(RuntimeError, match="tuning cache .* is unreadable"):
+        triton_configs.pick("sm90", "fwd", 128, 16, 4096, True)
+
+
+def test_ejgen_tune_sweeps_every_pass_and_fills_the_cache(cache_dir, capsys):
+    rc = main(["tune", "--seq", "40", "--head-dim", "16", "--dtype", "float32", "--heads", "2", "--reps", "1", "--causal"])
+    assert rc == 0
+    entries = json.loads((cache_dir / "triton-configs.json").read_text())
+    assert set(entries) == {f"interpret/{p}/d16/32bit/s128/causal" for p in ("fwd", "dkdv", "dq")}
+    out = capsys.readouterr().out
+    assert out.count(" ms") == 6 and "wrote 3 tuned config(s)" in out
+    for pass_ in ("fwd", "dkdv", "dq"):
+        chosen = triton_configs.pick("interpret", pass_, 16, 32, 40, True)
+        assert [chosen.block_m, chosen.block_n, chosen.num_warps, chosen.num_stages] == entries[
+            f"interpret/{pass_}/d16/32bit/s128/causal"]
