@@ -9,7 +9,6 @@ Memory is O(S * block): one block of logits is live at a time. Queries go block 
 fully visible skip the element mask.
 """
 
-import functools
 from typing import NamedTuple
 
 import jax

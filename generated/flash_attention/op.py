@@ -18,7 +18,6 @@ flash_attention (attention; modes train; backends triton, pallas, xla)
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from ejgen.runtime import attention as _attention
 

@@ -18,7 +18,6 @@ local_softcap_sinks_attention (attention; modes train; backends triton, pallas, 
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from ejgen.runtime import attention as _attention
 

@@ -17,7 +17,6 @@ prefix_lm_attention (attention; modes train; backends triton, pallas, xla)
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from ejgen.runtime import attention as _attention
 
