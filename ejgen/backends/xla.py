@@ -103,8 +103,6 @@ def template_context(plan: AttentionPlan) -> dict:
     spec_mask = plan.spec_mask
     runtime_mask = "cfg.runtime_block_mask" if not plan.mask.needs_block_mask else "True"
     return {
-        "max_block": 64,
-        "min_block": 16,
         "score_is_identity": plan.score_is_identity,
         "score_code": hook(plan.score),
         "score_bindings": _bindings([plan.score]),
@@ -118,4 +116,7 @@ def template_context(plan: AttentionPlan) -> dict:
         "spec_mask_code": None if spec_mask is None else hook(spec_mask),
         "mask_bindings": [] if spec_mask is None else _bindings([spec_mask], exclude=("q_idx", "kv_idx", "q_len", "kv_len")),
         "block_mask_condition": runtime_mask,
+        "uses_jax": any("jax." in code.replace("jnp.", "") for code in
+                        [hook(plan.score), hook(plan.dscore_ds)] + [g["deriv_code"] for g in param_grads]
+                        + ([hook(spec_mask)] if spec_mask is not None else [])),
     }
