@@ -392,3 +392,14 @@ def ctx_cotangents(ctx: dict, dctx: dict) -> dict:
             grad = params[key[len("param_"):]]
         out[key] = None if grad is None else grad.astype(x.dtype)
     return out
+
+
+def sinks_grad(aux, lse, delta, seq_q: int | None = None):
+    """d loss / d softmax_aux [Hkv, G, n] = -sum over batch and rows of p_sink * delta, with
+    p_sink = exp(aux - lse) (lse [B, Hkv, G, Sq], delta = rowsum(d_out * out) - d_lse); rows at
+    or past ``seq_q`` (padding) are left out. Shared by every backend."""
+    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    p_sink = jnp.exp(aux[None, :, :, None, :] - lse_safe[..., None])
+    if seq_q is not None:
+        p_sink = jnp.where((jnp.arange(lse.shape[3]) < seq_q)[None, None, None, :, None], p_sink, 0.0)
+    return -jnp.sum(p_sink * delta[..., None], axis=(0, 3))

@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from ejgen.runtime import pallas_attention as _rt
+from ejgen.runtime.attention import sinks_grad
 
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
@@ -1020,9 +1021,7 @@ class PallasAttention:
             bias = ctx["bias"]
             dctx["bias"] = jnp.sum(dbias, axis=tuple(i for i in range(3) if bias.shape[i] == 1), keepdims=True)
         if cfg.sinks:
-            rows_valid = (jnp.arange(q.shape[3]) < cfg.seq_q)[None, None, None, :, None]
-            p_sink = jnp.where(rows_valid, jnp.exp(ctx["softmax_aux"][None, :, :, None, :] - lse_safe[..., None]), 0.0)
-            dctx["softmax_aux"] = -jnp.sum(p_sink * delta[..., None], axis=(0, 3))
+            dctx["softmax_aux"] = sinks_grad(ctx["softmax_aux"], lse, delta, cfg.seq_q)
         if self.hooks.grad_params:
             dctx["params"] = {name: dparams[name][:ctx["param_" + name].size].reshape(ctx["param_" + name].shape)
                               for name in self.hooks.grad_params}

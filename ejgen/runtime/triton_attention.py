@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime import triton_call, triton_configs
+from ejgen.runtime.attention import sinks_grad
 
 
 def available():
@@ -179,18 +180,11 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
         db = dbias.reshape(batch, hkv, groups, sq, sk)
         dctx["bias"] = jnp.sum(db, axis=tuple(i for i in range(3) if bias.shape[i] == 1), keepdims=True)
     if cfg.sinks:
-        dctx["softmax_aux"] = _sinks_grad(ctx["softmax_aux"], lse, delta)
+        dctx["softmax_aux"] = sinks_grad(ctx["softmax_aux"], lse, delta)
     if layout.grad_params:
         dctx["params"] = {p: jnp.sum(g, axis=0).reshape(ctx[f"param_{p}"].shape)
                           for p, g in zip(layout.grad_params, dparams)}
     return dq.reshape(q.shape), dk, dv_, dctx
-
-
-def _sinks_grad(aux, lse, delta):
-    """d loss / d softmax_aux [Hkv, G, n] = -sum over batch and rows of p_sink * delta."""
-    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
-    p_sink = jnp.exp(aux[None, :, :, None, :] - lse_safe[..., None])
-    return -jnp.sum(p_sink * delta[..., None], axis=(0, 3))
 
 
 # Batching: jax-triton's primitive has no vmap rule. Under vmap, a mapped axis is folded into the
@@ -274,7 +268,7 @@ def backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
             grads["bias"] = jnp.sum(db, axis=1, keepdims=True) if shared_batch else db
         if "softmax_aux" in dctx:
             delta = jnp.sum(folded[5].astype(jnp.float32) * folded[3].astype(jnp.float32), axis=-1) - folded[6]
-            grads["softmax_aux"] = jax.vmap(_sinks_grad, in_axes=(None, 0, 0))(
+            grads["softmax_aux"] = jax.vmap(sinks_grad, in_axes=(None, 0, 0))(
                 ctx["softmax_aux"], unfold(folded[4]), unfold(delta))
         result = (unfold(dq), unfold(dk), unfold(dv), grads)
         return result, jax.tree.map(lambda _: True, result)

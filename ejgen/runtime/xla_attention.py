@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ejgen.runtime.attention import sinks_grad
+
 NEG_INF = float("-inf")
 MAX_BLOCK = 64
 MIN_BLOCK = 16
@@ -295,10 +297,7 @@ class XlaAttention:
             dctx["bias"] = jnp.zeros(ctx["bias"].shape, f32)
         init = (jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32), dctx)
         dq, dk, dv, dctx = lax.fori_loop(0, n_kv, key_block, init)
-        sinks = _sinks(ctx, cfg)
-        if sinks is not None:
-            rows_valid = (jnp.arange(sq) < cfg.seq_q)[None, None, None, :, None]
-            p_sink = jnp.where(rows_valid, jnp.exp(sinks - lse_safe[..., None]), 0.0)
-            dctx["softmax_aux"] = -jnp.sum(p_sink * delta[..., None], axis=(0, 3))
+        if cfg.sinks:
+            dctx["softmax_aux"] = sinks_grad(ctx["softmax_aux"], lse, delta, cfg.seq_q)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dctx
 
