@@ -92,26 +92,38 @@ def _check_float(spec, name, x):
         raise ValueError(f"{spec.name}(): {name} must be float32, bfloat16 or float16, got {_shape(x)}")
 
 
+HEADS_MAJOR = "heads_major"  # q [B, Hkv, G, Sq, D], k/v [B, Hkv, Sk, D], out [B, Hkv, G, Sq, Dv]
+SEQ_MAJOR = "seq_major"  # q [B, Sq, Hkv, G, D], k/v [B, Sk, Hkv, D], out [B, Sq, Hkv, G, Dv]: the caller's own
+# layout, so that no transpose is paid before or after the kernels. lse is [B, Hkv, G, Sq] in both.
+
+
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """Inputs in kernel layout, and how to bring the outputs back."""
+    """Checked inputs in the caller's layout, how to lay them out for a backend, and how to bring
+    the outputs back."""
 
     cfg: AttentionConfig
-    q: jax.Array
-    k: jax.Array
-    v: jax.Array
+    q: jax.Array  # [B, Sq, Hkv, G, D]
+    k: jax.Array  # [B, Sk, Hkv, D]
+    v: jax.Array  # [B, Sk, Hkv, Dv]
     ctx: dict
     dims: dict  # batch, heads, kv_heads, q_len, kv_len, head_dim
     varlen: bool
 
-    def padded(self, block_q: int, block_k: int):
-        """(q, k, v, ctx) padded so that Sq and Sk are whole blocks."""
-        sq, sk = self.q.shape[3], self.k.shape[2]
+    def padded(self, block_q: int, block_k: int, layout: str = HEADS_MAJOR):
+        """(q, k, v, ctx) in the backend's layout, padded so that Sq and Sk are whole blocks."""
+        if layout == SEQ_MAJOR:
+            q, k, v, seq_axis = self.q, self.k, self.v, 1
+        elif layout == HEADS_MAJOR:
+            q, k, v, seq_axis = self.q.transpose(0, 2, 3, 1, 4), self.k.transpose(0, 2, 1, 3), self.v.transpose(0, 2, 1, 3), 2
+        else:
+            raise ValueError(f"unknown kernel layout {layout!r}")
+        sq, sk = self.q.shape[1], self.k.shape[1]
         pq, pk = -sq % block_q, -sk % block_k
         pad = lambda x, axis, n, value: x if n == 0 else jnp.pad(
             x, [(0, n) if a == axis % x.ndim else (0, 0) for a in range(x.ndim)], constant_values=value)
-        q = pad(self.q, 3, pq, 0)
-        k, v = pad(self.k, 2, pk, 0), pad(self.v, 2, pk, 0)
+        q = pad(q, seq_axis + (1 if layout == HEADS_MAJOR else 0), pq, 0)
+        k, v = pad(k, seq_axis, pk, 0), pad(v, seq_axis, pk, 0)
         ctx = dict(self.ctx)
         for key, axes in _PADDED.items():
             if key in ctx:
@@ -121,11 +133,15 @@ class Prepared:
                 ctx[key] = x
         return q, k, v, ctx
 
-    def finish(self, out, lse, return_lse: bool):
+    def finish(self, out, lse, return_lse: bool, layout: str = HEADS_MAJOR):
         """Back to the caller's layout: out [B, Sq, Hq, Dv] (varlen [Tq, Hq, Dv]), lse [B, Hq, Sq]."""
-        b, hkv, g, _, dv = out.shape
         sq = self.cfg.seq_q
-        out = out[:, :, :, :sq].reshape(b, hkv * g, sq, dv).transpose(0, 2, 1, 3)
+        if layout == SEQ_MAJOR:
+            b, _, hkv, g, dv = out.shape
+            out = out[:, :sq].reshape(b, sq, hkv * g, dv)
+        else:
+            b, hkv, g, _, dv = out.shape
+            out = out[:, :, :, :sq].reshape(b, hkv * g, sq, dv).transpose(0, 2, 1, 3)
         lse = lse[:, :, :, :sq].reshape(b, hkv * g, sq)
         if self.varlen:
             out, lse = out[0], lse[0]
@@ -218,9 +234,8 @@ def prepare(spec: SpecInfo, query, key, value, *, causal=False, sliding_window=N
             _require(spec, "attention_mask", "mask_info with a dense attention_mask")
             flags["dense_mask"] = True
             ctx["mask"] = _dense_mask(spec, mask_info.attention_mask, batch, hq, hkv, groups, sq, sk)
-    q = query.reshape(batch, sq, hkv, groups, d).transpose(0, 2, 3, 1, 4)
-    k = key.transpose(0, 2, 1, 3)
-    v = value.transpose(0, 2, 1, 3)
+    q = query.reshape(batch, sq, hkv, groups, d)
+    k, v = key, value
     dims = {"batch": batch, "heads": hq, "kv_heads": hkv, "q_len": sq, "kv_len": sk, "head_dim": d}
     cfg = AttentionConfig(seq_q=sq, seq_k=sk, **flags)
     return Prepared(cfg, q, k, v, ctx, dims, varlen)

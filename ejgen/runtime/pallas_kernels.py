@@ -36,7 +36,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from ejgen.runtime import pallas_attention as _rt
-from ejgen.runtime.attention import sinks_grad
+from ejgen.runtime.attention import HEADS_MAJOR, sinks_grad
+
+TENSOR_LAYOUT = HEADS_MAJOR  # q [B, Hkv, G, S, D]: what the kernels below index
 
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)

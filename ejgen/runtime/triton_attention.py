@@ -14,7 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime import triton_call, triton_configs
-from ejgen.runtime.attention import sinks_grad
+from ejgen.runtime.attention import SEQ_MAJOR, sinks_grad
+
+# The kernels index the caller's layout: q [B, Sq, Hkv, G, D], k/v [B, Sk, Hkv, D], out like q;
+# lse and delta [B, Hq, Sq]. No transposes before or after the kernels.
+TENSOR_LAYOUT = SEQ_MAJOR
 
 
 def available():
@@ -94,11 +98,11 @@ def _inputs(layout: Layout, ctx, cfg, hq):
 
 
 def _constexprs(layout, q, k, v, ctx, cfg, block_m, block_n, bias, mask, aux):
-    batch, hkv, groups, sq, d = q.shape
+    batch, sq, hkv, groups, d = q.shape
     dv = v.shape[-1]
     n_sinks = aux.shape[-1] if cfg.sinks else 1
     return dict(
-        B=batch, HQ=hkv * groups, HKV=hkv, SEQ_Q=sq, SEQ_K=k.shape[2], D=d, DV=dv, D_PAD=_pow2(d), DV_PAD=_pow2(dv),
+        B=batch, HQ=hkv * groups, HKV=hkv, SEQ_Q=sq, SEQ_K=k.shape[1], D=d, DV=dv, D_PAD=_pow2(d), DV_PAD=_pow2(dv),
         BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=cfg.causal, WINDOW=cfg.window, SOFTCAP=cfg.softcap, SINKS=cfg.sinks, N_SINKS=n_sinks,
         SINKS_PAD=_pow2(n_sinks), BIAS_ON=cfg.bias, BIAS_BATCH=bias.shape[0] if cfg.bias else 1,
@@ -124,28 +128,34 @@ def _grid_batch(q, ctx, cfg):
 
 
 def _forward(layout: Layout, q, k, v, ctx, cfg):
-    batch, hkv, groups, sq, d = q.shape
+    batch, sq, hkv, groups, d = q.shape
     hq, dv = hkv * groups, v.shape[-1]
     conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg)
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
     longest = _longest(cfg, True)
     grid = (max(_cdiv(longest, conf.block_m), 1), _grid_batch(q, ctx, cfg) * hq)
-    outs = [jax.ShapeDtypeStruct((batch, hq, sq, dv), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32)]
+    outs = [jax.ShapeDtypeStruct((batch, sq, hq, dv), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32)]
     kernel = getattr(layout.kernels(), f"{layout.name}_fwd_kernel")
     out, lse = triton_call.launch(
-        kernel, grid, [q.reshape(batch, hq, sq, d), k, v, *scalars, *features, aux, *params], outs,
+        kernel, grid, [q.reshape(batch, sq, hq, d), k, v, *scalars, *features, aux, *params], outs,
         zeroed=(0, 1) if cfg.varlen else (), num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
-    return out.reshape(batch, hkv, groups, sq, dv), lse.reshape(batch, hkv, groups, sq), None
+    return out.reshape(batch, sq, hkv, groups, dv), lse.reshape(batch, hkv, groups, sq), None
+
+
+def _delta(out, d_out, d_lse):
+    """rowsum(dO * O) - d lse, [B, Hkv, G, Sq] like lse."""
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    return jnp.moveaxis(delta, -3, -1) - d_lse
 
 
 def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
-    batch, hkv, groups, sq, d = q.shape
-    hq, sk, dv = hkv * groups, k.shape[2], v.shape[-1]
+    batch, sq, hkv, groups, d = q.shape
+    hq, sk, dv = hkv * groups, k.shape[1], v.shape[-1]
     bits = jnp.dtype(q.dtype).itemsize * 8
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
-    q4, do4 = q.reshape(batch, hq, sq, d), d_out.reshape(batch, hq, sq, dv)
+    delta = _delta(out, d_out, d_lse)
+    q4, do4 = q.reshape(batch, sq, hq, d), d_out.reshape(batch, sq, hq, dv)
     lse3, delta3 = lse.reshape(batch, hq, sq), delta.reshape(batch, hq, sq)
     kernels = layout.kernels()
     inputs = [q4, k, v, do4, lse3, delta3, *scalars, *features, *params]
@@ -171,7 +181,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     grid = (max(_cdiv(longest_q, conf.block_m), 1), n_seq * hq)
     (dq,) = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid, inputs,
-        [jax.ShapeDtypeStruct((batch, hq, sq, d), q.dtype)], zeroed=(0,) if cfg.varlen else (),
+        [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype)], zeroed=(0,) if cfg.varlen else (),
         num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
 
     dctx = {}
@@ -267,7 +277,7 @@ def backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
             shared_batch = (ctx["bias"].shape[1] if ctx_batched["bias"] else ctx["bias"].shape[0]) == 1
             grads["bias"] = jnp.sum(db, axis=1, keepdims=True) if shared_batch else db
         if "softmax_aux" in dctx:
-            delta = jnp.sum(folded[5].astype(jnp.float32) * folded[3].astype(jnp.float32), axis=-1) - folded[6]
+            delta = _delta(folded[3], folded[5], folded[6])
             grads["softmax_aux"] = jax.vmap(sinks_grad, in_axes=(None, 0, 0))(
                 ctx["softmax_aux"], unfold(folded[4]), unfold(delta))
         result = (unfold(dq), unfold(dk), unfold(dv), grads)

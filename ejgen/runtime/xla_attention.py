@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ejgen.runtime.attention import sinks_grad
+from ejgen.runtime.attention import HEADS_MAJOR, sinks_grad
+
+TENSOR_LAYOUT = HEADS_MAJOR  # q [B, Hkv, G, S, D]: what the kernels below index
 
 NEG_INF = float("-inf")
 MAX_BLOCK = 64

@@ -100,8 +100,9 @@ def alibi_attention(
         mask_info=mask_info,
         softmax_scale=softmax_scale,
     )
-    q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg))
+    layout = BACKENDS[backend].TENSOR_LAYOUT
+    q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     ctx["param_slopes"] = _attention.check_param(SPEC, "slopes", slopes, ('heads',), jnp.float32, call.dims)
     ctx["opt_max_distance"] = _attention.check_option(SPEC, "max_distance", max_distance, "int")
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, backend=backend)
-    return call.finish(out, lse, return_lse)
+    return call.finish(out, lse, return_lse, layout)

@@ -98,5 +98,6 @@ _KERNELS = xla_attention.XlaAttention(xla_attention.Hooks(
 ))
 available = xla_attention.available
 block_sizes = xla_attention.block_sizes
+TENSOR_LAYOUT = xla_attention.TENSOR_LAYOUT
 forward = _KERNELS.forward
 backward = _KERNELS.backward

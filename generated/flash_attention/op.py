@@ -124,6 +124,7 @@ def flash_attention(
         max_seqlen_k=max_seqlen_k,
         softmax_scale=softmax_scale,
     )
-    q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg))
+    layout = BACKENDS[backend].TENSOR_LAYOUT
+    q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, backend=backend)
-    return call.finish(out, lse, return_lse)
+    return call.finish(out, lse, return_lse, layout)

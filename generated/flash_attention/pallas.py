@@ -149,9 +149,10 @@ _KERNELS = pallas_kernels.PallasAttention(pallas_kernels.Hooks(
 ))
 available = pallas_kernels.available
 block_sizes = pallas_kernels.block_sizes
+TENSOR_LAYOUT = pallas_kernels.TENSOR_LAYOUT
 forward = _KERNELS.forward
 backward = _KERNELS.backward
 BlockSizes = pallas_kernels.BlockSizes
 TpuBlockSizes = pallas_kernels.TpuBlockSizes
 
-__all__ = ["available", "block_sizes", "forward", "backward", "BlockSizes", "TpuBlockSizes"]
+__all__ = ["available", "block_sizes", "forward", "backward", "BlockSizes", "TpuBlockSizes", "TENSOR_LAYOUT"]

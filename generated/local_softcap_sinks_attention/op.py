@@ -91,6 +91,7 @@ def local_softcap_sinks_attention(
         softmax_aux=softmax_aux,
         softmax_scale=softmax_scale,
     )
-    q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg))
+    layout = BACKENDS[backend].TENSOR_LAYOUT
+    q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, backend=backend)
-    return call.finish(out, lse, return_lse)
+    return call.finish(out, lse, return_lse, layout)

@@ -2,8 +2,10 @@
 """Triton kernels of `prefix_lm_attention`: forward with lse; backward as a dK/dV and a dQ kernel.
 
 Notation: `i_` program ids, `p_` pointers, `b_` blocks in registers, `o_` offsets, `m_` masks;
-constexprs in UPPER_CASE. Layouts (from `op.py`): q, o [B, HQ, SEQ_Q, D], k, v [B, HKV, SEQ_K, D],
-lse [B, HQ, SEQ_Q]; varlen packs sequences into batch 1 and the program's `off_b` is the sequence.
+constexprs in UPPER_CASE. Layouts: the caller's own, q, o [B, SEQ_Q, HQ, D], k, v [B, SEQ_K, HKV, D]
+(a row of one head is D contiguous elements, rows HQ * D apart), lse [B, HQ, SEQ_Q]; varlen packs
+sequences into batch 1 and the program's `off_b` is the sequence. Pointers to a block's first row
+are computed in int64, offsets inside a block in int32.
 One tile of logits s [BLOCK_M, BLOCK_N] float32:
   s = scale * q k^T (+ bias)  ->  s = score(s)  ->  s = softcap * tanh(s / softcap)  ->  mask
 Key blocks come from the mask analysis: [lo, full_lo) and [full_hi, hi) run with the element mask,
@@ -162,11 +164,13 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, scale, q_idx, o_m, row_
                F32, I32, BIAS, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr):
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
+    r_n = tl.arange(0, BLOCK_N)
     for i_n in range(n_lo, n_hi):
-        o_pos = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # key positions in the sequence
+        o_pos = i_n * BLOCK_N + r_n  # key positions in the sequence
         m_n = o_pos < kv_len
-        b_kt = _load(p_k + o_pos[None, :] * D + o_d[:, None], m_n[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_N]
-        b_v = _load(p_v + o_pos[:, None] * DV + o_dv[None, :], m_n[:, None], o_dv[None, :] < DV, MASKED or DV != DV_PAD)  # [BLOCK_N, DV_PAD]
+        row0 = tl.cast(i_n, tl.int64) * BLOCK_N
+        b_kt = _load(p_k + row0 * (HKV * D) + r_n[None, :] * (HKV * D) + o_d[:, None], m_n[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_N]
+        b_v = _load(p_v + row0 * (HKV * DV) + r_n[:, None] * (HKV * DV) + o_dv[None, :], m_n[:, None], o_dv[None, :] < DV, MASKED or DV != DV_PAD)  # [BLOCK_N, DV_PAD]
         kv_idx = o_pos[None, :]
         o_n = (row_k + o_pos)[None, :]
         _, _, x, x_scale = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
@@ -220,10 +224,13 @@ def prefix_lm_attention_fwd_kernel(
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
     m_m = o_pos < q_len
-    p_q = Q + ((batch * HQ + off_h) * SEQ_Q + o_m[:, None]) * D + o_d[None, :]
+    r_m = tl.arange(0, BLOCK_M)
+    q_row0 = (batch * SEQ_Q + row_q + i_m * BLOCK_M).to(tl.int64)  # the block's first query row in the tensor
+    p_q = Q + q_row0 * (HQ * D) + off_h * D + r_m[:, None] * (HQ * D) + o_d[None, :]
     b_q = tl.load(p_q, mask=m_m[:, None] & (o_d[None, :] < D), other=0.0)  # [BLOCK_M, D_PAD]
-    p_k = K + ((batch * HKV + off_hk) * SEQ_K + row_k) * D
-    p_v = V + ((batch * HKV + off_hk) * SEQ_K + row_k) * DV
+    kv_row0 = (batch * SEQ_K + row_k).to(tl.int64)  # the sequence's first key row in the tensor
+    p_k = K + kv_row0 * (HKV * D) + off_hk * D
+    p_v = V + kv_row0 * (HKV * DV) + off_hk * DV
     q_idx = o_pos[:, None]
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
@@ -250,9 +257,9 @@ def prefix_lm_attention_fwd_kernel(
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, tl.where(seen, m_i, 0.0) / LOG2E + tl.log(l_safe), float("-inf"))
     out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
-    p_o = O + ((batch * HQ + off_h) * SEQ_Q + o_m[:, None]) * DV + o_dv[None, :]
+    p_o = O + q_row0 * (HQ * DV) + off_h * DV + r_m[:, None] * (HQ * DV) + o_dv[None, :]
     tl.store(p_o, out.to(O.dtype.element_ty), mask=m_m[:, None] & (o_dv[None, :] < DV))
-    tl.store(LSE + (batch * HQ + off_h) * SEQ_Q + o_m, lse, mask=m_m)
+    tl.store(LSE + (batch * HQ + off_h).to(tl.int64) * SEQ_Q + o_m, lse, mask=m_m)
 
 
 @triton.jit
@@ -286,11 +293,13 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, sca
     """Tiles in [keys, queries] orientation: pT and dsT feed dV and dK without a register transpose."""
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
+    r_m = tl.arange(0, BLOCK_M)
     for i_m in range(m_lo, m_hi):
-        o_pos = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        o_pos = i_m * BLOCK_M + r_m
         m_m = o_pos < q_len
-        b_qt = _load(p_q + o_pos[None, :] * D + o_d[:, None], m_m[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_M]
-        b_do = _load(p_do + o_pos[:, None] * DV + o_dv[None, :], m_m[:, None], o_dv[None, :] < DV, MASKED or DV != DV_PAD)  # [BLOCK_M, DV_PAD]
+        row0 = tl.cast(i_m, tl.int64) * BLOCK_M
+        b_qt = _load(p_q + row0 * (HQ * D) + r_m[None, :] * (HQ * D) + o_d[:, None], m_m[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_M]
+        b_do = _load(p_do + row0 * (HQ * DV) + r_m[:, None] * (HQ * DV) + o_dv[None, :], m_m[:, None], o_dv[None, :] < DV, MASKED or DV != DV_PAD)  # [BLOCK_M, DV_PAD]
         b_lse = tl.load(p_lse + o_pos, mask=m_m, other=0.0)
         b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse) * LOG2E
         b_delta = tl.load(p_delta + o_pos, mask=m_m, other=0.0)
@@ -302,7 +311,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, sca
         b_dv = _dot_acc(pt.to(b_do.dtype), b_do, b_dv, PRECISION, UPCAST)
         b_dk = _dot_acc(ds0t.to(b_qt.dtype), tl.trans(b_qt), b_dk, PRECISION, UPCAST)
         if BIAS_ON:
-            p_db = DBIAS + ((off_b * HQ + off_h) * SEQ_Q + o_m) * SEQ_K + o_n
+            p_db = DBIAS + ((off_b * HQ + off_h).to(tl.int64) * SEQ_Q + o_m) * SEQ_K + o_n
             tl.store(p_db, ds0t, mask=(o_m < SEQ_Q) & (o_n < SEQ_K))
     return b_dk, b_dv
 
@@ -327,9 +336,12 @@ def prefix_lm_attention_bwd_dkdv_kernel(
     m_n = o_pos < kv_len
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
-    kv_base = (batch * HKV + off_hk) * SEQ_K
-    b_k = tl.load(K + (kv_base + o_n[:, None]) * D + o_d[None, :], mask=m_n[:, None] & (o_d[None, :] < D), other=0.0)  # [BLOCK_N, D_PAD]
-    b_v = tl.load(V + (kv_base + o_n[:, None]) * DV + o_dv[None, :], mask=m_n[:, None] & (o_dv[None, :] < DV), other=0.0)
+    r_n = tl.arange(0, BLOCK_N)
+    kv_row0 = (batch * SEQ_K + row_k + i_n * BLOCK_N).to(tl.int64)  # the block's first key row in the tensor
+    o_k = kv_row0 * (HKV * D) + off_hk * D + r_n[:, None] * (HKV * D) + o_d[None, :]  # [BLOCK_N, D_PAD]
+    o_v = kv_row0 * (HKV * DV) + off_hk * DV + r_n[:, None] * (HKV * DV) + o_dv[None, :]  # [BLOCK_N, DV_PAD]
+    b_k = tl.load(K + o_k, mask=m_n[:, None] & (o_d[None, :] < D), other=0.0)
+    b_v = tl.load(V + o_v, mask=m_n[:, None] & (o_dv[None, :] < DV), other=0.0)
     kv_idx = o_pos[:, None]
     x1 = tl.minimum(i_n * BLOCK_N + BLOCK_N, kv_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_n * BLOCK_N, x1, q_len, I32, BLOCK_M, tl.cdiv(q_len, BLOCK_M), q_len, kv_len,
@@ -341,9 +353,10 @@ def prefix_lm_attention_bwd_dkdv_kernel(
     if i_n * BLOCK_N < kv_len:
         for g in range(HQ // HKV):
             off_h = off_hk * (HQ // HKV) + g
-            q_base = (batch * HQ + off_h) * SEQ_Q + row_q
-            p_q = Q + q_base * D
-            p_do = DO + q_base * DV
+            q_row0 = (batch * SEQ_Q + row_q).to(tl.int64)  # the sequence's first query row in the tensor
+            p_q = Q + q_row0 * (HQ * D) + off_h * D
+            p_do = DO + q_row0 * (HQ * DV) + off_h * DV
+            q_base = (batch * HQ + off_h).to(tl.int64) * SEQ_Q + row_q
             p_lse = LSE + q_base
             p_delta = DELTA + q_base
             b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, flo, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
@@ -355,10 +368,8 @@ def prefix_lm_attention_bwd_dkdv_kernel(
             b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, fhi, hi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
                                      row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
                                      DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, True)
-    tl.store(DK + (kv_base + o_n[:, None]) * D + o_d[None, :], (b_dk * scale).to(DK.dtype.element_ty),
-             mask=m_n[:, None] & (o_d[None, :] < D))
-    tl.store(DV_OUT + (kv_base + o_n[:, None]) * DV + o_dv[None, :], b_dv.to(DV_OUT.dtype.element_ty),
-             mask=m_n[:, None] & (o_dv[None, :] < DV))
+    tl.store(DK + o_k, (b_dk * scale).to(DK.dtype.element_ty), mask=m_n[:, None] & (o_d[None, :] < D))
+    tl.store(DV_OUT + o_v, b_dv.to(DV_OUT.dtype.element_ty), mask=m_n[:, None] & (o_dv[None, :] < DV))
 
 
 @triton.jit
@@ -366,11 +377,13 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, scale, q_id
               F32, I32, BIAS, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr):
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
+    r_n = tl.arange(0, BLOCK_N)
     for i_n in range(n_lo, n_hi):
-        o_pos = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        o_pos = i_n * BLOCK_N + r_n
         m_n = o_pos < kv_len
-        b_kt = _load(p_k + o_pos[None, :] * D + o_d[:, None], m_n[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_N]
-        b_vt = _load(p_v + o_pos[None, :] * DV + o_dv[:, None], m_n[None, :], o_dv[:, None] < DV, MASKED or DV != DV_PAD)  # [DV_PAD, BLOCK_N]
+        row0 = tl.cast(i_n, tl.int64) * BLOCK_N
+        b_kt = _load(p_k + row0 * (HKV * D) + r_n[None, :] * (HKV * D) + o_d[:, None], m_n[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_N]
+        b_vt = _load(p_v + row0 * (HKV * DV) + r_n[None, :] * (HKV * DV) + o_dv[:, None], m_n[None, :], o_dv[:, None] < DV, MASKED or DV != DV_PAD)  # [DV_PAD, BLOCK_N]
         kv_idx = o_pos[None, :]
         p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_do, b_vt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, (row_k + o_pos)[None, :],
                                    off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
@@ -400,14 +413,19 @@ def prefix_lm_attention_bwd_dq_kernel(
     m_m = o_pos < q_len
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
-    q_base = (batch * HQ + off_h) * SEQ_Q
-    b_q = tl.load(Q + (q_base + o_m[:, None]) * D + o_d[None, :], mask=m_m[:, None] & (o_d[None, :] < D), other=0.0)
-    b_do = tl.load(DO + (q_base + o_m[:, None]) * DV + o_dv[None, :], mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)
+    r_m = tl.arange(0, BLOCK_M)
+    q_row0 = (batch * SEQ_Q + row_q + i_m * BLOCK_M).to(tl.int64)  # the block's first query row in the tensor
+    o_q = q_row0 * (HQ * D) + off_h * D + r_m[:, None] * (HQ * D) + o_d[None, :]  # [BLOCK_M, D_PAD]
+    o_do = q_row0 * (HQ * DV) + off_h * DV + r_m[:, None] * (HQ * DV) + o_dv[None, :]  # [BLOCK_M, DV_PAD]
+    b_q = tl.load(Q + o_q, mask=m_m[:, None] & (o_d[None, :] < D), other=0.0)
+    b_do = tl.load(DO + o_do, mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)
+    q_base = (batch * HQ + off_h).to(tl.int64) * SEQ_Q
     b_lse = tl.load(LSE + q_base + o_m, mask=m_m, other=0.0)
     b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse) * LOG2E
     b_delta = tl.load(DELTA + q_base + o_m, mask=m_m, other=0.0)
-    p_k = K + ((batch * HKV + off_hk) * SEQ_K + row_k) * D
-    p_v = V + ((batch * HKV + off_hk) * SEQ_K + row_k) * DV
+    kv_row0 = (batch * SEQ_K + row_k).to(tl.int64)  # the sequence's first key row in the tensor
+    p_k = K + kv_row0 * (HKV * D) + off_hk * D
+    p_v = V + kv_row0 * (HKV * DV) + off_hk * DV
     q_idx = o_pos[:, None]
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
@@ -423,5 +441,4 @@ def prefix_lm_attention_bwd_dq_kernel(
         b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, fhi, hi, scale, q_idx, o_m[:, None], row_k,
                          off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                          B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, True)
-    tl.store(DQ + (q_base + o_m[:, None]) * D + o_d[None, :], (b_dq * scale).to(DQ.dtype.element_ty),
-             mask=m_m[:, None] & (o_d[None, :] < D))
+    tl.store(DQ + o_q, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & (o_d[None, :] < D))

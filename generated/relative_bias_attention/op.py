@@ -96,8 +96,9 @@ def relative_bias_attention(
         causal=causal,
         softmax_scale=softmax_scale,
     )
-    q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg))
+    layout = BACKENDS[backend].TENSOR_LAYOUT
+    q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     ctx["param_rel_table"] = _attention.check_param(SPEC, "rel_table", rel_table, ('heads', 33), jnp.float32, call.dims)
     ctx["opt_bias_scale"] = _attention.check_option(SPEC, "bias_scale", bias_scale, "float")
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, backend=backend)
-    return call.finish(out, lse, return_lse)
+    return call.finish(out, lse, return_lse, layout)

@@ -21,6 +21,9 @@ LAYOUT = triton_attention.Layout(
 )
 
 
+TENSOR_LAYOUT = triton_attention.TENSOR_LAYOUT  # the caller's [B, S, H, D]: no transposes
+
+
 def block_sizes(cfg):
     """Padding granularity of the inputs: none."""
     del cfg
@@ -35,4 +38,4 @@ def backward(q, k, v, out, lse, kinds, d_out, d_lse, ctx, cfg):
     return triton_attention.backward(LAYOUT, q, k, v, out, lse, d_out, d_lse, ctx, cfg)
 
 
-__all__ = ["available", "block_sizes", "forward", "backward"]
+__all__ = ["available", "block_sizes", "forward", "backward", "TENSOR_LAYOUT"]
