@@ -18,11 +18,12 @@ import jax.numpy as jnp
 from ejgen.ops import flash_attention
 
 CANDIDATES = {
-    "fwd": ["128,128,8,3", "128,64,8,3", "128,64,4,3", "128,128,8,2", "128,64,8,4", "64,64,4,4", "128,32,4,3"],
+    "fwd": ["128,64,8,4", "128,128,8,3", "128,64,8,4,tma", "128,128,8,3,tma", "128,128,8,2,tma",
+            "128,128,4,2,tma,ws", "128,128,4,3,tma,ws", "128,64,4,3,tma,ws", "128,128,4,1,tma,ws"],
     "dkdv": ["64,128,8,2", "32,128,4,3", "64,128,4,3", "32,64,4,4", "64,64,4,3", "128,128,8,2", "64,128,8,3", "32,128,8,3"],
     "dq": ["128,64,8,2", "128,32,4,3", "64,64,4,3", "128,64,4,3", "64,128,8,2", "128,64,8,3", "64,32,4,4"],
 }
-CASES = [(16384, False, None), (16384, True, None), (4096, True, None)]
+CASES = [(16384, False, None), (4096, False, None), (16384, True, None), (4096, True, None)]
 WINDOW_CASES = [(16384, True, (1024, 0))]
 WINDOW_SWEEP = [  # (EJGEN_TRITON_STAGED, EJGEN_TRITON_CONFIG)
     ("1", ""), ("0", ""),
@@ -60,6 +61,13 @@ def main():
         q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in ks[:3])
         do = jax.random.normal(ks[3], (b, s, h, d), jnp.bfloat16)
         flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+        cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+        try:
+            sec = bench(jax.jit(cudnn), (q, k, v))
+            print(f"S={s} causal={int(causal)} fwd   cudnn          {sec * 1e3:8.3f} ms {flops / sec / 1e12:6.0f} TFLOP/s",
+                  flush=True)
+        except Exception as e:
+            print(f"S={s} causal={int(causal)} cudnn failed: {str(e).splitlines()[0][:100]}", flush=True)
         for pass_ in passes:
             for cfg in CANDIDATES[pass_]:
                 os.environ["EJGEN_TRITON_CONFIG"] = f"{pass_}={cfg}"

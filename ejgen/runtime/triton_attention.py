@@ -113,7 +113,34 @@ def _constexprs(layout, q, k, v, ctx, cfg, block_m, block_n, bias, mask, aux):
         STAGED=triton_configs.staged(cfg),
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         UPCAST=_arch() == "interpret" and q.dtype == jnp.bfloat16,
+        TMA=False, WS=False,
     )
+
+
+# Bytes of the SCRATCH output per forward program: room for the three tensor descriptors that a TMA
+# forward builds (128 bytes each). triton_call checks every compiled kernel against it.
+SCRATCH_PER_PROGRAM = triton_call.SCRATCH_PER_PROGRAM
+
+
+# Triton releases whose Hopper warp specialisation compiles these kernels: 3.9's pass fails on them.
+WS_TRITON_RELEASES = ("3.6.",)
+
+
+def ws_eligible(cfg, consts) -> bool:
+    """Warp specialisation of the forward key loop: Triton 3.6's pass handles the plain, unmasked
+    loop; with causal or window masks its data partitioning fails to compile (Triton 3.6)."""
+    import triton
+
+    return (_arch() == "interpret" or triton.__version__.startswith(WS_TRITON_RELEASES)) and (
+        consts["PLAIN"] and not consts["RUNTIME_MASK"] and not cfg.causal and not cfg.window)
+
+
+def tma_eligible(q, v, cfg) -> bool:
+    """Tensor descriptors need whole power-of-two head dims (a tile must not reach into the next
+    head) in 16-byte rows, and one sequence per batch row (zeros past its end): not varlen."""
+    d, dv, size = q.shape[-1], v.shape[-1], jnp.dtype(q.dtype).itemsize
+    return (not cfg.varlen and d == _pow2(d) and dv == _pow2(dv) and (d * size) % 16 == 0
+            and (dv * size) % 16 == 0)
 
 
 def _longest(cfg, q_side: bool) -> int:
@@ -133,11 +160,15 @@ def _forward(layout: Layout, q, k, v, ctx, cfg):
     conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg)
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
+    tma = conf.tma and tma_eligible(q, v, cfg)
+    consts.update(TMA=tma, WS=tma and conf.ws and ws_eligible(cfg, consts))
     longest = _longest(cfg, True)
     grid = (max(_cdiv(longest, conf.block_m), 1), _grid_batch(q, ctx, cfg) * hq)
-    outs = [jax.ShapeDtypeStruct((batch, sq, hq, dv), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32)]
+    scratch = grid[0] * grid[1] * SCRATCH_PER_PROGRAM if tma else 1
+    outs = [jax.ShapeDtypeStruct((batch, sq, hq, dv), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
+            jax.ShapeDtypeStruct((scratch,), jnp.uint8)]
     kernel = getattr(layout.kernels(), f"{layout.name}_fwd_kernel")
-    out, lse = triton_call.launch(
+    out, lse, _ = triton_call.launch(
         kernel, grid, [q.reshape(batch, sq, hq, d), k, v, *scalars, *features, aux, *params], outs,
         zeroed=(0, 1) if cfg.varlen else (), num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
     return out.reshape(batch, sq, hkv, groups, dv), lse.reshape(batch, hkv, groups, sq), None

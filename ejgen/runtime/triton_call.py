@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,8 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
     if how == "gpu":
         import jax_triton as jt
 
+        _extend_jax_triton()
+
         outs = jt.triton_call(*inputs, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps,
                               num_stages=num_stages, zeroed_outputs=tuple(zeroed), **constexprs)
         return list(outs)
@@ -71,6 +74,7 @@ def _torch_dtype(dtype):
     import torch
 
     return {
+        np.dtype(np.uint8): torch.uint8,
         np.dtype(np.float32): torch.float32,
         np.dtype(np.float16): torch.float16,
         np.dtype(jnp.bfloat16): torch.bfloat16,
@@ -93,3 +97,80 @@ def _interpret(kernel, grid, out_shapes, constexprs, *arrays):
     outputs = [torch.zeros(s.shape, dtype=_torch_dtype(s.dtype)) for s in out_shapes]
     kernel[grid](*inputs, *outputs, **constexprs)
     return tuple(_to_numpy(o, s.dtype) for o, s in zip(outputs, out_shapes))
+
+
+# --- What jax-triton 0.3.1 lacks for tensor descriptors and warp specialisation ---------------------
+#
+# A kernel that builds tensor descriptors on the device writes them into Triton's implicit global
+# scratch argument, and jaxlib passes a null pointer there. A warp-specialised kernel needs more
+# warps than it was asked for (a producer warp group), and jax-triton launches the number it asked.
+# So, on the GPU, ejgen compiles through its own copy of jax-triton's CUDA compile step that
+#  - points the global scratch argument at the kernel's last explicit argument, an output that the
+#    caller sizes at SCRATCH_PER_PROGRAM bytes per program (``SCRATCH`` in the forward kernels), and
+#  - records the compiled kernel's real warp count, which the kernel object is then built with.
+# Kernels without global scratch or extra warps compile to exactly what jax-triton would produce.
+
+SCRATCH_PER_PROGRAM = 512
+_compiled_warps: dict = {}  # kernel name -> warps of its latest compilation
+
+
+def route_global_scratch(ptx: str, name: str) -> str:
+    """PTX whose global scratch reads come from the last explicit parameter instead.
+
+    Triton appends two hidden pointers to every kernel (global scratch, then profile scratch), so
+    with n parameters the global scratch is number n - 2 and the last explicit one n - 3."""
+    entry = re.search(rf"\.entry\s+{re.escape(name)}\s*\((.*?)\)", ptx, re.S)
+    params = re.findall(rf"\b{re.escape(name)}_param_(\d+)\b", entry.group(1)) if entry else []
+    n = len(params)
+    if n < 3 or [int(p) for p in params] != list(range(n)):
+        raise RuntimeError(f"{name}: unexpected PTX parameter list {params}")
+    hidden, explicit = f"[{name}_param_{n - 2}]", f"[{name}_param_{n - 3}]"
+    if hidden not in ptx:
+        raise RuntimeError(f"{name}: the kernel declares global scratch but never reads its pointer")
+    return ptx.replace(hidden, explicit)
+
+
+def _extend_jax_triton():
+    from jax_triton import triton_lib
+
+    if getattr(triton_lib, "_ejgen_extended", False):
+        return
+
+    def compile_ttir_to_ptx_inplace(ttir, backend, options, capability):
+        metadata = {}
+        try:
+            ttgir = backend.make_ttgir(backend.make_ttir(ttir, metadata, options, capability), metadata, options,
+                                       capability)
+        except RuntimeError as e:
+            raise ValueError("TTIR->TTGIR pass failed!") from e
+        try:
+            llir = backend.make_llir(ttgir, metadata, options, capability)
+        except RuntimeError as e:
+            raise ValueError("TTGIR->LLIR pass failed!") from e
+        ptx = backend.make_ptx(llir, metadata, options, capability)
+        name = metadata["name"]
+        if metadata.get("global_scratch_size", 0) > 0:
+            if metadata["global_scratch_size"] > SCRATCH_PER_PROGRAM or metadata["global_scratch_align"] > 128:
+                raise RuntimeError(f"{name} needs {metadata['global_scratch_size']} bytes of global scratch "
+                                   f"(aligned to {metadata['global_scratch_align']}); the launch gives "
+                                   f"{SCRATCH_PER_PROGRAM} per program")
+            ptx = route_global_scratch(ptx, name)
+        _compiled_warps[name] = metadata["num_warps"]
+        return triton_lib.CompilationResult(binary=ptx, name=name, shared_mem_bytes=metadata["shared"],
+                                            ttgir=None, llir=None)
+
+    lib = triton_lib.triton_kernel_call_lib
+
+    class _KernelLib:
+        """jaxlib's triton module, with kernels built with the warps they were compiled for."""
+
+        def __getattr__(self, attr):
+            return getattr(lib, attr)
+
+        @staticmethod
+        def TritonKernel(name, num_warps, *rest):
+            return lib.TritonKernel(name, _compiled_warps.get(name, num_warps), *rest)
+
+    triton_lib.compile_ttir_to_ptx_inplace = compile_ttir_to_ptx_inplace
+    triton_lib.triton_kernel_call_lib = _KernelLib()
+    triton_lib._ejgen_extended = True

@@ -19,6 +19,8 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # forward only: tiles through tensor descriptors (where the shapes allow)
+    ws: bool = False  # forward only, with tma: warp-specialised key loop (num_warps is per warp group)
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -51,15 +53,21 @@ _TABLE = {
 
 
 def _override(pass_: str) -> KernelConfig | None:
-    """``EJGEN_TRITON_CONFIG="fwd=128,64,8,3;dkdv=32,128,4,3"`` pins configs (tuning, tests)."""
+    """``EJGEN_TRITON_CONFIG="fwd=128,64,8,3;dkdv=32,128,4,3"`` pins configs (tuning, tests);
+    ``fwd=128,128,4,2,tma,ws`` also turns on tensor descriptors and warp specialisation."""
     text = os.environ.get("EJGEN_TRITON_CONFIG", "")
     for item in filter(None, (part.strip() for part in text.split(";"))):
         name, _, values = item.partition("=")
         if name.strip() == pass_:
+            fields = [x.strip() for x in values.split(",")]
+            flags = {x: True for x in fields[4:]}
             try:
-                return KernelConfig(*(int(x) for x in values.split(",")))
+                if set(flags) - {"tma", "ws"}:
+                    raise ValueError(f"unknown flags {sorted(set(flags) - {'tma', 'ws'})}")
+                return KernelConfig(*(int(x) for x in fields[:4]), **flags)
             except (TypeError, ValueError) as e:
-                raise ValueError(f"EJGEN_TRITON_CONFIG: bad entry {item!r} (want pass=block_m,block_n,warps,stages): {e}")
+                raise ValueError(f"EJGEN_TRITON_CONFIG: bad entry {item!r} "
+                                 f"(want pass=block_m,block_n,warps,stages[,tma][,ws]): {e}")
     return None
 
 

@@ -22,7 +22,7 @@ _DTYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 
 
 def _signature(kernel, dtype: str, params: dict) -> dict:
-    ptr = {"F32": "*fp32", "I32": "*i32", "BIAS": "*fp32", "QSEG": "*i32", "KVSEG": "*i32", "MASK": "*i8",
+    ptr = {"SCRATCH": "*u8", "F32": "*fp32", "I32": "*i32", "BIAS": "*fp32", "QSEG": "*i32", "KVSEG": "*i32", "MASK": "*i8",
            "CU_Q": "*i32", "CU_K": "*i32", "AUX": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DBIAS": "*fp32"}
     for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_OUT"):
         ptr[name] = _DTYPES[dtype]
@@ -34,14 +34,14 @@ def _signature(kernel, dtype: str, params: dict) -> dict:
 
 def constexprs(*, batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128, block_m=128, block_n=64, causal=True,
                window=False, softcap=False, sinks=False, bias=False, segments=False, dense=False, varlen=False,
-               runtime_mask=False, dtype="bfloat16") -> dict:
+               runtime_mask=False, tma=False, ws=False, dtype="bfloat16") -> dict:
     pad = max(16, 1 << (head_dim - 1).bit_length())
     return dict(B=batch, HQ=heads, HKV=kv_heads, SEQ_Q=seq, SEQ_K=seq, D=head_dim, DV=head_dim, D_PAD=pad, DV_PAD=pad,
                 BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, SINKS=sinks,
                 N_SINKS=1, SINKS_PAD=16, BIAS_ON=bias, BIAS_BATCH=1, BIAS_HEADS=1, SEGMENTS=segments, DENSE=dense,
                 MASK_HEADS=1, VARLEN=varlen, RUNTIME_MASK=runtime_mask or segments or dense,
                 PLAIN=not (softcap or bias), STAGED=True,
-                PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False)
+                PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False, TMA=tma, WS=ws)
 
 
 def compile_attention(package: str, name: str, *, capability: int = 90, params: dict | None = None,
@@ -56,7 +56,11 @@ def compile_attention(package: str, name: str, *, capability: int = 90, params: 
     for suffix in ("fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"):
         kernel = getattr(module, f"{name}_{suffix}")
         sig = _signature(kernel, dtype, params or {})
-        source = ASTSource(fn=kernel, signature=sig, constexprs={n: consts[n] for n in kernel.arg_names if n in consts})
+        # jax-triton promises 16-byte aligned arrays (tt.divisibility 16): without it Triton cannot use
+        # cp.async for 16-bit tiles and the compiled loops would not be the ones that run on the GPU.
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
+        source = ASTSource(fn=kernel, signature=sig, constexprs={n: consts[n] for n in kernel.arg_names if n in consts},
+                           attrs=aligned)
         options = {"num_warps": num_warps, "num_stages": num_stages}
         compiled[suffix] = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     return compiled
