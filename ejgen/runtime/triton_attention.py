@@ -127,20 +127,21 @@ WS_TRITON_RELEASES = ("3.6.",)
 
 
 def ws_eligible(cfg, consts) -> bool:
-    """Warp specialisation of the forward key loop: Triton 3.6's pass handles the plain, unmasked
-    loop; with causal or window masks its data partitioning fails to compile (Triton 3.6)."""
+    """Warp specialisation of the forward key loop: Triton 3.6's pass handles the plain loop over
+    whole blocks; with causal or window masks, or ragged sequence ends, it fails to compile."""
     import triton
 
     return (_arch() == "interpret" or triton.__version__.startswith(WS_TRITON_RELEASES)) and (
-        consts["PLAIN"] and not consts["RUNTIME_MASK"] and not cfg.causal and not cfg.window)
+        consts["PLAIN"] and not consts["RUNTIME_MASK"] and not cfg.causal and not cfg.window
+        and consts["SEQ_Q"] % consts["BLOCK_M"] == 0 and consts["SEQ_K"] % consts["BLOCK_N"] == 0)
 
 
 def tma_eligible(q, v, cfg) -> bool:
     """Tensor descriptors need whole power-of-two head dims (a tile must not reach into the next
-    head) in 16-byte rows, and one sequence per batch row (zeros past its end): not varlen."""
+    head) and one sequence per batch row (zeros past its end): not varlen. 16-bit inputs only (the
+    float32 kernels keep the tiles that fit their shared memory)."""
     d, dv, size = q.shape[-1], v.shape[-1], jnp.dtype(q.dtype).itemsize
-    return (not cfg.varlen and d == _pow2(d) and dv == _pow2(dv) and (d * size) % 16 == 0
-            and (dv * size) % 16 == 0)
+    return not cfg.varlen and d == _pow2(d) and dv == _pow2(dv) and size == 2  # 16-bit: 16-byte rows from D=8
 
 
 def _longest(cfg, q_side: bool) -> int:
