@@ -50,7 +50,13 @@ def main():
     p.add_argument("--pass", dest="pass_", default="all")
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--window", action="store_true", help="sweep the sliding-window case instead")
+    p.add_argument("--configs", help="whole EJGEN_TRITON_CONFIG settings to compare, '|'-separated "
+                   "('' = the table); times forward and forward+backward of --cases")
+    p.add_argument("--cases", default="16384:0,16384:1,16384:1:1024",
+                   help="S:causal[:left window], comma-separated (with --configs)")
     args = p.parse_args()
+    if args.configs is not None:
+        return compare(args.configs.split("|"), args.cases, args.d)
     passes = list(CANDIDATES) if args.pass_ == "all" else [args.pass_]
     d, h = args.d, 16
     if args.window:
@@ -83,6 +89,29 @@ def main():
                     print(f"S={s} causal={int(causal)} {pass_:5} {cfg:14} {sec * 1e3:8.3f} ms {tf:6.0f} TFLOP/s", flush=True)
                 except Exception as e:
                     print(f"S={s} causal={int(causal)} {pass_:5} {cfg:14} failed: {str(e).splitlines()[0][:100]}", flush=True)
+    os.environ.pop("EJGEN_TRITON_CONFIG", None)
+    return 0
+
+
+def compare(configs, cases, d, h=16):
+    for case in cases.split(","):
+        s, causal, *window = (int(x) for x in case.split(":"))
+        window = (window[0], 0) if window else None
+        b = 32768 // s
+        ks = jax.random.split(jax.random.PRNGKey(s), 4)
+        q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in ks[:3])
+        do = jax.random.normal(ks[3], (b, s, h, d), jnp.bfloat16)
+        for cfg in configs:
+            os.environ["EJGEN_TRITON_CONFIG"] = cfg
+            f = lambda q, k, v: flash_attention(q, k, v, causal=bool(causal), sliding_window=window, platform="triton")
+            g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do), (0, 1, 2)))
+            try:
+                t_f, t_fb = bench(jax.jit(f), (q, k, v)), bench(g, (q, k, v))
+                print(f"S={s} causal={causal} window={window} {cfg or 'table':60} fwd {t_f * 1e3:7.3f} ms  "
+                      f"fwd+bwd {t_fb * 1e3:7.3f} ms", flush=True)
+            except Exception as e:
+                print(f"S={s} causal={causal} window={window} {cfg or 'table':60} failed: {str(e).splitlines()[0][:100]}",
+                      flush=True)
     os.environ.pop("EJGEN_TRITON_CONFIG", None)
     return 0
 

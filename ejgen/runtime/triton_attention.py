@@ -203,7 +203,9 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32)]
     outs += [jax.ShapeDtypeStruct((n_prog, ctx[f"param_{p}"].size), jnp.float32) for p in layout.grad_params]
     zeroed = tuple(range(len(outs))) if cfg.varlen else tuple(range(2, len(outs)))
-    dk, dv_, dbias, *dparams = triton_call.launch(
+    consts["TMA"] = tma = conf.tma and tma_eligible(q, v, cfg)
+    outs.append(jax.ShapeDtypeStruct((n_prog * SCRATCH_PER_PROGRAM if tma else 1,), jnp.uint8))
+    dk, dv_, dbias, *dparams, _ = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dkdv_kernel"), grid, inputs, outs, zeroed=zeroed,
         num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
 
@@ -211,9 +213,12 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
     longest_q = _longest(cfg, True)
     grid = (max(_cdiv(longest_q, conf.block_m), 1), n_seq * hq)
-    (dq,) = triton_call.launch(
+    consts["TMA"] = tma = conf.tma and tma_eligible(q, v, cfg)
+    scratch = grid[0] * grid[1] * SCRATCH_PER_PROGRAM if tma else 1
+    dq, _ = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid, inputs,
-        [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype)], zeroed=(0,) if cfg.varlen else (),
+        [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((scratch,), jnp.uint8)],
+        zeroed=(0,) if cfg.varlen else (),
         num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
 
     dctx = {}

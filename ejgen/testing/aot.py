@@ -66,9 +66,14 @@ def compile_attention(package: str, name: str, *, capability: int = 90, params: 
     return compiled
 
 
-def summary(compiled: dict) -> dict:
-    return {name: {"shared": c.metadata.shared, "cubin": bool(c.asm.get("cubin")), "wgmma": "wgmma" in c.asm["ptx"]}
-            for name, c in compiled.items()}
+def summary(compiled: dict, with_ptx: bool = False) -> dict:
+    out = {}
+    for name, c in compiled.items():
+        out[name] = {"shared": c.metadata.shared, "cubin": bool(c.asm.get("cubin")), "wgmma": "wgmma" in c.asm["ptx"],
+                     "global_scratch": c.metadata.global_scratch_size, "warps": c.metadata.num_warps}
+        if with_ptx:
+            out[name]["ptx"] = c.asm["ptx"]
+    return out
 
 
 def compile_in_subprocess(package: str, name: str, **kwargs) -> dict:
@@ -83,8 +88,8 @@ def compile_in_subprocess(package: str, name: str, **kwargs) -> dict:
 
 def main(argv=None) -> int:
     args = json.loads((argv or sys.argv[1:])[0])
-    package, name = args.pop("package"), args.pop("name")
-    print(json.dumps(summary(compile_attention(package, name, **args))))
+    package, name, with_ptx = args.pop("package"), args.pop("name"), args.pop("with_ptx", False)
+    print(json.dumps(summary(compile_attention(package, name, **args), with_ptx)))
     return 0
 
 

@@ -11,9 +11,10 @@ One tile of logits s [BLOCK_M, BLOCK_N] float32:
 Key blocks come from the mask analysis: [lo, full_lo) and [full_hi, hi) run with the element mask,
 [full_lo, full_hi) without (one inner loop, specialised by the MASKED constexpr).
 PLAIN (no score hook, soft cap or bias) folds the softmax scale into the base-2 exponent.
-TMA (forward, not varlen, power-of-two head dims): Q, K and V tiles come through tensor descriptors
-([B, SEQ, H * D], rows past a sequence's end read as zeros) built in the SCRATCH output, and WS
-warp-specialises the unmasked key loop (a producer warp group feeds the consumers).
+TMA (16-bit, not varlen, power-of-two head dims): the tiles of every key (forward, dQ) or query
+(dK/dV) loop come through tensor descriptors ([B, SEQ, H * D], rows past a sequence's end read as
+zeros) built in the SCRATCH output; WS warp-specialises the forward's unmasked key loop (a producer
+warp group feeds the consumers).
 Runtime scalars live in two small arrays: F32 = [scale, softcap], I32 = [window_left, window_right, opt_max_distance].
 """
 
@@ -334,9 +335,13 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, sca
     for i_m in range(m_lo, m_hi):
         o_pos = i_m * BLOCK_M + r_m
         m_m = o_pos < q_len
-        row0 = tl.cast(i_m, tl.int64) * BLOCK_M
-        b_qt = _load(p_q + row0 * (HQ * D) + r_m[None, :] * (HQ * D) + o_d[:, None], m_m[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_M]
-        b_do = _load(p_do + row0 * (HQ * DV) + r_m[:, None] * (HQ * DV) + o_dv[None, :], m_m[:, None], o_dv[None, :] < DV, MASKED or DV != DV_PAD)  # [BLOCK_M, DV_PAD]
+        if TMA:  # p_q, p_do are tensor descriptors
+            b_qt = tl.trans(p_q.load([off_b, i_m * BLOCK_M, off_h * D]).reshape(BLOCK_M, D_PAD))
+            b_do = p_do.load([off_b, i_m * BLOCK_M, off_h * DV]).reshape(BLOCK_M, DV_PAD)
+        else:
+            row0 = tl.cast(i_m, tl.int64) * BLOCK_M
+            b_qt = _load(p_q + row0 * (HQ * D) + r_m[None, :] * (HQ * D) + o_d[:, None], m_m[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_M]
+            b_do = _load(p_do + row0 * (HQ * DV) + r_m[:, None] * (HQ * DV) + o_dv[None, :], m_m[:, None], o_dv[None, :] < DV, MASKED or DV != DV_PAD)  # [BLOCK_M, DV_PAD]
         b_lse = tl.load(p_lse + o_pos, mask=m_m, other=0.0)
         b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse) * LOG2E
         b_delta = tl.load(p_delta + o_pos, mask=m_m, other=0.0)
@@ -360,7 +365,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, sca
 @triton.jit
 def alibi_attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_slopes,
-    DK, DV_OUT, DBIAS, DPARAM_slopes,
+    DK, DV_OUT, DBIAS, DPARAM_slopes, SCRATCH,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
 ):
     """One key block of one kv head: dK, dV over every query head of its group (no atomics)."""
@@ -391,12 +396,19 @@ def alibi_attention_bwd_dkdv_kernel(
         fhi = flo
     b_dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
+    if TMA:
+        d_q = tl.make_tensor_descriptor(Q, shape=[B, SEQ_Q, HQ * D], strides=[SEQ_Q * HQ * D, HQ * D, 1], block_shape=[1, BLOCK_M, D_PAD])
+        d_do = tl.make_tensor_descriptor(DO, shape=[B, SEQ_Q, HQ * DV], strides=[SEQ_Q * HQ * DV, HQ * DV, 1], block_shape=[1, BLOCK_M, DV_PAD])
     if i_n * BLOCK_N < kv_len:
         for g in range(HQ // HKV):
             off_h = off_hk * (HQ // HKV) + g
-            q_row0 = (batch * SEQ_Q + row_q).to(tl.int64)  # the sequence's first query row in the tensor
-            p_q = Q + q_row0 * (HQ * D) + off_h * D
-            p_do = DO + q_row0 * (HQ * DV) + off_h * DV
+            if TMA:
+                p_q = d_q
+                p_do = d_do
+            else:
+                q_row0 = (batch * SEQ_Q + row_q).to(tl.int64)  # the sequence's first query row in the tensor
+                p_q = Q + q_row0 * (HQ * D) + off_h * D
+                p_do = DO + q_row0 * (HQ * DV) + off_h * DV
             q_base = (batch * HQ + off_h).to(tl.int64) * SEQ_Q + row_q
             p_lse = LSE + q_base
             p_delta = DELTA + q_base
@@ -414,7 +426,7 @@ def alibi_attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, scale, q_idx, o_m, row_k, off_b, off_h, q_len, kv_len,
+def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
               F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, MASKED: tl.constexpr):
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
@@ -422,9 +434,13 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, scale, q_id
     for i_n in range(n_lo, n_hi):
         o_pos = i_n * BLOCK_N + r_n
         m_n = o_pos < kv_len
-        row0 = tl.cast(i_n, tl.int64) * BLOCK_N
-        b_kt = _load(p_k + row0 * (HKV * D) + r_n[None, :] * (HKV * D) + o_d[:, None], m_n[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_N]
-        b_vt = _load(p_v + row0 * (HKV * DV) + r_n[None, :] * (HKV * DV) + o_dv[:, None], m_n[None, :], o_dv[:, None] < DV, MASKED or DV != DV_PAD)  # [DV_PAD, BLOCK_N]
+        if TMA:  # p_k, p_v are tensor descriptors
+            b_kt = tl.trans(p_k.load([off_b, i_n * BLOCK_N, off_hk * D]).reshape(BLOCK_N, D_PAD))
+            b_vt = tl.trans(p_v.load([off_b, i_n * BLOCK_N, off_hk * DV]).reshape(BLOCK_N, DV_PAD))
+        else:
+            row0 = tl.cast(i_n, tl.int64) * BLOCK_N
+            b_kt = _load(p_k + row0 * (HKV * D) + r_n[None, :] * (HKV * D) + o_d[:, None], m_n[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_N]
+            b_vt = _load(p_v + row0 * (HKV * DV) + r_n[None, :] * (HKV * DV) + o_dv[:, None], m_n[None, :], o_dv[:, None] < DV, MASKED or DV != DV_PAD)  # [DV_PAD, BLOCK_N]
         kv_idx = o_pos[None, :]
         p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_do, b_vt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, (row_k + o_pos)[None, :],
                                    off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
@@ -436,7 +452,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, scale, q_id
 @triton.jit
 def alibi_attention_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_slopes,
-    DQ,
+    DQ, SCRATCH,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
 ):
     i_m = tl.program_id(0)
@@ -464,9 +480,13 @@ def alibi_attention_bwd_dq_kernel(
     b_lse = tl.load(LSE + q_base + o_m, mask=m_m, other=0.0)
     b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse) * LOG2E
     b_delta = tl.load(DELTA + q_base + o_m, mask=m_m, other=0.0)
-    kv_row0 = (batch * SEQ_K + row_k).to(tl.int64)  # the sequence's first key row in the tensor
-    p_k = K + kv_row0 * (HKV * D) + off_hk * D
-    p_v = V + kv_row0 * (HKV * DV) + off_hk * DV
+    if TMA:
+        p_k = tl.make_tensor_descriptor(K, shape=[B, SEQ_K, HKV * D], strides=[SEQ_K * HKV * D, HKV * D, 1], block_shape=[1, BLOCK_N, D_PAD])
+        p_v = tl.make_tensor_descriptor(V, shape=[B, SEQ_K, HKV * DV], strides=[SEQ_K * HKV * DV, HKV * DV, 1], block_shape=[1, BLOCK_N, DV_PAD])
+    else:
+        kv_row0 = (batch * SEQ_K + row_k).to(tl.int64)  # the sequence's first key row in the tensor
+        p_k = K + kv_row0 * (HKV * D) + off_hk * D
+        p_v = V + kv_row0 * (HKV * DV) + off_hk * DV
     q_idx = o_pos[:, None]
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
@@ -474,12 +494,12 @@ def alibi_attention_bwd_dq_kernel(
     b_dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if i_m * BLOCK_M < q_len:
         b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, scale, q_idx, o_m[:, None], row_k,
-                         off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                         off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                          PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
         b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, flo, fhi, scale, q_idx, o_m[:, None], row_k,
-                         off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                         off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                          PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, False)
         b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, fhi, hi, scale, q_idx, o_m[:, None], row_k,
-                         off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                         off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                          PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
     tl.store(DQ + o_q, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & (o_d[None, :] < D))

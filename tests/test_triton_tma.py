@@ -1,0 +1,120 @@
+"""The Triton kernels' tensor-descriptor (TMA) and warp-specialised paths.
+
+- in Triton's interpreter, with every pass pinned to descriptors (and the forward to warp
+  specialisation), against the float64 oracle: outputs, lse and every gradient, on shapes whose
+  sequences end inside a block (descriptors read zeros there) and with GQA, causal, window, soft
+  cap, sinks and bias; a spy checks that the launches really took the descriptor path;
+- ahead of time for sm_90: the descriptor kernels compile (bulk tensor copies in the PTX), and the
+  global-scratch rerouting that ejgen adds to jax-triton rewrites exactly the scratch reads.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
+
+import oracle  # noqa: E402
+from shapes import AttnShape, random_cotangents, random_qkv, random_sinks, rng_for  # noqa: E402
+
+from ejgen.runtime import triton_attention, triton_call  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("x64_stays_off")
+
+PINNED = "fwd=16,16,4,1,tma,ws;dkdv=16,16,4,1,tma;dq=16,16,4,1,tma"
+
+# (id, shape, features): head dims are powers of two (descriptors need whole heads)
+CASES = [
+    ("plain-ragged", AttnShape(2, 45, 45, 4, 4, 32), dict()),
+    ("plain-whole-blocks", AttnShape(1, 48, 64, 2, 2, 32), dict()),  # warp-specialised forward loop
+    ("causal-gqa", AttnShape(2, 37, 53, 4, 2, 32), dict(causal=True)),
+    ("window-softcap-sinks", AttnShape(1, 40, 40, 4, 1, 16), dict(sliding_window=(9, 3), logits_soft_cap=5.0, sinks="h")),
+    ("bias", AttnShape(1, 33, 29, 2, 2, 32), dict(bias=True, causal=True)),
+]
+
+
+@pytest.fixture
+def descriptors_everywhere(monkeypatch):
+    if triton_call.mode()[0] is None:
+        pytest.fail("these tests need the triton backend: run them with TRITON_INTERPRET=1 (README)")
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", PINNED)
+    seen = []
+    launch = triton_call.launch
+
+    def spy(kernel, grid, inputs, outs, **kw):
+        seen.append((kernel.__name__, kw["TMA"], kw["WS"]))
+        return launch(kernel, grid, inputs, outs, **kw)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    return seen
+
+
+@pytest.mark.parametrize("shape,features", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_descriptor_paths_match_the_oracle(descriptors_everywhere, run_vjp, shape, features, dtype):
+    from ejgen.ops import flash_attention
+
+    case_id = f"tma-{shape}-{features}-{dtype}"
+    rng = rng_for(case_id)
+    diff = random_qkv(shape, dtype, rng)
+    features = dict(features)
+    if features.pop("bias", False):
+        diff["bias"] = jnp.asarray(rng.standard_normal((shape.batch, shape.q_heads, shape.q_len, shape.kv_len)), dtype)
+    sinks = features.pop("sinks", None)
+    if sinks:
+        diff["softmax_aux"] = random_sinks(sinks, shape.q_heads, rng)
+    d_out, d_lse = random_cotangents(shape, dtype, rng)
+    out, lse, grads = run_vjp(flash_attention, diff, {}, {**features, "platform": "triton"}, d_out, d_lse)
+    ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, **features, d_out=d_out, d_lse=d_lse)
+    oracle.check_attention(out, lse, grads, ref, diff, dtype)
+
+    kinds = {name.rsplit("_", 2)[-2] if "bwd" in name else "fwd": (tma, ws) for name, tma, ws in descriptors_everywhere}
+    assert kinds["fwd"][0] and kinds["dkdv"][0] and kinds["dq"][0], descriptors_everywhere
+    whole = shape.q_len % 16 == 0 and shape.kv_len % 16 == 0
+    plain = not features and "bias" not in diff
+    assert kinds["fwd"][1] == (whole and plain), "warp specialisation: plain loops over whole blocks only"
+
+
+def test_descriptors_need_16_bit_whole_power_of_two_heads():
+    from ejgen.runtime.config import AttentionConfig
+
+    dense, varlen = AttentionConfig(seq_q=64, seq_k=64), AttentionConfig(seq_q=64, seq_k=64, varlen=True)
+    q = lambda d, dtype=jnp.bfloat16: jnp.zeros((1, 64, 2, 1, d), dtype)
+    assert triton_attention.tma_eligible(q(64), q(64), dense)
+    assert not triton_attention.tma_eligible(q(48), q(48), dense)  # a tile would reach into the next head
+    assert not triton_attention.tma_eligible(q(64), q(64), varlen)  # rows past a sequence are another's
+    assert not triton_attention.tma_eligible(q(64, jnp.float32), q(64, jnp.float32), dense)
+
+
+@pytest.fixture(scope="module")
+def descriptor_kernels():
+    from ejgen.testing.aot import compile_in_subprocess
+
+    return compile_in_subprocess("ejgen.generated", "flash_attention", capability=90, num_warps=8, num_stages=2,
+                                 causal=True, block_m=64, block_n=128, tma=True, with_ptx=True)
+
+
+def test_descriptor_kernels_compile_for_hopper(descriptor_kernels):
+    for name, c in descriptor_kernels.items():
+        assert c["cubin"] and c["wgmma"], name
+        assert "cp.async.bulk.tensor" in c["ptx"], f"{name}: no tensor-descriptor copies"
+        assert 0 < c["global_scratch"] <= triton_call.SCRATCH_PER_PROGRAM, name
+        assert c["shared"] <= 232448, name
+
+
+def test_global_scratch_reads_move_to_the_last_explicit_argument(descriptor_kernels):
+    ptx = descriptor_kernels["fwd_kernel"]["ptx"]
+    name = re.search(r"\.entry\s+(\w+)\s*\(", ptx).group(1)
+    n = len(re.findall(rf"\b{name}_param_\d+\b", re.search(r"\((.*?)\)", ptx[ptx.index(".entry"):], re.S).group(1)))
+    hidden, scratch = f"[{name}_param_{n - 2}]", f"[{name}_param_{n - 3}]"
+    assert hidden in ptx
+    routed = triton_call.route_global_scratch(ptx, name)
+    assert hidden not in routed and routed.count(scratch) == ptx.count(scratch) + ptx.count(hidden)
+    # nothing else changes
+    assert routed.replace(scratch, "@") == ptx.replace(hidden, scratch).replace(scratch, "@")
+    with pytest.raises(RuntimeError, match="unexpected PTX parameter list"):
+        triton_call.route_global_scratch(ptx, "no_such_kernel")
