@@ -17,14 +17,14 @@ from ejgen.runtime import triton_attention, triton_configs, tuning_cache
 
 CANDIDATES = {
     "sm90": {
-        "fwd": ["128,64,8,4", "128,128,8,3", "128,64,8,3", "128,128,8,2", "64,64,4,4"],
-        "dkdv": ["64,128,8,3", "64,128,8,2", "32,64,4,4", "32,128,8,3", "64,64,4,3"],
-        "dq": ["128,64,8,3", "128,32,4,3", "128,64,8,2", "64,64,4,3"],
+        "fwd": ["128,128,8,3,tma", "128,64,8,4,tma", "128,128,8,2,tma", "128,64,8,4", "128,128,8,3", "64,64,4,4"],
+        "dkdv": ["64,128,8,3", "64,128,8,3,tma", "64,128,8,2,tma", "32,64,4,4", "32,128,8,3", "64,64,4,3"],
+        "dq": ["128,64,8,3", "128,64,8,3,tma", "128,64,8,2,tma", "128,32,4,3", "64,64,4,3"],
     },
     "interpret": {
-        "fwd": ["16,16,4,1", "32,16,4,1"],
-        "dkdv": ["16,16,4,1", "16,32,4,1"],
-        "dq": ["16,16,4,1", "32,16,4,1"],
+        "fwd": ["16,16,4,1", "16,16,4,1,tma"],
+        "dkdv": ["16,16,4,1", "16,32,4,1,tma"],
+        "dq": ["16,16,4,1", "32,16,4,1,tma"],
     },
 }
 
@@ -43,7 +43,7 @@ def _median_seconds(fn, args, reps: int) -> float:
 
 def tune(seq: int, head_dim: int, dtype: str = "bfloat16", causal: bool = False, heads: int = 16,
          batch: int = 1, reps: int = 10, log=print) -> dict:
-    """Sweep, store the winners in the cache and return them ({cache key: [bm, bn, warps, stages]})."""
+    """Sweep, store the winners in the cache and return them ({cache key: "bm,bn,warps,stages[,tma]"})."""
     import jax
     import jax.numpy as jnp
 
@@ -79,14 +79,12 @@ def tune(seq: int, head_dim: int, dtype: str = "bfloat16", causal: bool = False,
                     best = (sec, text)
             if best is not None:
                 k_ = tuning_cache.key(arch, pass_, head_dim, bits, seq, causal)
-                winners[k_] = [int(x) for x in best[1].split(",")]
+                winners[k_] = triton_configs.text(triton_configs.parse(best[1]))
     finally:
         if pinned_before is None:
             os.environ.pop("EJGEN_TRITON_CONFIG", None)
         else:
             os.environ["EJGEN_TRITON_CONFIG"] = pinned_before
-    for k_, conf in winners.items():
-        triton_configs.KernelConfig(*conf)  # validates
     path = tuning_cache.store(winners)
     log(f"wrote {len(winners)} tuned config(s) to {path}")
     return winners

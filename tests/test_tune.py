@@ -22,12 +22,23 @@ def test_keys_bucket_sequences_by_powers_of_two():
 
 
 def test_a_cached_config_wins_over_the_table_and_a_pinned_one_over_both(cache_dir, monkeypatch):
-    assert triton_configs.pick("sm90", "fwd", 128, 16, 4096, True) == triton_configs.KernelConfig(128, 64, 8, 4)
-    tuning_cache.store({tuning_cache.key("sm90", "fwd", 128, 16, 4096, True): [64, 64, 4, 2]})
-    assert triton_configs.pick("sm90", "fwd", 128, 16, 4000, True) == triton_configs.KernelConfig(64, 64, 4, 2)
-    assert triton_configs.pick("sm90", "fwd", 128, 16, 4096, False) == triton_configs.KernelConfig(128, 64, 8, 4)
+    table = triton_configs.KernelConfig(128, 128, 8, 3, tma=True)
+    assert triton_configs.pick("sm90", "fwd", 128, 16, 4096, True) == table
+    tuning_cache.store({tuning_cache.key("sm90", "fwd", 128, 16, 4096, True): "64,64,4,2,tma",
+                        tuning_cache.key("sm90", "dq", 128, 16, 4096, True): [64, 32, 4, 2]})  # older entries: lists
+    assert triton_configs.pick("sm90", "fwd", 128, 16, 4000, True) == triton_configs.KernelConfig(64, 64, 4, 2, tma=True)
+    assert triton_configs.pick("sm90", "dq", 128, 16, 4000, True) == triton_configs.KernelConfig(64, 32, 4, 2)
+    assert triton_configs.pick("sm90", "fwd", 128, 16, 4096, False) == table
     monkeypatch.setenv("EJGEN_TRITON_CONFIG", "fwd=32,32,4,1")
     assert triton_configs.pick("sm90", "fwd", 128, 16, 4096, True) == triton_configs.KernelConfig(32, 32, 4, 1)
+
+
+def test_config_text_round_trips_and_bad_text_names_the_entry(monkeypatch):
+    for text in ("128,128,8,3", "128,128,4,2,tma,ws", "64,32,4,1,tma"):
+        assert triton_configs.text(triton_configs.parse(text)) == text
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", "fwd=128,128,8,3,fast")
+    with pytest.raises(ValueError, match=r"EJGEN_TRITON_CONFIG: bad entry 'fwd=128,128,8,3,fast'"):
+        triton_configs.pick("sm90", "fwd", 128, 16, 4096, True)
 
 
 def test_an_unreadable_cache_is_an_error_that_says_what_to_do(cache_dir):
@@ -45,5 +56,4 @@ def test_ejgen_tune_sweeps_every_pass_and_fills_the_cache(cache_dir, capsys):
     assert out.count(" ms") == 6 and "wrote 3 tuned config(s)" in out
     for pass_ in ("fwd", "dkdv", "dq"):
         chosen = triton_configs.pick("interpret", pass_, 16, 32, 40, True)
-        assert [chosen.block_m, chosen.block_n, chosen.num_warps, chosen.num_stages] == entries[
-            f"interpret/{pass_}/d16/32bit/s128/causal"]
+        assert triton_configs.text(chosen) == entries[f"interpret/{pass_}/d16/32bit/s128/causal"]

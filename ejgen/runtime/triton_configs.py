@@ -53,6 +53,21 @@ _TABLE = {
 }
 
 
+def parse(text: str) -> KernelConfig:
+    """``"block_m,block_n,warps,stages[,tma][,ws]"`` -> KernelConfig (ValueError when malformed)."""
+    fields = [x.strip() for x in text.split(",")]
+    flags = set(fields[4:])
+    if len(fields) < 4 or flags - {"tma", "ws"}:
+        raise ValueError(f"want block_m,block_n,warps,stages[,tma][,ws], got {text!r}")
+    return KernelConfig(*(int(x) for x in fields[:4]), tma="tma" in flags, ws="ws" in flags)
+
+
+def text(conf: KernelConfig) -> str:
+    """The inverse of `parse`."""
+    flags = [name for name in ("tma", "ws") if getattr(conf, name)]
+    return ",".join([str(conf.block_m), str(conf.block_n), str(conf.num_warps), str(conf.num_stages)] + flags)
+
+
 def _override(pass_: str) -> KernelConfig | None:
     """``EJGEN_TRITON_CONFIG="fwd=128,64,8,3;dkdv=32,128,4,3"`` pins configs (tuning, tests);
     ``fwd=128,128,4,2,tma,ws`` also turns on tensor descriptors and warp specialisation."""
@@ -60,12 +75,8 @@ def _override(pass_: str) -> KernelConfig | None:
     for item in filter(None, (part.strip() for part in text.split(";"))):
         name, _, values = item.partition("=")
         if name.strip() == pass_:
-            fields = [x.strip() for x in values.split(",")]
-            flags = {x: True for x in fields[4:]}
             try:
-                if set(flags) - {"tma", "ws"}:
-                    raise ValueError(f"unknown flags {sorted(set(flags) - {'tma', 'ws'})}")
-                return KernelConfig(*(int(x) for x in fields[:4]), **flags)
+                return parse(values)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"EJGEN_TRITON_CONFIG: bad entry {item!r} "
                                  f"(want pass=block_m,block_n,warps,stages[,tma][,ws]): {e}")
@@ -79,8 +90,8 @@ def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int = 0, ca
     if pinned is not None:
         return pinned
     tuned = tuning_cache.lookup(tuning_cache.key(arch, pass_, head_dim, dtype_bits, seq, causal))
-    if tuned is not None:
-        return KernelConfig(*tuned)
+    if tuned is not None:  # "128,128,8,3,tma" (or [128, 128, 8, 3] from before the flags)
+        return parse(tuned) if isinstance(tuned, str) else KernelConfig(*tuned)
     if arch == "interpret":
         return INTERPRET
     table = _TABLE.get((arch, pass_)) or _TABLE[("sm90", pass_)]
