@@ -118,3 +118,15 @@ def test_global_scratch_reads_move_to_the_last_explicit_argument(descriptor_kern
     assert routed.replace(scratch, "@") == ptx.replace(hidden, scratch).replace(scratch, "@")
     with pytest.raises(RuntimeError, match="unexpected PTX parameter list"):
         triton_call.route_global_scratch(ptx, "no_such_kernel")
+
+
+def test_pinning_warp_specialisation_on_a_gpu_is_an_error_until_a_release_is_measured(monkeypatch):
+    from ejgen.ops import flash_attention
+
+    if triton_call.mode()[0] is None:
+        pytest.fail("this test needs the triton backend: run it with TRITON_INTERPRET=1 (README)")
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", "fwd=128,128,4,2,tma,ws")
+    monkeypatch.setattr(triton_attention, "_arch", lambda: "sm90")
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="warp-specialised forward is not enabled on GPUs"):
+        flash_attention(q, q, q, platform="triton")
