@@ -54,9 +54,16 @@ def main():
                    "('' = the table); times forward and forward+backward of --cases")
     p.add_argument("--cases", default="16384:0,16384:1,16384:1:1024",
                    help="S:causal[:left window], comma-separated (with --configs)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds per (case, config) with --configs, compile included: each runs in its own "
+                        "process, so a config that hangs or compiles for minutes costs no more than this")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: "S:causal[:window]|config"
     args = p.parse_args()
+    if args.one is not None:
+        case, cfg = args.one.split("|", 1)
+        return compare([cfg], case, args.d)
     if args.configs is not None:
-        return compare(args.configs.split("|"), args.cases, args.d)
+        return compare_isolated(args.configs.split("|"), args.cases, args.d, args.timeout)
     passes = list(CANDIDATES) if args.pass_ == "all" else [args.pass_]
     d, h = args.d, 16
     if args.window:
@@ -90,6 +97,22 @@ def main():
                 except Exception as e:
                     print(f"S={s} causal={int(causal)} {pass_:5} {cfg:14} failed: {str(e).splitlines()[0][:100]}", flush=True)
     os.environ.pop("EJGEN_TRITON_CONFIG", None)
+    return 0
+
+
+def compare_isolated(configs, cases, d, timeout):
+    import subprocess
+
+    for case in cases.split(","):
+        for cfg in configs:
+            cmd = [sys.executable, "-u", __file__, "--d", str(d), "--one", f"{case}|{cfg}"]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+                lines = [l for l in proc.stdout.splitlines() if l.startswith("S=")]
+                print("\n".join(lines) if lines else f"{case} {cfg or 'table'}: no result (rc {proc.returncode}): "
+                      f"{proc.stderr.strip().splitlines()[-1][:160] if proc.stderr.strip() else ''}", flush=True)
+            except subprocess.TimeoutExpired:
+                print(f"{case} {cfg or 'table'}: no result within {timeout:.0f} s (hang or slow compile)", flush=True)
     return 0
 
 

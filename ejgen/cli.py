@@ -81,8 +81,10 @@ def _tune(args) -> int:
     from ejgen.tune import tune
 
     for seq in args.seq:
-        print(f"tuning S={seq} D={args.head_dim} {args.dtype} {'causal' if args.causal else 'full'}:")
-        tune(seq, args.head_dim, args.dtype, args.causal, heads=args.heads, batch=args.batch, reps=args.reps)
+        window = "" if args.window is None else f" window {args.window}"
+        print(f"tuning S={seq} D={args.head_dim} {args.dtype} {'causal' if args.causal else 'full'}{window}:")
+        tune(seq, args.head_dim, args.dtype, args.causal, heads=args.heads, batch=args.batch, reps=args.reps,
+             window=args.window)
     return 0
 
 
@@ -110,6 +112,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--head-dim", type=int, default=128)
     t.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     t.add_argument("--causal", action="store_true")
+    t.add_argument("--window", type=int, metavar="LEFT",
+                   help="tune windowed calls: sliding_window=(LEFT, 0) with --causal, else (LEFT, LEFT)")
     t.add_argument("--heads", type=int, default=16)
     t.add_argument("--batch", type=int, default=1)
     t.add_argument("--reps", type=int, default=10)

@@ -42,7 +42,7 @@ def _median_seconds(fn, args, reps: int) -> float:
 
 
 def tune(seq: int, head_dim: int, dtype: str = "bfloat16", causal: bool = False, heads: int = 16,
-         batch: int = 1, reps: int = 10, log=print) -> dict:
+         batch: int = 1, reps: int = 10, window: int | None = None, log=print) -> dict:
     """Sweep, store the winners in the cache and return them ({cache key: "bm,bn,warps,stages[,tma]"})."""
     import jax
     import jax.numpy as jnp
@@ -58,13 +58,14 @@ def tune(seq: int, head_dim: int, dtype: str = "bfloat16", causal: bool = False,
     d_out = jax.random.normal(keys[3], shape, jnp.float32)
     bits = jnp.dtype(dtype).itemsize * 8
     pinned_before = os.environ.get("EJGEN_TRITON_CONFIG")
+    sliding = None if window is None else ((window, 0) if causal else (window, window))
     winners = {}
     try:
         for pass_, candidates in CANDIDATES[arch].items():
             best = None
             for text in candidates:
                 os.environ["EJGEN_TRITON_CONFIG"] = f"{pass_}={text}"
-                op = lambda q, k, v: flash_attention(q, k, v, causal=causal, platform="triton")
+                op = lambda q, k, v: flash_attention(q, k, v, causal=causal, sliding_window=sliding, platform="triton")
                 if pass_ == "fwd":
                     fn = jax.jit(op)
                 else:
@@ -78,7 +79,7 @@ def tune(seq: int, head_dim: int, dtype: str = "bfloat16", causal: bool = False,
                 if best is None or sec < best[0]:
                     best = (sec, text)
             if best is not None:
-                k_ = tuning_cache.key(arch, pass_, head_dim, bits, seq, causal)
+                k_ = tuning_cache.key(arch, pass_, head_dim, bits, seq, causal, window is not None)
                 winners[k_] = triton_configs.text(triton_configs.parse(best[1]))
     finally:
         if pinned_before is None:

@@ -57,3 +57,22 @@ def test_ejgen_tune_sweeps_every_pass_and_fills_the_cache(cache_dir, capsys):
     for pass_ in ("fwd", "dkdv", "dq"):
         chosen = triton_configs.pick("interpret", pass_, 16, 32, 40, True)
         assert triton_configs.text(chosen) == entries[f"interpret/{pass_}/d16/32bit/s128/causal"]
+
+
+def test_windowed_calls_have_entries_of_their_own(cache_dir):
+    k_full = tuning_cache.key("sm90", "fwd", 128, 16, 16384, True)
+    k_window = tuning_cache.key("sm90", "fwd", 128, 16, 16384, True, window=True)
+    assert k_window == k_full + "-window"
+    tuning_cache.store({k_window: "64,64,4,2,tma"})
+    assert triton_configs.pick("sm90", "fwd", 128, 16, 16384, True, window=True) == triton_configs.KernelConfig(
+        64, 64, 4, 2, tma=True)
+    assert triton_configs.pick("sm90", "fwd", 128, 16, 16384, True) == triton_configs.KernelConfig(128, 128, 8, 3, tma=True)
+
+
+def test_ejgen_tune_with_a_window_fills_the_window_entries(cache_dir, capsys):
+    rc = main(["tune", "--seq", "40", "--head-dim", "16", "--dtype", "float32", "--heads", "2", "--reps", "1",
+               "--causal", "--window", "8"])
+    assert rc == 0
+    entries = json.loads((cache_dir / "triton-configs.json").read_text())
+    assert set(entries) == {f"interpret/{p}/d16/32bit/s128/causal-window" for p in ("fwd", "dkdv", "dq")}
+    assert "window 8" in capsys.readouterr().out

@@ -54,7 +54,7 @@ def _pow2(n):
 
 def _config(layout: Layout, pass_: str, head_dim: int, bits: int, cfg) -> triton_configs.KernelConfig:
     seq = max(_longest(cfg, True), _longest(cfg, False))
-    conf = triton_configs.pick(_arch(), pass_, head_dim, bits, seq, cfg.causal)
+    conf = triton_configs.pick(_arch(), pass_, head_dim, bits, seq, cfg.causal, cfg.window)
     if layout.gathers_by_position and conf.num_stages > 1:
         # Triton 3.6 multi-buffers the gathered [BLOCK_M, BLOCK_N] float32 tile in shared memory
         # with the K/V tiles (240 KB at 128x128, 3 stages: over the limit): do not pipeline.

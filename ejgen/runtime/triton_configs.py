@@ -86,13 +86,14 @@ def _override(pass_: str) -> KernelConfig | None:
     return None
 
 
-def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int = 0, causal: bool = False) -> KernelConfig:
+def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int = 0, causal: bool = False,
+         window: bool = False) -> KernelConfig:
     """The config of one kernel: pinned (EJGEN_TRITON_CONFIG), else tuned (`ejgen tune`'s cache),
     else the interpreter's, else the heuristic table."""
     pinned = _override(pass_)
     if pinned is not None:
         return pinned
-    tuned = tuning_cache.lookup(tuning_cache.key(arch, pass_, head_dim, dtype_bits, seq, causal))
+    tuned = tuning_cache.lookup(tuning_cache.key(arch, pass_, head_dim, dtype_bits, seq, causal, window))
     if tuned is not None:  # "128,128,8,3,tma" (or [128, 128, 8, 3] from before the flags)
         return parse(tuned) if isinstance(tuned, str) else KernelConfig(*tuned)
     if arch == "interpret":

@@ -29,8 +29,11 @@ def bucket(seq: int) -> int:
     return b
 
 
-def key(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int, causal: bool) -> str:
-    return f"{arch}/{pass_}/d{head_dim}/{dtype_bits}bit/s{bucket(seq)}/{'causal' if causal else 'full'}"
+def key(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int, causal: bool, window: bool = False) -> str:
+    """Windowed calls keep entries of their own (their key loops are short); the window's size is a
+    run-time value, so one entry serves every window of that shape."""
+    mask = ("causal" if causal else "full") + ("-window" if window else "")
+    return f"{arch}/{pass_}/d{head_dim}/{dtype_bits}bit/s{bucket(seq)}/{mask}"
 
 
 def entries() -> dict:
