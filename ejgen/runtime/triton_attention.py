@@ -117,15 +117,15 @@ def _constexprs(layout, q, k, v, ctx, cfg, block_m, block_n, bias, mask, aux):
     )
 
 
-# Bytes of the SCRATCH output per forward program: room for the three tensor descriptors that a TMA
-# forward builds (128 bytes each). triton_call checks every compiled kernel against it.
+# Bytes of a kernel's SCRATCH output per program: room for the tensor descriptors a TMA kernel builds
+# (at most three, 128 bytes each). triton_call checks every compiled kernel against it.
 SCRATCH_PER_PROGRAM = triton_call.SCRATCH_PER_PROGRAM
 
 
 # Triton releases on which the warp-specialised forward is enabled on a GPU. Triton 3.6 compiles it
 # for sm_90 (3.9's pass fails on these kernels), but on an H200 its first timed run did not finish
 # within four minutes (a hang or a very long compile: not yet known), so no release is listed until
-# one is measured. `ws` in a config is then a no-op on the GPU; the interpreter still runs the path.
+# one is measured: pinning `ws` on a GPU is an error, and the interpreter still runs the path.
 WS_TRITON_RELEASES: tuple = ()
 
 
@@ -134,9 +134,9 @@ def ws_eligible(cfg, consts) -> bool:
     whole blocks; with causal or window masks, or ragged sequence ends, it fails to compile."""
     import triton
 
-    return (_arch() == "interpret" or (WS_TRITON_RELEASES and triton.__version__.startswith(WS_TRITON_RELEASES))) and (
-        consts["PLAIN"] and not consts["RUNTIME_MASK"] and not cfg.causal and not cfg.window
-        and consts["SEQ_Q"] % consts["BLOCK_M"] == 0 and consts["SEQ_K"] % consts["BLOCK_N"] == 0)
+    release_ok = _arch() == "interpret" or bool(WS_TRITON_RELEASES and triton.__version__.startswith(WS_TRITON_RELEASES))
+    whole_blocks = consts["SEQ_Q"] % consts["BLOCK_M"] == 0 and consts["SEQ_K"] % consts["BLOCK_N"] == 0
+    return release_ok and whole_blocks and consts["PLAIN"] and not (consts["RUNTIME_MASK"] or cfg.causal or cfg.window)
 
 
 def tma_eligible(q, v, cfg) -> bool:
