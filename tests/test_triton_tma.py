@@ -130,3 +130,28 @@ def test_pinning_warp_specialisation_on_a_gpu_is_an_error_until_a_release_is_mea
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="warp-specialised forward is not enabled on GPUs"):
         flash_attention(q, q, q, platform="triton")
+
+
+def test_the_interpreter_takes_descriptors_exactly_where_the_gpu_table_does(monkeypatch):
+    from ejgen.runtime import triton_configs
+
+    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
+    monkeypatch.setenv("EJGEN_CACHE_DIR", "/nonexistent-ejgen-cache")
+    for pass_ in ("fwd", "dkdv", "dq"):
+        for head_dim in (32, 64, 128, 256):
+            for bits in (16, 32):
+                gpu = triton_configs.pick("sm90", pass_, head_dim, bits, 4096, True)
+                cpu = triton_configs.pick("interpret", pass_, head_dim, bits, 4096, True)
+                assert cpu.tma == gpu.tma and (cpu.block_m, cpu.block_n) == (16, 16), (pass_, head_dim, bits)
+    assert triton_configs.pick("sm90", "fwd", 128, 16, 4096, True).tma  # the measured default
+
+
+def test_a_heads_major_package_is_an_error_not_a_wrong_answer():
+    from ejgen.runtime.config import AttentionConfig
+
+    cfg = AttentionConfig(seq_q=40, seq_k=40)
+    q = jnp.zeros((1, 2, 1, 40, 16), jnp.float32)  # [B, Hkv, G, Sq, D]: what packages rendered before v5 pass
+    layout = triton_attention.Layout("ejgen.generated.flash_attention.triton_kernels", "flash_attention", (), (), (),
+                                     (), False, True, False)
+    with pytest.raises(RuntimeError, match="older than this runtime"):
+        triton_attention._forward(layout, q, q[:, :, 0], q[:, :, 0], {}, cfg)

@@ -110,7 +110,7 @@ class Prepared:
     dims: dict  # batch, heads, kv_heads, q_len, kv_len, head_dim
     varlen: bool
 
-    def padded(self, block_q: int, block_k: int, layout: str = HEADS_MAJOR):
+    def padded(self, block_q: int, block_k: int, layout: str):
         """(q, k, v, ctx) in the backend's layout, padded so that Sq and Sk are whole blocks."""
         if layout == SEQ_MAJOR:
             q, k, v, seq_axis = self.q, self.k, self.v, 1
@@ -133,7 +133,7 @@ class Prepared:
                 ctx[key] = x
         return q, k, v, ctx
 
-    def finish(self, out, lse, return_lse: bool, layout: str = HEADS_MAJOR):
+    def finish(self, out, lse, return_lse: bool, layout: str):
         """Back to the caller's layout: out [B, Sq, Hq, Dv] (varlen [Tq, Hq, Dv]), lse [B, Hq, Sq]."""
         sq = self.cfg.seq_q
         if layout == SEQ_MAJOR:

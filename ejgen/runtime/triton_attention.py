@@ -117,9 +117,18 @@ def _constexprs(layout, q, k, v, ctx, cfg, block_m, block_n, bias, mask, aux):
     )
 
 
-# Bytes of a kernel's SCRATCH output per program: room for the tensor descriptors a TMA kernel builds
-# (at most three, 128 bytes each). triton_call checks every compiled kernel against it.
-SCRATCH_PER_PROGRAM = triton_call.SCRATCH_PER_PROGRAM
+def _scratch(grid):
+    """Every kernel's last output: global scratch for the tensor descriptors it may build, at most three
+    of 128 bytes per program (triton_call checks each compiled kernel against the budget). Sized the
+    same whether or not the kernel uses it (1 MB per 2048 programs), so it is never too small."""
+    return jax.ShapeDtypeStruct((grid[0] * grid[1] * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)
+
+
+def _check_layout(q, cfg):
+    if q.ndim != 5 or q.shape[1] != cfg.seq_q:
+        raise RuntimeError(f"the triton backend expects q as [B, Sq, Hkv, G, D] with Sq = {cfg.seq_q}, got "
+                           f"{tuple(q.shape)}: a generated package older than this runtime? rebuild it with "
+                           f"`ejgen build`")
 
 
 # Triton releases on which the warp-specialised forward is enabled on a GPU. Triton 3.6 compiles it
@@ -144,7 +153,7 @@ def tma_eligible(q, v, cfg) -> bool:
     head) and one sequence per batch row (zeros past its end): not varlen. 16-bit inputs only (the
     float32 kernels keep the tiles that fit their shared memory)."""
     d, dv, size = q.shape[-1], v.shape[-1], jnp.dtype(q.dtype).itemsize
-    return not cfg.varlen and d == _pow2(d) and dv == _pow2(dv) and size == 2  # 16-bit: 16-byte rows from D=8
+    return not cfg.varlen and d == _pow2(d) and dv == _pow2(dv) and size == 2
 
 
 def _longest(cfg, q_side: bool) -> int:
@@ -159,6 +168,7 @@ def _grid_batch(q, ctx, cfg):
 
 
 def _forward(layout: Layout, q, k, v, ctx, cfg):
+    _check_layout(q, cfg)
     batch, sq, hkv, groups, d = q.shape
     hq, dv = hkv * groups, v.shape[-1]
     conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg)
@@ -171,9 +181,8 @@ def _forward(layout: Layout, q, k, v, ctx, cfg):
     consts.update(TMA=tma, WS=tma and conf.ws and ws_eligible(cfg, consts))
     longest = _longest(cfg, True)
     grid = (max(_cdiv(longest, conf.block_m), 1), _grid_batch(q, ctx, cfg) * hq)
-    scratch = grid[0] * grid[1] * SCRATCH_PER_PROGRAM if tma else 1
     outs = [jax.ShapeDtypeStruct((batch, sq, hq, dv), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
-            jax.ShapeDtypeStruct((scratch,), jnp.uint8)]
+            _scratch(grid)]
     kernel = getattr(layout.kernels(), f"{layout.name}_fwd_kernel")
     out, lse, _ = triton_call.launch(
         kernel, grid, [q.reshape(batch, sq, hq, d), k, v, *scalars, *features, aux, *params], outs,
@@ -188,6 +197,7 @@ def _delta(out, d_out, d_lse):
 
 
 def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
+    _check_layout(q, cfg)
     batch, sq, hkv, groups, d = q.shape
     hq, sk, dv = hkv * groups, k.shape[1], v.shape[-1]
     bits = jnp.dtype(q.dtype).itemsize * 8
@@ -209,8 +219,8 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32)]
     outs += [jax.ShapeDtypeStruct((n_prog, ctx[f"param_{p}"].size), jnp.float32) for p in layout.grad_params]
     zeroed = tuple(range(len(outs))) if cfg.varlen else tuple(range(2, len(outs)))
-    consts["TMA"] = tma = conf.tma and tma_eligible(q, v, cfg)
-    outs.append(jax.ShapeDtypeStruct((n_prog * SCRATCH_PER_PROGRAM if tma else 1,), jnp.uint8))
+    consts["TMA"] = conf.tma and tma_eligible(q, v, cfg)
+    outs.append(_scratch(grid))
     dk, dv_, dbias, *dparams, _ = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dkdv_kernel"), grid, inputs, outs, zeroed=zeroed,
         num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
@@ -219,11 +229,10 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
     longest_q = _longest(cfg, True)
     grid = (max(_cdiv(longest_q, conf.block_m), 1), n_seq * hq)
-    consts["TMA"] = tma = conf.tma and tma_eligible(q, v, cfg)
-    scratch = grid[0] * grid[1] * SCRATCH_PER_PROGRAM if tma else 1
+    consts["TMA"] = conf.tma and tma_eligible(q, v, cfg)
     dq, _ = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid, inputs,
-        [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((scratch,), jnp.uint8)],
+        [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), _scratch(grid)],
         zeroed=(0,) if cfg.varlen else (),
         num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
 

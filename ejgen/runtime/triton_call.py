@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import os
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
         import jax_triton as jt
 
         _extend_jax_triton()
+        _OWN_KERNELS.add(kernel.__name__)
 
         outs = jt.triton_call(*inputs, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps,
                               num_stages=num_stages, zeroed_outputs=tuple(zeroed), **constexprs)
@@ -104,14 +106,14 @@ def _interpret(kernel, grid, out_shapes, constexprs, *arrays):
 # A kernel that builds tensor descriptors on the device writes them into Triton's implicit global
 # scratch argument, and jaxlib passes a null pointer there. A warp-specialised kernel needs more
 # warps than it was asked for (a producer warp group), and jax-triton launches the number it asked.
-# So, on the GPU, ejgen compiles through its own copy of jax-triton's CUDA compile step that
-#  - points the global scratch argument at the kernel's last explicit argument, an output that the
-#    caller sizes at SCRATCH_PER_PROGRAM bytes per program (``SCRATCH`` in the forward kernels), and
-#  - records the compiled kernel's real warp count, which the kernel object is then built with.
-# Kernels without global scratch or extra warps compile to exactly what jax-triton would produce.
+# So, on the GPU, jax-triton compiles through a copy of its own CUDA compile step which, for the
+# kernels that ejgen launches (every one ends with a SCRATCH output of SCRATCH_PER_PROGRAM bytes per
+# program), points the global scratch reads at that output and records the compiled warp count, which
+# the kernel object is then built with. Other kernels compile to exactly what jax-triton produces.
 
 SCRATCH_PER_PROGRAM = 512
-_compiled_warps: dict = {}  # kernel name -> warps of its latest compilation
+_OWN_KERNELS: set = set()  # names of the kernels launched through `launch`
+_compiled = threading.local()  # (name, warps) of the latest compilation in this thread
 
 
 def route_global_scratch(ptx: str, name: str) -> str:
@@ -137,39 +139,49 @@ def _extend_jax_triton():
         return
 
     def compile_ttir_to_ptx_inplace(ttir, backend, options, capability):
+        # jax-triton 0.3.1's step, plus the scratch routing and warp count of ejgen's kernels
         metadata = {}
         try:
             ttgir = backend.make_ttgir(backend.make_ttir(ttir, metadata, options, capability), metadata, options,
                                        capability)
         except RuntimeError as e:
+            ttir.dump()
             raise ValueError("TTIR->TTGIR pass failed!") from e
         try:
             llir = backend.make_llir(ttgir, metadata, options, capability)
         except RuntimeError as e:
+            ttgir.dump()
             raise ValueError("TTGIR->LLIR pass failed!") from e
+        if metadata.get("tmem_size", 0) > triton_lib._TMEM_MAX_SIZE:
+            raise ValueError(f"TMEM size {metadata['tmem_size']} exceeds limit {triton_lib._TMEM_MAX_SIZE}.")
         ptx = backend.make_ptx(llir, metadata, options, capability)
         name = metadata["name"]
-        if metadata.get("global_scratch_size", 0) > 0:
-            if metadata["global_scratch_size"] > SCRATCH_PER_PROGRAM or metadata["global_scratch_align"] > 128:
-                raise RuntimeError(f"{name} needs {metadata['global_scratch_size']} bytes of global scratch "
-                                   f"(aligned to {metadata['global_scratch_align']}); the launch gives "
-                                   f"{SCRATCH_PER_PROGRAM} per program")
-            ptx = route_global_scratch(ptx, name)
-        _compiled_warps[name] = metadata["num_warps"]
+        if name in _OWN_KERNELS:
+            if metadata.get("global_scratch_size", 0) > 0:
+                if metadata["global_scratch_size"] > SCRATCH_PER_PROGRAM or metadata["global_scratch_align"] > 128:
+                    raise RuntimeError(f"{name} needs {metadata['global_scratch_size']} bytes of global scratch "
+                                       f"(aligned to {metadata['global_scratch_align']}); the launch gives "
+                                       f"{SCRATCH_PER_PROGRAM} per program")
+                ptx = route_global_scratch(ptx, name)
+            _compiled.last = (name, metadata["num_warps"])
+        dump = bool(triton_lib._JAX_TRITON_DUMP_DIR)
         return triton_lib.CompilationResult(binary=ptx, name=name, shared_mem_bytes=metadata["shared"],
-                                            ttgir=None, llir=None)
+                                            ttgir=str(ttgir) if dump else None, llir=str(llir) if dump else None)
 
     lib = triton_lib.triton_kernel_call_lib
 
     class _KernelLib:
-        """jaxlib's triton module, with kernels built with the warps they were compiled for."""
+        """jaxlib's triton module, with ejgen's kernels built with the warps they were compiled for."""
 
         def __getattr__(self, attr):
             return getattr(lib, attr)
 
         @staticmethod
         def TritonKernel(name, num_warps, *rest):
-            return lib.TritonKernel(name, _compiled_warps.get(name, num_warps), *rest)
+            last = getattr(_compiled, "last", None)
+            if last is not None and last[0] == name:
+                num_warps = last[1]
+            return lib.TritonKernel(name, num_warps, *rest)
 
     triton_lib.compile_ttir_to_ptx_inplace = compile_ttir_to_ptx_inplace
     triton_lib.triton_kernel_call_lib = _KernelLib()

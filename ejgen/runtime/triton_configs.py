@@ -19,7 +19,7 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    tma: bool = False  # forward only: tiles through tensor descriptors (where the shapes allow)
+    tma: bool = False  # the loop's tiles through tensor descriptors (where the shapes allow)
     ws: bool = False  # forward only, with tma: warp-specialised key loop (num_warps is per warp group)
 
     def __post_init__(self):
@@ -29,10 +29,9 @@ class KernelConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {size}")
 
 
+# The interpreter's tiles; it takes tensor descriptors wherever the GPU's table does (see `pick`), so
+# that CI runs the path that runs on the GPU.
 INTERPRET = KernelConfig(16, 16, 4, 1)
-# The interpreter's forward takes tensor descriptors where the GPU's table does (16-bit, power-of-two
-# head dims, not varlen), so that CI runs the path that runs on the GPU.
-INTERPRET_FWD = KernelConfig(16, 16, 4, 1, tma=True)
 
 # (arch, pass) -> [(max head dim, 16-bit config, float32 config)], first match wins.
 # D=128 bf16 rows: the best of benchmarks/tune_triton.py on an H200 (notes/perf.md, v2; forward v5:
@@ -93,11 +92,17 @@ def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int = 0, ca
     pinned = _override(pass_)
     if pinned is not None:
         return pinned
-    tuned = tuning_cache.lookup(tuning_cache.key(arch, pass_, head_dim, dtype_bits, seq, causal, window))
+    k = tuning_cache.key(arch, pass_, head_dim, dtype_bits, seq, causal, window)
+    tuned = tuning_cache.lookup(k)
     if tuned is not None:  # "128,128,8,3,tma" (or [128, 128, 8, 3] from before the flags)
-        return parse(tuned) if isinstance(tuned, str) else KernelConfig(*tuned)
+        try:
+            return parse(tuned) if isinstance(tuned, str) else KernelConfig(*tuned)
+        except (TypeError, ValueError) as e:
+            raise RuntimeError(f"tuning cache {tuning_cache.path()}: bad entry {k!r}: {tuned!r} ({e}); "
+                               f"delete it or re-run `ejgen tune`") from e
     if arch == "interpret":
-        return INTERPRET_FWD if pass_ == "fwd" else INTERPRET
+        table_conf = pick("sm90", pass_, head_dim, dtype_bits, seq, causal, window)
+        return dataclasses.replace(INTERPRET, tma=table_conf.tma)
     table = _TABLE.get((arch, pass_)) or _TABLE[("sm90", pass_)]
     for max_dim, half, single in table:
         if head_dim <= max_dim:

@@ -157,7 +157,7 @@ def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B: tl.constexpr, 
         b_ks = tl.load(KVSEG + off_b * SEQ_K + o_n, mask=o_n < SEQ_K, other=-2)
         vis = vis & (b_qs == b_ks) & (b_qs >= 0)
     if DENSE:
-        p_mask = MASK + ((off_b * MASK_HEADS + (off_h % MASK_HEADS)) * SEQ_Q + o_m) * SEQ_K + o_n
+        p_mask = MASK + ((off_b * MASK_HEADS + (off_h % MASK_HEADS)).to(tl.int64) * SEQ_Q + o_m) * SEQ_K + o_n
         vis = vis & (tl.load(p_mask, mask=(o_m < SEQ_Q) & (o_n < SEQ_K), other=0) != 0)
     return vis
 
@@ -176,8 +176,8 @@ def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, 
         return raw, raw, raw, scale * LOG2E
     s = raw * scale
     if BIAS_ON:
-        off_bias = ((off_b % BIAS_BATCH) * BIAS_HEADS + (off_h % BIAS_HEADS)) * SEQ_Q * SEQ_K
-        s += tl.load(BIAS + off_bias + o_m * SEQ_K + o_n, mask=(o_m < SEQ_Q) & (o_n < SEQ_K), other=0.0).to(tl.float32)
+        off_bias = ((off_b % BIAS_BATCH) * BIAS_HEADS + (off_h % BIAS_HEADS)).to(tl.int64) * SEQ_Q * SEQ_K
+        s += tl.load(BIAS + off_bias + o_m.to(tl.int64) * SEQ_K + o_n, mask=(o_m < SEQ_Q) & (o_n < SEQ_K), other=0.0).to(tl.float32)
     s_score = _score(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N).to(tl.float32)
     s_final = s_score
     if SOFTCAP:
