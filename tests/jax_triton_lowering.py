@@ -1,0 +1,74 @@
+"""Run jax-triton 0.3.1's own kernel compilation (``get_or_create_triton_kernel``) on a machine
+without a GPU, through ejgen's extension of it, and print what jaxlib would have been given (JSON).
+
+jax-triton's package refuses to import without a CUDA jax, so its ``triton_lib`` module is loaded on
+its own, and jaxlib's kernel library is replaced by a recorder. Run in a process without
+TRITON_INTERPRET (test_jax_triton_extension.py does), since the kernels must be compiled, not
+interpreted. Argument: JSON {"kernel": "fwd_kernel" | "foreign", "tma": bool}.
+"""
+
+import importlib
+import importlib.util
+import json
+import re
+import sys
+import types
+
+
+def load_triton_lib():
+    spec = importlib.util.find_spec("jax_triton")
+    package = types.ModuleType("jax_triton")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["jax_triton"] = package
+    return importlib.import_module("jax_triton.triton_lib")
+
+
+class Recorder:
+    """Stands in for jaxlib's triton module: keeps the arguments of every kernel object built."""
+
+    def __init__(self):
+        self.kernels = []
+
+    def TritonKernel(self, name, num_warps, num_ctas, shared, ptx, *rest):
+        self.kernels.append({"name": name, "num_warps": num_warps, "shared": shared, "ptx": ptx})
+        return name
+
+    def get_compute_capability(self, device):
+        return 90
+
+
+def main():
+    args = json.loads(sys.argv[1])
+    triton_lib = load_triton_lib()
+    recorder = Recorder()
+    triton_lib.triton_kernel_call_lib = recorder
+
+    from ejgen.runtime import triton_call
+    from ejgen.testing.aot import _signature, constexprs
+
+    triton_call._extend_jax_triton()
+    module = importlib.import_module("ejgen.generated.flash_attention.triton_kernels")
+    kernel = module.flash_attention_fwd_kernel
+    if args["kernel"] == "fwd_kernel":
+        triton_call._OWN_KERNELS.add(kernel.__name__)  # what `triton_call.launch` does
+    consts = constexprs(causal=True, block_m=64, block_n=128, tma=args["tma"])
+    signature = _signature(kernel, "bfloat16", {})
+    arg_dtypes = [signature[n] for n in kernel.arg_names if n not in consts]
+    metaparams = {n: consts[n] for n in kernel.arg_names if n in consts}
+    triton_lib.get_or_create_triton_kernel(
+        triton_lib.get_cuda_backend, "cuda", kernel, arg_dtypes, [], num_warps=8, num_stages=2, num_ctas=1,
+        compute_capability=90, enable_fp_fusion=True, metaparams=metaparams, dump=False)
+    built = recorder.kernels[-1]
+    ptx, name = built["ptx"], built["name"]
+    entry = re.search(rf"\.entry\s+{name}\s*\((.*?)\)", ptx, re.S).group(1)
+    n = len(re.findall(rf"\b{name}_param_\d+\b", entry))
+    print(json.dumps({
+        "name": name, "num_warps": built["num_warps"], "explicit_args": len(arg_dtypes), "ptx_params": n,
+        "hidden_scratch_reads": ptx.count(f"[{name}_param_{n - 2}]"),
+        "last_explicit_reads": ptx.count(f"[{name}_param_{n - 3}]"),
+        "bulk_tensor_copies": ptx.count("cp.async.bulk.tensor"),
+    }))
+
+
+if __name__ == "__main__":
+    main()

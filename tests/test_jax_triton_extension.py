@@ -1,0 +1,45 @@
+"""ejgen's extension of jax-triton (ejgen.runtime.triton_call._extend_jax_triton), run inside
+jax-triton 0.3.1's real compile path on a CPU (tests/jax_triton_lowering.py): the kernel object
+jaxlib would receive reads the tensor descriptors' global scratch from the SCRATCH output, and
+kernels that ejgen does not launch compile exactly as jax-triton compiles them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
+if __import__("importlib").util.find_spec("jax_triton") is None:
+    pytest.fail("jax-triton is part of the test install (pip install -e '.[test]')", pytrace=False)
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "jax_triton_lowering.py")
+
+
+def lower(**args) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, SCRIPT, json.dumps(args)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_descriptor_kernels_read_their_scratch_from_the_scratch_output():
+    got = lower(kernel="fwd_kernel", tma=True)
+    assert got["bulk_tensor_copies"] > 0
+    assert got["ptx_params"] == got["explicit_args"] + 2  # Triton's two hidden pointers
+    assert got["hidden_scratch_reads"] == 0 and got["last_explicit_reads"] > 0
+    assert got["num_warps"] == 8
+
+
+def test_kernels_without_descriptors_compile_unchanged():
+    got = lower(kernel="fwd_kernel", tma=False)
+    assert got["bulk_tensor_copies"] == 0 and got["hidden_scratch_reads"] == 0
+
+
+def test_kernels_ejgen_does_not_launch_are_left_as_jax_triton_compiles_them():
+    got = lower(kernel="foreign", tma=True)
+    assert got["hidden_scratch_reads"] > 0  # jax-triton's own behaviour: no rerouting
