@@ -88,7 +88,6 @@ def _kv_ranges(n_q, block_q, block_k, n_kv, sc, cfg):
     if cfg.varlen:  # lengths per sequence: the runtime block mask decides
         return jnp.broadcast_to(jnp.array([0, n_kv, 0, n_kv], jnp.int32), (n_q, 4))
     q0 = jnp.arange(n_q, dtype=jnp.int32) * block_q
-    q1 = jnp.minimum(q0 + block_q, cfg.seq_q) - 1
     bounds = xla_blocks.initial(cfg.seq_k)
     lo, hi, flo, fhi = xla_blocks.to_blocks(bounds, block_k, n_kv)
     hi = jnp.where(q0 >= cfg.seq_q, lo, hi)  # a block of padding visits nothing
@@ -102,7 +101,6 @@ def _q_ranges(n_kv, block_q, block_k, n_q, sc, cfg):
     if cfg.varlen:
         return jnp.broadcast_to(jnp.array([0, n_q, 0, n_q], jnp.int32), (n_kv, 4))
     k0 = jnp.arange(n_kv, dtype=jnp.int32) * block_k
-    k1 = jnp.minimum(k0 + block_k, cfg.seq_k) - 1
     bounds = xla_blocks.initial(cfg.seq_q)
     lo, hi, flo, fhi = xla_blocks.to_blocks(bounds, block_q, n_q)
     hi = jnp.where(k0 >= cfg.seq_k, lo, hi)

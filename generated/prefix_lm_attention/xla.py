@@ -41,8 +41,6 @@ def _visible(blk, ctx, cfg):
 
 def _kv_blocks(iq, block_q, block_k, n_kv_blocks, ctx, cfg):
     """Key blocks for query block `iq`: visit [lo, hi), no element mask in [full_lo, full_hi)."""
-    q0 = iq * block_q
-    q1 = jnp.minimum(q0 + block_q, cfg.seq_q) - 1
     bounds = xla_blocks.initial(cfg.seq_k)
     return xla_blocks.to_blocks(bounds, block_k, n_kv_blocks)
 
@@ -50,7 +48,6 @@ def _kv_blocks(iq, block_q, block_k, n_kv_blocks, ctx, cfg):
 def _q_blocks(ik, block_q, block_k, n_q_blocks, ctx, cfg):
     """Query blocks for key block `ik` (the transpose of `_kv_blocks`, for the backward pass)."""
     k0 = ik * block_k
-    k1 = jnp.minimum(k0 + block_k, cfg.seq_k) - 1
     bounds = xla_blocks.initial(cfg.seq_q)
     lo, hi, flo, fhi = xla_blocks.to_blocks(bounds, block_q, n_q_blocks)
     partial_keys = k0 + block_k > cfg.seq_k  # padded keys always need the element mask
