@@ -4,7 +4,8 @@ without a GPU, through ejgen's extension of it, and print what jaxlib would have
 jax-triton's package refuses to import without a CUDA jax, so its ``triton_lib`` module is loaded on
 its own, and jaxlib's kernel library is replaced by a recorder. Run in a process without
 TRITON_INTERPRET (test_jax_triton_extension.py does), since the kernels must be compiled, not
-interpreted. Argument: JSON {"kernel": "fwd_kernel" | "foreign", "tma": bool}.
+interpreted. Argument: JSON {"kernel": "fwd_kernel" | "foreign", "tma": bool} (one kernel), or
+{"op": true, "autotune": bool} (flash_attention's forward and backward, lowered for CUDA).
 """
 
 import importlib
@@ -28,6 +29,7 @@ class Recorder:
 
     def __init__(self):
         self.kernels = []
+        self.autotuned = []
 
     def TritonKernel(self, name, num_warps, num_ctas, shared, ptx, *rest):
         self.kernels.append({"name": name, "num_warps": num_warps, "shared": shared, "ptx": ptx})
@@ -36,12 +38,60 @@ class Recorder:
     def get_compute_capability(self, device):
         return 90
 
+    def create_array_parameter(self, bytes_to_zero, divisibility):
+        return ("array", bytes_to_zero)
+
+    def create_scalar_parameter(self, value, dtype):
+        return ("scalar", value)
+
+    def TritonKernelCall(self, kernel, grid_x, grid_y, grid_z, params):
+        return _Call({"kernel": kernel, "grid": [grid_x, grid_y, grid_z], "zeroed": [p[1] for p in params if p[1]]})
+
+    def TritonAutotunedKernelCall(self, name, calls, aliases):
+        self.autotuned.append([{"config": config, **call.record} for call, config in calls])
+        return _Call({"autotuned": name})
+
+
+class _Call:
+    def __init__(self, record):
+        self.record = record
+
+    def to_proto(self, name, metadata):
+        return b"recorded"
+
+
+def lower_op(args, triton_lib, recorder):
+    """Lower flash_attention's forward and backward for CUDA, as a GPU would, and report the kernel
+    calls (autotuned or not) that jaxlib would have been given."""
+    import os
+
+    import jax
+    import jax.numpy as jnp
+
+    os.environ["EJGEN_TRITON_AUTOTUNE"] = "1" if args["autotune"] else "0"
+    from ejgen.runtime import triton_attention, triton_call
+
+    triton_call.mode = lambda: ("gpu", "")
+    triton_attention._arch = lambda: "sm90"
+    from ejgen.ops import flash_attention
+
+    b, s, h, d = 2, args.get("seq", 1024), 4, 64
+    q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return jnp.sum(flash_attention(q, k, v, causal=True, platform="triton").astype(jnp.float32))
+
+    jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, q, q).lower(lowering_platforms=("cuda",))
+    print(json.dumps({"autotuned": recorder.autotuned, "kernels": [k["name"] for k in recorder.kernels]}))
+
 
 def main():
     args = json.loads(sys.argv[1])
     triton_lib = load_triton_lib()
     recorder = Recorder()
     triton_lib.triton_kernel_call_lib = recorder
+    if args.get("op"):
+        return lower_op(args, triton_lib, recorder)
 
     from ejgen.runtime import triton_call
     from ejgen.testing.aot import _signature, constexprs

@@ -43,3 +43,21 @@ def test_kernels_without_descriptors_compile_unchanged():
 def test_kernels_ejgen_does_not_launch_are_left_as_jax_triton_compiles_them():
     got = lower(kernel="foreign", tma=True)
     assert got["hidden_scratch_reads"] > 0  # jax-triton's own behaviour: no rerouting
+
+
+def test_ejgen_triton_autotune_lowers_to_jax_tritons_autotuned_call():
+    """EJGEN_TRITON_AUTOTUNE=1: each of the three kernels becomes one autotuned call over several
+    configs (the table's first), each with the grid of its own block size; jax-triton then times them
+    on the call's inputs on the device. Without it: plain calls."""
+    seq = 256
+    got = lower(op=True, autotune=True, seq=seq)
+    calls = {c[0]["kernel"].rsplit("_", 2)[-2] if "bwd" in c[0]["kernel"] else "fwd": c for c in got["autotuned"]}
+    assert set(calls) == {"fwd", "dkdv", "dq"}
+    for pass_, configs in calls.items():
+        assert len(configs) >= 2, pass_
+        block = "BLOCK_N" if pass_ == "dkdv" else "BLOCK_M"
+        for c in configs:
+            size = int(c["config"].split(f"{block}: ")[1].split(",")[0])
+            assert c["grid"][0] == -(-seq // size), (pass_, c)
+    assert "BLOCK_M: 128, BLOCK_N: 128, num_warps: 8" in calls["fwd"][0]["config"]  # the table's choice first
+    assert lower(op=True, autotune=False, seq=seq)["autotuned"] == []

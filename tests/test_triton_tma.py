@@ -155,3 +155,14 @@ def test_a_heads_major_package_is_an_error_not_a_wrong_answer():
                                      (), False, True, False)
     with pytest.raises(RuntimeError, match="older than this runtime"):
         triton_attention._forward(layout, q, q[:, :, 0], q[:, :, 0], {}, cfg)
+
+
+def test_autotuning_in_the_interpreter_is_an_error_that_says_what_to_do(monkeypatch):
+    from ejgen.ops import flash_attention
+
+    if triton_call.mode()[0] is None:
+        pytest.fail("this test needs the triton backend: run it with TRITON_INTERPRET=1 (README)")
+    monkeypatch.setenv("EJGEN_TRITON_AUTOTUNE", "1")
+    q = jnp.zeros((1, 32, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="EJGEN_TRITON_AUTOTUNE: .* on a GPU; in the interpreter, pin a config"):
+        flash_attention(q, q, q, platform="triton")

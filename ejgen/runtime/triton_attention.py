@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,31 @@ def _config(layout: Layout, pass_: str, head_dim: int, bits: int, cfg) -> triton
         # with the K/V tiles (240 KB at 128x128, 3 stages: over the limit): do not pipeline.
         conf = dataclasses.replace(conf, num_stages=1)
     return conf
+
+
+def _autotune(layout: Layout, pass_: str, conf: triton_configs.KernelConfig):
+    """Configs for jax-triton's autotuned call when EJGEN_TRITON_AUTOTUNE=1, else None: the chosen one
+    first, then `ejgen tune`'s candidates for the pass with the same descriptor flag (one signature)."""
+    if os.environ.get("EJGEN_TRITON_AUTOTUNE", "0") != "1":
+        return None
+    from ejgen.tune import CANDIDATES
+
+    candidates = [triton_configs.parse(t) for t in CANDIDATES.get(_arch(), CANDIDATES["sm90"])[pass_]]
+    if layout.gathers_by_position:
+        candidates = [dataclasses.replace(c, num_stages=1) for c in candidates]
+    chosen = dataclasses.replace(conf, ws=False)
+    return [chosen] + [c for c in dict.fromkeys(candidates) if c.tma == conf.tma and not c.ws and c != chosen]
+
+
+def _grid(longest: int, block_size, rows: int, tuned, which: str):
+    """(grid, its largest extent over the tuned configs): a tuple, or a function of the config's
+    blocks when jax-triton picks among `tuned`."""
+    of = lambda block: (max(_cdiv(longest, block), 1), rows)
+    largest = of(min(getattr(c, which) for c in tuned)) if tuned else of(block_size)
+    if tuned:
+        key = "BLOCK_M" if which == "block_m" else "BLOCK_N"
+        return (lambda meta: of(meta[key])), largest
+    return of(block_size), largest
 
 
 def _arch():
@@ -178,15 +204,16 @@ def _forward(layout: Layout, q, k, v, ctx, cfg):
     if conf.ws and _arch() != "interpret" and not WS_TRITON_RELEASES:
         raise ValueError("triton config 'ws': the warp-specialised forward is not enabled on GPUs yet "
                          "(ejgen.runtime.triton_attention.WS_TRITON_RELEASES says why)")
-    consts.update(TMA=tma, WS=tma and conf.ws and ws_eligible(cfg, consts))
-    longest = _longest(cfg, True)
-    grid = (max(_cdiv(longest, conf.block_m), 1), _grid_batch(q, ctx, cfg) * hq)
+    tuned = _autotune(layout, "fwd", conf)
+    consts.update(TMA=tma, WS=tma and conf.ws and not tuned and ws_eligible(cfg, consts))
+    grid, largest = _grid(_longest(cfg, True), conf.block_m, _grid_batch(q, ctx, cfg) * hq, tuned, "block_m")
     outs = [jax.ShapeDtypeStruct((batch, sq, hq, dv), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
-            _scratch(grid)]
+            _scratch(largest)]
     kernel = getattr(layout.kernels(), f"{layout.name}_fwd_kernel")
     out, lse, _ = triton_call.launch(
         kernel, grid, [q.reshape(batch, sq, hq, d), k, v, *scalars, *features, aux, *params], outs,
-        zeroed=(0, 1) if cfg.varlen else (), num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
+        zeroed=(0, 1) if cfg.varlen else (), num_warps=conf.num_warps, num_stages=conf.num_stages, autotune=tuned,
+        **consts)
     return out.reshape(batch, sq, hkv, groups, dv), lse.reshape(batch, hkv, groups, sq), None
 
 
@@ -211,30 +238,30 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
 
     conf = _config(layout, "dkdv", max(d, dv), bits, cfg)
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
-    longest_k = _longest(cfg, False)
-    grid = (max(_cdiv(longest_k, conf.block_n), 1), n_seq * hkv)
-    n_prog = grid[0] * grid[1]
+    tuned = _autotune(layout, "dkdv", conf)
+    grid, largest = _grid(_longest(cfg, False), conf.block_n, n_seq * hkv, tuned, "block_n")
+    n_prog = largest[0] * largest[1]  # rows of the param partials: unused rows stay zero
     dbias_shape = (batch, hq, sq, sk) if cfg.bias else (1,)
     outs = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32)]
     outs += [jax.ShapeDtypeStruct((n_prog, ctx[f"param_{p}"].size), jnp.float32) for p in layout.grad_params]
     zeroed = tuple(range(len(outs))) if cfg.varlen else tuple(range(2, len(outs)))
     consts["TMA"] = conf.tma and tma_eligible(q, v, cfg)
-    outs.append(_scratch(grid))
+    outs.append(_scratch(largest))
     dk, dv_, dbias, *dparams, _ = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dkdv_kernel"), grid, inputs, outs, zeroed=zeroed,
-        num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
+        num_warps=conf.num_warps, num_stages=conf.num_stages, autotune=tuned, **consts)
 
     conf = _config(layout, "dq", max(d, dv), bits, cfg)
     consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
-    longest_q = _longest(cfg, True)
-    grid = (max(_cdiv(longest_q, conf.block_m), 1), n_seq * hq)
+    tuned = _autotune(layout, "dq", conf)
+    grid, largest = _grid(_longest(cfg, True), conf.block_m, n_seq * hq, tuned, "block_m")
     consts["TMA"] = conf.tma and tma_eligible(q, v, cfg)
     dq, _ = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid, inputs,
-        [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), _scratch(grid)],
+        [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), _scratch(largest)],
         zeroed=(0,) if cfg.varlen else (),
-        num_warps=conf.num_warps, num_stages=conf.num_stages, **consts)
+        num_warps=conf.num_warps, num_stages=conf.num_stages, autotune=tuned, **consts)
 
     dctx = {}
     if cfg.bias:

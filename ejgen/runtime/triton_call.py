@@ -43,18 +43,31 @@ def available() -> tuple[bool, str]:
     return how is not None, why
 
 
-def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stages=2, **constexprs):
-    """Run ``kernel[grid](*inputs, *outputs, **constexprs)``; returns the outputs as a list."""
+def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stages=2, autotune=None, **constexprs):
+    """Run ``kernel[grid](*inputs, *outputs, **constexprs)``; returns the outputs as a list.
+
+    ``autotune``: block configs (``triton_configs.KernelConfig``) for jax-triton's autotuned call, which
+    times them on the call's own inputs on the device the first time the compiled program runs; then
+    ``grid`` is a function of the chosen config's {"BLOCK_M", "BLOCK_N"}. GPU only."""
     how, why = mode()
     if how == "gpu":
-        import jax_triton as jt
+        from jax_triton import triton_lib
 
         _extend_jax_triton()
         _OWN_KERNELS.add(kernel.__name__)
+        if autotune:
+            import triton
 
-        outs = jt.triton_call(*inputs, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps,
-                              num_stages=num_stages, zeroed_outputs=tuple(zeroed), **constexprs)
+            configs = [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps,
+                                     num_stages=c.num_stages) for c in autotune]
+            kernel = triton.autotune(configs=configs, key=[])(kernel)
+            constexprs = {k: v for k, v in constexprs.items() if k not in ("BLOCK_M", "BLOCK_N")}
+        outs = triton_lib.triton_call(*inputs, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps,
+                                      num_stages=num_stages, zeroed_outputs=tuple(zeroed), **constexprs)
         return list(outs)
+    if autotune:
+        raise ValueError("EJGEN_TRITON_AUTOTUNE: jax-triton's autotuned call times configs on a GPU; in the "
+                         "interpreter, pin a config with EJGEN_TRITON_CONFIG instead")
     if how == "interpret":
         call = functools.partial(_interpret, kernel, grid, tuple(out_shapes), constexprs)
         return list(jax.pure_callback(call, tuple(out_shapes), *inputs, vmap_method="sequential"))
