@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -22,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejgen.ops import flash_attention
+from ejgen.testing.timing import median_seconds
 
 TOKENS = 32768
 HEADS = 16
@@ -49,18 +48,6 @@ def _impls(causal: bool, window):
     return impls
 
 
-def _time(fn, args, reps: int) -> float:
-    """Median seconds of one call, after warm-up (compilation excluded)."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def run_case(s, d, causal, window, reps, only=None):
     b = TOKENS // s
     keys = jax.random.split(jax.random.PRNGKey(s * 7 + d), 4)
@@ -79,7 +66,7 @@ def run_case(s, d, causal, window, reps, only=None):
         fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         for pass_, fn, flops in (("fwd", fwd, flops_fwd), ("fwd+bwd", fwd_bwd, 3.5 * flops_fwd)):
             try:
-                sec = _time(fn, (q, k, v), reps)
+                sec = median_seconds(fn, (q, k, v), reps)
                 tflops = flops / sec / 1e12
                 rows.append(dict(impl=name, s=s, d=d, causal=causal, window=window, pass_=pass_, ms=sec * 1e3, tflops=tflops))
             except Exception as e:  # an impl that cannot run this case is reported, not hidden

@@ -8,20 +8,16 @@ dq as forward+backward. The winners go into ejgen/runtime/triton_configs.py by h
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 from ejgen.ops import flash_attention
+from ejgen.testing.timing import median_seconds as bench
+from ejgen.tune import CANDIDATES as TUNE_CANDIDATES
 
-CANDIDATES = {
-    "fwd": ["128,128,8,3,tma", "128,64,8,4,tma", "128,64,8,3,tma", "128,128,8,2,tma", "128,64,8,4", "128,128,8,3"],
-    "dkdv": ["64,128,8,2", "32,128,4,3", "64,128,4,3", "32,64,4,4", "64,64,4,3", "128,128,8,2", "64,128,8,3", "32,128,8,3"],
-    "dq": ["128,64,8,2", "128,32,4,3", "64,64,4,3", "128,64,4,3", "64,128,8,2", "128,64,8,3", "64,32,4,4"],
-}
+CANDIDATES = TUNE_CANDIDATES["sm90"]  # one list of candidate configs: `ejgen tune`'s
 CASES = [(16384, False, None), (4096, False, None), (16384, True, None), (4096, True, None)]
 WINDOW_CASES = [(16384, True, (1024, 0))]
 WINDOW_SWEEP = [  # (EJGEN_TRITON_STAGED, EJGEN_TRITON_CONFIG)
@@ -31,17 +27,6 @@ WINDOW_SWEEP = [  # (EJGEN_TRITON_STAGED, EJGEN_TRITON_CONFIG)
     ("1", "fwd=128,128,8,3;dkdv=64,128,8,3;dq=128,128,8,3"),
     ("0", "fwd=128,128,8,3;dkdv=128,128,8,2;dq=128,128,8,2"),
 ]
-
-
-def bench(fn, args, reps=10):
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def main():

@@ -10,10 +10,9 @@ arrays on the device, never zero-filled tracers; configs that fail to compile or
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 from ejgen.runtime import triton_attention, triton_configs, tuning_cache
+from ejgen.testing.timing import median_seconds
 
 CANDIDATES = {
     "sm90": {
@@ -27,18 +26,6 @@ CANDIDATES = {
         "dq": ["16,16,4,1", "32,16,4,1,tma"],
     },
 }
-
-
-def _median_seconds(fn, args, reps: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def tune(seq: int, head_dim: int, dtype: str = "bfloat16", causal: bool = False, heads: int = 16,
@@ -71,7 +58,7 @@ def tune(seq: int, head_dim: int, dtype: str = "bfloat16", causal: bool = False,
                 else:
                     fn = jax.jit(jax.grad(lambda q, k, v: jnp.sum(op(q, k, v).astype(jnp.float32) * d_out), (0, 1, 2)))
                 try:
-                    sec = _median_seconds(fn, (q, k, v), reps)
+                    sec = median_seconds(fn, (q, k, v), reps, warmup=1)
                 except Exception as e:  # a config the card cannot run (shared memory, registers)
                     log(f"  {pass_:5} {text:12} skipped: {str(e).splitlines()[0][:100]}")
                     continue

@@ -11,15 +11,14 @@ its tolerance.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ejgen.ops import flash_attention
+from ejgen.testing.timing import median_seconds
 
 B, S, HQ, HKV, D = 2, 512, 8, 2, 64
 CAUSAL = True
@@ -56,17 +55,6 @@ def rel_err(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def median_time(fn, *args) -> float:
-    """Median wall seconds of one call; the first call (compilation) is not counted."""
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def main() -> int:
     keys = jax.random.split(jax.random.key(0), 4)
     q32 = jax.random.normal(keys[0], (B, S, HQ, D), jnp.float32)
@@ -92,7 +80,7 @@ def main() -> int:
         errors = {"out": rel_err(out, ref_out)}
         errors.update({n: rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
         tol = TOLERANCE[name]
-        t_fwd, t_bwd = median_time(fwd, q, k, v), median_time(fwd_bwd, q, k, v, do)
+        t_fwd, t_bwd = median_seconds(fwd, (q, k, v), REPS, 1), median_seconds(fwd_bwd, (q, k, v, do), REPS, 1)
         print(f"  {name:<8} rel err " + "  ".join(f"{n} {e:.1e}" for n, e in errors.items())
               + f"  (tol {tol:.0e})   fwd {t_fwd * 1e3:7.1f} ms   fwd+bwd {t_bwd * 1e3:7.1f} ms")
         failed += [f"{name} {n}: {e:.2e} > {tol:.0e}" for n, e in errors.items() if not e <= tol]

@@ -113,17 +113,18 @@ class Prepared:
     def padded(self, block_q: int, block_k: int, layout: str):
         """(q, k, v, ctx) in the backend's layout, padded so that Sq and Sk are whole blocks."""
         if layout == SEQ_MAJOR:
-            q, k, v, seq_axis = self.q, self.k, self.v, 1
+            q, k, v, q_axis, kv_axis = self.q, self.k, self.v, 1, 1
         elif layout == HEADS_MAJOR:
-            q, k, v, seq_axis = self.q.transpose(0, 2, 3, 1, 4), self.k.transpose(0, 2, 1, 3), self.v.transpose(0, 2, 1, 3), 2
+            q, k, v = self.q.transpose(0, 2, 3, 1, 4), self.k.transpose(0, 2, 1, 3), self.v.transpose(0, 2, 1, 3)
+            q_axis, kv_axis = 3, 2
         else:
             raise ValueError(f"unknown kernel layout {layout!r}")
         sq, sk = self.q.shape[1], self.k.shape[1]
         pq, pk = -sq % block_q, -sk % block_k
         pad = lambda x, axis, n, value: x if n == 0 else jnp.pad(
             x, [(0, n) if a == axis % x.ndim else (0, 0) for a in range(x.ndim)], constant_values=value)
-        q = pad(q, seq_axis + (1 if layout == HEADS_MAJOR else 0), pq, 0)
-        k, v = pad(k, seq_axis, pk, 0), pad(v, seq_axis, pk, 0)
+        q = pad(q, q_axis, pq, 0)
+        k, v = pad(k, kv_axis, pk, 0), pad(v, kv_axis, pk, 0)
         ctx = dict(self.ctx)
         for key, axes in _PADDED.items():
             if key in ctx:

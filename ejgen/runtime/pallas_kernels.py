@@ -808,6 +808,20 @@ class PallasAttention:
             lse_ref[...] = jnp.where(seen, jnp.where(seen, m, 0.0) + jnp.log(l_safe), NEG_INF)
             o_ref[...] = (acc * _rt.lanes(jnp.where(seen, 1.0 / l_safe, 0.0), dv)).astype(o_ref.dtype)
 
+    def _tpu_grads_tile(self, r, b, h, i_q, i_k, block_q, block_k, cfg, precision, masked):
+        """What both TPU backward kernels compute for one tile: (q, k, do, s, t, scalars, params,
+        (p, ds1, ds0, vis)), every tile [block_q, block_k]."""
+        sc = self.hooks.scalars(r["f32"], r["i32"])
+        prm = {name: r["param_" + name] for name in self.hooks.params}
+        q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
+        s = lax.dot_general(q, k, NT, precision=precision, preferred_element_type=jnp.float32) * sc.scale
+        if cfg.bias:
+            s = s + r["bias"][...].astype(jnp.float32)
+        t = _tpu_tile(r, b, h, i_q, i_k, block_q, block_k, cfg)
+        dp = lax.dot_general(do, v, NT, precision=precision, preferred_element_type=jnp.float32)
+        lse, delta = _rt.lanes(r["lse"][...], block_k), _rt.lanes(r["delta"][...], block_k)
+        return q, k, do, s, t, sc, prm, self._grads_tile(s, t, sc, prm, cfg, lse, dp, delta, masked, jnp.exp)
+
     def _tpu_dkdv_kernel(self, kinds_ref, fetch_ref, *refs, names, out_names, cfg, blocks, n_q, groups, precision):
         """One step (key block, group member, query block) of one kv head; dK, dV and the param
         gradients accumulate in VMEM scratch over the two innermost grid axes."""
@@ -829,16 +843,8 @@ class PallasAttention:
                 ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
         def step(masked):
-            sc = self.hooks.scalars(r["f32"], r["i32"])
-            prm = {name: r["param_" + name] for name in self.hooks.params}
-            q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-            s = lax.dot_general(q, k, NT, precision=precision, preferred_element_type=jnp.float32) * sc.scale
-            if cfg.bias:
-                s = s + r["bias"][...].astype(jnp.float32)
-            t = _tpu_tile(r, b, h, i_q, i_k, block_q, block_k, cfg)
-            dp = lax.dot_general(do, v, NT, precision=precision, preferred_element_type=jnp.float32)
-            lse, delta = _rt.lanes(r["lse"][...], block_k), _rt.lanes(r["delta"][...], block_k)
-            p, ds1, ds0, vis = self._grads_tile(s, t, sc, prm, cfg, lse, dp, delta, masked, jnp.exp)  # [block_q, block_k]
+            q, _, do, s, t, sc, prm, (p, ds1, ds0, vis) = self._tpu_grads_tile(
+                r, b, h, i_q, i_k, block_q, block_k, cfg, precision, masked)  # [block_q, block_k]
             dv_scr[...] += lax.dot(p.T.astype(do.dtype), do, precision=precision, preferred_element_type=jnp.float32)
             dk_scr[...] += lax.dot(ds0.T.astype(q.dtype), q, precision=precision, preferred_element_type=jnp.float32)
             if cfg.bias:
@@ -876,16 +882,7 @@ class PallasAttention:
             dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
 
         def step(masked):
-            sc = self.hooks.scalars(r["f32"], r["i32"])
-            prm = {name: r["param_" + name] for name in self.hooks.params}
-            q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-            s = lax.dot_general(q, k, NT, precision=precision, preferred_element_type=jnp.float32) * sc.scale
-            if cfg.bias:
-                s = s + r["bias"][...].astype(jnp.float32)
-            t = _tpu_tile(r, b, h, i_q, i_k, block_q, block_k, cfg)
-            dp = lax.dot_general(do, v, NT, precision=precision, preferred_element_type=jnp.float32)
-            lse, delta = _rt.lanes(r["lse"][...], block_k), _rt.lanes(r["delta"][...], block_k)
-            _, _, ds0, _ = self._grads_tile(s, t, sc, prm, cfg, lse, dp, delta, masked, jnp.exp)
+            _, k, *_, (_, _, ds0, _) = self._tpu_grads_tile(r, b, h, i_q, i_k, block_q, block_k, cfg, precision, masked)
             dq_scr[...] += lax.dot_general(ds0.astype(k.dtype), k, NN, precision=precision, preferred_element_type=jnp.float32)
 
         pl.when(kind == 1)(lambda: step(True))

@@ -73,8 +73,10 @@ def _autotune(layout: Layout, pass_: str, conf: triton_configs.KernelConfig):
     candidates = [triton_configs.parse(t) for t in CANDIDATES.get(_arch(), CANDIDATES["sm90"])[pass_]]
     if layout.gathers_by_position:
         candidates = [dataclasses.replace(c, num_stages=1) for c in candidates]
-    chosen = dataclasses.replace(conf, ws=False)
-    return [chosen] + [c for c in dict.fromkeys(candidates) if c.tma == conf.tma and not c.ws and c != chosen]
+    if conf.ws:
+        raise ValueError("EJGEN_TRITON_AUTOTUNE: a config with 'ws' cannot be autotuned (warp specialisation "
+                         "depends on whole blocks, and the blocks vary)")
+    return [conf] + [c for c in dict.fromkeys(candidates) if c.tma == conf.tma and not c.ws and c != conf]
 
 
 def _grid(longest: int, block_size, rows: int, tuned, which: str):
@@ -123,13 +125,13 @@ def _inputs(layout: Layout, ctx, cfg, hq):
     return scalars, features, aux, params
 
 
-def _constexprs(layout, q, k, v, ctx, cfg, block_m, block_n, bias, mask, aux):
+def _constexprs(layout, q, k, v, cfg, conf, bias, mask, aux):
     batch, sq, hkv, groups, d = q.shape
     dv = v.shape[-1]
     n_sinks = aux.shape[-1] if cfg.sinks else 1
     return dict(
         B=batch, HQ=hkv * groups, HKV=hkv, SEQ_Q=sq, SEQ_K=k.shape[1], D=d, DV=dv, D_PAD=_pow2(d), DV_PAD=_pow2(dv),
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_M=conf.block_m, BLOCK_N=conf.block_n,
         CAUSAL=cfg.causal, WINDOW=cfg.window, SOFTCAP=cfg.softcap, SINKS=cfg.sinks, N_SINKS=n_sinks,
         SINKS_PAD=_pow2(n_sinks), BIAS_ON=cfg.bias, BIAS_BATCH=bias.shape[0] if cfg.bias else 1,
         BIAS_HEADS=bias.shape[1] if cfg.bias else 1, SEGMENTS=cfg.segments, DENSE=cfg.dense_mask,
@@ -139,7 +141,7 @@ def _constexprs(layout, q, k, v, ctx, cfg, block_m, block_n, bias, mask, aux):
         STAGED=triton_configs.staged(cfg),
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         UPCAST=_arch() == "interpret" and q.dtype == jnp.bfloat16,
-        TMA=False, WS=False,
+        TMA=conf.tma and tma_eligible(q, v, cfg), WS=False,  # WS: the forward's, `_forward`
     )
 
 
@@ -164,14 +166,18 @@ def _check_layout(q, cfg):
 WS_TRITON_RELEASES: tuple = ()
 
 
-def ws_eligible(cfg, consts) -> bool:
-    """Warp specialisation of the forward key loop: Triton 3.6's pass handles the plain loop over
-    whole blocks; with causal or window masks, or ragged sequence ends, it fails to compile."""
+def _warp_specialised(conf, cfg, consts) -> bool:
+    """Whether the forward's key loop is warp-specialised: asked for (`ws`), on descriptors, and where
+    Triton 3.6's pass handles it, the plain loop over whole blocks (with causal or window masks, or
+    ragged sequence ends, it fails to compile). Asking on a GPU whose Triton is not listed is an error."""
     import triton
 
-    release_ok = _arch() == "interpret" or bool(WS_TRITON_RELEASES and triton.__version__.startswith(WS_TRITON_RELEASES))
+    if conf.ws and _arch() != "interpret" and not triton.__version__.startswith(WS_TRITON_RELEASES):
+        raise ValueError("triton config 'ws': the warp-specialised forward is not enabled on GPUs yet "
+                         "(ejgen.runtime.triton_attention.WS_TRITON_RELEASES says why)")
     whole_blocks = consts["SEQ_Q"] % consts["BLOCK_M"] == 0 and consts["SEQ_K"] % consts["BLOCK_N"] == 0
-    return release_ok and whole_blocks and consts["PLAIN"] and not (consts["RUNTIME_MASK"] or cfg.causal or cfg.window)
+    return (conf.ws and consts["TMA"] and whole_blocks and consts["PLAIN"]
+            and not (consts["RUNTIME_MASK"] or cfg.causal or cfg.window))
 
 
 def tma_eligible(q, v, cfg) -> bool:
@@ -199,13 +205,9 @@ def _forward(layout: Layout, q, k, v, ctx, cfg):
     hq, dv = hkv * groups, v.shape[-1]
     conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg)
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
-    consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
-    tma = conf.tma and tma_eligible(q, v, cfg)
-    if conf.ws and _arch() != "interpret" and not WS_TRITON_RELEASES:
-        raise ValueError("triton config 'ws': the warp-specialised forward is not enabled on GPUs yet "
-                         "(ejgen.runtime.triton_attention.WS_TRITON_RELEASES says why)")
+    consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
+    consts["WS"] = _warp_specialised(conf, cfg, consts)
     tuned = _autotune(layout, "fwd", conf)
-    consts.update(TMA=tma, WS=tma and conf.ws and not tuned and ws_eligible(cfg, consts))
     grid, largest = _grid(_longest(cfg, True), conf.block_m, _grid_batch(q, ctx, cfg) * hq, tuned, "block_m")
     outs = [jax.ShapeDtypeStruct((batch, sq, hq, dv), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
             _scratch(largest)]
@@ -237,7 +239,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     n_seq = _grid_batch(q, ctx, cfg)
 
     conf = _config(layout, "dkdv", max(d, dv), bits, cfg)
-    consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
+    consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
     tuned = _autotune(layout, "dkdv", conf)
     grid, largest = _grid(_longest(cfg, False), conf.block_n, n_seq * hkv, tuned, "block_n")
     n_prog = largest[0] * largest[1]  # rows of the param partials: unused rows stay zero
@@ -246,17 +248,15 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32)]
     outs += [jax.ShapeDtypeStruct((n_prog, ctx[f"param_{p}"].size), jnp.float32) for p in layout.grad_params]
     zeroed = tuple(range(len(outs))) if cfg.varlen else tuple(range(2, len(outs)))
-    consts["TMA"] = conf.tma and tma_eligible(q, v, cfg)
     outs.append(_scratch(largest))
     dk, dv_, dbias, *dparams, _ = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dkdv_kernel"), grid, inputs, outs, zeroed=zeroed,
         num_warps=conf.num_warps, num_stages=conf.num_stages, autotune=tuned, **consts)
 
     conf = _config(layout, "dq", max(d, dv), bits, cfg)
-    consts = _constexprs(layout, q, k, v, ctx, cfg, conf.block_m, conf.block_n, features[0], features[3], aux)
+    consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
     tuned = _autotune(layout, "dq", conf)
     grid, largest = _grid(_longest(cfg, True), conf.block_m, n_seq * hq, tuned, "block_m")
-    consts["TMA"] = conf.tma and tma_eligible(q, v, cfg)
     dq, _ = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid, inputs,
         [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), _scratch(largest)],

@@ -82,3 +82,17 @@ def _to_blocks(lo, hi, flo, fhi, BLOCK: tl.constexpr, n_blocks):
     bflo = tl.where(some_full, bflo, blo)
     bfhi = tl.where(some_full, bfhi, blo)
     return blo, bhi, bflo, bfhi
+
+
+@triton.jit
+def _rows(base, B: tl.constexpr, SEQ: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr):
+    """Tensor descriptor over the caller's [B, SEQ, H, D] as [B, SEQ, WIDTH = H * D], in tiles of BLOCK
+    rows and COLS columns: rows past a sequence's end read as zeros."""
+    return tl.make_tensor_descriptor(base, shape=[B, SEQ, WIDTH], strides=[SEQ * WIDTH, WIDTH, 1],
+                                     block_shape=[1, BLOCK, COLS])
+
+
+@triton.jit
+def _tile(desc, off_b, row, col, BLOCK: tl.constexpr, COLS: tl.constexpr):
+    """The [BLOCK, COLS] tile of sequence off_b from `row`, columns from `col` (a head's first)."""
+    return desc.load([off_b, row, col]).reshape(BLOCK, COLS)

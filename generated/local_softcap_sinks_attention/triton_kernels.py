@@ -21,7 +21,7 @@ Runtime scalars live in two small arrays: F32 = [scale, softcap], I32 = [window_
 import triton
 import triton.language as tl
 
-from ejgen.runtime.triton_lib import LOG2E, _dot, _dot_acc, _load, _tanh, _tighten, _to_blocks
+from ejgen.runtime.triton_lib import LOG2E, _dot, _dot_acc, _load, _rows, _tanh, _tile, _tighten, _to_blocks
 
 @triton.jit
 def _other_blocks(x0, x1, n_other, I32, BLOCK: tl.constexpr, n_blocks, q_len, kv_len,
@@ -120,8 +120,8 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, scale, q_idx, o_m, row_
         o_pos = i_n * BLOCK_N + r_n  # key positions in the sequence
         m_n = o_pos < kv_len
         if TMA:  # p_k, p_v are tensor descriptors
-            b_kt = tl.trans(p_k.load([off_b, i_n * BLOCK_N, off_hk * D]).reshape(BLOCK_N, D_PAD))
-            b_v = p_v.load([off_b, i_n * BLOCK_N, off_hk * DV]).reshape(BLOCK_N, DV_PAD)
+            b_kt = tl.trans(_tile(p_k, off_b, i_n * BLOCK_N, off_hk * D, BLOCK_N, D_PAD))
+            b_v = _tile(p_v, off_b, i_n * BLOCK_N, off_hk * DV, BLOCK_N, DV_PAD)
         else:
             row0 = tl.cast(i_n, tl.int64) * BLOCK_N
             b_kt = _load(p_k + row0 * (HKV * D) + r_n[None, :] * (HKV * D) + o_d[:, None], m_n[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_N]
@@ -182,10 +182,10 @@ def local_softcap_sinks_attention_fwd_kernel(
     r_m = tl.arange(0, BLOCK_M)
     q_row0 = (batch * SEQ_Q + row_q + i_m * BLOCK_M).to(tl.int64)  # the block's first query row in the tensor
     if TMA:
-        d_q = tl.make_tensor_descriptor(Q, shape=[B, SEQ_Q, HQ * D], strides=[SEQ_Q * HQ * D, HQ * D, 1], block_shape=[1, BLOCK_M, D_PAD])
-        p_k = tl.make_tensor_descriptor(K, shape=[B, SEQ_K, HKV * D], strides=[SEQ_K * HKV * D, HKV * D, 1], block_shape=[1, BLOCK_N, D_PAD])
-        p_v = tl.make_tensor_descriptor(V, shape=[B, SEQ_K, HKV * DV], strides=[SEQ_K * HKV * DV, HKV * DV, 1], block_shape=[1, BLOCK_N, DV_PAD])
-        b_q = d_q.load([off_b, i_m * BLOCK_M, off_h * D]).reshape(BLOCK_M, D_PAD)
+        d_q = _rows(Q, B, SEQ_Q, HQ * D, BLOCK_M, D_PAD)
+        p_k = _rows(K, B, SEQ_K, HKV * D, BLOCK_N, D_PAD)
+        p_v = _rows(V, B, SEQ_K, HKV * DV, BLOCK_N, DV_PAD)
+        b_q = _tile(d_q, off_b, i_m * BLOCK_M, off_h * D, BLOCK_M, D_PAD)
     else:
         p_q = Q + q_row0 * (HQ * D) + off_h * D + r_m[:, None] * (HQ * D) + o_d[None, :]
         b_q = tl.load(p_q, mask=m_m[:, None] & (o_d[None, :] < D), other=0.0)  # [BLOCK_M, D_PAD]
@@ -264,8 +264,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, sca
         o_pos = i_m * BLOCK_M + r_m
         m_m = o_pos < q_len
         if TMA:  # p_q, p_do are tensor descriptors
-            b_qt = tl.trans(p_q.load([off_b, i_m * BLOCK_M, off_h * D]).reshape(BLOCK_M, D_PAD))
-            b_do = p_do.load([off_b, i_m * BLOCK_M, off_h * DV]).reshape(BLOCK_M, DV_PAD)
+            b_qt = tl.trans(_tile(p_q, off_b, i_m * BLOCK_M, off_h * D, BLOCK_M, D_PAD))
+            b_do = _tile(p_do, off_b, i_m * BLOCK_M, off_h * DV, BLOCK_M, DV_PAD)
         else:
             row0 = tl.cast(i_m, tl.int64) * BLOCK_M
             b_qt = _load(p_q + row0 * (HQ * D) + r_m[None, :] * (HQ * D) + o_d[:, None], m_m[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_M]
@@ -321,8 +321,8 @@ def local_softcap_sinks_attention_bwd_dkdv_kernel(
     b_dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
     if TMA:
-        d_q = tl.make_tensor_descriptor(Q, shape=[B, SEQ_Q, HQ * D], strides=[SEQ_Q * HQ * D, HQ * D, 1], block_shape=[1, BLOCK_M, D_PAD])
-        d_do = tl.make_tensor_descriptor(DO, shape=[B, SEQ_Q, HQ * DV], strides=[SEQ_Q * HQ * DV, HQ * DV, 1], block_shape=[1, BLOCK_M, DV_PAD])
+        d_q = _rows(Q, B, SEQ_Q, HQ * D, BLOCK_M, D_PAD)
+        d_do = _rows(DO, B, SEQ_Q, HQ * DV, BLOCK_M, DV_PAD)
     if i_n * BLOCK_N < kv_len:
         for g in range(HQ // HKV):
             off_h = off_hk * (HQ // HKV) + g
@@ -359,8 +359,8 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, scale, q_id
         o_pos = i_n * BLOCK_N + r_n
         m_n = o_pos < kv_len
         if TMA:  # p_k, p_v are tensor descriptors
-            b_kt = tl.trans(p_k.load([off_b, i_n * BLOCK_N, off_hk * D]).reshape(BLOCK_N, D_PAD))
-            b_vt = tl.trans(p_v.load([off_b, i_n * BLOCK_N, off_hk * DV]).reshape(BLOCK_N, DV_PAD))
+            b_kt = tl.trans(_tile(p_k, off_b, i_n * BLOCK_N, off_hk * D, BLOCK_N, D_PAD))
+            b_vt = tl.trans(_tile(p_v, off_b, i_n * BLOCK_N, off_hk * DV, BLOCK_N, DV_PAD))
         else:
             row0 = tl.cast(i_n, tl.int64) * BLOCK_N
             b_kt = _load(p_k + row0 * (HKV * D) + r_n[None, :] * (HKV * D) + o_d[:, None], m_n[None, :], o_d[:, None] < D, MASKED or D != D_PAD)  # [D_PAD, BLOCK_N]
@@ -405,8 +405,8 @@ def local_softcap_sinks_attention_bwd_dq_kernel(
     b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse) * LOG2E
     b_delta = tl.load(DELTA + q_base + o_m, mask=m_m, other=0.0)
     if TMA:
-        p_k = tl.make_tensor_descriptor(K, shape=[B, SEQ_K, HKV * D], strides=[SEQ_K * HKV * D, HKV * D, 1], block_shape=[1, BLOCK_N, D_PAD])
-        p_v = tl.make_tensor_descriptor(V, shape=[B, SEQ_K, HKV * DV], strides=[SEQ_K * HKV * DV, HKV * DV, 1], block_shape=[1, BLOCK_N, DV_PAD])
+        p_k = _rows(K, B, SEQ_K, HKV * D, BLOCK_N, D_PAD)
+        p_v = _rows(V, B, SEQ_K, HKV * DV, BLOCK_N, DV_PAD)
     else:
         kv_row0 = (batch * SEQ_K + row_k).to(tl.int64)  # the sequence's first key row in the tensor
         p_k = K + kv_row0 * (HKV * D) + off_hk * D

@@ -1,0 +1,21 @@
+"""One way to time a jitted call, shared by `ejgen tune`, the benchmarks and the demo."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def median_seconds(fn, args, reps: int = 10, warmup: int = 2) -> float:
+    """Median wall seconds of ``fn(*args)`` over ``reps`` calls, after ``warmup`` calls (the first one
+    compiles) that are not counted."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
