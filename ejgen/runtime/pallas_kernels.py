@@ -207,12 +207,10 @@ def _gpu_store(ref, value, n):
         plgpu.store(ref, value, mask=lax.broadcasted_iota(jnp.int32, (1, ref.shape[-1]), 1) < n)
 
 
-def _gpu_tile(r, b, h, rows, cols, q_at, k_at, mask, cfg):
-    """The `Tile` of query rows x key columns (broadcastable index tiles, either orientation);
-    ``q_at``, ``k_at`` slice the per-position arrays (positions, lengths, segment ids)."""
+def _tile(b, h, rows, cols, q_side, k_side, mask, cfg):
+    """The `Tile` of query rows x key columns; ``q_side(name)`` / ``k_side(name)`` read a per-position
+    array (positions, lengths, segment ids) shaped for the rows / columns."""
     segments = cfg.segments or cfg.varlen
-    q_side = lambda name: r[name][q_at].reshape(rows.shape)
-    k_side = lambda name: r[name][k_at].reshape(cols.shape)
     return Tile(
         b=b,
         h=h,
@@ -226,6 +224,14 @@ def _gpu_tile(r, b, h, rows, cols, q_at, k_at, mask, cfg):
         kv_seg=k_side("kv_seg") if segments else None,
         mask=mask,
     )
+
+
+def _gpu_tile(r, b, h, rows, cols, q_at, k_at, mask, cfg):
+    """The `Tile` of query rows x key columns (broadcastable index tiles, either orientation);
+    ``q_at``, ``k_at`` slice the per-position arrays (positions, lengths, segment ids)."""
+    q_side = lambda name: r[name][q_at].reshape(rows.shape)
+    k_side = lambda name: r[name][k_at].reshape(cols.shape)
+    return _tile(b, h, rows, cols, q_side, k_side, mask, cfg)
 
 
 def _to_gpu_layout(x):
@@ -336,22 +342,9 @@ def _tpu_tile(r, b, h, i_q, i_k, block_q, block_k, cfg):
     shape = (block_q, block_k)
     rows = i_q * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
     cols = i_k * block_k + lax.broadcasted_iota(jnp.int32, shape, 1)
-    segments = cfg.segments or cfg.varlen
     q_side = lambda name: _rt.lanes(r[name][...], block_k)
     k_side = lambda name: r[name][:1, :]
-    return Tile(
-        b=b,
-        h=h,
-        q_idx=q_side("q_pos") if cfg.varlen else rows,
-        kv_idx=k_side("kv_pos") if cfg.varlen else cols,
-        q_len=q_side("q_lens") if cfg.varlen else cfg.seq_q,
-        kv_len=q_side("kv_lens") if cfg.varlen else cfg.seq_k,
-        q_valid=rows < cfg.seq_q,
-        kv_valid=cols < cfg.seq_k,
-        q_seg=q_side("q_seg") if segments else None,
-        kv_seg=k_side("kv_seg") if segments else None,
-        mask=r["mask"][...] if cfg.dense_mask else None,
-    )
+    return _tile(b, h, rows, cols, q_side, k_side, r["mask"][...] if cfg.dense_mask else None, cfg)
 
 
 def _tpu_operands(q, k, v, ctx, cfg, scalars, prm, blocks, coords, q_side=()):
