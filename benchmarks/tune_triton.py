@@ -35,19 +35,21 @@ def main():
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--window", action="store_true", help="sweep the sliding-window case instead")
     p.add_argument("--configs", help="whole EJGEN_TRITON_CONFIG settings to compare, '|'-separated "
-                   "('' = the table); times forward and forward+backward of --cases")
+                   "('' = the table, 'cudnn' = the peer); times forward and forward+backward of --cases")
     p.add_argument("--cases", default="16384:0,16384:1,16384:1:1024",
                    help="S:causal[:left window], comma-separated (with --configs)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds per (case, config) with --configs, compile included: each runs in its own "
                         "process, so a config that hangs or compiles for minutes costs no more than this")
+    p.add_argument("--jobs", type=int, default=1, help="(case, config) processes at a time with --configs: "
+                   "they compile in parallel and take turns on the GPU")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: "S:causal[:window]|config"
     args = p.parse_args()
     if args.one is not None:
         case, cfg = args.one.split("|", 1)
         return compare([cfg], case, args.d)
     if args.configs is not None:
-        return compare_isolated(args.configs.split("|"), args.cases, args.d, args.timeout)
+        return compare_isolated(args.configs.split("|"), args.cases, args.d, args.timeout, args.jobs)
     passes = list(CANDIDATES) if args.pass_ == "all" else [args.pass_]
     d, h = args.d, 16
     if args.window:
@@ -84,20 +86,78 @@ def main():
     return 0
 
 
-def compare_isolated(configs, cases, d, timeout):
+def compare_isolated(configs, cases, d, timeout, jobs=1):
+    """Each (case, config) in its own process, `jobs` at a time: a batch compiles side by side (the
+    CPU work), then its processes take the GPU one after another with nothing else running (no
+    compile steals the CPU that launches the timed kernels), so a sweep costs about the timing plus
+    the slowest compile of each batch. 'cudnn' is a config: the peer, timed in the same run."""
     import subprocess
+    import tempfile
+    import time
 
-    for case in cases.split(","):
-        for cfg in configs:
+    sync = tempfile.mkdtemp(prefix="ejgen-tune-")
+    todo = [(case, cfg) for case in cases.split(",") for cfg in configs]
+    results = {}
+    for start in range(0, len(todo), jobs):
+        batch = []
+        for i, (case, cfg) in enumerate(todo[start:start + jobs], start):
             cmd = [sys.executable, "-u", __file__, "--d", str(d), "--one", f"{case}|{cfg}"]
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # no pipe to fill up
+            env = dict(os.environ, EJGEN_TUNE_SYNC=f"{sync}/{i}")
+            batch.append((case, cfg, subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env), out, err, i))
+        t0 = time.monotonic()
+        ready = lambda i: os.path.exists(f"{sync}/{i}.ready")
+        while any(p.poll() is None and not ready(i) for _, _, p, _, _, i in batch) and time.monotonic() - t0 < timeout:
+            time.sleep(0.2)  # every process compiled (or gone)
+        for case, cfg, proc, out_f, err_f, i in batch:
+            open(f"{sync}/{i}.go", "w").close()  # its turn on the GPU
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-                lines = [l for l in proc.stdout.splitlines() if l.startswith("S=")]
-                print("\n".join(lines) if lines else f"{case} {cfg or 'table'}: no result (rc {proc.returncode}): "
-                      f"{proc.stderr.strip().splitlines()[-1][:160] if proc.stderr.strip() else ''}", flush=True)
+                proc.wait(max(1.0, timeout - (time.monotonic() - t0)) if not ready(i) else timeout)
             except subprocess.TimeoutExpired:
-                print(f"{case} {cfg or 'table'}: no result within {timeout:.0f} s (hang or slow compile)", flush=True)
+                proc.kill()
+                line = f"{case} {cfg or 'table'}: no result within {timeout:.0f} s (hang or slow compile)"
+            else:
+                out_f.seek(0)
+                err_f.seek(0)
+                out, err = out_f.read(), err_f.read()
+                lines = [l for l in out.splitlines() if l.startswith("S=")]
+                line = "\n".join(lines) if lines else (f"{case} {cfg or 'table'}: no result (rc {proc.returncode}): "
+                                                       f"{err.strip().splitlines()[-1][:160] if err.strip() else ''}")
+            results[(case, cfg)] = line
+            print(line, flush=True)
+    print("\nIn order (x cuDNN: its time over the config's, same run):", flush=True)
+    for case in cases.split(","):
+        ref = _times(results.get((case, "cudnn"), ""))
+        for cfg in configs:
+            line = results.get((case, cfg), "")
+            t = _times(line)
+            ratio = (f"  x cuDNN fwd {ref[0] / t[0]:.2f} fwd+bwd {ref[1] / t[1]:.2f}" if ref and t and cfg != "cudnn" else "")
+            print(line.splitlines()[0] + ratio if line else f"{case} {cfg}: missing", flush=True)
     return 0
+
+
+def _times(line):
+    import re
+
+    m = re.search(r"fwd\s+([\d.]+) ms\s+fwd\+bwd\s+([\d.]+) ms", line)
+    return (float(m.group(1)), float(m.group(2))) if m else None
+
+
+class _gpu_turn:
+    """Wait for this process's turn on the GPU (EJGEN_TUNE_SYNC, set by compare_isolated: say it is
+    compiled, wait for the go); a no-op without it."""
+
+    def __enter__(self):
+        import time
+
+        path = os.environ.get("EJGEN_TUNE_SYNC")
+        if path:
+            open(path + ".ready", "w").close()
+            while not os.path.exists(path + ".go"):
+                time.sleep(0.05)
+
+    def __exit__(self, *exc):
+        pass
 
 
 def compare(configs, cases, d, h=16):
@@ -109,11 +169,17 @@ def compare(configs, cases, d, h=16):
         q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in ks[:3])
         do = jax.random.normal(ks[3], (b, s, h, d), jnp.bfloat16)
         for cfg in configs:
-            os.environ["EJGEN_TRITON_CONFIG"] = cfg
-            f = lambda q, k, v: flash_attention(q, k, v, causal=bool(causal), sliding_window=window, platform="triton")
-            g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do), (0, 1, 2)))
+            if cfg == "cudnn":
+                f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=bool(causal), local_window_size=window,
+                                                                 implementation="cudnn")
+            else:
+                os.environ["EJGEN_TRITON_CONFIG"] = cfg
+                f = lambda q, k, v: flash_attention(q, k, v, causal=bool(causal), sliding_window=window, platform="triton")
+            g = lambda q, k, v: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do), (0, 1, 2))(q, k, v)
             try:
-                t_f, t_fb = bench(jax.jit(f), (q, k, v)), bench(g, (q, k, v))
+                f_c, g_c = jax.jit(f).lower(q, k, v).compile(), jax.jit(g).lower(q, k, v).compile()  # CPU work: side by side
+                with _gpu_turn():
+                    t_f, t_fb = bench(f_c, (q, k, v), reps=30, warmup=3), bench(g_c, (q, k, v), reps=20, warmup=2)
                 print(f"S={s} causal={causal} window={window} {cfg or 'table':60} fwd {t_f * 1e3:7.3f} ms  "
                       f"fwd+bwd {t_fb * 1e3:7.3f} ms", flush=True)
             except Exception as e:

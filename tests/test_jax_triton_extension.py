@@ -59,5 +59,7 @@ def test_ejgen_triton_autotune_lowers_to_jax_tritons_autotuned_call():
         for c in configs:
             size = int(c["config"].split(f"{block}: ")[1].split(",")[0])
             assert c["grid"][0] == -(-seq // size), (pass_, c)
-    assert "BLOCK_M: 128, BLOCK_N: 128, num_warps: 8" in calls["fwd"][0]["config"]  # the table's choice first
+    assert "BLOCK_M: 128, BLOCK_N: 128, STAGED: True, num_warps: 8" in calls["fwd"][0]["config"]  # the table's first
+    # a merged candidate carries its own STAGED
+    assert any("BLOCK_M: 64, BLOCK_N: 128, STAGED: False, num_warps: 8" in c["config"] for c in calls["dkdv"])
     assert lower(op=True, autotune=False, seq=seq)["autotuned"] == []

@@ -23,7 +23,7 @@ def test_keys_bucket_sequences_by_powers_of_two():
 
 def test_a_cached_config_wins_over_the_table_and_a_pinned_one_over_both(cache_dir, monkeypatch):
     table = triton_configs.KernelConfig(128, 128, 8, 3, tma=True)
-    assert triton_configs.pick("sm90", "fwd", 128, 16, 4096, True) == table
+    assert triton_configs.pick("sm90", "fwd", 128, 16, 4096, False) == table
     tuning_cache.store({tuning_cache.key("sm90", "fwd", 128, 16, 4096, True): "64,64,4,2,tma",
                         tuning_cache.key("sm90", "dq", 128, 16, 4096, True): [64, 32, 4, 2]})  # older entries: lists
     assert triton_configs.pick("sm90", "fwd", 128, 16, 4000, True) == triton_configs.KernelConfig(64, 64, 4, 2, tma=True)
@@ -66,7 +66,19 @@ def test_windowed_calls_have_entries_of_their_own(cache_dir):
     tuning_cache.store({k_window: "64,64,4,2,tma"})
     assert triton_configs.pick("sm90", "fwd", 128, 16, 16384, True, window=True) == triton_configs.KernelConfig(
         64, 64, 4, 2, tma=True)
-    assert triton_configs.pick("sm90", "fwd", 128, 16, 16384, True) == triton_configs.KernelConfig(128, 128, 8, 3, tma=True)
+    assert triton_configs.pick("sm90", "fwd", 128, 16, 16384, True) == triton_configs.KernelConfig(
+        128, 128, 8, 3, tma=True, merged=True)
+
+
+def test_short_or_masked_loops_take_their_own_table_rows(cache_dir):
+    pick, conf = triton_configs.pick, triton_configs.KernelConfig
+    two_per_sm = conf(128, 64, 4, 2, tma=True, merged=True)
+    assert pick("sm90", "fwd", 128, 16, 4096, True) == two_per_sm  # causal, short
+    assert pick("sm90", "fwd", 128, 16, 16384, True, window=True) == two_per_sm
+    assert pick("sm90", "fwd", 128, 16, 16384, False) == conf(128, 128, 8, 3, tma=True)
+    assert pick("sm90", "dkdv", 128, 16, 2048, True).merged and not pick("sm90", "dkdv", 128, 16, 2048, False).merged
+    assert pick("sm90", "fwd", 128, 32, 4096, True) == conf(64, 32, 4, 2)  # float32: the plain table
+    assert pick("sm90", "fwd", 64, 16, 4096, True) == conf(128, 128, 8, 3)  # measured at D=128 only
 
 
 def test_ejgen_tune_with_a_window_fills_the_window_entries(cache_dir, capsys):

@@ -48,7 +48,8 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
 
     ``autotune``: block configs (``triton_configs.KernelConfig``) for jax-triton's autotuned call, which
     times them on the call's own inputs on the device the first time the compiled program runs; then
-    ``grid`` is a function of the chosen config's {"BLOCK_M", "BLOCK_N"}. GPU only."""
+    ``grid`` is a function of the chosen config's {"BLOCK_M", "BLOCK_N"} (each config also sets its own
+    STAGED: merged or not). GPU only."""
     how, why = mode()
     if how == "gpu":
         from jax_triton import triton_lib
@@ -58,10 +59,14 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
         if autotune:
             import triton
 
-            configs = [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps,
+            from ejgen.runtime import triton_configs
+
+            configs = [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
+                                      "STAGED": triton_configs.staged(c)},
+                                     num_warps=c.num_warps,
                                      num_stages=c.num_stages) for c in autotune]
             kernel = triton.autotune(configs=configs, key=[])(kernel)
-            constexprs = {k: v for k, v in constexprs.items() if k not in ("BLOCK_M", "BLOCK_N")}
+            constexprs = {k: v for k, v in constexprs.items() if k not in ("BLOCK_M", "BLOCK_N", "STAGED")}
         outs = triton_lib.triton_call(*inputs, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps,
                                       num_stages=num_stages, zeroed_outputs=tuple(zeroed), **constexprs)
         return list(outs)

@@ -21,6 +21,7 @@ class KernelConfig:
     num_stages: int
     tma: bool = False  # the loop's tiles through tensor descriptors (where the shapes allow)
     ws: bool = False  # forward only, with tma: warp-specialised key loop (num_warps is per warp group)
+    merged: bool = False  # one loop over masked and unmasked blocks (the mask under a run-time branch)
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -55,18 +56,21 @@ _TABLE = {
 }
 
 
+FLAGS = ("tma", "ws", "merged")  # KernelConfig's switches, in their text order
+
+
 def parse(text: str) -> KernelConfig:
-    """``"block_m,block_n,warps,stages[,tma][,ws]"`` -> KernelConfig (ValueError when malformed)."""
+    """``"block_m,block_n,warps,stages[,tma][,ws][,merged]"`` -> KernelConfig (ValueError when malformed)."""
     fields = [x.strip() for x in text.split(",")]
     flags = set(fields[4:])
-    if len(fields) < 4 or flags - {"tma", "ws"}:
-        raise ValueError(f"want block_m,block_n,warps,stages[,tma][,ws], got {text!r}")
-    return KernelConfig(*(int(x) for x in fields[:4]), tma="tma" in flags, ws="ws" in flags)
+    if len(fields) < 4 or flags - set(FLAGS):
+        raise ValueError(f"want block_m,block_n,warps,stages[,tma][,ws][,merged], got {text!r}")
+    return KernelConfig(*(int(x) for x in fields[:4]), **{name: name in flags for name in FLAGS})
 
 
 def text(conf: KernelConfig) -> str:
     """The inverse of `parse`."""
-    flags = [name for name in ("tma", "ws") if getattr(conf, name)]
+    flags = [name for name in FLAGS if getattr(conf, name)]
     return ",".join([str(conf.block_m), str(conf.block_n), str(conf.num_warps), str(conf.num_stages)] + flags)
 
 
@@ -81,8 +85,28 @@ def _override(pass_: str) -> KernelConfig | None:
                 return parse(values)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"EJGEN_TRITON_CONFIG: bad entry {item!r} "
-                                 f"(want pass=block_m,block_n,warps,stages[,tma][,ws]): {e}")
+                                 f"(want pass=block_m,block_n,warps,stages[,tma][,ws][,merged]): {e}")
     return None
+
+
+# Where the loops are short or masked, other 16-bit configs measured better (notes/perf.md, v6; H200):
+# "short": a sliding window, or causal up to 4k keys (a query block sees ~2k keys on average): 128x64
+# tiles with 4 warps fit two programs per SM (98 KB shared, <= 255 registers), so one program's
+# prologue and epilogue overlap the other's loop, and one merged loop pays one pipeline fill;
+# "causal" (longer): the merged loop at 128x128 (fewer registers than three loops).
+# (arch, pass, loops) -> [(min head dim, max head dim, config)]
+_SPECIAL = {
+    ("sm90", "fwd", "short"): [(65, 128, KernelConfig(128, 64, 4, 2, tma=True, merged=True))],
+    ("sm90", "fwd", "causal"): [(65, 128, KernelConfig(128, 128, 8, 3, tma=True, merged=True))],
+    ("sm90", "dkdv", "short"): [(65, 128, KernelConfig(64, 128, 8, 3, merged=True))],
+}
+
+
+def loops(seq: int, causal: bool, window: bool) -> str:
+    """How long and how masked the key loops are: 'short', 'causal' or 'full'."""
+    if window or (causal and 0 < seq <= 4096):
+        return "short"
+    return "causal" if causal else "full"
 
 
 def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int = 0, causal: bool = False,
@@ -102,7 +126,11 @@ def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int = 0, ca
                                f"delete it or re-run `ejgen tune`") from e
     if arch == "interpret":
         table_conf = pick("sm90", pass_, head_dim, dtype_bits, seq, causal, window)
-        return dataclasses.replace(INTERPRET, tma=table_conf.tma)
+        return dataclasses.replace(INTERPRET, tma=table_conf.tma, merged=table_conf.merged)
+    if dtype_bits <= 16:
+        for lo, hi, conf in _SPECIAL.get((arch, pass_, loops(seq, causal, window)), ()):
+            if lo <= head_dim <= hi:
+                return conf
     table = _TABLE.get((arch, pass_)) or _TABLE[("sm90", pass_)]
     for max_dim, half, single in table:
         if head_dim <= max_dim:
@@ -110,11 +138,12 @@ def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int = 0, ca
     raise ValueError(f"head_dim {head_dim} is larger than the triton backend supports (256)")
 
 
-def staged(cfg) -> bool:
-    """Split each key loop into masked edges and an unmasked middle (else: one masked loop).
+def staged(conf: KernelConfig) -> bool:
+    """Split a kernel's loop into masked edges and an unmasked middle (three loops), or not (`merged`:
+    one loop, the mask applied to edge blocks under a run-time branch).
 
-    ``EJGEN_TRITON_STAGED=0|1`` pins it (tuning)."""
+    ``EJGEN_TRITON_STAGED=0|1`` pins it for every kernel (tuning)."""
     pinned = os.environ.get("EJGEN_TRITON_STAGED")
     if pinned in ("0", "1"):
         return pinned == "1"
-    return True
+    return not conf.merged

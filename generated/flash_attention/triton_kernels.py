@@ -9,7 +9,9 @@ are computed in int64, offsets inside a block in int32.
 One tile of logits s [BLOCK_M, BLOCK_N] float32:
   s = scale * q k^T (+ bias)  ->  s = score(s)  ->  s = softcap * tanh(s / softcap)  ->  mask
 Key blocks come from the mask analysis: [lo, full_lo) and [full_hi, hi) run with the element mask,
-[full_lo, full_hi) without (one inner loop, specialised by the MASKED constexpr).
+[full_lo, full_hi) without. STAGED: three loops (one inner loop specialised by the MASKED constexpr);
+else one loop over [lo, hi) whose edge blocks take the mask under a run-time branch (one pipeline
+fill: short loops such as a sliding window's).
 PLAIN (no score hook, soft cap or bias) folds the softmax scale into the base-2 exponent.
 TMA (16-bit, not varlen, power-of-two head dims): the tiles of every key (forward, dQ) or query
 (dK/dV) loop come through tensor descriptors ([B, SEQ, H * D], rows past a sequence's end read as
@@ -48,8 +50,8 @@ def _other_blocks(x0, x1, n_other, I32, BLOCK: tl.constexpr, n_blocks, q_len, kv
             lo, hi, flo, fhi = _tighten(lo, hi, flo, fhi, 1, -1, kv_len - q_len + window_right, x0, x1)
         else:
             lo, hi, flo, fhi = _tighten(lo, hi, flo, fhi, -1, 1, kv_len - q_len + window_right, x0, x1)
-    if RUNTIME_MASK or not STAGED:
-        fhi = flo - 1  # a mask known only at run time, or short loops: every block takes the element mask
+    if RUNTIME_MASK:
+        fhi = flo - 1  # a mask known only at run time: every block takes the element mask
     return _to_blocks(lo, hi, flo, fhi, BLOCK, n_blocks)
 
 
@@ -87,6 +89,14 @@ def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B: tl.constexpr, 
 
 
 @triton.jit
+def _mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
+          B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    """The whole element mask of a tile (`_visible` and `_tile_mask`)."""
+    vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+    return _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+
+
+@triton.jit
 def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
             B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """(s, s_score, x, x_scale) of the tile a @ bt: the logit after bias, after the score hook, and the
@@ -111,7 +121,7 @@ def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, 
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
+def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
                F32, I32, BIAS, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, MASKED: tl.constexpr):
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
@@ -131,9 +141,12 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, scale, q_idx, o_m, row_
         _, _, x, x_scale = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
                                    B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
         if MASKED:
-            vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
-            vis = _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
-            x = tl.where(vis, x, float("-inf"))
+            if STAGED:
+                x = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
+                                   B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS), x, float("-inf"))
+            elif (i_n < f_lo) | (i_n >= f_hi):  # one loop (not STAGED): an edge block
+                x = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
+                                   B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS), x, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, 1) * x_scale)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
@@ -205,12 +218,16 @@ def flash_attention_fwd_kernel(
     flo = tl.where(live, flo, lo)
     fhi = tl.where(live, fhi, lo)
     hi = tl.where(live, hi, lo)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, flo, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                               F32, I32, BIAS, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                               F32, I32, BIAS, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, False)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, fhi, hi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                               F32, I32, BIAS, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+    if STAGED:  # masked edges, unmasked middle: three loops
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, flo, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, flo, fhi, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, False)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, fhi, hi, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+    else:  # one loop, the element mask on the edge blocks only (one pipeline fill)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, hi, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
     if SINKS:
         o_s = tl.arange(0, SINKS_PAD)
         b_aux = tl.load(AUX + off_h * N_SINKS + o_s, mask=o_s < N_SINKS, other=float("-inf")) * LOG2E
@@ -229,31 +246,43 @@ def flash_attention_fwd_kernel(
 
 
 @triton.jit
-def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
+def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, edge,
               F32, I32, BIAS, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, MASKED: tl.constexpr):
     """(p, ds1, ds0, s) of one tile, in the orientation of s_a @ s_bt (b_lse, b_delta broadcast to it):
-    probabilities, d loss / d score output (before the soft cap's chain rule: after it), d loss / d logit."""
+    probabilities, d loss / d score output (before the soft cap's chain rule: after it), d loss / d logit.
+    MASKED: the element mask applies (not STAGED: only where the block is an `edge` one)."""
     s, s_score, x, x_scale = _logits(s_a, s_bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
                                      B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
     p = tl.math.exp2(x * x_scale - b_lse)  # b_lse in base 2
     if MASKED:
-        vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
-        vis = _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
-        p = tl.where(vis, p, 0.0)
+        if STAGED:
+            p = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
+                               B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS), p, 0.0)
+        elif edge:
+            p = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
+                               B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS), p, 0.0)
     dp = _dot(dp_a, dp_bt, PRECISION, UPCAST)
     ds1 = p * (dp - b_delta)
     if SOFTCAP:
         t = _tanh(s_score / tl.load(F32 + 1))
         ds1 = ds1 * (1.0 - t * t)
     ds0 = ds1
-    if MASKED:
-        ds0 = tl.where(vis, ds0, 0.0)
-        ds1 = tl.where(vis, ds1, 0.0)
+    if MASKED and not PLAIN:  # a score hook or soft cap may not be finite where p is 0
+        if STAGED:
+            vis = _mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
+                        B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+            ds0 = tl.where(vis, ds0, 0.0)
+            ds1 = tl.where(vis, ds1, 0.0)
+        elif edge:
+            vis = _mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
+                        B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+            ds0 = tl.where(vis, ds0, 0.0)
+            ds1 = tl.where(vis, ds1, 0.0)
     return p, ds1, ds0, s
 
 
 @triton.jit
-def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n, row_q, off_b, off_h,
+def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n, row_q, off_b, off_h,
                 q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK, DBIAS,
                 B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, MASKED: tl.constexpr):
     """Tiles in [keys, queries] orientation: pT and dsT feed dV and dK without a register transpose."""
@@ -276,7 +305,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, p_q, p_do, p_lse, p_delta, sca
         q_idx = o_pos[None, :]
         o_m = (row_q + o_pos)[None, :]
         pt, ds1, ds0t, s = _bwd_tile(b_k, b_qt, b_v, tl.trans(b_do), b_lse[None, :], b_delta[None, :], scale, q_idx, kv_idx,
-                                     o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                     o_m, o_n, off_b, off_h, q_len, kv_len, (i_m < f_lo) | (i_m >= f_hi), F32, I32, BIAS, QSEG, KVSEG, MASK,
                                      B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, MASKED)  # [BLOCK_N, BLOCK_M]
         b_dv = _dot_acc(pt.to(b_do.dtype), b_do, b_dv, PRECISION, UPCAST)
         b_dk = _dot_acc(ds0t.to(b_qt.dtype), tl.trans(b_qt), b_dk, PRECISION, UPCAST)
@@ -336,21 +365,26 @@ def flash_attention_bwd_dkdv_kernel(
             q_base = (batch * HQ + off_h).to(tl.int64) * SEQ_Q + row_q
             p_lse = LSE + q_base
             p_delta = DELTA + q_base
-            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, flo, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
-                                     row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                     DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
-            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, flo, fhi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
-                                     row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                     DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, False)
-            b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, fhi, hi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
-                                     row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                     DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+            if STAGED:
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, flo, flo, fhi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
+                                         row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                         DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, flo, fhi, flo, fhi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
+                                         row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                         DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, False)
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, fhi, hi, flo, fhi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
+                                         row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                         DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+            else:
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, hi, flo, fhi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
+                                         row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                         DBIAS, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
     tl.store(DK + o_k, (b_dk * scale).to(DK.dtype.element_ty), mask=m_n[:, None] & (o_d[None, :] < D))
     tl.store(DV_OUT + o_v, b_dv.to(DV_OUT.dtype.element_ty), mask=m_n[:, None] & (o_dv[None, :] < DV))
 
 
 @triton.jit
-def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
+def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi, scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
               F32, I32, BIAS, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, MASKED: tl.constexpr):
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
@@ -367,7 +401,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, scale, q_id
             b_vt = _load(p_v + row0 * (HKV * DV) + r_n[None, :] * (HKV * DV) + o_dv[:, None], m_n[None, :], o_dv[:, None] < DV, MASKED or DV != DV_PAD)  # [DV_PAD, BLOCK_N]
         kv_idx = o_pos[None, :]
         p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_do, b_vt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, (row_k + o_pos)[None, :],
-                                   off_b, off_h, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                   off_b, off_h, q_len, kv_len, (i_n < f_lo) | (i_n >= f_hi), F32, I32, BIAS, QSEG, KVSEG, MASK,
                                    B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, MASKED)
         b_dq = _dot_acc(ds0.to(b_kt.dtype), tl.trans(b_kt), b_dq, PRECISION, UPCAST)
     return b_dq
@@ -417,13 +451,18 @@ def flash_attention_bwd_dq_kernel(
                                      True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
     b_dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if i_m * BLOCK_M < q_len:
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, scale, q_idx, o_m[:, None], row_k,
-                         off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                         B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, flo, fhi, scale, q_idx, o_m[:, None], row_k,
-                         off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                         B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, False)
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, fhi, hi, scale, q_idx, o_m[:, None], row_k,
-                         off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                         B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+        if STAGED:
+            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, flo, fhi, scale, q_idx, o_m[:, None], row_k,
+                             off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                             B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, flo, fhi, flo, fhi, scale, q_idx, o_m[:, None], row_k,
+                             off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                             B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, False)
+            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, fhi, hi, flo, fhi, scale, q_idx, o_m[:, None], row_k,
+                             off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                             B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+        else:
+            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, hi, flo, fhi, scale, q_idx, o_m[:, None], row_k,
+                             off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
+                             B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
     tl.store(DQ + o_q, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & (o_d[None, :] < D))

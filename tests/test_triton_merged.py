@@ -1,0 +1,91 @@
+"""The Triton kernels' one-loop form (`merged` configs): masked and unmasked key (or query) blocks in
+one pipelined loop, the element mask applied to edge blocks under a run-time branch.
+
+In Triton's interpreter, with every pass pinned to it (pointer tiles and tensor descriptors), against
+the float64 oracle: outputs, lse and every gradient, on shapes with full blocks between masked edges
+(causal, sliding window), ragged sequence ends, GQA, soft cap, sinks and bias (not PLAIN: the ds mask
+path). A spy checks that every launch really ran one loop.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
+
+import oracle  # noqa: E402
+from shapes import AttnShape, random_cotangents, random_qkv, random_sinks, rng_for  # noqa: E402
+
+from ejgen.runtime import triton_call, triton_configs  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("x64_stays_off")
+
+CASES = [  # (id, shape, features, pinned configs)
+    ("causal-gqa-ragged", AttnShape(1, 70, 70, 4, 2, 32), dict(causal=True), "16,16,4,1,merged"),
+    ("window-softcap-sinks", AttnShape(1, 80, 80, 2, 1, 16), dict(sliding_window=(40, 0), logits_soft_cap=5.0, sinks="h"),
+     "16,16,4,1,merged"),
+    ("window-two-sided-tma", AttnShape(2, 64, 64, 2, 2, 32), dict(sliding_window=(20, 17)), "16,16,4,1,tma,merged"),
+    ("bias-causal-tma", AttnShape(1, 45, 45, 2, 2, 32), dict(bias=True, causal=True), "16,16,4,1,tma,merged"),
+]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    if triton_call.mode()[0] is None:
+        pytest.fail("these tests need the triton backend: run them with TRITON_INTERPRET=1 (README)")
+    seen = []
+    launch = triton_call.launch
+
+    def spy(kernel, grid, inputs, outs, **kw):
+        seen.append((kernel.__name__, kw["STAGED"], kw["TMA"]))
+        return launch(kernel, grid, inputs, outs, **kw)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    return seen
+
+
+@pytest.mark.parametrize("shape,features,conf", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_one_loop_matches_the_oracle(monkeypatch, launches, run_vjp, shape, features, conf):
+    from ejgen.ops import flash_attention
+
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", f"fwd={conf};dkdv={conf};dq={conf}")
+    dtype = "bfloat16"
+    rng = rng_for(f"merged-{shape}-{features}")
+    diff = random_qkv(shape, dtype, rng)
+    features = dict(features)
+    if features.pop("bias", False):
+        diff["bias"] = jnp.asarray(rng.standard_normal((shape.batch, shape.q_heads, shape.q_len, shape.kv_len)), dtype)
+    sinks = features.pop("sinks", None)
+    if sinks:
+        diff["softmax_aux"] = random_sinks(sinks, shape.q_heads, rng)
+    d_out, d_lse = random_cotangents(shape, dtype, rng)
+    out, lse, grads = run_vjp(flash_attention, diff, {}, {**features, "platform": "triton"}, d_out, d_lse)
+    ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, **features, d_out=d_out, d_lse=d_lse)
+    oracle.check_attention(out, lse, grads, ref, diff, dtype)
+    assert {name.rsplit("_", 2)[-2] if "bwd" in name else "fwd" for name, _, _ in launches} == {"fwd", "dkdv", "dq"}
+    assert all(not staged and tma == ("tma" in conf) for _, staged, tma in launches), launches
+
+
+def test_merged_is_a_config_flag_and_the_staged_pin_overrides_it(monkeypatch):
+    conf = triton_configs.parse("128,64,8,3,tma,merged")
+    assert conf.merged and conf.tma and not conf.ws
+    assert triton_configs.text(conf) == "128,64,8,3,tma,merged"
+    monkeypatch.delenv("EJGEN_TRITON_STAGED", raising=False)
+    assert not triton_configs.staged(conf) and triton_configs.staged(triton_configs.parse("128,64,8,3"))
+    monkeypatch.setenv("EJGEN_TRITON_STAGED", "1")
+    assert triton_configs.staged(conf)
+    with pytest.raises(ValueError, match="merged"):
+        triton_configs.parse("128,64,8,3,fused")
+
+
+def test_one_loop_kernels_compile_for_hopper():
+    from ejgen.testing.aot import compile_in_subprocess
+
+    for tma in (False, True):
+        compiled = compile_in_subprocess("ejgen.generated", "flash_attention", capability=90, num_warps=8, num_stages=2,
+                                         causal=True, window=True, block_m=128, block_n=64, tma=tma, staged=False)
+        for name, c in compiled.items():
+            assert c["cubin"] and c["wgmma"], (tma, name)
+            assert c["shared"] <= 232448, (tma, name)
