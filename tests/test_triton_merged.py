@@ -9,6 +9,9 @@ path). A spy checks that every launch really ran one loop.
 
 from __future__ import annotations
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -89,3 +92,76 @@ def test_one_loop_kernels_compile_for_hopper():
         for name, c in compiled.items():
             assert c["cubin"] and c["wgmma"], (tma, name)
             assert c["shared"] <= 232448, (tma, name)
+
+
+ATOMIC_CASES = [  # (id, shape, features, dkdv config): dQ added by the dK/dV kernel
+    ("gqa-causal-ragged", AttnShape(1, 45, 45, 4, 2, 32), dict(causal=True), "16,16,4,1,atomic"),
+    ("window-softcap-sinks-merged", AttnShape(1, 64, 64, 2, 1, 16), dict(sliding_window=(20, 0), logits_soft_cap=5.0,
+                                                                        sinks="h"), "16,16,4,1,merged,atomic"),
+    ("bias-d24", AttnShape(2, 33, 29, 2, 2, 24), dict(bias=True), "16,16,4,1,atomic"),
+    # on a GPU the dQ tiles go out as descriptor reductions; the interpreter has none (see below)
+    ("tma-on-gpu", AttnShape(1, 70, 70, 2, 2, 32), dict(causal=True), "16,16,4,1,tma,merged,atomic"),
+]
+
+
+@pytest.mark.parametrize("shape,features,conf", [c[1:] for c in ATOMIC_CASES], ids=[c[0] for c in ATOMIC_CASES])
+def test_dq_from_the_dkdv_kernel_matches_the_oracle(monkeypatch, launches, run_vjp, shape, features, conf):
+    from ejgen.ops import flash_attention
+
+    if "tma" in conf and triton_call.mode()[0] != "gpu":
+        conf = conf.replace("tma,", "")
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", f"dkdv={conf}")
+    dtype = "float32" if shape.head_dim == 24 else "bfloat16"
+    rng = rng_for(f"atomic-{shape}-{features}")
+    diff = random_qkv(shape, dtype, rng)
+    features = dict(features)
+    if features.pop("bias", False):
+        diff["bias"] = jnp.asarray(rng.standard_normal((shape.batch, shape.q_heads, shape.q_len, shape.kv_len)), dtype)
+    sinks = features.pop("sinks", None)
+    if sinks:
+        diff["softmax_aux"] = random_sinks(sinks, shape.q_heads, rng)
+    d_out, d_lse = random_cotangents(shape, dtype, rng)
+    out, lse, grads = run_vjp(flash_attention, diff, {}, {**features, "platform": "triton"}, d_out, d_lse)
+    ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, **features, d_out=d_out, d_lse=d_lse)
+    oracle.check_attention(out, lse, grads, ref, diff, dtype)
+    kernels = [name.rsplit("_", 2)[-2] if "bwd" in name else "fwd" for name, _, _ in launches]
+    assert "dq" not in kernels and "dkdv" in kernels, kernels  # no dQ kernel ran
+
+
+def test_atomic_is_a_dkdv_flag_only(monkeypatch):
+    from ejgen.ops import flash_attention
+
+    if triton_call.mode()[0] is None:
+        pytest.fail("this test needs the triton backend: run it with TRITON_INTERPRET=1 (README)")
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", "fwd=16,16,4,1,atomic")
+    q = jnp.zeros((1, 32, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="'atomic' .* is a flag of the dkdv config only"):
+        flash_attention(q, q, q, platform="triton")
+
+
+def test_the_interpreter_says_it_has_no_descriptor_reductions(monkeypatch):
+    from ejgen.ops import flash_attention
+
+    if triton_call.mode()[0] != "interpret":
+        pytest.skip("the interpreter's limit; on a GPU the descriptor reductions run (tma-on-gpu above)")
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", "dkdv=16,16,4,1,tma,atomic")
+    q = jnp.ones((1, 32, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="no tensor-descriptor reductions; drop 'tma'"):
+        jax.grad(lambda q: flash_attention(q, q, q, platform="triton").astype(jnp.float32).sum())(q)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_dq_from_the_dkdv_kernel_compiles_for_hopper(tma):
+    """With descriptors the dQ tiles go out as bulk reductions (cp.reduce.async.bulk.tensor), else as
+    float32 atomic adds."""
+    from ejgen.testing.aot import compile_in_subprocess
+
+    compiled = compile_in_subprocess("ejgen.generated", "flash_attention", capability=90, num_warps=8, num_stages=2,
+                                     causal=True, window=True, block_m=64, block_n=128, tma=tma, staged=False,
+                                     atomic_dq=True, with_ptx=True)
+    c = compiled["bwd_dkdv_kernel"]
+    assert c["cubin"] and c["shared"] <= 232448
+    if tma:
+        assert re.search(r"cp\.reduce\.async\.bulk\.tensor\S*\.add", c["ptx"])
+    else:
+        assert re.search(r"(atom|red)\.global\.\S*add\S*\.f32", c["ptx"])

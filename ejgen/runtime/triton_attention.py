@@ -56,6 +56,12 @@ def _pow2(n):
 def _config(layout: Layout, pass_: str, head_dim: int, bits: int, cfg) -> triton_configs.KernelConfig:
     seq = max(_longest(cfg, True), _longest(cfg, False))
     conf = triton_configs.pick(_arch(), pass_, head_dim, bits, seq, cfg.causal, cfg.window)
+    if conf.atomic and pass_ != "dkdv":
+        raise ValueError(f"triton config {triton_configs.text(conf)!r} for the {pass_} kernel: 'atomic' (dQ added "
+                         f"by the dK/dV kernel) is a flag of the dkdv config only")
+    if conf.atomic and conf.tma and _arch() == "interpret":
+        raise ValueError(f"triton config {triton_configs.text(conf)!r}: Triton's interpreter has no tensor-descriptor "
+                         f"reductions; drop 'tma' from the dkdv config (the dQ tiles are then added by atomics)")
     if layout.gathers_by_position and conf.num_stages > 1:
         # Triton 3.6 multi-buffers the gathered [BLOCK_M, BLOCK_N] float32 tile in shared memory
         # with the K/V tiles (240 KB at 128x128, 3 stages: over the limit): do not pipeline.
@@ -76,7 +82,8 @@ def _autotune(layout: Layout, pass_: str, conf: triton_configs.KernelConfig):
     if conf.ws:
         raise ValueError("EJGEN_TRITON_AUTOTUNE: a config with 'ws' cannot be autotuned (warp specialisation "
                          "depends on whole blocks, and the blocks vary)")
-    return [conf] + [c for c in dict.fromkeys(candidates) if c.tma == conf.tma and not c.ws and c != conf]
+    return [conf] + [c for c in dict.fromkeys(candidates)
+                     if c.tma == conf.tma and c.atomic == conf.atomic and not c.ws and c != conf]
 
 
 def _grid(longest: int, block_size, rows: int, tuned, which: str):
@@ -142,6 +149,7 @@ def _constexprs(layout, q, k, v, cfg, conf, bias, mask, aux):
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         UPCAST=_arch() == "interpret" and q.dtype == jnp.bfloat16,
         TMA=conf.tma and tma_eligible(q, v, cfg), WS=False,  # WS: the forward's, `_forward`
+        ATOMIC_DQ=conf.atomic,
     )
 
 
@@ -244,24 +252,29 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     grid, largest = _grid(_longest(cfg, False), conf.block_n, n_seq * hkv, tuned, "block_n")
     n_prog = largest[0] * largest[1]  # rows of the param partials: unused rows stay zero
     dbias_shape = (batch, hq, sq, sk) if cfg.bias else (1,)
+    atomic = conf.atomic  # dQ from the dK/dV kernel, added in float32 (zeroed below)
     outs = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct(dbias_shape, jnp.float32)]
+            jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
+            jax.ShapeDtypeStruct((batch, sq, hq, d) if atomic else (1,), jnp.float32)]
     outs += [jax.ShapeDtypeStruct((n_prog, ctx[f"param_{p}"].size), jnp.float32) for p in layout.grad_params]
     zeroed = tuple(range(len(outs))) if cfg.varlen else tuple(range(2, len(outs)))
     outs.append(_scratch(largest))
-    dk, dv_, dbias, *dparams, _ = triton_call.launch(
+    dk, dv_, dbias, dq_acc, *dparams, _ = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dkdv_kernel"), grid, inputs, outs, zeroed=zeroed,
         num_warps=conf.num_warps, num_stages=conf.num_stages, autotune=tuned, **consts)
 
-    conf = _config(layout, "dq", max(d, dv), bits, cfg)
-    consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
-    tuned = _autotune(layout, "dq", conf)
-    grid, largest = _grid(_longest(cfg, True), conf.block_m, n_seq * hq, tuned, "block_m")
-    dq, _ = triton_call.launch(
-        getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid, inputs,
-        [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), _scratch(largest)],
-        zeroed=(0,) if cfg.varlen else (),
-        num_warps=conf.num_warps, num_stages=conf.num_stages, autotune=tuned, **consts)
+    if atomic:
+        dq = dq_acc.astype(q.dtype)
+    else:
+        conf = _config(layout, "dq", max(d, dv), bits, cfg)
+        consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
+        tuned = _autotune(layout, "dq", conf)
+        grid, largest = _grid(_longest(cfg, True), conf.block_m, n_seq * hq, tuned, "block_m")
+        dq, _ = triton_call.launch(
+            getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid, inputs,
+            [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), _scratch(largest)],
+            zeroed=(0,) if cfg.varlen else (),
+            num_warps=conf.num_warps, num_stages=conf.num_stages, autotune=tuned, **consts)
 
     dctx = {}
     if cfg.bias:

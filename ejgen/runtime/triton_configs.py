@@ -22,6 +22,8 @@ class KernelConfig:
     tma: bool = False  # the loop's tiles through tensor descriptors (where the shapes allow)
     ws: bool = False  # forward only, with tma: warp-specialised key loop (num_warps is per warp group)
     merged: bool = False  # one loop over masked and unmasked blocks (the mask under a run-time branch)
+    atomic: bool = False  # dkdv only: the dK/dV kernel also adds dQ into a float32 buffer (no dQ kernel;
+    #                       float32 additions in run-time order: dQ is not bitwise reproducible)
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -56,15 +58,15 @@ _TABLE = {
 }
 
 
-FLAGS = ("tma", "ws", "merged")  # KernelConfig's switches, in their text order
+FLAGS = ("tma", "ws", "merged", "atomic")  # KernelConfig's switches, in their text order
 
 
 def parse(text: str) -> KernelConfig:
-    """``"block_m,block_n,warps,stages[,tma][,ws][,merged]"`` -> KernelConfig (ValueError when malformed)."""
+    """``"block_m,block_n,warps,stages[,tma][,ws][,merged][,atomic]"`` -> KernelConfig (ValueError when malformed)."""
     fields = [x.strip() for x in text.split(",")]
     flags = set(fields[4:])
     if len(fields) < 4 or flags - set(FLAGS):
-        raise ValueError(f"want block_m,block_n,warps,stages[,tma][,ws][,merged], got {text!r}")
+        raise ValueError(f"want block_m,block_n,warps,stages[,tma][,ws][,merged][,atomic], got {text!r}")
     return KernelConfig(*(int(x) for x in fields[:4]), **{name: name in flags for name in FLAGS})
 
 
@@ -85,7 +87,7 @@ def _override(pass_: str) -> KernelConfig | None:
                 return parse(values)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"EJGEN_TRITON_CONFIG: bad entry {item!r} "
-                                 f"(want pass=block_m,block_n,warps,stages[,tma][,ws][,merged]): {e}")
+                                 f"(want pass=block_m,block_n,warps,stages[,tma][,ws][,merged][,atomic]): {e}")
     return None
 
 

@@ -6,12 +6,16 @@ import statistics
 import time
 
 
-def median_seconds(fn, args, reps: int = 10, warmup: int = 2) -> float:
+def median_seconds(fn, args, reps: int = 10, warmup: int = 2, warm_seconds: float = 0.3) -> float:
     """Median wall seconds of ``fn(*args)`` over ``reps`` calls, after ``warmup`` calls (the first one
-    compiles) that are not counted."""
+    compiles) and at least ``warm_seconds`` of calls that are not counted: a GPU left idle by a compile
+    runs at low clocks, and a few milliseconds of work do not bring them back up."""
     import jax
 
     for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    t_end = time.perf_counter() + warm_seconds
+    while time.perf_counter() < t_end:
         jax.block_until_ready(fn(*args))
     samples = []
     for _ in range(reps):

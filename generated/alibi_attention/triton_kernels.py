@@ -27,7 +27,7 @@ from ejgen.runtime.triton_lib import LOG2E, _dot, _dot_acc, _load, _rows, _tanh,
 
 @triton.jit
 def _other_blocks(x0, x1, n_other, I32, BLOCK: tl.constexpr, n_blocks, q_len, kv_len,
-                  X_IS_Q: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+                  X_IS_Q: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Blocks of the other index for the block [x0, x1] of queries (X_IS_Q) or keys."""
     lo = n_other * 0
     hi = n_other - 1
@@ -63,7 +63,7 @@ def _dscore_d0(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_sl
 
 
 @triton.jit
-def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Element mask from causal, window and the spec's mask (segments and dense masks: `_tile_mask`)."""
     vis = (q_idx < q_len) & (kv_idx < kv_len)
     if CAUSAL:  # causal
@@ -72,7 +72,7 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_slopes,
 
 
 @triton.jit
-def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Segment ids and the dense mask. o_m, o_n: query and key rows as broadcastable tiles."""
     if SEGMENTS:
         b_qs = tl.load(QSEG + off_b * SEQ_Q + o_m, mask=o_m < SEQ_Q, other=-1)
@@ -86,15 +86,15 @@ def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B: tl.constexpr, 
 
 @triton.jit
 def _mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-          PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+          PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """The whole element mask of a tile (`_visible` and `_tile_mask`)."""
-    vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
-    return _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+    vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
+    return _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
 
 
 @triton.jit
 def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
-            PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+            PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """(s, s_score, x, x_scale) of the tile a @ bt: the logit after bias, after the score hook, and the
     final logit in base 2 as the product x * x_scale (left to the caller to fuse into exp2's argument).
 
@@ -118,7 +118,7 @@ def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
-               F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, MASKED: tl.constexpr):
+               F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASKED: tl.constexpr):
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
     r_n = tl.arange(0, BLOCK_N)
@@ -135,14 +135,14 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, scale, q_id
         kv_idx = o_pos[None, :]
         o_n = (row_k + o_pos)[None, :]
         _, _, x, x_scale = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
-                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
         if MASKED:
             if STAGED:
                 x = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS), x, float("-inf"))
+                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ), x, float("-inf"))
             elif (i_n < f_lo) | (i_n >= f_hi):  # one loop (not STAGED): an edge block
                 x = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS), x, float("-inf"))
+                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ), x, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, 1) * x_scale)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
@@ -157,7 +157,7 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, scale, q_id
 
 
 @triton.jit
-def _sequence(CU_Q, CU_K, off_b, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+def _sequence(CU_Q, CU_K, off_b, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """(first row of q, first row of k, q_len, kv_len) of the program's sequence."""
     if VARLEN:
         q0 = tl.load(CU_Q + off_b)
@@ -171,7 +171,7 @@ def _sequence(CU_Q, CU_K, off_b, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.cons
 def alibi_attention_fwd_kernel(
     Q, K, V, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, AUX, PARAM_slopes,
     O, LSE, SCRATCH,
-    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: less idle tail
@@ -180,7 +180,7 @@ def alibi_attention_fwd_kernel(
     off_b = i_bh // HQ
     off_h = i_bh % HQ
     off_hk = off_h // (HQ // HKV)
-    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
     batch = 0 if VARLEN else off_b
     scale = tl.load(F32)
     o_pos = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions in the sequence
@@ -204,7 +204,7 @@ def alibi_attention_fwd_kernel(
     q_idx = o_pos[:, None]
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
-                                     True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+                                     True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
@@ -216,14 +216,14 @@ def alibi_attention_fwd_kernel(
     hi = tl.where(live, hi, lo)
     if STAGED:  # masked edges, unmasked middle: three loops
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, flo, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, True)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, flo, fhi, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, False)
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, False)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, fhi, hi, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, True)
     else:  # one loop, the element mask on the edge blocks only (one pipeline fill)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, hi, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, True)
     if SINKS:
         o_s = tl.arange(0, SINKS_PAD)
         b_aux = tl.load(AUX + off_h * N_SINKS + o_s, mask=o_s < N_SINKS, other=float("-inf")) * LOG2E
@@ -243,20 +243,20 @@ def alibi_attention_fwd_kernel(
 
 @triton.jit
 def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, edge,
-              F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, MASKED: tl.constexpr):
+              F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASKED: tl.constexpr):
     """(p, ds1, ds0, s) of one tile, in the orientation of s_a @ s_bt (b_lse, b_delta broadcast to it):
     probabilities, d loss / d score output (before the soft cap's chain rule: after it), d loss / d logit.
     MASKED: the element mask applies (not STAGED: only where the block is an `edge` one)."""
     s, s_score, x, x_scale = _logits(s_a, s_bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
-                                     PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+                                     PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
     p = tl.math.exp2(x * x_scale - b_lse)  # b_lse in base 2
     if MASKED:
         if STAGED:
             p = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-                               PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS), p, 0.0)
+                               PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ), p, 0.0)
         elif edge:
             p = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-                               PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS), p, 0.0)
+                               PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ), p, 0.0)
     dp = _dot(dp_a, dp_bt, PRECISION, UPCAST)
     ds1 = p * (dp - b_delta)
     if SOFTCAP:
@@ -266,22 +266,23 @@ def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
     if MASKED and not PLAIN:  # a score hook or soft cap may not be finite where p is 0
         if STAGED:
             vis = _mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-                        PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+                        PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
             ds0 = tl.where(vis, ds0, 0.0)
             ds1 = tl.where(vis, ds1, 0.0)
         elif edge:
             vis = _mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-                        PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+                        PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
             ds0 = tl.where(vis, ds0, 0.0)
             ds1 = tl.where(vis, ds1, 0.0)
     return p, ds1, ds0, s
 
 
 @triton.jit
-def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n, row_q, off_b, off_h,
-                q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, DBIAS, DPARAM_slopes,
-                B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, MASKED: tl.constexpr):
-    """Tiles in [keys, queries] orientation: pT and dsT feed dV and dK without a register transpose."""
+def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_q, p_do, p_dq, p_lse, p_delta, scale, kv_idx, o_n, row_q,
+                off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, DBIAS, DPARAM_slopes,
+                B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASKED: tl.constexpr):
+    """Tiles in [keys, queries] orientation: pT and dsT feed dV and dK without a register transpose.
+    ATOMIC_DQ: dQ += scale * ds @ k of the tile, added in float32 to p_dq (a descriptor with TMA)."""
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
     r_m = tl.arange(0, BLOCK_M)
@@ -302,9 +303,16 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_q, p_do, p_lse, 
         o_m = (row_q + o_pos)[None, :]
         pt, ds1, ds0t, s = _bwd_tile(b_k, b_qt, b_v, tl.trans(b_do), b_lse[None, :], b_delta[None, :], scale, q_idx, kv_idx,
                                      o_m, o_n, off_b, off_h, q_len, kv_len, (i_m < f_lo) | (i_m >= f_hi), F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                     PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, MASKED)  # [BLOCK_N, BLOCK_M]
+                                     PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, MASKED)  # [BLOCK_N, BLOCK_M]
         b_dv = _dot_acc(pt.to(b_do.dtype), b_do, b_dv, PRECISION, UPCAST)
         b_dk = _dot_acc(ds0t.to(b_qt.dtype), tl.trans(b_qt), b_dk, PRECISION, UPCAST)
+        if ATOMIC_DQ:
+            b_dq = _dot(tl.trans(ds0t.to(b_k.dtype)), b_k, PRECISION, UPCAST) * scale  # [BLOCK_M, D_PAD]
+            if TMA:  # a bulk reduction through the tensor-memory accelerator
+                p_dq.atomic_add([off_b, i_m * BLOCK_M, off_h * D], b_dq.reshape(1, BLOCK_M, D_PAD))
+            else:
+                p_dq_tile = p_dq + (tl.cast(i_m, tl.int64) * BLOCK_M + r_m[:, None]) * (HQ * D) + o_d[None, :]
+                tl.atomic_add(p_dq_tile, b_dq, mask=m_m[:, None] & (o_d[None, :] < D), sem="relaxed")
         if BIAS_ON:
             p_db = DBIAS + ((off_b * HQ + off_h).to(tl.int64) * SEQ_Q + o_m) * SEQ_K + o_n
             tl.store(p_db, ds0t, mask=(o_m < SEQ_Q) & (o_n < SEQ_K))
@@ -318,16 +326,17 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_q, p_do, p_lse, 
 @triton.jit
 def alibi_attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_slopes,
-    DK, DV_OUT, DBIAS, DPARAM_slopes, SCRATCH,
-    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    DK, DV_OUT, DBIAS, DQ_ACC, DPARAM_slopes, SCRATCH,
+    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
-    """One key block of one kv head: dK, dV over every query head of its group (no atomics)."""
+    """One key block of one kv head: dK, dV over every query head of its group (no atomics); with
+    ATOMIC_DQ also dQ, added in float32 to DQ_ACC (zeroed; [B, SEQ_Q, HQ, D] like q) by every key block."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     off_b = i_bh // HKV
     off_hk = i_bh % HKV
     prog = i_bh * tl.num_programs(0) + i_n
-    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
     batch = 0 if VARLEN else off_b
     scale = tl.load(F32)
     o_pos = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -344,7 +353,7 @@ def alibi_attention_bwd_dkdv_kernel(
     kv_idx = o_pos[:, None]
     x1 = tl.minimum(i_n * BLOCK_N + BLOCK_N, kv_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_n * BLOCK_N, x1, q_len, I32, BLOCK_M, tl.cdiv(q_len, BLOCK_M), q_len, kv_len,
-                                     False, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+                                     False, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
     if i_n * BLOCK_N + BLOCK_N > kv_len:  # padded keys always need the element mask
         fhi = flo
     b_dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
@@ -352,40 +361,45 @@ def alibi_attention_bwd_dkdv_kernel(
     if TMA:
         d_q = _rows(Q, B, SEQ_Q, HQ * D, BLOCK_M, D_PAD)
         d_do = _rows(DO, B, SEQ_Q, HQ * DV, BLOCK_M, DV_PAD)
+        if ATOMIC_DQ:
+            d_dq = _rows(DQ_ACC, B, SEQ_Q, HQ * D, BLOCK_M, D_PAD)
     if i_n * BLOCK_N < kv_len:
         for g in range(HQ // HKV):
             off_h = off_hk * (HQ // HKV) + g
+            q_row0 = (batch * SEQ_Q + row_q).to(tl.int64)  # the sequence's first query row in the tensor
+            p_dq = DQ_ACC + q_row0 * (HQ * D) + off_h * D
             if TMA:
                 p_q = d_q
                 p_do = d_do
+                if ATOMIC_DQ:
+                    p_dq = d_dq
             else:
-                q_row0 = (batch * SEQ_Q + row_q).to(tl.int64)  # the sequence's first query row in the tensor
                 p_q = Q + q_row0 * (HQ * D) + off_h * D
                 p_do = DO + q_row0 * (HQ * DV) + off_h * DV
             q_base = (batch * HQ + off_h).to(tl.int64) * SEQ_Q + row_q
             p_lse = LSE + q_base
             p_delta = DELTA + q_base
             if STAGED:
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, flo, flo, fhi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, flo, flo, fhi, p_q, p_do, p_dq, p_lse, p_delta, scale, kv_idx, o_n[:, None],
                                          row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, flo, fhi, flo, fhi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
+                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, True)
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, flo, fhi, flo, fhi, p_q, p_do, p_dq, p_lse, p_delta, scale, kv_idx, o_n[:, None],
                                          row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, False)
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, fhi, hi, flo, fhi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
+                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, False)
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, fhi, hi, flo, fhi, p_q, p_do, p_dq, p_lse, p_delta, scale, kv_idx, o_n[:, None],
                                          row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, True)
             else:
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, hi, flo, fhi, p_q, p_do, p_lse, p_delta, scale, kv_idx, o_n[:, None],
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, hi, flo, fhi, p_q, p_do, p_dq, p_lse, p_delta, scale, kv_idx, o_n[:, None],
                                          row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, True)
     tl.store(DK + o_k, (b_dk * scale).to(DK.dtype.element_ty), mask=m_n[:, None] & (o_d[None, :] < D))
     tl.store(DV_OUT + o_v, b_dv.to(DV_OUT.dtype.element_ty), mask=m_n[:, None] & (o_dv[None, :] < DV))
 
 
 @triton.jit
 def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi, scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
-              F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, MASKED: tl.constexpr):
+              F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASKED: tl.constexpr):
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
     r_n = tl.arange(0, BLOCK_N)
@@ -402,7 +416,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
         kv_idx = o_pos[None, :]
         p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_do, b_vt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, (row_k + o_pos)[None, :],
                                    off_b, off_h, q_len, kv_len, (i_n < f_lo) | (i_n >= f_hi), F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, MASKED)
+                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, MASKED)
         b_dq = _dot_acc(ds0.to(b_kt.dtype), tl.trans(b_kt), b_dq, PRECISION, UPCAST)
     return b_dq
 
@@ -411,7 +425,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
 def alibi_attention_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_slopes,
     DQ, SCRATCH,
-    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: less idle tail
@@ -420,7 +434,7 @@ def alibi_attention_bwd_dq_kernel(
     off_b = i_bh // HQ
     off_h = i_bh % HQ
     off_hk = off_h // (HQ // HKV)
-    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
     batch = 0 if VARLEN else off_b
     scale = tl.load(F32)
     o_pos = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -448,21 +462,21 @@ def alibi_attention_bwd_dq_kernel(
     q_idx = o_pos[:, None]
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
-                                     True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS)
+                                     True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
     b_dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if i_m * BLOCK_M < q_len:
         if STAGED:
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, flo, fhi, scale, q_idx, o_m[:, None], row_k,
                              off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, True)
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, flo, fhi, flo, fhi, scale, q_idx, o_m[:, None], row_k,
                              off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, False)
+                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, False)
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, fhi, hi, flo, fhi, scale, q_idx, o_m[:, None], row_k,
                              off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, True)
         else:
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, hi, flo, fhi, scale, q_idx, o_m[:, None], row_k,
                              off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, True)
+                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, True)
     tl.store(DQ + o_q, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & (o_d[None, :] < D))
