@@ -6,6 +6,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 # The helper modules (oracle, shapes) sit next to the tests; keep them importable under any
@@ -97,3 +98,53 @@ def jit_vjp(op, diff: dict, rest: dict, static: dict, d_out, d_lse):
 def run_vjp():
     """``jit_vjp`` as a fixture, so test modules need not import this conftest."""
     return jit_vjp
+
+
+@pytest.fixture
+def triton_launches(monkeypatch):
+    """Every Triton kernel launch of the test, as (pass: 'fwd' | 'dkdv' | 'dq', constexprs): a spy on
+    ``triton_call.launch`` that shows which path a call really took."""
+    from ejgen.runtime import triton_call
+
+    if triton_call.mode()[0] is None:
+        pytest.fail("this test needs the triton backend: run it with TRITON_INTERPRET=1 (README)")
+    seen = []
+    launch = triton_call.launch
+
+    def spy(kernel, grid, inputs, outs, **kw):
+        name = kernel.__name__
+        seen.append((name.rsplit("_", 2)[-2] if "bwd" in name else "fwd", kw))
+        return launch(kernel, grid, inputs, outs, **kw)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    return seen
+
+
+@pytest.fixture
+def triton_against_oracle(run_vjp):
+    """``check(shape, features, dtype, tag)``: flash_attention on the triton backend (random inputs
+    seeded by ``tag``; features may name ``bias=True`` and ``sinks="h"``) against the float64 oracle:
+    output, lse and every gradient."""
+    import numpy as np
+
+    import oracle
+    from shapes import random_cotangents, random_qkv, random_sinks, rng_for
+
+    from ejgen.ops import flash_attention
+
+    def check(shape, features, dtype, tag):
+        rng = rng_for(f"{tag}-{shape}-{features}-{dtype}")
+        diff = random_qkv(shape, dtype, rng)
+        features = dict(features)
+        if features.pop("bias", False):
+            diff["bias"] = jnp.asarray(rng.standard_normal((shape.batch, shape.q_heads, shape.q_len, shape.kv_len)),
+                                       dtype)
+        sinks = features.pop("sinks", None)
+        if sinks:
+            diff["softmax_aux"] = random_sinks(sinks, shape.q_heads, rng)
+        d_out, d_lse = random_cotangents(shape, dtype, rng)
+        out, lse, grads = run_vjp(flash_attention, diff, {}, {**features, "platform": "triton"}, d_out, d_lse)
+        ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, **features, d_out=d_out, d_lse=d_lse)
+        oracle.check_attention(out, lse, grads, ref, diff, dtype)
+
+    return check

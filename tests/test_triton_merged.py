@@ -13,13 +13,11 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
 
-import oracle  # noqa: E402
-from shapes import AttnShape, random_cotangents, random_qkv, random_sinks, rng_for  # noqa: E402
+from shapes import AttnShape  # noqa: E402
 
 from ejgen.runtime import triton_call, triton_configs  # noqa: E402
 
@@ -34,41 +32,12 @@ CASES = [  # (id, shape, features, pinned configs)
 ]
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    if triton_call.mode()[0] is None:
-        pytest.fail("these tests need the triton backend: run them with TRITON_INTERPRET=1 (README)")
-    seen = []
-    launch = triton_call.launch
-
-    def spy(kernel, grid, inputs, outs, **kw):
-        seen.append((kernel.__name__, kw["STAGED"], kw["TMA"]))
-        return launch(kernel, grid, inputs, outs, **kw)
-
-    monkeypatch.setattr(triton_call, "launch", spy)
-    return seen
-
-
 @pytest.mark.parametrize("shape,features,conf", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_one_loop_matches_the_oracle(monkeypatch, launches, run_vjp, shape, features, conf):
-    from ejgen.ops import flash_attention
-
+def test_one_loop_matches_the_oracle(monkeypatch, triton_launches, triton_against_oracle, shape, features, conf):
     monkeypatch.setenv("EJGEN_TRITON_CONFIG", f"fwd={conf};dkdv={conf};dq={conf}")
-    dtype = "bfloat16"
-    rng = rng_for(f"merged-{shape}-{features}")
-    diff = random_qkv(shape, dtype, rng)
-    features = dict(features)
-    if features.pop("bias", False):
-        diff["bias"] = jnp.asarray(rng.standard_normal((shape.batch, shape.q_heads, shape.q_len, shape.kv_len)), dtype)
-    sinks = features.pop("sinks", None)
-    if sinks:
-        diff["softmax_aux"] = random_sinks(sinks, shape.q_heads, rng)
-    d_out, d_lse = random_cotangents(shape, dtype, rng)
-    out, lse, grads = run_vjp(flash_attention, diff, {}, {**features, "platform": "triton"}, d_out, d_lse)
-    ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, **features, d_out=d_out, d_lse=d_lse)
-    oracle.check_attention(out, lse, grads, ref, diff, dtype)
-    assert {name.rsplit("_", 2)[-2] if "bwd" in name else "fwd" for name, _, _ in launches} == {"fwd", "dkdv", "dq"}
-    assert all(not staged and tma == ("tma" in conf) for _, staged, tma in launches), launches
+    triton_against_oracle(shape, features, "bfloat16", "merged")
+    assert {pass_ for pass_, _ in triton_launches} == {"fwd", "dkdv", "dq"}
+    assert all(not kw["STAGED"] and kw["TMA"] == ("tma" in conf) for _, kw in triton_launches), triton_launches
 
 
 def test_merged_is_a_config_flag_and_the_staged_pin_overrides_it(monkeypatch):
@@ -105,27 +74,14 @@ ATOMIC_CASES = [  # (id, shape, features, dkdv config): dQ added by the dK/dV ke
 
 
 @pytest.mark.parametrize("shape,features,conf", [c[1:] for c in ATOMIC_CASES], ids=[c[0] for c in ATOMIC_CASES])
-def test_dq_from_the_dkdv_kernel_matches_the_oracle(monkeypatch, launches, run_vjp, shape, features, conf):
-    from ejgen.ops import flash_attention
-
+def test_dq_from_the_dkdv_kernel_matches_the_oracle(monkeypatch, triton_launches, triton_against_oracle, shape, features,
+                                                     conf):
     if "tma" in conf and triton_call.mode()[0] != "gpu":
         conf = conf.replace("tma,", "")
     monkeypatch.setenv("EJGEN_TRITON_CONFIG", f"dkdv={conf}")
-    dtype = "float32" if shape.head_dim == 24 else "bfloat16"
-    rng = rng_for(f"atomic-{shape}-{features}")
-    diff = random_qkv(shape, dtype, rng)
-    features = dict(features)
-    if features.pop("bias", False):
-        diff["bias"] = jnp.asarray(rng.standard_normal((shape.batch, shape.q_heads, shape.q_len, shape.kv_len)), dtype)
-    sinks = features.pop("sinks", None)
-    if sinks:
-        diff["softmax_aux"] = random_sinks(sinks, shape.q_heads, rng)
-    d_out, d_lse = random_cotangents(shape, dtype, rng)
-    out, lse, grads = run_vjp(flash_attention, diff, {}, {**features, "platform": "triton"}, d_out, d_lse)
-    ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, **features, d_out=d_out, d_lse=d_lse)
-    oracle.check_attention(out, lse, grads, ref, diff, dtype)
-    kernels = [name.rsplit("_", 2)[-2] if "bwd" in name else "fwd" for name, _, _ in launches]
-    assert "dq" not in kernels and "dkdv" in kernels, kernels  # no dQ kernel ran
+    triton_against_oracle(shape, features, "float32" if shape.head_dim == 24 else "bfloat16", "atomic")
+    passes = [pass_ for pass_, _ in triton_launches]
+    assert "dq" not in passes and "dkdv" in passes, passes  # no dQ kernel ran
 
 
 def test_atomic_is_a_dkdv_flag_only(monkeypatch):

@@ -13,13 +13,11 @@ from __future__ import annotations
 import re
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
 
-import oracle  # noqa: E402
-from shapes import AttnShape, random_cotangents, random_qkv, random_sinks, rng_for  # noqa: E402
+from shapes import AttnShape  # noqa: E402
 
 from ejgen.runtime import triton_attention, triton_call  # noqa: E402
 
@@ -37,45 +35,15 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def descriptors_everywhere(monkeypatch):
-    if triton_call.mode()[0] is None:
-        pytest.fail("these tests need the triton backend: run them with TRITON_INTERPRET=1 (README)")
-    monkeypatch.setenv("EJGEN_TRITON_CONFIG", PINNED)
-    seen = []
-    launch = triton_call.launch
-
-    def spy(kernel, grid, inputs, outs, **kw):
-        seen.append((kernel.__name__, kw["TMA"], kw["WS"]))
-        return launch(kernel, grid, inputs, outs, **kw)
-
-    monkeypatch.setattr(triton_call, "launch", spy)
-    return seen
-
-
 @pytest.mark.parametrize("shape,features", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_descriptor_paths_match_the_oracle(descriptors_everywhere, run_vjp, shape, features, dtype):
-    from ejgen.ops import flash_attention
-
-    case_id = f"tma-{shape}-{features}-{dtype}"
-    rng = rng_for(case_id)
-    diff = random_qkv(shape, dtype, rng)
-    features = dict(features)
-    if features.pop("bias", False):
-        diff["bias"] = jnp.asarray(rng.standard_normal((shape.batch, shape.q_heads, shape.q_len, shape.kv_len)), dtype)
-    sinks = features.pop("sinks", None)
-    if sinks:
-        diff["softmax_aux"] = random_sinks(sinks, shape.q_heads, rng)
-    d_out, d_lse = random_cotangents(shape, dtype, rng)
-    out, lse, grads = run_vjp(flash_attention, diff, {}, {**features, "platform": "triton"}, d_out, d_lse)
-    ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, **features, d_out=d_out, d_lse=d_lse)
-    oracle.check_attention(out, lse, grads, ref, diff, dtype)
-
-    kinds = {name.rsplit("_", 2)[-2] if "bwd" in name else "fwd": (tma, ws) for name, tma, ws in descriptors_everywhere}
-    assert kinds["fwd"][0] and kinds["dkdv"][0] and kinds["dq"][0], descriptors_everywhere
+def test_descriptor_paths_match_the_oracle(monkeypatch, triton_launches, triton_against_oracle, shape, features, dtype):
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", PINNED)
+    triton_against_oracle(shape, features, dtype, "tma")
+    kinds = {pass_: (kw["TMA"], kw["WS"]) for pass_, kw in triton_launches}
+    assert kinds["fwd"][0] and kinds["dkdv"][0] and kinds["dq"][0], triton_launches
     whole = shape.q_len % 16 == 0 and shape.kv_len % 16 == 0
-    plain = not features and "bias" not in diff
+    plain = not features
     assert kinds["fwd"][1] == (whole and plain), "warp specialisation: plain loops over whole blocks only"
 
 
