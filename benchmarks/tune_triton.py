@@ -90,41 +90,69 @@ def compare_isolated(configs, cases, d, timeout, jobs=1):
     """Each (case, config) in its own process, `jobs` at a time: a batch compiles side by side (the
     CPU work), then its processes take the GPU one after another with nothing else running (no
     compile steals the CPU that launches the timed kernels), so a sweep costs about the timing plus
-    the slowest compile of each batch. 'cudnn' is a config: the peer, timed in the same run."""
+    the slowest compile of each batch. A process not compiled within `timeout` is killed before the
+    timing starts. 'cudnn' is a config: the peer, timed in the same run."""
+    import shutil
     import subprocess
     import tempfile
     import time
 
+    if jobs < 1:
+        raise SystemExit("--jobs must be at least 1")
     sync = tempfile.mkdtemp(prefix="ejgen-tune-")
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # N processes share one GPU
     todo = [(case, cfg) for case in cases.split(",") for cfg in configs]
     results = {}
-    for start in range(0, len(todo), jobs):
-        batch = []
-        for i, (case, cfg) in enumerate(todo[start:start + jobs], start):
-            cmd = [sys.executable, "-u", __file__, "--d", str(d), "--one", f"{case}|{cfg}"]
-            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # no pipe to fill up
-            env = dict(os.environ, EJGEN_TUNE_SYNC=f"{sync}/{i}")
-            batch.append((case, cfg, subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env), out, err, i))
-        t0 = time.monotonic()
-        ready = lambda i: os.path.exists(f"{sync}/{i}.ready")
-        while any(p.poll() is None and not ready(i) for _, _, p, _, _, i in batch) and time.monotonic() - t0 < timeout:
-            time.sleep(0.2)  # every process compiled (or gone)
-        for case, cfg, proc, out_f, err_f, i in batch:
-            open(f"{sync}/{i}.go", "w").close()  # its turn on the GPU
+    ready = lambda i: os.path.exists(f"{sync}/{i}.ready")
+    try:
+        for start in range(0, len(todo), jobs):
+            batch = []
             try:
-                proc.wait(max(1.0, timeout - (time.monotonic() - t0)) if not ready(i) else timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                line = f"{case} {cfg or 'table'}: no result within {timeout:.0f} s (hang or slow compile)"
-            else:
-                out_f.seek(0)
-                err_f.seek(0)
-                out, err = out_f.read(), err_f.read()
-                lines = [l for l in out.splitlines() if l.startswith("S=")]
-                line = "\n".join(lines) if lines else (f"{case} {cfg or 'table'}: no result (rc {proc.returncode}): "
-                                                       f"{err.strip().splitlines()[-1][:160] if err.strip() else ''}")
-            results[(case, cfg)] = line
-            print(line, flush=True)
+                for i, (case, cfg) in enumerate(todo[start:start + jobs], start):
+                    cmd = [sys.executable, "-u", __file__, "--d", str(d), "--one", f"{case}|{cfg}"]
+                    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # no pipe to fill up
+                    proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
+                                            env=dict(env, EJGEN_TUNE_SYNC=f"{sync}/{i}", EJGEN_TUNE_WAIT=str(timeout)))
+                    batch.append((case, cfg, proc, out, err, i))
+                t0 = time.monotonic()
+                while (any(p.poll() is None and not ready(i) for _, _, p, _, _, i in batch)
+                       and time.monotonic() - t0 < timeout):
+                    time.sleep(0.2)  # every process compiled (or gone)
+                killed = set()
+                for _, _, proc, _, _, i in batch:
+                    if proc.poll() is None and not ready(i):  # still compiling: it would disturb the timing
+                        proc.kill()
+                        proc.wait()
+                        killed.add(i)
+                for case, cfg, proc, out_f, err_f, i in batch:
+                    open(f"{sync}/{i}.go", "w").close()  # its turn on the GPU
+                    try:
+                        proc.wait(timeout)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+                    out_f.seek(0)
+                    err_f.seek(0)
+                    out, err = out_f.read(), err_f.read()
+                    lines = [l for l in out.splitlines() if l.startswith("S=")]
+                    if lines:
+                        line = "\n".join(lines)
+                    elif i in killed:
+                        line = f"{case} {cfg or 'table'}: not compiled within {timeout:.0f} s (hang or slow compile)"
+                    else:
+                        last = err.strip().splitlines()[-1][:160] if err.strip() else ""
+                        line = f"{case} {cfg or 'table'}: no result (rc {proc.returncode}): {last}"
+                    results[(case, cfg)] = line
+                    print(line, flush=True)
+            finally:  # an interrupted sweep leaves no process waiting for its turn
+                for _, _, proc, out_f, err_f, _ in batch:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+                    out_f.close()
+                    err_f.close()
+    finally:
+        shutil.rmtree(sync, ignore_errors=True)
     print("\nIn order (x cuDNN: its time over the config's, same run):", flush=True)
     for case in cases.split(","):
         ref = _times(results.get((case, "cudnn"), ""))
@@ -145,7 +173,7 @@ def _times(line):
 
 class _gpu_turn:
     """Wait for this process's turn on the GPU (EJGEN_TUNE_SYNC, set by compare_isolated: say it is
-    compiled, wait for the go); a no-op without it."""
+    compiled, wait for the go); a no-op without it. Gives up if the sweep is gone or after its timeout."""
 
     def __enter__(self):
         import time
@@ -153,7 +181,10 @@ class _gpu_turn:
         path = os.environ.get("EJGEN_TUNE_SYNC")
         if path:
             open(path + ".ready", "w").close()
+            parent, deadline = os.getppid(), time.monotonic() + 2 * float(os.environ.get("EJGEN_TUNE_WAIT", "600"))
             while not os.path.exists(path + ".go"):
+                if os.getppid() != parent or time.monotonic() > deadline:
+                    raise SystemExit("tune_triton: the sweep that started this process is gone")
                 time.sleep(0.05)
 
     def __exit__(self, *exc):

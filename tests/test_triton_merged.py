@@ -13,6 +13,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
@@ -35,6 +36,7 @@ CASES = [  # (id, shape, features, pinned configs)
 @pytest.mark.parametrize("shape,features,conf", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_one_loop_matches_the_oracle(monkeypatch, triton_launches, triton_against_oracle, shape, features, conf):
     monkeypatch.setenv("EJGEN_TRITON_CONFIG", f"fwd={conf};dkdv={conf};dq={conf}")
+    monkeypatch.delenv("EJGEN_TRITON_STAGED", raising=False)
     triton_against_oracle(shape, features, "bfloat16", "merged")
     assert {pass_ for pass_, _ in triton_launches} == {"fwd", "dkdv", "dq"}
     assert all(not kw["STAGED"] and kw["TMA"] == ("tma" in conf) for _, kw in triton_launches), triton_launches
@@ -101,9 +103,22 @@ def test_the_interpreter_says_it_has_no_descriptor_reductions(monkeypatch):
     if triton_call.mode()[0] != "interpret":
         pytest.skip("the interpreter's limit; on a GPU the descriptor reductions run (tma-on-gpu above)")
     monkeypatch.setenv("EJGEN_TRITON_CONFIG", "dkdv=16,16,4,1,tma,atomic")
-    q = jnp.ones((1, 32, 2, 16), jnp.bfloat16)
+    loss = lambda q: flash_attention(q, q, q, platform="triton").astype(jnp.float32).sum()
     with pytest.raises(ValueError, match="no tensor-descriptor reductions; drop 'tma'"):
-        jax.grad(lambda q: flash_attention(q, q, q, platform="triton").astype(jnp.float32).sum())(q)
+        jax.grad(loss)(jnp.ones((1, 32, 2, 16), jnp.bfloat16))
+    # where descriptors would not run anyway (float32), the flag is no obstacle
+    assert np.isfinite(np.asarray(jax.grad(loss)(jnp.ones((1, 32, 2, 16), jnp.float32)))).all()
+
+
+def test_warp_specialisation_and_one_loop_do_not_mix(monkeypatch):
+    from ejgen.ops import flash_attention
+
+    if triton_call.mode()[0] is None:
+        pytest.fail("this test needs the triton backend: run it with TRITON_INTERPRET=1 (README)")
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", "fwd=16,16,4,1,tma,ws,merged")
+    q = jnp.zeros((1, 32, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="'ws' .* cannot go with 'merged'"):
+        flash_attention(q, q, q, platform="triton")
 
 
 @pytest.mark.parametrize("tma", [False, True])
@@ -121,3 +136,53 @@ def test_dq_from_the_dkdv_kernel_compiles_for_hopper(tma):
         assert re.search(r"cp\.reduce\.async\.bulk\.tensor\S*\.add", c["ptx"])
     else:
         assert re.search(r"(atom|red)\.global\.\S*add\S*\.f32", c["ptx"])
+
+
+# Conformance cases under the one-loop and atomic-dQ configs: masks known only at run time (every
+# block an edge), varlen sequences, float32, non-power-of-two head dims, rows that see no key.
+ONE_LOOP = "fwd=16,16,4,1,merged;dkdv=16,16,4,1,merged;dq=16,16,4,1,merged"
+ONE_LOOP_ATOMIC = "fwd=16,16,4,1,merged;dkdv=16,16,4,1,merged,atomic"
+CONFORMANCE = [
+    ("sink_h-seg_random-B1-Sq128-Sk128-H6x2-D64-f32", ONE_LOOP_ATOMIC),
+    ("causal-mask_b1qk-B1-Sq97-Sk61-H4x1-D72-f32", ONE_LOOP),
+    ("causal-win20,0-cap2-scale0.5-sink_hn-bias_b1qk-seg_packed-B2-Sq45-Sk45-H2x2-D72-Dv40-f16", ONE_LOOP_ATOMIC),
+]
+VARLEN = [("causal-win8,0-sink_h-N4-q13.9.0.30-k13.0.11.25-H2x2-D72-Dv40-bf16", ONE_LOOP_ATOMIC),
+          ("causal-N2-q31.2-k3.40-H4x1-D32-f32", ONE_LOOP)]
+
+
+def _conformance():
+    import test_attention_conformance
+
+    return test_attention_conformance
+
+
+@pytest.mark.parametrize("case_id,pinned", CONFORMANCE, ids=[c[0] for c in CONFORMANCE])
+def test_conformance_cases_in_one_loop(monkeypatch, triton_launches, run_vjp, case_id, pinned):
+    conformance = _conformance()
+    case = {c.id: c for c in conformance.F32_CASES + conformance.LOW_PRECISION_CASES}[case_id]
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", pinned)
+    conformance.run_case(case, "triton", run_vjp)
+    _ran_as_pinned(triton_launches, pinned)
+
+
+def _ran_as_pinned(launches, pinned):
+    passes = {pass_ for pass_, _ in launches}
+    assert passes == ({"fwd", "dkdv"} if "atomic" in pinned else {"fwd", "dkdv", "dq"}), passes
+    assert all(not kw["STAGED"] and kw["ATOMIC_DQ"] == ("atomic" in pinned and pass_ == "dkdv")
+               for pass_, kw in launches)
+
+
+@pytest.mark.parametrize("case_id,pinned", VARLEN, ids=[c[0] for c in VARLEN])
+def test_varlen_in_one_loop(monkeypatch, triton_launches, run_vjp, case_id, pinned):
+    conformance = _conformance()
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", pinned)
+    conformance.test_varlen("triton", run_vjp, {c.id: c for c in conformance.VARLEN_CASES}[case_id])
+    _ran_as_pinned(triton_launches, pinned)
+
+
+@pytest.mark.parametrize("how", ["segments", "causal_sq_gt_sk"])
+def test_fully_masked_rows_in_one_loop(monkeypatch, triton_launches, run_vjp, how):
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", ONE_LOOP_ATOMIC)
+    _conformance().test_fully_masked_rows("triton", run_vjp, how, "h")
+    _ran_as_pinned(triton_launches, ONE_LOOP_ATOMIC)

@@ -59,9 +59,9 @@ def _config(layout: Layout, pass_: str, head_dim: int, bits: int, cfg) -> triton
     if conf.atomic and pass_ != "dkdv":
         raise ValueError(f"triton config {triton_configs.text(conf)!r} for the {pass_} kernel: 'atomic' (dQ added "
                          f"by the dK/dV kernel) is a flag of the dkdv config only")
-    if conf.atomic and conf.tma and _arch() == "interpret":
-        raise ValueError(f"triton config {triton_configs.text(conf)!r}: Triton's interpreter has no tensor-descriptor "
-                         f"reductions; drop 'tma' from the dkdv config (the dQ tiles are then added by atomics)")
+    if conf.ws and conf.merged:
+        raise ValueError(f"triton config {triton_configs.text(conf)!r}: 'ws' warp-specialises the unmasked loop of "
+                         f"the three-loop forward; it cannot go with 'merged'")
     if layout.gathers_by_position and conf.num_stages > 1:
         # Triton 3.6 multi-buffers the gathered [BLOCK_M, BLOCK_N] float32 tile in shared memory
         # with the K/V tiles (240 KB at 128x128, 3 stages: over the limit): do not pipeline.
@@ -253,6 +253,9 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     n_prog = largest[0] * largest[1]  # rows of the param partials: unused rows stay zero
     dbias_shape = (batch, hq, sq, sk) if cfg.bias else (1,)
     atomic = conf.atomic  # dQ from the dK/dV kernel, added in float32 (zeroed below)
+    if atomic and consts["TMA"] and _arch() == "interpret":
+        raise ValueError(f"triton config {triton_configs.text(conf)!r}: Triton's interpreter has no tensor-descriptor "
+                         f"reductions; drop 'tma' from the dkdv config (the dQ tiles are then added by atomics)")
     outs = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
             jax.ShapeDtypeStruct((batch, sq, hq, d) if atomic else (1,), jnp.float32)]
