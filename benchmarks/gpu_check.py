@@ -1,9 +1,15 @@
 """Quick GPU correctness check of the triton backend against a float32 dense reference (bf16/f16/f32).
 
-Run on the GPU host before benchmarks; the full conformance suite is `pytest -m gpu`.
+    python benchmarks/gpu_check.py [bfloat16 float16 float32] [--autotune]
+
+Run on the GPU host before benchmarks; the full conformance suite is `pytest -m gpu`. `--autotune` runs
+the same cases through jax-triton's autotuned call (EJGEN_TRITON_AUTOTUNE=1) and prints how long each
+first call took (compiling and timing every candidate config).
 """
 
+import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +56,9 @@ def main():
         (2, 513, 513, 4, 4, 96, False, (64, 64), None, False),
     ]
     dtypes = ((jnp.bfloat16, 2e-2), (jnp.float16, 5e-3), (jnp.float32, 2e-5))
-    only = sys.argv[1:]  # e.g. bfloat16
+    if "--autotune" in sys.argv:
+        os.environ["EJGEN_TRITON_AUTOTUNE"] = "1"
+    only = [a for a in sys.argv[1:] if not a.startswith("--")]  # e.g. bfloat16
     for dtype, tol in (d for d in dtypes if not only or jnp.dtype(d[0]).name in only):
         for b, sq, sk, h, hk, d, causal, window, cap, sinks in cases:
             ks = jax.random.split(key, 5)
@@ -62,7 +70,9 @@ def main():
             kw = dict(causal=causal, sliding_window=window, logits_soft_cap=cap, softmax_aux=aux)
             f = lambda q, k, v: jnp.sum(flash_attention(q, k, v, platform="triton", **kw).astype(jnp.float32) * do)
             g = lambda q, k, v: jnp.sum(reference(q, k, v, causal, window, cap, aux) * do)
-            out = jax.jit(lambda q, k, v: flash_attention(q, k, v, platform="triton", **kw))(q, k, v)
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(jax.jit(lambda q, k, v: flash_attention(q, k, v, platform="triton", **kw))(q, k, v))
+            first = time.perf_counter() - t0
             ref = reference(q, k, v, causal, window, cap, aux)
             errs = [float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))]
             ga = jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v)
@@ -71,7 +81,8 @@ def main():
             ok = all(e < tol for e in errs) and all(np.isfinite(errs))
             worst = max(worst, max(e / tol for e in errs))
             print(f"{'ok  ' if ok else 'FAIL'} {jnp.dtype(dtype).name:8} B{b} Sq{sq} Sk{sk} H{h}x{hk} D{d} causal={causal} "
-                  f"window={window} cap={cap} sinks={sinks}: out/dq/dk/dv rel err " + " ".join(f"{e:.1e}" for e in errs),
+                  f"window={window} cap={cap} sinks={sinks}: out/dq/dk/dv rel err " + " ".join(f"{e:.1e}" for e in errs)
+                  + f" (first forward call {first:.1f} s)",
                   flush=True)
     print(f"worst error / tolerance: {worst:.2f}")
     return 0 if worst < 1 else 1
