@@ -1,9 +1,12 @@
-"""Sweep Triton kernel configs (EJGEN_TRITON_CONFIG) on the GPU; prints TFLOP/s per config.
+"""Sweep Triton kernel configs (EJGEN_TRITON_CONFIG) on the GPU.
 
+    python benchmarks/tune_triton.py --configs "cudnn||fwd=128,64,4,2,tma,merged" --cases 16384:1:1024 --jobs 8
     python benchmarks/tune_triton.py [--pass fwd|dkdv|dq|all]
 
-Each pass is varied alone, the others at their table defaults; fwd is timed forward only, dkdv and
-dq as forward+backward. The winners go into ejgen/runtime/triton_configs.py by hand.
+--configs compares whole settings ('' = the table, 'cudnn' = the peer) on each S:causal[:left window]
+case, forward and forward+backward, with the ratio to cuDNN from the same run. --pass varies one pass
+over `ejgen tune`'s candidates, the others at their table defaults (fwd timed forward only, dkdv and
+dq as forward+backward). The winners go into ejgen/runtime/triton_configs.py by hand.
 """
 
 import argparse
@@ -19,21 +22,12 @@ from ejgen.tune import CANDIDATES as TUNE_CANDIDATES
 
 CANDIDATES = TUNE_CANDIDATES["sm90"]  # one list of candidate configs: `ejgen tune`'s
 CASES = [(16384, False, None), (4096, False, None), (16384, True, None), (4096, True, None)]
-WINDOW_CASES = [(16384, True, (1024, 0))]
-WINDOW_SWEEP = [  # (EJGEN_TRITON_STAGED, EJGEN_TRITON_CONFIG)
-    ("1", ""), ("0", ""),
-    ("0", "fwd=128,64,8,3;dkdv=64,128,8,2;dq=128,64,8,2"),
-    ("0", "fwd=64,64,4,3;dkdv=64,64,4,3;dq=64,64,4,3"),
-    ("1", "fwd=128,128,8,3;dkdv=64,128,8,3;dq=128,128,8,3"),
-    ("0", "fwd=128,128,8,3;dkdv=128,128,8,2;dq=128,128,8,2"),
-]
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--pass", dest="pass_", default="all")
     p.add_argument("--d", type=int, default=128)
-    p.add_argument("--window", action="store_true", help="sweep the sliding-window case instead")
     p.add_argument("--configs", help="whole EJGEN_TRITON_CONFIG settings to compare, '|'-separated "
                    "('' = the table, 'cudnn' = the peer); times forward and forward+backward of --cases")
     p.add_argument("--cases", default="16384:0,16384:1,16384:1:1024",
@@ -52,8 +46,6 @@ def main():
         return compare_isolated(args.configs.split("|"), args.cases, args.d, args.timeout, args.jobs)
     passes = list(CANDIDATES) if args.pass_ == "all" else [args.pass_]
     d, h = args.d, 16
-    if args.window:
-        return sweep_window(args.d)
     for s, causal, _ in CASES:
         b = 32768 // s
         ks = jax.random.split(jax.random.PRNGKey(s), 4)
@@ -216,24 +208,6 @@ def compare(configs, cases, d, h=16):
             except Exception as e:
                 print(f"S={s} causal={causal} window={window} {cfg or 'table':60} failed: {str(e).splitlines()[0][:100]}",
                       flush=True)
-    os.environ.pop("EJGEN_TRITON_CONFIG", None)
-    return 0
-
-
-def sweep_window(d, h=16):
-    for s, causal, window in WINDOW_CASES:
-        b = 32768 // s
-        ks = jax.random.split(jax.random.PRNGKey(s), 4)
-        q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in ks[:3])
-        do = jax.random.normal(ks[3], (b, s, h, d), jnp.bfloat16)
-        for staged, cfg in WINDOW_SWEEP:
-            os.environ["EJGEN_TRITON_STAGED"], os.environ["EJGEN_TRITON_CONFIG"] = staged, cfg
-            f = lambda q, k, v: flash_attention(q, k, v, causal=causal, sliding_window=window, platform="triton")
-            g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do), (0, 1, 2)))
-            t_f, t_fb = bench(jax.jit(f), (q, k, v)), bench(g, (q, k, v))
-            print(f"window S={s} staged={staged} {cfg or 'defaults':48} fwd {t_f * 1e3:7.3f} ms  fwd+bwd {t_fb * 1e3:7.3f} ms",
-                  flush=True)
-    os.environ.pop("EJGEN_TRITON_STAGED", None)
     os.environ.pop("EJGEN_TRITON_CONFIG", None)
     return 0
 

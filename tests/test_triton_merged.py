@@ -36,20 +36,16 @@ CASES = [  # (id, shape, features, pinned configs)
 @pytest.mark.parametrize("shape,features,conf", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_one_loop_matches_the_oracle(monkeypatch, triton_launches, triton_against_oracle, shape, features, conf):
     monkeypatch.setenv("EJGEN_TRITON_CONFIG", f"fwd={conf};dkdv={conf};dq={conf}")
-    monkeypatch.delenv("EJGEN_TRITON_STAGED", raising=False)
     triton_against_oracle(shape, features, "bfloat16", "merged")
     assert {pass_ for pass_, _ in triton_launches} == {"fwd", "dkdv", "dq"}
     assert all(not kw["STAGED"] and kw["TMA"] == ("tma" in conf) for _, kw in triton_launches), triton_launches
 
 
-def test_merged_is_a_config_flag_and_the_staged_pin_overrides_it(monkeypatch):
+def test_merged_is_a_config_flag():
     conf = triton_configs.parse("128,64,8,3,tma,merged")
     assert conf.merged and conf.tma and not conf.ws
     assert triton_configs.text(conf) == "128,64,8,3,tma,merged"
-    monkeypatch.delenv("EJGEN_TRITON_STAGED", raising=False)
-    assert not triton_configs.staged(conf) and triton_configs.staged(triton_configs.parse("128,64,8,3"))
-    monkeypatch.setenv("EJGEN_TRITON_STAGED", "1")
-    assert triton_configs.staged(conf)
+    assert not triton_configs.parse("128,64,8,3").merged
     with pytest.raises(ValueError, match="merged"):
         triton_configs.parse("128,64,8,3,fused")
 

@@ -145,7 +145,7 @@ def _constexprs(layout, q, k, v, cfg, conf, bias, mask, aux):
         MASK_HEADS=mask.shape[1] if cfg.dense_mask else 1, VARLEN=cfg.varlen,
         RUNTIME_MASK=cfg.segments or cfg.dense_mask or layout.runtime_mask_from_spec,
         PLAIN=layout.score_is_identity and not cfg.softcap and not cfg.bias,
-        STAGED=triton_configs.staged(conf),
+        STAGED=not conf.merged,  # three loops, or one (`merged`)
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         UPCAST=_arch() == "interpret" and q.dtype == jnp.bfloat16,
         TMA=conf.tma and tma_eligible(q, v, cfg), WS=False,  # WS: the forward's, `_forward`

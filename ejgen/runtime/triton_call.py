@@ -59,10 +59,8 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
         if autotune:
             import triton
 
-            from ejgen.runtime import triton_configs
-
             configs = [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
-                                      "STAGED": triton_configs.staged(c)},
+                                      "STAGED": not c.merged},
                                      num_warps=c.num_warps,
                                      num_stages=c.num_stages) for c in autotune]
             kernel = triton.autotune(configs=configs, key=[])(kernel)

@@ -138,14 +138,3 @@ def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int = 0, ca
         if head_dim <= max_dim:
             return half if dtype_bits <= 16 else single
     raise ValueError(f"head_dim {head_dim} is larger than the triton backend supports (256)")
-
-
-def staged(conf: KernelConfig) -> bool:
-    """Split a kernel's loop into masked edges and an unmasked middle (three loops), or not (`merged`:
-    one loop, the mask applied to edge blocks under a run-time branch).
-
-    ``EJGEN_TRITON_STAGED=0|1`` pins it for every kernel (tuning)."""
-    pinned = os.environ.get("EJGEN_TRITON_STAGED")
-    if pinned in ("0", "1"):
-        return pinned == "1"
-    return not conf.merged

@@ -118,10 +118,8 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, scale, q_id
         _, _, x, x_scale = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
                                    B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
         if MASKED:
-            if STAGED:
-                x = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-                                   B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ), x, float("-inf"))
-            elif (i_n < f_lo) | (i_n >= f_hi):  # one loop (not STAGED): an edge block
+            edge = True if STAGED else (i_n < f_lo) | (i_n >= f_hi)  # see `_bwd_tile`
+            if edge:
                 x = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
                                    B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ), x, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, 1) * x_scale)
@@ -223,19 +221,19 @@ def prefix_lm_attention_fwd_kernel(
 
 
 @triton.jit
-def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, edge,
-              F32, I32, BIAS, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASKED: tl.constexpr):
+def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
+              i, f_lo, f_hi, F32, I32, BIAS, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+              MASKED: tl.constexpr):
     """(p, ds1, ds0, s) of one tile, in the orientation of s_a @ s_bt (b_lse, b_delta broadcast to it):
     probabilities, d loss / d score output (before the soft cap's chain rule: after it), d loss / d logit.
-    MASKED: the element mask applies (not STAGED: only where the block is an `edge` one)."""
+    MASKED: a loop whose blocks may take the element mask: all of them in the three-loop form (`edge`
+    is then the constant True, no branch), the edge blocks i outside [f_lo, f_hi) in the one loop."""
     s, s_score, x, x_scale = _logits(s_a, s_bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
                                      B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
     p = tl.math.exp2(x * x_scale - b_lse)  # b_lse in base 2
     if MASKED:
-        if STAGED:
-            p = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-                               B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ), p, 0.0)
-        elif edge:
+        edge = True if STAGED else (i < f_lo) | (i >= f_hi)
+        if edge:
             p = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
                                B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ), p, 0.0)
     dp = _dot(dp_a, dp_bt, PRECISION, UPCAST)
@@ -245,12 +243,7 @@ def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
         ds1 = ds1 * (1.0 - t * t)
     ds0 = ds1
     if MASKED and not PLAIN:  # a score hook or soft cap may not be finite where p is 0
-        if STAGED:
-            vis = _mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-                        B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
-            ds0 = tl.where(vis, ds0, 0.0)
-            ds1 = tl.where(vis, ds1, 0.0)
-        elif edge:
+        if edge:
             vis = _mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
                         B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ)
             ds0 = tl.where(vis, ds0, 0.0)
@@ -283,7 +276,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_q, p_do, p_dq, p
         q_idx = o_pos[None, :]
         o_m = (row_q + o_pos)[None, :]
         pt, ds1, ds0t, s = _bwd_tile(b_k, b_qt, b_v, tl.trans(b_do), b_lse[None, :], b_delta[None, :], scale, q_idx, kv_idx,
-                                     o_m, o_n, off_b, off_h, q_len, kv_len, (i_m < f_lo) | (i_m >= f_hi), F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                     o_m, o_n, off_b, off_h, q_len, kv_len, i_m, f_lo, f_hi, F32, I32, BIAS, QSEG, KVSEG, MASK,
                                      B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, MASKED)  # [BLOCK_N, BLOCK_M]
         b_dv = _dot_acc(pt.to(b_do.dtype), b_do, b_dv, PRECISION, UPCAST)
         b_dk = _dot_acc(ds0t.to(b_qt.dtype), tl.trans(b_qt), b_dk, PRECISION, UPCAST)
@@ -392,7 +385,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
             b_vt = _load(p_v + row0 * (HKV * DV) + r_n[None, :] * (HKV * DV) + o_dv[:, None], m_n[None, :], o_dv[:, None] < DV, MASKED or DV != DV_PAD)  # [DV_PAD, BLOCK_N]
         kv_idx = o_pos[None, :]
         p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_do, b_vt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, (row_k + o_pos)[None, :],
-                                   off_b, off_h, q_len, kv_len, (i_n < f_lo) | (i_n >= f_hi), F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                   off_b, off_h, q_len, kv_len, i_n, f_lo, f_hi, F32, I32, BIAS, QSEG, KVSEG, MASK,
                                    B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, MASKED)
         b_dq = _dot_acc(ds0.to(b_kt.dtype), tl.trans(b_kt), b_dq, PRECISION, UPCAST)
     return b_dq
