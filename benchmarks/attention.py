@@ -5,7 +5,7 @@
 bf16, [B, S, H, D] with B*S = 32k tokens, H = 16; forward and forward+backward; causal and not;
 plus a sliding-window case (S = 16k, window (1024, 0)). FLOPs as FlashAttention counts them
 (DESIGN §6): forward 4*B*H*Sq*Sk*D over visible pairs, backward 2.5x forward. Prints a table
-(TFLOP/s, ratio to cuDNN), writes results.json, results.md and a PNG plot to --out.
+(TFLOP/s, ratio to cuDNN; every impl compiled first, then timed in interleaved rounds), writes results.json, results.md and a PNG plot to --out.
 """
 
 from __future__ import annotations
@@ -48,41 +48,59 @@ def _impls(causal: bool, window):
     return impls
 
 
-def run_case(s, d, causal, window, reps, only=None):
+def run_case(s, d, causal, window, reps, only=None, rounds=5):
+    """Every impl is compiled first, then timed in `rounds` interleaved rounds (each impl and pass in
+    turn, `reps` calls each): clock or thermal drift over the case touches every impl alike. A row's
+    time is the median over its rounds; `ms_rounds` keeps each round's median (ratio spreads)."""
     b = TOKENS // s
     keys = jax.random.split(jax.random.PRNGKey(s * 7 + d), 4)
     q, k, v = (jax.random.normal(kk, (b, s, HEADS, d), jnp.bfloat16) for kk in keys[:3])
     do = jax.random.normal(keys[3], (b, s, HEADS, d), jnp.bfloat16)
     flops_fwd = 4.0 * b * HEADS * d * _visible_pairs(s, causal, window)
-    rows = []
+    base = dict(s=s, d=d, causal=causal, window=window)
+    compiled, rows = [], []
     for name, f in _impls(causal, window).items():
         if only and name not in only:
             continue
-        fwd = jax.jit(f)
 
         def loss(q, k, v, f=f):
             return jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
 
-        fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        for pass_, fn, flops in (("fwd", fwd, flops_fwd), ("fwd+bwd", fwd_bwd, 3.5 * flops_fwd)):
+        for pass_, fn, flops in (("fwd", f, flops_fwd), ("fwd+bwd", jax.grad(loss, argnums=(0, 1, 2)), 3.5 * flops_fwd)):
             try:
-                sec = median_seconds(fn, (q, k, v), reps)
-                tflops = flops / sec / 1e12
-                rows.append(dict(impl=name, s=s, d=d, causal=causal, window=window, pass_=pass_, ms=sec * 1e3, tflops=tflops))
+                exe = jax.jit(fn).lower(q, k, v).compile()
+                jax.block_until_ready(exe(q, k, v))
+                compiled.append((dict(base, impl=name, pass_=pass_), exe, flops))
             except Exception as e:  # an impl that cannot run this case is reported, not hidden
                 msg = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
-                rows.append(dict(impl=name, s=s, d=d, causal=causal, window=window, pass_=pass_, ms=None, tflops=None, error=msg))
-    return rows
+                rows.append(dict(base, impl=name, pass_=pass_, ms=None, tflops=None, error=msg))
+    times = [[] for _ in compiled]
+    for r in range(rounds):
+        for i, (_, exe, _) in enumerate(compiled):
+            times[i].append(median_seconds(exe, (q, k, v), reps, warmup=1, warm_seconds=0.3 if r == 0 else 0.05))
+    for (row, _, flops), t in zip(compiled, times):
+        sec = float(np.median(t))
+        rows.append(dict(row, ms=sec * 1e3, tflops=flops / sec / 1e12, ms_rounds=[x * 1e3 for x in t]))
+    order = {name: i for i, name in enumerate(_impls(causal, window))}
+    return sorted(rows, key=lambda r: (order[r["impl"]], r["pass_"] != "fwd"))
 
 
 def table(rows) -> str:
-    cudnn = {(r["s"], r["d"], r["causal"], str(r["window"]), r["pass_"]): r["tflops"] for r in rows if r["impl"] == "cudnn"}
-    lines = ["| S | D | causal | window | pass | impl | ms | TFLOP/s | x cuDNN |", "|---|---|---|---|---|---|---|---|---|"]
+    """ms and TFLOP/s: medians over the rounds; x cuDNN: the ratio of the medians, and in brackets the
+    lowest and highest ratio of one round's times (the same round's cuDNN)."""
+    cudnn = {(r["s"], r["d"], r["causal"], str(r["window"]), r["pass_"]): r for r in rows if r["impl"] == "cudnn"}
+    lines = ["| S | D | causal | window | pass | impl | ms | TFLOP/s | x cuDNN (rounds) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = cudnn.get((r["s"], r["d"], r["causal"], str(r["window"]), r["pass_"]))
         ms = f"{r['ms']:.3f}" if r["ms"] else "—"
         tf = f"{r['tflops']:.0f}" if r["tflops"] else r.get("error", "—")
-        ratio = f"{r['tflops'] / ref:.2f}" if r["tflops"] and ref else "—"
+        ratio = "—"
+        if r["tflops"] and ref and ref["tflops"]:
+            ratio = f"{r['tflops'] / ref['tflops']:.2f}"
+            per_round = [c / x for c, x in zip(ref.get("ms_rounds", []), r.get("ms_rounds", []))]
+            if len(per_round) > 1 and r["impl"] != "cudnn":
+                ratio += f" ({min(per_round):.2f}–{max(per_round):.2f})"
         win = "" if r["window"] is None else f"{r['window'][0]},{r['window'][1]}"
         lines.append(f"| {r['s']} | {r['d']} | {int(r['causal'])} | {win} | {r['pass_']} | {r['impl']} | {ms} | {tf} | {ratio} |")
     return "\n".join(lines)
@@ -115,7 +133,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="head dim 128, S 4k and 16k, and the window case")
     p.add_argument("--out", default="bench-out")
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=10, help="calls per impl and pass in each round")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (median reported)")
     p.add_argument("--impls", default="", help="comma-separated subset, e.g. ejgen-triton,cudnn (default: all)")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -131,9 +150,9 @@ def main(argv=None) -> int:
     for d in dims:
         for s in seqs:
             for causal in (False, True):
-                rows += run_case(s, d, causal, None, args.reps, only)
+                rows += run_case(s, d, causal, None, args.reps, only, args.rounds)
                 print(table(rows[-2 * (len(only) or 5):]).split("\n", 2)[2], flush=True)
-    rows += run_case(16384, 128, True, (1024, 0), args.reps, only)
+    rows += run_case(16384, 128, True, (1024, 0), args.reps, only, args.rounds)
     text = f"Device: {device}; jax {jax.__version__}; bf16, B*S = {TOKENS}, H = {HEADS}\n\n{table(rows)}\n"
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
