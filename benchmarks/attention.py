@@ -48,9 +48,10 @@ def _impls(causal: bool, window):
     return impls
 
 
-def run_case(s, d, causal, window, reps, only=None, rounds=5):
+def run_case(s, d, causal, window, reps, only=None, rounds=5, batch=4):
     """Every impl is compiled first, then timed in `rounds` interleaved rounds (each impl and pass in
-    turn, `reps` calls each): clock or thermal drift over the case touches every impl alike. A row's
+    turn, `reps` samples of `batch` calls dispatched back to back): clock or thermal drift over the
+    case touches every impl alike. A row's
     time is the median over its rounds; `ms_rounds` keeps each round's median (ratio spreads)."""
     b = TOKENS // s
     keys = jax.random.split(jax.random.PRNGKey(s * 7 + d), 4)
@@ -77,7 +78,7 @@ def run_case(s, d, causal, window, reps, only=None, rounds=5):
     times = [[] for _ in compiled]
     for r in range(rounds):
         for i, (_, exe, _) in enumerate(compiled):
-            times[i].append(median_seconds(exe, (q, k, v), reps, warmup=1, warm_seconds=0.3 if r == 0 else 0.05))
+            times[i].append(median_seconds(exe, (q, k, v), reps, warmup=1, warm_seconds=0.3 if r == 0 else 0.05, batch=batch))
     for (row, _, flops), t in zip(compiled, times):
         sec = float(np.median(t))
         rows.append(dict(row, ms=sec * 1e3, tflops=flops / sec / 1e12, ms_rounds=[x * 1e3 for x in t]))
@@ -133,8 +134,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="head dim 128, S 4k and 16k, and the window case")
     p.add_argument("--out", default="bench-out")
-    p.add_argument("--reps", type=int, default=10, help="calls per impl and pass in each round")
+    p.add_argument("--reps", type=int, default=5, help="timed samples per impl and pass in each round")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (median reported)")
+    p.add_argument("--batch", type=int, default=4, help="calls dispatched back to back per timed sample")
     p.add_argument("--impls", default="", help="comma-separated subset, e.g. ejgen-triton,cudnn (default: all)")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -150,9 +152,9 @@ def main(argv=None) -> int:
     for d in dims:
         for s in seqs:
             for causal in (False, True):
-                rows += run_case(s, d, causal, None, args.reps, only, args.rounds)
+                rows += run_case(s, d, causal, None, args.reps, only, args.rounds, args.batch)
                 print(table(rows[-2 * (len(only) or 5):]).split("\n", 2)[2], flush=True)
-    rows += run_case(16384, 128, True, (1024, 0), args.reps, only, args.rounds)
+    rows += run_case(16384, 128, True, (1024, 0), args.reps, only, args.rounds, args.batch)
     text = f"Device: {device}; jax {jax.__version__}; bf16, B*S = {TOKENS}, H = {HEADS}\n\n{table(rows)}\n"
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))

@@ -210,3 +210,31 @@ def test_export(platform, case):
         exported = export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(q, kv, kv, extra)
         found = exported.mlir_module().count(f"@{target}(")
         assert found == kernels, f"{name}: {found} Pallas kernels lowered for {platform}, expected {kernels}"
+
+
+@pytest.mark.parametrize("bias,dense", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("d,dv", [(72, 40), (128, 128), (48, 48), (256, 256)])
+def test_gpu_blocks_fit_shared_memory_with_streamed_tiles(bias, dense, d, dv):
+    """A bias (float32) or dense mask (int8) tile per step besides q/k/v: the GPU kernels' tiles shrink
+    until the multi-buffered steps fit one thread block's shared memory (seen on an H200: the forward's
+    128x128 x 3 stages at D=72 with a bias asked for 240 KB, 227 KB available)."""
+    from ejgen.runtime import pallas_kernels as pk
+
+    cfg = type("Cfg", (), {"bias": bias, "dense_mask": dense})()
+    plain = type("Cfg", (), {"bias": False, "dense_mask": False})()
+    tile = 4 * bias + dense
+    for kernel in ("fwd", "dkdv", "dq"):
+        table = pk.BlockSizes.get_default(kernel, max(d, dv), jnp.bfloat16)
+        assert pk.gpu_blocks(kernel, d, dv, jnp.bfloat16, plain) == table  # nothing streamed: the table
+        b = pk.gpu_blocks(kernel, d, dv, jnp.bfloat16, cfg)
+        dp, dvp = pk._rt.pow2(d), pk._rt.pow2(dv)
+        if kernel == "dkdv":
+            step, resident = b.block_q * (dp + dvp) * 2, b.block_k * (dp + dvp) * 2
+        else:
+            step, resident = b.block_k * (dp + dvp) * 2, b.block_q * (dp + (dvp if kernel == "dq" else 0)) * 2
+        assert b.num_stages * (step + b.block_q * b.block_k * tile) + resident <= pk.GPU_SHARED_MEMORY, (kernel, b)
+        assert b.block_q <= table.block_q and b.block_k <= table.block_k and b.num_stages <= table.num_stages
+        assert pk.gpu_blocks(kernel, d, dv, jnp.bfloat16, cfg, interpret=True) == pk.INTERPRET_BLOCKS
+    if bias:
+        fwd = pk.gpu_blocks("fwd", 72, 40, jnp.bfloat16, cfg)
+        assert (fwd.block_k, fwd.num_stages) != (128, 3)  # the configuration that failed on the GPU

@@ -120,6 +120,40 @@ GPU_BLOCKS = {
 }
 INTERPRET_BLOCKS = BlockSizes(32, 16)
 
+# Shared memory of one Hopper thread block (227 KB); `gpu_blocks` keeps every kernel's estimate under it.
+GPU_SHARED_MEMORY = 227 * 1024
+
+
+def gpu_blocks(kernel: str, d: int, dv: int, dtype, cfg, interpret: bool = False) -> BlockSizes:
+    """The table's tiles, shrunk where the kernel would not fit in shared memory: a bias or dense mask
+    streams a [block_q, block_k] tile (float32 or int8) through every step besides the q/k/v tiles, and
+    Triton multi-buffers each step's tiles once per pipeline stage. Fewer stages first (down to two),
+    then a halved loop block, then one stage."""
+    blocks = BlockSizes.get_default(kernel, max(d, dv), dtype, interpret)
+    tile = (4 if cfg.bias else 0) + (1 if cfg.dense_mask else 0)  # bytes per (query, key) pair of a step
+    if interpret or not tile:
+        return blocks
+    size, dp, dvp = jnp.dtype(dtype).itemsize, _rt.pow2(d), _rt.pow2(dv)
+
+    def estimate(b):
+        if kernel == "dkdv":  # the loop runs over query blocks
+            step, resident = b.block_q * (dp + dvp) * size, b.block_k * (dp + dvp) * size
+        else:  # over key blocks; the dQ kernel keeps dO beside q
+            step, resident = b.block_k * (dp + dvp) * size, b.block_q * (dp + (dvp if kernel == "dq" else 0)) * size
+        return b.num_stages * (step + b.block_q * b.block_k * tile) + resident
+
+    loop = "block_q" if kernel == "dkdv" else "block_k"
+    while estimate(blocks) > GPU_SHARED_MEMORY:
+        if blocks.num_stages > 2:
+            blocks = dataclasses.replace(blocks, num_stages=blocks.num_stages - 1)
+        elif getattr(blocks, loop) > 32:
+            blocks = dataclasses.replace(blocks, **{loop: getattr(blocks, loop) // 2})
+        elif blocks.num_stages > 1:
+            blocks = dataclasses.replace(blocks, num_stages=1)
+        else:
+            break
+    return blocks
+
 
 @dataclasses.dataclass(frozen=True)
 
@@ -653,7 +687,7 @@ class PallasAttention:
         """(out, lse) in the kernel layout, from one self.forward kernel."""
         batch, kv_heads, groups, sq, d = q.shape
         sk, dv = k.shape[2], v.shape[-1]
-        blocks = BlockSizes.get_default("fwd", max(d, dv), q.dtype, interpret)
+        blocks = gpu_blocks("fwd", d, dv, q.dtype, cfg, interpret)
         scalars, prm = self.hooks.pack_scalars(ctx), self.hooks.params_of(ctx)
         metadata = self._gpu_metadata("fwd", blocks, ctx, self.hooks.scalars(*scalars), prm, cfg, (batch, kv_heads, groups, sq, sk))
         q, k, v = _to_gpu_layout(q), _to_gpu_layout(k), _to_gpu_layout(v)
@@ -693,7 +727,7 @@ class PallasAttention:
                   ("delta", delta.reshape(batch, heads, sq)))
         q, k, v = _to_gpu_layout(q), _to_gpu_layout(k), _to_gpu_layout(v)
 
-        blocks = BlockSizes.get_default("dkdv", max(d, dv), q.dtype, interpret)
+        blocks = gpu_blocks("dkdv", d, dv, q.dtype, cfg, interpret)
         n_kv = sk // blocks.block_k
         ops = _gpu_operands("dkdv", q, k, v, ctx, cfg, scalars, prm, blocks,
                             self._gpu_metadata("dkdv", blocks, ctx, sc, prm, cfg, shape), q_side)
@@ -726,7 +760,7 @@ class PallasAttention:
         )(*ops.arrays)
         grads = dict(zip((o[0] for o in outs), results))
 
-        blocks = BlockSizes.get_default("dq", max(d, dv), q.dtype, interpret)
+        blocks = gpu_blocks("dq", d, dv, q.dtype, cfg, interpret)
         n_q = sq // blocks.block_q
         ops = _gpu_operands("dq", q, k, v, ctx, cfg, scalars, prm, blocks,
                             self._gpu_metadata("dq", blocks, ctx, sc, prm, cfg, shape), q_side)

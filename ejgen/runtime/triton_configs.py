@@ -91,22 +91,32 @@ def _override(pass_: str) -> KernelConfig | None:
     return None
 
 
-# Where the loops are short or masked, other 16-bit configs measured better (notes/perf.md, v6; H200):
-# "short": a sliding window, or causal up to 4k keys (a query block sees ~2k keys on average): 128x64
-# tiles with 4 warps fit two programs per SM (98 KB shared, <= 255 registers), so one program's
-# prologue and epilogue overlap the other's loop, and one merged loop pays one pipeline fill;
+# Where the loops are short or masked, other 16-bit configs measured better (notes/perf.md, v6-v7; H200):
+# "window" (a sliding window) and "short" (causal up to 4k keys: a query block sees ~2k keys on
+# average): forward 128x64 tiles with 4 warps fit two programs per SM (98 KB shared, <= 255
+# registers), so one program's prologue and epilogue overlap the other's loop, and one merged loop
+# pays one pipeline fill; dK/dV 64x64 w4 s2 likewise (99 KB: two per SM; per-kernel times under
+# Nsight Compute, v7: window 1057 against 1182 us at 64x128 w8, 4k causal 1927 against 2023 us);
+# dQ 64x64 w4 s2 for the window only (788 against 856 us; at 4k causal it is slower, 1580 against 1388).
 # "causal" (longer): the merged loop at 128x128 (fewer registers than three loops).
 # (arch, pass, loops) -> [(min head dim, max head dim, config)]
+_SHORT_FWD = KernelConfig(128, 64, 4, 2, tma=True, merged=True)
+_SHORT_DKDV = KernelConfig(64, 64, 4, 2, merged=True)
 _SPECIAL = {
-    ("sm90", "fwd", "short"): [(65, 128, KernelConfig(128, 64, 4, 2, tma=True, merged=True))],
+    ("sm90", "fwd", "window"): [(65, 128, _SHORT_FWD)],
+    ("sm90", "fwd", "short"): [(65, 128, _SHORT_FWD)],
     ("sm90", "fwd", "causal"): [(65, 128, KernelConfig(128, 128, 8, 3, tma=True, merged=True))],
-    ("sm90", "dkdv", "short"): [(65, 128, KernelConfig(64, 128, 8, 3, merged=True))],
+    ("sm90", "dkdv", "window"): [(65, 128, _SHORT_DKDV)],
+    ("sm90", "dkdv", "short"): [(65, 128, _SHORT_DKDV)],
+    ("sm90", "dq", "window"): [(65, 128, KernelConfig(64, 64, 4, 2, merged=True))],
 }
 
 
 def loops(seq: int, causal: bool, window: bool) -> str:
-    """How long and how masked the key loops are: 'short', 'causal' or 'full'."""
-    if window or (causal and 0 < seq <= 4096):
+    """How long and how masked the key loops are: 'window', 'short' (causal, up to 4k), 'causal' or 'full'."""
+    if window:
+        return "window"
+    if causal and 0 < seq <= 4096:
         return "short"
     return "causal" if causal else "full"
 

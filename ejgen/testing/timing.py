@@ -6,10 +6,12 @@ import statistics
 import time
 
 
-def median_seconds(fn, args, reps: int = 10, warmup: int = 2, warm_seconds: float = 0.3) -> float:
-    """Median wall seconds of ``fn(*args)`` over ``reps`` calls, after ``warmup`` calls (the first one
+def median_seconds(fn, args, reps: int = 10, warmup: int = 2, warm_seconds: float = 0.3, batch: int = 1) -> float:
+    """Median wall seconds of ``fn(*args)`` over ``reps`` samples, after ``warmup`` calls (the first one
     compiles) and at least ``warm_seconds`` of calls that are not counted: a GPU left idle by a compile
-    runs at low clocks, and a few milliseconds of work do not bring them back up."""
+    runs at low clocks, and a few milliseconds of work do not bring them back up. A sample is
+    ``batch`` calls dispatched back to back and waited for once, divided by ``batch``: the device runs
+    them without gaps, and the host's wake-up after each wait stops counting once per call."""
     import jax
 
     for _ in range(warmup):
@@ -22,6 +24,7 @@ def median_seconds(fn, args, reps: int = 10, warmup: int = 2, warm_seconds: floa
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - t0)
+        outs = [fn(*args) for _ in range(batch)]
+        jax.block_until_ready(outs)
+        samples.append((time.perf_counter() - t0) / batch)
     return statistics.median(samples)
