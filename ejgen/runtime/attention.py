@@ -211,6 +211,8 @@ def prepare(spec: SpecInfo, query, key, value, *, causal=False, sliding_window=N
     if sliding_window is not None:
         left, right = _window(spec, sliding_window)
         flags["window"] = True
+        flags["window_span"] = left + right
+        left, right = jnp.int32(left), jnp.int32(right)
         ctx["window_left"], ctx["window_right"] = left, right
     if logits_soft_cap is not None:
         flags["softcap"] = True
@@ -259,7 +261,7 @@ def _window(spec, window):
             or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in pair)):
         raise ValueError(f"{spec.name}(): sliding_window must be a non-negative int or a (left, right) "
                          f"pair of them, got {window!r}")
-    return jnp.int32(pair[0]), jnp.int32(pair[1])
+    return int(pair[0]), int(pair[1])
 
 
 def _positive_scalar(spec, name, x):

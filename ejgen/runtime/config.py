@@ -12,6 +12,7 @@ class AttentionConfig:
     seq_k: int  # true key length (total tokens when varlen)
     causal: bool = False
     window: bool = False
+    window_span: int = 0  # sliding window: left + right keys (static; bounds the band of visited key blocks)
     softcap: bool = False
     sinks: bool = False
     bias: bool = False

@@ -56,9 +56,10 @@ def _pow2(n):
 def _config(layout: Layout, pass_: str, head_dim: int, bits: int, cfg) -> triton_configs.KernelConfig:
     seq = max(_longest(cfg, True), _longest(cfg, False))
     conf = triton_configs.pick(_arch(), pass_, head_dim, bits, seq, cfg.causal, cfg.window)
-    if conf.atomic and pass_ != "dkdv":
-        raise ValueError(f"triton config {triton_configs.text(conf)!r} for the {pass_} kernel: 'atomic' (dQ added "
-                         f"by the dK/dV kernel) is a flag of the dkdv config only")
+    for flag, what in (("atomic", "dQ added by the dK/dV kernel"), ("band", "dS stored by the dK/dV kernel")):
+        if getattr(conf, flag) and pass_ != "dkdv":
+            raise ValueError(f"triton config {triton_configs.text(conf)!r} for the {pass_} kernel: {flag!r} ({what}) "
+                             f"is a flag of the dkdv config only")
     if conf.ws and conf.merged:
         raise ValueError(f"triton config {triton_configs.text(conf)!r}: 'ws' warp-specialises the unmasked loop of "
                          f"the three-loop forward; it cannot go with 'merged'")
@@ -82,8 +83,10 @@ def _autotune(layout: Layout, pass_: str, conf: triton_configs.KernelConfig):
     if conf.ws:
         raise ValueError("EJGEN_TRITON_AUTOTUNE: a config with 'ws' cannot be autotuned (warp specialisation "
                          "depends on whole blocks, and the blocks vary)")
+    same_blocks = lambda c: not conf.band or (c.block_m, c.block_n) == (conf.block_m, conf.block_n)  # the band's shape
     return [conf] + [c for c in dict.fromkeys(candidates)
-                     if c.tma == conf.tma and c.atomic == conf.atomic and not c.ws and c != conf]
+                     if c.tma == conf.tma and c.atomic == conf.atomic and c.band == conf.band and same_blocks(c)
+                     and not c.ws and c != conf]
 
 
 def _grid(longest: int, block_size, rows: int, tuned, which: str):
@@ -149,7 +152,7 @@ def _constexprs(layout, q, k, v, cfg, conf, bias, mask, aux):
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         UPCAST=_arch() == "interpret" and q.dtype == jnp.bfloat16,
         TMA=conf.tma and tma_eligible(q, v, cfg), WS=False,  # WS: the forward's, `_forward`
-        ATOMIC_DQ=conf.atomic,
+        ATOMIC_DQ=conf.atomic, BAND=False, BAND_BLOCKS=1, BAND_TMA=False,  # BAND*: `_backward`
     )
 
 
@@ -227,6 +230,34 @@ def _forward(layout: Layout, q, k, v, ctx, cfg):
     return out.reshape(batch, sq, hkv, groups, dv), lse.reshape(batch, hkv, groups, sq), None
 
 
+# The dS band (`band` dkdv flag) costs B * Hq * Sq * (its key columns) elements of the input dtype: at most
+# this many times q's own size (columns <= BAND_MAX_RATIO * head dim); wider windows recompute dS instead.
+BAND_MAX_RATIO = 16
+
+
+def _band_blocks(conf, cfg, d: int) -> int:
+    """Key blocks in a query block's dS band with the `band` flag (0: no band). A sliding window bounds
+    the keys a query block of BLOCK_M rows sees to BLOCK_M - 1 + left + right; two more blocks for the
+    alignment of its ends. A pinned config that cannot use it is an error; the table's falls back."""
+    if not conf.band:
+        return 0
+    pinned = triton_configs.pinned("dkdv")
+    problem = None
+    if conf.atomic:
+        problem = "'band' and 'atomic' are two ways to dQ: pick one"
+    elif not cfg.window:
+        problem = "'band' needs a sliding window (the band of key blocks a query block visits)"
+    blocks = (conf.block_m - 1 + cfg.window_span) // conf.block_n + 2
+    if problem is None and blocks * conf.block_n > BAND_MAX_RATIO * d:
+        problem = (f"the window's dS band ({blocks * conf.block_n} columns) is over {BAND_MAX_RATIO}x the head dim "
+                   f"({d}): too much memory")
+    if problem is None:
+        return blocks
+    if pinned:
+        raise ValueError(f"triton config dkdv={triton_configs.text(conf)!r}: {problem}")
+    return 0
+
+
 def _delta(out, d_out, d_lse):
     """rowsum(dO * O) - d lse, [B, Hkv, G, Sq] like lse."""
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
@@ -252,22 +283,35 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     grid, largest = _grid(_longest(cfg, False), conf.block_n, n_seq * hkv, tuned, "block_n")
     n_prog = largest[0] * largest[1]  # rows of the param partials: unused rows stay zero
     dbias_shape = (batch, hq, sq, sk) if cfg.bias else (1,)
+    band = _band_blocks(conf, cfg, d)  # dS tiles stored for a dQ kernel of one matmul per tile
+    # the dS tiles go out as bulk stores through a descriptor where one fits (16-bit, one sequence per row)
+    consts.update(BAND=band > 0, BAND_BLOCKS=max(band, 1),
+                  BAND_TMA=band > 0 and not cfg.varlen and jnp.dtype(q.dtype).itemsize == 2)
     atomic = conf.atomic  # dQ from the dK/dV kernel, added in float32 (zeroed below)
     if atomic and consts["TMA"] and _arch() == "interpret":
         raise ValueError(f"triton config {triton_configs.text(conf)!r}: Triton's interpreter has no tensor-descriptor "
                          f"reductions; drop 'tma' from the dkdv config (the dQ tiles are then added by atomics)")
     outs = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
-            jax.ShapeDtypeStruct((batch, sq, hq, d) if atomic else (1,), jnp.float32)]
+            jax.ShapeDtypeStruct((batch, sq, hq, d) if atomic else (1,), jnp.float32),
+            jax.ShapeDtypeStruct((batch, hq, sq, band * conf.block_n) if band else (1,), q.dtype)]
     outs += [jax.ShapeDtypeStruct((n_prog, ctx[f"param_{p}"].size), jnp.float32) for p in layout.grad_params]
     zeroed = tuple(range(len(outs))) if cfg.varlen else tuple(range(2, len(outs)))
     outs.append(_scratch(largest))
-    dk, dv_, dbias, dq_acc, *dparams, _ = triton_call.launch(
+    dk, dv_, dbias, dq_acc, ds_band, *dparams, _ = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dkdv_kernel"), grid, inputs, outs, zeroed=zeroed,
         num_warps=conf.num_warps, num_stages=conf.num_stages, autotune=tuned, **consts)
 
     if atomic:
         dq = dq_acc.astype(q.dtype)
+    elif band:  # the dK/dV kernel's tiles and constexprs; the dq config's warps and stages
+        dq_conf = _config(layout, "dq", max(d, dv), bits, cfg)
+        grid = (max(_cdiv(_longest(cfg, True), conf.block_m), 1), n_seq * hq)
+        dq, _ = triton_call.launch(
+            getattr(kernels, f"{layout.name}_bwd_dq_band_kernel"), grid, inputs + [ds_band],
+            [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), _scratch(grid)],
+            zeroed=(0,) if cfg.varlen else (),
+            num_warps=dq_conf.num_warps, num_stages=dq_conf.num_stages, autotune=None, **consts)
     else:
         conf = _config(layout, "dq", max(d, dv), bits, cfg)
         consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)

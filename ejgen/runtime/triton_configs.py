@@ -24,6 +24,8 @@ class KernelConfig:
     merged: bool = False  # one loop over masked and unmasked blocks (the mask under a run-time branch)
     atomic: bool = False  # dkdv only: the dK/dV kernel also adds dQ into a float32 buffer (no dQ kernel;
     #                       float32 additions in run-time order: dQ is not bitwise reproducible)
+    band: bool = False  # dkdv only, sliding windows: the dK/dV kernel also stores its dS tiles (the window's
+    #                     band, input dtype), and dQ = dS @ K is one matmul per tile (no recomputed logits)
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -32,8 +34,8 @@ class KernelConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {size}")
 
 
-# The interpreter's tiles; it takes tensor descriptors wherever the GPU's table does (see `pick`), so
-# that CI runs the path that runs on the GPU.
+# The interpreter's tiles; it takes tensor descriptors, the one-loop form and the dS band wherever the
+# GPU's table does (see `pick`), so that CI runs the path that runs on the GPU.
 INTERPRET = KernelConfig(16, 16, 4, 1)
 
 # (arch, pass) -> [(max head dim, 16-bit config, float32 config)], first match wins.
@@ -58,15 +60,15 @@ _TABLE = {
 }
 
 
-FLAGS = ("tma", "ws", "merged", "atomic")  # KernelConfig's switches, in their text order
+FLAGS = ("tma", "ws", "merged", "atomic", "band")  # KernelConfig's switches, in their text order
 
 
 def parse(text: str) -> KernelConfig:
-    """``"block_m,block_n,warps,stages[,tma][,ws][,merged][,atomic]"`` -> KernelConfig (ValueError when malformed)."""
+    """``"block_m,block_n,warps,stages[,tma][,ws][,merged][,atomic][,band]"`` -> KernelConfig (ValueError when malformed)."""
     fields = [x.strip() for x in text.split(",")]
     flags = set(fields[4:])
     if len(fields) < 4 or flags - set(FLAGS):
-        raise ValueError(f"want block_m,block_n,warps,stages[,tma][,ws][,merged][,atomic], got {text!r}")
+        raise ValueError(f"want block_m,block_n,warps,stages[,tma][,ws][,merged][,atomic][,band], got {text!r}")
     return KernelConfig(*(int(x) for x in fields[:4]), **{name: name in flags for name in FLAGS})
 
 
@@ -74,6 +76,11 @@ def text(conf: KernelConfig) -> str:
     """The inverse of `parse`."""
     flags = [name for name in FLAGS if getattr(conf, name)]
     return ",".join([str(conf.block_m), str(conf.block_n), str(conf.num_warps), str(conf.num_stages)] + flags)
+
+
+def pinned(pass_: str) -> bool:
+    """Whether EJGEN_TRITON_CONFIG pins the pass's config (a pinned config's flags are the user's word)."""
+    return _override(pass_) is not None
 
 
 def _override(pass_: str) -> KernelConfig | None:
@@ -87,7 +94,7 @@ def _override(pass_: str) -> KernelConfig | None:
                 return parse(values)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"EJGEN_TRITON_CONFIG: bad entry {item!r} "
-                                 f"(want pass=block_m,block_n,warps,stages[,tma][,ws][,merged][,atomic]): {e}")
+                                 f"(want pass=block_m,block_n,warps,stages[,tma][,ws][,merged][,atomic][,band]): {e}")
     return None
 
 
@@ -98,6 +105,9 @@ def _override(pass_: str) -> KernelConfig | None:
 # pays one pipeline fill; dK/dV 64x64 w4 s2 likewise (99 KB: two per SM; per-kernel times under
 # Nsight Compute, v7: window 1057 against 1182 us at 64x128 w8, 4k causal 1927 against 2023 us);
 # dQ 64x64 w4 s2 for the window only (788 against 856 us; at 4k causal it is slower, 1580 against 1388).
+# The dS band (`band`: dQ as one matmul per stored dS tile) is off: its dQ kernel takes 385 against 795 us,
+# but storing the tiles costs the dK/dV kernel 1386 against 1060 us (descriptor stores; 1517 with pointer
+# stores), and in wall time it lost (window 3.18 against 3.06 ms, 4k window 512: 2.51 against 2.12).
 # "causal" (longer): the merged loop at 128x128 (fewer registers than three loops).
 # (arch, pass, loops) -> [(min head dim, max head dim, config)]
 _SHORT_FWD = KernelConfig(128, 64, 4, 2, tma=True, merged=True)
@@ -138,7 +148,7 @@ def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int = 0, ca
                                f"delete it or re-run `ejgen tune`") from e
     if arch == "interpret":
         table_conf = pick("sm90", pass_, head_dim, dtype_bits, seq, causal, window)
-        return dataclasses.replace(INTERPRET, tma=table_conf.tma, merged=table_conf.merged)
+        return dataclasses.replace(INTERPRET, tma=table_conf.tma, merged=table_conf.merged, band=table_conf.band)
     if dtype_bits <= 16:
         for lo, hi, conf in _SPECIAL.get((arch, pass_, loops(seq, causal, window)), ()):
             if lo <= head_dim <= hi:

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 _DTYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 
@@ -25,7 +26,7 @@ def _signature(kernel, dtype: str, params: dict) -> dict:
     ptr = {"SCRATCH": "*u8", "F32": "*fp32", "I32": "*i32", "BIAS": "*fp32", "QSEG": "*i32", "KVSEG": "*i32", "MASK": "*i8",
            "CU_Q": "*i32", "CU_K": "*i32", "AUX": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DBIAS": "*fp32",
            "DQ_ACC": "*fp32"}
-    for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_OUT"):
+    for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_OUT", "DS_BAND"):
         ptr[name] = _DTYPES[dtype]
     for p, dt in params.items():
         ptr[f"PARAM_{p}"] = "*i32" if dt == "int32" else _DTYPES.get(dt, "*fp32")
@@ -36,14 +37,16 @@ def _signature(kernel, dtype: str, params: dict) -> dict:
 def constexprs(*, batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128, block_m=128, block_n=64, causal=True,
                window=False, softcap=False, sinks=False, bias=False, segments=False, dense=False, varlen=False,
                runtime_mask=False, tma=False, ws=False, staged=True, atomic_dq=False,
-               dtype="bfloat16") -> dict:
+               band=False, dtype="bfloat16") -> dict:
     pad = max(16, 1 << (head_dim - 1).bit_length())
     return dict(B=batch, HQ=heads, HKV=kv_heads, SEQ_Q=seq, SEQ_K=seq, D=head_dim, DV=head_dim, D_PAD=pad, DV_PAD=pad,
                 BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, SINKS=sinks,
                 N_SINKS=1, SINKS_PAD=16, BIAS_ON=bias, BIAS_BATCH=1, BIAS_HEADS=1, SEGMENTS=segments, DENSE=dense,
                 MASK_HEADS=1, VARLEN=varlen, RUNTIME_MASK=runtime_mask or segments or dense,
                 PLAIN=not (softcap or bias), STAGED=staged,
-                PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False, TMA=tma, WS=ws, ATOMIC_DQ=atomic_dq)
+                PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False, TMA=tma, WS=ws, ATOMIC_DQ=atomic_dq,
+                BAND=band, BAND_BLOCKS=(block_m - 1 + 1024) // block_n + 2 if band else 1,
+                BAND_TMA=band and not varlen and dtype != "float32")
 
 
 def compile_attention(package: str, name: str, *, capability: int = 90, params: dict | None = None,
@@ -55,7 +58,7 @@ def compile_attention(package: str, name: str, *, capability: int = 90, params: 
     module = importlib.import_module(f"{package}.{name}.triton_kernels")
     consts = constexprs(dtype=dtype, **config)
     compiled = {}
-    for suffix in ("fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"):
+    for suffix in ("fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel") + (("bwd_dq_band_kernel",) if config.get("band") else ()):
         kernel = getattr(module, f"{name}_{suffix}")
         sig = _signature(kernel, dtype, params or {})
         # jax-triton promises 16-byte aligned arrays (tt.divisibility 16): without it Triton cannot use
@@ -81,6 +84,9 @@ def summary(compiled: dict, with_ptx: bool = False) -> dict:
 def compile_in_subprocess(package: str, name: str, **kwargs) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if not env.get("TRITON_CACHE_DIR"):
+        # Triton 3.6 on the GPU host found no cache dir of its own in this subprocess: name one
+        env["TRITON_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "ejgen-triton-cache")
     args = json.dumps({"package": package, "name": name, **kwargs})
     proc = subprocess.run([sys.executable, "-m", "ejgen.testing.aot", args], env=env, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -1,0 +1,140 @@
+"""The dS band (`band` dkdv flag): with a sliding window the dK/dV kernel also stores its dS tiles (the
+window's band of key blocks per query block, input dtype), and dQ = scale * dS @ K runs as one matmul
+per tile (`_bwd_dq_band_kernel`) instead of a dQ kernel that recomputes the logits and dP.
+
+In Triton's interpreter (and natively on a GPU), against the float64 oracle: outputs, lse and every
+gradient, on causal and two-sided windows, Sq != Sk (the band's bottom-right alignment), GQA (one band
+row per query head), ragged ends, soft cap, sinks and bias (not PLAIN: masked ds), float32 with a head
+dim that is not a power of two, segments (a mask known at run time) and varlen sequences. A spy checks
+that the band kernel ran and the recomputing dQ kernel did not.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
+
+from shapes import AttnShape  # noqa: E402
+
+from ejgen.runtime import triton_attention, triton_call, triton_configs  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("x64_stays_off")
+
+BAND = "16,16,4,1,merged,band"
+CASES = [  # (id, shape, features, dkdv config)
+    ("causal-window-gqa-ragged", AttnShape(1, 70, 70, 4, 2, 32), dict(causal=True, sliding_window=(20, 0)), BAND),
+    ("two-sided-sq-ne-sk-three-loops", AttnShape(2, 64, 50, 2, 2, 32), dict(sliding_window=(20, 17)), "16,16,4,1,band"),
+    ("window-softcap-sinks", AttnShape(1, 80, 80, 2, 1, 16), dict(sliding_window=(40, 0), logits_soft_cap=5.0, sinks="h"),
+     BAND),
+    ("window-bias-sk-gt-sq", AttnShape(1, 45, 61, 2, 2, 32), dict(sliding_window=(9, 3), bias=True), BAND),
+    ("window-f32-d24", AttnShape(2, 33, 29, 2, 2, 24), dict(causal=True, sliding_window=(7, 0)), BAND),
+]
+
+
+def _ran_with_band(launches):
+    passes = [pass_ for pass_, _ in launches]
+    assert "band" in passes and "dq" not in passes, passes
+    assert all(kw["BAND"] == (pass_ in ("dkdv", "band")) for pass_, kw in launches), launches
+
+
+@pytest.mark.parametrize("shape,features,conf", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_dq_over_the_ds_band_matches_the_oracle(monkeypatch, triton_launches, triton_against_oracle, shape, features,
+                                                conf):
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", f"dkdv={conf}")
+    triton_against_oracle(shape, features, "float32" if shape.head_dim == 24 else "bfloat16", "band")
+    _ran_with_band(triton_launches)
+
+
+def _conformance():
+    import test_attention_conformance
+
+    return test_attention_conformance
+
+
+def test_band_with_segments_bias_sinks(monkeypatch, triton_launches, run_vjp):
+    conformance = _conformance()
+    case_id = "causal-win20,0-cap2-scale0.5-sink_hn-bias_b1qk-seg_packed-B2-Sq45-Sk45-H2x2-D72-Dv40-f16"
+    case = {c.id: c for c in conformance.F32_CASES + conformance.LOW_PRECISION_CASES}[case_id]
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", f"dkdv={BAND}")
+    conformance.run_case(case, "triton", run_vjp)
+    _ran_with_band(triton_launches)
+
+
+def test_band_with_varlen(monkeypatch, triton_launches, run_vjp):
+    conformance = _conformance()
+    case_id = "causal-win8,0-sink_h-N4-q13.9.0.30-k13.0.11.25-H2x2-D72-Dv40-bf16"
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", f"dkdv={BAND}")
+    conformance.test_varlen("triton", run_vjp, {c.id: c for c in conformance.VARLEN_CASES}[case_id])
+    _ran_with_band(triton_launches)
+
+
+def test_a_table_band_falls_back_where_the_window_is_too_wide(monkeypatch, triton_launches):
+    """The band is opt-in (off in the table: measured slower, triton_configs). A table row that has it
+    (here patched in) is mirrored by the interpreter, runs for a narrow window and recomputes dS in the
+    dQ kernel where the band would take too much memory; without a window there is no band."""
+    import dataclasses
+
+    import jax
+
+    from ejgen.ops import flash_attention
+
+    assert not any(c.band for rows in triton_configs._SPECIAL.values() for _, _, c in rows)
+    row = triton_configs._SPECIAL[("sm90", "dkdv", "window")]
+    monkeypatch.setitem(triton_configs._SPECIAL, ("sm90", "dkdv", "window"),
+                        [(lo, hi, dataclasses.replace(c, band=True)) for lo, hi, c in row])
+    assert triton_configs.pick("interpret", "dkdv", 128, 16, 16384, True, True).band
+    assert not triton_configs.pick("interpret", "dkdv", 128, 16, 16384, True, False).band
+    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
+    q = jnp.ones((1, 48, 2, 72), jnp.bfloat16)
+    for window, passes in (((8, 0), {"fwd", "dkdv", "band"}), ((2000, 0), {"fwd", "dkdv", "dq"})):
+        triton_launches.clear()
+        loss = lambda q: flash_attention(q, q, q, causal=True, sliding_window=window, platform="triton").astype(
+            jnp.float32).sum()
+        jax.grad(loss)(q)
+        assert {pass_ for pass_, _ in triton_launches} == passes, (window, triton_launches)
+
+
+@pytest.mark.parametrize("pin,message", [
+    ("dkdv=16,16,4,1,band", "'band' needs a sliding window"),
+    ("dkdv=16,16,4,1,atomic,band", "'band' and 'atomic' are two ways to dQ"),
+    ("dq=16,16,4,1,band", "'band' .* is a flag of the dkdv config only"),
+])
+def test_band_errors(monkeypatch, pin, message):
+    import jax
+
+    from ejgen.ops import flash_attention
+
+    if triton_call.mode()[0] is None:
+        pytest.fail("this test needs the triton backend: run it with TRITON_INTERPRET=1 (README)")
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", pin)
+    window = (4, 0) if "atomic" in pin or pin.startswith("dq") else None
+    loss = lambda q: flash_attention(q, q, q, sliding_window=window, platform="triton").astype(jnp.float32).sum()
+    with pytest.raises(ValueError, match=message):
+        jax.grad(loss)(jnp.ones((1, 32, 2, 16), jnp.bfloat16))
+
+
+def test_a_pinned_band_too_wide_is_an_error(monkeypatch):
+    import jax
+
+    from ejgen.ops import flash_attention
+
+    if triton_call.mode()[0] is None:
+        pytest.fail("this test needs the triton backend: run it with TRITON_INTERPRET=1 (README)")
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", f"dkdv={BAND}")
+    d = 16
+    window = (triton_attention.BAND_MAX_RATIO * d, 0)
+    loss = lambda q: flash_attention(q, q, q, sliding_window=window, platform="triton").astype(jnp.float32).sum()
+    with pytest.raises(ValueError, match=r"dS band \(\d+ columns\) is over 16x the head dim"):
+        jax.grad(loss)(jnp.ones((1, 32, 2, d), jnp.bfloat16))
+
+
+def test_band_kernels_compile_for_hopper():
+    from ejgen.testing.aot import compile_in_subprocess
+
+    compiled = compile_in_subprocess("ejgen.generated", "flash_attention", capability=90, num_warps=4, num_stages=2,
+                                     causal=True, window=True, block_m=64, block_n=64, staged=False, band=True)
+    for name in ("bwd_dkdv_kernel", "bwd_dq_band_kernel"):
+        c = compiled[name]
+        assert c["cubin"] and c["wgmma"] and c["shared"] <= 232448, (name, c)
