@@ -24,6 +24,7 @@ from ejgen.runtime import triton_attention, triton_call  # noqa: E402
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
 
 PINNED = "fwd=16,16,4,1,tma,ws;dkdv=16,16,4,1,tma;dq=16,16,4,1,tma"
+PINNED_GPU = PINNED.replace(",ws", "")  # on a GPU 'ws' is refused (WS_TRITON_RELEASES): descriptors only
 
 # (id, shape, features): head dims are powers of two (descriptors need whole heads)
 CASES = [
@@ -38,13 +39,14 @@ CASES = [
 @pytest.mark.parametrize("shape,features", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_descriptor_paths_match_the_oracle(monkeypatch, triton_launches, triton_against_oracle, shape, features, dtype):
-    monkeypatch.setenv("EJGEN_TRITON_CONFIG", PINNED)
+    on_gpu = triton_call.mode()[0] == "gpu"
+    monkeypatch.setenv("EJGEN_TRITON_CONFIG", PINNED_GPU if on_gpu else PINNED)
     triton_against_oracle(shape, features, dtype, "tma")
     kinds = {pass_: (kw["TMA"], kw["WS"]) for pass_, kw in triton_launches}
     assert kinds["fwd"][0] and kinds["dkdv"][0] and kinds["dq"][0], triton_launches
     whole = shape.q_len % 16 == 0 and shape.kv_len % 16 == 0
     plain = not features
-    assert kinds["fwd"][1] == (whole and plain), "warp specialisation: plain loops over whole blocks only"
+    assert kinds["fwd"][1] == (whole and plain and not on_gpu), "warp specialisation: plain loops over whole blocks only"
 
 
 def test_descriptors_need_16_bit_whole_power_of_two_heads():
@@ -62,7 +64,8 @@ def test_descriptors_need_16_bit_whole_power_of_two_heads():
 def descriptor_kernels():
     from ejgen.testing.aot import compile_in_subprocess
 
-    return compile_in_subprocess("ejgen.generated", "flash_attention", capability=90, num_warps=8, num_stages=2,
+    # 3 stages: Triton 3.6's ptxas (the GPU host's) crashes on the causal dQ kernel at 64x128 w8 s2
+    return compile_in_subprocess("ejgen.generated", "flash_attention", capability=90, num_warps=8, num_stages=3,
                                  causal=True, block_m=64, block_n=128, tma=True, with_ptx=True)
 
 
@@ -130,6 +133,8 @@ def test_autotuning_in_the_interpreter_is_an_error_that_says_what_to_do(monkeypa
 
     if triton_call.mode()[0] is None:
         pytest.fail("this test needs the triton backend: run it with TRITON_INTERPRET=1 (README)")
+    if triton_call.mode()[0] == "gpu":
+        pytest.skip("on a GPU the autotuned call runs (benchmarks/gpu_check.py --autotune checks it)")
     monkeypatch.setenv("EJGEN_TRITON_AUTOTUNE", "1")
     q = jnp.zeros((1, 32, 2, 16), jnp.float32)
     with pytest.raises(ValueError, match="EJGEN_TRITON_AUTOTUNE: .* on a GPU; in the interpreter, pin a config"):
