@@ -167,6 +167,9 @@ def _ran_as_pinned(launches, pinned):
     assert passes == ({"fwd", "dkdv"} if "atomic" in pinned else {"fwd", "dkdv", "dq"}), passes
     assert all(not kw["STAGED"] and kw["ATOMIC_DQ"] == ("atomic" in pinned and pass_ == "dkdv")
                for pass_, kw in launches)
+    # without atomic dQ the dQ kernel runs first and computes delta = rowsum(dO * O) - d lse on the way
+    backward = [(pass_, kw["DQ_DELTA"]) for pass_, kw in launches if pass_ != "fwd"]
+    assert backward == ([("dkdv", False)] if "atomic" in pinned else [("dq", True), ("dkdv", False)]), backward
 
 
 @pytest.mark.parametrize("case_id,pinned", VARLEN, ids=[c[0] for c in VARLEN])

@@ -164,7 +164,7 @@ def template_context(plan: AttentionPlan) -> dict:
     dims = ["B", "HQ", "HKV", "SEQ_Q", "SEQ_K", "D", "DV", "D_PAD", "DV_PAD", "BLOCK_M", "BLOCK_N"]
     flags = ["CAUSAL", "WINDOW", "SOFTCAP", "SINKS", "N_SINKS", "SINKS_PAD", "BIAS_ON", "BIAS_BATCH", "BIAS_HEADS",
              "SEGMENTS", "DENSE", "MASK_HEADS", "VARLEN", "RUNTIME_MASK", "STAGED", "PLAIN", "PRECISION", "UPCAST",
-             "TMA", "WS", "ATOMIC_DQ", "BAND", "BAND_BLOCKS", "BAND_TMA"]
+             "TMA", "WS", "ATOMIC_DQ", "BAND", "BAND_BLOCKS", "BAND_TMA", "DQ_DELTA"]
     builtin, spec_ranges = range_constraints(
         plan, printer, printer, guard=lambda g: g.replace("cfg.causal", "CAUSAL").replace("cfg.window", "WINDOW"))
     for c in builtin:

@@ -152,7 +152,7 @@ def _constexprs(layout, q, k, v, cfg, conf, bias, mask, aux):
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         UPCAST=_arch() == "interpret" and q.dtype == jnp.bfloat16,
         TMA=conf.tma and tma_eligible(q, v, cfg), WS=False,  # WS: the forward's, `_forward`
-        ATOMIC_DQ=conf.atomic, BAND=False, BAND_BLOCKS=1, BAND_TMA=False,  # BAND*: `_backward`
+        ATOMIC_DQ=conf.atomic, BAND=False, BAND_BLOCKS=1, BAND_TMA=False, DQ_DELTA=False,  # `_backward`
     )
 
 
@@ -270,24 +270,40 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     hq, sk, dv = hkv * groups, k.shape[1], v.shape[-1]
     bits = jnp.dtype(q.dtype).itemsize * 8
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
-    delta = _delta(out, d_out, d_lse)
     q4, do4 = q.reshape(batch, sq, hq, d), d_out.reshape(batch, sq, hq, dv)
-    lse3, delta3 = lse.reshape(batch, hq, sq), delta.reshape(batch, hq, sq)
+    lse3 = lse.reshape(batch, hq, sq)
     kernels = layout.kernels()
-    inputs = [q4, k, v, do4, lse3, delta3, *scalars, *features, *params]
     n_seq = _grid_batch(q, ctx, cfg)
 
     conf = _config(layout, "dkdv", max(d, dv), bits, cfg)
+    band = _band_blocks(conf, cfg, d)  # dS tiles stored for a dQ kernel of one matmul per tile
+    atomic = conf.atomic  # dQ from the dK/dV kernel, added in float32 (zeroed below)
+    dq = None
+    if atomic or band:  # the dK/dV kernel runs first: delta from one pass of XLA over dO and O
+        delta3 = _delta(out, d_out, d_lse).reshape(batch, hq, sq)
+    else:  # the dQ kernel runs first and computes delta on the way (its tiles of dO are loaded anyway)
+        dq_conf = _config(layout, "dq", max(d, dv), bits, cfg)
+        dq_consts = dict(_constexprs(layout, q, k, v, cfg, dq_conf, features[0], features[3], aux), DQ_DELTA=True)
+        tuned = _autotune(layout, "dq", dq_conf)
+        grid, largest = _grid(_longest(cfg, True), dq_conf.block_m, n_seq * hq, tuned, "block_m")
+        dq_inputs = [q4, k, v, do4, lse3, d_lse.reshape(batch, hq, sq), *scalars, *features, *params,
+                     out.reshape(batch, sq, hq, dv)]
+        dq, delta3, _ = triton_call.launch(
+            getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid, dq_inputs,
+            [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
+             _scratch(largest)],
+            zeroed=(0, 1) if cfg.varlen else (),
+            num_warps=dq_conf.num_warps, num_stages=dq_conf.num_stages, autotune=tuned, **dq_consts)
+    inputs = [q4, k, v, do4, lse3, delta3, *scalars, *features, *params]
+
     consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
     tuned = _autotune(layout, "dkdv", conf)
     grid, largest = _grid(_longest(cfg, False), conf.block_n, n_seq * hkv, tuned, "block_n")
     n_prog = largest[0] * largest[1]  # rows of the param partials: unused rows stay zero
     dbias_shape = (batch, hq, sq, sk) if cfg.bias else (1,)
-    band = _band_blocks(conf, cfg, d)  # dS tiles stored for a dQ kernel of one matmul per tile
     # the dS tiles go out as bulk stores through a descriptor where one fits (16-bit, one sequence per row)
     consts.update(BAND=band > 0, BAND_BLOCKS=max(band, 1),
                   BAND_TMA=band > 0 and not cfg.varlen and jnp.dtype(q.dtype).itemsize == 2)
-    atomic = conf.atomic  # dQ from the dK/dV kernel, added in float32 (zeroed below)
     if atomic and consts["TMA"] and _arch() == "interpret":
         raise ValueError(f"triton config {triton_configs.text(conf)!r}: Triton's interpreter has no tensor-descriptor "
                          f"reductions; drop 'tma' from the dkdv config (the dQ tiles are then added by atomics)")
@@ -312,16 +328,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
             [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), _scratch(grid)],
             zeroed=(0,) if cfg.varlen else (),
             num_warps=dq_conf.num_warps, num_stages=dq_conf.num_stages, autotune=None, **consts)
-    else:
-        conf = _config(layout, "dq", max(d, dv), bits, cfg)
-        consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
-        tuned = _autotune(layout, "dq", conf)
-        grid, largest = _grid(_longest(cfg, True), conf.block_m, n_seq * hq, tuned, "block_m")
-        dq, _ = triton_call.launch(
-            getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid, inputs,
-            [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), _scratch(largest)],
-            zeroed=(0,) if cfg.varlen else (),
-            num_warps=conf.num_warps, num_stages=conf.num_stages, autotune=tuned, **consts)
+    delta = delta3.reshape(batch, hkv, groups, sq)
 
     dctx = {}
     if cfg.bias:

@@ -26,7 +26,8 @@ def _signature(kernel, dtype: str, params: dict) -> dict:
     ptr = {"SCRATCH": "*u8", "F32": "*fp32", "I32": "*i32", "BIAS": "*fp32", "QSEG": "*i32", "KVSEG": "*i32", "MASK": "*i8",
            "CU_Q": "*i32", "CU_K": "*i32", "AUX": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DBIAS": "*fp32",
            "DQ_ACC": "*fp32"}
-    for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_OUT", "DS_BAND"):
+    ptr["DELTA_OUT"] = "*fp32"
+    for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_OUT", "DS_BAND", "O_FWD"):
         ptr[name] = _DTYPES[dtype]
     for p, dt in params.items():
         ptr[f"PARAM_{p}"] = "*i32" if dt == "int32" else _DTYPES.get(dt, "*fp32")
@@ -46,7 +47,8 @@ def constexprs(*, batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128, block_
                 PLAIN=not (softcap or bias), STAGED=staged,
                 PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False, TMA=tma, WS=ws, ATOMIC_DQ=atomic_dq,
                 BAND=band, BAND_BLOCKS=(block_m - 1 + 1024) // block_n + 2 if band else 1,
-                BAND_TMA=band and not varlen and dtype != "float32")
+                BAND_TMA=band and not varlen and dtype != "float32",
+                DQ_DELTA=not (atomic_dq or band))
 
 
 def compile_attention(package: str, name: str, *, capability: int = 90, params: dict | None = None,

@@ -27,7 +27,7 @@ from ejgen.runtime.triton_lib import LOG2E, _dot, _dot_acc, _load, _rows, _tanh,
 
 @triton.jit
 def _other_blocks(x0, x1, n_other, I32, BLOCK: tl.constexpr, n_blocks, q_len, kv_len,
-                  X_IS_Q: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr):
+                  X_IS_Q: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr):
     """Blocks of the other index for the block [x0, x1] of queries (X_IS_Q) or keys."""
     lo = n_other * 0
     hi = n_other - 1
@@ -44,11 +44,11 @@ def _other_blocks(x0, x1, n_other, I32, BLOCK: tl.constexpr, n_blocks, q_len, kv
 
 
 @triton.jit
-def _band_start(i_m, I32, q_len, kv_len, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr):
+def _band_start(i_m, I32, q_len, kv_len, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr):
     """The first key block that query block i_m visits: column 0 of its rows in the dS band (BAND)."""
     x0 = i_m * BLOCK_M
     lo, _, _, _ = _other_blocks(x0, tl.minimum(x0 + BLOCK_M, q_len) - 1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N),
-                                q_len, kv_len, True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+                                q_len, kv_len, True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
     return lo
 
 
@@ -72,7 +72,7 @@ def _dscore_d0(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_sl
 
 
 @triton.jit
-def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr):
+def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr):
     """Element mask from causal, window and the spec's mask (segments and dense masks: `_tile_mask`)."""
     vis = (q_idx < q_len) & (kv_idx < kv_len)
     if CAUSAL:  # causal
@@ -81,7 +81,7 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_slopes,
 
 
 @triton.jit
-def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr):
+def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr):
     """Segment ids and the dense mask. o_m, o_n: query and key rows as broadcastable tiles."""
     if SEGMENTS:
         b_qs = tl.load(QSEG + off_b * SEQ_Q + o_m, mask=o_m < SEQ_Q, other=-1)
@@ -95,15 +95,15 @@ def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B: tl.constexpr, 
 
 @triton.jit
 def _mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-          PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr):
+          PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr):
     """The whole element mask of a tile (`_visible` and `_tile_mask`)."""
-    vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
-    return _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+    vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
+    return _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
 
 
 @triton.jit
 def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
-            PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr):
+            PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr):
     """(s, s_score, x, x_scale) of the tile a @ bt: the logit after bias, after the score hook, and the
     final logit in base 2 as the product x * x_scale (left to the caller to fuse into exp2's argument).
 
@@ -127,7 +127,7 @@ def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
-               F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, MASKED: tl.constexpr):
+               F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr, MASKED: tl.constexpr):
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
     r_n = tl.arange(0, BLOCK_N)
@@ -144,12 +144,12 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, scale, q_id
         kv_idx = o_pos[None, :]
         o_n = (row_k + o_pos)[None, :]
         _, _, x, x_scale = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
-                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
         if MASKED:
             edge = True if STAGED else (i_n < f_lo) | (i_n >= f_hi)  # see `_bwd_tile`
             if edge:
                 x = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA), x, float("-inf"))
+                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA), x, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, 1) * x_scale)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
@@ -164,7 +164,7 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, scale, q_id
 
 
 @triton.jit
-def _sequence(CU_Q, CU_K, off_b, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr):
+def _sequence(CU_Q, CU_K, off_b, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr):
     """(first row of q, first row of k, q_len, kv_len) of the program's sequence."""
     if VARLEN:
         q0 = tl.load(CU_Q + off_b)
@@ -178,7 +178,7 @@ def _sequence(CU_Q, CU_K, off_b, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.cons
 def alibi_attention_fwd_kernel(
     Q, K, V, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, AUX, PARAM_slopes,
     O, LSE, SCRATCH,
-    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr,
+    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: less idle tail
@@ -187,7 +187,7 @@ def alibi_attention_fwd_kernel(
     off_b = i_bh // HQ
     off_h = i_bh % HQ
     off_hk = off_h // (HQ // HKV)
-    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
     batch = 0 if VARLEN else off_b
     scale = tl.load(F32)
     o_pos = i_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions in the sequence
@@ -211,7 +211,7 @@ def alibi_attention_fwd_kernel(
     q_idx = o_pos[:, None]
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
-                                     True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+                                     True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
@@ -223,14 +223,14 @@ def alibi_attention_fwd_kernel(
     hi = tl.where(live, hi, lo)
     if STAGED:  # masked edges, unmasked middle: three loops
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, flo, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, True)
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, True)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, flo, fhi, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, False)
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, False)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, fhi, hi, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, True)
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, True)
     else:  # one loop, the element mask on the edge blocks only (one pipeline fill)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, hi, flo, fhi, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, True)
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, True)
     if SINKS:
         o_s = tl.arange(0, SINKS_PAD)
         b_aux = tl.load(AUX + off_h * N_SINKS + o_s, mask=o_s < N_SINKS, other=float("-inf")) * LOG2E
@@ -250,20 +250,20 @@ def alibi_attention_fwd_kernel(
 
 @triton.jit
 def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
-              i, f_lo, f_hi, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr,
+              i, f_lo, f_hi, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
               MASKED: tl.constexpr):
     """(p, ds1, ds0, s) of one tile, in the orientation of s_a @ s_bt (b_lse, b_delta broadcast to it):
     probabilities, d loss / d score output (before the soft cap's chain rule: after it), d loss / d logit.
     MASKED: a loop whose blocks may take the element mask: all of them in the three-loop form (`edge`
     is then the constant True, no branch), the edge blocks i outside [f_lo, f_hi) in the one loop."""
     s, s_score, x, x_scale = _logits(s_a, s_bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
-                                     PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+                                     PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
     p = tl.math.exp2(x * x_scale - b_lse)  # b_lse in base 2
     if MASKED:
         edge = True if STAGED else (i < f_lo) | (i >= f_hi)
         if edge:
             p = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-                               PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA), p, 0.0)
+                               PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA), p, 0.0)
     dp = _dot(dp_a, dp_bt, PRECISION, UPCAST)
     ds1 = p * (dp - b_delta)
     if SOFTCAP:
@@ -273,7 +273,7 @@ def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
     if MASKED and not PLAIN:  # a score hook or soft cap may not be finite where p is 0
         if edge:
             vis = _mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
-                        PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+                        PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
             ds0 = tl.where(vis, ds0, 0.0)
             ds1 = tl.where(vis, ds1, 0.0)
     return p, ds1, ds0, s
@@ -282,7 +282,7 @@ def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
 @triton.jit
 def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_q, p_do, p_dq, p_lse, p_delta, p_band, i_kb, scale, kv_idx, o_n, row_q,
                 off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, DBIAS, DPARAM_slopes,
-                B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, MASKED: tl.constexpr):
+                B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr, MASKED: tl.constexpr):
     """Tiles in [keys, queries] orientation: pT and dsT feed dV and dK without a register transpose.
     ATOMIC_DQ: dQ += scale * ds @ k of the tile, added in float32 to p_dq (a descriptor with TMA).
     BAND: the tile's ds (input dtype) is stored at p_band, rows = queries, columns = the query block's
@@ -307,11 +307,11 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_q, p_do, p_dq, p
         o_m = (row_q + o_pos)[None, :]
         pt, ds1, ds0t, s = _bwd_tile(b_k, b_qt, b_v, tl.trans(b_do), b_lse[None, :], b_delta[None, :], scale, q_idx, kv_idx,
                                      o_m, o_n, off_b, off_h, q_len, kv_len, i_m, f_lo, f_hi, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                     PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, MASKED)  # [BLOCK_N, BLOCK_M]
+                                     PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, MASKED)  # [BLOCK_N, BLOCK_M]
         b_dv = _dot_acc(pt.to(b_do.dtype), b_do, b_dv, PRECISION, UPCAST)
         b_dk = _dot_acc(ds0t.to(b_qt.dtype), tl.trans(b_qt), b_dk, PRECISION, UPCAST)
         if BAND:
-            col = i_kb - _band_start(i_m, I32, q_len, kv_len, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)  # this key block's place in the band
+            col = i_kb - _band_start(i_m, I32, q_len, kv_len, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)  # this key block's place in the band
             if BAND_TMA:  # p_band: a descriptor; the tile goes out as an asynchronous bulk store
                 if (col >= 0) & (col < BAND_BLOCKS):
                     p_band.store([off_b * HQ + off_h, i_m * BLOCK_M, col * BLOCK_N],
@@ -342,7 +342,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_q, p_do, p_dq, p
 def alibi_attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_slopes,
     DK, DV_OUT, DBIAS, DQ_ACC, DS_BAND, DPARAM_slopes, SCRATCH,
-    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr,
+    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
 ):
     """One key block of one kv head: dK, dV over every query head of its group (no atomics); with
     ATOMIC_DQ also dQ, added in float32 to DQ_ACC (zeroed; [B, SEQ_Q, HQ, D] like q) by every key block;
@@ -352,7 +352,7 @@ def alibi_attention_bwd_dkdv_kernel(
     off_b = i_bh // HKV
     off_hk = i_bh % HKV
     prog = i_bh * tl.num_programs(0) + i_n
-    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
     batch = 0 if VARLEN else off_b
     scale = tl.load(F32)
     o_pos = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -369,7 +369,7 @@ def alibi_attention_bwd_dkdv_kernel(
     kv_idx = o_pos[:, None]
     x1 = tl.minimum(i_n * BLOCK_N + BLOCK_N, kv_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_n * BLOCK_N, x1, q_len, I32, BLOCK_M, tl.cdiv(q_len, BLOCK_M), q_len, kv_len,
-                                     False, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+                                     False, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
     if i_n * BLOCK_N + BLOCK_N > kv_len:  # padded keys always need the element mask
         fhi = flo
     b_dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
@@ -404,24 +404,24 @@ def alibi_attention_bwd_dkdv_kernel(
             if STAGED:
                 b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, flo, flo, fhi, p_q, p_do, p_dq, p_lse, p_delta, p_band, i_n, scale, kv_idx, o_n[:, None],
                                          row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, True)
+                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, True)
                 b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, flo, fhi, flo, fhi, p_q, p_do, p_dq, p_lse, p_delta, p_band, i_n, scale, kv_idx, o_n[:, None],
                                          row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, False)
+                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, False)
                 b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, fhi, hi, flo, fhi, p_q, p_do, p_dq, p_lse, p_delta, p_band, i_n, scale, kv_idx, o_n[:, None],
                                          row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, True)
+                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, True)
             else:
                 b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, hi, flo, fhi, p_q, p_do, p_dq, p_lse, p_delta, p_band, i_n, scale, kv_idx, o_n[:, None],
                                          row_q, off_b, off_h, q_len, kv_len, prog, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, True)
+                                         PARAM_slopes, DBIAS, DPARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, True)
     tl.store(DK + o_k, (b_dk * scale).to(DK.dtype.element_ty), mask=m_n[:, None] & (o_d[None, :] < D))
     tl.store(DV_OUT + o_v, b_dv.to(DV_OUT.dtype.element_ty), mask=m_n[:, None] & (o_dv[None, :] < DV))
 
 
 @triton.jit
 def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi, scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
-              F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, MASKED: tl.constexpr):
+              F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr, MASKED: tl.constexpr):
     o_d = tl.arange(0, D_PAD)
     o_dv = tl.arange(0, DV_PAD)
     r_n = tl.arange(0, BLOCK_N)
@@ -438,17 +438,20 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
         kv_idx = o_pos[None, :]
         p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_do, b_vt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, (row_k + o_pos)[None, :],
                                    off_b, off_h, q_len, kv_len, i_n, f_lo, f_hi, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, MASKED)
+                                   PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, MASKED)
         b_dq = _dot_acc(ds0.to(b_kt.dtype), tl.trans(b_kt), b_dq, PRECISION, UPCAST)
     return b_dq
 
 
 @triton.jit
 def alibi_attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_slopes,
-    DQ, SCRATCH,
-    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_slopes, O_FWD,
+    DQ, DELTA_OUT, SCRATCH,
+    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
 ):
+    """dQ of one query block over its key blocks. DQ_DELTA: this kernel runs first and computes
+    delta = rowsum(dO * O) - d lse itself (DELTA then holds d lse; O_FWD is the forward's output),
+    writing it to DELTA_OUT for the dK/dV kernel: no separate pass over dO and O."""
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: less idle tail
         i_m = tl.num_programs(0) - 1 - i_m
@@ -456,7 +459,7 @@ def alibi_attention_bwd_dq_kernel(
     off_b = i_bh // HQ
     off_h = i_bh % HQ
     off_hk = off_h // (HQ // HKV)
-    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
     batch = 0 if VARLEN else off_b
     scale = tl.load(F32)
     o_pos = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -473,7 +476,12 @@ def alibi_attention_bwd_dq_kernel(
     q_base = (batch * HQ + off_h).to(tl.int64) * SEQ_Q
     b_lse = tl.load(LSE + q_base + o_m, mask=m_m, other=0.0)
     b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse) * LOG2E
-    b_delta = tl.load(DELTA + q_base + o_m, mask=m_m, other=0.0)
+    if DQ_DELTA:
+        b_o = tl.load(O_FWD + o_do, mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)
+        b_delta = tl.sum(b_do.to(tl.float32) * b_o.to(tl.float32), 1) - tl.load(DELTA + q_base + o_m, mask=m_m, other=0.0)
+        tl.store(DELTA_OUT + q_base + o_m, b_delta, mask=m_m)
+    else:
+        b_delta = tl.load(DELTA + q_base + o_m, mask=m_m, other=0.0)
     if TMA:
         p_k = _rows(K, B, SEQ_K, HKV * D, BLOCK_N, D_PAD)
         p_v = _rows(V, B, SEQ_K, HKV * DV, BLOCK_N, DV_PAD)
@@ -484,23 +492,23 @@ def alibi_attention_bwd_dq_kernel(
     q_idx = o_pos[:, None]
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
-                                     True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+                                     True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
     b_dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if i_m * BLOCK_M < q_len:
         if STAGED:
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, flo, fhi, scale, q_idx, o_m[:, None], row_k,
                              off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, True)
+                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, True)
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, flo, fhi, flo, fhi, scale, q_idx, o_m[:, None], row_k,
                              off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, False)
+                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, False)
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, fhi, hi, flo, fhi, scale, q_idx, o_m[:, None], row_k,
                              off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, True)
+                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, True)
         else:
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, hi, flo, fhi, scale, q_idx, o_m[:, None], row_k,
                              off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
-                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, True)
+                             PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, True)
     tl.store(DQ + o_q, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & (o_d[None, :] < D))
 
 
@@ -508,7 +516,7 @@ def alibi_attention_bwd_dq_kernel(
 def alibi_attention_bwd_dq_band_kernel(
     Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_slopes, DS_BAND,
     DQ, SCRATCH,
-    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr,
+    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
 ):
     """BAND: dQ = scale * dS @ K over the dS tiles the dK/dV kernel stored, one matmul per tile instead of
     recomputing the logits and dP (three). The dK/dV kernel's tiles (BLOCK_M queries, BLOCK_N keys); a
@@ -519,7 +527,7 @@ def alibi_attention_bwd_dq_band_kernel(
     off_b = i_bh // HQ
     off_h = i_bh % HQ
     off_hk = off_h // (HQ // HKV)
-    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
     batch = 0 if VARLEN else off_b
     scale = tl.load(F32)
     o_pos = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -532,17 +540,17 @@ def alibi_attention_bwd_dq_band_kernel(
     kv_row0 = (batch * SEQ_K + row_k).to(tl.int64)
     p_k = K + kv_row0 * (HKV * D) + off_hk * D
     band0 = ((batch * HQ + off_h).to(tl.int64) * SEQ_Q + row_q + i_m * BLOCK_M) * (BAND_BLOCKS * BLOCK_N)
-    lo = _band_start(i_m, I32, q_len, kv_len, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+    lo = _band_start(i_m, I32, q_len, kv_len, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     _, hi, _, _ = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
-                                True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+                                True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
     hi = tl.minimum(hi, lo + BAND_BLOCKS)
     b_dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if i_m * BLOCK_M < q_len:
         for i_n in range(lo, hi):
             k0 = i_n * BLOCK_N
             q_lo, q_hi, _, _ = _other_blocks(k0, tl.minimum(k0 + BLOCK_N, kv_len) - 1, q_len, I32, BLOCK_M,
-                                             tl.cdiv(q_len, BLOCK_M), q_len, kv_len, False, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA)
+                                             tl.cdiv(q_len, BLOCK_M), q_len, kv_len, False, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
             # rows the dK/dV program of key block i_n stored: all of this block's, if it visited it (as row
             # bounds: the interpreter does not keep `&` of a tile and a scalar boolean)
             rows = tl.where((i_m >= q_lo) & (i_m < q_hi), q_len, 0)
