@@ -238,7 +238,8 @@ BAND_MAX_RATIO = 16
 def _band_blocks(conf, cfg, d: int) -> int:
     """Key blocks in a query block's dS band with the `band` flag (0: no band). A sliding window bounds
     the keys a query block of BLOCK_M rows sees to BLOCK_M - 1 + left + right; two more blocks for the
-    alignment of its ends. A pinned config that cannot use it is an error; the table's falls back."""
+    alignment of its ends; never more than the keys' blocks. A pinned config that cannot use it is an
+    error; the table's falls back."""
     if not conf.band:
         return 0
     pinned = triton_configs.pinned("dkdv")
@@ -247,7 +248,7 @@ def _band_blocks(conf, cfg, d: int) -> int:
         problem = "'band' and 'atomic' are two ways to dQ: pick one"
     elif not cfg.window:
         problem = "'band' needs a sliding window (the band of key blocks a query block visits)"
-    blocks = (conf.block_m - 1 + cfg.window_span) // conf.block_n + 2
+    blocks = min((conf.block_m - 1 + cfg.window_span) // conf.block_n + 2, max(_cdiv(_longest(cfg, False), conf.block_n), 1))
     if problem is None and blocks * conf.block_n > BAND_MAX_RATIO * d:
         problem = (f"the window's dS band ({blocks * conf.block_n} columns) is over {BAND_MAX_RATIO}x the head dim "
                    f"({d}): too much memory")
@@ -312,7 +313,8 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
             jax.ShapeDtypeStruct((batch, sq, hq, d) if atomic else (1,), jnp.float32),
             jax.ShapeDtypeStruct((batch, hq, sq, band * conf.block_n) if band else (1,), q.dtype)]
     outs += [jax.ShapeDtypeStruct((n_prog, ctx[f"param_{p}"].size), jnp.float32) for p in layout.grad_params]
-    zeroed = tuple(range(len(outs))) if cfg.varlen else tuple(range(2, len(outs)))
+    # the dS band (4) is read only where written: no memset of its B * H * Sq * columns elements
+    zeroed = tuple(i for i in (range(len(outs)) if cfg.varlen else range(2, len(outs))) if i != 4)
     outs.append(_scratch(largest))
     dk, dv_, dbias, dq_acc, ds_band, *dparams, _ = triton_call.launch(
         getattr(kernels, f"{layout.name}_bwd_dkdv_kernel"), grid, inputs, outs, zeroed=zeroed,

@@ -107,7 +107,8 @@ def _override(pass_: str) -> KernelConfig | None:
 # dQ 64x64 w4 s2 for the window only (788 against 856 us; at 4k causal it is slower, 1580 against 1388).
 # The dS band (`band`: dQ as one matmul per stored dS tile) is off: its dQ kernel takes 385 against 795 us,
 # but storing the tiles costs the dK/dV kernel 1386 against 1060 us (descriptor stores; 1517 with pointer
-# stores), and in wall time it lost (window 3.18 against 3.06 ms, 4k window 512: 2.51 against 2.12).
+# stores), and in wall time it lost (window 3.18 against 3.06 ms, 4k window 512: 2.51 against 2.12) — with a
+# memset of the whole band per call in those wall times (ncu does not see it; removed since): re-measure.
 # "causal" (longer): the merged loop at 128x128 (fewer registers than three loops).
 # (arch, pass, loops) -> [(min head dim, max head dim, config)]
 _SHORT_FWD = KernelConfig(128, 64, 4, 2, tma=True, merged=True)
