@@ -75,11 +75,20 @@ def run_case(s, d, causal, window, reps, only=None, rounds=5, batch=4):
             except Exception as e:  # an impl that cannot run this case is reported, not hidden
                 msg = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
                 rows.append(dict(base, impl=name, pass_=pass_, ms=None, tflops=None, error=msg))
-    times = [[] for _ in compiled]
+    times, errors = [[] for _ in compiled], [None for _ in compiled]
     for r in range(rounds):
         for i, (_, exe, _) in enumerate(compiled):
-            times[i].append(median_seconds(exe, (q, k, v), reps, warmup=1, warm_seconds=0.3 if r == 0 else 0.05, batch=batch))
-    for (row, _, flops), t in zip(compiled, times):
+            if errors[i] is not None:
+                continue
+            try:
+                times[i].append(median_seconds(exe, (q, k, v), reps, warmup=1, warm_seconds=0.3 if r == 0 else 0.05,
+                                               batch=batch))
+            except Exception as e:  # e.g. out of memory with `batch` calls in flight: reported, the rest go on
+                errors[i] = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
+    for (row, _, flops), t, err in zip(compiled, times, errors):
+        if err is not None:
+            rows.append(dict(row, ms=None, tflops=None, error=err))
+            continue
         sec = float(np.median(t))
         rows.append(dict(row, ms=sec * 1e3, tflops=flops / sec / 1e12, ms_rounds=[x * 1e3 for x in t]))
     order = {name: i for i, name in enumerate(_impls(causal, window))}
