@@ -21,33 +21,19 @@ import sys
 
 def run(cases, configs, d, h=16):
     import jax
-    import jax.numpy as jnp
     import torch
 
-    from ejgen.ops import flash_attention
+    from tune_triton import case_fns, case_inputs  # this directory's sweep: the same cases and settings
 
     calls = []
     for case in cases.split(","):
-        s, causal, *window = (int(x) for x in case.split(":"))
-        window = (window[0], 0) if window else None
-        b = 32768 // s
-        ks = jax.random.split(jax.random.PRNGKey(s), 4)
-        q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in ks[:3])
-        do = jax.random.normal(ks[3], (b, s, h, d), jnp.bfloat16)
+        label, causal, window, args, do = case_inputs(case, d, h)
         for cfg in configs:
-            if cfg == "cudnn":
-                f = lambda q, k, v, c=causal, w=window: jax.nn.dot_product_attention(
-                    q, k, v, is_causal=bool(c), local_window_size=w, implementation="cudnn")
-            else:
-                os.environ["EJGEN_TRITON_CONFIG"] = cfg
-                f = lambda q, k, v, c=causal, w=window: flash_attention(
-                    q, k, v, causal=bool(c), sliding_window=w, platform="triton")
-            g = lambda q, k, v, f=f, do=do: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do),
-                                                     (0, 1, 2))(q, k, v)
-            fn = jax.jit(g).lower(q, k, v).compile()  # the config is read while tracing
+            _, g = case_fns(cfg, causal, window, do)
+            fn = jax.jit(g).lower(*args).compile()  # the config is read while tracing
             for _ in range(3):
-                jax.block_until_ready(fn(q, k, v))
-            calls.append((f"S={s} causal={causal} window={window} {cfg or 'table'}", fn, (q, k, v)))
+                jax.block_until_ready(fn(*args))
+            calls.append((f"{label} {cfg or 'table'}", fn, args))
     os.environ.pop("EJGEN_TRITON_CONFIG", None)
     marker = torch.zeros(1, device="cuda")
     torch.cuda.synchronize()

@@ -183,30 +183,43 @@ class _gpu_turn:
         pass
 
 
+def case_inputs(case: str, d: int, h: int = 16):
+    """"S:causal[:left window]" -> (label, causal, window, (q, k, v), dO): bf16, B * S = 32k tokens."""
+    s, causal, *window = (int(x) for x in case.split(":"))
+    window = (window[0], 0) if window else None
+    b = 32768 // s
+    ks = jax.random.split(jax.random.PRNGKey(s), 4)
+    q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in ks[:3])
+    do = jax.random.normal(ks[3], (b, s, h, d), jnp.bfloat16)
+    return f"S={s} causal={causal} window={window}", bool(causal), window, (q, k, v), do
+
+
+def case_fns(cfg: str, causal: bool, window, do):
+    """(forward, forward+backward) of one setting: 'cudnn' (the peer), or an EJGEN_TRITON_CONFIG value
+    ('' = the table; set here, read when the functions are traced)."""
+    if cfg == "cudnn":
+        f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window,
+                                                         implementation="cudnn")
+    else:
+        os.environ["EJGEN_TRITON_CONFIG"] = cfg
+        f = lambda q, k, v: flash_attention(q, k, v, causal=causal, sliding_window=window, platform="triton")
+    g = lambda q, k, v: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do), (0, 1, 2))(q, k, v)
+    return f, g
+
+
 def compare(configs, cases, d, h=16):
     for case in cases.split(","):
-        s, causal, *window = (int(x) for x in case.split(":"))
-        window = (window[0], 0) if window else None
-        b = 32768 // s
-        ks = jax.random.split(jax.random.PRNGKey(s), 4)
-        q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in ks[:3])
-        do = jax.random.normal(ks[3], (b, s, h, d), jnp.bfloat16)
+        label, causal, window, (q, k, v), do = case_inputs(case, d, h)
         for cfg in configs:
-            if cfg == "cudnn":
-                f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=bool(causal), local_window_size=window,
-                                                                 implementation="cudnn")
-            else:
-                os.environ["EJGEN_TRITON_CONFIG"] = cfg
-                f = lambda q, k, v: flash_attention(q, k, v, causal=bool(causal), sliding_window=window, platform="triton")
-            g = lambda q, k, v: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do), (0, 1, 2))(q, k, v)
+            f, g = case_fns(cfg, causal, window, do)
             try:
                 f_c, g_c = jax.jit(f).lower(q, k, v).compile(), jax.jit(g).lower(q, k, v).compile()  # CPU work: side by side
                 with _gpu_turn():
                     t_f, t_fb = bench(f_c, (q, k, v), reps=30, warmup=3), bench(g_c, (q, k, v), reps=20, warmup=2)
-                print(f"S={s} causal={causal} window={window} {cfg or 'table':60} fwd {t_f * 1e3:7.3f} ms  "
+                print(f"{label} {cfg or 'table':60} fwd {t_f * 1e3:7.3f} ms  "
                       f"fwd+bwd {t_fb * 1e3:7.3f} ms", flush=True)
             except Exception as e:
-                print(f"S={s} causal={causal} window={window} {cfg or 'table':60} failed: {str(e).splitlines()[0][:100]}",
+                print(f"{label} {cfg or 'table':60} failed: {str(e).splitlines()[0][:100]}",
                       flush=True)
     os.environ.pop("EJGEN_TRITON_CONFIG", None)
     return 0

@@ -1,12 +1,12 @@
 """The dS band (`band` dkdv flag): with a sliding window the dK/dV kernel also stores its dS tiles (the
 window's band of key blocks per query block, input dtype), and dQ = scale * dS @ K runs as one matmul
-per tile (`_bwd_dq_band_kernel`) instead of a dQ kernel that recomputes the logits and dP.
+per tile (the dQ kernel's BAND path) instead of a dQ kernel that recomputes the logits and dP.
 
 In Triton's interpreter (and natively on a GPU), against the float64 oracle: outputs, lse and every
 gradient, on causal and two-sided windows, Sq != Sk (the band's bottom-right alignment), GQA (one band
 row per query head), ragged ends, soft cap, sinks and bias (not PLAIN: masked ds), float32 with a head
 dim that is not a power of two, segments (a mask known at run time) and varlen sequences. A spy checks
-that the band kernel ran and the recomputing dQ kernel did not.
+that the dQ kernel ran over the band, after the dK/dV kernel, and not its recomputing loop.
 """
 
 from __future__ import annotations
@@ -33,10 +33,16 @@ CASES = [  # (id, shape, features, dkdv config)
 ]
 
 
+def _backward_passes(launches):
+    """(pass, BAND, DQ_DELTA) of each backward launch, in order."""
+    return [(pass_, kw["BAND"], kw["DQ_DELTA"]) for pass_, kw in launches if pass_ != "fwd"]
+
+
 def _ran_with_band(launches):
-    passes = [pass_ for pass_, _ in launches]
-    assert "band" in passes and "dq" not in passes, passes
-    assert all(kw["BAND"] == (pass_ in ("dkdv", "band")) for pass_, kw in launches), launches
+    """The dK/dV kernel stored the band, then the dQ kernel ran over it (not the recomputing loop, and
+    not computing delta: that came from XLA before the dK/dV kernel)."""
+    assert _backward_passes(launches) == [("dkdv", True, False), ("dq", True, False)], launches
+    assert all(not kw["BAND"] for pass_, kw in launches if pass_ == "fwd"), launches
 
 
 @pytest.mark.parametrize("shape,features,conf", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -89,12 +95,13 @@ def test_a_table_band_falls_back_where_the_window_is_too_wide(monkeypatch, trito
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
     monkeypatch.setattr(triton_attention, "BAND_MAX_RATIO", 1)  # at most 72 columns: 16x16 tiles, 4 blocks
     q = jnp.ones((1, 128, 2, 72), jnp.bfloat16)
-    for window, passes in (((8, 0), {"fwd", "dkdv", "band"}), ((100, 0), {"fwd", "dkdv", "dq"})):
+    for window, passes in (((8, 0), [("dkdv", True, False), ("dq", True, False)]),
+                           ((100, 0), [("dq", False, True), ("dkdv", False, False)])):
         triton_launches.clear()
         loss = lambda q: flash_attention(q, q, q, causal=True, sliding_window=window, platform="triton").astype(
             jnp.float32).sum()
         jax.grad(loss)(q)
-        assert {pass_ for pass_, _ in triton_launches} == passes, (window, triton_launches)
+        assert _backward_passes(triton_launches) == passes, (window, triton_launches)
 
 
 @pytest.mark.parametrize("pin,message", [
@@ -138,6 +145,6 @@ def test_band_kernels_compile_for_hopper():
 
     compiled = compile_in_subprocess("ejgen.generated", "flash_attention", capability=90, num_warps=4, num_stages=2,
                                      causal=True, window=True, block_m=64, block_n=64, staged=False, band=True)
-    for name in ("bwd_dkdv_kernel", "bwd_dq_band_kernel"):
+    for name in ("bwd_dkdv_kernel", "bwd_dq_kernel"):  # compiled with BAND
         c = compiled[name]
         assert c["cubin"] and c["wgmma"] and c["shared"] <= 232448, (name, c)

@@ -124,24 +124,30 @@ INTERPRET_BLOCKS = BlockSizes(32, 16)
 GPU_SHARED_MEMORY = 227 * 1024
 
 
-def gpu_blocks(kernel: str, d: int, dv: int, dtype, cfg, interpret: bool = False) -> BlockSizes:
-    """The table's tiles, shrunk where the kernel would not fit in shared memory: a bias or dense mask
-    streams a [block_q, block_k] tile (float32 or int8) through every step besides the q/k/v tiles, and
-    Triton multi-buffers each step's tiles once per pipeline stage. Fewer stages first (down to two),
-    then a halved loop block, then one stage."""
-    blocks = BlockSizes.get_default(kernel, max(d, dv), dtype, interpret)
-    tile = (4 if cfg.bias else 0) + (1 if cfg.dense_mask else 0)  # bytes per (query, key) pair of a step
-    if interpret or not tile:
-        return blocks
+def gpu_shared_bytes(kernel: str, blocks: BlockSizes, d: int, dv: int, dtype, cfg) -> int:
+    """An upper estimate of a GPU kernel's shared memory: its loop's tiles per step (q/k/v, and a bias
+    (float32) or dense mask (int8) tile of [block_q, block_k]) once per pipeline stage, plus the tiles
+    that stay (the dK/dV kernel loops over query blocks, keeping k and v; the others over key blocks,
+    keeping q, and dO in the dQ kernel)."""
     size, dp, dvp = jnp.dtype(dtype).itemsize, _rt.pow2(d), _rt.pow2(dv)
+    tile = (4 if cfg.bias else 0) + (1 if cfg.dense_mask else 0)
+    if kernel == "dkdv":
+        step, resident = blocks.block_q * (dp + dvp) * size, blocks.block_k * (dp + dvp) * size
+    else:
+        step = blocks.block_k * (dp + dvp) * size
+        resident = blocks.block_q * (dp + (dvp if kernel == "dq" else 0)) * size
+    return blocks.num_stages * (step + blocks.block_q * blocks.block_k * tile) + resident
 
-    def estimate(b):
-        if kernel == "dkdv":  # the loop runs over query blocks
-            step, resident = b.block_q * (dp + dvp) * size, b.block_k * (dp + dvp) * size
-        else:  # over key blocks; the dQ kernel keeps dO beside q
-            step, resident = b.block_k * (dp + dvp) * size, b.block_q * (dp + (dvp if kernel == "dq" else 0)) * size
-        return b.num_stages * (step + b.block_q * b.block_k * tile) + resident
 
+def gpu_blocks(kernel: str, d: int, dv: int, dtype, cfg, interpret: bool = False) -> BlockSizes:
+    """The table's tiles, shrunk where the kernel would not fit in shared memory (`gpu_shared_bytes`):
+    a bias or dense mask streams a [block_q, block_k] tile through every step besides the q/k/v tiles,
+    and Triton multi-buffers each step's tiles once per pipeline stage. Fewer stages first (down to
+    two), then a halved loop block, then one stage."""
+    blocks = BlockSizes.get_default(kernel, max(d, dv), dtype, interpret)
+    if interpret or not (cfg.bias or cfg.dense_mask):
+        return blocks
+    estimate = lambda b: gpu_shared_bytes(kernel, b, d, dv, dtype, cfg)
     loop = "block_q" if kernel == "dkdv" else "block_k"
     while estimate(blocks) > GPU_SHARED_MEMORY:
         if blocks.num_stages > 2:

@@ -236,10 +236,8 @@ BAND_MAX_RATIO = 16
 
 
 def _band_blocks(conf, cfg, d: int) -> int:
-    """Key blocks in a query block's dS band with the `band` flag (0: no band). A sliding window bounds
-    the keys a query block of BLOCK_M rows sees to BLOCK_M - 1 + left + right; two more blocks for the
-    alignment of its ends; never more than the keys' blocks. A pinned config that cannot use it is an
-    error; the table's falls back."""
+    """Key blocks in a query block's dS band with the `band` flag (0: no band; `triton_configs.band_blocks`). A pinned
+    config that cannot use it is an error; the table's falls back."""
     if not conf.band:
         return 0
     pinned = triton_configs.pinned("dkdv")
@@ -248,7 +246,7 @@ def _band_blocks(conf, cfg, d: int) -> int:
         problem = "'band' and 'atomic' are two ways to dQ: pick one"
     elif not cfg.window:
         problem = "'band' needs a sliding window (the band of key blocks a query block visits)"
-    blocks = min((conf.block_m - 1 + cfg.window_span) // conf.block_n + 2, max(_cdiv(_longest(cfg, False), conf.block_n), 1))
+    blocks = triton_configs.band_blocks(conf.block_m, conf.block_n, cfg.window_span, _longest(cfg, False))
     if problem is None and blocks * conf.block_n > BAND_MAX_RATIO * d:
         problem = (f"the window's dS band ({blocks * conf.block_n} columns) is over {BAND_MAX_RATIO}x the head dim "
                    f"({d}): too much memory")
@@ -277,24 +275,30 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     n_seq = _grid_batch(q, ctx, cfg)
 
     conf = _config(layout, "dkdv", max(d, dv), bits, cfg)
-    band = _band_blocks(conf, cfg, d)  # dS tiles stored for a dQ kernel of one matmul per tile
+    band = _band_blocks(conf, cfg, d)  # dS tiles stored for a dQ pass of one matmul per tile
     atomic = conf.atomic  # dQ from the dK/dV kernel, added in float32 (zeroed below)
+    dq_conf = _config(layout, "dq", max(d, dv), bits, cfg)
+
+    def dq_kernel(consts, block_m, tuned, delta_in, o_fwd, ds_band):
+        """(dq, delta out) from the dQ kernel; DELTA_OUT is written only with DQ_DELTA."""
+        grid, largest = _grid(_longest(cfg, True), block_m, n_seq * hq, tuned, "block_m")
+        delta_out = (batch, hq, sq) if consts["DQ_DELTA"] else (1,)
+        dq, delta, _ = triton_call.launch(
+            getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid,
+            [q4, k, v, do4, lse3, delta_in, *scalars, *features, *params, o_fwd, ds_band],
+            [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct(delta_out, jnp.float32),
+             _scratch(largest)],
+            zeroed=(0, 1) if cfg.varlen else (),
+            num_warps=dq_conf.num_warps, num_stages=dq_conf.num_stages, autotune=tuned, **consts)
+        return dq, delta
+
     dq = None
     if atomic or band:  # the dK/dV kernel runs first: delta from one pass of XLA over dO and O
         delta3 = _delta(out, d_out, d_lse).reshape(batch, hq, sq)
     else:  # the dQ kernel runs first and computes delta on the way (its tiles of dO are loaded anyway)
-        dq_conf = _config(layout, "dq", max(d, dv), bits, cfg)
         dq_consts = dict(_constexprs(layout, q, k, v, cfg, dq_conf, features[0], features[3], aux), DQ_DELTA=True)
-        tuned = _autotune(layout, "dq", dq_conf)
-        grid, largest = _grid(_longest(cfg, True), dq_conf.block_m, n_seq * hq, tuned, "block_m")
-        dq_inputs = [q4, k, v, do4, lse3, d_lse.reshape(batch, hq, sq), *scalars, *features, *params,
-                     out.reshape(batch, sq, hq, dv)]
-        dq, delta3, _ = triton_call.launch(
-            getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid, dq_inputs,
-            [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
-             _scratch(largest)],
-            zeroed=(0, 1) if cfg.varlen else (),
-            num_warps=dq_conf.num_warps, num_stages=dq_conf.num_stages, autotune=tuned, **dq_consts)
+        dq, delta3 = dq_kernel(dq_consts, dq_conf.block_m, _autotune(layout, "dq", dq_conf),
+                               d_lse.reshape(batch, hq, sq), out.reshape(batch, sq, hq, dv), _dummy(q.dtype))
     inputs = [q4, k, v, do4, lse3, delta3, *scalars, *features, *params]
 
     consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
@@ -322,14 +326,8 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
 
     if atomic:
         dq = dq_acc.astype(q.dtype)
-    elif band:  # the dK/dV kernel's tiles and constexprs; the dq config's warps and stages
-        dq_conf = _config(layout, "dq", max(d, dv), bits, cfg)
-        grid = (max(_cdiv(_longest(cfg, True), conf.block_m), 1), n_seq * hq)
-        dq, _ = triton_call.launch(
-            getattr(kernels, f"{layout.name}_bwd_dq_band_kernel"), grid, inputs + [ds_band],
-            [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), _scratch(grid)],
-            zeroed=(0,) if cfg.varlen else (),
-            num_warps=dq_conf.num_warps, num_stages=dq_conf.num_stages, autotune=None, **consts)
+    elif band:  # the dQ kernel over the band: the dK/dV kernel's tiles and constexprs, the dq config's warps
+        dq, _ = dq_kernel(consts, conf.block_m, None, delta3, _dummy(q.dtype), ds_band)
     delta = delta3.reshape(batch, hkv, groups, sq)
 
     dctx = {}

@@ -132,6 +132,13 @@ def loops(seq: int, causal: bool, window: bool) -> str:
     return "causal" if causal else "full"
 
 
+def band_blocks(block_m: int, block_n: int, window_span: int, seq_k: int) -> int:
+    """Key blocks a query block of block_m rows can visit under a window of left + right = window_span
+    keys: its keys span block_m - 1 + window_span, two more blocks for the alignment of the ends, never
+    more than the keys' blocks."""
+    return min((block_m - 1 + window_span) // block_n + 2, max(-(-seq_k // block_n), 1))
+
+
 def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int = 0, causal: bool = False,
          window: bool = False) -> KernelConfig:
     """The config of one kernel: pinned (EJGEN_TRITON_CONFIG), else tuned (`ejgen tune`'s cache),

@@ -19,14 +19,15 @@ import subprocess
 import sys
 import tempfile
 
+from ejgen.runtime.triton_configs import band_blocks
+
 _DTYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 
 
 def _signature(kernel, dtype: str, params: dict) -> dict:
     ptr = {"SCRATCH": "*u8", "F32": "*fp32", "I32": "*i32", "BIAS": "*fp32", "QSEG": "*i32", "KVSEG": "*i32", "MASK": "*i8",
            "CU_Q": "*i32", "CU_K": "*i32", "AUX": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DBIAS": "*fp32",
-           "DQ_ACC": "*fp32"}
-    ptr["DELTA_OUT"] = "*fp32"
+           "DQ_ACC": "*fp32", "DELTA_OUT": "*fp32"}
     for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_OUT", "DS_BAND", "O_FWD"):
         ptr[name] = _DTYPES[dtype]
     for p, dt in params.items():
@@ -46,7 +47,7 @@ def constexprs(*, batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128, block_
                 MASK_HEADS=1, VARLEN=varlen, RUNTIME_MASK=runtime_mask or segments or dense,
                 PLAIN=not (softcap or bias), STAGED=staged,
                 PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False, TMA=tma, WS=ws, ATOMIC_DQ=atomic_dq,
-                BAND=band, BAND_BLOCKS=(block_m - 1 + 1024) // block_n + 2 if band else 1,
+                BAND=band, BAND_BLOCKS=band_blocks(block_m, block_n, 1024, seq) if band else 1,  # a (1024, 0) window
                 BAND_TMA=band and not varlen and dtype != "float32",
                 DQ_DELTA=not (atomic_dq or band))
 
@@ -60,7 +61,7 @@ def compile_attention(package: str, name: str, *, capability: int = 90, params: 
     module = importlib.import_module(f"{package}.{name}.triton_kernels")
     consts = constexprs(dtype=dtype, **config)
     compiled = {}
-    for suffix in ("fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel") + (("bwd_dq_band_kernel",) if config.get("band") else ()):
+    for suffix in ("fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"):
         kernel = getattr(module, f"{name}_{suffix}")
         sig = _signature(kernel, dtype, params or {})
         # jax-triton promises 16-byte aligned arrays (tt.divisibility 16): without it Triton cannot use

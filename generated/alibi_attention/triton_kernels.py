@@ -346,7 +346,7 @@ def alibi_attention_bwd_dkdv_kernel(
 ):
     """One key block of one kv head: dK, dV over every query head of its group (no atomics); with
     ATOMIC_DQ also dQ, added in float32 to DQ_ACC (zeroed; [B, SEQ_Q, HQ, D] like q) by every key block;
-    with BAND the dS tiles into DS_BAND ([B, HQ, SEQ_Q, BAND_BLOCKS * BLOCK_N]) for `_bwd_dq_band_kernel`."""
+    with BAND the dS tiles into DS_BAND ([B, HQ, SEQ_Q, BAND_BLOCKS * BLOCK_N]) for the dQ kernel's BAND path."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     off_b = i_bh // HKV
@@ -444,14 +444,43 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
 
 
 @triton.jit
+def _dq_band_inner(b_dq, p_band, p_k, n_lo, n_hi, i_m, o_pos, off_b, off_hk, q_len, kv_len, I32, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr):
+    """dQ += dS @ K over the query block's band (rows at p_band, a column block per key block from n_lo).
+    A tile is read only where the dK/dV program of its key block visited this query block, so nothing
+    unwritten is read; every pair that program skips sees no key."""
+    o_d = tl.arange(0, D_PAD)
+    r_m = tl.arange(0, BLOCK_M)
+    r_n = tl.arange(0, BLOCK_N)
+    for i_n in range(n_lo, n_hi):
+        k0 = i_n * BLOCK_N
+        q_lo, q_hi, _, _ = _other_blocks(k0, tl.minimum(k0 + BLOCK_N, kv_len) - 1, q_len, I32, BLOCK_M,
+                                         tl.cdiv(q_len, BLOCK_M), q_len, kv_len, False, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
+        # its rows, if visited (as a row bound: the interpreter does not keep `&` of a tile and a scalar boolean)
+        rows = tl.where((i_m >= q_lo) & (i_m < q_hi), q_len, 0)
+        b_ds = tl.load(p_band + r_m[:, None] * (BAND_BLOCKS * BLOCK_N) + (i_n - n_lo) * BLOCK_N + r_n[None, :],
+                       mask=(o_pos[:, None] < rows) & (r_n[None, :] < BLOCK_N), other=0.0)
+        if TMA:  # p_k is a tensor descriptor
+            b_k = _tile(p_k, off_b, k0, off_hk * D, BLOCK_N, D_PAD)
+        else:
+            o_kpos = k0 + r_n
+            b_k = tl.load(p_k + o_kpos[:, None].to(tl.int64) * (HKV * D) + o_d[None, :],
+                          mask=(o_kpos < kv_len)[:, None] & (o_d[None, :] < D), other=0.0)  # [BLOCK_N, D_PAD]
+        b_dq = _dot_acc(b_ds, b_k, b_dq, PRECISION, UPCAST)
+    return b_dq
+
+
+@triton.jit
 def alibi_attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_slopes, O_FWD,
+    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_slopes, O_FWD, DS_BAND,
     DQ, DELTA_OUT, SCRATCH,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
 ):
     """dQ of one query block over its key blocks. DQ_DELTA: this kernel runs first and computes
     delta = rowsum(dO * O) - d lse itself (DELTA then holds d lse; O_FWD is the forward's output),
-    writing it to DELTA_OUT for the dK/dV kernel: no separate pass over dO and O."""
+    writing it to DELTA_OUT for the dK/dV kernel: no separate pass over dO and O. BAND: it runs after
+    the dK/dV kernel, with its tiles, and dQ = scale * dS @ K over the dS tiles that kernel stored in
+    DS_BAND (`_dq_band_inner`): one matmul per tile instead of three."""
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: less idle tail
         i_m = tl.num_programs(0) - 1 - i_m
@@ -495,7 +524,11 @@ def alibi_attention_bwd_dq_kernel(
                                      True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
     b_dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if i_m * BLOCK_M < q_len:
-        if STAGED:
+        if BAND:  # lo: the first key block this query block visits, column 0 of its band rows
+            p_band = DS_BAND + ((batch * HQ + off_h).to(tl.int64) * SEQ_Q + row_q + i_m * BLOCK_M) * (BAND_BLOCKS * BLOCK_N)
+            b_dq = _dq_band_inner(b_dq, p_band, p_k, lo, tl.minimum(hi, lo + BAND_BLOCKS), i_m, o_pos, off_b, off_hk,
+                                  q_len, kv_len, I32, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
+        elif STAGED:
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, flo, fhi, scale, q_idx, o_m[:, None], row_k,
                              off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                              PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, True)
@@ -509,55 +542,4 @@ def alibi_attention_bwd_dq_kernel(
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, hi, flo, fhi, scale, q_idx, o_m[:, None], row_k,
                              off_b, off_h, off_hk, q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                              PARAM_slopes, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, True)
-    tl.store(DQ + o_q, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & (o_d[None, :] < D))
-
-
-@triton.jit
-def alibi_attention_bwd_dq_band_kernel(
-    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_slopes, DS_BAND,
-    DQ, SCRATCH,
-    B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
-):
-    """BAND: dQ = scale * dS @ K over the dS tiles the dK/dV kernel stored, one matmul per tile instead of
-    recomputing the logits and dP (three). The dK/dV kernel's tiles (BLOCK_M queries, BLOCK_N keys); a
-    tile is read only where that kernel visited it (its query blocks of the key block), so nothing
-    unwritten is read; every pair it skips sees no key."""
-    i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    off_b = i_bh // HQ
-    off_h = i_bh % HQ
-    off_hk = off_h // (HQ // HKV)
-    row_q, row_k, q_len, kv_len = _sequence(CU_Q, CU_K, off_b, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
-    batch = 0 if VARLEN else off_b
-    scale = tl.load(F32)
-    o_pos = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_m = o_pos < q_len
-    o_d = tl.arange(0, D_PAD)
-    r_m = tl.arange(0, BLOCK_M)
-    r_n = tl.arange(0, BLOCK_N)
-    q_row0 = (batch * SEQ_Q + row_q + i_m * BLOCK_M).to(tl.int64)  # the block's first query row in the tensor
-    o_q = q_row0 * (HQ * D) + off_h * D + r_m[:, None] * (HQ * D) + o_d[None, :]  # [BLOCK_M, D_PAD]
-    kv_row0 = (batch * SEQ_K + row_k).to(tl.int64)
-    p_k = K + kv_row0 * (HKV * D) + off_hk * D
-    band0 = ((batch * HQ + off_h).to(tl.int64) * SEQ_Q + row_q + i_m * BLOCK_M) * (BAND_BLOCKS * BLOCK_N)
-    lo = _band_start(i_m, I32, q_len, kv_len, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
-    x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
-    _, hi, _, _ = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
-                                True, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
-    hi = tl.minimum(hi, lo + BAND_BLOCKS)
-    b_dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    if i_m * BLOCK_M < q_len:
-        for i_n in range(lo, hi):
-            k0 = i_n * BLOCK_N
-            q_lo, q_hi, _, _ = _other_blocks(k0, tl.minimum(k0 + BLOCK_N, kv_len) - 1, q_len, I32, BLOCK_M,
-                                             tl.cdiv(q_len, BLOCK_M), q_len, kv_len, False, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
-            # rows the dK/dV program of key block i_n stored: all of this block's, if it visited it (as row
-            # bounds: the interpreter does not keep `&` of a tile and a scalar boolean)
-            rows = tl.where((i_m >= q_lo) & (i_m < q_hi), q_len, 0)
-            b_ds = tl.load(DS_BAND + band0 + r_m[:, None] * (BAND_BLOCKS * BLOCK_N) + (i_n - lo) * BLOCK_N + r_n[None, :],
-                           mask=(o_pos[:, None] < rows) & (r_n[None, :] < BLOCK_N), other=0.0)
-            o_kpos = k0 + r_n
-            b_k = tl.load(p_k + o_kpos[:, None].to(tl.int64) * (HKV * D) + o_d[None, :],
-                          mask=(o_kpos < kv_len)[:, None] & (o_d[None, :] < D), other=0.0)  # [BLOCK_N, D_PAD]
-            b_dq = _dot_acc(b_ds, b_k, b_dq, PRECISION, UPCAST)
     tl.store(DQ + o_q, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & (o_d[None, :] < D))
