@@ -11,6 +11,7 @@ that the dQ kernel ran over the band, after the dK/dV kernel, and not its recomp
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -77,24 +78,25 @@ def test_band_with_varlen(monkeypatch, triton_launches, run_vjp):
 
 
 def test_a_table_band_falls_back_where_the_window_is_too_wide(monkeypatch, triton_launches):
-    """The band is opt-in (off in the table: measured slower, triton_configs). A table row that has it
-    (here patched in) is mirrored by the interpreter, runs for a narrow window and recomputes dS in the
-    dQ kernel where the band would take too much memory; without a window there is no band."""
-    import dataclasses
-
-    import jax
-
+    """The table's window row has the band (16-bit, head dims 65-128; measured faster, triton_configs), and
+    the interpreter mirrors it: it runs for a narrow window and recomputes dS in the dQ kernel where the
+    band would take too much memory; without a window there is no band."""
     from ejgen.ops import flash_attention
 
-    assert not any(c.band for rows in triton_configs._SPECIAL.values() for _, _, c in rows)
-    row = triton_configs._SPECIAL[("sm90", "dkdv", "window")]
-    monkeypatch.setitem(triton_configs._SPECIAL, ("sm90", "dkdv", "window"),
-                        [(lo, hi, dataclasses.replace(c, band=True)) for lo, hi, c in row])
+    assert [key for key, rows in triton_configs._SPECIAL.items() if any(c.band for _, _, c in rows)] == [
+        ("sm90", "dkdv", "window")]
+    assert triton_configs.pick("sm90", "dkdv", 128, 16, 16384, True, True).band
+    assert not triton_configs.pick("sm90", "dkdv", 128, 32, 16384, True, True).band  # f32: the generic table
     assert triton_configs.pick("interpret", "dkdv", 128, 16, 16384, True, True).band
     assert not triton_configs.pick("interpret", "dkdv", 128, 16, 16384, True, False).band
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
-    monkeypatch.setattr(triton_attention, "BAND_MAX_RATIO", 1)  # at most 72 columns: 16x16 tiles, 4 blocks
-    q = jnp.ones((1, 128, 2, 72), jnp.bfloat16)
+    seq, d = 256, 72
+    conf = triton_configs.pick(triton_attention._arch(), "dkdv", d, 16, seq, True, True)  # 16x16 here, 64x64 on a GPU
+    narrow, wide = (triton_configs.band_blocks(conf.block_m, conf.block_n, left, seq) * conf.block_n for left in (8, 100))
+    ratio = -(-narrow // d)
+    assert narrow <= ratio * d < wide, (conf, narrow, wide)
+    monkeypatch.setattr(triton_attention, "BAND_MAX_RATIO", ratio)  # the (8, 0) window's band fits, (100, 0)'s not
+    q = jnp.ones((1, seq, 2, d), jnp.bfloat16)
     for window, passes in (((8, 0), [("dkdv", True, False), ("dq", True, False)]),
                            ((100, 0), [("dq", False, True), ("dkdv", False, False)])):
         triton_launches.clear()

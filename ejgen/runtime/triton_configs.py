@@ -105,19 +105,21 @@ def _override(pass_: str) -> KernelConfig | None:
 # pays one pipeline fill; dK/dV 64x64 w4 s2 likewise (99 KB: two per SM; per-kernel times under
 # Nsight Compute, v7: window 1057 against 1182 us at 64x128 w8, 4k causal 1927 against 2023 us);
 # dQ 64x64 w4 s2 for the window only (788 against 856 us; at 4k causal it is slower, 1580 against 1388).
-# The dS band (`band`: dQ as one matmul per stored dS tile) is off: its dQ kernel takes 385 against 795 us,
-# but storing the tiles costs the dK/dV kernel 1386 against 1060 us (descriptor stores; 1517 with pointer
-# stores), and in wall time it lost (window 3.18 against 3.06 ms, 4k window 512: 2.51 against 2.12) — with a
-# memset of the whole band per call in those wall times (ncu does not see it; removed since): re-measure.
+# The dS band (`band`: dQ as one matmul per stored dS tile) for windows: its dQ kernel takes 385 against 795 us,
+# storing the tiles costs the dK/dV kernel 1386 against 1060 us (Nsight Compute, v7), and in wall time, once the
+# band was no longer zeroed per call, it wins (session 6, same-run sweep: window (16k, 1024) fwd+bwd 2.90 against
+# 3.15 ms, cuDNN 2.89; (4k, 512) 1.80 against 2.05, cuDNN 1.92). Where the band would be wider than
+# BAND_MAX_RATIO x the head dim (triton_attention), the dQ kernel recomputes dS instead.
 # "causal" (longer): the merged loop at 128x128 (fewer registers than three loops).
 # (arch, pass, loops) -> [(min head dim, max head dim, config)]
 _SHORT_FWD = KernelConfig(128, 64, 4, 2, tma=True, merged=True)
 _SHORT_DKDV = KernelConfig(64, 64, 4, 2, merged=True)
+_WINDOW_DKDV = KernelConfig(64, 64, 4, 2, merged=True, band=True)
 _SPECIAL = {
     ("sm90", "fwd", "window"): [(65, 128, _SHORT_FWD)],
     ("sm90", "fwd", "short"): [(65, 128, _SHORT_FWD)],
     ("sm90", "fwd", "causal"): [(65, 128, KernelConfig(128, 128, 8, 3, tma=True, merged=True))],
-    ("sm90", "dkdv", "window"): [(65, 128, _SHORT_DKDV)],
+    ("sm90", "dkdv", "window"): [(65, 128, _WINDOW_DKDV)],
     ("sm90", "dkdv", "short"): [(65, 128, _SHORT_DKDV)],
     ("sm90", "dq", "window"): [(65, 128, KernelConfig(64, 64, 4, 2, merged=True))],
 }

@@ -313,18 +313,19 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_q, p_do, p_dq, p
                                      o_m, o_n, off_b, off_h, q_len, kv_len, i_m, f_lo, f_hi, F32, I32, BIAS, QSEG, KVSEG, MASK,
                                      B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA, MASKED)  # [BLOCK_N, BLOCK_M]
         b_dv = _dot_acc(pt.to(b_do.dtype), b_do, b_dv, PRECISION, UPCAST)
-        b_dk = _dot_acc(ds0t.to(b_qt.dtype), tl.trans(b_qt), b_dk, PRECISION, UPCAST)
+        ds_in = ds0t.to(b_qt.dtype)  # one rounding for dK and the band: 16-bit registers live until the store
+        b_dk = _dot_acc(ds_in, tl.trans(b_qt), b_dk, PRECISION, UPCAST)
         if BAND:
             col = i_kb - _band_start(i_m, I32, q_len, kv_len, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)  # this key block's place in the band
             if BAND_TMA:  # p_band: a descriptor; the tile goes out as an asynchronous bulk store
                 if (col >= 0) & (col < BAND_BLOCKS):
                     p_band.store([off_b * HQ + off_h, i_m * BLOCK_M, col * BLOCK_N],
-                                 tl.trans(ds0t).to(b_do.dtype).reshape(1, BLOCK_M, BLOCK_N))
+                                 tl.trans(ds_in).reshape(1, BLOCK_M, BLOCK_N))
             else:
                 r_kn = tl.arange(0, BLOCK_N)
                 p_ds = p_band + o_pos[None, :].to(tl.int64) * (BAND_BLOCKS * BLOCK_N) + col * BLOCK_N + r_kn[:, None]
                 in_band = (r_kn[:, None] + col * BLOCK_N >= 0) & (r_kn[:, None] + col * BLOCK_N < BAND_BLOCKS * BLOCK_N)
-                tl.store(p_ds, ds0t.to(p_band.dtype.element_ty), mask=m_m[None, :] & in_band)
+                tl.store(p_ds, ds_in, mask=m_m[None, :] & in_band)
         if ATOMIC_DQ:
             b_dq = _dot(tl.trans(ds0t.to(b_k.dtype)), b_k, PRECISION, UPCAST) * scale  # [BLOCK_M, D_PAD]
             if TMA:  # a bulk reduction through the tensor-memory accelerator
@@ -444,9 +445,10 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
 
 
 @triton.jit
-def _dq_band_inner(b_dq, p_band, p_k, n_lo, n_hi, i_m, o_pos, off_b, off_hk, q_len, kv_len, I32, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dq_band_inner(b_dq, p_band, p_k, n_lo, n_hi, i_m, o_pos, off_b, off_h, off_hk, q_len, kv_len, I32, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr):
-    """dQ += dS @ K over the query block's band (rows at p_band, a column block per key block from n_lo).
+    """dQ += dS @ K over the query block's band (rows at p_band, or the band's descriptor with BAND_TMA; a column
+    block per key block from n_lo).
     A tile is read only where the dK/dV program of its key block visited this query block, so nothing
     unwritten is read; every pair that program skips sees no key."""
     o_d = tl.arange(0, D_PAD)
@@ -458,8 +460,12 @@ def _dq_band_inner(b_dq, p_band, p_k, n_lo, n_hi, i_m, o_pos, off_b, off_hk, q_l
                                          tl.cdiv(q_len, BLOCK_M), q_len, kv_len, False, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
         # its rows, if visited (as a row bound: the interpreter does not keep `&` of a tile and a scalar boolean)
         rows = tl.where((i_m >= q_lo) & (i_m < q_hi), q_len, 0)
-        b_ds = tl.load(p_band + r_m[:, None] * (BAND_BLOCKS * BLOCK_N) + (i_n - n_lo) * BLOCK_N + r_n[None, :],
-                       mask=(o_pos[:, None] < rows) & (r_n[None, :] < BLOCK_N), other=0.0)
+        if BAND_TMA:  # p_band: a descriptor ([B * HQ, SEQ_Q, band columns]); the unvisited tile reads as zeros
+            b_ds = _tile(p_band, off_b * HQ + off_h, i_m * BLOCK_M, (i_n - n_lo) * BLOCK_N, BLOCK_M, BLOCK_N)
+            b_ds = tl.where(o_pos[:, None] < rows, b_ds, 0.0).to(b_ds.dtype)
+        else:
+            b_ds = tl.load(p_band + r_m[:, None] * (BAND_BLOCKS * BLOCK_N) + (i_n - n_lo) * BLOCK_N + r_n[None, :],
+                           mask=(o_pos[:, None] < rows) & (r_n[None, :] < BLOCK_N), other=0.0)
         if TMA:  # p_k is a tensor descriptor
             b_k = _tile(p_k, off_b, k0, off_hk * D, BLOCK_N, D_PAD)
         else:
@@ -525,8 +531,11 @@ def local_softcap_sinks_attention_bwd_dq_kernel(
     b_dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if i_m * BLOCK_M < q_len:
         if BAND:  # lo: the first key block this query block visits, column 0 of its band rows
-            p_band = DS_BAND + ((batch * HQ + off_h).to(tl.int64) * SEQ_Q + row_q + i_m * BLOCK_M) * (BAND_BLOCKS * BLOCK_N)
-            b_dq = _dq_band_inner(b_dq, p_band, p_k, lo, tl.minimum(hi, lo + BAND_BLOCKS), i_m, o_pos, off_b, off_hk,
+            if BAND_TMA:
+                p_band = _rows(DS_BAND, B * HQ, SEQ_Q, BAND_BLOCKS * BLOCK_N, BLOCK_M, BLOCK_N)
+            else:
+                p_band = DS_BAND + ((batch * HQ + off_h).to(tl.int64) * SEQ_Q + row_q + i_m * BLOCK_M) * (BAND_BLOCKS * BLOCK_N)
+            b_dq = _dq_band_inner(b_dq, p_band, p_k, lo, tl.minimum(hi, lo + BAND_BLOCKS), i_m, o_pos, off_b, off_h, off_hk,
                                   q_len, kv_len, I32, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
         elif STAGED:
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, flo, fhi, scale, q_idx, o_m[:, None], row_k,
