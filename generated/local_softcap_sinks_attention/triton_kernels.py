@@ -445,10 +445,10 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
 
 
 @triton.jit
-def _dq_band_inner(b_dq, p_band, p_k, n_lo, n_hi, i_m, o_pos, off_b, off_h, off_hk, q_len, kv_len, I32, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dq_band_inner(b_dq, p_band, p_k, n_lo, n_hi, i_m, o_pos, off_b, off_hk, q_len, kv_len, I32, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr, SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr, SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr):
-    """dQ += dS @ K over the query block's band (rows at p_band, or the band's descriptor with BAND_TMA; a column
-    block per key block from n_lo).
+    """dQ += dS @ K over the query block's band (rows at p_band, a column block per key block from n_lo).
+    Pointer loads: descriptor loads measured slower here (483 against 385 us, a descriptor made per program).
     A tile is read only where the dK/dV program of its key block visited this query block, so nothing
     unwritten is read; every pair that program skips sees no key."""
     o_d = tl.arange(0, D_PAD)
@@ -460,12 +460,8 @@ def _dq_band_inner(b_dq, p_band, p_k, n_lo, n_hi, i_m, o_pos, off_b, off_h, off_
                                          tl.cdiv(q_len, BLOCK_M), q_len, kv_len, False, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
         # its rows, if visited (as a row bound: the interpreter does not keep `&` of a tile and a scalar boolean)
         rows = tl.where((i_m >= q_lo) & (i_m < q_hi), q_len, 0)
-        if BAND_TMA:  # p_band: a descriptor ([B * HQ, SEQ_Q, band columns]); the unvisited tile reads as zeros
-            b_ds = _tile(p_band, off_b * HQ + off_h, i_m * BLOCK_M, (i_n - n_lo) * BLOCK_N, BLOCK_M, BLOCK_N)
-            b_ds = tl.where(o_pos[:, None] < rows, b_ds, 0.0).to(b_ds.dtype)
-        else:
-            b_ds = tl.load(p_band + r_m[:, None] * (BAND_BLOCKS * BLOCK_N) + (i_n - n_lo) * BLOCK_N + r_n[None, :],
-                           mask=(o_pos[:, None] < rows) & (r_n[None, :] < BLOCK_N), other=0.0)
+        b_ds = tl.load(p_band + r_m[:, None] * (BAND_BLOCKS * BLOCK_N) + (i_n - n_lo) * BLOCK_N + r_n[None, :],
+                       mask=(o_pos[:, None] < rows) & (r_n[None, :] < BLOCK_N), other=0.0)
         if TMA:  # p_k is a tensor descriptor
             b_k = _tile(p_k, off_b, k0, off_hk * D, BLOCK_N, D_PAD)
         else:
@@ -531,11 +527,8 @@ def local_softcap_sinks_attention_bwd_dq_kernel(
     b_dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if i_m * BLOCK_M < q_len:
         if BAND:  # lo: the first key block this query block visits, column 0 of its band rows
-            if BAND_TMA:
-                p_band = _rows(DS_BAND, B * HQ, SEQ_Q, BAND_BLOCKS * BLOCK_N, BLOCK_M, BLOCK_N)
-            else:
-                p_band = DS_BAND + ((batch * HQ + off_h).to(tl.int64) * SEQ_Q + row_q + i_m * BLOCK_M) * (BAND_BLOCKS * BLOCK_N)
-            b_dq = _dq_band_inner(b_dq, p_band, p_k, lo, tl.minimum(hi, lo + BAND_BLOCKS), i_m, o_pos, off_b, off_h, off_hk,
+            p_band = DS_BAND + ((batch * HQ + off_h).to(tl.int64) * SEQ_Q + row_q + i_m * BLOCK_M) * (BAND_BLOCKS * BLOCK_N)
+            b_dq = _dq_band_inner(b_dq, p_band, p_k, lo, tl.minimum(hi, lo + BAND_BLOCKS), i_m, o_pos, off_b, off_hk,
                                   q_len, kv_len, I32, B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, SOFTCAP, SINKS, N_SINKS, SINKS_PAD, BIAS_ON, BIAS_BATCH, BIAS_HEADS, SEGMENTS, DENSE, MASK_HEADS, VARLEN, RUNTIME_MASK, STAGED, PLAIN, PRECISION, UPCAST, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, DQ_DELTA)
         elif STAGED:
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, flo, fhi, scale, q_idx, o_m[:, None], row_k,
