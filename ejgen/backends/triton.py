@@ -199,6 +199,7 @@ def template_context(plan: AttentionPlan) -> dict:
         "spec_mask_code": None if spec_mask is None else printer(spec_mask),
         "mask_bindings": [] if spec_mask is None else _bindings([spec_mask], variant),
         "runtime_mask_from_spec": plan.mask.needs_block_mask,
+        "builtin_mask_only": repr(spec_mask is None),
         "score_is_identity_py": repr(plan.score_is_identity),
         "gathers_by_position": repr(any(
             isinstance(n, ParamRef) and any(_positional(i) for i in n.indices)

@@ -14,7 +14,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from ejgen.runtime import triton_call, triton_configs
+from ejgen.runtime import gluon_attention, triton_call, triton_configs
 from ejgen.runtime.attention import SEQ_MAJOR, sinks_grad
 
 # The kernels index the caller's layout: q [B, Sq, Hkv, G, D], k/v [B, Sk, Hkv, D], out like q;
@@ -35,6 +35,7 @@ class Layout:
     params: tuple
     grad_params: tuple
     runtime_mask_from_spec: bool
+    builtin_mask_only: bool  # no mask of the spec's own: causal / sliding window at most
     score_is_identity: bool
     gathers_by_position: bool  # the score reads a param tile by position (a gather in every block)
 
@@ -210,10 +211,35 @@ def _grid_batch(q, ctx, cfg):
     return ctx["cu_q"].shape[0] - 1 if cfg.varlen else q.shape[0]
 
 
+def _gluon_forward(q, k, v, scalars, cfg):
+    """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq])."""
+    batch, sq, hkv, groups, d = q.shape
+    hq = hkv * groups
+    grid = (_cdiv(sq, gluon_attention.BLOCK_M), batch * hq)
+    out, lse, _ = triton_call.launch(
+        gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), k, v, *scalars],
+        [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
+         _scratch(grid)],
+        num_warps=4, num_stages=1, **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window))
+    return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
+
+
+def use_gluon(layout: Layout, q, k, v, cfg) -> bool:
+    """Whether the forward runs the Gluon kernel: on Hopper GPUs for the calls it covers
+    (gluon_attention.ineligible), unless EJGEN_GLUON=0 or a forward config is pinned or autotuned."""
+    if os.environ.get("EJGEN_GLUON", "1") == "0" or triton_call.mode()[0] != "gpu" or not gluon_attention.hopper():
+        return False
+    pinned = triton_configs.pinned("fwd") or os.environ.get("EJGEN_TRITON_AUTOTUNE", "0") == "1"
+    return gluon_attention.ineligible(layout, cfg, q, k, v, pinned) is None
+
+
 def _forward(layout: Layout, q, k, v, ctx, cfg):
     _check_layout(q, cfg)
     batch, sq, hkv, groups, d = q.shape
     hq, dv = hkv * groups, v.shape[-1]
+    if use_gluon(layout, q, k, v, cfg):
+        out, lse = _gluon_forward(q, k, v, _inputs(layout, ctx, cfg, hq)[0], cfg)
+        return out, lse, None
     conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg)
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)

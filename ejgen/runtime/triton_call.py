@@ -154,12 +154,40 @@ def _extend_jax_triton():
     if getattr(triton_lib, "_ejgen_extended", False):
         return
 
+    code_gen = triton_lib.code_gen
+
+    class _CodeGen:
+        """jax-triton's `code_gen`, with Gluon kernels (ejgen.runtime.gluon_kernels) made by Gluon's own source:
+        its module is already TTGIR (the compile step below takes it from there)."""
+
+        def __getattr__(self, attr):
+            return getattr(code_gen, attr)
+
+        @staticmethod
+        def ast_to_ttir(fn, src, *, options, codegen_fns, context, module_map):
+            if not getattr(fn, "is_gluon", lambda: False)():
+                return code_gen.ast_to_ttir(fn, src, options=options, codegen_fns=codegen_fns, context=context,
+                                            module_map=module_map)
+            from triton.backends.compiler import GPUTarget
+            from triton.experimental.gluon._runtime import GluonASTSource
+
+            gluon_src = GluonASTSource(fn, src.signature, src.constants, src.attrs)
+            capability = triton_lib.triton_kernel_call_lib.get_compute_capability(0)
+            module = gluon_src.make_ir(GPUTarget("cuda", capability, 32), options, codegen_fns, module_map, context)
+            _compiled.gluon = True
+            return module
+
     def compile_ttir_to_ptx_inplace(ttir, backend, options, capability):
-        # jax-triton 0.3.1's step, plus the scratch routing and warp count of ejgen's kernels
+        # jax-triton 0.3.1's step, plus the scratch routing and warp count of ejgen's kernels, and Gluon's stages
         metadata = {}
+        gluon = getattr(_compiled, "gluon", False)
+        _compiled.gluon = False
         try:
-            ttgir = backend.make_ttgir(backend.make_ttir(ttir, metadata, options, capability), metadata, options,
-                                       capability)
+            if gluon:
+                ttgir = backend.gluon_to_ttgir(ttir, metadata, options, capability)
+            else:
+                ttgir = backend.make_ttgir(backend.make_ttir(ttir, metadata, options, capability), metadata, options,
+                                           capability)
         except RuntimeError as e:
             ttir.dump()
             raise ValueError("TTIR->TTGIR pass failed!") from e
@@ -199,6 +227,7 @@ def _extend_jax_triton():
                 num_warps = last[1]
             return lib.TritonKernel(name, num_warps, *rest)
 
+    triton_lib.code_gen = _CodeGen()
     triton_lib.compile_ttir_to_ptx_inplace = compile_ttir_to_ptx_inplace
     triton_lib.triton_kernel_call_lib = _KernelLib()
     triton_lib._ejgen_extended = True

@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of generated Triton kernels for a GPU target, on any machine.
+"""Ahead-of-time compilation of generated Triton kernels (and the Gluon forward) for a GPU target, on any machine.
 
 ``compile_attention(module, name, ...)`` compiles the forward, dK/dV and dQ kernels of one
 generated variant for ``cuda`` at the given compute capability with a representative constexpr
@@ -74,6 +74,26 @@ def compile_attention(package: str, name: str, *, capability: int = 90, params: 
     return compiled
 
 
+def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: int = 128, causal: bool = True,
+                  window: bool = False, batch: int = 2, heads: int = 8, kv_heads: int = 2, seq: int = 1000) -> dict:
+    """The Gluon forward (ejgen.runtime.gluon_attention) for one call's constexprs."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ejgen.runtime import gluon_attention
+
+    kernel = gluon_attention.kernel()
+    ptr = _DTYPES[dtype]
+    sig = {n: "constexpr" for n in kernel.arg_names}
+    sig.update(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", SCRATCH="*u8")
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
+    consts = gluon_attention.constexprs(batch, heads, kv_heads, seq, head_dim, causal, window)
+    source = GluonASTSource(kernel, sig, constexprs=consts, attrs=aligned)
+    return {"gluon_fwd_kernel": triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                                               options={"num_warps": 4})}
+
+
 def summary(compiled: dict, with_ptx: bool = False) -> dict:
     out = {}
     for name, c in compiled.items():
@@ -85,22 +105,37 @@ def summary(compiled: dict, with_ptx: bool = False) -> dict:
 
 
 def compile_in_subprocess(package: str, name: str, **kwargs) -> dict:
+    """`summary` of `compile_attention` (kwargs: its arguments, and with_ptx), from a fresh interpreter."""
+    return _in_subprocess({"package": package, "name": name, **kwargs})
+
+
+def compile_gluon_in_subprocess(**kwargs) -> dict:
+    """`summary` of `compile_gluon` (kwargs: its arguments, and with_ptx), from a fresh interpreter."""
+    return _in_subprocess({"gluon": True, **kwargs})
+
+
+def _in_subprocess(args: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     if not env.get("TRITON_CACHE_DIR"):
         # Triton 3.6 on the GPU host found no cache dir of its own in this subprocess: name one
         env["TRITON_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "ejgen-triton-cache")
-    args = json.dumps({"package": package, "name": name, **kwargs})
-    proc = subprocess.run([sys.executable, "-m", "ejgen.testing.aot", args], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "ejgen.testing.aot", json.dumps(args)], env=env, capture_output=True,
+                          text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"AOT compile of {package}.{name} failed:\n{proc.stderr[-4000:]}")
+        what = "the Gluon forward" if args.get("gluon") else f"{args['package']}.{args['name']}"
+        raise RuntimeError(f"AOT compile of {what} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
     args = json.loads((argv or sys.argv[1:])[0])
-    package, name, with_ptx = args.pop("package"), args.pop("name"), args.pop("with_ptx", False)
-    print(json.dumps(summary(compile_attention(package, name, **args), with_ptx)))
+    with_ptx = args.pop("with_ptx", False)
+    if args.pop("gluon", False):
+        compiled = compile_gluon(**args)
+    else:
+        compiled = compile_attention(args.pop("package"), args.pop("name"), **args)
+    print(json.dumps(summary(compiled, with_ptx)))
     return 0
 
 

@@ -1,0 +1,113 @@
+"""The warp-specialised Gluon forward (ejgen.runtime.gluon_attention) of the triton backend.
+
+Here (no GPU): the kernel compiles ahead of time for sm_90 (bf16 and f16, head dims 64 and 128, every mask
+form) within the launch's budget of warps, shared memory and descriptor scratch; which calls it takes and
+why the others keep the generated Triton forward. On an H100/H200 (`pytest -m gpu`): forward and backward
+of the calls it takes against the float64 oracle, with a spy showing that the Gluon kernel ran.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
+
+from shapes import AttnShape  # noqa: E402
+
+from ejgen.runtime import gluon_attention, triton_attention, triton_call  # noqa: E402
+from ejgen.runtime.config import AttentionConfig  # noqa: E402
+from ejgen.testing.aot import compile_gluon_in_subprocess  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("x64_stays_off")
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _layout(spec: str):
+    import importlib
+
+    return importlib.import_module(f"ejgen.generated.{spec}.triton_launch").LAYOUT
+
+
+@pytest.mark.parametrize("dtype,d,causal,window", [("bfloat16", 128, True, True), ("float16", 64, False, False)])
+def test_the_kernel_compiles_for_sm90_within_the_launch_budget(dtype, d, causal, window):
+    if not gluon_attention.importable()[0]:
+        pytest.fail(f"the test install's Triton has no Gluon warp specialisation: {gluon_attention.importable()[1]}")
+    meta = compile_gluon_in_subprocess(dtype=dtype, head_dim=d, causal=causal, window=window,
+                                       with_ptx=True)["gluon_fwd_kernel"]
+    assert meta["warps"] == 12, "two consumer warpgroups and a producer warp (padded to a warpgroup)"
+    assert 0 < meta["global_scratch"] <= triton_call.SCRATCH_PER_PROGRAM  # the four descriptors
+    assert meta["shared"] <= 227 * 1024, meta["shared"]  # Hopper's shared memory per block
+    assert meta["cubin"] and meta["wgmma"]
+    ptx = meta["ptx"]
+    assert "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "wgmma.wait_group.sync.aligned 1" in ptx, "a softmax under a wgmma in flight"
+
+
+def _cfg(**kw):
+    return AttentionConfig(seq_q=kw.pop("seq_q", 512), seq_k=kw.pop("seq_k", 512), **kw)
+
+
+def _qkv(sq=512, sk=512, d=128, dv=None, dtype=jnp.bfloat16):
+    q = jax.ShapeDtypeStruct((2, sq, 2, 4, d), dtype)
+    k = jax.ShapeDtypeStruct((2, sk, 2, d), dtype)
+    v = jax.ShapeDtypeStruct((2, sk, 2, dv or d), dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("spec,cfg,arrays,pinned,reason", [
+    ("flash_attention", _cfg(causal=True), _qkv(), True, "a forward config is pinned"),
+    ("prefix_lm_attention", _cfg(), _qkv(), False, "the spec has a mask of its own"),
+    ("alibi_attention", _cfg(causal=True), _qkv(), False, "the spec's score is not the scaled dot product"),
+    ("flash_attention", _cfg(softcap=True), _qkv(), False, "soft cap, sinks"),
+    ("flash_attention", _cfg(varlen=True), _qkv(), False, "soft cap, sinks"),
+    ("flash_attention", _cfg(), _qkv(dtype=jnp.float32), False, "dtype float32"),
+    ("flash_attention", _cfg(), _qkv(d=96), False, "head dims 96/96"),
+    ("flash_attention", _cfg(), _qkv(dv=64), False, "head dims 128/64"),
+    ("flash_attention", _cfg(seq_k=640), _qkv(sk=640), False, "Sq 512 != Sk 640"),
+])
+def test_calls_the_kernel_does_not_cover_say_why(spec, cfg, arrays, pinned, reason):
+    why = gluon_attention.ineligible(_layout(spec), cfg, *arrays, pinned)
+    assert why is not None and why.startswith(reason), why
+
+
+@pytest.mark.parametrize("cfg,arrays", [
+    (_cfg(), _qkv()), (_cfg(causal=True, window=True, window_span=100), _qkv(d=64, dtype=jnp.float16)),
+])
+def test_plain_causal_and_window_calls_are_covered(cfg, arrays):
+    if not gluon_attention.importable()[0]:
+        pytest.fail(gluon_attention.importable()[1])
+    assert gluon_attention.ineligible(_layout("flash_attention"), cfg, *arrays, False) is None
+
+
+def test_off_a_hopper_gpu_the_generated_forward_runs(monkeypatch):
+    layout, cfg, arrays = _layout("flash_attention"), _cfg(causal=True), _qkv()
+    if not ON_GPU:  # the interpreter: Gluon kernels do not run there
+        assert not triton_attention.use_gluon(layout, *arrays, cfg)
+    monkeypatch.setenv("EJGEN_GLUON", "0")
+    assert not triton_attention.use_gluon(layout, *arrays, cfg)
+
+
+GPU_CASES = [  # (id, shape, features, dtype): calls the Gluon forward takes
+    ("causal-gqa-d64-ragged", AttnShape(2, 300, 300, 4, 2, 64), dict(causal=True), "bfloat16"),
+    ("plain-d128", AttnShape(1, 384, 384, 2, 2, 128), dict(), "bfloat16"),
+    ("causal-window-d128-ragged", AttnShape(1, 1000, 1000, 2, 1, 128), dict(causal=True, sliding_window=(100, 0)),
+     "bfloat16"),
+    ("two-sided-window-f16", AttnShape(2, 257, 257, 4, 4, 64), dict(sliding_window=(40, 17)), "float16"),
+    ("causal-f16-d128", AttnShape(1, 512, 512, 4, 1, 128), dict(causal=True), "float16"),
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,features,dtype", [c[1:] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES])
+def test_gluon_forward_matches_the_oracle(monkeypatch, triton_launches, triton_against_oracle, shape, features, dtype):
+    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
+    if not gluon_attention.hopper():
+        pytest.skip("not a Hopper GPU")
+    triton_against_oracle(shape, features, dtype, "gluon")
+    forwards = [kw for pass_, kw in triton_launches if pass_ == "fwd"]
+    assert forwards and all("PP_SYNC" in kw for kw in forwards), triton_launches
+
