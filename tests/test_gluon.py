@@ -67,6 +67,7 @@ def _qkv(sq=512, sk=512, d=128, dv=None, dtype=jnp.bfloat16):
     ("flash_attention", _cfg(), _qkv(d=96), False, "head dims 96/96"),
     ("flash_attention", _cfg(), _qkv(dv=64), False, "head dims 128/64"),
     ("flash_attention", _cfg(seq_k=640), _qkv(sk=640), False, "Sq 512 != Sk 640"),
+    ("flash_attention", _cfg(causal=True, window=True, window_span=1024), _qkv(), False, "a sliding window of 1024"),
 ])
 def test_calls_the_kernel_does_not_cover_say_why(spec, cfg, arrays, pinned, reason):
     why = gluon_attention.ineligible(_layout(spec), cfg, *arrays, pinned)
@@ -74,7 +75,7 @@ def test_calls_the_kernel_does_not_cover_say_why(spec, cfg, arrays, pinned, reas
 
 
 @pytest.mark.parametrize("cfg,arrays", [
-    (_cfg(), _qkv()), (_cfg(causal=True, window=True, window_span=100), _qkv(d=64, dtype=jnp.float16)),
+    (_cfg(), _qkv()), (_cfg(causal=True, window=True, window_span=2048), _qkv(d=64, dtype=jnp.float16)),
 ])
 def test_plain_causal_and_window_calls_are_covered(cfg, arrays):
     if not gluon_attention.importable()[0]:
@@ -93,9 +94,9 @@ def test_off_a_hopper_gpu_the_generated_forward_runs(monkeypatch):
 GPU_CASES = [  # (id, shape, features, dtype): calls the Gluon forward takes
     ("causal-gqa-d64-ragged", AttnShape(2, 300, 300, 4, 2, 64), dict(causal=True), "bfloat16"),
     ("plain-d128", AttnShape(1, 384, 384, 2, 2, 128), dict(), "bfloat16"),
-    ("causal-window-d128-ragged", AttnShape(1, 1000, 1000, 2, 1, 128), dict(causal=True, sliding_window=(100, 0)),
+    ("causal-window-d128-ragged", AttnShape(1, 3000, 3000, 2, 1, 128), dict(causal=True, sliding_window=(2100, 0)),
      "bfloat16"),
-    ("two-sided-window-f16", AttnShape(2, 257, 257, 4, 4, 64), dict(sliding_window=(40, 17)), "float16"),
+    ("two-sided-window-f16", AttnShape(1, 2600, 2600, 2, 2, 64), dict(sliding_window=(1100, 1000)), "float16"),
     ("causal-f16-d128", AttnShape(1, 512, 512, 4, 1, 128), dict(causal=True), "float16"),
 ]
 

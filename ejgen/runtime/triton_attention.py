@@ -35,9 +35,10 @@ class Layout:
     params: tuple
     grad_params: tuple
     runtime_mask_from_spec: bool
-    builtin_mask_only: bool  # no mask of the spec's own: causal / sliding window at most
     score_is_identity: bool
     gathers_by_position: bool  # the score reads a param tile by position (a gather in every block)
+    builtin_mask_only: bool = False  # no mask of the spec's own (causal / sliding window at most): the Gluon
+    #                                  forward may run (packages rendered before it say nothing: it does not)
 
     def kernels(self):
         return importlib.import_module(self.kernel_module)

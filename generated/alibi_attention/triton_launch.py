@@ -16,9 +16,9 @@ LAYOUT = triton_attention.Layout(
     params=("slopes", ),
     grad_params=("slopes", ),
     runtime_mask_from_spec=False,
-    builtin_mask_only=True,
     score_is_identity=False,
     gathers_by_position=False,
+    builtin_mask_only=True,
 )
 
 

@@ -16,9 +16,9 @@ LAYOUT = triton_attention.Layout(
     params=(),
     grad_params=(),
     runtime_mask_from_spec=True,
-    builtin_mask_only=False,
     score_is_identity=True,
     gathers_by_position=False,
+    builtin_mask_only=False,
 )
 
 

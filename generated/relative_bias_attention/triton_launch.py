@@ -16,9 +16,9 @@ LAYOUT = triton_attention.Layout(
     params=("rel_table", ),
     grad_params=("rel_table", ),
     runtime_mask_from_spec=False,
-    builtin_mask_only=True,
     score_is_identity=False,
     gathers_by_position=True,
+    builtin_mask_only=True,
 )
 
 
