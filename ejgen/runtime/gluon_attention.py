@@ -24,10 +24,9 @@ Shape of the kernel (one program per 128 query rows of one head):
     bulk store (rows past the sequence end are clipped by the descriptor).
 Descriptors are made on the device (the launch gives each program SCRATCH bytes for them, triton_call).
 
-Measured (H200, bf16, D=128, B*S=32k, H=16; session 6, a standalone harness against torch's cuDNN
-attention): 16k causal 3.45 ms (1.10x cuDNN), 16k non-causal 6.96 (1.04x), 4k causal 0.99 (0.93x), 4k
-non-causal 1.68 (0.97x), window (16k, 1024) 0.68 ms; the generated Triton forward took 4.1-4.2 / 7.9-8.2 /
-1.25 / 2.0-2.2 / 0.74-0.77 ms on the same shapes in the bench.
+Measured (H200, bf16, D=128, B*S=32k, H=16; session 6, notes/perf.md v8): the bench's forward 0.96-1.08x
+cuDNN (the generated forward: 0.83-1.00x); Nsight Compute, 4k causal 1000 against 1152 us. Sliding windows
+narrower than MIN_WINDOW_SPAN keep the generated forward (below).
 """
 
 from __future__ import annotations
