@@ -125,7 +125,9 @@ def _interpret(kernel, grid, out_shapes, constexprs, *arrays):
 # So, on the GPU, jax-triton compiles through a copy of its own CUDA compile step which, for the
 # kernels that ejgen launches (every one ends with a SCRATCH output of SCRATCH_PER_PROGRAM bytes per
 # program), points the global scratch reads at that output and records the compiled warp count, which
-# the kernel object is then built with. Other kernels compile to exactly what jax-triton produces.
+# the kernel object is then built with. Gluon kernels (gluon_kernels) are made from Gluon's own source and
+# lowered by Gluon's stage (their module is TTGIR already). Other kernels compile to exactly what
+# jax-triton produces.
 
 SCRATCH_PER_PROGRAM = 512
 _OWN_KERNELS: set = set()  # names of the kernels launched through `launch`
