@@ -1,9 +1,9 @@
-"""The warp-specialised Gluon forward (ejgen.runtime.gluon_attention) of the triton backend.
+"""The warp-specialised Gluon forward and backward (ejgen.runtime.gluon_attention) of the triton backend.
 
-Here (no GPU): the kernel compiles ahead of time for sm_90 (bf16 and f16, head dims 64 and 128, every mask
-form) within the launch's budget of warps, shared memory and descriptor scratch; which calls it takes and
-why the others keep the generated Triton forward. On an H100/H200 (`pytest -m gpu`): forward and backward
-of the calls it takes against the float64 oracle, with a spy showing that the Gluon kernel ran.
+Here (no GPU): the kernels compile ahead of time for sm_90 (bf16 and f16, head dims 64 and 128, mask forms)
+within the launch's budget of warps, shared memory and descriptor scratch; which calls they take and why
+the others keep the generated Triton kernels. On an H100/H200 (`pytest -m gpu`): forward and backward of
+the calls they take against the float64 oracle, with a spy showing which kernels ran.
 """
 
 from __future__ import annotations
@@ -35,15 +35,16 @@ def _layout(spec: str):
 def test_the_kernel_compiles_for_sm90_within_the_launch_budget(dtype, d, causal, window):
     if not gluon_attention.importable()[0]:
         pytest.fail(f"the test install's Triton has no Gluon warp specialisation: {gluon_attention.importable()[1]}")
-    meta = compile_gluon_in_subprocess(dtype=dtype, head_dim=d, causal=causal, window=window,
-                                       with_ptx=True)["gluon_fwd_kernel"]
-    assert meta["warps"] == 12, "two consumer warpgroups and a producer warp (padded to a warpgroup)"
-    assert 0 < meta["global_scratch"] <= triton_call.SCRATCH_PER_PROGRAM  # the four descriptors
-    assert meta["shared"] <= 227 * 1024, meta["shared"]  # Hopper's shared memory per block
-    assert meta["cubin"] and meta["wgmma"]
-    ptx = meta["ptx"]
-    assert "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
-    assert "wgmma.wait_group.sync.aligned 1" in ptx, "a softmax under a wgmma in flight"
+    compiled = compile_gluon_in_subprocess(dtype=dtype, head_dim=d, causal=causal, window=window, with_ptx=True)
+    for name in ("gluon_fwd_kernel", "gluon_bwd_kernel"):
+        meta = compiled[name]
+        assert meta["warps"] == 12, "two consumer warpgroups and a producer warp (padded to a warpgroup)"
+        assert 0 < meta["global_scratch"] <= triton_call.SCRATCH_PER_PROGRAM, name  # the descriptors
+        assert meta["shared"] <= 227 * 1024, (name, meta["shared"])  # Hopper's shared memory per block
+        assert meta["cubin"] and meta["wgmma"]
+        assert "setmaxnreg" in meta["ptx"] and "cp.async.bulk.tensor" in meta["ptx"], name
+        assert "wgmma.wait_group.sync.aligned 1" in meta["ptx"], f"{name}: an exp under a wgmma in flight"
+    assert "cp.reduce.async.bulk.tensor" in compiled["gluon_bwd_kernel"]["ptx"], "dQ by bulk reduce-adds"
 
 
 def _cfg(**kw):
@@ -58,7 +59,7 @@ def _qkv(sq=512, sk=512, d=128, dv=None, dtype=jnp.bfloat16):
 
 
 @pytest.mark.parametrize("spec,cfg,arrays,pinned,reason", [
-    ("flash_attention", _cfg(causal=True), _qkv(), True, "a forward config is pinned"),
+    ("flash_attention", _cfg(causal=True), _qkv(), True, "a fwd config is pinned"),
     ("prefix_lm_attention", _cfg(), _qkv(), False, "the spec has a mask of its own"),
     ("alibi_attention", _cfg(causal=True), _qkv(), False, "the spec's score is not the scaled dot product"),
     ("flash_attention", _cfg(softcap=True), _qkv(), False, "soft cap, sinks"),
@@ -72,6 +73,18 @@ def _qkv(sq=512, sk=512, d=128, dv=None, dtype=jnp.bfloat16):
 def test_calls_the_kernel_does_not_cover_say_why(spec, cfg, arrays, pinned, reason):
     why = gluon_attention.ineligible(_layout(spec), cfg, *arrays, pinned)
     assert why is not None and why.startswith(reason), why
+
+
+def test_the_backward_covers_short_causal_windows_but_not_two_sided_ones():
+    layout, arrays = _layout("flash_attention"), _qkv()
+    short = _cfg(causal=True, window=True, window_span=1024)
+    assert gluon_attention.ineligible(layout, short, *arrays, False, "bwd") is None or not gluon_attention.importable()[0]
+    two_sided = gluon_attention.ineligible(layout, _cfg(window=True, window_span=4096), *arrays, False, "bwd")
+    assert two_sided.startswith("a sliding window without causal"), two_sided
+    assert gluon_attention.ineligible(layout, short, *arrays, True, "bwd").startswith("a bwd config is pinned")
+    consts = gluon_attention.bwd_constexprs(2, 8, 2, 1000, 128, True, True)
+    assert (consts["MASK"], consts["DQ_MODE"]) == (2, 1)
+    assert gluon_attention.bwd_constexprs(2, 8, 2, 1000, 64, False, False)["DQ_MODE"] == 0  # half of 64: no slice
 
 
 @pytest.mark.parametrize("cfg,arrays", [
@@ -111,4 +124,7 @@ def test_gluon_forward_matches_the_oracle(monkeypatch, triton_launches, triton_a
     triton_against_oracle(shape, features, dtype, "gluon")
     forwards = [kw for pass_, kw in triton_launches if pass_ == "fwd"]
     assert forwards and all("PP_SYNC" in kw for kw in forwards), triton_launches
+    backward = [pass_ for pass_, _ in triton_launches if pass_ != "fwd"]
+    two_sided = "sliding_window" in features and not features.get("causal")
+    assert backward == (["dq", "dkdv"] if two_sided else ["bwd"]), backward  # the Gluon backward: one kernel
 

@@ -74,13 +74,14 @@ def hopper() -> bool:
     return str(getattr(device, "compute_capability", "")).split(".")[0] == "9"
 
 
-def ineligible(layout, cfg, q, k, v, pinned: bool) -> str | None:
-    """Why the Gluon forward cannot run this call (None: it can). q is [B, Sq, Hkv, G, D]."""
+def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | None:
+    """Why the Gluon forward (pass_ "fwd") or backward ("bwd") cannot run this call (None: it can). q is
+    [B, Sq, Hkv, G, D]."""
     import jax.numpy as jnp
 
     d, dv = q.shape[-1], v.shape[-1]
     checks = [
-        (pinned, "a forward config is pinned (EJGEN_TRITON_CONFIG fwd=...)"),
+        (pinned, f"a {pass_} config is pinned (EJGEN_TRITON_CONFIG) or autotuned"),
         (not layout.builtin_mask_only, "the spec has a mask of its own"),
         (not layout.score_is_identity or layout.params, "the spec's score is not the scaled dot product"),
         (cfg.softcap or cfg.sinks or cfg.bias or cfg.segments or cfg.dense_mask or cfg.varlen,
@@ -89,8 +90,10 @@ def ineligible(layout, cfg, q, k, v, pinned: bool) -> str | None:
          f"dtype {q.dtype} (16-bit only)"),
         (d != dv or d not in HEAD_DIMS, f"head dims {d}/{dv} (equal, one of {HEAD_DIMS})"),
         (q.shape[1] != k.shape[1], f"Sq {q.shape[1]} != Sk {k.shape[1]}"),
-        (cfg.window and cfg.window_span < MIN_WINDOW_SPAN,
+        (pass_ == "fwd" and cfg.window and cfg.window_span < MIN_WINDOW_SPAN,
          f"a sliding window of {cfg.window_span} < {MIN_WINDOW_SPAN} keys (short loops: the generated forward)"),
+        (pass_ == "bwd" and cfg.window and not cfg.causal, "a sliding window without causal (the backward's masks: "
+                                                          "causal, with a window to the left)"),
     ]
     for bad, why in checks:
         if bad:
@@ -108,3 +111,20 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq, hkv, d]."""
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, BLOCK_M=BLOCK_M, CAUSAL=causal, WINDOW=window,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **TILES)
+
+
+# The backward: 64-row query blocks, 128-key programs (two warpgroups of 64 keys), two Q/dO stages (standalone
+# sweep, H200: dQ columns split through a slice of K ahead of a second copy of K (+1-3%) and of alternating whole
+# tiles (+20-25%); three stages -1%).
+BWD_TILES = dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2)
+
+
+def bwd_kernel():
+    """The Gluon backward (`gluon_kernels`, imported on first use)."""
+    return importlib.import_module("ejgen.runtime.gluon_kernels").gluon_attention_bwd_kernel
+
+
+def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool) -> dict:
+    """The backward's constexprs (window: causal with a window to the left, `ineligible`)."""
+    return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, MASK=2 if window else int(causal), DQ_MODE=1 if d == 128 else 0,
+                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES)

@@ -6,11 +6,23 @@ async_store (the old names raise there): `tma_load` / `tma_store` are whichever 
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+if hasattr(tma, "async_atomic_add"):  # Triton 3.9
+    tma_reduce_add = tma.async_atomic_add
+else:  # Triton 3.6: its builder has the bulk reduce (the op 3.9's async_atomic_add emits) but no Python wrapper
+
+    @builtin
+    def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        from triton._C.libtriton import ir
+
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -232,4 +244,294 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, O, LSE, SCRATCH,
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                      off_b, q_row0, off_h * D, off_hk * D, lo, hi, ROWS, BLOCK_N, D, NUM_STAGES,
                      dtype.primitive_bitwidth // 8)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# --- Backward ------------------------------------------------------------------------------------------------
+# FA3's shape: one program per 128 keys of one kv head, two consumer warpgroups owning 64 keys each (dK, dV
+# accumulators in registers), a producer warp loading Q, dO (TMA) and the lse / delta rows into a ring; per
+# query block of 64 rows S^T and dP^T are issued together (the exp of S^T under dP^T), dV and dK updated
+# asynchronously, dS^T halves joined in shared memory, and dQ = dS K (each warpgroup half of the head dim)
+# added to a float32 accumulator by bulk reduce-adds. DQ_MODE: 1 splits dQ's columns by slicing K in shared
+# memory, 2 by a second copy of K in two column tiles, 0 alternates whole tiles between the warpgroups
+# (head dim 64: half a swizzle atom cannot be sliced).
+
+@gluon.jit
+def _qblock_range(n, S, WINDOW_LEFT, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr):
+    """Query blocks [m_lo, m_hi) that see some key of key block n, and [f0, f1) inside it: the blocks that need no
+    element mask (every (query, key) pair visible, all rows and keys < S)."""
+    num_m = (S + BLOCK_M - 1) // BLOCK_M
+    k_lo = n * BLOCK_N
+    m_lo = n * 0
+    m_hi = num_m
+    full_lo = m_lo
+    full_hi = S // BLOCK_M
+    if MASK >= 1:  # causal part: query i >= key j
+        m_lo = k_lo // BLOCK_M
+        full_lo = (k_lo + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M
+    if MASK == 2:  # window: i - j <= WINDOW_LEFT
+        m_hi = gl.minimum(m_hi, (k_lo + BLOCK_N - 1 + WINDOW_LEFT) // BLOCK_M + 1)
+        full_hi = gl.minimum(full_hi, (k_lo + WINDOW_LEFT + 1) // BLOCK_M)
+    # a key block reaching past S: every query block masked
+    full_hi = full_hi * gl.minimum((S - k_lo) // BLOCK_N, 1)
+    f0 = gl.minimum(gl.maximum(m_lo, full_lo), m_hi)
+    f1 = gl.maximum(f0, gl.minimum(full_hi, m_hi))
+    return m_lo, m_hi, f0, f1
+
+
+@gluon.jit
+def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kc_desc, q_smem, do_smem, k_smem, v_smem, kc_smem, lse_smem, dlt_smem,
+              q_ready, do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm,
+              H, GROUP, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, DQ_MODE: gl.constexpr):
+    KV_BYTES: gl.constexpr = BLOCK_N * D * 2
+    QT_BYTES: gl.constexpr = BLOCK_M * D * 2
+    row_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, BLOCK_M // 32], threads_per_warp=[1, 32],
+                                           warps_per_cta=[1, 1], order=[1, 0])
+    if DQ_MODE == 2:
+        mbarrier.expect(kv_bar, 3 * KV_BYTES)
+    else:
+        mbarrier.expect(kv_bar, 2 * KV_BYTES)
+    tma_load(k_desc, [off_b, n * BLOCK_N, off_hk * D], kv_bar, k_smem)
+    tma_load(v_desc, [off_b, n * BLOCK_N, off_hk * D], kv_bar, v_smem)
+    if DQ_MODE == 2:
+        for c in gl.static_range(2):
+            tma_load(kc_desc, [off_b, n * BLOCK_N, off_hk * D + c * (D // 2)], kv_bar, kc_smem.index(c))
+    for it in range(GROUP * nm):
+        hq = it // nm
+        m = m_lo + it % nm
+        h = off_hk * GROUP + hq
+        s = it % NUM_STAGES
+        ph = (it // NUM_STAGES) & 1
+        # empty barriers start free: waiting on the parity before their first phase returns at once
+        mbarrier.wait(qd_empty.index(s), ph ^ 1)
+        mbarrier.expect(q_ready.index(s), QT_BYTES)
+        tma_load(q_desc, [off_b, m * BLOCK_M, h * D], q_ready.index(s), q_smem.index(s))
+        mbarrier.expect(do_ready.index(s), QT_BYTES)
+        tma_load(do_desc, [off_b, m * BLOCK_M, h * D], do_ready.index(s), do_smem.index(s))
+        # lse * log2(e) and delta rows of this query block: plain loads -> smem; do_ready counts this arrival too
+        rows = m * BLOCK_M + gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, row_l)), 0)  # [1, BM]
+        rbase = (off_b * H + h).to(gl.int64) * S
+        lse = gl.load(lse_ptr + rbase + rows, mask=rows < S, other=0.0)
+        dlt = gl.load(delta_ptr + rbase + rows, mask=rows < S, other=0.0)
+        lse_smem.index(s).store(lse * 1.4426950408889634)
+        dlt_smem.index(s).store(dlt)
+        mbarrier.arrive(do_ready.index(s), count=1)
+
+
+@gluon.jit
+def _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK: gl.constexpr):
+    k2 = gl.expand_dims(keys, 1)  # [HALF, 1]
+    r2 = gl.expand_dims(rows, 0)  # [1, BLOCK_M]
+    dist = r2 - k2  # query - key  [HALF, BLOCK_M]
+    keep = (k2 < S) & (r2 < S)
+    if MASK >= 1:
+        keep = keep & (dist >= 0)
+    if MASK == 2:
+        keep = keep & (dist <= WINDOW_LEFT)
+    return gl.where(keep, pT, 0.0)
+
+
+@gluon.jit
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, lse_smem, dlt_smem, q_ready, do_ready,
+              qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, off_b, off_hk, n, S, m_lo, nm, f0, f1, sm_scale,
+              H, HKV, GROUP, WINDOW_LEFT, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr):
+    HALF: gl.constexpr = BLOCK_N // 2
+    if DQ_MODE == 0:
+        DQ_N: gl.constexpr = D
+    else:
+        DQ_N: gl.constexpr = D // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_N, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    k_view = k_smem.reshape([BLOCK_N, D])
+    k_mine = k_view.slice(WG * HALF, HALF, dim=0)
+    v_mine = v_smem.reshape([BLOCK_N, D]).slice(WG * HALF, HALF, dim=0)
+    if DQ_MODE == 0:
+        k_dq = k_view
+    elif DQ_MODE == 1:
+        k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
+    else:
+        k_dq = kc_smem.index(WG).reshape([BLOCK_N, DQ_N])
+    dq_stage = dq_smem.reshape([BLOCK_M, DQ_N])
+
+    dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    qk2 = sm_scale * 1.4426950408889634
+    keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=row_l)
+    mbarrier.wait(kv_bar, 0)
+
+    for it in range(GROUP * nm):
+        hq = it // nm
+        m = m_lo + it % nm
+        h = off_hk * GROUP + hq
+        s = it % NUM_STAGES
+        ph = (it // NUM_STAGES) & 1
+        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_l)
+        q_view = q_smem.index(s).reshape([BLOCK_M, D])
+        do_view = do_smem.index(s).reshape([BLOCK_M, D])
+
+        # S^T and dP^T issued back to back; the exp of S^T runs while dP^T is on the tensor cores
+        mbarrier.wait(q_ready.index(s), ph)
+        st_tok = warpgroup_mma(k_mine, q_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(s), ph)
+        dp_tok = warpgroup_mma(v_mine, do_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+        lse2 = lse_smem.index(s).load(s_layout)  # [1, BM]: lse * log2(e), written by the producer before do_ready
+        pT = gl.exp2(st * qk2 - lse2)
+        if (m < f0) | (m >= f1):
+            pT = _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK)
+        dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+        dlt = dlt_smem.index(s).load(s_layout)  # [1, BM]
+        dsT = (pT * (dpT - dlt)).to(dtype)
+        pT16 = gl.convert_layout(pT.to(dtype), a_layout)
+        dv_tok = warpgroup_mma(pT16, do_view, dv, is_async=True)
+        dsT_a = gl.convert_layout(dsT, a_layout)
+        dk_tok = warpgroup_mma(dsT_a, q_view, dk, is_async=True)
+        # dS^T half -> smem for dQ (both warpgroups' halves are needed)
+        p2 = it % 2
+        ds_buf = ds_smem.index(p2)
+        ds_buf.slice(WG * HALF, HALF, dim=0).store(dsT)
+        fence_async_shared()
+        mbarrier.arrive(ds_bar, count=1)
+        mbarrier.wait(ds_bar, it & 1)  # both halves of dS_i are in smem
+        if DQ_MODE == 0:
+            if (it % 2) == WG:
+                dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
+                dq, dv, pT16, dk, dsT_a = warpgroup_mma_wait(num_outstanding=0,
+                                                             deps=(dq_tok, dv_tok, pT16, dk_tok, dsT_a))
+                mbarrier.arrive(qd_empty.index(s), count=1)
+                tma.store_wait(0)  # the previous reduce from dq_stage has read it
+                dq_stage.store(dq * sm_scale)
+                fence_async_shared()
+                tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, h * D], dq_smem)
+            else:
+                dv, pT16, dk, dsT_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, pT16, dk_tok, dsT_a))
+                mbarrier.arrive(qd_empty.index(s), count=1)
+        else:
+            dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
+            dq, dv, pT16, dk, dsT_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, dv_tok, pT16, dk_tok, dsT_a))
+            mbarrier.arrive(qd_empty.index(s), count=1)
+            tma.store_wait(0)
+            dq_stage.store(dq * sm_scale)
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, h * D + WG * DQ_N], dq_smem)
+
+    # epilogue: dK (scaled) and dV of this WG's 64 keys, straight from registers
+    r_o = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+    c_o = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+    offs = ((off_b * S + gl.expand_dims(r_o, 1)).to(gl.int64) * HKV + off_hk) * D + gl.expand_dims(c_o, 0)
+    omask = (gl.expand_dims(r_o, 1) < S) & (gl.expand_dims(c_o, 0) < D)
+    gl.store(dk_ptr + offs, (dk * sm_scale).to(dtype), mask=omask)
+    gl.store(dv_ptr + offs, dv.to(dtype), mask=omask)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV, SCRATCH,
+                               B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
+                               D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                               MASK: gl.constexpr, DQ_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               PRODUCER_REGS: gl.constexpr):
+    """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
+    float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. LSE, DELTA: [B, HQ, SEQ]
+    (DELTA = rowsum(dO * O) - d lse). MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
+    F32 = [scale, ...]. Grid (cdiv(SEQ, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
+    q_ptr = Q
+    k_ptr = K
+    v_ptr = V
+    do_ptr = DO
+    lse_ptr = LSE
+    delta_ptr = DELTA
+    dq_ptr = DQ_ACC
+    dk_ptr = DK
+    dv_ptr = DV
+    S = SEQ
+    H = HQ
+    sm_scale = gl.load(F32)
+    WINDOW_LEFT = gl.load(I32)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    GROUP = H // HKV
+    n = gl.program_id(0)  # causal / window: small n has the most query blocks -> scheduled first
+    pid_bh = gl.program_id(1)
+    off_b = pid_bh // HKV
+    off_hk = pid_bh % HKV
+    s64 = S
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, D], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    if DQ_MODE == 0:
+        DQ_N: gl.constexpr = D
+    else:
+        DQ_N: gl.constexpr = D // 2
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, DQ_N], gl.float32)
+    kc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, D // 2], dtype)
+
+    q_desc = tma.make_tensor_descriptor(q_ptr, shape=[B, S, H * D], strides=[s64 * (H * D), H * D, 1],
+                                        block_shape=[1, BLOCK_M, D], layout=q_layout)
+    do_desc = tma.make_tensor_descriptor(do_ptr, shape=[B, S, H * D], strides=[s64 * (H * D), H * D, 1],
+                                         block_shape=[1, BLOCK_M, D], layout=q_layout)
+    k_desc = tma.make_tensor_descriptor(k_ptr, shape=[B, S, HKV * D], strides=[s64 * (HKV * D), HKV * D, 1],
+                                        block_shape=[1, BLOCK_N, D], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr, shape=[B, S, HKV * D], strides=[s64 * (HKV * D), HKV * D, 1],
+                                        block_shape=[1, BLOCK_N, D], layout=kv_layout)
+    dq_desc = tma.make_tensor_descriptor(dq_ptr, shape=[B, S, H * D], strides=[s64 * (H * D), H * D, 1],
+                                         block_shape=[1, BLOCK_M, DQ_N], layout=dq_layout)
+
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, D], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, D], q_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, DQ_N], dq_layout)
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
+    dlt_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
+    if DQ_MODE == 2:
+        kc_desc = tma.make_tensor_descriptor(k_ptr, shape=[B, S, HKV * D], strides=[s64 * (HKV * D), HKV * D, 1],
+                                             block_shape=[1, BLOCK_N, D // 2], layout=kc_layout)
+        kc_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, D // 2], kc_layout)
+    else:
+        kc_desc = k_desc
+        kc_smem = k_smem
+
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    misc_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # 0: K/V loaded, 1: dS halves written
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=2)  # dO TMA (expect-tx) + the producer's lse/delta stores
+        mbarrier.init(qd_empty.index(i), count=2)
+    mbarrier.init(misc_bar.index(0), count=1)
+    mbarrier.init(misc_bar.index(1), count=2)
+    fence_async_shared()
+
+    m_lo, m_hi, f0, f1 = _qblock_range(n, S, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
+    nm = m_hi - m_lo
+    gl.warp_specialize([
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, q_ready,
+                     do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, dk_ptr, dv_ptr, off_b, off_hk,
+                     n, S, m_lo, nm, f0, f1, sm_scale, H, HKV, GROUP, WINDOW_LEFT, 0, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                     MASK, DQ_MODE)),
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, q_ready,
+                     do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, dk_ptr, dv_ptr, off_b, off_hk,
+                     n, S, m_lo, nm, f0, f1, sm_scale, H, HKV, GROUP, WINDOW_LEFT, 1, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                     MASK, DQ_MODE)),
+        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, kc_desc, q_smem, do_smem, k_smem, v_smem, kc_smem, lse_smem,
+                     dlt_smem, q_ready, do_ready, qd_empty, misc_bar.index(0), lse_ptr, delta_ptr, off_b, off_hk, n, S,
+                     m_lo, nm, H, GROUP, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -159,9 +159,9 @@ def _constexprs(layout, q, k, v, cfg, conf, bias, mask, aux):
 
 
 def _scratch(grid):
-    """Every kernel's last output: global scratch for the tensor descriptors it may build, at most three
-    of 128 bytes per program (triton_call checks each compiled kernel against the budget). Sized the
-    same whether or not the kernel uses it (1 MB per 2048 programs), so it is never too small."""
+    """Every kernel's last output: global scratch for the tensor descriptors it may build, up to eight of
+    128 bytes per program (triton_call checks each compiled kernel against the budget). Sized the
+    same whether or not the kernel uses it (2 MB per 2048 programs), so it is never too small."""
     return jax.ShapeDtypeStruct((grid[0] * grid[1] * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)
 
 
@@ -225,13 +225,30 @@ def _gluon_forward(q, k, v, scalars, cfg):
     return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
 
 
-def use_gluon(layout: Layout, q, k, v, cfg) -> bool:
-    """Whether the forward runs the Gluon kernel: on Hopper GPUs for the calls it covers
-    (gluon_attention.ineligible), unless EJGEN_GLUON=0 or a forward config is pinned or autotuned."""
+def use_gluon(layout: Layout, q, k, v, cfg, pass_: str = "fwd") -> bool:
+    """Whether the forward (pass_ "fwd") or the backward ("bwd") runs the Gluon kernel: on Hopper GPUs for the
+    calls it covers (gluon_attention.ineligible), unless EJGEN_GLUON=0 or the pass's Triton configs are pinned or
+    autotuned."""
     if os.environ.get("EJGEN_GLUON", "1") == "0" or triton_call.mode()[0] != "gpu" or not gluon_attention.hopper():
         return False
-    pinned = triton_configs.pinned("fwd") or os.environ.get("EJGEN_TRITON_AUTOTUNE", "0") == "1"
-    return gluon_attention.ineligible(layout, cfg, q, k, v, pinned) is None
+    pinned = any(triton_configs.pinned(p) for p in (("fwd",) if pass_ == "fwd" else ("dkdv", "dq")))
+    pinned = pinned or os.environ.get("EJGEN_TRITON_AUTOTUNE", "0") == "1"
+    return gluon_attention.ineligible(layout, cfg, q, k, v, pinned, pass_) is None
+
+
+def _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, cfg):
+    """The warp-specialised Gluon backward (gluon_attention): (dq, dk, dv), dq [B, Sq, Hq, D] added up in float32
+    by reduce-adds (not bitwise reproducible run to run, like cuDNN's)."""
+    batch, sq, hq, d = q4.shape
+    hkv = k.shape[2]
+    grid = (_cdiv(sq, gluon_attention.BWD_TILES["BLOCK_N"]), batch * hkv)
+    dq_acc, dk, dv, _ = triton_call.launch(
+        gluon_attention.bwd_kernel(), grid, [q4, k, v, do4, lse3, delta3, *scalars],
+        [jax.ShapeDtypeStruct((batch, sq, hq, d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(v.shape, v.dtype), _scratch(grid)],
+        zeroed=(0,), num_warps=4, num_stages=1,
+        **gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window))
+    return dq_acc.astype(q4.dtype), dk, dv
 
 
 def _forward(layout: Layout, q, k, v, ctx, cfg):
@@ -298,6 +315,10 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg):
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     q4, do4 = q.reshape(batch, sq, hq, d), d_out.reshape(batch, sq, hq, dv)
     lse3 = lse.reshape(batch, hq, sq)
+    if use_gluon(layout, q, k, v, cfg, "bwd"):  # no bias, sinks or params here: no other gradients
+        delta3 = _delta(out, d_out, d_lse).reshape(batch, hq, sq)
+        dq, dk, dv_ = _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, cfg)
+        return dq.reshape(q.shape), dk, dv_, {}
     kernels = layout.kernels()
     n_seq = _grid_batch(q, ctx, cfg)
 

@@ -129,7 +129,7 @@ def _interpret(kernel, grid, out_shapes, constexprs, *arrays):
 # lowered by Gluon's stage (their module is TTGIR already). Other kernels compile to exactly what
 # jax-triton produces.
 
-SCRATCH_PER_PROGRAM = 512
+SCRATCH_PER_PROGRAM = 1024
 _OWN_KERNELS: set = set()  # names of the kernels launched through `launch`
 _compiled = threading.local()  # (name, warps) of the latest compilation in this thread
 

@@ -76,22 +76,27 @@ def compile_attention(package: str, name: str, *, capability: int = 90, params: 
 
 def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: int = 128, causal: bool = True,
                   window: bool = False, batch: int = 2, heads: int = 8, kv_heads: int = 2, seq: int = 1000) -> dict:
-    """The Gluon forward (ejgen.runtime.gluon_attention) for one call's constexprs."""
+    """The Gluon forward and backward (ejgen.runtime.gluon_attention) for one call's constexprs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from ejgen.runtime import gluon_attention
 
-    kernel = gluon_attention.kernel()
     ptr = _DTYPES[dtype]
-    sig = {n: "constexpr" for n in kernel.arg_names}
-    sig.update(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", SCRATCH="*u8")
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
-    consts = gluon_attention.constexprs(batch, heads, kv_heads, seq, head_dim, causal, window)
-    source = GluonASTSource(kernel, sig, constexprs=consts, attrs=aligned)
-    return {"gluon_fwd_kernel": triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                                               options={"num_warps": 4})}
+    args = (batch, heads, kv_heads, seq, head_dim, causal, window)
+    compiled = {}
+    for name, kernel, consts, pointers in (
+            ("gluon_fwd_kernel", gluon_attention.kernel(), gluon_attention.constexprs(*args),
+             dict(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", SCRATCH="*u8")),
+            ("gluon_bwd_kernel", gluon_attention.bwd_kernel(), gluon_attention.bwd_constexprs(*args),
+             dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32", DQ_ACC="*fp32",
+                  DK=ptr, DV=ptr, SCRATCH="*u8"))):
+        sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
+        source = GluonASTSource(kernel, sig, constexprs=consts, attrs=aligned)
+        compiled[name] = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
+    return compiled
 
 
 def summary(compiled: dict, with_ptx: bool = False) -> dict:
@@ -110,7 +115,8 @@ def compile_in_subprocess(package: str, name: str, **kwargs) -> dict:
 
 
 def compile_gluon_in_subprocess(**kwargs) -> dict:
-    """`summary` of `compile_gluon` (kwargs: its arguments, and with_ptx), from a fresh interpreter."""
+    """`summary` of `compile_gluon` (kwargs: its arguments, and with_ptx), from a fresh interpreter: forward and
+    backward."""
     return _in_subprocess({"gluon": True, **kwargs})
 
 
