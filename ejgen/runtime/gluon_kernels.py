@@ -1,7 +1,9 @@
-"""The Gluon kernel of `gluon_attention` (imported only where it runs or is compiled: it needs Triton's Gluon).
+"""The Gluon kernels of `gluon_attention`, forward and backward (imported only where they run or are compiled:
+they need Triton's Gluon). Both were checked on an H200 against the float64 oracle (tests/test_gluon.py).
 
 Triton 3.6 names the bulk copies async_copy_global_to_shared / async_copy_shared_to_global, 3.9 async_load /
-async_store (the old names raise there): `tma_load` / `tma_store` are whichever this Triton has.
+async_store (the old names raise there): `tma_load` / `tma_store` are whichever this Triton has; the bulk
+reduce-add is 3.9's async_atomic_add or, on 3.6, a builtin over the builder's op.
 """
 
 from triton.experimental import gluon
