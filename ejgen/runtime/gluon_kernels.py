@@ -450,26 +450,14 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. LSE, DELTA: [B, HQ, SEQ]
     (DELTA = rowsum(dO * O) - d lse). MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
     F32 = [scale, ...]. Grid (cdiv(SEQ, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
-    q_ptr = Q
-    k_ptr = K
-    v_ptr = V
-    do_ptr = DO
-    lse_ptr = LSE
-    delta_ptr = DELTA
-    dq_ptr = DQ_ACC
-    dk_ptr = DK
-    dv_ptr = DV
-    S = SEQ
-    H = HQ
     sm_scale = gl.load(F32)
     WINDOW_LEFT = gl.load(I32)
     dtype: gl.constexpr = Q.dtype.element_ty
-    GROUP = H // HKV
+    GROUP = HQ // HKV
     n = gl.program_id(0)  # causal / window: small n has the most query blocks -> scheduled first
     pid_bh = gl.program_id(1)
     off_b = pid_bh // HKV
     off_hk = pid_bh % HKV
-    s64 = S
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, D], dtype)
@@ -481,15 +469,15 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, DQ_N], gl.float32)
     kc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, D // 2], dtype)
 
-    q_desc = tma.make_tensor_descriptor(q_ptr, shape=[B, S, H * D], strides=[s64 * (H * D), H * D, 1],
+    q_desc = tma.make_tensor_descriptor(Q, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
                                         block_shape=[1, BLOCK_M, D], layout=q_layout)
-    do_desc = tma.make_tensor_descriptor(do_ptr, shape=[B, S, H * D], strides=[s64 * (H * D), H * D, 1],
+    do_desc = tma.make_tensor_descriptor(DO, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
                                          block_shape=[1, BLOCK_M, D], layout=q_layout)
-    k_desc = tma.make_tensor_descriptor(k_ptr, shape=[B, S, HKV * D], strides=[s64 * (HKV * D), HKV * D, 1],
+    k_desc = tma.make_tensor_descriptor(K, shape=[B, SEQ, HKV * D], strides=[SEQ * (HKV * D), HKV * D, 1],
                                         block_shape=[1, BLOCK_N, D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(v_ptr, shape=[B, S, HKV * D], strides=[s64 * (HKV * D), HKV * D, 1],
+    v_desc = tma.make_tensor_descriptor(V, shape=[B, SEQ, HKV * D], strides=[SEQ * (HKV * D), HKV * D, 1],
                                         block_shape=[1, BLOCK_N, D], layout=kv_layout)
-    dq_desc = tma.make_tensor_descriptor(dq_ptr, shape=[B, S, H * D], strides=[s64 * (H * D), H * D, 1],
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
                                          block_shape=[1, BLOCK_M, DQ_N], layout=dq_layout)
 
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], kv_layout)
@@ -502,7 +490,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
     dlt_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
     if DQ_MODE == 2:
-        kc_desc = tma.make_tensor_descriptor(k_ptr, shape=[B, S, HKV * D], strides=[s64 * (HKV * D), HKV * D, 1],
+        kc_desc = tma.make_tensor_descriptor(K, shape=[B, SEQ, HKV * D], strides=[SEQ * (HKV * D), HKV * D, 1],
                                              block_shape=[1, BLOCK_N, D // 2], layout=kc_layout)
         kc_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, D // 2], kc_layout)
     else:
@@ -513,7 +501,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    misc_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # 0: K/V loaded, 1: dS halves written
+    misc_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # 0: K/V loaded, 1: dSEQ halves written
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=2)  # dO TMA (expect-tx) + the producer's lse/delta stores
@@ -522,18 +510,18 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     mbarrier.init(misc_bar.index(1), count=2)
     fence_async_shared()
 
-    m_lo, m_hi, f0, f1 = _qblock_range(n, S, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
+    m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
     nm = m_hi - m_lo
     gl.warp_specialize([
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, q_ready,
-                     do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, dk_ptr, dv_ptr, off_b, off_hk,
-                     n, S, m_lo, nm, f0, f1, sm_scale, H, HKV, GROUP, WINDOW_LEFT, 0, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                     do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b, off_hk,
+                     n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, 0, D, BLOCK_M, BLOCK_N, NUM_STAGES,
                      MASK, DQ_MODE)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, q_ready,
-                     do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, dk_ptr, dv_ptr, off_b, off_hk,
-                     n, S, m_lo, nm, f0, f1, sm_scale, H, HKV, GROUP, WINDOW_LEFT, 1, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                     do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b, off_hk,
+                     n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, 1, D, BLOCK_M, BLOCK_N, NUM_STAGES,
                      MASK, DQ_MODE)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, kc_desc, q_smem, do_smem, k_smem, v_smem, kc_smem, lse_smem,
-                     dlt_smem, q_ready, do_ready, qd_empty, misc_bar.index(0), lse_ptr, delta_ptr, off_b, off_hk, n, S,
-                     m_lo, nm, H, GROUP, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE)),
+                     dlt_smem, q_ready, do_ready, qd_empty, misc_bar.index(0), LSE, DELTA, off_b, off_hk, n, SEQ,
+                     m_lo, nm, HQ, GROUP, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
