@@ -38,7 +38,7 @@ class Layout:
     score_is_identity: bool
     gathers_by_position: bool  # the score reads a param tile by position (a gather in every block)
     builtin_mask_only: bool = False  # no mask of the spec's own (causal / sliding window at most): the Gluon
-    #                                  forward may run (packages rendered before it say nothing: it does not)
+    #                                  kernels may run (packages rendered before it say nothing: they do not)
 
     def kernels(self):
         return importlib.import_module(self.kernel_module)
