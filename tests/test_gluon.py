@@ -128,3 +128,52 @@ def test_gluon_forward_matches_the_oracle(monkeypatch, triton_launches, triton_a
     two_sided = "sliding_window" in features and not features.get("causal")
     assert backward == (["dq", "dkdv"] if two_sided else ["bwd"]), backward  # the Gluon backward: one kernel
 
+
+
+def test_the_launches_match_the_kernels_signatures(monkeypatch):
+    """On a (pretended) Hopper GPU the op's forward and backward go to the two Gluon kernels with their
+    arguments in signature order (inputs, then outputs, SCRATCH last), every constexpr the kernel declares,
+    the grids of 128-row / 128-key programs and the float32 dQ accumulator zeroed. The launch itself is a fake
+    (no GPU here): the kernels' numbers are the GPU tests' business."""
+    from ejgen.ops import flash_attention
+
+    if not gluon_attention.importable()[0]:
+        pytest.fail(gluon_attention.importable()[1])
+    seen = []
+
+    def fake_launch(kernel, grid, inputs, outs, **kw):
+        seen.append((kernel, grid, inputs, outs, kw))
+        return [jnp.zeros(o.shape, o.dtype) for o in outs]
+
+    monkeypatch.setattr(triton_call, "mode", lambda: ("gpu", ""))
+    monkeypatch.setattr(triton_call, "launch", fake_launch)
+    monkeypatch.setattr(gluon_attention, "hopper", lambda: True)
+    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
+    monkeypatch.delenv("EJGEN_GLUON", raising=False)
+    b, s, hq, hkv, d = 2, 300, 4, 2, 128
+    q = jnp.ones((b, s, hq, d), jnp.bfloat16)
+    kv = jnp.ones((b, s, hkv, d), jnp.bfloat16)
+    loss = lambda q, k, v: flash_attention(q, k, v, causal=True, sliding_window=(100, 0),
+                                           platform="triton").astype(jnp.float32).sum()
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv)
+    assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
+    kernels = [kernel.__name__ for kernel, *_ in seen]
+    assert kernels == ["flash_attention_fwd_kernel", "gluon_attention_bwd_kernel"], kernels  # a short window: fwd
+    _, grid, inputs, outs, kw = seen[1]
+    names = gluon_attention.bwd_kernel().arg_names
+    assert len(inputs) + len(outs) + len(set(kw) & set(names)) == len(names)
+    assert set(names[len(inputs) + len(outs):]) <= set(kw), "every constexpr given"
+    assert grid == (3, b * hkv) and kw["zeroed"] == (0,)
+    assert [tuple(x.shape) for x in inputs[:6]] == [(b, s, hq, d), kv.shape, kv.shape, (b, s, hq, d), (b, hq, s),
+                                                    (b, hq, s)]
+    assert (outs[0].shape, outs[0].dtype) == ((b, s, hq, d), jnp.float32)
+    assert (kw["MASK"], kw["SEQ"], kw["HQ"], kw["HKV"]) == (2, s, hq, hkv)
+
+    seen.clear()
+    jax.grad(lambda q: flash_attention(q, q, q, platform="triton").astype(jnp.float32).sum())(q)
+    kernel, grid, inputs, outs, kw = seen[0]
+    assert kernel.__name__ == "gluon_attention_fwd_kernel" and grid == (3, b * hq)
+    names = kernel.arg_names
+    assert names[len(inputs) + len(outs) - 1] == "SCRATCH" and set(names[len(inputs) + len(outs):]) <= set(kw)
+    assert [tuple(o.shape) for o in outs[:2]] == [(b, s, hq, d), (b, hq, s)]
+    assert seen[1][0].__name__ == "gluon_attention_bwd_kernel" and seen[1][4]["MASK"] == 0
