@@ -282,10 +282,12 @@ def _qblock_range(n, S, WINDOW_LEFT, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexp
 
 
 @gluon.jit
-def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kc_desc, q_smem, do_smem, k_smem, v_smem, kc_smem, lse_smem, dlt_smem,
-              q_ready, do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm,
-              H, GROUP, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, DQ_MODE: gl.constexpr):
+def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kc_desc, q_smem, do_smem, k_smem, v_smem, kc_smem, lse_smem,
+                  dlt_smem, q_ready, do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm,
+                  H, GROUP, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, DQ_MODE: gl.constexpr):
+    """The program's K and V once (with DQ_MODE 2 also K as two column tiles), then per (query head, query
+    block) Q and dO by TMA into the ring and the block's lse * log2 e and delta rows into shared memory."""
     KV_BYTES: gl.constexpr = BLOCK_N * D * 2
     QT_BYTES: gl.constexpr = BLOCK_M * D * 2
     row_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, BLOCK_M // 32], threads_per_warp=[1, 32],
@@ -323,6 +325,7 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kc_desc, q_smem, do_smem, k_s
 
 @gluon.jit
 def _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK: gl.constexpr):
+    """P^T with invisible (key, query) pairs and rows or keys past S set to 0."""
     k2 = gl.expand_dims(keys, 1)  # [HALF, 1]
     r2 = gl.expand_dims(rows, 0)  # [1, BLOCK_M]
     dist = r2 - k2  # query - key  [HALF, BLOCK_M]
@@ -335,10 +338,13 @@ def _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, lse_smem, dlt_smem, q_ready, do_ready,
-              qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, off_b, off_hk, n, S, m_lo, nm, f0, f1, sm_scale,
-              H, HKV, GROUP, WINDOW_LEFT, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr):
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, lse_smem, dlt_smem, q_ready,
+                  do_ready, qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, off_b, off_hk, n, S, m_lo, nm, f0, f1,
+                  sm_scale, H, HKV, GROUP, WINDOW_LEFT, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr):
+    """Warpgroup WG's 64 keys: dK, dV over the program's query blocks (S^T, dP^T, P^T, dS^T; dV += P^T dO,
+    dK += dS^T Q), its dS^T half into shared memory for the joint dQ = dS K (DQ_MODE: how the two warpgroups
+    share it), dQ * scale reduce-added into the float32 accumulator; then dK * scale and dV stored."""
     HALF: gl.constexpr = BLOCK_N // 2
     if DQ_MODE == 0:
         DQ_N: gl.constexpr = D
