@@ -255,11 +255,11 @@ def _forward(layout: Layout, q, k, v, ctx, cfg):
     _check_layout(q, cfg)
     batch, sq, hkv, groups, d = q.shape
     hq, dv = hkv * groups, v.shape[-1]
+    scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     if use_gluon(layout, q, k, v, cfg):
-        out, lse = _gluon_forward(q, k, v, _inputs(layout, ctx, cfg, hq)[0], cfg)
+        out, lse = _gluon_forward(q, k, v, scalars, cfg)
         return out, lse, None
     conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg)
-    scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
     consts["WS"] = _warp_specialised(conf, cfg, consts)
     tuned = _autotune(layout, "fwd", conf)

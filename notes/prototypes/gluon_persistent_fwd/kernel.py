@@ -26,14 +26,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# the tile range and the softmax step are the integrated kernel's own (the repository root is on sys.path: aot.py,
+# run_gpu.py)
+from ejgen.runtime.gluon_kernels import _blocks, _softmax, tma_load, tma_store  # noqa: E402
+
 cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # 3.6: thread_barrier, 3.9: barrier
 
-BLOCK_M = 128
-CONSUMER_REGS = 240
-PRODUCER_REGS = 24
-TILES = dict(BLOCK_N=128, NUM_STAGES=2, PP_SYNC=True)
+from ejgen.runtime import gluon_attention  # noqa: E402  (tiles and registers: the integrated kernel's)
+
+BLOCK_M = gluon_attention.BLOCK_M
 L2_KV_BUDGET = 16 << 20  # bytes of K and V per head section (H100/H200 L2: 50 MB)
 
 
@@ -45,10 +46,9 @@ def head_group(batch: int, hq: int, hkv: int, seq: int, d: int, item: int = 2, b
 
 
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool) -> dict:
-    """Like ejgen.runtime.gluon_attention.constexprs, plus HEAD_GROUP."""
-    return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, BLOCK_M=BLOCK_M, CAUSAL=causal, WINDOW=window,
-                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                HEAD_GROUP=head_group(batch, hq, hkv, seq, d), **TILES)
+    """ejgen.runtime.gluon_attention.constexprs, plus HEAD_GROUP."""
+    return dict(gluon_attention.constexprs(batch, hq, hkv, seq, d, causal, window),
+                HEAD_GROUP=head_group(batch, hq, hkv, seq, d))
 
 
 def num_tiles(batch: int, hq: int, seq: int) -> int:
@@ -72,31 +72,6 @@ def _tile(t, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, CAUSAL: gl.c
     if CAUSAL:
         i_m = N_M - 1 - i_m
     return i_m, bh
-
-
-@gluon.jit
-def _blocks(q_lo, left, right, SEQ: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-            CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
-    """Key blocks [lo, hi) meeting the visible band of query rows [q_lo, q_lo + ROWS), and [f0, f1): the
-    blocks visible to every one of those rows and inside the sequence (no element mask). (As in gluon_kernels.)"""
-    q_hi = q_lo + ROWS
-    hi_key = q_lo * 0 + SEQ
-    lo_key = q_lo * 0
-    fe = q_lo * 0 + SEQ // BLOCK_N
-    fs = q_lo * 0
-    if CAUSAL:
-        hi_key = gl.minimum(hi_key, q_hi)
-        fe = gl.minimum(fe, (q_lo + 1) // BLOCK_N)
-    if WINDOW:
-        hi_key = gl.minimum(hi_key, q_hi + right)
-        lo_key = gl.maximum(q_lo - left, 0)
-        fe = gl.minimum(fe, (q_lo + right + 1) // BLOCK_N)
-        fs = (gl.maximum(q_hi - 1 - left, 0) + BLOCK_N - 1) // BLOCK_N
-    lo = lo_key // BLOCK_N
-    hi = (hi_key + BLOCK_N - 1) // BLOCK_N
-    f0 = gl.minimum(gl.maximum(lo, fs), hi)
-    f1 = gl.maximum(f0, gl.minimum(fe, hi))
-    return lo, hi, f0, f1
 
 
 @gluon.jit
@@ -136,29 +111,6 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             tma_load(v_desc, [off_b, j * BLOCK_N, kv_col], v_ready.index(idx), v_smem.index(idx))
         g += hi - lo
         tc += 1
-
-
-@gluon.jit
-def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, MASKED: gl.constexpr, SEQ: gl.constexpr,
-             CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-             s_layout: gl.constexpr):
-    """Online softmax of one block in exp2 (scale * log2 e folded in): (p, alpha, m, l). (As in gluon_kernels.)"""
-    if MASKED:
-        rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        c2 = gl.expand_dims(cols, 0)
-        dist = c2 - gl.expand_dims(rows, 1)  # key - query
-        keep = c2 < SEQ
-        if CAUSAL:
-            keep = keep & (dist <= 0)
-        if WINDOW:
-            keep = keep & (dist >= -left) & (dist <= right)
-        s = gl.where(keep, s, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-    m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no visible key yet: no inf - inf
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
-    alpha = gl.exp2(m_i - m_use)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 
 @gluon.jit
