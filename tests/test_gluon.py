@@ -68,7 +68,6 @@ def _qkv(sq=512, sk=512, d=128, dv=None, dtype=jnp.bfloat16):
     ("flash_attention", _cfg(), _qkv(d=96), False, "head dims 96/96"),
     ("flash_attention", _cfg(), _qkv(dv=64), False, "head dims 128/64"),
     ("flash_attention", _cfg(seq_k=640), _qkv(sk=640), False, "Sq 512 != Sk 640"),
-    ("flash_attention", _cfg(causal=True, window=True, window_span=1024), _qkv(), False, "a sliding window of 1024"),
 ])
 def test_calls_the_kernel_does_not_cover_say_why(spec, cfg, arrays, pinned, reason):
     why = gluon_attention.ineligible(_layout(spec), cfg, *arrays, pinned)
@@ -88,7 +87,8 @@ def test_the_backward_covers_short_causal_windows_but_not_two_sided_ones():
 
 
 @pytest.mark.parametrize("cfg,arrays", [
-    (_cfg(), _qkv()), (_cfg(causal=True, window=True, window_span=2048), _qkv(d=64, dtype=jnp.float16)),
+    (_cfg(), _qkv()), (_cfg(causal=True, window=True, window_span=1024), _qkv(d=64, dtype=jnp.float16)),
+    (_cfg(window=True, window_span=64), _qkv()),  # the forward: any window, two-sided ones included
 ])
 def test_plain_causal_and_window_calls_are_covered(cfg, arrays):
     if not gluon_attention.importable()[0]:
@@ -130,10 +130,26 @@ def test_gluon_forward_matches_the_oracle(monkeypatch, triton_launches, triton_a
 
 
 
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal-gqa-d64-ragged", "two-sided-window-f16"])
+def test_the_persistent_forward_walks_many_tiles_per_program(monkeypatch, triton_launches, triton_against_oracle, case):
+    """Five programs for 40-176 tiles: every program crosses tile boundaries (the K/V ring, the Q sets and the turn
+    token carried from one tile to the next)."""
+    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
+    monkeypatch.setattr(gluon_attention, "num_sms", lambda: 5)
+    if not gluon_attention.hopper():
+        pytest.skip("not a Hopper GPU")
+    _, shape, features, dtype = next(c for c in GPU_CASES if c[0] == case)
+    triton_against_oracle(shape, features, dtype, "gluon")
+    assert any(pass_ == "fwd" and "PP_SYNC" in kw for pass_, kw in triton_launches), triton_launches
+
+
 def test_the_launches_match_the_kernels_signatures(monkeypatch):
     """On a (pretended) Hopper GPU the op's forward and backward go to the two Gluon kernels with their
     arguments in signature order (inputs, then outputs, SCRATCH last), every constexpr the kernel declares,
-    the grids of 128-row / 128-key programs and the float32 dQ accumulator zeroed. The launch itself is a fake
+    the persistent forward's grid (one program per SM, at most one per tile), the backward's of 128-key programs
+    and the float32 dQ accumulator zeroed. The launch itself is a fake
     (no GPU here): the kernels' numbers are the GPU tests' business."""
     from ejgen.ops import flash_attention
 
@@ -148,6 +164,7 @@ def test_the_launches_match_the_kernels_signatures(monkeypatch):
     monkeypatch.setattr(triton_call, "mode", lambda: ("gpu", ""))
     monkeypatch.setattr(triton_call, "launch", fake_launch)
     monkeypatch.setattr(gluon_attention, "hopper", lambda: True)
+    monkeypatch.setattr(gluon_attention, "num_sms", lambda: 7)
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
     monkeypatch.delenv("EJGEN_GLUON", raising=False)
     b, s, hq, hkv, d = 2, 300, 4, 2, 128
@@ -158,7 +175,9 @@ def test_the_launches_match_the_kernels_signatures(monkeypatch):
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv)
     assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
     kernels = [kernel.__name__ for kernel, *_ in seen]
-    assert kernels == ["flash_attention_fwd_kernel", "gluon_attention_bwd_kernel"], kernels  # a short window: fwd
+    assert kernels == ["gluon_attention_fwd_kernel", "gluon_attention_bwd_kernel"], kernels
+    assert seen[0][1] == (7,) and seen[0][4]["WINDOW"] and seen[0][4]["CAUSAL"]  # 24 tiles on 7 SMs
+    assert seen[0][3][-1].shape == (7 * triton_call.SCRATCH_PER_PROGRAM,)
     _, grid, inputs, outs, kw = seen[1]
     names = gluon_attention.bwd_kernel().arg_names
     assert len(inputs) + len(outs) + len(set(kw) & set(names)) == len(names)
@@ -172,7 +191,8 @@ def test_the_launches_match_the_kernels_signatures(monkeypatch):
     seen.clear()
     jax.grad(lambda q: flash_attention(q, q, q, platform="triton").astype(jnp.float32).sum())(q)
     kernel, grid, inputs, outs, kw = seen[0]
-    assert kernel.__name__ == "gluon_attention_fwd_kernel" and grid == (3, b * hq)
+    assert kernel.__name__ == "gluon_attention_fwd_kernel" and grid == (7,)
+    assert kw["HEAD_GROUP"] == gluon_attention.head_group(b, hq, hq, s, d) == b * hq  # small: one section
     names = kernel.arg_names
     assert names[len(inputs) + len(outs) - 1] == "SCRATCH" and set(names[len(inputs) + len(outs):]) <= set(kw)
     assert [tuple(o.shape) for o in outs[:2]] == [(b, s, hq, d), (b, hq, s)]

@@ -14,25 +14,32 @@ and lse). The element semantics are DESIGN §3's: key j is visible to query i if
 (no window or i - left <= j <= i + right); lse is the natural-log log-sum-exp of the scaled logits, -inf on
 a row that sees no key.
 
-Shape of the kernel (one program per 128 query rows of one head):
-  * a producer warp (few registers) issues tensor-memory-accelerator loads: the two 64-row halves of the
-    Q tile once, then K and V tiles into a ring of NUM_STAGES shared-memory buffers, each with a ready and an
-    empty mbarrier (K and V apart, so Q K^T starts before V lands);
+Shape of the kernel (persistent: one program per SM walks tiles of 128 query rows of one head):
+  * a producer warp (few registers) issues tensor-memory-accelerator loads: the two 64-row halves of a
+    tile's Q (two Q sets: the next tile's Q lands while this one runs), then K and V tiles into a ring of
+    NUM_STAGES shared-memory buffers, each with a ready and an empty mbarrier (K and V apart, so Q K^T starts
+    before V lands). Its ring counter runs across tiles, so it prefetches the next tile's K/V while the
+    consumers finish the current one: short key loops (sliding windows) pay no prologue per tile;
   * two consumer warpgroups, one per 64-row half, run the same loop over the key blocks: S_j = Q K_j^T and
     O += P_{j-1} V_{j-1} are issued asynchronously, the softmax of block j runs while P_{j-1} V_{j-1} is
     still on the tensor cores (one wgmma in flight: what plain Triton cannot express), and each K/V stage
     goes back to the producer once both consumers' wgmmas that read it have completed;
   * with PP_SYNC the two consumers take turns issuing their matmuls (an mbarrier token passed back and
-    forth): one warpgroup's softmax overlaps the other's matmuls (FA3's ping-pong);
+    forth, its phase from the running block counter): one warpgroup's softmax overlaps the other's matmuls
+    (FA3's ping-pong);
   * only the key blocks that meet the visible band are visited; blocks visible for every row of the tile
     run without the element mask;
   * the epilogue divides by the row sums, writes lse, and stores O through the consumer's Q buffer with a
-    bulk store (rows past the sequence end are clipped by the descriptor).
+    bulk store (rows past the sequence end are clipped by the descriptor), then hands that Q buffer back;
+  * tile order: sections of HEAD_GROUP (batch, head) pairs whose K/V fit in part of L2 (`head_group`); query
+    tiles slow and heads fast inside a section, heaviest tiles first under causal (FA3's LPT order).
 Descriptors are made on the device (the launch gives each program SCRATCH bytes for them, triton_call).
+The cross-tile barrier protocol (ring, Q sets, turn token) was checked by a CPU model under random
+interleavings before it ran (notes/gluon_persistent_protocol_sim.py).
 
-Measured (H200, bf16, D=128, B*S=32k, H=16; session 6, notes/perf.md v8): the bench's forward 0.96-1.08x
-cuDNN (the generated forward: 0.83-1.00x); Nsight Compute, 4k causal 1000 against 1152 us. Sliding windows
-narrower than MIN_WINDOW_SPAN keep the generated forward (below).
+Measured (H200, bf16, D=128, B*S=32k, H=16; session 7, notes/gluon-persistent-fwd-h200.log, CUDA events):
+against the per-tile form it replaced, window (16k, 1024) 0.704 -> 0.505 ms, 4k causal 0.994 -> 0.922,
+16k causal 3.374 -> 3.369, 4k 1.682 -> 1.557.
 """
 
 from __future__ import annotations
@@ -46,11 +53,6 @@ PRODUCER_REGS = 24
 HEAD_DIMS = (64, 128)
 # 128-key tiles, two K/V stages, turn-taking consumers (standalone sweep, H200: 128x128 s2 ahead of s3, 128x64 and
 # one-warpgroup forms at every shape; turn-taking won at 16k, free-running by < 1% at 4k)
-# One program per SM (164 KB of shared memory) pays its prologue and pipeline fill once per query tile, which
-# short key loops do not hide: Nsight Compute, H200, bf16 D=128, B*S=32k: window (16k, 1024) 712 us against
-# the generated forward's 666 (9 key blocks a tile, two programs per SM there), 4k causal 1000 against 1152
-# (16.5 blocks on average). Windows narrower than 16 key blocks keep the generated forward.
-MIN_WINDOW_SPAN = 2048
 TILES = dict(BLOCK_N=128, NUM_STAGES=2, PP_SYNC=True)
 
 
@@ -96,8 +98,6 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
          f"dtype {q.dtype} (16-bit only)"),
         (d != dv or d not in HEAD_DIMS, f"head dims {d}/{dv} (equal, one of {HEAD_DIMS})"),
         (q.shape[1] != k.shape[1], f"Sq {q.shape[1]} != Sk {k.shape[1]}"),
-        (pass_ == "fwd" and cfg.window and cfg.window_span < MIN_WINDOW_SPAN,
-         f"a sliding window of {cfg.window_span} < {MIN_WINDOW_SPAN} keys (short loops: the generated forward)"),
         (pass_ == "bwd" and cfg.window and not cfg.causal, "a sliding window without causal (the backward's masks: "
                                                           "causal, with a window to the left)"),
     ]
@@ -113,10 +113,38 @@ def kernel():
     return importlib.import_module("ejgen.runtime.gluon_kernels").gluon_attention_fwd_kernel
 
 
+L2_KV_BUDGET = 16 << 20  # bytes of K and V per head section (H100 / H200 L2: 50 MB)
+
+
+def head_group(batch: int, hq: int, hkv: int, seq: int, d: int, item: int = 2) -> int:
+    """(batch, head) pairs per section of the persistent tile order: as many kv heads as fit K and V in
+    L2_KV_BUDGET, times the query heads sharing each (H200: section of 2 at 16k beat 1 by 4% causal)."""
+    kv_heads = max(1, L2_KV_BUDGET // (2 * seq * d * item))
+    return max(1, min(batch * hq, kv_heads * (hq // hkv)))
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms() -> int:
+    """Streaming multiprocessors of the first GPU (132 on an H100 / H200 SXM where jax does not say)."""
+    import jax
+
+    try:
+        return int(getattr(jax.devices("gpu")[0], "core_count", 0) or 132)
+    except RuntimeError:
+        return 132
+
+
+def grid(batch: int, hq: int, seq: int, sms: int | None = None) -> tuple:
+    """The persistent forward's grid: one program per SM, never more than there are tiles."""
+    tiles = -(-seq // BLOCK_M) * batch * hq
+    return (max(1, min(sms or num_sms(), tiles)), )
+
+
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool) -> dict:
-    """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq, hkv, d]."""
+    """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq, hkv, d] (16-bit)."""
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, BLOCK_M=BLOCK_M, CAUSAL=causal, WINDOW=window,
-                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **TILES)
+                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                HEAD_GROUP=head_group(batch, hq, hkv, seq, d), **TILES)
 
 
 # The backward: 64-row query blocks, 128-key programs (two warpgroups of 64 keys), two Q/dO stages (standalone

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import os
 
 import jax
@@ -162,7 +163,7 @@ def _scratch(grid):
     """Every kernel's last output: global scratch for the tensor descriptors it may build, up to eight of
     128 bytes per program (triton_call checks each compiled kernel against the budget). Sized the
     same whether or not the kernel uses it (2 MB per 2048 programs), so it is never too small."""
-    return jax.ShapeDtypeStruct((grid[0] * grid[1] * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)
+    return jax.ShapeDtypeStruct((math.prod(grid) * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)
 
 
 def _check_layout(q, cfg):
@@ -216,7 +217,7 @@ def _gluon_forward(q, k, v, scalars, cfg):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq])."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
-    grid = (_cdiv(sq, gluon_attention.BLOCK_M), batch * hq)
+    grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
     out, lse, _ = triton_call.launch(
         gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), k, v, *scalars],
         [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
