@@ -1,15 +1,20 @@
 """Ahead-of-time compile check (no GPU) of the persistent Gluon backward (kernel.py), and of the per-program original
 (ejgen.runtime.gluon_kernels.gluon_attention_bwd_kernel) for comparison, for sm_90a.
 
-    <python> aot.py [--kernels persistent,persistent_epi,original] [--dtypes bf16,f16] [--d 128,64]
-                    [--masks 0,1,2] [--dump DIR]
+    <python> aot.py [--kernels persistent,persistent_epi,persistent_k1v1,original] [--dtypes bf16,f16] [--d 128,64]
+                    [--masks 0,1,2] [--shapes aot|gpu] [--dump DIR]
 
 Works with Triton 3.6 and 3.9. Per (kernel, dtype, D, MASK): triton.compile(GluonASTSource) for
 GPUTarget("cuda", 90, 32) with tt.divisibility 16 on every pointer (what jax-triton promises), then
 `ptxas -v --gpu-name sm_90a` on the PTX with the ptxas Triton itself uses for sm_90
 (triton.backends.nvidia.compiler.get_ptxas(90) on 3.9, bin/ptxas on 3.6) -> registers, spills, stack; shared
 memory and descriptor scratch from the metadata (checked against the 232,448-byte limit); setmaxnreg values from
-the PTX. `persistent_epi` is the persistent kernel with EPI_TMA (dK / dV by bulk stores).
+the PTX. `persistent_epi` is the persistent kernel with EPI_TMA (dK / dV by bulk stores), `persistent_k1v1` the
+persistent kernel with one K and one V buffer (K_STAGES = V_STAGES = 1).
+
+--shapes aot (default): one representative shape per (dtype, D, MASK): B=2, HQ=8, HKV=2 (GQA 4), SEQ=1000 (ragged).
+--shapes gpu: the shapes run_gpu.py launches (its correctness cases and its bf16 D=128 timing cases), each
+compiled once per kernel; register allocation depends on the constexprs (SEQ, heads), so spills are checked there.
 """
 import argparse
 import os
@@ -60,12 +65,31 @@ def grab(pattern, text):
     return int(m.group(1)) if m else None
 
 
-def compile_one(which, dtype, D, mask, B=2, HQ=8, HKV=2, SEQ=1000):
-    """Compile one variant (SEQ=1000: ragged, GQA 4): (result dict, ptxas warnings, compiled kernel)."""
+AOT_SHAPE = (2, 8, 2, 1000)  # B, HQ, HKV, SEQ: ragged, GQA 4
+
+
+def gpu_shapes():
+    """(dtype, D, MASK, (B, HQ, HKV, SEQ)) of every distinct kernel run_gpu.py compiles."""
+    import run_gpu
+    out = []
+    for cases in run_gpu.CORR_GROUPS.values():
+        for (B, S, H, Hkv, D, mask) in cases:
+            for dt in (("bf16",) if D == 128 else ("bf16", "f16")):
+                out.append((dt, D, run_gpu.MASKS[mask][0], (B, H, Hkv, S)))
+    for _, S, mask in run_gpu.TIME_CASES:
+        out.append(("bf16", run_gpu.TD, run_gpu.MASKS[mask][0], (run_gpu.TOKENS // S, run_gpu.TH, run_gpu.TH, S)))
+    return list(dict.fromkeys(out))
+
+
+def compile_one(which, dtype, D, mask, shape=AOT_SHAPE):
+    """Compile one variant: (result dict, ptxas warnings, compiled kernel)."""
+    B, HQ, HKV, SEQ = shape
     causal, window = mask >= 1, mask == 2
     if which.startswith("persistent"):
         fn = pk.gluon_persistent_bwd_kernel
         consts = pk.constexprs(B, HQ, HKV, SEQ, D, causal, window, epi_tma=which == "persistent_epi")
+        if which == "persistent_k1v1":  # one K and one V buffer (run_gpu.py times it too)
+            consts.update(K_STAGES=1, V_STAGES=1)
     else:
         from ejgen.runtime import gluon_attention, gluon_kernels
         fn = gluon_kernels.gluon_attention_bwd_kernel
@@ -84,7 +108,8 @@ def compile_one(which, dtype, D, mask, B=2, HQ=8, HKV=2, SEQ=1000):
     rc, out = run_ptxas(ptx)
     md = k.metadata
     setmax = sorted(set(a + b for a, b in re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
-    res = dict(kernel=which, dtype=dtype, D=D, mask=MASK_NAMES[mask], ptxas_rc=rc,
+    res = dict(kernel=which, dtype=dtype, D=D, mask=MASK_NAMES[mask], shape="B{}xHQ{}xHKV{}xS{}".format(*shape),
+               ptxas_rc=rc,
                regs=grab(r"Used (\d+) registers", out), spill_st=grab(r"(\d+) bytes spill stores", out),
                spill_ld=grab(r"(\d+) bytes spill loads", out), stack=grab(r"(\d+) bytes stack frame", out),
                smem=md.shared, smem_ok=md.shared <= pk.SMEM_LIMIT, scratch=md.global_scratch_size,
@@ -100,38 +125,41 @@ def compile_one(which, dtype, D, mask, B=2, HQ=8, HKV=2, SEQ=1000):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", default="persistent,persistent_epi,original")
+    ap.add_argument("--kernels", default="persistent,persistent_epi,persistent_k1v1,original")
     ap.add_argument("--dtypes", default="bf16,f16")
     ap.add_argument("--d", default="128,64")
     ap.add_argument("--masks", default="0,1,2")
+    ap.add_argument("--shapes", default="aot", choices=("aot", "gpu"))
     ap.add_argument("--dump", default="", help="folder for the ttgir / ptx of each compile")
     a = ap.parse_args()
     print(f"triton {triton.__version__} ({triton.__file__}); ptxas {ptxas_path()}", flush=True)
+    if a.shapes == "aot":
+        jobs = [(dt, D, m, AOT_SHAPE) for dt in a.dtypes.split(",") for D in [int(x) for x in a.d.split(",")]
+                for m in [int(x) for x in a.masks.split(",")]]
+    else:
+        jobs = gpu_shapes()
     ok = bad = 0
     for which in a.kernels.split(","):
-        for dtype in a.dtypes.split(","):
-            for D in [int(x) for x in a.d.split(",")]:
-                for mask in [int(x) for x in a.masks.split(",")]:
-                    try:
-                        res, warn, k = compile_one(which, dtype, D, mask)
-                        print(f"[{triton.__version__}] " + " ".join(f"{key}={val}" for key, val in res.items()),
-                              flush=True)
-                        for w in warn:
-                            print("    ptxas:", w, flush=True)
-                        if a.dump:
-                            os.makedirs(a.dump, exist_ok=True)
-                            for ext in ("ttgir", "ptx"):
-                                name = f"{which}_{dtype}_d{D}_m{mask}.{ext}"
-                                with open(os.path.join(a.dump, name), "w") as fh:
-                                    fh.write(k.asm[ext])
-                        good = res["ptxas_rc"] == 0 and res["smem_ok"]
-                        ok += good
-                        bad += not good
-                    except Exception as e:
-                        bad += 1
-                        print(f"[{triton.__version__}] kernel={which} dtype={dtype} D={D} mask={mask} COMPILE FAILED: "
-                              f"{type(e).__name__}: {str(e)[:3000]}", flush=True)
-                        traceback.print_exc(limit=3)
+        for dtype, D, mask, shape in jobs:
+            try:
+                res, warn, k = compile_one(which, dtype, D, mask, shape)
+                print(f"[{triton.__version__}] " + " ".join(f"{key}={val}" for key, val in res.items()), flush=True)
+                for w in warn:
+                    print("    ptxas:", w, flush=True)
+                if a.dump:
+                    os.makedirs(a.dump, exist_ok=True)
+                    for ext in ("ttgir", "ptx"):
+                        name = f"{which}_{dtype}_d{D}_m{mask}_{res['shape']}.{ext}"
+                        with open(os.path.join(a.dump, name), "w") as fh:
+                            fh.write(k.asm[ext])
+                good = res["ptxas_rc"] == 0 and res["smem_ok"]
+                ok += good
+                bad += not good
+            except Exception as e:
+                bad += 1
+                print(f"[{triton.__version__}] kernel={which} dtype={dtype} D={D} mask={mask} shape={shape} COMPILE "
+                      f"FAILED: {type(e).__name__}: {str(e)[:3000]}", flush=True)
+                traceback.print_exc(limit=3)
     print(f"done: {ok} compiled, {bad} failed", flush=True)
     return 0 if bad == 0 else 1
 

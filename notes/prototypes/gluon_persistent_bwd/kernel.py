@@ -1,4 +1,5 @@
-"""UNVERIFIED PROTOTYPE (compile-only); not imported by ejgen.
+"""Verified on an H200, not integrated (README.md: slower than the per-program backward on causal).
+
 
 Persistent variant of ejgen.runtime.gluon_kernels.gluon_attention_bwd_kernel (Hopper, sm_90a). The grid is
 (`grid`: min(#SMs, #tiles),); a tile is (key block n of BLOCK_N keys, batch * kv head), and program pid walks the
@@ -20,6 +21,10 @@ What changes against the per-program kernel (see README.md for the reasoning and
   * EPI_TMA: dK / dV go registers -> the warpgroup's own dQ staging buffer -> bulk stores (clipped at SEQ by the
     descriptor) instead of masked stores from registers; the next write of that buffer already waits for its bulk
     reads (tma.store_wait before every dQ staging).
+  * Registers (consumers at 240): the K / V views are made per item from `_opaque_zero` and the mask's column
+    offsets are loaded from a 64-entry table in shared memory, so LLVM does not hoist ~40 loop-invariant values
+    (wgmma descriptors, per-thread column indices) out of the item loop; the item loop counts with the running
+    counter itself. ptxas -v: 0 spills for every compiled variant on Triton 3.6 and 3.9 (aot36.log, aot39.log).
 Tile order (`_tile` of the forward, never reversed): sections of HEAD_GROUP (batch, kv head) pairs, key blocks slow
 (ascending: under causal / window the smallest n has the most query blocks, so this is the longest-first order) and
 heads fast. The key blocks of one kv head that run together share their query heads' Q / dO rows in L2;
@@ -37,7 +42,7 @@ from ejgen.runtime import gluon_attention
 from ejgen.runtime.gluon_kernels import _bwd_mask, _qblock_range, _tile, tma_load, tma_reduce_add, tma_store
 
 SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
-SMEM_RESERVE = 1024  # kept free of tiles: barriers and the warp-specialisation captures (a few hundred bytes)
+SMEM_RESERVE = 1024  # kept free of tiles: barriers, the column table, warp-specialisation captures (784 B)
 L2_QDO_BUDGET = 16 << 20  # bytes of Q and dO per head section (H100 / H200 L2: 50 MB)
 
 
@@ -80,7 +85,8 @@ def grid(batch: int, hkv: int, seq: int, num_sms: int) -> tuple:
 
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool, *,
                head_group_: int | None = None, epi_tma: bool = False, item: int = 2) -> dict:
-    """ejgen.runtime.gluon_attention.bwd_constexprs, plus HEAD_GROUP, K_STAGES, V_STAGES and EPI_TMA."""
+    """ejgen.runtime.gluon_attention.bwd_constexprs, plus HEAD_GROUP (`head_group`'s choice unless head_group_ is
+    given), K_STAGES, V_STAGES (`kv_stages`) and EPI_TMA."""
     base = gluon_attention.bwd_constexprs(batch, hq, hkv, seq, d, causal, window)
     ks, vs = kv_stages(d, base["DQ_MODE"], item)
     hg = head_group(batch, hq, hkv, seq, d, item) if head_group_ is None else head_group_
@@ -96,6 +102,14 @@ def _smem_reinterpret(buf, dtype, shape, layout, _semantic=None):
     if hasattr(buf, "reinterpret"):
         return buf.reinterpret(dtype, shape, layout, _semantic=_semantic)
     return buf._reinterpret(dtype, shape, layout, _semantic=_semantic)
+
+
+@gluon.jit
+def _opaque_zero():
+    """0 from a volatile inline-asm move: LLVM cannot see through it nor hoist it out of a loop, so values computed
+    from it inside the loop stay there (ptxas folds the move itself). The consumers derive their K / V views from
+    it per item: hoisted, the views' wgmma descriptors (8 per operand) held ~24 registers across the loop."""
+    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -158,9 +172,9 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, 
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty,
-              k_ready, k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, pid, nprog,
-              sm_scale, WINDOW_LEFT, WG: gl.constexpr, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready,
+              qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, pid,
+              nprog, sm_scale, WINDOW_LEFT, WG: gl.constexpr, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
               SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr,
               DQ_MODE: gl.constexpr, HEAD_GROUP: gl.constexpr, EPI_TMA: gl.constexpr):
@@ -203,25 +217,28 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_s
         n_it = GROUP * nm  # >= 1: every key block below SEQ meets some query block
         kb = tc % K_STAGES
         vb = tc % V_STAGES
-        k_view = k_smem.index(kb).reshape([BLOCK_N, D])
-        k_mine = k_view.slice(WG * HALF, HALF, dim=0)
-        v_mine = v_smem.index(vb).reshape([BLOCK_N, D]).slice(WG * HALF, HALF, dim=0)
-        if DQ_MODE == 0:
-            k_dq = k_view
-        else:
-            k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
         dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
         dv = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
         mbarrier.wait(k_ready.index(kb), (tc // K_STAGES) & 1)
         mbarrier.wait(v_ready.index(vb), (tc // V_STAGES) & 1)
 
-        for it in range(n_it):
+        for gi in range(g, g + n_it):
+            it = gi - g
             hq = it // nm
             m = m_lo + it % nm
             h = off_hk * GROUP + hq
-            gi = g + it
             s = gi % NUM_STAGES
             ph = (gi // NUM_STAGES) & 1
+            # K / V views made per item from an opaque zero: their wgmma descriptors are computed at each use
+            # instead of hoisted out of the loop into ~24 registers (which spilled; see _opaque_zero)
+            zero = _opaque_zero()
+            k_view = k_smem.index(kb + zero).reshape([BLOCK_N, D])
+            k_mine = k_view.slice(WG * HALF, HALF, dim=0)
+            v_mine = v_smem.index(vb + zero).reshape([BLOCK_N, D]).slice(WG * HALF, HALF, dim=0)
+            if DQ_MODE == 0:
+                k_dq = k_view
+            else:
+                k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
             q_view = q_smem.index(s).reshape([BLOCK_M, D])
             do_view = do_smem.index(s).reshape([BLOCK_M, D])
 
@@ -233,9 +250,11 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_s
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
             lse2 = lse_smem.index(s).load(s_layout)  # [1, BM]: lse * log2(e), written before do_ready
             pT = gl.exp2(st * qk2 - lse2)
-            if (m < f0) | (m >= f1):  # keys and rows made here: nothing of the mask lives across the loop
+            if (m < f0) | (m >= f1):
+                # the query offsets of this thread's 16 columns come from shared memory (a load is not hoisted):
+                # as an arange they would be hoisted out of the loop into 16 registers
                 keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=row_l)
-                rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_l)
+                rows = m * BLOCK_M + cols_smem.load(col_l)
                 pT = _bwd_mask(pT, keys, rows, SEQ, WINDOW_LEFT, MASK)
             dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
             # the tile's last dP^T has retired: V is free for the producer (the next tile's V lands under the rest)
@@ -381,6 +400,10 @@ def gluon_persistent_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, D
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
     dlt_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
+    # 0 .. BLOCK_M - 1: the consumers' masks read their column offsets from here (see _consumer)
+    cols_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    cols_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_M], cols_layout)
+    cols_smem.store(gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0])))
 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
@@ -405,12 +428,12 @@ def gluon_persistent_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, D
     fence_async_shared()
 
     gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, q_ready,
-                     do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), dq_desc, dk_desc,
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
+                     q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), dq_desc, dk_desc,
                      dv_desc, DK, DV, pid, nprog, sm_scale, WINDOW_LEFT, 0, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N,
                      NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, HEAD_GROUP, EPI_TMA)),
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, q_ready,
-                     do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), dq_desc, dk_desc,
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
+                     q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), dq_desc, dk_desc,
                      dv_desc, DK, DV, pid, nprog, sm_scale, WINDOW_LEFT, 1, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N,
                      NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, HEAD_GROUP, EPI_TMA)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
