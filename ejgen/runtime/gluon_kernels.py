@@ -336,6 +336,15 @@ def _qblock_range(n, S, WINDOW_LEFT, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexp
 
 
 @gluon.jit
+def _opaque_zero():
+    """0 from a volatile inline-asm move: LLVM can neither see through it nor hoist it out of a loop, so views
+    made from it inside the loop stay there (ptxas folds the move). The backward's consumers make their K / V
+    views from it per query block: hoisted, the views' wgmma descriptors held ~24 registers across the loop and
+    spilled 52-84 B at head dim 128 (found with the persistent backward prototype, notes/prototypes)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kc_desc, q_smem, do_smem, k_smem, v_smem, kc_smem, lse_smem,
                   dlt_smem, q_ready, do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm,
                   H, GROUP, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -350,8 +359,8 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kc_desc, q_smem, do_smem, k_s
         mbarrier.expect(kv_bar, 3 * KV_BYTES)
     else:
         mbarrier.expect(kv_bar, 2 * KV_BYTES)
-    tma_load(k_desc, [off_b, n * BLOCK_N, off_hk * D], kv_bar, k_smem)
-    tma_load(v_desc, [off_b, n * BLOCK_N, off_hk * D], kv_bar, v_smem)
+    tma_load(k_desc, [off_b, n * BLOCK_N, off_hk * D], kv_bar, k_smem.index(0))
+    tma_load(v_desc, [off_b, n * BLOCK_N, off_hk * D], kv_bar, v_smem.index(0))
     if DQ_MODE == 2:
         for c in gl.static_range(2):
             tma_load(kc_desc, [off_b, n * BLOCK_N, off_hk * D + c * (D // 2)], kv_bar, kc_smem.index(c))
@@ -392,7 +401,7 @@ def _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, lse_smem, dlt_smem, q_ready,
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
                   do_ready, qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, off_b, off_hk, n, S, m_lo, nm, f0, f1,
                   sm_scale, H, HKV, GROUP, WINDOW_LEFT, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr):
@@ -415,15 +424,6 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, ls
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
 
-    k_view = k_smem.reshape([BLOCK_N, D])
-    k_mine = k_view.slice(WG * HALF, HALF, dim=0)
-    v_mine = v_smem.reshape([BLOCK_N, D]).slice(WG * HALF, HALF, dim=0)
-    if DQ_MODE == 0:
-        k_dq = k_view
-    elif DQ_MODE == 1:
-        k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
-    else:
-        k_dq = kc_smem.index(WG).reshape([BLOCK_N, DQ_N])
     dq_stage = dq_smem.reshape([BLOCK_M, DQ_N])
 
     dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
@@ -431,7 +431,6 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, ls
     s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     qk2 = sm_scale * 1.4426950408889634
-    keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=row_l)
     mbarrier.wait(kv_bar, 0)
 
     for it in range(GROUP * nm):
@@ -440,7 +439,18 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, ls
         h = off_hk * GROUP + hq
         s = it % NUM_STAGES
         ph = (it // NUM_STAGES) & 1
-        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_l)
+        # K / V views made per query block from an opaque zero: their wgmma descriptors are computed at each
+        # use instead of hoisted into ~24 registers across the loop (_opaque_zero)
+        zero = _opaque_zero()
+        k_view = k_smem.index(zero).reshape([BLOCK_N, D])
+        k_mine = k_view.slice(WG * HALF, HALF, dim=0)
+        v_mine = v_smem.index(zero).reshape([BLOCK_N, D]).slice(WG * HALF, HALF, dim=0)
+        if DQ_MODE == 0:
+            k_dq = k_view
+        elif DQ_MODE == 1:
+            k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
+        else:
+            k_dq = kc_smem.index(WG).reshape([BLOCK_N, DQ_N])
         q_view = q_smem.index(s).reshape([BLOCK_M, D])
         do_view = do_smem.index(s).reshape([BLOCK_M, D])
 
@@ -453,6 +463,10 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, ls
         lse2 = lse_smem.index(s).load(s_layout)  # [1, BM]: lse * log2(e), written by the producer before do_ready
         pT = gl.exp2(st * qk2 - lse2)
         if (m < f0) | (m >= f1):
+            # the query offsets of this thread's columns come from shared memory (a load is not hoisted): as an
+            # arange they were hoisted out of the loop into 16 registers
+            keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=row_l)
+            rows = m * BLOCK_M + cols_smem.load(col_l)
             pT = _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK)
         dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
         dlt = dlt_smem.index(s).load(s_layout)  # [1, BM]
@@ -540,8 +554,8 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
                                          block_shape=[1, BLOCK_M, DQ_N], layout=dq_layout)
 
-    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], kv_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, D], q_layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, D], q_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
@@ -549,6 +563,10 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
     dlt_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
+    # 0 .. BLOCK_M - 1: the consumers' masks read their query offsets from here (_bwd_consumer)
+    cols_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    cols_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_M], cols_layout)
+    cols_smem.store(gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0])))
     if DQ_MODE == 2:
         kc_desc = tma.make_tensor_descriptor(K, shape=[B, SEQ, HKV * D], strides=[SEQ * (HKV * D), HKV * D, 1],
                                              block_shape=[1, BLOCK_N, D // 2], layout=kc_layout)
@@ -573,15 +591,15 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
     nm = m_hi - m_lo
     gl.warp_specialize([
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, q_ready,
-                     do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b, off_hk,
-                     n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, 0, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                     MASK, DQ_MODE)),
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, q_ready,
-                     do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b, off_hk,
-                     n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, 1, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                     MASK, DQ_MODE)),
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem,
+                         cols_smem, q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV,
+                         off_b, off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, 0, D, BLOCK_M,
+                         BLOCK_N, NUM_STAGES, MASK, DQ_MODE)),
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem,
+                         cols_smem, q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV,
+                         off_b, off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, 1, D, BLOCK_M,
+                         BLOCK_N, NUM_STAGES, MASK, DQ_MODE)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, kc_desc, q_smem, do_smem, k_smem, v_smem, kc_smem, lse_smem,
-                     dlt_smem, q_ready, do_ready, qd_empty, misc_bar.index(0), LSE, DELTA, off_b, off_hk, n, SEQ,
-                     m_lo, nm, HQ, GROUP, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE)),
+                         dlt_smem, q_ready, do_ready, qd_empty, misc_bar.index(0), LSE, DELTA, off_b, off_hk, n, SEQ,
+                         m_lo, nm, HQ, GROUP, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

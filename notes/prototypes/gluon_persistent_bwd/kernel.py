@@ -1,6 +1,5 @@
 """Verified on an H200, not integrated (README.md: slower than the per-program backward on causal).
 
-
 Persistent variant of ejgen.runtime.gluon_kernels.gluon_attention_bwd_kernel (Hopper, sm_90a). The grid is
 (`grid`: min(#SMs, #tiles),); a tile is (key block n of BLOCK_N keys, batch * kv head), and program pid walks the
 tiles t = pid, pid + nprog, ... The signature is the original's plus four constexprs (HEAD_GROUP, K_STAGES, V_STAGES,
