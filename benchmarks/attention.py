@@ -147,6 +147,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case (median reported)")
     p.add_argument("--batch", type=int, default=4, help="calls dispatched back to back per timed sample")
     p.add_argument("--impls", default="", help="comma-separated subset, e.g. ejgen-triton,cudnn (default: all)")
+    p.add_argument("--dims", default="", help="head dims, e.g. 64 (default: 64,128; --quick: 128)")
+    p.add_argument("--seqs", default="", help="sequence lengths, e.g. 1024,2048 (default: 1k-16k; --quick: 4k,16k)")
+    p.add_argument("--no-window", action="store_true", help="leave out the sliding-window case")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("benchmarks/attention.py needs an NVIDIA GPU", file=sys.stderr)
@@ -157,13 +160,16 @@ def main(argv=None) -> int:
     device = jax.devices()[0].device_kind
     seqs = (4096, 16384) if args.quick else (1024, 2048, 4096, 8192, 16384)
     dims = (128,) if args.quick else (64, 128)
+    seqs = tuple(int(x) for x in args.seqs.split(",")) if args.seqs else seqs
+    dims = tuple(int(x) for x in args.dims.split(",")) if args.dims else dims
     rows = []
     for d in dims:
         for s in seqs:
             for causal in (False, True):
                 rows += run_case(s, d, causal, None, args.reps, only, args.rounds, args.batch)
                 print(table(rows[-2 * (len(only) or 5):]).split("\n", 2)[2], flush=True)
-    rows += run_case(16384, 128, True, (1024, 0), args.reps, only, args.rounds, args.batch)
+    if not args.no_window:
+        rows += run_case(16384, 128, True, (1024, 0), args.reps, only, args.rounds, args.batch)
     text = f"Device: {device}; jax {jax.__version__}; bf16, B*S = {TOKENS}, H = {HEADS}\n\n{table(rows)}\n"
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
