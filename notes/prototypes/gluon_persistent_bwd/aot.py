@@ -1,7 +1,7 @@
 """Ahead-of-time compile check (no GPU) of the persistent Gluon backward (kernel.py), and of the per-program original
 (ejgen.runtime.gluon_kernels.gluon_attention_bwd_kernel) for comparison, for sm_90a.
 
-    <python> aot.py [--kernels persistent,persistent_epi,persistent_k1v1,original] [--dtypes bf16,f16] [--d 128,64]
+    <python> aot.py [--kernels persistent,persistent_dyn,persistent_epi,persistent_dyn_epi,persistent_k1v1,original] [--dtypes bf16,f16] [--d 128,64]
                     [--masks 0,1,2] [--shapes aot|gpu] [--dump DIR]
 
 Works with Triton 3.6 and 3.9. Per (kernel, dtype, D, MASK): triton.compile(GluonASTSource) for
@@ -10,7 +10,8 @@ GPUTarget("cuda", 90, 32) with tt.divisibility 16 on every pointer (what jax-tri
 (triton.backends.nvidia.compiler.get_ptxas(90) on 3.9, bin/ptxas on 3.6) -> registers, spills, stack; shared
 memory and descriptor scratch from the metadata (checked against the 232,448-byte limit); setmaxnreg values from
 the PTX. `persistent_epi` is the persistent kernel with EPI_TMA (dK / dV by bulk stores), `persistent_k1v1` the
-persistent kernel with one K and one V buffer (K_STAGES = V_STAGES = 1).
+persistent kernel with one K and one V buffer (K_STAGES = V_STAGES = 1); `persistent_dyn` (`persistent_dyn_epi`) the
+persistent kernel (with EPI_TMA) with the dynamic tile scheduler (DYNAMIC=1; `atom` counts the PTX atomics).
 
 --shapes aot (default): one representative shape per (dtype, D, MASK): B=2, HQ=8, HKV=2 (GQA 4), SEQ=1000 (ragged).
 --shapes gpu: the shapes run_gpu.py launches (its correctness cases and its bf16 D=128 timing cases), each
@@ -87,7 +88,8 @@ def compile_one(which, dtype, D, mask, shape=AOT_SHAPE):
     causal, window = mask >= 1, mask == 2
     if which.startswith("persistent"):
         fn = pk.gluon_persistent_bwd_kernel
-        consts = pk.constexprs(B, HQ, HKV, SEQ, D, causal, window, epi_tma=which == "persistent_epi")
+        consts = pk.constexprs(B, HQ, HKV, SEQ, D, causal, window, epi_tma=which.endswith("_epi"),
+                               dynamic=which.startswith("persistent_dyn"))
         if which == "persistent_k1v1":  # one K and one V buffer (run_gpu.py times it too)
             consts.update(K_STAGES=1, V_STAGES=1)
     else:
@@ -97,7 +99,7 @@ def compile_one(which, dtype, D, mask, shape=AOT_SHAPE):
     assert consts["MASK"] == mask
     ptr = DTYPES[dtype]
     pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
-                    DQ_ACC="*fp32", DK=ptr, DV=ptr, SCRATCH="*u8")
+                    DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8")
     names = list(fn.arg_names)
     sig = {n: pointers.get(n, "constexpr") for n in names}
     attrs = {(i, ): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
@@ -116,7 +118,8 @@ def compile_one(which, dtype, D, mask, shape=AOT_SHAPE):
                warps=md.num_warps, setmaxnreg=setmax, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
                bulk_wait=sorted(set(re.findall(r"cp\.async\.bulk\.wait_group(?:\.read)? \d+", ptx))),
                dq_mode=consts["DQ_MODE"], kv_stages=(consts.get("K_STAGES"), consts.get("V_STAGES")),
-               head_group=consts.get("HEAD_GROUP"), secs=round(time.time() - t0, 1))
+               head_group=consts.get("HEAD_GROUP"),
+               dynamic=consts.get("DYNAMIC"), atom=len(re.findall(r"atom\.", ptx)), secs=round(time.time() - t0, 1))
     if which.startswith("persistent"):
         res["smem_model"] = pk.smem_bytes(D, consts["K_STAGES"], consts["V_STAGES"], consts["DQ_MODE"])
     warn = [line.strip() for line in out.splitlines() if "warning" in line.lower()]
@@ -125,7 +128,7 @@ def compile_one(which, dtype, D, mask, shape=AOT_SHAPE):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", default="persistent,persistent_epi,persistent_k1v1,original")
+    ap.add_argument("--kernels", default="persistent,persistent_dyn,persistent_epi,persistent_dyn_epi,original")
     ap.add_argument("--dtypes", default="bf16,f16")
     ap.add_argument("--d", default="128,64")
     ap.add_argument("--masks", default="0,1,2")

@@ -12,16 +12,18 @@ the case it was running (an mbarrier deadlock shows up this way instead of hangi
 Correctness (float32 torch reference; lse and delta = rowsum(dO * O) from the reference forward): dQ, dK, dV of
   * the ORIGINAL per-program kernel (ejgen.runtime.gluon_kernels.gluon_attention_bwd_kernel, grid
     (cdiv(S, 128), B * Hkv)): the control;
-  * the persistent kernel (HEAD_GROUP automatic) and its EPI_TMA form, each with grid = #SMs and with grid = 7
+  * the persistent kernel (HEAD_GROUP automatic), its EPI_TMA form and its dynamic-scheduler form (DYNAMIC=1,
+    "persistent_dyn"), each with grid = #SMs and with grid = 7
     programs (each program then walks 5-21 tiles, so every ring / K / V / dS phase crosses tile boundaries);
-  * on two cases also HEAD_GROUP=3 with grid = 7 (a short last head section).
+  * on two cases also HEAD_GROUP=3 with grid = 7 (a short last head section), static and dynamic.
   Cases: B=2, S in {1024, 1040}, H=8, Hkv in {8, 2}, D=128 bf16, MASK 0 / 1 / 2 (window 256 to the left), and D=64
   bf16 / f16 (causal S=1040 Hkv=2; window S=1024 Hkv=8). Pass: max|x - ref| / max|ref| < 2e-2 for each of dQ, dK,
   dV (NaN fails). Also printed: max|dK|, |dV| difference from the original kernel (the same arithmetic in the
   same order: expected 0) and the dQ difference (float32 adds in another order).
 Timing (bf16, D=128, B*S=32768, H=Hkv=16; CUDA events around the kernel alone, dQ zeroed before each launch,
 3 warm-ups, median of 15): S=16384 window (1024, 0) [MASK 2], S=4096 causal, S=16384 causal, S=4096 none; the
-original, the persistent kernel (automatic HEAD_GROUP; HEAD_GROUP=1; EPI_TMA; one K and one V buffer, K1V1). lse is
+original, the persistent kernel with the static (DYNAMIC=0) and the dynamic (DYNAMIC=1, tile counter zeroed before
+each launch outside the events) tile scheduler, each with automatic HEAD_GROUP and HEAD_GROUP=1. lse is
 the analytic log of each row's visible keys (values do not change the work); the outputs are checked for NaN and
 against the original's.
 """
@@ -103,8 +105,9 @@ def _sms(torch):
 
 
 def kernel_call(torch, which, q, k, v, do, lse, delta, mask, programs=None, head_group=None, overrides=None):
-    """(run, warm, dq, dk, dv): run() launches `which` ("original", "persistent", "persistent_epi") into dq (float32,
-    must be zeroed before), dk, dv; warm() compiles it without launching. overrides: constexprs of the persistent
+    """(run, warm, dq, dk, dv): run() launches `which` ("original", "persistent", "persistent_epi", "persistent_dyn":
+    DYNAMIC=1) into dq (float32, must be zeroed before), dk, dv; warm() compiles it without launching. run.ctr: the
+    int32 tile counter (DYNAMIC), to be zeroed before each launch as dq. overrides: constexprs of the persistent
     kernel to replace (e.g. K_STAGES)."""
     import kernel as pk
     from ejgen.runtime import gluon_attention, gluon_kernels
@@ -119,6 +122,7 @@ def kernel_call(torch, which, q, k, v, do, lse, delta, mask, programs=None, head
     dq = torch.zeros(B, S, H, D, device="cuda", dtype=torch.float32)
     dk = torch.full_like(k, float("nan"))
     dv = torch.full_like(v, float("nan"))
+    ctr = torch.zeros(4, device="cuda", dtype=torch.int32)  # TILE_CTR (persistent kernels; used by DYNAMIC=1)
     if which == "original":
         fn = gluon_kernels.gluon_attention_bwd_kernel
         consts = gluon_attention.bwd_constexprs(B, H, Hkv, S, D, causal, window)
@@ -126,13 +130,18 @@ def kernel_call(torch, which, q, k, v, do, lse, delta, mask, programs=None, head
     else:
         fn = pk.gluon_persistent_bwd_kernel
         consts = pk.constexprs(B, H, Hkv, S, D, causal, window, head_group_=head_group,
-                               epi_tma=which == "persistent_epi")
+                               epi_tma=which == "persistent_epi", dynamic=which == "persistent_dyn")
         consts.update(overrides or {})
         grid = pk.grid(B, Hkv, S, programs or _sms(torch))
-    args = (q, k, v, do, lse, delta, f32, i32, dq, dk, dv, scratch)
+    if which == "original":
+        args = (q, k, v, do, lse, delta, f32, i32, dq, dk, dv, scratch)
+    else:
+        args = (q, k, v, do, lse, delta, f32, i32, dq, dk, dv, ctr, scratch)
 
     def run():
         fn[grid](*args, **consts, num_warps=4)
+
+    run.ctr = ctr
 
     def warm():
         try:
@@ -191,10 +200,11 @@ def worker_corr(group):
             delta = torch.zeros(B, H, S, device="cuda", dtype=torch.float32)
             inputs[key] = (q, k, v, do, lse, delta)
             runs = [("original", None, None)]
-            for which in ("persistent", "persistent_epi"):
+            for which in ("persistent", "persistent_epi", "persistent_dyn"):
                 runs += [(which, None, None), (which, SMALL_GRID, None)]
             if (B, S, H, Hkv, D, mask) in HG3_CASES:
                 runs.append(("persistent", SMALL_GRID, 3))
+                runs.append(("persistent_dyn", SMALL_GRID, 3))
             for which, programs, hg in runs:
                 grid_txt = "own" if which == "original" else ("SMs" if programs is None else str(programs))
                 label = (f"B{B} S{S} H{H} Hkv{Hkv} D{D} {mask} {str(dtype)[6:]} {which}"
@@ -245,12 +255,14 @@ def bench(torch, run, dq, warmup=3, iters=15):
     """Median ms of `iters` launches (CUDA events around the kernel alone; dQ zeroed before each)."""
     for _ in range(warmup):
         dq.zero_()
+        run.ctr.zero_()
         run()
     torch.cuda.synchronize()
     st = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     en = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for i in range(iters):
         dq.zero_()
+        run.ctr.zero_()
         st[i].record()
         run()
         en[i].record()
@@ -274,11 +286,11 @@ def worker_time(case):
     lse = (torch.log(n_vis) + 0.5).expand(B, H, S).contiguous()
     delta = 0.1 * torch.randn(B, H, S, device="cuda", dtype=torch.float32, generator=g)
     hg = pk.head_group(B, H, H, S, D)
-    runs = [("original", "original", None, None), (f"persistent(HG={hg})", "persistent", None, None)]
-    if hg != 1:
-        runs.append(("persistent(HG=1)", "persistent", 1, None))
-    runs.append((f"persistent_epi(HG={hg})", "persistent_epi", None, None))
-    runs.append((f"persistent(HG={hg},K1V1)", "persistent", None, dict(K_STAGES=1, V_STAGES=1)))  # 198 KB smem
+    runs = [("original", "original", None, None)]
+    for which, tag in (("persistent", "static"), ("persistent_dyn", "dynamic")):  # DYNAMIC 0 / 1
+        runs.append((f"{tag}(HG={hg})", which, None, None))
+        if hg != 1:
+            runs.append((f"{tag}(HG=1)", which, 1, None))
     calls = []
     for label, which, head_group, overrides in runs:
         print(f"START compile {case} {label}", flush=True)
