@@ -1,6 +1,11 @@
 """The Gluon kernels of `gluon_attention`, forward and backward (imported only where they run or are compiled:
 they need Triton's Gluon). Both were checked on an H200 against the float64 oracle (tests/test_gluon.py).
 
+The forward is persistent (one program per SM walking query tiles: `_tile`; its barrier protocol across tiles is
+described in notes/gluon-persistent-fwd.md and modelled by notes/gluon_persistent_protocol_sim.py). The backward
+runs one program per 128 keys of a kv head; a persistent form that is 15-20% faster on sliding windows but not
+on causal masks waits in notes/prototypes/gluon_persistent_bwd/.
+
 Triton 3.6 names the bulk copies async_copy_global_to_shared / async_copy_shared_to_global, 3.9 async_load /
 async_store (the old names raise there): `tma_load` / `tma_store` are whichever this Triton has; the bulk
 reduce-add is 3.9's async_atomic_add or, on 3.6, a builtin over the builder's op.
