@@ -36,7 +36,9 @@ def test_the_kernel_compiles_for_sm90_within_the_launch_budget(dtype, d, causal,
     if not gluon_attention.importable()[0]:
         pytest.fail(f"the test install's Triton has no Gluon warp specialisation: {gluon_attention.importable()[1]}")
     compiled = compile_gluon_in_subprocess(dtype=dtype, head_dim=d, causal=causal, window=window, with_ptx=True)
-    for name in ("gluon_fwd_kernel", "gluon_bwd_kernel"):
+    persistent_bwd = ("gluon_bwd_persistent_kernel", ) if causal and window else ()
+    assert set(compiled) == {"gluon_fwd_kernel", "gluon_bwd_kernel", *persistent_bwd}
+    for name in compiled:
         meta = compiled[name]
         assert meta["warps"] == 12, "two consumer warpgroups and a producer warp (padded to a warpgroup)"
         assert 0 < meta["global_scratch"] <= triton_call.SCRATCH_PER_PROGRAM, name  # the descriptors
@@ -44,7 +46,10 @@ def test_the_kernel_compiles_for_sm90_within_the_launch_budget(dtype, d, causal,
         assert meta["cubin"] and meta["wgmma"]
         assert "setmaxnreg" in meta["ptx"] and "cp.async.bulk.tensor" in meta["ptx"], name
         assert "wgmma.wait_group.sync.aligned 1" in meta["ptx"], f"{name}: an exp under a wgmma in flight"
-    assert "cp.reduce.async.bulk.tensor" in compiled["gluon_bwd_kernel"]["ptx"], "dQ by bulk reduce-adds"
+    for name in ("gluon_bwd_kernel", *persistent_bwd):
+        assert "cp.reduce.async.bulk.tensor" in compiled[name]["ptx"], f"{name}: dQ by bulk reduce-adds"
+    if persistent_bwd:
+        assert "atom.global" in compiled["gluon_bwd_persistent_kernel"]["ptx"], "tiles from an atomic counter"
 
 
 def _cfg(**kw):
@@ -125,17 +130,19 @@ def test_gluon_forward_matches_the_oracle(monkeypatch, triton_launches, triton_a
     forwards = [kw for pass_, kw in triton_launches if pass_ == "fwd"]
     assert forwards and all("PP_SYNC" in kw for kw in forwards), triton_launches
     backward = [pass_ for pass_, _ in triton_launches if pass_ != "fwd"]
-    two_sided = "sliding_window" in features and not features.get("causal")
-    assert backward == (["dq", "dkdv"] if two_sided else ["bwd"]), backward  # the Gluon backward: one kernel
+    window = "sliding_window" in features
+    two_sided = window and not features.get("causal")
+    # the Gluon backward: one kernel, the persistent one for causal windows
+    assert backward == (["dq", "dkdv"] if two_sided else ["persistent"] if window else ["bwd"]), backward
 
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["causal-gqa-d64-ragged", "two-sided-window-f16"])
-def test_the_persistent_forward_walks_many_tiles_per_program(monkeypatch, triton_launches, triton_against_oracle, case):
-    """Five programs for 40-176 tiles: every program crosses tile boundaries (the K/V ring, the Q sets and the turn
-    token carried from one tile to the next)."""
+@pytest.mark.parametrize("case", ["causal-gqa-d64-ragged", "two-sided-window-f16", "causal-window-d128-ragged"])
+def test_the_persistent_kernels_walk_many_tiles_per_program(monkeypatch, triton_launches, triton_against_oracle, case):
+    """Five programs for 24-176 tiles: every program crosses tile boundaries (the forward's K/V ring, Q sets and
+    turn token; for the causal window also the persistent backward's K/V buffers, ring and tile counter)."""
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
     monkeypatch.setattr(gluon_attention, "num_sms", lambda: 5)
     if not gluon_attention.hopper():
@@ -143,6 +150,8 @@ def test_the_persistent_forward_walks_many_tiles_per_program(monkeypatch, triton
     _, shape, features, dtype = next(c for c in GPU_CASES if c[0] == case)
     triton_against_oracle(shape, features, dtype, "gluon")
     assert any(pass_ == "fwd" and "PP_SYNC" in kw for pass_, kw in triton_launches), triton_launches
+    if case == "causal-window-d128-ragged":
+        assert [pass_ for pass_, _ in triton_launches if pass_ != "fwd"] == ["persistent"], triton_launches
 
 
 def test_the_launches_match_the_kernels_signatures(monkeypatch):
@@ -175,14 +184,15 @@ def test_the_launches_match_the_kernels_signatures(monkeypatch):
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv)
     assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
     kernels = [kernel.__name__ for kernel, *_ in seen]
-    assert kernels == ["gluon_attention_fwd_kernel", "gluon_attention_bwd_kernel"], kernels
+    assert kernels == ["gluon_attention_fwd_kernel", "gluon_attention_bwd_persistent_kernel"], kernels
     assert seen[0][1] == (7,) and seen[0][4]["WINDOW"] and seen[0][4]["CAUSAL"]  # 24 tiles on 7 SMs
     assert seen[0][3][-1].shape == (7 * triton_call.SCRATCH_PER_PROGRAM,)
     _, grid, inputs, outs, kw = seen[1]
-    names = gluon_attention.bwd_kernel().arg_names
+    names = gluon_attention.pbwd_kernel().arg_names
     assert len(inputs) + len(outs) + len(set(kw) & set(names)) == len(names)
     assert set(names[len(inputs) + len(outs):]) <= set(kw), "every constexpr given"
-    assert grid == (3, b * hkv) and kw["zeroed"] == (0,)
+    assert grid == (7,) and kw["zeroed"] == (0, 3)  # 12 (key block, batch * kv head) tiles; dQ and the counter
+    assert (outs[3].shape, outs[3].dtype) == ((1, ), jnp.int32) and kw["DYNAMIC"] == 1
     assert [tuple(x.shape) for x in inputs[:6]] == [(b, s, hq, d), kv.shape, kv.shape, (b, s, hq, d), (b, hq, s),
                                                     (b, hq, s)]
     assert (outs[0].shape, outs[0].dtype) == ((b, s, hq, d), jnp.float32)

@@ -162,3 +162,48 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
     """The backward's constexprs (window: causal with a window to the left, `ineligible`)."""
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, MASK=2 if window else int(causal), DQ_MODE=1 if d == 128 else 0,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES)
+
+
+# The persistent backward (gluon_kernels.gluon_attention_bwd_persistent_kernel) for causal sliding windows: one
+# program per SM, tiles from an atomic counter (DYNAMIC) in kv-head order (HEAD_GROUP 1). Three repetitions on an
+# H200, backward kernel alone, window (16k, 1024): 1.50-1.56 ms against the per-program kernel's 1.81-1.86; on
+# causal and unmasked calls the per-program kernel stayed ahead (notes/prototypes/gluon_persistent_bwd/README.md).
+SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
+SMEM_RESERVE = 1024  # kept free of tiles: barriers, the column table, warp-specialisation captures
+
+
+def pbwd_smem_bytes(d: int, k_stages: int, v_stages: int, dq_mode: int, item: int = 2) -> int:
+    """Shared memory of the persistent backward's tiles (no barriers): K and V buffers, the Q / dO ring, the dS
+    double buffer, the two warpgroups' float32 dQ staging buffers, the lse / delta rows."""
+    bm, bn, stages = BWD_TILES["BLOCK_M"], BWD_TILES["BLOCK_N"], BWD_TILES["NUM_STAGES"]
+    dq_n = d if dq_mode == 0 else d // 2
+    return ((k_stages + v_stages) * bn * d * item + 2 * stages * bm * d * item + 2 * bn * bm * item
+            + 2 * bm * dq_n * 4 + 2 * stages * bm * 4)
+
+
+def pbwd_kv_stages(d: int, dq_mode: int, item: int = 2) -> tuple:
+    """(K_STAGES, V_STAGES): two of each where they fit (head dim 64), else two K buffers (K is needed first in a
+    tile and released last; head dim 128), else one of each."""
+    for ks, vs in ((2, 2), (2, 1), (1, 1)):
+        if pbwd_smem_bytes(d, ks, vs, dq_mode, item) + SMEM_RESERVE <= SMEM_LIMIT:
+            return ks, vs
+    raise ValueError(f"head dim {d}: the persistent backward's tiles do not fit in shared memory")
+
+
+def pbwd_grid(batch: int, hkv: int, seq: int, sms: int | None = None) -> tuple:
+    """One program per SM, never more than there are (key block, batch * kv head) tiles."""
+    tiles = -(-seq // BWD_TILES["BLOCK_N"]) * batch * hkv
+    return (max(1, min(sms or num_sms(), tiles)), )
+
+
+def pbwd_kernel():
+    """The persistent Gluon backward (`gluon_kernels`, imported on first use)."""
+    return importlib.import_module("ejgen.runtime.gluon_kernels").gluon_attention_bwd_persistent_kernel
+
+
+def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int) -> dict:
+    """The persistent backward's constexprs for a causal sliding window (MASK 2); its launch passes a zeroed
+    int32 tile counter (DYNAMIC)."""
+    base = bwd_constexprs(batch, hq, hkv, seq, d, True, True)
+    ks, vs = pbwd_kv_stages(d, base["DQ_MODE"])
+    return dict(base, HEAD_GROUP=1, K_STAGES=ks, V_STAGES=vs, EPI_TMA=False, DYNAMIC=1)

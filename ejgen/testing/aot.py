@@ -86,12 +86,15 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     ptr = _DTYPES[dtype]
     args = (batch, heads, kv_heads, seq, head_dim, causal, window)
     compiled = {}
-    for name, kernel, consts, pointers in (
-            ("gluon_fwd_kernel", gluon_attention.kernel(), gluon_attention.constexprs(*args),
-             dict(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", SCRATCH="*u8")),
-            ("gluon_bwd_kernel", gluon_attention.bwd_kernel(), gluon_attention.bwd_constexprs(*args),
-             dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32", DQ_ACC="*fp32",
-                  DK=ptr, DV=ptr, SCRATCH="*u8"))):
+    bwd_pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
+                        DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8")
+    kernels = [("gluon_fwd_kernel", gluon_attention.kernel(), gluon_attention.constexprs(*args),
+                dict(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", SCRATCH="*u8")),
+               ("gluon_bwd_kernel", gluon_attention.bwd_kernel(), gluon_attention.bwd_constexprs(*args), bwd_pointers)]
+    if causal and window:  # the persistent backward runs causal windows
+        kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(),
+                        gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim), bwd_pointers))
+    for name, kernel, consts, pointers in kernels:
         sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
         source = GluonASTSource(kernel, sig, constexprs=consts, attrs=aligned)
