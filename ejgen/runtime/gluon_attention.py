@@ -1,8 +1,8 @@
 """Warp-specialised forward and backward for Hopper in Triton's Gluon dialect (the FA3 shape), for the plain
 attention family. The backward (`bwd_*` below; kernel in gluon_kernels) covers the same calls, sliding windows
-only with causal (a window to the left), and adds dQ up in float32 by bulk reduce-adds: not bitwise
-reproducible run to run. Measured (H200, session 7 final bench, BENCHMARKS.md): forward+backward 0.98-1.09x
-cuDNN over head dims 64/128 and S 1k-16k, window (16k, 1024) 1.03-1.06x.
+only with causal (a window to the left; those take the persistent backward, `pbwd_*`), and adds dQ up in
+float32 by bulk reduce-adds: not bitwise reproducible run to run. Measured (H200, session 7, BENCHMARKS.md): forward+backward 0.95-1.09x cuDNN over head
+dims 64/128 and S 1k-16k; window (16k, 1024) 1.10-1.11x with the persistent backward.
 
 The forward:
 

@@ -3,8 +3,9 @@ they need Triton's Gluon). Both were checked on an H200 against the float64 orac
 
 The forward is persistent (one program per SM walking query tiles: `_tile`; its barrier protocol across tiles is
 described in notes/gluon-persistent-fwd.md and modelled by notes/gluon_persistent_protocol_sim.py). The backward
-runs one program per 128 keys of a kv head; a persistent form that is 15-20% faster on sliding windows but not
-on causal masks waits in notes/prototypes/gluon_persistent_bwd/.
+runs one program per 128 keys of a kv head, except for causal sliding windows: there a persistent form (at the
+end of this file; one program per SM, tiles from an atomic counter) is 15-20% faster, while on causal and unmasked
+calls the per-program kernel stays ahead (notes/prototypes/gluon_persistent_bwd/README.md).
 
 Triton 3.6 names the bulk copies async_copy_global_to_shared / async_copy_shared_to_global, 3.9 async_load /
 async_store (the old names raise there): `tma_load` / `tma_store` are whichever this Triton has; the bulk
@@ -653,11 +654,12 @@ def _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES: gl.const
 
 
 @gluon.jit
-def _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem,
-                   q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, lse_ptr, delta_ptr, WINDOW_LEFT,
-                   B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
-                   V_STAGES: gl.constexpr, MASK: gl.constexpr, HEAD_GROUP: gl.constexpr, DYNAMIC: gl.constexpr):
+def _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                        lse_smem, dlt_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, lse_ptr,
+                        delta_ptr, WINDOW_LEFT, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
+                        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                        K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr, HEAD_GROUP: gl.constexpr,
+                        DYNAMIC: gl.constexpr):
     """Tile t, the program's tile tc, whose first ring item is g: its K and V, then its items' Q / dO / lse /
     delta. Returns the number of ring items of the tile and the program's next tile (DYNAMIC: nprog + a
     fetch-and-add on the tile counter; else t + nprog)."""
@@ -713,19 +715,19 @@ def _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_de
 
 
 @gluon.jit
-def _pbwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready, do_ready,
-              qd_empty, k_ready, k_empty, v_ready, v_empty, tile_smem, tile_ready, tile_empty, tile_ctr, lse_ptr,
-              delta_ptr, pid, nprog, WINDOW_LEFT, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
-              SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr,
-              HEAD_GROUP: gl.constexpr, DYNAMIC: gl.constexpr, TILE_STAGES: gl.constexpr):
+def _pbwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
+                   do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, tile_smem, tile_ready, tile_empty, tile_ctr,
+                   lse_ptr, delta_ptr, pid, nprog, WINDOW_LEFT, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+                   SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr,
+                   HEAD_GROUP: gl.constexpr, DYNAMIC: gl.constexpr, TILE_STAGES: gl.constexpr):
     """Per tile tc of this program: its K into K buffer tc % K_STAGES and its V into V buffer tc % V_STAGES (each
     once the consumers released the tile that held it before), then per (query head, query block) -- ring item g,
     counted over all tiles -- Q and dO by TMA into stage g % NUM_STAGES and the block's lse * log2 e and delta
     rows into shared memory. Empty barriers start free: waiting for the parity before their first phase returns at
     once. DYNAMIC 0: tiles pid, pid + nprog, ...; 1: the first tile is pid, each next one nprog + a fetch-and-add
-    on the launch's zeroed tile counter, made after the current tile's K load (see _pbwd_producer_tile); every tile index, and
-    the final one (>= the number of tiles: stop), goes to the consumers through the tile ring."""
+    on the launch's zeroed tile counter, made after the current tile's K load (see _pbwd_producer_tile); every tile
+    index, and the final one (>= the number of tiles: stop), goes to the consumers through the tile ring."""
     N_T: gl.constexpr = ((SEQ + BLOCK_N - 1) // BLOCK_N) * B * HKV
     g = pid * 0  # ring items issued so far (all tiles of this program)
     tc = pid * 0  # tiles started so far
@@ -734,9 +736,10 @@ def _pbwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
         while t < N_T:
             _pbwd_tile_post(tile_smem, tile_ready, tile_empty, tc, t, TILE_STAGES)
             n_it, nxt = _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem,
-                                       k_smem, v_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, k_ready,
-                                       k_empty, v_ready, v_empty, lse_ptr, delta_ptr, WINDOW_LEFT, B, HQ, HKV, SEQ, D,
-                                       BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, HEAD_GROUP, DYNAMIC)
+                                            k_smem, v_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, k_ready,
+                                            k_empty, v_ready, v_empty, lse_ptr, delta_ptr, WINDOW_LEFT, B, HQ, HKV, SEQ,
+                                            D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, HEAD_GROUP,
+                                            DYNAMIC)
             g += n_it
             tc += 1
             t = nxt
@@ -744,21 +747,22 @@ def _pbwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
     else:
         for t in range(pid, N_T, nprog):
             n_it, nxt = _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem,
-                                       k_smem, v_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, k_ready,
-                                       k_empty, v_ready, v_empty, lse_ptr, delta_ptr, WINDOW_LEFT, B, HQ, HKV, SEQ, D,
-                                       BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, HEAD_GROUP, DYNAMIC)
+                                            k_smem, v_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, k_ready,
+                                            k_empty, v_ready, v_empty, lse_ptr, delta_ptr, WINDOW_LEFT, B, HQ, HKV, SEQ,
+                                            D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, HEAD_GROUP,
+                                            DYNAMIC)
             g += n_it
             tc += 1
 
 
 @gluon.jit
 def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, dq_stage, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                   lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty,
-                   ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, sm_scale, WINDOW_LEFT, WG: gl.constexpr,
-                   B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
-                   V_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, HEAD_GROUP: gl.constexpr,
-                   EPI_TMA: gl.constexpr):
+                        lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty,
+                        ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, sm_scale, WINDOW_LEFT, WG: gl.constexpr,
+                        B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
+                        V_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, HEAD_GROUP: gl.constexpr,
+                        EPI_TMA: gl.constexpr):
     """Tile t, the program's tile tc whose first ring item is g, for warpgroup WG (see _pbwd_consumer). Returns the
     number of ring items of the tile."""
     GROUP: gl.constexpr = HQ // HKV
@@ -870,7 +874,7 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, dq_stage, q_smem, do_sme
     # epilogue: dK (scaled) and dV of this warpgroup's 64 keys
     if EPI_TMA:
         _pbwd_epilogue_tma(dk * sm_scale, dv, dq_smem, dk_desc, dv_desc, off_b, n * BLOCK_N + WG * HALF, off_hk * D,
-                      HALF, D, BLOCK_M, DQ_N)
+                           HALF, D, BLOCK_M, DQ_N)
     else:
         r_o = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
         c_o = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
@@ -883,12 +887,12 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, dq_stage, q_smem, do_sme
 
 @gluon.jit
 def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready,
-              qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, tile_smem, tile_ready, tile_empty, dq_desc, dk_desc,
-              dv_desc, dk_ptr, dv_ptr, pid, nprog, sm_scale, WINDOW_LEFT, WG: gl.constexpr, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
-              SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr,
-              DQ_MODE: gl.constexpr, HEAD_GROUP: gl.constexpr, EPI_TMA: gl.constexpr, DYNAMIC: gl.constexpr,
-              TILE_STAGES: gl.constexpr):
+                   qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, tile_smem, tile_ready, tile_empty, dq_desc,
+                   dk_desc, dv_desc, dk_ptr, dv_ptr, pid, nprog, sm_scale, WINDOW_LEFT, WG: gl.constexpr,
+                   B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
+                   V_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, HEAD_GROUP: gl.constexpr,
+                   EPI_TMA: gl.constexpr, DYNAMIC: gl.constexpr, TILE_STAGES: gl.constexpr):
     """Warpgroup WG's 64 keys of every tile of this program: dK, dV over the tile's query blocks (S^T, dP^T, P^T,
     dS^T; dV += P^T dO, dK += dS^T Q), its dS^T half into shared memory for the joint dQ = dS K (DQ_MODE 1: each
     warpgroup half of dQ's columns, 0: whole tiles alternating between the warpgroups), dQ * scale reduce-added
@@ -917,26 +921,26 @@ def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
         t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
         while t < N_N * BH:
             g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, dq_stage, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                                dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready,
-                                v_empty, ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, sm_scale, WINDOW_LEFT, WG,
-                                B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE,
-                                HEAD_GROUP, EPI_TMA)
+                                     dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready,
+                                     k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
+                                     sm_scale, WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                     K_STAGES, V_STAGES, MASK, DQ_MODE, HEAD_GROUP, EPI_TMA)
             tc += 1
             t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
     else:
         for t in range(pid, N_N * BH, nprog):
             g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, dq_stage, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                                dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready,
-                                v_empty, ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, sm_scale, WINDOW_LEFT, WG,
-                                B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE,
-                                HEAD_GROUP, EPI_TMA)
+                                     dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready,
+                                     k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
+                                     sm_scale, WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                     K_STAGES, V_STAGES, MASK, DQ_MODE, HEAD_GROUP, EPI_TMA)
             tc += 1
     tma.store_wait(0)
 
 
 @gluon.jit
 def _pbwd_epilogue_tma(dk, dv, dq_smem, dk_desc, dv_desc, off_b, row0, col0, HALF: gl.constexpr, D: gl.constexpr,
-                  BLOCK_M: gl.constexpr, DQ_N: gl.constexpr):
+                       BLOCK_M: gl.constexpr, DQ_N: gl.constexpr):
     """dK and dV ([HALF, D] float32 accumulators) -> 16-bit -> this warpgroup's dQ staging buffer -> bulk stores at
     (off_b, row0, col0). Both at once where they fit in the buffer (head dim 64), else dK, a wait for its bulk
     read, then dV. Rows past SEQ are clipped by the descriptors. Not waited for here: the next write of the buffer
@@ -1064,17 +1068,17 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
 
     gl.warp_specialize([
         (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
-                     q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem, tile_ready,
-                     tile_empty, dq_desc, dk_desc, dv_desc, DK, DV, pid, nprog, sm_scale, WINDOW_LEFT, 0, B, HQ, HKV,
-                     SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, HEAD_GROUP, EPI_TMA,
-                     DYNAMIC, TILE_STAGES)),
+                          q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem,
+                          tile_ready, tile_empty, dq_desc, dk_desc, dv_desc, DK, DV, pid, nprog, sm_scale, WINDOW_LEFT,
+                          0, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE,
+                          HEAD_GROUP, EPI_TMA, DYNAMIC, TILE_STAGES)),
         (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
-                     q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem, tile_ready,
-                     tile_empty, dq_desc, dk_desc, dv_desc, DK, DV, pid, nprog, sm_scale, WINDOW_LEFT, 1, B, HQ, HKV,
-                     SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, HEAD_GROUP, EPI_TMA,
-                     DYNAMIC, TILE_STAGES)),
+                          q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem,
+                          tile_ready, tile_empty, dq_desc, dk_desc, dv_desc, DK, DV, pid, nprog, sm_scale, WINDOW_LEFT,
+                          1, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE,
+                          HEAD_GROUP, EPI_TMA, DYNAMIC, TILE_STAGES)),
         (_pbwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
-                     do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, tile_smem, tile_ready, tile_empty, TILE_CTR,
-                     LSE, DELTA, pid, nprog, WINDOW_LEFT, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES,
-                     V_STAGES, MASK, HEAD_GROUP, DYNAMIC, TILE_STAGES)),
+                          do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, tile_smem, tile_ready, tile_empty,
+                          TILE_CTR, LSE, DELTA, pid, nprog, WINDOW_LEFT, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N,
+                          NUM_STAGES, K_STAGES, V_STAGES, MASK, HEAD_GROUP, DYNAMIC, TILE_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
