@@ -134,10 +134,14 @@ def num_sms() -> int:
         return 132
 
 
-def grid(batch: int, hq: int, seq: int, sms: int | None = None) -> tuple:
-    """The persistent forward's grid: one program per SM, never more than there are tiles."""
-    tiles = -(-seq // BLOCK_M) * batch * hq
+def persistent_grid(tiles: int, sms: int | None = None) -> tuple:
+    """A persistent kernel's grid: one program per SM, never more than there are tiles."""
     return (max(1, min(sms or num_sms(), tiles)), )
+
+
+def grid(batch: int, hq: int, seq: int, sms: int | None = None) -> tuple:
+    """The persistent forward's grid over (128 query rows, batch * head) tiles."""
+    return persistent_grid(-(-seq // BLOCK_M) * batch * hq, sms)
 
 
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool) -> dict:
@@ -191,9 +195,8 @@ def pbwd_kv_stages(d: int, dq_mode: int, item: int = 2) -> tuple:
 
 
 def pbwd_grid(batch: int, hkv: int, seq: int, sms: int | None = None) -> tuple:
-    """One program per SM, never more than there are (key block, batch * kv head) tiles."""
-    tiles = -(-seq // BWD_TILES["BLOCK_N"]) * batch * hkv
-    return (max(1, min(sms or num_sms(), tiles)), )
+    """The persistent backward's grid over (key block, batch * kv head) tiles."""
+    return persistent_grid(-(-seq // BWD_TILES["BLOCK_N"]) * batch * hkv, sms)
 
 
 def pbwd_kernel():

@@ -358,9 +358,6 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kc_desc, q_smem, do_smem, k_s
     """The program's K and V once (with DQ_MODE 2 also K as two column tiles), then per (query head, query
     block) Q and dO by TMA into the ring and the block's lse * log2 e and delta rows into shared memory."""
     KV_BYTES: gl.constexpr = BLOCK_N * D * 2
-    QT_BYTES: gl.constexpr = BLOCK_M * D * 2
-    row_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, BLOCK_M // 32], threads_per_warp=[1, 32],
-                                           warps_per_cta=[1, 1], order=[1, 0])
     if DQ_MODE == 2:
         mbarrier.expect(kv_bar, 3 * KV_BYTES)
     else:
@@ -373,23 +370,9 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kc_desc, q_smem, do_smem, k_s
     for it in range(GROUP * nm):
         hq = it // nm
         m = m_lo + it % nm
-        h = off_hk * GROUP + hq
-        s = it % NUM_STAGES
-        ph = (it // NUM_STAGES) & 1
-        # empty barriers start free: waiting on the parity before their first phase returns at once
-        mbarrier.wait(qd_empty.index(s), ph ^ 1)
-        mbarrier.expect(q_ready.index(s), QT_BYTES)
-        tma_load(q_desc, [off_b, m * BLOCK_M, h * D], q_ready.index(s), q_smem.index(s))
-        mbarrier.expect(do_ready.index(s), QT_BYTES)
-        tma_load(do_desc, [off_b, m * BLOCK_M, h * D], do_ready.index(s), do_smem.index(s))
-        # lse * log2(e) and delta rows of this query block: plain loads -> smem; do_ready counts this arrival too
-        rows = m * BLOCK_M + gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, row_l)), 0)  # [1, BM]
-        rbase = (off_b * H + h).to(gl.int64) * S
-        lse = gl.load(lse_ptr + rbase + rows, mask=rows < S, other=0.0)
-        dlt = gl.load(delta_ptr + rbase + rows, mask=rows < S, other=0.0)
-        lse_smem.index(s).store(lse * 1.4426950408889634)
-        dlt_smem.index(s).store(dlt)
-        mbarrier.arrive(do_ready.index(s), count=1)
+        _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, lse_ptr,
+                       delta_ptr, off_b, m, off_hk * GROUP + hq, it % NUM_STAGES, (it // NUM_STAGES) & 1, H, S, D,
+                       BLOCK_M)
 
 
 @gluon.jit
@@ -404,6 +387,126 @@ def _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK: gl.constexpr):
     if MASK == 2:
         keep = keep & (dist <= WINDOW_LEFT)
     return gl.where(keep, pT, 0.0)
+
+
+@gluon.jit
+def _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, lse_ptr,
+                   delta_ptr, off_b, m, h, s, ph, H, S, D: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Producer, one ring item: Q and dO of query block m of head h by TMA into stage s (once both consumers
+    released it: empty barriers start free, waiting on the parity before their first phase returns at once), and
+    the block's lse * log2 e and delta rows into shared memory (plain loads; do_ready counts this arrival too)."""
+    QT_BYTES: gl.constexpr = BLOCK_M * D * (q_smem.dtype.primitive_bitwidth // 8)
+    row_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, BLOCK_M // 32], threads_per_warp=[1, 32],
+                                           warps_per_cta=[1, 1], order=[1, 0])
+    mbarrier.wait(qd_empty.index(s), ph ^ 1)
+    mbarrier.expect(q_ready.index(s), QT_BYTES)
+    tma_load(q_desc, [off_b, m * BLOCK_M, h * D], q_ready.index(s), q_smem.index(s))
+    mbarrier.expect(do_ready.index(s), QT_BYTES)
+    tma_load(do_desc, [off_b, m * BLOCK_M, h * D], do_ready.index(s), do_smem.index(s))
+    rows = m * BLOCK_M + gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, row_l)), 0)  # [1, BM]
+    rbase = (off_b * H + h).to(gl.int64) * S
+    lse = gl.load(lse_ptr + rbase + rows, mask=rows < S, other=0.0)
+    dlt = gl.load(delta_ptr + rbase + rows, mask=rows < S, other=0.0)
+    lse_smem.index(s).store(lse * 1.4426950408889634)
+    dlt_smem.index(s).store(dlt)
+    mbarrier.arrive(do_ready.index(s), count=1)
+
+
+@gluon.jit
+def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
+              do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero, dq_zero, qk2, sm_scale, gi, s, ph, m,
+              h, n, f0, f1, off_b, S, WINDOW_LEFT, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, RELEASE_V: gl.constexpr):
+    """Consumer warpgroup WG, one ring item gi (query block m of head h in stage s, parity ph) against its 64 keys
+    of key block n (views k_mine, v_mine; k_dq: K for its share of dQ): S^T and dP^T, P^T and dS^T, dV += P^T dO and
+    dK += dS^T Q, the dS^T half into dS buffer gi % 2 for the joint dQ = dS K (DQ_MODE 0: whole tiles alternating
+    between the warpgroups, else this warpgroup's half of dQ's columns), dQ * scale reduce-added into the float32
+    accumulator. RELEASE_V: V buffer vb goes back to the producer (v_empty) once the dP^T of the tile's last item
+    (it == n_it - 1) retired.
+    Returns (dk, dv)."""
+    HALF: gl.constexpr = BLOCK_N // 2
+    if DQ_MODE == 0:
+        DQ_N: gl.constexpr = D
+    else:
+        DQ_N: gl.constexpr = D // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    dq_stage = dq_smem.reshape([BLOCK_M, DQ_N])
+    q_view = q_smem.index(s).reshape([BLOCK_M, D])
+    do_view = do_smem.index(s).reshape([BLOCK_M, D])
+
+    # S^T and dP^T issued back to back; the exp of S^T runs while dP^T is on the tensor cores
+    mbarrier.wait(q_ready.index(s), ph)
+    st_tok = warpgroup_mma(k_mine, q_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(s), ph)
+    dp_tok = warpgroup_mma(v_mine, do_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+    lse2 = lse_smem.index(s).load(s_layout)  # [1, BM]: lse * log2(e), written by the producer before do_ready
+    pT = gl.exp2(st * qk2 - lse2)
+    if (m < f0) | (m >= f1):
+        # the query offsets of this thread's columns come from shared memory (a load is not hoisted): as an
+        # arange they were hoisted out of the item loop into 16 registers
+        keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=row_l)
+        rows = m * BLOCK_M + cols_smem.load(col_l)
+        pT = _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK)
+    dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+    if RELEASE_V:
+        mbarrier.arrive(v_empty.index(vb), count=1, pred=it == n_it - 1)
+    dlt = dlt_smem.index(s).load(s_layout)  # [1, BM]
+    dsT = (pT * (dpT - dlt)).to(dtype)
+    pT16 = gl.convert_layout(pT.to(dtype), a_layout)
+    dv_tok = warpgroup_mma(pT16, do_view, dv, is_async=True)
+    dsT_a = gl.convert_layout(dsT, a_layout)
+    dk_tok = warpgroup_mma(dsT_a, q_view, dk, is_async=True)
+    # dS^T half -> smem for dQ (both warpgroups' halves are needed)
+    ds_buf = ds_smem.index(gi % 2)
+    ds_buf.slice(WG * HALF, HALF, dim=0).store(dsT)
+    fence_async_shared()
+    mbarrier.arrive(ds_bar, count=1)
+    mbarrier.wait(ds_bar, gi & 1)  # both halves of dS_i are in smem
+    if DQ_MODE == 0:
+        if (gi % 2) == WG:
+            dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
+            dq, dv, pT16, dk, dsT_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, dv_tok, pT16, dk_tok, dsT_a))
+            mbarrier.arrive(qd_empty.index(s), count=1)
+            tma.store_wait(0)  # the previous reduce from dq_stage has read it
+            dq_stage.store(dq * sm_scale)
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, h * D], dq_smem)
+        else:
+            dv, pT16, dk, dsT_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, pT16, dk_tok, dsT_a))
+            mbarrier.arrive(qd_empty.index(s), count=1)
+    else:
+        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
+        dq, dv, pT16, dk, dsT_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, dv_tok, pT16, dk_tok, dsT_a))
+        mbarrier.arrive(qd_empty.index(s), count=1)
+        tma.store_wait(0)
+        dq_stage.store(dq * sm_scale)
+        fence_async_shared()
+        tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, h * D + WG * DQ_N], dq_smem)
+    return dk, dv
+
+
+@gluon.jit
+def _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, S, HKV, WG: gl.constexpr, D: gl.constexpr,
+                    BLOCK_N: gl.constexpr):
+    """Warpgroup WG's dK (scaled) and dV rows of key block n, straight from registers (rows past S masked)."""
+    HALF: gl.constexpr = BLOCK_N // 2
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    dtype: gl.constexpr = dk_ptr.dtype.element_ty
+    r_o = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+    c_o = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+    offs = ((off_b * S + gl.expand_dims(r_o, 1)).to(gl.int64) * HKV + off_hk) * D + gl.expand_dims(c_o, 0)
+    omask = (gl.expand_dims(r_o, 1) < S) & (gl.expand_dims(c_o, 0) < D)
+    gl.store(dk_ptr + offs, (dk * sm_scale).to(dtype), mask=omask)
+    gl.store(dv_ptr + offs, dv.to(dtype), mask=omask)
 
 
 @gluon.jit
@@ -425,12 +528,6 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, ls
                                                          instr_shape=[16, D, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_N, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    dtype: gl.constexpr = q_smem.dtype
-
-    dq_stage = dq_smem.reshape([BLOCK_M, DQ_N])
 
     dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
@@ -457,66 +554,13 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, ls
             k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
         else:
             k_dq = kc_smem.index(WG).reshape([BLOCK_N, DQ_N])
-        q_view = q_smem.index(s).reshape([BLOCK_M, D])
-        do_view = do_smem.index(s).reshape([BLOCK_M, D])
-
-        # S^T and dP^T issued back to back; the exp of S^T runs while dP^T is on the tensor cores
-        mbarrier.wait(q_ready.index(s), ph)
-        st_tok = warpgroup_mma(k_mine, q_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(s), ph)
-        dp_tok = warpgroup_mma(v_mine, do_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
-        lse2 = lse_smem.index(s).load(s_layout)  # [1, BM]: lse * log2(e), written by the producer before do_ready
-        pT = gl.exp2(st * qk2 - lse2)
-        if (m < f0) | (m >= f1):
-            # the query offsets of this thread's columns come from shared memory (a load is not hoisted): as an
-            # arange they were hoisted out of the loop into 16 registers
-            keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=row_l)
-            rows = m * BLOCK_M + cols_smem.load(col_l)
-            pT = _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK)
-        dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
-        dlt = dlt_smem.index(s).load(s_layout)  # [1, BM]
-        dsT = (pT * (dpT - dlt)).to(dtype)
-        pT16 = gl.convert_layout(pT.to(dtype), a_layout)
-        dv_tok = warpgroup_mma(pT16, do_view, dv, is_async=True)
-        dsT_a = gl.convert_layout(dsT, a_layout)
-        dk_tok = warpgroup_mma(dsT_a, q_view, dk, is_async=True)
-        # dS^T half -> smem for dQ (both warpgroups' halves are needed)
-        p2 = it % 2
-        ds_buf = ds_smem.index(p2)
-        ds_buf.slice(WG * HALF, HALF, dim=0).store(dsT)
-        fence_async_shared()
-        mbarrier.arrive(ds_bar, count=1)
-        mbarrier.wait(ds_bar, it & 1)  # both halves of dS_i are in smem
-        if DQ_MODE == 0:
-            if (it % 2) == WG:
-                dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
-                dq, dv, pT16, dk, dsT_a = warpgroup_mma_wait(num_outstanding=0,
-                                                             deps=(dq_tok, dv_tok, pT16, dk_tok, dsT_a))
-                mbarrier.arrive(qd_empty.index(s), count=1)
-                tma.store_wait(0)  # the previous reduce from dq_stage has read it
-                dq_stage.store(dq * sm_scale)
-                fence_async_shared()
-                tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, h * D], dq_smem)
-            else:
-                dv, pT16, dk, dsT_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, pT16, dk_tok, dsT_a))
-                mbarrier.arrive(qd_empty.index(s), count=1)
-        else:
-            dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
-            dq, dv, pT16, dk, dsT_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, dv_tok, pT16, dk_tok, dsT_a))
-            mbarrier.arrive(qd_empty.index(s), count=1)
-            tma.store_wait(0)
-            dq_stage.store(dq * sm_scale)
-            fence_async_shared()
-            tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, h * D + WG * DQ_N], dq_smem)
+        dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
+                           cols_smem, q_ready, do_ready, qd_empty, ds_bar, None, 0, it, 0, dq_desc, s_zero, dq_zero,
+                           qk2, sm_scale, it, s, ph, m, h, n, f0, f1, off_b, S, WINDOW_LEFT, WG, D, BLOCK_M, BLOCK_N,
+                           MASK, DQ_MODE, False)
 
     # epilogue: dK (scaled) and dV of this WG's 64 keys, straight from registers
-    r_o = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
-    c_o = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-    offs = ((off_b * S + gl.expand_dims(r_o, 1)).to(gl.int64) * HKV + off_hk) * D + gl.expand_dims(c_o, 0)
-    omask = (gl.expand_dims(r_o, 1) < S) & (gl.expand_dims(c_o, 0) < D)
-    gl.store(dk_ptr + offs, (dk * sm_scale).to(dtype), mask=omask)
-    gl.store(dv_ptr + offs, dv.to(dtype), mask=omask)
+    _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, S, HKV, WG, D, BLOCK_N)
     tma.store_wait(0)
 
 
@@ -668,9 +712,6 @@ def _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_de
     BH: gl.constexpr = B * HKV
     ITEM: gl.constexpr = q_smem.dtype.primitive_bitwidth // 8
     KV_BYTES: gl.constexpr = BLOCK_N * D * ITEM
-    QT_BYTES: gl.constexpr = BLOCK_M * D * ITEM
-    row_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, BLOCK_M // 32], threads_per_warp=[1, 32],
-                                           warps_per_cta=[1, 1], order=[1, 0])
     n, bh = _tile(t, N_N, BH, HEAD_GROUP, False)
     off_b = bh // HKV
     off_hk = bh % HKV
@@ -696,21 +737,8 @@ def _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_de
         m = m_lo + it % nm
         h = off_hk * GROUP + hq
         gi = g + it
-        s = gi % NUM_STAGES
-        ph = (gi // NUM_STAGES) & 1
-        mbarrier.wait(qd_empty.index(s), ph ^ 1)
-        mbarrier.expect(q_ready.index(s), QT_BYTES)
-        tma_load(q_desc, [off_b, m * BLOCK_M, h * D], q_ready.index(s), q_smem.index(s))
-        mbarrier.expect(do_ready.index(s), QT_BYTES)
-        tma_load(do_desc, [off_b, m * BLOCK_M, h * D], do_ready.index(s), do_smem.index(s))
-        # lse * log2(e) and delta rows of this query block: plain loads -> smem; do_ready counts this arrival
-        rows = m * BLOCK_M + gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, row_l)), 0)
-        rbase = (off_b * HQ + h).to(gl.int64) * SEQ
-        lse = gl.load(lse_ptr + rbase + rows, mask=rows < SEQ, other=0.0)
-        dlt = gl.load(delta_ptr + rbase + rows, mask=rows < SEQ, other=0.0)
-        lse_smem.index(s).store(lse * 1.4426950408889634)
-        dlt_smem.index(s).store(dlt)
-        mbarrier.arrive(do_ready.index(s), count=1)
+        _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, lse_ptr,
+                       delta_ptr, off_b, m, h, gi % NUM_STAGES, (gi // NUM_STAGES) & 1, HQ, SEQ, D, BLOCK_M)
     return GROUP * nm, nxt
 
 
@@ -756,7 +784,7 @@ def _pbwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 
 
 @gluon.jit
-def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, dq_stage, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                         lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty,
                         ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, sm_scale, WINDOW_LEFT, WG: gl.constexpr,
                         B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr,
@@ -773,16 +801,8 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, dq_stage, q_smem, do_sme
         DQ_N: gl.constexpr = D
     else:
         DQ_N: gl.constexpr = D // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_N, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    dtype: gl.constexpr = q_smem.dtype
 
     n, bh = _tile(t, N_N, BH, HEAD_GROUP, False)
     off_b = bh // HKV
@@ -814,60 +834,11 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, dq_stage, q_smem, do_sme
             k_dq = k_view
         else:
             k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
-        q_view = q_smem.index(s).reshape([BLOCK_M, D])
-        do_view = do_smem.index(s).reshape([BLOCK_M, D])
-
-        # S^T and dP^T issued back to back; the exp of S^T runs while dP^T is on the tensor cores
-        mbarrier.wait(q_ready.index(s), ph)
-        st_tok = warpgroup_mma(k_mine, q_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(s), ph)
-        dp_tok = warpgroup_mma(v_mine, do_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
-        lse2 = lse_smem.index(s).load(s_layout)  # [1, BM]: lse * log2(e), written before do_ready
-        pT = gl.exp2(st * qk2 - lse2)
-        if (m < f0) | (m >= f1):
-            # the query offsets of this thread's 16 columns come from shared memory (a load is not hoisted):
-            # as an arange they would be hoisted out of the loop into 16 registers
-            keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=row_l)
-            rows = m * BLOCK_M + cols_smem.load(col_l)
-            pT = _bwd_mask(pT, keys, rows, SEQ, WINDOW_LEFT, MASK)
-        dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
-        # the tile's last dP^T has retired: V is free for the producer (the next tile's V lands under the rest)
-        mbarrier.arrive(v_empty.index(vb), count=1, pred=it == n_it - 1)
-        dlt = dlt_smem.index(s).load(s_layout)  # [1, BM]
-        dsT = (pT * (dpT - dlt)).to(dtype)
-        pT16 = gl.convert_layout(pT.to(dtype), a_layout)
-        dv_tok = warpgroup_mma(pT16, do_view, dv, is_async=True)
-        dsT_a = gl.convert_layout(dsT, a_layout)
-        dk_tok = warpgroup_mma(dsT_a, q_view, dk, is_async=True)
-        # dS^T half -> smem for dQ (both warpgroups' halves are needed); buffer and join parity from g
-        ds_buf = ds_smem.index(gi % 2)
-        ds_buf.slice(WG * HALF, HALF, dim=0).store(dsT)
-        fence_async_shared()
-        mbarrier.arrive(ds_bar, count=1)
-        mbarrier.wait(ds_bar, gi & 1)  # both halves of dS_i are in smem
-        if DQ_MODE == 0:
-            if (gi % 2) == WG:
-                dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
-                dq, dv, pT16, dk, dsT_a = warpgroup_mma_wait(num_outstanding=0,
-                                                             deps=(dq_tok, dv_tok, pT16, dk_tok, dsT_a))
-                mbarrier.arrive(qd_empty.index(s), count=1)
-                tma.store_wait(0)  # the previous bulk copy out of dq_stage has read it
-                dq_stage.store(dq * sm_scale)
-                fence_async_shared()
-                tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, h * D], dq_smem)
-            else:
-                dv, pT16, dk, dsT_a = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, pT16, dk_tok, dsT_a))
-                mbarrier.arrive(qd_empty.index(s), count=1)
-        else:
-            dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
-            dq, dv, pT16, dk, dsT_a = warpgroup_mma_wait(num_outstanding=0,
-                                                         deps=(dq_tok, dv_tok, pT16, dk_tok, dsT_a))
-            mbarrier.arrive(qd_empty.index(s), count=1)
-            tma.store_wait(0)
-            dq_stage.store(dq * sm_scale)
-            fence_async_shared()
-            tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, h * D + WG * DQ_N], dq_smem)
+        # V goes back to the producer after the tile's last dP^T (the next tile's V lands under the rest)
+        dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
+                           cols_smem, q_ready, do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero,
+                           dq_zero, qk2, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, WINDOW_LEFT, WG, D, BLOCK_M,
+                           BLOCK_N, MASK, DQ_MODE, True)
     # every wgmma of the tile has retired (each item ends with a full wait): K is free for the producer
     mbarrier.arrive(k_empty.index(kb), count=1)
 
@@ -876,12 +847,7 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, dq_stage, q_smem, do_sme
         _pbwd_epilogue_tma(dk * sm_scale, dv, dq_smem, dk_desc, dv_desc, off_b, n * BLOCK_N + WG * HALF, off_hk * D,
                            HALF, D, BLOCK_M, DQ_N)
     else:
-        r_o = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
-        c_o = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-        offs = ((off_b * SEQ + gl.expand_dims(r_o, 1)).to(gl.int64) * HKV + off_hk) * D + gl.expand_dims(c_o, 0)
-        omask = (gl.expand_dims(r_o, 1) < SEQ) & (gl.expand_dims(c_o, 0) < D)
-        gl.store(dk_ptr + offs, (dk * sm_scale).to(dtype), mask=omask)
-        gl.store(dv_ptr + offs, dv.to(dtype), mask=omask)
+        _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, SEQ, HKV, WG, D, BLOCK_N)
     return n_it
 
 
@@ -910,7 +876,6 @@ def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
                                                        instr_shape=[16, BLOCK_M, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_N, 16])
-    dq_stage = dq_smem.reshape([BLOCK_M, DQ_N])
     s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     qk2 = sm_scale * 1.4426950408889634
@@ -920,7 +885,7 @@ def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
     if DYNAMIC:
         t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
         while t < N_N * BH:
-            g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, dq_stage, q_smem, do_smem, k_smem, v_smem, ds_smem,
+            g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem, v_smem, ds_smem,
                                      dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready,
                                      k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
                                      sm_scale, WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES,
@@ -929,7 +894,7 @@ def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
             t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
     else:
         for t in range(pid, N_N * BH, nprog):
-            g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, dq_stage, q_smem, do_smem, k_smem, v_smem, ds_smem,
+            g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem, v_smem, ds_smem,
                                      dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready,
                                      k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
                                      sm_scale, WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES,

@@ -242,21 +242,18 @@ def _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, cfg):
     by reduce-adds (not bitwise reproducible run to run, like cuDNN's)."""
     batch, sq, hq, d = q4.shape
     hkv = k.shape[2]
-    if cfg.window:  # causal with a window to the left (gluon_attention.ineligible): the persistent kernel
-        grid = gluon_attention.pbwd_grid(batch, hkv, sq)
-        dq_acc, dk, dv, _, _ = triton_call.launch(
-            gluon_attention.pbwd_kernel(), grid, [q4, k, v, do4, lse3, delta3, *scalars],
-            [jax.ShapeDtypeStruct((batch, sq, hq, d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
-             jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((1, ), jnp.int32), _scratch(grid)],
-            zeroed=(0, 3), num_warps=4, num_stages=1, **gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d))
-        return dq_acc.astype(q4.dtype), dk, dv
-    grid = (_cdiv(sq, gluon_attention.BWD_TILES["BLOCK_N"]), batch * hkv)
-    dq_acc, dk, dv, _ = triton_call.launch(
-        gluon_attention.bwd_kernel(), grid, [q4, k, v, do4, lse3, delta3, *scalars],
-        [jax.ShapeDtypeStruct((batch, sq, hq, d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
-         jax.ShapeDtypeStruct(v.shape, v.dtype), _scratch(grid)],
-        zeroed=(0,), num_warps=4, num_stages=1,
-        **gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window))
+    outs = [jax.ShapeDtypeStruct((batch, sq, hq, d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    if cfg.window:  # causal with a window to the left (gluon_attention.ineligible): the persistent kernel, whose
+        # tile counter is zeroed like the dQ accumulator
+        kernel, grid = gluon_attention.pbwd_kernel(), gluon_attention.pbwd_grid(batch, hkv, sq)
+        outs.append(jax.ShapeDtypeStruct((1, ), jnp.int32))
+        zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d)
+    else:
+        kernel, grid = gluon_attention.bwd_kernel(), (_cdiv(sq, gluon_attention.BWD_TILES["BLOCK_N"]), batch * hkv)
+        zeroed, consts = (0, ), gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window)
+    dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, k, v, do4, lse3, delta3, *scalars],
+                                            outs + [_scratch(grid)], zeroed=zeroed, num_warps=4, num_stages=1, **consts)
     return dq_acc.astype(q4.dtype), dk, dv
 
 

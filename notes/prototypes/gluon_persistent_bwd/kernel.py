@@ -36,31 +36,14 @@ heads fast. The key blocks of one kv head that run together share their query he
 # the repository root is on sys.path (aot.py, run_gpu.py)
 from ejgen.runtime import gluon_attention
 
-SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
-SMEM_RESERVE = 1024  # kept free of tiles: barriers, the column table, warp-specialisation captures (784 B)
 L2_QDO_BUDGET = 16 << 20  # bytes of Q and dO per head section (H100 / H200 L2: 50 MB)
+
+# shared memory budget and K / V buffer choice: the library's
+SMEM_LIMIT = gluon_attention.SMEM_LIMIT
+smem_bytes, kv_stages = gluon_attention.pbwd_smem_bytes, gluon_attention.pbwd_kv_stages
 
 
 # --- host side -------------------------------------------------------------------------------------------------
-
-def smem_bytes(d: int, k_stages: int, v_stages: int, dq_mode: int, item: int = 2) -> int:
-    """Shared memory of the tiles (no barriers): K and V buffers, the Q / dO ring, the dS double buffer, the two
-    warpgroups' float32 dQ staging buffers, the lse / delta rows."""
-    t = gluon_attention.BWD_TILES
-    bm, bn, stages = t["BLOCK_M"], t["BLOCK_N"], t["NUM_STAGES"]
-    dq_n = d if dq_mode == 0 else d // 2
-    return ((k_stages + v_stages) * bn * d * item + 2 * stages * bm * d * item + 2 * bn * bm * item
-            + 2 * bm * dq_n * 4 + 2 * stages * bm * 4)
-
-
-def kv_stages(d: int, dq_mode: int, item: int = 2) -> tuple:
-    """(K_STAGES, V_STAGES): two of each where they fit, else two K buffers (K is needed first in a tile and
-    released last), else one of each."""
-    for ks, vs in ((2, 2), (2, 1), (1, 1)):
-        if smem_bytes(d, ks, vs, dq_mode, item) + SMEM_RESERVE <= SMEM_LIMIT:
-            return ks, vs
-    raise ValueError(f"head dim {d}: the backward's tiles do not fit in shared memory")
-
 
 def head_group(batch: int, hq: int, hkv: int, seq: int, d: int, item: int = 2, budget: int = L2_QDO_BUDGET) -> int:
     """(batch, kv head) pairs per section of the tile order: as many as fit the Q and dO of their query heads (what
@@ -74,8 +57,7 @@ def num_tiles(batch: int, hkv: int, seq: int) -> int:
 
 
 def grid(batch: int, hkv: int, seq: int, num_sms: int) -> tuple:
-    """One program per SM, never more than there are tiles."""
-    return (max(1, min(num_sms, num_tiles(batch, hkv, seq))), )
+    return gluon_attention.pbwd_grid(batch, hkv, seq, num_sms)
 
 
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool, *,
