@@ -6,7 +6,7 @@
 --configs compares whole settings ('' = the table, 'cudnn' = the peer) on each S:causal[:left window]
 case, forward and forward+backward, with the ratio to cuDNN from the same run. --pass varies one pass
 over `ejgen tune`'s candidates, the others at their table defaults (fwd timed forward only, dkdv and
-dq as forward+backward). The winners go into ejgen/runtime/triton_configs.py by hand.
+dq as forward+backward). The winners go into ejgen/runtime/attention/triton/configs.py by hand.
 """
 
 import argparse
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ejgen.ops import flash_attention
 from ejgen.testing.timing import median_seconds as bench
-from ejgen.tune import CANDIDATES as TUNE_CANDIDATES
+from ejgen.runtime.attention.triton.configs import CANDIDATES as TUNE_CANDIDATES
 
 CANDIDATES = TUNE_CANDIDATES["sm90"]  # one list of candidate configs: `ejgen tune`'s
 CASES = [(16384, False, None), (4096, False, None), (16384, True, None), (4096, True, None)]

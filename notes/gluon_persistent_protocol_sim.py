@@ -1,4 +1,4 @@
-"""CPU model of the persistent Gluon forward's cross-tile synchronisation (ejgen/runtime/gluon_kernels.py; no GPU,
+"""CPU model of the persistent Gluon forward's cross-tile synchronisation (ejgen/runtime/attention/gluon/kernels.py; no GPU,
 no Triton): the producer, the two consumers and
 the in-flight bulk copies as coroutines over modelled mbarriers (phase parity waits, arrival counts, expect-tx),
 with the kernel's exact stage / phase / turn formulas, run under random interleavings. Checks: no deadlock;

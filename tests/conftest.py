@@ -104,7 +104,7 @@ def run_vjp():
 def triton_launches(monkeypatch):
     """Every Triton kernel launch of the test, as (pass: 'fwd' | 'dkdv' | 'dq', constexprs): a spy on
     ``triton_call.launch`` that shows which path a call really took."""
-    from ejgen.runtime import triton_call
+    from ejgen.runtime.launch import triton_call
 
     if triton_call.mode()[0] is None:
         pytest.fail("this test needs the triton backend: run it with TRITON_INTERPRET=1 (README)")

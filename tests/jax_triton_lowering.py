@@ -69,7 +69,8 @@ def lower_op(args, triton_lib, recorder):
     import jax.numpy as jnp
 
     os.environ["EJGEN_TRITON_AUTOTUNE"] = "1" if args["autotune"] else "0"
-    from ejgen.runtime import triton_attention, triton_call
+    from ejgen.runtime.attention.triton import host as triton_attention
+    from ejgen.runtime.launch import triton_call
 
     triton_call.mode = lambda: ("gpu", "")
     triton_attention._arch = lambda: "sm90"
@@ -93,7 +94,7 @@ def main():
     if args.get("op"):
         return lower_op(args, triton_lib, recorder)
 
-    from ejgen.runtime import triton_call
+    from ejgen.runtime.launch import triton_call
     from ejgen.testing.aot import _signature, constexprs
 
     triton_call._extend_jax_triton()

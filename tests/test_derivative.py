@@ -16,7 +16,7 @@ import pytest
 
 from ejgen.ir.expr import Binary, Call, Const, ParamRef, Type, Unary, Var, to_text
 from ejgen.ir.passes.derivative import diff, param_occurrences, simplify
-from ejgen.ir.plan import plan_attention
+from ejgen.plan.attention import plan_attention
 from ejgen.spec import load_spec
 
 HEADS = 4

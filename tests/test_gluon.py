@@ -1,4 +1,4 @@
-"""The warp-specialised Gluon forward and backward (ejgen.runtime.gluon_attention) of the triton backend.
+"""The warp-specialised Gluon forward and backward (ejgen.runtime.attention.gluon.host) of the triton backend.
 
 Here (no GPU): the kernels compile ahead of time for sm_90 (bf16 and f16, head dims 64 and 128, mask forms)
 within the launch's budget of warps, shared memory and descriptor scratch; which calls they take and why
@@ -16,8 +16,10 @@ pytest.importorskip("triton", reason="the triton extra is part of the test insta
 
 from shapes import AttnShape  # noqa: E402
 
-from ejgen.runtime import gluon_attention, triton_attention, triton_call  # noqa: E402
-from ejgen.runtime.config import AttentionConfig  # noqa: E402
+from ejgen.runtime.attention.gluon import host as gluon_attention
+from ejgen.runtime.attention.triton import host as triton_attention
+from ejgen.runtime.launch import triton_call  # noqa: E402
+from ejgen.runtime.attention.config import AttentionConfig  # noqa: E402
 from ejgen.testing.aot import compile_gluon_in_subprocess  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("x64_stays_off")

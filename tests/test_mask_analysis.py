@@ -5,7 +5,7 @@ the DSL text) are loaded from specs, analysed, and the Python block ranges
 (``ejgen.ir.passes.mask.block_range``) are checked block by block against the dense visibility
 matrix, in both directions (query blocks -> key blocks for the forward pass, key blocks -> query
 blocks for the backward pass). The traced-int32 implementation the XLA kernels use
-(``ejgen.runtime.xla_blocks``) must give the same numbers.
+(``ejgen.runtime.core.blocks``) must give the same numbers.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ejgen.ir.expr import to_text
 from ejgen.ir.passes import mask as mask_pass
-from ejgen.runtime import xla_blocks
+from ejgen.runtime.core import blocks as xla_blocks
 from ejgen.spec import load_spec
 
 SPEC = """\

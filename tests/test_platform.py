@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ejgen.runtime.attention import SpecInfo, choose_platform
+from ejgen.runtime.attention.api import SpecInfo, choose_platform
 
 SPEC = SpecInfo("my_attention", "specs/my_attention.yaml", {}, ())
 

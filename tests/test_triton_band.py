@@ -19,7 +19,9 @@ pytest.importorskip("triton", reason="the triton extra is part of the test insta
 
 from shapes import AttnShape  # noqa: E402
 
-from ejgen.runtime import triton_attention, triton_call, triton_configs  # noqa: E402
+from ejgen.runtime.attention.triton import host as triton_attention
+from ejgen.runtime.launch import triton_call
+from ejgen.runtime.attention.triton import configs as triton_configs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
 

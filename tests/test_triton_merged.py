@@ -20,7 +20,8 @@ pytest.importorskip("triton", reason="the triton extra is part of the test insta
 
 from shapes import AttnShape  # noqa: E402
 
-from ejgen.runtime import triton_call, triton_configs  # noqa: E402
+from ejgen.runtime.launch import triton_call
+from ejgen.runtime.attention.triton import configs as triton_configs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
 

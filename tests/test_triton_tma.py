@@ -19,7 +19,8 @@ pytest.importorskip("triton", reason="the triton extra is part of the test insta
 
 from shapes import AttnShape  # noqa: E402
 
-from ejgen.runtime import triton_attention, triton_call  # noqa: E402
+from ejgen.runtime.attention.triton import host as triton_attention
+from ejgen.runtime.launch import triton_call  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
 
@@ -50,7 +51,7 @@ def test_descriptor_paths_match_the_oracle(monkeypatch, triton_launches, triton_
 
 
 def test_descriptors_need_16_bit_whole_power_of_two_heads():
-    from ejgen.runtime.config import AttentionConfig
+    from ejgen.runtime.attention.config import AttentionConfig
 
     dense, varlen = AttentionConfig(seq_q=64, seq_k=64), AttentionConfig(seq_q=64, seq_k=64, varlen=True)
     q = lambda d, dtype=jnp.bfloat16: jnp.zeros((1, 64, 2, 1, d), dtype)
@@ -104,7 +105,7 @@ def test_pinning_warp_specialisation_on_a_gpu_is_an_error_until_a_release_is_mea
 
 
 def test_the_interpreter_takes_descriptors_exactly_where_the_gpu_table_does(monkeypatch):
-    from ejgen.runtime import triton_configs
+    from ejgen.runtime.attention.triton import configs as triton_configs
 
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
     monkeypatch.setenv("EJGEN_CACHE_DIR", "/nonexistent-ejgen-cache")
@@ -118,7 +119,7 @@ def test_the_interpreter_takes_descriptors_exactly_where_the_gpu_table_does(monk
 
 
 def test_a_heads_major_package_is_an_error_not_a_wrong_answer():
-    from ejgen.runtime.config import AttentionConfig
+    from ejgen.runtime.attention.config import AttentionConfig
 
     cfg = AttentionConfig(seq_q=40, seq_k=40)
     q = jnp.zeros((1, 2, 1, 40, 16), jnp.float32)  # [B, Hkv, G, Sq, D]: what packages rendered before v5 pass

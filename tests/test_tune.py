@@ -6,7 +6,8 @@ import json
 import pytest
 
 from ejgen.cli import main
-from ejgen.runtime import triton_configs, tuning_cache
+from ejgen.runtime.attention.triton import configs as triton_configs
+from ejgen.runtime.attention.triton import tuning_cache
 
 
 @pytest.fixture

@@ -33,6 +33,22 @@ FEATURES = {
     "varlen": ("runtime", "always"),
 }
 
+# The attention op's built-in keyword arguments, in signature order, with the feature that enables
+# each (docs/DESIGN.md §3, calling convention). The one definition: the spec schema reserves these
+# names, the planner builds each op's signature from them, the runtime names the feature in errors.
+FEATURE_ARGUMENTS = (
+    ("causal", ("causal",)),
+    ("sliding_window", ("sliding_window",)),
+    ("logits_soft_cap", ("logits_soft_cap",)),
+    ("sinks", ("softmax_aux",)),
+    ("bias", ("bias",)),
+    (("segment_ids", "attention_mask"), ("mask_info",)),
+    ("varlen", ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")),
+)
+TENSOR_ARGUMENTS = ("query", "key", "value")
+CALL_ARGUMENTS = ("softmax_scale", "deterministic", "platform", "return_lse")  # every op, last
+OP_ARGUMENTS = TENSOR_ARGUMENTS + tuple(a for _, args in FEATURE_ARGUMENTS for a in args) + CALL_ARGUMENTS
+
 
 @attrs.frozen
 class Feature:

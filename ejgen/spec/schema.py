@@ -19,6 +19,7 @@ from ejgen.ir.variant import (
     FAMILIES,
     FEATURES,
     MODES,
+    OP_ARGUMENTS,
     OPTION_TYPES,
     PARAM_DTYPES,
     Feature,
@@ -36,11 +37,6 @@ REQUIRED = ("name", "family")
 PARAM_FIELDS = ("shape", "dtype", "grad")
 OPTION_FIELDS = ("type", "default")
 
-OP_ARGUMENTS = (
-    "query", "key", "value", "causal", "sliding_window", "logits_soft_cap", "softmax_aux", "bias",
-    "mask_info", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
-    "platform", "return_lse",
-)  # fmt: skip
 DSL_KEYWORDS = ("and", "or", "not", "true", "false")
 
 _RESERVED = {

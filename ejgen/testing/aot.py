@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from ejgen.runtime.triton_configs import band_blocks
+from ejgen.runtime.attention.triton.configs import band_blocks
 
 _DTYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 
@@ -76,12 +76,12 @@ def compile_attention(package: str, name: str, *, capability: int = 90, params: 
 
 def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: int = 128, causal: bool = True,
                   window: bool = False, batch: int = 2, heads: int = 8, kv_heads: int = 2, seq: int = 1000) -> dict:
-    """The Gluon forward and backward (ejgen.runtime.gluon_attention) for one call's constexprs."""
+    """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from ejgen.runtime import gluon_attention
+    from ejgen.runtime.attention.gluon import host as gluon_attention
 
     ptr = _DTYPES[dtype]
     args = (batch, heads, kv_heads, seq, head_dim, causal, window)

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ejgen.runtime import attention as _attention
+from ejgen.runtime.attention import api as _attention
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -31,34 +31,45 @@ SPEC = _attention.SpecInfo(
     name="alibi_attention",
     path="specs/alibi_attention.yaml",
     features={"causal": 'runtime', "gqa": 'runtime', "segment_ids": 'runtime'},
-    accepted=(
-        "slopes",
-        "causal",
-        "mask_info",
-        "max_distance",
-        "softmax_scale",
-        "platform",
-        "return_lse",
-    ),
+    arguments={
+        "slopes": "param",
+        "causal": "causal",
+        "mask_info": "segment_ids",
+        "max_distance": "option",
+        "softmax_scale": "call",
+        "deterministic": "call",
+        "platform": "call",
+        "return_lse": "call",
+    },
+    absent={
+        "sliding_window": "sliding_window",
+        "logits_soft_cap": "logits_soft_cap",
+        "softmax_aux": "sinks",
+        "bias": "bias",
+        "cu_seqlens_q": "varlen",
+        "cu_seqlens_k": "varlen",
+        "max_seqlen_q": "varlen",
+        "max_seqlen_k": "varlen",
+    },
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnames=("cfg", "backend"))
-def _core(q, k, v, ctx, cfg, backend):
-    out, lse, _ = BACKENDS[backend].forward(q, k, v, ctx, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnames=("cfg", "kernels"))
+def _core(q, k, v, ctx, cfg, kernels):
+    out, lse, _ = BACKENDS[kernels.platform].forward(q, k, v, ctx, cfg, kernels)
     return out, lse
 
 
-def _core_fwd(q, k, v, ctx, cfg, backend):
-    out, lse, kinds = BACKENDS[backend].forward(q, k, v, ctx, cfg)
+def _core_fwd(q, k, v, ctx, cfg, kernels):
+    out, lse, kinds = BACKENDS[kernels.platform].forward(q, k, v, ctx, cfg, kernels)
     return (out, lse), (q, k, v, ctx, out, lse, kinds)
 
 
-def _core_bwd(cfg, backend, residuals, cotangents):
+def _core_bwd(cfg, kernels, residuals, cotangents):
     q, k, v, ctx, out, lse, kinds = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv, dctx = BACKENDS[backend].backward(q, k, v, out, lse, kinds, d_out, d_lse, ctx, cfg)
+    dq, dk, dv, dctx = BACKENDS[kernels.platform].backward(q, k, v, out, lse, kinds, d_out, d_lse, ctx, cfg, kernels)
     return dq, dk, dv, _attention.ctx_cotangents(ctx, dctx)
 
 
@@ -75,18 +86,20 @@ def alibi_attention(
     mask_info=None,
     max_distance=1024,
     softmax_scale=None,
+    deterministic=None,
     platform="auto",
     return_lse=False,
     **unsupported,
 ):
     """ALiBi attention with learnable per-head slopes and a clamped distance.
 
-    Generated from specs/alibi_attention.yaml; semantics of DESIGN §3. Keyword arguments:
+    Generated from specs/alibi_attention.yaml; semantics of docs/DESIGN.md §3. Keyword arguments:
       slopes
       causal=False
       mask_info=None
       max_distance=1024
       softmax_scale=None
+      deterministic=None
       platform="auto"
       return_lse=False"""
     _attention.reject_unsupported(SPEC, unsupported)
@@ -100,9 +113,10 @@ def alibi_attention(
         mask_info=mask_info,
         softmax_scale=softmax_scale,
     )
+    kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     ctx["param_slopes"] = _attention.check_param(SPEC, "slopes", slopes, ('heads',), jnp.float32, call.dims)
     ctx["opt_max_distance"] = _attention.check_option(SPEC, "max_distance", max_distance, "int")
-    out, lse = _core(q, k, v, ctx, cfg=call.cfg, backend=backend)
+    out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

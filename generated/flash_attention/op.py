@@ -19,7 +19,7 @@ import functools
 
 import jax
 
-from ejgen.runtime import attention as _attention
+from ejgen.runtime.attention import api as _attention
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -29,40 +29,42 @@ SPEC = _attention.SpecInfo(
     name="flash_attention",
     path="specs/flash_attention.yaml",
     features={"attention_mask": 'runtime', "bias": 'runtime', "causal": 'runtime', "gqa": 'runtime', "logits_soft_cap": 'runtime', "segment_ids": 'runtime', "sinks": 'runtime', "sliding_window": 'runtime', "varlen": 'runtime'},
-    accepted=(
-        "causal",
-        "sliding_window",
-        "logits_soft_cap",
-        "softmax_aux",
-        "bias",
-        "mask_info",
-        "cu_seqlens_q",
-        "cu_seqlens_k",
-        "max_seqlen_q",
-        "max_seqlen_k",
-        "softmax_scale",
-        "platform",
-        "return_lse",
-    ),
+    arguments={
+        "causal": "causal",
+        "sliding_window": "sliding_window",
+        "logits_soft_cap": "logits_soft_cap",
+        "softmax_aux": "sinks",
+        "bias": "bias",
+        "mask_info": "segment_ids or attention_mask",
+        "cu_seqlens_q": "varlen",
+        "cu_seqlens_k": "varlen",
+        "max_seqlen_q": "varlen",
+        "max_seqlen_k": "varlen",
+        "softmax_scale": "call",
+        "deterministic": "call",
+        "platform": "call",
+        "return_lse": "call",
+    },
+    absent={},
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnames=("cfg", "backend"))
-def _core(q, k, v, ctx, cfg, backend):
-    out, lse, _ = BACKENDS[backend].forward(q, k, v, ctx, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnames=("cfg", "kernels"))
+def _core(q, k, v, ctx, cfg, kernels):
+    out, lse, _ = BACKENDS[kernels.platform].forward(q, k, v, ctx, cfg, kernels)
     return out, lse
 
 
-def _core_fwd(q, k, v, ctx, cfg, backend):
-    out, lse, kinds = BACKENDS[backend].forward(q, k, v, ctx, cfg)
+def _core_fwd(q, k, v, ctx, cfg, kernels):
+    out, lse, kinds = BACKENDS[kernels.platform].forward(q, k, v, ctx, cfg, kernels)
     return (out, lse), (q, k, v, ctx, out, lse, kinds)
 
 
-def _core_bwd(cfg, backend, residuals, cotangents):
+def _core_bwd(cfg, kernels, residuals, cotangents):
     q, k, v, ctx, out, lse, kinds = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv, dctx = BACKENDS[backend].backward(q, k, v, out, lse, kinds, d_out, d_lse, ctx, cfg)
+    dq, dk, dv, dctx = BACKENDS[kernels.platform].backward(q, k, v, out, lse, kinds, d_out, d_lse, ctx, cfg, kernels)
     return dq, dk, dv, _attention.ctx_cotangents(ctx, dctx)
 
 
@@ -85,13 +87,14 @@ def flash_attention(
     max_seqlen_q=None,
     max_seqlen_k=None,
     softmax_scale=None,
+    deterministic=None,
     platform="auto",
     return_lse=False,
     **unsupported,
 ):
     """Exact softmax attention with every built-in feature as a runtime argument.
 
-    Generated from specs/flash_attention.yaml; semantics of DESIGN §3. Keyword arguments:
+    Generated from specs/flash_attention.yaml; semantics of docs/DESIGN.md §3. Keyword arguments:
       causal=False
       sliding_window=None
       logits_soft_cap=None
@@ -103,6 +106,7 @@ def flash_attention(
       max_seqlen_q=None
       max_seqlen_k=None
       softmax_scale=None
+      deterministic=None
       platform="auto"
       return_lse=False"""
     _attention.reject_unsupported(SPEC, unsupported)
@@ -124,7 +128,8 @@ def flash_attention(
         max_seqlen_k=max_seqlen_k,
         softmax_scale=softmax_scale,
     )
+    kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
-    out, lse = _core(q, k, v, ctx, cfg=call.cfg, backend=backend)
+    out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

@@ -18,7 +18,7 @@ import functools
 
 import jax
 
-from ejgen.runtime import attention as _attention
+from ejgen.runtime.attention import api as _attention
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -28,32 +28,44 @@ SPEC = _attention.SpecInfo(
     name="prefix_lm_attention",
     path="specs/prefix_lm_attention.yaml",
     features={"gqa": 'runtime', "sinks": 'runtime'},
-    accepted=(
-        "softmax_aux",
-        "prefix_len",
-        "softmax_scale",
-        "platform",
-        "return_lse",
-    ),
+    arguments={
+        "softmax_aux": "sinks",
+        "prefix_len": "option",
+        "softmax_scale": "call",
+        "deterministic": "call",
+        "platform": "call",
+        "return_lse": "call",
+    },
+    absent={
+        "causal": "causal",
+        "sliding_window": "sliding_window",
+        "logits_soft_cap": "logits_soft_cap",
+        "bias": "bias",
+        "mask_info": "segment_ids or attention_mask",
+        "cu_seqlens_q": "varlen",
+        "cu_seqlens_k": "varlen",
+        "max_seqlen_q": "varlen",
+        "max_seqlen_k": "varlen",
+    },
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnames=("cfg", "backend"))
-def _core(q, k, v, ctx, cfg, backend):
-    out, lse, _ = BACKENDS[backend].forward(q, k, v, ctx, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnames=("cfg", "kernels"))
+def _core(q, k, v, ctx, cfg, kernels):
+    out, lse, _ = BACKENDS[kernels.platform].forward(q, k, v, ctx, cfg, kernels)
     return out, lse
 
 
-def _core_fwd(q, k, v, ctx, cfg, backend):
-    out, lse, kinds = BACKENDS[backend].forward(q, k, v, ctx, cfg)
+def _core_fwd(q, k, v, ctx, cfg, kernels):
+    out, lse, kinds = BACKENDS[kernels.platform].forward(q, k, v, ctx, cfg, kernels)
     return (out, lse), (q, k, v, ctx, out, lse, kinds)
 
 
-def _core_bwd(cfg, backend, residuals, cotangents):
+def _core_bwd(cfg, kernels, residuals, cotangents):
     q, k, v, ctx, out, lse, kinds = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv, dctx = BACKENDS[backend].backward(q, k, v, out, lse, kinds, d_out, d_lse, ctx, cfg)
+    dq, dk, dv, dctx = BACKENDS[kernels.platform].backward(q, k, v, out, lse, kinds, d_out, d_lse, ctx, cfg, kernels)
     return dq, dk, dv, _attention.ctx_cotangents(ctx, dctx)
 
 
@@ -68,16 +80,18 @@ def prefix_lm_attention(
     softmax_aux=None,
     prefix_len=0,
     softmax_scale=None,
+    deterministic=None,
     platform="auto",
     return_lse=False,
     **unsupported,
 ):
     """Prefix-LM attention: every query sees the first prefix_len keys and, beyond them, the keys up to its own position.
 
-    Generated from specs/prefix_lm_attention.yaml; semantics of DESIGN §3. Keyword arguments:
+    Generated from specs/prefix_lm_attention.yaml; semantics of docs/DESIGN.md §3. Keyword arguments:
       softmax_aux=None
       prefix_len=0
       softmax_scale=None
+      deterministic=None
       platform="auto"
       return_lse=False"""
     _attention.reject_unsupported(SPEC, unsupported)
@@ -90,8 +104,9 @@ def prefix_lm_attention(
         softmax_aux=softmax_aux,
         softmax_scale=softmax_scale,
     )
+    kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     ctx["opt_prefix_len"] = _attention.check_option(SPEC, "prefix_len", prefix_len, "int")
-    out, lse = _core(q, k, v, ctx, cfg=call.cfg, backend=backend)
+    out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

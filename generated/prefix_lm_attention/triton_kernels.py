@@ -23,7 +23,7 @@ Runtime scalars live in two small arrays: F32 = [scale, softcap], I32 = [window_
 import triton
 import triton.language as tl
 
-from ejgen.runtime.triton_lib import LOG2E, _dot, _dot_acc, _load, _rows, _tanh, _tile, _to_blocks
+from ejgen.runtime.attention.triton.lib import LOG2E, _dot, _dot_acc, _load, _rows, _tanh, _tile, _to_blocks
 
 @triton.jit
 def _other_blocks(x0, x1, n_other, I32, BLOCK: tl.constexpr, n_blocks, q_len, kv_len,

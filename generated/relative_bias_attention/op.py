@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ejgen.runtime import attention as _attention
+from ejgen.runtime.attention import api as _attention
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -31,33 +31,45 @@ SPEC = _attention.SpecInfo(
     name="relative_bias_attention",
     path="specs/relative_bias_attention.yaml",
     features={"causal": 'runtime', "gqa": 'runtime'},
-    accepted=(
-        "rel_table",
-        "causal",
-        "bias_scale",
-        "softmax_scale",
-        "platform",
-        "return_lse",
-    ),
+    arguments={
+        "rel_table": "param",
+        "causal": "causal",
+        "bias_scale": "option",
+        "softmax_scale": "call",
+        "deterministic": "call",
+        "platform": "call",
+        "return_lse": "call",
+    },
+    absent={
+        "sliding_window": "sliding_window",
+        "logits_soft_cap": "logits_soft_cap",
+        "softmax_aux": "sinks",
+        "bias": "bias",
+        "mask_info": "segment_ids or attention_mask",
+        "cu_seqlens_q": "varlen",
+        "cu_seqlens_k": "varlen",
+        "max_seqlen_q": "varlen",
+        "max_seqlen_k": "varlen",
+    },
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnames=("cfg", "backend"))
-def _core(q, k, v, ctx, cfg, backend):
-    out, lse, _ = BACKENDS[backend].forward(q, k, v, ctx, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnames=("cfg", "kernels"))
+def _core(q, k, v, ctx, cfg, kernels):
+    out, lse, _ = BACKENDS[kernels.platform].forward(q, k, v, ctx, cfg, kernels)
     return out, lse
 
 
-def _core_fwd(q, k, v, ctx, cfg, backend):
-    out, lse, kinds = BACKENDS[backend].forward(q, k, v, ctx, cfg)
+def _core_fwd(q, k, v, ctx, cfg, kernels):
+    out, lse, kinds = BACKENDS[kernels.platform].forward(q, k, v, ctx, cfg, kernels)
     return (out, lse), (q, k, v, ctx, out, lse, kinds)
 
 
-def _core_bwd(cfg, backend, residuals, cotangents):
+def _core_bwd(cfg, kernels, residuals, cotangents):
     q, k, v, ctx, out, lse, kinds = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv, dctx = BACKENDS[backend].backward(q, k, v, out, lse, kinds, d_out, d_lse, ctx, cfg)
+    dq, dk, dv, dctx = BACKENDS[kernels.platform].backward(q, k, v, out, lse, kinds, d_out, d_lse, ctx, cfg, kernels)
     return dq, dk, dv, _attention.ctx_cotangents(ctx, dctx)
 
 
@@ -73,17 +85,19 @@ def relative_bias_attention(
     causal=False,
     bias_scale=1.0,
     softmax_scale=None,
+    deterministic=None,
     platform="auto",
     return_lse=False,
     **unsupported,
 ):
     """T5-style learnable relative-position bias, one table row per head, distances clamped to the table; the scale is a runtime option.
 
-    Generated from specs/relative_bias_attention.yaml; semantics of DESIGN §3. Keyword arguments:
+    Generated from specs/relative_bias_attention.yaml; semantics of docs/DESIGN.md §3. Keyword arguments:
       rel_table
       causal=False
       bias_scale=1.0
       softmax_scale=None
+      deterministic=None
       platform="auto"
       return_lse=False"""
     _attention.reject_unsupported(SPEC, unsupported)
@@ -96,9 +110,10 @@ def relative_bias_attention(
         causal=causal,
         softmax_scale=softmax_scale,
     )
+    kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     ctx["param_rel_table"] = _attention.check_param(SPEC, "rel_table", rel_table, ('heads', 33), jnp.float32, call.dims)
     ctx["opt_bias_scale"] = _attention.check_option(SPEC, "bias_scale", bias_scale, "float")
-    out, lse = _core(q, k, v, ctx, cfg=call.cfg, backend=backend)
+    out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

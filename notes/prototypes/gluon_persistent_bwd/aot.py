@@ -1,5 +1,5 @@
 """Ahead-of-time compile check (no GPU) of the persistent Gluon backward (kernel.py), and of the per-program original
-(ejgen.runtime.gluon_kernels.gluon_attention_bwd_kernel) for comparison, for sm_90a.
+(ejgen.runtime.attention.gluon.kernels.gluon_attention_bwd_kernel) for comparison, for sm_90a.
 
     <python> aot.py [--kernels persistent,persistent_dyn,persistent_epi,persistent_dyn_epi,persistent_k1v1,original] [--dtypes bf16,f16] [--d 128,64]
                     [--masks 0,1,2] [--shapes aot|gpu] [--dump DIR]
@@ -93,7 +93,8 @@ def compile_one(which, dtype, D, mask, shape=AOT_SHAPE):
         if which == "persistent_k1v1":  # one K and one V buffer (run_gpu.py times it too)
             consts.update(K_STAGES=1, V_STAGES=1)
     else:
-        from ejgen.runtime import gluon_attention, gluon_kernels
+        from ejgen.runtime.attention.gluon import host as gluon_attention
+        from ejgen.runtime.attention.gluon import kernels as gluon_kernels
         fn = gluon_kernels.gluon_attention_bwd_kernel
         consts = gluon_attention.bwd_constexprs(B, HQ, HKV, SEQ, D, causal, window)
     assert consts["MASK"] == mask

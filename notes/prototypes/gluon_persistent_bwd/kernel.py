@@ -1,9 +1,9 @@
 """Host helpers of the persistent backward for this folder's harness (run_gpu.py) and compile check (aot.py): the
-kernel itself is integrated, ejgen.runtime.gluon_kernels.gluon_attention_bwd_persistent_kernel (ejgen takes it for
+kernel itself is integrated, ejgen.runtime.attention.gluon.kernels.gluon_attention_bwd_persistent_kernel (ejgen takes it for
 causal sliding windows, DYNAMIC=1, HEAD_GROUP=1); these helpers expose its other options (static scheduling,
 HEAD_GROUP, EPI_TMA) for timing.
 
-Persistent variant of ejgen.runtime.gluon_kernels.gluon_attention_bwd_kernel (Hopper, sm_90a). The grid is
+Persistent variant of ejgen.runtime.attention.gluon.kernels.gluon_attention_bwd_kernel (Hopper, sm_90a). The grid is
 (`grid`: min(#SMs, #tiles),); a tile is (key block n of BLOCK_N keys, batch * kv head), and program pid walks the
 tiles t = pid, pid + nprog, ... The signature is the original's plus four constexprs (HEAD_GROUP, K_STAGES, V_STAGES,
 EPI_TMA); the semantics are the same: MASK 0 / 1 / 2 (2: causal with a window of I32[0] keys to the left), DQ_MODE
@@ -34,7 +34,7 @@ heads fast. The key blocks of one kv head that run together share their query he
 """
 
 # the repository root is on sys.path (aot.py, run_gpu.py)
-from ejgen.runtime import gluon_attention
+from ejgen.runtime.attention.gluon import host as gluon_attention
 
 L2_QDO_BUDGET = 16 << 20  # bytes of Q and dO per head section (H100 / H200 L2: 50 MB)
 
@@ -62,7 +62,7 @@ def grid(batch: int, hkv: int, seq: int, num_sms: int) -> tuple:
 
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool, *,
                head_group_: int | None = None, epi_tma: bool = False, dynamic: bool = False, item: int = 2) -> dict:
-    """ejgen.runtime.gluon_attention.bwd_constexprs, plus HEAD_GROUP (`head_group`'s choice unless head_group_ is
+    """ejgen.runtime.attention.gluon.host.bwd_constexprs, plus HEAD_GROUP (`head_group`'s choice unless head_group_ is
     given), K_STAGES, V_STAGES (`kv_stages`), EPI_TMA and DYNAMIC (the tile scheduler: 0 static round-robin, 1 a
     global atomic tile counter; the launch then passes a zeroed int32 TILE_CTR)."""
     base = gluon_attention.bwd_constexprs(batch, hq, hkv, seq, d, causal, window)
@@ -73,4 +73,4 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
 
 # --- device side: the integrated kernel -------------------------------------------------------------------------
 
-from ejgen.runtime.gluon_kernels import gluon_attention_bwd_persistent_kernel as gluon_persistent_bwd_kernel  # noqa
+from ejgen.runtime.attention.gluon.kernels import gluon_attention_bwd_persistent_kernel as gluon_persistent_bwd_kernel  # noqa

@@ -10,7 +10,7 @@ with other work. A subprocess that does not finish before the deadline is killed
 the case it was running (an mbarrier deadlock shows up this way instead of hanging the harness).
 
 Correctness (float32 torch reference; lse and delta = rowsum(dO * O) from the reference forward): dQ, dK, dV of
-  * the ORIGINAL per-program kernel (ejgen.runtime.gluon_kernels.gluon_attention_bwd_kernel, grid
+  * the ORIGINAL per-program kernel (ejgen.runtime.attention.gluon.kernels.gluon_attention_bwd_kernel, grid
     (cdiv(S, 128), B * Hkv)): the control;
   * the persistent kernel (HEAD_GROUP automatic), its EPI_TMA form and its dynamic-scheduler form (DYNAMIC=1,
     "persistent_dyn"), each with grid = #SMs and with grid = 7
@@ -110,7 +110,8 @@ def kernel_call(torch, which, q, k, v, do, lse, delta, mask, programs=None, head
     int32 tile counter (DYNAMIC), to be zeroed before each launch as dq. overrides: constexprs of the persistent
     kernel to replace (e.g. K_STAGES)."""
     import kernel as pk
-    from ejgen.runtime import gluon_attention, gluon_kernels
+    from ejgen.runtime.attention.gluon import host as gluon_attention
+    from ejgen.runtime.attention.gluon import kernels as gluon_kernels
 
     B, S, H, D = q.shape
     Hkv = k.shape[2]

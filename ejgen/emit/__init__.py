@@ -1,0 +1,1 @@
+"""Emitters: expression printers and, per family, the template contexts of each backend."""

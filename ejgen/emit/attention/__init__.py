@@ -1,0 +1,1 @@
+"""What the attention templates are filled with, one module per backend (docs/DESIGN.md §5)."""

@@ -1,0 +1,195 @@
+"""Triton backend: prints the plan's expressions as `triton.language` and fills the templates.
+
+Names inside the kernels: ``s`` the logit tile, ``q_idx [BLOCK_M, 1]`` and ``kv_idx [1, BLOCK_N]``
+positions, ``off_b``/``off_h`` the program's batch (sequence) and query head, ``q_len``/``kv_len``
+the sequence lengths, options ``opt_<name>`` loaded from the F32/I32 scalar arrays, params read
+from ``PARAM_<name>`` with row-major offsets.
+"""
+
+from __future__ import annotations
+
+from ejgen.emit.printer import Printer
+from ejgen.emit.attention.common import MAX_POSITIONAL_DIM, positional, positional_read_fits, range_constraints, scalar_layout
+from ejgen.errors import SpecError
+from ejgen.ir.expr import Binary, Const, Expr, ParamRef, Var, to_text, walk
+from ejgen.plan.attention import AttentionPlan
+
+DIM_CONSTEXPR = {"batch": "B", "heads": "HQ", "kv_heads": "HKV", "q_len": "SEQ_Q", "kv_len": "SEQ_K", "head_dim": "D"}
+NAMES = {"s": "s", "q_idx": "q_idx", "kv_idx": "kv_idx", "b": "off_b", "h": "off_h", "q_len": "q_len", "kv_len": "kv_len",
+         "window_left": "window_left", "window_right": "window_right"}
+
+
+class TlPrinter(Printer):
+    functions = {
+        "exp": "tl.exp",
+        "log": "tl.log",
+        "tanh": "_tanh",
+        "sigmoid": "tl.sigmoid",
+        "abs": "tl.abs",
+        "sqrt": "tl.sqrt",
+        "min": "tl.minimum",
+        "max": "tl.maximum",
+        "where": "tl.where",
+    }
+
+    def __init__(self, names, params):
+        super().__init__(names)
+        self.params = params
+
+    def binary(self, e: Binary):
+        if e.op in ("and", "or"):
+            op = "&" if e.op == "and" else "|"
+            return f"(({self(e.a)}) {op} ({self(e.b)}))", 9
+        return super().binary(e)
+
+    def expr(self, e: Expr):
+        if getattr(e, "op", None) == "not":
+            return f"(({self(e.x)}) == 0)", 9
+        return super().expr(e)
+
+    def power(self, e: Binary) -> str:
+        b = e.b
+        if isinstance(b, Const) and not isinstance(b.value, bool) and float(b.value).is_integer() and 0 <= b.value <= 4:
+            n = int(b.value)
+            if n == 0:
+                return "1.0"
+            base = f"({self(e.a)})"
+            return " * ".join([base] * n)
+        return f"tl.exp(({self(b)}) * tl.log({self(e.a)}))"
+
+    def clamped(self, dim, idx: Expr) -> str:
+        top = str(dim - 1) if isinstance(dim, int) else f"{DIM_CONSTEXPR[dim]} - 1"
+        return f"tl.minimum(tl.maximum({self(idx)}, 0), {top})"
+
+    def strides(self, shape) -> list[str]:
+        out = []
+        for i in range(len(shape)):
+            rest = [str(d) if isinstance(d, int) else DIM_CONSTEXPR[d] for d in shape[i + 1:]]
+            out.append(" * ".join(rest) if rest else "1")
+        return out
+
+    def flat(self, ref: ParamRef, skip=()) -> str:
+        shape = self.params[ref.name].shape
+        terms = []
+        for i, (dim, idx, stride) in enumerate(zip(shape, ref.indices, self.strides(shape))):
+            if i in skip:
+                continue
+            term = self.clamped(dim, idx)
+            terms.append(term if stride == "1" else f"{term} * ({stride})")
+        return " + ".join(terms) if terms else "0"
+
+    def param(self, e: ParamRef) -> str:
+        return f"tl.load(PARAM_{e.name} + {self.flat(e)})"
+
+
+def _names(variant) -> dict[str, str]:
+    names = dict(NAMES)
+    names.update({o.name: f"opt_{o.name}" for o in variant.options})
+    return names
+
+
+def _bindings(exprs, variant) -> list[str]:
+    f32, i32 = scalar_layout(variant)
+    used = set()
+    for e in exprs:
+        for n in walk(e):
+            if isinstance(n, Var) and n.kind == "option":
+                used.add(f"opt_{n.name}")
+            if isinstance(n, Var) and n.name in ("window_left", "window_right"):
+                used.add(n.name)
+    lines = []
+    for name in sorted(used):
+        if name in f32:
+            lines.append(f"{name} = tl.load(F32 + {f32.index(name)})")
+        else:
+            option = variant.option(name[len("opt_"):]) if name.startswith("opt_") else None
+            cast = " != 0" if option is not None and option.type == "bool" else ""
+            lines.append(f"{name} = tl.load(I32 + {i32.index(name)}){cast}")
+    return lines
+
+
+def _param_grad(plan, g, index, printer) -> dict:
+    variant = plan.variant
+    param = variant.param(g.ref.name)
+    shape = param.shape
+    pos_axes = [i for i, idx in enumerate(g.ref.indices) if positional(idx)]
+    numel = " * ".join(str(d) if isinstance(d, int) else DIM_CONSTEXPR[d] for d in shape)
+    info = {
+        "param": param.name,
+        "hook": f"_dscore_d{index}",
+        "text": f"d score / d {to_text(g.ref)} = {to_text(g.deriv)}",
+        "numel": f"({numel})",
+        "bindings": _bindings(list(g.ref.indices), variant),
+        "positional": bool(pos_axes),
+    }
+    if not positional_read_fits(plan, g.ref):
+        raise SpecError(
+            f"the triton backend cannot reduce the gradient of {to_text(g.ref)} deterministically: a param "
+            f"indexed by positions needs exactly one such index, over an integer dim of at most "
+            f"{MAX_POSITIONAL_DIM}; list `backends: [xla]` for this spec",
+            param.loc,
+        )
+    if pos_axes:
+        axis = pos_axes[0]
+        info["pos_code"] = printer.clamped(shape[axis], g.ref.indices[axis])
+        info["pos_size"] = shape[axis]
+        info["pos_stride"] = f"({printer.strides(shape)[axis]})"
+        info["flat_code"] = f"({printer.flat(g.ref, skip=(axis,))})"
+    else:
+        info["flat_code"] = f"({printer.flat(g.ref)})"
+    return info
+
+
+def template_context(plan: AttentionPlan) -> dict:
+    variant = plan.variant
+    params = {p.name: p for p in variant.params}
+    printer = TlPrinter(_names(variant), params)
+    f32, i32 = scalar_layout(variant)
+    param_ptrs = "".join(f"PARAM_{p.name}, " for p in variant.params)
+    dparam_ptrs = "".join(f"DPARAM_{p.name}, " for p in plan.grad_params)
+    dims = ["B", "HQ", "HKV", "SEQ_Q", "SEQ_K", "D", "DV", "D_PAD", "DV_PAD", "BLOCK_M", "BLOCK_N"]
+    flags = ["CAUSAL", "WINDOW", "SOFTCAP", "SINKS", "N_SINKS", "SINKS_PAD", "BIAS_ON", "BIAS_BATCH", "BIAS_HEADS",
+             "SEGMENTS", "DENSE", "MASK_HEADS", "VARLEN", "RUNTIME_MASK", "STAGED", "PLAIN", "PRECISION", "UPCAST",
+             "TMA", "WS", "ATOMIC_DQ", "BAND", "BAND_BLOCKS", "BAND_TMA", "DQ_DELTA"]
+    builtin, spec_ranges = range_constraints(
+        plan, printer, printer, flag=str.upper)
+    for c in builtin:
+        c["bindings"] = _bindings([c["expr"]], variant)
+    ranges = builtin + spec_ranges
+    grad_hooks = [{"fn": "_dscore_ds", "text": f"d score / d s = {to_text(plan.dscore_ds)}",
+                   "code": printer(plan.dscore_ds), "bindings": _bindings([plan.dscore_ds], variant)}]
+    for i, g in enumerate(plan.param_grads):
+        grad_hooks.append({"fn": f"_dscore_d{i}", "text": f"d score / d {to_text(g.ref)} = {to_text(g.deriv)}",
+                           "code": printer(g.deriv), "bindings": _bindings([g.deriv], variant)})
+    spec_mask = plan.spec_mask
+    return {
+        "f32_layout": ", ".join(f32),
+        "i32_layout": ", ".join(i32),
+        "param_ptrs": param_ptrs,
+        "dparam_ptrs": dparam_ptrs,
+        "dims_params": ", ".join(f"{d}: tl.constexpr" for d in dims),
+        "dims_args": ", ".join(dims),
+        "flag_params": ", ".join(f"{f}: tl.constexpr" for f in flags),
+        "flag_args": ", ".join(flags),
+        "score_is_identity": plan.score_is_identity,
+        "score_code": printer(plan.score),
+        "score_bindings": _bindings([plan.score], variant),
+        "grad_hooks": grad_hooks if not plan.score_is_identity else [],
+        "param_grads": [_param_grad(plan, g, i, printer) for i, g in enumerate(plan.param_grads)],
+        "builtin_constraints": builtin,
+        "range_constraints": ranges,
+        "range_bindings": _bindings([c_expr for c_expr in [c.affine.c for c in plan.builtin_constraints]
+                                     + [c.c for c in plan.mask.constraints]], variant),
+        "spec_mask_code": None if spec_mask is None else printer(spec_mask),
+        "mask_bindings": [] if spec_mask is None else _bindings([spec_mask], variant),
+        "runtime_mask_from_spec": plan.mask.needs_block_mask,
+        "builtin_mask_only": repr(spec_mask is None),
+        "score_is_identity_py": repr(plan.score_is_identity),
+        "gathers_by_position": repr(any(
+            isinstance(n, ParamRef) and any(positional(i) for i in n.indices)
+            for e in [plan.score, plan.variant.mask] for n in walk(e))),
+        "f32_options": [n for n in f32[2:]],
+        "i32_options": [n for n in i32[2:]],
+        "params": [{"name": p.name, "dtype": p.dtype} for p in variant.params],
+        "grad_params": [p.name for p in plan.grad_params],
+    }

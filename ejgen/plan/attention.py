@@ -1,0 +1,173 @@
+"""The attention plan: everything a backend needs to emit one variant, decided once.
+
+``plan_attention(variant)`` runs the passes (type check, derivatives, mask analysis, feature
+resolution) and returns an ``AttentionPlan``: the op's keyword arguments, the score and its
+derivatives, the mask's block ranges. Emitters only print what the plan says.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ejgen.errors import SpecError
+from ejgen.ir.expr import Binary, Const, Expr, ParamRef, Type, Var, walk
+from ejgen.ir.passes.derivative import ONE, add, diff, param_occurrences, simplify, sub
+from ejgen.ir.passes.mask import Affine, MaskAnalysis, analyse
+from ejgen.ir.variant import CALL_ARGUMENTS, FEATURE_ARGUMENTS, Variant
+
+S = Var("s", kind="builtin", ty=Type.FLOAT)
+
+
+@attrs.frozen
+class ParamGrad:
+    """The derivative of the score with respect to one occurrence of a param."""
+
+    ref: ParamRef
+    deriv: Expr
+
+
+@attrs.frozen
+class Guard:
+    """When a built-in constraint is active: every flag of ``on`` set and none of ``off``. Flags are
+    the call's static configuration (``causal``, ``window``); each backend prints the condition."""
+
+    on: tuple = ()
+    off: tuple = ()
+
+    def text(self, flag=lambda name: name) -> str:
+        """The condition as Python source, each flag printed by ``flag``."""
+        terms = [flag(n) for n in self.on] + [f"not {flag(n)}" for n in self.off]
+        return " and ".join(terms) or "True"
+
+
+@attrs.frozen
+class BuiltinConstraint:
+    """An affine constraint of a built-in feature, active when ``guard`` holds."""
+
+    feature: str  # the spec feature that brings it: causal | sliding_window
+    guard: Guard
+    affine: Affine
+
+
+@attrs.frozen
+class Argument:
+    """A keyword argument of the generated op. ``default`` is its default's Python source (None:
+    required); ``passed`` is what the op hands the runtime under ``name`` (the argument itself, or a
+    value the spec compiles in), None when the runtime never sees it; ``feature`` the spec feature
+    (or param, option) that brings it."""
+
+    name: str
+    default: str | None
+    passed: str | None
+    feature: str
+    in_signature: bool = True
+
+
+@attrs.frozen
+class AttentionPlan:
+    variant: Variant
+    features: dict  # name -> Feature, only the features the spec enables
+    score: Expr
+    score_is_identity: bool
+    dscore_ds: Expr
+    param_grads: tuple  # of ParamGrad
+    mask: MaskAnalysis  # of the spec's own mask
+    builtin_constraints: tuple  # of BuiltinConstraint (causal, sliding window)
+    arguments: tuple  # of Argument: the op's keyword arguments, in signature order
+
+    @property
+    def name(self) -> str:
+        return self.variant.name
+
+    def has(self, feature: str) -> bool:
+        return feature in self.features
+
+    def mode(self, feature: str) -> str | None:
+        f = self.features.get(feature)
+        return None if f is None else f.mode
+
+    @property
+    def grad_params(self) -> tuple:
+        return tuple(p for p in self.variant.params if p.grad)
+
+    @property
+    def spec_mask(self) -> Expr | None:
+        m = self.variant.mask
+        return None if isinstance(m, Const) and m.value is True else m
+
+    def names_used(self) -> set[str]:
+        """Built-in DSL names used by score, mask or derivatives."""
+        exprs = [self.score, self.dscore_ds, self.variant.mask] + [g.deriv for g in self.param_grads]
+        exprs += [g.ref for g in self.param_grads]
+        return {n.name for e in exprs for n in walk(e) if isinstance(n, Var) and n.kind == "builtin"}
+
+
+def _builtin_constraints() -> tuple:
+    """Causal and sliding window as affine constraints; ``off = kv_len - q_len`` aligns bottom-right.
+
+    causal:        q_idx - kv_idx + off >= 0
+    window left:   kv_idx - q_idx - off + window_left >= 0
+    window right:  q_idx - kv_idx + off + window_right >= 0   (replaced by causal when causal)
+    """
+    q_len, kv_len = Var("q_len", kind="builtin", ty=Type.INT), Var("kv_len", kind="builtin", ty=Type.INT)
+    off = sub(kv_len, q_len)
+    left = Var("window_left", kind="builtin", ty=Type.INT)
+    right = Var("window_right", kind="builtin", ty=Type.INT)
+    return (
+        BuiltinConstraint("causal", Guard(("causal",)), Affine(1, -1, off, "causal")),
+        BuiltinConstraint("sliding_window", Guard(("window",)), Affine(-1, 1, sub(left, off), "sliding_window left")),
+        BuiltinConstraint(
+            "sliding_window", Guard(("window",), ("causal",)), Affine(1, -1, add(off, right), "sliding_window right")
+        ),
+    )
+
+
+def _arguments(variant: Variant) -> tuple:
+    """The op's keyword arguments (docs/DESIGN.md §3, calling convention): params, the built-in
+    features the spec enables (ir.variant.FEATURE_ARGUMENTS), options, then the per-call ones."""
+    args = [Argument(p.name, None, None, "param") for p in variant.params]
+    for features, names in FEATURE_ARGUMENTS:
+        found = [variant.feature(f) for f in ((features,) if isinstance(features, str) else features)]
+        found = [f for f in found if f is not None]
+        if not found:
+            continue
+        feature = " or ".join(f.name for f in found)
+        if any(f.mode == "value" for f in found):  # compiled in: no argument, the value is passed on
+            (name,) = names
+            args.append(Argument(name, None, repr(found[0].value), feature, in_signature=False))
+        elif features == "causal" and found[0].mode == "always":
+            args.append(Argument("causal", None, "True", feature, in_signature=False))
+        elif features == "causal":
+            args += [Argument(n, "False", n, feature) for n in names]
+        else:
+            required = any(f.mode == "always" for f in found)
+            args += [Argument(n, None if required else "None", n, feature) for n in names]
+    args += [Argument(o.name, repr(o.default), None, "option") for o in variant.options]
+    defaults = {"softmax_scale": "None", "deterministic": "None", "platform": '"auto"', "return_lse": "False"}
+    args += [Argument(n, defaults[n], n if n == "softmax_scale" else None, "call") for n in CALL_ARGUMENTS]
+    return tuple(args)
+
+
+def plan_attention(variant: Variant) -> AttentionPlan:
+    """The plan of a loaded, type-checked variant (``ejgen.spec.load_spec`` checks types once)."""
+    if tuple(variant.modes) != ("train",):
+        extra = [m for m in variant.modes if m != "train"]
+        raise SpecError(f"mode(s) {', '.join(extra)} cannot be built yet: only 'train' has kernels", variant.loc)
+    score = variant.score
+    if score.ty is Type.INT:
+        score = Binary("*", ONE, score, ty=Type.FLOAT)
+    grad_params = {p.name for p in variant.params if p.grad}
+    param_grads = tuple(
+        ParamGrad(ref, simplify(diff(score, ref))) for ref in param_occurrences(score, grad_params)
+    )
+    return AttentionPlan(
+        variant=variant,
+        features={f.name: f for f in variant.features},
+        score=score,
+        score_is_identity=score == S,
+        dscore_ds=simplify(diff(score, S)),
+        param_grads=param_grads,
+        mask=analyse(variant.mask),
+        builtin_constraints=tuple(c for c in _builtin_constraints() if c.feature in variant.feature_names()),
+        arguments=_arguments(variant),
+    )

@@ -1,0 +1,452 @@
+"""What every generated attention op does before and after its kernels: check the arguments,
+bring them to the kernel layout, pad to whole blocks, and undo all of it on the way out.
+
+Kernel layout: q [B, Hkv, G, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] with G = Hq // Hkv;
+varlen packs all sequences into batch 1. ``ctx`` carries every other tensor the kernels read.
+Everything here is plain jnp outside the ``custom_vjp``, so autodiff transposes it for free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejgen.runtime.attention.config import AttentionConfig
+from ejgen.runtime.core import kernels, settings
+from ejgen.types import MaskInfo
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecInfo:
+    """What a generated op knows of its spec, for messages and argument checks."""
+
+    name: str
+    path: str
+    features: dict  # feature name -> "runtime" | "always" | ("value", value)
+    arguments: dict  # keyword argument of the op -> the feature (or "param", "option", "call") that brings it
+    absent: dict = dataclasses.field(default_factory=dict)  # built-in argument the op does not take -> its feature
+
+    @property
+    def accepted(self) -> tuple:
+        return tuple(self.arguments)
+
+
+def reject_unsupported(spec: SpecInfo, unsupported: dict) -> None:
+    if not unsupported:
+        return
+    name = sorted(unsupported)[0]
+    if name in spec.absent:
+        feature = spec.absent[name]
+        setting = spec.features.get(feature.split(" ")[0])
+        why = (f"the spec compiles feature '{feature}' in ({_setting_text(setting)})" if setting
+               else f"the spec does not enable feature '{feature}'")
+    else:
+        why = "it is not a feature, param or option of the spec"
+    raise TypeError(f"{spec.name}() got an unsupported argument '{name}': {why} ({spec.path}). "
+                    f"Accepted keyword arguments: {', '.join(spec.accepted)}")
+
+
+def _setting_text(setting) -> str:
+    if isinstance(setting, tuple):
+        return f"{setting[0]} {setting[1]}"
+    return str(setting)
+
+
+_AUTO_ORDER = {"gpu": ("triton", "pallas", "xla"), "tpu": ("pallas", "xla")}
+PLATFORMS = ("auto", "triton", "pallas", "xla")
+
+
+def _available(backends: dict, name: str) -> tuple[bool, str]:
+    here = kernels.target()
+    if here.simulated:  # explain(target=...): what that machine would have
+        if name == "triton" and here.platform != "gpu":
+            return False, "no NVIDIA GPU (the CPU runs it only in Triton's interpreter, TRITON_INTERPRET=1)"
+        return True, ""
+    return backends[name].available()
+
+
+def choose_platform(spec: SpecInfo, platform: str, backends: dict) -> str:
+    """The backend to run: ``platform`` when available, else why not; ``auto`` picks by device."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"{spec.name}(): platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
+    if platform == "auto":
+        order = _AUTO_ORDER.get(kernels.target().platform, ("xla", "pallas", "triton"))
+        reasons = []
+        for name in (b for b in order if b in backends):
+            ok, why = _available(backends, name)
+            if ok:
+                return name
+            reasons.append(f"{name}: {why}")
+        raise RuntimeError(f"{spec.name}(): no generated backend can run here ({'; '.join(reasons)})")
+    if platform not in backends:
+        raise ValueError(f"{spec.name}(): platform '{platform}' was not generated for this spec "
+                         f"(backends: {', '.join(backends)}; see {spec.path})")
+    ok, why = _available(backends, platform)
+    if not ok:
+        raise RuntimeError(f"{spec.name}(): platform '{platform}' is not available here: {why}")
+    return platform
+
+
+def choose_kernels(spec: SpecInfo, backends: dict, platform: str, backend: str, call: "Prepared",
+                   deterministic: bool | None) -> kernels.KernelChoice:
+    """The kernel sets of a call on ``backend`` (its module's ``choose``), with the reasons; recorded
+    (debug log, `explain`) and handed to the kernels as a static argument."""
+    det = settings.deterministic(deterministic)
+    here = kernels.target()
+    if platform == "auto":
+        order = [b for b in _AUTO_ORDER.get(here.platform, ("xla", "pallas", "triton")) if b in backends]
+        why = f"platform {backend}: auto on {here.arch or here.platform} (order {', '.join(order)})"
+    else:
+        why = f"platform {backend}: asked for"
+    forward, backward, reasons = backends[backend].choose(call, det)
+    if det:
+        reasons += ("deterministic: by the call's argument" if deterministic is not None
+                    else "deterministic: by the setting (EJGEN_DETERMINISTIC or settings(deterministic=True))",)
+    choice = kernels.KernelChoice(backend, forward, backward, det, (why,) + tuple(reasons))
+    return kernels.record(choice, spec.name)
+
+
+def _shape(x) -> str:
+    return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+
+def _check_float(spec, name, x):
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{spec.name}(): {name} must be float32, bfloat16 or float16, got {_shape(x)}")
+
+
+HEADS_MAJOR = "heads_major"  # q [B, Hkv, G, Sq, D], k/v [B, Hkv, Sk, D], out [B, Hkv, G, Sq, Dv]
+SEQ_MAJOR = "seq_major"  # q [B, Sq, Hkv, G, D], k/v [B, Sk, Hkv, D], out [B, Sq, Hkv, G, Dv]: the caller's own
+# layout, so that no transpose is paid before or after the kernels. lse is [B, Hkv, G, Sq] in both.
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Checked inputs in the caller's layout, how to lay them out for a backend, and how to bring
+    the outputs back."""
+
+    cfg: AttentionConfig
+    q: jax.Array  # [B, Sq, Hkv, G, D]
+    k: jax.Array  # [B, Sk, Hkv, D]
+    v: jax.Array  # [B, Sk, Hkv, Dv]
+    ctx: dict
+    dims: dict  # batch, heads, kv_heads, q_len, kv_len, head_dim
+    varlen: bool
+
+    def padded(self, block_q: int, block_k: int, layout: str):
+        """(q, k, v, ctx) in the backend's layout, padded so that Sq and Sk are whole blocks."""
+        if layout == SEQ_MAJOR:
+            q, k, v, q_axis, kv_axis = self.q, self.k, self.v, 1, 1
+        elif layout == HEADS_MAJOR:
+            q, k, v = self.q.transpose(0, 2, 3, 1, 4), self.k.transpose(0, 2, 1, 3), self.v.transpose(0, 2, 1, 3)
+            q_axis, kv_axis = 3, 2
+        else:
+            raise ValueError(f"unknown kernel layout {layout!r}")
+        sq, sk = self.q.shape[1], self.k.shape[1]
+        pq, pk = -sq % block_q, -sk % block_k
+        pad = lambda x, axis, n, value: x if n == 0 else jnp.pad(
+            x, [(0, n) if a == axis % x.ndim else (0, 0) for a in range(x.ndim)], constant_values=value)
+        q = pad(q, q_axis, pq, 0)
+        k, v = pad(k, kv_axis, pk, 0), pad(v, kv_axis, pk, 0)
+        ctx = dict(self.ctx)
+        for key, axes in _PADDED.items():
+            if key in ctx:
+                x = ctx[key]
+                for axis, which, value in axes:
+                    x = pad(x, axis, pq if which == "q" else pk, value)
+                ctx[key] = x
+        return q, k, v, ctx
+
+    def finish(self, out, lse, return_lse: bool, layout: str):
+        """Back to the caller's layout: out [B, Sq, Hq, Dv] (varlen [Tq, Hq, Dv]), lse [B, Hq, Sq]."""
+        sq = self.cfg.seq_q
+        if layout == SEQ_MAJOR:
+            b, _, hkv, g, dv = out.shape
+            out = out[:, :sq].reshape(b, sq, hkv * g, dv)
+        else:
+            b, hkv, g, _, dv = out.shape
+            out = out[:, :, :, :sq].reshape(b, hkv * g, sq, dv).transpose(0, 2, 1, 3)
+        lse = lse[:, :, :, :sq].reshape(b, hkv * g, sq)
+        if self.varlen:
+            out, lse = out[0], lse[0]
+        return (out, lse) if return_lse else out
+
+
+# ctx entries with sequence axes: (axis, "q" | "k", pad value)
+_PADDED = {
+    "q_pos": ((1, "q", 0),),
+    "kv_pos": ((1, "k", 0),),
+    "q_seg": ((1, "q", -1),),
+    "kv_seg": ((1, "k", -1),),
+    "q_lens": ((1, "q", 0),),
+    "kv_lens": ((1, "q", 0),),
+    "bias": ((3, "q", 0), (4, "k", 0)),
+    "mask": ((3, "q", False), (4, "k", False)),
+}
+
+
+def prepare(spec: SpecInfo, query, key, value, *, causal=False, sliding_window=None, logits_soft_cap=None,
+            softmax_aux=None, bias=None, mask_info=None, cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None) -> Prepared:
+    """Check the built-in arguments (only those the spec accepts reach here) and lay them out."""
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _check_float(spec, name, x)
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(f"{spec.name}(): query, key and value must share a dtype, got "
+                         f"{_shape(query)}, {_shape(key)}, {_shape(value)}")
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    rank = 3 if varlen else 4
+    layout = "[tokens, heads, head_dim]" if varlen else "[batch, seq, heads, head_dim]"
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim != rank:
+            extra = " (varlen: cu_seqlens given)" if varlen else ""
+            raise ValueError(f"{spec.name}(): {name} must be {layout}{extra}, got {_shape(x)}")
+    if varlen:
+        query, key, value = query[None], key[None], value[None]
+    batch, sq, hq, d = query.shape
+    _, sk, hkv, _ = key.shape
+    if key.shape[0] != batch or value.shape[0] != batch:
+        raise ValueError(f"{spec.name}(): query, key and value must share the batch size, got "
+                         f"{_shape(query)}, {_shape(key)}, {_shape(value)}")
+    if key.shape[-1] != d:
+        raise ValueError(f"{spec.name}(): key head_dim {key.shape[-1]} differs from query head_dim {d}")
+    if value.shape[1] != sk or value.shape[2] != hkv:
+        raise ValueError(f"{spec.name}(): value {_shape(value)} must match key {_shape(key)} "
+                         f"in sequence length and heads")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{spec.name}(): query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if hkv != hq and "gqa" not in spec.features:
+        raise ValueError(f"{spec.name}(): key/value heads ({hkv}) differ from query heads ({hq}), but the "
+                         f"spec does not enable feature 'gqa' ({spec.path})")
+    groups = hq // hkv
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    ctx = {
+        "scale": jnp.asarray(scale, jnp.float32),
+        "q_pos": jnp.arange(sq, dtype=jnp.int32)[None],
+        "kv_pos": jnp.arange(sk, dtype=jnp.int32)[None],
+    }
+    flags = {}
+    if varlen:
+        flags.update(varlen=True, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        ctx.update(_varlen(spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sq, sk))
+    flags["causal"] = _check_bool(spec, "causal", causal)
+    if sliding_window is not None:
+        left, right = _window(spec, sliding_window)
+        flags["window"] = True
+        flags["window_span"] = left + right
+        left, right = jnp.int32(left), jnp.int32(right)
+        ctx["window_left"], ctx["window_right"] = left, right
+    if logits_soft_cap is not None:
+        flags["softcap"] = True
+        ctx["softcap"] = _positive_scalar(spec, "logits_soft_cap", logits_soft_cap)
+    if softmax_aux is not None:
+        flags["sinks"] = True
+        ctx["softmax_aux"] = _sinks(spec, softmax_aux, hq, hkv, groups)
+    if bias is not None:
+        flags["bias"] = True
+        ctx["bias"] = _bias(spec, bias, batch, hq, hkv, groups, sq, sk, varlen)
+    if mask_info is not None:
+        if not isinstance(mask_info, MaskInfo):
+            raise ValueError(f"{spec.name}(): mask_info must be an ejgen.types.MaskInfo, got {type(mask_info).__name__}")
+        if varlen:
+            raise ValueError(f"{spec.name}(): mask_info cannot be combined with cu_seqlens (varlen already "
+                             f"separates sequences)")
+        if mask_info.has_segments:
+            _require(spec, "segment_ids", "mask_info with segment ids")
+            flags["segments"] = True
+            ctx["q_seg"], ctx["kv_seg"] = _segments(spec, mask_info, batch, sq, sk)
+        if mask_info.has_mask:
+            _require(spec, "attention_mask", "mask_info with a dense attention_mask")
+            flags["dense_mask"] = True
+            ctx["mask"] = _dense_mask(spec, mask_info.attention_mask, batch, hq, hkv, groups, sq, sk)
+    q = query.reshape(batch, sq, hkv, groups, d)
+    k, v = key, value
+    dims = {"batch": batch, "heads": hq, "kv_heads": hkv, "q_len": sq, "kv_len": sk, "head_dim": d}
+    cfg = AttentionConfig(seq_q=sq, seq_k=sk, **flags)
+    return Prepared(cfg, q, k, v, ctx, dims, varlen)
+
+
+def _require(spec, feature, what):
+    if feature not in spec.features:
+        raise TypeError(f"{spec.name}() got {what}, but the spec does not enable feature '{feature}' ({spec.path})")
+
+
+def _check_bool(spec, name, x) -> bool:
+    if not isinstance(x, bool):
+        raise ValueError(f"{spec.name}(): {name} must be a Python bool, got {x!r}")
+    return x
+
+
+def _window(spec, window):
+    pair = (window, window) if isinstance(window, int) and not isinstance(window, bool) else window
+    if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in pair)):
+        raise ValueError(f"{spec.name}(): sliding_window must be a non-negative int or a (left, right) "
+                         f"pair of them, got {window!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _positive_scalar(spec, name, x):
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        if x <= 0:
+            raise ValueError(f"{spec.name}(): {name} must be positive, got {x!r}")
+        return jnp.float32(x)
+    x = jnp.asarray(x)
+    if x.ndim != 0 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{spec.name}(): {name} must be a positive float scalar, got {_shape(x)}")
+    return x.astype(jnp.float32)
+
+
+def _sinks(spec, aux, hq, hkv, groups):
+    aux = jnp.asarray(aux)
+    ok = jnp.issubdtype(aux.dtype, jnp.floating) and (
+        (aux.ndim == 1) or (aux.ndim == 2 and aux.shape[0] == hq))
+    if not ok:
+        raise ValueError(f"{spec.name}(): softmax_aux must be float [heads={hq}], [heads={hq}, n] or [n], "
+                         f"got {_shape(aux)}")
+    aux = aux.astype(jnp.float32)
+    if aux.ndim == 1:
+        # [Hq] means one sink per head; any other length is n sinks shared by all heads
+        aux = aux[:, None] if aux.shape[0] == hq else jnp.broadcast_to(aux[None], (hq, aux.shape[0]))
+    return aux.reshape(hkv, groups, aux.shape[-1])
+
+
+def _bias(spec, bias, batch, hq, hkv, groups, sq, sk, varlen):
+    bias = jnp.asarray(bias)
+    if varlen:
+        raise ValueError(f"{spec.name}(): bias cannot be combined with cu_seqlens")
+    _check_float(spec, "bias", bias)
+    ok = bias.ndim == 4 and bias.shape[0] in (1, batch) and bias.shape[1] in (1, hq) and bias.shape[2:] == (sq, sk)
+    if not ok:
+        raise ValueError(f"{spec.name}(): bias must be broadcastable as [batch|1, heads|1, q_len, kv_len] = "
+                         f"[{batch}|1, {hq}|1, {sq}, {sk}], got {_shape(bias)}")
+    if bias.shape[1] == hq:
+        return bias.reshape(bias.shape[0], hkv, groups, sq, sk)
+    return bias[:, :, None]
+
+
+def _dense_mask(spec, mask, batch, hq, hkv, groups, sq, sk):
+    if mask.shape[0] != batch or mask.shape[1] not in (1, hq) or mask.shape[2:] != (sq, sk):
+        raise ValueError(f"{spec.name}(): mask_info.attention_mask must be [batch, 1|heads, q_len, kv_len] = "
+                         f"[{batch}, 1|{hq}, {sq}, {sk}], got {_shape(mask)}")
+    if mask.shape[1] == hq:
+        return mask.reshape(batch, hkv, groups, sq, sk)
+    return mask[:, :, None]
+
+
+def _segments(spec, info, batch, sq, sk):
+    q, kv = info.q_segment_ids, info.kv_segment_ids
+    if q.shape != (batch, sq):
+        raise ValueError(f"{spec.name}(): mask_info.q_segment_ids must be [batch, q_len] = [{batch}, {sq}], got {_shape(q)}")
+    if kv.shape != (batch, sk):
+        raise ValueError(f"{spec.name}(): mask_info.kv_segment_ids must be [batch, kv_len] = [{batch}, {sk}], got {_shape(kv)}")
+    return q.astype(jnp.int32), kv.astype(jnp.int32)
+
+
+def _varlen(spec, cu_q, cu_k, max_q, max_k, tq, tk):
+    if cu_q is None or cu_k is None:
+        missing = "cu_seqlens_k" if cu_k is None else "cu_seqlens_q"
+        raise ValueError(f"{spec.name}(): varlen needs both cu_seqlens_q and cu_seqlens_k; {missing} is missing")
+    cu_q, cu_k = jnp.asarray(cu_q), jnp.asarray(cu_k)
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if cu.ndim != 1 or cu.dtype != jnp.int32 or cu.shape[0] < 2:
+            raise ValueError(f"{spec.name}(): {name} must be int32 [num_seqs + 1], got {_shape(cu)}")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"{spec.name}(): cu_seqlens_q {_shape(cu_q)} and cu_seqlens_k {_shape(cu_k)} must "
+                         f"describe the same number of sequences")
+    for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+        if m is None or isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"{spec.name}(): {name} must be a non-negative Python int with cu_seqlens, got {m!r}")
+    _check_concrete_cu_seqlens(spec, cu_q, "cu_seqlens_q", max_q, tq)
+    _check_concrete_cu_seqlens(spec, cu_k, "cu_seqlens_k", max_k, tk)
+    q_seq, q_pos, q_len = _tokens(cu_q, tq)
+    kv_seq, kv_pos, _ = _tokens(cu_k, tk)
+    kv_lens = cu_k[1:] - cu_k[:-1]
+    kv_len_of_q = jnp.where(q_seq >= 0, kv_lens[jnp.maximum(q_seq, 0)], 0)
+    return {
+        "cu_q": cu_q, "cu_k": cu_k,
+        "q_seg": q_seq[None], "kv_seg": kv_seq[None], "q_pos": q_pos[None], "kv_pos": kv_pos[None],
+        "q_lens": q_len[None], "kv_lens": kv_len_of_q[None],
+    }
+
+
+def _check_concrete_cu_seqlens(spec, cu, name, longest, total):
+    """Where cu_seqlens is a concrete array (not traced under jit), check it fully: non-decreasing
+    from 0, within the tokens, no sequence longer than max_seqlen (the kernels' grid extent)."""
+    try:
+        values = np.asarray(cu)
+    except jax.errors.TracerArrayConversionError:
+        return
+    max_name = "max_seqlen_q" if name.endswith("_q") else "max_seqlen_k"
+    lengths = np.diff(values)
+    if values[0] != 0 or np.any(lengths < 0) or values[-1] > total:
+        raise ValueError(f"{spec.name}(): {name} must start at 0, never decrease and end at most at the "
+                         f"{total} tokens given, got {values.tolist()}")
+    if lengths.size and lengths.max() > longest:
+        raise ValueError(f"{spec.name}(): {max_name}={longest} is shorter than a sequence of {name} "
+                         f"({int(lengths.max())} tokens)")
+
+
+def _tokens(cu, total):
+    """Per token: its sequence (-1 past the last), position in it, and that sequence's length."""
+    t = jnp.arange(total, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu, t, side="right").astype(jnp.int32) - 1
+    inside = jnp.logical_and(seq >= 0, t < cu[-1])
+    seq = jnp.where(inside, jnp.minimum(seq, cu.shape[0] - 2), -1)
+    safe = jnp.maximum(seq, 0)
+    pos = jnp.where(inside, t - cu[safe], 0)
+    length = jnp.where(inside, cu[safe + 1] - cu[safe], 0)
+    return seq, pos, length
+
+
+def check_param(spec: SpecInfo, name: str, x, shape: tuple, dtype, dims: dict):
+    """A spec param: its shape resolved against the call's dims, cast to the declared dtype."""
+    x = jnp.asarray(x)
+    want = tuple(dims[d] if isinstance(d, str) else d for d in shape)
+    if x.shape != want:
+        described = ", ".join(f"{d}={dims[d]}" if isinstance(d, str) else str(d) for d in shape)
+        raise ValueError(f"{spec.name}(): param {name} must have shape [{described}], got {_shape(x)}")
+    return x.astype(dtype)
+
+
+def check_option(spec: SpecInfo, name: str, x, kind: str):
+    """A spec option: a runtime scalar (Python value or 0-d array), never a recompile."""
+    dtype = {"int": jnp.int32, "float": jnp.float32, "bool": jnp.bool_}[kind]
+    if isinstance(x, bool) != (kind == "bool") and not hasattr(x, "dtype"):
+        raise ValueError(f"{spec.name}(): option {name} must be a {kind}, got {x!r}")
+    if kind == "int" and isinstance(x, float):
+        raise ValueError(f"{spec.name}(): option {name} must be an int, got {x!r}")
+    x = jnp.asarray(x)
+    if x.ndim != 0:
+        raise ValueError(f"{spec.name}(): option {name} must be a scalar, got {_shape(x)}")
+    return x.astype(dtype)
+
+
+def ctx_cotangents(ctx: dict, dctx: dict) -> dict:
+    """Cotangents for every ``ctx`` entry: gradients where the kernels computed one, else None."""
+    params = dctx.get("params", {})
+    out = {}
+    for key, x in ctx.items():
+        grad = dctx.get(key)
+        if key.startswith("param_") and key[len("param_"):] in params:
+            grad = params[key[len("param_"):]]
+        out[key] = None if grad is None else grad.astype(x.dtype)
+    return out
+
+
+def sinks_grad(aux, lse, delta, seq_q: int | None = None):
+    """d loss / d softmax_aux [Hkv, G, n] = -sum over batch and rows of p_sink * delta, with
+    p_sink = exp(aux - lse) (lse [B, Hkv, G, Sq], delta = rowsum(d_out * out) - d_lse); rows at
+    or past ``seq_q`` (padding) are left out. Shared by every backend."""
+    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    p_sink = jnp.exp(aux[None, :, :, None, :] - lse_safe[..., None])
+    if seq_q is not None:
+        p_sink = jnp.where((jnp.arange(lse.shape[3]) < seq_q)[None, None, None, :, None], p_sink, 0.0)
+    return -jnp.sum(p_sink * delta[..., None], axis=(0, 3))

@@ -1,0 +1,212 @@
+"""Warp-specialised forward and backward for Hopper in Triton's Gluon dialect (the FA3 shape), for the plain
+attention family. The backward (`bwd_*` below; kernel in gluon_kernels) covers the same calls, sliding windows
+only with causal (a window to the left; those take the persistent backward, `pbwd_*`), and adds dQ up in
+float32 by bulk reduce-adds: not bitwise reproducible run to run. Measured (H200, session 7, BENCHMARKS.md): forward+backward 0.95-1.09x cuDNN over head
+dims 64/128 and S 1k-16k; window (16k, 1024) 1.10-1.11x with the persistent backward.
+
+The forward:
+
+Where it runs: sm_90 GPUs, 16-bit q/k/v with head dim 64 or 128 (= value head dim), Sq == Sk, no varlen,
+and a spec whose score is the scaled dot product and whose mask is the built-in causal / sliding-window one
+(no soft cap, sinks, bias, segments, dense mask or params). `triton_attention` takes it for those calls and
+keeps the generated Triton kernel for every other one (and for the backward, which reads this kernel's O
+and lse). The element semantics are DESIGN §3's: key j is visible to query i iff (not causal or j <= i) and
+(no window or i - left <= j <= i + right); lse is the natural-log log-sum-exp of the scaled logits, -inf on
+a row that sees no key.
+
+Shape of the kernel (persistent: one program per SM walks tiles of 128 query rows of one head):
+  * a producer warp (few registers) issues tensor-memory-accelerator loads: the two 64-row halves of a
+    tile's Q (two Q sets: the next tile's Q lands while this one runs), then K and V tiles into a ring of
+    NUM_STAGES shared-memory buffers, each with a ready and an empty mbarrier (K and V apart, so Q K^T starts
+    before V lands). Its ring counter runs across tiles, so it prefetches the next tile's K/V while the
+    consumers finish the current one: short key loops (sliding windows) pay no prologue per tile;
+  * two consumer warpgroups, one per 64-row half, run the same loop over the key blocks: S_j = Q K_j^T and
+    O += P_{j-1} V_{j-1} are issued asynchronously, the softmax of block j runs while P_{j-1} V_{j-1} is
+    still on the tensor cores (one wgmma in flight: what plain Triton cannot express), and each K/V stage
+    goes back to the producer once both consumers' wgmmas that read it have completed;
+  * with PP_SYNC the two consumers take turns issuing their matmuls (an mbarrier token passed back and
+    forth, its phase from the running block counter): one warpgroup's softmax overlaps the other's matmuls
+    (FA3's ping-pong);
+  * only the key blocks that meet the visible band are visited; blocks visible for every row of the tile
+    run without the element mask;
+  * the epilogue divides by the row sums, writes lse, and stores O through the consumer's Q buffer with a
+    bulk store (rows past the sequence end are clipped by the descriptor), then hands that Q buffer back;
+  * tile order: sections of HEAD_GROUP (batch, head) pairs whose K/V fit in part of L2 (`head_group`); query
+    tiles slow and heads fast inside a section, heaviest tiles first under causal (FA3's LPT order).
+Descriptors are made on the device (the launch gives each program SCRATCH bytes for them, triton_call).
+The cross-tile barrier protocol (ring, Q sets, turn token) was checked by a CPU model under random
+interleavings before it ran (notes/gluon_persistent_protocol_sim.py).
+
+Measured (H200, bf16, D=128, B*S=32k, H=16; session 7, notes/gluon-persistent-fwd-h200.log, CUDA events):
+against the per-tile form it replaced, window (16k, 1024) 0.704 -> 0.505 ms, 4k causal 0.994 -> 0.922,
+16k causal 3.374 -> 3.369, 4k 1.682 -> 1.557.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+BLOCK_M = 128  # two consumer warpgroups of 64 rows
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+HEAD_DIMS = (64, 128)
+# 128-key tiles, two K/V stages, turn-taking consumers (standalone sweep, H200: 128x128 s2 ahead of s3, 128x64 and
+# one-warpgroup forms at every shape; turn-taking won at 16k, free-running by < 1% at 4k)
+TILES = dict(BLOCK_N=128, NUM_STAGES=2, PP_SYNC=True)
+
+
+@functools.lru_cache(maxsize=None)
+def importable() -> tuple[bool, str]:
+    """(whether this Triton has Gluon's Hopper warp specialisation, why not)."""
+    try:
+        from triton.experimental import gluon  # noqa: F401
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma  # noqa: F401
+    except ImportError as e:
+        return False, f"triton.experimental.gluon is missing or too old ({e})"
+    if not hasattr(gl, "warp_specialize"):
+        return False, "this Triton's Gluon has no warp_specialize"
+    return True, ""
+
+
+@functools.lru_cache(maxsize=None)
+def hopper() -> bool:
+    """Whether the first GPU is a Hopper (sm_90: the kernel's wgmma and warp specialisation)."""
+    import jax
+
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        return False
+    return str(getattr(device, "compute_capability", "")).split(".")[0] == "9"
+
+
+def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | None:
+    """Why the Gluon forward (pass_ "fwd") or backward ("bwd") cannot run this call (None: it can). q is
+    [B, Sq, Hkv, G, D]."""
+    import jax.numpy as jnp
+
+    d, dv = q.shape[-1], v.shape[-1]
+    checks = [
+        (pinned, f"a {pass_} config is pinned (EJGEN_TRITON_CONFIG) or autotuned"),
+        (not layout.builtin_mask_only, "the spec has a mask of its own"),
+        (not layout.score_is_identity or layout.params, "the spec's score is not the scaled dot product"),
+        (cfg.softcap or cfg.sinks or cfg.bias or cfg.segments or cfg.dense_mask or cfg.varlen,
+         "soft cap, sinks, bias, segments, a dense mask or varlen"),
+        (q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype,
+         f"dtype {q.dtype} (16-bit only)"),
+        (d != dv or d not in HEAD_DIMS, f"head dims {d}/{dv} (equal, one of {HEAD_DIMS})"),
+        (q.shape[1] != k.shape[1], f"Sq {q.shape[1]} != Sk {k.shape[1]}"),
+        (pass_ == "bwd" and cfg.window and not cfg.causal, "a sliding window without causal (the backward's masks: "
+                                                          "causal, with a window to the left)"),
+    ]
+    for bad, why in checks:
+        if bad:
+            return why
+    ok, why = importable()
+    return None if ok else why
+
+
+def kernel():
+    """The Gluon kernel (`gluon_kernels`, imported on first use)."""
+    return importlib.import_module("ejgen.runtime.attention.gluon.kernels").gluon_attention_fwd_kernel
+
+
+L2_KV_BUDGET = 16 << 20  # bytes of K and V per head section (H100 / H200 L2: 50 MB)
+
+
+def head_group(batch: int, hq: int, hkv: int, seq: int, d: int, item: int = 2) -> int:
+    """(batch, head) pairs per section of the persistent tile order: as many kv heads as fit K and V in
+    L2_KV_BUDGET, times the query heads sharing each (H200: section of 2 at 16k beat 1 by 4% causal)."""
+    kv_heads = max(1, L2_KV_BUDGET // (2 * seq * d * item))
+    return max(1, min(batch * hq, kv_heads * (hq // hkv)))
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms() -> int:
+    """Streaming multiprocessors of the first GPU (132 on an H100 / H200 SXM where jax does not say)."""
+    import jax
+
+    try:
+        return int(getattr(jax.devices("gpu")[0], "core_count", 0) or 132)
+    except RuntimeError:
+        return 132
+
+
+def persistent_grid(tiles: int, sms: int | None = None) -> tuple:
+    """A persistent kernel's grid: one program per SM, never more than there are tiles."""
+    return (max(1, min(sms or num_sms(), tiles)), )
+
+
+def grid(batch: int, hq: int, seq: int, sms: int | None = None) -> tuple:
+    """The persistent forward's grid over (128 query rows, batch * head) tiles."""
+    return persistent_grid(-(-seq // BLOCK_M) * batch * hq, sms)
+
+
+def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool) -> dict:
+    """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq, hkv, d] (16-bit)."""
+    return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, BLOCK_M=BLOCK_M, CAUSAL=causal, WINDOW=window,
+                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                HEAD_GROUP=head_group(batch, hq, hkv, seq, d), **TILES)
+
+
+# The backward: 64-row query blocks, 128-key programs (two warpgroups of 64 keys), two Q/dO stages (standalone
+# sweep, H200: dQ columns split through a slice of K ahead of a second copy of K (+1-3%) and of alternating whole
+# tiles (+20-25%); three stages -1%).
+BWD_TILES = dict(BLOCK_M=64, BLOCK_N=128, NUM_STAGES=2)
+
+
+def bwd_kernel():
+    """The Gluon backward (`gluon_kernels`, imported on first use)."""
+    return importlib.import_module("ejgen.runtime.attention.gluon.kernels").gluon_attention_bwd_kernel
+
+
+def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool) -> dict:
+    """The backward's constexprs (window: causal with a window to the left, `ineligible`)."""
+    return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, MASK=2 if window else int(causal), DQ_MODE=1 if d == 128 else 0,
+                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES)
+
+
+# The persistent backward (gluon_kernels.gluon_attention_bwd_persistent_kernel) for causal sliding windows: one
+# program per SM, tiles from an atomic counter (DYNAMIC) in kv-head order (HEAD_GROUP 1). Three repetitions on an
+# H200, backward kernel alone, window (16k, 1024): 1.50-1.56 ms against the per-program kernel's 1.81-1.86; on
+# causal and unmasked calls the per-program kernel stayed ahead (notes/prototypes/gluon_persistent_bwd/README.md).
+SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
+SMEM_RESERVE = 1024  # kept free of tiles: barriers, the column table, warp-specialisation captures
+
+
+def pbwd_smem_bytes(d: int, k_stages: int, v_stages: int, dq_mode: int, item: int = 2) -> int:
+    """Shared memory of the persistent backward's tiles (no barriers): K and V buffers, the Q / dO ring, the dS
+    double buffer, the two warpgroups' float32 dQ staging buffers, the lse / delta rows."""
+    bm, bn, stages = BWD_TILES["BLOCK_M"], BWD_TILES["BLOCK_N"], BWD_TILES["NUM_STAGES"]
+    dq_n = d if dq_mode == 0 else d // 2
+    return ((k_stages + v_stages) * bn * d * item + 2 * stages * bm * d * item + 2 * bn * bm * item
+            + 2 * bm * dq_n * 4 + 2 * stages * bm * 4)
+
+
+def pbwd_kv_stages(d: int, dq_mode: int, item: int = 2) -> tuple:
+    """(K_STAGES, V_STAGES): two of each where they fit (head dim 64), else two K buffers (K is needed first in a
+    tile and released last; head dim 128), else one of each."""
+    for ks, vs in ((2, 2), (2, 1), (1, 1)):
+        if pbwd_smem_bytes(d, ks, vs, dq_mode, item) + SMEM_RESERVE <= SMEM_LIMIT:
+            return ks, vs
+    raise ValueError(f"head dim {d}: the persistent backward's tiles do not fit in shared memory")
+
+
+def pbwd_grid(batch: int, hkv: int, seq: int, sms: int | None = None) -> tuple:
+    """The persistent backward's grid over (key block, batch * kv head) tiles."""
+    return persistent_grid(-(-seq // BWD_TILES["BLOCK_N"]) * batch * hkv, sms)
+
+
+def pbwd_kernel():
+    """The persistent Gluon backward (`gluon_kernels`, imported on first use)."""
+    return importlib.import_module("ejgen.runtime.attention.gluon.kernels").gluon_attention_bwd_persistent_kernel
+
+
+def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int) -> dict:
+    """The persistent backward's constexprs for a causal sliding window (MASK 2); its launch passes a zeroed
+    int32 tile counter (DYNAMIC)."""
+    base = bwd_constexprs(batch, hq, hkv, seq, d, True, True)
+    ks, vs = pbwd_kv_stages(d, base["DQ_MODE"])
+    return dict(base, HEAD_GROUP=1, K_STAGES=ks, V_STAGES=vs, EPI_TMA=False, DYNAMIC=1)

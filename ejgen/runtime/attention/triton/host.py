@@ -1,0 +1,508 @@
+"""The Triton backend's plumbing, shared by every generated variant: argument packing, grids,
+configs, and the reductions that finish the backward pass deterministically.
+
+A generated ``triton_launch.py`` names its kernels module and its runtime scalars (``Layout``);
+everything else is here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ejgen.runtime.attention.api import SEQ_MAJOR, sinks_grad
+from ejgen.runtime.attention.gluon import host as gluon_attention
+from ejgen.runtime.attention.triton import configs as triton_configs
+from ejgen.runtime.core import kernels, settings
+from ejgen.runtime.launch import triton_call
+
+# The kernels index the caller's layout: q [B, Sq, Hkv, G, D], k/v [B, Sk, Hkv, D], out like q;
+# lse and delta [B, Hq, Sq]. No transposes before or after the kernels.
+TENSOR_LAYOUT = SEQ_MAJOR
+
+
+def available():
+    return triton_call.available()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    kernel_module: str
+    name: str
+    f32_options: tuple
+    i32_options: tuple
+    params: tuple
+    grad_params: tuple
+    runtime_mask_from_spec: bool
+    score_is_identity: bool
+    gathers_by_position: bool  # the score reads a param tile by position (a gather in every block)
+    builtin_mask_only: bool = False  # no mask of the spec's own (causal / sliding window at most): the Gluon
+    #                                  kernels may run (packages rendered before it say nothing: they do not)
+
+    def kernels(self):
+        return importlib.import_module(self.kernel_module)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _pow2(n):
+    p = 16
+    while p < n:
+        p *= 2
+    return p
+
+
+def _config(layout: Layout, pass_: str, head_dim: int, bits: int, cfg,
+            deterministic: bool = False) -> triton_configs.KernelConfig:
+    seq = max(_longest(cfg, True), _longest(cfg, False))
+    conf = triton_configs.pick(_arch(), pass_, head_dim, bits, seq, cfg.causal, cfg.window)
+    if deterministic and conf.atomic:
+        if triton_configs.pinned(pass_):
+            raise ValueError(f"triton config {pass_}={triton_configs.text(conf)!r}: 'atomic' adds dQ in run-time "
+                             f"order, which a deterministic call cannot take")
+        conf = dataclasses.replace(conf, atomic=False)  # a tuned entry: the two-kernel dQ instead
+    for flag, what in (("atomic", "dQ added by the dK/dV kernel"), ("band", "dS stored by the dK/dV kernel")):
+        if getattr(conf, flag) and pass_ != "dkdv":
+            raise ValueError(f"triton config {triton_configs.text(conf)!r} for the {pass_} kernel: {flag!r} ({what}) "
+                             f"is a flag of the dkdv config only")
+    if conf.ws and conf.merged:
+        raise ValueError(f"triton config {triton_configs.text(conf)!r}: 'ws' warp-specialises the unmasked loop of "
+                         f"the three-loop forward; it cannot go with 'merged'")
+    if layout.gathers_by_position and conf.num_stages > 1:
+        # Triton 3.6 multi-buffers the gathered [BLOCK_M, BLOCK_N] float32 tile in shared memory
+        # with the K/V tiles (240 KB at 128x128, 3 stages: over the limit): do not pipeline.
+        conf = dataclasses.replace(conf, num_stages=1)
+    return conf
+
+
+def _autotune(layout: Layout, pass_: str, conf: triton_configs.KernelConfig):
+    """Configs for jax-triton's autotuned call when EJGEN_TRITON_AUTOTUNE=1, else None: the chosen one
+    first, then `ejgen tune`'s candidates for the pass with the same descriptor flag (one signature)."""
+    if not settings.current().triton_autotune:
+        return None
+    table = triton_configs.CANDIDATES
+    candidates = [triton_configs.parse(t) for t in table.get(_arch(), table["sm90"])[pass_]]
+    if layout.gathers_by_position:
+        candidates = [dataclasses.replace(c, num_stages=1) for c in candidates]
+    if conf.ws:
+        raise ValueError("EJGEN_TRITON_AUTOTUNE: a config with 'ws' cannot be autotuned (warp specialisation "
+                         "depends on whole blocks, and the blocks vary)")
+    same_blocks = lambda c: not conf.band or (c.block_m, c.block_n) == (conf.block_m, conf.block_n)  # the band's shape
+    return [conf] + [c for c in dict.fromkeys(candidates)
+                     if c.tma == conf.tma and c.atomic == conf.atomic and c.band == conf.band and same_blocks(c)
+                     and not c.ws and c != conf]
+
+
+def _grid(longest: int, block_size, rows: int, tuned, which: str):
+    """(grid, its largest extent over the tuned configs): a tuple, or a function of the config's
+    blocks when jax-triton picks among `tuned`."""
+    of = lambda block: (max(_cdiv(longest, block), 1), rows)
+    largest = of(min(getattr(c, which) for c in tuned)) if tuned else of(block_size)
+    if tuned:
+        key = "BLOCK_M" if which == "block_m" else "BLOCK_N"
+        return (lambda meta: of(meta[key])), largest
+    return of(block_size), largest
+
+
+def _arch():
+    how, _ = triton_call.mode()
+    return "interpret" if how == "interpret" else "sm90"
+
+
+def _dummy(dtype=jnp.float32):
+    return jnp.zeros((1,), dtype)
+
+
+def _inputs(layout: Layout, ctx, cfg, hq):
+    """(scalar arrays, feature tensors, params) in kernel-signature order."""
+    f32 = [ctx["scale"], ctx.get("softcap", jnp.float32(1.0))] + [ctx[n] for n in layout.f32_options]
+    i32 = [ctx.get("window_left", jnp.int32(0)), ctx.get("window_right", jnp.int32(0))]
+    i32 += [ctx[n] for n in layout.i32_options]
+    scalars = [jnp.stack([jnp.asarray(x, jnp.float32) for x in f32]), jnp.stack([jnp.asarray(x, jnp.int32) for x in i32])]
+    if cfg.bias:
+        bias = ctx["bias"]  # [Bb, Hkv|1, G|1, Sq, Sk]
+        bias = bias.reshape(bias.shape[0], -1, bias.shape[3], bias.shape[4])
+    else:
+        bias = _dummy()
+    if cfg.dense_mask:
+        mask = ctx["mask"]
+        mask = mask.reshape(mask.shape[0], -1, mask.shape[3], mask.shape[4]).astype(jnp.int8)
+    else:
+        mask = _dummy(jnp.int8)
+    qseg = ctx["q_seg"] if cfg.segments else _dummy(jnp.int32)
+    kvseg = ctx["kv_seg"] if cfg.segments else _dummy(jnp.int32)
+    cu_q = ctx["cu_q"] if cfg.varlen else _dummy(jnp.int32)
+    cu_k = ctx["cu_k"] if cfg.varlen else _dummy(jnp.int32)
+    aux = ctx["softmax_aux"].reshape(hq, -1) if cfg.sinks else _dummy()
+    features = [bias, qseg, kvseg, mask, cu_q, cu_k]
+    params = [ctx[f"param_{p}"] for p in layout.params]
+    return scalars, features, aux, params
+
+
+def _constexprs(layout, q, k, v, cfg, conf, bias, mask, aux):
+    batch, sq, hkv, groups, d = q.shape
+    dv = v.shape[-1]
+    n_sinks = aux.shape[-1] if cfg.sinks else 1
+    return dict(
+        B=batch, HQ=hkv * groups, HKV=hkv, SEQ_Q=sq, SEQ_K=k.shape[1], D=d, DV=dv, D_PAD=_pow2(d), DV_PAD=_pow2(dv),
+        BLOCK_M=conf.block_m, BLOCK_N=conf.block_n,
+        CAUSAL=cfg.causal, WINDOW=cfg.window, SOFTCAP=cfg.softcap, SINKS=cfg.sinks, N_SINKS=n_sinks,
+        SINKS_PAD=_pow2(n_sinks), BIAS_ON=cfg.bias, BIAS_BATCH=bias.shape[0] if cfg.bias else 1,
+        BIAS_HEADS=bias.shape[1] if cfg.bias else 1, SEGMENTS=cfg.segments, DENSE=cfg.dense_mask,
+        MASK_HEADS=mask.shape[1] if cfg.dense_mask else 1, VARLEN=cfg.varlen,
+        RUNTIME_MASK=cfg.segments or cfg.dense_mask or layout.runtime_mask_from_spec,
+        PLAIN=layout.score_is_identity and not cfg.softcap and not cfg.bias,
+        STAGED=not conf.merged,  # three loops, or one (`merged`)
+        PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+        UPCAST=_arch() == "interpret" and q.dtype == jnp.bfloat16,
+        TMA=conf.tma and tma_eligible(q, v, cfg), WS=False,  # WS: the forward's, `_forward`
+        ATOMIC_DQ=conf.atomic, BAND=False, BAND_BLOCKS=1, BAND_TMA=False, DQ_DELTA=False,  # `_backward`
+    )
+
+
+def _scratch(grid):
+    """Every kernel's last output: global scratch for the tensor descriptors it may build, up to eight of
+    128 bytes per program (triton_call checks each compiled kernel against the budget). Sized the
+    same whether or not the kernel uses it (2 MB per 2048 programs), so it is never too small."""
+    return jax.ShapeDtypeStruct((math.prod(grid) * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)
+
+
+def _check_layout(q, cfg):
+    if q.ndim != 5 or q.shape[1] != cfg.seq_q:
+        raise RuntimeError(f"the triton backend expects q as [B, Sq, Hkv, G, D] with Sq = {cfg.seq_q}, got "
+                           f"{tuple(q.shape)}: a generated package older than this runtime? rebuild it with "
+                           f"`ejgen build`")
+
+
+# Triton releases on which the warp-specialised forward is enabled on a GPU. Triton 3.6 compiles it
+# for sm_90 (3.9's pass fails on these kernels), but on an H200 its first timed run did not finish
+# within four minutes (a hang or a very long compile: not yet known), so no release is listed until
+# one is measured: pinning `ws` on a GPU is an error, and the interpreter still runs the path.
+WS_TRITON_RELEASES: tuple = ()
+
+
+def _warp_specialised(conf, cfg, consts) -> bool:
+    """Whether the forward's key loop is warp-specialised: asked for (`ws`), on descriptors, and where
+    Triton 3.6's pass handles it, the plain loop over whole blocks (with causal or window masks, or
+    ragged sequence ends, it fails to compile). Asking on a GPU whose Triton is not listed is an error."""
+    import triton
+
+    if conf.ws and _arch() != "interpret" and not triton.__version__.startswith(WS_TRITON_RELEASES):
+        raise ValueError("triton config 'ws': the warp-specialised forward is not enabled on GPUs yet "
+                         "(ejgen.runtime.attention.triton.host.WS_TRITON_RELEASES says why)")
+    whole_blocks = consts["SEQ_Q"] % consts["BLOCK_M"] == 0 and consts["SEQ_K"] % consts["BLOCK_N"] == 0
+    return (conf.ws and consts["TMA"] and whole_blocks and consts["PLAIN"]
+            and not (consts["RUNTIME_MASK"] or cfg.causal or cfg.window))
+
+
+def tma_eligible(q, v, cfg) -> bool:
+    """Tensor descriptors need whole power-of-two head dims (a tile must not reach into the next
+    head) and one sequence per batch row (zeros past its end): not varlen. 16-bit inputs only (the
+    float32 kernels keep the tiles that fit their shared memory)."""
+    d, dv, size = q.shape[-1], v.shape[-1], jnp.dtype(q.dtype).itemsize
+    return not cfg.varlen and d == _pow2(d) and dv == _pow2(dv) and size == 2
+
+
+def _longest(cfg, q_side: bool) -> int:
+    """The longest query (or key) sequence: the grid's extent along the sequence."""
+    if cfg.varlen:
+        return cfg.max_seqlen_q if q_side else cfg.max_seqlen_k
+    return cfg.seq_q if q_side else cfg.seq_k
+
+
+def _grid_batch(q, ctx, cfg):
+    return ctx["cu_q"].shape[0] - 1 if cfg.varlen else q.shape[0]
+
+
+def _gluon_forward(q, k, v, scalars, cfg):
+    """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq])."""
+    batch, sq, hkv, groups, d = q.shape
+    hq = hkv * groups
+    grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
+    out, lse, _ = triton_call.launch(
+        gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), k, v, *scalars],
+        [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
+         _scratch(grid)],
+        num_warps=4, num_stages=1, **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window))
+    return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
+
+
+def _gluon_ineligible(layout: Layout, q, k, v, cfg, pass_: str, deterministic: bool) -> str | None:
+    """Why the Hopper kernel set cannot run the forward (pass_ "fwd") or backward ("bwd") of this call
+    (None: it can): the settings, the machine, then what the kernels cover (gluon_attention.ineligible)."""
+    here, now = kernels.target(), settings.current()
+    if not now.gluon:
+        return "the gluon setting is off (EJGEN_GLUON=0 or settings(gluon=False))"
+    if here.platform != "gpu" or here.arch != "sm90":
+        return f"not an sm_90 GPU (target: {here.arch or here.platform})"
+    if pass_ == "bwd" and deterministic:
+        return "deterministic: its dQ is added by reduce-adds in run-time order"
+    pinned = any(triton_configs.pinned(p) for p in (("fwd",) if pass_ == "fwd" else ("dkdv", "dq")))
+    return gluon_attention.ineligible(layout, cfg, q, k, v, pinned or now.triton_autotune, pass_)
+
+
+def choose(layout: Layout, call, deterministic: bool):
+    """(forward kernel set, backward kernel set, reasons) of the triton platform for a prepared call: the
+    Hopper set (`gluon`) where it covers the pass, else the kernels generated from the spec."""
+    picked, reasons = [], []
+    for pass_, name in (("fwd", "forward"), ("bwd", "backward")):
+        why_not = _gluon_ineligible(layout, call.q, call.k, call.v, call.cfg, pass_, deterministic)
+        picked.append("triton" if why_not else "gluon")
+        reasons.append(f"{name}: triton (generated), not gluon: {why_not}" if why_not
+                       else f"{name}: gluon (the Hopper kernel set covers this call)")
+    return picked[0], picked[1], tuple(reasons)
+
+
+def _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, cfg):
+    """The warp-specialised Gluon backward (gluon_attention): (dq, dk, dv), dq [B, Sq, Hq, D] added up in float32
+    by reduce-adds (not bitwise reproducible run to run, like cuDNN's)."""
+    batch, sq, hq, d = q4.shape
+    hkv = k.shape[2]
+    outs = [jax.ShapeDtypeStruct((batch, sq, hq, d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    if cfg.window:  # causal with a window to the left (gluon_attention.ineligible): the persistent kernel, whose
+        # tile counter is zeroed like the dQ accumulator
+        kernel, grid = gluon_attention.pbwd_kernel(), gluon_attention.pbwd_grid(batch, hkv, sq)
+        outs.append(jax.ShapeDtypeStruct((1, ), jnp.int32))
+        zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d)
+    else:
+        kernel, grid = gluon_attention.bwd_kernel(), (_cdiv(sq, gluon_attention.BWD_TILES["BLOCK_N"]), batch * hkv)
+        zeroed, consts = (0, ), gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window)
+    dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, k, v, do4, lse3, delta3, *scalars],
+                                            outs + [_scratch(grid)], zeroed=zeroed, num_warps=4, num_stages=1, **consts)
+    return dq_acc.astype(q4.dtype), dk, dv
+
+
+def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
+    _check_layout(q, cfg)
+    batch, sq, hkv, groups, d = q.shape
+    hq, dv = hkv * groups, v.shape[-1]
+    scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
+    if choice.forward == "gluon":
+        out, lse = _gluon_forward(q, k, v, scalars, cfg)
+        return out, lse, None
+    conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg)
+    consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
+    consts["WS"] = _warp_specialised(conf, cfg, consts)
+    tuned = _autotune(layout, "fwd", conf)
+    grid, largest = _grid(_longest(cfg, True), conf.block_m, _grid_batch(q, ctx, cfg) * hq, tuned, "block_m")
+    outs = [jax.ShapeDtypeStruct((batch, sq, hq, dv), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
+            _scratch(largest)]
+    kernel = getattr(layout.kernels(), f"{layout.name}_fwd_kernel")
+    out, lse, _ = triton_call.launch(
+        kernel, grid, [q.reshape(batch, sq, hq, d), k, v, *scalars, *features, aux, *params], outs,
+        zeroed=(0, 1) if cfg.varlen else (), num_warps=conf.num_warps, num_stages=conf.num_stages, autotune=tuned,
+        **consts)
+    return out.reshape(batch, sq, hkv, groups, dv), lse.reshape(batch, hkv, groups, sq), None
+
+
+# The dS band (`band` dkdv flag) costs B * Hq * Sq * (its key columns) elements of the input dtype: at most
+# this many times q's own size (columns <= BAND_MAX_RATIO * head dim); wider windows recompute dS instead.
+BAND_MAX_RATIO = 16
+
+
+def _band_blocks(conf, cfg, d: int) -> int:
+    """Key blocks in a query block's dS band with the `band` flag (0: no band; `triton_configs.band_blocks`). A pinned
+    config that cannot use it is an error; the table's falls back."""
+    if not conf.band:
+        return 0
+    pinned = triton_configs.pinned("dkdv")
+    problem = None
+    if conf.atomic:
+        problem = "'band' and 'atomic' are two ways to dQ: pick one"
+    elif not cfg.window:
+        problem = "'band' needs a sliding window (the band of key blocks a query block visits)"
+    blocks = triton_configs.band_blocks(conf.block_m, conf.block_n, cfg.window_span, _longest(cfg, False))
+    if problem is None and blocks * conf.block_n > BAND_MAX_RATIO * d:
+        problem = (f"the window's dS band ({blocks * conf.block_n} columns) is over {BAND_MAX_RATIO}x the head dim "
+                   f"({d}): too much memory")
+    if problem is None:
+        return blocks
+    if pinned:
+        raise ValueError(f"triton config dkdv={triton_configs.text(conf)!r}: {problem}")
+    return 0
+
+
+def _delta(out, d_out, d_lse):
+    """rowsum(dO * O) - d lse, [B, Hkv, G, Sq] like lse."""
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    return jnp.moveaxis(delta, -3, -1) - d_lse
+
+
+def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
+    _check_layout(q, cfg)
+    batch, sq, hkv, groups, d = q.shape
+    hq, sk, dv = hkv * groups, k.shape[1], v.shape[-1]
+    bits = jnp.dtype(q.dtype).itemsize * 8
+    scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
+    q4, do4 = q.reshape(batch, sq, hq, d), d_out.reshape(batch, sq, hq, dv)
+    lse3 = lse.reshape(batch, hq, sq)
+    if choice.backward == "gluon":  # no bias, sinks or params here: no other gradients
+        delta3 = _delta(out, d_out, d_lse).reshape(batch, hq, sq)
+        dq, dk, dv_ = _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, cfg)
+        return dq.reshape(q.shape), dk, dv_, {}
+    kernels = layout.kernels()
+    n_seq = _grid_batch(q, ctx, cfg)
+
+    conf = _config(layout, "dkdv", max(d, dv), bits, cfg, choice.deterministic)
+    band = _band_blocks(conf, cfg, d)  # dS tiles stored for a dQ pass of one matmul per tile
+    atomic = conf.atomic  # dQ from the dK/dV kernel, added in float32 (zeroed below)
+    dq_conf = _config(layout, "dq", max(d, dv), bits, cfg)
+
+    def dq_kernel(consts, block_m, tuned, delta_in, o_fwd, ds_band):
+        """(dq, delta out) from the dQ kernel; DELTA_OUT is written only with DQ_DELTA."""
+        grid, largest = _grid(_longest(cfg, True), block_m, n_seq * hq, tuned, "block_m")
+        delta_out = (batch, hq, sq) if consts["DQ_DELTA"] else (1,)
+        dq, delta, _ = triton_call.launch(
+            getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid,
+            [q4, k, v, do4, lse3, delta_in, *scalars, *features, *params, o_fwd, ds_band],
+            [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct(delta_out, jnp.float32),
+             _scratch(largest)],
+            zeroed=(0, 1) if cfg.varlen else (),
+            num_warps=dq_conf.num_warps, num_stages=dq_conf.num_stages, autotune=tuned, **consts)
+        return dq, delta
+
+    dq = None
+    if atomic or band:  # the dK/dV kernel runs first: delta from one pass of XLA over dO and O
+        delta3 = _delta(out, d_out, d_lse).reshape(batch, hq, sq)
+    else:  # the dQ kernel runs first and computes delta on the way (its tiles of dO are loaded anyway)
+        dq_consts = dict(_constexprs(layout, q, k, v, cfg, dq_conf, features[0], features[3], aux), DQ_DELTA=True)
+        dq, delta3 = dq_kernel(dq_consts, dq_conf.block_m, _autotune(layout, "dq", dq_conf),
+                               d_lse.reshape(batch, hq, sq), out.reshape(batch, sq, hq, dv), _dummy(q.dtype))
+    inputs = [q4, k, v, do4, lse3, delta3, *scalars, *features, *params]
+
+    consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
+    tuned = _autotune(layout, "dkdv", conf)
+    grid, largest = _grid(_longest(cfg, False), conf.block_n, n_seq * hkv, tuned, "block_n")
+    n_prog = largest[0] * largest[1]  # rows of the param partials: unused rows stay zero
+    dbias_shape = (batch, hq, sq, sk) if cfg.bias else (1,)
+    # the dS tiles go out as bulk stores through a descriptor where one fits (16-bit, one sequence per row)
+    consts.update(BAND=band > 0, BAND_BLOCKS=max(band, 1),
+                  BAND_TMA=band > 0 and not cfg.varlen and jnp.dtype(q.dtype).itemsize == 2)
+    if atomic and consts["TMA"] and _arch() == "interpret":
+        raise ValueError(f"triton config {triton_configs.text(conf)!r}: Triton's interpreter has no tensor-descriptor "
+                         f"reductions; drop 'tma' from the dkdv config (the dQ tiles are then added by atomics)")
+    outs = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
+            jax.ShapeDtypeStruct((batch, sq, hq, d) if atomic else (1,), jnp.float32),
+            jax.ShapeDtypeStruct((batch, hq, sq, band * conf.block_n) if band else (1,), q.dtype)]
+    outs += [jax.ShapeDtypeStruct((n_prog, ctx[f"param_{p}"].size), jnp.float32) for p in layout.grad_params]
+    # the dS band (4) is read only where written: no memset of its B * H * Sq * columns elements
+    zeroed = tuple(i for i in (range(len(outs)) if cfg.varlen else range(2, len(outs))) if i != 4)
+    outs.append(_scratch(largest))
+    dk, dv_, dbias, dq_acc, ds_band, *dparams, _ = triton_call.launch(
+        getattr(kernels, f"{layout.name}_bwd_dkdv_kernel"), grid, inputs, outs, zeroed=zeroed,
+        num_warps=conf.num_warps, num_stages=conf.num_stages, autotune=tuned, **consts)
+
+    if atomic:
+        dq = dq_acc.astype(q.dtype)
+    elif band:  # the dQ kernel over the band: the dK/dV kernel's tiles and constexprs, the dq config's warps
+        dq, _ = dq_kernel(consts, conf.block_m, None, delta3, _dummy(q.dtype), ds_band)
+    delta = delta3.reshape(batch, hkv, groups, sq)
+
+    dctx = {}
+    if cfg.bias:
+        bias = ctx["bias"]
+        db = dbias.reshape(batch, hkv, groups, sq, sk)
+        dctx["bias"] = jnp.sum(db, axis=tuple(i for i in range(3) if bias.shape[i] == 1), keepdims=True)
+    if cfg.sinks:
+        dctx["softmax_aux"] = sinks_grad(ctx["softmax_aux"], lse, delta)
+    if layout.grad_params:
+        dctx["params"] = {p: jnp.sum(g, axis=0).reshape(ctx[f"param_{p}"].shape)
+                          for p, g in zip(layout.grad_params, dparams)}
+    return dq.reshape(q.shape), dk, dv_, dctx
+
+
+# Batching: jax-triton's primitive has no vmap rule. Under vmap, a mapped axis is folded into the
+# batch axis of every tensor that has one, and the kernels run once; only when a per-call scalar,
+# the sinks or a param is mapped (or params need gradients) do the calls run one after another
+# with lax.map.
+
+_BATCHED_CTX = ("bias", "mask", "q_seg", "kv_seg")
+_IGNORED_CTX = ("q_pos", "kv_pos")  # the kernels compute positions themselves
+
+
+def _foldable(ctx_batched: dict, layout: Layout) -> bool:
+    return not layout.grad_params and not any(
+        b for key, b in ctx_batched.items() if key not in _BATCHED_CTX + _IGNORED_CTX)
+
+
+def _fold(x, batched: bool, n: int, batch: int):
+    """[n, batch, ...] (or shared [batch|1, ...]) -> [n * batch, ...]."""
+    if not batched:
+        x = jnp.broadcast_to(x[None], (n,) + x.shape)
+    x = jnp.broadcast_to(x, (n, batch) + x.shape[2:])
+    return x.reshape((n * batch,) + x.shape[2:])
+
+
+def _fold_ctx(ctx, ctx_batched, n, batch):
+    out = dict(ctx)
+    for key in _BATCHED_CTX:
+        if key in ctx:
+            out[key] = _fold(ctx[key], ctx_batched[key], n, batch)
+    for key in _IGNORED_CTX:
+        if ctx_batched.get(key):
+            out[key] = ctx[key][0]
+    return out
+
+
+def _sequential(fn, n, in_batched, args):
+    """Run ``fn`` once per mapped index (lax.map); every output comes back mapped."""
+    def one(i):
+        pick = lambda x, b: x[i] if b else x
+        return fn(*jax.tree.map(pick, args, in_batched))
+    return jax.lax.map(one, jnp.arange(n))
+
+
+def forward(layout: Layout, q, k, v, ctx, cfg, choice):
+    fn = jax.custom_batching.custom_vmap(lambda q, k, v, ctx: _forward(layout, q, k, v, ctx, cfg, choice)[:2])
+
+    @fn.def_vmap
+    def rule(n, in_batched, q, k, v, ctx):
+        if not _foldable(in_batched[3], layout) or cfg.varlen:
+            outs = _sequential(lambda *a: _forward(layout, *a, cfg, choice)[:2], n, in_batched, (q, k, v, ctx))
+            return outs, (True, True)
+        batch = q.shape[1] if in_batched[0] else q.shape[0]
+        qf, kf, vf = (_fold(x, b, n, batch) for x, b in zip((q, k, v), in_batched[:3]))
+        out, lse, _ = _forward(layout, qf, kf, vf, _fold_ctx(ctx, in_batched[3], n, batch), cfg, choice)
+        return (out.reshape((n, batch) + out.shape[1:]), lse.reshape((n, batch) + lse.shape[1:])), (True, True)
+
+    out, lse = fn(q, k, v, ctx)
+    return out, lse, None
+
+
+def backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
+    fn = jax.custom_batching.custom_vmap(
+        lambda *a: _backward(layout, *a, cfg, choice))
+
+    @fn.def_vmap
+    def rule(n, in_batched, q, k, v, out, lse, d_out, d_lse, ctx):
+        args = (q, k, v, out, lse, d_out, d_lse, ctx)
+        ctx_batched = in_batched[7]
+        if not _foldable(ctx_batched, layout) or cfg.varlen:
+            grads = _sequential(lambda *a: _backward(layout, *a, cfg, choice), n, in_batched, args)
+            return grads, jax.tree.map(lambda _: True, grads)
+        batch = q.shape[1] if in_batched[0] else q.shape[0]
+        folded = [_fold(x, b, n, batch) for x, b in zip(args[:7], in_batched[:7])]
+        fctx = _fold_ctx(ctx, ctx_batched, n, batch)
+        dq, dk, dv, dctx = _backward(layout, *folded, fctx, cfg, choice)
+        unfold = lambda x: x.reshape((n, batch) + x.shape[1:])
+        grads = {}
+        if "bias" in dctx:
+            db = unfold(dctx["bias"])
+            shared_batch = (ctx["bias"].shape[1] if ctx_batched["bias"] else ctx["bias"].shape[0]) == 1
+            grads["bias"] = jnp.sum(db, axis=1, keepdims=True) if shared_batch else db
+        if "softmax_aux" in dctx:
+            delta = _delta(folded[3], folded[5], folded[6])
+            grads["softmax_aux"] = jax.vmap(sinks_grad, in_axes=(None, 0, 0))(
+                ctx["softmax_aux"], unfold(folded[4]), unfold(delta))
+        result = (unfold(dq), unfold(dk), unfold(dv), grads)
+        return result, jax.tree.map(lambda _: True, result)
+
+    return fn(q, k, v, out, lse, d_out, d_lse, ctx)

@@ -1,0 +1,1 @@
+"""Runtime pieces every family shares: settings, kernel sets and choice, block-range arithmetic."""

@@ -1,0 +1,77 @@
+"""Settings the user can see and change, read when an op is called (never at import).
+
+Each has a default, an environment variable (read at call time) and a scoped override::
+
+    with ejgen.ops.settings(deterministic=True):   # or EJGEN_DETERMINISTIC=1, or deterministic=True per call
+        grads = jax.grad(loss)(params)
+
+- ``deterministic`` (EJGEN_DETERMINISTIC, default off): bitwise-reproducible outputs and gradients on
+  every backend; kernel sets whose backward adds in run-time order (the Hopper set's dQ) are not
+  chosen (docs/DESIGN.md §6).
+- ``gluon`` (EJGEN_GLUON, default on): the hand-written Hopper kernel set may be chosen on sm_90.
+- ``triton_configs`` (EJGEN_TRITON_CONFIG, e.g. ``"fwd=128,64,8,3;dkdv=64,128,8,3"``): pinned Triton
+  configs per pass (tuning, tests); a pinned pass never takes the Hopper set.
+- ``triton_autotune`` (EJGEN_TRITON_AUTOTUNE=1): jax-triton's autotuner over `ejgen tune`'s candidates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    deterministic: bool = False
+    gluon: bool = True
+    triton_configs: str = ""
+    triton_autotune: bool = False
+
+
+_ENV = {
+    "deterministic": ("EJGEN_DETERMINISTIC", lambda t: t.strip().lower() in ("1", "true", "yes", "on")),
+    "gluon": ("EJGEN_GLUON", lambda t: t.strip().lower() not in ("0", "false", "no", "off")),
+    "triton_configs": ("EJGEN_TRITON_CONFIG", str),
+    "triton_autotune": ("EJGEN_TRITON_AUTOTUNE", lambda t: t.strip() == "1"),
+}
+_OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("ejgen_settings", default=())
+
+
+def current() -> Settings:
+    """The settings in force: scoped overrides, else the environment, else the defaults."""
+    values = {}
+    for field, (var, parse) in _ENV.items():
+        text = os.environ.get(var)
+        if text is not None:
+            values[field] = parse(text)
+    for changes in _OVERRIDES.get():
+        values.update(changes)
+    return Settings(**values)
+
+
+@contextlib.contextmanager
+def settings(**changes):
+    """Override settings inside a ``with`` block (this thread / context only)."""
+    known = {f.name: f.type for f in dataclasses.fields(Settings)}
+    for name, value in changes.items():
+        if name not in known:
+            raise TypeError(f"ejgen settings: unknown setting {name!r} (known: {', '.join(known)})")
+        want = str if name == "triton_configs" else bool
+        if not isinstance(value, want):
+            raise TypeError(f"ejgen settings: {name} must be a {want.__name__}, got {value!r}")
+    token = _OVERRIDES.set(_OVERRIDES.get() + (changes,))
+    try:
+        yield current()
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def deterministic(per_call: bool | None) -> bool:
+    """An op's ``deterministic=`` argument (None: the setting in force)."""
+    if per_call is None:
+        return current().deterministic
+    if not isinstance(per_call, bool):
+        raise ValueError(f"deterministic must be None or a Python bool, got {per_call!r}")
+    return per_call

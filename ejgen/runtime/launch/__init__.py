@@ -1,0 +1,1 @@
+"""Launching Triton kernels from JAX: jax-triton on NVIDIA GPUs, Triton's interpreter on the CPU."""
