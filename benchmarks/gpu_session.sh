@@ -21,8 +21,8 @@ METRICS=$METRICS,launch__occupancy_limit_shared_mem,sm__pipe_tensor_op_hmma_cycl
 for step in "$@"; do
   case $step in
     check)
-      timeout 300 python3 -m pytest -q -n 10 -p no:cacheprovider tests/test_triton_band.py tests/test_triton_merged.py \
-        tests/test_triton_tma.py tests/test_triton_aot.py > "$OUT/check-files.log" 2>&1
+      timeout 300 python3 -m pytest -q -n 10 -p no:cacheprovider tests/attention/test_triton_band.py tests/attention/test_triton_merged.py \
+        tests/attention/test_triton_tma.py tests/attention/test_triton_aot.py > "$OUT/check-files.log" 2>&1
       note "check files rc $?: $(grep -E '[0-9]+ (passed|failed)' "$OUT/check-files.log" | tail -1)"
       EJGEN_FULL_SUITE=1 timeout 300 python3 -m pytest -m gpu -q -n 12 -p no:cacheprovider -k triton tests \
         > "$OUT/check-gpu.log" 2>&1

@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-# The helper modules (oracle, shapes) sit next to the tests; keep them importable under any
-# pytest import mode.
+# Each family's helper modules (its oracle) sit next to its tests, and this file is shared by all:
+# keep both importable under any pytest import mode.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
+for _folder in (_HERE, *(os.path.join(_HERE, d) for d in sorted(os.listdir(_HERE)))):
+    if os.path.isdir(_folder) and _folder not in sys.path:
+        sys.path.insert(0, _folder)
 
 ON_GPU = jax.default_backend() == "gpu"
 if not ON_GPU:

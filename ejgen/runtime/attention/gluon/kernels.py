@@ -1,5 +1,5 @@
 """The Gluon kernels of `gluon_attention`, forward and backward (imported only where they run or are compiled:
-they need Triton's Gluon). Both were checked on an H200 against the float64 oracle (tests/test_gluon.py).
+they need Triton's Gluon). Both were checked on an H200 against the float64 oracle (tests/attention/test_gluon.py).
 
 The forward is persistent (one program per SM walking query tiles: `_tile`; its barrier protocol across tiles is
 described in notes/gluon-persistent-fwd.md and modelled by notes/gluon_persistent_protocol_sim.py). The backward

@@ -1,5 +1,5 @@
 """ejgen's extension of jax-triton (ejgen.runtime.launch.triton_call._extend_jax_triton), run inside
-jax-triton 0.3.1's real compile path on a CPU (tests/jax_triton_lowering.py): the kernel object
+jax-triton 0.3.1's real compile path on a CPU (tests/attention/jax_triton_lowering.py): the kernel object
 jaxlib would receive reads the tensor descriptors' global scratch from the SCRATCH output, and
 kernels that ejgen does not launch compile exactly as jax-triton compiles them."""
 

@@ -15,7 +15,7 @@ import pytest
 import oracle
 from conftest import backend_cases
 from oracle import TOLERANCE, assert_close
-from shapes import (
+from ejgen.testing.shapes import (
     GQA_SHAPES,
     MHA_SHAPES,
     DTYPE_IDS,

@@ -21,7 +21,7 @@ from ejgen.render import render
 from ejgen.spec import load_specs
 from ejgen.writer import diff_package
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPECS = REPO / "specs"
 GENERATED = REPO / "generated"
 HEADER = re.compile(

@@ -16,7 +16,7 @@ import pytest
 
 from ejgen.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = "mypkg"
 REL = 9  # columns of the relative-position table; index q_idx - kv_idx + 4, clamped
 

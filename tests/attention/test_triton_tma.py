@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
 
-from shapes import AttnShape  # noqa: E402
+from ejgen.testing.shapes import AttnShape  # noqa: E402
 
 from ejgen.runtime.attention.triton import host as triton_attention
 from ejgen.runtime.launch import triton_call  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
 
-from shapes import AttnShape  # noqa: E402
+from ejgen.testing.shapes import AttnShape  # noqa: E402
 
 from ejgen.runtime.attention.triton import host as triton_attention
 from ejgen.runtime.launch import triton_call
@@ -57,9 +57,9 @@ def test_dq_over_the_ds_band_matches_the_oracle(monkeypatch, triton_launches, tr
 
 
 def _conformance():
-    import test_attention_conformance
+    import test_conformance
 
-    return test_attention_conformance
+    return test_conformance
 
 
 def test_band_with_segments_bias_sinks(monkeypatch, triton_launches, run_vjp):

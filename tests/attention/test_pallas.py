@@ -2,7 +2,7 @@
 with ``interpret=True`` against the float64 oracle, and both lowerings produced with ``jax.export``.
 
 The conformance cases are a small cover of DESIGN §3 through the shared harness of
-``test_attention_conformance`` and ``test_variants``: every feature with all its gradients (bias,
+``test_conformance`` and ``test_variants``: every feature with all its gradients (bias,
 sinks and params included), GQA and MHA, odd lengths, f32 and 16-bit, varlen, rows that see
 nothing, on both kernel families (``interpret_kernels``). The full conformance suite runs pallas
 once ``conftest.BACKENDS`` lists it.
@@ -20,11 +20,11 @@ from jax import export
 from jax.experimental.pallas import tpu as pltpu
 
 import oracle
-import test_attention_conformance as conformance
+import test_conformance as conformance
 import test_variants as variants
 from ejgen.runtime.attention.pallas import common as pallas_attention
 from ejgen.types import MaskInfo
-from shapes import GQA_SHAPES, MHA_SHAPES, VARLEN_SHAPES, rng_for
+from ejgen.testing.shapes import GQA_SHAPES, MHA_SHAPES, VARLEN_SHAPES, rng_for
 
 Features, Case = conformance.Features, conformance.Case
 CAP = conformance.CAP

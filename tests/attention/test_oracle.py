@@ -12,7 +12,7 @@ import pytest
 
 import oracle
 from oracle import assert_close
-from shapes import (
+from ejgen.testing.shapes import (
     GQA_SHAPES,
     MHA_SHAPES,
     SHAPES,

@@ -11,7 +11,7 @@ pytest.importorskip("triton", reason="the triton extra is part of the test insta
 from ejgen.spec import load_specs  # noqa: E402
 from ejgen.testing.aot import compile_in_subprocess  # noqa: E402
 
-SPECS = {v.name: v for v in load_specs(os.path.join(os.path.dirname(__file__), "..", "specs"))}
+SPECS = {v.name: v for v in load_specs(os.path.join(os.path.dirname(__file__), "..", "..", "specs"))}
 
 # (id, variant, capability, config): kernel sizes of the heuristic table, features on and off
 CASES = [

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
 
-from shapes import AttnShape  # noqa: E402
+from ejgen.testing.shapes import AttnShape  # noqa: E402
 
 from ejgen.runtime.launch import triton_call
 from ejgen.runtime.attention.triton import configs as triton_configs  # noqa: E402
@@ -149,9 +149,9 @@ VARLEN = [("causal-win8,0-sink_h-N4-q13.9.0.30-k13.0.11.25-H2x2-D72-Dv40-bf16", 
 
 
 def _conformance():
-    import test_attention_conformance
+    import test_conformance
 
-    return test_attention_conformance
+    return test_conformance
 
 
 @pytest.mark.parametrize("case_id,pinned", CONFORMANCE, ids=[c[0] for c in CONFORMANCE])
