@@ -55,6 +55,13 @@ def _build(args) -> int:
 
 
 def _show(args) -> int:
+    if (args.spec is None) == (args.call is None):
+        raise BuildError("show: give a spec file, or --call 'op(...)' (not both)")
+    if args.call is not None:
+        from ejgen.cli.call import explain_call
+
+        print(explain_call(args.call, args.package, args.target))
+        return 0
     from ejgen.emit.attention.describe import describe
     from ejgen.render import plan
     from ejgen.spec import load_spec
@@ -100,8 +107,16 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("specs")
     c.add_argument("-o", "--out", default="generated")
     c.set_defaults(run=_build, check=True)
-    s = sub.add_parser("show", help="print a spec's IR, derivatives and mask analysis")
-    s.add_argument("spec")
+    s = sub.add_parser("show", help="print a spec's IR, derivatives and mask analysis, or (--call) which "
+                                    "kernels a call takes and why")
+    s.add_argument("spec", nargs="?")
+    s.add_argument("--call", metavar="'OP(...)'",
+                   help="a call with tensors as dtype[dims], e.g. \"flash_attention(bf16[1,4096,16,128], "
+                        "bf16[1,4096,4,128], bf16[1,4096,4,128], causal=True)\"; mask_info=segments(int32[B,S]) "
+                        "or mask(bool[B,1,Sq,Sk])")
+    s.add_argument("--package", default="ejgen.generated", help="package holding the op (default: ejgen.generated)")
+    s.add_argument("--target", choices=("cpu", "sm80", "sm90", "tpu"),
+                   help="answer for this machine instead of the one running the command")
     s.set_defaults(run=_show)
     n = sub.add_parser("new", help="scaffold a spec")
     n.add_argument("name")

@@ -1,5 +1,15 @@
-"""Public ops. ``flash_attention`` is generated from ``specs/flash_attention.yaml``."""
+"""Public ops and the controls every op shares.
+
+- ``flash_attention``: generated from ``specs/flash_attention.yaml`` (docs/DESIGN.md §3).
+- ``explain(op, *args, target=None, **kwargs)``: which platform and kernel sets a call takes, and why,
+  without running it (docs/DESIGN.md §6).
+- ``settings(**changes)``: a scoped override of the settings (``deterministic``, ``gluon``,
+  ``triton_configs``, ``triton_autotune``); ``current_settings()`` the ones in force.
+"""
 
 from ejgen.generated import flash_attention
+from ejgen.runtime.core.kernels import KernelChoice, explain
+from ejgen.runtime.core.settings import Settings, settings
+from ejgen.runtime.core.settings import current as current_settings
 
-__all__ = ["flash_attention"]
+__all__ = ["flash_attention", "explain", "settings", "current_settings", "KernelChoice", "Settings"]

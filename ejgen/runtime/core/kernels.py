@@ -20,6 +20,7 @@ import dataclasses
 import logging
 
 import jax
+import numpy as np
 
 log = logging.getLogger("ejgen")
 
@@ -100,10 +101,18 @@ def explain(op, *args, target: str | None = None, **kwargs) -> KernelChoice:
     be ``jax.ShapeDtypeStruct``). ``target``: answer for another machine (one of ``TARGETS``)."""
     if target is not None and target not in TARGETS:
         raise ValueError(f"explain: target must be one of {', '.join(TARGETS)}, got {target!r}")
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    traced = [isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in leaves]
+
+    def call(*arrays):  # arrays (and their stand-ins) traced, everything else as given: flags stay Python values
+        it = iter(arrays)
+        a, kw = jax.tree.unflatten(tree, [next(it) if t else x for x, t in zip(leaves, traced)])
+        return op(*a, **kw)
+
     box: list = []
     with _scoped(_EXPLAIN, box), _scoped(_TARGET, TARGETS[target] if target else None):
         try:
-            jax.eval_shape(lambda *a: op(*a, **kwargs), *args)
+            jax.eval_shape(call, *[x for x, t in zip(leaves, traced) if t])
         except _Explained:
             pass
     if not box:
