@@ -129,7 +129,7 @@ def triton_against_oracle(run_vjp):
     import numpy as np
 
     import oracle
-    from shapes import random_cotangents, random_qkv, random_sinks, rng_for
+    from ejgen.testing.shapes import random_cotangents, random_qkv, random_sinks, rng_for
 
     from ejgen.ops import flash_attention
 

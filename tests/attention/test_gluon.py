@@ -16,10 +16,10 @@ pytest.importorskip("triton", reason="the triton extra is part of the test insta
 
 from ejgen.testing.shapes import AttnShape  # noqa: E402
 
-from ejgen.runtime.attention.gluon import host as gluon_attention
-from ejgen.runtime.attention.triton import host as triton_attention
-from ejgen.runtime.launch import triton_call  # noqa: E402
 from ejgen.runtime.attention.config import AttentionConfig  # noqa: E402
+from ejgen.runtime.attention.gluon import host as gluon_attention  # noqa: E402
+from ejgen.runtime.core import kernels as core_kernels  # noqa: E402
+from ejgen.runtime.launch import triton_call  # noqa: E402
 from ejgen.testing.aot import compile_gluon_in_subprocess  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
@@ -103,12 +103,19 @@ def test_plain_causal_and_window_calls_are_covered(cfg, arrays):
     assert gluon_attention.ineligible(_layout("flash_attention"), cfg, *arrays, False) is None
 
 
-def test_off_a_hopper_gpu_the_generated_forward_runs(monkeypatch):
-    layout, cfg, arrays = _layout("flash_attention"), _cfg(causal=True), _qkv()
+def test_off_a_hopper_gpu_the_generated_kernels_run(monkeypatch):
+    from ejgen.ops import explain, flash_attention
+
+    q = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
     if not ON_GPU:  # the interpreter: Gluon kernels do not run there
-        assert not triton_attention.use_gluon(layout, *arrays, cfg)
+        choice = explain(flash_attention, q, q, q, causal=True, platform="triton")
+        assert (choice.forward, choice.backward) == ("triton", "triton")
+        assert "not an sm_90 GPU (target: cpu)" in choice.text()
+    assert explain(flash_attention, q, q, q, causal=True, target="sm80").forward == "triton"
+    assert explain(flash_attention, q, q, q, causal=True, target="sm90").forward == "gluon"
     monkeypatch.setenv("EJGEN_GLUON", "0")
-    assert not triton_attention.use_gluon(layout, *arrays, cfg)
+    choice = explain(flash_attention, q, q, q, causal=True, target="sm90")
+    assert (choice.forward, choice.backward) == ("triton", "triton") and "gluon setting is off" in choice.text()
 
 
 GPU_CASES = [  # (id, shape, features, dtype): calls the Gluon forward takes
@@ -174,7 +181,7 @@ def test_the_launches_match_the_kernels_signatures(monkeypatch):
 
     monkeypatch.setattr(triton_call, "mode", lambda: ("gpu", ""))
     monkeypatch.setattr(triton_call, "launch", fake_launch)
-    monkeypatch.setattr(gluon_attention, "hopper", lambda: True)
+    monkeypatch.setattr(core_kernels, "target", lambda: core_kernels.Target("gpu", "sm90"))
     monkeypatch.setattr(gluon_attention, "num_sms", lambda: 7)
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
     monkeypatch.delenv("EJGEN_GLUON", raising=False)

@@ -1,0 +1,140 @@
+"""Kernel choice is declared, visible and controllable (docs/DESIGN.md §6): which kernel set a call takes
+and why (``explain``, ``ejgen show --call``, the debug log), the settings that steer it, and the
+``deterministic`` guarantee on every backend."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejgen.cli import main
+from ejgen.ops import explain, flash_attention, settings
+from ejgen.runtime.attention.kernels import KERNEL_SETS
+from ejgen.testing.shapes import AttnShape, random_qkv, rng_for
+
+pytestmark = pytest.mark.usefixtures("x64_stays_off")
+
+BF16 = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
+BF16_KV = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+
+
+def test_every_chosen_set_is_declared():
+    for target in ("cpu", "sm80", "sm90", "tpu"):
+        choice = explain(flash_attention, BF16, BF16_KV, BF16_KV, causal=True, target=target)
+        assert {choice.forward, choice.backward} <= set(KERNEL_SETS)
+        assert KERNEL_SETS[choice.forward].platform == choice.platform
+
+
+@pytest.mark.parametrize("target,platform,forward,backward", [
+    ("cpu", "xla", "xla", "xla"),
+    ("tpu", "pallas", "pallas", "pallas"),
+    ("sm80", "triton", "triton", "triton"),
+    ("sm90", "triton", "gluon", "gluon"),
+])
+def test_auto_by_target(target, platform, forward, backward):
+    choice = explain(flash_attention, BF16, BF16_KV, BF16_KV, causal=True, target=target)
+    assert (choice.platform, choice.forward, choice.backward) == (platform, forward, backward)
+    assert choice.reasons[0].startswith(f"platform {platform}: auto on {target}")
+
+
+@pytest.mark.parametrize("change,why", [
+    (dict(q=jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.float32)), "16-bit only"),
+    (dict(d=96), "head dims 96/96"),
+    (dict(logits_soft_cap=30.0), "soft cap"),
+    (dict(mask_info="segments"), "segments"),
+    (dict(kv_len=512), "Sq 1024 != Sk 512"),
+])
+def test_the_hopper_set_says_why_it_declines(change, why):
+    from ejgen.types import MaskInfo
+
+    d, kv_len = change.pop("d", 128), change.pop("kv_len", 1024)
+    q = change.pop("q", jax.ShapeDtypeStruct((1, 1024, 8, d), jnp.bfloat16))
+    kv = jax.ShapeDtypeStruct((1, kv_len, 2, d), q.dtype)
+    if change.get("mask_info") == "segments":
+        ids = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+        change["mask_info"] = MaskInfo(q_segment_ids=ids, kv_segment_ids=ids)
+    choice = explain(flash_attention, q, kv, kv, causal=True, target="sm90", **change)
+    assert (choice.forward, choice.backward) == ("triton", "triton")
+    assert why in choice.reasons[1] and why in choice.reasons[2]
+
+
+def test_deterministic_keeps_the_hopper_backward_out():
+    per_call = explain(flash_attention, BF16, BF16_KV, BF16_KV, causal=True, target="sm90", deterministic=True)
+    assert (per_call.forward, per_call.backward, per_call.deterministic) == ("gluon", "triton", True)
+    assert "reduce-adds" in per_call.reasons[2] and "by the call's argument" in per_call.reasons[-1]
+    with settings(deterministic=True):
+        scoped = explain(flash_attention, BF16, BF16_KV, BF16_KV, causal=True, target="sm90")
+        assert scoped == per_call and "by the setting" in scoped.reasons[-1]
+        assert explain(flash_attention, BF16, BF16_KV, BF16_KV, target="sm90", deterministic=False).backward == "gluon"
+
+
+def test_settings_come_from_the_environment_and_scopes(monkeypatch):
+    monkeypatch.setenv("EJGEN_DETERMINISTIC", "1")
+    assert explain(flash_attention, BF16, BF16_KV, BF16_KV, target="sm90").backward == "triton"
+    with settings(deterministic=False):
+        assert explain(flash_attention, BF16, BF16_KV, BF16_KV, target="sm90").backward == "gluon"
+    monkeypatch.delenv("EJGEN_DETERMINISTIC")
+    with settings(gluon=False):
+        choice = explain(flash_attention, BF16, BF16_KV, BF16_KV, target="sm90")
+        assert choice.forward == "triton" and "gluon setting is off" in choice.reasons[1]
+    with settings(triton_configs="fwd=128,64,8,3"):
+        choice = explain(flash_attention, BF16, BF16_KV, BF16_KV, target="sm90")
+        assert (choice.forward, choice.backward) == ("triton", "gluon") and "pinned" in choice.reasons[1]
+
+
+def test_bad_settings_and_arguments_are_named():
+    with pytest.raises(TypeError, match="unknown setting 'determinstic'"):
+        with settings(determinstic=True):
+            pass
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        with settings(deterministic=1):
+            pass
+    q = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(ValueError, match="deterministic must be None or a Python bool, got 'yes'"):
+        flash_attention(q, q, q, deterministic="yes")
+    with pytest.raises(ValueError, match="target must be one of cpu, sm80, sm90, tpu"):
+        explain(flash_attention, q, q, q, target="h100")
+
+
+def test_the_choice_is_logged_at_debug_level(caplog):
+    q = jnp.zeros((1, 8, 2, 16))
+    with caplog.at_level(logging.DEBUG, logger="ejgen"):
+        flash_attention(q, q, q, causal=True, platform="xla")
+    assert any("flash_attention: platform xla: forward xla, backward xla" in r.getMessage() for r in caplog.records)
+
+
+def test_ejgen_show_call_reports_the_choice(capsys):
+    call = "flash_attention(bf16[1,1024,8,128], bf16[1,1024,2,128], bf16[1,1024,2,128], causal=True)"
+    assert main(["show", "--call", call, "--target", "sm90"]) == 0
+    out = capsys.readouterr().out
+    assert "platform triton: forward gluon, backward gluon" in out
+    assert main(["show", "--call", call.replace("causal=True", "mask_info=segments(int32[1,1024])"),
+                 "--target", "sm90"]) == 0
+    assert "not gluon: soft cap, sinks, bias, segments" in capsys.readouterr().out
+    assert main(["show", "--call", "flash_attention(q)"]) == 1
+    assert "neither a literal nor dtype[dims]" in capsys.readouterr().err
+    assert main(["show", "--call", "no_such_op(f32[1])"]) == 1
+    assert "has no op 'no_such_op'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton", "pallas"])
+def test_deterministic_calls_are_bitwise_reproducible(backend):
+    """Two runs of the same deterministic call (forward and every gradient) give identical bits. Run as
+    two separately traced functions, so nothing is shared between them but the inputs."""
+    shape = AttnShape(1, 70, 70, 4, 2, 32)
+    rng = rng_for("deterministic", backend)
+    qkv = random_qkv(shape, "float32", rng)
+    aux = jnp.asarray(rng.standard_normal(4), jnp.float32)
+
+    def loss(q, k, v, aux):
+        out = flash_attention(q, k, v, causal=True, softmax_aux=aux, platform=backend, deterministic=True)
+        return jnp.sum(out * jnp.cos(out))
+
+    runs = [jax.jit(jax.value_and_grad(lambda *a: loss(*a), argnums=(0, 1, 2, 3)))(*qkv.values(), aux)
+            for _ in range(2)]
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
