@@ -3,8 +3,9 @@
     python benchmarks/attention.py [--quick] [--out DIR]
 
 bf16, [B, S, H, D] with B*S = 32k tokens, H = 16; forward and forward+backward; causal and not;
+ejgen with the default settings and with deterministic=True (docs/DESIGN.md §6);
 plus a sliding-window case (S = 16k, window (1024, 0)). FLOPs as FlashAttention counts them
-(DESIGN §6): forward 4*B*H*Sq*Sk*D over visible pairs, backward 2.5x forward. Prints a table
+(docs/DESIGN.md §8): forward 4*B*H*Sq*Sk*D over visible pairs, backward 2.5x forward. Prints a table
 (TFLOP/s, ratio to cuDNN; every impl compiled first, then timed in interleaved rounds), writes results.json, results.md and a PNG plot to --out.
 """
 
@@ -36,6 +37,9 @@ def _visible_pairs(s: int, causal: bool, window) -> int:
 def _impls(causal: bool, window):
     impls = {
         "ejgen-triton": lambda q, k, v: flash_attention(q, k, v, causal=causal, sliding_window=window, platform="triton"),
+        # deterministic=True: bitwise-reproducible gradients (on Hopper the backward leaves the Gluon set)
+        "ejgen-triton-det": lambda q, k, v: flash_attention(q, k, v, causal=causal, sliding_window=window,
+                                                            platform="triton", deterministic=True),
         "ejgen-pallas": lambda q, k, v: flash_attention(q, k, v, causal=causal, sliding_window=window, platform="pallas"),
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn"),
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
         for s in seqs:
             for causal in (False, True):
                 rows += run_case(s, d, causal, None, args.reps, only, args.rounds, args.batch)
-                print(table(rows[-2 * (len(only) or 5):]).split("\n", 2)[2], flush=True)
+                print(table(rows[-2 * (len(only) or len(_impls(causal, None))):]).split("\n", 2)[2], flush=True)
     if not args.no_window:
         rows += run_case(16384, 128, True, (1024, 0), args.reps, only, args.rounds, args.batch)
     text = f"Device: {device}; jax {jax.__version__}; bf16, B*S = {TOKENS}, H = {HEADS}\n\n{table(rows)}\n"
