@@ -14,7 +14,7 @@ KERNEL_SETS = {
     "gluon": KernelSet(
         "gluon", "triton", ("fwd",),
         "hand-written Hopper kernels (Gluon: warp-specialised, persistent): sm_90, bf16/f16, head dim 64 or "
-        "128, Sq == Sk, no mask but causal / sliding window (backward: causal, or causal with a window), "
+        "128, Sq == Sk, no mask but causal / sliding window (backward: no window, or one with causal), "
         "no soft cap, sinks, bias, segments, params; dQ added by reduce-adds in run-time order"),
     "pallas": KernelSet(
         "pallas", "pallas", ("fwd", "bwd"),
