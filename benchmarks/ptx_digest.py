@@ -46,29 +46,37 @@ def _digest(ptx: str) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
-def digests(specs, gluon: bool) -> dict:
+def _one(job) -> dict:
+    """Digests of one (spec, config) or Gluon config: {key: digest} or {key: "error: ..."}."""
     from ejgen.testing import aot
 
-    out = {}
-    for spec in specs:
-        for cid, kw in CONFIGS:
-            try:
-                compiled = aot.compile_attention("ejgen.generated", spec, params=SPECS[spec], **kw)
-            except Exception as e:  # reported, not hidden
-                out[f"{spec}/{cid}"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                continue
-            for kernel, c in compiled.items():
-                out[f"{spec}/{cid}/{kernel}"] = _digest(c.asm["ptx"])
+    spec, cid, kw = job
+    try:
+        if spec == "gluon":
+            compiled = aot.compile_gluon(**kw)
+        else:
+            compiled = aot.compile_attention("ejgen.generated", spec, params=SPECS[spec], **kw)
+    except Exception as e:  # reported, not hidden
+        return {f"{spec}/{cid}": f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+    return {f"{spec}/{cid}/{kernel}": _digest(c.asm["ptx"]) for kernel, c in compiled.items()}
+
+
+def digests(specs, gluon: bool, jobs: int = 1) -> dict:
+    work = [(spec, cid, kw) for spec in specs for cid, kw in CONFIGS]
     if gluon:
-        for kw in GLUON:
-            cid = f"{kw['dtype']}-d{kw['head_dim']}-causal{int(kw['causal'])}-window{int(kw['window'])}"
-            try:
-                compiled = aot.compile_gluon(**kw)
-            except Exception as e:
-                out[f"gluon/{cid}"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                continue
-            for kernel, c in compiled.items():
-                out[f"gluon/{cid}/{kernel}"] = _digest(c.asm["ptx"])
+        work += [("gluon", f"{kw['dtype']}-d{kw['head_dim']}-causal{int(kw['causal'])}-window{int(kw['window'])}", kw)
+                 for kw in GLUON]
+    out = {}
+    if jobs > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for part in pool.map(_one, work):
+                out.update(part)
+    else:
+        for job in work:
+            out.update(_one(job))
     return out
 
 
@@ -88,6 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"))
     p.add_argument("--specs", default=",".join(SPECS))
     p.add_argument("--no-gluon", action="store_true")
+    p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     args = p.parse_args(argv)
     if args.compare:
         old, new = (json.load(open(f)) for f in args.compare)
@@ -97,7 +106,7 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    result = {"_triton": triton.__version__, **digests(args.specs.split(","), not args.no_gluon)}
+    result = {"_triton": triton.__version__, **digests(args.specs.split(","), not args.no_gluon, args.jobs)}
     print(json.dumps(result, indent=1, sort_keys=True))
     return 0
 
