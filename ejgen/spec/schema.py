@@ -60,8 +60,8 @@ def build_variant(root: Node, *, path: str, source_hash: str) -> Variant:
     modes = _choices(fields.get("modes"), MODES, "modes", "mode", default=("train",))
     backends = _choices(fields.get("backends"), BACKENDS, "backends", "backend", default=BACKENDS)
     features = _features(fields.get("features"))
-    params = _params(fields.get("params"))
-    options = _options(fields.get("options"))
+    params = _entries(fields.get("params"), "params", _param)
+    options = _entries(fields.get("options"), "options", _option)
     _check_distinct(params, options)
     score = _expr(fields.get("score"), "score", default=Var("s"))
     mask = _expr(fields.get("mask"), "mask", default=Const(True))
@@ -213,11 +213,12 @@ def _bad_setting(node: Node, expected: str, words: tuple = ("runtime",)) -> Spec
     return SpecError(f"{expected}, got {_kind(node)}{close}", node.loc)
 
 
-def _params(node: Node | None) -> tuple:
+def _entries(node: Node | None, what: str, build) -> tuple:
+    """``build(name, value node, key location)`` for each entry of the mapping ``what``, in spec order."""
     if node is None:
         return ()
-    entries = _mapping(node, "params")
-    return tuple(_param(name, value, node.key_locs[name]) for name, value in entries.items())
+    entries = _mapping(node, what)
+    return tuple(build(name, value, node.key_locs[name]) for name, value in entries.items())
 
 
 def _param(name: str, node: Node, key_loc: Loc) -> Param:
@@ -245,13 +246,6 @@ def _shape(node: Node) -> tuple:
             message = f"a dim must be a dim name or a positive int, got {_kind(dim)}"
             raise SpecError(message, dim.loc)
     return tuple(dims)
-
-
-def _options(node: Node | None) -> tuple:
-    if node is None:
-        return ()
-    entries = _mapping(node, "options")
-    return tuple(_option(name, value, node.key_locs[name]) for name, value in entries.items())
 
 
 def _option(name: str, node: Node, key_loc: Loc) -> Option:

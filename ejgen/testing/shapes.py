@@ -13,8 +13,31 @@ import jax.numpy as jnp
 import numpy as np
 
 
+class _Heads:
+    """What both shape kinds share: heads, head dims and a readable id."""
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def gqa(self) -> bool:
+        return self.q_heads != self.kv_heads
+
+    def __str__(self) -> str:
+        return self.id
+
+    def _check_heads(self):
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"{self.id}: q_heads must be a multiple of kv_heads")
+
+    def _dims_id(self) -> str:
+        dv = "" if self.v_head_dim is None else f"-Dv{self.v_head_dim}"
+        return f"H{self.q_heads}x{self.kv_heads}-D{self.head_dim}{dv}"
+
+
 @dataclasses.dataclass(frozen=True)
-class AttnShape:
+class AttnShape(_Heads):
     """``query [B, Sq, Hq, D], key [B, Sk, Hkv, D], value [B, Sk, Hkv, Dv]``."""
 
     batch: int
@@ -26,27 +49,11 @@ class AttnShape:
     v_head_dim: int | None = None  # None: same as head_dim
 
     def __post_init__(self):
-        if self.q_heads % self.kv_heads:
-            raise ValueError(f"{self.id}: q_heads must be a multiple of kv_heads")
-
-    @property
-    def dv(self) -> int:
-        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+        self._check_heads()
 
     @property
     def id(self) -> str:
-        dv = "" if self.v_head_dim is None else f"-Dv{self.v_head_dim}"
-        return (
-            f"B{self.batch}-Sq{self.q_len}-Sk{self.kv_len}-H{self.q_heads}x{self.kv_heads}"
-            f"-D{self.head_dim}{dv}"
-        )
-
-    def __str__(self) -> str:
-        return self.id
-
-    @property
-    def gqa(self) -> bool:
-        return self.q_heads != self.kv_heads
+        return f"B{self.batch}-Sq{self.q_len}-Sk{self.kv_len}-{self._dims_id()}"
 
     @property
     def odd(self) -> bool:
@@ -74,7 +81,7 @@ class AttnShape:
 
 
 @dataclasses.dataclass(frozen=True)
-class VarlenShape:
+class VarlenShape(_Heads):
     """Packed sequences: ``query [Tq, Hq, D], key [Tk, Hkv, D], value [Tk, Hkv, Dv]``, sequence
     ``n`` holding ``q_lens[n]`` queries and ``kv_lens[n]`` keys."""
 
@@ -88,28 +95,12 @@ class VarlenShape:
     def __post_init__(self):
         if len(self.q_lens) != len(self.kv_lens):
             raise ValueError("q_lens and kv_lens must have one entry per sequence")
-        if self.q_heads % self.kv_heads:
-            raise ValueError(f"{self.id}: q_heads must be a multiple of kv_heads")
-
-    @property
-    def dv(self) -> int:
-        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+        self._check_heads()
 
     @property
     def id(self) -> str:
-        dv = "" if self.v_head_dim is None else f"-Dv{self.v_head_dim}"
-        q = ".".join(map(str, self.q_lens))
-        k = ".".join(map(str, self.kv_lens))
-        return (
-            f"N{len(self.q_lens)}-q{q}-k{k}-H{self.q_heads}x{self.kv_heads}-D{self.head_dim}{dv}"
-        )
-
-    def __str__(self) -> str:
-        return self.id
-
-    @property
-    def gqa(self) -> bool:
-        return self.q_heads != self.kv_heads
+        q, k = ".".join(map(str, self.q_lens)), ".".join(map(str, self.kv_lens))
+        return f"N{len(self.q_lens)}-q{q}-k{k}-{self._dims_id()}"
 
     @property
     def total_q(self) -> int:
