@@ -120,29 +120,6 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cases = [(d, c, p) for d in sorted({r["d"] for r in rows}) for c in (False, True) for p in ("fwd", "fwd+bwd")]
-    fig, axes = plt.subplots(1, len(cases), figsize=(4 * len(cases), 3.5), squeeze=False)
-    for ax, (d, c, p) in zip(axes[0], cases):
-        for impl in sorted({r["impl"] for r in rows}):
-            pts = [(r["s"], r["tflops"]) for r in rows if r["impl"] == impl and r["d"] == d and r["causal"] == c
-                   and r["pass_"] == p and r["window"] is None and r["tflops"]]
-            if pts:
-                ax.plot(*zip(*sorted(pts)), marker="o", label=impl)
-        ax.set_title(f"D={d} causal={int(c)} {p}", fontsize=9)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("S")
-        ax.set_ylabel("TFLOP/s")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="head dim 128, S 4k and 16k, and the window case")
@@ -178,7 +155,9 @@ def main(argv=None) -> int:
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
     try:
-        plot(rows, out / "attention.png")
+        import plot  # benchmarks/plot.py: the same figure as BENCHMARKS.md's, from this run
+
+        plot.plot(plot.from_results_json(out / "results.json"), out / "attention.png")
     except ImportError as e:
         print(f"no plot: {e}", file=sys.stderr)
     print(text)
