@@ -6,6 +6,8 @@
 #   kernels  per-kernel times under Nsight Compute (benchmarks/kernel_times.py): KERNEL_CASES, KERNEL_CONFIGS
 #   sweep    benchmarks/tune_triton.py --configs SWEEP_CONFIGS --cases SWEEP_CASES (whole configs vs cuDNN)
 #   autotune benchmarks/gpu_check.py bfloat16 --autotune
+#   ptx      PTX digests of every Triton and Gluon kernel (benchmarks/ptx_digest.py) of this tree and of the tree
+#            in $PTX_BASE (a copy of an earlier commit, e.g. `git archive REV | tar -x -C .old`), compared
 # e.g.  bash benchmarks/gpu_session.sh check bench
 #       KERNEL_CONFIGS="cudnn||dkdv=64,64,4,2,merged,band" bash benchmarks/gpu_session.sh kernels
 # Each step has its own time limit; a summary of every step goes to $OUT/session.log and stdout.
@@ -55,7 +57,12 @@ for step in "$@"; do
       timeout 300 python3 benchmarks/gpu_check.py bfloat16 --autotune > "$OUT/autotune.log" 2>&1
       note "autotune rc $?"
       tail -n 6 "$OUT/autotune.log" | tee -a "$LOG" ;;
+    ptx)
+      env -u TRITON_INTERPRET timeout 400 python3 benchmarks/ptx_digest.py --jobs 14 > "$OUT/ptx-new.json" 2> "$OUT/ptx.err"
+      (cd "${PTX_BASE:-.old}" && ln -sfn ../generated ejgen/generated && env -u TRITON_INTERPRET PYTHONPATH=$PWD:$PYTHONPATH \
+        timeout 400 python3 ../benchmarks/ptx_digest.py --jobs 14) > "$OUT/ptx-old.json" 2>> "$OUT/ptx.err"
+      python3 benchmarks/ptx_digest.py --compare "$OUT/ptx-old.json" "$OUT/ptx-new.json" | tee -a "$LOG" | head -40 ;;
     *)
-      note "unknown step '$step' (check, full, bench, kernels, sweep, autotune)"; exit 2 ;;
+      note "unknown step '$step' (check, full, bench, kernels, sweep, autotune, ptx)"; exit 2 ;;
   esac
 done
