@@ -1,18 +1,20 @@
 """Warp-specialised forward and backward for Hopper in Triton's Gluon dialect (the FA3 shape), for the plain
 attention family. The backward (`bwd_*` below; kernel in gluon_kernels) covers the same calls, sliding windows
 only with causal (a window to the left; those take the persistent backward, `pbwd_*`), and adds dQ up in
-float32 by bulk reduce-adds: not bitwise reproducible run to run. Measured (H200, session 7, BENCHMARKS.md): forward+backward 0.95-1.09x cuDNN over head
-dims 64/128 and S 1k-16k; window (16k, 1024) 1.10-1.11x with the persistent backward.
+float32 by bulk reduce-adds: not bitwise reproducible run to run. Measured (H200, session 7, BENCHMARKS.md):
+forward+backward 0.95-1.09x cuDNN over head dims 64/128 and S 1k-16k; window (16k, 1024) 1.10-1.11x with the
+persistent backward.
 
 The forward:
 
 Where it runs: sm_90 GPUs, 16-bit q/k/v with head dim 64 or 128 (= value head dim), Sq == Sk, no varlen,
 and a spec whose score is the scaled dot product and whose mask is the built-in causal / sliding-window one
-(no soft cap, sinks, bias, segments, dense mask or params). `triton_attention` takes it for those calls and
-keeps the generated Triton kernel for every other one (and for the backward, which reads this kernel's O
-and lse). The element semantics are DESIGN §3's: key j is visible to query i iff (not causal or j <= i) and
-(no window or i - left <= j <= i + right); lse is the natural-log log-sum-exp of the scaled logits, -inf on
-a row that sees no key.
+(no soft cap, sinks, bias, segments, dense mask or params): the kernel-set contract, docs/DESIGN.md §6
+(`ineligible`). `triton_attention` takes it for those calls and keeps the generated Triton kernel for every
+other one (and for the backward, which reads this kernel's O and lse). The element semantics are
+docs/DESIGN.md §3's: key j is visible to query i iff (not causal or j <= i) and (no window or
+i - left <= j <= i + right); lse is the natural-log log-sum-exp of the scaled logits, -inf on a row that sees
+no key.
 
 Shape of the kernel (persistent: one program per SM walks tiles of 128 query rows of one head):
   * a producer warp (few registers) issues tensor-memory-accelerator loads: the two 64-row halves of a
@@ -24,9 +26,8 @@ Shape of the kernel (persistent: one program per SM walks tiles of 128 query row
     O += P_{j-1} V_{j-1} are issued asynchronously, the softmax of block j runs while P_{j-1} V_{j-1} is
     still on the tensor cores (one wgmma in flight: what plain Triton cannot express), and each K/V stage
     goes back to the producer once both consumers' wgmmas that read it have completed;
-  * with PP_SYNC the two consumers take turns issuing their matmuls (an mbarrier token passed back and
-    forth, its phase from the running block counter): one warpgroup's softmax overlaps the other's matmuls
-    (FA3's ping-pong);
+  * the two consumers take turns issuing their matmuls (an mbarrier token passed back and forth, its phase
+    from the running block counter): one warpgroup's softmax overlaps the other's matmuls (FA3's ping-pong);
   * only the key blocks that meet the visible band are visited; blocks visible for every row of the tile
     run without the element mask;
   * the epilogue divides by the row sums, writes lse, and stores O through the consumer's Q buffer with a
@@ -35,9 +36,9 @@ Shape of the kernel (persistent: one program per SM walks tiles of 128 query row
     tiles slow and heads fast inside a section, heaviest tiles first under causal (FA3's LPT order).
 Descriptors are made on the device (the launch gives each program SCRATCH bytes for them, triton_call).
 The cross-tile barrier protocol (ring, Q sets, turn token) was checked by a CPU model under random
-interleavings before it ran (notes/gluon_persistent_protocol_sim.py).
+interleavings before it ran (tests/attention/test_gluon_protocol.py; notes/gluon-persistent-fwd.md).
 
-Measured (H200, bf16, D=128, B*S=32k, H=16; session 7, notes/gluon-persistent-fwd-h200.log, CUDA events):
+Measured (session 7, H200; bf16, D=128, B*S=32k, H=16, CUDA events):
 against the per-tile form it replaced, window (16k, 1024) 0.704 -> 0.505 ms, 4k causal 0.994 -> 0.922,
 16k causal 3.374 -> 3.369, 4k 1.682 -> 1.557.
 """
@@ -51,9 +52,9 @@ BLOCK_M = 128  # two consumer warpgroups of 64 rows
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 HEAD_DIMS = (64, 128)
-# 128-key tiles, two K/V stages, turn-taking consumers (standalone sweep, H200: 128x128 s2 ahead of s3, 128x64 and
-# one-warpgroup forms at every shape; turn-taking won at 16k, free-running by < 1% at 4k)
-TILES = dict(BLOCK_N=128, NUM_STAGES=2, PP_SYNC=True)
+# 128-key tiles, two K/V stages (standalone sweep, H200: 128x128 s2 ahead of s3, 128x64 and one-warpgroup forms at
+# every shape); the kernel's consumers always take turns (turn-taking won at 16k, free-running by < 1% at 4k)
+TILES = dict(BLOCK_N=128, NUM_STAGES=2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,28 +170,30 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
 
 
 # The persistent backward (gluon_kernels.gluon_attention_bwd_persistent_kernel) for causal sliding windows: one
-# program per SM, tiles from an atomic counter (DYNAMIC) in kv-head order (HEAD_GROUP 1). Three repetitions on an
-# H200, backward kernel alone, window (16k, 1024): 1.50-1.56 ms against the per-program kernel's 1.81-1.86; on
-# causal and unmasked calls the per-program kernel stayed ahead (notes/prototypes/gluon_persistent_bwd/README.md).
+# program per SM, tiles from an atomic counter in kv-head order. Three repetitions on an H200, backward kernel
+# alone, window (16k, 1024): 1.50-1.56 ms against the per-program kernel's 1.81-1.86; on causal and unmasked calls
+# the per-program kernel stayed ahead (notes/gluon-persistent-bwd.md).
 SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
 SMEM_RESERVE = 1024  # kept free of tiles: barriers, the column table, warp-specialisation captures
 
 
-def pbwd_smem_bytes(d: int, k_stages: int, v_stages: int, dq_mode: int, item: int = 2) -> int:
+PBWD_K_STAGES = 2  # the persistent backward's K buffers (fixed in the kernel: needed first in a tile, released last)
+
+
+def pbwd_smem_bytes(d: int, v_stages: int, dq_mode: int, item: int = 2) -> int:
     """Shared memory of the persistent backward's tiles (no barriers): K and V buffers, the Q / dO ring, the dS
     double buffer, the two warpgroups' float32 dQ staging buffers, the lse / delta rows."""
     bm, bn, stages = BWD_TILES["BLOCK_M"], BWD_TILES["BLOCK_N"], BWD_TILES["NUM_STAGES"]
     dq_n = d if dq_mode == 0 else d // 2
-    return ((k_stages + v_stages) * bn * d * item + 2 * stages * bm * d * item + 2 * bn * bm * item
+    return ((PBWD_K_STAGES + v_stages) * bn * d * item + 2 * stages * bm * d * item + 2 * bn * bm * item
             + 2 * bm * dq_n * 4 + 2 * stages * bm * 4)
 
 
-def pbwd_kv_stages(d: int, dq_mode: int, item: int = 2) -> tuple:
-    """(K_STAGES, V_STAGES): two of each where they fit (head dim 64), else two K buffers (K is needed first in a
-    tile and released last; head dim 128), else one of each."""
-    for ks, vs in ((2, 2), (2, 1), (1, 1)):
-        if pbwd_smem_bytes(d, ks, vs, dq_mode, item) + SMEM_RESERVE <= SMEM_LIMIT:
-            return ks, vs
+def pbwd_v_stages(d: int, dq_mode: int, item: int = 2) -> int:
+    """V_STAGES: two V buffers where they fit next to the two K buffers (head dim 64), else one (head dim 128)."""
+    for vs in (2, 1):
+        if pbwd_smem_bytes(d, vs, dq_mode, item) + SMEM_RESERVE <= SMEM_LIMIT:
+            return vs
     raise ValueError(f"head dim {d}: the persistent backward's tiles do not fit in shared memory")
 
 
@@ -205,8 +208,7 @@ def pbwd_kernel():
 
 
 def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int) -> dict:
-    """The persistent backward's constexprs for a causal sliding window (MASK 2); its launch passes a zeroed
-    int32 tile counter (DYNAMIC)."""
+    """The persistent backward's constexprs for a causal sliding window (MASK 2); its launch also passes a zeroed
+    int32 tile counter (TILE_CTR: the kernel takes its tiles from it)."""
     base = bwd_constexprs(batch, hq, hkv, seq, d, True, True)
-    ks, vs = pbwd_kv_stages(d, base["DQ_MODE"])
-    return dict(base, HEAD_GROUP=1, K_STAGES=ks, V_STAGES=vs, EPI_TMA=False, DYNAMIC=1)
+    return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"]))

@@ -2,10 +2,11 @@
 they need Triton's Gluon). Both were checked on an H200 against the float64 oracle (tests/attention/test_gluon.py).
 
 The forward is persistent (one program per SM walking query tiles: `_tile`; its barrier protocol across tiles is
-described in notes/gluon-persistent-fwd.md and modelled by notes/gluon_persistent_protocol_sim.py). The backward
-runs one program per 128 keys of a kv head, except for causal sliding windows: there a persistent form (at the
-end of this file; one program per SM, tiles from an atomic counter) is 15-20% faster, while on causal and unmasked
-calls the per-program kernel stays ahead (notes/prototypes/gluon_persistent_bwd/README.md).
+described in notes/gluon-persistent-fwd.md and checked by a CPU model in tests/attention/test_gluon_protocol.py). The
+backward runs one program per 128 keys of a kv head, except for causal sliding windows: there a persistent form (at
+the end of this file; one program per SM, tiles from an atomic counter) is 15-20% faster, while on causal and
+unmasked calls the per-program kernel stays ahead (notes/gluon-persistent-bwd.md). Which calls these kernels take:
+the kernel-set contract, docs/DESIGN.md §6 (`host.ineligible`).
 
 Triton 3.6 names the bulk copies async_copy_global_to_shared / async_copy_shared_to_global, 3.9 async_load /
 async_store (the old names raise there): `tma_load` / `tma_store` are whichever this Triton has; the bulk
@@ -139,9 +140,11 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
               nprog, left, right, qk_scale, turn_mine, turn_other, HQ: gl.constexpr, SEQ: gl.constexpr,
               N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-              PP_SYNC: gl.constexpr, HALF: gl.constexpr):
+              HALF: gl.constexpr):
     """One 64-row half (HALF 0: the first to issue) of every tile of this program: the pipelined loop (softmax
-    of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile."""
+    of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile. The two halves
+    take turns issuing their matmuls (turn_mine / turn_other: a token passed back and forth, its phase from the
+    running block counter), so one half's softmax overlaps the other's matmuls."""
     ROWS: gl.constexpr = BLOCK_M // 2
     TURN0: gl.constexpr = 1 if HALF == 0 else 0  # the first consumer's first wait passes at once
     dtype: gl.constexpr = q_smem.dtype
@@ -171,13 +174,11 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
 
         # block lo: S only
         idx = g % NUM_STAGES
-        if PP_SYNC:
-            mbarrier.wait(turn_mine, (g + TURN0) & 1)
+        mbarrier.wait(turn_mine, (g + TURN0) & 1)
         mbarrier.wait(k_ready.index(idx), (g // NUM_STAGES) & 1)
         s_tok = warpgroup_mma(q_view, k_smem.index(idx).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
-        if PP_SYNC:
-            mbarrier.arrive(turn_other, count=1)
+        mbarrier.arrive(turn_other, count=1)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(idx), count=1)
         if (lo < f0) | (f1 <= lo):
@@ -196,15 +197,13 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
             phase = (gi // NUM_STAGES) & 1
             prev = (gi - 1) % NUM_STAGES
             prev_phase = ((gi - 1) // NUM_STAGES) & 1
-            if PP_SYNC:
-                mbarrier.wait(turn_mine, (gi + TURN0) & 1)
+            mbarrier.wait(turn_mine, (gi + TURN0) & 1)
             mbarrier.wait(k_ready.index(idx), phase)
             s_tok = warpgroup_mma(q_view, k_smem.index(idx).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(prev), prev_phase)
             acc_tok = warpgroup_mma(p16, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
-            if PP_SYNC:
-                mbarrier.arrive(turn_other, count=1)
+            mbarrier.arrive(turn_other, count=1)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
             mbarrier.arrive(k_empty.index(idx), count=1)
             if (j < f0) | (f1 <= j):
@@ -247,8 +246,7 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, O, LSE, SCRATCH,
                                B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                               PP_SYNC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                               HEAD_GROUP: gl.constexpr):
+                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, HEAD_GROUP: gl.constexpr):
     """Q [B, SEQ, HQ, D], K and V [B, SEQ, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32). F32 = [scale, ...],
     I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch (unused by the body).
     Grid (P,), P <= number of tiles (`grid`); 4 warps asked, 12 run (two consumers, a producer)."""
@@ -299,10 +297,10 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, O, LSE, SCRATCH,
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
                      nprog, left, right, qk_scale, turn.index(0), turn.index(1), HQ, SEQ, N_M, BH, HEAD_GROUP,
-                     BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, PP_SYNC, 0)),
+                     BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, 0)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
                      nprog, left, right, qk_scale, turn.index(1), turn.index(0), HQ, SEQ, N_M, BH, HEAD_GROUP,
-                     BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, PP_SYNC, 1)),
+                     BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, 1)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, pid, nprog, left, right, HQ, HKV, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D,
                      NUM_STAGES, CAUSAL, WINDOW, dtype.primitive_bitwidth // 8)),
@@ -315,8 +313,8 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, O, LSE, SCRATCH,
 # query block of 64 rows S^T and dP^T are issued together (the exp of S^T under dP^T), dV and dK updated
 # asynchronously, dS^T halves joined in shared memory, and dQ = dS K (each warpgroup half of the head dim)
 # added to a float32 accumulator by bulk reduce-adds. DQ_MODE: 1 splits dQ's columns by slicing K in shared
-# memory, 2 by a second copy of K in two column tiles, 0 alternates whole tiles between the warpgroups
-# (head dim 64: half a swizzle atom cannot be sliced).
+# memory (head dim 128), 0 alternates whole tiles between the warpgroups (head dim 64: half a swizzle atom cannot
+# be sliced).
 
 @gluon.jit
 def _qblock_range(n, S, WINDOW_LEFT, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr):
@@ -346,27 +344,20 @@ def _opaque_zero():
     """0 from a volatile inline-asm move: LLVM can neither see through it nor hoist it out of a loop, so views
     made from it inside the loop stay there (ptxas folds the move). The backward's consumers make their K / V
     views from it per query block: hoisted, the views' wgmma descriptors held ~24 registers across the loop and
-    spilled 52-84 B at head dim 128 (found with the persistent backward prototype, notes/prototypes)."""
+    spilled 52-84 B at head dim 128 (found with the persistent backward's prototype, notes/gluon-persistent-bwd.md)."""
     return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def _bwd_producer(q_desc, do_desc, k_desc, v_desc, kc_desc, q_smem, do_smem, k_smem, v_smem, kc_smem, lse_smem,
-                  dlt_smem, q_ready, do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm,
-                  H, GROUP, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, DQ_MODE: gl.constexpr):
-    """The program's K and V once (with DQ_MODE 2 also K as two column tiles), then per (query head, query
-    block) Q and dO by TMA into the ring and the block's lse * log2 e and delta rows into shared memory."""
+def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
+                  do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm, H, GROUP,
+                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The program's K and V once, then per (query head, query block) Q and dO by TMA into the ring and the
+    block's lse * log2 e and delta rows into shared memory."""
     KV_BYTES: gl.constexpr = BLOCK_N * D * 2
-    if DQ_MODE == 2:
-        mbarrier.expect(kv_bar, 3 * KV_BYTES)
-    else:
-        mbarrier.expect(kv_bar, 2 * KV_BYTES)
+    mbarrier.expect(kv_bar, 2 * KV_BYTES)
     tma_load(k_desc, [off_b, n * BLOCK_N, off_hk * D], kv_bar, k_smem.index(0))
     tma_load(v_desc, [off_b, n * BLOCK_N, off_hk * D], kv_bar, v_smem.index(0))
-    if DQ_MODE == 2:
-        for c in gl.static_range(2):
-            tma_load(kc_desc, [off_b, n * BLOCK_N, off_hk * D + c * (D // 2)], kv_bar, kc_smem.index(c))
     for it in range(GROUP * nm):
         hq = it // nm
         m = m_lo + it % nm
@@ -510,7 +501,7 @@ def _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, S, HKV, 
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
                   do_ready, qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, off_b, off_hk, n, S, m_lo, nm, f0, f1,
                   sm_scale, H, HKV, GROUP, WINDOW_LEFT, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr):
@@ -550,10 +541,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem, ls
         v_mine = v_smem.index(zero).reshape([BLOCK_N, D]).slice(WG * HALF, HALF, dim=0)
         if DQ_MODE == 0:
             k_dq = k_view
-        elif DQ_MODE == 1:
-            k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
         else:
-            k_dq = kc_smem.index(WG).reshape([BLOCK_N, DQ_N])
+            k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, None, 0, it, 0, dq_desc, s_zero, dq_zero,
                            qk2, sm_scale, it, s, ph, m, h, n, f0, f1, off_b, S, WINDOW_LEFT, WG, D, BLOCK_M, BLOCK_N,
@@ -574,6 +563,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. LSE, DELTA: [B, HQ, SEQ]
     (DELTA = rowsum(dO * O) - d lse). MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
     F32 = [scale, ...]. Grid (cdiv(SEQ, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
+    gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
     sm_scale = gl.load(F32)
     WINDOW_LEFT = gl.load(I32)
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -591,7 +581,6 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     else:
         DQ_N: gl.constexpr = D // 2
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, DQ_N], gl.float32)
-    kc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, D // 2], dtype)
 
     q_desc = tma.make_tensor_descriptor(Q, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
                                         block_shape=[1, BLOCK_M, D], layout=q_layout)
@@ -617,13 +606,6 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     cols_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     cols_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_M], cols_layout)
     cols_smem.store(gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0])))
-    if DQ_MODE == 2:
-        kc_desc = tma.make_tensor_descriptor(K, shape=[B, SEQ, HKV * D], strides=[SEQ * (HKV * D), HKV * D, 1],
-                                             block_shape=[1, BLOCK_N, D // 2], layout=kc_layout)
-        kc_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_N, D // 2], kc_layout)
-    else:
-        kc_desc = k_desc
-        kc_smem = k_smem
 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
@@ -641,38 +623,30 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
     nm = m_hi - m_lo
     gl.warp_specialize([
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem,
-                         cols_smem, q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV,
-                         off_b, off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, 0, D, BLOCK_M,
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
+                         q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
+                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, 0, D, BLOCK_M,
                          BLOCK_N, NUM_STAGES, MASK, DQ_MODE)),
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kc_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem,
-                         cols_smem, q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV,
-                         off_b, off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, 1, D, BLOCK_M,
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
+                         q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
+                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, 1, D, BLOCK_M,
                          BLOCK_N, NUM_STAGES, MASK, DQ_MODE)),
-        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, kc_desc, q_smem, do_smem, k_smem, v_smem, kc_smem, lse_smem,
-                         dlt_smem, q_ready, do_ready, qd_empty, misc_bar.index(0), LSE, DELTA, off_b, off_hk, n, SEQ,
-                         m_lo, nm, HQ, GROUP, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE)),
+        (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
+                         do_ready, qd_empty, misc_bar.index(0), LSE, DELTA, off_b, off_hk, n, SEQ, m_lo, nm, HQ, GROUP,
+                         D, BLOCK_M, BLOCK_N, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # --- Persistent backward (causal sliding windows) -------------------------------------------------------------
-# The backward above with one program per SM walking (key block, batch * kv head) tiles, taken from an atomic
-# tile counter (DYNAMIC) or round-robin: K double-buffered where shared memory allows (`gluon_attention.
-# pbwd_kv_stages`), V released after a tile's last dP^T, the Q / dO ring and the dS buffers counted across tiles,
-# so the next tile's K / V / Q / dO load under the current tile's tail and its dK / dV stores. Written as a
-# prototype (notes/prototypes/gluon_persistent_bwd/: design, barrier protocol, its CPU model) and verified on an
-# H200 (116/116 against a float32 reference, dK / dV bit-identical to the per-program kernel). Measured there
-# (backward kernel alone, three repetitions): window (16k, 1024) 15-20% faster than the per-program kernel with
-# DYNAMIC and HEAD_GROUP 1; causal and no mask not faster, so `gluon_attention` takes it for windows only.
-
-@builtin
-def _smem_reinterpret(buf, dtype, shape, layout, _semantic=None):
-    """`buf` viewed with another dtype, shape and layout (Triton 3.6 names the method `_reinterpret`, 3.9
-    `reinterpret`)."""
-    if hasattr(buf, "reinterpret"):
-        return buf.reinterpret(dtype, shape, layout, _semantic=_semantic)
-    return buf._reinterpret(dtype, shape, layout, _semantic=_semantic)
-
+# The backward above with one program per SM walking (key block, batch * kv head) tiles in kv-head order (one
+# (batch, kv head)'s key blocks back to back), each program's next tile taken from an atomic tile counter: K
+# double-buffered, V too where shared memory allows (`host.pbwd_v_stages`), V released after a tile's last dP^T,
+# the Q / dO ring and the dS buffers counted across tiles, so the next tile's K / V / Q / dO load under the current
+# tile's tail and its dK / dV stores. Written as a prototype (design, barrier protocol and measurements:
+# notes/gluon-persistent-bwd.md; the protocol's CPU model: tests/attention/test_gluon_protocol.py) and verified on
+# an H200 (116/116 against a float32 reference, dK / dV bit-identical to the per-program kernel). Measured there
+# (backward kernel alone, three repetitions): window (16k, 1024) 15-20% faster than the per-program kernel; causal
+# and no mask not faster, so `host` takes it for windows only.
 
 @gluon.jit
 def _pbwd_tile_post(tile_smem, tile_ready, tile_empty, tc, t, TILE_STAGES: gl.constexpr):
@@ -702,17 +676,16 @@ def _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_de
                         lse_smem, dlt_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, lse_ptr,
                         delta_ptr, WINDOW_LEFT, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr, HEAD_GROUP: gl.constexpr,
-                        DYNAMIC: gl.constexpr):
+                        K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr):
     """Tile t, the program's tile tc, whose first ring item is g: its K and V, then its items' Q / dO / lse /
-    delta. Returns the number of ring items of the tile and the program's next tile (DYNAMIC: nprog + a
-    fetch-and-add on the tile counter; else t + nprog)."""
+    delta. Returns the number of ring items of the tile and the program's next tile (nprog + a fetch-and-add on
+    the tile counter)."""
     GROUP: gl.constexpr = HQ // HKV
     N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
     BH: gl.constexpr = B * HKV
     ITEM: gl.constexpr = q_smem.dtype.primitive_bitwidth // 8
     KV_BYTES: gl.constexpr = BLOCK_N * D * ITEM
-    n, bh = _tile(t, N_N, BH, HEAD_GROUP, False)
+    n, bh = _tile(t, N_N, BH, 1, False)  # kv-head order: sections of one (batch, kv head)
     off_b = bh // HKV
     off_hk = bh % HKV
     m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
@@ -721,13 +694,10 @@ def _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_de
     mbarrier.wait(k_empty.index(kb), ((tc // K_STAGES) & 1) ^ 1)
     mbarrier.expect(k_ready.index(kb), KV_BYTES)
     tma_load(k_desc, [off_b, n * BLOCK_N, off_hk * D], k_ready.index(kb), k_smem.index(kb))
-    if DYNAMIC:
-        # the next tile. The warp waits for the atomic's result right away (one lane does it, a shuffle
-        # broadcasts it), so it is made here, after K, just before the V wait, which usually blocks for longer
-        # (this tile's V waits for the last dP^T of the previous tile); relaxed: only the count matters
-        nxt = nprog + gl.atomic_add(tile_ctr, 1, sem="relaxed", scope="gpu")
-    else:
-        nxt = t + nprog
+    # the next tile. The warp waits for the atomic's result right away (one lane does it, a shuffle broadcasts it),
+    # so it is made here, after K, just before the V wait, which usually blocks for longer (this tile's V waits for
+    # the last dP^T of the previous tile); relaxed: only the count matters
+    nxt = nprog + gl.atomic_add(tile_ctr, 1, sem="relaxed", scope="gpu")
     vb = tc % V_STAGES
     mbarrier.wait(v_empty.index(vb), ((tc // V_STAGES) & 1) ^ 1)
     mbarrier.expect(v_ready.index(vb), KV_BYTES)
@@ -748,49 +718,37 @@ def _pbwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
                    lse_ptr, delta_ptr, pid, nprog, WINDOW_LEFT, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                    SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr,
-                   HEAD_GROUP: gl.constexpr, DYNAMIC: gl.constexpr, TILE_STAGES: gl.constexpr):
+                   TILE_STAGES: gl.constexpr):
     """Per tile tc of this program: its K into K buffer tc % K_STAGES and its V into V buffer tc % V_STAGES (each
     once the consumers released the tile that held it before), then per (query head, query block) -- ring item g,
     counted over all tiles -- Q and dO by TMA into stage g % NUM_STAGES and the block's lse * log2 e and delta
     rows into shared memory. Empty barriers start free: waiting for the parity before their first phase returns at
-    once. DYNAMIC 0: tiles pid, pid + nprog, ...; 1: the first tile is pid, each next one nprog + a fetch-and-add
-    on the launch's zeroed tile counter, made after the current tile's K load (see _pbwd_producer_tile); every tile
-    index, and the final one (>= the number of tiles: stop), goes to the consumers through the tile ring."""
+    once. The first tile is pid, each next one nprog + a fetch-and-add on the launch's zeroed tile counter, made
+    after the current tile's K load (see _pbwd_producer_tile); every tile index, and the final one (>= the number
+    of tiles: stop), goes to the consumers through the tile ring."""
     N_T: gl.constexpr = ((SEQ + BLOCK_N - 1) // BLOCK_N) * B * HKV
     g = pid * 0  # ring items issued so far (all tiles of this program)
     tc = pid * 0  # tiles started so far
-    if DYNAMIC:
-        t = pid
-        while t < N_T:
-            _pbwd_tile_post(tile_smem, tile_ready, tile_empty, tc, t, TILE_STAGES)
-            n_it, nxt = _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem,
-                                            k_smem, v_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, k_ready,
-                                            k_empty, v_ready, v_empty, lse_ptr, delta_ptr, WINDOW_LEFT, B, HQ, HKV, SEQ,
-                                            D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, HEAD_GROUP,
-                                            DYNAMIC)
-            g += n_it
-            tc += 1
-            t = nxt
-        _pbwd_tile_post(tile_smem, tile_ready, tile_empty, tc, t, TILE_STAGES)  # the stop index
-    else:
-        for t in range(pid, N_T, nprog):
-            n_it, nxt = _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem,
-                                            k_smem, v_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, k_ready,
-                                            k_empty, v_ready, v_empty, lse_ptr, delta_ptr, WINDOW_LEFT, B, HQ, HKV, SEQ,
-                                            D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, HEAD_GROUP,
-                                            DYNAMIC)
-            g += n_it
-            tc += 1
+    t = pid
+    while t < N_T:
+        _pbwd_tile_post(tile_smem, tile_ready, tile_empty, tc, t, TILE_STAGES)
+        n_it, nxt = _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem,
+                                        k_smem, v_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, k_ready,
+                                        k_empty, v_ready, v_empty, lse_ptr, delta_ptr, WINDOW_LEFT, B, HQ, HKV, SEQ, D,
+                                        BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK)
+        g += n_it
+        tc += 1
+        t = nxt
+    _pbwd_tile_post(tile_smem, tile_ready, tile_empty, tc, t, TILE_STAGES)  # the stop index
 
 
 @gluon.jit
 def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                         lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty,
-                        ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr, sm_scale, WINDOW_LEFT, WG: gl.constexpr,
-                        B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
-                        V_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, HEAD_GROUP: gl.constexpr,
-                        EPI_TMA: gl.constexpr):
+                        ds_bar, dq_desc, dk_ptr, dv_ptr, sm_scale, WINDOW_LEFT, WG: gl.constexpr, B: gl.constexpr,
+                        HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
+                        V_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr):
     """Tile t, the program's tile tc whose first ring item is g, for warpgroup WG (see _pbwd_consumer). Returns the
     number of ring items of the tile."""
     GROUP: gl.constexpr = HQ // HKV
@@ -804,7 +762,7 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem,
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
 
-    n, bh = _tile(t, N_N, BH, HEAD_GROUP, False)
+    n, bh = _tile(t, N_N, BH, 1, False)  # kv-head order, as in _pbwd_producer_tile
     off_b = bh // HKV
     off_hk = bh % HKV
     m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
@@ -843,28 +801,22 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem,
     mbarrier.arrive(k_empty.index(kb), count=1)
 
     # epilogue: dK (scaled) and dV of this warpgroup's 64 keys
-    if EPI_TMA:
-        _pbwd_epilogue_tma(dk * sm_scale, dv, dq_smem, dk_desc, dv_desc, off_b, n * BLOCK_N + WG * HALF, off_hk * D,
-                           HALF, D, BLOCK_M, DQ_N)
-    else:
-        _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, SEQ, HKV, WG, D, BLOCK_N)
+    _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, SEQ, HKV, WG, D, BLOCK_N)
     return n_it
 
 
 @gluon.jit
 def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready,
                    qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, tile_smem, tile_ready, tile_empty, dq_desc,
-                   dk_desc, dv_desc, dk_ptr, dv_ptr, pid, nprog, sm_scale, WINDOW_LEFT, WG: gl.constexpr,
-                   B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
-                   V_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, HEAD_GROUP: gl.constexpr,
-                   EPI_TMA: gl.constexpr, DYNAMIC: gl.constexpr, TILE_STAGES: gl.constexpr):
+                   dk_ptr, dv_ptr, pid, sm_scale, WINDOW_LEFT, WG: gl.constexpr, B: gl.constexpr, HQ: gl.constexpr,
+                   HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                   MASK: gl.constexpr, DQ_MODE: gl.constexpr, TILE_STAGES: gl.constexpr):
     """Warpgroup WG's 64 keys of every tile of this program: dK, dV over the tile's query blocks (S^T, dP^T, P^T,
     dS^T; dV += P^T dO, dK += dS^T Q), its dS^T half into shared memory for the joint dQ = dS K (DQ_MODE 1: each
     warpgroup half of dQ's columns, 0: whole tiles alternating between the warpgroups), dQ * scale reduce-added
     into the float32 accumulator; V released after the tile's last dP^T, K after its last dQ; then dK * scale and
-    dV stored (EPI_TMA: by bulk stores through this warpgroup's dQ staging buffer). DYNAMIC 1: the tiles
-    come from the producer through the tile ring, until an index >= the number of tiles."""
+    dV stored. The tiles come from the producer through the tile ring, until an index >= the number of tiles."""
     N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
     BH: gl.constexpr = B * HKV
     HALF: gl.constexpr = BLOCK_N // 2
@@ -882,53 +834,15 @@ def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
 
     g = pid * 0  # ring items consumed so far (all tiles): Q / dO stage and phase, dS buffer, join parity
     tc = pid * 0  # tiles done so far: K buffer tc % K_STAGES, V buffer tc % V_STAGES
-    if DYNAMIC:
+    t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
+    while t < N_N * BH:
+        g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                                 lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready,
+                                 v_empty, ds_bar, dq_desc, dk_ptr, dv_ptr, sm_scale, WINDOW_LEFT, WG, B, HQ, HKV, SEQ,
+                                 D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE)
+        tc += 1
         t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
-        while t < N_N * BH:
-            g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                                     dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready,
-                                     k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
-                                     sm_scale, WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                     K_STAGES, V_STAGES, MASK, DQ_MODE, HEAD_GROUP, EPI_TMA)
-            tc += 1
-            t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
-    else:
-        for t in range(pid, N_N * BH, nprog):
-            g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                                     dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready,
-                                     k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_desc, dv_desc, dk_ptr, dv_ptr,
-                                     sm_scale, WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                     K_STAGES, V_STAGES, MASK, DQ_MODE, HEAD_GROUP, EPI_TMA)
-            tc += 1
     tma.store_wait(0)
-
-
-@gluon.jit
-def _pbwd_epilogue_tma(dk, dv, dq_smem, dk_desc, dv_desc, off_b, row0, col0, HALF: gl.constexpr, D: gl.constexpr,
-                       BLOCK_M: gl.constexpr, DQ_N: gl.constexpr):
-    """dK and dV ([HALF, D] float32 accumulators) -> 16-bit -> this warpgroup's dQ staging buffer -> bulk stores at
-    (off_b, row0, col0). Both at once where they fit in the buffer (head dim 64), else dK, a wait for its bulk
-    read, then dV. Rows past SEQ are clipped by the descriptors. Not waited for here: the next write of the buffer
-    (a dQ staging) waits for every earlier bulk read first."""
-    dtype: gl.constexpr = dk_desc.dtype
-    o_layout: gl.constexpr = dk_desc.layout
-    BOTH: gl.constexpr = 2 * HALF * D * (dtype.primitive_bitwidth // 8) <= BLOCK_M * DQ_N * 4
-    if BOTH:
-        o_bufs = _smem_reinterpret(dq_smem, dtype, [2, 1, HALF, D], o_layout)
-        dk_buf = o_bufs.index(0)
-        dv_buf = o_bufs.index(1)
-    else:
-        dk_buf = _smem_reinterpret(dq_smem, dtype, [1, HALF, D], o_layout)
-        dv_buf = dk_buf
-    tma.store_wait(0)  # the last dQ reduce-add from this buffer has read it
-    dk_buf.reshape([HALF, D]).store(dk.to(dtype))
-    fence_async_shared()
-    tma_store(dk_desc, [off_b, row0, col0], dk_buf)
-    if not BOTH:
-        tma.store_wait(0)
-    dv_buf.reshape([HALF, D]).store(dv.to(dtype))
-    fence_async_shared()
-    tma_store(dv_desc, [off_b, row0, col0], dv_buf)
 
 
 @gluon.jit
@@ -936,23 +850,21 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
                                 B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                                 D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, HEAD_GROUP: gl.constexpr,
-                                K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, EPI_TMA: gl.constexpr,
-                                DYNAMIC: gl.constexpr):
+                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, V_STAGES: gl.constexpr):
     """gluon_attention_bwd_kernel's arguments and results (dK, dV deterministic; dQ * scale reduce-added in float32
     into the zeroed DQ_ACC [B, SEQ, HQ, D]; LSE, DELTA [B, HQ, SEQ]; MASK 0 none, 1 causal, 2 causal with a window
     of I32[0] keys to the left; F32 = [scale, ...]). Persistent: grid (P,), P <= the number of (key block, batch *
-    kv head) tiles (`grid`); 4 warps asked, 12 run (two consumers, a producer). HEAD_GROUP: (batch, kv head) pairs
-    per section of the tile order; K_STAGES / V_STAGES (1 or 2): K and V buffers (`kv_stages`); EPI_TMA: dK / dV
-    by bulk stores. DYNAMIC 0: program pid takes tiles pid, pid + P, ...; 1: the first tile is pid, then each
-    next one is P + atomic_add(TILE_CTR, 1) (TILE_CTR: one int32, zero at launch, like DQ_ACC; left at the number
-    of tiles done by dynamic fetch, so it must be zeroed again before the next launch)."""
-    gl.static_assert(DQ_MODE < 2, "DQ_MODE 2 (a second copy of K) is not supported by the persistent backward")
+    kv head) tiles (`host.pbwd_grid`); 4 warps asked, 12 run (two consumers, a producer). Tiles in kv-head order
+    (one (batch, kv head)'s key blocks back to back): program pid's first tile is pid, each next one P +
+    atomic_add(TILE_CTR, 1) (TILE_CTR: one int32, zero at launch, like DQ_ACC; left at the number of tiles fetched,
+    so it must be zeroed again before the next launch). K double-buffered; V_STAGES (1 or 2) V buffers
+    (`host.pbwd_v_stages`)."""
+    gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
     gl.static_assert(BLOCK_N == 128, "two consumer warpgroups of 64 keys")
+    K_STAGES: gl.constexpr = 2  # K is needed first in a tile and released last
     sm_scale = gl.load(F32)
     WINDOW_LEFT = gl.load(I32)
     dtype: gl.constexpr = Q.dtype.element_ty
-    HALF: gl.constexpr = BLOCK_N // 2
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
 
@@ -975,15 +887,6 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
                                         block_shape=[1, BLOCK_N, D], layout=kv_layout)
     dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
                                          block_shape=[1, BLOCK_M, DQ_N], layout=dq_layout)
-    if EPI_TMA:  # dK / dV tiles of one warpgroup (64 keys)
-        o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HALF, D], dtype)
-        dk_desc = tma.make_tensor_descriptor(DK, shape=[B, SEQ, HKV * D], strides=[SEQ * (HKV * D), HKV * D, 1],
-                                             block_shape=[1, HALF, D], layout=o_layout)
-        dv_desc = tma.make_tensor_descriptor(DV, shape=[B, SEQ, HKV * D], strides=[SEQ * (HKV * D), HKV * D, 1],
-                                             block_shape=[1, HALF, D], layout=o_layout)
-    else:
-        dk_desc = dq_desc  # unused
-        dv_desc = dq_desc
 
     k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, D], kv_layout)
@@ -1008,16 +911,15 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], bar_layout)
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], bar_layout)
     ds_bar = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)  # both dS^T halves written
-    # DYNAMIC: the ring of tile indices, producer -> consumers (8 B + 4 barriers)
+    # the ring of tile indices, producer -> consumers (8 B + 4 barriers)
     TILE_STAGES: gl.constexpr = 2
     tile_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     tile_smem = gl.allocate_shared_memory(gl.int32, [TILE_STAGES, 1], tile_layout)
     tile_ready = gl.allocate_shared_memory(gl.int64, [TILE_STAGES, 1], bar_layout)
     tile_empty = gl.allocate_shared_memory(gl.int64, [TILE_STAGES, 1], bar_layout)
-    if DYNAMIC:
-        for i in gl.static_range(TILE_STAGES):
-            mbarrier.init(tile_ready.index(i), count=1)  # the producer's store
-            mbarrier.init(tile_empty.index(i), count=2)  # both consumers read it
+    for i in gl.static_range(TILE_STAGES):
+        mbarrier.init(tile_ready.index(i), count=1)  # the producer's store
+        mbarrier.init(tile_empty.index(i), count=2)  # both consumers read it
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=2)  # dO TMA (expect-tx) + the producer's lse/delta stores
@@ -1034,16 +936,14 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
     gl.warp_specialize([
         (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
                           q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem,
-                          tile_ready, tile_empty, dq_desc, dk_desc, dv_desc, DK, DV, pid, nprog, sm_scale, WINDOW_LEFT,
-                          0, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE,
-                          HEAD_GROUP, EPI_TMA, DYNAMIC, TILE_STAGES)),
+                          tile_ready, tile_empty, dq_desc, DK, DV, pid, sm_scale, WINDOW_LEFT, 0, B, HQ, HKV, SEQ, D,
+                          BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, TILE_STAGES)),
         (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
                           q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem,
-                          tile_ready, tile_empty, dq_desc, dk_desc, dv_desc, DK, DV, pid, nprog, sm_scale, WINDOW_LEFT,
-                          1, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE,
-                          HEAD_GROUP, EPI_TMA, DYNAMIC, TILE_STAGES)),
+                          tile_ready, tile_empty, dq_desc, DK, DV, pid, sm_scale, WINDOW_LEFT, 1, B, HQ, HKV, SEQ, D,
+                          BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, TILE_STAGES)),
         (_pbwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
                           do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, tile_smem, tile_ready, tile_empty,
                           TILE_CTR, LSE, DELTA, pid, nprog, WINDOW_LEFT, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N,
-                          NUM_STAGES, K_STAGES, V_STAGES, MASK, HEAD_GROUP, DYNAMIC, TILE_STAGES)),
+                          NUM_STAGES, K_STAGES, V_STAGES, MASK, TILE_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
