@@ -17,7 +17,7 @@ DIMS = ("batch", "heads", "kv_heads", "q_len", "kv_len", "head_dim")
 PARAM_DTYPES = ("float32", "bfloat16", "float16", "int32")
 OPTION_TYPES = ("int", "float", "bool")
 
-# Attention features and the settings each accepts (DESIGN §2):
+# Attention features and the settings each accepts (docs/DESIGN.md §2):
 #   "runtime": a keyword argument of the op (tensors: optional; flags: default off);
 #   "always":  compiled in and on; the op takes no argument (tensors: the argument is required);
 #   a value:   compiled in (sliding_window: int or [left, right]; logits_soft_cap: float).

@@ -1,4 +1,4 @@
-"""Validation of a spec's fields and construction of the ``Variant`` (DESIGN §2).
+"""Validation of a spec's fields and construction of the ``Variant`` (docs/DESIGN.md §2).
 
 Every check reports a ``SpecError`` at the offending YAML value or key. ``score`` and ``mask`` are
 parsed here but not type-checked; that is ``ejgen.ir.passes.typecheck``.

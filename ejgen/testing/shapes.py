@@ -204,7 +204,7 @@ def random_cotangents(shape: AttnShape | VarlenShape, dtype: str, rng: np.random
 
 
 def random_sinks(kind: str, q_heads: int, rng: np.random.Generator):
-    """float32 ``softmax_aux`` of one of the three shapes of DESIGN §3, around 1.0 so that the
+    """float32 ``softmax_aux`` of one of the three shapes of docs/DESIGN.md §3, around 1.0 so that the
     sinks take a visible share of the mass: ``"h"`` [Hq], ``"hn"`` [Hq, 2], ``"n"`` [Hq + 1]
     (shared by every head; one longer than Hq so that it cannot read as [Hq])."""
     shape = {"h": (q_heads,), "hn": (q_heads, 2), "n": (q_heads + 1,)}[kind]

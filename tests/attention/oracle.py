@@ -1,4 +1,4 @@
-"""Float64 reference for attention, written from DESIGN §3 alone (never from ejgen's code).
+"""Float64 reference for attention, written from docs/DESIGN.md §3 alone (never from ejgen's code).
 
 The reference is a dense evaluation on full ``[B, Hq, Sq, Sk]`` score matrices in jax.numpy under
 float64 (``jax.enable_x64`` as a context manager, so the setting never reaches the op under
@@ -6,7 +6,7 @@ test); gradients come from ``jax.vjp`` of the same function. Inputs may be numpy
 any float dtype; they are widened to float64 as given, so a bf16 input is compared against the
 exact result for its bf16 values. Results are numpy float64 arrays.
 
-Hooks stand in for a spec's DSL (DESIGN §2): ``score(s, ix, params, options) -> s`` and
+Hooks stand in for a spec's DSL (docs/DESIGN.md §2): ``score(s, ix, params, options) -> s`` and
 ``mask(ix, options) -> bool``, evaluated on the full matrices; ``ix`` holds the index grids
 ``b, h, q_idx, kv_idx`` (broadcastable to ``[B, Hq, Sq, Sk]``) and the ints ``q_len, kv_len``.
 ``param_at`` reads a param with one index per dim, each clamped into its dim, as the DSL does.
@@ -333,7 +333,7 @@ def _check_heads(query, key):
         raise ValueError(f"oracle: {query.shape[2]} query heads, {key.shape[2]} kv heads")
 
 
-# Hand-written oracles of the variant specs in specs/*.yaml (DESIGN §2 DSL, read by a person).
+# Hand-written oracles of the variant specs in specs/*.yaml (docs/DESIGN.md §2 DSL, read by a person).
 
 
 def alibi_score(s, ix: Index, params: dict, options: dict):

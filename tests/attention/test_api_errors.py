@@ -1,4 +1,4 @@
-"""Bad runtime input gives one clear error naming the argument (DESIGN §5): ValueError for a bad
+"""Bad runtime input gives one clear error naming the argument (docs/DESIGN.md §7): ValueError for a bad
 value or shape, TypeError naming the spec for an argument a variant does not accept, and for a
 missing required param."""
 

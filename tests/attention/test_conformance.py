@@ -1,4 +1,4 @@
-"""flash_attention against the float64 oracle (DESIGN §3, §5): backend x features x shapes x
+"""flash_attention against the float64 oracle (docs/DESIGN.md §3, §7): backend x features x shapes x
 dtypes, outputs, lse and every gradient, under jax.jit and jax.vjp / jax.grad.
 
 The parametrisation is representative, not a full product: every feature (bias, soft cap, sinks,

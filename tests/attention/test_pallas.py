@@ -1,7 +1,7 @@
 """The Pallas backend on a CPU: its GPU kernels (Triton lowering) and its TPU kernels (Mosaic), run
 with ``interpret=True`` against the float64 oracle, and both lowerings produced with ``jax.export``.
 
-The conformance cases are a small cover of DESIGN §3 through the shared harness of
+The conformance cases are a small cover of docs/DESIGN.md §3 through the shared harness of
 ``test_conformance`` and ``test_variants``: every feature with all its gradients (bias,
 sinks and params included), GQA and MHA, odd lengths, f32 and 16-bit, varlen, rows that see
 nothing, on both kernel families (``interpret_kernels``). The full conformance suite runs pallas

@@ -1,4 +1,4 @@
-"""Platform choice (DESIGN §4): `auto` picks by device and availability; a forced platform that
+"""Platform choice (docs/DESIGN.md §4): `auto` picks by device and availability; a forced platform that
 cannot run says why and how to get there."""
 
 import subprocess

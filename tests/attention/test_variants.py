@@ -174,7 +174,7 @@ OPTION_SWEEPS = {
 
 @pytest.mark.parametrize("sweep", OPTION_SWEEPS.values(), ids=OPTION_SWEEPS.keys())
 def test_option_changes_at_runtime_without_retrace(backend, sweep):
-    """An option is a runtime scalar (DESIGN §2): passed as a traced jit argument, each value gives
+    """An option is a runtime scalar (docs/DESIGN.md §2): passed as a traced jit argument, each value gives
     the oracle's result, and the jitted function is traced once."""
     name, option, values, shape = sweep
     op = _variant(name)

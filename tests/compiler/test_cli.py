@@ -1,6 +1,6 @@
 """The ``ejgen`` command: build, check, show, new; in process (``ejgen.cli.main``) and once as a
 subprocess. Every failure is exit status 1 with one clear message, never a traceback, and a failed
-build leaves the previous output untouched (DESIGN §5, STYLE sqlc/buf)."""
+build leaves the previous output untouched (docs/DESIGN.md §7, STYLE sqlc/buf)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Each score is loaded from a tiny spec (so it is parsed and type-checked as a user's would be),
 differentiated with ``ejgen.ir.passes.derivative`` and through ``plan_attention`` (which also
 simplifies), and every derivative is evaluated at random points by the float64 evaluator below,
-written from the DSL's definition (DESIGN §2), not from ejgen's printers. Points closer than
+written from the DSL's definition (docs/DESIGN.md §2), not from ejgen's printers. Points closer than
 ``KINK_GAP`` to a kink (``abs``, ``min``, ``max``, a float comparison) are skipped.
 """
 

@@ -1,5 +1,5 @@
 """A user's own spec, outside the repo: `ejgen build` it into a fresh package, import that, and
-check the op under jax.jit against a dense float64 reference written here from DESIGN §3:
+check the op under jax.jit against a dense float64 reference written here from docs/DESIGN.md §3:
 outputs, lse and the gradients of q, k, v and both learnable params, options changed at run time
 without a retrace, GQA, rows that see no key, and lengths spanning several blocks."""
 
@@ -75,7 +75,7 @@ def test_the_package_comes_from_the_build(mypkg, tmp_path_factory):
 
 
 def reference(q, k, v, gate, rel, *, temperature, shift, d_out, d_lse):
-    """DESIGN §3 densely in float64: (out, lse, {query, key, value, gate, rel: gradient})."""
+    """docs/DESIGN.md §3 densely in float64: (out, lse, {query, key, value, gate, rel: gradient})."""
     with jax.enable_x64(True):
         f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))  # noqa: E731
 

@@ -1,4 +1,4 @@
-"""Loading specs: the full DESIGN §2 example, defaults, field rules, the bad-spec corpus."""
+"""Loading specs: the full docs/DESIGN.md §2 example, defaults, field rules, the bad-spec corpus."""
 
 import ast
 import hashlib
