@@ -11,7 +11,7 @@ from jax import lax
 
 from ejgen.runtime.attention import kernels as _kernel_sets
 from ejgen.runtime.attention import xla as xla_attention
-from ejgen.runtime.core import blocks as xla_blocks
+from ejgen.runtime.core import blocks
 
 
 def _score(s, blk, ctx):
@@ -33,7 +33,7 @@ def _score_grads(s, blk, ctx):
     return ds, dparams
 
 
-def _scatter_param_grads(dparams, contribs, blk, ctx):
+def _param_grads(dparams, contribs, blk, ctx):
     """Add one block's param-occurrence contributions into the param gradients, deterministically."""
     h = blk.h
     param_slopes = ctx["param_slopes"]
@@ -65,20 +65,20 @@ def _kv_blocks(iq, block_q, block_k, n_kv_blocks, ctx, cfg):
     """Key blocks for query block `iq`: visit [lo, hi), no element mask in [full_lo, full_hi)."""
     q0 = iq * block_q
     q1 = jnp.minimum(q0 + block_q, cfg.seq_q) - 1
-    bounds = xla_blocks.initial(cfg.seq_k)
+    bounds = blocks.initial(cfg.seq_k)
     if cfg.causal:  # causal
-        bounds = xla_blocks.tighten(bounds, 1, -1, cfg.seq_k - cfg.seq_q, q0, q1)
-    return xla_blocks.to_blocks(bounds, block_k, n_kv_blocks)
+        bounds = blocks.tighten(bounds, 1, -1, cfg.seq_k - cfg.seq_q, q0, q1)
+    return blocks.to_blocks(bounds, block_k, n_kv_blocks)
 
 
 def _q_blocks(ik, block_q, block_k, n_q_blocks, ctx, cfg):
     """Query blocks for key block `ik` (the transpose of `_kv_blocks`, for the backward pass)."""
     k0 = ik * block_k
     k1 = jnp.minimum(k0 + block_k, cfg.seq_k) - 1
-    bounds = xla_blocks.initial(cfg.seq_q)
+    bounds = blocks.initial(cfg.seq_q)
     if cfg.causal:  # causal
-        bounds = xla_blocks.tighten(bounds, -1, 1, cfg.seq_k - cfg.seq_q, k0, k1)
-    lo, hi, flo, fhi = xla_blocks.to_blocks(bounds, block_q, n_q_blocks)
+        bounds = blocks.tighten(bounds, -1, 1, cfg.seq_k - cfg.seq_q, k0, k1)
+    lo, hi, flo, fhi = blocks.to_blocks(bounds, block_q, n_q_blocks)
     partial_keys = k0 + block_k > cfg.seq_k  # padded keys always need the element mask
     return lo, hi, jnp.where(partial_keys, lo, flo), jnp.where(partial_keys, lo, fhi)
 
@@ -92,7 +92,7 @@ _KERNELS = xla_attention.XlaAttention(xla_attention.Hooks(
     grad_params=('slopes',),
     score=_score,
     score_grads=_score_grads,
-    scatter_param_grads=_scatter_param_grads,
+    param_grads=_param_grads,
     visible=_visible,
     kv_blocks=_kv_blocks,
     q_blocks=_q_blocks,

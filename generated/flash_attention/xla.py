@@ -11,7 +11,7 @@ from jax import lax
 
 from ejgen.runtime.attention import kernels as _kernel_sets
 from ejgen.runtime.attention import xla as xla_attention
-from ejgen.runtime.core import blocks as xla_blocks
+from ejgen.runtime.core import blocks
 
 
 def _score(s, blk, ctx):
@@ -49,28 +49,28 @@ def _kv_blocks(iq, block_q, block_k, n_kv_blocks, ctx, cfg):
     """Key blocks for query block `iq`: visit [lo, hi), no element mask in [full_lo, full_hi)."""
     q0 = iq * block_q
     q1 = jnp.minimum(q0 + block_q, cfg.seq_q) - 1
-    bounds = xla_blocks.initial(cfg.seq_k)
+    bounds = blocks.initial(cfg.seq_k)
     if cfg.causal:  # causal
-        bounds = xla_blocks.tighten(bounds, 1, -1, cfg.seq_k - cfg.seq_q, q0, q1)
+        bounds = blocks.tighten(bounds, 1, -1, cfg.seq_k - cfg.seq_q, q0, q1)
     if cfg.window:  # sliding_window left
-        bounds = xla_blocks.tighten(bounds, -1, 1, ctx["window_left"] - (cfg.seq_k - cfg.seq_q), q0, q1)
+        bounds = blocks.tighten(bounds, -1, 1, ctx["window_left"] - (cfg.seq_k - cfg.seq_q), q0, q1)
     if cfg.window and not cfg.causal:  # sliding_window right
-        bounds = xla_blocks.tighten(bounds, 1, -1, cfg.seq_k - cfg.seq_q + ctx["window_right"], q0, q1)
-    return xla_blocks.to_blocks(bounds, block_k, n_kv_blocks)
+        bounds = blocks.tighten(bounds, 1, -1, cfg.seq_k - cfg.seq_q + ctx["window_right"], q0, q1)
+    return blocks.to_blocks(bounds, block_k, n_kv_blocks)
 
 
 def _q_blocks(ik, block_q, block_k, n_q_blocks, ctx, cfg):
     """Query blocks for key block `ik` (the transpose of `_kv_blocks`, for the backward pass)."""
     k0 = ik * block_k
     k1 = jnp.minimum(k0 + block_k, cfg.seq_k) - 1
-    bounds = xla_blocks.initial(cfg.seq_q)
+    bounds = blocks.initial(cfg.seq_q)
     if cfg.causal:  # causal
-        bounds = xla_blocks.tighten(bounds, -1, 1, cfg.seq_k - cfg.seq_q, k0, k1)
+        bounds = blocks.tighten(bounds, -1, 1, cfg.seq_k - cfg.seq_q, k0, k1)
     if cfg.window:  # sliding_window left
-        bounds = xla_blocks.tighten(bounds, 1, -1, ctx["window_left"] - (cfg.seq_k - cfg.seq_q), k0, k1)
+        bounds = blocks.tighten(bounds, 1, -1, ctx["window_left"] - (cfg.seq_k - cfg.seq_q), k0, k1)
     if cfg.window and not cfg.causal:  # sliding_window right
-        bounds = xla_blocks.tighten(bounds, -1, 1, cfg.seq_k - cfg.seq_q + ctx["window_right"], k0, k1)
-    lo, hi, flo, fhi = xla_blocks.to_blocks(bounds, block_q, n_q_blocks)
+        bounds = blocks.tighten(bounds, -1, 1, cfg.seq_k - cfg.seq_q + ctx["window_right"], k0, k1)
+    lo, hi, flo, fhi = blocks.to_blocks(bounds, block_q, n_q_blocks)
     partial_keys = k0 + block_k > cfg.seq_k  # padded keys always need the element mask
     return lo, hi, jnp.where(partial_keys, lo, flo), jnp.where(partial_keys, lo, fhi)
 
@@ -84,7 +84,7 @@ _KERNELS = xla_attention.XlaAttention(xla_attention.Hooks(
     grad_params=(),
     score=_score,
     score_grads=_score_grads,
-    scatter_param_grads=None,
+    param_grads=None,
     visible=_visible,
     kv_blocks=_kv_blocks,
     q_blocks=_q_blocks,

@@ -11,7 +11,7 @@ from jax import lax
 
 from ejgen.runtime.attention import kernels as _kernel_sets
 from ejgen.runtime.attention import xla as xla_attention
-from ejgen.runtime.core import blocks as xla_blocks
+from ejgen.runtime.core import blocks
 
 
 def _score(s, blk, ctx):
@@ -43,15 +43,15 @@ def _visible(blk, ctx, cfg):
 
 def _kv_blocks(iq, block_q, block_k, n_kv_blocks, ctx, cfg):
     """Key blocks for query block `iq`: visit [lo, hi), no element mask in [full_lo, full_hi)."""
-    bounds = xla_blocks.initial(cfg.seq_k)
-    return xla_blocks.to_blocks(bounds, block_k, n_kv_blocks)
+    bounds = blocks.initial(cfg.seq_k)
+    return blocks.to_blocks(bounds, block_k, n_kv_blocks)
 
 
 def _q_blocks(ik, block_q, block_k, n_q_blocks, ctx, cfg):
     """Query blocks for key block `ik` (the transpose of `_kv_blocks`, for the backward pass)."""
     k0 = ik * block_k
-    bounds = xla_blocks.initial(cfg.seq_q)
-    lo, hi, flo, fhi = xla_blocks.to_blocks(bounds, block_q, n_q_blocks)
+    bounds = blocks.initial(cfg.seq_q)
+    lo, hi, flo, fhi = blocks.to_blocks(bounds, block_q, n_q_blocks)
     partial_keys = k0 + block_k > cfg.seq_k  # padded keys always need the element mask
     return lo, hi, jnp.where(partial_keys, lo, flo), jnp.where(partial_keys, lo, fhi)
 
@@ -65,7 +65,7 @@ _KERNELS = xla_attention.XlaAttention(xla_attention.Hooks(
     grad_params=(),
     score=_score,
     score_grads=_score_grads,
-    scatter_param_grads=None,
+    param_grads=None,
     visible=_visible,
     kv_blocks=_kv_blocks,
     q_blocks=_q_blocks,

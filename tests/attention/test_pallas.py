@@ -218,7 +218,7 @@ def test_gpu_blocks_fit_shared_memory_with_streamed_tiles(bias, dense, d, dv):
     """A bias (float32) or dense mask (int8) tile per step besides q/k/v: the GPU kernels' tiles shrink
     until the multi-buffered steps fit one thread block's shared memory (seen on an H200: the forward's
     128x128 x 3 stages at D=72 with a bias asked for 240 KB, 227 KB available)."""
-    from ejgen.runtime.attention.pallas import kernels as pk
+    from ejgen.runtime.attention.pallas import gpu as pk
 
     cfg = type("Cfg", (), {"bias": bias, "dense_mask": dense})()
     plain = type("Cfg", (), {"bias": False, "dense_mask": False})()

@@ -1,7 +1,7 @@
 """Pallas backend: prints the plan's expressions as jax.numpy for the inside of Pallas kernels
 (GPU and TPU share the hooks) and fills the Pallas templates.
 
-Names inside the hooks: ``s`` the logit tile; ``t`` a ``_Tile`` of index grids (``t.q_idx``,
+Names inside the hooks: ``s`` the logit tile; ``t`` a ``Tile`` of index grids (``t.q_idx``,
 ``t.kv_idx``, ``t.b``, ``t.h``, ``t.q_len``, ``t.kv_len``); ``sc`` the runtime scalars
 (``sc.window_left``, ``sc.opt_<name>``); ``prm`` the params by name (refs inside the kernels,
 arrays outside). A param index that depends on positions is read with one select per value of its

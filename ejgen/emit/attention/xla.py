@@ -109,7 +109,7 @@ def template_context(plan: AttentionPlan) -> dict:
         "dscore_code": hook(plan.dscore_ds),
         "grad_bindings": _bindings(grad_exprs),
         "param_grads": param_grads,
-        "scatter_bindings": _bindings([g.ref for g in plan.param_grads]),
+        "param_grad_bindings": _bindings([g.ref for g in plan.param_grads]),
         "grad_param_names": repr(tuple(p.name for p in plan.grad_params)),
         "builtin_constraints": builtin,
         "range_constraints": builtin + spec_ranges,

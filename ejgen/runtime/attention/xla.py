@@ -1,8 +1,8 @@
 """The XLA backend, shared by every spec: blockwise online softmax, forward and flash-style backward.
 
-A generated `xla.py` holds one spec's hooks (score, its derivatives, the element mask, the block
-ranges) and builds an `XlaAttention` from them. Layout (the op in `op.py` transposes, pads and
-groups heads):
+A generated `xla.py` holds one spec's hooks (`Hooks`: score, score_grads, param_grads, visible,
+kv_blocks, q_blocks, runtime_mask; the names of every backend's) and builds an `XlaAttention` from
+them. Layout (the op in `op.py` transposes, pads and groups heads):
   q [B, Hkv, G, Sq, D]    k [B, Hkv, Sk, D]    v [B, Hkv, Sk, Dv]    G = Hq // Hkv
   logits of one block: [B, Hkv, G, BLOCK_Q, BLOCK_K], float32.
 Memory is O(S * block): one block of logits is live at a time. Queries go block by block
@@ -119,12 +119,13 @@ def _sinks(ctx, cfg):
 
 @dataclasses.dataclass(frozen=True)
 class Hooks:
-    """What one spec contributes, as emitted into its `xla.py`."""
+    """What one spec contributes, as emitted into its `xla.py`; the hooks have the names of the
+    Pallas backend's (``ejgen.runtime.attention.pallas.hooks.Hooks``)."""
 
     grad_params: tuple
     score: Callable  # (s, blk, ctx) -> score
     score_grads: Callable  # (s, blk, ctx) -> (d score / d s, (d score / d each param occurrence,))
-    scatter_param_grads: Callable | None  # (dparams, contributions, blk, ctx) -> dparams
+    param_grads: Callable | None  # (dparams, contributions, blk, ctx) -> dparams; None without grad_params
     visible: Callable  # (blk, ctx, cfg) -> element mask
     kv_blocks: Callable  # (iq, block_q, block_k, n_kv, ctx, cfg) -> (lo, hi, full_lo, full_hi)
     q_blocks: Callable  # (ik, block_q, block_k, n_q, ctx, cfg) -> (lo, hi, full_lo, full_hi)
@@ -165,8 +166,8 @@ class XlaAttention:
         return lax.map(row, jnp.arange(sq // block_q))
 
     def forward(self, q, k, v, ctx, cfg, kernels=None):
-        del kernels  # one kernel set (ejgen.runtime.attention.kernels)
         """(out [B, Hkv, G, Sq, Dv] in q's dtype, lse [B, Hkv, G, Sq] float32, block kinds)."""
+        del kernels  # one kernel set (ejgen.runtime.attention.kernels)
         batch, kv_heads, groups, sq, _ = q.shape
         sk, dv = k.shape[2], v.shape[-1]
         block_q, block_k = block_sizes(cfg)
@@ -222,12 +223,12 @@ class XlaAttention:
         return out, lse, kinds
 
     def backward(self, q, k, v, out, lse, kinds, d_out, d_lse, ctx, cfg, kernels=None):
-        del kernels
         """Gradients (dq, dk, dv, dctx) from the saved lse; keys block by block, queries inside.
 
         ds = p * (dp - delta) with delta = rowsum(d_out * out) - d_lse, then back through the soft
         cap and the score hook. Every reduction runs in a fixed order: results are deterministic.
         """
+        del kernels
         batch, kv_heads, groups, sq, _ = q.shape
         sk = k.shape[2]
         block_q, block_k = block_sizes(cfg)
@@ -269,7 +270,7 @@ class XlaAttention:
                     ds = jnp.where(vis, ds, 0.0)
                     contribs = tuple(jnp.where(vis, c, 0.0) for c in contribs)
                 if self.hooks.grad_params:
-                    dctx = dict(dctx, params=self.hooks.scatter_param_grads(dctx["params"], contribs, blk, ctx))
+                    dctx = dict(dctx, params=self.hooks.param_grads(dctx["params"], contribs, blk, ctx))
                 if cfg.bias:
                     bias = ctx["bias"]
                     db = jnp.sum(ds, axis=tuple(i for i in range(3) if bias.shape[i] == 1), keepdims=True)

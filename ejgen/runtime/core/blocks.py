@@ -1,4 +1,5 @@
-"""Block-range arithmetic for the XLA backend, on traced int32 scalars.
+"""Block-range arithmetic on traced int32 values, shared by the generated XLA and Pallas modules
+(their ``kv_blocks`` and ``q_blocks`` hooks, which import it as ``blocks``).
 
 Mirrors ``ejgen.ir.passes.mask`` (which evaluates the same arithmetic in Python): bounds are
 inclusive element ranges ``(lo, hi, full_lo, full_hi)`` tightened one affine constraint

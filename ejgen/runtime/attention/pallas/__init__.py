@@ -1,1 +1,4 @@
-"""The Pallas attention kernels (GPU through the Triton lowering, TPU through Mosaic) and their plumbing."""
+"""The Pallas attention kernels and their plumbing: ``kernels`` (the front a generated ``pallas.py``
+builds: `PallasAttention`, dispatching per lowering platform), ``hooks`` (the spec's `Hooks`, the
+`Tile` they see, the tile math both kernel families share), ``gpu`` (GPU kernels, Triton lowering),
+``tpu`` (TPU kernels, Mosaic) and ``common`` (spec-independent helpers, ``interpret_kernels``)."""

@@ -1,8 +1,8 @@
-"""The Pallas backend's plumbing, shared by every generated variant: which kernels run on which
-platform, block metadata tables, TPU lane layouts, and the param reads and gradient sums that the
-kernels of a spec with params call.
+"""The Pallas backend's plumbing, shared by every generated variant and by both kernel families:
+which kernels run on which platform, constants and tile arithmetic, block metadata tables, TPU
+lane layouts, and the param reads and gradient sums that the kernels of a spec with params call.
 
-Nothing here knows a spec; a generated ``pallas.py`` holds the kernels and their hooks.
+Nothing here knows a spec: a generated ``pallas.py`` holds the spec's hooks (``hooks.Hooks``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ from jax import lax
 NUM_LANES = 128
 NUM_SUBLANES = 8
 KERNELS = ("gpu", "tpu")
+
+NEG_INF = float("-inf")
+PAD = 128  # padding granularity of the op: GPU blocks divide it, TPU blocks are multiples of it
+NT = (((1,), (1,)), ((), ()))  # a @ b^T
+NN = (((1,), (0,)), ((), ()))  # a @ b
 
 _INTERPRET = contextvars.ContextVar("ejgen_pallas_interpret", default=("gpu", True))
 
@@ -82,6 +87,21 @@ def pow2(n: int, least: int = 16) -> int:
     return p
 
 
+def precision(dtype):
+    """Exact float32 products for float32 inputs (no TF32); the native path for 16-bit inputs."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def head(h, groups):
+    """(kv head, group member) of query head ``h`` (lax.div and rem: index maps of non-negative ints)."""
+    return lax.div(h, jnp.int32(groups)), lax.rem(h, jnp.int32(groups))
+
+
+def param_lanes(x):
+    """Width of a param's flattened gradient accumulator [1, n]: a power of two of at least 128."""
+    return pow2(x.size, NUM_LANES)
+
+
 # Block metadata, outside the kernels.
 
 
@@ -128,6 +148,18 @@ def lanes(x, n: int):
         return x[:, :n]
     repeats = -(-n // x.shape[-1])
     return jnp.tile(x, (1, repeats))[:, :n]
+
+
+def add_sinks(m, l, sinks):
+    """(m, l, alpha) once the sinks (scalars) join the softmax denominator; scale acc by alpha."""
+    m_all = m
+    for a in sinks:
+        m_all = jnp.maximum(m_all, a)
+    alpha = jnp.exp(m - m_all)
+    l = l * alpha
+    for a in sinks:
+        l = l + jnp.exp(a - m_all)
+    return m_all, l, alpha
 
 
 def tile_sum(x):
