@@ -1,0 +1,116 @@
+"""Every DSL function and operator runs on every backend, forward and gradients, against the float64
+oracle (docs/DESIGN.md §2, §3): specs written for the purpose are built into a package of their own, and
+each has a hand-written oracle hook. Integer powers of negative logits, where the base is negative half
+the time, are among them: Triton once printed `x ** 5` as `exp(5 log x)`, zero output for a negative x."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+from ejgen.cli import main
+from ejgen.testing.shapes import AttnShape, random_cotangents, random_qkv, rng_for
+
+pytestmark = pytest.mark.usefixtures("x64_stays_off")
+PACKAGE = "dsl_functions_ops"
+
+SPECS = {
+    "powers": """\
+name: powers
+family: attention
+features: {gqa: runtime}
+doc: Integer powers of the logit, odd and even, of negative bases too.
+params:
+  w: {shape: [heads], dtype: float32, grad: true}
+score: s + 0.01 * s ** 5 - 0.05 * s ** 2 + w[h] * s ** 3 / 10 + 0.001 * s ** 6 + 0.5 * s ** 1 + s ** 0
+""",
+    "transcendental": """\
+name: transcendental
+family: attention
+features: {gqa: runtime}
+doc: exp, log, sqrt, sigmoid, tanh, abs, min, max, where and division in one score.
+params:
+  g: {shape: [heads], dtype: float32, grad: true}
+score: >
+  where(s > 0.0, sqrt(s + 1.0) * log(1.0 + exp(-abs(s))), max(s, -2.0) * sigmoid(g[h]))
+  + tanh(s) * min(s, 1.0) / (2.0 + abs(g[h]))
+""",
+    "masked_functions": """\
+name: masked_functions
+family: attention
+doc: A mask built from abs, max, not, and, or.
+features:
+  causal: runtime
+  gqa: runtime
+mask: (max(q_idx - kv_idx, 0) < 20 and not (kv_idx == 5)) or abs(q_idx - kv_idx) <= 1
+""",
+}
+
+
+def powers(s, ix, params, options):
+    w = oracle.param_at(params["w"], ix.h)
+    return s + 0.01 * s ** 5 - 0.05 * s ** 2 + w * s ** 3 / 10 + 0.001 * s ** 6 + 0.5 * s + 1.0
+
+
+def transcendental(s, ix, params, options):
+    g = oracle.param_at(params["g"], ix.h)
+    sigmoid = 1.0 / (1.0 + jnp.exp(-g))
+    pos = jnp.sqrt(jnp.where(s > 0, s, 0.0) + 1.0) * jnp.log(1.0 + jnp.exp(-jnp.abs(s)))
+    return jnp.where(s > 0, pos, jnp.maximum(s, -2.0) * sigmoid) + jnp.tanh(s) * jnp.minimum(s, 1.0) / (2.0 + jnp.abs(g))
+
+
+def masked_functions(ix, options):
+    return ((jnp.maximum(ix.q_idx - ix.kv_idx, 0) < 20) & ~(ix.kv_idx == 5)) | (jnp.abs(ix.q_idx - ix.kv_idx) <= 1)
+
+
+HOOKS = {"powers": dict(score=powers), "transcendental": dict(score=transcendental),
+         "masked_functions": dict(mask=masked_functions)}
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsl_functions")
+    (root / "specs").mkdir()
+    for name, text in SPECS.items():
+        (root / "specs" / f"{name}.yaml").write_text(text)
+    assert main(["build", str(root / "specs"), "-o", str(root / PACKAGE)]) == 0
+    before = set(sys.modules)
+    sys.path.insert(0, str(root))
+    try:
+        yield importlib.import_module(PACKAGE)
+    finally:
+        sys.path.remove(str(root))
+        for name in set(sys.modules) - before:
+            if name == PACKAGE or name.startswith(PACKAGE + "."):
+                del sys.modules[name]
+
+
+SHAPE = AttnShape(1, 40, 37, 2, 1, 16)  # several 16-wide blocks in the interpreters, GQA, ragged ends
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton", "pallas"])
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_dsl_functions_against_the_oracle(ops, run_vjp, spec, backend):
+    rng = rng_for("dsl", spec)
+    diff = random_qkv(SHAPE, "float32", rng)
+    params = {}
+    if spec == "powers":
+        params["w"] = jnp.asarray(rng.uniform(-1, 1, SHAPE.q_heads), jnp.float32)
+    if spec == "transcendental":
+        params["g"] = jnp.asarray(rng.standard_normal(SHAPE.q_heads), jnp.float32)
+    diff.update(params)
+    flags = {"causal": True} if spec == "masked_functions" else {}
+    d_out, d_lse = random_cotangents(SHAPE, "float32", rng)
+    out, lse, grads = run_vjp(getattr(ops, spec), diff, {}, {**flags, "platform": backend}, d_out, d_lse)
+    qkv = {n: np.asarray(diff[n]) for n in ("query", "key", "value")}
+    ref = oracle.attention(**qkv, **HOOKS[spec], params={n: np.asarray(p) for n, p in params.items()},
+                           options={}, **flags, d_out=d_out, d_lse=d_lse)
+    if spec == "powers":  # the point of the spec: negative logits raised to odd powers
+        s = np.einsum("bqhd,bkhd->bhqk", qkv["query"][:, :, :1], qkv["key"]) / np.sqrt(SHAPE.head_dim)
+        assert (s < -1).mean() > 0.1
+    oracle.check_attention(out, lse, grads, ref, diff, "float32")
