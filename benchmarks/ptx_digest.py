@@ -104,6 +104,7 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter cannot compile", file=sys.stderr)
         return 2
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # as ejgen.testing.aot's compiles (Triton 3.9 warns)
     import triton
 
     result = {"_triton": triton.__version__, **digests(args.specs.split(","), not args.no_gluon, args.jobs)}
