@@ -138,3 +138,35 @@ def test_deterministic_calls_are_bitwise_reproducible(backend):
             for _ in range(2)]
     for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Hopper kernel set runs on sm_90 GPUs")
+def test_on_hopper_deterministic_calls_leave_the_gluon_backward_and_agree_with_the_oracle(run_vjp):
+    """On an H100/H200: the default call takes the Gluon set for both passes, the deterministic one keeps the
+    Gluon forward and takes the generated backward; both match the float64 oracle, and the deterministic one
+    gives identical bits twice."""
+    import oracle
+    from ejgen.runtime.attention.gluon import host as gluon_attention
+    from ejgen.testing.shapes import random_cotangents
+
+    if not gluon_attention.hopper():
+        pytest.skip("not a Hopper GPU")
+    shape = AttnShape(1, 640, 640, 4, 2, 128)
+    rng = rng_for("hopper-deterministic")
+    diff = random_qkv(shape, "bfloat16", rng)
+    d_out, d_lse = random_cotangents(shape, "bfloat16", rng)
+    q, k, v = diff["query"], diff["key"], diff["value"]
+    fast = explain(flash_attention, q, k, v, causal=True)
+    det = explain(flash_attention, q, k, v, causal=True, deterministic=True)
+    assert (fast.forward, fast.backward) == ("gluon", "gluon"), fast.text()
+    assert (det.forward, det.backward) == ("gluon", "triton"), det.text()
+    ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, causal=True, d_out=d_out, d_lse=d_lse)
+    runs = []
+    for deterministic in (False, True, True):
+        out, lse, grads = run_vjp(flash_attention, diff, {}, dict(causal=True, deterministic=deterministic),
+                                  d_out, d_lse)
+        oracle.check_attention(out, lse, grads, ref, diff, "bfloat16")
+        runs.append((out, lse, grads))
+    for a, b in zip(jax.tree.leaves(runs[1]), jax.tree.leaves(runs[2])):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
