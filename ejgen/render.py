@@ -17,6 +17,7 @@ import attrs
 import jinja2
 
 from ejgen.emit.attention import op as attention_op
+from ejgen.emit.attention.describe import describe as describe_attention
 from ejgen.errors import SpecError
 from ejgen.plan.attention import plan_attention
 
@@ -25,11 +26,12 @@ from ejgen.plan.attention import plan_attention
 class Family:
     plan: Callable  # Variant -> plan (with ``.variant``)
     emit: Callable  # (plan, backends, common, render) -> {path: text}
+    describe: Callable  # plan -> its notation block (`ejgen show`, the op's docstring)
     backends: tuple  # the backends it has templates for
 
 
 FAMILIES = {
-    "attention": Family(plan_attention, attention_op.emit, tuple(attention_op.BACKENDS)),
+    "attention": Family(plan_attention, attention_op.emit, describe_attention, tuple(attention_op.BACKENDS)),
 }
 
 _ENV = jinja2.Environment(
@@ -68,6 +70,11 @@ def _family(variant) -> Family:
 def plan(variant):
     """The plan of one variant, by its family's planner."""
     return _family(variant).plan(variant)
+
+
+def describe(variant_plan) -> str:
+    """The notation block of a plan, by its family's describer."""
+    return _family(variant_plan.variant).describe(variant_plan)
 
 
 def render_op(variant_plan) -> dict[str, str]:

@@ -62,8 +62,7 @@ def _show(args) -> int:
 
         print(explain_call(args.call, args.package, args.target))
         return 0
-    from ejgen.emit.attention.describe import describe
-    from ejgen.render import plan
+    from ejgen.render import describe, plan
     from ejgen.spec import load_spec
 
     print(describe(plan(load_spec(args.spec))))
