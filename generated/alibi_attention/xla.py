@@ -9,7 +9,6 @@ Hooks see one block: logits s [B, Hkv, G, BLOCK_Q, BLOCK_K] float32 and its inde
 import jax.numpy as jnp
 from jax import lax
 
-from ejgen.runtime.attention import kernels as _kernel_sets
 from ejgen.runtime.attention import xla as xla_attention
 from ejgen.runtime.core import blocks
 
@@ -46,7 +45,7 @@ def _param_grads(dparams, contribs, blk, ctx):
 
 
 def _visible(blk, ctx, cfg):
-    """Element mask of one block (DESIGN §3 step 4), broadcastable to the logits."""
+    """Element mask of one block (docs/DESIGN.md §3 step 4), broadcastable to the logits."""
     vis = jnp.logical_and(blk.q_valid, blk.kv_valid)
     q_idx, kv_idx, q_len, kv_len = blk.q_idx, blk.kv_idx, blk.q_len, blk.kv_len
     if cfg.causal:  # causal
@@ -101,6 +100,6 @@ _KERNELS = xla_attention.XlaAttention(xla_attention.Hooks(
 available = xla_attention.available
 block_sizes = xla_attention.block_sizes
 TENSOR_LAYOUT = xla_attention.TENSOR_LAYOUT
-choose = _kernel_sets.only("xla", "the one kernel set of platform xla")
+choose = _KERNELS.choose
 forward = _KERNELS.forward
 backward = _KERNELS.backward

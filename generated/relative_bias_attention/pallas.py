@@ -78,7 +78,7 @@ def _param_grads(acc, ds1, s, t, sc, prm, vis):
 
 
 def _visible(t, sc, prm, cfg):
-    """Element mask of a tile (DESIGN §3 step 4), broadcastable to its logits."""
+    """Element mask of a tile (docs/DESIGN.md §3 step 4), broadcastable to its logits."""
     vis = jnp.logical_and(t.q_valid, t.kv_valid)
     if cfg.causal:  # causal
         vis = jnp.logical_and(vis, t.q_idx - t.kv_idx + (t.kv_len - t.q_len) >= 0)

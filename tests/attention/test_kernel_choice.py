@@ -170,3 +170,18 @@ def test_on_hopper_deterministic_calls_leave_the_gluon_backward_and_agree_with_t
         runs.append((out, lse, grads))
     for a, b in zip(jax.tree.leaves(runs[1]), jax.tree.leaves(runs[2])):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_deterministic_xla_on_a_gpu_needs_deterministic_scatters(monkeypatch):
+    """Param gradients on platform xla are scatter-adds: on a GPU a deterministic call needs XLA's flag."""
+    from ejgen.generated import alibi_attention
+
+    q = jax.ShapeDtypeStruct((1, 64, 4, 32), jnp.float32)
+    slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    with pytest.raises(ValueError, match="xla_gpu_deterministic_ops=true"):
+        explain(alibi_attention, q, q, q, slopes=slopes, platform="xla", deterministic=True, target="sm90")
+    assert explain(flash_attention, q, q, q, platform="xla", deterministic=True, target="sm90").deterministic
+    assert explain(alibi_attention, q, q, q, slopes=slopes, platform="xla", deterministic=True).deterministic
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    assert explain(alibi_attention, q, q, q, slopes=slopes, platform="xla", deterministic=True, target="sm90")

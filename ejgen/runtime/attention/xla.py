@@ -13,6 +13,7 @@ fully visible skip the element mask.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable, NamedTuple
 
 import jax
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejgen.runtime.attention.api import HEADS_MAJOR, sinks_grad
+from ejgen.runtime.core import kernels as kernel_choice
 
 TENSOR_LAYOUT = HEADS_MAJOR  # q [B, Hkv, G, S, D]: what the kernels below index
 
@@ -137,6 +139,18 @@ class XlaAttention:
 
     def __init__(self, hooks: Hooks):
         self.hooks = hooks
+
+    def choose(self, call, deterministic: bool):
+        """The one kernel set of platform xla. Its param gradients are scatter-adds, which XLA runs with
+        atomics on GPUs unless told otherwise: a deterministic call there needs XLA's deterministic ops."""
+        del call
+        flag = "--xla_gpu_deterministic_ops=true"
+        if (deterministic and self.hooks.param_grads is not None and kernel_choice.target().platform == "gpu"
+                and flag not in os.environ.get("XLA_FLAGS", "")):
+            raise ValueError(f"deterministic=True on platform xla on a GPU: this spec's param gradients are "
+                             f"scatter-adds, reproducible only with XLA_FLAGS={flag} set before JAX starts; "
+                             f"set it, or use platform='triton' (deterministic by construction)")
+        return "xla", "xla", ("forward and backward: xla (the one kernel set of platform xla)",)
 
     def _logits(self, qb, kb, blk, ctx, cfg):
         """Returns (s, s_score, s_final): after bias, after the score hook, after the soft cap."""
