@@ -1,12 +1,72 @@
 """Triton helpers shared by every generated kernel module (``generated/<name>/triton_kernels.py``):
-index arithmetic, guarded loads, dots, and the block ranges of the mask analysis. Nothing here depends
-on a spec; the kernels that do are emitted per spec and import these.
+the groups its helpers take their constexprs in, index arithmetic, guarded loads, dots, and the block
+ranges of the mask analysis. Nothing here depends on a spec; the kernels that do are emitted per spec
+and import these.
 """
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
+
+
+# The constexpr groups. A kernel takes its constexprs one by one (the host passes them by name) and
+# builds each group once, as `DIMS: tl.constexpr = Dims(B, HQ, ...)`; its helpers take the groups they
+# need and read fields (`DIMS.BLOCK_N`, `MASKS.CAUSAL`), which stay compile-time constants.
+
+
+class Dims(NamedTuple):
+    """Sizes: batch, query and kv heads, the sequences (the longest one with varlen), the head dims of q, k
+    (D) and v (DV) and the same padded to a power of two, the query and key rows of a tile."""
+    B: tl.constexpr
+    HQ: tl.constexpr
+    HKV: tl.constexpr
+    SEQ_Q: tl.constexpr
+    SEQ_K: tl.constexpr
+    D: tl.constexpr
+    DV: tl.constexpr
+    D_PAD: tl.constexpr
+    DV_PAD: tl.constexpr
+    BLOCK_M: tl.constexpr
+    BLOCK_N: tl.constexpr
+
+
+class Masks(NamedTuple):
+    """Which keys a query sees: causal, a sliding window, segment ids, a dense mask (over MASK_HEADS heads);
+    RUNTIME_MASK: a mask known only at run time, so that every block takes the element mask."""
+    CAUSAL: tl.constexpr
+    WINDOW: tl.constexpr
+    SEGMENTS: tl.constexpr
+    DENSE: tl.constexpr
+    MASK_HEADS: tl.constexpr
+    RUNTIME_MASK: tl.constexpr
+
+
+class Logits(NamedTuple):
+    """What a logit is made of: a soft cap, a bias (broadcast over BIAS_BATCH, BIAS_HEADS); PLAIN: neither,
+    nor a score hook, so that the softmax scale folds into the base-2 exponent."""
+    SOFTCAP: tl.constexpr
+    BIAS_ON: tl.constexpr
+    BIAS_BATCH: tl.constexpr
+    BIAS_HEADS: tl.constexpr
+    PLAIN: tl.constexpr
+
+
+class Schedule(NamedTuple):
+    """How the loops and dots run: three key loops or one (STAGED), tensor descriptors (TMA), a warp-specialised
+    forward (WS), dQ by atomics (ATOMIC_DQ) or over the dS band (BAND, BAND_BLOCKS wide, stored by descriptor
+    with BAND_TMA), the dots' input precision and the interpreter's upcast (`_dot`)."""
+    STAGED: tl.constexpr
+    TMA: tl.constexpr
+    WS: tl.constexpr
+    ATOMIC_DQ: tl.constexpr
+    BAND: tl.constexpr
+    BAND_BLOCKS: tl.constexpr
+    BAND_TMA: tl.constexpr
+    PRECISION: tl.constexpr
+    UPCAST: tl.constexpr
 
 
 @triton.jit
@@ -26,22 +86,22 @@ def _load(ptr, m_a, m_b, CHECK: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b in float32. UPCAST (CPU interpreter only) widens bf16 operands first: Triton 3.9's
-    interpreter multiplies the raw bits of bf16 tiles. Exact: bf16 products fit in float32."""
-    if UPCAST:
+def _dot(a, b, SCHEDULE: tl.constexpr):
+    """a @ b in float32 at SCHEDULE.PRECISION. UPCAST (CPU interpreter only) widens bf16 operands first:
+    Triton 3.9's interpreter multiplies the raw bits of bf16 tiles. Exact: bf16 products fit in float32."""
+    if SCHEDULE.UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
-        return tl.dot(a, b, input_precision=PRECISION)
+        return tl.dot(a, b, input_precision=SCHEDULE.PRECISION)
 
 
 @triton.jit
-def _dot_acc(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a @ b, accumulated in place by the tensor cores (UPCAST as in `_dot`)."""
-    if UPCAST:
+def _dot_acc(a, b, acc, SCHEDULE: tl.constexpr):
+    """acc + a @ b, accumulated in place by the tensor cores (PRECISION, UPCAST as in `_dot`)."""
+    if SCHEDULE.UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(a, b, acc, input_precision=PRECISION)
+        return tl.dot(a, b, acc, input_precision=SCHEDULE.PRECISION)
 
 
 @triton.jit
@@ -50,8 +110,12 @@ def _tanh(x):
 
 
 @triton.jit
-def _tighten(lo, hi, flo, fhi, A: tl.constexpr, B: tl.constexpr, c, x0, x1):
-    """Bounds on y from A * x + B * y + c >= 0 for x in [x0, x1]: some x (lo, hi), every x (flo, fhi)."""
+def _tighten(lo, hi, flo, fhi, A_Q: tl.constexpr, A_K: tl.constexpr, c, x0, x1, X_IS_Q: tl.constexpr):
+    """Bounds on y from the constraint A_Q * q_idx + A_K * kv_idx + c >= 0 over x in [x0, x1]: for some x
+    (lo, hi), for every x (flo, fhi). x is the query index and y the key index (X_IS_Q), or the other way
+    round; the constraint as A * x + B * y + c >= 0."""
+    A: tl.constexpr = A_Q if X_IS_Q else A_K
+    B: tl.constexpr = A_K if X_IS_Q else A_Q
     if A > 0:
         t_any = A * x1 + c
         t_all = A * x0 + c
