@@ -18,6 +18,7 @@ import jinja2
 
 from ejgen.emit.attention import op as attention_op
 from ejgen.emit.attention.describe import describe as describe_attention
+from ejgen.emit.layout import reflow
 from ejgen.errors import SpecError
 from ejgen.plan.attention import plan_attention
 
@@ -102,9 +103,10 @@ def render(variants) -> dict[str, str]:
         spec_hash=digest,
         ops=[{"name": p.variant.name, "summary": _summary(p.variant.doc)} for p in plans],
     )
-    return {path: _tidy(text) for path, text in sorted(files.items())}
+    return {path: _tidy(path, text) for path, text in sorted(files.items())}
 
 
-def _tidy(text: str) -> str:
-    """No trailing spaces, exactly one final newline."""
-    return "\n".join(line.rstrip() for line in text.rstrip().splitlines()) + "\n"
+def _tidy(path: str, text: str) -> str:
+    """No trailing spaces, exactly one final newline; Python wrapped within ``emit.layout.WIDTH`` columns."""
+    text = "\n".join(line.rstrip() for line in text.rstrip().splitlines())
+    return (reflow(text) if path.endswith(".py") else text) + "\n"

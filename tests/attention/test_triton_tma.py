@@ -120,13 +120,15 @@ def test_the_interpreter_takes_descriptors_exactly_where_the_gpu_table_does(monk
 
 def test_a_heads_major_package_is_an_error_not_a_wrong_answer():
     from ejgen.runtime.attention.config import AttentionConfig
+    from ejgen.runtime.core.kernels import KernelChoice
 
     cfg = AttentionConfig(seq_q=40, seq_k=40)
     q = jnp.zeros((1, 2, 1, 40, 16), jnp.float32)  # [B, Hkv, G, Sq, D]: what packages rendered before v5 pass
     layout = triton_attention.Layout("ejgen.generated.flash_attention.triton_kernels", "flash_attention", (), (), (),
                                      (), False, True, False)
+    choice = KernelChoice("triton", "triton", "triton", False)
     with pytest.raises(RuntimeError, match="older than this runtime"):
-        triton_attention._forward(layout, q, q[:, :, 0], q[:, :, 0], {}, cfg)
+        triton_attention._forward(layout, q, q[:, :, 0], q[:, :, 0], {}, cfg, choice)
 
 
 def test_autotuning_in_the_interpreter_is_an_error_that_says_what_to_do(monkeypatch):

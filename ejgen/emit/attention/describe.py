@@ -5,6 +5,9 @@ Used by ``ejgen show`` and as the notation block at the top of every generated o
 
 from __future__ import annotations
 
+import textwrap
+
+from ejgen.emit.layout import WIDTH
 from ejgen.ir.expr import to_text
 from ejgen.plan.attention import AttentionPlan
 
@@ -20,8 +23,8 @@ def describe(plan: AttentionPlan) -> str:
     lines = [
         f"{v.name} ({v.family}; modes {', '.join(v.modes)}; backends {', '.join(v.backends)})",
         "  query [B, Sq, Hq, D], key [B, Sk, Hkv, D], value [B, Sk, Hkv, Dv] -> out [B, Sq, Hq, Dv], lse [B, Hq, Sq]",
-        f"  features: {', '.join(_feature(f) for f in v.features) or 'none'}",
     ]
+    lines.append(f"  features: {', '.join(_feature(f) for f in v.features) or 'none'}")
     for p in v.params:
         dims = ", ".join(str(d) for d in p.shape)
         lines.append(f"  param  {p.name} [{dims}] {p.dtype}{' (grad)' if p.grad else ''}")
@@ -41,4 +44,14 @@ def describe(plan: AttentionPlan) -> str:
     if plan.mask.residual is not None:
         lines.append(f"    element mask + runtime block mask: {to_text(plan.mask.residual)}")
     lines.append("    segment ids, dense masks and varlen: element mask + runtime block mask")
-    return "\n".join(lines)
+    return "\n".join(_wrapped(lines))
+
+
+def _wrapped(lines: list[str]) -> list[str]:
+    """Each line within the emitted width (the block also sits in a docstring), continued 4 columns in."""
+    out = []
+    for line in lines:
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        out += textwrap.wrap(line, WIDTH - 8, subsequent_indent=indent, break_long_words=False,
+                             break_on_hyphens=False) or [line]
+    return out

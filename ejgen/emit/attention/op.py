@@ -3,12 +3,14 @@ and, per backend the spec lists, the modules rendered from that backend's templa
 
 from __future__ import annotations
 
+import textwrap
 from typing import Callable
 
 import attrs
 
 from ejgen.emit.attention import pallas, triton, xla
 from ejgen.emit.attention.describe import describe
+from ejgen.emit.layout import WIDTH
 from ejgen.ir.variant import FEATURE_ARGUMENTS
 from ejgen.plan.attention import AttentionPlan
 
@@ -35,9 +37,9 @@ BACKENDS = {
 
 def _docstring(plan: AttentionPlan, common: dict, signature: list[str]) -> str:
     doc = plan.variant.doc.strip().split("\n\n")
-    lines = [common["summary"], ""]
+    lines = [textwrap.fill(common["summary"], WIDTH - 8), ""]
     if doc[1:]:
-        lines += ["\n\n".join(doc[1:]), ""]
+        lines += ["\n\n".join(textwrap.fill(p, WIDTH - 8) for p in doc[1:]), ""]
     lines.append(f"Generated from {common['spec_path']}; semantics of docs/DESIGN.md §3. Keyword arguments:")
     lines += [f"  {a}" for a in signature]
     return "\n".join(lines).rstrip()

@@ -10,7 +10,8 @@ dim (``_rt.gather``), so that Mosaic and Triton both lower it; its gradient is s
 
 from __future__ import annotations
 
-from ejgen.emit.attention.common import MAX_POSITIONAL_DIM, positional, positional_read_fits, range_constraints, scalar_layout
+from ejgen.emit.attention.common import (MAX_POSITIONAL_DIM, positional, positional_read_fits, range_constraints,
+                                         scalar_layout)
 from ejgen.emit.attention.xla import JnpPrinter
 from ejgen.errors import SpecError
 from ejgen.ir.expr import ParamRef, to_text, walk
