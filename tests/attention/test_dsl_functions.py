@@ -6,6 +6,7 @@ the time, are among them: Triton once printed `x ** 5` as `exp(5 log x)`, zero o
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import jax.numpy as jnp
@@ -27,7 +28,9 @@ features: {gqa: runtime}
 doc: Integer powers of the logit, odd and even, of negative bases too.
 params:
   w: {shape: [heads], dtype: float32, grad: true}
-score: s + 0.01 * s ** 5 - 0.05 * s ** 2 + w[h] * s ** 3 / 10 + 0.001 * s ** 6 + 0.5 * s ** 1 + s ** 0
+score: >
+  s + 0.01 * s ** 5 - 0.05 * s ** 2 + w[h] * s ** 3 / 10 + 0.001 * s ** 6 + 0.5 * s ** 1 + s ** 0
+  + abs(s) ** 1.5 / 4 + (1.0 + abs(s)) ** w[h] + (1.0 + s * s) ** -2
 """,
     "transcendental": """\
 name: transcendental
@@ -54,7 +57,8 @@ mask: (max(q_idx - kv_idx, 0) < 20 and not (kv_idx == 5)) or abs(q_idx - kv_idx)
 
 def powers(s, ix, params, options):
     w = oracle.param_at(params["w"], ix.h)
-    return s + 0.01 * s ** 5 - 0.05 * s ** 2 + w * s ** 3 / 10 + 0.001 * s ** 6 + 0.5 * s + 1.0
+    return (s + 0.01 * s ** 5 - 0.05 * s ** 2 + w * s ** 3 / 10 + 0.001 * s ** 6 + 0.5 * s + 1.0
+            + jnp.abs(s) ** 1.5 / 4 + (1.0 + jnp.abs(s)) ** w + (1.0 + s * s) ** -2)
 
 
 def transcendental(s, ix, params, options):
@@ -114,3 +118,19 @@ def test_dsl_functions_against_the_oracle(ops, run_vjp, spec, backend):
         s = np.einsum("bqhd,bkhd->bhqk", qkv["query"][:, :, :1], qkv["key"]) / np.sqrt(SHAPE.head_dim)
         assert (s < -1).mean() > 0.1
     oracle.check_attention(out, lse, grads, ref, diff, "float32")
+
+
+def test_the_function_kernels_compile_for_sm90(ops, monkeypatch):
+    """The interpreter is lenient about types; Triton's compiler is not: the helpers the powers take
+    (`_ipow`, `_pow`) and every function compile ahead of time for Hopper."""
+    from pathlib import Path
+
+    from ejgen.testing.aot import compile_in_subprocess
+
+    pytest.importorskip("triton")
+    root = str(Path(ops.__file__).parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    for spec, params in (("powers", {"w": "float32"}), ("transcendental", {"g": "float32"})):
+        compiled = compile_in_subprocess(PACKAGE, spec, params=params, dtype="bfloat16", head_dim=64, with_ptx=True)
+        assert set(compiled) == {"fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"}
+        assert all(c["cubin"] for c in compiled.values())

@@ -20,7 +20,7 @@ from ejgen.emit.printer import Printer
 from ejgen.emit.attention.common import (MAX_POSITIONAL_DIM, positional, positional_read_fits, range_constraints,
                                          scalar_layout)
 from ejgen.errors import SpecError
-from ejgen.ir.expr import Binary, Const, Expr, ParamRef, Var, to_text, walk
+from ejgen.ir.expr import Binary, Const, Expr, ParamRef, Unary, Var, to_text, walk
 from ejgen.plan.attention import AttentionPlan
 
 DIM_CONSTEXPR = {"batch": "DIMS.B", "heads": "DIMS.HQ", "kv_heads": "DIMS.HKV", "q_len": "DIMS.SEQ_Q",
@@ -63,14 +63,16 @@ class TlPrinter(Printer):
         return super().expr(e)
 
     def power(self, e: Binary) -> str:
-        b = e.b
-        if isinstance(b, Const) and not isinstance(b.value, bool) and float(b.value).is_integer() and 0 <= b.value <= 4:
-            n = int(b.value)
+        """Python's ``a ** b``: a constant integer exponent by products (up to 4 inline, else `_ipow`), a
+        negative one as their reciprocal, any other by `_pow` (exact signs for a negative base)."""
+        b, sign = (e.b.x, -1) if isinstance(e.b, Unary) and e.b.op == "-" else (e.b, 1)
+        if isinstance(b, Const) and not isinstance(b.value, bool) and float(b.value).is_integer():
+            n, base = sign * int(b.value), f"({self(e.a)})"
             if n == 0:
                 return "1.0"
-            base = f"({self(e.a)})"
-            return " * ".join([base] * n)
-        return f"tl.exp(({self(b)}) * tl.log({self(e.a)}))"
+            product = " * ".join([base] * abs(n)) if abs(n) <= 4 else f"_ipow({base}, {abs(n)})"
+            return product if n > 0 else f"(1.0 / ({product}))"
+        return f"_pow({self(e.a)}, {self(b)})"
 
     def clamped(self, dim, idx: Expr) -> str:
         top = str(dim - 1) if isinstance(dim, int) else f"{DIM_CONSTEXPR[dim]} - 1"
@@ -170,6 +172,11 @@ def _kernel_constexprs(indent: str = "    ") -> str:
     return "\n".join(lines)
 
 
+def _all_exprs(plan: AttentionPlan) -> list[Expr]:
+    """Every expression the kernels print: score, mask and the derivatives."""
+    return [plan.score, plan.variant.mask, plan.dscore_ds] + [g.deriv for g in plan.param_grads]
+
+
 def template_context(plan: AttentionPlan) -> dict:
     variant = plan.variant
     params = {p.name: p for p in variant.params}
@@ -196,6 +203,7 @@ def template_context(plan: AttentionPlan) -> dict:
         "dparam_tail": "".join(f", DPARAM_{p.name}" for p in plan.grad_params),
         "kernel_constexprs": _kernel_constexprs(),
         "reflow": reflow,
+        "uses_pow": any(isinstance(n, Binary) and n.op == "**" for e in _all_exprs(plan) for n in walk(e)),
         "score_is_identity": plan.score_is_identity,
         "score_code": printer(plan.score),
         "score_bindings": _bindings([plan.score], variant),

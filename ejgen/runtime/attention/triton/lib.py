@@ -110,6 +110,28 @@ def _tanh(x):
 
 
 @triton.jit
+def _ipow(x, N: tl.constexpr):
+    """x ** N for a constant integer N >= 1, by repeated products: exact signs for a negative x."""
+    r = x
+    for _ in tl.static_range(N - 1):
+        r = r * x
+    return r
+
+
+@triton.jit
+def _pow(x, y):
+    """x ** y as Python and jnp.power give it for floats: |x| ** y, negative for a negative x and an odd
+    integer y, NaN for a negative x and a y that is not an integer, 1 for 0 ** 0."""
+    y = x * 0.0 + y  # a float tile, whatever y was
+    r = tl.exp2(y * tl.log2(tl.abs(x)))
+    whole = tl.floor(y) == y
+    odd = whole & (tl.floor(y * 0.5) * 2.0 != y)
+    r = tl.where((x < 0.0) & odd, -r, r)
+    r = tl.where((x < 0.0) & (~whole), float("nan"), r)
+    return tl.where((x == 0.0) & (y == 0.0), 1.0, r)
+
+
+@triton.jit
 def _tighten(lo, hi, flo, fhi, A_Q: tl.constexpr, A_K: tl.constexpr, c, x0, x1, X_IS_Q: tl.constexpr):
     """Bounds on y from the constraint A_Q * q_idx + A_K * kv_idx + c >= 0 over x in [x0, x1]: for some x
     (lo, hi), for every x (flo, fhi). x is the query index and y the key index (X_IS_Q), or the other way
