@@ -23,6 +23,7 @@ METRICS=$METRICS,launch__occupancy_limit_shared_mem,sm__pipe_tensor_op_hmma_cycl
 for step in "$@"; do
   case $step in
     check)
+      export XLA_PYTHON_CLIENT_PREALLOCATE=false  # many pytest processes share the GPU
       timeout 300 python3 -m pytest -q -n 10 -p no:cacheprovider tests/attention/test_triton_band.py tests/attention/test_triton_merged.py \
         tests/attention/test_triton_tma.py tests/attention/test_triton_aot.py > "$OUT/check-files.log" 2>&1
       note "check files rc $?: $(grep -E '[0-9]+ (passed|failed)' "$OUT/check-files.log" | tail -1)"
@@ -31,6 +32,7 @@ for step in "$@"; do
       note "check gpu rc $?: $(grep -E '[0-9]+ (passed|failed)' "$OUT/check-gpu.log" | tail -1)"
       grep FAILED "$OUT"/check-*.log | tee -a "$LOG" ;;
     full)
+      export XLA_PYTHON_CLIENT_PREALLOCATE=false
       EJGEN_FULL_SUITE=1 timeout 560 python3 -m pytest -m gpu -q -n 12 -rf -p no:cacheprovider tests > "$OUT/full.log" 2>&1
       note "full rc $?: $(grep -E '[0-9]+ (passed|failed)' "$OUT/full.log" | tail -1)"
       grep FAILED "$OUT/full.log" | tee -a "$LOG" ;;
