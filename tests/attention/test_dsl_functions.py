@@ -134,3 +134,27 @@ def test_the_function_kernels_compile_for_sm90(ops, monkeypatch):
         compiled = compile_in_subprocess(PACKAGE, spec, params=params, dtype="bfloat16", head_dim=64, with_ptx=True)
         assert set(compiled) == {"fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"}
         assert all(c["cubin"] for c in compiled.values())
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_the_function_kernels_lower_for_pallas_gpu_and_tpu(ops, spec, platform):
+    """The Pallas kernels of every function lower for CUDA (Triton) and TPU (Mosaic) from the CPU, forward and
+    gradients: a scalar `where` of two constants once lowered to an i1 value on CUDA (found on an H100)."""
+    import jax
+    from jax import export
+
+    op = getattr(ops, spec)
+    q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 256, 1, 128), jnp.float32)
+    name = {"powers": "w", "transcendental": "g"}.get(spec)
+    extra = {name: jax.ShapeDtypeStruct((2,), jnp.float32)} if name else {}
+
+    def loss(q, k, v, extra):
+        return jnp.sum(op(q, k, v, platform="pallas", **extra))
+
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    target = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}[platform]
+    exported = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=[platform],
+                             disabled_checks=checks)(q, kv, kv, extra)
+    assert exported.mlir_module().count(f"@{target}(") == 3  # forward, dK/dV, dQ

@@ -14,7 +14,7 @@ from ejgen.emit.attention.common import (MAX_POSITIONAL_DIM, positional, positio
                                          scalar_layout)
 from ejgen.emit.attention.xla import JnpPrinter
 from ejgen.errors import SpecError
-from ejgen.ir.expr import ParamRef, to_text, walk
+from ejgen.ir.expr import Call, Const, ParamRef, to_text, walk
 from ejgen.plan.attention import AttentionPlan
 
 TILE_NAMES = ("b", "h", "q_idx", "kv_idx", "q_len", "kv_len")
@@ -23,6 +23,16 @@ TILED = {"q_idx", "kv_idx", "q_len", "kv_len"}  # tiles inside a kernel (lengths
 
 class KernelPrinter(JnpPrinter):
     """jnp spelling of hook expressions, names as in the module docstring."""
+
+    def call(self, e: Call) -> str:
+        """``where`` with its constant branches typed float32: Pallas's Triton lowering (jax 0.10) gives a
+        select between two weakly typed constants under a scalar condition (a param read per head) the
+        predicate's i1 type, and the next arithmetic on it fails to lower."""
+        if e.fn != "where":
+            return super().call(e)
+        args = [f"jnp.float32({self(a)})" if isinstance(a, Const) and not isinstance(a.value, bool) else self(a)
+                for a in e.args]
+        return f"{self.functions[e.fn]}({', '.join(args)})"
 
     def indices(self, e: ParamRef) -> tuple[list[str | None], str | None]:
         """Per index its clamped code, ``None`` for the one positional index, and that index' code."""
