@@ -1,6 +1,6 @@
-"""The benchmark plot, benchmarks/attention-h200.png, regenerated from the latest table in BENCHMARKS.md.
+"""The benchmark plot, benchmarks/attention.png, regenerated from the latest table in BENCHMARKS.md.
 
-    python benchmarks/plot.py                      # latest BENCHMARKS.md table -> benchmarks/attention-h200.png
+    python benchmarks/plot.py                      # latest BENCHMARKS.md table -> benchmarks/attention.png
     python benchmarks/plot.py --check              # exit 1 if the PNG is not of the latest table (no matplotlib)
     python benchmarks/plot.py --json bench-out/results.json -o bench-out/attention.png   # a run's own output
 
@@ -23,17 +23,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MD = ROOT / "BENCHMARKS.md"
-DEFAULT_PNG = ROOT / "benchmarks" / "attention-h200.png"
+DEFAULT_PNG = ROOT / "benchmarks" / "attention.png"
 META_KEY = "ejgen-figures"
 IMPL_COLUMNS = (  # table column (a prefix, case-insensitive) -> impl name
     ("ejgen triton", "ejgen-triton"),
     ("ejgen pallas", "ejgen-pallas"),
+    ("ejgen deterministic", "ejgen-triton-det"),
     ("cudnn", "cudnn"),
     ("pallas-triton mha", "pallas-mha"),
 )
-LABELS = {"ejgen-triton": "ejgen (Triton / Gluon)", "ejgen-pallas": "ejgen (Pallas)", "cudnn": "cuDNN",
+LABELS = {"ejgen-triton": "ejgen (Triton / Gluon)", "ejgen-triton-det": "ejgen, deterministic=True",
+          "ejgen-pallas": "ejgen (Pallas)", "cudnn": "cuDNN",
           "pallas-mha": "JAX Pallas-Triton mha", "xla": "XLA"}
-COLORS = {"ejgen-triton": "#d62728", "ejgen-pallas": "#ff9896", "cudnn": "#1f77b4", "pallas-mha": "#2ca02c",
+COLORS = {"ejgen-triton": "#d62728", "ejgen-triton-det": "#ff7f0e", "ejgen-pallas": "#ff9896", "cudnn": "#1f77b4", "pallas-mha": "#2ca02c",
           "xla": "#7f7f7f"}
 
 
@@ -159,7 +161,10 @@ def plot(fig_data: dict, out: Path) -> None:
                 if r and impl in r["tflops"]:
                     xs.append(j + (k - (len(impls) - 1) / 2) * width)
                     ys.append(r["tflops"][impl])
-                    notes.append(r["x_cudnn"] if impl.startswith("ejgen") else None)
+                    # the table's ratio is the default ejgen's; any other ejgen bar gets its own from the figures
+                    own = r["tflops"][impl] / r["tflops"]["cudnn"] if r["tflops"].get("cudnn") else None
+                    ratio = r["x_cudnn"] if impl == "ejgen-triton" and r["x_cudnn"] else own
+                    notes.append(ratio if impl.startswith("ejgen") else None)
             bars = ax.bar(xs, ys, width, label=LABELS[impl], color=COLORS[impl])
             for bar, y, note in zip(bars, ys, notes):
                 ax.annotate(f"{y:.0f}" + (f"\n{note:.2f}x" if note else ""), (bar.get_x() + bar.get_width() / 2, y),
