@@ -41,8 +41,11 @@ GLUON = [dict(dtype=dt, head_dim=d, causal=c, window=w) for dt in ("bfloat16", "
 
 
 def _digest(ptx: str) -> str:
+    """The PTX without its debug information: the DWARF sections, `.loc` / `.file` lines and the `$L__tmpN:` labels
+    that only the line table refers to (an inlined helper adds some)."""
     text = ptx.split("\t.section\t.debug", 1)[0]
-    lines = [line for line in text.splitlines() if not re.match(r"\s*\.(loc|file)\b", line)]
+    lines = [line for line in text.splitlines()
+             if not re.match(r"\s*\.(loc|file)\b", line) and not re.match(r"\$L__tmp\d+:$", line)]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 

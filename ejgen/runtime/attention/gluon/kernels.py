@@ -554,25 +554,13 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
 
 
 @gluon.jit
-def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV, SCRATCH,
-                               B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
-                               D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                               MASK: gl.constexpr, DQ_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               PRODUCER_REGS: gl.constexpr):
-    """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
-    float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. LSE, DELTA: [B, HQ, SEQ]
-    (DELTA = rowsum(dO * O) - d lse). MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
-    F32 = [scale, ...]. Grid (cdiv(SEQ, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
-    gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
-    sm_scale = gl.load(F32)
-    WINDOW_LEFT = gl.load(I32)
+def _bwd_buffers(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+                 D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 DQ_MODE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    """Both backwards' tensor descriptors (Q, dO, K, V over [B, SEQ, heads * D]; the float32 dQ accumulator in
+    tiles of DQ_N columns: D, or D / 2 with DQ_MODE 1) and shared buffers (K_STAGES K, V_STAGES V, NUM_STAGES Q
+    and dO, two dS^T and two dQ staging tiles)."""
     dtype: gl.constexpr = Q.dtype.element_ty
-    GROUP = HQ // HKV
-    n = gl.program_id(0)  # causal / window: small n has the most query blocks -> scheduled first
-    pid_bh = gl.program_id(1)
-    off_b = pid_bh // HKV
-    off_hk = pid_bh % HKV
-
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, D], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -593,12 +581,36 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
                                          block_shape=[1, BLOCK_M, DQ_N], layout=dq_layout)
 
-    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], kv_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, D], kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, D], q_layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, D], q_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, DQ_N], dq_layout)
+    return q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem
+
+
+@gluon.jit
+def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV, SCRATCH,
+                               B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
+                               D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                               MASK: gl.constexpr, DQ_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               PRODUCER_REGS: gl.constexpr):
+    """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
+    float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. LSE, DELTA: [B, HQ, SEQ]
+    (DELTA = rowsum(dO * O) - d lse). MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
+    F32 = [scale, ...]. Grid (cdiv(SEQ, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
+    gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
+    sm_scale = gl.load(F32)
+    WINDOW_LEFT = gl.load(I32)
+    GROUP = HQ // HKV
+    n = gl.program_id(0)  # causal / window: small n has the most query blocks -> scheduled first
+    pid_bh = gl.program_id(1)
+    off_b = pid_bh // HKV
+    off_hk = pid_bh % HKV
+
+    (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+     dq_smem) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE, 1, 1)
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
     dlt_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
@@ -864,36 +876,12 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
     K_STAGES: gl.constexpr = 2  # K is needed first in a tile and released last
     sm_scale = gl.load(F32)
     WINDOW_LEFT = gl.load(I32)
-    dtype: gl.constexpr = Q.dtype.element_ty
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
 
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, D], dtype)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    if DQ_MODE == 0:
-        DQ_N: gl.constexpr = D
-    else:
-        DQ_N: gl.constexpr = D // 2
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, DQ_N], gl.float32)
-
-    q_desc = tma.make_tensor_descriptor(Q, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
-                                        block_shape=[1, BLOCK_M, D], layout=q_layout)
-    do_desc = tma.make_tensor_descriptor(DO, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
-                                         block_shape=[1, BLOCK_M, D], layout=q_layout)
-    k_desc = tma.make_tensor_descriptor(K, shape=[B, SEQ, HKV * D], strides=[SEQ * (HKV * D), HKV * D, 1],
-                                        block_shape=[1, BLOCK_N, D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V, shape=[B, SEQ, HKV * D], strides=[SEQ * (HKV * D), HKV * D, 1],
-                                        block_shape=[1, BLOCK_N, D], layout=kv_layout)
-    dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
-                                         block_shape=[1, BLOCK_M, DQ_N], layout=dq_layout)
-
-    k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, D], kv_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, D], q_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, D], q_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, DQ_N], dq_layout)
+    (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
+     dq_smem) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE, K_STAGES,
+                             V_STAGES)
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
     dlt_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
