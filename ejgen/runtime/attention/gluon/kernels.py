@@ -485,6 +485,22 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
 
 
 @gluon.jit
+def _bwd_zeros(BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, DQ_MODE: gl.constexpr):
+    """The zero accumulators a consumer warpgroup's matmuls start from: S^T [BLOCK_N / 2, BLOCK_M] and its dQ part
+    [BLOCK_M, DQ_N] (DQ_N: D, or D / 2 with DQ_MODE 1), in the wgmma layouts."""
+    if DQ_MODE == 0:
+        DQ_N: gl.constexpr = D
+    else:
+        DQ_N: gl.constexpr = D // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_N, 16])
+    return (gl.zeros([BLOCK_N // 2, BLOCK_M], gl.float32, layout=s_layout),
+            gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout))
+
+
+@gluon.jit
 def _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, S, HKV, WG: gl.constexpr, D: gl.constexpr,
                     BLOCK_N: gl.constexpr):
     """Warpgroup WG's dK (scaled) and dV rows of key block n, straight from registers (rows past S masked)."""
@@ -513,17 +529,11 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
         DQ_N: gl.constexpr = D
     else:
         DQ_N: gl.constexpr = D // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_N, 16])
-
     dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
-    s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    s_zero, dq_zero = _bwd_zeros(BLOCK_M, BLOCK_N, D, DQ_MODE)
     qk2 = sm_scale * 1.4426950408889634
     mbarrier.wait(kv_bar, 0)
 
@@ -831,17 +841,7 @@ def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
     dV stored. The tiles come from the producer through the tile ring, until an index >= the number of tiles."""
     N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
     BH: gl.constexpr = B * HKV
-    HALF: gl.constexpr = BLOCK_N // 2
-    if DQ_MODE == 0:
-        DQ_N: gl.constexpr = D
-    else:
-        DQ_N: gl.constexpr = D // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_N, 16])
-    s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    s_zero, dq_zero = _bwd_zeros(BLOCK_M, BLOCK_N, D, DQ_MODE)
     qk2 = sm_scale * 1.4426950408889634
 
     g = pid * 0  # ring items consumed so far (all tiles): Q / dO stage and phase, dS buffer, join parity
