@@ -248,6 +248,20 @@ def _compiler_params(blocks):
     return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
+def _key_block(r, i_k, block_k, q, b, h, rows, q_at, sc, cfg, d, dv, precision):
+    """Key block i_k of a query block's loop: (k [block_k, D_PAD], v [block_k, DV_PAD], the scaled logits with
+    the bias added [block_q, block_k], the tile's index grids)."""
+    start = pl.multiple_of(i_k * block_k, block_k)
+    k = _load(r["k"].at[pl.ds(start, block_k), :], d)
+    v = _load(r["v"].at[pl.ds(start, block_k), :], dv)
+    s = lax.dot_general(q, k, NT, precision=precision, preferred_element_type=jnp.float32) * sc.scale
+    if cfg.bias:
+        s = s + r["bias"][:, pl.ds(start, block_k)].astype(jnp.float32)
+    cols = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    mask = r["mask"][:, pl.ds(start, block_k)] if cfg.dense_mask else None
+    return k, v, s, _tile(r, b, h, rows, cols, q_at, pl.ds(start, block_k), mask, cfg)
+
+
 class GpuKernels:
     """The GPU kernels and their launches for one spec's hooks; inputs and outputs in the kernel
     layout (q [B, Hkv, G, S, D], as `PallasAttention`)."""
@@ -255,33 +269,30 @@ class GpuKernels:
     def __init__(self, hooks: Hooks):
         self.hooks = hooks
 
+    def _query_block(self, r, blocks, n_q, d, cfg):
+        """The program's query block (the longest rows first under causal: a shorter tail), its batch row and
+        head, the scalars and params, q [block_q, D_PAD], its rows and where they lie."""
+        i_q = pl.program_id(0)
+        if cfg.causal:
+            i_q = n_q - 1 - i_q
+        b, h = pl.program_id(1), pl.program_id(2)
+        sc = self.hooks.scalars(r["f32"], r["i32"])
+        prm = {name: r["param_" + name] for name in self.hooks.params}
+        q = _load(r["q"], d)
+        rows = i_q * blocks.block_q + lax.broadcasted_iota(jnp.int32, (blocks.block_q, 1), 0)
+        return b, h, sc, prm, q, rows, pl.ds(i_q * blocks.block_q, blocks.block_q)
+
     def _fwd_kernel(self, *refs, names, cfg, blocks, n_q, d, dv, n_sinks, precision, use_kinds):
         """One block of queries of one head: online softmax over its key blocks (FlashAttention-2)."""
         r = dict(zip(names, refs))
         o_ref, lse_ref = refs[len(names):]
         block_q, block_k = blocks.block_q, blocks.block_k
-        i_q = pl.program_id(0)
-        if cfg.causal:  # the longest rows first: a shorter tail
-            i_q = n_q - 1 - i_q
-        b, h = pl.program_id(1), pl.program_id(2)
-        sc = self.hooks.scalars(r["f32"], r["i32"])
-        prm = {name: r["param_" + name] for name in self.hooks.params}
-        q = _load(r["q"], d)  # [block_q, D_PAD]
-        rows = i_q * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
-        q_at = pl.ds(i_q * block_q, block_q)
+        b, h, sc, prm, q, rows, q_at = self._query_block(r, blocks, n_q, d, cfg)
         lo, hi, flo, fhi = (r["ranges"][j] for j in range(4))
 
         def step(i_k, carry, masked):
             acc, m_i, l_i = carry
-            start = pl.multiple_of(i_k * block_k, block_k)
-            k = _load(r["k"].at[pl.ds(start, block_k), :], d)  # [block_k, D_PAD]
-            v = _load(r["v"].at[pl.ds(start, block_k), :], dv)  # [block_k, DV_PAD]
-            s = lax.dot_general(q, k, NT, precision=precision, preferred_element_type=jnp.float32) * sc.scale
-            if cfg.bias:
-                s = s + r["bias"][:, pl.ds(start, block_k)].astype(jnp.float32)
-            cols = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-            mask = r["mask"][:, pl.ds(start, block_k)] if cfg.dense_mask else None
-            t = _tile(r, b, h, rows, cols, q_at, pl.ds(start, block_k), mask, cfg)
+            k, v, s, t = _key_block(r, i_k, block_k, q, b, h, rows, q_at, sc, cfg, d, dv, precision)
             _, _, s = logits(self.hooks, s, t, sc, prm, cfg)
             if masked:
                 s = jnp.where(self.hooks.visible(t, sc, prm, cfg), s, NEG_INF)
@@ -371,30 +382,14 @@ class GpuKernels:
         r = dict(zip(names, refs))
         (dq_ref,) = refs[len(names):]
         block_q, block_k = blocks.block_q, blocks.block_k
-        i_q = pl.program_id(0)
-        if cfg.causal:
-            i_q = n_q - 1 - i_q
-        b, h = pl.program_id(1), pl.program_id(2)
-        sc = self.hooks.scalars(r["f32"], r["i32"])
-        prm = {name: r["param_" + name] for name in self.hooks.params}
-        q = _load(r["q"], d)  # [block_q, D_PAD]
+        b, h, sc, prm, q, rows, q_at = self._query_block(r, blocks, n_q, d, cfg)
         do = _load(r["do"], dv)  # [block_q, DV_PAD]
         lse = r["lse"][...][:, None]
         delta = r["delta"][...][:, None]
-        rows = i_q * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
-        q_at = pl.ds(i_q * block_q, block_q)
         lo, hi, flo, fhi = (r["ranges"][j] for j in range(4))
 
         def step(i_k, dq, masked):
-            start = pl.multiple_of(i_k * block_k, block_k)
-            k = _load(r["k"].at[pl.ds(start, block_k), :], d)  # [block_k, D_PAD]
-            v = _load(r["v"].at[pl.ds(start, block_k), :], dv)  # [block_k, DV_PAD]
-            s = lax.dot_general(q, k, NT, precision=precision, preferred_element_type=jnp.float32) * sc.scale
-            if cfg.bias:
-                s = s + r["bias"][:, pl.ds(start, block_k)].astype(jnp.float32)
-            cols = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-            mask = r["mask"][:, pl.ds(start, block_k)] if cfg.dense_mask else None
-            t = _tile(r, b, h, rows, cols, q_at, pl.ds(start, block_k), mask, cfg)
+            k, v, s, t = _key_block(r, i_k, block_k, q, b, h, rows, q_at, sc, cfg, d, dv, precision)
             dp = lax.dot_general(do, v, NT, precision=precision, preferred_element_type=jnp.float32)
             _, _, ds0, _ = grads_tile(self.hooks, s, t, sc, prm, cfg, lse, dp, delta, masked, _exp)  # [block_q, block_k]
             return dq + lax.dot_general(ds0.astype(k.dtype), k, NN, precision=precision, preferred_element_type=jnp.float32)
