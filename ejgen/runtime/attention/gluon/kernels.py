@@ -569,7 +569,8 @@ def _bwd_buffers(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl
                  DQ_MODE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
     """Both backwards' tensor descriptors (Q, dO, K, V over [B, SEQ, heads * D]; the float32 dQ accumulator in
     tiles of DQ_N columns: D, or D / 2 with DQ_MODE 1) and shared buffers (K_STAGES K, V_STAGES V, NUM_STAGES Q
-    and dO, two dS^T and two dQ staging tiles)."""
+    and dO with their lse and delta rows, two dS^T and two dQ staging tiles, the column offsets 0 .. BLOCK_M - 1,
+    the Q / dO ring's barriers), in the order both kernels allocate them."""
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, D], dtype)
@@ -597,7 +598,20 @@ def _bwd_buffers(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, D], q_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, DQ_N], dq_layout)
-    return q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
+    dlt_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
+    # 0 .. BLOCK_M - 1: the consumers' masks read their query offsets from here (_bwd_mask)
+    cols_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    cols_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_M], cols_layout)
+    cols_smem.store(gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0])))
+
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()  # the Q / dO ring's barriers (initialised by the kernel)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    return (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem,
+            dlt_smem, cols_smem, q_ready, do_ready, qd_empty)
 
 
 @gluon.jit
@@ -619,20 +633,10 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     off_b = pid_bh // HKV
     off_hk = pid_bh % HKV
 
-    (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
-     dq_smem) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE, 1, 1)
-    row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
-    dlt_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
-    # 0 .. BLOCK_M - 1: the consumers' masks read their query offsets from here (_bwd_consumer)
-    cols_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    cols_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_M], cols_layout)
-    cols_smem.store(gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0])))
-
+    (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
+     cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N,
+                                                            NUM_STAGES, DQ_MODE, 1, 1)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     misc_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # 0: K/V loaded, 1: dSEQ halves written
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
@@ -879,21 +883,10 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
 
-    (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem,
-     dq_smem) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE, K_STAGES,
-                             V_STAGES)
-    row_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
-    dlt_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_layout)
-    # 0 .. BLOCK_M - 1: the consumers' masks read their column offsets from here (see _pbwd_consumer)
-    cols_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    cols_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_M], cols_layout)
-    cols_smem.store(gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0])))
-
+    (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
+     cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N,
+                                                            NUM_STAGES, DQ_MODE, K_STAGES, V_STAGES)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], bar_layout)
