@@ -22,8 +22,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 5e-3}
-"""Relative error ``‖x - ref‖ / ‖ref‖`` allowed per input dtype, for out, lse and gradients."""
+# Measured (relative errors, worst over xla and the triton/pallas interpreters on the CPU: every
+# conformance case on every backend, and the CI subset of test_variants, test_dsl_functions,
+# test_pallas, test_kernel_choice, test_triton_{band,merged,tma}):
+#                  out       gradients  lse
+#   float32        8.0e-7    1.7e-6     1.7e-7   (dvalue: DSL powers spec on pallas; lse: window (0, 0))
+#   float16        2.7e-4    3.4e-4     6.2e-8
+#   bfloat16       5.1e-3    7.0e-3     4.6e-8   (triton: the interpreter truncates f32 -> bf16, ~3x xla)
+#   large logits, f32  2.2e-5  2.2e-5   1.0e-7   (scores to +-200: up to 2.1 u·L, L the largest |score|)
+#   large logits, bf16 3.1e-3  1.8e-2   6.1e-8   (triton's truncating interpreter; xla 4.1e-3)
+# float32 outputs and gradients get 6-12x their maximum, lse 12x; the 16-bit tolerances are unchanged.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
+"""Relative error ``‖x - ref‖ / ‖ref‖`` allowed per input dtype, for out and gradients."""
+
+LSE_TOLERANCE = 2e-6
+"""Relative error allowed for lse whatever the input dtype. lse is float32 and computed from the inputs
+as given (bf16/f16 products are exact in float32); the oracle widens the same rounded inputs, so only
+float32 accumulation and exp/log remain: 1.7e-7 at worst, in every dtype."""
+
+UNIT_ROUNDOFF = 2.0**-24
+"""float32's unit roundoff: a score ``s`` rounded to float32 moves ``exp(s - m)`` by up to ``u·|s|``."""
+
+LOGIT_ULPS = 10
+"""Large-logit cases add ``LOGIT_ULPS · u · L`` to the tolerance of out and gradients (L: the largest
+|score| or |sink| reaching the softmax): measured up to 2.1 ``u·L`` at L = 100-210 in float32."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,13 +437,21 @@ def assert_close(name: str, x, ref, tol: float) -> float:
     return err
 
 
-def check_attention(out, lse, grads, ref: Reference, diff: dict, dtype: str):
-    """Dtypes, every value against the oracle, and exact zeros where nothing is visible."""
-    tol = TOLERANCE[dtype]
+def tolerance(dtype: str, max_logit: float | None = None) -> float:
+    """The tolerance of out and gradients: ``TOLERANCE[dtype]``, plus ``LOGIT_ULPS · u · max_logit``
+    for inputs whose scores (or sinks) reach ``±max_logit``, far beyond the standard normal's ~16."""
+    extra = 0.0 if max_logit is None else LOGIT_ULPS * UNIT_ROUNDOFF * float(max_logit)
+    return TOLERANCE[dtype] + extra
+
+
+def check_attention(out, lse, grads, ref: Reference, diff: dict, dtype: str, *, max_logit=None):
+    """Dtypes, every value against the oracle, and exact zeros where nothing is visible. lse is held
+    to ``LSE_TOLERANCE`` whatever the dtype; out and gradients to ``tolerance(dtype, max_logit)``."""
+    tol = tolerance(dtype, max_logit)
     assert out.dtype == jnp.dtype(dtype), f"out dtype {out.dtype}, input {dtype}"
     assert lse.dtype == jnp.float32, f"lse dtype {lse.dtype}"
     assert_close("out", out, ref.out, tol)
-    assert_close("lse", lse, ref.lse, tol)
+    assert_close("lse", lse, ref.lse, LSE_TOLERANCE)
     assert set(grads) == set(diff)
     for name, g in grads.items():
         assert g.dtype == diff[name].dtype, f"d{name} is {g.dtype}, {name} {diff[name].dtype}"

@@ -258,3 +258,110 @@ def test_concrete_cu_seqlens_are_checked(cu, longest, match):
     with pytest.raises(ValueError, match=match):
         flash_attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=jnp.asarray([0, 4, 10], jnp.int32),
                         max_seqlen_q=longest, max_seqlen_k=10, platform="xla")
+
+
+def _segments_info():
+    return _mask_info().from_segments(jnp.zeros((1, 10), jnp.int32), jnp.zeros((1, 12), jnp.int32))
+
+
+# id -> (arguments to replace or add, the argument the message must name); each raises one ValueError.
+FEATURE_ARGUMENTS = {
+    "sliding_window-negative": (dict(sliding_window=-1), "sliding_window"),
+    "sliding_window-negative-side": (dict(sliding_window=(4, -1)), "sliding_window"),
+    "sliding_window-one-side": (dict(sliding_window=(4,)), "sliding_window"),
+    "sliding_window-three-sides": (dict(sliding_window=(4, 0, 2)), "sliding_window"),
+    "sliding_window-float": (dict(sliding_window=4.0), "sliding_window"),
+    "sliding_window-float-side": (dict(sliding_window=(4, 2.5)), "sliding_window"),
+    "sliding_window-bool": (dict(sliding_window=True), "sliding_window"),
+    "sliding_window-bool-side": (dict(sliding_window=(True, 0)), "sliding_window"),
+    "logits_soft_cap-zero": (dict(logits_soft_cap=0), "logits_soft_cap"),
+    "logits_soft_cap-negative": (dict(logits_soft_cap=-30.0), "logits_soft_cap"),
+    "logits_soft_cap-negative-array": (dict(logits_soft_cap=jnp.float32(-30.0)), "logits_soft_cap"),
+    "logits_soft_cap-inf": (dict(logits_soft_cap=float("inf")), "logits_soft_cap"),
+    "logits_soft_cap-nan": (dict(logits_soft_cap=float("nan")), "logits_soft_cap"),
+    "logits_soft_cap-vector": (dict(logits_soft_cap=jnp.ones(2)), "logits_soft_cap"),
+    "causal-int": (dict(causal=1), "causal"),
+    "causal-str": (dict(causal="yes"), "causal"),
+    "causal-array": (dict(causal=jnp.asarray(True)), "causal"),
+    "deterministic-int": (dict(deterministic=1), "deterministic"),
+    "deterministic-str": (dict(deterministic="yes"), "deterministic"),
+    "softmax_scale-vector": (dict(softmax_scale=jnp.ones(2)), "softmax_scale"),
+    "softmax_scale-str": (dict(softmax_scale="0.1"), "softmax_scale"),
+    "key-dtype": (dict(key=_arr(B, SK, HKV, D, dtype=jnp.bfloat16)), "key"),  # "... must share a dtype"
+    "value-dtype": (dict(value=_arr(B, SK, HKV, D, dtype=jnp.float16)), "value"),
+}
+
+
+@pytest.mark.parametrize("case", FEATURE_ARGUMENTS.values(), ids=FEATURE_ARGUMENTS.keys())
+def test_bad_feature_argument_raises_value_error_naming_it(case):
+    args, name = case
+    q, k, v = _qkv()
+    kwargs = dict(query=q, key=k, value=v, platform="xla")
+    kwargs.update(args)
+    with pytest.raises(ValueError, match=rf"\b{re.escape(name)}\b"):
+        _flash_attention()(kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value"), **kwargs)
+
+
+# With cu_seqlens (varlen): what varlen excludes.
+VARLEN_EXCLUDES = {
+    "mask_info-with-cu_seqlens": (dict(mask_info=_segments_info), "mask_info"),
+    "bias-with-cu_seqlens": (dict(bias=lambda: _arr(1, HQ, 10, 12)), "bias"),
+}
+
+
+@pytest.mark.parametrize("case", VARLEN_EXCLUDES.values(), ids=VARLEN_EXCLUDES.keys())
+def test_varlen_rejects_what_it_excludes(case):
+    args, name = case
+    q, k, v = _varlen_qkv()
+    kwargs = dict(cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, max_seqlen_q=6, max_seqlen_k=7, platform="xla")
+    kwargs.update({n: a() for n, a in args.items()})
+    with pytest.raises(ValueError, match=rf"\b{re.escape(name)}\b.*cu_seqlens") as info:
+        _flash_attention()(q, k, v, **kwargs)
+    assert "cannot be combined" in str(info.value)
+
+
+# A spec option: (variant, option, bad value, what the message says about it).
+BAD_OPTIONS = {
+    "int-option-python-float": ("alibi_attention", "max_distance", lambda: 2.5, "must be an int"),
+    "int-option-float-array": ("alibi_attention", "max_distance", lambda: jnp.float32(2.0), "must be an int"),
+    "int-option-bool": ("alibi_attention", "max_distance", lambda: True, "must be an int"),
+    "int-option-str": ("alibi_attention", "max_distance", lambda: "8", "must be an int"),
+    "int-option-vector": ("alibi_attention", "max_distance", lambda: jnp.ones(3, jnp.int32), "must be a scalar"),
+    "int-option-rank-1": ("prefix_lm_attention", "prefix_len", lambda: jnp.ones((1,), jnp.int32), "must be a scalar"),
+    "float-option-bool": ("relative_bias_attention", "bias_scale", lambda: True, "must be a float"),
+    "float-option-str": ("relative_bias_attention", "bias_scale", lambda: "0.5", "must be a float"),
+    "float-option-matrix": ("relative_bias_attention", "bias_scale", lambda: jnp.ones((2, 2)), "must be a scalar"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_OPTIONS.values(), ids=BAD_OPTIONS.keys())
+def test_bad_option_raises_value_error_naming_it(case):
+    name, option, value, says = case
+    (q, k, v), params = _variant_args(name)
+    with pytest.raises(ValueError, match=rf"option {re.escape(option)} {says}"):
+        _variant(name)(q, k, v, **params, **{option: value()}, platform="xla")
+
+
+@pytest.mark.parametrize(
+    "name, option, value",
+    [("alibi_attention", "max_distance", np.int64(8)), ("alibi_attention", "max_distance", jnp.int32(8)),
+     ("relative_bias_attention", "bias_scale", 2), ("relative_bias_attention", "bias_scale", jnp.float32(0.5))],
+    ids=["int-option-numpy-int", "int-option-int-array", "float-option-python-int", "float-option-array"],
+)
+def test_good_option_values_are_taken(name, option, value):
+    """The checks above reject only what is wrong: integer types for an int option, any real for a
+    float option."""
+    (q, k, v), params = _variant_args(name)
+    out = _variant(name)(q, k, v, **params, **{option: value}, platform="xla")
+    assert out.shape == q.shape and np.isfinite(np.asarray(out)).all()
+
+
+def test_concrete_soft_cap_array_is_checked_and_a_traced_one_taken():
+    """A positive 0-d array works eagerly and under jit (where its value is unknown)."""
+    import jax
+
+    q, k, v = _qkv()
+    op = _flash_attention()
+    eager = op(q, k, v, logits_soft_cap=jnp.float32(5.0), platform="xla")
+    traced = jax.jit(lambda cap: op(q, k, v, logits_soft_cap=cap, platform="xla"))(jnp.float32(5.0))
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(traced), rtol=1e-6, atol=1e-6)

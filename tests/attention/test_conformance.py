@@ -5,7 +5,8 @@ The parametrisation is representative, not a full product: every feature (bias, 
 segments, dense mask) appears alone, with causal and with a window, and each feature case runs on
 one GQA/MQA shape and one MHA shape of the registry (all of which but one are odd);
 ``test_parametrisation_covers_the_plan`` keeps it that way. f32 runs everywhere, bf16/f16 on a
-subset.
+subset. Large-logit cases (scores to +-200, a soft cap far exceeded, dominant sinks) run on every
+backend, with a tolerance widened by the scores' float32 rounding (``oracle.tolerance``).
 """
 
 from __future__ import annotations
@@ -62,9 +63,13 @@ class Features:
     bias: str | None = None  # "bhqk" full, or broadcast "1hqk", "b1qk", "11qk"
     segments: str | None = None  # "packed": contiguous runs, -1 padding at the end; "random"
     mask: str | None = None  # dense mask "bqk" [B, Sq, Sk], "b1qk", "bhqk"
+    logits: float | None = None  # softmax_scale set so that the largest |scale * q.k| is this
+    sink_margin: float | None = None  # sinks this far above `logits` (plus N(0, 1)): they dominate
 
     def __post_init__(self):
         assert not (self.segments and self.mask), "a MaskInfo holds segments or a dense mask"
+        assert not (self.logits and self.scale), "logits sets softmax_scale"
+        assert self.sink_margin is None or (self.sinks and self.logits), "sink_margin: sinks over logits"
 
     @property
     def id(self) -> str:
@@ -76,9 +81,13 @@ class Features:
             parts.append(f"cap{self.soft_cap:g}")
         if self.scale is not None:
             parts.append(f"scale{self.scale:g}")
+        if self.logits is not None:
+            parts.append(f"logits{self.logits:g}")
         for name in ("sinks", "bias", "segments", "mask"):
             if getattr(self, name):
                 parts.append(f"{name[:4] if name != 'segments' else 'seg'}_{getattr(self, name)}")
+        if self.sink_margin is not None:
+            parts.append(f"over{self.sink_margin:g}")
         return "-".join(parts) or "plain"
 
     @property
@@ -177,6 +186,20 @@ VARLEN_CASES = tuple(
     Case(Features(causal=True, sinks="h", window=(8, 0)), VARLEN_SHAPES[1], "bfloat16"),
 )
 
+# Logits far beyond the ~4.5 of standard-normal inputs: scores up to +-200, a soft cap far exceeded
+# (raw scores 5x the cap of 100, tanh at 0.9999, capped scores near +-100), sinks above every score.
+# exp of any of them overflows float32 (past 88.7), so a kernel without the running-max subtraction
+# fails here. Shapes: the registry's odd GQA and MHA shapes at batch 1 (S <= 96, half the time).
+_LG, _LM = AttnShape(1, 63, 65, 4, 2, 48), AttnShape(1, 45, 45, 2, 2, 72, 40)
+LARGE_LOGIT_CASES = (
+    Case(Features(logits=200.0), _LG),
+    Case(Features(causal=True, logits=200.0), _LM, "bfloat16"),
+    Case(Features(window=(8, 4), soft_cap=100.0, logits=500.0), _LM),
+    Case(Features(causal=True, soft_cap=100.0, logits=500.0), _LG, "float16"),
+    Case(Features(sinks="h", sink_margin=8.0, logits=200.0), _LG),
+    Case(Features(causal=True, sinks="hn", sink_margin=4.0, logits=200.0), _LM, "bfloat16"),
+)
+
 
 def _ids(cases):
     return [c.id for c in cases]
@@ -188,9 +211,12 @@ def make_inputs(f: Features, shape: AttnShape, dtype: str, rng):
     B, Sq, Sk, Hq = shape.batch, shape.q_len, shape.kv_len, shape.q_heads
     diff = random_qkv(shape, dtype, rng)
     rest = {}
+    scale = f.scale
+    if f.logits is not None:  # the scale that takes the largest |q.k| (of the rounded inputs) to f.logits
+        scale = f.logits / float(np.abs(dot_products(diff["query"], diff["key"])).max())
     static = dict(
         causal=f.causal, sliding_window=f.window, logits_soft_cap=f.soft_cap,
-        softmax_scale=f.scale,
+        softmax_scale=scale,
     )
     ref = dict(static)
     if f.bias:
@@ -198,6 +224,8 @@ def make_inputs(f: Features, shape: AttnShape, dtype: str, rng):
         diff["bias"] = jnp.asarray(rng.standard_normal([dims[c] for c in f.bias]), dtype)
     if f.sinks:
         diff["softmax_aux"] = random_sinks(f.sinks, Hq, rng)
+        if f.sink_margin is not None:  # N(logits + margin, 1): above every logit
+            diff["softmax_aux"] = diff["softmax_aux"] + (f.logits + f.sink_margin - 1.0)
     if f.segments == "packed":
         qseg = packed_segments(B, Sq, rng)
         kseg = qseg if Sq == Sk else packed_segments(B, Sk, rng)
@@ -217,8 +245,29 @@ def make_inputs(f: Features, shape: AttnShape, dtype: str, rng):
     return diff, rest, static, ref
 
 
+def dot_products(query, key) -> np.ndarray:
+    """float64 ``q . k`` as ``[B, Hq, Sq, Sk]`` (query head h reads kv head h // group)."""
+    q, k = np.asarray(query, np.float64), np.asarray(key, np.float64)
+    k = np.repeat(k, q.shape[2] // k.shape[2], axis=2)
+    return np.einsum("bqhd,bkhd->bhqk", q, k)
+
+
 def _as_numpy(arrays: dict) -> dict:
     return {n: np.asarray(x) for n, x in arrays.items()}
+
+
+def largest_logit(diff: dict, static: dict) -> float:
+    """The largest |score| reaching the softmax (after bias and soft cap, every entry, masked or
+    not) or |sink|."""
+    d = diff["query"].shape[-1]
+    scale = 1.0 / np.sqrt(d) if static["softmax_scale"] is None else static["softmax_scale"]
+    s = scale * dot_products(diff["query"], diff["key"])
+    if "bias" in diff:
+        s = s + np.asarray(diff["bias"], np.float64)
+    if static["logits_soft_cap"] is not None:
+        s = static["logits_soft_cap"] * np.tanh(s / static["logits_soft_cap"])
+    sinks = np.abs(np.asarray(diff.get("softmax_aux", 0.0), np.float64)).max()
+    return float(max(np.abs(s).max(), sinks))
 
 
 def run_case(case: Case, backend: str, run_vjp):
@@ -229,7 +278,9 @@ def run_case(case: Case, backend: str, run_vjp):
     out, lse, grads = run_vjp(op, diff, rest, {**static, "platform": backend}, d_out, d_lse)
     ref = oracle.attention(**_as_numpy(diff), **ref_kwargs, d_out=d_out, d_lse=d_lse)
     assert out.shape == case.shape.out and lse.shape == case.shape.lse
-    return oracle.check_attention(out, lse, grads, ref, diff, case.dtype)
+    # Scores far beyond the standard normal's widen the tolerance by their rounding (oracle.tolerance).
+    max_logit = None if case.features.logits is None else largest_logit(diff, static)
+    return oracle.check_attention(out, lse, grads, ref, diff, case.dtype, max_logit=max_logit)
 
 
 @pytest.mark.parametrize("backend,case", backend_cases(F32_CASES, _ids(F32_CASES)))
@@ -239,6 +290,14 @@ def test_attention_f32(backend, run_vjp, case):
 
 @pytest.mark.parametrize("backend,case", backend_cases(LOW_PRECISION_CASES, _ids(LOW_PRECISION_CASES)))
 def test_attention_low_precision(backend, run_vjp, case):
+    run_case(case, backend, run_vjp)
+
+
+@pytest.mark.parametrize("case", LARGE_LOGIT_CASES, ids=_ids(LARGE_LOGIT_CASES))
+def test_large_logits(backend, run_vjp, case):
+    """Scores up to +-200, a soft cap far exceeded, sinks above every score: on every backend (not
+    the subset), each case with a score or sink that float32's exp overflows on without the
+    running-max subtraction."""
     run_case(case, backend, run_vjp)
 
 
@@ -452,6 +511,88 @@ def test_parametrisation_covers_the_plan():
         assert {c.shape.gqa for c in cases} == {True, False}, dtype
         assert any(c.features.causal for c in cases) and any(c.features.atoms for c in cases)
     assert {c.shape for c in VARLEN_CASES} == set(VARLEN_SHAPES)
-    assert len({c.id for c in F32_CASES + LOW_PRECISION_CASES + VARLEN_CASES}) == len(
-        F32_CASES + LOW_PRECISION_CASES + VARLEN_CASES
-    )
+    every = F32_CASES + LOW_PRECISION_CASES + VARLEN_CASES + LARGE_LOGIT_CASES
+    assert len({c.id for c in every}) == len(every)
+
+
+F32_EXP_OVERFLOW = float(np.log(np.finfo(np.float32).max))  # 88.72: exp of more is inf
+
+
+def test_large_logit_cases_cover_the_plan():
+    """Scores of +-200, a soft cap exceeded 5x, sinks above every score, in each dtype, with and
+    without causal; each case's largest score or sink overflows float32's exp, and the inputs stay
+    small enough for the CPU suite (S <= 96)."""
+    cases = LARGE_LOGIT_CASES
+    assert {c.dtype for c in cases} == {"float32", "bfloat16", "float16"}
+    assert any(c.features.logits >= 200 and not c.features.atoms for c in cases)
+    assert any(c.features.soft_cap and c.features.logits >= 5 * c.features.soft_cap for c in cases)
+    assert any(c.features.sink_margin for c in cases)
+    assert {c.features.causal for c in cases} == {True, False}
+    for case in cases:
+        assert max(case.shape.q_len, case.shape.kv_len) <= 96, case.id
+        diff, _, static, _ = make_inputs(case.features, case.shape, case.dtype, rng_for(case.id))
+        assert largest_logit(diff, static) > F32_EXP_OVERFLOW, case.id
+
+
+def _softmax_without_max(diff: dict, static: dict):
+    """A planted bug: attention in float32 as a kernel would compute it without the running-max
+    subtraction (p = exp(s), l = sum p + sum exp(sinks)); returns (out, lse) like the op."""
+    q, k, v = (np.asarray(diff[n], np.float32) for n in ("query", "key", "value"))
+    B, Sq, Hq, D = q.shape
+    Sk, group = k.shape[1], Hq // k.shape[2]
+    scale = np.float32(1 / np.sqrt(D) if static["softmax_scale"] is None else static["softmax_scale"])
+    s = scale * np.einsum("bqhd,bkhd->bhqk", q, np.repeat(k, group, axis=2))
+    if static["logits_soft_cap"] is not None:
+        cap = np.float32(static["logits_soft_cap"])
+        s = cap * np.tanh(s / cap)
+    i, j = np.arange(Sq)[:, None], np.arange(Sk)[None, :]
+    vis = np.ones((Sq, Sk), bool)
+    if static["causal"]:
+        vis &= j <= i + Sk - Sq
+    if static["sliding_window"] is not None:
+        left, right = static["sliding_window"]
+        vis &= (j >= i + Sk - Sq - left) & (j <= i + Sk - Sq + right)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        p = np.where(vis, np.exp(s), np.float32(0))
+        l = p.sum(-1)
+        if "softmax_aux" in diff:
+            aux = oracle.sinks_per_head(np.asarray(diff["softmax_aux"], np.float32), Hq)
+            l = l + np.exp(aux).sum(-1)[None, :, None]
+        out = np.einsum("bhqk,bkhd->bqhd", p / l[..., None], np.repeat(v, group, axis=2))
+        return out.astype(diff["value"].dtype), np.log(l)
+
+
+@pytest.mark.parametrize(
+    "case", (F32_CASES[0],) + LARGE_LOGIT_CASES, ids=_ids((F32_CASES[0],) + LARGE_LOGIT_CASES)
+)
+def test_a_softmax_without_max_fails_only_on_large_logits(case):
+    """The planted bug "no running-max subtraction" passes on standard-normal inputs (largest score
+    4.5: the suite without large logits could not see it) and fails every large-logit case."""
+    diff, _, static, ref_kwargs = make_inputs(case.features, case.shape, case.dtype, rng_for(case.id))
+    out, lse = _softmax_without_max(diff, static)
+    ref = oracle.attention(**_as_numpy(diff), **ref_kwargs)
+    large = case.features.logits is not None
+    tol = oracle.tolerance(case.dtype, largest_logit(diff, static) if large else None)
+    if not large:
+        assert_close("out", out, ref.out, tol)
+        assert_close("lse", lse, ref.lse, oracle.LSE_TOLERANCE)
+    else:
+        with pytest.raises(AssertionError, match="NaN|infinite|relative error"):
+            assert_close("out", out, ref.out, tol)
+            assert_close("lse", lse, ref.lse, oracle.LSE_TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype,offset", [("bfloat16", 0.05), ("float16", 0.01)])
+def test_lse_offset_fails_in_low_precision(run_vjp, dtype, offset):
+    """lse is float32 whatever the inputs: held to its own tolerance, an lse off by a constant fails,
+    an offset that the input dtype's tolerance (bf16 2e-2, f16 5e-3) would let through."""
+    case = next(c for c in LOW_PRECISION_CASES if c.dtype == dtype and not c.features.atoms)
+    rng = rng_for(case.id)
+    diff, rest, static, ref_kwargs = make_inputs(case.features, case.shape, case.dtype, rng)
+    d_out, d_lse = random_cotangents(case.shape, case.dtype, rng)
+    out, lse, grads = run_vjp(_flash_attention(), diff, rest, {**static, "platform": "xla"}, d_out, d_lse)
+    ref = oracle.attention(**_as_numpy(diff), **ref_kwargs, d_out=d_out, d_lse=d_lse)
+    oracle.check_attention(out, lse, grads, ref, diff, dtype)
+    assert assert_close(f"lse + {offset}", lse + offset, ref.lse, 1.0) < TOLERANCE[dtype]
+    with pytest.raises(AssertionError, match="lse: relative error"):
+        oracle.check_attention(out, lse + offset, grads, ref, diff, dtype)

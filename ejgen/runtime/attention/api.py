@@ -226,7 +226,7 @@ def prepare(spec: SpecInfo, query, key, value, *, causal=False, sliding_window=N
         raise ValueError(f"{spec.name}(): key/value heads ({hkv}) differ from query heads ({hq}), but the "
                          f"spec does not enable feature 'gqa' ({spec.path})")
     groups = hq // hkv
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    scale = _softmax_scale(spec, softmax_scale, d)
     ctx = {
         "scale": jnp.asarray(scale, jnp.float32),
         "q_pos": jnp.arange(sq, dtype=jnp.int32)[None],
@@ -294,14 +294,36 @@ def _window(spec, window):
 
 
 def _positive_scalar(spec, name, x):
+    """A positive finite float32 scalar: a Python number, or a 0-d float array (checked where
+    concrete; a traced one is taken as given)."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
-        if x <= 0:
-            raise ValueError(f"{spec.name}(): {name} must be positive, got {x!r}")
-        return jnp.float32(x)
-    x = jnp.asarray(x)
-    if x.ndim != 0 or not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{spec.name}(): {name} must be a positive float scalar, got {_shape(x)}")
-    return x.astype(jnp.float32)
+        value = x
+    else:
+        x = jnp.asarray(x)
+        if x.ndim != 0 or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{spec.name}(): {name} must be a positive float scalar, got {_shape(x)}")
+        try:
+            value = float(np.asarray(x))
+        except jax.errors.TracerArrayConversionError:
+            return x.astype(jnp.float32)
+    if not 0 < np.float32(value) < np.inf:
+        raise ValueError(f"{spec.name}(): {name} must be positive and finite, got {value!r}")
+    return jnp.asarray(x, jnp.float32)
+
+
+def _softmax_scale(spec, scale, head_dim):
+    """``softmax_scale``: None (1/sqrt(head_dim)), a Python number or a 0-d real array."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if hasattr(scale, "dtype"):
+        dtype = jnp.dtype(scale.dtype)
+        ok = jnp.ndim(scale) == 0 and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+    else:
+        ok = isinstance(scale, (int, float)) and not isinstance(scale, bool)
+    if not ok:
+        what = _shape(scale) if hasattr(scale, "dtype") else repr(scale)
+        raise ValueError(f"{spec.name}(): softmax_scale must be None or a float scalar, got {what}")
+    return scale
 
 
 def _sinks(spec, aux, hq, hkv, groups):
@@ -416,13 +438,25 @@ def check_param(spec: SpecInfo, name: str, x, shape: tuple, dtype, dims: dict):
     return x.astype(dtype)
 
 
+_OPTION_KINDS = {  # kind -> (dtype, Python values taken, array dtypes taken)
+    "int": (jnp.int32, lambda x: isinstance(x, int) and not isinstance(x, bool),
+            lambda d: jnp.issubdtype(d, jnp.integer)),
+    "float": (jnp.float32, lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+              lambda d: jnp.issubdtype(d, jnp.integer) or jnp.issubdtype(d, jnp.floating)),
+    "bool": (jnp.bool_, lambda x: isinstance(x, bool), lambda d: d == jnp.bool_),
+}
+
+
 def check_option(spec: SpecInfo, name: str, x, kind: str):
-    """A spec option: a runtime scalar (Python value or 0-d array), never a recompile."""
-    dtype = {"int": jnp.int32, "float": jnp.float32, "bool": jnp.bool_}[kind]
-    if isinstance(x, bool) != (kind == "bool") and not hasattr(x, "dtype"):
-        raise ValueError(f"{spec.name}(): option {name} must be a {kind}, got {x!r}")
-    if kind == "int" and isinstance(x, float):
-        raise ValueError(f"{spec.name}(): option {name} must be an int, got {x!r}")
+    """A spec option: a runtime scalar (Python value or 0-d array), never a recompile. An int option
+    takes ints only (a float would be truncated), a float option ints or floats, a bool option bools."""
+    dtype, python_ok, dtype_ok = _OPTION_KINDS[kind]
+    article = "an" if kind == "int" else "a"
+    if hasattr(x, "dtype"):
+        if not dtype_ok(jnp.dtype(x.dtype)):
+            raise ValueError(f"{spec.name}(): option {name} must be {article} {kind} scalar, got {_shape(x)}")
+    elif not python_ok(x):
+        raise ValueError(f"{spec.name}(): option {name} must be {article} {kind}, got {x!r}")
     x = jnp.asarray(x)
     if x.ndim != 0:
         raise ValueError(f"{spec.name}(): option {name} must be a scalar, got {_shape(x)}")
