@@ -365,3 +365,26 @@ def test_concrete_soft_cap_array_is_checked_and_a_traced_one_taken():
     eager = op(q, k, v, logits_soft_cap=jnp.float32(5.0), platform="xla")
     traced = jax.jit(lambda cap: op(q, k, v, logits_soft_cap=cap, platform="xla"))(jnp.float32(5.0))
     np.testing.assert_allclose(np.asarray(eager), np.asarray(traced), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_return_lse_must_be_a_bool(value):
+    from ejgen.ops import flash_attention
+
+    q = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(ValueError, match=r"flash_attention\(\): return_lse must be a Python bool"):
+        flash_attention(q, q, q, return_lse=value)
+
+
+def test_numpy_integer_windows_are_windows():
+    """A window computed with NumPy (np.int64) is an int like any other."""
+    from ejgen.ops import flash_attention
+
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 12, 2, 16)), jnp.float32)
+    ref = flash_attention(q, q, q, sliding_window=(3, 2), platform="xla")
+    for window in (np.int64(3), (np.int64(3), np.int32(2))):
+        out = flash_attention(q, q, q, sliding_window=window, platform="xla")
+        expected = ref if isinstance(window, tuple) else flash_attention(q, q, q, sliding_window=3, platform="xla")
+        assert np.array_equal(np.asarray(out), np.asarray(expected))
+    with pytest.raises(ValueError, match="sliding_window must be a non-negative int"):
+        flash_attention(q, q, q, sliding_window=np.bool_(True))

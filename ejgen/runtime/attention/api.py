@@ -138,6 +138,7 @@ class Prepared:
     ctx: dict
     dims: dict  # batch, heads, kv_heads, q_len, kv_len, head_dim
     varlen: bool
+    op: str = "op"  # the op's name, for messages
 
     def padded(self, block_q: int, block_k: int, layout: str):
         """(q, k, v, ctx) in the backend's layout, padded so that Sq and Sk are whole blocks."""
@@ -165,6 +166,8 @@ class Prepared:
 
     def finish(self, out, lse, return_lse: bool, layout: str):
         """Back to the caller's layout: out [B, Sq, Hq, Dv] (varlen [Tq, Hq, Dv]), lse [B, Hq, Sq]."""
+        if not isinstance(return_lse, bool):
+            raise ValueError(f"{self.op}(): return_lse must be a Python bool, got {return_lse!r}")
         sq = self.cfg.seq_q
         if layout == SEQ_MAJOR:
             b, _, hkv, g, dv = out.shape
@@ -270,7 +273,7 @@ def prepare(spec: SpecInfo, query, key, value, *, causal=False, sliding_window=N
     k, v = key, value
     dims = {"batch": batch, "heads": hq, "kv_heads": hkv, "q_len": sq, "kv_len": sk, "head_dim": d}
     cfg = AttentionConfig(seq_q=sq, seq_k=sk, **flags)
-    return Prepared(cfg, q, k, v, ctx, dims, varlen)
+    return Prepared(cfg, q, k, v, ctx, dims, varlen, spec.name)
 
 
 def _require(spec, feature, what):
@@ -285,9 +288,10 @@ def _check_bool(spec, name, x) -> bool:
 
 
 def _window(spec, window):
-    pair = (window, window) if isinstance(window, int) and not isinstance(window, bool) else window
+    whole = lambda w: isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_))  # noqa: E731
+    pair = (window, window) if whole(window) else window
     if (not isinstance(pair, (tuple, list)) or len(pair) != 2
-            or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in pair)):
+            or any(not whole(w) or w < 0 for w in pair)):
         raise ValueError(f"{spec.name}(): sliding_window must be a non-negative int or a (left, right) "
                          f"pair of them, got {window!r}")
     return int(pair[0]), int(pair[1])
