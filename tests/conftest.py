@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import sys
 
@@ -149,3 +151,20 @@ def triton_against_oracle(run_vjp):
         oracle.check_attention(out, lse, grads, ref, diff, dtype)
 
     return check
+
+
+@contextlib.contextmanager
+def on_path(root):
+    """``root`` on sys.path inside the block (a package a test built there imports); after it, the folder and
+    every module imported from it are gone again."""
+    root = str(root)
+    before = set(sys.modules)
+    sys.path.insert(0, root)
+    importlib.invalidate_caches()
+    try:
+        yield root
+    finally:
+        sys.path.remove(root)
+        for name in set(sys.modules) - before:
+            if root in (getattr(sys.modules[name], "__file__", None) or ""):
+                del sys.modules[name]

@@ -74,6 +74,7 @@ class AttentionPlan:
     mask: MaskAnalysis  # of the spec's own mask
     builtin_constraints: tuple  # of BuiltinConstraint (causal, sliding window)
     arguments: tuple  # of Argument: the op's keyword arguments, in signature order
+    absent_arguments: dict  # built-in arguments the op does not take -> the feature that would bring each
 
     @property
     def name(self) -> str:
@@ -148,6 +149,13 @@ def _arguments(variant: Variant) -> tuple:
     return tuple(args)
 
 
+def _absent(arguments: tuple) -> dict:
+    """Built-in arguments the op does not take, and the feature that would bring each (for its message)."""
+    taken = {a.name for a in arguments if a.in_signature}
+    return {name: features if isinstance(features, str) else " or ".join(features)
+            for features, names in FEATURE_ARGUMENTS for name in names if name not in taken}
+
+
 def plan_attention(variant: Variant) -> AttentionPlan:
     """The plan of a loaded, type-checked variant (``ejgen.spec.load_spec`` checks types once)."""
     if tuple(variant.modes) != ("train",):
@@ -169,5 +177,6 @@ def plan_attention(variant: Variant) -> AttentionPlan:
         param_grads=param_grads,
         mask=analyse(variant.mask),
         builtin_constraints=tuple(c for c in _builtin_constraints() if c.feature in variant.feature_names()),
-        arguments=_arguments(variant),
+        arguments=(arguments := _arguments(variant)),
+        absent_arguments=_absent(arguments),
     )

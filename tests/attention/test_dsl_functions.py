@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import oracle
+from conftest import on_path
 from ejgen.cli import main
 from ejgen.testing.shapes import AttnShape, random_cotangents, random_qkv, rng_for
 
@@ -83,15 +83,8 @@ def ops(tmp_path_factory):
     for name, text in SPECS.items():
         (root / "specs" / f"{name}.yaml").write_text(text)
     assert main(["build", str(root / "specs"), "-o", str(root / PACKAGE)]) == 0
-    before = set(sys.modules)
-    sys.path.insert(0, str(root))
-    try:
+    with on_path(root):
         yield importlib.import_module(PACKAGE)
-    finally:
-        sys.path.remove(str(root))
-        for name in set(sys.modules) - before:
-            if name == PACKAGE or name.startswith(PACKAGE + "."):
-                del sys.modules[name]
 
 
 SHAPE = AttnShape(1, 40, 37, 2, 1, 16)  # several 16-wide blocks in the interpreters, GQA, ragged ends

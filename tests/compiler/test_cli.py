@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import on_path
 from ejgen.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,14 +59,8 @@ def built(tmp_path, specs, capsys) -> Path:
 @pytest.fixture
 def importable(tmp_path):
     """Put ``tmp_path`` on sys.path for one test; drop it and every module imported from it after."""
-    before = set(sys.modules)
-    sys.path.insert(0, str(tmp_path))
-    importlib.invalidate_caches()
-    yield tmp_path
-    sys.path.remove(str(tmp_path))
-    for name in set(sys.modules) - before:
-        if getattr(sys.modules[name], "__file__", None) and str(tmp_path) in sys.modules[name].__file__:
-            del sys.modules[name]
+    with on_path(tmp_path):
+        yield tmp_path
 
 
 # --- build ----------------------------------------------------------------------------------

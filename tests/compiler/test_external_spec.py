@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import on_path
 from ejgen.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,16 +54,8 @@ def mypkg(tmp_path_factory):
     assert main(["build", str(specs), "-o", str(out)]) == 0
     assert (out / "gated_shift_attention" / "op.py").is_file()
     assert PACKAGE not in sys.modules
-    before = set(sys.modules)
-    sys.path.insert(0, str(root))
-    importlib.invalidate_caches()
-    try:
+    with on_path(root):
         yield importlib.import_module(PACKAGE)
-    finally:
-        sys.path.remove(str(root))
-        for name in set(sys.modules) - before:
-            if name == PACKAGE or name.startswith(PACKAGE + "."):
-                del sys.modules[name]
 
 
 def test_the_package_comes_from_the_build(mypkg, tmp_path_factory):

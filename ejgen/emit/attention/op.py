@@ -11,7 +11,6 @@ import attrs
 from ejgen.emit.attention import pallas, triton, xla
 from ejgen.emit.attention.describe import describe
 from ejgen.emit.layout import WIDTH
-from ejgen.ir.variant import FEATURE_ARGUMENTS
 from ejgen.plan.attention import AttentionPlan
 
 
@@ -53,16 +52,6 @@ def _feature_settings(plan: AttentionPlan) -> str:
     return "{" + ", ".join(items) + "}"
 
 
-def _absent(plan: AttentionPlan) -> dict:
-    """Built-in arguments the op does not take, and the feature that would bring each (for its message)."""
-    taken = {a.name for a in plan.arguments if a.in_signature}
-    absent = {}
-    for features, names in FEATURE_ARGUMENTS:
-        feature = features if isinstance(features, str) else " or ".join(features)
-        absent.update({n: feature for n in names if n not in taken})
-    return absent
-
-
 def emit(plan: AttentionPlan, backends: list[str], common: dict, render: Callable[..., str]) -> dict[str, str]:
     """``{path: text}`` of the op's folder; ``render(template, **context)`` fills one template."""
     v = plan.variant
@@ -76,7 +65,7 @@ def emit(plan: AttentionPlan, backends: list[str], common: dict, render: Callabl
             backends=[{"name": b, "module": BACKENDS[b].module} for b in backends],
             feature_settings=_feature_settings(plan),
             arguments={a.name: a.feature for a in plan.arguments if a.in_signature},
-            absent=_absent(plan),
+            absent=plan.absent_arguments,
             signature=signature,
             docstring=_docstring(plan, common, signature),
             prepare_args=[(a.name, a.passed) for a in plan.arguments if a.passed is not None],

@@ -59,6 +59,11 @@ def _setting_text(setting) -> str:
 
 
 _AUTO_ORDER = {"gpu": ("triton", "pallas", "xla"), "tpu": ("pallas", "xla")}
+
+
+def _auto_order(backends: dict) -> list[str]:
+    """The generated backends ``platform="auto"`` tries on the target, in order."""
+    return [b for b in _AUTO_ORDER.get(kernels.target().platform, ("xla", "pallas", "triton")) if b in backends]
 PLATFORMS = ("auto", "triton", "pallas", "xla")
 
 
@@ -76,9 +81,8 @@ def choose_platform(spec: SpecInfo, platform: str, backends: dict) -> str:
     if platform not in PLATFORMS:
         raise ValueError(f"{spec.name}(): platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
     if platform == "auto":
-        order = _AUTO_ORDER.get(kernels.target().platform, ("xla", "pallas", "triton"))
         reasons = []
-        for name in (b for b in order if b in backends):
+        for name in _auto_order(backends):
             ok, why = _available(backends, name)
             if ok:
                 return name
@@ -100,8 +104,7 @@ def choose_kernels(spec: SpecInfo, backends: dict, platform: str, backend: str, 
     det = settings.deterministic(deterministic)
     here = kernels.target()
     if platform == "auto":
-        order = [b for b in _AUTO_ORDER.get(here.platform, ("xla", "pallas", "triton")) if b in backends]
-        why = f"platform {backend}: auto on {here.arch or here.platform} (order {', '.join(order)})"
+        why = f"platform {backend}: auto on {here.arch or here.platform} (order {', '.join(_auto_order(backends))})"
     else:
         why = f"platform {backend}: asked for"
     forward, backward, reasons = backends[backend].choose(call, det)

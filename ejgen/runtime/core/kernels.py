@@ -46,9 +46,6 @@ class KernelChoice:
                  f"{' (deterministic)' if self.deterministic else ''}"]
         return "\n".join(lines + [f"  - {r}" for r in self.reasons])
 
-    def __hash__(self):
-        return hash((self.platform, self.forward, self.backward, self.deterministic))
-
 
 @dataclasses.dataclass(frozen=True)
 class Target:

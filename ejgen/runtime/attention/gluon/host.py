@@ -48,6 +48,8 @@ from __future__ import annotations
 import functools
 import importlib
 
+from ejgen.runtime.core import kernels
+
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
@@ -71,16 +73,9 @@ def importable() -> tuple[bool, str]:
     return True, ""
 
 
-@functools.lru_cache(maxsize=None)
 def hopper() -> bool:
-    """Whether the first GPU is a Hopper (sm_90: the kernel's wgmma and warp specialisation)."""
-    import jax
-
-    try:
-        device = jax.devices("gpu")[0]
-    except RuntimeError:
-        return False
-    return str(getattr(device, "compute_capability", "")).split(".")[0] == "9"
+    """Whether calls run on a Hopper GPU (sm_90: the kernels' wgmma and warp specialisation)."""
+    return kernels.target().arch == "sm90"
 
 
 def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | None:

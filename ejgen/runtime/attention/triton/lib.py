@@ -122,7 +122,7 @@ def _ipow(x, N: tl.constexpr):
 def _pow(x, y):
     """x ** y as Python and jnp.power give it for floats: |x| ** y, negative for a negative x and an odd
     integer y, NaN for a negative x and a y that is not an integer, 1 for 0 ** 0."""
-    y = x * 0.0 + y  # a float tile, whatever y was
+    y = tl.zeros_like(x) + y  # a float tile, whatever y was (x * 0.0 would be NaN for an infinite x)
     r = tl.exp2(y * tl.log2(tl.abs(x)))
     whole = tl.floor(y) == y
     odd = whole & (tl.floor(y * 0.5) * 2.0 != y)
