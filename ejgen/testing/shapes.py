@@ -1,6 +1,7 @@
 """Shape registry for attention tests and benchmarks; ids read like ``B2-Sq63-Sk65-H4x2-D48``.
 
-Test shapes stay small (S <= 130, D <= 72, B <= 2) so the CPU suite runs in minutes. Benchmarks
+Test shapes stay small (S <= 130, D <= 72 but for one of 320, B <= 2) so the CPU suite runs in minutes; the
+GPU host adds its own (`GPU_SHAPES`). Benchmarks
 add their own large shapes here under their own names, with the same classes and ids.
 """
 
@@ -169,7 +170,42 @@ VARLEN_SHAPES = (
     VarlenShape((31, 2), (3, 40), 4, 1, 32),  # MQA, Sq > Sk and Sq < Sk in one batch
 )
 
-SHAPES = {s.id: s for s in GQA_SHAPES + MHA_SHAPES + VARLEN_SHAPES}
+# The conformance design's shapes (tests/attention/test_conformance.py), each run with every feature:
+# two tiles or more on both axes for the interpreters (Triton's 16 x 16, Pallas' 32 x 16), then the
+# degenerate ones.
+INTERPRETER_SHAPES = (
+    AttnShape(2, 37, 41, 4, 2, 32),  # GQA 4:2, odd, Sq < Sk, two batch rows
+    AttnShape(1, 50, 35, 6, 2, 72, 40),  # groups of 3, Sq > Sk (causal leaves rows empty), D 72, Dv != D
+    AttnShape(1, 64, 64, 2, 2, 64),  # MHA, square, whole tiles
+    AttnShape(1, 1, 77, 4, 1, 48),  # a single query, MQA
+    AttnShape(1, 33, 1, 2, 2, 16),  # a single key, Sq > Sk
+    AttnShape(1, 1, 1, 1, 1, 8),  # one query, one key
+    VarlenShape((5, 0, 17, 1), (7, 0, 21, 4), 4, 2, 48),  # an empty sequence, GQA
+    VarlenShape((13, 2, 0, 30), (3, 0, 11, 40), 4, 1, 72, 40),  # queries with no keys, MQA, Dv != D
+)
+
+# The XLA backend's tiles reach 64 (`xla.MAX_BLOCK`): two of them on both axes.
+XLA_SHAPES = (
+    AttnShape(2, 97, 130, 4, 2, 48),  # GQA, odd, Sq < Sk
+    AttnShape(1, 130, 80, 3, 3, 32, 16),  # MHA, Sq > Sk, Dv != D
+)
+
+WIDE_SHAPE = AttnShape(1, 20, 24, 2, 1, 320)
+"""A head dim past the Triton kernels' 256: the triton platform refuses it, xla and pallas run it."""
+
+# On the GPU host: shapes of several GPU tiles (64-128) per axis; 16-bit calls of the first two take the
+# Hopper kernels (head dim 64 / 128, Sq = Sk) with more tiles than an H100 has SMs (persistent programs
+# take several); head dims 96 to 256 run.
+GPU_SHAPES = (
+    AttnShape(4, 1024, 1024, 8, 2, 128),
+    AttnShape(3, 768, 768, 12, 12, 64),
+    AttnShape(1, 520, 700, 4, 1, 96),
+    AttnShape(2, 257, 129, 4, 2, 192, 128),
+    AttnShape(1, 300, 300, 2, 2, 256),
+)
+
+SHAPES = {s.id: s for s in GQA_SHAPES + MHA_SHAPES + VARLEN_SHAPES + INTERPRETER_SHAPES + XLA_SHAPES + GPU_SHAPES
+          + (WIDE_SHAPE,)}
 """Every registered shape by id."""
 
 DTYPE_IDS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}

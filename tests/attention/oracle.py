@@ -71,6 +71,8 @@ class Reference:
     out: np.ndarray  # [B, Sq, Hq, Dv]   (varlen [Tq, Hq, Dv])
     lse: np.ndarray  # [B, Hq, Sq]       (varlen [Hq, Tq])
     grads: dict = dataclasses.field(default_factory=dict)
+    stored_out: dict = dataclasses.field(default_factory=dict)  # 16-bit inputs: what reading back the output
+    # as stored (rounded to the input dtype) moves each gradient by (`check_attention`)
 
 
 def param_at(param: jax.Array, *indices) -> jax.Array:
@@ -278,7 +280,17 @@ def _run(fn, diff: dict, arrays: dict, cfg, d_out, d_lse) -> Reference:
             out, lse = _compiled(_forward, fn, cfg, args)(*args)
             return Reference(*_to_numpy((out, lse)))
         out, lse, grads = _compiled(_forward_backward, fn, cfg, args)(*args)
-        return Reference(*_to_numpy((out, lse)), _to_numpy(grads))
+        stored = {}
+        dtype = jnp.dtype(diff["query"].dtype)
+        if dtype.itemsize == 2:
+            # A flash backward reads the output it stored, rounded to the input dtype: its
+            # delta_i = sum_d dO * O (docs/DESIGN.md §3) moves by sum_d dO * (round(O) - O), which acts on
+            # every gradient as that much more d_lse. The oracle evaluates the move: a kernel may err by it.
+            moved = jnp.sum(args[2] * (out.astype(dtype).astype(jnp.float64) - out), axis=-1)
+            zero = jnp.zeros_like(out)
+            stored = _compiled(_forward_backward, fn, cfg, args[:2] + (zero, jnp.moveaxis(moved, -1, -2)))(
+                *args[:2], zero, jnp.moveaxis(moved, -1, -2))[2]
+        return Reference(*_to_numpy((out, lse)), _to_numpy(grads), _to_numpy(stored))
 
 
 def _diff_inputs(query, key, value, bias, softmax_aux, params) -> dict:
@@ -444,6 +456,20 @@ def tolerance(dtype: str, max_logit: float | None = None) -> float:
     return TOLERANCE[dtype] + extra
 
 
+STORED_OUT_SLACK = 1.5
+"""16-bit gradients may also err by this many times what reading back the stored output moves them by
+(`Reference.stored_out`): where dP and delta nearly cancel (a single visible key, a tiny shape) that move is
+a large share of a small gradient; over many entries it is far below ``TOLERANCE``."""
+
+
+def _stored_out_allowance(ref: Reference, name: str) -> float:
+    if name not in ref.stored_out:
+        return 0.0
+    scale = float(np.linalg.norm(ref.grads[name][np.isfinite(ref.grads[name])]))
+    moved = float(np.linalg.norm(ref.stored_out[name]))
+    return STORED_OUT_SLACK * moved / scale if scale > 0 else STORED_OUT_SLACK * moved
+
+
 def check_attention(out, lse, grads, ref: Reference, diff: dict, dtype: str, *, max_logit=None):
     """Dtypes, every value against the oracle, and exact zeros where nothing is visible. lse is held
     to ``LSE_TOLERANCE`` whatever the dtype; out and gradients to ``tolerance(dtype, max_logit)``."""
@@ -455,7 +481,7 @@ def check_attention(out, lse, grads, ref: Reference, diff: dict, dtype: str, *, 
     assert set(grads) == set(diff)
     for name, g in grads.items():
         assert g.dtype == diff[name].dtype, f"d{name} is {g.dtype}, {name} {diff[name].dtype}"
-        assert_close(f"d{name}", g, ref.grads[name], tol)
+        assert_close(f"d{name}", g, ref.grads[name], tol + _stored_out_allowance(ref, name))
     out, dq = np.asarray(out, np.float64), np.asarray(grads["query"], np.float64)
     empty = np.all(ref.out == 0, axis=-1)  # queries that see no key: [..., Hq]
     assert np.all(out[empty] == 0), "out is not exactly 0 for a query that sees no key"

@@ -17,6 +17,10 @@ from ejgen.testing.shapes import (
     MHA_SHAPES,
     SHAPES,
     VARLEN_SHAPES,
+    INTERPRETER_SHAPES,
+    XLA_SHAPES,
+    GPU_SHAPES,
+    WIDE_SHAPE,
     AttnShape,
     VarlenShape,
     rng_for,
@@ -417,11 +421,14 @@ def test_assert_close_can_fail():
 
 def test_shape_registry_covers_the_plan():
     shapes = GQA_SHAPES + MHA_SHAPES
-    ids = [s.id for s in shapes + VARLEN_SHAPES]
-    assert len(set(ids)) == len(ids) == len(SHAPES)
+    cpu = shapes + VARLEN_SHAPES + INTERPRETER_SHAPES + XLA_SHAPES
+    every = set(cpu + GPU_SHAPES + (WIDE_SHAPE,))
+    assert len({s.id for s in every}) == len(every) == len(SHAPES)
     assert AttnShape(2, 63, 65, 4, 2, 48).id == "B2-Sq63-Sk65-H4x2-D48"
-    for s in shapes:
-        assert s.q_len <= 130 and s.kv_len <= 130 and s.head_dim <= 72 and s.batch <= 2, s
+    for s in cpu:  # small enough for the CPU suite
+        lengths = (s.q_len, s.kv_len) if isinstance(s, AttnShape) else (s.total_q, s.total_kv)
+        assert max(lengths) <= 130 and s.head_dim <= 72 and getattr(s, "batch", 1) <= 2, s
+    assert WIDE_SHAPE.head_dim > 256 and WIDE_SHAPE.q_len * WIDE_SHAPE.kv_len < 1000
     assert any(s.q_len < s.kv_len and s.odd for s in shapes)
     assert any(s.q_len > s.kv_len and s.odd for s in shapes)
     assert any((s.q_heads, s.kv_heads) == (4, 2) for s in shapes)

@@ -17,7 +17,8 @@ import pytest
 
 pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
 
-from ejgen.testing.shapes import AttnShape  # noqa: E402
+import test_conformance as conformance  # noqa: E402
+from ejgen.testing.shapes import MHA_SHAPES, VARLEN_SHAPES, AttnShape  # noqa: E402
 
 from ejgen.runtime.attention.triton import host as triton_attention
 from ejgen.runtime.launch import triton_call
@@ -56,26 +57,18 @@ def test_dq_over_the_ds_band_matches_the_oracle(monkeypatch, triton_launches, tr
     _ran_with_band(triton_launches)
 
 
-def _conformance():
-    import test_conformance
-
-    return test_conformance
-
-
 def test_band_with_segments_bias_sinks(monkeypatch, triton_launches, run_vjp):
-    conformance = _conformance()
-    case_id = "causal-win20,0-cap2-scale0.5-sink_hn-bias_b1qk-seg_packed-B2-Sq45-Sk45-H2x2-D72-Dv40-f16"
-    case = {c.id: c for c in conformance.F32_CASES + conformance.LOW_PRECISION_CASES}[case_id]
+    features = conformance.Features(causal=True, window=(20, 0), sinks="hn", bias="b1qk", segments="packed",
+                                    **conformance.CAP)
     monkeypatch.setenv("EJGEN_TRITON_CONFIG", f"dkdv={BAND}")
-    conformance.run_case(case, "triton", run_vjp)
+    conformance.run_case(conformance.Case(features, MHA_SHAPES[0], "float16"), "triton", run_vjp)
     _ran_with_band(triton_launches)
 
 
 def test_band_with_varlen(monkeypatch, triton_launches, run_vjp):
-    conformance = _conformance()
-    case_id = "causal-win8,0-sink_h-N4-q13.9.0.30-k13.0.11.25-H2x2-D72-Dv40-bf16"
+    features = conformance.Features(causal=True, window=(8, 0), sinks="h")
     monkeypatch.setenv("EJGEN_TRITON_CONFIG", f"dkdv={BAND}")
-    conformance.test_varlen("triton", run_vjp, {c.id: c for c in conformance.VARLEN_CASES}[case_id])
+    conformance.run_case(conformance.Case(features, VARLEN_SHAPES[1], "bfloat16"), "triton", run_vjp)
     _ran_with_band(triton_launches)
 
 

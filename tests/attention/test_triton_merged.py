@@ -18,7 +18,8 @@ import pytest
 
 pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
 
-from ejgen.testing.shapes import AttnShape  # noqa: E402
+import test_conformance as conformance  # noqa: E402
+from ejgen.testing.shapes import GQA_SHAPES, MHA_SHAPES, VARLEN_SHAPES, AttnShape  # noqa: E402
 
 from ejgen.runtime.launch import triton_call
 from ejgen.runtime.attention.triton import configs as triton_configs  # noqa: E402
@@ -139,25 +140,19 @@ def test_dq_from_the_dkdv_kernel_compiles_for_hopper(tma):
 # block an edge), varlen sequences, float32, non-power-of-two head dims, rows that see no key.
 ONE_LOOP = "fwd=16,16,4,1,merged;dkdv=16,16,4,1,merged;dq=16,16,4,1,merged"
 ONE_LOOP_ATOMIC = "fwd=16,16,4,1,merged;dkdv=16,16,4,1,merged,atomic"
+_F, _C, _CAP = conformance.Features, conformance.Case, conformance.CAP
 CONFORMANCE = [
-    ("sink_h-seg_random-B1-Sq128-Sk128-H6x2-D64-f32", ONE_LOOP_ATOMIC),
-    ("causal-mask_b1qk-B1-Sq97-Sk61-H4x1-D72-f32", ONE_LOOP),
-    ("causal-win20,0-cap2-scale0.5-sink_hn-bias_b1qk-seg_packed-B2-Sq45-Sk45-H2x2-D72-Dv40-f16", ONE_LOOP_ATOMIC),
+    (_C(_F(sinks="h", segments="random"), GQA_SHAPES[3]), ONE_LOOP_ATOMIC),
+    (_C(_F(causal=True, mask="b1qk"), GQA_SHAPES[1]), ONE_LOOP),
+    (_C(_F(causal=True, window=(20, 0), sinks="hn", bias="b1qk", segments="packed", **_CAP), MHA_SHAPES[0], "float16"),
+     ONE_LOOP_ATOMIC),
+    (_C(_F(causal=True, window=(8, 0), sinks="h"), VARLEN_SHAPES[1], "bfloat16"), ONE_LOOP_ATOMIC),
+    (_C(_F(causal=True), VARLEN_SHAPES[2]), ONE_LOOP),
 ]
-VARLEN = [("causal-win8,0-sink_h-N4-q13.9.0.30-k13.0.11.25-H2x2-D72-Dv40-bf16", ONE_LOOP_ATOMIC),
-          ("causal-N2-q31.2-k3.40-H4x1-D32-f32", ONE_LOOP)]
 
 
-def _conformance():
-    import test_conformance
-
-    return test_conformance
-
-
-@pytest.mark.parametrize("case_id,pinned", CONFORMANCE, ids=[c[0] for c in CONFORMANCE])
-def test_conformance_cases_in_one_loop(monkeypatch, triton_launches, run_vjp, case_id, pinned):
-    conformance = _conformance()
-    case = {c.id: c for c in conformance.F32_CASES + conformance.LOW_PRECISION_CASES}[case_id]
+@pytest.mark.parametrize("case,pinned", CONFORMANCE, ids=[c[0].id for c in CONFORMANCE])
+def test_conformance_cases_in_one_loop(monkeypatch, triton_launches, run_vjp, case, pinned):
     monkeypatch.setenv("EJGEN_TRITON_CONFIG", pinned)
     conformance.run_case(case, "triton", run_vjp)
     _ran_as_pinned(triton_launches, pinned)
@@ -173,16 +168,8 @@ def _ran_as_pinned(launches, pinned):
     assert backward == ([("dkdv", False)] if "atomic" in pinned else [("dq", True), ("dkdv", False)]), backward
 
 
-@pytest.mark.parametrize("case_id,pinned", VARLEN, ids=[c[0] for c in VARLEN])
-def test_varlen_in_one_loop(monkeypatch, triton_launches, run_vjp, case_id, pinned):
-    conformance = _conformance()
-    monkeypatch.setenv("EJGEN_TRITON_CONFIG", pinned)
-    conformance.test_varlen("triton", run_vjp, {c.id: c for c in conformance.VARLEN_CASES}[case_id])
-    _ran_as_pinned(triton_launches, pinned)
-
-
 @pytest.mark.parametrize("how", ["segments", "causal_sq_gt_sk"])
 def test_fully_masked_rows_in_one_loop(monkeypatch, triton_launches, run_vjp, how):
     monkeypatch.setenv("EJGEN_TRITON_CONFIG", ONE_LOOP_ATOMIC)
-    _conformance().test_fully_masked_rows("triton", run_vjp, how, "h")
+    conformance.test_fully_masked_rows("triton", run_vjp, how, "h")
     _ran_as_pinned(triton_launches, ONE_LOOP_ATOMIC)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import oracle
-from conftest import backend_cases
+from conftest import ACCELERATOR_BACKENDS, BACKENDS, ON_GPU
+from conformance import FULL
 from oracle import TOLERANCE, assert_close
 from ejgen.testing.shapes import (
     GQA_SHAPES,
@@ -108,6 +109,21 @@ CASES = (
 )
 
 
+# What the interpreters run in CI (every case runs on XLA, on the GPU host and with EJGEN_FULL_SUITE): each
+# variant in float32 with its runtime features on a shape of two tiles or more on both axes, and in bf16.
+INTERPRETED = (2, 5, 8, 11, 14, 17, 19, 23)
+
+
+def _params() -> list:
+    every = ON_GPU or FULL
+    return [
+        pytest.param(backend, case, id=f"{backend}-{case.id}")
+        for backend in BACKENDS
+        for i, case in enumerate(CASES)
+        if backend not in ACCELERATOR_BACKENDS or every or i in INTERPRETED
+    ]
+
+
 def make_case_inputs(case: VariantCase, rng):
     """Returns ``(diff, rest, static, ref_kwargs)`` as in the conformance suite."""
     shape = case.shape
@@ -132,7 +148,7 @@ def _numpy_inputs(diff: dict, params: dict) -> dict:
     return {n: np.asarray(x) for n, x in diff.items() if n not in params}
 
 
-@pytest.mark.parametrize("backend,case", backend_cases(CASES, [c.id for c in CASES]))
+@pytest.mark.parametrize("backend,case", _params())
 def test_variant_matches_oracle(backend, run_vjp, case):
     op = _variant(case.variant)
     rng = rng_for(case.id)
@@ -163,6 +179,19 @@ def test_variant_cases_cover_the_plan():
     assert any(c.causal for c in CASES if c.variant == "relative_bias_attention")
     assert {c.sinks for c in CASES if c.variant == LOCAL} == {"h", "hn", "n"}
     assert {c.sinks for c in CASES if c.variant == "prefix_lm_attention"} == {None, "h", "hn", "n"}
+
+
+def test_the_interpreters_run_every_variant_on_whole_tiles():
+    """In CI each interpreted backend runs every variant in float32 on a shape of two tiles or more on both
+    axes of that backend, and in a 16-bit dtype."""
+    import test_conformance
+
+    for name in oracle.VARIANTS:
+        cases = [CASES[i] for i in INTERPRETED if CASES[i].variant == name]
+        assert any(c.dtype != "float32" for c in cases), name
+        for backend in ACCELERATOR_BACKENDS:
+            assert any(c.dtype == "float32" and test_conformance.SUITE.nondegenerate(
+                backend, {"shape": c.shape, "dtype": c.dtype}) for c in cases), (name, backend)
 
 
 OPTION_SWEEPS = {
@@ -206,7 +235,7 @@ def test_option_changes_at_runtime_without_retrace(backend, sweep):
 
 def test_options_default_to_the_spec(backend):
     """Leaving an option out equals passing the spec's default."""
-    shape = G0
+    shape = MHA_SHAPES[0]
     rng = rng_for("defaults")
     x = random_qkv(shape, "float32", rng)
     for name, spec in oracle.VARIANTS.items():

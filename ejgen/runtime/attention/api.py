@@ -107,7 +107,12 @@ def choose_kernels(spec: SpecInfo, backends: dict, platform: str, backend: str, 
         why = f"platform {backend}: auto on {here.arch or here.platform} (order {', '.join(_auto_order(backends))})"
     else:
         why = f"platform {backend}: asked for"
-    forward, backward, reasons = backends[backend].choose(call, det)
+    try:
+        forward, backward, reasons = backends[backend].choose(call, det)
+    except kernels.Unsupported as e:
+        others = [b for b in backends if b != backend]
+        raise ValueError(f"{spec.name}(): platform '{backend}' cannot run this call: {e} (other platforms: "
+                         f"{', '.join(others)})") from None
     if det:
         reasons += ("deterministic: by the call's argument" if deterministic is not None
                     else "deterministic: by the setting (EJGEN_DETERMINISTIC or settings(deterministic=True))",)

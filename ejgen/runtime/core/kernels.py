@@ -79,6 +79,11 @@ def target() -> Target:
     return Target("gpu", "sm" + capability.replace(".", "") if capability else None)
 
 
+class Unsupported(Exception):
+    """Raised by a backend's ``choose`` for a call none of its kernel sets can run; the op turns it into one
+    ValueError that names the op, the platform and why."""
+
+
 class _Explained(Exception):
     pass
 

@@ -34,6 +34,8 @@ class KernelConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {size}")
 
 
+MAX_HEAD_DIM = 256  # the table's largest head dim: `choose` refuses larger ones
+
 # The interpreter's tiles; it takes tensor descriptors, the one-loop form and the dS band wherever the
 # GPU's table does (see `pick`), so that CI runs the path that runs on the GPU.
 INTERPRET = KernelConfig(16, 16, 4, 1)
@@ -183,4 +185,4 @@ def pick(arch: str, pass_: str, head_dim: int, dtype_bits: int, seq: int = 0, ca
     for max_dim, half, single in table:
         if head_dim <= max_dim:
             return half if dtype_bits <= 16 else single
-    raise ValueError(f"head_dim {head_dim} is larger than the triton backend supports (256)")
+    raise ValueError(f"head_dim {head_dim} is larger than the triton backend supports ({MAX_HEAD_DIM})")

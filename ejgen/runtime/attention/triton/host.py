@@ -250,6 +250,9 @@ def _gluon_ineligible(layout: Layout, q, k, v, cfg, pass_: str, deterministic: b
 def choose(layout: Layout, call, deterministic: bool):
     """(forward kernel set, backward kernel set, reasons) of the triton platform for a prepared call: the
     Hopper set (`gluon`) where it covers the pass, else the kernels generated from the spec."""
+    d, dv = call.q.shape[-1], call.v.shape[-1]
+    if max(d, dv) > triton_configs.MAX_HEAD_DIM:
+        raise kernels.Unsupported(f"head dims {d}/{dv}: its kernels take head dims up to {triton_configs.MAX_HEAD_DIM}")
     picked, reasons = [], []
     for pass_, name in (("fwd", "forward"), ("bwd", "backward")):
         why_not = _gluon_ineligible(layout, call.q, call.k, call.v, call.cfg, pass_, deterministic)

@@ -1,0 +1,75 @@
+"""The shared test harness: pairwise covering designs (tests/covering.py) and the conformance base
+(tests/conformance.py) that every family's suite is built on."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+import conformance
+import covering
+
+
+def _all_pairs_covered(rows, factors, valid):
+    for (a, xs), (b, ys) in itertools.combinations(factors.items(), 2):
+        for x, y in itertools.product(xs, ys):
+            if valid({a: x, b: y}):
+                assert any(r[a] == x and r[b] == y for r in rows), (a, x, b, y)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pairwise_covers_every_valid_pair_and_is_small(seed):
+    rng = random.Random(seed)
+    factors = {f"f{i}": tuple(range(rng.randint(1, 6))) for i in range(rng.randint(2, 8))}
+    rows = covering.pairwise(factors, seed=seed)
+    _all_pairs_covered(rows, factors, lambda _: True)
+    sizes = sorted(len(v) for v in factors.values())
+    assert len(rows) >= sizes[-1] * sizes[-2]
+    assert len(rows) <= 2 * sizes[-1] * sizes[-2] + 4
+    assert covering.missing_pairs(rows, factors) == []
+    assert covering.pairwise(factors, seed=seed) == rows  # the same rows on every run
+
+
+def test_pairwise_respects_constraints_and_names_what_is_missing():
+    factors = {"a": (0, 1, 2), "b": ("x", "y"), "c": (None, "on")}
+    valid = lambda row: not (row.get("a") == 2 and row.get("c") == "on")  # noqa: E731
+    rows = covering.pairwise(factors, valid)
+    assert all(valid(r) for r in rows)
+    _all_pairs_covered(rows, factors, valid)
+    missing = covering.missing_pairs(rows[1:], factors, valid)
+    assert missing and all(" with " in m for m in missing)
+
+
+def test_the_base_checks_pairs_tiles_and_refusals():
+    """A toy family: the base's design covers it, a row set missing a pair or whole tiles is reported, a
+    backend's refusal is taken out of its design and given back as a case to refuse."""
+
+    class Shape:
+        def __init__(self, n):
+            self.n, self.id = n, f"S{n}"
+
+    shapes = (Shape(1), Shape(40), Shape(300))
+    suite = conformance.Suite(
+        family="toy",
+        factors={"mode": ("a", "b", "c"), "shape": shapes, "dtype": ("f32", "bf16")},
+        valid=lambda row: True,
+        make_case=lambda row: type("Case", (), {"id": f"{row['mode']}-{row['shape'].id}-{row['dtype']}"})(),
+        lengths=lambda s: (s.n, s.n),
+        backends=(
+            conformance.Backend("small", lambda s: s.n < 100, lambda s, d: (16, 16)),
+            conformance.Backend("big", lambda s: True, lambda s, d: (128, 128),
+                                lambda row: "too long" if getattr(row.get("shape"), "n", 0) > 200 else None),
+        ),
+    )
+    assert suite.missing("small", suite.rows("small")) == []
+    assert all(r["shape"].n < 100 for r in suite.rows("small"))
+    assert all(r["shape"].n < 200 for r in suite.rows("big"))
+    # on "big" no allowed shape has two tiles: every level is reported
+    assert any("two tiles" in p for p in suite.missing("big", suite.rows("big")))
+    rows = [r for r in suite.rows("small") if r["shape"].n == 1]
+    assert any("pair" in p for p in suite.missing("small", rows))
+    assert any("mode=a: no case with two tiles" in p for p in suite.missing("small", rows))
+    refusals = suite.refusals()
+    assert [(p.values[0], p.values[2]) for p in refusals] == [("big", "too long")]
