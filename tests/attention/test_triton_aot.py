@@ -43,3 +43,24 @@ def test_triton_kernels_compile_ahead_of_time(name, capability, config):
         if capability >= 90 and config.get("dtype", "bfloat16") != "float32":
             assert c["wgmma"], f"{kernel}: no Hopper wgmma instructions in the PTX"
         assert c["shared"] <= 232448, f"{kernel}: {c['shared']} bytes of shared memory"
+
+
+@pytest.mark.parametrize("bias,mask", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("d,dv", [(72, 40), (96, 96), (128, 128), (192, 128), (256, 256)])
+def test_configs_fit_shared_memory_with_streamed_tiles(bias, mask, d, dv):
+    """A bias or dense-mask tile per step besides the loop's tiles: the table's configs shrink until the
+    multi-buffered steps fit one thread block's shared memory (an H200 refused the 16-bit forward at 128x128,
+    3 stages, D 96, with both: 320 KB asked, 227 KB there); without them the table's config is kept."""
+    from ejgen.runtime.attention.triton import configs
+
+    for pass_ in ("fwd", "dkdv", "dq"):
+        for bits in (16, 32):
+            table = configs.pick("sm90", pass_, max(d, dv), bits)
+            item = bits // 8
+            assert configs.fit_shared_memory(table, pass_, d, dv, item, False, False) == table
+            conf = configs.fit_shared_memory(table, pass_, d, dv, item, bias, mask)
+            assert configs.shared_bytes(conf, pass_, d, dv, item, bias, mask) <= configs.SHARED_MEMORY, (pass_, conf)
+            assert conf.block_m <= table.block_m and conf.block_n <= table.block_n
+            assert conf.num_stages <= table.num_stages and (conf.tma, conf.merged) == (table.tma, table.merged)
+    fwd = configs.fit_shared_memory(configs.pick("sm90", "fwd", 96, 16), "fwd", 96, 96, 2, True, True)
+    assert (fwd.block_n, fwd.num_stages) != (128, 3)  # the configuration that failed on the GPU

@@ -58,8 +58,11 @@ def _pow2(n):
     return p
 
 
-def _config(layout: Layout, pass_: str, head_dim: int, bits: int, cfg,
-            deterministic: bool = False) -> triton_configs.KernelConfig:
+def _config(layout: Layout, pass_: str, head_dim: int, bits: int, cfg, deterministic: bool = False, *,
+            dims: tuple | None = None) -> triton_configs.KernelConfig:
+    """The config of one pass: the table's (or the tuned / pinned one), checked, shrunk to fit shared memory
+    when a bias or dense mask streams through. ``dims``: (D, Dv) (default: both ``head_dim``)."""
+    d, dv = dims or (head_dim, head_dim)
     seq = max(_longest(cfg, True), _longest(cfg, False))
     conf = triton_configs.pick(_arch(), pass_, head_dim, bits, seq, cfg.causal, cfg.window)
     if deterministic and conf.atomic:
@@ -74,6 +77,8 @@ def _config(layout: Layout, pass_: str, head_dim: int, bits: int, cfg,
     if conf.ws and conf.merged:
         raise ValueError(f"triton config {triton_configs.text(conf)!r}: 'ws' warp-specialises the unmasked loop of "
                          f"the three-loop forward; it cannot go with 'merged'")
+    if not triton_configs.pinned(pass_):  # a pinned config is the user's word
+        conf = triton_configs.fit_shared_memory(conf, pass_, d, dv, bits // 8, cfg.bias, cfg.dense_mask)
     if layout.gathers_by_position and conf.num_stages > 1:
         # Triton 3.6 multi-buffers the gathered [BLOCK_M, BLOCK_N] float32 tile in shared memory
         # with the K/V tiles (240 KB at 128x128, 3 stages: over the limit): do not pipeline.
@@ -290,7 +295,7 @@ def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
     if choice.forward == "gluon":
         out, lse = _gluon_forward(q, k, v, scalars, cfg)
         return out, lse, None
-    conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg)
+    conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg, dims=(d, dv))
     consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
     consts["WS"] = _warp_specialised(conf, cfg, consts)
     tuned = _autotune(layout, "fwd", conf)
@@ -353,10 +358,10 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
     kernels = layout.kernels()
     n_seq = _grid_batch(q, ctx, cfg)
 
-    conf = _config(layout, "dkdv", max(d, dv), bits, cfg, choice.deterministic)
+    conf = _config(layout, "dkdv", max(d, dv), bits, cfg, choice.deterministic, dims=(d, dv))
     band = _band_blocks(conf, cfg, d)  # dS tiles stored for a dQ pass of one matmul per tile
     atomic = conf.atomic  # dQ from the dK/dV kernel, added in float32 (zeroed below)
-    dq_conf = _config(layout, "dq", max(d, dv), bits, cfg)
+    dq_conf = _config(layout, "dq", max(d, dv), bits, cfg, dims=(d, dv))
 
     def dq_kernel(consts, block_m, tuned, delta_in, o_fwd, ds_band):
         """(dq, delta out) from the dQ kernel; DELTA_OUT is written only with DQ_DELTA."""
