@@ -97,13 +97,17 @@ def run(m: Mutation, workdir: Path) -> tuple[bool, float, str]:
     if build.returncode != 0:
         raise SystemExit(f"{m.name}: ejgen build failed in the copy: {build.stderr.strip()[-2000:]}")
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", *m.tests],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", *m.tests],
                           cwd=copy, env=env, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines() or ["(no output)"]
     last = next((line for line in lines if line.startswith("FAILED ")), lines[-1])[:240]
     if proc.returncode == 5:
         raise SystemExit(f"{m.name}: the tests named for it select nothing: {' '.join(m.tests)}")
-    return proc.returncode != 0, time.time() - t0, last
+    failed = any(line.startswith("FAILED ") for line in lines)
+    if proc.returncode != 0 and not failed:  # an error in collection or a fixture is not a caught bug
+        errors = [line for line in lines if line.startswith("ERROR ") or line.startswith("E ")]
+        raise SystemExit(f"{m.name}: the tests errored instead of failing: {(errors or lines)[-1][:400]}")
+    return failed, time.time() - t0, last
 
 
 def main(argv=None) -> int:

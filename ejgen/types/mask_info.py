@@ -1,4 +1,4 @@
-"""Public types shared by the ops."""
+"""`MaskInfo`: which keys each query may see beyond causal and window (segment ids or a dense mask)."""
 
 from __future__ import annotations
 
