@@ -279,7 +279,7 @@ def relative_bias_attention_fwd_kernel(
         l_i = l_i * alpha + tl.sum(tl.math.exp2(b_aux[None, :] - m_all[:, None]), 1)
         acc = acc * alpha[:, None]
         m_i = m_all
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # a NaN row stays NaN (§3 step 5); only a row that saw nothing is 0
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, tl.where(seen, m_i, 0.0) / LOG2E + tl.log(l_safe), float("-inf"))
     out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)

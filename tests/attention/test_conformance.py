@@ -720,3 +720,28 @@ def test_lse_offset_fails_in_low_precision(run_vjp, dtype, offset):
     assert assert_close(f"lse + {offset}", lse + offset, ref.lse, 1.0) < TOLERANCE[dtype]
     with pytest.raises(AssertionError, match="lse: relative error"):
         oracle.check_attention(out, lse + offset, grads, ref, diff, dtype)
+
+
+def test_non_finite_inputs_propagate_to_the_rows_they_reach(backend):
+    """§3 step 5: a NaN in a query makes its row NaN (out and lse), as jax.nn.dot_product_attention does; a
+    NaN in a key reaches exactly the rows that see that key (causal: the later ones), since visibility
+    depends on the masks, never on values; every other row equals the call on clean inputs. Nothing hides a
+    diverging model as zeros. (A NaN in a value reaches every row whose tile multiplies it, even by a zero
+    probability, as in any matmul: that depends on the tiles, so it is not pinned here.)"""
+    op = _flash_attention()
+    shape = INTERPRETER_SHAPES[0]  # B2, 37 x 41, GQA 4:2
+    x = random_qkv(shape, "float32", rng_for("non-finite"))
+    q, k, v = x["query"], x["key"], x["value"]
+    clean = [np.asarray(a) for a in op(q, k, v, causal=True, platform=backend, return_lse=True)]
+    j, off = 20, shape.kv_len - shape.q_len
+    reached_q = np.zeros(clean[0].shape[:3], bool)
+    reached_q[1, 5, 3] = True
+    reached_k = np.zeros(clean[0].shape[:3], bool)
+    reached_k[0, j - off:, :2] = True  # key j of kv head 0: query heads 0 and 1, rows i >= j - (Sk - Sq)
+    for what, inputs, reached in (("query", (q.at[1, 5, 3, 0].set(jnp.nan), k, v), reached_q),
+                                  ("key", (q, k.at[0, j, 0, 2].set(jnp.nan), v), reached_k)):
+        out, lse = (np.asarray(a) for a in op(*inputs, causal=True, platform=backend, return_lse=True))
+        lse = lse.transpose(0, 2, 1)  # [B, Sq, Hq] like the rows
+        assert np.isnan(out[reached]).all() and np.isnan(lse[reached]).all(), f"NaN {what}: a reached row is not NaN"
+        np.testing.assert_array_equal(out[~reached], clean[0][~reached], err_msg=f"NaN {what}: another row moved")
+        np.testing.assert_array_equal(lse[~reached], clean[1].transpose(0, 2, 1)[~reached])

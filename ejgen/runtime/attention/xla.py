@@ -226,7 +226,7 @@ class XlaAttention:
                 l = l * alpha + jnp.sum(jnp.exp(sinks - m_all[..., None]), axis=-1)
                 acc = acc * alpha[..., None]
                 m = m_all
-            seen = l > 0
+            seen = l != 0  # a NaN row stays NaN (docs/DESIGN.md §3 step 5); only a row that saw nothing is 0
             lse = jnp.where(seen, jnp.where(seen, m, 0.0) + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
             out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
             return out.astype(q.dtype), lse

@@ -314,7 +314,7 @@ class GpuKernels:
         if cfg.sinks:
             m_i, l_i, alpha = _rt.add_sinks(m_i, l_i, [r["aux"][j] for j in range(n_sinks)])
             acc = acc * alpha[:, None]
-        seen = l_i > 0.0
+        seen = l_i != 0.0  # a NaN row stays NaN (docs/DESIGN.md §3 step 5); only a row that saw nothing is 0
         l_safe = jnp.where(seen, l_i, 1.0)
         lse_ref[...] = jnp.where(seen, jnp.where(seen, m_i, 0.0) + jnp.log(l_safe), NEG_INF)
         _store(o_ref, (acc * jnp.where(seen, 1.0 / l_safe, 0.0)[:, None]).astype(o_ref.dtype), dv)

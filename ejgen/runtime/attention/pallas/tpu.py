@@ -177,7 +177,7 @@ class TpuKernels:
             if cfg.sinks:
                 m, l, alpha = _rt.add_sinks(m, l, [r["aux"][h, j] for j in range(n_sinks)])
                 acc = acc * _rt.lanes(alpha, dv)
-            seen = l > 0.0
+            seen = l != 0.0  # a NaN row stays NaN (docs/DESIGN.md §3 step 5)
             l_safe = jnp.where(seen, l, 1.0)
             lse_ref[...] = jnp.where(seen, jnp.where(seen, m, 0.0) + jnp.log(l_safe), NEG_INF)
             o_ref[...] = (acc * _rt.lanes(jnp.where(seen, 1.0 / l_safe, 0.0), dv)).astype(o_ref.dtype)
