@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call's work on the GPU host, logs under $OUT (or ./gpu-out). Steps, in the order given:
 #   check    the Triton test files (they run natively there) and `pytest -m gpu` over the triton backend
-#   full     EJGEN_FULL_SUITE=1 pytest -m gpu (every accelerator case; ~6 min on an H200 with -n 12)
+#   full     EJGEN_FULL_SUITE=1 pytest -m gpu (every shape on every accelerator backend; the plain `pytest -m gpu` took
+#            9 min on an H200 with -n 14 in session 9, so this step may need FULL_K="..." to split it over two calls)
 #   bench    benchmarks/attention.py --quick (triton, cuDNN, Pallas-Triton mha), BENCH_RUNS times (default 1)
 #   kernels  per-kernel times under Nsight Compute (benchmarks/kernel_times.py): KERNEL_CASES, KERNEL_CONFIGS
 #   sweep    benchmarks/tune_triton.py --configs SWEEP_CONFIGS --cases SWEEP_CASES (whole configs vs cuDNN)
@@ -33,7 +34,8 @@ for step in "$@"; do
       grep FAILED "$OUT"/check-*.log | tee -a "$LOG" ;;
     full)
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
-      EJGEN_FULL_SUITE=1 timeout 560 python3 -m pytest -m gpu -q -n 12 -rf -p no:cacheprovider tests > "$OUT/full.log" 2>&1
+      EJGEN_FULL_SUITE=1 timeout 560 python3 -m pytest -m gpu -q -n 14 -rf -p no:cacheprovider ${FULL_K:+-k "$FULL_K"} tests \
+        > "$OUT/full.log" 2>&1
       note "full rc $?: $(grep -E '[0-9]+ (passed|failed)' "$OUT/full.log" | tail -1)"
       grep FAILED "$OUT/full.log" | tee -a "$LOG" ;;
     bench)

@@ -4,8 +4,8 @@ A family states its suite once (a `Suite`): its factors (feature axes, shapes, d
 constraints between them, and for each backend (a `Backend`) the shapes it is tested on, what it
 refuses (a case it cannot run must raise a clear error, and is tested to) and the tiles a case gets on
 this host. From that the base derives
-- the cases each backend runs: a pairwise covering design over the factors (`covering.pairwise`), or the
-  full product with ``EJGEN_FULL_SUITE=1`` (the GPU host);
+- the cases each backend runs: a pairwise covering design over the factors (`covering.pairwise`); with
+  ``EJGEN_FULL_SUITE=1`` (the GPU host) over every shape of the suite on every backend;
 - the cases each backend must refuse, one per reason it gives;
 - what each backend's cases must cover: every valid pair of levels, and every level of every factor
   with a shape of at least two tiles on both sequence axes (a one-block shape never runs the code that
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import os
 from typing import Any, Callable
 
@@ -26,7 +25,8 @@ import pytest
 import covering
 
 FULL = os.environ.get("EJGEN_FULL_SUITE") == "1"
-"""Run the full product of the factors on every backend (the GPU host), not the covering design."""
+"""Every backend on every shape of its suite (the GPU host); a family's ``tests_shape`` reads it. (The product
+of the factors itself, 86,400 cases per backend for attention, is beyond any session's device time.)"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +70,9 @@ class Suite:
 
     @functools.cache
     def rows(self, backend: str) -> tuple:
-        """The rows ``backend`` runs: the covering design, or the full product (``EJGEN_FULL_SUITE=1``)."""
-        factors, allowed = self.factors_for(backend), self.allowed(backend)
-        if FULL:
-            rows = [dict(zip(factors, values)) for values in itertools.product(*factors.values())]
-            return tuple(r for r in rows if allowed(r))
-        return tuple(covering.pairwise(factors, allowed, seed=self.seed))
+        """The rows ``backend`` runs: the covering design over the shapes it is tested on here (every shape of
+        the suite with ``EJGEN_FULL_SUITE=1``: the family's ``tests_shape`` says so)."""
+        return tuple(covering.pairwise(self.factors_for(backend), self.allowed(backend), seed=self.seed))
 
     def case(self, row: dict):
         case = self.make_case(row)
