@@ -23,6 +23,8 @@ Key blocks come from the mask analysis: [lo, full_lo) and [full_hi, hi) run with
 full_hi) without. STAGED: three loops (one inner loop specialised by MASKED); else one loop over [lo, hi) whose
 edge blocks take the mask under a run-time branch (one pipeline fill: short loops such as a sliding window's).
 RUNTIME_MASK: a mask known only at run time; every block takes the element mask.
+TILE_RANGES: segment ids or a dense mask, classified per tile on the host (ejgen.types.block_mask.tile_ranges at
+this kernel's tiles): TILES [TILE_BATCH, TILE_HEADS, tiles, 4] narrows each program's range and marks its full tiles.
 PLAIN (no score hook, soft cap or bias) folds the softmax scale into the base-2 exponent.
 TMA (16-bit, not varlen, power-of-two head dims): the tiles of every key (forward, dQ) or query (dK/dV) loop come
 through tensor descriptors ([B, SEQ, H * D], rows past a sequence's end read as zeros) built in the SCRATCH output;
@@ -59,6 +61,25 @@ def _band_start(i_m, I32, q_len, kv_len, DIMS: tl.constexpr, MASKS: tl.constexpr
     lo, _, _, _ = _other_blocks(x0, tl.minimum(x0 + DIMS.BLOCK_M, q_len) - 1, kv_len, I32, DIMS.BLOCK_N,
                                 tl.cdiv(kv_len, DIMS.BLOCK_N), q_len, kv_len, True, MASKS)
     return lo
+
+
+@triton.jit
+def _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i, n, ON: tl.constexpr, NB: tl.constexpr, NH: tl.constexpr):
+    """The analysed block range of program tile i, intersected with the block mask's (TILE_RANGES: TILES
+    [NB, NH, n, 4] int32, lo, hi, full_lo, full_hi over the other axis's tiles; docs/DESIGN.md §3 block masks):
+    visit what both visit, skip the element mask only where both say full."""
+    if ON:
+        row = i
+        if NH > 1:
+            row += off_h * n
+        if NB > 1:
+            row += off_b * (NH * n)
+        p = TILES + row.to(tl.int64) * 4
+        lo = tl.maximum(lo, tl.load(p))
+        hi = tl.maximum(tl.minimum(hi, tl.load(p + 1)), lo)
+        flo = tl.minimum(tl.maximum(tl.maximum(flo, tl.load(p + 2)), lo), hi)
+        fhi = tl.maximum(tl.minimum(tl.minimum(fhi, tl.load(p + 3)), hi), flo)
+    return lo, hi, flo, fhi
 
 
 @triton.jit
@@ -197,16 +218,17 @@ def _sequence(CU_Q, CU_K, off_b, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, VARLE
 
 @triton.jit
 def alibi_attention_fwd_kernel(
-    Q, K, V, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, AUX, PARAM_slopes,
+    Q, K, V, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, TILES, AUX, PARAM_slopes,
     O, LSE, SCRATCH,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr,
     SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr,
     SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr,
-    RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr,
-    BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
+    RUNTIME_MASK: tl.constexpr, TILE_RANGES: tl.constexpr, TILE_BATCH: tl.constexpr, TILE_HEADS: tl.constexpr,
+    STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr,
+    DQ_DELTA: tl.constexpr,
 ):
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N)
     MASKS: tl.constexpr = Masks(CAUSAL, WINDOW, SEGMENTS, DENSE, MASK_HEADS, RUNTIME_MASK)
@@ -244,6 +266,8 @@ def alibi_attention_fwd_kernel(
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
                                      True, MASKS)
+    lo, hi, flo, fhi = _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i_m, tl.cdiv(SEQ_Q, BLOCK_M), TILE_RANGES,
+                                   TILE_BATCH, TILE_HEADS)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
@@ -391,16 +415,17 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, i_kb, kv_idx, o_n,
 
 @triton.jit
 def alibi_attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_slopes,
+    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, TILES, PARAM_slopes,
     DK, DV_OUT, DBIAS, DQ_ACC, DS_BAND, DPARAM_slopes, SCRATCH,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr,
     SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr,
     SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr,
-    RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr,
-    BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
+    RUNTIME_MASK: tl.constexpr, TILE_RANGES: tl.constexpr, TILE_BATCH: tl.constexpr, TILE_HEADS: tl.constexpr,
+    STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr,
+    DQ_DELTA: tl.constexpr,
 ):
     """One key block of one kv head: dK, dV over every query head of its group (no atomics); with
     ATOMIC_DQ also dQ, added in float32 to DQ_ACC (zeroed; [B, SEQ_Q, HQ, D] like q) by every key block;
@@ -432,6 +457,8 @@ def alibi_attention_bwd_dkdv_kernel(
     x1 = tl.minimum(i_n * BLOCK_N + BLOCK_N, kv_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_n * BLOCK_N, x1, q_len, I32, BLOCK_M, tl.cdiv(q_len, BLOCK_M), q_len, kv_len,
                                      False, MASKS)
+    lo, hi, flo, fhi = _tile_range(lo, hi, flo, fhi, TILES, off_b, off_hk, i_n, tl.cdiv(SEQ_K, BLOCK_N), TILE_RANGES,
+                                   TILE_BATCH, TILE_HEADS)
     if i_n * BLOCK_N + BLOCK_N > kv_len:  # padded keys always need the element mask
         fhi = flo
     b_dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
@@ -550,16 +577,17 @@ def _dq_band_inner(b_dq, p_band, p_k, n_lo, n_hi, i_m, o_pos, off_b, off_hk, q_l
 
 @triton.jit
 def alibi_attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, PARAM_slopes, O_FWD, DS_BAND,
+    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, TILES, PARAM_slopes, O_FWD, DS_BAND,
     DQ, DELTA_OUT, SCRATCH,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr,
     SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr,
     SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_HEADS: tl.constexpr, VARLEN: tl.constexpr,
-    RUNTIME_MASK: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr,
-    BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
+    RUNTIME_MASK: tl.constexpr, TILE_RANGES: tl.constexpr, TILE_BATCH: tl.constexpr, TILE_HEADS: tl.constexpr,
+    STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr,
+    DQ_DELTA: tl.constexpr,
 ):
     """dQ of one query block over its key blocks. DQ_DELTA: this kernel runs first and computes
     delta = rowsum(dO * O) - d lse itself (DELTA then holds d lse; O_FWD is the forward's output),
@@ -612,6 +640,8 @@ def alibi_attention_bwd_dq_kernel(
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
                                      True, MASKS)
+    lo, hi, flo, fhi = _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i_m, tl.cdiv(SEQ_Q, BLOCK_M), TILE_RANGES,
+                                   TILE_BATCH, TILE_HEADS)
     b_dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if i_m * BLOCK_M < q_len:
         if BAND:  # lo: the first key block this query block visits, column 0 of its band rows

@@ -201,3 +201,26 @@ def test_jit_without_retrace_when_documents_change():
 def test_bad_input_is_named(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()
+
+
+def test_tile_ranges_cover_every_visited_tile_and_only_full_ones_unmasked():
+    from ejgen.types.block_mask import tile_ranges
+
+    rng = np.random.default_rng(6)
+    kinds = rng.choice([SKIP, PARTIAL, FULL], size=(2, 3, 7, 9), p=[0.5, 0.2, 0.3]).astype(np.int8)
+    kinds[0, 0, 0] = SKIP  # nothing visited
+    kinds[0, 0, 1] = [0, 1, 2, 2, 2, 1, 0, 0, 0]  # a document: partial edges, full middle
+    ranges = np.asarray(tile_ranges(jnp.asarray(kinds)))
+    for pos in np.ndindex(*kinds.shape[:-1]):
+        lo, hi, flo, fhi = ranges[pos]
+        row = kinds[pos]
+        visited = np.flatnonzero(row != SKIP)
+        assert lo <= flo <= fhi <= hi
+        if len(visited):
+            assert (lo, hi) == (visited[0], visited[-1] + 1)
+        else:
+            assert lo == hi == flo == fhi
+        assert np.all(row[flo:fhi] == FULL)
+        runs = [len(r) for r in "".join("F" if k == FULL else "." for k in row).split(".")]
+        assert fhi - flo == max(runs)
+    np.testing.assert_array_equal(ranges[0, 0, 1], [1, 6, 2, 5])

@@ -150,6 +150,39 @@ def _inputs(layout: Layout, ctx, cfg, hq):
     return scalars, features, aux, params
 
 
+def _tiles(layout: Layout, ctx, cfg, q, k, conf, by_keys: bool):
+    """(TILES, constexprs) of one kernel: with segment ids or a dense mask (not varlen), their tile ranges at the
+    kernel's tiles (docs/DESIGN.md §3 block masks; `ejgen.types.block_mask`): for each query tile (the dK/dV
+    kernel: each key tile, over the query heads of its kv head) the key tiles to visit and the run that needs
+    no element mask. O(tiles) for segment ids; a dense mask is reduced per tile. Else a placeholder."""
+    if cfg.varlen or not (cfg.segments or cfg.dense_mask):
+        return _dummy(jnp.int32), {}
+    from ejgen.types import block_mask
+
+    batch, sq, hkv = q.shape[0], q.shape[1], q.shape[2]
+    sk = k.shape[1]
+    kinds = jnp.full((1, 1, -(-sq // conf.block_m), -(-sk // conf.block_n)), block_mask.FULL, jnp.int8)
+    if cfg.segments:
+        seg = block_mask.Segments(ctx["q_seg"], ctx["kv_seg"])
+        kinds = jnp.minimum(kinds, seg.kinds(conf.block_m, conf.block_n, sq, sk))
+    if cfg.dense_mask:
+        mask = ctx["mask"]
+        dense = block_mask.Dense(mask.reshape(mask.shape[0], -1, mask.shape[3], mask.shape[4]))
+        kinds = jnp.minimum(kinds, dense.kinds(conf.block_m, conf.block_n, sq, sk))
+    if by_keys:  # per key tile; a program serves the query heads of one kv head: visit any, full only if all full
+        kinds = jnp.swapaxes(kinds, -1, -2)
+        if kinds.shape[1] > 1:
+            grouped = kinds.reshape(kinds.shape[0], hkv, -1, *kinds.shape[2:])
+            any_v = jnp.any(grouped != block_mask.SKIP, axis=2)
+            kinds = jnp.where(jnp.all(grouped == block_mask.FULL, axis=2), block_mask.FULL,
+                              jnp.where(any_v, block_mask.PARTIAL, block_mask.SKIP)).astype(jnp.int8)
+    ranges = block_mask.tile_ranges(kinds)
+    consts = dict(TILE_RANGES=True, TILE_BATCH=ranges.shape[0], TILE_HEADS=ranges.shape[1],
+                  RUNTIME_MASK=layout.runtime_mask_from_spec)
+    del batch
+    return ranges.astype(jnp.int32), consts
+
+
 def _constexprs(layout, q, k, v, cfg, conf, bias, mask, aux):
     batch, sq, hkv, groups, d = q.shape
     dv = v.shape[-1]
@@ -162,6 +195,7 @@ def _constexprs(layout, q, k, v, cfg, conf, bias, mask, aux):
         BIAS_HEADS=bias.shape[1] if cfg.bias else 1, SEGMENTS=cfg.segments, DENSE=cfg.dense_mask,
         MASK_HEADS=mask.shape[1] if cfg.dense_mask else 1, VARLEN=cfg.varlen,
         RUNTIME_MASK=cfg.segments or cfg.dense_mask or layout.runtime_mask_from_spec,
+        TILE_RANGES=False, TILE_BATCH=1, TILE_HEADS=1,  # `_tiles`
         PLAIN=layout.score_is_identity and not cfg.softcap and not cfg.bias,
         STAGED=not conf.merged,  # three loops, or one (`merged`)
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
@@ -297,14 +331,16 @@ def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
         return out, lse, None
     conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg, dims=(d, dv))
     consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
-    consts["WS"] = _warp_specialised(conf, cfg, consts)
     tuned = _autotune(layout, "fwd", conf)
+    tiles, tile_consts = _tiles(layout, ctx, cfg, q, k, conf, False) if tuned is None else (_dummy(jnp.int32), {})
+    consts.update(tile_consts)
+    consts["WS"] = _warp_specialised(conf, cfg, consts)
     grid, largest = _grid(_longest(cfg, True), conf.block_m, _grid_batch(q, ctx, cfg) * hq, tuned, "block_m")
     outs = [jax.ShapeDtypeStruct((batch, sq, hq, dv), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
             _scratch(largest)]
     kernel = getattr(layout.kernels(), f"{layout.name}_fwd_kernel")
     out, lse, _ = triton_call.launch(
-        kernel, grid, [q.reshape(batch, sq, hq, d), k, v, *scalars, *features, aux, *params], outs,
+        kernel, grid, [q.reshape(batch, sq, hq, d), k, v, *scalars, *features, tiles, aux, *params], outs,
         zeroed=(0, 1) if cfg.varlen else (), num_warps=conf.num_warps, num_stages=conf.num_stages, autotune=tuned,
         **consts)
     return out.reshape(batch, sq, hkv, groups, dv), lse.reshape(batch, hkv, groups, sq), None
@@ -363,13 +399,13 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
     atomic = conf.atomic  # dQ from the dK/dV kernel, added in float32 (zeroed below)
     dq_conf = _config(layout, "dq", max(d, dv), bits, cfg, dims=(d, dv))
 
-    def dq_kernel(consts, block_m, tuned, delta_in, o_fwd, ds_band):
+    def dq_kernel(consts, block_m, tuned, delta_in, o_fwd, ds_band, tiles):
         """(dq, delta out) from the dQ kernel; DELTA_OUT is written only with DQ_DELTA."""
         grid, largest = _grid(_longest(cfg, True), block_m, n_seq * hq, tuned, "block_m")
         delta_out = (batch, hq, sq) if consts["DQ_DELTA"] else (1,)
         dq, delta, _ = triton_call.launch(
             getattr(kernels, f"{layout.name}_bwd_dq_kernel"), grid,
-            [q4, k, v, do4, lse3, delta_in, *scalars, *features, *params, o_fwd, ds_band],
+            [q4, k, v, do4, lse3, delta_in, *scalars, *features, tiles, *params, o_fwd, ds_band],
             [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct(delta_out, jnp.float32),
              _scratch(largest)],
             zeroed=(0, 1) if cfg.varlen else (),
@@ -381,12 +417,20 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
         delta3 = _delta(out, d_out, d_lse).reshape(batch, hq, sq)
     else:  # the dQ kernel runs first and computes delta on the way (its tiles of dO are loaded anyway)
         dq_consts = dict(_constexprs(layout, q, k, v, cfg, dq_conf, features[0], features[3], aux), DQ_DELTA=True)
-        dq, delta3 = dq_kernel(dq_consts, dq_conf.block_m, _autotune(layout, "dq", dq_conf),
-                               d_lse.reshape(batch, hq, sq), out.reshape(batch, sq, hq, dv), _dummy(q.dtype))
-    inputs = [q4, k, v, do4, lse3, delta3, *scalars, *features, *params]
+        dq_tuned = _autotune(layout, "dq", dq_conf)
+        dq_tiles, tile_consts = (_tiles(layout, ctx, cfg, q, k, dq_conf, False) if dq_tuned is None
+                                 else (_dummy(jnp.int32), {}))
+        dq, delta3 = dq_kernel({**dq_consts, **tile_consts}, dq_conf.block_m, dq_tuned, d_lse.reshape(batch, hq, sq),
+                               out.reshape(batch, sq, hq, dv), _dummy(q.dtype), dq_tiles)
 
     consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
     tuned = _autotune(layout, "dkdv", conf)
+    # tile ranges narrow the dK/dV kernel's query tiles; not with the dS band, whose dQ pass reads back exactly
+    # the tiles of the analysed ranges
+    tiles, tile_consts = (_tiles(layout, ctx, cfg, q, k, conf, True) if tuned is None and not band
+                          else (_dummy(jnp.int32), {}))
+    consts.update(tile_consts)
+    inputs = [q4, k, v, do4, lse3, delta3, *scalars, *features, tiles, *params]
     grid, largest = _grid(_longest(cfg, False), conf.block_n, n_seq * hkv, tuned, "block_n")
     n_prog = largest[0] * largest[1]  # rows of the param partials: unused rows stay zero
     dbias_shape = (batch, hq, sq, sk) if cfg.bias else (1,)
@@ -411,7 +455,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
     if atomic:
         dq = dq_acc.astype(q.dtype)
     elif band:  # the dQ kernel over the band: the dK/dV kernel's tiles and constexprs, the dq config's warps
-        dq, _ = dq_kernel(consts, conf.block_m, None, delta3, _dummy(q.dtype), ds_band)
+        dq, _ = dq_kernel(consts, conf.block_m, None, delta3, _dummy(q.dtype), ds_band, _dummy(jnp.int32))
     delta = delta3.reshape(batch, hkv, groups, sq)
 
     dctx = {}

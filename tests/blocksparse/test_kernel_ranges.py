@@ -1,0 +1,65 @@
+"""Kernels that narrow their tile loops by the block mask of segment ids or a dense mask (docs/DESIGN.md §3
+block masks): the generated Triton kernels take the tile ranges (TILE_RANGES) in every pass, skip the
+element mask only on full tiles, and still match the float64 oracle."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+from ejgen.testing.shapes import AttnShape, random_cotangents, random_qkv, rng_for
+from ejgen.types import MaskInfo
+
+pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
+
+DOCS = np.repeat([0, 1, 2, 3, -1], [30, 17, 1, 40, 8])[None].astype(np.int32)  # 96 tokens, a one-token doc, padding
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("how", ["segments", "dense"])
+def test_document_masks_take_tile_ranges_in_every_pass(run_vjp, triton_launches, how, causal):
+    from ejgen.ops import flash_attention
+
+    shape = AttnShape(1, 96, 96, 4, 2, 32)
+    rng = rng_for("ranges", how, causal)
+    diff = random_qkv(shape, "float32", rng)
+    ids = DOCS
+    dense = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+    if how == "segments":
+        info, ref = MaskInfo.from_segments(jnp.asarray(ids)), dict(q_segment_ids=ids, kv_segment_ids=ids)
+    else:
+        info, ref = MaskInfo.from_attention_mask(jnp.asarray(dense)), dict(attention_mask=dense)
+    d_out, d_lse = random_cotangents(shape, "float32", rng)
+    out, lse, grads = run_vjp(flash_attention, diff, {"mask_info": info}, {"causal": causal, "platform": "triton"},
+                              d_out, d_lse)
+    want = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, causal=causal, **ref, d_out=d_out,
+                            d_lse=d_lse)
+    oracle.check_attention(out, lse, grads, want, diff, "float32")
+    passes = {pass_ for pass_, _ in triton_launches}
+    assert passes >= {"fwd", "dkdv"}, passes
+    for pass_, kw in triton_launches:
+        assert kw["TILE_RANGES"] and not kw["RUNTIME_MASK"], (pass_, kw["TILE_RANGES"], kw["RUNTIME_MASK"])
+
+
+def test_host_ranges_follow_the_documents():
+    """The forward's ranges at 16 x 16 tiles: each query tile visits the key tiles of its documents only, and
+    tiles inside one document (both sides) need no element mask."""
+    from ejgen.runtime.attention.triton import host
+    from ejgen.runtime.attention.triton.configs import KernelConfig
+
+    cfg = type("Cfg", (), {"varlen": False, "segments": True, "dense_mask": False})()
+    layout = type("Layout", (), {"runtime_mask_from_spec": False})()
+    ids = jnp.asarray(DOCS)
+    q = jnp.zeros((1, 96, 2, 2, 32))
+    ranges, consts = host._tiles(layout, {"q_seg": ids, "kv_seg": ids}, cfg, q, q[:, :, :, 0], KernelConfig(16, 16, 4, 1),
+                                 False)
+    assert consts == dict(TILE_RANGES=True, TILE_BATCH=1, TILE_HEADS=1, RUNTIME_MASK=False)
+    r = np.asarray(ranges)[0, 0]
+    # query tile 0 (tokens 0-15, doc 0 = tokens 0-29): key tiles 0-1; tile 0 full
+    np.testing.assert_array_equal(r[0], [0, 2, 0, 1])
+    # query tile 3 (tokens 48-63: doc 3 = 48-87): key tiles 3-5, 3 and 4 full
+    np.testing.assert_array_equal(r[3], [3, 6, 3, 5])
+    # query tile 5 (tokens 80-95: doc 3 to 87, then padding): key tiles 3-5, none full
+    assert tuple(r[5, :2]) == (3, 6) and r[5, 2] == r[5, 3]
