@@ -1,0 +1,111 @@
+"""Document masks (packed sequences) on the GPU: ejgen's triton platform with `MaskInfo.from_segments`, against the
+ideal (ejgen's plain causal kernel scaled by the fraction of visible tiles) and, in its own process,
+FlexAttention (`benchmarks/flex_blocksparse.py`, same masks). bf16, H=16, D=128, causal, B=1. Prints a
+markdown table; `--json` writes the rows (docs/DESIGN.md §8: medians of interleaved rounds, same card).
+
+    python benchmarks/blocksparse.py --out bench-out/blocksparse     # then flex_blocksparse.py the same way
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejgen.ops import flash_attention
+from ejgen.testing.timing import median_seconds
+from ejgen.types import BlockMask, MaskInfo
+
+HEADS, DIM = 16, 128
+CASES = [(8192, 8), (32768, 8), (32768, 64)]  # (tokens, documents)
+
+
+def document_ids(tokens: int, docs: int, seed: int = 0) -> np.ndarray:
+    """int32 [1, tokens]: `docs` contiguous documents of random lengths (the same for every peer: seeded)."""
+    rng = np.random.default_rng(seed + tokens + docs)
+    cuts = np.sort(rng.choice(np.arange(1, tokens), size=docs - 1, replace=False))
+    return np.searchsorted(cuts, np.arange(tokens), side="right").astype(np.int32)[None]
+
+
+def visible_pairs(ids: np.ndarray) -> int:
+    """Causal pairs within documents (the FLOPs actually needed)."""
+    _, counts = np.unique(ids[0], return_counts=True)
+    return int(sum(n * (n + 1) // 2 for n in counts))
+
+
+def run(tokens: int, docs: int, reps: int, rounds: int) -> list[dict]:
+    ids = document_ids(tokens, docs)
+    keys = jax.random.split(jax.random.PRNGKey(tokens + docs), 4)
+    q, k, v, do = (jax.random.normal(kk, (1, tokens, HEADS, DIM), jnp.bfloat16) for kk in keys)
+    info = MaskInfo.from_segments(jnp.asarray(ids))
+    # tiles a 128 x 128 kernel visits: the ideal scales the plain causal kernel by their share of causal tiles
+    tiles = np.asarray(BlockMask.from_segments(ids, block_q=128, block_k=128).kinds()) > 0
+    causal_tiles = np.asarray(BlockMask.causal(tokens, tokens, 128, 128).kinds()) > 0
+    share = float((tiles & causal_tiles).sum() / causal_tiles.sum())
+    impls = {
+        "ejgen-triton documents": lambda q, k, v, info: flash_attention(q, k, v, causal=True, mask_info=info,
+                                                                        platform="triton"),
+        "ejgen-triton causal (all tokens)": lambda q, k, v, info: flash_attention(q, k, v, causal=True,
+                                                                                   platform="triton"),
+    }
+    flops = 4.0 * HEADS * DIM * visible_pairs(ids)
+    compiled = []
+    for name, f in impls.items():
+        def loss(q, k, v, info, f=f):
+            return jnp.sum(f(q, k, v, info).astype(jnp.float32) * do.astype(jnp.float32))
+
+        for pass_, fn, mult in (("fwd", f, 1.0), ("fwd+bwd", jax.grad(loss, argnums=(0, 1, 2)), 3.5)):
+            exe = jax.jit(fn).lower(q, k, v, info).compile()
+            jax.block_until_ready(exe(q, k, v, info))
+            compiled.append((name, pass_, exe, mult))
+    times = [[] for _ in compiled]
+    for r in range(rounds):
+        for i, (_, _, exe, _) in enumerate(compiled):
+            times[i].append(median_seconds(exe, (q, k, v, info), reps, warmup=1, warm_seconds=0.3 if r == 0 else 0.05))
+    rows = []
+    for (name, pass_, _, mult), t in zip(compiled, times):
+        ms = float(np.median(t)) * 1e3
+        rows.append(dict(tokens=tokens, docs=docs, impl=name, pass_=pass_, ms=ms, tflops=mult * flops / ms / 1e9,
+                         tile_share=share))
+    for pass_ in ("fwd", "fwd+bwd"):
+        full = next(r["ms"] for r in rows if r["impl"].startswith("ejgen-triton causal") and r["pass_"] == pass_)
+        rows.append(dict(tokens=tokens, docs=docs, impl="ideal (causal x tile share)", pass_=pass_, ms=full * share,
+                         tflops=None, tile_share=share))
+    # the block mask's build time under jit (new boundaries: traced, no recompile)
+    build = jax.jit(lambda i: BlockMask.from_segments(i, block_q=128, block_k=128))
+    jax.block_until_ready(build(jnp.asarray(ids)))
+    ms = median_seconds(build, (jnp.asarray(ids),), reps, warmup=1) * 1e3
+    rows.append(dict(tokens=tokens, docs=docs, impl="BlockMask.from_segments (jit)", pass_="build", ms=ms, tflops=None,
+                     tile_share=share))
+    return rows
+
+
+def table(rows) -> str:
+    lines = ["| tokens | docs | impl | pass | ms | TFLOP/s (visible) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        tf = "" if r["tflops"] is None else f"{r['tflops']:.0f}"
+        lines.append(f"| {r['tokens']} | {r['docs']} | {r['impl']} | {r['pass_']} | {r['ms']:.3f} | {tf} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench-out/blocksparse")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    rows = [r for tokens, docs in CASES for r in run(tokens, docs, a.reps, a.rounds)]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ejgen.json").write_text(json.dumps(rows, indent=1))
+    text = f"{jax.devices()[0].device_kind}\n\n{table(rows)}\n"
+    (out / "ejgen.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
