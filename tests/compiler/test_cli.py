@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -258,6 +259,29 @@ def test_unbuildable_spec_writes_nothing(built, specs, capsys):
     rc, stdout, stderr = run(capsys, "build", specs, "-o", built)
     assert rc == 1 and stdout == "" and "Traceback" not in stderr
     assert re.match(rf"^{re.escape(str(path))}:\d+:\d+: .*decode", stderr)
+    assert snapshot(built) == before
+
+
+def test_a_param_the_kernels_cannot_reduce_says_what_to_write_instead(built, specs, capsys):
+    """A param read by a position over a symbolic dim (``row[h, kv_idx]``, row [heads, kv_len]) with a gradient: the
+    Triton kernels cannot reduce it deterministically, and the error points at the param and says what the spec can
+    say instead (the call's bias, or an xla-only spec)."""
+    path = specs / "pos_row_attention.yaml"
+    path.write_text(textwrap.dedent("""\
+        name: pos_row_attention
+        family: attention
+        doc: a learned bias per (head, key position)
+        features:
+          causal: runtime
+        params:
+          row: {shape: [heads, kv_len], dtype: float32, grad: true}
+        score: s + row[h, kv_idx]
+    """))
+    before = snapshot(built)
+    rc, stdout, stderr = run(capsys, "build", specs, "-o", built)
+    assert rc == 1 and stdout == "" and "Traceback" not in stderr
+    assert stderr.startswith(f"{path}:7:3: the triton backend cannot reduce the gradient of row[h, kv_idx]")
+    assert "enable `bias: runtime`" in stderr and "`backends: [xla]`" in stderr
     assert snapshot(built) == before
 
 

@@ -144,7 +144,9 @@ def _param_grad(plan, g, index, printer) -> dict:
         raise SpecError(
             f"the triton backend cannot reduce the gradient of {to_text(g.ref)} deterministically: a param "
             f"indexed by positions needs exactly one such index, over an integer dim of at most "
-            f"{MAX_POSITIONAL_DIM}; list `backends: [xla]` for this spec",
+            f"{MAX_POSITIONAL_DIM} (here: {', '.join(str(d) for d in shape)}). If it is added to the score, drop the "
+            f"param and enable `bias: runtime`: the call's `bias` [batch|1, heads|1, q_len, kv_len] has its gradient on "
+            f"every backend; else list `backends: [xla]` for this spec",
             param.loc,
         )
     if pos_axes:
