@@ -211,6 +211,9 @@ def visit(lo, hi, flo, fhi, kind_of, step, carry):
         return lax.fori_loop(fhi, hi, lambda i, c: step(i, c, True), carry)
 
     def body(i, c):
-        return lax.switch(kind_of(i), (lambda c: c, lambda c: step(i, c, True), lambda c: step(i, c, False)), c)
+        # unmasked only where the kind table and the analysed range (causal, window, the spec's mask) both say so
+        inside = jnp.logical_and(i >= flo, i < fhi).astype(jnp.int32)
+X
+        return lax.switch(kind, (lambda c: c, lambda c: step(i, c, True), lambda c: step(i, c, False)), c)
 
     return lax.fori_loop(lo, hi, body, carry)

@@ -107,9 +107,25 @@ def grads_tile(hooks: Hooks, s, t, sc, prm, cfg, lse, dp, delta, masked, exp):
 
 
 def dense_kinds(hooks: Hooks, block_q, block_k, ctx, sc, prm, cfg, shape):
-    """[n_q, n_kv] block kinds (0 skip, 1 element mask, 2 no mask) from the element mask over
-    whole rows of blocks, one row at a time."""
+    """[n_q, n_kv] block kinds (0 skip, 1 element mask, 2 no mask) over every batch row and head. Segment ids
+    and dense masks alone: from their tile classifiers (ejgen.types.block_mask; O(tiles) for segment ids; the
+    kernels combine them with the analysed causal / window ranges). Otherwise (varlen, a spec mask the analysis
+    cannot bound) from the element mask over whole rows of blocks, one row at a time."""
     batch, kv_heads, groups, sq, sk = shape
+    spec_needs_it = hooks.runtime_mask(dataclasses.replace(cfg, segments=False, dense_mask=False, varlen=False))
+    if not (cfg.varlen or spec_needs_it):
+        from ejgen.types import block_mask
+
+        kinds = jnp.full((1, 1, sq // block_q, sk // block_k), block_mask.FULL, jnp.int8)
+        if cfg.segments:  # padded with -1: tiles with padding are never full
+            kinds = jnp.minimum(kinds, block_mask.Segments(ctx["q_seg"], ctx["kv_seg"]).kinds(block_q, block_k, sq, sk))
+        if cfg.dense_mask:  # padded with False
+            mask = ctx["mask"]
+            dense = block_mask.Dense(mask.reshape(mask.shape[0], -1, mask.shape[3], mask.shape[4]))
+            kinds = jnp.minimum(kinds, dense.kinds(block_q, block_k, sq, sk))
+        full = jnp.all(kinds == block_mask.FULL, axis=(0, 1))
+        seen = jnp.any(kinds != block_mask.SKIP, axis=(0, 1))
+        return jnp.where(full, 2, jnp.where(seen, 1, 0)).astype(jnp.int32)
     heads = jnp.arange(kv_heads)[:, None] * groups + jnp.arange(groups)[None, :]
     segments = cfg.segments or cfg.varlen
     cols = lambda x: x[:, None, None, None, :]
