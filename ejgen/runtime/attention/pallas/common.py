@@ -213,7 +213,7 @@ def visit(lo, hi, flo, fhi, kind_of, step, carry):
     def body(i, c):
         # unmasked only where the kind table and the analysed range (causal, window, the spec's mask) both say so
         inside = jnp.logical_and(i >= flo, i < fhi).astype(jnp.int32)
-X
+        kind = jnp.minimum(kind_of(i), 1 + inside)  # arithmetic, not a scalar select (Pallas-Triton, session 8)
         return lax.switch(kind, (lambda c: c, lambda c: step(i, c, True), lambda c: step(i, c, False)), c)
 
     return lax.fori_loop(lo, hi, body, carry)
