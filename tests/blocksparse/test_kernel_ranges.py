@@ -1,6 +1,7 @@
 """Kernels that narrow their tile loops by the block mask of segment ids or a dense mask (docs/DESIGN.md §3
 block masks): the generated Triton kernels take the tile ranges (TILE_RANGES) in every pass, skip the
-element mask only on full tiles, and still match the float64 oracle."""
+element mask only on full tiles, and still match the float64 oracle; the XLA and Pallas kind tables of
+contiguous documents are the exact ones."""
 
 from __future__ import annotations
 
@@ -63,3 +64,43 @@ def test_host_ranges_follow_the_documents():
     np.testing.assert_array_equal(r[3], [3, 6, 3, 5])
     # query tile 5 (tokens 80-95: doc 3 to 87, then padding): key tiles 3-5, none full
     assert tuple(r[5, :2]) == (3, 6) and r[5, 2] == r[5, 3]
+
+
+def test_xla_block_kinds_of_documents_are_exact():
+    """The XLA backend's per-call tile kinds for segment ids come from the tile classifier (O(tiles)), not from
+    every element: for contiguous documents they equal the exact kinds of the document mask (over the batch:
+    skipped only where no row sees anything, full only where every row sees everything)."""
+    import importlib
+
+    from test_block_mask import exact_kinds
+    from ejgen.runtime.attention.config import AttentionConfig
+
+    xla = importlib.import_module("ejgen.generated.flash_attention.xla")
+    ids = np.concatenate([DOCS, np.repeat([0, 1, -1], [60, 30, 6])[None].astype(np.int32)])  # two batch rows
+    q = jnp.zeros((2, 1, 1, 96, 8))
+    cfg = AttentionConfig(seq_q=96, seq_k=96, segments=True)
+    kinds = np.asarray(xla._KERNELS._block_kinds(q, q[:, :, 0], {"q_seg": jnp.asarray(ids), "kv_seg": jnp.asarray(ids)},
+                                                 cfg, 32, 16))
+    dense = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+    per_row = exact_kinds(dense[:, None], 32, 16)
+    want = np.where((per_row == 2).all(axis=(0, 1)), 2, np.where((per_row > 0).any(axis=(0, 1)), 1, 0))
+    np.testing.assert_array_equal(kinds, want)
+
+
+def test_pallas_block_kinds_of_documents_are_exact():
+    """The same for the Pallas kernels' kind table (GPU and TPU kernels share it)."""
+    import importlib
+
+    from test_block_mask import exact_kinds
+    from ejgen.runtime.attention.config import AttentionConfig
+    from ejgen.runtime.attention.pallas import hooks as pallas_hooks
+
+    pallas = importlib.import_module("ejgen.generated.flash_attention.pallas")
+    ids = np.concatenate([DOCS, np.repeat([0, 1, -1], [60, 30, 6])[None].astype(np.int32)])
+    cfg = AttentionConfig(seq_q=96, seq_k=96, segments=True)
+    ctx = {"q_seg": jnp.asarray(ids), "kv_seg": jnp.asarray(ids)}
+    kinds = np.asarray(pallas_hooks.dense_kinds(pallas._KERNELS.hooks, 32, 16, ctx, None, None, cfg, (2, 1, 1, 96, 96)))
+    dense = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+    per_row = exact_kinds(dense[:, None], 32, 16)
+    want = np.where((per_row == 2).all(axis=(0, 1)), 2, np.where((per_row > 0).any(axis=(0, 1)), 1, 0))
+    np.testing.assert_array_equal(kinds, want)
