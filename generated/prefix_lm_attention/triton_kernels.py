@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ejgen.runtime.attention.triton.lib import (LOG2E, Dims, Logits, Masks, Schedule, _dot, _dot_acc, _load, _rows,
-                                                _tanh, _tile, _to_blocks)
+                                                _tanh, _tile, _tile_range, _to_blocks)
 
 
 @triton.jit
@@ -59,25 +59,6 @@ def _band_start(i_m, I32, q_len, kv_len, DIMS: tl.constexpr, MASKS: tl.constexpr
     lo, _, _, _ = _other_blocks(x0, tl.minimum(x0 + DIMS.BLOCK_M, q_len) - 1, kv_len, I32, DIMS.BLOCK_N,
                                 tl.cdiv(kv_len, DIMS.BLOCK_N), q_len, kv_len, True, MASKS)
     return lo
-
-
-@triton.jit
-def _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i, n, ON: tl.constexpr, NB: tl.constexpr, NH: tl.constexpr):
-    """The analysed block range of program tile i, intersected with the block mask's (TILE_RANGES: TILES
-    [NB, NH, n, 4] int32, lo, hi, full_lo, full_hi over the other axis's tiles; docs/DESIGN.md §3 block masks):
-    visit what both visit, skip the element mask only where both say full."""
-    if ON:
-        row = i
-        if NH > 1:
-            row += off_h * n
-        if NB > 1:
-            row += off_b * (NH * n)
-        p = TILES + row.to(tl.int64) * 4
-        lo = tl.maximum(lo, tl.load(p))
-        hi = tl.maximum(tl.minimum(hi, tl.load(p + 1)), lo)
-        flo = tl.minimum(tl.maximum(tl.maximum(flo, tl.load(p + 2)), lo), hi)
-        fhi = tl.maximum(tl.minimum(tl.minimum(fhi, tl.load(p + 3)), hi), flo)
-    return lo, hi, flo, fhi
 
 
 @triton.jit

@@ -366,6 +366,20 @@ def _run_varlen(case: Case, backend: str, run_vjp):
     return oracle.check_attention(out, lse, grads, ref, diff, dtype)
 
 
+def _record_launches(monkeypatch) -> list:
+    """The names of the Triton kernels the test launches, in order (a spy on ``triton_call.launch``)."""
+    from ejgen.runtime.launch import triton_call
+
+    launches, launch = [], triton_call.launch
+
+    def spy(kernel, *args, **kw):
+        launches.append(kernel.__name__)
+        return launch(kernel, *args, **kw)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    return launches
+
+
 def _kernel_kinds(launches) -> dict:
     """Launched kernel names -> {"fwd": {...}, "bwd": {...}}: "gluon" (the Hopper set) or "triton" (generated)."""
     kinds = {"fwd": set(), "bwd": set()}
@@ -378,17 +392,7 @@ def _kernel_kinds(launches) -> dict:
 def test_attention(backend, run_vjp, monkeypatch, case):
     """A case of the design against the oracle; on triton, the kernels it launched are the ones it must take
     here (the Hopper set where it covers the call, else the generated kernels): no silent fallback."""
-    launches = []
-    if backend == "triton":
-        from ejgen.runtime.launch import triton_call
-
-        launch = triton_call.launch
-
-        def spy(kernel, *args, **kw):
-            launches.append(kernel.__name__)
-            return launch(kernel, *args, **kw)
-
-        monkeypatch.setattr(triton_call, "launch", spy)
+    launches = _record_launches(monkeypatch) if backend == "triton" else []
     run_case(case, backend, run_vjp)
     if backend == "triton":
         fwd, bwd = _takes_hopper_kernels(case)
@@ -411,15 +415,8 @@ def test_hopper_kernels(run_vjp, monkeypatch, case, deterministic):
     """On an sm_90 GPU these calls take the Hopper kernel set, forward and backward (deterministic: the
     generated backward), and match the oracle; elsewhere the generated kernels, which must match too."""
     from ejgen.ops import settings
-    from ejgen.runtime.launch import triton_call
 
-    launches, launch = [], triton_call.launch
-
-    def spy(kernel, *args, **kw):
-        launches.append(kernel.__name__)
-        return launch(kernel, *args, **kw)
-
-    monkeypatch.setattr(triton_call, "launch", spy)
+    launches = _record_launches(monkeypatch)
     with settings(deterministic=deterministic):
         run_case(case, "triton", run_vjp)
     fwd, bwd = _takes_hopper_kernels(case, deterministic)

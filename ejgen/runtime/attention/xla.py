@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ejgen.runtime.attention import tiles
 from ejgen.runtime.attention.api import HEADS_MAJOR, sinks_grad
 from ejgen.runtime.core import kernels as kernel_choice
 
@@ -106,7 +107,7 @@ def _ranges(visit, full, kinds, run):
             def step(i, c):
                 # unmasked only where the block mask and the analysed range (causal, window, the spec's mask)
                 # both say every element is visible
-                kind = jnp.where((i >= flo) & (i < fhi), kinds[i], jnp.minimum(kinds[i], 1))
+                kind = jnp.minimum(kinds[i], 1 + ((i >= flo) & (i < fhi)).astype(jnp.int32))
                 branches = (lambda c: c, lambda c: run(i, c, True), lambda c: run(i, c, False))
                 return lax.switch(kind, branches, c)
 
@@ -172,24 +173,9 @@ class XlaAttention:
         row and head (one loop serves them all). `_ranges` also takes the analysed ranges into account."""
         batch, kv_heads, groups, sq, _ = q.shape
         sk = k.shape[2]
-        spec_needs_it = self.hooks.runtime_mask(dataclasses.replace(cfg, segments=False, dense_mask=False,
-                                                                    varlen=False))
-        if not (cfg.varlen or spec_needs_it):
-            # segment ids / a dense mask alone: their tile kinds (ejgen.types.block_mask), O(tiles) for segment
-            # ids, instead of evaluating every element of every query block
-            from ejgen.types import block_mask
-
-            kinds = jnp.full((1, 1, sq // block_q, sk // block_k), block_mask.FULL, jnp.int8)
-            if cfg.segments:
-                seg = block_mask.Segments(ctx["q_seg"], ctx["kv_seg"])  # padded with -1: padding tiles never full
-                kinds = jnp.minimum(kinds, seg.kinds(block_q, block_k, sq, sk))
-            if cfg.dense_mask:
-                mask = ctx["mask"]  # padded with False
-                dense = block_mask.Dense(mask.reshape(mask.shape[0], -1, mask.shape[3], mask.shape[4]))
-                kinds = jnp.minimum(kinds, dense.kinds(block_q, block_k, sq, sk))
-            full = jnp.all(kinds == block_mask.FULL, axis=(0, 1))
-            seen = jnp.any(kinds != block_mask.SKIP, axis=(0, 1))
-            return jnp.where(full, 2, jnp.where(seen, 1, 0)).astype(jnp.int32)
+        if tiles.classified(self.hooks.runtime_mask, cfg):
+            # segment ids / a dense mask alone: their tile kinds (O(tiles) for segment ids), not every element
+            return tiles.over_call(tiles.mask_kinds(ctx, cfg, block_q, block_k, sq, sk))
 
         def row(iq):
             blk = make_block(iq * block_q, block_q, 0, sk, ctx, cfg, (batch, kv_heads, groups))

@@ -24,6 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 from ejgen.runtime.attention.pallas import common as _rt
 from ejgen.runtime.attention.pallas.common import NEG_INF, NN, NT, PAD
 from ejgen.runtime.attention.pallas.hooks import Hooks, dense_kinds, grads_tile, logits, make_tile
+from ejgen.runtime.core import shared_memory
 
 LOG2E = math.log2(math.e)
 
@@ -78,45 +79,25 @@ GPU_BLOCKS = {
 }
 INTERPRET_BLOCKS = BlockSizes(32, 16)
 
-# Shared memory of one Hopper thread block (227 KB); `gpu_blocks` keeps every kernel's estimate under it.
-GPU_SHARED_MEMORY = 227 * 1024
+# Shared memory of one Hopper thread block; `gpu_blocks` keeps every kernel's estimate under it.
+GPU_SHARED_MEMORY = shared_memory.HOPPER
 
 
 def gpu_shared_bytes(kernel: str, blocks: BlockSizes, d: int, dv: int, dtype, cfg) -> int:
-    """An upper estimate of a GPU kernel's shared memory: its loop's tiles per step (q/k/v, and a bias
-    (float32) or dense mask (int8) tile of [block_q, block_k]) once per pipeline stage, plus the tiles
-    that stay (the dK/dV kernel loops over query blocks, keeping k and v; the others over key blocks,
-    keeping q, and dO in the dQ kernel)."""
-    size, dp, dvp = jnp.dtype(dtype).itemsize, _rt.pow2(d), _rt.pow2(dv)
-    tile = (4 if cfg.bias else 0) + (1 if cfg.dense_mask else 0)
-    if kernel == "dkdv":
-        step, resident = blocks.block_q * (dp + dvp) * size, blocks.block_k * (dp + dvp) * size
-    else:
-        step = blocks.block_k * (dp + dvp) * size
-        resident = blocks.block_q * (dp + (dvp if kernel == "dq" else 0)) * size
-    return blocks.num_stages * (step + blocks.block_q * blocks.block_k * tile) + resident
+    """`shared_memory.estimate` of a GPU kernel at these tiles (Triton multi-buffers each step's tiles once per
+    pipeline stage)."""
+    return shared_memory.estimate(kernel, blocks.block_q, blocks.block_k, blocks.num_stages, d, dv,
+                                  jnp.dtype(dtype).itemsize, cfg.bias, cfg.dense_mask)
 
 
 def gpu_blocks(kernel: str, d: int, dv: int, dtype, cfg, interpret: bool = False) -> BlockSizes:
-    """The table's tiles, shrunk where the kernel would not fit in shared memory (`gpu_shared_bytes`):
-    a bias or dense mask streams a [block_q, block_k] tile through every step besides the q/k/v tiles,
-    and Triton multi-buffers each step's tiles once per pipeline stage. Fewer stages first (down to
-    two), then a halved loop block, then one stage."""
+    """The table's tiles, shrunk (`shared_memory.shrink`) where the kernel would not fit in shared memory: a bias
+    or dense mask streams a [block_q, block_k] tile through every step besides the q/k/v tiles."""
     blocks = BlockSizes.get_default(kernel, max(d, dv), dtype, interpret)
     if interpret or not (cfg.bias or cfg.dense_mask):
         return blocks
-    estimate = lambda b: gpu_shared_bytes(kernel, b, d, dv, dtype, cfg)
-    loop = "block_q" if kernel == "dkdv" else "block_k"
-    while estimate(blocks) > GPU_SHARED_MEMORY:
-        if blocks.num_stages > 2:
-            blocks = dataclasses.replace(blocks, num_stages=blocks.num_stages - 1)
-        elif getattr(blocks, loop) > 32:
-            blocks = dataclasses.replace(blocks, **{loop: getattr(blocks, loop) // 2})
-        elif blocks.num_stages > 1:
-            blocks = dataclasses.replace(blocks, num_stages=1)
-        else:
-            break
-    return blocks
+    return shared_memory.shrink(blocks, "block_q" if kernel == "dkdv" else "block_k",
+                                lambda b: gpu_shared_bytes(kernel, b, d, dv, dtype, cfg) <= GPU_SHARED_MEMORY)
 
 
 def _exp(x):

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ejgen.runtime.attention import tiles
+
 
 class Tile(NamedTuple):
     """Index grids of one tile of logits (inside the kernels) or of whole rows of blocks (block
@@ -112,20 +114,8 @@ def dense_kinds(hooks: Hooks, block_q, block_k, ctx, sc, prm, cfg, shape):
     kernels combine them with the analysed causal / window ranges). Otherwise (varlen, a spec mask the analysis
     cannot bound) from the element mask over whole rows of blocks, one row at a time."""
     batch, kv_heads, groups, sq, sk = shape
-    spec_needs_it = hooks.runtime_mask(dataclasses.replace(cfg, segments=False, dense_mask=False, varlen=False))
-    if not (cfg.varlen or spec_needs_it):
-        from ejgen.types import block_mask
-
-        kinds = jnp.full((1, 1, sq // block_q, sk // block_k), block_mask.FULL, jnp.int8)
-        if cfg.segments:  # padded with -1: tiles with padding are never full
-            kinds = jnp.minimum(kinds, block_mask.Segments(ctx["q_seg"], ctx["kv_seg"]).kinds(block_q, block_k, sq, sk))
-        if cfg.dense_mask:  # padded with False
-            mask = ctx["mask"]
-            dense = block_mask.Dense(mask.reshape(mask.shape[0], -1, mask.shape[3], mask.shape[4]))
-            kinds = jnp.minimum(kinds, dense.kinds(block_q, block_k, sq, sk))
-        full = jnp.all(kinds == block_mask.FULL, axis=(0, 1))
-        seen = jnp.any(kinds != block_mask.SKIP, axis=(0, 1))
-        return jnp.where(full, 2, jnp.where(seen, 1, 0)).astype(jnp.int32)
+    if tiles.classified(hooks.runtime_mask, cfg):
+        return tiles.over_call(tiles.mask_kinds(ctx, cfg, block_q, block_k, sq, sk))
     heads = jnp.arange(kv_heads)[:, None] * groups + jnp.arange(groups)[None, :]
     segments = cfg.segments or cfg.varlen
     cols = lambda x: x[:, None, None, None, :]

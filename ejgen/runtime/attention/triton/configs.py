@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ejgen.runtime.attention.triton import tuning_cache
-from ejgen.runtime.core import settings
+from ejgen.runtime.core import settings, shared_memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,48 +62,24 @@ _TABLE = {
 }
 
 
-SHARED_MEMORY = 227 * 1024
+SHARED_MEMORY = shared_memory.HOPPER
 """Shared memory of one Hopper (and Ampere sm_80: 163 KB, less than this; its table tiles are the same) thread
 block: `fit_shared_memory` keeps a config's estimate under it."""
 
 
 def shared_bytes(conf: KernelConfig, pass_: str, d: int, dv: int, item: int, bias: bool, mask: bool) -> int:
-    """An upper estimate of a kernel's shared memory: its loop's tiles per step (K and V in the forward and dQ
-    kernels, Q and dO in the dK/dV kernel), a bias (counted as float32) and a dense-mask (int8) tile of
-    [block_m, block_n] per step when the call streams them, all once per pipeline stage; plus the tiles that
-    stay (Q; K and V; Q and dO)."""
-    dp, dvp = _pow2(d), _pow2(dv)
-    streamed = conf.block_m * conf.block_n * ((4 if bias else 0) + (1 if mask else 0))
-    if pass_ == "dkdv":
-        step, resident = conf.block_m * (dp + dvp) * item, conf.block_n * (dp + dvp) * item
-    else:
-        step = conf.block_n * (dp + dvp) * item
-        resident = conf.block_m * (dp + (dvp if pass_ == "dq" else 0)) * item
-    return max(conf.num_stages, 1) * (step + streamed) + resident
+    """`shared_memory.estimate` of one pass at this config's tiles."""
+    return shared_memory.estimate(pass_, conf.block_m, conf.block_n, conf.num_stages, d, dv, item, bias, mask)
 
 
 def fit_shared_memory(conf: KernelConfig, pass_: str, d: int, dv: int, item: int, bias: bool,
                       mask: bool) -> KernelConfig:
-    """The config, shrunk where a streamed bias or dense-mask tile would take its kernel past `SHARED_MEMORY`
-    (an H200 refused the 16-bit forward at 128x128, 3 stages, D 96 with both: 320 KB asked): fewer stages first
-    (down to two), then a halved loop block (not below 32), then one stage."""
+    """The config, shrunk (`shared_memory.shrink`) where a streamed bias or dense-mask tile would take its kernel
+    past `SHARED_MEMORY` (an H200 refused the 16-bit forward at 128x128, 3 stages, D 96 with both: 320 KB asked)."""
     if not (bias or mask):
         return conf
-    loop = "block_m" if pass_ == "dkdv" else "block_n"
-    while shared_bytes(conf, pass_, d, dv, item, bias, mask) > SHARED_MEMORY:
-        if conf.num_stages > 2:
-            conf = dataclasses.replace(conf, num_stages=conf.num_stages - 1)
-        elif getattr(conf, loop) > 32:
-            conf = dataclasses.replace(conf, **{loop: getattr(conf, loop) // 2})
-        elif conf.num_stages > 1:
-            conf = dataclasses.replace(conf, num_stages=1)
-        else:
-            break
-    return conf
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+    return shared_memory.shrink(conf, "block_m" if pass_ == "dkdv" else "block_n",
+                                lambda c: shared_bytes(c, pass_, d, dv, item, bias, mask) <= SHARED_MEMORY)
 
 
 FLAGS = ("tma", "ws", "merged", "atomic", "band")  # KernelConfig's switches, in their text order

@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ejgen.runtime.attention import tiles
 from ejgen.runtime.attention.api import SEQ_MAJOR, sinks_grad
 from ejgen.runtime.attention.gluon import host as gluon_attention
 from ejgen.runtime.attention.triton import configs as triton_configs
@@ -159,27 +160,15 @@ def _tiles(layout: Layout, ctx, cfg, q, k, conf, by_keys: bool):
         return _dummy(jnp.int32), {}
     from ejgen.types import block_mask
 
-    batch, sq, hkv = q.shape[0], q.shape[1], q.shape[2]
-    sk = k.shape[1]
-    kinds = jnp.full((1, 1, -(-sq // conf.block_m), -(-sk // conf.block_n)), block_mask.FULL, jnp.int8)
-    if cfg.segments:
-        seg = block_mask.Segments(ctx["q_seg"], ctx["kv_seg"])
-        kinds = jnp.minimum(kinds, seg.kinds(conf.block_m, conf.block_n, sq, sk))
-    if cfg.dense_mask:
-        mask = ctx["mask"]
-        dense = block_mask.Dense(mask.reshape(mask.shape[0], -1, mask.shape[3], mask.shape[4]))
-        kinds = jnp.minimum(kinds, dense.kinds(conf.block_m, conf.block_n, sq, sk))
+    sq, hkv, sk = q.shape[1], q.shape[2], k.shape[1]
+    kinds = tiles.mask_kinds(ctx, cfg, conf.block_m, conf.block_n, sq, sk)
     if by_keys:  # per key tile; a program serves the query heads of one kv head: visit any, full only if all full
         kinds = jnp.swapaxes(kinds, -1, -2)
         if kinds.shape[1] > 1:
-            grouped = kinds.reshape(kinds.shape[0], hkv, -1, *kinds.shape[2:])
-            any_v = jnp.any(grouped != block_mask.SKIP, axis=2)
-            kinds = jnp.where(jnp.all(grouped == block_mask.FULL, axis=2), block_mask.FULL,
-                              jnp.where(any_v, block_mask.PARTIAL, block_mask.SKIP)).astype(jnp.int8)
+            kinds = tiles.union(kinds.reshape(kinds.shape[0], hkv, -1, *kinds.shape[2:]), axis=2)
     ranges = block_mask.tile_ranges(kinds)
     consts = dict(TILE_RANGES=True, TILE_BATCH=ranges.shape[0], TILE_HEADS=ranges.shape[1],
                   RUNTIME_MASK=layout.runtime_mask_from_spec)
-    del batch
     return ranges.astype(jnp.int32), consts
 
 

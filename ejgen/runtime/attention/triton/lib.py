@@ -171,6 +171,25 @@ def _to_blocks(lo, hi, flo, fhi, BLOCK: tl.constexpr, n_blocks):
 
 
 @triton.jit
+def _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i, n, ON: tl.constexpr, NB: tl.constexpr, NH: tl.constexpr):
+    """The analysed block range of program tile i, intersected with the block mask's (TILE_RANGES: TILES
+    [NB, NH, n, 4] int32, lo, hi, full_lo, full_hi over the other axis's tiles; docs/DESIGN.md §3 block masks):
+    visit what both visit, skip the element mask only where both say full."""
+    if ON:
+        row = i
+        if NH > 1:
+            row += off_h * n
+        if NB > 1:
+            row += off_b * (NH * n)
+        p = TILES + row.to(tl.int64) * 4
+        lo = tl.maximum(lo, tl.load(p))
+        hi = tl.maximum(tl.minimum(hi, tl.load(p + 1)), lo)
+        flo = tl.minimum(tl.maximum(tl.maximum(flo, tl.load(p + 2)), lo), hi)
+        fhi = tl.maximum(tl.minimum(tl.minimum(fhi, tl.load(p + 3)), hi), flo)
+    return lo, hi, flo, fhi
+
+
+@triton.jit
 def _rows(base, B: tl.constexpr, SEQ: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr):
     """Tensor descriptor over the caller's [B, SEQ, H, D] as [B, SEQ, WIDTH = H * D], in tiles of BLOCK
     rows and COLS columns: rows past a sequence's end read as zeros."""

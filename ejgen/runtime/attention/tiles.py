@@ -1,0 +1,47 @@
+"""Tile kinds of a call's runtime masks, shared by every backend (docs/DESIGN.md §3, block masks): segment ids
+and a dense mask classified per tile by `ejgen.types.block_mask` (O(tiles) for segment ids), from the op's
+ctx in the kernel layout (ids [B, S] and the mask [B, Hkv|1, G|1, Sq, Sk], both padded so that padding is
+never visible: tiles holding it are never full)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from ejgen.types import block_mask
+
+
+def classified(runtime_mask, cfg) -> bool:
+    """Whether the call's runtime block mask is segment ids and / or a dense mask alone: not varlen, and no
+    spec mask the analysis cannot bound (``runtime_mask(cfg)``: the spec's hook, asked without those)."""
+    if cfg.varlen or not (cfg.segments or cfg.dense_mask):
+        return False
+    return not runtime_mask(dataclasses.replace(cfg, segments=False, dense_mask=False, varlen=False))
+
+
+def mask_kinds(ctx, cfg, block_q: int, block_k: int, sq: int, sk: int):
+    """int8 [B|1, 1|Hq, nQ, nK]: the tiles of (block_q, block_k) over sq x sk that segment ids and the dense
+    mask leave (0 skip, 1 partial, 2 full); the conditions of causal, window and the spec are not in it."""
+    kinds = jnp.full((1, 1, -(-sq // block_q), -(-sk // block_k)), block_mask.FULL, jnp.int8)
+    if cfg.segments:
+        segments = block_mask.Segments(ctx["q_seg"], ctx["kv_seg"])
+        kinds = jnp.minimum(kinds, segments.kinds(block_q, block_k, sq, sk))
+    if cfg.dense_mask:
+        mask = ctx["mask"]
+        dense = block_mask.Dense(mask.reshape(mask.shape[0], -1, mask.shape[3], mask.shape[4]))
+        kinds = jnp.minimum(kinds, dense.kinds(block_q, block_k, sq, sk))
+    return kinds
+
+
+def union(kinds, axis):
+    """Tile kinds of a loop that serves every entry along ``axis`` (batch rows, heads): visited where any entry
+    visits, full only where every entry is full."""
+    full = jnp.all(kinds == block_mask.FULL, axis=axis)
+    seen = jnp.any(kinds != block_mask.SKIP, axis=axis)
+    return jnp.where(full, block_mask.FULL, jnp.where(seen, block_mask.PARTIAL, block_mask.SKIP)).astype(jnp.int8)
+
+
+def over_call(kinds):
+    """int32 [nQ, nK] for kernels whose one loop serves every batch row and head."""
+    return union(kinds, (0, 1)).astype(jnp.int32)
