@@ -31,6 +31,7 @@ FEATURES = {
     "attention_mask": ("runtime", "always"),
     "bias": ("runtime", "always"),
     "varlen": ("runtime", "always"),
+    "block_mask": ("runtime", "always"),
 }
 
 # The attention op's built-in keyword arguments, in signature order, with the feature that enables
@@ -43,6 +44,7 @@ FEATURE_ARGUMENTS = (
     ("sinks", ("softmax_aux",)),
     ("bias", ("bias",)),
     (("segment_ids", "attention_mask"), ("mask_info",)),
+    ("block_mask", ("block_mask",)),
     ("varlen", ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")),
 )
 TENSOR_ARGUMENTS = ("query", "key", "value")

@@ -156,10 +156,21 @@ class Layout:
                    j // self.block_k]
 
     def kinds(self, block_q, block_k, q_len, kv_len):
-        if (block_q, block_k) == (self.block_q, self.block_k):
-            return jnp.where(self.layout, FULL, SKIP).astype(jnp.int8)
+        lay, (lq, lk) = self.layout, (self.block_q, self.block_k)
+        nq, nk = _ceil(q_len, block_q), _ceil(kv_len, block_k)
+        if lq % block_q == 0 and lk % block_k == 0:  # tiles inside the layout's blocks: each takes its block's
+            rows = jnp.minimum(jnp.arange(nq) * block_q // lq, lay.shape[2] - 1)
+            cols = jnp.minimum(jnp.arange(nk) * block_k // lk, lay.shape[3] - 1)
+            return jnp.where(lay[:, :, rows][:, :, :, cols], FULL, SKIP).astype(jnp.int8)
+        if block_q % lq == 0 and block_k % lk == 0:  # tiles made of whole blocks: reduce them
+            fq, fk = block_q // lq, block_k // lk
+            pad = ((0, 0), (0, 0), (0, nq * fq - lay.shape[2]), (0, nk * fk - lay.shape[3]))
+            shape = lay.shape[:2] + (nq, fq, nk, fk)
+            any_v = jnp.pad(lay, pad, constant_values=False).reshape(shape).any(axis=(3, 5))
+            all_v = jnp.pad(lay, pad, constant_values=True).reshape(shape).all(axis=(3, 5))
+            return _kinds(any_v, all_v)
         # other tiles: expand the layout to elements one query tile at a time
-        return _kinds_by_rows(self, self.layout.shape[0], self.layout.shape[1], block_q, block_k, q_len, kv_len)
+        return _kinds_by_rows(self, lay.shape[0], lay.shape[1], block_q, block_k, q_len, kv_len)
 
 
 @jax.tree_util.register_dataclass

@@ -203,7 +203,7 @@ _PADDED = {
 
 
 def prepare(spec: SpecInfo, query, key, value, *, causal=False, sliding_window=None, logits_soft_cap=None,
-            softmax_aux=None, bias=None, mask_info=None, cu_seqlens_q=None, cu_seqlens_k=None,
+            softmax_aux=None, bias=None, mask_info=None, block_mask=None, cu_seqlens_q=None, cu_seqlens_k=None,
             max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None) -> Prepared:
     """Check the built-in arguments (only those the spec accepts reach here) and lay them out."""
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
@@ -277,11 +277,104 @@ def prepare(spec: SpecInfo, query, key, value, *, causal=False, sliding_window=N
             _require(spec, "attention_mask", "mask_info with a dense attention_mask")
             flags["dense_mask"] = True
             ctx["mask"] = _dense_mask(spec, mask_info.attention_mask, batch, hq, hkv, groups, sq, sk)
+    if block_mask is not None:
+        _block_mask(spec, block_mask, flags, ctx, batch, hq, hkv, groups, sq, sk, varlen)
     q = query.reshape(batch, sq, hkv, groups, d)
     k, v = key, value
     dims = {"batch": batch, "heads": hq, "kv_heads": hkv, "q_len": sq, "kv_len": sk, "head_dim": d}
     cfg = AttentionConfig(seq_q=sq, seq_k=sk, **flags)
     return Prepared(cfg, q, k, v, ctx, dims, varlen, spec.name)
+
+
+def _block_mask(spec, mask, flags, ctx, batch, hq, hkv, groups, sq, sk, varlen):
+    """Lower a `BlockMask`'s conditions onto the call (docs/DESIGN.md §3, block masks): its band joins causal and
+    the window (the tighter bound of each side wins), segment ids and a dense mask join ``mask_info``'s, its
+    first block layout travels as one (tile kinds from it, O(tiles); the element rule where kernel tiles cut
+    its blocks), and everything else (``mask_fn``, further layouts) becomes part of the dense mask."""
+    from ejgen.types import block_mask as bm
+
+    if not isinstance(mask, bm.BlockMask):
+        raise ValueError(f"{spec.name}(): block_mask must be an ejgen.types.BlockMask, got {type(mask).__name__}")
+    if varlen:
+        raise ValueError(f"{spec.name}(): block_mask cannot be combined with cu_seqlens (build the mask over the "
+                         f"padded batch instead)")
+    if (mask.q_len, mask.kv_len) != (sq, sk):
+        raise ValueError(f"{spec.name}(): block_mask was built for q_len {mask.q_len} x kv_len {mask.kv_len}, the "
+                         f"call has {sq} x {sk}")
+    conditions = mask.conditions or (bm.Layout(mask.kinds() != bm.SKIP, mask.block_q, mask.block_k),)
+    dense = []
+    for cond in conditions:
+        if isinstance(cond, bm.Band):
+            _band(spec, cond, flags, ctx, sq, sk)
+        elif isinstance(cond, bm.Segments):
+            if flags.get("segments"):
+                raise ValueError(f"{spec.name}(): segment ids given twice (mask_info and block_mask); pass them once")
+            flags["segments"] = True
+            ctx["q_seg"], ctx["kv_seg"] = _segments(spec, MaskInfo(cond.q_ids, cond.kv_ids), batch, sq, sk)
+        elif isinstance(cond, bm.Layout) and not flags.get("layout"):
+            lay = cond.layout
+            if lay.shape[0] not in (1, batch) or lay.shape[1] not in (1, hq):
+                raise ValueError(f"{spec.name}(): block_mask layout must be [batch|1, heads|1, nQ, nK] = "
+                                 f"[{batch}|1, {hq}|1, ...], got {_shape(lay)}")
+            flags.update(layout=True, layout_block=(cond.block_q, cond.block_k))
+            ctx["layout"] = (lay.reshape(lay.shape[0], hkv, groups, *lay.shape[2:]) if lay.shape[1] == hq
+                             else lay[:, :, None])
+        else:  # a mask_fn, a dense mask, another layout: element by element
+            dense.append(_elements(spec, cond, batch, hq, sq, sk))
+    if dense:
+        both = dense[0]
+        for extra in dense[1:]:
+            both = both & extra
+        both = _dense_mask(spec, both, batch, hq, hkv, groups, sq, sk)
+        ctx["mask"] = both if "mask" not in ctx else ctx["mask"] & both
+        flags["dense_mask"] = True
+
+
+def _elements(spec, cond, batch, hq, sq, sk):
+    """bool [batch, 1|hq, sq, sk]: a condition's element rule over the whole call."""
+    from ejgen.types import block_mask as bm
+
+    if isinstance(cond, bm.Function):
+        sizes = (cond.batch, cond.heads)
+    else:
+        sizes = (cond.mask if isinstance(cond, bm.Dense) else cond.layout).shape[:2]
+    if sizes[0] not in (1, batch) or sizes[1] not in (1, hq):
+        raise ValueError(f"{spec.name}(): block_mask's {type(cond).__name__.lower()} condition covers batch "
+                         f"{sizes[0]} x heads {sizes[1]}; the call has batch {batch} (or 1) x heads {hq} (or 1)")
+    heads = sizes[1]
+    b = jnp.arange(batch, dtype=jnp.int32)[:, None, None, None] % sizes[0]
+    h = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
+    i = jnp.arange(sq, dtype=jnp.int32)[None, None, :, None]
+    j = jnp.arange(sk, dtype=jnp.int32)[None, None, None, :]
+    return jnp.broadcast_to(cond.visible(b, h, i, j, sq, sk), (batch, heads, sq, sk))
+
+
+def _band(spec, band, flags, ctx, sq, sk):
+    """Join a `Band` (bottom-right aligned, as causal and the window) with the call's causal and window."""
+    wide = sq + sk  # a bound no (query, key) pair reaches
+    causal = flags.get("causal", False)
+    left = int(ctx["window_left"]) if flags.get("window") else None
+    right = 0 if causal else (int(ctx["window_right"]) if flags.get("window") else None)
+    if band.left is not None:
+        left = band.left if left is None else min(left, band.left)
+    if band.right is not None:
+        right = band.right if right is None else min(right, band.right)
+    if right == 0 and not causal:
+        if "causal" not in spec.features:
+            raise TypeError(f"{spec.name}() got a causal block_mask, but the spec does not enable feature 'causal' "
+                            f"({spec.path})")
+        flags["causal"] = causal = True
+    if right is not None and right < 0:
+        raise ValueError(f"{spec.name}(): block_mask's band ends {-right} keys before the diagonal; bands end at "
+                         f"or after it (causal, sliding windows)")
+    if left is not None or (right is not None and not causal):
+        if "sliding_window" not in spec.features:
+            raise TypeError(f"{spec.name}() got a block_mask with a sliding window, but the spec does not enable "
+                            f"feature 'sliding_window' ({spec.path})")
+        left = wide if left is None else left
+        right = 0 if causal else (wide if right is None else right)
+        flags.update(window=True, window_span=left + right)
+        ctx["window_left"], ctx["window_right"] = jnp.int32(left), jnp.int32(right)
 
 
 def _require(spec, feature, what):

@@ -15,9 +15,9 @@ from ejgen.types import block_mask
 def classified(runtime_mask, cfg) -> bool:
     """Whether the call's runtime block mask is segment ids and / or a dense mask alone: not varlen, and no
     spec mask the analysis cannot bound (``runtime_mask(cfg)``: the spec's hook, asked without those)."""
-    if cfg.varlen or not (cfg.segments or cfg.dense_mask):
+    if cfg.varlen or not (cfg.segments or cfg.dense_mask or cfg.layout):
         return False
-    return not runtime_mask(dataclasses.replace(cfg, segments=False, dense_mask=False, varlen=False))
+    return not runtime_mask(dataclasses.replace(cfg, segments=False, dense_mask=False, varlen=False, layout=False))
 
 
 def mask_kinds(ctx, cfg, block_q: int, block_k: int, sq: int, sk: int):
@@ -31,7 +31,38 @@ def mask_kinds(ctx, cfg, block_q: int, block_k: int, sq: int, sk: int):
         mask = ctx["mask"]
         dense = block_mask.Dense(mask.reshape(mask.shape[0], -1, mask.shape[3], mask.shape[4]))
         kinds = jnp.minimum(kinds, dense.kinds(block_q, block_k, sq, sk))
+    if cfg.layout:
+        kinds = jnp.minimum(kinds, layout_condition(ctx, cfg).kinds(block_q, block_k, sq, sk))
     return kinds
+
+
+def layout_condition(ctx, cfg) -> block_mask.Layout:
+    """The call's block layout (``ctx["layout"]`` [B|1, Hkv|1, G|1, nQ, nK]) as a condition over B|1 x Hq|1."""
+    lay = ctx["layout"]
+    return block_mask.Layout(lay.reshape(lay.shape[0], -1, *lay.shape[3:]), *cfg.layout_block)
+
+
+def layout_as_mask(ctx, cfg, batch: int):
+    """(ctx, cfg) with the block layout folded into the dense mask, element by element (the XLA and Pallas
+    kernels read one mask; they skip the tiles the layout skips through its tile kinds all the same). The
+    mask is [B, Hkv|1, G|1, Sq, Sk] over the padded lengths of ``ctx``'s other entries: padding stays hidden."""
+    if not cfg.layout:
+        return ctx, cfg
+    lay = ctx["layout"]
+    (bq, bk), (sq, sk) = cfg.layout_block, (cfg.seq_q, cfg.seq_k)
+    elements = jnp.repeat(jnp.repeat(lay, bq, axis=3), bk, axis=4)[..., :sq, :sk]
+    ctx = dict(ctx)
+    del ctx["layout"]
+    if cfg.dense_mask:
+        mask = ctx["mask"]
+        pad = [(0, 0)] * 3 + [(0, mask.shape[3] - sq), (0, mask.shape[4] - sk)]
+        ctx["mask"] = mask & jnp.pad(elements, pad, constant_values=False)
+    else:
+        sq_pad, sk_pad = ctx["q_pos"].shape[1], ctx["kv_pos"].shape[1]
+        pad = [(0, 0)] * 3 + [(0, sq_pad - sq), (0, sk_pad - sk)]
+        ctx["mask"] = jnp.pad(elements, pad, constant_values=False)
+    ctx["mask"] = jnp.broadcast_to(ctx["mask"], (batch,) + ctx["mask"].shape[1:])
+    return ctx, dataclasses.replace(cfg, layout=False, layout_block=(0, 0), dense_mask=True)
 
 
 def union(kinds, axis):

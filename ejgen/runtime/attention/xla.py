@@ -190,6 +190,7 @@ class XlaAttention:
     def forward(self, q, k, v, ctx, cfg, kernels=None):
         """(out [B, Hkv, G, Sq, Dv] in q's dtype, lse [B, Hkv, G, Sq] float32, block kinds)."""
         del kernels  # one kernel set (ejgen.runtime.attention.kernels)
+        ctx, cfg = tiles.layout_as_mask(ctx, cfg, q.shape[0])
         batch, kv_heads, groups, sq, _ = q.shape
         sk, dv = k.shape[2], v.shape[-1]
         block_q, block_k = block_sizes(cfg)
@@ -251,6 +252,7 @@ class XlaAttention:
         cap and the score hook. Every reduction runs in a fixed order: results are deterministic.
         """
         del kernels
+        ctx, cfg = tiles.layout_as_mask(ctx, cfg, q.shape[0])
         batch, kv_heads, groups, sq, _ = q.shape
         sk = k.shape[2]
         block_q, block_k = block_sizes(cfg)

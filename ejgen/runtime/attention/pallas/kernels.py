@@ -22,6 +22,7 @@ import functools
 
 import jax.numpy as jnp
 
+from ejgen.runtime.attention import tiles
 from ejgen.runtime.attention.api import HEADS_MAJOR, sinks_grad
 from ejgen.runtime.attention.pallas import common as _rt
 from ejgen.runtime.attention.pallas.common import NEG_INF, PAD
@@ -56,6 +57,7 @@ class PallasAttention:
         """(out, lse, None) from the kernels of the lowering platform; the backward pass recomputes
         its block metadata, so nothing else is saved."""
         del kernels  # one kernel set (ejgen.runtime.attention.kernels)
+        ctx, cfg = tiles.layout_as_mask(ctx, cfg, q.shape[0])
         gpu = functools.partial(self.gpu.forward, cfg=cfg)
         tpu = functools.partial(self.tpu.forward, cfg=cfg)
         out, lse = _rt.dispatch(gpu, tpu, q, k, v, ctx)
@@ -65,6 +67,7 @@ class PallasAttention:
         """Gradients (dq, dk, dv, dctx) from the saved lse: ds = p * (dp - delta) with
         delta = rowsum(d_out * out) - d_lse, then back through the soft cap and the score hook."""
         del kernels, kinds
+        ctx, cfg = tiles.layout_as_mask(ctx, cfg, q.shape[0])
         f32 = jnp.float32
         delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1) - d_lse
         lse_safe = jnp.where(lse == NEG_INF, 0.0, lse)

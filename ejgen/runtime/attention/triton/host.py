@@ -79,7 +79,7 @@ def _config(layout: Layout, pass_: str, head_dim: int, bits: int, cfg, determini
         raise ValueError(f"triton config {triton_configs.text(conf)!r}: 'ws' warp-specialises the unmasked loop of "
                          f"the three-loop forward; it cannot go with 'merged'")
     if not triton_configs.pinned(pass_):  # a pinned config is the user's word
-        conf = triton_configs.fit_shared_memory(conf, pass_, d, dv, bits // 8, cfg.bias, cfg.dense_mask)
+        conf = triton_configs.fit_shared_memory(conf, pass_, d, dv, bits // 8, cfg.bias, cfg.dense_mask or cfg.layout)
     if layout.gathers_by_position and conf.num_stages > 1:
         # Triton 3.6 multi-buffers the gathered [BLOCK_M, BLOCK_N] float32 tile in shared memory
         # with the K/V tiles (240 KB at 128x128, 3 stages: over the limit): do not pipeline.
@@ -136,8 +136,8 @@ def _inputs(layout: Layout, ctx, cfg, hq):
         bias = bias.reshape(bias.shape[0], -1, bias.shape[3], bias.shape[4])
     else:
         bias = _dummy()
-    if cfg.dense_mask:
-        mask = ctx["mask"]
+    if cfg.dense_mask or cfg.layout:  # an element mask, or the block layout's blocks (never both: `_masks`)
+        mask = ctx["mask" if cfg.dense_mask else "layout"]
         mask = mask.reshape(mask.shape[0], -1, mask.shape[3], mask.shape[4]).astype(jnp.int8)
     else:
         mask = _dummy(jnp.int8)
@@ -156,7 +156,7 @@ def _tiles(layout: Layout, ctx, cfg, q, k, conf, by_keys: bool):
     kernel's tiles (docs/DESIGN.md §3 block masks; `ejgen.types.block_mask`): for each query tile (the dK/dV
     kernel: each key tile, over the query heads of its kv head) the key tiles to visit and the run that needs
     no element mask. O(tiles) for segment ids; a dense mask is reduced per tile. Else a placeholder."""
-    if cfg.varlen or not (cfg.segments or cfg.dense_mask):
+    if cfg.varlen or not (cfg.segments or cfg.dense_mask or cfg.layout):
         return _dummy(jnp.int32), {}
     from ejgen.types import block_mask
 
@@ -181,9 +181,11 @@ def _constexprs(layout, q, k, v, cfg, conf, bias, mask, aux):
         BLOCK_M=conf.block_m, BLOCK_N=conf.block_n,
         CAUSAL=cfg.causal, WINDOW=cfg.window, SOFTCAP=cfg.softcap, SINKS=cfg.sinks, N_SINKS=n_sinks,
         SINKS_PAD=_pow2(n_sinks), BIAS_ON=cfg.bias, BIAS_BATCH=bias.shape[0] if cfg.bias else 1,
-        BIAS_HEADS=bias.shape[1] if cfg.bias else 1, SEGMENTS=cfg.segments, DENSE=cfg.dense_mask,
-        MASK_HEADS=mask.shape[1] if cfg.dense_mask else 1, VARLEN=cfg.varlen,
-        RUNTIME_MASK=cfg.segments or cfg.dense_mask or layout.runtime_mask_from_spec,
+        BIAS_HEADS=bias.shape[1] if cfg.bias else 1, SEGMENTS=cfg.segments, DENSE=cfg.dense_mask or cfg.layout,
+        MASK_BATCH=mask.shape[0] if mask.ndim == 4 else 1, MASK_HEADS=mask.shape[1] if mask.ndim == 4 else 1,
+        VARLEN=cfg.varlen,
+        MASK_BQ=cfg.layout_block[0] if cfg.layout else 1, MASK_BK=cfg.layout_block[1] if cfg.layout else 1,
+        RUNTIME_MASK=cfg.runtime_block_mask or layout.runtime_mask_from_spec,
         TILE_RANGES=False, TILE_BATCH=1, TILE_HEADS=1,  # `_tiles`
         PLAIN=layout.score_is_identity and not cfg.softcap and not cfg.bias,
         STAGED=not conf.merged,  # three loops, or one (`merged`)
@@ -310,8 +312,14 @@ def _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, cfg):
     return dq_acc.astype(q4.dtype), dk, dv
 
 
+def _masks(ctx, cfg, batch):
+    """A block layout travels to the kernels as a mask of its blocks; with an element mask as well, it joins it."""
+    return tiles.layout_as_mask(ctx, cfg, batch) if cfg.layout and cfg.dense_mask else (ctx, cfg)
+
+
 def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
     _check_layout(q, cfg)
+    ctx, cfg = _masks(ctx, cfg, q.shape[0])
     batch, sq, hkv, groups, d = q.shape
     hq, dv = hkv * groups, v.shape[-1]
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
@@ -370,6 +378,7 @@ def _delta(out, d_out, d_lse):
 
 def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
     _check_layout(q, cfg)
+    ctx, cfg = _masks(ctx, cfg, q.shape[0])
     batch, sq, hkv, groups, d = q.shape
     hq, sk, dv = hkv * groups, k.shape[1], v.shape[-1]
     bits = jnp.dtype(q.dtype).itemsize * 8
@@ -465,7 +474,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
 # the sinks or a param is mapped (or params need gradients) do the calls run one after another
 # with lax.map.
 
-_BATCHED_CTX = ("bias", "mask", "q_seg", "kv_seg")
+_BATCHED_CTX = ("bias", "mask", "layout", "q_seg", "kv_seg")
 _IGNORED_CTX = ("q_pos", "kv_pos")  # the kernels compute positions themselves
 
 

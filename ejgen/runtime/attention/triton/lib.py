@@ -34,13 +34,17 @@ class Dims(NamedTuple):
 
 
 class Masks(NamedTuple):
-    """Which keys a query sees: causal, a sliding window, segment ids, a dense mask (over MASK_HEADS heads);
+    """Which keys a query sees: causal, a sliding window, segment ids, a dense mask (over MASK_BATCH x MASK_HEADS,
+    one entry per MASK_BQ x MASK_BK elements: 1 x 1 for an element mask, a block layout's blocks otherwise);
     RUNTIME_MASK: a mask known only at run time, so that every block takes the element mask."""
     CAUSAL: tl.constexpr
     WINDOW: tl.constexpr
     SEGMENTS: tl.constexpr
     DENSE: tl.constexpr
+    MASK_BATCH: tl.constexpr
     MASK_HEADS: tl.constexpr
+    MASK_BQ: tl.constexpr
+    MASK_BK: tl.constexpr
     RUNTIME_MASK: tl.constexpr
 
 
