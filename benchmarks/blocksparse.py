@@ -22,6 +22,59 @@ from ejgen.types import BlockMask, MaskInfo
 
 HEADS, DIM = 16, 128
 CASES = [(8192, 8), (32768, 8), (32768, 64)]  # (tokens, documents)
+LAYOUTS = [("local+global", 8192), ("random 10%", 8192), ("local+global", 32768), ("random 10%", 32768)]
+
+
+def block_layout(kind: str, tokens: int, seed: int = 0) -> tuple[np.ndarray, int]:
+    """(bool [nQ, nK] layout, block size): "local+global" = 64-token blocks, a window of 512 tokens (8 blocks) either
+    side and the first 64 tokens global (they see and are seen by all); "random 10%" = 128-token blocks, 10% of them
+    at random (seeded) plus the diagonal. The same for every peer."""
+    if kind == "local+global":
+        n = tokens // 64
+        i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+        return (np.abs(i - j) <= 8) | (i == 0) | (j == 0), 64
+    n = tokens // 128
+    rng = np.random.default_rng(seed + tokens)
+    return (rng.random((n, n)) < 0.1) | np.eye(n, dtype=bool), 128
+
+
+def run_layout(kind: str, tokens: int, reps: int, rounds: int) -> list[dict]:
+    """A block layout (non-causal) through `block_mask=`, against the plain non-causal kernel scaled by the share of
+    visible 128 x 128 tiles (the ideal)."""
+    layout, block = block_layout(kind, tokens)
+    keys = jax.random.split(jax.random.PRNGKey(tokens + len(kind)), 4)
+    q, k, v, do = (jax.random.normal(kk, (1, tokens, HEADS, DIM), jnp.bfloat16) for kk in keys)
+    mask = BlockMask.from_layout(jnp.asarray(layout), tokens, tokens, block, block)
+    share = float(np.asarray(BlockMask.from_layout(jnp.asarray(layout), tokens, tokens, block, block)
+                             .retile(128, 128).kinds() > 0).mean())
+    impls = {
+        f"ejgen-triton {kind}": lambda q, k, v, m: flash_attention(q, k, v, block_mask=m, platform="triton"),
+        "ejgen-triton dense (all tokens)": lambda q, k, v, m: flash_attention(q, k, v, platform="triton"),
+    }
+    flops = 4.0 * HEADS * DIM * float(layout.sum()) * block * block
+    compiled = []
+    for name, f in impls.items():
+        def loss(q, k, v, m, f=f):
+            return jnp.sum(f(q, k, v, m).astype(jnp.float32) * do.astype(jnp.float32))
+
+        for pass_, fn, mult in (("fwd", f, 1.0), ("fwd+bwd", jax.grad(loss, argnums=(0, 1, 2)), 3.5)):
+            exe = jax.jit(fn).lower(q, k, v, mask).compile()
+            jax.block_until_ready(exe(q, k, v, mask))
+            compiled.append((name, pass_, exe, mult))
+    times = [[] for _ in compiled]
+    for r in range(rounds):
+        for i, (_, _, exe, _) in enumerate(compiled):
+            times[i].append(median_seconds(exe, (q, k, v, mask), reps, warmup=1, warm_seconds=0.3 if r == 0 else 0.05))
+    rows = []
+    for (name, pass_, _, mult), t in zip(compiled, times):
+        ms = float(np.median(t)) * 1e3
+        rows.append(dict(tokens=tokens, docs=kind, impl=name, pass_=pass_, ms=ms, tflops=mult * flops / ms / 1e9,
+                         tile_share=share))
+    for pass_ in ("fwd", "fwd+bwd"):
+        full = next(r["ms"] for r in rows if r["impl"].startswith("ejgen-triton dense") and r["pass_"] == pass_)
+        rows.append(dict(tokens=tokens, docs=kind, impl="ideal (dense x tile share)", pass_=pass_, ms=full * share,
+                         tflops=None, tile_share=share))
+    return rows
 
 
 def document_ids(tokens: int, docs: int, seed: int = 0) -> np.ndarray:
@@ -87,7 +140,7 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
 
 
 def table(rows) -> str:
-    lines = ["| tokens | docs | impl | pass | ms | TFLOP/s (visible) |", "|---|---|---|---|---|---|"]
+    lines = ["| tokens | docs / layout | impl | pass | ms | TFLOP/s (visible) |", "|---|---|---|---|---|---|"]
     for r in rows:
         tf = "" if r["tflops"] is None else f"{r['tflops']:.0f}"
         lines.append(f"| {r['tokens']} | {r['docs']} | {r['impl']} | {r['pass_']} | {r['ms']:.3f} | {tf} |")
@@ -100,8 +153,12 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--documents-only", action="store_true", help="only the document-mask call (config sweeps)")
+    p.add_argument("--layouts-only", action="store_true", help="only the block layouts (local+global, random)")
     a = p.parse_args()
-    rows = [r for tokens, docs in CASES for r in run(tokens, docs, a.reps, a.rounds, a.documents_only)]
+    rows = [] if a.layouts_only else [r for tokens, docs in CASES
+                                      for r in run(tokens, docs, a.reps, a.rounds, a.documents_only)]
+    if not a.documents_only:
+        rows += [r for kind, tokens in LAYOUTS for r in run_layout(kind, tokens, a.reps, a.rounds)]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ejgen.json").write_text(json.dumps(rows, indent=1))

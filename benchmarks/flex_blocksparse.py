@@ -19,6 +19,18 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 HEADS, DIM = 16, 128
 CASES = [(8192, 8), (32768, 8), (32768, 64)]
+LAYOUTS = [("local+global", 8192), ("random 10%", 8192), ("local+global", 32768), ("random 10%", 32768)]
+
+
+def block_layout(kind: str, tokens: int, seed: int = 0):
+    """As benchmarks/blocksparse.py: (bool [nQ, nK], block size)."""
+    if kind == "local+global":
+        n = tokens // 64
+        i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+        return (np.abs(i - j) <= 8) | (i == 0) | (j == 0), 64
+    n = tokens // 128
+    rng = np.random.default_rng(seed + tokens)
+    return (rng.random((n, n)) < 0.1) | np.eye(n, dtype=bool), 128
 
 
 def document_ids(tokens: int, docs: int, seed: int = 0) -> np.ndarray:
@@ -41,11 +53,18 @@ def timed(fn, reps: int) -> float:
     return statistics.median(samples)
 
 
-def run(tokens: int, docs: int, reps: int) -> list[dict]:
-    ids = torch.tensor(document_ids(tokens, docs)[0], device="cuda")
+def run(tokens: int, docs, reps: int) -> list[dict]:
+    if isinstance(docs, str):  # a block layout: the element mask is its blocks
+        layout, block = block_layout(docs, tokens)
+        lay = torch.tensor(layout, device="cuda")
 
-    def document_causal(b, h, q_idx, kv_idx):
-        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+        def document_causal(b, h, q_idx, kv_idx):
+            return lay[q_idx // block, kv_idx // block]
+    else:
+        ids = torch.tensor(document_ids(tokens, docs)[0], device="cuda")
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
 
     flex = torch.compile(flex_attention)
     q, k, v, do = (torch.randn(1, HEADS, tokens, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=i < 3)
@@ -74,6 +93,7 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     a = p.parse_args()
     rows = [r for tokens, docs in CASES for r in run(tokens, docs, a.reps)]
+    rows += [r for kind, tokens in LAYOUTS for r in run(tokens, kind, a.reps)]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "flex.json").write_text(json.dumps(rows, indent=1))

@@ -3,6 +3,9 @@
 #   check    the Triton test files (they run natively there) and `pytest -m gpu` over the triton backend
 #   full     EJGEN_FULL_SUITE=1 pytest -m gpu (every shape on every accelerator backend; the plain `pytest -m gpu` took
 #            9 min on an H200 with -n 14 in session 9, so this step may need FULL_K="..." to split it over two calls)
+#   sparse   the block-sparse tests natively (tests/blocksparse, gpu or not) and `pytest -m gpu -k "$SPARSE_K"` (default:
+#            the segment-id, mask and Hopper cases of the conformance suite)
+#   sparse_bench  benchmarks/blocksparse.py (SPARSE_ARGS) and benchmarks/flex_blocksparse.py (FlexAttention, own process)
 #   bench    benchmarks/attention.py --quick (triton, cuDNN, Pallas-Triton mha), BENCH_RUNS times (default 1)
 #   kernels  per-kernel times under Nsight Compute (benchmarks/kernel_times.py): KERNEL_CASES, KERNEL_CONFIGS
 #   sweep    benchmarks/tune_triton.py --configs SWEEP_CONFIGS --cases SWEEP_CASES (whole configs vs cuDNN)
@@ -38,6 +41,20 @@ for step in "$@"; do
         > "$OUT/full.log" 2>&1
       note "full rc $?: $(grep -E '[0-9]+ (passed|failed)' "$OUT/full.log" | tail -1)"
       grep FAILED "$OUT/full.log" | tee -a "$LOG" ;;
+    sparse)
+      export XLA_PYTHON_CLIENT_PREALLOCATE=false
+      timeout 400 python3 -m pytest -m "gpu or not gpu" -q -n 12 -rf -p no:cacheprovider tests/blocksparse \
+        > "$OUT/sparse-tests.log" 2>&1
+      note "sparse tests rc $?: $(grep -E '[0-9]+ (passed|failed)' "$OUT/sparse-tests.log" | tail -1)"
+      timeout 400 python3 -m pytest -m gpu -q -n 14 -rf -p no:cacheprovider -k "${SPARSE_K:-seg_ or mask_ or hopper}" \
+        tests/attention > "$OUT/sparse-gpu.log" 2>&1
+      note "sparse gpu rc $?: $(grep -E '[0-9]+ (passed|failed)' "$OUT/sparse-gpu.log" | tail -1)"
+      grep FAILED "$OUT"/sparse-*.log | tee -a "$LOG" ;;
+    sparse_bench)
+      timeout 500 python3 benchmarks/blocksparse.py --out "$OUT/bs" ${SPARSE_ARGS:-} > "$OUT/bs.log" 2>&1
+      note "blocksparse bench rc $?"; cat "$OUT/bs/ejgen.md" >> "$LOG" 2>/dev/null
+      env -u PYTHONPATH timeout 400 python3 benchmarks/flex_blocksparse.py --out "$OUT/bs" > "$OUT/flex.log" 2>&1
+      note "flex bench rc $?"; cat "$OUT/bs/flex.md" >> "$LOG" 2>/dev/null ;;
     bench)
       for r in $(seq 1 "${BENCH_RUNS:-1}"); do
         timeout 290 python3 benchmarks/attention.py --quick --impls ejgen-triton,cudnn,pallas-mha --out "$OUT/bench$r" \
@@ -67,6 +84,6 @@ for step in "$@"; do
         timeout 400 python3 ../benchmarks/ptx_digest.py --jobs 14) > "$OUT/ptx-old.json" 2>> "$OUT/ptx.err"
       python3 benchmarks/ptx_digest.py --compare "$OUT/ptx-old.json" "$OUT/ptx-new.json" | tee -a "$LOG" | head -40 ;;
     *)
-      note "unknown step '$step' (check, full, bench, kernels, sweep, autotune, ptx)"; exit 2 ;;
+      note "unknown step '$step' (check, full, sparse, sparse_bench, bench, kernels, sweep, autotune, ptx)"; exit 2 ;;
   esac
 done

@@ -13,6 +13,7 @@ from ejgen.ir.expr import Expr
 FAMILIES = ("attention", "linear_recurrent", "pooling")
 MODES = ("train", "decode", "paged")
 BACKENDS = ("triton", "pallas", "xla")
+LAYOUTS = ("bshd", "bhsd")  # the op's tensor layout: [batch, seq, heads, dim] (the default) or [batch, heads, seq, dim]
 DIMS = ("batch", "heads", "kv_heads", "q_len", "kv_len", "head_dim")
 PARAM_DTYPES = ("float32", "bfloat16", "float16", "int32")
 OPTION_TYPES = ("int", "float", "bool")
@@ -102,6 +103,7 @@ class Variant:
     mask: Expr
     path: str  # the spec's path as given to the loader (relative where it was relative)
     source_hash: str  # sha256 hex of the spec file's bytes
+    layout: str = "bshd"  # LAYOUTS
     loc: Loc | None = attrs.field(default=None, eq=False, repr=False)
 
     def feature(self, name: str) -> Feature | None:

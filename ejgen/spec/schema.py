@@ -18,6 +18,7 @@ from ejgen.ir.variant import (
     DIMS,
     FAMILIES,
     FEATURES,
+    LAYOUTS,
     MODES,
     OP_ARGUMENTS,
     OPTION_TYPES,
@@ -31,7 +32,7 @@ from ejgen.spec.dsl import parse_expr
 from ejgen.spec.yaml_loader import Node, scalar_source
 
 FIELDS = (
-    "name", "family", "doc", "modes", "backends", "features", "params", "options", "score", "mask",
+    "name", "family", "doc", "modes", "backends", "layout", "features", "params", "options", "score", "mask",
 )  # fmt: skip
 REQUIRED = ("name", "family")
 PARAM_FIELDS = ("shape", "dtype", "grad")
@@ -59,7 +60,11 @@ def build_variant(root: Node, *, path: str, source_hash: str) -> Variant:
     doc = _string(fields["doc"], "doc") if "doc" in fields else ""
     modes = _choices(fields.get("modes"), MODES, "modes", "mode", default=("train",))
     backends = _choices(fields.get("backends"), BACKENDS, "backends", "backend", default=BACKENDS)
+    layout = _choice(fields["layout"], LAYOUTS, "layout") if "layout" in fields else LAYOUTS[0]
     features = _features(fields.get("features"))
+    if layout == "bhsd" and any(f.name == "varlen" for f in features):
+        raise SpecError("layout bhsd cannot take feature 'varlen' (packed tokens are [tokens, heads, dim]); use the "
+                        "default layout bshd, or segment ids", fields["layout"].loc)
     params = _entries(fields.get("params"), "params", _param)
     options = _entries(fields.get("options"), "options", _option)
     _check_distinct(params, options)
@@ -71,6 +76,7 @@ def build_variant(root: Node, *, path: str, source_hash: str) -> Variant:
         doc=doc,
         modes=modes,
         backends=backends,
+        layout=layout,
         features=features,
         params=params,
         options=options,

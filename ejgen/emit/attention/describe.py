@@ -22,7 +22,10 @@ def describe(plan: AttentionPlan) -> str:
     v = plan.variant
     lines = [
         f"{v.name} ({v.family}; modes {', '.join(v.modes)}; backends {', '.join(v.backends)})",
-        "  query [B, Sq, Hq, D], key [B, Sk, Hkv, D], value [B, Sk, Hkv, Dv] -> out [B, Sq, Hq, Dv], lse [B, Hq, Sq]",
+        "  query [B, Sq, Hq, D], key [B, Sk, Hkv, D], value [B, Sk, Hkv, Dv] -> out [B, Sq, Hq, Dv], lse [B, Hq, Sq]"
+        if v.layout == "bshd" else
+        "  query [B, Hq, Sq, D], key [B, Hkv, Sk, D], value [B, Hkv, Sk, Dv] -> out [B, Hq, Sq, Dv], lse [B, Hq, Sq] "
+        "(layout bhsd)",
     ]
     lines.append(f"  features: {', '.join(_feature(f) for f in v.features) or 'none'}")
     for p in v.params:

@@ -64,6 +64,7 @@ def emit(plan: AttentionPlan, backends: list[str], common: dict, render: Callabl
             notation=describe(plan),
             backends=[{"name": b, "module": BACKENDS[b].module} for b in backends],
             feature_settings=_feature_settings(plan),
+            tensor_layout=v.layout,
             arguments={a.name: a.feature for a in plan.arguments if a.in_signature},
             absent=plan.absent_arguments,
             signature=signature,

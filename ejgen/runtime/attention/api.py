@@ -31,6 +31,7 @@ class SpecInfo:
     features: dict  # feature name -> "runtime" | "always" | ("value", value)
     arguments: dict  # keyword argument of the op -> the feature (or "param", "option", "call") that brings it
     absent: dict = dataclasses.field(default_factory=dict)  # built-in argument the op does not take -> its feature
+    layout: str = "bshd"  # the caller's tensor layout: [B, S, H, D] or "bhsd" [B, H, S, D] (docs/DESIGN.md §2)
 
     @property
     def accepted(self) -> tuple:
@@ -147,6 +148,7 @@ class Prepared:
     dims: dict  # batch, heads, kv_heads, q_len, kv_len, head_dim
     varlen: bool
     op: str = "op"  # the op's name, for messages
+    caller_layout: str = "bshd"  # the caller's tensors: [B, S, H, D], or "bhsd" [B, H, S, D] (out goes back so)
 
     def padded(self, block_q: int, block_k: int, layout: str):
         """(q, k, v, ctx) in the backend's layout, padded so that Sq and Sk are whole blocks."""
@@ -177,12 +179,15 @@ class Prepared:
         if not isinstance(return_lse, bool):
             raise ValueError(f"{self.op}(): return_lse must be a Python bool, got {return_lse!r}")
         sq = self.cfg.seq_q
+        heads_first = self.caller_layout == "bhsd"
         if layout == SEQ_MAJOR:
             b, _, hkv, g, dv = out.shape
             out = out[:, :sq].reshape(b, sq, hkv * g, dv)
+            out = out.transpose(0, 2, 1, 3) if heads_first else out
         else:
             b, hkv, g, _, dv = out.shape
-            out = out[:, :, :, :sq].reshape(b, hkv * g, sq, dv).transpose(0, 2, 1, 3)
+            out = out[:, :, :, :sq].reshape(b, hkv * g, sq, dv)
+            out = out if heads_first else out.transpose(0, 2, 1, 3)
         lse = lse[:, :, :, :sq].reshape(b, hkv * g, sq)
         if self.varlen:
             out, lse = out[0], lse[0]
@@ -214,11 +219,14 @@ def prepare(spec: SpecInfo, query, key, value, *, causal=False, sliding_window=N
                          f"{_shape(query)}, {_shape(key)}, {_shape(value)}")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     rank = 3 if varlen else 4
-    layout = "[tokens, heads, head_dim]" if varlen else "[batch, seq, heads, head_dim]"
+    layout = ("[tokens, heads, head_dim]" if varlen else
+              "[batch, heads, seq, head_dim]" if spec.layout == "bhsd" else "[batch, seq, heads, head_dim]")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim != rank:
             extra = " (varlen: cu_seqlens given)" if varlen else ""
             raise ValueError(f"{spec.name}(): {name} must be {layout}{extra}, got {_shape(x)}")
+    if spec.layout == "bhsd":  # to [B, S, H, D]: the backends that index heads first undo it for free under jit
+        query, key, value = (x.swapaxes(1, 2) for x in (query, key, value))
     if varlen:
         query, key, value = query[None], key[None], value[None]
     batch, sq, hq, d = query.shape
@@ -283,7 +291,7 @@ def prepare(spec: SpecInfo, query, key, value, *, causal=False, sliding_window=N
     k, v = key, value
     dims = {"batch": batch, "heads": hq, "kv_heads": hkv, "q_len": sq, "kv_len": sk, "head_dim": d}
     cfg = AttentionConfig(seq_q=sq, seq_k=sk, **flags)
-    return Prepared(cfg, q, k, v, ctx, dims, varlen, spec.name)
+    return Prepared(cfg, q, k, v, ctx, dims, varlen, spec.name, spec.layout)
 
 
 def _block_mask(spec, mask, flags, ctx, batch, hq, hkv, groups, sq, sk, varlen):
