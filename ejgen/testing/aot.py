@@ -39,12 +39,12 @@ def _signature(kernel, dtype: str, params: dict) -> dict:
 def constexprs(*, batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128, block_m=128, block_n=64, causal=True,
                window=False, softcap=False, sinks=False, bias=False, segments=False, dense=False, varlen=False,
                runtime_mask=False, tile_ranges=False, tma=False, ws=False, staged=True, atomic_dq=False,
-               band=False, dtype="bfloat16") -> dict:
+               band=False, layout_block=1, dtype="bfloat16") -> dict:
     pad = max(16, 1 << (head_dim - 1).bit_length())
     return dict(B=batch, HQ=heads, HKV=kv_heads, SEQ_Q=seq, SEQ_K=seq, D=head_dim, DV=head_dim, D_PAD=pad, DV_PAD=pad,
                 BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, SINKS=sinks,
                 N_SINKS=1, SINKS_PAD=16, BIAS_ON=bias, BIAS_BATCH=1, BIAS_HEADS=1, SEGMENTS=segments, DENSE=dense,
-                MASK_BATCH=1, MASK_HEADS=1, MASK_BQ=1, MASK_BK=1, VARLEN=varlen,
+                MASK_BATCH=1, MASK_HEADS=1, MASK_BQ=layout_block, MASK_BK=layout_block, VARLEN=varlen,
                 RUNTIME_MASK=runtime_mask or ((segments or dense) and not tile_ranges),
                 TILE_RANGES=tile_ranges, TILE_BATCH=batch if tile_ranges else 1, TILE_HEADS=1,
                 PLAIN=not (softcap or bias), STAGED=staged,
