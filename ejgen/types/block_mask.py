@@ -233,6 +233,17 @@ def tile_ranges(kinds) -> jax.Array:
     return jnp.stack([lo, hi, flo, fhi], axis=-1)
 
 
+def tile_lists(kinds) -> jax.Array:
+    """int32 [..., n, 2 + m] from tile kinds [..., n, m]: for each tile of the first axis, the number of partial
+    and of full tiles over the second, then their indices, partial ones first, each group ascending (the rest:
+    the skipped tiles, never read). What kernels that walk lists take."""
+    kinds = jnp.asarray(kinds)
+    group = jnp.where(kinds == PARTIAL, 0, jnp.where(kinds == FULL, 1, 2))
+    order = jnp.argsort(group, axis=-1, stable=True).astype(jnp.int32)
+    counts = jnp.stack([jnp.sum(kinds == PARTIAL, axis=-1), jnp.sum(kinds == FULL, axis=-1)], axis=-1)
+    return jnp.concatenate([counts.astype(jnp.int32), order], axis=-1)
+
+
 # -- the block mask ----------------------------------------------------------------------------------------
 def _lists(kinds):
     """(partial count, partial indices, full count, full indices) along the last axis: indices ascending,

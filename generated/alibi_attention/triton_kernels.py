@@ -26,6 +26,8 @@ edge blocks take the mask under a run-time branch (one pipeline fill: short loop
 RUNTIME_MASK: a mask known only at run time; every block takes the element mask.
 TILE_RANGES: segment ids or a dense mask, classified per tile on the host (ejgen.types.block_mask.tile_ranges at
 this kernel's tiles): TILES [TILE_BATCH, TILE_HEADS, tiles, 4] narrows each program's range and marks its full tiles.
+TILE_LISTS (a block layout, no spec mask): TILES [TILE_BATCH, TILE_HEADS, tiles, 2 + TILE_COLS] lists each program's
+partial and full tiles (causal and the window folded in on the host); the loops walk the lists, not a range.
 PLAIN (no score hook, soft cap or bias) folds the softmax scale into the base-2 exponent.
 TMA (16-bit, not varlen, power-of-two head dims): the tiles of every key (forward, dQ) or query (dK/dV) loop come
 through tensor descriptors ([B, SEQ, H * D], rows past a sequence's end read as zeros) built in the SCRATCH output;
@@ -36,8 +38,8 @@ Runtime scalars live in two small arrays: F32 = [scale, softcap], I32 = [window_
 import triton
 import triton.language as tl
 
-from ejgen.runtime.attention.triton.lib import (LOG2E, Dims, Logits, Masks, Schedule, _dot, _dot_acc, _load, _rows,
-                                                _tanh, _tile, _tile_range, _tighten, _to_blocks)
+from ejgen.runtime.attention.triton.lib import (LOG2E, Dims, Logits, Masks, Schedule, _dot, _dot_acc, _listed, _load,
+                                                _rows, _tanh, _tile, _tile_range, _tighten, _to_blocks)
 
 
 @triton.jit
@@ -145,17 +147,18 @@ def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, 
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
+def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, p_list,
                scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
                F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes,
                DIMS: tl.constexpr, MASKS: tl.constexpr, LOGITS: tl.constexpr, SCHEDULE: tl.constexpr,
                MASKED: tl.constexpr):
-    """The key blocks [n_lo, n_hi) of one query block into the running acc, l_i, m_i (see `_bwd_tile`
-    for MASKED, f_lo and f_hi)."""
+    """The key blocks at loop positions [n_lo, n_hi) (the blocks themselves, or the entries of the row's tile list
+    p_list) of one query block into the running acc, l_i, m_i (see `_bwd_tile` for MASKED, f_lo and f_hi)."""
     o_d = tl.arange(0, DIMS.D_PAD)
     o_dv = tl.arange(0, DIMS.DV_PAD)
     r_n = tl.arange(0, DIMS.BLOCK_N)
-    for i_n in tl.range(n_lo, n_hi, warp_specialize=SCHEDULE.WS and not MASKED):
+    for t in tl.range(n_lo, n_hi, warp_specialize=SCHEDULE.WS and not MASKED):
+        i_n = _listed(t, p_list, SCHEDULE.LISTS)
         o_pos = i_n * DIMS.BLOCK_N + r_n  # key positions in the sequence
         m_n = o_pos < kv_len
         if SCHEDULE.TMA:  # p_k, p_v are tensor descriptors
@@ -172,7 +175,7 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
         _, _, x, x_scale = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
                                    F32, I32, BIAS, PARAM_slopes, DIMS, LOGITS, SCHEDULE)
         if MASKED:
-            edge = True if SCHEDULE.STAGED else (i_n < f_lo) | (i_n >= f_hi)  # see `_bwd_tile`
+            edge = True if SCHEDULE.STAGED else (t < f_lo) | (t >= f_hi)  # see `_bwd_tile`
             if edge:
                 x = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
                                    F32, I32, QSEG, KVSEG, MASK, PARAM_slopes, DIMS, MASKS), x, float("-inf"))
@@ -210,15 +213,16 @@ def alibi_attention_fwd_kernel(
     SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr,
     SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr,
     MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr,
-    TILE_RANGES: tl.constexpr, TILE_BATCH: tl.constexpr, TILE_HEADS: tl.constexpr, STAGED: tl.constexpr,
-    PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr,
-    DQ_DELTA: tl.constexpr,
+    TILE_RANGES: tl.constexpr, TILE_BATCH: tl.constexpr, TILE_HEADS: tl.constexpr, TILE_LISTS: tl.constexpr,
+    TILE_COLS: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr,
+    BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
 ):
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N)
     MASKS: tl.constexpr = Masks(CAUSAL, WINDOW, SEGMENTS, DENSE, MASK_BATCH, MASK_HEADS, MASK_BQ, MASK_BK, RUNTIME_MASK)
     LOGITS: tl.constexpr = Logits(SOFTCAP, BIAS_ON, BIAS_BATCH, BIAS_HEADS, PLAIN)
-    SCHEDULE: tl.constexpr = Schedule(STAGED, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, PRECISION, UPCAST)
+    SCHEDULE: tl.constexpr = Schedule(STAGED, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, PRECISION, UPCAST,
+                                      TILE_LISTS)
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: less idle tail
         i_m = tl.num_programs(0) - 1 - i_m
@@ -251,8 +255,8 @@ def alibi_attention_fwd_kernel(
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
                                      True, MASKS)
-    lo, hi, flo, fhi = _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i_m, tl.cdiv(SEQ_Q, BLOCK_M), TILE_RANGES,
-                                   TILE_BATCH, TILE_HEADS)
+    lo, hi, flo, fhi, p_list = _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i_m, tl.cdiv(SEQ_Q, BLOCK_M),
+                                           TILE_RANGES, TILE_BATCH, TILE_HEADS, TILE_LISTS, TILE_COLS)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
@@ -263,20 +267,20 @@ def alibi_attention_fwd_kernel(
     fhi = tl.where(live, fhi, lo)
     hi = tl.where(live, hi, lo)
     if STAGED:  # masked edges, unmasked middle: three loops
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, flo, flo, fhi,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, flo, flo, fhi, p_list,
                                    scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
                                    F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes,
                                    DIMS, MASKS, LOGITS, SCHEDULE, True)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, flo, fhi, flo, fhi,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, flo, fhi, flo, fhi, p_list,
                                    scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
                                    F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes,
                                    DIMS, MASKS, LOGITS, SCHEDULE, False)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, fhi, hi, flo, fhi,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, fhi, hi, flo, fhi, p_list,
                                    scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
                                    F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes,
                                    DIMS, MASKS, LOGITS, SCHEDULE, True)
     else:  # one loop, the element mask on the edge blocks only (one pipeline fill)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, hi, flo, fhi,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, hi, flo, fhi, p_list,
                                    scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
                                    F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes,
                                    DIMS, MASKS, LOGITS, SCHEDULE, True)
@@ -330,7 +334,7 @@ def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
 
 
 @triton.jit
-def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, i_kb, kv_idx, o_n, scale,
+def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_list, i_kb, kv_idx, o_n, scale,
                 p_q, p_do, p_dq, p_lse, p_delta, p_band, row_q, off_b, off_h, q_len, kv_len, prog,
                 F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, DBIAS, DPARAM_slopes,
                 DIMS: tl.constexpr, MASKS: tl.constexpr, LOGITS: tl.constexpr, SCHEDULE: tl.constexpr,
@@ -343,7 +347,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, i_kb, kv_idx, o_n,
     o_d = tl.arange(0, DIMS.D_PAD)
     o_dv = tl.arange(0, DIMS.DV_PAD)
     r_m = tl.arange(0, DIMS.BLOCK_M)
-    for i_m in range(m_lo, m_hi):
+    for t in range(m_lo, m_hi):
+        i_m = _listed(t, p_list, SCHEDULE.LISTS)
         o_pos = i_m * DIMS.BLOCK_M + r_m
         m_m = o_pos < q_len
         if SCHEDULE.TMA:  # p_q, p_do are tensor descriptors
@@ -361,7 +366,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, i_kb, kv_idx, o_n,
         q_idx = o_pos[None, :]
         o_m = (row_q + o_pos)[None, :]
         pt, ds1, ds0t, s = _bwd_tile(b_k, b_qt, b_v, tl.trans(b_do), b_lse[None, :], b_delta[None, :], scale,
-                                     q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, i_m, f_lo, f_hi,
+                                     q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, t, f_lo, f_hi,
                                      F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes,
                                      DIMS, MASKS, LOGITS, SCHEDULE, MASKED)  # [BLOCK_N, BLOCK_M]
         b_dv = _dot_acc(pt.to(b_do.dtype), b_do, b_dv, SCHEDULE)
@@ -408,10 +413,10 @@ def alibi_attention_bwd_dkdv_kernel(
     SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr,
     SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr,
     MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr,
-    TILE_RANGES: tl.constexpr, TILE_BATCH: tl.constexpr, TILE_HEADS: tl.constexpr, STAGED: tl.constexpr,
-    PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr,
-    DQ_DELTA: tl.constexpr,
+    TILE_RANGES: tl.constexpr, TILE_BATCH: tl.constexpr, TILE_HEADS: tl.constexpr, TILE_LISTS: tl.constexpr,
+    TILE_COLS: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr,
+    BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
 ):
     """One key block of one kv head: dK, dV over every query head of its group (no atomics); with
     ATOMIC_DQ also dQ, added in float32 to DQ_ACC (zeroed; [B, SEQ_Q, HQ, D] like q) by every key block;
@@ -419,7 +424,8 @@ def alibi_attention_bwd_dkdv_kernel(
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N)
     MASKS: tl.constexpr = Masks(CAUSAL, WINDOW, SEGMENTS, DENSE, MASK_BATCH, MASK_HEADS, MASK_BQ, MASK_BK, RUNTIME_MASK)
     LOGITS: tl.constexpr = Logits(SOFTCAP, BIAS_ON, BIAS_BATCH, BIAS_HEADS, PLAIN)
-    SCHEDULE: tl.constexpr = Schedule(STAGED, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, PRECISION, UPCAST)
+    SCHEDULE: tl.constexpr = Schedule(STAGED, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, PRECISION, UPCAST,
+                                      TILE_LISTS)
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     off_b = i_bh // HKV
@@ -443,8 +449,8 @@ def alibi_attention_bwd_dkdv_kernel(
     x1 = tl.minimum(i_n * BLOCK_N + BLOCK_N, kv_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_n * BLOCK_N, x1, q_len, I32, BLOCK_M, tl.cdiv(q_len, BLOCK_M), q_len, kv_len,
                                      False, MASKS)
-    lo, hi, flo, fhi = _tile_range(lo, hi, flo, fhi, TILES, off_b, off_hk, i_n, tl.cdiv(SEQ_K, BLOCK_N), TILE_RANGES,
-                                   TILE_BATCH, TILE_HEADS)
+    lo, hi, flo, fhi, p_list = _tile_range(lo, hi, flo, fhi, TILES, off_b, off_hk, i_n, tl.cdiv(SEQ_K, BLOCK_N),
+                                           TILE_RANGES, TILE_BATCH, TILE_HEADS, TILE_LISTS, TILE_COLS)
     if i_n * BLOCK_N + BLOCK_N > kv_len:  # padded keys always need the element mask
         fhi = flo
     b_dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
@@ -477,23 +483,27 @@ def alibi_attention_bwd_dkdv_kernel(
             else:
                 p_band = DS_BAND + q_base * (BAND_BLOCKS * BLOCK_N)
             if STAGED:
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, flo, flo, fhi, i_n, kv_idx, o_n[:, None], scale,
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, flo, flo, fhi, p_list, i_n, kv_idx, o_n[:, None],
+                                         scale,
                                          p_q, p_do, p_dq, p_lse, p_delta, p_band,
                                          row_q, off_b, off_h, q_len, kv_len, prog,
                                          F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, DBIAS, DPARAM_slopes,
                                          DIMS, MASKS, LOGITS, SCHEDULE, True)
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, flo, fhi, flo, fhi, i_n, kv_idx, o_n[:, None], scale,
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, flo, fhi, flo, fhi, p_list, i_n, kv_idx, o_n[:, None],
+                                         scale,
                                          p_q, p_do, p_dq, p_lse, p_delta, p_band,
                                          row_q, off_b, off_h, q_len, kv_len, prog,
                                          F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, DBIAS, DPARAM_slopes,
                                          DIMS, MASKS, LOGITS, SCHEDULE, False)
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, fhi, hi, flo, fhi, i_n, kv_idx, o_n[:, None], scale,
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, fhi, hi, flo, fhi, p_list, i_n, kv_idx, o_n[:, None],
+                                         scale,
                                          p_q, p_do, p_dq, p_lse, p_delta, p_band,
                                          row_q, off_b, off_h, q_len, kv_len, prog,
                                          F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, DBIAS, DPARAM_slopes,
                                          DIMS, MASKS, LOGITS, SCHEDULE, True)
             else:
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, hi, flo, fhi, i_n, kv_idx, o_n[:, None], scale,
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, hi, flo, fhi, p_list, i_n, kv_idx, o_n[:, None],
+                                         scale,
                                          p_q, p_do, p_dq, p_lse, p_delta, p_band,
                                          row_q, off_b, off_h, q_len, kv_len, prog,
                                          F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes, DBIAS, DPARAM_slopes,
@@ -503,7 +513,7 @@ def alibi_attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
+def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi, p_list,
               scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
               F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes,
               DIMS: tl.constexpr, MASKS: tl.constexpr, LOGITS: tl.constexpr, SCHEDULE: tl.constexpr,
@@ -512,7 +522,8 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
     o_d = tl.arange(0, DIMS.D_PAD)
     o_dv = tl.arange(0, DIMS.DV_PAD)
     r_n = tl.arange(0, DIMS.BLOCK_N)
-    for i_n in range(n_lo, n_hi):
+    for t in range(n_lo, n_hi):
+        i_n = _listed(t, p_list, SCHEDULE.LISTS)
         o_pos = i_n * DIMS.BLOCK_N + r_n
         m_n = o_pos < kv_len
         if SCHEDULE.TMA:  # p_k, p_v are tensor descriptors
@@ -526,7 +537,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
                          m_n[None, :], o_dv[:, None] < DIMS.DV, MASKED or DIMS.DV != DIMS.DV_PAD)
         kv_idx = o_pos[None, :]
         p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_do, b_vt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
-                                   (row_k + o_pos)[None, :], off_b, off_h, q_len, kv_len, i_n, f_lo, f_hi,
+                                   (row_k + o_pos)[None, :], off_b, off_h, q_len, kv_len, t, f_lo, f_hi,
                                    F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes,
                                    DIMS, MASKS, LOGITS, SCHEDULE, MASKED)
         b_dq = _dot_acc(ds0.to(b_kt.dtype), tl.trans(b_kt), b_dq, SCHEDULE)
@@ -571,10 +582,10 @@ def alibi_attention_bwd_dq_kernel(
     SINKS_PAD: tl.constexpr, BIAS_ON: tl.constexpr, BIAS_BATCH: tl.constexpr, BIAS_HEADS: tl.constexpr,
     SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr,
     MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr,
-    TILE_RANGES: tl.constexpr, TILE_BATCH: tl.constexpr, TILE_HEADS: tl.constexpr, STAGED: tl.constexpr,
-    PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr,
-    DQ_DELTA: tl.constexpr,
+    TILE_RANGES: tl.constexpr, TILE_BATCH: tl.constexpr, TILE_HEADS: tl.constexpr, TILE_LISTS: tl.constexpr,
+    TILE_COLS: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr,
+    BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
 ):
     """dQ of one query block over its key blocks. DQ_DELTA: this kernel runs first and computes
     delta = rowsum(dO * O) - d lse itself (DELTA then holds d lse; O_FWD is the forward's output),
@@ -584,7 +595,8 @@ def alibi_attention_bwd_dq_kernel(
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N)
     MASKS: tl.constexpr = Masks(CAUSAL, WINDOW, SEGMENTS, DENSE, MASK_BATCH, MASK_HEADS, MASK_BQ, MASK_BK, RUNTIME_MASK)
     LOGITS: tl.constexpr = Logits(SOFTCAP, BIAS_ON, BIAS_BATCH, BIAS_HEADS, PLAIN)
-    SCHEDULE: tl.constexpr = Schedule(STAGED, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, PRECISION, UPCAST)
+    SCHEDULE: tl.constexpr = Schedule(STAGED, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, PRECISION, UPCAST,
+                                      TILE_LISTS)
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: less idle tail
         i_m = tl.num_programs(0) - 1 - i_m
@@ -627,8 +639,8 @@ def alibi_attention_bwd_dq_kernel(
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
                                      True, MASKS)
-    lo, hi, flo, fhi = _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i_m, tl.cdiv(SEQ_Q, BLOCK_M), TILE_RANGES,
-                                   TILE_BATCH, TILE_HEADS)
+    lo, hi, flo, fhi, p_list = _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i_m, tl.cdiv(SEQ_Q, BLOCK_M),
+                                           TILE_RANGES, TILE_BATCH, TILE_HEADS, TILE_LISTS, TILE_COLS)
     b_dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     if i_m * BLOCK_M < q_len:
         if BAND:  # lo: the first key block this query block visits, column 0 of its band rows
@@ -637,20 +649,20 @@ def alibi_attention_bwd_dq_kernel(
             b_dq = _dq_band_inner(b_dq, p_band, p_k, lo, tl.minimum(hi, lo + BAND_BLOCKS), i_m, o_pos, off_b, off_hk,
                                   q_len, kv_len, I32, DIMS, MASKS, SCHEDULE)
         elif STAGED:
-            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, flo, fhi,
+            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, flo, fhi, p_list,
                              scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
                              F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes,
                              DIMS, MASKS, LOGITS, SCHEDULE, True)
-            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, flo, fhi, flo, fhi,
+            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, flo, fhi, flo, fhi, p_list,
                              scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
                              F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes,
                              DIMS, MASKS, LOGITS, SCHEDULE, False)
-            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, fhi, hi, flo, fhi,
+            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, fhi, hi, flo, fhi, p_list,
                              scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
                              F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes,
                              DIMS, MASKS, LOGITS, SCHEDULE, True)
         else:
-            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, hi, flo, fhi,
+            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, hi, flo, fhi, p_list,
                              scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
                              F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_slopes,
                              DIMS, MASKS, LOGITS, SCHEDULE, True)

@@ -63,8 +63,8 @@ def test_block_mask_on_every_backend(run_vjp, platform, name):
 
 
 def test_triton_takes_a_layout_by_blocks(run_vjp, triton_launches):
-    """A 32 x 32 layout reaches the Triton kernels as a mask of its blocks (MASK_BQ x MASK_BK) with tile ranges,
-    and each pass sees the layout's own blocks, not an element mask."""
+    """A 32 x 32 layout reaches the Triton kernels as a mask of its blocks (MASK_BQ x MASK_BK), and every pass walks
+    lists of its tiles (TILE_LISTS) rather than a range."""
     from ejgen.ops import flash_attention
 
     rng = rng_for("block_mask_argument", "triton_blocks")
@@ -79,7 +79,8 @@ def test_triton_takes_a_layout_by_blocks(run_vjp, triton_launches):
     oracle.check_attention(out, lse, grads, want, diff, "float32")
     assert {p for p, _ in triton_launches} >= {"fwd", "dkdv"}
     for pass_, kw in triton_launches:
-        assert (kw["DENSE"], kw["MASK_BQ"], kw["MASK_BK"], kw["TILE_RANGES"]) == (True, 32, 32, True), (pass_, kw)
+        got = (kw["DENSE"], kw["MASK_BQ"], kw["MASK_BK"], kw["TILE_RANGES"], kw["TILE_LISTS"], kw["RUNTIME_MASK"])
+        assert got == (True, 32, 32, True, True, False), (pass_, kw)
 
 
 def test_block_mask_joins_mask_info_and_causal(run_vjp):

@@ -36,6 +36,22 @@ def mask_kinds(ctx, cfg, block_q: int, block_k: int, sq: int, sk: int):
     return kinds
 
 
+def band_kinds(ctx, cfg, block_q: int, block_k: int, sq: int, sk: int):
+    """int8 [1, 1, nQ, nK]: the tiles causal and the window leave (the window's bounds traced: no recompile)."""
+    left = ctx["window_left"] if cfg.window else None
+    right = jnp.int32(0) if cfg.causal else (ctx["window_right"] if cfg.window else None)
+    return block_mask.Band(left, right).kinds(block_q, block_k, sq, sk)
+
+
+def edges_partial(kinds, block_q: int, block_k: int, sq: int, sk: int):
+    """Tiles that cross the end of either sequence are at most partial: bound checks come with the element mask."""
+    if sq % block_q:
+        kinds = kinds.at[..., -1, :].min(block_mask.PARTIAL)
+    if sk % block_k:
+        kinds = kinds.at[..., :, -1].min(block_mask.PARTIAL)
+    return kinds
+
+
 def layout_condition(ctx, cfg) -> block_mask.Layout:
     """The call's block layout (``ctx["layout"]`` [B|1, Hkv|1, G|1, nQ, nK]) as a condition over B|1 x Hq|1."""
     lay = ctx["layout"]

@@ -152,20 +152,31 @@ def _inputs(layout: Layout, ctx, cfg, hq):
 
 
 def _tiles(layout: Layout, ctx, cfg, q, k, conf, by_keys: bool):
-    """(TILES, constexprs) of one kernel: with segment ids or a dense mask (not varlen), their tile ranges at the
-    kernel's tiles (docs/DESIGN.md §3 block masks; `ejgen.types.block_mask`): for each query tile (the dK/dV
-    kernel: each key tile, over the query heads of its kv head) the key tiles to visit and the run that needs
-    no element mask. O(tiles) for segment ids; a dense mask is reduced per tile. Else a placeholder."""
+    """(TILES, constexprs) of one kernel: with segment ids, a dense mask or a block layout (not varlen), their tile
+    ranges at the kernel's tiles (docs/DESIGN.md §3 block masks; `ejgen.types.block_mask`): for each query tile
+    (the dK/dV kernel: each key tile, over the query heads of its kv head) the key tiles to visit and the run that
+    needs no element mask. O(tiles) for segment ids and layouts; a dense mask is reduced per tile. A block layout
+    on a spec without a mask of its own gives lists instead (scattered tiles: the hull would visit them all).
+    Else a placeholder."""
     if cfg.varlen or not (cfg.segments or cfg.dense_mask or cfg.layout):
         return _dummy(jnp.int32), {}
     from ejgen.types import block_mask
 
     sq, hkv, sk = q.shape[1], q.shape[2], k.shape[1]
     kinds = tiles.mask_kinds(ctx, cfg, conf.block_m, conf.block_n, sq, sk)
+    listed = cfg.layout and layout.builtin_mask_only  # scattered tiles: walk lists, not a hull
+    if listed:  # the lists replace the analysed ranges: causal and the window join the kinds here
+        kinds = jnp.minimum(kinds, tiles.band_kinds(ctx, cfg, conf.block_m, conf.block_n, sq, sk))
+        kinds = tiles.edges_partial(kinds, conf.block_m, conf.block_n, sq, sk)
     if by_keys:  # per key tile; a program serves the query heads of one kv head: visit any, full only if all full
         kinds = jnp.swapaxes(kinds, -1, -2)
         if kinds.shape[1] > 1:
             kinds = tiles.union(kinds.reshape(kinds.shape[0], hkv, -1, *kinds.shape[2:]), axis=2)
+    if listed:
+        lists = block_mask.tile_lists(kinds)
+        consts = dict(TILE_RANGES=True, TILE_LISTS=True, TILE_COLS=kinds.shape[-1], TILE_BATCH=lists.shape[0],
+                      TILE_HEADS=lists.shape[1], RUNTIME_MASK=False)
+        return lists, consts
     ranges = block_mask.tile_ranges(kinds)
     consts = dict(TILE_RANGES=True, TILE_BATCH=ranges.shape[0], TILE_HEADS=ranges.shape[1],
                   RUNTIME_MASK=layout.runtime_mask_from_spec)
@@ -186,7 +197,7 @@ def _constexprs(layout, q, k, v, cfg, conf, bias, mask, aux):
         VARLEN=cfg.varlen,
         MASK_BQ=cfg.layout_block[0] if cfg.layout else 1, MASK_BK=cfg.layout_block[1] if cfg.layout else 1,
         RUNTIME_MASK=cfg.runtime_block_mask or layout.runtime_mask_from_spec,
-        TILE_RANGES=False, TILE_BATCH=1, TILE_HEADS=1,  # `_tiles`
+        TILE_RANGES=False, TILE_BATCH=1, TILE_HEADS=1, TILE_LISTS=False, TILE_COLS=1,  # `_tiles`
         PLAIN=layout.score_is_identity and not cfg.softcap and not cfg.bias,
         STAGED=not conf.merged,  # three loops, or one (`merged`)
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",

@@ -61,7 +61,8 @@ class Logits(NamedTuple):
 class Schedule(NamedTuple):
     """How the loops and dots run: three key loops or one (STAGED), tensor descriptors (TMA), a warp-specialised
     forward (WS), dQ by atomics (ATOMIC_DQ) or over the dS band (BAND, BAND_BLOCKS wide, stored by descriptor
-    with BAND_TMA), the dots' input precision and the interpreter's upcast (`_dot`)."""
+    with BAND_TMA), the dots' input precision and the interpreter's upcast (`_dot`), loops over tile lists (LISTS,
+    `_tile_range`)."""
     STAGED: tl.constexpr
     TMA: tl.constexpr
     WS: tl.constexpr
@@ -71,6 +72,7 @@ class Schedule(NamedTuple):
     BAND_TMA: tl.constexpr
     PRECISION: tl.constexpr
     UPCAST: tl.constexpr
+    LISTS: tl.constexpr
 
 
 @triton.jit
@@ -175,22 +177,44 @@ def _to_blocks(lo, hi, flo, fhi, BLOCK: tl.constexpr, n_blocks):
 
 
 @triton.jit
-def _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i, n, ON: tl.constexpr, NB: tl.constexpr, NH: tl.constexpr):
-    """The analysed block range of program tile i, intersected with the block mask's (TILE_RANGES: TILES
-    [NB, NH, n, 4] int32, lo, hi, full_lo, full_hi over the other axis's tiles; docs/DESIGN.md §3 block masks):
-    visit what both visit, skip the element mask only where both say full."""
+def _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i, n, ON: tl.constexpr, NB: tl.constexpr, NH: tl.constexpr,
+                LISTS: tl.constexpr, COLS: tl.constexpr):
+    """(lo, hi, flo, fhi, the row's tile list) of program tile i (docs/DESIGN.md §3 block masks).
+    ON (TILE_RANGES): the analysed block range intersected with the block mask's, TILES [NB, NH, n, 4] int32
+    (lo, hi, full_lo, full_hi over the other axis's tiles): visit what both visit, skip the element mask only
+    where both say full. LISTS (TILE_LISTS): TILES [NB, NH, n, 2 + COLS] holds each row's count of partial and
+    of full tiles, then their indices (partial first): the loops walk list positions, [0, partial) with the
+    element mask and [partial, partial + full) without (`_listed` turns a position into a tile index)."""
+    p_list = TILES
     if ON:
         row = i
         if NH > 1:
             row += off_h * n
         if NB > 1:
             row += off_b * (NH * n)
-        p = TILES + row.to(tl.int64) * 4
-        lo = tl.maximum(lo, tl.load(p))
-        hi = tl.maximum(tl.minimum(hi, tl.load(p + 1)), lo)
-        flo = tl.minimum(tl.maximum(tl.maximum(flo, tl.load(p + 2)), lo), hi)
-        fhi = tl.maximum(tl.minimum(tl.minimum(fhi, tl.load(p + 3)), hi), flo)
-    return lo, hi, flo, fhi
+        if LISTS:
+            p = TILES + row.to(tl.int64) * (2 + COLS)
+            flo = tl.load(p)
+            hi = flo + tl.load(p + 1)
+            lo = flo * 0
+            fhi = hi
+            p_list = p + 2
+        else:
+            p = TILES + row.to(tl.int64) * 4
+            lo = tl.maximum(lo, tl.load(p))
+            hi = tl.maximum(tl.minimum(hi, tl.load(p + 1)), lo)
+            flo = tl.minimum(tl.maximum(tl.maximum(flo, tl.load(p + 2)), lo), hi)
+            fhi = tl.maximum(tl.minimum(tl.minimum(fhi, tl.load(p + 3)), hi), flo)
+    return lo, hi, flo, fhi, p_list
+
+
+@triton.jit
+def _listed(t, p_list, LISTS: tl.constexpr):
+    """The tile a loop visits at position t: t itself, or the t-th entry of the row's tile list."""
+    if LISTS:
+        return tl.load(p_list + t)
+    else:
+        return t
 
 
 @triton.jit
