@@ -33,6 +33,7 @@ FEATURES = {
     "bias": ("runtime", "always"),
     "varlen": ("runtime", "always"),
     "block_mask": ("runtime", "always"),
+    "positions": ("runtime", "always"),
 }
 
 # The attention op's built-in keyword arguments, in signature order, with the feature that enables
@@ -46,6 +47,7 @@ FEATURE_ARGUMENTS = (
     ("bias", ("bias",)),
     (("segment_ids", "attention_mask"), ("mask_info",)),
     ("block_mask", ("block_mask",)),
+    ("positions", ("q_positions", "kv_positions")),
     ("varlen", ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")),
 )
 TENSOR_ARGUMENTS = ("query", "key", "value")

@@ -60,18 +60,15 @@ def blocksparse_attention(
       travels as segment ids: tiles inside a chunk need no element mask).
     - ``sliding_window``, ``logits_soft_cap``, ``softmax_aux`` (sinks), ``bias [B|1, Hq|1, Sq, Sk]`` (with its
       gradient), ``softmax_scale``, ``deterministic``, ``platform``, ``return_lse``: as ``flash_attention``.
+    - ``q_positions [B|1, Sq]``, ``kv_positions [B|1, Sk]`` (int; a missing one is its indices): causal and the
+      window compare positions (``kv_pos <= q_pos``, ``q_pos - left <= kv_pos <= q_pos + right``), as for tokens
+      placed out of order or in chunks; tiles are classified from each tile's least and greatest position.
     - ``fused_backward``: ejgen chooses the backward's kernels itself (``ejgen.ops.explain`` says which);
-      only the default False is taken. ``q_positions`` / ``kv_positions`` and
-      ``sequence_parallelism_mesh_axis_name`` are not supported yet and raise.
+      only the default False is taken. ``sequence_parallelism_mesh_axis_name`` is not supported yet and raises.
     """
-    for name, value_, why in (
-        ("q_positions", q_positions, "tokens placed by explicit positions are not supported yet"),
-        ("kv_positions", kv_positions, "tokens placed by explicit positions are not supported yet"),
-        ("sequence_parallelism_mesh_axis_name", sequence_parallelism_mesh_axis_name,
-         "sequence parallelism belongs to ring attention, not built yet"),
-    ):
-        if value_ is not None:
-            raise NotImplementedError(f"{NAME}(): {name}: {why}")
+    if sequence_parallelism_mesh_axis_name is not None:
+        raise NotImplementedError(f"{NAME}(): sequence_parallelism_mesh_axis_name: sequence parallelism belongs to "
+                                  f"ring attention, not built yet")
     if fused_backward is not False:
         raise ValueError(f"{NAME}(): fused_backward={fused_backward!r}: ejgen chooses the backward kernels itself "
                          f"(ejgen.ops.explain shows which; deterministic=True asks for ones without atomics); "
@@ -86,7 +83,8 @@ def blocksparse_attention(
     info = _chunks(info, chunk_size, query.shape[0], q_len, kv_len)
     mask = _block_mask(block_mask, qkv_layouts, mask_builder, q_len, kv_len)
     kwargs = dict(causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                  softmax_aux=softmax_aux, bias=bias, mask_info=info, block_mask=mask, softmax_scale=softmax_scale,
+                  softmax_aux=softmax_aux, bias=bias, mask_info=info, block_mask=mask, q_positions=q_positions,
+                  kv_positions=kv_positions, softmax_scale=softmax_scale,
                   deterministic=deterministic, platform=platform, return_lse=return_lse)
     return _spec_op(query, key, value, **kwargs)
 

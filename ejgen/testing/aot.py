@@ -26,7 +26,7 @@ _DTYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 
 def _signature(kernel, dtype: str, params: dict) -> dict:
     ptr = {"SCRATCH": "*u8", "F32": "*fp32", "I32": "*i32", "BIAS": "*fp32", "QSEG": "*i32", "KVSEG": "*i32", "MASK": "*i8",
-           "CU_Q": "*i32", "CU_K": "*i32", "TILES": "*i32", "AUX": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DBIAS": "*fp32",
+           "CU_Q": "*i32", "CU_K": "*i32", "QPOS": "*i32", "KVPOS": "*i32", "TILES": "*i32", "AUX": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DBIAS": "*fp32",
            "DQ_ACC": "*fp32", "DELTA_OUT": "*fp32"}
     for name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_OUT", "DS_BAND", "O_FWD"):
         ptr[name] = _DTYPES[dtype]
@@ -39,7 +39,7 @@ def _signature(kernel, dtype: str, params: dict) -> dict:
 def constexprs(*, batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128, block_m=128, block_n=64, causal=True,
                window=False, softcap=False, sinks=False, bias=False, segments=False, dense=False, varlen=False,
                runtime_mask=False, tile_ranges=False, tma=False, ws=False, staged=True, atomic_dq=False,
-               band=False, layout_block=1, tile_lists=False, dtype="bfloat16") -> dict:
+               band=False, layout_block=1, tile_lists=False, positions=False, dtype="bfloat16") -> dict:
     pad = max(16, 1 << (head_dim - 1).bit_length())
     return dict(B=batch, HQ=heads, HKV=kv_heads, SEQ_Q=seq, SEQ_K=seq, D=head_dim, DV=head_dim, D_PAD=pad, DV_PAD=pad,
                 BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, SINKS=sinks,
@@ -47,7 +47,7 @@ def constexprs(*, batch=2, heads=16, kv_heads=16, seq=4096, head_dim=128, block_
                 MASK_BATCH=1, MASK_HEADS=1, MASK_BQ=layout_block, MASK_BK=layout_block, VARLEN=varlen,
                 RUNTIME_MASK=runtime_mask or ((segments or dense) and not tile_ranges),
                 TILE_RANGES=tile_ranges, TILE_BATCH=batch if tile_ranges else 1, TILE_HEADS=1,
-                TILE_LISTS=tile_lists, TILE_COLS=-(-seq // block_n) if tile_lists else 1,
+                POSITIONS=positions, TILE_LISTS=tile_lists, TILE_COLS=-(-seq // block_n) if tile_lists else 1,
                 PLAIN=not (softcap or bias), STAGED=staged,
                 PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False, TMA=tma, WS=ws, ATOMIC_DQ=atomic_dq,
                 BAND=band, BAND_BLOCKS=band_blocks(block_m, block_n, 1024, seq) if band else 1,  # a (1024, 0) window

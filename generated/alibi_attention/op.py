@@ -48,6 +48,8 @@ SPEC = _attention.SpecInfo(
         "logits_soft_cap": "logits_soft_cap",
         "softmax_aux": "sinks",
         "bias": "bias",
+        "q_positions": "positions",
+        "kv_positions": "positions",
         "cu_seqlens_q": "varlen",
         "cu_seqlens_k": "varlen",
         "max_seqlen_q": "varlen",

@@ -94,7 +94,7 @@ def _visible(t, sc, prm, cfg):
 
 def _kv_blocks(n_q, block_q, block_k, n_kv, sc, cfg):
     """[n_q, 4] int32 per query block: visit key blocks [lo, hi), no element mask in [full_lo, full_hi)."""
-    if cfg.varlen:  # lengths per sequence: the runtime block mask decides
+    if cfg.varlen or cfg.positions:  # lengths per sequence, or positions: the runtime block mask decides
         return jnp.broadcast_to(jnp.array([0, n_kv, 0, n_kv], jnp.int32), (n_q, 4))
     q0 = jnp.arange(n_q, dtype=jnp.int32) * block_q
     q1 = jnp.minimum(q0 + block_q, cfg.seq_q) - 1
@@ -110,7 +110,7 @@ def _kv_blocks(n_q, block_q, block_k, n_kv, sc, cfg):
 
 def _q_blocks(n_kv, block_q, block_k, n_q, sc, cfg):
     """[n_kv, 4] int32 per key block: the query blocks to visit (the transpose of `_kv_blocks`)."""
-    if cfg.varlen:
+    if cfg.varlen or cfg.positions:
         return jnp.broadcast_to(jnp.array([0, n_q, 0, n_q], jnp.int32), (n_kv, 4))
     k0 = jnp.arange(n_kv, dtype=jnp.int32) * block_k
     k1 = jnp.minimum(k0 + block_k, cfg.seq_k) - 1

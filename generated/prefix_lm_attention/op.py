@@ -44,6 +44,8 @@ SPEC = _attention.SpecInfo(
         "logits_soft_cap": "logits_soft_cap",
         "bias": "bias",
         "mask_info": "segment_ids or attention_mask",
+        "q_positions": "positions",
+        "kv_positions": "positions",
         "cu_seqlens_q": "varlen",
         "cu_seqlens_k": "varlen",
         "max_seqlen_q": "varlen",

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ejgen.runtime.attention.triton.lib import (LOG2E, Dims, Logits, Masks, Schedule, _dot, _dot_acc, _listed, _load,
-                                                _rows, _tanh, _tile, _tile_range, _to_blocks)
+                                                _placed, _rows, _tanh, _tile, _tile_range, _to_blocks)
 
 
 @triton.jit
@@ -52,6 +52,11 @@ def _other_blocks(x0, x1, n_other, I32, BLOCK: tl.constexpr, n_blocks, q_len, kv
     fhi = hi
     if MASKS.RUNTIME_MASK:
         fhi = flo - 1  # a mask known only at run time: every block takes the element mask
+    if MASKS.POSITIONS:  # the constraints hold for positions, not indices: every block, with the element mask
+        lo = n_other * 0
+        hi = n_other - 1
+        flo = lo
+        fhi = flo - 1
     return _to_blocks(lo, hi, flo, fhi, BLOCK, n_blocks)
 
 
@@ -73,7 +78,10 @@ def _score(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.con
 def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.constexpr,
              MASKS: tl.constexpr):
     """Element mask from causal, window and the spec's mask (segments and dense masks: `_tile_mask`)."""
-    vis = (q_idx < q_len) & (kv_idx < kv_len)
+    if MASKS.POSITIONS:  # positions are not rows: `_tile_mask` checks the rows' bounds
+        vis = (q_idx == q_idx) & (kv_idx == kv_idx)
+    else:
+        vis = (q_idx < q_len) & (kv_idx < kv_len)
     opt_prefix_len = tl.load(I32 + 2)
     vis = vis & (((kv_idx <= q_idx) | (kv_idx < opt_prefix_len)))
     return vis
@@ -81,7 +89,10 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.cons
 
 @triton.jit
 def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, DIMS: tl.constexpr, MASKS: tl.constexpr):
-    """Segment ids and the dense mask. o_m, o_n: query and key rows as broadcastable tiles."""
+    """Segment ids and the dense mask (and the rows' bounds, with explicit positions). o_m, o_n: query and key rows
+    as broadcastable tiles."""
+    if MASKS.POSITIONS:
+        vis = vis & (o_m < DIMS.SEQ_Q) & (o_n < DIMS.SEQ_K)
     if MASKS.SEGMENTS:
         b_qs = tl.load(QSEG + off_b * DIMS.SEQ_Q + o_m, mask=o_m < DIMS.SEQ_Q, other=-1)
         b_ks = tl.load(KVSEG + off_b * DIMS.SEQ_K + o_n, mask=o_n < DIMS.SEQ_K, other=-2)
@@ -130,7 +141,7 @@ def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, 
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, p_list,
+def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, p_list, p_kvpos,
                scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
                F32, I32, BIAS, QSEG, KVSEG, MASK,
                DIMS: tl.constexpr, MASKS: tl.constexpr, LOGITS: tl.constexpr, SCHEDULE: tl.constexpr,
@@ -153,7 +164,7 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, p_list,
                          m_n[None, :], o_d[:, None] < DIMS.D, MASKED or DIMS.D != DIMS.D_PAD)
             b_v = _load(p_v + row0 * (DIMS.HKV * DIMS.DV) + r_n[:, None] * (DIMS.HKV * DIMS.DV) + o_dv[None, :],
                         m_n[:, None], o_dv[None, :] < DIMS.DV, MASKED or DIMS.DV != DIMS.DV_PAD)
-        kv_idx = o_pos[None, :]
+        kv_idx = _placed(p_kvpos, o_pos, kv_len, MASKS.POSITIONS)[None, :]
         o_n = (row_k + o_pos)[None, :]
         _, _, x, x_scale = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
                                    F32, I32, BIAS, DIMS, LOGITS, SCHEDULE)
@@ -188,7 +199,7 @@ def _sequence(CU_Q, CU_K, off_b, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, VARLE
 
 @triton.jit
 def prefix_lm_attention_fwd_kernel(
-    Q, K, V, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, TILES, AUX,
+    Q, K, V, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, QPOS, KVPOS, TILES, AUX,
     O, LSE, SCRATCH,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -197,12 +208,13 @@ def prefix_lm_attention_fwd_kernel(
     SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr,
     MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr,
     TILE_RANGES: tl.constexpr, TILE_BATCH: tl.constexpr, TILE_HEADS: tl.constexpr, TILE_LISTS: tl.constexpr,
-    TILE_COLS: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr,
-    BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
+    TILE_COLS: tl.constexpr, POSITIONS: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
 ):
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N)
-    MASKS: tl.constexpr = Masks(CAUSAL, WINDOW, SEGMENTS, DENSE, MASK_BATCH, MASK_HEADS, MASK_BQ, MASK_BK, RUNTIME_MASK)
+    MASKS: tl.constexpr = Masks(CAUSAL, WINDOW, SEGMENTS, DENSE, MASK_BATCH, MASK_HEADS, MASK_BQ, MASK_BK, RUNTIME_MASK,
+                                POSITIONS)
     LOGITS: tl.constexpr = Logits(SOFTCAP, BIAS_ON, BIAS_BATCH, BIAS_HEADS, PLAIN)
     SCHEDULE: tl.constexpr = Schedule(STAGED, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, PRECISION, UPCAST,
                                       TILE_LISTS)
@@ -234,7 +246,7 @@ def prefix_lm_attention_fwd_kernel(
         kv_row0 = (batch * SEQ_K + row_k).to(tl.int64)  # the sequence's first key row in the tensor
         p_k = K + kv_row0 * (HKV * D) + off_hk * D
         p_v = V + kv_row0 * (HKV * DV) + off_hk * DV
-    q_idx = o_pos[:, None]
+    q_idx = _placed(QPOS + batch * SEQ_Q, o_pos, q_len, POSITIONS)[:, None]
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
                                      True, MASKS)
@@ -251,21 +263,21 @@ def prefix_lm_attention_fwd_kernel(
     hi = tl.where(live, hi, lo)
     if STAGED:  # masked edges, unmasked middle: three loops
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, flo, flo, fhi, p_list,
-                                   scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                   KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
+                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                                    DIMS, MASKS, LOGITS, SCHEDULE, True)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, flo, fhi, flo, fhi, p_list,
-                                   scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                   KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
+                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                                    DIMS, MASKS, LOGITS, SCHEDULE, False)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, fhi, hi, flo, fhi, p_list,
-                                   scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                   KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
+                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                                    DIMS, MASKS, LOGITS, SCHEDULE, True)
     else:  # one loop, the element mask on the edge blocks only (one pipeline fill)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, hi, flo, fhi, p_list,
-                                   scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK,
+                                   KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
+                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                                    DIMS, MASKS, LOGITS, SCHEDULE, True)
     if SINKS:
         o_s = tl.arange(0, SINKS_PAD)
@@ -317,7 +329,7 @@ def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
 
 
 @triton.jit
-def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_list, i_kb, kv_idx, o_n, scale,
+def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_list, p_qpos, i_kb, kv_idx, o_n, scale,
                 p_q, p_do, p_dq, p_lse, p_delta, p_band, row_q, off_b, off_h, q_len, kv_len, prog,
                 F32, I32, BIAS, QSEG, KVSEG, MASK, DBIAS,
                 DIMS: tl.constexpr, MASKS: tl.constexpr, LOGITS: tl.constexpr, SCHEDULE: tl.constexpr,
@@ -346,7 +358,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_list, i_kb, kv_i
         b_lse = tl.load(p_lse + o_pos, mask=m_m, other=0.0)
         b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse) * LOG2E
         b_delta = tl.load(p_delta + o_pos, mask=m_m, other=0.0)
-        q_idx = o_pos[None, :]
+        q_idx = _placed(p_qpos, o_pos, q_len, MASKS.POSITIONS)[None, :]
         o_m = (row_q + o_pos)[None, :]
         pt, ds1, ds0t, s = _bwd_tile(b_k, b_qt, b_v, tl.trans(b_do), b_lse[None, :], b_delta[None, :], scale,
                                      q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, t, f_lo, f_hi,
@@ -384,7 +396,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_list, i_kb, kv_i
 
 @triton.jit
 def prefix_lm_attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, TILES,
+    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, QPOS, KVPOS, TILES,
     DK, DV_OUT, DBIAS, DQ_ACC, DS_BAND, SCRATCH,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -393,15 +405,16 @@ def prefix_lm_attention_bwd_dkdv_kernel(
     SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr,
     MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr,
     TILE_RANGES: tl.constexpr, TILE_BATCH: tl.constexpr, TILE_HEADS: tl.constexpr, TILE_LISTS: tl.constexpr,
-    TILE_COLS: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr,
-    BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
+    TILE_COLS: tl.constexpr, POSITIONS: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
 ):
     """One key block of one kv head: dK, dV over every query head of its group (no atomics); with
     ATOMIC_DQ also dQ, added in float32 to DQ_ACC (zeroed; [B, SEQ_Q, HQ, D] like q) by every key block;
     with BAND the dS tiles into DS_BAND ([B, HQ, SEQ_Q, BAND_BLOCKS * BLOCK_N]) for the dQ kernel's BAND path."""
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N)
-    MASKS: tl.constexpr = Masks(CAUSAL, WINDOW, SEGMENTS, DENSE, MASK_BATCH, MASK_HEADS, MASK_BQ, MASK_BK, RUNTIME_MASK)
+    MASKS: tl.constexpr = Masks(CAUSAL, WINDOW, SEGMENTS, DENSE, MASK_BATCH, MASK_HEADS, MASK_BQ, MASK_BK, RUNTIME_MASK,
+                                POSITIONS)
     LOGITS: tl.constexpr = Logits(SOFTCAP, BIAS_ON, BIAS_BATCH, BIAS_HEADS, PLAIN)
     SCHEDULE: tl.constexpr = Schedule(STAGED, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, PRECISION, UPCAST,
                                       TILE_LISTS)
@@ -424,7 +437,7 @@ def prefix_lm_attention_bwd_dkdv_kernel(
     o_v = kv_row0 * (HKV * DV) + off_hk * DV + r_n[:, None] * (HKV * DV) + o_dv[None, :]  # [BLOCK_N, DV_PAD]
     b_k = tl.load(K + o_k, mask=m_n[:, None] & (o_d[None, :] < D), other=0.0)
     b_v = tl.load(V + o_v, mask=m_n[:, None] & (o_dv[None, :] < DV), other=0.0)
-    kv_idx = o_pos[:, None]
+    kv_idx = _placed(KVPOS + batch * SEQ_K, o_pos, kv_len, POSITIONS)[:, None]
     x1 = tl.minimum(i_n * BLOCK_N + BLOCK_N, kv_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_n * BLOCK_N, x1, q_len, I32, BLOCK_M, tl.cdiv(q_len, BLOCK_M), q_len, kv_len,
                                      False, MASKS)
@@ -462,28 +475,28 @@ def prefix_lm_attention_bwd_dkdv_kernel(
             else:
                 p_band = DS_BAND + q_base * (BAND_BLOCKS * BLOCK_N)
             if STAGED:
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, flo, flo, fhi, p_list, i_n, kv_idx, o_n[:, None],
-                                         scale,
-                                         p_q, p_do, p_dq, p_lse, p_delta, p_band,
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, flo, flo, fhi, p_list, QPOS + batch * SEQ_Q, i_n,
+                                         kv_idx,
+                                         o_n[:, None], scale, p_q, p_do, p_dq, p_lse, p_delta, p_band,
                                          row_q, off_b, off_h, q_len, kv_len, prog,
                                          F32, I32, BIAS, QSEG, KVSEG, MASK, DBIAS,
                                          DIMS, MASKS, LOGITS, SCHEDULE, True)
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, flo, fhi, flo, fhi, p_list, i_n, kv_idx, o_n[:, None],
-                                         scale,
-                                         p_q, p_do, p_dq, p_lse, p_delta, p_band,
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, flo, fhi, flo, fhi, p_list, QPOS + batch * SEQ_Q, i_n,
+                                         kv_idx,
+                                         o_n[:, None], scale, p_q, p_do, p_dq, p_lse, p_delta, p_band,
                                          row_q, off_b, off_h, q_len, kv_len, prog,
                                          F32, I32, BIAS, QSEG, KVSEG, MASK, DBIAS,
                                          DIMS, MASKS, LOGITS, SCHEDULE, False)
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, fhi, hi, flo, fhi, p_list, i_n, kv_idx, o_n[:, None],
-                                         scale,
-                                         p_q, p_do, p_dq, p_lse, p_delta, p_band,
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, fhi, hi, flo, fhi, p_list, QPOS + batch * SEQ_Q, i_n,
+                                         kv_idx,
+                                         o_n[:, None], scale, p_q, p_do, p_dq, p_lse, p_delta, p_band,
                                          row_q, off_b, off_h, q_len, kv_len, prog,
                                          F32, I32, BIAS, QSEG, KVSEG, MASK, DBIAS,
                                          DIMS, MASKS, LOGITS, SCHEDULE, True)
             else:
-                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, hi, flo, fhi, p_list, i_n, kv_idx, o_n[:, None],
-                                         scale,
-                                         p_q, p_do, p_dq, p_lse, p_delta, p_band,
+                b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, hi, flo, fhi, p_list, QPOS + batch * SEQ_Q, i_n,
+                                         kv_idx,
+                                         o_n[:, None], scale, p_q, p_do, p_dq, p_lse, p_delta, p_band,
                                          row_q, off_b, off_h, q_len, kv_len, prog,
                                          F32, I32, BIAS, QSEG, KVSEG, MASK, DBIAS,
                                          DIMS, MASKS, LOGITS, SCHEDULE, True)
@@ -492,7 +505,7 @@ def prefix_lm_attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi, p_list,
+def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi, p_list, p_kvpos,
               scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
               F32, I32, BIAS, QSEG, KVSEG, MASK,
               DIMS: tl.constexpr, MASKS: tl.constexpr, LOGITS: tl.constexpr, SCHEDULE: tl.constexpr,
@@ -514,7 +527,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
                          m_n[None, :], o_d[:, None] < DIMS.D, MASKED or DIMS.D != DIMS.D_PAD)
             b_vt = _load(p_v + row0 * (DIMS.HKV * DIMS.DV) + r_n[None, :] * (DIMS.HKV * DIMS.DV) + o_dv[:, None],
                          m_n[None, :], o_dv[:, None] < DIMS.DV, MASKED or DIMS.DV != DIMS.DV_PAD)
-        kv_idx = o_pos[None, :]
+        kv_idx = _placed(p_kvpos, o_pos, kv_len, MASKS.POSITIONS)[None, :]
         p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_do, b_vt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
                                    (row_k + o_pos)[None, :], off_b, off_h, q_len, kv_len, t, f_lo, f_hi,
                                    F32, I32, BIAS, QSEG, KVSEG, MASK,
@@ -553,7 +566,7 @@ def _dq_band_inner(b_dq, p_band, p_k, n_lo, n_hi, i_m, o_pos, off_b, off_hk, q_l
 
 @triton.jit
 def prefix_lm_attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, TILES, O_FWD, DS_BAND,
+    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, QPOS, KVPOS, TILES, O_FWD, DS_BAND,
     DQ, DELTA_OUT, SCRATCH,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -562,9 +575,9 @@ def prefix_lm_attention_bwd_dq_kernel(
     SEGMENTS: tl.constexpr, DENSE: tl.constexpr, MASK_BATCH: tl.constexpr, MASK_HEADS: tl.constexpr,
     MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, VARLEN: tl.constexpr, RUNTIME_MASK: tl.constexpr,
     TILE_RANGES: tl.constexpr, TILE_BATCH: tl.constexpr, TILE_HEADS: tl.constexpr, TILE_LISTS: tl.constexpr,
-    TILE_COLS: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr,
-    BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
+    TILE_COLS: tl.constexpr, POSITIONS: tl.constexpr, STAGED: tl.constexpr, PLAIN: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    BAND: tl.constexpr, BAND_BLOCKS: tl.constexpr, BAND_TMA: tl.constexpr, DQ_DELTA: tl.constexpr,
 ):
     """dQ of one query block over its key blocks. DQ_DELTA: this kernel runs first and computes
     delta = rowsum(dO * O) - d lse itself (DELTA then holds d lse; O_FWD is the forward's output),
@@ -572,7 +585,8 @@ def prefix_lm_attention_bwd_dq_kernel(
     the dK/dV kernel, with its tiles, and dQ = scale * dS @ K over the dS tiles that kernel stored in
     DS_BAND (`_dq_band_inner`): one matmul per tile instead of three."""
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SEQ_Q, SEQ_K, D, DV, D_PAD, DV_PAD, BLOCK_M, BLOCK_N)
-    MASKS: tl.constexpr = Masks(CAUSAL, WINDOW, SEGMENTS, DENSE, MASK_BATCH, MASK_HEADS, MASK_BQ, MASK_BK, RUNTIME_MASK)
+    MASKS: tl.constexpr = Masks(CAUSAL, WINDOW, SEGMENTS, DENSE, MASK_BATCH, MASK_HEADS, MASK_BQ, MASK_BK, RUNTIME_MASK,
+                                POSITIONS)
     LOGITS: tl.constexpr = Logits(SOFTCAP, BIAS_ON, BIAS_BATCH, BIAS_HEADS, PLAIN)
     SCHEDULE: tl.constexpr = Schedule(STAGED, TMA, WS, ATOMIC_DQ, BAND, BAND_BLOCKS, BAND_TMA, PRECISION, UPCAST,
                                       TILE_LISTS)
@@ -614,7 +628,7 @@ def prefix_lm_attention_bwd_dq_kernel(
         kv_row0 = (batch * SEQ_K + row_k).to(tl.int64)  # the sequence's first key row in the tensor
         p_k = K + kv_row0 * (HKV * D) + off_hk * D
         p_v = V + kv_row0 * (HKV * DV) + off_hk * DV
-    q_idx = o_pos[:, None]
+    q_idx = _placed(QPOS + batch * SEQ_Q, o_pos, q_len, POSITIONS)[:, None]
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
                                      True, MASKS)
@@ -629,20 +643,24 @@ def prefix_lm_attention_bwd_dq_kernel(
                                   q_len, kv_len, I32, DIMS, MASKS, SCHEDULE)
         elif STAGED:
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, flo, fhi, p_list,
-                             scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
+                             KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
+                             q_len, kv_len,
                              F32, I32, BIAS, QSEG, KVSEG, MASK,
                              DIMS, MASKS, LOGITS, SCHEDULE, True)
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, flo, fhi, flo, fhi, p_list,
-                             scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
+                             KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
+                             q_len, kv_len,
                              F32, I32, BIAS, QSEG, KVSEG, MASK,
                              DIMS, MASKS, LOGITS, SCHEDULE, False)
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, fhi, hi, flo, fhi, p_list,
-                             scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
+                             KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
+                             q_len, kv_len,
                              F32, I32, BIAS, QSEG, KVSEG, MASK,
                              DIMS, MASKS, LOGITS, SCHEDULE, True)
         else:
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, hi, flo, fhi, p_list,
-                             scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk, q_len, kv_len,
+                             KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
+                             q_len, kv_len,
                              F32, I32, BIAS, QSEG, KVSEG, MASK,
                              DIMS, MASKS, LOGITS, SCHEDULE, True)
     tl.store(DQ + o_q, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & (o_d[None, :] < D))

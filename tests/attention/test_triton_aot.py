@@ -23,6 +23,8 @@ CASES = [
      dict(causal=True, dense=True, varlen=True, batch=1, head_dim=256, block_m=64, block_n=64)),
     ("flash-sm90-layout-tile-ranges", "flash_attention", 90,  # a block layout of 64 x 64 blocks (block_mask=)
      dict(causal=False, dense=True, layout_block=64, tile_ranges=True, tile_lists=True, block_m=128, block_n=64)),
+    ("flash-sm90-positions-window", "flash_attention", 90,  # explicit positions, walked by lists
+     dict(causal=True, window=True, positions=True, runtime_mask=True, tile_ranges=True, tile_lists=True)),
     ("flash-sm90-f32", "flash_attention", 90, dict(causal=True, dtype="float32", block_m=64, block_n=32)),
     ("flash-sm80-causal-d128", "flash_attention", 80, dict(causal=True, block_m=128, block_n=64)),
     ("alibi-sm90", "alibi_attention", 90, dict(causal=True)),

@@ -40,6 +40,8 @@ CASES = {
     "segments_chunks_softcap": (AttnShape(1, 64, 64, 2, 2, 16), "bfloat16"),
     "bias_window_odd": (AttnShape(1, 50, 70, 2, 1, 16), "float16"),
     "dense_mask_wide_values": (AttnShape(1, 48, 48, 2, 2, 16, 32), "float32"),
+    "positions_out_of_order_window": (AttnShape(2, 48, 48, 4, 2, 16), "float32"),
+    "positions_chunked_prefill": (AttnShape(1, 24, 64, 2, 2, 16), "bfloat16"),
 }
 
 
@@ -62,6 +64,16 @@ def _case(name, rng, shape):
         builder = lambda q_len, kv_len: jnp.asarray(lay)  # noqa: E731
         return ({"causal": False, "sliding_window": (20, 6), "mask_builder": builder}, {"bias": jnp.asarray(bias)},
                 dict(sliding_window=(20, 6), bias=bias, attention_mask=_expand(lay, 13, 14, sq, sk)))
+    if name == "positions_out_of_order_window":  # two chunks placed out of order, a different order per row
+        pos = np.stack([np.concatenate([np.arange(24) + 100, np.arange(24)]),
+                        np.concatenate([np.arange(16) + 30, np.arange(32)])]).astype(np.int32)
+        d = pos[:, :, None] - pos[:, None, :]  # q_pos - kv_pos
+        return ({"sliding_window": (12, 0)}, {"q_positions": jnp.asarray(pos), "kv_positions": jnp.asarray(pos)},
+                dict(attention_mask=(d >= 0) & (d <= 12)))
+    if name == "positions_chunked_prefill":  # the last 24 of 64 tokens against all 64, by position
+        q_pos = np.arange(40, 64, dtype=np.int32)[None]
+        return ({}, {"q_positions": jnp.asarray(q_pos)},
+                dict(attention_mask=np.arange(sk)[None, None, :] <= q_pos[:, :, None]))
     dense = rng.random((b, sq, sk)) < 0.6
     lay = _layout(rng, 1, 1, 3, 3)
     return ({"causal": False}, {"attention_mask": jnp.asarray(dense), "qkv_layouts": (jnp.asarray(lay),) * 3},
@@ -99,9 +111,9 @@ def test_blocksparse_attention_refuses_what_it_does_not_take():
 
     q = jnp.zeros((1, 2, 32, 16), jnp.float32)
     ids = jnp.zeros((1, 32), jnp.int32)
-    with pytest.raises(NotImplementedError, match=r"blocksparse_attention\(\): q_positions: tokens placed by "
-                                                  r"explicit positions are not supported yet"):
-        blocksparse_attention(q, q, q, q_positions=ids, platform="xla")
+    with pytest.raises(ValueError, match=r"q_positions must be an integer array \[batch\|1, q_len\] = \[1\|1, 32\], "
+                                         r"got float32\[1, 32\]"):
+        blocksparse_attention(q, q, q, q_positions=ids.astype(jnp.float32), platform="xla")
     with pytest.raises(NotImplementedError, match="sequence_parallelism_mesh_axis_name: sequence parallelism "
                                                   "belongs to ring attention"):
         blocksparse_attention(q, q, q, sequence_parallelism_mesh_axis_name="sp", platform="xla")

@@ -50,7 +50,8 @@ def test_host_ranges_follow_the_documents():
     from ejgen.runtime.attention.triton import host
     from ejgen.runtime.attention.triton.configs import KernelConfig
 
-    cfg = type("Cfg", (), {"varlen": False, "segments": True, "dense_mask": False, "layout": False})()
+    flags = {"varlen": False, "segments": True, "dense_mask": False, "layout": False, "positions": False}
+    cfg = type("Cfg", (), flags)()
     layout = type("Layout", (), {"runtime_mask_from_spec": False})()
     ids = jnp.asarray(DOCS)
     q = jnp.zeros((1, 96, 2, 2, 32))

@@ -348,3 +348,16 @@ def test_integer_and_constant_parts_have_zero_derivative(tmp_path):
     (ref,) = param_occurrences(variant.score, GRAD_PARAMS)
     deriv = simplify(diff(variant.score, ref))
     assert to_text(deriv) == "(q_idx - kv_idx)"
+
+
+def test_positions_refuse_a_spec_reading_indices(tmp_path):
+    """Explicit positions place tokens for causal and the window; a score or mask over q_idx / kv_idx is refused
+    at plan time, at the feature."""
+    from ejgen.errors import SpecError
+
+    path = tmp_path / "demo.yaml"
+    path.write_text("name: demo\nfamily: attention\nfeatures:\n  positions: runtime\nmask: kv_idx <= q_idx\n")
+    with pytest.raises(SpecError, match="feature 'positions' cannot be combined with a score or mask that reads "
+                                        "kv_idx, q_idx") as e:
+        plan_attention(load_spec(path))
+    assert ":4:" in str(e.value), str(e.value)

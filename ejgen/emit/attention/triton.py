@@ -29,7 +29,7 @@ DIM_CONSTEXPR = {"batch": "DIMS.B", "heads": "DIMS.HQ", "kv_heads": "DIMS.HKV", 
 KERNEL_DIMS = ["B", "HQ", "HKV", "SEQ_Q", "SEQ_K", "D", "DV", "D_PAD", "DV_PAD", "BLOCK_M", "BLOCK_N"]
 KERNEL_FLAGS = ["CAUSAL", "WINDOW", "SOFTCAP", "SINKS", "N_SINKS", "SINKS_PAD", "BIAS_ON", "BIAS_BATCH", "BIAS_HEADS",
                 "SEGMENTS", "DENSE", "MASK_BATCH", "MASK_HEADS", "MASK_BQ", "MASK_BK", "VARLEN", "RUNTIME_MASK", "TILE_RANGES", "TILE_BATCH",
-                "TILE_HEADS", "TILE_LISTS", "TILE_COLS", "STAGED", "PLAIN", "PRECISION", "UPCAST",
+                "TILE_HEADS", "TILE_LISTS", "TILE_COLS", "POSITIONS", "STAGED", "PLAIN", "PRECISION", "UPCAST",
                 "TMA", "WS", "ATOMIC_DQ", "BAND", "BAND_BLOCKS", "BAND_TMA", "DQ_DELTA"]
 NAMES = {"s": "s", "q_idx": "q_idx", "kv_idx": "kv_idx", "b": "off_b", "h": "off_h", "q_len": "q_len", "kv_len": "kv_len",
          "window_left": "window_left", "window_right": "window_right"}

@@ -208,8 +208,8 @@ _PADDED = {
 
 
 def prepare(spec: SpecInfo, query, key, value, *, causal=False, sliding_window=None, logits_soft_cap=None,
-            softmax_aux=None, bias=None, mask_info=None, block_mask=None, cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None) -> Prepared:
+            softmax_aux=None, bias=None, mask_info=None, block_mask=None, q_positions=None, kv_positions=None,
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None) -> Prepared:
     """Check the built-in arguments (only those the spec accepts reach here) and lay them out."""
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -287,6 +287,16 @@ def prepare(spec: SpecInfo, query, key, value, *, causal=False, sliding_window=N
             ctx["mask"] = _dense_mask(spec, mask_info.attention_mask, batch, hq, hkv, groups, sq, sk)
     if block_mask is not None:
         _block_mask(spec, block_mask, flags, ctx, batch, hq, hkv, groups, sq, sk, varlen)
+    if q_positions is not None or kv_positions is not None:
+        if varlen:
+            raise ValueError(f"{spec.name}(): q_positions / kv_positions cannot be combined with cu_seqlens (varlen "
+                             f"places tokens by sequence already)")
+        flags["positions"] = True
+        q_pos = _positions(spec, "q_positions", q_positions, batch, sq)
+        # causal and the window compare positions: shifted so that the kernels' bottom-right aligned rules
+        # (kv <= q + kv_len - q_len) read kv_pos <= q_pos (docs/DESIGN.md §3, block masks)
+        ctx["q_pos"] = q_pos - jnp.int32(sk - sq)
+        ctx["kv_pos"] = _positions(spec, "kv_positions", kv_positions, batch, sk)
     q = query.reshape(batch, sq, hkv, groups, d)
     k, v = key, value
     dims = {"batch": batch, "heads": hq, "kv_heads": hkv, "q_len": sq, "kv_len": sk, "head_dim": d}
@@ -383,6 +393,19 @@ def _band(spec, band, flags, ctx, sq, sk):
         right = 0 if causal else (wide if right is None else right)
         flags.update(window=True, window_span=left + right)
         ctx["window_left"], ctx["window_right"] = jnp.int32(left), jnp.int32(right)
+
+
+def _positions(spec, name, pos, batch, n):
+    """int32 [batch, n]: the given positions ([batch|1, n]), or the indices where absent."""
+    if pos is None:
+        return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None], (batch, n))
+    pos = jnp.asarray(pos)
+    ok = pos.ndim == 2 and pos.shape[0] in (1, batch) and pos.shape[1] == n
+    if not ok or not jnp.issubdtype(pos.dtype, jnp.integer):
+        length = "q_len" if name.startswith("q") else "kv_len"
+        raise ValueError(f"{spec.name}(): {name} must be an integer array [batch|1, {length}] = [{batch}|1, {n}], "
+                         f"got {_shape(pos)}")
+    return jnp.broadcast_to(pos.astype(jnp.int32), (batch, n))
 
 
 def _require(spec, feature, what):

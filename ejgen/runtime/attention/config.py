@@ -21,10 +21,11 @@ class AttentionConfig:
     varlen: bool = False
     layout: bool = False  # a block layout (block_mask=): tiles of layout_block visible whole or not at all
     layout_block: tuple = (0, 0)  # its (block_q, block_k)
+    positions: bool = False  # q_positions / kv_positions: causal and the window compare them, not the indices
     max_seqlen_q: int = 0  # varlen: the longest sequence (kernel grids)
     max_seqlen_k: int = 0
 
     @property
     def runtime_block_mask(self) -> bool:
         """Masks only known at run time: block skipping comes from a block mask computed per call."""
-        return self.segments or self.dense_mask or self.varlen or self.layout
+        return self.segments or self.dense_mask or self.varlen or self.layout or self.positions

@@ -15,7 +15,7 @@ from ejgen.types import block_mask
 def classified(runtime_mask, cfg) -> bool:
     """Whether the call's runtime block mask is segment ids and / or a dense mask alone: not varlen, and no
     spec mask the analysis cannot bound (``runtime_mask(cfg)``: the spec's hook, asked without those)."""
-    if cfg.varlen or not (cfg.segments or cfg.dense_mask or cfg.layout):
+    if cfg.varlen or cfg.positions or not (cfg.segments or cfg.dense_mask or cfg.layout):
         return False
     return not runtime_mask(dataclasses.replace(cfg, segments=False, dense_mask=False, varlen=False, layout=False))
 
@@ -37,10 +37,36 @@ def mask_kinds(ctx, cfg, block_q: int, block_k: int, sq: int, sk: int):
 
 
 def band_kinds(ctx, cfg, block_q: int, block_k: int, sq: int, sk: int):
-    """int8 [1, 1, nQ, nK]: the tiles causal and the window leave (the window's bounds traced: no recompile)."""
+    """int8 [1|B, 1, nQ, nK]: the tiles causal and the window leave (the window's bounds traced: no recompile). With
+    explicit positions, from each tile's least and greatest position (``ctx`` holds the query positions shifted by
+    ``kv_len - q_len``, so that the aligned rules of the kernels compare positions)."""
     left = ctx["window_left"] if cfg.window else None
     right = jnp.int32(0) if cfg.causal else (ctx["window_right"] if cfg.window else None)
-    return block_mask.Band(left, right).kinds(block_q, block_k, sq, sk)
+    if not cfg.positions:
+        return block_mask.Band(left, right).kinds(block_q, block_k, sq, sk)
+    qlo, qhi = _per_tile(ctx["q_pos"] + (cfg.seq_k - cfg.seq_q), block_q, cfg.seq_q)
+    klo, khi = _per_tile(ctx["kv_pos"], block_k, cfg.seq_k)
+    qlo, qhi, klo, khi = qlo[:, :, None], qhi[:, :, None], klo[:, None, :], khi[:, None, :]
+    any_v = jnp.ones(jnp.broadcast_shapes(qlo.shape, klo.shape), bool)
+    all_v = any_v
+    if right is not None:  # kv <= q + right
+        any_v &= klo <= qhi + right
+        all_v &= khi <= qlo + right
+    if left is not None:  # kv >= q - left
+        any_v &= khi >= qlo - left
+        all_v &= klo >= qhi - left
+    kinds = jnp.where(all_v, block_mask.FULL, jnp.where(any_v, block_mask.PARTIAL, block_mask.SKIP))
+    return kinds.astype(jnp.int8)[:, None]
+
+
+def _per_tile(pos, block: int, n: int):
+    """Least and greatest position of each tile of ``block`` over the first ``n`` entries of ``pos`` [B|1, S]."""
+    tiles = -(-pos.shape[1] // block)
+    pad = tiles * block - pos.shape[1]
+    valid = (jnp.arange(tiles * block) < n).reshape(tiles, block)
+    pos = jnp.pad(pos, ((0, 0), (0, pad))).reshape(pos.shape[0], tiles, block)
+    big = jnp.iinfo(jnp.int32).max
+    return jnp.min(jnp.where(valid, pos, big), axis=-1), jnp.max(jnp.where(valid, pos, -big), axis=-1)
 
 
 def edges_partial(kinds, block_q: int, block_k: int, sq: int, sk: int):

@@ -223,7 +223,7 @@ class XlaAttention:
                 pv = _einsum("bkgqj,bkjd->bkgqd", p.astype(v.dtype), vb)
                 return m_new, l, acc * alpha[..., None] + pv
 
-            if cfg.varlen:
+            if cfg.varlen or cfg.positions:  # no index ranges: the block kinds decide
                 visit = full = (0, n_kv)
             else:
                 lo, hi, flo, fhi = self.hooks.kv_blocks(iq, block_q, block_k, n_kv, ctx, cfg)
@@ -312,7 +312,7 @@ class XlaAttention:
                 dk_b = dk_b + _einsum("bkgqj,bkgqd->bkjd", ds, qb.astype(f32)) * ctx["scale"]
                 return dq, dk_b, dv_b, dctx
 
-            if cfg.varlen:
+            if cfg.varlen or cfg.positions:  # no index ranges: the block kinds decide
                 visit = full = (0, n_q)
             else:
                 lo, hi, flo, fhi = self.hooks.q_blocks(ik, block_q, block_k, n_q, ctx, cfg)

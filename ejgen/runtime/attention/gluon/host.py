@@ -88,8 +88,8 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
         (pinned, f"a {pass_} config is pinned (EJGEN_TRITON_CONFIG) or autotuned"),
         (not layout.builtin_mask_only, "the spec has a mask of its own"),
         (not layout.score_is_identity or layout.params, "the spec's score is not the scaled dot product"),
-        (cfg.softcap or cfg.sinks or cfg.bias or cfg.segments or cfg.dense_mask or cfg.layout or cfg.varlen,
-         "soft cap, sinks, bias, segments, a dense mask, a block layout or varlen"),
+        (cfg.softcap or cfg.sinks or cfg.bias or cfg.segments or cfg.dense_mask or cfg.layout or cfg.varlen
+         or cfg.positions, "soft cap, sinks, bias, segments, a dense mask, a block layout, positions or varlen"),
         (q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype,
          f"dtype {q.dtype} (16-bit only)"),
         (d != dv or d not in HEAD_DIMS, f"head dims {d}/{dv} (equal, one of {HEAD_DIMS})"),

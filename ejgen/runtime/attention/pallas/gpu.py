@@ -215,7 +215,8 @@ def _operands(kernel, q, k, v, ctx, cfg, scalars, prm, blocks, metadata, q_side=
     if cfg.dense_mask:
         ops.add("mask", ctx["mask"].astype(jnp.int8), logits_like(ctx["mask"]))
     segments = cfg.segments or cfg.varlen
-    for name, used in (("q_pos", cfg.varlen), ("kv_pos", cfg.varlen), ("q_lens", cfg.varlen), ("kv_lens", cfg.varlen),
+    placed = cfg.varlen or cfg.positions
+    for name, used in (("q_pos", placed), ("kv_pos", placed), ("q_lens", cfg.varlen), ("kv_lens", cfg.varlen),
                        ("q_seg", segments), ("kv_seg", segments)):
         if used:
             ops.add(name, ctx[name], row_of(ctx[name]))

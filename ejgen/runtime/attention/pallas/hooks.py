@@ -64,8 +64,8 @@ def make_tile(b, h, rows, cols, q_side, k_side, mask, cfg):
     return Tile(
         b=b,
         h=h,
-        q_idx=q_side("q_pos") if cfg.varlen else rows,
-        kv_idx=k_side("kv_pos") if cfg.varlen else cols,
+        q_idx=q_side("q_pos") if cfg.varlen or cfg.positions else rows,
+        kv_idx=k_side("kv_pos") if cfg.varlen or cfg.positions else cols,
         q_len=q_side("q_lens") if cfg.varlen else cfg.seq_q,
         kv_len=q_side("kv_lens") if cfg.varlen else cfg.seq_k,
         q_valid=rows < cfg.seq_q,

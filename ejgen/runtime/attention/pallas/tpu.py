@@ -100,10 +100,11 @@ def _operands(q, k, v, ctx, cfg, scalars, prm, blocks, coords, q_side=()):
     if cfg.dense_mask:
         ops.add("mask", ctx["mask"].astype(jnp.int32), logits_like(ctx["mask"]))
     segments = cfg.segments or cfg.varlen
-    for name, used in (("q_pos", cfg.varlen), ("q_lens", cfg.varlen), ("kv_lens", cfg.varlen), ("q_seg", segments)):
+    placed = cfg.varlen or cfg.positions
+    for name, used in (("q_pos", placed), ("q_lens", cfg.varlen), ("kv_lens", cfg.varlen), ("q_seg", segments)):
         if used:
             ops.add(name, _rt.to_lanes(ctx[name]), spec((None, block_q, NUM_LANES), lambda b, hk, g, iq, ik: (b, iq, 0)))
-    for name, used in (("kv_pos", cfg.varlen), ("kv_seg", segments)):
+    for name, used in (("kv_pos", placed), ("kv_seg", segments)):
         if used:
             ops.add(name, _rt.to_sublanes(ctx[name]), spec((None, NUM_SUBLANES, block_k), lambda b, hk, g, iq, ik: (b, 0, ik)))
     return ops

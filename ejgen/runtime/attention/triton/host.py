@@ -146,7 +146,9 @@ def _inputs(layout: Layout, ctx, cfg, hq):
     cu_q = ctx["cu_q"] if cfg.varlen else _dummy(jnp.int32)
     cu_k = ctx["cu_k"] if cfg.varlen else _dummy(jnp.int32)
     aux = ctx["softmax_aux"].reshape(hq, -1) if cfg.sinks else _dummy()
-    features = [bias, qseg, kvseg, mask, cu_q, cu_k]
+    qpos = ctx["q_pos"] if cfg.positions else _dummy(jnp.int32)  # [B, Sq], shifted (api.prepare)
+    kvpos = ctx["kv_pos"] if cfg.positions else _dummy(jnp.int32)
+    features = [bias, qseg, kvseg, mask, cu_q, cu_k, qpos, kvpos]
     params = [ctx[f"param_{p}"] for p in layout.params]
     return scalars, features, aux, params
 
@@ -158,13 +160,14 @@ def _tiles(layout: Layout, ctx, cfg, q, k, conf, by_keys: bool):
     needs no element mask. O(tiles) for segment ids and layouts; a dense mask is reduced per tile. A block layout
     on a spec without a mask of its own gives lists instead (scattered tiles: the hull would visit them all).
     Else a placeholder."""
-    if cfg.varlen or not (cfg.segments or cfg.dense_mask or cfg.layout):
+    if cfg.varlen or not (cfg.segments or cfg.dense_mask or cfg.layout or cfg.positions):
         return _dummy(jnp.int32), {}
     from ejgen.types import block_mask
 
     sq, hkv, sk = q.shape[1], q.shape[2], k.shape[1]
     kinds = tiles.mask_kinds(ctx, cfg, conf.block_m, conf.block_n, sq, sk)
-    listed = cfg.layout and layout.builtin_mask_only  # scattered tiles: walk lists, not a hull
+    # scattered tiles (a layout) or positions (no index ranges): walk lists, not a hull
+    listed = (cfg.layout or cfg.positions) and layout.builtin_mask_only
     if listed:  # the lists replace the analysed ranges: causal and the window join the kinds here
         kinds = jnp.minimum(kinds, tiles.band_kinds(ctx, cfg, conf.block_m, conf.block_n, sq, sk))
         kinds = tiles.edges_partial(kinds, conf.block_m, conf.block_n, sq, sk)
@@ -196,7 +199,7 @@ def _constexprs(layout, q, k, v, cfg, conf, bias, mask, aux):
         MASK_BATCH=mask.shape[0] if mask.ndim == 4 else 1, MASK_HEADS=mask.shape[1] if mask.ndim == 4 else 1,
         VARLEN=cfg.varlen,
         MASK_BQ=cfg.layout_block[0] if cfg.layout else 1, MASK_BK=cfg.layout_block[1] if cfg.layout else 1,
-        RUNTIME_MASK=cfg.runtime_block_mask or layout.runtime_mask_from_spec,
+        RUNTIME_MASK=cfg.runtime_block_mask or layout.runtime_mask_from_spec, POSITIONS=cfg.positions,
         TILE_RANGES=False, TILE_BATCH=1, TILE_HEADS=1, TILE_LISTS=False, TILE_COLS=1,  # `_tiles`
         PLAIN=layout.score_is_identity and not cfg.softcap and not cfg.bias,
         STAGED=not conf.merged,  # three loops, or one (`merged`)
@@ -526,7 +529,7 @@ def forward(layout: Layout, q, k, v, ctx, cfg, choice):
 
     @fn.def_vmap
     def rule(n, in_batched, q, k, v, ctx):
-        if not _foldable(in_batched[3], layout) or cfg.varlen:
+        if not _foldable(in_batched[3], layout) or cfg.varlen or cfg.positions:
             outs = _sequential(lambda *a: _forward(layout, *a, cfg, choice)[:2], n, in_batched, (q, k, v, ctx))
             return outs, (True, True)
         batch = q.shape[1] if in_batched[0] else q.shape[0]
@@ -546,7 +549,7 @@ def backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
     def rule(n, in_batched, q, k, v, out, lse, d_out, d_lse, ctx):
         args = (q, k, v, out, lse, d_out, d_lse, ctx)
         ctx_batched = in_batched[7]
-        if not _foldable(ctx_batched, layout) or cfg.varlen:
+        if not _foldable(ctx_batched, layout) or cfg.varlen or cfg.positions:
             grads = _sequential(lambda *a: _backward(layout, *a, cfg, choice), n, in_batched, args)
             return grads, jax.tree.map(lambda _: True, grads)
         batch = q.shape[1] if in_batched[0] else q.shape[0]

@@ -36,7 +36,8 @@ class Dims(NamedTuple):
 class Masks(NamedTuple):
     """Which keys a query sees: causal, a sliding window, segment ids, a dense mask (over MASK_BATCH x MASK_HEADS,
     one entry per MASK_BQ x MASK_BK elements: 1 x 1 for an element mask, a block layout's blocks otherwise);
-    RUNTIME_MASK: a mask known only at run time, so that every block takes the element mask."""
+    RUNTIME_MASK: a mask known only at run time, so that every block takes the element mask; POSITIONS: explicit
+    positions place the tokens (`_placed`), so that the analysed block ranges do not hold."""
     CAUSAL: tl.constexpr
     WINDOW: tl.constexpr
     SEGMENTS: tl.constexpr
@@ -46,6 +47,7 @@ class Masks(NamedTuple):
     MASK_BQ: tl.constexpr
     MASK_BK: tl.constexpr
     RUNTIME_MASK: tl.constexpr
+    POSITIONS: tl.constexpr
 
 
 class Logits(NamedTuple):
@@ -206,6 +208,15 @@ def _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i, n, ON: tl.constexpr, N
             flo = tl.minimum(tl.maximum(tl.maximum(flo, tl.load(p + 2)), lo), hi)
             fhi = tl.maximum(tl.minimum(tl.minimum(fhi, tl.load(p + 3)), hi), flo)
     return lo, hi, flo, fhi, p_list
+
+
+@triton.jit
+def _placed(p_pos, o_pos, n, ON: tl.constexpr):
+    """The positions of rows o_pos: p_pos[o_pos] (explicit positions; rows at or past n read 0), or o_pos."""
+    if ON:
+        return tl.load(p_pos + o_pos, mask=o_pos < n, other=0)
+    else:
+        return o_pos
 
 
 @triton.jit
