@@ -38,7 +38,7 @@ Runtime scalars live in two small arrays: F32 = [scale, softcap], I32 = [window_
 import triton
 import triton.language as tl
 
-from ejgen.runtime.attention.triton.lib import (LOG2E, Dims, Logits, Masks, Schedule, _dot, _dot_acc, _listed, _load,
+from ejgen.runtime.attention.triton.lib import (LOG2E, Dims, Logits, Masks, Schedule, _dot, _dot_acc, _load,
                                                 _placed, _rows, _tanh, _tile, _tile_range, _tighten, _to_blocks)
 
 
@@ -166,7 +166,7 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, p_list, p_k
     o_dv = tl.arange(0, DIMS.DV_PAD)
     r_n = tl.arange(0, DIMS.BLOCK_N)
     for t in tl.range(n_lo, n_hi, warp_specialize=SCHEDULE.WS and not MASKED):
-        i_n = _listed(t, p_list, SCHEDULE.LISTS)
+        i_n = tl.load(p_list + t) if SCHEDULE.LISTS else t
         o_pos = i_n * DIMS.BLOCK_N + r_n  # key positions in the sequence
         m_n = o_pos < kv_len
         if SCHEDULE.TMA:  # p_k, p_v are tensor descriptors
@@ -178,7 +178,7 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, p_list, p_k
                          m_n[None, :], o_d[:, None] < DIMS.D, MASKED or DIMS.D != DIMS.D_PAD)
             b_v = _load(p_v + row0 * (DIMS.HKV * DIMS.DV) + r_n[:, None] * (DIMS.HKV * DIMS.DV) + o_dv[None, :],
                         m_n[:, None], o_dv[None, :] < DIMS.DV, MASKED or DIMS.DV != DIMS.DV_PAD)
-        kv_idx = _placed(p_kvpos, o_pos, kv_len, MASKS.POSITIONS)[None, :]
+        kv_idx = (_placed(p_kvpos, o_pos, kv_len) if MASKS.POSITIONS else o_pos)[None, :]
         o_n = (row_k + o_pos)[None, :]
         _, _, x, x_scale = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
                                    F32, I32, BIAS, DIMS, LOGITS, SCHEDULE)
@@ -260,7 +260,7 @@ def blocksparse_attention_fwd_kernel(
         kv_row0 = (batch * SEQ_K + row_k).to(tl.int64)  # the sequence's first key row in the tensor
         p_k = K + kv_row0 * (HKV * D) + off_hk * D
         p_v = V + kv_row0 * (HKV * DV) + off_hk * DV
-    q_idx = _placed(QPOS + batch * SEQ_Q, o_pos, q_len, POSITIONS)[:, None]
+    q_idx = (_placed(QPOS + batch * SEQ_Q, o_pos, q_len) if POSITIONS else o_pos)[:, None]
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
                                      True, MASKS)
@@ -357,7 +357,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_list, p_qpos, i_
     o_dv = tl.arange(0, DIMS.DV_PAD)
     r_m = tl.arange(0, DIMS.BLOCK_M)
     for t in range(m_lo, m_hi):
-        i_m = _listed(t, p_list, SCHEDULE.LISTS)
+        i_m = tl.load(p_list + t) if SCHEDULE.LISTS else t
         o_pos = i_m * DIMS.BLOCK_M + r_m
         m_m = o_pos < q_len
         if SCHEDULE.TMA:  # p_q, p_do are tensor descriptors
@@ -372,7 +372,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_list, p_qpos, i_
         b_lse = tl.load(p_lse + o_pos, mask=m_m, other=0.0)
         b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse) * LOG2E
         b_delta = tl.load(p_delta + o_pos, mask=m_m, other=0.0)
-        q_idx = _placed(p_qpos, o_pos, q_len, MASKS.POSITIONS)[None, :]
+        q_idx = (_placed(p_qpos, o_pos, q_len) if MASKS.POSITIONS else o_pos)[None, :]
         o_m = (row_q + o_pos)[None, :]
         pt, ds1, ds0t, s = _bwd_tile(b_k, b_qt, b_v, tl.trans(b_do), b_lse[None, :], b_delta[None, :], scale,
                                      q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, t, f_lo, f_hi,
@@ -451,7 +451,7 @@ def blocksparse_attention_bwd_dkdv_kernel(
     o_v = kv_row0 * (HKV * DV) + off_hk * DV + r_n[:, None] * (HKV * DV) + o_dv[None, :]  # [BLOCK_N, DV_PAD]
     b_k = tl.load(K + o_k, mask=m_n[:, None] & (o_d[None, :] < D), other=0.0)
     b_v = tl.load(V + o_v, mask=m_n[:, None] & (o_dv[None, :] < DV), other=0.0)
-    kv_idx = _placed(KVPOS + batch * SEQ_K, o_pos, kv_len, POSITIONS)[:, None]
+    kv_idx = (_placed(KVPOS + batch * SEQ_K, o_pos, kv_len) if POSITIONS else o_pos)[:, None]
     x1 = tl.minimum(i_n * BLOCK_N + BLOCK_N, kv_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_n * BLOCK_N, x1, q_len, I32, BLOCK_M, tl.cdiv(q_len, BLOCK_M), q_len, kv_len,
                                      False, MASKS)
@@ -529,7 +529,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
     o_dv = tl.arange(0, DIMS.DV_PAD)
     r_n = tl.arange(0, DIMS.BLOCK_N)
     for t in range(n_lo, n_hi):
-        i_n = _listed(t, p_list, SCHEDULE.LISTS)
+        i_n = tl.load(p_list + t) if SCHEDULE.LISTS else t
         o_pos = i_n * DIMS.BLOCK_N + r_n
         m_n = o_pos < kv_len
         if SCHEDULE.TMA:  # p_k, p_v are tensor descriptors
@@ -541,7 +541,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
                          m_n[None, :], o_d[:, None] < DIMS.D, MASKED or DIMS.D != DIMS.D_PAD)
             b_vt = _load(p_v + row0 * (DIMS.HKV * DIMS.DV) + r_n[None, :] * (DIMS.HKV * DIMS.DV) + o_dv[:, None],
                          m_n[None, :], o_dv[:, None] < DIMS.DV, MASKED or DIMS.DV != DIMS.DV_PAD)
-        kv_idx = _placed(p_kvpos, o_pos, kv_len, MASKS.POSITIONS)[None, :]
+        kv_idx = (_placed(p_kvpos, o_pos, kv_len) if MASKS.POSITIONS else o_pos)[None, :]
         p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_do, b_vt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
                                    (row_k + o_pos)[None, :], off_b, off_h, q_len, kv_len, t, f_lo, f_hi,
                                    F32, I32, BIAS, QSEG, KVSEG, MASK,
@@ -580,8 +580,8 @@ def _dq_band_inner(b_dq, p_band, p_k, n_lo, n_hi, i_m, o_pos, off_b, off_hk, q_l
 
 @triton.jit
 def blocksparse_attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, QPOS, KVPOS, TILES, O_FWD, DS_BAND,
-    DQ, DELTA_OUT, SCRATCH,
+    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, QPOS, KVPOS, TILES,
+    O_FWD, DS_BAND, DQ, DELTA_OUT, SCRATCH,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, N_SINKS: tl.constexpr,
@@ -642,7 +642,7 @@ def blocksparse_attention_bwd_dq_kernel(
         kv_row0 = (batch * SEQ_K + row_k).to(tl.int64)  # the sequence's first key row in the tensor
         p_k = K + kv_row0 * (HKV * D) + off_hk * D
         p_v = V + kv_row0 * (HKV * DV) + off_hk * DV
-    q_idx = _placed(QPOS + batch * SEQ_Q, o_pos, q_len, POSITIONS)[:, None]
+    q_idx = (_placed(QPOS + batch * SEQ_Q, o_pos, q_len) if POSITIONS else o_pos)[:, None]
     x1 = tl.minimum(i_m * BLOCK_M + BLOCK_M, q_len) - 1
     lo, hi, flo, fhi = _other_blocks(i_m * BLOCK_M, x1, kv_len, I32, BLOCK_N, tl.cdiv(kv_len, BLOCK_N), q_len, kv_len,
                                      True, MASKS)

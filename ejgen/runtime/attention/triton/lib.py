@@ -186,7 +186,7 @@ def _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i, n, ON: tl.constexpr, N
     (lo, hi, full_lo, full_hi over the other axis's tiles): visit what both visit, skip the element mask only
     where both say full. LISTS (TILE_LISTS): TILES [NB, NH, n, 2 + COLS] holds each row's count of partial and
     of full tiles, then their indices (partial first): the loops walk list positions, [0, partial) with the
-    element mask and [partial, partial + full) without (`_listed` turns a position into a tile index)."""
+    element mask and [partial, partial + full) without (the loops read the tile at each position)."""
     p_list = TILES
     if ON:
         row = i
@@ -211,21 +211,10 @@ def _tile_range(lo, hi, flo, fhi, TILES, off_b, off_h, i, n, ON: tl.constexpr, N
 
 
 @triton.jit
-def _placed(p_pos, o_pos, n, ON: tl.constexpr):
-    """The positions of rows o_pos: p_pos[o_pos] (explicit positions; rows at or past n read 0), or o_pos."""
-    if ON:
-        return tl.load(p_pos + o_pos, mask=o_pos < n, other=0)
-    else:
-        return o_pos
-
-
-@triton.jit
-def _listed(t, p_list, LISTS: tl.constexpr):
-    """The tile a loop visits at position t: t itself, or the t-th entry of the row's tile list."""
-    if LISTS:
-        return tl.load(p_list + t)
-    else:
-        return t
+def _placed(p_pos, o_pos, n):
+    """The explicit positions of rows o_pos (rows at or past n read 0); kernels without positions use o_pos itself
+    (an inline `if`: a call per loop step costs the interpreter dearly)."""
+    return tl.load(p_pos + o_pos, mask=o_pos < n, other=0)
 
 
 @triton.jit
