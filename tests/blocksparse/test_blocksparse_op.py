@@ -87,6 +87,20 @@ def _to_bhsd(x):
 @pytest.mark.parametrize("platform", ["xla", "pallas", "triton"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_blocksparse_attention_against_the_oracle(run_vjp, name, platform):
+    _check(run_vjp, name, platform)
+
+
+@pytest.mark.parametrize("name", ["layout_gqa_sinks", "segments_chunks_softcap", "positions_out_of_order_window"])
+def test_blocksparse_attention_on_the_tpu_kernels(run_vjp, name):
+    """The Pallas TPU kernels (Mosaic, interpreted) on the cases that reach them differently: a layout folded into
+    the element mask, chunks as segment ids, positions read per row."""
+    from ejgen.runtime.attention.pallas import common
+
+    with common.interpret_kernels("tpu"):
+        _check(run_vjp, name, "pallas")
+
+
+def _check(run_vjp, name, platform):
     from ejgen.ops import blocksparse_attention
 
     shape, dtype = CASES[name]
