@@ -9,7 +9,8 @@ The forward:
 
 Where it runs: sm_90 GPUs, 16-bit q/k/v with head dim 64 or 128 (= value head dim), Sq == Sk, no varlen,
 and a spec whose score is the scaled dot product and whose mask is the built-in causal / sliding-window one
-(no soft cap, sinks, bias, segments, dense mask or params): the kernel-set contract, docs/DESIGN.md §6
+(no soft cap, sinks, bias, segments, dense mask, block layout, positions or params): the kernel-set contract,
+docs/DESIGN.md §6
 (`ineligible`). `triton_attention` takes it for those calls and keeps the generated Triton kernel for every
 other one (and for the backward, which reads this kernel's O and lse). The element semantics are
 docs/DESIGN.md §3's: key j is visible to query i iff (not causal or j <= i) and (no window or
@@ -84,12 +85,16 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
     import jax.numpy as jnp
 
     d, dv = q.shape[-1], v.shape[-1]
+    features = [what for on, what in ((cfg.softcap, "soft cap"), (cfg.sinks, "sinks"), (cfg.bias, "bias"),
+                                      (cfg.segments, "segment ids"), (cfg.dense_mask, "a dense mask"),
+                                      (cfg.layout, "a block layout"), (cfg.positions, "positions"),
+                                      (cfg.varlen, "varlen")) if on]
     checks = [
         (pinned, f"a {pass_} config is pinned (EJGEN_TRITON_CONFIG) or autotuned"),
         (not layout.builtin_mask_only, "the spec has a mask of its own"),
         (not layout.score_is_identity or layout.params, "the spec's score is not the scaled dot product"),
-        (cfg.softcap or cfg.sinks or cfg.bias or cfg.segments or cfg.dense_mask or cfg.layout or cfg.varlen
-         or cfg.positions, "soft cap, sinks, bias, segments, a dense mask, a block layout, positions or varlen"),
+        (features, f"{', '.join(features)} (the Hopper kernels take none of: soft cap, sinks, bias, segment ids, a "
+                   f"dense mask, a block layout, positions, varlen)"),
         (q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype,
          f"dtype {q.dtype} (16-bit only)"),
         (d != dv or d not in HEAD_DIMS, f"head dims {d}/{dv} (equal, one of {HEAD_DIMS})"),
