@@ -168,14 +168,7 @@ def plan_attention(variant: Variant) -> AttentionPlan:
     param_grads = tuple(
         ParamGrad(ref, simplify(diff(score, ref))) for ref in param_occurrences(score, grad_params)
     )
-    positions = variant.feature("positions")
-    reads = {n.name for e in (score, variant.mask) for n in walk(e) if isinstance(n, Var) and n.kind == "builtin"}
-    if positions is not None and reads & {"q_idx", "kv_idx", "q_len", "kv_len"}:
-        raise SpecError(f"feature 'positions' cannot be combined with a score or mask that reads "
-                        f"{', '.join(sorted(reads & {'q_idx', 'kv_idx', 'q_len', 'kv_len'}))}: explicit positions "
-                        f"place tokens for causal and the window only (spec expressions over them are not supported "
-                        f"yet)", positions.loc)
-    return AttentionPlan(
+    plan = AttentionPlan(
         variant=variant,
         features={f.name: f for f in variant.features},
         score=score,
@@ -187,3 +180,9 @@ def plan_attention(variant: Variant) -> AttentionPlan:
         arguments=(arguments := _arguments(variant)),
         absent_arguments=_absent(arguments),
     )
+    placed = plan.names_used() & {"q_idx", "kv_idx", "q_len", "kv_len"}
+    if plan.has("positions") and placed:
+        raise SpecError(f"feature 'positions' cannot be combined with a score or mask that reads "
+                        f"{', '.join(sorted(placed))}: explicit positions place tokens for causal and the window only "
+                        f"(spec expressions over them are not supported yet)", variant.feature("positions").loc)
+    return plan

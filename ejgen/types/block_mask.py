@@ -47,6 +47,52 @@ def _kinds(any_visible, all_visible):
     return jnp.where(all_visible, FULL, jnp.where(any_visible, PARTIAL, SKIP)).astype(jnp.int8)
 
 
+def _reduced(x, nq: int, fq: int, nk: int, fk: int):
+    """Kinds of groups of fq x fk entries of a bool ``x [..., R, C]`` (nq x nk groups): entries past R, C do not
+    count (padded False for "any visible", True for "all visible")."""
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, nq * fq - x.shape[-2]), (0, nk * fk - x.shape[-1])]
+    shape = x.shape[:-2] + (nq, fq, nk, fk)
+    any_v = jnp.pad(x, pad, constant_values=False).reshape(shape).any(axis=(-3, -1))
+    all_v = jnp.pad(x, pad, constant_values=True).reshape(shape).all(axis=(-3, -1))
+    return _kinds(any_v, all_v)
+
+
+def tile_bounds(x, block: int, keep):
+    """Least and greatest entry of each tile of ``block`` along the last axis of int ``x [B, n]``, over the
+    entries ``keep`` (bool, broadcast to x) marks (a tile with none: least > greatest)."""
+    tiles = _ceil(x.shape[-1], block)
+    pad = ((0, 0), (0, tiles * block - x.shape[-1]))
+    keep = jnp.pad(jnp.broadcast_to(keep, x.shape), pad).reshape(x.shape[0], tiles, block)  # past the end: not kept
+    x = jnp.pad(x, pad).reshape(x.shape[0], tiles, block)
+    big = jnp.iinfo(jnp.int32).max
+    return jnp.min(jnp.where(keep, x, big), axis=-1), jnp.max(jnp.where(keep, x, -big), axis=-1)
+
+
+def band_kinds(q_lo, q_hi, kv_lo, kv_hi, left, right):
+    """Kinds of tiles whose query positions span [q_lo, q_hi] and key positions [kv_lo, kv_hi] (broadcast against
+    each other) under ``q - left <= kv <= q + right`` (a bound None: absent). The one rule of causal and windows,
+    for index tiles (`Band`) and for explicit positions."""
+    any_v = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_lo), jnp.shape(kv_lo)), bool)
+    all_v = any_v
+    if left is not None:  # kv >= q - left: for some pair of the tile; for every one
+        any_v &= kv_hi >= q_lo - left
+        all_v &= kv_lo >= q_hi - left
+    if right is not None:  # kv <= q + right
+        any_v &= kv_lo <= q_hi + right
+        all_v &= kv_hi <= q_lo + right
+    return _kinds(any_v, all_v)
+
+
+def elements(cond, batch: int, heads: int, q_len: int, kv_len: int):
+    """bool [batch, heads, q_len, kv_len]: a condition's element rule over every element (the Sq x Sk array the
+    kernels avoid: for tests, small shapes, and rules with no tile form such as a ``mask_fn``)."""
+    b = jnp.arange(batch, dtype=jnp.int32)[:, None, None, None]
+    h = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
+    i = jnp.arange(q_len, dtype=jnp.int32)[None, None, :, None]
+    j = jnp.arange(kv_len, dtype=jnp.int32)[None, None, None, :]
+    return jnp.broadcast_to(cond.visible(b, h, i, j, q_len, kv_len), (batch, heads, q_len, kv_len))
+
+
 # -- conditions --------------------------------------------------------------------------------------------
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -68,18 +114,9 @@ class Band:
         return ok
 
     def kinds(self, block_q, block_k, q_len, kv_len):
-        i0, i1 = (x[:, None] for x in _tile_ranges(q_len, block_q))
+        i0, i1 = (x[:, None] + (kv_len - q_len) for x in _tile_ranges(q_len, block_q))  # aligned positions
         j0, j1 = (x[None, :] for x in _tile_ranges(kv_len, block_k))
-        off = kv_len - q_len
-        any_v = jnp.ones((i0.shape[0], j0.shape[1]), bool)
-        all_v = any_v
-        if self.left is not None:  # j >= i + off - left: some (i, j) of the tile; every one
-            any_v &= j1 >= i0 + off - self.left
-            all_v &= j0 >= i1 + off - self.left
-        if self.right is not None:  # j <= i + off + right
-            any_v &= j0 <= i1 + off + self.right
-            all_v &= j1 <= i0 + off + self.right
-        return _kinds(any_v, all_v)[None, None]
+        return band_kinds(i0, i1, j0, j1, self.left, self.right)[None, None]
 
 
 @jax.tree_util.register_dataclass
@@ -99,16 +136,12 @@ class Segments:
 
     @staticmethod
     def _per_tile(ids, block):
-        batch, n = ids.shape
-        tiles = _ceil(n, block)
-        padded = jnp.pad(ids, ((0, 0), (0, tiles * block - n)), constant_values=-1).reshape(batch, tiles, block)
-        valid = jnp.pad(jnp.ones((n,), bool), (0, tiles * block - n)).reshape(tiles, block)
-        real = padded >= 0
-        big = jnp.iinfo(jnp.int32).max
-        lo = jnp.min(jnp.where(real, padded, big), axis=-1)
-        hi = jnp.max(jnp.where(real, padded, -1), axis=-1)
-        has_pad = jnp.any(valid & ~real, axis=-1)
-        return lo, hi, jnp.any(real, axis=-1), has_pad
+        """(least id, greatest id, any id, any padding) per tile; past the end is neither."""
+        real = ids >= 0
+        lo, hi = tile_bounds(ids, block, real)
+        pad = _ceil(ids.shape[1], block) * block - ids.shape[1]
+        has_pad = jnp.pad(~real, ((0, 0), (0, pad))).reshape(ids.shape[0], -1, block).any(axis=-1)
+        return lo, hi, lo <= hi, has_pad
 
     def kinds(self, block_q, block_k, q_len, kv_len):
         qlo, qhi, qany, qpad = self._per_tile(self.q_ids, block_q)
@@ -131,13 +164,7 @@ class Dense:
         return self.mask[b, jnp.minimum(h, self.mask.shape[1] - 1), i, j]
 
     def kinds(self, block_q, block_k, q_len, kv_len):
-        batch, heads = self.mask.shape[:2]
-        nq, nk = _ceil(q_len, block_q), _ceil(kv_len, block_k)
-        pad = ((0, 0), (0, 0), (0, nq * block_q - q_len), (0, nk * block_k - kv_len))
-        shape = (batch, heads, nq, block_q, nk, block_k)
-        any_v = jnp.pad(self.mask, pad, constant_values=False).reshape(shape).any(axis=(3, 5))
-        all_v = jnp.pad(self.mask, pad, constant_values=True).reshape(shape).all(axis=(3, 5))
-        return _kinds(any_v, all_v)
+        return _reduced(self.mask, _ceil(q_len, block_q), block_q, _ceil(kv_len, block_k), block_k)
 
 
 @jax.tree_util.register_dataclass
@@ -163,12 +190,7 @@ class Layout:
             cols = jnp.minimum(jnp.arange(nk) * block_k // lk, lay.shape[3] - 1)
             return jnp.where(lay[:, :, rows][:, :, :, cols], FULL, SKIP).astype(jnp.int8)
         if block_q % lq == 0 and block_k % lk == 0:  # tiles made of whole blocks: reduce them
-            fq, fk = block_q // lq, block_k // lk
-            pad = ((0, 0), (0, 0), (0, nq * fq - lay.shape[2]), (0, nk * fk - lay.shape[3]))
-            shape = lay.shape[:2] + (nq, fq, nk, fk)
-            any_v = jnp.pad(lay, pad, constant_values=False).reshape(shape).any(axis=(3, 5))
-            all_v = jnp.pad(lay, pad, constant_values=True).reshape(shape).all(axis=(3, 5))
-            return _kinds(any_v, all_v)
+            return _reduced(lay, nq, block_q // lq, nk, block_k // lk)
         # other tiles: expand the layout to elements one query tile at a time
         return _kinds_by_rows(self, lay.shape[0], lay.shape[1], block_q, block_k, q_len, kv_len)
 
@@ -420,11 +442,10 @@ class BlockMask:
         kinds = self.kinds()
         kinds = kinds[jnp.minimum(b, kinds.shape[0] - 1), jnp.minimum(h, kinds.shape[1] - 1),
                       i // self.block_q, j // self.block_k]
-        vis = kinds == FULL
         element = jnp.ones((batch, heads, self.q_len, self.kv_len), bool)
         for cond in self.conditions:
-            element &= cond.visible(b, h, i, j, self.q_len, self.kv_len)
-        return vis | ((kinds == PARTIAL) & element)
+            element &= elements(cond, batch, heads, self.q_len, self.kv_len)
+        return (kinds == FULL) | ((kinds == PARTIAL) & element)
 
 
 def _window(window) -> tuple:

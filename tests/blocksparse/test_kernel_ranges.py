@@ -105,3 +105,16 @@ def test_pallas_block_kinds_of_documents_are_exact():
     per_row = exact_kinds(dense[:, None], 32, 16)
     want = np.where((per_row == 2).all(axis=(0, 1)), 2, np.where((per_row > 0).any(axis=(0, 1)), 1, 0))
     np.testing.assert_array_equal(kinds, want)
+
+
+def test_varlen_and_plain_calls_take_no_element_mask_on_every_block(triton_launches):
+    """Packed sequences (varlen) are kept apart by per-sequence ranges and a plain causal call by the analysed
+    ranges: no pass takes the run-time mask on every block (RUNTIME_MASK), which costs every tile its mask."""
+    from ejgen.ops import flash_attention
+
+    q = jnp.ones((40, 2, 16), jnp.float32)
+    cu = jnp.asarray([0, 17, 40], jnp.int32)
+    flash_attention(q, q, q, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=23, max_seqlen_k=23,
+                    platform="triton")
+    flash_attention(q[None], q[None], q[None], causal=True, platform="triton")
+    assert triton_launches and not any(kw["RUNTIME_MASK"] for _, kw in triton_launches), triton_launches

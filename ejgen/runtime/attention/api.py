@@ -359,12 +359,7 @@ def _elements(spec, cond, batch, hq, sq, sk):
     if sizes[0] not in (1, batch) or sizes[1] not in (1, hq):
         raise ValueError(f"{spec.name}(): block_mask's {type(cond).__name__.lower()} condition covers batch "
                          f"{sizes[0]} x heads {sizes[1]}; the call has batch {batch} (or 1) x heads {hq} (or 1)")
-    heads = sizes[1]
-    b = jnp.arange(batch, dtype=jnp.int32)[:, None, None, None] % sizes[0]
-    h = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
-    i = jnp.arange(sq, dtype=jnp.int32)[None, None, :, None]
-    j = jnp.arange(sk, dtype=jnp.int32)[None, None, None, :]
-    return jnp.broadcast_to(cond.visible(b, h, i, j, sq, sk), (batch, heads, sq, sk))
+    return bm.elements(cond, batch, sizes[1], sq, sk)
 
 
 def _band(spec, band, flags, ctx, sq, sk):

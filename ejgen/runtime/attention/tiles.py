@@ -1,7 +1,8 @@
-"""Tile kinds of a call's runtime masks, shared by every backend (docs/DESIGN.md §3, block masks): segment ids
-and a dense mask classified per tile by `ejgen.types.block_mask` (O(tiles) for segment ids), from the op's
-ctx in the kernel layout (ids [B, S] and the mask [B, Hkv|1, G|1, Sq, Sk], both padded so that padding is
-never visible: tiles holding it are never full)."""
+"""Tile kinds of a call's masks, shared by every backend (docs/DESIGN.md §3, block masks): segment ids, a dense
+mask and a block layout classified per tile by `ejgen.types.block_mask` (O(tiles) but for a dense mask), from the
+op's ctx in the kernel layout (ids [B, S], the mask [B, Hkv|1, G|1, Sq, Sk] and the layout [B|1, Hkv|1, G|1, nQ,
+nK]; padding never visible, so tiles holding it are never full); causal and the window by tile (`band_kinds`),
+over indices or explicit positions, for kernels that walk lists instead of analysed ranges."""
 
 from __future__ import annotations
 
@@ -44,29 +45,11 @@ def band_kinds(ctx, cfg, block_q: int, block_k: int, sq: int, sk: int):
     right = jnp.int32(0) if cfg.causal else (ctx["window_right"] if cfg.window else None)
     if not cfg.positions:
         return block_mask.Band(left, right).kinds(block_q, block_k, sq, sk)
-    qlo, qhi = _per_tile(ctx["q_pos"] + (cfg.seq_k - cfg.seq_q), block_q, cfg.seq_q)
-    klo, khi = _per_tile(ctx["kv_pos"], block_k, cfg.seq_k)
-    qlo, qhi, klo, khi = qlo[:, :, None], qhi[:, :, None], klo[:, None, :], khi[:, None, :]
-    any_v = jnp.ones(jnp.broadcast_shapes(qlo.shape, klo.shape), bool)
-    all_v = any_v
-    if right is not None:  # kv <= q + right
-        any_v &= klo <= qhi + right
-        all_v &= khi <= qlo + right
-    if left is not None:  # kv >= q - left
-        any_v &= khi >= qlo - left
-        all_v &= klo >= qhi - left
-    kinds = jnp.where(all_v, block_mask.FULL, jnp.where(any_v, block_mask.PARTIAL, block_mask.SKIP))
-    return kinds.astype(jnp.int8)[:, None]
-
-
-def _per_tile(pos, block: int, n: int):
-    """Least and greatest position of each tile of ``block`` over the first ``n`` entries of ``pos`` [B|1, S]."""
-    tiles = -(-pos.shape[1] // block)
-    pad = tiles * block - pos.shape[1]
-    valid = (jnp.arange(tiles * block) < n).reshape(tiles, block)
-    pos = jnp.pad(pos, ((0, 0), (0, pad))).reshape(pos.shape[0], tiles, block)
-    big = jnp.iinfo(jnp.int32).max
-    return jnp.min(jnp.where(valid, pos, big), axis=-1), jnp.max(jnp.where(valid, pos, -big), axis=-1)
+    q_pos = ctx["q_pos"] + (cfg.seq_k - cfg.seq_q)  # the positions themselves
+    q_lo, q_hi = block_mask.tile_bounds(q_pos, block_q, jnp.arange(q_pos.shape[1]) < cfg.seq_q)
+    kv_lo, kv_hi = block_mask.tile_bounds(ctx["kv_pos"], block_k, jnp.arange(ctx["kv_pos"].shape[1]) < cfg.seq_k)
+    kinds = block_mask.band_kinds(q_lo[:, :, None], q_hi[:, :, None], kv_lo[:, None, :], kv_hi[:, None, :], left, right)
+    return kinds[:, None]
 
 
 def edges_partial(kinds, block_q: int, block_k: int, sq: int, sk: int):

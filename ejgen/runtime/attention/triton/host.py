@@ -199,7 +199,10 @@ def _constexprs(layout, q, k, v, cfg, conf, bias, mask, aux):
         MASK_BATCH=mask.shape[0] if mask.ndim == 4 else 1, MASK_HEADS=mask.shape[1] if mask.ndim == 4 else 1,
         VARLEN=cfg.varlen,
         MASK_BQ=cfg.layout_block[0] if cfg.layout else 1, MASK_BK=cfg.layout_block[1] if cfg.layout else 1,
-        RUNTIME_MASK=cfg.runtime_block_mask or layout.runtime_mask_from_spec, POSITIONS=cfg.positions,
+        # a mask known only at run time, on every block of the range (varlen needs none: its ranges are per sequence;
+        # explicit positions override the ranges themselves, `_other_blocks`)
+        RUNTIME_MASK=cfg.segments or cfg.dense_mask or cfg.layout or layout.runtime_mask_from_spec,
+        POSITIONS=cfg.positions,
         TILE_RANGES=False, TILE_BATCH=1, TILE_HEADS=1, TILE_LISTS=False, TILE_COLS=1,  # `_tiles`
         PLAIN=layout.score_is_identity and not cfg.softcap and not cfg.bias,
         STAGED=not conf.merged,  # three loops, or one (`merged`)
