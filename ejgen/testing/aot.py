@@ -78,7 +78,8 @@ def compile_attention(package: str, name: str, *, capability: int = 90, params: 
 
 
 def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: int = 128, causal: bool = True,
-                  window: bool = False, batch: int = 2, heads: int = 8, kv_heads: int = 2, seq: int = 1000) -> dict:
+                  window: bool = False, segments: bool = False, batch: int = 2, heads: int = 8, kv_heads: int = 2,
+                  seq: int = 1000) -> dict:
     """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -87,14 +88,15 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     from ejgen.runtime.attention.gluon import host as gluon_attention
 
     ptr = _DTYPES[dtype]
-    args = (batch, heads, kv_heads, seq, head_dim, causal, window)
+    args = (batch, heads, kv_heads, seq, head_dim, causal, window, segments)
     compiled = {}
+    segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32")
     bwd_pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
-                        DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8")
+                        DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)
     kernels = [("gluon_fwd_kernel", gluon_attention.kernel(), gluon_attention.constexprs(*args),
-                dict(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", SCRATCH="*u8")),
+                dict(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", SCRATCH="*u8", **segs)),
                ("gluon_bwd_kernel", gluon_attention.bwd_kernel(), gluon_attention.bwd_constexprs(*args), bwd_pointers)]
-    if causal and window:  # the persistent backward runs causal windows
+    if causal and window and not segments:  # the persistent backward runs causal windows
         kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(),
                         gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim), bwd_pointers))
     for name, kernel, consts, pointers in kernels:

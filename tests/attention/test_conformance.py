@@ -16,6 +16,7 @@ a tolerance widened by the scores' float32 rounding (``oracle.tolerance``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 import jax
@@ -224,16 +225,18 @@ SUITE = conformance.Suite(
 def _takes_hopper_kernels(case: Case, deterministic: bool = False) -> tuple:
     """(forward, backward): whether a triton call of ``case`` must take the hand-written Hopper kernels here,
     stated from docs/DESIGN.md §6 (not from the runtime's own test): an sm_90 GPU with the gluon setting on,
-    16-bit inputs, head dims 64 or 128 (D = Dv), Sq = Sk, not varlen, no feature but causal and a window;
-    the backward also not a window without causal, and not deterministic."""
+    16-bit inputs, head dims 64 or 128 (D = Dv), Sq = Sk, not varlen, no feature but causal, a window and
+    segment ids; the backward also not a window without causal, nor a window with segment ids, and not
+    deterministic."""
     from ejgen.runtime.core import kernels, settings
 
     f, shape = case.features, case.shape
     here = ON_GPU and kernels.target().arch == "sm90" and settings.current().gluon
     fwd = (here and case.dtype in ("bfloat16", "float16") and isinstance(shape, AttnShape)
            and shape.head_dim == shape.dv and shape.head_dim in (64, 128) and shape.q_len == shape.kv_len
-           and not f.atoms)
-    bwd = fwd and not deterministic and not (f.window is not None and not f.causal)
+           and f.atoms <= {"segments"})
+    bwd = (fwd and not deterministic and not (f.window is not None and not f.causal)
+           and not (f.window is not None and f.segments))
     return fwd, bwd
 
 
@@ -405,6 +408,10 @@ def test_attention(backend, run_vjp, monkeypatch, case):
 HOPPER_CASES = tuple(
     Case(Features(causal=causal, window=window), GPU_SHAPES[i % 2], ("bfloat16", "float16")[i // 2 % 2])
     for i, (causal, window) in enumerate(STRUCTURES.values())
+) + tuple(  # document masks: packed runs with padding (whole padding tiles, full tiles inside documents), random ids
+    Case(Features(causal=STRUCTURES[st][0], window=STRUCTURES[st][1], segments=seg), GPU_SHAPES[i % 2],
+         ("bfloat16", "float16")[i // 2 % 2])
+    for i, (st, seg) in enumerate(itertools.product(("causal", "none", "causal-win20,7", "win16"), ("packed", "random")))
 )
 
 

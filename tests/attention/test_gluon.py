@@ -33,11 +33,14 @@ def _layout(spec: str):
     return importlib.import_module(f"ejgen.generated.{spec}.triton_launch").LAYOUT
 
 
-@pytest.mark.parametrize("dtype,d,causal,window", [("bfloat16", 128, True, True), ("float16", 64, False, False)])
-def test_the_kernel_compiles_for_sm90_within_the_launch_budget(dtype, d, causal, window):
+@pytest.mark.parametrize("dtype,d,causal,window,segments", [("bfloat16", 128, True, True, False),
+                                                            ("float16", 64, False, False, False),
+                                                            ("bfloat16", 128, True, False, True)])
+def test_the_kernel_compiles_for_sm90_within_the_launch_budget(dtype, d, causal, window, segments):
     if not gluon_attention.importable()[0]:
         pytest.fail(f"the test install's Triton has no Gluon warp specialisation: {gluon_attention.importable()[1]}")
-    compiled = compile_gluon_in_subprocess(dtype=dtype, head_dim=d, causal=causal, window=window, with_ptx=True)
+    compiled = compile_gluon_in_subprocess(dtype=dtype, head_dim=d, causal=causal, window=window, segments=segments,
+                                           with_ptx=True)
     persistent_bwd = ("gluon_bwd_persistent_kernel", ) if causal and window else ()
     assert set(compiled) == {"gluon_fwd_kernel", "gluon_bwd_kernel", *persistent_bwd}
     for name in compiled:
@@ -48,6 +51,7 @@ def test_the_kernel_compiles_for_sm90_within_the_launch_budget(dtype, d, causal,
         assert meta["cubin"] and meta["wgmma"]
         assert "setmaxnreg" in meta["ptx"] and "cp.async.bulk.tensor" in meta["ptx"], name
         assert "wgmma.wait_group.sync.aligned 1" in meta["ptx"], f"{name}: an exp under a wgmma in flight"
+        assert "ld.local" not in meta["ptx"], f"{name}: registers spilled"
     for name in ("gluon_bwd_kernel", *persistent_bwd):
         assert "cp.reduce.async.bulk.tensor" in compiled[name]["ptx"], f"{name}: dQ by bulk reduce-adds"
     if persistent_bwd:
@@ -76,6 +80,7 @@ def _qkv(sq=512, sk=512, d=128, dv=None, dtype=jnp.bfloat16):
     ("flash_attention", _cfg(), _qkv(d=96), False, "head dims 96/96"),
     ("flash_attention", _cfg(), _qkv(dv=64), False, "head dims 128/64"),
     ("flash_attention", _cfg(seq_k=640), _qkv(sk=640), False, "Sq 512 != Sk 640"),
+    ("flash_attention", _cfg(segments=True, dense_mask=True), _qkv(), False, "a dense mask (the Hopper"),
 ])
 def test_calls_the_kernel_does_not_cover_say_why(spec, cfg, arrays, pinned, reason):
     why = gluon_attention.ineligible(_layout(spec), cfg, *arrays, pinned)
@@ -92,11 +97,14 @@ def test_the_backward_covers_short_causal_windows_but_not_two_sided_ones():
     consts = gluon_attention.bwd_constexprs(2, 8, 2, 1000, 128, True, True)
     assert (consts["MASK"], consts["DQ_MODE"]) == (2, 1)
     assert gluon_attention.bwd_constexprs(2, 8, 2, 1000, 64, False, False)["DQ_MODE"] == 0  # half of 64: no slice
+    documents = _cfg(causal=True, window=True, window_span=1024, segments=True)
+    assert gluon_attention.ineligible(layout, documents, *arrays, False, "bwd").startswith("segment ids with a sliding")
 
 
 @pytest.mark.parametrize("cfg,arrays", [
     (_cfg(), _qkv()), (_cfg(causal=True, window=True, window_span=1024), _qkv(d=64, dtype=jnp.float16)),
     (_cfg(window=True, window_span=64), _qkv()),  # the forward: any window, two-sided ones included
+    (_cfg(causal=True, segments=True), _qkv()), (_cfg(segments=True), _qkv(d=64, dtype=jnp.float16)),
 ])
 def test_plain_causal_and_window_calls_are_covered(cfg, arrays):
     if not gluon_attention.importable()[0]:
@@ -220,3 +228,91 @@ def test_the_launches_match_the_kernels_signatures(monkeypatch):
     assert set(names[len(inputs) + len(outs):]) == set(kw) - launch_options
     assert [tuple(o.shape) for o in outs[:2]] == [(b, s, hq, d), (b, hq, s)]
     assert seen[1][0].__name__ == "gluon_attention_bwd_kernel" and seen[1][4]["MASK"] == 0
+
+
+def test_document_masks_reach_the_kernels_with_their_tile_ranges(monkeypatch):
+    """Segment ids on a (pretended) Hopper GPU: both Gluon kernels take the ids and their tile ranges (the forward
+    per 128-row query tile in key blocks, the backward per key block in 64-row query blocks), SEGMENTS on; the
+    ranges are the segment ids' own (`block_mask.tile_ranges`), the kernels join them with causal. A fake launch."""
+    import numpy as np
+
+    from ejgen.ops import flash_attention
+    from ejgen.types import MaskInfo
+
+    if not gluon_attention.importable()[0]:
+        pytest.fail(gluon_attention.importable()[1])
+    seen = []
+
+    def fake_launch(kernel, grid, inputs, outs, **kw):
+        values = []  # the inputs' values, once the call runs (they are traced here)
+        jax.debug.callback(lambda *xs: values.extend(np.asarray(x) for x in xs), *inputs)
+        seen.append((kernel, grid, values, outs, kw))
+        return [jnp.zeros(o.shape, o.dtype) for o in outs]
+
+    monkeypatch.setattr(triton_call, "mode", lambda: ("gpu", ""))
+    monkeypatch.setattr(triton_call, "launch", fake_launch)
+    monkeypatch.setattr(core_kernels, "target", lambda: core_kernels.Target("gpu", "sm90"))
+    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
+    monkeypatch.delenv("EJGEN_GLUON", raising=False)
+    s = 640  # documents [0, 300), [300, 512), padding [512, 640)
+    ids = np.where(np.arange(s) < 300, 0, np.where(np.arange(s) < 512, 1, -1)).astype(np.int32)[None]
+    q = jnp.ones((1, s, 2, 128), jnp.bfloat16)
+    loss = lambda q: flash_attention(q, q, q, causal=True, mask_info=MaskInfo.from_segments(jnp.asarray(ids)),
+                                     platform="triton").astype(jnp.float32).sum()
+    jax.grad(loss)(q)
+    assert [k.__name__ for k, *_ in seen] == ["gluon_attention_fwd_kernel", "gluon_attention_bwd_kernel"]
+    for kernel, grid, inputs, outs, kw in seen:
+        names = kernel.arg_names
+        assert kw["SEGMENTS"] and set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "num_warps", "num_stages"}
+        at = {n: x for n, x in zip(names, inputs)}
+        assert np.array_equal(at["QSEG"], ids) and np.array_equal(at["KSEG"], ids)
+    fwd = dict(zip(seen[0][0].arg_names, seen[0][2]))["RANGES"]
+    # query tile 0 (rows 0-127): block 0 partial (rows see only their own document, cut at 300 -> block 2)
+    assert fwd.shape == (1, 5, 4) and fwd[0, 0].tolist() == [0, 3, 0, 2]
+    assert fwd[0, 4].tolist() == [0, 0, 0, 0]  # the padding tile: nothing (the kernel still visits one masked block)
+    bwd = dict(zip(seen[1][0].arg_names, seen[1][2]))["RANGES"]
+    assert bwd.shape == (1, 5, 4) and bwd[0, 4].tolist() == [0, 0, 0, 0]
+    assert bwd[0, 1].tolist() == [0, 5, 0, 4]  # keys 128-255 (document 0): query blocks 0-3 full, 4 holds row 300
+    assert bwd[0, 2].tolist() == [0, 8, 0, 0]  # keys 256-383 cross into document 1: no full query block
+
+
+DOCUMENT_CASES = [  # (id, shape, causal, lengths of the documents, then padding to the end)
+    ("causal-8docs-d128", AttnShape(2, 2048, 2048, 4, 2, 128), True, (1, 700, 129, 128, 300, 257, 64, 300)),
+    ("causal-gqa-d64-f16", AttnShape(1, 1500, 1500, 8, 2, 64), True, (512, 384, 1, 500)),
+    ("bidirectional-docs", AttnShape(1, 1100, 1100, 2, 2, 128), False, (640, 129, 200)),
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,causal,lengths", [c[1:] for c in DOCUMENT_CASES], ids=[c[0] for c in DOCUMENT_CASES])
+def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run_vjp, shape, causal, lengths):
+    """Packed documents (one-token ones, documents of exactly one tile, tiles of padding) on the Hopper kernels,
+    forward and backward, against the float64 oracle, on few SMs (programs cross tiles)."""
+    import numpy as np
+
+    import oracle
+    from ejgen.ops import flash_attention
+    from ejgen.types import MaskInfo
+    from ejgen.testing.shapes import random_cotangents, random_qkv, rng_for
+
+    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
+    monkeypatch.setattr(gluon_attention, "num_sms", lambda: 7)
+    if not gluon_attention.hopper():
+        pytest.skip("not a Hopper GPU")
+    dtype = "float16" if "f16" in str(shape) or shape.head_dim == 64 else "bfloat16"
+    ids = np.full((shape.batch, shape.q_len), -1, np.int32)
+    starts = np.cumsum((0,) + lengths)
+    for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        ids[:, a:b] = i
+    ids[-1, :] = np.roll(ids[-1], 37)  # the last batch row: documents cut differently (a wrapped padding run first)
+    rng = rng_for(f"gluon-docs-{shape}-{causal}")
+    diff = random_qkv(shape, dtype, rng)
+    d_out, d_lse = random_cotangents(shape, dtype, rng)
+    rest = {"mask_info": MaskInfo.from_segments(jnp.asarray(ids))}
+    out, lse, grads = run_vjp(flash_attention, diff, rest, {"causal": causal, "platform": "triton"}, d_out, d_lse)
+    ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, causal=causal, q_segment_ids=ids,
+                           kv_segment_ids=ids, d_out=d_out, d_lse=d_lse)
+    oracle.check_attention(out, lse, grads, ref, diff, dtype)
+    kinds = {k for k, _ in triton_launches}
+    assert kinds == {"fwd", "bwd"} and all(kw.get("SEGMENTS") for _, kw in triton_launches), triton_launches

@@ -86,21 +86,22 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
 
     d, dv = q.shape[-1], v.shape[-1]
     features = [what for on, what in ((cfg.softcap, "soft cap"), (cfg.sinks, "sinks"), (cfg.bias, "bias"),
-                                      (cfg.segments, "segment ids"), (cfg.dense_mask, "a dense mask"),
-                                      (cfg.layout, "a block layout"), (cfg.positions, "positions"),
-                                      (cfg.varlen, "varlen")) if on]
+                                      (cfg.dense_mask, "a dense mask"), (cfg.layout, "a block layout"),
+                                      (cfg.positions, "positions"), (cfg.varlen, "varlen")) if on]
     checks = [
         (pinned, f"a {pass_} config is pinned (EJGEN_TRITON_CONFIG) or autotuned"),
         (not layout.builtin_mask_only, "the spec has a mask of its own"),
         (not layout.score_is_identity or layout.params, "the spec's score is not the scaled dot product"),
-        (features, f"{', '.join(features)} (the Hopper kernels take none of: soft cap, sinks, bias, segment ids, a "
-                   f"dense mask, a block layout, positions, varlen)"),
+        (features, f"{', '.join(features)} (the Hopper kernels take none of: soft cap, sinks, bias, a dense mask, "
+                   f"a block layout, positions, varlen)"),
         (q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype,
          f"dtype {q.dtype} (16-bit only)"),
         (d != dv or d not in HEAD_DIMS, f"head dims {d}/{dv} (equal, one of {HEAD_DIMS})"),
         (q.shape[1] != k.shape[1], f"Sq {q.shape[1]} != Sk {k.shape[1]}"),
         (pass_ == "bwd" and cfg.window and not cfg.causal, "a sliding window without causal (the backward's masks: "
                                                           "causal, with a window to the left)"),
+        (pass_ == "bwd" and cfg.window and cfg.segments, "segment ids with a sliding window (the windows' persistent "
+                                                         "backward takes no segment ids)"),
     ]
     for bad, why in checks:
         if bad:
@@ -145,9 +146,10 @@ def grid(batch: int, hq: int, seq: int, sms: int | None = None) -> tuple:
     return persistent_grid(-(-seq // BLOCK_M) * batch * hq, sms)
 
 
-def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool) -> dict:
+def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
+               segments: bool = False) -> dict:
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq, hkv, d] (16-bit)."""
-    return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, BLOCK_M=BLOCK_M, CAUSAL=causal, WINDOW=window,
+    return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, BLOCK_M=BLOCK_M, CAUSAL=causal, WINDOW=window, SEGMENTS=segments,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                 HEAD_GROUP=head_group(batch, hq, hkv, seq, d), **TILES)
 
@@ -163,9 +165,11 @@ def bwd_kernel():
     return importlib.import_module("ejgen.runtime.attention.gluon.kernels").gluon_attention_bwd_kernel
 
 
-def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool) -> dict:
+def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
+                   segments: bool = False) -> dict:
     """The backward's constexprs (window: causal with a window to the left, `ineligible`)."""
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, MASK=2 if window else int(causal), DQ_MODE=1 if d == 128 else 0,
+                SEGMENTS=segments,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES)
 
 
@@ -211,4 +215,21 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int) -> dict:
     """The persistent backward's constexprs for a causal sliding window (MASK 2); its launch also passes a zeroed
     int32 tile counter (TILE_CTR: the kernel takes its tiles from it)."""
     base = bwd_constexprs(batch, hq, hkv, seq, d, True, True)
+    del base["SEGMENTS"]  # windows with segment ids keep the generated backward (`ineligible`)
     return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"]))
+
+
+def segment_ranges(ctx, cfg, seq: int, pass_: str = "fwd"):
+    """int32 [B, tiles, 4]: the tile ranges the segment ids leave (`block_mask.tile_ranges`, O(tiles) per batch
+    row): per query tile of the forward (BLOCK_M rows) the key blocks, per key block of the backward (BWD_TILES)
+    the query blocks; each kernel joins them with its causal / window range."""
+    import jax.numpy as jnp
+
+    from ejgen.runtime.attention import tiles
+    from ejgen.types import block_mask
+
+    bq, bk = (BLOCK_M, TILES["BLOCK_N"]) if pass_ == "fwd" else (BWD_TILES["BLOCK_M"], BWD_TILES["BLOCK_N"])
+    kinds = tiles.mask_kinds(ctx, cfg, bq, bk, seq, seq)[:, 0]  # [B, nQ, nK]: segment ids only (`ineligible`)
+    if pass_ != "fwd":
+        kinds = jnp.swapaxes(kinds, -1, -2)
+    return block_mask.tile_ranges(kinds).astype(jnp.int32)

@@ -60,6 +60,23 @@ def _blocks(q_lo, left, right, SEQ: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: g
     return lo, hi, f0, f1
 
 @gluon.jit
+def _tile_blocks(i_m, off_b, left, right, RANGES, SEQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr):
+    """`_blocks` of query tile i_m of batch row off_b; with SEGMENTS joined with the tile's range of the segment ids
+    (RANGES [B, N_M, 4]: lo, hi, full lo, full hi, `block_mask.tile_ranges`): visited in both, full in both. A tile
+    whose ranges do not meet (padding rows) still visits one block, under the element mask: the loops need one."""
+    lo, hi, f0, f1 = _blocks(i_m * BLOCK_M, left, right, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    if SEGMENTS:
+        N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
+        r = RANGES + (off_b * N_M + i_m) * 4
+        lo = gl.maximum(lo, gl.load(r))
+        hi = gl.maximum(gl.minimum(hi, gl.load(r + 1)), lo + 1)
+        f0 = gl.maximum(f0, gl.load(r + 2))
+        f1 = gl.minimum(f1, gl.load(r + 3))  # f1 <= f0: every block masked
+    return lo, hi, f0, f1
+
+
+@gluon.jit
 def _tile(t, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, CAUSAL: gl.constexpr):
     """Tile t -> (query tile, batch * head): sections of HS heads, query tiles slow (reversed for causal), heads
     fast; the last section may hold fewer than HS heads."""
@@ -76,9 +93,10 @@ def _tile(t, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, CAUSAL: gl.c
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              pid, nprog, left, right, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr,
-              BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ITEM: gl.constexpr):
+              pid, nprog, left, right, RANGES, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
+              N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              SEGMENTS: gl.constexpr, ITEM: gl.constexpr):
     """Per tile: its two Q halves into Q set tc % 2 (once the consumers released that set, two tiles ago), then
     its K/V blocks into the ring. Empty barriers start free: waiting for the parity before their first phase
     returns at once."""
@@ -91,7 +109,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
         off_h = bh % HQ
         kv_col = (off_h // (HQ // HKV)) * D
         q_row0 = i_m * BLOCK_M
-        lo, hi, f0, f1 = _blocks(q_row0, left, right, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+        lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                      SEGMENTS)
         qb = (tc % 2) * 2
         q_phase = (tc // 2) & 1
         for h in gl.static_range(2):
@@ -114,10 +133,12 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, MASKED: gl.constexpr, SEQ: gl.constexpr,
-             CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-             s_layout: gl.constexpr):
-    """Online softmax of one block in exp2 (scale * log2 e folded in): (p, alpha, m, l)."""
+def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, kseg, MASKED: gl.constexpr, SEQ: gl.constexpr,
+             CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ROWS: gl.constexpr,
+             BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Online softmax of one block in exp2 (scale * log2 e folded in): (p, alpha, m, l). With SEGMENTS the element
+    mask also compares the rows' segment ids qs with the block's keys' (kseg: this batch row's ids; padding,
+    negative, sees nothing)."""
     if MASKED:
         rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -128,6 +149,10 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, MASKED: gl.constexpr
             keep = keep & (dist <= 0)
         if WINDOW:
             keep = keep & (dist >= -left) & (dist <= right)
+        if SEGMENTS:
+            ks = gl.load(kseg + cols, mask=cols < SEQ, other=-2)
+            q2 = gl.expand_dims(qs, 1)
+            keep = keep & (q2 == gl.expand_dims(ks, 0)) & (q2 >= 0)
         s = gl.where(keep, s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no visible key yet: no inf - inf
@@ -137,10 +162,10 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, MASKED: gl.constexpr
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, lse_ptr, pid,
-              nprog, left, right, qk_scale, turn_mine, turn_other, HQ: gl.constexpr, SEQ: gl.constexpr,
-              N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-              HALF: gl.constexpr):
+              nprog, left, right, qk_scale, turn_mine, turn_other, QSEG, KSEG, RANGES, HQ: gl.constexpr,
+              SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, HALF: gl.constexpr):
     """One 64-row half (HALF 0: the first to issue) of every tile of this program: the pipelined loop (softmax
     of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile. The two halves
     take turns issuing their matmuls (turn_mine / turn_other: a token passed back and forth, its phase from the
@@ -161,8 +186,15 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
         i_m, bh = _tile(t, N_M, BH, HS, CAUSAL)
         off_b = bh // HQ
         off_h = bh % HQ
-        lo, hi, f0, f1 = _blocks(i_m * BLOCK_M, left, right, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+        lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                      SEGMENTS)
         q_row0 = i_m * BLOCK_M + HALF * ROWS
+        # the rows' segment ids (SEGMENTS; else unused), read once per tile
+        seg_rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        kseg = KSEG + off_b.to(gl.int64) * SEQ
+        qs = seg_rows
+        if SEGMENTS:
+            qs = gl.load(QSEG + off_b.to(gl.int64) * SEQ + seg_rows, mask=seg_rows < SEQ, other=-1)
         qi = (tc % 2) * 2 + HALF
         q_buf = q_smem.index(qi)
         q_view = q_buf.reshape([ROWS, D])
@@ -182,11 +214,11 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(idx), count=1)
         if (lo < f0) | (f1 <= lo):
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, lo, q_row0, left, right, qk_scale, True, SEQ, CAUSAL,
-                                          WINDOW, ROWS, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, lo, q_row0, left, right, qk_scale, qs, kseg, True, SEQ,
+                                          CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
         else:
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, lo, q_row0, left, right, qk_scale, False, SEQ, CAUSAL,
-                                          WINDOW, ROWS, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, lo, q_row0, left, right, qk_scale, qs, kseg, False, SEQ,
+                                          CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
 
         # block j: issue S_j and P_{j-1} V_{j-1}; the softmax of S_j runs while the second is in flight
@@ -207,11 +239,11 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
             mbarrier.arrive(k_empty.index(idx), count=1)
             if (j < f0) | (f1 <= j):
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, True, SEQ, CAUSAL,
-                                              WINDOW, ROWS, BLOCK_N, s_layout)
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, kseg, True, SEQ,
+                                              CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
             else:
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, False, SEQ, CAUSAL,
-                                              WINDOW, ROWS, BLOCK_N, s_layout)
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, kseg, False, SEQ,
+                                              CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
             acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p16))
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -242,13 +274,16 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
 
 
 @gluon.jit
-def gluon_attention_fwd_kernel(Q, K, V, F32, I32, O, LSE, SCRATCH,
+def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, O, LSE, SCRATCH,
                                B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, HEAD_GROUP: gl.constexpr):
+                               SEGMENTS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                               HEAD_GROUP: gl.constexpr):
     """Q [B, SEQ, HQ, D], K and V [B, SEQ, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32). F32 = [scale, ...],
     I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch (unused by the body).
+    SEGMENTS: segment ids QSEG, KSEG [B, SEQ] (int32, negative = padding) and their tile ranges RANGES [B, N_M, 4]
+    (int32, in key blocks: `_tile_blocks`); without it those three are placeholders.
     Grid (P,), P <= number of tiles (`grid`); 4 warps asked, 12 run (two consumers, a producer)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
@@ -296,14 +331,14 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, O, LSE, SCRATCH,
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, turn.index(0), turn.index(1), HQ, SEQ, N_M, BH, HEAD_GROUP,
-                     BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, 0)),
+                     nprog, left, right, qk_scale, turn.index(0), turn.index(1), QSEG, KSEG, RANGES, HQ, SEQ, N_M,
+                     BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, 0)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, turn.index(1), turn.index(0), HQ, SEQ, N_M, BH, HEAD_GROUP,
-                     BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, 1)),
+                     nprog, left, right, qk_scale, turn.index(1), turn.index(0), QSEG, KSEG, RANGES, HQ, SEQ, N_M,
+                     BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, 1)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, pid, nprog, left, right, HQ, HKV, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D,
-                     NUM_STAGES, CAUSAL, WINDOW, dtype.primitive_bitwidth // 8)),
+                     v_empty, pid, nprog, left, right, RANGES, HQ, HKV, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N,
+                     D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, dtype.primitive_bitwidth // 8)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -406,14 +441,16 @@ def _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready
 @gluon.jit
 def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
               do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero, dq_zero, qk2, sm_scale, gi, s, ph, m,
-              h, n, f0, f1, off_b, S, WINDOW_LEFT, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, RELEASE_V: gl.constexpr):
+              h, n, f0, f1, off_b, S, WINDOW_LEFT, qseg, ks, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, RELEASE_V: gl.constexpr,
+              SEGMENTS: gl.constexpr):
     """Consumer warpgroup WG, one ring item gi (query block m of head h in stage s, parity ph) against its 64 keys
     of key block n (views k_mine, v_mine; k_dq: K for its share of dQ): S^T and dP^T, P^T and dS^T, dV += P^T dO and
     dK += dS^T Q, the dS^T half into dS buffer gi % 2 for the joint dQ = dS K (DQ_MODE 0: whole tiles alternating
     between the warpgroups, else this warpgroup's half of dQ's columns), dQ * scale reduce-added into the float32
     accumulator. RELEASE_V: V buffer vb goes back to the producer (v_empty) once the dP^T of the tile's last item
-    (it == n_it - 1) retired.
+    (it == n_it - 1) retired. SEGMENTS: masked items also compare segment ids (qseg: this batch row's query ids;
+    ks: the warpgroup's keys' ids; padding, negative, sees nothing).
     Returns (dk, dv)."""
     HALF: gl.constexpr = BLOCK_N // 2
     if DQ_MODE == 0:
@@ -446,6 +483,9 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
         keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=row_l)
         rows = m * BLOCK_M + cols_smem.load(col_l)
         pT = _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK)
+        if SEGMENTS:
+            qs = gl.expand_dims(gl.load(qseg + rows, mask=rows < S, other=-1), 0)
+            pT = gl.where((gl.expand_dims(ks, 1) == qs) & (qs >= 0), pT, 0.0)
     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     if RELEASE_V:
         mbarrier.arrive(v_empty.index(vb), count=1, pred=it == n_it - 1)
@@ -519,8 +559,9 @@ def _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, S, HKV, 
 @gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
                   do_ready, qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, off_b, off_hk, n, S, m_lo, nm, f0, f1,
-                  sm_scale, H, HKV, GROUP, WINDOW_LEFT, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr):
+                  sm_scale, H, HKV, GROUP, WINDOW_LEFT, QSEG, KSEG, WG: gl.constexpr, D: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+                  DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr):
     """Warpgroup WG's 64 keys: dK, dV over the program's query blocks (S^T, dP^T, P^T, dS^T; dV += P^T dO,
     dK += dS^T Q), its dS^T half into shared memory for the joint dQ = dS K (DQ_MODE: how the two warpgroups
     share it), dQ * scale reduce-added into the float32 accumulator; then dK * scale and dV stored."""
@@ -535,6 +576,14 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
     dv = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
     s_zero, dq_zero = _bwd_zeros(BLOCK_M, BLOCK_N, D, DQ_MODE)
     qk2 = sm_scale * 1.4426950408889634
+    # SEGMENTS: this warpgroup's keys' segment ids, read once (else unused)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    qseg = QSEG + off_b.to(gl.int64) * S
+    ks = keys
+    if SEGMENTS:
+        ks = gl.load(KSEG + off_b.to(gl.int64) * S + keys, mask=keys < S, other=-2)
     mbarrier.wait(kv_bar, 0)
 
     for it in range(GROUP * nm):
@@ -555,8 +604,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
             k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, None, 0, it, 0, dq_desc, s_zero, dq_zero,
-                           qk2, sm_scale, it, s, ph, m, h, n, f0, f1, off_b, S, WINDOW_LEFT, WG, D, BLOCK_M, BLOCK_N,
-                           MASK, DQ_MODE, False)
+                           qk2, sm_scale, it, s, ph, m, h, n, f0, f1, off_b, S, WINDOW_LEFT, qseg, ks, WG, D,
+                           BLOCK_M, BLOCK_N, MASK, DQ_MODE, False, SEGMENTS)
 
     # epilogue: dK (scaled) and dV of this WG's 64 keys, straight from registers
     _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, S, HKV, WG, D, BLOCK_N)
@@ -615,15 +664,18 @@ def _bwd_buffers(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl
 
 
 @gluon.jit
-def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV, SCRATCH,
+def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RANGES, DQ_ACC, DK, DV, SCRATCH,
                                B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                               MASK: gl.constexpr, DQ_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               PRODUCER_REGS: gl.constexpr):
+                               MASK: gl.constexpr, DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr,
+                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
     float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. LSE, DELTA: [B, HQ, SEQ]
     (DELTA = rowsum(dO * O) - d lse). MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
-    F32 = [scale, ...]. Grid (cdiv(SEQ, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
+    F32 = [scale, ...]. SEGMENTS: segment ids QSEG, KSEG [B, SEQ] (int32, negative = padding) and each key block's
+    range of query blocks under them, RANGES [B, cdiv(SEQ, BLOCK_N), 4] (lo, hi, full lo, full hi), joined with the
+    mask's (a key block no query sees: dK = dV = 0); without it placeholders.
+    Grid (cdiv(SEQ, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
     gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
     sm_scale = gl.load(F32)
     WINDOW_LEFT = gl.load(I32)
@@ -647,16 +699,23 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV
     fence_async_shared()
 
     m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
+    if SEGMENTS:
+        N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
+        r = RANGES + (off_b * N_N + n) * 4
+        m_lo = gl.maximum(m_lo, gl.load(r))
+        m_hi = gl.maximum(gl.minimum(m_hi, gl.load(r + 1)), m_lo)
+        f0 = gl.maximum(f0, gl.load(r + 2))
+        f1 = gl.minimum(f1, gl.load(r + 3))  # f1 <= f0: every item masked
     nm = m_hi - m_lo
     gl.warp_specialize([
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
                          q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
-                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, 0, D, BLOCK_M,
-                         BLOCK_N, NUM_STAGES, MASK, DQ_MODE)),
+                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, QSEG, KSEG, 0, D,
+                         BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
                          q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
-                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, 1, D, BLOCK_M,
-                         BLOCK_N, NUM_STAGES, MASK, DQ_MODE)),
+                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, QSEG, KSEG, 1, D,
+                         BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
                          do_ready, qd_empty, misc_bar.index(0), LSE, DELTA, off_b, off_hk, n, SEQ, m_lo, nm, HQ, GROUP,
                          D, BLOCK_M, BLOCK_N, NUM_STAGES)),
@@ -821,8 +880,8 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem,
         # V goes back to the producer after the tile's last dP^T (the next tile's V lands under the rest)
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero,
-                           dq_zero, qk2, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, WINDOW_LEFT, WG, D, BLOCK_M,
-                           BLOCK_N, MASK, DQ_MODE, True)
+                           dq_zero, qk2, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, WINDOW_LEFT, dk_ptr, 0, WG,
+                           D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, False)
     # every wgmma of the tile has retired (each item ends with a full wait): K is free for the producer
     mbarrier.arrive(k_empty.index(kb), count=1)
 

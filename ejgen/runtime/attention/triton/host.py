@@ -267,16 +267,25 @@ def _grid_batch(q, ctx, cfg):
     return ctx["cu_q"].shape[0] - 1 if cfg.varlen else q.shape[0]
 
 
-def _gluon_forward(q, k, v, scalars, cfg):
+def _gluon_segments(ctx, cfg, seq: int, pass_: str):
+    """The Gluon kernels' QSEG, KSEG and RANGES inputs: segment ids and their tile ranges, else placeholders."""
+    if not cfg.segments:
+        return [_dummy(jnp.int32)] * 3
+    return [ctx["q_seg"], ctx["kv_seg"], gluon_attention.segment_ranges(ctx, cfg, seq, pass_)]
+
+
+def _gluon_forward(q, k, v, scalars, ctx, cfg):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq])."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
     grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
     out, lse, _ = triton_call.launch(
-        gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), k, v, *scalars],
+        gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), k, v, *scalars,
+                                         *_gluon_segments(ctx, cfg, sq, "fwd")],
         [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
          _scratch(grid)],
-        num_warps=4, num_stages=1, **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window))
+        num_warps=4, num_stages=1,
+        **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments))
     return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
 
 
@@ -309,7 +318,7 @@ def choose(layout: Layout, call, deterministic: bool):
     return picked[0], picked[1], tuple(reasons)
 
 
-def _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, cfg):
+def _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, ctx, cfg):
     """The warp-specialised Gluon backward (gluon_attention): (dq, dk, dv), dq [B, Sq, Hq, D] added up in float32
     by reduce-adds (not bitwise reproducible run to run, like cuDNN's)."""
     batch, sq, hq, d = q4.shape
@@ -323,7 +332,9 @@ def _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, cfg):
         zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d)
     else:
         kernel, grid = gluon_attention.bwd_kernel(), (_cdiv(sq, gluon_attention.BWD_TILES["BLOCK_N"]), batch * hkv)
-        zeroed, consts = (0, ), gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window)
+        zeroed, consts = (0, ), gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window,
+                                                                cfg.segments)
+        scalars = [*scalars, *_gluon_segments(ctx, cfg, sq, "bwd")]
     dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, k, v, do4, lse3, delta3, *scalars],
                                             outs + [_scratch(grid)], zeroed=zeroed, num_warps=4, num_stages=1, **consts)
     return dq_acc.astype(q4.dtype), dk, dv
@@ -341,7 +352,7 @@ def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
     hq, dv = hkv * groups, v.shape[-1]
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     if choice.forward == "gluon":
-        out, lse = _gluon_forward(q, k, v, scalars, cfg)
+        out, lse = _gluon_forward(q, k, v, scalars, ctx, cfg)
         return out, lse, None
     conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg, dims=(d, dv))
     consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
@@ -404,7 +415,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
     lse3 = lse.reshape(batch, hq, sq)
     if choice.backward == "gluon":  # no bias, sinks or params here: no other gradients
         delta3 = _delta(out, d_out, d_lse).reshape(batch, hq, sq)
-        dq, dk, dv_ = _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, cfg)
+        dq, dk, dv_ = _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, ctx, cfg)
         return dq.reshape(q.shape), dk, dv_, {}
     kernels = layout.kernels()
     n_seq = _grid_batch(q, ctx, cfg)
