@@ -90,7 +90,31 @@ def visible_pairs(ids: np.ndarray) -> int:
     return int(sum(n * (n + 1) // 2 for n in counts))
 
 
-def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = False) -> list[dict]:
+def _generated(f):
+    """f on the generated Triton kernels (the Hopper set off while it traces)."""
+    from ejgen.ops import settings
+
+    def call(*args):
+        with settings(gluon=False):
+            return f(*args)
+    return call
+
+
+def _ordered(f):
+    """f with the Gluon forward's tiles in the order of their work on every call (EJGEN_GLUON_ORDER while it
+    traces; calls with segment ids take that order anyway)."""
+    import os
+
+    def call(*args):
+        os.environ["EJGEN_GLUON_ORDER"] = "1"
+        try:
+            return f(*args)
+        finally:
+            del os.environ["EJGEN_GLUON_ORDER"]
+    return call
+
+
+def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = False, probe: bool = False) -> list[dict]:
     ids = document_ids(tokens, docs)
     keys = jax.random.split(jax.random.PRNGKey(tokens + docs), 4)
     q, k, v, do = (jax.random.normal(kk, (1, tokens, HEADS, DIM), jnp.bfloat16) for kk in keys)
@@ -105,6 +129,12 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         "ejgen-triton causal (all tokens)": lambda q, k, v, info: flash_attention(q, k, v, causal=True,
                                                                                    platform="triton"),
     }
+    if probe:  # where the time goes: the generated kernels on the same call, one document (segment ids, no cut)
+        impls["ejgen-triton documents, generated kernels"] = _generated(impls["ejgen-triton documents"])
+        one = MaskInfo.from_segments(jnp.zeros_like(jnp.asarray(ids)))
+        impls["ejgen-triton one document"] = lambda q, k, v, info: flash_attention(q, k, v, causal=True, mask_info=one,
+                                                                                 platform="triton")
+        impls["ejgen-triton causal, tiles by work"] = _ordered(impls["ejgen-triton causal (all tokens)"])
     if documents_only:
         impls.pop("ejgen-triton causal (all tokens)")
     flops = 4.0 * HEADS * DIM * visible_pairs(ids)
@@ -131,6 +161,17 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         rows.append(dict(tokens=tokens, docs=docs, impl="ideal (causal x tile share)", pass_=pass_, ms=full * share,
                          tflops=None, tile_share=share))
     # the block mask's build time under jit (new boundaries: traced, no recompile)
+    if probe:
+        from ejgen.runtime.attention.config import AttentionConfig
+        from ejgen.runtime.attention.gluon import host as gluon_attention
+
+        cfg = AttentionConfig(seq_q=tokens, seq_k=tokens, causal=True, segments=True)
+        for pass_ in ("fwd", "bwd"):
+            ranges = jax.jit(lambda i, p=pass_: gluon_attention.segment_ranges({"q_seg": i, "kv_seg": i}, cfg, tokens, p))
+            jax.block_until_ready(ranges(jnp.asarray(ids)))
+            ms = median_seconds(ranges, (jnp.asarray(ids),), reps, warmup=1) * 1e3
+            rows.append(dict(tokens=tokens, docs=docs, impl=f"Gluon {pass_} tile ranges (jit)", pass_="build", ms=ms,
+                             tflops=None, tile_share=share))
     build = jax.jit(lambda i: BlockMask.from_segments(i, block_q=128, block_k=128))
     jax.block_until_ready(build(jnp.asarray(ids)))
     ms = median_seconds(build, (jnp.asarray(ids),), reps, warmup=1) * 1e3
@@ -154,9 +195,11 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--documents-only", action="store_true", help="only the document-mask call (config sweeps)")
     p.add_argument("--layouts-only", action="store_true", help="only the block layouts (local+global, random)")
+    p.add_argument("--probe", action="store_true", help="also the generated kernels on the documents, one document, "
+                                                        "and the Gluon kernels' tile ranges alone")
     a = p.parse_args()
     rows = [] if a.layouts_only else [r for tokens, docs in CASES
-                                      for r in run(tokens, docs, a.reps, a.rounds, a.documents_only)]
+                                      for r in run(tokens, docs, a.reps, a.rounds, a.documents_only, a.probe)]
     if not a.documents_only:
         rows += [r for kind, tokens in LAYOUTS for r in run_layout(kind, tokens, a.reps, a.rounds)]
     out = Path(a.out)

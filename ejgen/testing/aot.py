@@ -90,10 +90,11 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     ptr = _DTYPES[dtype]
     args = (batch, heads, kv_heads, seq, head_dim, causal, window, segments)
     compiled = {}
-    segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32")
+    fwd_consts = dict(gluon_attention.constexprs(*args), ORDERED=segments and not window)
+    segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32", ORDER="*i32")
     bwd_pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
                         DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)
-    kernels = [("gluon_fwd_kernel", gluon_attention.kernel(), gluon_attention.constexprs(*args),
+    kernels = [("gluon_fwd_kernel", gluon_attention.kernel(), fwd_consts,
                 dict(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", SCRATCH="*u8", **segs)),
                ("gluon_bwd_kernel", gluon_attention.bwd_kernel(), gluon_attention.bwd_constexprs(*args), bwd_pointers)]
     if causal and window and not segments:  # the persistent backward runs causal windows

@@ -266,6 +266,8 @@ def test_document_masks_reach_the_kernels_with_their_tile_ranges(monkeypatch):
         assert kw["SEGMENTS"] and set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "num_warps", "num_stages"}
         at = {n: x for n, x in zip(names, inputs)}
         assert np.array_equal(at["QSEG"], ids) and np.array_equal(at["KSEG"], ids)
+    assert seen[0][4]["ORDERED"]  # documents: the forward's tiles in the order of their work
+    assert sorted(dict(zip(seen[0][0].arg_names, seen[0][2]))["ORDER"].tolist()) == list(range(5 * 2))
     fwd = dict(zip(seen[0][0].arg_names, seen[0][2]))["RANGES"]
     # query tile 0 (rows 0-127): block 0 partial (rows see only their own document, cut at 300 -> block 2)
     assert fwd.shape == (1, 5, 4) and fwd[0, 0].tolist() == [0, 3, 0, 2]
@@ -316,3 +318,32 @@ def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run
     oracle.check_attention(out, lse, grads, ref, diff, dtype)
     kinds = {k for k, _ in triton_launches}
     assert kinds == {"fwd", "bwd"} and all(kw.get("SEGMENTS") for _, kw in triton_launches), triton_launches
+
+
+def test_the_tile_order_deals_the_work_evenly():
+    """`tile_order` is a permutation of the forward's tiles; dealt to the programs it gives each a like share of the
+    key blocks where the static order does not (packed documents: the heavy tiles are not the last query tiles)."""
+    import numpy as np
+
+    from ejgen.runtime.attention.config import AttentionConfig
+
+    seq, hq, programs = 8192, 16, 132
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.choice(np.arange(1, seq), size=7, replace=False))
+    ids = jnp.asarray(np.searchsorted(cuts, np.arange(seq), side="right").astype(np.int32)[None])
+    cfg = AttentionConfig(seq_q=seq, seq_k=seq, causal=True, segments=True)
+    ranges = gluon_attention.segment_ranges({"q_seg": ids, "kv_seg": ids}, cfg, seq)
+    order = np.asarray(gluon_attention.tile_order(ranges, hq, seq, True, programs))
+    n_m = seq // 128
+    assert sorted(order.tolist()) == list(range(n_m * hq))
+    r = np.asarray(ranges)[0]
+    blocks = np.maximum(np.minimum(r[:, 1], np.arange(n_m) + 1) - r[:, 0], 1)  # per query tile, joined with causal
+    work = blocks[order // hq]  # batch 1: entry // (B * hq) is the query tile
+    per_program = [work[p::programs].sum() for p in range(programs)]
+    static = [blocks[n_m - 1 - (t % (4 * n_m)) // 4].sum() for t in range(n_m * hq)]  # `_tile`, sections of 4 heads
+    static_per_program = [np.sum(static[p::programs]) for p in range(programs)]
+    balanced = work.sum() / programs
+    assert max(per_program) <= 1.08 * balanced, (max(per_program), balanced)
+    assert max(static_per_program) >= 1.4 * balanced  # what it replaces
+    plain = np.asarray(gluon_attention.tile_order(None, 2, 1000, False, 5))  # no ids, no causal: every tile alike
+    assert sorted(plain.tolist()) == list(range(8 * 2))

@@ -92,11 +92,23 @@ def _tile(t, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, CAUSAL: gl.c
 
 
 @gluon.jit
+def _tile_at(t, ORDER, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, CAUSAL: gl.constexpr,
+             ORDERED: gl.constexpr):
+    """Tile t -> (query tile, batch * head): ORDERED, entry t of the launch's tile order (i_m * BH + bh: heaviest
+    tiles first, dealt so every program gets a like share, `host.tile_order`), else `_tile`."""
+    if ORDERED:
+        e = gl.load(ORDER + t)
+        return e // BH, e % BH
+    else:
+        return _tile(t, N_M, BH, HS, CAUSAL)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              pid, nprog, left, right, RANGES, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
+              pid, nprog, left, right, RANGES, ORDER, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
               N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-              SEGMENTS: gl.constexpr, ITEM: gl.constexpr):
+              SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, ITEM: gl.constexpr):
     """Per tile: its two Q halves into Q set tc % 2 (once the consumers released that set, two tiles ago), then
     its K/V blocks into the ring. Empty barriers start free: waiting for the parity before their first phase
     returns at once."""
@@ -104,7 +116,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     g = pid * 0  # K/V blocks issued so far (all tiles of this program)
     tc = pid * 0  # tiles started so far
     for t in range(pid, N_M * BH, nprog):
-        i_m, bh = _tile(t, N_M, BH, HS, CAUSAL)
+        i_m, bh = _tile_at(t, ORDER, N_M, BH, HS, CAUSAL, ORDERED)
         off_b = bh // HQ
         off_h = bh % HQ
         kv_col = (off_h // (HQ // HKV)) * D
@@ -162,10 +174,10 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, kseg, MASKED: gl
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, lse_ptr, pid,
-              nprog, left, right, qk_scale, turn_mine, turn_other, QSEG, KSEG, RANGES, HQ: gl.constexpr,
+              nprog, left, right, qk_scale, turn_mine, turn_other, QSEG, KSEG, RANGES, ORDER, HQ: gl.constexpr,
               SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, HALF: gl.constexpr):
+              WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, HALF: gl.constexpr):
     """One 64-row half (HALF 0: the first to issue) of every tile of this program: the pipelined loop (softmax
     of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile. The two halves
     take turns issuing their matmuls (turn_mine / turn_other: a token passed back and forth, its phase from the
@@ -183,7 +195,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
     g = pid * 0  # K/V blocks consumed so far (all tiles of this program): ring stage / phase and turn phase
     tc = pid * 0  # tiles done so far: Q set tc % 2, parity (tc // 2) & 1
     for t in range(pid, N_M * BH, nprog):
-        i_m, bh = _tile(t, N_M, BH, HS, CAUSAL)
+        i_m, bh = _tile_at(t, ORDER, N_M, BH, HS, CAUSAL, ORDERED)
         off_b = bh // HQ
         off_h = bh % HQ
         lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
@@ -274,16 +286,17 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
 
 
 @gluon.jit
-def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, O, LSE, SCRATCH,
+def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, LSE, SCRATCH,
                                B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                               SEGMENTS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                               HEAD_GROUP: gl.constexpr):
+                               SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               PRODUCER_REGS: gl.constexpr, HEAD_GROUP: gl.constexpr):
     """Q [B, SEQ, HQ, D], K and V [B, SEQ, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32). F32 = [scale, ...],
     I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch (unused by the body).
     SEGMENTS: segment ids QSEG, KSEG [B, SEQ] (int32, negative = padding) and their tile ranges RANGES [B, N_M, 4]
-    (int32, in key blocks: `_tile_blocks`); without it those three are placeholders.
+    (int32, in key blocks: `_tile_blocks`); without it those three are placeholders. ORDERED: the tiles in the
+    order ORDER [N_M * B * HQ] gives (`_tile_at`), else `_tile`'s (ORDER a placeholder).
     Grid (P,), P <= number of tiles (`grid`); 4 warps asked, 12 run (two consumers, a producer)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
@@ -331,14 +344,14 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, O, LSE, SC
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, turn.index(0), turn.index(1), QSEG, KSEG, RANGES, HQ, SEQ, N_M,
-                     BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, 0)),
+                     nprog, left, right, qk_scale, turn.index(0), turn.index(1), QSEG, KSEG, RANGES, ORDER, HQ, SEQ,
+                     N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 0)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, turn.index(1), turn.index(0), QSEG, KSEG, RANGES, HQ, SEQ, N_M,
-                     BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, 1)),
+                     nprog, left, right, qk_scale, turn.index(1), turn.index(0), QSEG, KSEG, RANGES, ORDER, HQ, SEQ,
+                     N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 1)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, pid, nprog, left, right, RANGES, HQ, HKV, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N,
-                     D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, dtype.primitive_bitwidth // 8)),
+                     v_empty, pid, nprog, left, right, RANGES, ORDER, HQ, HKV, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M,
+                     BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, dtype.primitive_bitwidth // 8)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
