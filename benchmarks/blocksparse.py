@@ -22,6 +22,7 @@ from ejgen.types import BlockMask, MaskInfo
 
 HEADS, DIM = 16, 128
 CASES = [(8192, 8), (32768, 8), (32768, 64)]  # (tokens, documents)
+BATCH = 4  # calls per sample, dispatched back to back (flex_blocksparse.py times batches of 4 too)
 LAYOUTS = [("local+global", 8192), ("random 10%", 8192), ("local+global", 32768), ("random 10%", 32768)]
 
 
@@ -64,7 +65,8 @@ def run_layout(kind: str, tokens: int, reps: int, rounds: int) -> list[dict]:
     times = [[] for _ in compiled]
     for r in range(rounds):
         for i, (_, _, exe, _) in enumerate(compiled):
-            times[i].append(median_seconds(exe, (q, k, v, mask), reps, warmup=1, warm_seconds=0.3 if r == 0 else 0.05))
+            times[i].append(median_seconds(exe, (q, k, v, mask), reps, warmup=1, warm_seconds=0.3 if r == 0 else 0.05,
+                                          batch=BATCH))
     rows = []
     for (name, pass_, _, mult), t in zip(compiled, times):
         ms = float(np.median(t)) * 1e3
@@ -135,7 +137,7 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         impls["ejgen-triton one document"] = lambda q, k, v, info: flash_attention(q, k, v, causal=True, mask_info=one,
                                                                                  platform="triton")
         impls["ejgen-triton causal, tiles by work"] = _ordered(impls["ejgen-triton causal (all tokens)"])
-    if documents_only:
+    if documents_only and not probe:
         impls.pop("ejgen-triton causal (all tokens)")
     flops = 4.0 * HEADS * DIM * visible_pairs(ids)
     compiled = []
@@ -150,13 +152,14 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
     times = [[] for _ in compiled]
     for r in range(rounds):
         for i, (_, _, exe, _) in enumerate(compiled):
-            times[i].append(median_seconds(exe, (q, k, v, info), reps, warmup=1, warm_seconds=0.3 if r == 0 else 0.05))
+            times[i].append(median_seconds(exe, (q, k, v, info), reps, warmup=1, warm_seconds=0.3 if r == 0 else 0.05,
+                                          batch=BATCH))
     rows = []
     for (name, pass_, _, mult), t in zip(compiled, times):
         ms = float(np.median(t)) * 1e3
         rows.append(dict(tokens=tokens, docs=docs, impl=name, pass_=pass_, ms=ms, tflops=mult * flops / ms / 1e9,
                          tile_share=share))
-    for pass_ in () if documents_only else ("fwd", "fwd+bwd"):
+    for pass_ in () if documents_only and not probe else ("fwd", "fwd+bwd"):
         full = next(r["ms"] for r in rows if r["impl"].startswith("ejgen-triton causal") and r["pass_"] == pass_)
         rows.append(dict(tokens=tokens, docs=docs, impl="ideal (causal x tile share)", pass_=pass_, ms=full * share,
                          tflops=None, tile_share=share))
@@ -166,11 +169,18 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         from ejgen.runtime.attention.gluon import host as gluon_attention
 
         cfg = AttentionConfig(seq_q=tokens, seq_k=tokens, causal=True, segments=True)
-        for pass_ in ("fwd", "bwd"):
-            ranges = jax.jit(lambda i, p=pass_: gluon_attention.segment_ranges({"q_seg": i, "kv_seg": i}, cfg, tokens, p))
-            jax.block_until_ready(ranges(jnp.asarray(ids)))
-            ms = median_seconds(ranges, (jnp.asarray(ids),), reps, warmup=1) * 1e3
-            rows.append(dict(tokens=tokens, docs=docs, impl=f"Gluon {pass_} tile ranges (jit)", pass_="build", ms=ms,
+        def fwd_tiles(i):
+            ranges = gluon_attention.segment_ranges({"q_seg": i, "kv_seg": i}, cfg, tokens, "fwd")
+            return ranges, gluon_attention.tile_order(ranges, HEADS, tokens, True, gluon_attention.num_sms())
+
+        def bwd_tiles(i):
+            return gluon_attention.segment_ranges({"q_seg": i, "kv_seg": i}, cfg, tokens, "bwd")
+
+        for name, fn in (("Gluon fwd tile ranges + order", fwd_tiles), ("Gluon bwd tile ranges", bwd_tiles)):
+            fn = jax.jit(fn)
+            jax.block_until_ready(fn(jnp.asarray(ids)))
+            ms = median_seconds(fn, (jnp.asarray(ids),), reps, warmup=1, batch=16) * 1e3  # device-bound
+            rows.append(dict(tokens=tokens, docs=docs, impl=f"{name} (jit, 16 back to back)", pass_="build", ms=ms,
                              tflops=None, tile_share=share))
     build = jax.jit(lambda i: BlockMask.from_segments(i, block_q=128, block_k=128))
     jax.block_until_ready(build(jnp.asarray(ids)))

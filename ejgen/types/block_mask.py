@@ -232,20 +232,30 @@ def _kinds_by_rows(cond, batch, heads, block_q, block_k, q_len, kv_len):
     return jnp.moveaxis(lax.map(row, jnp.arange(nq)), 0, 2)
 
 
-def tile_ranges(kinds) -> jax.Array:
+def tile_ranges(kinds, longest: bool = True) -> jax.Array:
     """int32 [..., n, 4] from tile kinds [..., n, m]: for each tile of the first axis, ``(lo, hi, full_lo,
     full_hi)`` over the second: every visited tile lies in [lo, hi) (skipped tiles inside it are visited with the
-    element mask, which excludes them), and [full_lo, full_hi) is the longest run of full tiles (nothing
-    visited: all four equal). The contiguous view kernels that loop over a range take: exact for causal,
-    windows and packed documents, a superset for scattered tiles."""
+    element mask, which excludes them), and [full_lo, full_hi) is a run of full tiles (nothing visited: all four
+    equal): the longest one, or with ``longest=False`` the first, which takes a few reductions where the longest
+    takes a scan (packed documents have one run per tile: the same run, at a fraction of the device time; Gluon's
+    per-call ranges). The contiguous view kernels that loop over a range take: exact for causal, windows and
+    packed documents, a superset for scattered tiles."""
     kinds = jnp.asarray(kinds)
     m = kinds.shape[-1]
     j = jnp.arange(m, dtype=jnp.int32)
     visited = kinds != SKIP
+    full = kinds == FULL
+    if not longest:
+        lo = jnp.min(jnp.where(visited, j, m), axis=-1)
+        hi = jnp.max(jnp.where(visited, j + 1, 0), axis=-1)
+        lo = jnp.where(hi > 0, lo, 0)
+        flo = jnp.min(jnp.where(full, j, m), axis=-1)  # the first full tile (m: none)
+        fhi = jnp.min(jnp.where(~full & (j > flo[..., None]), j, m), axis=-1)  # where its run ends
+        none = flo >= m
+        return jnp.stack([lo, hi, jnp.where(none, lo, flo), jnp.where(none, lo, fhi)], axis=-1).astype(jnp.int32)
     any_v = jnp.any(visited, axis=-1)
     lo = jnp.where(any_v, jnp.argmax(visited, axis=-1), 0).astype(jnp.int32)
     hi = jnp.where(any_v, m - jnp.argmax(visited[..., ::-1], axis=-1), 0).astype(jnp.int32)
-    full = kinds == FULL
     last_break = lax.cummax(jnp.where(full, -1, j), axis=kinds.ndim - 1)  # the latest non-full tile at or before j
     run = jnp.where(full, j - last_break, 0)  # length of the full run ending at j
     end = jnp.argmax(run, axis=-1).astype(jnp.int32)

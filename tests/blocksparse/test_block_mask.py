@@ -210,17 +210,21 @@ def test_tile_ranges_cover_every_visited_tile_and_only_full_ones_unmasked():
     kinds = rng.choice([SKIP, PARTIAL, FULL], size=(2, 3, 7, 9), p=[0.5, 0.2, 0.3]).astype(np.int8)
     kinds[0, 0, 0] = SKIP  # nothing visited
     kinds[0, 0, 1] = [0, 1, 2, 2, 2, 1, 0, 0, 0]  # a document: partial edges, full middle
-    ranges = np.asarray(tile_ranges(jnp.asarray(kinds)))
-    for pos in np.ndindex(*kinds.shape[:-1]):
-        lo, hi, flo, fhi = ranges[pos]
-        row = kinds[pos]
-        visited = np.flatnonzero(row != SKIP)
-        assert lo <= flo <= fhi <= hi
-        if len(visited):
-            assert (lo, hi) == (visited[0], visited[-1] + 1)
-        else:
-            assert lo == hi == flo == fhi
-        assert np.all(row[flo:fhi] == FULL)
-        runs = [len(r) for r in "".join("F" if k == FULL else "." for k in row).split(".")]
-        assert fhi - flo == max(runs)
-    np.testing.assert_array_equal(ranges[0, 0, 1], [1, 6, 2, 5])
+    for longest in (True, False):
+        ranges = np.asarray(tile_ranges(jnp.asarray(kinds), longest))
+        for pos in np.ndindex(*kinds.shape[:-1]):
+            lo, hi, flo, fhi = ranges[pos]
+            row = kinds[pos]
+            visited = np.flatnonzero(row != SKIP)
+            assert lo <= flo <= fhi <= hi
+            if len(visited):
+                assert (lo, hi) == (visited[0], visited[-1] + 1)
+            else:
+                assert lo == hi == flo == fhi
+            assert np.all(row[flo:fhi] == FULL)
+            runs = [len(r) for r in "".join("F" if k == FULL else "." for k in row).split(".")]
+            first = next((r for r in runs if r), 0)
+            assert fhi - flo == (max(runs) if longest else first), (longest, row, ranges[pos])
+            if not longest and first:
+                assert flo == np.flatnonzero(row == FULL)[0]
+        np.testing.assert_array_equal(ranges[0, 0, 1], [1, 6, 2, 5])

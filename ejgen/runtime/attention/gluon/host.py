@@ -238,16 +238,21 @@ def tile_order(ranges, hq: int, seq: int, causal: bool, programs: int):
     lo, hi = ranges[..., 0], ranges[..., 1]
     if causal:
         hi = jnp.minimum(hi, (i_m * BLOCK_M + BLOCK_M + TILES["BLOCK_N"] - 1) // TILES["BLOCK_N"])
-    blocks = jnp.maximum(hi - lo, 1)  # [B, N_M]; the kernel visits at least one block
+    work = jnp.maximum(hi - lo, 1).T.reshape(-1)  # per (i_m, b) row; the kernel visits at least one block
+    rows = work.shape[0]
+    r = jnp.arange(rows, dtype=jnp.int32)
+    if rows <= 4096:  # the rank in (-work, row) order by one comparison pass (a sort is several kernels)
+        before = (work[None, :] > work[:, None]) | ((work[None, :] == work[:, None]) & (r[None, :] < r[:, None]))
+        rank = jnp.sum(before, axis=1, dtype=jnp.int32)
+    else:
+        rank = jnp.zeros_like(r).at[jnp.argsort(-work, stable=True)].set(r)
     bh = batch * hq
-    entry = jnp.arange(n_m * bh, dtype=jnp.int32)  # i_m * bh + (b * hq + h)
-    work = blocks[(entry % bh) // hq, entry // bh]
-    ranked = entry[jnp.argsort(-work, stable=True)]
-    k = jnp.arange(n_m * bh, dtype=jnp.int32)
+    entry = jnp.arange(n_m * bh, dtype=jnp.int32)  # i_m * bh + (b * hq + h): heads of a row next to each other
+    k = rank[(entry // bh) * batch + (entry % bh) // hq] * hq + entry % hq  # its place, heaviest first
     wave, j = k // programs, k % programs
     full_wave = (wave + 1) * programs <= n_m * bh  # a last, partial wave is dealt forwards: its slots exist
     slot = wave * programs + jnp.where((wave % 2 == 1) & full_wave, programs - 1 - j, j)
-    return jnp.zeros_like(ranked).at[slot].set(ranked)
+    return jnp.zeros_like(entry).at[slot].set(entry)
 
 
 def segment_ranges(ctx, cfg, seq: int, pass_: str = "fwd"):
@@ -263,4 +268,4 @@ def segment_ranges(ctx, cfg, seq: int, pass_: str = "fwd"):
     kinds = tiles.mask_kinds(ctx, cfg, bq, bk, seq, seq)[:, 0]  # [B, nQ, nK]: segment ids only (`ineligible`)
     if pass_ != "fwd":
         kinds = jnp.swapaxes(kinds, -1, -2)
-    return block_mask.tile_ranges(kinds).astype(jnp.int32)
+    return block_mask.tile_ranges(kinds, longest=False)  # documents: one run of full tiles per tile
