@@ -17,7 +17,7 @@ def run(cases: str):
     import jax.numpy as jnp
     import torch
 
-    from blocksparse import DIM, HEADS, _generated, _ordered, document_ids
+    from blocksparse import DIM, HEADS, _generated, _static, document_ids
     from ejgen.ops import flash_attention
     from ejgen.types import MaskInfo
 
@@ -31,7 +31,7 @@ def run(cases: str):
         docs_fn = lambda q, k, v: flash_attention(q, k, v, causal=True, mask_info=info, platform="triton")  # noqa
         causal = lambda q, k, v: flash_attention(q, k, v, causal=True, platform="triton")  # noqa: E731
         for name, f in (("documents gluon", docs_fn), ("documents generated", _generated(docs_fn)),
-                        ("causal", causal), ("causal by work", _ordered(causal))):
+                        ("causal", causal), ("causal, static tile order", _static(causal))):
             def loss(q, k, v, f=f):
                 return jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
 

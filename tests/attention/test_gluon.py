@@ -347,3 +347,11 @@ def test_the_tile_order_deals_the_work_evenly():
     assert max(static_per_program) >= 1.4 * balanced  # what it replaces
     plain = np.asarray(gluon_attention.tile_order(None, 2, 1000, False, 5))  # no ids, no causal: every tile alike
     assert sorted(plain.tolist()) == list(range(8 * 2))
+    # causal alone (a constant, made while tracing): batch 2, GQA-like head counts; query tile i_m has i_m + 1 blocks
+    causal = gluon_attention.tile_order(None, 6, 4096, True, 132, batch=2)
+    assert isinstance(causal, np.ndarray) and sorted(causal.tolist()) == list(range(32 * 12))
+    work = causal // 12 + 1
+    assert max(work[p::132].sum() for p in range(132)) <= 1.12 * work.sum() / 132  # ~3 tiles each: 53 for 48
+    assert gluon_attention.ordered(AttentionConfig(seq_q=8, seq_k=8, causal=True))
+    assert not gluon_attention.ordered(AttentionConfig(seq_q=8, seq_k=8, causal=True, window=True))
+    assert not gluon_attention.ordered(AttentionConfig(seq_q=8, seq_k=8))

@@ -105,14 +105,17 @@ def _tile_at(t, ORDER, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, CA
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              pid, nprog, left, right, RANGES, ORDER, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
+              pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
               N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
               SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, ITEM: gl.constexpr):
     """Per tile: its two Q halves into Q set tc % 2 (once the consumers released that set, two tiles ago), then
-    its K/V blocks into the ring. Empty barriers start free: waiting for the parity before their first phase
-    returns at once."""
+    its K/V blocks into the ring; with SEGMENTS each block's key ids too, into kseg_smem next to its K (read before
+    the stage is free, stored after; k_ready then counts this warp's arrive as well). Empty barriers start free:
+    waiting for the parity before their first phase returns at once."""
     ROWS: gl.constexpr = BLOCK_M // 2
+    ids_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, BLOCK_N // 32], threads_per_warp=[1, 32],
+                                           warps_per_cta=[1, 1], order=[1, 0])
     g = pid * 0  # K/V blocks issued so far (all tiles of this program)
     tc = pid * 0  # tiles started so far
     for t in range(pid, N_M * BH, nprog):
@@ -134,9 +137,16 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             gi = g + it
             idx = gi % NUM_STAGES
             phase = (gi // NUM_STAGES) & 1
+            if SEGMENTS:
+                cols = j * BLOCK_N + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ids_l)), 0)
+                ids = gl.load(KSEG + off_b.to(gl.int64) * SEQ + cols, mask=cols < SEQ, other=-2)
             mbarrier.wait(k_empty.index(idx), phase ^ 1)
             mbarrier.expect(k_ready.index(idx), BLOCK_N * D * ITEM)
             tma_load(k_desc, [off_b, j * BLOCK_N, kv_col], k_ready.index(idx), k_smem.index(idx))
+            if SEGMENTS:
+                kseg_smem.index(idx).store(ids)
+                cta_barrier()  # every lane's ids stored before the (single-thread) arrive
+                mbarrier.arrive(k_ready.index(idx), count=1)
             mbarrier.wait(v_empty.index(idx), phase ^ 1)
             mbarrier.expect(v_ready.index(idx), BLOCK_N * D * ITEM)
             tma_load(v_desc, [off_b, j * BLOCK_N, kv_col], v_ready.index(idx), v_smem.index(idx))
@@ -145,12 +155,11 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, kseg, MASKED: gl.constexpr, SEQ: gl.constexpr,
+def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, MASKED: gl.constexpr, SEQ: gl.constexpr,
              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Online softmax of one block in exp2 (scale * log2 e folded in): (p, alpha, m, l). With SEGMENTS the element
-    mask also compares the rows' segment ids qs with the block's keys' (kseg: this batch row's ids; padding,
-    negative, sees nothing)."""
+    mask also compares the rows' segment ids qs with the block's keys' ks ([1, BLOCK_N]; padding, negative, sees nothing)."""
     if MASKED:
         rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -162,9 +171,8 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, kseg, MASKED: gl
         if WINDOW:
             keep = keep & (dist >= -left) & (dist <= right)
         if SEGMENTS:
-            ks = gl.load(kseg + cols, mask=cols < SEQ, other=-2)
             q2 = gl.expand_dims(qs, 1)
-            keep = keep & (q2 == gl.expand_dims(ks, 0)) & (q2 >= 0)
+            keep = keep & (q2 == ks) & (q2 >= 0)
         s = gl.where(keep, s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no visible key yet: no inf - inf
@@ -173,8 +181,35 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, kseg, MASKED: gl
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 @gluon.jit
+def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem, k_empty, idx,
+                   SEQ: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
+                   ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """K stage idx back to the producer (S_j has retired), then block j's softmax, under the element mask outside
+    [f0, f1); with SEGMENTS a masked block's key ids are read from the stage's kseg_smem first."""
+    if SEGMENTS:
+        if (j < f0) | (f1 <= j):
+            ks = kseg_smem.index(idx).load(s_layout)  # [1, BLOCK_N]
+            mbarrier.arrive(k_empty.index(idx), count=1)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, True, SEQ, CAUSAL,
+                                          WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+        else:
+            mbarrier.arrive(k_empty.index(idx), count=1)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, False, SEQ, CAUSAL,
+                                          WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+    else:
+        mbarrier.arrive(k_empty.index(idx), count=1)
+        if (j < f0) | (f1 <= j):
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, True, SEQ, CAUSAL,
+                                          WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+        else:
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, False, SEQ, CAUSAL,
+                                          WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+    return p, alpha, m_i, l_i
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, lse_ptr, pid,
-              nprog, left, right, qk_scale, turn_mine, turn_other, QSEG, KSEG, RANGES, ORDER, HQ: gl.constexpr,
+              nprog, left, right, qk_scale, turn_mine, turn_other, QSEG, kseg_smem, RANGES, ORDER, HQ: gl.constexpr,
               SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, HALF: gl.constexpr):
@@ -203,7 +238,6 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
         q_row0 = i_m * BLOCK_M + HALF * ROWS
         # the rows' segment ids (SEGMENTS; else unused), read once per tile
         seg_rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        kseg = KSEG + off_b.to(gl.int64) * SEQ
         qs = seg_rows
         if SEGMENTS:
             qs = gl.load(QSEG + off_b.to(gl.int64) * SEQ + seg_rows, mask=seg_rows < SEQ, other=-1)
@@ -224,13 +258,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
                               use_acc=False, is_async=True)
         mbarrier.arrive(turn_other, count=1)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(idx), count=1)
-        if (lo < f0) | (f1 <= lo):
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, lo, q_row0, left, right, qk_scale, qs, kseg, True, SEQ,
-                                          CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
-        else:
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, lo, q_row0, left, right, qk_scale, qs, kseg, False, SEQ,
-                                          CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, lo, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem,
+                                            k_empty, idx, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
 
         # block j: issue S_j and P_{j-1} V_{j-1}; the softmax of S_j runs while the second is in flight
@@ -249,13 +278,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
             acc_tok = warpgroup_mma(p16, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
             mbarrier.arrive(turn_other, count=1)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-            mbarrier.arrive(k_empty.index(idx), count=1)
-            if (j < f0) | (f1 <= j):
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, kseg, True, SEQ,
-                                              CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
-            else:
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, kseg, False, SEQ,
-                                              CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem,
+                                                k_empty, idx, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
             acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p16))
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -330,8 +354,10 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
     q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    ids_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    kseg_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 1, BLOCK_N if SEGMENTS else 32], ids_layout)
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_ready.index(i), count=2 if SEGMENTS else 1)  # the K load (and the producer's key ids)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both consumers
         mbarrier.init(v_empty.index(i), count=2)
@@ -344,13 +370,13 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, turn.index(0), turn.index(1), QSEG, KSEG, RANGES, ORDER, HQ, SEQ,
+                     nprog, left, right, qk_scale, turn.index(0), turn.index(1), QSEG, kseg_smem, RANGES, ORDER, HQ, SEQ,
                      N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 0)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, turn.index(1), turn.index(0), QSEG, KSEG, RANGES, ORDER, HQ, SEQ,
+                     nprog, left, right, qk_scale, turn.index(1), turn.index(0), QSEG, kseg_smem, RANGES, ORDER, HQ, SEQ,
                      N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 1)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, pid, nprog, left, right, RANGES, ORDER, HQ, HKV, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M,
+                     v_empty, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ, HKV, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M,
                      BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, dtype.primitive_bitwidth // 8)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -398,10 +424,12 @@ def _opaque_zero():
 
 @gluon.jit
 def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
-                  do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm, H, GROUP,
-                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+                  do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm, H, GROUP, QSEG, qs_smem,
+                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  SEGMENTS: gl.constexpr):
     """The program's K and V once, then per (query head, query block) Q and dO by TMA into the ring and the
-    block's lse * log2 e and delta rows into shared memory."""
+    block's lse * log2 e and delta rows (SEGMENTS: and segment ids) into shared memory."""
+    qseg = QSEG + off_b.to(gl.int64) * S
     KV_BYTES: gl.constexpr = BLOCK_N * D * 2
     mbarrier.expect(kv_bar, 2 * KV_BYTES)
     tma_load(k_desc, [off_b, n * BLOCK_N, off_hk * D], kv_bar, k_smem.index(0))
@@ -410,8 +438,8 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
         hq = it // nm
         m = m_lo + it % nm
         _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, lse_ptr,
-                       delta_ptr, off_b, m, off_hk * GROUP + hq, it % NUM_STAGES, (it // NUM_STAGES) & 1, H, S, D,
-                       BLOCK_M)
+                       delta_ptr, off_b, m, off_hk * GROUP + hq, it % NUM_STAGES, (it // NUM_STAGES) & 1, H, S, qseg,
+                       qs_smem, D, BLOCK_M, SEGMENTS)
 
 
 @gluon.jit
@@ -430,10 +458,12 @@ def _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK: gl.constexpr):
 
 @gluon.jit
 def _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, lse_ptr,
-                   delta_ptr, off_b, m, h, s, ph, H, S, D: gl.constexpr, BLOCK_M: gl.constexpr):
+                   delta_ptr, off_b, m, h, s, ph, H, S, qseg, qs_smem, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                   SEGMENTS: gl.constexpr):
     """Producer, one ring item: Q and dO of query block m of head h by TMA into stage s (once both consumers
     released it: empty barriers start free, waiting on the parity before their first phase returns at once), and
-    the block's lse * log2 e and delta rows into shared memory (plain loads; do_ready counts this arrival too)."""
+    the block's lse * log2 e and delta rows into shared memory (plain loads; do_ready counts this arrival too);
+    SEGMENTS: its rows' segment ids as well (qseg: this batch row's), into qs_smem."""
     QT_BYTES: gl.constexpr = BLOCK_M * D * (q_smem.dtype.primitive_bitwidth // 8)
     row_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, BLOCK_M // 32], threads_per_warp=[1, 32],
                                            warps_per_cta=[1, 1], order=[1, 0])
@@ -448,13 +478,15 @@ def _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready
     dlt = gl.load(delta_ptr + rbase + rows, mask=rows < S, other=0.0)
     lse_smem.index(s).store(lse * 1.4426950408889634)
     dlt_smem.index(s).store(dlt)
+    if SEGMENTS:
+        qs_smem.index(s).store(gl.load(qseg + rows, mask=rows < S, other=-1))
     mbarrier.arrive(do_ready.index(s), count=1)
 
 
 @gluon.jit
 def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
               do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero, dq_zero, qk2, sm_scale, gi, s, ph, m,
-              h, n, f0, f1, off_b, S, WINDOW_LEFT, qseg, ks, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+              h, n, f0, f1, off_b, S, WINDOW_LEFT, qs_smem, ks, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, RELEASE_V: gl.constexpr,
               SEGMENTS: gl.constexpr):
     """Consumer warpgroup WG, one ring item gi (query block m of head h in stage s, parity ph) against its 64 keys
@@ -462,8 +494,8 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
     dK += dS^T Q, the dS^T half into dS buffer gi % 2 for the joint dQ = dS K (DQ_MODE 0: whole tiles alternating
     between the warpgroups, else this warpgroup's half of dQ's columns), dQ * scale reduce-added into the float32
     accumulator. RELEASE_V: V buffer vb goes back to the producer (v_empty) once the dP^T of the tile's last item
-    (it == n_it - 1) retired. SEGMENTS: masked items also compare segment ids (qseg: this batch row's query ids;
-    ks: the warpgroup's keys' ids; padding, negative, sees nothing).
+    (it == n_it - 1) retired. SEGMENTS: masked items also compare segment ids (qs_smem: the stage's query rows' ids,
+    from the producer; ks: the warpgroup's keys' ids; padding, negative, sees nothing).
     Returns (dk, dv)."""
     HALF: gl.constexpr = BLOCK_N // 2
     if DQ_MODE == 0:
@@ -497,7 +529,7 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
         rows = m * BLOCK_M + cols_smem.load(col_l)
         pT = _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK)
         if SEGMENTS:
-            qs = gl.expand_dims(gl.load(qseg + rows, mask=rows < S, other=-1), 0)
+            qs = qs_smem.index(s).load(s_layout)  # [1, BM]
             pT = gl.where((gl.expand_dims(ks, 1) == qs) & (qs >= 0), pT, 0.0)
     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     if RELEASE_V:
@@ -572,7 +604,7 @@ def _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, S, HKV, 
 @gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
                   do_ready, qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, off_b, off_hk, n, S, m_lo, nm, f0, f1,
-                  sm_scale, H, HKV, GROUP, WINDOW_LEFT, QSEG, KSEG, WG: gl.constexpr, D: gl.constexpr,
+                  sm_scale, H, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, WG: gl.constexpr, D: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
                   DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr):
     """Warpgroup WG's 64 keys: dK, dV over the program's query blocks (S^T, dP^T, P^T, dS^T; dV += P^T dO,
@@ -593,7 +625,6 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-    qseg = QSEG + off_b.to(gl.int64) * S
     ks = keys
     if SEGMENTS:
         ks = gl.load(KSEG + off_b.to(gl.int64) * S + keys, mask=keys < S, other=-2)
@@ -617,7 +648,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
             k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, None, 0, it, 0, dq_desc, s_zero, dq_zero,
-                           qk2, sm_scale, it, s, ph, m, h, n, f0, f1, off_b, S, WINDOW_LEFT, qseg, ks, WG, D,
+                           qk2, sm_scale, it, s, ph, m, h, n, f0, f1, off_b, S, WINDOW_LEFT, qs_smem, ks, WG, D,
                            BLOCK_M, BLOCK_N, MASK, DQ_MODE, False, SEGMENTS)
 
     # epilogue: dK (scaled) and dV of this WG's 64 keys, straight from registers
@@ -703,6 +734,8 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
                                                             NUM_STAGES, DQ_MODE, 1, 1)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     misc_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # 0: K/V loaded, 1: dSEQ halves written
+    ids_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    qs_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 1, BLOCK_M if SEGMENTS else 32], ids_layout)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=2)  # dO TMA (expect-tx) + the producer's lse/delta stores
@@ -723,15 +756,15 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     gl.warp_specialize([
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
                          q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
-                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, QSEG, KSEG, 0, D,
+                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, 0, D,
                          BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
                          q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
-                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, QSEG, KSEG, 1, D,
+                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, 1, D,
                          BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
                          do_ready, qd_empty, misc_bar.index(0), LSE, DELTA, off_b, off_hk, n, SEQ, m_lo, nm, HQ, GROUP,
-                         D, BLOCK_M, BLOCK_N, NUM_STAGES)),
+                         QSEG, qs_smem, D, BLOCK_M, BLOCK_N, NUM_STAGES, SEGMENTS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -806,7 +839,8 @@ def _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_de
         h = off_hk * GROUP + hq
         gi = g + it
         _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, lse_ptr,
-                       delta_ptr, off_b, m, h, gi % NUM_STAGES, (gi // NUM_STAGES) & 1, HQ, SEQ, D, BLOCK_M)
+                       delta_ptr, off_b, m, h, gi % NUM_STAGES, (gi // NUM_STAGES) & 1, HQ, SEQ, lse_ptr, lse_smem, D,
+                       BLOCK_M, False)
     return GROUP * nm, nxt
 
 
@@ -893,7 +927,7 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem,
         # V goes back to the producer after the tile's last dP^T (the next tile's V lands under the rest)
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero,
-                           dq_zero, qk2, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, WINDOW_LEFT, dk_ptr, 0, WG,
+                           dq_zero, qk2, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, WINDOW_LEFT, lse_smem, 0, WG,
                            D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, False)
     # every wgmma of the tile has retired (each item ends with a full wait): K is free for the producer
     mbarrier.arrive(k_empty.index(kb), count=1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -276,15 +275,15 @@ def _gluon_segments(ctx, cfg, seq: int, pass_: str):
 
 
 def _gluon_forward(q, k, v, scalars, ctx, cfg):
-    """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
-    segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.tile_order`)."""
+    """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). Causal
+    or with segment ids (windows aside), its tiles go in the order of their work (`gluon_attention.tile_order`)."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
     grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
     segments = _gluon_segments(ctx, cfg, sq, "fwd")
-    ordered = not cfg.window and (cfg.segments or os.environ.get("EJGEN_GLUON_ORDER") == "1")  # EXPERIMENT
-    order = (gluon_attention.tile_order(segments[2] if cfg.segments else None, hq, sq, cfg.causal, grid[0])
-             if ordered else _dummy(jnp.int32))
+    ordered = gluon_attention.ordered(cfg)
+    order = (jnp.asarray(gluon_attention.tile_order(segments[2] if cfg.segments else None, hq, sq, cfg.causal,
+                                                    grid[0], batch)) if ordered else _dummy(jnp.int32))
     out, lse, _ = triton_call.launch(
         gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), k, v, *scalars, *segments, order],
         [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
