@@ -273,6 +273,7 @@ def test_document_masks_reach_the_kernels_with_their_tile_ranges(monkeypatch):
     assert fwd.shape == (1, 5, 4) and fwd[0, 0].tolist() == [0, 3, 0, 2]
     assert fwd[0, 4].tolist() == [0, 0, 0, 0]  # the padding tile: nothing (the kernel still visits one masked block)
     bwd = dict(zip(seen[1][0].arg_names, seen[1][2]))["RANGES"]
+    assert sorted(dict(zip(seen[1][0].arg_names, seen[1][2]))["ORDER"].tolist()) == list(range(5 * 2))
     assert bwd.shape == (1, 5, 4) and bwd[0, 4].tolist() == [0, 0, 0, 0]
     assert bwd[0, 1].tolist() == [0, 5, 0, 4]  # keys 128-255 (document 0): query blocks 0-3 full, 4 holds row 300
     assert bwd[0, 2].tolist() == [0, 8, 0, 0]  # keys 256-383 cross into document 1: no full query block
@@ -345,6 +346,13 @@ def test_the_tile_order_deals_the_work_evenly():
     balanced = work.sum() / programs
     assert max(per_program) <= 1.08 * balanced, (max(per_program), balanced)
     assert max(static_per_program) >= 1.4 * balanced  # what it replaces
+    # the backward's programs: the most query blocks first (the GPU starts them in that order)
+    bwd_ranges = gluon_attention.segment_ranges({"q_seg": ids, "kv_seg": ids}, cfg, seq, "bwd")
+    bwd = np.asarray(gluon_attention.bwd_order(bwd_ranges, 4, seq, True))
+    assert sorted(bwd.tolist()) == list(range(64 * 4))
+    br = np.asarray(bwd_ranges)[0]
+    items = np.maximum(br[:, 1] - np.maximum(br[:, 0], np.arange(64) * 2), 0)  # query blocks of 64 rows, causal
+    assert np.all(np.diff(items[bwd // 4]) <= 0) and items[bwd[0] // 4] == items.max()
     plain = np.asarray(gluon_attention.tile_order(None, 2, 1000, False, 5))  # no ids, no causal: every tile alike
     assert sorted(plain.tolist()) == list(range(8 * 2))
     # causal alone (a constant, made while tracing): batch 2, GQA-like head counts; query tile i_m has i_m + 1 blocks

@@ -248,17 +248,7 @@ def tile_order(ranges, hq: int, seq: int, causal: bool, programs: int, batch: in
     lo, hi = ranges[..., 0], ranges[..., 1]
     if causal:
         hi = xp.minimum(hi, (i_m * BLOCK_M + BLOCK_M + TILES["BLOCK_N"] - 1) // TILES["BLOCK_N"])
-    work = xp.maximum(hi - lo, 1).T.reshape(-1)  # per (i_m, b) row; the kernel visits at least one block
-    rows = work.shape[0]
-    r = xp.arange(rows, dtype=xp.int32)
-    if xp is np:
-        rank = np.empty_like(r)
-        rank[np.argsort(-work, kind="stable")] = r
-    elif rows <= 4096:  # the rank in (-work, row) order by one comparison pass (a sort is several kernels)
-        before = (work[None, :] > work[:, None]) | ((work[None, :] == work[:, None]) & (r[None, :] < r[:, None]))
-        rank = jnp.sum(before, axis=1, dtype=jnp.int32)
-    else:
-        rank = jnp.zeros_like(r).at[jnp.argsort(-work, stable=True)].set(r)
+    rank = _rank(xp.maximum(hi - lo, 1).T.reshape(-1), xp)  # per (i_m, b) row: it visits at least one block
     b_rows = ranges.shape[0]
     bh = b_rows * hq
     entry = xp.arange(n_m * bh, dtype=xp.int32)  # i_m * bh + (b * hq + h): heads of a row next to each other
@@ -271,6 +261,42 @@ def tile_order(ranges, hq: int, seq: int, causal: bool, programs: int, batch: in
         order[slot] = entry
         return order
     return jnp.zeros_like(entry).at[slot].set(entry)
+
+
+def _rank(work, xp):
+    """int32: each entry's place in decreasing ``work``, ties in index order: by one comparison pass on the device
+    (a sort is several kernels) up to 4096 entries, else a sort; numpy for constants."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    r = xp.arange(work.shape[0], dtype=xp.int32)
+    if xp is np:
+        rank = np.empty_like(r)
+        rank[np.argsort(-work, kind="stable")] = r
+        return rank
+    if work.shape[0] <= 4096:
+        before = (work[None, :] > work[:, None]) | ((work[None, :] == work[:, None]) & (r[None, :] < r[:, None]))
+        return jnp.sum(before, axis=1, dtype=jnp.int32)
+    return jnp.zeros_like(r).at[jnp.argsort(-work, stable=True)].set(r)
+
+
+def bwd_order(ranges, hkv: int, seq: int, causal: bool):
+    """int32 [N_N * B * hkv]: the backward's programs (n * B * hkv + b * hkv + kv head) in launch order, the most
+    query blocks first (from the segment ids' ``ranges`` [B, N_N, 4], joined with causal). The GPU starts programs
+    in launch order as SMs free up, so this is the longest-first greedy schedule; the grid's own order (key
+    blocks fast) suits causal alone, not packed documents."""
+    import jax.numpy as jnp
+
+    n_n = ranges.shape[1]
+    n = jnp.arange(n_n, dtype=jnp.int32)
+    lo, hi = ranges[..., 0], ranges[..., 1]
+    if causal:
+        lo = jnp.maximum(lo, n * BWD_TILES["BLOCK_N"] // BWD_TILES["BLOCK_M"])
+    rank = _rank(jnp.maximum(hi - lo, 0).T.reshape(-1), jnp)  # per (n, b) row
+    batch = ranges.shape[0]
+    entry = jnp.arange(n_n * batch * hkv, dtype=jnp.int32)
+    place = rank[entry // hkv] * hkv + entry % hkv  # (n, b) rows in entry order: entry // hkv
+    return jnp.zeros_like(entry).at[place].set(entry)
 
 
 def segment_ranges(ctx, cfg, seq: int, pass_: str = "fwd"):

@@ -708,7 +708,7 @@ def _bwd_buffers(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl
 
 
 @gluon.jit
-def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RANGES, DQ_ACC, DK, DV, SCRATCH,
+def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RANGES, ORDER, DQ_ACC, DK, DV, SCRATCH,
                                B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                MASK: gl.constexpr, DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr,
@@ -718,7 +718,8 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     (DELTA = rowsum(dO * O) - d lse). MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
     F32 = [scale, ...]. SEGMENTS: segment ids QSEG, KSEG [B, SEQ] (int32, negative = padding) and each key block's
     range of query blocks under them, RANGES [B, cdiv(SEQ, BLOCK_N), 4] (lo, hi, full lo, full hi), joined with the
-    mask's (a key block no query sees: dK = dV = 0); without it placeholders.
+    mask's (a key block no query sees: dK = dV = 0), and the programs' order ORDER [cdiv(SEQ, BLOCK_N) * B * HKV]
+    (`host.bwd_order`: the most work first); without it placeholders.
     Grid (cdiv(SEQ, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
     gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
     sm_scale = gl.load(F32)
@@ -726,6 +727,11 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     GROUP = HQ // HKV
     n = gl.program_id(0)  # causal / window: small n has the most query blocks -> scheduled first
     pid_bh = gl.program_id(1)
+    if SEGMENTS:  # programs start in launch order (n fast): take the n-th entry of the order
+        N_PROG: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
+        e = gl.load(ORDER + pid_bh * N_PROG + n)
+        n = e // (B * HKV)
+        pid_bh = e % (B * HKV)
     off_b = pid_bh // HKV
     off_hk = pid_bh % HKV
 
