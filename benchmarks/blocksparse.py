@@ -103,7 +103,8 @@ def _generated(f):
 
 
 def _static(f):
-    """f with the Gluon forward's tiles in the static order (`gluon_attention.ordered` off while it traces)."""
+    """f with the Gluon kernels' tiles in their static order (`gluon_attention.ordered` off while it traces: the
+    forward's tile order and the backward's launch order)."""
     from ejgen.runtime.attention.gluon import host as gluon_attention
 
     def call(*args):
@@ -137,6 +138,7 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         impls["ejgen-triton one document"] = lambda q, k, v, info: flash_attention(q, k, v, causal=True, mask_info=one,
                                                                                  platform="triton")
         impls["ejgen-triton causal, static tile order"] = _static(impls["ejgen-triton causal (all tokens)"])
+        impls["ejgen-triton documents, static tile order"] = _static(impls["ejgen-triton documents"])
     if documents_only and not probe:
         impls.pop("ejgen-triton causal (all tokens)")
     flops = 4.0 * HEADS * DIM * visible_pairs(ids)

@@ -280,14 +280,18 @@ def _rank(work, xp):
     return jnp.zeros_like(r).at[jnp.argsort(-work, stable=True)].set(r)
 
 
-def bwd_order(ranges, hkv: int, seq: int, causal: bool):
+def bwd_order(ranges, hkv: int, seq: int, causal: bool, by_work: bool = True):
     """int32 [N_N * B * hkv]: the backward's programs (n * B * hkv + b * hkv + kv head) in launch order, the most
     query blocks first (from the segment ids' ``ranges`` [B, N_N, 4], joined with causal). The GPU starts programs
     in launch order as SMs free up, so this is the longest-first greedy schedule; the grid's own order (key
-    blocks fast) suits causal alone, not packed documents."""
+    blocks fast) suits causal alone, not packed documents. ``by_work=False``: the grid's own order."""
     import jax.numpy as jnp
+    import numpy as np
 
     n_n = ranges.shape[1]
+    if not by_work:
+        t = np.arange(n_n * ranges.shape[0] * hkv, dtype=np.int32)
+        return jnp.asarray((t % n_n) * (ranges.shape[0] * hkv) + t // n_n)
     n = jnp.arange(n_n, dtype=jnp.int32)
     lo, hi = ranges[..., 0], ranges[..., 1]
     if causal:

@@ -339,8 +339,8 @@ def _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, ctx, cfg):
         zeroed, consts = (0, ), gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window,
                                                                 cfg.segments)
         segments = _gluon_segments(ctx, cfg, sq, "bwd")
-        order = (gluon_attention.bwd_order(segments[2], hkv, sq, cfg.causal) if cfg.segments
-                 else _dummy(jnp.int32))
+        order = (gluon_attention.bwd_order(segments[2], hkv, sq, cfg.causal, gluon_attention.ordered(cfg))
+                 if cfg.segments else _dummy(jnp.int32))
         scalars = [*scalars, *segments, order]
     dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, k, v, do4, lse3, delta3, *scalars],
                                             outs + [_scratch(grid)], zeroed=zeroed, num_warps=4, num_stages=1, **consts)
