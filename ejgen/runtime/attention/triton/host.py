@@ -275,8 +275,8 @@ def _gluon_segments(ctx, cfg, seq: int, pass_: str):
 
 
 def _gluon_forward(q, k, v, scalars, ctx, cfg):
-    """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). Causal
-    or with segment ids (windows aside), its tiles go in the order of their work (`gluon_attention.tile_order`)."""
+    """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
+    segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`)."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
     grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
