@@ -45,7 +45,7 @@ def test_auto_by_target(target, platform, forward, backward):
     (dict(q=jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.float32)), "16-bit only"),
     (dict(d=96), "head dims 96/96"),
     (dict(logits_soft_cap=30.0), "not gluon: soft cap ("),
-    (dict(mask_info="segments"), "not gluon: segment ids ("),
+    (dict(mask_info="dense"), "not gluon: a dense mask ("),
     (dict(kv_len=512), "Sq 1024 != Sk 512"),
 ])
 def test_the_hopper_set_says_why_it_declines(change, why):
@@ -54,9 +54,8 @@ def test_the_hopper_set_says_why_it_declines(change, why):
     d, kv_len = change.pop("d", 128), change.pop("kv_len", 1024)
     q = change.pop("q", jax.ShapeDtypeStruct((1, 1024, 8, d), jnp.bfloat16))
     kv = jax.ShapeDtypeStruct((1, kv_len, 2, d), q.dtype)
-    if change.get("mask_info") == "segments":
-        ids = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
-        change["mask_info"] = MaskInfo(q_segment_ids=ids, kv_segment_ids=ids)
+    if change.get("mask_info") == "dense":
+        change["mask_info"] = MaskInfo(attention_mask=jax.ShapeDtypeStruct((1, 1, 1024, 1024), jnp.bool_))
     choice = explain(flash_attention, q, kv, kv, causal=True, target="sm90", **change)
     assert (choice.forward, choice.backward) == ("triton", "triton")
     assert why in choice.reasons[1] and why in choice.reasons[2]
@@ -112,9 +111,12 @@ def test_ejgen_show_call_reports_the_choice(capsys):
     assert main(["show", "--call", call, "--target", "sm90"]) == 0
     out = capsys.readouterr().out
     assert "platform triton: forward gluon, backward gluon" in out
-    assert main(["show", "--call", call.replace("causal=True", "mask_info=segments(int32[1,1024])"),
+    documents = call.replace("causal=True", "causal=True, mask_info=segments(int32[1,1024])")
+    assert main(["show", "--call", documents, "--target", "sm90"]) == 0
+    assert "platform triton: forward gluon, backward gluon" in capsys.readouterr().out  # packed documents
+    assert main(["show", "--call", call.replace("causal=True", "mask_info=mask(bool[1,1,1024,1024])"),
                  "--target", "sm90"]) == 0
-    assert "not gluon: segment ids (the Hopper kernels take none of" in capsys.readouterr().out
+    assert "not gluon: a dense mask (the Hopper kernels take none of" in capsys.readouterr().out
     assert main(["show", "--call", "flash_attention(q)"]) == 1
     assert "neither a literal nor dtype[dims]" in capsys.readouterr().err
     assert main(["show", "--call", "no_such_op(f32[1])"]) == 1

@@ -9,7 +9,8 @@ The forward:
 
 Where it runs: sm_90 GPUs, 16-bit q/k/v with head dim 64 or 128 (= value head dim), Sq == Sk, no varlen,
 and a spec whose score is the scaled dot product and whose mask is the built-in causal / sliding-window one
-(no soft cap, sinks, bias, segments, dense mask, block layout, positions or params): the kernel-set contract,
+(no soft cap, sinks, bias, dense mask, block layout, positions or params; segment ids are taken: their tile ranges
+join the band's, the ids are compared on partial blocks only, `segment_ranges`, `tile_order`): the kernel-set contract,
 docs/DESIGN.md §6
 (`ineligible`). `triton_attention` takes it for those calls and keeps the generated Triton kernel for every
 other one (and for the backward, which reads this kernel's O and lse). The element semantics are
