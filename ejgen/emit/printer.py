@@ -6,9 +6,9 @@ boolean operators are spelled. Output is parenthesised only where Python precede
 
 from __future__ import annotations
 
-from ejgen.ir.expr import Binary, Call, Const, Expr, ParamRef, Unary, Var
+from ejgen.ir.expr import INT_OPS, INT_RESULT_FUNCS, Binary, Call, Const, Expr, ParamRef, Type, Unary, Var, fold
 
-_PREC = {"**": 7, "neg": 6, "*": 5, "/": 5, "+": 4, "-": 4, "cmp": 3}
+_PREC = {"**": 7, "neg": 6, "*": 5, "/": 5, "//": 5, "%": 5, "+": 4, "-": 4, "cmp": 3}
 _ATOM = 9
 
 
@@ -47,6 +47,10 @@ class Printer:
         return f"({text})" if p < prec or (strict and p == prec) else text
 
     def binary(self, e: Binary) -> tuple[str, int]:
+        if e.op in INT_OPS and isinstance(e.a, Const) and isinstance(e.b, Const):
+            return self.expr(Const(fold(e.op, e.a.value, e.b.value), ty=Type.INT))
+        if e.op in INT_OPS:
+            return self.int_op(e)
         if e.op == "and":
             return f"{self.logical_and}({self(e.a)}, {self(e.b)})", _ATOM
         if e.op == "or":
@@ -64,7 +68,23 @@ class Printer:
         return f"{self.wrap(e.a, _PREC['**'], strict=True)} ** {self.wrap(e.b, _PREC['neg'])}"
 
     def call(self, e: Call) -> str:
+        if e.fn in INT_RESULT_FUNCS + ("float",):
+            (x,) = e.args
+            if isinstance(x, Const):
+                return self.const(fold(e.fn, x.value))
+            if (x.ty is Type.INT) == (e.fn != "float"):  # an int made an int, a float made a float
+                return self(x)
+            return self.cast(e.fn, x)
         return f"{self.functions[e.fn]}({', '.join(self(a) for a in e.args)})"
+
+    def int_op(self, e: Binary) -> tuple[str, int]:
+        """``a // b`` or ``a % b`` on ints (`ejgen.ir.expr.INT_OPS`: floor, Python's signs, ``a // 0 == 0``,
+        ``a % 0 == a``), not both constants."""
+        raise NotImplementedError
+
+    def cast(self, fn: str, x: Expr) -> str:
+        """``floor``, ``ceil``, ``round`` or ``int`` of a float (an int32 result), or ``float`` of an int."""
+        raise NotImplementedError
 
     def const(self, value) -> str:
         if isinstance(value, bool):

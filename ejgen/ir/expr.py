@@ -33,13 +33,39 @@ class Type(enum.Enum):
 INDEX_VARS = ("s", "q_idx", "kv_idx", "b", "h", "q_len", "kv_len")
 """Built-in names. ``s`` is float, the others int."""
 
-UNARY_FUNCS = ("exp", "log", "tanh", "sigmoid", "abs", "sqrt")
+UNARY_FUNCS = ("exp", "log", "tanh", "sigmoid", "abs", "sqrt", "log2", "exp2", "sign", "floor", "ceil", "round",
+               "int", "float")
 BINARY_FUNCS = ("min", "max")
-FUNCS = UNARY_FUNCS + BINARY_FUNCS + ("where",)
+FUNCS = UNARY_FUNCS + BINARY_FUNCS + ("where", "clamp")
+INT_RESULT_FUNCS = ("floor", "ceil", "round", "int")
+"""Functions whose result is an int (an index): ``floor``, ``ceil``, ``round`` (half to even, as Python's) and
+``int`` (toward zero) of a float; of an int, the int itself."""
 
-ARITH_OPS = ("+", "-", "*", "/", "**")
+ARITH_OPS = ("+", "-", "*", "/", "//", "%", "**")
+INT_OPS = ("//", "%")
+"""Integer-only operators: floor division and its modulo, Python's signs (``-7 // 2 == -4``, ``-7 % 2 == 1``);
+``a // 0 == 0`` and ``a % 0 == a`` (kernels cannot raise), so ``a == (a // b) * b + a % b`` always holds."""
 COMPARE_OPS = ("<", "<=", ">", ">=", "==", "!=")
 BOOL_OPS = ("and", "or")
+
+
+def fold(fn: str, *values):
+    """The value of an integer operator (``INT_OPS``) or a cast (``INT_RESULT_FUNCS``, ``float``) on constants:
+    what printers write when every operand is a constant (the DSL's semantics, one place)."""
+    import math
+
+    if fn == "//":
+        a, b = values
+        return 0 if b == 0 else a // b
+    if fn == "%":
+        a, b = values
+        return a if b == 0 else a % b
+    (x,) = values
+    if fn == "float":
+        return float(x)
+    if isinstance(x, int):
+        return x
+    return {"floor": math.floor, "ceil": math.ceil, "round": round, "int": int}[fn](x)
 
 
 def _loc_field():

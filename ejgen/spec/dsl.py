@@ -1,7 +1,7 @@
 """The DSL of ``score`` and ``mask``: a lark grammar and a transformer to ``ejgen.ir.expr`` nodes.
 
 Precedence follows Python: ``or`` < ``and`` < ``not`` < comparisons (not chained) < ``+ -`` <
-``* /`` < unary ``-`` < ``**`` (right-associative, so ``-x ** 2`` is ``-(x ** 2)``).
+``* / // %`` < unary ``-`` < ``**`` (right-associative, so ``-x ** 2`` is ``-(x ** 2)``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ GRAMMAR = r"""
 ?term: factor
     | term "*" factor -> mul
     | term "/" factor -> div
+    | term "//" factor -> floordiv
+    | term "%" factor -> mod
 ?factor: power
     | "-" factor -> neg
 ?power: atom
@@ -63,7 +65,7 @@ _PARSER = Lark(
     GRAMMAR, parser="lalr", lexer="basic", propagate_positions=True, maybe_placeholders=True
 )
 
-OPERATORS = ("+", "-", "*", "/", "**", "<", "<=", ">", ">=", "==", "!=", "and", "or", "not")
+OPERATORS = ("+", "-", "*", "/", "//", "%", "**", "<", "<=", ">", ">=", "==", "!=", "and", "or", "not")
 _COMPARISONS = ("<", "<=", ">", ">=", "==", "!=")
 _CLOSERS = {"(": ")", "[": "]"}
 
@@ -136,6 +138,8 @@ class _Build(Transformer):
     sub = _binary("-")
     mul = _binary("*")
     div = _binary("/")
+    floordiv = _binary("//")
+    mod = _binary("%")
     pow = _binary("**")
 
     def not_(self, meta, children):
@@ -202,7 +206,6 @@ def _bad_character(char: str) -> str:
         "&": "'&' is not an operator; use 'and'",
         "|": "'|' is not an operator; use 'or'",
         "^": "'^' is not an operator; use '**' for powers",
-        "%": "'%' is not an operator of the DSL",
     }
     return advice.get(char, f"unexpected character {char!r}")
 

@@ -43,6 +43,13 @@ def parse(text):
         ("table[h, q_idx - 1, kv_idx]", "table[h, (q_idx - 1), kv_idx]"),
         ("notable + android + order", "((notable + android) + order)"),
         ("true_value or falsy", "(true_value or falsy)"),
+        ("q_idx // 64 == kv_idx // 64", "((q_idx // 64) == (kv_idx // 64))"),  # Python's precedence
+        ("a + b // c * d % e", "(a + (((b // c) * d) % e))"),
+        ("-a % b", "(-a % b)"),
+        ("a // b ** 2", "(a // (b ** 2))"),
+        ("a / b // c", "((a / b) // c)"),
+        ("int(log(x)) + floor(2.5)", "(int(log(x)) + floor(2.5))"),
+        ("clamp(x, 0, n - 1)", "clamp(x, 0, (n - 1))"),
     ],
 )
 def test_precedence_and_associativity(text, expected):
@@ -140,6 +147,8 @@ def test_later_lines_without_source_lines_show_the_text_line():
         ("a && b", 10, "'&' is not an operator; use 'and'"),
         ("a || b", 10, "'|' is not an operator; use 'or'"),
         ("a ^ 2", 10, "'^' is not an operator; use '**' for powers"),
+        ("a % % b", 12, "expected an expression after '%'"),
+        ("a // / b", 13, "expected an expression after '//'"),
         ("a $ b", 10, "unexpected character '$'"),
     ],
 )

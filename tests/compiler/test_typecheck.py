@@ -207,3 +207,32 @@ def test_unknown_name_hint_lists_the_known_names():
         check(make_variant("s + zzz"))
     assert info.value.message == "unknown name 'zzz'"
     assert info.value.hint.startswith("known names: s, q_idx, kv_idx, b, h, q_len, kv_len, max_distance")
+
+
+@pytest.mark.parametrize("text, ty", [
+    ("q_idx // 64", Type.INT), ("(q_idx - kv_idx) % max_distance", Type.INT), ("floor(s)", Type.INT),
+    ("ceil(temperature)", Type.INT), ("round(s / 2.0)", Type.INT), ("int(log(s))", Type.INT), ("int(q_idx)", Type.INT),
+    ("float(q_idx)", Type.FLOAT), ("float(s)", Type.FLOAT), ("sign(s)", Type.FLOAT), ("sign(q_idx - kv_idx)", Type.INT),
+    ("clamp(q_idx, 0, 7)", Type.INT), ("clamp(s, -1, 1)", Type.FLOAT), ("log2(s)", Type.FLOAT), ("exp2(q_idx)", Type.FLOAT),
+    ("slopes[h] * float(q_idx // 4)", Type.FLOAT), ("bucket[q_idx, int(log(float(kv_idx + 1)) * 4.0)]", Type.INT),
+])
+def test_integer_arithmetic_and_conversions(text, ty):
+    """docs/DESIGN.md §2: ``//``, ``%`` and floor / ceil / round / int give ints (indices); float, log2, exp2 give
+    floats; sign, clamp follow their operands."""
+    assert type_of(text) is ty
+
+
+@pytest.mark.parametrize("text, col, message", [
+    ("s // 2", 1, "'//' takes two ints, but this operand is a float; for floats write floor(a / b)"),
+    ("q_idx % temperature", 9, "'%' takes two ints, but this operand is a float; for floats write a - b * floor(a / b)"),
+    ("q_idx // use_mask", 10, "a bool used as a number"),
+    ("slopes[q_idx / 2]", 8, "a param index must be an int, but this expression is a float"),
+    ("floor(use_mask)", 7, "a bool used as a number"),
+    ("clamp(s, 0)", 1, "clamp() takes 3 arguments, got 2"),
+    ("round(s, 2)", 1, "round() takes 1 argument, got 2"),
+])
+def test_integer_arithmetic_type_errors_point_at_the_operand(text, col, message):
+    with pytest.raises(SpecError) as err:
+        type_of(text)
+    assert message in str(err.value)
+    assert err.value.loc.col == col, (err.value.loc, str(err.value))

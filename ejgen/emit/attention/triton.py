@@ -20,7 +20,7 @@ from ejgen.emit.printer import Printer
 from ejgen.emit.attention.common import (MAX_POSITIONAL_DIM, positional, positional_read_fits, range_constraints,
                                          scalar_layout)
 from ejgen.errors import SpecError
-from ejgen.ir.expr import Binary, Const, Expr, ParamRef, Unary, Var, to_text, walk
+from ejgen.ir.expr import Binary, Call, Const, Expr, ParamRef, Unary, Var, to_text, walk
 from ejgen.plan.attention import AttentionPlan
 
 DIM_CONSTEXPR = {"batch": "DIMS.B", "heads": "DIMS.HQ", "kv_heads": "DIMS.HKV", "q_len": "DIMS.SEQ_Q",
@@ -46,11 +46,33 @@ class TlPrinter(Printer):
         "min": "tl.minimum",
         "max": "tl.maximum",
         "where": "tl.where",
+        "log2": "tl.log2",
+        "exp2": "tl.exp2",
+        "sign": "_sign",
     }
 
     def __init__(self, names, params):
         super().__init__(names)
         self.params = params
+
+    def int_op(self, e: Binary):
+        """`_int_div` / `_int_mod` (Triton's own ``//`` and ``%`` on ints are C's); a constant operand as an
+        int32 scalar tensor, which the helpers broadcast."""
+        args = [f"tl.full([], {x.value}, tl.int32)" if isinstance(x, Const) else self(x) for x in (e.a, e.b)]
+        return f"{'_int_div' if e.op == '//' else '_int_mod'}({', '.join(args)})", 9
+
+    def cast(self, fn, x):
+        if fn == "float":
+            return f"({self(x)}).to(tl.float32)"
+        inner = {"floor": f"tl.floor({self(x)})", "ceil": f"tl.ceil({self(x)})", "round": f"_round({self(x)})",
+                 "int": f"({self(x)})"}[fn]  # .to(tl.int32) of a float: toward zero
+        return f"({inner}).to(tl.int32)"
+
+    def call(self, e):
+        if e.fn == "clamp":
+            x, lo, hi = (self(a) for a in e.args)
+            return f"tl.minimum(tl.maximum({x}, {lo}), {hi})"
+        return super().call(e)
 
     def binary(self, e: Binary):
         if e.op in ("and", "or"):
@@ -98,6 +120,20 @@ class TlPrinter(Printer):
 
     def param(self, e: ParamRef) -> str:
         return f"tl.load(PARAM_{e.name} + {self.flat(e)})"
+
+
+def _dsl_helpers(plan) -> str:
+    """The lib helpers the spec's expressions print (`TlPrinter`), for the kernels' import line ("" for none)."""
+    used = set()
+    for e in _all_exprs(plan):
+        for n in walk(e):
+            if isinstance(n, Binary) and n.op == "**":
+                used |= {"_ipow", "_pow"}
+            elif isinstance(n, Binary) and n.op in ("//", "%"):
+                used |= {"_int_div", "_int_mod"}
+            elif isinstance(n, Call) and n.fn in ("round", "sign"):
+                used.add(f"_{n.fn}")
+    return ", ".join(sorted(used))
 
 
 def _names(variant) -> dict[str, str]:
@@ -206,7 +242,7 @@ def template_context(plan: AttentionPlan) -> dict:
         "dparam_tail": "".join(f", DPARAM_{p.name}" for p in plan.grad_params),
         "kernel_constexprs": _kernel_constexprs(),
         "reflow": reflow,
-        "uses_pow": any(isinstance(n, Binary) and n.op == "**" for e in _all_exprs(plan) for n in walk(e)),
+        "dsl_helpers": _dsl_helpers(plan),
         "score_is_identity": plan.score_is_identity,
         "score_code": printer(plan.score),
         "score_bindings": _bindings([plan.score], variant),

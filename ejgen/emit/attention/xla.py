@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ejgen.emit.attention.common import range_constraints
 from ejgen.emit.printer import Printer
-from ejgen.ir.expr import Expr, ParamRef, Var, to_text, walk
+from ejgen.ir.expr import Const, Expr, ParamRef, Var, to_text, walk
 from ejgen.plan.attention import AttentionPlan
 
 BUILTINS = ("b", "h", "q_idx", "kv_idx", "q_len", "kv_len")
@@ -22,6 +22,10 @@ class JnpPrinter(Printer):
         "min": "jnp.minimum",
         "max": "jnp.maximum",
         "where": "jnp.where",
+        "log2": "jnp.log2",
+        "exp2": "jnp.exp2",
+        "sign": "jnp.sign",
+        "clamp": "jnp.clip",
     }
     logical_and = "jnp.logical_and"
     logical_or = "jnp.logical_or"
@@ -30,6 +34,23 @@ class JnpPrinter(Printer):
     def __init__(self, names: dict[str, str], params: dict):
         super().__init__(names)
         self.params = params  # name -> Param
+
+    def int_op(self, e):
+        """jnp's ``//`` and ``%`` on ints are Python's; a divisor that may be 0 is guarded."""
+        if isinstance(e.b, Const) and e.b.value != 0:
+            return f"{self.wrap(e.a, 5)} {e.op} {self.wrap(e.b, 5, strict=True)}", 5
+        b = self(e.b)
+        quotient = f"jnp.where({b} == 0, 0, {self.wrap(e.a, 5)} // jnp.where({b} == 0, 1, {b}))"
+        if e.op == "//":
+            return quotient, 9
+        return f"{self.wrap(e.a, 4)} - {quotient} * {self.wrap(e.b, 5, strict=True)}", 4
+
+    def cast(self, fn, x):
+        if fn == "float":
+            return f"jnp.float32({self(x)})"
+        inner = {"floor": f"jnp.floor({self(x)})", "ceil": f"jnp.ceil({self(x)})", "round": f"jnp.round({self(x)})",
+                 "int": self(x)}[fn]  # jnp.round: half to even, as Python's; int32(): toward zero
+        return f"jnp.int32({inner})"
 
     def param(self, e: ParamRef) -> str:
         shape = self.params[e.name].shape

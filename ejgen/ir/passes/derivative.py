@@ -2,8 +2,10 @@
 
 ``diff(e, wrt)`` differentiates with respect to the logit ``Var("s")`` or one occurrence of a
 param (a ``ParamRef``, compared structurally: ``slopes[h]`` twice is one occurrence). Integer and
-bool subexpressions have derivative zero. Non-smooth functions use the one-sided conventions
-``d|x| = sign(x)``, ``d min(a, b) = where(a <= b, da, db)``, ``d max(a, b) = where(a >= b, da, db)``.
+bool subexpressions have derivative zero (``//``, ``%``, ``floor``, ``ceil``, ``round`` and ``int`` are ints: the
+integer parts pass no gradient; ``sign`` of a float is flat). Non-smooth functions use the one-sided conventions
+``d|x| = sign(x)``, ``d min(a, b) = where(a <= b, da, db)``, ``d max(a, b) = where(a >= b, da, db)``,
+``d clamp(x, lo, hi) = where(x < lo, dlo, where(x > hi, dhi, dx))``.
 """
 
 from __future__ import annotations
@@ -156,6 +158,10 @@ def _diff_call(e: Call, wrt: Expr) -> Expr:
         a, b = e.args
         op = "<=" if e.fn == "min" else ">="
         return where(compare(op, a, b), diff(a, wrt), diff(b, wrt))
+    if e.fn == "clamp":
+        x, lo, hi = e.args
+        inner = where(compare(">", x, hi), diff(hi, wrt), diff(x, wrt))
+        return where(compare("<", x, lo), diff(lo, wrt), inner)
     (x,) = e.args
     dx = diff(x, wrt)
     if _is_const(dx, 0):
@@ -170,6 +176,14 @@ def _diff_call(e: Call, wrt: Expr) -> Expr:
         return mul(mul(e, sub(ONE, e)), dx)
     if e.fn == "sqrt":
         return div(dx, mul(const(2.0), e))
+    if e.fn == "log2":
+        return div(dx, mul(x, const(0.6931471805599453)))
+    if e.fn == "exp2":
+        return mul(mul(e, const(0.6931471805599453)), dx)
+    if e.fn == "float":
+        return dx
+    if e.fn == "sign":
+        return ZERO
     if e.fn == "abs":
         zero = ZERO if x.ty is Type.FLOAT else const(0)
         sign = where(compare(">", x, zero), ONE, where(compare("<", x, zero), const(-1.0), ZERO))

@@ -19,6 +19,8 @@ from ejgen.ir.expr import (
     COMPARE_OPS,
     FUNCS,
     INDEX_VARS,
+    INT_OPS,
+    INT_RESULT_FUNCS,
     Binary,
     Call,
     Const,
@@ -32,8 +34,8 @@ from ejgen.ir.expr import (
 )
 from ejgen.ir.variant import Param, Variant
 
-ARITY = {**dict.fromkeys(UNARY_FUNCS, 1), **dict.fromkeys(BINARY_FUNCS, 2), "where": 3}
-_FLOAT_RESULT = ("exp", "log", "tanh", "sigmoid", "sqrt")
+ARITY = {**dict.fromkeys(UNARY_FUNCS, 1), **dict.fromkeys(BINARY_FUNCS, 2), "where": 3, "clamp": 3}
+_FLOAT_RESULT = ("exp", "log", "tanh", "sigmoid", "sqrt", "log2", "exp2", "float")
 _OPTION_TYPES = {"int": Type.INT, "float": Type.FLOAT, "bool": Type.BOOL}
 
 BOOL_AS_NUMBER = "a bool used as a number"
@@ -196,6 +198,13 @@ def _compare_type(op: str, a: Expr, b: Expr) -> Type:
 def _arith_type(op: str, a: Expr, b: Expr) -> Type:
     _require_number(a)
     _require_number(b)
+    if op in INT_OPS:
+        for x in (a, b):
+            if x.ty is not Type.INT:
+                hint = "floor(a / b)" if op == "//" else "a - b * floor(a / b)"
+                raise SpecError(f"'{op}' takes two ints, but this operand is a float; for floats write {hint}, "
+                                f"or make it an int with int(), floor(), ceil() or round()", x.loc)
+        return Type.INT
     return Type.FLOAT if op == "/" else promote(a.ty, b.ty)
 
 
@@ -206,8 +215,12 @@ def _call_type(fn: str, args: tuple) -> Type:
         _require_number(a)
     if fn in _FLOAT_RESULT:
         return Type.FLOAT
-    if fn == "abs":
+    if fn in INT_RESULT_FUNCS:
+        return Type.INT
+    if fn in ("abs", "sign"):
         return args[0].ty
+    if fn == "clamp":
+        return promote(promote(args[0].ty, args[1].ty), args[2].ty)
     return promote(args[0].ty, args[1].ty)
 
 

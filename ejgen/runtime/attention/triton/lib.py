@@ -113,6 +113,39 @@ def _dot_acc(a, b, acc, SCHEDULE: tl.constexpr):
 
 
 @triton.jit
+def _int_div(a, b):
+    """The DSL's ``a // b`` on ints (docs/DESIGN.md §2): the floor, 0 where b == 0. Right whether Triton's own
+    ``//`` truncates (compiled) or floors: the remainder's sign decides the correction."""
+    a = a + tl.zeros_like(b)
+    b = b + tl.zeros_like(a)
+    safe = tl.where(b == 0, 1, b)
+    q = a // safe
+    r = a - q * safe
+    q = tl.where((r != 0) & ((r < 0) != (safe < 0)), q - 1, q)
+    return tl.where(b == 0, 0, q)
+
+
+@triton.jit
+def _int_mod(a, b):
+    """The DSL's ``a % b`` on ints: ``a - (a // b) * b`` (the divisor's sign, Python's; a where b == 0)."""
+    return a - _int_div(a, b) * b
+
+
+@triton.jit
+def _round(x):
+    """The DSL's round: half to even, as Python's round and jnp.round."""
+    r = tl.floor(x + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - x) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _sign(x):
+    """-1, 0 or 1 in x's type."""
+    return (x > 0).to(x.dtype) - (x < 0).to(x.dtype)
+
+
+@triton.jit
 def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
