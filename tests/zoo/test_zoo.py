@@ -130,7 +130,8 @@ CASES = (
     ZooCase("gemma2_attention", S_ODD, static=(("sliding_window", (10, 0)),), q_scale=60.0),
     ZooCase("gemma2_attention", S_SQUARE, dtype="bfloat16", q_scale=60.0),
 )
-INTERPRETED = (0, 1, 4, 7, 8, 11, 12, 13, 15, 16, 18, 19, 21, 22, 23, 24)  # each variant: f32 on two tiles or more, bf16
+# in the interpreters: each variant in f32 on two tiles or more, and in bf16
+INTERPRETED = (0, 1, 4, 7, 8, 11, 12, 13, 15, 16, 18, 19, 21, 22, 23, 24)
 
 
 def _params():

@@ -105,7 +105,8 @@ def _tile_at(t, ORDER, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, CA
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
+              pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ: gl.constexpr, HKV: gl.constexpr,
+              SEQ: gl.constexpr,
               N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
               SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, ITEM: gl.constexpr):
@@ -159,7 +160,8 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, MASKED: gl.c
              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Online softmax of one block in exp2 (scale * log2 e folded in): (p, alpha, m, l). With SEGMENTS the element
-    mask also compares the rows' segment ids qs with the block's keys' ks ([1, BLOCK_N]; padding, negative, sees nothing)."""
+    mask also compares the rows' segment ids qs with the block's keys' ks ([1, BLOCK_N]; padding, negative, sees
+    nothing)."""
     if MASKED:
         rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -370,13 +372,16 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, turn.index(0), turn.index(1), QSEG, kseg_smem, RANGES, ORDER, HQ, SEQ,
+                     nprog, left, right, qk_scale, turn.index(0), turn.index(1), QSEG, kseg_smem, RANGES, ORDER, HQ,
+                     SEQ,
                      N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 0)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, turn.index(1), turn.index(0), QSEG, kseg_smem, RANGES, ORDER, HQ, SEQ,
+                     nprog, left, right, qk_scale, turn.index(1), turn.index(0), QSEG, kseg_smem, RANGES, ORDER, HQ,
+                     SEQ,
                      N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 1)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ, HKV, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M,
+                     v_empty, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ, HKV, SEQ, N_M, BH, HEAD_GROUP,
+                     BLOCK_M,
                      BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, dtype.primitive_bitwidth // 8)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -424,7 +429,8 @@ def _opaque_zero():
 
 @gluon.jit
 def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
-                  do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm, H, GROUP, QSEG, qs_smem,
+                  do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm, H, GROUP, QSEG,
+                  qs_smem,
                   D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   SEGMENTS: gl.constexpr):
     """The program's K and V once, then per (query head, query block) Q and dO by TMA into the ring and the
@@ -486,7 +492,8 @@ def _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready
 @gluon.jit
 def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
               do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero, dq_zero, qk2, sm_scale, gi, s, ph, m,
-              h, n, f0, f1, off_b, S, WINDOW_LEFT, qs_smem, ks, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+              h, n, f0, f1, off_b, S, WINDOW_LEFT, qs_smem, ks, WG: gl.constexpr, D: gl.constexpr,
+              BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, RELEASE_V: gl.constexpr,
               SEGMENTS: gl.constexpr):
     """Consumer warpgroup WG, one ring item gi (query block m of head h in stage s, parity ph) against its 64 keys
