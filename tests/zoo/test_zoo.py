@@ -64,6 +64,18 @@ def sink_window_mask(ix, options):
     return (ix.kv_idx < options["sink_tokens"]) | (ix.q_idx - ix.kv_idx < options["window"])
 
 
+def paligemma_mask(ix, options):
+    # causal, and the image tokens see each other both ways
+    n = options["image_tokens"]
+    return (ix.kv_idx <= ix.q_idx) | ((ix.q_idx < n) & (ix.kv_idx < n))
+
+
+def alibi_fixed_score(s, ix, params, options):
+    # Press et al.: head h's slope 2^(-8 (h + 1) / H), the bias -slope * |i - j|
+    slope = 2.0 ** (-8.0 * (ix.h + 1) / options["num_heads"])
+    return s - slope * jnp.abs(ix.q_idx - ix.kv_idx)
+
+
 def t5_score(s, ix, params, options):
     return s + oracle.param_at(params["table"], ix.h, t5_bucket(ix.q_idx, ix.kv_idx, options["max_distance"]))
 
@@ -78,6 +90,8 @@ ZOO = {
                                   compiled={"causal": True}),
     "gpt_oss_attention": dict(defaults={}, compiled={"causal": True, "sliding_window": (127, 0)}),
     "gemma2_attention": dict(defaults={}, compiled={"causal": True, "logits_soft_cap": 50.0}),
+    "paligemma_prefix_attention": dict(mask=paligemma_mask, defaults={"image_tokens": 256}, compiled={}),
+    "alibi_fixed_attention": dict(score=alibi_fixed_score, defaults={"num_heads": 16}, compiled={}),
 }
 
 
@@ -129,9 +143,15 @@ CASES = (
     ZooCase("gpt_oss_attention", S_LONG, sinks="h", dtype="bfloat16"),
     ZooCase("gemma2_attention", S_ODD, static=(("sliding_window", (10, 0)),), q_scale=60.0),
     ZooCase("gemma2_attention", S_SQUARE, dtype="bfloat16", q_scale=60.0),
+    ZooCase("paligemma_prefix_attention", S_ODD, (("image_tokens", 13),)),
+    ZooCase("paligemma_prefix_attention", S_SQUARE, (("image_tokens", 20),), dtype="bfloat16"),
+    ZooCase("paligemma_prefix_attention", S_NEAR),  # every token an image token: bidirectional
+    ZooCase("alibi_fixed_attention", S_ODD, (("num_heads", 4),), (("causal", True),)),
+    ZooCase("alibi_fixed_attention", S_WIDE, (("num_heads", 6),), dtype="bfloat16"),
+    ZooCase("alibi_fixed_attention", S_NEAR),
 )
 # in the interpreters: each variant in f32 on two tiles or more, and in bf16
-INTERPRETED = (0, 1, 4, 7, 8, 11, 12, 13, 15, 16, 18, 19, 21, 22, 23, 24)
+INTERPRETED = (0, 1, 4, 7, 8, 11, 12, 13, 15, 16, 18, 19, 21, 22, 23, 24, 25, 26, 28, 29)
 
 
 def _params():
