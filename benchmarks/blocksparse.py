@@ -137,7 +137,6 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         one = MaskInfo.from_segments(jnp.zeros_like(jnp.asarray(ids)))
         impls["ejgen-triton one document"] = lambda q, k, v, info: flash_attention(q, k, v, causal=True, mask_info=one,
                                                                                  platform="triton")
-        impls["ejgen-triton causal, static tile order"] = _static(impls["ejgen-triton causal (all tokens)"])
         impls["ejgen-triton documents, static tile order"] = _static(impls["ejgen-triton documents"])
     if documents_only and not probe:
         impls.pop("ejgen-triton causal (all tokens)")
@@ -173,7 +172,7 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         cfg = AttentionConfig(seq_q=tokens, seq_k=tokens, causal=True, segments=True)
         def fwd_tiles(i):
             ranges = gluon_attention.segment_ranges({"q_seg": i, "kv_seg": i}, cfg, tokens, "fwd")
-            return ranges, gluon_attention.tile_order(ranges, HEADS, tokens, True, gluon_attention.num_sms())
+            return ranges, gluon_attention.tile_order(ranges, HEADS, True, gluon_attention.num_sms())
 
         def bwd_tiles(i):
             return gluon_attention.segment_ranges({"q_seg": i, "kv_seg": i}, cfg, tokens, "bwd")

@@ -31,7 +31,7 @@ def run(cases: str):
         docs_fn = lambda q, k, v: flash_attention(q, k, v, causal=True, mask_info=info, platform="triton")  # noqa
         causal = lambda q, k, v: flash_attention(q, k, v, causal=True, platform="triton")  # noqa: E731
         for name, f in (("documents gluon", docs_fn), ("documents generated", _generated(docs_fn)),
-                        ("causal", causal), ("causal, static tile order", _static(causal))):
+                        ("documents, static tile order", _static(docs_fn)), ("causal", causal)):
             def loss(q, k, v, f=f):
                 return jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
 

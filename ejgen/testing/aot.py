@@ -90,7 +90,10 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     ptr = _DTYPES[dtype]
     args = (batch, heads, kv_heads, seq, head_dim, causal, window, segments)
     compiled = {}
-    fwd_consts = dict(gluon_attention.constexprs(*args), ORDERED=segments and not window)
+    from ejgen.runtime.attention.config import AttentionConfig
+
+    call = AttentionConfig(seq_q=seq, seq_k=seq, causal=causal, window=window, segments=segments)
+    fwd_consts = gluon_attention.constexprs(*args, ordered=gluon_attention.ordered(call))
     segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32", ORDER="*i32")
     bwd_pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
                         DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)

@@ -334,7 +334,7 @@ def test_the_tile_order_deals_the_work_evenly():
     ids = jnp.asarray(np.searchsorted(cuts, np.arange(seq), side="right").astype(np.int32)[None])
     cfg = AttentionConfig(seq_q=seq, seq_k=seq, causal=True, segments=True)
     ranges = gluon_attention.segment_ranges({"q_seg": ids, "kv_seg": ids}, cfg, seq)
-    order = np.asarray(gluon_attention.tile_order(ranges, hq, seq, True, programs))
+    order = np.asarray(gluon_attention.tile_order(ranges, hq, True, programs))
     n_m = seq // 128
     assert sorted(order.tolist()) == list(range(n_m * hq))
     r = np.asarray(ranges)[0]
@@ -353,11 +353,14 @@ def test_the_tile_order_deals_the_work_evenly():
     br = np.asarray(bwd_ranges)[0]
     items = np.maximum(br[:, 1] - np.maximum(br[:, 0], np.arange(64) * 2), 0)  # query blocks of 64 rows, causal
     assert np.all(np.diff(items[bwd // 4]) <= 0) and items[bwd[0] // 4] == items.max()
-    plain = np.asarray(gluon_attention.tile_order(None, 2, 1000, False, 5))  # no ids, no causal: every tile alike
+    # every key block in range (one document each), no causal: every tile alike; 16 tiles on 5 programs
+    whole = jnp.broadcast_to(jnp.asarray([0, 8, 0, 8], jnp.int32), (1, 8, 4))
+    plain = np.asarray(gluon_attention.tile_order(whole, 2, False, 5))
     assert sorted(plain.tolist()) == list(range(8 * 2))
-    # causal alone (a constant, made while tracing): batch 2, GQA-like head counts; query tile i_m has i_m + 1 blocks
-    causal = gluon_attention.tile_order(None, 6, 4096, True, 132, batch=2)
-    assert isinstance(causal, np.ndarray) and sorted(causal.tolist()) == list(range(32 * 12))
+    # batch 2, 6 heads, causal over one document each: query tile i_m has i_m + 1 blocks
+    causal = np.asarray(gluon_attention.tile_order(jnp.broadcast_to(jnp.asarray([0, 32, 0, 32], jnp.int32), (2, 32, 4)),
+                                                   6, True, 132))
+    assert sorted(causal.tolist()) == list(range(32 * 12))
     work = causal // 12 + 1
     assert max(work[p::132].sum() for p in range(132)) <= 1.12 * work.sum() / 132  # ~3 tiles each: 53 for 48
     assert gluon_attention.ordered(AttentionConfig(seq_q=8, seq_k=8, causal=True, segments=True))

@@ -56,10 +56,8 @@ class TlPrinter(Printer):
         self.params = params
 
     def int_op(self, e: Binary):
-        """`_int_div` / `_int_mod` (Triton's own ``//`` and ``%`` on ints are C's); a constant operand as an
-        int32 scalar tensor, which the helpers broadcast."""
-        args = [f"tl.full([], {x.value}, tl.int32)" if isinstance(x, Const) else self(x) for x in (e.a, e.b)]
-        return f"{'_int_div' if e.op == '//' else '_int_mod'}({', '.join(args)})", 9
+        """`_int_div` / `_int_mod` (Triton's own ``//`` and ``%`` on ints are C's)."""
+        return f"{'_int_div' if e.op == '//' else '_int_mod'}({self(e.a)}, {self(e.b)})", 9
 
     def cast(self, fn, x):
         if fn == "float":

@@ -84,10 +84,9 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.cons
     else:
         vis = (q_idx < q_len) & (kv_idx < kv_len)
     opt_kernel = tl.load(I32 + 2)
-    vis = vis & (((kv_idx >= tl.minimum(tl.maximum(q_idx - _int_div(opt_kernel, tl.full([], 2, tl.int32)), 0),
-                                        kv_len - opt_kernel))
-                  & (kv_idx < tl.minimum(tl.maximum(q_idx - _int_div(opt_kernel, tl.full([], 2, tl.int32)), 0),
-                                         kv_len - opt_kernel) + opt_kernel)))
+    vis = vis & (((kv_idx >= tl.minimum(tl.maximum(q_idx - _int_div(opt_kernel, 2), 0), kv_len - opt_kernel))
+                  & (kv_idx < tl.minimum(tl.maximum(q_idx - _int_div(opt_kernel, 2), 0), kv_len - opt_kernel)
+                     + opt_kernel)))
     return vis
 
 

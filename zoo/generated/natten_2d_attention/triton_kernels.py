@@ -87,20 +87,16 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.cons
     opt_kernel = tl.load(I32 + 3)
     opt_width = tl.load(I32 + 2)
     vis = vis & (((((((_int_div(kv_idx, opt_width)
-                       >= tl.minimum(tl.maximum(_int_div(q_idx, opt_width)
-                                                - _int_div(opt_kernel, tl.full([], 2, tl.int32)), 0),
+                       >= tl.minimum(tl.maximum(_int_div(q_idx, opt_width) - _int_div(opt_kernel, 2), 0),
                                      _int_div(kv_len, opt_width) - opt_kernel))
                       & (_int_div(kv_idx, opt_width)
-                         < tl.minimum(tl.maximum(_int_div(q_idx, opt_width)
-                                                 - _int_div(opt_kernel, tl.full([], 2, tl.int32)), 0),
+                         < tl.minimum(tl.maximum(_int_div(q_idx, opt_width) - _int_div(opt_kernel, 2), 0),
                                       _int_div(kv_len, opt_width) - opt_kernel) + opt_kernel)))
                     & (_int_mod(kv_idx, opt_width)
-                       >= tl.minimum(tl.maximum(_int_mod(q_idx, opt_width)
-                                                - _int_div(opt_kernel, tl.full([], 2, tl.int32)), 0),
+                       >= tl.minimum(tl.maximum(_int_mod(q_idx, opt_width) - _int_div(opt_kernel, 2), 0),
                                      opt_width - opt_kernel))))
                   & (_int_mod(kv_idx, opt_width)
-                     < tl.minimum(tl.maximum(_int_mod(q_idx, opt_width)
-                                             - _int_div(opt_kernel, tl.full([], 2, tl.int32)), 0),
+                     < tl.minimum(tl.maximum(_int_mod(q_idx, opt_width) - _int_div(opt_kernel, 2), 0),
                                   opt_width - opt_kernel) + opt_kernel)))
     return vis
 

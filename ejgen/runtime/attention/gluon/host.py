@@ -231,53 +231,38 @@ def ordered(cfg) -> bool:
     return bool(cfg.segments and not cfg.window)
 
 
-def tile_order(ranges, hq: int, seq: int, causal: bool, programs: int, batch: int = 1):
+def tile_order(ranges, hq: int, causal: bool, programs: int):
     """int32 [N_M * B * hq]: the persistent forward's tiles (i_m * B * hq + bh) in the order its programs take them
     (program p: entries p, p + programs, ...), from each query tile's key blocks (its segment ids' ``ranges``
-    [B, N_M, 4], or every block when None, joined with causal): heaviest first, each wave of ``programs`` tiles
-    dealt to the programs in the opposite direction of the wave before (a snake), so every program gets a like
-    share of the work. The static order (`kernels._tile`) deals query tiles round-robin, heaviest first under
-    causal, which leaves programs 1.4x apart (causal; 1.7x with 8 packed documents in 8k tokens, a model of an
-    H100's 132 programs); this order: within 3%. Ties keep the heads of a query tile together (their K / V share
-    the L2). Without ranges the order is a constant (numpy, made while tracing); with them it is computed on the
-    device in a few fused ops, no sort (up to 4096 (query tile, batch row) pairs; past that a sort)."""
+    [B, N_M, 4], joined with causal): heaviest first, each wave of ``programs`` tiles dealt to the programs in the
+    opposite direction of the wave before (a snake), so every program gets a like share of the work. The static
+    order (`kernels._tile`) deals query tiles round-robin, heaviest first under causal, which leaves programs 1.7x
+    apart with 8 packed documents in 8k tokens (a model of an H100's 132 programs); this order: within 3%. Ties
+    keep the heads of a query tile together (their K / V share the L2). Computed on the device in a few fused ops,
+    no sort (up to 4096 (query tile, batch row) pairs; past that a sort)."""
     import jax.numpy as jnp
-    import numpy as np
 
-    xp = np if ranges is None else jnp
-    n_m, n_k = -(-seq // BLOCK_M), -(-seq // TILES["BLOCK_N"])
-    if ranges is None:  # no segment ids: every key block, for every batch row alike
-        ranges = np.broadcast_to(np.asarray([0, n_k, 0, n_k], np.int32), (batch, n_m, 4))
-    i_m = xp.arange(n_m, dtype=xp.int32)
+    batch, n_m = ranges.shape[0], ranges.shape[1]
+    i_m = jnp.arange(n_m, dtype=jnp.int32)
     lo, hi = ranges[..., 0], ranges[..., 1]
     if causal:
-        hi = xp.minimum(hi, (i_m * BLOCK_M + BLOCK_M + TILES["BLOCK_N"] - 1) // TILES["BLOCK_N"])
-    rank = _rank(xp.maximum(hi - lo, 1).T.reshape(-1), xp)  # per (i_m, b) row: it visits at least one block
-    b_rows = ranges.shape[0]
-    bh = b_rows * hq
-    entry = xp.arange(n_m * bh, dtype=xp.int32)  # i_m * bh + (b * hq + h): heads of a row next to each other
-    k = rank[(entry // bh) * b_rows + (entry % bh) // hq] * hq + entry % hq  # its place, heaviest first
+        hi = jnp.minimum(hi, (i_m * BLOCK_M + BLOCK_M + TILES["BLOCK_N"] - 1) // TILES["BLOCK_N"])
+    rank = _rank(jnp.maximum(hi - lo, 1).T.reshape(-1))  # per (i_m, b) row: it visits at least one block
+    bh = batch * hq
+    entry = jnp.arange(n_m * bh, dtype=jnp.int32)  # i_m * bh + (b * hq + h): heads of a row next to each other
+    k = rank[(entry // bh) * batch + (entry % bh) // hq] * hq + entry % hq  # its place, heaviest first
     wave, j = k // programs, k % programs
     full_wave = (wave + 1) * programs <= n_m * bh  # a last, partial wave is dealt forwards: its slots exist
-    slot = wave * programs + xp.where((wave % 2 == 1) & full_wave, programs - 1 - j, j)
-    if xp is np:
-        order = np.empty_like(entry)
-        order[slot] = entry
-        return order
+    slot = wave * programs + jnp.where((wave % 2 == 1) & full_wave, programs - 1 - j, j)
     return jnp.zeros_like(entry).at[slot].set(entry)
 
 
-def _rank(work, xp):
-    """int32: each entry's place in decreasing ``work``, ties in index order: by one comparison pass on the device
-    (a sort is several kernels) up to 4096 entries, else a sort; numpy for constants."""
+def _rank(work):
+    """int32: each entry's place in decreasing ``work``, ties in index order: by one comparison pass (a sort is
+    several kernels) up to 4096 entries, else a sort."""
     import jax.numpy as jnp
-    import numpy as np
 
-    r = xp.arange(work.shape[0], dtype=xp.int32)
-    if xp is np:
-        rank = np.empty_like(r)
-        rank[np.argsort(-work, kind="stable")] = r
-        return rank
+    r = jnp.arange(work.shape[0], dtype=jnp.int32)
     if work.shape[0] <= 4096:
         before = (work[None, :] > work[:, None]) | ((work[None, :] == work[:, None]) & (r[None, :] < r[:, None]))
         return jnp.sum(before, axis=1, dtype=jnp.int32)
@@ -300,7 +285,7 @@ def bwd_order(ranges, hkv: int, seq: int, causal: bool, by_work: bool = True):
     lo, hi = ranges[..., 0], ranges[..., 1]
     if causal:
         lo = jnp.maximum(lo, n * BWD_TILES["BLOCK_N"] // BWD_TILES["BLOCK_M"])
-    rank = _rank(jnp.maximum(hi - lo, 0).T.reshape(-1), jnp)  # per (n, b) row
+    rank = _rank(jnp.maximum(hi - lo, 0).T.reshape(-1))  # per (n, b) row
     batch = ranges.shape[0]
     entry = jnp.arange(n_n * batch * hkv, dtype=jnp.int32)
     place = rank[entry // hkv] * hkv + entry % hkv  # (n, b) rows in entry order: entry // hkv

@@ -187,7 +187,9 @@ def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, ks
                    SEQ: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
                    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """K stage idx back to the producer (S_j has retired), then block j's softmax, under the element mask outside
-    [f0, f1); with SEGMENTS a masked block's key ids are read from the stage's kseg_smem first."""
+    [f0, f1); with SEGMENTS a masked block's key ids are read from the stage's kseg_smem first. Two shapes on
+    purpose: with SEGMENTS the release waits for that read, inside the branch; without, it stays ahead of the branch
+    as in the kernel measured against cuDNN (one form for both changes that kernel's code: PTX compared)."""
     if SEGMENTS:
         if (j < f0) | (f1 <= j):
             ks = kseg_smem.index(idx).load(s_layout)  # [1, BLOCK_N]

@@ -282,8 +282,7 @@ def _gluon_forward(q, k, v, scalars, ctx, cfg):
     grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
     segments = _gluon_segments(ctx, cfg, sq, "fwd")
     ordered = gluon_attention.ordered(cfg)
-    order = (jnp.asarray(gluon_attention.tile_order(segments[2] if cfg.segments else None, hq, sq, cfg.causal,
-                                                    grid[0], batch)) if ordered else _dummy(jnp.int32))
+    order = gluon_attention.tile_order(segments[2], hq, cfg.causal, grid[0]) if ordered else _dummy(jnp.int32)
     out, lse, _ = triton_call.launch(
         gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), k, v, *scalars, *segments, order],
         [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),

@@ -78,13 +78,6 @@ class Schedule(NamedTuple):
 
 
 @triton.jit
-def _floordiv(x, y: tl.constexpr):
-    """Python's floor division (Triton's `//` truncates toward zero)."""
-    r = ((x % y) + y) % y
-    return (x - r) // y
-
-
-@triton.jit
 def _load(ptr, m_a, m_b, CHECK: tl.constexpr):
     """A tile load, bounds-checked only where a block can cross an edge (CHECK)."""
     if CHECK:
@@ -114,10 +107,9 @@ def _dot_acc(a, b, acc, SCHEDULE: tl.constexpr):
 
 @triton.jit
 def _int_div(a, b):
-    """The DSL's ``a // b`` on ints (docs/DESIGN.md §2): the floor, 0 where b == 0. Right whether Triton's own
-    ``//`` truncates (compiled) or floors: the remainder's sign decides the correction."""
-    a = a + tl.zeros_like(b)
-    b = b + tl.zeros_like(a)
+    """Python's ``a // b`` on ints, 0 where b == 0 (the DSL's, docs/DESIGN.md §2; also the range arithmetic's, whose
+    divisors are constants): the floor whether Triton's own ``//`` truncates (compiled) or floors, the remainder's
+    sign decides the correction. ``a`` and ``b`` are tensors or constants, not both constants."""
     safe = tl.where(b == 0, 1, b)
     q = a // safe
     r = a - q * safe
@@ -186,11 +178,11 @@ def _tighten(lo, hi, flo, fhi, A_Q: tl.constexpr, A_K: tl.constexpr, c, x0, x1, 
         t_any = A * x0 + c
         t_all = A * x1 + c
     if B > 0:
-        lo = tl.maximum(lo, -_floordiv(t_any, B))
-        flo = tl.maximum(flo, -_floordiv(t_all, B))
+        lo = tl.maximum(lo, -_int_div(t_any, B))
+        flo = tl.maximum(flo, -_int_div(t_all, B))
     elif B < 0:
-        hi = tl.minimum(hi, _floordiv(t_any, -B))
-        fhi = tl.minimum(fhi, _floordiv(t_all, -B))
+        hi = tl.minimum(hi, _int_div(t_any, -B))
+        fhi = tl.minimum(fhi, _int_div(t_all, -B))
     else:
         hi = tl.where(t_any >= 0, hi, -1)
         fhi = tl.where(t_all >= 0, fhi, -1)
@@ -200,11 +192,11 @@ def _tighten(lo, hi, flo, fhi, A_Q: tl.constexpr, A_K: tl.constexpr, c, x0, x1, 
 @triton.jit
 def _to_blocks(lo, hi, flo, fhi, BLOCK: tl.constexpr, n_blocks):
     """Half-open block ranges: visit [lo, hi), no element mask in [flo, fhi) ⊆ [lo, hi)."""
-    blo = tl.minimum(tl.maximum(_floordiv(lo, BLOCK), 0), n_blocks)
-    bhi = tl.minimum(tl.maximum(_floordiv(hi, BLOCK) + 1, blo), n_blocks)
+    blo = tl.minimum(tl.maximum(_int_div(lo, BLOCK), 0), n_blocks)
+    bhi = tl.minimum(tl.maximum(_int_div(hi, BLOCK) + 1, blo), n_blocks)
     bhi = tl.where(hi < lo, blo, bhi)
-    bflo = tl.minimum(tl.maximum(-_floordiv(-flo, BLOCK), blo), bhi)
-    bfhi = tl.minimum(tl.maximum(_floordiv(fhi + 1, BLOCK), bflo), bhi)
+    bflo = tl.minimum(tl.maximum(-_int_div(-flo, BLOCK), blo), bhi)
+    bfhi = tl.minimum(tl.maximum(_int_div(fhi + 1, BLOCK), bflo), bhi)
     some_full = bfhi > bflo  # else one masked loop, not two
     bflo = tl.where(some_full, bflo, blo)
     bfhi = tl.where(some_full, bfhi, blo)
