@@ -11,6 +11,18 @@ TRITON_INTERPRET=1 is set before this module is first used. Kernels mask their e
 
 from ejgen.runtime.attention.triton import host as triton_attention
 from ejgen.runtime.attention.triton.host import available
+from ejgen.runtime.core import intervals as iv
+
+
+def _mask_tiles(t, ctx):
+    """Kinds (0 skip, 1 partial, 2 full) of the tiles `t` under the spec's mask, by interval arithmetic
+    (ejgen.runtime.core.intervals; docs/DESIGN.md §3 block masks): a few operations per pair of tiles."""
+    opt_prefix_len = iv.point(ctx["opt_prefix_len"])
+    v0 = iv.le(t.kv_idx, t.q_idx)  # (kv_idx <= q_idx)
+    v1 = iv.lt(t.kv_idx, opt_prefix_len)  # (kv_idx < prefix_len)
+    v2 = iv.or_(v0, v1)  # ((kv_idx <= q_idx) or (kv_idx < prefix_len))
+    return iv.kinds(v2)
+
 
 LAYOUT = triton_attention.Layout(
     kernel_module=__package__ + ".triton_kernels",
@@ -23,6 +35,7 @@ LAYOUT = triton_attention.Layout(
     score_is_identity=True,
     gathers_by_position=False,
     builtin_mask_only=False,
+    mask_tiles=_mask_tiles,
 )
 
 

@@ -23,6 +23,7 @@ LAYOUT = triton_attention.Layout(
     score_is_identity=False,
     gathers_by_position=True,
     builtin_mask_only=True,
+    mask_tiles=None,
 )
 
 

@@ -52,7 +52,7 @@ def test_host_ranges_follow_the_documents():
 
     flags = {"varlen": False, "segments": True, "dense_mask": False, "layout": False, "positions": False}
     cfg = type("Cfg", (), flags)()
-    layout = type("Layout", (), {"runtime_mask_from_spec": False})()
+    layout = type("Layout", (), {"runtime_mask_from_spec": False, "mask_tiles": None})()
     ids = jnp.asarray(DOCS)
     q = jnp.zeros((1, 96, 2, 2, 32))
     ranges, consts = host._tiles(layout, {"q_seg": ids, "kv_seg": ids}, cfg, q, q[:, :, :, 0], KernelConfig(16, 16, 4, 1),

@@ -16,6 +16,7 @@ import pytest
 import oracle
 from conftest import ACCELERATOR_BACKENDS, BACKENDS, ON_GPU
 from conformance import FULL
+from ejgen.types import MaskInfo
 from ejgen.testing.shapes import DTYPE_IDS, AttnShape, random_cotangents, random_qkv, random_sinks, rng_for
 
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
@@ -70,6 +71,16 @@ def paligemma_mask(ix, options):
     return (ix.kv_idx <= ix.q_idx) | ((ix.q_idx < n) & (ix.kv_idx < n))
 
 
+def sliding_tile_mask(ix, options):
+    # tiles of tile_tokens tokens in (time, row, column) order over grid_h x grid_w tiles a frame; a box of radii
+    tokens, gh, gw = options["tile_tokens"], options["grid_h"], options["grid_w"]
+    ok = True
+    for axis, radius in enumerate((options["radius_t"], options["radius_h"], options["radius_w"])):
+        coord = [lambda t: t // (gh * gw), lambda t: (t // gw) % gh, lambda t: t % gw][axis]
+        ok = ok & (jnp.abs(coord(ix.q_idx // tokens) - coord(ix.kv_idx // tokens)) <= radius)
+    return ok
+
+
 def alibi_fixed_score(s, ix, params, options):
     # Press et al.: head h's slope 2^(-8 (h + 1) / H), the bias -slope * |i - j|
     slope = 2.0 ** (-8.0 * (ix.h + 1) / options["num_heads"])
@@ -92,7 +103,16 @@ ZOO = {
     "gemma2_attention": dict(defaults={}, compiled={"causal": True, "logits_soft_cap": 50.0}),
     "paligemma_prefix_attention": dict(mask=paligemma_mask, defaults={"image_tokens": 256}, compiled={}),
     "alibi_fixed_attention": dict(score=alibi_fixed_score, defaults={"num_heads": 16}, compiled={}),
+    "causal_attention": dict(defaults={}, compiled={"causal": True}),
+    "sliding_window_attention": dict(defaults={}, compiled={"causal": True}),
+    "document_attention": dict(defaults={}, compiled={"causal": True}),
+    "gemma3_local_attention": dict(defaults={}, compiled={"causal": True, "sliding_window": (1023, 0)}),
+    "sliding_tile_attention": dict(mask=sliding_tile_mask, defaults=dict(
+        tile_tokens=128, grid_h=4, grid_w=4, radius_t=1, radius_h=1, radius_w=1), compiled={}),
 }
+# made of built-in features only (each covered by the attention suite): one interpreted case each is enough
+FEATURES_ONLY = ("causal_attention", "sliding_window_attention", "document_attention", "gemma3_local_attention",
+                 "gpt_oss_attention", "gemma2_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,12 +124,14 @@ class ZooCase:
     dtype: str = "float32"
     sinks: str | None = None  # softmax_aux as random_sinks gives it ("h": one per head)
     q_scale: float = 1.0  # larger logits, where a soft cap must matter
+    documents: bool = False  # segment ids: random documents, a one-token one, padding at the end
 
     @property
     def id(self) -> str:
         parts = [self.variant.removesuffix("_attention")] + [f"{n}{v}" for n, v in self.options + self.static]
         parts += [f"sink_{self.sinks}"] if self.sinks else []
         parts += [f"qx{self.q_scale:g}"] if self.q_scale != 1.0 else []
+        parts += ["docs"] if self.documents else []
         return "-".join(parts + [self.shape.id, DTYPE_IDS[self.dtype]]).replace(" ", "")
 
 
@@ -149,9 +171,23 @@ CASES = (
     ZooCase("alibi_fixed_attention", S_ODD, (("num_heads", 4),), (("causal", True),)),
     ZooCase("alibi_fixed_attention", S_WIDE, (("num_heads", 6),), dtype="bfloat16"),
     ZooCase("alibi_fixed_attention", S_NEAR),
+    ZooCase("causal_attention", S_WIDE),
+    ZooCase("causal_attention", S_ODD, dtype="bfloat16"),
+    ZooCase("sliding_window_attention", S_ODD, static=(("sliding_window", (9, 0)),)),
+    ZooCase("sliding_window_attention", S_SQUARE, static=(("sliding_window", (16, 0)),), dtype="bfloat16"),
+    ZooCase("document_attention", S_ODD, documents=True),
+    ZooCase("document_attention", S_SQUARE, documents=True, dtype="bfloat16"),
+    ZooCase("gemma3_local_attention", S_ODD, static=(("logits_soft_cap", 20.0),), q_scale=30.0),
+    ZooCase("gemma3_local_attention", S_SQUARE, static=(("logits_soft_cap", 20.0),), q_scale=30.0, dtype="bfloat16"),
+    ZooCase("sliding_tile_attention", AttnShape(1, 72, 72, 2, 2, 16),  # 3 frames of 2 x 3 tiles of 4 tokens
+            (("tile_tokens", 4), ("grid_h", 2), ("grid_w", 3), ("radius_t", 1), ("radius_h", 0), ("radius_w", 1))),
+    ZooCase("sliding_tile_attention", AttnShape(1, 128, 128, 2, 1, 32),  # 2 frames of 2 x 2 tiles of 16 tokens
+            (("tile_tokens", 16), ("grid_h", 2), ("grid_w", 2), ("radius_t", 0), ("radius_h", 1), ("radius_w", 0)),
+            dtype="bfloat16"),
+    ZooCase("sliding_tile_attention", S_NEAR),  # the defaults: one tile
 )
 # in the interpreters: each variant in f32 on two tiles or more, and in bf16
-INTERPRETED = (0, 1, 4, 7, 8, 11, 12, 13, 15, 16, 18, 19, 21, 22, 23, 24, 25, 26, 28, 29)
+INTERPRETED = (0, 1, 4, 7, 8, 11, 12, 13, 15, 16, 18, 19, 22, 24, 25, 26, 28, 29, 32, 34, 36, 38, 39, 40)
 
 
 def _params():
@@ -172,18 +208,32 @@ def test_zoo_variant_matches_its_definition(backend, run_vjp, case):
     diff["query"] = (diff["query"].astype(jnp.float32) * case.q_scale).astype(case.dtype)
     if case.sinks:
         diff["softmax_aux"] = random_sinks(case.sinks, case.shape.q_heads, rng)
+    documents = _documents(case.shape, rng) if case.documents else {}
     params = {}
     if case.variant == "t5_relative_attention":
         params["table"] = jnp.asarray(rng.standard_normal((case.shape.q_heads, 32)), jnp.float32)
     diff.update(params)
     options, static = dict(case.options), dict(case.static)
     d_out, d_lse = random_cotangents(case.shape, case.dtype, rng)
-    out, lse, grads = run_vjp(_zoo_op(case.variant), diff, options, {**static, "platform": backend}, d_out, d_lse)
+    info = {"mask_info": MaskInfo.from_segments(*documents.values())} if documents else {}
+    out, lse, grads = run_vjp(_zoo_op(case.variant), diff, {**options, **info}, {**static, "platform": backend},
+                              d_out, d_lse)
     ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items() if n not in params},
                            score=spec.get("score"), mask=spec.get("mask"), params=params,
-                           options={**spec["defaults"], **options}, **spec["compiled"], **static,
+                           options={**spec["defaults"], **options}, **spec["compiled"], **static, **documents,
                            d_out=d_out, d_lse=d_lse)
     oracle.check_attention(out, lse, grads, ref, diff, case.dtype)
+
+
+def _documents(shape, rng) -> dict:
+    """Segment ids [B, S]: documents of random lengths, the first one token long, the last two rows padding."""
+    ids = []
+    for s in (shape.q_len, shape.kv_len):
+        cuts = np.sort(rng.choice(np.arange(2, s - 2), size=3, replace=False))
+        row = np.searchsorted(np.concatenate([[1], cuts]), np.arange(s), side="right").astype(np.int32)
+        row[-2:] = -1
+        ids.append(np.broadcast_to(row, (shape.batch, s)).copy())
+    return {"q_segment_ids": ids[0], "kv_segment_ids": ids[1]}
 
 
 def test_zoo_cases_cover_each_variant():
@@ -191,8 +241,8 @@ def test_zoo_cases_cover_each_variant():
         cases = [c for c in CASES if c.variant == name]
         assert {c.dtype for c in cases} >= {"float32", "bfloat16"}, name
         assert any(not c.options for c in cases) or not ZOO[name]["defaults"], f"{name}: the defaults"
-        interpreted = [CASES[i] for i in INTERPRETED if CASES[i].variant == name]
-        assert {c.dtype for c in interpreted} == {"float32", "bfloat16"}, name
+        interpreted = {CASES[i].dtype for i in INTERPRETED if CASES[i].variant == name}
+        assert interpreted == ({"bfloat16"} if name in FEATURES_ONLY else {"float32", "bfloat16"}), name
 
 
 @pytest.mark.parametrize("name", ["natten_2d_attention", "t5_relative_attention"])

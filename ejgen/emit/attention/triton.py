@@ -19,6 +19,7 @@ from ejgen.emit.layout import WIDTH, reflow
 from ejgen.emit.printer import Printer
 from ejgen.emit.attention.common import (MAX_POSITIONAL_DIM, positional, positional_read_fits, range_constraints,
                                          scalar_layout)
+from ejgen.emit.attention.intervals import mask_tiles_context
 from ejgen.errors import SpecError
 from ejgen.ir.expr import Binary, Call, Const, Expr, ParamRef, Unary, Var, to_text, walk
 from ejgen.plan.attention import AttentionPlan
@@ -254,6 +255,7 @@ def template_context(plan: AttentionPlan) -> dict:
         "mask_bindings": [] if spec_mask is None else _bindings([spec_mask], variant),
         "runtime_mask_from_spec": plan.mask.needs_block_mask,
         "builtin_mask_only": repr(spec_mask is None),
+        "mask_tiles": mask_tiles_context(spec_mask),
         "score_is_identity_py": repr(plan.score_is_identity),
         "gathers_by_position": repr(any(
             isinstance(n, ParamRef) and any(positional(i) for i in n.indices)

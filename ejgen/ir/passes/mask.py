@@ -4,7 +4,9 @@ A mask is split into conjuncts. A conjunct that is a comparison of two integer e
 affine in ``q_idx`` and ``kv_idx`` with constant integer coefficients, and whose remaining term
 uses only constants, int options, ``q_len`` and ``kv_len``, becomes one or two ``Affine``
 constraints ``a * q_idx + b * kv_idx + c >= 0``. Everything else is the residual: it is applied
-element by element and makes the backend compute a block mask at run time.
+element by element on the tiles that need it, which the backends find at run time (the Triton kernels from the
+whole mask evaluated per tile by interval arithmetic, `ejgen.emit.attention.intervals`; XLA and Pallas element by
+element).
 
 From the constraints, for a block of queries ``[q0, q1]`` the keys worth visiting and the keys
 that need no element mask are (``kv_range``)::

@@ -10,6 +10,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from ejgen.runtime.core import intervals
 from ejgen.types import block_mask
 
 
@@ -35,6 +36,18 @@ def mask_kinds(ctx, cfg, block_q: int, block_k: int, sq: int, sk: int):
     if cfg.layout:
         kinds = jnp.minimum(kinds, layout_condition(ctx, cfg).kinds(block_q, block_k, sq, sk))
     return kinds
+
+
+def spec_kinds(mask_tiles, ctx, cfg, block_q: int, block_k: int, sq: int, sk: int, batch: int, heads: int):
+    """int8 [B|1, Hq|1, nQ, nK]: the tiles the spec's mask leaves, by the generated ``mask_tiles`` (interval
+    arithmetic, `ejgen.runtime.core.intervals`), over indices or explicit positions; not for varlen (a tile may
+    straddle two sequences, whose indices restart). The batch and head axes appear where the mask reads b or h."""
+    q_pos, kv_pos = (ctx["q_pos"], ctx["kv_pos"]) if cfg.positions else (None, None)
+    t = intervals.tiles(batch, heads, block_q, block_k, sq, sk, q_pos, kv_pos)
+    kinds = mask_tiles(t, ctx)
+    n_q, n_k = -(-sq // block_q), -(-sk // block_k)
+    shape = jnp.broadcast_shapes(kinds.shape, (1, 1, n_q, n_k))
+    return jnp.broadcast_to(kinds, shape)
 
 
 def band_kinds(ctx, cfg, block_q: int, block_k: int, sq: int, sk: int):

@@ -23,6 +23,7 @@ LAYOUT = triton_attention.Layout(
     score_is_identity=True,
     gathers_by_position=False,
     builtin_mask_only=True,
+    mask_tiles=None,
 )
 
 

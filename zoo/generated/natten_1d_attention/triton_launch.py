@@ -11,6 +11,23 @@ TRITON_INTERPRET=1 is set before this module is first used. Kernels mask their e
 
 from ejgen.runtime.attention.triton import host as triton_attention
 from ejgen.runtime.attention.triton.host import available
+from ejgen.runtime.core import intervals as iv
+
+
+def _mask_tiles(t, ctx):
+    """Kinds (0 skip, 1 partial, 2 full) of the tiles `t` under the spec's mask, by interval arithmetic
+    (ejgen.runtime.core.intervals; docs/DESIGN.md §3 block masks): a few operations per pair of tiles."""
+    opt_kernel = iv.point(ctx["opt_kernel"])
+    v0 = iv.floordiv(opt_kernel, iv.point(2))  # (kernel // 2)
+    v1 = iv.sub(t.q_idx, v0)  # (q_idx - (kernel // 2))
+    v2 = iv.sub(t.kv_len, opt_kernel)  # (kv_len - kernel)
+    v3 = iv.clamp(v1, iv.point(0), v2)  # clamp((q_idx - (kernel // 2)), 0, (kv_len - kernel))
+    v4 = iv.ge(t.kv_idx, v3)  # (kv_idx >= clamp((q_idx - (kernel // 2)), 0, (kv_len - kernel)))
+    v5 = iv.add(v3, opt_kernel)  # (clamp((q_idx - (kernel // 2)), 0, (kv_len - kernel)) + kernel)
+    v6 = iv.lt(t.kv_idx, v5)  # (kv_idx < (clamp((q_idx - (kernel // 2)), 0, (kv_len - kernel)) + k...
+    v7 = iv.and_(v4, v6)  # ((kv_idx >= clamp((q_idx - (kernel // 2)), 0, (kv_len - kernel))) a...
+    return iv.kinds(v7)
+
 
 LAYOUT = triton_attention.Layout(
     kernel_module=__package__ + ".triton_kernels",
@@ -23,6 +40,7 @@ LAYOUT = triton_attention.Layout(
     score_is_identity=True,
     gathers_by_position=False,
     builtin_mask_only=False,
+    mask_tiles=_mask_tiles,
 )
 
 

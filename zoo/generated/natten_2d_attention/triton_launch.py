@@ -11,6 +11,37 @@ TRITON_INTERPRET=1 is set before this module is first used. Kernels mask their e
 
 from ejgen.runtime.attention.triton import host as triton_attention
 from ejgen.runtime.attention.triton.host import available
+from ejgen.runtime.core import intervals as iv
+
+
+def _mask_tiles(t, ctx):
+    """Kinds (0 skip, 1 partial, 2 full) of the tiles `t` under the spec's mask, by interval arithmetic
+    (ejgen.runtime.core.intervals; docs/DESIGN.md §3 block masks): a few operations per pair of tiles."""
+    opt_kernel = iv.point(ctx["opt_kernel"])
+    opt_width = iv.point(ctx["opt_width"])
+    v0 = iv.floordiv(t.kv_idx, opt_width)  # (kv_idx // width)
+    v1 = iv.floordiv(t.q_idx, opt_width)  # (q_idx // width)
+    v2 = iv.floordiv(opt_kernel, iv.point(2))  # (kernel // 2)
+    v3 = iv.sub(v1, v2)  # ((q_idx // width) - (kernel // 2))
+    v4 = iv.floordiv(t.kv_len, opt_width)  # (kv_len // width)
+    v5 = iv.sub(v4, opt_kernel)  # ((kv_len // width) - kernel)
+    v6 = iv.clamp(v3, iv.point(0), v5)  # clamp(((q_idx // width) - (kernel // 2)), 0, ((kv_len // width) - k...
+    v7 = iv.ge(v0, v6)  # ((kv_idx // width) >= clamp(((q_idx // width) - (kernel // 2)), 0, ...
+    v8 = iv.add(v6, opt_kernel)  # (clamp(((q_idx // width) - (kernel // 2)), 0, ((kv_len // width) - ...
+    v9 = iv.lt(v0, v8)  # ((kv_idx // width) < (clamp(((q_idx // width) - (kernel // 2)), 0, ...
+    v10 = iv.and_(v7, v9)  # (((kv_idx // width) >= clamp(((q_idx // width) - (kernel // 2)), 0,...
+    v11 = iv.mod(t.kv_idx, opt_width)  # (kv_idx % width)
+    v12 = iv.mod(t.q_idx, opt_width)  # (q_idx % width)
+    v13 = iv.sub(v12, v2)  # ((q_idx % width) - (kernel // 2))
+    v14 = iv.sub(opt_width, opt_kernel)  # (width - kernel)
+    v15 = iv.clamp(v13, iv.point(0), v14)  # clamp(((q_idx % width) - (kernel // 2)), 0, (width - kernel))
+    v16 = iv.ge(v11, v15)  # ((kv_idx % width) >= clamp(((q_idx % width) - (kernel // 2)), 0, (w...
+    v17 = iv.and_(v10, v16)  # ((((kv_idx // width) >= clamp(((q_idx // width) - (kernel // 2)), 0...
+    v18 = iv.add(v15, opt_kernel)  # (clamp(((q_idx % width) - (kernel // 2)), 0, (width - kernel)) + ke...
+    v19 = iv.lt(v11, v18)  # ((kv_idx % width) < (clamp(((q_idx % width) - (kernel // 2)), 0, (w...
+    v20 = iv.and_(v17, v19)  # (((((kv_idx // width) >= clamp(((q_idx // width) - (kernel // 2)), ...
+    return iv.kinds(v20)
+
 
 LAYOUT = triton_attention.Layout(
     kernel_module=__package__ + ".triton_kernels",
@@ -23,6 +54,7 @@ LAYOUT = triton_attention.Layout(
     score_is_identity=True,
     gathers_by_position=False,
     builtin_mask_only=False,
+    mask_tiles=_mask_tiles,
 )
 
 

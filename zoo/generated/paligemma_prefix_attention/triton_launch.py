@@ -11,6 +11,20 @@ TRITON_INTERPRET=1 is set before this module is first used. Kernels mask their e
 
 from ejgen.runtime.attention.triton import host as triton_attention
 from ejgen.runtime.attention.triton.host import available
+from ejgen.runtime.core import intervals as iv
+
+
+def _mask_tiles(t, ctx):
+    """Kinds (0 skip, 1 partial, 2 full) of the tiles `t` under the spec's mask, by interval arithmetic
+    (ejgen.runtime.core.intervals; docs/DESIGN.md §3 block masks): a few operations per pair of tiles."""
+    opt_image_tokens = iv.point(ctx["opt_image_tokens"])
+    v0 = iv.le(t.kv_idx, t.q_idx)  # (kv_idx <= q_idx)
+    v1 = iv.lt(t.q_idx, opt_image_tokens)  # (q_idx < image_tokens)
+    v2 = iv.lt(t.kv_idx, opt_image_tokens)  # (kv_idx < image_tokens)
+    v3 = iv.and_(v1, v2)  # ((q_idx < image_tokens) and (kv_idx < image_tokens))
+    v4 = iv.or_(v0, v3)  # ((kv_idx <= q_idx) or ((q_idx < image_tokens) and (kv_idx < image_t...
+    return iv.kinds(v4)
+
 
 LAYOUT = triton_attention.Layout(
     kernel_module=__package__ + ".triton_kernels",
@@ -23,6 +37,7 @@ LAYOUT = triton_attention.Layout(
     score_is_identity=True,
     gathers_by_position=False,
     builtin_mask_only=False,
+    mask_tiles=_mask_tiles,
 )
 
 

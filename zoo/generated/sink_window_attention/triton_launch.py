@@ -11,6 +11,20 @@ TRITON_INTERPRET=1 is set before this module is first used. Kernels mask their e
 
 from ejgen.runtime.attention.triton import host as triton_attention
 from ejgen.runtime.attention.triton.host import available
+from ejgen.runtime.core import intervals as iv
+
+
+def _mask_tiles(t, ctx):
+    """Kinds (0 skip, 1 partial, 2 full) of the tiles `t` under the spec's mask, by interval arithmetic
+    (ejgen.runtime.core.intervals; docs/DESIGN.md §3 block masks): a few operations per pair of tiles."""
+    opt_sink_tokens = iv.point(ctx["opt_sink_tokens"])
+    opt_window = iv.point(ctx["opt_window"])
+    v0 = iv.lt(t.kv_idx, opt_sink_tokens)  # (kv_idx < sink_tokens)
+    v1 = iv.sub(t.q_idx, t.kv_idx)  # (q_idx - kv_idx)
+    v2 = iv.lt(v1, opt_window)  # ((q_idx - kv_idx) < window)
+    v3 = iv.or_(v0, v2)  # ((kv_idx < sink_tokens) or ((q_idx - kv_idx) < window))
+    return iv.kinds(v3)
+
 
 LAYOUT = triton_attention.Layout(
     kernel_module=__package__ + ".triton_kernels",
@@ -23,6 +37,7 @@ LAYOUT = triton_attention.Layout(
     score_is_identity=True,
     gathers_by_position=False,
     builtin_mask_only=False,
+    mask_tiles=_mask_tiles,
 )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,7 @@ class Layout:
     gathers_by_position: bool  # the score reads a param tile by position (a gather in every block)
     builtin_mask_only: bool = False  # no mask of the spec's own (causal / sliding window at most): the Gluon
     #                                  kernels may run (packages rendered before it say nothing: they do not)
+    mask_tiles: Callable | None = None  # the spec's mask by tile, (t, ctx) -> kinds (ejgen.emit.attention.intervals)
 
     def kernels(self):
         return importlib.import_module(self.kernel_module)
@@ -157,18 +159,25 @@ def _tiles(layout: Layout, ctx, cfg, q, k, conf, by_keys: bool):
     """(TILES, constexprs) of one kernel: with segment ids, a dense mask or a block layout (not varlen), their tile
     ranges at the kernel's tiles (docs/DESIGN.md §3 block masks; `ejgen.types.block_mask`): for each query tile
     (the dK/dV kernel: each key tile, over the query heads of its kv head) the key tiles to visit and the run that
-    needs no element mask. O(tiles) for segment ids and layouts; a dense mask is reduced per tile. A block layout
-    on a spec without a mask of its own gives lists instead (scattered tiles: the hull would visit them all).
-    Else a placeholder."""
-    if cfg.varlen or not (cfg.segments or cfg.dense_mask or cfg.layout or cfg.positions):
+    needs no element mask. O(tiles) for segment ids and layouts; a dense mask is reduced per tile. A block layout,
+    explicit positions, or a spec mask the analysis cannot bound (classified by tile: `Layout.mask_tiles`) give
+    lists instead (scattered tiles: the hull would visit them all). Else a placeholder."""
+    # the spec's own mask by tile (`Layout.mask_tiles`): where the analysis leaves an element mask, or lists walk
+    spec = layout.mask_tiles is not None and (layout.runtime_mask_from_spec or cfg.layout or cfg.positions)
+    if cfg.varlen or not (cfg.segments or cfg.dense_mask or cfg.layout or cfg.positions or spec):
         return _dummy(jnp.int32), {}
     from ejgen.types import block_mask
 
-    sq, hkv, sk = q.shape[1], q.shape[2], k.shape[1]
+    batch, sq, hkv, groups = q.shape[:4]
+    sk = k.shape[1]
     kinds = tiles.mask_kinds(ctx, cfg, conf.block_m, conf.block_n, sq, sk)
-    # scattered tiles (a layout) or positions (no index ranges): walk lists, not a hull
-    listed = (cfg.layout or cfg.positions) and layout.builtin_mask_only
-    if listed:  # the lists replace the analysed ranges: causal and the window join the kinds here
+    if spec:
+        kinds = jnp.minimum(kinds, tiles.spec_kinds(layout.mask_tiles, ctx, cfg, conf.block_m, conf.block_n, sq, sk,
+                                                    batch, hkv * groups))
+    # lists where tiles scatter (a layout, a spec mask beyond the analysis) or positions (no index ranges); they
+    # replace the analysed ranges, so every condition is in the kinds: causal and the window join them here
+    listed = (cfg.layout or cfg.positions or spec) and (layout.builtin_mask_only or spec)
+    if listed:
         kinds = jnp.minimum(kinds, tiles.band_kinds(ctx, cfg, conf.block_m, conf.block_n, sq, sk))
         kinds = tiles.edges_partial(kinds, conf.block_m, conf.block_n, sq, sk)
     if by_keys:  # per key tile; a program serves the query heads of one kv head: visit any, full only if all full
