@@ -3,7 +3,8 @@ layout of the runtime scalar arrays, and the rule for params read by position.""
 
 from __future__ import annotations
 
-from ejgen.ir.expr import Expr, ParamRef, Var, walk
+from ejgen.errors import SpecError
+from ejgen.ir.expr import Expr, ParamRef, Var, to_text, walk
 from ejgen.plan.attention import AttentionPlan
 
 POSITIONAL = {"q_idx", "kv_idx"}
@@ -47,3 +48,18 @@ def positional_read_fits(plan: AttentionPlan, ref: ParamRef, names=POSITIONAL) -
     shape = plan.variant.param(ref.name).shape
     axes = [i for i, idx in enumerate(ref.indices) if positional(idx, names)]
     return not axes or (len(axes) == 1 and isinstance(shape[axes[0]], int) and shape[axes[0]] <= MAX_POSITIONAL_DIM)
+
+
+def positional_grad_error(backend: str, plan: AttentionPlan, ref: ParamRef) -> SpecError:
+    """The error of a backend that reduces param gradients per program (Triton, Pallas) for a ``grad: true`` param
+    read by positions that does not fit one tile: the reduction would need one partial per position. Both backends
+    say the same, at the param."""
+    param = plan.variant.param(ref.name)
+    return SpecError(
+        f"the {backend} backend cannot reduce the gradient of {to_text(ref)} deterministically: a param "
+        f"indexed by positions needs exactly one such index, over an integer dim of at most "
+        f"{MAX_POSITIONAL_DIM} (here: {', '.join(str(d) for d in param.shape)}). If it is added to the score, drop the "
+        f"param and enable `bias: runtime`: the call's `bias` [batch|1, heads|1, q_len, kv_len] has its gradient on "
+        f"every backend; else list `backends: [xla]` for this spec",
+        param.loc,
+    )

@@ -137,6 +137,12 @@ def to_sublanes(x):
     return jnp.broadcast_to(x[:, None, :], (x.shape[0], NUM_SUBLANES, x.shape[1]))
 
 
+def clamped(x, *indices):
+    """``x[indices]`` with every index clamped into its dim (the DSL's rule), broadcast together: a token view
+    over whole rows (``hooks.with_token_views``)."""
+    return x[tuple(jnp.clip(i, 0, n - 1) for i, n in zip(indices, x.shape))]
+
+
 # Inside the kernels.
 
 

@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ejgen.runtime.attention.pallas import common as _rt
 from ejgen.runtime.attention.pallas.common import NEG_INF, NN, NT, PAD
-from ejgen.runtime.attention.pallas.hooks import Hooks, dense_kinds, grads_tile, logits, make_tile
+from ejgen.runtime.attention.pallas.hooks import Hooks, dense_kinds, grads_tile, logits, make_tile, with_token_views
 from ejgen.runtime.core import shared_memory
 
 LOG2E = math.log2(math.e)
@@ -119,12 +119,25 @@ def _store(ref, value, n):
         plgpu.store(ref, value, mask=lax.broadcasted_iota(jnp.int32, (1, ref.shape[-1]), 1) < n)
 
 
-def _tile(r, b, h, rows, cols, q_at, k_at, mask, cfg):
+def _tile(r, b, h, rows, cols, q_at, k_at, mask, cfg, q_tok=(), kv_tok=()):
     """The `Tile` of query rows x key columns (broadcastable index tiles, either orientation);
-    ``q_at``, ``k_at`` slice the per-position arrays (positions, lengths, segment ids)."""
+    ``q_at``, ``k_at`` slice the per-position arrays (positions, lengths, segment ids); ``q_tok``,
+    ``kv_tok`` the token views' values, shaped here as rows and columns."""
     q_side = lambda name: r[name][q_at].reshape(rows.shape)
     k_side = lambda name: r[name][k_at].reshape(cols.shape)
-    return make_tile(b, h, rows, cols, q_side, k_side, mask, cfg)
+    return make_tile(b, h, rows, cols, q_side, k_side, mask, cfg, tuple(x.reshape(rows.shape) for x in q_tok),
+                     tuple(x.reshape(cols.shape) for x in kv_tok))
+
+
+def _views(r, side):
+    """The refs of one side's token views, in order (operands ``q_tok0``, ``q_tok1``, ...)."""
+    return [r[f"{side}_tok{i}"] for i in range(sum(name.startswith(side + "_tok") for name in r))]
+
+
+def _member(ref, g, at=slice(None)):
+    """``at`` of row ``g`` (a group member) of a token view's block of heads; row 0 when the view has one head
+    (one indexer: the Triton lowering takes no more)."""
+    return ref[g if ref.shape[0] > 1 else 0, at]
 
 
 def _to_gpu_layout(x):
@@ -197,6 +210,15 @@ def _operands(kernel, q, k, v, ctx, cfg, scalars, prm, blocks, metadata, q_side=
     def row_of(x):  # [B, S]: one batch row
         return spec((None, x.shape[1]), lambda b, h, i: (b, 0))
 
+    def view(x, side):  # a token view [B|1, H|1, S]: the program's block of rows (keys), or all of the other side
+        pick = lambda axis, j: j if x.shape[axis] > 1 else 0
+        own = (side == "kv") == by_keys
+        length = (block_k if by_keys else block_q) if own else (sq if by_keys else sk)
+        if by_keys:  # every query head of the program's kv head
+            heads_of = groups if x.shape[1] > 1 else 1
+            return spec((None, heads_of, length), lambda b, hk, i: (pick(0, b), pick(1, hk), i if own else 0))
+        return spec((None, None, length), lambda b, h, i: (pick(0, b), pick(1, h), i if own else 0))
+
     ops = _rt.Operands()
     ops.add("f32", scalars[0], whole(scalars[0]))
     ops.add("i32", scalars[1], whole(scalars[1]))
@@ -220,6 +242,9 @@ def _operands(kernel, q, k, v, ctx, cfg, scalars, prm, blocks, metadata, q_side=
                        ("q_seg", segments), ("kv_seg", segments)):
         if used:
             ops.add(name, ctx[name], row_of(ctx[name]))
+    for side in ("q", "kv"):
+        for i, x in enumerate(ctx.get(side + "_tok", ())):
+            ops.add(f"{side}_tok{i}", x, view(x, side))
     if cfg.sinks and not by_keys:
         aux = ctx["softmax_aux"].reshape(heads, -1)
         ops.add("aux", aux, spec((None, aux.shape[-1]), lambda b, h, i: (h, 0)))
@@ -230,9 +255,9 @@ def _compiler_params(blocks):
     return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
-def _key_block(r, i_k, block_k, q, b, h, rows, q_at, sc, cfg, d, dv, precision):
+def _key_block(r, i_k, block_k, q, b, h, rows, q_at, q_tok, sc, cfg, d, dv, precision):
     """Key block i_k of a query block's loop: (k [block_k, D_PAD], v [block_k, DV_PAD], the scaled logits with
-    the bias added [block_q, block_k], the tile's index grids)."""
+    the bias added [block_q, block_k], the tile's index grids); ``q_tok`` the rows' token views."""
     start = pl.multiple_of(i_k * block_k, block_k)
     k = _load(r["k"].at[pl.ds(start, block_k), :], d)
     v = _load(r["v"].at[pl.ds(start, block_k), :], dv)
@@ -241,7 +266,8 @@ def _key_block(r, i_k, block_k, q, b, h, rows, q_at, sc, cfg, d, dv, precision):
         s = s + r["bias"][:, pl.ds(start, block_k)].astype(jnp.float32)
     cols = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
     mask = r["mask"][:, pl.ds(start, block_k)] if cfg.dense_mask else None
-    return k, v, s, _tile(r, b, h, rows, cols, q_at, pl.ds(start, block_k), mask, cfg)
+    kv_tok = [ref[pl.ds(start, block_k)] for ref in _views(r, "kv")]
+    return k, v, s, _tile(r, b, h, rows, cols, q_at, pl.ds(start, block_k), mask, cfg, q_tok, kv_tok)
 
 
 class GpuKernels:
@@ -253,28 +279,29 @@ class GpuKernels:
 
     def _query_block(self, r, blocks, n_q, d, cfg):
         """The program's query block (the longest rows first under causal: a shorter tail), its batch row and
-        head, the scalars and params, q [block_q, D_PAD], its rows and where they lie."""
+        head, the scalars and params, q [block_q, D_PAD], its rows, where they lie and their token views."""
         i_q = pl.program_id(0)
         if cfg.causal:
             i_q = n_q - 1 - i_q
         b, h = pl.program_id(1), pl.program_id(2)
         sc = self.hooks.scalars(r["f32"], r["i32"])
-        prm = {name: r["param_" + name] for name in self.hooks.params}
+        prm = {name: r["param_" + name] for name in self.hooks.in_kernel}
         q = _load(r["q"], d)
         rows = i_q * blocks.block_q + lax.broadcasted_iota(jnp.int32, (blocks.block_q, 1), 0)
-        return b, h, sc, prm, q, rows, pl.ds(i_q * blocks.block_q, blocks.block_q)
+        q_tok = [ref[...] for ref in _views(r, "q")]
+        return b, h, sc, prm, q, rows, pl.ds(i_q * blocks.block_q, blocks.block_q), q_tok
 
     def _fwd_kernel(self, *refs, names, cfg, blocks, n_q, d, dv, n_sinks, precision, use_kinds):
         """One block of queries of one head: online softmax over its key blocks (FlashAttention-2)."""
         r = dict(zip(names, refs))
         o_ref, lse_ref = refs[len(names):]
         block_q, block_k = blocks.block_q, blocks.block_k
-        b, h, sc, prm, q, rows, q_at = self._query_block(r, blocks, n_q, d, cfg)
+        b, h, sc, prm, q, rows, q_at, q_tok = self._query_block(r, blocks, n_q, d, cfg)
         lo, hi, flo, fhi = (r["ranges"][j] for j in range(4))
 
         def step(i_k, carry, masked):
             acc, m_i, l_i = carry
-            k, v, s, t = _key_block(r, i_k, block_k, q, b, h, rows, q_at, sc, cfg, d, dv, precision)
+            k, v, s, t = _key_block(r, i_k, block_k, q, b, h, rows, q_at, q_tok, sc, cfg, d, dv, precision)
             _, _, s = logits(self.hooks, s, t, sc, prm, cfg)
             if masked:
                 s = jnp.where(self.hooks.visible(t, sc, prm, cfg), s, NEG_INF)
@@ -309,7 +336,7 @@ class GpuKernels:
         block_q, block_k = blocks.block_q, blocks.block_k
         i_k, b, hk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         sc = self.hooks.scalars(r["f32"], r["i32"])
-        prm = {name: r["param_" + name] for name in self.hooks.params}
+        prm = {name: r["param_" + name] for name in self.hooks.in_kernel}
         k = _load(r["k"], d)  # [block_k, D_PAD]
         v = _load(r["v"], dv)  # [block_k, DV_PAD]
         cols = i_k * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)  # tiles are [keys, queries]
@@ -321,6 +348,7 @@ class GpuKernels:
             h = hk * groups + g
             g_bias = g if cfg.bias and r["bias"].shape[0] > 1 else 0
             g_mask = g if cfg.dense_mask and r["mask"].shape[0] > 1 else 0
+            kv_tok = [_member(ref, g) for ref in _views(r, "kv")]
 
             def step(i_q, carry, masked):
                 dk, dv_acc, acc = carry
@@ -335,7 +363,8 @@ class GpuKernels:
                     s = s + r["bias"][g_bias, q_at, :].astype(jnp.float32).T
                 rows = start + lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
                 mask = r["mask"][g_mask, q_at, :].T if cfg.dense_mask else None
-                t = _tile(r, b, h, rows, cols, q_at, k_at, mask, cfg)
+                q_tok = [_member(ref, g, q_at) for ref in _views(r, "q")]
+                t = _tile(r, b, h, rows, cols, q_at, k_at, mask, cfg, q_tok, kv_tok)
                 dp = lax.dot_general(v, do, NT, precision=precision, preferred_element_type=jnp.float32)
                 p, ds1, ds0, vis = grads_tile(self.hooks, s, t, sc, prm, cfg, lse, dp, delta, masked, _exp)  # [block_k, block_q]
                 dv_acc = dv_acc + lax.dot_general(p.astype(do.dtype), do, NN, precision=precision,
@@ -364,14 +393,14 @@ class GpuKernels:
         r = dict(zip(names, refs))
         (dq_ref,) = refs[len(names):]
         block_q, block_k = blocks.block_q, blocks.block_k
-        b, h, sc, prm, q, rows, q_at = self._query_block(r, blocks, n_q, d, cfg)
+        b, h, sc, prm, q, rows, q_at, q_tok = self._query_block(r, blocks, n_q, d, cfg)
         do = _load(r["do"], dv)  # [block_q, DV_PAD]
         lse = r["lse"][...][:, None]
         delta = r["delta"][...][:, None]
         lo, hi, flo, fhi = (r["ranges"][j] for j in range(4))
 
         def step(i_k, dq, masked):
-            k, v, s, t = _key_block(r, i_k, block_k, q, b, h, rows, q_at, sc, cfg, d, dv, precision)
+            k, v, s, t = _key_block(r, i_k, block_k, q, b, h, rows, q_at, q_tok, sc, cfg, d, dv, precision)
             dp = lax.dot_general(do, v, NT, precision=precision, preferred_element_type=jnp.float32)
             _, _, ds0, _ = grads_tile(self.hooks, s, t, sc, prm, cfg, lse, dp, delta, masked, _exp)  # [block_q, block_k]
             return dq + lax.dot_general(ds0.astype(k.dtype), k, NN, precision=precision, preferred_element_type=jnp.float32)
@@ -379,6 +408,9 @@ class GpuKernels:
         kind_of = (lambda i: r["kinds"][i]) if use_kinds else None
         dq = _rt.visit(lo, hi, flo, fhi, kind_of, step, jnp.zeros((block_q, r["q"].shape[-1]), jnp.float32))
         _store(dq_ref, (dq * sc.scale).astype(dq_ref.dtype), d)
+
+    def _kernel_params(self, prm):
+        return {name: prm[name] for name in self.hooks.in_kernel}
 
     def _metadata(self, kernel, blocks, ctx, sc, prm, cfg, shape):
         """(ranges, kinds or None) of a GPU kernel: per program its blocks of the other index."""
@@ -394,9 +426,11 @@ class GpuKernels:
         sk, dv = k.shape[2], v.shape[-1]
         blocks = gpu_blocks("fwd", d, dv, q.dtype, cfg, interpret)
         scalars, prm = self.hooks.pack_scalars(ctx), self.hooks.params_of(ctx)
-        metadata = self._metadata("fwd", blocks, ctx, self.hooks.scalars(*scalars), prm, cfg, (batch, kv_heads, groups, sq, sk))
+        sc = self.hooks.scalars(*scalars)
+        ctx = with_token_views(self.hooks, ctx, sc, prm, cfg, batch, kv_heads * groups)
+        metadata = self._metadata("fwd", blocks, ctx, sc, prm, cfg, (batch, kv_heads, groups, sq, sk))
         q, k, v = _to_gpu_layout(q), _to_gpu_layout(k), _to_gpu_layout(v)
-        ops = _operands("fwd", q, k, v, ctx, cfg, scalars, prm, blocks, metadata)
+        ops = _operands("fwd", q, k, v, ctx, cfg, scalars, self._kernel_params(prm), blocks, metadata)
         n_q, heads = sq // blocks.block_q, kv_heads * groups
         q_block = lambda i: n_q - 1 - i if cfg.causal else i
         kernel = functools.partial(
@@ -426,6 +460,7 @@ class GpuKernels:
         heads = kv_heads * groups
         scalars, prm = self.hooks.pack_scalars(ctx), self.hooks.params_of(ctx)
         sc = self.hooks.scalars(*scalars)
+        ctx = with_token_views(self.hooks, ctx, sc, prm, cfg, batch, heads)
         shape = (batch, kv_heads, groups, sq, sk)
         precision = _rt.precision(q.dtype)
         q_side = (("do", _to_gpu_layout(d_out)), ("lse", lse.reshape(batch, heads, sq)),
@@ -434,7 +469,7 @@ class GpuKernels:
 
         blocks = gpu_blocks("dkdv", d, dv, q.dtype, cfg, interpret)
         n_kv = sk // blocks.block_k
-        ops = _operands("dkdv", q, k, v, ctx, cfg, scalars, prm, blocks,
+        ops = _operands("dkdv", q, k, v, ctx, cfg, scalars, self._kernel_params(prm), blocks,
                         self._metadata("dkdv", blocks, ctx, sc, prm, cfg, shape), q_side)
         k_map = lambda i, b, hk: (b, i, hk, 0)
         outs = [("dk", jax.ShapeDtypeStruct(k.shape, k.dtype), pl.BlockSpec((None, blocks.block_k, None, _rt.pow2(d)), k_map)),
@@ -467,7 +502,7 @@ class GpuKernels:
 
         blocks = gpu_blocks("dq", d, dv, q.dtype, cfg, interpret)
         n_q = sq // blocks.block_q
-        ops = _operands("dq", q, k, v, ctx, cfg, scalars, prm, blocks,
+        ops = _operands("dq", q, k, v, ctx, cfg, scalars, self._kernel_params(prm), blocks,
                         self._metadata("dq", blocks, ctx, sc, prm, cfg, shape), q_side)
         q_block = lambda i: n_q - 1 - i if cfg.causal else i
         kernel = functools.partial(self._dq_kernel, names=tuple(ops.names), cfg=cfg, blocks=blocks, n_q=n_q, d=d, dv=dv,

@@ -4,7 +4,8 @@ a tile's logits and gradients, and the block kinds of one call.
 
 The hooks have the names of every backend's (``ejgen.runtime.attention.xla.Hooks``): score,
 score_grads, param_grads, visible, kv_blocks, q_blocks, runtime_mask; the Pallas kernels also read
-the spec's scalars and params through scalars, pack_scalars and params_of.
+the spec's scalars and params through scalars, pack_scalars and params_of, and the params read by
+one side's positions through token_views (`with_token_views`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Tile(NamedTuple):
     q_seg: jax.Array | None = None  # segment ids (varlen: sequence ids); None without segments
     kv_seg: jax.Array | None = None
     mask: jax.Array | None = None  # the dense mask's tile; nonzero = visible
+    q_tok: tuple = ()  # the token views' values (`with_token_views`): per query row
+    kv_tok: tuple = ()  # per key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +58,55 @@ class Hooks:
     kv_blocks: Callable  # (n_q, block_q, block_k, n_kv, sc, cfg) -> [n_q, 4] (lo, hi, full_lo, full_hi)
     q_blocks: Callable  # (n_kv, block_q, block_k, n_q, sc, cfg) -> [n_kv, 4] (lo, hi, full_lo, full_hi)
     runtime_mask: Callable  # cfg -> whether block skipping needs the block mask computed per call
+    token_views: Callable | None = None  # (t, sc, prm) -> (q views, kv views): params read by one side's positions
+    kernel_params: tuple | None = None  # the params the kernels read themselves; None: all
+
+    @property
+    def in_kernel(self) -> tuple:
+        """The params the kernels take as operands; the others are read through token views only (a large
+        [batch, kv_len] param never reaches TPU scalar memory)."""
+        return self.params if self.kernel_params is None else self.kernel_params
 
 
-def make_tile(b, h, rows, cols, q_side, k_side, mask, cfg):
+def with_token_views(hooks: Hooks, ctx: dict, sc, prm, cfg, batch: int, heads: int) -> dict:
+    """``ctx`` with the spec's token views, ``q_tok`` and ``kv_tok``: each read by one side's positions evaluated
+    once over whole rows, [B|1, H|1, S] with S the padded length (positions and lengths padded as the op pads
+    them, indices clamped as the DSL clamps them; padded rows are never visible). The kernels read their tiles
+    by block, whatever the size of the param's dim."""
+    if hooks.token_views is None:
+        return ctx
+    grid = lambda x: x[:, None, :]  # [B|1, S] -> [B|1, 1, S]
+    t = Tile(
+        b=jnp.arange(batch, dtype=jnp.int32)[:, None, None],
+        h=jnp.arange(heads, dtype=jnp.int32)[None, :, None],
+        q_idx=grid(ctx["q_pos"]),
+        kv_idx=grid(ctx["kv_pos"]),
+        q_len=grid(ctx["q_lens"]) if cfg.varlen else cfg.seq_q,
+        kv_len=grid(ctx["kv_lens"]) if cfg.varlen else cfg.seq_k,
+        q_valid=None,
+        kv_valid=None,
+    )
+    q, kv = hooks.token_views(t, sc, prm)
+
+    def rows(x, n):
+        x = jnp.asarray(x)
+        x = x.reshape((1,) * (3 - x.ndim) + x.shape)
+        return jnp.broadcast_to(x, x.shape[:2] + (n,))
+
+    return {**ctx, "q_tok": tuple(rows(x, ctx["q_pos"].shape[1]) for x in q),
+            "kv_tok": tuple(rows(x, ctx["kv_pos"].shape[1]) for x in kv)}
+
+
+def views_by_head(ctx: dict, side: str, kv_heads: int, groups: int) -> tuple:
+    """The token views of one side as [B|1, Hkv|1, G|1, S] (query head h = kv head * groups + member)."""
+    return tuple(x[:, :, None] if x.shape[1] == 1 else x.reshape(x.shape[0], kv_heads, groups, x.shape[2])
+                 for x in ctx.get(side + "_tok", ()))
+
+
+def make_tile(b, h, rows, cols, q_side, k_side, mask, cfg, q_tok=(), kv_tok=()):
     """The `Tile` of query rows x key columns; ``q_side(name)`` / ``k_side(name)`` read a per-position
-    array (positions, lengths, segment ids) shaped for the rows / columns."""
+    array (positions, lengths, segment ids) shaped for the rows / columns; ``q_tok``, ``kv_tok`` the token
+    views' values so shaped."""
     segments = cfg.segments or cfg.varlen
     return Tile(
         b=b,
@@ -73,6 +120,8 @@ def make_tile(b, h, rows, cols, q_side, k_side, mask, cfg):
         q_seg=q_side("q_seg") if segments else None,
         kv_seg=k_side("kv_seg") if segments else None,
         mask=mask,
+        q_tok=tuple(q_tok),
+        kv_tok=tuple(kv_tok),
     )
 
 
@@ -119,6 +168,7 @@ def dense_kinds(hooks: Hooks, block_q, block_k, ctx, sc, prm, cfg, shape):
     heads = jnp.arange(kv_heads)[:, None] * groups + jnp.arange(groups)[None, :]
     segments = cfg.segments or cfg.varlen
     cols = lambda x: x[:, None, None, None, :]
+    q_views, kv_views = (views_by_head(ctx, side, kv_heads, groups) for side in ("q", "kv"))
 
     def row(iq):
         rows = lambda x: lax.dynamic_slice_in_dim(x, iq * block_q, block_q, axis=1)[:, None, None, :, None]
@@ -134,6 +184,8 @@ def dense_kinds(hooks: Hooks, block_q, block_k, ctx, sc, prm, cfg, shape):
             q_seg=rows(ctx["q_seg"]) if segments else None,
             kv_seg=cols(ctx["kv_seg"]) if segments else None,
             mask=lax.dynamic_slice_in_dim(ctx["mask"], iq * block_q, block_q, axis=3) if cfg.dense_mask else None,
+            q_tok=tuple(lax.dynamic_slice_in_dim(x, iq * block_q, block_q, axis=3)[..., None] for x in q_views),
+            kv_tok=tuple(x[..., None, :] for x in kv_views),
         )
         vis = jnp.broadcast_to(hooks.visible(t, sc, prm, cfg), (batch, kv_heads, groups, block_q, sk))
         vis = vis.reshape(batch, kv_heads, groups, block_q, sk // block_k, block_k)

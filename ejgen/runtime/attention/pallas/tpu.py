@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ejgen.runtime.attention.pallas import common as _rt
 from ejgen.runtime.attention.pallas.common import NEG_INF, NN, NT, NUM_LANES, NUM_SUBLANES, PAD
-from ejgen.runtime.attention.pallas.hooks import Hooks, dense_kinds, grads_tile, logits, make_tile
+from ejgen.runtime.attention.pallas.hooks import Hooks, dense_kinds, grads_tile, logits, make_tile, with_token_views
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,21 +52,25 @@ class TpuBlockSizes:
 
 
 def _tile(r, b, h, i_q, i_k, block_q, block_k, cfg):
-    """The `Tile` of a [block_q, block_k] step: row vectors come lane-replicated [block_q, 128],
-    column vectors sublane-replicated [8, block_k]."""
+    """The `Tile` of a [block_q, block_k] step: row vectors (token views included) come lane-replicated
+    [block_q, 128], column vectors sublane-replicated [8, block_k]."""
     shape = (block_q, block_k)
     rows = i_q * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
     cols = i_k * block_k + lax.broadcasted_iota(jnp.int32, shape, 1)
     q_side = lambda name: _rt.lanes(r[name][...], block_k)
     k_side = lambda name: r[name][:1, :]
-    return make_tile(b, h, rows, cols, q_side, k_side, r["mask"][...] if cfg.dense_mask else None, cfg)
+    views = lambda side: [name for name in r if name.startswith(side + "_tok")]
+    return make_tile(b, h, rows, cols, q_side, k_side, r["mask"][...] if cfg.dense_mask else None, cfg,
+                     [q_side(name) for name in views("q")], [k_side(name) for name in views("kv")])
 
 
 def _operands(q, k, v, ctx, cfg, scalars, prm, blocks, coords, q_side=()):
     """Inputs of a TPU kernel with their BlockSpecs. ``coords(*grid, kinds, fetch)`` gives the
     (batch, kv head, group member, query block, key block) that a grid step reads. Scalars, params
-    and sinks sit in SMEM; q-side vectors are lane-replicated, k-side ones sublane-replicated."""
+    and sinks sit in SMEM; q-side vectors are lane-replicated, k-side ones sublane-replicated (token
+    views too: [B|1, H|1, S] as [B|1, H|1, S, 128] and [B|1, H|1, 8, S])."""
     d, dv = q.shape[-1], v.shape[-1]
+    groups = q.shape[2]
     block_q, block_k = blocks.block_q, blocks.block_k
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
 
@@ -81,10 +85,14 @@ def _operands(q, k, v, ctx, cfg, scalars, prm, blocks, coords, q_side=()):
     def q_like(x):  # [B, Hkv, G, Sq, X]
         return spec((None, None, None, block_q, x.shape[-1]), lambda b, hk, g, iq, ik: (b, hk, g, iq, 0))
 
+    def view(x, shape, index):  # a token view, [B|1, H|1, ...]: the query head's
+        pick = lambda axis, j: j if x.shape[axis] > 1 else 0
+        return spec(shape, lambda b, hk, g, iq, ik: (pick(0, b), pick(1, hk * groups + g)) + index(iq, ik))
+
     ops = _rt.Operands()
     ops.add("f32", scalars[0], smem)
     ops.add("i32", scalars[1], smem)
-    for name, x in prm.items():
+    for name, x in prm.items():  # the params the kernels read themselves (`Hooks.in_kernel`)
         ops.add("param_" + name, x, smem)
     if cfg.sinks:
         aux = ctx["softmax_aux"]
@@ -107,6 +115,11 @@ def _operands(q, k, v, ctx, cfg, scalars, prm, blocks, coords, q_side=()):
     for name, used in (("kv_pos", placed), ("kv_seg", segments)):
         if used:
             ops.add(name, _rt.to_sublanes(ctx[name]), spec((None, NUM_SUBLANES, block_k), lambda b, hk, g, iq, ik: (b, 0, ik)))
+    for i, x in enumerate(ctx.get("q_tok", ())):
+        ops.add(f"q_tok{i}", _rt.to_lanes(x), view(x, (None, None, block_q, NUM_LANES), lambda iq, ik: (iq, 0)))
+    for i, x in enumerate(ctx.get("kv_tok", ())):
+        x8 = jnp.broadcast_to(x[:, :, None, :], x.shape[:2] + (NUM_SUBLANES, x.shape[2]))
+        ops.add(f"kv_tok{i}", x8, view(x, (None, None, NUM_SUBLANES, block_k), lambda iq, ik: (0, ik)))
     return ops
 
 
@@ -148,7 +161,7 @@ class TpuKernels:
 
         def step(masked):
             sc = self.hooks.scalars(r["f32"], r["i32"])
-            prm = {name: r["param_" + name] for name in self.hooks.params}
+            prm = {name: r["param_" + name] for name in self.hooks.in_kernel}
             q = r["q"][...]  # [block_q, D]
             k = r["k"][...]  # [block_k, D]
             s = lax.dot_general(q, k, NT, precision=precision, preferred_element_type=jnp.float32) * sc.scale
@@ -187,7 +200,7 @@ class TpuKernels:
         """What both TPU backward kernels compute for one tile: (q, k, do, s, t, scalars, params,
         (p, ds1, ds0, vis)), every tile [block_q, block_k]."""
         sc = self.hooks.scalars(r["f32"], r["i32"])
-        prm = {name: r["param_" + name] for name in self.hooks.params}
+        prm = {name: r["param_" + name] for name in self.hooks.in_kernel}
         q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
         s = lax.dot_general(q, k, NT, precision=precision, preferred_element_type=jnp.float32) * sc.scale
         if cfg.bias:
@@ -268,18 +281,21 @@ class TpuKernels:
             dq_ref[...] = (dq_scr[...] * r["f32"][0]).astype(dq_ref.dtype)
 
     def _setup(self, q, k, v, ctx, cfg, interpret):
-        """(blocks, scalars, params, kinds [n_q, n_kv]) shared by the TPU kernels of one call."""
+        """(blocks, scalars, the params the kernels read, kinds [n_q, n_kv], ctx with the token views) shared by
+        the TPU kernels of one call."""
         batch, kv_heads, groups, sq, _ = q.shape
         sk = k.shape[2]
         blocks = TpuBlockSizes.get_default(interpret).fit(sq, sk)
         scalars, prm = self.hooks.pack_scalars(ctx), self.hooks.params_of(ctx)
-        kinds = self._kinds(blocks.block_q, blocks.block_k, ctx, self.hooks.scalars(*scalars), prm, cfg, (batch, kv_heads, groups, sq, sk))
-        return blocks, scalars, prm, kinds
+        sc = self.hooks.scalars(*scalars)
+        ctx = with_token_views(self.hooks, ctx, sc, prm, cfg, batch, kv_heads * groups)
+        kinds = self._kinds(blocks.block_q, blocks.block_k, ctx, sc, prm, cfg, (batch, kv_heads, groups, sq, sk))
+        return blocks, scalars, {name: prm[name] for name in self.hooks.in_kernel}, kinds, ctx
 
     def forward(self, q, k, v, ctx, *, cfg, interpret):
         batch, kv_heads, groups, sq, _ = q.shape
         dv = v.shape[-1]
-        blocks, scalars, prm, kinds = self._setup(q, k, v, ctx, cfg, interpret)
+        blocks, scalars, prm, kinds, ctx = self._setup(q, k, v, ctx, cfg, interpret)
         n_q, n_kv = kinds.shape
         coords = lambda b, h, iq, ik, kinds, fetch: (b, *_rt.head(h, groups), iq, fetch[iq, ik])
         ops = _operands(q, k, v, ctx, cfg, scalars, prm, blocks, coords)
@@ -311,7 +327,7 @@ class TpuKernels:
         """(dq, dk, dv, dbias or None, {param: flat gradient}): a dK/dV kernel, then a dQ kernel."""
         batch, kv_heads, groups, sq, d = q.shape
         sk, dv = k.shape[2], v.shape[-1]
-        blocks, scalars, prm, kinds = self._setup(q, k, v, ctx, cfg, interpret)
+        blocks, scalars, prm, kinds, ctx = self._setup(q, k, v, ctx, cfg, interpret)
         n_q, n_kv = kinds.shape
         q_side = (("do", d_out), ("lse", lse), ("delta", delta))
         precision = _rt.precision(q.dtype)
