@@ -81,6 +81,11 @@ def sliding_tile_mask(ix, options):
     return ok
 
 
+def flamingo_mask(ix, options, latest):
+    # text token i sees the tokens of image latest[b, i] (keys: image_tokens per image, one image after another)
+    return ix.kv_idx // options["image_tokens"] == latest[ix.b, ix.q_idx]
+
+
 def alibi_fixed_score(s, ix, params, options):
     # Press et al.: head h's slope 2^(-8 (h + 1) / H), the bias -slope * |i - j|
     slope = 2.0 ** (-8.0 * (ix.h + 1) / options["num_heads"])
@@ -107,6 +112,7 @@ ZOO = {
     "sliding_window_attention": dict(defaults={}, compiled={"causal": True}),
     "document_attention": dict(defaults={}, compiled={"causal": True}),
     "gemma3_local_attention": dict(defaults={}, compiled={"causal": True, "sliding_window": (1023, 0)}),
+    "flamingo_cross_attention": dict(mask=flamingo_mask, defaults={"image_tokens": 64}, compiled={}),
     "sliding_tile_attention": dict(mask=sliding_tile_mask, defaults=dict(
         tile_tokens=128, grid_h=4, grid_w=4, radius_t=1, radius_h=1, radius_w=1), compiled={}),
 }
@@ -185,9 +191,12 @@ CASES = (
             (("tile_tokens", 16), ("grid_h", 2), ("grid_w", 2), ("radius_t", 0), ("radius_h", 1), ("radius_w", 0)),
             dtype="bfloat16"),
     ZooCase("sliding_tile_attention", S_NEAR),  # the defaults: one tile
+    ZooCase("flamingo_cross_attention", AttnShape(2, 45, 40, 4, 2, 32), (("image_tokens", 8),)),  # 5 images
+    ZooCase("flamingo_cross_attention", AttnShape(1, 64, 48, 2, 2, 32), (("image_tokens", 16),), dtype="bfloat16"),
+    ZooCase("flamingo_cross_attention", S_NEAR),  # the defaults: one image, part of it
 )
 # in the interpreters: each variant in f32 on two tiles or more, and in bf16
-INTERPRETED = (0, 1, 4, 7, 8, 11, 12, 13, 15, 16, 18, 19, 22, 24, 25, 26, 28, 29, 32, 34, 36, 38, 39, 40)
+INTERPRETED = (0, 1, 4, 7, 8, 11, 12, 13, 15, 16, 18, 19, 22, 24, 25, 26, 28, 29, 32, 34, 36, 38, 39, 40, 42, 43)
 
 
 def _params():
@@ -214,12 +223,20 @@ def test_zoo_variant_matches_its_definition(backend, run_vjp, case):
         params["table"] = jnp.asarray(rng.standard_normal((case.shape.q_heads, 32)), jnp.float32)
     diff.update(params)
     options, static = dict(case.options), dict(case.static)
+    mask = spec.get("mask")
+    if case.variant == "flamingo_cross_attention":  # the latest image per text token, -1 before the first
+        n_images = -(-case.shape.kv_len // dict(case.options).get("image_tokens", 64))
+        starts = np.sort(rng.integers(0, case.shape.q_len, (case.shape.batch, n_images)), axis=1)
+        latest = (np.sum(np.arange(case.shape.q_len)[None, :, None] >= starts[:, None, :], axis=2) - 1).astype(np.int32)
+        options["latest"] = jnp.asarray(latest)
+        mask = lambda ix, opts, f=mask: f(ix, opts, jnp.asarray(latest))  # noqa: E731
     d_out, d_lse = random_cotangents(case.shape, case.dtype, rng)
     info = {"mask_info": MaskInfo.from_segments(*documents.values())} if documents else {}
     out, lse, grads = run_vjp(_zoo_op(case.variant), diff, {**options, **info}, {**static, "platform": backend},
                               d_out, d_lse)
+    options.pop("latest", None)
     ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items() if n not in params},
-                           score=spec.get("score"), mask=spec.get("mask"), params=params,
+                           score=spec.get("score"), mask=mask, params=params,
                            options={**spec["defaults"], **options}, **spec["compiled"], **static, **documents,
                            d_out=d_out, d_lse=d_lse)
     oracle.check_attention(out, lse, grads, ref, diff, case.dtype)
