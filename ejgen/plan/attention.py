@@ -13,6 +13,7 @@ from ejgen.errors import SpecError
 from ejgen.ir.expr import Binary, Const, Expr, ParamRef, Type, Var, walk
 from ejgen.ir.passes.derivative import ONE, add, diff, param_occurrences, simplify, sub
 from ejgen.ir.passes.mask import Affine, MaskAnalysis, analyse
+from ejgen.ir.passes.separate import separate
 from ejgen.ir.variant import CALL_ARGUMENTS, FEATURE_ARGUMENTS, Variant
 
 S = Var("s", kind="builtin", ty=Type.FLOAT)
@@ -93,8 +94,9 @@ class AttentionPlan:
 
     @property
     def spec_mask(self) -> Expr | None:
+        """The mask the backends print: the spec's, its modulo tests split by side (`ir/passes/separate.py`)."""
         m = self.variant.mask
-        return None if isinstance(m, Const) and m.value is True else m
+        return None if isinstance(m, Const) and m.value is True else separate(m)
 
     def names_used(self) -> set[str]:
         """Built-in DSL names used by score, mask or derivatives."""

@@ -411,7 +411,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_list, p_qpos, i_
         # d score / d rel_table[h, ((kv_idx - q_idx) + 16)] = bias_scale
         c = ds1 * _dscore_d0(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_rel_table, DIMS)
         pos = tl.minimum(tl.maximum(kv_idx - q_idx + 16, 0), 32)
-        for i_p in tl.range(33, num_stages=1):  # a reduction per table entry: nothing to pipeline
+        # a reduction per table entry this tile reads (a relative bucket: a few away from the diagonal)
+        for i_p in tl.range(tl.min(tl.min(pos, 1), 0), tl.max(tl.max(pos, 1), 0) + 1, num_stages=1):
             p_dparam = (DPARAM_rel_table + prog * (DIMS.HQ * 33)
                         + (tl.minimum(tl.maximum(off_h, 0), DIMS.HQ - 1) * (33)) + i_p * (1))
             tl.store(p_dparam, tl.load(p_dparam) + tl.sum(tl.sum(tl.where(pos == i_p, c, 0.0), 1), 0))

@@ -36,6 +36,7 @@ mask: >
   or (abs(q_idx - kv_idx) <= 2 and sign(q_idx - 20) != -1)
   or clamp(kv_idx - q_idx, -3, 3) == min(max(q_idx % 7 - 3, -3), 3)
   or (types[b, kv_idx] == q_idx % 3 and where(h == 0, kv_idx < q_len // 2, kv_idx >= 5))
+  or (types[b, kv_idx // 2 + 1] > 2 and q_idx < 40)
   or (float(q_idx) * gate[h] > float(kv_idx) + 0.5 and floor(float(kv_idx) / 3.0) == ceil(float(q_idx) / 6.0))
   or (exp(float(q_idx - kv_idx)) < 1.0 and kv_idx % div == q_idx % div and q_idx ** 2 > 4)
 """
@@ -54,6 +55,7 @@ def tricky_dense(q, k, b, h, sq, sk, opts, prm):
     m = m | (np.abs(q - k) <= 2) & (np.sign(q - 20) != -1)
     m = m | (np.clip(k - q, -3, 3) == np.minimum(np.maximum(q % 7 - 3, -3), 3))
     m = m | (prm["types"][b, k] == q % 3) & np.where(h == 0, k < sq // 2, k >= 5)
+    m = m | ((prm["types"][b, np.clip(k // 2 + 1, 0, sk - 1)] > 2) & (q < 40))
     qf, kf = q.astype(np.float32), k.astype(np.float32)
     m = m | (qf * prm["gate"][h] > kf + np.float32(0.5)) & (np.floor(kf / np.float32(3)) == np.ceil(qf / np.float32(6)))
     m = m | (np.exp((q - k).astype(np.float32)) < 1.0) & (fmod(k, div) == fmod(q, div)) & (q**2 > 4)
@@ -93,6 +95,10 @@ def paligemma_dense(q, k, b, h, sq, sk, opts, prm):
     return (k <= q) | ((q < n) & (k < n))
 
 
+def flamingo_dense(q, k, b, h, sq, sk, opts, prm):
+    return k // opts["image_tokens"] == prm["latest"][b, q]
+
+
 def dilated_dense(q, k, b, h, sq, sk, opts, prm):
     return (q - k) % opts["dilation"] == 0
 
@@ -115,7 +121,7 @@ def _kinds(mask_tiles, batch, heads, bq, bk, sq, sk, opts, prm):
     ctx = {f"opt_{n}": jnp.int32(v) for n, v in opts.items()}
     ctx.update({f"param_{n}": jnp.asarray(v) for n, v in prm.items()})
     t = intervals.tiles(batch, heads, bq, bk, sq, sk)
-    kinds = np.asarray(jax.jit(mask_tiles)(t, ctx))  # as under the op's jit (eager: one dispatch per op)
+    kinds = np.asarray(jax.jit(lambda ctx: mask_tiles(t, ctx))(ctx))  # as under the op's jit (eager: slow)
     return np.broadcast_to(kinds, (batch, heads, -(-sq // bq), -(-sk // bk)))
 
 
@@ -177,6 +183,7 @@ def test_every_interval_operation_is_sound(tricky, tile):
 ], ids=lambda x: x if isinstance(x, str) and x.endswith("attention") else None)
 def test_zoo_masks_by_tile(name, dense, opts, tile, n):
     kinds = check_tiles(_zoo(name), dense, *tile, n, n, opts)
+
     whole = {"chunked_local_attention": opts.get("chunk", 1) % tile[0] == 0 and opts.get("chunk", 1) % tile[1] == 0,
              "sliding_tile_attention": opts.get("tile_tokens", 1) % max(tile) == 0}
     if whole.get(name):  # chunks or video tiles of whole kernel tiles: no element mask anywhere
@@ -184,3 +191,17 @@ def test_zoo_masks_by_tile(name, dense, opts, tile, n):
     if name == "natten_2d_attention":  # rows out of the neighbourhood are skipped: about kernel / rows visited
         rows = n // opts["width"]
         assert np.mean(kinds > 0) <= (opts["kernel"] + 2 * tile[0] // opts["width"] + 1) / rows
+
+
+@pytest.mark.parametrize("tile", [(1, 1), (16, 16), (13, 8)], ids=lambda t: f"{t[0]}x{t[1]}")
+def test_flamingo_reads_its_param_per_tile(tile):
+    """``latest[b, q_idx]``: the least and greatest image number of each query tile (one reduction per tile), so
+    a text tile sees only its images' key tiles; rows before the first image (-1) see nothing."""
+    rng = np.random.default_rng(7)
+    batch, sq, sk, image_tokens = 2, 90, 64, 8
+    starts = np.sort(rng.integers(0, sq, (batch, sk // image_tokens)), axis=1)
+    latest = (np.sum(np.arange(sq)[None, :, None] >= starts[:, None, :], axis=2) - 1).astype(np.int32)
+    kinds = check_tiles(_zoo("flamingo_cross_attention"), flamingo_dense, *tile, sq, sk,
+                        {"image_tokens": image_tokens}, {"latest": latest}, batch=batch)
+    if tile == (16, 16):  # each query tile: its images' key tiles, about two of eight
+        assert np.mean(kinds > 0) < 0.4

@@ -393,3 +393,23 @@ def test_empty_and_oversized_lengths_stay_in_range(tmp_path):
             lo, hi, flo, fhi = mask_pass.block_range(analysis.constraints, 0, 3, n_y, block, env, x_is_q=True)
             n_blocks = -(-n_y // block)
             assert 0 <= lo <= hi <= n_blocks and lo <= flo <= fhi <= hi, (text, n_y, block, (lo, hi, flo, fhi))
+
+
+@pytest.mark.parametrize("text, want", [
+    ("(q_idx - kv_idx) % shift == 0", "((q_idx % shift) == (kv_idx % shift))"),
+    ("0 != (kv_idx + 2 * q_idx) % (shift + 1)", "((kv_idx % (shift + 1)) != (-((2 * q_idx)) % (shift + 1)))"),
+    ("(q_idx - kv_idx) % kv_idx == 0", None),  # the divisor reads a position: left alone
+    ("(q_idx + 1 - kv_idx) % shift == 1", None),  # not a test against 0
+])
+def test_modulo_tests_split_by_side(tmp_path, text, want):
+    """`ir/passes/separate.py`: a modulo test of a difference of a query-side and a key-side term becomes two
+    remainders compared (one per row, one per column in the kernels); the rewrite is exact for every divisor."""
+    from ejgen.ir.passes.separate import separate
+
+    mask = load_mask(tmp_path, text)
+    assert to_text(separate(mask)) == (to_text(mask) if want is None else want)
+    q, k = np.arange(-12, 13)[:, None], np.arange(-12, 13)[None, :]
+    for d in (-3, -1, 0, 1, 2, 5):  # the DSL's %: the divisor's sign, a % 0 == a
+        mod = lambda a: a if d == 0 else np.mod(a, d)  # noqa: E731
+        np.testing.assert_array_equal(mod(q - k) == 0, mod(q) == mod(k))
+        np.testing.assert_array_equal(mod(q + k) == 0, mod(q) == mod(-k))

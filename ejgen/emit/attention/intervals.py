@@ -56,7 +56,9 @@ class IntervalPrinter:
             self.inputs[name] = f'ctx["{name}"]'
             indices = [self(i) for i in e.indices]
             ranged = [axis for axis, i in enumerate(e.indices) if positional(i)]
-            return f"iv.read({name}, ({', '.join(indices)},), ranged={tuple(ranged)!r})"
+            tile = [i.name for i in e.indices if isinstance(i, Var) and i.name in ("q_idx", "kv_idx")]
+            block = f", block=t.{tile[0].removesuffix('_idx')}_block" if len(ranged) == 1 and len(tile) == 1 else ""
+            return f"iv.read({name}, ({', '.join(indices)},), ranged={tuple(ranged)!r}{block})"
         if isinstance(e, Unary):
             return f"iv.{'not_' if e.op == 'not' else 'neg'}({self(e.x)})"
         if isinstance(e, Binary):

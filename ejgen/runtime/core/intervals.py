@@ -53,7 +53,6 @@ def top(like_float: bool = False):
     return jnp.int32(-BIG), jnp.int32(BIG)
 
 
-MAYBE = (jnp.bool_(True), jnp.bool_(False))
 
 
 def _unbounded(x):
@@ -244,11 +243,13 @@ def cond_eq(x, y):
 # params
 
 
-def read(param, indices, ranged=()):
+def read(param, indices, ranged=(), block=None):
     """``param[i0, i1, ...]`` (each index clamped into its dim, docs/DESIGN.md §2) over index intervals; ``ranged``
     names the axes whose index depends on a position (the others are one value per tile: b, h, options). No
-    ranged axis: exact. One: the least and greatest entry over the index's span, from a sparse table of minima
-    and maxima along that axis (two lookups per tile). More: the whole param's least and greatest."""
+    ranged axis: exact. One: the least and greatest entry over the index's span — where that index is a tile's
+    own (``q_idx`` or ``kv_idx`` itself, ``block`` its tile size) by one reduction per tile, else from a sparse
+    table of minima and maxima along that axis (two lookups per tile). More: the whole param's least and
+    greatest."""
     param = jnp.asarray(param)
     boolean = param.dtype == jnp.bool_
     if boolean:
@@ -258,6 +259,8 @@ def read(param, indices, ranged=()):
     if not ranged:
         value = param[tuple(lo for lo, _ in idx)]
         out = value, value
+    elif len(ranged) == 1 and block is not None:
+        out = _tile_read(param, idx, ranged[0], indices[ranged[0]][0], block)
     elif len(ranged) == 1:
         out = _range_read(param, idx, ranged[0])
     else:
@@ -267,27 +270,56 @@ def read(param, indices, ranged=()):
     return out
 
 
+def _tile_read(param, idx, axis, first, block: int):
+    """Least and greatest of ``param`` over whole tiles of ``block`` entries along ``axis`` (entries past its end
+    read as its last: the clamp), at the tiles starting at ``first`` (an array holding one tile per entry)."""
+    n, n_tiles = param.shape[axis], first.size
+    size = n_tiles * block
+    if size > n:
+        pad = [(0, 0)] * param.ndim
+        pad[axis] = (0, size - n)
+        param = jnp.pad(param, pad, mode="edge")
+    else:
+        param = lax.slice_in_dim(param, 0, size, axis=axis)
+    tiled = param.reshape(param.shape[:axis] + (n_tiles, block) + param.shape[axis + 1:])
+    where = [lo for lo, _ in idx]
+    where[axis] = first // block
+    return jnp.min(tiled, axis=axis + 1)[tuple(where)], jnp.max(tiled, axis=axis + 1)[tuple(where)]
+
+
 def _range_read(param, idx, axis):
-    """Least and greatest of ``param`` over ``idx[axis]``'s span, the other indices single values."""
+    """Least and greatest of ``param`` over ``idx[axis]``'s span, the other indices single values: a sparse table
+    (level j: the least / greatest of the 2**j entries from each position, clamped at the end; a shifted copy per
+    level) and, per tile, two lookups at the level that covers its span with two windows."""
     n = param.shape[axis]
     lows, highs = [param], [param]
     width = 1
-    while 2 * width <= n:  # level j: the least / greatest of 2**j entries from each position (clamped at the end)
-        ahead = jnp.minimum(jnp.arange(n) + width, n - 1)
-        lows.append(jnp.minimum(lows[-1], jnp.take(lows[-1], ahead, axis=axis)))
-        highs.append(jnp.maximum(highs[-1], jnp.take(highs[-1], ahead, axis=axis)))
+    while 2 * width <= n:
+        lows.append(jnp.minimum(lows[-1], _ahead(lows[-1], width, axis)))
+        highs.append(jnp.maximum(highs[-1], _ahead(highs[-1], width, axis)))
         width *= 2
+    lows, highs = jnp.stack(lows), jnp.stack(highs)
     lo, hi = idx[axis]
-    length = hi - lo + 1
-    level = 31 - lax.clz(length)  # floor(log2(length)): two windows of 2**level cover [lo, hi]
+    hi = jnp.maximum(hi, lo)
+    level = 31 - lax.clz(hi - lo + 1)  # floor(log2(length))
     second = hi - jnp.left_shift(1, level) + 1
+    others = [first for first, _ in idx]
 
     def at(table, start):
-        where = [first for first, _ in idx]
+        where = list(others)
         where[axis] = start
-        return jnp.stack(table)[(level,) + tuple(where)]
+        return table[(level,) + tuple(where)]
 
     return jnp.minimum(at(lows, lo), at(lows, second)), jnp.maximum(at(highs, lo), at(highs, second))
+
+
+def _ahead(x, width: int, axis: int):
+    """``x`` shifted ``width`` entries back along ``axis``, the last entry repeated past the end."""
+    n = x.shape[axis]
+    rest = lax.slice_in_dim(x, width, n, axis=axis)
+    last = lax.slice_in_dim(x, n - 1, n, axis=axis)
+    return jnp.concatenate([rest] + [last] * 1, axis=axis) if width == 1 else jnp.concatenate(
+        [rest, jnp.repeat(last, width, axis=axis)], axis=axis)
 
 
 def kinds(cond):
@@ -305,6 +337,8 @@ class Tiles(NamedTuple):
     kv_idx: tuple
     q_len: tuple
     kv_len: tuple
+    q_block: int | None = None  # the tile sizes, where q_idx / kv_idx span whole tiles (not explicit positions)
+    kv_block: int | None = None
 
 
 def tiles(batch: int, heads: int, block_q: int, block_k: int, sq: int, sk: int, q_pos=None, kv_pos=None) -> Tiles:
@@ -332,4 +366,6 @@ def tiles(batch: int, heads: int, block_q: int, block_k: int, sq: int, sk: int, 
         kv_idx=spans(kv_pos, block_k, sk, 3),
         q_len=point(sq),
         kv_len=point(sk),
+        q_block=block_q if q_pos is None else None,
+        kv_block=block_k if kv_pos is None else None,
     )

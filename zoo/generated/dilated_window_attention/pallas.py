@@ -88,9 +88,12 @@ def _visible(t, sc, prm, cfg):
         vis = jnp.logical_and(vis, jnp.logical_and(t.q_seg == t.kv_seg, t.q_seg >= 0))
     if t.mask is not None:
         vis = jnp.logical_and(vis, t.mask != 0)
-    vis = (jnp.logical_and(vis, t.q_idx - t.kv_idx
-                           - jnp.where(sc.opt_dilation == 0, 0, (t.q_idx - t.kv_idx)
-                                       // jnp.where(sc.opt_dilation == 0, 1, sc.opt_dilation)) * sc.opt_dilation == 0))
+    vis = jnp.logical_and(vis, t.q_idx - jnp.where(sc.opt_dilation == 0, 0,
+                                                   t.q_idx // jnp.where(sc.opt_dilation == 0, 1, sc.opt_dilation))
+                          * sc.opt_dilation
+                          == t.kv_idx - jnp.where(sc.opt_dilation == 0, 0,
+                                                  t.kv_idx // jnp.where(sc.opt_dilation == 0, 1, sc.opt_dilation))
+                          * sc.opt_dilation)
     return vis
 
 

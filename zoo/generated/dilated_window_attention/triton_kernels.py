@@ -100,7 +100,7 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.cons
         window_right = tl.load(I32 + 1)
         vis = vis & (q_idx - kv_idx + (kv_len - q_len + window_right) >= 0)
     opt_dilation = tl.load(I32 + 2)
-    vis = vis & (_int_mod(q_idx - kv_idx, opt_dilation) == 0)
+    vis = vis & (_int_mod(q_idx, opt_dilation) == _int_mod(kv_idx, opt_dilation))
     return vis
 
 

@@ -18,9 +18,9 @@ def _mask_tiles(t, ctx):
     """Kinds (0 skip, 1 partial, 2 full) of the tiles `t` under the spec's mask, by interval arithmetic
     (ejgen.runtime.core.intervals; docs/DESIGN.md §3 block masks): a few operations per pair of tiles."""
     opt_dilation = iv.point(ctx["opt_dilation"])
-    v0 = iv.sub(t.q_idx, t.kv_idx)  # (q_idx - kv_idx)
-    v1 = iv.mod(v0, opt_dilation)  # ((q_idx - kv_idx) % dilation)
-    v2 = iv.eq(v1, iv.point(0))  # (((q_idx - kv_idx) % dilation) == 0)
+    v0 = iv.mod(t.q_idx, opt_dilation)  # (q_idx % dilation)
+    v1 = iv.mod(t.kv_idx, opt_dilation)  # (kv_idx % dilation)
+    v2 = iv.eq(v0, v1)  # ((q_idx % dilation) == (kv_idx % dilation))
     return iv.kinds(v2)
 
 

@@ -43,10 +43,10 @@ def _visible(blk, ctx, cfg):
     if cfg.dense_mask:
         vis = jnp.logical_and(vis, xla_attention.rows_cols(ctx["mask"], blk))
     opt_dilation = ctx["opt_dilation"]
-    vis = jnp.logical_and(vis, q_idx - kv_idx - jnp.where(opt_dilation == 0, 0,
-                                                          (q_idx - kv_idx)
-                                                          // jnp.where(opt_dilation == 0, 1, opt_dilation))
-                          * opt_dilation == 0)
+    vis = jnp.logical_and(vis, q_idx - jnp.where(opt_dilation == 0, 0,
+                                                 q_idx // jnp.where(opt_dilation == 0, 1, opt_dilation)) * opt_dilation
+                          == kv_idx - jnp.where(opt_dilation == 0, 0,
+                                                kv_idx // jnp.where(opt_dilation == 0, 1, opt_dilation)) * opt_dilation)
     return vis
 
 

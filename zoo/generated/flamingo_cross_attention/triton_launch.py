@@ -20,7 +20,7 @@ def _mask_tiles(t, ctx):
     opt_image_tokens = iv.point(ctx["opt_image_tokens"])
     param_latest = ctx["param_latest"]
     v0 = iv.floordiv(t.kv_idx, opt_image_tokens)  # (kv_idx // image_tokens)
-    v1 = iv.read(param_latest, (t.b, t.q_idx,), ranged=(1,))  # latest[b, q_idx]
+    v1 = iv.read(param_latest, (t.b, t.q_idx,), ranged=(1,), block=t.q_block)  # latest[b, q_idx]
     v2 = iv.eq(v0, v1)  # ((kv_idx // image_tokens) == latest[b, q_idx])
     return iv.kinds(v2)
 

@@ -424,7 +424,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_list, p_qpos, i_
                                                           + ((tl.log((tl.maximum(tl.abs(kv_idx - q_idx),
                 1)).to(tl.float32) / 8.0) / tl.log((opt_max_distance).to(tl.float32) / 8.0) * 8.0)).to(tl.int32), 15)),
                                     0), 31)
-        for i_p in tl.range(32, num_stages=1):  # a reduction per table entry: nothing to pipeline
+        # a reduction per table entry this tile reads (a relative bucket: a few away from the diagonal)
+        for i_p in tl.range(tl.min(tl.min(pos, 1), 0), tl.max(tl.max(pos, 1), 0) + 1, num_stages=1):
             p_dparam = (DPARAM_table + prog * (DIMS.HQ * 32) + (tl.minimum(tl.maximum(off_h, 0), DIMS.HQ - 1) * (32))
                         + i_p * (1))
             tl.store(p_dparam, tl.load(p_dparam) + tl.sum(tl.sum(tl.where(pos == i_p, c, 0.0), 1), 0))
