@@ -21,7 +21,7 @@ from ejgen.emit.attention.common import (MAX_POSITIONAL_DIM, positional, positio
                                          range_constraints, scalar_layout)
 from ejgen.emit.attention.xla import JnpPrinter
 from ejgen.errors import SpecError
-from ejgen.ir.expr import Call, Const, Expr, ParamRef, Var, children, to_text, walk
+from ejgen.ir.expr import Call, Const, Expr, ParamRef, Type, Var, children, to_text, walk
 from ejgen.plan.attention import AttentionPlan
 
 TILE_NAMES = ("b", "h", "q_idx", "kv_idx", "q_len", "kv_len")
@@ -45,6 +45,12 @@ class KernelPrinter(JnpPrinter):
         args = [f"jnp.float32({self(a)})" if isinstance(a, Const) and not isinstance(a.value, bool) else self(a)
                 for a in e.args]
         return f"{self.functions[e.fn]}({', '.join(args)})"
+
+    def cast(self, fn, x):
+        """``round`` through `_rt.round_half_even` (no `round` primitive in Pallas's Triton lowering)."""
+        if fn == "round":
+            return f"jnp.int32(_rt.round_half_even({self(x)}))"
+        return super().cast(fn, x)
 
     def indices(self, e: ParamRef) -> tuple[list[str | None], str | None]:
         """Per index its clamped code, ``None`` for the one positional index, and that index' code."""
@@ -77,6 +83,12 @@ class ViewPrinter(KernelPrinter):
 
     def param(self, e: ParamRef) -> str:
         return f'_rt.clamped(prm["{e.name}"], {", ".join(self(i) for i in e.indices)})'
+
+
+def _rounds(plan: AttentionPlan) -> bool:
+    """Whether a hook prints the DSL's ``round`` of a float (`KernelPrinter.cast`)."""
+    exprs = [plan.score, plan.dscore_ds, plan.variant.mask] + [g.deriv for g in plan.param_grads]
+    return any(isinstance(n, Call) and n.fn == "round" and n.args[0].ty is not Type.INT for e in exprs for n in walk(e))
 
 
 def _tuple(codes) -> str:
@@ -180,7 +192,7 @@ def template_context(plan: AttentionPlan) -> dict:
     return {
         **codes,
         "score_is_identity": plan.score_is_identity,
-        "uses_rt": bool(param_grads or tiles or gathers),  # _rt.scatter, _rt.clamped, _rt.gather
+        "uses_rt": bool(param_grads or tiles or gathers or _rounds(plan)),  # _rt.scatter, .clamped, .gather, .round...
         "token_views": bool(tiles),
         "q_view_codes": [whole(ref) for ref in views["q"]],
         "kv_view_codes": [whole(ref) for ref in views["kv"]],

@@ -168,6 +168,14 @@ def add_sinks(m, l, sinks):
     return m_all, l, alpha
 
 
+def round_half_even(x):
+    """The DSL's round (half to even, as Python's) from floor and select: Pallas's Triton lowering has no
+    `round` primitive (jax 0.11, H200: NotImplementedError), Mosaic has both."""
+    r = jnp.floor(x + 0.5)
+    odd = (r - 2.0 * jnp.floor(r * 0.5)) != 0.0
+    return jnp.where(((r - x) == 0.5) & odd, r - 1.0, r)
+
+
 def tile_sum(x):
     """Sum of a 2-D tile as ``[1, 1]`` (two one-axis reductions)."""
     return jnp.sum(jnp.sum(x, axis=1, keepdims=True), axis=0, keepdims=True)
