@@ -29,10 +29,12 @@ class Family:
     emit: Callable  # (plan, backends, common, render) -> {path: text}
     describe: Callable  # plan -> its notation block (`ejgen show`, the op's docstring)
     backends: tuple  # the backends it has templates for
+    exports: Callable = lambda plan: []  # plan -> the op's further functions the package exports (decode modes)
 
 
 FAMILIES = {
-    "attention": Family(plan_attention, attention_op.emit, describe_attention, tuple(attention_op.BACKENDS)),
+    "attention": Family(plan_attention, attention_op.emit, describe_attention, tuple(attention_op.BACKENDS),
+                        attention_op.decode_names),
 }
 
 _ENV = jinja2.Environment(
@@ -101,7 +103,8 @@ def render(variants) -> dict[str, str]:
         "glue/package_init.py.j2",
         spec_path=folder if len(plans) != 1 else _spec_path(plans[0].variant.path),
         spec_hash=digest,
-        ops=[{"name": p.variant.name, "summary": _summary(p.variant.doc)} for p in plans],
+        ops=[{"name": p.variant.name, "summary": _summary(p.variant.doc), "extra": _family(p.variant).exports(p)}
+             for p in plans],
     )
     return {path: _tidy(path, text) for path, text in sorted(files.items())}
 

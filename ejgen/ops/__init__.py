@@ -3,6 +3,8 @@
 - ``flash_attention``: generated from ``specs/flash_attention.yaml`` (docs/DESIGN.md §3).
 - ``blocksparse_attention``: the seed's signature ([batch, heads, seq, head_dim], qkv_layouts, segment ids, ...)
   on the op generated from ``specs/blocksparse_attention.yaml`` (``ejgen.ops.blocksparse``).
+- ``ragged_decode_attention``, ``page_attention``: the seed's decode ops on the flash spec's decode modes
+  (``ejgen.ops.decode``; every spec listing ``decode`` / ``paged`` in ``modes`` has ``<name>_decode`` / ``_paged``).
 - ``explain(op, *args, target=None, **kwargs)``: which platform and kernel sets a call takes, and why,
   without running it (docs/DESIGN.md §6).
 - ``settings(**changes)``: a scoped override of the settings (``deterministic``, ``gluon``,
@@ -11,8 +13,9 @@
 
 from ejgen.generated import flash_attention
 from ejgen.ops.blocksparse import blocksparse_attention
+from ejgen.ops.decode import page_attention, ragged_decode_attention
 from ejgen.runtime.core.kernels import KernelChoice, explain
 from ejgen.runtime.core.settings import Settings, settings
 from ejgen.runtime.core.settings import current as current_settings
 
-__all__ = ["flash_attention", "blocksparse_attention", "explain", "settings", "current_settings", "KernelChoice", "Settings"]
+__all__ = ["flash_attention", "blocksparse_attention", "ragged_decode_attention", "page_attention", "explain", "settings", "current_settings", "KernelChoice", "Settings"]

@@ -158,11 +158,31 @@ def _absent(arguments: tuple) -> dict:
             for features, names in FEATURE_ARGUMENTS for name in names if name not in taken}
 
 
+# Features that mean nothing for the last rows of a sequence over a cache: a spec that compiles one in
+# (`always` or a value) cannot have a decode mode.
+TRAIN_ONLY_FEATURES = ("segment_ids", "attention_mask", "bias", "varlen", "block_mask", "positions")
+
+
+def _check_modes(variant: Variant) -> None:
+    """Decode and paged modes (docs/DESIGN.md §3) need the train mode (whose XLA hooks they run on), the xla
+    backend (their kernels so far) and no train-only feature compiled in."""
+    decode = [m for m in variant.modes if m != "train"]
+    if not decode:
+        return
+    if "train" not in variant.modes:
+        raise SpecError(f"mode(s) {', '.join(decode)} need 'train' in modes too (they run its hooks)", variant.loc)
+    if "xla" not in variant.backends:
+        raise SpecError(f"mode(s) {', '.join(decode)} are built on the xla backend so far: list xla in backends",
+                        variant.loc)
+    for f in variant.features:
+        if f.name in TRAIN_ONLY_FEATURES and f.mode != "runtime":
+            raise SpecError(f"feature '{f.name}' is compiled in ({f.mode}), but it has no meaning in mode(s) "
+                            f"{', '.join(decode)}: make it runtime or drop those modes", f.loc)
+
+
 def plan_attention(variant: Variant) -> AttentionPlan:
     """The plan of a loaded, type-checked variant (``ejgen.spec.load_spec`` checks types once)."""
-    if tuple(variant.modes) != ("train",):
-        extra = [m for m in variant.modes if m != "train"]
-        raise SpecError(f"mode(s) {', '.join(extra)} cannot be built yet: only 'train' has kernels", variant.loc)
+    _check_modes(variant)
     score = variant.score
     if score.ty is Type.INT:
         score = Binary("*", ONE, score, ty=Type.FLOAT)

@@ -57,7 +57,7 @@ def emit(plan: AttentionPlan, backends: list[str], common: dict, render: Callabl
     v = plan.variant
     signature = [a.name if a.default is None else f"{a.name}={a.default}" for a in plan.arguments if a.in_signature]
     files = {
-        f"{v.name}/__init__.py": render("glue/op_init.py.j2", **common),
+        f"{v.name}/__init__.py": render("glue/op_init.py.j2", **common, extra=decode_names(plan)),
         f"{v.name}/op.py": render(
             "attention/op.py.j2",
             **common,
@@ -79,4 +79,57 @@ def emit(plan: AttentionPlan, backends: list[str], common: dict, render: Callabl
         context = backend.context(plan)
         for file, template in backend.files.items():
             files[f"{v.name}/{file}"] = render(template, **common, **context)
+    modes = decode_modes(plan)
+    if modes:
+        args = [a for a in plan.arguments
+                if a.in_signature and a.feature in DECODE_ARGUMENT_KINDS and a.name != "deterministic"]
+        accepted = [a.name for a in args]
+        files[f"{v.name}/decode.py"] = render(
+            "attention/decode.py.j2",
+            **common,
+            modes=[{**m, "doc": _decode_doc(m["doc"], v.name, accepted)} for m in modes],
+            accepted=repr(tuple(accepted)),
+            signature=[a.name if a.default is None else f"{a.name}={_decode_default(a)}" for a in args],
+            prepare_args=[(a.name, a.passed) for a in plan.arguments
+                          if a.passed is not None and a.feature in DECODE_ARGUMENT_KINDS],
+            params=[{"name": p.name, "shape": repr(tuple(p.shape)), "dtype": p.dtype} for p in v.params],
+            options=[{"name": o.name, "type": o.type} for o in v.options],
+        )
     return files
+
+
+# What a decode op takes: the spec's params and options, the built-in features that mean something for the last
+# rows of a sequence, and the per-call arguments but `deterministic` (the decode kernels have one reduction order).
+DECODE_ARGUMENT_KINDS = ("param", "option", "causal", "sliding_window", "logits_soft_cap", "sinks", "call")
+DECODE_MODES = {
+    "decode": {"suffix": "decode", "prepare": "prepare", "positional": ["key", "value", "sequence_start",
+                                                                        "sequence_end"],
+               "doc": "Ragged decode: query [B, Hq, D] or [B, Sq, Hq, D] (the last Sq positions of each sequence), "
+                      "key/value [B, S, Hkv, D|Dv], sequence b = keys sequence_start[b] <= j < sequence_end[b]."},
+    "paged": {"suffix": "paged", "prepare": "prepare_paged", "positional": ["key_cache", "value_cache",
+                                                                           "context_lens", "block_tables"],
+              "doc": "Paged decode: query [B, Hq, D] or [B, Sq, Hq, D], key_cache/value_cache [pages, page_size, "
+                     "Hkv, D|Dv], token t of sequence b at (block_tables[b, t // page_size], t % page_size), "
+                     "t < context_lens[b]."},
+}
+
+
+def decode_modes(plan: AttentionPlan) -> list[dict]:
+    """The decode modes the spec lists, in DECODE_MODES order (each one's template data)."""
+    return [DECODE_MODES[m] for m in DECODE_MODES if m in plan.variant.modes]
+
+
+def decode_names(plan: AttentionPlan) -> list[str]:
+    """The decode ops the op's package exports (`<name>_decode`, `<name>_paged`)."""
+    return [f"{plan.variant.name}_{m['suffix']}" for m in decode_modes(plan)]
+
+
+def _decode_doc(doc: str, name: str, accepted: list) -> str:
+    text = f"{doc}\n\nKeyword arguments as `{name}` in train mode, less the train-only ones: {', '.join(accepted)}."
+    return "\n\n".join(textwrap.fill(p, WIDTH - 8, subsequent_indent="    ") for p in text.split("\n\n")).replace(
+        "\n\n", "\n\n    ")
+
+
+def _decode_default(a) -> str:
+    """Decode is causal by nature: a runtime causal flag defaults to on."""
+    return "True" if a.name == "causal" else a.default

@@ -1,0 +1,218 @@
+"""Decode and paged decode of every attention spec (docs/DESIGN.md §3, "Decode and paged modes"): the argument
+checks and the XLA kernels, driven by the spec's own XLA hooks (`_visible`, `_score` of its `xla.py`), so an
+authored variant decodes with its score, mask, params and options as it trains.
+
+A decode call is train-mode attention of the last ``Sq`` query rows of each sequence over its keys: sequence
+``b`` holds the keys ``sequence_start[b] <= j < sequence_end[b]`` of the cache row, its length is ``L_b = end -
+start``, query row ``i`` stands at position ``L_b - Sq + i`` and key ``j`` at ``j - start`` (positions in the
+sequence, what the DSL's ``q_idx`` and ``kv_idx`` read; ``q_len = kv_len = L_b``). Causal, the window and the
+spec's mask apply as in train mode; an empty sequence gives o = 0 and lse = -inf (or the sinks' value). Paged:
+token ``t`` of sequence ``b`` is row ``t % page_size`` of page ``block_tables[b, t // page_size]``, visible for
+``t < context_lens[b]``; the XLA kernel gathers each sequence's pages first (the Triton and Pallas kernels, when
+built, read them in place). Forward only: ``jax.grad`` through a decode op is an error.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ejgen.runtime.attention import api
+from ejgen.runtime.attention.config import AttentionConfig
+from ejgen.runtime.attention.xla import Block
+
+MAX_QUERIES = 16  # query tokens per sequence (speculative verification, chunked prefill)
+
+
+class Prepared:
+    """A checked decode call: q [B, Sq, Hkv, G, D], k/v [B, S, Hkv, D|Dv], the sequences' bounds, ctx, cfg."""
+
+    def __init__(self, q, k, v, starts, ends, ctx, cfg, dims, squeeze):
+        self.q, self.k, self.v, self.starts, self.ends = q, k, v, starts, ends
+        self.ctx, self.cfg, self.dims, self.squeeze = ctx, cfg, dims, squeeze
+
+
+def _queries(spec, query):
+    """[B, Sq, Hq, D] from [B, Hq, D] (squeeze on the way out) or [B, Sq, Hq, D] with Sq <= MAX_QUERIES."""
+    query = jnp.asarray(query)
+    if query.ndim == 3:
+        return query[:, None], True
+    if query.ndim == 4 and 1 <= query.shape[1] <= MAX_QUERIES:
+        return query, False
+    raise ValueError(f"{spec.name}: query must be [batch, heads, head_dim] or [batch, queries, heads, head_dim] "
+                     f"with 1 <= queries <= {MAX_QUERIES}, got {api._shape(query)}")
+
+
+def _bounds(spec, name, x, batch):
+    x = jnp.asarray(x)
+    if x.shape != (batch,) or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{spec.name}: {name} must be int [batch={batch}], got {api._shape(x)}")
+    return x.astype(jnp.int32)
+
+
+def prepare(spec, query, key, value, sequence_start, sequence_end, *, causal=False, sliding_window=None,
+            logits_soft_cap=None, softmax_aux=None, softmax_scale=None) -> Prepared:
+    """Check a ragged decode call: query [B, Hq, D] or [B, Sq, Hq, D], key/value [B, S, Hkv, D|Dv] (the cache,
+    read in place), sequence_start/end int [B]."""
+    q, squeeze = _queries(spec, query)
+    key, value = jnp.asarray(key), jnp.asarray(value)
+    for name, x in (("query", q), ("key", key), ("value", value)):
+        api._check_float(spec, name, x)
+    if key.ndim != 4 or value.ndim != 4:
+        raise ValueError(f"{spec.name}: key and value must be [batch, seq, kv_heads, head_dim], got "
+                         f"{api._shape(key)}, {api._shape(value)}")
+    if not (q.dtype == key.dtype == value.dtype):
+        raise ValueError(f"{spec.name}: query, key and value must share a dtype, got {api._shape(q)}, "
+                         f"{api._shape(key)}, {api._shape(value)}")
+    batch, sq, hq, d = q.shape
+    _, s, hkv, _ = key.shape
+    if key.shape[0] != batch or value.shape[:3] != key.shape[:3]:
+        raise ValueError(f"{spec.name}: key {api._shape(key)} and value {api._shape(value)} must match each other "
+                         f"and the query's batch {batch}")
+    if key.shape[-1] != d:
+        raise ValueError(f"{spec.name}: key head_dim {key.shape[-1]} differs from query head_dim {d}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{spec.name}: query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if hkv != hq and "gqa" not in spec.features:
+        raise ValueError(f"{spec.name}: key/value heads ({hkv}) differ from query heads ({hq}), but the spec does "
+                         f"not enable feature 'gqa' ({spec.path})")
+    starts = _bounds(spec, "sequence_start", sequence_start, batch)
+    ends = _bounds(spec, "sequence_end", sequence_end, batch)
+    groups = hq // hkv
+    ctx = {"scale": jnp.asarray(api._softmax_scale(spec, softmax_scale, d), jnp.float32)}
+    flags = {"causal": api._check_bool(spec, "causal", causal)}
+    if sliding_window is not None:
+        left, right = api._window(spec, sliding_window)
+        flags.update(window=True, window_span=left + right)
+        ctx["window_left"], ctx["window_right"] = jnp.int32(left), jnp.int32(right)
+    if logits_soft_cap is not None:
+        flags["softcap"] = True
+        ctx["softcap"] = api._positive_scalar(spec, "logits_soft_cap", logits_soft_cap)
+    if softmax_aux is not None:
+        flags["sinks"] = True
+        ctx["softmax_aux"] = api._sinks(spec, softmax_aux, hq, hkv, groups)
+    cfg = AttentionConfig(seq_q=sq, seq_k=s, **flags)
+    dims = {"batch": batch, "heads": hq, "kv_heads": hkv, "q_len": sq, "kv_len": s, "head_dim": d}
+    q = q.reshape(batch, sq, hkv, groups, d)
+    return Prepared(q, key, value, starts, ends, ctx, cfg, dims, squeeze)
+
+
+def prepare_paged(spec, query, key_cache, value_cache, context_lens, block_tables, **features) -> Prepared:
+    """Check a paged call (key_cache/value_cache [pages, page_size, Hkv, D|Dv], context_lens int [B],
+    block_tables int [B, max_pages]) and lay each sequence's pages out in order (the XLA kernel's gather)."""
+    key_cache, value_cache = jnp.asarray(key_cache), jnp.asarray(value_cache)
+    if key_cache.ndim != 4 or value_cache.ndim != 4 or key_cache.shape[:3] != value_cache.shape[:3]:
+        raise ValueError(f"{spec.name}: key_cache and value_cache must be [num_pages, page_size, kv_heads, head_dim] "
+                         f"alike, got {api._shape(key_cache)}, {api._shape(value_cache)}")
+    q, _ = _queries(spec, query)
+    batch = q.shape[0]
+    tables = jnp.asarray(block_tables)
+    if tables.ndim != 2 or tables.shape[0] != batch or not jnp.issubdtype(tables.dtype, jnp.integer):
+        raise ValueError(f"{spec.name}: block_tables must be int [batch={batch}, max_pages], got "
+                         f"{api._shape(tables)}")
+    lens = _bounds(spec, "context_lens", context_lens, batch)
+    pages = jnp.clip(tables.astype(jnp.int32), 0, key_cache.shape[0] - 1)  # entries past a sequence: never visible
+    page = key_cache.shape[1]
+
+    def lay_out(cache):  # [B, max_pages * page_size, Hkv, D]
+        return cache[pages].reshape(batch, pages.shape[1] * page, *cache.shape[2:])
+
+    zeros = jnp.zeros((batch,), jnp.int32)
+    lens = jnp.minimum(lens, pages.shape[1] * page)
+    return prepare(spec, query, lay_out(key_cache), lay_out(value_cache), zeros, lens, **features)
+
+
+def _block(call: Prepared) -> Block:
+    """Index grids of the whole call, broadcastable to [B, Hkv, G, Sq, S] (docstring: positions in the sequence)."""
+    batch, sq, hkv, groups, _ = call.q.shape
+    s = call.k.shape[1]
+    length = (call.ends - call.starts)[:, None, None, None, None]
+    start = call.starts[:, None, None, None, None]
+    rows, cols = jnp.arange(sq)[None, None, None, :, None], jnp.arange(s)[None, None, None, None, :]
+    heads = jnp.arange(hkv)[:, None] * groups + jnp.arange(groups)[None, :]
+    return Block(
+        b=jnp.arange(batch)[:, None, None, None, None],
+        h=heads[None, :, :, None, None],
+        q_idx=length - sq + rows,
+        kv_idx=cols - start,
+        q_len=length,
+        kv_len=length,
+        q_valid=length - sq + rows >= 0,
+        kv_valid=(cols >= start) & (cols < call.ends[:, None, None, None, None]),
+        q_rows=jnp.arange(sq),
+        kv_rows=jnp.arange(s),
+    )
+
+
+def xla_forward(hooks, call: Prepared):
+    """(out [B, Sq, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, Sq] float32): the spec's hooks on the whole cache
+    row at once (a decode step is one row of logits per query; float32 throughout)."""
+    q, k, v, ctx, cfg = call.q, call.k, call.v, call.ctx, call.cfg
+    blk = _block(call)
+    s = jnp.einsum("bqkgd,bskd->bkgqs", q.astype(jnp.float32), k.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) * ctx["scale"]
+    s = jnp.broadcast_to(hooks.score(s, blk, ctx), s.shape).astype(jnp.float32)
+    if cfg.softcap:
+        s = ctx["softcap"] * jnp.tanh(s / ctx["softcap"])
+    vis = jnp.broadcast_to(hooks.visible(blk, ctx, cfg), s.shape)
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    if cfg.sinks:
+        m = jnp.maximum(m, jnp.max(ctx["softmax_aux"], axis=-1)[None, :, :, None])
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
+    denom = jnp.sum(p, axis=-1)
+    if cfg.sinks:
+        denom = denom + jnp.sum(jnp.exp(ctx["softmax_aux"][None, :, :, None, :] - m_safe[..., None]), axis=-1)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    out = out / jnp.where(denom > 0, denom, 1.0)[..., None].transpose(0, 3, 1, 2, 4)
+    lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return out.astype(q.dtype), lse
+
+
+def run(hooks, call: Prepared, return_lse: bool, name: str):
+    """The op's result: out [B, Hq, Dv] (or [B, Sq, Hq, Dv]) and, with ``return_lse``, lse [B, Hq] (or [B, Hq, Sq])."""
+    out, lse = _forward_only(name, hooks, call)
+    batch, sq, hkv, groups, dv = out.shape
+    out = out.reshape(batch, sq, hkv * groups, dv)
+    lse = lse.reshape(batch, hkv * groups, sq)
+    if call.squeeze:
+        out, lse = out[:, 0], lse[..., 0]
+    return (out, lse) if return_lse else out
+
+
+def _forward_only(name, hooks, call):
+    @functools.partial(jax.custom_vjp)
+    def forward(q, k, v, ctx):
+        return xla_forward(hooks, Prepared(q, k, v, call.starts, call.ends, ctx, call.cfg, call.dims, call.squeeze))
+
+    def fwd(q, k, v, ctx):
+        return forward(q, k, v, ctx), None
+
+    def bwd(_, __):
+        raise TypeError(f"{name}: decode ops are forward only (inference); differentiate the train-mode op instead")
+
+    forward.defvjp(fwd, bwd)
+    return forward(call.q, call.k, call.v, call.ctx)
+
+
+def reject_unsupported(name: str, accepted: tuple, unsupported: dict) -> None:
+    """A keyword argument the decode op does not take: the train-only ones (segment ids, masks, bias, varlen,
+    positions) and anything else."""
+    if unsupported:
+        arg = sorted(unsupported)[0]
+        raise TypeError(f"{name}() got an unsupported argument '{arg}': decode modes take no train-only feature "
+                        f"(segment ids, attention masks, bias, varlen, block masks, positions). Accepted keyword "
+                        f"arguments: {', '.join(accepted)}")
+
+
+def check_platform(spec, platform: str, name: str) -> None:
+    """Decode kernels are built for XLA so far: 'auto' and 'xla' run them; 'triton' and 'pallas' are an error."""
+    if platform in ("auto", "xla"):
+        return
+    if platform in ("triton", "pallas"):
+        raise NotImplementedError(f"{name}: platform {platform!r} has no decode kernels yet (issue 16: the split-K "
+                                  f"Triton and Pallas kernels); platform='xla' or 'auto' runs the XLA kernel")
+    raise ValueError(f"{name}: platform must be 'auto', 'triton', 'pallas' or 'xla', got {platform!r}")

@@ -1,0 +1,229 @@
+"""Decode and paged decode (docs/DESIGN.md §3, "Decode and paged modes") against an oracle derived from the train
+oracle: a decode call is train-mode attention over each whole sequence (its keys ``start <= j < end`` of the cache
+row), of which the last Sq query rows are kept. Flash spec (GQA 1/4/8, window, soft cap, sinks, empty and
+one-token sequences, Sq = 1 and Sq > 1 with sequences shorter than Sq), authored specs with params, options and a
+mask (alibi, prefix-LM), paged caches with shuffled and shared pages and lengths that end inside a page; errors.
+XLA only: the Triton and Pallas decode kernels are not built yet (a clear error, tested)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+from ejgen.testing.shapes import rng_for
+
+pytestmark = pytest.mark.usefixtures("x64_stays_off")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    batch: int
+    seq: int  # the cache row's length
+    q_heads: int
+    kv_heads: int
+    queries: int = 0  # 0: query [B, Hq, D]; else [B, queries, Hq, D]
+    dim: int = 16
+    window: tuple | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    dtype: str = "float32"
+
+    @property
+    def id(self) -> str:
+        parts = [f"B{self.batch}", f"S{self.seq}", f"H{self.q_heads}x{self.kv_heads}", f"Sq{self.queries or 1}"]
+        parts += [f"w{self.window}"] if self.window else []
+        parts += [f"cap{self.softcap:g}"] if self.softcap else []
+        parts += ["sinks"] if self.sinks else []
+        return "-".join(parts + [self.dtype]).replace(" ", "")
+
+
+def _ranges(batch, seq, rng):
+    """(starts, ends): an empty sequence, a one-token one, one filling the row, the rest random."""
+    starts, ends = [], []
+    for b in range(batch):
+        kind = b % 4
+        if kind == 0:
+            s, e = 3, 3
+        elif kind == 1:
+            s = int(rng.integers(0, seq)); e = s + 1
+        elif kind == 2:
+            s, e = 0, seq
+        else:
+            s = int(rng.integers(0, seq // 2)); e = int(rng.integers(s + 1, seq + 1))
+        starts.append(s), ends.append(e)
+    return np.asarray(starts, np.int32), np.asarray(ends, np.int32)
+
+
+def reference(q, k, v, starts, ends, *, causal=True, sliding_window=None, logits_soft_cap=None, softmax_aux=None,
+              score=None, mask=None, params=None, options=None):
+    """out [B, Sq, Hq, Dv], lse [B, Hq, Sq] (float64) from the train oracle, one sequence at a time: the query rows
+    placed at the sequence's last Sq positions of an otherwise zero query; rows before position 0 see nothing."""
+    batch, sq, hq, d = q.shape
+    out = np.zeros((batch, sq, hq, v.shape[-1]))
+    lse = np.full((batch, hq, sq), -np.inf)
+    for b in range(batch):
+        length = int(ends[b] - starts[b])
+        if length == 0:
+            if softmax_aux is not None:  # nothing visible: the sinks alone (one per head here)
+                lse[b] = np.log(np.exp(np.asarray(softmax_aux, np.float64).reshape(hq, -1)).sum(-1))[:, None]
+            continue
+        full_q = np.zeros((1, length, hq, d), np.float32)
+        take = min(sq, length)
+        full_q[0, length - take:] = np.asarray(q[b, sq - take:], np.float32)
+        kb = np.asarray(k[b, starts[b]:ends[b]], np.float32)[None]
+        vb = np.asarray(v[b, starts[b]:ends[b]], np.float32)[None]
+        ref = oracle.attention(full_q, kb, vb, causal=causal, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux, score=score, mask=mask,
+                               params=params, options=options)
+        out[b, sq - take:] = ref.out[0, length - take:]
+        lse[b, :, sq - take:] = ref.lse[0, :, length - take:]
+        if softmax_aux is not None and take < sq:  # rows before the sequence: the sinks alone
+            aux = np.asarray(softmax_aux, np.float64).reshape(hq, -1)
+            lse[b, :, : sq - take] = np.log(np.exp(aux).sum(-1))[:, None]
+    return out, lse
+
+
+def _inputs(case: DecodeCase, rng):
+    qshape = (case.batch, case.queries or 1, case.q_heads, case.dim)
+    q = rng.standard_normal(qshape).astype(np.float32)
+    k = rng.standard_normal((case.batch, case.seq, case.kv_heads, case.dim)).astype(np.float32)
+    v = rng.standard_normal((case.batch, case.seq, case.kv_heads, case.dim)).astype(np.float32)
+    cast = lambda x: jnp.asarray(x, case.dtype)  # noqa: E731
+    q, k, v = cast(q), cast(k), cast(v)
+    return q, k, v
+
+
+def _check(out, lse, ref_out, ref_lse, dtype):
+    tol = oracle.tolerance(dtype)
+    oracle.assert_close("out", out, ref_out, tol)
+    oracle.assert_close("lse", lse, ref_lse, 1e-5)
+
+
+CASES = [
+    DecodeCase(4, 37, 4, 4),
+    DecodeCase(4, 37, 8, 2, queries=3),
+    DecodeCase(5, 50, 8, 1, window=(9, 0), softcap=5.0),
+    DecodeCase(4, 29, 4, 2, queries=5, sinks=True),
+    DecodeCase(4, 64, 8, 2, queries=2, window=(20, 0), dtype="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_flash_decode_matches_the_train_oracle(case):
+    from ejgen.ops import ragged_decode_attention
+
+    rng = rng_for("decode", case.id)
+    q, k, v = _inputs(case, rng)
+    starts, ends = _ranges(case.batch, case.seq, rng)
+    aux = jnp.asarray(rng.standard_normal(case.q_heads), jnp.float32) if case.sinks else None
+    query = q if case.queries else q[:, 0]
+    out, lse = jax.jit(lambda q, k, v, s, e: ragged_decode_attention(
+        q, k, v, s, e, sliding_window=case.window, logits_soft_cap=case.softcap, softmax_aux=aux,
+        return_lse=True))(query, k, v, starts, ends)
+    ref_out, ref_lse = reference(q, k, v, starts, ends, sliding_window=case.window, logits_soft_cap=case.softcap,
+                                 softmax_aux=None if aux is None else np.asarray(aux))
+    if not case.queries:
+        ref_out, ref_lse = ref_out[:, 0], ref_lse[..., 0]
+    assert out.dtype == jnp.dtype(case.dtype) and lse.dtype == jnp.float32
+    _check(out, lse, ref_out, ref_lse, case.dtype)
+    empty = np.asarray(ends == starts)
+    assert np.all(np.asarray(out, np.float32)[empty] == 0.0), "an empty sequence gives zeros"
+
+
+@pytest.mark.parametrize("page", [4, 8])
+def test_paged_decode_reads_the_pages_through_the_table(page):
+    """Pages shuffled in the pool, two sequences sharing their first pages (a common prefix), lengths that end
+    inside a page, an empty sequence; equal to ragged decode on the same tokens laid out in order."""
+    from ejgen.ops import page_attention, ragged_decode_attention
+
+    rng = rng_for("paged", page)
+    batch, hq, hkv, d, max_pages = 4, 8, 2, 16, 6
+    lens = np.asarray([0, 3 * page + 1, 6 * page, 2 * page - 1], np.int32)
+    n_pages = 24
+    k_cache = jnp.asarray(rng.standard_normal((n_pages, page, hkv, d)), jnp.float32)
+    v_cache = jnp.asarray(rng.standard_normal((n_pages, page, hkv, d)), jnp.float32)
+    tables = rng.permutation(n_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    tables[2, :2] = tables[1, :2]  # sequences 1 and 2 share their first two pages
+    q = jnp.asarray(rng.standard_normal((batch, 1, hq, d)), jnp.float32)
+    out, lse = page_attention(q, k_cache, v_cache, lens, tables, logits_soft_cap=4.0, return_lse=True)
+    keys = np.asarray(k_cache)[tables].reshape(batch, max_pages * page, hkv, d)
+    values = np.asarray(v_cache)[tables].reshape(batch, max_pages * page, hkv, d)
+    ref_out, ref_lse = reference(np.asarray(q), keys, values, np.zeros(batch, np.int32), lens, logits_soft_cap=4.0)
+    assert out.shape == (batch, 1, hq, d) and lse.shape == (batch, hq, 1)
+    _check(out, lse, ref_out, ref_lse, "float32")
+    direct = ragged_decode_attention(q[:, 0], jnp.asarray(keys), jnp.asarray(values), np.zeros(batch, np.int32),
+                                     lens, logits_soft_cap=4.0)
+    np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(direct), atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["alibi_attention", "prefix_lm_attention"])
+def test_authored_specs_decode_with_their_params_and_masks(variant):
+    """The spec's score (alibi: learnable slopes, an option) and mask (prefix-LM: an option) at positions in the
+    sequence (a sequence starting inside the cache row reads the same as one at its start)."""
+    import importlib
+
+    gen = importlib.import_module("ejgen.generated")
+    rng = rng_for("decode-variant", variant)
+    case = DecodeCase(4, 33, 4, 2, queries=2)
+    q, k, v = _inputs(case, rng)
+    starts, ends = _ranges(case.batch, case.seq, rng)
+    spec = oracle.VARIANTS[variant]
+    if variant == "alibi_attention":
+        kwargs = {"slopes": jnp.asarray(rng.uniform(0.05, 0.5, case.q_heads), jnp.float32), "max_distance": 7}
+        params, options = {"slopes": kwargs["slopes"]}, {"max_distance": 7}
+    else:
+        kwargs, params, options = {"prefix_len": 4}, {}, {"prefix_len": 4}
+    out, lse = getattr(gen, f"{variant}_decode")(q, k, v, starts, ends, return_lse=True, **kwargs)
+    causal = variant == "alibi_attention"
+    ref_out, ref_lse = reference(q, k, v, starts, ends, causal=causal, score=spec.get("score"),
+                                 mask=spec.get("mask"), params=params, options=options)
+    _check(out, lse, ref_out, ref_lse, "float32")
+    paged = getattr(gen, f"{variant}_paged")
+    pages = k.reshape(case.batch * case.seq, 1, case.kv_heads, case.dim)  # page size 1: a token per page
+    tables = (np.arange(case.batch)[:, None] * case.seq + starts[:, None] + np.arange(case.seq)[None]).clip(
+        0, case.batch * case.seq - 1).astype(np.int32)
+    out_p = paged(q, pages, v.reshape(pages.shape), ends - starts, tables, **kwargs)
+    np.testing.assert_allclose(np.asarray(out_p), np.asarray(out), atol=1e-5)
+
+
+def test_decode_errors_name_the_problem():
+    from ejgen.ops import ragged_decode_attention
+    from ejgen.types import MaskInfo
+
+    q = jnp.zeros((2, 4, 16))
+    k = jnp.zeros((2, 10, 2, 16))
+    s, e = jnp.zeros(2, jnp.int32), jnp.full(2, 10, jnp.int32)
+    with pytest.raises(TypeError, match="forward only"):
+        jax.grad(lambda q: ragged_decode_attention(q, k, k, s, e).sum())(q)
+    with pytest.raises(NotImplementedError, match="platform 'triton' has no decode kernels yet"):
+        ragged_decode_attention(q, k, k, s, e, platform="triton")
+    with pytest.raises(ValueError, match=r"sequence_end must be int \[batch=2\]"):
+        ragged_decode_attention(q, k, k, s, jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match="1 <= queries <= 16"):
+        ragged_decode_attention(jnp.zeros((2, 17, 4, 16)), k, k, s, e)
+    from ejgen.generated import flash_attention_decode
+
+    with pytest.raises(TypeError, match="unsupported argument 'mask_info': decode modes take no train-only"):
+        flash_attention_decode(q, k, k, s, e, mask_info=MaskInfo.from_segments(jnp.zeros((2, 1), jnp.int32)))
+
+
+@pytest.mark.parametrize("change, message", [
+    ("bias: always", "feature 'bias' is compiled in (always), but it has no meaning in mode(s) decode"),
+    ("backends: [triton, pallas]", "built on the xla backend so far"),
+], ids=["train-only feature", "no xla"])
+def test_a_decode_mode_the_spec_cannot_have_is_a_spec_error(tmp_path, capsys, change, message):
+    from ejgen.cli import main
+
+    (tmp_path / "specs").mkdir()
+    key, value = change.split(": ")
+    features = f"  causal: runtime\n  {change}\n" if key == "bias" else "  causal: runtime\n"
+    top = f"{change}\n" if key == "backends" else ""
+    (tmp_path / "specs" / "d.yaml").write_text(
+        f"name: d_attention\nfamily: attention\ndoc: d\nmodes: [train, decode]\n{top}features:\n{features}")
+    assert main(["build", str(tmp_path / "specs"), "-o", str(tmp_path / "out")]) == 1
+    assert message in capsys.readouterr().err
