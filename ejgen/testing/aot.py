@@ -111,6 +111,37 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     return compiled
 
 
+def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", params: dict | None = None,
+                   head_dim: int = 128, groups: int = 4, queries: int = 1, paged: bool = False, causal: bool = True,
+                   window: bool = False, softcap: bool = False) -> dict:
+    """The split-K decode kernel of one generated variant (`triton_decode.py`) for one call's constexprs."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ejgen.runtime.attention.triton import decode
+
+    kernel = importlib.import_module(f"{package}.{name}.triton_decode").decode_kernel
+    ptr = _DTYPES[dtype]
+    pointers = dict(Q=ptr, K=ptr, V=ptr, STARTS="*i32", ENDS="*i32", TABLE="*i32", F32="*fp32", I32="*i32",
+                    O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", SCRATCH="*u8")
+    for p, dt in (params or {}).items():
+        pointers[f"PARAM_{p}"] = "*i32" if dt == "int32" else _DTYPES.get(dt, "*fp32")
+    n_splits, per_split = decode.splits(8, 8, 8192, decode.BLOCK_N)
+    pad = max(16, 1 << (head_dim - 1).bit_length())
+    consts = dict(B=8, HQ=8 * groups, HKV=8, SQ=queries, SEQ_K=8192, D=head_dim, DV=head_dim, D_PAD=pad, DV_PAD=pad,
+                  G=groups, M_PAD=max(16, 1 << (groups * queries - 1).bit_length()), BLOCK_N=decode.BLOCK_N,
+                  SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, PAGED=paged,
+                  PAGE=16 if paged else 1, MAX_PAGES=512 if paged else 1,
+                  PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False)
+    sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
+    source = ASTSource(fn=kernel, signature=sig, constexprs={n: consts[n] for n in kernel.arg_names if n in consts},
+                       attrs=aligned)
+    target = GPUTarget("cuda", capability, 32)
+    return {"decode_kernel": triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 2})}
+
+
 def summary(compiled: dict, with_ptx: bool = False) -> dict:
     out = {}
     for name, c in compiled.items():
@@ -124,6 +155,11 @@ def summary(compiled: dict, with_ptx: bool = False) -> dict:
 def compile_in_subprocess(package: str, name: str, **kwargs) -> dict:
     """`summary` of `compile_attention` (kwargs: its arguments, and with_ptx), from a fresh interpreter."""
     return _in_subprocess({"package": package, "name": name, **kwargs})
+
+
+def compile_decode_in_subprocess(package: str, name: str, **kwargs) -> dict:
+    """`summary` of `compile_decode`, from a fresh interpreter."""
+    return _in_subprocess({"decode": True, "package": package, "name": name, **kwargs})
 
 
 def compile_gluon_in_subprocess(**kwargs) -> dict:
@@ -151,6 +187,8 @@ def main(argv=None) -> int:
     with_ptx = args.pop("with_ptx", False)
     if args.pop("gluon", False):
         compiled = compile_gluon(**args)
+    elif args.pop("decode", False):
+        compiled = compile_decode(args.pop("package"), args.pop("name"), **args)
     else:
         compiled = compile_attention(args.pop("package"), args.pop("name"), **args)
     print(json.dumps(summary(compiled, with_ptx)))

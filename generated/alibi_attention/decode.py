@@ -2,16 +2,29 @@
 # spec sha256 54f1c25f959b8530c459dd08e68cbaaa001f6886dfcf6cf244db0b1c8a8e74af
 """Decode modes of `alibi_attention` (docs/DESIGN.md §3, "Decode and paged modes"): the spec's score, mask,
 params and options at the last query rows of each sequence, over a KV cache read in place (`_decode`) or
-through a page table (`_paged`). Kernels: the spec's XLA hooks (`ejgen.runtime.attention.decode`). Forward
-only."""
+through a page table (`_paged`). Kernels: split-K Triton (`triton_decode.py`, where the spec lists triton) and
+the spec's XLA hooks (`ejgen.runtime.attention.decode`). Forward only."""
+
+import functools
 
 import jax.numpy as jnp
 
 from ejgen.runtime.attention import api as _attention
 from ejgen.runtime.attention import decode as _decode
+from ejgen.runtime.attention.triton import decode as _triton_decode
 
 from . import xla as _xla
 from .op import SPEC
+
+BACKENDS = ('triton', 'xla')
+
+
+def _forward(backend: str):
+    """(call) -> (out, lse) of the decode kernels of ``backend``."""
+    if backend == "triton":
+        return functools.partial(_triton_decode.forward, __package__ + ".triton_decode", (),
+                                 ('opt_max_distance',), ('slopes',))
+    return functools.partial(_decode.xla_forward, _xla._KERNELS.hooks)
 
 
 def alibi_attention_decode(
@@ -37,7 +50,7 @@ def alibi_attention_decode(
     _decode.reject_unsupported("alibi_attention_decode",
                                ('slopes', 'causal', 'max_distance', 'softmax_scale', 'platform', 'return_lse'),
                                unsupported)
-    _decode.check_platform(SPEC, platform, "alibi_attention_decode")
+    backend = _decode.choose(platform, BACKENDS, "alibi_attention_decode")
     call = _decode.prepare(
         SPEC,
         query,
@@ -50,7 +63,7 @@ def alibi_attention_decode(
     )
     call.ctx["param_slopes"] = _attention.check_param(SPEC, "slopes", slopes, ('heads',), jnp.float32, call.dims)
     call.ctx["opt_max_distance"] = _attention.check_option(SPEC, "max_distance", max_distance, "int")
-    return _decode.run(_xla._KERNELS.hooks, call, return_lse, "alibi_attention_decode")
+    return _decode.run(_forward(backend), call, return_lse, "alibi_attention_decode")
 
 
 def alibi_attention_paged(
@@ -76,7 +89,7 @@ def alibi_attention_paged(
     _decode.reject_unsupported("alibi_attention_paged",
                                ('slopes', 'causal', 'max_distance', 'softmax_scale', 'platform', 'return_lse'),
                                unsupported)
-    _decode.check_platform(SPEC, platform, "alibi_attention_paged")
+    backend = _decode.choose(platform, BACKENDS, "alibi_attention_paged")
     call = _decode.prepare_paged(
         SPEC,
         query,
@@ -89,4 +102,4 @@ def alibi_attention_paged(
     )
     call.ctx["param_slopes"] = _attention.check_param(SPEC, "slopes", slopes, ('heads',), jnp.float32, call.dims)
     call.ctx["opt_max_distance"] = _attention.check_option(SPEC, "max_distance", max_distance, "int")
-    return _decode.run(_xla._KERNELS.hooks, call, return_lse, "alibi_attention_paged")
+    return _decode.run(_forward(backend), call, return_lse, "alibi_attention_paged")

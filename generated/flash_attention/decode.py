@@ -2,14 +2,27 @@
 # spec sha256 d06dfe4df5b782a0bb0b1ab2fbc4b564ee92479248860b6116eb91d661d2b23d
 """Decode modes of `flash_attention` (docs/DESIGN.md §3, "Decode and paged modes"): the spec's score, mask,
 params and options at the last query rows of each sequence, over a KV cache read in place (`_decode`) or
-through a page table (`_paged`). Kernels: the spec's XLA hooks (`ejgen.runtime.attention.decode`). Forward
-only."""
+through a page table (`_paged`). Kernels: split-K Triton (`triton_decode.py`, where the spec lists triton) and
+the spec's XLA hooks (`ejgen.runtime.attention.decode`). Forward only."""
+
+import functools
 
 from ejgen.runtime.attention import api as _attention
 from ejgen.runtime.attention import decode as _decode
+from ejgen.runtime.attention.triton import decode as _triton_decode
 
 from . import xla as _xla
 from .op import SPEC
+
+BACKENDS = ('triton', 'xla')
+
+
+def _forward(backend: str):
+    """(call) -> (out, lse) of the decode kernels of ``backend``."""
+    if backend == "triton":
+        return functools.partial(_triton_decode.forward, __package__ + ".triton_decode", (),
+                                 (), ())
+    return functools.partial(_decode.xla_forward, _xla._KERNELS.hooks)
 
 
 def flash_attention_decode(
@@ -36,7 +49,7 @@ def flash_attention_decode(
     _decode.reject_unsupported("flash_attention_decode",
                                ('causal', 'sliding_window', 'logits_soft_cap', 'softmax_aux', 'softmax_scale',
                                 'platform', 'return_lse'), unsupported)
-    _decode.check_platform(SPEC, platform, "flash_attention_decode")
+    backend = _decode.choose(platform, BACKENDS, "flash_attention_decode")
     call = _decode.prepare(
         SPEC,
         query,
@@ -50,7 +63,7 @@ def flash_attention_decode(
         softmax_aux=softmax_aux,
         softmax_scale=softmax_scale,
     )
-    return _decode.run(_xla._KERNELS.hooks, call, return_lse, "flash_attention_decode")
+    return _decode.run(_forward(backend), call, return_lse, "flash_attention_decode")
 
 
 def flash_attention_paged(
@@ -77,7 +90,7 @@ def flash_attention_paged(
     _decode.reject_unsupported("flash_attention_paged",
                                ('causal', 'sliding_window', 'logits_soft_cap', 'softmax_aux', 'softmax_scale',
                                 'platform', 'return_lse'), unsupported)
-    _decode.check_platform(SPEC, platform, "flash_attention_paged")
+    backend = _decode.choose(platform, BACKENDS, "flash_attention_paged")
     call = _decode.prepare_paged(
         SPEC,
         query,
@@ -91,4 +104,4 @@ def flash_attention_paged(
         softmax_aux=softmax_aux,
         softmax_scale=softmax_scale,
     )
-    return _decode.run(_xla._KERNELS.hooks, call, return_lse, "flash_attention_paged")
+    return _decode.run(_forward(backend), call, return_lse, "flash_attention_paged")

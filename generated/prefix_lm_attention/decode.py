@@ -2,14 +2,27 @@
 # spec sha256 7e04430c54007c118fa76b37f01d214a1db7efb3d30c7d3adf4e62f4d43277b5
 """Decode modes of `prefix_lm_attention` (docs/DESIGN.md §3, "Decode and paged modes"): the spec's score, mask,
 params and options at the last query rows of each sequence, over a KV cache read in place (`_decode`) or
-through a page table (`_paged`). Kernels: the spec's XLA hooks (`ejgen.runtime.attention.decode`). Forward
-only."""
+through a page table (`_paged`). Kernels: split-K Triton (`triton_decode.py`, where the spec lists triton) and
+the spec's XLA hooks (`ejgen.runtime.attention.decode`). Forward only."""
+
+import functools
 
 from ejgen.runtime.attention import api as _attention
 from ejgen.runtime.attention import decode as _decode
+from ejgen.runtime.attention.triton import decode as _triton_decode
 
 from . import xla as _xla
 from .op import SPEC
+
+BACKENDS = ('triton', 'xla')
+
+
+def _forward(backend: str):
+    """(call) -> (out, lse) of the decode kernels of ``backend``."""
+    if backend == "triton":
+        return functools.partial(_triton_decode.forward, __package__ + ".triton_decode", (),
+                                 ('opt_prefix_len',), ())
+    return functools.partial(_decode.xla_forward, _xla._KERNELS.hooks)
 
 
 def prefix_lm_attention_decode(
@@ -33,7 +46,7 @@ def prefix_lm_attention_decode(
     softmax_scale, platform, return_lse."""
     _decode.reject_unsupported("prefix_lm_attention_decode",
                                ('softmax_aux', 'prefix_len', 'softmax_scale', 'platform', 'return_lse'), unsupported)
-    _decode.check_platform(SPEC, platform, "prefix_lm_attention_decode")
+    backend = _decode.choose(platform, BACKENDS, "prefix_lm_attention_decode")
     call = _decode.prepare(
         SPEC,
         query,
@@ -45,7 +58,7 @@ def prefix_lm_attention_decode(
         softmax_scale=softmax_scale,
     )
     call.ctx["opt_prefix_len"] = _attention.check_option(SPEC, "prefix_len", prefix_len, "int")
-    return _decode.run(_xla._KERNELS.hooks, call, return_lse, "prefix_lm_attention_decode")
+    return _decode.run(_forward(backend), call, return_lse, "prefix_lm_attention_decode")
 
 
 def prefix_lm_attention_paged(
@@ -69,7 +82,7 @@ def prefix_lm_attention_paged(
     softmax_scale, platform, return_lse."""
     _decode.reject_unsupported("prefix_lm_attention_paged",
                                ('softmax_aux', 'prefix_len', 'softmax_scale', 'platform', 'return_lse'), unsupported)
-    _decode.check_platform(SPEC, platform, "prefix_lm_attention_paged")
+    backend = _decode.choose(platform, BACKENDS, "prefix_lm_attention_paged")
     call = _decode.prepare_paged(
         SPEC,
         query,
@@ -81,4 +94,4 @@ def prefix_lm_attention_paged(
         softmax_scale=softmax_scale,
     )
     call.ctx["opt_prefix_len"] = _attention.check_option(SPEC, "prefix_len", prefix_len, "int")
-    return _decode.run(_xla._KERNELS.hooks, call, return_lse, "prefix_lm_attention_paged")
+    return _decode.run(_forward(backend), call, return_lse, "prefix_lm_attention_paged")

@@ -3,7 +3,8 @@ oracle: a decode call is train-mode attention over each whole sequence (its keys
 row), of which the last Sq query rows are kept. Flash spec (GQA 1/4/8, window, soft cap, sinks, empty and
 one-token sequences, Sq = 1 and Sq > 1 with sequences shorter than Sq), authored specs with params, options and a
 mask (alibi, prefix-LM), paged caches with shuffled and shared pages and lengths that end inside a page; errors.
-XLA only: the Triton and Pallas decode kernels are not built yet (a clear error, tested)."""
+XLA and the split-K Triton kernel (its interpreter here); Pallas decode kernels are not built yet (a clear error,
+tested)."""
 
 from __future__ import annotations
 
@@ -107,14 +108,19 @@ def _check(out, lse, ref_out, ref_lse, dtype):
 CASES = [
     DecodeCase(4, 37, 4, 4),
     DecodeCase(4, 37, 8, 2, queries=3),
-    DecodeCase(5, 50, 8, 1, window=(9, 0), softcap=5.0),
+    DecodeCase(5, 50, 6, 2, window=(9, 0), softcap=5.0),  # GQA 3: not a power of two
+    DecodeCase(2, 40, 8, 1, queries=2),  # GQA 8
     DecodeCase(4, 29, 4, 2, queries=5, sinks=True),
     DecodeCase(4, 64, 8, 2, queries=2, window=(20, 0), dtype="bfloat16"),
 ]
 
 
+DECODE_BACKENDS = ["xla", "triton"]
+
+
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_flash_decode_matches_the_train_oracle(case):
+def test_flash_decode_matches_the_train_oracle(case, backend):
     from ejgen.ops import ragged_decode_attention
 
     rng = rng_for("decode", case.id)
@@ -124,7 +130,7 @@ def test_flash_decode_matches_the_train_oracle(case):
     query = q if case.queries else q[:, 0]
     out, lse = jax.jit(lambda q, k, v, s, e: ragged_decode_attention(
         q, k, v, s, e, sliding_window=case.window, logits_soft_cap=case.softcap, softmax_aux=aux,
-        return_lse=True))(query, k, v, starts, ends)
+        return_lse=True, platform=backend))(query, k, v, starts, ends)
     ref_out, ref_lse = reference(q, k, v, starts, ends, sliding_window=case.window, logits_soft_cap=case.softcap,
                                  softmax_aux=None if aux is None else np.asarray(aux))
     if not case.queries:
@@ -135,8 +141,9 @@ def test_flash_decode_matches_the_train_oracle(case):
     assert np.all(np.asarray(out, np.float32)[empty] == 0.0), "an empty sequence gives zeros"
 
 
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("page", [4, 8])
-def test_paged_decode_reads_the_pages_through_the_table(page):
+def test_paged_decode_reads_the_pages_through_the_table(page, backend):
     """Pages shuffled in the pool, two sequences sharing their first pages (a common prefix), lengths that end
     inside a page, an empty sequence; equal to ragged decode on the same tokens laid out in order."""
     from ejgen.ops import page_attention, ragged_decode_attention
@@ -150,7 +157,8 @@ def test_paged_decode_reads_the_pages_through_the_table(page):
     tables = rng.permutation(n_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
     tables[2, :2] = tables[1, :2]  # sequences 1 and 2 share their first two pages
     q = jnp.asarray(rng.standard_normal((batch, 1, hq, d)), jnp.float32)
-    out, lse = page_attention(q, k_cache, v_cache, lens, tables, logits_soft_cap=4.0, return_lse=True)
+    out, lse = page_attention(q, k_cache, v_cache, lens, tables, logits_soft_cap=4.0, return_lse=True,
+                              platform=backend)
     keys = np.asarray(k_cache)[tables].reshape(batch, max_pages * page, hkv, d)
     values = np.asarray(v_cache)[tables].reshape(batch, max_pages * page, hkv, d)
     ref_out, ref_lse = reference(np.asarray(q), keys, values, np.zeros(batch, np.int32), lens, logits_soft_cap=4.0)
@@ -161,8 +169,9 @@ def test_paged_decode_reads_the_pages_through_the_table(page):
     np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(direct), atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("variant", ["alibi_attention", "prefix_lm_attention"])
-def test_authored_specs_decode_with_their_params_and_masks(variant):
+def test_authored_specs_decode_with_their_params_and_masks(variant, backend):
     """The spec's score (alibi: learnable slopes, an option) and mask (prefix-LM: an option) at positions in the
     sequence (a sequence starting inside the cache row reads the same as one at its start)."""
     import importlib
@@ -178,7 +187,7 @@ def test_authored_specs_decode_with_their_params_and_masks(variant):
         params, options = {"slopes": kwargs["slopes"]}, {"max_distance": 7}
     else:
         kwargs, params, options = {"prefix_len": 4}, {}, {"prefix_len": 4}
-    out, lse = getattr(gen, f"{variant}_decode")(q, k, v, starts, ends, return_lse=True, **kwargs)
+    out, lse = getattr(gen, f"{variant}_decode")(q, k, v, starts, ends, return_lse=True, platform=backend, **kwargs)
     causal = variant == "alibi_attention"
     ref_out, ref_lse = reference(q, k, v, starts, ends, causal=causal, score=spec.get("score"),
                                  mask=spec.get("mask"), params=params, options=options)
@@ -187,7 +196,7 @@ def test_authored_specs_decode_with_their_params_and_masks(variant):
     pages = k.reshape(case.batch * case.seq, 1, case.kv_heads, case.dim)  # page size 1: a token per page
     tables = (np.arange(case.batch)[:, None] * case.seq + starts[:, None] + np.arange(case.seq)[None]).clip(
         0, case.batch * case.seq - 1).astype(np.int32)
-    out_p = paged(q, pages, v.reshape(pages.shape), ends - starts, tables, **kwargs)
+    out_p = paged(q, pages, v.reshape(pages.shape), ends - starts, tables, platform=backend, **kwargs)
     np.testing.assert_allclose(np.asarray(out_p), np.asarray(out), atol=1e-5)
 
 
@@ -200,8 +209,8 @@ def test_decode_errors_name_the_problem():
     s, e = jnp.zeros(2, jnp.int32), jnp.full(2, 10, jnp.int32)
     with pytest.raises(TypeError, match="forward only"):
         jax.grad(lambda q: ragged_decode_attention(q, k, k, s, e).sum())(q)
-    with pytest.raises(NotImplementedError, match="platform 'triton' has no decode kernels yet"):
-        ragged_decode_attention(q, k, k, s, e, platform="triton")
+    with pytest.raises(NotImplementedError, match="platform 'pallas' has no decode kernels yet"):
+        ragged_decode_attention(q, k, k, s, e, platform="pallas")
     with pytest.raises(ValueError, match=r"sequence_end must be int \[batch=2\]"):
         ragged_decode_attention(q, k, k, s, jnp.zeros(3, jnp.int32))
     with pytest.raises(ValueError, match="1 <= queries <= 16"):
@@ -227,3 +236,15 @@ def test_a_decode_mode_the_spec_cannot_have_is_a_spec_error(tmp_path, capsys, ch
         f"name: d_attention\nfamily: attention\ndoc: d\nmodes: [train, decode]\n{top}features:\n{features}")
     assert main(["build", str(tmp_path / "specs"), "-o", str(tmp_path / "out")]) == 1
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, capability, kwargs", [
+    ("flash_attention", 90, dict(paged=True, window=True, softcap=True, groups=8, queries=2)),
+    ("alibi_attention", 80, dict(params={"slopes": "float32"}, groups=4)),
+], ids=["flash-sm90", "alibi-sm80"])
+def test_decode_kernels_compile_for_the_gpus(name, capability, kwargs):
+    """The split-K kernel compiles ahead of time (no GPU here: Triton's own ptxas) for an H100 and an A100."""
+    from ejgen.testing.aot import compile_decode_in_subprocess
+
+    compiled = compile_decode_in_subprocess("ejgen.generated", name, capability=capability, **kwargs)
+    assert compiled["decode_kernel"]["cubin"] and compiled["decode_kernel"]["shared"] <= 163 * 1024, compiled

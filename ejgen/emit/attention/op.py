@@ -9,6 +9,7 @@ from typing import Callable
 import attrs
 
 from ejgen.emit.attention import pallas, triton, xla
+from ejgen.emit.attention.common import scalar_layout
 from ejgen.emit.attention.describe import describe
 from ejgen.emit.layout import WIDTH
 from ejgen.plan.attention import AttentionPlan
@@ -84,9 +85,19 @@ def emit(plan: AttentionPlan, backends: list[str], common: dict, render: Callabl
         args = [a for a in plan.arguments
                 if a.in_signature and a.feature in DECODE_ARGUMENT_KINDS and a.name != "deterministic"]
         accepted = [a.name for a in args]
+        triton_ctx = triton.decode_context(plan) if "triton" in backends else None
+        if triton_ctx is not None:
+            files[f"{v.name}/triton_decode.py"] = render("attention/triton/decode_kernels.py.j2", **common,
+                                                         **triton_ctx)
+        f32, i32 = scalar_layout(v)
         files[f"{v.name}/decode.py"] = render(
             "attention/decode.py.j2",
             **common,
+            triton=triton_ctx is not None,
+            backends_tuple=repr(tuple(b for b in backends if b in ("triton", "xla"))),
+            f32_options=repr(tuple(f32[2:])),
+            i32_options=repr(tuple(i32[2:])),
+            param_names=repr(tuple(p.name for p in v.params)),
             modes=[{**m, "doc": _decode_doc(m["doc"], v.name, accepted)} for m in modes],
             accepted=repr(tuple(accepted)),
             signature=[a.name if a.default is None else f"{a.name}={_decode_default(a)}" for a in args],

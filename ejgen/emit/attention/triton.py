@@ -265,3 +265,23 @@ def template_context(plan: AttentionPlan) -> dict:
         "params": [{"name": p.name, "dtype": p.dtype} for p in variant.params],
         "grad_params": [p.name for p in plan.grad_params],
     }
+
+
+def decode_context(plan: AttentionPlan) -> dict:
+    """Template data of the split-K decode kernel (`templates/attention/triton/decode_kernels.py.j2`): the spec's
+    score and mask printed as in train mode, ``off_h`` and ``q_idx`` a column per query row (GQA packed)."""
+    variant = plan.variant
+    printer = TlPrinter(_names(variant), {p.name: p for p in variant.params})
+    spec_mask = plan.spec_mask
+    exprs = [plan.score] + ([spec_mask] if spec_mask is not None else [])
+    f32, i32 = scalar_layout(variant)
+    return {
+        "scalars": textwrap.fill(f"Runtime scalars: F32 = [{', '.join(f32)}], I32 = [{', '.join(i32)}].", WIDTH,
+                                 break_on_hyphens=False),
+        "param_tail": "".join(f", PARAM_{p.name}" for p in variant.params),
+        "dsl_helpers": _dsl_helpers(plan),
+        "score_is_identity": plan.score_is_identity,
+        "score_code": printer(plan.score),
+        "spec_mask_code": None if spec_mask is None else printer(spec_mask),
+        "mask_bindings": _bindings(exprs, variant),
+    }

@@ -14,8 +14,6 @@ built, read them in place). Forward only: ``jax.grad`` through a decode op is an
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -29,9 +27,15 @@ MAX_QUERIES = 16  # query tokens per sequence (speculative verification, chunked
 class Prepared:
     """A checked decode call: q [B, Sq, Hkv, G, D], k/v [B, S, Hkv, D|Dv], the sequences' bounds, ctx, cfg."""
 
-    def __init__(self, q, k, v, starts, ends, ctx, cfg, dims, squeeze):
+    def __init__(self, q, k, v, starts, ends, ctx, cfg, dims, squeeze, tables=None, page=0):
         self.q, self.k, self.v, self.starts, self.ends = q, k, v, starts, ends
         self.ctx, self.cfg, self.dims, self.squeeze = ctx, cfg, dims, squeeze
+        self.tables, self.page = tables, page  # paged: k / v are the page pools, read through the tables
+
+    def replace(self, **changes) -> "Prepared":
+        fields = dict(q=self.q, k=self.k, v=self.v, starts=self.starts, ends=self.ends, ctx=self.ctx, cfg=self.cfg,
+                      dims=self.dims, squeeze=self.squeeze, tables=self.tables, page=self.page)
+        return Prepared(**{**fields, **changes})
 
 
 def _queries(spec, query):
@@ -57,7 +61,7 @@ def prepare(spec, query, key, value, sequence_start, sequence_end, *, causal=Fal
     """Check a ragged decode call: query [B, Hq, D] or [B, Sq, Hq, D], key/value [B, S, Hkv, D|Dv] (the cache,
     read in place), sequence_start/end int [B]."""
     q, squeeze = _queries(spec, query)
-    key, value = jnp.asarray(key), jnp.asarray(value)
+    key, value = (x if isinstance(x, jax.ShapeDtypeStruct) else jnp.asarray(x) for x in (key, value))
     for name, x in (("query", q), ("key", key), ("value", value)):
         api._check_float(spec, name, x)
     if key.ndim != 4 or value.ndim != 4:
@@ -100,8 +104,8 @@ def prepare(spec, query, key, value, sequence_start, sequence_end, *, causal=Fal
 
 
 def prepare_paged(spec, query, key_cache, value_cache, context_lens, block_tables, **features) -> Prepared:
-    """Check a paged call (key_cache/value_cache [pages, page_size, Hkv, D|Dv], context_lens int [B],
-    block_tables int [B, max_pages]) and lay each sequence's pages out in order (the XLA kernel's gather)."""
+    """Check a paged call: key_cache/value_cache [pages, page_size, Hkv, D|Dv], context_lens int [B], block_tables
+    int [B, max_pages] (entries past a sequence's pages are never read; out-of-range ones are clamped)."""
     key_cache, value_cache = jnp.asarray(key_cache), jnp.asarray(value_cache)
     if key_cache.ndim != 4 or value_cache.ndim != 4 or key_cache.shape[:3] != value_cache.shape[:3]:
         raise ValueError(f"{spec.name}: key_cache and value_cache must be [num_pages, page_size, kv_heads, head_dim] "
@@ -113,15 +117,25 @@ def prepare_paged(spec, query, key_cache, value_cache, context_lens, block_table
         raise ValueError(f"{spec.name}: block_tables must be int [batch={batch}, max_pages], got "
                          f"{api._shape(tables)}")
     lens = _bounds(spec, "context_lens", context_lens, batch)
-    pages = jnp.clip(tables.astype(jnp.int32), 0, key_cache.shape[0] - 1)  # entries past a sequence: never visible
+    pages = jnp.clip(tables.astype(jnp.int32), 0, key_cache.shape[0] - 1)
     page = key_cache.shape[1]
+    lens = jnp.clip(lens, 0, pages.shape[1] * page)
+    # checked as the contiguous cache the pages stand for (shapes only), then marked paged
+    row = lambda c: jax.ShapeDtypeStruct((batch, pages.shape[1] * page) + c.shape[2:], c.dtype)  # noqa: E731
+    call = prepare(spec, query, row(key_cache), row(value_cache), jnp.zeros((batch,), jnp.int32), lens, **features)
+    return call.replace(k=key_cache, v=value_cache, tables=pages, page=page)
+
+
+def laid_out(call: Prepared) -> Prepared:
+    """A paged call as a contiguous one: each sequence's pages gathered in order (the XLA kernel's way)."""
+    if call.tables is None:
+        return call
+    batch, n = call.tables.shape
 
     def lay_out(cache):  # [B, max_pages * page_size, Hkv, D]
-        return cache[pages].reshape(batch, pages.shape[1] * page, *cache.shape[2:])
+        return cache[call.tables].reshape(batch, n * call.page, *cache.shape[2:])
 
-    zeros = jnp.zeros((batch,), jnp.int32)
-    lens = jnp.minimum(lens, pages.shape[1] * page)
-    return prepare(spec, query, lay_out(key_cache), lay_out(value_cache), zeros, lens, **features)
+    return call.replace(k=lay_out(call.k), v=lay_out(call.v), tables=None, page=0)
 
 
 def _block(call: Prepared) -> Block:
@@ -149,6 +163,7 @@ def _block(call: Prepared) -> Block:
 def xla_forward(hooks, call: Prepared):
     """(out [B, Sq, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, Sq] float32): the spec's hooks on the whole cache
     row at once (a decode step is one row of logits per query; float32 throughout)."""
+    call = laid_out(call)
     q, k, v, ctx, cfg = call.q, call.k, call.v, call.ctx, call.cfg
     blk = _block(call)
     s = jnp.einsum("bqkgd,bskd->bkgqs", q.astype(jnp.float32), k.astype(jnp.float32),
@@ -172,9 +187,10 @@ def xla_forward(hooks, call: Prepared):
     return out.astype(q.dtype), lse
 
 
-def run(hooks, call: Prepared, return_lse: bool, name: str):
-    """The op's result: out [B, Hq, Dv] (or [B, Sq, Hq, Dv]) and, with ``return_lse``, lse [B, Hq] (or [B, Hq, Sq])."""
-    out, lse = _forward_only(name, hooks, call)
+def run(forward, call: Prepared, return_lse: bool, name: str):
+    """The op's result from ``forward(call) -> (out [B, Sq, Hkv, G, Dv], lse [B, Hkv, G, Sq])``: out [B, Hq, Dv] (or
+    [B, Sq, Hq, Dv]) and, with ``return_lse``, lse [B, Hq] (or [B, Hq, Sq])."""
+    out, lse = _forward_only(name, forward, call)
     batch, sq, hkv, groups, dv = out.shape
     out = out.reshape(batch, sq, hkv * groups, dv)
     lse = lse.reshape(batch, hkv * groups, sq)
@@ -183,19 +199,19 @@ def run(hooks, call: Prepared, return_lse: bool, name: str):
     return (out, lse) if return_lse else out
 
 
-def _forward_only(name, hooks, call):
-    @functools.partial(jax.custom_vjp)
-    def forward(q, k, v, ctx):
-        return xla_forward(hooks, Prepared(q, k, v, call.starts, call.ends, ctx, call.cfg, call.dims, call.squeeze))
+def _forward_only(name, forward, call):
+    @jax.custom_vjp
+    def run_forward(q, k, v, ctx):
+        return forward(call.replace(q=q, k=k, v=v, ctx=ctx))
 
     def fwd(q, k, v, ctx):
-        return forward(q, k, v, ctx), None
+        return run_forward(q, k, v, ctx), None
 
     def bwd(_, __):
         raise TypeError(f"{name}: decode ops are forward only (inference); differentiate the train-mode op instead")
 
-    forward.defvjp(fwd, bwd)
-    return forward(call.q, call.k, call.v, call.ctx)
+    run_forward.defvjp(fwd, bwd)
+    return run_forward(call.q, call.k, call.v, call.ctx)
 
 
 def reject_unsupported(name: str, accepted: tuple, unsupported: dict) -> None:
@@ -208,11 +224,23 @@ def reject_unsupported(name: str, accepted: tuple, unsupported: dict) -> None:
                         f"arguments: {', '.join(accepted)}")
 
 
-def check_platform(spec, platform: str, name: str) -> None:
-    """Decode kernels are built for XLA so far: 'auto' and 'xla' run them; 'triton' and 'pallas' are an error."""
-    if platform in ("auto", "xla"):
-        return
-    if platform in ("triton", "pallas"):
-        raise NotImplementedError(f"{name}: platform {platform!r} has no decode kernels yet (issue 16: the split-K "
-                                  f"Triton and Pallas kernels); platform='xla' or 'auto' runs the XLA kernel")
+def choose(platform: str, backends: tuple, name: str) -> str:
+    """The decode kernels a call runs: 'auto' takes Triton on a GPU where the spec has it, else XLA; 'triton'
+    (a GPU, or Triton's interpreter with TRITON_INTERPRET=1) and 'xla' as asked; 'pallas' is not built yet."""
+    from ejgen.runtime.launch import triton_call
+
+    if platform == "auto":
+        return "triton" if "triton" in backends and triton_call.mode()[0] == "gpu" else "xla"
+    if platform == "xla":
+        return "xla"
+    if platform == "triton":
+        if "triton" not in backends:
+            raise ValueError(f"{name}: the spec does not list the triton backend")
+        how, why = triton_call.mode()
+        if how is None:
+            raise RuntimeError(f"{name}: platform 'triton' cannot run here: {why}")
+        return "triton"
+    if platform == "pallas":
+        raise NotImplementedError(f"{name}: platform 'pallas' has no decode kernels yet (issue 16); platform='xla', "
+                                  f"'triton' or 'auto' run")
     raise ValueError(f"{name}: platform must be 'auto', 'triton', 'pallas' or 'xla', got {platform!r}")
