@@ -19,11 +19,11 @@ from .op import SPEC
 BACKENDS = ('triton', 'xla')
 
 
-def _forward(backend: str):
+def _forward(backend: str, batch_invariant: bool):
     """(call) -> (out, lse) of the decode kernels of ``backend``."""
     if backend == "triton":
         return functools.partial(_triton_decode.forward, __package__ + ".triton_decode", (),
-                                 ('opt_max_distance',), ('slopes',))
+                                 ('opt_max_distance',), ('slopes',), batch_invariant=batch_invariant)
     return functools.partial(_decode.xla_forward, _xla._KERNELS.hooks)
 
 
@@ -40,17 +40,19 @@ def alibi_attention_decode(
     softmax_scale=None,
     platform="auto",
     return_lse=False,
+    batch_invariant=False,
     **unsupported,
 ):
     """Ragged decode: query [B, Hq, D] or [B, Sq, Hq, D] (the last Sq positions of each sequence), key/value [B, S,
     Hkv, D|Dv], sequence b = keys sequence_start[b] <= j < sequence_end[b].
 
     Keyword arguments as `alibi_attention` in train mode, less the train-only ones: slopes, causal, max_distance,
-    softmax_scale, platform, return_lse."""
+    softmax_scale, platform, return_lse, batch_invariant (batch_invariant: a sequence's result bitwise the same
+    whatever else is in the batch; Triton only)."""
     _decode.reject_unsupported("alibi_attention_decode",
-                               ('slopes', 'causal', 'max_distance', 'softmax_scale', 'platform', 'return_lse'),
-                               unsupported)
-    backend = _decode.choose(platform, BACKENDS, "alibi_attention_decode")
+                               ('slopes', 'causal', 'max_distance', 'softmax_scale', 'platform', 'return_lse',
+                                'batch_invariant'), unsupported)
+    backend = _decode.choose(platform, BACKENDS, "alibi_attention_decode", batch_invariant)
     call = _decode.prepare(
         SPEC,
         query,
@@ -63,7 +65,7 @@ def alibi_attention_decode(
     )
     call.ctx["param_slopes"] = _attention.check_param(SPEC, "slopes", slopes, ('heads',), jnp.float32, call.dims)
     call.ctx["opt_max_distance"] = _attention.check_option(SPEC, "max_distance", max_distance, "int")
-    return _decode.run(_forward(backend), call, return_lse, "alibi_attention_decode")
+    return _decode.run(_forward(backend, batch_invariant), call, return_lse, "alibi_attention_decode")
 
 
 def alibi_attention_paged(
@@ -79,17 +81,19 @@ def alibi_attention_paged(
     softmax_scale=None,
     platform="auto",
     return_lse=False,
+    batch_invariant=False,
     **unsupported,
 ):
     """Paged decode: query [B, Hq, D] or [B, Sq, Hq, D], key_cache/value_cache [pages, page_size, Hkv, D|Dv], token t
     of sequence b at (block_tables[b, t // page_size], t % page_size), t < context_lens[b].
 
     Keyword arguments as `alibi_attention` in train mode, less the train-only ones: slopes, causal, max_distance,
-    softmax_scale, platform, return_lse."""
+    softmax_scale, platform, return_lse, batch_invariant (batch_invariant: a sequence's result bitwise the same
+    whatever else is in the batch; Triton only)."""
     _decode.reject_unsupported("alibi_attention_paged",
-                               ('slopes', 'causal', 'max_distance', 'softmax_scale', 'platform', 'return_lse'),
-                               unsupported)
-    backend = _decode.choose(platform, BACKENDS, "alibi_attention_paged")
+                               ('slopes', 'causal', 'max_distance', 'softmax_scale', 'platform', 'return_lse',
+                                'batch_invariant'), unsupported)
+    backend = _decode.choose(platform, BACKENDS, "alibi_attention_paged", batch_invariant)
     call = _decode.prepare_paged(
         SPEC,
         query,
@@ -102,4 +106,4 @@ def alibi_attention_paged(
     )
     call.ctx["param_slopes"] = _attention.check_param(SPEC, "slopes", slopes, ('heads',), jnp.float32, call.dims)
     call.ctx["opt_max_distance"] = _attention.check_option(SPEC, "max_distance", max_distance, "int")
-    return _decode.run(_forward(backend), call, return_lse, "alibi_attention_paged")
+    return _decode.run(_forward(backend, batch_invariant), call, return_lse, "alibi_attention_paged")

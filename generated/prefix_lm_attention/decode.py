@@ -17,11 +17,11 @@ from .op import SPEC
 BACKENDS = ('triton', 'xla')
 
 
-def _forward(backend: str):
+def _forward(backend: str, batch_invariant: bool):
     """(call) -> (out, lse) of the decode kernels of ``backend``."""
     if backend == "triton":
         return functools.partial(_triton_decode.forward, __package__ + ".triton_decode", (),
-                                 ('opt_prefix_len',), ())
+                                 ('opt_prefix_len',), (), batch_invariant=batch_invariant)
     return functools.partial(_decode.xla_forward, _xla._KERNELS.hooks)
 
 
@@ -37,16 +37,19 @@ def prefix_lm_attention_decode(
     softmax_scale=None,
     platform="auto",
     return_lse=False,
+    batch_invariant=False,
     **unsupported,
 ):
     """Ragged decode: query [B, Hq, D] or [B, Sq, Hq, D] (the last Sq positions of each sequence), key/value [B, S,
     Hkv, D|Dv], sequence b = keys sequence_start[b] <= j < sequence_end[b].
 
     Keyword arguments as `prefix_lm_attention` in train mode, less the train-only ones: softmax_aux, prefix_len,
-    softmax_scale, platform, return_lse."""
+    softmax_scale, platform, return_lse, batch_invariant (batch_invariant: a sequence's result bitwise the same
+    whatever else is in the batch; Triton only)."""
     _decode.reject_unsupported("prefix_lm_attention_decode",
-                               ('softmax_aux', 'prefix_len', 'softmax_scale', 'platform', 'return_lse'), unsupported)
-    backend = _decode.choose(platform, BACKENDS, "prefix_lm_attention_decode")
+                               ('softmax_aux', 'prefix_len', 'softmax_scale', 'platform', 'return_lse',
+                                'batch_invariant'), unsupported)
+    backend = _decode.choose(platform, BACKENDS, "prefix_lm_attention_decode", batch_invariant)
     call = _decode.prepare(
         SPEC,
         query,
@@ -58,7 +61,7 @@ def prefix_lm_attention_decode(
         softmax_scale=softmax_scale,
     )
     call.ctx["opt_prefix_len"] = _attention.check_option(SPEC, "prefix_len", prefix_len, "int")
-    return _decode.run(_forward(backend), call, return_lse, "prefix_lm_attention_decode")
+    return _decode.run(_forward(backend, batch_invariant), call, return_lse, "prefix_lm_attention_decode")
 
 
 def prefix_lm_attention_paged(
@@ -73,16 +76,19 @@ def prefix_lm_attention_paged(
     softmax_scale=None,
     platform="auto",
     return_lse=False,
+    batch_invariant=False,
     **unsupported,
 ):
     """Paged decode: query [B, Hq, D] or [B, Sq, Hq, D], key_cache/value_cache [pages, page_size, Hkv, D|Dv], token t
     of sequence b at (block_tables[b, t // page_size], t % page_size), t < context_lens[b].
 
     Keyword arguments as `prefix_lm_attention` in train mode, less the train-only ones: softmax_aux, prefix_len,
-    softmax_scale, platform, return_lse."""
+    softmax_scale, platform, return_lse, batch_invariant (batch_invariant: a sequence's result bitwise the same
+    whatever else is in the batch; Triton only)."""
     _decode.reject_unsupported("prefix_lm_attention_paged",
-                               ('softmax_aux', 'prefix_len', 'softmax_scale', 'platform', 'return_lse'), unsupported)
-    backend = _decode.choose(platform, BACKENDS, "prefix_lm_attention_paged")
+                               ('softmax_aux', 'prefix_len', 'softmax_scale', 'platform', 'return_lse',
+                                'batch_invariant'), unsupported)
+    backend = _decode.choose(platform, BACKENDS, "prefix_lm_attention_paged", batch_invariant)
     call = _decode.prepare_paged(
         SPEC,
         query,
@@ -94,4 +100,4 @@ def prefix_lm_attention_paged(
         softmax_scale=softmax_scale,
     )
     call.ctx["opt_prefix_len"] = _attention.check_option(SPEC, "prefix_len", prefix_len, "int")
-    return _decode.run(_forward(backend), call, return_lse, "prefix_lm_attention_paged")
+    return _decode.run(_forward(backend, batch_invariant), call, return_lse, "prefix_lm_attention_paged")

@@ -248,3 +248,28 @@ def test_decode_kernels_compile_for_the_gpus(name, capability, kwargs):
 
     compiled = compile_decode_in_subprocess("ejgen.generated", name, capability=capability, **kwargs)
     assert compiled["decode_kernel"]["cubin"] and compiled["decode_kernel"]["shared"] <= 163 * 1024, compiled
+
+
+def test_batch_invariant_fixes_the_split_size():
+    """batch_invariant: the split size (so each sequence's partial sums and their merge) depends on the cache
+    length only, not on the batch or the kv heads; without it the splits grow as the batch shrinks."""
+    from ejgen.runtime.attention.triton.decode import splits
+
+    fixed = {splits(b, h, 8192, 64, batch_invariant=True) for b in (1, 4, 32) for h in (1, 8)}
+    assert len(fixed) == 1
+    assert splits(1, 1, 8192, 64) != splits(32, 8, 8192, 64)
+
+
+def test_batch_invariant_results_do_not_depend_on_the_batch():
+    """Sequence 0 alone and next to three others: bitwise the same output (Triton kernel, interpreter)."""
+    from ejgen.ops import ragged_decode_attention
+
+    rng = rng_for("batch-invariant")
+    q = jnp.asarray(rng.standard_normal((4, 4, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((4, 600, 2, 16)), jnp.float32)
+    starts, ends = np.asarray([3, 0, 10, 0], np.int32), np.asarray([590, 7, 300, 600], np.int32)
+    run = lambda b: ragged_decode_attention(q[:b], k[:b], k[:b], starts[:b], ends[:b], platform="triton",  # noqa
+                                            batch_invariant=True)
+    np.testing.assert_array_equal(np.asarray(run(1))[0], np.asarray(run(4))[0])
+    with pytest.raises(ValueError, match="batch_invariant=True needs the Triton decode kernel"):
+        ragged_decode_attention(q, k, k, starts, ends, platform="xla", batch_invariant=True)

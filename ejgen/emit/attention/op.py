@@ -84,7 +84,7 @@ def emit(plan: AttentionPlan, backends: list[str], common: dict, render: Callabl
     if modes:
         args = [a for a in plan.arguments
                 if a.in_signature and a.feature in DECODE_ARGUMENT_KINDS and a.name != "deterministic"]
-        accepted = [a.name for a in args]
+        accepted = [a.name for a in args] + ["batch_invariant"]
         triton_ctx = triton.decode_context(plan) if "triton" in backends else None
         if triton_ctx is not None:
             files[f"{v.name}/triton_decode.py"] = render("attention/triton/decode_kernels.py.j2", **common,
@@ -136,7 +136,8 @@ def decode_names(plan: AttentionPlan) -> list[str]:
 
 
 def _decode_doc(doc: str, name: str, accepted: list) -> str:
-    text = f"{doc}\n\nKeyword arguments as `{name}` in train mode, less the train-only ones: {', '.join(accepted)}."
+    text = (f"{doc}\n\nKeyword arguments as `{name}` in train mode, less the train-only ones: {', '.join(accepted)} "
+            f"(batch_invariant: a sequence's result bitwise the same whatever else is in the batch; Triton only).")
     return "\n\n".join(textwrap.fill(p, WIDTH - 8, subsequent_indent="    ") for p in text.split("\n\n")).replace(
         "\n\n", "\n\n    ")
 

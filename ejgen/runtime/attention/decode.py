@@ -224,11 +224,20 @@ def reject_unsupported(name: str, accepted: tuple, unsupported: dict) -> None:
                         f"arguments: {', '.join(accepted)}")
 
 
-def choose(platform: str, backends: tuple, name: str) -> str:
+def choose(platform: str, backends: tuple, name: str, batch_invariant: bool = False) -> str:
     """The decode kernels a call runs: 'auto' takes Triton on a GPU where the spec has it, else XLA; 'triton'
-    (a GPU, or Triton's interpreter with TRITON_INTERPRET=1) and 'xla' as asked; 'pallas' is not built yet."""
+    (a GPU, or Triton's interpreter with TRITON_INTERPRET=1) and 'xla' as asked; 'pallas' is not built yet.
+    ``batch_invariant`` needs the Triton kernel (its split size is fixed; XLA's matrix products may pick other
+    algorithms for other batch sizes)."""
     from ejgen.runtime.launch import triton_call
 
+    if batch_invariant not in (True, False):
+        raise ValueError(f"{name}: batch_invariant must be True or False, got {batch_invariant!r}")
+    if batch_invariant and platform in ("auto", "xla"):
+        if platform == "xla" or "triton" not in backends or triton_call.mode()[0] is None:
+            raise ValueError(f"{name}: batch_invariant=True needs the Triton decode kernel (platform 'triton' on a "
+                             f"GPU, or TRITON_INTERPRET=1); XLA gives no such guarantee")
+        platform = "triton"
     if platform == "auto":
         return "triton" if "triton" in backends and triton_call.mode()[0] == "gpu" else "xla"
     if platform == "xla":

@@ -18,6 +18,7 @@ from ejgen.runtime.launch import triton_call
 
 TARGET_PROGRAMS = 2 * 132  # two waves of an H100's SMs
 BLOCK_N = 64
+BATCH_INVARIANT_SPLIT = 512  # keys per split with batch_invariant: the same whatever the batch
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
 
 
@@ -28,15 +29,19 @@ def _pow2(n: int, least: int = 16) -> int:
     return p
 
 
-def splits(batch: int, kv_heads: int, seq: int, block_n: int) -> tuple[int, int]:
-    """(number of splits, keys per split): a multiple of ``block_n`` keys each."""
+def splits(batch: int, kv_heads: int, seq: int, block_n: int, batch_invariant: bool = False) -> tuple[int, int]:
+    """(number of splits, keys per split): a multiple of ``block_n`` keys each. ``batch_invariant``: a fixed split
+    size, so that a sequence's partial sums, and so its result, do not depend on what else is in the batch."""
+    if batch_invariant:
+        per = -(-BATCH_INVARIANT_SPLIT // block_n) * block_n
+        return max(1, -(-seq // per)), per
     blocks = max(1, -(-seq // block_n))
     n = max(1, min(blocks, -(-TARGET_PROGRAMS // (batch * kv_heads))))
     per = -(-blocks // n) * block_n
     return -(-seq // per), per
 
 
-def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: tuple, call):
+def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: tuple, call, batch_invariant=False):
     """(out [B, Sq, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, Sq] float32), as `decode.xla_forward`."""
     q, k, v, ctx, cfg = call.q, call.k, call.v, call.ctx, call.cfg
     batch, sq, hkv, groups, d = q.shape
@@ -44,7 +49,7 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
     paged = call.tables is not None
     seq = call.tables.shape[1] * call.page if paged else k.shape[1]
     block_n = INTERPRET_BLOCK_N if triton_call.mode()[0] == "interpret" else BLOCK_N
-    n_splits, per_split = splits(batch, hkv, seq, block_n)
+    n_splits, per_split = splits(batch, hkv, seq, block_n, batch_invariant)
     m_pad = _pow2(groups * sq)
     d_pad, dv_pad = _pow2(d), _pow2(dv)
     f32 = [ctx["scale"], ctx.get("softcap", jnp.float32(1.0))] + [ctx[n] for n in f32_options]
