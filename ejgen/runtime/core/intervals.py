@@ -77,8 +77,9 @@ def _promote(x, y):
 
 def add(x, y):
     x, y = _promote(x, y)
-    if _is_float(x):
-        return x[0] + y[0], x[1] + y[1]
+    if _is_float(x):  # inf + -inf (an unbounded side and an infinite param entry): unbounded, not NaN
+        lo, hi = x[0] + y[0], x[1] + y[1]
+        return jnp.where(jnp.isnan(lo), -jnp.inf, lo), jnp.where(jnp.isnan(hi), jnp.inf, hi)
     lo = jnp.where((x[0] <= -BIG) | (y[0] <= -BIG), -BIG, jnp.clip(x[0] + y[0], -BIG, BIG))
     hi = jnp.where((x[1] >= BIG) | (y[1] >= BIG), BIG, jnp.clip(x[1] + y[1], -BIG, BIG))
     return lo, hi
