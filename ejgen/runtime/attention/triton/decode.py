@@ -1,7 +1,7 @@
 """Host side of the Triton decode kernel (`decode_kernel` of a spec's `triton_decode.py`; docs/DESIGN.md §3,
 "Decode and paged modes"): the split count, the launch, and the merge of the splits by lse (sinks included).
 
-Splits: enough (batch, kv head, split) programs to fill the device twice (`TARGET_PROGRAMS`), each split a whole
+Splits: enough (batch, kv head, split) programs for two per SM (`TARGET_PROGRAMS`), each split a whole
 number of key blocks; a split past its sequence's end returns at once, so a batch of short sequences in a long
 cache costs the programs' launch only. Paged calls read the pages through the block table inside the kernel (no
 gather of the cache)."""
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from ejgen.runtime.launch import triton_call
 
-TARGET_PROGRAMS = 2 * 132  # two waves of an H100's SMs
+TARGET_PROGRAMS = 2 * 132  # two programs per H100 SM (several fit at once: untuned, to be measured)
 BLOCK_N = 64
 BATCH_INVARIANT_SPLIT = 512  # keys per split with batch_invariant: the same whatever the batch
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
