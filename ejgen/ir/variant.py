@@ -52,7 +52,9 @@ FEATURE_ARGUMENTS = (
 )
 TENSOR_ARGUMENTS = ("query", "key", "value")
 CALL_ARGUMENTS = ("softmax_scale", "deterministic", "platform", "return_lse")  # every op, last
-OP_ARGUMENTS = TENSOR_ARGUMENTS + tuple(a for _, args in FEATURE_ARGUMENTS for a in args) + CALL_ARGUMENTS
+MESH_ARGUMENTS = ("mesh", "in_specs", "out_specs")  # every op, after them: the call under shard_map (DESIGN.md §4)
+OP_ARGUMENTS = (TENSOR_ARGUMENTS + tuple(a for _, args in FEATURE_ARGUMENTS for a in args) + CALL_ARGUMENTS
+                + MESH_ARGUMENTS)
 
 
 @attrs.frozen

@@ -44,6 +44,9 @@ def blocksparse_attention(
     deterministic=None,
     platform="auto",
     return_lse=False,
+    mesh=None,
+    in_specs=None,
+    out_specs=None,
 ):
     """Block-sparse attention: ``query [B, Hq, Sq, D]``, ``key [B, Hkv, Sk, D]``, ``value [B, Hkv, Sk, Dv]`` ->
     ``out [B, Hq, Sq, Dv]`` (and ``lse [B, Hq, Sq]`` with ``return_lse``). Causal by default.
@@ -63,6 +66,9 @@ def blocksparse_attention(
     - ``q_positions [B|1, Sq]``, ``kv_positions [B|1, Sk]`` (int; a missing one is its indices): causal and the
       window compare positions (``kv_pos <= q_pos``, ``q_pos - left <= kv_pos <= q_pos + right``), as for tokens
       placed out of order or in chunks; tiles are classified from each tile's least and greatest position.
+    - ``mesh``, ``in_specs``, ``out_specs``: run under ``jax.shard_map`` over ``mesh``, query, key and value cut
+      as ``in_specs`` say ([batch, heads, seq, head_dim]: batch and heads only; every other tensor, the block
+      mask's included, cut as query; ``ejgen.runtime.attention.mesh``).
     - ``fused_backward``: ejgen chooses the backward's kernels itself (``ejgen.ops.explain`` says which);
       only the default False is taken. ``sequence_parallelism_mesh_axis_name`` is not supported yet and raises.
     """
@@ -85,7 +91,8 @@ def blocksparse_attention(
     kwargs = dict(causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                   softmax_aux=softmax_aux, bias=bias, mask_info=info, block_mask=mask, q_positions=q_positions,
                   kv_positions=kv_positions, softmax_scale=softmax_scale,
-                  deterministic=deterministic, platform=platform, return_lse=return_lse)
+                  deterministic=deterministic, platform=platform, return_lse=return_lse, mesh=mesh,
+                  in_specs=in_specs, out_specs=out_specs)
     return _spec_op(query, key, value, **kwargs)
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import attrs
 
 from ejgen.errors import SpecError
-from ejgen.ir.expr import Binary, Const, Expr, ParamRef, Type, Var, walk
+from ejgen.ir.expr import Binary, Const, Expr, ParamRef, Type, Var, children, walk
 from ejgen.ir.passes.derivative import ONE, add, diff, param_occurrences, simplify, sub
 from ejgen.ir.passes.mask import Affine, MaskAnalysis, analyse
 from ejgen.ir.passes.separate import separate
-from ejgen.ir.variant import CALL_ARGUMENTS, FEATURE_ARGUMENTS, Variant
+from ejgen.ir.variant import CALL_ARGUMENTS, FEATURE_ARGUMENTS, MESH_ARGUMENTS, Variant
 
 S = Var("s", kind="builtin", ty=Type.FLOAT)
 
@@ -98,6 +98,29 @@ class AttentionPlan:
         m = self.variant.mask
         return None if isinstance(m, Const) and m.value is True else separate(m)
 
+    def index_reads(self) -> tuple:
+        """``b`` and ``h`` where score or mask read them as numbers: anything but the whole index of a param's
+        ``batch`` / ``heads`` dim (``slopes[h]`` with slopes [heads] reads the shard's own slice). Sharding that
+        axis over a mesh would renumber them from 0 on every device (the mesh wrapper refuses it)."""
+        dims = {p.name: p.shape for p in self.variant.params}
+        own = {"b": "batch", "h": "heads"}
+        found = set()
+
+        def visit(e):
+            if isinstance(e, Var) and e.name in own and e.kind == "builtin":
+                found.add(e.name)
+            elif isinstance(e, ParamRef):
+                for index, dim in zip(e.indices, dims.get(e.name, ())):
+                    if not (isinstance(index, Var) and own.get(index.name) == dim):
+                        visit(index)
+            else:
+                for c in children(e):
+                    visit(c)
+
+        visit(self.score)
+        visit(self.variant.mask)
+        return tuple(sorted(found))
+
     def names_used(self) -> set[str]:
         """Built-in DSL names used by score, mask or derivatives."""
         exprs = [self.score, self.dscore_ds, self.variant.mask] + [g.deriv for g in self.param_grads]
@@ -127,7 +150,8 @@ def _builtin_constraints() -> tuple:
 
 def _arguments(variant: Variant) -> tuple:
     """The op's keyword arguments (docs/DESIGN.md §3, calling convention): params, the built-in
-    features the spec enables (ir.variant.FEATURE_ARGUMENTS), options, then the per-call ones."""
+    features the spec enables (ir.variant.FEATURE_ARGUMENTS), options, then the per-call ones and the mesh
+    wrapper's."""
     args = [Argument(p.name, None, None, "param") for p in variant.params]
     for features, names in FEATURE_ARGUMENTS:
         found = [variant.feature(f) for f in ((features,) if isinstance(features, str) else features)]
@@ -148,6 +172,7 @@ def _arguments(variant: Variant) -> tuple:
     args += [Argument(o.name, repr(o.default), None, "option") for o in variant.options]
     defaults = {"softmax_scale": "None", "deterministic": "None", "platform": '"auto"', "return_lse": "False"}
     args += [Argument(n, defaults[n], n if n == "softmax_scale" else None, "call") for n in CALL_ARGUMENTS]
+    args += [Argument(n, "None", None, "mesh") for n in MESH_ARGUMENTS]
     return tuple(args)
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.attention import api as _attention
+from ejgen.runtime.attention import mesh as _mesh
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -42,6 +43,9 @@ SPEC = _attention.SpecInfo(
         "deterministic": "call",
         "platform": "call",
         "return_lse": "call",
+        "mesh": "mesh",
+        "in_specs": "mesh",
+        "out_specs": "mesh",
     },
     absent={
         "sliding_window": "sliding_window",
@@ -54,6 +58,9 @@ SPEC = _attention.SpecInfo(
         "cu_seqlens_k": "varlen",
         "max_seqlen_q": "varlen",
         "max_seqlen_k": "varlen",
+    },
+    params={
+        "slopes": ('heads',),
     },
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
@@ -94,6 +101,9 @@ def alibi_attention(
     deterministic=None,
     platform="auto",
     return_lse=False,
+    mesh=None,
+    in_specs=None,
+    out_specs=None,
     **unsupported,
 ):
     """ALiBi attention with learnable per-head slopes and a clamped distance.
@@ -107,8 +117,23 @@ def alibi_attention(
       softmax_scale=None
       deterministic=None
       platform="auto"
-      return_lse=False"""
+      return_lse=False
+      mesh=None
+      in_specs=None
+      out_specs=None"""
     _attention.reject_unsupported(SPEC, unsupported)
+    if mesh is not None or in_specs is not None or out_specs is not None:
+        return _mesh.on_mesh(SPEC, alibi_attention, query, key, value, dict(
+            slopes=slopes,
+            causal=causal,
+            mask_info=mask_info,
+            block_mask=block_mask,
+            max_distance=max_distance,
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            platform=platform,
+            return_lse=return_lse,
+        ), mesh, in_specs, out_specs)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,
@@ -125,5 +150,6 @@ def alibi_attention(
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     ctx["param_slopes"] = _attention.check_param(SPEC, "slopes", slopes, ('heads',), jnp.float32, call.dims)
     ctx["opt_max_distance"] = _attention.check_option(SPEC, "max_distance", max_distance, "int")
+    q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

@@ -22,6 +22,7 @@ import functools
 import jax
 
 from ejgen.runtime.attention import api as _attention
+from ejgen.runtime.attention import mesh as _mesh
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -39,6 +40,9 @@ SPEC = _attention.SpecInfo(
         "deterministic": "call",
         "platform": "call",
         "return_lse": "call",
+        "mesh": "mesh",
+        "in_specs": "mesh",
+        "out_specs": "mesh",
     },
     absent={
         "causal": "causal",
@@ -89,6 +93,9 @@ def local_softcap_sinks_attention(
     deterministic=None,
     platform="auto",
     return_lse=False,
+    mesh=None,
+    in_specs=None,
+    out_specs=None,
     **unsupported,
 ):
     """Causal sliding-window attention with a compiled-in window and soft cap, and attention sinks.
@@ -99,8 +106,20 @@ def local_softcap_sinks_attention(
       softmax_scale=None
       deterministic=None
       platform="auto"
-      return_lse=False"""
+      return_lse=False
+      mesh=None
+      in_specs=None
+      out_specs=None"""
     _attention.reject_unsupported(SPEC, unsupported)
+    if mesh is not None or in_specs is not None or out_specs is not None:
+        return _mesh.on_mesh(SPEC, local_softcap_sinks_attention, query, key, value, dict(
+            softmax_aux=softmax_aux,
+            block_mask=block_mask,
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            platform=platform,
+            return_lse=return_lse,
+        ), mesh, in_specs, out_specs)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,
@@ -117,5 +136,6 @@ def local_softcap_sinks_attention(
     kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
+    q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.attention import api as _attention
+from ejgen.runtime.attention import mesh as _mesh
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -41,6 +42,9 @@ SPEC = _attention.SpecInfo(
         "deterministic": "call",
         "platform": "call",
         "return_lse": "call",
+        "mesh": "mesh",
+        "in_specs": "mesh",
+        "out_specs": "mesh",
     },
     absent={
         "sliding_window": "sliding_window",
@@ -54,6 +58,9 @@ SPEC = _attention.SpecInfo(
         "cu_seqlens_k": "varlen",
         "max_seqlen_q": "varlen",
         "max_seqlen_k": "varlen",
+    },
+    params={
+        "rel_table": ('heads', 33),
     },
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
@@ -93,6 +100,9 @@ def relative_bias_attention(
     deterministic=None,
     platform="auto",
     return_lse=False,
+    mesh=None,
+    in_specs=None,
+    out_specs=None,
     **unsupported,
 ):
     """T5-style learnable relative-position bias, one table row per head, distances clamped to the table; the scale is
@@ -106,8 +116,22 @@ def relative_bias_attention(
       softmax_scale=None
       deterministic=None
       platform="auto"
-      return_lse=False"""
+      return_lse=False
+      mesh=None
+      in_specs=None
+      out_specs=None"""
     _attention.reject_unsupported(SPEC, unsupported)
+    if mesh is not None or in_specs is not None or out_specs is not None:
+        return _mesh.on_mesh(SPEC, relative_bias_attention, query, key, value, dict(
+            rel_table=rel_table,
+            causal=causal,
+            block_mask=block_mask,
+            bias_scale=bias_scale,
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            platform=platform,
+            return_lse=return_lse,
+        ), mesh, in_specs, out_specs)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,
@@ -123,5 +147,6 @@ def relative_bias_attention(
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     ctx["param_rel_table"] = _attention.check_param(SPEC, "rel_table", rel_table, ('heads', 33), jnp.float32, call.dims)
     ctx["opt_bias_scale"] = _attention.check_option(SPEC, "bias_scale", bias_scale, "float")
+    q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

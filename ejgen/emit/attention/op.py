@@ -71,6 +71,8 @@ def emit(plan: AttentionPlan, backends: list[str], common: dict, render: Callabl
             signature=signature,
             docstring=_docstring(plan, common, signature),
             prepare_args=[(a.name, a.passed) for a in plan.arguments if a.passed is not None],
+            passed_on=[a.name for a in plan.arguments if a.in_signature and a.feature != "mesh"],
+            index_reads=plan.index_reads(),
             params=[{"name": p.name, "shape": repr(tuple(p.shape)), "dtype": p.dtype} for p in v.params],
             options=[{"name": o.name, "type": o.type} for o in v.options],
         ),

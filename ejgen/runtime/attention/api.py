@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejgen.runtime.attention.config import AttentionConfig
-from ejgen.runtime.core import kernels, settings
+from ejgen.runtime.core import kernels, settings, vma
 from ejgen.types import MaskInfo
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -32,6 +32,8 @@ class SpecInfo:
     arguments: dict  # keyword argument of the op -> the feature (or "param", "option", "call") that brings it
     absent: dict = dataclasses.field(default_factory=dict)  # built-in argument the op does not take -> its feature
     layout: str = "bshd"  # the caller's tensor layout: [B, S, H, D] or "bhsd" [B, H, S, D] (docs/DESIGN.md §2)
+    params: dict = dataclasses.field(default_factory=dict)  # param -> its shape's dims (names or ints)
+    index_reads: tuple = ()  # "b" / "h" where score or mask read them as numbers (not a param's own index)
 
     @property
     def accepted(self) -> tuple:
@@ -592,6 +594,14 @@ def check_option(spec: SpecInfo, name: str, x, kind: str):
     if x.ndim != 0:
         raise ValueError(f"{spec.name}(): option {name} must be a scalar, got {_shape(x)}")
     return x.astype(dtype)
+
+
+def vary_alike(q, k, v, ctx):
+    """The inputs of the op's ``custom_vjp``, each made to vary over every mesh axis any of them varies over
+    (inside ``jax.shard_map``; outside, all is returned as it is). The kernels' results and gradients vary so,
+    and a backward must give each input a gradient of its own type; the cast's transpose then sums the gradient of
+    an input replicated over an axis (a param, the sinks, a shared bias) over that axis."""
+    return vma.vary((q, k, v, ctx), vma.varying_axes(q, k, v, ctx))
 
 
 def ctx_cotangents(ctx: dict, dctx: dict) -> dict:

@@ -23,6 +23,7 @@ from jax import lax
 from ejgen.runtime.attention import tiles
 from ejgen.runtime.attention.api import HEADS_MAJOR, sinks_grad
 from ejgen.runtime.core import kernels as kernel_choice
+from ejgen.runtime.core import vma
 
 TENSOR_LAYOUT = HEADS_MAJOR  # q [B, Hkv, G, S, D]: what the kernels below index
 
@@ -203,6 +204,7 @@ class XlaAttention:
         n_q, n_kv = sq // block_q, sk // block_k
         shape = (batch, kv_heads, groups)
         kinds = self._block_kinds(q, k, ctx, cfg, block_q, block_k) if self.hooks.runtime_mask(cfg) else None
+        axes = vma.varying_axes(q, k, v, ctx)  # inside shard_map: loop carries vary as the blocks they meet
 
         def query_block(iq):
             qb = lax.dynamic_slice_in_dim(q, iq * block_q, block_q, axis=3)
@@ -228,11 +230,11 @@ class XlaAttention:
             else:
                 lo, hi, flo, fhi = self.hooks.kv_blocks(iq, block_q, block_k, n_kv, ctx, cfg)
                 visit, full = (lo, hi), (flo, fhi)
-            init = (
+            init = vma.vary((
                 jnp.full(shape + (block_q,), NEG_INF, jnp.float32),
                 jnp.zeros(shape + (block_q,), jnp.float32),
                 jnp.zeros(shape + (block_q, dv), jnp.float32),
-            )
+            ), axes)
             m, l, acc = _ranges(visit, full, None if kinds is None else kinds[iq], run)(init)
             sinks = _sinks(ctx, cfg)
             if sinks is not None:
@@ -268,6 +270,7 @@ class XlaAttention:
         delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1) - d_lse
         lse_safe = jnp.where(lse == NEG_INF, 0.0, lse)
         kinds_t = None if kinds is None else kinds.T
+        axes = vma.varying_axes(q, k, v, ctx, d_out)
 
         def key_block(ik, carry):
             dq, dk, dv, dctx = carry
@@ -319,7 +322,7 @@ class XlaAttention:
                 visit, full = (lo, hi), (flo, fhi)
             zeros_k = jnp.zeros((batch, kv_heads, block_k, k.shape[-1]), f32)
             zeros_v = jnp.zeros((batch, kv_heads, block_k, v.shape[-1]), f32)
-            inner = (dq, zeros_k, zeros_v, dctx)
+            inner = (dq, *vma.vary((zeros_k, zeros_v), axes), dctx)
             dq, dk_b, dv_b, dctx = _ranges(visit, full, None if kinds_t is None else kinds_t[ik], run)(inner)
             dk = lax.dynamic_update_slice_in_dim(dk, dk_b, ik * block_k, 2)
             dv = lax.dynamic_update_slice_in_dim(dv, dv_b, ik * block_k, 2)
@@ -330,7 +333,7 @@ class XlaAttention:
             dctx["params"] = {name: jnp.zeros(ctx["param_" + name].shape, f32) for name in self.hooks.grad_params}
         if cfg.bias:
             dctx["bias"] = jnp.zeros(ctx["bias"].shape, f32)
-        init = (jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32), dctx)
+        init = vma.vary((jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32), dctx), axes)
         dq, dk, dv, dctx = lax.fori_loop(0, n_kv, key_block, init)
         if cfg.sinks:
             dctx["softmax_aux"] = sinks_grad(ctx["softmax_aux"], lse, delta, cfg.seq_q)

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejgen.runtime.core import vma
+
 
 def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
@@ -49,8 +51,13 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
     ``autotune``: block configs (``triton_configs.KernelConfig``) for jax-triton's autotuned call, which
     times them on the call's own inputs on the device the first time the compiled program runs; then
     ``grid`` is a function of the chosen config's {"BLOCK_M", "BLOCK_N"} (each config also sets its own
-    STAGED: merged or not). GPU only."""
+    STAGED: merged or not). GPU only.
+
+    Inside ``jax.shard_map`` the outputs are typed as varying over the mesh axes the inputs vary over: neither
+    jax-triton's primitive nor ``pure_callback`` says so (their outputs come back typed invariant), and a
+    gradient typed so would not match its varying input."""
     how, why = mode()
+    axes = vma.varying_axes(inputs)
     if how == "gpu":
         from jax_triton import triton_lib
 
@@ -67,13 +74,14 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
             constexprs = {k: v for k, v in constexprs.items() if k not in ("BLOCK_M", "BLOCK_N", "STAGED")}
         outs = triton_lib.triton_call(*inputs, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps,
                                       num_stages=num_stages, zeroed_outputs=tuple(zeroed), **constexprs)
-        return list(outs)
+        return list(vma.vary(list(outs), axes))
     if autotune:
         raise ValueError("EJGEN_TRITON_AUTOTUNE: jax-triton's autotuned call times configs on a GPU; in the "
                          "interpreter, pin a config with EJGEN_TRITON_CONFIG instead")
     if how == "interpret":
         call = functools.partial(_interpret, kernel, grid, tuple(out_shapes), constexprs)
-        return list(jax.pure_callback(call, tuple(out_shapes), *inputs, vmap_method="sequential"))
+        outs = jax.pure_callback(call, tuple(out_shapes), *inputs, vmap_method="sequential")
+        return list(vma.vary(list(outs), axes))
     raise RuntimeError(f"the triton backend cannot run here: {why}")
 
 
@@ -108,12 +116,18 @@ def _to_numpy(t, dtype):
     return t.numpy().astype(dtype, copy=False)
 
 
+_INTERPRETER = threading.Lock()  # Triton's interpreter patches triton.language while it runs: one kernel at a time
+
+
 def _interpret(kernel, grid, out_shapes, constexprs, *arrays):
+    """One launch in Triton's interpreter. Under ``shard_map`` every device's callback comes on its own thread,
+    so the launches take turns."""
     import torch
 
     inputs = [_to_torch(a) for a in arrays]
     outputs = [torch.zeros(s.shape, dtype=_torch_dtype(s.dtype)) for s in out_shapes]
-    kernel[grid](*inputs, *outputs, **constexprs)
+    with _INTERPRETER:
+        kernel[grid](*inputs, *outputs, **constexprs)
     return tuple(_to_numpy(o, s.dtype) for o, s in zip(outputs, out_shapes))
 
 

@@ -20,6 +20,7 @@ import functools
 import jax
 
 from ejgen.runtime.attention import api as _attention
+from ejgen.runtime.attention import mesh as _mesh
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -36,6 +37,9 @@ SPEC = _attention.SpecInfo(
         "deterministic": "call",
         "platform": "call",
         "return_lse": "call",
+        "mesh": "mesh",
+        "in_specs": "mesh",
+        "out_specs": "mesh",
     },
     absent={
         "sliding_window": "sliding_window",
@@ -51,6 +55,7 @@ SPEC = _attention.SpecInfo(
         "max_seqlen_q": "varlen",
         "max_seqlen_k": "varlen",
     },
+    index_reads=('h',),
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
 
@@ -87,6 +92,9 @@ def alibi_fixed_attention(
     deterministic=None,
     platform="auto",
     return_lse=False,
+    mesh=None,
+    in_specs=None,
+    out_specs=None,
     **unsupported,
 ):
     """ALiBi with its fixed geometric slopes, 2 ** (-8 (h + 1) / num_heads) for head h, times the distance.
@@ -97,8 +105,20 @@ def alibi_fixed_attention(
       softmax_scale=None
       deterministic=None
       platform="auto"
-      return_lse=False"""
+      return_lse=False
+      mesh=None
+      in_specs=None
+      out_specs=None"""
     _attention.reject_unsupported(SPEC, unsupported)
+    if mesh is not None or in_specs is not None or out_specs is not None:
+        return _mesh.on_mesh(SPEC, alibi_fixed_attention, query, key, value, dict(
+            causal=causal,
+            num_heads=num_heads,
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            platform=platform,
+            return_lse=return_lse,
+        ), mesh, in_specs, out_specs)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,
@@ -112,5 +132,6 @@ def alibi_fixed_attention(
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     ctx["opt_num_heads"] = _attention.check_option(SPEC, "num_heads", num_heads, "int")
+    q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

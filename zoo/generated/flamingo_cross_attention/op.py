@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.attention import api as _attention
+from ejgen.runtime.attention import mesh as _mesh
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -38,6 +39,9 @@ SPEC = _attention.SpecInfo(
         "deterministic": "call",
         "platform": "call",
         "return_lse": "call",
+        "mesh": "mesh",
+        "in_specs": "mesh",
+        "out_specs": "mesh",
     },
     absent={
         "causal": "causal",
@@ -53,6 +57,9 @@ SPEC = _attention.SpecInfo(
         "cu_seqlens_k": "varlen",
         "max_seqlen_q": "varlen",
         "max_seqlen_k": "varlen",
+    },
+    params={
+        "latest": ('batch', 'q_len'),
     },
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
@@ -90,6 +97,9 @@ def flamingo_cross_attention(
     deterministic=None,
     platform="auto",
     return_lse=False,
+    mesh=None,
+    in_specs=None,
+    out_specs=None,
     **unsupported,
 ):
     """Flamingo's gated cross-attention masking: text queries attend to the image tokens (keys: the images' tokens,
@@ -102,8 +112,20 @@ def flamingo_cross_attention(
       softmax_scale=None
       deterministic=None
       platform="auto"
-      return_lse=False"""
+      return_lse=False
+      mesh=None
+      in_specs=None
+      out_specs=None"""
     _attention.reject_unsupported(SPEC, unsupported)
+    if mesh is not None or in_specs is not None or out_specs is not None:
+        return _mesh.on_mesh(SPEC, flamingo_cross_attention, query, key, value, dict(
+            latest=latest,
+            image_tokens=image_tokens,
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            platform=platform,
+            return_lse=return_lse,
+        ), mesh, in_specs, out_specs)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,
@@ -117,5 +139,6 @@ def flamingo_cross_attention(
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     ctx["param_latest"] = _attention.check_param(SPEC, "latest", latest, ('batch', 'q_len'), jnp.int32, call.dims)
     ctx["opt_image_tokens"] = _attention.check_option(SPEC, "image_tokens", image_tokens, "int")
+    q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

@@ -22,6 +22,7 @@ import functools
 import jax
 
 from ejgen.runtime.attention import api as _attention
+from ejgen.runtime.attention import mesh as _mesh
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -37,6 +38,9 @@ SPEC = _attention.SpecInfo(
         "deterministic": "call",
         "platform": "call",
         "return_lse": "call",
+        "mesh": "mesh",
+        "in_specs": "mesh",
+        "out_specs": "mesh",
     },
     absent={
         "causal": "causal",
@@ -88,6 +92,9 @@ def natten_1d_attention(
     deterministic=None,
     platform="auto",
     return_lse=False,
+    mesh=None,
+    in_specs=None,
+    out_specs=None,
     **unsupported,
 ):
     """NATTEN's 1-D neighbourhood attention: each query sees the kernel keys nearest to it, the window shifted inward
@@ -98,8 +105,19 @@ def natten_1d_attention(
       softmax_scale=None
       deterministic=None
       platform="auto"
-      return_lse=False"""
+      return_lse=False
+      mesh=None
+      in_specs=None
+      out_specs=None"""
     _attention.reject_unsupported(SPEC, unsupported)
+    if mesh is not None or in_specs is not None or out_specs is not None:
+        return _mesh.on_mesh(SPEC, natten_1d_attention, query, key, value, dict(
+            kernel=kernel,
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            platform=platform,
+            return_lse=return_lse,
+        ), mesh, in_specs, out_specs)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,
@@ -112,5 +130,6 @@ def natten_1d_attention(
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     ctx["opt_kernel"] = _attention.check_option(SPEC, "kernel", kernel, "int")
+    q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

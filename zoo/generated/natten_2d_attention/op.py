@@ -28,6 +28,7 @@ import functools
 import jax
 
 from ejgen.runtime.attention import api as _attention
+from ejgen.runtime.attention import mesh as _mesh
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -44,6 +45,9 @@ SPEC = _attention.SpecInfo(
         "deterministic": "call",
         "platform": "call",
         "return_lse": "call",
+        "mesh": "mesh",
+        "in_specs": "mesh",
+        "out_specs": "mesh",
     },
     absent={
         "causal": "causal",
@@ -96,6 +100,9 @@ def natten_2d_attention(
     deterministic=None,
     platform="auto",
     return_lse=False,
+    mesh=None,
+    in_specs=None,
+    out_specs=None,
     **unsupported,
 ):
     """NATTEN's 2-D neighbourhood attention over tokens laid out row by row on a grid of width columns: each query sees
@@ -107,8 +114,20 @@ def natten_2d_attention(
       softmax_scale=None
       deterministic=None
       platform="auto"
-      return_lse=False"""
+      return_lse=False
+      mesh=None
+      in_specs=None
+      out_specs=None"""
     _attention.reject_unsupported(SPEC, unsupported)
+    if mesh is not None or in_specs is not None or out_specs is not None:
+        return _mesh.on_mesh(SPEC, natten_2d_attention, query, key, value, dict(
+            width=width,
+            kernel=kernel,
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            platform=platform,
+            return_lse=return_lse,
+        ), mesh, in_specs, out_specs)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,
@@ -122,5 +141,6 @@ def natten_2d_attention(
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     ctx["opt_width"] = _attention.check_option(SPEC, "width", width, "int")
     ctx["opt_kernel"] = _attention.check_option(SPEC, "kernel", kernel, "int")
+    q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

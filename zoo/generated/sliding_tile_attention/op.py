@@ -31,6 +31,7 @@ import functools
 import jax
 
 from ejgen.runtime.attention import api as _attention
+from ejgen.runtime.attention import mesh as _mesh
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -51,6 +52,9 @@ SPEC = _attention.SpecInfo(
         "deterministic": "call",
         "platform": "call",
         "return_lse": "call",
+        "mesh": "mesh",
+        "in_specs": "mesh",
+        "out_specs": "mesh",
     },
     absent={
         "causal": "causal",
@@ -107,6 +111,9 @@ def sliding_tile_attention(
     deterministic=None,
     platform="auto",
     return_lse=False,
+    mesh=None,
+    in_specs=None,
+    out_specs=None,
     **unsupported,
 ):
     """Sliding tile attention (video): tokens come tile by tile, tile_tokens each, tiles in (time, row, column) order
@@ -123,8 +130,24 @@ def sliding_tile_attention(
       softmax_scale=None
       deterministic=None
       platform="auto"
-      return_lse=False"""
+      return_lse=False
+      mesh=None
+      in_specs=None
+      out_specs=None"""
     _attention.reject_unsupported(SPEC, unsupported)
+    if mesh is not None or in_specs is not None or out_specs is not None:
+        return _mesh.on_mesh(SPEC, sliding_tile_attention, query, key, value, dict(
+            tile_tokens=tile_tokens,
+            grid_h=grid_h,
+            grid_w=grid_w,
+            radius_t=radius_t,
+            radius_h=radius_h,
+            radius_w=radius_w,
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            platform=platform,
+            return_lse=return_lse,
+        ), mesh, in_specs, out_specs)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,
@@ -142,5 +165,6 @@ def sliding_tile_attention(
     ctx["opt_radius_t"] = _attention.check_option(SPEC, "radius_t", radius_t, "int")
     ctx["opt_radius_h"] = _attention.check_option(SPEC, "radius_h", radius_h, "int")
     ctx["opt_radius_w"] = _attention.check_option(SPEC, "radius_w", radius_w, "int")
+    q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

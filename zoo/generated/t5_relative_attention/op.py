@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.attention import api as _attention
+from ejgen.runtime.attention import mesh as _mesh
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -44,6 +45,9 @@ SPEC = _attention.SpecInfo(
         "deterministic": "call",
         "platform": "call",
         "return_lse": "call",
+        "mesh": "mesh",
+        "in_specs": "mesh",
+        "out_specs": "mesh",
     },
     absent={
         "sliding_window": "sliding_window",
@@ -58,6 +62,9 @@ SPEC = _attention.SpecInfo(
         "cu_seqlens_k": "varlen",
         "max_seqlen_q": "varlen",
         "max_seqlen_k": "varlen",
+    },
+    params={
+        "table": ('heads', 32),
     },
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
@@ -96,6 +103,9 @@ def t5_relative_attention(
     deterministic=None,
     platform="auto",
     return_lse=False,
+    mesh=None,
+    in_specs=None,
+    out_specs=None,
     **unsupported,
 ):
     """T5's relative-position buckets (bidirectional, 32 buckets: 8 exact distances per direction, then logarithmic up
@@ -108,8 +118,21 @@ def t5_relative_attention(
       softmax_scale=None
       deterministic=None
       platform="auto"
-      return_lse=False"""
+      return_lse=False
+      mesh=None
+      in_specs=None
+      out_specs=None"""
     _attention.reject_unsupported(SPEC, unsupported)
+    if mesh is not None or in_specs is not None or out_specs is not None:
+        return _mesh.on_mesh(SPEC, t5_relative_attention, query, key, value, dict(
+            table=table,
+            causal=causal,
+            max_distance=max_distance,
+            softmax_scale=softmax_scale,
+            deterministic=deterministic,
+            platform=platform,
+            return_lse=return_lse,
+        ), mesh, in_specs, out_specs)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,
@@ -124,5 +147,6 @@ def t5_relative_attention(
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
     ctx["param_table"] = _attention.check_param(SPEC, "table", table, ('heads', 32), jnp.float32, call.dims)
     ctx["opt_max_distance"] = _attention.check_option(SPEC, "max_distance", max_distance, "int")
+    q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

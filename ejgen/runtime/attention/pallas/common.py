@@ -14,6 +14,8 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from ejgen.runtime.core import vma
+
 NUM_LANES = 128
 NUM_SUBLANES = 8
 KERNELS = ("gpu", "tpu")
@@ -58,8 +60,23 @@ def dispatch(gpu, tpu, *args):
         cuda=on_gpu,
         rocm=on_gpu,
         tpu=functools.partial(tpu, interpret=False),
-        default=functools.partial(gpu if which == "gpu" else tpu, interpret=interpret),
+        default=_interpreted(functools.partial(gpu if which == "gpu" else tpu, interpret=interpret)),
     )
+
+
+def _interpreted(kernels):
+    """``kernels`` run interpreted. Inside ``jax.shard_map`` Pallas's interpreters evaluate the kernel, traced for
+    blocks that vary over no mesh axis, on blocks that do, and JAX's loop check refuses the kernel's loops; so the
+    inputs reach them typed invariant (``vma.erase``, a host copy: interpreters run in tests) and the outputs get
+    the inputs' axes back. Outside shard_map this is ``kernels`` itself."""
+
+    def run(*args):
+        axes = vma.varying_axes(args)
+        if not axes:
+            return kernels(*args)
+        return vma.vary(kernels(*vma.erase(args)), axes)
+
+    return run
 
 
 class Operands:

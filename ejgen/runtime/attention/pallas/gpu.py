@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 from ejgen.runtime.attention.pallas import common as _rt
 from ejgen.runtime.attention.pallas.common import NEG_INF, NN, NT, PAD
 from ejgen.runtime.attention.pallas.hooks import Hooks, dense_kinds, grads_tile, logits, make_tile, with_token_views
-from ejgen.runtime.core import shared_memory
+from ejgen.runtime.core import shared_memory, vma
 
 LOG2E = math.log2(math.e)
 
@@ -424,6 +424,7 @@ class GpuKernels:
         """(out, lse) in the kernel layout, from one forward kernel."""
         batch, kv_heads, groups, sq, d = q.shape
         sk, dv = k.shape[2], v.shape[-1]
+        axes = vma.varying_axes(q, k, v, ctx)  # inside shard_map: the outputs vary as the inputs do
         blocks = gpu_blocks("fwd", d, dv, q.dtype, cfg, interpret)
         scalars, prm = self.hooks.pack_scalars(ctx), self.hooks.params_of(ctx)
         sc = self.hooks.scalars(*scalars)
@@ -445,8 +446,8 @@ class GpuKernels:
                 pl.BlockSpec((None, blocks.block_q, None, _rt.pow2(dv)), lambda i, b, h: (b, q_block(i), h, 0)),
                 pl.BlockSpec((None, None, blocks.block_q), lambda i, b, h: (b, h, q_block(i))),
             ],
-            out_shape=[jax.ShapeDtypeStruct((batch, sq, heads, dv), q.dtype),
-                       jax.ShapeDtypeStruct((batch, heads, sq), jnp.float32)],
+            out_shape=[vma.struct((batch, sq, heads, dv), q.dtype, axes),
+                       vma.struct((batch, heads, sq), jnp.float32, axes)],
             compiler_params=_compiler_params(blocks),
             interpret=interpret,
             name=f"{self.hooks.name}_fwd",
@@ -458,6 +459,7 @@ class GpuKernels:
         batch, kv_heads, groups, sq, d = q.shape
         sk, dv = k.shape[2], v.shape[-1]
         heads = kv_heads * groups
+        axes = vma.varying_axes(q, k, v, d_out, ctx)
         scalars, prm = self.hooks.pack_scalars(ctx), self.hooks.params_of(ctx)
         sc = self.hooks.scalars(*scalars)
         ctx = with_token_views(self.hooks, ctx, sc, prm, cfg, batch, heads)
@@ -472,17 +474,17 @@ class GpuKernels:
         ops = _operands("dkdv", q, k, v, ctx, cfg, scalars, self._kernel_params(prm), blocks,
                         self._metadata("dkdv", blocks, ctx, sc, prm, cfg, shape), q_side)
         k_map = lambda i, b, hk: (b, i, hk, 0)
-        outs = [("dk", jax.ShapeDtypeStruct(k.shape, k.dtype), pl.BlockSpec((None, blocks.block_k, None, _rt.pow2(d)), k_map)),
-                ("dv", jax.ShapeDtypeStruct(v.shape, v.dtype), pl.BlockSpec((None, blocks.block_k, None, _rt.pow2(dv)), k_map))]
+        outs = [("dk", vma.struct(k.shape, k.dtype, axes), pl.BlockSpec((None, blocks.block_k, None, _rt.pow2(d)), k_map)),
+                ("dv", vma.struct(v.shape, v.dtype, axes), pl.BlockSpec((None, blocks.block_k, None, _rt.pow2(dv)), k_map))]
         aliases = {}
         if cfg.bias:  # tiles no program visits stay zero: the output starts as zeros
             dbias_spec = pl.BlockSpec((None, None, groups, sq, blocks.block_k), lambda i, b, hk: (b, hk, 0, 0, i))
             aliases[len(ops.names)] = len(outs)
-            ops.add("dbias_zeros", jnp.zeros(shape, jnp.float32), dbias_spec)
-            outs.append(("dbias", jax.ShapeDtypeStruct(shape, jnp.float32), dbias_spec))
+            ops.add("dbias_zeros", vma.vary(jnp.zeros(shape, jnp.float32), axes), dbias_spec)
+            outs.append(("dbias", vma.struct(shape, jnp.float32, axes), dbias_spec))
         for name in self.hooks.grad_params:
             lanes = _rt.param_lanes(prm[name])
-            outs.append(("dparam_" + name, jax.ShapeDtypeStruct((batch, kv_heads, n_kv, 1, lanes), jnp.float32),
+            outs.append(("dparam_" + name, vma.struct((batch, kv_heads, n_kv, 1, lanes), jnp.float32, axes),
                          pl.BlockSpec((None, None, None, 1, lanes), lambda i, b, hk: (b, hk, i, 0, 0))))
         kernel = functools.partial(
             self._dkdv_kernel, names=tuple(ops.names), out_names=tuple(o[0] for o in outs), cfg=cfg, blocks=blocks,
@@ -512,7 +514,7 @@ class GpuKernels:
             grid=(n_q, batch, heads),
             in_specs=ops.specs,
             out_specs=pl.BlockSpec((None, blocks.block_q, None, _rt.pow2(d)), lambda i, b, h: (b, q_block(i), h, 0)),
-            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            out_shape=vma.struct(q.shape, q.dtype, axes),
             compiler_params=_compiler_params(blocks),
             interpret=interpret,
             name=f"{self.hooks.name}_bwd_dq",

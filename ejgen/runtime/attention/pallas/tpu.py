@@ -21,6 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ejgen.runtime.attention.pallas import common as _rt
 from ejgen.runtime.attention.pallas.common import NEG_INF, NN, NT, NUM_LANES, NUM_SUBLANES, PAD
 from ejgen.runtime.attention.pallas.hooks import Hooks, dense_kinds, grads_tile, logits, make_tile, with_token_views
+from ejgen.runtime.core import vma
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +296,7 @@ class TpuKernels:
     def forward(self, q, k, v, ctx, *, cfg, interpret):
         batch, kv_heads, groups, sq, _ = q.shape
         dv = v.shape[-1]
+        axes = vma.varying_axes(q, k, v, ctx)  # inside shard_map: the outputs vary as the inputs do
         blocks, scalars, prm, kinds, ctx = self._setup(q, k, v, ctx, cfg, interpret)
         n_q, n_kv = kinds.shape
         coords = lambda b, h, iq, ik, kinds, fetch: (b, *_rt.head(h, groups), iq, fetch[iq, ik])
@@ -315,8 +317,8 @@ class TpuKernels:
                                 pltpu.VMEM((blocks.block_q, NUM_LANES), jnp.float32),
                                 pltpu.VMEM((blocks.block_q, dv), jnp.float32)],
             ),
-            out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, groups, sq, dv), q.dtype),
-                       jax.ShapeDtypeStruct((batch, kv_heads, groups, sq, NUM_LANES), jnp.float32)],
+            out_shape=[vma.struct((batch, kv_heads, groups, sq, dv), q.dtype, axes),
+                       vma.struct((batch, kv_heads, groups, sq, NUM_LANES), jnp.float32, axes)],
             compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
             interpret=interpret,
             name=f"{self.hooks.name}_fwd",
@@ -327,6 +329,7 @@ class TpuKernels:
         """(dq, dk, dv, dbias or None, {param: flat gradient}): a dK/dV kernel, then a dQ kernel."""
         batch, kv_heads, groups, sq, d = q.shape
         sk, dv = k.shape[2], v.shape[-1]
+        axes = vma.varying_axes(q, k, v, d_out, ctx)
         blocks, scalars, prm, kinds, ctx = self._setup(q, k, v, ctx, cfg, interpret)
         n_q, n_kv = kinds.shape
         q_side = (("do", d_out), ("lse", lse), ("delta", delta))
@@ -336,16 +339,16 @@ class TpuKernels:
         coords = lambda b, hk, ik, g, iq, kinds, fetch: (b, hk, g, fetch[ik, iq], ik)
         ops = _operands(q, k, v, ctx, cfg, scalars, prm, blocks, coords, q_side)
         k_map = lambda b, hk, ik, g, iq, kinds, fetch: (b, hk, ik, 0)
-        outs = [("dk", jax.ShapeDtypeStruct(k.shape, k.dtype), pl.BlockSpec((None, None, blocks.block_k, d), k_map)),
-                ("dv", jax.ShapeDtypeStruct(v.shape, v.dtype), pl.BlockSpec((None, None, blocks.block_k, dv), k_map))]
+        outs = [("dk", vma.struct(k.shape, k.dtype, axes), pl.BlockSpec((None, None, blocks.block_k, d), k_map)),
+                ("dv", vma.struct(v.shape, v.dtype, axes), pl.BlockSpec((None, None, blocks.block_k, dv), k_map))]
         if cfg.bias:
-            outs.append(("dbias", jax.ShapeDtypeStruct((batch, kv_heads, groups, sq, sk), jnp.float32),
+            outs.append(("dbias", vma.struct((batch, kv_heads, groups, sq, sk), jnp.float32, axes),
                          pl.BlockSpec((None, None, None, blocks.block_q, blocks.block_k),
                                       lambda b, hk, ik, g, iq, kinds, fetch: (b, hk, g, iq, ik))))
         scratch = [pltpu.VMEM((blocks.block_k, d), jnp.float32), pltpu.VMEM((blocks.block_k, dv), jnp.float32)]
         for name in self.hooks.grad_params:
             lanes = _rt.param_lanes(prm[name])
-            outs.append(("dparam_" + name, jax.ShapeDtypeStruct((batch, kv_heads, n_kv, 1, lanes), jnp.float32),
+            outs.append(("dparam_" + name, vma.struct((batch, kv_heads, n_kv, 1, lanes), jnp.float32, axes),
                          pl.BlockSpec((None, None, None, 1, lanes), lambda b, hk, ik, g, iq, kinds, fetch: (b, hk, ik, 0, 0))))
             scratch.append(pltpu.VMEM((1, lanes), jnp.float32))
         kernel = functools.partial(self._dkdv_kernel, names=tuple(ops.names), out_names=tuple(o[0] for o in outs), cfg=cfg,
@@ -380,7 +383,7 @@ class TpuKernels:
                 out_specs=pl.BlockSpec((None, None, None, blocks.block_q, d), q_map),
                 scratch_shapes=[pltpu.VMEM((blocks.block_q, d), jnp.float32)],
             ),
-            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            out_shape=vma.struct(q.shape, q.dtype, axes),
             compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
             interpret=interpret,
             name=f"{self.hooks.name}_bwd_dq",
