@@ -51,8 +51,8 @@ def _cast(x, axes: tuple):
 
 
 def vary(tree, axes: frozenset):
-    """``tree`` with every array leaf made to vary over ``axes`` too (a no-op cast where it did not: its
-    transpose sums over those axes, so a replicated input gets its gradient summed over the mesh)."""
+    """``tree`` with every array leaf made to vary over ``axes`` too: a cast that moves no data, where a leaf did
+    not. Its transpose sums over those axes, so a replicated input gets its gradient summed over the mesh."""
 
     def one(x):
         if x is None or not hasattr(x, "dtype"):
@@ -89,11 +89,21 @@ def _erase_primitive():
     erase_p = Primitive("ejgen_erase_varying")
     erase_p.multiple_results = True
     erase_p.def_impl(lambda *xs: xs)
-    erase_p.def_abstract_eval(lambda *avals: [jax.core.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
-                                              for a in avals])
+    erase_p.def_abstract_eval(lambda *avals: [_invariant(a) for a in avals])
     mlir.register_lowering(erase_p, lambda ctx, *xs: list(xs))
     batching.primitive_batchers[erase_p] = lambda args, dims: (erase_p.bind(*args), dims)
     return erase_p
+
+
+def _invariant(aval):
+    """``aval`` varying over no mesh axis, all else kept (sharding, weak type, memory space)."""
+    if getattr(aval, "manual_axis_type", None) is not None:
+        from jax.sharding import ManualAxisType
+
+        return aval.update(manual_axis_type=ManualAxisType())
+    if getattr(aval, "vma", None) is not None:
+        return aval.update(vma=frozenset())
+    return aval
 
 
 @functools.cache
