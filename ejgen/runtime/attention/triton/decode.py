@@ -14,19 +14,13 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ejgen.runtime.attention.triton import host
 from ejgen.runtime.launch import triton_call
 
 TARGET_PROGRAMS = 2 * 132  # two programs per H100 SM (several fit at once: untuned, to be measured)
 BLOCK_N = 64
 BATCH_INVARIANT_SPLIT = 512  # keys per split with batch_invariant: the same whatever the batch
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
-
-
-def _pow2(n: int, least: int = 16) -> int:
-    p = least
-    while p < n:
-        p *= 2
-    return p
 
 
 def splits(batch: int, kv_heads: int, seq: int, block_n: int, batch_invariant: bool = False) -> tuple[int, int]:
@@ -50,11 +44,9 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
     seq = call.tables.shape[1] * call.page if paged else k.shape[1]
     block_n = INTERPRET_BLOCK_N if triton_call.mode()[0] == "interpret" else BLOCK_N
     n_splits, per_split = splits(batch, hkv, seq, block_n, batch_invariant)
-    m_pad = _pow2(groups * sq)
-    d_pad, dv_pad = _pow2(d), _pow2(dv)
-    f32 = [ctx["scale"], ctx.get("softcap", jnp.float32(1.0))] + [ctx[n] for n in f32_options]
-    i32 = [ctx.get("window_left", jnp.int32(0)), ctx.get("window_right", jnp.int32(0))] + [ctx[n] for n in i32_options]
-    scalars = [jnp.stack([jnp.asarray(x, jnp.float32) for x in f32]), jnp.stack([jnp.asarray(x, jnp.int32) for x in i32])]
+    m_pad = host._pow2(groups * sq)
+    d_pad, dv_pad = host._pow2(d), host._pow2(dv)
+    scalars = host.scalar_arrays(ctx, f32_options, i32_options)
     table = call.tables if paged else jnp.zeros((1,), jnp.int32)
     inputs = [q.reshape(batch, sq, hkv * groups, d), k, v, call.starts, call.ends, table, *scalars]
     inputs += [ctx[f"param_{p}"] for p in params]

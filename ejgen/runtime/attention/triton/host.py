@@ -127,12 +127,17 @@ def _dummy(dtype=jnp.float32):
     return jnp.zeros((1,), dtype)
 
 
+def scalar_arrays(ctx, f32_options: tuple, i32_options: tuple) -> list:
+    """The kernels' F32 = [scale, softcap, float options] and I32 = [window_left, window_right, int and bool options]
+    (`ejgen.emit.attention.common.scalar_layout`), as every generated Triton kernel reads them."""
+    f32 = [ctx["scale"], ctx.get("softcap", jnp.float32(1.0))] + [ctx[n] for n in f32_options]
+    i32 = [ctx.get("window_left", jnp.int32(0)), ctx.get("window_right", jnp.int32(0))] + [ctx[n] for n in i32_options]
+    return [jnp.stack([jnp.asarray(x, jnp.float32) for x in f32]), jnp.stack([jnp.asarray(x, jnp.int32) for x in i32])]
+
+
 def _inputs(layout: Layout, ctx, cfg, hq):
     """(scalar arrays, feature tensors, params) in kernel-signature order."""
-    f32 = [ctx["scale"], ctx.get("softcap", jnp.float32(1.0))] + [ctx[n] for n in layout.f32_options]
-    i32 = [ctx.get("window_left", jnp.int32(0)), ctx.get("window_right", jnp.int32(0))]
-    i32 += [ctx[n] for n in layout.i32_options]
-    scalars = [jnp.stack([jnp.asarray(x, jnp.float32) for x in f32]), jnp.stack([jnp.asarray(x, jnp.int32) for x in i32])]
+    scalars = scalar_arrays(ctx, layout.f32_options, layout.i32_options)
     if cfg.bias:
         bias = ctx["bias"]  # [Bb, Hkv|1, G|1, Sq, Sk]
         bias = bias.reshape(bias.shape[0], -1, bias.shape[3], bias.shape[4])
