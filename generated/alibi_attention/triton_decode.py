@@ -57,7 +57,10 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
     for n0 in tl.range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         col_ok = t < hi
-        if PAGED:
+        if PAGED and PAGE % BLOCK_N == 0:  # the block lies in one page (n0 is a multiple of BLOCK_N): one table read
+            page = tl.load(TABLE + off_b * MAX_PAGES + n0 // PAGE)
+            rows = page.to(tl.int64) * PAGE + t % PAGE
+        elif PAGED:
             page = tl.load(TABLE + off_b * MAX_PAGES + t // PAGE, mask=col_ok, other=0)
             rows = page.to(tl.int64) * PAGE + t % PAGE
         else:

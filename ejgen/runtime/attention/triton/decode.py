@@ -19,6 +19,8 @@ from ejgen.runtime.launch import triton_call
 
 TARGET_PROGRAMS = 2 * 132  # two programs per H100 SM (several fit at once: untuned, to be measured)
 BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
 BATCH_INVARIANT_SPLIT = 512  # keys per split with batch_invariant: the same whatever the batch
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
 
@@ -57,7 +59,7 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
             jax.ShapeDtypeStruct((math.prod(grid) * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)]
     kernel = importlib.import_module(kernel_module).decode_kernel
     o_part, m_part, l_part, _ = triton_call.launch(
-        kernel, grid, inputs, outs, num_warps=4, num_stages=2,
+        kernel, grid, inputs, outs, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         B=batch, HQ=hkv * groups, HKV=hkv, SQ=sq, SEQ_K=k.shape[1], D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad, G=groups,
         M_PAD=m_pad, BLOCK_N=block_n, SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=cfg.causal, WINDOW=cfg.window,
         SOFTCAP=cfg.softcap, PAGED=paged, PAGE=call.page if paged else 1,

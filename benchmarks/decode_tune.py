@@ -1,0 +1,114 @@
+"""Launch settings of the Triton decode kernel (issue 16; `ejgen.runtime.attention.triton.decode`), measured on one
+GPU: BLOCK_N x NUM_STAGES x NUM_WARPS x TARGET_PROGRAMS over the decode benchmark's batches (benchmarks/decode.py),
+cuDNN timed in the same run for scale. Prints one line per (setting, case) as it finishes, then a table of µs per
+case with the best setting per case marked, and the geometric mean over cases per setting.
+
+    python3 benchmarks/decode_tune.py --out $OUT/decode_tune [--budget-s 420] [--cases decode-B4,paged16-B8]
+
+Settings are module constants read when a call is traced: each setting retraces and recompiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import decode as bench  # noqa: E402  (benchmarks/decode.py: cases, inputs, impls)
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ejgen.runtime.attention.triton import decode as host  # noqa: E402
+from ejgen.testing.timing import median_seconds  # noqa: E402
+
+CASES = ("decode-B8-S8k", "decode-B32-S8k", "decode-B4-S32k", "decode-B32-ragged16k", "paged16-B8-S8k",
+         "paged64-B32-ragged16k")
+
+
+def settings(quick: bool):
+    """(BLOCK_N, NUM_STAGES, NUM_WARPS, TARGET_PROGRAMS), the current default first."""
+    base = (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, host.TARGET_PROGRAMS)
+    grid = itertools.product((64, 128, 32), (2, 3, 4), (4,), (264, 528, 1056))
+    extra = [(128, 3, 8, 528), (128, 4, 8, 528), (64, 3, 8, 528), (256, 2, 8, 264), (256, 3, 8, 528)]
+    out = [base] + [s for s in list(grid) + extra if s != base]
+    return out[:8] if quick else out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench-out/decode_tune")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--budget-s", type=float, default=420)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    t_start = time.perf_counter()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hq, hkv, dim = 32, 8, 128
+    wanted = [c for c in args.cases.split(",") if c]
+    cases = [c for c in bench.make_cases(False) if c.name in wanted]
+    print(jax.devices()[0].device_kind, flush=True)
+    prepared = {}  # case -> (inputs, impls, reference output); every case's cache stays on the device
+    cudnn = {}
+    for case in cases:
+        rng = jax.random.PRNGKey(case.batch * 7 + case.seq)
+        k = jax.random.normal(rng, (case.batch, case.seq, hkv, dim), jax.numpy.bfloat16)
+        kv = dict(k=k, v=jax.random.normal(jax.random.fold_in(rng, 1), k.shape, k.dtype))
+        d = bench.case_inputs(case, kv, hq)
+        impls = bench.impls_for(case, d, True)
+        ref_name = "cudnn" if "cudnn" in impls else "cudnn-paged"
+        fn, fargs = impls[ref_name][0]()
+        exe = jax.jit(fn).lower(*fargs).compile()
+        prepared[case.name] = (d, impls, bench.to_f32(exe(*fargs), d["out_shape"]))
+        cudnn[case.name] = median_seconds(exe, fargs, args.reps, warmup=1, warm_seconds=0.3, batch=8) * 1e6
+        print(f"{case.name}: {ref_name} {cudnn[case.name]:.1f} us", flush=True)
+    results = {}  # (setting, case) -> us
+    for s in settings(args.quick):
+        if time.perf_counter() - t_start > args.budget_s:
+            print(f"budget spent: settings from {s} on not run", flush=True)
+            break
+        host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, host.TARGET_PROGRAMS = s
+        for case in cases:
+            d, impls, ref_out = prepared[case.name]
+            try:
+                fn, fargs = impls["ejgen-triton"][0]()
+                exe = jax.jit(fn).lower(*fargs).compile()
+                out = bench.to_f32(exe(*fargs), d["out_shape"])
+                err = float(np.max(np.abs(out - ref_out)))
+                us = median_seconds(exe, fargs, args.reps, warmup=1, warm_seconds=0.05, batch=8) * 1e6
+            except Exception as e:  # noqa: BLE001 - a setting that does not compile or fit is recorded
+                print(f"  {s} {case.name}: {bench.short_error(e)}", flush=True)
+                continue
+            results[(s, case.name)] = us
+            print(f"  {s} {case.name}: {us:.1f} us ({cudnn[case.name] / us:.2f}x cuDNN, max|d| {err:.1e})",
+                  flush=True)
+    names = [c.name for c in cases]
+    lines = ["| BLOCK_N, stages, warps, programs | " + " | ".join(names) + " | geomean vs cuDNN |",
+             "|---" * (len(names) + 2) + "|"]
+    best = {n: min((us for (s, c), us in results.items() if c == n), default=None) for n in names}
+    for s in settings(args.quick):
+        row = [results.get((s, n)) for n in names]
+        cells = [("n/a" if us is None else f"{us:.1f}" + (" *" if us == best[n] else "")) for us, n in zip(row, names)]
+        ratios = [cudnn[n] / us for us, n in zip(row, names) if us is not None]
+        gm = math.exp(statistics.mean(math.log(r) for r in ratios)) if len(ratios) == len(names) else None
+        lines.append(f"| {s} | " + " | ".join(cells) + f" | {'n/a' if gm is None else f'{gm:.3f}'} |")
+    lines.append("| cuDNN | " + " | ".join(f"{cudnn[n]:.1f}" for n in names) + " | 1 |")
+    text = "\n".join(lines)
+    print(text)
+    (out_dir / "decode_tune.md").write_text(jax.devices()[0].device_kind + "\n\n" + text + "\n")
+    (out_dir / "decode_tune.json").write_text(json.dumps(
+        dict(device=jax.devices()[0].device_kind, cudnn=cudnn,
+             results=[dict(setting=list(s), case=c, us=us) for (s, c), us in results.items()]), indent=1))
+
+
+if __name__ == "__main__":
+    main()
