@@ -1,7 +1,9 @@
 """Launch settings of the Triton decode kernel (issue 16; `ejgen.runtime.attention.triton.decode`), measured on one
-GPU: BLOCK_N x NUM_STAGES x NUM_WARPS x TARGET_PROGRAMS over the decode benchmark's batches (benchmarks/decode.py),
-cuDNN timed in the same run for scale. Prints one line per (setting, case) as it finishes, then a table of µs per
-case with the best setting per case marked, and the geometric mean over cases per setting.
+GPU: (BLOCK_N, NUM_STAGES, NUM_WARPS, split rule) over the decode benchmark's batches (benchmarks/decode.py), cuDNN
+timed in the same run for scale. Split rules: "balanced" (the host's `splits`: least work on the busiest SM) and
+"2/SM" (the first rule: ceil(264 / (B * Hkv)) splits). Every setting of a case is compiled, then all are timed in
+`--rounds` interleaved rounds (median of medians). Prints a table of µs per case with the best setting per case
+marked, and the geometric mean of cuDNN time / time over cases per setting.
 
     python3 benchmarks/decode_tune.py --out $OUT/decode_tune [--budget-s 420] [--cases decode-B4,paged16-B8]
 
@@ -11,7 +13,6 @@ Settings are module constants read when a call is traced: each setting retraces 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import statistics
@@ -30,16 +31,32 @@ from ejgen.runtime.attention.triton import decode as host  # noqa: E402
 from ejgen.testing.timing import median_seconds  # noqa: E402
 
 CASES = ("decode-B8-S8k", "decode-B32-S8k", "decode-B4-S32k", "decode-B32-ragged16k", "paged16-B8-S8k",
-         "paged64-B32-ragged16k")
+         "paged16-B32-ragged16k", "paged64-B32-ragged16k")
+
+
+def two_per_sm(batch, kv_heads, seq, block_n, batch_invariant=False, sms=None):
+    """The first split rule: ceil(264 / (B * Hkv)) splits (two programs per SM of 132)."""
+    blocks = max(1, -(-seq // block_n))
+    n = max(1, min(blocks, -(-264 // (batch * kv_heads))))
+    per = -(-blocks // n) * block_n
+    return -(-seq // per), per
+
+
+RULES = {"balanced": host.splits, "2/SM": two_per_sm}
 
 
 def settings(quick: bool):
-    """(BLOCK_N, NUM_STAGES, NUM_WARPS, TARGET_PROGRAMS), the current default first."""
-    base = (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, host.TARGET_PROGRAMS)
-    grid = itertools.product((64, 128, 32), (2, 3, 4), (4,), (264, 528, 1056))
-    extra = [(128, 3, 8, 528), (128, 4, 8, 528), (64, 3, 8, 528), (256, 2, 8, 264), (256, 3, 8, 528)]
-    out = [base] + [s for s in list(grid) + extra if s != base]
-    return out[:8] if quick else out
+    """(BLOCK_N, NUM_STAGES, NUM_WARPS, split rule), the current default first."""
+    base = (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, "balanced")
+    more = [(64, 2, 4, "2/SM"), (64, 3, 4, "balanced"), (32, 3, 4, "balanced"), (128, 2, 4, "balanced"),
+            (64, 4, 4, "balanced"), (128, 3, 8, "balanced")]
+    out = [base] + [s for s in more if s != base]
+    return out[:3] if quick else out
+
+
+def apply(setting):
+    host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, rule = setting
+    host.splits = RULES[rule]
 
 
 def main():
@@ -48,6 +65,7 @@ def main():
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--budget-s", type=float, default=420)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     t_start = time.perf_counter()
@@ -69,33 +87,44 @@ def main():
         fn, fargs = impls[ref_name][0]()
         exe = jax.jit(fn).lower(*fargs).compile()
         prepared[case.name] = (d, impls, bench.to_f32(exe(*fargs), d["out_shape"]))
-        cudnn[case.name] = median_seconds(exe, fargs, args.reps, warmup=1, warm_seconds=0.3, batch=8) * 1e6
+        cudnn[case.name] = statistics.median(
+            median_seconds(exe, fargs, args.reps, warmup=1, warm_seconds=0.3, batch=8) for _ in range(args.rounds)) * 1e6
         print(f"{case.name}: {ref_name} {cudnn[case.name]:.1f} us", flush=True)
     results = {}  # (setting, case) -> us
-    for s in settings(args.quick):
+    chosen = settings(args.quick)
+    for case in cases:
         if time.perf_counter() - t_start > args.budget_s:
-            print(f"budget spent: settings from {s} on not run", flush=True)
+            print(f"budget spent: cases from {case.name} on not run", flush=True)
             break
-        host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, host.TARGET_PROGRAMS = s
-        for case in cases:
-            d, impls, ref_out = prepared[case.name]
+        d, impls, ref_out = prepared[case.name]
+        compiled = {}
+        for s in chosen:
+            apply(s)
             try:
                 fn, fargs = impls["ejgen-triton"][0]()
                 exe = jax.jit(fn).lower(*fargs).compile()
                 out = bench.to_f32(exe(*fargs), d["out_shape"])
-                err = float(np.max(np.abs(out - ref_out)))
-                us = median_seconds(exe, fargs, args.reps, warmup=1, warm_seconds=0.05, batch=8) * 1e6
             except Exception as e:  # noqa: BLE001 - a setting that does not compile or fit is recorded
                 print(f"  {s} {case.name}: {bench.short_error(e)}", flush=True)
                 continue
-            results[(s, case.name)] = us
-            print(f"  {s} {case.name}: {us:.1f} us ({cudnn[case.name] / us:.2f}x cuDNN, max|d| {err:.1e})",
-                  flush=True)
+            compiled[s] = (exe, fargs)
+            print(f"  {s} {case.name}: max|d| vs cuDNN {float(np.max(np.abs(out - ref_out))):.1e}", flush=True)
+        times = {s: [] for s in compiled}
+        for r in range(args.rounds):
+            for s, (exe, fargs) in compiled.items():
+                times[s].append(median_seconds(exe, fargs, args.reps, warmup=1, warm_seconds=0.3 if r == 0 else 0.05,
+                                               batch=8))
+        for s, ts in times.items():
+            results[(s, case.name)] = statistics.median(ts) * 1e6
+            print(f"  {s} {case.name}: {results[(s, case.name)]:.1f} us "
+                  f"({cudnn[case.name] / results[(s, case.name)]:.2f}x cuDNN)", flush=True)
+        del compiled
+    apply(chosen[0])
     names = [c.name for c in cases]
-    lines = ["| BLOCK_N, stages, warps, programs | " + " | ".join(names) + " | geomean vs cuDNN |",
+    lines = ["| BLOCK_N, stages, warps, split rule | " + " | ".join(names) + " | geomean vs cuDNN |",
              "|---" * (len(names) + 2) + "|"]
     best = {n: min((us for (s, c), us in results.items() if c == n), default=None) for n in names}
-    for s in settings(args.quick):
+    for s in chosen:
         row = [results.get((s, n)) for n in names]
         cells = [("n/a" if us is None else f"{us:.1f}" + (" *" if us == best[n] else "")) for us, n in zip(row, names)]
         ratios = [cudnn[n] / us for us, n in zip(row, names) if us is not None]

@@ -51,6 +51,7 @@ import functools
 import importlib
 
 from ejgen.runtime.core import kernels
+from ejgen.runtime.core.device import num_sms
 
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 CONSUMER_REGS = 240
@@ -124,17 +125,6 @@ def head_group(batch: int, hq: int, hkv: int, seq: int, d: int, item: int = 2) -
     L2_KV_BUDGET, times the query heads sharing each (H200: section of 2 at 16k beat 1 by 4% causal)."""
     kv_heads = max(1, L2_KV_BUDGET // (2 * seq * d * item))
     return max(1, min(batch * hq, kv_heads * (hq // hkv)))
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms() -> int:
-    """Streaming multiprocessors of the first GPU (132 on an H100 / H200 SXM where jax does not say)."""
-    import jax
-
-    try:
-        return int(getattr(jax.devices("gpu")[0], "core_count", 0) or 132)
-    except RuntimeError:
-        return 132
 
 
 def persistent_grid(tiles: int, sms: int | None = None) -> tuple:

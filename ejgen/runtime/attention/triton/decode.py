@@ -1,9 +1,9 @@
 """Host side of the Triton decode kernel (`decode_kernel` of a spec's `triton_decode.py`; docs/DESIGN.md §3,
 "Decode and paged modes"): the split count, the launch, and the merge of the splits by lse (sinks included).
 
-Splits: enough (batch, kv head, split) programs for two per SM (`TARGET_PROGRAMS`), each split a whole
-number of key blocks; a split past its sequence's end returns at once, so a batch of short sequences in a long
-cache costs the programs' launch only. Paged calls read the pages through the block table inside the kernel (no
+Splits: the count that gives the busiest SM the least work (`splits`), each split a whole number of key blocks;
+a split past its sequence's end returns at once, so a batch of short sequences in a long cache costs the programs'
+launch only. Paged calls read the pages through the block table inside the kernel (no
 gather of the cache)."""
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.attention.triton import host
+from ejgen.runtime.core.device import num_sms
 from ejgen.runtime.launch import triton_call
 
-TARGET_PROGRAMS = 2 * 132  # two programs per H100 SM (several fit at once: untuned, to be measured)
+MIN_PROGRAMS_PER_SM = 2  # resident programs an SM needs to keep enough loads in flight
+PROGRAM_COST_BLOCKS = 2  # a program's fixed cost (query load, pipeline fill, partial stores), in key blocks
+MAX_SPLITS = 64
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
@@ -25,16 +28,33 @@ BATCH_INVARIANT_SPLIT = 512  # keys per split with batch_invariant: the same wha
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
 
 
-def splits(batch: int, kv_heads: int, seq: int, block_n: int, batch_invariant: bool = False) -> tuple[int, int]:
+def splits(batch: int, kv_heads: int, seq: int, block_n: int, batch_invariant: bool = False,
+           sms: int | None = None) -> tuple[int, int]:
     """(number of splits, keys per split): a multiple of ``block_n`` keys each. ``batch_invariant``: a fixed split
-    size, so that a sequence's partial sums, and so its result, do not depend on what else is in the batch."""
-    if batch_invariant:
-        per = -(-BATCH_INVARIANT_SPLIT // block_n) * block_n
-        return max(1, -(-seq // per)), per
+    size, so that a sequence's partial sums, and so its result, do not depend on what else is in the batch.
+
+    Otherwise the split count that gives the busiest SM the least work: every program is resident at once
+    (``MIN_PROGRAMS_PER_SM`` per SM when there are keys enough), so an SM's time is its programs' keys plus a fixed
+    cost per program (``PROGRAM_COST_BLOCKS``). Programs (B * Hkv * splits) that are not a multiple of the SM count
+    leave some SMs one program more: 32 (b, kv head) pairs in 9 splits put 3 programs on some SMs of 132 where 12
+    splits give every SM at most 3 shorter ones (a third less on the busiest SM)."""
     blocks = max(1, -(-seq // block_n))
-    n = max(1, min(blocks, -(-TARGET_PROGRAMS // (batch * kv_heads))))
-    per = -(-blocks // n) * block_n
-    return -(-seq // per), per
+    if batch_invariant:
+        per = -(-BATCH_INVARIANT_SPLIT // block_n)
+        return -(-blocks // per), per * block_n
+    sms = sms or num_sms()
+    pairs = batch * kv_heads
+    best = None
+    for n in range(1, min(blocks, MAX_SPLITS) + 1):
+        per = -(-blocks // n)
+        n = -(-blocks // per)  # splits that hold keys
+        busiest = -(-pairs * n // sms)  # programs on the busiest SM
+        cost = busiest * (per + PROGRAM_COST_BLOCKS)
+        starved = pairs * n < MIN_PROGRAMS_PER_SM * sms and n < blocks  # fewer programs than SMs can hold
+        key = (starved, cost, n)
+        if best is None or key < best[0]:
+            best = (key, n, per)
+    return best[1], best[2] * block_n
 
 
 def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: tuple, call, batch_invariant=False):
