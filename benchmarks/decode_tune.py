@@ -1,7 +1,6 @@
 """Launch settings of the Triton decode kernel (issue 16; `ejgen.runtime.attention.triton.decode`), measured on one
-GPU: (BLOCK_N, NUM_STAGES, NUM_WARPS, split rule) over the decode benchmark's batches (benchmarks/decode.py), cuDNN
-timed in the same run for scale. Split rules: "balanced" (the host's `splits`: least work on the busiest SM) and
-"2/SM" (the first rule: ceil(264 / (B * Hkv)) splits). Every setting of a case is compiled, then all are timed in
+GPU: (BLOCK_N, NUM_STAGES, NUM_WARPS, ITEMS_PER_SM) over the decode benchmark's batches (benchmarks/decode.py),
+cuDNN timed in the same run for scale. Every setting of a case is compiled, then all are timed in
 `--rounds` interleaved rounds (median of medians). Prints a table of µs per case with the best setting per case
 marked, and the geometric mean of cuDNN time / time over cases per setting.
 
@@ -34,29 +33,16 @@ CASES = ("decode-B8-S8k", "decode-B32-S8k", "decode-B4-S32k", "decode-B32-ragged
          "paged16-B32-ragged16k", "paged64-B32-ragged16k")
 
 
-def two_per_sm(batch, kv_heads, seq, block_n, batch_invariant=False, sms=None):
-    """The first split rule: ceil(264 / (B * Hkv)) splits (two programs per SM of 132)."""
-    blocks = max(1, -(-seq // block_n))
-    n = max(1, min(blocks, -(-264 // (batch * kv_heads))))
-    per = -(-blocks // n) * block_n
-    return -(-seq // per), per
-
-
-RULES = {"balanced": host.splits, "2/SM": two_per_sm}
-
-
 def settings(quick: bool):
-    """(BLOCK_N, NUM_STAGES, NUM_WARPS, split rule), the current default first."""
-    base = (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, "balanced")
-    more = [(64, 2, 4, "2/SM"), (64, 3, 4, "balanced"), (32, 3, 4, "balanced"), (128, 2, 4, "balanced"),
-            (64, 4, 4, "balanced"), (128, 3, 8, "balanced")]
+    """(BLOCK_N, NUM_STAGES, NUM_WARPS, ITEMS_PER_SM), the current default first."""
+    base = (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, host.ITEMS_PER_SM)
+    more = [(64, 2, 4, 2), (64, 2, 4, 8), (64, 3, 4, 4), (32, 3, 4, 4), (128, 2, 4, 4), (64, 4, 4, 8), (128, 3, 8, 4)]
     out = [base] + [s for s in more if s != base]
     return out[:3] if quick else out
 
 
 def apply(setting):
-    host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, rule = setting
-    host.splits = RULES[rule]
+    host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, host.ITEMS_PER_SM = setting
 
 
 def main():
@@ -121,7 +107,7 @@ def main():
         del compiled
     apply(chosen[0])
     names = [c.name for c in cases]
-    lines = ["| BLOCK_N, stages, warps, split rule | " + " | ".join(names) + " | geomean vs cuDNN |",
+    lines = ["| BLOCK_N, stages, warps, items per SM | " + " | ".join(names) + " | geomean vs cuDNN |",
              "|---" * (len(names) + 2) + "|"]
     best = {n: min((us for (s, c), us in results.items() if c == n), default=None) for n in names}
     for s in chosen:

@@ -145,7 +145,8 @@ def test_flash_decode_matches_the_train_oracle(case, backend):
 @pytest.mark.parametrize("page", [4, 32])
 def test_paged_decode_reads_the_pages_through_the_table(page, backend):
     """Pages shuffled in the pool, two sequences sharing their first pages (a common prefix), lengths that end
-    inside a page, an empty sequence; equal to ragged decode on the same tokens laid out in order."""
+    inside a page, an empty sequence, a window that skips pages; equal to ragged decode on the same tokens laid out
+    in order."""
     from ejgen.ops import page_attention, ragged_decode_attention
 
     rng = rng_for("paged", page)
@@ -157,15 +158,17 @@ def test_paged_decode_reads_the_pages_through_the_table(page, backend):
     tables = rng.permutation(n_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
     tables[2, :2] = tables[1, :2]  # sequences 1 and 2 share their first two pages
     q = jnp.asarray(rng.standard_normal((batch, 1, hq, d)), jnp.float32)
-    out, lse = page_attention(q, k_cache, v_cache, lens, tables, logits_soft_cap=4.0, return_lse=True,
-                              platform=backend)
+    window = (40, 0)  # page 32: the longest sequence skips whole pages before its window
+    out, lse = page_attention(q, k_cache, v_cache, lens, tables, logits_soft_cap=4.0, sliding_window=window,
+                              return_lse=True, platform=backend)
     keys = np.asarray(k_cache)[tables].reshape(batch, max_pages * page, hkv, d)
     values = np.asarray(v_cache)[tables].reshape(batch, max_pages * page, hkv, d)
-    ref_out, ref_lse = reference(np.asarray(q), keys, values, np.zeros(batch, np.int32), lens, logits_soft_cap=4.0)
+    ref_out, ref_lse = reference(np.asarray(q), keys, values, np.zeros(batch, np.int32), lens, logits_soft_cap=4.0,
+                                 sliding_window=window)
     assert out.shape == (batch, 1, hq, d) and lse.shape == (batch, hq, 1)
     _check(out, lse, ref_out, ref_lse, "float32")
     direct = ragged_decode_attention(q[:, 0], jnp.asarray(keys), jnp.asarray(values), np.zeros(batch, np.int32),
-                                     lens, logits_soft_cap=4.0)
+                                     lens, logits_soft_cap=4.0, sliding_window=window)
     np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(direct), atol=1e-6)
 
 
@@ -250,14 +253,26 @@ def test_decode_kernels_compile_for_the_gpus(name, capability, kwargs):
     assert compiled["decode_kernel"]["cubin"] and compiled["decode_kernel"]["shared"] <= 163 * 1024, compiled
 
 
-def test_batch_invariant_fixes_the_split_size():
-    """batch_invariant: the split size (so each sequence's partial sums and their merge) depends on the cache
-    length only, not on the batch or the kv heads; without it the splits grow as the batch shrinks."""
-    from ejgen.runtime.attention.triton.decode import splits
+def test_work_list_splits_by_the_batchs_keys():
+    """The work list: sequence b owns its kv heads x ceil(L_b / split) items; split comes from the batch's total length
+    (a ragged batch gets as many items as its keys need, not as its longest row), stays within the static capacity,
+    and is fixed by batch_invariant (the same whatever the batch)."""
+    from ejgen.runtime.attention.triton.decode import BATCH_INVARIANT_SPLIT, work_list
 
-    fixed = {splits(b, h, 8192, 64, batch_invariant=True) for b in (1, 4, 32) for h in (1, 8)}
-    assert len(fixed) == 1
-    assert splits(1, 1, 8192, 64) != splits(32, 8, 8192, 64)
+    lengths = jnp.asarray([0, 5000, 16384, 1, 700], jnp.int32)
+    work, offsets, capacity = work_list(lengths, 8, 16384, 64, sms=132)
+    split, items = int(work[0]), int(work[1])
+    assert split % 64 == 0 and split >= 4 * 64
+    counts = np.diff(np.asarray(offsets))
+    np.testing.assert_array_equal(counts, -(-np.asarray(lengths) // split) * 8)
+    assert items == counts.sum() <= capacity
+    assert counts[0] == 0, "an empty sequence has no items"
+    uniform, _, _ = work_list(jnp.full((32,), 8192, jnp.int32), 8, 8192, 64, sms=132)
+    ragged, _, _ = work_list(jnp.full((32,), 8192, jnp.int32).at[1:].set(64), 8, 8192, 64, sms=132)
+    assert int(ragged[0]) < int(uniform[0]), "fewer keys in the batch: smaller items"
+    for batch in (1, 4):
+        fixed, offs, _ = work_list(lengths[:batch], 2, 16384, 64, batch_invariant=True)
+        assert int(fixed[0]) == BATCH_INVARIANT_SPLIT and int(np.diff(np.asarray(offs))[0]) == 0
 
 
 def test_batch_invariant_results_do_not_depend_on_the_batch():

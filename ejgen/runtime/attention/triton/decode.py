@@ -1,60 +1,64 @@
 """Host side of the Triton decode kernel (`decode_kernel` of a spec's `triton_decode.py`; docs/DESIGN.md §3,
-"Decode and paged modes"): the split count, the launch, and the merge of the splits by lse (sinks included).
+"Decode and paged modes"): the work list, the launch, and the merge of the items by lse (sinks included,
+`decode_merge.merge_kernel`).
 
-Splits: the count that gives the busiest SM the least work (`splits`), each split a whole number of key blocks;
-a split past its sequence's end returns at once, so a batch of short sequences in a long cache costs the programs'
-launch only. Paged calls read the pages through the block table inside the kernel (no
-gather of the cache)."""
+Work list: items (sequence, kv head, split) of `split` keys each, `split` chosen on the device from the batch's
+total length so that there are about `ITEMS_PER_SM` items per SM: a ragged batch costs what its keys cost, not what
+its longest row does, and the GPU's scheduler hands items to SMs as others finish. A sliding window visits only the
+keys its last query row can see (from a block boundary). Paged calls read the pages through the block table inside
+the kernel (no gather of the cache)."""
 
 from __future__ import annotations
 
 import importlib
-import math
 
 import jax
 import jax.numpy as jnp
 
-from ejgen.runtime.attention.triton import host
+from ejgen.runtime.attention.triton import decode_merge, host
 from ejgen.runtime.core.device import num_sms
 from ejgen.runtime.launch import triton_call
 
-MIN_PROGRAMS_PER_SM = 2  # resident programs an SM needs to keep enough loads in flight
-PROGRAM_COST_BLOCKS = 2  # a program's fixed cost (query load, pipeline fill, partial stores), in key blocks
-MAX_SPLITS = 64
+ITEMS_PER_SM = 4  # work items per SM: enough for the scheduler to even out a ragged batch
+MIN_SPLIT_BLOCKS = 4  # an item reads at least this many key blocks (its fixed cost: the query, the stores)
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
-BATCH_INVARIANT_SPLIT = 512  # keys per split with batch_invariant: the same whatever the batch
+BATCH_INVARIANT_SPLIT = 512  # keys per item with batch_invariant: the same whatever the batch
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
+INTERPRET_SMS = 2  # and with the programs, empty ones included
 
 
-def splits(batch: int, kv_heads: int, seq: int, block_n: int, batch_invariant: bool = False,
-           sms: int | None = None) -> tuple[int, int]:
-    """(number of splits, keys per split): a multiple of ``block_n`` keys each. ``batch_invariant``: a fixed split
-    size, so that a sequence's partial sums, and so its result, do not depend on what else is in the batch.
-
-    Otherwise the split count that gives the busiest SM the least work: every program is resident at once
-    (``MIN_PROGRAMS_PER_SM`` per SM when there are keys enough), so an SM's time is its programs' keys plus a fixed
-    cost per program (``PROGRAM_COST_BLOCKS``). Programs (B * Hkv * splits) that are not a multiple of the SM count
-    leave some SMs one program more: 32 (b, kv head) pairs in 9 splits put 3 programs on some SMs of 132 where 12
-    splits give every SM at most 3 shorter ones (a third less on the busiest SM)."""
-    blocks = max(1, -(-seq // block_n))
+def work_list(lengths, kv_heads: int, seq: int, block_n: int, batch_invariant: bool = False, sms: int | None = None):
+    """(work [split, items], item offsets [B + 1], capacity): sequence b owns items [offsets[b], offsets[b + 1]), its
+    kv heads times ceil(lengths[b] / split) splits; ``capacity`` bounds the item count statically (the grid).
+    ``batch_invariant``: a fixed split (``BATCH_INVARIANT_SPLIT`` keys), so that a sequence's items, and so its
+    result, do not depend on what else is in the batch. Otherwise split = total keys / (ITEMS_PER_SM x SMs), rounded
+    up to whole blocks and at least MIN_SPLIT_BLOCKS of them: there are at most that many items plus one per
+    (sequence, kv head)."""
+    batch = lengths.shape[0]
+    lengths = jnp.maximum(lengths.astype(jnp.int32), 0)
     if batch_invariant:
-        per = -(-BATCH_INVARIANT_SPLIT // block_n)
-        return -(-blocks // per), per * block_n
-    sms = sms or num_sms()
-    pairs = batch * kv_heads
-    best = None
-    for n in range(1, min(blocks, MAX_SPLITS) + 1):
-        per = -(-blocks // n)
-        n = -(-blocks // per)  # splits that hold keys
-        busiest = -(-pairs * n // sms)  # programs on the busiest SM
-        cost = busiest * (per + PROGRAM_COST_BLOCKS)
-        starved = pairs * n < MIN_PROGRAMS_PER_SM * sms and n < blocks  # fewer programs than SMs can hold
-        key = (starved, cost, n)
-        if best is None or key < best[0]:
-            best = (key, n, per)
-    return best[1], best[2] * block_n
+        split = jnp.int32(-(-BATCH_INVARIANT_SPLIT // block_n) * block_n)
+        capacity = batch * kv_heads * max(1, -(-seq // int(split)))
+    else:
+        target = ITEMS_PER_SM * (sms or num_sms())
+        total = jnp.sum(lengths) * kv_heads
+        blocks = jnp.maximum((total + target * block_n - 1) // (target * block_n), MIN_SPLIT_BLOCKS)
+        split = (blocks * block_n).astype(jnp.int32)
+        capacity = target + batch * kv_heads
+    counts = (lengths + split - 1) // split * kv_heads
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+    return jnp.stack([split, offsets[-1]]), offsets, capacity
+
+
+def visited(call, cfg, sq: int, block_n: int):
+    """Keys each sequence's items read: with a sliding window only those its last Sq query rows can see, from the
+    block boundary at or before them (so paged blocks stay page-aligned); the kernel skips the same keys."""
+    lengths = jnp.maximum(call.ends - call.starts, 0)
+    if not cfg.window:
+        return lengths
+    return lengths - jnp.maximum(lengths - sq - call.ctx["window_left"], 0) // block_n * block_n
 
 
 def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: tuple, call, batch_invariant=False):
@@ -64,28 +68,37 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
     dv = v.shape[-1]
     paged = call.tables is not None
     seq = call.tables.shape[1] * call.page if paged else k.shape[1]
-    block_n = INTERPRET_BLOCK_N if triton_call.mode()[0] == "interpret" else BLOCK_N
-    n_splits, per_split = splits(batch, hkv, seq, block_n, batch_invariant)
+    interpret = triton_call.mode()[0] == "interpret"
+    block_n = INTERPRET_BLOCK_N if interpret else BLOCK_N
+    work, offsets, capacity = work_list(visited(call, cfg, sq, block_n), hkv, seq, block_n, batch_invariant,
+                                        sms=INTERPRET_SMS if interpret else None)
     m_pad = host._pow2(groups * sq)
     d_pad, dv_pad = host._pow2(d), host._pow2(dv)
     scalars = host.scalar_arrays(ctx, f32_options, i32_options)
     table = call.tables if paged else jnp.zeros((1,), jnp.int32)
-    inputs = [q.reshape(batch, sq, hkv * groups, d), k, v, call.starts, call.ends, table, *scalars]
+    inputs = [q.reshape(batch, sq, hkv * groups, d), k, v, call.starts, call.ends, table, work, offsets, *scalars]
     inputs += [ctx[f"param_{p}"] for p in params]
-    grid = (batch, hkv, n_splits)
-    parts = (batch, hkv, n_splits, m_pad)
+    parts = (capacity, m_pad)
     outs = [jax.ShapeDtypeStruct(parts + (dv_pad,), jnp.float32), jax.ShapeDtypeStruct(parts, jnp.float32),
             jax.ShapeDtypeStruct(parts, jnp.float32),
-            jax.ShapeDtypeStruct((math.prod(grid) * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)]
+            jax.ShapeDtypeStruct((capacity * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)]
     kernel = importlib.import_module(kernel_module).decode_kernel
     o_part, m_part, l_part, _ = triton_call.launch(
-        kernel, grid, inputs, outs, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        kernel, (capacity,), inputs, outs, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         B=batch, HQ=hkv * groups, HKV=hkv, SQ=sq, SEQ_K=k.shape[1], D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad, G=groups,
-        M_PAD=m_pad, BLOCK_N=block_n, SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=cfg.causal, WINDOW=cfg.window,
+        M_PAD=m_pad, BLOCK_N=block_n, LOG2_B=max(0, (batch - 1).bit_length()), CAUSAL=cfg.causal, WINDOW=cfg.window,
         SOFTCAP=cfg.softcap, PAGED=paged, PAGE=call.page if paged else 1,
         MAX_PAGES=call.tables.shape[1] if paged else 1, PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
-        UPCAST=triton_call.mode()[0] == "interpret" and q.dtype == jnp.bfloat16)
-    return merge(o_part, m_part, l_part, ctx.get("softmax_aux") if cfg.sinks else None, groups, sq, dv, q.dtype)
+        UPCAST=interpret and q.dtype == jnp.bfloat16)
+    sinks = ctx["softmax_aux"].astype(jnp.float32).reshape(-1) if cfg.sinks else jnp.zeros((1,), jnp.float32)
+    n_sinks = ctx["softmax_aux"].shape[-1] if cfg.sinks else 0
+    outs = [jax.ShapeDtypeStruct((batch, sq, hkv * groups, dv), q.dtype),
+            jax.ShapeDtypeStruct((batch, hkv, groups, sq), jnp.float32),
+            jax.ShapeDtypeStruct((batch * hkv * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)]
+    out, lse, _ = triton_call.launch(
+        decode_merge.merge_kernel, (batch, hkv), [o_part, m_part, l_part, offsets, sinks], outs, num_warps=4,
+        num_stages=1, HKV=hkv, G=groups, SQ=sq, DV=dv, DV_PAD=dv_pad, M_PAD=m_pad, N_SINKS=n_sinks)
+    return out.reshape(batch, sq, hkv, groups, dv), lse
 
 
 def merge(o_part, m_part, l_part, sinks, groups: int, sq: int, dv: int, dtype):
