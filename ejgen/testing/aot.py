@@ -123,7 +123,7 @@ def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str 
 
     kernel = importlib.import_module(f"{package}.{name}.triton_decode").decode_kernel
     ptr = _DTYPES[dtype]
-    pointers = dict(Q=ptr, K=ptr, V=ptr, STARTS="*i32", ENDS="*i32", TABLE="*i32", WORK="*i32", ITEMS="*i32",
+    pointers = dict(Q=ptr, K=ptr, V=ptr, STARTS="*i32", ENDS="*i32", TABLE="*i32", SPLITS="*i32", ITEMS="*i32",
                     F32="*fp32", I32="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", SCRATCH="*u8",
                     SINKS="*fp32", OUT=ptr, LSE="*fp32")
     for p, dt in (params or {}).items():

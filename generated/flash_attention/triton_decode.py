@@ -4,9 +4,9 @@
 
 Program i is work item i of a list the host builds from the sequences' lengths (`runtime/attention/triton/decode.py`):
 items are (sequence b, kv head, split), ordered by b, then kv head, then split; sequence b owns items
-[ITEMS[b], ITEMS[b + 1]) (its kv heads x ceil(L / SPLIT) splits, none when empty); SPLIT = WORK[0] keys (a multiple of
-BLOCK_N, chosen from the batch's total length so that the items are about equal), and a program past the last item
-(WORK[1]) does nothing. An item reads the query rows of every head of its kv head's group and every query position (GQA
+[ITEMS[b], ITEMS[b + 1]) (its kv heads x ceil(L / SPLITS[b]) splits, none when empty; SPLITS[b] a multiple of
+BLOCK_N keys, chosen so that the items are about equal and fill the GPU's program slots in whole waves), and a
+program past the last item (ITEMS[B]) does nothing. An item reads the query rows of every head of its kv head's group and every query position (GQA
 packed into the matrix dimension, M = G * SQ rows: each K / V byte is read once per kv head) against the keys
 [start + split * SPLIT, min(start + (split + 1) * SPLIT, end)) of its sequence, in blocks of BLOCK_N; the spec's score
 and mask at positions in the sequence (q_idx = L - SQ + i, kv_idx = j - start, q_len = kv_len = L). It writes its
@@ -24,7 +24,7 @@ from ejgen.runtime.attention.triton.lib import Dims, _tanh
 
 
 @triton.jit
-def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, WORK, ITEMS, F32, I32, O_PART, M_PART, L_PART, SCRATCH,
+def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, SPLITS, ITEMS, F32, I32, O_PART, M_PART, L_PART, SCRATCH,
                   B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SQ: tl.constexpr, SEQ_K: tl.constexpr,
                   D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, G: tl.constexpr,
                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_B: tl.constexpr, CAUSAL: tl.constexpr,
@@ -32,9 +32,8 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, WORK, ITEMS, F32, I32, O_PART, M
                   MAX_PAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SQ, SEQ_K, D, DV, D_PAD, DV_PAD, M_PAD, BLOCK_N)
     item = tl.program_id(0)
-    if item >= tl.load(WORK + 1):
+    if item >= tl.load(ITEMS + B):
         return
-    split_keys = tl.load(WORK)
     off_b = item * 0  # the sequence owning the item: the last b with ITEMS[b] <= item (ITEMS[0] = 0), by bisection
     for k in tl.static_range(LOG2_B):
         probe = tl.minimum(off_b + (1 << (LOG2_B - 1 - k)), B - 1)
@@ -43,6 +42,7 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, WORK, ITEMS, F32, I32, O_PART, M
     n_splits = (tl.load(ITEMS + off_b + 1) - first) // HKV
     off_hk = (item - first) // n_splits
     split = (item - first) % n_splits
+    split_keys = tl.load(SPLITS + off_b)
     start = tl.load(STARTS + off_b)
     end = tl.load(ENDS + off_b)
     length = end - start

@@ -254,25 +254,24 @@ def test_decode_kernels_compile_for_the_gpus(name, capability, kwargs):
 
 
 def test_work_list_splits_by_the_batchs_keys():
-    """The work list: sequence b owns its kv heads x ceil(L_b / split) items; split comes from the batch's total length
-    (a ragged batch gets as many items as its keys need, not as its longest row), stays within the static capacity,
-    and is fixed by batch_invariant (the same whatever the batch)."""
+    """The work list: sequence b owns its kv heads x ceil(L_b / split_b) items of whole blocks; the items follow the
+    keys (a ragged batch gets as many as its keys need, not as its longest row), fill whole waves of program slots on a
+    uniform batch, stay within the static capacity, and have a fixed size with batch_invariant."""
     from ejgen.runtime.attention.triton.decode import BATCH_INVARIANT_SPLIT, work_list
 
     lengths = jnp.asarray([0, 5000, 16384, 1, 700], jnp.int32)
-    work, offsets, capacity = work_list(lengths, 8, 16384, 64, sms=132)
-    split, items = int(work[0]), int(work[1])
-    assert split % 64 == 0 and split >= 4 * 64
-    counts = np.diff(np.asarray(offsets))
-    np.testing.assert_array_equal(counts, -(-np.asarray(lengths) // split) * 8)
-    assert items == counts.sum() <= capacity
+    splits, offsets, capacity = work_list(lengths, 8, 16384, 64, target=792)
+    splits, counts = np.asarray(splits), np.diff(np.asarray(offsets))
+    assert np.all(splits % 64 == 0) and np.all(splits >= 4 * 64)
+    np.testing.assert_array_equal(counts, -(-np.asarray(lengths) // splits) * 8)
     assert counts[0] == 0, "an empty sequence has no items"
-    uniform, _, _ = work_list(jnp.full((32,), 8192, jnp.int32), 8, 8192, 64, sms=132)
-    ragged, _, _ = work_list(jnp.full((32,), 8192, jnp.int32).at[1:].set(64), 8, 8192, 64, sms=132)
-    assert int(ragged[0]) < int(uniform[0]), "fewer keys in the batch: smaller items"
+    assert int(offsets[-1]) == counts.sum() <= capacity
+    assert splits[2] < 16384 // 8 and counts[2] > counts[1] > counts[4], "items follow the keys"
+    uniform, offs, _ = work_list(jnp.full((4,), 32768, jnp.int32), 8, 32768, 64, target=792)
+    assert 0.9 * 792 <= int(offs[-1]) <= 792, "a uniform batch fills its waves, no item past them"
     for batch in (1, 4):
-        fixed, offs, _ = work_list(lengths[:batch], 2, 16384, 64, batch_invariant=True)
-        assert int(fixed[0]) == BATCH_INVARIANT_SPLIT and int(np.diff(np.asarray(offs))[0]) == 0
+        fixed, offs, _ = work_list(lengths[:batch], 2, 16384, 64, target=792, batch_invariant=True)
+        assert np.all(np.asarray(fixed) == BATCH_INVARIANT_SPLIT) and int(np.diff(np.asarray(offs))[0]) == 0
 
 
 def test_batch_invariant_results_do_not_depend_on_the_batch():

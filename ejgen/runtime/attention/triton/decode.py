@@ -2,9 +2,9 @@
 "Decode and paged modes"): the work list, the launch, and the merge of the items by lse (sinks included,
 `decode_merge.merge_kernel`).
 
-Work list: items (sequence, kv head, split) of `split` keys each, `split` chosen on the device from the batch's
-total length so that there are about `ITEMS_PER_SM` items per SM: a ragged batch costs what its keys cost, not what
-its longest row does, and the GPU's scheduler hands items to SMs as others finish. A sliding window visits only the
+Work list: items (sequence, kv head, split) of about equal keys, sized on the device from the lengths so that they
+fill `WAVES` waves of the GPU's program slots: a ragged batch costs what its keys cost, not what its longest row
+does, and the GPU's scheduler hands items to SMs as others finish. A sliding window visits only the
 keys its last query row can see (from a block boundary). Paged calls read the pages through the block table inside
 the kernel (no gather of the cache)."""
 
@@ -16,10 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.attention.triton import decode_merge, host
+from ejgen.runtime.core import shared_memory
 from ejgen.runtime.core.device import num_sms
 from ejgen.runtime.launch import triton_call
 
-ITEMS_PER_SM = 4  # work items per SM: enough for the scheduler to even out a ragged batch
+WAVES = 2  # work items per program slot: whole waves for uniform batches, room for the scheduler on ragged ones
+MAX_RESIDENT = 8  # programs per SM at most, however little shared memory they take
 MIN_SPLIT_BLOCKS = 4  # an item reads at least this many key blocks (its fixed cost: the query, the stores)
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -29,27 +31,35 @@ INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
 INTERPRET_SMS = 2  # and with the programs, empty ones included
 
 
-def work_list(lengths, kv_heads: int, seq: int, block_n: int, batch_invariant: bool = False, sms: int | None = None):
-    """(work [split, items], item offsets [B + 1], capacity): sequence b owns items [offsets[b], offsets[b + 1]), its
-    kv heads times ceil(lengths[b] / split) splits; ``capacity`` bounds the item count statically (the grid).
-    ``batch_invariant``: a fixed split (``BATCH_INVARIANT_SPLIT`` keys), so that a sequence's items, and so its
-    result, do not depend on what else is in the batch. Otherwise split = total keys / (ITEMS_PER_SM x SMs), rounded
-    up to whole blocks and at least MIN_SPLIT_BLOCKS of them: there are at most that many items plus one per
-    (sequence, kv head)."""
+def slots(block_n: int, d: int, dv: int, item: int, sms: int | None = None) -> int:
+    """Programs the GPU runs at once: SMs x the programs whose pipelined K / V tiles fit an SM's shared memory."""
+    per_program = shared_memory.estimate("fwd", 16, block_n, NUM_STAGES, d, dv, item, False, False)
+    return (sms or num_sms()) * max(1, min(MAX_RESIDENT, shared_memory.HOPPER // per_program))
+
+
+def work_list(lengths, kv_heads: int, seq: int, block_n: int, target: int, batch_invariant: bool = False):
+    """(splits [B], item offsets [B + 1], capacity): sequence b owns items [offsets[b], offsets[b + 1]), its kv heads
+    times ceil(lengths[b] / splits[b]); ``capacity`` bounds the item count statically (the grid).
+
+    Sequence b gets floor(target x its share of the batch's keys) splits (one at least, none when empty), whole
+    blocks of at least MIN_SPLIT_BLOCKS each: at most ``target`` items plus one per (sequence, kv head), about equal,
+    so a ragged batch costs what its keys cost, and ``target`` = whole waves of program slots leaves no wave half
+    full on a uniform batch. ``batch_invariant``: every split is BATCH_INVARIANT_SPLIT keys, so that a sequence's
+    items, and so its result, do not depend on what else is in the batch."""
     batch = lengths.shape[0]
     lengths = jnp.maximum(lengths.astype(jnp.int32), 0)
     if batch_invariant:
-        split = jnp.int32(-(-BATCH_INVARIANT_SPLIT // block_n) * block_n)
-        capacity = batch * kv_heads * max(1, -(-seq // int(split)))
+        splits = jnp.full((batch,), -(-BATCH_INVARIANT_SPLIT // block_n) * block_n, jnp.int32)
+        capacity = batch * kv_heads * max(1, -(-seq // int(splits[0])))
     else:
-        target = ITEMS_PER_SM * (sms or num_sms())
-        total = jnp.sum(lengths) * kv_heads
-        blocks = jnp.maximum((total + target * block_n - 1) // (target * block_n), MIN_SPLIT_BLOCKS)
-        split = (blocks * block_n).astype(jnp.int32)
+        total = jnp.maximum(jnp.sum(lengths.astype(jnp.float32)), 1.0)
+        n = jnp.maximum(jnp.floor(lengths * (target / kv_heads) / total), 1.0).astype(jnp.int32)
+        blocks = jnp.maximum(-(-lengths // (n * block_n)), MIN_SPLIT_BLOCKS)
+        splits = (blocks * block_n).astype(jnp.int32)
         capacity = target + batch * kv_heads
-    counts = (lengths + split - 1) // split * kv_heads
+    counts = -(-lengths // splits) * kv_heads
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
-    return jnp.stack([split, offsets[-1]]), offsets, capacity
+    return splits, offsets, capacity
 
 
 def visited(call, cfg, sq: int, block_n: int):
@@ -70,13 +80,13 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
     seq = call.tables.shape[1] * call.page if paged else k.shape[1]
     interpret = triton_call.mode()[0] == "interpret"
     block_n = INTERPRET_BLOCK_N if interpret else BLOCK_N
-    work, offsets, capacity = work_list(visited(call, cfg, sq, block_n), hkv, seq, block_n, batch_invariant,
-                                        sms=INTERPRET_SMS if interpret else None)
+    target = WAVES * slots(block_n, d, dv, q.dtype.itemsize, sms=INTERPRET_SMS if interpret else None)
+    splits, offsets, capacity = work_list(visited(call, cfg, sq, block_n), hkv, seq, block_n, target, batch_invariant)
     m_pad = host._pow2(groups * sq)
     d_pad, dv_pad = host._pow2(d), host._pow2(dv)
     scalars = host.scalar_arrays(ctx, f32_options, i32_options)
     table = call.tables if paged else jnp.zeros((1,), jnp.int32)
-    inputs = [q.reshape(batch, sq, hkv * groups, d), k, v, call.starts, call.ends, table, work, offsets, *scalars]
+    inputs = [q.reshape(batch, sq, hkv * groups, d), k, v, call.starts, call.ends, table, splits, offsets, *scalars]
     inputs += [ctx[f"param_{p}"] for p in params]
     parts = (capacity, m_pad)
     outs = [jax.ShapeDtypeStruct(parts + (dv_pad,), jnp.float32), jax.ShapeDtypeStruct(parts, jnp.float32),
