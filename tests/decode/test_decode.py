@@ -282,8 +282,9 @@ def test_batch_invariant_results_do_not_depend_on_the_batch():
     q = jnp.asarray(rng.standard_normal((4, 4, 16)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((4, 600, 2, 16)), jnp.float32)
     starts, ends = np.asarray([3, 0, 10, 0], np.int32), np.asarray([590, 7, 300, 600], np.int32)
-    run = lambda b: ragged_decode_attention(q[:b], k[:b], k[:b], starts[:b], ends[:b], platform="triton",  # noqa
-                                            batch_invariant=True)
-    np.testing.assert_array_equal(np.asarray(run(1))[0], np.asarray(run(4))[0])
+    run = jax.jit(lambda q, k, starts, ends: ragged_decode_attention(q, k, k, starts, ends, platform="triton",
+                                                                     batch_invariant=True))
+    run_b = lambda b: run(q[:b], k[:b], starts[:b], ends[:b])  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(run_b(1))[0], np.asarray(run_b(4))[0])
     with pytest.raises(ValueError, match="batch_invariant=True needs the Triton decode kernel"):
         ragged_decode_attention(q, k, k, starts, ends, platform="xla", batch_invariant=True)

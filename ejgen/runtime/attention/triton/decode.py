@@ -50,8 +50,9 @@ def work_list(lengths, kv_heads: int, seq: int, block_n: int, target: int, batch
     batch = lengths.shape[0]
     lengths = jnp.maximum(lengths.astype(jnp.int32), 0)
     if batch_invariant:
-        splits = jnp.full((batch,), -(-BATCH_INVARIANT_SPLIT // block_n) * block_n, jnp.int32)
-        capacity = batch * kv_heads * max(1, -(-seq // int(splits[0])))
+        split = -(-BATCH_INVARIANT_SPLIT // block_n) * block_n
+        splits = jnp.full((batch,), split, jnp.int32)
+        capacity = batch * kv_heads * max(1, -(-seq // split))
     else:
         total = jnp.maximum(jnp.sum(lengths.astype(jnp.float32)), 1.0)
         n = jnp.maximum(jnp.floor(lengths * (target / kv_heads) / total), 1.0).astype(jnp.int32)
