@@ -19,8 +19,11 @@ import jinja2
 from ejgen.emit.attention import op as attention_op
 from ejgen.emit.attention.describe import describe as describe_attention
 from ejgen.emit.layout import reflow
+from ejgen.emit.pooling import op as pooling_op
+from ejgen.emit.pooling.describe import describe as describe_pooling
 from ejgen.errors import SpecError
 from ejgen.plan.attention import plan_attention
+from ejgen.plan.pooling import plan_pooling
 
 
 @attrs.frozen
@@ -35,6 +38,7 @@ class Family:
 FAMILIES = {
     "attention": Family(plan_attention, attention_op.emit, describe_attention, tuple(attention_op.BACKENDS),
                         attention_op.decode_names),
+    "pooling": Family(plan_pooling, pooling_op.emit, describe_pooling, tuple(pooling_op.BACKENDS)),
 }
 
 _ENV = jinja2.Environment(
@@ -51,9 +55,9 @@ def _template(template: str, /, **context) -> str:
     return _ENV.get_template(template).render(**context)
 
 
-def _summary(doc: str) -> str:
+def _summary(doc: str, family: str) -> str:
     first = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
-    return first or "attention variant"
+    return first or ("attention variant" if family == "attention" else f"{family} op")
 
 
 def _spec_path(path: str) -> str:
@@ -87,7 +91,8 @@ def render_op(variant_plan) -> dict[str, str]:
     if not backends:
         raise SpecError(f"spec '{v.name}' names no backend that can be emitted yet "
                         f"(emitted: {', '.join(family.backends)})", v.loc)
-    common = {"name": v.name, "spec_path": _spec_path(v.path), "spec_hash": v.source_hash, "summary": _summary(v.doc)}
+    common = {"name": v.name, "spec_path": _spec_path(v.path), "spec_hash": v.source_hash,
+              "summary": _summary(v.doc, v.family)}
     return family.emit(variant_plan, backends, common, _template)
 
 
@@ -103,8 +108,8 @@ def render(variants) -> dict[str, str]:
         "glue/package_init.py.j2",
         spec_path=folder if len(plans) != 1 else _spec_path(plans[0].variant.path),
         spec_hash=digest,
-        ops=[{"name": p.variant.name, "summary": _summary(p.variant.doc), "extra": _family(p.variant).exports(p)}
-             for p in plans],
+        ops=[{"name": p.variant.name, "summary": _summary(p.variant.doc, p.variant.family),
+              "extra": _family(p.variant).exports(p)} for p in plans],
     )
     return {path: _tidy(path, text) for path, text in sorted(files.items())}
 

@@ -123,7 +123,7 @@ def reflow(text: str, width: int = WIDTH) -> str:
             out += [indent + "# " + part for part in textwrap.wrap(line.strip()[1:].strip(), width - len(indent) - 2)]
             continue
         if len(toks) == 1 and toks[0].string.startswith('"""') and toks[0].string.endswith('"""'):
-            parts = textwrap.wrap(toks[0].string[3:-3], width - len(indent) - 3)
+            parts = textwrap.wrap(toks[0].string[3:-3], width - len(indent) - 3, break_on_hyphens=False)
             if len(parts) > 1:
                 out += [indent + '"""' + parts[0]] + [indent + p for p in parts[1:-1]] + [indent + parts[-1] + '"""']
                 continue
@@ -145,3 +145,14 @@ def _tree(source: str) -> str:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             node.value = " ".join(node.value.split())
     return ast.dump(tree)
+
+
+def notation_lines(lines: list[str]) -> list[str]:
+    """A notation block's lines (``ejgen show``, the generated op's docstring), each within the emitted width less
+    the docstring's indent, continued 4 columns further in."""
+    out = []
+    for line in lines:
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        out += textwrap.wrap(line, WIDTH - 8, subsequent_indent=indent, break_long_words=False,
+                             break_on_hyphens=False) or [line]
+    return out

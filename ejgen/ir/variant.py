@@ -56,6 +56,28 @@ MESH_ARGUMENTS = ("mesh", "in_specs", "out_specs")  # every op, after them: the 
 OP_ARGUMENTS = (TENSOR_ARGUMENTS + tuple(a for _, args in FEATURE_ARGUMENTS for a in args) + CALL_ARGUMENTS
                 + MESH_ARGUMENTS)
 
+# The pooling family (docs/DESIGN.md §3 pooling): a spec chooses the reduction over each sequence's tokens and
+# which per-token inputs the op takes. Features take "runtime" or "always" (true), as attention's flags do.
+REDUCTIONS = ("mean", "sum", "max", "last")
+POOLING_FIELDS = ("name", "family", "doc", "backends", "reduction", "features")
+POOLING_FEATURES = {
+    "varlen": ("runtime", "always"),  # packed x [T, D] with cu_seqlens [N + 1]
+    "weights": ("runtime", "always"),  # per-token float weights [B, S] / [T] (mean and sum)
+    "mask": ("runtime", "always"),  # per-token bool mask [B, S] / [T]: tokens to pool
+}
+WEIGHTED_REDUCTIONS = ("mean", "sum")  # the reductions that weigh tokens (max and last only select them)
+# The pooling op's signature, defined once: x, then chunk_size and cu_seqlens positional or keyword (the seed's
+# `mean_pooling(x, chunk_size=32, cu_seqlens=None)`), then the features' tensors and the call's arguments.
+POOLING_FEATURE_ARGUMENTS = (
+    ("varlen", ("cu_seqlens",)),
+    ("weights", ("weights",)),
+    ("mask", ("mask",)),
+)
+POOLING_TENSOR_ARGUMENTS = ("x",)
+POOLING_CALL_ARGUMENTS = ("chunk_size", "platform")
+POOLING_OP_ARGUMENTS = (POOLING_TENSOR_ARGUMENTS + POOLING_CALL_ARGUMENTS
+                        + tuple(a for _, args in POOLING_FEATURE_ARGUMENTS for a in args))
+
 
 @attrs.frozen
 class Feature:
@@ -130,3 +152,28 @@ class Variant:
             if o.name == name:
                 return o
         return None
+
+
+@attrs.frozen
+class PoolingVariant:
+    """A pooling spec (family ``pooling``): the reduction and the per-token inputs the op takes. ``features`` holds
+    ``Feature``s of ``POOLING_FEATURES`` (mode ``runtime`` or ``always``), sorted by name."""
+
+    name: str
+    family: str
+    doc: str
+    backends: tuple
+    reduction: str  # REDUCTIONS
+    features: tuple  # of Feature, sorted by name
+    path: str
+    source_hash: str
+    loc: Loc | None = attrs.field(default=None, eq=False, repr=False)
+
+    def feature(self, name: str) -> Feature | None:
+        for f in self.features:
+            if f.name == name:
+                return f
+        return None
+
+    def feature_names(self) -> set[str]:
+        return {f.name for f in self.features}

@@ -5,17 +5,19 @@
   on the op generated from ``specs/blocksparse_attention.yaml`` (``ejgen.ops.blocksparse``).
 - ``ragged_decode_attention``, ``page_attention``: the seed's decode ops on the flash spec's decode modes
   (``ejgen.ops.decode``; every spec listing ``decode`` / ``paged`` in ``modes`` has ``<name>_decode`` / ``_paged``).
+- ``mean_pooling``: the seed's ``mean_pooling(x, chunk_size=32, cu_seqlens=None)``, generated from
+  ``specs/mean_pooling.yaml`` (docs/DESIGN.md §3 pooling; the other pooling specs' ops are in ``ejgen.generated``).
 - ``explain(op, *args, target=None, **kwargs)``: which platform and kernel sets a call takes, and why,
   without running it (docs/DESIGN.md §6).
 - ``settings(**changes)``: a scoped override of the settings (``deterministic``, ``gluon``,
   ``triton_configs``, ``triton_autotune``); ``current_settings()`` the ones in force.
 """
 
-from ejgen.generated import flash_attention
+from ejgen.generated import flash_attention, mean_pooling
 from ejgen.ops.blocksparse import blocksparse_attention
 from ejgen.ops.decode import page_attention, ragged_decode_attention
 from ejgen.runtime.core.kernels import KernelChoice, explain
 from ejgen.runtime.core.settings import Settings, settings
 from ejgen.runtime.core.settings import current as current_settings
 
-__all__ = ["flash_attention", "blocksparse_attention", "ragged_decode_attention", "page_attention", "explain", "settings", "current_settings", "KernelChoice", "Settings"]
+__all__ = ["flash_attention", "mean_pooling", "blocksparse_attention", "ragged_decode_attention", "page_attention", "explain", "settings", "current_settings", "KernelChoice", "Settings"]

@@ -23,9 +23,14 @@ from ejgen.ir.variant import (
     OP_ARGUMENTS,
     OPTION_TYPES,
     PARAM_DTYPES,
+    POOLING_FEATURES,
+    POOLING_FIELDS,
+    REDUCTIONS,
+    WEIGHTED_REDUCTIONS,
     Feature,
     Option,
     Param,
+    PoolingVariant,
     Variant,
 )
 from ejgen.spec.dsl import parse_expr
@@ -49,10 +54,14 @@ _RESERVED = {
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def build_variant(root: Node, *, path: str, source_hash: str) -> Variant:
-    """The ``Variant`` a spec's YAML tree describes, expressions parsed but not yet typed."""
+def build_variant(root: Node, *, path: str, source_hash: str) -> Variant | PoolingVariant:
+    """The ``Variant`` a spec's YAML tree describes, expressions parsed but not yet typed; a ``PoolingVariant``
+    for family pooling, whose fields are its own (``POOLING_FIELDS``)."""
     if root.value is None:
         raise SpecError("the spec is empty; it needs at least 'name' and 'family'", root.loc)
+    family = _mapping(root, "the spec").get("family")
+    if family is not None and _choice(family, FAMILIES, "family") == "pooling":
+        return _pooling_variant(root, path=path, source_hash=source_hash)
     fields = _fields(root, FIELDS, "field", "the spec")
     _require(fields, REQUIRED, "the spec", root.loc)
     name = _identifier(_string(fields["name"], "name"), fields["name"].loc, "the spec name")
@@ -82,6 +91,40 @@ def build_variant(root: Node, *, path: str, source_hash: str) -> Variant:
         options=options,
         score=score,
         mask=mask,
+        path=path,
+        source_hash=source_hash,
+        loc=fields["name"].loc,
+    )
+
+
+def _pooling_variant(root: Node, *, path: str, source_hash: str) -> PoolingVariant:
+    """A pooling spec (docs/DESIGN.md §2 pooling): name, doc, backends, the reduction and the features."""
+    for key, loc in root.key_locs.items():
+        if key in FIELDS and key not in POOLING_FIELDS:
+            raise SpecError(f"field '{key}' is an attention field; a pooling spec has none", loc,
+                            hint=f"pooling fields: {', '.join(POOLING_FIELDS)}")
+    fields = _fields(root, POOLING_FIELDS, "field", "a pooling spec")
+    _require(fields, REQUIRED, "the spec", root.loc)
+    name = _identifier(_string(fields["name"], "name"), fields["name"].loc, "the spec name")
+    reduction = _choice(fields["reduction"], REDUCTIONS, "reduction") if "reduction" in fields else "mean"
+    features = ()
+    if "features" in fields:
+        node = fields["features"]
+        entries = _fields(node, tuple(POOLING_FEATURES), "feature", "features")
+        found = [_feature(key, value, node.key_locs[key]) for key, value in entries.items()]
+        features = tuple(sorted((f for f in found if f is not None), key=lambda f: f.name))
+    for f in features:
+        if f.name == "weights" and reduction not in WEIGHTED_REDUCTIONS:
+            raise SpecError(f"feature 'weights' needs a reduction that weighs tokens ({' or '.join(WEIGHTED_REDUCTIONS)});"
+                            f" reduction '{reduction}' selects them", f.loc,
+                            hint="use feature 'mask' to leave tokens out of a max or last-token pooling")
+    return PoolingVariant(
+        name=name,
+        family="pooling",
+        doc=_string(fields["doc"], "doc") if "doc" in fields else "",
+        backends=_choices(fields.get("backends"), BACKENDS, "backends", "backend", default=BACKENDS),
+        reduction=reduction,
+        features=features,
         path=path,
         source_hash=source_hash,
         loc=fields["name"].loc,

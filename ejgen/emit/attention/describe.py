@@ -5,9 +5,7 @@ Used by ``ejgen show`` and as the notation block at the top of every generated o
 
 from __future__ import annotations
 
-import textwrap
-
-from ejgen.emit.layout import WIDTH
+from ejgen.emit.layout import notation_lines
 from ejgen.ir.expr import to_text
 from ejgen.plan.attention import AttentionPlan
 
@@ -47,14 +45,5 @@ def describe(plan: AttentionPlan) -> str:
     if plan.mask.residual is not None:
         lines.append(f"    element mask + runtime block mask: {to_text(plan.mask.residual)}")
     lines.append("    segment ids, dense masks and varlen: element mask + runtime block mask")
-    return "\n".join(_wrapped(lines))
+    return "\n".join(notation_lines(lines))
 
-
-def _wrapped(lines: list[str]) -> list[str]:
-    """Each line within the emitted width (the block also sits in a docstring), continued 4 columns in."""
-    out = []
-    for line in lines:
-        indent = " " * (len(line) - len(line.lstrip()) + 4)
-        out += textwrap.wrap(line, WIDTH - 8, subsequent_indent=indent, break_long_words=False,
-                             break_on_hyphens=False) or [line]
-    return out

@@ -17,6 +17,8 @@ import numpy as np
 
 from ejgen.runtime.attention.config import AttentionConfig
 from ejgen.runtime.core import kernels, settings, vma
+from ejgen.runtime.core.platforms import PLATFORMS, choose_platform  # noqa: F401 (the generated ops call it here)
+from ejgen.runtime.core.platforms import auto_order as _auto_order
 from ejgen.types import MaskInfo
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -59,45 +61,6 @@ def _setting_text(setting) -> str:
     if isinstance(setting, tuple):
         return f"{setting[0]} {setting[1]}"
     return str(setting)
-
-
-_AUTO_ORDER = {"gpu": ("triton", "pallas", "xla"), "tpu": ("pallas", "xla")}
-
-
-def _auto_order(backends: dict) -> list[str]:
-    """The generated backends ``platform="auto"`` tries on the target, in order."""
-    return [b for b in _AUTO_ORDER.get(kernels.target().platform, ("xla", "pallas", "triton")) if b in backends]
-PLATFORMS = ("auto", "triton", "pallas", "xla")
-
-
-def _available(backends: dict, name: str) -> tuple[bool, str]:
-    here = kernels.target()
-    if here.simulated:  # explain(target=...): what that machine would have
-        if name == "triton" and here.platform != "gpu":
-            return False, "no NVIDIA GPU (the CPU runs it only in Triton's interpreter, TRITON_INTERPRET=1)"
-        return True, ""
-    return backends[name].available()
-
-
-def choose_platform(spec: SpecInfo, platform: str, backends: dict) -> str:
-    """The backend to run: ``platform`` when available, else why not; ``auto`` picks by device."""
-    if platform not in PLATFORMS:
-        raise ValueError(f"{spec.name}(): platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
-    if platform == "auto":
-        reasons = []
-        for name in _auto_order(backends):
-            ok, why = _available(backends, name)
-            if ok:
-                return name
-            reasons.append(f"{name}: {why}")
-        raise RuntimeError(f"{spec.name}(): no generated backend can run here ({'; '.join(reasons)})")
-    if platform not in backends:
-        raise ValueError(f"{spec.name}(): platform '{platform}' was not generated for this spec "
-                         f"(backends: {', '.join(backends)}; see {spec.path})")
-    ok, why = _available(backends, platform)
-    if not ok:
-        raise RuntimeError(f"{spec.name}(): platform '{platform}' is not available here: {why}")
-    return platform
 
 
 def choose_kernels(spec: SpecInfo, backends: dict, platform: str, backend: str, call: "Prepared",

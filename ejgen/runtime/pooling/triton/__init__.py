@@ -1,0 +1,1 @@
+"""The Triton backend of the pooling family: ``host`` (tiles, work items, launches of a spec's generated kernels)."""
