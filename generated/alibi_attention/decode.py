@@ -2,8 +2,9 @@
 # spec sha256 54f1c25f959b8530c459dd08e68cbaaa001f6886dfcf6cf244db0b1c8a8e74af
 """Decode modes of `alibi_attention` (docs/DESIGN.md §3, "Decode and paged modes"): the spec's score, mask,
 params and options at the last query rows of each sequence, over a KV cache read in place (`_decode`) or
-through a page table (`_paged`). Kernels: split-K Triton (`triton_decode.py`, where the spec lists triton) and
-the spec's XLA hooks (`ejgen.runtime.attention.decode`). Forward only."""
+through a page table (`_paged`). Kernels: split-K Triton (`triton_decode.py`, where the spec lists triton), Pallas
+on the spec's Pallas hooks (`ejgen.runtime.attention.pallas.decode`, GPU and TPU, where it lists pallas) and the
+spec's XLA hooks (`ejgen.runtime.attention.decode`). Forward only."""
 
 import functools
 
@@ -11,12 +12,14 @@ import jax.numpy as jnp
 
 from ejgen.runtime.attention import api as _attention
 from ejgen.runtime.attention import decode as _decode
+from ejgen.runtime.attention.pallas import decode as _pallas_decode
 from ejgen.runtime.attention.triton import decode as _triton_decode
 
+from . import pallas as _pallas
 from . import xla as _xla
 from .op import SPEC
 
-BACKENDS = ('triton', 'xla')
+BACKENDS = ('triton', 'pallas', 'xla')
 
 
 def _forward(backend: str, batch_invariant: bool):
@@ -24,6 +27,8 @@ def _forward(backend: str, batch_invariant: bool):
     if backend == "triton":
         return functools.partial(_triton_decode.forward, __package__ + ".triton_decode", (),
                                  ('opt_max_distance',), ('slopes',), batch_invariant=batch_invariant)
+    if backend == "pallas":
+        return functools.partial(_pallas_decode.forward, _pallas._KERNELS.hooks, batch_invariant=batch_invariant)
     return functools.partial(_decode.xla_forward, _xla._KERNELS.hooks)
 
 
@@ -48,7 +53,7 @@ def alibi_attention_decode(
 
     Keyword arguments as `alibi_attention` in train mode, less the train-only ones: slopes, causal, max_distance,
     softmax_scale, platform, return_lse, batch_invariant (batch_invariant: a sequence's result bitwise the same
-    whatever else is in the batch; Triton only)."""
+    whatever else is in the batch; Triton and Pallas)."""
     _decode.reject_unsupported("alibi_attention_decode",
                                ('slopes', 'causal', 'max_distance', 'softmax_scale', 'platform', 'return_lse',
                                 'batch_invariant'), unsupported)
@@ -89,7 +94,7 @@ def alibi_attention_paged(
 
     Keyword arguments as `alibi_attention` in train mode, less the train-only ones: slopes, causal, max_distance,
     softmax_scale, platform, return_lse, batch_invariant (batch_invariant: a sequence's result bitwise the same
-    whatever else is in the batch; Triton only)."""
+    whatever else is in the batch; Triton and Pallas)."""
     _decode.reject_unsupported("alibi_attention_paged",
                                ('slopes', 'causal', 'max_distance', 'softmax_scale', 'platform', 'return_lse',
                                 'batch_invariant'), unsupported)

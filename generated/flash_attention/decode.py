@@ -2,19 +2,22 @@
 # spec sha256 d06dfe4df5b782a0bb0b1ab2fbc4b564ee92479248860b6116eb91d661d2b23d
 """Decode modes of `flash_attention` (docs/DESIGN.md §3, "Decode and paged modes"): the spec's score, mask,
 params and options at the last query rows of each sequence, over a KV cache read in place (`_decode`) or
-through a page table (`_paged`). Kernels: split-K Triton (`triton_decode.py`, where the spec lists triton) and
-the spec's XLA hooks (`ejgen.runtime.attention.decode`). Forward only."""
+through a page table (`_paged`). Kernels: split-K Triton (`triton_decode.py`, where the spec lists triton), Pallas
+on the spec's Pallas hooks (`ejgen.runtime.attention.pallas.decode`, GPU and TPU, where it lists pallas) and the
+spec's XLA hooks (`ejgen.runtime.attention.decode`). Forward only."""
 
 import functools
 
 from ejgen.runtime.attention import api as _attention
 from ejgen.runtime.attention import decode as _decode
+from ejgen.runtime.attention.pallas import decode as _pallas_decode
 from ejgen.runtime.attention.triton import decode as _triton_decode
 
+from . import pallas as _pallas
 from . import xla as _xla
 from .op import SPEC
 
-BACKENDS = ('triton', 'xla')
+BACKENDS = ('triton', 'pallas', 'xla')
 
 
 def _forward(backend: str, batch_invariant: bool):
@@ -22,6 +25,8 @@ def _forward(backend: str, batch_invariant: bool):
     if backend == "triton":
         return functools.partial(_triton_decode.forward, __package__ + ".triton_decode", (),
                                  (), (), batch_invariant=batch_invariant)
+    if backend == "pallas":
+        return functools.partial(_pallas_decode.forward, _pallas._KERNELS.hooks, batch_invariant=batch_invariant)
     return functools.partial(_decode.xla_forward, _xla._KERNELS.hooks)
 
 
@@ -47,7 +52,7 @@ def flash_attention_decode(
 
     Keyword arguments as `flash_attention` in train mode, less the train-only ones: causal, sliding_window,
     logits_soft_cap, softmax_aux, softmax_scale, platform, return_lse, batch_invariant (batch_invariant: a
-    sequence's result bitwise the same whatever else is in the batch; Triton only)."""
+    sequence's result bitwise the same whatever else is in the batch; Triton and Pallas)."""
     _decode.reject_unsupported("flash_attention_decode",
                                ('causal', 'sliding_window', 'logits_soft_cap', 'softmax_aux', 'softmax_scale',
                                 'platform', 'return_lse', 'batch_invariant'), unsupported)
@@ -90,7 +95,7 @@ def flash_attention_paged(
 
     Keyword arguments as `flash_attention` in train mode, less the train-only ones: causal, sliding_window,
     logits_soft_cap, softmax_aux, softmax_scale, platform, return_lse, batch_invariant (batch_invariant: a
-    sequence's result bitwise the same whatever else is in the batch; Triton only)."""
+    sequence's result bitwise the same whatever else is in the batch; Triton and Pallas)."""
     _decode.reject_unsupported("flash_attention_paged",
                                ('causal', 'sliding_window', 'logits_soft_cap', 'softmax_aux', 'softmax_scale',
                                 'platform', 'return_lse', 'batch_invariant'), unsupported)

@@ -2,19 +2,22 @@
 # spec sha256 7e04430c54007c118fa76b37f01d214a1db7efb3d30c7d3adf4e62f4d43277b5
 """Decode modes of `prefix_lm_attention` (docs/DESIGN.md §3, "Decode and paged modes"): the spec's score, mask,
 params and options at the last query rows of each sequence, over a KV cache read in place (`_decode`) or
-through a page table (`_paged`). Kernels: split-K Triton (`triton_decode.py`, where the spec lists triton) and
-the spec's XLA hooks (`ejgen.runtime.attention.decode`). Forward only."""
+through a page table (`_paged`). Kernels: split-K Triton (`triton_decode.py`, where the spec lists triton), Pallas
+on the spec's Pallas hooks (`ejgen.runtime.attention.pallas.decode`, GPU and TPU, where it lists pallas) and the
+spec's XLA hooks (`ejgen.runtime.attention.decode`). Forward only."""
 
 import functools
 
 from ejgen.runtime.attention import api as _attention
 from ejgen.runtime.attention import decode as _decode
+from ejgen.runtime.attention.pallas import decode as _pallas_decode
 from ejgen.runtime.attention.triton import decode as _triton_decode
 
+from . import pallas as _pallas
 from . import xla as _xla
 from .op import SPEC
 
-BACKENDS = ('triton', 'xla')
+BACKENDS = ('triton', 'pallas', 'xla')
 
 
 def _forward(backend: str, batch_invariant: bool):
@@ -22,6 +25,8 @@ def _forward(backend: str, batch_invariant: bool):
     if backend == "triton":
         return functools.partial(_triton_decode.forward, __package__ + ".triton_decode", (),
                                  ('opt_prefix_len',), (), batch_invariant=batch_invariant)
+    if backend == "pallas":
+        return functools.partial(_pallas_decode.forward, _pallas._KERNELS.hooks, batch_invariant=batch_invariant)
     return functools.partial(_decode.xla_forward, _xla._KERNELS.hooks)
 
 
@@ -45,7 +50,7 @@ def prefix_lm_attention_decode(
 
     Keyword arguments as `prefix_lm_attention` in train mode, less the train-only ones: softmax_aux, prefix_len,
     softmax_scale, platform, return_lse, batch_invariant (batch_invariant: a sequence's result bitwise the same
-    whatever else is in the batch; Triton only)."""
+    whatever else is in the batch; Triton and Pallas)."""
     _decode.reject_unsupported("prefix_lm_attention_decode",
                                ('softmax_aux', 'prefix_len', 'softmax_scale', 'platform', 'return_lse',
                                 'batch_invariant'), unsupported)
@@ -84,7 +89,7 @@ def prefix_lm_attention_paged(
 
     Keyword arguments as `prefix_lm_attention` in train mode, less the train-only ones: softmax_aux, prefix_len,
     softmax_scale, platform, return_lse, batch_invariant (batch_invariant: a sequence's result bitwise the same
-    whatever else is in the batch; Triton only)."""
+    whatever else is in the batch; Triton and Pallas)."""
     _decode.reject_unsupported("prefix_lm_attention_paged",
                                ('softmax_aux', 'prefix_len', 'softmax_scale', 'platform', 'return_lse',
                                 'batch_invariant'), unsupported)

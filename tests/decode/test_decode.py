@@ -3,12 +3,14 @@ oracle: a decode call is train-mode attention over each whole sequence (its keys
 row), of which the last Sq query rows are kept. Flash spec (GQA 1/4/8, window, soft cap, sinks, empty and
 one-token sequences, Sq = 1 and Sq > 1 with sequences shorter than Sq), authored specs with params, options and a
 mask (alibi, prefix-LM), paged caches with shuffled and shared pages and lengths that end inside a page; errors.
-XLA and the split-K Triton kernel (its interpreter here); Pallas decode kernels are not built yet (a clear error,
-tested)."""
+XLA, the split-K Triton kernel (its interpreter here) and the Pallas kernels, GPU (``pallas``) and TPU
+(``pallas-tpu``), interpreted here and lowered for CUDA and TPU."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,8 @@ import numpy as np
 import pytest
 
 import oracle
+from conftest import on_path
+from ejgen.runtime.attention.pallas import common as pallas_common
 from ejgen.testing.shapes import rng_for
 
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
@@ -109,17 +113,30 @@ CASES = [
     DecodeCase(4, 37, 4, 4),
     DecodeCase(4, 37, 8, 2, queries=3),
     DecodeCase(5, 50, 6, 2, window=(9, 0), softcap=5.0),  # GQA 3: not a power of two
-    DecodeCase(2, 40, 8, 1, queries=2),  # GQA 8
+    DecodeCase(2, 40, 8, 1, queries=2, dim=24),  # GQA 8, a head dim that is not a power of two
     DecodeCase(4, 29, 4, 2, queries=5, sinks=True),
     DecodeCase(4, 64, 8, 2, queries=2, window=(20, 0), dtype="bfloat16"),
 ]
 
 
-DECODE_BACKENDS = ["xla", "triton"]
+DECODE_BACKENDS = ["xla", "triton", "pallas", "pallas-tpu"]
+"""``pallas``: the Pallas GPU kernels (interpreted here); ``pallas-tpu``: the Pallas TPU kernels (interpreted)."""
+TPU_CASES = CASES[2:]
+"""The flash cases the TPU kernels run here (GQA 3 with a window and a soft cap, GQA 8 at D 24, sinks at Sq 5,
+bf16): each of their paths at the interpreter's cost; every case runs on the other backends."""
 
 
-@pytest.mark.parametrize("backend", DECODE_BACKENDS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def _on(backend: str):
+    """(platform, a context factory) of a backend id: the TPU kernels are platform pallas's under
+    `interpret_kernels("tpu")`."""
+    if backend == "pallas-tpu":
+        return "pallas", lambda: pallas_common.interpret_kernels("tpu")
+    return backend, contextlib.nullcontext
+
+
+@pytest.mark.parametrize("case, backend", [(c, b) for b in DECODE_BACKENDS for c in CASES
+                                           if b != "pallas-tpu" or c in TPU_CASES],
+                         ids=lambda x: x if isinstance(x, str) else x.id)
 def test_flash_decode_matches_the_train_oracle(case, backend):
     from ejgen.ops import ragged_decode_attention
 
@@ -128,9 +145,11 @@ def test_flash_decode_matches_the_train_oracle(case, backend):
     starts, ends = _ranges(case.batch, case.seq, rng)
     aux = jnp.asarray(rng.standard_normal(case.q_heads), jnp.float32) if case.sinks else None
     query = q if case.queries else q[:, 0]
-    out, lse = jax.jit(lambda q, k, v, s, e: ragged_decode_attention(
-        q, k, v, s, e, sliding_window=case.window, logits_soft_cap=case.softcap, softmax_aux=aux,
-        return_lse=True, platform=backend))(query, k, v, starts, ends)
+    platform, context = _on(backend)
+    with context():
+        out, lse = jax.jit(lambda q, k, v, s, e: ragged_decode_attention(
+            q, k, v, s, e, sliding_window=case.window, logits_soft_cap=case.softcap, softmax_aux=aux,
+            return_lse=True, platform=platform))(query, k, v, starts, ends)
     ref_out, ref_lse = reference(q, k, v, starts, ends, sliding_window=case.window, logits_soft_cap=case.softcap,
                                  softmax_aux=None if aux is None else np.asarray(aux))
     if not case.queries:
@@ -159,8 +178,10 @@ def test_paged_decode_reads_the_pages_through_the_table(page, backend):
     tables[2, :2] = tables[1, :2]  # sequences 1 and 2 share their first two pages
     q = jnp.asarray(rng.standard_normal((batch, 1, hq, d)), jnp.float32)
     window = (40, 0)  # page 32: the longest sequence skips whole pages before its window
-    out, lse = page_attention(q, k_cache, v_cache, lens, tables, logits_soft_cap=4.0, sliding_window=window,
-                              return_lse=True, platform=backend)
+    platform, context = _on(backend)
+    with context():
+        out, lse = page_attention(q, k_cache, v_cache, lens, tables, logits_soft_cap=4.0, sliding_window=window,
+                                  return_lse=True, platform=platform)
     keys = np.asarray(k_cache)[tables].reshape(batch, max_pages * page, hkv, d)
     values = np.asarray(v_cache)[tables].reshape(batch, max_pages * page, hkv, d)
     ref_out, ref_lse = reference(np.asarray(q), keys, values, np.zeros(batch, np.int32), lens, logits_soft_cap=4.0,
@@ -190,7 +211,10 @@ def test_authored_specs_decode_with_their_params_and_masks(variant, backend):
         params, options = {"slopes": kwargs["slopes"]}, {"max_distance": 7}
     else:
         kwargs, params, options = {"prefix_len": 4}, {}, {"prefix_len": 4}
-    out, lse = getattr(gen, f"{variant}_decode")(q, k, v, starts, ends, return_lse=True, platform=backend, **kwargs)
+    platform, context = _on(backend)
+    with context():
+        out, lse = getattr(gen, f"{variant}_decode")(q, k, v, starts, ends, return_lse=True, platform=platform,
+                                                     **kwargs)
     causal = variant == "alibi_attention"
     ref_out, ref_lse = reference(q, k, v, starts, ends, causal=causal, score=spec.get("score"),
                                  mask=spec.get("mask"), params=params, options=options)
@@ -199,7 +223,8 @@ def test_authored_specs_decode_with_their_params_and_masks(variant, backend):
     pages = k.reshape(case.batch * case.seq, 1, case.kv_heads, case.dim)  # page size 1: a token per page
     tables = (np.arange(case.batch)[:, None] * case.seq + starts[:, None] + np.arange(case.seq)[None]).clip(
         0, case.batch * case.seq - 1).astype(np.int32)
-    out_p = paged(q, pages, v.reshape(pages.shape), ends - starts, tables, platform=backend, **kwargs)
+    with context():
+        out_p = paged(q, pages, v.reshape(pages.shape), ends - starts, tables, platform=platform, **kwargs)
     np.testing.assert_allclose(np.asarray(out_p), np.asarray(out), atol=1e-5)
 
 
@@ -212,8 +237,6 @@ def test_decode_errors_name_the_problem():
     s, e = jnp.zeros(2, jnp.int32), jnp.full(2, 10, jnp.int32)
     with pytest.raises(TypeError, match="forward only"):
         jax.grad(lambda q: ragged_decode_attention(q, k, k, s, e).sum())(q)
-    with pytest.raises(NotImplementedError, match="platform 'pallas' has no decode kernels yet"):
-        ragged_decode_attention(q, k, k, s, e, platform="pallas")
     with pytest.raises(ValueError, match=r"sequence_end must be int \[batch=2\]"):
         ragged_decode_attention(q, k, k, s, jnp.zeros(3, jnp.int32))
     with pytest.raises(ValueError, match="1 <= queries <= 16"):
@@ -274,17 +297,73 @@ def test_work_list_splits_by_the_batchs_keys():
         assert np.all(np.asarray(fixed) == BATCH_INVARIANT_SPLIT) and int(np.diff(np.asarray(offs))[0]) == 0
 
 
-def test_batch_invariant_results_do_not_depend_on_the_batch():
-    """Sequence 0 alone and next to three others: bitwise the same output (Triton kernel, interpreter)."""
+@pytest.mark.parametrize("backend", ["triton", "pallas", "pallas-tpu"])
+def test_batch_invariant_results_do_not_depend_on_the_batch(backend):
+    """Sequence 0 alone and next to three others: bitwise the same output (each kernel interpreted)."""
     from ejgen.ops import ragged_decode_attention
 
     rng = rng_for("batch-invariant")
     q = jnp.asarray(rng.standard_normal((4, 4, 16)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((4, 600, 2, 16)), jnp.float32)
     starts, ends = np.asarray([3, 0, 10, 0], np.int32), np.asarray([590, 7, 300, 600], np.int32)
-    run = jax.jit(lambda q, k, starts, ends: ragged_decode_attention(q, k, k, starts, ends, platform="triton",
-                                                                     batch_invariant=True))
-    run_b = lambda b: run(q[:b], k[:b], starts[:b], ends[:b])  # noqa: E731
-    np.testing.assert_array_equal(np.asarray(run_b(1))[0], np.asarray(run_b(4))[0])
-    with pytest.raises(ValueError, match="batch_invariant=True needs the Triton decode kernel"):
+    platform, context = _on(backend)
+    with context():
+        run = jax.jit(lambda q, k, starts, ends: ragged_decode_attention(q, k, k, starts, ends, platform=platform,
+                                                                         batch_invariant=True))
+        run_b = lambda b: run(q[:b], k[:b], starts[:b], ends[:b])  # noqa: E731
+        np.testing.assert_array_equal(np.asarray(run_b(1))[0], np.asarray(run_b(4))[0])
+    with pytest.raises(ValueError, match="batch_invariant=True needs the Triton or the Pallas decode kernels"):
         ragged_decode_attention(q, k, k, starts, ends, platform="xla", batch_invariant=True)
+
+
+EXPORTS = {
+    # (op, query, cache, page or 0 for a contiguous cache, dtype, kwargs): every path of both kernels
+    "flash-decode-GQA4-Sq2": ("flash_attention_decode", (4, 2, 8), (4, 256, 2), 0, "bfloat16",
+                              dict(sliding_window=(64, 0), logits_soft_cap=30.0, softmax_aux="heads")),
+    "flash-decode-GQA8-Sq16": ("flash_attention_decode", (2, 16, 16), (2, 100, 2), 0, "float32", {}),
+    "flash-paged-page16": ("flash_attention_paged", (4, 1, 8), (40, 16, 2), 16, "bfloat16",
+                           dict(softmax_aux="heads")),
+    "flash-paged-page256": ("flash_attention_paged", (2, 1, 4), (8, 256, 4), 256, "bfloat16", {}),
+    "alibi-paged-page1": ("alibi_attention_paged", (4, 3, 6), (300, 1, 2), 1, "bfloat16", dict(slopes="heads")),
+}
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_pallas_decode_lowers_for_gpus_and_tpus(platform):
+    """jax.export of the Pallas decode kernels for a platform this machine does not have (the Triton lowering
+    for CUDA, Mosaic for TPUs): contiguous and paged, pages of 1, 16 (several per TPU step, a table read per key
+    on GPUs) and 256 (a table read per block), Sq 16 with GQA 8, bf16 and f32, sinks, alibi's params."""
+    from jax import export
+
+    import ejgen.generated as gen
+
+    sds = jax.ShapeDtypeStruct
+    target = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}[platform]
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for name, (op, query, cache, page, dtype, kwargs) in EXPORTS.items():
+        batch, sq, hq = query
+        d = 128
+        kwargs = {key: jnp.ones(hq) if val == "heads" else val for key, val in kwargs.items()}
+        bounds = (sds((batch,), jnp.int32), sds((batch, 12), jnp.int32) if page else sds((batch,), jnp.int32))
+        args = (sds((batch, sq, hq, d), dtype), sds(cache + (d,), dtype), sds(cache + (d,), dtype), *bounds)
+        fn = lambda q, k, v, a, b: getattr(gen, op)(q, k, v, a, b, platform="pallas", **kwargs)  # noqa: E731
+        exported = export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
+        assert exported.mlir_module().count(f"@{target}(") == 1, name
+
+
+def test_pallas_decode_refuses_a_spec_with_token_views(tmp_path):
+    """A param read by one side's positions (a token view) has no Pallas decode kernel yet: one clear error."""
+    from ejgen.cli import main
+
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "tv.yaml").write_text(
+        "name: tv_attention\nfamily: attention\ndoc: tv\nmodes: [train, decode]\nfeatures:\n  causal: runtime\n"
+        "params:\n  bonus: {shape: [batch, kv_len], dtype: float32}\nscore: s + bonus[b, kv_idx]\n")
+    assert main(["build", str(tmp_path / "specs"), "-o", str(tmp_path / "tvgen")]) == 0
+    q, k = jnp.zeros((1, 2, 16)), jnp.zeros((1, 5, 2, 16))
+    lens = jnp.full((1,), 5, jnp.int32)
+    with on_path(tmp_path):
+        module = importlib.import_module("tvgen.tv_attention.decode")
+        with pytest.raises(NotImplementedError, match="platform 'pallas' has no decode kernels for a spec whose"):
+            module.tv_attention_decode(q, k, k, jnp.zeros((1,), jnp.int32), lens, bonus=jnp.zeros((1, 5)),
+                                       platform="pallas")

@@ -96,7 +96,8 @@ def emit(plan: AttentionPlan, backends: list[str], common: dict, render: Callabl
             "attention/decode.py.j2",
             **common,
             triton=triton_ctx is not None,
-            backends_tuple=repr(tuple(b for b in backends if b in ("triton", "xla"))),
+            pallas="pallas" in backends,
+            backends_tuple=repr(tuple(backends)),
             f32_options=repr(tuple(f32[2:])),
             i32_options=repr(tuple(i32[2:])),
             param_names=repr(tuple(p.name for p in v.params)),
@@ -139,7 +140,7 @@ def decode_names(plan: AttentionPlan) -> list[str]:
 
 def _decode_doc(doc: str, name: str, accepted: list) -> str:
     text = (f"{doc}\n\nKeyword arguments as `{name}` in train mode, less the train-only ones: {', '.join(accepted)} "
-            f"(batch_invariant: a sequence's result bitwise the same whatever else is in the batch; Triton only).")
+            f"(batch_invariant: a sequence's result bitwise the same whatever else is in the batch; Triton and Pallas).")
     return "\n\n".join(textwrap.fill(p, WIDTH - 8, subsequent_indent="    ") for p in text.split("\n\n")).replace(
         "\n\n", "\n\n    ")
 

@@ -8,8 +8,8 @@ start``, query row ``i`` stands at position ``L_b - Sq + i`` and key ``j`` at ``
 sequence, what the DSL's ``q_idx`` and ``kv_idx`` read; ``q_len = kv_len = L_b``). Causal, the window and the
 spec's mask apply as in train mode; an empty sequence gives o = 0 and lse = -inf (or the sinks' value). Paged:
 token ``t`` of sequence ``b`` is row ``t % page_size`` of page ``block_tables[b, t // page_size]``, visible for
-``t < context_lens[b]``; the XLA kernel gathers each sequence's pages first (the Triton and Pallas kernels, when
-built, read them in place). Forward only: ``jax.grad`` through a decode op is an error.
+``t < context_lens[b]``; the XLA kernel gathers each sequence's pages first (the Triton and Pallas kernels read
+them in place). Forward only: ``jax.grad`` through a decode op is an error.
 """
 
 from __future__ import annotations
@@ -225,31 +225,39 @@ def reject_unsupported(name: str, accepted: tuple, unsupported: dict) -> None:
 
 
 def choose(platform: str, backends: tuple, name: str, batch_invariant: bool = False) -> str:
-    """The decode kernels a call runs: 'auto' takes Triton on a GPU where the spec has it, else XLA; 'triton'
-    (a GPU, or Triton's interpreter with TRITON_INTERPRET=1) and 'xla' as asked; 'pallas' is not built yet.
-    ``batch_invariant`` needs the Triton kernel (its split size is fixed; XLA's matrix products may pick other
-    algorithms for other batch sizes)."""
+    """The decode kernels a call runs: 'auto' takes Triton on a GPU and Pallas on a TPU where the spec has them,
+    else XLA; 'triton' (a GPU, or Triton's interpreter with TRITON_INTERPRET=1), 'pallas' (GPU or TPU kernels,
+    interpreted elsewhere) and 'xla' as asked. ``batch_invariant`` needs the Triton or the Pallas kernels (a split
+    size fixed by the cache length; XLA's matrix products may pick other algorithms for other batch sizes)."""
+    from ejgen.runtime.core import kernels
     from ejgen.runtime.launch import triton_call
 
     if batch_invariant not in (True, False):
         raise ValueError(f"{name}: batch_invariant must be True or False, got {batch_invariant!r}")
-    if batch_invariant and platform in ("auto", "xla"):
-        if platform == "xla" or "triton" not in backends or triton_call.mode()[0] is None:
-            raise ValueError(f"{name}: batch_invariant=True needs the Triton decode kernel (platform 'triton' on a "
-                             f"GPU, or TRITON_INTERPRET=1); XLA gives no such guarantee")
-        platform = "triton"
     if platform == "auto":
-        return "triton" if "triton" in backends and triton_call.mode()[0] == "gpu" else "xla"
+        on = kernels.target().platform
+        if "triton" in backends and triton_call.mode()[0] == "gpu":
+            platform = "triton"
+        elif "pallas" in backends and on == "tpu":
+            platform = "pallas"
+        elif batch_invariant and "triton" in backends and triton_call.mode()[0] is not None:
+            platform = "triton"
+        elif batch_invariant and "pallas" in backends:
+            platform = "pallas"
+        else:
+            platform = "xla"
     if platform == "xla":
+        if batch_invariant:
+            raise ValueError(f"{name}: batch_invariant=True needs the Triton or the Pallas decode kernels (platform "
+                             f"'triton' or 'pallas'); XLA gives no such guarantee")
         return "xla"
+    if platform in ("triton", "pallas") and platform not in backends:
+        raise ValueError(f"{name}: the spec does not list the {platform} backend")
     if platform == "triton":
-        if "triton" not in backends:
-            raise ValueError(f"{name}: the spec does not list the triton backend")
         how, why = triton_call.mode()
         if how is None:
             raise RuntimeError(f"{name}: platform 'triton' cannot run here: {why}")
         return "triton"
     if platform == "pallas":
-        raise NotImplementedError(f"{name}: platform 'pallas' has no decode kernels yet (issue 16); platform='xla', "
-                                  f"'triton' or 'auto' run")
+        return "pallas"
     raise ValueError(f"{name}: platform must be 'auto', 'triton', 'pallas' or 'xla', got {platform!r}")
