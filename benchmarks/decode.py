@@ -1,5 +1,6 @@
 """Decode and paged decode on one GPU (issue 16 §5, docs/DESIGN.md §3 "Decode and paged modes"): ejgen's
-`ragged_decode_attention` / `page_attention` (platform "triton": the split-K kernel; "xla") against cuDNN
+`ragged_decode_attention` / `page_attention` (platform "triton": the split-K kernel; "pallas": the Pallas GPU kernel;
+"xla") against cuDNN
 (`jax.nn.dot_product_attention(implementation="cudnn")`, query [B, 1, Hq, D]) and JAX's Pallas GPU kernels
 (`jax.experimental.pallas.ops.gpu.decode_attention.gqa` / `.mqa`, `paged_attention.paged_attention`), next to the
 card's streaming bandwidth measured in the same run. bf16, D=128, GQA Hq=32 / Hkv=8, one query per sequence (and one
@@ -23,12 +24,14 @@ seconds, default 450, and the JSON is rewritten after every case, so a run cut s
 table and the issue's speed targets; writes `<out>/decode.json` (every row, with compile seconds and errors) and
 `<out>/decode.md`.
 On a machine without a GPU, `python benchmarks/decode.py --cpu-smoke` runs tiny shapes (B2 S256 Hq8 Hkv2 D64) on XLA
-and Triton's interpreter (it sets TRITON_INTERPRET=1 itself); cuDNN and Pallas rows read n/a there.
+and Triton's interpreter (it sets TRITON_INTERPRET=1 itself), ejgen-pallas interpreted; cuDNN and JAX's Pallas rows
+read n/a there.
 
 Columns:
 - case: the batch (see above); keys read: the sequences' lengths summed (not the cache size).
-- impl: ejgen-triton (the generated split-K Triton kernel and its XLA merge), ejgen-triton-bi (the same with
-  `batch_invariant=True`: fixed split size), ejgen-xla (the spec's XLA hooks on whole cache rows, paged calls gather
+- impl: ejgen-triton (the generated split-K Triton kernel and its merge), ejgen-triton-bi (the same with
+  `batch_invariant=True`: fixed split size), ejgen-pallas (platform "pallas": the Pallas split-K kernel on the spec's
+  Pallas hooks, Triton lowering, and its XLA merge), ejgen-xla (the spec's XLA hooks on whole cache rows, paged calls gather
   their pages first), ejgen-triton flash (alibi case only: the flash spec on the same inputs, for the authored-spec
   target), cudnn (`jax.nn.dot_product_attention`, NO_MASK on uniform batches, key_value_seq_lengths on the ragged
   one), cudnn-paged (`jax._src.cudnn.fused_attention_stablehlo.paged_attention`, a private API: the same pool and
@@ -69,7 +72,8 @@ HQ, HKV, DIM = 32, 8, 128
 SMOKE = dict(hq=8, hkv=2, dim=64)
 TOL = 2e-2
 QUICK = ("decode-B32-S8k", "decode-B4-S32k", "decode-B32-ragged16k", "paged16-B32-S8k", "alibi-B32-S8k")
-ALL_IMPLS = ("ejgen-triton", "ejgen-triton-bi", "ejgen-triton flash", "ejgen-xla", "cudnn", "cudnn-paged",
+ALL_IMPLS = ("ejgen-triton", "ejgen-triton-bi", "ejgen-triton flash", "ejgen-pallas", "ejgen-xla", "cudnn",
+             "cudnn-paged",
              "pallas-gqa", "pallas-mqa-bhsd", "pallas-paged")
 
 
@@ -214,6 +218,7 @@ def impls_for(case: Case, d: dict, on_gpu: bool):
 
     if case.spec == "alibi":
         out["ejgen-triton"] = (alibi("triton"), "alibi_attention_decode")
+        out["ejgen-pallas"] = (alibi("pallas"), "alibi_attention_decode")
         out["ejgen-xla"] = (alibi("xla"), "alibi_attention_decode (reference)")
         out["ejgen-triton flash"] = (ejgen_contig("triton"), "flash spec, same inputs; checked against flash xla",
                                      ejgen_contig("xla"))
@@ -222,9 +227,11 @@ def impls_for(case: Case, d: dict, on_gpu: bool):
         out["ejgen-triton"] = (ejgen_contig("triton"), "")
         if _ejgen_has("batch_invariant") and sq == 1:
             out["ejgen-triton-bi"] = (ejgen_contig("triton", batch_invariant=True), "batch_invariant=True")
+        out["ejgen-pallas"] = (ejgen_contig("pallas"), "")
         out["ejgen-xla"] = (ejgen_contig("xla"), "reference")
     else:
         out["ejgen-triton"] = (ejgen_paged("triton"), "")
+        out["ejgen-pallas"] = (ejgen_paged("pallas"), "")
         out["ejgen-xla"] = (ejgen_paged("xla"), "reference (gathers the pages)")
     if sq != 1:
         return out
