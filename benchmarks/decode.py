@@ -31,14 +31,14 @@ Columns:
 - case: the batch (see above); keys read: the sequences' lengths summed (not the cache size).
 - impl: ejgen-triton (the generated split-K Triton kernel and its merge), ejgen-triton-bi (the same with
   `batch_invariant=True`: fixed split size), ejgen-pallas (platform "pallas": the Pallas split-K kernel on the spec's
-  Pallas hooks, Triton lowering, and its XLA merge), ejgen-xla (the spec's XLA hooks on whole cache rows, paged calls gather
-  their pages first), ejgen-triton flash (alibi case only: the flash spec on the same inputs, for the authored-spec
-  target), cudnn (`jax.nn.dot_product_attention`, NO_MASK on uniform batches, key_value_seq_lengths on the ragged
-  one), cudnn-paged (`jax._src.cudnn.fused_attention_stablehlo.paged_attention`, a private API: the same pool and
-  tables), pallas-gqa (JAX's `gqa`, whose wrapper transposes the cache to [B, Hkv, S, D] in every call: timed as
-  called), pallas-mqa-bhsd (JAX's `mqa` on a cache transposed once outside the timing: the kernel alone),
-  pallas-paged (JAX's `paged_attention` on the pool in its layout [Hkv, pages, page, D], built outside the timing;
-  it has no softmax scale, so its query comes pre-scaled).
+  Pallas hooks, Triton lowering, and its XLA merge), ejgen-xla (the spec's XLA hooks on whole cache rows, paged calls
+  gather their pages first), ejgen-triton flash (alibi case only: the flash spec on the same inputs, for the
+  authored-spec target), cudnn (`jax.nn.dot_product_attention`, NO_MASK on uniform batches, key_value_seq_lengths on
+  the ragged one), cudnn-paged (`jax._src.cudnn.fused_attention_stablehlo.paged_attention`, a private API: the same
+  pool and tables), pallas-gqa (JAX's `gqa`, whose wrapper transposes the cache to [B, Hkv, S, D] in every call: timed
+  as called), pallas-mqa-bhsd (JAX's `mqa` on a cache transposed once outside the timing: the kernel alone),
+  pallas-paged (JAX's `paged_attention` on the pool in its layout [Hkv, pages, page, D], built outside the timing; it
+  has no softmax scale, so its query comes pre-scaled).
 - us: median microseconds per call (medians of `--rounds` interleaved rounds, each the median of `--reps` samples of
   8 calls dispatched back to back; every impl compiled before any is timed).
 - GB/s: bytes of K and V actually read (sum of lengths x Hkv x D x 2 bytes x 2) / time.

@@ -210,8 +210,8 @@ def _gpu_forward(hooks, call, batch_invariant, q, k, v, starts, ends, skips, tab
 # TPU (Mosaic)
 
 
-def _tpu_kernel(starts_ref, ends_ref, skips_ref, tables_ref, *refs, hooks, names, cfg, sq, groups, kv_heads, rows, pieces,
-                paged, n_steps, precision):
+def _tpu_kernel(starts_ref, ends_ref, skips_ref, tables_ref, *refs, hooks, names, cfg, sq, groups, kv_heads, rows,
+                pieces, paged, n_steps, precision):
     """Step i of sequence b: its key block (or its ``pieces`` pages) for every query head; m, l, acc in scratch."""
     r = dict(zip(names, refs))
     o_ref, m_ref, l_ref, m_scr, l_scr, acc_scr = refs[len(names):]
