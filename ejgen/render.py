@@ -37,7 +37,7 @@ class Family:
 
 FAMILIES = {
     "attention": Family(plan_attention, attention_op.emit, describe_attention, tuple(attention_op.BACKENDS),
-                        attention_op.decode_names),
+                        attention_op.exports),
     "pooling": Family(plan_pooling, pooling_op.emit, describe_pooling, tuple(pooling_op.BACKENDS)),
 }
 

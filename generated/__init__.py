@@ -24,19 +24,25 @@
   pooling (SGPT) passes weights t + 1, masked mean pooling (sentence-transformers) the attention mask alone.
 """
 
-from .alibi_attention import alibi_attention, alibi_attention_decode, alibi_attention_paged
-from .blocksparse_attention import blocksparse_attention
-from .flash_attention import flash_attention, flash_attention_decode, flash_attention_paged
+from .alibi_attention import alibi_attention, alibi_attention_ring, alibi_attention_decode, alibi_attention_paged
+from .blocksparse_attention import blocksparse_attention, blocksparse_attention_ring
+from .flash_attention import flash_attention, flash_attention_ring, flash_attention_decode, flash_attention_paged
 from .last_token_pooling import last_token_pooling
-from .local_softcap_sinks_attention import local_softcap_sinks_attention
+from .local_softcap_sinks_attention import local_softcap_sinks_attention, local_softcap_sinks_attention_ring
 from .max_pooling import max_pooling
 from .mean_pooling import mean_pooling
-from .prefix_lm_attention import prefix_lm_attention, prefix_lm_attention_decode, prefix_lm_attention_paged
-from .relative_bias_attention import relative_bias_attention
+from .prefix_lm_attention import (
+    prefix_lm_attention,
+    prefix_lm_attention_ring,
+    prefix_lm_attention_decode,
+    prefix_lm_attention_paged,
+)
+from .relative_bias_attention import relative_bias_attention, relative_bias_attention_ring
 from .weighted_mean_pooling import weighted_mean_pooling
 
-__all__ = ["alibi_attention", "alibi_attention_decode", "alibi_attention_paged", "blocksparse_attention",
-           "flash_attention", "flash_attention_decode", "flash_attention_paged", "last_token_pooling",
-           "local_softcap_sinks_attention", "max_pooling", "mean_pooling", "prefix_lm_attention",
-           "prefix_lm_attention_decode", "prefix_lm_attention_paged", "relative_bias_attention",
-           "weighted_mean_pooling"]
+__all__ = ["alibi_attention", "alibi_attention_ring", "alibi_attention_decode", "alibi_attention_paged",
+           "blocksparse_attention", "blocksparse_attention_ring", "flash_attention", "flash_attention_ring",
+           "flash_attention_decode", "flash_attention_paged", "last_token_pooling", "local_softcap_sinks_attention",
+           "local_softcap_sinks_attention_ring", "max_pooling", "mean_pooling", "prefix_lm_attention",
+           "prefix_lm_attention_ring", "prefix_lm_attention_decode", "prefix_lm_attention_paged",
+           "relative_bias_attention", "relative_bias_attention_ring", "weighted_mean_pooling"]

@@ -7,6 +7,9 @@
   (``ejgen.ops.decode``; every spec listing ``decode`` / ``paged`` in ``modes`` has ``<name>_decode`` / ``_paged``).
 - ``mean_pooling``: the seed's ``mean_pooling(x, chunk_size=32, cu_seqlens=None)``, generated from
   ``specs/mean_pooling.yaml`` (docs/DESIGN.md §3 pooling; the other pooling specs' ops are in ``ejgen.generated``).
+- ``ring_attention``: the flash spec's ring form (``flash_attention_ring``; every spec has ``<name>_ring``): the
+  sequence cut over a mesh axis, key/value blocks passed around it (docs/DESIGN.md §3, Ring attention);
+  ``ring_permute`` / ``ring_unpermute`` / ``ring_positions`` lay a sequence out in a balanced token order and back.
 - ``explain(op, *args, target=None, **kwargs)``: which platform and kernel sets a call takes, and why,
   without running it (docs/DESIGN.md §6).
 - ``settings(**changes)``: a scoped override of the settings (``deterministic``, ``gluon``,
@@ -14,10 +17,14 @@
 """
 
 from ejgen.generated import flash_attention, mean_pooling
+from ejgen.generated import flash_attention_ring as ring_attention
 from ejgen.ops.blocksparse import blocksparse_attention
 from ejgen.ops.decode import page_attention, ragged_decode_attention
+from ejgen.runtime.attention.ring import ring_permute, ring_positions, ring_unpermute
 from ejgen.runtime.core.kernels import KernelChoice, explain
 from ejgen.runtime.core.settings import Settings, settings
 from ejgen.runtime.core.settings import current as current_settings
 
-__all__ = ["flash_attention", "mean_pooling", "blocksparse_attention", "ragged_decode_attention", "page_attention", "explain", "settings", "current_settings", "KernelChoice", "Settings"]
+__all__ = ["flash_attention", "ring_attention", "ring_permute", "ring_unpermute", "ring_positions", "mean_pooling",
+           "blocksparse_attention", "ragged_decode_attention", "page_attention", "explain", "settings",
+           "current_settings", "KernelChoice", "Settings"]

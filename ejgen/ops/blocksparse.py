@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejgen.generated import blocksparse_attention as _spec_op
+from ejgen.generated import blocksparse_attention_ring as _spec_ring
 from ejgen.types import BlockMask, MaskInfo
 
 NAME = "blocksparse_attention"
@@ -70,11 +71,29 @@ def blocksparse_attention(
       as ``in_specs`` say ([batch, heads, seq, head_dim]: batch and heads only; every other tensor, the block
       mask's included, cut as query; ``ejgen.runtime.attention.mesh``).
     - ``fused_backward``: ejgen chooses the backward's kernels itself (``ejgen.ops.explain`` says which);
-      only the default False is taken. ``sequence_parallelism_mesh_axis_name`` is not supported yet and raises.
+      only the default False is taken.
+    - ``sequence_parallelism_mesh_axis_name``: called inside ``jax.shard_map`` with the sequence cut over that mesh
+      axis (contiguous shards), ring attention over it (``blocksparse_attention_ring``, docs/DESIGN.md §3 Ring
+      attention): key/value blocks travel the ring. Segment ids (this device's rows), causal, the window, the soft
+      cap and sinks are taken; block layouts, ``mask_builder``, ``block_mask``, ``chunk_size``, ``attention_mask``,
+      ``bias`` and positions are not (a ValueError), nor the mesh wrapper's arguments.
     """
     if sequence_parallelism_mesh_axis_name is not None:
-        raise NotImplementedError(f"{NAME}(): sequence_parallelism_mesh_axis_name: sequence parallelism belongs to "
-                                  f"ring attention, not built yet")
+        given = {"qkv_layouts": qkv_layouts, "mask_builder": mask_builder, "block_mask": block_mask,
+                 "chunk_size": chunk_size, "attention_mask": attention_mask, "bias": bias, "q_positions": q_positions,
+                 "kv_positions": kv_positions, "mesh": mesh, "in_specs": in_specs, "out_specs": out_specs}
+        for arg, given_value in given.items():
+            if given_value is not None:
+                raise ValueError(f"{NAME}(): {arg} cannot be combined with sequence_parallelism_mesh_axis_name (ring "
+                                 f"attention over a cut sequence takes segment ids, causal, sliding_window, "
+                                 f"logits_soft_cap and softmax_aux)")
+        if fused_backward is not False:
+            raise ValueError(f"{NAME}(): fused_backward={fused_backward!r}: leave it False")
+        return _spec_ring(query, key, value, axis_name=sequence_parallelism_mesh_axis_name, causal=causal,
+                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, softmax_aux=softmax_aux,
+                          mask_info=_mask_info(mask_info, q_segment_ids, kv_segment_ids, None),
+                          softmax_scale=softmax_scale, deterministic=deterministic, platform=platform,
+                          return_lse=return_lse)
     if fused_backward is not False:
         raise ValueError(f"{NAME}(): fused_backward={fused_backward!r}: ejgen chooses the backward kernels itself "
                          f"(ejgen.ops.explain shows which; deterministic=True asks for ones without atomics); "

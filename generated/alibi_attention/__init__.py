@@ -2,7 +2,7 @@
 # spec sha256 54f1c25f959b8530c459dd08e68cbaaa001f6886dfcf6cf244db0b1c8a8e74af
 """ALiBi attention with learnable per-head slopes and a clamped distance."""
 
-from .op import alibi_attention
+from .op import alibi_attention, alibi_attention_ring
 from .decode import alibi_attention_decode, alibi_attention_paged
 
-__all__ = ["alibi_attention", "alibi_attention_decode", "alibi_attention_paged"]
+__all__ = ["alibi_attention", "alibi_attention_ring", "alibi_attention_decode", "alibi_attention_paged"]

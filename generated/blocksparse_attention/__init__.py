@@ -4,6 +4,6 @@
 mask (a block layout, segment ids, a window, causal, a mask_fn) and is skipped tile by tile.
 ejgen.ops.blocksparse_attention wraps it with the seed's signature (qkv_layouts, q_segment_ids, ...)."""
 
-from .op import blocksparse_attention
+from .op import blocksparse_attention, blocksparse_attention_ring
 
-__all__ = ["blocksparse_attention"]
+__all__ = ["blocksparse_attention", "blocksparse_attention_ring"]

@@ -2,7 +2,7 @@
 # spec sha256 d06dfe4df5b782a0bb0b1ab2fbc4b564ee92479248860b6116eb91d661d2b23d
 """Exact softmax attention with every built-in feature as a runtime argument."""
 
-from .op import flash_attention
+from .op import flash_attention, flash_attention_ring
 from .decode import flash_attention_decode, flash_attention_paged
 
-__all__ = ["flash_attention", "flash_attention_decode", "flash_attention_paged"]
+__all__ = ["flash_attention", "flash_attention_ring", "flash_attention_decode", "flash_attention_paged"]

@@ -2,6 +2,6 @@
 # spec sha256 e583ec2cf16650c7f54a4e67a3139b0c867f3544355eb54a0d9664089213a309
 """Causal sliding-window attention with a compiled-in window and soft cap, and attention sinks."""
 
-from .op import local_softcap_sinks_attention
+from .op import local_softcap_sinks_attention, local_softcap_sinks_attention_ring
 
-__all__ = ["local_softcap_sinks_attention"]
+__all__ = ["local_softcap_sinks_attention", "local_softcap_sinks_attention_ring"]

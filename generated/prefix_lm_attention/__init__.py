@@ -2,7 +2,7 @@
 # spec sha256 7e04430c54007c118fa76b37f01d214a1db7efb3d30c7d3adf4e62f4d43277b5
 """Prefix-LM attention: every query sees the first prefix_len keys and, beyond them, the keys up to its own position."""
 
-from .op import prefix_lm_attention
+from .op import prefix_lm_attention, prefix_lm_attention_ring
 from .decode import prefix_lm_attention_decode, prefix_lm_attention_paged
 
-__all__ = ["prefix_lm_attention", "prefix_lm_attention_decode", "prefix_lm_attention_paged"]
+__all__ = ["prefix_lm_attention", "prefix_lm_attention_ring", "prefix_lm_attention_decode", "prefix_lm_attention_paged"]

@@ -21,6 +21,7 @@ import jax
 
 from ejgen.runtime.attention import api as _attention
 from ejgen.runtime.attention import mesh as _mesh
+from ejgen.runtime.attention import ring as _ring
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -55,6 +56,10 @@ SPEC = _attention.SpecInfo(
         "max_seqlen_q": "varlen",
         "max_seqlen_k": "varlen",
     },
+    options={
+        "prefix_len": "int",
+    },
+    position_reads=('kv_idx', 'q_idx'),
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
 
@@ -121,7 +126,7 @@ def prefix_lm_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs)
+        ), mesh, in_specs, out_specs, ring=prefix_lm_attention_ring)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,
@@ -139,3 +144,53 @@ def prefix_lm_attention(
     q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)
+
+
+def prefix_lm_attention_ring(
+    query,
+    key,
+    value,
+    *,
+    axis_name,
+    token_order="contiguous",
+    softmax_aux=None,
+    block_mask=None,
+    prefix_len=0,
+    softmax_scale=None,
+    deterministic=None,
+    platform="auto",
+    return_lse=False,
+    **unsupported,
+):
+    """Ring attention form of `prefix_lm_attention` (docs/DESIGN.md §3, Ring attention): called inside jax.shard_map
+    with the sequence cut over mesh axis `axis_name` (query, key and value: this device's rows), or on global arrays
+    under a mesh context (`with jax.set_mesh(mesh):`), which it cuts over that axis itself. Key/value blocks travel
+    the ring (ppermute), partial results merge by lse in float32; on contiguous shards the result is
+    `prefix_lm_attention`'s on the whole sequence.
+
+    token_order: 'contiguous' (device d holds positions [d n, (d + 1) n)) or 'zigzag' (two chunks per device, d and
+    2N - 1 - d: causal work balanced; lay inputs out with ejgen.ops.ring_permute). Keyword arguments as
+    `prefix_lm_attention`'s, without the mesh wrapper's; a ring does not take bias, block_mask, positions,
+    cu_seqlens or a dense attention_mask."""
+    _ring.reject_unsupported(SPEC, unsupported)
+    return _ring.attention(
+        SPEC,
+        BACKENDS,
+        query,
+        key,
+        value,
+        axis_name=axis_name,
+        token_order=token_order,
+        features=dict(
+            softmax_aux=softmax_aux,
+            block_mask=block_mask,
+            softmax_scale=softmax_scale,
+        ),
+        params={},
+        options=dict(
+            prefix_len=prefix_len,
+        ),
+        deterministic=deterministic,
+        platform=platform,
+        return_lse=return_lse,
+    )

@@ -3,6 +3,6 @@
 """T5-style learnable relative-position bias, one table row per head, distances clamped to the table; the scale is a
 runtime option."""
 
-from .op import relative_bias_attention
+from .op import relative_bias_attention, relative_bias_attention_ring
 
-__all__ = ["relative_bias_attention"]
+__all__ = ["relative_bias_attention", "relative_bias_attention_ring"]

@@ -77,10 +77,10 @@ REFUSED = {
     "heads-over-another-axis": (_flash((HEADS, P(None, None, "dp"), P(None, None, "dp"))),
                                 "cuts the heads of query over 'tp' but of key over 'dp'"),
     "batch-of-q-only": (_flash((P("dp"), P(), P("dp"))), "cuts the batch of query over 'dp' but of key over None"),
-    "sequence": (_flash(P(None, "tp")), ("cuts the sequence axis of query over mesh axis 'tp': a plain op needs "
-                                         "whole sequences on every device; sequence parallelism is ring attention "
-                                         "(`ring_attention`, planned, not yet available)")),
-    "sequence-of-kv": (_flash((P(), P(None, "dp"), P(None, "dp"))), "cuts the sequence axis of key"),
+    "sequence-over-two-axes": (_flash(P(None, ("dp", "tp"))), "cuts the sequence over mesh axes ('dp', 'tp'): ring "
+                                                              "attention runs over one mesh axis"),
+    "sequence-of-kv": (_flash((P(), P(None, "dp"), P(None, "dp"))),
+                       "cuts the sequence of query over None but of key over 'dp'"),
     "head_dim": (_flash(P(None, None, None, "tp")), "cuts head_dim of query over mesh axis 'tp'"),
     "axis-twice": (_flash(P("tp", None, "tp")), "in_specs for query uses a mesh axis twice"),
     "heads-not-divisible": (_flash(HEADS, heads=6, kv_heads=6),
@@ -96,9 +96,10 @@ REFUSED = {
                      "the spec's score or mask reads the head index h as a number (zoo/alibi_fixed_attention.yaml)"),
     "mask_fn-over-heads": (lambda: flash_attention(*_qkv(), mesh=MESH, in_specs=HEADS, block_mask=_mask_fn()),
                            "block_mask has a mask_fn over 1 batch rows x 8 heads"),
-    "blocksparse-sequence": (lambda: blocksparse_attention(*(x.swapaxes(1, 2) for x in _qkv()), mesh=MESH,
-                                                           in_specs=P(None, None, "tp")),
-                             "blocksparse_attention(): in_specs cuts the sequence axis of query over mesh axis 'tp'"),
+    "blocksparse-sequence-layouts": (lambda: blocksparse_attention(*(x.swapaxes(1, 2) for x in _qkv()), mesh=MESH,
+                                                                   qkv_layouts=jnp.ones((2, 2), bool),
+                                                                   in_specs=P(None, None, "tp")),
+                                     "blocksparse_attention(): block_mask cannot be combined with ring attention"),
 }
 
 

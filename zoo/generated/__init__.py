@@ -37,24 +37,29 @@
   direction, then logarithmic up to max_distance) with a learnable table of one bias per head and bucket.
 """
 
-from .alibi_fixed_attention import alibi_fixed_attention
-from .causal_attention import causal_attention
-from .chunked_local_attention import chunked_local_attention
-from .dilated_window_attention import dilated_window_attention
-from .document_attention import document_attention
-from .flamingo_cross_attention import flamingo_cross_attention
-from .gemma2_attention import gemma2_attention
-from .gemma3_local_attention import gemma3_local_attention
-from .gpt_oss_attention import gpt_oss_attention
-from .natten_1d_attention import natten_1d_attention
-from .natten_2d_attention import natten_2d_attention
-from .paligemma_prefix_attention import paligemma_prefix_attention
-from .sink_window_attention import sink_window_attention
-from .sliding_tile_attention import sliding_tile_attention
-from .sliding_window_attention import sliding_window_attention
-from .t5_relative_attention import t5_relative_attention
+from .alibi_fixed_attention import alibi_fixed_attention, alibi_fixed_attention_ring
+from .causal_attention import causal_attention, causal_attention_ring
+from .chunked_local_attention import chunked_local_attention, chunked_local_attention_ring
+from .dilated_window_attention import dilated_window_attention, dilated_window_attention_ring
+from .document_attention import document_attention, document_attention_ring
+from .flamingo_cross_attention import flamingo_cross_attention, flamingo_cross_attention_ring
+from .gemma2_attention import gemma2_attention, gemma2_attention_ring
+from .gemma3_local_attention import gemma3_local_attention, gemma3_local_attention_ring
+from .gpt_oss_attention import gpt_oss_attention, gpt_oss_attention_ring
+from .natten_1d_attention import natten_1d_attention, natten_1d_attention_ring
+from .natten_2d_attention import natten_2d_attention, natten_2d_attention_ring
+from .paligemma_prefix_attention import paligemma_prefix_attention, paligemma_prefix_attention_ring
+from .sink_window_attention import sink_window_attention, sink_window_attention_ring
+from .sliding_tile_attention import sliding_tile_attention, sliding_tile_attention_ring
+from .sliding_window_attention import sliding_window_attention, sliding_window_attention_ring
+from .t5_relative_attention import t5_relative_attention, t5_relative_attention_ring
 
-__all__ = ["alibi_fixed_attention", "causal_attention", "chunked_local_attention", "dilated_window_attention",
-           "document_attention", "flamingo_cross_attention", "gemma2_attention", "gemma3_local_attention",
-           "gpt_oss_attention", "natten_1d_attention", "natten_2d_attention", "paligemma_prefix_attention",
-           "sink_window_attention", "sliding_tile_attention", "sliding_window_attention", "t5_relative_attention"]
+__all__ = ["alibi_fixed_attention", "alibi_fixed_attention_ring", "causal_attention", "causal_attention_ring",
+           "chunked_local_attention", "chunked_local_attention_ring", "dilated_window_attention",
+           "dilated_window_attention_ring", "document_attention", "document_attention_ring", "flamingo_cross_attention",
+           "flamingo_cross_attention_ring", "gemma2_attention", "gemma2_attention_ring", "gemma3_local_attention",
+           "gemma3_local_attention_ring", "gpt_oss_attention", "gpt_oss_attention_ring", "natten_1d_attention",
+           "natten_1d_attention_ring", "natten_2d_attention", "natten_2d_attention_ring", "paligemma_prefix_attention",
+           "paligemma_prefix_attention_ring", "sink_window_attention", "sink_window_attention_ring",
+           "sliding_tile_attention", "sliding_tile_attention_ring", "sliding_window_attention",
+           "sliding_window_attention_ring", "t5_relative_attention", "t5_relative_attention_ring"]

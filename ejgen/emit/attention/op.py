@@ -45,6 +45,20 @@ def _docstring(plan: AttentionPlan, common: dict, signature: list[str]) -> str:
     return "\n".join(lines).rstrip()
 
 
+def _ring_docstring(plan: AttentionPlan, common: dict) -> str:
+    name = plan.variant.name
+    text = (f"Ring attention form of `{name}` (docs/DESIGN.md §3, Ring attention): called inside jax.shard_map with "
+            f"the sequence cut over mesh axis `axis_name` (query, key and value: this device's rows), or on global "
+            f"arrays under a mesh context (`with jax.set_mesh(mesh):`), which it cuts over that axis itself. "
+            f"Key/value blocks travel the ring (ppermute), partial results merge by lse in float32; on contiguous "
+            f"shards the result is `{name}`'s on the whole sequence.\n\n"
+            f"token_order: 'contiguous' (device d holds positions [d n, (d + 1) n)) or 'zigzag' (two chunks per "
+            f"device, d and 2N - 1 - d: causal work balanced; lay inputs out with ejgen.ops.ring_permute). Keyword "
+            f"arguments as `{name}`'s, without the mesh wrapper's; a ring does not take bias, block_mask, "
+            f"positions, cu_seqlens or a dense attention_mask.")
+    return "\n\n".join(textwrap.fill(p, WIDTH - 8) for p in text.split("\n\n"))
+
+
 def _feature_settings(plan: AttentionPlan) -> str:
     items = []
     for f in plan.variant.features:
@@ -56,9 +70,11 @@ def _feature_settings(plan: AttentionPlan) -> str:
 def emit(plan: AttentionPlan, backends: list[str], common: dict, render: Callable[..., str]) -> dict[str, str]:
     """``{path: text}`` of the op's folder; ``render(template, **context)`` fills one template."""
     v = plan.variant
-    signature = [a.name if a.default is None else f"{a.name}={a.default}" for a in plan.arguments if a.in_signature]
+    signed = [a for a in plan.arguments if a.in_signature]
+    signature = [a.name if a.default is None else f"{a.name}={a.default}" for a in signed]
     files = {
-        f"{v.name}/__init__.py": render("glue/op_init.py.j2", **common, extra=decode_names(plan)),
+        f"{v.name}/__init__.py": render("glue/op_init.py.j2", **common, from_op=[f"{v.name}_ring"],
+                                            extra=decode_names(plan)),
         f"{v.name}/op.py": render(
             "attention/op.py.j2",
             **common,
@@ -73,6 +89,9 @@ def emit(plan: AttentionPlan, backends: list[str], common: dict, render: Callabl
             prepare_args=[(a.name, a.passed) for a in plan.arguments if a.passed is not None],
             passed_on=[a.name for a in plan.arguments if a.in_signature and a.feature != "mesh"],
             index_reads=plan.index_reads(),
+            position_reads=tuple(sorted(plan.names_used() & {"q_idx", "kv_idx", "q_len", "kv_len"})),
+            ring_signature=[s for a, s in zip(signed, signature) if a.feature != "mesh"],
+            ring_docstring=_ring_docstring(plan, common),
             params=[{"name": p.name, "shape": repr(tuple(p.shape)), "dtype": p.dtype} for p in v.params],
             options=[{"name": o.name, "type": o.type} for o in v.options],
         ),
@@ -131,6 +150,11 @@ DECODE_MODES = {
 def decode_modes(plan: AttentionPlan) -> list[dict]:
     """The decode modes the spec lists, in DECODE_MODES order (each one's template data)."""
     return [DECODE_MODES[m] for m in DECODE_MODES if m in plan.variant.modes]
+
+
+def exports(plan: AttentionPlan) -> list[str]:
+    """The op's further functions its package exports: its ring form, then its decode modes."""
+    return [f"{plan.variant.name}_ring"] + decode_names(plan)
 
 
 def decode_names(plan: AttentionPlan) -> list[str]:

@@ -36,6 +36,9 @@ class SpecInfo:
     layout: str = "bshd"  # the caller's tensor layout: [B, S, H, D] or "bhsd" [B, H, S, D] (docs/DESIGN.md §2)
     params: dict = dataclasses.field(default_factory=dict)  # param -> its shape's dims (names or ints)
     index_reads: tuple = ()  # "b" / "h" where score or mask read them as numbers (not a param's own index)
+    param_dtypes: dict = dataclasses.field(default_factory=dict)  # param -> its dtype's name
+    options: dict = dataclasses.field(default_factory=dict)  # option -> its type ("int", "float", "bool")
+    position_reads: tuple = ()  # q_idx, kv_idx, q_len, kv_len where score or mask read them (ring attention)
 
     @property
     def accepted(self) -> tuple:

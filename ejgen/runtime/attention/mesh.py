@@ -4,12 +4,14 @@ op under ``jax.shard_map`` over ``mesh`` (docs/DESIGN.md §4, Transformations).
 The convention. ``in_specs`` are the PartitionSpecs of (query, key, value) in the op's own layout (``[B, S, H, D]``,
 ``[B, H, S, D]`` for a ``bhsd`` spec, ``[T, H, D]`` under varlen); one PartitionSpec stands for all three. Only
 batch and heads may be cut, over the same mesh axes in all three (query head h reads key/value head h // G, so a
-device holding a slice of query heads needs the matching slice of key/value heads). A cut sequence is ring
-attention (planned); a cut head_dim would split the q·k contraction. Every other tensor argument is cut as query:
+device holding a slice of query heads needs the matching slice of key/value heads). A sequence cut over one mesh
+axis (the same for all three) runs the op's ring form (`ring.py`) over that axis, with contiguous shards; segment ids
+are cut with it. A cut head_dim would split the q·k contraction. Every other tensor argument is cut as query:
 its batch dim over query's batch axes and its head dim over query's head axes where it has the full extent
 (bias, dense masks, segment ids, positions, block masks, sinks, params with ``batch`` / ``heads`` / ``kv_heads``
 dims), and is replicated otherwise (broadcast dims of 1, cu_seqlens, options, scalars). The output is cut as
-query and lse ``[B, Hq, Sq]`` over (batch, heads); ``out_specs`` may be left out, and when given must say that.
+query and lse ``[B, Hq, Sq]`` over (batch, heads, sequence); ``out_specs`` may be left out, and when given must say
+that.
 Inside the map each device runs the op on its shards; a replicated param's gradient is the sum over devices.
 """
 
@@ -21,6 +23,7 @@ import math
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ejgen.runtime.attention import ring as ring_form
 from ejgen.runtime.core import vma
 from ejgen.types import BlockMask, MaskInfo
 from ejgen.types import block_mask as bm
@@ -33,12 +36,13 @@ _LAYOUT_TEXT = {"bshd": "[batch, seq, heads, head_dim]", "bhsd": "[batch, heads,
 
 @dataclasses.dataclass(frozen=True)
 class Cut:
-    """How a call is cut over the mesh: the mesh axes of batch and of heads (tuples of names, () when not cut) and
-    the call's global extents (batch, heads, kv_heads)."""
+    """How a call is cut over the mesh: the mesh axes of batch, heads and the sequence (tuples of names, () when not
+    cut; a cut sequence runs the ring) and the call's global extents (batch, heads, kv_heads)."""
 
     batch: tuple
     heads: tuple
     sizes: dict
+    sequence: tuple = ()
 
     def spec(self, *roles, shape) -> P:
         """The spec of an array whose dims play ``roles`` ("batch", "heads", "kv_heads" or None): a dim is cut
@@ -50,9 +54,10 @@ class Cut:
         return P(*entries)
 
 
-def on_mesh(spec, op, query, key, value, kwargs: dict, mesh, in_specs, out_specs):
+def on_mesh(spec, op, query, key, value, kwargs: dict, mesh, in_specs, out_specs, ring=None):
     """``op(query, key, value, **kwargs)`` under ``jax.shard_map`` over ``mesh``, cut as ``in_specs`` say (the
-    convention above); each problem with the mesh or the specs is a ValueError that names it."""
+    convention above); with the sequence cut, ``ring(query, key, value, axis_name=..., **kwargs)`` instead (the op's
+    ring form). Each problem with the mesh or the specs is a ValueError that names it."""
     name = spec.name
     if mesh is None:
         raise ValueError(f"{name}(): in_specs / out_specs were given without mesh=; pass the jax.sharding.Mesh to "
@@ -73,13 +78,15 @@ def on_mesh(spec, op, query, key, value, kwargs: dict, mesh, in_specs, out_specs
         if x.ndim != rank:
             raise ValueError(f"{name}(): {t} must be {_LAYOUT_TEXT[layout]}, got {x.dtype}{list(x.shape)}")
     specs = _in_specs(name, mesh, in_specs, rank)
-    cut = _cut(spec, mesh, layout, tensors, specs)
+    cut = _cut(spec, mesh, layout, tensors, specs, ring is not None)
     arrays, static, array_specs = {}, {}, {}
     for arg, x in kwargs.items():
         if isinstance(x, (MaskInfo, BlockMask)) or (hasattr(x, "shape") and hasattr(x, "dtype")):
             arrays[arg], array_specs[arg] = _argument_spec(spec, cut, arg, x)
         else:
             static[arg] = x
+    if cut.sequence:
+        ring_form.refuse(f"{name}()", spec, kwargs)
     out, lse = _result_specs(layout, cut)
     want = (out, lse) if kwargs["return_lse"] else out
     if out_specs is not None:
@@ -90,6 +97,8 @@ def on_mesh(spec, op, query, key, value, kwargs: dict, mesh, in_specs, out_specs
                              f"leave out_specs out to have it derived")
 
     def body(q, k, v, arrays):
+        if cut.sequence:
+            return ring(q, k, v, axis_name=cut.sequence[0], **static, **arrays)
         return op(q, k, v, **static, **arrays)
 
     qkv_specs = tuple(P(*(_entry(axes) for axes in dims)) for dims in specs)
@@ -141,29 +150,31 @@ def _in_specs(name, mesh, in_specs, rank) -> tuple:
     return tuple(found)
 
 
-def _cut(spec, mesh, layout, tensors, specs) -> Cut:
+def _cut(spec, mesh, layout, tensors, specs, has_ring: bool) -> Cut:
     """Check the specs against the call (what may be cut, the same cut for q, k and v, divisibility) and say how
     it is cut."""
     name = spec.name
     b_dim, s_dim, h_dim, d_dim = _DIMS[layout]
     for t, dims in zip(tensors, specs):
-        if dims[s_dim]:
-            what = "token axis" if layout == "varlen" else "sequence axis"
+        if dims[s_dim] and (layout == "varlen" or not has_ring):
+            what, why = (("token axis", "varlen packs sequences along it (ring attention takes segment ids)")
+                         if layout == "varlen" else ("sequence axis", "this op has no ring form"))
             raise ValueError(f"{name}(): in_specs cuts the {what} of {t} over mesh axis {_entry(dims[s_dim])!r}: a "
-                             f"plain op needs whole sequences on every device; sequence parallelism is ring "
-                             f"attention (`ring_attention`, planned, not yet available). Cut batch or heads.")
+                             f"plain op needs whole sequences on every device, and {why}. Cut batch or heads.")
         if dims[d_dim]:
             raise ValueError(f"{name}(): in_specs cuts head_dim of {t} over mesh axis {_entry(dims[d_dim])!r}: the "
                              f"head dim is contracted whole (q·k, p·v). Cut batch or heads.")
     q, k, v = specs
-    for what, dim in (("batch", b_dim), ("heads", h_dim)):
+    for what, dim in (("batch", b_dim), ("heads", h_dim), ("sequence", s_dim)):
         if dim is None:
             continue
         for t, dims in (("key", k), ("value", v)):
             if dims[dim] != q[dim]:
+                why = ("query head h reads key/value head h // (Hq // Hkv)" if what != "sequence" else
+                       "ring attention passes key/value blocks around the query's ring")
                 raise ValueError(f"{name}(): in_specs cuts the {what} of query over {_entry(q[dim])!r} but of {t} over "
                                  f"{_entry(dims[dim])!r}: query, key and value must be cut over the same mesh axes "
-                                 f"(query head h reads key/value head h // (Hq // Hkv))")
+                                 f"({why})")
     batch_axes = q[b_dim] if b_dim is not None else ()
     head_axes = q[h_dim]
     query, key = tensors["query"], tensors["key"]
@@ -183,13 +194,21 @@ def _cut(spec, mesh, layout, tensors, specs) -> Cut:
             raise ValueError(f"{name}(): in_specs cuts the {role}s over mesh axis {_entry(axes)!r}, but the spec's "
                              f"score or mask reads the {role} index {index} as a number ({spec.path}): every device "
                              f"would count its own {role}s from 0. Cut the other axis only.")
-    return Cut(batch_axes, head_axes, sizes)
+    sequence = q[s_dim]
+    if len(sequence) > 1:
+        raise ValueError(f"{name}(): in_specs cuts the sequence over mesh axes {_entry(sequence)!r}: ring attention "
+                         f"runs over one mesh axis")
+    for t, x in tensors.items():
+        if sequence and x.shape[s_dim] % devices(sequence):
+            raise ValueError(f"{name}(): the sequence of {t} ({x.shape[s_dim]}) cannot be cut evenly over mesh axis "
+                             f"{_entry(sequence)!r} ({devices(sequence)} devices)")
+    return Cut(batch_axes, head_axes, sizes, sequence)
 
 
 def _argument_spec(spec, cut: Cut, arg: str, x):
     """(the argument, maybe broadcast, and its spec) for a tensor argument besides query, key and value."""
     if isinstance(x, MaskInfo):
-        ids = lambda a: None if a is None else cut.spec("batch", None, shape=a.shape)  # noqa: E731
+        ids = lambda a: None if a is None else _with_sequence(cut.spec("batch", None, shape=a.shape), cut)  # noqa: E731
         dense = None if x.attention_mask is None else cut.spec("batch", "heads", shape=x.attention_mask.shape)
         return x, MaskInfo(ids(x.q_segment_ids), ids(x.kv_segment_ids), dense)
     if isinstance(x, BlockMask):
@@ -208,6 +227,11 @@ def _argument_spec(spec, cut: Cut, arg: str, x):
             x = jnp.broadcast_to(x[None], (heads, x.shape[0]))  # that a device's n never reads as per-head
         return x, cut.spec("heads", None, shape=x.shape)
     return x, P()  # cu_seqlens, options and scalars given as arrays: the same on every device
+
+
+def _with_sequence(spec: P, cut: Cut) -> P:
+    """Segment ids [batch, seq] cut along the sequence as query is (ring attention: each device its tokens' ids)."""
+    return P(spec[0] if len(spec) else None, _entry(cut.sequence)) if cut.sequence else spec
 
 
 def _block_mask_spec(spec, cut: Cut, mask: BlockMask) -> BlockMask:
@@ -234,9 +258,9 @@ def _block_mask_spec(spec, cut: Cut, mask: BlockMask) -> BlockMask:
 
 
 def _result_specs(layout, cut: Cut) -> tuple:
-    b, h = _entry(cut.batch), _entry(cut.heads)
-    out = {"bshd": P(b, None, h, None), "bhsd": P(b, h, None, None), "varlen": P(None, h, None)}[layout]
-    lse = P(h, None) if layout == "varlen" else P(b, h, None)
+    b, h, s = _entry(cut.batch), _entry(cut.heads), _entry(cut.sequence)
+    out = {"bshd": P(b, s, h, None), "bhsd": P(b, h, s, None), "varlen": P(None, h, None)}[layout]
+    lse = P(h, None) if layout == "varlen" else P(b, h, s)
     return out, lse
 
 

@@ -269,6 +269,8 @@ class XlaAttention:
         f32 = jnp.float32
         delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1) - d_lse
         lse_safe = jnp.where(lse == NEG_INF, 0.0, lse)
+        if kinds is None and self.hooks.runtime_mask(cfg):  # not from a forward of this call (ring attention's steps)
+            kinds = self._block_kinds(q, k, ctx, cfg, block_q, block_k)
         kinds_t = None if kinds is None else kinds.T
         axes = vma.varying_axes(q, k, v, ctx, d_out)
 

@@ -20,7 +20,8 @@ import inspect
 import jax
 
 
-def _typeof(x):
+def typeof(x):
+    """``x``'s abstract value (its type: shape, dtype, sharding, varying axes)."""
     typeof = getattr(jax, "typeof", None)
     return typeof(x) if typeof is not None else jax.core.get_aval(x)
 
@@ -28,7 +29,7 @@ def _typeof(x):
 def _axes_of_one(x) -> frozenset:
     if x is None or not hasattr(x, "dtype"):
         return frozenset()
-    aval = _typeof(x)
+    aval = typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
         return frozenset(mat.varying)

@@ -2,6 +2,6 @@
 # spec sha256 721bc0ba0410a52462dd0c8f68d6f965de2eb193be330efd5aecc6a887446870
 """ALiBi with its fixed geometric slopes, 2 ** (-8 (h + 1) / num_heads) for head h, times the distance."""
 
-from .op import alibi_fixed_attention
+from .op import alibi_fixed_attention, alibi_fixed_attention_ring
 
-__all__ = ["alibi_fixed_attention"]
+__all__ = ["alibi_fixed_attention", "alibi_fixed_attention_ring"]

@@ -2,6 +2,6 @@
 # spec sha256 a2e09df6497eb821dee50f3a17786b14b246f95d736ff44aaca99f95b7bbee09
 """Causal attention, the decoder default: each query sees the keys up to its own position."""
 
-from .op import causal_attention
+from .op import causal_attention, causal_attention_ring
 
-__all__ = ["causal_attention"]
+__all__ = ["causal_attention", "causal_attention_ring"]

@@ -2,6 +2,6 @@
 # spec sha256 ab3b144ea42bc17ec9019ce9a37cac8e57d5ea2f712930a9f106f0a2be654cf8
 """Llama 4's chunked local attention: causal within chunks of chunk tokens, nothing across them."""
 
-from .op import chunked_local_attention
+from .op import chunked_local_attention, chunked_local_attention_ring
 
-__all__ = ["chunked_local_attention"]
+__all__ = ["chunked_local_attention", "chunked_local_attention_ring"]

@@ -2,6 +2,6 @@
 # spec sha256 c956367aeb9ba9de1d23cc68f658ebdb98cae70d9bf93d5c41892cb7530a5d04
 """Dilated sliding window: every dilation-th key of the window (Longformer's dilated heads)."""
 
-from .op import dilated_window_attention
+from .op import dilated_window_attention, dilated_window_attention_ring
 
-__all__ = ["dilated_window_attention"]
+__all__ = ["dilated_window_attention", "dilated_window_attention_ring"]

@@ -3,6 +3,6 @@
 """Packed documents: causal attention within each document of a packed sequence, given as segment ids
 (`MaskInfo.from_segments`; negative ids are padding)."""
 
-from .op import document_attention
+from .op import document_attention, document_attention_ring
 
-__all__ = ["document_attention"]
+__all__ = ["document_attention", "document_attention_ring"]

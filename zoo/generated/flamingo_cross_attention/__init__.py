@@ -4,6 +4,6 @@
 image_tokens per image, one image after another) of the latest image before them; latest[b, i] is that image's number
 for text token i (negative: no image yet, the row sees nothing and gives zeros)."""
 
-from .op import flamingo_cross_attention
+from .op import flamingo_cross_attention, flamingo_cross_attention_ring
 
-__all__ = ["flamingo_cross_attention"]
+__all__ = ["flamingo_cross_attention", "flamingo_cross_attention_ring"]

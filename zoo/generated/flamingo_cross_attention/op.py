@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from ejgen.runtime.attention import api as _attention
 from ejgen.runtime.attention import mesh as _mesh
+from ejgen.runtime.attention import ring as _ring
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -61,6 +62,13 @@ SPEC = _attention.SpecInfo(
     params={
         "latest": ('batch', 'q_len'),
     },
+    param_dtypes={
+        "latest": "int32",
+    },
+    options={
+        "image_tokens": "int",
+    },
+    position_reads=('kv_idx', 'q_idx'),
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
 
@@ -125,7 +133,7 @@ def flamingo_cross_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs)
+        ), mesh, in_specs, out_specs, ring=flamingo_cross_attention_ring)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,
@@ -142,3 +150,52 @@ def flamingo_cross_attention(
     q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)
+
+
+def flamingo_cross_attention_ring(
+    query,
+    key,
+    value,
+    *,
+    axis_name,
+    token_order="contiguous",
+    latest,
+    image_tokens=64,
+    softmax_scale=None,
+    deterministic=None,
+    platform="auto",
+    return_lse=False,
+    **unsupported,
+):
+    """Ring attention form of `flamingo_cross_attention` (docs/DESIGN.md §3, Ring attention): called inside
+    jax.shard_map with the sequence cut over mesh axis `axis_name` (query, key and value: this device's rows), or on
+    global arrays under a mesh context (`with jax.set_mesh(mesh):`), which it cuts over that axis itself. Key/value
+    blocks travel the ring (ppermute), partial results merge by lse in float32; on contiguous shards the result is
+    `flamingo_cross_attention`'s on the whole sequence.
+
+    token_order: 'contiguous' (device d holds positions [d n, (d + 1) n)) or 'zigzag' (two chunks per device, d and
+    2N - 1 - d: causal work balanced; lay inputs out with ejgen.ops.ring_permute). Keyword arguments as
+    `flamingo_cross_attention`'s, without the mesh wrapper's; a ring does not take bias, block_mask, positions,
+    cu_seqlens or a dense attention_mask."""
+    _ring.reject_unsupported(SPEC, unsupported)
+    return _ring.attention(
+        SPEC,
+        BACKENDS,
+        query,
+        key,
+        value,
+        axis_name=axis_name,
+        token_order=token_order,
+        features=dict(
+            softmax_scale=softmax_scale,
+        ),
+        params=dict(
+            latest=latest,
+        ),
+        options=dict(
+            image_tokens=image_tokens,
+        ),
+        deterministic=deterministic,
+        platform=platform,
+        return_lse=return_lse,
+    )

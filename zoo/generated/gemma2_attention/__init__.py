@@ -2,6 +2,6 @@
 # spec sha256 2c04d7d5c2fbd8ead6571f9f3d48d46912dbe0d26977eecd4e71d16e552f1045
 """Gemma 2's layers: causal, logits soft-capped at 50, a sliding window on the local layers (at run time)."""
 
-from .op import gemma2_attention
+from .op import gemma2_attention, gemma2_attention_ring
 
-__all__ = ["gemma2_attention"]
+__all__ = ["gemma2_attention", "gemma2_attention_ring"]

@@ -2,6 +2,6 @@
 # spec sha256 a5808fb663cf6ef19180d8815826580718dcb425a75b75bcf9ca1f726c9e0bc0
 """Gemma 3's local layers: causal attention over a window of 1024 tokens, logits soft-capped (the cap an argument)."""
 
-from .op import gemma3_local_attention
+from .op import gemma3_local_attention, gemma3_local_attention_ring
 
-__all__ = ["gemma3_local_attention"]
+__all__ = ["gemma3_local_attention", "gemma3_local_attention_ring"]

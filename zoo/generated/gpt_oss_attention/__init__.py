@@ -2,6 +2,6 @@
 # spec sha256 03f452373399b72b832f7487524158b29ba8e51bf8635b35ede51d1413b83f57
 """gpt-oss's sliding-window layers: causal, a window of 128 tokens, and a learned sink logit per head."""
 
-from .op import gpt_oss_attention
+from .op import gpt_oss_attention, gpt_oss_attention_ring
 
-__all__ = ["gpt_oss_attention"]
+__all__ = ["gpt_oss_attention", "gpt_oss_attention_ring"]

@@ -3,6 +3,6 @@
 """NATTEN's 1-D neighbourhood attention: each query sees the kernel keys nearest to it, the window shifted inward at the
 ends of the sequence, so every query sees kernel keys."""
 
-from .op import natten_1d_attention
+from .op import natten_1d_attention, natten_1d_attention_ring
 
-__all__ = ["natten_1d_attention"]
+__all__ = ["natten_1d_attention", "natten_1d_attention_ring"]

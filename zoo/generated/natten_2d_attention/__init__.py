@@ -3,6 +3,6 @@
 """NATTEN's 2-D neighbourhood attention over tokens laid out row by row on a grid of width columns: each query sees the
 kernel x kernel neighbourhood around its cell, shifted inward at the grid's edges."""
 
-from .op import natten_2d_attention
+from .op import natten_2d_attention, natten_2d_attention_ring
 
-__all__ = ["natten_2d_attention"]
+__all__ = ["natten_2d_attention", "natten_2d_attention_ring"]

@@ -3,6 +3,6 @@
 """PaliGemma-style prefix: the first image_tokens tokens (the image) attend to each other both ways, every other token
 attends causally (to the image and the earlier text)."""
 
-from .op import paligemma_prefix_attention
+from .op import paligemma_prefix_attention, paligemma_prefix_attention_ring
 
-__all__ = ["paligemma_prefix_attention"]
+__all__ = ["paligemma_prefix_attention", "paligemma_prefix_attention_ring"]

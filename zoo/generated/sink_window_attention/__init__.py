@@ -2,6 +2,6 @@
 # spec sha256 f2cb1f1d759acf262614e99abccd56be8687d4d76c1843319b6d59dbd090c32d
 """StreamingLLM: causal attention to the first sink_tokens tokens and a window of the window latest ones."""
 
-from .op import sink_window_attention
+from .op import sink_window_attention, sink_window_attention_ring
 
-__all__ = ["sink_window_attention"]
+__all__ = ["sink_window_attention", "sink_window_attention_ring"]

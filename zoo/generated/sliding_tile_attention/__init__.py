@@ -4,6 +4,6 @@
 grid_h x grid_w tiles per frame; a query sees the keys of the tiles within radius_t, radius_h, radius_w tiles of its
 own along each axis."""
 
-from .op import sliding_tile_attention
+from .op import sliding_tile_attention, sliding_tile_attention_ring
 
-__all__ = ["sliding_tile_attention"]
+__all__ = ["sliding_tile_attention", "sliding_tile_attention_ring"]

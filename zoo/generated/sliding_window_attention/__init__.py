@@ -3,6 +3,6 @@
 """Causal sliding-window attention (Mistral): each query sees its own position and the sliding_window[0] keys before it;
 the window is an argument (a traced value: changing it never recompiles)."""
 
-from .op import sliding_window_attention
+from .op import sliding_window_attention, sliding_window_attention_ring
 
-__all__ = ["sliding_window_attention"]
+__all__ = ["sliding_window_attention", "sliding_window_attention_ring"]

@@ -3,6 +3,6 @@
 """T5's relative-position buckets (bidirectional, 32 buckets: 8 exact distances per direction, then logarithmic up to
 max_distance) with a learnable table of one bias per head and bucket."""
 
-from .op import t5_relative_attention
+from .op import t5_relative_attention, t5_relative_attention_ring
 
-__all__ = ["t5_relative_attention"]
+__all__ = ["t5_relative_attention", "t5_relative_attention_ring"]

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from ejgen.runtime.attention import api as _attention
 from ejgen.runtime.attention import mesh as _mesh
+from ejgen.runtime.attention import ring as _ring
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -66,6 +67,13 @@ SPEC = _attention.SpecInfo(
     params={
         "table": ('heads', 32),
     },
+    param_dtypes={
+        "table": "float32",
+    },
+    options={
+        "max_distance": "int",
+    },
+    position_reads=('kv_idx', 'q_idx'),
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
 
@@ -132,7 +140,7 @@ def t5_relative_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs)
+        ), mesh, in_specs, out_specs, ring=t5_relative_attention_ring)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,
@@ -150,3 +158,54 @@ def t5_relative_attention(
     q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)
+
+
+def t5_relative_attention_ring(
+    query,
+    key,
+    value,
+    *,
+    axis_name,
+    token_order="contiguous",
+    table,
+    causal=False,
+    max_distance=128,
+    softmax_scale=None,
+    deterministic=None,
+    platform="auto",
+    return_lse=False,
+    **unsupported,
+):
+    """Ring attention form of `t5_relative_attention` (docs/DESIGN.md §3, Ring attention): called inside jax.shard_map
+    with the sequence cut over mesh axis `axis_name` (query, key and value: this device's rows), or on global arrays
+    under a mesh context (`with jax.set_mesh(mesh):`), which it cuts over that axis itself. Key/value blocks travel
+    the ring (ppermute), partial results merge by lse in float32; on contiguous shards the result is
+    `t5_relative_attention`'s on the whole sequence.
+
+    token_order: 'contiguous' (device d holds positions [d n, (d + 1) n)) or 'zigzag' (two chunks per device, d and
+    2N - 1 - d: causal work balanced; lay inputs out with ejgen.ops.ring_permute). Keyword arguments as
+    `t5_relative_attention`'s, without the mesh wrapper's; a ring does not take bias, block_mask, positions,
+    cu_seqlens or a dense attention_mask."""
+    _ring.reject_unsupported(SPEC, unsupported)
+    return _ring.attention(
+        SPEC,
+        BACKENDS,
+        query,
+        key,
+        value,
+        axis_name=axis_name,
+        token_order=token_order,
+        features=dict(
+            causal=causal,
+            softmax_scale=softmax_scale,
+        ),
+        params=dict(
+            table=table,
+        ),
+        options=dict(
+            max_distance=max_distance,
+        ),
+        deterministic=deterministic,
+        platform=platform,
+        return_lse=return_lse,
+    )

@@ -1,0 +1,672 @@
+"""Ring attention: train-mode attention with the sequence cut over a mesh axis (docs/DESIGN.md §3, "Ring
+attention"). The runtime of every op's ring form (`<name>_ring`, `ejgen.ops.ring_attention`) and of the mesh
+wrapper when it cuts the sequence.
+
+Inside ``jax.shard_map`` each of the N devices of the axis holds n query rows and n key/value rows. Key/value blocks
+travel the ring with ``jax.lax.ppermute`` (only the Hkv heads: GQA blocks are never repeated), one hop per step, the
+next hop issued before the step's kernels so that the transfer overlaps them; each step runs the op's own per-device
+kernels on the local queries against the block it holds and merges the partial result by its lse, in float32. The
+backward is a second ring: dQ stays home, dK/dV accumulators (float32) travel with their blocks, every step's
+kernels use the global lse, and the accumulators go home at the end.
+
+What a step computes is decided once, statically, per (device, step, pair of query and key chunks) as a *kind*:
+- ``SKIP``: no key of the block is visible to the chunk (causal, the window): nothing runs;
+- ``FULL``: every pair passes causal and the window: the kernels with neither (segment ids and the spec's own
+  mask still apply), so the Hopper set stays eligible;
+- ``DIAGONAL``: the chunk against its own keys: the call's causal / window as they are;
+- ``PLACED``: anything else (a window that cuts the block, a spec whose score or mask reads q_idx / kv_idx): the
+  kernels with explicit positions, the tokens' global ones.
+Steps that no device needs are not taken (a window reaches few blocks). Sinks join once, in the final merge.
+
+Token orders (``token_order``): ``contiguous`` (device d holds positions [d n, (d + 1) n)) and ``zigzag`` (the
+sequence in 2N chunks of n / 2; device d holds chunks d and 2N - 1 - d, so every device has the same causal work:
+the first step is one causal call, and every later step two full, unmasked c x c blocks). ``ring_permute`` /
+``ring_unpermute`` lay a global sequence out in an order and back; ``ring_positions`` gives each row's position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ejgen.runtime.attention import api
+from ejgen.runtime.core import vma
+from ejgen.types import MaskInfo
+
+TOKEN_ORDERS = ("contiguous", "zigzag")
+SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
+KIND_NAMES = ("skip", "full", "diagonal", "placed")
+NEG_INF = float("-inf")
+
+# Arguments of the op that a ring call does not take (yet), and why
+_REFUSED = {
+    "bias": "a bias [B, H, Sq, Sk] would have to travel with its key columns",
+    "block_mask": "block masks are tiled over the whole sequence, not per shard",
+    "q_positions": "explicit positions: the ring places tokens itself (token_order)",
+    "kv_positions": "explicit positions: the ring places tokens itself (token_order)",
+    "cu_seqlens_q": "varlen (cu_seqlens) packs sequences along the axis the ring cuts; use segment ids instead",
+    "cu_seqlens_k": "varlen (cu_seqlens) packs sequences along the axis the ring cuts; use segment ids instead",
+}
+
+
+# Token orders --------------------------------------------------------------------------------------------------
+
+def _check_order(name: str, order) -> str:
+    if order not in TOKEN_ORDERS:
+        raise ValueError(f"{name}: token_order must be one of {', '.join(TOKEN_ORDERS)}, got {order!r}")
+    return order
+
+
+def device_positions(order: str, devices: int, n: int, device, xp=np):
+    """int32 [n]: the global positions of the n rows a device holds (``device`` an int, or traced with xp=jnp)."""
+    i = xp.arange(n, dtype=xp.int32)
+    if order == "contiguous":
+        return device * n + i
+    c = n // 2
+    return xp.where(i < c, device * c + i, (2 * devices - 1 - device) * c + i - c).astype(xp.int32)
+
+
+def ring_positions(length: int, devices: int, token_order: str = "zigzag") -> np.ndarray:
+    """int32 [length]: the global position of each row of a sequence laid out in ``token_order`` for ``devices``
+    devices (row r of the laid-out sequence holds token ``positions[r]``; device d gets rows [d n, (d + 1) n))."""
+    _check_order("ring_positions", token_order)
+    parts = 2 * devices if token_order == "zigzag" else devices
+    if not (isinstance(length, int) and isinstance(devices, int)) or devices < 1 or length % parts:
+        raise ValueError(f"ring_positions: a sequence of {length} tokens cannot be cut into {parts} equal "
+                         f"{'chunks (zigzag: two per device)' if token_order == 'zigzag' else 'shards'}")
+    n = length // devices
+    return np.concatenate([device_positions(token_order, devices, n, d) for d in range(devices)])
+
+
+def ring_permute(x, devices: int, *, token_order: str = "zigzag", axis: int = 1):
+    """``x`` with its sequence axis laid out in ``token_order``: cut into ``devices`` contiguous shards (a mesh axis
+    over that dim), each device holds its tokens of that order. Inputs, segment ids and targets all go through it;
+    ``ring_unpermute`` brings outputs back. An array sharded over explicit mesh axes keeps its sharding."""
+    x = jnp.asarray(x)
+    return _reorder(x, ring_positions(x.shape[axis], devices, token_order), axis)
+
+
+def ring_unpermute(x, devices: int, *, token_order: str = "zigzag", axis: int = 1):
+    """The inverse of ``ring_permute``: a sequence laid out in ``token_order`` back in position order."""
+    x = jnp.asarray(x)
+    return _reorder(x, np.argsort(ring_positions(x.shape[axis], devices, token_order)), axis)
+
+
+def _reorder(x, rows, axis: int):
+    """``x``'s rows along ``axis`` in the order ``rows``; cut over explicit mesh axes (``jax.make_mesh``'s), it is
+    gathered whole, reordered and cut again as it was (a gather of a cut dim has no sharding of its own)."""
+    sharding = getattr(vma.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or not any(spec):
+        return jnp.take(x, rows, axis=axis)
+    whole = jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, P()))
+    return jax.sharding.reshard(jnp.take(whole, rows, axis=axis), sharding)
+
+
+# The plan: what each step computes ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """A query chunk (rows [q0, q1) of the local queries) against a key chunk (rows [k0, k1) of the held block)."""
+
+    q: tuple
+    kv: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """Consecutive ring steps that share one set of pairs; ``kinds[step][pair][device]``."""
+
+    pairs: tuple
+    kinds: tuple
+    first: int  # its first step's index in the ring
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything static about one ring call (hashable: the ``custom_vjp``'s static argument)."""
+
+    op: str
+    backend: object  # the generated backend module
+    axis: object  # the mesh axis name
+    devices: int
+    order: str
+    length: int  # rows per device
+    start: int  # ring distance of the first step (< 0: blocks from the devices ahead come first)
+    steps: int
+    stages: tuple
+    calls: tuple  # ((sq, sk, kind), AttentionConfig, KernelChoice)
+    sinks: bool
+
+    def call(self, sq: int, sk: int, kind: int):
+        for key, cfg, choice in self.calls:
+            if key == (sq, sk, kind):
+                return cfg, choice
+        raise KeyError((sq, sk, kind))
+
+    def distance(self, step: int) -> int:
+        return self.start + step
+
+
+def _spans(order: str, devices: int, n: int, device: int, rows: tuple) -> list:
+    """The global position spans [(lo, hi)) of local rows [a, b) on ``device``."""
+    a, b = rows
+    if order == "contiguous":
+        return [(device * n + a, device * n + b)]
+    c = n // 2
+    spans = []
+    if a < c:
+        spans.append((device * c + a, device * c + min(b, c)))
+    if b > c:
+        base = (2 * devices - 1 - device) * c
+        spans.append((base + max(a, c) - c, base + b - c))
+    return spans
+
+
+def _relation(q_spans, kv_spans, causal: bool, window) -> str:
+    """Whether causal and the window leave "none", "all" or "some" of the pairs between two sets of positions
+    visible (global lengths are equal: no bottom-right offset). With d = q - kv, visible is lo <= d <= hi."""
+    lo, hi = -math.inf, math.inf
+    if window is not None:
+        hi = window[0]
+        lo = -window[1]
+    if causal:
+        lo = 0
+    some, every = False, True
+    for a0, a1 in q_spans:
+        for b0, b1 in kv_spans:
+            d_min, d_max = a0 - (b1 - 1), (a1 - 1) - b0
+            some |= d_max >= lo and d_min <= hi
+            every &= d_min >= lo and d_max <= hi
+    return "all" if every else "some" if some else "none"
+
+
+def _kind(order, devices, n, r, s, pair, causal, window, reads_positions) -> int:
+    q_spans = _spans(order, devices, n, r, pair.q)
+    kv_spans = _spans(order, devices, n, s, pair.kv)
+    relation = _relation(q_spans, kv_spans, causal, window)
+    if relation == "none":
+        return SKIP
+    if reads_positions:
+        return PLACED
+    if relation == "all":
+        return FULL
+    # the call's own rules on local rows hold when both sides are the same rows, one span each (a plain offset), or
+    # causal alone (rows in increasing position order keep it whatever the gaps)
+    if r == s and pair.q == pair.kv and (len(q_spans) == 1 or window is None):
+        return DIAGONAL
+    return PLACED
+
+
+def _interval(needed: set, devices: int) -> tuple:
+    """(start, steps): the shortest run of consecutive ring distances (mod devices) holding every needed one."""
+    if len(needed) in (0, devices):
+        return 0, devices if needed else 1
+    d = sorted(needed)
+    best = None
+    for i in range(len(d)):  # the largest gap between consecutive needed distances ends the run
+        nxt = d[(i + 1) % len(d)] + (devices if i + 1 == len(d) else 0)
+        gap = nxt - d[i] - 1
+        if best is None or gap > best[0]:
+            best = (gap, d[(i + 1) % len(d)])
+    gap, first = best
+    return (first - devices if first > 0 else 0), devices - gap
+
+
+def _stages(order, devices, n, start, steps, causal, window, reads_positions) -> tuple:
+    whole = (Pair((0, n), (0, n)),)
+    halves = ((0, n // 2), (n // 2, n))
+    chunks = tuple(Pair(qc, kc) for qc in halves for kc in halves)
+
+    def stage(pairs, first, count):
+        kinds = []
+        for i in range(first, first + count):
+            t = start + i
+            kinds.append(tuple(tuple(_kind(order, devices, n, r, (r - t) % devices, p, causal, window,
+                                           reads_positions) for r in range(devices)) for p in pairs))
+        return Stage(pairs, tuple(kinds), first)
+
+    if order == "contiguous":
+        return (stage(whole, 0, steps),)
+    if start == 0 and window is None:  # the first step is each device's own blocks: one causal call over both
+        return tuple(s for s in (stage(whole, 0, 1), stage(chunks, 1, steps - 1)) if s.kinds)
+    return (stage(chunks, 0, steps),)
+
+
+def _window_sides(window) -> tuple | None:
+    if window is None:
+        return None
+    if isinstance(window, (int, np.integer)):
+        return int(window), int(window)
+    return int(window[0]), int(window[1])
+
+
+# The call ----------------------------------------------------------------------------------------------------
+
+def reject_unsupported(spec: api.SpecInfo, unsupported: dict) -> None:
+    """A ring form takes the op's arguments but the mesh wrapper's; anything else is the op's own error."""
+    mesh_args = sorted(n for n in unsupported if n in ("mesh", "in_specs", "out_specs"))
+    if mesh_args:
+        raise TypeError(f"{spec.name}_ring() got {mesh_args[0]}=: a ring form runs inside jax.shard_map (or under a "
+                        f"mesh context on global arrays); to cut a call over a mesh, pass mesh= and in_specs= to "
+                        f"{spec.name}() itself (a cut sequence runs this ring)")
+    try:
+        api.reject_unsupported(spec, unsupported)
+    except TypeError as e:
+        raise TypeError(str(e).replace(f"{spec.name}()", f"{spec.name}_ring()", 1)) from None
+
+
+def refuse(name: str, spec: api.SpecInfo, arguments: dict) -> None:
+    """What a ring cannot take, each a ValueError naming it (``arguments``: the op's keyword arguments by name; the
+    mesh wrapper asks before it cuts a sequence)."""
+    for arg, why in _REFUSED.items():
+        if arguments.get(arg) is not None:
+            raise ValueError(f"{name}: {arg} cannot be combined with ring attention (a cut sequence): {why}")
+    info = arguments.get("mask_info")
+    if isinstance(info, MaskInfo) and info.has_mask:
+        raise ValueError(f"{name}: mask_info with a dense attention_mask cannot be combined with ring attention (a cut "
+                         f"sequence): a [B, Sq, Sk] mask would have to travel with its key columns; use segment ids")
+    for param, dims in spec.params.items():
+        if any(d in ("q_len", "kv_len") for d in dims):
+            raise ValueError(f"{name}: param {param} has a q_len / kv_len dim ({spec.path}): ring attention does not "
+                             f"take params shaped by the sequence yet")
+    lengths = sorted(set(spec.position_reads) & {"q_len", "kv_len"})
+    if lengths:
+        raise ValueError(f"{name}: the spec's score or mask reads {', '.join(lengths)} ({spec.path}): ring attention "
+                         f"does not give specs the global lengths yet")
+
+
+def attention(spec: api.SpecInfo, backends: dict, query, key, value, *, axis_name, token_order, features: dict,
+              params: dict, options: dict, deterministic, platform, return_lse):
+    """The ring form of an op: ``features`` are the op's built-in arguments as it passes them to ``api.prepare``
+    (compiled-in values included), ``params`` and ``options`` the spec's by name (``spec.params`` /
+    ``spec.param_dtypes`` / ``spec.options`` say what they are). Inside ``jax.shard_map`` with ``axis_name`` bound,
+    query, key and value are this device's shards; outside, global arrays cut over ``axis_name`` of the context mesh."""
+    name = f"{spec.name}_ring()"
+    _check_order(name, token_order)
+    refuse(name, spec, features)
+    if not isinstance(axis_name, str):
+        raise ValueError(f"{name}: axis_name must be the name of one mesh axis (a str), got {axis_name!r}")
+    try:
+        devices = _axis_size(axis_name)
+    except NameError:
+        return _on_context_mesh(spec, backends, query, key, value, axis_name, token_order, features, params,
+                                options, deterministic, platform, return_lse)
+    return _inside(spec, backends, query, key, value, axis_name, devices, token_order, features, params, options,
+                   deterministic, platform, return_lse)
+
+
+def _axis_size(axis_name) -> int:
+    """The devices along a bound mesh axis; NameError where it is not bound (outside shard_map)."""
+    size = getattr(lax, "axis_size", None)
+    return size(axis_name) if size is not None else lax.psum(1, axis_name)
+
+
+def _context_mesh():
+    """The mesh of ``with jax.set_mesh(mesh):`` (under ``jax.jit`` the abstract one) or of the older ``with mesh:``,
+    None outside both."""
+    for name in ("get_mesh", "get_abstract_mesh"):
+        get = getattr(jax.sharding, name, None)
+        try:
+            mesh = get() if get is not None else None
+        except ValueError:  # get_mesh under jit
+            continue
+        if mesh is not None and getattr(mesh, "axis_names", ()):
+            return mesh
+    try:
+        from jax._src import mesh as mesh_lib  # `with mesh:` (deprecated): no public accessor
+
+        mesh = mesh_lib.thread_resources.env.physical_mesh
+    except (ImportError, AttributeError):
+        return None
+    return mesh if getattr(mesh, "axis_names", ()) else None
+
+
+def _on_context_mesh(spec, backends, query, key, value, axis_name, token_order, features, params, options,
+                     deterministic, platform, return_lse):
+    """A ring call on global arrays: run under ``jax.shard_map`` over the context mesh, the sequence (and segment
+    ids) cut over ``axis_name``, everything else replicated."""
+    name = f"{spec.name}_ring()"
+    mesh = _context_mesh()
+    if mesh is None or axis_name not in mesh.axis_names:
+        where = "no mesh is in scope" if mesh is None else f"the mesh in scope has axes {tuple(mesh.axis_names)}"
+        raise ValueError(f"{name}: axis_name={axis_name!r} is not a bound mesh axis ({where}): call it inside "
+                         f"jax.shard_map over a mesh with that axis, or on global arrays under `with "
+                         f"jax.set_mesh(mesh):` (or `with mesh:`)")
+    devices = mesh.shape[axis_name]
+    seq = 2 if spec.layout == "bhsd" else 1
+    tensors = [jnp.asarray(x) for x in (query, key, value)]
+    parts, what = ((2 * devices, "chunks (zigzag: two per device") if token_order == "zigzag"
+                   else (devices, "shards (one per device"))
+    for t, x in zip(("query", "key", "value"), tensors):
+        if x.ndim != 4 or x.shape[seq] % parts:
+            raise ValueError(f"{name}: {t} {api._shape(x)}: its sequence dim must cut into {parts} equal {what} of "
+                             f"mesh axis {axis_name!r}, {devices} devices)")
+    cut = P(*([None] * seq + [axis_name]))
+    arrays, static = {}, {}
+    for group, values in (("features", features), ("params", params), ("options", options)):
+        for arg, x in values.items():
+            if isinstance(x, MaskInfo):
+                arrays[(group, arg)] = (x, MaskInfo(None if x.q_segment_ids is None else P(None, axis_name),
+                                                    None if x.kv_segment_ids is None else P(None, axis_name)))
+            elif hasattr(x, "shape") and hasattr(x, "dtype"):
+                arrays[(group, arg)] = (x, P())
+            else:
+                static[(group, arg)] = x
+    keys = list(arrays)
+
+    def body(q, k, v, values):
+        groups = {"features": {}, "params": {}, "options": {}}
+        for (group, arg), x in list(static.items()) + list(zip(keys, values)):
+            groups[group][arg] = x
+        return _inside(spec, backends, q, k, v, axis_name, devices, token_order, groups["features"],
+                       groups["params"], groups["options"], deterministic, platform, return_lse)
+
+    out_spec = cut if spec.layout == "bhsd" else P(None, axis_name)
+    lse_spec = P(None, None, axis_name)
+    run = vma.shard_map(body, mesh=mesh, in_specs=(cut, cut, cut, [arrays[k][1] for k in keys]),
+                        out_specs=(out_spec, lse_spec) if return_lse else out_spec)
+    return run(*tensors, [arrays[k][0] for k in keys])
+
+
+def _inside(spec, backends, query, key, value, axis_name, devices, token_order, features, params, options,
+            deterministic, platform, return_lse):
+    name = f"{spec.name}_ring()"
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"{name}: return_lse must be a Python bool, got {return_lse!r}")
+    backend = api.choose_platform(spec, platform, backends)
+    call = api.prepare(spec, query, key, value, **features)
+    n = call.cfg.seq_q
+    if call.cfg.seq_k != n:
+        raise ValueError(f"{name}: query and key/value hold {n} and {call.cfg.seq_k} rows of the sequence on each "
+                         f"device; ring attention cuts one sequence (self-attention) the same way for both")
+    if token_order == "zigzag" and n % 2:
+        raise ValueError(f"{name}: token_order='zigzag' needs an even number of rows per device (two chunks), got {n}")
+    ctx = dict(call.ctx)
+    for p, x in params.items():
+        ctx["param_" + p] = api.check_param(spec, p, x, spec.params[p], jnp.dtype(spec.param_dtypes[p]), call.dims)
+    for o, x in options.items():
+        ctx["opt_" + o] = api.check_option(spec, o, x, spec.options[o])
+    for entry in ("q_pos", "kv_pos"):  # each pair makes its own
+        del ctx[entry]
+    causal = call.cfg.causal
+    window = _window_sides(features.get("sliding_window")) if call.cfg.window else None
+    reads = bool(set(spec.position_reads) & {"q_idx", "kv_idx"})
+    needed = {t for t in range(devices) for r in range(devices)
+              if _kind(token_order, devices, n, r, (r - t) % devices, Pair((0, n), (0, n)), causal, window,
+                       reads) != SKIP}
+    start, steps = _interval(needed, devices)
+    stages = _stages(token_order, devices, n, start, steps, causal, window, reads)
+    det = deterministic
+    calls = {}
+    for stage in stages:
+        for p, pair in enumerate(stage.pairs):
+            for kind in sorted({k for step in stage.kinds for k in step[p]} - {SKIP}):
+                key = (pair.q[1] - pair.q[0], pair.kv[1] - pair.kv[0], kind)
+                if key not in calls:
+                    calls[key] = _choose(spec, backends, platform, backend, call, key, det)
+    plan = Plan(spec.name, backends[backend], axis_name, devices, token_order, n, start, steps, stages,
+                tuple((k, cfg, choice) for k, (cfg, choice) in calls.items()), call.cfg.sinks)
+    q, k, v, ctx = api.vary_alike(call.q, call.k, call.v, ctx)
+    out, lse = _ring(q, k, v, ctx, plan)
+    b, _, hkv, g, dv = out.shape
+    out = out.reshape(b, n, hkv * g, dv)
+    if spec.layout == "bhsd":
+        out = out.swapaxes(1, 2)
+    lse = lse.reshape(b, hkv * g, n)
+    return (out, lse) if return_lse else out
+
+
+def _choose(spec, backends, platform, backend, call, key, deterministic):
+    """The configuration and kernel choice of one kind of pair: sinks never (they join the final merge once), FULL
+    without causal and window, PLACED with the tokens' positions."""
+    sq, sk, kind = key
+    flags = dict(seq_q=sq, seq_k=sk, sinks=False)
+    if kind == FULL:
+        flags.update(causal=False, window=False, window_span=0)
+    elif kind == PLACED:
+        flags.update(positions=True)
+    cfg = dataclasses.replace(call.cfg, **flags)
+    ctx = {n: x for n, x in call.ctx.items() if n != "softmax_aux"}
+    ctx = {n: (x[:, :sq] if n == "q_seg" else x[:, :sk] if n == "kv_seg" else x) for n, x in ctx.items()}
+    one = dataclasses.replace(call, cfg=cfg, q=call.q[:, :sq], k=call.k[:, :sk], v=call.v[:, :sk], ctx=ctx)
+    return cfg, api.choose_kernels(spec, backends, platform, backend, one, deterministic)
+
+
+# Layouts between the ring (seq-major) and a backend's kernels ----------------------------------------------------
+
+def _to_kernel(x, layout: str, rows: int, value):
+    """out / d_out [B, S, Hkv, G, Dv] or lse / d_lse [B, Hkv, G, S] padded to ``rows`` in the kernel layout."""
+    if x.ndim == 4:
+        return jnp.pad(x, [(0, 0)] * 3 + [(0, rows - x.shape[3])], constant_values=value)
+    x = jnp.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * 3, constant_values=value)
+    return x if layout == api.SEQ_MAJOR else x.transpose(0, 2, 3, 1, 4)
+
+
+def _from_kernel(x, layout: str, rows: int):
+    """Unpadded seq-major: q-like [B, S, Hkv, G, D] (5 dims) or k-like [B, S, Hkv, D] (4 dims) from the kernel's."""
+    if layout == api.SEQ_MAJOR:
+        return x[:, :rows]
+    if x.ndim == 5:
+        return x[:, :, :, :rows].transpose(0, 3, 1, 2, 4)
+    return x[:, :, :rows].transpose(0, 2, 1, 3)
+
+
+def _pair_ctx(plan: Plan, ctx: dict, pair: Pair, kind: int, held: dict, r, s):
+    """The ctx of one pair: the call's scalars, params and options, the chunks' segment ids and positions."""
+    sq, sk = pair.q[1] - pair.q[0], pair.kv[1] - pair.kv[0]
+    out = {n: x for n, x in ctx.items() if n not in ("q_seg", "kv_seg", "softmax_aux")}
+    batch = held["k"].shape[0]
+    if kind == PLACED:
+        q_pos = device_positions(plan.order, plan.devices, plan.length, r, jnp)[pair.q[0]:pair.q[1]]
+        kv_pos = device_positions(plan.order, plan.devices, plan.length, s, jnp)[pair.kv[0]:pair.kv[1]]
+    else:
+        q_pos, kv_pos = jnp.arange(sq, dtype=jnp.int32), jnp.arange(sk, dtype=jnp.int32)
+    out["q_pos"] = jnp.broadcast_to(q_pos[None], (batch, sq))
+    out["kv_pos"] = jnp.broadcast_to(kv_pos[None], (batch, sk))
+    if "q_seg" in ctx:
+        out["q_seg"] = ctx["q_seg"][:, pair.q[0]:pair.q[1]]
+        out["kv_seg"] = held["kv_seg"][:, pair.kv[0]:pair.kv[1]]
+    return out
+
+
+def _pair_forward(plan: Plan, kind: int, pair: Pair, q, held, ctx, r, s):
+    """(out [B, sq, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, sq]) of one pair of one kind."""
+    sq, sk = pair.q[1] - pair.q[0], pair.kv[1] - pair.kv[0]
+    cfg, choice = plan.call(sq, sk, kind)
+    backend = plan.backend
+    one = api.Prepared(cfg, q[:, pair.q[0]:pair.q[1]], held["k"][:, pair.kv[0]:pair.kv[1]],
+                       held["v"][:, pair.kv[0]:pair.kv[1]], _pair_ctx(plan, ctx, pair, kind, held, r, s), {}, False,
+                       plan.op)
+    qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
+    out, lse, _ = backend.forward(qk, kk, vk, ck, cfg, choice)
+    return _from_kernel(out, backend.TENSOR_LAYOUT, sq), lse[..., :sq]
+
+
+def _pair_backward(plan: Plan, kind: int, pair: Pair, q, held, ctx, out, lse, d_out, d_lse, r, s):
+    """(dq [B, sq, Hkv, G, D], dk, dv [B, sk, Hkv, D], param gradients) of one pair of one kind, from the global
+    out and lse of its query rows."""
+    sq, sk = pair.q[1] - pair.q[0], pair.kv[1] - pair.kv[0]
+    cfg, choice = plan.call(sq, sk, kind)
+    backend = plan.backend
+    layout = backend.TENSOR_LAYOUT
+    rows = slice(pair.q[0], pair.q[1])
+    one = api.Prepared(cfg, q[:, rows], held["k"][:, pair.kv[0]:pair.kv[1]], held["v"][:, pair.kv[0]:pair.kv[1]],
+                       _pair_ctx(plan, ctx, pair, kind, held, r, s), {}, False, plan.op)
+    qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), layout)
+    padded = qk.shape[1 if layout == api.SEQ_MAJOR else 3]
+    dq, dk, dv, dctx = backend.backward(
+        qk, kk, vk, _to_kernel(out[:, rows], layout, padded, 0), _to_kernel(lse[..., rows], layout, padded, NEG_INF),
+        None, _to_kernel(d_out[:, rows], layout, padded, 0), _to_kernel(d_lse[..., rows], layout, padded, 0), ck,
+        cfg, choice)
+    return (_from_kernel(dq, layout, sq), _from_kernel(dk, layout, sk), _from_kernel(dv, layout, sk),
+            dctx.get("params", {}))
+
+
+def _switch(plan: Plan, stage: Stage, p: int, kind, run, skip):
+    """``run(kind)`` for the pair's kind on this device (traced), among the kinds the stage's devices take; SKIP is
+    ``skip()``. One kind for every device and step: no branch at all."""
+    present = sorted({k for step in stage.kinds for k in step[p]})
+    if len(present) == 1:
+        return skip() if present[0] == SKIP else run(present[0])
+    branches = [skip if k == SKIP else functools.partial(run, k) for k in present]
+    index = jnp.asarray(np.array([present.index(k) if k in present else 0 for k in range(len(KIND_NAMES))],
+                                 np.int32))[kind]
+    return lax.switch(index, branches)
+
+
+def _shift(plan: Plan, tree, hops: int):
+    """``tree`` sent ``hops`` devices along the ring (device i to i + hops)."""
+    hops %= plan.devices
+    if hops == 0:
+        return tree
+    perm = [(i, (i + hops) % plan.devices) for i in range(plan.devices)]
+    return jax.tree_util.tree_map(lambda x: lax.ppermute(x, plan.axis, perm), tree)
+
+
+def _step_inputs(plan: Plan, stage: Stage):
+    """The scan's per-step inputs: the kinds [steps, pairs, devices] and the ring distance of each step."""
+    kinds = jnp.asarray(np.array(stage.kinds, np.int32).reshape(len(stage.kinds), len(stage.pairs), plan.devices))
+    distances = jnp.arange(stage.first, stage.first + len(stage.kinds), dtype=jnp.int32) + plan.start
+    return kinds, distances
+
+
+def _held(k, v, ctx):
+    held = {"k": k, "v": v}
+    if "kv_seg" in ctx:
+        held["kv_seg"] = ctx["kv_seg"]
+    return held
+
+
+def _forward(q, k, v, ctx, plan: Plan):
+    """(out [B, n, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, n] float32, sinks included)."""
+    axes = vma.varying_axes(q, k, v, ctx)
+    r = lax.axis_index(plan.axis)
+    b, n, hkv, g, _ = q.shape
+    dv = v.shape[-1]
+    acc, lse = vma.vary((jnp.zeros((b, n, hkv, g, dv), jnp.float32),
+                         jnp.full((b, hkv, g, n), NEG_INF, jnp.float32)), axes)
+    held = _shift(plan, _held(k, v, ctx), plan.start)
+    for stage in plan.stages:
+
+        def body(carry, xs, stage=stage):
+            held, acc, lse = carry
+            kinds, t = xs
+            ahead = _shift(plan, held, 1)  # the next step's block, in flight while this one computes
+            s = (r - t) % plan.devices
+            for p, pair in enumerate(stage.pairs):
+                sq = pair.q[1] - pair.q[0]
+
+                def run(kind, pair=pair):
+                    return _pair_forward(plan, kind, pair, q, held, ctx, r, s)
+
+                def skip(sq=sq):
+                    return vma.vary((jnp.zeros((b, sq, hkv, g, dv), q.dtype),
+                                     jnp.full((b, hkv, g, sq), NEG_INF, jnp.float32)), axes)
+
+                out_p, lse_p = _switch(plan, stage, p, kinds[p, r], run, skip)
+                acc, lse = _merge(acc, lse, out_p, lse_p, pair.q)
+            return (ahead, acc, lse), None
+
+        (held, acc, lse), _ = lax.scan(body, (held, acc, lse), _step_inputs(plan, stage))
+    if plan.sinks:
+        aux = ctx["softmax_aux"]  # [Hkv, G, n_sinks]
+        total = jnp.logaddexp(lse, jax.nn.logsumexp(aux, axis=-1)[None, :, :, None])
+        acc = acc * _moved(jnp.exp(lse - _finite(total)))
+        lse = total
+    return acc.astype(q.dtype), lse
+
+
+def _finite(x):
+    return jnp.where(x == NEG_INF, 0.0, x)
+
+
+def _moved(w):
+    """[B, Hkv, G, S] weights as [B, S, Hkv, G, 1], to scale outputs."""
+    return jnp.moveaxis(w, 3, 1)[..., None]
+
+
+def _merge(acc, lse, out_p, lse_p, rows):
+    """Merge one pair's normalised output into the running one of its query rows, by their lse (float32)."""
+    a, z = rows
+    old_acc, old = acc[:, a:z], lse[..., a:z]
+    new = jnp.logaddexp(old, lse_p)
+    base = _finite(new)
+    merged = old_acc * _moved(jnp.exp(old - base)) + out_p.astype(jnp.float32) * _moved(jnp.exp(lse_p - base))
+    return acc.at[:, a:z].set(merged), lse.at[..., a:z].set(new)
+
+
+def _backward(plan: Plan, residuals, cotangents):
+    q, k, v, ctx, out, lse = residuals
+    d_out, d_lse = cotangents
+    axes = vma.varying_axes(q, k, v, ctx, d_out, d_lse)
+    r = lax.axis_index(plan.axis)
+    f32 = jnp.float32
+    param_names = [n for n in ctx if n.startswith("param_")]
+    zeros = lambda x: jnp.zeros(x.shape, f32)  # noqa: E731
+    dq = zeros(q)
+    grads = {n[len("param_"):]: zeros(ctx[n]) for n in param_names}
+    pending = {"k": zeros(k), "v": zeros(v)}  # dK/dV of the block this device held last step, to pass on
+    dq, grads, pending = vma.vary((dq, grads, pending), axes)
+    held = _shift(plan, _held(k, v, ctx), plan.start)
+    for stage in plan.stages:
+
+        def body(carry, xs, stage=stage):
+            held, pending, dq, grads = carry
+            kinds, t = xs
+            ahead = _shift(plan, held, 1)
+            # the accumulators of the block held now, from the device behind, in flight while this step computes
+            arrived = _shift(plan, pending, 1)
+            s = (r - t) % plan.devices
+            part = vma.vary({"k": zeros(k), "v": zeros(v)}, axes)
+            for p, pair in enumerate(stage.pairs):
+                sq, sk = pair.q[1] - pair.q[0], pair.kv[1] - pair.kv[0]
+
+                def run(kind, pair=pair):
+                    dq_p, dk_p, dv_p, dparams = _pair_backward(plan, kind, pair, q, held, ctx, out, lse, d_out,
+                                                               d_lse, r, s)
+                    return (dq_p.astype(f32), dk_p.astype(f32), dv_p.astype(f32),
+                            {n: dparams[n].astype(f32) for n in grads})
+
+                def skip(sq=sq, sk=sk):
+                    return vma.vary((jnp.zeros(q.shape[:1] + (sq,) + q.shape[2:], f32),
+                                     jnp.zeros(k.shape[:1] + (sk,) + k.shape[2:], f32),
+                                     jnp.zeros(v.shape[:1] + (sk,) + v.shape[2:], f32),
+                                     {n: zeros(ctx["param_" + n]) for n in grads}), axes)
+
+                dq_p, dk_p, dv_p, dparams = _switch(plan, stage, p, kinds[p, r], run, skip)
+                (a, z), (c, e) = pair.q, pair.kv
+                dq = dq.at[:, a:z].add(dq_p)
+                part = {"k": part["k"].at[:, c:e].add(dk_p), "v": part["v"].at[:, c:e].add(dv_p)}
+                grads = {n: grads[n] + dparams[n] for n in grads}
+            pending = {n: arrived[n] + part[n] for n in pending}
+            return (ahead, pending, dq, grads), None
+
+        (held, pending, dq, grads), _ = lax.scan(body, (held, pending, dq, grads), _step_inputs(plan, stage))
+    home = _shift(plan, pending, -plan.distance(plan.steps - 1))  # each block's accumulators back to its device
+    dctx = {"params": grads}
+    if plan.sinks:
+        delta = jnp.moveaxis(jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1), 1, 3) - d_lse
+        dctx["softmax_aux"] = api.sinks_grad(ctx["softmax_aux"], lse, delta)
+    return (dq.astype(q.dtype), home["k"].astype(k.dtype), home["v"].astype(v.dtype),
+            api.ctx_cotangents(ctx, dctx))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnames=("plan",))
+def _ring(q, k, v, ctx, plan):
+    return _forward(q, k, v, ctx, plan)
+
+
+def _ring_fwd(q, k, v, ctx, plan):
+    out, lse = _forward(q, k, v, ctx, plan)
+    return (out, lse), (q, k, v, ctx, out, lse)
+
+
+_ring.defvjp(_ring_fwd, _backward)

@@ -1,0 +1,265 @@
+"""Ring attention on a CPU mesh of 8 host devices, for `test_ring.py`: ``python ring_checks.py <backend>`` runs every
+check of that backend in this process and prints one JSON line, ``{check: [failures]}`` (empty: passed).
+
+Each check cuts one global call's sequence over a mesh axis of 2, 4 or 8 devices (inside ``jax.shard_map``, under a
+mesh context on global arrays, or through the mesh wrapper), runs it under ``jax.jit`` with ``jax.vjp`` (cotangents
+for out and lse), brings a zigzag layout back to position order, and compares out, lse and every gradient with the
+float64 oracle of the same call on the whole sequence (and, on xla, with the op on one device: the same kernels on
+slices, merged in another order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+import shard_checks  # noqa: E402  (sets XLA_FLAGS for 8 host devices before JAX starts)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import oracle  # noqa: E402
+from ejgen.generated import alibi_attention_ring, prefix_lm_attention_ring  # noqa: E402
+from ejgen.ops import (blocksparse_attention, flash_attention, ring_attention, ring_permute,  # noqa: E402
+                       ring_unpermute)
+from ejgen.testing.shapes import AttnShape, packed_segments  # noqa: E402
+from ejgen.types import MaskInfo  # noqa: E402
+
+SEQ = P(None, "sp")  # [B, S, H, D] and segment ids [B, S]: the sequence over the ring's axis
+RESULTS = (P(None, "sp"), P(None, None, "sp"))  # out [B, S, H, D], lse [B, H, S]
+
+
+def laid_out(order, devices):
+    """(to the ring's layout, back to position order) of a [B, S, ...] array (lse: its axis 2)."""
+    if order == "contiguous":
+        return (lambda x, axis=1: x), (lambda x, axis=1: x)
+    return (lambda x, axis=1: ring_permute(x, devices, token_order=order, axis=axis),
+            lambda x, axis=1: ring_unpermute(x, devices, token_order=order, axis=axis))
+
+
+def in_shard_map(ring_op, devices, order, arrays: dict, seq_arrays: dict, **static):
+    """``fn(**diff) -> (out, lse)``: ``ring_op`` inside ``jax.shard_map`` over ``devices`` devices of axis "sp", its
+    inputs laid out in ``order`` (q, k, v and the ``seq_arrays`` [B, S] cut along the sequence; the other ``arrays``
+    replicated) and its results back in position order."""
+    mesh = shard_checks.auto_mesh((devices,), ("sp",))
+    to, back = laid_out(order, devices)
+
+    def fn(query, key, value, **extra):
+        extra = {**arrays, **extra}
+        seq = {n: to(x) for n, x in seq_arrays.items()}
+        names = sorted(extra)
+
+        def body(q, k, v, seq, values):
+            kw = dict(zip(names, values))
+            if "q_ids" in seq:
+                kw["mask_info"] = MaskInfo.from_segments(seq["q_ids"])
+            return ring_op(q, k, v, axis_name="sp", token_order=order, return_lse=True, **static, **kw)
+
+        run = jax.shard_map(body, mesh=mesh, in_specs=(SEQ, SEQ, SEQ, {n: SEQ for n in seq}, [P()] * len(names)),
+                            out_specs=RESULTS)
+        out, lse = run(to(query), to(key), to(value), seq, [extra[n] for n in names])
+        return back(out), back(lse, axis=2)
+
+    return fn
+
+
+def check(failures, sharded, ref, single=None):
+    """The ring's out, lse and gradients against the oracle (its tolerances) and, where given, the one-device call."""
+    out, lse, grads = sharded
+    pairs = [("out", out, ref.out, oracle.TOLERANCE["float32"], 0),
+             ("lse", lse, ref.lse, oracle.LSE_TOLERANCE, 1)]
+    pairs += [(f"d{n}", grads[n], ref.grads[n], oracle.TOLERANCE["float32"], n) for n in grads]
+    for name, x, exact, tol, key in pairs:
+        wants = [("oracle", exact, tol)]
+        if single is not None:
+            one = single[key] if isinstance(key, int) else single[2][key]
+            wants.append(("one device", one, shard_checks.SAME))
+        for what, want, t in wants:
+            try:
+                oracle.assert_close(f"{name} vs {what}", x, want, t)
+            except AssertionError as e:
+                failures.append(str(e))
+
+
+def check_zigzag_features(backend, failures, devices=4):
+    """zigzag (balanced causal), GQA, segment ids (laid out too), per-head sinks (counted once) and a soft cap: the
+    first step one causal call over both chunks, every later step full c x c blocks."""
+    shape = AttnShape(2, 32, 32, 4, 2, 16)
+    rng, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-zigzag")
+    diff["softmax_aux"] = jnp.asarray(rng.standard_normal(4) + 1.0, jnp.float32)
+    ids = packed_segments(2, 32, rng)
+    kw = dict(causal=True, logits_soft_cap=3.0, platform=backend)
+    fn = in_shard_map(ring_attention, devices, "zigzag", {}, {"q_ids": jnp.asarray(ids)}, **kw)
+    sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    ref = oracle.attention(**diff, causal=True, logits_soft_cap=3.0, q_segment_ids=ids, kv_segment_ids=ids,
+                           d_out=d_out, d_lse=d_lse)
+    check(failures, sharded, ref)
+
+
+def check_window(backend, failures, devices=4):
+    """A sliding window (6, 3) without causal, contiguous: blocks the window cuts run with the tokens' positions,
+    blocks it misses are skipped; the ring starts one device ahead (the right side) and takes three steps of four."""
+    shape = AttnShape(1, 32, 32, 2, 1, 16)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-window")
+    kw = dict(sliding_window=(6, 3), platform=backend)
+    fn = in_shard_map(ring_attention, devices, "contiguous", {}, {}, **kw)
+    sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    check(failures, sharded, oracle.attention(**diff, sliding_window=(6, 3), d_out=d_out, d_lse=d_lse))
+
+
+def check_alibi(backend, failures, devices=4):
+    """An authored spec whose score reads q_idx and kv_idx (global positions on every shard), its param's gradient
+    summed over the ring's steps and devices: alibi_attention, causal, zigzag."""
+    shape = AttnShape(1, 32, 32, 4, 2, 16)
+    rng, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-alibi")
+    diff["slopes"] = jnp.asarray(rng.uniform(0.05, 0.5, 4), jnp.float32)
+    kw = dict(causal=True, max_distance=9, platform=backend)
+    fn = in_shard_map(alibi_attention_ring, devices, "zigzag", {}, {}, **kw)
+    sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    slopes = diff.pop("slopes")
+    ref = oracle.variant_attention("alibi_attention", **diff, params={"slopes": slopes}, options={"max_distance": 9},
+                                   causal=True, d_out=d_out, d_lse=d_lse)
+    check(failures, sharded, ref)
+
+
+def check_contiguous_causal(backend, failures, devices=2):
+    """The plain causal ring on contiguous shards, 2 devices: one device's second step is a full block, the other's
+    skipped."""
+    shape = AttnShape(2, 32, 32, 4, 4, 16)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-contiguous")
+    fn = in_shard_map(ring_attention, devices, "contiguous", {}, {}, causal=True, platform=backend)
+    sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    single = shard_checks.vjp_call(lambda **d: flash_attention(**d, causal=True, platform=backend, return_lse=True),
+                                   diff, d_out, d_lse)
+    check(failures, sharded, oracle.attention(**diff, causal=True, d_out=d_out, d_lse=d_lse), single)
+
+
+def check_causal_window_8(backend, failures, devices=8):
+    """Causal with a window of 5 on 8 devices of 8 rows: the ring takes 2 steps of 8 (the window reaches one block
+    back), sinks shared by all heads, MQA."""
+    shape = AttnShape(1, 64, 64, 4, 1, 16)
+    rng, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-causal-window")
+    diff["softmax_aux"] = jnp.asarray(rng.standard_normal(3) + 1.0, jnp.float32)
+    kw = dict(causal=True, sliding_window=5, platform=backend)
+    fn = in_shard_map(ring_attention, devices, "contiguous", {}, {}, **kw)
+    sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    check(failures, sharded, oracle.attention(**diff, causal=True, sliding_window=5, d_out=d_out, d_lse=d_lse))
+
+
+def check_prefix_lm(backend, failures, devices=2):
+    """prefix_lm_attention (mask `kv_idx <= q_idx or kv_idx < prefix_len`: absolute key positions), zigzag: every
+    query sees the prefix (the first chunk and part of the second, on both devices)."""
+    shape = AttnShape(1, 32, 32, 2, 2, 16)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-prefix")
+    fn = in_shard_map(prefix_lm_attention_ring, devices, "zigzag", {}, {}, prefix_len=11, platform=backend)
+    sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    ref = oracle.variant_attention("prefix_lm_attention", **diff, options={"prefix_len": 11}, d_out=d_out,
+                                   d_lse=d_lse)
+    check(failures, sharded, ref)
+
+
+def check_context_mesh(backend, failures, devices=4):
+    """ring_attention outside shard_map, on global arrays under `with jax.set_mesh(mesh):` (the op cuts the sequence
+    over the named axis itself), zigzag, GQA, causal."""
+    shape = AttnShape(2, 32, 32, 4, 2, 16)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-context")
+    to, back = laid_out("zigzag", devices)
+    mesh = jax.make_mesh((devices,), ("sp",))
+
+    def fn(query, key, value):
+        out, lse = ring_attention(to(query), to(key), to(value), axis_name="sp", causal=True, token_order="zigzag",
+                                  platform=backend, return_lse=True)
+        return back(out), back(lse, axis=2)
+
+    with jax.set_mesh(mesh):
+        sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    sharded = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), sharded)  # leave the mesh's types
+    check(failures, sharded, oracle.attention(**diff, causal=True, d_out=d_out, d_lse=d_lse))
+
+
+def check_wrapper(backend, failures):
+    """The mesh wrapper with the sequence cut: flash_attention(..., mesh=(dp 2, sp 4), in_specs=P("dp", "sp")) runs
+    the ring over sp, batch over dp, segment ids cut like query, a window (4, 0) with causal."""
+    shape = AttnShape(2, 32, 32, 4, 2, 16)
+    rng, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-wrapper")
+    ids = packed_segments(2, 32, rng)
+    m = shard_checks.mesh((2, 4), ("dp", "sp"))
+    kw = dict(causal=True, sliding_window=(4, 0), mask_info=MaskInfo.from_segments(ids), platform=backend,
+              return_lse=True)
+    sharded = shard_checks.vjp_call(lambda **d: flash_attention(**d, **kw, mesh=m, in_specs=P("dp", "sp")), diff,
+                                    d_out, d_lse)
+    ref = oracle.attention(**diff, causal=True, sliding_window=(4, 0), q_segment_ids=ids, kv_segment_ids=ids,
+                           d_out=d_out, d_lse=d_lse)
+    check(failures, sharded, ref)
+
+
+def check_blocksparse(backend, failures, devices=2):
+    """The seed's blocksparse_attention ([B, H, S, D]) with sequence_parallelism_mesh_axis_name inside the user's
+    shard_map: ring attention over that axis, causal (its default), segment ids."""
+    shape = AttnShape(1, 32, 32, 4, 2, 16)
+    rng, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-blocksparse", layout="bhsd")
+    ids = packed_segments(1, 32, rng)
+    mesh = shard_checks.auto_mesh((devices,), ("sp",))
+    cut = P(None, None, "sp")
+
+    def body(q, k, v, ids):
+        return blocksparse_attention(q, k, v, q_segment_ids=ids, sequence_parallelism_mesh_axis_name="sp",
+                                     platform=backend, return_lse=True)
+
+    run = jax.shard_map(body, mesh=mesh, in_specs=(cut, cut, cut, P(None, "sp")), out_specs=(cut, cut))
+    sharded = shard_checks.vjp_call(lambda query, key, value: run(query, key, value, jnp.asarray(ids)), diff, d_out,
+                                    d_lse)
+    bshd = {n: x.swapaxes(1, 2) for n, x in diff.items()}
+    ref = oracle.attention(**bshd, causal=True, q_segment_ids=ids, kv_segment_ids=ids, d_out=d_out.swapaxes(1, 2),
+                           d_lse=d_lse)
+    ref.out = ref.out.swapaxes(1, 2)
+    ref.grads = {n: g.swapaxes(1, 2) for n, g in ref.grads.items()}
+    check(failures, sharded, ref)
+
+
+# check -> {backend: devices of the ring}. What differs between backends is the per-device kernels of each kind of
+# step (full, diagonal, placed: explicit positions) and their types inside shard_map: the interpreters run the zigzag
+# call (full and diagonal steps, segment ids travelling, sinks, soft cap) and the authored spec (placed steps whose
+# score reads global positions), on 2 devices (an interpreted launch costs the same whatever its size). The ring's
+# own machinery (token orders, windows, step selection, the mesh context, the wrapper, the seed's blocksparse entry;
+# 2, 4 and 8 devices) is the same on every backend: xla alone, to keep the interpreters' share of the budget small.
+CHECKS = {
+    "zigzag-causal-gqa-segments-sinks-softcap": (check_zigzag_features, {"xla": 4, "pallas": 2, "triton": 2}),
+    "alibi-zigzag": (check_alibi, {"xla": 4, "pallas": 2, "triton": 2}),
+    "window-noncausal-contiguous": (check_window, {"xla": 4}),
+    "contiguous-causal": (check_contiguous_causal, {"xla": 2}),
+    "causal-window-mqa-shared-sinks": (check_causal_window_8, {"xla": 8}),
+    "prefix_lm-zigzag": (check_prefix_lm, {"xla": 2}),
+    "set_mesh-global-zigzag": (check_context_mesh, {"xla": 4}),
+    "wrapper-dp2-sp4-window-segments": (check_wrapper, {"xla": None}),
+    "blocksparse-sequence-parallelism": (check_blocksparse, {"xla": 2}),
+}
+
+
+def main(backend: str) -> dict:
+    results = {}
+    for name, (fn, backends) in CHECKS.items():
+        if backend not in backends:
+            continue
+        failures = []
+        start = time.perf_counter()
+        devices = backends[backend]
+        name = name if devices is None else f"{name}-{devices}"
+        try:
+            fn(backend, failures) if devices is None else fn(backend, failures, devices)
+        except Exception:  # reported, not raised: every check of the backend runs and reports
+            failures.append(traceback.format_exc(limit=-6))
+        results[name] = failures
+        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))

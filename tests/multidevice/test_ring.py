@@ -1,0 +1,210 @@
+"""Ring attention (docs/DESIGN.md §3, Ring attention): the ring on 2, 4 and 8 host devices against the float64 oracle
+(`ring_checks.py`, a process of its own per backend, as `test_shard_map.py`); the static plan of the ring's steps
+(which device computes what at each step, and which steps run at all); the token orders' helpers; and every refusal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
+
+from ejgen.ops import (blocksparse_attention, flash_attention, ring_attention, ring_permute, ring_positions,
+                       ring_unpermute)
+from ejgen.runtime.attention import ring
+from ejgen.types import BlockMask, MaskInfo
+from ejgen.zoo import flamingo_cross_attention_ring, natten_1d_attention_ring
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXPECTED = {
+    "xla": {"zigzag-causal-gqa-segments-sinks-softcap-4", "alibi-zigzag-4", "window-noncausal-contiguous-4",
+            "contiguous-causal-2", "causal-window-mqa-shared-sinks-8", "prefix_lm-zigzag-2",
+            "set_mesh-global-zigzag-4", "wrapper-dp2-sp4-window-segments", "blocksparse-sequence-parallelism-2"},
+    "pallas": {"zigzag-causal-gqa-segments-sinks-softcap-2", "alibi-zigzag-2"},
+    "triton": {"zigzag-causal-gqa-segments-sinks-softcap-2", "alibi-zigzag-2"},
+}
+
+
+@pytest.mark.parametrize("platform", ["xla", "pallas", "triton"])
+def test_ring_on_a_mesh_of_8_devices(platform):
+    """Every check of `ring_checks.py` on one backend: outputs, lse and every gradient equal the oracle's."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, os.path.join(HERE, "ring_checks.py"), platform], env=env,
+                         capture_output=True, text=True, timeout=900, check=False)
+    assert run.returncode == 0, f"ring_checks.py {platform} failed:\n{run.stderr[-4000:]}"
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(results) == EXPECTED[platform]
+    failed = {name: failures for name, failures in results.items() if failures}
+    assert not failed, "\n\n".join(f"{name}:\n" + "\n".join(f) for name, f in failed.items())
+
+
+def _kinds(order, devices, n, causal=True, window=None, reads=False):
+    """{distance: [(pair, kind per device)]} of the whole ring, from the static planner."""
+    needed = {t for t in range(devices) for r in range(devices)
+              if ring._kind(order, devices, n, r, (r - t) % devices, ring.Pair((0, n), (0, n)), causal, window,
+                            reads) != ring.SKIP}
+    start, steps = ring._interval(needed, devices)
+    stages = ring._stages(order, devices, n, start, steps, causal, window, reads)
+    table = {}
+    for stage in stages:
+        for i, kinds in enumerate(stage.kinds):
+            table[start + stage.first + i] = [(pair, tuple(k)) for pair, k in zip(stage.pairs, kinds)]
+    return start, steps, table
+
+
+def test_contiguous_causal_steps():
+    """Contiguous causal: step 0 is every device's own block (causal), then device r sees the blocks of the r
+    devices before it in full and skips the rest."""
+    start, steps, table = _kinds("contiguous", 4, 8)
+    assert (start, steps) == (0, 4)
+    assert table[0] == [(ring.Pair((0, 8), (0, 8)), (ring.DIAGONAL,) * 4)]
+    for t in range(1, 4):
+        (_, kinds), = table[t]
+        assert kinds == tuple(ring.FULL if r >= t else ring.SKIP for r in range(4))
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+def test_zigzag_balances_causal_work(devices):
+    """Zigzag: step 0 is one causal call over both chunks; at every later step each device computes exactly two full
+    c x c blocks (no element mask, no idle device): the same work everywhere."""
+    n = 8
+    start, steps, table = _kinds("zigzag", devices, n)
+    assert (start, steps) == (0, devices)
+    assert table[0] == [(ring.Pair((0, n), (0, n)), (ring.DIAGONAL,) * devices)]
+    for t in range(1, devices):
+        assert {pair.q + pair.kv for pair, _ in table[t]} == {(a, b, c, d) for a, b in ((0, 4), (4, 8))
+                                                              for c, d in ((0, 4), (4, 8))}
+        for r in range(devices):
+            kinds = sorted(k[r] for _, k in table[t])
+            assert kinds == [ring.SKIP, ring.SKIP, ring.FULL, ring.FULL], (t, r, kinds)
+
+
+def test_window_takes_only_the_steps_it_reaches():
+    """A causal window of 5 keys over 8 devices of 8 rows reaches one block back: 2 steps, not 8; a window (6, 3)
+    without causal reaches one block each way: the ring starts one device ahead and takes 3 steps; windows that cut a
+    block run it with the tokens' positions."""
+    start, steps, table = _kinds("contiguous", 8, 8, window=(5, 0))
+    assert (start, steps) == (0, 2)
+    (_, back), = table[1]
+    assert back == (ring.SKIP,) + (ring.PLACED,) * 7
+    start, steps, table = _kinds("contiguous", 4, 8, causal=False, window=(6, 3))
+    assert (start, steps) == (-1, 3)
+    assert sorted(table) == [-1, 0, 1]
+    assert table[-1][0][1] == (ring.PLACED,) * 3 + (ring.SKIP,)  # the last device has none ahead of it
+    start, steps, _ = _kinds("contiguous", 4, 8, window=(100, 0))
+    assert (start, steps) == (0, 4)
+
+
+def test_spec_reading_positions_runs_placed():
+    """A spec whose score or mask reads q_idx / kv_idx gets the tokens' global positions on every step it runs."""
+    _, _, table = _kinds("zigzag", 4, 8, reads=True)
+    assert all(k in (ring.SKIP, ring.PLACED) for pairs in table.values() for _, kinds in pairs for k in kinds)
+
+
+def test_token_order_helpers():
+    """Zigzag over 2 devices and 8 tokens: device 0 holds chunks 0 and 3, device 1 chunks 1 and 2; ring_permute lays
+    a sequence out so, ring_unpermute undoes it, ring_positions says where each row stands."""
+    assert ring_positions(8, 2, "zigzag").tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert ring_positions(8, 2, "contiguous").tolist() == list(range(8))
+    x = jnp.arange(2 * 8 * 3).reshape(2, 8, 3)
+    laid = ring_permute(x, 2)
+    np.testing.assert_array_equal(laid[:, :, 0], x[:, np.array([0, 1, 6, 7, 2, 3, 4, 5]), 0])
+    np.testing.assert_array_equal(ring_unpermute(laid, 2), x)
+    lse = x.swapaxes(1, 2)  # [B, H, S]: the sequence on axis 2
+    np.testing.assert_array_equal(ring_unpermute(ring_permute(lse, 2, axis=2), 2, axis=2), lse)
+    for d in range(2):
+        np.testing.assert_array_equal(ring.device_positions("zigzag", 2, 4, d), ring_positions(8, 2)[4 * d:4 * d + 4])
+
+
+def _qkv(seq=16, batch=1, heads=4, kv_heads=2, dim=8):
+    q = jnp.zeros((batch, seq, heads, dim), jnp.float32)
+    k = jnp.zeros((batch, seq, kv_heads, dim), jnp.float32)
+    return q, k, k
+
+
+def _in_map(fn, devices=1):
+    """``fn(q, k, v)`` inside jax.shard_map over this process's one device, axis "sp" (size 1): the ring's checks of
+    a bound axis run."""
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("sp",))
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+
+
+def _ring(**kw):
+    return lambda: ring_attention(*_qkv(), axis_name="sp", **kw)
+
+
+REFUSED = {
+    "bias": (_ring(bias=jnp.zeros((1, 4, 16, 16))), ValueError, "bias cannot be combined with ring attention"),
+    "block_mask": (_ring(block_mask=BlockMask.causal(16, 16)), ValueError, "block_mask cannot be combined"),
+    "positions": (_ring(q_positions=jnp.zeros((1, 16), jnp.int32)), ValueError, "q_positions cannot be combined"),
+    "varlen": (lambda: ring_attention(*(x[0] for x in _qkv()), axis_name="sp", cu_seqlens_q=jnp.array([0, 16]),
+                                      cu_seqlens_k=jnp.array([0, 16]), max_seqlen_q=16, max_seqlen_k=16),
+               ValueError, "cu_seqlens_q cannot be combined with ring attention"),
+    "dense-mask": (_ring(mask_info=MaskInfo.from_attention_mask(jnp.ones((1, 16, 16), bool))), ValueError,
+                   "mask_info with a dense attention_mask cannot be combined with ring attention"),
+    "token_order": (_ring(token_order="striped"), ValueError, "token_order must be one of contiguous, zigzag"),
+    "axis_name": (lambda: ring_attention(*_qkv(), axis_name=("sp", "dp")), ValueError,
+                  "axis_name must be the name of one mesh axis"),
+    "no-mesh": (_ring(), ValueError, "axis_name='sp' is not a bound mesh axis (no mesh is in scope)"),
+    "mesh-argument": (_ring(mesh=AbstractMesh((2,), ("sp",))), TypeError,
+                      "flash_attention_ring() got mesh=: a ring form runs inside jax.shard_map"),
+    "unknown-argument": (_ring(slopes=jnp.ones(4)), TypeError,
+                         "flash_attention_ring() got an unsupported argument 'slopes'"),
+    "spec-reads-kv_len": (lambda: natten_1d_attention_ring(*_qkv(), axis_name="sp"), ValueError,
+                          "the spec's score or mask reads kv_len (zoo/natten_1d_attention.yaml)"),
+    "param-by-position": (lambda: flamingo_cross_attention_ring(*_qkv(), latest=jnp.zeros((1, 16), jnp.int32),
+                                                                axis_name="sp"),
+                          ValueError, "param latest has a q_len / kv_len dim"),
+    "odd-zigzag": (lambda: _in_map(lambda q, k, v: ring_attention(q, k, v, axis_name="sp", token_order="zigzag"))(
+        *_qkv(seq=15)), ValueError, "token_order='zigzag' needs an even number of rows per device (two chunks), got "
+                                    "15"),
+    "cross-lengths": (lambda: _in_map(lambda q, k, v: ring_attention(q, k[:, :8], v[:, :8], axis_name="sp"))(*_qkv()),
+                      ValueError, "query and key/value hold 16 and 8 rows of the sequence on each device"),
+    "blocksparse-layouts": (lambda: blocksparse_attention(*(x.swapaxes(1, 2) for x in _qkv()),
+                                                          qkv_layouts=jnp.ones((2, 2), bool),
+                                                          sequence_parallelism_mesh_axis_name="sp"),
+                            ValueError, "qkv_layouts cannot be combined with sequence_parallelism_mesh_axis_name"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED.values(), ids=REFUSED.keys())
+def test_ring_refuses(case):
+    """What a ring cannot take is one clear error naming the argument, before anything runs."""
+    call, kind, message = case
+    with pytest.raises(kind) as e:
+        call()
+    assert message in str(e.value)
+
+
+def test_global_sequence_must_cut_evenly():
+    """On global arrays under a mesh context, a sequence that does not cut into the axis' devices (zigzag: two chunks
+    each) is refused with the numbers."""
+    with jax.sharding.use_abstract_mesh(AbstractMesh((4,), ("sp",))):
+        with pytest.raises(ValueError) as e:
+            ring_attention(*_qkv(seq=20), axis_name="sp", token_order="zigzag")
+    assert "query float32[1, 20, 4, 8]: its sequence dim must cut into 8 equal chunks (zigzag: two per device" in str(
+        e.value)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((4,), ("dp",))):
+        with pytest.raises(ValueError) as e:
+            ring_attention(*_qkv(), axis_name="sp")
+    assert "the mesh in scope has axes ('dp',)" in str(e.value)
+
+
+def test_wrapper_refuses_what_a_ring_cannot_take():
+    """The mesh wrapper cuts a sequence only as a ring can run it."""
+    mesh = AbstractMesh((2, 4), ("dp", "sp"))
+    with pytest.raises(ValueError, match="bias cannot be combined with ring attention"):
+        flash_attention(*_qkv(), bias=jnp.zeros((1, 4, 16, 16)), mesh=mesh, in_specs=P(None, "sp"))
+    with pytest.raises(ValueError, match=r"the sequence of query \(18\) cannot be cut evenly over mesh axis 'sp'"):
+        flash_attention(*_qkv(seq=18), mesh=mesh, in_specs=P(None, "sp"))
+    with pytest.raises(ValueError, match="cuts the token axis of query over mesh axis 'sp'"):
+        flash_attention(*(x[0] for x in _qkv()), cu_seqlens_q=jnp.array([0, 16]), cu_seqlens_k=jnp.array([0, 16]),
+                        max_seqlen_q=16, max_seqlen_k=16, mesh=mesh, in_specs=P("sp"))
