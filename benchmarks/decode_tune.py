@@ -26,6 +26,7 @@ import decode as bench  # noqa: E402  (benchmarks/decode.py: cases, inputs, impl
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ejgen.runtime.attention import split_k  # noqa: E402
 from ejgen.runtime.attention.triton import decode as host  # noqa: E402
 from ejgen.testing.timing import median_seconds  # noqa: E402
 
@@ -35,15 +36,15 @@ CASES = ("decode-B8-S8k", "decode-B32-S8k", "decode-B4-S32k", "decode-B32-ragged
 
 def settings(quick: bool):
     """(BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM), the current default first."""
-    base = (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, host.WAVES, host.PROGRAMS_PER_SM)
-    more = [(64, 2, 4, 1, 3), (64, 2, 4, 1, 5), (64, 2, 4, 1, 6), (64, 2, 4, 2, 4), (64, 3, 4, 1, 4),
+    base = (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, split_k.WAVES, split_k.PROGRAMS_PER_SM)
+    more = [(64, 2, 4, 1, 2), (64, 2, 4, 1, 3), (64, 2, 4, 1, 5), (64, 2, 4, 2, 4), (64, 3, 4, 1, 4),
             (128, 2, 8, 1, 4)]
     out = [base] + [s for s in more if s != base]
     return out[:3] if quick else out
 
 
 def apply(setting):
-    host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, host.WAVES, host.PROGRAMS_PER_SM = setting
+    host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, split_k.WAVES, split_k.PROGRAMS_PER_SM = setting
 
 
 def main():

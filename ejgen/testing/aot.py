@@ -119,31 +119,28 @@ def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ejgen.runtime.attention.triton import decode, decode_merge
+    from ejgen.runtime.attention import split_k
+    from ejgen.runtime.attention.triton import decode
 
     kernel = importlib.import_module(f"{package}.{name}.triton_decode").decode_kernel
     ptr = _DTYPES[dtype]
-    pointers = dict(Q=ptr, K=ptr, V=ptr, STARTS="*i32", ENDS="*i32", TABLE="*i32", SPLITS="*i32", ITEMS="*i32",
-                    F32="*fp32", I32="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", SCRATCH="*u8",
-                    SINKS="*fp32", OUT=ptr, LSE="*fp32")
+    pointers = dict(Q=ptr, K=ptr, V=ptr, STARTS="*i32", ENDS="*i32", TABLE="*i32", F32="*fp32", I32="*i32",
+                    O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", SCRATCH="*u8")
     for p, dt in (params or {}).items():
         pointers[f"PARAM_{p}"] = "*i32" if dt == "int32" else _DTYPES.get(dt, "*fp32")
+    n_splits, per_split = split_k.splits(8, 8, 8192, decode.BLOCK_N, slots=528)
     pad = max(16, 1 << (head_dim - 1).bit_length())
     consts = dict(B=8, HQ=8 * groups, HKV=8, SQ=queries, SEQ_K=8192, D=head_dim, DV=head_dim, D_PAD=pad, DV_PAD=pad,
                   G=groups, M_PAD=max(16, 1 << (groups * queries - 1).bit_length()), BLOCK_N=decode.BLOCK_N,
-                  LOG2_B=3, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, PAGED=paged,
+                  SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, PAGED=paged,
                   PAGE=16 if paged else 1, MAX_PAGES=512 if paged else 1,
                   PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False)
-    consts["N_SINKS"] = 2
+    sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
+    source = ASTSource(fn=kernel, signature=sig, constexprs={n: consts[n] for n in kernel.arg_names if n in consts},
+                       attrs=aligned)
     target = GPUTarget("cuda", capability, 32)
-    out = {}
-    for kernel in (kernel, decode_merge.merge_kernel):
-        sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
-        source = ASTSource(fn=kernel, signature=sig, attrs=aligned,
-                           constexprs={n: consts[n] for n in kernel.arg_names if n in consts})
-        out[kernel.__name__] = triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 2})
-    return out
+    return {"decode_kernel": triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 2})}
 
 
 def summary(compiled: dict, with_ptx: bool = False) -> dict:

@@ -2,18 +2,14 @@
 # spec sha256 7e04430c54007c118fa76b37f01d214a1db7efb3d30c7d3adf4e62f4d43277b5
 """Triton decode kernel of `prefix_lm_attention` (docs/DESIGN.md §3, "Decode and paged modes"): split-K (FlashDecoding).
 
-Program i is work item i of a list the host builds from the sequences' lengths (`runtime/attention/triton/decode.py`):
-items are (sequence b, kv head, split), ordered by b, then kv head, then split; sequence b owns items
-[ITEMS[b], ITEMS[b + 1]) (its kv heads x ceil(L / SPLITS[b]) splits, none when empty; SPLITS[b] a multiple of
-BLOCK_N keys, chosen so that the items are about equal and fill the GPU's program slots in whole waves), and a
-program past the last item (ITEMS[B]) does nothing. An item reads the query rows of every head of its kv head's group and every query position (GQA
+Program (b, kv head, split): the query rows of every head of the kv head's group and every query position (GQA
 packed into the matrix dimension, M = G * SQ rows: each K / V byte is read once per kv head) against the keys
-[start + split * SPLIT, min(start + (split + 1) * SPLIT, end)) of its sequence, in blocks of BLOCK_N; the spec's score
-and mask at positions in the sequence (q_idx = L - SQ + i, kv_idx = j - start, q_len = kv_len = L). It writes its
-unnormalised output and its running max and sum (float32) at row i of the partials; `merge_kernel` of
-`runtime/attention/triton/decode_merge.py` combines a sequence's items (and the sinks) by lse. PAGED: key row t of
-sequence b is row t % PAGE of page TABLE[b, t // PAGE] (start 0); else row t of the cache row b. WINDOW: the keys
-before the window of the last query row are not read (from a block boundary).
+[start + split * SPLIT, min(start + (split + 1) * SPLIT, end)) of sequence b, in blocks of BLOCK_N; the spec's score
+and mask at positions in the sequence (q_idx = L - SQ + i, kv_idx = j - start, q_len = kv_len = L). Writes the
+split's unnormalised output and its running max and sum (float32); `ejgen.runtime.attention.split_k.merge` merges
+the splits (and the sinks) by lse. PAGED: key row t of sequence b is row t % PAGE of page TABLE[b, t // PAGE]
+(start 0); else row t of the cache row b. WINDOW: the splits start at the block holding the first key the first
+query row sees. A program whose split starts past its sequence's end does nothing.
 Runtime scalars: F32 = [scale, softcap], I32 = [window_left, window_right, opt_prefix_len].
 """
 
@@ -24,25 +20,16 @@ from ejgen.runtime.attention.triton.lib import Dims, _tanh
 
 
 @triton.jit
-def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, SPLITS, ITEMS, F32, I32, O_PART, M_PART, L_PART, SCRATCH,
+def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, O_PART, M_PART, L_PART, SCRATCH,
                   B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SQ: tl.constexpr, SEQ_K: tl.constexpr,
                   D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, G: tl.constexpr,
-                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_B: tl.constexpr, CAUSAL: tl.constexpr,
-                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-                  MAX_PAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PAGED: tl.constexpr,
+                  PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SQ, SEQ_K, D, DV, D_PAD, DV_PAD, M_PAD, BLOCK_N)
-    item = tl.program_id(0)
-    if item >= tl.load(ITEMS + B):
-        return
-    off_b = item * 0  # the sequence owning the item: the last b with ITEMS[b] <= item (ITEMS[0] = 0), by bisection
-    for k in tl.static_range(LOG2_B):
-        probe = tl.minimum(off_b + (1 << (LOG2_B - 1 - k)), B - 1)
-        off_b = tl.where(tl.load(ITEMS + probe) <= item, probe, off_b)
-    first = tl.load(ITEMS + off_b)
-    n_splits = (tl.load(ITEMS + off_b + 1) - first) // HKV
-    off_hk = (item - first) // n_splits
-    split = (item - first) % n_splits
-    split_keys = tl.load(SPLITS + off_b)
+    off_b = tl.program_id(0)
+    off_hk = tl.program_id(1)
+    split = tl.program_id(2)
     start = tl.load(STARTS + off_b)
     end = tl.load(ENDS + off_b)
     length = end - start
@@ -66,10 +53,10 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, SPLITS, ITEMS, F32, I32, O_PART,
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, DV_PAD], tl.float32)
-    lo = start + split * split_keys
-    if WINDOW:  # keys before the last query row's window: never seen, skipped from a block boundary (host: `visited`)
+    lo = start + split * SPLIT
+    if WINDOW:  # keys before the last query row's window: never seen, skipped from a block boundary
         lo += tl.maximum(length - SQ - window_left, 0) // BLOCK_N * BLOCK_N
-    hi = tl.minimum(lo + split_keys, end)
+    hi = tl.minimum(lo + SPLIT, end)
     for n0 in tl.range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         col_ok = t < hi
@@ -109,7 +96,7 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, SPLITS, ITEMS, F32, I32, O_PART,
         acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    part = item.to(tl.int64)
+    part = ((off_b * HKV + off_hk) * N_SPLITS + split).to(tl.int64)
     tl.store(O_PART + (part * M_PAD + r[:, None]) * DV_PAD + o_dv[None, :], acc)
     tl.store(M_PART + part * M_PAD + r, m_i)
     tl.store(L_PART + part * M_PAD + r, l_i)

@@ -276,25 +276,24 @@ def test_decode_kernels_compile_for_the_gpus(name, capability, kwargs):
     assert compiled["decode_kernel"]["cubin"] and compiled["decode_kernel"]["shared"] <= 163 * 1024, compiled
 
 
-def test_work_list_splits_by_the_batchs_keys():
-    """The work list: sequence b owns its kv heads x ceil(L_b / split_b) items of whole blocks; the items follow the
-    keys (a ragged batch gets as many as its keys need, not as its longest row), fill whole waves of program slots on a
-    uniform batch, stay within the static capacity, and have a fixed size with batch_invariant."""
-    from ejgen.runtime.attention.triton.decode import BATCH_INVARIANT_SPLIT, work_list
+def test_splits_fill_the_program_slots():
+    """Split-K: B x Hkv x splits fills the GPU's program slots without passing them (B4 S32k, 8 kv heads, 528 slots:
+    16 splits of 2048 keys), whole blocks of at least MIN_SPLIT_BLOCKS; a window covers only the keys its rows can
+    see; batch_invariant fixes the split size whatever the batch."""
+    from ejgen.runtime.attention import split_k
+    from ejgen.runtime.attention.config import AttentionConfig
 
-    lengths = jnp.asarray([0, 5000, 16384, 1, 700], jnp.int32)
-    splits, offsets, capacity = work_list(lengths, 8, 16384, 64, target=792)
-    splits, counts = np.asarray(splits), np.diff(np.asarray(offsets))
-    assert np.all(splits % 64 == 0) and np.all(splits >= 4 * 64)
-    np.testing.assert_array_equal(counts, -(-np.asarray(lengths) // splits) * 8)
-    assert counts[0] == 0, "an empty sequence has no items"
-    assert int(offsets[-1]) == counts.sum() <= capacity
-    assert splits[2] < 16384 // 8 and counts[2] > counts[1] > counts[4], "items follow the keys"
-    uniform, offs, _ = work_list(jnp.full((4,), 32768, jnp.int32), 8, 32768, 64, target=792)
-    assert 0.9 * 792 <= int(offs[-1]) <= 792, "a uniform batch fills its waves, no item past them"
-    for batch in (1, 4):
-        fixed, offs, _ = work_list(lengths[:batch], 2, 16384, 64, target=792, batch_invariant=True)
-        assert np.all(np.asarray(fixed) == BATCH_INVARIANT_SPLIT) and int(np.diff(np.asarray(offs))[0]) == 0
+    assert split_k.splits(4, 8, 32768, 64, slots=528) == (16, 2048)
+    assert split_k.splits(32, 8, 8192, 64, slots=528) == (2, 4096)
+    assert split_k.splits(1, 1, 100, 64, slots=528) == (1, 128)
+    for batch, heads, seq in ((8, 8, 8192), (3, 5, 1000), (64, 8, 256)):
+        n, per = split_k.splits(batch, heads, seq, 64, slots=528)
+        assert per % 64 == 0 and n * per >= seq and (n == 1 or per >= split_k.MIN_SPLIT_BLOCKS * 64)
+        assert batch * heads * n <= max(528, batch * heads)
+    window = AttentionConfig(seq_q=2, seq_k=32768, window=True, window_span=1000)
+    assert split_k.keys_to_visit(32768, window, 2, 64) == 1066
+    fixed = {split_k.splits(b, h, 8192, 64, slots=528, batch_invariant=True)[1] for b in (1, 4, 32) for h in (1, 8)}
+    assert fixed == {split_k.BATCH_INVARIANT_SPLIT}
 
 
 @pytest.mark.parametrize("backend", ["triton", "pallas", "pallas-tpu"])

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-import oracle
+import pooling_oracle as oracle
 from ejgen.generated import last_token_pooling, max_pooling, mean_pooling, weighted_mean_pooling
 from ejgen.runtime.core.pallas import interpret_kernels
 

@@ -6,7 +6,7 @@ Both read the cache in place: ``k, v [B, S, Hkv, D|Dv]`` (decode), or the page p
 through ``block_tables`` (paged; token t of sequence b at row t % page of page tables[b, t // page]). Positions in the
 sequence as the contract says: query row i at ``L - Sq + i``, key j at ``j - start``, ``q_len = kv_len = L``.
 
-GPU: split-K as the Triton kernel (`triton/decode.py`: its split rule and its lse merge, one of each). Program
+GPU: split-K as the Triton kernel (`split_k`: one split rule and one lse merge for both). Program
 (b, kv head, split): the kv head's G query heads times Sq queries packed into the rows of one tile (row r is head
 ``hk * G + r // Sq``, query ``r % Sq``), so each K / V byte is read once per kv head; its keys in blocks of BLOCK_N;
 pages through the table inside the kernel (one scalar read per block when a block lies in one page, else a read per
@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from ejgen.runtime.attention.pallas import common as _rt
 from ejgen.runtime.attention.pallas.common import NEG_INF, NN, NT, NUM_LANES, NUM_SUBLANES
 from ejgen.runtime.attention.pallas.hooks import Hooks, Tile, logits
-from ejgen.runtime.attention.triton import decode as split_k
+from ejgen.runtime.attention import split_k
 from ejgen.runtime.core import vma
 
 GPU_BLOCK_N = 64  # keys per step of a GPU program
@@ -65,19 +65,6 @@ def forward(hooks: Hooks, call, batch_invariant: bool = False):
 
 
 # GPU (Triton lowering)
-
-
-def gpu_splits(batch: int, kv_heads: int, seq: int, block_n: int, slots: int, batch_invariant: bool = False):
-    """(splits, keys per split) of one call, whole blocks each: B x Hkv x splits about ``slots`` (the Triton host's
-    program slots), at least the Triton host's MIN_SPLIT_BLOCKS blocks per split; ``batch_invariant``: its
-    BATCH_INVARIANT_SPLIT keys, so a sequence's splits do not depend on the batch. One count for every sequence
-    (not the Triton kernel's work list): a split past its sequence's end is an empty program."""
-    blocks = max(1, -(-seq // block_n))
-    if batch_invariant:
-        per = -(-split_k.BATCH_INVARIANT_SPLIT // block_n)
-    else:
-        per = -(-blocks // max(1, min(slots // (batch * kv_heads), blocks // split_k.MIN_SPLIT_BLOCKS)))
-    return -(-blocks // per), per * block_n
 
 
 def window_skip(ctx, cfg, lengths, sq: int):
@@ -159,9 +146,10 @@ def _gpu_forward(hooks, call, batch_invariant, q, k, v, starts, ends, skips, tab
     paged = call.tables is not None
     seq = tables.shape[1] * call.page if paged else k.shape[1]
     block_n = INTERPRET_BLOCK_N if interpret else GPU_BLOCK_N
-    slots = split_k.WAVES * split_k.slots(block_n, d, dv, q.dtype.itemsize,
-                                          sms=split_k.INTERPRET_SMS if interpret else None)
-    n_splits, per_split = gpu_splits(batch, kv_heads, seq, block_n, slots, batch_invariant)
+    slots = split_k.slots(block_n, d, dv, q.dtype.itemsize, GPU_NUM_STAGES,
+                          sms=split_k.INTERPRET_SMS if interpret else None)
+    n_splits, per_split = split_k.splits(batch, kv_heads, split_k.keys_to_visit(seq, cfg, sq, block_n), block_n,
+                                         slots, batch_invariant)
     m_pad, d_pad, dv_pad = _rt.pow2(groups * sq), _rt.pow2(d), _rt.pow2(dv)
     rows = q.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * sq, d)  # row g * Sq + i
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, m_pad - groups * sq), (0, 0)))
