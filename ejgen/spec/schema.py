@@ -115,8 +115,9 @@ def _pooling_variant(root: Node, *, path: str, source_hash: str) -> PoolingVaria
         features = tuple(sorted((f for f in found if f is not None), key=lambda f: f.name))
     for f in features:
         if f.name == "weights" and reduction not in WEIGHTED_REDUCTIONS:
-            raise SpecError(f"feature 'weights' needs a reduction that weighs tokens ({' or '.join(WEIGHTED_REDUCTIONS)});"
-                            f" reduction '{reduction}' selects them", f.loc,
+            weighing = " or ".join(WEIGHTED_REDUCTIONS)
+            raise SpecError(f"feature 'weights' needs a reduction that weighs tokens ({weighing}); reduction "
+                            f"'{reduction}' selects them", f.loc,
                             hint="use feature 'mask' to leave tokens out of a max or last-token pooling")
     return PoolingVariant(
         name=name,

@@ -143,6 +143,41 @@ def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str 
     return {"decode_kernel": triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 2})}
 
 
+def compile_pooling(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", batch: int = 32,
+                    seq: int = 8192, dim: int = 4096, chunk: int = 32, varlen: bool = False, weighted: bool = False,
+                    weight_grad: bool = False) -> dict:
+    """The forward, combine and backward kernels of one generated pooling spec (`triton_kernels.py`), with the tiles
+    `ejgen.runtime.pooling.triton.host.tiles` gives a call of these shapes on a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ejgen.runtime.pooling.config import PoolingConfig
+    from ejgen.runtime.pooling.triton import host
+
+    module = importlib.import_module(f"{package}.{name}.triton_kernels")
+    ptr = _DTYPES[dtype]
+    cfg = PoolingConfig(kind="sum", scaled=True, weighted=weighted, weight_grad=weight_grad, ranged=False,
+                        varlen=varlen, n_seqs=batch, tokens=batch * seq, dim=dim, seq_len=0 if varlen else seq,
+                        chunk=chunk)
+    t = host.tiles(cfg, 4 if dtype == "float32" else 2)
+    pointers = dict(X=ptr, W="*fp32", ITEMS="*i32", PART="*fp32", PART_DEN="*fp32", PART_TOKEN="*i32", FIRST="*i32",
+                    Y=ptr, TOKEN="*i32", SCALE="*fp32", Y32="*fp32", DY=ptr, DX=ptr, DOT="*fp32")
+    consts = dict(D=dim, CHUNK=chunk, BLOCK_D=t.block_d, WEIGHTED=weighted, EVEN_D=dim % t.block_d == 0,
+                  SAVE=weight_grad, T=batch * seq, WEIGHT_GRAD=weight_grad, ITEM_AXIS=host.ITEM_AXIS,
+                  EVICT=host.EVICT, GROUP=host.GROUP, DIRECT=False)
+    compiled = {}
+    for which in ("fwd", "combine", "bwd"):
+        kernel = getattr(module, f"{name}_{which}_kernel")
+        sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
+        source = ASTSource(fn=kernel, signature=sig, constexprs={n: consts[n] for n in kernel.arg_names if n in consts},
+                           attrs=aligned)
+        options = {"num_warps": t.num_warps, "num_stages": 1 if which == "combine" else host.NUM_STAGES}
+        compiled[which] = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+    return compiled
+
+
 def summary(compiled: dict, with_ptx: bool = False) -> dict:
     out = {}
     for name, c in compiled.items():
@@ -161,6 +196,11 @@ def compile_in_subprocess(package: str, name: str, **kwargs) -> dict:
 def compile_decode_in_subprocess(package: str, name: str, **kwargs) -> dict:
     """`summary` of `compile_decode`, from a fresh interpreter."""
     return _in_subprocess({"decode": True, "package": package, "name": name, **kwargs})
+
+
+def compile_pooling_in_subprocess(package: str, name: str, **kwargs) -> dict:
+    """`summary` of `compile_pooling`, from a fresh interpreter."""
+    return _in_subprocess({"pooling": True, "package": package, "name": name, **kwargs})
 
 
 def compile_gluon_in_subprocess(**kwargs) -> dict:
@@ -190,6 +230,8 @@ def main(argv=None) -> int:
         compiled = compile_gluon(**args)
     elif args.pop("decode", False):
         compiled = compile_decode(args.pop("package"), args.pop("name"), **args)
+    elif args.pop("pooling", False):
+        compiled = compile_pooling(args.pop("package"), args.pop("name"), **args)
     else:
         compiled = compile_attention(args.pop("package"), args.pop("name"), **args)
     print(json.dumps(summary(compiled, with_ptx)))

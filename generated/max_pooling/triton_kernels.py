@@ -6,16 +6,16 @@
 Notation: x [T, D] tokens (a dense [B, S, D] is B sequences of S rows), w [T] float32 per-token weights
 (here the mask: 1 pooled, 0 left out), dy [N, D]. Accumulation: the running max of each column and the first token
 that attains it (a NaN wins over any number).
-A work item is at most ROWS tokens of one sequence. The fwd kernel reduces one item over BLOCK_D columns, CHUNK
-tokens (chunk_size) a step, into a float32 partial; the combine kernel reduces each sequence's items in order into
-y; the bwd kernel writes dx for ROWS tokens a program. No atomics: deterministic.
+A work item is a few thousand tokens at most, of one sequence. The fwd kernel reduces one item over BLOCK_D
+columns, CHUNK tokens (chunk_size) a step, into a float32 partial; the combine kernel reduces each sequence's items
+in order into y; the bwd kernel writes dx for one item of the tokens' partition. No atomics: deterministic.
 """
 
 import triton
 import triton.language as tl
 
 
-NO_TOKEN: tl.constexpr = 2147483647  # the token of a column that saw none
+NO_TOKEN = tl.constexpr(2147483647)  # the token of a column that saw none
 
 
 @triton.jit
@@ -43,24 +43,27 @@ def _column_best(top, token):
 @triton.jit
 def max_pooling_fwd_kernel(
     X, W, ITEMS, PART, PART_TOKEN,
-    D: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr, EVEN_D: tl.constexpr,
+    ITEM_AXIS: tl.constexpr, EVICT: tl.constexpr, DIRECT: tl.constexpr,
 ):
-    i_item, i_d = tl.program_id(0), tl.program_id(1)
+    """One work item (rows [start, end) of one sequence) over BLOCK_D columns: its float32 partial; with DIRECT
+    (item i is sequence i, whole) the result itself, in PART's dtype, and no combine kernel runs. ITEM_AXIS: the
+    grid axis of the items (1: the blocks of columns of a row run side by side, reading it whole)."""
+    i_item, i_d = tl.program_id(ITEM_AXIS), tl.program_id(1 - ITEM_AXIS)
     start = tl.load(ITEMS + 2 * i_item)
     end = tl.load(ITEMS + 2 * i_item + 1)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
     b_top = tl.full([CHUNK, BLOCK_D], float("-inf"), tl.float32)
     b_token = tl.full([CHUNK, BLOCK_D], NO_TOKEN, tl.int32)
-    for k in range(0, ROWS, CHUNK):
-        o_t = start + k + tl.arange(0, CHUNK)
+    for k in range(0, tl.cdiv(end - start, CHUNK)):
+        o_t = start + k * CHUNK + tl.arange(0, CHUNK)
         m_t = o_t < end
         p_x = X + o_t.to(tl.int64)[:, None] * D + o_d[None, :]
         if EVEN_D:
-            b_x = tl.load(p_x, mask=m_t[:, None], other=0.0).to(tl.float32)  # [CHUNK, BLOCK_D]
+            b_x = tl.load(p_x, mask=m_t[:, None], other=0.0, eviction_policy=EVICT).to(tl.float32)  # [CHUNK, BLOCK_D]
         else:
-            b_x = tl.load(p_x, mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            b_x = tl.load(p_x, mask=m_t[:, None] & m_d[None, :], other=0.0, eviction_policy=EVICT).to(tl.float32)
         if WEIGHTED:
             m_t = m_t & (tl.load(W + o_t, mask=m_t, other=0.0) != 0.0)
         b_x = tl.where(m_t[:, None], b_x, float("-inf"))
@@ -69,13 +72,20 @@ def max_pooling_fwd_kernel(
         b_top = tl.where(take, b_x, b_top)
         b_token = tl.where(take, o_t[:, None], b_token)
     top, token = _column_best(b_top, b_token)
-    tl.store(PART + i_item * D + o_d, top, mask=m_d)
+    if DIRECT:  # the item is the sequence: y and its tokens (-1 for none)
+        seen = token != NO_TOKEN
+        top = tl.where(seen, top, 0.0)
+        token = tl.where(seen, token, -1)
+    tl.store(PART + i_item * D + o_d, top.to(PART.dtype.element_ty), mask=m_d)
     tl.store(PART_TOKEN + i_item * D + o_d, token, mask=m_d)
 
 
 @triton.jit
-def max_pooling_combine_kernel(PART, PART_TOKEN, FIRST, Y, TOKEN, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """y [N, D] and the token of each column's max (-1 for none) from the items of each sequence, in order."""
+def max_pooling_combine_kernel(
+    PART, PART_TOKEN, FIRST, Y, TOKEN, D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+):
+    """y [N, D] and the token of each column's max (-1 for none) from the items of each sequence, GROUP items a
+    step (their loads in flight together)."""
     n, i_d = tl.program_id(0), tl.program_id(1)
     first = tl.load(FIRST + n)
     last = tl.load(FIRST + n + 1)
@@ -83,9 +93,12 @@ def max_pooling_combine_kernel(PART, PART_TOKEN, FIRST, Y, TOKEN, D: tl.constexp
     m_d = o_d < D
     top = tl.full([BLOCK_D], float("-inf"), tl.float32)
     token = tl.full([BLOCK_D], NO_TOKEN, tl.int32)
-    for i in range(first, last):
-        v = tl.load(PART + i * D + o_d, mask=m_d, other=float("-inf"))
-        t = tl.load(PART_TOKEN + i * D + o_d, mask=m_d, other=NO_TOKEN)
+    for i in range(first, last, GROUP):
+        o_i = i + tl.arange(0, GROUP)
+        m = (o_i < last)[:, None] & m_d[None, :]
+        v = tl.load(PART + o_i[:, None] * D + o_d[None, :], mask=m, other=float("-inf"))  # [GROUP, BLOCK_D]
+        t = tl.load(PART_TOKEN + o_i[:, None] * D + o_d[None, :], mask=m, other=NO_TOKEN)
+        v, t = _column_best(v, t)
         top, token = _pick(top, token, v, t)
     seen = token != NO_TOKEN
     tl.store(Y + n * D + o_d, tl.where(seen, top, 0.0).to(Y.dtype.element_ty), mask=m_d)
@@ -94,32 +107,30 @@ def max_pooling_combine_kernel(PART, PART_TOKEN, FIRST, Y, TOKEN, D: tl.constexp
 
 @triton.jit
 def max_pooling_bwd_kernel(
-    X, W, DY, TOKEN, SEQ, LO, HI, DX, DOT,
-    T: tl.constexpr, D: tl.constexpr, SEQ_LEN: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr, VARLEN: tl.constexpr, RANGED: tl.constexpr,
-    WEIGHT_GRAD: tl.constexpr, EVEN_D: tl.constexpr,
+    X, W, DY, TOKEN, ITEMS, DX, DOT,
+    T: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr, EVEN_D: tl.constexpr, ITEM_AXIS: tl.constexpr,
 ):
-    """dx [T, D] for ROWS tokens: token t of sequence n (SEQ[t], or t // SEQ_LEN; -1: none)
-    gets dy[n] in the columns whose max it is, every other token 0."""
-    i_r, i_d = tl.program_id(0), tl.program_id(1)
+    """dx for the rows [start, end) of one item of the tokens' partition (ITEMS [start, end, pooled_lo, pooled_hi,
+    n, ...]: every token in one item): rows in [pooled_lo, pooled_hi) get dy[n] where they hold the max, the rest
+    0."""
+    i_item, i_d = tl.program_id(ITEM_AXIS), tl.program_id(1 - ITEM_AXIS)
+    start = tl.load(ITEMS + 8 * i_item)
+    end = tl.load(ITEMS + 8 * i_item + 1)
+    lo = tl.load(ITEMS + 8 * i_item + 2)
+    hi = tl.load(ITEMS + 8 * i_item + 3)
+    n = tl.load(ITEMS + 8 * i_item + 4)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    for k in range(0, ROWS, CHUNK):
-        o_t = i_r * ROWS + k + tl.arange(0, CHUNK)
-        m_t = o_t < T
-        if VARLEN:
-            n = tl.load(SEQ + o_t, mask=m_t, other=-1)
-        else:
-            n = o_t // SEQ_LEN
-        inside = m_t & (n >= 0)
+    g = tl.load(DY + n.to(tl.int64) * D + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_D]: dy of the sequence
+    token = tl.load(TOKEN + n.to(tl.int64) * D + o_d, mask=m_d, other=-1)
+    for k in range(0, tl.cdiv(end - start, CHUNK)):
+        o_t = start + k * CHUNK + tl.arange(0, CHUNK)
+        m_t = o_t < end
+        pooled = m_t & (o_t >= lo) & (o_t < hi)
         if EVEN_D:
-            m_g = inside[:, None]
             m_out = m_t[:, None]
         else:
-            m_g = inside[:, None] & m_d[None, :]
             m_out = m_t[:, None] & m_d[None, :]
-        at = n.to(tl.int64)[:, None] * D + o_d[None, :]
-        b_g = tl.load(DY + at, mask=m_g, other=0.0).to(tl.float32)  # [CHUNK, BLOCK_D]
-        b_token = tl.load(TOKEN + at, mask=m_g, other=-1)
-        b_g = tl.where(b_token == o_t[:, None], b_g, 0.0)
+        b_g = tl.where(pooled[:, None] & (token[None, :] == o_t[:, None]), g[None, :], 0.0)  # [CHUNK, BLOCK_D]
         tl.store(DX + o_t.to(tl.int64)[:, None] * D + o_d[None, :], b_g.to(DX.dtype.element_ty), mask=m_out)

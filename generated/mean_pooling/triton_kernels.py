@@ -5,9 +5,9 @@
 
 Notation: x [T, D] tokens (a dense [B, S, D] is B sequences of S rows), w [T] float32 per-token weights
 (the weights times the mask), dy [N, D]. Accumulation: float32 sums and the sum of the weights.
-A work item is at most ROWS tokens of one sequence. The fwd kernel reduces one item over BLOCK_D columns, CHUNK
-tokens (chunk_size) a step, into a float32 partial; the combine kernel reduces each sequence's items in order into
-y; the bwd kernel writes dx for ROWS tokens a program. No atomics: deterministic.
+A work item is a few thousand tokens at most, of one sequence. The fwd kernel reduces one item over BLOCK_D
+columns, CHUNK tokens (chunk_size) a step, into a float32 partial; the combine kernel reduces each sequence's items
+in order into y; the bwd kernel writes dx for one item of the tokens' partition. No atomics: deterministic.
 """
 
 import triton
@@ -17,37 +17,46 @@ import triton.language as tl
 @triton.jit
 def mean_pooling_fwd_kernel(
     X, W, ITEMS, PART, PART_DEN,
-    D: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr, EVEN_D: tl.constexpr,
+    ITEM_AXIS: tl.constexpr, EVICT: tl.constexpr, DIRECT: tl.constexpr,
 ):
-    i_item, i_d = tl.program_id(0), tl.program_id(1)
+    """One work item (rows [start, end) of one sequence) over BLOCK_D columns: its float32 partial; with DIRECT
+    (item i is sequence i, whole) the result itself, in PART's dtype, and no combine kernel runs. ITEM_AXIS: the
+    grid axis of the items (1: the blocks of columns of a row run side by side, reading it whole)."""
+    i_item, i_d = tl.program_id(ITEM_AXIS), tl.program_id(1 - ITEM_AXIS)
     start = tl.load(ITEMS + 2 * i_item)
     end = tl.load(ITEMS + 2 * i_item + 1)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
     b_acc = tl.zeros([CHUNK, BLOCK_D], tl.float32)
     b_den = tl.zeros([CHUNK], tl.float32)
-    for k in range(0, ROWS, CHUNK):
-        o_t = start + k + tl.arange(0, CHUNK)
+    for k in range(0, tl.cdiv(end - start, CHUNK)):
+        o_t = start + k * CHUNK + tl.arange(0, CHUNK)
         m_t = o_t < end
         p_x = X + o_t.to(tl.int64)[:, None] * D + o_d[None, :]
         if EVEN_D:
-            b_x = tl.load(p_x, mask=m_t[:, None], other=0.0).to(tl.float32)  # [CHUNK, BLOCK_D]
+            b_x = tl.load(p_x, mask=m_t[:, None], other=0.0, eviction_policy=EVICT).to(tl.float32)  # [CHUNK, BLOCK_D]
         else:
-            b_x = tl.load(p_x, mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            b_x = tl.load(p_x, mask=m_t[:, None] & m_d[None, :], other=0.0, eviction_policy=EVICT).to(tl.float32)
         b_den += m_t.to(tl.float32)
         b_acc += b_x
-    tl.store(PART + i_item * D + o_d, tl.sum(b_acc, 0), mask=m_d)
+    total = tl.sum(b_acc, 0)
+    den = tl.sum(b_den, 0)
+    if DIRECT:  # the item is the sequence: y, and its scale in PART_DEN
+        den = tl.where(den != 0.0, 1.0 / tl.where(den != 0.0, den, 1.0), 0.0)
+        total = total * den
     if i_d == 0:
-        tl.store(PART_DEN + i_item, tl.sum(b_den, 0))
+        tl.store(PART_DEN + i_item, den)
+    tl.store(PART + i_item * D + o_d, total.to(PART.dtype.element_ty), mask=m_d)
 
 
 @triton.jit
 def mean_pooling_combine_kernel(
-    PART, PART_DEN, FIRST, Y, SCALE, Y32, D: tl.constexpr, BLOCK_D: tl.constexpr, SAVE: tl.constexpr,
+    PART, PART_DEN, FIRST, Y, SCALE, Y32, D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+    SAVE: tl.constexpr,
 ):
-    """y [N, D] from the items of each sequence, in order: their sums times 1 / their weight (0 for none); the
-    scale [N] and, with SAVE, y in float32 for the backward pass."""
+    """y [N, D] from the items of each sequence, GROUP items a step in a fixed order: their sums times 1 / their
+    weight (0 for none); the scale [N] and, with SAVE, y in float32 for the backward pass."""
     n, i_d = tl.program_id(0), tl.program_id(1)
     first = tl.load(FIRST + n)
     last = tl.load(FIRST + n + 1)
@@ -55,9 +64,11 @@ def mean_pooling_combine_kernel(
     m_d = o_d < D
     acc = tl.zeros([BLOCK_D], tl.float32)
     den = 0.0
-    for i in range(first, last):
-        acc += tl.load(PART + i * D + o_d, mask=m_d, other=0.0)
-        den += tl.load(PART_DEN + i)
+    for i in range(first, last, GROUP):
+        o_i = i + tl.arange(0, GROUP)
+        m = (o_i < last)[:, None] & m_d[None, :]
+        acc += tl.sum(tl.load(PART + o_i[:, None] * D + o_d[None, :], mask=m, other=0.0), 0)  # [GROUP, BLOCK_D]
+        den += tl.sum(tl.load(PART_DEN + o_i, mask=o_i < last, other=0.0), 0)
     scale = tl.where(den != 0.0, 1.0 / tl.where(den != 0.0, den, 1.0), 0.0)
     acc = acc * scale
     if i_d == 0:
@@ -69,31 +80,30 @@ def mean_pooling_combine_kernel(
 
 @triton.jit
 def mean_pooling_bwd_kernel(
-    X, W, DY, SCALE, SEQ, LO, HI, DX, DOT,
-    T: tl.constexpr, D: tl.constexpr, SEQ_LEN: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr, VARLEN: tl.constexpr, RANGED: tl.constexpr,
-    WEIGHT_GRAD: tl.constexpr, EVEN_D: tl.constexpr,
+    X, W, DY, SCALE, ITEMS, DX, DOT,
+    T: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr, EVEN_D: tl.constexpr, ITEM_AXIS: tl.constexpr,
 ):
-    """dx [T, D] for ROWS tokens: token t of sequence n (SEQ[t], or t // SEQ_LEN; -1: none)
-    gets SCALE[n] * dy[n], every other 0."""
-    i_r, i_d = tl.program_id(0), tl.program_id(1)
+    """dx for the rows [start, end) of one item of the tokens' partition (ITEMS [start, end, pooled_lo, pooled_hi,
+    n, ...]: every token in one item): rows in [pooled_lo, pooled_hi) get SCALE[n] * dy[n], the rest
+    0."""
+    i_item, i_d = tl.program_id(ITEM_AXIS), tl.program_id(1 - ITEM_AXIS)
+    start = tl.load(ITEMS + 8 * i_item)
+    end = tl.load(ITEMS + 8 * i_item + 1)
+    lo = tl.load(ITEMS + 8 * i_item + 2)
+    hi = tl.load(ITEMS + 8 * i_item + 3)
+    n = tl.load(ITEMS + 8 * i_item + 4)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    for k in range(0, ROWS, CHUNK):
-        o_t = i_r * ROWS + k + tl.arange(0, CHUNK)
-        m_t = o_t < T
-        if VARLEN:
-            n = tl.load(SEQ + o_t, mask=m_t, other=-1)
-        else:
-            n = o_t // SEQ_LEN
-        inside = m_t & (n >= 0)
+    g = tl.load(DY + n.to(tl.int64) * D + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_D]: dy of the sequence
+    g = g * tl.load(SCALE + n)
+    for k in range(0, tl.cdiv(end - start, CHUNK)):
+        o_t = start + k * CHUNK + tl.arange(0, CHUNK)
+        m_t = o_t < end
+        pooled = m_t & (o_t >= lo) & (o_t < hi)
         if EVEN_D:
-            m_g = inside[:, None]
             m_out = m_t[:, None]
         else:
-            m_g = inside[:, None] & m_d[None, :]
             m_out = m_t[:, None] & m_d[None, :]
-        at = n.to(tl.int64)[:, None] * D + o_d[None, :]
-        b_g = tl.load(DY + at, mask=m_g, other=0.0).to(tl.float32)  # [CHUNK, BLOCK_D]
-        b_g = b_g * tl.load(SCALE + n, mask=inside, other=0.0)[:, None]
+        b_g = tl.where(pooled[:, None], g[None, :], 0.0)  # [CHUNK, BLOCK_D]
         tl.store(DX + o_t.to(tl.int64)[:, None] * D + o_d[None, :], b_g.to(DX.dtype.element_ty), mask=m_out)

@@ -18,20 +18,23 @@ PACKED = jnp.zeros((7, 8), jnp.float32)
 CU = jnp.asarray([0, 3, 7], jnp.int32)
 
 BAD_CALLS = [
-    ("rank", lambda: mean_pooling(jnp.zeros((5, 8))), ValueError, "x must be [batch, seq_len, dim] (packed [total_tokens"),
+    ("rank", lambda: mean_pooling(jnp.zeros((5, 8))), ValueError,
+     "x must be [batch, seq_len, dim] (packed [total_tokens"),
     ("rank-packed", lambda: mean_pooling(X, cu_seqlens=CU), ValueError,
      "with cu_seqlens, x must be packed tokens [total_tokens, dim], got float32[2, 5, 8]"),
     ("dtype", lambda: mean_pooling(X.astype(jnp.int32)), ValueError, "x must be float32, bfloat16 or float16"),
     ("not-array", lambda: mean_pooling([[1.0]]), ValueError, "x must be an array, got list"),
     ("cu-dtype", lambda: mean_pooling(PACKED, cu_seqlens=CU.astype(jnp.float32)), ValueError,
      "cu_seqlens must be int32 [num_seqs + 1] (at least 2 entries), got float32[3]"),
-    ("cu-shape", lambda: mean_pooling(PACKED, cu_seqlens=CU[None]), ValueError, "cu_seqlens must be int32 [num_seqs + 1]"),
+    ("cu-shape", lambda: mean_pooling(PACKED, cu_seqlens=CU[None]), ValueError,
+     "cu_seqlens must be int32 [num_seqs + 1]"),
     ("cu-short", lambda: mean_pooling(PACKED, cu_seqlens=CU[:1]), ValueError, "cu_seqlens must be int32"),
     ("cu-values", lambda: mean_pooling(PACKED, cu_seqlens=jnp.asarray([0, 5, 3], jnp.int32)), ValueError,
      "cu_seqlens must start at 0, never decrease and end at most at the 7 tokens of x, got [0, 5, 3]"),
     ("cu-past-end", lambda: mean_pooling(PACKED, cu_seqlens=jnp.asarray([0, 9], jnp.int32)), ValueError,
      "end at most at the 7 tokens of x"),
-    ("chunk-zero", lambda: mean_pooling(X, 0), ValueError, "chunk_size must be a Python int, a power of two from 1 to 512"),
+    ("chunk-zero", lambda: mean_pooling(X, 0), ValueError,
+     "chunk_size must be a Python int, a power of two from 1 to 512"),
     ("chunk-odd", lambda: mean_pooling(X, chunk_size=48), ValueError, "got 48"),
     ("chunk-big", lambda: mean_pooling(X, 1024), ValueError, "got 1024"),
     ("chunk-bool", lambda: mean_pooling(X, True), ValueError, "got True"),
@@ -49,7 +52,8 @@ BAD_CALLS = [
      "(specs/mean_pooling.yaml)"),
     ("unknown", lambda: last_token_pooling(X, causal=True), TypeError,
      "got an unsupported argument 'causal': it is not an argument of a pooling op"),
-    ("platform", lambda: mean_pooling(X, platform="cuda"), ValueError, "platform must be one of auto, triton, pallas, xla"),
+    ("platform", lambda: mean_pooling(X, platform="cuda"), ValueError,
+     "platform must be one of auto, triton, pallas, xla"),
 ]
 
 

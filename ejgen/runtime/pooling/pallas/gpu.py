@@ -56,10 +56,11 @@ def _compiler_params(t: GpuTiles, stages=None):
 
 
 def _window(row0, chunk: int, tokens: int):
-    """(start, rows [chunk, 1]) of a window of ``chunk`` rows meant to start at ``row0``, moved inside [0, tokens)
-    (``tokens >= chunk``); rows before ``row0`` belong to another step and are masked by the caller."""
+    """(start, rows [chunk, 1], rows [chunk]) of a window of ``chunk`` rows meant to start at ``row0``, moved inside
+    [0, tokens) (``tokens >= chunk``); rows before ``row0`` belong to another step and are masked by the caller. (Both
+    shapes: the Triton lowering has no slice of a value.)"""
     start = jnp.minimum(row0, tokens - chunk)
-    return start, start + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+    return start, start + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0), start + lax.iota(jnp.int32, chunk)
 
 
 def _pick(v1, t1, v2, t2):
@@ -72,14 +73,14 @@ def _pick(v1, t1, v2, t2):
 
 
 def _column_best(top, token):
-    """(value, token) [1, B] of the lanes [C, B]: a NaN if any lane has one (its earliest token), else the max and
-    the earliest token that attains it (lanes without a token hold NO_TOKEN)."""
+    """(value, token) [B] of the lanes [C, B]: a NaN if any lane has one (its earliest token), else the max and the
+    earliest token that attains it (lanes without a token hold NO_TOKEN)."""
     nan = top != top
     any_nan = jnp.max(nan.astype(jnp.int32), axis=0, keepdims=True) > 0
     best = jnp.max(jnp.where(nan, -jnp.inf, top), axis=0, keepdims=True)
     best = jnp.where(any_nan, jnp.nan, best)
     hit = jnp.where(any_nan, nan, top == best)
-    return best, jnp.min(jnp.where(hit, token, NO_TOKEN), axis=0, keepdims=True)
+    return best.reshape(best.shape[1:]), jnp.min(jnp.where(hit, token, NO_TOKEN), axis=0)
 
 
 def _fwd_kernel(items_ref, x_ref, *refs, kind, scaled, weighted, t: GpuTiles, tokens):
@@ -91,10 +92,13 @@ def _fwd_kernel(items_ref, x_ref, *refs, kind, scaled, weighted, t: GpuTiles, to
 
     def step(k, carry):
         row0 = start + k * t.chunk
-        at, rows = _window(row0, t.chunk, tokens)
+        at, rows, rows1 = _window(row0, t.chunk, tokens)
         valid = (rows >= row0) & (rows < end)  # [C, 1]
         x = plgpu.load(x_ref.at[pl.ds(at, t.chunk), cols], mask=valid, other=0).astype(F32)
-        w = plgpu.load(w_ref.at[pl.ds(at, t.chunk)], mask=valid[:, 0], other=0)[:, None] if weighted else None
+        if weighted:
+            w = plgpu.load(w_ref.at[pl.ds(at, t.chunk)], mask=(rows1 >= row0) & (rows1 < end), other=0)[:, None]
+        else:
+            w = None
         if kind == "max":
             top, token = carry
             keep = valid if w is None else valid & (w != 0)
@@ -114,8 +118,8 @@ def _fwd_kernel(items_ref, x_ref, *refs, kind, scaled, weighted, t: GpuTiles, to
     carry = lax.fori_loop(0, t.rows // t.chunk, step, init)
     if kind == "max":
         top, token = _column_best(*carry)
-        outs[0][...] = top[0]
-        outs[1][...] = token[0]
+        outs[0][...] = top
+        outs[1][...] = token
         return
     acc, den = carry
     outs[0][...] = jnp.sum(acc, axis=0)
@@ -135,8 +139,8 @@ def _combine_kernel(spans_ref, part_ref, *refs, kind, scaled, save, t: GpuTiles)
         init = (jnp.full((1, t.block_d), -jnp.inf, F32), jnp.full((1, t.block_d), NO_TOKEN, jnp.int32))
         top, token = lax.fori_loop(first, last, step, init)
         seen = token != NO_TOKEN
-        y_ref[...] = jnp.where(seen, top, 0.0)[0].astype(y_ref.dtype)
-        tok_out[...] = jnp.where(seen, token, -1)[0]
+        y_ref[...] = jnp.where(seen, top, 0.0).astype(y_ref.dtype)
+        tok_out[...] = jnp.where(seen, token, -1)
         return
     if scaled:
         den_ref, y_ref, scale_ref, y32_ref = refs
@@ -146,16 +150,16 @@ def _combine_kernel(spans_ref, part_ref, *refs, kind, scaled, save, t: GpuTiles)
     def add(i, carry):
         acc, den = carry
         acc = acc + plgpu.load(part_ref.at[pl.ds(i, 1), :])
-        return acc, (den + plgpu.load(den_ref.at[pl.ds(i, 1), :])[:, :1] if scaled else den)
+        return acc, (den + jnp.max(plgpu.load(den_ref.at[pl.ds(i, 1), :]), axis=1, keepdims=True) if scaled else den)
 
     acc, den = lax.fori_loop(first, last, add, (jnp.zeros((1, t.block_d), F32), jnp.zeros((1, 1), F32)))
     if scaled:
         scale = jnp.where(den != 0, 1.0 / jnp.where(den != 0, den, 1.0), 0.0)  # [1, 1]
         acc = acc * scale
-        scale_ref[...] = jnp.broadcast_to(scale[0], scale_ref.shape)
+        scale_ref[...] = jnp.broadcast_to(scale, scale_ref.shape)
         if save:
-            y32_ref[...] = acc[0]
-    y_ref[...] = acc[0].astype(y_ref.dtype)
+            y32_ref[...] = acc
+    y_ref[...] = acc.astype(y_ref.dtype)
 
 
 def _bwd_kernel(items_ref, dy_ref, *refs, kind, scaled, weighted, weight_grad, t: GpuTiles, tokens):
@@ -171,22 +175,23 @@ def _bwd_kernel(items_ref, dy_ref, *refs, kind, scaled, weighted, weight_grad, t
     cols = pl.ds(pl.multiple_of(j * t.block_d, t.block_d), t.block_d)
     g = plgpu.load(dy_ref.at[pl.ds(n, 1), cols]).astype(F32)  # [1, BD]
     if scaled:
-        g = g * plgpu.load(r["scale"].at[pl.ds(n, 1), :])[:, :1]
+        g = g * jnp.max(plgpu.load(r["scale"].at[pl.ds(n, 1), :]), axis=1, keepdims=True)
     token = plgpu.load(r["token"].at[pl.ds(n, 1), cols]) if kind == "max" else None
 
     def step(k, carry):
         row0 = start + k * t.chunk
-        at, rows = _window(row0, t.chunk, tokens)
+        at, rows, rows1 = _window(row0, t.chunk, tokens)
         mine = (rows >= row0) & (rows < end)
+        mine1 = (rows1 >= row0) & (rows1 < end)
         pooled = mine & (rows >= lo) & (rows < hi)
         dx = jnp.where(pooled, g, 0.0)  # [C, BD]
         if kind == "max":
             dx = jnp.where(token == rows, dx, 0.0)
         if weight_grad:
             x = plgpu.load(r["x"].at[pl.ds(at, t.chunk), cols], mask=pooled, other=0).astype(F32)
-            plgpu.store(dot_ref.at[pl.ds(at, t.chunk)], jnp.sum(dx * x, axis=1), mask=mine[:, 0])
+            plgpu.store(dot_ref.at[pl.ds(at, t.chunk)], jnp.sum(dx * x, axis=1), mask=mine1)
         if weighted and kind == "sum":
-            dx = dx * plgpu.load(r["w"].at[pl.ds(at, t.chunk)], mask=mine[:, 0], other=0)[:, None]
+            dx = dx * plgpu.load(r["w"].at[pl.ds(at, t.chunk)], mask=mine1, other=0)[:, None]
         plgpu.store(dx_ref.at[pl.ds(at, t.chunk), cols], dx.astype(dx_ref.dtype), mask=mine)
         return carry
 
@@ -235,7 +240,7 @@ class GpuKernels:
                                name=f"{self.name}_fwd")(*inputs)
         spans = jnp.stack([jnp.asarray(first[:-1]), jnp.asarray(first[1:])], axis=1)
         keep = save and self.scaled and weighted and cfg.weight_grad
-        col = pl.BlockSpec((None, t.block_d), lambda i, j: (i, j))
+        col = pl.BlockSpec((1, t.block_d), lambda i, j: (i, j))
         if self.kind == "max":
             out_shape = [vma.struct((n, t.dim), x.dtype, axes), vma.struct((n, t.dim), jnp.int32, axes)]
             out_specs = [col, col]
@@ -247,10 +252,11 @@ class GpuKernels:
             if self.scaled:
                 part_specs.append(pl.BlockSpec((n_items, 16), lambda i, j: (0, 0)))
                 out_shape += [vma.struct((n, 16), F32, axes), vma.struct((n, t.dim) if keep else (1, 16), F32, axes)]
-                out_specs += [pl.BlockSpec((None, 16), lambda i, j: (i, 0)),
-                              col if keep else pl.BlockSpec((None, 16), lambda i, j: (0, 0))]
+                out_specs += [pl.BlockSpec((1, 16), lambda i, j: (i, 0)),
+                              col if keep else pl.BlockSpec((1, 16), lambda i, j: (0, 0))]
         kernel = functools.partial(_combine_kernel, kind=self.kind, scaled=self.scaled, save=keep, t=t)
-        outs = pl.pallas_call(kernel, grid=(n, n_d), in_specs=[pl.BlockSpec((None, 2), lambda i, j: (i, 0))] + part_specs,
+        spans_spec = pl.BlockSpec((None, 2), lambda i, j: (i, 0))
+        outs = pl.pallas_call(kernel, grid=(n, n_d), in_specs=[spans_spec] + part_specs,
                               out_shape=out_shape, out_specs=out_specs, compiler_params=_compiler_params(t, 1),
                               interpret=interpret, name=f"{self.name}_combine")(spans, *parts)
         y = outs[0][:, :cfg.dim]

@@ -205,7 +205,9 @@ class TpuKernels:
         weighted = w is not None
         weight_grad = self.kind == "sum" and weighted and cfg.weight_grad
         g = dy.astype(F32) * res["scale"][:, None] if self.scaled else dy
-        row_block = lambda cols: pl.BlockSpec((t.rows, cols), lambda j, i, tbl, pooled: (tbl[4 * i + 1], 0 if cols == 1 else j))  # noqa: E731
+        def row_block(cols):
+            return pl.BlockSpec((t.rows, cols), lambda j, i, tbl, pooled: (tbl[4 * i + 1], 0 if cols == 1 else j))
+
         of_seq = pl.BlockSpec((None, 1, t.block_d), lambda j, i, tbl, pooled: (tbl[4 * i], 0, j))
         inputs, specs = [g[:, None]], [of_seq]
         if self.kind == "max":
