@@ -114,6 +114,16 @@ def check_window(backend, failures, devices=4):
     check(failures, sharded, oracle.attention(**diff, sliding_window=(6, 3), d_out=d_out, d_lse=d_lse))
 
 
+def check_zigzag_window(backend, failures, devices=2):
+    """zigzag with a causal window (5, 0): the window cuts the gap between a device's two chunks, so every step runs
+    in chunks, those the window cuts with the tokens' positions."""
+    shape = AttnShape(1, 32, 32, 2, 2, 16)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-zigzag-window")
+    fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, sliding_window=(5, 0), platform=backend)
+    sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    check(failures, sharded, oracle.attention(**diff, causal=True, sliding_window=(5, 0), d_out=d_out, d_lse=d_lse))
+
+
 def check_alibi(backend, failures, devices=4):
     """An authored spec whose score reads q_idx and kv_idx (global positions on every shard), its param's gradient
     summed over the ring's steps and devices: alibi_attention, causal, zigzag."""
@@ -234,6 +244,7 @@ CHECKS = {
     "zigzag-causal-gqa-segments-sinks-softcap": (check_zigzag_features, {"xla": 4, "pallas": 2, "triton": 2}),
     "alibi-zigzag": (check_alibi, {"xla": 4, "pallas": 2, "triton": 2}),
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
+    "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),
     "contiguous-causal": (check_contiguous_causal, {"xla": 2}),
     "causal-window-mqa-shared-sinks": (check_causal_window_8, {"xla": 8}),
     "prefix_lm-zigzag": (check_prefix_lm, {"xla": 2}),

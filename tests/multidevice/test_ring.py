@@ -26,7 +26,7 @@ from ejgen.zoo import flamingo_cross_attention_ring, natten_1d_attention_ring
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = {
     "xla": {"zigzag-causal-gqa-segments-sinks-softcap-4", "alibi-zigzag-4", "window-noncausal-contiguous-4",
-            "contiguous-causal-2", "causal-window-mqa-shared-sinks-8", "prefix_lm-zigzag-2",
+            "zigzag-causal-window-2", "contiguous-causal-2", "causal-window-mqa-shared-sinks-8", "prefix_lm-zigzag-2",
             "set_mesh-global-zigzag-4", "wrapper-dp2-sp4-window-segments", "blocksparse-sequence-parallelism-2"},
     "pallas": {"zigzag-causal-gqa-segments-sinks-softcap-2", "alibi-zigzag-2"},
     "triton": {"zigzag-causal-gqa-segments-sinks-softcap-2", "alibi-zigzag-2"},
@@ -46,67 +46,69 @@ def test_ring_on_a_mesh_of_8_devices(platform):
     assert not failed, "\n\n".join(f"{name}:\n" + "\n".join(f) for name, f in failed.items())
 
 
-def _kinds(order, devices, n, causal=True, window=None, reads=False):
-    """{distance: [(pair, kind per device)]} of the whole ring, from the static planner."""
+def _plan(order, devices, n, causal=True, window=None, reads=False):
+    """(start, steps, {distance: (chunk rows, [per device: sorted (query chunk, key chunk, kind) it runs]})} of the
+    whole ring, from the static planner."""
     needed = {t for t in range(devices) for r in range(devices)
               if ring._kind(order, devices, n, r, (r - t) % devices, ring.Pair((0, n), (0, n)), causal, window,
                             reads) != ring.SKIP}
     start, steps = ring._interval(needed, devices)
-    stages = ring._stages(order, devices, n, start, steps, causal, window, reads)
     table = {}
-    for stage in stages:
-        for i, kinds in enumerate(stage.kinds):
-            table[start + stage.first + i] = [(pair, tuple(k)) for pair, k in zip(stage.pairs, kinds)]
+    for stage in ring._stages(order, devices, n, start, steps, causal, window, reads):
+        for i, slots in enumerate(stage.slots):
+            runs = [sorted(slot[r] for slot in slots if slot[r][2] != ring.SKIP) for r in range(devices)]
+            table[start + stage.first + i] = (stage.chunk, runs)
     return start, steps, table
 
 
 def test_contiguous_causal_steps():
     """Contiguous causal: step 0 is every device's own block (causal), then device r sees the blocks of the r
     devices before it in full and skips the rest."""
-    start, steps, table = _kinds("contiguous", 4, 8)
+    start, steps, table = _plan("contiguous", 4, 8)
     assert (start, steps) == (0, 4)
-    assert table[0] == [(ring.Pair((0, 8), (0, 8)), (ring.DIAGONAL,) * 4)]
+    assert table[0] == (8, [[(0, 0, ring.DIAGONAL)]] * 4)
     for t in range(1, 4):
-        (_, kinds), = table[t]
-        assert kinds == tuple(ring.FULL if r >= t else ring.SKIP for r in range(4))
+        assert table[t] == (8, [[(0, 0, ring.FULL)] if r >= t else [] for r in range(4)])
 
 
 @pytest.mark.parametrize("devices", [2, 4, 8])
 def test_zigzag_balances_causal_work(devices):
     """Zigzag: step 0 is one causal call over both chunks; at every later step each device computes exactly two full
-    c x c blocks (no element mask, no idle device): the same work everywhere."""
+    chunk x chunk blocks (no element mask, no idle device): the same work everywhere. A device whose block comes from
+    a device before it sees that block's first chunk with both of its own; from a device after it, both of that
+    block's chunks with its second chunk."""
     n = 8
-    start, steps, table = _kinds("zigzag", devices, n)
+    start, steps, table = _plan("zigzag", devices, n)
     assert (start, steps) == (0, devices)
-    assert table[0] == [(ring.Pair((0, n), (0, n)), (ring.DIAGONAL,) * devices)]
+    assert table[0] == (n, [[(0, 0, ring.DIAGONAL)]] * devices)
     for t in range(1, devices):
-        assert {pair.q + pair.kv for pair, _ in table[t]} == {(a, b, c, d) for a, b in ((0, 4), (4, 8))
-                                                              for c, d in ((0, 4), (4, 8))}
+        chunk, runs = table[t]
+        assert chunk == n // 2
         for r in range(devices):
-            kinds = sorted(k[r] for _, k in table[t])
-            assert kinds == [ring.SKIP, ring.SKIP, ring.FULL, ring.FULL], (t, r, kinds)
+            before = (r - t) % devices < r
+            want = [(0, 0, ring.FULL), (1, 0, ring.FULL)] if before else [(1, 0, ring.FULL), (1, 1, ring.FULL)]
+            assert runs[r] == want, (t, r, runs[r])
 
 
 def test_window_takes_only_the_steps_it_reaches():
     """A causal window of 5 keys over 8 devices of 8 rows reaches one block back: 2 steps, not 8; a window (6, 3)
     without causal reaches one block each way: the ring starts one device ahead and takes 3 steps; windows that cut a
     block run it with the tokens' positions."""
-    start, steps, table = _kinds("contiguous", 8, 8, window=(5, 0))
+    start, steps, table = _plan("contiguous", 8, 8, window=(5, 0))
     assert (start, steps) == (0, 2)
-    (_, back), = table[1]
-    assert back == (ring.SKIP,) + (ring.PLACED,) * 7
-    start, steps, table = _kinds("contiguous", 4, 8, causal=False, window=(6, 3))
+    assert table[1][1] == [[]] + [[(0, 0, ring.PLACED)]] * 7
+    start, steps, table = _plan("contiguous", 4, 8, causal=False, window=(6, 3))
     assert (start, steps) == (-1, 3)
     assert sorted(table) == [-1, 0, 1]
-    assert table[-1][0][1] == (ring.PLACED,) * 3 + (ring.SKIP,)  # the last device has none ahead of it
-    start, steps, _ = _kinds("contiguous", 4, 8, window=(100, 0))
+    assert table[-1][1] == [[(0, 0, ring.PLACED)]] * 3 + [[]]  # the last device has none ahead of it
+    start, steps, _ = _plan("contiguous", 4, 8, window=(100, 0))
     assert (start, steps) == (0, 4)
 
 
 def test_spec_reading_positions_runs_placed():
     """A spec whose score or mask reads q_idx / kv_idx gets the tokens' global positions on every step it runs."""
-    _, _, table = _kinds("zigzag", 4, 8, reads=True)
-    assert all(k in (ring.SKIP, ring.PLACED) for pairs in table.values() for _, kinds in pairs for k in kinds)
+    _, _, table = _plan("zigzag", 4, 8, reads=True)
+    assert all(kind == ring.PLACED for _, runs in table.values() for run in runs for _, _, kind in run)
 
 
 def test_token_order_helpers():

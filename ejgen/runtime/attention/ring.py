@@ -122,11 +122,17 @@ class Pair:
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """Consecutive ring steps that share one set of pairs; ``kinds[step][pair][device]``."""
+    """Consecutive ring steps whose pairs are chunks of ``chunk`` rows (n: whole; n / 2: zigzag's chunks). At each
+    step a device runs its non-skipped pairs in ``slots`` (as many as the busiest device needs):
+    ``slots[step][slot][device] = (query chunk, key chunk, kind)``, SKIP where a device has fewer pairs."""
 
-    pairs: tuple
-    kinds: tuple
+    chunk: int
+    slots: tuple
     first: int  # its first step's index in the ring
+
+    def kinds(self, slot: int) -> set:
+        """The kinds any device takes in ``slot`` at any step of the stage."""
+        return {entry[2] for step in self.slots for entry in step[slot]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,23 +227,34 @@ def _interval(needed: set, devices: int) -> tuple:
 
 
 def _stages(order, devices, n, start, steps, causal, window, reads_positions) -> tuple:
-    whole = (Pair((0, n), (0, n)),)
-    halves = ((0, n // 2), (n // 2, n))
-    chunks = tuple(Pair(qc, kc) for qc in halves for kc in halves)
+    """The ring's steps as stages: contiguous, one of whole blocks; zigzag, its first step (each device's own
+    blocks) one causal call over both chunks where no window cuts the gap between them, the rest in chunks."""
 
-    def stage(pairs, first, count):
-        kinds = []
+    def stage(chunk, first, count):
+        per = n // chunk
+        steps_ = []
         for i in range(first, first + count):
             t = start + i
-            kinds.append(tuple(tuple(_kind(order, devices, n, r, (r - t) % devices, p, causal, window,
-                                           reads_positions) for r in range(devices)) for p in pairs))
-        return Stage(pairs, tuple(kinds), first)
+            busy = []  # per device: its non-skipped pairs (query chunk, key chunk, kind)
+            for r in range(devices):
+                s = (r - t) % devices
+                pairs = [(a, b, _kind(order, devices, n, r, s, Pair((a * chunk, (a + 1) * chunk),
+                                                                    (b * chunk, (b + 1) * chunk)),
+                                      causal, window, reads_positions))
+                         for a in range(per) for b in range(per)]
+                busy.append([p for p in pairs if p[2] != SKIP])
+            width = max(1, max(len(b) for b in busy))
+            steps_.append(tuple(tuple(busy[r][j] if j < len(busy[r]) else (0, 0, SKIP) for r in range(devices))
+                                for j in range(width)))
+        width = max(len(step) for step in steps_)  # one slot count for the whole stage (the scan's body)
+        steps_ = [step + ((tuple((0, 0, SKIP) for _ in range(devices)),) * (width - len(step))) for step in steps_]
+        return Stage(chunk, tuple(steps_), first)
 
     if order == "contiguous":
-        return (stage(whole, 0, steps),)
+        return (stage(n, 0, steps),)
     if start == 0 and window is None:  # the first step is each device's own blocks: one causal call over both
-        return tuple(s for s in (stage(whole, 0, 1), stage(chunks, 1, steps - 1)) if s.kinds)
-    return (stage(chunks, 0, steps),)
+        return tuple(s for s in (stage(n, 0, 1), stage(n // 2, 1, steps - 1) if steps > 1 else None) if s)
+    return (stage(n // 2, 0, steps),)
 
 
 def _window_sides(window) -> tuple | None:
@@ -407,11 +424,10 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
     det = deterministic
     calls = {}
     for stage in stages:
-        for p, pair in enumerate(stage.pairs):
-            for kind in sorted({k for step in stage.kinds for k in step[p]} - {SKIP}):
-                key = (pair.q[1] - pair.q[0], pair.kv[1] - pair.kv[0], kind)
-                if key not in calls:
-                    calls[key] = _choose(spec, backends, platform, backend, call, key, det)
+        for kind in sorted({k for j in range(len(stage.slots[0])) for k in stage.kinds(j)} - {SKIP}):
+            key = (stage.chunk, stage.chunk, kind)
+            if key not in calls:
+                calls[key] = _choose(spec, backends, platform, backend, call, key, det)
     plan = Plan(spec.name, backends[backend], axis_name, devices, token_order, n, start, steps, stages,
                 tuple((k, cfg, choice) for k, (cfg, choice) in calls.items()), call.cfg.sinks)
     q, k, v, ctx = api.vary_alike(call.q, call.k, call.v, ctx)
@@ -459,61 +475,66 @@ def _from_kernel(x, layout: str, rows: int):
     return x[:, :, :rows].transpose(0, 2, 1, 3)
 
 
-def _pair_ctx(plan: Plan, ctx: dict, pair: Pair, kind: int, held: dict, r, s):
-    """The ctx of one pair: the call's scalars, params and options, the chunks' segment ids and positions."""
-    sq, sk = pair.q[1] - pair.q[0], pair.kv[1] - pair.kv[0]
+def _rows(x, start, count: int, axis: int = 1):
+    return lax.dynamic_slice_in_dim(x, start, count, axis=axis)
+
+
+def _pair_ctx(plan: Plan, ctx: dict, chunk: int, kind: int, held: dict, q0, k0, r, s):
+    """The ctx of one pair (query rows [q0, q0 + chunk), held key rows [k0, k0 + chunk); offsets traced): the
+    call's scalars, params and options, the chunks' segment ids and positions."""
     out = {n: x for n, x in ctx.items() if n not in ("q_seg", "kv_seg", "softmax_aux")}
     batch = held["k"].shape[0]
     if kind == PLACED:
-        q_pos = device_positions(plan.order, plan.devices, plan.length, r, jnp)[pair.q[0]:pair.q[1]]
-        kv_pos = device_positions(plan.order, plan.devices, plan.length, s, jnp)[pair.kv[0]:pair.kv[1]]
+        q_pos = _rows(device_positions(plan.order, plan.devices, plan.length, r, jnp), q0, chunk, 0)
+        kv_pos = _rows(device_positions(plan.order, plan.devices, plan.length, s, jnp), k0, chunk, 0)
     else:
-        q_pos, kv_pos = jnp.arange(sq, dtype=jnp.int32), jnp.arange(sk, dtype=jnp.int32)
-    out["q_pos"] = jnp.broadcast_to(q_pos[None], (batch, sq))
-    out["kv_pos"] = jnp.broadcast_to(kv_pos[None], (batch, sk))
+        q_pos = kv_pos = jnp.arange(chunk, dtype=jnp.int32)
+    out["q_pos"] = jnp.broadcast_to(q_pos[None], (batch, chunk))
+    out["kv_pos"] = jnp.broadcast_to(kv_pos[None], (batch, chunk))
     if "q_seg" in ctx:
-        out["q_seg"] = ctx["q_seg"][:, pair.q[0]:pair.q[1]]
-        out["kv_seg"] = held["kv_seg"][:, pair.kv[0]:pair.kv[1]]
+        out["q_seg"] = _rows(ctx["q_seg"], q0, chunk)
+        out["kv_seg"] = _rows(held["kv_seg"], k0, chunk)
     return out
 
 
-def _pair_forward(plan: Plan, kind: int, pair: Pair, q, held, ctx, r, s):
-    """(out [B, sq, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, sq]) of one pair of one kind."""
-    sq, sk = pair.q[1] - pair.q[0], pair.kv[1] - pair.kv[0]
-    cfg, choice = plan.call(sq, sk, kind)
+def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s):
+    """(cfg, kernels, the pair's Prepared call) of one kind."""
+    cfg, choice = plan.call(chunk, chunk, kind)
+    one = api.Prepared(cfg, _rows(q, q0, chunk), _rows(held["k"], k0, chunk), _rows(held["v"], k0, chunk),
+                       _pair_ctx(plan, ctx, chunk, kind, held, q0, k0, r, s), {}, False, plan.op)
+    return cfg, choice, one
+
+
+def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s):
+    """(out [B, chunk, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, chunk]) of one pair of one kind."""
+    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s)
     backend = plan.backend
-    one = api.Prepared(cfg, q[:, pair.q[0]:pair.q[1]], held["k"][:, pair.kv[0]:pair.kv[1]],
-                       held["v"][:, pair.kv[0]:pair.kv[1]], _pair_ctx(plan, ctx, pair, kind, held, r, s), {}, False,
-                       plan.op)
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
     out, lse, _ = backend.forward(qk, kk, vk, ck, cfg, choice)
-    return _from_kernel(out, backend.TENSOR_LAYOUT, sq), lse[..., :sq]
+    return _from_kernel(out, backend.TENSOR_LAYOUT, chunk), lse[..., :chunk]
 
 
-def _pair_backward(plan: Plan, kind: int, pair: Pair, q, held, ctx, out, lse, d_out, d_lse, r, s):
-    """(dq [B, sq, Hkv, G, D], dk, dv [B, sk, Hkv, D], param gradients) of one pair of one kind, from the global
-    out and lse of its query rows."""
-    sq, sk = pair.q[1] - pair.q[0], pair.kv[1] - pair.kv[0]
-    cfg, choice = plan.call(sq, sk, kind)
+def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, q0, k0, r, s):
+    """(dq [B, chunk, Hkv, G, D], dk, dv [B, chunk, Hkv, D], param gradients) of one pair of one kind, from the
+    global out and lse of its query rows."""
+    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s)
     backend = plan.backend
     layout = backend.TENSOR_LAYOUT
-    rows = slice(pair.q[0], pair.q[1])
-    one = api.Prepared(cfg, q[:, rows], held["k"][:, pair.kv[0]:pair.kv[1]], held["v"][:, pair.kv[0]:pair.kv[1]],
-                       _pair_ctx(plan, ctx, pair, kind, held, r, s), {}, False, plan.op)
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), layout)
     padded = qk.shape[1 if layout == api.SEQ_MAJOR else 3]
+    rows = lambda x, axis=1: _rows(x, q0, chunk, axis)  # noqa: E731
     dq, dk, dv, dctx = backend.backward(
-        qk, kk, vk, _to_kernel(out[:, rows], layout, padded, 0), _to_kernel(lse[..., rows], layout, padded, NEG_INF),
-        None, _to_kernel(d_out[:, rows], layout, padded, 0), _to_kernel(d_lse[..., rows], layout, padded, 0), ck,
-        cfg, choice)
-    return (_from_kernel(dq, layout, sq), _from_kernel(dk, layout, sk), _from_kernel(dv, layout, sk),
+        qk, kk, vk, _to_kernel(rows(out), layout, padded, 0), _to_kernel(rows(lse, 3), layout, padded, NEG_INF),
+        None, _to_kernel(rows(d_out), layout, padded, 0), _to_kernel(rows(d_lse, 3), layout, padded, 0), ck, cfg,
+        choice)
+    return (_from_kernel(dq, layout, chunk), _from_kernel(dk, layout, chunk), _from_kernel(dv, layout, chunk),
             dctx.get("params", {}))
 
 
-def _switch(plan: Plan, stage: Stage, p: int, kind, run, skip):
-    """``run(kind)`` for the pair's kind on this device (traced), among the kinds the stage's devices take; SKIP is
-    ``skip()``. One kind for every device and step: no branch at all."""
-    present = sorted({k for step in stage.kinds for k in step[p]})
+def _switch(stage: Stage, slot: int, kind, run, skip):
+    """``run(kind)`` for the slot's kind on this device (traced), among the kinds the stage's devices take there;
+    SKIP is ``skip()``. One kind for every device and step: no branch at all."""
+    present = sorted(stage.kinds(slot))
     if len(present) == 1:
         return skip() if present[0] == SKIP else run(present[0])
     branches = [skip if k == SKIP else functools.partial(run, k) for k in present]
@@ -532,10 +553,11 @@ def _shift(plan: Plan, tree, hops: int):
 
 
 def _step_inputs(plan: Plan, stage: Stage):
-    """The scan's per-step inputs: the kinds [steps, pairs, devices] and the ring distance of each step."""
-    kinds = jnp.asarray(np.array(stage.kinds, np.int32).reshape(len(stage.kinds), len(stage.pairs), plan.devices))
-    distances = jnp.arange(stage.first, stage.first + len(stage.kinds), dtype=jnp.int32) + plan.start
-    return kinds, distances
+    """The scan's per-step inputs: slots int32 [steps, slots, devices, 3] (query chunk, key chunk, kind) and each
+    step's ring distance."""
+    slots = jnp.asarray(np.array(stage.slots, np.int32))
+    distances = jnp.arange(stage.first, stage.first + len(stage.slots), dtype=jnp.int32) + plan.start
+    return slots, distances
 
 
 def _held(k, v, ctx):
@@ -555,24 +577,25 @@ def _forward(q, k, v, ctx, plan: Plan):
                          jnp.full((b, hkv, g, n), NEG_INF, jnp.float32)), axes)
     held = _shift(plan, _held(k, v, ctx), plan.start)
     for stage in plan.stages:
+        chunk = stage.chunk
 
-        def body(carry, xs, stage=stage):
+        def body(carry, xs, stage=stage, chunk=chunk):
             held, acc, lse = carry
-            kinds, t = xs
+            slots, t = xs
             ahead = _shift(plan, held, 1)  # the next step's block, in flight while this one computes
             s = (r - t) % plan.devices
-            for p, pair in enumerate(stage.pairs):
-                sq = pair.q[1] - pair.q[0]
+            for j in range(slots.shape[0]):
+                q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
 
-                def run(kind, pair=pair):
-                    return _pair_forward(plan, kind, pair, q, held, ctx, r, s)
+                def run(kind, q0=q0, k0=k0):
+                    return _pair_forward(plan, kind, chunk, q, held, ctx, q0, k0, r, s)
 
-                def skip(sq=sq):
-                    return vma.vary((jnp.zeros((b, sq, hkv, g, dv), q.dtype),
-                                     jnp.full((b, hkv, g, sq), NEG_INF, jnp.float32)), axes)
+                def skip():
+                    return vma.vary((jnp.zeros((b, chunk, hkv, g, dv), q.dtype),
+                                     jnp.full((b, hkv, g, chunk), NEG_INF, jnp.float32)), axes)
 
-                out_p, lse_p = _switch(plan, stage, p, kinds[p, r], run, skip)
-                acc, lse = _merge(acc, lse, out_p, lse_p, pair.q)
+                out_p, lse_p = _switch(stage, j, kind, run, skip)
+                acc, lse = _merge(acc, lse, out_p, lse_p, q0, chunk)
             return (ahead, acc, lse), None
 
         (held, acc, lse), _ = lax.scan(body, (held, acc, lse), _step_inputs(plan, stage))
@@ -593,14 +616,14 @@ def _moved(w):
     return jnp.moveaxis(w, 3, 1)[..., None]
 
 
-def _merge(acc, lse, out_p, lse_p, rows):
-    """Merge one pair's normalised output into the running one of its query rows, by their lse (float32)."""
-    a, z = rows
-    old_acc, old = acc[:, a:z], lse[..., a:z]
+def _merge(acc, lse, out_p, lse_p, q0, chunk: int):
+    """Merge one pair's normalised output into the running one of its query rows [q0, q0 + chunk), by their lse
+    (float32)."""
+    old_acc, old = _rows(acc, q0, chunk), _rows(lse, q0, chunk, 3)
     new = jnp.logaddexp(old, lse_p)
     base = _finite(new)
     merged = old_acc * _moved(jnp.exp(old - base)) + out_p.astype(jnp.float32) * _moved(jnp.exp(lse_p - base))
-    return acc.at[:, a:z].set(merged), lse.at[..., a:z].set(new)
+    return lax.dynamic_update_slice_in_dim(acc, merged, q0, 1), lax.dynamic_update_slice_in_dim(lse, new, q0, 3)
 
 
 def _backward(plan: Plan, residuals, cotangents):
@@ -617,34 +640,35 @@ def _backward(plan: Plan, residuals, cotangents):
     dq, grads, pending = vma.vary((dq, grads, pending), axes)
     held = _shift(plan, _held(k, v, ctx), plan.start)
     for stage in plan.stages:
+        chunk = stage.chunk
 
-        def body(carry, xs, stage=stage):
+        def body(carry, xs, stage=stage, chunk=chunk):
             held, pending, dq, grads = carry
-            kinds, t = xs
+            slots, t = xs
             ahead = _shift(plan, held, 1)
             # the accumulators of the block held now, from the device behind, in flight while this step computes
             arrived = _shift(plan, pending, 1)
             s = (r - t) % plan.devices
             part = vma.vary({"k": zeros(k), "v": zeros(v)}, axes)
-            for p, pair in enumerate(stage.pairs):
-                sq, sk = pair.q[1] - pair.q[0], pair.kv[1] - pair.kv[0]
+            for j in range(slots.shape[0]):
+                q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
 
-                def run(kind, pair=pair):
-                    dq_p, dk_p, dv_p, dparams = _pair_backward(plan, kind, pair, q, held, ctx, out, lse, d_out,
-                                                               d_lse, r, s)
+                def run(kind, q0=q0, k0=k0):
+                    dq_p, dk_p, dv_p, dparams = _pair_backward(plan, kind, chunk, q, held, ctx, out, lse, d_out,
+                                                               d_lse, q0, k0, r, s)
                     return (dq_p.astype(f32), dk_p.astype(f32), dv_p.astype(f32),
                             {n: dparams[n].astype(f32) for n in grads})
 
-                def skip(sq=sq, sk=sk):
-                    return vma.vary((jnp.zeros(q.shape[:1] + (sq,) + q.shape[2:], f32),
-                                     jnp.zeros(k.shape[:1] + (sk,) + k.shape[2:], f32),
-                                     jnp.zeros(v.shape[:1] + (sk,) + v.shape[2:], f32),
+                def skip():
+                    return vma.vary((jnp.zeros(q.shape[:1] + (chunk,) + q.shape[2:], f32),
+                                     jnp.zeros(k.shape[:1] + (chunk,) + k.shape[2:], f32),
+                                     jnp.zeros(v.shape[:1] + (chunk,) + v.shape[2:], f32),
                                      {n: zeros(ctx["param_" + n]) for n in grads}), axes)
 
-                dq_p, dk_p, dv_p, dparams = _switch(plan, stage, p, kinds[p, r], run, skip)
-                (a, z), (c, e) = pair.q, pair.kv
-                dq = dq.at[:, a:z].add(dq_p)
-                part = {"k": part["k"].at[:, c:e].add(dk_p), "v": part["v"].at[:, c:e].add(dv_p)}
+                dq_p, dk_p, dv_p, dparams = _switch(stage, j, kind, run, skip)
+                add = lambda x, y, at: lax.dynamic_update_slice_in_dim(x, _rows(x, at, chunk) + y, at, 1)  # noqa
+                dq = add(dq, dq_p, q0)
+                part = {"k": add(part["k"], dk_p, k0), "v": add(part["v"], dv_p, k0)}
                 grads = {n: grads[n] + dparams[n] for n in grads}
             pending = {n: arrived[n] + part[n] for n in pending}
             return (ahead, pending, dq, grads), None
