@@ -99,8 +99,49 @@ def _grid(n_items: int, n_d: int) -> tuple:
     return (n_items, n_d) if ITEM_AXIS == 0 else (n_d, n_items)
 
 
+# Batching: jax-triton's call has no vmap rule. Under vmap a dense call whose ranges are static folds the mapped axis
+# into its sequences (one launch: n x N sequences of n x T tokens; the tokens max saves are of the folded layout, and
+# the backward folds the same way); any other call runs once per mapped index (lax.map).
+
+
+def _sequential(fn, n, in_batched, args):
+    def one(i):
+        return fn(*jax.tree.map(lambda x, b: x[i] if b else x, tuple(args), tuple(in_batched)))
+
+    outs = jax.lax.map(one, jnp.arange(n))
+    return outs, jax.tree.map(lambda _: True, outs)
+
+
+def _fold(x, batched: bool, n: int):
+    """[n, T, ...] (or unmapped [T, ...]) -> [n * T, ...]."""
+    x = x if batched else jnp.broadcast_to(x[None], (n,) + x.shape)
+    return x.reshape((-1,) + x.shape[2:])
+
+
+def _unfold(tree, n: int):
+    return jax.tree.map(lambda x: x.reshape((n, -1) + x.shape[1:]), tree)
+
+
+def _folded(cfg, n: int):
+    return dataclasses.replace(cfg, n_seqs=n * cfg.n_seqs, tokens=n * cfg.tokens)
+
+
 def forward(kernels: Kernels, x, w, ctx, cfg, save: bool):
     """(y [N, D] in x's dtype, residuals): the mean's scale and (save, weighted) y in float32; max's tokens."""
+    fn = jax.custom_batching.custom_vmap(lambda x, w, ctx: _forward(kernels, x, w, ctx, cfg, save))
+
+    @fn.def_vmap
+    def rule(n, in_batched, x, w, ctx):
+        if cfg.varlen or ctx:
+            return _sequential(lambda *a: _forward(kernels, *a, cfg, save), n, in_batched, (x, w, ctx))
+        wf = None if w is None else _fold(w, in_batched[1], n)
+        outs = _unfold(_forward(kernels, _fold(x, in_batched[0], n), wf, {}, _folded(cfg, n), save), n)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return fn(x, w, ctx)
+
+
+def _forward(kernels: Kernels, x, w, ctx, cfg, save: bool):
     t = tiles(cfg, x.dtype.itemsize)
     n, d = cfg.n_seqs, cfg.dim
     lo, hi = work.ranges(ctx, cfg)
@@ -145,6 +186,22 @@ def forward(kernels: Kernels, x, w, ctx, cfg, save: bool):
 def backward(kernels: Kernels, x, w, ctx, res, dy, cfg):
     """(dx [T, D] in x's dtype, dw [T] float32 or None): one program per item of the tokens' partition and block
     of columns, dy of the item's sequence read once."""
+    fn = jax.custom_batching.custom_vmap(lambda x, w, ctx, res, dy: _backward(kernels, x, w, ctx, res, dy, cfg))
+
+    @fn.def_vmap
+    def rule(n, in_batched, x, w, ctx, res, dy):
+        args = (x, w, ctx, res, dy)
+        if cfg.varlen or ctx:
+            return _sequential(lambda *a: _backward(kernels, *a, cfg), n, in_batched, args)
+        folded = [None if a is None else jax.tree.map(lambda v, b: _fold(v, b, n), a, batched)
+                  for a, batched in zip(args, in_batched)]
+        outs = _unfold(_backward(kernels, *folded, _folded(cfg, n)), n)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return fn(x, w, ctx, res, dy)
+
+
+def _backward(kernels: Kernels, x, w, ctx, res, dy, cfg):
     t = tiles(cfg, x.dtype.itemsize)
     d = cfg.dim
     n_d = work.cdiv(d, t.block_d)
