@@ -225,3 +225,17 @@ def test_vmap(backend):
         oracle.assert_close(f"packed y[{i}]", yp[i], ref_y, "float32")
         oracle.assert_close(f"packed dx[{i}]", dxp[i], ref_dx, "float32")
         oracle.assert_close(f"packed dweights[{i}]", dwp[i], ref_dw, "float32")
+
+
+def test_inside_shard_map():
+    """The ops inside the caller's shard_map (check_vma on) on 4 host devices, every backend (shard_check.py, in a
+    process of its own)."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "shard_check.py")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.split() == ["xla", "ok", "triton", "ok", "pallas", "ok"]
