@@ -9,7 +9,7 @@ Parts (`--parts`, default all three):
   (`flash_attention` on device 0, sequences up to `--single-max`), and the ring over N GPUs in each token order.
 - mesh: the mesh wrapper on a dp=2 x sp=N/2 mesh (N >= 4; N = 2 runs dp=1 x sp=2), a training-like step: forward
   and backward under jit with inputs cut P("dp", "sp"): `flash_attention(q, k, v, causal=True, mesh=mesh,
-  in_specs=P("dp", "sp"))`, B=2, S=`--mesh-seq`.
+  in_specs=P("dp", "sp"), token_order="zigzag")`, B=2, S=`--mesh-seq`.
 `--scaling` replaces `time` by issue 19's sweep over 1, 2, 4, ... N GPUs (the first k devices): strong scaling at
 S=`--strong-seq` (128k; one GPU runs flash_attention) and weak scaling at S = `--weak-base` x k (128k per GPU:
 128k, 256k, 512k, 1M), zigzag, forward and forward+backward.
@@ -277,7 +277,7 @@ def part_mesh(devices, platform, out_dir):
     for heads in HEADS:
         args = _inputs(2, seq, *heads, NamedSharding(mesh, P("dp", "sp")))
         fns = _passes(lambda q, k, v: flash_attention(q, k, v, causal=True, platform=platform, mesh=mesh,
-                                                      in_specs=P("dp", "sp")))
+                                                      in_specs=P("dp", "sp"), token_order="zigzag"))
         for pass_ in PASSES:
             time_case("mesh", seq, heads, f"wrapper-dp{dp}sp{sp}", dp * sp, pass_, fns[pass_], args, out_dir,
                       batch=2)

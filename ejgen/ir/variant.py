@@ -52,8 +52,9 @@ FEATURE_ARGUMENTS = (
 )
 TENSOR_ARGUMENTS = ("query", "key", "value")
 CALL_ARGUMENTS = ("softmax_scale", "deterministic", "platform", "return_lse")  # every op, last
-MESH_ARGUMENTS = ("mesh", "in_specs", "out_specs")  # every op, after them: the call under shard_map (DESIGN.md §4)
-RING_ARGUMENTS = ("axis_name", "token_order")  # the ring form's own (`<name>_ring`, docs/DESIGN.md §3)
+# every op, after them: the call under shard_map (DESIGN.md §4); token_order: a cut sequence's (ring attention, §3)
+MESH_ARGUMENTS = ("mesh", "in_specs", "out_specs", "token_order")
+RING_ARGUMENTS = ("axis_name",)  # the ring form's own (`<name>_ring`, docs/DESIGN.md §3), besides token_order
 OP_ARGUMENTS = (TENSOR_ARGUMENTS + tuple(a for _, args in FEATURE_ARGUMENTS for a in args) + CALL_ARGUMENTS
                 + MESH_ARGUMENTS + RING_ARGUMENTS)
 

@@ -47,6 +47,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "sliding_window": "sliding_window",
@@ -112,6 +113,7 @@ def alibi_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """ALiBi attention with learnable per-head slopes and a clamped distance.
@@ -128,9 +130,10 @@ def alibi_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, alibi_attention, query, key, value, dict(
             slopes=slopes,
             causal=causal,
@@ -141,7 +144,7 @@ def alibi_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=alibi_attention_ring)
+        ), mesh, in_specs, out_specs, ring=alibi_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

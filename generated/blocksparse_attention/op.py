@@ -54,6 +54,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "cu_seqlens_q": "varlen",
@@ -107,6 +108,7 @@ def blocksparse_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """Block-sparse softmax attention in the [batch, heads, seq, head_dim] layout: which tiles to visit comes from a
@@ -129,9 +131,10 @@ def blocksparse_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, blocksparse_attention, query, key, value, dict(
             causal=causal,
             sliding_window=sliding_window,
@@ -146,7 +149,7 @@ def blocksparse_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=blocksparse_attention_ring)
+        ), mesh, in_specs, out_specs, ring=blocksparse_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

@@ -57,6 +57,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={},
 )
@@ -109,6 +110,7 @@ def flash_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """Exact softmax attention with every built-in feature as a runtime argument.
@@ -133,9 +135,10 @@ def flash_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, flash_attention, query, key, value, dict(
             causal=causal,
             sliding_window=sliding_window,
@@ -154,7 +157,7 @@ def flash_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=flash_attention_ring)
+        ), mesh, in_specs, out_specs, ring=flash_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

@@ -44,6 +44,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "causal": "causal",
@@ -97,6 +98,7 @@ def local_softcap_sinks_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """Causal sliding-window attention with a compiled-in window and soft cap, and attention sinks.
@@ -110,9 +112,10 @@ def local_softcap_sinks_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, local_softcap_sinks_attention, query, key, value, dict(
             softmax_aux=softmax_aux,
             block_mask=block_mask,
@@ -120,7 +123,7 @@ def local_softcap_sinks_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=local_softcap_sinks_attention_ring)
+        ), mesh, in_specs, out_specs, ring=local_softcap_sinks_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

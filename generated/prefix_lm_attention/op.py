@@ -42,6 +42,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "causal": "causal",
@@ -100,6 +101,7 @@ def prefix_lm_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """Prefix-LM attention: every query sees the first prefix_len keys and, beyond them, the keys up to its own
@@ -115,9 +117,10 @@ def prefix_lm_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, prefix_lm_attention, query, key, value, dict(
             softmax_aux=softmax_aux,
             block_mask=block_mask,
@@ -126,7 +129,7 @@ def prefix_lm_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=prefix_lm_attention_ring)
+        ), mesh, in_specs, out_specs, ring=prefix_lm_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

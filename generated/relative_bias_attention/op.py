@@ -46,6 +46,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "sliding_window": "sliding_window",
@@ -111,6 +112,7 @@ def relative_bias_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """T5-style learnable relative-position bias, one table row per head, distances clamped to the table; the scale is
@@ -127,9 +129,10 @@ def relative_bias_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, relative_bias_attention, query, key, value, dict(
             rel_table=rel_table,
             causal=causal,
@@ -139,7 +142,7 @@ def relative_bias_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=relative_bias_attention_ring)
+        ), mesh, in_specs, out_specs, ring=relative_bias_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

@@ -195,16 +195,23 @@ def check_context_mesh(backend, failures, devices=4):
 
 
 def check_wrapper(backend, failures):
-    """The mesh wrapper with the sequence cut: flash_attention(..., mesh=(dp 2, sp 4), in_specs=P("dp", "sp")) runs
-    the ring over sp, batch over dp, segment ids cut like query, a window (4, 0) with causal."""
+    """The mesh wrapper with the sequence cut: flash_attention(..., mesh=(dp 2, sp 4), in_specs=P("dp", "sp"),
+    token_order="zigzag") runs the ring over sp, batch over dp, segment ids cut like query, a window (4, 0) with
+    causal; inputs laid out in zigzag order, results brought back."""
     shape = AttnShape(2, 32, 32, 4, 2, 16)
     rng, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-wrapper")
     ids = packed_segments(2, 32, rng)
     m = shard_checks.mesh((2, 4), ("dp", "sp"))
-    kw = dict(causal=True, sliding_window=(4, 0), mask_info=MaskInfo.from_segments(ids), platform=backend,
-              return_lse=True)
-    sharded = shard_checks.vjp_call(lambda **d: flash_attention(**d, **kw, mesh=m, in_specs=P("dp", "sp")), diff,
-                                    d_out, d_lse)
+    to, back = laid_out("zigzag", 4)
+    kw = dict(causal=True, sliding_window=(4, 0), platform=backend, return_lse=True)
+
+    def fn(query, key, value):
+        out, lse = flash_attention(to(query), to(key), to(value), mask_info=MaskInfo.from_segments(to(ids)), **kw,
+                                   mesh=m, in_specs=P("dp", "sp"), token_order="zigzag")
+        return back(out), back(lse, axis=2)
+
+    sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    sharded = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), sharded)  # leave the mesh's types
     ref = oracle.attention(**diff, causal=True, sliding_window=(4, 0), q_segment_ids=ids, kv_segment_ids=ids,
                            d_out=d_out, d_lse=d_lse)
     check(failures, sharded, ref)
@@ -249,7 +256,7 @@ CHECKS = {
     "causal-window-mqa-shared-sinks": (check_causal_window_8, {"xla": 8}),
     "prefix_lm-zigzag": (check_prefix_lm, {"xla": 2}),
     "set_mesh-global-zigzag": (check_context_mesh, {"xla": 4}),
-    "wrapper-dp2-sp4-window-segments": (check_wrapper, {"xla": None}),
+    "wrapper-dp2-sp4-zigzag-window-segments": (check_wrapper, {"xla": None}),
     "blocksparse-sequence-parallelism": (check_blocksparse, {"xla": 2}),
 }
 

@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = {
     "xla": {"zigzag-causal-gqa-segments-sinks-softcap-4", "alibi-zigzag-4", "window-noncausal-contiguous-4",
             "zigzag-causal-window-2", "contiguous-causal-2", "causal-window-mqa-shared-sinks-8", "prefix_lm-zigzag-2",
-            "set_mesh-global-zigzag-4", "wrapper-dp2-sp4-window-segments", "blocksparse-sequence-parallelism-2"},
+            "set_mesh-global-zigzag-4", "wrapper-dp2-sp4-zigzag-window-segments", "blocksparse-sequence-parallelism-2"},
     "pallas": {"zigzag-causal-gqa-segments-sinks-softcap-2", "alibi-zigzag-2"},
     "triton": {"zigzag-causal-gqa-segments-sinks-softcap-2", "alibi-zigzag-2"},
 }
@@ -207,6 +207,13 @@ def test_wrapper_refuses_what_a_ring_cannot_take():
         flash_attention(*_qkv(), bias=jnp.zeros((1, 4, 16, 16)), mesh=mesh, in_specs=P(None, "sp"))
     with pytest.raises(ValueError, match=r"the sequence of query \(18\) cannot be cut evenly over mesh axis 'sp'"):
         flash_attention(*_qkv(seq=18), mesh=mesh, in_specs=P(None, "sp"))
+    with pytest.raises(ValueError, match=r"the sequence of query \(20\) cannot be cut evenly over mesh axis 'sp' "
+                                         r"\(8 zigzag chunks\)"):
+        flash_attention(*_qkv(seq=16 + 4), mesh=mesh, in_specs=P(None, "sp"), token_order="zigzag")
+    with pytest.raises(ValueError, match="token_order='zigzag' is the order of a sequence cut over a mesh axis"):
+        flash_attention(*_qkv(batch=2), mesh=mesh, in_specs=P("dp"), token_order="zigzag")
+    with pytest.raises(ValueError, match="token_order must be one of contiguous, zigzag"):
+        flash_attention(*_qkv(), mesh=mesh, in_specs=P(None, "sp"), token_order="striped")
     with pytest.raises(ValueError, match="cuts the token axis of query over mesh axis 'sp'"):
         flash_attention(*(x[0] for x in _qkv()), cu_seqlens_q=jnp.array([0, 16]), cu_seqlens_k=jnp.array([0, 16]),
                         max_seqlen_q=16, max_seqlen_k=16, mesh=mesh, in_specs=P("sp"))

@@ -134,8 +134,8 @@ def test_authored_spec_ring():
 
 @pytest.mark.skipif(GPUS < 4 or GPUS % 2, reason="data x sequence parallelism needs an even number of 4+ GPUs")
 def test_mesh_wrapper_data_and_sequence_parallel():
-    """flash_attention(..., mesh=(dp 2, sp GPUs/2), in_specs=P("dp", "sp")): a training-like step (forward and
-    backward under jit) equal to the same call on one GPU."""
+    """flash_attention(..., mesh=(dp 2, sp GPUs/2), in_specs=P("dp", "sp"), token_order="zigzag"): a training-like
+    step (forward and backward under jit, inputs laid out in zigzag order) equal to the same call on one GPU."""
     sp = GPUS // 2
     shape = AttnShape(2, 512 * sp, 512 * sp, 8, 2, 128)
     rng = rng_for("ring-gpu-wrapper", shape)
@@ -143,7 +143,14 @@ def test_mesh_wrapper_data_and_sequence_parallel():
     d_out, d_lse = random_cotangents(shape, "bfloat16", rng)
     mesh = jax.make_mesh((2, sp), ("dp", "sp"))
     kw = dict(causal=True, platform="triton", return_lse=True)
-    cut = _run(lambda **d: flash_attention(**d, **kw, mesh=mesh, in_specs=P("dp", "sp")), diff, d_out, d_lse)
+
+    def zigzag(query, key, value):
+        to = lambda x: ring_permute(x, sp)  # noqa: E731
+        out, lse = flash_attention(to(query), to(key), to(value), **kw, mesh=mesh, in_specs=P("dp", "sp"),
+                                   token_order="zigzag")
+        return ring_unpermute(out, sp), ring_unpermute(lse, sp, axis=2)
+
+    cut = _run(zigzag, diff, d_out, d_lse)
     one = _run(lambda **d: flash_attention(**d, **kw), diff, d_out, d_lse)
     for a, b, name in zip(jax.tree.leaves(cut), jax.tree.leaves(one), ["out", "lse", "dk", "dq", "dv"]):
         oracle.assert_close(name, np.asarray(a, np.float32), np.asarray(b, np.float32), 2e-2)

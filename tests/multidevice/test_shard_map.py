@@ -69,7 +69,7 @@ def _mask_fn():
 
 REFUSED = {
     "mesh-without-in_specs": (_flash(), "mesh= needs in_specs=: the PartitionSpecs of (query, key, value)"),
-    "in_specs-without-mesh": (_flash(HEADS, mesh=None), "in_specs / out_specs were given without mesh="),
+    "in_specs-without-mesh": (_flash(HEADS, mesh=None), "in_specs / out_specs / token_order were given without mesh="),
     "mesh-not-a-mesh": (_flash(HEADS, mesh="tp"), "mesh must be a jax.sharding.Mesh, got str"),
     "in_specs-not-specs": (_flash("tp"), "in_specs must be the PartitionSpecs of (query, key, value)"),
     "unknown-mesh-axis": (_flash(P("sp")), "in_specs for query names mesh axis 'sp', which the mesh does not have"),

@@ -54,14 +54,15 @@ class Cut:
         return P(*entries)
 
 
-def on_mesh(spec, op, query, key, value, kwargs: dict, mesh, in_specs, out_specs, ring=None):
+def on_mesh(spec, op, query, key, value, kwargs: dict, mesh, in_specs, out_specs, ring=None, token_order=None):
     """``op(query, key, value, **kwargs)`` under ``jax.shard_map`` over ``mesh``, cut as ``in_specs`` say (the
-    convention above); with the sequence cut, ``ring(query, key, value, axis_name=..., **kwargs)`` instead (the op's
-    ring form). Each problem with the mesh or the specs is a ValueError that names it."""
+    convention above); with the sequence cut, ``ring(query, key, value, axis_name=..., token_order=..., **kwargs)``
+    instead (the op's ring form; ``token_order`` the order of the cut sequence, default contiguous). Each problem
+    with the mesh or the specs is a ValueError that names it."""
     name = spec.name
     if mesh is None:
-        raise ValueError(f"{name}(): in_specs / out_specs were given without mesh=; pass the jax.sharding.Mesh to "
-                         f"run the op over")
+        raise ValueError(f"{name}(): in_specs / out_specs / token_order were given without mesh=; pass the "
+                         f"jax.sharding.Mesh to run the op over")
     if not (hasattr(mesh, "axis_names") and hasattr(mesh, "shape")):
         raise ValueError(f"{name}(): mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if in_specs is None:
@@ -78,7 +79,10 @@ def on_mesh(spec, op, query, key, value, kwargs: dict, mesh, in_specs, out_specs
         if x.ndim != rank:
             raise ValueError(f"{name}(): {t} must be {_LAYOUT_TEXT[layout]}, got {x.dtype}{list(x.shape)}")
     specs = _in_specs(name, mesh, in_specs, rank)
-    cut = _cut(spec, mesh, layout, tensors, specs, ring is not None)
+    cut = _cut(spec, mesh, layout, tensors, specs, ring is not None, token_order or "contiguous")
+    if token_order is not None and not cut.sequence:
+        raise ValueError(f"{name}(): token_order={token_order!r} is the order of a sequence cut over a mesh axis (ring "
+                         f"attention), but in_specs cut no sequence")
     arrays, static, array_specs = {}, {}, {}
     for arg, x in kwargs.items():
         if isinstance(x, (MaskInfo, BlockMask)) or (hasattr(x, "shape") and hasattr(x, "dtype")):
@@ -98,7 +102,8 @@ def on_mesh(spec, op, query, key, value, kwargs: dict, mesh, in_specs, out_specs
 
     def body(q, k, v, arrays):
         if cut.sequence:
-            return ring(q, k, v, axis_name=cut.sequence[0], **static, **arrays)
+            return ring(q, k, v, axis_name=cut.sequence[0], token_order=token_order or "contiguous", **static,
+                        **arrays)
         return op(q, k, v, **static, **arrays)
 
     qkv_specs = tuple(P(*(_entry(axes) for axes in dims)) for dims in specs)
@@ -150,7 +155,7 @@ def _in_specs(name, mesh, in_specs, rank) -> tuple:
     return tuple(found)
 
 
-def _cut(spec, mesh, layout, tensors, specs, has_ring: bool) -> Cut:
+def _cut(spec, mesh, layout, tensors, specs, has_ring: bool, token_order: str = "contiguous") -> Cut:
     """Check the specs against the call (what may be cut, the same cut for q, k and v, divisibility) and say how
     it is cut."""
     name = spec.name
@@ -198,10 +203,13 @@ def _cut(spec, mesh, layout, tensors, specs, has_ring: bool) -> Cut:
     if len(sequence) > 1:
         raise ValueError(f"{name}(): in_specs cuts the sequence over mesh axes {_entry(sequence)!r}: ring attention "
                          f"runs over one mesh axis")
+    ring_form.check_order(f"{name}()", token_order)
+    parts = (2 if token_order == "zigzag" else 1) * (devices(sequence) if sequence else 1)
     for t, x in tensors.items():
-        if sequence and x.shape[s_dim] % devices(sequence):
+        if sequence and x.shape[s_dim] % parts:
+            what = f"{parts} zigzag chunks" if token_order == "zigzag" else f"{parts} devices"
             raise ValueError(f"{name}(): the sequence of {t} ({x.shape[s_dim]}) cannot be cut evenly over mesh axis "
-                             f"{_entry(sequence)!r} ({devices(sequence)} devices)")
+                             f"{_entry(sequence)!r} ({what})")
     return Cut(batch_axes, head_axes, sizes, sequence)
 
 

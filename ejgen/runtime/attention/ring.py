@@ -58,7 +58,7 @@ _REFUSED = {
 
 # Token orders --------------------------------------------------------------------------------------------------
 
-def _check_order(name: str, order) -> str:
+def check_order(name: str, order) -> str:
     if order not in TOKEN_ORDERS:
         raise ValueError(f"{name}: token_order must be one of {', '.join(TOKEN_ORDERS)}, got {order!r}")
     return order
@@ -76,7 +76,7 @@ def device_positions(order: str, devices: int, n: int, device, xp=np):
 def ring_positions(length: int, devices: int, token_order: str = "zigzag") -> np.ndarray:
     """int32 [length]: the global position of each row of a sequence laid out in ``token_order`` for ``devices``
     devices (row r of the laid-out sequence holds token ``positions[r]``; device d gets rows [d n, (d + 1) n))."""
-    _check_order("ring_positions", token_order)
+    check_order("ring_positions", token_order)
     parts = 2 * devices if token_order == "zigzag" else devices
     if not (isinstance(length, int) and isinstance(devices, int)) or devices < 1 or length % parts:
         raise ValueError(f"ring_positions: a sequence of {length} tokens cannot be cut into {parts} equal "
@@ -269,7 +269,7 @@ def _window_sides(window) -> tuple | None:
 
 def reject_unsupported(spec: api.SpecInfo, unsupported: dict) -> None:
     """A ring form takes the op's arguments but the mesh wrapper's; anything else is the op's own error."""
-    mesh_args = sorted(n for n in unsupported if n in ("mesh", "in_specs", "out_specs"))
+    mesh_args = sorted(n for n in unsupported if n in ("mesh", "in_specs", "out_specs"))  # token_order: its own
     if mesh_args:
         raise TypeError(f"{spec.name}_ring() got {mesh_args[0]}=: a ring form runs inside jax.shard_map (or under a "
                         f"mesh context on global arrays); to cut a call over a mesh, pass mesh= and in_specs= to "
@@ -307,7 +307,7 @@ def attention(spec: api.SpecInfo, backends: dict, query, key, value, *, axis_nam
     ``spec.param_dtypes`` / ``spec.options`` say what they are). Inside ``jax.shard_map`` with ``axis_name`` bound,
     query, key and value are this device's shards; outside, global arrays cut over ``axis_name`` of the context mesh."""
     name = f"{spec.name}_ring()"
-    _check_order(name, token_order)
+    check_order(name, token_order)
     refuse(name, spec, features)
     if not isinstance(axis_name, str):
         raise ValueError(f"{name}: axis_name must be the name of one mesh axis (a str), got {axis_name!r}")

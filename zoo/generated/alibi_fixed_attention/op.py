@@ -41,6 +41,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "sliding_window": "sliding_window",
@@ -100,6 +101,7 @@ def alibi_fixed_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """ALiBi with its fixed geometric slopes, 2 ** (-8 (h + 1) / num_heads) for head h, times the distance.
@@ -113,9 +115,10 @@ def alibi_fixed_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, alibi_fixed_attention, query, key, value, dict(
             causal=causal,
             num_heads=num_heads,
@@ -123,7 +126,7 @@ def alibi_fixed_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=alibi_fixed_attention_ring)
+        ), mesh, in_specs, out_specs, ring=alibi_fixed_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

@@ -45,6 +45,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "logits_soft_cap": "logits_soft_cap",
@@ -103,6 +104,7 @@ def dilated_window_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """Dilated sliding window: every dilation-th key of the window (Longformer's dilated heads).
@@ -117,9 +119,10 @@ def dilated_window_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, dilated_window_attention, query, key, value, dict(
             causal=causal,
             sliding_window=sliding_window,
@@ -128,7 +131,7 @@ def dilated_window_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=dilated_window_attention_ring)
+        ), mesh, in_specs, out_specs, ring=dilated_window_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

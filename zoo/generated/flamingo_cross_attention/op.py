@@ -43,6 +43,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "causal": "causal",
@@ -108,6 +109,7 @@ def flamingo_cross_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """Flamingo's gated cross-attention masking: text queries attend to the image tokens (keys: the images' tokens,
@@ -123,9 +125,10 @@ def flamingo_cross_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, flamingo_cross_attention, query, key, value, dict(
             latest=latest,
             image_tokens=image_tokens,
@@ -133,7 +136,7 @@ def flamingo_cross_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=flamingo_cross_attention_ring)
+        ), mesh, in_specs, out_specs, ring=flamingo_cross_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

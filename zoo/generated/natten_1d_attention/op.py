@@ -42,6 +42,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "causal": "causal",
@@ -100,6 +101,7 @@ def natten_1d_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """NATTEN's 1-D neighbourhood attention: each query sees the kernel keys nearest to it, the window shifted inward
@@ -113,16 +115,17 @@ def natten_1d_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, natten_1d_attention, query, key, value, dict(
             kernel=kernel,
             softmax_scale=softmax_scale,
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=natten_1d_attention_ring)
+        ), mesh, in_specs, out_specs, ring=natten_1d_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

@@ -49,6 +49,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "causal": "causal",
@@ -109,6 +110,7 @@ def natten_2d_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """NATTEN's 2-D neighbourhood attention over tokens laid out row by row on a grid of width columns: each query sees
@@ -123,9 +125,10 @@ def natten_2d_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, natten_2d_attention, query, key, value, dict(
             width=width,
             kernel=kernel,
@@ -133,7 +136,7 @@ def natten_2d_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=natten_2d_attention_ring)
+        ), mesh, in_specs, out_specs, ring=natten_2d_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

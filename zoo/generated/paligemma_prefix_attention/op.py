@@ -41,6 +41,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "causal": "causal",
@@ -99,6 +100,7 @@ def paligemma_prefix_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """PaliGemma-style prefix: the first image_tokens tokens (the image) attend to each other both ways, every other
@@ -112,16 +114,17 @@ def paligemma_prefix_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, paligemma_prefix_attention, query, key, value, dict(
             image_tokens=image_tokens,
             softmax_scale=softmax_scale,
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=paligemma_prefix_attention_ring)
+        ), mesh, in_specs, out_specs, ring=paligemma_prefix_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

@@ -56,6 +56,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "causal": "causal",
@@ -124,6 +125,7 @@ def sliding_tile_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """Sliding tile attention (video): tokens come tile by tile, tile_tokens each, tiles in (time, row, column) order
@@ -143,9 +145,10 @@ def sliding_tile_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, sliding_tile_attention, query, key, value, dict(
             tile_tokens=tile_tokens,
             grid_h=grid_h,
@@ -157,7 +160,7 @@ def sliding_tile_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=sliding_tile_attention_ring)
+        ), mesh, in_specs, out_specs, ring=sliding_tile_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

@@ -41,6 +41,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "causal": "causal",
@@ -94,6 +95,7 @@ def sliding_window_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """Causal sliding-window attention (Mistral): each query sees its own position and the sliding_window[0] keys
@@ -107,16 +109,17 @@ def sliding_window_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, sliding_window_attention, query, key, value, dict(
             sliding_window=sliding_window,
             softmax_scale=softmax_scale,
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=sliding_window_attention_ring)
+        ), mesh, in_specs, out_specs, ring=sliding_window_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,

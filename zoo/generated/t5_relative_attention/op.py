@@ -49,6 +49,7 @@ SPEC = _attention.SpecInfo(
         "mesh": "mesh",
         "in_specs": "mesh",
         "out_specs": "mesh",
+        "token_order": "mesh",
     },
     absent={
         "sliding_window": "sliding_window",
@@ -114,6 +115,7 @@ def t5_relative_attention(
     mesh=None,
     in_specs=None,
     out_specs=None,
+    token_order=None,
     **unsupported,
 ):
     """T5's relative-position buckets (bidirectional, 32 buckets: 8 exact distances per direction, then logarithmic up
@@ -129,9 +131,10 @@ def t5_relative_attention(
       return_lse=False
       mesh=None
       in_specs=None
-      out_specs=None"""
+      out_specs=None
+      token_order=None"""
     _attention.reject_unsupported(SPEC, unsupported)
-    if mesh is not None or in_specs is not None or out_specs is not None:
+    if mesh is not None or in_specs is not None or out_specs is not None or token_order is not None:
         return _mesh.on_mesh(SPEC, t5_relative_attention, query, key, value, dict(
             table=table,
             causal=causal,
@@ -140,7 +143,7 @@ def t5_relative_attention(
             deterministic=deterministic,
             platform=platform,
             return_lse=return_lse,
-        ), mesh, in_specs, out_specs, ring=t5_relative_attention_ring)
+        ), mesh, in_specs, out_specs, ring=t5_relative_attention_ring, token_order=token_order)
     backend = _attention.choose_platform(SPEC, platform, BACKENDS)
     call = _attention.prepare(
         SPEC,
