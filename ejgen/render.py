@@ -21,9 +21,12 @@ from ejgen.emit.attention.describe import describe as describe_attention
 from ejgen.emit.layout import reflow
 from ejgen.emit.pooling import op as pooling_op
 from ejgen.emit.pooling.describe import describe as describe_pooling
+from ejgen.emit.recurrent import op as recurrent_op
+from ejgen.emit.recurrent.describe import describe as describe_recurrent
 from ejgen.errors import SpecError
 from ejgen.plan.attention import plan_attention
 from ejgen.plan.pooling import plan_pooling
+from ejgen.plan.recurrent import plan_recurrent
 
 
 @attrs.frozen
@@ -39,6 +42,7 @@ FAMILIES = {
     "attention": Family(plan_attention, attention_op.emit, describe_attention, tuple(attention_op.BACKENDS),
                         attention_op.exports),
     "pooling": Family(plan_pooling, pooling_op.emit, describe_pooling, tuple(pooling_op.BACKENDS)),
+    "linear_recurrent": Family(plan_recurrent, recurrent_op.emit, describe_recurrent, tuple(recurrent_op.BACKENDS)),
 }
 
 _ENV = jinja2.Environment(

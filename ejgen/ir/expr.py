@@ -36,7 +36,10 @@ INDEX_VARS = ("s", "q_idx", "kv_idx", "b", "h", "q_len", "kv_len")
 UNARY_FUNCS = ("exp", "log", "tanh", "sigmoid", "abs", "sqrt", "log2", "exp2", "sign", "floor", "ceil", "round",
                "int", "float")
 BINARY_FUNCS = ("min", "max")
-FUNCS = UNARY_FUNCS + BINARY_FUNCS + ("where", "clamp")
+MACRO_FUNCS = ("relu", "elu", "silu", "softplus", "logsigmoid")
+"""Functions of one float argument written in the others (``expand_macro``): the type checker expands them, so
+printers and the derivative pass never see them; the forms keep ``exp`` of large positive numbers out."""
+FUNCS = UNARY_FUNCS + BINARY_FUNCS + ("where", "clamp") + MACRO_FUNCS
 INT_RESULT_FUNCS = ("floor", "ceil", "round", "int")
 """Functions whose result is an int (an index): ``floor``, ``ceil``, ``round`` (half to even, as Python's) and
 ``int`` (toward zero) of a float; of an int, the int itself."""
@@ -66,6 +69,33 @@ def fold(fn: str, *values):
     if isinstance(x, int):
         return x
     return {"floor": math.floor, "ceil": math.ceil, "round": round, "int": int}[fn](x)
+
+
+def expand_macro(fn: str, x: "Expr", loc=None) -> "Expr":
+    """``fn(x)`` of ``MACRO_FUNCS`` in the DSL's own functions (untyped; every node at ``loc``):
+    relu(x) = max(x, 0), elu(x) = where(x > 0, x, exp(min(x, 0)) - 1), silu(x) = x sigmoid(x),
+    softplus(x) = max(x, 0) + log(1 + exp(-|x|)), logsigmoid(x) = min(x, 0) - log(1 + exp(-|x|))."""
+    def c(value):
+        return Const(value, loc=loc)
+
+    def f(name, *args):
+        return Call(name, args, loc=loc)
+
+    def b(op, a, b_):
+        return Binary(op, a, b_, loc=loc)
+
+    tail = f("log", b("+", c(1.0), f("exp", Unary("-", f("abs", x), loc=loc))))  # log(1 + e^-|x|), in (0, log 2]
+    if fn == "relu":
+        return f("max", x, c(0.0))
+    if fn == "elu":
+        return f("where", b(">", x, c(0.0)), x, b("-", f("exp", f("min", x, c(0.0))), c(1.0)))
+    if fn == "silu":
+        return b("*", x, f("sigmoid", x))
+    if fn == "softplus":
+        return b("+", f("max", x, c(0.0)), tail)
+    if fn == "logsigmoid":
+        return b("-", f("min", x, c(0.0)), tail)
+    raise ValueError(f"not a macro: {fn!r}")
 
 
 def _loc_field():

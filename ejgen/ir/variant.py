@@ -80,6 +80,40 @@ POOLING_CALL_ARGUMENTS = ("chunk_size", "platform")
 POOLING_OP_ARGUMENTS = (POOLING_TENSOR_ARGUMENTS + POOLING_CALL_ARGUMENTS
                         + tuple(a for _, args in POOLING_FEATURE_ARGUMENTS for a in args))
 
+# The linear recurrent family (docs/DESIGN.md §3 linear recurrent): each gate is a feature (runtime: an optional
+# argument; always: a required one; absent: not an argument), gqa permits fewer key/value heads than query heads,
+# varlen takes packed sequences. Two optional element-wise hooks, DSL expressions of `x` (RECURRENT_MAP_VARS):
+# feature_map on q and k, gate_map on the per-step gates (g, gk, gv) before they act.
+RECURRENT_FIELDS = ("name", "family", "doc", "backends", "features", "feature_map", "gate_map")
+RECURRENT_GATES = ("g", "g_gamma", "gk", "gv")
+STEP_GATES = ("g", "gk", "gv")  # the gates given per step, which gate_map transforms (g_gamma is per head)
+RECURRENT_FEATURES = {
+    "g": ("runtime", "always"),  # g [B, T, H]: a log gate per head and step
+    "g_gamma": ("runtime", "always"),  # g_gamma [H]: a fixed log decay per head
+    "gk": ("runtime", "always"),  # gk [B, T, H, K]: a log gate per key channel
+    "gv": ("runtime", "always"),  # gv [B, T, H, V]: a log gate per value channel
+    "gqa": ("runtime", "always"),  # key and value heads shared by groups of query heads (H % Hkv == 0)
+    "varlen": ("runtime", "always"),  # packed sequences: batch 1 and cu_seqlens [N + 1]
+}
+RECURRENT_MAP_VARS = ("x",)
+# The recurrent op's signature, defined once (the seed's order): query, key, value, the gates, then softmax_scale,
+# initial_state, reverse and cu_seqlens, positional or keyword; then keyword-only the call's choices.
+RECURRENT_TENSOR_ARGUMENTS = ("query", "key", "value")
+RECURRENT_FEATURE_ARGUMENTS = (
+    ("g", ("g",)),
+    ("g_gamma", ("g_gamma",)),
+    ("gk", ("gk",)),
+    ("gv", ("gv",)),
+    ("softmax_scale", ("softmax_scale",)),  # every op (the "call" rows: no feature brings them)
+    ("initial_state", ("initial_state",)),
+    ("reverse", ("reverse",)),
+    ("varlen", ("cu_seqlens",)),
+)
+RECURRENT_CALL_ARGUMENTS = ("softmax_scale", "initial_state", "reverse")
+RECURRENT_CHOICE_ARGUMENTS = ("algorithm", "chunk_size", "platform")  # keyword-only, every op
+RECURRENT_OP_ARGUMENTS = (RECURRENT_TENSOR_ARGUMENTS + tuple(a for _, args in RECURRENT_FEATURE_ARGUMENTS for a in args)
+                          + RECURRENT_CHOICE_ARGUMENTS)
+
 
 @attrs.frozen
 class Feature:
@@ -169,6 +203,34 @@ class PoolingVariant:
     features: tuple  # of Feature, sorted by name
     path: str
     source_hash: str
+    loc: Loc | None = attrs.field(default=None, eq=False, repr=False)
+
+    def feature(self, name: str) -> Feature | None:
+        for f in self.features:
+            if f.name == name:
+                return f
+        return None
+
+    def feature_names(self) -> set[str]:
+        return {f.name for f in self.features}
+
+
+@attrs.frozen
+class RecurrentVariant:
+    """A linear recurrent spec (family ``linear_recurrent``): the gates and shapes the op takes (``features``,
+    ``Feature``s of ``RECURRENT_FEATURES`` with mode ``runtime`` or ``always``, sorted by name) and the element-wise
+    hooks, expressions of ``x`` (typed by ``ir.passes.typecheck.check_recurrent``; None when the spec has none)."""
+
+    name: str
+    family: str
+    doc: str
+    backends: tuple
+    features: tuple  # of Feature, sorted by name
+    feature_map: Expr | None  # phi(x) on every element of q and k
+    gate_map: Expr | None  # on every element of the per-step gates (STEP_GATES) the call passes
+    path: str
+    source_hash: str
+    map_texts: tuple = ()  # (field, DSL text as written) of each hook, for notation blocks
     loc: Loc | None = attrs.field(default=None, eq=False, repr=False)
 
     def feature(self, name: str) -> Feature | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ejgen.errors import SpecError
 from ejgen.ir.passes import typecheck
-from ejgen.ir.variant import PoolingVariant, Variant
+from ejgen.ir.variant import PoolingVariant, RecurrentVariant, Variant
 from ejgen.spec.dsl import parse_expr
 from ejgen.spec.schema import build_variant
 from ejgen.spec.yaml_loader import load_yaml
@@ -21,7 +21,7 @@ __all__ = ["load_spec", "load_specs", "parse_expr"]
 SPEC_SUFFIXES = (".yaml", ".yml")
 
 
-def load_spec(path) -> Variant | PoolingVariant:
+def load_spec(path) -> Variant | PoolingVariant | RecurrentVariant:
     """Load, validate and type-check one spec file."""
     path = str(path)
     try:
@@ -34,7 +34,11 @@ def load_spec(path) -> Variant | PoolingVariant:
         raise SpecError(f"{path}: not UTF-8 text (byte {e.start})") from None
     root = load_yaml(path, text)
     variant = build_variant(root, path=path, source_hash=hashlib.sha256(data).hexdigest())
-    return typecheck.check(variant) if isinstance(variant, Variant) else variant  # pooling specs have no DSL
+    if isinstance(variant, Variant):
+        return typecheck.check(variant)
+    if isinstance(variant, RecurrentVariant):
+        return typecheck.check_recurrent(variant)  # its hooks
+    return variant  # pooling specs have no DSL
 
 
 def load_specs(directory) -> list[Variant]:

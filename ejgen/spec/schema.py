@@ -25,12 +25,16 @@ from ejgen.ir.variant import (
     PARAM_DTYPES,
     POOLING_FEATURES,
     POOLING_FIELDS,
+    RECURRENT_FEATURES,
+    RECURRENT_FIELDS,
+    RECURRENT_OP_ARGUMENTS,
     REDUCTIONS,
     WEIGHTED_REDUCTIONS,
     Feature,
     Option,
     Param,
     PoolingVariant,
+    RecurrentVariant,
     Variant,
 )
 from ejgen.spec.dsl import parse_expr
@@ -54,14 +58,17 @@ _RESERVED = {
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def build_variant(root: Node, *, path: str, source_hash: str) -> Variant | PoolingVariant:
+def build_variant(root: Node, *, path: str, source_hash: str) -> Variant | PoolingVariant | RecurrentVariant:
     """The ``Variant`` a spec's YAML tree describes, expressions parsed but not yet typed; a ``PoolingVariant``
-    for family pooling, whose fields are its own (``POOLING_FIELDS``)."""
+    for family pooling and a ``RecurrentVariant`` for family linear_recurrent, whose fields are their own
+    (``POOLING_FIELDS``, ``RECURRENT_FIELDS``)."""
     if root.value is None:
         raise SpecError("the spec is empty; it needs at least 'name' and 'family'", root.loc)
     family = _mapping(root, "the spec").get("family")
     if family is not None and _choice(family, FAMILIES, "family") == "pooling":
         return _pooling_variant(root, path=path, source_hash=source_hash)
+    if family is not None and family.value == "linear_recurrent":
+        return _recurrent_variant(root, path=path, source_hash=source_hash)
     fields = _fields(root, FIELDS, "field", "the spec")
     _require(fields, REQUIRED, "the spec", root.loc)
     name = _identifier(_string(fields["name"], "name"), fields["name"].loc, "the spec name")
@@ -128,6 +135,43 @@ def _pooling_variant(root: Node, *, path: str, source_hash: str) -> PoolingVaria
         features=features,
         path=path,
         source_hash=source_hash,
+        loc=fields["name"].loc,
+    )
+
+
+def _recurrent_variant(root: Node, *, path: str, source_hash: str) -> RecurrentVariant:
+    """A linear recurrent spec (docs/DESIGN.md §2 linear recurrent): name, doc, backends, the gates and shapes as
+    features, and the element-wise hooks feature_map and gate_map (DSL expressions of x, typed at load)."""
+    others = {"attention": FIELDS, "pooling": POOLING_FIELDS}
+    for key, loc in root.key_locs.items():
+        owner = next((f for f, fields in others.items() if key in fields), None)
+        if key not in RECURRENT_FIELDS and owner is not None:
+            raise SpecError(f"field '{key}' is {'an' if owner == 'attention' else 'a'} {owner} field; a "
+                            f"linear_recurrent spec has none", loc, hint=f"linear_recurrent fields: "
+                            f"{', '.join(RECURRENT_FIELDS)}")
+    fields = _fields(root, RECURRENT_FIELDS, "field", "a linear_recurrent spec")
+    _require(fields, REQUIRED, "the spec", root.loc)
+    name = _identifier(_string(fields["name"], "name"), fields["name"].loc, "the spec name")
+    if name in RECURRENT_OP_ARGUMENTS:
+        raise SpecError(f"the spec name '{name}' clashes with a built-in argument of the op", fields["name"].loc)
+    features = ()
+    if "features" in fields:
+        node = fields["features"]
+        entries = _fields(node, tuple(RECURRENT_FEATURES), "feature", "features")
+        found = [_feature(key, value, node.key_locs[key]) for key, value in entries.items()]
+        features = tuple(sorted((f for f in found if f is not None), key=lambda f: f.name))
+    return RecurrentVariant(
+        name=name,
+        family="linear_recurrent",
+        doc=_string(fields["doc"], "doc") if "doc" in fields else "",
+        backends=_choices(fields.get("backends"), BACKENDS, "backends", "backend", default=BACKENDS),
+        features=features,
+        feature_map=_expr(fields.get("feature_map"), "feature_map", default=None),
+        gate_map=_expr(fields.get("gate_map"), "gate_map", default=None),
+        path=path,
+        source_hash=source_hash,
+        map_texts=tuple((f, " ".join(scalar_source(fields[f])[0].split())) for f in ("feature_map", "gate_map")
+                        if f in fields),
         loc=fields["name"].loc,
     )
 
@@ -328,7 +372,7 @@ def _check_distinct(params: tuple, options: tuple) -> None:
                 raise SpecError(f"'{option.name}' is both a param and an option", later.loc)
 
 
-def _expr(node: Node | None, field: str, *, default: Expr) -> Expr:
+def _expr(node: Node | None, field: str, *, default: Expr | None) -> Expr | None:
     if node is None:
         return default
     if not node.is_scalar or node.value is None:

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from ejgen.ir.expr import Binary, Call, Const, ParamRef, Type, Unary, Var, to_text
+from ejgen.ir.expr import Binary, Call, Const, ParamRef, Type, Unary, Var, to_text, walk
 from ejgen.ir.passes.derivative import diff, param_occurrences, simplify
 from ejgen.plan.attention import plan_attention
 from ejgen.spec import load_spec
@@ -74,6 +74,8 @@ SCORES = [
     "(1.0 + s * s) ** gate[h]",
     "s * q_idx / (kv_idx + 1)",
     "tanh(sqrt(exp(s) + gate[h] * gate[h]) / cap[h]) * log(cap[h] + sigmoid(s * slopes[h]))",
+    "relu(s) + elu(s * gate[h]) + silu(s - 0.5)",
+    "softplus(30.0 * s) - logsigmoid(s * slopes[h]) / 16",
 ]
 
 
@@ -361,3 +363,25 @@ def test_positions_refuse_a_spec_reading_indices(tmp_path):
                                         "kv_idx, q_idx") as e:
         plan_attention(load_spec(path))
     assert ":4:" in str(e.value), str(e.value)
+
+
+MACROS = {  # the DSL's macro functions by their definitions (docs/DESIGN.md §2), in float64
+    "relu": lambda x: max(x, 0.0),
+    "elu": lambda x: x if x > 0 else math.expm1(x),
+    "silu": lambda x: x / (1.0 + math.exp(-x)),
+    "softplus": lambda x: math.log1p(math.exp(x)) if x < 30 else x + math.log1p(math.exp(-x)),
+    "logsigmoid": lambda x: -(math.log1p(math.exp(-x)) if x > -30 else -x + math.log1p(math.exp(x))),
+}
+
+
+@pytest.mark.parametrize("fn", list(MACROS))
+def test_macro_functions_are_their_definitions_and_stay_finite(tmp_path, fn):
+    """relu, elu, silu, softplus and logsigmoid expand into the other functions (the printers never see them):
+    their values match the definitions from -200 to 200, where e^{-x} or e^{x} alone would overflow float32."""
+    variant = load_score(tmp_path, f"{fn}(s)")
+    assert not any(isinstance(n, Call) and n.fn == fn for n in walk(variant.score))
+    for x in (-200.0, -30.0, -1.5, -1e-3, 0.25, 3.0, 30.0, 200.0):
+        point = Point(np.random.default_rng(0))
+        point.env["s"] = x
+        got = float(evaluate(variant.score, point))
+        assert got == pytest.approx(MACROS[fn](x), rel=1e-12, abs=1e-12), (fn, x)

@@ -21,6 +21,7 @@ from ejgen.ir.expr import (
     INDEX_VARS,
     INT_OPS,
     INT_RESULT_FUNCS,
+    MACRO_FUNCS,
     Binary,
     Call,
     Const,
@@ -30,11 +31,12 @@ from ejgen.ir.expr import (
     Type,
     Unary,
     Var,
+    expand_macro,
     walk,
 )
-from ejgen.ir.variant import Param, Variant
+from ejgen.ir.variant import RECURRENT_MAP_VARS, STEP_GATES, Param, RecurrentVariant, Variant
 
-ARITY = {**dict.fromkeys(UNARY_FUNCS, 1), **dict.fromkeys(BINARY_FUNCS, 2), "where": 3, "clamp": 3}
+ARITY = {**dict.fromkeys(UNARY_FUNCS + MACRO_FUNCS, 1), **dict.fromkeys(BINARY_FUNCS, 2), "where": 3, "clamp": 3}
 _FLOAT_RESULT = ("exp", "log", "tanh", "sigmoid", "sqrt", "log2", "exp2", "float")
 _OPTION_TYPES = {"int": Type.INT, "float": Type.FLOAT, "bool": Type.BOOL}
 
@@ -56,6 +58,28 @@ def check(variant: Variant) -> Variant:
         message = "mask must be a condition (bool), but this expression is a number"
         raise SpecError(message, mask.loc)
     return attrs.evolve(variant, score=score, mask=mask)
+
+
+def check_recurrent(variant: RecurrentVariant) -> RecurrentVariant:
+    """The recurrent variant with typed hooks: each a number that reads ``x`` (and nothing else but constants);
+    gate_map needs a per-step gate to act on."""
+    maps = {}
+    for field in ("feature_map", "gate_map"):
+        expr = getattr(variant, field)
+        if expr is None:
+            maps[field] = None
+            continue
+        typed = _MapChecker(field).infer(expr)
+        if typed.ty is Type.BOOL:
+            raise SpecError(f"{field} must be a number, but this expression is a condition (bool)", typed.loc)
+        if not any(isinstance(n, Var) for n in walk(typed)):
+            raise SpecError(f"{field} must read x (the element it maps), but this expression is a constant",
+                            typed.loc)
+        maps[field] = typed
+    if maps["gate_map"] is not None and not variant.feature_names() & set(STEP_GATES):
+        raise SpecError(f"gate_map maps the per-step gates, but the spec enables none of {', '.join(STEP_GATES)}",
+                        variant.gate_map.loc, hint="add a gate under features, e.g. 'gk: always'")
+    return attrs.evolve(variant, **maps)
 
 
 def infer(expr: Expr, variant: Variant) -> Expr:
@@ -169,6 +193,9 @@ class _Checker:
             count = _plural(ARITY[e.fn], "argument", "arguments")
             raise SpecError(f"{e.fn}() takes {count}, got {len(e.args)}", e.loc)
         args = tuple(self.infer(a) for a in e.args)
+        if e.fn in MACRO_FUNCS:  # written in the other functions; the argument is checked once, as written
+            _require_number(args[0])
+            return self.infer(expand_macro(e.fn, args[0], e.loc))
         return attrs.evolve(e, args=args, ty=_call_type(e.fn, args))
 
     def _not_a_function(self, e: Call) -> SpecError:
@@ -176,6 +203,31 @@ class _Checker:
             return SpecError(f"'{e.fn}' is a param; index it with brackets: {e.fn}[...]", e.loc)
         if e.fn in INDEX_VARS or self.variant.option(e.fn) is not None:
             return SpecError(f"'{e.fn}' is a scalar, not a function", e.loc)
+        return _unknown("function", e.fn, list(FUNCS), e.loc)
+
+
+class _MapChecker(_Checker):
+    """Types an element-wise hook of a recurrent spec: the one name is ``x`` (a float), no params or options."""
+
+    def __init__(self, field: str):
+        self.field = field
+        self.variant = None
+
+    def known_names(self) -> list:
+        return list(RECURRENT_MAP_VARS)
+
+    def _var(self, e: Var) -> Var:
+        if e.name in RECURRENT_MAP_VARS:
+            return attrs.evolve(e, kind="builtin", ty=Type.FLOAT)
+        if e.name in FUNCS:
+            raise SpecError(f"'{e.name}' is a function; call it: {e.name}(...)", e.loc)
+        error = _unknown("name", e.name, self.known_names(), e.loc)
+        raise SpecError(f"{error.message} ({self.field} reads only x, the element it maps)", e.loc, hint=error.hint)
+
+    def _param_ref(self, e: ParamRef) -> ParamRef:
+        raise SpecError(f"{self.field} has no params: '{e.name}[...]' cannot be read here (it reads only x)", e.loc)
+
+    def _not_a_function(self, e: Call) -> SpecError:
         return _unknown("function", e.fn, list(FUNCS), e.loc)
 
 

@@ -1,0 +1,74 @@
+"""The files of one recurrent op: its folder's ``__init__.py``, ``op.py`` (arguments, ``custom_vjp``) and one module
+per backend (docs/DESIGN.md §9)."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Callable
+
+from ejgen.emit.attention.op import Backend
+from ejgen.emit.layout import WIDTH
+from ejgen.emit.recurrent import xla
+from ejgen.emit.recurrent.describe import describe
+from ejgen.plan.recurrent import RecurrentPlan
+
+BACKENDS = {
+    "xla": Backend(xla.template_context, {"xla.py": "recurrent/xla/recurrent.py.j2"}, "xla"),
+}
+
+ARGUMENT_DOCS = {
+    "g": "float [B, T, H]: a log gate per head and step",
+    "g_gamma": "float [H]: a fixed log decay per head (learnable: it has a gradient)",
+    "gk": "float [B, T, H, K]: a log gate per key channel",
+    "gv": "float [B, T, H, V]: a log gate per value channel",
+    "softmax_scale": "multiplies q (default K ** -0.5)",
+    "initial_state": "float [N, H, K, V]: the state before the first step of each sequence (default zeros)",
+    "reverse": "run each sequence from its last step to its first",
+    "cu_seqlens": "int32 [N + 1]: q, k, v are packed sequences [1, T, ...], sequence n the steps cu[n] .. cu[n + 1] - 1",
+    "algorithm": "auto (fused for short sequences, else chunked), chunked or fused",
+    "chunk_size": "steps of a chunk of the chunked algorithm (16, 32, 64 or 128; default 64)",
+    "platform": "auto (by device), triton, pallas or xla",
+}
+
+
+def _docstring(plan: RecurrentPlan, common: dict, signature: list[str]) -> str:
+    doc = plan.variant.doc.strip().split("\n\n")
+    lines = [textwrap.fill(common["summary"], WIDTH - 8), ""]
+    if doc[1:]:
+        lines += ["\n\n".join(textwrap.fill(p, WIDTH - 8) for p in doc[1:]), ""]
+    lines.append(textwrap.fill(f"Generated from {common['spec_path']}; semantics of docs/DESIGN.md §3 linear "
+                               f"recurrent. Returns (o [B, T, H, V] in q's dtype, final_state [N, H, K, V] float32). "
+                               f"Arguments:", WIDTH - 8))
+    lines += [textwrap.fill(f"{a}: {ARGUMENT_DOCS[a.split('=')[0]]}", WIDTH - 8, initial_indent="  ",
+                            subsequent_indent="      ") for a in signature]
+    return "\n".join(lines).rstrip()
+
+
+def emit(plan: RecurrentPlan, backends: list[str], common: dict, render: Callable[..., str]) -> dict[str, str]:
+    """``{path: text}`` of the op's folder; ``render(template, **context)`` fills one template."""
+    v = plan.variant
+    signature = [f"{a.name}={a.default}" for a in plan.arguments]
+    positional = [s for a, s in zip(plan.arguments, signature) if a.feature != "choice"]
+    files = {
+        f"{v.name}/__init__.py": render("glue/op_init.py.j2", **common, extra=[]),
+        f"{v.name}/op.py": render(
+            "recurrent/op.py.j2",
+            **common,
+            notation=describe(plan),
+            backends=[{"name": b, "module": BACKENDS[b].module} for b in backends],
+            feature_settings="{" + ", ".join(f'"{f.name}": "{f.mode}"' for f in v.features) + "}",
+            arguments={a.name: a.feature for a in plan.arguments},
+            absent=plan.absent_arguments,
+            required=repr(plan.required),
+            positional=positional,
+            keywords=[s for s in signature if s not in positional],
+            docstring=_docstring(plan, common, signature),
+            prepare_args=[a.passed for a in plan.arguments if a.passed is not None],
+        ),
+    }
+    for name in backends:
+        backend = BACKENDS[name]
+        context = backend.context(plan)
+        for file, template in backend.files.items():
+            files[f"{v.name}/{file}"] = render(template, **common, **context)
+    return files

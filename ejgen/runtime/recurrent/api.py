@@ -1,0 +1,225 @@
+"""What every generated recurrent op does before and after its kernels (docs/DESIGN.md §3 linear recurrent): check
+the arguments, resolve the algorithm and the chunk, and bring the gates and the initial state to float32.
+
+Kernel layout: the caller's own arrays, q [B, T, H, K], k [B, T, Hkv, K], v [B, T, Hkv, V] (with varlen B = 1 and
+the sequences' bounds in ``ctx["cu"]``), the gates the call passes in ``gates`` (float32: g [B, T, H], g_gamma [H],
+gk [B, T, H, K], gv [B, T, H, V], before the spec's gate_map), h0 [N, H, K, V] float32 or None. Everything here is
+plain jnp outside the op's ``custom_vjp``, so autodiff carries the gradients through the casts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ejgen.runtime.core import kernels, vma
+from ejgen.runtime.core.platforms import auto_order, choose_platform  # noqa: F401 (the generated ops call it here)
+from ejgen.runtime.recurrent.config import RecurrentConfig
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+ALGORITHMS = ("auto", "chunked", "fused")
+CHUNK_SIZES = (16, 32, 64, 128)
+DEFAULT_CHUNK = 64
+FUSED_MAX_STEPS = 64  # auto: the fused recurrence for at most this many steps (decoding, short prompts)
+GATE_SHAPES = {"g": "[batch, seq_len, heads]", "g_gamma": "[heads]", "gk": "[batch, seq_len, heads, K]",
+               "gv": "[batch, seq_len, heads, V]"}
+GATES = ("g", "g_gamma", "gk", "gv")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecInfo:
+    """What a generated recurrent op knows of its spec, for messages and argument checks."""
+
+    name: str
+    path: str
+    features: dict  # feature -> "runtime" | "always"
+    arguments: dict  # argument -> the feature (or "call", "choice") that brings it
+    absent: dict = dataclasses.field(default_factory=dict)  # built-in argument the op does not take -> its feature
+    required: tuple = ()  # gates the spec compiles in (`always`): None is refused
+
+    @property
+    def gqa(self) -> bool:
+        return "gqa" in self.features
+
+
+def reject_unsupported(spec: SpecInfo, unsupported: dict) -> None:
+    if not unsupported:
+        return
+    name = sorted(unsupported)[0]
+    if name in spec.absent:
+        why = f"the spec does not enable feature '{spec.absent[name]}'"
+    else:
+        why = "it is not an argument of a recurrent op"
+    raise TypeError(f"{spec.name}() got an unsupported argument '{name}': {why} ({spec.path}). "
+                    f"Accepted arguments: query, key, value, {', '.join(spec.arguments)}")
+
+
+def choose_kernels(spec: SpecInfo, backends: dict, platform: str, backend: str, call: "Prepared"):
+    """The kernel set of a call on ``backend``, with the reasons; recorded (debug log, ``explain``)."""
+    here = kernels.target()
+    if platform == "auto":
+        why = f"platform {backend}: auto on {here.arch or here.platform} (order {', '.join(auto_order(backends))})"
+    else:
+        why = f"platform {backend}: asked for"
+    try:
+        forward, backward, reasons, deterministic = backends[backend].choose(call.cfg)
+    except kernels.Unsupported as e:
+        raise ValueError(f"{spec.name}(): platform '{backend}' cannot run this call: {e}") from None
+    choice = kernels.KernelChoice(backend, forward, backward, deterministic,
+                                  (why, call.why_algorithm) + tuple(reasons))
+    return kernels.record(choice, spec.name)
+
+
+def _shape(x) -> str:
+    return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+
+def _array(spec, name, x):
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise ValueError(f"{spec.name}(): {name} must be an array, got {type(x).__name__}")
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """The call in the kernel layout (module docstring) and its static configuration."""
+
+    op: str
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    gates: dict  # name -> float32 array, the gates the call passes
+    h0: jax.Array | None  # [N, H, K, V] float32
+    ctx: dict  # {"cu": int32 [N + 1]} with varlen
+    cfg: RecurrentConfig
+    why_algorithm: str
+
+    def empty(self):
+        """The result of a call without steps: o [B, 0, H, V] and the initial state (or zeros) as the final one."""
+        c = self.cfg
+        o = jnp.zeros((c.batch, 0, c.heads, c.dv), self.q.dtype)
+        ht = self.h0 if self.h0 is not None else jnp.zeros((c.n_seqs, c.heads, c.dk, c.dv), jnp.float32)
+        return o, ht
+
+
+def _python_bool(spec, name, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{spec.name}(): {name} must be a Python bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _algorithm(spec, algorithm, chunk_size, steps) -> tuple:
+    """(algorithm, chunk, why): auto takes the fused recurrence for at most FUSED_MAX_STEPS steps."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{spec.name}(): algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if chunk_size is not None:
+        ok = isinstance(chunk_size, (int, np.integer)) and not isinstance(chunk_size, (bool, np.bool_))
+        if not ok or int(chunk_size) not in CHUNK_SIZES:
+            raise ValueError(f"{spec.name}(): chunk_size must be None or one of {', '.join(map(str, CHUNK_SIZES))} "
+                             f"(steps of a chunk of the chunked algorithm), got {chunk_size!r}")
+    chunk = DEFAULT_CHUNK if chunk_size is None else int(chunk_size)
+    if algorithm == "auto":
+        algorithm = "fused" if steps <= FUSED_MAX_STEPS else "chunked"
+        why = (f"algorithm {algorithm}: auto, {steps} steps "
+               f"({'at most' if algorithm == 'fused' else 'more than'} {FUSED_MAX_STEPS})")
+    else:
+        why = f"algorithm {algorithm}: asked for"
+    if algorithm == "chunked":
+        why += f", chunks of {chunk} steps"
+    return algorithm, (chunk if algorithm == "chunked" else 1), why
+
+
+def prepare(spec: SpecInfo, query, key, value, *, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
+            initial_state=None, reverse=False, cu_seqlens=None, algorithm="auto", chunk_size=None) -> Prepared:
+    """Check the call's arguments and bring them to the kernel layout (module docstring)."""
+    given = {"g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv}
+    for name in spec.required:
+        if given[name] is None:
+            raise TypeError(f"{spec.name}() needs {name}: the spec compiles gate '{name}' in (always; {spec.path})")
+    q, k, v = (_array(spec, n, x) for n, x in (("query", query), ("key", key), ("value", value)))
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if x.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{spec.name}(): {name} must be float32, bfloat16 or float16, got {_shape(x)}")
+        if x.ndim != 4:
+            raise ValueError(f"{spec.name}(): {name} must be [batch, seq_len, heads, head_dim], got {_shape(x)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{spec.name}(): query, key and value must share one dtype, got {_shape(q)}, {_shape(k)}, "
+                         f"{_shape(v)}")
+    batch, steps, heads, dk = q.shape
+    kv_heads, dv = k.shape[2], v.shape[3]
+    if k.shape != (batch, steps, kv_heads, dk) or v.shape[:3] != (batch, steps, kv_heads):
+        raise ValueError(f"{spec.name}(): key must be [batch, seq_len, kv_heads, K] and value [batch, seq_len, "
+                         f"kv_heads, V] with query's batch, seq_len and K = {dk}; got query {_shape(q)}, key "
+                         f"{_shape(k)}, value {_shape(v)}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"{spec.name}(): query's {heads} heads must be a multiple of key and value's {kv_heads}")
+    if kv_heads != heads and not spec.gqa:
+        raise ValueError(f"{spec.name}(): key and value have {kv_heads} heads, query {heads}: sharing key/value "
+                         f"heads needs feature 'gqa' ({spec.path})")
+    varlen = cu_seqlens is not None
+    if varlen:
+        if batch != 1:
+            raise ValueError(f"{spec.name}(): with cu_seqlens, query, key and value are packed sequences "
+                             f"[1, total_tokens, heads, head_dim], got query {_shape(q)}")
+        cu = _cu_seqlens(spec, cu_seqlens, steps)
+        n_seqs = cu.shape[0] - 1
+    else:
+        n_seqs = batch
+    gates = {}
+    expected = {"g": (batch, steps, heads), "g_gamma": (heads,), "gk": (batch, steps, heads, dk),
+                "gv": (batch, steps, heads, dv)}
+    for name in GATES:
+        x = given[name]
+        if x is None:
+            continue
+        x = _array(spec, name, x)
+        if tuple(x.shape) != expected[name] or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{spec.name}(): {name} must be float {GATE_SHAPES[name]} = {list(expected[name])} "
+                             f"(log space), got {_shape(x)}")
+        gates[name] = x.astype(jnp.float32)
+    h0 = None
+    if initial_state is not None:
+        h0 = _array(spec, "initial_state", initial_state)
+        want = (n_seqs, heads, dk, dv)
+        if tuple(h0.shape) != want or not jnp.issubdtype(h0.dtype, jnp.floating):
+            seqs = "sequences" if varlen else "batch"
+            raise ValueError(f"{spec.name}(): initial_state must be float [{seqs}, heads, K, V] = {list(want)}, got "
+                             f"{_shape(h0)}")
+        h0 = h0.astype(jnp.float32)
+    if softmax_scale is None:
+        scale = dk ** -0.5
+    elif isinstance(softmax_scale, (int, float, np.integer, np.floating)) and not isinstance(softmax_scale, bool):
+        scale = float(softmax_scale)
+    else:
+        raise ValueError(f"{spec.name}(): softmax_scale must be None or a Python number, got "
+                         f"{type(softmax_scale).__name__}")
+    reverse = _python_bool(spec, "reverse", reverse)
+    algorithm, chunk, why = _algorithm(spec, algorithm, chunk_size, steps)
+    cfg = RecurrentConfig(batch=batch, seq_len=steps, heads=heads, kv_heads=kv_heads, dk=dk, dv=dv, n_seqs=n_seqs,
+                          varlen=varlen, reverse=reverse, gates=tuple(gates), initial_state=h0 is not None,
+                          scale=scale, algorithm=algorithm, chunk=chunk, dtype=jnp.dtype(q.dtype).name)
+    return Prepared(spec.name, q, k, v, gates, h0, {"cu": cu} if varlen else {}, cfg, why)
+
+
+def vary_alike(*trees):
+    """The inputs of the op's ``custom_vjp``, each made to vary over every mesh axis any of them varies over
+    (inside ``jax.shard_map``; outside, all is returned as it is): the kernels' results vary so."""
+    return vma.vary(trees, vma.varying_axes(*trees))
+
+
+def _cu_seqlens(spec, cu, tokens):
+    cu = _array(spec, "cu_seqlens", cu)
+    if cu.ndim != 1 or cu.dtype != jnp.int32 or cu.shape[0] < 2:
+        raise ValueError(f"{spec.name}(): cu_seqlens must be int32 [num_seqs + 1] (at least 2 entries), got "
+                         f"{_shape(cu)}")
+    try:
+        values = np.asarray(cu)
+    except jax.errors.TracerArrayConversionError:  # under jit: checked where it is concrete
+        return jnp.asarray(cu)
+    if values[0] != 0 or np.any(np.diff(values) < 0) or values[-1] > tokens:
+        raise ValueError(f"{spec.name}(): cu_seqlens must start at 0, never decrease and end at most at the "
+                         f"{tokens} tokens of query, got {values.tolist()}")
+    return jnp.asarray(cu)

@@ -1,0 +1,41 @@
+"""Static configuration of one recurrent call. Hashable: a ``nondiff_argnames`` argument of ``jax.custom_vjp`` and a
+jit cache key."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentConfig:
+    batch: int  # B of the call (1 with varlen)
+    seq_len: int  # T: steps of each batch row (packed tokens with varlen)
+    heads: int  # H: query heads, one state each
+    kv_heads: int  # Hkv: key / value heads (H % Hkv == 0; head h reads h // (H // Hkv))
+    dk: int  # K: head dim of q and k
+    dv: int  # V: head dim of v
+    n_seqs: int  # N: sequences (rows of initial_state and final_state): B, or len(cu_seqlens) - 1
+    varlen: bool  # packed sequences in batch 1, bounds in ctx["cu"]
+    reverse: bool  # t runs from the last step to the first
+    gates: tuple  # the gates the call passes, in RECURRENT_GATES order ("g", "g_gamma", "gk", "gv")
+    initial_state: bool  # an initial_state was passed (else zeros)
+    scale: float  # softmax_scale (default K ** -0.5)
+    algorithm: str  # "chunked" | "fused": the one the call runs (auto resolved)
+    chunk: int  # steps of a chunk (chunked); 1 for the fused recurrence
+    dtype: str  # q, k, v's dtype name
+
+    def has(self, gate: str) -> bool:
+        return gate in self.gates
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """A spec's element-wise hooks as a generated backend module defines them (None where the spec has none): jnp
+    functions of an array of elements for XLA and Pallas; the Triton kernels carry their own ``@triton.jit`` ones."""
+
+    feature_map: object = None  # phi(x) on q and k
+    gate_map: object = None  # on the per-step gates g, gk, gv

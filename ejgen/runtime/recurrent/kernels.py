@@ -1,0 +1,25 @@
+"""The linear recurrent family's kernel sets (docs/DESIGN.md §6): what each serves and guarantees. One set per
+platform and algorithm (``chunked``: chunks of C steps, intra-chunk work as matrix products; ``fused``: one step at
+a time, the state kept in float32 throughout)."""
+
+from __future__ import annotations
+
+from ejgen.runtime.core.kernels import KernelSet
+
+KERNEL_SETS = {
+    "xla_chunked": KernelSet(
+        "xla_chunked", "xla", ("fwd", "bwd"),
+        "jnp: lax.scan over chunks, sub-chunk matrix products, gates summed from each chunk's start; the backward "
+        "is JAX's derivative of the same scan"),
+    "xla_fused": KernelSet(
+        "xla_fused", "xla", ("fwd", "bwd"), "jnp: lax.scan over steps; the backward is JAX's derivative"),
+}
+
+
+def for_platform(platform: str, why: str):
+    """``choose`` of a platform whose kernel sets are ``<platform>_<algorithm>``: (forward set, backward set,
+    reasons, deterministic)."""
+    def choose(cfg):
+        name = f"{platform}_{cfg.algorithm}"
+        return name, name, (f"forward and backward: {name} ({why})",), True
+    return choose

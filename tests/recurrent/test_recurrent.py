@@ -1,0 +1,143 @@
+"""The recurrent ops (docs/DESIGN.md §3 linear recurrent) against the float64 oracle, forward and every gradient
+(q, k, v, each gate, initial_state, and through final_state), under jit: every gate alone and all together, the
+initial state, reverse, packed sequences with empty and length-1 ones and tokens past the last sequence, T not a
+multiple of the chunk, shared K/V heads, K != V, float32 / bfloat16 / float16, both algorithms; strongly negative
+gates (-20 per step) stay finite and accurate; T = 4096 does not drift; chunked equals fused; two calls through
+final_state equal one call, forward and gradients.
+
+Shapes are the smallest that cut sequences into several chunks and sub-chunks (chunks of 16 and 32 steps); XLA
+compiles each case once (seconds), so the cases cover the factors pairwise rather than as a product.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+from cases import HOOKED_ORACLE, Case, built_ops, check, inputs, run
+from conftest import on_path
+from ejgen import generated
+from ejgen.ops import explain
+
+pytestmark = pytest.mark.usefixtures("x64_stays_off")
+
+ALL = ("g", "g_gamma", "gk", "gv")
+PACKED = (0, 5, 5, 22, 23, 40)  # five sequences: 5, 0 (empty), 17, 1, 17 steps; one trailing token of none
+CASES = (
+    Case("recurrent", ALL, h0=True),
+    Case("recurrent", ALL, h0=True, algorithm="fused", chunk=None),
+    Case("recurrent", ALL, shape=(1, 41, 4, 2, 16, 24), cu=PACKED, h0=True, reverse=True),
+    Case("recurrent", ("gk", "gv"), shape=(1, 41, 2, 2, 16, 8), cu=PACKED, reverse=True, algorithm="fused",
+         chunk=None),
+    Case("gla", ("gk",), dtype="bfloat16", shape=(2, 70, 2, 2, 32, 16), chunk=32),
+    Case("simple_gla", ("g", "g_gamma"), dtype="float16", h0=True, reverse=True),
+    Case("lightning_attention", ("g_gamma",), shape=(1, 130, 4, 1, 16, 16), chunk=64, h0=True),
+    Case("linear_attention", (), shape=(1, 41, 2, 1, 16, 16), cu=PACKED, h0=True),
+    Case("recurrent", ("g",), shape=(2, 33, 2, 2, 16, 16)),
+    Case("recurrent", ("gv",), dtype="bfloat16", shape=(1, 48, 2, 1, 16, 32), reverse=True),
+    Case("gla", ("gk",), shape=(2, 64, 2, 2, 16, 16), chunk=64, strong=True, h0=True),
+)
+ELU1 = {"feature_map": lambda x: jnp.where(x > 0, x + 1.0, jnp.exp(x))}  # elu(x) + 1, by hand
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_xla_against_the_oracle(case):
+    check(case, "xla", hooks=ELU1 if case.op == "linear_attention" else None)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recurrent_ops")
+    with on_path(root):
+        yield built_ops(root)
+
+
+def test_hooks_on_xla(built):
+    """A feature map on q and k and a gate map on g and gk: forward and the gradients through both maps."""
+    case = Case("hooked", ("g", "gk"), shape=(2, 37, 2, 2, 16, 16), h0=True, reverse=True)
+    check(case, "xla", op=built.hooked, hooks=HOOKED_ORACLE)
+
+
+def test_strong_gates_stay_finite_and_accurate():
+    """Down to -20 per step in every gate at once (a chunk's sum near -1300): e^{-20 t} underflows within a chunk,
+    nothing overflows or turns NaN, and every decay comes from the sum of its own steps, so the result stays within
+    1e-6 of float64 (a decay from the difference of two prefix sums would err by u·1300, 1e-4)."""
+    case = Case("recurrent", ALL, shape=(1, 64, 2, 2, 16, 16), chunk=32, strong=True, h0=True)
+    o, final, grads = check(case, "xla", factor=0.05)
+    assert all(np.isfinite(np.asarray(x)).all() for x in (o, final, *grads.values()))
+
+
+def test_no_drift_at_4096_steps():
+    """T = 4096 in chunks of 64 with GLA's gates: the float32 state stays within the tolerance of float64."""
+    case = Case("gla", ("gk",), shape=(1, 4096, 2, 2, 16, 16), chunk=64, h0=True)
+    check(case, "xla")
+
+
+def test_chunked_equals_fused():
+    case = Case("recurrent", ALL, shape=(1, 40, 2, 2, 16, 16), h0=True)
+    x, d_out, d_final = inputs(case, seed=3)
+    op = generated.recurrent
+    chunked = run(op, case, x, d_out, d_final, "xla")
+    fused = run(op, case, x, d_out, d_final, "xla", algorithm="fused", chunk_size=None)
+    for name, a, b in (("o", chunked[0], fused[0]), ("final", chunked[1], fused[1]),
+                       *((f"d{n}", chunked[2][n], fused[2][n]) for n in x)):
+        assert oracle.rel_error(a, b) < 2e-6, name
+
+
+def test_two_calls_through_final_state_equal_one():
+    """Chunked long-context training: a sequence cut in two, the second call starting from the first's final
+    state, gives the one call's outputs, final state and every gradient (the cotangent of the first call's final
+    state flows back through the second call's initial state)."""
+    case = Case("gla", ("gk",), shape=(2, 48, 2, 2, 16, 16), h0=True)
+    x, d_out, d_final = inputs(case, seed=5)
+    op = generated.gla
+    cut = 20
+
+    def one(a):
+        return op(a["query"], a["key"], a["value"], a["gk"], initial_state=a["initial_state"], chunk_size=16,
+                  platform="xla")
+
+    def two(a):
+        first = {n: (v[:, :cut] if v.ndim == 4 else v) for n, v in a.items()}
+        second = {n: (v[:, cut:] if v.ndim == 4 else v) for n, v in a.items()}
+        o1, s1 = one(first)
+        o2, s2 = one({**second, "initial_state": s1})
+        return jnp.concatenate([o1, o2], axis=1), s2
+
+    args = {n: jnp.asarray(v) for n, v in x.items()}
+    results = []
+    for fn in (one, two):
+        (o, final), vjp = jax.vjp(jax.jit(fn), args)
+        results.append((o, final, vjp((jnp.asarray(d_out), jnp.asarray(d_final)))[0]))
+    (o1, f1, g1), (o2, f2, g2) = results
+    assert oracle.rel_error(o2, o1) < 2e-6 and oracle.rel_error(f2, f1) < 2e-6
+    for name in args:
+        assert oracle.rel_error(g2[name], g1[name]) < 2e-6, name
+
+
+def test_a_call_without_steps_returns_the_initial_state():
+    h0 = jnp.ones((2, 2, 8, 4), jnp.float32)
+    q = jnp.zeros((2, 0, 2, 8), jnp.float32)
+    o, final = generated.recurrent(q, q, jnp.zeros((2, 0, 2, 4)), initial_state=h0, platform="xla")
+    assert o.shape == (2, 0, 2, 4) and np.array_equal(final, h0)
+    grad = jax.grad(lambda h: generated.recurrent(q, q, jnp.zeros((2, 0, 2, 4)), initial_state=h,
+                                                  platform="xla")[1].sum())(h0)
+    assert np.array_equal(grad, np.ones_like(h0))
+
+
+def test_explain_says_which_algorithm_and_why():
+    sds = jax.ShapeDtypeStruct
+    q = sds((2, 4096, 4, 64), jnp.bfloat16)
+    gk = sds((2, 4096, 4, 64), jnp.float32)
+    choice = explain(generated.gla, q, q, q, gk, target="cpu")
+    assert (choice.platform, choice.forward, choice.backward) == ("xla", "xla_chunked", "xla_chunked")
+    assert any("auto, 4096 steps" in r and "chunks of 64" in r for r in choice.reasons)
+    short = sds((2, 1, 4, 64), jnp.bfloat16)
+    choice = explain(generated.gla, short, short, short, sds((2, 1, 4, 64), jnp.float32), target="cpu")
+    assert choice.forward == "xla_fused"
+    choice = explain(generated.gla, short, short, short, sds((2, 1, 4, 64), jnp.float32), algorithm="chunked",
+                     chunk_size=32, target="cpu")
+    assert choice.forward == "xla_chunked" and any("asked for, chunks of 32" in r for r in choice.reasons)
