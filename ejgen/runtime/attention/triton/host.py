@@ -407,6 +407,8 @@ def _band_blocks(conf, cfg, d: int) -> int:
         problem = "'band' and 'atomic' are two ways to dQ: pick one"
     elif not cfg.window:
         problem = "'band' needs a sliding window (the band of key blocks a query block visits)"
+    elif cfg.positions:  # the band starts at the analysed range's first block, which explicit positions override
+        problem = "'band' follows the window's analysed key ranges, which explicit positions replace"
     blocks = triton_configs.band_blocks(conf.block_m, conf.block_n, cfg.window_span, _longest(cfg, False))
     if problem is None and blocks * conf.block_n > BAND_MAX_RATIO * d:
         problem = (f"the window's dS band ({blocks * conf.block_n} columns) is over {BAND_MAX_RATIO}x the head dim "
