@@ -10,6 +10,8 @@
 #   kernels  per-kernel times under Nsight Compute (benchmarks/kernel_times.py): KERNEL_CASES, KERNEL_CONFIGS
 #   sweep    benchmarks/tune_triton.py --configs SWEEP_CONFIGS --cases SWEEP_CASES (whole configs vs cuDNN)
 #   autotune benchmarks/gpu_check.py bfloat16 --autotune
+#   ring_tests  pytest -m gpu tests/multidevice/test_ring_gpu.py (ring attention over every GPU of the host, 2+)
+#   ring     benchmarks/ring.py RING_ARGS (e.g. "--devices 2"; "--devices 4 --scaling --parts check,time,mesh")
 #   ptx      PTX digests of every Triton and Gluon kernel (benchmarks/ptx_digest.py) of this tree and of the tree
 #            in $PTX_BASE (a copy of an earlier commit, e.g. `git archive REV | tar -x -C .old`), compared
 # e.g.  bash benchmarks/gpu_session.sh check bench
@@ -83,7 +85,16 @@ for step in "$@"; do
       (cd "${PTX_BASE:-.old}" && ln -sfn ../generated ejgen/generated && env -u TRITON_INTERPRET PYTHONPATH=$PWD:$PYTHONPATH \
         timeout 400 python3 ../benchmarks/ptx_digest.py --jobs 14) > "$OUT/ptx-old.json" 2>> "$OUT/ptx.err"
       python3 benchmarks/ptx_digest.py --compare "$OUT/ptx-old.json" "$OUT/ptx-new.json" | tee -a "$LOG" | head -40 ;;
+    ring_tests)
+      timeout 400 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/multidevice/test_ring_gpu.py \
+        > "$OUT/ring-tests.log" 2>&1
+      note "ring tests rc $?: $(grep -E '[0-9]+ (passed|failed|skipped)' "$OUT/ring-tests.log" | tail -1)"
+      grep FAILED "$OUT/ring-tests.log" | tee -a "$LOG" ;;
+    ring)
+      timeout 560 python3 benchmarks/ring.py ${RING_ARGS:-} --out "$OUT/ring" > "$OUT/ring.log" 2>&1
+      note "ring bench rc $?"; cat "$OUT/ring/ring.md" >> "$LOG" 2>/dev/null ;;
     *)
-      note "unknown step '$step' (check, full, sparse, sparse_bench, bench, kernels, sweep, autotune, ptx)"; exit 2 ;;
+      note "unknown step '$step' (check, full, sparse, sparse_bench, bench, kernels, sweep, autotune, ptx, ring_tests, ring)"
+      exit 2 ;;
   esac
 done
