@@ -82,10 +82,10 @@ def test_causal_ring_over_every_gpu(order, caplog):
 
 
 def test_window_segments_sinks_ring(caplog):
-    """Causal window (300, 0), segment ids, per-head sinks, contiguous over every GPU: blocks the window cuts run the
-    generated kernels with global positions; against the oracle."""
+    """Causal window (300, 0), segment ids, per-head sinks, contiguous over every GPU, head dim 128: blocks the window
+    cuts run the generated kernels with global positions (no dS band there); against the oracle."""
     n = GPUS
-    shape = AttnShape(2, 256 * n, 256 * n, 4, 4, 64)
+    shape = AttnShape(2, 256 * n, 256 * n, 4, 4, 128)
     rng = rng_for("ring-gpu-window", shape)
     diff = random_qkv(shape, "bfloat16", rng)
     diff["softmax_aux"] = jnp.asarray(rng.standard_normal(4) + 1.0, jnp.float32)
