@@ -128,8 +128,9 @@ def test_blocksparse_attention_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match=r"q_positions must be an integer array \[batch\|1, q_len\] = \[1\|1, 32\], "
                                          r"got float32\[1, 32\]"):
         blocksparse_attention(q, q, q, q_positions=ids.astype(jnp.float32), platform="xla")
-    with pytest.raises(NotImplementedError, match="sequence_parallelism_mesh_axis_name: sequence parallelism "
-                                                  "belongs to ring attention"):
+    with pytest.raises(ValueError, match="qkv_layouts cannot be combined with sequence_parallelism_mesh_axis_name"):
+        blocksparse_attention(q, q, q, qkv_layouts=jnp.ones((2, 2), bool), sequence_parallelism_mesh_axis_name="sp")
+    with pytest.raises(ValueError, match="axis_name='sp' is not a bound mesh axis"):  # ring attention, outside a map
         blocksparse_attention(q, q, q, sequence_parallelism_mesh_axis_name="sp", platform="xla")
     with pytest.raises(ValueError, match="fused_backward=True: ejgen chooses the backward kernels itself"):
         blocksparse_attention(q, q, q, fused_backward=True, platform="xla")
