@@ -59,7 +59,7 @@ def mypkg(tmp_path_factory):
 
 
 def test_the_package_comes_from_the_build(mypkg, tmp_path_factory):
-    assert mypkg.__all__ == ["gated_shift_attention"]
+    assert mypkg.__all__ == ["gated_shift_attention", "gated_shift_attention_ring"]  # the op and its ring form
     op_file = Path(sys.modules[PACKAGE + ".gated_shift_attention.op"].__file__)
     assert op_file.parent.parent == Path(mypkg.__file__).parent
     header = op_file.read_text().split("\n", 1)[0]
