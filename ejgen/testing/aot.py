@@ -178,6 +178,47 @@ def compile_pooling(package: str, name: str, *, capability: int = 90, dtype: str
     return compiled
 
 
+def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", heads: int = 16,
+                      kv_heads: int = 16, dk: int = 128, dv: int = 128, chunk: int = 64, gates=("gk",),
+                      h0: bool = True, varlen: bool = False, reverse: bool = False, kernels=None) -> dict:
+    """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
+    the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ejgen.runtime.recurrent.triton import host
+
+    module = importlib.import_module(f"{package}.{name}.triton_kernels")
+    ptr = _DTYPES[dtype]
+    pointers = dict(Q=ptr, K_=ptr, V_=ptr, G="*fp32", GAMMA="*fp32", GK="*fp32", GV="*fp32", H0="*fp32", CU="*i32",
+                    FIRST="*i32", CHUNKS="*i32", O=ptr, HT="*fp32", HS="*fp32", DO=ptr, DHT="*fp32", DHS="*fp32",
+                    DQ="*fp32", DK="*fp32", DV="*fp32", DH0="*fp32")
+    bk = max(16, 1 << (dk - 1).bit_length())
+    bvf = max(16, 1 << (dv - 1).bit_length())
+    consts = dict(T=0 if varlen else 4096, H=heads, HKV=kv_heads, K=dk, V=dv, BK=bk, BVF=bvf, SCALE=dk ** -0.5,
+                  USE_G="g" in gates, USE_GAMMA="g_gamma" in gates, USE_GK="gk" in gates, USE_GV="gv" in gates,
+                  USE_H0=h0, VARLEN=varlen, REVERSE=reverse, ROWS=4 * 4096, C=chunk, BC=host.SUB, MAP=True,
+                  DT={"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[dtype])
+    blocks = {"fused_fwd": host.FUSED_BV, "fused_bwd": host.FUSED_BV, "chunk_state": host.STATE_BV,
+              "chunk_state_bwd": host.STATE_BV, "chunk_output": host.OUTPUT_BV, "chunk_grads_qk": host.STATE_BV,
+              "chunk_grads_v": host.OUTPUT_BV}
+    compiled = {}
+    for which, bv in blocks.items():
+        if kernels is not None and which not in kernels:
+            continue
+        kernel = getattr(module, f"{name}_{which}_kernel")
+        sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
+        kconsts = {**consts, "BV": min(bv, bvf)}
+        source = ASTSource(fn=kernel, signature=sig, attrs=aligned,
+                           constexprs={n: kconsts[n] for n in kernel.arg_names if n in kconsts})
+        options = {"num_warps": host.NUM_WARPS, "num_stages": 1}
+        compiled[which] = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+    return compiled
+
+
 def summary(compiled: dict, with_ptx: bool = False) -> dict:
     out = {}
     for name, c in compiled.items():
@@ -201,6 +242,11 @@ def compile_decode_in_subprocess(package: str, name: str, **kwargs) -> dict:
 def compile_pooling_in_subprocess(package: str, name: str, **kwargs) -> dict:
     """`summary` of `compile_pooling`, from a fresh interpreter."""
     return _in_subprocess({"pooling": True, "package": package, "name": name, **kwargs})
+
+
+def compile_recurrent_in_subprocess(package: str, name: str, **kwargs) -> dict:
+    """`summary` of `compile_recurrent`, from a fresh interpreter."""
+    return _in_subprocess({"recurrent": True, "package": package, "name": name, **kwargs})
 
 
 def compile_gluon_in_subprocess(**kwargs) -> dict:
@@ -232,6 +278,8 @@ def main(argv=None) -> int:
         compiled = compile_decode(args.pop("package"), args.pop("name"), **args)
     elif args.pop("pooling", False):
         compiled = compile_pooling(args.pop("package"), args.pop("name"), **args)
+    elif args.pop("recurrent", False):
+        compiled = compile_recurrent(args.pop("package"), args.pop("name"), **args)
     else:
         compiled = compile_attention(args.pop("package"), args.pop("name"), **args)
     print(json.dumps(summary(compiled, with_ptx)))

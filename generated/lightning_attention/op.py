@@ -16,6 +16,7 @@ import jax
 
 from ejgen.runtime.recurrent import api as _recurrent
 
+from . import triton_launch as _triton
 from . import xla as _xla
 
 SPEC = _recurrent.SpecInfo(
@@ -39,7 +40,7 @@ SPEC = _recurrent.SpecInfo(
     },
     required=('g_gamma',),
 )
-BACKENDS = {"xla": _xla}
+BACKENDS = {"triton": _triton, "xla": _xla}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("cfg", "kernels"))
@@ -106,6 +107,7 @@ def lightning_attention(
         cu_seqlens=cu_seqlens,
         algorithm=algorithm,
         chunk_size=chunk_size,
+        chunked=_recurrent.chunked_gates(BACKENDS[backend]),
     )
     kernels = _recurrent.choose_kernels(SPEC, BACKENDS, platform, backend, call)
     if call.cfg.seq_len == 0:

@@ -15,8 +15,7 @@ from cases import Case, inputs
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_adjoint_equals_the_derivative_of_the_scan(reverse):
+def test_adjoint_equals_the_derivative_of_the_scan(reverse=True):
     case = Case("recurrent", ("g", "g_gamma", "gk", "gv"), shape=(2, 9, 4, 2, 3, 5), h0=True, reverse=reverse)
     x, d_out, d_final = inputs(case, seed=1)
     o, final, grads = oracle.recurrent(x, d_out, d_final, reverse=reverse)

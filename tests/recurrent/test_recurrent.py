@@ -26,26 +26,58 @@ pytestmark = pytest.mark.usefixtures("x64_stays_off")
 
 ALL = ("g", "g_gamma", "gk", "gv")
 PACKED = (0, 5, 5, 22, 23, 40)  # five sequences: 5, 0 (empty), 17, 1, 17 steps; one trailing token of none
-CASES = (
+FUSED = {"algorithm": "fused", "chunk": None}
+XLA_CASES = (
     Case("recurrent", ALL, h0=True),
-    Case("recurrent", ALL, h0=True, algorithm="fused", chunk=None),
     Case("recurrent", ALL, shape=(1, 41, 4, 2, 16, 24), cu=PACKED, h0=True, reverse=True),
-    Case("recurrent", ("gk", "gv"), shape=(1, 41, 2, 2, 16, 8), cu=PACKED, reverse=True, algorithm="fused",
-         chunk=None),
+    Case("recurrent", ("gk", "gv"), shape=(1, 41, 2, 2, 16, 8), cu=PACKED, reverse=True, **FUSED),
     Case("gla", ("gk",), dtype="bfloat16", shape=(2, 70, 2, 2, 32, 16), chunk=32),
     Case("simple_gla", ("g", "g_gamma"), dtype="float16", h0=True, reverse=True),
     Case("lightning_attention", ("g_gamma",), shape=(1, 130, 4, 1, 16, 16), chunk=64, h0=True),
     Case("linear_attention", (), shape=(1, 41, 2, 1, 16, 16), cu=PACKED, h0=True),
-    Case("recurrent", ("g",), shape=(2, 33, 2, 2, 16, 16)),
     Case("recurrent", ("gv",), dtype="bfloat16", shape=(1, 48, 2, 1, 16, 32), reverse=True),
-    Case("gla", ("gk",), shape=(2, 64, 2, 2, 16, 16), chunk=64, strong=True, h0=True),
+)
+# Triton's interpreter runs every program of a grid one after the other: the smallest shapes that still cut a
+# sequence into two chunks of two sub-chunks (chunks of 32), GQA, K != V, packed with empty and length-1 sequences
+TRITON_CASES = (
+    Case("gla", ("gk",), shape=(1, 37, 2, 1, 16, 16), chunk=32, h0=True),
+    Case("recurrent", ("g", "g_gamma", "gk"), shape=(1, 41, 2, 2, 16, 24), cu=PACKED, h0=True, reverse=True),
+    Case("recurrent", ALL, shape=(1, 12, 2, 1, 16, 16), cu=(0, 3, 3, 8, 9, 11), h0=True, reverse=True, **FUSED),
+    Case("simple_gla", ("g",), dtype="bfloat16", shape=(1, 40, 2, 2, 16, 16), chunk=32),
+    Case("linear_attention", (), dtype="float16", shape=(1, 41, 2, 1, 16, 32), cu=PACKED, h0=True, chunk=32),
 )
 ELU1 = {"feature_map": lambda x: jnp.where(x > 0, x + 1.0, jnp.exp(x))}  # elu(x) + 1, by hand
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def _hooks(case):
+    return ELU1 if case.op == "linear_attention" else None
+
+
+@pytest.mark.parametrize("case", XLA_CASES, ids=[c.id for c in XLA_CASES])
 def test_xla_against_the_oracle(case):
-    check(case, "xla", hooks=ELU1 if case.op == "linear_attention" else None)
+    check(case, "xla", hooks=_hooks(case))
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The names of the Triton kernels a test launches (a spy on ``triton_call.launch``)."""
+    from ejgen.runtime.launch import triton_call
+
+    names, launch = [], triton_call.launch
+
+    def spy(kernel, *args, **kwargs):
+        names.append(kernel.__name__)
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    return names
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=[c.id for c in TRITON_CASES])
+def test_triton_against_the_oracle(case, launched):
+    check(case, "triton", hooks=_hooks(case))
+    kinds = {"fused" if "_fused_" in n else "chunked" for n in launched}
+    assert kinds == {case.algorithm}, f"the call ran {launched}, not its {case.algorithm} kernels"
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +87,23 @@ def built(tmp_path_factory):
         yield built_ops(root)
 
 
-def test_hooks_on_xla(built):
+@pytest.mark.parametrize("backend", ["xla", "triton"])
+def test_hooks(built, backend):
     """A feature map on q and k and a gate map on g and gk: forward and the gradients through both maps."""
-    case = Case("hooked", ("g", "gk"), shape=(2, 37, 2, 2, 16, 16), h0=True, reverse=True)
-    check(case, "xla", op=built.hooked, hooks=HOOKED_ORACLE)
+    case = Case("hooked", ("g", "gk"), shape=(1, 37, 2, 2, 16, 16), chunk=32, h0=True, reverse=True)
+    check(case, backend, op=built.hooked, hooks=HOOKED_ORACLE)
+
+
+def test_triton_takes_the_fused_kernels_for_gv():
+    """The chunked Triton kernels take no gv: auto runs the fused ones (and says why), chunked is refused."""
+    sds = jax.ShapeDtypeStruct
+    q = sds((1, 512, 2, 16), jnp.float32)
+    choice = explain(generated.recurrent, q, q, q, gv=q, target="sm90")
+    assert (choice.forward, choice.backward) == ("triton_fused", "triton_fused")
+    assert any("the chunked kernels of this platform take no gv" in r for r in choice.reasons)
+    with pytest.raises(ValueError, match="the chunked kernels of this platform take no gv: pass algorithm='fused'"):
+        explain(generated.recurrent, q, q, q, gv=q, algorithm="chunked", target="sm90")
+    assert explain(generated.recurrent, q, q, q, gv=q, algorithm="chunked", target="cpu").forward == "xla_chunked"
 
 
 def test_strong_gates_stay_finite_and_accurate():

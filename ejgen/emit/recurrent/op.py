@@ -8,11 +8,15 @@ from typing import Callable
 
 from ejgen.emit.attention.op import Backend
 from ejgen.emit.layout import WIDTH
-from ejgen.emit.recurrent import xla
+from ejgen.emit.recurrent import triton, xla
 from ejgen.emit.recurrent.describe import describe
 from ejgen.plan.recurrent import RecurrentPlan
 
 BACKENDS = {
+    "triton": Backend(triton.template_context, {
+        "triton_kernels.py": "recurrent/triton/kernels.py.j2",
+        "triton_launch.py": "recurrent/triton/launch.py.j2",
+    }, "triton_launch"),
     "xla": Backend(xla.template_context, {"xla.py": "recurrent/xla/recurrent.py.j2"}, "xla"),
 }
 

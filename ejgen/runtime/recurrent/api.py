@@ -111,8 +111,14 @@ def _python_bool(spec, name, value) -> bool:
     return bool(value)
 
 
-def _algorithm(spec, algorithm, chunk_size, steps) -> tuple:
-    """(algorithm, chunk, why): auto takes the fused recurrence for at most FUSED_MAX_STEPS steps."""
+def chunked_gates(backend) -> tuple:
+    """The gates a generated backend module's chunked kernels take (``CHUNKED_GATES``; all by default)."""
+    return getattr(backend, "CHUNKED_GATES", GATES)
+
+
+def _algorithm(spec, algorithm, chunk_size, steps, passed, chunked) -> tuple:
+    """(algorithm, chunk, why): auto takes the fused recurrence for at most FUSED_MAX_STEPS steps, or where the
+    backend's chunked kernels do not take a gate the call passes."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{spec.name}(): algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     if chunk_size is not None:
@@ -121,6 +127,12 @@ def _algorithm(spec, algorithm, chunk_size, steps) -> tuple:
             raise ValueError(f"{spec.name}(): chunk_size must be None or one of {', '.join(map(str, CHUNK_SIZES))} "
                              f"(steps of a chunk of the chunked algorithm), got {chunk_size!r}")
     chunk = DEFAULT_CHUNK if chunk_size is None else int(chunk_size)
+    missing = [g for g in passed if g not in chunked]
+    if missing and algorithm == "chunked":
+        raise ValueError(f"{spec.name}(): the chunked kernels of this platform take no {', '.join(missing)}: pass "
+                         f"algorithm='fused' (or 'auto'), or another platform")
+    if missing and algorithm == "auto":
+        return "fused", 1, f"algorithm fused: auto, the chunked kernels of this platform take no {', '.join(missing)}"
     if algorithm == "auto":
         algorithm = "fused" if steps <= FUSED_MAX_STEPS else "chunked"
         why = (f"algorithm {algorithm}: auto, {steps} steps "
@@ -133,7 +145,8 @@ def _algorithm(spec, algorithm, chunk_size, steps) -> tuple:
 
 
 def prepare(spec: SpecInfo, query, key, value, *, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
-            initial_state=None, reverse=False, cu_seqlens=None, algorithm="auto", chunk_size=None) -> Prepared:
+            initial_state=None, reverse=False, cu_seqlens=None, algorithm="auto", chunk_size=None,
+            chunked=GATES) -> Prepared:
     """Check the call's arguments and bring them to the kernel layout (module docstring)."""
     given = {"g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv}
     for name in spec.required:
@@ -197,7 +210,7 @@ def prepare(spec: SpecInfo, query, key, value, *, g=None, g_gamma=None, gk=None,
         raise ValueError(f"{spec.name}(): softmax_scale must be None or a Python number, got "
                          f"{type(softmax_scale).__name__}")
     reverse = _python_bool(spec, "reverse", reverse)
-    algorithm, chunk, why = _algorithm(spec, algorithm, chunk_size, steps)
+    algorithm, chunk, why = _algorithm(spec, algorithm, chunk_size, steps, tuple(gates), chunked)
     cfg = RecurrentConfig(batch=batch, seq_len=steps, heads=heads, kv_heads=kv_heads, dk=dk, dv=dv, n_seqs=n_seqs,
                           varlen=varlen, reverse=reverse, gates=tuple(gates), initial_state=h0 is not None,
                           scale=scale, algorithm=algorithm, chunk=chunk, dtype=jnp.dtype(q.dtype).name)

@@ -39,3 +39,5 @@ class Hooks:
 
     feature_map: object = None  # phi(x) on q and k
     gate_map: object = None  # on the per-step gates g, gk, gv
+    feature_map_grad: object = None  # phi'(x)
+    gate_map_grad: object = None  # m'(x)

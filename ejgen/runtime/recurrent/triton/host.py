@@ -1,0 +1,222 @@
+"""The Triton backend of the linear recurrent family, shared by every generated spec: launches, the sums the kernels
+leave to XLA (partials over blocks of V, a key / value head's group of query heads), the hooks' derivatives and the
+gates' gradients (``gates.gate_grads``). A generated ``triton_launch.py`` names its kernels module and its hooks
+(``Kernels``); everything else is here, once.
+
+Fused (one pass over time, a program per (block of BV value columns, sequence x head), K whole in registers):
+forward ``fused_fwd``; backward ``fused_bwd``, whose dq and dk are partials per block of V summed here.
+Chunked (chunks of C steps): see ``chunked_forward`` / ``chunked_backward``.
+Kernels read the caller's arrays in place ([B, T, H, D], packed sequences by CU, reverse by index); outputs that a
+packed call may leave unwritten (tokens past the last sequence) are zeroed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+from ejgen.runtime.launch import triton_call
+from ejgen.runtime.recurrent import gates as gate_grads_of
+from ejgen.runtime.recurrent import packing
+
+F32 = jnp.float32
+CHUNKED_GATES = ("g", "g_gamma", "gk")  # the gates the chunked kernels take (gv runs on the fused ones)
+FUSED_BV = 32  # value columns of a fused program (its state: K x 32 float32 in registers)
+STATE_BV = 64  # value columns of a chunked state program (forward and backward)
+OUTPUT_BV = 64  # value columns of a chunked output (and dv) program
+SUB = 16  # steps of a sub-chunk
+NUM_WARPS = 4
+
+
+def available():
+    return triton_call.available()
+
+
+def choose(cfg):
+    """(forward set, backward set, reasons, deterministic): the call's algorithm on its Triton kernels. No atomics:
+    every pass is reproducible."""
+    name = f"triton_{cfg.algorithm}"
+    return name, name, (f"forward and backward: {name} (Triton kernels generated from the spec)",), True
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """A spec's kernels (their module and name) and its hooks in jnp (``config.Hooks``) for the host's sums."""
+
+    module: str
+    name: str
+    hooks: object
+
+    def get(self, which: str):
+        return getattr(importlib.import_module(self.module), f"{self.name}_{which}_kernel")
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _dummy(dtype=F32):
+    return jnp.zeros((1,), dtype)
+
+
+def _common(q, k, v, gates, h0, ctx, cfg):
+    """The inputs every kernel takes after q, k, v (dummies for what the call lacks) and the shared constexprs."""
+    ins = [gates.get("g", _dummy()), gates.get("g_gamma", _dummy()), gates.get("gk", _dummy()),
+           gates.get("gv", _dummy()), _dummy() if h0 is None else h0, ctx.get("cu", _dummy(jnp.int32))]
+    consts = dict(T=cfg.seq_len, H=cfg.heads, HKV=cfg.kv_heads, K=cfg.dk, V=cfg.dv, BK=_pow2(cfg.dk),
+                  SCALE=float(cfg.scale), USE_G=cfg.has("g"), USE_GAMMA=cfg.has("g_gamma"), USE_GK=cfg.has("gk"),
+                  USE_GV=cfg.has("gv"), USE_H0=h0 is not None, VARLEN=cfg.varlen, REVERSE=cfg.reverse)
+    return ins, consts
+
+
+def _fused_bv(cfg) -> int:
+    return min(FUSED_BV, _pow2(cfg.dv))
+
+
+def forward(kernels: Kernels, q, k, v, gates, h0, ctx, cfg, save: bool):
+    """(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] float32, residuals)."""
+    if cfg.algorithm == "chunked":
+        return chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save)
+    ins, consts = _common(q, k, v, gates, h0, ctx, cfg)
+    bv = _fused_bv(cfg)
+    sds = jax.ShapeDtypeStruct
+    o, ht = triton_call.launch(
+        kernels.get("fused_fwd"), (packing.cdiv(cfg.dv, bv), cfg.n_seqs * cfg.heads), [q, k, v, *ins],
+        [sds(q.shape[:3] + (cfg.dv,), q.dtype), sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
+        zeroed=(0,) if cfg.varlen else (), num_warps=NUM_WARPS, num_stages=1, BV=bv, **consts)
+    return o, ht, ({"o": o, "final": ht} if save else {})
+
+
+def backward(kernels: Kernels, q, k, v, gates, h0, ctx, res, do, dht, cfg):
+    """(dq, dk, dv in their inputs' dtypes, dgates, dh0)."""
+    if cfg.algorithm == "chunked":
+        dphi_q, dphi_k, dv_h, dh0 = chunked_backward(kernels, q, k, v, gates, h0, ctx, res, do, dht, cfg)
+    else:
+        dphi_q, dphi_k, dv_h, dh0 = _fused_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg)
+    return finish(kernels.hooks, q, k, v, gates, h0, ctx, res, do, dht, cfg, dphi_q, dphi_k, dv_h, dh0)
+
+
+def _fused_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg):
+    ins, consts = _common(q, k, v, gates, h0, ctx, cfg)
+    bv = _fused_bv(cfg)
+    nv = packing.cdiv(cfg.dv, bv)
+    rows = q.shape[0] * q.shape[1]
+    sds = jax.ShapeDtypeStruct
+    per_head = q.shape[:3]
+    dq, dk, dv, dh0 = triton_call.launch(
+        kernels.get("fused_bwd"), (nv, cfg.n_seqs * cfg.heads), [q, k, v, *ins, do.astype(q.dtype), dht],
+        [sds((nv,) + per_head + (cfg.dk,), F32), sds((nv,) + per_head + (cfg.dk,), F32),
+         sds(per_head + (cfg.dv,), F32), sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
+        zeroed=(0, 1, 2) if cfg.varlen else (), num_warps=NUM_WARPS, num_stages=1, BV=bv, ROWS=rows, **consts)
+    return jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), dv, dh0
+
+
+def finish(hooks, q, k, v, gates, h0, ctx, res, do, dht, cfg, dphi_q, dphi_k, dv_h, dh0):
+    """From the kernels' gradients of the mapped q and k and of v, per query head (float32): the gates' gradients,
+    the hooks' derivatives, the sums over each key / value head's group, the inputs' dtypes."""
+    cu = ctx.get("cu")
+    group = cfg.groups
+    phi_q, phi_k = q.astype(F32), jnp.repeat(k.astype(F32), group, axis=2)
+    if hooks.feature_map is not None:
+        phi_q, phi_k = hooks.feature_map(phi_q), hooks.feature_map(phi_k)
+    v_h = jnp.repeat(v.astype(F32), group, axis=2) if cfg.has("gv") else None
+    dgates = gate_grads_of.gate_grads(gates, cfg, cu, hooks, q=phi_q, dq=dphi_q, k=phi_k, dk=dphi_k,
+                                      o=res.get("o"), do=do, v=v_h, dv=dv_h, final=res["final"], d_final=dht)
+    dk = dphi_k.reshape(dphi_k.shape[:2] + (cfg.kv_heads, group, cfg.dk)).sum(3)
+    dv = dv_h.reshape(dv_h.shape[:2] + (cfg.kv_heads, group, cfg.dv)).sum(3)
+    dq = dphi_q
+    if hooks.feature_map_grad is not None:
+        dq = dq * hooks.feature_map_grad(q.astype(F32))
+        dk = dk * hooks.feature_map_grad(k.astype(F32))
+    dgates = {name: dgates[name].astype(gates[name].dtype) for name in gates}
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dgates, (None if h0 is None else dh0)
+
+
+def _layout(ctx, cfg):
+    """(CHUNKS [NC, 2] int32 (sequence, chunk within it) or a dummy, FIRST [N] int32 (a sequence's first chunk) or a
+    dummy, chunks per grid row, grid rows): dense calls are B rows of cdiv(T, C) chunks, packed ones one row of the
+    layout's NC chunks (``packing``; a chunk past the last sequence's is given an index past every sequence's end)."""
+    c = cfg.chunk
+    if not cfg.varlen:
+        return _dummy(jnp.int32), _dummy(jnp.int32), packing.cdiv(cfg.seq_len, c), cfg.batch
+    layout = packing.packed(ctx["cu"], cfg, c)
+    local = jnp.arange(layout.n_chunks, dtype=jnp.int32) - layout.seq_chunks[layout.chunk_seq]
+    real = jnp.arange(layout.n_chunks) < layout.seq_chunks[-1]
+    local = jnp.where(real, local, cfg.seq_len // c + 1)
+    chunks = jnp.stack([layout.chunk_seq, local], axis=1).reshape(-1)
+    return chunks, layout.seq_chunks[:-1], layout.n_chunks, 1
+
+
+def _chunk_consts(q, cfg, consts):
+    c = dict(consts)
+    del c["USE_GV"], c["USE_H0"]
+    c.update(C=cfg.chunk, MAP=True, DT=_triton_dtype(q.dtype))
+    return c
+
+
+def _triton_dtype(dtype):
+    import triton.language as tl
+
+    return {jnp.dtype(jnp.float32): tl.float32, jnp.dtype(jnp.bfloat16): tl.bfloat16,
+            jnp.dtype(jnp.float16): tl.float16}[jnp.dtype(dtype)]
+
+
+def _states(kernels, q, k, v, gates, h0, ctx, cfg):
+    """(HS [chunks, H, K, V]: the state at each chunk's start, final_state [N, H, K, V]), float32."""
+    ins, consts = _common(q, k, v, gates, h0, ctx, cfg)
+    chunks, first, per_row, grid_rows = _layout(ctx, cfg)
+    bv = min(STATE_BV, _pow2(cfg.dv))
+    sds = jax.ShapeDtypeStruct
+    c = _chunk_consts(q, cfg, consts)
+    hs, ht = triton_call.launch(
+        kernels.get("chunk_state"), (packing.cdiv(cfg.dv, bv), cfg.n_seqs * cfg.heads),
+        [k, v, *ins[:3], ins[4], ins[5], first],
+        [sds((per_row * grid_rows, cfg.heads, cfg.dk, cfg.dv), F32), sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
+        num_warps=NUM_WARPS, num_stages=1, BV=bv, USE_H0=h0 is not None,
+        **{n: x for n, x in c.items() if n not in ("SCALE",)})
+    return hs, ht
+
+
+def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
+    hs, ht = _states(kernels, q, k, v, gates, h0, ctx, cfg)
+    ins, consts = _common(q, k, v, gates, h0, ctx, cfg)
+    chunks, _, per_row, grid_rows = _layout(ctx, cfg)
+    bv = min(OUTPUT_BV, _pow2(cfg.dv))
+    (o,) = triton_call.launch(
+        kernels.get("chunk_output"), (per_row * (cfg.chunk // SUB), packing.cdiv(cfg.dv, bv), grid_rows * cfg.heads),
+        [q, k, v, *ins[:3], ins[5], chunks, hs], [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
+        zeroed=(0,) if cfg.varlen else (), num_warps=NUM_WARPS, num_stages=1, BV=bv, BC=SUB,
+        **_chunk_consts(q, cfg, consts))
+    return o, ht, ({"o": o, "final": ht} if save else {})
+
+
+def chunked_backward(kernels, q, k, v, gates, h0, ctx, res, do, dht, cfg):
+    """(dq, dk of the mapped q and k, dv; per query head, float32; dh0)."""
+    hs, _ = _states(kernels, q, k, v, gates, h0, ctx, cfg)
+    ins, consts = _common(q, k, v, gates, h0, ctx, cfg)
+    chunks, first, per_row, grid_rows = _layout(ctx, cfg)
+    c = _chunk_consts(q, cfg, consts)
+    sds = jax.ShapeDtypeStruct
+    do = do.astype(q.dtype)
+    state = (cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv)
+    bv = min(STATE_BV, _pow2(cfg.dv))
+    dhs, dh0 = triton_call.launch(
+        kernels.get("chunk_state_bwd"), (packing.cdiv(cfg.dv, bv), cfg.n_seqs * cfg.heads),
+        [q, *ins[:3], ins[5], first, do, dht], [sds(hs.shape, F32), sds(state, F32)],
+        num_warps=NUM_WARPS, num_stages=1, BV=bv, **{n: x for n, x in c.items() if n != "HKV"})
+    grid = (per_row * (cfg.chunk // SUB), grid_rows * cfg.heads)
+    per_head = q.shape[:3]
+    zeroed = (0, 1) if cfg.varlen else ()
+    dq, dk = triton_call.launch(
+        kernels.get("chunk_grads_qk"), grid, [q, k, v, *ins[:3], ins[5], chunks, hs, dhs, do],
+        [sds(per_head + (cfg.dk,), F32), sds(per_head + (cfg.dk,), F32)], zeroed=zeroed, num_warps=NUM_WARPS,
+        num_stages=1, BV=bv, BVF=_pow2(cfg.dv), BC=SUB, **c)
+    bv = min(OUTPUT_BV, _pow2(cfg.dv))
+    (dv,) = triton_call.launch(
+        kernels.get("chunk_grads_v"), (grid[0], packing.cdiv(cfg.dv, bv), grid[1]),
+        [q, k, *ins[:3], ins[5], chunks, dhs, do], [sds(per_head + (cfg.dv,), F32)], zeroed=(0,) if cfg.varlen else (),
+        num_warps=NUM_WARPS, num_stages=1, BV=bv, BC=SUB, **c)
+    return dq, dk, dv, dh0

@@ -1,0 +1,74 @@
+"""The recurrent family on a GPU (`pytest -m gpu tests/recurrent`): the cross product of gates, layouts (dense, packed
+with empty and length-1 sequences), reverse, initial state, dtypes and algorithms on the triton platform, at shapes
+of several chunks and head dims of 64 and 128 (GQA, K != V), forward and every gradient against the float64 oracle;
+the XLA backend at T = 4096 on the same inputs as Triton."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+from cases import Case, check, inputs, run
+from ejgen import generated
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("x64_stays_off")]
+
+GATE_SETS = {  # spec -> gate sets it takes
+    "recurrent": [("g", "g_gamma", "gk", "gv"), ("g", "gk"), ("gv",)],
+    "gla": [("gk",)],
+    "simple_gla": [("g",), ("g", "g_gamma")],
+    "lightning_attention": [("g_gamma",)],
+    "linear_attention": [()],
+}
+LAYOUTS = {"dense": dict(shape=(2, 300, 4, 2, 64, 128)),
+           "packed": dict(shape=(1, 700, 4, 4, 128, 64), cu=(0, 1, 1, 257, 300, 300, 640))}
+ELU1 = {"feature_map": lambda x: jnp.where(x > 0, x + 1.0, jnp.exp(x))}
+
+
+def _cases():
+    out = []
+    for (op, gate_sets), layout, reverse, dtype, algorithm in itertools.product(
+            GATE_SETS.items(), LAYOUTS, (False, True), ("bfloat16", "float32"), ("chunked", "fused")):
+        for gates in gate_sets:
+            if "gv" in gates and algorithm == "chunked":
+                continue  # the chunked Triton kernels take no gv (the fused ones run: test_recurrent.py)
+            out.append(Case(op, gates, dtype=dtype, reverse=reverse, h0=reverse, algorithm=algorithm,
+                            chunk=64 if algorithm == "chunked" else None, **LAYOUTS[layout]))
+    return out
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_triton_against_the_oracle(case):
+    check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_long_sequences_triton_equals_xla(dtype):
+    """T = 4096, GLA gates, K = V = 128: the chunked Triton kernels against the XLA backend and the oracle."""
+    case = Case("gla", ("gk",), dtype=dtype, shape=(1, 4096, 2, 2, 128, 128), chunk=64, h0=True)
+    o, final, grads = check(case, "triton")
+    x, d_out, d_final = inputs(case)
+    o_x, final_x, grads_x = run(generated.gla, case, x, d_out, d_final, "xla")
+    assert oracle.rel_error(final, final_x) < oracle.TOLERANCE[dtype]
+    for name in grads:
+        assert oracle.rel_error(grads[name], grads_x[name]) < 2 * oracle.TOLERANCE[dtype], name
+    del o, o_x
+
+
+def test_chunked_equals_fused_on_the_gpu():
+    case = Case("recurrent", ("g", "g_gamma", "gk"), shape=(2, 1000, 4, 4, 64, 64), h0=True, chunk=64)
+    x, d_out, d_final = inputs(case, seed=7)
+    a = run(generated.recurrent, case, x, d_out, d_final, "triton")
+    b = run(generated.recurrent, case, x, d_out, d_final, "triton", algorithm="fused", chunk_size=None)
+    assert oracle.rel_error(a[0], b[0]) < 1e-5 and oracle.rel_error(a[1], b[1]) < 1e-5
+    for name in x:
+        assert oracle.rel_error(a[2][name], b[2][name]) < 1e-5, name
+    assert np.isfinite(np.asarray(jax.device_get(a[1]))).all()
