@@ -14,9 +14,16 @@ import pytest
 # Each family's helper modules (its oracle) sit next to its tests, and this file is shared by all:
 # keep both importable under any pytest import mode.
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_HELPERS: dict = {}  # module file name -> its folder: one name per family (docs/DESIGN.md §9), never shadowed
 for _folder in (_HERE, *(os.path.join(_HERE, d) for d in sorted(os.listdir(_HERE)))):
     if os.path.isdir(_folder) and _folder not in sys.path:
         sys.path.insert(0, _folder)
+        for _name in sorted(os.listdir(_folder)):
+            if _name.endswith(".py") and not _name.startswith(("__init__", "conftest")):
+                if _name in _HELPERS:  # a helper module would shadow the other; a test module fails to collect
+                    raise RuntimeError(f"tests/: {_name} is in both {_HELPERS[_name]} and {_folder}; every test folder "
+                                       "is on sys.path and test modules are imported by name: prefix it with its family")
+                _HELPERS[_name] = _folder
 
 if not os.path.exists("/dev/nvidiactl"):
     # No NVIDIA driver: every case compiles its own small graphs once on the CPU (the interpreted Pallas

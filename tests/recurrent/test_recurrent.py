@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import oracle
-from cases import HOOKED_ORACLE, Case, built_ops, check, inputs, run
+import recurrent_oracle as oracle
+from recurrent_cases import HOOKED_ORACLE, Case, built_ops, check, inputs, run
 from conftest import on_path
 from ejgen import generated
 from ejgen.ops import explain

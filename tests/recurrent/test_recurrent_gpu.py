@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import oracle
-from cases import Case, check, inputs, run
+import recurrent_oracle as oracle
+from recurrent_cases import Case, check, inputs, run
 from ejgen import generated
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("x64_stays_off")]

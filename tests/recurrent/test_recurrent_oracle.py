@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import oracle
-from cases import Case, inputs
+import recurrent_oracle as oracle
+from recurrent_cases import Case, inputs
 
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
 

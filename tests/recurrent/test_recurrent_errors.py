@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cases import built_ops
+from recurrent_cases import built_ops
 from conftest import on_path
 from ejgen.generated import gla, lightning_attention, linear_attention, recurrent, simple_gla
 

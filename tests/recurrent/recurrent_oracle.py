@@ -8,7 +8,7 @@ step to the first), and its adjoint, the same loop backwards in time:
 Hooks are functions written by hand from the spec's DSL text; their chain rule is JAX's derivative of those
 functions in float64 (``jax.enable_x64`` as a context, so the setting never reaches the op under test).
 ``scan_reference`` is the same forward as a float64 ``lax.scan`` whose JAX derivative checks the adjoint
-(test_oracle.py).
+(test_recurrent_oracle.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import oracle
+import recurrent_oracle as oracle
 from ejgen import generated
 
 GATE_ARGS = ("g", "g_gamma", "gk", "gv")
