@@ -17,6 +17,7 @@ import jax
 from ejgen.runtime.recurrent import api as _recurrent
 
 from . import triton_launch as _triton
+from . import pallas as _pallas
 from . import xla as _xla
 
 SPEC = _recurrent.SpecInfo(
@@ -40,7 +41,7 @@ SPEC = _recurrent.SpecInfo(
     },
     required=('g',),
 )
-BACKENDS = {"triton": _triton, "xla": _xla}
+BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("cfg", "kernels"))

@@ -30,7 +30,6 @@ FUSED = {"algorithm": "fused", "chunk": None}
 XLA_CASES = (
     Case("recurrent", ALL, h0=True),
     Case("recurrent", ALL, shape=(1, 41, 4, 2, 16, 24), cu=PACKED, h0=True, reverse=True),
-    Case("recurrent", ("gk", "gv"), shape=(1, 41, 2, 2, 16, 8), cu=PACKED, reverse=True, **FUSED),
     Case("gla", ("gk",), dtype="bfloat16", shape=(2, 70, 2, 2, 32, 16), chunk=32),
     Case("simple_gla", ("g", "g_gamma"), dtype="float16", h0=True, reverse=True),
     Case("lightning_attention", ("g_gamma",), shape=(1, 130, 4, 1, 16, 16), chunk=64, h0=True),

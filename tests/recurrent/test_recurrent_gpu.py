@@ -1,5 +1,6 @@
 """The recurrent family on a GPU (`pytest -m gpu tests/recurrent`): the cross product of gates, layouts (dense, packed
-with empty and length-1 sequences), reverse, initial state, dtypes and algorithms on the triton platform, at shapes
+with empty and length-1 sequences), reverse, initial state, dtypes and algorithms on the triton platform (and the
+chunked ones on the pallas platform, whose GPU kernels run natively), at shapes
 of several chunks and head dims of 64 and 128 (GQA, K != V), forward and every gradient against the float64 oracle;
 the XLA backend at T = 4096 on the same inputs as Triton."""
 
@@ -48,6 +49,15 @@ CASES = _cases()
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_triton_against_the_oracle(case):
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
+
+
+PALLAS = [c for c in CASES if "gv" not in c.gates and c.algorithm == "chunked"]
+
+
+@pytest.mark.parametrize("case", PALLAS, ids=[c.id for c in PALLAS])
+def test_pallas_against_the_oracle(case):
+    """The Pallas GPU kernels (Triton lowering) natively."""
+    check(case, "pallas", hooks=ELU1 if case.op == "linear_attention" else None)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -8,7 +8,7 @@ from typing import Callable
 
 from ejgen.emit.attention.op import Backend
 from ejgen.emit.layout import WIDTH
-from ejgen.emit.recurrent import triton, xla
+from ejgen.emit.recurrent import pallas, triton, xla
 from ejgen.emit.recurrent.describe import describe
 from ejgen.plan.recurrent import RecurrentPlan
 
@@ -17,6 +17,7 @@ BACKENDS = {
         "triton_kernels.py": "recurrent/triton/kernels.py.j2",
         "triton_launch.py": "recurrent/triton/launch.py.j2",
     }, "triton_launch"),
+    "pallas": Backend(pallas.template_context, {"pallas.py": "recurrent/pallas/recurrent.py.j2"}, "pallas"),
     "xla": Backend(xla.template_context, {"xla.py": "recurrent/xla/recurrent.py.j2"}, "xla"),
 }
 

@@ -82,3 +82,24 @@ def gate_grads(gates, cfg, cu, hooks, *, q, dq, k, dk, o=None, do=None, v=None, 
 
 def _mapped_grad(hooks, raw, d_mapped):
     return d_mapped if hooks.gate_map_grad is None else hooks.gate_map_grad(raw) * d_mapped
+
+
+def finish(hooks, q, k, v, gates, h0, ctx, res, do, dht, cfg, dphi_q, dphi_k, dv_h, dh0):
+    """From the kernels' gradients of the mapped q and k and of v, per query head (float32): the gates' gradients,
+    the hooks' derivatives, the sums over each key / value head's group, the inputs' dtypes."""
+    cu = ctx.get("cu")
+    group = cfg.groups
+    phi_q, phi_k = q.astype(F32), jnp.repeat(k.astype(F32), group, axis=2)
+    if hooks.feature_map is not None:
+        phi_q, phi_k = hooks.feature_map(phi_q), hooks.feature_map(phi_k)
+    v_h = jnp.repeat(v.astype(F32), group, axis=2) if cfg.has("gv") else None
+    dgates = gate_grads(gates, cfg, cu, hooks, q=phi_q, dq=dphi_q, k=phi_k, dk=dphi_k,
+                                      o=res.get("o"), do=do, v=v_h, dv=dv_h, final=res["final"], d_final=dht)
+    dk = dphi_k.reshape(dphi_k.shape[:2] + (cfg.kv_heads, group, cfg.dk)).sum(3)
+    dv = dv_h.reshape(dv_h.shape[:2] + (cfg.kv_heads, group, cfg.dv)).sum(3)
+    dq = dphi_q
+    if hooks.feature_map_grad is not None:
+        dq = dq * hooks.feature_map_grad(q.astype(F32))
+        dk = dk * hooks.feature_map_grad(k.astype(F32))
+    dgates = {name: dgates[name].astype(gates[name].dtype) for name in gates}
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dgates, (None if h0 is None else dh0)

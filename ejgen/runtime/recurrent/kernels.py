@@ -15,6 +15,10 @@ KERNEL_SETS = {
         "triton_fused", "triton", ("fwd", "bwd"),
         "Triton kernels generated from the spec: one pass over time per sequence x head x block of V, the state in "
         "float32 registers; every gate"),
+    "pallas_chunked": KernelSet(
+        "pallas_chunked", "pallas", ("fwd", "bwd"),
+        "Pallas kernels: chunks of 16 steps in order per (row, head), the state carried in float32 (GPUs: Triton "
+        "lowering; TPUs: Mosaic, VMEM scratch); gates g, g_gamma, gk; for either algorithm"),
     "xla_chunked": KernelSet(
         "xla_chunked", "xla", ("fwd", "bwd"),
         "jnp: lax.scan over chunks, sub-chunk matrix products, gates summed from each chunk's start; the backward "

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.launch import triton_call
-from ejgen.runtime.recurrent import gates as gate_grads_of
+from ejgen.runtime.recurrent import gates as gradients
 from ejgen.runtime.recurrent import packing
 
 F32 = jnp.float32
@@ -96,7 +96,8 @@ def backward(kernels: Kernels, q, k, v, gates, h0, ctx, res, do, dht, cfg):
         dphi_q, dphi_k, dv_h, dh0 = chunked_backward(kernels, q, k, v, gates, h0, ctx, res, do, dht, cfg)
     else:
         dphi_q, dphi_k, dv_h, dh0 = _fused_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg)
-    return finish(kernels.hooks, q, k, v, gates, h0, ctx, res, do, dht, cfg, dphi_q, dphi_k, dv_h, dh0)
+    return gradients.finish(kernels.hooks, q, k, v, gates, h0, ctx, res, do, dht, cfg, dphi_q, dphi_k, dv_h,
+                                dh0)
 
 
 def _fused_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg):
@@ -112,27 +113,6 @@ def _fused_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg):
          sds(per_head + (cfg.dv,), F32), sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
         zeroed=(0, 1, 2) if cfg.varlen else (), num_warps=NUM_WARPS, num_stages=1, BV=bv, ROWS=rows, **consts)
     return jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), dv, dh0
-
-
-def finish(hooks, q, k, v, gates, h0, ctx, res, do, dht, cfg, dphi_q, dphi_k, dv_h, dh0):
-    """From the kernels' gradients of the mapped q and k and of v, per query head (float32): the gates' gradients,
-    the hooks' derivatives, the sums over each key / value head's group, the inputs' dtypes."""
-    cu = ctx.get("cu")
-    group = cfg.groups
-    phi_q, phi_k = q.astype(F32), jnp.repeat(k.astype(F32), group, axis=2)
-    if hooks.feature_map is not None:
-        phi_q, phi_k = hooks.feature_map(phi_q), hooks.feature_map(phi_k)
-    v_h = jnp.repeat(v.astype(F32), group, axis=2) if cfg.has("gv") else None
-    dgates = gate_grads_of.gate_grads(gates, cfg, cu, hooks, q=phi_q, dq=dphi_q, k=phi_k, dk=dphi_k,
-                                      o=res.get("o"), do=do, v=v_h, dv=dv_h, final=res["final"], d_final=dht)
-    dk = dphi_k.reshape(dphi_k.shape[:2] + (cfg.kv_heads, group, cfg.dk)).sum(3)
-    dv = dv_h.reshape(dv_h.shape[:2] + (cfg.kv_heads, group, cfg.dv)).sum(3)
-    dq = dphi_q
-    if hooks.feature_map_grad is not None:
-        dq = dq * hooks.feature_map_grad(q.astype(F32))
-        dk = dk * hooks.feature_map_grad(k.astype(F32))
-    dgates = {name: dgates[name].astype(gates[name].dtype) for name in gates}
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dgates, (None if h0 is None else dh0)
 
 
 def _layout(ctx, cfg):

@@ -1,0 +1,161 @@
+"""The Pallas backend of the linear recurrent family, shared by every spec: the kernel layout, the dispatch to the GPU
+kernels (Triton lowering) when lowering for CUDA or ROCm and to the TPU kernels (Mosaic) for TPUs, interpreted on any
+other platform (``ejgen.runtime.core.pallas.interpret_kernels`` picks which), and the sums after them.
+
+Layout (in XLA, before the kernels): the spec's hooks applied (q mapped and scaled, k mapped, the gates mapped and
+the key side's log gate l = gk + g + g_gamma, or g + g_gamma as one column), the steps in the chunk layout of
+``packing`` (chunks of CHUNK steps; packed sequences chunk-aligned, reverse as forward in time, so the kernels mask
+nothing), heads first ([rows x H, Tp, D]), the steps and head dims padded to powers of two (Triton's tiles). The
+kernels write the gradients of the mapped q and k per query head; ``gates.finish`` does the rest, as for Triton.
+The chunk's arithmetic is ``chunk``: chunks of CHUNK = 16 steps for either algorithm (the fused recurrence has no
+Pallas kernel of its own), gates g, g_gamma, gk (no gv).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ejgen.runtime.core import pallas as _platforms
+from ejgen.runtime.core import vma
+from ejgen.runtime.recurrent import gates as gradients
+from ejgen.runtime.recurrent import packing
+from ejgen.runtime.recurrent.pallas import gpu, tpu
+
+F32 = jnp.float32
+CHUNK = 16
+GATES = ("g", "g_gamma", "gk")
+
+available = _platforms.available
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (max(n, 1) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A call in the kernels' layout (module docstring)."""
+
+    name: str
+    q: jax.Array  # [rows x H, Tp, Kp], mapped and scaled, q's dtype
+    k: jax.Array  # [rows x Hkv, Tp, Kp]
+    v: jax.Array  # [rows x Hkv, Tp, Vp]
+    l: jax.Array  # [rows x H, Tp, Kp | 1] float32: the key side's log gate
+    h0: jax.Array  # [rows, H, Np, Kp, Vp] float32: the initial states of each row's sequences
+    meta: jax.Array  # [rows, 4, NCp] int32: per chunk, whether it starts / ends its sequence, and the sequence
+    rows: int
+    heads: int
+    groups: int
+    chunk: int
+    n_chunks: int
+    dtype: object
+    axes: frozenset
+
+    def struct(self, shape, dtype):
+        return vma.struct(shape, dtype, self.axes)
+
+
+class PallasRecurrent:
+    def __init__(self, name: str, hooks):
+        self.name = name
+        self.hooks = hooks
+
+    def layout(self, q, k, v, gates, h0, ctx, cfg):
+        """(Layout, to_rows: [B, T, H, D] -> [rows x H, Tp, D], from_rows: the inverse, to_states, from_states)."""
+        hooks = self.hooks
+        dtype = q.dtype
+        qm, km = q.astype(F32), k.astype(F32)
+        if hooks.feature_map is not None:
+            qm, km = hooks.feature_map(qm), hooks.feature_map(km)
+        step = {n: gates[n] for n in ("g", "gk") if n in gates}
+        if hooks.gate_map is not None:
+            step = {n: hooks.gate_map(x) for n, x in step.items()}
+        scalar = step.get("g")
+        if "g_gamma" in gates:
+            gamma = jnp.broadcast_to(gates["g_gamma"], (cfg.batch, cfg.seq_len, cfg.heads))
+            scalar = gamma if scalar is None else scalar + gamma
+        if "gk" in step:
+            log = step["gk"] if scalar is None else step["gk"] + scalar[..., None]
+        else:
+            log = jnp.zeros(q.shape[:3] + (1,), F32) if scalar is None else scalar[..., None]
+        chunk = CHUNK
+        layout = packing.packed(ctx["cu"], cfg, chunk) if cfg.varlen else None
+        nc = packing.n_chunks(cfg, chunk)
+        ncp = _pow2(nc, 1)
+        rows = 1 if cfg.varlen else cfg.batch
+        tp = ncp * chunk
+        kp, vp = _pow2(cfg.dk), _pow2(cfg.dv)
+
+        def to_rows(x, width):
+            x = packing.to_layout(x, cfg, chunk, layout)  # [rows, NC x C, heads, D]
+            x = jnp.pad(x, [(0, 0), (0, tp - x.shape[1]), (0, 0), (0, width - x.shape[3])])
+            return jnp.swapaxes(x, 1, 2).reshape((rows * x.shape[2], tp, width))
+
+        def from_rows(y, width):
+            y = y.reshape((rows, cfg.heads, tp, y.shape[-1]))[:, :, :nc * chunk, :width]
+            return packing.from_layout(jnp.swapaxes(y, 1, 2), cfg, layout)
+
+        n_row = 1 if not cfg.varlen else cfg.n_seqs
+        np_row = _pow2(n_row, 1)
+
+        def to_states(s):  # [N, H, K, V] -> [rows, H, Np, Kp, Vp]
+            s = s.reshape((rows, n_row) + s.shape[1:]).transpose(0, 2, 1, 3, 4)
+            return jnp.pad(s, [(0, 0), (0, 0), (0, np_row - n_row), (0, kp - cfg.dk), (0, vp - cfg.dv)])
+
+        def from_states(s):
+            return s[:, :, :n_row, :cfg.dk, :cfg.dv].transpose(0, 2, 1, 3, 4).reshape(
+                (cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv))
+
+        c = jnp.arange(ncp, dtype=jnp.int32)
+        if layout is None:
+            meta = jnp.stack([(c == 0), (c == nc - 1), jnp.zeros_like(c, bool), jnp.zeros_like(c, bool)])
+            meta = jnp.broadcast_to(meta.astype(jnp.int32)[None], (rows, 4, ncp))
+        else:
+            pad = [(0, ncp - nc)]
+            meta = jnp.stack([jnp.pad(layout.chunk_first.astype(jnp.int32), pad),
+                              jnp.pad(layout.chunk_last.astype(jnp.int32), pad),
+                              jnp.pad(layout.chunk_seq, pad), jnp.zeros((ncp,), jnp.int32)])[None]
+        start = jnp.zeros((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32) if h0 is None else h0
+        axes = vma.varying_axes(q, k, v, gates, h0)
+        x = Layout(
+            name=self.name,
+            q=to_rows((qm * cfg.scale).astype(dtype), kp),
+            k=to_rows(km.astype(dtype), kp),
+            v=to_rows(v, vp),
+            l=to_rows(log.astype(F32), kp if "gk" in step else 1),
+            h0=to_states(start), meta=meta, rows=rows, heads=cfg.heads, groups=cfg.groups, chunk=chunk,
+            n_chunks=nc, dtype=F32 if dtype == F32 else dtype, axes=axes)
+        return x, to_rows, from_rows, to_states, from_states
+
+    def forward(self, q, k, v, gates, h0, ctx, cfg, save):
+        x, _, from_rows, _, from_states = self.layout(q, k, v, gates, h0, ctx, cfg)
+        o, hs, ht = _platforms.dispatch(functools.partial(gpu.forward, x), functools.partial(tpu.forward, x))
+        o, ht = from_rows(o, cfg.dv), from_states(ht)
+        return o, ht, ({"o": o, "final": ht} if save else {})
+
+    def backward(self, q, k, v, gates, h0, ctx, res, do, dht, cfg):
+        x, to_rows, from_rows, to_states, from_states = self.layout(q, k, v, gates, h0, ctx, cfg)
+        _, hs, _ = _platforms.dispatch(functools.partial(gpu.forward, x), functools.partial(tpu.forward, x))
+        do_rows = to_rows(do.astype(q.dtype), x.v.shape[2])
+        dq, dk, dv, dh0 = _platforms.dispatch(functools.partial(gpu.backward, x), functools.partial(tpu.backward, x),
+                                              hs, do_rows, to_states(dht))
+        dphi_q = from_rows(dq, cfg.dk) * cfg.scale
+        dphi_k, dv_h = from_rows(dk, cfg.dk), from_rows(dv, cfg.dv)
+        return gradients.finish(self.hooks, q, k, v, gates, h0, ctx, res, do, dht, cfg, dphi_q, dphi_k, dv_h,
+                                from_states(dh0))
+
+
+def choose(cfg):
+    """The one kernel set; gv is not taken (the triton and xla platforms take it)."""
+    from ejgen.runtime.core.kernels import Unsupported
+
+    if cfg.has("gv"):
+        raise Unsupported("gv is not taken by the Pallas kernels (platform triton or xla takes it)")
+    why = "Pallas kernels: chunks of 16 steps on GPUs (Triton lowering) and TPUs (Mosaic), interpreted elsewhere"
+    if cfg.algorithm == "fused":
+        why += "; the fused recurrence runs as chunks of 16 steps"
+    return "pallas_chunked", "pallas_chunked", (f"forward and backward: pallas_chunked ({why})",), True

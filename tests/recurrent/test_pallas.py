@@ -1,0 +1,66 @@
+"""The Pallas recurrent kernels: the GPU kernels (Triton lowering) and the TPU kernels (Mosaic) interpreted on the CPU
+against the float64 oracle, forward and every gradient (dense with GQA, K != V and gates g, g_gamma, gk on the GPU
+kernels; packed and reversed with empty and length-1 sequences, a feature map and bf16 on the TPU kernels); both lowered for CUDA and TPU through ``jax.export`` from the CPU; gv
+refused with a clear error."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from cases import Case, check
+from ejgen import generated
+from ejgen.runtime.core.pallas import interpret_kernels
+
+pytestmark = pytest.mark.usefixtures("x64_stays_off")
+
+PACKED = (0, 5, 5, 22, 23, 40)
+CASES = [  # (kernels, case): chunks of 16 steps, so T = 37 / 41 makes three chunks, the last one partial
+    ("gpu", Case("recurrent", ("g", "g_gamma", "gk"), shape=(2, 37, 4, 2, 16, 24), h0=True)),
+    ("tpu", Case("linear_attention", (), dtype="bfloat16", shape=(1, 41, 2, 1, 16, 24), cu=PACKED, h0=True,
+                 reverse=True)),
+]
+ELU1 = {"feature_map": lambda x: jnp.where(x > 0, x + 1.0, jnp.exp(x))}
+
+
+@pytest.mark.parametrize("kernels,case", CASES, ids=[f"{k}-{c.id}" for k, c in CASES])
+def test_pallas_against_the_oracle(kernels, case):
+    with interpret_kernels(kernels):
+        check(case, "pallas", hooks=ELU1 if case.op == "linear_attention" else None)
+
+
+SDS = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_pallas_kernels_lower_for_cuda_and_tpu(platform):
+    """jax.export of a GLA call and of its gradient: one forward kernel; the gradient adds the forward again (the
+    states at chunk starts) and the backward."""
+    target = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}[platform]
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+    def fwd(q, k, v, gk, cu):
+        return generated.gla(q, k, v, gk, initial_state=jnp.ones((3, 4, 64, 32)), reverse=True, cu_seqlens=cu,
+                             platform="pallas", algorithm="chunked")
+
+    def loss(q, k, v, gk, cu):
+        o, ht = fwd(q, k, v, gk, cu)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(ht)
+
+    args = (SDS((1, 100, 4, 64), jnp.bfloat16), SDS((1, 100, 2, 64), jnp.bfloat16), SDS((1, 100, 2, 32), jnp.bfloat16),
+            SDS((1, 100, 4, 64), jnp.float32), SDS((4,), jnp.int32))
+    for what, fn, kernels in (("forward", fwd, 1), ("gradient", jax.grad(loss, argnums=(0, 1, 2, 3)), 3)):
+        exported = export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
+        found = exported.mlir_module().count(f"@{target}(")
+        assert found == kernels, f"{what}: {found} Pallas kernels lowered for {platform}, expected {kernels}"
+
+
+def test_pallas_refuses_gv():
+    q = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(ValueError, match=re.escape("platform 'pallas' cannot run this call: gv is not taken by the "
+                                                   "Pallas kernels (platform triton or xla takes it)")):
+        generated.recurrent(q, q, q, gv=q, platform="pallas")
