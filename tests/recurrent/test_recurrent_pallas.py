@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
-from cases import Case, check
+from recurrent_cases import Case, check
 from ejgen import generated
 from ejgen.runtime.core.pallas import interpret_kernels
 
