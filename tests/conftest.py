@@ -39,6 +39,20 @@ if not ON_GPU:
     # kernels are first imported (Triton decides when a kernel is decorated).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def pytest_sessionstart(session):
+    """In each process that runs tests (not pytest-xdist's controller): Triton's interpreter without its nested
+    re-patching (``ejgen.testing.interpreter``; the kernels and what they compute are unchanged)."""
+    if ON_GPU or (getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput")):
+        return
+    from ejgen.testing.interpreter import skip_nested_patches
+
+    try:
+        skip_nested_patches()
+    except ImportError:  # no triton: its tests skip
+        pass
+
+
 BACKENDS = ["xla", "triton", "pallas"]
 """Backends every conformance test runs on."""
 

@@ -10,6 +10,7 @@ import pytest
 
 import conformance
 import covering
+from conftest import ON_GPU
 
 
 def _all_pairs_covered(rows, factors, valid):
@@ -73,3 +74,45 @@ def test_the_base_checks_pairs_tiles_and_refusals():
     assert any("mode=a: no case with two tiles" in p for p in suite.missing("small", rows))
     refusals = suite.refusals()
     assert [(p.values[0], p.values[2]) for p in refusals] == [("big", "too long")]
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the triton extra is part of the test install (README); without it this test fails
+    triton = None
+else:
+    @triton.jit
+    def _twice(x):
+        return x * 2
+
+    @triton.jit
+    def _nested_calls(X, Y, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        x = tl.load(X + offs)
+        for _ in range(3):
+            x = _twice(x) - tl.max(x, 0)
+        tl.store(Y + offs, x + tl.sum(_twice(x), 0))
+
+
+@pytest.mark.skipif(ON_GPU, reason="Triton's interpreter runs where there is no GPU")
+def test_the_triton_interpreter_patches_the_language_once_per_launch(monkeypatch):
+    """conftest installs ``ejgen.testing.interpreter.skip_nested_patches``: a launch patches triton.language once
+    (and Triton's own helpers their module once), not at every call of a nested helper; results are unchanged."""
+    import torch
+    from triton.runtime import interpreter
+
+    assert getattr(interpreter.GridExecutor.__call__, "_ejgen", False), "conftest did not install the shortcut here"
+    patches = []
+    patch_lang = interpreter._patch_lang
+    monkeypatch.setattr(interpreter, "_patch_lang", lambda fn: patches.append(fn.__name__) or patch_lang(fn))
+    x = torch.arange(8, dtype=torch.float32) - 3
+    y = torch.zeros(8)
+    for _ in range(2):
+        patches.clear()
+        _nested_calls[(1,)](x, y, N=8)
+        assert patches[0] == "_nested_calls" and len(patches) <= 3, patches  # the launch, then max and sum once each
+    want = x.numpy().astype(float)
+    for _ in range(3):
+        want = 2 * want - want.max()
+    assert y.numpy().tolist() == (want + 2 * want.sum()).tolist()
