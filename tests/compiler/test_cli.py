@@ -48,13 +48,20 @@ def specs(tmp_path) -> Path:
     return Path(shutil.copytree(SPECS, tmp_path / "specs"))
 
 
-@pytest.fixture
-def built(tmp_path, specs, capsys) -> Path:
-    """``ejgen build specs -o <tmp>/cli_pkg``, done."""
-    out = tmp_path / "cli_pkg"
-    rc, _, err = run(capsys, "build", specs, "-o", out)
-    assert rc == 0, err
+@pytest.fixture(scope="module")
+def built_once(tmp_path_factory) -> Path:
+    """``ejgen build specs -o <tmp>/cli_pkg`` of a copy of the repo's specs, once for the module (read only)."""
+    root = tmp_path_factory.mktemp("cli_build")
+    out = root / "cli_pkg"
+    assert main(["build", str(shutil.copytree(SPECS, root / "specs")), "-o", str(out)]) == 0
     return out
+
+
+@pytest.fixture
+def built(tmp_path, specs, built_once) -> Path:
+    """What ``ejgen build specs -o <tmp>/cli_pkg`` writes (a copy of ``built_once``: the same files), free to
+    change."""
+    return Path(shutil.copytree(built_once, tmp_path / "cli_pkg"))
 
 
 @pytest.fixture
@@ -97,13 +104,13 @@ def test_built_package_imports_and_runs(built, importable):
     np.testing.assert_allclose(got[0, :, 0], want, rtol=2e-5, atol=2e-6)
 
 
-def test_build_output_folder_has_ordinary_permissions(built, tmp_path):
+def test_build_output_folder_has_ordinary_permissions(built_once, tmp_path):
     """The package folder is made like any other folder (not 0700 as a private temp dir is)."""
     reference = tmp_path / "made_by_mkdir"
     reference.mkdir()
     mode = lambda p: oct(p.stat().st_mode & 0o777)  # noqa: E731
-    assert mode(built) == mode(reference)
-    assert mode(built / SPEC_NAMES[0]) == mode(reference)
+    assert mode(built_once) == mode(reference)
+    assert mode(built_once / SPEC_NAMES[0]) == mode(reference)
 
 
 def test_rebuild_replaces_the_package_and_drops_stale_files(built, specs, capsys):
