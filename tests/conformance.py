@@ -93,6 +93,8 @@ class Suite:
         of the design over everything valid that it must refuse."""
         params = []
         for name, b in self.backend.items():
+            if b.refuses is Backend.refuses:  # the default: it refuses nothing (no design to derive)
+                continue
             seen = set()
             for row in covering.pairwise(self.factors_for(name), self.valid, seed=self.seed):
                 why = b.refuses(row)

@@ -85,7 +85,7 @@ def test_a_table_band_falls_back_where_the_window_is_too_wide(monkeypatch, trito
     assert triton_configs.pick("interpret", "dkdv", 128, 16, 16384, True, True).band
     assert not triton_configs.pick("interpret", "dkdv", 128, 16, 16384, True, False).band
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
-    seq, d = 256, 72
+    seq, d = 96, 72  # six key blocks: the (100, 0) window's band (capped by them) is still over the ratio below
     conf = triton_configs.pick(triton_attention._arch(), "dkdv", d, 16, seq, True, True)  # 16x16 here, 64x64 on a GPU
     narrow, wide = (triton_configs.band_blocks(conf.block_m, conf.block_n, left, seq) * conf.block_n for left in (8, 100))
     ratio = -(-narrow // d)

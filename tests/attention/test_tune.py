@@ -49,14 +49,14 @@ def test_an_unreadable_cache_is_an_error_that_says_what_to_do(cache_dir):
 
 
 def test_ejgen_tune_sweeps_every_pass_and_fills_the_cache(cache_dir, capsys):
-    rc = main(["tune", "--seq", "40", "--head-dim", "16", "--dtype", "float32", "--heads", "2", "--reps", "1", "--causal"])
+    rc = main(["tune", "--seq", "20", "--head-dim", "16", "--dtype", "float32", "--heads", "1", "--reps", "1", "--causal"])
     assert rc == 0
     entries = json.loads((cache_dir / "triton-configs.json").read_text())
     assert set(entries) == {f"interpret/{p}/d16/32bit/s128/causal" for p in ("fwd", "dkdv", "dq")}
     out = capsys.readouterr().out
     assert out.count(" ms") == 6 and "wrote 3 tuned config(s)" in out
     for pass_ in ("fwd", "dkdv", "dq"):
-        chosen = triton_configs.pick("interpret", pass_, 16, 32, 40, True)
+        chosen = triton_configs.pick("interpret", pass_, 16, 32, 20, True)
         assert triton_configs.text(chosen) == entries[f"interpret/{pass_}/d16/32bit/s128/causal"]
 
 
@@ -83,7 +83,7 @@ def test_short_or_masked_loops_take_their_own_table_rows(cache_dir):
 
 
 def test_ejgen_tune_with_a_window_fills_the_window_entries(cache_dir, capsys):
-    rc = main(["tune", "--seq", "40", "--head-dim", "16", "--dtype", "float32", "--heads", "2", "--reps", "1",
+    rc = main(["tune", "--seq", "20", "--head-dim", "16", "--dtype", "float32", "--heads", "1", "--reps", "1",
                "--causal", "--window", "8"])
     assert rc == 0
     entries = json.loads((cache_dir / "triton-configs.json").read_text())
