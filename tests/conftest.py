@@ -143,6 +143,12 @@ def jit_vjp(op, diff: dict, rest: dict, static: dict, d_out, d_lse):
     holds Python values closed over (flags, window, cap, scale, platform, max_seqlen).
     Returns ``(out, lse, grads)`` with ``grads`` keyed like ``diff``.
     """
+    return jitted_vjp(op, static)(diff, rest, d_out, d_lse)
+
+
+def jitted_vjp(op, static: dict):
+    """``jit_vjp``'s jitted function ``(diff, rest, d_out, d_lse) -> (out, lse, grads)`` for one op and its static
+    arguments: calls with arrays of the same shapes (traced options of other values) reuse its compilation."""
 
     def call(d, r):
         d = dict(d)
@@ -155,7 +161,7 @@ def jit_vjp(op, diff: dict, rest: dict, static: dict, d_out, d_lse):
         (grads,) = vjp((d_out, d_lse))
         return out, lse, grads
 
-    return fwd_bwd(diff, rest, d_out, d_lse)
+    return fwd_bwd
 
 @pytest.fixture
 def run_vjp():
