@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import traceback
 
 from ejgen.runtime.attention.triton.configs import band_blocks
 
@@ -255,7 +256,14 @@ def compile_gluon_in_subprocess(**kwargs) -> dict:
     return _in_subprocess({"gluon": True, **kwargs})
 
 
-def _in_subprocess(args: dict) -> dict:
+def compile_all_in_subprocess(requests: list) -> list:
+    """Several compiles in one fresh interpreter (one start, one import of Triton and the packages): each request
+    as ``compile_in_subprocess`` takes its arguments (``{"package": ..., "name": ..., **kwargs}``); each result its
+    ``summary``, or ``{"error": <the traceback's end>}`` for a request that failed."""
+    return _in_subprocess(list(requests))
+
+
+def _in_subprocess(args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     if not env.get("TRITON_CACHE_DIR"):
@@ -264,13 +272,14 @@ def _in_subprocess(args: dict) -> dict:
     proc = subprocess.run([sys.executable, "-m", "ejgen.testing.aot", json.dumps(args)], env=env, capture_output=True,
                           text=True)
     if proc.returncode != 0:
-        what = "the Gluon forward" if args.get("gluon") else f"{args['package']}.{args['name']}"
+        what = ("several kernels" if isinstance(args, list) else "the Gluon forward" if args.get("gluon")
+                else f"{args['package']}.{args['name']}")
         raise RuntimeError(f"AOT compile of {what} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main(argv=None) -> int:
-    args = json.loads((argv or sys.argv[1:])[0])
+def _compile(args: dict) -> dict:
+    args = dict(args)
     with_ptx = args.pop("with_ptx", False)
     if args.pop("gluon", False):
         compiled = compile_gluon(**args)
@@ -282,7 +291,21 @@ def main(argv=None) -> int:
         compiled = compile_recurrent(args.pop("package"), args.pop("name"), **args)
     else:
         compiled = compile_attention(args.pop("package"), args.pop("name"), **args)
-    print(json.dumps(summary(compiled, with_ptx)))
+    return summary(compiled, with_ptx)
+
+
+def main(argv=None) -> int:
+    args = json.loads((argv or sys.argv[1:])[0])
+    if not isinstance(args, list):
+        print(json.dumps(_compile(args)))
+        return 0
+    results = []
+    for request in args:
+        try:
+            results.append(_compile(request))
+        except Exception:  # reported with its request; the others still compile
+            results.append({"error": traceback.format_exc()[-4000:]})
+    print(json.dumps(results))
     return 0
 
 

@@ -5,7 +5,8 @@ jax-triton's package refuses to import without a CUDA jax, so its ``triton_lib``
 its own, and jaxlib's kernel library is replaced by a recorder. Run in a process without
 TRITON_INTERPRET (test_jax_triton_extension.py does), since the kernels must be compiled, not
 interpreted. Argument: JSON {"kernel": "fwd_kernel" | "foreign", "tma": bool} (one kernel), or
-{"op": true, "autotune": bool} (flash_attention's forward and backward, lowered for CUDA).
+{"op": true, "autotune": [bool, ...]} (flash_attention's forward and backward, lowered for CUDA once per
+value, in one process).
 """
 
 import importlib
@@ -68,7 +69,6 @@ def lower_op(args, triton_lib, recorder):
     import jax
     import jax.numpy as jnp
 
-    os.environ["EJGEN_TRITON_AUTOTUNE"] = "1" if args["autotune"] else "0"
     from ejgen.runtime.attention.triton import host as triton_attention
     from ejgen.runtime.launch import triton_call
 
@@ -82,8 +82,13 @@ def lower_op(args, triton_lib, recorder):
     def loss(q, k, v):
         return jnp.sum(flash_attention(q, k, v, causal=True, platform="triton").astype(jnp.float32))
 
-    jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, q, q).lower(lowering_platforms=("cuda",))
-    print(json.dumps({"autotuned": recorder.autotuned, "kernels": [k["name"] for k in recorder.kernels]}))
+    autotuned = []
+    for autotune in args["autotune"]:  # read when the op is traced; kernels compiled before are reused
+        os.environ["EJGEN_TRITON_AUTOTUNE"] = "1" if autotune else "0"
+        recorder.autotuned.clear()
+        jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, q, q).lower(lowering_platforms=("cuda",))
+        autotuned.append(list(recorder.autotuned))
+    print(json.dumps({"autotuned": autotuned, "kernels": [k["name"] for k in recorder.kernels]}))
 
 
 def main():

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
 from ejgen.spec import load_specs  # noqa: E402
-from ejgen.testing.aot import compile_in_subprocess  # noqa: E402
+from ejgen.testing.aot import compile_all_in_subprocess  # noqa: E402
 
 SPECS = {v.name: v for v in load_specs(os.path.join(os.path.dirname(__file__), "..", "..", "specs"))}
 
@@ -36,17 +36,27 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,capability,config", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_triton_kernels_compile_ahead_of_time(name, capability, config):
-    params = {p.name: p.dtype for p in SPECS[name].params}
-    compiled = compile_in_subprocess("ejgen.generated", name, capability=capability, params=params,
-                                     num_warps=8 if config.get("block_m", 128) >= 128 else 4, num_stages=2, **config)
-    assert set(compiled) == {"fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"}
-    for kernel, c in compiled.items():
-        assert c["cubin"], f"{kernel}: no cubin"
-        if capability >= 90 and config.get("dtype", "bfloat16") != "float32":
-            assert c["wgmma"], f"{kernel}: no Hopper wgmma instructions in the PTX"
-        assert c["shared"] <= 232448, f"{kernel}: {c['shared']} bytes of shared memory"
+def test_triton_kernels_compile_ahead_of_time():
+    """Every case, in one process (one start and import, not one per case); each case checked on its own."""
+    requests = [dict(package="ejgen.generated", name=name, capability=capability,
+                     params={p.name: p.dtype for p in SPECS[name].params},
+                     num_warps=8 if config.get("block_m", 128) >= 128 else 4, num_stages=2, **config)
+                for _, name, capability, config in CASES]
+    failures = []
+    for (case, _, capability, config), compiled in zip(CASES, compile_all_in_subprocess(requests)):
+        if "error" in compiled:
+            failures.append(f"{case}: {compiled['error']}")
+            continue
+        if set(compiled) != {"fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"}:
+            failures.append(f"{case}: compiled {sorted(compiled)}")
+        for kernel, c in compiled.items():
+            if not c["cubin"]:
+                failures.append(f"{case}: {kernel}: no cubin")
+            if capability >= 90 and config.get("dtype", "bfloat16") != "float32" and not c["wgmma"]:
+                failures.append(f"{case}: {kernel}: no Hopper wgmma instructions in the PTX")
+            if c["shared"] > 232448:
+                failures.append(f"{case}: {kernel}: {c['shared']} bytes of shared memory")
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("bias,mask", [(True, False), (False, True), (True, True)])
