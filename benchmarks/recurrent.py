@@ -15,6 +15,10 @@ Run on the GPU host from the repository root (jax-triton and lark from wheels in
     PYTHONPATH=/tmp/site python3 benchmarks/recurrent_fla.py --out $OUT/fla.json
     PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 benchmarks/recurrent.py --fla $OUT/fla.json --out $OUT
 
+Decode (`--decode`, the issue's bandwidth target): gla_decode, one step from a float32 state [B, 16, 128, 128] for
+B = 32 and 128, on triton (the fused kernels), pallas and xla: GB/s of the state read and written (plus q, k, v, gk)
+against the streaming bandwidth of a jitted copy in the same run.
+
 Prints the device and a markdown table (ms: median of interleaved rounds; vs fla: fla's time / ejgen's, > 1 is
 faster), and the issue's targets; writes `<out>/recurrent.json`. `--cpu-smoke` runs tiny shapes on XLA and Triton's
 interpreter without a GPU.
@@ -40,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", default="", help="comma-separated substrings of case names (default: all)")
     p.add_argument("--xla", action="store_true", help="also time the XLA backend")
+    p.add_argument("--decode", action="store_true", help="also time one decode step against the streaming bandwidth")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes: XLA and Triton's interpreter")
     return p.parse_args(argv)
 
@@ -177,6 +182,42 @@ def main():
         print(f"fla {key}: {fla[key]:.3f} ms")
     print("\ntargets: gla chunked fwd and fwd+bwd vs fla chunk_gla >= 1.0x (stretch 1.5x); simple_gla / lightning "
           "vs fla chunk_simple_gla >= 1.0x")
+    if args.decode or smoke:
+        decode_table(smoke)
+
+
+def stream_bandwidth(gib: float, reps: int) -> float:
+    """GB/s of a jitted float32 copy (x + 1: read + write) of a `gib` GiB array."""
+    n = int(gib * 2 ** 30) // 4
+    x = jax.random.normal(jax.random.PRNGKey(7), (n,), jnp.float32)
+    exe = jax.jit(lambda x: x + 1.0).lower(x).compile()
+    return 8 * n / median_seconds(exe, (x,), reps, batch=8) / 1e9
+
+
+def decode_table(smoke: bool):
+    """One gla_decode step per call from a float32 state: GB/s of the bytes moved, against the streaming copy."""
+    heads, dim = (2, 16) if smoke else (16, 128)
+    stream = stream_bandwidth(0.01 if smoke else 2.0, ARGS.reps)
+    print(f"\ndecode: streaming copy {stream:.0f} GB/s\n")
+    print("| batch | impl | us | GB/s | % stream |")
+    print("|---|---|---|---|---|")
+    for b in ((2,) if smoke else (32, 128)):
+        keys = jax.random.split(jax.random.PRNGKey(b), 5)
+        q, k, v = (jax.random.normal(keys[i], (b, heads, dim), jnp.bfloat16) for i in range(3))
+        gk = jax.nn.log_sigmoid(jax.random.normal(keys[3], (b, heads, dim), jnp.float32)) / 16
+        state = jax.random.normal(keys[4], (b, heads, dim, dim), jnp.float32)
+        nbytes = 2 * state.size * 4 + 3 * q.size * 2 + gk.size * 4 + b * heads * dim * 2
+        for platform in ("triton", "pallas", "xla"):
+            try:
+                exe = jax.jit(lambda q, k, v, s, gk, p=platform: generated.gla_decode(q, k, v, s, gk, platform=p)) \
+                    .lower(q, k, v, state, gk).compile()
+                sec = statistics.median(median_seconds(exe, (q, k, v, state, gk), ARGS.reps, batch=8)
+                                        for _ in range(ARGS.rounds))
+                gbs = nbytes / sec / 1e9
+                print(f"| {b} | ejgen-{platform} | {sec * 1e6:.1f} | {gbs:.0f} | {100 * gbs / stream:.0f} |", flush=True)
+            except Exception as e:  # noqa: BLE001 - record and go on
+                print(f"| {b} | ejgen-{platform} | {type(e).__name__}: {str(e).splitlines()[0][:80]} | | |")
+    print("\ntarget: the fused decode step at >= 80% of the streaming bandwidth for the state read + write")
 
 
 def _fla_name(op_name: str) -> str:

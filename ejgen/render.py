@@ -42,7 +42,8 @@ FAMILIES = {
     "attention": Family(plan_attention, attention_op.emit, describe_attention, tuple(attention_op.BACKENDS),
                         attention_op.exports),
     "pooling": Family(plan_pooling, pooling_op.emit, describe_pooling, tuple(pooling_op.BACKENDS)),
-    "linear_recurrent": Family(plan_recurrent, recurrent_op.emit, describe_recurrent, tuple(recurrent_op.BACKENDS)),
+    "linear_recurrent": Family(plan_recurrent, recurrent_op.emit, describe_recurrent, tuple(recurrent_op.BACKENDS),
+                               recurrent_op.exports),
 }
 
 _ENV = jinja2.Environment(

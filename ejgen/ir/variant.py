@@ -84,7 +84,8 @@ POOLING_OP_ARGUMENTS = (POOLING_TENSOR_ARGUMENTS + POOLING_CALL_ARGUMENTS
 # argument; always: a required one; absent: not an argument), gqa permits fewer key/value heads than query heads,
 # varlen takes packed sequences. Two optional element-wise hooks, DSL expressions of `x` (RECURRENT_MAP_VARS):
 # feature_map on q and k, gate_map on the per-step gates (g, gk, gv) before they act.
-RECURRENT_FIELDS = ("name", "family", "doc", "backends", "features", "feature_map", "gate_map")
+RECURRENT_FIELDS = ("name", "family", "doc", "modes", "backends", "features", "feature_map", "gate_map")
+RECURRENT_MODES = ("train", "decode")  # decode: <name>_decode, one step (or a few) from a given state
 RECURRENT_GATES = ("g", "g_gamma", "gk", "gv")
 STEP_GATES = ("g", "gk", "gv")  # the gates given per step, which gate_map transforms (g_gamma is per head)
 RECURRENT_FEATURES = {
@@ -231,6 +232,7 @@ class RecurrentVariant:
     path: str
     source_hash: str
     map_texts: tuple = ()  # (field, DSL text as written) of each hook, for notation blocks
+    modes: tuple = ("train",)  # RECURRENT_MODES
     loc: Loc | None = attrs.field(default=None, eq=False, repr=False)
 
     def feature(self, name: str) -> Feature | None:

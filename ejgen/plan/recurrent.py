@@ -49,6 +49,11 @@ class RecurrentPlan:
         return None if f is None else f.mode
 
     @property
+    def decode_names(self) -> list:
+        """The op's further functions: ``<name>_decode`` when the spec lists the decode mode."""
+        return [f"{self.name}_decode"] if "decode" in self.variant.modes else []
+
+    @property
     def gates(self) -> tuple:
         """The gates the op takes, in ``RECURRENT_GATES`` order."""
         return tuple(g for g in RECURRENT_GATES if g in self.features)

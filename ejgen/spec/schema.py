@@ -27,6 +27,7 @@ from ejgen.ir.variant import (
     POOLING_FIELDS,
     RECURRENT_FEATURES,
     RECURRENT_FIELDS,
+    RECURRENT_MODES,
     RECURRENT_OP_ARGUMENTS,
     REDUCTIONS,
     WEIGHTED_REDUCTIONS,
@@ -160,6 +161,10 @@ def _recurrent_variant(root: Node, *, path: str, source_hash: str) -> RecurrentV
         entries = _fields(node, tuple(RECURRENT_FEATURES), "feature", "features")
         found = [_feature(key, value, node.key_locs[key]) for key, value in entries.items()]
         features = tuple(sorted((f for f in found if f is not None), key=lambda f: f.name))
+    modes = _choices(fields.get("modes"), RECURRENT_MODES, "modes", "mode", default=("train",))
+    if "train" not in modes:
+        raise SpecError("modes must list train: a recurrent op's decode mode is its train op from a given state",
+                        fields["modes"].loc, hint="modes: [train, decode]")
     return RecurrentVariant(
         name=name,
         family="linear_recurrent",
@@ -172,6 +177,7 @@ def _recurrent_variant(root: Node, *, path: str, source_hash: str) -> RecurrentV
         source_hash=source_hash,
         map_texts=tuple((f, " ".join(scalar_source(fields[f])[0].split())) for f in ("feature_map", "gate_map")
                         if f in fields),
+        modes=modes,
         loc=fields["name"].loc,
     )
 

@@ -124,7 +124,7 @@ def test_show_describes_the_recurrent_spec(capsys):
 
     assert main(["show", "specs/linear_attention.yaml"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("linear_attention (linear_recurrent; backends ")
+    assert out.startswith("linear_attention (linear_recurrent; modes train, decode; backends ")
     assert "S_t = S_(t-1) + phi(k_t)ᵀ v_t;  o_t = scale phi(q_t) S_t" in out
     assert "phi(x) = elu(x) + 1;  phi'(x) = " in out
 

@@ -20,7 +20,7 @@ def describe(plan: RecurrentPlan) -> str:
     state += " diag(e^gv_t)" if plan.has("gv") else ""
     phi = "phi(k_t)" if plan.feature_map else "k_t"
     lines = [
-        f"{v.name} (linear_recurrent; backends {', '.join(v.backends)})",
+        f"{v.name} (linear_recurrent; modes {', '.join(v.modes)}; backends {', '.join(v.backends)})",
         f"  q [B, T, H, K], k [B, T, {heads}, K], v [B, T, {heads}, V] -> o [B, T, H, V], final_state [N, H, K, V]"
         + ("; with cu_seqlens [N + 1]: B = 1, sequence n = steps cu[n] .. cu[n + 1] - 1" if plan.has("varlen") else ""),
         f"  gates (log space): {', '.join(gates) or 'none'}",

@@ -49,13 +49,30 @@ def _docstring(plan: RecurrentPlan, common: dict, signature: list[str]) -> str:
     return "\n".join(lines).rstrip()
 
 
+def _decode_docstring(plan: RecurrentPlan, common: dict, gates: list[str]) -> str:
+    lines = [textwrap.fill(f"`{plan.name}` one step (or a few) from a given state: (o, new_state).", WIDTH - 8), ""]
+    lines.append(textwrap.fill(
+        f"Generated from {common['spec_path']}; semantics of docs/DESIGN.md §3 linear recurrent (decode). query [B, H, "
+        f"K] (one step) or [B, S, H, K] (S steps), key / value [B, (S,) Hkv, K | V], state [B, H, K, V]; the gates "
+        f"per step as the train op takes them, without the S axis for one step. Returns (o [B, (S,) H, V], new_state "
+        f"[B, H, K, V] float32): the train op from initial_state=state on the fused recurrence. Arguments:",
+        WIDTH - 8))
+    lines += [textwrap.fill(f"{a}: {ARGUMENT_DOCS[a.split('=')[0]]}", WIDTH - 8, initial_indent="  ",
+                            subsequent_indent="      ") for a in gates + ["softmax_scale=None", 'platform="auto"']]
+    return "\n".join(lines)
+
+
+def exports(plan: RecurrentPlan) -> list[str]:
+    return plan.decode_names
+
+
 def emit(plan: RecurrentPlan, backends: list[str], common: dict, render: Callable[..., str]) -> dict[str, str]:
     """``{path: text}`` of the op's folder; ``render(template, **context)`` fills one template."""
     v = plan.variant
     signature = [f"{a.name}={a.default}" for a in plan.arguments]
     positional = [s for a, s in zip(plan.arguments, signature) if a.feature != "choice"]
     files = {
-        f"{v.name}/__init__.py": render("glue/op_init.py.j2", **common, extra=[]),
+        f"{v.name}/__init__.py": render("glue/op_init.py.j2", **common, extra=plan.decode_names),
         f"{v.name}/op.py": render(
             "recurrent/op.py.j2",
             **common,
@@ -71,6 +88,11 @@ def emit(plan: RecurrentPlan, backends: list[str], common: dict, render: Callabl
             prepare_args=[a.passed for a in plan.arguments if a.passed is not None],
         ),
     }
+    if plan.decode_names:
+        gates = [a for a in plan.arguments if a.feature in plan.gates]
+        files[f"{v.name}/decode.py"] = render(
+            "recurrent/decode.py.j2", **common, gates=[a.name for a in gates],
+            docstring=_decode_docstring(plan, common, [f"{a.name}={a.default}" for a in gates]))
     for name in backends:
         backend = BACKENDS[name]
         context = backend.context(plan)

@@ -236,3 +236,35 @@ def _cu_seqlens(spec, cu, tokens):
         raise ValueError(f"{spec.name}(): cu_seqlens must start at 0, never decrease and end at most at the "
                          f"{tokens} tokens of query, got {values.tolist()}")
     return jnp.asarray(cu)
+
+
+def decode(spec: SpecInfo, op, query, key, value, state, gates: dict, softmax_scale, platform):
+    """``<name>_decode``: one step (query [B, H, K]) or S steps ([B, S, H, K]) of ``op`` from ``state`` [B, H, K, V]:
+    (o [B, (S,) H, V], new_state [B, H, K, V] float32), the train op with initial_state=state on the fused recurrence
+    (forward and gradients as the train op's)."""
+    name = f"{spec.name}_decode"
+    q = _array(spec, "query", query)
+    if q.ndim not in (3, 4):
+        raise ValueError(f"{name}(): query must be [batch, heads, K] (one step) or [batch, steps, heads, K], got "
+                         f"{_shape(q)}")
+    if state is None:
+        raise ValueError(f"{name}(): state is required: [batch, heads, K, V], the state before the step")
+    one = q.ndim == 3
+    steps = {"key": key, "value": value, **{g: x for g, x in gates.items() if g != "g_gamma"}}
+    rank = {"key": 3, "value": 3, "g": 2, "gk": 3, "gv": 3}
+    args = {}
+    for arg, x in steps.items():
+        if x is None:
+            continue
+        x = _array(spec, arg, x)
+        want = rank[arg] + (0 if one else 1)
+        if x.ndim != want:
+            what = "one step: no steps axis" if one else "with the steps axis after batch"
+            raise ValueError(f"{name}(): {arg} must have {want} dims ({what}, as query), got {_shape(x)}")
+        args[arg] = x[:, None] if one else x
+    if gates.get("g_gamma") is not None:
+        args["g_gamma"] = gates["g_gamma"]
+    key, value = args.pop("key"), args.pop("value")
+    o, new_state = op(q[:, None] if one else q, key, value, **args, softmax_scale=softmax_scale, initial_state=state,
+                      algorithm="fused", platform=platform)
+    return (o[:, 0] if one else o), new_state
