@@ -194,10 +194,13 @@ def test_the_interpreters_run_every_variant_on_whole_tiles():
                 backend, {"shape": c.shape, "dtype": c.dtype}) for c in cases), (name, backend)
 
 
+# What the option tests are about is the option, not the tiles: a small shape of two tiles or more on both axes of
+# each interpreter (Triton's 16 x 16, Pallas' 32 x 16), GQA, ragged ends.
+OPTION_SHAPE = AttnShape(1, 40, 37, 2, 1, 16)
 OPTION_SWEEPS = {
-    "prefix_lm-prefix_len": ("prefix_lm_attention", "prefix_len", (0, 10, 40), M0),
-    "alibi-max_distance": ("alibi_attention", "max_distance", (1024, 8, 2), G0),
-    "relative_bias-bias_scale": ("relative_bias_attention", "bias_scale", (1.0, 0.5, -2.0), G0),
+    "prefix_lm-prefix_len": ("prefix_lm_attention", "prefix_len", (0, 10, 40), OPTION_SHAPE),
+    "alibi-max_distance": ("alibi_attention", "max_distance", (1024, 8, 2), OPTION_SHAPE),
+    "relative_bias-bias_scale": ("relative_bias_attention", "bias_scale", (1.0, 0.5, -2.0), OPTION_SHAPE),
 }
 
 
@@ -235,7 +238,7 @@ def test_option_changes_at_runtime_without_retrace(backend, sweep):
 
 def test_options_default_to_the_spec(backend):
     """Leaving an option out equals passing the spec's default."""
-    shape = MHA_SHAPES[0]
+    shape = OPTION_SHAPE
     rng = rng_for("defaults")
     x = random_qkv(shape, "float32", rng)
     for name, spec in oracle.VARIANTS.items():
