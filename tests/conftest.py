@@ -102,12 +102,16 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = f"{item.nodeid}: a conformance case skipped ({report.longrepr})"
 
-# Test seconds (summed over workers) each family may spend in CI: 15 minutes on 2 cores hold about 1500 (docs/DESIGN.md
-# §7). A folder of tests/ is a family; the attention family is the largest (three backends, the Hopper set, the
-# spec zoo).
-BUDGET_SECONDS = {"attention": 900, "compiler": 170, "blocksparse": 200, "zoo": 200, "multidevice": 200, "pooling": 60,
-                  "recurrent": 107}
-NEW_FAMILY_BUDGET = 107  # each family still to come: decode (ring: multidevice)
+# Test seconds (summed over workers) each family may spend in CI: 15 minutes on 2 cores hold about 1600 (docs/DESIGN.md
+# §7: the suite runs at ~0.51 s of wall time per test-second, and CI's other steps take about a minute). A folder of
+# tests/ is a family; the attention family is the largest (three backends, the Hopper set). Measured on a quiet 2-core
+# machine (2026-11-27, 1747 tests, 529 s of wall time): attention 561, zoo 119, blocksparse 111, compiler 87,
+# multidevice 63 (ring 40), recurrent 31, pooling 30, decode 28; 1033 in all. Budgets keep about a quarter over that,
+# more for the families still growing (multidevice, pooling, recurrent, decode); their sum, 1447, leaves room for a
+# family to come (NEW_FAMILY_BUDGET).
+BUDGET_SECONDS = {"attention": 700, "zoo": 150, "blocksparse": 140, "compiler": 110, "multidevice": 120, "pooling": 60,
+                  "recurrent": 107, "decode": 60}
+NEW_FAMILY_BUDGET = 107  # each family still to come
 
 def pytest_terminal_summary(terminalreporter):
     """Seconds per family against its budget, after every run of more than a few tests."""
