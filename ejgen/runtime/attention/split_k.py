@@ -20,14 +20,11 @@ BATCH_INVARIANT_SPLIT = 512  # keys per split with batch_invariant: the same wha
 INTERPRET_SMS = 2  # the interpreters' cost grows with the programs, empty ones included
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def slots(block_n: int, d: int, dv: int, item: int, stages: int = 2, sms: int | None = None) -> int:
     """Programs the GPU runs at once: SMs x PROGRAMS_PER_SM, fewer where their shared memory does not fit (Triton keeps
     ``stages`` - 1 K / V tiles in flight besides the query: 38.9 KB at bf16, D 128, BLOCK_N 64 in the sm_90 build)."""
-    per_program = (max(1, stages - 1) * block_n * (_pow2(d) + _pow2(dv)) + 16 * _pow2(d)) * item
+    dp, dvp = shared_memory._pow2(d), shared_memory._pow2(dv)
+    per_program = (max(1, stages - 1) * block_n * (dp + dvp) + 16 * dp) * item
     return (sms or num_sms()) * max(1, min(PROGRAMS_PER_SM, shared_memory.HOPPER // per_program))
 
 
