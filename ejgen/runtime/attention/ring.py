@@ -543,13 +543,50 @@ def _switch(stage: Stage, slot: int, kind, run, skip):
     return lax.switch(index, branches)
 
 
-def _shift(plan: Plan, tree, hops: int):
-    """``tree`` sent ``hops`` devices along the ring (device i to i + hops)."""
+def _shift(plan: Plan, x, hops: int):
+    """``x`` (one array: a `Wire` buffer) sent ``hops`` devices along the ring (device i to i + hops)."""
     hops %= plan.devices
     if hops == 0:
-        return tree
+        return x
     perm = [(i, (i + hops) % plan.devices) for i in range(plan.devices)]
-    return jax.tree_util.tree_map(lambda x: lax.ppermute(x, plan.axis, perm), tree)
+    return lax.ppermute(x, plan.axis, perm)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """How a dict of arrays travels the ring as one buffer. XLA's GPU scheduler keeps one collective-permute in
+    flight: two arrays sent apart serialise, the second waiting for the step's kernels to end (two H200s, 32k tokens:
+    K and V sent apart left 0.5 of the step's 0.8 ms of transfer exposed); one buffer overlaps whole. Each array is
+    bitcast to the unsigned type of the smallest item size among them and flattened; unpacking slices and bitcasts
+    back (XLA fuses that into the slices the steps take anyway)."""
+
+    names: tuple
+    shapes: tuple
+    dtypes: tuple
+    unit: object
+
+    @classmethod
+    def of(cls, tree: dict, unit=None) -> "Wire":
+        """The wire of ``tree``; ``unit``: a narrower unsigned type than its own (to join another wire's buffer)."""
+        names = tuple(tree)
+        dtypes = tuple(jnp.dtype(tree[n].dtype) for n in names)
+        unit = jnp.dtype(unit or f"uint{8 * min(d.itemsize for d in dtypes)}")
+        return cls(names, tuple(tuple(tree[n].shape) for n in names), dtypes, unit)
+
+    def pack(self, tree: dict):
+        parts = [(x if x.dtype == self.unit else lax.bitcast_convert_type(x, self.unit)).reshape(-1)
+                 for x in (tree[n] for n in self.names)]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+    def unpack(self, buffer) -> dict:
+        out, at = {}, 0
+        for name, shape, dtype in zip(self.names, self.shapes, self.dtypes):
+            ratio = dtype.itemsize // self.unit.itemsize
+            size = math.prod(shape) * ratio
+            x = lax.slice_in_dim(buffer, at, at + size).reshape(shape + ((ratio,) if ratio > 1 else ()))
+            out[name] = x if dtype == self.unit else lax.bitcast_convert_type(x, dtype)
+            at += size
+        return out
 
 
 def _step_inputs(plan: Plan, stage: Stage):
@@ -558,6 +595,23 @@ def _step_inputs(plan: Plan, stage: Stage):
     slots = jnp.asarray(np.array(stage.slots, np.int32))
     distances = jnp.arange(stage.first, stage.first + len(stage.slots), dtype=jnp.int32) + plan.start
     return slots, distances
+
+
+def _runs(plan: Plan):
+    """The ring's steps as scans: [(stage, per-step inputs, first, last)], the ring's first and last steps alone.
+    The first step holds the device's own block when the ring starts at distance 0 (the inputs as they are, not
+    unpacked), and in the backward nothing is pending yet (no accumulators to send); the last sends no block on."""
+    runs = []
+    for i, stage in enumerate(plan.stages):
+        xs = _step_inputs(plan, stage)
+        steps = len(stage.slots)
+        cuts = sorted({0, steps} | ({1} if stage.first == 0 else set())
+                      | ({steps - 1} if i == len(plan.stages) - 1 else set()))
+        for lo, hi in zip(cuts, cuts[1:]):
+            part = jax.tree_util.tree_map(lambda x, lo=lo, hi=hi: x[lo:hi], xs)
+            ring_step = stage.first + lo
+            runs.append((stage, part, ring_step == 0, ring_step + hi - lo == plan.steps))
+    return runs
 
 
 def _held(k, v, ctx):
@@ -575,14 +629,17 @@ def _forward(q, k, v, ctx, plan: Plan):
     dv = v.shape[-1]
     acc, lse = vma.vary((jnp.zeros((b, n, hkv, g, dv), jnp.float32),
                          jnp.full((b, hkv, g, n), NEG_INF, jnp.float32)), axes)
-    held = _shift(plan, _held(k, v, ctx), plan.start)
-    for stage in plan.stages:
+    own = _held(k, v, ctx)
+    wire = Wire.of(own)
+    travel = _shift(plan, wire.pack(own), plan.start)  # the held block as one buffer (see Wire)
+    for stage, xs, first, last in _runs(plan):
         chunk = stage.chunk
 
-        def body(carry, xs, stage=stage, chunk=chunk):
-            held, acc, lse = carry
+        def body(carry, xs, stage=stage, chunk=chunk, first=first, last=last):
+            travel, acc, lse = carry
+            held = own if first and plan.start == 0 else wire.unpack(travel)
+            ahead = travel if last else _shift(plan, travel, 1)  # the next step's block, in flight meanwhile
             slots, t = xs
-            ahead = _shift(plan, held, 1)  # the next step's block, in flight while this one computes
             s = (r - t) % plan.devices
             for j in range(slots.shape[0]):
                 q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
@@ -598,7 +655,7 @@ def _forward(q, k, v, ctx, plan: Plan):
                 acc, lse = _merge(acc, lse, out_p, lse_p, q0, chunk)
             return (ahead, acc, lse), None
 
-        (held, acc, lse), _ = lax.scan(body, (held, acc, lse), _step_inputs(plan, stage))
+        (travel, acc, lse), _ = lax.scan(body, (travel, acc, lse), xs)
     if plan.sinks:
         aux = ctx["softmax_aux"]  # [Hkv, G, n_sinks]
         total = jnp.logaddexp(lse, jax.nn.logsumexp(aux, axis=-1)[None, :, :, None])
@@ -638,16 +695,31 @@ def _backward(plan: Plan, residuals, cotangents):
     grads = {n[len("param_"):]: zeros(ctx[n]) for n in param_names}
     pending = {"k": zeros(k), "v": zeros(v)}  # dK/dV of the block this device held last step, to pass on
     dq, grads, pending = vma.vary((dq, grads, pending), axes)
-    held = _shift(plan, _held(k, v, ctx), plan.start)
-    for stage in plan.stages:
+    own = _held(k, v, ctx)
+    wire = Wire.of(own)
+    # the accumulators (float32) join the block's buffer on the wire, in its unit where that is no wider
+    joined = wire.unit.itemsize <= 4
+    owed = Wire.of(pending, unit=wire.unit if joined else None)
+    travel = _shift(plan, wire.pack(own), plan.start)
+    size = travel.shape[0]
+    for stage, xs, first, last in _runs(plan):
         chunk = stage.chunk
 
-        def body(carry, xs, stage=stage, chunk=chunk):
-            held, pending, dq, grads = carry
+        def body(carry, xs, stage=stage, chunk=chunk, first=first, last=last):
+            travel, pending, dq, grads = carry
+            held = own if first and plan.start == 0 else wire.unpack(travel)
+            # in flight while this step computes, as one buffer: the next step's block and the accumulators of the
+            # block held now, from the device behind (none before the first step; no block after the last)
+            if first:
+                ahead, arrived = (travel if last else _shift(plan, travel, 1)), vma.vary(
+                    {n: jnp.zeros_like(x) for n, x in pending.items()}, axes)
+            elif last or not joined:
+                ahead = travel if last else _shift(plan, travel, 1)
+                arrived = owed.unpack(_shift(plan, owed.pack(pending), 1))
+            else:
+                both = _shift(plan, jnp.concatenate([travel, owed.pack(pending)]), 1)
+                ahead, arrived = both[:size], owed.unpack(both[size:])
             slots, t = xs
-            ahead = _shift(plan, held, 1)
-            # the accumulators of the block held now, from the device behind, in flight while this step computes
-            arrived = _shift(plan, pending, 1)
             s = (r - t) % plan.devices
             part = vma.vary({"k": zeros(k), "v": zeros(v)}, axes)
             for j in range(slots.shape[0]):
@@ -673,14 +745,16 @@ def _backward(plan: Plan, residuals, cotangents):
             pending = {n: arrived[n] + part[n] for n in pending}
             return (ahead, pending, dq, grads), None
 
-        (held, pending, dq, grads), _ = lax.scan(body, (held, pending, dq, grads), _step_inputs(plan, stage))
-    home = _shift(plan, pending, -plan.distance(plan.steps - 1))  # each block's accumulators back to its device
+        (travel, pending, dq, grads), _ = lax.scan(body, (travel, pending, dq, grads), xs)
+    # each block's accumulators back to its device, in the inputs' dtypes (the rounding the result gets anyway)
+    done = {"k": pending["k"].astype(k.dtype), "v": pending["v"].astype(v.dtype)}
+    back = Wire.of(done)
+    home = back.unpack(_shift(plan, back.pack(done), -plan.distance(plan.steps - 1)))
     dctx = {"params": grads}
     if plan.sinks:
         delta = jnp.moveaxis(jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1), 1, 3) - d_lse
         dctx["softmax_aux"] = api.sinks_grad(ctx["softmax_aux"], lse, delta)
-    return (dq.astype(q.dtype), home["k"].astype(k.dtype), home["v"].astype(v.dtype),
-            api.ctx_cotangents(ctx, dctx))
+    return dq.astype(q.dtype), home["k"], home["v"], api.ctx_cotangents(ctx, dctx)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("plan",))
