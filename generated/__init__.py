@@ -40,10 +40,10 @@
 from .alibi_attention import alibi_attention, alibi_attention_ring, alibi_attention_decode, alibi_attention_paged
 from .blocksparse_attention import blocksparse_attention, blocksparse_attention_ring
 from .flash_attention import flash_attention, flash_attention_ring, flash_attention_decode, flash_attention_paged
-from .gla import gla, gla_decode
+from .gla import gla, gla_cp, gla_decode
 from .last_token_pooling import last_token_pooling
-from .lightning_attention import lightning_attention, lightning_attention_decode
-from .linear_attention import linear_attention, linear_attention_decode
+from .lightning_attention import lightning_attention, lightning_attention_cp, lightning_attention_decode
+from .linear_attention import linear_attention, linear_attention_cp, linear_attention_decode
 from .local_softcap_sinks_attention import local_softcap_sinks_attention, local_softcap_sinks_attention_ring
 from .max_pooling import max_pooling
 from .mean_pooling import mean_pooling
@@ -53,16 +53,17 @@ from .prefix_lm_attention import (
     prefix_lm_attention_decode,
     prefix_lm_attention_paged,
 )
-from .recurrent import recurrent, recurrent_decode
+from .recurrent import recurrent, recurrent_cp, recurrent_decode
 from .relative_bias_attention import relative_bias_attention, relative_bias_attention_ring
-from .simple_gla import simple_gla, simple_gla_decode
+from .simple_gla import simple_gla, simple_gla_cp, simple_gla_decode
 from .weighted_mean_pooling import weighted_mean_pooling
 
 __all__ = ["alibi_attention", "alibi_attention_ring", "alibi_attention_decode", "alibi_attention_paged",
            "blocksparse_attention", "blocksparse_attention_ring", "flash_attention", "flash_attention_ring",
-           "flash_attention_decode", "flash_attention_paged", "gla", "gla_decode", "last_token_pooling",
-           "lightning_attention", "lightning_attention_decode", "linear_attention", "linear_attention_decode",
-           "local_softcap_sinks_attention", "local_softcap_sinks_attention_ring", "max_pooling", "mean_pooling",
-           "prefix_lm_attention", "prefix_lm_attention_ring", "prefix_lm_attention_decode", "prefix_lm_attention_paged",
-           "recurrent", "recurrent_decode", "relative_bias_attention", "relative_bias_attention_ring", "simple_gla",
-           "simple_gla_decode", "weighted_mean_pooling"]
+           "flash_attention_decode", "flash_attention_paged", "gla", "gla_cp", "gla_decode", "last_token_pooling",
+           "lightning_attention", "lightning_attention_cp", "lightning_attention_decode", "linear_attention",
+           "linear_attention_cp", "linear_attention_decode", "local_softcap_sinks_attention",
+           "local_softcap_sinks_attention_ring", "max_pooling", "mean_pooling", "prefix_lm_attention",
+           "prefix_lm_attention_ring", "prefix_lm_attention_decode", "prefix_lm_attention_paged", "recurrent",
+           "recurrent_cp", "recurrent_decode", "relative_bias_attention", "relative_bias_attention_ring", "simple_gla",
+           "simple_gla_cp", "simple_gla_decode", "weighted_mean_pooling"]

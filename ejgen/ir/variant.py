@@ -112,8 +112,10 @@ RECURRENT_FEATURE_ARGUMENTS = (
 )
 RECURRENT_CALL_ARGUMENTS = ("softmax_scale", "initial_state", "reverse")
 RECURRENT_CHOICE_ARGUMENTS = ("algorithm", "chunk_size", "platform")  # keyword-only, every op
+RECURRENT_MESH_ARGUMENTS = ("mesh", "in_specs", "out_specs")  # keyword-only, every op: the call under shard_map
+RECURRENT_CP_ARGUMENTS = ("axis_name",)  # the context-parallel form's own (`<name>_cp`, docs/DESIGN.md §3)
 RECURRENT_OP_ARGUMENTS = (RECURRENT_TENSOR_ARGUMENTS + tuple(a for _, args in RECURRENT_FEATURE_ARGUMENTS for a in args)
-                          + RECURRENT_CHOICE_ARGUMENTS)
+                          + RECURRENT_CHOICE_ARGUMENTS + RECURRENT_MESH_ARGUMENTS + RECURRENT_CP_ARGUMENTS)
 
 
 @attrs.frozen

@@ -12,7 +12,13 @@ import attrs
 
 from ejgen.ir.expr import Expr, Type, Var
 from ejgen.ir.passes.derivative import diff, simplify
-from ejgen.ir.variant import RECURRENT_CALL_ARGUMENTS, RECURRENT_FEATURE_ARGUMENTS, RECURRENT_GATES, RecurrentVariant
+from ejgen.ir.variant import (
+    RECURRENT_CALL_ARGUMENTS,
+    RECURRENT_FEATURE_ARGUMENTS,
+    RECURRENT_GATES,
+    RECURRENT_MESH_ARGUMENTS,
+    RecurrentVariant,
+)
 from ejgen.plan.attention import Argument
 
 X = Var("x", kind="builtin", ty=Type.FLOAT)
@@ -54,6 +60,11 @@ class RecurrentPlan:
         return [f"{self.name}_decode"] if "decode" in self.variant.modes else []
 
     @property
+    def cp_name(self) -> str:
+        """The op's context-parallel form (docs/DESIGN.md §3): every recurrent op has one."""
+        return f"{self.name}_cp"
+
+    @property
     def gates(self) -> tuple:
         """The gates the op takes, in ``RECURRENT_GATES`` order."""
         return tuple(g for g in RECURRENT_GATES if g in self.features)
@@ -66,7 +77,7 @@ def _hook(expr: Expr | None) -> Hook | None:
 def _arguments(variant: RecurrentVariant) -> tuple:
     """The seed's arguments after query, key and value, those the spec enables: gates, softmax_scale,
     initial_state, reverse, cu_seqlens (positional or keyword); then keyword-only the call's choices: algorithm,
-    chunk_size, platform."""
+    chunk_size, platform; and the mesh wrapper's: mesh, in_specs, out_specs (feature "mesh")."""
     args = []
     for feature, names in RECURRENT_FEATURE_ARGUMENTS:
         if feature in RECURRENT_CALL_ARGUMENTS or variant.feature(feature) is not None:
@@ -74,6 +85,7 @@ def _arguments(variant: RecurrentVariant) -> tuple:
     args += [Argument("algorithm", '"auto"', "algorithm", "choice"),  # keyword-only (feature "choice")
              Argument("chunk_size", "None", "chunk_size", "choice"),
              Argument("platform", '"auto"', None, "choice")]
+    args += [Argument(n, "None", None, "mesh") for n in RECURRENT_MESH_ARGUMENTS]
     return tuple(args)
 
 

@@ -3,7 +3,7 @@
 """Gated linear attention (GLA, Yang et al. 2023): a log gate per step and key channel, gk [B, T, H, K], S_t =
 diag(e^{gk_t}) S_{t-1} + k_tᵀ v_t, o_t = scale q_t S_t; flash-linear-attention's chunk_gla."""
 
-from .op import gla
+from .op import gla, gla_cp
 from .decode import gla_decode
 
-__all__ = ["gla", "gla_decode"]
+__all__ = ["gla", "gla_cp", "gla_decode"]

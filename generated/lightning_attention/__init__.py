@@ -3,7 +3,7 @@
 """Lightning attention and RetNet-style retention: a fixed log decay per head, g_gamma [H] (learnable: its gradient is
 computed), S_t = e^{g_gamma} S_{t-1} + k_tᵀ v_t, o_t = scale q_t S_t."""
 
-from .op import lightning_attention
+from .op import lightning_attention, lightning_attention_cp
 from .decode import lightning_attention_decode
 
-__all__ = ["lightning_attention", "lightning_attention_decode"]
+__all__ = ["lightning_attention", "lightning_attention_cp", "lightning_attention_decode"]

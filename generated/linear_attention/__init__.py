@@ -3,7 +3,7 @@
 """Causal linear attention with the feature map elu(x) + 1 (Katharopoulos et al. 2020) on q and k and no gate: S_t =
 S_{t-1} + phi(k_t)ᵀ v_t, o_t = scale phi(q_t) S_t."""
 
-from .op import linear_attention
+from .op import linear_attention, linear_attention_cp
 from .decode import linear_attention_decode
 
-__all__ = ["linear_attention", "linear_attention_decode"]
+__all__ = ["linear_attention", "linear_attention_cp", "linear_attention_decode"]

@@ -4,7 +4,7 @@
 diag(e^{gv_t}) + k_tᵀ v_t, o_t = scale q_t S_t. The seed's recurrent(query, key, value, g=None, g_gamma=None,
 gk=None, gv=None, softmax_scale=None, initial_state=None, reverse=False, cu_seqlens=None) -> (o, final_state)."""
 
-from .op import recurrent
+from .op import recurrent, recurrent_cp
 from .decode import recurrent_decode
 
-__all__ = ["recurrent", "recurrent_decode"]
+__all__ = ["recurrent", "recurrent_cp", "recurrent_decode"]

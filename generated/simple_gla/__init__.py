@@ -3,7 +3,7 @@
 """Simple GLA, Mamba-2-style scalar gates: a log gate per head and step, g [B, T, H], and optionally a fixed log decay
 per head, g_gamma [H]: S_t = e^{g_t + g_gamma} S_{t-1} + k_tᵀ v_t; flash-linear-attention's chunk_simple_gla."""
 
-from .op import simple_gla
+from .op import simple_gla, simple_gla_cp
 from .decode import simple_gla_decode
 
-__all__ = ["simple_gla", "simple_gla_decode"]
+__all__ = ["simple_gla", "simple_gla_cp", "simple_gla_decode"]

@@ -33,6 +33,13 @@ ARGUMENT_DOCS = {
     "algorithm": "auto (fused for short sequences, else chunked), chunked or fused",
     "chunk_size": "steps of a chunk of the chunked algorithm (16, 32, 64 or 128; default 64)",
     "platform": "auto (by device), triton, pallas or xla",
+    "mesh": "a jax.sharding.Mesh: run the op under jax.shard_map over it, cut as in_specs say (a cut sequence runs "
+            "the context-parallel form)",
+    "in_specs": "PartitionSpecs of (query, key, value) [B, T, H, K | V] (or one for all three): batch, heads and "
+                "the sequence may be cut; the gates, initial_state and cu_seqlens are cut as query",
+    "out_specs": "derived (o as query, final_state [N, H, K, V] over batch and heads); when given, must be that",
+    "axis_name": "the mesh axis the sequence is cut over (bound inside jax.shard_map, or an axis of the mesh in "
+                 "scope for global arrays)",
 }
 
 
@@ -62,21 +69,45 @@ def _decode_docstring(plan: RecurrentPlan, common: dict, gates: list[str]) -> st
     return "\n".join(lines)
 
 
+def _cp_docstring(plan: RecurrentPlan, common: dict, positional: list[str]) -> str:
+    lines = [textwrap.fill(f"`{plan.name}` with the sequence cut over mesh axis `axis_name` (context parallelism): "
+                           f"(o, final_state) of the whole sequence.", WIDTH - 8), ""]
+    lines.append(textwrap.fill(
+        f"Generated from {common['spec_path']}; semantics of docs/DESIGN.md §3 linear recurrent, context parallelism. "
+        f"Inside jax.shard_map, query, key, value and the per-step gates are this device's consecutive steps (device "
+        f"d holds steps [d n, (d + 1) n) of every sequence); outside it, global arrays cut over axis_name of the mesh "
+        f"in scope. Each device runs {plan.name} on its steps from a zero state; the states entering each device are "
+        f"combined across the axis in float32 and their contribution added to its outputs. Returns (o [B, n, H, V] "
+        f"of this device's steps in q's dtype, final_state [B, H, K, V] float32, the same on every device). Arguments "
+        f"as {plan.name}'s (cu_seqlens refused), and:", WIDTH - 8))
+    keywords = ["axis_name"] + [a.name for a in plan.arguments if a.feature == "choice"]
+    lines += [textwrap.fill(f"{a}: {ARGUMENT_DOCS[a]}", WIDTH - 8, initial_indent="  ", subsequent_indent="      ")
+              for a in keywords]
+    return "\n".join(lines)
+
+
 def exports(plan: RecurrentPlan) -> list[str]:
-    return plan.decode_names
+    """The op's further functions its package exports: its context-parallel form, then its decode mode."""
+    return [plan.cp_name] + plan.decode_names
 
 
 def emit(plan: RecurrentPlan, backends: list[str], common: dict, render: Callable[..., str]) -> dict[str, str]:
     """``{path: text}`` of the op's folder; ``render(template, **context)`` fills one template."""
     v = plan.variant
     signature = [f"{a.name}={a.default}" for a in plan.arguments]
-    positional = [s for a, s in zip(plan.arguments, signature) if a.feature != "choice"]
+    positional = [s for a, s in zip(plan.arguments, signature) if a.feature not in ("choice", "mesh")]
+    printed = xla.template_context(plan)
     files = {
-        f"{v.name}/__init__.py": render("glue/op_init.py.j2", **common, extra=plan.decode_names),
+        f"{v.name}/__init__.py": render("glue/op_init.py.j2", **common, from_op=[plan.cp_name],
+                                        extra=plan.decode_names),
         f"{v.name}/op.py": render(
             "recurrent/op.py.j2",
             **common,
             notation=describe(plan),
+            feature_map=printed["feature_map"],
+            gate_map=printed["gate_map"],
+            uses_jax=printed["uses_jax"],
+            uses_jnp=printed["uses_jnp"],
             backends=[{"name": b, "module": BACKENDS[b].module} for b in backends],
             feature_settings="{" + ", ".join(f'"{f.name}": "{f.mode}"' for f in v.features) + "}",
             arguments={a.name: a.feature for a in plan.arguments},
@@ -84,8 +115,12 @@ def emit(plan: RecurrentPlan, backends: list[str], common: dict, render: Callabl
             required=repr(plan.required),
             positional=positional,
             keywords=[s for s in signature if s not in positional],
+            choices=[s for a, s in zip(plan.arguments, signature) if a.feature == "choice"],
             docstring=_docstring(plan, common, signature),
+            cp_docstring=_cp_docstring(plan, common, positional),
             prepare_args=[a.passed for a in plan.arguments if a.passed is not None],
+            passed_on=[a.name for a in plan.arguments if a.feature != "mesh"],
+            cp_passed=[a.name for a in plan.arguments if a.feature not in ("choice", "mesh")],
         ),
     }
     if plan.decode_names:

@@ -25,6 +25,10 @@ from jax.sharding import PartitionSpec as P
 
 from ejgen.runtime.attention import ring as ring_form
 from ejgen.runtime.core import vma
+from ejgen.runtime.core.sharding import entry as _entry
+from ejgen.runtime.core.sharding import normal as _normal
+from ejgen.runtime.core.sharding import show as _show
+from ejgen.runtime.core.sharding import tensor_specs
 from ejgen.types import BlockMask, MaskInfo
 from ejgen.types import block_mask as bm
 
@@ -78,7 +82,8 @@ def on_mesh(spec, op, query, key, value, kwargs: dict, mesh, in_specs, out_specs
     for t, x in tensors.items():
         if x.ndim != rank:
             raise ValueError(f"{name}(): {t} must be {_LAYOUT_TEXT[layout]}, got {x.dtype}{list(x.shape)}")
-    specs = _in_specs(name, mesh, in_specs, rank)
+    specs = tensor_specs(name, mesh, in_specs, ("query", "key", "value"), rank,
+                         "the other tensor arguments are cut as query")
     cut = _cut(spec, mesh, layout, tensors, specs, ring is not None, token_order or "contiguous")
     if token_order is not None and not cut.sequence:
         raise ValueError(f"{name}(): token_order={token_order!r} is the order of a sequence cut over a mesh axis (ring "
@@ -109,50 +114,6 @@ def on_mesh(spec, op, query, key, value, kwargs: dict, mesh, in_specs, out_specs
     qkv_specs = tuple(P(*(_entry(axes) for axes in dims)) for dims in specs)
     run = vma.shard_map(body, mesh=mesh, in_specs=(*qkv_specs, array_specs), out_specs=want)
     return run(tensors["query"], tensors["key"], tensors["value"], arrays)
-
-
-def _entry(axes: tuple):
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def _axes(entry) -> tuple:
-    if entry is None:
-        return ()
-    if isinstance(entry, str):
-        return (entry,)
-    if isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
-        return entry
-    raise TypeError(entry)
-
-
-def _in_specs(name, mesh, in_specs, rank) -> tuple:
-    """(query, key, value) specs, each a tuple of one mesh-axes tuple per dim."""
-    if isinstance(in_specs, P):
-        in_specs = (in_specs,) * 3
-    if not isinstance(in_specs, (tuple, list)) or len(in_specs) != 3 or not all(isinstance(s, P) for s in in_specs):
-        raise ValueError(f"{name}(): in_specs must be the PartitionSpecs of (query, key, value), or one PartitionSpec "
-                         f"for all three, got {_show(in_specs)}; the other tensor arguments are cut as query")
-    found = []
-    for t, s in zip(("query", "key", "value"), in_specs):
-        if len(s) > rank:
-            raise ValueError(f"{name}(): in_specs for {t} has {len(s)} entries; {t} has {rank} dims")
-        dims = []
-        for entry in tuple(s) + (None,) * (rank - len(s)):
-            try:
-                axes = _axes(entry)
-            except TypeError:
-                raise ValueError(f"{name}(): in_specs for {t}: {entry!r} is not a mesh axis name, a tuple of them or "
-                                 f"None") from None
-            for a in axes:
-                if a not in mesh.axis_names:
-                    raise ValueError(f"{name}(): in_specs for {t} names mesh axis {a!r}, which the mesh does not have "
-                                     f"(axes: {', '.join(map(str, mesh.axis_names))})")
-            dims.append(axes)
-        used = [a for axes in dims for a in axes]
-        if len(used) != len(set(used)):
-            raise ValueError(f"{name}(): in_specs for {t} uses a mesh axis twice: {_show(s)}")
-        found.append(tuple(dims))
-    return tuple(found)
 
 
 def _cut(spec, mesh, layout, tensors, specs, has_ring: bool, token_order: str = "contiguous") -> Cut:
@@ -270,29 +231,3 @@ def _result_specs(layout, cut: Cut) -> tuple:
     out = {"bshd": P(b, s, h, None), "bhsd": P(b, h, s, None), "varlen": P(None, h, None)}[layout]
     lse = P(h, None) if layout == "varlen" else P(b, h, s)
     return out, lse
-
-
-def _show(specs) -> str:
-    """Specs as P(...) whatever this JAX's repr of them."""
-    if isinstance(specs, P):
-        return f"P({', '.join(map(repr, specs))})"
-    if isinstance(specs, (tuple, list)):
-        return f"({', '.join(map(_show, specs))})"
-    return repr(specs)
-
-
-def _normal(specs):
-    """Specs compared by what they cut: trailing Nones dropped, a one-axis tuple as the axis."""
-    if isinstance(specs, P):
-        entries = []
-        for e in specs:
-            try:
-                entries.append(_entry(_axes(e)))
-            except TypeError:
-                entries.append(e)
-        while entries and entries[-1] is None:
-            entries.pop()
-        return ("P", *entries)
-    if isinstance(specs, (tuple, list)):
-        return tuple(_normal(s) for s in specs)
-    return specs

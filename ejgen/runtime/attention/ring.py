@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ejgen.runtime.attention import api
-from ejgen.runtime.core import vma
+from ejgen.runtime.core import sharding, vma
 from ejgen.types import MaskInfo
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
@@ -312,7 +312,7 @@ def attention(spec: api.SpecInfo, backends: dict, query, key, value, *, axis_nam
     if not isinstance(axis_name, str):
         raise ValueError(f"{name}: axis_name must be the name of one mesh axis (a str), got {axis_name!r}")
     try:
-        devices = _axis_size(axis_name)
+        devices = sharding.axis_size(axis_name)
     except NameError:
         return _on_context_mesh(spec, backends, query, key, value, axis_name, token_order, features, params,
                                 options, deterministic, platform, return_lse)
@@ -320,38 +320,12 @@ def attention(spec: api.SpecInfo, backends: dict, query, key, value, *, axis_nam
                    deterministic, platform, return_lse)
 
 
-def _axis_size(axis_name) -> int:
-    """The devices along a bound mesh axis; NameError where it is not bound (outside shard_map)."""
-    size = getattr(lax, "axis_size", None)
-    return size(axis_name) if size is not None else lax.psum(1, axis_name)
-
-
-def _context_mesh():
-    """The mesh of ``with jax.set_mesh(mesh):`` (under ``jax.jit`` the abstract one) or of the older ``with mesh:``,
-    None outside both."""
-    for name in ("get_mesh", "get_abstract_mesh"):
-        get = getattr(jax.sharding, name, None)
-        try:
-            mesh = get() if get is not None else None
-        except ValueError:  # get_mesh under jit
-            continue
-        if mesh is not None and getattr(mesh, "axis_names", ()):
-            return mesh
-    try:
-        from jax._src import mesh as mesh_lib  # `with mesh:` (deprecated): no public accessor
-
-        mesh = mesh_lib.thread_resources.env.physical_mesh
-    except (ImportError, AttributeError):
-        return None
-    return mesh if getattr(mesh, "axis_names", ()) else None
-
-
 def _on_context_mesh(spec, backends, query, key, value, axis_name, token_order, features, params, options,
                      deterministic, platform, return_lse):
     """A ring call on global arrays: run under ``jax.shard_map`` over the context mesh, the sequence (and segment
     ids) cut over ``axis_name``, everything else replicated."""
     name = f"{spec.name}_ring()"
-    mesh = _context_mesh()
+    mesh = sharding.context_mesh()
     if mesh is None or axis_name not in mesh.axis_names:
         where = "no mesh is in scope" if mesh is None else f"the mesh in scope has axes {tuple(mesh.axis_names)}"
         raise ValueError(f"{name}: axis_name={axis_name!r} is not a bound mesh axis ({where}): call it inside "

@@ -36,9 +36,12 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (max(n, 1) - 1).bit_length())
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "k", "v", "l", "h0", "meta"],
+                   meta_fields=["name", "rows", "heads", "groups", "chunk", "n_chunks", "dtype"])
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A call in the kernels' layout (module docstring)."""
+    """A call in the kernels' layout (module docstring); a pytree of its arrays, so that ``dispatch`` hands them to
+    interpreted kernels typed invariant inside ``jax.shard_map`` (``core.pallas``)."""
 
     name: str
     q: jax.Array  # [rows x H, Tp, Kp], mapped and scaled, q's dtype
@@ -53,10 +56,10 @@ class Layout:
     chunk: int
     n_chunks: int
     dtype: object
-    axes: frozenset
 
     def struct(self, shape, dtype):
-        return vma.struct(shape, dtype, self.axes)
+        """A kernel output's type, varying over the mesh axes its inputs vary over."""
+        return vma.struct(shape, dtype, vma.varying_axes(self.q, self.k, self.v, self.l, self.h0, self.meta))
 
 
 class PallasRecurrent:
@@ -120,7 +123,6 @@ class PallasRecurrent:
                               jnp.pad(layout.chunk_last.astype(jnp.int32), pad),
                               jnp.pad(layout.chunk_seq, pad), jnp.zeros((ncp,), jnp.int32)])[None]
         start = jnp.zeros((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32) if h0 is None else h0
-        axes = vma.varying_axes(q, k, v, gates, h0)
         x = Layout(
             name=self.name,
             q=to_rows((qm * cfg.scale).astype(dtype), kp),
@@ -128,21 +130,20 @@ class PallasRecurrent:
             v=to_rows(v, vp),
             l=to_rows(log.astype(F32), kp if "gk" in step else 1),
             h0=to_states(start), meta=meta, rows=rows, heads=cfg.heads, groups=cfg.groups, chunk=chunk,
-            n_chunks=nc, dtype=F32 if dtype == F32 else dtype, axes=axes)
+            n_chunks=nc, dtype=F32 if dtype == F32 else dtype)
         return x, to_rows, from_rows, to_states, from_states
 
     def forward(self, q, k, v, gates, h0, ctx, cfg, save):
         x, _, from_rows, _, from_states = self.layout(q, k, v, gates, h0, ctx, cfg)
-        o, hs, ht = _platforms.dispatch(functools.partial(gpu.forward, x), functools.partial(tpu.forward, x))
+        o, _, ht = _platforms.dispatch(gpu.forward, tpu.forward, x)
         o, ht = from_rows(o, cfg.dv), from_states(ht)
         return o, ht, ({"o": o, "final": ht} if save else {})
 
     def backward(self, q, k, v, gates, h0, ctx, res, do, dht, cfg):
         x, to_rows, from_rows, to_states, from_states = self.layout(q, k, v, gates, h0, ctx, cfg)
-        _, hs, _ = _platforms.dispatch(functools.partial(gpu.forward, x), functools.partial(tpu.forward, x))
+        _, hs, _ = _platforms.dispatch(gpu.forward, tpu.forward, x)
         do_rows = to_rows(do.astype(q.dtype), x.v.shape[2])
-        dq, dk, dv, dh0 = _platforms.dispatch(functools.partial(gpu.backward, x), functools.partial(tpu.backward, x),
-                                              hs, do_rows, to_states(dht))
+        dq, dk, dv, dh0 = _platforms.dispatch(gpu.backward, tpu.backward, x, hs, do_rows, to_states(dht))
         dphi_q = from_rows(dq, cfg.dk) * cfg.scale
         dphi_k, dv_h = from_rows(dk, cfg.dk), from_rows(dv, cfg.dv)
         return gradients.finish(self.hooks, q, k, v, gates, h0, ctx, res, do, dht, cfg, dphi_q, dphi_k, dv_h,
