@@ -14,13 +14,15 @@
   softmax_scale=None, initial_state=None, reverse=False, cu_seqlens=None) -> (o, final_state)``, generated from
   ``specs/recurrent.yaml`` (docs/DESIGN.md §3 linear recurrent; gla, simple_gla, lightning_attention and
   linear_attention are in ``ejgen.generated``).
+- ``recurrent_cp``: its context-parallel form (every recurrent op has ``<name>_cp``): the steps cut over a mesh axis,
+  the state passed along it (docs/DESIGN.md §3, Context parallelism).
 - ``explain(op, *args, target=None, **kwargs)``: which platform and kernel sets a call takes, and why,
   without running it (docs/DESIGN.md §6).
 - ``settings(**changes)``: a scoped override of the settings (``deterministic``, ``gluon``,
   ``triton_configs``, ``triton_autotune``); ``current_settings()`` the ones in force.
 """
 
-from ejgen.generated import flash_attention, mean_pooling, recurrent
+from ejgen.generated import flash_attention, mean_pooling, recurrent, recurrent_cp
 from ejgen.generated import flash_attention_ring as ring_attention
 from ejgen.ops.blocksparse import blocksparse_attention
 from ejgen.ops.decode import page_attention, ragged_decode_attention
@@ -30,5 +32,5 @@ from ejgen.runtime.core.settings import Settings, settings
 from ejgen.runtime.core.settings import current as current_settings
 
 __all__ = ["flash_attention", "ring_attention", "ring_permute", "ring_unpermute", "ring_positions", "mean_pooling",
-           "recurrent", "blocksparse_attention", "ragged_decode_attention", "page_attention", "explain", "settings",
-           "current_settings", "KernelChoice", "Settings"]
+           "recurrent", "recurrent_cp", "blocksparse_attention", "ragged_decode_attention", "page_attention", "explain",
+           "settings", "current_settings", "KernelChoice", "Settings"]
