@@ -13,6 +13,8 @@ from ejgen.errors import SpecError
 from ejgen.ir.expr import Binary, Const, Expr, ParamRef, Type, Var, children, walk
 from ejgen.ir.passes.derivative import ONE, add, diff, param_occurrences, simplify, sub
 from ejgen.ir.passes.mask import Affine, MaskAnalysis, analyse
+from ejgen.ir.passes.segment_key import SegmentKey
+from ejgen.ir.passes.segment_key import split as split_segment_key
 from ejgen.ir.passes.separate import separate
 from ejgen.ir.variant import CALL_ARGUMENTS, FEATURE_ARGUMENTS, MESH_ARGUMENTS, Variant
 
@@ -72,10 +74,12 @@ class AttentionPlan:
     score_is_identity: bool
     dscore_ds: Expr
     param_grads: tuple  # of ParamGrad
-    mask: MaskAnalysis  # of the spec's own mask
+    mask: MaskAnalysis  # of the element mask
     builtin_constraints: tuple  # of BuiltinConstraint (causal, sliding window)
     arguments: tuple  # of Argument: the op's keyword arguments, in signature order
     absent_arguments: dict  # built-in arguments the op does not take -> the feature that would bring each
+    segment_key: SegmentKey | None  # the mask's conjunct that runs as segment ids (`segment_key_of`)
+    element_mask: Expr  # the mask the train kernels apply: the spec's, less its segment key
 
     @property
     def name(self) -> str:
@@ -94,8 +98,9 @@ class AttentionPlan:
 
     @property
     def spec_mask(self) -> Expr | None:
-        """The mask the backends print: the spec's, its modulo tests split by side (`ir/passes/separate.py`)."""
-        m = self.variant.mask
+        """The mask the train kernels print: the element mask (the spec's, less its segment key), its modulo tests
+        split by side (`ir/passes/separate.py`); None when nothing is left."""
+        m = self.element_mask
         return None if isinstance(m, Const) and m.value is True else separate(m)
 
     def index_reads(self) -> tuple:
@@ -205,6 +210,21 @@ def _check_modes(variant: Variant) -> None:
                             f"{', '.join(decode)}: make it runtime or drop those modes", f.loc)
 
 
+# What keeps a spec's segment key in the element mask (`segment_key_of`): the decode modes run the train mode's XLA
+# hooks and print the spec's mask into their kernels (they have no ids of the prompt's tokens), varlen restarts
+# positions per sequence inside one row of ids, and explicit positions would place tokens the ids do not follow.
+SEGMENT_KEY_BLOCKERS = ("varlen", "positions")
+
+
+def segment_key_of(variant: Variant) -> tuple[SegmentKey | None, Expr]:
+    """(the mask's segment key, the element mask left), or (None, the spec's mask) where the spec keeps it whole:
+    modes beyond train, or a feature of `SEGMENT_KEY_BLOCKERS` (docs/DESIGN.md §5, Segment keys)."""
+    if any(m != "train" for m in variant.modes) or variant.feature_names() & set(SEGMENT_KEY_BLOCKERS):
+        return None, variant.mask
+    key, rest = split_segment_key(separate(variant.mask))
+    return (key, rest) if key is not None else (None, variant.mask)
+
+
 def plan_attention(variant: Variant) -> AttentionPlan:
     """The plan of a loaded, type-checked variant (``ejgen.spec.load_spec`` checks types once)."""
     _check_modes(variant)
@@ -215,6 +235,7 @@ def plan_attention(variant: Variant) -> AttentionPlan:
     param_grads = tuple(
         ParamGrad(ref, simplify(diff(score, ref))) for ref in param_occurrences(score, grad_params)
     )
+    key, element_mask = segment_key_of(variant)
     plan = AttentionPlan(
         variant=variant,
         features={f.name: f for f in variant.features},
@@ -222,10 +243,12 @@ def plan_attention(variant: Variant) -> AttentionPlan:
         score_is_identity=score == S,
         dscore_ds=simplify(diff(score, S)),
         param_grads=param_grads,
-        mask=analyse(variant.mask),
+        mask=analyse(element_mask),
         builtin_constraints=tuple(c for c in _builtin_constraints() if c.feature in variant.feature_names()),
         arguments=(arguments := _arguments(variant)),
         absent_arguments=_absent(arguments),
+        segment_key=key,
+        element_mask=element_mask,
     )
     placed = plan.names_used() & {"q_idx", "kv_idx", "q_len", "kv_len"}
     if plan.has("positions") and placed:

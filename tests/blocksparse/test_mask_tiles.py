@@ -2,7 +2,9 @@
 docs/DESIGN.md §3 block masks): against the mask evaluated element by element (numpy, written here from each
 variant's definition), at tiles of one element (kinds must be exact: skip or full) and of many (sound: a skipped
 tile holds no visible pair, a full one no hidden pair; and tight where the analysis promises it: chunks, video
-tiles and NATTEN rows that are whole tiles give no partial tile)."""
+tiles and NATTEN rows that are whole tiles give no partial tile). The zoo's chunks, images and dilations run as
+segment ids (docs/DESIGN.md §5, Segment keys): their masks are classified here from copies written as negated
+inequalities, which the segment-key pass leaves to the element mask."""
 
 from __future__ import annotations
 
@@ -113,7 +115,33 @@ def tricky(tmp_path_factory):
         yield importlib.import_module("tricky_pkg.tricky_mask_attention.triton_launch")._mask_tiles
 
 
-def _zoo(name):
+# the zoo's segment keys as element masks: `not (F != G)` is no `F == G` conjunct (ejgen.ir.passes.segment_key)
+KEYS_AS_MASKS = {
+    "chunked_local_attention": ("options:\n  chunk: {type: int, default: 8}\n",
+                                "not (q_idx // chunk != kv_idx // chunk)"),
+    "dilated_window_attention": ("options:\n  dilation: {type: int, default: 2}\n",
+                                 "not ((q_idx - kv_idx) % dilation != 0)"),
+    "flamingo_cross_attention": ("params:\n  latest: {shape: [batch, q_len], dtype: int32}\n"
+                                 "options:\n  image_tokens: {type: int, default: 64}\n",
+                                 "not (kv_idx // image_tokens != latest[b, q_idx])"),
+}
+
+
+@pytest.fixture(scope="module")
+def keys_as_masks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("keys_as_masks")
+    (root / "specs").mkdir()
+    for name, (fields, mask) in KEYS_AS_MASKS.items():
+        (root / "specs" / f"{name}.yaml").write_text(f"name: {name}\nfamily: attention\ndoc: The zoo's mask, kept "
+                                                     f"whole.\nbackends: [triton]\n{fields}mask: {mask}\n")
+    assert main(["build", str(root / "specs"), "-o", str(root / "keys_pkg")]) == 0
+    with on_path(root):
+        yield {name: importlib.import_module(f"keys_pkg.{name}.triton_launch")._mask_tiles for name in KEYS_AS_MASKS}
+
+
+def _zoo(name, keys=None):
+    if name in KEYS_AS_MASKS:
+        return keys[name]
     return importlib.import_module(f"ejgen.zoo.{name}.triton_launch")._mask_tiles
 
 
@@ -181,8 +209,8 @@ def test_every_interval_operation_is_sound(tricky, tile):
     ("paligemma_prefix_attention", paligemma_dense, {"image_tokens": 24}, (16, 16), 80),
     ("dilated_window_attention", dilated_dense, {"dilation": 3}, (8, 8), 40),
 ], ids=lambda x: x if isinstance(x, str) and x.endswith("attention") else None)
-def test_zoo_masks_by_tile(name, dense, opts, tile, n):
-    kinds = check_tiles(_zoo(name), dense, *tile, n, n, opts)
+def test_zoo_masks_by_tile(keys_as_masks, name, dense, opts, tile, n):
+    kinds = check_tiles(_zoo(name, keys_as_masks), dense, *tile, n, n, opts)
 
     whole = {"chunked_local_attention": opts.get("chunk", 1) % tile[0] == 0 and opts.get("chunk", 1) % tile[1] == 0,
              "sliding_tile_attention": opts.get("tile_tokens", 1) % max(tile) == 0}
@@ -194,14 +222,14 @@ def test_zoo_masks_by_tile(name, dense, opts, tile, n):
 
 
 @pytest.mark.parametrize("tile", [(1, 1), (16, 16), (13, 8)], ids=lambda t: f"{t[0]}x{t[1]}")
-def test_flamingo_reads_its_param_per_tile(tile):
+def test_flamingo_reads_its_param_per_tile(keys_as_masks, tile):
     """``latest[b, q_idx]``: the least and greatest image number of each query tile (one reduction per tile), so
     a text tile sees only its images' key tiles; rows before the first image (-1) see nothing."""
     rng = np.random.default_rng(7)
     batch, sq, sk, image_tokens = 2, 90, 64, 8
     starts = np.sort(rng.integers(0, sq, (batch, sk // image_tokens)), axis=1)
     latest = (np.sum(np.arange(sq)[None, :, None] >= starts[:, None, :], axis=2) - 1).astype(np.int32)
-    kinds = check_tiles(_zoo("flamingo_cross_attention"), flamingo_dense, *tile, sq, sk,
+    kinds = check_tiles(_zoo("flamingo_cross_attention", keys_as_masks), flamingo_dense, *tile, sq, sk,
                         {"image_tokens": image_tokens}, {"latest": latest}, batch=batch)
     if tile == (16, 16):  # each query tile: its images' key tiles, about two of eight
         assert np.mean(kinds > 0) < 0.4

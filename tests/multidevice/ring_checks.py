@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import oracle  # noqa: E402
 from ejgen.generated import alibi_attention_ring, prefix_lm_attention_ring  # noqa: E402
+from ejgen.zoo import chunked_local_attention_ring  # noqa: E402
 from ejgen.ops import (blocksparse_attention, flash_attention, ring_attention, ring_permute,  # noqa: E402
                        ring_unpermute)
 from ejgen.testing.shapes import AttnShape, packed_segments  # noqa: E402
@@ -175,6 +176,19 @@ def check_prefix_lm(backend, failures, devices=2):
     check(failures, sharded, ref)
 
 
+def check_chunked_local(backend, failures, devices=4):
+    """chunked_local_attention (causal within chunks of 6: its mask `q_idx // chunk == kv_idx // chunk` runs as
+    segment ids, computed at the tokens' global positions and encoded over the whole sequence), zigzag: chunks that
+    straddle shards and chunks of a zigzag pair's two halves."""
+    shape = AttnShape(1, 32, 32, 2, 1, 16)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-chunked")
+    fn = in_shard_map(chunked_local_attention_ring, devices, "zigzag", {}, {}, chunk=6, platform=backend)
+    sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    ref = oracle.attention(**diff, causal=True, mask=lambda ix, _: ix.q_idx // 6 == ix.kv_idx // 6, d_out=d_out,
+                           d_lse=d_lse)
+    check(failures, sharded, ref)
+
+
 def check_context_mesh(backend, failures, devices=4):
     """ring_attention outside shard_map, on global arrays under `with jax.set_mesh(mesh):` (the op cuts the sequence
     over the named axis itself), zigzag, GQA, causal."""
@@ -255,6 +269,7 @@ CHECKS = {
     "contiguous-causal": (check_contiguous_causal, {"xla": 2}),
     "causal-window-mqa-shared-sinks": (check_causal_window_8, {"xla": 8}),
     "prefix_lm-zigzag": (check_prefix_lm, {"xla": 2}),
+    "chunked_local-zigzag": (check_chunked_local, {"xla": 4}),
     "set_mesh-global-zigzag": (check_context_mesh, {"xla": 4}),
     "wrapper-dp2-sp4-zigzag-window-segments": (check_wrapper, {"xla": None}),
     "blocksparse-sequence-parallelism": (check_blocksparse, {"xla": 2}),

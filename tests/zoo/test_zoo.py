@@ -194,6 +194,10 @@ CASES = (
     ZooCase("flamingo_cross_attention", AttnShape(2, 45, 40, 4, 2, 32), (("image_tokens", 8),)),  # 5 images
     ZooCase("flamingo_cross_attention", AttnShape(1, 64, 48, 2, 2, 32), (("image_tokens", 16),), dtype="bfloat16"),
     ZooCase("flamingo_cross_attention", S_NEAR),  # the defaults: one image, part of it
+    # the Hopper kernels' shapes (bf16, Sq == Sk, D 64), where a GPU runs the segment keys on them (§5, Segment keys)
+    ZooCase("flamingo_cross_attention", AttnShape(1, 128, 128, 2, 1, 64), (("image_tokens", 16),), dtype="bfloat16"),
+    ZooCase("dilated_window_attention", AttnShape(1, 128, 128, 2, 1, 64), (("dilation", 3),),
+            (("causal", True), ("sliding_window", (40, 0))), dtype="bfloat16"),
 )
 # in the interpreters: each variant in f32 on two tiles or more, and in bf16
 INTERPRETED = (0, 1, 4, 7, 8, 11, 12, 13, 15, 16, 18, 19, 22, 24, 25, 26, 28, 29, 32, 34, 36, 38, 39, 40, 42, 43)

@@ -38,6 +38,11 @@ def describe(plan: AttentionPlan) -> str:
     for g in plan.param_grads:
         lines.append(f"    d score / d {to_text(g.ref)} = {to_text(g.deriv)}")
     lines.append("  mask analysis (constraints a*q_idx + b*kv_idx + c >= 0 give block ranges):")
+    if plan.segment_key is not None:
+        key = plan.segment_key
+        how = f"less the {key.base} side's least value" if key.base else "their ranks"
+        lines.append(f"    segment key: {key.text()} -> segment ids from {to_text(key.query)} per query and "
+                     f"{to_text(key.key)} per key ({how})")
     for c in plan.builtin_constraints:
         lines.append(f"    when {c.guard.text()}: {c.affine.text()}  [{c.affine.source}]")
     for c in plan.mask.constraints:

@@ -12,6 +12,7 @@ from ejgen.emit.attention import pallas, triton, xla
 from ejgen.emit.attention.common import scalar_layout
 from ejgen.emit.attention.describe import describe
 from ejgen.emit.layout import WIDTH
+from ejgen.ir.expr import Var, walk
 from ejgen.plan.attention import AttentionPlan
 
 
@@ -59,6 +60,17 @@ def _ring_docstring(plan: AttentionPlan, common: dict) -> str:
     return "\n\n".join(textwrap.fill(p, WIDTH - 8) for p in text.split("\n\n"))
 
 
+POSITIONS = {"q_idx", "kv_idx", "q_len", "kv_len"}
+
+
+def _element_reads(plan: AttentionPlan) -> tuple:
+    """The positions the kernels read: the score's, its derivatives' and the element mask's (the mask less its
+    segment key, which the op computes before them)."""
+    exprs = [plan.score, plan.dscore_ds, plan.element_mask] + [g.deriv for g in plan.param_grads]
+    return tuple(sorted({n.name for e in exprs for n in walk(e) if isinstance(n, Var) and n.kind == "builtin"}
+                        & POSITIONS))
+
+
 def _feature_settings(plan: AttentionPlan) -> str:
     items = []
     for f in plan.variant.features:
@@ -89,7 +101,9 @@ def emit(plan: AttentionPlan, backends: list[str], common: dict, render: Callabl
             prepare_args=[(a.name, a.passed) for a in plan.arguments if a.passed is not None],
             passed_on=[a.name for a in plan.arguments if a.in_signature and a.feature != "mesh"],
             index_reads=plan.index_reads(),
-            position_reads=tuple(sorted(plan.names_used() & {"q_idx", "kv_idx", "q_len", "kv_len"})),
+            position_reads=tuple(sorted(plan.names_used() & POSITIONS)),
+            segment_key=xla.segment_key_context(plan),
+            element_reads=_element_reads(plan),
             ring_signature=[s for a, s in zip(signed, signature) if a.feature != "mesh"],
             ring_docstring=_ring_docstring(plan, common),
             params=[{"name": p.name, "shape": repr(tuple(p.shape)), "dtype": p.dtype} for p in v.params],

@@ -87,7 +87,7 @@ class ViewPrinter(KernelPrinter):
 
 def _rounds(plan: AttentionPlan) -> bool:
     """Whether a hook prints the DSL's ``round`` of a float (`KernelPrinter.cast`)."""
-    exprs = [plan.score, plan.dscore_ds, plan.variant.mask] + [g.deriv for g in plan.param_grads]
+    exprs = [plan.score, plan.dscore_ds, plan.element_mask] + [g.deriv for g in plan.param_grads]
     return any(isinstance(n, Call) and n.fn == "round" and n.args[0].ty is not Type.INT for e in exprs for n in walk(e))
 
 
@@ -115,7 +115,7 @@ def _side(ref: ParamRef) -> str | None:
 
 def _hook_exprs(plan: AttentionPlan) -> list[Expr]:
     """Every expression the hooks print inside the kernels."""
-    return [plan.score, plan.dscore_ds, plan.variant.mask] + [g.deriv for g in plan.param_grads]
+    return [plan.score, plan.dscore_ds, plan.element_mask] + [g.deriv for g in plan.param_grads]
 
 
 def _token_views(plan: AttentionPlan) -> dict[str, list[ParamRef]]:

@@ -212,7 +212,13 @@ def _kernel_constexprs(indent: str = "    ") -> str:
 
 def _all_exprs(plan: AttentionPlan) -> list[Expr]:
     """Every expression the kernels print: score, mask and the derivatives."""
-    return [plan.score, plan.variant.mask, plan.dscore_ds] + [g.deriv for g in plan.param_grads]
+    return [plan.score, plan.element_mask, plan.dscore_ds] + [g.deriv for g in plan.param_grads]
+
+
+def _kernel_params(plan: AttentionPlan) -> list:
+    """The params the kernels read: all but those only the segment key reads (the op turns them into ids first)."""
+    read = {n.name for e in _all_exprs(plan) for n in walk(e) if isinstance(n, ParamRef)}
+    return [p for p in plan.variant.params if p.name in read or p.grad]
 
 
 def template_context(plan: AttentionPlan) -> dict:
@@ -220,7 +226,8 @@ def template_context(plan: AttentionPlan) -> dict:
     params = {p.name: p for p in variant.params}
     printer = TlPrinter(_names(variant), params)
     f32, i32 = scalar_layout(variant)
-    param_ptrs = "".join(f"PARAM_{p.name}, " for p in variant.params)
+    kernel_params = _kernel_params(plan)
+    param_ptrs = "".join(f"PARAM_{p.name}, " for p in kernel_params)
     builtin, spec_ranges = range_constraints(plan, printer, printer, flag=lambda name: f"MASKS.{name.upper()}")
     for c in builtin:
         c["bindings"] = _bindings([c["expr"]], variant)
@@ -237,7 +244,7 @@ def template_context(plan: AttentionPlan) -> dict:
         "scalars": textwrap.fill(f"Runtime scalars live in two small arrays: F32 = [{', '.join(f32)}], "
                                  f"I32 = [{', '.join(i32)}].", WIDTH, break_on_hyphens=False),
         "param_ptrs": param_ptrs,  # "PARAM_a, PARAM_b, ": before more arguments
-        "param_tail": "".join(f", PARAM_{p.name}" for p in variant.params),  # ", PARAM_a, PARAM_b": after one
+        "param_tail": "".join(f", PARAM_{p.name}" for p in kernel_params),  # ", PARAM_a, PARAM_b": after one
         "dparam_tail": "".join(f", DPARAM_{p.name}" for p in plan.grad_params),
         "kernel_constexprs": _kernel_constexprs(),
         "reflow": reflow,
@@ -259,10 +266,10 @@ def template_context(plan: AttentionPlan) -> dict:
         "score_is_identity_py": repr(plan.score_is_identity),
         "gathers_by_position": repr(any(
             isinstance(n, ParamRef) and any(positional(i) for i in n.indices)
-            for e in [plan.score, plan.variant.mask] for n in walk(e))),
+            for e in [plan.score, plan.element_mask] for n in walk(e))),
         "f32_options": [n for n in f32[2:]],
         "i32_options": [n for n in i32[2:]],
-        "params": [{"name": p.name, "dtype": p.dtype} for p in variant.params],
+        "params": [{"name": p.name, "dtype": p.dtype} for p in kernel_params],
         "grad_params": [p.name for p in plan.grad_params],
     }
 

@@ -141,3 +141,22 @@ def template_context(plan: AttentionPlan) -> dict:
                         [hook(plan.score), hook(plan.dscore_ds)] + [g["deriv_code"] for g in param_grads]
                         + ([hook(spec_mask)] if spec_mask is not None else [])),
     }
+
+
+def segment_key_context(plan: AttentionPlan) -> dict | None:
+    """The op glue's `_key_values` (docs/DESIGN.md §5, Segment keys): the key's two sides printed as jnp over
+    ``b`` [B, 1] and positions [1, S], the params and options they read bound from ``ctx``; None without a key."""
+    key = plan.segment_key
+    if key is None:
+        return None
+    printer = JnpPrinter(_names(plan.variant), {p.name: p for p in plan.variant.params})
+    _, reads = _used([key.query, key.key])
+    return {
+        "text": key.text(),
+        "base": f"\"{key.base}\"" if key.base else "None",
+        "bindings": [f'{o} = ctx["{o}"]' for o in reads],
+        "query_code": printer(key.query),
+        "key_code": printer(key.key),
+        "params": [r.removeprefix("param_") for r in reads if r.startswith("param_")],
+        "options": [r.removeprefix("opt_") for r in reads if r.startswith("opt_")],
+    }

@@ -39,6 +39,10 @@ class SpecInfo:
     param_dtypes: dict = dataclasses.field(default_factory=dict)  # param -> its dtype's name
     options: dict = dataclasses.field(default_factory=dict)  # option -> its type ("int", "float", "bool")
     position_reads: tuple = ()  # q_idx, kv_idx, q_len, kv_len where score or mask read them (ring attention)
+    # the mask's conjunct run as segment ids (`segment_key.SegmentKey`; docs/DESIGN.md §5, Segment keys), and the
+    # positions the kernels still read (score and the rest of the mask; None: position_reads)
+    segment_key: object = None
+    element_reads: tuple | None = None
 
     @property
     def accepted(self) -> tuple:
@@ -82,6 +86,8 @@ def choose_kernels(spec: SpecInfo, backends: dict, platform: str, backend: str, 
         others = [b for b in backends if b != backend]
         raise ValueError(f"{spec.name}(): platform '{backend}' cannot run this call: {e} (other platforms: "
                          f"{', '.join(others)})") from None
+    if call.segment_key is not None:
+        reasons = tuple(reasons) + (f"mask {call.segment_key}: as segment ids (docs/DESIGN.md §5, Segment keys)",)
     if det:
         reasons += ("deterministic: by the call's argument" if deterministic is not None
                     else "deterministic: by the setting (EJGEN_DETERMINISTIC or settings(deterministic=True))",)
@@ -117,6 +123,7 @@ class Prepared:
     varlen: bool
     op: str = "op"  # the op's name, for messages
     caller_layout: str = "bshd"  # the caller's tensors: [B, S, H, D], or "bhsd" [B, H, S, D] (out goes back so)
+    segment_key: str | None = None  # the spec's segment key where it runs as the ids in ctx (`segment_key.lower`)
 
     def padded(self, block_q: int, block_k: int, layout: str):
         """(q, k, v, ctx) in the backend's layout, padded so that Sq and Sk are whole blocks."""

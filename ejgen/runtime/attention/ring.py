@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ejgen.runtime.attention import api
+from ejgen.runtime.attention import api, segment_key
 from ejgen.runtime.core import sharding, vma
 from ejgen.types import MaskInfo
 
@@ -387,9 +387,14 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
         ctx["opt_" + o] = api.check_option(spec, o, x, spec.options[o])
     for entry in ("q_pos", "kv_pos"):  # each pair makes its own
         del ctx[entry]
+    if spec.segment_key is not None:  # the mask's segment key: ids at the tokens' global positions, travelling as ids
+        call = segment_key.lower_on_ring(spec, call, ctx, axis_name, devices,
+                                         lambda device: device_positions(token_order, devices, n, device, xp=jnp))
+        ctx.update(q_seg=call.ctx["q_seg"], kv_seg=call.ctx["kv_seg"])
     causal = call.cfg.causal
     window = _window_sides(features.get("sliding_window")) if call.cfg.window else None
-    reads = bool(set(spec.position_reads) & {"q_idx", "kv_idx"})
+    kernel_reads = spec.position_reads if spec.element_reads is None else spec.element_reads
+    reads = bool(set(kernel_reads) & {"q_idx", "kv_idx"})
     needed = {t for t in range(devices) for r in range(devices)
               if _kind(token_order, devices, n, r, (r - t) % devices, Pair((0, n), (0, n)), causal, window,
                        reads) != SKIP}

@@ -11,22 +11,34 @@ chunked_local_attention (attention; modes train; backends triton, pallas, xla)
   derivatives:
     d score / d s = 1.0
   mask analysis (constraints a*q_idx + b*kv_idx + c >= 0 give block ranges):
+    segment key: ((q_idx // chunk) == (kv_idx // chunk)) -> segment ids from (q_idx // chunk) per query and
+        (kv_idx // chunk) per key (less the key side's least value)
     when causal: q_idx - kv_idx + (kv_len - q_len) >= 0  [causal]
-    element mask + runtime block mask: ((q_idx // chunk) == (kv_idx // chunk))
     segment ids, dense masks and varlen: element mask + runtime block mask
 """
 
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from ejgen.runtime.attention import api as _attention
 from ejgen.runtime.attention import mesh as _mesh
 from ejgen.runtime.attention import ring as _ring
+from ejgen.runtime.attention import segment_key as _segment_key
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
 from . import xla as _xla
+
+
+def _key_values(ctx, b, q_idx, kv_idx, q_len, kv_len):
+    """The mask's segment key `((q_idx // chunk) == (kv_idx // chunk))`: its query side per query and its key side per
+    key, from b [B, 1] and positions [1, S]; the op turns them into segment ids (docs/DESIGN.md §5, Segment keys)."""
+    opt_chunk = ctx["opt_chunk"]
+    return (jnp.where(opt_chunk == 0, 0, q_idx // jnp.where(opt_chunk == 0, 1, opt_chunk)),
+            jnp.where(opt_chunk == 0, 0, kv_idx // jnp.where(opt_chunk == 0, 1, opt_chunk)))
+
 
 SPEC = _attention.SpecInfo(
     name="chunked_local_attention",
@@ -62,6 +74,8 @@ SPEC = _attention.SpecInfo(
         "chunk": "int",
     },
     position_reads=('kv_idx', 'q_idx'),
+    segment_key=_segment_key.SegmentKey(_key_values, "key", "((q_idx // chunk) == (kv_idx // chunk))"),
+    element_reads=(),
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
 
@@ -133,6 +147,7 @@ def chunked_local_attention(
         causal=True,
         softmax_scale=softmax_scale,
     )
+    call = _segment_key.lower(SPEC, call, dict(), dict(chunk=chunk))
     kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)

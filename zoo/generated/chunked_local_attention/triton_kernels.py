@@ -40,7 +40,6 @@ import triton.language as tl
 
 from ejgen.runtime.attention.triton.lib import (LOG2E, Dims, Logits, Masks, Schedule, _dot, _dot_acc, _load,
                                                 _placed, _rows, _tanh, _tile, _tile_range, _tighten, _to_blocks)
-from ejgen.runtime.attention.triton.lib import _int_div, _int_mod  # noqa: F401 (the spec's expressions)
 
 
 @triton.jit
@@ -87,8 +86,6 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.cons
         vis = (q_idx < q_len) & (kv_idx < kv_len)
     if MASKS.CAUSAL:  # causal
         vis = vis & (q_idx - kv_idx + (kv_len - q_len) >= 0)
-    opt_chunk = tl.load(I32 + 2)
-    vis = vis & (_int_div(q_idx, opt_chunk) == _int_div(kv_idx, opt_chunk))
     return vis
 
 

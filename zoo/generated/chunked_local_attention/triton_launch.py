@@ -11,18 +11,6 @@ TRITON_INTERPRET=1 is set before this module is first used. Kernels mask their e
 
 from ejgen.runtime.attention.triton import host as triton_attention
 from ejgen.runtime.attention.triton.host import available
-from ejgen.runtime.core import intervals as iv
-
-
-def _mask_tiles(t, ctx):
-    """Kinds (0 skip, 1 partial, 2 full) of the tiles `t` under the spec's mask, by interval arithmetic
-    (ejgen.runtime.core.intervals; docs/DESIGN.md §3 block masks): a few operations per pair of tiles."""
-    opt_chunk = iv.point(ctx["opt_chunk"])
-    v0 = iv.floordiv(t.q_idx, opt_chunk)  # (q_idx // chunk)
-    v1 = iv.floordiv(t.kv_idx, opt_chunk)  # (kv_idx // chunk)
-    v2 = iv.eq(v0, v1)  # ((q_idx // chunk) == (kv_idx // chunk))
-    return iv.kinds(v2)
-
 
 LAYOUT = triton_attention.Layout(
     kernel_module=__package__ + ".triton_kernels",
@@ -31,11 +19,11 @@ LAYOUT = triton_attention.Layout(
     i32_options=("opt_chunk", ),
     params=(),
     grad_params=(),
-    runtime_mask_from_spec=True,
+    runtime_mask_from_spec=False,
     score_is_identity=True,
     gathers_by_position=False,
-    builtin_mask_only=False,
-    mask_tiles=_mask_tiles,
+    builtin_mask_only=True,
+    mask_tiles=None,
 )
 
 

@@ -38,9 +38,6 @@ def _visible(blk, ctx, cfg):
         vis = jnp.logical_and(vis, same[:, None, None])
     if cfg.dense_mask:
         vis = jnp.logical_and(vis, xla_attention.rows_cols(ctx["mask"], blk))
-    opt_chunk = ctx["opt_chunk"]
-    vis = jnp.logical_and(vis, jnp.where(opt_chunk == 0, 0, q_idx // jnp.where(opt_chunk == 0, 1, opt_chunk))
-                          == jnp.where(opt_chunk == 0, 0, kv_idx // jnp.where(opt_chunk == 0, 1, opt_chunk)))
     return vis
 
 
@@ -68,7 +65,7 @@ def _q_blocks(ik, block_q, block_k, n_q_blocks, ctx, cfg):
 
 def _runtime_mask(cfg):
     """Whether block skipping needs a block mask computed per call."""
-    return True
+    return cfg.runtime_block_mask
 
 
 _KERNELS = xla_attention.XlaAttention(xla_attention.Hooks(

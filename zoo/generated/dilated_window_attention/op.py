@@ -11,24 +11,38 @@ dilated_window_attention (attention; modes train; backends triton, pallas, xla)
   derivatives:
     d score / d s = 1.0
   mask analysis (constraints a*q_idx + b*kv_idx + c >= 0 give block ranges):
+    segment key: ((q_idx % dilation) == (kv_idx % dilation)) -> segment ids from (q_idx % dilation) per query
+        and (kv_idx % dilation) per key (less the key side's least value)
     when causal: q_idx - kv_idx + (kv_len - q_len) >= 0  [causal]
     when window: -q_idx + kv_idx + (window_left - (kv_len - q_len)) >= 0  [sliding_window left]
     when window and not causal: q_idx - kv_idx + ((kv_len - q_len) + window_right) >= 0  [sliding_window right]
-    element mask + runtime block mask: (((q_idx - kv_idx) % dilation) == 0)
     segment ids, dense masks and varlen: element mask + runtime block mask
 """
 
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from ejgen.runtime.attention import api as _attention
 from ejgen.runtime.attention import mesh as _mesh
 from ejgen.runtime.attention import ring as _ring
+from ejgen.runtime.attention import segment_key as _segment_key
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
 from . import xla as _xla
+
+
+def _key_values(ctx, b, q_idx, kv_idx, q_len, kv_len):
+    """The mask's segment key `((q_idx % dilation) == (kv_idx % dilation))`: its query side per query and its key side
+    per key, from b [B, 1] and positions [1, S]; the op turns them into segment ids (docs/DESIGN.md §5, Segment
+    keys)."""
+    opt_dilation = ctx["opt_dilation"]
+    return (q_idx - jnp.where(opt_dilation == 0, 0, q_idx // jnp.where(opt_dilation == 0, 1, opt_dilation))
+            * opt_dilation, kv_idx - jnp.where(opt_dilation == 0, 0,
+                                               kv_idx // jnp.where(opt_dilation == 0, 1, opt_dilation)) * opt_dilation)
+
 
 SPEC = _attention.SpecInfo(
     name="dilated_window_attention",
@@ -64,6 +78,8 @@ SPEC = _attention.SpecInfo(
         "dilation": "int",
     },
     position_reads=('kv_idx', 'q_idx'),
+    segment_key=_segment_key.SegmentKey(_key_values, "key", "((q_idx % dilation) == (kv_idx % dilation))"),
+    element_reads=(),
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
 
@@ -142,6 +158,7 @@ def dilated_window_attention(
         sliding_window=sliding_window,
         softmax_scale=softmax_scale,
     )
+    call = _segment_key.lower(SPEC, call, dict(), dict(dilation=dilation))
     kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)

@@ -88,12 +88,6 @@ def _visible(t, sc, prm, cfg):
         vis = jnp.logical_and(vis, jnp.logical_and(t.q_seg == t.kv_seg, t.q_seg >= 0))
     if t.mask is not None:
         vis = jnp.logical_and(vis, t.mask != 0)
-    vis = jnp.logical_and(vis, t.q_idx - jnp.where(sc.opt_dilation == 0, 0,
-                                                   t.q_idx // jnp.where(sc.opt_dilation == 0, 1, sc.opt_dilation))
-                          * sc.opt_dilation
-                          == t.kv_idx - jnp.where(sc.opt_dilation == 0, 0,
-                                                  t.kv_idx // jnp.where(sc.opt_dilation == 0, 1, sc.opt_dilation))
-                          * sc.opt_dilation)
     return vis
 
 
@@ -138,8 +132,8 @@ def _q_blocks(n_kv, block_q, block_k, n_q, sc, cfg):
 
 
 def _runtime_mask(cfg):
-    """Whether block skipping needs a mask only known at run time (segments, dense mask, varlen, the spec's mask)."""
-    return True
+    """Whether block skipping needs a mask only known at run time (segments, dense mask, varlen)."""
+    return cfg.runtime_block_mask
 
 
 _KERNELS = pallas_kernels.PallasAttention(pallas_kernels.Hooks(

@@ -40,7 +40,6 @@ import triton.language as tl
 
 from ejgen.runtime.attention.triton.lib import (LOG2E, Dims, Logits, Masks, Schedule, _dot, _dot_acc, _load,
                                                 _placed, _rows, _tanh, _tile, _tile_range, _tighten, _to_blocks)
-from ejgen.runtime.attention.triton.lib import _int_div, _int_mod  # noqa: F401 (the spec's expressions)
 
 
 @triton.jit
@@ -99,8 +98,6 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.cons
     if MASKS.WINDOW and not MASKS.CAUSAL:  # sliding_window right
         window_right = tl.load(I32 + 1)
         vis = vis & (q_idx - kv_idx + (kv_len - q_len + window_right) >= 0)
-    opt_dilation = tl.load(I32 + 2)
-    vis = vis & (_int_mod(q_idx, opt_dilation) == _int_mod(kv_idx, opt_dilation))
     return vis
 
 

@@ -12,7 +12,8 @@ flamingo_cross_attention (attention; modes train; backends triton, pallas, xla)
   derivatives:
     d score / d s = 1.0
   mask analysis (constraints a*q_idx + b*kv_idx + c >= 0 give block ranges):
-    element mask + runtime block mask: ((kv_idx // image_tokens) == latest[b, q_idx])
+    segment key: ((kv_idx // image_tokens) == latest[b, q_idx]) -> segment ids from latest[b, q_idx] per query
+        and (kv_idx // image_tokens) per key (less the key side's least value)
     segment ids, dense masks and varlen: element mask + runtime block mask
 """
 
@@ -24,10 +25,22 @@ import jax.numpy as jnp
 from ejgen.runtime.attention import api as _attention
 from ejgen.runtime.attention import mesh as _mesh
 from ejgen.runtime.attention import ring as _ring
+from ejgen.runtime.attention import segment_key as _segment_key
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
 from . import xla as _xla
+
+
+def _key_values(ctx, b, q_idx, kv_idx, q_len, kv_len):
+    """The mask's segment key `((kv_idx // image_tokens) == latest[b, q_idx])`: its query side per query and its key
+    side per key, from b [B, 1] and positions [1, S]; the op turns them into segment ids (docs/DESIGN.md §5, Segment
+    keys)."""
+    opt_image_tokens = ctx["opt_image_tokens"]
+    param_latest = ctx["param_latest"]
+    return (param_latest[jnp.clip(b, 0, param_latest.shape[0] - 1), jnp.clip(q_idx, 0, param_latest.shape[1] - 1)],
+            jnp.where(opt_image_tokens == 0, 0, kv_idx // jnp.where(opt_image_tokens == 0, 1, opt_image_tokens)))
+
 
 SPEC = _attention.SpecInfo(
     name="flamingo_cross_attention",
@@ -70,6 +83,8 @@ SPEC = _attention.SpecInfo(
         "image_tokens": "int",
     },
     position_reads=('kv_idx', 'q_idx'),
+    segment_key=_segment_key.SegmentKey(_key_values, "key", "((kv_idx // image_tokens) == latest[b, q_idx])"),
+    element_reads=(),
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
 
@@ -145,6 +160,7 @@ def flamingo_cross_attention(
         value,
         softmax_scale=softmax_scale,
     )
+    call = _segment_key.lower(SPEC, call, dict(latest=latest), dict(image_tokens=image_tokens))
     kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)

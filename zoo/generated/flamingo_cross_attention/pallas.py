@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.attention import kernels as _kernel_sets
-from ejgen.runtime.attention.pallas import common as _rt
 from ejgen.runtime.attention.pallas import kernels as pallas_kernels
 from ejgen.runtime.core import blocks
 
@@ -57,18 +56,6 @@ def _params(ctx):
     return {"latest": ctx["param_latest"].astype(jnp.int32)}
 
 
-def _token_views(t, sc, prm):
-    """(per query row, per key): the params read by one side's positions, evaluated over whole rows outside
-    the kernels (``t``: index grids [B|1, H|1, S]); the kernels read their tiles by block.
-    q_tok[0] = latest[b, q_idx]
-    """
-    q_tok = (
-        _rt.clamped(prm["latest"], t.b, t.q_idx),
-    )
-    kv_tok = ()
-    return q_tok, kv_tok
-
-
 def _score(s, t, sc, prm):
     """The spec's score on one tile."""
     del t, sc, prm
@@ -95,9 +82,6 @@ def _visible(t, sc, prm, cfg):
         vis = jnp.logical_and(vis, jnp.logical_and(t.q_seg == t.kv_seg, t.q_seg >= 0))
     if t.mask is not None:
         vis = jnp.logical_and(vis, t.mask != 0)
-    vis = jnp.logical_and(vis, jnp.where(sc.opt_image_tokens == 0, 0,
-                                         t.kv_idx // jnp.where(sc.opt_image_tokens == 0, 1, sc.opt_image_tokens))
-                          == t.q_tok[0])
     return vis
 
 
@@ -128,8 +112,8 @@ def _q_blocks(n_kv, block_q, block_k, n_q, sc, cfg):
 
 
 def _runtime_mask(cfg):
-    """Whether block skipping needs a mask only known at run time (segments, dense mask, varlen, the spec's mask)."""
-    return True
+    """Whether block skipping needs a mask only known at run time (segments, dense mask, varlen)."""
+    return cfg.runtime_block_mask
 
 
 _KERNELS = pallas_kernels.PallasAttention(pallas_kernels.Hooks(
@@ -147,8 +131,6 @@ _KERNELS = pallas_kernels.PallasAttention(pallas_kernels.Hooks(
     kv_blocks=_kv_blocks,
     q_blocks=_q_blocks,
     runtime_mask=_runtime_mask,
-    token_views=_token_views,
-    kernel_params=(),
 ))
 available = pallas_kernels.available
 block_sizes = pallas_kernels.block_sizes

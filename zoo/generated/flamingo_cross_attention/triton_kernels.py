@@ -40,7 +40,6 @@ import triton.language as tl
 
 from ejgen.runtime.attention.triton.lib import (LOG2E, Dims, Logits, Masks, Schedule, _dot, _dot_acc, _load,
                                                 _placed, _rows, _tanh, _tile, _tile_range, _to_blocks)
-from ejgen.runtime.attention.triton.lib import _int_div, _int_mod  # noqa: F401 (the spec's expressions)
 
 
 @triton.jit
@@ -71,22 +70,18 @@ def _band_start(i_m, I32, q_len, kv_len, DIMS: tl.constexpr, MASKS: tl.constexpr
 
 
 @triton.jit
-def _score(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_latest, DIMS: tl.constexpr):
+def _score(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.constexpr):
     return s
 
 
 @triton.jit
-def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_latest, DIMS: tl.constexpr,
+def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.constexpr,
              MASKS: tl.constexpr):
     """Element mask from causal, window and the spec's mask (segments and dense masks: `_tile_mask`)."""
     if MASKS.POSITIONS:  # positions are not rows: `_tile_mask` checks the rows' bounds
         vis = (q_idx == q_idx) & (kv_idx == kv_idx)
     else:
         vis = (q_idx < q_len) & (kv_idx < kv_len)
-    opt_image_tokens = tl.load(I32 + 2)
-    vis = vis & (_int_div(kv_idx, opt_image_tokens)
-                 == tl.load(PARAM_latest + tl.minimum(tl.maximum(off_b, 0), DIMS.B - 1) * (DIMS.SEQ_Q)
-                            + tl.minimum(tl.maximum(q_idx, 0), DIMS.SEQ_Q - 1)))
     return vis
 
 
@@ -110,15 +105,15 @@ def _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, DIMS: tl.constexp
 
 
 @triton.jit
-def _mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK, PARAM_latest,
+def _mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, QSEG, KVSEG, MASK,
           DIMS: tl.constexpr, MASKS: tl.constexpr):
     """The whole element mask of a tile (`_visible` and `_tile_mask`)."""
-    vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_latest, DIMS, MASKS)
+    vis = _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS, MASKS)
     return _tile_mask(vis, o_m, o_n, off_b, off_h, QSEG, KVSEG, MASK, DIMS, MASKS)
 
 
 @triton.jit
-def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS, PARAM_latest,
+def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, F32, I32, BIAS,
             DIMS: tl.constexpr, LOGITS: tl.constexpr, SCHEDULE: tl.constexpr):
     """(s, s_score, x, x_scale) of the tile a @ bt: the logit after bias, after the score hook, and the
     final logit in base 2 as the product x * x_scale (left to the caller to fuse into exp2's argument).
@@ -135,7 +130,7 @@ def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, 
                     * DIMS.SEQ_Q * DIMS.SEQ_K)
         s += tl.load(BIAS + off_bias + o_m.to(tl.int64) * DIMS.SEQ_K + o_n,
                      mask=(o_m < DIMS.SEQ_Q) & (o_n < DIMS.SEQ_K), other=0.0).to(tl.float32)
-    s_score = _score(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, PARAM_latest, DIMS).to(tl.float32)
+    s_score = _score(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS).to(tl.float32)
     s_final = s_score
     if LOGITS.SOFTCAP:
         softcap = tl.load(F32 + 1)
@@ -146,7 +141,7 @@ def _logits(a, bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, p_list, p_kvpos,
                scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
-               F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest,
+               F32, I32, BIAS, QSEG, KVSEG, MASK,
                DIMS: tl.constexpr, MASKS: tl.constexpr, LOGITS: tl.constexpr, SCHEDULE: tl.constexpr,
                MASKED: tl.constexpr):
     """The key blocks at loop positions [n_lo, n_hi) (the blocks themselves, or the entries of the row's tile list
@@ -170,12 +165,12 @@ def _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, n_lo, n_hi, f_lo, f_hi, p_list, p_k
         kv_idx = (_placed(p_kvpos, o_pos, kv_len) if MASKS.POSITIONS else o_pos)[None, :]
         o_n = (row_k + o_pos)[None, :]
         _, _, x, x_scale = _logits(b_q, b_kt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
-                                   F32, I32, BIAS, PARAM_latest, DIMS, LOGITS, SCHEDULE)
+                                   F32, I32, BIAS, DIMS, LOGITS, SCHEDULE)
         if MASKED:
             edge = True if SCHEDULE.STAGED else (t < f_lo) | (t >= f_hi)  # see `_bwd_tile`
             if edge:
                 x = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
-                                   F32, I32, QSEG, KVSEG, MASK, PARAM_latest, DIMS, MASKS), x, float("-inf"))
+                                   F32, I32, QSEG, KVSEG, MASK, DIMS, MASKS), x, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, 1) * x_scale)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
@@ -202,7 +197,7 @@ def _sequence(CU_Q, CU_K, off_b, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, VARLE
 
 @triton.jit
 def flamingo_cross_attention_fwd_kernel(
-    Q, K, V, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, QPOS, KVPOS, TILES, AUX, PARAM_latest,
+    Q, K, V, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, QPOS, KVPOS, TILES, AUX,
     O, LSE, SCRATCH,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -267,20 +262,20 @@ def flamingo_cross_attention_fwd_kernel(
     if STAGED:  # masked edges, unmasked middle: three loops
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, flo, flo, fhi, p_list,
                                    KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
-                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest,
+                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                                    DIMS, MASKS, LOGITS, SCHEDULE, True)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, flo, fhi, flo, fhi, p_list,
                                    KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
-                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest,
+                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                                    DIMS, MASKS, LOGITS, SCHEDULE, False)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, fhi, hi, flo, fhi, p_list,
                                    KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
-                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest,
+                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                                    DIMS, MASKS, LOGITS, SCHEDULE, True)
     else:  # one loop, the element mask on the edge blocks only (one pipeline fill)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, b_q, p_k, p_v, lo, hi, flo, fhi, p_list,
                                    KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
-                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest,
+                                   q_len, kv_len, F32, I32, BIAS, QSEG, KVSEG, MASK,
                                    DIMS, MASKS, LOGITS, SCHEDULE, True)
     if SINKS:
         o_s = tl.arange(0, SINKS_PAD)
@@ -301,7 +296,7 @@ def flamingo_cross_attention_fwd_kernel(
 
 @triton.jit
 def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
-              i, f_lo, f_hi, F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest,
+              i, f_lo, f_hi, F32, I32, BIAS, QSEG, KVSEG, MASK,
               DIMS: tl.constexpr, MASKS: tl.constexpr, LOGITS: tl.constexpr, SCHEDULE: tl.constexpr,
               MASKED: tl.constexpr):
     """(p, ds1, ds0, s) of one tile, in the orientation of s_a @ s_bt (b_lse, b_delta broadcast to it):
@@ -309,13 +304,13 @@ def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
     MASKED: a loop whose blocks may take the element mask: all of them in the three-loop form (`edge`
     is then the constant True, no branch), the edge blocks i outside [f_lo, f_hi) in the one loop."""
     s, s_score, x, x_scale = _logits(s_a, s_bt, scale, q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
-                                     F32, I32, BIAS, PARAM_latest, DIMS, LOGITS, SCHEDULE)
+                                     F32, I32, BIAS, DIMS, LOGITS, SCHEDULE)
     p = tl.math.exp2(x * x_scale - b_lse)  # b_lse in base 2
     if MASKED:
         edge = True if SCHEDULE.STAGED else (i < f_lo) | (i >= f_hi)
         if edge:
             p = tl.where(_mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
-                               F32, I32, QSEG, KVSEG, MASK, PARAM_latest, DIMS, MASKS), p, 0.0)
+                               F32, I32, QSEG, KVSEG, MASK, DIMS, MASKS), p, 0.0)
     dp = _dot(dp_a, dp_bt, SCHEDULE)
     ds1 = p * (dp - b_delta)
     if LOGITS.SOFTCAP:
@@ -325,7 +320,7 @@ def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
     if MASKED and not LOGITS.PLAIN:  # a score hook or soft cap may not be finite where p is 0
         if edge:
             vis = _mask(q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len,
-                        F32, I32, QSEG, KVSEG, MASK, PARAM_latest, DIMS, MASKS)
+                        F32, I32, QSEG, KVSEG, MASK, DIMS, MASKS)
             ds0 = tl.where(vis, ds0, 0.0)
             ds1 = tl.where(vis, ds1, 0.0)
     return p, ds1, ds0, s
@@ -334,7 +329,7 @@ def _bwd_tile(s_a, s_bt, dp_a, dp_bt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
 @triton.jit
 def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_list, p_qpos, i_kb, kv_idx, o_n, scale,
                 p_q, p_do, p_dq, p_lse, p_delta, p_band, row_q, off_b, off_h, q_len, kv_len, prog,
-                F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest, DBIAS,
+                F32, I32, BIAS, QSEG, KVSEG, MASK, DBIAS,
                 DIMS: tl.constexpr, MASKS: tl.constexpr, LOGITS: tl.constexpr, SCHEDULE: tl.constexpr,
                 MASKED: tl.constexpr):
     """The query blocks [m_lo, m_hi) of key block i_kb, for one query head, into dK and dV. Tiles in [keys,
@@ -365,7 +360,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_list, p_qpos, i_
         o_m = (row_q + o_pos)[None, :]
         pt, ds1, ds0t, s = _bwd_tile(b_k, b_qt, b_v, tl.trans(b_do), b_lse[None, :], b_delta[None, :], scale,
                                      q_idx, kv_idx, o_m, o_n, off_b, off_h, q_len, kv_len, t, f_lo, f_hi,
-                                     F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest,
+                                     F32, I32, BIAS, QSEG, KVSEG, MASK,
                                      DIMS, MASKS, LOGITS, SCHEDULE, MASKED)  # [BLOCK_N, BLOCK_M]
         b_dv = _dot_acc(pt.to(b_do.dtype), b_do, b_dv, SCHEDULE)
         ds_in = ds0t.to(b_qt.dtype)  # one rounding for dK and the band: 16-bit registers live until the store
@@ -399,7 +394,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, m_lo, m_hi, f_lo, f_hi, p_list, p_qpos, i_
 
 @triton.jit
 def flamingo_cross_attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, QPOS, KVPOS, TILES, PARAM_latest,
+    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, QPOS, KVPOS, TILES,
     DK, DV_OUT, DBIAS, DQ_ACC, DS_BAND, SCRATCH,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -482,26 +477,26 @@ def flamingo_cross_attention_bwd_dkdv_kernel(
                                          kv_idx,
                                          o_n[:, None], scale, p_q, p_do, p_dq, p_lse, p_delta, p_band,
                                          row_q, off_b, off_h, q_len, kv_len, prog,
-                                         F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest, DBIAS,
+                                         F32, I32, BIAS, QSEG, KVSEG, MASK, DBIAS,
                                          DIMS, MASKS, LOGITS, SCHEDULE, True)
                 b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, flo, fhi, flo, fhi, p_list, QPOS + batch * SEQ_Q, i_n,
                                          kv_idx,
                                          o_n[:, None], scale, p_q, p_do, p_dq, p_lse, p_delta, p_band,
                                          row_q, off_b, off_h, q_len, kv_len, prog,
-                                         F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest, DBIAS,
+                                         F32, I32, BIAS, QSEG, KVSEG, MASK, DBIAS,
                                          DIMS, MASKS, LOGITS, SCHEDULE, False)
                 b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, fhi, hi, flo, fhi, p_list, QPOS + batch * SEQ_Q, i_n,
                                          kv_idx,
                                          o_n[:, None], scale, p_q, p_do, p_dq, p_lse, p_delta, p_band,
                                          row_q, off_b, off_h, q_len, kv_len, prog,
-                                         F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest, DBIAS,
+                                         F32, I32, BIAS, QSEG, KVSEG, MASK, DBIAS,
                                          DIMS, MASKS, LOGITS, SCHEDULE, True)
             else:
                 b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, lo, hi, flo, fhi, p_list, QPOS + batch * SEQ_Q, i_n,
                                          kv_idx,
                                          o_n[:, None], scale, p_q, p_do, p_dq, p_lse, p_delta, p_band,
                                          row_q, off_b, off_h, q_len, kv_len, prog,
-                                         F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest, DBIAS,
+                                         F32, I32, BIAS, QSEG, KVSEG, MASK, DBIAS,
                                          DIMS, MASKS, LOGITS, SCHEDULE, True)
     tl.store(DK + o_k, (b_dk * scale).to(DK.dtype.element_ty), mask=m_n[:, None] & (o_d[None, :] < D))
     tl.store(DV_OUT + o_v, b_dv.to(DV_OUT.dtype.element_ty), mask=m_n[:, None] & (o_dv[None, :] < DV))
@@ -510,7 +505,7 @@ def flamingo_cross_attention_bwd_dkdv_kernel(
 @triton.jit
 def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi, p_list, p_kvpos,
               scale, q_idx, o_m, row_k, off_b, off_h, off_hk, q_len, kv_len,
-              F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest,
+              F32, I32, BIAS, QSEG, KVSEG, MASK,
               DIMS: tl.constexpr, MASKS: tl.constexpr, LOGITS: tl.constexpr, SCHEDULE: tl.constexpr,
               MASKED: tl.constexpr):
     """The key blocks [n_lo, n_hi) of one query block into dQ (see `_bwd_tile` for MASKED, f_lo and f_hi)."""
@@ -533,7 +528,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, p_k, p_v, n_lo, n_hi, f_lo, f_hi,
         kv_idx = (_placed(p_kvpos, o_pos, kv_len) if MASKS.POSITIONS else o_pos)[None, :]
         p, ds1, ds0, s = _bwd_tile(b_q, b_kt, b_do, b_vt, b_lse, b_delta, scale, q_idx, kv_idx, o_m,
                                    (row_k + o_pos)[None, :], off_b, off_h, q_len, kv_len, t, f_lo, f_hi,
-                                   F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest,
+                                   F32, I32, BIAS, QSEG, KVSEG, MASK,
                                    DIMS, MASKS, LOGITS, SCHEDULE, MASKED)
         b_dq = _dot_acc(ds0.to(b_kt.dtype), tl.trans(b_kt), b_dq, SCHEDULE)
     return b_dq
@@ -569,7 +564,7 @@ def _dq_band_inner(b_dq, p_band, p_k, n_lo, n_hi, i_m, o_pos, off_b, off_hk, q_l
 
 @triton.jit
 def flamingo_cross_attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, QPOS, KVPOS, TILES, PARAM_latest,
+    Q, K, V, DO, LSE, DELTA, F32, I32, BIAS, QSEG, KVSEG, MASK, CU_Q, CU_K, QPOS, KVPOS, TILES,
     O_FWD, DS_BAND, DQ, DELTA_OUT, SCRATCH,
     B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SEQ_Q: tl.constexpr, SEQ_K: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -648,22 +643,22 @@ def flamingo_cross_attention_bwd_dq_kernel(
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, flo, flo, fhi, p_list,
                              KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
                              q_len, kv_len,
-                             F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest,
+                             F32, I32, BIAS, QSEG, KVSEG, MASK,
                              DIMS, MASKS, LOGITS, SCHEDULE, True)
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, flo, fhi, flo, fhi, p_list,
                              KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
                              q_len, kv_len,
-                             F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest,
+                             F32, I32, BIAS, QSEG, KVSEG, MASK,
                              DIMS, MASKS, LOGITS, SCHEDULE, False)
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, fhi, hi, flo, fhi, p_list,
                              KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
                              q_len, kv_len,
-                             F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest,
+                             F32, I32, BIAS, QSEG, KVSEG, MASK,
                              DIMS, MASKS, LOGITS, SCHEDULE, True)
         else:
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse[:, None], b_delta[:, None], p_k, p_v, lo, hi, flo, fhi, p_list,
                              KVPOS + batch * SEQ_K, scale, q_idx, o_m[:, None], row_k, off_b, off_h, off_hk,
                              q_len, kv_len,
-                             F32, I32, BIAS, QSEG, KVSEG, MASK, PARAM_latest,
+                             F32, I32, BIAS, QSEG, KVSEG, MASK,
                              DIMS, MASKS, LOGITS, SCHEDULE, True)
     tl.store(DQ + o_q, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_m[:, None] & (o_d[None, :] < D))

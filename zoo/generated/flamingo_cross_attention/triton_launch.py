@@ -11,32 +11,19 @@ TRITON_INTERPRET=1 is set before this module is first used. Kernels mask their e
 
 from ejgen.runtime.attention.triton import host as triton_attention
 from ejgen.runtime.attention.triton.host import available
-from ejgen.runtime.core import intervals as iv
-
-
-def _mask_tiles(t, ctx):
-    """Kinds (0 skip, 1 partial, 2 full) of the tiles `t` under the spec's mask, by interval arithmetic
-    (ejgen.runtime.core.intervals; docs/DESIGN.md §3 block masks): a few operations per pair of tiles."""
-    opt_image_tokens = iv.point(ctx["opt_image_tokens"])
-    param_latest = ctx["param_latest"]
-    v0 = iv.floordiv(t.kv_idx, opt_image_tokens)  # (kv_idx // image_tokens)
-    v1 = iv.read(param_latest, (t.b, t.q_idx,), ranged=(1,), block=t.q_block)  # latest[b, q_idx]
-    v2 = iv.eq(v0, v1)  # ((kv_idx // image_tokens) == latest[b, q_idx])
-    return iv.kinds(v2)
-
 
 LAYOUT = triton_attention.Layout(
     kernel_module=__package__ + ".triton_kernels",
     name="flamingo_cross_attention",
     f32_options=(),
     i32_options=("opt_image_tokens", ),
-    params=("latest", ),
+    params=(),
     grad_params=(),
-    runtime_mask_from_spec=True,
+    runtime_mask_from_spec=False,
     score_is_identity=True,
-    gathers_by_position=True,
-    builtin_mask_only=False,
-    mask_tiles=_mask_tiles,
+    gathers_by_position=False,
+    builtin_mask_only=True,
+    mask_tiles=None,
 )
 
 

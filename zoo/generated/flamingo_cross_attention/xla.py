@@ -36,13 +36,6 @@ def _visible(blk, ctx, cfg):
         vis = jnp.logical_and(vis, same[:, None, None])
     if cfg.dense_mask:
         vis = jnp.logical_and(vis, xla_attention.rows_cols(ctx["mask"], blk))
-    b = blk.b
-    opt_image_tokens = ctx["opt_image_tokens"]
-    param_latest = ctx["param_latest"]
-    vis = jnp.logical_and(vis, jnp.where(opt_image_tokens == 0, 0,
-                                         kv_idx // jnp.where(opt_image_tokens == 0, 1, opt_image_tokens))
-                          == param_latest[jnp.clip(b, 0, param_latest.shape[0]
-                                                   - 1), jnp.clip(q_idx, 0, param_latest.shape[1] - 1)])
     return vis
 
 
@@ -63,7 +56,7 @@ def _q_blocks(ik, block_q, block_k, n_q_blocks, ctx, cfg):
 
 def _runtime_mask(cfg):
     """Whether block skipping needs a block mask computed per call."""
-    return True
+    return cfg.runtime_block_mask
 
 
 _KERNELS = xla_attention.XlaAttention(xla_attention.Hooks(

@@ -1,0 +1,128 @@
+"""A spec's segment key at run time (docs/DESIGN.md §5, Segment keys): the conjunct ``F == G`` of its mask that the
+planner took out of the element mask (`ejgen.ir.passes.segment_key`) becomes segment ids, computed once per call
+before the kernels, O(S).
+
+Ids. The kernels see query ``i`` and key ``j`` together where ``q_seg[i] == kv_seg[j] >= 0`` (negative ids are
+padding: §3 step 4). ``F`` and ``G`` are int32 of either sign, so their values are encoded (`encode`), per batch
+row, so that ``q_ids[i] == kv_ids[j] >= 0`` exactly where ``F(i) == G(j)``:
+- offset (the spec's key has a side that reads no param, its *base*): ids are the values less the base side's least
+  value in the row; the other side's values outside the base side's [least, greatest] match nothing there and
+  become -1, which sees nothing, as they would. Order is kept, so ids that grow along a side (chunks, images) keep
+  the per-tile ranges tight. Exact while the base side's values of one row lie within 2^31 of each other: always,
+  unless its int32 arithmetic overflows (where the element mask would wrap around as well);
+- ranks (both sides read params, whose values may be anything; or the call passes segment ids of its own): the
+  dense rank of each value (of each pair (call's id, value)) among the row's queries and keys, by one sort of
+  Sq + Sk entries: exact for any int32, ids below Sq + Sk. The call's padding (negative ids) stays -1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from jax import lax
+
+from ejgen.runtime.attention import api
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentKey:
+    """What a generated op knows of its spec's segment key: ``values(ctx, b, q_idx, kv_idx, q_len, kv_len)`` gives
+    ``F`` per query and ``G`` per key (``b`` [B, 1], positions [1, S]; ``ctx`` holds the params and options they
+    read as ``param_<name>`` / ``opt_<name>``); ``base``: "query", "key" or None (ranks); ``text``: the conjunct."""
+
+    values: Callable
+    base: str | None
+    text: str
+
+
+def encode(q_vals, kv_vals, base: str | None, q_user=None, kv_user=None):
+    """(q_ids [B, Sq], kv_ids [B, Sk]) int32 from the key's values per token (module docstring), paired with the
+    call's own segment ids where given (``q_user``, ``kv_user``)."""
+    q_vals, kv_vals = jnp.asarray(q_vals, jnp.int32), jnp.asarray(kv_vals, jnp.int32)
+    if q_user is not None:
+        return _ranks(q_vals, kv_vals, q_user, kv_user)
+    if base is None:
+        return _ranks(q_vals, kv_vals, jnp.zeros_like(q_vals), jnp.zeros_like(kv_vals))
+    if base == "query":
+        kv_ids, q_ids = _offset(kv_vals, q_vals)
+        return q_ids, kv_ids
+    return _offset(q_vals, kv_vals)
+
+
+def _offset(other, base):
+    """(other's ids, base's ids): the values less the base side's least one per row; other's values outside the base
+    side's range match nothing: -1."""
+    lo = jnp.min(base, axis=1, keepdims=True)
+    hi = jnp.max(base, axis=1, keepdims=True)
+    inside = (other >= lo) & (other <= hi)
+    return jnp.where(inside, other - lo, -1), base - lo
+
+
+def _ranks(q_vals, kv_vals, q_user, kv_user):
+    """Dense ranks of the pairs (user id, value) over each row's queries and keys; user padding stays -1."""
+    sq = q_vals.shape[1]
+    user = jnp.concatenate([q_user, kv_user], axis=1).astype(jnp.int32)
+    vals = jnp.concatenate([q_vals, kv_vals], axis=1)
+    batch, n = vals.shape
+    where = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
+    s_user, s_vals, s_where = lax.sort((user, vals, where), dimension=1, num_keys=2)
+    new = (s_user[:, 1:] != s_user[:, :-1]) | (s_vals[:, 1:] != s_vals[:, :-1])
+    rank = jnp.cumsum(jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), new.astype(jnp.int32)], axis=1), axis=1)
+    ids = jnp.zeros((batch, n), jnp.int32).at[jnp.arange(batch)[:, None], s_where].set(rank)
+    ids = jnp.where(user < 0, -1, ids)
+    return ids[:, :sq], ids[:, sq:]
+
+
+def _inputs(spec: api.SpecInfo, params: dict, options: dict, dims: dict) -> dict:
+    """The params and options the key reads, checked as the op checks them, under their ctx names."""
+    ctx = {}
+    for p, x in params.items():
+        ctx["param_" + p] = api.check_param(spec, p, x, spec.params[p], jnp.dtype(spec.param_dtypes[p]), dims)
+    for o, x in options.items():
+        ctx["opt_" + o] = api.check_option(spec, o, x, spec.options[o])
+    return ctx
+
+
+def _values(key: SegmentKey, ctx: dict, batch: int, q_pos, kv_pos, q_len: int, kv_len: int):
+    """(F [B, Sq], G [B, Sk]) int32 at positions q_pos [Sq], kv_pos [Sk]."""
+    b = jnp.arange(batch, dtype=jnp.int32)[:, None]
+    q_vals, kv_vals = key.values(ctx, b, q_pos[None], kv_pos[None], jnp.int32(q_len), jnp.int32(kv_len))
+    shape = lambda x, n: jnp.broadcast_to(jnp.asarray(x).astype(jnp.int32), (batch, n))  # noqa: E731 (bools: 0 / 1)
+    return shape(q_vals, q_pos.shape[0]), shape(kv_vals, kv_pos.shape[0])
+
+
+def lower(spec: api.SpecInfo, call: api.Prepared, params: dict, options: dict) -> api.Prepared:
+    """``call`` with the spec's segment key as segment ids (joined with the call's own: ranks of pairs)."""
+    key = spec.segment_key
+    sq, sk = call.cfg.seq_q, call.cfg.seq_k
+    ctx = _inputs(spec, params, options, call.dims)
+    q_vals, kv_vals = _values(key, ctx, call.q.shape[0], jnp.arange(sq, dtype=jnp.int32),
+                              jnp.arange(sk, dtype=jnp.int32), sq, sk)
+    user = (call.ctx["q_seg"], call.ctx["kv_seg"]) if call.cfg.segments else (None, None)
+    q_ids, kv_ids = encode(q_vals, kv_vals, key.base, *user)
+    return dataclasses.replace(call, cfg=dataclasses.replace(call.cfg, segments=True),
+                               ctx={**call.ctx, "q_seg": q_ids, "kv_seg": kv_ids},
+                               segment_key=key.text + (" (paired with the call's segment ids)" if user[0] is not None
+                                                       else ""))
+
+
+def lower_on_ring(spec: api.SpecInfo, call: api.Prepared, ctx: dict, axis_name, devices: int,
+                  positions: Callable) -> api.Prepared:
+    """``call`` (this device's rows of a ring, ``ctx`` holding the checked params and options) with the key as
+    segment ids at the rows' global positions (``positions(device)``: int32 [n]). The encoding looks at whole rows:
+    the key's values and the call's ids are gathered over the axis (in device order: the encoding does not depend on
+    the order of a row's tokens), encoded, and each device keeps its own rows."""
+    key = spec.segment_key
+    n = call.cfg.seq_q
+    device = lax.axis_index(axis_name)
+    pos = positions(device)
+    q_vals, kv_vals = _values(key, ctx, call.q.shape[0], pos, pos, n * devices, n * devices)
+    gather = lambda x: lax.all_gather(x, axis_name, axis=1, tiled=True)  # noqa: E731 [B, n * devices], device order
+    user = (gather(call.ctx["q_seg"]), gather(call.ctx["kv_seg"])) if call.cfg.segments else (None, None)
+    q_ids, kv_ids = encode(gather(q_vals), gather(kv_vals), key.base, *user)
+    mine = lambda x: lax.dynamic_slice_in_dim(x, device * n, n, axis=1)  # noqa: E731
+    return dataclasses.replace(call, cfg=dataclasses.replace(call.cfg, segments=True),
+                               ctx={**call.ctx, "q_seg": mine(q_ids), "kv_seg": mine(kv_ids)}, segment_key=key.text)
+
