@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call of the linear recurrent family's GPU checks and timings (issue 17; issue 18's context parallelism
+# where the host has 2+ GPUs): bash benchmarks/recurrent_session.sh [PART...]  PART: tests | fla | bench | cp
+# Run from the repository root after the .whl install line (fla-core, flash-linear-attention, einops among the
+# wheels: /work/shared/tools/gpu-wheelhouse fla-core==0.6.0 flash-linear-attention==0.6.0 einops). Logs: $OUT/rec.
+set -u
+log=$OUT/rec; mkdir -p "$log" bench-out
+export TRITON_CACHE_DIR=$PWD/bench-out/triton-cache JAX_COMPILATION_CACHE_DIR=$PWD/bench-out/jax-cache NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee -a "$log/log.txt"
+parts=${*:-tests fla bench cp}
+for part in $parts; do
+  case $part in
+    tests) timeout 240 python3 -m pytest -m gpu -q -rf -x -p no:cacheprovider tests/recurrent 2>&1 | tail -25 \
+             | tee -a "$log/log.txt" ;;
+    fla) CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/recurrent_fla.py --out "$log/fla.json" 2>&1 | tail -15 \
+             | tee -a "$log/log.txt" ;;
+    bench) CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/recurrent.py --fla "$log/fla.json" --decode \
+             --out "$log" 2>&1 | tail -40 | tee -a "$log/log.txt" ;;
+    cp) timeout 150 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/multidevice/test_recurrent_cp_gpu.py \
+             2>&1 | tail -15 | tee -a "$log/log.txt" ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
