@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ejgen.runtime.core import shared_memory
+from ejgen.runtime.core import shared_memory, sizes
 from ejgen.runtime.core.device import num_sms
 
 PROGRAMS_PER_SM = 4  # resident programs per SM the splits fill: fewer leave too few loads in flight to hide HBM latency
@@ -23,7 +23,7 @@ INTERPRET_SMS = 2  # the interpreters' cost grows with the programs, empty ones 
 def slots(block_n: int, d: int, dv: int, item: int, stages: int = 2, sms: int | None = None) -> int:
     """Programs the GPU runs at once: SMs x PROGRAMS_PER_SM, fewer where their shared memory does not fit (Triton keeps
     ``stages`` - 1 K / V tiles in flight besides the query: 38.9 KB at bf16, D 128, BLOCK_N 64 in the sm_90 build)."""
-    dp, dvp = shared_memory._pow2(d), shared_memory._pow2(dv)
+    dp, dvp = sizes.pow2(d), sizes.pow2(dv)
     per_program = (max(1, stages - 1) * block_n * (dp + dvp) + 16 * dp) * item
     return (sms or num_sms()) * max(1, min(PROGRAMS_PER_SM, shared_memory.HOPPER // per_program))
 

@@ -6,12 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from ejgen.runtime.core import sizes
+
 HOPPER = 227 * 1024
 """Shared memory of one Hopper thread block (an H200 refused 320 KB)."""
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def estimate(kernel: str, rows: int, cols: int, stages: int, d: int, dv: int, item: int, bias: bool,
@@ -20,7 +18,7 @@ def estimate(kernel: str, rows: int, cols: int, stages: int, d: int, dv: int, it
     ``cols`` keys): its loop's tiles per step (K and V in the forward and dQ kernels, Q and dO in the dK/dV
     kernel), a bias (counted as float32) and a dense-mask (int8) tile of [rows, cols] per step when the call
     streams them, all once per pipeline stage; plus the tiles that stay (Q; K and V; Q and dO)."""
-    dp, dvp = _pow2(d), _pow2(dv)
+    dp, dvp = sizes.pow2(d), sizes.pow2(dv)
     streamed = rows * cols * ((4 if bias else 0) + (1 if mask else 0))
     if kernel == "dkdv":
         step, resident = rows * (dp + dvp) * item, cols * (dp + dvp) * item

@@ -15,11 +15,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def count(n_seqs: int, tokens: int, rows: int, lo=None, hi=None) -> int:
     """How many items a call has at most: exactly, where the ranges are static; else the bound
     sum(ceil(len / rows)) <= n_seqs + floor(tokens / rows) (which holds whatever the lengths)."""

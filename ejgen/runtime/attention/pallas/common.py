@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from ejgen.runtime.core import sizes
 from ejgen.runtime.core.pallas import KERNELS, available, dispatch, interpret_kernels  # noqa: F401 (shared by families)
 
 NUM_LANES = 128
@@ -39,10 +40,8 @@ class Operands:
 
 
 def pow2(n: int, least: int = 16) -> int:
-    p = least
-    while p < n:
-        p *= 2
-    return p
+    """A tile's padded size: ``sizes.pow2`` with the tensor cores' floor of 16."""
+    return sizes.pow2(n, least)
 
 
 def precision(dtype):

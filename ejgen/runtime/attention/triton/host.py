@@ -19,7 +19,7 @@ from ejgen.runtime.attention import tiles
 from ejgen.runtime.attention.api import SEQ_MAJOR, sinks_grad
 from ejgen.runtime.attention.gluon import host as gluon_attention
 from ejgen.runtime.attention.triton import configs as triton_configs
-from ejgen.runtime.core import kernels, settings
+from ejgen.runtime.core import kernels, settings, sizes
 from ejgen.runtime.launch import triton_call
 
 # The kernels index the caller's layout: q [B, Sq, Hkv, G, D], k/v [B, Sk, Hkv, D], out like q;
@@ -55,10 +55,8 @@ def _cdiv(a, b):
 
 
 def _pow2(n):
-    p = 16
-    while p < n:
-        p *= 2
-    return p
+    """A padded head dim (or row count): ``sizes.pow2`` with the tensor cores' floor of 16."""
+    return sizes.pow2(n, 16)
 
 
 def _config(layout: Layout, pass_: str, head_dim: int, bits: int, cfg, deterministic: bool = False, *,

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ejgen.runtime.core import vma
+from ejgen.runtime.core import sizes, vma
 from ejgen.runtime.pooling import work
 
 F32 = jnp.float32
@@ -47,7 +47,7 @@ def tiles(cfg, itemsize: int, interpret) -> GpuTiles:
     if interpret:
         rows = 2 * cfg.chunk  # small inputs: sequences of several items
     else:
-        rows = min(MAX_ROWS, max(MIN_ROWS, work.pow2(cfg.tokens * (dim // block_d) // TARGET_PROGRAMS)))
+        rows = min(MAX_ROWS, max(MIN_ROWS, sizes.pow2(cfg.tokens * (dim // block_d) // TARGET_PROGRAMS)))
     return GpuTiles(cfg.chunk, block_d, max(rows, cfg.chunk), dim)
 
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejgen.runtime.core import sizes
 from ejgen.runtime.launch import triton_call
 from ejgen.runtime.pooling import work
 
@@ -69,7 +70,7 @@ def tiles(cfg, itemsize: int) -> Tiles:
     at WHOLE_TILE_BYTES takes one item per sequence (no combine kernel); short sequences take wide blocks and fewer
     warps. In Triton's interpreter (tests) items are two chunks, so that small inputs have sequences of several."""
     def width(step_bytes):
-        return min(work.pow2(cfg.dim), MAX_BLOCK_D, max(16, step_bytes // (cfg.chunk * itemsize)))
+        return min(sizes.pow2(cfg.dim), MAX_BLOCK_D, max(16, step_bytes // (cfg.chunk * itemsize)))
 
     if triton_call.mode()[0] == "interpret":
         return Tiles(width(TILE_BYTES), 2 * cfg.chunk)
@@ -80,8 +81,8 @@ def tiles(cfg, itemsize: int) -> Tiles:
         whole = width(WHOLE_TILE_BYTES)
         programs = cfg.n_seqs * work.cdiv(cfg.dim, whole)
         if not cfg.varlen and cfg.seq_len <= MAX_ROWS and programs >= TARGET_PROGRAMS // 2:
-            return Tiles(whole, max(work.pow2(cfg.seq_len), cfg.chunk), warps)
-    rows = min(MAX_ROWS, max(MIN_ROWS, work.pow2(cfg.tokens * work.cdiv(cfg.dim, block_d) // TARGET_PROGRAMS)))
+            return Tiles(whole, max(sizes.pow2(cfg.seq_len), cfg.chunk), warps)
+    rows = min(MAX_ROWS, max(MIN_ROWS, sizes.pow2(cfg.tokens * work.cdiv(cfg.dim, block_d) // TARGET_PROGRAMS)))
     return Tiles(block_d, max(rows, cfg.chunk), warps)
 
 
