@@ -10,14 +10,14 @@ nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee -a "$log/log.t
 parts=${*:-tests fla bench cp}
 for part in $parts; do
   case $part in
-    tests) timeout 240 python3 -m pytest -m gpu -q -rf -x -p no:cacheprovider tests/recurrent 2>&1 | tail -25 \
-             | tee -a "$log/log.txt" ;;
-    fla) CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/recurrent_fla.py --out "$log/fla.json" 2>&1 | tail -15 \
-             | tee -a "$log/log.txt" ;;
-    bench) CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/recurrent.py --fla "$log/fla.json" --decode \
+    tests) bash benchmarks/gpu_shards.sh rec-tests 240 tests/recurrent 2>&1 | tee -a "$log/log.txt" ;;
+    fla) CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/recurrent_fla.py --out "$log/fla.json" > "$log/fla.txt" \
+             2>&1; tail -15 "$log/fla.txt" | tee -a "$log/log.txt" ;;  # fla autotunes its kernels on first use: minutes
+    bench) fla=(); [ -f "$log/fla.json" ] && fla=(--fla "$log/fla.json")
+           CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/recurrent.py "${fla[@]}" --decode \
              --out "$log" 2>&1 | tail -40 | tee -a "$log/log.txt" ;;
-    cp) timeout 150 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/multidevice/test_recurrent_cp_gpu.py \
-             2>&1 | tail -15 | tee -a "$log/log.txt" ;;
+    cp) EJGEN_FAILURE_LOG=$log/cp_failures.txt timeout 150 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/multidevice/test_recurrent_cp_gpu.py \
+             2>&1 | tail -15 | tee -a "$log/log.txt"; cat "$log/cp_failures.txt" 2>/dev/null ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -130,6 +130,17 @@ def pytest_terminal_summary(terminalreporter):
         flag = "  OVER BUDGET" if seconds > budget else ""
         terminalreporter.write_line(f"{family:>12}: {seconds:6.0f} s of {budget} s{flag}")
 
+def pytest_runtest_logreport(report):
+    """With EJGEN_FAILURE_LOG=<file>: each failure's test and message appended to the file the moment it happens, so
+    a GPU run cut short by its time limit still says what failed and by how much (benchmarks/gpu_shards.sh)."""
+    path = os.environ.get("EJGEN_FAILURE_LOG")
+    if path and report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1:]
+        with open(path, "a") as f:
+            f.write(f"FAILED {report.nodeid} ({report.when}): {' '.join(str(message).split())[:400]}\n")
+
+
 @pytest.fixture
 def x64_stays_off():
     """The oracle enables float64 only inside a context; the op under test must never see it.

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# A GPU test selection spread over every GPU of the host, one pytest per GPU (tests round-robin), each failure's
+# message logged the moment it happens (EJGEN_FAILURE_LOG, tests/conftest.py), so a shard cut short by its limit
+# still says what failed and by how much:
+#   bash benchmarks/gpu_shards.sh NAME SECONDS PYTEST-ARGS...    e.g.  bash benchmarks/gpu_shards.sh rec 240 tests/recurrent
+# Logs: $OUT/NAME/shardI.txt (pytest -v), $OUT/NAME/failures.txt; prints the outcome counts and the failures.
+set -u
+name=$1; limit=$2; shift 2
+log=$OUT/$name; mkdir -p "$log"
+gpus=$(nvidia-smi -L | wc -l)
+python3 -m pytest --co -q -m gpu -p no:cacheprovider "$@" 2>/dev/null | grep "::" > "$log/ids.txt"
+echo "$(wc -l < "$log/ids.txt") tests over $gpus GPUs, ${limit}s each"
+for ((i = 0; i < gpus; i++)); do
+  awk -v i=$i -v n=$gpus 'NR % n == i' "$log/ids.txt" > "$log/ids$i.txt"
+  [ -s "$log/ids$i.txt" ] || continue
+  CUDA_VISIBLE_DEVICES=$i EJGEN_FAILURE_LOG=$log/failures.txt timeout "$limit" \
+    python3 -m pytest -m gpu -v --tb=no -p no:cacheprovider $(cat "$log/ids$i.txt") > "$log/shard$i.txt" 2>&1 &
+done
+wait
+echo "passed $(cat "$log"/shard*.txt | grep -c ' PASSED') failed $(cat "$log"/shard*.txt | grep -c ' FAILED')" \
+  "not reached $(( $(wc -l < "$log/ids.txt") - $(cat "$log"/shard*.txt | grep -cE ' (PASSED|FAILED|SKIPPED|ERROR)') ))"
+[ -f "$log/failures.txt" ] && cut -c1-300 "$log/failures.txt"
