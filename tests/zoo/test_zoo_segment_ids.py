@@ -45,14 +45,33 @@ def test_ids_keep_exactly_the_equal_values(base):
     if base == "query":
         q, kv = kv, q
     q_ids, kv_ids = segment_key.encode(q, kv, base)
-    np.testing.assert_array_equal(_pairs(q_ids, kv_ids), q[:, :, None] == kv[:, None, :])
-    other, ids = (q_ids, kv_ids) if base != "query" else (kv_ids, q_ids)
-    assert np.all(np.asarray(ids) >= 0) and np.all(np.asarray(other) >= -1)
+    _check_ids(q, kv, q_ids, kv_ids, base)
     if base == "key":
         assert np.all(np.diff(np.asarray(kv_ids), axis=1) >= 0) and np.asarray(kv_ids).max() <= 6
         outside = (q < kv.min(axis=1, keepdims=True)) | (q > kv.max(axis=1, keepdims=True))
         assert outside.any()
         np.testing.assert_array_equal(np.asarray(q_ids) == -1, outside)
+
+
+def _check_ids(q, kv, q_ids, kv_ids, base):
+    np.testing.assert_array_equal(_pairs(q_ids, kv_ids), q[:, :, None] == kv[:, None, :])
+    other, ids = (q_ids, kv_ids) if base != "query" else (kv_ids, q_ids)
+    assert np.all(np.asarray(ids) >= 0) and np.all(np.asarray(other) >= -1)
+
+
+@pytest.mark.parametrize("base", ["key", "query"])
+def test_ids_of_a_base_side_spanning_past_int32(base):
+    """A base side whose values in one row span 2^31 or more (no overflow in the values themselves; their differences
+    do not fit int32): ids still equal exactly where the values are (the call takes ranks), none of a token that a
+    key matches is padding."""
+    q = np.array([[-2**31 + 5, 2**30 + 7, 0], [1, 2, 3]], np.int32)
+    kv = np.array([[-2**31 + 5, 2**30 + 7, 0, 2**31 - 1], [3, 3, 9, 1]], np.int32)
+    if base == "query":
+        q, kv = kv, q
+    q_ids, kv_ids = segment_key.encode(q, kv, base)
+    _check_ids(q, kv, q_ids, kv_ids, base)
+    matched = (q[:, :, None] == kv[:, None, :]).any(axis=2)
+    assert np.all(np.asarray(q_ids)[matched] >= 0)
 
 
 def test_ids_pair_with_the_calls_segment_ids():

@@ -8,8 +8,8 @@ row, so that ``q_ids[i] == kv_ids[j] >= 0`` exactly where ``F(i) == G(j)``:
 - offset (the spec's key has a side that reads no param, its *base*): ids are the values less the base side's least
   value in the row; the other side's values outside the base side's [least, greatest] match nothing there and
   become -1, which sees nothing, as they would. Order is kept, so ids that grow along a side (chunks, images) keep
-  the per-tile ranges tight. Exact while the base side's values of one row lie within 2^31 of each other: always,
-  unless its int32 arithmetic overflows (where the element mask would wrap around as well);
+  the per-tile ranges tight. Where the base side's values of some row span 2^31 or more (``(kv_idx - c) * 2**20``
+  at a few thousand tokens: no overflow in the spec, but their differences do not fit int32), the call takes ranks;
 - ranks (both sides read params, whose values may be anything; or the call passes segment ids of its own): the
   dense rank of each value (of each pair (call's id, value)) among the row's queries and keys, by one sort of
   Sq + Sk entries: exact for any int32, ids below Sq + Sk. The call's padding (negative ids) stays -1.
@@ -43,21 +43,22 @@ def encode(q_vals, kv_vals, base: str | None, q_user=None, kv_user=None):
     q_vals, kv_vals = jnp.asarray(q_vals, jnp.int32), jnp.asarray(kv_vals, jnp.int32)
     if q_user is not None:
         return _ranks(q_vals, kv_vals, q_user, kv_user)
+    ranks = lambda: _ranks(q_vals, kv_vals, jnp.zeros_like(q_vals), jnp.zeros_like(kv_vals))  # noqa: E731
     if base is None:
-        return _ranks(q_vals, kv_vals, jnp.zeros_like(q_vals), jnp.zeros_like(kv_vals))
-    if base == "query":
-        kv_ids, q_ids = _offset(kv_vals, q_vals)
-        return q_ids, kv_ids
-    return _offset(q_vals, kv_vals)
+        return ranks()
+    base_vals = q_vals if base == "query" else kv_vals
+    wraps = jnp.any(jnp.max(base_vals, axis=1) - jnp.min(base_vals, axis=1) < 0)  # a row's span past int32
+    return lax.cond(wraps, ranks, lambda: _offset(q_vals, kv_vals, base))
 
 
-def _offset(other, base):
-    """(other's ids, base's ids): the values less the base side's least one per row; other's values outside the base
-    side's range match nothing: -1."""
-    lo = jnp.min(base, axis=1, keepdims=True)
-    hi = jnp.max(base, axis=1, keepdims=True)
-    inside = (other >= lo) & (other <= hi)
-    return jnp.where(inside, other - lo, -1), base - lo
+def _offset(q_vals, kv_vals, base: str):
+    """(q_ids, kv_ids): the values less the base side's least one per row; the other side's values outside the base
+    side's range match nothing: -1 (every row's span fits int32: `encode`)."""
+    base_vals, other = (q_vals, kv_vals) if base == "query" else (kv_vals, q_vals)
+    lo = jnp.min(base_vals, axis=1, keepdims=True)
+    hi = jnp.max(base_vals, axis=1, keepdims=True)
+    other_ids = jnp.where((other >= lo) & (other <= hi), other - lo, -1)
+    return (base_vals - lo, other_ids) if base == "query" else (other_ids, base_vals - lo)
 
 
 def _ranks(q_vals, kv_vals, q_user, kv_user):
