@@ -126,13 +126,14 @@ def check_gate_map(backend, failures, devices):
 
 def check_context_mesh(backend, failures, devices):
     """lightning_attention_cp on global arrays under `with jax.set_mesh(mesh):`: the op cuts the steps over "sp"
-    itself (g_gamma and initial_state replicated)."""
+    itself (g_gamma and initial_state replicated); reverse given as a numpy bool (a Python value all the same)."""
     case = Case("lightning_attention", ("g_gamma",), shape=(2, 32, 4, 4, 8, 8), h0=True)
     x, d_out, d_final = inputs(case)
     mesh = jax.make_mesh((devices,), ("sp",))
 
     def fn(a):
-        return generated.lightning_attention_cp(**a, axis_name="sp", platform=backend, **case.kwargs())
+        kw = {**case.kwargs(), "reverse": np.bool_(case.reverse)}
+        return generated.lightning_attention_cp(**a, axis_name="sp", platform=backend, **kw)
 
     with jax.set_mesh(mesh):
         got = run(fn, x, d_out, d_final, mesh)
@@ -141,7 +142,7 @@ def check_context_mesh(backend, failures, devices):
 
 def check_wrapper(shape: tuple, names: tuple, in_specs: P, case: Case):
     """``case`` through the op's mesh wrapper over a mesh (``jax.make_mesh``) of ``shape`` x ``names``, cut as
-    ``in_specs`` say (a cut sequence: the context-parallel form)."""
+    ``in_specs`` say (a cut sequence: the context-parallel form); reverse given as a numpy bool."""
 
     def check(backend, failures):
         x, d_out, d_final = inputs(case)
@@ -151,7 +152,8 @@ def check_wrapper(shape: tuple, names: tuple, in_specs: P, case: Case):
 
         def fn(a):
             q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
-            return op(q, k, v, **a, **cu, platform=backend, mesh=mesh, in_specs=in_specs, **case.kwargs())
+            kw = {**case.kwargs(), "reverse": np.bool_(case.reverse)}
+            return op(q, k, v, **a, **cu, platform=backend, mesh=mesh, in_specs=in_specs, **kw)
 
         compare(failures, case, run(fn, x, d_out, d_final, mesh), x, d_out, d_final)
 
@@ -174,6 +176,10 @@ CHECKS = {
     "recurrent-every-gate-reverse-chunked-bf16": (
         check_shard_map(Case("recurrent", ALL, dtype="bfloat16", shape=(1, 128, 2, 1, 8, 8), reverse=True)),
         {"xla": 4}),
+    # 2 steps a shard, float32: a state carried past many devices still weighs (the fold's decays over every hop)
+    "recurrent-every-gate-gqa-h0-reverse-short-shards": (
+        check_shard_map(Case("recurrent", ALL, shape=(1, 16, 4, 2, 4, 6), h0=True, reverse=True, algorithm="fused",
+                             chunk=None)), {"xla": 8}),
     "linear_attention-feature-map-h0": (
         check_shard_map(Case("linear_attention", (), shape=(1, 32, 2, 1, 8, 8), h0=True), ELU1), {"xla": 4}),
     "hooked-gate-map": (check_gate_map, {"xla": 2}),

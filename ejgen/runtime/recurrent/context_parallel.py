@@ -91,7 +91,7 @@ def _on_context_mesh(spec, op, hooks, query, key, value, axis_name, arguments, c
         raise ValueError(f"{name}: the {steps} steps of query cannot be cut evenly over mesh axis {axis_name!r} "
                          f"({devices} devices)")
     cut = P(None, axis_name)
-    arrays = {n: x for n, x in arguments.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
+    arrays = tensor_arguments(arguments)
     static = {n: x for n, x in arguments.items() if n not in arrays}
     specs = {n: cut if n in api.GATES and n != "g_gamma" else P() for n in arrays}
 
@@ -100,6 +100,15 @@ def _on_context_mesh(spec, op, hooks, query, key, value, axis_name, arguments, c
 
     run = vma.shard_map(body, mesh=mesh, in_specs=(cut, cut, cut, specs), out_specs=(cut, P()))
     return run(jnp.asarray(query), jnp.asarray(key), jnp.asarray(value), arrays)
+
+
+TENSOR_ARGUMENTS = (*api.GATES, "initial_state", "cu_seqlens")  # the op's arrays beside q, k, v (by name: a numpy
+# scalar softmax_scale or reverse has a shape too, and stays a Python value)
+
+
+def tensor_arguments(arguments: dict) -> dict:
+    """The arguments that travel into shard_map as arrays (those given)."""
+    return {n: jnp.asarray(x) for n, x in arguments.items() if n in TENSOR_ARGUMENTS and x is not None}
 
 
 def check_call(spec, query, key, value, arguments: dict, choices: dict) -> None:

@@ -73,7 +73,7 @@ def on_mesh(spec, op, cp, query, key, value, kwargs: dict, mesh, in_specs, out_s
     positional = {n: x for n, x in kwargs.items() if n not in ("algorithm", "chunk_size", "platform")}
     choices = {n: x for n, x in kwargs.items() if n not in positional}
     context_parallel.check_call(spec, query, key, value, positional, choices)
-    arrays = {n: jnp.asarray(x) for n, x in kwargs.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
+    arrays = context_parallel.tensor_arguments(kwargs)
     static = {n: x for n, x in kwargs.items() if n not in arrays}
     array_specs = {n: cut.spec(n) if n in _ROLES else P() for n in arrays}
     want = (cut.spec("query"), cut.spec("initial_state"))
