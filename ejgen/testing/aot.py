@@ -80,8 +80,9 @@ def compile_attention(package: str, name: str, *, capability: int = 90, params: 
 
 def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: int = 128, causal: bool = True,
                   window: bool = False, segments: bool = False, batch: int = 2, heads: int = 8, kv_heads: int = 2,
-                  seq: int = 1000) -> dict:
-    """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs."""
+                  seq: int = 1000, dynamic: bool = False, forward_only: bool = False) -> dict:
+    """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs; ``dynamic``:
+    the forward's dynamic tile queue; ``forward_only``: the forward alone."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -94,14 +95,17 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     from ejgen.runtime.attention.config import AttentionConfig
 
     call = AttentionConfig(seq_q=seq, seq_k=seq, causal=causal, window=window, segments=segments)
-    fwd_consts = gluon_attention.constexprs(*args, ordered=gluon_attention.ordered(call))
+    fwd_consts = gluon_attention.constexprs(*args, ordered=gluon_attention.ordered(call), dynamic=dynamic)
     segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32", ORDER="*i32")
     bwd_pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
                         DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)
     kernels = [("gluon_fwd_kernel", gluon_attention.kernel(), fwd_consts,
-                dict(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", SCRATCH="*u8", **segs)),
+                dict(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", TILE_CTR="*i32",
+                     SCRATCH="*u8", **segs)),
                ("gluon_bwd_kernel", gluon_attention.bwd_kernel(), gluon_attention.bwd_constexprs(*args), bwd_pointers)]
-    if causal and window and not segments:  # the persistent backward runs causal windows
+    if forward_only:
+        kernels = kernels[:1]
+    elif causal and window and not segments:  # the persistent backward runs causal windows
         kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(),
                         gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim), bwd_pointers))
     for name, kernel, consts, pointers in kernels:

@@ -58,6 +58,37 @@ def test_the_kernel_compiles_for_sm90_within_the_launch_budget(dtype, d, causal,
         assert "atom.global" in compiled["gluon_bwd_persistent_kernel"]["ptx"], "tiles from an atomic counter"
 
 
+def test_the_dynamic_tile_queue_compiles_like_the_static_split():
+    """The forward with DYNAMIC (tiles from a fetch-and-add on TILE_CTR, each index handed to the consumers in its
+    Q buffers' tile slots) and without, causal bf16 head dim 128 and f16 64 with segment ids: both compile for
+    sm_90 with no spill and the same shared memory but the 16 B of tile slots (padded to 32); only DYNAMIC
+    takes tiles by an atomic, publishes them by the arrives (expect-tx on q_ready, plain for the stop index) and
+    reads them back from shared memory."""
+    from ejgen.testing.aot import compile_all_in_subprocess
+
+    if not gluon_attention.importable()[0]:
+        pytest.fail(gluon_attention.importable()[1])
+    calls = [dict(dtype="bfloat16", head_dim=128, causal=True), dict(dtype="float16", head_dim=64, causal=False,
+                                                                     segments=True)]
+    requests = [dict(gluon=True, forward_only=True, with_ptx=True, dynamic=dynamic, **c) for c in calls
+                for dynamic in (False, True)]
+    results = compile_all_in_subprocess(requests)
+    for c, (static, dynamic) in zip(calls, zip(results[::2], results[1::2])):
+        assert "error" not in static and "error" not in dynamic, (static.get("error"), dynamic.get("error"))
+        static, dynamic = static["gluon_fwd_kernel"], dynamic["gluon_fwd_kernel"]
+        for meta in (static, dynamic):
+            assert meta["warps"] == 12 and meta["cubin"] and meta["wgmma"], c
+            assert "ld.local" not in meta["ptx"], f"{c}: registers spilled"
+            assert meta["shared"] <= 227 * 1024, c
+        assert 0 < dynamic["shared"] - static["shared"] <= 32, (c, static["shared"], dynamic["shared"])
+        assert "atom.global" not in static["ptx"] and "atom.global.gpu.relaxed.add" in dynamic["ptx"], c
+        # the stop index: two plain arrives on q_ready besides the consumers' releases; the static kernel arrives
+        # by hand only from the consumers (q_empty, turn token, K / V stages) and, with segment ids, k_ready
+        plain = [p["ptx"].count("mbarrier.arrive.shared::cta.b64") for p in (static, dynamic)]
+        assert plain[1] == plain[0] + 2, (c, plain)
+        assert dynamic["ptx"].count("st.shared.b32") > static["ptx"].count("st.shared.b32"), c  # the tile slots
+
+
 def _cfg(**kw):
     return AttentionConfig(seq_q=kw.pop("seq_q", 512), seq_k=kw.pop("seq_k", 512), **kw)
 
@@ -157,17 +188,22 @@ def test_gluon_forward_matches_the_oracle(monkeypatch, triton_launches, triton_a
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
 @pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("case", ["causal-gqa-d64-ragged", "two-sided-window-f16", "causal-window-d128-ragged"])
-def test_the_persistent_kernels_walk_many_tiles_per_program(monkeypatch, triton_launches, triton_against_oracle, case):
+def test_the_persistent_kernels_walk_many_tiles_per_program(monkeypatch, triton_launches, triton_against_oracle, case,
+                                                            dynamic):
     """Five programs for 24-176 tiles: every program crosses tile boundaries (the forward's K/V ring, Q sets and
-    turn token; for the causal window also the persistent backward's K/V buffers, ring and tile counter)."""
+    turn token; for the causal window also the persistent backward's K/V buffers, ring and tile counter); static
+    split and dynamic tile queue (gluon_dynamic_tiles)."""
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
+    monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "1" if dynamic else "0")
     monkeypatch.setattr(gluon_attention, "num_sms", lambda: 5)
     if not gluon_attention.hopper():
         pytest.skip("not a Hopper GPU")
     _, shape, features, dtype = next(c for c in GPU_CASES if c[0] == case)
     triton_against_oracle(shape, features, dtype, "gluon")
-    assert any(pass_ == "fwd" and "HEAD_GROUP" in kw for pass_, kw in triton_launches), triton_launches
+    forwards = [kw for pass_, kw in triton_launches if pass_ == "fwd" and "HEAD_GROUP" in kw]
+    assert forwards and all(kw["DYNAMIC"] == dynamic for kw in forwards), triton_launches
     if case == "causal-window-d128-ragged":
         assert [pass_ for pass_, _ in triton_launches if pass_ != "fwd"] == ["persistent"], triton_launches
 
@@ -279,6 +315,69 @@ def test_document_masks_reach_the_kernels_with_their_tile_ranges(monkeypatch):
     assert bwd[0, 2].tolist() == [0, 8, 0, 0]  # keys 256-383 cross into document 1: no full query block
 
 
+def test_the_dynamic_tile_queue_is_an_opt_in_setting(monkeypatch):
+    """gluon_dynamic_tiles (EJGEN_GLUON_DYNAMIC_TILES, default off): off, the forward's launch is the static split
+    (DYNAMIC off, nothing zeroed); on, DYNAMIC with the int32 counter TILE_CTR as a zeroed output, and with segment
+    ids the tile order as one list, heaviest first (not dealt per program). A fake launch on a pretended Hopper."""
+    import numpy as np
+
+    from ejgen.ops import flash_attention, settings
+    from ejgen.runtime.core import settings as core_settings
+    from ejgen.types import MaskInfo
+
+    if not gluon_attention.importable()[0]:
+        pytest.fail(gluon_attention.importable()[1])
+    seen = []
+
+    def fake_launch(kernel, grid, inputs, outs, **kw):
+        values = []
+        jax.debug.callback(lambda *xs: values.extend(np.asarray(x) for x in xs), *inputs)
+        seen.append((kernel, grid, values, outs, kw))
+        return [jnp.zeros(o.shape, o.dtype) for o in outs]
+
+    monkeypatch.setattr(triton_call, "mode", lambda: ("gpu", ""))
+    monkeypatch.setattr(triton_call, "launch", fake_launch)
+    monkeypatch.setattr(core_kernels, "target", lambda: core_kernels.Target("gpu", "sm90"))
+    monkeypatch.setattr(gluon_attention, "num_sms", lambda: 3)
+    for var in ("EJGEN_TRITON_CONFIG", "EJGEN_GLUON", "EJGEN_GLUON_DYNAMIC_TILES"):
+        monkeypatch.delenv(var, raising=False)
+    s = 640  # documents [0, 300), [300, 512), padding [512, 640)
+    ids = np.where(np.arange(s) < 300, 0, np.where(np.arange(s) < 512, 1, -1)).astype(np.int32)[None]
+    q = jnp.ones((1, s, 2, 128), jnp.bfloat16)
+    call = lambda q: flash_attention(q, q, q, causal=True, mask_info=MaskInfo.from_segments(jnp.asarray(ids)),
+                                     platform="triton")
+
+    def forward():
+        seen.clear()
+        jax.block_until_ready(call(q))
+        (kernel, grid, inputs, outs, kw), = seen
+        names = kernel.arg_names
+        assert kernel.__name__ == "gluon_attention_fwd_kernel" and grid == (3, )
+        assert names[len(inputs) + len(outs) - 1] == "SCRATCH" and names[len(inputs) + 2] == "TILE_CTR"
+        assert (outs[2].shape, outs[2].dtype) == ((1, ), jnp.int32)
+        assert set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "num_warps", "num_stages"}
+        return dict(zip(names, inputs))["ORDER"], kw
+
+    order, kw = forward()
+    assert not core_settings.current().gluon_dynamic_tiles and not kw["DYNAMIC"] and kw["zeroed"] == ()
+    np.testing.assert_array_equal(order, gluon_attention.tile_order(  # dealt to the 3 programs (a snake)
+        gluon_attention.segment_ranges({"q_seg": jnp.asarray(ids), "kv_seg": jnp.asarray(ids)},
+                                       AttentionConfig(seq_q=s, seq_k=s, causal=True, segments=True), s), 2, True, 3))
+    for turn_on in ("env", "scope"):
+        if turn_on == "env":
+            monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "1")
+            order, kw = forward()
+            monkeypatch.delenv("EJGEN_GLUON_DYNAMIC_TILES")
+        else:
+            with settings(gluon_dynamic_tiles=True):
+                order, kw = forward()
+        assert kw["DYNAMIC"] and kw["zeroed"] == (2, ), turn_on  # the counter, zeroed per call
+        # one list, heaviest first: query tile i_m of 128 rows joined with causal and its documents' key blocks
+        work = np.array([1, 2, 3, 2, 1])[order // 2]  # tiles 0-4: blocks 0, 0-1, 0-2 (row 300: doc 1 from 2), 2-3, pad
+        assert sorted(order.tolist()) == list(range(10)) and np.all(np.diff(work) <= 0), (order, work)
+    assert forward()[1]["DYNAMIC"] is False  # off again outside the scope
+
+
 DOCUMENT_CASES = [  # (id, shape, causal, lengths of the documents, then padding to the end)
     ("causal-8docs-d128", AttnShape(2, 2048, 2048, 4, 2, 128), True, (1, 700, 129, 128, 300, 257, 64, 300)),
     ("causal-gqa-d64-f16", AttnShape(1, 1500, 1500, 8, 2, 64), True, (512, 384, 1, 500)),
@@ -289,9 +388,11 @@ DOCUMENT_CASES = [  # (id, shape, causal, lengths of the documents, then padding
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,causal,lengths", [c[1:] for c in DOCUMENT_CASES], ids=[c[0] for c in DOCUMENT_CASES])
-def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run_vjp, shape, causal, lengths):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run_vjp, shape, causal, lengths, dynamic):
     """Packed documents (one-token ones, documents of exactly one tile, tiles of padding) on the Hopper kernels,
-    forward and backward, against the float64 oracle, on few SMs (programs cross tiles)."""
+    forward and backward, against the float64 oracle, on few SMs (programs cross tiles); the forward's static split
+    and its dynamic tile queue."""
     import numpy as np
 
     import oracle
@@ -301,6 +402,7 @@ def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run
 
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
     monkeypatch.setattr(gluon_attention, "num_sms", lambda: 7)
+    monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "1" if dynamic else "0")
     if not gluon_attention.hopper():
         pytest.skip("not a Hopper GPU")
     dtype = "float16" if "f16" in str(shape) or shape.head_dim == 64 else "bfloat16"
@@ -319,6 +421,7 @@ def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run
     oracle.check_attention(out, lse, grads, ref, diff, dtype)
     kinds = {k for k, _ in triton_launches}
     assert kinds == {"fwd", "bwd"} and all(kw.get("SEGMENTS") for _, kw in triton_launches), triton_launches
+    assert all(kw["DYNAMIC"] == dynamic for k, kw in triton_launches if k == "fwd"), triton_launches
 
 
 def test_the_tile_order_deals_the_work_evenly():

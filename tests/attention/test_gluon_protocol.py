@@ -9,7 +9,9 @@ a buffer still in use. Broken variants of each protocol (a wrong parity, a missi
 must be caught: that is what shows the models can fail.
 
   * forward (`gluon_attention_fwd_kernel`): the K/V ring counted across tiles, the two Q sets, the O epilogue
-    through the Q buffer, the PP_SYNC turn token (issues alternate C0, C1, C0, ... across tiles);
+    through the Q buffer, the PP_SYNC turn token (issues alternate C0, C1, C0, ... across tiles); with DYNAMIC,
+    1-4 programs (one maybe late) taking tiles from a shared counter, each index handed to the consumers in the
+    tile slots of its Q buffers and a stop index after the last;
   * persistent backward (`gluon_attention_bwd_persistent_kernel`): K and V buffers per tile, the Q / dO / lse /
     delta ring and the dS^T double buffer counted across tiles, the dQ staging buffers and their bulk reads,
     the EPI_TMA epilogue, and the dynamic tile scheduler (1-4 programs sharing an atomic tile counter, tile
@@ -116,10 +118,16 @@ def random_tiles(rng, most=7):
 # --- forward ------------------------------------------------------------------------------------------------
 
 
-def fwd_run(seed, tiles, stages=FWD_STAGES, mutation=None):
-    """One program of the persistent forward walking `tiles` (key blocks of each) under one random
-    interleaving."""
-    rng = random.Random(seed)
+def fwd_program(asyncs, blocks, stages=FWD_STAGES, mutation=None, dynamic=None):
+    """The three partitions (producer, consumer 0, consumer 1) of one program of the persistent forward, and the
+    check run at its end (returns the tiles it computed). blocks[t]: key blocks of tile t. Static (dynamic None):
+    the program walks every tile in order. Dynamic (DYNAMIC): dynamic = (fetch, start), fetch() the fetch-and-add
+    on the launch's shared tile counter, start a predicate before which the program does not start (a late
+    program); the producer takes every tile (the first too) by a fetch, the next one right after the tile's Q
+    loads, writes each index into the tile slots of the tile's two Q buffers before the expect that publishes
+    it, and the final one (>= the number of tiles) into the next Q set's slots with plain arrives; each consumer
+    reads its half's slot after its q_ready wait and stops at an index >= the number of tiles."""
+    nt = len(blocks)
     k_ready = [Bar(1) for _ in range(stages)]
     v_ready = [Bar(1) for _ in range(stages)]
     k_empty = [Bar(2) for _ in range(stages)]
@@ -128,9 +136,12 @@ def fwd_run(seed, tiles, stages=FWD_STAGES, mutation=None):
     q_empty = [Bar(1) for _ in range(2 * Q_SETS)]
     turn = [Bar(1), Bar(1)]
     k_buf, v_buf, q_buf = [None] * stages, [None] * stages, [None] * (2 * Q_SETS)
+    slot = [None] * (2 * Q_SETS)  # DYNAMIC: each Q buffer's tile slot
     k_users, v_users = [0] * stages, [0] * stages  # consumers whose use of the stage has begun and not ended
     q_busy = [False] * (2 * Q_SETS)
-    issues, copies = [], []
+    issues = []
+    walked = [[], [], []]  # tiles of the producer and of each consumer
+    stores = []  # (tile, half) of every O store
 
     def copy(buf, i, tag, bar, users=None):
         def co():
@@ -139,19 +150,42 @@ def fwd_run(seed, tiles, stages=FWD_STAGES, mutation=None):
             buf[i] = tag
             bar.tx_done()
 
-        copies.append(co())
+        asyncs.append(co())
+
+    def fetch():
+        t = dynamic[0]()
+        yield  # the atomic's round trip
+        return t
 
     def producer():
-        g = 0
-        for tc, n in enumerate(tiles):
+        g = tc = 0
+        if dynamic:
+            yield dynamic[1]
+            t = yield from fetch()
+        else:
+            t = 0
+        while t < nt:
+            n = blocks[t]
+            walked[0].append(t)
             if mutation == "g_reset":
                 g = 0
             qb, qp = (tc % Q_SETS) * 2, (tc // Q_SETS) & 1
             for h in range(2):
                 yield (q_empty[qb + h], qp if mutation == "q_parity" else qp ^ 1)
+                check(q_empty[qb + h].phases == tc // Q_SETS, f"q_empty {qb + h}: phase {q_empty[qb + h].phases} "
+                      f"read for tile {tc}")
                 check(not q_busy[qb + h], f"Q buffer {qb + h} refilled while in use")
+                if dynamic and mutation != "slot_after_arrive":
+                    slot[qb + h] = t
                 q_ready[qb + h].expect()
-                copy(q_buf, qb + h, ("q", tc, h), q_ready[qb + h])
+                copy(q_buf, qb + h, ("q", tc, t, h), q_ready[qb + h])
+                if dynamic and mutation == "slot_after_arrive":
+                    yield  # the Q copy may land first
+                    slot[qb + h] = t
+            if dynamic:
+                nxt = yield from fetch()
+            else:
+                nxt = t + 1
             for it in range(n):
                 gi = g + it
                 idx, ph = gi % stages, (gi // stages) & 1
@@ -162,15 +196,45 @@ def fwd_run(seed, tiles, stages=FWD_STAGES, mutation=None):
                 v_ready[idx].expect()
                 copy(v_buf, idx, ("v", tc, it), v_ready[idx], v_users)
             g += n
+            tc += 1
+            t = nxt
+        if dynamic and mutation != "no_stop":
+            qb, qp = (tc % Q_SETS) * 2, (tc // Q_SETS) & 1
+            for h in range(2):  # the stop index
+                if mutation != "stop_no_wait":
+                    yield (q_empty[qb + h], qp ^ 1)
+                slot[qb + h] = t
+                q_ready[qb + h].arrive()
+
+    def take(tc, half):
+        qi = (tc % Q_SETS) * 2 + half
+        if mutation == "slot_before_wait":
+            t = slot[qi]
+            yield (q_ready[qi], (tc // Q_SETS) & 1)
+        else:
+            yield (q_ready[qi], (tc // Q_SETS) & 1)
+            t = slot[qi]
+        check(q_ready[qi].phases == tc // Q_SETS + 1, f"q_ready {qi}: phase {q_ready[qi].phases} read for tile {tc}")
+        check(t is not None, f"tile slot {qi} read before it was written")
+        return t
 
     def consumer(half):
         mine, other = turn[half], turn[1 - half]
         turn0 = 1 if half == 0 or mutation == "turn_offset" else 0
-        g = 0
-        for tc, n in enumerate(tiles):
+        g = tc = 0
+        if dynamic:
+            t = yield from take(tc, half)
+        else:
+            t = 0
+        while t < nt:
+            n = blocks[t]
+            walked[1 + half].append(t)
             qi = (tc % Q_SETS) * 2 + half
-            yield (q_ready[qi], (tc // Q_SETS) & 1)
-            check(q_buf[qi] == ("q", tc, half), f"Q buffer {qi} holds {q_buf[qi]}, expected tile {tc}")
+            if not dynamic:
+                yield (q_ready[qi], (tc // Q_SETS) & 1)
+            check(len(walked[0]) > tc and walked[0][tc] == t,
+                  f"consumer {half}'s tile {tc} is {t}, the producer's {walked[0][tc:tc + 1]}")
+            check(q_buf[qi] == ("q", tc, t, half), f"Q buffer {qi} holds {q_buf[qi]}, expected tile {tc}")
             q_busy[qi] = True
             idx = g % stages  # block 0: S only
             yield (mine, (g + turn0) & 1)
@@ -213,20 +277,76 @@ def fwd_run(seed, tiles, stages=FWD_STAGES, mutation=None):
             v_users[last] -= 1
             v_empty[last].arrive()
             # epilogue: O through the Q buffer, bulk store, store_wait, then the Q buffer goes back
-            check(q_buf[qi] == ("q", tc, half), "Q buffer changed before the epilogue")
-            q_buf[qi] = ("o", tc, half)
+            check(q_buf[qi] == ("q", tc, t, half), "Q buffer changed before the epilogue")
+            q_buf[qi] = ("o", tc, t, half)
             if mutation == "q_release_early":
                 q_busy[qi] = False
                 q_empty[qi].arrive()
             yield  # the bulk store reads the buffer
-            check(q_buf[qi] == ("o", tc, half), "Q buffer overwritten before the O store read it")
+            check(q_buf[qi] == ("o", tc, t, half), "Q buffer overwritten before the O store read it")
+            stores.append((t, half))
             if mutation != "q_release_early":
                 q_busy[qi] = False
                 q_empty[qi].arrive()
             g += n
+            tc += 1
+            if dynamic:
+                t = yield from take(tc, half)
+            else:
+                t = tc
 
-    schedule(rng, [producer(), consumer(0), consumer(1)], copies, f"forward tiles={tiles}")
-    check(issues == [0, 1] * sum(tiles), f"turn token: the issues do not alternate: {issues}")
+    def final_check():
+        check(walked[1] == walked[0] and walked[2] == walked[0], f"the partitions walked different tiles: {walked}")
+        check(issues == [0, 1] * sum(blocks[t] for t in walked[0]),
+              f"turn token: the issues do not alternate: {issues}")
+        check(sorted(stores) == sorted((t, h) for t in walked[0] for h in (0, 1)), f"O stores {stores}")
+        return walked[0]
+
+    return [producer(), consumer(0), consumer(1)], final_check
+
+
+def fwd_run(seed, tiles, stages=FWD_STAGES, mutation=None):
+    """One program of the persistent forward walking `tiles` (key blocks of each) under one random
+    interleaving."""
+    rng = random.Random(seed)
+    asyncs = []
+    agents, final = fwd_program(asyncs, tiles, stages, mutation)
+    schedule(rng, agents, asyncs, f"forward tiles={tiles}")
+    check(final() == list(range(len(tiles))), "the static program skipped a tile")
+
+
+def fwd_run_dynamic(seed, blocks, nprog, stages=FWD_STAGES, mutation=None, late=None):
+    """nprog programs of the forward with DYNAMIC sharing one tile counter under one random interleaving (so the
+    tile each fetch returns is random); program `late` (if any) starts only once a random number of tiles were
+    taken, maybe all of them. Every tile computed exactly once (both halves), no deadlock, no hazard, no barrier
+    phase misread in any program; the counter ends at tiles + programs (one fetch per tile, one stop each)."""
+    rng = random.Random(seed)
+    ctr = [0]
+    nt = len(blocks)
+
+    def fetch():
+        ctr[0] += 1
+        return ctr[0] - 1
+
+    start_at = rng.randint(0, nt)
+    asyncs, agents, finals = [], [], []
+    for pid in range(nprog):
+        start = (lambda: ctr[0] >= start_at) if pid == late else None
+        a, f = fwd_program(asyncs, blocks, stages, mutation, dynamic=(fetch, start))
+        agents += a
+        finals.append(f)
+    schedule(rng, agents, asyncs, f"forward dynamic nprog={nprog} late={late} tiles={blocks}")
+    got = sorted(t for f in finals for t in f())
+    check(got == list(range(nt)), f"tiles computed {got}, expected each of {nt} once")
+    check(ctr[0] == nt + nprog, f"{ctr[0]} fetches for {nt} tiles and {nprog} programs")
+
+
+def random_forward_dynamic(rng, most=16):
+    """Uneven tiles (1-6 key blocks) for 1-4 programs, half the time one of several late (it waits for the others'
+    fetches: a single program cannot be)."""
+    blocks = [rng.randint(1, 6) for _ in range(rng.randint(1, most))]
+    nprog = rng.randint(1, min(4, len(blocks)))
+    return blocks, nprog, (rng.randrange(nprog) if nprog > 1 and rng.random() < 0.5 else None)
 
 
 FWD_MUTATIONS = {  # mutation -> what it breaks
@@ -235,7 +355,8 @@ FWD_MUTATIONS = {  # mutation -> what it breaks
     "turn_offset": "both consumers start with the same turn parity",
     "q_release_early": "the Q buffer released before the O bulk store read it",
 }
-SHORT_TILES = {"q_release_early", "tile_release_early"}  # races that need the producer tiles ahead: one block each
+# races that need the producer tiles ahead: one block each
+SHORT_TILES = {"q_release_early", "tile_release_early", "stop_no_wait"}
 
 
 @pytest.mark.parametrize("stages", sorted({FWD_STAGES, 3}))
@@ -255,6 +376,65 @@ def test_forward_model_catches_a_broken_protocol(mutation):
         except AssertionError:
             caught += 1
     assert caught >= runs // 20, f"{FWD_MUTATIONS[mutation]}: caught in {caught}/{runs} runs only"
+
+
+@pytest.mark.parametrize("stages", sorted({FWD_STAGES, 3}))
+def test_forward_dynamic_tile_queue_under_random_interleavings(stages):
+    rng = random.Random(100 + stages)
+    for seed in range(300 if stages == FWD_STAGES else 100):
+        blocks, nprog, late = random_forward_dynamic(rng)
+        fwd_run_dynamic(seed, blocks, nprog, stages, late=late)
+
+
+def test_forward_dynamic_tile_queue_gives_a_late_program_fewer_tiles():
+    """The point of the queue: a program that starts once most tiles are taken does fewer of them."""
+    def run(seed, blocks):
+        ctr = [0]
+
+        def fetch():
+            ctr[0] += 1
+            return ctr[0] - 1
+
+        asyncs, agents, finals = [], [], []
+        for pid in range(3):
+            start = (lambda: ctr[0] >= 16) if pid == 2 else None
+            a, f = fwd_program(asyncs, blocks, dynamic=(fetch, start))
+            agents += a
+            finals.append(f)
+        schedule(random.Random(seed), agents, asyncs, "late program")
+        return [f() for f in finals]
+
+    late_tiles = []
+    for seed in range(40):
+        done = run(seed, [3] * 24)
+        assert sorted(t for d in done for t in d) == list(range(24))
+        late_tiles.append(len(done[2]))
+    assert max(late_tiles) <= 8 and sum(late_tiles) < 40 * 24 / 3, late_tiles  # a static split gives it 8 each time
+
+
+FWD_DYNAMIC_MUTATIONS = {  # mutation -> what it breaks
+    "slot_after_arrive": "the tile index written after the expect that publishes it",
+    "slot_before_wait": "a consumer reads its tile slot before its q_ready wait",
+    "stop_no_wait": "the stop index posted without waiting for the Q set's release",
+    "no_stop": "no stop index: the consumers wait forever",
+    "g_reset": "the producer restarts its ring counter every tile",
+    "q_parity": "the producer's q_empty wait without the initial-phase flip",
+}
+
+
+@pytest.mark.parametrize("mutation", FWD_DYNAMIC_MUTATIONS)
+def test_forward_dynamic_model_catches_a_broken_protocol(mutation):
+    rng = random.Random(13)
+    runs, caught = 100, 0
+    for seed in range(runs):
+        blocks, nprog, late = random_forward_dynamic(rng)
+        if mutation in SHORT_TILES:
+            blocks = [1] * 12
+        try:
+            fwd_run_dynamic(seed, blocks, nprog, mutation=mutation, late=late)
+        except AssertionError:
+            caught += 1
+    assert caught >= runs // 20, f"{FWD_DYNAMIC_MUTATIONS[mutation]}: caught in {caught}/{runs} runs only"
 
 
 def fwd_tile(t, n_m, bh, hs, causal):

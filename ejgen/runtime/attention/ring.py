@@ -26,6 +26,7 @@ the first step is one causal call, and every later step two full, unmasked c x c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -37,8 +38,16 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ejgen.runtime.attention import api, segment_key
-from ejgen.runtime.core import sharding, vma
+from ejgen.runtime.core import settings, sharding, vma
 from ejgen.types import MaskInfo
+
+# The Hopper forward's dynamic tile queue (`gluon.host.dynamic_tiles`) for the ring's per-step kernels: True asks
+# for it whatever the gluon_dynamic_tiles setting says. The hop's NCCL kernel holds SMs while the step's kernel
+# starts, so some of its persistent programs start late, and a static split of the tiles finishes late with them
+# (H200 x 2, 32k tokens: forward 4.24 ms without the transfer, 4.83 with it). Off until measured on the GPU
+# (notes/gluon-persistent-fwd.md, "Dynamic tile queue"); the setting alone (EJGEN_GLUON_DYNAMIC_TILES=1) turns it
+# on everywhere, the ring included.
+GLUON_DYNAMIC_TILES = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
@@ -489,7 +498,9 @@ def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s)
     cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s)
     backend = plan.backend
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
-    out, lse, _ = backend.forward(qk, kk, vk, ck, cfg, choice)
+    asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()
+    with asked:  # read when the kernel's launch is traced
+        out, lse, _ = backend.forward(qk, kk, vk, ck, cfg, choice)
     return _from_kernel(out, backend.TENSOR_LAYOUT, chunk), lse[..., :chunk]
 
 

@@ -9,6 +9,8 @@ Each has a default, an environment variable (read at call time) and a scoped ove
   every backend; kernel sets whose backward adds in run-time order (the Hopper set's dQ) are not
   chosen (docs/DESIGN.md §6).
 - ``gluon`` (EJGEN_GLUON, default on): the hand-written Hopper kernel set may be chosen on sm_90.
+- ``gluon_dynamic_tiles`` (EJGEN_GLUON_DYNAMIC_TILES, default off): the Hopper forward's persistent programs take
+  their tiles from a shared counter instead of a static split (`gluon.host.dynamic_tiles`; not yet measured).
 - ``triton_configs`` (EJGEN_TRITON_CONFIG, e.g. ``"fwd=128,64,8,3;dkdv=64,128,8,3"``): pinned Triton
   configs per pass (tuning, tests); a pinned pass never takes the Hopper set.
 - ``triton_autotune`` (EJGEN_TRITON_AUTOTUNE=1): jax-triton's autotuner over `ejgen tune`'s candidates.
@@ -26,6 +28,7 @@ import os
 class Settings:
     deterministic: bool = False
     gluon: bool = True
+    gluon_dynamic_tiles: bool = False
     triton_configs: str = ""
     triton_autotune: bool = False
 
@@ -33,6 +36,7 @@ class Settings:
 _ENV = {
     "deterministic": ("EJGEN_DETERMINISTIC", lambda t: t.strip().lower() in ("1", "true", "yes", "on")),
     "gluon": ("EJGEN_GLUON", lambda t: t.strip().lower() not in ("0", "false", "no", "off")),
+    "gluon_dynamic_tiles": ("EJGEN_GLUON_DYNAMIC_TILES", lambda t: t.strip().lower() in ("1", "true", "yes", "on")),
     "triton_configs": ("EJGEN_TRITON_CONFIG", str),
     "triton_autotune": ("EJGEN_TRITON_AUTOTUNE", lambda t: t.strip() == "1"),
 }

@@ -138,12 +138,25 @@ def grid(batch: int, hq: int, seq: int, sms: int | None = None) -> tuple:
 
 
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
-               segments: bool = False, ordered: bool = False) -> dict:
-    """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq, hkv, d] (16-bit)."""
+               segments: bool = False, ordered: bool = False, dynamic: bool = False) -> dict:
+    """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq, hkv, d] (16-bit). ``dynamic``: the
+    programs take their tiles from the launch's zeroed counter (`dynamic_tiles`)."""
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, BLOCK_M=BLOCK_M, CAUSAL=causal, WINDOW=window, SEGMENTS=segments,
                 ORDERED=ordered,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                HEAD_GROUP=head_group(batch, hq, hkv, seq, d), **TILES)
+                HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **TILES)
+
+
+def dynamic_tiles() -> bool:
+    """Whether the forward's programs take their tiles from a shared counter (DYNAMIC: each program's next tile
+    is the next one of the order nobody has taken) instead of pid, pid + P, ...: the setting
+    ``gluon_dynamic_tiles`` (EJGEN_GLUON_DYNAMIC_TILES), off by default until measured. Written for programs that
+    start late (an NCCL kernel beside it holds SMs: ring attention) and tiles of uneven work (documents); the
+    launch then passes a zeroed int32 counter (TILE_CTR) and deals `tile_order` as one list, heaviest first
+    (notes/gluon-persistent-fwd.md, "Dynamic tile queue")."""
+    from ejgen.runtime.core import settings
+
+    return settings.current().gluon_dynamic_tiles
 
 
 # The backward: 64-row query blocks, 128-key programs (two warpgroups of 64 keys), two Q/dO stages (standalone
@@ -229,7 +242,8 @@ def tile_order(ranges, hq: int, causal: bool, programs: int):
     order (`kernels._tile`) deals query tiles round-robin, heaviest first under causal, which leaves programs 1.7x
     apart with 8 packed documents in 8k tokens (a model of an H100's 132 programs); this order: within 3%. Ties
     keep the heads of a query tile together (their K / V share the L2). Computed on the device in a few fused ops,
-    no sort (up to 4096 (query tile, batch row) pairs; past that a sort)."""
+    no sort (up to 4096 (query tile, batch row) pairs; past that a sort). ``programs=1``: one list, heaviest first
+    (the dynamic tile queue's order: `dynamic_tiles`)."""
     import jax.numpy as jnp
 
     batch, n_m = ranges.shape[0], ranges.shape[1]

@@ -2,7 +2,9 @@
 they need Triton's Gluon). Both were checked on an H200 against the float64 oracle (tests/attention/test_gluon.py).
 
 The forward is persistent (one program per SM walking query tiles: `_tile`; its barrier protocol across tiles is
-described in notes/gluon-persistent-fwd.md and checked by a CPU model in tests/attention/test_gluon_protocol.py). The
+described in notes/gluon-persistent-fwd.md and checked by a CPU model in tests/attention/test_gluon_protocol.py;
+DYNAMIC: the tiles from a shared counter, each index handed to the consumers with its Q buffers, "Dynamic tile
+queue" there). The
 backward runs one program per 128 keys of a kv head, except for causal sliding windows: there a persistent form (at
 the end of this file; one program per SM, tiles from an atomic counter) is 15-20% faster, while on causal and
 unmasked calls the per-program kernel stays ahead (notes/gluon-persistent-bwd.md). Which calls these kernels take:
@@ -104,55 +106,119 @@ def _tile_at(t, ORDER, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, CA
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ: gl.constexpr, HKV: gl.constexpr,
-              SEQ: gl.constexpr,
-              N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-              SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, ITEM: gl.constexpr):
-    """Per tile: its two Q halves into Q set tc % 2 (once the consumers released that set, two tiles ago), then
-    its K/V blocks into the ring; with SEGMENTS each block's key ids too, into kseg_smem next to its K (read before
-    the stage is free, stored after; k_ready then counts this warp's arrive as well). Empty barriers start free:
-    waiting for the parity before their first phase returns at once."""
+def _tile_post(slot, t):
+    """Producer (one warp): tile index t into a Q buffer's tile slot (DYNAMIC), every lane's store ordered before
+    the (single-thread) arrive that publishes it: that arrive (plain or expect-tx) has release semantics, the
+    consumers' wait acquire (PTX mbarrier), so they read t after their wait on the same barrier."""
+    one_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    slot.store(gl.full([1], t, gl.int32, layout=one_l))
+    cta_barrier()
+
+
+@gluon.jit
+def _tile_take(q_ready, tile_smem, tc, HALF: gl.constexpr):
+    """Consumer HALF (DYNAMIC): the tile index of this program's tile tc, from the tile slot of its Q buffer once
+    that buffer's q_ready phase completed (>= the number of tiles: stop). The slot is next written for tile tc + 2,
+    after this half released the Q buffer (q_empty) at the end of tile tc."""
+    qi = (tc % 2) * 2 + HALF
+    mbarrier.wait(q_ready.index(qi), (tc // 2) & 1)
+    one_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.max(tile_smem.index(qi).load(one_l), axis=0)
+
+
+@gluon.jit
+def _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                   k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ: gl.constexpr,
+                   HKV: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
+                   ITEM: gl.constexpr, DYNAMIC: gl.constexpr):
+    """Tile t, this program's tile tc, whose first K/V block is ring block g: its two Q halves into Q set tc % 2
+    (DYNAMIC: t into each half's tile slot first), then (DYNAMIC) the fetch-and-add that takes the program's next
+    tile, then its K/V blocks. Returns (the tile's blocks, the next tile; static: t, unused)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     ids_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, BLOCK_N // 32], threads_per_warp=[1, 32],
                                            warps_per_cta=[1, 1], order=[1, 0])
+    i_m, bh = _tile_at(t, ORDER, N_M, BH, HS, CAUSAL, ORDERED)
+    off_b = bh // HQ
+    off_h = bh % HQ
+    kv_col = (off_h // (HQ // HKV)) * D
+    q_row0 = i_m * BLOCK_M
+    lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                  SEGMENTS)
+    qb = (tc % 2) * 2
+    q_phase = (tc // 2) & 1
+    for h in gl.static_range(2):
+        mbarrier.wait(q_empty.index(qb + h), q_phase ^ 1)
+        if DYNAMIC:
+            _tile_post(tile_smem.index(qb + h), t)  # published by the expect's arrive below
+        mbarrier.expect(q_ready.index(qb + h), ROWS * D * ITEM)
+        tma_load(q_desc, [off_b, q_row0 + h * ROWS, off_h * D], q_ready.index(qb + h), q_smem.index(qb + h))
+    nxt = t
+    if DYNAMIC:
+        # the program's next tile, taken here: the warp waits for the atomic's result at once, and its next wait
+        # (this tile's first K stage, freed by the consumers' work on the previous tile) usually blocks longer.
+        # Relaxed: only the count matters (the tile's data are read-only, its outputs the program's own)
+        nxt = gl.atomic_add(tile_ctr, 1, sem="relaxed", scope="gpu")
+    for it in range(hi - lo):
+        j = lo + it
+        gi = g + it
+        idx = gi % NUM_STAGES
+        phase = (gi // NUM_STAGES) & 1
+        if SEGMENTS:
+            cols = j * BLOCK_N + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ids_l)), 0)
+            ids = gl.load(KSEG + off_b.to(gl.int64) * SEQ + cols, mask=cols < SEQ, other=-2)
+        mbarrier.wait(k_empty.index(idx), phase ^ 1)
+        mbarrier.expect(k_ready.index(idx), BLOCK_N * D * ITEM)
+        tma_load(k_desc, [off_b, j * BLOCK_N, kv_col], k_ready.index(idx), k_smem.index(idx))
+        if SEGMENTS:
+            kseg_smem.index(idx).store(ids)
+            cta_barrier()  # every lane's ids stored before the (single-thread) arrive
+            mbarrier.arrive(k_ready.index(idx), count=1)
+        mbarrier.wait(v_empty.index(idx), phase ^ 1)
+        mbarrier.expect(v_ready.index(idx), BLOCK_N * D * ITEM)
+        tma_load(v_desc, [off_b, j * BLOCK_N, kv_col], v_ready.index(idx), v_smem.index(idx))
+    return hi - lo, nxt
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              tile_smem, tile_ctr, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ: gl.constexpr,
+              HKV: gl.constexpr, SEQ: gl.constexpr,
+              N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, ITEM: gl.constexpr, DYNAMIC: gl.constexpr):
+    """Per tile: its two Q halves into Q set tc % 2 (once the consumers released that set, two tiles ago), then
+    its K/V blocks into the ring; with SEGMENTS each block's key ids too, into kseg_smem next to its K (read before
+    the stage is free, stored after; k_ready then counts this warp's arrive as well). Empty barriers start free:
+    waiting for the parity before their first phase returns at once. Static: tiles pid, pid + nprog, ... DYNAMIC:
+    every tile from a fetch-and-add on the launch's zeroed counter (the first one too: a program that starts late
+    takes what is left), its index handed to the consumers in the tile slots of its Q buffers; the final index
+    (>= the number of tiles) goes in the next Q set's slots with plain arrives on its q_ready barriers: stop."""
     g = pid * 0  # K/V blocks issued so far (all tiles of this program)
     tc = pid * 0  # tiles started so far
-    for t in range(pid, N_M * BH, nprog):
-        i_m, bh = _tile_at(t, ORDER, N_M, BH, HS, CAUSAL, ORDERED)
-        off_b = bh // HQ
-        off_h = bh % HQ
-        kv_col = (off_h // (HQ // HKV)) * D
-        q_row0 = i_m * BLOCK_M
-        lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                      SEGMENTS)
+    if DYNAMIC:
+        t = gl.atomic_add(tile_ctr, 1, sem="relaxed", scope="gpu")
+        while t < N_M * BH:
+            n, t = _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                  v_ready, k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG,
+                                  kseg_smem, HQ, HKV, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
+                                  SEGMENTS, ORDERED, ITEM, DYNAMIC)
+            g += n
+            tc += 1
         qb = (tc % 2) * 2
-        q_phase = (tc // 2) & 1
-        for h in gl.static_range(2):
-            mbarrier.wait(q_empty.index(qb + h), q_phase ^ 1)
-            mbarrier.expect(q_ready.index(qb + h), ROWS * D * ITEM)
-            tma_load(q_desc, [off_b, q_row0 + h * ROWS, off_h * D], q_ready.index(qb + h), q_smem.index(qb + h))
-        for it in range(hi - lo):
-            j = lo + it
-            gi = g + it
-            idx = gi % NUM_STAGES
-            phase = (gi // NUM_STAGES) & 1
-            if SEGMENTS:
-                cols = j * BLOCK_N + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ids_l)), 0)
-                ids = gl.load(KSEG + off_b.to(gl.int64) * SEQ + cols, mask=cols < SEQ, other=-2)
-            mbarrier.wait(k_empty.index(idx), phase ^ 1)
-            mbarrier.expect(k_ready.index(idx), BLOCK_N * D * ITEM)
-            tma_load(k_desc, [off_b, j * BLOCK_N, kv_col], k_ready.index(idx), k_smem.index(idx))
-            if SEGMENTS:
-                kseg_smem.index(idx).store(ids)
-                cta_barrier()  # every lane's ids stored before the (single-thread) arrive
-                mbarrier.arrive(k_ready.index(idx), count=1)
-            mbarrier.wait(v_empty.index(idx), phase ^ 1)
-            mbarrier.expect(v_ready.index(idx), BLOCK_N * D * ITEM)
-            tma_load(v_desc, [off_b, j * BLOCK_N, kv_col], v_ready.index(idx), v_smem.index(idx))
-        g += hi - lo
-        tc += 1
+        for h in gl.static_range(2):  # the stop index, in step with the Q sets (the wait keeps the phases apart)
+            mbarrier.wait(q_empty.index(qb + h), ((tc // 2) & 1) ^ 1)
+            _tile_post(tile_smem.index(qb + h), t)
+            mbarrier.arrive(q_ready.index(qb + h), count=1)
+    else:
+        for t in range(pid, N_M * BH, nprog):
+            n, _ = _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                                  v_ready, k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG,
+                                  kseg_smem, HQ, HKV, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
+                                  SEGMENTS, ORDERED, ITEM, DYNAMIC)
+            g += n
+            tc += 1
 
 
 @gluon.jit
@@ -212,15 +278,14 @@ def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, ks
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, lse_ptr, pid,
-              nprog, left, right, qk_scale, turn_mine, turn_other, QSEG, kseg_smem, RANGES, ORDER, HQ: gl.constexpr,
-              SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, HALF: gl.constexpr):
-    """One 64-row half (HALF 0: the first to issue) of every tile of this program: the pipelined loop (softmax
-    of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile. The two halves
-    take turns issuing their matmuls (turn_mine / turn_other: a token passed back and forth, its phase from the
-    running block counter), so one half's softmax overlaps the other's matmuls."""
+def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                   o_desc, lse_ptr, left, right, qk_scale, turn_mine, turn_other, QSEG, kseg_smem, RANGES, ORDER,
+                   HQ: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
+                   HALF: gl.constexpr, DYNAMIC: gl.constexpr):
+    """Tile t, this program's tile tc whose first K/V block is ring block g, for consumer HALF (see _consumer).
+    Returns the tile's number of key blocks."""
     ROWS: gl.constexpr = BLOCK_M // 2
     TURN0: gl.constexpr = 1 if HALF == 0 else 0  # the first consumer's first wait passes at once
     dtype: gl.constexpr = q_smem.dtype
@@ -230,101 +295,137 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
                                                        instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    g = pid * 0  # K/V blocks consumed so far (all tiles of this program): ring stage / phase and turn phase
-    tc = pid * 0  # tiles done so far: Q set tc % 2, parity (tc // 2) & 1
-    for t in range(pid, N_M * BH, nprog):
-        i_m, bh = _tile_at(t, ORDER, N_M, BH, HS, CAUSAL, ORDERED)
-        off_b = bh // HQ
-        off_h = bh % HQ
-        lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                      SEGMENTS)
-        q_row0 = i_m * BLOCK_M + HALF * ROWS
-        # the rows' segment ids (SEGMENTS; else unused), read once per tile
-        seg_rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        qs = seg_rows
-        if SEGMENTS:
-            qs = gl.load(QSEG + off_b.to(gl.int64) * SEQ + seg_rows, mask=seg_rows < SEQ, other=-1)
-        qi = (tc % 2) * 2 + HALF
-        q_buf = q_smem.index(qi)
-        q_view = q_buf.reshape([ROWS, D])
-        m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.full([ROWS], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
-        n = hi - lo  # >= 1: every row sees its own key (left, right >= 0)
+    i_m, bh = _tile_at(t, ORDER, N_M, BH, HS, CAUSAL, ORDERED)
+    off_b = bh // HQ
+    off_h = bh % HQ
+    lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                  SEGMENTS)
+    q_row0 = i_m * BLOCK_M + HALF * ROWS
+    # the rows' segment ids (SEGMENTS; else unused), read once per tile
+    seg_rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    qs = seg_rows
+    if SEGMENTS:
+        qs = gl.load(QSEG + off_b.to(gl.int64) * SEQ + seg_rows, mask=seg_rows < SEQ, other=-1)
+    qi = (tc % 2) * 2 + HALF
+    q_buf = q_smem.index(qi)
+    q_view = q_buf.reshape([ROWS, D])
+    m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.full([ROWS], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
+    n = hi - lo  # >= 1: every row sees its own key (left, right >= 0)
+    if not DYNAMIC:  # DYNAMIC: waited for in _tile_take, before the tile was known
         mbarrier.wait(q_ready.index(qi), (tc // 2) & 1)
 
-        # block lo: S only
-        idx = g % NUM_STAGES
-        mbarrier.wait(turn_mine, (g + TURN0) & 1)
-        mbarrier.wait(k_ready.index(idx), (g // NUM_STAGES) & 1)
+    # block lo: S only
+    idx = g % NUM_STAGES
+    mbarrier.wait(turn_mine, (g + TURN0) & 1)
+    mbarrier.wait(k_ready.index(idx), (g // NUM_STAGES) & 1)
+    s_tok = warpgroup_mma(q_view, k_smem.index(idx).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+    mbarrier.arrive(turn_other, count=1)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+    p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, lo, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem,
+                                        k_empty, idx, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+    p16 = gl.convert_layout(p.to(dtype), p_layout)
+
+    # block j: issue S_j and P_{j-1} V_{j-1}; the softmax of S_j runs while the second is in flight
+    for it in range(1, n):
+        j = lo + it
+        gi = g + it
+        idx = gi % NUM_STAGES
+        phase = (gi // NUM_STAGES) & 1
+        prev = (gi - 1) % NUM_STAGES
+        prev_phase = ((gi - 1) // NUM_STAGES) & 1
+        mbarrier.wait(turn_mine, (gi + TURN0) & 1)
+        mbarrier.wait(k_ready.index(idx), phase)
         s_tok = warpgroup_mma(q_view, k_smem.index(idx).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), prev_phase)
+        acc_tok = warpgroup_mma(p16, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
         mbarrier.arrive(turn_other, count=1)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-        p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, lo, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem,
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem,
                                             k_empty, idx, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+        acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p16))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
 
-        # block j: issue S_j and P_{j-1} V_{j-1}; the softmax of S_j runs while the second is in flight
-        for it in range(1, n):
-            j = lo + it
-            gi = g + it
-            idx = gi % NUM_STAGES
-            phase = (gi // NUM_STAGES) & 1
-            prev = (gi - 1) % NUM_STAGES
-            prev_phase = ((gi - 1) // NUM_STAGES) & 1
-            mbarrier.wait(turn_mine, (gi + TURN0) & 1)
-            mbarrier.wait(k_ready.index(idx), phase)
-            s_tok = warpgroup_mma(q_view, k_smem.index(idx).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), prev_phase)
-            acc_tok = warpgroup_mma(p16, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
-            mbarrier.arrive(turn_other, count=1)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-            p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem,
-                                                k_empty, idx, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
-            acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p16))
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
+    # the last P V
+    gl_ = g + n - 1
+    last = gl_ % NUM_STAGES
+    mbarrier.wait(v_ready.index(last), (gl_ // NUM_STAGES) & 1)
+    acc_tok = warpgroup_mma(p16, v_smem.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
+    acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p16))
+    mbarrier.arrive(v_empty.index(last), count=1)
 
-        # the last P V
-        gl_ = g + n - 1
-        last = gl_ % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), (gl_ // NUM_STAGES) & 1)
-        acc_tok = warpgroup_mma(p16, v_smem.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
-        acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p16))
-        mbarrier.arrive(v_empty.index(last), count=1)
-
-        # epilogue: O / l through this half's Q buffer (its wgmmas have all retired), lse = (m + log2 l) ln 2
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        o = (acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)).to(dtype)
-        rows = q_row0 + gl.arange(0, ROWS, layout=row_o)
-        lse = gl.convert_layout((m_i + gl.log2(l_safe)) * 0.6931471805599453, row_o)
-        gl.store(lse_ptr + bh.to(gl.int64) * SEQ + rows, lse, mask=rows < SEQ)
-        q_view.store(o)
-        fence_async_shared()
-        tma_store(o_desc, [off_b, q_row0, off_h * D], q_buf)
-        tma.store_wait(0)  # the bulk store has read the buffer (cp.async.bulk.wait_group.read 0)
-        cta_barrier()  # every thread past the wait before the (single-thread) release
-        mbarrier.arrive(q_empty.index(qi), count=1)  # the producer may load tile tc + 2's Q half here
-        g += n
-        tc += 1
+    # epilogue: O / l through this half's Q buffer (its wgmmas have all retired), lse = (m + log2 l) ln 2
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    o = (acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)).to(dtype)
+    rows = q_row0 + gl.arange(0, ROWS, layout=row_o)
+    lse = gl.convert_layout((m_i + gl.log2(l_safe)) * 0.6931471805599453, row_o)
+    gl.store(lse_ptr + bh.to(gl.int64) * SEQ + rows, lse, mask=rows < SEQ)
+    q_view.store(o)
+    fence_async_shared()
+    tma_store(o_desc, [off_b, q_row0, off_h * D], q_buf)
+    tma.store_wait(0)  # the bulk store has read the buffer (cp.async.bulk.wait_group.read 0)
+    cta_barrier()  # every thread past the wait before the (single-thread) release
+    mbarrier.arrive(q_empty.index(qi), count=1)  # the producer may load tile tc + 2's Q half here
+    return n
 
 
 @gluon.jit
-def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, LSE, SCRATCH,
+def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, lse_ptr, pid,
+              nprog, left, right, qk_scale, turn_mine, turn_other, QSEG, kseg_smem, RANGES, ORDER, tile_smem,
+              HQ: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
+              HALF: gl.constexpr, DYNAMIC: gl.constexpr):
+    """One 64-row half (HALF 0: the first to issue) of every tile of this program: the pipelined loop (softmax
+    of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile. The two halves
+    take turns issuing their matmuls (turn_mine / turn_other: a token passed back and forth, its phase from the
+    running block counter), so one half's softmax overlaps the other's matmuls. Static: tiles pid, pid + nprog,
+    ...; DYNAMIC: each tile's index from its Q buffer's tile slot (`_tile_take`), until one >= the number of tiles."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    g = pid * 0  # K/V blocks consumed so far (all tiles of this program): ring stage / phase and turn phase
+    tc = pid * 0  # tiles done so far: Q set tc % 2, parity (tc // 2) & 1
+    if DYNAMIC:
+        t = _tile_take(q_ready, tile_smem, tc, HALF)
+        while t < N_M * BH:
+            g += _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                v_empty, o_desc, lse_ptr, left, right, qk_scale, turn_mine, turn_other, QSEG,
+                                kseg_smem, RANGES, ORDER, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
+                                CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC)
+            tc += 1
+            t = _tile_take(q_ready, tile_smem, tc, HALF)
+    else:
+        for t in range(pid, N_M * BH, nprog):
+            g += _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                v_empty, o_desc, lse_ptr, left, right, qk_scale, turn_mine, turn_other, QSEG,
+                                kseg_smem, RANGES, ORDER, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
+                                CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC)
+            tc += 1
+
+
+@gluon.jit
+def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, LSE, TILE_CTR, SCRATCH,
                                B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                                SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               PRODUCER_REGS: gl.constexpr, HEAD_GROUP: gl.constexpr):
+                               PRODUCER_REGS: gl.constexpr, HEAD_GROUP: gl.constexpr, DYNAMIC: gl.constexpr):
     """Q [B, SEQ, HQ, D], K and V [B, SEQ, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32). F32 = [scale, ...],
     I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch (unused by the body).
     SEGMENTS: segment ids QSEG, KSEG [B, SEQ] (int32, negative = padding) and their tile ranges RANGES [B, N_M, 4]
     (int32, in key blocks: `_tile_blocks`); without it those three are placeholders. ORDERED: the tiles in the
     order ORDER [N_M * B * HQ] gives (`_tile_at`), else `_tile`'s (ORDER a placeholder).
+    DYNAMIC: the programs take their tiles (in that order) from a fetch-and-add on TILE_CTR (one int32, zero at
+    launch; left at the number of tiles + the number of programs, so it must be zeroed before every launch), not
+    pid, pid + P, ...: a program that starts late takes fewer tiles (notes/gluon-persistent-fwd.md, "Dynamic tile
+    queue"); else TILE_CTR is unused.
     Grid (P,), P <= number of tiles (`grid`); 4 warps asked, 12 run (two consumers, a producer)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
@@ -360,6 +461,11 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     ids_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     kseg_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 1, BLOCK_N if SEGMENTS else 32], ids_layout)
+    if DYNAMIC:  # each Q buffer's tile slot: the index of the tile whose Q it holds (16 B)
+        tile_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        tile_smem = gl.allocate_shared_memory(gl.int32, [4, 1], tile_layout)
+    else:
+        tile_smem = kseg_smem  # unused
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=2 if SEGMENTS else 1)  # the K load (and the producer's key ids)
         mbarrier.init(v_ready.index(i), count=1)
@@ -374,17 +480,17 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, turn.index(0), turn.index(1), QSEG, kseg_smem, RANGES, ORDER, HQ,
-                     SEQ,
-                     N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 0)),
+                     nprog, left, right, qk_scale, turn.index(0), turn.index(1), QSEG, kseg_smem, RANGES, ORDER,
+                     tile_smem, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
+                     SEGMENTS, ORDERED, 0, DYNAMIC)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, turn.index(1), turn.index(0), QSEG, kseg_smem, RANGES, ORDER, HQ,
-                     SEQ,
-                     N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 1)),
+                     nprog, left, right, qk_scale, turn.index(1), turn.index(0), QSEG, kseg_smem, RANGES, ORDER,
+                     tile_smem, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
+                     SEGMENTS, ORDERED, 1, DYNAMIC)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ, HKV, SEQ, N_M, BH, HEAD_GROUP,
-                     BLOCK_M,
-                     BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, dtype.primitive_bitwidth // 8)),
+                     v_empty, tile_smem, TILE_CTR, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ, HKV,
+                     SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED,
+                     dtype.primitive_bitwidth // 8, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -288,19 +288,22 @@ def _gluon_segments(ctx, cfg, seq: int, pass_: str):
 
 def _gluon_forward(q, k, v, scalars, ctx, cfg):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
-    segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`)."""
+    segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`);
+    with the gluon_dynamic_tiles setting its programs take them from a counter (`gluon_attention.dynamic_tiles`)."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
     grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
     segments = _gluon_segments(ctx, cfg, sq, "fwd")
     ordered = gluon_attention.ordered(cfg)
-    order = gluon_attention.tile_order(segments[2], hq, cfg.causal, grid[0]) if ordered else _dummy(jnp.int32)
-    out, lse, _ = triton_call.launch(
+    dynamic = gluon_attention.dynamic_tiles()  # tiles from a zeroed counter (TILE_CTR), the order as one list
+    order = (gluon_attention.tile_order(segments[2], hq, cfg.causal, 1 if dynamic else grid[0]) if ordered
+             else _dummy(jnp.int32))
+    out, lse, *_ = triton_call.launch(
         gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), k, v, *scalars, *segments, order],
         [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
-         _scratch(grid)],
-        num_warps=4, num_stages=1,
-        **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments, ordered))
+         jax.ShapeDtypeStruct((1, ), jnp.int32), _scratch(grid)],
+        zeroed=(2, ) if dynamic else (), num_warps=4, num_stages=1,
+        **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments, ordered, dynamic))
     return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
 
 
