@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from ejgen.generated import gla, gla_cp, recurrent, simple_gla_cp
+from ejgen.generated import gla, gla_cp, recurrent, recurrent_cp, simple_gla_cp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = {
@@ -71,7 +71,7 @@ REFUSED = {
     "unknown-argument": (_cp(g=jnp.zeros((1, 16, 4))), TypeError,
                          "gla_cp() got an unsupported argument 'g': the spec does not enable feature 'g'"),
     "missing-gate": (lambda: simple_gla_cp(*_qkv(), axis_name="sp", g_gamma=jnp.zeros(4)), TypeError,
-                     "simple_gla() needs g"),
+                     "simple_gla_cp() needs g"),
 }
 
 
@@ -97,6 +97,38 @@ def test_global_call_is_checked_whole():
     with jax.sharding.use_abstract_mesh(AbstractMesh((4,), ("dp",))):
         with pytest.raises(ValueError, match=r"the mesh in scope has axes \('dp',\)"):
             gla_cp(*_qkv(), _gk(), axis_name="sp")
+
+
+def _gv(batch=1, steps=16, heads=4, dv=8):
+    return jnp.zeros((batch, steps, heads, dv), jnp.float32)
+
+
+PALLAS_GV = {  # the platform's chunked kernels take no gv, nor its kernel set: the op's own refusals
+    "chunked": "the chunked kernels of this platform take no gv: pass algorithm='fused'",
+    "auto": "platform 'pallas' cannot run this call: gv is not taken by the Pallas kernels",
+}
+
+
+@pytest.mark.parametrize("algorithm", PALLAS_GV)
+def test_global_call_is_checked_on_its_platform(algorithm):
+    """The whole call is checked as the op checks it on the platform it runs: Pallas with gv is refused before the
+    call is cut, under the name the user called (the context-parallel form's; the mesh wrapper's op)."""
+    with jax.sharding.use_abstract_mesh(AbstractMesh((4,), ("sp",))), pytest.raises(ValueError) as e:
+        recurrent_cp(*_qkv(), gv=_gv(), axis_name="sp", algorithm=algorithm, platform="pallas")
+    assert f"recurrent_cp(): {PALLAS_GV[algorithm]}" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        recurrent(*_qkv(), gv=_gv(), algorithm=algorithm, platform="pallas", mesh=AbstractMesh((4,), ("sp",)),
+                  in_specs=P(None, "sp"))
+    assert f"recurrent(): {PALLAS_GV[algorithm]}" in str(e.value)
+
+
+def test_call_inside_shard_map_names_the_cp_form():
+    """Inside jax.shard_map the shard's call is checked under the context-parallel form's name."""
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("sp",))
+    body = lambda q, k, v: gla_cp(q, k, v, _gk(steps=12), axis_name="sp")  # noqa: E731
+    run = jax.shard_map(body, mesh=mesh, in_specs=P(None, "sp"), out_specs=(P(None, "sp"), P()))
+    with pytest.raises(ValueError, match=r"gla_cp\(\): gk must be float \[batch, seq_len, heads, K\] = \[1, 16, 4, 8\]"):
+        run(*_qkv())
 
 
 MESH = AbstractMesh((2, 2, 2), ("dp", "sp", "tp"))

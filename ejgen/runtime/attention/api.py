@@ -48,6 +48,11 @@ class SpecInfo:
     def accepted(self) -> tuple:
         return tuple(self.arguments)
 
+    @property
+    def kernel_reads(self) -> tuple:
+        """The positions and lengths the kernels read (the segment key's are read before them, by the op)."""
+        return self.position_reads if self.element_reads is None else self.element_reads
+
 
 def reject_unsupported(spec: SpecInfo, unsupported: dict) -> None:
     if not unsupported:

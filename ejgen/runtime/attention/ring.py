@@ -303,10 +303,10 @@ def refuse(name: str, spec: api.SpecInfo, arguments: dict) -> None:
         if any(d in ("q_len", "kv_len") for d in dims):
             raise ValueError(f"{name}: param {param} has a q_len / kv_len dim ({spec.path}): ring attention does not "
                              f"take params shaped by the sequence yet")
-    lengths = sorted(set(spec.position_reads) & {"q_len", "kv_len"})
+    lengths = sorted(set(spec.kernel_reads) & {"q_len", "kv_len"})  # a segment key reads the global ones
     if lengths:
         raise ValueError(f"{name}: the spec's score or mask reads {', '.join(lengths)} ({spec.path}): ring attention "
-                         f"does not give specs the global lengths yet")
+                         f"does not give the kernels the global lengths yet")
 
 
 def attention(spec: api.SpecInfo, backends: dict, query, key, value, *, axis_name, token_order, features: dict,
@@ -334,12 +334,7 @@ def _on_context_mesh(spec, backends, query, key, value, axis_name, token_order, 
     """A ring call on global arrays: run under ``jax.shard_map`` over the context mesh, the sequence (and segment
     ids) cut over ``axis_name``, everything else replicated."""
     name = f"{spec.name}_ring()"
-    mesh = sharding.context_mesh()
-    if mesh is None or axis_name not in mesh.axis_names:
-        where = "no mesh is in scope" if mesh is None else f"the mesh in scope has axes {tuple(mesh.axis_names)}"
-        raise ValueError(f"{name}: axis_name={axis_name!r} is not a bound mesh axis ({where}): call it inside "
-                         f"jax.shard_map over a mesh with that axis, or on global arrays under `with "
-                         f"jax.set_mesh(mesh):` (or `with mesh:`)")
+    mesh = sharding.mesh_with_axis(name, axis_name)
     devices = mesh.shape[axis_name]
     seq = 2 if spec.layout == "bhsd" else 1
     tensors = [jnp.asarray(x) for x in (query, key, value)]
@@ -402,8 +397,7 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
         ctx.update(q_seg=call.ctx["q_seg"], kv_seg=call.ctx["kv_seg"])
     causal = call.cfg.causal
     window = _window_sides(features.get("sliding_window")) if call.cfg.window else None
-    kernel_reads = spec.position_reads if spec.element_reads is None else spec.element_reads
-    reads = bool(set(kernel_reads) & {"q_idx", "kv_idx"})
+    reads = bool(set(spec.kernel_reads) & {"q_idx", "kv_idx"})
     needed = {t for t in range(devices) for r in range(devices)
               if _kind(token_order, devices, n, r, (r - t) % devices, Pair((0, n), (0, n)), causal, window,
                        reads) != SKIP}

@@ -109,3 +109,15 @@ def context_mesh():
     except (ImportError, AttributeError):
         return None
     return mesh if getattr(mesh, "axis_names", ()) else None
+
+
+def mesh_with_axis(name: str, axis_name):
+    """The context mesh (`context_mesh`) of a call on global arrays that cuts its sequence over ``axis_name``; a
+    ValueError naming the function ``name`` (with its parentheses) where no mesh in scope has that axis."""
+    mesh = context_mesh()
+    if mesh is None or axis_name not in mesh.axis_names:
+        where = "no mesh is in scope" if mesh is None else f"the mesh in scope has axes {tuple(mesh.axis_names)}"
+        raise ValueError(f"{name}: axis_name={axis_name!r} is not a bound mesh axis ({where}): call it inside "
+                         f"jax.shard_map over a mesh with that axis, or on global arrays under `with "
+                         f"jax.set_mesh(mesh):` (or `with mesh:`)")
+    return mesh

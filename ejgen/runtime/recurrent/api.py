@@ -57,8 +57,9 @@ def reject_unsupported(spec: SpecInfo, unsupported: dict) -> None:
                     f"Accepted arguments: query, key, value, {', '.join(spec.arguments)}")
 
 
-def choose_kernels(spec: SpecInfo, backends: dict, platform: str, backend: str, call: "Prepared"):
-    """The kernel set of a call on ``backend``, with the reasons; recorded (debug log, ``explain``)."""
+def kernel_choice(backends: dict, platform: str, backend: str, call: Prepared):
+    """The kernel set of a call on ``backend``, with the reasons; not recorded (`choose_kernels` records it). A
+    backend that cannot run the call is a ValueError naming the function the user called (``call.op``)."""
     here = kernels.target()
     if platform == "auto":
         why = f"platform {backend}: auto on {here.arch or here.platform} (order {', '.join(auto_order(backends))})"
@@ -67,19 +68,22 @@ def choose_kernels(spec: SpecInfo, backends: dict, platform: str, backend: str, 
     try:
         forward, backward, reasons, deterministic = backends[backend].choose(call.cfg)
     except kernels.Unsupported as e:
-        raise ValueError(f"{spec.name}(): platform '{backend}' cannot run this call: {e}") from None
-    choice = kernels.KernelChoice(backend, forward, backward, deterministic,
-                                  (why, call.why_algorithm) + tuple(reasons))
-    return kernels.record(choice, spec.name)
+        raise ValueError(f"{call.op}(): platform '{backend}' cannot run this call: {e}") from None
+    return kernels.KernelChoice(backend, forward, backward, deterministic, (why, call.why_algorithm) + tuple(reasons))
+
+
+def choose_kernels(spec: SpecInfo, backends: dict, platform: str, backend: str, call: "Prepared"):
+    """The kernel set of a call on ``backend``, with the reasons; recorded (debug log, ``explain``)."""
+    return kernels.record(kernel_choice(backends, platform, backend, call), spec.name)
 
 
 def _shape(x) -> str:
     return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
 
 
-def _array(spec, name, x):
+def _array(op: str, name, x):
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-        raise ValueError(f"{spec.name}(): {name} must be an array, got {type(x).__name__}")
+        raise ValueError(f"{op}(): {name} must be an array, got {type(x).__name__}")
     return x
 
 
@@ -105,9 +109,9 @@ class Prepared:
         return o, ht
 
 
-def _python_bool(spec, name, value) -> bool:
+def _python_bool(op: str, name, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{spec.name}(): {name} must be a Python bool, got {type(value).__name__}")
+        raise ValueError(f"{op}(): {name} must be a Python bool, got {type(value).__name__}")
     return bool(value)
 
 
@@ -116,20 +120,20 @@ def chunked_gates(backend) -> tuple:
     return getattr(backend, "CHUNKED_GATES", GATES)
 
 
-def _algorithm(spec, algorithm, chunk_size, steps, passed, chunked) -> tuple:
+def _algorithm(op: str, algorithm, chunk_size, steps, passed, chunked) -> tuple:
     """(algorithm, chunk, why): auto takes the fused recurrence for at most FUSED_MAX_STEPS steps, or where the
     backend's chunked kernels do not take a gate the call passes."""
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"{spec.name}(): algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+        raise ValueError(f"{op}(): algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     if chunk_size is not None:
         ok = isinstance(chunk_size, (int, np.integer)) and not isinstance(chunk_size, (bool, np.bool_))
         if not ok or int(chunk_size) not in CHUNK_SIZES:
-            raise ValueError(f"{spec.name}(): chunk_size must be None or one of {', '.join(map(str, CHUNK_SIZES))} "
+            raise ValueError(f"{op}(): chunk_size must be None or one of {', '.join(map(str, CHUNK_SIZES))} "
                              f"(steps of a chunk of the chunked algorithm), got {chunk_size!r}")
     chunk = DEFAULT_CHUNK if chunk_size is None else int(chunk_size)
     missing = [g for g in passed if g not in chunked]
     if missing and algorithm == "chunked":
-        raise ValueError(f"{spec.name}(): the chunked kernels of this platform take no {', '.join(missing)}: pass "
+        raise ValueError(f"{op}(): the chunked kernels of this platform take no {', '.join(missing)}: pass "
                          f"algorithm='fused' (or 'auto'), or another platform")
     if missing and algorithm == "auto":
         return "fused", 1, f"algorithm fused: auto, the chunked kernels of this platform take no {', '.join(missing)}"
@@ -146,60 +150,63 @@ def _algorithm(spec, algorithm, chunk_size, steps, passed, chunked) -> tuple:
 
 def prepare(spec: SpecInfo, query, key, value, *, g=None, g_gamma=None, gk=None, gv=None, softmax_scale=None,
             initial_state=None, reverse=False, cu_seqlens=None, algorithm="auto", chunk_size=None,
-            chunked=GATES) -> Prepared:
-    """Check the call's arguments and bring them to the kernel layout (module docstring)."""
+            chunked=GATES, name=None) -> Prepared:
+    """Check the call's arguments and bring them to the kernel layout (module docstring). ``chunked``: the gates the
+    backend's chunked kernels take (`chunked_gates`); ``name``: the function the user called, for messages (the
+    op's own name by default; ``<name>_cp`` for its context-parallel form)."""
+    op = name or spec.name
     given = {"g": g, "g_gamma": g_gamma, "gk": gk, "gv": gv}
-    for name in spec.required:
-        if given[name] is None:
-            raise TypeError(f"{spec.name}() needs {name}: the spec compiles gate '{name}' in (always; {spec.path})")
-    q, k, v = (_array(spec, n, x) for n, x in (("query", query), ("key", key), ("value", value)))
-    for name, x in (("query", q), ("key", k), ("value", v)):
+    for gate in spec.required:
+        if given[gate] is None:
+            raise TypeError(f"{op}() needs {gate}: the spec compiles gate '{gate}' in (always; {spec.path})")
+    q, k, v = (_array(op, n, x) for n, x in (("query", query), ("key", key), ("value", value)))
+    for arg, x in (("query", q), ("key", k), ("value", v)):
         if x.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{spec.name}(): {name} must be float32, bfloat16 or float16, got {_shape(x)}")
+            raise ValueError(f"{op}(): {arg} must be float32, bfloat16 or float16, got {_shape(x)}")
         if x.ndim != 4:
-            raise ValueError(f"{spec.name}(): {name} must be [batch, seq_len, heads, head_dim], got {_shape(x)}")
+            raise ValueError(f"{op}(): {arg} must be [batch, seq_len, heads, head_dim], got {_shape(x)}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{spec.name}(): query, key and value must share one dtype, got {_shape(q)}, {_shape(k)}, "
+        raise ValueError(f"{op}(): query, key and value must share one dtype, got {_shape(q)}, {_shape(k)}, "
                          f"{_shape(v)}")
     batch, steps, heads, dk = q.shape
     kv_heads, dv = k.shape[2], v.shape[3]
     if k.shape != (batch, steps, kv_heads, dk) or v.shape[:3] != (batch, steps, kv_heads):
-        raise ValueError(f"{spec.name}(): key must be [batch, seq_len, kv_heads, K] and value [batch, seq_len, "
+        raise ValueError(f"{op}(): key must be [batch, seq_len, kv_heads, K] and value [batch, seq_len, "
                          f"kv_heads, V] with query's batch, seq_len and K = {dk}; got query {_shape(q)}, key "
                          f"{_shape(k)}, value {_shape(v)}")
     if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"{spec.name}(): query's {heads} heads must be a multiple of key and value's {kv_heads}")
+        raise ValueError(f"{op}(): query's {heads} heads must be a multiple of key and value's {kv_heads}")
     if kv_heads != heads and not spec.gqa:
-        raise ValueError(f"{spec.name}(): key and value have {kv_heads} heads, query {heads}: sharing key/value "
+        raise ValueError(f"{op}(): key and value have {kv_heads} heads, query {heads}: sharing key/value "
                          f"heads needs feature 'gqa' ({spec.path})")
     varlen = cu_seqlens is not None
     if varlen:
         if batch != 1:
-            raise ValueError(f"{spec.name}(): with cu_seqlens, query, key and value are packed sequences "
+            raise ValueError(f"{op}(): with cu_seqlens, query, key and value are packed sequences "
                              f"[1, total_tokens, heads, head_dim], got query {_shape(q)}")
-        cu = _cu_seqlens(spec, cu_seqlens, steps)
+        cu = _cu_seqlens(op, cu_seqlens, steps)
         n_seqs = cu.shape[0] - 1
     else:
         n_seqs = batch
     gates = {}
     expected = {"g": (batch, steps, heads), "g_gamma": (heads,), "gk": (batch, steps, heads, dk),
                 "gv": (batch, steps, heads, dv)}
-    for name in GATES:
-        x = given[name]
+    for gate in GATES:
+        x = given[gate]
         if x is None:
             continue
-        x = _array(spec, name, x)
-        if tuple(x.shape) != expected[name] or not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{spec.name}(): {name} must be float {GATE_SHAPES[name]} = {list(expected[name])} "
+        x = _array(op, gate, x)
+        if tuple(x.shape) != expected[gate] or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{op}(): {gate} must be float {GATE_SHAPES[gate]} = {list(expected[gate])} "
                              f"(log space), got {_shape(x)}")
-        gates[name] = x.astype(jnp.float32)
+        gates[gate] = x.astype(jnp.float32)
     h0 = None
     if initial_state is not None:
-        h0 = _array(spec, "initial_state", initial_state)
+        h0 = _array(op, "initial_state", initial_state)
         want = (n_seqs, heads, dk, dv)
         if tuple(h0.shape) != want or not jnp.issubdtype(h0.dtype, jnp.floating):
             seqs = "sequences" if varlen else "batch"
-            raise ValueError(f"{spec.name}(): initial_state must be float [{seqs}, heads, K, V] = {list(want)}, got "
+            raise ValueError(f"{op}(): initial_state must be float [{seqs}, heads, K, V] = {list(want)}, got "
                              f"{_shape(h0)}")
         h0 = h0.astype(jnp.float32)
     if softmax_scale is None:
@@ -207,14 +214,14 @@ def prepare(spec: SpecInfo, query, key, value, *, g=None, g_gamma=None, gk=None,
     elif isinstance(softmax_scale, (int, float, np.integer, np.floating)) and not isinstance(softmax_scale, bool):
         scale = float(softmax_scale)
     else:
-        raise ValueError(f"{spec.name}(): softmax_scale must be None or a Python number, got "
+        raise ValueError(f"{op}(): softmax_scale must be None or a Python number, got "
                          f"{type(softmax_scale).__name__}")
-    reverse = _python_bool(spec, "reverse", reverse)
-    algorithm, chunk, why = _algorithm(spec, algorithm, chunk_size, steps, tuple(gates), chunked)
+    reverse = _python_bool(op, "reverse", reverse)
+    algorithm, chunk, why = _algorithm(op, algorithm, chunk_size, steps, tuple(gates), chunked)
     cfg = RecurrentConfig(batch=batch, seq_len=steps, heads=heads, kv_heads=kv_heads, dk=dk, dv=dv, n_seqs=n_seqs,
                           varlen=varlen, reverse=reverse, gates=tuple(gates), initial_state=h0 is not None,
                           scale=scale, algorithm=algorithm, chunk=chunk, dtype=jnp.dtype(q.dtype).name)
-    return Prepared(spec.name, q, k, v, gates, h0, {"cu": cu} if varlen else {}, cfg, why)
+    return Prepared(op, q, k, v, gates, h0, {"cu": cu} if varlen else {}, cfg, why)
 
 
 def vary_alike(*trees):
@@ -223,17 +230,17 @@ def vary_alike(*trees):
     return vma.vary(trees, vma.varying_axes(*trees))
 
 
-def _cu_seqlens(spec, cu, tokens):
-    cu = _array(spec, "cu_seqlens", cu)
+def _cu_seqlens(op: str, cu, tokens):
+    cu = _array(op, "cu_seqlens", cu)
     if cu.ndim != 1 or cu.dtype != jnp.int32 or cu.shape[0] < 2:
-        raise ValueError(f"{spec.name}(): cu_seqlens must be int32 [num_seqs + 1] (at least 2 entries), got "
+        raise ValueError(f"{op}(): cu_seqlens must be int32 [num_seqs + 1] (at least 2 entries), got "
                          f"{_shape(cu)}")
     try:
         values = np.asarray(cu)
     except jax.errors.TracerArrayConversionError:  # under jit: checked where it is concrete
         return jnp.asarray(cu)
     if values[0] != 0 or np.any(np.diff(values) < 0) or values[-1] > tokens:
-        raise ValueError(f"{spec.name}(): cu_seqlens must start at 0, never decrease and end at most at the "
+        raise ValueError(f"{op}(): cu_seqlens must start at 0, never decrease and end at most at the "
                          f"{tokens} tokens of query, got {values.tolist()}")
     return jnp.asarray(cu)
 
@@ -243,7 +250,7 @@ def decode(spec: SpecInfo, op, query, key, value, state, gates: dict, softmax_sc
     (o [B, (S,) H, V], new_state [B, H, K, V] float32), the train op with initial_state=state on the fused recurrence
     (forward and gradients as the train op's)."""
     name = f"{spec.name}_decode"
-    q = _array(spec, "query", query)
+    q = _array(spec.name, "query", query)
     if q.ndim not in (3, 4):
         raise ValueError(f"{name}(): query must be [batch, heads, K] (one step) or [batch, steps, heads, K], got "
                          f"{_shape(q)}")
@@ -256,7 +263,7 @@ def decode(spec: SpecInfo, op, query, key, value, state, gates: dict, softmax_sc
     for arg, x in steps.items():
         if x is None:
             continue
-        x = _array(spec, arg, x)
+        x = _array(spec.name, arg, x)
         want = rank[arg] + (0 if one else 1)
         if x.ndim != want:
             what = "one step: no steps axis" if one else "with the steps axis after batch"

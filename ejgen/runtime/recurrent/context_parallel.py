@@ -23,6 +23,9 @@ log gates from its start (never a difference of two long sums); gates that decay
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -62,44 +65,39 @@ def context_parallel(spec: api.SpecInfo, op, hooks, query, key, value, *, axis_n
     initial_state, reverse, cu_seqlens), ``choices`` its algorithm, chunk_size and platform, ``hooks`` the spec's
     feature map and gate map in jnp. Inside ``jax.shard_map`` with ``axis_name`` bound, query, key, value and the
     per-step gates are this device's steps; outside, global arrays cut over ``axis_name`` of the context mesh."""
-    name = f"{spec.name}_cp()"
-    refuse(name, arguments)
+    name = f"{spec.name}_cp"
+    refuse(f"{name}()", arguments)
     if not isinstance(axis_name, str):
-        raise ValueError(f"{name}: axis_name must be the name of one mesh axis (a str), got {axis_name!r}")
+        raise ValueError(f"{name}(): axis_name must be the name of one mesh axis (a str), got {axis_name!r}")
     try:
         devices = sharding.axis_size(axis_name)
     except NameError:
         return _on_context_mesh(spec, op, hooks, query, key, value, axis_name, arguments, choices)
-    return _inside(spec, op, hooks, query, key, value, axis_name, devices, arguments, choices)
+    call = prepare(spec, op, query, key, value, arguments, choices, name)
+    return _inside(spec, op, hooks, call, axis_name, devices, arguments, choices)
 
 
 def _on_context_mesh(spec, op, hooks, query, key, value, axis_name, arguments, choices):
-    """A call on global arrays: run under ``jax.shard_map`` over the context mesh, the steps of q, k, v and the
-    per-step gates cut over ``axis_name``, everything else replicated; o comes back cut as query, the final state
-    replicated."""
-    name = f"{spec.name}_cp()"
-    check_call(spec, query, key, value, arguments, choices)
-    mesh = sharding.context_mesh()
-    if mesh is None or axis_name not in mesh.axis_names:
-        where = "no mesh is in scope" if mesh is None else f"the mesh in scope has axes {tuple(mesh.axis_names)}"
-        raise ValueError(f"{name}: axis_name={axis_name!r} is not a bound mesh axis ({where}): call it inside "
-                         f"jax.shard_map over a mesh with that axis, or on global arrays under `with "
-                         f"jax.set_mesh(mesh):` (or `with mesh:`)")
+    """A call on global arrays: checked whole and brought to the kernel layout once, then run under
+    ``jax.shard_map`` over the context mesh, the steps of q, k, v and the per-step gates cut over ``axis_name``,
+    everything else replicated; o comes back cut as query, the final state replicated."""
+    name = f"{spec.name}_cp"
+    call = prepare(spec, op, query, key, value, arguments, choices, name)
+    mesh = sharding.mesh_with_axis(f"{name}()", axis_name)
     devices = mesh.shape[axis_name]
-    steps = jnp.shape(query)[1]
-    if steps % devices:
-        raise ValueError(f"{name}: the {steps} steps of query cannot be cut evenly over mesh axis {axis_name!r} "
-                         f"({devices} devices)")
+    if call.cfg.seq_len % devices:
+        raise ValueError(f"{name}(): the {call.cfg.seq_len} steps of query cannot be cut evenly over mesh axis "
+                         f"{axis_name!r} ({devices} devices)")
     cut = P(None, axis_name)
-    arrays = tensor_arguments(arguments)
-    static = {n: x for n, x in arguments.items() if n not in arrays}
-    specs = {n: cut if n in api.GATES and n != "g_gamma" else P() for n in arrays}
+    arrays = {"gates": call.gates, "h0": call.h0}
+    specs = {"gates": {n: P() if n == "g_gamma" else cut for n in call.gates}, "h0": P()}
 
-    def body(q, k, v, arrays):
-        return _inside(spec, op, hooks, q, k, v, axis_name, devices, {**static, **arrays}, choices)
+    def body(q, k, v, arrays):  # this device's steps; cfg's shapes stay the whole call's (`_inside` reads none)
+        return _inside(spec, op, hooks, dataclasses.replace(call, q=q, k=k, v=v, **arrays), axis_name, devices,
+                       arguments, choices)
 
     run = vma.shard_map(body, mesh=mesh, in_specs=(cut, cut, cut, specs), out_specs=(cut, P()))
-    return run(jnp.asarray(query), jnp.asarray(key), jnp.asarray(value), arrays)
+    return run(jnp.asarray(call.q), jnp.asarray(call.k), jnp.asarray(call.v), arrays)
 
 
 TENSOR_ARGUMENTS = (*api.GATES, "initial_state", "cu_seqlens")  # the op's arrays beside q, k, v (by name: a numpy
@@ -111,21 +109,35 @@ def tensor_arguments(arguments: dict) -> dict:
     return {n: jnp.asarray(x) for n, x in arguments.items() if n in TENSOR_ARGUMENTS and x is not None}
 
 
-def check_call(spec, query, key, value, arguments: dict, choices: dict) -> None:
-    """The op's own checks of a whole call (shapes, dtypes, options), traced for shapes only: before it is cut."""
-    options = {n: x for n, x in choices.items() if n != "platform"}
-    jax.eval_shape(lambda: api.prepare(spec, query, key, value, **arguments, **options) and None)
+def _backends(op) -> dict:
+    """The generated op's backends by name: its module's ``BACKENDS``, among which the op chooses."""
+    return sys.modules[op.__module__].BACKENDS
 
 
-def _inside(spec, op, hooks, query, key, value, axis, devices, arguments, choices):
-    name = f"{spec.name}_cp()"
-    refuse(name, arguments)
+def prepare(spec: api.SpecInfo, op, query, key, value, arguments: dict, choices: dict, name: str) -> api.Prepared:
+    """The call checked as ``op`` checks it, errors naming ``name`` (the function the user called): its platform,
+    its arguments against that backend's chunked kernels, the backend's kernel choice (not recorded: each shard's
+    own call records its choice); brought to the kernel layout."""
+    backends = _backends(op)
+    backend = api.choose_platform(dataclasses.replace(spec, name=name), choices["platform"], backends)
     options = {n: x for n, x in choices.items() if n != "platform"}
-    call = api.prepare(spec, query, key, value, **arguments, **options)
+    call = api.prepare(spec, query, key, value, **arguments, **options, chunked=api.chunked_gates(backends[backend]),
+                       name=name)
+    api.kernel_choice(backends, choices["platform"], backend, call)
+    return call
+
+
+def check_call(spec: api.SpecInfo, op, query, key, value, arguments: dict, choices: dict, name: str) -> None:
+    """`prepare`'s checks of a whole call, traced for shapes only: before it is cut."""
+    jax.eval_shape(lambda: prepare(spec, op, query, key, value, arguments, choices, name) and None)
+
+
+def _inside(spec, op, hooks, call: api.Prepared, axis, devices, arguments, choices):
+    """The steps above on this device: ``call`` holds its q, k, v, gates and initial state (``call.cfg``'s
+    reverse, scale and dtype; its shapes may be the whole call's)."""
     cfg = call.cfg
-    gates = {n: arguments[n] for n in api.GATES if n in arguments}
-    o_own, end = op(query, key, value, **gates, softmax_scale=arguments.get("softmax_scale"), reverse=cfg.reverse,
-                    **choices)
+    o_own, end = op(call.q, call.k, call.v, **call.gates, softmax_scale=arguments.get("softmax_scale"),
+                    reverse=cfg.reverse, **choices)  # checked as `prepare` checked it: it takes the call as it is
     q, key_log, value_log = _mapped(call.q, call.gates, cfg, hooks)
     key_total = None if key_log is None else jnp.sum(key_log, axis=1)  # [B, H, K | 1]
     value_total = None if value_log is None else jnp.sum(value_log, axis=1)  # [B, H, V]
@@ -154,7 +166,7 @@ def _mapped(q, gates, cfg, hooks):
         step = {n: hooks.gate_map(x) for n, x in step.items()}
     scalar = step.get("g")
     if "g_gamma" in gates:
-        gamma = jnp.broadcast_to(gates["g_gamma"], (cfg.batch, cfg.seq_len, cfg.heads))
+        gamma = jnp.broadcast_to(gates["g_gamma"], q.shape[:3])
         scalar = gamma if scalar is None else scalar + gamma
     key_log = step.get("gk")
     if scalar is not None:

@@ -72,7 +72,7 @@ def on_mesh(spec, op, cp, query, key, value, kwargs: dict, mesh, in_specs, out_s
     cut = _cut(name, mesh, tensors, specs, varlen)
     positional = {n: x for n, x in kwargs.items() if n not in ("algorithm", "chunk_size", "platform")}
     choices = {n: x for n, x in kwargs.items() if n not in positional}
-    context_parallel.check_call(spec, query, key, value, positional, choices)
+    context_parallel.check_call(spec, op, query, key, value, positional, choices, name)
     arrays = context_parallel.tensor_arguments(kwargs)
     static = {n: x for n, x in kwargs.items() if n not in arrays}
     array_specs = {n: cut.spec(n) if n in _ROLES else P() for n in arrays}
