@@ -103,6 +103,12 @@ class AttentionPlan:
         m = self.element_mask
         return None if isinstance(m, Const) and m.value is True else separate(m)
 
+    @property
+    def kernel_exprs(self) -> list:
+        """Every expression the train kernels print: the score, its derivative, the element mask and the params'
+        derivatives (in this order: the Pallas printer's token views follow it)."""
+        return [self.score, self.dscore_ds, self.element_mask] + [g.deriv for g in self.param_grads]
+
     def index_reads(self) -> tuple:
         """``b`` and ``h`` where score or mask read them as numbers: anything but the whole index of a param's
         ``batch`` / ``heads`` dim (``slopes[h]`` with slopes [heads] reads the shard's own slice). Sharding that

@@ -156,11 +156,13 @@ def alibi_attention(
         block_mask=block_mask,
         softmax_scale=softmax_scale,
     )
+    inputs = {}  # the spec's params and options, checked, under their names in ctx
+    inputs["param_slopes"] = _attention.check_param(SPEC, "slopes", slopes, ('heads',), jnp.float32, call.dims)
+    inputs["opt_max_distance"] = _attention.check_option(SPEC, "max_distance", max_distance, "int")
     kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
-    ctx["param_slopes"] = _attention.check_param(SPEC, "slopes", slopes, ('heads',), jnp.float32, call.dims)
-    ctx["opt_max_distance"] = _attention.check_option(SPEC, "max_distance", max_distance, "int")
+    ctx.update(inputs)
     q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

@@ -153,11 +153,14 @@ def relative_bias_attention(
         block_mask=block_mask,
         softmax_scale=softmax_scale,
     )
+    inputs = {}  # the spec's params and options, checked, under their names in ctx
+    inputs["param_rel_table"] = _attention.check_param(SPEC, "rel_table", rel_table, ('heads', 33), jnp.float32,
+                                                       call.dims)
+    inputs["opt_bias_scale"] = _attention.check_option(SPEC, "bias_scale", bias_scale, "float")
     kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
-    ctx["param_rel_table"] = _attention.check_param(SPEC, "rel_table", rel_table, ('heads', 33), jnp.float32, call.dims)
-    ctx["opt_bias_scale"] = _attention.check_option(SPEC, "bias_scale", bias_scale, "float")
+    ctx.update(inputs)
     q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

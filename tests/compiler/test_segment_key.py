@@ -10,7 +10,8 @@ import pytest
 from ejgen.ir.expr import to_text
 from ejgen.ir.passes.segment_key import split
 from ejgen.ir.passes.separate import separate
-from ejgen.plan.attention import plan_attention
+from ejgen.errors import SpecError
+from ejgen.plan.attention import plan_attention, segment_key_of
 from ejgen.spec import load_spec
 
 SPEC = """\
@@ -98,3 +99,13 @@ def test_specs_that_keep_their_mask_whole(tmp_path, extra, why):
     plan = plan_attention(load(tmp_path, "q_idx // chunk == kv_idx // chunk", extra))
     assert plan.segment_key is None, why
     assert to_text(plan.spec_mask) == "((q_idx // chunk) == (kv_idx // chunk))"
+
+
+def test_explicit_positions_keep_the_key_in_the_mask(tmp_path):
+    """Explicit positions place tokens the ids would not follow: the key stays in the mask (`segment_key_of`), where
+    the planner refuses it with positions (spec expressions over placed tokens are not supported yet)."""
+    variant = load(tmp_path, "q_idx // chunk == kv_idx // chunk", "features:\n  positions: runtime\n")
+    assert segment_key_of(variant) == (None, variant.mask)
+    with pytest.raises(SpecError, match="feature 'positions' cannot be combined with a score or mask that reads "
+                                        "kv_idx, q_idx"):
+        plan_attention(variant)

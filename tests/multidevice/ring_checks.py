@@ -10,11 +10,16 @@ slices, merged in another order).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
@@ -189,6 +194,61 @@ def check_chunked_local(backend, failures, devices=4):
     check(failures, sharded, ref)
 
 
+# A spec built here: its mask is a segment key that reads the lengths (the query's and the key's third of the
+# sequence), so only the key reads them; segment ids of the call's own beside it
+THIRDS = """\
+name: thirds_attention
+family: attention
+doc: Attention within each third of the sequence.
+backends: [xla]
+features:
+  causal: runtime
+  gqa: runtime
+  segment_ids: runtime
+mask: q_idx * 3 // q_len == kv_idx * 3 // kv_len
+"""
+
+
+@functools.cache
+def thirds_attention_ring():
+    root = tempfile.mkdtemp(prefix="ring-thirds-")
+    (Path(root) / "specs").mkdir()
+    (Path(root) / "specs" / "thirds_attention.yaml").write_text(THIRDS)
+    from ejgen.cli import main as ejgen_main
+
+    with contextlib.redirect_stdout(sys.stderr):  # the build's lines: stdout is the JSON's
+        assert ejgen_main(["build", str(Path(root) / "specs"), "-o", str(Path(root) / "ring_thirds_ops")]) == 0
+    sys.path.insert(0, root)
+    return importlib.import_module("ring_thirds_ops").thirds_attention_ring
+
+
+def thirds(ix, _, length=32):
+    return ix.q_idx * 3 // length == ix.kv_idx * 3 // length
+
+
+def check_key_reads_lengths(backend, failures, devices=4):
+    """A segment key reading q_len and kv_len (thirds of 32 tokens, which straddle the shards), zigzag, causal: the
+    key's values at the tokens' global positions and the global lengths."""
+    shape = AttnShape(1, 32, 32, 2, 1, 16)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-thirds")
+    fn = in_shard_map(thirds_attention_ring(), devices, "zigzag", {}, {}, causal=True, platform=backend)
+    sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    check(failures, sharded, oracle.attention(**diff, causal=True, mask=thirds, d_out=d_out, d_lse=d_lse))
+
+
+def check_key_with_segment_ids(backend, failures, devices=2):
+    """The same key paired with the call's own segment ids (packed sequences, padding included): a query sees a key
+    where both the third and the id match (ranks of the pairs over the whole sequence), contiguous, not causal."""
+    shape = AttnShape(2, 32, 32, 2, 2, 16)
+    rng, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-thirds-segments")
+    ids = packed_segments(2, 32, rng)
+    fn = in_shard_map(thirds_attention_ring(), devices, "contiguous", {}, {"q_ids": jnp.asarray(ids)},
+                      platform=backend)
+    sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    check(failures, sharded, oracle.attention(**diff, mask=thirds, q_segment_ids=ids, kv_segment_ids=ids,
+                                              d_out=d_out, d_lse=d_lse))
+
+
 def check_context_mesh(backend, failures, devices=4):
     """ring_attention outside shard_map, on global arrays under `with jax.set_mesh(mesh):` (the op cuts the sequence
     over the named axis itself), zigzag, GQA, causal."""
@@ -270,6 +330,8 @@ CHECKS = {
     "causal-window-mqa-shared-sinks": (check_causal_window_8, {"xla": 8}),
     "prefix_lm-zigzag": (check_prefix_lm, {"xla": 2}),
     "chunked_local-zigzag": (check_chunked_local, {"xla": 4}),
+    "key-reads-lengths-zigzag": (check_key_reads_lengths, {"xla": 4}),
+    "key-with-segment-ids-contiguous": (check_key_with_segment_ids, {"xla": 2}),
     "set_mesh-global-zigzag": (check_context_mesh, {"xla": 4}),
     "wrapper-dp2-sp4-zigzag-window-segments": (check_wrapper, {"xla": None}),
     "blocksparse-sequence-parallelism": (check_blocksparse, {"xla": 2}),

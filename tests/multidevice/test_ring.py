@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = {
     "xla": {"zigzag-causal-gqa-segments-sinks-softcap-4", "alibi-zigzag-4", "window-noncausal-contiguous-4",
             "zigzag-causal-window-2", "contiguous-causal-2", "causal-window-mqa-shared-sinks-8", "prefix_lm-zigzag-2",
-            "chunked_local-zigzag-4",
+            "chunked_local-zigzag-4", "key-reads-lengths-zigzag-4", "key-with-segment-ids-contiguous-2",
             "set_mesh-global-zigzag-4", "wrapper-dp2-sp4-zigzag-window-segments", "blocksparse-sequence-parallelism-2"},
     "pallas": {"zigzag-causal-gqa-segments-sinks-softcap-2", "alibi-zigzag-2"},
     "triton": {"zigzag-causal-gqa-segments-sinks-softcap-2", "alibi-zigzag-2"},

@@ -128,7 +128,7 @@ def ops(tmp_path_factory):
     root = tmp_path_factory.mktemp("segment_keys")
     (root / "specs").mkdir()
     for name, body in SPECS.items():
-        (root / "specs" / f"{name}.yaml").write_text(f"name: {name}\nfamily: attention\nbackends: [triton, xla]\n{body}")
+        (root / "specs" / f"{name}.yaml").write_text(f"name: {name}\nfamily: attention\nbackends: [triton, pallas, xla]\n{body}")
     assert main(["build", str(root / "specs"), "-o", str(root / "keys_pkg")]) == 0
     with on_path(root):
         yield importlib.import_module("keys_pkg")
@@ -141,7 +141,7 @@ def _documents(batch, n, rng):
 
 
 @pytest.mark.parametrize("case, backend", [("chunked_documents", "xla"), ("chunked_documents", "triton"),
-                                           ("halves", "xla"), ("typed", "xla")])
+                                           ("chunked_documents", "pallas"), ("halves", "xla"), ("typed", "xla")])
 def test_keys_match_the_oracle(ops, run_vjp, case, backend):
     shape = AttnShape(2, 21, 21, 2, 2, 16)
     rng = rng_for("segment-key", case, backend)

@@ -66,8 +66,7 @@ POSITIONS = {"q_idx", "kv_idx", "q_len", "kv_len"}
 def _element_reads(plan: AttentionPlan) -> tuple:
     """The positions the kernels read: the score's, its derivatives' and the element mask's (the mask less its
     segment key, which the op computes before them)."""
-    exprs = [plan.score, plan.dscore_ds, plan.element_mask] + [g.deriv for g in plan.param_grads]
-    return tuple(sorted({n.name for e in exprs for n in walk(e) if isinstance(n, Var) and n.kind == "builtin"}
+    return tuple(sorted({n.name for e in plan.kernel_exprs for n in walk(e) if isinstance(n, Var) and n.kind == "builtin"}
                         & POSITIONS))
 
 

@@ -87,8 +87,8 @@ class ViewPrinter(KernelPrinter):
 
 def _rounds(plan: AttentionPlan) -> bool:
     """Whether a hook prints the DSL's ``round`` of a float (`KernelPrinter.cast`)."""
-    exprs = [plan.score, plan.dscore_ds, plan.element_mask] + [g.deriv for g in plan.param_grads]
-    return any(isinstance(n, Call) and n.fn == "round" and n.args[0].ty is not Type.INT for e in exprs for n in walk(e))
+    return any(isinstance(n, Call) and n.fn == "round" and n.args[0].ty is not Type.INT
+               for e in plan.kernel_exprs for n in walk(e))
 
 
 def _tuple(codes) -> str:
@@ -113,11 +113,6 @@ def _side(ref: ParamRef) -> str | None:
     return "kv" if used == {"kv_idx"} else "both"
 
 
-def _hook_exprs(plan: AttentionPlan) -> list[Expr]:
-    """Every expression the hooks print inside the kernels."""
-    return [plan.score, plan.dscore_ds, plan.element_mask] + [g.deriv for g in plan.param_grads]
-
-
 def _token_views(plan: AttentionPlan) -> dict[str, list[ParamRef]]:
     """The reads that become token views, per side ("q", "kv"), in order of first appearance; a read nested in
     a view's indices is part of that view. Refuses at the param what the kernels cannot read: a read by both
@@ -140,7 +135,7 @@ def _token_views(plan: AttentionPlan) -> dict[str, list[ParamRef]]:
         for c in children(e):
             visit(c)
 
-    for e in _hook_exprs(plan):
+    for e in plan.kernel_exprs:
         visit(e)
     return views
 
@@ -186,7 +181,7 @@ def template_context(plan: AttentionPlan) -> dict:
     codes = {"score_code": hook(plan.score), "dscore_code": hook(plan.dscore_ds),
              "dparam_codes": [hook(g.deriv) for g in plan.param_grads],
              "spec_mask_code": None if spec_mask is None else hook(spec_mask)}
-    reads = [n for e in _hook_exprs(plan) for n in _kernel_reads(e, tiles)]
+    reads = [n for e in plan.kernel_exprs for n in _kernel_reads(e, tiles)]
     in_kernel = {n.name for n in reads} | {p.name for p in plan.grad_params}
     gathers = any(_side(n) is not None for n in reads)
     return {

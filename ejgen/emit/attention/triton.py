@@ -124,7 +124,7 @@ class TlPrinter(Printer):
 def _dsl_helpers(plan) -> str:
     """The lib helpers the spec's expressions print (`TlPrinter`), for the kernels' import line ("" for none)."""
     used = set()
-    for e in _all_exprs(plan):
+    for e in plan.kernel_exprs:
         for n in walk(e):
             if isinstance(n, Binary) and n.op == "**":
                 used |= {"_ipow", "_pow"}
@@ -210,14 +210,9 @@ def _kernel_constexprs(indent: str = "    ") -> str:
     return "\n".join(lines)
 
 
-def _all_exprs(plan: AttentionPlan) -> list[Expr]:
-    """Every expression the kernels print: score, mask and the derivatives."""
-    return [plan.score, plan.element_mask, plan.dscore_ds] + [g.deriv for g in plan.param_grads]
-
-
 def _kernel_params(plan: AttentionPlan) -> list:
     """The params the kernels read: all but those only the segment key reads (the op turns them into ids first)."""
-    read = {n.name for e in _all_exprs(plan) for n in walk(e) if isinstance(n, ParamRef)}
+    read = {n.name for e in plan.kernel_exprs for n in walk(e) if isinstance(n, ParamRef)}
     return [p for p in plan.variant.params if p.name in read or p.grad]
 
 

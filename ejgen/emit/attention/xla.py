@@ -157,6 +157,4 @@ def segment_key_context(plan: AttentionPlan) -> dict | None:
         "bindings": [f'{o} = ctx["{o}"]' for o in reads],
         "query_code": printer(key.query),
         "key_code": printer(key.key),
-        "params": [r.removeprefix("param_") for r in reads if r.startswith("param_")],
-        "options": [r.removeprefix("opt_") for r in reads if r.startswith("opt_")],
     }

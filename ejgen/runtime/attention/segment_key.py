@@ -76,16 +76,6 @@ def _ranks(q_vals, kv_vals, q_user, kv_user):
     return ids[:, :sq], ids[:, sq:]
 
 
-def _inputs(spec: api.SpecInfo, params: dict, options: dict, dims: dict) -> dict:
-    """The params and options the key reads, checked as the op checks them, under their ctx names."""
-    ctx = {}
-    for p, x in params.items():
-        ctx["param_" + p] = api.check_param(spec, p, x, spec.params[p], jnp.dtype(spec.param_dtypes[p]), dims)
-    for o, x in options.items():
-        ctx["opt_" + o] = api.check_option(spec, o, x, spec.options[o])
-    return ctx
-
-
 def _values(key: SegmentKey, ctx: dict, batch: int, q_pos, kv_pos, q_len: int, kv_len: int):
     """(F [B, Sq], G [B, Sk]) int32 at positions q_pos [Sq], kv_pos [Sk]."""
     b = jnp.arange(batch, dtype=jnp.int32)[:, None]
@@ -94,11 +84,11 @@ def _values(key: SegmentKey, ctx: dict, batch: int, q_pos, kv_pos, q_len: int, k
     return shape(q_vals, q_pos.shape[0]), shape(kv_vals, kv_pos.shape[0])
 
 
-def lower(spec: api.SpecInfo, call: api.Prepared, params: dict, options: dict) -> api.Prepared:
-    """``call`` with the spec's segment key as segment ids (joined with the call's own: ranks of pairs)."""
+def lower(spec: api.SpecInfo, call: api.Prepared, ctx: dict) -> api.Prepared:
+    """``call`` with the spec's segment key as segment ids (joined with the call's own: ranks of pairs); ``ctx``
+    holds the params and options, checked by the op, as ``param_<name>`` / ``opt_<name>``."""
     key = spec.segment_key
     sq, sk = call.cfg.seq_q, call.cfg.seq_k
-    ctx = _inputs(spec, params, options, call.dims)
     q_vals, kv_vals = _values(key, ctx, call.q.shape[0], jnp.arange(sq, dtype=jnp.int32),
                               jnp.arange(sk, dtype=jnp.int32), sq, sk)
     user = (call.ctx["q_seg"], call.ctx["kv_seg"]) if call.cfg.segments else (None, None)

@@ -147,11 +147,13 @@ def chunked_local_attention(
         causal=True,
         softmax_scale=softmax_scale,
     )
-    call = _segment_key.lower(SPEC, call, dict(), dict(chunk=chunk))
+    inputs = {}  # the spec's params and options, checked, under their names in ctx
+    inputs["opt_chunk"] = _attention.check_option(SPEC, "chunk", chunk, "int")
+    call = _segment_key.lower(SPEC, call, inputs)
     kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
-    ctx["opt_chunk"] = _attention.check_option(SPEC, "chunk", chunk, "int")
+    ctx.update(inputs)
     q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

@@ -158,11 +158,13 @@ def dilated_window_attention(
         sliding_window=sliding_window,
         softmax_scale=softmax_scale,
     )
-    call = _segment_key.lower(SPEC, call, dict(), dict(dilation=dilation))
+    inputs = {}  # the spec's params and options, checked, under their names in ctx
+    inputs["opt_dilation"] = _attention.check_option(SPEC, "dilation", dilation, "int")
+    call = _segment_key.lower(SPEC, call, inputs)
     kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
-    ctx["opt_dilation"] = _attention.check_option(SPEC, "dilation", dilation, "int")
+    ctx.update(inputs)
     q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

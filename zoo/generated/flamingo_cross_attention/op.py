@@ -160,12 +160,14 @@ def flamingo_cross_attention(
         value,
         softmax_scale=softmax_scale,
     )
-    call = _segment_key.lower(SPEC, call, dict(latest=latest), dict(image_tokens=image_tokens))
+    inputs = {}  # the spec's params and options, checked, under their names in ctx
+    inputs["param_latest"] = _attention.check_param(SPEC, "latest", latest, ('batch', 'q_len'), jnp.int32, call.dims)
+    inputs["opt_image_tokens"] = _attention.check_option(SPEC, "image_tokens", image_tokens, "int")
+    call = _segment_key.lower(SPEC, call, inputs)
     kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
-    ctx["param_latest"] = _attention.check_param(SPEC, "latest", latest, ('batch', 'q_len'), jnp.int32, call.dims)
-    ctx["opt_image_tokens"] = _attention.check_option(SPEC, "image_tokens", image_tokens, "int")
+    ctx.update(inputs)
     q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

@@ -134,10 +134,12 @@ def natten_1d_attention(
         value,
         softmax_scale=softmax_scale,
     )
+    inputs = {}  # the spec's params and options, checked, under their names in ctx
+    inputs["opt_kernel"] = _attention.check_option(SPEC, "kernel", kernel, "int")
     kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
-    ctx["opt_kernel"] = _attention.check_option(SPEC, "kernel", kernel, "int")
+    ctx.update(inputs)
     q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

@@ -139,11 +139,13 @@ def sink_window_attention(
         causal=True,
         softmax_scale=softmax_scale,
     )
+    inputs = {}  # the spec's params and options, checked, under their names in ctx
+    inputs["opt_sink_tokens"] = _attention.check_option(SPEC, "sink_tokens", sink_tokens, "int")
+    inputs["opt_window"] = _attention.check_option(SPEC, "window", window, "int")
     kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
-    ctx["opt_sink_tokens"] = _attention.check_option(SPEC, "sink_tokens", sink_tokens, "int")
-    ctx["opt_window"] = _attention.check_option(SPEC, "window", window, "int")
+    ctx.update(inputs)
     q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)

@@ -169,15 +169,17 @@ def sliding_tile_attention(
         value,
         softmax_scale=softmax_scale,
     )
+    inputs = {}  # the spec's params and options, checked, under their names in ctx
+    inputs["opt_tile_tokens"] = _attention.check_option(SPEC, "tile_tokens", tile_tokens, "int")
+    inputs["opt_grid_h"] = _attention.check_option(SPEC, "grid_h", grid_h, "int")
+    inputs["opt_grid_w"] = _attention.check_option(SPEC, "grid_w", grid_w, "int")
+    inputs["opt_radius_t"] = _attention.check_option(SPEC, "radius_t", radius_t, "int")
+    inputs["opt_radius_h"] = _attention.check_option(SPEC, "radius_h", radius_h, "int")
+    inputs["opt_radius_w"] = _attention.check_option(SPEC, "radius_w", radius_w, "int")
     kernels = _attention.choose_kernels(SPEC, BACKENDS, platform, backend, call, deterministic)
     layout = BACKENDS[backend].TENSOR_LAYOUT
     q, k, v, ctx = call.padded(*BACKENDS[backend].block_sizes(call.cfg), layout)
-    ctx["opt_tile_tokens"] = _attention.check_option(SPEC, "tile_tokens", tile_tokens, "int")
-    ctx["opt_grid_h"] = _attention.check_option(SPEC, "grid_h", grid_h, "int")
-    ctx["opt_grid_w"] = _attention.check_option(SPEC, "grid_w", grid_w, "int")
-    ctx["opt_radius_t"] = _attention.check_option(SPEC, "radius_t", radius_t, "int")
-    ctx["opt_radius_h"] = _attention.check_option(SPEC, "radius_h", radius_h, "int")
-    ctx["opt_radius_w"] = _attention.check_option(SPEC, "radius_w", radius_w, "int")
+    ctx.update(inputs)
     q, k, v, ctx = _attention.vary_alike(q, k, v, ctx)
     out, lse = _core(q, k, v, ctx, cfg=call.cfg, kernels=kernels)
     return call.finish(out, lse, return_lse, layout)
