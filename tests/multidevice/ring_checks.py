@@ -10,11 +10,13 @@ slices, merged in another order).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -212,6 +214,7 @@ mask: q_idx * 3 // q_len == kv_idx * 3 // kv_len
 @functools.cache
 def thirds_attention_ring():
     root = tempfile.mkdtemp(prefix="ring-thirds-")
+    atexit.register(shutil.rmtree, root, True)
     (Path(root) / "specs").mkdir()
     (Path(root) / "specs" / "thirds_attention.yaml").write_text(THIRDS)
     from ejgen.cli import main as ejgen_main
