@@ -199,12 +199,14 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     ptr = _DTYPES[dtype]
     pointers = dict(Q=ptr, K_=ptr, V_=ptr, G="*fp32", GAMMA="*fp32", GK="*fp32", GV="*fp32", H0="*fp32", CU="*i32",
                     FIRST="*i32", CHUNKS="*i32", O=ptr, HT="*fp32", HS="*fp32", DO=ptr, DHT="*fp32", DHS="*fp32",
-                    DQ="*fp32", DK="*fp32", DV="*fp32", DH0="*fp32")
+                    DQ="*fp32", DK="*fp32", DV="*fp32", DH0="*fp32", DLK="*fp32", DLV="*fp32", CK="*fp32",
+                    SCR="*fp32", DLOG="*fp32", PARTS="*fp32")
     bk = max(16, 1 << (dk - 1).bit_length())
     bvf = max(16, 1 << (dv - 1).bit_length())
     consts = dict(T=0 if varlen else 4096, H=heads, HKV=kv_heads, K=dk, V=dv, BK=bk, BVF=bvf, SCALE=dk ** -0.5,
                   USE_G="g" in gates, USE_GAMMA="g_gamma" in gates, USE_GK="gk" in gates, USE_GV="gv" in gates,
                   USE_H0=h0, VARLEN=varlen, REVERSE=reverse, ROWS=4 * 4096, C=chunk, BC=host.SUB, MAP=True,
+                  BT=host.FUSED_BT, KG=bk if "gk" in gates else 1,
                   DT={"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[dtype])
     blocks = {"fused_fwd": host.FUSED_BV, "fused_bwd": host.FUSED_BV, "chunk_state": host.STATE_BV,
               "chunk_state_bwd": host.STATE_BV, "chunk_output": host.OUTPUT_BV, "chunk_grads_qk": host.STATE_BV,

@@ -16,13 +16,17 @@ Fused kernels (one pass over time, a program per (block of V columns, sequence x
   o_t = scale q_t S_t; the final state.
 - `simple_gla_fused_bwd_kernel`: the forward again for dq_t = scale S_t do_tᵀ (a partial per block of
   V), then backwards in time from dS = d final_state: dS += scale q_tᵀ do_t, dk_t = dS v_t (a partial per block
-  of V), dv_t = k_t dS, dS = D_t ⊙ dS; d initial_state = dS.
+  of V), dv_t = k_t dS, dS = D_t ⊙ dS; d initial_state = dS. With gates, also the log decay's gradient
+  dS ⊙ D_t ⊙ S_{t-1} (docs/DESIGN.md §3 linear recurrent, "Gates' gradients"): the forward keeps the state at every
+  block of BT steps, and the backward takes a block at a time, its states again from there, then the adjoint.
 Chunked kernels (chunks of C steps, sub-chunks of BC; gates g, g_gamma, gk; notes above `_chunk_of`):
 - `*_chunk_state_kernel`: the state at every chunk's start and the final state, a program per (block of V,
   sequence x head) over the chunks in order; `*_chunk_state_bwd_kernel`: the adjoint at every chunk's end and
   d initial_state, backwards over the chunks;
 - `*_chunk_output_kernel`, `*_chunk_grads_qk_kernel`, `*_chunk_grads_v_kernel`: o, dq and dk, dv of one sub-chunk
-  from the chunk's start state (end adjoint) and the sub-chunks before and after it, every sub-chunk in parallel.
+  from the chunk's start state (end adjoint) and the sub-chunks before and after it, every sub-chunk in parallel; with
+  gates the qk kernel writes the key side's log decay gradient, but for the pairs that pass its sub-chunk by both
+  ends, whose sums the host adds.
 """
 
 import os
@@ -119,13 +123,17 @@ def simple_gla_fused_fwd_kernel(
 
 @triton.jit
 def simple_gla_fused_bwd_kernel(
-    Q, K_, V_, G, GAMMA, GK, GV, H0, CU, DO, DHT, DQ, DK, DV, DH0,
+    Q, K_, V_, G, GAMMA, GK, GV, H0, CU, FIRST, DO, DHT, DQ, DK, DV, DH0, DLK, DLV, CK, SCR,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
     USE_GV: tl.constexpr, USE_H0: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, ROWS: tl.constexpr,
+    BT: tl.constexpr,
 ):
     """DQ, DK [NV, rows, H, K] float32 (partials of this block of V columns), DV [rows, H, V] float32 (per query
-    head), DH0 [N, H, K, V] float32."""
+    head), DH0 [N, H, K, V] float32. With gates: DLK [NV, rows, H, K] (partials) and DLV [rows, H, V], the log decay's
+    gradient per step on the key and value sides, S̄_t ⊙ D_t ⊙ S_{t-1} summed over V and over K; for it CK [blocks,
+    H, K, V] keeps the state at the start of every block of BT steps (sequence n's first block FIRST[n]) and SCR
+    [N x H x NV, BT, K, BV] a block's decayed states D_t ⊙ S_{t-1}, each program its own."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HKV)
@@ -137,35 +145,92 @@ def simple_gla_fused_bwd_kernel(
     p_h = (i_nh * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
     part = i_v.to(tl.int64) * ROWS * H * K  # this block's partials
     b_gamma = tl.load(GAMMA + i_h) if USE_GAMMA else 0.0
-    # forward in time: dq_t = scale S_t do_tᵀ
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_h += tl.load(H0 + p_h, mask=m_h, other=0.0)
-    for i in range(0, eos - bos):
-        row = _row(bos, eos, i, REVERSE)
-        b_k = tl.load(K_ + (row * HKV + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(V_ + (row * HKV + i_hk) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_do = tl.load(DO + (row * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
-        b_k = tl.where(m_k, _feature_map(b_k), 0.0)
-        b_h = _decay(b_h, G, GK, GV, row, i_h, b_gamma, o_k, o_v, m_k, m_v, H, K, V, USE_G, USE_GAMMA, USE_GK, USE_GV)
-        b_h += b_k[:, None] * b_v[None, :]
-        b_dq = tl.sum(b_h * b_do[None, :], axis=1) * SCALE  # [BK]
-        tl.store(DQ + part + (row * H + i_h) * K + o_k, b_dq, mask=m_k)
-    # backwards in time: dS from d final_state
-    b_dh = tl.load(DHT + p_h, mask=m_h, other=0.0)
-    for i in range(0, eos - bos):
-        row = _row(bos, eos, eos - bos - 1 - i, REVERSE)
-        b_q = tl.load(Q + (row * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(K_ + (row * HKV + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(V_ + (row * HKV + i_hk) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_do = tl.load(DO + (row * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_q = tl.where(m_k, _feature_map(b_q), 0.0) * SCALE
-        b_k = tl.where(m_k, _feature_map(b_k), 0.0)
-        b_dh += b_q[:, None] * b_do[None, :]
-        tl.store(DK + part + (row * H + i_h) * K + o_k, tl.sum(b_dh * b_v[None, :], axis=1), mask=m_k)
-        tl.store(DV + (row * H + i_h) * V + o_v, tl.sum(b_dh * b_k[:, None], axis=0), mask=m_v)
-        b_dh = _decay(b_dh, G, GK, GV, row, i_h, b_gamma, o_k, o_v, m_k, m_v, H, K, V, USE_G, USE_GAMMA, USE_GK,
-                      USE_GV)
+    if USE_G or USE_GAMMA or USE_GK or USE_GV:
+        if VARLEN:
+            first = tl.load(FIRST + i_n).to(tl.int64)
+        else:
+            first = i_n.to(tl.int64) * tl.cdiv(T, BT)
+        p_ck = o_k[:, None] * V + o_v[None, :]  # in a checkpoint [K, V] of head i_h
+        p_scr = ((i_nh.to(tl.int64) * tl.num_programs(0) + i_v) * BT * K * BV + o_k[:, None] * BV
+                 + tl.arange(0, BV)[None, :])  # this program's scratch [BT, K, BV]
+        # forward in time: the state at every block's start
+        for i in range(0, eos - bos):
+            if i % BT == 0:
+                tl.store(CK + ((first + i // BT) * H + i_h) * K * V + p_ck, b_h, mask=m_h)
+            row = _row(bos, eos, i, REVERSE)
+            b_k = tl.load(K_ + (row * HKV + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_v = tl.load(V_ + (row * HKV + i_hk) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_k = tl.where(m_k, _feature_map(b_k), 0.0)
+            b_h = _decay(b_h, G, GK, GV, row, i_h, b_gamma, o_k, o_v, m_k, m_v, H, K, V, USE_G, USE_GAMMA, USE_GK,
+                         USE_GV)
+            b_h += b_k[:, None] * b_v[None, :]
+        tl.debug_barrier()  # the checkpoints are read back by other threads of the program
+        # backwards, a block at a time: its states again from its checkpoint (dq_t = scale S_t do_tᵀ, and
+        # D_t ⊙ S_{t-1} into SCR), then the adjoint back through it
+        b_dh = tl.load(DHT + p_h, mask=m_h, other=0.0)
+        n_b = tl.cdiv(eos - bos, BT)
+        for back in range(0, n_b):
+            lo = (n_b - 1 - back) * BT
+            hi = tl.minimum(lo + BT, eos - bos)
+            b_h = tl.load(CK + ((first + lo // BT) * H + i_h) * K * V + p_ck, mask=m_h, other=0.0)
+            tl.debug_barrier()  # the block after this one has read SCR
+            for i in range(lo, hi):
+                row = _row(bos, eos, i, REVERSE)
+                b_k = tl.load(K_ + (row * HKV + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_v = tl.load(V_ + (row * HKV + i_hk) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+                b_do = tl.load(DO + (row * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+                b_k = tl.where(m_k, _feature_map(b_k), 0.0)
+                b_h = _decay(b_h, G, GK, GV, row, i_h, b_gamma, o_k, o_v, m_k, m_v, H, K, V, USE_G, USE_GAMMA,
+                             USE_GK, USE_GV)
+                tl.store(SCR + p_scr + (i - lo) * K * BV, b_h, mask=m_h)
+                b_h += b_k[:, None] * b_v[None, :]
+                tl.store(DQ + part + (row * H + i_h) * K + o_k, tl.sum(b_h * b_do[None, :], axis=1) * SCALE, mask=m_k)
+            tl.debug_barrier()  # SCR is read back by other threads of the program
+            for j in range(0, hi - lo):
+                i = hi - 1 - j
+                row = _row(bos, eos, i, REVERSE)
+                b_q = tl.load(Q + (row * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_k = tl.load(K_ + (row * HKV + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_v = tl.load(V_ + (row * HKV + i_hk) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+                b_do = tl.load(DO + (row * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+                b_q = tl.where(m_k, _feature_map(b_q), 0.0) * SCALE
+                b_k = tl.where(m_k, _feature_map(b_k), 0.0)
+                b_dh += b_q[:, None] * b_do[None, :]
+                tl.store(DK + part + (row * H + i_h) * K + o_k, tl.sum(b_dh * b_v[None, :], axis=1), mask=m_k)
+                tl.store(DV + (row * H + i_h) * V + o_v, tl.sum(b_dh * b_k[:, None], axis=0), mask=m_v)
+                b_p = b_dh * tl.load(SCR + p_scr + (i - lo) * K * BV, mask=m_h, other=0.0)  # S̄_t ⊙ D_t ⊙ S_{t-1}
+                if USE_G or USE_GAMMA or USE_GK:
+                    tl.store(DLK + part + (row * H + i_h) * K + o_k, tl.sum(b_p, axis=1), mask=m_k)
+                if USE_GV:
+                    tl.store(DLV + (row * H + i_h) * V + o_v, tl.sum(b_p, axis=0), mask=m_v)
+                b_dh = _decay(b_dh, G, GK, GV, row, i_h, b_gamma, o_k, o_v, m_k, m_v, H, K, V, USE_G, USE_GAMMA,
+                              USE_GK, USE_GV)
+    else:
+        # forward in time: dq_t = scale S_t do_tᵀ
+        for i in range(0, eos - bos):
+            row = _row(bos, eos, i, REVERSE)
+            b_k = tl.load(K_ + (row * HKV + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_v = tl.load(V_ + (row * HKV + i_hk) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_do = tl.load(DO + (row * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+            b_k = tl.where(m_k, _feature_map(b_k), 0.0)
+            b_h += b_k[:, None] * b_v[None, :]
+            tl.store(DQ + part + (row * H + i_h) * K + o_k, tl.sum(b_h * b_do[None, :], axis=1) * SCALE, mask=m_k)
+        # backwards in time: dS from d final_state
+        b_dh = tl.load(DHT + p_h, mask=m_h, other=0.0)
+        for i in range(0, eos - bos):
+            row = _row(bos, eos, eos - bos - 1 - i, REVERSE)
+            b_q = tl.load(Q + (row * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_k = tl.load(K_ + (row * HKV + i_hk) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_v = tl.load(V_ + (row * HKV + i_hk) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_do = tl.load(DO + (row * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_q = tl.where(m_k, _feature_map(b_q), 0.0) * SCALE
+            b_k = tl.where(m_k, _feature_map(b_k), 0.0)
+            b_dh += b_q[:, None] * b_do[None, :]
+            tl.store(DK + part + (row * H + i_h) * K + o_k, tl.sum(b_dh * b_v[None, :], axis=1), mask=m_k)
+            tl.store(DV + (row * H + i_h) * V + o_v, tl.sum(b_dh * b_k[:, None], axis=0), mask=m_v)
     tl.store(DH0 + p_h, b_dh, mask=m_h)
 
 
@@ -249,22 +314,27 @@ def _dot(a, b, DT: tl.constexpr):
 
 @triton.jit
 def _tf32(x):
-    """x rounded to TF32 (10 bits of mantissa, to nearest), as the tensor cores read float32 operands."""
-    bits = x.to(tl.int32, bitcast=True)
-    return ((bits + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+    """float32 x rounded to TF32 (10 bits of mantissa, to nearest, ties away from zero): cvt.rna on the GPU, the same
+    on its bits in the interpreter (UPCAST). The tensor cores would truncate instead (they read the top 19 bits of a
+    float32 operand), twice the error and biased."""
+    if UPCAST:
+        bits = x.to(tl.int32, bitcast=True)
+        return ((bits + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+    return tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [x.to(tl.int32, bitcast=True)],
+                                     dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _dot_state(a, b, DT: tl.constexpr):
     """a @ b where one operand is a float32 state (or its adjoint): exact for float32 inputs, TF32 for 16-bit ones
-    (a state rounded to bf16 would err by 2^-9 in every product, and the gates' gradients, which come from dq and dk
-    by a difference, by ten times that). The interpreter (UPCAST) rounds the operands as the tensor cores would."""
+    (a state rounded to bf16 would err by 2^-9 in every product). Both operands are rounded to TF32 first (`_tf32`),
+    so the tensor cores read them exactly and the interpreter computes the same products."""
     if DT == tl.float32:
         return tl.dot(a, b, input_precision="ieee")
-    elif UPCAST:
-        return tl.dot(_tf32(a.to(tl.float32)), _tf32(b.to(tl.float32)), input_precision="ieee")
-    else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    a, b = _tf32(a.to(tl.float32)), _tf32(b.to(tl.float32))
+    if UPCAST:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b, input_precision="tf32")
 
 
 @triton.jit
@@ -405,18 +475,33 @@ def simple_gla_chunk_state_bwd_kernel(
 
 
 @triton.jit
+def _per_gate(x, USE_GK: tl.constexpr):
+    """A share of the key side's log decay gradient: per channel [S, BK] with gk, else summed over them [S, 1]."""
+    if USE_GK:
+        share = x
+    else:
+        share = tl.sum(x, axis=1, keep_dims=True)
+    return share
+
+
+@triton.jit
 def simple_gla_chunk_grads_qk_kernel(
-    Q, K_, V_, G, GAMMA, GK, CU, CHUNKS, HS, DHS, DO, DQ, DK,
+    Q, K_, V_, G, GAMMA, GK, CU, CHUNKS, HS, DHS, DO, DQ, DK, DLOG, PARTS,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr,
+    DT: tl.constexpr, KG: tl.constexpr,
 ):
     """dq and dk (of the mapped q and k, per query head, float32) of the BC steps of sub-chunk I of a chunk:
         dq_i = scale [e^{L(start, i]} (do_i S_startᵀ) + sum_{j <= i} dA_ij k_j e^{L(j, i]}]
         dk_j = e^{L(j, end]} (v_j dS_endᵀ) + sum_{i >= j} dA_ij q_i e^{L(j, i]}
     with dA_ij = do_i · v_j and q scaled, over the sub-chunks of the chunk (V whole in BVF columns, the states by
-    blocks of BV)."""
+    blocks of BV). With gates, the key side's log decay gradient (KG = BK channels with gk, else 1) of step s, the sum
+    over the pairs r < s <= t of A_tr = q_t k_r e^{L(r, t]} dA_tr (r = the start state, t = the end adjoint included;
+    docs/DESIGN.md §3 linear recurrent, "Gates' gradients"): DLOG [rows, H, KG] gets the pairs with r or t in I (or
+    both outside the chunk); PARTS [chunks, H, NSUB, NSUB + 2, KG] the sums the host adds for the other pairs of the
+    chunk: [I, J] for J < I those of r in J, t in I; [I, NSUB] those of t in I from the start state; [I, NSUB + 1]
+    those of r in I to the end adjoint."""
     i_ci, i_bh = tl.program_id(0), tl.program_id(1)
     NSUB: tl.constexpr = C // BC
     i_c, i_i = i_ci // NSUB, i_ci % NSUB
@@ -433,6 +518,9 @@ def simple_gla_chunk_grads_qk_kernel(
     rows_i, m_i = _steps(bos, eos, start, BC, REVERSE)
     if tl.sum(m_i.to(tl.int32)) == 0:
         return
+    GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
+    o_g = tl.arange(0, KG)  # the gradient's channels
+    p_parts = PARTS + ((i_cg * H + i_h) * NSUB + i_i).to(tl.int64) * (NSUB + 2) * KG + o_g
     b_q = _load_qk(Q, rows_i, m_i, i_h, o_k, m_k, H, K, MAP) * SCALE  # [BC, BK]
     b_k = _load_qk(K_, rows_i, m_i, i_hk, o_k, m_k, HKV, K, MAP)
     b_v = _load_v(V_, rows_i, m_i, i_hk, o_v, m_v, HKV, V)  # [BC, BVF]
@@ -441,10 +529,12 @@ def simple_gla_chunk_grads_qk_kernel(
     b_pi = tl.cumsum(b_li, axis=0)  # Ploc of I
     b_tot_i = tl.sum(b_li, axis=0, keep_dims=True)
     b_si = b_tot_i - b_pi  # Sloc of I
-    # diagonal block
+    # diagonal block; with gates the pairs r < s <= t inside I (b_pairs: those of r < s, by t, for the s in turn)
     b_da = tl.where(o_r[:, None] >= o_r[None, :], _dot(b_do, tl.trans(b_v), DT), 0.0)  # dA_II [BC, BC]
     b_dq = tl.zeros([BC, BK], dtype=tl.float32)
     b_dk = tl.zeros([BC, BK], dtype=tl.float32)
+    b_pairs = tl.zeros([BC, KG], dtype=tl.float32)
+    b_inner = tl.zeros([BC, KG], dtype=tl.float32)
     for j in tl.static_range(BC):
         pick = (o_r == j)[:, None]
         b_krow = tl.sum(tl.where(pick, b_k, 0.0), axis=0)  # [BK]: k_j
@@ -452,11 +542,17 @@ def simple_gla_chunk_grads_qk_kernel(
         b_daj = tl.sum(tl.where((o_r == j)[None, :], b_da, 0.0), axis=1)  # [BC]: dA[:, j], 0 above the diagonal
         lower = (o_r >= j)[:, None]
         b_decay = tl.exp(tl.where(lower, b_pi - b_prow[None, :], 0.0))  # e^{L(j, i]} for i >= j
-        b_dq += b_daj[:, None] * b_krow[None, :] * b_decay  # dq_i += dA_ij k_j e^{L(j, i]}
+        b_dqj = b_daj[:, None] * b_krow[None, :] * b_decay  # dq_i += dA_ij k_j e^{L(j, i]}
+        b_dq += b_dqj
         b_dkj = tl.sum(b_daj[:, None] * b_q * b_decay, axis=0)  # dk_j = sum_i dA_ij q_i e^{L(j, i]}
         b_dk = tl.where(pick, b_dkj[None, :], b_dk)
-    # earlier sub-chunks J < I: dq_I
+        if GATED:
+            b_pairs += _per_gate(b_q * b_dqj, USE_GK)  # A_tj by t
+            b_after = tl.sum(tl.where((o_r > j)[:, None], b_pairs, 0.0), axis=0, keep_dims=True)  # t >= s = j + 1
+            b_inner = tl.where((o_r == j + 1)[:, None], b_after, b_inner)
+    # earlier sub-chunks J < I: dq_I (and the pairs r in J, t in I)
     b_between = tl.zeros_like(b_tot_i)
+    b_up = tl.zeros([BC, KG], dtype=tl.float32)  # pairs with t in I and r before I, by t
     for back in range(0, i_i):
         rows_j, m_j = _steps(bos, eos, start - (back + 1) * BC, BC, REVERSE)
         b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
@@ -464,20 +560,32 @@ def simple_gla_chunk_grads_qk_kernel(
         b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K,
                         MAP) * tl.exp(b_tot - tl.cumsum(b_lj, axis=0) + b_between)
         b_daij = _dot(b_do, tl.trans(_load_v(V_, rows_j, m_j, i_hk, o_v, m_v, HKV, V)), DT)  # dA_IJ
-        b_dq += _dot(b_daij, b_kj, tl.float32) * tl.exp(b_pi)
+        b_dqe = _dot(b_daij, b_kj, tl.float32) * tl.exp(b_pi)
+        b_dq += b_dqe
+        if GATED:
+            b_pair = _per_gate(b_q * b_dqe, USE_GK)
+            b_up += b_pair
+            tl.store(p_parts + (i_i - 1 - back) * KG, tl.sum(b_pair, axis=0))
         b_between += b_tot
     b_before = b_between  # the sum of the sub-chunks before I
-    # later sub-chunks J > I: dk_I
+    # later sub-chunks J > I: dk_I (and the pairs r in I, t in J)
     b_between = tl.zeros_like(b_tot_i)
+    b_down = tl.zeros([BC, KG], dtype=tl.float32)  # pairs with r in I and t after I, by r
     for ahead in range(i_i + 1, NSUB):
         rows_j, m_j = _steps(bos, eos, i_t * C + ahead * BC, BC, REVERSE)
         b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
         b_qj = _load_qk(Q, rows_j, m_j, i_h, o_k, m_k, H, K, MAP) * SCALE * tl.exp(tl.cumsum(b_lj, axis=0))
         b_daji = _dot(_load_v(DO, rows_j, m_j, i_h, o_v, m_v, H, V), tl.trans(b_v), DT)  # dA_JI
-        b_dk += _dot(tl.trans(b_daji), b_qj, tl.float32) * tl.exp(b_si + b_between)
+        b_dkl = _dot(tl.trans(b_daji), b_qj, tl.float32) * tl.exp(b_si + b_between)
+        b_dk += b_dkl
+        if GATED:
+            b_down += _per_gate(b_k * b_dkl, USE_GK)
         b_between += tl.sum(b_lj, axis=0, keep_dims=True)
     # the chunk's start state and end adjoint, by blocks of BV columns (b_between: the sub-chunks after I)
     p_h = (i_cg * H + i_h).to(tl.int64) * K * V
+    b_from = tl.zeros([BC, KG], dtype=tl.float32)  # pairs from the start state to t in I
+    b_to = tl.zeros([BC, KG], dtype=tl.float32)  # pairs from r in I to the end adjoint
+    b_through = tl.zeros([BK, 1], dtype=tl.float32)  # pairs from the start state to the end adjoint, by channel
     for i_v in range(0, tl.cdiv(V, BV)):
         o_vb = i_v * BV + tl.arange(0, BV)
         m_h = m_k[:, None] & (o_vb < V)[None, :]
@@ -485,11 +593,26 @@ def simple_gla_chunk_grads_qk_kernel(
         b_dh = tl.load(DHS + p_h + o_k[:, None] * V + o_vb[None, :], mask=m_h, other=0.0)
         b_dob = _load_v(DO, rows_i, m_i, i_h, o_vb, o_vb < V, H, V)  # [BC, BV]
         b_vb = _load_v(V_, rows_i, m_i, i_hk, o_vb, o_vb < V, HKV, V)
-        b_dq += _dot_state(b_dob, tl.trans(b_h), DT) * tl.exp(b_pi + b_before)
-        b_dk += _dot_state(b_vb, tl.trans(b_dh), DT) * tl.exp(b_si + b_between)
+        b_dqs = _dot_state(b_dob, tl.trans(b_h), DT) * tl.exp(b_pi + b_before)
+        b_dks = _dot_state(b_vb, tl.trans(b_dh), DT) * tl.exp(b_si + b_between)
+        b_dq += b_dqs
+        b_dk += b_dks
+        if GATED:
+            b_from += _per_gate(b_q * b_dqs, USE_GK)
+            b_to += _per_gate(b_k * b_dks, USE_GK)
+            b_through += tl.sum(b_h * b_dh, axis=1, keep_dims=True)
     m_qk = m_i[:, None] & m_k[None, :]
     tl.store(DQ + (rows_i[:, None] * H + i_h) * K + o_k[None, :], b_dq * SCALE, mask=m_qk)
     tl.store(DK + (rows_i[:, None] * H + i_h) * K + o_k[None, :], b_dk, mask=m_qk)
+    if GATED:
+        # through the whole chunk: its decay e^{L_C} on the start state
+        b_through = _per_gate(tl.trans(b_through) * tl.exp(b_before + b_tot_i + b_between), USE_GK)  # [1, KG]
+        b_up += b_from
+        b_down += b_to
+        b_dlog = tl.cumsum(b_up, axis=0, reverse=True) + (tl.cumsum(b_down, axis=0) - b_down) + b_inner + b_through
+        tl.store(DLOG + (rows_i[:, None] * H + i_h) * KG + o_g[None, :], b_dlog, mask=m_i[:, None])
+        tl.store(p_parts + NSUB * KG, tl.sum(b_from, axis=0))
+        tl.store(p_parts + (NSUB + 1) * KG, tl.sum(b_to, axis=0))
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 """Every Triton kernel of the recurrent family (fused and chunked, forward and backward) compiles ahead of time for
 Hopper (sm_90) and Ampere (sm_80) on a machine without a GPU (Triton's bundled ptxas), with the blocks and flags the
-host gives a GLA-sized call: the interpreter is lenient about types, the compiler is not."""
+host gives a GLA-sized call: the interpreter is lenient about types, the compiler is not. The 16-bit kernels' state
+products round their TF32 operands (cvt.rna, as the interpreter does) rather than leave the tensor cores to truncate."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ CASES = [  # every kernel for Hopper; Ampere's forward (its mma lowering) with o
 
 @pytest.mark.parametrize("name,capability,config", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_recurrent_kernels_compile_ahead_of_time(name, capability, config):
-    compiled = compile_recurrent_in_subprocess("ejgen.generated", name, capability=capability, **config)
+    compiled = compile_recurrent_in_subprocess("ejgen.generated", name, capability=capability, with_ptx=True, **config)
     assert set(compiled) == set(config.get("kernels", KERNELS))
     for kernel, c in compiled.items():
         assert c["cubin"], f"{kernel}: no cubin"
         assert c["shared"] <= 232448, f"{kernel}: {c['shared']} bytes of shared memory"
     if capability >= 90:  # the states' products run on the warpgroup tensor cores
         assert compiled["chunk_state"]["wgmma"] and compiled["chunk_state_bwd"]["wgmma"]
+    for kernel in {"chunk_output", "chunk_grads_qk", "chunk_grads_v"} & set(compiled):  # TF32 operands rounded
+        assert "cvt.rna.tf32.f32" in compiled[kernel]["ptx"], f"{kernel}: its state products' operands are truncated"

@@ -43,8 +43,8 @@ def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, l_ref, h0_ref, o_ref, hs_ref, ht_
     lax.fori_loop(0, n_chunks, body, jnp.zeros(hs_ref.shape[1:], F32))
 
 
-def _bwd_kernel(meta_ref, q_ref, k_ref, v_ref, l_ref, do_ref, hs_ref, dht_ref, dq_ref, dk_ref, dv_ref, dh0_ref, *, c,
-                n_chunks, n_seqs, dtype):
+def _bwd_kernel(meta_ref, q_ref, k_ref, v_ref, l_ref, do_ref, hs_ref, dht_ref, dq_ref, dk_ref, dv_ref, dh0_ref,
+                dlog_ref, *, c, n_chunks, n_seqs, dtype, gated):
     def init(n, carry):
         dh0_ref[n] = dht_ref[n]  # a sequence without steps: its final state is its initial one
         return carry
@@ -56,12 +56,14 @@ def _bwd_kernel(meta_ref, q_ref, k_ref, v_ref, l_ref, do_ref, hs_ref, dht_ref, d
         first, last, seq = meta_ref[0, i], meta_ref[1, i], meta_ref[2, i]
         ds = jnp.where(last != 0, dht_ref[seq], ds)
         rows = pl.ds(i * c, c)
-        dq, dk, dv, ds = chunk.backward(q_ref[rows, :].astype(F32), k_ref[rows, :].astype(F32),
-                                        v_ref[rows, :].astype(F32), l_ref[rows, :], do_ref[rows, :].astype(F32),
-                                        hs_ref[i], ds, dtype)
+        dq, dk, dv, ds, dlog = chunk.backward(q_ref[rows, :].astype(F32), k_ref[rows, :].astype(F32),
+                                              v_ref[rows, :].astype(F32), l_ref[rows, :],
+                                              do_ref[rows, :].astype(F32), hs_ref[i], ds, dtype, gated)
         dq_ref[rows, :] = dq
         dk_ref[rows, :] = dk
         dv_ref[rows, :] = dv
+        if gated:
+            dlog_ref[rows, :] = dlog
 
         @pl.when(first != 0)
         def _start():
@@ -99,18 +101,21 @@ def forward(x, *, interpret):
 
 
 def backward(x, hs, do, dht, *, interpret):
-    """(dq, dk [rows x H, Tp, Kp], dv [rows x H, Tp, Vp] per query head, dh0 like h0), float32."""
+    """(dq, dk [rows x H, Tp, Kp], dv [rows x H, Tp, Vp] per query head, dh0 like h0, dlog [rows x H, Tp, Kp | 1]: the
+    key side's log decay gradient (with gates; else left unwritten)), float32."""
     row, row_kv, state, meta = _specs(x, x.heads, x.groups)
     tp, kp, vp = x.q.shape[1], x.q.shape[2], x.v.shape[2]
     ncp = x.meta.shape[2]
-    kernel = functools.partial(_bwd_kernel, c=x.chunk, n_chunks=x.n_chunks, n_seqs=x.h0.shape[2], dtype=x.dtype)
+    kernel = functools.partial(_bwd_kernel, c=x.chunk, n_chunks=x.n_chunks, n_seqs=x.h0.shape[2], dtype=x.dtype,
+                               gated=x.gated)
     n = x.rows * x.heads
+    width = x.l.shape[2]
     return pl.pallas_call(
         kernel, grid=(x.rows, x.heads),
-        in_specs=[meta, row((tp, kp)), row_kv((tp, kp)), row_kv((tp, vp)), row((tp, x.l.shape[2])), row((tp, vp)),
+        in_specs=[meta, row((tp, kp)), row_kv((tp, kp)), row_kv((tp, vp)), row((tp, width)), row((tp, vp)),
                   row((ncp, kp, vp)), state],
-        out_specs=[row((tp, kp)), row((tp, kp)), row((tp, vp)), state],
+        out_specs=[row((tp, kp)), row((tp, kp)), row((tp, vp)), state, row((tp, width))],
         out_shape=[x.struct((n, tp, kp), F32), x.struct((n, tp, kp), F32), x.struct((n, tp, vp), F32),
-                   x.struct(x.h0.shape, F32)],
+                   x.struct(x.h0.shape, F32), x.struct((n, tp, width), F32)],
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1), interpret=interpret,
         name=f"{x.name}_pallas_bwd")(x.meta, x.q, x.k, x.v, x.l, do, hs, dht)

@@ -6,9 +6,9 @@ Layout (in XLA, before the kernels): the spec's hooks applied (q mapped and scal
 the key side's log gate l = gk + g + g_gamma, or g + g_gamma as one column), the steps in the chunk layout of
 ``packing`` (chunks of CHUNK steps; packed sequences chunk-aligned, reverse as forward in time, so the kernels mask
 nothing), heads first ([rows x H, Tp, D]), the steps and head dims padded to powers of two (Triton's tiles). The
-kernels write the gradients of the mapped q and k per query head; ``gates.finish`` does the rest, as for Triton.
-The chunk's arithmetic is ``chunk``: chunks of CHUNK = 16 steps for either algorithm (the fused recurrence has no
-Pallas kernel of its own), gates g, g_gamma, gk (no gv).
+kernels write the gradients of the mapped q and k per query head and the key side's log decay gradient per step;
+``gates.finish`` does the rest, as for Triton. The chunk's arithmetic is ``chunk``: chunks of CHUNK = 16 steps for
+either algorithm (the fused recurrence has no Pallas kernel of its own), gates g, g_gamma, gk (no gv).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "k", "v", "l", "h0", "meta"],
-                   meta_fields=["name", "rows", "heads", "groups", "chunk", "n_chunks", "dtype"])
+                   meta_fields=["name", "rows", "heads", "groups", "chunk", "n_chunks", "dtype", "gated"])
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A call in the kernels' layout (module docstring); a pytree of its arrays, so that ``dispatch`` hands them to
@@ -56,6 +56,7 @@ class Layout:
     chunk: int
     n_chunks: int
     dtype: object
+    gated: bool  # a gate is passed: the backward writes the key side's log decay gradient
 
     def struct(self, shape, dtype):
         """A kernel output's type, varying over the mesh axes its inputs vary over."""
@@ -130,24 +131,23 @@ class PallasRecurrent:
             v=to_rows(v, vp),
             l=to_rows(log.astype(F32), kp if "gk" in step else 1),
             h0=to_states(start), meta=meta, rows=rows, heads=cfg.heads, groups=cfg.groups, chunk=chunk,
-            n_chunks=nc, dtype=F32 if dtype == F32 else dtype)
+            n_chunks=nc, dtype=F32 if dtype == F32 else dtype, gated=any(cfg.has(g) for g in GATES))
         return x, to_rows, from_rows, to_states, from_states
 
     def forward(self, q, k, v, gates, h0, ctx, cfg, save):
         x, _, from_rows, _, from_states = self.layout(q, k, v, gates, h0, ctx, cfg)
         o, _, ht = _platforms.dispatch(gpu.forward, tpu.forward, x)
-        o, ht = from_rows(o, cfg.dv), from_states(ht)
-        return o, ht, ({"o": o, "final": ht} if save else {})
+        return from_rows(o, cfg.dv), from_states(ht), {}
 
     def backward(self, q, k, v, gates, h0, ctx, res, do, dht, cfg):
         x, to_rows, from_rows, to_states, from_states = self.layout(q, k, v, gates, h0, ctx, cfg)
         _, hs, _ = _platforms.dispatch(gpu.forward, tpu.forward, x)
         do_rows = to_rows(do.astype(q.dtype), x.v.shape[2])
-        dq, dk, dv, dh0 = _platforms.dispatch(gpu.backward, tpu.backward, x, hs, do_rows, to_states(dht))
+        dq, dk, dv, dh0, dlog = _platforms.dispatch(gpu.backward, tpu.backward, x, hs, do_rows, to_states(dht))
         dphi_q = from_rows(dq, cfg.dk) * cfg.scale
         dphi_k, dv_h = from_rows(dk, cfg.dk), from_rows(dv, cfg.dv)
-        return gradients.finish(self.hooks, q, k, v, gates, h0, ctx, res, do, dht, cfg, dphi_q, dphi_k, dv_h,
-                                from_states(dh0))
+        d_key = from_rows(dlog, cfg.dk if cfg.has("gk") else 1) if x.gated else None
+        return gradients.finish(self.hooks, q, k, v, gates, h0, cfg, dphi_q, dphi_k, dv_h, from_states(dh0), d_key)
 
 
 def choose(cfg):

@@ -47,8 +47,8 @@ def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, l_ref, h0_ref, o_ref, hs_ref, ht_
         ht_ref[seq] = s
 
 
-def _bwd_kernel(meta_ref, q_ref, k_ref, v_ref, l_ref, do_ref, hs_ref, dht_ref, dq_ref, dk_ref, dv_ref, dh0_ref, ds_ref,
-                *, ncp, n_chunks, dtype):
+def _bwd_kernel(meta_ref, q_ref, k_ref, v_ref, l_ref, do_ref, hs_ref, dht_ref, dq_ref, dk_ref, dv_ref, dh0_ref,
+                dlog_ref, ds_ref, *, ncp, n_chunks, dtype, gated):
     r, back = pl.program_id(0), pl.program_id(2)
     first, last, seq = _flags(meta_ref, r, n_chunks - 1 - back, ncp)
 
@@ -61,11 +61,13 @@ def _bwd_kernel(meta_ref, q_ref, k_ref, v_ref, l_ref, do_ref, hs_ref, dht_ref, d
     def _end():
         ds_ref[...] = dht_ref[seq]
 
-    dq, dk, dv, ds = chunk.backward(q_ref[...].astype(F32), k_ref[...].astype(F32), v_ref[...].astype(F32),
-                                    l_ref[...], do_ref[...].astype(F32), hs_ref[...], ds_ref[...], dtype)
+    dq, dk, dv, ds, dlog = chunk.backward(q_ref[...].astype(F32), k_ref[...].astype(F32), v_ref[...].astype(F32),
+                                          l_ref[...], do_ref[...].astype(F32), hs_ref[...], ds_ref[...], dtype, gated)
     dq_ref[...] = dq
     dk_ref[...] = dk
     dv_ref[...] = dv
+    if gated:
+        dlog_ref[...] = dlog
     ds_ref[...] = ds
 
     @pl.when(first != 0)
@@ -119,11 +121,11 @@ def backward(x, hs, do, dht, *, interpret):
     grid = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(x.rows, x.heads, x.n_chunks),
         in_specs=[row(kp), row_kv(kp), row_kv(vp), row(x.l.shape[2]), row(vp), hs_spec, state],
-        out_specs=[row(kp), row(kp), row(vp), state], scratch_shapes=[pltpu.VMEM((kp, vp), F32)])
+        out_specs=[row(kp), row(kp), row(vp), state, row(x.l.shape[2])], scratch_shapes=[pltpu.VMEM((kp, vp), F32)])
     n = x.rows * x.heads
     return pl.pallas_call(
-        functools.partial(_bwd_kernel, ncp=ncp, n_chunks=x.n_chunks, dtype=x.dtype), grid_spec=grid,
+        functools.partial(_bwd_kernel, ncp=ncp, n_chunks=x.n_chunks, dtype=x.dtype, gated=x.gated), grid_spec=grid,
         out_shape=[x.struct((n, tp, kp), F32), x.struct((n, tp, kp), F32), x.struct((n, tp, vp), F32),
-                   x.struct(x.h0.shape, F32)],
+                   x.struct(x.h0.shape, F32), x.struct((n, tp, x.l.shape[2]), F32)],
         compiler_params=_params(), interpret=interpret, name=f"{x.name}_pallas_bwd",
     )(x.meta.reshape(-1), x.q, x.k, x.v, x.l, do, hs, dht)

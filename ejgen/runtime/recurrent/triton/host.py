@@ -1,10 +1,12 @@
 """The Triton backend of the linear recurrent family, shared by every generated spec: launches, the sums the kernels
 leave to XLA (partials over blocks of V, a key / value head's group of query heads), the hooks' derivatives and the
-gates' gradients (``gates.gate_grads``). A generated ``triton_launch.py`` names its kernels module and its hooks
-(``Kernels``); everything else is here, once.
+gates' gradients (``gates.gate_grads``, from the log decays' gradients the kernels write). A generated
+``triton_launch.py`` names its kernels module and its hooks (``Kernels``); everything else is here, once.
 
 Fused (one pass over time, a program per (block of BV value columns, sequence x head), K whole in registers):
-forward ``fused_fwd``; backward ``fused_bwd``, whose dq and dk are partials per block of V summed here.
+forward ``fused_fwd``; backward ``fused_bwd``, whose dq and dk (and the key side's log decay gradient) are partials per
+block of V summed here; with gates it keeps a checkpoint every FUSED_BT steps and a scratch of FUSED_BT states per
+program.
 Chunked (chunks of C steps): see ``chunked_forward`` / ``chunked_backward``.
 Kernels read the caller's arrays in place ([B, T, H, D], packed sequences by CU, reverse by index); outputs that a
 packed call may leave unwritten (tokens past the last sequence) are zeroed.
@@ -25,6 +27,7 @@ from ejgen.runtime.recurrent import packing
 F32 = jnp.float32
 CHUNKED_GATES = ("g", "g_gamma", "gk")  # the gates the chunked kernels take (gv runs on the fused ones)
 FUSED_BV = 32  # value columns of a fused program (its state: K x 32 float32 in registers)
+FUSED_BT = 16  # steps of a fused backward's block (a checkpoint per block; a block's states in a scratch of its own)
 STATE_BV = 64  # value columns of a chunked state program (forward and backward)
 OUTPUT_BV = 64  # value columns of a chunked output (and dv) program
 SUB = 16  # steps of a sub-chunk
@@ -87,32 +90,51 @@ def forward(kernels: Kernels, q, k, v, gates, h0, ctx, cfg, save: bool):
         kernels.get("fused_fwd"), (packing.cdiv(cfg.dv, bv), cfg.n_seqs * cfg.heads), [q, k, v, *ins],
         [sds(q.shape[:3] + (cfg.dv,), q.dtype), sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
         zeroed=(0,) if cfg.varlen else (), num_warps=NUM_WARPS, num_stages=1, BV=bv, **consts)
-    return o, ht, ({"o": o, "final": ht} if save else {})
+    return o, ht, {}
 
 
 def backward(kernels: Kernels, q, k, v, gates, h0, ctx, res, do, dht, cfg):
     """(dq, dk, dv in their inputs' dtypes, dgates, dh0)."""
-    if cfg.algorithm == "chunked":
-        dphi_q, dphi_k, dv_h, dh0 = chunked_backward(kernels, q, k, v, gates, h0, ctx, res, do, dht, cfg)
-    else:
-        dphi_q, dphi_k, dv_h, dh0 = _fused_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg)
-    return gradients.finish(kernels.hooks, q, k, v, gates, h0, ctx, res, do, dht, cfg, dphi_q, dphi_k, dv_h,
-                                dh0)
+    backward_kernels = chunked_backward if cfg.algorithm == "chunked" else _fused_backward
+    dphi_q, dphi_k, dv_h, dh0, d_key, d_value = backward_kernels(kernels, q, k, v, gates, h0, ctx, do, dht, cfg)
+    return gradients.finish(kernels.hooks, q, k, v, gates, h0, cfg, dphi_q, dphi_k, dv_h, dh0, d_key, d_value)
+
+
+def _gated(cfg) -> bool:
+    return any(cfg.has(g) for g in ("g", "g_gamma", "gk", "gv"))
 
 
 def _fused_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg):
+    """(dq, dk of the mapped q and k, dv; per query head, float32; dh0; the log decays' gradients d_key [B, T, H, K]
+    and d_value [B, T, H, V] or None)."""
     ins, consts = _common(q, k, v, gates, h0, ctx, cfg)
     bv = _fused_bv(cfg)
     nv = packing.cdiv(cfg.dv, bv)
     rows = q.shape[0] * q.shape[1]
     sds = jax.ShapeDtypeStruct
     per_head = q.shape[:3]
-    dq, dk, dv, dh0 = triton_call.launch(
-        kernels.get("fused_bwd"), (nv, cfg.n_seqs * cfg.heads), [q, k, v, *ins, do.astype(q.dtype), dht],
-        [sds((nv,) + per_head + (cfg.dk,), F32), sds((nv,) + per_head + (cfg.dk,), F32),
-         sds(per_head + (cfg.dv,), F32), sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
-        zeroed=(0, 1, 2) if cfg.varlen else (), num_warps=NUM_WARPS, num_stages=1, BV=bv, ROWS=rows, **consts)
-    return jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), dv, dh0
+    gated = _gated(cfg)
+    if not gated:
+        first, blocks = _dummy(jnp.int32), 0
+    elif cfg.varlen:
+        layout = packing.packed(ctx["cu"], cfg, FUSED_BT)
+        first, blocks = layout.seq_chunks[:-1], layout.n_chunks
+    else:
+        first, blocks = _dummy(jnp.int32), cfg.batch * packing.cdiv(cfg.seq_len, FUSED_BT)
+    key_side = gated and any(cfg.has(g) for g in ("g", "g_gamma", "gk"))
+    outs = [sds((nv,) + per_head + (cfg.dk,), F32), sds((nv,) + per_head + (cfg.dk,), F32),
+            sds(per_head + (cfg.dv,), F32), sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32),
+            sds((nv,) + per_head + (cfg.dk,), F32) if key_side else sds((1,), F32),
+            sds(per_head + (cfg.dv,), F32) if cfg.has("gv") else sds((1,), F32),
+            sds((max(blocks, 1), cfg.heads, cfg.dk, cfg.dv), F32) if gated else sds((1,), F32),
+            sds((cfg.n_seqs * cfg.heads * nv, FUSED_BT, cfg.dk, bv), F32) if gated else sds((1,), F32)]
+    zeroed = (0, 1, 2) + ((4,) if key_side else ()) + ((5,) if cfg.has("gv") else ())
+    dq, dk, dv, dh0, d_key, d_value, _, _ = triton_call.launch(
+        kernels.get("fused_bwd"), (nv, cfg.n_seqs * cfg.heads), [q, k, v, *ins, first, do.astype(q.dtype), dht],
+        outs, zeroed=zeroed if cfg.varlen else (), num_warps=NUM_WARPS, num_stages=1, BV=bv, ROWS=rows, BT=FUSED_BT,
+        **consts)
+    return (jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), dv, dh0, jnp.sum(d_key, axis=0) if key_side else None,
+            d_value if cfg.has("gv") else None)
 
 
 def _layout(ctx, cfg):
@@ -170,11 +192,12 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
         [q, k, v, *ins[:3], ins[5], chunks, hs], [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
         zeroed=(0,) if cfg.varlen else (), num_warps=NUM_WARPS, num_stages=1, BV=bv, BC=SUB,
         **_chunk_consts(q, cfg, consts))
-    return o, ht, ({"o": o, "final": ht} if save else {})
+    return o, ht, {}
 
 
-def chunked_backward(kernels, q, k, v, gates, h0, ctx, res, do, dht, cfg):
-    """(dq, dk of the mapped q and k, dv; per query head, float32; dh0)."""
+def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg):
+    """(dq, dk of the mapped q and k, dv; per query head, float32; dh0; the key side's log decay gradient d_key
+    [B, T, H, K | 1] or None; None)."""
     hs, _ = _states(kernels, q, k, v, gates, h0, ctx, cfg)
     ins, consts = _common(q, k, v, gates, h0, ctx, cfg)
     chunks, first, per_row, grid_rows = _layout(ctx, cfg)
@@ -187,16 +210,43 @@ def chunked_backward(kernels, q, k, v, gates, h0, ctx, res, do, dht, cfg):
         kernels.get("chunk_state_bwd"), (packing.cdiv(cfg.dv, bv), cfg.n_seqs * cfg.heads),
         [q, *ins[:3], ins[5], first, do, dht], [sds(hs.shape, F32), sds(state, F32)],
         num_warps=NUM_WARPS, num_stages=1, BV=bv, **{n: x for n, x in c.items() if n != "HKV"})
-    grid = (per_row * (cfg.chunk // SUB), grid_rows * cfg.heads)
+    nsub = cfg.chunk // SUB
+    grid = (per_row * nsub, grid_rows * cfg.heads)
     per_head = q.shape[:3]
-    zeroed = (0, 1) if cfg.varlen else ()
-    dq, dk = triton_call.launch(
+    gated = _gated(cfg)
+    kg = _pow2(cfg.dk) if cfg.has("gk") else 1
+    shares = [sds(per_head + (kg,), F32), sds((hs.shape[0], cfg.heads, nsub, nsub + 2, kg), F32)] if gated else \
+        [sds((1,), F32), sds((1,), F32)]
+    dq, dk, dlog, parts = triton_call.launch(
         kernels.get("chunk_grads_qk"), grid, [q, k, v, *ins[:3], ins[5], chunks, hs, dhs, do],
-        [sds(per_head + (cfg.dk,), F32), sds(per_head + (cfg.dk,), F32)], zeroed=zeroed, num_warps=NUM_WARPS,
-        num_stages=1, BV=bv, BVF=_pow2(cfg.dv), BC=SUB, **c)
+        [sds(per_head + (cfg.dk,), F32), sds(per_head + (cfg.dk,), F32), *shares],
+        zeroed=((0, 1, 2) if cfg.varlen else ()) + ((3,) if gated else ()), num_warps=NUM_WARPS, num_stages=1,
+        BV=bv, BVF=_pow2(cfg.dv), BC=SUB, KG=kg, **c)
     bv = min(OUTPUT_BV, _pow2(cfg.dv))
     (dv,) = triton_call.launch(
         kernels.get("chunk_grads_v"), (grid[0], packing.cdiv(cfg.dv, bv), grid[1]),
         [q, k, *ins[:3], ins[5], chunks, dhs, do], [sds(per_head + (cfg.dv,), F32)], zeroed=(0,) if cfg.varlen else (),
         num_warps=NUM_WARPS, num_stages=1, BV=bv, BC=SUB, **c)
-    return dq, dk, dv, dh0
+    d_key = _key_log_grad(dlog, parts, ctx, cfg, first) if gated else None
+    return dq, dk, dv, dh0, d_key, None
+
+
+def _key_log_grad(dlog, parts, ctx, cfg, first):
+    """d_key [B, T, H, K | 1]: each step's share from ``chunk_grads_qk`` (DLOG) plus the pairs of its chunk that
+    pass its sub-chunk I by both ends (PARTS: r in J < I and t in J' > I; t in J' > I from the start state; r in J < I
+    to the end adjoint), the same for every step of I."""
+    nsub = cfg.chunk // SUB
+    u = jnp.arange(nsub)
+    pairs = parts[:, :, :, :nsub]  # [chunks, H, J' (t's sub-chunk), J (r's), KG], J < J'
+    straddle = (u[None, :, None] > u[:, None, None]) & (u[None, None, :] < u[:, None, None])  # [I, J', J]: J < I < J'
+    share = jnp.sum(jnp.where(straddle[None, None, :, :, :, None], pairs[:, :, None], 0.0), axis=(3, 4))
+    later = u[None, :] > u[:, None]  # [I, J']
+    share += jnp.sum(jnp.where(later[None, None, :, :, None], parts[:, :, None, :, nsub], 0.0), axis=3)
+    share += jnp.sum(jnp.where(later.T[None, None, :, :, None], parts[:, :, None, :, nsub + 1], 0.0), axis=3)
+    i, seq, valid = gradients.step_index(cfg, ctx.get("cu"))
+    c = cfg.chunk
+    chunk = (first[seq] if cfg.varlen else seq * packing.cdiv(cfg.seq_len, c)) + i // c
+    d_key = dlog + share[chunk, :, (i % c) // SUB]  # [B, T, H, KG]
+    if valid is not None:
+        d_key = jnp.where(valid[:, :, None, None], d_key, 0.0)
+    return d_key[..., :cfg.dk] if cfg.has("gk") else d_key
