@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.core import pallas as _platforms
-from ejgen.runtime.core import vma
+from ejgen.runtime.core import sizes, vma
 from ejgen.runtime.recurrent import gates as gradients
 from ejgen.runtime.recurrent import packing
 from ejgen.runtime.recurrent.pallas import gpu, tpu
@@ -30,10 +30,6 @@ CHUNK = 16
 GATES = ("g", "g_gamma", "gk")
 
 available = _platforms.available
-
-
-def _pow2(n: int, least: int = 16) -> int:
-    return max(least, 1 << (max(n, 1) - 1).bit_length())
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "k", "v", "l", "h0", "meta"],
@@ -89,10 +85,10 @@ class PallasRecurrent:
         chunk = CHUNK
         layout = packing.packed(ctx["cu"], cfg, chunk) if cfg.varlen else None
         nc = packing.n_chunks(cfg, chunk)
-        ncp = _pow2(nc, 1)
+        ncp = sizes.pow2(nc)
         rows = 1 if cfg.varlen else cfg.batch
         tp = ncp * chunk
-        kp, vp = _pow2(cfg.dk), _pow2(cfg.dv)
+        kp, vp = sizes.pow2(cfg.dk, 16), sizes.pow2(cfg.dv, 16)
 
         def to_rows(x, width):
             x = packing.to_layout(x, cfg, chunk, layout)  # [rows, NC x C, heads, D]
@@ -104,7 +100,7 @@ class PallasRecurrent:
             return packing.from_layout(jnp.swapaxes(y, 1, 2), cfg, layout)
 
         n_row = 1 if not cfg.varlen else cfg.n_seqs
-        np_row = _pow2(n_row, 1)
+        np_row = sizes.pow2(n_row)
 
         def to_states(s):  # [N, H, K, V] -> [rows, H, Np, Kp, Vp]
             s = s.reshape((rows, n_row) + s.shape[1:]).transpose(0, 2, 1, 3, 4)

@@ -20,6 +20,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from ejgen.runtime.core import sizes
 from ejgen.runtime.launch import triton_call
 from ejgen.runtime.recurrent import gates as gradients
 from ejgen.runtime.recurrent import packing
@@ -58,7 +59,8 @@ class Kernels:
 
 
 def _pow2(n: int) -> int:
-    return max(16, 1 << (max(n, 1) - 1).bit_length())
+    """A padded head dim or block: ``sizes.pow2`` with the tensor cores' floor of 16."""
+    return sizes.pow2(n, 16)
 
 
 def _dummy(dtype=F32):
