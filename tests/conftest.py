@@ -106,10 +106,13 @@ def pytest_runtest_makereport(item, call):
 # §7: the suite runs at ~0.51 s of wall time per test-second, and CI's other steps take about a minute). A folder of
 # tests/ is a family; the attention family is the largest (three backends, the Hopper set). Measured on a quiet 2-core
 # machine (2026-11-27, 1747 tests, 529 s of wall time): attention 561, zoo 119, blocksparse 111, compiler 87,
-# multidevice 63 (ring 40), recurrent 31, pooling 30, decode 28; 1033 in all. Budgets keep about a quarter over that,
+# multidevice 63 (ring 40), recurrent 31, pooling 30, decode 28; 1033 in all. Session 14 (CI's clean clone, 1844
+# tests, 551 s): attention 516, zoo 130, blocksparse 101, compiler 92, multidevice 110 (context parallelism, ring
+# keys), recurrent 59, pooling 33, decode 30: multidevice 120 -> 160, attention 700 -> 660. Budgets keep about a
+# quarter over that,
 # more for the families still growing (multidevice, pooling, recurrent, decode); their sum, 1447, leaves room for a
 # family to come (NEW_FAMILY_BUDGET).
-BUDGET_SECONDS = {"attention": 700, "zoo": 150, "blocksparse": 140, "compiler": 110, "multidevice": 120, "pooling": 60,
+BUDGET_SECONDS = {"attention": 660, "zoo": 150, "blocksparse": 140, "compiler": 110, "multidevice": 160, "pooling": 60,
                   "recurrent": 107, "decode": 60}
 NEW_FAMILY_BUDGET = 107  # each family still to come
 
