@@ -17,7 +17,7 @@ import jax
 from ejgen.runtime.recurrent import api as _recurrent
 from ejgen.runtime.recurrent import context_parallel as _cp
 from ejgen.runtime.recurrent import mesh as _mesh
-from ejgen.runtime.recurrent.config import Hooks
+from ejgen.runtime.recurrent.config import NO_HOOKS as HOOKS
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
@@ -48,13 +48,6 @@ SPEC = _recurrent.SpecInfo(
     required=('g_gamma',),
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
-
-
-# the spec's hooks in jnp: the context-parallel form maps q and the gates for the incoming states' share
-HOOKS = Hooks(
-    feature_map=None,
-    gate_map=None,
-)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("cfg", "kernels"))
@@ -117,7 +110,7 @@ def lightning_attention(
       out_specs=None: derived (o as query, final_state [N, H, K, V] over batch and heads); when given, must be that"""
     _recurrent.reject_unsupported(SPEC, unsupported)
     if mesh is not None or in_specs is not None or out_specs is not None:
-        return _mesh.on_mesh(SPEC, lightning_attention, lightning_attention_cp, query, key, value, dict(
+        return _mesh.on_mesh(SPEC, lightning_attention, lightning_attention_cp, BACKENDS, query, key, value, dict(
             g_gamma=g_gamma,
             softmax_scale=softmax_scale,
             initial_state=initial_state,
@@ -184,6 +177,7 @@ def lightning_attention_cp(
     return _cp.context_parallel(
         SPEC,
         lightning_attention,
+        BACKENDS,
         HOOKS,
         query,
         key,

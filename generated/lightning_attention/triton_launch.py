@@ -7,20 +7,11 @@ over blocks and head groups, the gates' gradients). Runs through jax-triton on N
 on the CPU when TRITON_INTERPRET=1 is set before this module is first used.
 """
 
-from ejgen.runtime.recurrent.config import Hooks
+from ejgen.runtime.recurrent.config import NO_HOOKS as HOOKS
 from ejgen.runtime.recurrent.triton import host as triton_recurrent
 from ejgen.runtime.recurrent.triton.host import CHUNKED_GATES, available, choose
 
-
-KERNELS = triton_recurrent.Kernels(
-    module=__package__ + ".triton_kernels",
-    name="lightning_attention",
-    hooks=Hooks(
-        feature_map=None,
-        feature_map_grad=None,
-        gate_map_grad=None,
-    ),
-)
+KERNELS = triton_recurrent.Kernels(module=__package__ + ".triton_kernels", name="lightning_attention", hooks=HOOKS)
 
 
 def forward(q, k, v, gates, h0, ctx, cfg, save):

@@ -7,13 +7,7 @@ The chunked and the fused recurrence in plain jnp (`ejgen.runtime.recurrent.xla`
 
 from ejgen.runtime.recurrent import kernels as _kernel_sets
 from ejgen.runtime.recurrent import xla as xla_recurrent
-from ejgen.runtime.recurrent.config import Hooks
-
-
-HOOKS = Hooks(
-    feature_map=None,
-    gate_map=None,
-)
+from ejgen.runtime.recurrent.config import NO_HOOKS as HOOKS
 
 choose = _kernel_sets.for_platform("xla", "jnp, any device")
 

@@ -14,16 +14,15 @@ linear_attention (linear_recurrent; modes train, decode; backends triton, pallas
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from ejgen.runtime.recurrent import api as _recurrent
 from ejgen.runtime.recurrent import context_parallel as _cp
 from ejgen.runtime.recurrent import mesh as _mesh
-from ejgen.runtime.recurrent.config import Hooks
 
 from . import triton_launch as _triton
 from . import pallas as _pallas
 from . import xla as _xla
+from .hooks import HOOKS
 
 SPEC = _recurrent.SpecInfo(
     name="linear_attention",
@@ -50,18 +49,6 @@ SPEC = _recurrent.SpecInfo(
     required=(),
 )
 BACKENDS = {"triton": _triton, "pallas": _pallas, "xla": _xla}
-
-
-def _feature_map(x):
-    """phi(x) = elu(x) + 1, on every element of q and k."""
-    return jnp.where(x > 0.0, x, jnp.exp(jnp.minimum(x, 0.0)) - 1.0) + 1
-
-
-# the spec's hooks in jnp: the context-parallel form maps q and the gates for the incoming states' share
-HOOKS = Hooks(
-    feature_map=_feature_map,
-    gate_map=None,
-)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("cfg", "kernels"))
@@ -122,7 +109,7 @@ def linear_attention(
       out_specs=None: derived (o as query, final_state [N, H, K, V] over batch and heads); when given, must be that"""
     _recurrent.reject_unsupported(SPEC, unsupported)
     if mesh is not None or in_specs is not None or out_specs is not None:
-        return _mesh.on_mesh(SPEC, linear_attention, linear_attention_cp, query, key, value, dict(
+        return _mesh.on_mesh(SPEC, linear_attention, linear_attention_cp, BACKENDS, query, key, value, dict(
             softmax_scale=softmax_scale,
             initial_state=initial_state,
             reverse=reverse,
@@ -186,6 +173,7 @@ def linear_attention_cp(
     return _cp.context_parallel(
         SPEC,
         linear_attention,
+        BACKENDS,
         HOOKS,
         query,
         key,

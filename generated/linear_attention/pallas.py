@@ -3,32 +3,15 @@
 """Pallas backend of `linear_attention`.
 
 The kernels of `ejgen.runtime.recurrent.pallas` (chunks of 16 steps: GPUs through the Triton lowering, TPUs through
-Mosaic, interpreted elsewhere), with the spec's hooks below applied around them in XLA.
+Mosaic, interpreted elsewhere), with the spec's hooks (`hooks.py`) applied around them in XLA.
 """
 
-import jax.numpy as jnp
-
-from ejgen.runtime.recurrent.config import Hooks
 from ejgen.runtime.recurrent.pallas.kernels import GATES as CHUNKED_GATES
 from ejgen.runtime.recurrent.pallas.kernels import PallasRecurrent, available, choose
 
+from .hooks import HOOKS
 
-def _feature_map(x):
-    """phi(x) = elu(x) + 1"""
-    return jnp.where(x > 0.0, x, jnp.exp(jnp.minimum(x, 0.0)) - 1.0) + 1
-
-
-def _feature_map_grad(x):
-    """phi'(x)"""
-    return jnp.where(x > 0.0, 1.0, jnp.exp(jnp.minimum(x, 0.0)) * jnp.where(x <= 0.0, 1.0, 0.0))
-
-
-KERNELS = PallasRecurrent("linear_attention", Hooks(
-    feature_map=_feature_map,
-    gate_map=None,
-    feature_map_grad=_feature_map_grad,
-    gate_map_grad=None,
-))
+KERNELS = PallasRecurrent("linear_attention", HOOKS)
 
 
 def forward(q, k, v, gates, h0, ctx, cfg, save):

@@ -5,35 +5,16 @@
 The kernels of `triton_kernels.py`, generated from the spec, launched by `ejgen.runtime.recurrent.triton.host` (sums
 over blocks and head groups, the gates' gradients). Runs through jax-triton on NVIDIA GPUs, and in Triton's interpreter
 on the CPU when TRITON_INTERPRET=1 is set before this module is first used.
-The host takes the hooks below in jnp: the feature map again for the gates' gradients and the derivatives.
+The host takes the spec's hooks in jnp (`hooks.py`): the feature map again for the gates' gradients and the
+derivatives.
 """
 
-import jax.numpy as jnp
-
-from ejgen.runtime.recurrent.config import Hooks
 from ejgen.runtime.recurrent.triton import host as triton_recurrent
 from ejgen.runtime.recurrent.triton.host import CHUNKED_GATES, available, choose
 
+from .hooks import HOOKS
 
-def _feature_map(x):
-    """phi(x) = elu(x) + 1"""
-    return jnp.where(x > 0.0, x, jnp.exp(jnp.minimum(x, 0.0)) - 1.0) + 1
-
-
-def _feature_map_grad(x):
-    """phi'(x)"""
-    return jnp.where(x > 0.0, 1.0, jnp.exp(jnp.minimum(x, 0.0)) * jnp.where(x <= 0.0, 1.0, 0.0))
-
-
-KERNELS = triton_recurrent.Kernels(
-    module=__package__ + ".triton_kernels",
-    name="linear_attention",
-    hooks=Hooks(
-        feature_map=_feature_map,
-        feature_map_grad=_feature_map_grad,
-        gate_map_grad=None,
-    ),
-)
+KERNELS = triton_recurrent.Kernels(module=__package__ + ".triton_kernels", name="linear_attention", hooks=HOOKS)
 
 
 def forward(q, k, v, gates, h0, ctx, cfg, save):

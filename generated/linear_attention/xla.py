@@ -3,25 +3,13 @@
 """XLA backend of `linear_attention`.
 
 The chunked and the fused recurrence in plain jnp (`ejgen.runtime.recurrent.xla`), float32 state, with the spec's
-hooks.
+hooks (`hooks.py`).
 """
-
-import jax.numpy as jnp
 
 from ejgen.runtime.recurrent import kernels as _kernel_sets
 from ejgen.runtime.recurrent import xla as xla_recurrent
-from ejgen.runtime.recurrent.config import Hooks
 
-
-def _feature_map(x):
-    """phi(x) = elu(x) + 1, on every element of q and k."""
-    return jnp.where(x > 0.0, x, jnp.exp(jnp.minimum(x, 0.0)) - 1.0) + 1
-
-
-HOOKS = Hooks(
-    feature_map=_feature_map,
-    gate_map=None,
-)
+from .hooks import HOOKS
 
 choose = _kernel_sets.for_platform("xla", "jnp, any device")
 

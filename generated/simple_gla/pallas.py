@@ -6,17 +6,11 @@ The kernels of `ejgen.runtime.recurrent.pallas` (chunks of 16 steps: GPUs throug
 Mosaic, interpreted elsewhere).
 """
 
-from ejgen.runtime.recurrent.config import Hooks
+from ejgen.runtime.recurrent.config import NO_HOOKS as HOOKS
 from ejgen.runtime.recurrent.pallas.kernels import GATES as CHUNKED_GATES
 from ejgen.runtime.recurrent.pallas.kernels import PallasRecurrent, available, choose
 
-
-KERNELS = PallasRecurrent("simple_gla", Hooks(
-    feature_map=None,
-    gate_map=None,
-    feature_map_grad=None,
-    gate_map_grad=None,
-))
+KERNELS = PallasRecurrent("simple_gla", HOOKS)
 
 
 def forward(q, k, v, gates, h0, ctx, cfg, save):

@@ -1,5 +1,6 @@
-"""The files of one recurrent op: its folder's ``__init__.py``, ``op.py`` (arguments, ``custom_vjp``) and one module
-per backend (docs/DESIGN.md §9)."""
+"""The files of one recurrent op: its folder's ``__init__.py``, ``op.py`` (arguments, ``custom_vjp``), ``hooks.py``
+(the spec's feature map and gate map in jnp, where it has either), ``decode.py`` and one module per backend
+(docs/DESIGN.md §9)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Callable
 
 from ejgen.emit.attention.op import Backend
 from ejgen.emit.layout import WIDTH
-from ejgen.emit.recurrent import pallas, triton, xla
+from ejgen.emit.recurrent import triton
+from ejgen.emit.recurrent.common import flags, has_hooks, jnp_hooks
 from ejgen.emit.recurrent.describe import describe
 from ejgen.plan.recurrent import RecurrentPlan
 
@@ -17,8 +19,8 @@ BACKENDS = {
         "triton_kernels.py": "recurrent/triton/kernels.py.j2",
         "triton_launch.py": "recurrent/triton/launch.py.j2",
     }, "triton_launch"),
-    "pallas": Backend(pallas.template_context, {"pallas.py": "recurrent/pallas/recurrent.py.j2"}, "pallas"),
-    "xla": Backend(xla.template_context, {"xla.py": "recurrent/xla/recurrent.py.j2"}, "xla"),
+    "pallas": Backend(flags, {"pallas.py": "recurrent/pallas/recurrent.py.j2"}, "pallas"),
+    "xla": Backend(flags, {"xla.py": "recurrent/xla/recurrent.py.j2"}, "xla"),
 }
 
 ARGUMENT_DOCS = {
@@ -96,7 +98,6 @@ def emit(plan: RecurrentPlan, backends: list[str], common: dict, render: Callabl
     v = plan.variant
     signature = [f"{a.name}={a.default}" for a in plan.arguments]
     positional = [s for a, s in zip(plan.arguments, signature) if a.feature not in ("choice", "mesh")]
-    printed = xla.template_context(plan)
     files = {
         f"{v.name}/__init__.py": render("glue/op_init.py.j2", **common, from_op=[plan.cp_name],
                                         extra=plan.decode_names),
@@ -104,10 +105,7 @@ def emit(plan: RecurrentPlan, backends: list[str], common: dict, render: Callabl
             "recurrent/op.py.j2",
             **common,
             notation=describe(plan),
-            feature_map=printed["feature_map"],
-            gate_map=printed["gate_map"],
-            uses_jax=printed["uses_jax"],
-            uses_jnp=printed["uses_jnp"],
+            hooks=has_hooks(plan),
             backends=[{"name": b, "module": BACKENDS[b].module} for b in backends],
             feature_settings="{" + ", ".join(f'"{f.name}": "{f.mode}"' for f in v.features) + "}",
             arguments={a.name: a.feature for a in plan.arguments},
@@ -116,6 +114,7 @@ def emit(plan: RecurrentPlan, backends: list[str], common: dict, render: Callabl
             positional=positional,
             keywords=[s for s in signature if s not in positional],
             choices=[s for a, s in zip(plan.arguments, signature) if a.feature == "choice"],
+            choice_names=[a.name for a in plan.arguments if a.feature == "choice"],
             docstring=_docstring(plan, common, signature),
             cp_docstring=_cp_docstring(plan, common, positional),
             prepare_args=[a.passed for a in plan.arguments if a.passed is not None],
@@ -123,6 +122,8 @@ def emit(plan: RecurrentPlan, backends: list[str], common: dict, render: Callabl
             cp_passed=[a.name for a in plan.arguments if a.feature not in ("choice", "mesh")],
         ),
     }
+    if has_hooks(plan):
+        files[f"{v.name}/hooks.py"] = render("recurrent/hooks.py.j2", **common, **jnp_hooks(plan))
     if plan.decode_names:
         gates = [a for a in plan.arguments if a.feature in plan.gates]
         files[f"{v.name}/decode.py"] = render(

@@ -34,10 +34,14 @@ class RecurrentConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Hooks:
-    """A spec's element-wise hooks as a generated backend module defines them (None where the spec has none): jnp
-    functions of an array of elements for XLA and Pallas; the Triton kernels carry their own ``@triton.jit`` ones."""
+    """A spec's element-wise hooks as its generated ``hooks.py`` defines them (None where the spec has none): jnp
+    functions of an array of elements, which the XLA and Pallas backends, the Triton host's sums and the
+    context-parallel form read; the Triton kernels carry their own ``@triton.jit`` ones."""
 
     feature_map: object = None  # phi(x) on q and k
     gate_map: object = None  # on the per-step gates g, gk, gv
     feature_map_grad: object = None  # phi'(x)
     gate_map_grad: object = None  # m'(x)
+
+
+NO_HOOKS = Hooks()  # a spec without a feature map or gate map (it has no ``hooks.py``)

@@ -24,7 +24,6 @@ log gates from its start (never a difference of two long sums); gates that decay
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from ejgen.runtime.core import sharding, vma
 from ejgen.runtime.recurrent import api
+from ejgen.runtime.recurrent.gates import log_gates
 
 F32 = jnp.float32
 _MESH_ARGUMENTS = ("mesh", "in_specs", "out_specs")
@@ -60,11 +60,13 @@ def refuse(name: str, arguments: dict) -> None:
                          f"sequences would cross the shards' bounds; cut the batch of dense sequences instead")
 
 
-def context_parallel(spec: api.SpecInfo, op, hooks, query, key, value, *, axis_name, arguments: dict, choices: dict):
-    """``op``'s context-parallel form: ``arguments`` are the op's positional arguments by name (gates, softmax_scale,
-    initial_state, reverse, cu_seqlens), ``choices`` its algorithm, chunk_size and platform, ``hooks`` the spec's
-    feature map and gate map in jnp. Inside ``jax.shard_map`` with ``axis_name`` bound, query, key, value and the
-    per-step gates are this device's steps; outside, global arrays cut over ``axis_name`` of the context mesh."""
+def context_parallel(spec: api.SpecInfo, op, backends: dict, hooks, query, key, value, *, axis_name, arguments: dict,
+                     choices: dict):
+    """``op``'s context-parallel form: ``backends`` are its backends by name (among which it chooses), ``arguments``
+    its positional arguments by name (gates, softmax_scale, initial_state, reverse, cu_seqlens), ``choices`` its
+    algorithm, chunk_size and platform, ``hooks`` the spec's feature map and gate map in jnp. Inside
+    ``jax.shard_map`` with ``axis_name`` bound, query, key, value and the per-step gates are this device's steps;
+    outside, global arrays cut over ``axis_name`` of the context mesh."""
     name = f"{spec.name}_cp"
     refuse(f"{name}()", arguments)
     if not isinstance(axis_name, str):
@@ -72,17 +74,17 @@ def context_parallel(spec: api.SpecInfo, op, hooks, query, key, value, *, axis_n
     try:
         devices = sharding.axis_size(axis_name)
     except NameError:
-        return _on_context_mesh(spec, op, hooks, query, key, value, axis_name, arguments, choices)
-    call = prepare(spec, op, query, key, value, arguments, choices, name)
+        return _on_context_mesh(spec, op, backends, hooks, query, key, value, axis_name, arguments, choices)
+    call = prepare(spec, backends, query, key, value, arguments, choices, name)
     return _inside(spec, op, hooks, call, axis_name, devices, arguments, choices)
 
 
-def _on_context_mesh(spec, op, hooks, query, key, value, axis_name, arguments, choices):
+def _on_context_mesh(spec, op, backends, hooks, query, key, value, axis_name, arguments, choices):
     """A call on global arrays: checked whole and brought to the kernel layout once, then run under
     ``jax.shard_map`` over the context mesh, the steps of q, k, v and the per-step gates cut over ``axis_name``,
     everything else replicated; o comes back cut as query, the final state replicated."""
     name = f"{spec.name}_cp"
-    call = prepare(spec, op, query, key, value, arguments, choices, name)
+    call = prepare(spec, backends, query, key, value, arguments, choices, name)
     mesh = sharding.mesh_with_axis(f"{name}()", axis_name)
     devices = mesh.shape[axis_name]
     if call.cfg.seq_len % devices:
@@ -109,16 +111,11 @@ def tensor_arguments(arguments: dict) -> dict:
     return {n: jnp.asarray(x) for n, x in arguments.items() if n in TENSOR_ARGUMENTS and x is not None}
 
 
-def _backends(op) -> dict:
-    """The generated op's backends by name: its module's ``BACKENDS``, among which the op chooses."""
-    return sys.modules[op.__module__].BACKENDS
-
-
-def prepare(spec: api.SpecInfo, op, query, key, value, arguments: dict, choices: dict, name: str) -> api.Prepared:
-    """The call checked as ``op`` checks it, errors naming ``name`` (the function the user called): its platform,
-    its arguments against that backend's chunked kernels, the backend's kernel choice (not recorded: each shard's
-    own call records its choice); brought to the kernel layout."""
-    backends = _backends(op)
+def prepare(spec: api.SpecInfo, backends: dict, query, key, value, arguments: dict, choices: dict,
+            name: str) -> api.Prepared:
+    """The call checked as the op checks it (``backends``: the op's), errors naming ``name`` (the function the user
+    called): its platform, its arguments against that backend's chunked kernels, the backend's kernel choice (not
+    recorded: each shard's own call records its choice); brought to the kernel layout."""
     backend = api.choose_platform(dataclasses.replace(spec, name=name), choices["platform"], backends)
     options = {n: x for n, x in choices.items() if n != "platform"}
     call = api.prepare(spec, query, key, value, **arguments, **options, chunked=api.chunked_gates(backends[backend]),
@@ -127,9 +124,10 @@ def prepare(spec: api.SpecInfo, op, query, key, value, arguments: dict, choices:
     return call
 
 
-def check_call(spec: api.SpecInfo, op, query, key, value, arguments: dict, choices: dict, name: str) -> None:
+def check_call(spec: api.SpecInfo, backends: dict, query, key, value, arguments: dict, choices: dict,
+               name: str) -> None:
     """`prepare`'s checks of a whole call, traced for shapes only: before it is cut."""
-    jax.eval_shape(lambda: prepare(spec, op, query, key, value, arguments, choices, name) and None)
+    jax.eval_shape(lambda: prepare(spec, backends, query, key, value, arguments, choices, name) and None)
 
 
 def _inside(spec, op, hooks, call: api.Prepared, axis, devices, arguments, choices):
@@ -161,17 +159,10 @@ def _mapped(q, gates, cfg, hooks):
     if hooks.feature_map is not None:
         q = hooks.feature_map(q)
     q = q * cfg.scale
-    step = {n: gates[n] for n in ("g", "gk", "gv") if n in gates}
-    if hooks.gate_map is not None:
-        step = {n: hooks.gate_map(x) for n, x in step.items()}
-    scalar = step.get("g")
-    if "g_gamma" in gates:
-        gamma = jnp.broadcast_to(gates["g_gamma"], q.shape[:3])
-        scalar = gamma if scalar is None else scalar + gamma
-    key_log = step.get("gk")
+    scalar, key_log, value_log = log_gates(gates, hooks, q.shape[:3])
     if scalar is not None:
         key_log = scalar[..., None] if key_log is None else key_log + scalar[..., None]
-    return q, key_log, step.get("gv")
+    return q, key_log, value_log
 
 
 def _decayed(h, key_total, value_total):

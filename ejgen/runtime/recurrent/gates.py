@@ -1,5 +1,6 @@
-"""The gates' gradients from the log decay's gradient per step, which the kernels write (Triton, Pallas): docs/DESIGN.md
-§3 linear recurrent, "Gates' gradients".
+"""The gates of the linear recurrent family: the log gates as every backend and the context-parallel form read them
+(``log_gates``), and the gates' gradients from the log decay's gradient per step, which the kernels write (Triton,
+Pallas): docs/DESIGN.md §3 linear recurrent, "Gates' gradients".
 
 With D_s the decay of step s (key side e^{g_s + g_gamma + gk_s}, value side e^{gv_s}) and S̄_s the adjoint of the
 state after step s (every later output's and the final state's share), the log decay's gradient is
@@ -20,6 +21,19 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 F32 = jnp.float32
+
+
+def log_gates(gates, hooks, shape):
+    """The per-step log gates after the gate map (``gates``: the call's, raw): the scalar gate g + g_gamma (None
+    without either; g_gamma [H] broadcast to ``shape``, [B, T, H]), gk [B, T, H, K] and gv [B, T, H, V] (or None)."""
+    step = {n: gates[n] for n in ("g", "gk", "gv") if n in gates}
+    if hooks.gate_map is not None:
+        step = {n: hooks.gate_map(x) for n, x in step.items()}
+    scalar = step.get("g")
+    if "g_gamma" in gates:
+        gamma = jnp.broadcast_to(gates["g_gamma"], shape)
+        scalar = gamma if scalar is None else scalar + gamma
+    return scalar, step.get("gk"), step.get("gv")
 
 
 def token_sequences(cu, tokens: int):

@@ -47,11 +47,11 @@ class Cut:
         return P(*(sharding.entry(axes[role]) for role in _ROLES[arg]))
 
 
-def on_mesh(spec, op, cp, query, key, value, kwargs: dict, mesh, in_specs, out_specs):
+def on_mesh(spec, op, cp, backends: dict, query, key, value, kwargs: dict, mesh, in_specs, out_specs):
     """``op(query, key, value, **kwargs)`` under ``jax.shard_map`` over ``mesh``, cut as ``in_specs`` say (the
     convention above); with the sequence cut, ``cp(query, key, value, axis_name=..., **kwargs)`` (the op's
-    context-parallel form). Each problem with the mesh or the specs is a ValueError that names it, before anything
-    runs."""
+    context-parallel form). ``backends``: the op's backends by name, for the whole call's checks. Each problem with
+    the mesh or the specs is a ValueError that names it, before anything runs."""
     name = spec.name
     if mesh is None:
         raise ValueError(f"{name}(): in_specs / out_specs were given without mesh=; pass the jax.sharding.Mesh to run "
@@ -72,7 +72,7 @@ def on_mesh(spec, op, cp, query, key, value, kwargs: dict, mesh, in_specs, out_s
     cut = _cut(name, mesh, tensors, specs, varlen)
     positional = {n: x for n, x in kwargs.items() if n not in ("algorithm", "chunk_size", "platform")}
     choices = {n: x for n, x in kwargs.items() if n not in positional}
-    context_parallel.check_call(spec, op, query, key, value, positional, choices, name)
+    context_parallel.check_call(spec, backends, query, key, value, positional, choices, name)
     arrays = context_parallel.tensor_arguments(kwargs)
     static = {n: x for n, x in kwargs.items() if n not in arrays}
     array_specs = {n: cut.spec(n) if n in _ROLES else P() for n in arrays}

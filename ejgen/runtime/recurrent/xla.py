@@ -31,6 +31,7 @@ from jax import lax
 
 from ejgen.runtime.core import vma
 from ejgen.runtime.recurrent import packing
+from ejgen.runtime.recurrent.gates import log_gates
 
 F32 = jnp.float32
 SUB = 16  # steps of a sub-chunk (per-channel gates)
@@ -56,14 +57,7 @@ def prepare_inputs(q, k, v, gates, cfg, hooks):
     q = q * cfg.scale
     if cfg.groups > 1:
         k, v = jnp.repeat(k, cfg.groups, axis=2), jnp.repeat(v, cfg.groups, axis=2)
-    step = {name: gates[name] for name in ("g", "gk", "gv") if name in gates}
-    if hooks.gate_map is not None:
-        step = {name: hooks.gate_map(x) for name, x in step.items()}
-    a = step.get("g")
-    if "g_gamma" in gates:
-        gamma = jnp.broadcast_to(gates["g_gamma"], (cfg.batch, cfg.seq_len, cfg.heads))
-        a = gamma if a is None else a + gamma
-    return q, k, v, a, step.get("gk"), step.get("gv")
+    return (q, k, v) + log_gates(gates, hooks, (cfg.batch, cfg.seq_len, cfg.heads))
 
 
 def run(q, k, v, gates, h0, cu, cfg, hooks):

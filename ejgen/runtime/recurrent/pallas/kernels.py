@@ -23,6 +23,7 @@ from ejgen.runtime.core import pallas as _platforms
 from ejgen.runtime.core import sizes, vma
 from ejgen.runtime.recurrent import gates as gradients
 from ejgen.runtime.recurrent import packing
+from ejgen.runtime.recurrent.gates import log_gates
 from ejgen.runtime.recurrent.pallas import gpu, tpu
 
 F32 = jnp.float32
@@ -71,15 +72,9 @@ class PallasRecurrent:
         qm, km = q.astype(F32), k.astype(F32)
         if hooks.feature_map is not None:
             qm, km = hooks.feature_map(qm), hooks.feature_map(km)
-        step = {n: gates[n] for n in ("g", "gk") if n in gates}
-        if hooks.gate_map is not None:
-            step = {n: hooks.gate_map(x) for n, x in step.items()}
-        scalar = step.get("g")
-        if "g_gamma" in gates:
-            gamma = jnp.broadcast_to(gates["g_gamma"], (cfg.batch, cfg.seq_len, cfg.heads))
-            scalar = gamma if scalar is None else scalar + gamma
-        if "gk" in step:
-            log = step["gk"] if scalar is None else step["gk"] + scalar[..., None]
+        scalar, gk, _ = log_gates(gates, hooks, (cfg.batch, cfg.seq_len, cfg.heads))  # no gv (`choose` refuses it)
+        if gk is not None:
+            log = gk if scalar is None else gk + scalar[..., None]
         else:
             log = jnp.zeros(q.shape[:3] + (1,), F32) if scalar is None else scalar[..., None]
         chunk = CHUNK
@@ -125,7 +120,7 @@ class PallasRecurrent:
             q=to_rows((qm * cfg.scale).astype(dtype), kp),
             k=to_rows(km.astype(dtype), kp),
             v=to_rows(v, vp),
-            l=to_rows(log.astype(F32), kp if "gk" in step else 1),
+            l=to_rows(log.astype(F32), kp if gk is not None else 1),
             h0=to_states(start), meta=meta, rows=rows, heads=cfg.heads, groups=cfg.groups, chunk=chunk,
             n_chunks=nc, dtype=F32 if dtype == F32 else dtype, gated=any(cfg.has(g) for g in GATES))
         return x, to_rows, from_rows, to_states, from_states
