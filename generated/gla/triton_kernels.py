@@ -300,6 +300,18 @@ def _load_v(P, rows, m_s, i_h, o_v, m_v, HEADS: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit
+def _cumsum(x, axis: tl.constexpr, reverse: tl.constexpr = False):
+    """tl.cumsum over the rows (axis 0) of [S, N]. A [S, 1] column (a scalar gate per step) is summed as a vector:
+    Triton 3.6 (the GPU host's) asserts in its scan lowering on the layout these kernels give a [S, 1] tile
+    (ScanOpToLLVM: elements repeated along the size-1 dim); 3.9 compiles both."""
+    if x.shape[1] == 1:
+        y = tl.expand_dims(tl.cumsum(tl.reshape(x, [x.shape[0]]), axis=0, reverse=reverse), 1)
+    else:
+        y = tl.cumsum(x, axis=axis, reverse=reverse)
+    return y
+
+
+@triton.jit
 def _dot(a, b, DT: tl.constexpr):
     """a @ b in float32: operands rounded to the inputs' 16-bit dtype (DT) for the tensor cores, exact float32 for
     float32 inputs. In Triton's interpreter (UPCAST, tests on a CPU) 16-bit operands are widened after the rounding:
@@ -383,7 +395,7 @@ def gla_chunk_state_kernel(
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
-        b_after = tl.cumsum(b_l, axis=0, reverse=True) - b_l  # L(j, C]
+        b_after = _cumsum(b_l, axis=0, reverse=True) - b_l  # L(j, C]
         b_h = b_h * tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
         b_h += _dot(tl.trans(b_k * tl.exp(b_after)), b_v, DT)
     tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
@@ -415,7 +427,7 @@ def gla_chunk_output_kernel(
         return
     b_q = _load_qk(Q, rows_i, m_i, i_h, o_k, m_k, H, K, MAP) * SCALE  # [BC, BK]
     b_li = _key_log(G, GAMMA, GK, rows_i, m_i, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-    b_pi = tl.cumsum(b_li, axis=0)  # Ploc of I
+    b_pi = _cumsum(b_li, axis=0)  # Ploc of I
     # diagonal block
     b_k = _load_qk(K_, rows_i, m_i, i_hk, o_k, m_k, HKV, K, MAP)
     b_o = _dot(_diag(b_q, b_k, b_pi, o_r, BC), _load_v(V_, rows_i, m_i, i_hk, o_v, m_v, HKV, V), DT)  # [BC, BV]
@@ -427,7 +439,7 @@ def gla_chunk_output_kernel(
         b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
         b_tot = tl.sum(b_lj, axis=0, keep_dims=True)
         b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K,
-                        MAP) * tl.exp(b_tot - tl.cumsum(b_lj, axis=0) + b_between)
+                        MAP) * tl.exp(b_tot - _cumsum(b_lj, axis=0) + b_between)
         b_a = _dot(b_qi, tl.trans(b_kj), tl.float32)  # [BC, BC]
         b_o += _dot(b_a, _load_v(V_, rows_j, m_j, i_hk, o_v, m_v, HKV, V), DT)
         b_between += b_tot
@@ -470,7 +482,7 @@ def gla_chunk_state_bwd_kernel(
         b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
         b_dh = b_dh * tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
-        b_dh += _dot(tl.trans(b_q * tl.exp(tl.cumsum(b_l, axis=0))), b_do, DT)
+        b_dh += _dot(tl.trans(b_q * tl.exp(_cumsum(b_l, axis=0))), b_do, DT)
     tl.store(DH0 + i_nh.to(tl.int64) * K * V + p_h, b_dh, mask=m_h)
 
 
@@ -526,7 +538,7 @@ def gla_chunk_grads_qk_kernel(
     b_v = _load_v(V_, rows_i, m_i, i_hk, o_v, m_v, HKV, V)  # [BC, BVF]
     b_do = _load_v(DO, rows_i, m_i, i_h, o_v, m_v, H, V)
     b_li = _key_log(G, GAMMA, GK, rows_i, m_i, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-    b_pi = tl.cumsum(b_li, axis=0)  # Ploc of I
+    b_pi = _cumsum(b_li, axis=0)  # Ploc of I
     b_tot_i = tl.sum(b_li, axis=0, keep_dims=True)
     b_si = b_tot_i - b_pi  # Sloc of I
     # diagonal block; with gates the pairs r < s <= t inside I (b_pairs: those of r < s, by t, for the s in turn)
@@ -558,7 +570,7 @@ def gla_chunk_grads_qk_kernel(
         b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
         b_tot = tl.sum(b_lj, axis=0, keep_dims=True)
         b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K,
-                        MAP) * tl.exp(b_tot - tl.cumsum(b_lj, axis=0) + b_between)
+                        MAP) * tl.exp(b_tot - _cumsum(b_lj, axis=0) + b_between)
         b_daij = _dot(b_do, tl.trans(_load_v(V_, rows_j, m_j, i_hk, o_v, m_v, HKV, V)), DT)  # dA_IJ
         b_dqe = _dot(b_daij, b_kj, tl.float32) * tl.exp(b_pi)
         b_dq += b_dqe
@@ -574,7 +586,7 @@ def gla_chunk_grads_qk_kernel(
     for ahead in range(i_i + 1, NSUB):
         rows_j, m_j = _steps(bos, eos, i_t * C + ahead * BC, BC, REVERSE)
         b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-        b_qj = _load_qk(Q, rows_j, m_j, i_h, o_k, m_k, H, K, MAP) * SCALE * tl.exp(tl.cumsum(b_lj, axis=0))
+        b_qj = _load_qk(Q, rows_j, m_j, i_h, o_k, m_k, H, K, MAP) * SCALE * tl.exp(_cumsum(b_lj, axis=0))
         b_daji = _dot(_load_v(DO, rows_j, m_j, i_h, o_v, m_v, H, V), tl.trans(b_v), DT)  # dA_JI
         b_dkl = _dot(tl.trans(b_daji), b_qj, tl.float32) * tl.exp(b_si + b_between)
         b_dk += b_dkl
@@ -609,7 +621,7 @@ def gla_chunk_grads_qk_kernel(
         b_through = _per_gate(tl.trans(b_through) * tl.exp(b_before + b_tot_i + b_between), USE_GK)  # [1, KG]
         b_up += b_from
         b_down += b_to
-        b_dlog = tl.cumsum(b_up, axis=0, reverse=True) + (tl.cumsum(b_down, axis=0) - b_down) + b_inner + b_through
+        b_dlog = _cumsum(b_up, axis=0, reverse=True) + (_cumsum(b_down, axis=0) - b_down) + b_inner + b_through
         tl.store(DLOG + (rows_i[:, None] * H + i_h) * KG + o_g[None, :], b_dlog, mask=m_i[:, None])
         tl.store(p_parts + NSUB * KG, tl.sum(b_from, axis=0))
         tl.store(p_parts + (NSUB + 1) * KG, tl.sum(b_to, axis=0))
@@ -644,7 +656,7 @@ def gla_chunk_grads_v_kernel(
     b_q = _load_qk(Q, rows_i, m_i, i_h, o_k, m_k, H, K, MAP) * SCALE  # [BC, BK]
     b_k = _load_qk(K_, rows_i, m_i, i_hk, o_k, m_k, HKV, K, MAP)
     b_li = _key_log(G, GAMMA, GK, rows_i, m_i, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-    b_pi = tl.cumsum(b_li, axis=0)
+    b_pi = _cumsum(b_li, axis=0)
     b_si = tl.sum(b_li, axis=0, keep_dims=True) - b_pi  # Sloc of I
     b_dv = _dot(tl.trans(_diag(b_q, b_k, b_pi, o_r, BC)), _load_v(DO, rows_i, m_i, i_h, o_v, m_v, H, V), DT)
     b_between = tl.zeros_like(tl.sum(b_li, axis=0, keep_dims=True))
@@ -652,7 +664,7 @@ def gla_chunk_grads_v_kernel(
     for ahead in range(i_i + 1, NSUB):
         rows_j, m_j = _steps(bos, eos, i_t * C + ahead * BC, BC, REVERSE)
         b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-        b_qj = _load_qk(Q, rows_j, m_j, i_h, o_k, m_k, H, K, MAP) * SCALE * tl.exp(tl.cumsum(b_lj, axis=0))
+        b_qj = _load_qk(Q, rows_j, m_j, i_h, o_k, m_k, H, K, MAP) * SCALE * tl.exp(_cumsum(b_lj, axis=0))
         b_a = _dot(b_qj, tl.trans(b_ki * tl.exp(b_between)), tl.float32)  # A_JI [BC, BC]
         b_dv += _dot(tl.trans(b_a), _load_v(DO, rows_j, m_j, i_h, o_v, m_v, H, V), DT)
         b_between += tl.sum(b_lj, axis=0, keep_dims=True)
