@@ -227,10 +227,13 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
 
 
 def summary(compiled: dict, with_ptx: bool = False) -> dict:
+    import triton
+
     out = {}
     for name, c in compiled.items():
         out[name] = {"shared": c.metadata.shared, "cubin": bool(c.asm.get("cubin")), "wgmma": "wgmma" in c.asm["ptx"],
-                     "global_scratch": c.metadata.global_scratch_size, "warps": c.metadata.num_warps}
+                     "global_scratch": c.metadata.global_scratch_size, "warps": c.metadata.num_warps,
+                     "triton": triton.__version__}
         if with_ptx:
             out[name]["ptx"] = c.asm["ptx"]
     return out
@@ -262,15 +265,24 @@ def compile_gluon_in_subprocess(**kwargs) -> dict:
     return _in_subprocess({"gluon": True, **kwargs})
 
 
-def compile_all_in_subprocess(requests: list) -> list:
+def compile_all_in_subprocess(requests: list, triton: str | None = None) -> list:
     """Several compiles in one fresh interpreter (one start, one import of Triton and the packages): each request
     as ``compile_in_subprocess`` takes its arguments (``{"package": ..., "name": ..., **kwargs}``); each result its
-    ``summary``, or ``{"error": <the traceback's end>}`` for a request that failed."""
-    return _in_subprocess(list(requests))
+    ``summary``, or ``{"error": <the traceback's end>}`` for a request that failed. ``triton``: a folder holding
+    another Triton (``GPU_HOST_TRITON``), imported by the subprocess instead of the environment's."""
+    return _in_subprocess(list(requests), triton)
 
 
-def _in_subprocess(args):
+# A folder with the GPU host's Triton (3.6: `pip install --no-deps --target DIR triton==3.6.0`; .ci/run makes one):
+# generated code must compile on it as well as on the Triton installed here (README, GPU host)
+GPU_HOST_TRITON = os.environ.get("EJGEN_GPU_HOST_TRITON")
+
+
+def _in_subprocess(args, triton: str | None = None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (triton, env.get("PYTHONPATH")) if p)
+        env["TRITON_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "ejgen-triton-cache-gpu-host")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     if not env.get("TRITON_CACHE_DIR"):
         # Triton 3.6 on the GPU host found no cache dir of its own in this subprocess: name one
