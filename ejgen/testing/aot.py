@@ -278,6 +278,26 @@ def compile_all_in_subprocess(requests: list, triton: str | None = None) -> list
 GPU_HOST_TRITON = os.environ.get("EJGEN_GPU_HOST_TRITON")
 
 
+def gpu_host_triton() -> str:
+    """The folder of the GPU host's Triton, for a test that compiles with it: under CI its absence fails the test
+    (.ci/run makes the folder), elsewhere it skips it."""
+    import pytest
+
+    if not GPU_HOST_TRITON:
+        if os.environ.get("CI"):
+            pytest.fail("CI sets EJGEN_GPU_HOST_TRITON to a folder with the GPU host's Triton (.ci/run)")
+        pytest.skip("EJGEN_GPU_HOST_TRITON names no folder with the GPU host's Triton (pip install --no-deps "
+                    "--target DIR triton==3.6.0)")
+    return GPU_HOST_TRITON
+
+
+def by_gpu_host_triton(compiled: dict) -> bool:
+    """Whether a `summary` entry was compiled by another Triton than the one installed here (the GPU host's)."""
+    import triton
+
+    return compiled["triton"] != triton.__version__
+
+
 def _in_subprocess(args, triton: str | None = None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if triton:

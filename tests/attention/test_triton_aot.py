@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the triton extra is part of the test install (README)")
 from ejgen.spec import load_specs  # noqa: E402
-from ejgen.testing.aot import GPU_HOST_TRITON, compile_all_in_subprocess  # noqa: E402
+from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton  # noqa: E402
 
 SPECS = {v.name: v for v in load_specs(os.path.join(os.path.dirname(__file__), "..", "..", "specs"))}
 
@@ -67,11 +67,6 @@ GPU_HOST_CASES = ["flash-sm90-window-softcap-sinks-gqa", "flash-sm90-layout-tile
 def test_the_gpu_hosts_triton_compiles_them_too():
     """A few cases with the GPU host's Triton (EJGEN_GPU_HOST_TRITON, set by CI; 3.6 where 3.9 is installed):
     generated code must compile on both (the recurrent scalar-gate kernels once compiled only on 3.9)."""
-    if not GPU_HOST_TRITON:
-        if os.environ.get("CI"):
-            pytest.fail("CI sets EJGEN_GPU_HOST_TRITON to a folder with the GPU host's Triton (.ci/run)")
-        pytest.skip("EJGEN_GPU_HOST_TRITON names no folder with the GPU host's Triton (pip install --no-deps "
-                    "--target DIR triton==3.6.0)")
     cases = [c for c in CASES if c[0] in GPU_HOST_CASES]
     requests = [dict(package="ejgen.generated", name=name, capability=capability,
                      params={p.name: p.dtype for p in SPECS[name].params},
@@ -80,16 +75,10 @@ def test_the_gpu_hosts_triton_compiles_them_too():
     requests.append({"decode": True, "package": "ejgen.generated", "name": "flash_attention", "capability": 90,
                      "paged": True, "window": True, "softcap": True, "groups": 8, "queries": 2})
     names = [c[0] for c in cases] + ["decode-flash-sm90-paged"]
-    for case, compiled in zip(names, compile_all_in_subprocess(requests, triton=GPU_HOST_TRITON)):
+    for case, compiled in zip(names, compile_all_in_subprocess(requests, triton=gpu_host_triton())):
         assert "error" not in compiled, f"{case}: {compiled.get('error')}"
         for kernel, c in compiled.items():
-            assert c["cubin"] and c["triton"] != _installed_triton(), (case, kernel, c)
-
-
-def _installed_triton() -> str:
-    import triton
-
-    return triton.__version__
+            assert c["cubin"] and by_gpu_host_triton(c), (case, kernel, c)
 
 
 @pytest.mark.parametrize("bias,mask", [(True, False), (False, True), (True, True)])

@@ -15,16 +15,12 @@ import json
 import os
 import sys
 import tempfile
-import time
-import traceback
 from pathlib import Path
 
-_FLAGS = os.environ.get("XLA_FLAGS", "")
-if "xla_backend_optimization_level" not in _FLAGS:  # as tests/conftest.py: small CPU graphs compile faster
-    _FLAGS += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_force_host_platform_device_count=8".strip()
-os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recurrent"))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+sys.path.insert(0, os.path.join(_HERE, "..", "recurrent"))
+import shard_checks  # noqa: E402  (sets XLA_FLAGS for 8 host devices before JAX starts)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -196,21 +192,7 @@ CHECKS = {
 
 
 def main(backend: str) -> dict:
-    results = {}
-    for name, (fn, backends) in CHECKS.items():
-        if backend not in backends:
-            continue
-        failures = []
-        start = time.perf_counter()
-        devices = backends[backend]
-        name = name if devices is None else f"{name}-{devices}"
-        try:
-            fn(backend, failures) if devices is None else fn(backend, failures, devices)
-        except Exception:  # reported, not raised: every check of the backend runs and reports
-            failures.append(traceback.format_exc(limit=-6))
-        results[name] = failures
-        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return results
+    return shard_checks.run_checks(CHECKS, backend)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
-import traceback
 from pathlib import Path
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -342,21 +340,7 @@ CHECKS = {
 
 
 def main(backend: str) -> dict:
-    results = {}
-    for name, (fn, backends) in CHECKS.items():
-        if backend not in backends:
-            continue
-        failures = []
-        start = time.perf_counter()
-        devices = backends[backend]
-        name = name if devices is None else f"{name}-{devices}"
-        try:
-            fn(backend, failures) if devices is None else fn(backend, failures, devices)
-        except Exception:  # reported, not raised: every check of the backend runs and reports
-            failures.append(traceback.format_exc(limit=-6))
-        results[name] = failures
-        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return results
+    return shard_checks.run_checks(CHECKS, backend)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 
 _FLAGS = os.environ.get("XLA_FLAGS", "")
@@ -181,18 +182,30 @@ CHECKS = {
 }
 
 
-def main(backend: str) -> dict:
+def run_checks(checks: dict, backend: str) -> dict:
+    """{name: failures} of every check that runs on ``backend``. ``checks``: name -> (check, backends), backends a
+    tuple (``check(backend, failures)``: the check sets its mesh) or {backend: devices} (devices None: as a tuple;
+    else ``check(backend, failures, devices)``, the name gaining ``-<devices>``). A check's exception is a failure of
+    that check: every check runs and reports; each one's seconds go to stderr."""
     results = {}
-    for name, (check, backends) in CHECKS.items():
+    for name, (check, backends) in checks.items():
         if backend not in backends:
             continue
         failures = []
+        start = time.perf_counter()
+        devices = backends[backend] if isinstance(backends, dict) else None
+        name = name if devices is None else f"{name}-{devices}"
         try:
-            check(backend, failures)
-        except Exception:  # reported, not raised: every check of the backend runs and reports
+            check(backend, failures) if devices is None else check(backend, failures, devices)
+        except Exception:  # reported, not raised
             failures.append(traceback.format_exc(limit=-6))
         results[name] = failures
+        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return results
+
+
+def main(backend: str) -> dict:
+    return run_checks(CHECKS, backend)
 
 
 if __name__ == "__main__":

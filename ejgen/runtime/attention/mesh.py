@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ejgen.runtime.attention import ring as ring_form
-from ejgen.runtime.core import vma
+from ejgen.runtime.core import sharding, vma
 from ejgen.runtime.core.sharding import entry as _entry
 from ejgen.runtime.core.sharding import normal as _normal
 from ejgen.runtime.core.sharding import show as _show
@@ -64,15 +64,8 @@ def on_mesh(spec, op, query, key, value, kwargs: dict, mesh, in_specs, out_specs
     instead (the op's ring form; ``token_order`` the order of the cut sequence, default contiguous). Each problem
     with the mesh or the specs is a ValueError that names it."""
     name = spec.name
-    if mesh is None:
-        raise ValueError(f"{name}(): in_specs / out_specs / token_order were given without mesh=; pass the "
-                         f"jax.sharding.Mesh to run the op over")
-    if not (hasattr(mesh, "axis_names") and hasattr(mesh, "shape")):
-        raise ValueError(f"{name}(): mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if in_specs is None:
-        raise ValueError(f"{name}(): mesh= needs in_specs=: the PartitionSpecs of (query, key, value) (one "
-                         f"PartitionSpec for all three), e.g. P('dp', None, 'tp', None) for [batch, seq, heads, "
-                         f"head_dim] over mesh axes dp and tp")
+    sharding.check_mesh(name, mesh, in_specs, "in_specs / out_specs / token_order",
+                        "P('dp', None, 'tp', None) for [batch, seq, heads, head_dim] over mesh axes dp and tp")
     if not isinstance(kwargs.get("return_lse"), bool):
         raise ValueError(f"{name}(): return_lse must be a Python bool, got {kwargs.get('return_lse')!r}")
     varlen = kwargs.get("cu_seqlens_q") is not None or kwargs.get("cu_seqlens_k") is not None

@@ -25,6 +25,18 @@ def axes_of(entry) -> tuple:
     raise TypeError(entry)
 
 
+def check_mesh(name: str, mesh, in_specs, given: str, example: str) -> None:
+    """The mesh wrapper's first checks, one message each naming the argument: ``mesh`` given and a Mesh,
+    ``in_specs`` given (``given``: the mesh arguments that need mesh=; ``example``: a PartitionSpec and its layout)."""
+    if mesh is None:
+        raise ValueError(f"{name}(): {given} were given without mesh=; pass the jax.sharding.Mesh to run the op over")
+    if not (hasattr(mesh, "axis_names") and hasattr(mesh, "shape")):
+        raise ValueError(f"{name}(): mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if in_specs is None:
+        raise ValueError(f"{name}(): mesh= needs in_specs=: the PartitionSpecs of (query, key, value) (one "
+                         f"PartitionSpec for all three), e.g. {example}")
+
+
 def tensor_specs(name: str, mesh, in_specs, tensors: tuple, rank: int, hint: str) -> tuple:
     """The specs of ``tensors`` (their names, each of ``rank`` dims) from ``in_specs`` (one PartitionSpec each, or one
     for all), each a tuple of one mesh-axes tuple per dim; every problem a ValueError naming it (``hint`` ends the

@@ -53,15 +53,8 @@ def on_mesh(spec, op, cp, backends: dict, query, key, value, kwargs: dict, mesh,
     context-parallel form). ``backends``: the op's backends by name, for the whole call's checks. Each problem with
     the mesh or the specs is a ValueError that names it, before anything runs."""
     name = spec.name
-    if mesh is None:
-        raise ValueError(f"{name}(): in_specs / out_specs were given without mesh=; pass the jax.sharding.Mesh to run "
-                         f"the op over")
-    if not (hasattr(mesh, "axis_names") and hasattr(mesh, "shape")):
-        raise ValueError(f"{name}(): mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if in_specs is None:
-        raise ValueError(f"{name}(): mesh= needs in_specs=: the PartitionSpecs of (query, key, value) (one "
-                         f"PartitionSpec for all three), e.g. P('dp', 'sp', 'tp') for [batch, seq, heads, head_dim] "
-                         f"over mesh axes dp, sp and tp")
+    sharding.check_mesh(name, mesh, in_specs, "in_specs / out_specs",
+                        "P('dp', 'sp', 'tp') for [batch, seq, heads, head_dim] over mesh axes dp, sp and tp")
     tensors = {"query": jnp.asarray(query), "key": jnp.asarray(key), "value": jnp.asarray(value)}
     for t, x in tensors.items():
         if x.ndim != 4:
