@@ -4,16 +4,19 @@
 # still says what failed and by how much:
 #   bash benchmarks/gpu_shards.sh NAME SECONDS PYTEST-ARGS...    e.g.  bash benchmarks/gpu_shards.sh rec 240 tests/recurrent
 # Logs: $OUT/NAME/shardI.txt (pytest -v), $OUT/NAME/failures.txt; prints the outcome counts and the failures.
+# GPUS="0 1 2" picks the GPUs (default: all); PER_GPU=N runs N pytest processes on each (compiling is CPU-bound:
+# the GPU host's 16 cores a GPU keep several busy).
 set -u
 name=$1; limit=$2; shift 2
 log=$OUT/$name; mkdir -p "$log"
-gpus=$(nvidia-smi -L | wc -l)
+read -ra gpu_list <<< "${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}"
+shards=$(( ${#gpu_list[@]} * ${PER_GPU:-1} ))
 python3 -m pytest --co -q -m gpu -p no:cacheprovider "$@" 2>/dev/null | grep "::" > "$log/ids.txt"
-echo "$(wc -l < "$log/ids.txt") tests over $gpus GPUs, ${limit}s each"
-for ((i = 0; i < gpus; i++)); do
-  awk -v i=$i -v n=$gpus 'NR % n == i' "$log/ids.txt" > "$log/ids$i.txt"
+echo "$(wc -l < "$log/ids.txt") tests over GPUs ${gpu_list[*]} in $shards processes, ${limit}s each"
+for ((i = 0; i < shards; i++)); do
+  awk -v i=$i -v n=$shards 'NR % n == i' "$log/ids.txt" > "$log/ids$i.txt"
   [ -s "$log/ids$i.txt" ] || continue
-  CUDA_VISIBLE_DEVICES=$i EJGEN_FAILURE_LOG=$log/failures.txt timeout "$limit" \
+  CUDA_VISIBLE_DEVICES=${gpu_list[$((i % ${#gpu_list[@]}))]} EJGEN_FAILURE_LOG=$log/failures.txt timeout "$limit" \
     python3 -m pytest -m gpu -v --tb=no -p no:cacheprovider $(cat "$log/ids$i.txt") > "$log/shard$i.txt" 2>&1 &
 done
 wait

@@ -315,10 +315,12 @@ def test_document_masks_reach_the_kernels_with_their_tile_ranges(monkeypatch):
     assert bwd[0, 2].tolist() == [0, 8, 0, 0]  # keys 256-383 cross into document 1: no full query block
 
 
-def test_the_dynamic_tile_queue_is_an_opt_in_setting(monkeypatch):
-    """gluon_dynamic_tiles (EJGEN_GLUON_DYNAMIC_TILES, default off): off, the forward's launch is the static split
-    (DYNAMIC off, nothing zeroed); on, DYNAMIC with the int32 counter TILE_CTR as a zeroed output, and with segment
-    ids the tile order as one list, heaviest first (not dealt per program). A fake launch on a pretended Hopper."""
+def test_the_dynamic_tile_queue_follows_the_setting_and_its_measured_default(monkeypatch):
+    """gluon_dynamic_tiles (EJGEN_GLUON_DYNAMIC_TILES 1 / 0 / auto, default auto): off, the forward's launch is the
+    static split (DYNAMIC off, nothing zeroed, segment ids' tiles dealt per program as a snake); on, DYNAMIC with the
+    int32 counter TILE_CTR as a zeroed output and the tile order as one list, heaviest first. Auto takes the queue
+    for segment ids up to DYNAMIC_SEGMENT_TILES_PER_PROGRAM tiles a program (here 10 tiles on 3 programs). A fake
+    launch on a pretended Hopper."""
     import numpy as np
 
     from ejgen.ops import flash_attention, settings
@@ -358,24 +360,58 @@ def test_the_dynamic_tile_queue_is_an_opt_in_setting(monkeypatch):
         assert set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "num_warps", "num_stages"}
         return dict(zip(names, inputs))["ORDER"], kw
 
-    order, kw = forward()
-    assert not core_settings.current().gluon_dynamic_tiles and not kw["DYNAMIC"] and kw["zeroed"] == ()
-    np.testing.assert_array_equal(order, gluon_attention.tile_order(  # dealt to the 3 programs (a snake)
-        gluon_attention.segment_ranges({"q_seg": jnp.asarray(ids), "kv_seg": jnp.asarray(ids)},
-                                       AttentionConfig(seq_q=s, seq_k=s, causal=True, segments=True), s), 2, True, 3))
-    for turn_on in ("env", "scope"):
-        if turn_on == "env":
-            monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "1")
-            order, kw = forward()
-            monkeypatch.delenv("EJGEN_GLUON_DYNAMIC_TILES")
-        else:
-            with settings(gluon_dynamic_tiles=True):
-                order, kw = forward()
-        assert kw["DYNAMIC"] and kw["zeroed"] == (2, ), turn_on  # the counter, zeroed per call
+    def static(order, kw):
+        assert not kw["DYNAMIC"] and kw["zeroed"] == ()
+        np.testing.assert_array_equal(order, gluon_attention.tile_order(  # dealt to the 3 programs (a snake)
+            gluon_attention.segment_ranges({"q_seg": jnp.asarray(ids), "kv_seg": jnp.asarray(ids)},
+                                           AttentionConfig(seq_q=s, seq_k=s, causal=True, segments=True), s),
+            2, True, 3))
+
+    def dynamic(order, kw):
+        assert kw["DYNAMIC"] and kw["zeroed"] == (2, )  # the counter, zeroed per call
         # one list, heaviest first: query tile i_m of 128 rows joined with causal and its documents' key blocks
         work = np.array([1, 2, 3, 2, 1])[order // 2]  # tiles 0-4: blocks 0, 0-1, 0-2 (row 300: doc 1 from 2), 2-3, pad
         assert sorted(order.tolist()) == list(range(10)) and np.all(np.diff(work) <= 0), (order, work)
-    assert forward()[1]["DYNAMIC"] is False  # off again outside the scope
+
+    assert core_settings.current().gluon_dynamic_tiles is None
+    dynamic(*forward())  # auto: 10 tiles on 3 programs
+    monkeypatch.setattr(gluon_attention, "DYNAMIC_SEGMENT_TILES_PER_PROGRAM", 3)
+    static(*forward())  # auto: more than 3 tiles a program
+    for value, want in (("1", dynamic), ("on", dynamic), ("0", static), ("auto", static)):
+        monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", value)
+        want(*forward())
+    monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "1")
+    with settings(gluon_dynamic_tiles=False):  # a scope overrides the environment
+        static(*forward())
+    monkeypatch.delenv("EJGEN_GLUON_DYNAMIC_TILES")
+    with settings(gluon_dynamic_tiles=True):
+        dynamic(*forward())
+    static(*forward())  # auto again outside the scope
+
+
+def test_the_dynamic_tile_queue_default_is_where_it_was_measured_to_win(monkeypatch):
+    """Auto (no setting): the queue for causal calls, never with a window, off for unmasked ones; with segment ids
+    up to DYNAMIC_SEGMENT_TILES_PER_PROGRAM tiles a program. A malformed variable is one clear error."""
+    from ejgen.ops import settings
+    from ejgen.runtime.core import settings as core_settings
+
+    monkeypatch.delenv("EJGEN_GLUON_DYNAMIC_TILES", raising=False)
+    per = gluon_attention.DYNAMIC_SEGMENT_TILES_PER_PROGRAM
+    pick = gluon_attention.dynamic_tiles
+    assert pick(True, False, False, 4096, 132) and not pick(False, False, False, 4096, 132)
+    assert not pick(True, True, False, 4096, 132) and not pick(True, True, True, 64, 132)
+    assert pick(True, False, True, per * 132, 132) and not pick(True, False, True, per * 132 + 1, 132)
+    assert pick(False, False, True, 64, 132)  # bidirectional documents too
+    with settings(gluon_dynamic_tiles=False):
+        assert not pick(True, False, False, 4096, 132)
+    with settings(gluon_dynamic_tiles=True):
+        assert pick(False, True, False, 4096, 132)
+    monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "maybe")
+    with pytest.raises(ValueError, match=r"EJGEN_GLUON_DYNAMIC_TILES='maybe': expected 1, 0 or auto"):
+        core_settings.current()
+    with pytest.raises(TypeError, match="gluon_dynamic_tiles must be a bool or None"):
+        with settings(gluon_dynamic_tiles="on"):
+            pass
 
 
 DOCUMENT_CASES = [  # (id, shape, causal, lengths of the documents, then padding to the end)

@@ -43,11 +43,10 @@ from ejgen.types import MaskInfo
 
 # The Hopper forward's dynamic tile queue (`gluon.host.dynamic_tiles`) for the ring's per-step kernels: True asks
 # for it whatever the gluon_dynamic_tiles setting says. The hop's NCCL kernel holds SMs while the step's kernel
-# starts, so some of its persistent programs start late, and a static split of the tiles finishes late with them
-# (H200 x 2, 32k tokens: forward 4.24 ms without the transfer, 4.83 with it). Off until measured on the GPU
-# (notes/gluon-persistent-fwd.md, "Dynamic tile queue"); the setting alone (EJGEN_GLUON_DYNAMIC_TILES=1) turns it
-# on everywhere, the ring included.
-GLUON_DYNAMIC_TILES = False
+# starts, so some of its persistent programs start late, and a static split of the tiles finishes late with them.
+# H200 x 2 (session 15, one run), 32k tokens, 16/16 heads, zigzag: forward 4.91 -> 4.33 ms, forward+backward
+# 16.64 -> 16.12 (notes/gluon-persistent-fwd.md, "Dynamic tile queue").
+GLUON_DYNAMIC_TILES = True
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3

@@ -9,8 +9,9 @@ Each has a default, an environment variable (read at call time) and a scoped ove
   every backend; kernel sets whose backward adds in run-time order (the Hopper set's dQ) are not
   chosen (docs/DESIGN.md §6).
 - ``gluon`` (EJGEN_GLUON, default on): the hand-written Hopper kernel set may be chosen on sm_90.
-- ``gluon_dynamic_tiles`` (EJGEN_GLUON_DYNAMIC_TILES, default off): the Hopper forward's persistent programs take
-  their tiles from a shared counter instead of a static split (`gluon.host.dynamic_tiles`; not yet measured).
+- ``gluon_dynamic_tiles`` (EJGEN_GLUON_DYNAMIC_TILES: ``1`` / ``0`` / ``auto``, default auto): whether the Hopper
+  forward's persistent programs take their tiles from a shared counter instead of a static split; auto (None)
+  takes it where it was measured to win (`gluon.host.dynamic_tiles`).
 - ``triton_configs`` (EJGEN_TRITON_CONFIG, e.g. ``"fwd=128,64,8,3;dkdv=64,128,8,3"``): pinned Triton
   configs per pass (tuning, tests); a pinned pass never takes the Hopper set.
 - ``triton_autotune`` (EJGEN_TRITON_AUTOTUNE=1): jax-triton's autotuner over `ejgen tune`'s candidates.
@@ -28,7 +29,7 @@ import os
 class Settings:
     deterministic: bool = False
     gluon: bool = True
-    gluon_dynamic_tiles: bool = False
+    gluon_dynamic_tiles: bool | None = None  # None: auto
     triton_configs: str = ""
     triton_autotune: bool = False
 
@@ -36,10 +37,24 @@ class Settings:
 _ENV = {
     "deterministic": ("EJGEN_DETERMINISTIC", lambda t: t.strip().lower() in ("1", "true", "yes", "on")),
     "gluon": ("EJGEN_GLUON", lambda t: t.strip().lower() not in ("0", "false", "no", "off")),
-    "gluon_dynamic_tiles": ("EJGEN_GLUON_DYNAMIC_TILES", lambda t: t.strip().lower() in ("1", "true", "yes", "on")),
+    "gluon_dynamic_tiles": ("EJGEN_GLUON_DYNAMIC_TILES", lambda t: _on_off_auto("EJGEN_GLUON_DYNAMIC_TILES", t)),
     "triton_configs": ("EJGEN_TRITON_CONFIG", str),
     "triton_autotune": ("EJGEN_TRITON_AUTOTUNE", lambda t: t.strip() == "1"),
 }
+
+
+def _on_off_auto(var: str, text: str) -> bool | None:
+    """A tri-state variable's value: on (True), off (False) or auto (None, also empty)."""
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    if word in ("", "auto"):
+        return None
+    raise ValueError(f"ejgen settings: {var}={text!r}: expected 1, 0 or auto")
+
+
 _OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("ejgen_settings", default=())
 
 
@@ -63,8 +78,9 @@ def settings(**changes):
         if name not in known:
             raise TypeError(f"ejgen settings: unknown setting {name!r} (known: {', '.join(known)})")
         want = str if name == "triton_configs" else bool
-        if not isinstance(value, want):
-            raise TypeError(f"ejgen settings: {name} must be a {want.__name__}, got {value!r}")
+        if not (isinstance(value, want) or (value is None and name == "gluon_dynamic_tiles")):
+            also = " or None (auto)" if name == "gluon_dynamic_tiles" else ""
+            raise TypeError(f"ejgen settings: {name} must be a {want.__name__}{also}, got {value!r}")
     token = _OVERRIDES.set(_OVERRIDES.get() + (changes,))
     try:
         yield current()

@@ -147,16 +147,32 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                 HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **TILES)
 
 
-def dynamic_tiles() -> bool:
+# Where the dynamic tile queue wins (H200, session 15, `benchmarks/gluon_dynamic_tiles.py`, one run, bf16, H 16,
+# D 128, 32k tokens a call, static / dynamic ms): 16k causal B 2 4.165 / 3.647 (1.14x), 4k causal B 8 1.052 / 0.998
+# (1.05x), 8k with 8 documents 0.243 / 0.222 (1.09x); level: 4k unmasked 1.832 / 1.830, 16k window (1024, 0) 0.602
+# / 0.606; lost: 32k with 64 documents 0.553 / 0.588 (0.94x: 31 tiles a program of one to four key blocks each, whose
+# counter round trips the queue does not pay back). With 116 of 132 SMs (NCCL's kernel beside it): 16k causal 1.04x.
+DYNAMIC_SEGMENT_TILES_PER_PROGRAM = 16  # segment ids: the queue up to this many tiles a program (8k/8 docs: 7.8)
+
+
+def dynamic_tiles(causal: bool, window: bool, segments: bool, tiles: int, programs: int) -> bool:
     """Whether the forward's programs take their tiles from a shared counter (DYNAMIC: each program's next tile
     is the next one of the order nobody has taken) instead of pid, pid + P, ...: the setting
-    ``gluon_dynamic_tiles`` (EJGEN_GLUON_DYNAMIC_TILES), off by default until measured. Written for programs that
-    start late (an NCCL kernel beside it holds SMs: ring attention) and tiles of uneven work (documents); the
-    launch then passes a zeroed int32 counter (TILE_CTR) and deals `tile_order` as one list, heaviest first
-    (notes/gluon-persistent-fwd.md, "Dynamic tile queue")."""
+    ``gluon_dynamic_tiles`` (EJGEN_GLUON_DYNAMIC_TILES) where given, else where it was measured to win (above):
+    causal calls without a window, and calls with segment ids of at most DYNAMIC_SEGMENT_TILES_PER_PROGRAM tiles a
+    program. It serves tiles of uneven work (causal, documents) and programs that start late (an NCCL kernel beside
+    it holds SMs: the ring asks for it on every step); the launch then passes a zeroed int32 counter (TILE_CTR) and
+    deals `tile_order` as one list, heaviest first (notes/gluon-persistent-fwd.md, "Dynamic tile queue")."""
     from ejgen.runtime.core import settings
 
-    return settings.current().gluon_dynamic_tiles
+    asked = settings.current().gluon_dynamic_tiles
+    if asked is not None:
+        return asked
+    if window:
+        return False
+    if segments:
+        return tiles <= DYNAMIC_SEGMENT_TILES_PER_PROGRAM * programs
+    return causal
 
 
 # The backward: 64-row query blocks, 128-key programs (two warpgroups of 64 keys), two Q/dO stages (standalone

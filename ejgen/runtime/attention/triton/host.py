@@ -289,13 +289,14 @@ def _gluon_segments(ctx, cfg, seq: int, pass_: str):
 def _gluon_forward(q, k, v, scalars, ctx, cfg):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
     segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`);
-    with the gluon_dynamic_tiles setting its programs take them from a counter (`gluon_attention.dynamic_tiles`)."""
+    where the queue wins (`gluon_attention.dynamic_tiles`) its programs take them from a counter."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
     grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
     segments = _gluon_segments(ctx, cfg, sq, "fwd")
     ordered = gluon_attention.ordered(cfg)
-    dynamic = gluon_attention.dynamic_tiles()  # tiles from a zeroed counter (TILE_CTR), the order as one list
+    dynamic = gluon_attention.dynamic_tiles(  # tiles from a zeroed counter (TILE_CTR), the order as one list
+        cfg.causal, cfg.window, cfg.segments, -(-sq // gluon_attention.BLOCK_M) * batch * hq, grid[0])
     order = (gluon_attention.tile_order(segments[2], hq, cfg.causal, 1 if dynamic else grid[0]) if ordered
              else _dummy(jnp.int32))
     out, lse, *_ = triton_call.launch(
