@@ -10,6 +10,9 @@ Parts (`--parts`, default all three):
 - mesh: the mesh wrapper on a dp=2 x sp=N/2 mesh (N >= 4; N = 2 runs dp=1 x sp=2), a training-like step: forward
   and backward under jit with inputs cut P("dp", "sp"): `flash_attention(q, k, v, causal=True, mesh=mesh,
   in_specs=P("dp", "sp"), token_order="zigzag")`, B=2, S=`--mesh-seq`.
+- profile: where the time of one call goes (`trace_table.py`): the one-GPU call and the zigzag ring at each of
+  `--seqs` / `--heads` / `--passes` run under JAX's profiler; per device, the last call's kernels in time order
+  (start, duration, stream) and the time per kernel kind, written to `<out>/profile.md` (issue 18's 32k gap).
 `--scaling` replaces `time` by issue 19's sweep over 1, 2, 4, ... N GPUs (the first k devices): strong scaling at
 S=`--strong-seq` (128k; one GPU runs flash_attention) and weak scaling at S = `--weak-base` x k (128k per GPU:
 128k, 256k, 512k, 1M), zigzag, forward and forward+backward.
@@ -49,7 +52,7 @@ from pathlib import Path
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=0, help="GPUs of the ring (default: all)")
-    p.add_argument("--parts", default="check,time,mesh", help="comma-separated: check, time, mesh")
+    p.add_argument("--parts", default="check,time,mesh", help="comma-separated: check, time, mesh, profile")
     p.add_argument("--scaling", action="store_true", help="issue 19's sweep over 1, 2, 4, ... GPUs instead of time")
     p.add_argument("--seqs", default="32768,131072", help="sequence lengths of the time part")
     p.add_argument("--heads", default="16/16,32/8", help="Hq/Hkv layouts")
@@ -246,6 +249,33 @@ def part_time(devices, platform, out_dir):
             del args
 
 
+def part_profile(devices, platform, out_dir):
+    """The one-GPU call and the zigzag ring under the profiler: each device's kernels of one call."""
+    from trace_table import profile
+
+    n = len(devices)
+    mesh = _mesh(devices)
+    one = jax.sharding.SingleDeviceSharding(devices[0])
+    tables = []
+    for seq in SEQS:
+        for heads in HEADS:
+            for impl, sharding, fn in (("1gpu", one, single_gpu(platform)),
+                                       (f"ring-zigzag-{n}", NamedSharding(mesh, P(None, "sp")),
+                                        ring_fn(mesh, "zigzag", platform))):
+                args = _inputs(1, seq, *heads, sharding)
+                fns = _passes(fn)
+                for pass_ in PASSES:
+                    label = f"{impl} S={_k(seq)} heads={heads[0]}/{heads[1]} {pass_}"
+                    try:
+                        tables.append(profile(fns[pass_], args, out_dir / f"trace-{impl}-{seq}-{heads[0]}-{pass_}",
+                                              label=label))
+                    except Exception as e:  # noqa: BLE001 (the other cases go on)
+                        tables.append(f"### {label}\nfailed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                        traceback.print_exc()
+                    (out_dir / "profile.md").write_text("\n\n".join(tables))
+                del args
+
+
 def part_scaling(devices, platform, out_dir):
     """Strong (S fixed) and weak (S = base x GPUs) scaling over the first 1, 2, 4, ... GPUs, zigzag."""
     counts = [c for c in (1, 2, 4, 8, 16) if c <= len(devices)]
@@ -363,6 +393,8 @@ def main():
         part_time(devices, platform, out_dir)
     if "mesh" in parts and len(devices) >= 2:
         part_mesh(devices, platform, out_dir)
+    if "profile" in parts:
+        part_profile(devices, platform, out_dir)
     summarise(out_dir)
 
 

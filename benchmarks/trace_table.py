@@ -1,0 +1,113 @@
+"""Where a jitted call's GPU time goes: run it under JAX's profiler with a Perfetto trace and print, per device and
+stream, the kernels of the last call in time order (start offset, duration, name) and the time per kernel kind.
+
+    from trace_table import profile
+    profile(fn, args, out_dir / "trace-ring", calls=3, label="ring fwd 32k")
+
+Used by `benchmarks/ring.py --parts profile` (issue 18: where the 2-GPU ring's 32k step time goes: the step kernels
+against the one-GPU kernel, NCCL's send/receive kernel beside them, the merges). Reads the
+``perfetto_trace.json.gz`` that `jax.profiler.trace(..., create_perfetto_trace=True)` writes (Chrome trace events:
+``ph`` "X" slices with ``ts`` / ``dur`` in microseconds, ``M`` events naming processes and threads). Device
+processes are those whose name holds "GPU" (or "/device:"); on a CPU-only run nothing is a device and the host's
+slices are listed instead (`--cpu-smoke` checks the plumbing).
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+from pathlib import Path
+
+KINDS = (("nccl", "nccl"), ("gluon_attention_fwd", "gluon fwd"), ("gluon_attention_bwd", "gluon bwd"),
+         ("attention", "attention (generated)"), ("fusion", "XLA fusion"), ("copy", "copy"), ("memset", "memset"),
+         ("memcpy", "memcpy"))
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    for key, label in KINDS:
+        if key in low:
+            return label
+    return "other"
+
+
+def load(trace_dir: Path) -> list[dict]:
+    """The slices of the newest Perfetto trace under ``trace_dir``: dicts of process, thread, name, ts, dur."""
+    files = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1], "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e.get("pid")] = e.get("args", {}).get("name", str(e.get("pid")))
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e.get("pid"), e.get("tid"))] = e.get("args", {}).get("name", str(e.get("tid")))
+    return [dict(process=procs.get(e.get("pid"), str(e.get("pid"))),
+                 thread=threads.get((e.get("pid"), e.get("tid")), str(e.get("tid"))),
+                 name=e.get("name", ""), ts=float(e["ts"]), dur=float(e.get("dur", 0.0)))
+            for e in events if e.get("ph") == "X" and "ts" in e]
+
+
+def _is_device(process: str) -> bool:
+    return "GPU" in process or "/device:" in process
+
+
+def last_call(slices: list[dict], gap_us: float) -> list[dict]:
+    """The slices after the last idle gap longer than ``gap_us`` on every stream together: the last call's."""
+    slices = sorted(slices, key=lambda s: s["ts"])
+    start, end = 0, -1e30
+    for i, s in enumerate(slices):
+        if s["ts"] - end > gap_us:
+            start = i
+        end = max(end, s["ts"] + s["dur"])
+    return slices[start:]
+
+
+def table(slices: list[dict], label: str, gap_us: float = 1000.0, width: int = 70) -> str:
+    """The last call's kernels per device process (each its own timeline) and the time per kind."""
+    device = [s for s in slices if _is_device(s["process"])]
+    pool = device or slices
+    lines = [f"### {label}" + ("" if device else " (no device slices: host slices shown)")]
+    by_proc = collections.defaultdict(list)
+    for s in pool:
+        by_proc[s["process"]].append(s)
+    for proc in sorted(by_proc):
+        call = last_call(by_proc[proc], gap_us)
+        t0 = min(s["ts"] for s in call)
+        t1 = max(s["ts"] + s["dur"] for s in call)
+        lines.append(f"{proc}: last call {t1 - t0:.1f} us, {len(call)} slices")
+        lines.append("| start us | dur us | stream | kernel |")
+        lines.append("|---|---|---|---|")
+        for s in call[:100]:
+            lines.append(f"| {s['ts'] - t0:.1f} | {s['dur']:.1f} | {s['thread'][:24]} | {s['name'][:width]} |")
+        if len(call) > 100:
+            lines.append(f"| ... | | | {len(call) - 100} more |")
+        sums = collections.Counter()
+        for s in call:
+            sums[kind(s["name"])] += s["dur"]
+        lines.append("per kind (us, summed over streams): " + ", ".join(f"{k} {v:.1f}" for k, v in sums.most_common()))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def profile(fn, args, trace_dir: Path, calls: int = 3, label: str = "", gap_us: float = 1000.0) -> str:
+    """Run ``fn(*args)`` (compiled first) ``calls`` times under the profiler, each call waited for and followed by
+    5 ms of idle devices (the gap that tells calls apart), and return the table of the last one."""
+    import time
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    trace_dir = Path(trace_dir)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+            time.sleep(0.005)
+    text = table(load(trace_dir), label or str(trace_dir), gap_us)
+    print(text, flush=True)
+    return text
