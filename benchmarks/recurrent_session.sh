@@ -11,8 +11,12 @@ parts=${*:-tests fla bench cp}
 for part in $parts; do
   case $part in
     tests) bash benchmarks/gpu_shards.sh rec-tests 240 tests/recurrent 2>&1 | tee -a "$log/log.txt" ;;
-    fla) CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/recurrent_fla.py --out "$log/fla.json" > "$log/fla.txt" \
-             2>&1; tail -15 "$log/fla.txt" | tee -a "$log/log.txt" ;;  # fla autotunes its kernels on first use: minutes
+    fla) # fla autotunes its kernels on first use (minutes on a fresh host): recurrent_fla.py compiles the configs in
+         # parallel, writes fla.json after every case and its autotune results to $log/fla_tuned/<GPU>/ (commit them
+         # under benchmarks/fla_tuned/ and the next host skips the tuning); FLA_CASES picks a subset (--cases)
+         CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/recurrent_fla.py --out "$log/fla.json" \
+             ${FLA_CASES:+--cases "$FLA_CASES"} > "$log/fla.txt" 2>&1
+         grep -E "ms|first call [0-9]|Error|rror:" "$log/fla.txt" | tail -30 | tee -a "$log/log.txt" ;;
     bench) fla=(); [ -f "$log/fla.json" ] && fla=(--fla "$log/fla.json")
            CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/recurrent.py "${fla[@]}" --decode \
              --out "$log" 2>&1 | tail -40 | tee -a "$log/log.txt" ;;
