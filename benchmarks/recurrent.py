@@ -16,8 +16,16 @@ Run on the GPU host from the repository root (jax-triton and lark from wheels in
     PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 benchmarks/recurrent.py --fla $OUT/fla.json --out $OUT
 
 Decode (`--decode`, the issue's bandwidth target): gla_decode, one step from a float32 state [B, 16, 128, 128] for
-B = 32 and 128, on triton (the fused kernels), pallas and xla: GB/s of the state read and written (plus q, k, v, gk)
-against the streaming bandwidth of a jitted copy in the same run.
+B = 32 and 128, on triton (the fused kernel), pallas (its fused kernel) and xla: GB/s of the state read and written
+(plus q, k, v, gk, o) against the streaming bandwidth of a jitted copy (x + 1, 2 GiB) in the same run, two ways:
+  loop: 32 steps in one jitted lax.fori_loop carrying the state (donated from call to call): the device's time per
+        step, as inside a model's jitted decode step; the issue's target is this one;
+  call: one jitted step per call, the state donated and the next call given the returned one (a serving loop that
+        dispatches every step from Python): adds the host's dispatch of a jitted call (tens of us; ~55 us on the
+        CPU where this was written), the likely reason B32 took 65 us a call on the H200 for 16 us of bytes.
+The steps update the state in place (kernels alias it; the donation lets XLA reuse its buffer: no copy).
+`--decode-sweep`: the fused kernels' value block (FUSED_BV) and warps, loop timing; `--decode-profile`: the kernels of
+one 4-step loop under JAX's profiler (trace_table.py), per-kernel device times; `--decode-only` skips the train table.
 
 Prints the device and a markdown table (ms: median of interleaved rounds; vs fla: fla's time / ejgen's, > 1 is
 faster), and the issue's targets; writes `<out>/recurrent.json`. `--cpu-smoke` runs tiny shapes on XLA and Triton's
@@ -45,6 +53,10 @@ def parse_args(argv=None):
     p.add_argument("--cases", default="", help="comma-separated substrings of case names (default: all)")
     p.add_argument("--xla", action="store_true", help="also time the XLA backend")
     p.add_argument("--decode", action="store_true", help="also time one decode step against the streaming bandwidth")
+    p.add_argument("--decode-only", action="store_true", help="only the decode table (implies --decode)")
+    p.add_argument("--decode-sweep", action="store_true", help="decode: the fused kernels' FUSED_BV x warps")
+    p.add_argument("--decode-profile", action="store_true", help="decode: one 4-step loop's kernels under the profiler")
+    p.add_argument("--batches", default="32,128", help="decode batches")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes: XLA and Triton's interpreter")
     return p.parse_args(argv)
 
@@ -127,7 +139,7 @@ def main():
     toks = [t for t in args.cases.split(",") if t]
     rows = []
     for case, op_name, gates, b, t, h, k, v in cases(smoke):
-        if toks and not any(tok in case for tok in toks):
+        if (toks and not any(tok in case for tok in toks)) or args.decode_only:
             continue
         (q, kk, vv), g, do = make_inputs(op_name, gates, b, t, h, k, v)
         fns = impls(op_name, (q, kk, vv), gates, do, smoke)
@@ -166,6 +178,9 @@ def main():
                 row["vs_fla"] = peer / row["ms"]
             print(f"{case:28s} {row['impl']:20s} {row['pass_']:8s} {row['ms']:9.3f} ms"
                   + (f"  vs fla {row['vs_fla']:.2f}x" if row["vs_fla"] else ""), flush=True)
+    if args.decode_only:
+        decode_table(smoke, out_dir)
+        return
     (out_dir / "recurrent.json").write_text(json.dumps({"device": device, "rows": rows}, indent=1))
     print(f"\n{device}, bf16, H={16 if not smoke else 2}, K=V={128 if not smoke else 16}\n")
     print("| case | impl | pass | ms | fla ms | vs fla | rel err |")
@@ -183,7 +198,7 @@ def main():
     print("\ntargets: gla chunked fwd and fwd+bwd vs fla chunk_gla >= 1.0x (stretch 1.5x); simple_gla / lightning "
           "vs fla chunk_simple_gla >= 1.0x")
     if args.decode or smoke:
-        decode_table(smoke)
+        decode_table(smoke, out_dir)
 
 
 def stream_bandwidth(gib: float, reps: int) -> float:
@@ -194,30 +209,153 @@ def stream_bandwidth(gib: float, reps: int) -> float:
     return 8 * n / median_seconds(exe, (x,), reps, batch=8) / 1e9
 
 
-def decode_table(smoke: bool):
-    """One gla_decode step per call from a float32 state: GB/s of the bytes moved, against the streaming copy."""
+def chained_seconds(fn, args, reps: int, batch: int, warm_seconds: float = 0.3) -> float:
+    """Median wall seconds of one call of ``fn(q, k, v, state, gk) -> (o, state)`` jitted with the state donated, each
+    call given the state the previous one returned (samples of ``batch`` calls dispatched back to back), after a
+    warm-up that brings the clocks up (``median_seconds``'s reasons)."""
+    args = list(args)
+    args[3] = args[3].copy()  # a buffer of our own to donate
+
+    def call():
+        o, args[3] = fn(*args)
+        return o
+
+    for _ in range(2):
+        jax.block_until_ready(call())
+    t_end = time.perf_counter() + (0.0 if jax.default_backend() == "cpu" else warm_seconds)
+    while time.perf_counter() < t_end:
+        jax.block_until_ready(call())
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            o = call()
+        jax.block_until_ready((o, args[3]))
+        samples.append((time.perf_counter() - t0) / batch)
+    return statistics.median(samples)
+
+
+LOOP_STEPS = 32
+
+
+def decode_fns(platform: str, steps: int = LOOP_STEPS):
+    """(one step, ``steps`` steps in a lax.fori_loop carrying the state): (q, k, v, state, gk) -> (o, state)."""
+    def step(q, k, v, s, gk):
+        return generated.gla_decode(q, k, v, s, gk, platform=platform)
+
+    def loop(q, k, v, s, gk):
+        o = jnp.zeros(q.shape[:2] + (s.shape[3],), q.dtype)
+        return jax.lax.fori_loop(0, steps, lambda i, c: step(q, k, v, c[1], gk), (o, s))
+
+    return step, loop
+
+
+class _FusedConfig:
+    """The fused decode kernels' value block and warps for the traces inside (``--decode-sweep``)."""
+
+    def __init__(self, platform: str, bv: int, warps: int):
+        from ejgen.runtime.recurrent.pallas import gpu as pallas_gpu
+        from ejgen.runtime.recurrent.triton import host
+
+        self.module = host if platform == "triton" else pallas_gpu
+        self.values = (bv, warps)
+
+    def __enter__(self):
+        self.saved = (self.module.FUSED_BV, self.module.NUM_WARPS)
+        self.module.FUSED_BV, self.module.NUM_WARPS = self.values
+
+    def __exit__(self, *exc):
+        self.module.FUSED_BV, self.module.NUM_WARPS = self.saved
+
+
+def decode_inputs(b: int, heads: int, dim: int):
+    keys = jax.random.split(jax.random.PRNGKey(b), 5)
+    q, k, v = (jax.random.normal(keys[i], (b, heads, dim), jnp.bfloat16) for i in range(3))
+    gk = jax.nn.log_sigmoid(jax.random.normal(keys[3], (b, heads, dim), jnp.float32)) / 16
+    state = jax.random.normal(keys[4], (b, heads, dim, dim), jnp.float32)
+    nbytes = 2 * state.size * 4 + 3 * q.size * 2 + gk.size * 4 + b * heads * dim * 2
+    return (q, k, v, state, gk), nbytes
+
+
+def decode_table(smoke: bool, out_dir: Path):
+    """gla_decode steps from a float32 state: GB/s of the bytes moved per step, against the streaming copy (module
+    docstring: loop and call)."""
     heads, dim = (2, 16) if smoke else (16, 128)
     stream = stream_bandwidth(0.01 if smoke else 2.0, ARGS.reps)
-    print(f"\ndecode: streaming copy {stream:.0f} GB/s\n")
-    print("| batch | impl | us | GB/s | % stream |")
-    print("|---|---|---|---|---|")
-    for b in ((2,) if smoke else (32, 128)):
-        keys = jax.random.split(jax.random.PRNGKey(b), 5)
-        q, k, v = (jax.random.normal(keys[i], (b, heads, dim), jnp.bfloat16) for i in range(3))
-        gk = jax.nn.log_sigmoid(jax.random.normal(keys[3], (b, heads, dim), jnp.float32)) / 16
-        state = jax.random.normal(keys[4], (b, heads, dim, dim), jnp.float32)
-        nbytes = 2 * state.size * 4 + 3 * q.size * 2 + gk.size * 4 + b * heads * dim * 2
+    batches = (2,) if smoke else tuple(int(b) for b in ARGS.batches.split(","))
+    steps = 4 if smoke else LOOP_STEPS
+    print(f"\ndecode: streaming copy {stream:.0f} GB/s; loop: {steps} steps per call\n")
+    print("| batch | impl | loop us/step | loop GB/s | loop % stream | call us | call % stream |")
+    print("|---|---|---|---|---|---|---|")
+    results = {"stream_gbs": stream, "rows": []}
+
+    def measure(args, platform, config=None, call=True):
+        """(seconds per step in the loop, seconds per call of one step or None)."""
+        step, loop = decode_fns(platform, steps)
+        with config or _nothing():
+            loop_exe = jax.jit(loop, donate_argnums=3).lower(*args).compile()
+            step_exe = jax.jit(step, donate_argnums=3).lower(*args).compile() if call else None
+        per_step = statistics.median(chained_seconds(loop_exe, args, ARGS.reps, 4) for _ in range(ARGS.rounds)) / steps
+        if not call:
+            return per_step, None
+        return per_step, statistics.median(chained_seconds(step_exe, args, ARGS.reps, 8) for _ in range(ARGS.rounds))
+
+    for b in batches:
+        args, nbytes = decode_inputs(b, heads, dim)
         for platform in ("triton", "pallas", "xla"):
             try:
-                exe = jax.jit(lambda q, k, v, s, gk, p=platform: generated.gla_decode(q, k, v, s, gk, platform=p)) \
-                    .lower(q, k, v, state, gk).compile()
-                sec = statistics.median(median_seconds(exe, (q, k, v, state, gk), ARGS.reps, batch=8)
-                                        for _ in range(ARGS.rounds))
-                gbs = nbytes / sec / 1e9
-                print(f"| {b} | ejgen-{platform} | {sec * 1e6:.1f} | {gbs:.0f} | {100 * gbs / stream:.0f} |", flush=True)
+                per_step, per_call = measure(args, platform)
+                gbs = nbytes / per_step / 1e9
+                results["rows"].append(dict(batch=b, impl=f"ejgen-{platform}", loop_us=per_step * 1e6,
+                                            call_us=per_call * 1e6, loop_gbs=gbs))
+                print(f"| {b} | ejgen-{platform} | {per_step * 1e6:.1f} | {gbs:.0f} | {100 * gbs / stream:.0f} | "
+                      f"{per_call * 1e6:.1f} | {100 * nbytes / per_call / 1e9 / stream:.0f} |", flush=True)
             except Exception as e:  # noqa: BLE001 - record and go on
-                print(f"| {b} | ejgen-{platform} | {type(e).__name__}: {str(e).splitlines()[0][:80]} | | |")
-    print("\ntarget: the fused decode step at >= 80% of the streaming bandwidth for the state read + write")
+                print(f"| {b} | ejgen-{platform} | {type(e).__name__}: {str(e).splitlines()[0][:80]} | | | | |")
+                traceback.print_exc(limit=3)
+    print("\ntarget: the fused decode step at >= 80% of the streaming bandwidth for the state read + write (loop)")
+    if ARGS.decode_sweep and not smoke:
+        print("\ndecode sweep (loop us/step, % stream): the fused kernels' FUSED_BV x warps\n")
+        print("| batch | impl | BV | warps | us/step | % stream |")
+        print("|---|---|---|---|---|---|")
+        for b in batches:
+            args, nbytes = decode_inputs(b, heads, dim)
+            for platform in ("triton", "pallas"):
+                for bv in (16, 32, 64):
+                    for warps in (2, 4, 8):
+                        try:
+                            per_step, _ = measure(args, platform, _FusedConfig(platform, bv, warps), call=False)
+                            pct = 100 * nbytes / per_step / 1e9 / stream
+                            results["rows"].append(dict(batch=b, impl=f"ejgen-{platform}", bv=bv, warps=warps,
+                                                        loop_us=per_step * 1e6))
+                            print(f"| {b} | ejgen-{platform} | {bv} | {warps} | {per_step * 1e6:.1f} | {pct:.0f} |",
+                                  flush=True)
+                        except Exception as e:  # noqa: BLE001
+                            print(f"| {b} | ejgen-{platform} | {bv} | {warps} | {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:60]} | |")
+    if ARGS.decode_profile:
+        from trace_table import profile
+
+        args, _ = decode_inputs(batches[0], heads, dim)
+        tables = []
+        for platform in ("triton", "pallas", "xla"):
+            _, loop = decode_fns(platform, 4)
+            exe = jax.jit(loop).lower(*args).compile()  # not donated: the first step's state is copied once
+            try:
+                tables.append(profile(exe, args, out_dir / f"trace-decode-{platform}", calls=3,
+                                      label=f"gla_decode B{batches[0]} {platform}: 4 steps in a loop", gap_us=500.0))
+            except Exception as e:  # noqa: BLE001
+                print(f"profile {platform}: {type(e).__name__}: {e}")
+        (out_dir / "decode_profile.md").write_text("\n\n".join(tables))
+    (out_dir / "decode.json").write_text(json.dumps(results, indent=1))
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
 
 
 def _fla_name(op_name: str) -> str:

@@ -3,7 +3,8 @@
 """Pallas backend of `gla`.
 
 The kernels of `ejgen.runtime.recurrent.pallas` (chunks of 16 steps: GPUs through the Triton lowering, TPUs through
-Mosaic, interpreted elsewhere).
+Mosaic, interpreted elsewhere; on GPUs the fused algorithm's forward over dense calls, decoding among them, one step at
+a time with the state in place).
 """
 
 from ejgen.runtime.recurrent.config import NO_HOOKS as HOOKS

@@ -3,7 +3,8 @@
 """Pallas backend of `linear_attention`.
 
 The kernels of `ejgen.runtime.recurrent.pallas` (chunks of 16 steps: GPUs through the Triton lowering, TPUs through
-Mosaic, interpreted elsewhere), with the spec's hooks (`hooks.py`) applied around them in XLA.
+Mosaic, interpreted elsewhere; on GPUs the fused algorithm's forward over dense calls, decoding among them, one step at
+a time with the state in place), with the spec's hooks (`hooks.py`) applied around them in XLA.
 """
 
 from ejgen.runtime.recurrent.pallas.kernels import GATES as CHUNKED_GATES

@@ -166,6 +166,9 @@ CHECKS = {
     "simple_gla-g-g_gamma-h0-reverse": (
         check_shard_map(Case("simple_gla", ("g", "g_gamma"), shape=(2, 64, 2, 2, 16, 16), h0=True, reverse=True)),
         {"xla": 4, "pallas": 2}),
+    "gla-gk-gqa-h0-fused": (  # Pallas's own fused forward (GPUs) inside the map
+        check_shard_map(Case("gla", ("gk",), shape=(1, 24, 2, 1, 16, 16), h0=True, algorithm="fused", chunk=None)),
+        {"pallas": 2}),
     "recurrent-every-gate-gqa-h0-fused": (
         check_shard_map(Case("recurrent", ALL, shape=(2, 24, 4, 2, 8, 12), h0=True, algorithm="fused", chunk=None)),
         {"xla": 8, "triton": 2}),

@@ -25,7 +25,7 @@ EXPECTED = {
             "recurrent-every-gate-reverse-chunked-bf16-4", "recurrent-every-gate-gqa-h0-reverse-short-shards-8",
             "linear_attention-feature-map-h0-4", "hooked-gate-map-2",
             "set_mesh-global-4", "wrapper-dp2-sp4", "wrapper-dp2-sp2-tp2-reverse", "wrapper-tp2-packed"},
-    "pallas": {"gla-gk-gqa-h0-2", "simple_gla-g-g_gamma-h0-reverse-2"},
+    "pallas": {"gla-gk-gqa-h0-2", "simple_gla-g-g_gamma-h0-reverse-2", "gla-gk-gqa-h0-fused-2"},
     "triton": {"gla-gk-gqa-h0-2", "recurrent-every-gate-gqa-h0-fused-2"},
 }
 

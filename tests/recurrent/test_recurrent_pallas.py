@@ -1,7 +1,9 @@
 """The Pallas recurrent kernels: the GPU kernels (Triton lowering) and the TPU kernels (Mosaic) interpreted on the CPU
 against the float64 oracle, forward and every gradient (dense with GQA, K != V and gates g, g_gamma, gk on the GPU
-kernels; packed and reversed with empty and length-1 sequences, a feature map and bf16 on the TPU kernels); both lowered for CUDA and TPU through ``jax.export`` from the CPU; gv
-refused with a clear error."""
+kernels, chunked and the fused forward (reversed; a feature map and bf16 without h0); packed and reversed with empty
+and length-1 sequences, a feature map and bf16 on the TPU kernels); both lowered for CUDA and TPU through
+``jax.export`` from the CPU, and a decode step for CUDA (one fused kernel, the state in place); gv refused with a clear
+error."""
 
 from __future__ import annotations
 
@@ -19,10 +21,14 @@ from ejgen.runtime.core.pallas import interpret_kernels
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
 
 PACKED = (0, 3, 3, 20, 21)  # four sequences: 3, 0, 17 (two chunks), 1 steps; two trailing tokens of none
+FUSED = {"algorithm": "fused", "chunk": None}
 CASES = [  # (kernels, case): chunks of 16 steps, so T = 37 makes three chunks, the last one partial
     ("gpu", Case("recurrent", ("g", "g_gamma", "gk"), shape=(2, 37, 4, 2, 16, 24), h0=True)),
     ("tpu", Case("linear_attention", (), dtype="bfloat16", shape=(1, 23, 2, 1, 16, 24), cu=PACKED, h0=True,
                  reverse=True)),
+    # the GPU's fused forward (dense calls; T not a power of two, V two blocks, no h0), its backward the chunked one
+    ("gpu", Case("recurrent", ("g", "g_gamma", "gk"), shape=(2, 13, 4, 2, 16, 48), h0=True, reverse=True, **FUSED)),
+    ("gpu", Case("linear_attention", (), dtype="bfloat16", shape=(1, 5, 2, 1, 16, 24), **FUSED)),
 ]
 ELU1 = {"feature_map": lambda x: jnp.where(x > 0, x + 1.0, jnp.exp(x))}
 
@@ -57,6 +63,25 @@ def test_pallas_kernels_lower_for_cuda_and_tpu(platform):
         exported = export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
         found = exported.mlir_module().count(f"@{target}(")
         assert found == kernels, f"{what}: {found} Pallas kernels lowered for {platform}, expected {kernels}"
+
+
+def test_a_decode_step_lowers_for_cuda_as_one_kernel_updating_the_state_in_place():
+    """gla_decode on the pallas platform exported for CUDA from the CPU: one kernel, the fused forward, whose final
+    state is the initial state's buffer (output_operand_aliases); every other operation on the state a reshape."""
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    b, h, k, v = 8, 4, 64, 128
+    args = (SDS((b, h, k), jnp.bfloat16), SDS((b, h, k), jnp.bfloat16), SDS((b, h, v), jnp.bfloat16),
+            SDS((b, h, k, v), jnp.float32), SDS((b, h, k), jnp.float32))
+    step = jax.jit(lambda q, k, v, s, gk: generated.gla_decode(q, k, v, s, gk, platform="pallas"), donate_argnums=3)
+    module = export.export(step, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+    calls = [line for line in module.splitlines() if "@__gpu$xla.gpu.triton(" in line]
+    assert len(calls) == 1 and 'name = "gla_pallas_fused_fwd"' in calls[0], calls
+    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [1], operand_index = 4" \
+        in calls[0]
+    state = f"tensor<{b}x{h}x{k}x{v}xf32>"
+    on_state = {re.search(r"stablehlo\.(\w+)", line).group(1) for line in module.splitlines()
+                if "stablehlo." in line and state in line.split(":")[-1].split("->")[0]}
+    assert on_state <= {"reshape", "custom_call", "return"}, on_state
 
 
 def test_pallas_refuses_gv():

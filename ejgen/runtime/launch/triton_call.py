@@ -45,8 +45,14 @@ def available() -> tuple[bool, str]:
     return how is not None, why
 
 
-def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stages=2, autotune=None, **constexprs):
+def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stages=2, autotune=None, aliases=None,
+           **constexprs):
     """Run ``kernel[grid](*inputs, *outputs, **constexprs)``; returns the outputs as a list.
+
+    ``aliases``: {input index: output index}, outputs written into their input's buffer (jax-triton's
+    input_output_aliases: XLA copies the input first only where it is still needed, so a donated or loop-carried
+    input is updated in place). The kernel must read each such element before it writes it. The interpreter's
+    outputs are fresh arrays: the same values.
 
     ``autotune``: block configs (``triton_configs.KernelConfig``) for jax-triton's autotuned call, which
     times them on the call's own inputs on the device the first time the compiled program runs; then
@@ -73,7 +79,8 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
             kernel = triton.autotune(configs=configs, key=[])(kernel)
             constexprs = {k: v for k, v in constexprs.items() if k not in ("BLOCK_M", "BLOCK_N", "STAGED")}
         outs = triton_lib.triton_call(*inputs, kernel=kernel, out_shape=out_shapes, grid=grid, num_warps=num_warps,
-                                      num_stages=num_stages, zeroed_outputs=tuple(zeroed), **constexprs)
+                                      num_stages=num_stages, zeroed_outputs=tuple(zeroed),
+                                      input_output_aliases=dict(aliases or {}), **constexprs)
         return list(vma.vary(list(outs), axes))
     if autotune:
         raise ValueError("EJGEN_TRITON_AUTOTUNE: jax-triton's autotuned call times configs on a GPU; in the "

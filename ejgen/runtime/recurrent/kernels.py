@@ -18,7 +18,9 @@ KERNEL_SETS = {
     "pallas_chunked": KernelSet(
         "pallas_chunked", "pallas", ("fwd", "bwd"),
         "Pallas kernels: chunks of 16 steps in order per (row, head), the state carried in float32 (GPUs: Triton "
-        "lowering; TPUs: Mosaic, VMEM scratch); gates g, g_gamma, gk; for either algorithm"),
+        "lowering; TPUs: Mosaic, VMEM scratch); gates g, g_gamma, gk; for either algorithm, except the fused "
+        "algorithm's forward over dense calls on GPUs (decoding): a program per block of V and head, one step at a "
+        "time, the state in float32 registers and updated in place"),
     "xla_chunked": KernelSet(
         "xla_chunked", "xla", ("fwd", "bwd"),
         "jnp: lax.scan over chunks, sub-chunk matrix products, gates summed from each chunk's start; the backward "

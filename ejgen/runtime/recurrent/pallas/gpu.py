@@ -1,7 +1,13 @@
 """The Pallas recurrent kernels for GPUs (Triton lowering): a program per (row of chunks, head) walks its chunks in
 order (forward) or in reverse (backward) with the float32 state as the loop's carry; the whole row is the program's
 block and each chunk a dynamic slice of it. Packed sequences share a row: a chunk that starts a sequence takes its
-initial state, one that ends it writes its final state (``meta``: first, last, sequence per chunk)."""
+initial state, one that ends it writes its final state (``meta``: first, last, sequence per chunk).
+
+The fused recurrence's forward (``fused_forward``: dense calls of algorithm fused, decoding among them) has a kernel
+of its own: a program per (block of FUSED_BV value columns, sequence x head), its [K, FUSED_BV] share of the state in
+float32 registers, one step at a time; each step's q, k and log gate a column of the layout, v and o a row. The state
+is read once and written once, in place when the call lets it (``in_place``: the state's buffer is the final
+state's, XLA copies it first only where the caller keeps it)."""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from ejgen.runtime.recurrent.pallas import chunk
 
 F32 = jnp.float32
 NUM_WARPS = 4
+FUSED_BV = 32  # value columns of a fused program (its state: K x 32 float32; B x H x V / 32 programs)
 
 
 def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, l_ref, h0_ref, o_ref, hs_ref, ht_ref, *, c, n_chunks, n_seqs, dtype):
@@ -119,3 +126,48 @@ def backward(x, hs, do, dht, *, interpret):
                    x.struct(x.h0.shape, F32), x.struct((n, tp, width), F32)],
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1), interpret=interpret,
         name=f"{x.name}_pallas_bwd")(x.meta, x.q, x.k, x.v, x.l, do, hs, dht)
+
+
+def _fused_kernel(*refs, steps, use_h0):
+    q_ref, k_ref, v_ref, l_ref = refs[:4]
+    o_ref, ht_ref = refs[-2:]
+    start = refs[4][...] if use_h0 else jnp.zeros(ht_ref.shape, F32)
+
+    def step(t, s):
+        at = pl.ds(t, 1)
+        s = s * jnp.exp(l_ref[:, at]) + k_ref[:, at] * v_ref[at, :].astype(F32)  # [K, 1 | 1] and [1, BV]
+        o_ref[at, :] = jnp.sum(s * q_ref[:, at], axis=0, keepdims=True).astype(o_ref.dtype)
+        return s
+
+    ht_ref[...] = lax.fori_loop(0, steps, step, start)
+
+
+def fused_forward(x, *, interpret, in_place=False):
+    """(o [B x H, Tp, Vp] in v's dtype, ht [B x H, Kp, Vp] float32) of the fused layout ``x``
+    (``kernels.FusedLayout``); ``in_place``: ht takes h0's buffer."""
+    n, kp, tp = x.q.shape
+    vp = x.v.shape[2]
+    bv = min(FUSED_BV, vp)
+    heads, groups = x.heads, x.groups
+    kv = heads // groups
+
+    def kv_row(i):  # the key / value head of row i = sequence x H + head
+        return (i // heads) * kv + (i % heads) // groups
+
+    state = pl.BlockSpec((None, kp, bv), lambda j, i: (i, 0, j))
+    in_specs = [pl.BlockSpec((None, kp, tp), lambda j, i: (i, 0, 0)),
+                pl.BlockSpec((None, kp, tp), lambda j, i: (kv_row(i), 0, 0)),
+                pl.BlockSpec((None, tp, bv), lambda j, i: (kv_row(i), 0, j)),
+                pl.BlockSpec((None, x.l.shape[1], tp), lambda j, i: (i, 0, 0))]
+    ins = [x.q, x.k, x.v, x.l]
+    if x.h0 is not None:
+        in_specs.append(state)
+        ins.append(x.h0)
+    kernel = functools.partial(_fused_kernel, steps=x.steps, use_h0=x.h0 is not None)
+    return pl.pallas_call(
+        kernel, grid=(vp // bv, n), in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, tp, bv), lambda j, i: (i, 0, j)), state],
+        out_shape=[x.struct((n, tp, vp), x.v.dtype), x.struct((n, kp, vp), F32)],
+        input_output_aliases={4: 1} if in_place and x.h0 is not None else {},
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1), interpret=interpret,
+        name=f"{x.name}_pallas_fused_fwd")(*ins)

@@ -8,7 +8,10 @@ the key side's log gate l = gk + g + g_gamma, or g + g_gamma as one column), the
 nothing), heads first ([rows x H, Tp, D]), the steps and head dims padded to powers of two (Triton's tiles). The
 kernels write the gradients of the mapped q and k per query head and the key side's log decay gradient per step;
 ``gates.finish`` does the rest, as for Triton. The chunk's arithmetic is ``chunk``: chunks of CHUNK = 16 steps for
-either algorithm (the fused recurrence has no Pallas kernel of its own), gates g, g_gamma, gk (no gv).
+either algorithm on TPUs, gates g, g_gamma, gk (no gv). On GPUs the fused algorithm's forward over dense calls
+(decoding among them) has a kernel of its own (``gpu.fused_forward``, layout ``FusedLayout``: no chunks, each step a
+column of q, k and the log gate), which updates the state in place when the call does not keep it for a gradient;
+its backward is the chunked one.
 """
 
 from __future__ import annotations
@@ -60,6 +63,32 @@ class Layout:
         return vma.struct(shape, dtype, vma.varying_axes(self.q, self.k, self.v, self.l, self.h0, self.meta))
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "k", "v", "l", "h0"],
+                   meta_fields=["name", "heads", "groups", "steps"])
+@dataclasses.dataclass(frozen=True)
+class FusedLayout:
+    """A dense call in the fused kernel's layout (``gpu.fused_forward``): heads first, the steps padded to a power of
+    two (the kernel runs the first ``steps``), reverse as forward in time; a pytree, as ``Layout``."""
+
+    name: str
+    q: jax.Array  # [B x H, Kp, Tp] float32, mapped and scaled: a column per step
+    k: jax.Array  # [B x Hkv, Kp, Tp] float32, mapped
+    v: jax.Array  # [B x Hkv, Tp, Vp] in q's dtype: a row per step
+    l: jax.Array  # [B x H, Kp | 1, Tp] float32: the key side's log gate
+    h0: jax.Array | None  # [B x H, Kp, Vp] float32
+    heads: int
+    groups: int
+    steps: int
+
+    def struct(self, shape, dtype):
+        return vma.struct(shape, dtype, vma.varying_axes(self.q, self.k, self.v, self.l, self.h0))
+
+
+def _pad(x, widths):
+    """``jnp.pad`` with zeros, and nothing at all where nothing is padded."""
+    return jnp.pad(x, widths) if any(hi for _, hi in widths) else x
+
+
 class PallasRecurrent:
     def __init__(self, name: str, hooks):
         self.name = name
@@ -67,16 +96,8 @@ class PallasRecurrent:
 
     def layout(self, q, k, v, gates, h0, ctx, cfg):
         """(Layout, to_rows: [B, T, H, D] -> [rows x H, Tp, D], from_rows: the inverse, to_states, from_states)."""
-        hooks = self.hooks
         dtype = q.dtype
-        qm, km = q.astype(F32), k.astype(F32)
-        if hooks.feature_map is not None:
-            qm, km = hooks.feature_map(qm), hooks.feature_map(km)
-        scalar, gk, _ = log_gates(gates, hooks, (cfg.batch, cfg.seq_len, cfg.heads))  # no gv (`choose` refuses it)
-        if gk is not None:
-            log = gk if scalar is None else gk + scalar[..., None]
-        else:
-            log = jnp.zeros(q.shape[:3] + (1,), F32) if scalar is None else scalar[..., None]
+        qm, km, log = self._maps(q, k, gates, cfg)
         chunk = CHUNK
         layout = packing.packed(ctx["cu"], cfg, chunk) if cfg.varlen else None
         nc = packing.n_chunks(cfg, chunk)
@@ -120,15 +141,78 @@ class PallasRecurrent:
             q=to_rows((qm * cfg.scale).astype(dtype), kp),
             k=to_rows(km.astype(dtype), kp),
             v=to_rows(v, vp),
-            l=to_rows(log.astype(F32), kp if gk is not None else 1),
+            l=to_rows(log.astype(F32), kp if cfg.has("gk") else 1),
             h0=to_states(start), meta=meta, rows=rows, heads=cfg.heads, groups=cfg.groups, chunk=chunk,
             n_chunks=nc, dtype=F32 if dtype == F32 else dtype, gated=any(cfg.has(g) for g in GATES))
         return x, to_rows, from_rows, to_states, from_states
 
+    def _maps(self, q, k, gates, cfg):
+        """(q, k mapped, float32; the key side's log gate [B, T, H, K | 1] float32)."""
+        hooks = self.hooks
+        qm, km = q.astype(F32), k.astype(F32)
+        if hooks.feature_map is not None:
+            qm, km = hooks.feature_map(qm), hooks.feature_map(km)
+        scalar, gk, _ = log_gates(gates, hooks, (cfg.batch, cfg.seq_len, cfg.heads))  # no gv (`choose` refuses it)
+        if gk is not None:
+            log = gk if scalar is None else gk + scalar[..., None]
+        else:
+            log = jnp.zeros(q.shape[:3] + (1,), F32) if scalar is None else scalar[..., None]
+        return qm, km, log
+
+    def fused_layout(self, q, k, v, gates, h0, cfg):
+        """(FusedLayout, from_o: [B x H, Tp, Vp] -> o [B, T, H, V], from_state: [B x H, Kp, Vp] -> [B, H, K, V]) of
+        a dense call. For one step every move here is a reshape (no copy); so is the state's for K and V powers of
+        two."""
+        qm, km, log = self._maps(q, k, gates, cfg)
+        t = cfg.seq_len
+        tp, kp, vp = sizes.pow2(t), sizes.pow2(cfg.dk, 16), sizes.pow2(cfg.dv, 16)
+
+        def steps(x, width, columns):  # [B, T, h, D] -> [B x h, width, Tp] (columns) or [B x h, Tp, width]
+            if cfg.reverse:
+                x = jnp.flip(x, axis=1)
+            x = _pad(x, [(0, 0), (0, tp - t), (0, 0), (0, width - x.shape[3])])
+            x = jnp.transpose(x, (0, 2, 3, 1) if columns else (0, 2, 1, 3))
+            return x.reshape((-1,) + x.shape[2:])
+
+        def from_o(o):
+            o = o.reshape((cfg.batch, cfg.heads, tp, vp))[:, :, :t, :cfg.dv]
+            o = jnp.transpose(o, (0, 2, 1, 3))
+            return jnp.flip(o, axis=1) if cfg.reverse else o
+
+        def from_state(s):
+            return s.reshape((cfg.batch, cfg.heads, kp, vp))[:, :, :cfg.dk, :cfg.dv]
+
+        start = None
+        if h0 is not None:
+            start = _pad(h0, [(0, 0), (0, 0), (0, kp - cfg.dk), (0, vp - cfg.dv)]).reshape((-1, kp, vp))
+        x = FusedLayout(name=self.name, q=steps(qm * cfg.scale, kp, True), k=steps(km, kp, True),
+                        v=steps(v, vp, False), l=steps(log, kp if cfg.has("gk") else 1, True),
+                        h0=start, heads=cfg.heads, groups=cfg.groups, steps=t)
+        return x, from_o, from_state
+
     def forward(self, q, k, v, gates, h0, ctx, cfg, save):
+        if cfg.algorithm == "fused" and not cfg.varlen:
+            return self._fused_forward(q, k, v, gates, h0, ctx, cfg, in_place=not save)
         x, _, from_rows, _, from_states = self.layout(q, k, v, gates, h0, ctx, cfg)
         o, _, ht = _platforms.dispatch(gpu.forward, tpu.forward, x)
         return from_rows(o, cfg.dv), from_states(ht), {}
+
+    def _fused_forward(self, q, k, v, gates, h0, ctx, cfg, in_place):
+        """The fused algorithm on a dense call: the fused kernel on GPUs (the state in place unless a gradient keeps
+        h0: ``in_place``), the chunked kernels on TPUs."""
+
+        def on_gpu(q, k, v, gates, h0, *, interpret):
+            x, from_o, from_state = self.fused_layout(q, k, v, gates, h0, cfg)
+            o, ht = gpu.fused_forward(x, interpret=interpret, in_place=in_place)
+            return from_o(o), from_state(ht)
+
+        def on_tpu(q, k, v, gates, h0, *, interpret):
+            x, _, from_rows, _, from_states = self.layout(q, k, v, gates, h0, ctx, cfg)
+            o, _, ht = tpu.forward(x, interpret=interpret)
+            return from_rows(o, cfg.dv), from_states(ht)
+
+        o, ht = _platforms.dispatch(on_gpu, on_tpu, q, k, v, gates, h0)
+        return o, ht, {}
 
     def backward(self, q, k, v, gates, h0, ctx, res, do, dht, cfg):
         x, to_rows, from_rows, to_states, from_states = self.layout(q, k, v, gates, h0, ctx, cfg)
@@ -149,5 +233,6 @@ def choose(cfg):
         raise Unsupported("gv is not taken by the Pallas kernels (platform triton or xla takes it)")
     why = "Pallas kernels: chunks of 16 steps on GPUs (Triton lowering) and TPUs (Mosaic), interpreted elsewhere"
     if cfg.algorithm == "fused":
-        why += "; the fused recurrence runs as chunks of 16 steps"
+        why += ("; the fused recurrence: its own forward kernel on GPUs for dense calls (a program per block of V "
+                "and head, one step at a time), else (backward, TPUs, packed sequences) as chunks of 16 steps")
     return "pallas_chunked", "pallas_chunked", (f"forward and backward: pallas_chunked ({why})",), True

@@ -67,6 +67,9 @@ def _dummy(dtype=F32):
     return jnp.zeros((1,), dtype)
 
 
+H0_INPUT = 4  # h0's place in `_common`'s inputs
+
+
 def _common(q, k, v, gates, h0, ctx, cfg):
     """The inputs every kernel takes after q, k, v (dummies for what the call lacks) and the shared constexprs."""
     ins = [gates.get("g", _dummy()), gates.get("g_gamma", _dummy()), gates.get("gk", _dummy()),
@@ -82,7 +85,10 @@ def _fused_bv(cfg) -> int:
 
 
 def forward(kernels: Kernels, q, k, v, gates, h0, ctx, cfg, save: bool):
-    """(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] float32, residuals)."""
+    """(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] float32, residuals). The fused forward writes the final
+    state into the initial state's buffer unless a gradient keeps h0 (``save``): decoding updates its state in place
+    where the caller donates it or carries it through a loop (else XLA copies it first); each program reads its
+    [K, BV] block of H0 before it writes the same block of HT."""
     if cfg.algorithm == "chunked":
         return chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save)
     ins, consts = _common(q, k, v, gates, h0, ctx, cfg)
@@ -91,7 +97,8 @@ def forward(kernels: Kernels, q, k, v, gates, h0, ctx, cfg, save: bool):
     o, ht = triton_call.launch(
         kernels.get("fused_fwd"), (packing.cdiv(cfg.dv, bv), cfg.n_seqs * cfg.heads), [q, k, v, *ins],
         [sds(q.shape[:3] + (cfg.dv,), q.dtype), sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
-        zeroed=(0,) if cfg.varlen else (), num_warps=NUM_WARPS, num_stages=1, BV=bv, **consts)
+        zeroed=(0,) if cfg.varlen else (), num_warps=NUM_WARPS, num_stages=1,
+        aliases={3 + H0_INPUT: 1} if h0 is not None and not save else None, BV=bv, **consts)
     return o, ht, {}
 
 
