@@ -19,8 +19,8 @@ for part in $parts; do
              ${FLA_CASES:+--cases "$FLA_CASES"} > "$log/fla.txt" 2>&1
          grep -E "ms|first call [0-9]|Error|rror:" "$log/fla.txt" | tail -30 | tee -a "$log/log.txt" ;;
     bench) fla=(); [ -f "$log/fla.json" ] && fla=(--fla "$log/fla.json")
-           CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/recurrent.py "${fla[@]}" --decode \
-             --out "$log" 2>&1 | tail -40 | tee -a "$log/log.txt" ;;
+           CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/recurrent.py "${fla[@]}" \
+             --out "$log" 2>&1 | tail -40 | tee -a "$log/log.txt" ;;  # the decode table: part decode
     decode) CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/recurrent.py --decode-only --decode-sweep \
               --decode-profile --out "$log" > "$log/decode.txt" 2>&1
             grep -E "^\||decode|target|rror" "$log/decode.txt" | grep -vE "^\| [0-9.]+ \| [0-9.]+ \|" | tail -80 \
