@@ -41,7 +41,7 @@ def block_layout(kind: str, tokens: int, seed: int = 0) -> tuple[np.ndarray, int
 
 def run_layout(kind: str, tokens: int, reps: int, rounds: int) -> list[dict]:
     """A block layout (non-causal) through `block_mask=`, against the plain non-causal kernel scaled by the share of
-    visible 128 x 128 tiles (the ideal)."""
+    visible 128 x 128 tiles (the ideal) and against the generated kernels on the same call."""
     layout, block = block_layout(kind, tokens)
     keys = jax.random.split(jax.random.PRNGKey(tokens + len(kind)), 4)
     q, k, v, do = (jax.random.normal(kk, (1, tokens, HEADS, DIM), jnp.bfloat16) for kk in keys)
@@ -52,6 +52,8 @@ def run_layout(kind: str, tokens: int, reps: int, rounds: int) -> list[dict]:
         f"ejgen-triton {kind}": lambda q, k, v, m: flash_attention(q, k, v, block_mask=m, platform="triton"),
         "ejgen-triton dense (all tokens)": lambda q, k, v, m: flash_attention(q, k, v, platform="triton"),
     }
+    # the generated kernels on the same call (on Hopper the row above runs the Gluon kernels' lists: before / after)
+    impls[f"ejgen-triton {kind}, generated kernels"] = _generated(impls[f"ejgen-triton {kind}"])
     flops = 4.0 * HEADS * DIM * float(layout.sum()) * block * block
     compiled = []
     for name, f in impls.items():

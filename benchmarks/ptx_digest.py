@@ -38,6 +38,10 @@ CONFIGS = [  # (id, compile_attention kwargs)
 ]
 GLUON = [dict(dtype=dt, head_dim=d, causal=c, window=w) for dt in ("bfloat16", "float16") for d in (64, 128)
          for c, w in ((False, False), (True, False), (False, True), (True, True))]
+GLUON += [dict(dtype="bfloat16", head_dim=128, causal=True, window=False, segments=True),  # documents
+          dict(dtype="float16", head_dim=64, causal=False, window=False, segments=True),
+          dict(dtype="bfloat16", head_dim=128, causal=True, window=False, dynamic=True),  # the tile queue
+          dict(dtype="bfloat16", head_dim=128, causal=True, window=False, segments=True, dynamic=True)]
 
 
 def _digest(ptx: str) -> str:
@@ -47,6 +51,11 @@ def _digest(ptx: str) -> str:
     lines = [line for line in text.splitlines()
              if not re.match(r"\s*\.(loc|file)\b", line) and not re.match(r"\$L__tmp\d+:$", line)]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def _gluon_id(kw: dict) -> str:
+    extra = "".join(f"-{k}" for k in ("segments", "dynamic") if kw.get(k))
+    return f"{kw['dtype']}-d{kw['head_dim']}-causal{int(kw['causal'])}-window{int(kw['window'])}{extra}"
 
 
 def _one(job) -> dict:
@@ -67,8 +76,7 @@ def _one(job) -> dict:
 def digests(specs, gluon: bool, jobs: int = 1) -> dict:
     work = [(spec, cid, kw) for spec in specs for cid, kw in CONFIGS]
     if gluon:
-        work += [("gluon", f"{kw['dtype']}-d{kw['head_dim']}-causal{int(kw['causal'])}-window{int(kw['window'])}", kw)
-                 for kw in GLUON]
+        work += [("gluon", _gluon_id(kw), kw) for kw in GLUON]
     out = {}
     if jobs > 1:
         import concurrent.futures

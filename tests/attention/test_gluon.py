@@ -106,7 +106,7 @@ def _qkv(sq=512, sk=512, d=128, dv=None, dtype=jnp.bfloat16):
     ("alibi_attention", _cfg(causal=True), _qkv(), False, "the spec's score is not the scaled dot product"),
     ("flash_attention", _cfg(softcap=True), _qkv(), False, "soft cap (the Hopper kernels take none of"),
     ("flash_attention", _cfg(varlen=True), _qkv(), False, "varlen (the Hopper kernels take none of"),
-    ("flash_attention", _cfg(layout=True, positions=True), _qkv(), False, "a block layout, positions (the Hopper"),
+    ("flash_attention", _cfg(layout=True, layout_block=(64, 64), positions=True), _qkv(), False, "positions (the Hopper"),
     ("flash_attention", _cfg(), _qkv(dtype=jnp.float32), False, "dtype float32"),
     ("flash_attention", _cfg(), _qkv(d=96), False, "head dims 96/96"),
     ("flash_attention", _cfg(), _qkv(dv=64), False, "head dims 128/64"),
@@ -505,3 +505,361 @@ def test_the_tile_order_deals_the_work_evenly():
     assert gluon_attention.ordered(AttentionConfig(seq_q=8, seq_k=8, causal=True, segments=True))
     assert not gluon_attention.ordered(AttentionConfig(seq_q=8, seq_k=8, causal=True, window=True, segments=True))
     assert not gluon_attention.ordered(AttentionConfig(seq_q=8, seq_k=8, causal=True))  # the static order: L2
+
+
+# -- block layouts: the kernels walk lists of blocks (LIST) -------------------------------------------------------
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _conditions(lay, lq, lk, seq, causal, ids=None):
+    """bool [LB|B, LH|1, seq, seq] each: the element rules of a block layout, causal and segment ids, by hand."""
+    import numpy as np
+
+    i = np.arange(seq)
+    rules = [lay[:, :, i // lq][:, :, :, i // lk]]
+    if causal:
+        rules.append((i[:, None] >= i[None, :])[None, None])
+    if ids is not None:
+        rules.append(((ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0))[:, None])
+    return rules
+
+
+def _model_tiles(rules, tile_q, tile_k, transposed=False):
+    """{(b, h, tile row): [(tile column, masked)]}: the tiles the conjunction of the rules' tile kinds visits (each
+    rule: full where every element of the tile inside the sequence is visible, skipped where none is; the kernels
+    join conditions tile by tile), masked unless all are full and the tile is whole."""
+    import numpy as np
+
+    rules = [np.swapaxes(r, -1, -2) if transposed else r for r in rules]
+    seq = rules[0].shape[-1]
+    batch, heads = max(r.shape[0] for r in rules), max(r.shape[1] for r in rules)
+    out = {}
+    for b in range(batch):
+        for h in range(heads):
+            for r in range(_cdiv(seq, tile_q)):
+                row = []
+                for c in range(_cdiv(seq, tile_k)):
+                    kinds = []
+                    for rule in rules:
+                        t = rule[b % rule.shape[0], h % rule.shape[1], r * tile_q:(r + 1) * tile_q,
+                                 c * tile_k:(c + 1) * tile_k]
+                        kinds.append(2 if t.all() else int(t.any()))
+                    if min(kinds):
+                        whole = (r + 1) * tile_q <= seq and (c + 1) * tile_k <= seq
+                        row.append((c, int(min(kinds) == 1 or not whole)))
+                out[b, h, r] = row
+    return out
+
+
+def _words_hold_the_layout(entries, words, el, r, tile_q, tile_k, sub, transposed=False):
+    """Each listed tile's word against the layout's own element rule ``el`` over the tile (inside the sequence)."""
+    import numpy as np
+
+    sub_q, sub_k = sub
+    seq = el.shape[-1]
+    for (c, _), word in zip(entries, words):
+        rows = np.arange(r * tile_q, min((r + 1) * tile_q, seq))
+        cols = np.arange(c * tile_k, min((c + 1) * tile_k, seq))
+        if transposed:  # the backward's rows are key blocks, its entries query blocks
+            rows, cols = np.arange(c * tile_q, min((c + 1) * tile_q, seq)), np.arange(r * tile_k, min((r + 1) * tile_k, seq))
+        bit = ((rows[:, None] % tile_q) // sub_q) * (tile_k // sub_k) + (cols[None, :] % tile_k) // sub_k
+        got = (np.uint32(np.int64(word) & 0xFFFFFFFF) >> bit.astype(np.uint32)) & 1
+        np.testing.assert_array_equal(got.astype(bool), el[np.ix_(rows, cols)], err_msg=f"tile {r}, {c}")
+
+
+LAYOUT_TABLE_CASES = [  # (id, seq, (block_q, block_k), per head, causal, segment ids)
+    ("finer-64-per-head-causal", 700, (64, 64), True, True, False),
+    ("coarser-256-shared", 1000, (256, 256), False, False, False),
+    ("rows-32-keys-128-documents-causal", 517, (32, 128), True, True, True),
+    ("tiles-128-shared-causal", 640, (128, 128), False, True, False),
+    ("rows-256-keys-32", 384, (256, 32), True, False, False),
+]
+
+
+@pytest.mark.parametrize("seq,block,per_head,causal,documents", [c[1:] for c in LAYOUT_TABLE_CASES],
+                         ids=[c[0] for c in LAYOUT_TABLE_CASES])
+def test_block_layouts_become_the_kernels_lists(seq, block, per_head, causal, documents):
+    """`fwd_lists` / `bwd_lists` (under jit, the layout traced) against a model built by hand from the dense element
+    rule: per (batch row, head, query tile of 128) the key blocks with a visible element, ascending, masked unless
+    every element of a whole tile is visible (a row that sees nothing: one entry past the end); per (batch row, kv
+    head, key block of 128) the (query head, query block of 64) items; each entry's word of sub-blocks where the
+    layout is finer than the tiles; odd lengths, layouts finer, coarser and mixed, causal, segment ids, GQA."""
+    import numpy as np
+
+    rng = np.random.default_rng(seq)
+    batch, hq, hkv = 2, 4, 2
+    (lq, lk), n_lq, n_lk = block, _cdiv(seq, block[0]), _cdiv(seq, block[1])
+    lay = rng.random((1, hq if per_head else 1, n_lq, n_lk)) < 0.3
+    lay |= np.arange(n_lq)[:, None] * lq // lk == np.arange(n_lk)[None]  # the diagonal (causal cuts it)
+    lay[..., 256 // lq:_cdiv(384, lq), :] = False  # query rows 256-383 see nothing: a forward tile's empty list
+    lay[..., :, 256 // lk:_cdiv(384, lk)] = False  # keys 256-383: nobody sees them, the backward's empty lists
+    ids = None
+    if documents:  # two documents, then padding; the second batch row cut elsewhere
+        ids = np.stack([np.repeat([0, 1, -1], [200, seq - 260, 60]), np.repeat([0, 1, -1], [333, seq - 343, 10])])
+        ids = ids.astype(np.int32)
+    kv_heads, groups = (hkv, hq // hkv) if per_head else (1, 1)
+    ctx = {"layout": jnp.asarray(lay.reshape(1, kv_heads, groups, n_lq, n_lk))}  # the op's [B|1, Hkv|1, G|1, ...]
+    if documents:
+        ctx["q_seg"] = ctx["kv_seg"] = jnp.asarray(ids)
+    cfg = AttentionConfig(seq_q=seq, seq_k=seq, causal=causal, segments=documents, layout=True, layout_block=block)
+    assert gluon_attention.layout_misfit(cfg) is None
+    consts = {}
+
+    def lists(ctx):  # under jit, the layout traced; the constexprs come from the shapes
+        (fwd, consts["fwd"], fwd_work), (bwd, consts["bwd"], bwd_work) = (
+            gluon_attention.fwd_lists(ctx, cfg, seq), gluon_attention.bwd_lists(ctx, cfg, seq, hkv))
+        return fwd, fwd_work, bwd, bwd_work
+
+    fwd, fwd_work, bwd, bwd_work = (np.asarray(x) for x in jax.jit(lists)(ctx))
+    fwd_consts, bwd_consts = consts["fwd"], consts["bwd"]
+    rules = _conditions(lay, lq, lk, seq, causal, ids)
+    el = rules[0]  # the layout alone: what the words hold
+    n_n = _cdiv(seq, 128)
+
+    # the forward: per (b, h, query tile of 128)
+    assert fwd.shape == (batch if documents else 1, hq if per_head else 1, _cdiv(seq, 128), 1 + n_n * (2 if
+                                                                                                       fwd_consts["SUB_Q"] else 1))
+    assert (fwd_consts["LIST"], fwd_consts["LIST_BATCH"], fwd_consts["LIST_HEADS"]) == (True, *fwd.shape[:2])
+    sub = gluon_attention.sub_blocks(block, "fwd")
+    assert (fwd_consts["SUB_Q"], fwd_consts["SUB_K"]) == sub and (sub == (0, 0)) == (lq % 128 == 0 and lk % 128 == 0)
+    model = _model_tiles(rules, 128, 128)
+    for (b, h, r), want in model.items():
+        row = fwd[b, h, r]
+        got = [(e >> 1, e & 1) for e in row[1:1 + row[0]]]
+        assert got == (want or [(n_n, 1)]), (b, h, r, got, want)  # nothing visible: one entry past the end, masked
+        assert fwd_work[b, h, r] == row[0] == max(len(want), 1)
+        if sub != (0, 0) and want:
+            _words_hold_the_layout(want, row[1 + n_n:1 + n_n + row[0]], el[0, h if per_head else 0], r, 128, 128, sub)
+    assert any(not w for w in model.values()) and any(m for w in model.values() for _, m in w)  # both cases seen
+
+    # the backward: per (b, kv head, key block of 128) the (query head, query block of 64) items
+    per = bwd_consts["LIST"] == 2
+    assert per == per_head and bwd.shape[:3] == (batch if documents else 1, hkv if per_head else 1, n_n)
+    n_mq = _cdiv(seq, 64)
+    width = (hq // hkv if per_head else 1) * n_mq
+    sub = gluon_attention.sub_blocks(block, "bwd")
+    assert bwd.shape[3] == 1 + width * (2 if sub != (0, 0) else 1) and (bwd_consts["SUB_Q"], bwd_consts["SUB_K"]) == sub
+    model = _model_tiles(rules, 128, 64, transposed=True)  # per key block: query blocks
+    empty_columns = 0
+    for b in range(bwd.shape[0]):
+        for kh in range(bwd.shape[1]):
+            for n in range(n_n):
+                row = bwd[b, kh, n]
+                got = [(e >> 1, e & 1) for e in row[1:1 + row[0]]]
+                heads = range(hq // hkv) if per_head else [None]
+                want = [(g * n_mq + m if per_head else m, masked) for g in heads
+                        for m, masked in model[b, 0 if g is None else kh * (hq // hkv) + g, n]]
+                assert got == want and bwd_work[b, kh, n] == row[0], (b, kh, n, got, want)
+                empty_columns += not want
+                if sub != (0, 0) and per_head:
+                    for g in heads:
+                        mine = [(v % n_mq, mk) for v, mk in got if v // n_mq == g]
+                        words = [w for (v, _), w in zip(got, row[1 + width:1 + width + row[0]]) if v // n_mq == g]
+                        _words_hold_the_layout(mine, words, el[0, kh * (hq // hkv) + g], n, 64, 128, sub, True)
+                elif sub != (0, 0):
+                    _words_hold_the_layout(got, row[1 + width:1 + width + row[0]], el[0, 0], n, 64, 128, sub, True)
+    assert empty_columns  # a key block nobody sees: no items (dK = dV = 0)
+
+
+def test_block_layouts_the_lists_cannot_say_keep_the_generated_kernels():
+    """A layout whose blocks neither cover nor divide the tiles, or cut a tile into more than 32 sub-blocks (one
+    word per entry), is one clear reason for both passes; blocks that cover or divide the tiles are covered
+    (`layout_misfit`), with a word per entry only where they are finer (`sub_blocks`)."""
+    layout, arrays = _layout("flash_attention"), _qkv()
+    for block, reason in (((48, 128), "a block layout of 48 x 128 blocks (the Hopper kernels' forward tiles"),
+                          ((16, 16), "a block layout of 16 x 16 blocks (64 of them in a forward tile")):
+        for pass_ in ("fwd", "bwd"):
+            why = gluon_attention.ineligible(layout, _cfg(causal=True, layout=True, layout_block=block), *arrays,
+                                             False, pass_)
+            assert why is not None and why.startswith(reason), why
+    for block in ((32, 32), (64, 128), (256, 512), (128, 8)):  # (128, 8): 16 sub-blocks in either pass's tile
+        assert gluon_attention.layout_misfit(_cfg(layout=True, layout_block=block)) is None, block
+    assert gluon_attention.sub_blocks((256, 512)) == (0, 0) and gluon_attention.sub_blocks((64, 128), "bwd") == (0, 0)
+    assert gluon_attention.sub_blocks((64, 128)) == (64, 128) and gluon_attention.sub_blocks((64, 64), "bwd") == (64, 64)
+
+
+def test_explain_takes_the_hopper_kernels_for_block_layouts():
+    """`explain(..., target="sm90")`: a call with a block layout (alone or with causal) goes to the Gluon forward and
+    backward; one whose blocks the lists cannot say stays on the generated kernels, saying why."""
+    import numpy as np
+
+    from ejgen.ops import explain, flash_attention
+    from ejgen.types import BlockMask
+
+    if not gluon_attention.importable()[0]:
+        pytest.fail(gluon_attention.importable()[1])
+    s = 1024
+    q = jax.ShapeDtypeStruct((1, s, 4, 128), jnp.bfloat16)
+    lay = np.eye(s // 64, dtype=bool) | (np.arange(s // 64)[None] == 0)
+    for causal in (False, True):
+        mask = BlockMask.from_layout(lay, s, s, 64, 64)
+        choice = explain(flash_attention, q, q, q, causal=causal, block_mask=mask, target="sm90")
+        assert (choice.forward, choice.backward) == ("gluon", "gluon"), choice.text()
+    odd = BlockMask.from_layout(np.ones((_cdiv(s, 96), _cdiv(s, 96)), bool), s, s, 96, 96)
+    choice = explain(flash_attention, q, q, q, block_mask=odd, target="sm90")
+    assert choice.forward == "triton" and "a block layout of 96 x 96 blocks" in choice.text(), choice.text()
+
+
+def test_block_layouts_reach_the_kernels_as_lists(monkeypatch):
+    """A layout call on a (pretended) Hopper GPU: the forward gets its lists in RANGES with LIST and its tiles in the
+    order of their counts (ORDERED; a permutation), the per-program backward (even for a causal window) its lists of
+    (query head, query block) items with LIST 2 (a layout per head) and its programs most work first. A fake launch."""
+    import numpy as np
+
+    from ejgen.ops import flash_attention
+    from ejgen.types import BlockMask
+
+    if not gluon_attention.importable()[0]:
+        pytest.fail(gluon_attention.importable()[1])
+    seen = []
+
+    def fake_launch(kernel, grid, inputs, outs, **kw):
+        values = []
+        jax.debug.callback(lambda *xs: values.extend(np.asarray(x) for x in xs), *inputs)
+        seen.append((kernel, grid, values, outs, kw))
+        return [jnp.zeros(o.shape, o.dtype) for o in outs]
+
+    monkeypatch.setattr(triton_call, "mode", lambda: ("gpu", ""))
+    monkeypatch.setattr(triton_call, "launch", fake_launch)
+    monkeypatch.setattr(core_kernels, "target", lambda: core_kernels.Target("gpu", "sm90"))
+    monkeypatch.setattr(gluon_attention, "num_sms", lambda: 3)
+    for var in ("EJGEN_TRITON_CONFIG", "EJGEN_GLUON", "EJGEN_GLUON_DYNAMIC_TILES"):
+        monkeypatch.delenv(var, raising=False)
+    s, hq, hkv = 640, 4, 2
+    rng = np.random.default_rng(1)
+    lay = rng.random((1, hq, s // 64, s // 64)) < 0.4
+    mask = BlockMask.from_layout(lay, s, s, 64, 64)
+    q = jnp.ones((1, s, hq, 128), jnp.bfloat16)
+    kv = jnp.ones((1, s, hkv, 128), jnp.bfloat16)
+    for window in (None, (300, 0)):
+        seen.clear()
+        jax.grad(lambda q: flash_attention(q, kv, kv, causal=True, sliding_window=window, block_mask=mask,
+                                           platform="triton").astype(jnp.float32).sum())(q)
+        assert [k.__name__ for k, *_ in seen] == ["gluon_attention_fwd_kernel", "gluon_attention_bwd_kernel"]
+        (fk, fgrid, fin, fouts, fkw), (bk, bgrid, bin_, bouts, bkw) = seen
+        for kernel, inputs, outs, kw in ((fk, fin, fouts, fkw), (bk, bin_, bouts, bkw)):
+            names = kernel.arg_names
+            assert set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "num_warps", "num_stages"}
+        f, b = dict(zip(fk.arg_names, fin)), dict(zip(bk.arg_names, bin_))
+        assert fkw["LIST"] and fkw["ORDERED"] and (fkw["LIST_BATCH"], fkw["LIST_HEADS"]) == (1, hq)
+        assert (fkw["SUB_Q"], fkw["SUB_K"]) == (64, 64) and fkw["WINDOW"] == (window is not None)
+        cfg = AttentionConfig(seq_q=s, seq_k=s, causal=True, window=window is not None, layout=True,
+                              layout_block=(64, 64))
+        ctx = {"layout": jnp.asarray(lay.reshape(1, hkv, hq // hkv, s // 64, s // 64)),
+               "window_left": jnp.int32(300), "window_right": jnp.int32(0)}
+        np.testing.assert_array_equal(f["RANGES"], gluon_attention.fwd_lists(ctx, cfg, s)[0])
+        assert sorted(f["ORDER"].tolist()) == list(range(5 * hq))
+        work = np.asarray(gluon_attention.fwd_lists(ctx, cfg, s)[2])[0]  # [hq, N_M]
+        if fkw["DYNAMIC"]:  # one list, heaviest first
+            assert np.all(np.diff(work[f["ORDER"] % hq, f["ORDER"] // hq]) <= 0)
+        assert bkw["LIST"] == 2 and (bkw["LIST_BATCH"], bkw["LIST_HEADS"]) == (1, hkv) and bgrid == (5, hkv)
+        assert (bkw["SUB_Q"], bkw["SUB_K"]) == (64, 64) and bkw["MASK"] == (2 if window else 1)
+        np.testing.assert_array_equal(b["RANGES"], gluon_attention.bwd_lists(ctx, cfg, s, hkv)[0])
+        order = b["ORDER"]
+        assert sorted(order.tolist()) == list(range(5 * hkv))
+        items = np.asarray(gluon_attention.bwd_lists(ctx, cfg, s, hkv)[2])[0]  # [hkv, N_N]
+        assert np.all(np.diff(items[order % hkv, order // hkv]) <= 0)  # most work first
+
+
+def test_the_list_kernels_compile_for_sm90_without_spills():
+    """LIST forward and backward (head-shared and per-head layouts, sub-block words, with causal, segment ids, the
+    dynamic tile queue, GQA; bf16 head dim 128 and f16 64) compile for sm_90 with no spill, 12 warps, shared memory
+    within Hopper's 227 KB, and read the lists by plain loads; the kernels without lists are unchanged (their PTX:
+    benchmarks/ptx_digest.py)."""
+    from ejgen.testing.aot import compile_all_in_subprocess
+
+    if not gluon_attention.importable()[0]:
+        pytest.fail(gluon_attention.importable()[1])
+    results = compile_all_in_subprocess([dict(gluon=True, with_ptx=True, **kw) for kw in LIST_COMPILES])
+    _check_list_compiles(results)
+
+
+LIST_COMPILES = [
+    dict(dtype="bfloat16", head_dim=128, causal=False, layout=[64, 64, False], dynamic=True),
+    dict(dtype="bfloat16", head_dim=128, causal=True, segments=True, layout=[128, 128, True]),
+    dict(dtype="float16", head_dim=64, causal=True, layout=[32, 256, True]),
+]
+
+
+def _check_list_compiles(results):
+    for kw, compiled in zip(LIST_COMPILES, results):
+        assert "error" not in compiled, (kw, compiled.get("error"))
+        assert set(compiled) == {"gluon_fwd_kernel", "gluon_bwd_kernel"}, kw
+        for name, meta in compiled.items():
+            assert meta["warps"] == 12 and meta["cubin"] and meta["wgmma"], (kw, name)
+            assert meta["shared"] <= 227 * 1024, (kw, name, meta["shared"])
+            assert "ld.local" not in meta["ptx"], f"{kw} {name}: registers spilled"
+            assert "wgmma.wait_group.sync.aligned 1" in meta["ptx"] or name != "gluon_fwd_kernel", kw
+
+
+def test_the_list_kernels_compile_on_the_gpu_hosts_triton():
+    """The same LIST kernels with the GPU host's Triton (EJGEN_GPU_HOST_TRITON: 3.6 where 3.9 is installed)."""
+    from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
+
+    results = compile_all_in_subprocess([dict(gluon=True, with_ptx=True, **kw) for kw in LIST_COMPILES],
+                                        triton=gpu_host_triton())
+    _check_list_compiles(results)
+    assert all(by_gpu_host_triton(c) for r in results for c in r.values()), [c["triton"] for r in results for c in
+                                                                             r.values()]
+
+
+LAYOUT_GPU_CASES = [  # (id, shape, layout kind, block, per head, causal, dtype)
+    ("random-128-gqa", AttnShape(2, 1000, 1000, 4, 2, 128), "random", 128, True, False, "bfloat16"),
+    ("random-64-causal", AttnShape(1, 1536, 1536, 4, 4, 128), "random", 64, False, True, "bfloat16"),
+    ("local-global-64-d64", AttnShape(1, 2048, 2048, 2, 1, 64), "local+global", 64, False, False, "float16"),
+    ("local-global-32-causal-gqa", AttnShape(1, 1100, 1100, 8, 2, 128), "local+global", 32, True, True, "bfloat16"),
+]
+
+
+def _gpu_layout(kind, seq, block, heads, rng):
+    import numpy as np
+
+    n = _cdiv(seq, block)
+    if kind == "random":  # 20% of the blocks, the diagonal, an empty query row and an empty key column
+        lay = (rng.random((1, heads, n, n)) < 0.2) | np.eye(n, dtype=bool)
+        lay[..., 2, :] = False
+        lay[..., :, 3] = False
+    else:  # a window of 4 blocks either side, the first block global
+        i, j = np.arange(n)[:, None], np.arange(n)[None]
+        lay = np.broadcast_to((np.abs(i - j) <= 4) | (i == 0) | (j == 0), (1, heads, n, n)).copy()
+        lay[..., 1:, 1:] &= rng.random((1, heads, n - 1, n - 1)) > 0.1  # holes, per head where given
+    return lay
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("shape,kind,block,per_head,causal,dtype", [c[1:] for c in LAYOUT_GPU_CASES],
+                         ids=[c[0] for c in LAYOUT_GPU_CASES])
+def test_gluon_block_layouts_match_the_oracle(monkeypatch, triton_launches, run_vjp, shape, kind, block, per_head,
+                                              causal, dtype, dynamic):
+    """Block layouts (random with an empty query row and key column, local + global; blocks of 128, 64 and 32 against
+    the kernels' tiles; per head and shared; GQA; causal and not) on the Hopper kernels' lists (LIST), forward and
+    backward against the float64 oracle, on 7 SMs (programs cross many tiles) with the static split and the dynamic
+    tile queue."""
+    import numpy as np
+
+    import oracle
+    from ejgen.ops import flash_attention
+    from ejgen.testing.shapes import random_cotangents, random_qkv, rng_for
+    from ejgen.types import BlockMask
+
+    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
+    monkeypatch.setattr(gluon_attention, "num_sms", lambda: 7)
+    monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "1" if dynamic else "0")
+    if not gluon_attention.hopper():
+        pytest.skip("not a Hopper GPU")
+    rng = rng_for(f"gluon-layout-{shape}-{kind}-{block}")
+    lay = _gpu_layout(kind, shape.q_len, block, shape.q_heads if per_head else 1, rng)
+    mask = BlockMask.from_layout(lay, shape.q_len, shape.kv_len, block, block)
+    diff = random_qkv(shape, dtype, rng)
+    d_out, d_lse = random_cotangents(shape, dtype, rng)
+    out, lse, grads = run_vjp(flash_attention, diff, {"block_mask": mask}, {"causal": causal, "platform": "triton"},
+                              d_out, d_lse)
+    ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, causal=causal,
+                           attention_mask=np.asarray(mask.dense(shape.batch, shape.q_heads)), d_out=d_out, d_lse=d_lse)
+    oracle.check_attention(out, lse, grads, ref, diff, dtype)
+    assert {k for k, _ in triton_launches} == {"fwd", "bwd"}, triton_launches
+    assert all(kw["LIST"] for _, kw in triton_launches), triton_launches
+    assert all(kw["DYNAMIC"] == dynamic for k, kw in triton_launches if k == "fwd"), triton_launches

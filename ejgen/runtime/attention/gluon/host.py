@@ -9,9 +9,10 @@ The forward:
 
 Where it runs: sm_90 GPUs, 16-bit q/k/v with head dim 64 or 128 (= value head dim), Sq == Sk, no varlen,
 and a spec whose score is the scaled dot product and whose mask is the built-in causal / sliding-window one
-(no soft cap, sinks, bias, dense mask, block layout, positions or params; segment ids are taken: their tile ranges
-join the band's, the ids are compared on partial blocks only, `segment_ranges`, `tile_order`): the kernel-set contract,
-docs/DESIGN.md §6
+(no soft cap, sinks, bias, dense mask, positions or params; segment ids are taken: their tile ranges
+join the band's, the ids are compared on partial blocks only, `segment_ranges`, `tile_order`; a block layout too, whose
+blocks cover or divide the tiles: the kernels then walk lists of blocks, `fwd_lists`, `bwd_lists`, `layout_misfit`):
+the kernel-set contract, docs/DESIGN.md §6
 (`ineligible`). `triton_attention` takes it for those calls and keeps the generated Triton kernel for every
 other one (and for the backward, which reads this kernel's O and lse). The element semantics are
 docs/DESIGN.md §3's: key j is visible to query i iff (not causal or j <= i) and (no window or
@@ -88,14 +89,16 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
 
     d, dv = q.shape[-1], v.shape[-1]
     features = [what for on, what in ((cfg.softcap, "soft cap"), (cfg.sinks, "sinks"), (cfg.bias, "bias"),
-                                      (cfg.dense_mask, "a dense mask"), (cfg.layout, "a block layout"),
-                                      (cfg.positions, "positions"), (cfg.varlen, "varlen")) if on]
+                                      (cfg.dense_mask, "a dense mask"), (cfg.positions, "positions"),
+                                      (cfg.varlen, "varlen")) if on]
+    misfit = layout_misfit(cfg) if cfg.layout else None
     checks = [
         (pinned, f"a {pass_} config is pinned (EJGEN_TRITON_CONFIG) or autotuned"),
         (not layout.builtin_mask_only, "the spec has a mask of its own"),
         (not layout.score_is_identity or layout.params, "the spec's score is not the scaled dot product"),
         (features, f"{', '.join(features)} (the Hopper kernels take none of: soft cap, sinks, bias, a dense mask, "
-                   f"a block layout, positions, varlen)"),
+                   f"positions, varlen)"),
+        (misfit, misfit),
         (q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype,
          f"dtype {q.dtype} (16-bit only)"),
         (d != dv or d not in HEAD_DIMS, f"head dims {d}/{dv} (equal, one of {HEAD_DIMS})"),
@@ -137,14 +140,18 @@ def grid(batch: int, hq: int, seq: int, sms: int | None = None) -> tuple:
     return persistent_grid(-(-seq // BLOCK_M) * batch * hq, sms)
 
 
+NO_LISTS = dict(LIST=False, LIST_BATCH=1, LIST_HEADS=1, SUB_Q=0, SUB_K=0)  # the kernels walk ranges
+
+
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
-               segments: bool = False, ordered: bool = False, dynamic: bool = False) -> dict:
+               segments: bool = False, ordered: bool = False, dynamic: bool = False, lists: dict | None = None) -> dict:
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq, hkv, d] (16-bit). ``dynamic``: the
-    programs take their tiles from the launch's zeroed counter (`dynamic_tiles`)."""
+    programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block lists'
+    constexprs (`fwd_lists`), else ranges."""
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, BLOCK_M=BLOCK_M, CAUSAL=causal, WINDOW=window, SEGMENTS=segments,
                 ORDERED=ordered,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **TILES)
+                HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **TILES, **(lists or NO_LISTS))
 
 
 # Where the dynamic tile queue wins (H200, session 15, `benchmarks/gluon_dynamic_tiles.py`, one run, bf16, H 16,
@@ -159,7 +166,8 @@ def dynamic_tiles(causal: bool, window: bool, segments: bool, tiles: int, progra
     """Whether the forward's programs take their tiles from a shared counter (DYNAMIC: each program's next tile
     is the next one of the order nobody has taken) instead of pid, pid + P, ...: the setting
     ``gluon_dynamic_tiles`` (EJGEN_GLUON_DYNAMIC_TILES) where given, else where it was measured to win (above):
-    causal calls without a window, and calls with segment ids of at most DYNAMIC_SEGMENT_TILES_PER_PROGRAM tiles a
+    causal calls without a window, and calls with segment ids (``segments``: or a block layout, tiles of uneven work
+    too; not measured apart) of at most DYNAMIC_SEGMENT_TILES_PER_PROGRAM tiles a
     program. It serves tiles of uneven work (causal, documents) and programs that start late (an NCCL kernel beside
     it holds SMs: the ring asks for it on every step); the launch then passes a zeroed int32 counter (TILE_CTR) and
     deals `tile_order` as one list, heaviest first (notes/gluon-persistent-fwd.md, "Dynamic tile queue")."""
@@ -187,11 +195,12 @@ def bwd_kernel():
 
 
 def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
-                   segments: bool = False) -> dict:
-    """The backward's constexprs (window: causal with a window to the left, `ineligible`)."""
+                   segments: bool = False, lists: dict | None = None) -> dict:
+    """The backward's constexprs (window: causal with a window to the left, `ineligible`; ``lists``: the block
+    lists' constexprs, `bwd_lists`)."""
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, MASK=2 if window else int(causal), DQ_MODE=1 if d == 128 else 0,
                 SEGMENTS=segments,
-                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES)
+                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES, **(lists or NO_LISTS))
 
 
 # The persistent backward (gluon_kernels.gluon_attention_bwd_persistent_kernel) for causal sliding windows: one
@@ -236,7 +245,8 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int) -> dict:
     """The persistent backward's constexprs for a causal sliding window (MASK 2); its launch also passes a zeroed
     int32 tile counter (TILE_CTR: the kernel takes its tiles from it)."""
     base = bwd_constexprs(batch, hq, hkv, seq, d, True, True)
-    del base["SEGMENTS"]  # windows with segment ids keep the generated backward (`ineligible`)
+    for name in ("SEGMENTS", *NO_LISTS):  # windows with segment ids keep the generated backward (`ineligible`); block
+        del base[name]  # layouts the per-program one (`bwd_lists`)
     return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"]))
 
 
@@ -246,8 +256,9 @@ def ordered(cfg) -> bool:
     documents): 8k 0.293 -> 0.243 ms, 32k/64 0.748 -> 0.590, 32k/8 unchanged. Causal alone is not ordered: the
     order deals every head's heaviest tiles first, which keeps far more K / V in flight than the L2 holds where
     B * H is large (H200, B = 8, S = 4k, H = 16: 1.18 ms against the static order's ~1.06, cuDNN 1.06) though it
-    won at B = 1 (8k: 0.630 -> 0.502 ms); a section-aware, dynamic order is the next step (notes)."""
-    return bool(cfg.segments and not cfg.window)
+    won at B = 1 (8k: 0.630 -> 0.502 ms); a section-aware, dynamic order is the next step (notes). A block layout
+    always (its lists' counts: `fwd_lists`, `order_by_work`)."""
+    return bool(cfg.layout or (cfg.segments and not cfg.window))
 
 
 def tile_order(ranges, hq: int, causal: bool, programs: int):
@@ -262,15 +273,27 @@ def tile_order(ranges, hq: int, causal: bool, programs: int):
     (the dynamic tile queue's order: `dynamic_tiles`)."""
     import jax.numpy as jnp
 
-    batch, n_m = ranges.shape[0], ranges.shape[1]
+    n_m = ranges.shape[1]
     i_m = jnp.arange(n_m, dtype=jnp.int32)
     lo, hi = ranges[..., 0], ranges[..., 1]
     if causal:
         hi = jnp.minimum(hi, (i_m * BLOCK_M + BLOCK_M + TILES["BLOCK_N"] - 1) // TILES["BLOCK_N"])
-    rank = _rank(jnp.maximum(hi - lo, 1).T.reshape(-1))  # per (i_m, b) row: it visits at least one block
+    return order_by_work(jnp.maximum(hi - lo, 1)[:, None], hq, programs)  # a tile visits at least one block
+
+
+def order_by_work(work, hq: int, programs: int):
+    """`tile_order` from each tile's work, int [B, 1|hq, N_M] (key blocks; 1: every head alike, whose tiles then
+    stay next to each other): heaviest first, dealt as a snake to ``programs`` (1: one list)."""
+    import jax.numpy as jnp
+
+    batch, heads, n_m = work.shape
     bh = batch * hq
     entry = jnp.arange(n_m * bh, dtype=jnp.int32)  # i_m * bh + (b * hq + h): heads of a row next to each other
-    k = rank[(entry // bh) * batch + (entry % bh) // hq] * hq + entry % hq  # its place, heaviest first
+    if heads == 1:
+        rank = _rank(work[:, 0].T.reshape(-1))  # per (i_m, b) row
+        k = rank[(entry // bh) * batch + (entry % bh) // hq] * hq + entry % hq  # its place, heaviest first
+    else:
+        k = _rank(jnp.transpose(work, (2, 0, 1)).reshape(-1))  # per (i_m, b, h): the entries' own order
     wave, j = k // programs, k % programs
     full_wave = (wave + 1) * programs <= n_m * bh  # a last, partial wave is dealt forwards: its slots exist
     slot = wave * programs + jnp.where((wave % 2 == 1) & full_wave, programs - 1 - j, j)
@@ -305,10 +328,20 @@ def bwd_order(ranges, hkv: int, seq: int, causal: bool, by_work: bool = True):
     lo, hi = ranges[..., 0], ranges[..., 1]
     if causal:
         lo = jnp.maximum(lo, n * BWD_TILES["BLOCK_N"] // BWD_TILES["BLOCK_M"])
-    rank = _rank(jnp.maximum(hi - lo, 0).T.reshape(-1))  # per (n, b) row
-    batch = ranges.shape[0]
+    return programs_by_work(jnp.maximum(hi - lo, 0)[:, None], hkv)
+
+
+def programs_by_work(work, hkv: int):
+    """`bwd_order` from each program's work, int [B, 1|hkv, N_N] (query blocks; 1: every kv head alike)."""
+    import jax.numpy as jnp
+
+    batch, heads, n_n = work.shape
     entry = jnp.arange(n_n * batch * hkv, dtype=jnp.int32)
-    place = rank[entry // hkv] * hkv + entry % hkv  # (n, b) rows in entry order: entry // hkv
+    if heads == 1:
+        rank = _rank(work[:, 0].T.reshape(-1))  # per (n, b) row
+        place = rank[entry // hkv] * hkv + entry % hkv  # (n, b) rows in entry order: entry // hkv
+    else:
+        place = _rank(jnp.transpose(work, (2, 0, 1)).reshape(-1))  # per (n, b, kv head): the entries' own order
     return jnp.zeros_like(entry).at[place].set(entry)
 
 
@@ -326,3 +359,157 @@ def segment_ranges(ctx, cfg, seq: int, pass_: str = "fwd"):
     if pass_ != "fwd":
         kinds = jnp.swapaxes(kinds, -1, -2)
     return block_mask.tile_ranges(kinds, longest=False)  # documents: one run of full tiles per tile
+
+
+# -- block layouts: lists of blocks -----------------------------------------------------------------------------
+MAX_SUB_BLOCKS = 32  # a list entry's word of visible sub-blocks (a layout finer than the kernel's tiles): int32
+
+
+def _sub_block(tile: int, block: int) -> int | None:
+    """The sub-block of a ``tile`` the layout's ``block`` cuts it into along one axis: the whole tile where the
+    block covers whole tiles, the block where whole blocks make the tile, else None (no word can say it)."""
+    if block % tile == 0:
+        return tile
+    return block if tile % block == 0 else None
+
+
+def sub_blocks(layout_block: tuple, pass_: str = "fwd") -> tuple:
+    """(SUB_Q, SUB_K): the sub-blocks of the pass's tiles whose visibility each list entry's word holds, for a layout
+    of ``layout_block`` blocks finer than the tiles; (0, 0) where its blocks cover whole tiles (no word)."""
+    tq, tk = (BLOCK_M, TILES["BLOCK_N"]) if pass_ == "fwd" else (BWD_TILES["BLOCK_M"], BWD_TILES["BLOCK_N"])
+    sq, sk = _sub_block(tq, layout_block[0]), _sub_block(tk, layout_block[1])
+    return (0, 0) if (sq, sk) == (tq, tk) else (sq, sk)
+
+
+def layout_misfit(cfg) -> str | None:
+    """Why the Gluon kernels cannot walk the call's block layout (None: they can): per axis its blocks must cover
+    whole tiles of both kernels (forward 128 x 128, backward 64 x 128) or whole numbers of them must make a tile,
+    at most MAX_SUB_BLOCKS to a tile (each list entry says which are visible in one int32 word)."""
+    lq, lk = cfg.layout_block
+    for what, (tq, tk) in (("forward", (BLOCK_M, TILES["BLOCK_N"])), ("backward", (BWD_TILES["BLOCK_M"],
+                                                                                    BWD_TILES["BLOCK_N"]))):
+        sq, sk = _sub_block(tq, lq), _sub_block(tk, lk)
+        if sq is None or sk is None:
+            return (f"a block layout of {lq} x {lk} blocks (the Hopper kernels' {what} tiles, {tq} x {tk}, must be "
+                    f"whole blocks or whole numbers of blocks along each axis)")
+        if (tq // sq) * (tk // sk) > MAX_SUB_BLOCKS:
+            return (f"a block layout of {lq} x {lk} blocks ({(tq // sq) * (tk // sk)} of them in a {what} tile of "
+                    f"{tq} x {tk}; the Hopper kernels' lists say at most {MAX_SUB_BLOCKS})")
+    return None
+
+
+def _layout_kinds(ctx, cfg, seq: int, tile_q: int, tile_k: int):
+    """(kinds int8 [TB, TH, nQ, nK], words int32 [LB, LH, nQ, nK] or None, SUB_Q, SUB_K) at tiles of tile_q x
+    tile_k over seq x seq: the block layout's tiles (`block_mask.Layout`'s kinds by coverage: a tile inside one of
+    its blocks takes that block's, a tile of several is full, partial or skipped as they are, blocks past the
+    sequence not counted) joined with causal, the window and the segment ids' tiles (`tiles.band_kinds`,
+    `block_mask.Segments`), a tile crossing the sequence's end partial; with sub-blocks (a layout finer than the
+    tiles) each tile's word: bit (r * (tile_k / SUB_K) + c) for its visible sub-block (r, c) (SUB_Q, SUB_K: 0
+    without). O(tiles x sub-blocks), the layout a traced array."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from ejgen.runtime.attention import tiles
+    from ejgen.types import block_mask
+
+    lay = ctx["layout"]  # [B|1, Hkv|1, G|1, nQ, nK]
+    lay = lay.reshape(lay.shape[0], -1, *lay.shape[3:])
+    (lq, lk), n_q, n_k = cfg.layout_block, -(-seq // tile_q), -(-seq // tile_k)
+    sub_q, sub_k = _sub_block(tile_q, lq), _sub_block(tile_k, lk)  # `layout_misfit` said they exist
+    nr, nc = tile_q // sub_q, tile_k // sub_k
+    r0 = jnp.arange(n_q)[:, None] * tile_q + jnp.arange(nr)[None] * sub_q  # [n_q, nr]: each sub-block's first row
+    c0 = jnp.arange(n_k)[:, None] * tile_k + jnp.arange(nc)[None] * sub_k
+    rows = jnp.minimum(r0 // lq, lay.shape[2] - 1).reshape(-1)
+    cols = jnp.minimum(c0 // lk, lay.shape[3] - 1).reshape(-1)
+    vis = lay[:, :, rows][:, :, :, cols].reshape(*lay.shape[:2], n_q, nr, n_k, nc)
+    valid = (r0 < seq)[:, :, None, None] & (c0 < seq)[None, None]  # [n_q, nr, n_k, nc]: inside the sequence
+    seen = vis & valid
+    kinds = jnp.where(jnp.all(vis | ~valid, axis=(3, 5)), block_mask.FULL,
+                      jnp.where(jnp.any(seen, axis=(3, 5)), block_mask.PARTIAL, block_mask.SKIP)).astype(jnp.int8)
+    words = None
+    if nr * nc > 1:
+        shift = (jnp.arange(nr)[:, None, None] * nc + jnp.arange(nc)[None, None, :]).astype(jnp.uint32)  # [nr, 1, nc]
+        bits = jnp.sum(seen.astype(jnp.uint32) << shift, axis=(3, 5), dtype=jnp.uint32)  # distinct bits: an or
+        words = lax.bitcast_convert_type(bits, jnp.int32)
+    kinds = jnp.minimum(kinds, tiles.band_kinds(ctx, cfg, tile_q, tile_k, seq, seq))
+    if cfg.segments:
+        kinds = jnp.minimum(kinds, block_mask.Segments(ctx["q_seg"], ctx["kv_seg"]).kinds(tile_q, tile_k, seq, seq))
+    kinds = tiles.edges_partial(kinds, tile_q, tile_k, seq, seq)
+    return kinds, words, sub_q if words is not None else 0, sub_k if words is not None else 0
+
+
+def _compact(kinds, words, empty_entry: bool):
+    """(count int32 [...], table int32 [..., 1 + n (+ n)]) from tile kinds [..., n] (and words, like kinds): per row
+    the count of visited tiles, then their entries in ascending order, tile * 2 + 1 where the tile is partial (the
+    element mask on), then (words) their words; slots past the count 0. By one cumulative sum and one scatter per
+    row, no sort. ``empty_entry``: a row that visits nothing lists one entry, tile n (past the end, partial: the
+    forward's loops take at least one block, whose element mask then hides every key), counted 1."""
+    import jax.numpy as jnp
+
+    from ejgen.types import block_mask
+
+    n = kinds.shape[-1]
+    visited = kinds != block_mask.SKIP
+    slot = jnp.where(visited, jnp.cumsum(visited, axis=-1, dtype=jnp.int32) - 1, n)  # n: a slot thrown away
+    entry = jnp.arange(n, dtype=jnp.int32) * 2 + (kinds == block_mask.PARTIAL)
+    count = jnp.sum(visited, axis=-1, dtype=jnp.int32)
+
+    def scatter(values):
+        out = jnp.zeros(kinds.shape[:-1] + (n + 1,), jnp.int32)
+        return jnp.put_along_axis(out, slot, jnp.broadcast_to(values, kinds.shape), axis=-1, inplace=False)[..., :n]
+
+    columns = [scatter(entry)]
+    if words is not None:
+        columns.append(scatter(words))
+    if empty_entry:
+        none = count == 0
+        columns[0] = columns[0].at[..., 0].set(jnp.where(none, 2 * n + 1, columns[0][..., 0]))
+        count = jnp.maximum(count, 1)  # a word of 0 stays 0: nothing visible either
+    return count, jnp.concatenate([count[..., None]] + columns, axis=-1)
+
+
+def fwd_lists(ctx, cfg, seq: int):
+    """The forward's block lists for a call with a block layout (LIST): (RANGES int32 [TB, TH, N_M, 1 + N_N (+ N_N)],
+    its constexprs, each tile's work int32 [TB, TH, N_M]) at the kernel's tiles (BLOCK_M x BLOCK_N): per (batch row
+    or 1, query head or 1, query tile) the count and the key blocks to visit (`_layout_kinds`: the layout joined with
+    causal, the window and segment ids; `_compact`), under jit with the layout traced. TB / TH: 1 where the layout and
+    segment ids are the same for every batch row / head."""
+    kinds, words, sub_q, sub_k = _layout_kinds(ctx, cfg, seq, BLOCK_M, TILES["BLOCK_N"])
+    if words is not None:
+        words = _broadcast_like(words, kinds)
+    count, table = _compact(kinds, words, empty_entry=True)
+    consts = dict(LIST=True, LIST_BATCH=table.shape[0], LIST_HEADS=table.shape[1], SUB_Q=sub_q, SUB_K=sub_k)
+    return table, consts, count
+
+
+def bwd_lists(ctx, cfg, seq: int, hkv: int):
+    """The backward's block lists (LIST): (RANGES int32 [TB, TL, N_N, 1 + W (+ W)], its constexprs, each program's
+    work int32 [TB, TL, N_N]) at its tiles (BWD_TILES: 64-row query blocks, 128-key blocks): per (batch row or 1,
+    kv head or 1, key block) the count and the query blocks to visit. A layout shared by the heads gives one list per
+    key block that each query head of the group walks (LIST 1, W = N_MQ); one per query head gives each kv head the
+    items of its group's heads, each entry (hq * N_MQ + m) naming its head (LIST 2, W = GROUP * N_MQ)."""
+    import jax.numpy as jnp
+
+    kinds, words, sub_q, sub_k = _layout_kinds(ctx, cfg, seq, BWD_TILES["BLOCK_M"], BWD_TILES["BLOCK_N"])
+    if words is not None:
+        words = _broadcast_like(words, kinds)
+    per_head = kinds.shape[1] > 1
+
+    def by_keys(x):  # [TB, TH, N_MQ, N_N] -> [TB, TL, N_N, W]
+        x = jnp.swapaxes(x, -1, -2)
+        if not per_head:
+            return x
+        tb, hq, n_n, n_mq = x.shape
+        x = jnp.swapaxes(x.reshape(tb, hkv, hq // hkv, n_n, n_mq), 2, 3)
+        return x.reshape(tb, hkv, n_n, hq // hkv * n_mq)
+
+    count, table = _compact(by_keys(kinds), None if words is None else by_keys(words), empty_entry=False)
+    consts = dict(LIST=2 if per_head else 1, LIST_BATCH=table.shape[0], LIST_HEADS=table.shape[1], SUB_Q=sub_q,
+                  SUB_K=sub_k)
+    return table, consts, count
+
+
+def _broadcast_like(words, kinds):
+    import jax.numpy as jnp
+
+    return jnp.broadcast_to(words, jnp.broadcast_shapes(words.shape, kinds.shape))

@@ -79,6 +79,41 @@ def _tile_blocks(i_m, off_b, left, right, RANGES, SEQ: gl.constexpr, BLOCK_M: gl
 
 
 @gluon.jit
+def _list_row(LISTS, off_b, off_h, i, N_I: gl.constexpr, N_J: gl.constexpr, LIST_BATCH: gl.constexpr,
+              LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr):
+    """LIST: the row of tile i (of N_I) of batch row off_b, head off_h in the launch's block lists LISTS [LIST_BATCH,
+    LIST_HEADS, N_I, 1 + N_J (+ N_J with SUB_Q)] (int32; 1: shared by every batch row / head): its count, then the
+    entries (block * 2 + 1 where the block takes the element mask), then (SUB_Q) each entry's word of visible
+    sub-blocks (`host.fwd_lists`, `host.bwd_lists`)."""
+    if SUB_Q > 0:
+        ROW: gl.constexpr = 1 + 2 * N_J
+    else:
+        ROW: gl.constexpr = 1 + N_J
+    return LISTS + (((off_b % LIST_BATCH) * LIST_HEADS + off_h % LIST_HEADS) * N_I + i).to(gl.int64) * ROW
+
+
+@gluon.jit
+def _list_entry(lrow, slot, N_J: gl.constexpr, SUB_Q: gl.constexpr):
+    """LIST: entry ``slot`` of a list row: (block, whether it takes the element mask (0 / 1), its word of visible
+    sub-blocks (0 without SUB_Q))."""
+    e = gl.load(lrow + 1 + slot)
+    bits = e * 0
+    if SUB_Q > 0:
+        bits = gl.load(lrow + 1 + N_J + slot)
+    return e >> 1, e & 1, bits
+
+
+@gluon.jit
+def _sub_blocks(bits, rows, cols, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, TILE_M: gl.constexpr,
+                TILE_N: gl.constexpr):
+    """LIST with SUB_Q: bool [rows, cols] of the sub-blocks (SUB_Q x SUB_K of a TILE_M x TILE_N tile) a list entry's
+    word marks visible (bit (row // SUB_Q) * (TILE_N // SUB_K) + col // SUB_K, offsets in the tile): a block
+    layout finer than the kernel's tiles. ``rows`` / ``cols``: offsets in the sequence, [R, 1] and [1, C]."""
+    sub = ((rows % TILE_M) // SUB_Q) * (TILE_N // SUB_K) + (cols % TILE_N) // SUB_K
+    return ((bits >> sub) & 1) != 0
+
+
+@gluon.jit
 def _tile(t, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, CAUSAL: gl.constexpr):
     """Tile t -> (query tile, batch * head): sections of HS heads, query tiles slow (reversed for causal), heads
     fast; the last section may hold fewer than HS heads."""
@@ -132,10 +167,13 @@ def _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_r
                    HKV: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
-                   ITEM: gl.constexpr, DYNAMIC: gl.constexpr):
+                   ITEM: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
+                   LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr):
     """Tile t, this program's tile tc, whose first K/V block is ring block g: its two Q halves into Q set tc % 2
     (DYNAMIC: t into each half's tile slot first), then (DYNAMIC) the fetch-and-add that takes the program's next
-    tile, then its K/V blocks. Returns (the tile's blocks, the next tile; static: t, unused)."""
+    tile, then its K/V blocks (LIST: the blocks of its list, RANGES, in order; an entry past the last block, the
+    empty row's, loads the last one, which the consumers' element mask then hides whole). Returns (the tile's
+    blocks, the next tile; static: t, unused)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     ids_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, BLOCK_N // 32], threads_per_warp=[1, 32],
                                            warps_per_cta=[1, 1], order=[1, 0])
@@ -144,8 +182,14 @@ def _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_r
     off_h = bh % HQ
     kv_col = (off_h // (HQ // HKV)) * D
     q_row0 = i_m * BLOCK_M
-    lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                  SEGMENTS)
+    N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
+    if LIST:
+        lrow = _list_row(RANGES, off_b, off_h, i_m, N_M, N_N, LIST_BATCH, LIST_HEADS, SUB_Q)
+        hi = gl.load(lrow)  # >= 1 (`host.fwd_lists`)
+        lo = hi * 0
+    else:
+        lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                      SEGMENTS)
     qb = (tc % 2) * 2
     q_phase = (tc // 2) & 1
     for h in gl.static_range(2):
@@ -162,6 +206,8 @@ def _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_r
         nxt = gl.atomic_add(tile_ctr, 1, sem="relaxed", scope="gpu")
     for it in range(hi - lo):
         j = lo + it
+        if LIST:
+            j = gl.minimum(gl.load(lrow + 1 + it) >> 1, N_N - 1)
         gi = g + it
         idx = gi % NUM_STAGES
         phase = (gi // NUM_STAGES) & 1
@@ -187,7 +233,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
               HKV: gl.constexpr, SEQ: gl.constexpr,
               N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-              SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, ITEM: gl.constexpr, DYNAMIC: gl.constexpr):
+              SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, ITEM: gl.constexpr, DYNAMIC: gl.constexpr,
+              LIST: gl.constexpr, LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr):
     """Per tile: its two Q halves into Q set tc % 2 (once the consumers released that set, two tiles ago), then
     its K/V blocks into the ring; with SEGMENTS each block's key ids too, into kseg_smem next to its K (read before
     the stage is free, stored after; k_ready then counts this warp's arrive as well). Empty barriers start free:
@@ -203,7 +250,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             n, t = _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG,
                                   kseg_smem, HQ, HKV, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
-                                  SEGMENTS, ORDERED, ITEM, DYNAMIC)
+                                  SEGMENTS, ORDERED, ITEM, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q)
             g += n
             tc += 1
         qb = (tc % 2) * 2
@@ -216,18 +263,18 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             n, _ = _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG,
                                   kseg_smem, HQ, HKV, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
-                                  SEGMENTS, ORDERED, ITEM, DYNAMIC)
+                                  SEGMENTS, ORDERED, ITEM, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q)
             g += n
             tc += 1
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, MASKED: gl.constexpr, SEQ: gl.constexpr,
+def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, MASKED: gl.constexpr, SEQ: gl.constexpr,
              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ROWS: gl.constexpr,
-             BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+             BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr):
     """Online softmax of one block in exp2 (scale * log2 e folded in): (p, alpha, m, l). With SEGMENTS the element
     mask also compares the rows' segment ids qs with the block's keys' ks ([1, BLOCK_N]; padding, negative, sees
-    nothing)."""
+    nothing); with SUB_Q it keeps only the sub-blocks the list entry's word ``bits`` marks (`_sub_blocks`)."""
     if MASKED:
         rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -241,6 +288,8 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, MASKED: gl.c
         if SEGMENTS:
             q2 = gl.expand_dims(qs, 1)
             keep = keep & (q2 == ks) & (q2 >= 0)
+        if SUB_Q > 0:
+            keep = keep & _sub_blocks(bits, gl.expand_dims(rows, 1), c2, SUB_Q, SUB_K, 2 * ROWS, BLOCK_N)
         s = gl.where(keep, s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no visible key yet: no inf - inf
@@ -249,9 +298,10 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, MASKED: gl.c
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 @gluon.jit
-def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem, k_empty, idx,
+def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem, k_empty, idx, bits,
                    SEQ: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
-                   ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+                   ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SUB_Q: gl.constexpr,
+                   SUB_K: gl.constexpr):
     """K stage idx back to the producer (S_j has retired), then block j's softmax, under the element mask outside
     [f0, f1); with SEGMENTS a masked block's key ids are read from the stage's kseg_smem first. Two shapes on
     purpose: with SEGMENTS the release waits for that read, inside the branch; without, it stays ahead of the branch
@@ -260,20 +310,20 @@ def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, ks
         if (j < f0) | (f1 <= j):
             ks = kseg_smem.index(idx).load(s_layout)  # [1, BLOCK_N]
             mbarrier.arrive(k_empty.index(idx), count=1)
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, True, SEQ, CAUSAL,
-                                          WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, True, SEQ,
+                                          CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K)
         else:
             mbarrier.arrive(k_empty.index(idx), count=1)
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, False, SEQ, CAUSAL,
-                                          WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, False, SEQ,
+                                          CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K)
     else:
         mbarrier.arrive(k_empty.index(idx), count=1)
         if (j < f0) | (f1 <= j):
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, True, SEQ, CAUSAL,
-                                          WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, True, SEQ,
+                                          CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K)
         else:
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, False, SEQ, CAUSAL,
-                                          WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, False, SEQ,
+                                          CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K)
     return p, alpha, m_i, l_i
 
 
@@ -283,8 +333,11 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
                    HQ: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
-                   HALF: gl.constexpr, DYNAMIC: gl.constexpr):
+                   HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
+                   LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr):
     """Tile t, this program's tile tc whose first K/V block is ring block g, for consumer HALF (see _consumer).
+    LIST: the blocks of the tile's list (RANGES), each under the element mask where its entry says so and then, with
+    SUB_Q, also under its word of visible sub-blocks; the empty row's entry (block N_N, past the end) hides every key.
     Returns the tile's number of key blocks."""
     ROWS: gl.constexpr = BLOCK_M // 2
     TURN0: gl.constexpr = 1 if HALF == 0 else 0  # the first consumer's first wait passes at once
@@ -298,8 +351,16 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
     i_m, bh = _tile_at(t, ORDER, N_M, BH, HS, CAUSAL, ORDERED)
     off_b = bh // HQ
     off_h = bh % HQ
-    lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                  SEGMENTS)
+    N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
+    if LIST:
+        lrow = _list_row(RANGES, off_b, off_h, i_m, N_M, N_N, LIST_BATCH, LIST_HEADS, SUB_Q)
+        hi = gl.load(lrow)  # >= 1 (`host.fwd_lists`)
+        lo = hi * 0
+        f0 = lo
+        f1 = lo
+    else:
+        lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                      SEGMENTS)
     q_row0 = i_m * BLOCK_M + HALF * ROWS
     # the rows' segment ids (SEGMENTS; else unused), read once per tile
     seg_rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
@@ -316,7 +377,14 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
     if not DYNAMIC:  # DYNAMIC: waited for in _tile_take, before the tile was known
         mbarrier.wait(q_ready.index(qi), (tc // 2) & 1)
 
-    # block lo: S only
+    # block lo: S only (names apart from the loop's: loop-carried, they would change the kernel without LIST)
+    j0 = lo
+    fa0 = f0
+    fb0 = f1
+    w0 = lo
+    if LIST:  # the entry: its block, and [fa, fb) = [0, j + 1) unless it takes the element mask
+        j0, masked0, w0 = _list_entry(lrow, 0, N_N, SUB_Q)
+        fb0 = j0 + 1 - masked0
     idx = g % NUM_STAGES
     mbarrier.wait(turn_mine, (g + TURN0) & 1)
     mbarrier.wait(k_ready.index(idx), (g // NUM_STAGES) & 1)
@@ -324,13 +392,20 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
                           use_acc=False, is_async=True)
     mbarrier.arrive(turn_other, count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-    p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, lo, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem,
-                                        k_empty, idx, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+    p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j0, fa0, fb0, q_row0, left, right, qk_scale, qs, kseg_smem,
+                                        k_empty, idx, w0, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout,
+                                        SUB_Q, SUB_K)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
 
     # block j: issue S_j and P_{j-1} V_{j-1}; the softmax of S_j runs while the second is in flight
     for it in range(1, n):
         j = lo + it
+        fa = f0
+        fb = f1
+        w = lo
+        if LIST:
+            j, masked, w = _list_entry(lrow, it, N_N, SUB_Q)
+            fb = j + 1 - masked
         gi = g + it
         idx = gi % NUM_STAGES
         phase = (gi // NUM_STAGES) & 1
@@ -344,8 +419,9 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
         acc_tok = warpgroup_mma(p16, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
         mbarrier.arrive(turn_other, count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-        p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem,
-                                            k_empty, idx, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j, fa, fb, q_row0, left, right, qk_scale, qs, kseg_smem,
+                                            k_empty, idx, w, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout,
+                                            SUB_Q, SUB_K)
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p16))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -380,7 +456,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
               HQ: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
-              HALF: gl.constexpr, DYNAMIC: gl.constexpr):
+              HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
+              LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr):
     """One 64-row half (HALF 0: the first to issue) of every tile of this program: the pipelined loop (softmax
     of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile. The two halves
     take turns issuing their matmuls (turn_mine / turn_other: a token passed back and forth, its phase from the
@@ -398,7 +475,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
             g += _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                                 v_empty, o_desc, lse_ptr, left, right, qk_scale, turn_mine, turn_other, QSEG,
                                 kseg_smem, RANGES, ORDER, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
-                                CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC)
+                                CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q,
+                                SUB_K)
             tc += 1
             t = _tile_take(q_ready, tile_smem, tc, HALF)
     else:
@@ -406,7 +484,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
             g += _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                                 v_empty, o_desc, lse_ptr, left, right, qk_scale, turn_mine, turn_other, QSEG,
                                 kseg_smem, RANGES, ORDER, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
-                                CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC)
+                                CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q,
+                                SUB_K)
             tc += 1
 
 
@@ -416,7 +495,9 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
                                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                                SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               PRODUCER_REGS: gl.constexpr, HEAD_GROUP: gl.constexpr, DYNAMIC: gl.constexpr):
+                               PRODUCER_REGS: gl.constexpr, HEAD_GROUP: gl.constexpr, DYNAMIC: gl.constexpr,
+                               LIST: gl.constexpr, LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr,
+                               SUB_Q: gl.constexpr, SUB_K: gl.constexpr):
     """Q [B, SEQ, HQ, D], K and V [B, SEQ, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32). F32 = [scale, ...],
     I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch (unused by the body).
     SEGMENTS: segment ids QSEG, KSEG [B, SEQ] (int32, negative = padding) and their tile ranges RANGES [B, N_M, 4]
@@ -426,6 +507,10 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
     launch; left at the number of tiles + the number of programs, so it must be zeroed before every launch), not
     pid, pid + P, ...: a program that starts late takes fewer tiles (notes/gluon-persistent-fwd.md, "Dynamic tile
     queue"); else TILE_CTR is unused.
+    LIST: each query tile walks a list of key blocks instead of a range (a block layout, joined with causal, the window
+    and the segment ids' tiles): RANGES is then the lists [LIST_BATCH, LIST_HEADS, N_M, 1 + N_N (+ N_N)] (`_list_row`,
+    `host.fwd_lists`); a listed block takes the element mask (causal, window, segment ids, the sequence's end and,
+    with SUB_Q x SUB_K sub-blocks, the entry's word of visible ones) where its entry says so, none otherwise.
     Grid (P,), P <= number of tiles (`grid`); 4 warps asked, 12 run (two consumers, a producer)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
@@ -482,15 +567,15 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
                      nprog, left, right, qk_scale, turn.index(0), turn.index(1), QSEG, kseg_smem, RANGES, ORDER,
                      tile_smem, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
-                     SEGMENTS, ORDERED, 0, DYNAMIC)),
+                     SEGMENTS, ORDERED, 0, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
                      nprog, left, right, qk_scale, turn.index(1), turn.index(0), QSEG, kseg_smem, RANGES, ORDER,
                      tile_smem, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
-                     SEGMENTS, ORDERED, 1, DYNAMIC)),
+                     SEGMENTS, ORDERED, 1, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, tile_smem, TILE_CTR, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ, HKV,
                      SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED,
-                     dtype.primitive_bitwidth // 8, DYNAMIC)),
+                     dtype.primitive_bitwidth // 8, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -540,20 +625,44 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
                   do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm, H, GROUP, QSEG,
                   qs_smem,
                   D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  SEGMENTS: gl.constexpr):
+                  SEGMENTS: gl.constexpr, lrow, LIST: gl.constexpr, N_MQ: gl.constexpr, LIST_W: gl.constexpr,
+                  SUB_Q: gl.constexpr):
     """The program's K and V once, then per (query head, query block) Q and dO by TMA into the ring and the
-    block's lse * log2 e and delta rows (SEGMENTS: and segment ids) into shared memory."""
+    block's lse * log2 e and delta rows (SEGMENTS: and segment ids) into shared memory. LIST: the items of the key
+    block's list (`_bwd_list_item`)."""
     qseg = QSEG + off_b.to(gl.int64) * S
     KV_BYTES: gl.constexpr = BLOCK_N * D * 2
     mbarrier.expect(kv_bar, 2 * KV_BYTES)
     tma_load(k_desc, [off_b, n * BLOCK_N, off_hk * D], kv_bar, k_smem.index(0))
     tma_load(v_desc, [off_b, n * BLOCK_N, off_hk * D], kv_bar, v_smem.index(0))
-    for it in range(GROUP * nm):
+    n_items = GROUP * nm
+    if LIST == 2:  # the entries name their heads
+        n_items = nm
+    for it in range(n_items):
         hq = it // nm
         m = m_lo + it % nm
+        if LIST:
+            hq, m, _, _ = _bwd_list_item(lrow, it, nm, N_MQ, LIST_W, LIST, SUB_Q)
         _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, lse_ptr,
                        delta_ptr, off_b, m, off_hk * GROUP + hq, it % NUM_STAGES, (it // NUM_STAGES) & 1, H, S, qseg,
                        qs_smem, D, BLOCK_M, SEGMENTS)
+
+
+@gluon.jit
+def _bwd_list_item(lrow, it, cnt, N_MQ: gl.constexpr, LIST_W: gl.constexpr, LIST: gl.constexpr,
+                   SUB_Q: gl.constexpr):
+    """LIST: item ``it`` of a key block's list of ``cnt`` entries (a row of `_list_row` with LIST_W entries,
+    `host.bwd_lists`): (query head in the kv head's group, query block, whether it takes the element mask (0 / 1),
+    its word of visible sub-blocks). LIST 1: one list for every query head of the group, walked once per head
+    (item hq * cnt + slot); LIST 2: each entry names its head and block (hq * N_MQ + m)."""
+    if LIST == 2:
+        v, masked, bits = _list_entry(lrow, it, LIST_W, SUB_Q)
+        hq = v // N_MQ
+        m = v % N_MQ
+    else:
+        hq = it // cnt
+        m, masked, bits = _list_entry(lrow, it % cnt, LIST_W, SUB_Q)
+    return hq, m, masked, bits
 
 
 @gluon.jit
@@ -603,14 +712,15 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
               h, n, f0, f1, off_b, S, WINDOW_LEFT, qs_smem, ks, WG: gl.constexpr, D: gl.constexpr,
               BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, RELEASE_V: gl.constexpr,
-              SEGMENTS: gl.constexpr):
+              SEGMENTS: gl.constexpr, bits, SUB_Q: gl.constexpr, SUB_K: gl.constexpr):
     """Consumer warpgroup WG, one ring item gi (query block m of head h in stage s, parity ph) against its 64 keys
     of key block n (views k_mine, v_mine; k_dq: K for its share of dQ): S^T and dP^T, P^T and dS^T, dV += P^T dO and
     dK += dS^T Q, the dS^T half into dS buffer gi % 2 for the joint dQ = dS K (DQ_MODE 0: whole tiles alternating
     between the warpgroups, else this warpgroup's half of dQ's columns), dQ * scale reduce-added into the float32
     accumulator. RELEASE_V: V buffer vb goes back to the producer (v_empty) once the dP^T of the tile's last item
     (it == n_it - 1) retired. SEGMENTS: masked items also compare segment ids (qs_smem: the stage's query rows' ids,
-    from the producer; ks: the warpgroup's keys' ids; padding, negative, sees nothing).
+    from the producer; ks: the warpgroup's keys' ids; padding, negative, sees nothing). SUB_Q: masked items keep only
+    the sub-blocks their list entry's word ``bits`` marks (`_sub_blocks`).
     Returns (dk, dv)."""
     HALF: gl.constexpr = BLOCK_N // 2
     if DQ_MODE == 0:
@@ -646,6 +756,9 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
         if SEGMENTS:
             qs = qs_smem.index(s).load(s_layout)  # [1, BM]
             pT = gl.where((gl.expand_dims(ks, 1) == qs) & (qs >= 0), pT, 0.0)
+        if SUB_Q > 0:
+            pT = gl.where(_sub_blocks(bits, gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), SUB_Q, SUB_K, BLOCK_M,
+                                      BLOCK_N), pT, 0.0)
     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     if RELEASE_V:
         mbarrier.arrive(v_empty.index(vb), count=1, pred=it == n_it - 1)
@@ -721,10 +834,12 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
                   do_ready, qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, off_b, off_hk, n, S, m_lo, nm, f0, f1,
                   sm_scale, H, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, WG: gl.constexpr, D: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
-                  DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr):
+                  DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr, lrow, LIST: gl.constexpr, N_MQ: gl.constexpr,
+                  LIST_W: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr):
     """Warpgroup WG's 64 keys: dK, dV over the program's query blocks (S^T, dP^T, P^T, dS^T; dV += P^T dO,
     dK += dS^T Q), its dS^T half into shared memory for the joint dQ = dS K (DQ_MODE: how the two warpgroups
-    share it), dQ * scale reduce-added into the float32 accumulator; then dK * scale and dV stored."""
+    share it), dQ * scale reduce-added into the float32 accumulator; then dK * scale and dV stored. LIST: the
+    items of the key block's list, each under the element mask where its entry says so (`_bwd_list_item`)."""
     HALF: gl.constexpr = BLOCK_N // 2
     if DQ_MODE == 0:
         DQ_N: gl.constexpr = D
@@ -745,9 +860,18 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
         ks = gl.load(KSEG + off_b.to(gl.int64) * S + keys, mask=keys < S, other=-2)
     mbarrier.wait(kv_bar, 0)
 
-    for it in range(GROUP * nm):
+    n_items = GROUP * nm
+    if LIST == 2:  # the entries name their heads
+        n_items = nm
+    for it in range(n_items):
         hq = it // nm
         m = m_lo + it % nm
+        fa = f0
+        fb = f1
+        w = f0
+        if LIST:  # [fa, fb) = [0, m + 1) unless the entry takes the element mask
+            hq, m, masked, w = _bwd_list_item(lrow, it, nm, N_MQ, LIST_W, LIST, SUB_Q)
+            fb = m + 1 - masked
         h = off_hk * GROUP + hq
         s = it % NUM_STAGES
         ph = (it // NUM_STAGES) & 1
@@ -763,8 +887,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
             k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, None, 0, it, 0, dq_desc, s_zero, dq_zero,
-                           qk2, sm_scale, it, s, ph, m, h, n, f0, f1, off_b, S, WINDOW_LEFT, qs_smem, ks, WG, D,
-                           BLOCK_M, BLOCK_N, MASK, DQ_MODE, False, SEGMENTS)
+                           qk2, sm_scale, it, s, ph, m, h, n, fa, fb, off_b, S, WINDOW_LEFT, qs_smem, ks, WG, D,
+                           BLOCK_M, BLOCK_N, MASK, DQ_MODE, False, SEGMENTS, w, SUB_Q, SUB_K)
 
     # epilogue: dK (scaled) and dV of this WG's 64 keys, straight from registers
     _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, S, HKV, WG, D, BLOCK_N)
@@ -827,14 +951,21 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
                                B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                MASK: gl.constexpr, DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr,
-                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LIST: gl.constexpr,
+                               LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr,
+                               SUB_K: gl.constexpr):
     """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
     float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. LSE, DELTA: [B, HQ, SEQ]
     (DELTA = rowsum(dO * O) - d lse). MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
     F32 = [scale, ...]. SEGMENTS: segment ids QSEG, KSEG [B, SEQ] (int32, negative = padding) and each key block's
     range of query blocks under them, RANGES [B, cdiv(SEQ, BLOCK_N), 4] (lo, hi, full lo, full hi), joined with the
     mask's (a key block no query sees: dK = dV = 0), and the programs' order ORDER [cdiv(SEQ, BLOCK_N) * B * HKV]
-    (`host.bwd_order`: the most work first); without it placeholders.
+    (`host.bwd_order`: the most work first); without it placeholders. LIST (1: one list for the kv head's query
+    heads, 2: a list of (query head, query block) items per kv head): each key block walks a list of query blocks
+    instead (a block layout, joined with causal and the segment ids' tiles): RANGES is then the lists [LIST_BATCH,
+    LIST_HEADS, N_N, 1 + W (+ W)] (`_list_row`, `_bwd_list_item`, `host.bwd_lists`), ORDER the programs' order by
+    their work; an item takes the element mask (the mask, segment ids, the
+    sequence's end and, with SUB_Q x SUB_K sub-blocks, the entry's word of visible ones) where its entry says so.
     Grid (cdiv(SEQ, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
     gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
     sm_scale = gl.load(F32)
@@ -842,7 +973,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     GROUP = HQ // HKV
     n = gl.program_id(0)  # causal / window: small n has the most query blocks -> scheduled first
     pid_bh = gl.program_id(1)
-    if SEGMENTS:  # programs start in launch order (n fast): take the n-th entry of the order
+    if SEGMENTS or LIST:  # programs start in launch order (n fast): take the n-th entry of the order
         N_PROG: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
         e = gl.load(ORDER + pid_bh * N_PROG + n)
         n = e // (B * HKV)
@@ -865,8 +996,21 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     mbarrier.init(misc_bar.index(1), count=2)
     fence_async_shared()
 
+    N_MQ: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
+    if LIST == 2:  # one list per kv head: its query heads' items
+        LIST_W: gl.constexpr = (HQ // HKV) * N_MQ
+    else:
+        LIST_W: gl.constexpr = N_MQ
+    lrow = 0  # LIST: the key block's list (a pointer: the partitions capture it only then)
     m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
-    if SEGMENTS:
+    if LIST:  # m_hi - m_lo: the list's count (items: GROUP * count, or count with LIST 2)
+        lrow = _list_row(RANGES, off_b, off_hk, n, (SEQ + BLOCK_N - 1) // BLOCK_N, LIST_W, LIST_BATCH, LIST_HEADS,
+                         SUB_Q)
+        m_hi = gl.load(lrow)
+        m_lo = m_hi * 0
+        f0 = m_lo
+        f1 = m_lo
+    elif SEGMENTS:
         N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
         r = RANGES + (off_b * N_N + n) * 4
         m_lo = gl.maximum(m_lo, gl.load(r))
@@ -878,14 +1022,17 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
                          q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
                          off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, 0, D,
-                         BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS)),
+                         BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
+                         SUB_K)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
                          q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
                          off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, 1, D,
-                         BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS)),
+                         BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
+                         SUB_K)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
                          do_ready, qd_empty, misc_bar.index(0), LSE, DELTA, off_b, off_hk, n, SEQ, m_lo, nm, HQ, GROUP,
-                         QSEG, qs_smem, D, BLOCK_M, BLOCK_N, NUM_STAGES, SEGMENTS)),
+                         QSEG, qs_smem, D, BLOCK_M, BLOCK_N, NUM_STAGES, SEGMENTS, lrow, LIST, N_MQ, LIST_W,
+                         SUB_Q)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1049,7 +1196,7 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem,
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero,
                            dq_zero, qk2, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, WINDOW_LEFT, lse_smem, 0, WG,
-                           D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, False)
+                           D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, False, 0, 0, 0)
     # every wgmma of the tile has retired (each item ends with a full wait): K is free for the producer
     mbarrier.arrive(k_empty.index(kb), count=1)
 

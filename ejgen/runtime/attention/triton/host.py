@@ -280,31 +280,43 @@ def _grid_batch(q, ctx, cfg):
 
 
 def _gluon_segments(ctx, cfg, seq: int, pass_: str):
-    """The Gluon kernels' QSEG, KSEG and RANGES inputs: segment ids and their tile ranges, else placeholders."""
+    """The Gluon kernels' QSEG, KSEG and RANGES inputs: segment ids and their tile ranges, else placeholders (with a
+    block layout RANGES is then replaced by the lists: `gluon_attention.fwd_lists` / `bwd_lists`)."""
     if not cfg.segments:
         return [_dummy(jnp.int32)] * 3
-    return [ctx["q_seg"], ctx["kv_seg"], gluon_attention.segment_ranges(ctx, cfg, seq, pass_)]
+    ids = [ctx["q_seg"], ctx["kv_seg"]]
+    return ids + [_dummy(jnp.int32) if cfg.layout else gluon_attention.segment_ranges(ctx, cfg, seq, pass_)]
 
 
 def _gluon_forward(q, k, v, scalars, ctx, cfg):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
     segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`);
-    where the queue wins (`gluon_attention.dynamic_tiles`) its programs take them from a counter."""
+    where the queue wins (`gluon_attention.dynamic_tiles`) its programs take them from a counter. With a block
+    layout each query tile walks its list of key blocks (`gluon_attention.fwd_lists`; LIST), in the order of their
+    counts."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
     grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
     segments = _gluon_segments(ctx, cfg, sq, "fwd")
     ordered = gluon_attention.ordered(cfg)
     dynamic = gluon_attention.dynamic_tiles(  # tiles from a zeroed counter (TILE_CTR), the order as one list
-        cfg.causal, cfg.window, cfg.segments, -(-sq // gluon_attention.BLOCK_M) * batch * hq, grid[0])
-    order = (gluon_attention.tile_order(segments[2], hq, cfg.causal, 1 if dynamic else grid[0]) if ordered
-             else _dummy(jnp.int32))
+        cfg.causal, cfg.window, cfg.segments or cfg.layout, -(-sq // gluon_attention.BLOCK_M) * batch * hq, grid[0])
+    lists = None
+    if cfg.layout:
+        segments[2], lists, work = gluon_attention.fwd_lists(ctx, cfg, sq)
+        order = gluon_attention.order_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hq,
+                                              1 if dynamic else grid[0])
+    elif ordered:
+        order = gluon_attention.tile_order(segments[2], hq, cfg.causal, 1 if dynamic else grid[0])
+    else:
+        order = _dummy(jnp.int32)
     out, lse, *_ = triton_call.launch(
         gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), k, v, *scalars, *segments, order],
         [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
          jax.ShapeDtypeStruct((1, ), jnp.int32), _scratch(grid)],
         zeroed=(2, ) if dynamic else (), num_warps=4, num_stages=1,
-        **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments, ordered, dynamic))
+        **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments, ordered, dynamic,
+                                     lists))
     return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
 
 
@@ -344,18 +356,24 @@ def _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, ctx, cfg):
     hkv = k.shape[2]
     outs = [jax.ShapeDtypeStruct((batch, sq, hq, d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    if cfg.window:  # causal with a window to the left (gluon_attention.ineligible): the persistent kernel, whose
-        # tile counter is zeroed like the dQ accumulator
+    if cfg.window and not cfg.layout:  # causal with a window to the left (gluon_attention.ineligible): the persistent
+        # kernel, whose tile counter is zeroed like the dQ accumulator
         kernel, grid = gluon_attention.pbwd_kernel(), gluon_attention.pbwd_grid(batch, hkv, sq)
         outs.append(jax.ShapeDtypeStruct((1, ), jnp.int32))
         zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d)
     else:
         kernel, grid = gluon_attention.bwd_kernel(), (_cdiv(sq, gluon_attention.BWD_TILES["BLOCK_N"]), batch * hkv)
-        zeroed, consts = (0, ), gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window,
-                                                                cfg.segments)
         segments = _gluon_segments(ctx, cfg, sq, "bwd")
-        order = (gluon_attention.bwd_order(segments[2], hkv, sq, cfg.causal, gluon_attention.ordered(cfg))
-                 if cfg.segments else _dummy(jnp.int32))
+        lists = None
+        if cfg.layout:  # each key block walks its list of query blocks, the programs launched most work first
+            segments[2], lists, work = gluon_attention.bwd_lists(ctx, cfg, sq, hkv)
+            order = gluon_attention.programs_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hkv)
+        elif cfg.segments:
+            order = gluon_attention.bwd_order(segments[2], hkv, sq, cfg.causal, gluon_attention.ordered(cfg))
+        else:
+            order = _dummy(jnp.int32)
+        zeroed, consts = (0, ), gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window,
+                                                                cfg.segments, lists)
         scalars = [*scalars, *segments, order]
     dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, k, v, do4, lse3, delta3, *scalars],
                                             outs + [_scratch(grid)], zeroed=zeroed, num_warps=4, num_stages=1, **consts)
