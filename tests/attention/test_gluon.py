@@ -804,11 +804,16 @@ def test_the_list_kernels_compile_on_the_gpu_hosts_triton():
                                                                              r.values()]
 
 
-LAYOUT_GPU_CASES = [  # (id, shape, layout kind, block, per head, causal, dtype)
-    ("random-128-gqa", AttnShape(2, 1000, 1000, 4, 2, 128), "random", 128, True, False, "bfloat16"),
-    ("random-64-causal", AttnShape(1, 1536, 1536, 4, 4, 128), "random", 64, False, True, "bfloat16"),
-    ("local-global-64-d64", AttnShape(1, 2048, 2048, 2, 1, 64), "local+global", 64, False, False, "float16"),
-    ("local-global-32-causal-gqa", AttnShape(1, 1100, 1100, 8, 2, 128), "local+global", 32, True, True, "bfloat16"),
+LAYOUT_GPU_CASES = [  # (id, shape, layout kind, block, per head, causal, dtype, more: documents / a window)
+    ("random-128-gqa", AttnShape(2, 1000, 1000, 4, 2, 128), "random", 128, True, False, "bfloat16", {}),
+    ("random-64-causal", AttnShape(1, 1536, 1536, 4, 4, 128), "random", 64, False, True, "bfloat16", {}),
+    ("local-global-64-d64", AttnShape(1, 2048, 2048, 2, 1, 64), "local+global", 64, False, False, "float16", {}),
+    ("local-global-32-causal-gqa", AttnShape(1, 1100, 1100, 8, 2, 128), "local+global", 32, True, True, "bfloat16",
+     {}),
+    ("random-256-causal-documents", AttnShape(2, 1300, 1300, 4, 2, 128), "random", 256, False, True, "bfloat16",
+     {"documents": (500, 1, 640)}),  # then padding
+    ("local-global-64-causal-window", AttnShape(1, 1800, 1800, 2, 2, 128), "local+global", 64, True, True, "bfloat16",
+     {"sliding_window": (300, 0)}),
 ]
 
 
@@ -830,20 +835,20 @@ def _gpu_layout(kind, seq, block, heads, rng):
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
 @pytest.mark.gpu
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("shape,kind,block,per_head,causal,dtype", [c[1:] for c in LAYOUT_GPU_CASES],
+@pytest.mark.parametrize("shape,kind,block,per_head,causal,dtype,more", [c[1:] for c in LAYOUT_GPU_CASES],
                          ids=[c[0] for c in LAYOUT_GPU_CASES])
 def test_gluon_block_layouts_match_the_oracle(monkeypatch, triton_launches, run_vjp, shape, kind, block, per_head,
-                                              causal, dtype, dynamic):
-    """Block layouts (random with an empty query row and key column, local + global; blocks of 128, 64 and 32 against
-    the kernels' tiles; per head and shared; GQA; causal and not) on the Hopper kernels' lists (LIST), forward and
-    backward against the float64 oracle, on 7 SMs (programs cross many tiles) with the static split and the dynamic
-    tile queue."""
+                                              causal, dtype, more, dynamic):
+    """Block layouts (random with an empty query row and key column, local + global; blocks of 256, 128, 64 and 32
+    against the kernels' tiles; per head and shared; GQA; causal and not; with packed documents and padding; with a
+    causal window) on the Hopper kernels' lists (LIST), forward and backward against the float64 oracle, on 7 SMs
+    (programs cross many tiles) with the static split and the dynamic tile queue."""
     import numpy as np
 
     import oracle
     from ejgen.ops import flash_attention
     from ejgen.testing.shapes import random_cotangents, random_qkv, rng_for
-    from ejgen.types import BlockMask
+    from ejgen.types import BlockMask, MaskInfo
 
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
     monkeypatch.setattr(gluon_attention, "num_sms", lambda: 7)
@@ -855,11 +860,21 @@ def test_gluon_block_layouts_match_the_oracle(monkeypatch, triton_launches, run_
     mask = BlockMask.from_layout(lay, shape.q_len, shape.kv_len, block, block)
     diff = random_qkv(shape, dtype, rng)
     d_out, d_lse = random_cotangents(shape, dtype, rng)
-    out, lse, grads = run_vjp(flash_attention, diff, {"block_mask": mask}, {"causal": causal, "platform": "triton"},
-                              d_out, d_lse)
+    rest, static, ids = {"block_mask": mask}, {"causal": causal, "platform": "triton"}, None
+    if "documents" in more:  # documents of these lengths, then padding; the last batch row rolled
+        ids = np.full((shape.batch, shape.q_len), -1, np.int32)
+        starts = np.cumsum((0,) + more["documents"])
+        for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+            ids[:, a:b] = i
+        ids[-1] = np.roll(ids[-1], 77)
+        rest["mask_info"] = MaskInfo.from_segments(jnp.asarray(ids))
+    if "sliding_window" in more:
+        static["sliding_window"] = more["sliding_window"]
+    out, lse, grads = run_vjp(flash_attention, diff, rest, static, d_out, d_lse)
     ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, causal=causal,
+                           sliding_window=more.get("sliding_window"), q_segment_ids=ids, kv_segment_ids=ids,
                            attention_mask=np.asarray(mask.dense(shape.batch, shape.q_heads)), d_out=d_out, d_lse=d_lse)
     oracle.check_attention(out, lse, grads, ref, diff, dtype)
     assert {k for k, _ in triton_launches} == {"fwd", "bwd"}, triton_launches
-    assert all(kw["LIST"] for _, kw in triton_launches), triton_launches
+    assert all(kw["LIST"] and kw["SEGMENTS"] == (ids is not None) for _, kw in triton_launches), triton_launches
     assert all(kw["DYNAMIC"] == dynamic for k, kw in triton_launches if k == "fwd"), triton_launches
