@@ -148,3 +148,31 @@ def check(case: Case, platform: str, op=None, hooks: dict | None = None, seed: i
             failures.append(str(e))
     assert not failures, "; ".join(failures)
     return o, final, grads
+
+
+def check_state_untouched(case: Case, platform: str, seed: int = 5):
+    """The case's forward outside a gradient (where the fused kernels write the final state into the initial state's
+    buffer) on ``platform``: o and final_state against the oracle, and the caller's initial_state as it was, after an
+    eager call and after a jitted one that uses it again once the kernel has run."""
+    x, d_out, d_final = inputs(case, seed)
+    o_ref, final_ref, _ = oracle.recurrent(x, d_out, d_final, reverse=case.reverse, cu=case.cu)
+    kwargs = case.kwargs()
+    if case.cu is not None:
+        kwargs["cu_seqlens"] = jnp.asarray(np.array(case.cu, np.int32))
+    op = getattr(generated, case.op)
+    h0 = jnp.asarray(x["initial_state"])
+    rest = {n: jnp.asarray(a) for n, a in x.items() if n not in ("query", "key", "value", "initial_state")}
+    q, k, v = (jnp.asarray(x[n]) for n in ("query", "key", "value"))
+
+    def call(h):
+        return op(q, k, v, **rest, initial_state=h, platform=platform, **kwargs)
+
+    o, final = call(h0)  # eagerly
+    np.testing.assert_array_equal(np.asarray(h0), x["initial_state"])
+    oracle.assert_close("o", o, o_ref, case.dtype)
+    oracle.assert_close("final_state", final, final_ref, case.dtype)
+    (o2, final2), again = jax.jit(lambda h: (call(h), h * 2.0))(h0)  # h0 needed after the kernel
+    np.testing.assert_array_equal(np.asarray(again), 2.0 * x["initial_state"])
+    np.testing.assert_array_equal(np.asarray(h0), x["initial_state"])
+    assert np.array_equal(o2, o) and np.array_equal(final2, final)
+    return call, h0

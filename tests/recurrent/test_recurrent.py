@@ -11,13 +11,15 @@ compiles each case once (seconds), so the cases cover the factors pairwise rathe
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import recurrent_oracle as oracle
-from recurrent_cases import HOOKED_ORACLE, Case, built_ops, check, inputs, run
+from recurrent_cases import HOOKED_ORACLE, Case, built_ops, check, check_state_untouched, inputs, run
 from conftest import on_path
 from ejgen import generated
 from ejgen.ops import explain
@@ -160,6 +162,73 @@ def test_two_calls_through_final_state_equal_one():
     assert oracle.rel_error(o2, o1) < 2e-6 and oracle.rel_error(f2, f1) < 2e-6
     for name in args:
         assert oracle.rel_error(g2[name], g1[name]) < 2e-6, name
+
+
+IN_PLACE = [  # the fused forward outside a gradient, its final state written into h0's buffer
+    ("triton", Case("recurrent", ("g", "g_gamma", "gk"), shape=(1, 12, 2, 1, 16, 16), cu=(0, 3, 3, 8, 9, 11), h0=True,
+                    reverse=True, **FUSED)),
+    ("pallas", Case("gla", ("gk",), shape=(2, 5, 4, 2, 16, 48), h0=True, reverse=True, **FUSED)),
+]
+
+
+@pytest.mark.parametrize("platform,case", IN_PLACE, ids=[f"{p}-{c.id}" for p, c in IN_PLACE])
+def test_the_fused_forward_leaves_the_callers_state_as_it_was(monkeypatch, platform, case):
+    """Outside a gradient the fused forward writes the final state into the initial state's buffer (Triton:
+    ``triton_call.launch(aliases=)``, packed and reversed too; Pallas: input_output_aliases): the caller's
+    initial_state is never changed, called eagerly or under jit with it used again after the call, and o and
+    final_state equal the oracle's; under a gradient (h0 a residual) nothing is aliased."""
+    from ejgen.runtime.launch import triton_call
+    from ejgen.runtime.recurrent.pallas import gpu as pallas_gpu
+
+    aliased, launch, fused = [], triton_call.launch, pallas_gpu.fused_forward
+
+    def launch_spy(kernel, *args, **kwargs):
+        if "_fused_fwd" in kernel.__name__:
+            aliased.append(bool(kwargs.get("aliases")))
+        return launch(kernel, *args, **kwargs)
+
+    def fused_spy(x, *, interpret, in_place=False):
+        aliased.append(in_place and x.h0 is not None)
+        return fused(x, interpret=interpret, in_place=in_place)
+
+    monkeypatch.setattr(triton_call, "launch", launch_spy)
+    monkeypatch.setattr(pallas_gpu, "fused_forward", fused_spy)
+    call, h0 = check_state_untouched(case, platform)
+    assert aliased and all(aliased), aliased  # (Pallas: each platform's branch of the op)
+    aliased.clear()
+    jax.vjp(call, h0)  # the forward of a gradient: h0 kept as a residual, not aliased
+    assert aliased and not any(aliased), aliased
+
+
+def test_launch_aliases_only_arrays_of_one_shape_and_dtype():
+    """``triton_call.launch(aliases=)``: an input and an output of one shape and dtype share a buffer (the interpreter
+    runs the kernel as without: the input stays as it was); a pair of different shapes or dtypes, an index past the
+    arrays, or a zeroed output (jax-triton would clear the input) is refused on every path, the interpreter's too
+    (it ignores aliases: only the GPU would have said so)."""
+    import triton
+    import triton.language as tl
+
+    from ejgen.runtime.launch import triton_call
+
+    @triton.jit
+    def add_one(X, Y, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(Y + i, tl.load(X + i) + 1.0)
+
+    x = jnp.arange(16, dtype=jnp.float32)
+    sds = jax.ShapeDtypeStruct
+    (y,) = triton_call.launch(add_one, (1,), [x], [sds((16,), jnp.float32)], aliases={0: 0}, N=16)
+    np.testing.assert_array_equal(y, np.arange(16) + 1.0)
+    np.testing.assert_array_equal(x, np.arange(16))
+    for inputs_, outs, aliases, zeroed, message in (
+            ([x.astype(jnp.bfloat16)], [sds((16,), jnp.float32)], {0: 0}, (),
+             "input 0 bfloat16[16] cannot be output 0's buffer, float32[16] (an alias needs one shape and dtype)"),
+            ([x.reshape(1, 16)], [sds((16,), jnp.float32)], {0: 0}, (), "input 0 float32[1, 16] cannot be output 0's"),
+            ([x], [sds((16,), jnp.float32)], {1: 0}, (), "alias 1 -> 0 names no input / output (1 inputs, 1 outputs)"),
+            ([x], [sds((16,), jnp.float32)], {0: 0}, (0,),
+             "output 0 is zeroed before the kernel runs, so it cannot alias input 0")):
+        with pytest.raises(ValueError, match=re.escape(f"add_one: {message}")):
+            triton_call.launch(add_one, (1,), inputs_, outs, aliases=aliases, zeroed=zeroed, N=16)
 
 
 def test_a_call_without_steps_returns_the_initial_state():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import recurrent_oracle as oracle
-from recurrent_cases import Case, check, inputs, run
+from recurrent_cases import Case, check, check_state_untouched, inputs, run
 from ejgen import generated
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("x64_stays_off")]
@@ -92,6 +92,27 @@ def test_decode_updates_the_state_in_place(platform):
     loop = jax.jit(lambda q, k, v, s, gk: jax.lax.fori_loop(0, 4, lambda i, s: step(q, k, v, s, gk)[1], s))
     for name, a, b_ in (("o", o, o_ref), ("state", got, s), ("loop state", loop(q, k, v, state, gk), s)):
         assert oracle.rel_error(a, b_) < 1e-5, name
+
+
+IN_PLACE = [
+    ("triton", Case("gla", ("gk",), shape=(2, 300, 4, 2, 64, 128), h0=True, reverse=True, algorithm="fused",
+                    chunk=None)),
+    ("triton", Case("recurrent", ("g", "g_gamma", "gk", "gv"), shape=(1, 700, 4, 4, 128, 64), h0=True, reverse=True,
+                    cu=LAYOUTS["packed"]["cu"], algorithm="fused", chunk=None)),
+    ("pallas", Case("gla", ("gk",), dtype="bfloat16", shape=(2, 300, 4, 2, 64, 128), h0=True, reverse=True,
+                    algorithm="fused", chunk=None)),
+    ("pallas", Case("simple_gla", ("g", "g_gamma"), shape=(3, 1, 4, 4, 16, 16), h0=True, algorithm="fused",
+                    chunk=None)),  # one step, the smallest state (K = V = 16: a [16, 16] block per program)
+]
+
+
+@pytest.mark.parametrize("platform,case", IN_PLACE, ids=[f"{p}-{c.id}" for p, c in IN_PLACE])
+def test_the_state_in_place_leaves_the_callers_state_as_it_was(platform, case):
+    """The fused forward outside a gradient, its final state written into the initial state's buffer (the paths
+    the oracle checks above never take: they run under a gradient), dense and packed, reversed, GQA: o and
+    final_state against the oracle, the caller's initial_state unchanged after an eager call and after a jitted one
+    that reads it again once the kernel has run (XLA copies it first)."""
+    check_state_untouched(case, platform)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -52,7 +52,8 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
     ``aliases``: {input index: output index}, outputs written into their input's buffer (jax-triton's
     input_output_aliases: XLA copies the input first only where it is still needed, so a donated or loop-carried
     input is updated in place). The kernel must read each such element before it writes it. The interpreter's
-    outputs are fresh arrays: the same values.
+    outputs are fresh arrays: the same values; both paths check that each pair has one shape and dtype and that the
+    output is not zeroed (jax-triton would clear the input), so the interpreter catches what the GPU would refuse.
 
     ``autotune``: block configs (``triton_configs.KernelConfig``) for jax-triton's autotuned call, which
     times them on the call's own inputs on the device the first time the compiled program runs; then
@@ -62,6 +63,7 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
     Inside ``jax.shard_map`` the outputs are typed as varying over the mesh axes the inputs vary over: neither
     jax-triton's primitive nor ``pure_callback`` says so (their outputs come back typed invariant), and a
     gradient typed so would not match its varying input."""
+    _check_aliases(kernel, inputs, out_shapes, aliases or {}, zeroed)
     how, why = mode()
     axes = vma.varying_axes(inputs)
     if how == "gpu":
@@ -90,6 +92,24 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
         outs = jax.pure_callback(call, tuple(out_shapes), *inputs, vmap_method="sequential")
         return list(vma.vary(list(outs), axes))
     raise RuntimeError(f"the triton backend cannot run here: {why}")
+
+
+def _check_aliases(kernel, inputs, out_shapes, aliases: dict, zeroed):
+    """Each {input: output} of ``aliases`` names two arrays of one shape and dtype (XLA refuses others on the GPU;
+    the interpreter ignores aliases) and an output that is not zeroed (jax-triton clears it before the kernel runs,
+    the input's values with it)."""
+    name = getattr(kernel, "__name__", kernel)
+    for i, o in aliases.items():
+        if not (0 <= i < len(inputs) and 0 <= o < len(out_shapes)):
+            raise ValueError(f"{name}: alias {i} -> {o} names no input / output ({len(inputs)} inputs, "
+                             f"{len(out_shapes)} outputs)")
+        x, out = inputs[i], out_shapes[o]
+        if tuple(x.shape) != tuple(out.shape) or jnp.dtype(x.dtype) != jnp.dtype(out.dtype):
+            raise ValueError(f"{name}: input {i} {jnp.dtype(x.dtype).name}{list(x.shape)} cannot be output {o}'s "
+                             f"buffer, {jnp.dtype(out.dtype).name}{list(out.shape)} (an alias needs one shape and "
+                             f"dtype)")
+        if o in tuple(zeroed):
+            raise ValueError(f"{name}: output {o} is zeroed before the kernel runs, so it cannot alias input {i}")
 
 
 def _to_torch(x):
