@@ -662,6 +662,101 @@ def test_block_layouts_become_the_kernels_lists(seq, block, per_head, causal, do
     assert empty_columns  # a key block nobody sees: no items (dK = dV = 0)
 
 
+def _walk(table, consts, seq, b, kh, row, tiles, group, keep, transposed=False):
+    """(head in the group, query rows [R, 1], keys [1, C], visible [R, C]) of each item a kernel computes for list
+    row ``row`` of batch row b and head (forward) or kv head (backward, ``transposed``: rows are key blocks, entries
+    query blocks) kh, as `kernels._list_row` / `_list_entry` / `_bwd_list_item` and the element masks read them;
+    ``tiles``: the pass's (query, key) tile; ``keep(rows, keys)``: the mask's rule (causal, window, ids, the end)."""
+    import numpy as np
+
+    tile_q, tile_k = tiles
+    n_j = (table.shape[-1] - 1) // (2 if consts["SUB_Q"] else 1)
+    r = table[b % consts["LIST_BATCH"], kh % consts["LIST_HEADS"], row]
+    for it in range(r[0] * (group if consts["LIST"] == 1 else 1)):
+        slot = it % r[0] if consts["LIST"] == 1 else it
+        e, word = int(r[1 + slot]), int(r[1 + n_j + slot]) if consts["SUB_Q"] else 0
+        g, j = (it // r[0], e >> 1) if consts["LIST"] == 1 else divmod(e >> 1, _cdiv(seq, tile_q))
+        m, n = (j, row) if transposed else (row, j)
+        rows = np.arange(m * tile_q, (m + 1) * tile_q)[:, None]
+        keys = np.arange(n * tile_k, (n + 1) * tile_k)[None, :]
+        seen = np.ones((tile_q, tile_k), bool)
+        if e & 1:  # the element mask
+            seen = keep(rows, keys)
+            if consts["SUB_Q"]:
+                sub_q, sub_k = consts["SUB_Q"], consts["SUB_K"]
+                bit = (rows % tile_q) // sub_q * (tile_k // sub_k) + (keys % tile_k) // sub_k
+                seen = seen & (((np.uint32(word & 0xFFFFFFFF) >> bit.astype(np.uint32)) & 1) == 1)
+        else:  # no mask: the whole tile lies inside the sequence
+            assert rows.max() < seq and keys.max() < seq, (b, kh, row, e)
+        yield g, rows, keys, seen
+
+
+@pytest.mark.parametrize("seq,block,per_head,batch_layout,causal,window,documents", [
+    (300, (32, 16), True, True, False, (70, 90), False),
+    (333, (256, 64), False, True, True, (100, 0), True),
+], ids=["finer-per-head-per-row-window", "mixed-shared-per-row-causal-window-documents"])
+def test_the_lists_walk_each_visible_pair_once(seq, block, per_head, batch_layout, causal, window, documents):
+    """The lists, walked as the kernels walk them (the forward per (batch row, head, query tile), the backward per
+    (batch row, kv head, key block) with its items' heads), count every (batch row, head, query, key) pair: each
+    visible one exactly once (in a tile without the element mask or under it with the entry's word), no other, in
+    both passes, against the dense element rule written by hand (layout, causal, a two-sided window, segment ids);
+    a layout per batch row and per head, GQA 4 / 2, odd lengths."""
+    import numpy as np
+
+    rng = np.random.default_rng(seq)
+    batch, hq, hkv = 2, 4, 2
+    (lq, lk), n_lq, n_lk = block, _cdiv(seq, block[0]), _cdiv(seq, block[1])
+    lay = rng.random((batch if batch_layout else 1, hq if per_head else 1, n_lq, n_lk)) < 0.4
+    ids = np.repeat([[0, 1, -1]], batch, 0)[:, np.arange(seq) * 3 // seq].astype(np.int32) if documents else None
+    if documents:
+        ids[1] = np.roll(ids[1], 50)
+    i = np.arange(seq)
+    want = lay[:, :, i // lq][:, :, :, i // lk] & np.ones((batch, hq, 1, 1), bool)
+    d = i[None, :] - i[:, None]  # key - query
+    want = want & (d <= 0 if causal else True) & (d >= -window[0]) & (d <= window[1])
+    if documents:
+        want &= ((ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0))[:, None]
+    ctx = {"layout": jnp.asarray(lay.reshape(lay.shape[0], hkv, hq // hkv, n_lq, n_lk) if per_head
+                                 else lay[:, :, None]),
+           "window_left": jnp.int32(window[0]), "window_right": jnp.int32(window[1])}
+    if documents:
+        ctx["q_seg"] = ctx["kv_seg"] = jnp.asarray(ids)
+    cfg = AttentionConfig(seq_q=seq, seq_k=seq, causal=causal, window=True, segments=documents, layout=True,
+                          layout_block=block)
+    (fwd, fc, _), (bwd, bc, _) = jax.jit(lambda c: (gluon_attention.fwd_lists(c, cfg, seq),
+                                                    gluon_attention.bwd_lists(c, cfg, seq, hkv)))(ctx)
+    fwd, bwd = np.asarray(fwd), np.asarray(bwd)
+
+    def rule(b):
+        def keep(rows, keys):
+            out = (rows < seq) & (keys < seq) & (keys - rows >= -window[0]) & (keys - rows <= window[1])
+            out = out & (keys <= rows) if causal else out
+            if documents:
+                qs = np.where(rows < seq, ids[b][np.minimum(rows, seq - 1)], -1)
+                ks = np.where(keys < seq, ids[b][np.minimum(keys, seq - 1)], -2)
+                out = out & (qs == ks) & (qs >= 0)
+            return out
+        return keep
+
+    for name, table, consts, tiles, heads in (
+            ("forward", fwd, fc, (gluon_attention.BLOCK_M, gluon_attention.TILES["BLOCK_N"]), hq),
+            ("backward", bwd, bc, (gluon_attention.BWD_TILES["BLOCK_M"], gluon_attention.BWD_TILES["BLOCK_N"]), hkv)):
+        seen = np.zeros(want.shape, np.int32)
+        group = 1 if name == "forward" else hq // hkv
+        for b in range(batch):
+            for kh in range(heads):
+                for row in range(_cdiv(seq, 128)):  # query tiles of 128 / key blocks of 128
+                    for g, rows, keys, vis in _walk(table, consts, seq, b, kh, row, tiles, group, rule(b),
+                                                    transposed=name == "backward"):
+                        vis = vis & (rows < seq) & (keys < seq)
+                        h = kh * group + g
+                        np.add.at(seen[b, h], (np.broadcast_to(rows, vis.shape)[vis],
+                                               np.broadcast_to(keys, vis.shape)[vis]), 1)
+        assert seen.max() <= 1, f"{name}: a pair visited twice"
+        np.testing.assert_array_equal(seen.astype(bool), want, err_msg=name)
+    assert fc["SUB_Q"] and fc["LIST_BATCH"] == batch and bc["LIST"] == (2 if per_head else 1)
+
+
 def test_block_layouts_the_lists_cannot_say_keep_the_generated_kernels():
     """A layout whose blocks neither cover nor divide the tiles, or cut a tile into more than 32 sub-blocks (one
     word per entry), is one clear reason for both passes; blocks that cover or divide the tiles are covered
