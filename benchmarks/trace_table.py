@@ -4,7 +4,12 @@ stream, the kernels of the last call in time order (start offset, duration, name
     from trace_table import profile
     profile(fn, args, out_dir / "trace-ring", calls=3, label="ring fwd 32k")
 
-Used by `benchmarks/ring.py --parts profile` (issue 18: where the 2-GPU ring's 32k step time goes: the step kernels
+Used by `benchmarks/ring.py --parts profile`, and as a script on zoo cases (`benchmarks/zoo_cases.py` keys; issues 14
+and 15: how much of a 0.2 ms masked call is the XLA work before the kernel — segment keys, tile ranges, tile order):
+
+    python benchmarks/trace_table.py --cases causal,documents,chunked,flamingo [--passes fwd,fwdbwd] [--out DIR]
+
+ (issue 18: where the 2-GPU ring's 32k step time goes: the step kernels
 against the one-GPU kernel, NCCL's send/receive kernel beside them, the merges). Reads the
 ``perfetto_trace.json.gz`` that `jax.profiler.trace(..., create_perfetto_trace=True)` writes (Chrome trace events:
 ``ph`` "X" slices with ``ts`` / ``dur`` in microseconds, ``M`` events naming processes and threads). Device
@@ -111,3 +116,47 @@ def profile(fn, args, trace_dir: Path, calls: int = 3, label: str = "", gap_us: 
     text = table(load(trace_dir), label or str(trace_dir), gap_us)
     print(text, flush=True)
     return text
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="causal,documents,chunked,flamingo", help="zoo_cases keys")
+    p.add_argument("--passes", default="fwd,fwdbwd")
+    p.add_argument("--platform", default="auto")
+    p.add_argument("--out", default="bench-out/trace")
+    args = p.parse_args(argv)
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    sys.path.insert(0, str(here.parent))
+    import jax
+    import jax.numpy as jnp
+
+    import zoo
+    import zoo_cases
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = [c for c in args.cases.split(",") if c]
+    cases = {c.key: c for c in zoo_cases.cases()}
+    tables = []
+    for key in wanted:
+        case = cases[key]
+        call = zoo.make_call(case, args.platform)
+        keys = jax.random.split(jax.random.PRNGKey(0), 4)
+        q, k, v, do = (jax.random.normal(kk, (case.batch, case.seq, case.heads, case.dim), jnp.bfloat16)
+                       for kk in keys)
+        learn = {n: jnp.asarray(a) for n, a in case.arrays.items() if n in case.learnable}
+        fixed = {n: jnp.asarray(a) for n, a in case.arrays.items() if n not in case.learnable}
+        fns = {"fwd": jax.jit(lambda q, k, v: call(q, k, v, learn, fixed)),
+               "fwdbwd": jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: call(q, k, v, learn, fixed), q, k, v)[1](do))}
+        for pass_ in [x for x in args.passes.split(",") if x]:
+            tables.append(profile(fns[pass_], (q, k, v), out / f"trace-{key}-{pass_}", label=f"{case.label} {pass_}"))
+            (out / "profile.md").write_text("\n\n".join(tables))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
