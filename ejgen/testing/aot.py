@@ -210,33 +210,37 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     pointers = dict(Q=ptr, K_=ptr, V_=ptr, G="*fp32", GAMMA="*fp32", GK="*fp32", GV="*fp32", H0="*fp32", CU="*i32",
                     FIRST="*i32", CHUNKS="*i32", O=ptr, HT="*fp32", HS="*fp32", DO=ptr, DHT="*fp32", DHS="*fp32",
                     DQ="*fp32", DK="*fp32", DV="*fp32", DH0="*fp32", DLK="*fp32", DLV="*fp32", CK="*fp32",
-                    SCR="*fp32", DLOG="*fp32", PARTS="*fp32")
+                    SCR="*fp32", DLOG="*fp32")
     bk = max(16, 1 << (dk - 1).bit_length())
     bvf = max(16, 1 << (dv - 1).bit_length())
-    consts = dict(T=0 if varlen else 4096, H=heads, HKV=kv_heads, K=dk, V=dv, BK=bk, BVF=bvf, SCALE=dk ** -0.5,
+    consts = dict(T=0 if varlen else 4096, H=heads, HKV=kv_heads, K=dk, V=dv, BK=bk, SCALE=dk ** -0.5,
                   USE_G="g" in gates, USE_GAMMA="g_gamma" in gates, USE_GK="gk" in gates, USE_GV="gv" in gates,
                   USE_H0=h0, VARLEN=varlen, REVERSE=reverse, ROWS=4 * 4096, C=chunk, BC=host.SUB, MAP=True,
-                  BT=host.FUSED_BT, KG=bk if "gk" in gates else 1,
+                  BT=host.FUSED_BT,
                   DT={"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[dtype])
-    blocks = {"fused_fwd": host.FUSED_BV, "fused_bwd": host.FUSED_BV, "chunk_state": host.STATE_BV,
-              "chunk_state_bwd": host.STATE_BV, "chunk_output": host.OUTPUT_BV, "chunk_grads_qk": host.STATE_BV,
-              "chunk_grads_v": host.OUTPUT_BV}
+    fused = min(host.FUSED_BV, bvf)
     compiled = {}
-    for which, bv in blocks.items():
+    for which in ("fused_fwd", "fused_bwd", "chunk_state", "chunk_state_bwd", "chunk_output", "chunk_grads_qk",
+                  "chunk_grads_v"):
         if kernels is not None and which not in kernels:
             continue
+        if which.startswith("fused"):
+            blocks, options = dict(BV=fused), {"num_warps": host.NUM_WARPS, "num_stages": 1}
+        else:
+            blocks, options = host.tiles(which, dk, dv)
         kernel = getattr(module, f"{name}_{which}_kernel")
         sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
-        kconsts = {**consts, "BV": min(bv, bvf)}
+        kconsts = {**consts, **blocks, "KG": blocks.get("BK") if "gk" in gates else 1}
         source = ASTSource(fn=kernel, signature=sig, attrs=aligned,
                            constexprs={n: kconsts[n] for n in kernel.arg_names if n in kconsts})
-        options = {"num_warps": host.NUM_WARPS, "num_stages": 1}
         compiled[which] = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     return compiled
 
 
-def summary(compiled: dict, with_ptx: bool = False) -> dict:
+def summary(compiled: dict, with_ptx: bool = False, with_resources: bool = False) -> dict:
+    """Per kernel: shared memory, whether there is a cubin and wgmma, the Triton that compiled it; ``with_ptx`` the
+    PTX; ``with_resources`` its registers per thread and stack bytes (`resources`)."""
     import triton
 
     out = {}
@@ -246,7 +250,26 @@ def summary(compiled: dict, with_ptx: bool = False) -> dict:
                      "triton": triton.__version__}
         if with_ptx:
             out[name]["ptx"] = c.asm["ptx"]
+        if with_resources:
+            out[name].update(resources(c.asm["cubin"]))
     return out
+
+
+def resources(cubin: bytes) -> dict:
+    """{"registers": per thread, "stack": bytes per thread (spilled registers)} of a cubin, from the cuobjdump that
+    ships with Triton."""
+    import re
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    return {"registers": int(re.search(r"REG:(\d+)", text).group(1)),
+            "stack": int(re.search(r"STACK:(\d+)", text).group(1))}
 
 
 def compile_in_subprocess(package: str, name: str, **kwargs) -> dict:
@@ -329,6 +352,7 @@ def _in_subprocess(args, triton: str | None = None):
 def _compile(args: dict) -> dict:
     args = dict(args)
     with_ptx = args.pop("with_ptx", False)
+    with_resources = args.pop("with_resources", False)
     if args.pop("gluon", False):
         compiled = compile_gluon(**args)
     elif args.pop("decode", False):
@@ -339,7 +363,7 @@ def _compile(args: dict) -> dict:
         compiled = compile_recurrent(args.pop("package"), args.pop("name"), **args)
     else:
         compiled = compile_attention(args.pop("package"), args.pop("name"), **args)
-    return summary(compiled, with_ptx)
+    return summary(compiled, with_ptx, with_resources)
 
 
 def main(argv=None) -> int:

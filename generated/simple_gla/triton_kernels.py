@@ -20,13 +20,14 @@ Fused kernels (one pass over time, a program per (block of V columns, sequence x
   dS ⊙ D_t ⊙ S_{t-1} (docs/DESIGN.md §3 linear recurrent, "Gates' gradients"): the forward keeps the state at every
   block of BT steps, and the backward takes a block at a time, its states again from there, then the adjoint.
 Chunked kernels (chunks of C steps, sub-chunks of BC; gates g, g_gamma, gk; notes above `_chunk_of`):
-- `*_chunk_state_kernel`: the state at every chunk's start and the final state, a program per (block of V,
-  sequence x head) over the chunks in order; `*_chunk_state_bwd_kernel`: the adjoint at every chunk's end and
+- `*_chunk_state_kernel`: the state at every chunk's start and the final state, a program per (block of K x block
+  of V, sequence x head) over the chunks in order; `*_chunk_state_bwd_kernel`: the adjoint at every chunk's end and
   d initial_state, backwards over the chunks;
-- `*_chunk_output_kernel`, `*_chunk_grads_qk_kernel`, `*_chunk_grads_v_kernel`: o, dq and dk, dv of one sub-chunk
-  from the chunk's start state (end adjoint) and the sub-chunks before and after it, every sub-chunk in parallel; with
-  gates the qk kernel writes the key side's log decay gradient, but for the pairs that pass its sub-chunk by both
-  ends, whose sums the host adds.
+- `*_chunk_output_kernel`, `*_chunk_grads_qk_kernel`, `*_chunk_grads_v_kernel`: o, dq and dk (and with gates the key
+  side's log decay gradient), dv of a chunk, every chunk in parallel: a program per (chunk, block of V for o and
+  dv, of K for dq and dk) takes the chunk's sub-chunks in turn, carrying the state at each sub-chunk's start from the
+  chunk's (or the adjoint at each one's end from the chunk's), so the sub-chunks before and after a sub-chunk reach it
+  through the state, and adds the sub-chunk's own block (`_intra`, `_intra_grads`).
 """
 
 import os
@@ -236,11 +237,11 @@ def simple_gla_fused_bwd_kernel(
 
 # ---- chunked kernels ---------------------------------------------------------------------------------------------
 # A sequence is cut into chunks of C steps (processing order), a chunk into sub-chunks of BC steps. The key side's log
-# gate L (gk, plus g and g_gamma; with no gk a column [BC, 1]) is summed inside a sub-chunk (Ploc: prefix sums from its
-# start; Sloc: suffix sums after a step, to its end), and every decay is e to a sum of its own steps, <= 0 for decaying
-# gates: inside a sub-chunk e^{Ploc_i - Ploc_j}; from step j of sub-chunk J to step i of sub-chunk I > J,
-# e^{Sloc_j} e^{sum of the sub-chunks between} e^{Ploc_i}; from a chunk's start to step t, e^{sum of the earlier
-# sub-chunks} e^{Ploc_t}; from step j to the chunk's end, e^{Sloc_j} e^{sum of the later sub-chunks}.
+# gate L (gk, plus g and g_gamma; with no gk a column [BC, 1]) is summed inside a sub-chunk (P: prefix sums from its
+# start; L(j, end]: the sum after step j, to its end; L_I: the whole sub-chunk's), and every decay is e to a sum of its
+# own steps, <= 0 for decaying gates, or a product of such: inside a sub-chunk e^{L(j, i]} (each pair's own segment
+# sum; the gradients' per-channel block e^{P_i - P_j}); across sub-chunks through the state a program carries from one
+# sub-chunk to the next: e^{P_i} on q_i, e^{L(j, end]} on k_j, e^{L_I} on the state (or its adjoint) per sub-chunk.
 # States at chunk starts (and the adjoint at chunk ends) live in HS [chunks, H, K, V] float32, chunk c of sequence n at
 # row FIRST[n] + c (the chunk layout of `ejgen.runtime.recurrent.packing`).
 
@@ -350,18 +351,44 @@ def _dot_state(a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def _diag(b_a, b_b, b_p, o_r, BC: tl.constexpr):
-    """[BC, BC]: X[i, j] = sum_k a_ik b_jk e^{P_ik - P_jk} for j <= i, else 0 (a, b, P [BC, BK or 1] of one
-    sub-chunk, P its prefix sums)."""
-    b_x = tl.zeros([BC, BC], dtype=tl.float32)
-    for j in tl.static_range(BC):
-        pick = (o_r == j)[:, None]
-        b_bj = tl.sum(tl.where(pick, b_b, 0.0), axis=0)  # [BK]: row j of b
-        b_pj = tl.sum(tl.where(pick, b_p, 0.0), axis=0)
-        lower = (o_r >= j)[:, None]
-        b_col = tl.sum(b_a * b_bj[None, :] * tl.exp(tl.where(lower, b_p - b_pj[None, :], 0.0)), axis=1)  # [BC]
-        b_x = tl.where((o_r == j)[None, :] & (o_r >= j)[:, None], b_col[:, None], b_x)
-    return b_x
+def _segsum(b_l, o_r):
+    """[BC, BC]: X[i, j] = sum of the scalar log gate b_l [BC, 1] over the steps j + 1 .. i for j <= i (0 above the
+    diagonal): each pair's own steps, summed in order (no difference of prefix sums)."""
+    return tl.cumsum(tl.where(o_r[:, None] > o_r[None, :], b_l, 0.0), axis=0)
+
+
+@triton.jit
+def _intra(b_q, b_k, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H: tl.constexpr,
+           HKV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr,
+           USE_GK: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr):
+    """[BC, BC]: D[i, j] = sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, else 0: the block of a sub-chunk (its BC steps
+    from step `start`; q, k [BC, BK], L [BC, BK | 1]) with itself, every decay a sum of the pair's own steps. A scalar
+    gate: q kᵀ on the tensor cores times e^{segsum}. Per channel (gk): a column j at a time, k_j and the log gate of
+    step j + 1 read as rows (no extraction from a register tile), X[i] = L(j, i] kept by adding each step as j goes
+    down."""
+    if USE_GK:
+        b_x = tl.zeros_like(b_q)  # [BC, BK]: L(j, i] for i > j, 0 elsewhere
+        b_next = tl.zeros_like(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK]: the log gate of step j + 1
+        b_d = tl.zeros([BC, BC], dtype=tl.float32)
+        for back in range(0, BC):
+            j = BC - 1 - back
+            b_x = tl.where(o_r[:, None] > j, b_x + b_next, 0.0)
+            rows_j, m_j = _steps(bos, eos, start + j, 1, REVERSE)
+            b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
+            b_col = tl.sum(b_q * b_kj * tl.exp(b_x), axis=1)  # [BC]
+            b_d = tl.where((o_r[None, :] == j) & (o_r[:, None] >= j), b_col[:, None], b_d)
+            b_next = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+    else:
+        lower = o_r[:, None] >= o_r[None, :]
+        b_d = tl.where(lower, _dot(b_q, tl.trans(b_k), DT) * tl.exp(tl.where(lower, _segsum(b_l, o_r), 0.0)), 0.0)
+    return b_d
+
+
+@triton.jit
+def _blocks(V: tl.constexpr, BV: tl.constexpr):
+    """(block of K, block of V) of program id 0 of a state kernel: NV = cdiv(V, BV) blocks of V per block of K."""
+    i_kv = tl.program_id(0)
+    return i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
 
 
 @triton.jit
@@ -372,8 +399,10 @@ def simple_gla_chunk_state_kernel(
     USE_H0: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr,
 ):
     """HS[first + c] = the state at the start of chunk c of the sequence; HT = the state after its last chunk:
-    S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j over the chunk's steps j."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j over the chunk's steps j. A program per (block of BK rows x
+    block of BV columns of the state, sequence x head): the gates decay each row of the state on its own."""
+    i_k, i_v = _blocks(V, BV)
+    i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HKV)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
@@ -381,7 +410,7 @@ def simple_gla_chunk_state_kernel(
         first = tl.load(FIRST + i_n).to(tl.int64)
     else:
         first = i_n.to(tl.int64) * tl.cdiv(T, C)
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_h = m_k[:, None] & m_v[None, :]
@@ -409,46 +438,38 @@ def simple_gla_chunk_output_kernel(
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """o of the BC steps of sub-chunk I of a chunk: (q_i e^{L(start, i]}) S_start + sum_{j <= i} A_ij v_j."""
-    i_ci, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    NSUB: tl.constexpr = C // BC
-    i_c, i_i = i_ci // NSUB, i_ci % NSUB
+    """o of a chunk's steps (BV columns), a sub-chunk I of BC steps at a time from the chunk's start state:
+        o_i = scale [(q_i e^{L(start of I, i]}) S + sum_{j <= i in I} D_ij v_j]   (D: `_intra`)
+        S <- diag(e^{L_I}) S + sum_{j in I} (k_j e^{L(j, end of I]})ᵀ v_j
+    so S is the state at the start of each sub-chunk in turn (read once per chunk; the sub-chunks before I reach o_i
+    through it)."""
+    i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
-    i_n, i_t = _chunk_of(CHUNKS, i_c + (i_bh // H) * tl.cdiv(T, C), tl.cdiv(T, C), VARLEN)
+    i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
+    i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_r = tl.arange(0, BC)
     m_k, m_v = o_k < K, o_v < V
-    start = i_t * C + i_i * BC
-    rows_i, m_i = _steps(bos, eos, start, BC, REVERSE)
-    if tl.sum(m_i.to(tl.int32)) == 0:
-        return
-    b_q = _load_qk(Q, rows_i, m_i, i_h, o_k, m_k, H, K, MAP) * SCALE  # [BC, BK]
-    b_li = _key_log(G, GAMMA, GK, rows_i, m_i, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-    b_pi = _cumsum(b_li, axis=0)  # Ploc of I
-    # diagonal block
-    b_k = _load_qk(K_, rows_i, m_i, i_hk, o_k, m_k, HKV, K, MAP)
-    b_o = _dot(_diag(b_q, b_k, b_pi, o_r, BC), _load_v(V_, rows_i, m_i, i_hk, o_v, m_v, HKV, V), DT)  # [BC, BV]
-    # earlier sub-chunks J = I - 1 .. 0 of the chunk, and the sums of the sub-chunks between
-    b_qi = b_q * tl.exp(b_pi)
-    b_between = tl.zeros_like(tl.sum(b_li, axis=0, keep_dims=True))  # [1, BK | 1]
-    for back in range(0, i_i):
-        rows_j, m_j = _steps(bos, eos, start - (back + 1) * BC, BC, REVERSE)
-        b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-        b_tot = tl.sum(b_lj, axis=0, keep_dims=True)
-        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K,
-                        MAP) * tl.exp(b_tot - _cumsum(b_lj, axis=0) + b_between)
-        b_a = _dot(b_qi, tl.trans(b_kj), tl.float32)  # [BC, BC]
-        b_o += _dot(b_a, _load_v(V_, rows_j, m_j, i_hk, o_v, m_v, HKV, V), DT)
-        b_between += b_tot
-    # the state at the chunk's start, decayed to each step (b_between: the sum of the sub-chunks before I)
-    p_h = HS + ((i_c + (i_bh // H) * tl.cdiv(T, C)) * H + i_h).to(tl.int64) * K * V
-    b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-    b_o += _dot_state(b_qi * tl.exp(b_between), b_h, DT)
-    tl.store(O + (rows_i[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
-             mask=m_i[:, None] & m_v[None, :])
+    p_h = HS + (i_cg * H + i_h).to(tl.int64) * K * V
+    b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
+    for i_i in range(0, tl.cdiv(tl.minimum(eos - bos - i_t * C, C), BC)):
+        start = i_t * C + i_i * BC
+        rows, m_s = _steps(bos, eos, start, BC, REVERSE)
+        b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
+        b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
+        b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [BC, BV]
+        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK | 1]
+        b_p = _cumsum(b_l, axis=0)  # L(start of I, i]
+        b_d = _intra(b_q, b_k, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC,
+                     USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT)
+        b_o = _dot_state(b_q * tl.exp(b_p), b_s, DT) + _dot(b_d, b_v, DT)
+        tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], (b_o * SCALE).to(O.dtype.element_ty),
+                 mask=m_s[:, None] & m_v[None, :])
+        b_tot = tl.sum(b_l, axis=0, keep_dims=True)  # [1, BK | 1]
+        b_s = b_s * tl.trans(tl.exp(b_tot)) + _dot(tl.trans(b_k * tl.exp(b_tot - b_p)), b_v, DT)
 
 
 @triton.jit
@@ -459,15 +480,17 @@ def simple_gla_chunk_state_bwd_kernel(
     VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr,
 ):
     """DHS[first + c] = dL/d(the state at the end of chunk c), from d final_state backwards:
-    dS_start = diag(e^{L_C}) dS_end + sum_t (q_t e^{L(start, t]})ᵀ do_t; DH0 = dS at the sequence's start."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    dS_start = diag(e^{L_C}) dS_end + sum_t (q_t e^{L(start, t]})ᵀ do_t; DH0 = dS at the sequence's start. Blocks as
+    the forward's."""
+    i_k, i_v = _blocks(V, BV)
+    i_nh = tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _bounds(CU, i_n, T, VARLEN)
     if VARLEN:
         first = tl.load(FIRST + i_n).to(tl.int64)
     else:
         first = i_n.to(tl.int64) * tl.cdiv(T, C)
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_h = m_k[:, None] & m_v[None, :]
@@ -497,134 +520,119 @@ def _per_gate(x, USE_GK: tl.constexpr):
 
 
 @triton.jit
+def _intra_grads(b_q, b_k, b_do, b_l, b_p, b_da, K_, V_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_v,
+                 m_v, o_r, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
+                 SCALE: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
+                 REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr):
+    """The pairs of a sub-chunk with itself (q, k [BC, BK] a block of channels, do [BC, BV] V whole, L, P [BC, BK | 1]
+    the log gates and their prefix sums, dA [BC, BC] = scale do vᵀ for j <= i): (dq_i = sum_{j <= i} dA_ij k_j
+    e^{L(j, i]}, dk_j = sum_{i >= j} dA_ij q_i e^{L(j, i]}, and the pairs r < s <= t by s: inner_s = sum q_t k_r
+    e^{L(r, t]} dA_tr, per channel with gk [BC, BK], else summed over the block's channels [BC, 1]). A scalar gate:
+    products of BC x BC matrices on the tensor cores. Per channel: a column j at a time, k_j, v_j and the log gate of
+    step j read as rows (e^{P_i - P_j}, P_j summed as the rows come)."""
+    if USE_GK:
+        b_dq = tl.zeros_like(b_q)
+        b_dk = tl.zeros_like(b_q)
+        b_pairs = tl.zeros_like(b_q)  # by t: the pairs (r <= j, t) so far
+        b_inner = tl.zeros_like(b_q)
+        b_pj = tl.zeros_like(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK]: P_j
+        for j in range(0, BC):
+            rows_j, m_j = _steps(bos, eos, start + j, 1, REVERSE)
+            b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
+            b_vj = _load_v(V_, rows_j, m_j, i_hk, o_v, m_v, HKV, V)  # [1, BV]
+            b_pj += _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+            b_daj = tl.where(o_r >= j, tl.sum(b_do * b_vj, axis=1), 0.0) * SCALE  # [BC]: dA[:, j]
+            b_decay = tl.exp(tl.where(o_r[:, None] > j, b_p - b_pj, 0.0))  # e^{L(j, i]} for i >= j
+            b_dqj = b_daj[:, None] * b_kj * b_decay
+            b_dq += b_dqj
+            b_dk = tl.where(o_r[:, None] == j, tl.sum(b_daj[:, None] * b_q * b_decay, axis=0)[None, :], b_dk)
+            b_pairs += b_q * b_dqj
+            b_after = tl.sum(tl.where(o_r[:, None] > j, b_pairs, 0.0), axis=0)  # t >= s = j + 1
+            b_inner = tl.where(o_r[:, None] == j + 1, b_after[None, :], b_inner)
+    else:
+        lower = o_r[:, None] >= o_r[None, :]
+        b_e = tl.where(lower, tl.exp(tl.where(lower, _segsum(b_l, o_r), 0.0)), 0.0)  # e^{L(j, i]}
+        b_w = b_da * b_e
+        b_dq = _dot(b_w, b_k, DT)
+        b_dk = _dot(tl.trans(b_w), b_q, DT)
+        # by s: the sum over t >= s of the sum over r < s of (q_t · k_r) e^{L(r, t]} dA_tr
+        b_n = _dot(b_q, tl.trans(b_k), DT) * b_w
+        b_before = tl.dot(b_n, tl.where(o_r[:, None] < o_r[None, :], 1.0, 0.0), input_precision="ieee")
+        b_inner = tl.expand_dims(tl.sum(tl.where(lower, b_before, 0.0), axis=0), 1)
+    return b_dq, b_dk, b_inner
+
+
+@triton.jit
 def simple_gla_chunk_grads_qk_kernel(
-    Q, K_, V_, G, GAMMA, GK, CU, CHUNKS, HS, DHS, DO, DQ, DK, DLOG, PARTS,
+    Q, K_, V_, G, GAMMA, GK, CU, CHUNKS, HS, DHS, DO, DQ, DK, DLOG,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr, KG: tl.constexpr,
+    DT: tl.constexpr, KG: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """dq and dk (of the mapped q and k, per query head, float32) of the BC steps of sub-chunk I of a chunk:
-        dq_i = scale [e^{L(start, i]} (do_i S_startᵀ) + sum_{j <= i} dA_ij k_j e^{L(j, i]}]
-        dk_j = e^{L(j, end]} (v_j dS_endᵀ) + sum_{i >= j} dA_ij q_i e^{L(j, i]}
-    with dA_ij = do_i · v_j and q scaled, over the sub-chunks of the chunk (V whole in BVF columns, the states by
-    blocks of BV). With gates, the key side's log decay gradient (KG = BK channels with gk, else 1) of step s, the sum
-    over the pairs r < s <= t of A_tr = q_t k_r e^{L(r, t]} dA_tr (r = the start state, t = the end adjoint included;
-    docs/DESIGN.md §3 linear recurrent, "Gates' gradients"): DLOG [rows, H, KG] gets the pairs with r or t in I (or
-    both outside the chunk); PARTS [chunks, H, NSUB, NSUB + 2, KG] the sums the host adds for the other pairs of the
-    chunk: [I, J] for J < I those of r in J, t in I; [I, NSUB] those of t in I from the start state; [I, NSUB + 1]
-    those of r in I to the end adjoint."""
-    i_ci, i_bh = tl.program_id(0), tl.program_id(1)
-    NSUB: tl.constexpr = C // BC
-    i_c, i_i = i_ci // NSUB, i_ci % NSUB
+    """dq and dk (of the mapped q and k, per query head, float32) of a chunk's steps in BK channels (V whole), a
+    sub-chunk I at a time from the last: with S the state at I's start (the chunk's start state through the sub-chunks
+    before I, again) and S̄ the adjoint at I's end (from the chunk's end adjoint, backwards),
+        dq_i = scale [e^{P_i} (do_i Sᵀ) + sum_{j <= i} dA_ij k_j e^{L(j, i]}]     (P_i: L(start of I, i])
+        dk_j = e^{L(j, end of I]} (v_j S̄ᵀ) + scale sum_{i >= j} dA_ij q_i e^{L(j, i]}   (`_intra_grads`)
+        S̄ <- diag(e^{L_I}) S̄ + scale sum_{i in I} (q_i e^{P_i})ᵀ do_i
+    With gates, DLOG [NK, ROWS, H, KG] (a part per block of channels; KG = BK with gk, else 1): the key side's log decay
+    gradient of each step s of I, the sum over the pairs r < s <= t (r = the start state, t = the end adjoint included;
+    docs/DESIGN.md §3 linear recurrent, "Gates' gradients") from the products above: t in I from S (q_t ⊙ its dq from
+    S, summed over t >= s), r in I to S̄ (k_r ⊙ its dk from S̄, over r < s), both in I (`_intra_grads`), and r before I
+    with t after it, the same for every s of I: e^{L_I} S ⊙ S̄ summed over V."""
+    i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
     i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BVF)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
     o_r = tl.arange(0, BC)
     m_k, m_v = o_k < K, o_v < V
-    start = i_t * C + i_i * BC
-    rows_i, m_i = _steps(bos, eos, start, BC, REVERSE)
-    if tl.sum(m_i.to(tl.int32)) == 0:
-        return
     GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
-    o_g = tl.arange(0, KG)  # the gradient's channels
-    p_parts = PARTS + ((i_cg * H + i_h) * NSUB + i_i).to(tl.int64) * (NSUB + 2) * KG + o_g
-    b_q = _load_qk(Q, rows_i, m_i, i_h, o_k, m_k, H, K, MAP) * SCALE  # [BC, BK]
-    b_k = _load_qk(K_, rows_i, m_i, i_hk, o_k, m_k, HKV, K, MAP)
-    b_v = _load_v(V_, rows_i, m_i, i_hk, o_v, m_v, HKV, V)  # [BC, BVF]
-    b_do = _load_v(DO, rows_i, m_i, i_h, o_v, m_v, H, V)
-    b_li = _key_log(G, GAMMA, GK, rows_i, m_i, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-    b_pi = _cumsum(b_li, axis=0)  # Ploc of I
-    b_tot_i = tl.sum(b_li, axis=0, keep_dims=True)
-    b_si = b_tot_i - b_pi  # Sloc of I
-    # diagonal block; with gates the pairs r < s <= t inside I (b_pairs: those of r < s, by t, for the s in turn)
-    b_da = tl.where(o_r[:, None] >= o_r[None, :], _dot(b_do, tl.trans(b_v), DT), 0.0)  # dA_II [BC, BC]
-    b_dq = tl.zeros([BC, BK], dtype=tl.float32)
-    b_dk = tl.zeros([BC, BK], dtype=tl.float32)
-    b_pairs = tl.zeros([BC, KG], dtype=tl.float32)
-    b_inner = tl.zeros([BC, KG], dtype=tl.float32)
-    for j in tl.static_range(BC):
-        pick = (o_r == j)[:, None]
-        b_krow = tl.sum(tl.where(pick, b_k, 0.0), axis=0)  # [BK]: k_j
-        b_prow = tl.sum(tl.where(pick, b_pi, 0.0), axis=0)
-        b_daj = tl.sum(tl.where((o_r == j)[None, :], b_da, 0.0), axis=1)  # [BC]: dA[:, j], 0 above the diagonal
-        lower = (o_r >= j)[:, None]
-        b_decay = tl.exp(tl.where(lower, b_pi - b_prow[None, :], 0.0))  # e^{L(j, i]} for i >= j
-        b_dqj = b_daj[:, None] * b_krow[None, :] * b_decay  # dq_i += dA_ij k_j e^{L(j, i]}
-        b_dq += b_dqj
-        b_dkj = tl.sum(b_daj[:, None] * b_q * b_decay, axis=0)  # dk_j = sum_i dA_ij q_i e^{L(j, i]}
-        b_dk = tl.where(pick, b_dkj[None, :], b_dk)
+    p_h = (i_cg * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    m_h = m_k[:, None] & m_v[None, :]
+    p_log = DLOG + i_k.to(tl.int64) * ROWS * H * KG + i_h * KG + tl.arange(0, KG)[None, :]
+    b_dh = tl.load(DHS + p_h, mask=m_h, other=0.0)  # [BK, BV]: S̄ at the chunk's end
+    n_sub = tl.cdiv(tl.minimum(eos - bos - i_t * C, C), BC)
+    for back in range(0, n_sub):
+        i_i = n_sub - 1 - back
+        start = i_t * C + i_i * BC
+        b_h = tl.load(HS + p_h, mask=m_h, other=0.0)
+        for i_j in range(0, i_i):
+            rows_j, m_j = _steps(bos, eos, i_t * C + i_j * BC, BC, REVERSE)
+            b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+            b_tj = tl.sum(b_lj, axis=0, keep_dims=True)
+            b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP) * tl.exp(b_tj - _cumsum(b_lj, axis=0))
+            b_h = b_h * tl.trans(tl.exp(b_tj)) + _dot(tl.trans(b_kj), _load_v(V_, rows_j, m_j, i_hk, o_v, m_v, HKV, V),
+                                                      DT)
+        rows, m_s = _steps(bos, eos, start, BC, REVERSE)
+        b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
+        b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
+        b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [BC, BV]
+        b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)
+        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK | 1]
+        b_p = _cumsum(b_l, axis=0)
+        b_tot = tl.sum(b_l, axis=0, keep_dims=True)
+        b_dqs = _dot_state(b_do, tl.trans(b_h), DT) * tl.exp(b_p) * SCALE  # [BC, BK]
+        if GATED:  # the pairs from before I to after it
+            b_through = _per_gate(tl.trans(tl.sum(b_h * b_dh, axis=1, keep_dims=True)) * tl.exp(b_tot), USE_GK)
+        b_dks = _dot_state(b_v, tl.trans(b_dh), DT) * tl.exp(b_tot - b_p)
+        b_da = tl.where(o_r[:, None] >= o_r[None, :], _dot(b_do, tl.trans(b_v), DT), 0.0) * SCALE  # [BC, BC]
+        b_dqi, b_dki, b_inner = _intra_grads(
+            b_q, b_k, b_do, b_l, b_p, b_da, K_, V_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_v, m_v, o_r,
+            H, HKV, K, V, BC, SCALE, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT)
+        m_qk = m_s[:, None] & m_k[None, :]
+        tl.store(DQ + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dqs + b_dqi, mask=m_qk)
+        tl.store(DK + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dks + b_dki, mask=m_qk)
         if GATED:
-            b_pairs += _per_gate(b_q * b_dqj, USE_GK)  # A_tj by t
-            b_after = tl.sum(tl.where((o_r > j)[:, None], b_pairs, 0.0), axis=0, keep_dims=True)  # t >= s = j + 1
-            b_inner = tl.where((o_r == j + 1)[:, None], b_after, b_inner)
-    # earlier sub-chunks J < I: dq_I (and the pairs r in J, t in I)
-    b_between = tl.zeros_like(b_tot_i)
-    b_up = tl.zeros([BC, KG], dtype=tl.float32)  # pairs with t in I and r before I, by t
-    for back in range(0, i_i):
-        rows_j, m_j = _steps(bos, eos, start - (back + 1) * BC, BC, REVERSE)
-        b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-        b_tot = tl.sum(b_lj, axis=0, keep_dims=True)
-        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K,
-                        MAP) * tl.exp(b_tot - _cumsum(b_lj, axis=0) + b_between)
-        b_daij = _dot(b_do, tl.trans(_load_v(V_, rows_j, m_j, i_hk, o_v, m_v, HKV, V)), DT)  # dA_IJ
-        b_dqe = _dot(b_daij, b_kj, tl.float32) * tl.exp(b_pi)
-        b_dq += b_dqe
-        if GATED:
-            b_pair = _per_gate(b_q * b_dqe, USE_GK)
-            b_up += b_pair
-            tl.store(p_parts + (i_i - 1 - back) * KG, tl.sum(b_pair, axis=0))
-        b_between += b_tot
-    b_before = b_between  # the sum of the sub-chunks before I
-    # later sub-chunks J > I: dk_I (and the pairs r in I, t in J)
-    b_between = tl.zeros_like(b_tot_i)
-    b_down = tl.zeros([BC, KG], dtype=tl.float32)  # pairs with r in I and t after I, by r
-    for ahead in range(i_i + 1, NSUB):
-        rows_j, m_j = _steps(bos, eos, i_t * C + ahead * BC, BC, REVERSE)
-        b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-        b_qj = _load_qk(Q, rows_j, m_j, i_h, o_k, m_k, H, K, MAP) * SCALE * tl.exp(_cumsum(b_lj, axis=0))
-        b_daji = _dot(_load_v(DO, rows_j, m_j, i_h, o_v, m_v, H, V), tl.trans(b_v), DT)  # dA_JI
-        b_dkl = _dot(tl.trans(b_daji), b_qj, tl.float32) * tl.exp(b_si + b_between)
-        b_dk += b_dkl
-        if GATED:
-            b_down += _per_gate(b_k * b_dkl, USE_GK)
-        b_between += tl.sum(b_lj, axis=0, keep_dims=True)
-    # the chunk's start state and end adjoint, by blocks of BV columns (b_between: the sub-chunks after I)
-    p_h = (i_cg * H + i_h).to(tl.int64) * K * V
-    b_from = tl.zeros([BC, KG], dtype=tl.float32)  # pairs from the start state to t in I
-    b_to = tl.zeros([BC, KG], dtype=tl.float32)  # pairs from r in I to the end adjoint
-    b_through = tl.zeros([BK, 1], dtype=tl.float32)  # pairs from the start state to the end adjoint, by channel
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_vb = i_v * BV + tl.arange(0, BV)
-        m_h = m_k[:, None] & (o_vb < V)[None, :]
-        b_h = tl.load(HS + p_h + o_k[:, None] * V + o_vb[None, :], mask=m_h, other=0.0)  # [BK, BV]
-        b_dh = tl.load(DHS + p_h + o_k[:, None] * V + o_vb[None, :], mask=m_h, other=0.0)
-        b_dob = _load_v(DO, rows_i, m_i, i_h, o_vb, o_vb < V, H, V)  # [BC, BV]
-        b_vb = _load_v(V_, rows_i, m_i, i_hk, o_vb, o_vb < V, HKV, V)
-        b_dqs = _dot_state(b_dob, tl.trans(b_h), DT) * tl.exp(b_pi + b_before)
-        b_dks = _dot_state(b_vb, tl.trans(b_dh), DT) * tl.exp(b_si + b_between)
-        b_dq += b_dqs
-        b_dk += b_dks
-        if GATED:
-            b_from += _per_gate(b_q * b_dqs, USE_GK)
-            b_to += _per_gate(b_k * b_dks, USE_GK)
-            b_through += tl.sum(b_h * b_dh, axis=1, keep_dims=True)
-    m_qk = m_i[:, None] & m_k[None, :]
-    tl.store(DQ + (rows_i[:, None] * H + i_h) * K + o_k[None, :], b_dq * SCALE, mask=m_qk)
-    tl.store(DK + (rows_i[:, None] * H + i_h) * K + o_k[None, :], b_dk, mask=m_qk)
-    if GATED:
-        # through the whole chunk: its decay e^{L_C} on the start state
-        b_through = _per_gate(tl.trans(b_through) * tl.exp(b_before + b_tot_i + b_between), USE_GK)  # [1, KG]
-        b_up += b_from
-        b_down += b_to
-        b_dlog = _cumsum(b_up, axis=0, reverse=True) + (_cumsum(b_down, axis=0) - b_down) + b_inner + b_through
-        tl.store(DLOG + (rows_i[:, None] * H + i_h) * KG + o_g[None, :], b_dlog, mask=m_i[:, None])
-        tl.store(p_parts + NSUB * KG, tl.sum(b_from, axis=0))
-        tl.store(p_parts + (NSUB + 1) * KG, tl.sum(b_to, axis=0))
+            b_from = _per_gate(b_q * b_dqs, USE_GK)
+            b_to = _per_gate(b_k * b_dks, USE_GK)
+            b_dlog = _cumsum(b_from, axis=0, reverse=True) + (_cumsum(b_to, axis=0) - b_to) + b_inner + b_through
+            tl.store(p_log + rows[:, None] * H * KG, b_dlog, mask=m_s[:, None])
+        b_dh = b_dh * tl.trans(tl.exp(b_tot)) + _dot(tl.trans(b_q * tl.exp(b_p) * SCALE), b_do, DT)
 
 
 @triton.jit
@@ -635,11 +643,11 @@ def simple_gla_chunk_grads_v_kernel(
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """dv (per query head, float32) of the BC steps of sub-chunk I of a chunk, BV columns:
-        dv_j = (k_j e^{L(j, end]}) dS_end + sum_{i >= j} A_ij do_i,  A_ij = q_i · k_j e^{L(j, i]} (q scaled)."""
-    i_ci, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    NSUB: tl.constexpr = C // BC
-    i_c, i_i = i_ci // NSUB, i_ci % NSUB
+    """dv (per query head, float32) of a chunk's steps (BV columns), a sub-chunk I at a time from the last, from the
+    chunk's end adjoint (the output kernel backwards):
+        dv_j = (k_j e^{L(j, end of I]}) S̄ + scale sum_{i >= j in I} D_ij do_i   (D: `_intra`)
+        S̄ <- diag(e^{L_I}) S̄ + scale sum_{i in I} (q_i e^{P_i})ᵀ do_i"""
+    i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
@@ -649,26 +657,20 @@ def simple_gla_chunk_grads_v_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     o_r = tl.arange(0, BC)
     m_k, m_v = o_k < K, o_v < V
-    start = i_t * C + i_i * BC
-    rows_i, m_i = _steps(bos, eos, start, BC, REVERSE)
-    if tl.sum(m_i.to(tl.int32)) == 0:
-        return
-    b_q = _load_qk(Q, rows_i, m_i, i_h, o_k, m_k, H, K, MAP) * SCALE  # [BC, BK]
-    b_k = _load_qk(K_, rows_i, m_i, i_hk, o_k, m_k, HKV, K, MAP)
-    b_li = _key_log(G, GAMMA, GK, rows_i, m_i, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-    b_pi = _cumsum(b_li, axis=0)
-    b_si = tl.sum(b_li, axis=0, keep_dims=True) - b_pi  # Sloc of I
-    b_dv = _dot(tl.trans(_diag(b_q, b_k, b_pi, o_r, BC)), _load_v(DO, rows_i, m_i, i_h, o_v, m_v, H, V), DT)
-    b_between = tl.zeros_like(tl.sum(b_li, axis=0, keep_dims=True))
-    b_ki = b_k * tl.exp(b_si)
-    for ahead in range(i_i + 1, NSUB):
-        rows_j, m_j = _steps(bos, eos, i_t * C + ahead * BC, BC, REVERSE)
-        b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-        b_qj = _load_qk(Q, rows_j, m_j, i_h, o_k, m_k, H, K, MAP) * SCALE * tl.exp(_cumsum(b_lj, axis=0))
-        b_a = _dot(b_qj, tl.trans(b_ki * tl.exp(b_between)), tl.float32)  # A_JI [BC, BC]
-        b_dv += _dot(tl.trans(b_a), _load_v(DO, rows_j, m_j, i_h, o_v, m_v, H, V), DT)
-        b_between += tl.sum(b_lj, axis=0, keep_dims=True)
-    p_h = (i_cg * H + i_h).to(tl.int64) * K * V
-    b_dh = tl.load(DHS + p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-    b_dv += _dot_state(b_ki * tl.exp(b_between), b_dh, DT)
-    tl.store(DV + (rows_i[:, None] * H + i_h) * V + o_v[None, :], b_dv, mask=m_i[:, None] & m_v[None, :])
+    p_h = DHS + (i_cg * H + i_h).to(tl.int64) * K * V
+    b_dh = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
+    n_sub = tl.cdiv(tl.minimum(eos - bos - i_t * C, C), BC)
+    for back in range(0, n_sub):
+        start = i_t * C + (n_sub - 1 - back) * BC
+        rows, m_s = _steps(bos, eos, start, BC, REVERSE)
+        b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
+        b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
+        b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [BC, BV]
+        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK | 1]
+        b_p = _cumsum(b_l, axis=0)
+        b_tot = tl.sum(b_l, axis=0, keep_dims=True)
+        b_d = _intra(b_q, b_k, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC,
+                     USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT)
+        b_dv = _dot_state(b_k * tl.exp(b_tot - b_p), b_dh, DT) + _dot(tl.trans(b_d), b_do, DT) * SCALE
+        tl.store(DV + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv, mask=m_s[:, None] & m_v[None, :])
+        b_dh = b_dh * tl.trans(tl.exp(b_tot)) + _dot(tl.trans(b_q * tl.exp(b_p) * SCALE), b_do, DT)

@@ -81,6 +81,22 @@ def test_triton_against_the_oracle(case, launched):
     assert kinds == {case.algorithm}, f"the call ran {launched}, not its {case.algorithm} kernels"
 
 
+@pytest.mark.parametrize("case", [
+    Case("gla", ("gk",), shape=(1, 37, 2, 1, 32, 48), chunk=32, h0=True),
+    Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(1, 20, 2, 2, 32, 32), chunk=16, reverse=True),
+], ids=lambda c: c.id)
+def test_triton_chunked_kernels_by_blocks(case, monkeypatch):
+    """The chunked kernels' programs by blocks of K and V (the state kernels, dq / dk and their log decay gradient by
+    blocks of K, o and dv by blocks of V; the GPU's blocks are 32 to 64 wide): 16-wide blocks here, so every kernel
+    sees two or three of each, against the oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    small = {n: host.Tiles(16 if t.block_k else 0, 16 if t.block_v else 0, t.num_warps, t.num_stages)
+             for n, t in host.CHUNKED.items()}
+    monkeypatch.setattr(host, "CHUNKED", small)
+    check(case, "triton")
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("recurrent_ops")
@@ -114,6 +130,13 @@ def test_strong_gates_stay_finite_and_accurate():
     case = Case("recurrent", ALL, shape=(1, 64, 2, 2, 16, 16), chunk=32, strong=True, h0=True)
     o, final, grads = check(case, "xla", factor=0.05)
     assert all(np.isfinite(np.asarray(x)).all() for x in (o, final, *grads.values()))
+
+
+def test_strong_gates_on_the_chunked_triton_kernels():
+    """The same gates (but gv, which the chunked kernels do not take) on Triton's chunked kernels: every decay a sum
+    of its own steps or of a sub-chunk's prefix sums, within 1e-5 of float64 (measured: 7e-6 at most, the gates')."""
+    case = Case("recurrent", ("g", "g_gamma", "gk"), shape=(1, 64, 2, 2, 16, 16), chunk=32, strong=True, h0=True)
+    check(case, "triton", factor=0.5)
 
 
 def test_no_drift_at_4096_steps():

@@ -6,9 +6,10 @@ With D_s the decay of step s (key side e^{g_s + g_gamma + gk_s}, value side e^{g
 state after step s (every later output's and the final state's share), the log decay's gradient is
     dL/dlog D_s = S̄_s ⊙ D_s ⊙ S_{s-1}    (summed over V for the key side, over K for the value side)
 a sum over the pairs (r, t) with r < s <= t of what k_r v_r (the initial state for r = 0) gives o_t (the final
-state for t = T); no term cancels another. The kernels write it per step (the chunked Triton ones with a share per
-sub-chunk that ``triton.host`` adds); here it becomes each gate's: gk takes the key side per channel, g its sum over
-the channels, g_gamma that summed over every step, gv the value side, each through the gate map's derivative.
+state for t = T); no term cancels another. The kernels write it per step (the chunked Triton ones a part per block of
+channels, which ``triton.host`` puts together); here it becomes each gate's: gk takes the key side per channel, g its
+sum over the channels, g_gamma that summed over every step, gv the value side, each through the gate map's
+derivative.
 
 (The gradient can also be written as reverse cumulative sums of q ⊙ dq - k ⊙ dk over the steps: exact, but its
 terms grow with the steps after s while the result does not, so float32 loses digits in proportion to T, and

@@ -9,8 +9,9 @@ from ejgen.runtime.core.kernels import KernelSet
 KERNEL_SETS = {
     "triton_chunked": KernelSet(
         "triton_chunked", "triton", ("fwd", "bwd"),
-        "Triton kernels generated from the spec: the states at chunk starts (a program per sequence x head, over the "
-        "chunks in order), then every chunk's output and gradients in parallel; gates g, g_gamma, gk"),
+        "Triton kernels generated from the spec: the states at chunk starts (a program per block of the state and "
+        "sequence x head, over the chunks in order), then every chunk's output and gradients in parallel, its "
+        "sub-chunks in turn; gates g, g_gamma, gk"),
     "triton_fused": KernelSet(
         "triton_fused", "triton", ("fwd", "bwd"),
         "Triton kernels generated from the spec: one pass over time per sequence x head x block of V, the state in "

@@ -7,7 +7,9 @@ Fused (one pass over time, a program per (block of BV value columns, sequence x 
 forward ``fused_fwd``; backward ``fused_bwd``, whose dq and dk (and the key side's log decay gradient) are partials per
 block of V summed here; with gates it keeps a checkpoint every FUSED_BT steps and a scratch of FUSED_BT states per
 program.
-Chunked (chunks of C steps): see ``chunked_forward`` / ``chunked_backward``.
+Chunked (chunks of C steps; a launch per function, ``CHUNKED`` their blocks and settings, notes/recurrent-perf.md):
+forward ``chunk_states`` then ``chunk_output``; backward ``chunk_states`` again, ``chunk_state_grads``, then
+``chunk_grads_qk`` (dq, dk and the key side's log decay gradient by blocks of K) and ``chunk_grads_v``.
 Kernels read the caller's arrays in place ([B, T, H, D], packed sequences by CU, reverse by index); outputs that a
 packed call may leave unwritten (tokens past the last sequence) are zeroed.
 """
@@ -29,10 +31,38 @@ F32 = jnp.float32
 CHUNKED_GATES = ("g", "g_gamma", "gk")  # the gates the chunked kernels take (gv runs on the fused ones)
 FUSED_BV = 32  # value columns of a fused program (its state: K x 32 float32 in registers)
 FUSED_BT = 16  # steps of a fused backward's block (a checkpoint per block; a block's states in a scratch of its own)
-STATE_BV = 64  # value columns of a chunked state program (forward and backward)
-OUTPUT_BV = 64  # value columns of a chunked output (and dv) program
 SUB = 16  # steps of a sub-chunk
 NUM_WARPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """A chunked kernel's launch: rows of K and columns of V of a program (0: the whole head dim, padded), warps and
+    software-pipelining stages."""
+
+    block_k: int
+    block_v: int
+    num_warps: int = NUM_WARPS
+    num_stages: int = 1
+
+
+# The chunked kernels' launches (notes/recurrent-perf.md): the state kernels walk a sequence's chunks in order, so
+# their programs are blocks of the state (rows of K decay on their own); the others are a program per chunk.
+CHUNKED = {
+    "chunk_state": Tiles(64, 64, 8, 2),
+    "chunk_state_bwd": Tiles(64, 64, 8, 2),
+    "chunk_output": Tiles(0, 64, 8, 1),
+    "chunk_grads_qk": Tiles(32, 0, 8, 1),
+    "chunk_grads_v": Tiles(0, 64, 8, 1),
+}
+
+
+def tiles(which: str, dk: int, dv: int) -> tuple[dict, dict]:
+    """({"BK", "BV"}: the blocks of chunked kernel ``which`` for head dims dk, dv; its launch options)."""
+    t = CHUNKED[which]
+    bk, bv = _pow2(dk), _pow2(dv)
+    blocks = dict(BK=min(t.block_k, bk) if t.block_k else bk, BV=min(t.block_v, bv) if t.block_v else bv)
+    return blocks, dict(num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 def available():
@@ -175,87 +205,101 @@ def _triton_dtype(dtype):
             jnp.dtype(jnp.float16): tl.float16}[jnp.dtype(dtype)]
 
 
-def _states(kernels, q, k, v, gates, h0, ctx, cfg):
+def chunk_states(kernels, k, v, gates, h0, ctx, cfg):
     """(HS [chunks, H, K, V]: the state at each chunk's start, final_state [N, H, K, V]), float32."""
-    ins, consts = _common(q, k, v, gates, h0, ctx, cfg)
-    chunks, first, per_row, grid_rows = _layout(ctx, cfg)
-    bv = min(STATE_BV, _pow2(cfg.dv))
+    ins, consts = _common(k, k, v, gates, h0, ctx, cfg)
+    _, first, per_row, grid_rows = _layout(ctx, cfg)
+    blocks, options = tiles("chunk_state", cfg.dk, cfg.dv)
+    c = {**_chunk_consts(k, cfg, consts), **blocks}
+    grid = (packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]), cfg.n_seqs * cfg.heads)
     sds = jax.ShapeDtypeStruct
-    c = _chunk_consts(q, cfg, consts)
     hs, ht = triton_call.launch(
-        kernels.get("chunk_state"), (packing.cdiv(cfg.dv, bv), cfg.n_seqs * cfg.heads),
-        [k, v, *ins[:3], ins[4], ins[5], first],
+        kernels.get("chunk_state"), grid, [k, v, *ins[:3], ins[4], ins[5], first],
         [sds((per_row * grid_rows, cfg.heads, cfg.dk, cfg.dv), F32), sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
-        num_warps=NUM_WARPS, num_stages=1, BV=bv, USE_H0=h0 is not None,
-        **{n: x for n, x in c.items() if n not in ("SCALE",)})
+        USE_H0=h0 is not None, **options, **{n: x for n, x in c.items() if n not in ("SCALE",)})
     return hs, ht
 
 
-def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
-    hs, ht = _states(kernels, q, k, v, gates, h0, ctx, cfg)
-    ins, consts = _common(q, k, v, gates, h0, ctx, cfg)
+def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs):
+    """o [B, T, H, V] in q's dtype from the states at the chunks' starts."""
+    ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
-    bv = min(OUTPUT_BV, _pow2(cfg.dv))
+    blocks, options = tiles("chunk_output", cfg.dk, cfg.dv)
     (o,) = triton_call.launch(
-        kernels.get("chunk_output"), (per_row * (cfg.chunk // SUB), packing.cdiv(cfg.dv, bv), grid_rows * cfg.heads),
+        kernels.get("chunk_output"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
         [q, k, v, *ins[:3], ins[5], chunks, hs], [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
-        zeroed=(0,) if cfg.varlen else (), num_warps=NUM_WARPS, num_stages=1, BV=bv, BC=SUB,
-        **_chunk_consts(q, cfg, consts))
-    return o, ht, {}
+        zeroed=(0,) if cfg.varlen else (), BC=SUB, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+    return o
+
+
+def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
+    hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg)
+    return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs), ht, {}
+
+
+def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht):
+    """(DHS [chunks, H, K, V]: the adjoint of the state at each chunk's end, d initial_state [N, H, K, V]), float32
+    (do in q's dtype)."""
+    ins, consts = _common(q, q, q, gates, None, ctx, cfg)
+    _, first, per_row, grid_rows = _layout(ctx, cfg)
+    blocks, options = tiles("chunk_state_bwd", cfg.dk, cfg.dv)
+    c = {**_chunk_consts(q, cfg, consts), **blocks}
+    grid = (packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]), cfg.n_seqs * cfg.heads)
+    sds = jax.ShapeDtypeStruct
+    state = (cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv)
+    dhs, dh0 = triton_call.launch(
+        kernels.get("chunk_state_bwd"), grid, [q, *ins[:3], ins[5], first, do, dht],
+        [sds((per_row * grid_rows,) + state[1:], F32), sds(state, F32)], **options,
+        **{n: x for n, x in c.items() if n != "HKV"})
+    return dhs, dh0
+
+
+def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do):
+    """(dq, dk of the mapped q and k, per query head, float32; the key side's log decay gradient per block of K,
+    DLOG [NK, B, T, H, BK | 1], or None) of every chunk from its start state and end adjoint, by blocks of K."""
+    ins, consts = _common(q, k, v, gates, None, ctx, cfg)
+    chunks, _, per_row, grid_rows = _layout(ctx, cfg)
+    blocks, options = tiles("chunk_grads_qk", cfg.dk, cfg.dv)
+    sds = jax.ShapeDtypeStruct
+    per_head = q.shape[:3]
+    gated = _gated(cfg)
+    nk = packing.cdiv(cfg.dk, blocks["BK"])
+    kg = blocks["BK"] if cfg.has("gk") else 1
+    dq, dk, dlog = triton_call.launch(
+        kernels.get("chunk_grads_qk"), (per_row, nk, grid_rows * cfg.heads),
+        [q, k, v, *ins[:3], ins[5], chunks, hs, dhs, do],
+        [sds(per_head + (cfg.dk,), F32), sds(per_head + (cfg.dk,), F32),
+         sds((nk,) + per_head + (kg,), F32) if gated else sds((1,), F32)],
+        zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, KG=kg,
+        ROWS=per_head[0] * per_head[1], **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+    return dq, dk, dlog if gated else None
+
+
+def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do):
+    """dv [B, T, H, V] per query head, float32, of every chunk from its end adjoint, by blocks of V."""
+    ins, consts = _common(q, k, k, gates, None, ctx, cfg)
+    chunks, _, per_row, grid_rows = _layout(ctx, cfg)
+    blocks, options = tiles("chunk_grads_v", cfg.dk, cfg.dv)
+    (dv,) = triton_call.launch(
+        kernels.get("chunk_grads_v"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
+        [q, k, *ins[:3], ins[5], chunks, dhs, do], [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), F32)],
+        zeroed=(0,) if cfg.varlen else (), BC=SUB, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+    return dv
+
+
+def key_log_grad(dlog, cfg):
+    """d_key [B, T, H, K | 1] from ``chunk_grads_qk``'s parts per block of K: side by side with gk, else summed."""
+    if cfg.has("gk"):  # [NK, B, T, H, BK] -> [B, T, H, NK x BK]
+        return jnp.moveaxis(dlog, 0, 3).reshape(dlog.shape[1:4] + (-1,))[..., :cfg.dk]
+    return jnp.sum(dlog, axis=0)
 
 
 def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg):
     """(dq, dk of the mapped q and k, dv; per query head, float32; dh0; the key side's log decay gradient d_key
     [B, T, H, K | 1] or None; None)."""
-    hs, _ = _states(kernels, q, k, v, gates, h0, ctx, cfg)
-    ins, consts = _common(q, k, v, gates, h0, ctx, cfg)
-    chunks, first, per_row, grid_rows = _layout(ctx, cfg)
-    c = _chunk_consts(q, cfg, consts)
-    sds = jax.ShapeDtypeStruct
+    hs, _ = chunk_states(kernels, k, v, gates, h0, ctx, cfg)
     do = do.astype(q.dtype)
-    state = (cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv)
-    bv = min(STATE_BV, _pow2(cfg.dv))
-    dhs, dh0 = triton_call.launch(
-        kernels.get("chunk_state_bwd"), (packing.cdiv(cfg.dv, bv), cfg.n_seqs * cfg.heads),
-        [q, *ins[:3], ins[5], first, do, dht], [sds(hs.shape, F32), sds(state, F32)],
-        num_warps=NUM_WARPS, num_stages=1, BV=bv, **{n: x for n, x in c.items() if n != "HKV"})
-    nsub = cfg.chunk // SUB
-    grid = (per_row * nsub, grid_rows * cfg.heads)
-    per_head = q.shape[:3]
-    gated = _gated(cfg)
-    kg = _pow2(cfg.dk) if cfg.has("gk") else 1
-    shares = [sds(per_head + (kg,), F32), sds((hs.shape[0], cfg.heads, nsub, nsub + 2, kg), F32)] if gated else \
-        [sds((1,), F32), sds((1,), F32)]
-    dq, dk, dlog, parts = triton_call.launch(
-        kernels.get("chunk_grads_qk"), grid, [q, k, v, *ins[:3], ins[5], chunks, hs, dhs, do],
-        [sds(per_head + (cfg.dk,), F32), sds(per_head + (cfg.dk,), F32), *shares],
-        zeroed=((0, 1, 2) if cfg.varlen else ()) + ((3,) if gated else ()), num_warps=NUM_WARPS, num_stages=1,
-        BV=bv, BVF=_pow2(cfg.dv), BC=SUB, KG=kg, **c)
-    bv = min(OUTPUT_BV, _pow2(cfg.dv))
-    (dv,) = triton_call.launch(
-        kernels.get("chunk_grads_v"), (grid[0], packing.cdiv(cfg.dv, bv), grid[1]),
-        [q, k, *ins[:3], ins[5], chunks, dhs, do], [sds(per_head + (cfg.dv,), F32)], zeroed=(0,) if cfg.varlen else (),
-        num_warps=NUM_WARPS, num_stages=1, BV=bv, BC=SUB, **c)
-    d_key = _key_log_grad(dlog, parts, ctx, cfg, first) if gated else None
-    return dq, dk, dv, dh0, d_key, None
-
-
-def _key_log_grad(dlog, parts, ctx, cfg, first):
-    """d_key [B, T, H, K | 1]: each step's share from ``chunk_grads_qk`` (DLOG) plus the pairs of its chunk that
-    pass its sub-chunk I by both ends (PARTS: r in J < I and t in J' > I; t in J' > I from the start state; r in J < I
-    to the end adjoint), the same for every step of I."""
-    nsub = cfg.chunk // SUB
-    u = jnp.arange(nsub)
-    pairs = parts[:, :, :, :nsub]  # [chunks, H, J' (t's sub-chunk), J (r's), KG], J < J'
-    straddle = (u[None, :, None] > u[:, None, None]) & (u[None, None, :] < u[:, None, None])  # [I, J', J]: J < I < J'
-    share = jnp.sum(jnp.where(straddle[None, None, :, :, :, None], pairs[:, :, None], 0.0), axis=(3, 4))
-    later = u[None, :] > u[:, None]  # [I, J']
-    share += jnp.sum(jnp.where(later[None, None, :, :, None], parts[:, :, None, :, nsub], 0.0), axis=3)
-    share += jnp.sum(jnp.where(later.T[None, None, :, :, None], parts[:, :, None, :, nsub + 1], 0.0), axis=3)
-    i, seq, valid = gradients.step_index(cfg, ctx.get("cu"))
-    c = cfg.chunk
-    chunk = (first[seq] if cfg.varlen else seq * packing.cdiv(cfg.seq_len, c)) + i // c
-    d_key = dlog + share[chunk, :, (i % c) // SUB]  # [B, T, H, KG]
-    if valid is not None:
-        d_key = jnp.where(valid[:, :, None, None], d_key, 0.0)
-    return d_key[..., :cfg.dk] if cfg.has("gk") else d_key
+    dhs, dh0 = chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht)
+    dq, dk, dlog = chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do)
+    dv = chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do)
+    return dq, dk, dv, dh0, None if dlog is None else key_log_grad(dlog, cfg), None
