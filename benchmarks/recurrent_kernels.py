@@ -1,0 +1,278 @@
+"""Each launch of the chunked linear-recurrent Triton kernels timed alone (issue 17, notes/recurrent-perf.md): gla
+and simple_gla, bf16, B4 T4096 H16 K = V = 128, chunks of 64, forward and backward.
+
+Every launch runs under jit on its real inputs (the outputs of the launches before it), through the host's own
+functions (`ejgen.runtime.recurrent.triton.host`: chunk_states, chunk_output, chunk_state_grads, chunk_grads_qk,
+chunk_grads_v), so what is timed is what the op launches; the XLA glue after the kernels (the log decay gradient's
+parts, `gates.finish`: head groups, dtypes, the gates' gradients) is timed on its own too, and the whole op (fwd,
+fwd+bwd) next to the sum of its parts. The table gives each launch's grid, launch settings, ms, and the GB/s and
+TFLOP/s of a model of what it reads, writes and multiplies (`traffic`: every operand read once per program that
+reads it, the MMAs the kernel issues; caches not modelled). The backward's states are recomputed by the same
+chunk_state launch as the forward's (listed once).
+
+Before the timings, the kernels' o and gradients at these shapes are compared with the XLA backend (relative error;
+FLAG past 2e-2, bf16).
+
+On the GPU host from the repository root (jax-triton from .whl, as benchmarks/recurrent.py):
+
+    PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 benchmarks/recurrent_kernels.py
+
+`--sweep` also times each kernel under a few other launch settings (blocks, warps, stages; `SWEEP`), the defaults
+marked; `--shapes 2x16384` other shapes; `--cpu-smoke` tiny shapes in Triton's interpreter without a GPU (plumbing
+only: its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import statistics
+import sys
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default="gla,simple_gla")
+    p.add_argument("--shapes", default="4x4096", help="comma-separated BxT")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sweep", action="store_true", help="also time each kernel under the settings of SWEEP")
+    p.add_argument("--no-check", action="store_true", help="skip the comparison with the XLA backend")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in Triton's interpreter")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.cpu_smoke:  # before triton, jax and the kernels are imported
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's ejgen, run from anywhere
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ejgen.runtime.recurrent import api, gates as gradients  # noqa: E402
+from ejgen.runtime.recurrent.triton import host  # noqa: E402
+from ejgen.testing.timing import median_seconds  # noqa: E402
+
+GATES = {"gla": ("gk",), "simple_gla": ("g",), "lightning_attention": ("g_gamma",)}
+FLAG = 2e-2
+SWEEP = {  # other launch settings to time with --sweep (block_k, block_v, warps, stages; 0: the head dim whole)
+    "chunk_state": [(64, 64, 4, 2), (64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 3),
+                    (128, 64, 8, 2)],
+    "chunk_output": [(0, 64, 4, 1), (0, 128, 8, 1), (0, 32, 4, 1), (0, 64, 8, 2), (0, 128, 4, 1)],
+    "chunk_state_bwd": [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
+    "chunk_grads_qk": [(64, 0, 8, 1), (16, 0, 8, 1), (32, 0, 4, 1), (32, 0, 8, 2), (64, 0, 4, 1)],
+    "chunk_grads_v": [(0, 64, 4, 1), (0, 128, 8, 1), (0, 32, 4, 1), (0, 64, 8, 2)],
+}
+
+
+def make_inputs(op, b, t, h, d, seed=0):
+    """q, k, v, do (bf16, [B, T, H, D]) and the op's gates (float32; GLA's logsigmoid(x) / 16)."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q, k, v, do = (jax.random.normal(keys[i], (b, t, h, d), jnp.bfloat16) for i in range(4))
+    g = {}
+    if "gk" in GATES[op]:
+        g["gk"] = jax.nn.log_sigmoid(jax.random.normal(keys[4], (b, t, h, d), jnp.float32)) / 16
+    if "g" in GATES[op]:
+        g["g"] = jax.nn.log_sigmoid(jax.random.normal(keys[5], (b, t, h), jnp.float32)) / 16
+    if "g_gamma" in GATES[op]:
+        g["g_gamma"] = -(8.0 / h) * (jnp.arange(h, dtype=jnp.float32) + 1) * np.log(2.0) / 8
+    return q, k, v, do, g
+
+
+@dataclasses.dataclass
+class Stage:
+    name: str  # the kernel (or glue) it launches
+    raw: object  # the function
+    fn: object  # jitted
+    args: tuple
+    grid: tuple = ()
+    tiles: object = None
+    bytes: float = 0.0
+    flops: float = 0.0
+
+
+def traffic(which, cfg, tiles):
+    """(bytes, flops) of one launch of chunked kernel ``which``: each operand read once per program that reads it
+    (bf16 q, k, v, do; float32 gates, states and gradients), the products its programs issue."""
+    b, t, h, kd, vd, c, sub = cfg.batch, cfg.seq_len, cfg.heads, cfg.dk, cfg.dv, cfg.chunk, host.SUB
+    rows = b * t * h  # steps x heads
+    chunks = b * (-(-t // c)) * h
+    bk = min(tiles.block_k or kd, kd)
+    bv = min(tiles.block_v or vd, vd)
+    nk, nv = -(-kd // bk), -(-vd // bv)
+    gate = 4 * (kd if cfg.has("gk") else 1)  # bytes of a step's log gate
+    state = chunks * kd * vd * 4
+    nsub = c // sub
+    recompute = (nsub - 1) / 2  # sub-chunk updates per sub-chunk to rebuild the state at its start (dq, dk)
+    if which in ("chunk_state", "chunk_state_bwd"):
+        read = rows * (2 * kd * nv + 2 * vd * nk + gate * nv)
+        return read + state, 2 * rows * kd * vd
+    if which == "chunk_output":
+        read = rows * ((2 * 2 * kd + gate) * nv + 2 * vd) + state
+        flops = rows * (4 * kd * vd + 2 * sub * vd + 2 * sub * kd * nv)
+        return read + rows * 2 * vd, flops
+    if which == "chunk_grads_qk":
+        read = rows * (2 * 2 * kd + gate + (2 * 2 * vd) * nk) * (1 + recompute) + 2 * state
+        flops = rows * (2 * kd * vd * (3 + recompute) + 2 * sub * vd * nk + 4 * sub * kd)
+        return read + rows * (8 * kd + (4 * kd if cfg.has("gk") else 4 * nk)), flops
+    if which == "chunk_grads_v":
+        read = rows * ((2 * 2 * kd + gate) * nv + 2 * vd) + state
+        flops = rows * (4 * kd * vd + 2 * sub * vd + 2 * sub * kd * nv)
+        return read + rows * 4 * vd, flops
+    raise ValueError(which)
+
+
+def stages(op_name, b, t, h, d):
+    """The launches of one forward and backward call, in order, each a Stage on its real inputs."""
+    q, k, v, do, g = make_inputs(op_name, b, t, h, d)
+    op_module = importlib.import_module(f"ejgen.generated.{op_name}.op")
+    kernels = op_module.BACKENDS["triton"].KERNELS
+    call = api.prepare(op_module.SPEC, q, k, v, **g, algorithm="chunked", chunked=host.CHUNKED_GATES)
+    cfg, gates, ctx = call.cfg, call.gates, call.ctx
+    dht = jnp.zeros((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), jnp.float32)
+    out = []
+
+    def add(name, raw, *args, grid=()):
+        fn = jax.jit(raw)
+        result = jax.block_until_ready(fn(*args))
+        tiles = host.CHUNKED.get(name)
+        nbytes, flops = traffic(name, cfg, tiles) if tiles else (0.0, 0.0)
+        out.append(Stage(name, raw, fn, args, grid, tiles, nbytes, flops))
+        return result
+
+    blocks = {n: host.tiles(n, cfg.dk, cfg.dv)[0] for n in host.CHUNKED}
+    n_c, rows_h = -(-t // cfg.chunk), b * h
+    nkv = lambda n: -(-cfg.dk // blocks[n]["BK"]) * -(-cfg.dv // blocks[n]["BV"])  # noqa: E731
+    hs, _ = add("chunk_state", lambda k, v, g: host.chunk_states(kernels, k, v, g, None, ctx, cfg), k, v, gates,
+                grid=(nkv("chunk_state"), rows_h))
+    add("chunk_output", lambda q, k, v, g, hs: host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs), q, k, v, gates,
+        hs, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h))
+    dhs, dh0 = add("chunk_state_bwd", lambda q, g, do, dht: host.chunk_state_grads(kernels, q, g, ctx, cfg, do, dht),
+                   q, gates, do, dht, grid=(nkv("chunk_state_bwd"), rows_h))
+    dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do: host.chunk_grads_qk(
+        kernels, q, k, v, g, ctx, cfg, hs, dhs, do), q, k, v, gates, hs, dhs, do,
+        grid=(n_c, -(-cfg.dk // blocks["chunk_grads_qk"]["BK"]), rows_h))
+    dv = add("chunk_grads_v", lambda q, k, g, dhs, do: host.chunk_grads_v(kernels, q, k, g, ctx, cfg, dhs, do),
+             q, k, gates, dhs, do, grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h))
+
+    def glue(q, k, v, g, dq, dk, dv, dh0, dlog):
+        d_key = None if dlog is None else host.key_log_grad(dlog, cfg)
+        return gradients.finish(kernels.hooks, q, k, v, g, None, cfg, dq, dk, dv, dh0, d_key)
+
+    add("glue (XLA)", glue, q, k, v, gates, dq, dk, dv, dh0, dlog)
+    op = getattr(importlib.import_module(f"ejgen.generated.{op_name}"), op_name)
+
+    def fwd(q, k, v, g):
+        return op(q, k, v, **g, platform="triton", algorithm="chunked")
+
+    def fwd_bwd(q, k, v, g, do):
+        (o, ht), vjp = jax.vjp(fwd, q, k, v, g)
+        return vjp((do, jnp.zeros_like(ht)))
+
+    add("op fwd", fwd, q, k, v, g)
+    add("op fwd+bwd", fwd_bwd, q, k, v, g, do)
+    return out, (q, k, v, do, g, fwd)
+
+
+def check(op_name, inputs):
+    """Relative errors of the Triton op's o, final state and gradients against the XLA backend's (float32 math on
+    the same bf16 inputs)."""
+    q, k, v, do, g, fwd = inputs
+    op = getattr(importlib.import_module(f"ejgen.generated.{op_name}"), op_name)
+
+    def both(platform):
+        def f(q, k, v, g):
+            return op(q, k, v, **g, platform=platform, algorithm="chunked")
+
+        (o, ht), vjp = jax.vjp(jax.jit(f), q, k, v, g)
+        return {"o": o, "final_state": ht, **dict(zip(("dq", "dk", "dv", "dgates"), vjp((do, jnp.zeros_like(ht)))))}
+
+    got, ref = both("triton"), both("xla")
+    errors = {}
+    for name in got:
+        a, r = jax.tree.leaves(got[name]), jax.tree.leaves(ref[name])
+        for i, (x, y) in enumerate(zip(a, r)):
+            x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+            errors[name + (f"[{i}]" if len(a) > 1 else "")] = float(np.linalg.norm(x - y) / max(np.linalg.norm(y),
+                                                                                                 1e-30))
+    return errors
+
+
+def time_stages(all_stages, reps, rounds, batch):
+    """Median ms per stage over interleaved rounds."""
+    samples = {id(s): [] for s in all_stages}
+    for _ in range(rounds):
+        for s in all_stages:
+            samples[id(s)].append(median_seconds(s.fn, s.args, reps, batch=batch))
+    return {id(s): statistics.median(samples[id(s)]) * 1e3 for s in all_stages}
+
+
+def table(title, rows, ms):
+    print(f"\n{title}\n")
+    print("| kernel | grid | BK, BV, warps, stages | ms | GB/s | TFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    for s in rows:
+        t = ms[id(s)]
+        tiles = "" if s.tiles is None else ", ".join(str(x) for x in dataclasses.astuple(s.tiles))
+        rate = (f"{s.bytes / t / 1e6:.0f}", f"{s.flops / t / 1e9:.1f}") if s.bytes else ("", "")
+        print(f"| {s.name} | {'x'.join(map(str, s.grid))} | {tiles} | {t:.3f} | {rate[0]} | {rate[1]} |", flush=True)
+    kernels = [s for s in rows if s.tiles is not None]
+    fwd = sum(ms[id(s)] for s in kernels if s.name in ("chunk_state", "chunk_output"))
+    bwd = sum(ms[id(s)] for s in rows if s.name not in ("chunk_output", "op fwd", "op fwd+bwd"))
+    print(f"\nsum of parts: fwd {fwd:.3f} ms (state + output); fwd+bwd {fwd + bwd:.3f} ms (the state kernel twice, "
+          "as the op runs it)")
+
+
+def sweep(op_name, stage_list, reps, rounds, batch):
+    """Each kernel under the settings of SWEEP (the others at their defaults)."""
+    defaults = dict(host.CHUNKED)
+    print(f"\n{op_name}: launch settings (BK, BV, warps, stages; * = default)\n")
+    print("| kernel | settings | ms |")
+    print("|---|---|---|")
+    for s in stage_list:
+        if s.tiles is None:
+            continue
+        for setting in [dataclasses.astuple(defaults[s.name])] + SWEEP.get(s.name, []):
+            host.CHUNKED[s.name] = host.Tiles(*setting)
+            try:
+                fn = jax.jit(s.raw)
+                jax.block_until_ready(fn(*s.args))
+                t = statistics.median(median_seconds(fn, s.args, reps, batch=batch) for _ in range(rounds)) * 1e3
+                shown = f"{t:.3f}"
+            except Exception as e:  # noqa: BLE001 - a setting that does not compile is reported, not fatal
+                shown = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+            mark = " *" if host.Tiles(*setting) == defaults[s.name] else ""
+            print(f"| {s.name} | {', '.join(map(str, setting))}{mark} | {shown} |", flush=True)
+        host.CHUNKED[s.name] = defaults[s.name]
+
+
+def main():
+    args = ARGS
+    smoke = args.cpu_smoke
+    shapes = [(1, 64)] if smoke else [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    h, d = (2, 32) if smoke else (16, 128)
+    reps, rounds, batch = (1, 1, 1) if smoke else (args.reps, args.rounds, 8)
+    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; bf16, H={h}, K=V={d}, chunks of 64",
+          flush=True)
+    for b, t in shapes:
+        for op_name in args.ops.split(","):
+            stage_list, inputs = stages(op_name, b, t, h, d)
+            if not args.no_check:
+                errors = check(op_name, inputs)
+                print(f"\n{op_name} B{b} T{t}: Triton against XLA (relative error): " + ", ".join(
+                    f"{n} {e:.1e}" + (" FLAG" if e > FLAG else "") for n, e in errors.items()), flush=True)
+            ms = time_stages(stage_list, reps, rounds, batch)
+            table(f"{op_name} B{b} T{t}", stage_list, ms)
+            if args.sweep:
+                sweep(op_name, stage_list, reps, rounds, batch)
+
+
+if __name__ == "__main__":
+    main()
