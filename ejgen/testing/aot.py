@@ -231,7 +231,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
         kernel = getattr(module, f"{name}_{which}_kernel")
         sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
-        kconsts = {**consts, **blocks, "KG": blocks.get("BK") if "gk" in gates else 1}
+        kconsts = {**consts, **blocks}
         source = ASTSource(fn=kernel, signature=sig, attrs=aligned,
                            constexprs={n: kconsts[n] for n in kernel.arg_names if n in kconsts})
         compiled[which] = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)

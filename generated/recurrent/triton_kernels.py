@@ -568,7 +568,7 @@ def recurrent_chunk_grads_qk_kernel(
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr, KG: tl.constexpr, ROWS: tl.constexpr,
+    DT: tl.constexpr, ROWS: tl.constexpr,
 ):
     """dq and dk (of the mapped q and k, per query head, float32) of a chunk's steps in BK channels (V whole), a
     sub-chunk I at a time from the last: with S the state at I's start (the chunk's start state through the sub-chunks
@@ -576,7 +576,7 @@ def recurrent_chunk_grads_qk_kernel(
         dq_i = scale [e^{P_i} (do_i Sᵀ) + sum_{j <= i} dA_ij k_j e^{L(j, i]}]     (P_i: L(start of I, i])
         dk_j = e^{L(j, end of I]} (v_j S̄ᵀ) + scale sum_{i >= j} dA_ij q_i e^{L(j, i]}   (`_intra_grads`)
         S̄ <- diag(e^{L_I}) S̄ + scale sum_{i in I} (q_i e^{P_i})ᵀ do_i
-    With gates, DLOG [NK, ROWS, H, KG] (a part per block of channels; KG = BK with gk, else 1): the key side's log decay
+    With gates, DLOG (with gk [ROWS, H, K], else a part per block of channels [NK, ROWS, H, 1]): the key side's log decay
     gradient of each step s of I, the sum over the pairs r < s <= t (r = the start state, t = the end adjoint included;
     docs/DESIGN.md §3 linear recurrent, "Gates' gradients") from the products above: t in I from S (q_t ⊙ its dq from
     S, summed over t >= s), r in I to S̄ (k_r ⊙ its dk from S̄, over r < s), both in I (`_intra_grads`), and r before I
@@ -594,7 +594,6 @@ def recurrent_chunk_grads_qk_kernel(
     GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
     p_h = (i_cg * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     m_h = m_k[:, None] & m_v[None, :]
-    p_log = DLOG + i_k.to(tl.int64) * ROWS * H * KG + i_h * KG + tl.arange(0, KG)[None, :]
     b_dh = tl.load(DHS + p_h, mask=m_h, other=0.0)  # [BK, BV]: S̄ at the chunk's end
     n_sub = tl.cdiv(tl.minimum(eos - bos - i_t * C, C), BC)
     for back in range(0, n_sub):
@@ -631,7 +630,10 @@ def recurrent_chunk_grads_qk_kernel(
             b_from = _per_gate(b_q * b_dqs, USE_GK)
             b_to = _per_gate(b_k * b_dks, USE_GK)
             b_dlog = _cumsum(b_from, axis=0, reverse=True) + (_cumsum(b_to, axis=0) - b_to) + b_inner + b_through
-            tl.store(p_log + rows[:, None] * H * KG, b_dlog, mask=m_s[:, None])
+            if USE_GK:
+                tl.store(DLOG + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dlog, mask=m_qk)
+            else:
+                tl.store(DLOG + i_k.to(tl.int64) * ROWS * H + rows[:, None] * H + i_h, b_dlog, mask=m_s[:, None])
         b_dh = b_dh * tl.trans(tl.exp(b_tot)) + _dot(tl.trans(b_q * tl.exp(b_p) * SCALE), b_do, DT)
 
 

@@ -255,8 +255,9 @@ def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht):
 
 
 def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do):
-    """(dq, dk of the mapped q and k, per query head, float32; the key side's log decay gradient per block of K,
-    DLOG [NK, B, T, H, BK | 1], or None) of every chunk from its start state and end adjoint, by blocks of K."""
+    """(dq, dk of the mapped q and k, per query head, float32; the key side's log decay gradient, DLOG [B, T, H, K]
+    with gk, else a part per block of K [NK, B, T, H, 1], or None) of every chunk from its start state and end adjoint,
+    by blocks of K."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_qk", cfg.dk, cfg.dv)
@@ -264,14 +265,13 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do):
     per_head = q.shape[:3]
     gated = _gated(cfg)
     nk = packing.cdiv(cfg.dk, blocks["BK"])
-    kg = blocks["BK"] if cfg.has("gk") else 1
+    log = per_head + (cfg.dk,) if cfg.has("gk") else (nk,) + per_head + (1,)
     dq, dk, dlog = triton_call.launch(
         kernels.get("chunk_grads_qk"), (per_row, nk, grid_rows * cfg.heads),
         [q, k, v, *ins[:3], ins[5], chunks, hs, dhs, do],
-        [sds(per_head + (cfg.dk,), F32), sds(per_head + (cfg.dk,), F32),
-         sds((nk,) + per_head + (kg,), F32) if gated else sds((1,), F32)],
-        zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, KG=kg,
-        ROWS=per_head[0] * per_head[1], **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+        [sds(per_head + (cfg.dk,), F32), sds(per_head + (cfg.dk,), F32), sds(log if gated else (1,), F32)],
+        zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
+        **options, **{**_chunk_consts(q, cfg, consts), **blocks})
     return dq, dk, dlog if gated else None
 
 
@@ -288,10 +288,8 @@ def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do):
 
 
 def key_log_grad(dlog, cfg):
-    """d_key [B, T, H, K | 1] from ``chunk_grads_qk``'s parts per block of K: side by side with gk, else summed."""
-    if cfg.has("gk"):  # [NK, B, T, H, BK] -> [B, T, H, NK x BK]
-        return jnp.moveaxis(dlog, 0, 3).reshape(dlog.shape[1:4] + (-1,))[..., :cfg.dk]
-    return jnp.sum(dlog, axis=0)
+    """d_key [B, T, H, K | 1] from ``chunk_grads_qk``'s: as it is with gk, else its parts per block of K summed."""
+    return dlog if cfg.has("gk") else jnp.sum(dlog, axis=0)
 
 
 def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg):
