@@ -98,10 +98,12 @@ class Stage:
     flops: float = 0.0
 
 
-def traffic(which, cfg, tiles):
+def traffic(which, cfg, tiles, direct=True):
     """(bytes, flops) of one launch of chunked kernel ``which``: each operand read once per program that reads it
-    (bf16 q, k, v, do; float32 gates, states and gradients), the products its programs issue."""
+    (bf16 q, k, v, do; float32 gates and states; dq, dk, dv bf16 where ``direct``, else float32), the products its
+    programs issue."""
     b, t, h, kd, vd, c, sub = cfg.batch, cfg.seq_len, cfg.heads, cfg.dk, cfg.dv, cfg.chunk, host.SUB
+    grad = 2 if direct else 4  # bytes of a gradient's element
     rows = b * t * h  # steps x heads
     chunks = b * (-(-t // c)) * h
     bk = min(tiles.block_k or kd, kd)
@@ -121,11 +123,11 @@ def traffic(which, cfg, tiles):
     if which == "chunk_grads_qk":
         read = rows * (2 * 2 * kd + gate + (2 * 2 * vd) * nk) * (1 + recompute) + 2 * state
         flops = rows * (2 * kd * vd * (3 + recompute) + 2 * sub * vd * nk + 4 * sub * kd)
-        return read + rows * (8 * kd + (4 * kd if cfg.has("gk") else 4 * nk)), flops
+        return read + rows * (2 * grad * kd + (4 * kd if cfg.has("gk") else 4 * nk)), flops
     if which == "chunk_grads_v":
         read = rows * ((2 * 2 * kd + gate) * nv + 2 * vd) + state
         flops = rows * (4 * kd * vd + 2 * sub * vd + 2 * sub * kd * nv)
-        return read + rows * 4 * vd, flops
+        return read + rows * grad * vd, flops
     raise ValueError(which)
 
 
@@ -143,7 +145,7 @@ def stages(op_name, b, t, h, d):
         fn = jax.jit(raw)
         result = jax.block_until_ready(fn(*args))
         tiles = host.CHUNKED.get(name)
-        nbytes, flops = traffic(name, cfg, tiles) if tiles else (0.0, 0.0)
+        nbytes, flops = traffic(name, cfg, tiles, host._direct(kernels, cfg)) if tiles else (0.0, 0.0)
         out.append(Stage(name, raw, fn, args, grid, tiles, nbytes, flops))
         return result
 

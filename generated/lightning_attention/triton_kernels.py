@@ -570,9 +570,10 @@ def lightning_attention_chunk_grads_qk_kernel(
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """dq and dk (of the mapped q and k, per query head, float32) of a chunk's steps in BK channels (V whole), a
-    sub-chunk I at a time from the last: with S the state at I's start (the chunk's start state through the sub-chunks
-    before I, again) and S̄ the adjoint at I's end (from the chunk's end adjoint, backwards),
+    """dq and dk (of the mapped q and k, per query head; float32, or q's dtype where the host needs no sums) of a
+    chunk's steps in BK channels (V whole), a sub-chunk I at a time from the last: with S the state at I's start (the
+    chunk's start state through the sub-chunks before I, again) and S̄ the adjoint at I's end (from the chunk's end
+    adjoint, backwards),
         dq_i = scale [e^{P_i} (do_i Sᵀ) + sum_{j <= i} dA_ij k_j e^{L(j, i]}]     (P_i: L(start of I, i])
         dk_j = e^{L(j, end of I]} (v_j S̄ᵀ) + scale sum_{i >= j} dA_ij q_i e^{L(j, i]}   (`_intra_grads`)
         S̄ <- diag(e^{L_I}) S̄ + scale sum_{i in I} (q_i e^{P_i})ᵀ do_i
@@ -624,14 +625,15 @@ def lightning_attention_chunk_grads_qk_kernel(
             b_q, b_k, b_do, b_l, b_p, b_da, K_, V_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_v, m_v, o_r,
             H, HKV, K, V, BC, SCALE, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT)
         m_qk = m_s[:, None] & m_k[None, :]
-        tl.store(DQ + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dqs + b_dqi, mask=m_qk)
-        tl.store(DK + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dks + b_dki, mask=m_qk)
+        p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        tl.store(DQ + p_qk, (b_dqs + b_dqi).to(DQ.dtype.element_ty), mask=m_qk)
+        tl.store(DK + p_qk, (b_dks + b_dki).to(DK.dtype.element_ty), mask=m_qk)
         if GATED:
             b_from = _per_gate(b_q * b_dqs, USE_GK)
             b_to = _per_gate(b_k * b_dks, USE_GK)
             b_dlog = _cumsum(b_from, axis=0, reverse=True) + (_cumsum(b_to, axis=0) - b_to) + b_inner + b_through
             if USE_GK:
-                tl.store(DLOG + (rows[:, None] * H + i_h) * K + o_k[None, :], b_dlog, mask=m_qk)
+                tl.store(DLOG + p_qk, b_dlog, mask=m_qk)
             else:
                 tl.store(DLOG + i_k.to(tl.int64) * ROWS * H + rows[:, None] * H + i_h, b_dlog, mask=m_s[:, None])
         b_dh = b_dh * tl.trans(tl.exp(b_tot)) + _dot(tl.trans(b_q * tl.exp(b_p) * SCALE), b_do, DT)
@@ -645,8 +647,8 @@ def lightning_attention_chunk_grads_v_kernel(
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """dv (per query head, float32) of a chunk's steps (BV columns), a sub-chunk I at a time from the last, from the
-    chunk's end adjoint (the output kernel backwards):
+    """dv (per query head; float32, or v's dtype where the host needs no sums) of a chunk's steps (BV columns), a
+    sub-chunk I at a time from the last, from the chunk's end adjoint (the output kernel backwards):
         dv_j = (k_j e^{L(j, end of I]}) S̄ + scale sum_{i >= j in I} D_ij do_i   (D: `_intra`)
         S̄ <- diag(e^{L_I}) S̄ + scale sum_{i in I} (q_i e^{P_i})ᵀ do_i"""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -674,5 +676,6 @@ def lightning_attention_chunk_grads_v_kernel(
         b_d = _intra(b_q, b_k, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC,
                      USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT)
         b_dv = _dot_state(b_k * tl.exp(b_tot - b_p), b_dh, DT) + _dot(tl.trans(b_d), b_do, DT) * SCALE
-        tl.store(DV + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv, mask=m_s[:, None] & m_v[None, :])
+        tl.store(DV + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(DV.dtype.element_ty),
+                 mask=m_s[:, None] & m_v[None, :])
         b_dh = b_dh * tl.trans(tl.exp(b_tot)) + _dot(tl.trans(b_q * tl.exp(b_p) * SCALE), b_do, DT)

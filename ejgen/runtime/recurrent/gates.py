@@ -85,8 +85,10 @@ def finish(hooks, q, k, v, gates, h0, cfg, dphi_q, dphi_k, dv_h, dh0, d_key=None
     group, the inputs' dtypes."""
     group = cfg.groups
     dgates = gate_grads(gates, hooks, d_key, d_value)
-    dk = dphi_k.reshape(dphi_k.shape[:2] + (cfg.kv_heads, group, cfg.dk)).sum(3)
-    dv = dv_h.reshape(dv_h.shape[:2] + (cfg.kv_heads, group, cfg.dv)).sum(3)
+    dk, dv = dphi_k, dv_h
+    if group > 1:
+        dk = dk.reshape(dk.shape[:2] + (cfg.kv_heads, group, cfg.dk)).sum(3)
+        dv = dv.reshape(dv.shape[:2] + (cfg.kv_heads, group, cfg.dv)).sum(3)
     dq = dphi_q
     if hooks.feature_map_grad is not None:
         dq = dq * hooks.feature_map_grad(q.astype(F32))

@@ -254,10 +254,16 @@ def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht):
     return dhs, dh0
 
 
+def _direct(kernels, cfg) -> bool:
+    """Whether the chunked kernels write dq, dk and dv in the inputs' dtype: nothing left for the host to do to them
+    in float32 (no head groups to sum, no feature map's derivative)."""
+    return cfg.groups == 1 and kernels.hooks.feature_map_grad is None
+
+
 def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do):
-    """(dq, dk of the mapped q and k, per query head, float32; the key side's log decay gradient, DLOG [B, T, H, K]
-    with gk, else a part per block of K [NK, B, T, H, 1], or None) of every chunk from its start state and end adjoint,
-    by blocks of K."""
+    """(dq, dk of the mapped q and k per query head, float32, or q's dtype where ``_direct``; the key side's log decay
+    gradient, DLOG [B, T, H, K] with gk, else a part per block of K [NK, B, T, H, 1], or None) of every chunk from its
+    start state and end adjoint, by blocks of K."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_qk", cfg.dk, cfg.dv)
@@ -266,23 +272,26 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do):
     gated = _gated(cfg)
     nk = packing.cdiv(cfg.dk, blocks["BK"])
     log = per_head + (cfg.dk,) if cfg.has("gk") else (nk,) + per_head + (1,)
+    out = q.dtype if _direct(kernels, cfg) else F32
     dq, dk, dlog = triton_call.launch(
         kernels.get("chunk_grads_qk"), (per_row, nk, grid_rows * cfg.heads),
         [q, k, v, *ins[:3], ins[5], chunks, hs, dhs, do],
-        [sds(per_head + (cfg.dk,), F32), sds(per_head + (cfg.dk,), F32), sds(log if gated else (1,), F32)],
+        [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if gated else (1,), F32)],
         zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
         **options, **{**_chunk_consts(q, cfg, consts), **blocks})
     return dq, dk, dlog if gated else None
 
 
 def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do):
-    """dv [B, T, H, V] per query head, float32, of every chunk from its end adjoint, by blocks of V."""
+    """dv [B, T, H, V] per query head (float32, or the inputs' dtype where ``_direct``) of every chunk from its end
+    adjoint, by blocks of V."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_v", cfg.dk, cfg.dv)
     (dv,) = triton_call.launch(
         kernels.get("chunk_grads_v"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
-        [q, k, *ins[:3], ins[5], chunks, dhs, do], [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), F32)],
+        [q, k, *ins[:3], ins[5], chunks, dhs, do],
+        [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype if _direct(kernels, cfg) else F32)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
     return dv
 
@@ -293,8 +302,8 @@ def key_log_grad(dlog, cfg):
 
 
 def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg):
-    """(dq, dk of the mapped q and k, dv; per query head, float32; dh0; the key side's log decay gradient d_key
-    [B, T, H, K | 1] or None; None)."""
+    """(dq, dk of the mapped q and k, dv; per query head, float32 or the inputs' dtype (``_direct``); dh0; the key
+    side's log decay gradient d_key [B, T, H, K | 1] or None; None)."""
     hs, _ = chunk_states(kernels, k, v, gates, h0, ctx, cfg)
     do = do.astype(q.dtype)
     dhs, dh0 = chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht)
