@@ -95,7 +95,7 @@ def recurrent_fused_fwd_kernel(
     BV: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
     USE_GV: tl.constexpr, USE_H0: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequence x head first: grid axis 0 takes 2^31 - 1
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HKV)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
@@ -135,7 +135,7 @@ def recurrent_fused_bwd_kernel(
     gradient per step on the key and value sides, S̄_t ⊙ D_t ⊙ S_{t-1} summed over V and over K; for it CK [blocks,
     H, K, V] keeps the state at the start of every block of BT steps (sequence n's first block FIRST[n]) and SCR
     [N x H x NV, BT, K, BV] a block's decayed states D_t ⊙ S_{t-1}, each program its own."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequence x head first: grid axis 0 takes 2^31 - 1
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HKV)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
@@ -155,7 +155,7 @@ def recurrent_fused_bwd_kernel(
         else:
             first = i_n.to(tl.int64) * tl.cdiv(T, BT)
         p_ck = o_k[:, None] * V + o_v[None, :]  # in a checkpoint [K, V] of head i_h
-        p_scr = ((i_nh.to(tl.int64) * tl.num_programs(0) + i_v) * BT * K * BV + o_k[:, None] * BV
+        p_scr = ((i_nh.to(tl.int64) * tl.num_programs(1) + i_v) * BT * K * BV + o_k[:, None] * BV
                  + tl.arange(0, BV)[None, :])  # this program's scratch [BT, K, BV]
         # forward in time: the state at every block's start
         for i in range(0, eos - bos):
@@ -386,8 +386,8 @@ def _intra(b_q, b_k, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k
 
 @triton.jit
 def _blocks(V: tl.constexpr, BV: tl.constexpr):
-    """(block of K, block of V) of program id 0 of a state kernel: NV = cdiv(V, BV) blocks of V per block of K."""
-    i_kv = tl.program_id(0)
+    """(block of K, block of V) of program id 1 of a state kernel: NV = cdiv(V, BV) blocks of V per block of K."""
+    i_kv = tl.program_id(1)
     return i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
 
 
@@ -402,7 +402,7 @@ def recurrent_chunk_state_kernel(
     S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j over the chunk's steps j. A program per (block of BK rows x
     block of BV columns of the state, sequence x head): the gates decay each row of the state on its own."""
     i_k, i_v = _blocks(V, BV)
-    i_nh = tl.program_id(1)
+    i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     i_hk = i_h // (H // HKV)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
@@ -483,7 +483,7 @@ def recurrent_chunk_state_bwd_kernel(
     dS_start = diag(e^{L_C}) dS_end + sum_t (q_t e^{L(start, t]})ᵀ do_t; DH0 = dS at the sequence's start. Blocks as
     the forward's."""
     i_k, i_v = _blocks(V, BV)
-    i_nh = tl.program_id(1)
+    i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _bounds(CU, i_n, T, VARLEN)
     if VARLEN:

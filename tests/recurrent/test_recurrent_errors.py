@@ -134,3 +134,37 @@ def test_the_ops_are_exported():
 
     assert ejgen.ops.recurrent is recurrent
     np.testing.assert_array_equal(recurrent(Q, Q, Q, platform="xla")[1], np.zeros((2, 4, 8, 8)))
+
+
+def test_a_grid_cuda_cannot_launch_is_one_clear_error():
+    """Grids past CUDA's limits (65535 programs along axes 1 and 2) are refused before the launch, naming the
+    kernel and the axis; the recurrent kernels put sequence x head on axis 0, so a decode step of 4096 sequences x
+    32 heads launches (it needed 131072 programs along axis 1 before)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ejgen.runtime.launch import triton_call
+
+    def fake_kernel():
+        pass
+
+    with pytest.raises(ValueError, match=r"fake_kernel: grid \(1, 65536\) has 65536 programs along axis 1"):
+        triton_call.launch(fake_kernel, (1, 65536), [], [jax.ShapeDtypeStruct((1,), jnp.float32)])
+    seen = []
+    real = triton_call.launch
+
+    def spy(kernel, grid, *a, **kw):
+        seen.append((kernel.__name__, grid))
+        triton_call._check_grid(kernel, grid)
+        raise StopIteration
+
+    from ejgen import generated
+    q = jnp.zeros((4096, 1, 32, 16), jnp.float32)
+    h0 = jnp.zeros((4096, 32, 16, 16), jnp.float32)
+    triton_call.launch = spy
+    try:
+        with pytest.raises(StopIteration):
+            generated.gla(q, q, q, gk=jnp.zeros_like(q), initial_state=h0, algorithm="fused", platform="triton")
+    finally:
+        triton_call.launch = real
+    assert seen[0][0].endswith("fused_fwd_kernel") and seen[0][1][0] == 4096 * 32, seen

@@ -45,6 +45,19 @@ def available() -> tuple[bool, str]:
     return how is not None, why
 
 
+GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's grid: programs along axes 0, 1, 2
+
+
+def _check_grid(kernel, grid) -> None:
+    """A grid CUDA can launch: one clear error here instead of a failed launch on the device (the interpreter would
+    run it)."""
+    for axis, (n, limit) in enumerate(zip(grid, GRID_LIMITS)):
+        if int(n) > limit:
+            raise ValueError(f"{kernel.__name__}: grid {tuple(int(g) for g in grid)} has {int(n)} programs along axis "
+                             f"{axis}, more than CUDA launches ({limit}); the call is too large for this kernel "
+                             f"(fewer sequences x heads per call)")
+
+
 def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stages=2, autotune=None, aliases=None,
            **constexprs):
     """Run ``kernel[grid](*inputs, *outputs, **constexprs)``; returns the outputs as a list.
@@ -64,6 +77,8 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
     jax-triton's primitive nor ``pure_callback`` says so (their outputs come back typed invariant), and a
     gradient typed so would not match its varying input."""
     _check_aliases(kernel, inputs, out_shapes, aliases or {}, zeroed)
+    if not callable(grid):
+        _check_grid(kernel, grid)
     how, why = mode()
     axes = vma.varying_axes(inputs)
     if how == "gpu":

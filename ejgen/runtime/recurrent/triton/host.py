@@ -125,7 +125,7 @@ def forward(kernels: Kernels, q, k, v, gates, h0, ctx, cfg, save: bool):
     bv = _fused_bv(cfg)
     sds = jax.ShapeDtypeStruct
     o, ht = triton_call.launch(
-        kernels.get("fused_fwd"), (packing.cdiv(cfg.dv, bv), cfg.n_seqs * cfg.heads), [q, k, v, *ins],
+        kernels.get("fused_fwd"), (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dv, bv)), [q, k, v, *ins],
         [sds(q.shape[:3] + (cfg.dv,), q.dtype), sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
         zeroed=(0,) if cfg.varlen else (), num_warps=NUM_WARPS, num_stages=1,
         aliases={3 + H0_INPUT: 1} if h0 is not None and not save else None, BV=bv, **consts)
@@ -169,7 +169,7 @@ def _fused_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg):
             sds((cfg.n_seqs * cfg.heads * nv, FUSED_BT, cfg.dk, bv), F32) if gated else sds((1,), F32)]
     zeroed = (0, 1, 2) + ((4,) if key_side else ()) + ((5,) if cfg.has("gv") else ())
     dq, dk, dv, dh0, d_key, d_value, _, _ = triton_call.launch(
-        kernels.get("fused_bwd"), (nv, cfg.n_seqs * cfg.heads), [q, k, v, *ins, first, do.astype(q.dtype), dht],
+        kernels.get("fused_bwd"), (cfg.n_seqs * cfg.heads, nv), [q, k, v, *ins, first, do.astype(q.dtype), dht],
         outs, zeroed=zeroed if cfg.varlen else (), num_warps=NUM_WARPS, num_stages=1, BV=bv, ROWS=rows, BT=FUSED_BT,
         **consts)
     return (jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), dv, dh0, jnp.sum(d_key, axis=0) if key_side else None,
@@ -211,7 +211,7 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg):
     _, first, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_state", cfg.dk, cfg.dv)
     c = {**_chunk_consts(k, cfg, consts), **blocks}
-    grid = (packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]), cfg.n_seqs * cfg.heads)
+    grid = (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]))
     sds = jax.ShapeDtypeStruct
     hs, ht = triton_call.launch(
         kernels.get("chunk_state"), grid, [k, v, *ins[:3], ins[4], ins[5], first],
@@ -244,7 +244,7 @@ def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht):
     _, first, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_state_bwd", cfg.dk, cfg.dv)
     c = {**_chunk_consts(q, cfg, consts), **blocks}
-    grid = (packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]), cfg.n_seqs * cfg.heads)
+    grid = (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]))
     sds = jax.ShapeDtypeStruct
     state = (cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv)
     dhs, dh0 = triton_call.launch(
