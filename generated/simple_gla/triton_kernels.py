@@ -577,11 +577,11 @@ def simple_gla_chunk_grads_qk_kernel(
         dq_i = scale [e^{P_i} (do_i Sᵀ) + sum_{j <= i} dA_ij k_j e^{L(j, i]}]     (P_i: L(start of I, i])
         dk_j = e^{L(j, end of I]} (v_j S̄ᵀ) + scale sum_{i >= j} dA_ij q_i e^{L(j, i]}   (`_intra_grads`)
         S̄ <- diag(e^{L_I}) S̄ + scale sum_{i in I} (q_i e^{P_i})ᵀ do_i
-    With gates, DLOG (with gk [ROWS, H, K], else a part per block of channels [NK, ROWS, H, 1]): the key side's log decay
-    gradient of each step s of I, the sum over the pairs r < s <= t (r = the start state, t = the end adjoint included;
-    docs/DESIGN.md §3 linear recurrent, "Gates' gradients") from the products above: t in I from S (q_t ⊙ its dq from
-    S, summed over t >= s), r in I to S̄ (k_r ⊙ its dk from S̄, over r < s), both in I (`_intra_grads`), and r before I
-    with t after it, the same for every s of I: e^{L_I} S ⊙ S̄ summed over V."""
+    With gates, DLOG (with gk [ROWS, H, K], else a part per block of channels [NK, ROWS, H, 1]): the key side's log
+    decay gradient of each step s of I, the sum over the pairs r < s <= t (r = the start state, t = the end adjoint
+    included; docs/DESIGN.md §3 linear recurrent, "Gates' gradients") from the products above: t in I from S (q_t ⊙
+    its dq from S, summed over t >= s), r in I to S̄ (k_r ⊙ its dk from S̄, over r < s), both in I (`_intra_grads`),
+    and r before I with t after it, the same for every s of I: e^{L_I} S ⊙ S̄ summed over V."""
     i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
