@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One device call that checks and times what landed since the last GPU run, one lane of jobs per GPU of a 4-GPU host
+# (fewer GPUs: lanes share them), every job under a timeout and the whole call under DEADLINE seconds (default 560):
+#
+#   bash benchmarks/gpu_round.sh [LANE...]       LANE: rec | gluon | fla   (default all three, in parallel)
+#
+#   rec    GPUs 0-1: the recurrent GPU suite (3 pytest processes a GPU), then each chunked launch alone
+#          (recurrent_kernels.py) on GPU 0, and on GPU 1 the decode table, then (time allowing) every kernel of one
+#          call of the zoo's masked cases (trace_table.py: the XLA prologue before the kernel; issues 14, 15)
+#                                                                                    (issue 17: the rewritten kernels)
+#   gluon  GPU 2: the whole Gluon GPU file (block-layout cases included), then layouts vs FlexAttention (issue 14)
+#   fla    GPU 3: flash-linear-attention's times (recurrent_fla.py, its autotune), then ejgen's table with fla's
+#          column (recurrent.py --fla)                                               (issue 17's target)
+#
+# Run from the repository root after the .whl install line (carry .whl). Everything comes back as $OUT/round.txt
+# (each job's log, its rc and seconds; the device's file limit is 8 files) and $OUT/fla_tuned.tgz (fla's autotune
+# results: `tar xzf` it into benchmarks/fla_tuned/ and commit, so later hosts skip the tuning).
+set -u
+T0=$(date +%s)
+DEADLINE=${DEADLINE:-560}
+log=bench-out/round
+rm -rf "$log"; mkdir -p "$log" bench-out
+export TRITON_CACHE_DIR=$PWD/bench-out/triton-cache JAX_COMPILATION_CACHE_DIR=$PWD/bench-out/jax-cache
+export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+gpus=$(nvidia-smi -L | wc -l)
+gpu() { echo $(( $1 % gpus )); }
+
+left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
+
+job() {  # job NAME SECONDS CMD...: the command under min(SECONDS, time left - 15 s), its output in $log/NAME.txt
+  local name=$1 secs=$2 l s rc
+  shift 2
+  l=$(left)
+  if (( l < 45 )); then echo "$name: skipped (deadline)" >> "$log/summary.txt"; return; fi
+  (( secs > l - 15 )) && secs=$(( l - 15 ))
+  s=$(date +%s)
+  timeout "$secs" "$@" > "$log/$name.txt" 2>&1
+  rc=$?
+  echo "$name: rc $rc in $(( $(date +%s) - s )) s (limit $secs)" >> "$log/summary.txt"
+}
+
+lane_rec() {
+  OUT=$PWD/$log GPUS="$(gpu 0) $(gpu 1)" PER_GPU=3 job rec-tests 300 bash benchmarks/gpu_shards.sh rec-shards 285 \
+    tests/recurrent
+  CUDA_VISIBLE_DEVICES=$(gpu 0) job rec-kernels 170 python3 benchmarks/recurrent_kernels.py &
+  (
+    export CUDA_VISIBLE_DEVICES=$(gpu 1)
+    job rec-decode 150 python3 benchmarks/recurrent.py --decode-only --out "$log/dec"
+    job trace 120 python3 benchmarks/trace_table.py --cases causal,documents,chunked,flamingo --out "$log/trace"
+  ) &
+  wait
+}
+
+lane_gluon() {
+  export CUDA_VISIBLE_DEVICES=$(gpu 2)
+  EJGEN_FAILURE_LOG=$PWD/$log/gluon-failures.txt job gluon-tests 200 python3 -m pytest -m gpu -q -rf \
+    -p no:cacheprovider tests/attention/test_gluon.py
+  job layouts 150 python3 benchmarks/blocksparse.py --layouts-only --rounds 2 --reps 4 --out "$log/bs"
+  job layouts-flex 120 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --out "$log/bs"
+}
+
+lane_fla() {
+  export CUDA_VISIBLE_DEVICES=$(gpu 3)
+  job fla 330 python3 benchmarks/recurrent_fla.py --out "$log/fla/fla.json"
+  local fla=()
+  [ -f "$log/fla/fla.json" ] && fla=(--fla "$log/fla/fla.json")
+  job rec-bench 180 python3 benchmarks/recurrent.py "${fla[@]}" --out "$log/recb"
+}
+
+nvidia-smi --query-gpu=index,name --format=csv,noheader > "$log/summary.txt"
+for lane in ${*:-rec gluon fla}; do
+  "lane_$lane" &
+done
+wait
+{
+  echo "== summary ($(( $(date +%s) - T0 )) s)"; cat "$log/summary.txt"
+  [ -f "$log/rec-shards/failures.txt" ] && { echo "== recurrent failures"; cut -c1-400 "$log/rec-shards/failures.txt"; }
+  [ -f "$log/gluon-failures.txt" ] && { echo "== gluon failures"; cut -c1-400 "$log/gluon-failures.txt"; }
+  for f in rec-tests gluon-tests rec-kernels rec-decode layouts layouts-flex fla rec-bench trace; do
+    [ -f "$log/$f.txt" ] && { echo "== $f"; grep -vE "DeprecationWarning|^  (return|from) " "$log/$f.txt" | tail -70; }
+  done
+  [ -f "$log/trace/profile.md" ] && { echo "== trace/profile.md"; cat "$log/trace/profile.md"; }
+} > "$OUT/round.txt" 2>&1
+tuned=$(find "$log/fla" -maxdepth 1 -name fla_tuned -type d 2>/dev/null)
+[ -n "$tuned" ] && tar czf "$OUT/fla_tuned.tgz" -C "$tuned" .
+grep -E "^== summary" -A14 "$OUT/round.txt"
