@@ -218,3 +218,28 @@ def test_wrapper_refuses_what_a_ring_cannot_take():
     with pytest.raises(ValueError, match="cuts the token axis of query over mesh axis 'sp'"):
         flash_attention(*(x[0] for x in _qkv()), cu_seqlens_q=jnp.array([0, 16]), cu_seqlens_k=jnp.array([0, 16]),
                         max_seqlen_q=16, max_seqlen_k=16, mesh=mesh, in_specs=P("sp"))
+
+
+def test_a_rows_first_result_is_written_as_a_merge_into_nothing_would_give_it():
+    """`ring._write` (the first step's pair whose rows no earlier pair of the step wrote) equals `ring._merge` into
+    the zeros and -inf it replaces, bitwise, rows that see nothing included; `ring._fresh` says which slots of a
+    first step those are, on every device (a SKIP entry writes nothing)."""
+    rng = np.random.default_rng(0)
+    b, n, hkv, g, d, chunk = 1, 8, 2, 2, 4, 4
+    out_p = jnp.asarray(rng.normal(size=(b, chunk, hkv, g, d)), jnp.bfloat16)
+    lse_p = jnp.asarray(rng.normal(size=(b, hkv, g, chunk)), jnp.float32).at[0, 1, 0, 2].set(-jnp.inf)
+    acc, lse = jnp.zeros((b, n, hkv, g, d), jnp.float32), jnp.full((b, hkv, g, n), -jnp.inf, jnp.float32)
+    for q0 in (0, 4):
+        want, written = ring._merge(acc, lse, out_p, lse_p, q0, chunk), ring._write(acc, lse, out_p, lse_p, q0, chunk)
+        for x, y in zip(want, written):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    whole = ring._write(acc[:, :chunk], lse[..., :chunk], out_p, lse_p, 0, chunk)  # the pair covers every row
+    for x, y in zip(ring._merge(acc[:, :chunk], lse[..., :chunk], out_p, lse_p, 0, chunk), whole):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    full, skip = ring.FULL, ring.SKIP
+    # slots[step][slot][device] = (query chunk, key chunk, kind)
+    stage = ring.Stage(4, ((((0, 0, full), (1, 0, full)), ((1, 1, full), (1, 0, skip)), ((0, 1, full), (0, 0, full))),),
+                       0)
+    assert [ring._fresh(stage, j) for j in range(3)] == [True, False, False]  # 1: device 1's rows 1 (even skipped)
+    stage = ring.Stage(4, ((((0, 0, full), (1, 0, skip)), ((1, 1, full), (1, 0, full))),), 0)
+    assert [ring._fresh(stage, j) for j in range(2)] == [True, True]  # device 1's row 1: its slot 0 skipped
