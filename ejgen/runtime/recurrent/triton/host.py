@@ -37,13 +37,19 @@ NUM_WARPS = 4
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """A chunked kernel's launch: rows of K and columns of V of a program (0: the whole head dim, padded), warps and
-    software-pipelining stages."""
+    """A chunked kernel's launch: rows of K and columns of V of a program (0: the whole head dim, padded; else a power
+    of two >= 16, the tensor cores' least), warps and software-pipelining stages."""
 
     block_k: int
     block_v: int
     num_warps: int = NUM_WARPS
     num_stages: int = 1
+
+    def __post_init__(self):
+        for name in ("block_k", "block_v"):
+            b = getattr(self, name)
+            if b != 0 and (b < 16 or b & (b - 1)):
+                raise ValueError(f"Tiles.{name} must be 0 (the whole head dim) or a power of two >= 16, got {b}")
 
 
 # The chunked kernels' launches (notes/recurrent-perf.md): the state kernels walk a sequence's chunks in order, so
@@ -57,9 +63,17 @@ CHUNKED = {
 }
 
 
+# The head dim a chunked kernel's program takes whole: o and dv sum over K, dq and dk over V (their CHUNKED block
+# there must be 0; a part of it would leave the other channels out of every product).
+WHOLE = {"chunk_output": "block_k", "chunk_grads_v": "block_k", "chunk_grads_qk": "block_v"}
+
+
 def tiles(which: str, dk: int, dv: int) -> tuple[dict, dict]:
     """({"BK", "BV"}: the blocks of chunked kernel ``which`` for head dims dk, dv; its launch options)."""
     t = CHUNKED[which]
+    if which in WHOLE and getattr(t, WHOLE[which]):
+        raise ValueError(f"host.CHUNKED[{which!r}].{WHOLE[which]} must be 0: the kernel takes that head dim whole, "
+                         f"got {t}")
     bk, bv = _pow2(dk), _pow2(dv)
     blocks = dict(BK=min(t.block_k, bk) if t.block_k else bk, BV=min(t.block_v, bv) if t.block_v else bv)
     return blocks, dict(num_warps=t.num_warps, num_stages=t.num_stages)
