@@ -630,8 +630,11 @@ def recurrent_chunk_grads_qk_kernel(
         tl.store(DK + p_qk, (b_dks + b_dki).to(DK.dtype.element_ty), mask=m_qk)
         if GATED:
             b_from = _per_gate(b_q * b_dqs, USE_GK)
-            b_to = _per_gate(b_k * b_dks, USE_GK)
-            b_dlog = _cumsum(b_from, axis=0, reverse=True) + (_cumsum(b_to, axis=0) - b_to) + b_inner + b_through
+            # r < s by a product with the strict lower triangle: an inclusive cumsum less step s's own term would keep
+            # that term's rounding, undecayed, in a sum of terms decayed through s (e^{-L_s} times their size)
+            b_before = tl.where(o_r[:, None] > o_r[None, :], 1.0, 0.0)  # [BC, BC]
+            b_to = _per_gate(tl.dot(b_before, b_k * b_dks, input_precision="ieee"), USE_GK)
+            b_dlog = _cumsum(b_from, axis=0, reverse=True) + b_to + b_inner + b_through
             if USE_GK:
                 tl.store(DLOG + p_qk, b_dlog, mask=m_qk)
             else:

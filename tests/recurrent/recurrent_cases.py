@@ -43,6 +43,7 @@ class Case:
     algorithm: str = "chunked"
     chunk: int | None = 16
     strong: bool = False  # log gates down to -20 per step
+    gamma: float | None = None  # g_gamma of every head (None: drawn)
 
     @property
     def id(self) -> str:
@@ -50,6 +51,8 @@ class Case:
         parts = [self.op, "+".join(self.gates) or "nogate", self.algorithm + (str(self.chunk) if self.chunk else ""),
                  f"B{b}-T{t}-H{h}x{hkv}-K{k}-V{v}", self.dtype]
         parts += [name for name in ("h0", "reverse", "strong") if getattr(self, name)]
+        if self.gamma is not None:
+            parts.append(f"gamma{self.gamma:g}")
         if self.cu is not None:
             parts.append("cu" + "_".join(map(str, self.cu)))
         return "-".join(parts)
@@ -96,6 +99,8 @@ def inputs(case: Case, seed: int = 0) -> tuple[dict, np.ndarray, np.ndarray]:
     for name in case.gates:
         if name == "g_gamma":
             x[name] = -rng.uniform(0.02, 0.3, (h,)).astype(np.float32)
+            if case.gamma is not None:
+                x[name] = np.full((h,), case.gamma, np.float32)
         elif low is not None:
             x[name] = rng.uniform(low, 0.0, shapes[name]).astype(np.float32)
         else:  # log of a forget gate in [0.7, 1): the decays of trained models
