@@ -314,6 +314,14 @@ def _cumsum(x, axis: tl.constexpr, reverse: tl.constexpr = False):
 
 
 @triton.jit
+def _after(b_l):
+    """L(j, end]: the log gates of the steps after each step j of b_l [S, BK | 1] to its end, as a reverse cumsum less
+    step j's own (0 for the last step). Its error is u |L[j, end]|; the whole sum less a prefix sum, L_I - P_j, would
+    err by u |L_I| (3e-5 at a sub-chunk of -20 per step) on the terms that matter most, those of the last steps."""
+    return _cumsum(b_l, axis=0, reverse=True) - b_l
+
+
+@triton.jit
 def _dot(a, b, DT: tl.constexpr):
     """a @ b in float32: operands rounded to the inputs' 16-bit dtype (DT) for the tensor cores, exact float32 for
     float32 inputs. In Triton's interpreter (UPCAST, tests on a CPU) 16-bit operands are widened after the rounding:
@@ -425,7 +433,7 @@ def linear_attention_chunk_state_kernel(
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
-        b_after = _cumsum(b_l, axis=0, reverse=True) - b_l  # L(j, C]
+        b_after = _after(b_l)  # L(j, C]
         b_h = b_h * tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
         b_h += _dot(tl.trans(b_k * tl.exp(b_after)), b_v, DT)
     tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
@@ -470,7 +478,7 @@ def linear_attention_chunk_output_kernel(
         tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], (b_o * SCALE).to(O.dtype.element_ty),
                  mask=m_s[:, None] & m_v[None, :])
         b_tot = tl.sum(b_l, axis=0, keep_dims=True)  # [1, BK | 1]
-        b_s = b_s * tl.trans(tl.exp(b_tot)) + _dot(tl.trans(b_k * tl.exp(b_tot - b_p)), b_v, DT)
+        b_s = b_s * tl.trans(tl.exp(b_tot)) + _dot(tl.trans(b_k * tl.exp(_after(b_l))), b_v, DT)
 
 
 @triton.jit
@@ -606,7 +614,7 @@ def linear_attention_chunk_grads_qk_kernel(
             rows_j, m_j = _steps(bos, eos, i_t * C + i_j * BC, BC, REVERSE)
             b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
             b_tj = tl.sum(b_lj, axis=0, keep_dims=True)
-            b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP) * tl.exp(b_tj - _cumsum(b_lj, axis=0))
+            b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP) * tl.exp(_after(b_lj))
             b_h = b_h * tl.trans(tl.exp(b_tj)) + _dot(tl.trans(b_kj), _load_v(V_, rows_j, m_j, i_hk, o_v, m_v, HKV, V),
                                                       DT)
         rows, m_s = _steps(bos, eos, start, BC, REVERSE)
@@ -620,7 +628,7 @@ def linear_attention_chunk_grads_qk_kernel(
         b_dqs = _dot_state(b_do, tl.trans(b_h), DT) * tl.exp(b_p) * SCALE  # [BC, BK]
         if GATED:  # the pairs from before I to after it
             b_through = _per_gate(tl.trans(tl.sum(b_h * b_dh, axis=1, keep_dims=True)) * tl.exp(b_tot), USE_GK)
-        b_dks = _dot_state(b_v, tl.trans(b_dh), DT) * tl.exp(b_tot - b_p)
+        b_dks = _dot_state(b_v, tl.trans(b_dh), DT) * tl.exp(_after(b_l))
         b_da = tl.where(o_r[:, None] >= o_r[None, :], _dot(b_do, tl.trans(b_v), DT), 0.0) * SCALE  # [BC, BC]
         b_dqi, b_dki, b_inner = _intra_grads(
             b_q, b_k, b_do, b_l, b_p, b_da, K_, V_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_v, m_v, o_r,
@@ -679,7 +687,7 @@ def linear_attention_chunk_grads_v_kernel(
         b_tot = tl.sum(b_l, axis=0, keep_dims=True)
         b_d = _intra(b_q, b_k, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC,
                      USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT)
-        b_dv = _dot_state(b_k * tl.exp(b_tot - b_p), b_dh, DT) + _dot(tl.trans(b_d), b_do, DT) * SCALE
+        b_dv = _dot_state(b_k * tl.exp(_after(b_l)), b_dh, DT) + _dot(tl.trans(b_d), b_do, DT) * SCALE
         tl.store(DV + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(DV.dtype.element_ty),
                  mask=m_s[:, None] & m_v[None, :])
         b_dh = b_dh * tl.trans(tl.exp(b_tot)) + _dot(tl.trans(b_q * tl.exp(b_p) * SCALE), b_do, DT)

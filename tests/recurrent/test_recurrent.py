@@ -136,13 +136,16 @@ def test_strong_gates_stay_finite_and_accurate():
     Case("recurrent", ("g", "g_gamma", "gk"), shape=(1, 64, 2, 2, 16, 16), chunk=32, strong=True, h0=True),
     Case("recurrent", ("g_gamma", "gk"), shape=(1, 40, 2, 2, 16, 16), chunk=32, strong=True, gamma=-8.0),
     Case("lightning_attention", ("g_gamma",), shape=(1, 40, 2, 2, 16, 16), chunk=32, reverse=True, gamma=-20.0),
+    Case("simple_gla", ("g", "g_gamma"), shape=(1, 64, 2, 2, 16, 16), chunk=32, strong=True, gamma=-20.0),
 ], ids=lambda c: c.id)
 def test_strong_gates_on_the_chunked_triton_kernels(case):
     """The same gates (but gv, which the chunked kernels do not take) on Triton's chunked kernels: every decay a sum
     of its own steps or of a sub-chunk's prefix sums, within 1e-5 of float64 (measured: 7e-6 at most, the gates').
     With every head's decay strong the gates' gradients are tiny (e^{-20} of the others): the gradient of step s
     sums the pairs r < s, each decayed through s, rather than an inclusive sum less step s's own undecayed term,
-    whose rounding (e^{20} times the result) made dg_gamma 42% wrong, dgk 49%."""
+    whose rounding (e^{20} times the result) made dg_gamma 42% wrong, dgk 49%. A key's decay to its sub-chunk's end,
+    L(j, end], is a reverse cumsum less its own step's, not the sub-chunk's sum less a prefix sum (which erred by
+    u |L_I|, 3e-5 at -30 per step: dg_gamma 3.9e-5 in the last case, now 4e-6)."""
     check(case, "triton", factor=0.5)
 
 
