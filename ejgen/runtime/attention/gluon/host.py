@@ -135,9 +135,14 @@ def persistent_grid(tiles: int, sms: int | None = None) -> tuple:
     return (max(1, min(sms or num_sms(), tiles)), )
 
 
+def fwd_tiles(batch: int, hq: int, seq: int) -> int:
+    """The forward's tiles: (BLOCK_M query rows, batch * head) pairs."""
+    return -(-seq // BLOCK_M) * batch * hq
+
+
 def grid(batch: int, hq: int, seq: int, sms: int | None = None) -> tuple:
-    """The persistent forward's grid over (128 query rows, batch * head) tiles."""
-    return persistent_grid(-(-seq // BLOCK_M) * batch * hq, sms)
+    """The persistent forward's grid over its tiles (`fwd_tiles`)."""
+    return persistent_grid(fwd_tiles(batch, hq, seq), sms)
 
 
 NO_LISTS = dict(LIST=False, LIST_BATCH=1, LIST_HEADS=1, SUB_Q=0, SUB_K=0)  # the kernels walk ranges

@@ -300,7 +300,7 @@ def _gluon_forward(q, k, v, scalars, ctx, cfg):
     segments = _gluon_segments(ctx, cfg, sq, "fwd")
     ordered = gluon_attention.ordered(cfg)
     dynamic = gluon_attention.dynamic_tiles(  # tiles from a zeroed counter (TILE_CTR), the order as one list
-        cfg.causal, cfg.window, cfg.segments or cfg.layout, -(-sq // gluon_attention.BLOCK_M) * batch * hq, grid[0])
+        cfg.causal, cfg.window, cfg.segments or cfg.layout, gluon_attention.fwd_tiles(batch, hq, sq), grid[0])
     lists = None
     if cfg.layout:
         segments[2], lists, work = gluon_attention.fwd_lists(ctx, cfg, sq)
