@@ -208,13 +208,19 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--documents-only", action="store_true", help="only the document-mask call (config sweeps)")
     p.add_argument("--layouts-only", action="store_true", help="only the block layouts (local+global, random)")
+    p.add_argument("--layout-tokens", default="8192,32768", help="lengths of the block-layout cases")
     p.add_argument("--probe", action="store_true", help="also the generated kernels on the documents, one document, "
                                                         "and the Gluon kernels' tile ranges alone")
     a = p.parse_args()
     rows = [] if a.layouts_only else [r for tokens, docs in CASES
                                       for r in run(tokens, docs, a.reps, a.rounds, a.documents_only, a.probe)]
     if not a.documents_only:
-        rows += [r for kind, tokens in LAYOUTS for r in run_layout(kind, tokens, a.reps, a.rounds)]
+        lengths = {int(t) for t in a.layout_tokens.split(",") if t}
+        for kind, tokens in LAYOUTS:
+            if tokens in lengths:
+                case = run_layout(kind, tokens, a.reps, a.rounds)
+                print(table(case), flush=True)  # each case as it ends: a call cut short still reports what ran
+                rows += case
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ejgen.json").write_text(json.dumps(rows, indent=1))

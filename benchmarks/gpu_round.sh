@@ -11,6 +11,11 @@
 #   gluon  GPU 2: the whole Gluon GPU file (block-layout cases included), then layouts vs FlexAttention (issue 14)
 #   fla    GPU 3: flash-linear-attention's times (recurrent_fla.py, its autotune), then ejgen's table with fla's
 #          column (recurrent.py --fla)                                               (issue 17's target)
+#   gtests GPUs 0-1: the Gluon GPU file sharded (2 processes a GPU; one process takes over 200 s), then the 2-GPU
+#          ring's per-device kernel timeline at 32k (ring.py --parts profile)           (issues 14, 18)
+#   layouts GPU 2: block layouts vs FlexAttention, 8k first, each case printed as it ends   (issue 14)
+#   dispatch GPU 3: how much of a short call is not its kernels (dispatch.py), with XLA's command buffers on and
+#          off, then the zoo's GPU tests                                               (issues 14, 15)
 #
 # Run from the repository root after the .whl install line (carry .whl). Everything comes back as $OUT/round.txt
 # (each job's log, its rc and seconds; the device's file limit is 8 files) and $OUT/fla_tuned.tgz (fla's autotune
@@ -67,6 +72,31 @@ lane_fla() {
   job rec-bench 180 python3 benchmarks/recurrent.py "${fla[@]}" --out "$log/recb"
 }
 
+lane_gtests() {
+  OUT=$PWD/$log GPUS="$(gpu 0) $(gpu 1)" PER_GPU=2 job gluon-tests 290 bash benchmarks/gpu_shards.sh gluon-shards 275 \
+    tests/attention/test_gluon.py
+  CUDA_VISIBLE_DEVICES=$(gpu 0),$(gpu 1) job ring-profile 200 python3 benchmarks/ring.py --devices 2 --parts profile \
+    --seqs 32768 --heads 16/16 --passes fwd,fwdbwd --out "$log/ring"
+}
+
+lane_layouts() {
+  export CUDA_VISIBLE_DEVICES=$(gpu 2)
+  job layouts 230 python3 benchmarks/blocksparse.py --layouts-only --layout-tokens 8192 --rounds 2 --reps 4 \
+    --out "$log/bs"
+  job layouts-flex 120 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --out "$log/bs"
+  job layouts-32k 200 python3 benchmarks/blocksparse.py --layouts-only --layout-tokens 32768 --rounds 2 --reps 4 \
+    --out "$log/bs32"
+}
+
+lane_dispatch() {
+  export CUDA_VISIBLE_DEVICES=$(gpu 3)
+  job dispatch 150 python3 benchmarks/dispatch.py --out "$log/disp"
+  job dispatch-nocb 150 env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/dispatch.py \
+    --out "$log/disp2"
+  EJGEN_FAILURE_LOG=$PWD/$log/zoo-failures.txt job zoo-tests 220 python3 -m pytest -m gpu -q -rf \
+    -p no:cacheprovider tests/zoo
+}
+
 nvidia-smi --query-gpu=index,name --format=csv,noheader > "$log/summary.txt"
 for lane in ${*:-rec gluon fla}; do
   "lane_$lane" &
@@ -76,10 +106,14 @@ wait
   echo "== summary ($(( $(date +%s) - T0 )) s)"; cat "$log/summary.txt"
   [ -f "$log/rec-shards/failures.txt" ] && { echo "== recurrent failures"; cut -c1-400 "$log/rec-shards/failures.txt"; }
   [ -f "$log/gluon-failures.txt" ] && { echo "== gluon failures"; cut -c1-400 "$log/gluon-failures.txt"; }
-  for f in rec-tests gluon-tests rec-kernels rec-decode layouts layouts-flex fla rec-bench trace; do
+  [ -f "$log/gluon-shards/failures.txt" ] && { echo "== gluon failures"; cut -c1-400 "$log/gluon-shards/failures.txt"; }
+  [ -f "$log/zoo-failures.txt" ] && { echo "== zoo failures"; cut -c1-400 "$log/zoo-failures.txt"; }
+  for f in rec-tests gluon-tests rec-kernels rec-decode layouts layouts-flex layouts-32k fla rec-bench dispatch \
+           dispatch-nocb zoo-tests ring-profile trace; do
     [ -f "$log/$f.txt" ] && { echo "== $f"; grep -vE "DeprecationWarning|^  (return|from) " "$log/$f.txt" | tail -70; }
   done
   [ -f "$log/trace/profile.md" ] && { echo "== trace/profile.md"; cat "$log/trace/profile.md"; }
+  [ -f "$log/ring/profile.md" ] && { echo "== ring/profile.md"; cat "$log/ring/profile.md"; }
 } > "$OUT/round.txt" 2>&1
 tuned=$(find "$log/fla" -maxdepth 1 -name fla_tuned -type d 2>/dev/null)
 [ -n "$tuned" ] && tar czf "$OUT/fla_tuned.tgz" -C "$tuned" .
