@@ -2,8 +2,8 @@
 and simple_gla, bf16, B4 T4096 H16 K = V = 128, chunks of 64, forward and backward.
 
 Every launch runs under jit on its real inputs (the outputs of the launches before it), through the host's own
-functions (`ejgen.runtime.recurrent.triton.host`: chunk_states, chunk_output, chunk_state_grads, chunk_grads_qk,
-chunk_grads_v), so what is timed is what the op launches; the XLA glue after the kernels (the log decay gradient's
+functions (`ejgen.runtime.recurrent.triton.host`: chunk_states, chunk_intra (gk), chunk_output, chunk_state_grads,
+chunk_grads_qk, chunk_grads_v), so what is timed is what the op launches; the XLA glue after the kernels (the log decay gradient's
 parts, `gates.finish`: head groups, dtypes, the gates' gradients) is timed on its own too, and the whole op (fwd,
 fwd+bwd) next to the sum of its parts. The table gives each launch's grid, launch settings, ms, and the GB/s and
 TFLOP/s of a model of what it reads, writes and multiplies (`traffic`: every operand read once per program that
@@ -65,7 +65,9 @@ FLAG = 2e-2
 SWEEP = {  # other launch settings to time with --sweep (block_k, block_v, warps, stages; 0: the head dim whole)
     "chunk_state": [(64, 64, 4, 2), (64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 3),
                     (128, 64, 8, 2)],
-    "chunk_output": [(0, 64, 4, 1), (0, 128, 8, 1), (0, 32, 4, 1), (0, 64, 8, 2), (0, 128, 4, 1)],
+    "chunk_intra": [(0, 0, 2, 1), (0, 0, 8, 1), (0, 0, 4, 2)],
+    "chunk_output": [(128, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3),
+                     (32, 64, 4, 2)],
     "chunk_state_bwd": [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
     "chunk_grads_qk": [(64, 0, 8, 1), (16, 0, 8, 1), (32, 0, 4, 1), (32, 0, 8, 2), (64, 0, 4, 1)],
     "chunk_grads_v": [(0, 64, 4, 1), (0, 128, 8, 1), (0, 32, 4, 1), (0, 64, 8, 2)],
@@ -116,10 +118,15 @@ def traffic(which, cfg, tiles, direct=True):
     if which in ("chunk_state", "chunk_state_bwd"):
         read = rows * (2 * kd * nv + 2 * vd * nk + gate * nv)
         return read + state, 2 * rows * kd * vd
-    if which == "chunk_output":
-        read = rows * ((2 * 2 * kd + gate) * nv + 2 * vd) + state
-        flops = rows * (4 * kd * vd + 2 * sub * vd + 2 * sub * kd * nv)
-        return read + rows * 2 * vd, flops
+    if which == "chunk_intra":  # a program per sub-chunk: its q, k, gates, those of the sub-chunks before it
+        before = (c // sub - 1) / 2
+        read = rows * (2 * 2 * kd + gate) * (1 + before)
+        return read + rows * c * 2, rows * 2 * kd * (c / 2 + sub / 2)
+    if which == "chunk_output":  # per block of V: q, k (no gk) or gates (gk), the chunk's A (gk); v, the state
+        a = 2 * c if cfg.has("gk") else 0
+        read = rows * ((2 * (kd if cfg.has("gk") else 2 * kd) + (gate if cfg.has("gk") else 4) + a) * nv + 2 * vd)
+        flops = rows * (2 * kd * vd + 2 * c * vd + (0 if cfg.has("gk") else 2 * c * kd * nv))
+        return read + state + rows * 2 * vd, flops
     if which == "chunk_grads_qk":
         read = rows * (2 * 2 * kd + gate + (2 * 2 * vd) * nk) * (1 + recompute) + 2 * state
         flops = rows * (2 * kd * vd * (3 + recompute) + 2 * sub * vd * nk + 4 * sub * kd)
@@ -154,8 +161,12 @@ def stages(op_name, b, t, h, d):
     nkv = lambda n: -(-cfg.dk // blocks[n]["BK"]) * -(-cfg.dv // blocks[n]["BV"])  # noqa: E731
     hs, _ = add("chunk_state", lambda k, v, g: host.chunk_states(kernels, k, v, g, None, ctx, cfg), k, v, gates,
                 grid=(nkv("chunk_state"), rows_h))
-    add("chunk_output", lambda q, k, v, g, hs: host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs), q, k, v, gates,
-        hs, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h))
+    a = None
+    if cfg.has("gk"):
+        a = add("chunk_intra", lambda q, k, g: host.chunk_intra(kernels, q, k, g, ctx, cfg), q, k, gates,
+                grid=(n_c * (cfg.chunk // host.SUB), rows_h))
+    add("chunk_output", lambda q, k, v, g, hs, a: host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a), q, k, v,
+        gates, hs, a, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h))
     dhs, dh0 = add("chunk_state_bwd", lambda q, g, do, dht: host.chunk_state_grads(kernels, q, g, ctx, cfg, do, dht),
                    q, gates, do, dht, grid=(nkv("chunk_state_bwd"), rows_h))
     dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do: host.chunk_grads_qk(
@@ -226,10 +237,10 @@ def table(title, rows, ms):
         rate = (f"{s.bytes / t / 1e6:.0f}", f"{s.flops / t / 1e9:.1f}") if s.bytes else ("", "")
         print(f"| {s.name} | {'x'.join(map(str, s.grid))} | {tiles} | {t:.3f} | {rate[0]} | {rate[1]} |", flush=True)
     kernels = [s for s in rows if s.tiles is not None]
-    fwd = sum(ms[id(s)] for s in kernels if s.name in ("chunk_state", "chunk_output"))
-    bwd = sum(ms[id(s)] for s in rows if s.name not in ("chunk_output", "op fwd", "op fwd+bwd"))
-    print(f"\nsum of parts: fwd {fwd:.3f} ms (state + output); fwd+bwd {fwd + bwd:.3f} ms (the state kernel twice, "
-          "as the op runs it)")
+    fwd = sum(ms[id(s)] for s in kernels if s.name in ("chunk_state", "chunk_intra", "chunk_output"))
+    bwd = sum(ms[id(s)] for s in rows if s.name not in ("chunk_intra", "chunk_output", "op fwd", "op fwd+bwd"))
+    print(f"\nsum of parts: fwd {fwd:.3f} ms (state, intra, output); fwd+bwd {fwd + bwd:.3f} ms (the state kernel "
+          "twice, as the op runs it)")
 
 
 def sweep(op_name, stage_list, reps, rounds, batch):

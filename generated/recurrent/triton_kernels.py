@@ -23,11 +23,15 @@ Chunked kernels (chunks of C steps, sub-chunks of BC; gates g, g_gamma, gk; note
 - `*_chunk_state_kernel`: the state at every chunk's start and the final state, a program per (block of K x block
   of V, sequence x head) over the chunks in order; `*_chunk_state_bwd_kernel`: the adjoint at every chunk's end and
   d initial_state, backwards over the chunks;
-- `*_chunk_output_kernel`, `*_chunk_grads_qk_kernel`, `*_chunk_grads_v_kernel`: o, dq and dk (and with gates the key
-  side's log decay gradient), dv of a chunk, every chunk in parallel: a program per (chunk, block of V for o and
-  dv, of K for dq and dk) takes the chunk's sub-chunks in turn, carrying the state at each sub-chunk's start from the
-  chunk's (or the adjoint at each one's end from the chunk's), so the sub-chunks before and after a sub-chunk reach it
-  through the state, and adds the sub-chunk's own block (`_intra`, `_intra_grads`).
+- `*_chunk_intra_kernel` (gk): every chunk's intra-chunk matrix A [C, C], a program per sub-chunk writing its rows
+  (blocks left of the diagonal factored through the sub-chunk's start, the diagonal block by `_intra`);
+- `*_chunk_output_kernel`: o of a chunk from the state at its start, o = scale (q ⊙ e^P) S + A v, a program per
+  (chunk, block of V) in products of the whole chunk (A read, or with a scalar gate formed there);
+- `*_chunk_grads_qk_kernel`, `*_chunk_grads_v_kernel`: dq and dk (and with gates the key side's log decay gradient),
+  dv of a chunk, every chunk in parallel: a program per (chunk, block of K for dq and dk, of V for dv) takes the
+  chunk's sub-chunks in turn, carrying the state at each sub-chunk's start from the chunk's (or the adjoint at each
+  one's end from the chunk's), so the sub-chunks before and after a sub-chunk reach it through the state, and adds
+  the sub-chunk's own block (`_intra`, `_intra_grads`).
 """
 
 import os
@@ -236,12 +240,16 @@ def recurrent_fused_bwd_kernel(
 
 
 # ---- chunked kernels ---------------------------------------------------------------------------------------------
-# A sequence is cut into chunks of C steps (processing order), a chunk into sub-chunks of BC steps. The key side's log
-# gate L (gk, plus g and g_gamma; with no gk a column [BC, 1]) is summed inside a sub-chunk (P: prefix sums from its
-# start; L(j, end]: the sum after step j, to its end; L_I: the whole sub-chunk's), and every decay is e to a sum of its
-# own steps, <= 0 for decaying gates, or a product of such: inside a sub-chunk e^{L(j, i]} (each pair's own segment
-# sum; the gradients' per-channel block e^{P_i - P_j}); across sub-chunks through the state a program carries from one
-# sub-chunk to the next: e^{P_i} on q_i, e^{L(j, end]} on k_j, e^{L_I} on the state (or its adjoint) per sub-chunk.
+# A sequence is cut into chunks of C steps (processing order), a chunk into sub-chunks of BC steps. L(a, b] is the sum
+# of the key side's log gates (gk, plus g and g_gamma; with no gk a column [S, 1]) over the steps a + 1 .. b. Every
+# decay is e to a sum of its own steps, <= 0 for decaying gates, or a product of such, never e to the difference of
+# two long prefix sums (docs/DESIGN.md §3 linear recurrent): prefix sums from a chunk's or sub-chunk's start (P), the
+# sums after a step to its (sub-)chunk's end (`_after`), whole sub-chunks' sums, and on a diagonal each pair's own
+# segment sum e^{L(j, i]} (`_segsum`, `_intra`; the gradients' per-channel block e^{P_i - P_j} inside a sub-chunk).
+# With a scalar gate a chunk's pairs of steps are one C x C matrix; with gk (per channel) its block (I, J < I) of
+# sub-chunks is factored through the step b before I, e^{L(j, i]} = e^{L(b, i]} e^{L(j, b]}. The dq / dk and dv
+# kernels still carry the state across a chunk's sub-chunks: e^{P_i} on q_i, e^{L(j, end]} on k_j, e^{L_I} on the
+# state (or its adjoint) per sub-chunk.
 # States at chunk starts (and the adjoint at chunk ends) live in HS [chunks, H, K, V] float32, chunk c of sequence n at
 # row FIRST[n] + c (the chunk layout of `ejgen.runtime.recurrent.packing`).
 
@@ -439,45 +447,113 @@ def recurrent_chunk_state_kernel(
 
 
 @triton.jit
-def recurrent_chunk_output_kernel(
-    Q, K_, V_, G, GAMMA, GK, CU, CHUNKS, HS, O,
+def recurrent_chunk_intra_kernel(
+    Q, K_, G, GAMMA, GK, CU, CHUNKS, A,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """o of a chunk's steps (BV columns), a sub-chunk I of BC steps at a time from the chunk's start state:
-        o_i = scale [(q_i e^{L(start of I, i]}) S + sum_{j <= i in I} D_ij v_j]   (D: `_intra`)
-        S <- diag(e^{L_I}) S + sum_{j in I} (k_j e^{L(j, end of I]})ᵀ v_j
-    so S is the state at the start of each sub-chunk in turn (read once per chunk; the sub-chunks before I reach o_i
-    through it)."""
-    i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """With a gate per key channel (gk): A [chunks, H, C, C] (q's dtype), each chunk's intra-chunk matrix
+        A_ij = scale sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, 0 above the diagonal,
+    a program per (sub-chunk I of a chunk, sequence x head) writing rows I (K whole). A block (I, J) left of the
+    diagonal is factored through the step before I, b: e^{L(j, i]} = e^{L(b, i]} e^{L(j, b]}, with L(b, i] the prefix
+    sums inside I and L(j, b] = L(j, end of J] plus the whole sub-chunks between J and I, so both exponents are sums of
+    their own steps, <= 0 for decaying gates; their product in TF32 (`_dot_state`). The diagonal block from each pair's
+    own segment sum (`_intra`)."""
+    NSUB: tl.constexpr = C // BC
+    i_ci, i_bh = tl.program_id(0), tl.program_id(1)
+    i_c, i_i = i_ci // NSUB, i_ci % NSUB
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
     i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
     o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
     o_r = tl.arange(0, BC)
-    m_k, m_v = o_k < K, o_v < V
+    m_k = o_k < K
+    start = i_t * C + i_i * BC
+    rows, m_s = _steps(bos, eos, start, BC, REVERSE)
+    b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
+    b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
+    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK]
+    b_qb = b_q * tl.exp(_cumsum(b_l, axis=0))  # q_i e^{L(b, i]}
+    p_a = A + ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_r[None, :]  # block (I, 0)
+    b_between = tl.zeros_like(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK]: the sub-chunks between J and I
+    for back in range(0, i_i):
+        i_j = i_i - 1 - back
+        rows_j, m_j = _steps(bos, eos, i_t * C + i_j * BC, BC, REVERSE)
+        b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+        b_kb = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP) * tl.exp(_after(b_lj) + b_between)
+        tl.store(p_a + i_j * BC, (_dot_state(b_qb, tl.trans(b_kb), DT) * SCALE).to(A.dtype.element_ty))
+        b_between += tl.sum(b_lj, axis=0, keep_dims=True)
+    b_d = _intra(b_q, b_k, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC, USE_G,
+                 USE_GAMMA, USE_GK, REVERSE, MAP, DT)
+    tl.store(p_a + i_i * BC, (b_d * SCALE).to(A.dtype.element_ty))
+    for i_j in range(i_i + 1, NSUB):
+        tl.store(p_a + i_j * BC, tl.zeros([BC, BC], dtype=A.dtype.element_ty))
+
+
+@triton.jit
+def _intra_scalar(b_a, b_l, o_c, GATED: tl.constexpr):
+    """scale-free A_ij = (q_i · k_j) e^{L(j, i]} for j <= i, 0 above the diagonal, from b_a = q kᵀ [C, C] and a scalar
+    log gate per step b_l [C, 1]: each pair's own segment sum (`_segsum`)."""
+    lower = o_c[:, None] >= o_c[None, :]
+    if GATED:
+        b_a = b_a * tl.exp(tl.where(lower, _segsum(b_l, o_c), 0.0))
+    return tl.where(lower, b_a, 0.0)
+
+
+@triton.jit
+def recurrent_chunk_output_kernel(
+    Q, K_, V_, G, GAMMA, GK, CU, CHUNKS, HS, A, O,
+    T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
+    USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """o of a chunk's C steps (BV columns), a program per (chunk, block of V), in products of the whole chunk:
+        o = scale (q ⊙ e^{P}) S + A v      (S: the state at the chunk's start, HS; P_i = L(start, i], prefix sums)
+    A the intra-chunk matrix: with gk read from A (`chunk_intra`); with a scalar gate (or none) here, scale (q kᵀ)
+    times e^{L(j, i]} (`_intra_scalar`), and e^{P} scales the rows of q S. K in blocks of BK; the state's product in
+    TF32 (`_dot_state`), A's with v in the inputs' dtype."""
+    i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_bh % H
+    i_hk = i_h // (H // HKV)
+    i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
+    i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
+    bos, eos = _bounds(CU, i_n, T, VARLEN)
+    GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
+    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
+    o_c = tl.arange(0, C)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
     p_h = HS + (i_cg * H + i_h).to(tl.int64) * K * V
-    b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
-    for i_i in range(0, tl.cdiv(tl.minimum(eos - bos - i_t * C, C), BC)):
-        start = i_t * C + i_i * BC
-        rows, m_s = _steps(bos, eos, start, BC, REVERSE)
-        b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
-        b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
-        b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [BC, BV]
-        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK | 1]
-        b_p = _cumsum(b_l, axis=0)  # L(start of I, i]
-        b_d = _intra(b_q, b_k, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC,
-                     USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT)
-        b_o = _dot_state(b_q * tl.exp(b_p), b_s, DT) + _dot(b_d, b_v, DT)
-        tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], (b_o * SCALE).to(O.dtype.element_ty),
-                 mask=m_s[:, None] & m_v[None, :])
-        b_tot = tl.sum(b_l, axis=0, keep_dims=True)  # [1, BK | 1]
-        b_s = b_s * tl.trans(tl.exp(b_tot)) + _dot(tl.trans(b_k * tl.exp(_after(b_l))), b_v, DT)
+    b_o = tl.zeros([C, BV], dtype=tl.float32)
+    b_a = tl.zeros([C, C], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
+        if USE_GK:
+            b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+            b_q = b_q * tl.exp(_cumsum(b_l, axis=0))
+        else:
+            b_a += _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
+        b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
+        b_o += _dot_state(b_q, b_s, DT)
+    if USE_GK:
+        p_a = A + ((i_cg * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :]
+        b_a = tl.load(p_a, mask=o_c[:, None] >= o_c[None, :], other=0.0).to(tl.float32)
+    else:
+        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
+        if GATED:
+            b_o = b_o * tl.exp(_cumsum(b_l, axis=0))
+        b_a = _intra_scalar(b_a, b_l, o_c, GATED) * SCALE
+    b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
+    b_o = b_o * SCALE + _dot(b_a, b_v, DT)
+    tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
+             mask=m_s[:, None] & m_v[None, :])
 
 
 @triton.jit

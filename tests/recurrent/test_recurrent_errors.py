@@ -171,12 +171,13 @@ def test_a_grid_cuda_cannot_launch_is_one_clear_error():
 
 
 def test_chunked_tiles_that_would_split_a_whole_head_dim_are_refused(monkeypatch):
-    """o and dv sum over K, dq and dk over V: a benchmark's sweep (host.CHUNKED) that gave one of those kernels a
-    block of that dim would leave the other channels out (o off by 69% at K = 32 in 16-row blocks, measured), so it is
-    one clear error naming the setting; blocks are 0 or powers of two >= 16."""
+    """The intra-chunk matrices and dv sum over K, dq and dk over V, each in one program: a benchmark's sweep
+    (host.CHUNKED) that gave one of those kernels a block of that dim would leave the other channels out (o off by 69%
+    at K = 32 in 16-row blocks, measured), so it is one clear error naming the setting; blocks are 0 or powers of two
+    >= 16 (the output kernel takes K in a loop of blocks)."""
     from ejgen.runtime.recurrent.triton import host
 
-    for which, tiles, dim in [("chunk_output", host.Tiles(16, 64), "block_k"),
+    for which, tiles, dim in [("chunk_intra", host.Tiles(16, 0), "block_k"),
                               ("chunk_grads_v", host.Tiles(32, 64), "block_k"),
                               ("chunk_grads_qk", host.Tiles(32, 64), "block_v")]:
         monkeypatch.setitem(host.CHUNKED, which, tiles)
@@ -184,6 +185,8 @@ def test_chunked_tiles_that_would_split_a_whole_head_dim_are_refused(monkeypatch
             host.tiles(which, 32, 32)
     monkeypatch.setitem(host.CHUNKED, "chunk_grads_qk", host.Tiles(16, 0))
     assert host.tiles("chunk_grads_qk", 48, 80)[0] == {"BK": 16, "BV": 128}
+    monkeypatch.setitem(host.CHUNKED, "chunk_output", host.Tiles(16, 32))
+    assert host.tiles("chunk_output", 48, 80)[0] == {"BK": 16, "BV": 32}
     for bad in (8, 24, -16):
         with pytest.raises(ValueError, match=f"Tiles.block_v must be 0 .* or a power of two >= 16, got {bad}"):
             host.Tiles(0, bad)

@@ -8,7 +8,7 @@ forward ``fused_fwd``; backward ``fused_bwd``, whose dq and dk (and the key side
 block of V summed here; with gates it keeps a checkpoint every FUSED_BT steps and a scratch of FUSED_BT states per
 program.
 Chunked (chunks of C steps; a launch per function, ``CHUNKED`` their blocks and settings, notes/recurrent-perf.md):
-forward ``chunk_states`` then ``chunk_output``; backward ``chunk_states`` again, ``chunk_state_grads``, then
+forward ``chunk_states``, with gk ``chunk_intra`` (the intra-chunk matrices), then ``chunk_output``; backward ``chunk_states`` again, ``chunk_state_grads``, then
 ``chunk_grads_qk`` (dq, dk and the key side's log decay gradient by blocks of K) and ``chunk_grads_v``.
 Kernels read the caller's arrays in place ([B, T, H, D], packed sequences by CU, reverse by index); outputs that a
 packed call may leave unwritten (tokens past the last sequence) are zeroed.
@@ -37,8 +37,9 @@ NUM_WARPS = 4
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """A chunked kernel's launch: rows of K and columns of V of a program (0: the whole head dim, padded; else a power
-    of two >= 16, the tensor cores' least), warps and software-pipelining stages."""
+    """A chunked kernel's launch: its blocks of K and V (0: the whole head dim, padded; else a power of two >= 16, the
+    tensor cores' least), warps and software-pipelining stages. A block is a program's share of that head dim, or,
+    where the program takes the head dim whole, the block its loop takes at a time (chunk_output's K)."""
 
     block_k: int
     block_v: int
@@ -53,11 +54,13 @@ class Tiles:
 
 
 # The chunked kernels' launches (notes/recurrent-perf.md): the state kernels walk a sequence's chunks in order, so
-# their programs are blocks of the state (rows of K decay on their own); the others are a program per chunk.
+# their programs are blocks of the state (rows of K decay on their own); chunk_intra is a program per sub-chunk (K
+# whole); the others a program per chunk (C rows) and block of V or K.
 CHUNKED = {
     "chunk_state": Tiles(64, 64, 8, 2),
     "chunk_state_bwd": Tiles(64, 64, 8, 2),
-    "chunk_output": Tiles(0, 64, 8, 1),
+    "chunk_intra": Tiles(0, 0, 4, 1),
+    "chunk_output": Tiles(64, 64, 8, 2),
     "chunk_grads_qk": Tiles(32, 0, 8, 1),
     "chunk_grads_v": Tiles(0, 64, 8, 1),
 }
@@ -65,7 +68,7 @@ CHUNKED = {
 
 # The head dim a chunked kernel's program takes whole: o and dv sum over K, dq and dk over V (their CHUNKED block
 # there must be 0; a part of it would leave the other channels out of every product).
-WHOLE = {"chunk_output": "block_k", "chunk_grads_v": "block_k", "chunk_grads_qk": "block_v"}
+WHOLE = {"chunk_intra": "block_k", "chunk_grads_v": "block_k", "chunk_grads_qk": "block_v"}
 
 
 def tiles(which: str, dk: int, dv: int) -> tuple[dict, dict]:
@@ -234,21 +237,38 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg):
     return hs, ht
 
 
-def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs):
-    """o [B, T, H, V] in q's dtype from the states at the chunks' starts."""
+def chunk_intra(kernels, q, k, gates, ctx, cfg):
+    """With gk: A [chunks, H, C, C] in q's dtype, every chunk's intra-chunk matrix (scale included), a program per
+    (sub-chunk, chunk, sequence x head)."""
+    ins, consts = _common(q, k, k, gates, None, ctx, cfg)
+    chunks, _, per_row, grid_rows = _layout(ctx, cfg)
+    blocks, options = tiles("chunk_intra", cfg.dk, cfg.dv)
+    (a,) = triton_call.launch(
+        kernels.get("chunk_intra"), (per_row * (cfg.chunk // SUB), grid_rows * cfg.heads),
+        [q, k, *ins[:3], ins[5], chunks],
+        [jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads, cfg.chunk, cfg.chunk), q.dtype)],
+        BC=SUB, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+    return a
+
+
+def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None):
+    """o [B, T, H, V] in q's dtype from the states at the chunks' starts (and with gk the intra-chunk matrices A of
+    ``chunk_intra``)."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_output", cfg.dk, cfg.dv)
     (o,) = triton_call.launch(
         kernels.get("chunk_output"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
-        [q, k, v, *ins[:3], ins[5], chunks, hs], [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
+        [q, k, v, *ins[:3], ins[5], chunks, hs, _dummy(q.dtype) if a is None else a],
+        [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
     return o
 
 
 def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg)
-    return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs), ht, {}
+    a = chunk_intra(kernels, q, k, gates, ctx, cfg) if cfg.has("gk") else None
+    return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a), ht, {}
 
 
 def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht):
