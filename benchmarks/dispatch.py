@@ -37,9 +37,13 @@ def enqueue_us(fn, args, calls: int = 32) -> float:
 
 def device_us(fn, args, trace_dir: Path) -> tuple[float, float]:
     """(kernel time summed, span) of the last of three profiled calls, in microseconds."""
+    import contextlib
+    import io
+
     import trace_table
 
-    trace_table.profile(fn, args, trace_dir, calls=3)
+    with contextlib.redirect_stdout(io.StringIO()):  # the kernel table: in the trace directory, not this table
+        trace_table.profile(fn, args, trace_dir, calls=3)
     slices = [s for s in trace_table.load(trace_dir) if trace_table._is_device(s["process"])]
     last = trace_table.last_call(slices, 1000.0)
     if not last:

@@ -72,6 +72,37 @@ def test_ids_of_a_base_side_spanning_past_int32(base):
     _check_ids(q, kv, q_ids, kv_ids, base)
     matched = (q[:, :, None] == kv[:, None, :]).any(axis=2)
     assert np.all(np.asarray(q_ids)[matched] >= 0)
+    static = segment_key.encode(q, kv, base, wraps=True)  # decided while tracing: the same ids, no lax.cond
+    np.testing.assert_array_equal(np.asarray(static[0]), np.asarray(q_ids))
+    np.testing.assert_array_equal(np.asarray(static[1]), np.asarray(kv_ids))
+
+
+def _scaled_key(scale):
+    """A key whose sides are the positions times the option ``scale`` (the key side is the base)."""
+    return segment_key.SegmentKey(lambda ctx, b, q_idx, kv_idx, q_len, kv_len: (q_idx * ctx["opt_scale"],
+                                                                                kv_idx * ctx["opt_scale"]),
+                                  "key", "q_idx * scale == kv_idx * scale")
+
+
+def test_wrapping_is_decided_while_tracing_when_the_options_are_known():
+    """A base side of positions and options: whether some row spans 2^31 or more is known while tracing (no
+    `lax.cond`, whose predicate a GPU reads back to the host mid-call) where the options are Python values, and left
+    to the device where they are traced."""
+    key = _scaled_key(None)
+    one, big = jnp.int32(1), jnp.int32(2**27)  # 21 positions x 2^27 span more than 2^31
+    assert segment_key.static_wraps(key, {"opt_scale": one}, 2, 21, 21) is False
+    assert segment_key.static_wraps(key, {"opt_scale": big}, 2, 21, 21) is True
+    seen = []
+    jax.jit(lambda s: seen.append(segment_key.static_wraps(key, {"opt_scale": s}, 2, 21, 21)) or s)(one)
+    assert seen == [None]
+
+
+def test_zoo_chunks_trace_without_a_conditional():
+    """The zoo's chunked local spec with a Python chunk: its segment key's encoding has no `cond` in the program."""
+    op = importlib.import_module("ejgen.zoo").chunked_local_attention
+    q = jnp.zeros((1, 64, 2, 16), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda q: op(q, q, q, chunk=16, platform="triton"))(q)
+    assert "cond" not in {e.primitive.name for e in jaxpr.jaxpr.eqns}, jaxpr
 
 
 def test_ids_pair_with_the_calls_segment_ids():

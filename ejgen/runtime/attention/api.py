@@ -568,10 +568,11 @@ def check_option(spec: SpecInfo, name: str, x, kind: str):
             raise ValueError(f"{spec.name}(): option {name} must be {article} {kind} scalar, got {_shape(x)}")
     elif not python_ok(x):
         raise ValueError(f"{spec.name}(): option {name} must be {article} {kind}, got {x!r}")
-    x = jnp.asarray(x)
-    if x.ndim != 0:
-        raise ValueError(f"{spec.name}(): option {name} must be a scalar, got {_shape(x)}")
-    return x.astype(dtype)
+    with jax.ensure_compile_time_eval():  # a Python value stays concrete while tracing (segment_key.static_wraps)
+        x = jnp.asarray(x)
+        if x.ndim != 0:
+            raise ValueError(f"{spec.name}(): option {name} must be a scalar, got {_shape(x)}")
+        return x.astype(dtype)
 
 
 def vary_alike(q, k, v, ctx):

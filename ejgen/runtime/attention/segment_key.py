@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -37,18 +38,39 @@ class SegmentKey:
     text: str
 
 
-def encode(q_vals, kv_vals, base: str | None, q_user=None, kv_user=None):
+def encode(q_vals, kv_vals, base: str | None, q_user=None, kv_user=None, wraps: bool | None = None):
     """(q_ids [B, Sq], kv_ids [B, Sk]) int32 from the key's values per token (module docstring), paired with the
-    call's own segment ids where given (``q_user``, ``kv_user``)."""
+    call's own segment ids where given (``q_user``, ``kv_user``). ``wraps``: whether some row's base values span
+    2^31 or more, where known while tracing (`static_wraps`); None decides on the device (`lax.cond`, whose
+    predicate a GPU reads back to the host: the call waits there for the kernels before it)."""
     q_vals, kv_vals = jnp.asarray(q_vals, jnp.int32), jnp.asarray(kv_vals, jnp.int32)
     if q_user is not None:
         return _ranks(q_vals, kv_vals, q_user, kv_user)
     ranks = lambda: _ranks(q_vals, kv_vals, jnp.zeros_like(q_vals), jnp.zeros_like(kv_vals))  # noqa: E731
     if base is None:
         return ranks()
-    base_vals = q_vals if base == "query" else kv_vals
-    wraps = jnp.any(jnp.max(base_vals, axis=1) - jnp.min(base_vals, axis=1) < 0)  # a row's span past int32
-    return lax.cond(wraps, ranks, lambda: _offset(q_vals, kv_vals, base))
+    if wraps is not None:
+        return ranks() if wraps else _offset(q_vals, kv_vals, base)
+    return lax.cond(_wraps(q_vals if base == "query" else kv_vals), ranks, lambda: _offset(q_vals, kv_vals, base))
+
+
+def _wraps(base_vals):
+    return jnp.any(jnp.max(base_vals, axis=1) - jnp.min(base_vals, axis=1) < 0)  # a row's span past int32
+
+
+def static_wraps(key: SegmentKey, ctx: dict, batch: int, q_len: int, kv_len: int) -> bool | None:
+    """`encode`'s ``wraps`` for a call whose rows hold positions 0..len-1 (in any order: a ring's rows gathered), decided
+    while tracing: the base side reads no param, so its values come from positions and options alone, evaluated here
+    when the options are not traced. None where they are (or the key has no base side)."""
+    if key.base is None:
+        return None
+    with jax.ensure_compile_time_eval():
+        q_vals, kv_vals = _values(key, ctx, batch, jnp.arange(q_len, dtype=jnp.int32),
+                                  jnp.arange(kv_len, dtype=jnp.int32), q_len, kv_len)
+        base_vals = q_vals if key.base == "query" else kv_vals
+        if isinstance(base_vals, jax.core.Tracer):
+            return None
+        return bool(_wraps(base_vals))
 
 
 def _offset(q_vals, kv_vals, base: str):
@@ -92,7 +114,8 @@ def lower(spec: api.SpecInfo, call: api.Prepared, ctx: dict) -> api.Prepared:
     q_vals, kv_vals = _values(key, ctx, call.q.shape[0], jnp.arange(sq, dtype=jnp.int32),
                               jnp.arange(sk, dtype=jnp.int32), sq, sk)
     user = (call.ctx["q_seg"], call.ctx["kv_seg"]) if call.cfg.segments else (None, None)
-    q_ids, kv_ids = encode(q_vals, kv_vals, key.base, *user)
+    wraps = None if user[0] is not None else static_wraps(key, ctx, call.q.shape[0], sq, sk)
+    q_ids, kv_ids = encode(q_vals, kv_vals, key.base, *user, wraps=wraps)
     return dataclasses.replace(call, cfg=dataclasses.replace(call.cfg, segments=True),
                                ctx={**call.ctx, "q_seg": q_ids, "kv_seg": kv_ids},
                                segment_key=key.text + (" (paired with the call's segment ids)" if user[0] is not None
@@ -112,7 +135,8 @@ def lower_on_ring(spec: api.SpecInfo, call: api.Prepared, ctx: dict, axis_name, 
     q_vals, kv_vals = _values(key, ctx, call.q.shape[0], pos, pos, n * devices, n * devices)
     gather = lambda x: lax.all_gather(x, axis_name, axis=1, tiled=True)  # noqa: E731 [B, n * devices], device order
     user = (gather(call.ctx["q_seg"]), gather(call.ctx["kv_seg"])) if call.cfg.segments else (None, None)
-    q_ids, kv_ids = encode(gather(q_vals), gather(kv_vals), key.base, *user)
+    wraps = None if user[0] is not None else static_wraps(key, ctx, call.q.shape[0], n * devices, n * devices)
+    q_ids, kv_ids = encode(gather(q_vals), gather(kv_vals), key.base, *user, wraps=wraps)
     mine = lambda x: lax.dynamic_slice_in_dim(x, device * n, n, axis=1)  # noqa: E731
     return dataclasses.replace(call, cfg=dataclasses.replace(call.cfg, segments=True),
                                ctx={**call.ctx, "q_seg": mine(q_ids), "kv_seg": mine(kv_ids)}, segment_key=key.text)
