@@ -35,6 +35,25 @@ def enqueue_us(fn, args, calls: int = 32) -> float:
     return (t1 - t0) / calls * 1e6
 
 
+def host_table(trace_dir: Path, label: str, top: int = 25) -> str:
+    """The host's slices (runtime and Python TraceMe events) of the last profiled call: from 300 us before its first
+    kernel to its last kernel's end, the longest first, with their start relative to the first kernel."""
+    import trace_table
+
+    slices = trace_table.load(trace_dir)
+    device = [s for s in slices if trace_table._is_device(s["process"])]
+    last = trace_table.last_call(device, 1000.0)
+    if not last:
+        return f"{label}: no device slices"
+    t0, t1 = min(s["ts"] for s in last), max(s["ts"] + s["dur"] for s in last)
+    host = [s for s in slices if not trace_table._is_device(s["process"]) and t0 - 300 <= s["ts"] <= t1]
+    host.sort(key=lambda s: -s["dur"])
+    lines = [f"#### host slices of {label} (us; start relative to the first kernel)", "| start | dur | thread | name |",
+             "|---|---|---|---|"]
+    lines += [f"| {s['ts'] - t0:.1f} | {s['dur']:.1f} | {s['thread'][:20]} | {s['name'][:90]} |" for s in host[:top]]
+    return "\n".join(lines)
+
+
 def device_us(fn, args, trace_dir: Path) -> tuple[float, float]:
     """(kernel time summed, span) of the last of three profiled calls, in microseconds."""
     import contextlib
@@ -56,6 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default="causal,documents,chunked,flamingo")
     p.add_argument("--passes", default="fwd,fwdbwd")
     p.add_argument("--out", default="bench-out/dispatch")
+    p.add_argument("--seq", type=int, default=8192, help="tokens (a multiple of 256; small for a CPU smoke run)")
     args = p.parse_args(argv)
     here = Path(__file__).resolve().parent
     sys.path.insert(0, str(here))
@@ -68,9 +88,10 @@ def main(argv=None) -> int:
     from ejgen.testing.timing import median_seconds
 
     out = Path(args.out)
-    cases = {c.key: c for c in zoo_cases.cases()}
+    cases = {c.key: c for c in zoo_cases.cases(seq=args.seq)}
     flags = os.environ.get("XLA_FLAGS", "")
     print(f"{jax.devices()[0].device_kind}; XLA_FLAGS={flags!r}\n", flush=True)
+    hosts = []
     print("| case | pass | kernels us | span us | enqueue us | batch 1 us | batch 4 us | batch 32 us |", flush=True)
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for key in [c for c in args.cases.split(",") if c]:
@@ -85,10 +106,12 @@ def main(argv=None) -> int:
         for pass_ in [x for x in args.passes.split(",") if x]:
             fn, a = fns[pass_], (q, k, v)
             kern, span = device_us(fn, a, out / f"trace-{key}-{pass_}")
+            hosts.append(host_table(out / f"trace-{key}-{pass_}", f"{case.label} {pass_}"))
             enq = enqueue_us(fn, a)
             per = [median_seconds(fn, a, reps=10, warmup=1, warm_seconds=0.2, batch=b) * 1e6 for b in (1, 4, 32)]
             print(f"| {case.label} | {pass_} | {kern:.1f} | {span:.1f} | {enq:.1f} | "
                   + " | ".join(f"{t:.1f}" for t in per) + " |", flush=True)
+    print("\n\n".join(hosts))
     return 0
 
 
