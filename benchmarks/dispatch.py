@@ -35,7 +35,7 @@ def enqueue_us(fn, args, calls: int = 32) -> float:
     return (t1 - t0) / calls * 1e6
 
 
-def host_table(trace_dir: Path, label: str, top: int = 25) -> str:
+def host_table(trace_dir: Path, label: str, top: int = 14) -> str:
     """The host's slices (runtime and Python TraceMe events) of the last profiled call: from 300 us before its first
     kernel to its last kernel's end, the longest first, with their start relative to the first kernel."""
     import trace_table

@@ -14,6 +14,11 @@
 #   gtests GPUs 0-1: the Gluon GPU file sharded (2 processes a GPU; one process takes over 200 s), then the 2-GPU
 #          ring's per-device kernel timeline at 32k (ring.py --parts profile)           (issues 14, 18)
 #   layouts GPU 2: block layouts vs FlexAttention, 8k first, each case printed as it ends   (issue 14)
+#   after  the lanes of a round after kernel work (issues 14, 15, 17, 18), in parallel:
+#          GPUs 0-1: the recurrent Triton GPU tests sharded, then each chunked launch alone (GPU 0) and ejgen's
+#          recurrent table against fla's times (GPU 1, once GPU 2 has them);
+#          GPUs 2-3: the 2-GPU ring timed and profiled at 32k; then GPU 2: fla's times, dispatch.py, documents vs
+#          Flex; GPU 3: the zoo's segment-key variants vs Flex, then the zoo's GPU tests
 #   dispatch GPU 3: how much of a short call is not its kernels (dispatch.py), with XLA's command buffers on and
 #          off, then the zoo's GPU tests                                               (issues 14, 15)
 #
@@ -97,6 +102,42 @@ lane_dispatch() {
     -p no:cacheprovider tests/zoo
 }
 
+lane_after() {
+  (
+    OUT=$PWD/$log GPUS="$(gpu 0) $(gpu 1)" PER_GPU=3 job rec-tests 230 bash benchmarks/gpu_shards.sh rec-shards 215 \
+      -k triton tests/recurrent
+    CUDA_VISIBLE_DEVICES=$(gpu 0) job rec-kernels 170 python3 benchmarks/recurrent_kernels.py &
+    (
+      export CUDA_VISIBLE_DEVICES=$(gpu 1)
+      for _ in $(seq 60); do [ -f "$log/fla/fla.json" ] && break; sleep 5; done
+      fla=()
+      [ -f "$log/fla/fla.json" ] && fla=(--fla "$log/fla/fla.json")
+      job rec-bench 180 python3 benchmarks/recurrent.py "${fla[@]}" --out "$log/recb"
+    ) &
+    wait
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=$(gpu 2),$(gpu 3) job ring-profile 170 python3 benchmarks/ring.py --devices 2 \
+      --parts time,profile --seqs 32768 --heads 16/16 --passes fwd,fwdbwd --out "$log/ring"
+    (
+      export CUDA_VISIBLE_DEVICES=$(gpu 2)
+      job fla 240 python3 benchmarks/recurrent_fla.py --out "$log/fla/fla.json"
+      job dispatch 150 python3 benchmarks/dispatch.py --out "$log/disp"
+      job documents 120 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --out "$log/bs"
+      job layouts-flex 90 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --out "$log/bs"
+    ) &
+    (
+      export CUDA_VISIBLE_DEVICES=$(gpu 3)
+      OUT=$PWD/$log job zoo-bench 240 bash benchmarks/zoo_session.sh causal,chunked,flamingo,dilated,documents,paligemma \
+        --first
+      EJGEN_FAILURE_LOG=$PWD/$log/zoo-failures.txt job zoo-tests 200 python3 -m pytest -m gpu -q -rf \
+        -p no:cacheprovider tests/zoo
+    ) &
+    wait
+  ) &
+  wait
+}
+
 nvidia-smi --query-gpu=index,name --format=csv,noheader > "$log/summary.txt"
 for lane in ${*:-rec gluon fla}; do
   "lane_$lane" &
@@ -108,12 +149,15 @@ wait
   [ -f "$log/gluon-failures.txt" ] && { echo "== gluon failures"; cut -c1-400 "$log/gluon-failures.txt"; }
   [ -f "$log/gluon-shards/failures.txt" ] && { echo "== gluon failures"; cut -c1-400 "$log/gluon-shards/failures.txt"; }
   [ -f "$log/zoo-failures.txt" ] && { echo "== zoo failures"; cut -c1-400 "$log/zoo-failures.txt"; }
-  for f in rec-tests gluon-tests rec-kernels rec-decode layouts layouts-flex layouts-32k fla rec-bench dispatch \
-           dispatch-nocb zoo-tests ring-profile trace; do
+  for f in rec-tests gluon-tests rec-kernels rec-decode layouts layouts-flex layouts-32k fla rec-bench \
+           dispatch-nocb documents zoo-bench zoo-tests ring-profile trace; do
     [ -f "$log/$f.txt" ] && { echo "== $f"; grep -vE "DeprecationWarning|^  (return|from) " "$log/$f.txt" | tail -70; }
   done
   [ -f "$log/trace/profile.md" ] && { echo "== trace/profile.md"; cat "$log/trace/profile.md"; }
   [ -f "$log/ring/profile.md" ] && { echo "== ring/profile.md"; cat "$log/ring/profile.md"; }
+  [ -f "$log/dispatch.txt" ] && { echo "== dispatch (whole)"; grep -vE "DeprecationWarning|^  (return|from) " \
+    "$log/dispatch.txt"; }
+  [ -f "$log/zoo/table.md" ] && { echo "== zoo/table.md"; cat "$log/zoo/table.md"; }
 } > "$OUT/round.txt" 2>&1
 tuned=$(find "$log/fla" -maxdepth 1 -name fla_tuned -type d 2>/dev/null)
 [ -n "$tuned" ] && tar czf "$OUT/fla_tuned.tgz" -C "$tuned" .
