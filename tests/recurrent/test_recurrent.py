@@ -3,7 +3,8 @@
 initial state, reverse, packed sequences with empty and length-1 ones and tokens past the last sequence, T not a
 multiple of the chunk, shared K/V heads, K != V, float32 / bfloat16 / float16, both algorithms; strongly negative
 gates (-20 per step) stay finite and accurate; T = 4096 does not drift; chunked equals fused; two calls through
-final_state equal one call, forward and gradients.
+final_state equal one call, forward and gradients; XLA's forward of one chunk from the zero state, compiled
+afresh (issue 17: XLA:CPU misread it).
 
 Shapes are the smallest that cut sequences into several chunks and sub-chunks (chunks of 16 and 32 steps); XLA
 compiles each case once (seconds), so the cases cover the factors pairwise rather than as a product.
@@ -57,6 +58,29 @@ def _hooks(case):
 @pytest.mark.parametrize("case", XLA_CASES, ids=[c.id for c in XLA_CASES])
 def test_xla_against_the_oracle(case):
     check(case, "xla", hooks=_hooks(case))
+
+
+ONE_CHUNK = (  # steps within one chunk of four sub-chunks, no initial_state (issue 17)
+    Case("gla", ("gk",), shape=(1, 64, 4, 4, 32, 32), chunk=64),
+    Case("recurrent", ("gk", "gv"), shape=(1, 37, 2, 2, 32, 32), chunk=64, reverse=True),
+)
+
+
+@pytest.mark.parametrize("case", ONE_CHUNK, ids=[c.id for c in ONE_CHUNK])
+def test_xla_forward_of_one_chunk_from_the_zero_state(case):
+    """The forward alone under jit, compiled three times (each compilation a new draw): the scan runs once, XLA
+    unrolls it, and the zero state would reach o's product q S as broadcast(0), which XLA:CPU's YNNPACK fusion read
+    as garbage (up to 1e36 or NaN) in about two compilations of three (xla._opaque). o and final_state against the
+    oracle every time."""
+    x, d_out, d_final = inputs(case)
+    o_ref, final_ref, _ = oracle.recurrent(x, d_out, d_final, reverse=case.reverse)
+    args = {n: jnp.asarray(a) for n, a in x.items()}
+    op = getattr(generated, case.op)
+    for _ in range(3):
+        o, final = jax.jit(lambda a: op(a.pop("query"), a.pop("key"), a.pop("value"), **a, platform="xla",
+                                        **case.kwargs()))(dict(args))
+        oracle.assert_close("o", o, o_ref, case.dtype)
+        oracle.assert_close("final_state", final, final_ref, case.dtype)
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ over whole sub-chunks, a pair's segment sum), never the difference of two long p
 would err by u·|sum over the chunk| (u = 2⁻²⁴) in decays near 1 once the gates are large.
 The spec's hooks (feature map, gate map) run first, in float32; the scale multiplies q. The backward is JAX's
 derivative of the same computation (``jax.vjp``, recomputing the forward): exact for every gate, the initial state
-and the final state's cotangent.
+and the final state's cotangent. What enters the products (inputs, the state a call starts from, the cotangents)
+passes an optimization barrier first (``_opaque``: an XLA:CPU miscompile of a product with a constant operand).
 
 ``forward(q, k, v, gates, h0, ctx, cfg, hooks, save)`` -> (o, final_state, residuals); ``backward`` -> (dq, dk, dv,
 dgates, dh0), as every backend of the family.
@@ -45,7 +46,7 @@ def forward(q, k, v, gates, h0, ctx, cfg, hooks, save: bool):
 def backward(q, k, v, gates, h0, ctx, res, do, dht, cfg, hooks):
     del res
     _, vjp = jax.vjp(lambda *a: run(*a, ctx.get("cu"), cfg, hooks), q, k, v, gates, h0)
-    return vjp((do, dht))
+    return vjp(_opaque((do, dht)))  # o.sum()'s cotangents are constants: broadcast(1), broadcast(0)
 
 
 def prepare_inputs(q, k, v, gates, cfg, hooks):
@@ -63,7 +64,10 @@ def prepare_inputs(q, k, v, gates, cfg, hooks):
 def run(q, k, v, gates, h0, cu, cfg, hooks):
     """(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] float32)."""
     dtype = q.dtype
+    state_shape = (cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv)
+    start = jnp.zeros(state_shape, F32) if h0 is None else h0
     q, k, v, a, gk, gv = prepare_inputs(q, k, v, gates, cfg, hooks)
+    q, k, v, a, gk, gv, start = _opaque((q, k, v, a, gk, gv, start))
     chunk = cfg.chunk
     layout = packing.packed(cu, cfg, chunk) if cfg.varlen else None
     nc = packing.n_chunks(cfg, chunk)
@@ -77,8 +81,6 @@ def run(q, k, v, gates, h0, cu, cfg, hooks):
         return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
 
     xs = {"q": chunks(q), "k": chunks(k), "v": chunks(v), "a": chunks(a), "gk": chunks(gk), "gv": chunks(gv)}
-    state_shape = (cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv)
-    start = jnp.zeros(state_shape, F32) if h0 is None else h0
     body = _chunk if cfg.algorithm == "chunked" else _steps
     if layout is None:
         carry = vma.vary(start, vma.varying_axes(q, k, v, a, gk, gv))
@@ -90,7 +92,8 @@ def run(q, k, v, gates, h0, cu, cfg, hooks):
         final, o = lax.scan(step, carry, xs)
     else:
         meta = {"seq": layout.chunk_seq, "first": layout.chunk_first, "last": layout.chunk_last}
-        carry = vma.vary((jnp.zeros((1,) + state_shape[1:], F32), start), vma.varying_axes(q, k, v, a, gk, gv, start))
+        zero = _opaque(jnp.zeros((1,) + state_shape[1:], F32))  # a chunk of no sequence runs from it
+        carry = vma.vary((zero, start), vma.varying_axes(q, k, v, a, gk, gv, start))
 
         def step(carry, x):
             s, final = carry
@@ -103,6 +106,19 @@ def run(q, k, v, gates, h0, cu, cfg, hooks):
         (_, final), o = lax.scan(step, carry, (xs, meta))
     o = jnp.moveaxis(jnp.moveaxis(o, 3, 2), 0, 1).reshape((rows, nc * chunk, cfg.heads, cfg.dv))
     return packing.from_layout(o, cfg, layout).astype(dtype), final
+
+
+def _opaque(tree):
+    """``tree`` through ``lax.optimization_barrier``: XLA sees no constant (nor broadcast scalar) in it, so none
+    reaches a product. XLA:CPU of jaxlib 0.10.2 puts a dot and a reduce into one YNNPACK fusion (``__ynn_fusion``),
+    and a dot operand there that is a broadcast scalar, constant or not, is read as a vector along the contracting
+    dimension from the scalar's address: its first element right, the rest whatever memory follows (up to 1e36,
+    NaN), fixed per compiled executable (issue 17; ``jnp.sum(x, -1, keepdims=True) + jnp.einsum("bik,bkv->biv",
+    x * y, jnp.zeros((2, 32, 32)))`` on [2, 64, 32] inputs is wrong in about half the compilations). It struck the
+    zero state of a call without initial_state whose steps fit one chunk of sub-chunks: the scan runs once, XLA
+    unrolls it and q S became a product with broadcast(0). ``--xla_disable_hlo_passes=algsimp`` or
+    ``--xla_cpu_experimental_ynn_fusion_type=`` hid it; the barrier costs a copy at most."""
+    return lax.optimization_barrier(tree)
 
 
 def _exp_masked(x, mask):
