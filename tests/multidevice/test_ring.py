@@ -112,6 +112,49 @@ def test_spec_reading_positions_runs_placed():
     assert all(kind == ring.PLACED for _, runs in table.values() for run in runs for _, _, kind in run)
 
 
+def _transfers(jaxpr) -> list:
+    """For each ``ppermute`` in ``jaxpr`` and the jaxprs inside it (scans, branches, the shard_map): the sorted
+    names of the primitives that read what it received."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    readers = {}
+    for eqn in jaxpr.eqns:
+        for x in eqn.invars:
+            if not hasattr(x, "val"):  # a variable, not a literal
+                readers.setdefault(x, set()).add(eqn.primitive.name)
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ppermute":
+            found.append(sorted(readers.get(eqn.outvars[0], ())))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    found += _transfers(sub)
+    return found
+
+
+# (token order, devices, window): the transfers read as they come in the forward and in forward+backward: a ring
+# that starts on a device ahead (a window's right side) receives its first block before any kernel, and the
+# backward's accumulators go home after its last step
+EARLY_TRANSFERS = {("zigzag", 2, None): (0, 1), ("zigzag", 4, None): (0, 1), ("contiguous", 4, (6, 3)): (1, 3)}
+
+
+@pytest.mark.parametrize("case", EARLY_TRANSFERS, ids=lambda c: "-".join(map(str, c)))
+def test_received_blocks_wait_for_the_steps_kernels(case):
+    """Every block (and accumulator) a step receives while kernels run is read only through the optimization barrier
+    that ties it to the step's results (`ring._after_kernels`): nothing reading it can be scheduled before the step's
+    kernels (docs/DESIGN.md §3, Ring attention). Traced on an abstract mesh, forward and forward+backward."""
+    order, devices, window = case
+    mesh = AbstractMesh((devices,), ("sp",))
+    kw = dict(causal=window is None, sliding_window=window, token_order=order, platform="xla")
+    ring_call = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, axis_name="sp", **kw), mesh=mesh,
+                              in_specs=(P(None, "sp"),) * 3, out_specs=P(None, "sp"))
+    q = jax.ShapeDtypeStruct((1, 16 * devices, 4, 8), jnp.bfloat16)
+    forward = _transfers(jax.make_jaxpr(ring_call)(q, q, q))
+    both = _transfers(jax.make_jaxpr(lambda q, k, v: jax.vjp(ring_call, q, k, v)[1](q))(q, q, q))
+    early = tuple(sum(readers != ["optimization_barrier"] for readers in found) for found in (forward, both))
+    assert len(both) > len(forward) > early[0] and early == EARLY_TRANSFERS[case], (forward, both)
+
+
 def test_token_order_helpers():
     """Zigzag over 2 devices and 8 tokens: device 0 holds chunks 0 and 3, device 1 chunks 1 and 2; ring_permute lays
     a sequence out so, ring_unpermute undoes it, ring_positions says where each row stands."""

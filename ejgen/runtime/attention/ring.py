@@ -4,8 +4,9 @@ wrapper when it cuts the sequence.
 
 Inside ``jax.shard_map`` each of the N devices of the axis holds n query rows and n key/value rows. Key/value blocks
 travel the ring with ``jax.lax.ppermute`` (only the Hkv heads: GQA blocks are never repeated), one hop per step, the
-next hop issued before the step's kernels so that the transfer overlaps them; each step runs the op's own per-device
-kernels on the local queries against the block it holds and merges the partial result by its lse, in float32. The
+next hop issued before the step's kernels so that the transfer overlaps them (and read only after them: an
+optimization barrier, `_after_kernels`); each step runs the op's own per-device kernels on the local queries against
+the block it holds and merges the partial result by its lse, in float32. The
 backward is a second ring: dQ stays home, dK/dV accumulators (float32) travel with their blocks, every step's
 kernels use the global lse, and the accumulators go home at the end.
 
@@ -597,6 +598,15 @@ def _runs(plan: Plan):
     return runs
 
 
+def _after_kernels(received, *results):
+    """``received`` (a block in flight) and a step's ``results``, as they are, tied by an optimization barrier: what
+    reads the received buffer (the next step's unpacking) cannot be scheduled before the kernels that made
+    ``results``. XLA's latency-hiding scheduler takes a custom call for short, and put the next block's wait and
+    unpacking before the step's own kernel (two H200s, 32k tokens: the first step's kernel started 0.5 ms late,
+    after the whole transfer)."""
+    return lax.optimization_barrier((received, *results))
+
+
 def _steps(body, carry, xs):
     """``lax.scan(body, carry, xs)``'s final carry; a run of one step (every run of a 2-device ring, the first and
     last of any ring) calls ``body`` once instead: no loop, whose carried buffers XLA copies in and out."""
@@ -647,6 +657,8 @@ def _forward(q, k, v, ctx, plan: Plan):
                     acc, lse = _write(acc, lse, out_p, lse_p, q0, chunk)
                 else:
                     acc, lse = _merge(acc, lse, out_p, lse_p, q0, chunk)
+            if not last:
+                ahead, acc, lse = _after_kernels(ahead, acc, lse)
             return (ahead, acc, lse), None
 
         travel, acc, lse = _steps(body, (travel, acc, lse), xs)
@@ -723,15 +735,13 @@ def _backward(plan: Plan, residuals, cotangents):
             held = own if first and plan.start == 0 else wire.unpack(travel)
             # in flight while this step computes, as one buffer: the next step's block and the accumulators of the
             # block held now, from the device behind (none before the first step; no block after the last)
-            if first:
-                ahead, arrived = (travel if last else _shift(plan, travel, 1)), vma.vary(
-                    {n: jnp.zeros_like(x) for n, x in pending.items()}, axes)
-            elif last or not joined:
-                ahead = travel if last else _shift(plan, travel, 1)
-                arrived = owed.unpack(_shift(plan, owed.pack(pending), 1))
-            else:
-                both = _shift(plan, jnp.concatenate([travel, owed.pack(pending)]), 1)
-                ahead, arrived = both[:size], owed.unpack(both[size:])
+            received = {}  # the buffers in flight, read only after the step's kernels (`_after_kernels`)
+            if not last and (first or not joined):
+                received["block"] = _shift(plan, travel, 1)
+            if not first and (last or not joined):
+                received["owed"] = _shift(plan, owed.pack(pending), 1)
+            if not (first or last) and joined:
+                received["both"] = _shift(plan, jnp.concatenate([travel, owed.pack(pending)]), 1)
             slots, t = xs
             s = (r - t) % plan.devices
             part = vma.vary({"k": zeros(k), "v": zeros(v)}, axes)
@@ -755,7 +765,12 @@ def _backward(plan: Plan, residuals, cotangents):
                 dq = add(dq, dq_p, q0)
                 part = {"k": add(part["k"], dk_p, k0), "v": add(part["v"], dv_p, k0)}
                 grads = {n: grads[n] + dparams[n] for n in grads}
-            pending = {n: arrived[n] + part[n] for n in pending}
+            if received:
+                received, dq, part, grads = _after_kernels(received, dq, part, grads)
+            both = received.get("both")
+            ahead = travel if last else received["block"] if both is None else both[:size]
+            owed_in = received.get("owed") if both is None else both[size:]
+            pending = part if first else {n: x + part[n] for n, x in owed.unpack(owed_in).items()}
             return (ahead, pending, dq, grads), None
 
         travel, pending, dq, grads = _steps(body, (travel, pending, dq, grads), xs)
