@@ -3,12 +3,12 @@ and simple_gla, bf16, B4 T4096 H16 K = V = 128, chunks of 64, forward and backwa
 
 Every launch runs under jit on its real inputs (the outputs of the launches before it), through the host's own
 functions (`ejgen.runtime.recurrent.triton.host`: chunk_states, chunk_intra (gk), chunk_output, chunk_state_grads,
-chunk_grads_qk, chunk_grads_v), so what is timed is what the op launches; the XLA glue after the kernels (the log decay gradient's
-parts, `gates.finish`: head groups, dtypes, the gates' gradients) is timed on its own too, and the whole op (fwd,
-fwd+bwd) next to the sum of its parts. The table gives each launch's grid, launch settings, ms, and the GB/s and
-TFLOP/s of a model of what it reads, writes and multiplies (`traffic`: every operand read once per program that
-reads it, the MMAs the kernel issues; caches not modelled). The backward's states are recomputed by the same
-chunk_state launch as the forward's (listed once).
+chunk_intra with dA and chunk_grads_intra (gk), chunk_grads_qk, chunk_grads_v), so what is timed is what the op
+launches; the XLA glue after the kernels (the log decay gradient's parts, `gates.finish`: head groups, dtypes, the
+gates' gradients) is timed on its own too, and the whole op (fwd, fwd+bwd) next to the sum of its parts. The table
+gives each launch's grid, launch settings, ms, and the GB/s and TFLOP/s of a model of what it reads, writes and
+multiplies (`traffic`: every operand read once per program that reads it, the MMAs the kernel issues; caches not
+modelled). The backward's states are recomputed by the same chunk_state launch as the forward's (listed once).
 
 Before the timings, the kernels' o and gradients at these shapes are compared with the XLA backend (relative error;
 FLAG past 2e-2, bf16).
@@ -65,12 +65,13 @@ FLAG = 2e-2
 SWEEP = {  # other launch settings to time with --sweep (block_k, block_v, warps, stages; 0: the head dim whole)
     "chunk_state": [(64, 64, 4, 2), (64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 3),
                     (128, 64, 8, 2)],
-    "chunk_intra": [(0, 0, 2, 1), (0, 0, 8, 1), (0, 0, 4, 2)],
+    "chunk_intra": [(0, 0, 4, 1), (0, 32, 4, 1), (0, 64, 2, 1), (0, 64, 8, 1), (0, 64, 4, 2)],
     "chunk_output": [(128, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3),
                      (32, 64, 4, 2)],
     "chunk_state_bwd": [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
-    "chunk_grads_qk": [(64, 0, 8, 1), (16, 0, 8, 1), (32, 0, 4, 1), (32, 0, 8, 2), (64, 0, 4, 1)],
-    "chunk_grads_v": [(0, 64, 4, 1), (0, 128, 8, 1), (0, 32, 4, 1), (0, 64, 8, 2)],
+    "chunk_grads_intra": [(32, 0, 4, 1), (128, 0, 4, 1), (64, 0, 2, 1), (64, 0, 8, 1), (64, 0, 4, 2)],
+    "chunk_grads_qk": [(64, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 2), (64, 32, 8, 3), (128, 32, 8, 2), (32, 64, 8, 2)],
+    "chunk_grads_v": [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2)],
 }
 
 
@@ -98,6 +99,7 @@ class Stage:
     tiles: object = None
     bytes: float = 0.0
     flops: float = 0.0
+    which: str = ""  # its kernel's name in host.CHUNKED
 
 
 def traffic(which, cfg, tiles, direct=True):
@@ -114,7 +116,6 @@ def traffic(which, cfg, tiles, direct=True):
     gate = 4 * (kd if cfg.has("gk") else 1)  # bytes of a step's log gate
     state = chunks * kd * vd * 4
     nsub = c // sub
-    recompute = (nsub - 1) / 2  # sub-chunk updates per sub-chunk to rebuild the state at its start (dq, dk)
     if which in ("chunk_state", "chunk_state_bwd"):
         read = rows * (2 * kd * nv + 2 * vd * nk + gate * nv)
         return read + state, 2 * rows * kd * vd
@@ -127,14 +128,20 @@ def traffic(which, cfg, tiles, direct=True):
         read = rows * ((2 * (kd if cfg.has("gk") else 2 * kd) + (gate if cfg.has("gk") else 4) + a) * nv + 2 * vd)
         flops = rows * (2 * kd * vd + 2 * c * vd + (0 if cfg.has("gk") else 2 * c * kd * nv))
         return read + state + rows * 2 * vd, flops
-    if which == "chunk_grads_qk":
-        read = rows * (2 * 2 * kd + gate + (2 * 2 * vd) * nk) * (1 + recompute) + 2 * state
-        flops = rows * (2 * kd * vd * (3 + recompute) + 2 * sub * vd * nk + 4 * sub * kd)
-        return read + rows * (2 * grad * kd + (4 * kd if cfg.has("gk") else 4 * nk)), flops
-    if which == "chunk_grads_v":
-        read = rows * ((2 * 2 * kd + gate) * nv + 2 * vd) + state
-        flops = rows * (4 * kd * vd + 2 * sub * vd + 2 * sub * kd * nv)
-        return read + rows * grad * vd, flops
+    if which == "chunk_grads_intra":  # a program per (sub-chunk, block of K): q, k, gates of its chunk, blocks of dA
+        read = rows * (2 * 2 * kd + gate) * nsub + rows * c * 4 * nk
+        flops = rows * 2 * sub * kd * 2 * (nsub + 1)
+        return read + rows * 3 * 4 * kd, flops
+    if which == "chunk_grads_qk":  # per block of K: q, k, gates, do and v whole, both states; with gk the parts
+        gk = cfg.has("gk")
+        read = rows * (2 * 2 * kd + gate + 2 * 2 * vd * nk + (3 * 4 * kd if gk else 0)) + 2 * state
+        flops = rows * (4 * kd * vd + (0 if gk else 2 * c * vd * nk + 6 * c * kd))
+        return read + rows * (2 * grad * kd + (4 * kd if gk else 4 * nk)), flops
+    if which == "chunk_grads_v":  # the output kernel's transpose
+        gk = cfg.has("gk")
+        read = rows * ((2 * (kd if gk else 2 * kd) + (gate if gk else 4) + (2 * c if gk else 0)) * nv + 2 * vd)
+        flops = rows * (2 * kd * vd + 2 * c * vd + (0 if gk else 2 * c * kd * nv))
+        return read + state + rows * grad * vd, flops
     raise ValueError(which)
 
 
@@ -148,12 +155,12 @@ def stages(op_name, b, t, h, d):
     dht = jnp.zeros((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), jnp.float32)
     out = []
 
-    def add(name, raw, *args, grid=()):
+    def add(name, raw, *args, grid=(), which=None):
         fn = jax.jit(raw)
         result = jax.block_until_ready(fn(*args))
-        tiles = host.CHUNKED.get(name)
-        nbytes, flops = traffic(name, cfg, tiles, host._direct(kernels, cfg)) if tiles else (0.0, 0.0)
-        out.append(Stage(name, raw, fn, args, grid, tiles, nbytes, flops))
+        tiles = host.CHUNKED.get(which or name)
+        nbytes, flops = traffic(which or name, cfg, tiles, host._direct(kernels, cfg)) if tiles else (0.0, 0.0)
+        out.append(Stage(name, raw, fn, args, grid, tiles, nbytes, flops, which or name))
         return result
 
     blocks = {n: host.tiles(n, cfg.dk, cfg.dv)[0] for n in host.CHUNKED}
@@ -163,17 +170,24 @@ def stages(op_name, b, t, h, d):
                 grid=(nkv("chunk_state"), rows_h))
     a = None
     if cfg.has("gk"):
-        a = add("chunk_intra", lambda q, k, g: host.chunk_intra(kernels, q, k, g, ctx, cfg), q, k, gates,
-                grid=(n_c * (cfg.chunk // host.SUB), rows_h))
+        a, _ = add("chunk_intra", lambda q, k, g: host.chunk_intra(kernels, q, k, g, ctx, cfg), q, k, gates,
+                   grid=(n_c * (cfg.chunk // host.SUB), rows_h))
     add("chunk_output", lambda q, k, v, g, hs, a: host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a), q, k, v,
         gates, hs, a, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h))
     dhs, dh0 = add("chunk_state_bwd", lambda q, g, do, dht: host.chunk_state_grads(kernels, q, g, ctx, cfg, do, dht),
                    q, gates, do, dht, grid=(nkv("chunk_state_bwd"), rows_h))
-    dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do: host.chunk_grads_qk(
-        kernels, q, k, v, g, ctx, cfg, hs, dhs, do), q, k, v, gates, hs, dhs, do,
+    a = intra = None
+    if cfg.has("gk"):
+        a, da = add("chunk_intra + dA", lambda q, k, v, g, do: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do),
+                    q, k, v, gates, do, grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
+        intra = add("chunk_grads_intra", lambda q, k, g, da: host.chunk_grads_intra(kernels, q, k, g, ctx, cfg, da), q,
+                    k, gates, da, grid=(n_c * (cfg.chunk // host.SUB), -(-cfg.dk // blocks["chunk_grads_intra"]["BK"]),
+                                        rows_h))
+    dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do, intra: host.chunk_grads_qk(
+        kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra), q, k, v, gates, hs, dhs, do, intra,
         grid=(n_c, -(-cfg.dk // blocks["chunk_grads_qk"]["BK"]), rows_h))
-    dv = add("chunk_grads_v", lambda q, k, g, dhs, do: host.chunk_grads_v(kernels, q, k, g, ctx, cfg, dhs, do),
-             q, k, gates, dhs, do, grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h))
+    dv = add("chunk_grads_v", lambda q, k, g, dhs, do, a: host.chunk_grads_v(kernels, q, k, g, ctx, cfg, dhs, do, a),
+             q, k, gates, dhs, do, a, grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h))
 
     def glue(q, k, v, g, dq, dk, dv, dh0, dlog):
         d_key = None if dlog is None else host.key_log_grad(dlog, cfg)
@@ -252,8 +266,8 @@ def sweep(op_name, stage_list, reps, rounds, batch):
     for s in stage_list:
         if s.tiles is None:
             continue
-        for setting in [dataclasses.astuple(defaults[s.name])] + SWEEP.get(s.name, []):
-            host.CHUNKED[s.name] = host.Tiles(*setting)
+        for setting in [dataclasses.astuple(defaults[s.which])] + SWEEP.get(s.which, []):
+            host.CHUNKED[s.which] = host.Tiles(*setting)
             try:
                 fn = jax.jit(s.raw)
                 jax.block_until_ready(fn(*s.args))
@@ -261,9 +275,9 @@ def sweep(op_name, stage_list, reps, rounds, batch):
                 shown = f"{t:.3f}"
             except Exception as e:  # noqa: BLE001 - a setting that does not compile is reported, not fatal
                 shown = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-            mark = " *" if host.Tiles(*setting) == defaults[s.name] else ""
+            mark = " *" if host.Tiles(*setting) == defaults[s.which] else ""
             print(f"| {s.name} | {', '.join(map(str, setting))}{mark} | {shown} |", flush=True)
-        host.CHUNKED[s.name] = defaults[s.name]
+        host.CHUNKED[s.which] = defaults[s.which]
 
 
 def main():

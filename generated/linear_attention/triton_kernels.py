@@ -28,11 +28,11 @@ Chunked kernels (chunks of C steps, sub-chunks of BC; gates g, g_gamma, gk; note
   (blocks left of the diagonal factored through the sub-chunk's start, the diagonal block by `_intra`);
 - `*_chunk_output_kernel`: o of a chunk from the state at its start, o = scale (q ⊙ e^P) S + A v, a program per
   (chunk, block of V) in products of the whole chunk (A read, or with a scalar gate formed there);
-- `*_chunk_grads_qk_kernel`, `*_chunk_grads_v_kernel`: dq and dk (and with gates the key side's log decay gradient),
-  dv of a chunk, every chunk in parallel: a program per (chunk, block of K for dq and dk, of V for dv) takes the
-  chunk's sub-chunks in turn, carrying the state at each sub-chunk's start from the chunk's (or the adjoint at each
-  one's end from the chunk's), so the sub-chunks before and after a sub-chunk reach it through the state, and adds
-  the sub-chunk's own block (`_intra`, `_intra_grads`).
+- `*_chunk_grads_v_kernel`, `*_chunk_grads_qk_kernel`: dv, dq and dk (and with gates the key side's log decay
+  gradient) of a chunk from the state at its start and the adjoint at its end, a program per (chunk, block of V for
+  dv, of K for dq and dk) in products of the whole chunk; with gk the intra kernel also writes dA = do vᵀ and
+  `*_chunk_grads_intra_kernel` (a program per sub-chunk and block of K) what the pairs of steps inside a chunk give
+  dq, dk and the log decay gradient.
 """
 
 import os
@@ -248,9 +248,8 @@ def linear_attention_fused_bwd_kernel(
 # sums after a step to its (sub-)chunk's end (`_after`), whole sub-chunks' sums, and on a diagonal each pair's own
 # segment sum e^{L(j, i]} (`_segsum`, `_intra`; the gradients' per-channel block e^{P_i - P_j} inside a sub-chunk).
 # With a scalar gate a chunk's pairs of steps are one C x C matrix; with gk (per channel) its block (I, J < I) of
-# sub-chunks is factored through the step b before I, e^{L(j, i]} = e^{L(b, i]} e^{L(j, b]}. The dq / dk and dv
-# kernels still carry the state across a chunk's sub-chunks: e^{P_i} on q_i, e^{L(j, end]} on k_j, e^{L_I} on the
-# state (or its adjoint) per sub-chunk.
+# sub-chunks is factored through the step b before I, e^{L(j, i]} = e^{L(b, i]} e^{L(j, b]} (dk's, through the last
+# step e of J: e^{L(j, e]} e^{L(e, i]}).
 # States at chunk starts (and the adjoint at chunk ends) live in HS [chunks, H, K, V] float32, chunk c of sequence n at
 # row FIRST[n] + c (the chunk layout of `ejgen.runtime.recurrent.packing`).
 
@@ -330,6 +329,27 @@ def _after(b_l):
 
 
 @triton.jit
+def _before_combine(a_before, a_through, b_before, b_through):
+    """`_cumsum_before`'s scan: (the sum before, the sum through) of two runs, a the earlier."""
+    return a_through + b_before, a_through + b_through
+
+
+@triton.jit
+def _cumsum_before(x, axis: tl.constexpr):
+    """The sum of the elements before each one along `axis` (an exclusive cumsum), never with the element itself: an
+    inclusive cumsum less it would keep its rounding, and in the gates' gradients the term of step s can be e^20 times
+    the sum of the pairs r < s (docs/DESIGN.md §3 linear recurrent, "Gates' gradients"). A [S, 1] column as a vector
+    (`_cumsum`)."""
+    if x.shape[1] == 1:
+        v = tl.reshape(x, [x.shape[0]])
+        before, _ = tl.associative_scan((tl.zeros_like(v), v), 0, _before_combine)
+        y = tl.expand_dims(before, 1)
+    else:
+        y, _ = tl.associative_scan((tl.zeros_like(x), x), axis, _before_combine)
+    return y
+
+
+@triton.jit
 def _dot(a, b, DT: tl.constexpr):
     """a @ b in float32: operands rounded to the inputs' 16-bit dtype (DT) for the tensor cores, exact float32 for
     float32 inputs. In Triton's interpreter (UPCAST, tests on a CPU) 16-bit operands are widened after the rounding:
@@ -375,30 +395,56 @@ def _segsum(b_l, o_r):
 
 
 @triton.jit
-def _intra(b_q, b_k, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H: tl.constexpr,
-           HKV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr,
-           USE_GK: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr):
-    """[BC, BC]: D[i, j] = sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, else 0: the block of a sub-chunk (its BC steps
-    from step `start`; q, k [BC, BK], L [BC, BK | 1]) with itself, every decay a sum of the pair's own steps. A scalar
-    gate: q kᵀ on the tensor cores times e^{segsum}. Per channel (gk): a column j at a time, k_j and the log gate of
-    step j + 1 read as rows (no extraction from a register tile), X[i] = L(j, i] kept by adding each step as j goes
-    down."""
-    if USE_GK:
-        b_x = tl.zeros_like(b_q)  # [BC, BK]: L(j, i] for i > j, 0 elsewhere
-        b_next = tl.zeros_like(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK]: the log gate of step j + 1
-        b_d = tl.zeros([BC, BC], dtype=tl.float32)
-        for back in range(0, BC):
-            j = BC - 1 - back
-            b_x = tl.where(o_r[:, None] > j, b_x + b_next, 0.0)
-            rows_j, m_j = _steps(bos, eos, start + j, 1, REVERSE)
-            b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
-            b_col = tl.sum(b_q * b_kj * tl.exp(b_x), axis=1)  # [BC]
-            b_d = tl.where((o_r[None, :] == j) & (o_r[:, None] >= j), b_col[:, None], b_d)
-            b_next = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-    else:
-        lower = o_r[:, None] >= o_r[None, :]
-        b_d = tl.where(lower, _dot(b_q, tl.trans(b_k), DT) * tl.exp(tl.where(lower, _segsum(b_l, o_r), 0.0)), 0.0)
+def _intra(b_q, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H: tl.constexpr, HKV: tl.constexpr,
+           K: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
+           REVERSE: tl.constexpr, MAP: tl.constexpr):
+    """[BC, BC]: D[i, j] = sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, else 0, per key channel (gk): the block of a
+    sub-chunk (its BC steps from step `start`; q, L [BC, BK]) with itself, every decay a sum of the pair's own steps.
+    A column j at a time, k_j and the log gate of step j + 1 read as rows (no extraction from a register tile),
+    X[i] = L(j, i] kept by adding each step as j goes down."""
+    b_x = tl.zeros_like(b_q)  # [BC, BK]: L(j, i] for i > j, 0 elsewhere
+    b_next = tl.zeros_like(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK]: the log gate of step j + 1
+    b_d = tl.zeros([BC, BC], dtype=tl.float32)
+    for back in range(0, BC):
+        j = BC - 1 - back
+        b_x = tl.where(o_r[:, None] > j, b_x + b_next, 0.0)
+        rows_j, m_j = _steps(bos, eos, start + j, 1, REVERSE)
+        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
+        b_col = tl.sum(b_q * b_kj * tl.exp(b_x), axis=1)  # [BC]
+        b_d = tl.where((o_r[None, :] == j) & (o_r[:, None] >= j), b_col[:, None], b_d)
+        b_next = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
     return b_d
+
+
+@triton.jit
+def _keys_to(K_, G, GAMMA, GK, bos, eos, first, b_between, i_h, i_hk, o_k, m_k, H: tl.constexpr, HKV: tl.constexpr,
+             K: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
+             REVERSE: tl.constexpr, MAP: tl.constexpr):
+    """(k_j e^{L(j, b]} [BC, BK] for the sub-chunk of BC steps from step `first`, b a step at or after its end with
+    L(its end, b] = b_between [1, BK]; the sub-chunk's log gates summed [1, BK]): L(j, b] = the sum after j inside the
+    sub-chunk (`_after`) plus b_between, each a sum of its own steps."""
+    rows, m_s = _steps(bos, eos, first, BC, REVERSE)
+    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+    b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP) * tl.exp(_after(b_l) + b_between)
+    return b_k, tl.sum(b_l, axis=0, keep_dims=True)
+
+
+@triton.jit
+def _queries_from(Q, G, GAMMA, GK, bos, eos, first, b_between, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+                  BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
+                  REVERSE: tl.constexpr, MAP: tl.constexpr):
+    """(q_t e^{L(b, t]} [BC, BK] for the sub-chunk of BC steps from step `first`, b a step before it with
+    L(b, first - 1] = b_between; its log gates summed): the prefix sums inside the sub-chunk plus b_between."""
+    rows, m_s = _steps(bos, eos, first, BC, REVERSE)
+    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+    b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP) * tl.exp(_cumsum(b_l, axis=0) + b_between)
+    return b_q, tl.sum(b_l, axis=0, keep_dims=True)
+
+
+@triton.jit
+def _block(p, i_i, i_j, o_r, C: tl.constexpr, BC: tl.constexpr):
+    """Block (I, J) [BC, BC] of the sub-chunks of a chunk's [C, C] matrix at p."""
+    return tl.load(p + (i_i * BC + o_r[:, None]) * C + i_j * BC + o_r[None, :])
 
 
 @triton.jit
@@ -449,11 +495,11 @@ def linear_attention_chunk_state_kernel(
 
 @triton.jit
 def linear_attention_chunk_intra_kernel(
-    Q, K_, G, GAMMA, GK, CU, CHUNKS, A,
+    Q, K_, V_, G, GAMMA, GK, CU, CHUNKS, DO, A, DA,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr,
+    DT: tl.constexpr, GRADS: tl.constexpr,
 ):
     """With a gate per key channel (gk): A [chunks, H, C, C] (q's dtype), each chunk's intra-chunk matrix
         A_ij = scale sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, 0 above the diagonal,
@@ -461,7 +507,8 @@ def linear_attention_chunk_intra_kernel(
     diagonal is factored through the step before I, b: e^{L(j, i]} = e^{L(b, i]} e^{L(j, b]}, with L(b, i] the prefix
     sums inside I and L(j, b] = L(j, end of J] plus the whole sub-chunks between J and I, so both exponents are sums of
     their own steps, <= 0 for decaying gates; their product in TF32 (`_dot_state`). The diagonal block from each pair's
-    own segment sum (`_intra`)."""
+    own segment sum (`_intra`). GRADS (the backward): also DA [chunks, H, C, C] float32, dA_ij = scale do_i · v_j for
+    j <= i, 0 above (V in blocks of BV)."""
     NSUB: tl.constexpr = C // BC
     i_ci, i_bh = tl.program_id(0), tl.program_id(1)
     i_c, i_i = i_ci // NSUB, i_ci % NSUB
@@ -476,29 +523,39 @@ def linear_attention_chunk_intra_kernel(
     start = i_t * C + i_i * BC
     rows, m_s = _steps(bos, eos, start, BC, REVERSE)
     b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
-    b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
     b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK]
     b_qb = b_q * tl.exp(_cumsum(b_l, axis=0))  # q_i e^{L(b, i]}
-    p_a = A + ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_r[None, :]  # block (I, 0)
-    b_between = tl.zeros_like(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK]: the sub-chunks between J and I
+    p_rows = ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C  # rows I of the chunk's [C, C]
+    b_between = tl.zeros_like(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK]: L(end of J, b]
     for back in range(0, i_i):
         i_j = i_i - 1 - back
-        rows_j, m_j = _steps(bos, eos, i_t * C + i_j * BC, BC, REVERSE)
-        b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-        b_kb = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP) * tl.exp(_after(b_lj) + b_between)
-        tl.store(p_a + i_j * BC, (_dot_state(b_qb, tl.trans(b_kb), DT) * SCALE).to(A.dtype.element_ty))
-        b_between += tl.sum(b_lj, axis=0, keep_dims=True)
-    b_d = _intra(b_q, b_k, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC, USE_G,
-                 USE_GAMMA, USE_GK, REVERSE, MAP, DT)
-    tl.store(p_a + i_i * BC, (b_d * SCALE).to(A.dtype.element_ty))
+        b_kb, b_tot = _keys_to(K_, G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, b_between, i_h, i_hk, o_k, m_k, H, HKV,
+                               K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+        b_a = _dot_state(b_qb, tl.trans(b_kb), DT) * SCALE
+        tl.store(A + p_rows + i_j * BC + o_r[None, :], b_a.to(A.dtype.element_ty))
+        b_between += b_tot
+    b_d = _intra(b_q, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC, USE_G,
+                 USE_GAMMA, USE_GK, REVERSE, MAP)
+    tl.store(A + p_rows + i_i * BC + o_r[None, :], (b_d * SCALE).to(A.dtype.element_ty))
     for i_j in range(i_i + 1, NSUB):
-        tl.store(p_a + i_j * BC, tl.zeros([BC, BC], dtype=A.dtype.element_ty))
+        tl.store(A + p_rows + i_j * BC + o_r[None, :], tl.zeros([BC, BC], dtype=A.dtype.element_ty))
+    if GRADS:
+        o_c = tl.arange(0, C)
+        rows_c, m_c = _steps(bos, eos, i_t * C, C, REVERSE)
+        b_da = tl.zeros([BC, C], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [BC, BV]
+            b_da += _dot(b_do, tl.trans(_load_v(V_, rows_c, m_c, i_hk, o_v, m_v, HKV, V)), DT)
+        b_da = tl.where(i_i * BC + o_r[:, None] >= o_c[None, :], b_da * SCALE, 0.0)
+        tl.store(DA + p_rows + o_c[None, :], b_da)
 
 
 @triton.jit
 def _intra_scalar(b_a, b_l, o_c, GATED: tl.constexpr):
-    """scale-free A_ij = (q_i · k_j) e^{L(j, i]} for j <= i, 0 above the diagonal, from b_a = q kᵀ [C, C] and a scalar
-    log gate per step b_l [C, 1]: each pair's own segment sum (`_segsum`)."""
+    """A matrix of a chunk's pairs of steps [C, C] (q kᵀ, or dA = do vᵀ) times e^{L(j, i]} for j <= i, 0 above the
+    diagonal, with a scalar log gate per step b_l [C, 1]: each pair's own segment sum (`_segsum`)."""
     lower = o_c[:, None] >= o_c[None, :]
     if GATED:
         b_a = b_a * tl.exp(tl.where(lower, _segsum(b_l, o_c), 0.0))
@@ -605,165 +662,250 @@ def _per_gate(x, USE_GK: tl.constexpr):
 
 
 @triton.jit
-def _intra_grads(b_q, b_k, b_do, b_l, b_p, b_da, K_, V_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_v,
-                 m_v, o_r, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
-                 SCALE: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
-                 REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr):
-    """The pairs of a sub-chunk with itself (q, k [BC, BK] a block of channels, do [BC, BV] V whole, L, P [BC, BK | 1]
-    the log gates and their prefix sums, dA [BC, BC] = scale do vᵀ for j <= i): (dq_i = sum_{j <= i} dA_ij k_j
-    e^{L(j, i]}, dk_j = sum_{i >= j} dA_ij q_i e^{L(j, i]}, and the pairs r < s <= t by s: inner_s = sum q_t k_r
-    e^{L(r, t]} dA_tr, per channel with gk [BC, BK], else summed over the block's channels [BC, 1]). A scalar gate:
-    products of BC x BC matrices on the tensor cores. Per channel: a column j at a time, k_j, v_j and the log gate of
-    step j read as rows (e^{P_i - P_j}, P_j summed as the rows come)."""
-    if USE_GK:
-        b_dq = tl.zeros_like(b_q)
-        b_dk = tl.zeros_like(b_q)
-        b_pairs = tl.zeros_like(b_q)  # by t: the pairs (r <= j, t) so far
-        b_inner = tl.zeros_like(b_q)
-        b_pj = tl.zeros_like(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK]: P_j
-        for j in range(0, BC):
-            rows_j, m_j = _steps(bos, eos, start + j, 1, REVERSE)
-            b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
-            b_vj = _load_v(V_, rows_j, m_j, i_hk, o_v, m_v, HKV, V)  # [1, BV]
-            b_pj += _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-            b_daj = tl.where(o_r >= j, tl.sum(b_do * b_vj, axis=1), 0.0) * SCALE  # [BC]: dA[:, j]
-            b_decay = tl.exp(tl.where(o_r[:, None] > j, b_p - b_pj, 0.0))  # e^{L(j, i]} for i >= j
-            b_dqj = b_daj[:, None] * b_kj * b_decay
-            b_dq += b_dqj
-            b_dk = tl.where(o_r[:, None] == j, tl.sum(b_daj[:, None] * b_q * b_decay, axis=0)[None, :], b_dk)
-            b_pairs += b_q * b_dqj
-            b_after = tl.sum(tl.where(o_r[:, None] > j, b_pairs, 0.0), axis=0)  # t >= s = j + 1
-            b_inner = tl.where(o_r[:, None] == j + 1, b_after[None, :], b_inner)
-    else:
-        lower = o_r[:, None] >= o_r[None, :]
-        b_e = tl.where(lower, tl.exp(tl.where(lower, _segsum(b_l, o_r), 0.0)), 0.0)  # e^{L(j, i]}
-        b_w = b_da * b_e  # float32: TF32 in the products (in bf16, dq and dk erred 1.4x the rounding of the result)
-        b_dq = _dot_state(b_w, b_k, DT)
-        b_dk = _dot_state(tl.trans(b_w), b_q, DT)
-        # by s: the sum over t >= s of the sum over r < s of (q_t · k_r) e^{L(r, t]} dA_tr
-        b_n = _dot(b_q, tl.trans(b_k), DT) * b_w
-        b_before = tl.dot(b_n, tl.where(o_r[:, None] < o_r[None, :], 1.0, 0.0), input_precision="ieee")
-        b_inner = tl.expand_dims(tl.sum(tl.where(lower, b_before, 0.0), axis=0), 1)
+def _intra_grads(b_q, b_p, p_da, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H: tl.constexpr,
+                 HKV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr,
+                 USE_GK: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr):
+    """The pairs of a sub-chunk with itself, per key channel (q [BC, BK], P [BC, BK] the prefix sums of its log gates
+    inside it; p_da its diagonal block of the chunk's dA [C, C], dA_ij = scale do_i · v_j): (dq_i = sum_{j <= i} dA_ij
+    k_j e^{L(j, i]}, dk_j = sum_{i >= j} dA_ij q_i e^{L(j, i]}, and by s the pairs r < s <= t, inner_s = sum q_t k_r
+    e^{L(r, t]} dA_tr). A column j at a time, k_j and the log gate of step j read as rows (e^{P_i - P_j}, P_j summed as
+    the rows come), dA's column j read from memory."""
+    b_dq = tl.zeros_like(b_q)
+    b_dk = tl.zeros_like(b_q)
+    b_pairs = tl.zeros_like(b_q)  # by t: the pairs (r <= j, t) so far
+    b_inner = tl.zeros_like(b_q)
+    b_pj = tl.zeros_like(tl.sum(b_p, axis=0, keep_dims=True))  # [1, BK]: P_j
+    for j in range(0, o_r.shape[0]):
+        rows_j, m_j = _steps(bos, eos, start + j, 1, REVERSE)
+        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
+        b_pj += _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+        b_daj = tl.load(p_da + o_r * C + j, mask=o_r >= j, other=0.0)  # [BC]: dA[:, j], i >= j
+        b_decay = tl.exp(tl.where(o_r[:, None] > j, b_p - b_pj, 0.0))  # e^{L(j, i]} for i >= j
+        b_dqj = b_daj[:, None] * b_kj * b_decay
+        b_dq += b_dqj
+        b_dk = tl.where(o_r[:, None] == j, tl.sum(b_daj[:, None] * b_q * b_decay, axis=0)[None, :], b_dk)
+        b_pairs += b_q * b_dqj
+        b_after = tl.sum(tl.where(o_r[:, None] > j, b_pairs, 0.0), axis=0)  # t >= s = j + 1
+        b_inner = tl.where(o_r[:, None] == j + 1, b_after[None, :], b_inner)
     return b_dq, b_dk, b_inner
 
 
 @triton.jit
+def linear_attention_chunk_grads_intra_kernel(
+    Q, K_, G, GAMMA, GK, CU, CHUNKS, DA, DQI, DKI, DLI,
+    T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
+    USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """With gk: what the pairs of steps inside a chunk give dq, dk and the key side's log decay gradient (float32, per
+    query head, DQI, DKI, DLI [rows, H, K]; `chunk_grads_qk` adds the pairs with the start state or end adjoint), a
+    program per (sub-chunk I of a chunk, block of BK channels, sequence x head). With dA_tr = scale do_t · v_r (DA,
+    `chunk_intra`) and, per channel, W_tr = dA_tr q_t k_r e^{L(r, t]}:
+        dq_t = sum_{r <= t} dA_tr k_r e^{L(r, t]},   dk_r = sum_{t >= r} dA_tr q_t e^{L(r, t]},
+        dlog_s = the sum of W_tr over the pairs r < s <= t    (docs/DESIGN.md §3 linear recurrent, "Gates' gradients")
+    over r, t in the chunk. Blocks off the diagonal are factored through the boundary between (as `chunk_intra`'s):
+    r before I to t in I through the step b before I, r in I to t after I through I's last step e. For s in I, the
+    pairs r < s <= t by where r and t lie: r before I, t in I (q_t ⊙ its dq from before I, summed over t >= s); r in
+    I, t after I (k_r ⊙ its dk from after I, over r < s); r before I, t after I (the same for every s of I: through b,
+    all of I, and the steps after e); both in I (`_intra_grads`). No term is subtracted from another."""
+    NSUB: tl.constexpr = C // BC
+    i_ci, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, i_i = i_ci // NSUB, i_ci % NSUB
+    i_h = i_bh % H
+    i_hk = i_h // (H // HKV)
+    i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
+    i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
+    bos, eos = _bounds(CU, i_n, T, VARLEN)
+    n_sub = tl.cdiv(tl.minimum(eos - bos - i_t * C, C), BC)
+    if i_i >= n_sub:
+        return
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_r = tl.arange(0, BC)
+    m_k = o_k < K
+    start = i_t * C + i_i * BC
+    rows, m_s = _steps(bos, eos, start, BC, REVERSE)
+    b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
+    b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
+    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK]
+    b_p = _cumsum(b_l, axis=0)
+    b_tot = tl.sum(b_l, axis=0, keep_dims=True)  # [1, BK]: L(b, e]
+    p_da = DA + (i_cg * H + i_h).to(tl.int64) * C * C  # the chunk's dA [C, C]
+    # r before I, t in I: dq_t = e^{L(b, t]} sum_r dA_tr k_r e^{L(r, b]}
+    b_y = tl.zeros_like(b_q)
+    b_between = tl.zeros_like(b_tot)
+    for back in range(0, i_i):
+        i_j = i_i - 1 - back
+        b_kb, b_lj = _keys_to(K_, G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, b_between, i_h, i_hk, o_k, m_k, H, HKV,
+                              K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+        b_y += _dot_state(_block(p_da, i_i, i_j, o_r, C, BC), b_kb, DT)
+        b_between += b_lj
+    b_dq = b_y * tl.exp(b_p)
+    # r in I, t after I: dk_r = e^{L(r, e]} sum_t dA_tr q_t e^{L(e, t]}
+    b_x = tl.zeros_like(b_q)
+    b_between = tl.zeros_like(b_tot)
+    for i_u in range(i_i + 1, n_sub):
+        b_qe, b_lu = _queries_from(Q, G, GAMMA, GK, bos, eos, i_t * C + i_u * BC, b_between, i_h, o_k, m_k, H, K, BC,
+                                   USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+        b_x += _dot_state(tl.trans(_block(p_da, i_u, i_i, o_r, C, BC)), b_qe, DT)
+        b_between += b_lu
+    b_dk = b_x * tl.exp(_after(b_l))
+    b_dlog = _cumsum(b_q * b_dq, axis=0, reverse=True) + _cumsum_before(b_k * b_dk, 0)
+    # r before I, t after I, for every s of I: sum over t of q_t e^{L(b, t]} ⊙ sum over r of dA_tr k_r e^{L(r, b]}
+    b_span = tl.zeros_like(b_tot)
+    b_from = b_tot  # L(b, the step before sub-chunk i_u]
+    for i_u in range(i_i + 1, n_sub):
+        b_qb, b_lu = _queries_from(Q, G, GAMMA, GK, bos, eos, i_t * C + i_u * BC, b_from, i_h, o_k, m_k, H, K, BC,
+                                   USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+        b_yu = tl.zeros_like(b_q)
+        b_between = tl.zeros_like(b_tot)
+        for back in range(0, i_i):
+            i_j = i_i - 1 - back
+            b_kb, b_lj = _keys_to(K_, G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, b_between, i_h, i_hk, o_k, m_k, H,
+                                  HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+            b_yu += _dot_state(_block(p_da, i_u, i_j, o_r, C, BC), b_kb, DT)
+            b_between += b_lj
+        b_span += tl.sum(b_qb * b_yu, axis=0, keep_dims=True)
+        b_from += b_lu
+    # both in I
+    b_dqd, b_dkd, b_inner = _intra_grads(b_q, b_p, p_da + (i_i * BC) * (C + 1), K_, G, GAMMA, GK, bos, eos, start,
+                                         i_h, i_hk, o_k, m_k, o_r, H, HKV, K, C, USE_G, USE_GAMMA, USE_GK, REVERSE,
+                                         MAP)
+    p_i = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    m_i = m_s[:, None] & m_k[None, :]
+    tl.store(DQI + p_i, b_dq + b_dqd, mask=m_i)
+    tl.store(DKI + p_i, b_dk + b_dkd, mask=m_i)
+    tl.store(DLI + p_i, b_dlog + b_span + b_inner, mask=m_i)
+
+
+@triton.jit
 def linear_attention_chunk_grads_qk_kernel(
-    Q, K_, V_, G, GAMMA, GK, CU, CHUNKS, HS, DHS, DO, DQ, DK, DLOG,
+    Q, K_, V_, G, GAMMA, GK, CU, CHUNKS, HS, DHS, DO, DQI, DKI, DLI, DQ, DK, DLOG,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, ROWS: tl.constexpr,
 ):
     """dq and dk (of the mapped q and k, per query head; float32, or q's dtype where the host needs no sums) of a
-    chunk's steps in BK channels (V whole), a sub-chunk I at a time from the last: with S the state at I's start (the
-    chunk's start state through the sub-chunks before I, again) and S̄ the adjoint at I's end (from the chunk's end
-    adjoint, backwards),
-        dq_i = scale [e^{P_i} (do_i Sᵀ) + sum_{j <= i} dA_ij k_j e^{L(j, i]}]     (P_i: L(start of I, i])
-        dk_j = e^{L(j, end of I]} (v_j S̄ᵀ) + scale sum_{i >= j} dA_ij q_i e^{L(j, i]}   (`_intra_grads`)
-        S̄ <- diag(e^{L_I}) S̄ + scale sum_{i in I} (q_i e^{P_i})ᵀ do_i
-    With gates, DLOG (with gk [ROWS, H, K], else a part per block of channels [NK, ROWS, H, 1]): the key side's log
-    decay gradient of each step s of I, the sum over the pairs r < s <= t (r = the start state, t = the end adjoint
-    included; docs/DESIGN.md §3 linear recurrent, "Gates' gradients") from the products above: t in I from S (q_t ⊙
-    its dq from S, summed over t >= s), r in I to S̄ (k_r ⊙ its dk from S̄, over r < s), both in I (`_intra_grads`),
-    and r before I with t after it, the same for every s of I: e^{L_I} S ⊙ S̄ summed over V."""
+    chunk's C steps in BK channels, a program per (chunk, block of K), V in blocks of BV, in products of the whole
+    chunk: with S the state at the chunk's start (HS), S̄ the adjoint at its end (DHS), dA = do vᵀ,
+        dq = scale e^{P} ⊙ (do Sᵀ) + W k,   dk = e^{R} ⊙ (v S̄ᵀ) + Wᵀ q     (P_t = L(start, t], R_r = L(r, end])
+    W_tr = scale dA_tr e^{L(r, t]} (t >= r): with a scalar gate formed here (`_intra_scalar`), with gk the products of
+    W come from `chunk_grads_intra` (DQI, DKI, DLI). With gates, DLOG (with gk [ROWS, H, K], else a part per block of
+    channels [NK, ROWS, H, 1]): the key side's log decay gradient of each step s, the sum over the pairs r < s <= t
+    (docs/DESIGN.md §3 linear recurrent, "Gates' gradients"): from S to t >= s (q_t ⊙ its dq from S, a reverse
+    cumsum), from r < s to S̄ (k_r ⊙ its dk from S̄, `_cumsum_before`), from S to S̄ (e^{L_C} S ⊙ S̄ summed over V),
+    and inside the chunk (with a scalar gate the sum over r < s of the sum over t >= s of (q_t · k_r) W_tr)."""
     i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
     i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
-    o_r = tl.arange(0, BC)
-    m_k, m_v = o_k < K, o_v < V
     GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
-    p_h = (i_cg * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
-    m_h = m_k[:, None] & m_v[None, :]
-    b_dh = tl.load(DHS + p_h, mask=m_h, other=0.0)  # [BK, BV]: S̄ at the chunk's end
-    n_sub = tl.cdiv(tl.minimum(eos - bos - i_t * C, C), BC)
-    for back in range(0, n_sub):
-        i_i = n_sub - 1 - back
-        start = i_t * C + i_i * BC
-        b_h = tl.load(HS + p_h, mask=m_h, other=0.0)
-        for i_j in range(0, i_i):
-            rows_j, m_j = _steps(bos, eos, i_t * C + i_j * BC, BC, REVERSE)
-            b_lj = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-            b_tj = tl.sum(b_lj, axis=0, keep_dims=True)
-            b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP) * tl.exp(_after(b_lj))
-            b_h = b_h * tl.trans(tl.exp(b_tj)) + _dot(tl.trans(b_kj), _load_v(V_, rows_j, m_j, i_hk, o_v, m_v, HKV, V),
-                                                      DT)
-        rows, m_s = _steps(bos, eos, start, BC, REVERSE)
-        b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
-        b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
-        b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [BC, BV]
-        b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)
-        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK | 1]
-        b_p = _cumsum(b_l, axis=0)
-        b_tot = tl.sum(b_l, axis=0, keep_dims=True)
-        b_dqs = _dot_state(b_do, tl.trans(b_h), DT) * tl.exp(b_p) * SCALE  # [BC, BK]
-        if GATED:  # the pairs from before I to after it
-            b_through = _per_gate(tl.trans(tl.sum(b_h * b_dh, axis=1, keep_dims=True)) * tl.exp(b_tot), USE_GK)
-        b_dks = _dot_state(b_v, tl.trans(b_dh), DT) * tl.exp(_after(b_l))
-        b_da = tl.where(o_r[:, None] >= o_r[None, :], _dot(b_do, tl.trans(b_v), DT), 0.0) * SCALE  # [BC, BC]
-        b_dqi, b_dki, b_inner = _intra_grads(
-            b_q, b_k, b_do, b_l, b_p, b_da, K_, V_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_v, m_v, o_r,
-            H, HKV, K, V, BC, SCALE, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT)
-        m_qk = m_s[:, None] & m_k[None, :]
-        p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
-        tl.store(DQ + p_qk, (b_dqs + b_dqi).to(DQ.dtype.element_ty), mask=m_qk)
-        tl.store(DK + p_qk, (b_dks + b_dki).to(DK.dtype.element_ty), mask=m_qk)
+    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
+    o_c = tl.arange(0, C)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    p_h = (i_cg * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V  # rows o_k of the chunk's state
+    b_dq = tl.zeros([C, BK], dtype=tl.float32)
+    b_dk = tl.zeros([C, BK], dtype=tl.float32)
+    b_hh = tl.zeros([BK], dtype=tl.float32)  # S ⊙ S̄ summed over V
+    b_da = tl.zeros([C, C], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_h = m_k[:, None] & m_v[None, :]
+        b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
+        b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)
+        b_h = tl.load(HS + p_h + o_v[None, :], mask=m_h, other=0.0)  # [BK, BV]
+        b_dh = tl.load(DHS + p_h + o_v[None, :], mask=m_h, other=0.0)
+        b_dq += _dot_state(b_do, tl.trans(b_h), DT)
+        b_dk += _dot_state(b_v, tl.trans(b_dh), DT)
         if GATED:
-            b_from = _per_gate(b_q * b_dqs, USE_GK)
-            # r < s by a product with the strict lower triangle: an inclusive cumsum less step s's own term would keep
-            # that term's rounding, undecayed, in a sum of terms decayed through s (e^{-L_s} times their size)
-            b_before = tl.where(o_r[:, None] > o_r[None, :], 1.0, 0.0)  # [BC, BC]
-            b_to = _per_gate(tl.dot(b_before, b_k * b_dks, input_precision="ieee"), USE_GK)
-            b_dlog = _cumsum(b_from, axis=0, reverse=True) + b_to + b_inner + b_through
-            if USE_GK:
-                tl.store(DLOG + p_qk, b_dlog, mask=m_qk)
-            else:
-                tl.store(DLOG + i_k.to(tl.int64) * ROWS * H + rows[:, None] * H + i_h, b_dlog, mask=m_s[:, None])
-        b_dh = b_dh * tl.trans(tl.exp(b_tot)) + _dot(tl.trans(b_q * tl.exp(b_p) * SCALE), b_do, DT)
+            b_hh += tl.sum(b_h * b_dh, axis=1)
+        if not USE_GK:
+            b_da += _dot(b_do, tl.trans(b_v), DT)
+    b_dq = b_dq * SCALE
+    b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
+    b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
+    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
+    if GATED:
+        b_dq = b_dq * tl.exp(_cumsum(b_l, axis=0))
+        b_dk = b_dk * tl.exp(_after(b_l))
+        b_end = tl.exp(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK | 1]: e^{L_C}
+        b_dlog = (_cumsum(_per_gate(b_q * b_dq, USE_GK), axis=0, reverse=True)
+                  + _cumsum_before(_per_gate(b_k * b_dk, USE_GK), 0) + _per_gate(b_hh[None, :] * b_end, USE_GK))
+    p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    m_qk = m_s[:, None] & m_k[None, :]
+    if USE_GK:
+        b_dq += tl.load(DQI + p_qk, mask=m_qk, other=0.0)
+        b_dk += tl.load(DKI + p_qk, mask=m_qk, other=0.0)
+        b_dlog += tl.load(DLI + p_qk, mask=m_qk, other=0.0)
+    else:
+        b_w = _intra_scalar(b_da, b_l, o_c, GATED) * SCALE
+        # float32 W in TF32: in bf16, dq and dk erred 1.4x the rounding of the result
+        b_dq += _dot_state(b_w, b_k, DT)
+        b_dk += _dot_state(tl.trans(b_w), b_q, DT)
+        if GATED:  # the pairs inside the chunk, summed over the block's channels: by s, over r < s and t >= s
+            b_after = _cumsum(_dot(b_q, tl.trans(b_k), DT) * b_w, axis=0, reverse=True)  # [s, r]: over t >= s
+            b_dlog += tl.expand_dims(tl.sum(tl.where(o_c[None, :] < o_c[:, None], b_after, 0.0), axis=1), 1)
+    tl.store(DQ + p_qk, b_dq.to(DQ.dtype.element_ty), mask=m_qk)
+    tl.store(DK + p_qk, b_dk.to(DK.dtype.element_ty), mask=m_qk)
+    if GATED:
+        if USE_GK:
+            tl.store(DLOG + p_qk, b_dlog, mask=m_qk)
+        else:
+            tl.store(DLOG + i_k.to(tl.int64) * ROWS * H + rows[:, None] * H + i_h, b_dlog, mask=m_s[:, None])
 
 
 @triton.jit
 def linear_attention_chunk_grads_v_kernel(
-    Q, K_, G, GAMMA, GK, CU, CHUNKS, DHS, DO, DV,
+    Q, K_, G, GAMMA, GK, CU, CHUNKS, DHS, A, DO, DV,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """dv (per query head; float32, or v's dtype where the host needs no sums) of a chunk's steps (BV columns), a
-    sub-chunk I at a time from the last, from the chunk's end adjoint (the output kernel backwards):
-        dv_j = (k_j e^{L(j, end of I]}) S̄ + scale sum_{i >= j in I} D_ij do_i   (D: `_intra`)
-        S̄ <- diag(e^{L_I}) S̄ + scale sum_{i in I} (q_i e^{P_i})ᵀ do_i"""
+    """dv (per query head; float32, or v's dtype where the host needs no sums) of a chunk's C steps in BV columns, a
+    program per (chunk, block of V), the output kernel's transpose in products of the whole chunk:
+        dv = (k ⊙ e^{R}) S̄ + Aᵀ do      (S̄: the adjoint of the state at the chunk's end, DHS; R_j = L(j, end])
+    A as the output kernel's: with gk read from A (`chunk_intra`), with a scalar gate (or none) formed here, e^{R}
+    scaling the rows of k S̄. K in blocks of BK."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
     i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
-    o_k = tl.arange(0, BK)
+    GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
+    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
+    o_c = tl.arange(0, C)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_r = tl.arange(0, BC)
-    m_k, m_v = o_k < K, o_v < V
+    m_v = o_v < V
     p_h = DHS + (i_cg * H + i_h).to(tl.int64) * K * V
-    b_dh = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
-    n_sub = tl.cdiv(tl.minimum(eos - bos - i_t * C, C), BC)
-    for back in range(0, n_sub):
-        start = i_t * C + (n_sub - 1 - back) * BC
-        rows, m_s = _steps(bos, eos, start, BC, REVERSE)
-        b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
-        b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
-        b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [BC, BV]
-        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK | 1]
-        b_p = _cumsum(b_l, axis=0)
-        b_tot = tl.sum(b_l, axis=0, keep_dims=True)
-        b_d = _intra(b_q, b_k, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC,
-                     USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT)
-        b_dv = _dot_state(b_k * tl.exp(_after(b_l)), b_dh, DT) + _dot(tl.trans(b_d), b_do, DT) * SCALE
-        tl.store(DV + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(DV.dtype.element_ty),
-                 mask=m_s[:, None] & m_v[None, :])
-        b_dh = b_dh * tl.trans(tl.exp(b_tot)) + _dot(tl.trans(b_q * tl.exp(b_p) * SCALE), b_do, DT)
+    b_dv = tl.zeros([C, BV], dtype=tl.float32)
+    b_a = tl.zeros([C, C], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
+        if USE_GK:
+            b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+            b_k = b_k * tl.exp(_after(b_l))
+        else:
+            b_a += _dot(_load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP), tl.trans(b_k), DT)
+        b_dh = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dv += _dot_state(b_k, b_dh, DT)
+    if USE_GK:
+        p_a = A + ((i_cg * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :]
+        b_a = tl.load(p_a, mask=o_c[:, None] >= o_c[None, :], other=0.0).to(tl.float32)
+    else:
+        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
+        if GATED:
+            b_dv = b_dv * tl.exp(_after(b_l))
+        b_a = _intra_scalar(b_a, b_l, o_c, GATED) * SCALE
+    b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
+    b_dv += _dot(tl.trans(b_a), b_do, DT)
+    tl.store(DV + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(DV.dtype.element_ty),
+             mask=m_s[:, None] & m_v[None, :])

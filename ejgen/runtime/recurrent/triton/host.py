@@ -8,8 +8,10 @@ forward ``fused_fwd``; backward ``fused_bwd``, whose dq and dk (and the key side
 block of V summed here; with gates it keeps a checkpoint every FUSED_BT steps and a scratch of FUSED_BT states per
 program.
 Chunked (chunks of C steps; a launch per function, ``CHUNKED`` their blocks and settings, notes/recurrent-perf.md):
-forward ``chunk_states``, with gk ``chunk_intra`` (the intra-chunk matrices), then ``chunk_output``; backward ``chunk_states`` again, ``chunk_state_grads``, then
-``chunk_grads_qk`` (dq, dk and the key side's log decay gradient by blocks of K) and ``chunk_grads_v``.
+forward ``chunk_states``, with gk ``chunk_intra`` (the intra-chunk matrices A), then ``chunk_output``; backward
+``chunk_states`` again, ``chunk_state_grads``, with gk ``chunk_intra`` (A and dA) and ``chunk_grads_intra`` (the
+gradients' parts from the pairs inside each chunk), then ``chunk_grads_qk`` (dq, dk and the key side's log decay
+gradient by blocks of K) and ``chunk_grads_v``.
 Kernels read the caller's arrays in place ([B, T, H, D], packed sequences by CU, reverse by index); outputs that a
 packed call may leave unwritten (tokens past the last sequence) are zeroed.
 """
@@ -59,16 +61,18 @@ class Tiles:
 CHUNKED = {
     "chunk_state": Tiles(64, 64, 8, 2),
     "chunk_state_bwd": Tiles(64, 64, 8, 2),
-    "chunk_intra": Tiles(0, 0, 4, 1),
+    "chunk_intra": Tiles(0, 64, 4, 1),
     "chunk_output": Tiles(64, 64, 8, 2),
-    "chunk_grads_qk": Tiles(32, 0, 8, 1),
-    "chunk_grads_v": Tiles(0, 64, 8, 1),
+    "chunk_grads_intra": Tiles(64, 0, 4, 1),
+    "chunk_grads_qk": Tiles(64, 32, 8, 2),
+    "chunk_grads_v": Tiles(64, 64, 8, 2),
 }
 
 
-# The head dim a chunked kernel's program takes whole: o and dv sum over K, dq and dk over V (their CHUNKED block
-# there must be 0; a part of it would leave the other channels out of every product).
-WHOLE = {"chunk_intra": "block_k", "chunk_grads_v": "block_k", "chunk_grads_qk": "block_v"}
+# The head dim a chunked kernel's program takes whole in one tile: the intra-chunk matrices sum over K (its CHUNKED
+# block there must be 0; a part of it would leave the other channels out of every product). The output, dv and dq /
+# dk kernels take the head dim they sum over in a loop of blocks.
+WHOLE = {"chunk_intra": "block_k"}
 
 
 def tiles(which: str, dk: int, dv: int) -> tuple[dict, dict]:
@@ -237,18 +241,21 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg):
     return hs, ht
 
 
-def chunk_intra(kernels, q, k, gates, ctx, cfg):
-    """With gk: A [chunks, H, C, C] in q's dtype, every chunk's intra-chunk matrix (scale included), a program per
-    (sub-chunk, chunk, sequence x head)."""
+def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None):
+    """With gk: (A [chunks, H, C, C] in q's dtype, every chunk's intra-chunk matrix (scale included); with v and do
+    (the backward) also dA = scale do vᵀ [chunks, H, C, C] float32, else None), a program per (sub-chunk, chunk,
+    sequence x head)."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_intra", cfg.dk, cfg.dv)
-    (a,) = triton_call.launch(
+    grads = do is not None
+    square = (per_row * grid_rows, cfg.heads, cfg.chunk, cfg.chunk)
+    a, da = triton_call.launch(
         kernels.get("chunk_intra"), (per_row * (cfg.chunk // SUB), grid_rows * cfg.heads),
-        [q, k, *ins[:3], ins[5], chunks],
-        [jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads, cfg.chunk, cfg.chunk), q.dtype)],
-        BC=SUB, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
-    return a
+        [q, k, v if grads else _dummy(q.dtype), *ins[:3], ins[5], chunks, do if grads else _dummy(q.dtype)],
+        [jax.ShapeDtypeStruct(square, q.dtype), jax.ShapeDtypeStruct(square if grads else (1,), F32)],
+        BC=SUB, GRADS=grads, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+    return a, da if grads else None
 
 
 def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None):
@@ -267,7 +274,7 @@ def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None):
 
 def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg)
-    a = chunk_intra(kernels, q, k, gates, ctx, cfg) if cfg.has("gk") else None
+    a = chunk_intra(kernels, q, k, gates, ctx, cfg)[0] if cfg.has("gk") else None
     return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a), ht, {}
 
 
@@ -294,10 +301,25 @@ def _direct(kernels, cfg) -> bool:
     return cfg.groups == 1 and kernels.hooks.feature_map_grad is None
 
 
-def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do):
+def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da):
+    """With gk: (DQI, DKI, DLI [B, T, H, K] float32, per query head): what the pairs of steps inside each chunk give dq,
+    dk and the key side's log decay gradient, from dA (``chunk_intra``), a program per (sub-chunk, block of K, chunk,
+    sequence x head)."""
+    ins, consts = _common(q, k, k, gates, None, ctx, cfg)
+    chunks, _, per_row, grid_rows = _layout(ctx, cfg)
+    blocks, options = tiles("chunk_grads_intra", cfg.dk, cfg.dv)
+    out = jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dk,), F32)
+    return tuple(triton_call.launch(
+        kernels.get("chunk_grads_intra"),
+        (per_row * (cfg.chunk // SUB), packing.cdiv(cfg.dk, blocks["BK"]), grid_rows * cfg.heads),
+        [q, k, *ins[:3], ins[5], chunks, da], [out, out, out], BC=SUB, **options,
+        **{**_chunk_consts(q, cfg, consts), **blocks}))
+
+
+def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None):
     """(dq, dk of the mapped q and k per query head, float32, or q's dtype where ``_direct``; the key side's log decay
     gradient, DLOG [B, T, H, K] with gk, else a part per block of K [NK, B, T, H, 1], or None) of every chunk from its
-    start state and end adjoint, by blocks of K."""
+    start state and end adjoint, by blocks of K; with gk ``intra`` is ``chunk_grads_intra``'s."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_qk", cfg.dk, cfg.dv)
@@ -307,24 +329,25 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do):
     nk = packing.cdiv(cfg.dk, blocks["BK"])
     log = per_head + (cfg.dk,) if cfg.has("gk") else (nk,) + per_head + (1,)
     out = q.dtype if _direct(kernels, cfg) else F32
+    intra = intra if intra is not None else (_dummy(),) * 3
     dq, dk, dlog = triton_call.launch(
         kernels.get("chunk_grads_qk"), (per_row, nk, grid_rows * cfg.heads),
-        [q, k, v, *ins[:3], ins[5], chunks, hs, dhs, do],
+        [q, k, v, *ins[:3], ins[5], chunks, hs, dhs, do, *intra],
         [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if gated else (1,), F32)],
         zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
         **options, **{**_chunk_consts(q, cfg, consts), **blocks})
     return dq, dk, dlog if gated else None
 
 
-def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do):
+def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None):
     """dv [B, T, H, V] per query head (float32, or the inputs' dtype where ``_direct``) of every chunk from its end
-    adjoint, by blocks of V."""
+    adjoint, by blocks of V (with gk from the intra-chunk matrices A of ``chunk_intra``)."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_v", cfg.dk, cfg.dv)
     (dv,) = triton_call.launch(
         kernels.get("chunk_grads_v"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
-        [q, k, *ins[:3], ins[5], chunks, dhs, do],
+        [q, k, *ins[:3], ins[5], chunks, dhs, _dummy(q.dtype) if a is None else a, do],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype if _direct(kernels, cfg) else F32)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
     return dv
@@ -341,6 +364,10 @@ def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg):
     hs, _ = chunk_states(kernels, k, v, gates, h0, ctx, cfg)
     do = do.astype(q.dtype)
     dhs, dh0 = chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht)
-    dq, dk, dlog = chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do)
-    dv = chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do)
+    a = intra = None
+    if cfg.has("gk"):
+        a, da = chunk_intra(kernels, q, k, gates, ctx, cfg, v, do)
+        intra = chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da)
+    dq, dk, dlog = chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra)
+    dv = chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a)
     return dq, dk, dv, dh0, None if dlog is None else key_log_grad(dlog, cfg), None
