@@ -120,6 +120,21 @@ def check_window(backend, failures, devices=4):
     check(failures, sharded, oracle.attention(**diff, sliding_window=(6, 3), d_out=d_out, d_lse=d_lse))
 
 
+def check_window_ahead(backend, failures, devices=3):
+    """A window that looks only ahead, (0, 5) without causal, contiguous, GQA, segment ids (travelling with their
+    blocks): the ring starts one device ahead and takes two steps of three, its forward ending on each device's own
+    block, so the backward's reverse ring starts there (nothing saved) and ends a device ahead, whose accumulators
+    then go home one hop."""
+    shape = AttnShape(2, 24, 24, 4, 2, 16)
+    rng, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-window-ahead")
+    ids = packed_segments(2, 24, rng)
+    fn = in_shard_map(ring_attention, devices, "contiguous", {}, {"q_ids": jnp.asarray(ids)}, sliding_window=(0, 5),
+                      platform=backend)
+    sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    check(failures, sharded, oracle.attention(**diff, sliding_window=(0, 5), q_segment_ids=ids, kv_segment_ids=ids,
+                                              d_out=d_out, d_lse=d_lse))
+
+
 def check_zigzag_window(backend, failures, devices=2):
     """zigzag with a causal window (5, 0): the window cuts the gap between a device's two chunks, so every step runs
     in chunks, those the window cuts with the tokens' positions."""
@@ -158,15 +173,15 @@ def check_contiguous_causal(backend, failures, devices=2):
 
 
 def check_causal_window_8(backend, failures, devices=8):
-    """Causal with a window of 5 on 8 devices of 8 rows: the ring takes 2 steps of 8 (the window reaches one block
-    back), sinks shared by all heads, MQA."""
+    """Causal with a window of 27 on 8 devices of 8 rows: the ring takes 5 steps of 8 (the window reaches four blocks
+    back; the backward's reverse ring runs its middle steps as a scan), sinks shared by all heads, MQA."""
     shape = AttnShape(1, 64, 64, 4, 1, 16)
     rng, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-causal-window")
     diff["softmax_aux"] = jnp.asarray(rng.standard_normal(3) + 1.0, jnp.float32)
-    kw = dict(causal=True, sliding_window=5, platform=backend)
+    kw = dict(causal=True, sliding_window=27, platform=backend)
     fn = in_shard_map(ring_attention, devices, "contiguous", {}, {}, **kw)
     sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
-    check(failures, sharded, oracle.attention(**diff, causal=True, sliding_window=5, d_out=d_out, d_lse=d_lse))
+    check(failures, sharded, oracle.attention(**diff, causal=True, sliding_window=27, d_out=d_out, d_lse=d_lse))
 
 
 def check_prefix_lm(backend, failures, devices=2):
@@ -326,6 +341,7 @@ CHECKS = {
     "zigzag-causal-gqa-segments-sinks-softcap": (check_zigzag_features, {"xla": 4, "pallas": 2, "triton": 2}),
     "alibi-zigzag": (check_alibi, {"xla": 4, "pallas": 2, "triton": 2}),
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
+    "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),
     "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),
     "contiguous-causal": (check_contiguous_causal, {"xla": 2}),
     "causal-window-mqa-shared-sinks": (check_causal_window_8, {"xla": 8}),

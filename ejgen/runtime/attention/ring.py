@@ -7,8 +7,9 @@ travel the ring with ``jax.lax.ppermute`` (only the Hkv heads: GQA blocks are ne
 next hop issued before the step's kernels so that the transfer overlaps them (and read only after them: an
 optimization barrier, `_after_kernels`); each step runs the op's own per-device kernels on the local queries against
 the block it holds and merges the partial result by its lse, in float32. The
-backward is a second ring: dQ stays home, dK/dV accumulators (float32) travel with their blocks, every step's
-kernels use the global lse, and the accumulators go home at the end.
+backward walks the ring back (from the block each device held last, saved by the forward; blocks go the other way):
+dQ stays home, dK/dV accumulators (float32) travel with their blocks, every step's kernels use the global lse, and a
+ring that starts at distance 0 ends on each device's own block, its accumulators home without a last transfer.
 
 What a step computes is decided once, statically, per (device, step, pair of query and key chunks) as a *kind*:
 - ``SKIP``: no key of the block is visible to the chunk (causal, the window): nothing runs;
@@ -557,6 +558,12 @@ class Wire:
         unit = jnp.dtype(unit or f"uint{8 * min(d.itemsize for d in dtypes)}")
         return cls(names, tuple(tuple(tree[n].shape) for n in names), dtypes, unit)
 
+    @property
+    def size(self) -> int:
+        """The buffer's length (in ``unit`` items)."""
+        return sum(math.prod(shape) * (dtype.itemsize // self.unit.itemsize)
+                   for shape, dtype in zip(self.shapes, self.dtypes))
+
     def pack(self, tree: dict):
         parts = [(x if x.dtype == self.unit else lax.bitcast_convert_type(x, self.unit)).reshape(-1)
                  for x in (tree[n] for n in self.names)]
@@ -573,28 +580,31 @@ class Wire:
         return out
 
 
-def _step_inputs(plan: Plan, stage: Stage):
+def _step_inputs(plan: Plan, stage: Stage, reverse: bool):
     """The scan's per-step inputs: slots int32 [steps, slots, devices, 3] (query chunk, key chunk, kind) and each
-    step's ring distance."""
-    slots = jnp.asarray(np.array(stage.slots, np.int32))
-    distances = jnp.arange(stage.first, stage.first + len(stage.slots), dtype=jnp.int32) + plan.start
-    return slots, distances
+    step's ring distance, in ring order or (``reverse``) from the stage's last step to its first."""
+    slots = np.array(stage.slots, np.int32)
+    distances = np.arange(stage.first, stage.first + len(stage.slots), dtype=np.int32) + plan.start
+    if reverse:
+        slots, distances = slots[::-1], distances[::-1]
+    return jnp.asarray(slots), jnp.asarray(distances)
 
 
-def _runs(plan: Plan):
-    """The ring's steps as scans: [(stage, per-step inputs, first, last)], the ring's first and last steps alone.
-    The first step holds the device's own block when the ring starts at distance 0 (the inputs as they are, not
-    unpacked), and in the backward nothing is pending yet (no accumulators to send); the last sends no block on."""
-    runs = []
-    for i, stage in enumerate(plan.stages):
-        xs = _step_inputs(plan, stage)
+def _runs(plan: Plan, reverse: bool = False):
+    """The ring's steps as scans: [(stage, per-step inputs, walk index of the run's first step, steps)], walked in
+    ring order (the forward) or ``reverse`` (the backward: from the last step to the first). The steps a body treats
+    apart are runs of one: the walk's first (the forward's own block when the ring starts at distance 0, not
+    unpacked; the backward has no accumulators to send yet) and last (no block sent on), and in reverse the one
+    before the last where the ring starts at distance 0 (the device behind holds its own block next: none sent)."""
+    special = {1, plan.steps - 1} | ({plan.steps - 2} if reverse and plan.start == 0 else set())
+    runs, walked = [], 0
+    for stage in reversed(plan.stages) if reverse else plan.stages:
+        xs = _step_inputs(plan, stage, reverse)
         steps = len(stage.slots)
-        cuts = sorted({0, steps} | ({1} if stage.first == 0 else set())
-                      | ({steps - 1} if i == len(plan.stages) - 1 else set()))
+        cuts = sorted({0, steps} | {c - walked for c in special if walked < c < walked + steps})
         for lo, hi in zip(cuts, cuts[1:]):
-            part = jax.tree_util.tree_map(lambda x, lo=lo, hi=hi: x[lo:hi], xs)
-            ring_step = stage.first + lo
-            runs.append((stage, part, ring_step == 0, ring_step + hi - lo == plan.steps))
+            runs.append((stage, jax.tree_util.tree_map(lambda x, lo=lo, hi=hi: x[lo:hi], xs), walked + lo, hi - lo))
+        walked += steps
     return runs
 
 
@@ -623,7 +633,8 @@ def _held(k, v, ctx):
 
 
 def _forward(q, k, v, ctx, plan: Plan):
-    """(out [B, n, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, n] float32, sinks included)."""
+    """(out [B, n, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, n] float32, sinks included, the block held at the last
+    step as its `Wire` buffer: where the backward's reverse ring starts)."""
     axes = vma.varying_axes(q, k, v, ctx)
     r = lax.axis_index(plan.axis)
     b, n, hkv, g, _ = q.shape
@@ -633,8 +644,9 @@ def _forward(q, k, v, ctx, plan: Plan):
     own = _held(k, v, ctx)
     wire = Wire.of(own)
     travel = _shift(plan, wire.pack(own), plan.start)  # the held block as one buffer (see Wire)
-    for stage, xs, first, last in _runs(plan):
+    for stage, xs, at, count in _runs(plan):
         chunk = stage.chunk
+        first, last = at == 0, at + count == plan.steps
 
         def body(carry, xs, stage=stage, chunk=chunk, first=first, last=last):
             travel, acc, lse = carry
@@ -667,7 +679,7 @@ def _forward(q, k, v, ctx, plan: Plan):
         total = jnp.logaddexp(lse, jax.nn.logsumexp(aux, axis=-1)[None, :, :, None])
         acc = acc * _moved(jnp.exp(lse - _finite(total)))
         lse = total
-    return acc.astype(q.dtype), lse
+    return acc.astype(q.dtype), lse, travel
 
 
 def _finite(x):
@@ -709,7 +721,12 @@ def _merge(acc, lse, out_p, lse_p, q0, chunk: int):
 
 
 def _backward(plan: Plan, residuals, cotangents):
-    q, k, v, ctx, out, lse = residuals
+    """The forward's ring walked back: each device starts from the block it held at the forward's last step (saved by
+    the forward: one more block per device), blocks travel one hop the other way each step (device i to i - 1) with
+    their float32 dK/dV accumulators one hop behind, and the ring ends at distance ``plan.start``: a ring that starts
+    at 0 (causal) ends on each device's own block, its accumulators home, no transfer after the last step's
+    kernels."""
+    q, k, v, ctx, out, lse, last_held = residuals
     d_out, d_lse = cotangents
     axes = vma.varying_axes(q, k, v, ctx, d_out, d_lse)
     r = lax.axis_index(plan.axis)
@@ -718,30 +735,40 @@ def _backward(plan: Plan, residuals, cotangents):
     zeros = lambda x: jnp.zeros(x.shape, f32)  # noqa: E731
     dq = zeros(q)
     grads = {n[len("param_"):]: zeros(ctx[n]) for n in param_names}
-    pending = {"k": zeros(k), "v": zeros(v)}  # dK/dV of the block this device held last step, to pass on
-    dq, grads, pending = vma.vary((dq, grads, pending), axes)
+    dq, grads = vma.vary((dq, grads), axes)
     own = _held(k, v, ctx)
     wire = Wire.of(own)
     # the accumulators (float32) join the block's buffer on the wire, in its unit where that is no wider
     joined = wire.unit.itemsize <= 4
-    owed = Wire.of(pending, unit=wire.unit if joined else None)
-    travel = _shift(plan, wire.pack(own), plan.start)
-    size = travel.shape[0]
-    for stage, xs, first, last in _runs(plan):
+    owed = Wire.of({"k": jax.ShapeDtypeStruct(k.shape, f32), "v": jax.ShapeDtypeStruct(v.shape, f32)},
+                   unit=wire.unit if joined else None)
+    size = wire.size
+    # travel: the held block's buffer (None: the device's own block, not packed); pending: dK/dV of the block held
+    # last step, to pass on (None before the first step)
+    travel, pending = last_held, None
+    for stage, xs, at, count in _runs(plan, reverse=True):
         chunk = stage.chunk
+        first, last = at == 0, at + count == plan.steps
+        # this step's distance where a run of one knows it; keep: no block sent on (the last step, or the one before
+        # it where the ring starts at distance 0: the device behind then holds its own block)
+        here = plan.distance(plan.steps - 1 - at) if count == 1 else None
+        keep = last or (count == 1 and at == plan.steps - 2 and plan.start == 0)
 
-        def body(carry, xs, stage=stage, chunk=chunk, first=first, last=last):
+        def body(carry, xs, stage=stage, chunk=chunk, first=first, keep=keep, here=here):
             travel, pending, dq, grads = carry
-            held = own if first and plan.start == 0 else wire.unpack(travel)
-            # in flight while this step computes, as one buffer: the next step's block and the accumulators of the
-            # block held now, from the device behind (none before the first step; no block after the last)
-            received = {}  # the buffers in flight, read only after the step's kernels (`_after_kernels`)
-            if not last and (first or not joined):
-                received["block"] = _shift(plan, travel, 1)
-            if not first and (last or not joined):
-                received["owed"] = _shift(plan, owed.pack(pending), 1)
-            if not (first or last) and joined:
-                received["both"] = _shift(plan, jnp.concatenate([travel, owed.pack(pending)]), 1)
+            held = own if travel is None or here == 0 else wire.unpack(travel)
+            # in flight while this step computes, as one buffer: the block held now, to the device behind for the
+            # next step, and the accumulators of the block held last step, which that device holds now
+            block = None if keep else wire.pack(own) if travel is None else travel
+            sent = None if first else owed.pack(pending)
+            received = {}  # read only after the step's kernels (`_after_kernels`)
+            if block is not None and sent is not None and joined:
+                received["both"] = _shift(plan, jnp.concatenate([block, sent]), -1)
+            else:
+                if block is not None:
+                    received["block"] = _shift(plan, block, -1)
+                if sent is not None:
+                    received["owed"] = _shift(plan, sent, -1)
             slots, t = xs
             s = (r - t) % plan.devices
             part = vma.vary({"k": zeros(k), "v": zeros(v)}, axes)
@@ -768,16 +795,18 @@ def _backward(plan: Plan, residuals, cotangents):
             if received:
                 received, dq, part, grads = _after_kernels(received, dq, part, grads)
             both = received.get("both")
-            ahead = travel if last else received["block"] if both is None else both[:size]
-            owed_in = received.get("owed") if both is None else both[size:]
-            pending = part if first else {n: x + part[n] for n, x in owed.unpack(owed_in).items()}
+            ahead = received.get("block") if both is None else both[:size]
+            arrived = received.get("owed") if both is None else both[size:]
+            pending = part if arrived is None else {n: x + part[n] for n, x in owed.unpack(arrived).items()}
             return (ahead, pending, dq, grads), None
 
         travel, pending, dq, grads = _steps(body, (travel, pending, dq, grads), xs)
-    # each block's accumulators back to its device, in the inputs' dtypes (the rounding the result gets anyway)
-    done = {"k": pending["k"].astype(k.dtype), "v": pending["v"].astype(v.dtype)}
-    back = Wire.of(done)
-    home = back.unpack(_shift(plan, back.pack(done), -plan.distance(plan.steps - 1)))
+    # each block's accumulators in the inputs' dtypes (the rounding the result gets anyway), sent home from a ring
+    # that ends on a device ahead (a window's right side)
+    home = {"k": pending["k"].astype(k.dtype), "v": pending["v"].astype(v.dtype)}
+    if plan.start:
+        back = Wire.of(home)
+        home = back.unpack(_shift(plan, back.pack(home), -plan.start))
     dctx = {"params": grads}
     if plan.sinks:
         delta = jnp.moveaxis(jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1), 1, 3) - d_lse
@@ -787,12 +816,15 @@ def _backward(plan: Plan, residuals, cotangents):
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("plan",))
 def _ring(q, k, v, ctx, plan):
-    return _forward(q, k, v, ctx, plan)
+    return _forward(q, k, v, ctx, plan)[:2]
 
 
 def _ring_fwd(q, k, v, ctx, plan):
-    out, lse = _forward(q, k, v, ctx, plan)
-    return (out, lse), (q, k, v, ctx, out, lse)
+    """Residuals: the inputs, out and lse, and the block held at the last step where that is not the device's own
+    (the backward walks the ring back from it): one more K/V block per device, B n Hkv (D + Dv) items in the inputs'
+    dtype (and the block's segment ids), 128 MiB at 32k tokens over 2 devices, 16 kv heads of 128, bf16."""
+    out, lse, last_held = _forward(q, k, v, ctx, plan)
+    return (out, lse), (q, k, v, ctx, out, lse, last_held if plan.distance(plan.steps - 1) else None)
 
 
 _ring.defvjp(_ring_fwd, _backward)
