@@ -118,7 +118,9 @@ lane_after() {
   ) &
   (
     CUDA_VISIBLE_DEVICES=$(gpu 2),$(gpu 3) job ring-profile 170 python3 benchmarks/ring.py --devices 2 \
-      --parts time,profile --seqs 32768 --heads 16/16 --passes fwd,fwdbwd --out "$log/ring"
+      --parts time,profile --seqs 32768 --heads 16/16 --orders zigzag --passes fwd,fwdbwd --out "$log/ring"
+    CUDA_VISIBLE_DEVICES=$(gpu 2),$(gpu 3) EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 \
+      python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/multidevice/test_ring_gpu.py
     (
       export CUDA_VISIBLE_DEVICES=$(gpu 2)
       job fla 240 python3 benchmarks/recurrent_fla.py --out "$log/fla/fla.json"
@@ -148,9 +150,10 @@ wait
   [ -f "$log/rec-shards/failures.txt" ] && { echo "== recurrent failures"; cut -c1-400 "$log/rec-shards/failures.txt"; }
   [ -f "$log/gluon-failures.txt" ] && { echo "== gluon failures"; cut -c1-400 "$log/gluon-failures.txt"; }
   [ -f "$log/gluon-shards/failures.txt" ] && { echo "== gluon failures"; cut -c1-400 "$log/gluon-shards/failures.txt"; }
+  [ -f "$log/ring-failures.txt" ] && { echo "== ring failures"; cut -c1-400 "$log/ring-failures.txt"; }
   [ -f "$log/zoo-failures.txt" ] && { echo "== zoo failures"; cut -c1-400 "$log/zoo-failures.txt"; }
   for f in rec-tests gluon-tests rec-kernels rec-decode layouts layouts-flex layouts-32k fla rec-bench \
-           dispatch-nocb documents zoo-bench zoo-tests ring-profile trace; do
+           dispatch-nocb documents zoo-bench zoo-tests ring-profile ring-tests trace; do
     [ -f "$log/$f.txt" ] && { echo "== $f"; grep -vE "DeprecationWarning|^  (return|from) " "$log/$f.txt" | tail -70; }
   done
   [ -f "$log/trace/profile.md" ] && { echo "== trace/profile.md"; cat "$log/trace/profile.md"; }
