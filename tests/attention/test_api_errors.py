@@ -327,6 +327,7 @@ BAD_OPTIONS = {
     "int-option-bool": ("alibi_attention", "max_distance", lambda: True, "must be an int"),
     "int-option-str": ("alibi_attention", "max_distance", lambda: "8", "must be an int"),
     "int-option-vector": ("alibi_attention", "max_distance", lambda: jnp.ones(3, jnp.int32), "must be a scalar"),
+    "int-option-past-int32": ("alibi_attention", "max_distance", lambda: 2**31, "does not fit int32"),
     "int-option-rank-1": ("prefix_lm_attention", "prefix_len", lambda: jnp.ones((1,), jnp.int32), "must be a scalar"),
     "float-option-bool": ("relative_bias_attention", "bias_scale", lambda: True, "must be a float"),
     "float-option-str": ("relative_bias_attention", "bias_scale", lambda: "0.5", "must be a float"),

@@ -568,11 +568,14 @@ def check_option(spec: SpecInfo, name: str, x, kind: str):
             raise ValueError(f"{spec.name}(): option {name} must be {article} {kind} scalar, got {_shape(x)}")
     elif not python_ok(x):
         raise ValueError(f"{spec.name}(): option {name} must be {article} {kind}, got {x!r}")
-    with jax.ensure_compile_time_eval():  # a Python value stays concrete while tracing (segment_key.static_wraps)
-        x = jnp.asarray(x)
-        if x.ndim != 0:
-            raise ValueError(f"{spec.name}(): option {name} must be a scalar, got {_shape(x)}")
-        return x.astype(dtype)
+    # a Python value stays a concrete (numpy) scalar while tracing, so host-side choices may read it
+    # (segment_key.static_wraps); an array stays what it is (traced under jit)
+    x = jnp.asarray(x) if hasattr(x, "dtype") and not isinstance(x, np.ndarray) else np.asarray(x)
+    if x.ndim != 0:
+        raise ValueError(f"{spec.name}(): option {name} must be a scalar, got {_shape(x)}")
+    if kind == "int" and isinstance(x, np.ndarray) and not np.iinfo(np.int32).min <= int(x) <= np.iinfo(np.int32).max:
+        raise ValueError(f"{spec.name}(): option {name} does not fit int32, got {int(x)}")
+    return x.astype(dtype)
 
 
 def vary_alike(q, k, v, ctx):

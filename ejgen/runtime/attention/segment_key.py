@@ -58,11 +58,18 @@ def _wraps(base_vals):
     return jnp.any(jnp.max(base_vals, axis=1) - jnp.min(base_vals, axis=1) < 0)  # a row's span past int32
 
 
+def _manual() -> bool:
+    """Inside ``shard_map`` (manual mesh axes), where eager work while tracing is not to be had (an H200 run of the
+    ring: an eager op under a manual mesh fails JAX's sharding check): the device decides there."""
+    mesh = getattr(jax.sharding, "get_abstract_mesh", lambda: None)()
+    return bool(getattr(mesh, "manual_axes", ()))
+
+
 def static_wraps(key: SegmentKey, ctx: dict, batch: int, q_len: int, kv_len: int) -> bool | None:
     """`encode`'s ``wraps`` for a call whose rows hold positions 0..len-1 (in any order: a ring's rows gathered), decided
     while tracing: the base side reads no param, so its values come from positions and options alone, evaluated here
-    when the options are not traced. None where they are (or the key has no base side)."""
-    if key.base is None:
+    when the options are not traced. None where they are, inside ``shard_map``, or where the key has no base side."""
+    if key.base is None or _manual():
         return None
     with jax.ensure_compile_time_eval():
         q_vals, kv_vals = _values(key, ctx, batch, jnp.arange(q_len, dtype=jnp.int32),
