@@ -32,8 +32,8 @@ class Recorder:
         self.kernels = []
         self.autotuned = []
 
-    def TritonKernel(self, name, num_warps, num_ctas, shared, ptx, *rest):
-        self.kernels.append({"name": name, "num_warps": num_warps, "shared": shared, "ptx": ptx})
+    def TritonKernel(self, name, num_warps, num_ctas, shared, ptx, ttir, *rest):
+        self.kernels.append({"name": name, "num_warps": num_warps, "shared": shared, "ptx": ptx, "ttir": ttir})
         return name
 
     def get_compute_capability(self, device):
@@ -123,6 +123,8 @@ def main():
         "hidden_scratch_reads": ptx.count(f"[{name}_param_{n - 2}]"),
         "last_explicit_reads": ptx.count(f"[{name}_param_{n - 3}]"),
         "bulk_tensor_copies": ptx.count("cp.async.bulk.tensor"),
+        "debug_sections": ptx.count(".section\t.debug"), "loc_lines": len(re.findall(r"^\s*\.loc\b", ptx, re.M)),
+        "ttir_chars": len(built["ttir"]),
     }))
 
 

@@ -33,6 +33,8 @@ def test_descriptor_kernels_read_their_scratch_from_the_scratch_output():
     assert got["ptx_params"] == got["explicit_args"] + 2  # Triton's two hidden pointers
     assert got["hidden_scratch_reads"] == 0 and got["last_explicit_reads"] > 0
     assert got["num_warps"] == 8
+    # no debug information or TTIR in what every launch hashes (triton_call.strip_debug)
+    assert got["debug_sections"] == got["loc_lines"] == got["ttir_chars"] == 0
 
 
 def test_kernels_without_descriptors_compile_unchanged():
@@ -43,6 +45,32 @@ def test_kernels_without_descriptors_compile_unchanged():
 def test_kernels_ejgen_does_not_launch_are_left_as_jax_triton_compiles_them():
     got = lower(kernel="foreign", tma=True)
     assert got["hidden_scratch_reads"] > 0  # jax-triton's own behaviour: no rerouting
+    assert got["debug_sections"] > 0 and got["loc_lines"] > 0 and got["ttir_chars"] > 0
+
+
+def test_ptx_without_debug_information_assembles_to_the_same_code(tmp_path):
+    """`strip_debug` leaves the machine code alone: ptxas gives the same SASS for a kernel's PTX with and without it
+    (the generated causal forward, sm_90a)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from ejgen.runtime.launch.triton_call import strip_debug
+    from ejgen.testing import aot
+
+    ptx = next(iter(aot.compile_in_subprocess("ejgen.generated", "flash_attention", dtype="bfloat16", head_dim=64,
+                                              causal=True, with_ptx=True).values()))["ptx"]
+    stripped = strip_debug(ptx)
+    assert ".loc" not in stripped and ".section\t.debug" not in stripped and len(stripped) < len(ptx)
+    ptxas = get_ptxas(90).path
+    cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+    sass = []
+    for name, text in (("with", ptx), ("without", stripped)):
+        (tmp_path / f"{name}.ptx").write_text(text)
+        subprocess.run([ptxas, "-arch=sm_90a", "-o", str(tmp_path / f"{name}.cubin"), str(tmp_path / f"{name}.ptx")],
+                       check=True, capture_output=True)
+        dump = subprocess.run([cuobjdump, "-sass", str(tmp_path / f"{name}.cubin")], check=True, capture_output=True,
+                              text=True).stdout
+        sass.append([line.split("*/", 1)[1] for line in dump.splitlines() if line.strip().startswith("/*0")])
+    assert sass[0] and sass[0] == sass[1]
 
 
 def test_ejgen_triton_autotune_lowers_to_jax_tritons_autotuned_call():
