@@ -80,10 +80,13 @@ def compile_attention(package: str, name: str, *, capability: int = 90, params: 
 
 def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: int = 128, causal: bool = True,
                   window: bool = False, segments: bool = False, batch: int = 2, heads: int = 8, kv_heads: int = 2,
-                  seq: int = 1000, dynamic: bool = False, forward_only: bool = False, layout=None) -> dict:
+                  seq: int = 1000, dynamic: bool = False, forward_only: bool = False, layout=None,
+                  spec: str | None = None) -> dict:
     """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs; ``dynamic``:
     the forward's dynamic tile queue; ``forward_only``: the forward alone; ``layout``: a block layout of (block_q,
-    block_k, per head) (the kernels walk lists: LIST, `gluon.host.fwd_lists` / `bwd_lists`)."""
+    block_k, per head) (the kernels walk lists: LIST, `gluon.host.fwd_lists` / `bwd_lists`); ``spec``: a generated
+    op's package (``"ejgen.zoo.natten_2d_attention"``) whose mask the kernels evaluate on partial tiles (SPEC_MASK,
+    lists shared by the heads unless ``layout`` says otherwise)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -96,26 +99,35 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     from ejgen.runtime.attention.config import AttentionConfig
 
     call = AttentionConfig(seq_q=seq, seq_k=seq, causal=causal, window=window, segments=segments)
-    fwd_lists = bwd_lists = None
+    fwd_lists = bwd_lists = mask = None
+    if spec:
+        module = importlib.import_module(f"{spec}.triton_kernels")
+        mask = (module._spec_mask, module._spec_options)
+        fwd_lists = dict(gluon_attention.NO_LISTS, LIST=True)
+        bwd_lists = dict(gluon_attention.NO_LISTS, LIST=1)
+    elif window and segments:  # the backward walks lists (`gluon.host.listed`)
+        bwd_lists = dict(gluon_attention.NO_LISTS, LIST=1)
     if layout:
         block_q, block_k, per_head = layout
         fwd_lists = dict(LIST=True, LIST_BATCH=1, LIST_HEADS=heads if per_head else 1,
                          **dict(zip(("SUB_Q", "SUB_K"), gluon_attention.sub_blocks((block_q, block_k), "fwd"))))
         bwd_lists = dict(LIST=2 if per_head else 1, LIST_BATCH=1, LIST_HEADS=kv_heads if per_head else 1,
                          **dict(zip(("SUB_Q", "SUB_K"), gluon_attention.sub_blocks((block_q, block_k), "bwd"))))
-    fwd_consts = gluon_attention.constexprs(*args, ordered=gluon_attention.ordered(call) or bool(layout),
-                                            dynamic=dynamic, lists=fwd_lists)
+    divides = bool(spec) and importlib.import_module(f"{spec}.triton_launch").LAYOUT.mask_divides
+    tiles = gluon_attention.fwd_key_tiles(call, divides)
+    fwd_consts = gluon_attention.constexprs(*args, ordered=gluon_attention.ordered(call) or bool(fwd_lists),
+                                            dynamic=dynamic, lists=fwd_lists, spec=mask, tiles=tiles)
     segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32", ORDER="*i32")
     bwd_pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
                         DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)
     kernels = [("gluon_fwd_kernel", gluon_attention.kernel(), fwd_consts,
                 dict(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", TILE_CTR="*i32",
                      SCRATCH="*u8", **segs)),
-               ("gluon_bwd_kernel", gluon_attention.bwd_kernel(), gluon_attention.bwd_constexprs(*args, lists=bwd_lists),
-                bwd_pointers)]
+               ("gluon_bwd_kernel", gluon_attention.bwd_kernel(),
+                gluon_attention.bwd_constexprs(*args, lists=bwd_lists, spec=mask), bwd_pointers)]
     if forward_only:
         kernels = kernels[:1]
-    elif causal and window and not segments and not layout:  # the persistent backward runs causal windows
+    elif causal and window and not bwd_lists:  # the persistent backward runs causal windows
         kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(),
                         gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim), bwd_pointers))
     for name, kernel, consts, pointers in kernels:

@@ -75,6 +75,22 @@ def _score(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.con
 
 
 @triton.jit
+def _spec_options(F32, I32):
+    """The options the spec's mask reads, as a tuple: loaded per tile by `_visible`, once per program by the Hopper
+    kernels (`ejgen.runtime.attention.gluon`)."""
+    opt_prefix_len = tl.load(I32 + 2)
+    return (opt_prefix_len, )
+
+
+@triton.jit
+def _spec_mask(q_idx, kv_idx, off_b, off_h, q_len, kv_len, OPTIONS):
+    """The spec's mask on broadcastable tiles of indices (OPTIONS: `_spec_options`), of elementwise builtins only:
+    the Hopper kernels call it too, on partial tiles, with indices in their own layouts."""
+    opt_prefix_len = OPTIONS[0]
+    return ((kv_idx <= q_idx) | (kv_idx < opt_prefix_len))
+
+
+@triton.jit
 def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.constexpr,
              MASKS: tl.constexpr):
     """Element mask from causal, window and the spec's mask (segments and dense masks: `_tile_mask`)."""
@@ -82,8 +98,7 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.cons
         vis = (q_idx == q_idx) & (kv_idx == kv_idx)
     else:
         vis = (q_idx < q_len) & (kv_idx < kv_len)
-    opt_prefix_len = tl.load(I32 + 2)
-    vis = vis & (((kv_idx <= q_idx) | (kv_idx < opt_prefix_len)))
+    vis = vis & _spec_mask(q_idx, kv_idx, off_b, off_h, q_len, kv_len, _spec_options(F32, I32))
     return vis
 
 

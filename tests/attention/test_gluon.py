@@ -102,7 +102,6 @@ def _qkv(sq=512, sk=512, d=128, dv=None, dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("spec,cfg,arrays,pinned,reason", [
     ("flash_attention", _cfg(causal=True), _qkv(), True, "a fwd config is pinned"),
-    ("prefix_lm_attention", _cfg(), _qkv(), False, "the spec has a mask of its own"),
     ("alibi_attention", _cfg(causal=True), _qkv(), False, "the spec's score is not the scaled dot product"),
     ("flash_attention", _cfg(softcap=True), _qkv(), False, "soft cap (the Hopper kernels take none of"),
     ("flash_attention", _cfg(varlen=True), _qkv(), False, "varlen (the Hopper kernels take none of"),
@@ -128,8 +127,10 @@ def test_the_backward_covers_short_causal_windows_but_not_two_sided_ones():
     consts = gluon_attention.bwd_constexprs(2, 8, 2, 1000, 128, True, True)
     assert (consts["MASK"], consts["DQ_MODE"]) == (2, 1)
     assert gluon_attention.bwd_constexprs(2, 8, 2, 1000, 64, False, False)["DQ_MODE"] == 0  # half of 64: no slice
-    documents = _cfg(causal=True, window=True, window_span=1024, segments=True)
-    assert gluon_attention.ineligible(layout, documents, *arrays, False, "bwd").startswith("segment ids with a sliding")
+    documents = _cfg(causal=True, window=True, window_span=1024, segments=True)  # the per-program kernel on lists
+    assert gluon_attention.listed(documents, False, "bwd") and not gluon_attention.listed(documents, False)
+    why = gluon_attention.ineligible(layout, documents, *arrays, False, "bwd")
+    assert why is None or not gluon_attention.importable()[0], why
 
 
 @pytest.mark.parametrize("cfg,arrays", [

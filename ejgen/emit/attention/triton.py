@@ -36,6 +36,12 @@ NAMES = {"s": "s", "q_idx": "q_idx", "kv_idx": "kv_idx", "b": "off_b", "h": "off
          "window_left": "window_left", "window_right": "window_right"}
 
 
+def _integer_power(e: Binary) -> bool:
+    """Whether ``a ** b`` has a constant integer exponent (printed as products, else `_pow`)."""
+    b = e.b.x if isinstance(e.b, Unary) and e.b.op == "-" else e.b
+    return isinstance(b, Const) and not isinstance(b.value, bool) and float(b.value).is_integer()
+
+
 class TlPrinter(Printer):
     functions = {
         "exp": "tl.exp",
@@ -88,7 +94,7 @@ class TlPrinter(Printer):
         """Python's ``a ** b``: a constant integer exponent by products (up to 4 inline, else `_ipow`), a
         negative one as their reciprocal, any other by `_pow` (exact signs for a negative base)."""
         b, sign = (e.b.x, -1) if isinstance(e.b, Unary) and e.b.op == "-" else (e.b, 1)
-        if isinstance(b, Const) and not isinstance(b.value, bool) and float(b.value).is_integer():
+        if _integer_power(e):
             n, base = sign * int(b.value), f"({self(e.a)})"
             if n == 0:
                 return "1.0"
@@ -216,6 +222,31 @@ def _kernel_params(plan: AttentionPlan) -> list:
     return [p for p in plan.variant.params if p.name in read or p.grad]
 
 
+def gluon_mask(mask: Expr | None) -> bool:
+    """Whether the Hopper kernels can call the spec's mask (`_spec_mask`, docs/DESIGN.md §6): there is one, it reads
+    no param (they take none) and prints no `_pow` (whose tile of zeros needs a layout in Gluon)."""
+    if mask is None:
+        return False
+    for n in walk(mask):
+        if isinstance(n, ParamRef):
+            return False
+        if isinstance(n, Binary) and n.op == "**" and not _integer_power(n):
+            return False
+    return True
+
+
+def divides_positions(mask: Expr | None) -> bool:
+    """Whether the mask divides (``//``, ``%``) a position by a value known only at run time (an option, a length):
+    integer divisions per element, whose temporaries the Hopper forward keeps within its registers by narrower key
+    blocks (`gluon.host.fwd_key_tiles`)."""
+    def reads(e, names):
+        return any(isinstance(n, Var) and n.name in names for n in walk(e))
+
+    return mask is not None and any(
+        isinstance(n, Binary) and n.op in ("//", "%") and reads(n.a, ("q_idx", "kv_idx"))
+        and any(isinstance(x, (Var, ParamRef)) for x in walk(n.b)) for n in walk(mask))
+
+
 def template_context(plan: AttentionPlan) -> dict:
     variant = plan.variant
     params = {p.name: p for p in variant.params}
@@ -233,6 +264,8 @@ def template_context(plan: AttentionPlan) -> dict:
         grad_hooks.append({"fn": f"_dscore_d{i}", "text": f"d score / d {to_text(g.ref)} = {to_text(g.deriv)}",
                            "code": printer(g.deriv), "bindings": _bindings([g.deriv], variant)})
     spec_mask = plan.spec_mask
+    mask_bindings = [] if spec_mask is None else _bindings([spec_mask], variant)
+    mask_options = [line.split(" = ", 1)[0] for line in mask_bindings]
     return {
         "title": textwrap.fill(f"Triton kernels of `{plan.name}`: forward with lse; backward as a dK/dV and a dQ kernel.",
                                WIDTH - 3),
@@ -254,7 +287,11 @@ def template_context(plan: AttentionPlan) -> dict:
         "range_bindings": _bindings([c_expr for c_expr in [c.affine.c for c in plan.builtin_constraints]
                                      + [c.c for c in plan.mask.constraints]], variant),
         "spec_mask_code": None if spec_mask is None else printer(spec_mask),
-        "mask_bindings": [] if spec_mask is None else _bindings([spec_mask], variant),
+        "mask_bindings": mask_bindings,
+        "mask_options": f"({mask_options[0]}, )" if len(mask_options) == 1 else f"({', '.join(mask_options)})",
+        "mask_option_names": mask_options,
+        "gluon_mask": repr(gluon_mask(spec_mask)),
+        "mask_divides": repr(divides_positions(spec_mask)),
         "runtime_mask_from_spec": plan.mask.needs_block_mask,
         "builtin_mask_only": repr(spec_mask is None),
         "mask_tiles": mask_tiles_context(spec_mask),

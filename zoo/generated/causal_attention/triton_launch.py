@@ -24,6 +24,8 @@ LAYOUT = triton_attention.Layout(
     gathers_by_position=False,
     builtin_mask_only=True,
     mask_tiles=None,
+    gluon_mask=False,
+    mask_divides=False,
 )
 
 

@@ -76,6 +76,23 @@ def _score(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.con
 
 
 @triton.jit
+def _spec_options(F32, I32):
+    """The options the spec's mask reads, as a tuple: loaded per tile by `_visible`, once per program by the Hopper
+    kernels (`ejgen.runtime.attention.gluon`)."""
+    opt_kernel = tl.load(I32 + 2)
+    return (opt_kernel, )
+
+
+@triton.jit
+def _spec_mask(q_idx, kv_idx, off_b, off_h, q_len, kv_len, OPTIONS):
+    """The spec's mask on broadcastable tiles of indices (OPTIONS: `_spec_options`), of elementwise builtins only:
+    the Hopper kernels call it too, on partial tiles, with indices in their own layouts."""
+    opt_kernel = OPTIONS[0]
+    return ((kv_idx >= tl.minimum(tl.maximum(q_idx - _int_div(opt_kernel, 2), 0), kv_len - opt_kernel))
+            & (kv_idx < tl.minimum(tl.maximum(q_idx - _int_div(opt_kernel, 2), 0), kv_len - opt_kernel) + opt_kernel))
+
+
+@triton.jit
 def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.constexpr,
              MASKS: tl.constexpr):
     """Element mask from causal, window and the spec's mask (segments and dense masks: `_tile_mask`)."""
@@ -83,10 +100,7 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.cons
         vis = (q_idx == q_idx) & (kv_idx == kv_idx)
     else:
         vis = (q_idx < q_len) & (kv_idx < kv_len)
-    opt_kernel = tl.load(I32 + 2)
-    vis = vis & (((kv_idx >= tl.minimum(tl.maximum(q_idx - _int_div(opt_kernel, 2), 0), kv_len - opt_kernel))
-                  & (kv_idx < tl.minimum(tl.maximum(q_idx - _int_div(opt_kernel, 2), 0), kv_len - opt_kernel)
-                     + opt_kernel)))
+    vis = vis & _spec_mask(q_idx, kv_idx, off_b, off_h, q_len, kv_len, _spec_options(F32, I32))
     return vis
 
 

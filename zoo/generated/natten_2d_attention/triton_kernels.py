@@ -77,6 +77,35 @@ def _score(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.con
 
 
 @triton.jit
+def _spec_options(F32, I32):
+    """The options the spec's mask reads, as a tuple: loaded per tile by `_visible`, once per program by the Hopper
+    kernels (`ejgen.runtime.attention.gluon`)."""
+    opt_kernel = tl.load(I32 + 3)
+    opt_width = tl.load(I32 + 2)
+    return (opt_kernel, opt_width)
+
+
+@triton.jit
+def _spec_mask(q_idx, kv_idx, off_b, off_h, q_len, kv_len, OPTIONS):
+    """The spec's mask on broadcastable tiles of indices (OPTIONS: `_spec_options`), of elementwise builtins only:
+    the Hopper kernels call it too, on partial tiles, with indices in their own layouts."""
+    opt_kernel = OPTIONS[0]
+    opt_width = OPTIONS[1]
+    return ((((((_int_div(kv_idx, opt_width)
+                 >= tl.minimum(tl.maximum(_int_div(q_idx, opt_width) - _int_div(opt_kernel, 2), 0),
+                               _int_div(kv_len, opt_width) - opt_kernel))
+                & (_int_div(kv_idx, opt_width)
+                   < tl.minimum(tl.maximum(_int_div(q_idx, opt_width) - _int_div(opt_kernel, 2), 0),
+                                _int_div(kv_len, opt_width) - opt_kernel) + opt_kernel)))
+              & (_int_mod(kv_idx, opt_width)
+                 >= tl.minimum(tl.maximum(_int_mod(q_idx, opt_width) - _int_div(opt_kernel, 2), 0),
+                               opt_width - opt_kernel))))
+            & (_int_mod(kv_idx, opt_width)
+               < tl.minimum(tl.maximum(_int_mod(q_idx, opt_width) - _int_div(opt_kernel, 2), 0), opt_width - opt_kernel)
+               + opt_kernel))
+
+
+@triton.jit
 def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.constexpr,
              MASKS: tl.constexpr):
     """Element mask from causal, window and the spec's mask (segments and dense masks: `_tile_mask`)."""
@@ -84,20 +113,7 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.cons
         vis = (q_idx == q_idx) & (kv_idx == kv_idx)
     else:
         vis = (q_idx < q_len) & (kv_idx < kv_len)
-    opt_kernel = tl.load(I32 + 3)
-    opt_width = tl.load(I32 + 2)
-    vis = vis & (((((((_int_div(kv_idx, opt_width)
-                       >= tl.minimum(tl.maximum(_int_div(q_idx, opt_width) - _int_div(opt_kernel, 2), 0),
-                                     _int_div(kv_len, opt_width) - opt_kernel))
-                      & (_int_div(kv_idx, opt_width)
-                         < tl.minimum(tl.maximum(_int_div(q_idx, opt_width) - _int_div(opt_kernel, 2), 0),
-                                      _int_div(kv_len, opt_width) - opt_kernel) + opt_kernel)))
-                    & (_int_mod(kv_idx, opt_width)
-                       >= tl.minimum(tl.maximum(_int_mod(q_idx, opt_width) - _int_div(opt_kernel, 2), 0),
-                                     opt_width - opt_kernel))))
-                  & (_int_mod(kv_idx, opt_width)
-                     < tl.minimum(tl.maximum(_int_mod(q_idx, opt_width) - _int_div(opt_kernel, 2), 0),
-                                  opt_width - opt_kernel) + opt_kernel)))
+    vis = vis & _spec_mask(q_idx, kv_idx, off_b, off_h, q_len, kv_len, _spec_options(F32, I32))
     return vis
 
 

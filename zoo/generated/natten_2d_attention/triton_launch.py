@@ -55,6 +55,8 @@ LAYOUT = triton_attention.Layout(
     gathers_by_position=False,
     builtin_mask_only=False,
     mask_tiles=_mask_tiles,
+    gluon_mask=True,
+    mask_divides=True,
 )
 
 

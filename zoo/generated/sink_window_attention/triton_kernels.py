@@ -78,6 +78,24 @@ def _score(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.con
 
 
 @triton.jit
+def _spec_options(F32, I32):
+    """The options the spec's mask reads, as a tuple: loaded per tile by `_visible`, once per program by the Hopper
+    kernels (`ejgen.runtime.attention.gluon`)."""
+    opt_sink_tokens = tl.load(I32 + 2)
+    opt_window = tl.load(I32 + 3)
+    return (opt_sink_tokens, opt_window)
+
+
+@triton.jit
+def _spec_mask(q_idx, kv_idx, off_b, off_h, q_len, kv_len, OPTIONS):
+    """The spec's mask on broadcastable tiles of indices (OPTIONS: `_spec_options`), of elementwise builtins only:
+    the Hopper kernels call it too, on partial tiles, with indices in their own layouts."""
+    opt_sink_tokens = OPTIONS[0]
+    opt_window = OPTIONS[1]
+    return ((kv_idx < opt_sink_tokens) | (q_idx - kv_idx < opt_window))
+
+
+@triton.jit
 def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.constexpr,
              MASKS: tl.constexpr):
     """Element mask from causal, window and the spec's mask (segments and dense masks: `_tile_mask`)."""
@@ -87,9 +105,7 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.cons
         vis = (q_idx < q_len) & (kv_idx < kv_len)
     if MASKS.CAUSAL:  # causal
         vis = vis & (q_idx - kv_idx + (kv_len - q_len) >= 0)
-    opt_sink_tokens = tl.load(I32 + 2)
-    opt_window = tl.load(I32 + 3)
-    vis = vis & (((kv_idx < opt_sink_tokens) | (q_idx - kv_idx < opt_window)))
+    vis = vis & _spec_mask(q_idx, kv_idx, off_b, off_h, q_len, kv_len, _spec_options(F32, I32))
     return vis
 
 

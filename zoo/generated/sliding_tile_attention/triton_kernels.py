@@ -77,6 +77,37 @@ def _score(s, q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.con
 
 
 @triton.jit
+def _spec_options(F32, I32):
+    """The options the spec's mask reads, as a tuple: loaded per tile by `_visible`, once per program by the Hopper
+    kernels (`ejgen.runtime.attention.gluon`)."""
+    opt_grid_h = tl.load(I32 + 3)
+    opt_grid_w = tl.load(I32 + 4)
+    opt_radius_h = tl.load(I32 + 6)
+    opt_radius_t = tl.load(I32 + 5)
+    opt_radius_w = tl.load(I32 + 7)
+    opt_tile_tokens = tl.load(I32 + 2)
+    return (opt_grid_h, opt_grid_w, opt_radius_h, opt_radius_t, opt_radius_w, opt_tile_tokens)
+
+
+@triton.jit
+def _spec_mask(q_idx, kv_idx, off_b, off_h, q_len, kv_len, OPTIONS):
+    """The spec's mask on broadcastable tiles of indices (OPTIONS: `_spec_options`), of elementwise builtins only:
+    the Hopper kernels call it too, on partial tiles, with indices in their own layouts."""
+    opt_grid_h = OPTIONS[0]
+    opt_grid_w = OPTIONS[1]
+    opt_radius_h = OPTIONS[2]
+    opt_radius_t = OPTIONS[3]
+    opt_radius_w = OPTIONS[4]
+    opt_tile_tokens = OPTIONS[5]
+    return ((((tl.abs(_int_div(q_idx, opt_tile_tokens * opt_grid_h * opt_grid_w)
+                      - _int_div(kv_idx, opt_tile_tokens * opt_grid_h * opt_grid_w)) <= opt_radius_t)
+              & (tl.abs(_int_mod(_int_div(q_idx, opt_tile_tokens * opt_grid_w), opt_grid_h)
+                        - _int_mod(_int_div(kv_idx, opt_tile_tokens * opt_grid_w), opt_grid_h)) <= opt_radius_h)))
+            & (tl.abs(_int_mod(_int_div(q_idx, opt_tile_tokens), opt_grid_w)
+                      - _int_mod(_int_div(kv_idx, opt_tile_tokens), opt_grid_w)) <= opt_radius_w))
+
+
+@triton.jit
 def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.constexpr,
              MASKS: tl.constexpr):
     """Element mask from causal, window and the spec's mask (segments and dense masks: `_tile_mask`)."""
@@ -84,18 +115,7 @@ def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.cons
         vis = (q_idx == q_idx) & (kv_idx == kv_idx)
     else:
         vis = (q_idx < q_len) & (kv_idx < kv_len)
-    opt_grid_h = tl.load(I32 + 3)
-    opt_grid_w = tl.load(I32 + 4)
-    opt_radius_h = tl.load(I32 + 6)
-    opt_radius_t = tl.load(I32 + 5)
-    opt_radius_w = tl.load(I32 + 7)
-    opt_tile_tokens = tl.load(I32 + 2)
-    vis = vis & (((((tl.abs(_int_div(q_idx, opt_tile_tokens * opt_grid_h * opt_grid_w)
-                            - _int_div(kv_idx, opt_tile_tokens * opt_grid_h * opt_grid_w)) <= opt_radius_t)
-                    & (tl.abs(_int_mod(_int_div(q_idx, opt_tile_tokens * opt_grid_w), opt_grid_h)
-                              - _int_mod(_int_div(kv_idx, opt_tile_tokens * opt_grid_w), opt_grid_h)) <= opt_radius_h)))
-                  & (tl.abs(_int_mod(_int_div(q_idx, opt_tile_tokens), opt_grid_w)
-                            - _int_mod(_int_div(kv_idx, opt_tile_tokens), opt_grid_w)) <= opt_radius_w)))
+    vis = vis & _spec_mask(q_idx, kv_idx, off_b, off_h, q_len, kv_len, _spec_options(F32, I32))
     return vis
 
 

@@ -8,16 +8,17 @@ persistent backward.
 The forward:
 
 Where it runs: sm_90 GPUs, 16-bit q/k/v with head dim 64 or 128 (= value head dim), Sq == Sk, no varlen,
-and a spec whose score is the scaled dot product and whose mask is the built-in causal / sliding-window one
-(no soft cap, sinks, bias, dense mask, positions or params; segment ids are taken: their tile ranges
-join the band's, the ids are compared on partial blocks only, `segment_ranges`, `tile_order`; a block layout too, whose
-blocks cover or divide the tiles: the kernels then walk lists of blocks, `fwd_lists`, `bwd_lists`, `layout_misfit`):
+and a spec whose score is the scaled dot product (no soft cap, sinks, bias, dense mask, positions or params; segment
+ids are taken: their tile ranges join the band's, the ids are compared on partial blocks only, `segment_ranges`,
+`tile_order`; a block layout too, whose blocks cover or divide the tiles: the kernels then walk lists of blocks,
+`fwd_lists`, `bwd_lists`, `layout_misfit`; and a mask of the spec's own that reads no params, its tiles listed the
+same way and the generated `_spec_mask` called on the partial ones, `listed`, `spec_constexprs`):
 the kernel-set contract, docs/DESIGN.md §6
 (`ineligible`). `triton_attention` takes it for those calls and keeps the generated Triton kernel for every
 other one (and for the backward, which reads this kernel's O and lse). The element semantics are
 docs/DESIGN.md §3's: key j is visible to query i iff (not causal or j <= i) and (no window or
-i - left <= j <= i + right); lse is the natural-log log-sum-exp of the scaled logits, -inf on a row that sees
-no key.
+i - left <= j <= i + right) and the ids, the layout and the spec's mask let it through; lse is the natural-log
+log-sum-exp of the scaled logits, -inf on a row that sees no key.
 
 Shape of the kernel (persistent: one program per SM walks tiles of 128 query rows of one head):
   * a producer warp (few registers) issues tensor-memory-accelerator loads: the two 64-row halves of a
@@ -61,6 +62,18 @@ HEAD_DIMS = (64, 128)
 # 128-key tiles, two K/V stages (standalone sweep, H200: 128x128 s2 ahead of s3, 128x64 and one-warpgroup forms at
 # every shape); the kernel's consumers always take turns (turn-taking won at 16k, free-running by < 1% at 4k)
 TILES = dict(BLOCK_N=128, NUM_STAGES=2)
+# Element masks that keep a row of values per key next to the S, P and O tiles spill the consumers' registers at
+# 128-key blocks (sm_90, Triton 3.9, bytes a thread: a spec mask dividing positions by a run-time value,
+# `Layout.mask_divides`, NATTEN 2-D 112, sliding tile 1744; segment ids under a window 72, the key ids and the
+# window's bounds), at 64-key blocks not (sliding tile 40). Three stages: the ring holds as many keys ahead. Not
+# measured against the 128-key tiles yet.
+NARROW_TILES = dict(BLOCK_N=64, NUM_STAGES=3)
+
+
+def fwd_key_tiles(cfg, divides: bool) -> dict:
+    """The forward's key tiles for a call: NARROW_TILES for a spec mask that divides positions (``divides``) or
+    segment ids under a window, without a block layout (whose fit is judged at TILES, `layout_misfit`); else TILES."""
+    return NARROW_TILES if (divides or (cfg.segments and cfg.window)) and not cfg.layout else TILES
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,10 +104,16 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
     features = [what for on, what in ((cfg.softcap, "soft cap"), (cfg.sinks, "sinks"), (cfg.bias, "bias"),
                                       (cfg.dense_mask, "a dense mask"), (cfg.positions, "positions"),
                                       (cfg.varlen, "varlen")) if on]
+    from ejgen.runtime.core import settings
+
     misfit = layout_misfit(cfg) if cfg.layout else None
+    spec = not layout.builtin_mask_only
     checks = [
         (pinned, f"a {pass_} config is pinned (EJGEN_TRITON_CONFIG) or autotuned"),
-        (not layout.builtin_mask_only, "the spec has a mask of its own"),
+        (spec and not layout.gluon_mask, "the spec has a mask of its own that the Hopper kernels cannot call (it reads "
+                                         "params, or raises to a power that is not a constant integer)"),
+        (spec and not settings.current().gluon_spec_masks, "the spec has a mask of its own, and the gluon_spec_masks "
+                                                            "setting is off (EJGEN_GLUON_SPEC_MASKS=0)"),
         (not layout.score_is_identity or layout.params, "the spec's score is not the scaled dot product"),
         (features, f"{', '.join(features)} (the Hopper kernels take none of: soft cap, sinks, bias, a dense mask, "
                    f"positions, varlen)"),
@@ -105,8 +124,6 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
         (q.shape[1] != k.shape[1], f"Sq {q.shape[1]} != Sk {k.shape[1]}"),
         (pass_ == "bwd" and cfg.window and not cfg.causal, "a sliding window without causal (the backward's masks: "
                                                           "causal, with a window to the left)"),
-        (pass_ == "bwd" and cfg.window and cfg.segments, "segment ids with a sliding window (the windows' persistent "
-                                                         "backward takes no segment ids)"),
     ]
     for bad, why in checks:
         if bad:
@@ -148,15 +165,33 @@ def grid(batch: int, hq: int, seq: int, sms: int | None = None) -> tuple:
 NO_LISTS = dict(LIST=False, LIST_BATCH=1, LIST_HEADS=1, SUB_Q=0, SUB_K=0)  # the kernels walk ranges
 
 
+def spec_constexprs(spec: tuple | None) -> dict:
+    """SPEC_MASK, SPEC_OPTIONS: the spec's mask and the loader of the options it reads (`_spec_mask`, `_spec_options`
+    of its kernel module: `triton.host.Layout.spec_mask`), which the kernels call on partial tiles; None, None
+    without."""
+    mask, options = spec or (None, None)
+    return dict(SPEC_MASK=mask, SPEC_OPTIONS=options)
+
+
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
-               segments: bool = False, ordered: bool = False, dynamic: bool = False, lists: dict | None = None) -> dict:
+               segments: bool = False, ordered: bool = False, dynamic: bool = False, lists: dict | None = None,
+               spec: tuple | None = None, tiles: dict | None = None) -> dict:
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq, hkv, d] (16-bit). ``dynamic``: the
     programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block lists'
-    constexprs (`fwd_lists`), else ranges."""
+    constexprs (`fwd_lists`), else ranges; ``spec``: the spec's mask (`spec_constexprs`: lists only); ``tiles``: the
+    key tiles (`fwd_key_tiles`; default TILES)."""
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, BLOCK_M=BLOCK_M, CAUSAL=causal, WINDOW=window, SEGMENTS=segments,
                 ORDERED=ordered,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **TILES, **(lists or NO_LISTS))
+                HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **(tiles or TILES),
+                **(lists or NO_LISTS), **spec_constexprs(spec))
+
+
+def listed(cfg, spec: bool, pass_: str = "fwd") -> bool:
+    """Whether the pass's kernel walks lists of blocks (LIST, `fwd_lists` / `bwd_lists`) rather than ranges: with a
+    block layout, with a spec mask (``spec``: its tiles by interval arithmetic, which scatter), and in the backward
+    with segment ids under a window (the per-program kernel on lists: the windows' persistent one takes no ids)."""
+    return bool(cfg.layout or spec or (pass_ == "bwd" and cfg.window and cfg.segments))
 
 
 # Where the dynamic tile queue wins (H200, session 15, `benchmarks/gluon_dynamic_tiles.py`, one run, bf16, H 16,
@@ -200,12 +235,13 @@ def bwd_kernel():
 
 
 def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
-                   segments: bool = False, lists: dict | None = None) -> dict:
+                   segments: bool = False, lists: dict | None = None, spec: tuple | None = None) -> dict:
     """The backward's constexprs (window: causal with a window to the left, `ineligible`; ``lists``: the block
-    lists' constexprs, `bwd_lists`)."""
+    lists' constexprs, `bwd_lists`; ``spec``: the spec's mask, `spec_constexprs`)."""
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, MASK=2 if window else int(causal), DQ_MODE=1 if d == 128 else 0,
                 SEGMENTS=segments,
-                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES, **(lists or NO_LISTS))
+                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES, **(lists or NO_LISTS),
+                **spec_constexprs(spec))
 
 
 # The persistent backward (gluon_kernels.gluon_attention_bwd_persistent_kernel) for causal sliding windows: one
@@ -250,8 +286,8 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int) -> dict:
     """The persistent backward's constexprs for a causal sliding window (MASK 2); its launch also passes a zeroed
     int32 tile counter (TILE_CTR: the kernel takes its tiles from it)."""
     base = bwd_constexprs(batch, hq, hkv, seq, d, True, True)
-    for name in ("SEGMENTS", *NO_LISTS):  # windows with segment ids keep the generated backward (`ineligible`); block
-        del base[name]  # layouts the per-program one (`bwd_lists`)
+    for name in ("SEGMENTS", *NO_LISTS, *spec_constexprs(None)):  # segment ids, layouts and spec masks with a window
+        del base[name]  # take the per-program backward over lists (`listed`)
     return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"]))
 
 
@@ -350,16 +386,16 @@ def programs_by_work(work, hkv: int):
     return jnp.zeros_like(entry).at[place].set(entry)
 
 
-def segment_ranges(ctx, cfg, seq: int, pass_: str = "fwd"):
+def segment_ranges(ctx, cfg, seq: int, pass_: str = "fwd", block_n: int = TILES["BLOCK_N"]):
     """int32 [B, tiles, 4]: the tile ranges the segment ids leave (`block_mask.tile_ranges`, O(tiles) per batch
-    row): per query tile of the forward (BLOCK_M rows) the key blocks, per key block of the backward (BWD_TILES)
-    the query blocks; each kernel joins them with its causal / window range."""
+    row): per query tile of the forward (BLOCK_M rows) the key blocks (of ``block_n`` keys, `fwd_key_tiles`), per
+    key block of the backward (BWD_TILES) the query blocks; each kernel joins them with its causal / window range."""
     import jax.numpy as jnp
 
     from ejgen.runtime.attention import tiles
     from ejgen.types import block_mask
 
-    bq, bk = (BLOCK_M, TILES["BLOCK_N"]) if pass_ == "fwd" else (BWD_TILES["BLOCK_M"], BWD_TILES["BLOCK_N"])
+    bq, bk = (BLOCK_M, block_n) if pass_ == "fwd" else (BWD_TILES["BLOCK_M"], BWD_TILES["BLOCK_N"])
     kinds = tiles.mask_kinds(ctx, cfg, bq, bk, seq, seq)[:, 0]  # [B, nQ, nK]: segment ids only (`ineligible`)
     if pass_ != "fwd":
         kinds = jnp.swapaxes(kinds, -1, -2)
@@ -403,18 +439,40 @@ def layout_misfit(cfg) -> str | None:
     return None
 
 
-def _layout_kinds(ctx, cfg, seq: int, tile_q: int, tile_k: int):
+def _list_kinds(ctx, cfg, seq: int, tile_q: int, tile_k: int, mask_tiles=None, batch: int = 1, heads: int = 1):
     """(kinds int8 [TB, TH, nQ, nK], words int32 [LB, LH, nQ, nK] or None, SUB_Q, SUB_K) at tiles of tile_q x
-    tile_k over seq x seq: the block layout's tiles (`block_mask.Layout`'s kinds by coverage: a tile inside one of
-    its blocks takes that block's, a tile of several is full, partial or skipped as they are, blocks past the
-    sequence not counted) joined with causal, the window and the segment ids' tiles (`tiles.band_kinds`,
-    `block_mask.Segments`), a tile crossing the sequence's end partial; with sub-blocks (a layout finer than the
-    tiles) each tile's word: bit (r * (tile_k / SUB_K) + c) for its visible sub-block (r, c) (SUB_Q, SUB_K: 0
-    without). O(tiles x sub-blocks), the layout a traced array."""
+    tile_k over seq x seq: the block layout's tiles where there is one (`block_mask.Layout`'s kinds by coverage: a
+    tile inside one of its blocks takes that block's, a tile of several is full, partial or skipped as they are,
+    blocks past the sequence not counted), the spec's mask's (``mask_tiles``, the generated interval arithmetic:
+    `tiles.spec_kinds` over ``batch`` x ``heads``, axes of 1 where the mask reads no b / h), joined with causal, the
+    window and the segment ids' tiles (`tiles.band_kinds`, `block_mask.Segments`), a tile crossing the sequence's
+    end partial; with sub-blocks (a layout finer than the tiles) each tile's word: bit (r * (tile_k / SUB_K) + c)
+    for its visible sub-block (r, c) (SUB_Q, SUB_K: 0 without). O(tiles x sub-blocks), the layout and the options
+    traced."""
+    import jax.numpy as jnp
+
+    from ejgen.runtime.attention import tiles
+    from ejgen.types import block_mask
+
+    n_q, n_k = -(-seq // tile_q), -(-seq // tile_k)
+    kinds = jnp.full((1, 1, n_q, n_k), block_mask.FULL, jnp.int8)
+    words, sub_q, sub_k = None, 0, 0
+    if cfg.layout:
+        kinds, words, sub_q, sub_k = _layout_kinds(ctx, cfg, seq, tile_q, tile_k)
+    if mask_tiles is not None:
+        kinds = jnp.minimum(kinds, tiles.spec_kinds(mask_tiles, ctx, cfg, tile_q, tile_k, seq, seq, batch, heads))
+    kinds = jnp.minimum(kinds, tiles.band_kinds(ctx, cfg, tile_q, tile_k, seq, seq))
+    if cfg.segments:
+        kinds = jnp.minimum(kinds, block_mask.Segments(ctx["q_seg"], ctx["kv_seg"]).kinds(tile_q, tile_k, seq, seq))
+    kinds = tiles.edges_partial(kinds, tile_q, tile_k, seq, seq)
+    return kinds, words, sub_q, sub_k
+
+
+def _layout_kinds(ctx, cfg, seq: int, tile_q: int, tile_k: int):
+    """`_list_kinds` of the block layout alone: (kinds, words or None, SUB_Q, SUB_K)."""
     import jax.numpy as jnp
     from jax import lax
 
-    from ejgen.runtime.attention import tiles
     from ejgen.types import block_mask
 
     lay = ctx["layout"]  # [B|1, Hkv|1, G|1, nQ, nK]
@@ -431,16 +489,11 @@ def _layout_kinds(ctx, cfg, seq: int, tile_q: int, tile_k: int):
     seen = vis & valid
     kinds = jnp.where(jnp.all(vis | ~valid, axis=(3, 5)), block_mask.FULL,
                       jnp.where(jnp.any(seen, axis=(3, 5)), block_mask.PARTIAL, block_mask.SKIP)).astype(jnp.int8)
-    words = None
-    if nr * nc > 1:
-        shift = (jnp.arange(nr)[:, None, None] * nc + jnp.arange(nc)[None, None, :]).astype(jnp.uint32)  # [nr, 1, nc]
-        bits = jnp.sum(seen.astype(jnp.uint32) << shift, axis=(3, 5), dtype=jnp.uint32)  # distinct bits: an or
-        words = lax.bitcast_convert_type(bits, jnp.int32)
-    kinds = jnp.minimum(kinds, tiles.band_kinds(ctx, cfg, tile_q, tile_k, seq, seq))
-    if cfg.segments:
-        kinds = jnp.minimum(kinds, block_mask.Segments(ctx["q_seg"], ctx["kv_seg"]).kinds(tile_q, tile_k, seq, seq))
-    kinds = tiles.edges_partial(kinds, tile_q, tile_k, seq, seq)
-    return kinds, words, sub_q if words is not None else 0, sub_k if words is not None else 0
+    if nr * nc == 1:
+        return kinds, None, 0, 0
+    shift = (jnp.arange(nr)[:, None, None] * nc + jnp.arange(nc)[None, None, :]).astype(jnp.uint32)  # [nr, 1, nc]
+    bits = jnp.sum(seen.astype(jnp.uint32) << shift, axis=(3, 5), dtype=jnp.uint32)  # distinct bits: an or
+    return kinds, lax.bitcast_convert_type(bits, jnp.int32), sub_q, sub_k
 
 
 def _compact(kinds, words, empty_entry: bool):
@@ -473,13 +526,14 @@ def _compact(kinds, words, empty_entry: bool):
     return count, jnp.concatenate([count[..., None]] + columns, axis=-1)
 
 
-def fwd_lists(ctx, cfg, seq: int):
-    """The forward's block lists for a call with a block layout (LIST): (RANGES int32 [TB, TH, N_M, 1 + N_N (+ N_N)],
-    its constexprs, each tile's work int32 [TB, TH, N_M]) at the kernel's tiles (BLOCK_M x BLOCK_N): per (batch row
-    or 1, query head or 1, query tile) the count and the key blocks to visit (`_layout_kinds`: the layout joined with
-    causal, the window and segment ids; `_compact`), under jit with the layout traced. TB / TH: 1 where the layout and
-    segment ids are the same for every batch row / head."""
-    kinds, words, sub_q, sub_k = _layout_kinds(ctx, cfg, seq, BLOCK_M, TILES["BLOCK_N"])
+def fwd_lists(ctx, cfg, seq: int, mask_tiles=None, batch: int = 1, heads: int = 1, block_n: int = TILES["BLOCK_N"]):
+    """The forward's block lists (LIST: a block layout, a spec mask, `listed`): (RANGES int32 [TB, TH, N_M, 1 + N_N
+    (+ N_N)], its constexprs, each tile's work int32 [TB, TH, N_M]) at the kernel's tiles (BLOCK_M x BLOCK_N): per
+    (batch row or 1, query head or 1, query tile) the count and the key blocks to visit (`_list_kinds`: the layout and
+    the spec's mask, ``mask_tiles`` over ``batch`` x ``heads``, joined with causal, the window and segment ids;
+    `_compact`), under jit with the layout and the options traced. TB / TH: 1 where the kinds are the same for every
+    batch row / head; ``block_n``: the kernel's key tiles (`fwd_key_tiles`)."""
+    kinds, words, sub_q, sub_k = _list_kinds(ctx, cfg, seq, BLOCK_M, block_n, mask_tiles, batch, heads)
     if words is not None:
         words = _broadcast_like(words, kinds)
     count, table = _compact(kinds, words, empty_entry=True)
@@ -487,15 +541,17 @@ def fwd_lists(ctx, cfg, seq: int):
     return table, consts, count
 
 
-def bwd_lists(ctx, cfg, seq: int, hkv: int):
-    """The backward's block lists (LIST): (RANGES int32 [TB, TL, N_N, 1 + W (+ W)], its constexprs, each program's
-    work int32 [TB, TL, N_N]) at its tiles (BWD_TILES: 64-row query blocks, 128-key blocks): per (batch row or 1,
-    kv head or 1, key block) the count and the query blocks to visit. A layout shared by the heads gives one list per
-    key block that each query head of the group walks (LIST 1, W = N_MQ); one per query head gives each kv head the
-    items of its group's heads, each entry (hq * N_MQ + m) naming its head (LIST 2, W = GROUP * N_MQ)."""
+def bwd_lists(ctx, cfg, seq: int, hkv: int, mask_tiles=None, batch: int = 1, heads: int = 1):
+    """The backward's block lists (LIST, `listed`): (RANGES int32 [TB, TL, N_N, 1 + W (+ W)], its constexprs, each
+    program's work int32 [TB, TL, N_N]) at its tiles (BWD_TILES: 64-row query blocks, 128-key blocks): per (batch row
+    or 1, kv head or 1, key block) the count and the query blocks to visit (`_list_kinds`, ``mask_tiles`` over
+    ``batch`` x ``heads`` query heads). Kinds shared by the heads give one list per key block that each query head of
+    the group walks (LIST 1, W = N_MQ); kinds per query head give each kv head the items of its group's heads, each
+    entry (hq * N_MQ + m) naming its head (LIST 2, W = GROUP * N_MQ)."""
     import jax.numpy as jnp
 
-    kinds, words, sub_q, sub_k = _layout_kinds(ctx, cfg, seq, BWD_TILES["BLOCK_M"], BWD_TILES["BLOCK_N"])
+    kinds, words, sub_q, sub_k = _list_kinds(ctx, cfg, seq, BWD_TILES["BLOCK_M"], BWD_TILES["BLOCK_N"], mask_tiles,
+                                             batch, heads)
     if words is not None:
         words = _broadcast_like(words, kinds)
     per_head = kinds.shape[1] > 1

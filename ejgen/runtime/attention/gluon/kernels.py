@@ -269,12 +269,15 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, MASKED: gl.constexpr, SEQ: gl.constexpr,
-             CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ROWS: gl.constexpr,
-             BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr):
+def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, off_b, off_h, opts, MASKED: gl.constexpr,
+             SEQ: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ROWS: gl.constexpr,
+             BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr,
+             SPEC_MASK: gl.constexpr):
     """Online softmax of one block in exp2 (scale * log2 e folded in): (p, alpha, m, l). With SEGMENTS the element
     mask also compares the rows' segment ids qs with the block's keys' ks ([1, BLOCK_N]; padding, negative, sees
-    nothing); with SUB_Q it keeps only the sub-blocks the list entry's word ``bits`` marks (`_sub_blocks`)."""
+    nothing); with SUB_Q it keeps only the sub-blocks the list entry's word ``bits`` marks (`_sub_blocks`); with
+    SPEC_MASK (a spec's `_spec_mask`) it is the spec's mask too, on positions, of batch row off_b and query head off_h
+    and the options opts (`_spec_options`)."""
     if MASKED:
         rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -290,6 +293,8 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, MASKED
             keep = keep & (q2 == ks) & (q2 >= 0)
         if SUB_Q > 0:
             keep = keep & _sub_blocks(bits, gl.expand_dims(rows, 1), c2, SUB_Q, SUB_K, 2 * ROWS, BLOCK_N)
+        if SPEC_MASK is not None:
+            keep = keep & SPEC_MASK(gl.expand_dims(rows, 1), c2, off_b, off_h, off_b * 0 + SEQ, off_b * 0 + SEQ, opts)
         s = gl.where(keep, s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no visible key yet: no inf - inf
@@ -298,10 +303,10 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, MASKED
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 @gluon.jit
-def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem, k_empty, idx, bits,
-                   SEQ: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
+def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem, k_empty, idx, bits, off_b,
+                   off_h, opts, SEQ: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
                    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SUB_Q: gl.constexpr,
-                   SUB_K: gl.constexpr):
+                   SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr):
     """K stage idx back to the producer (S_j has retired), then block j's softmax, under the element mask outside
     [f0, f1); with SEGMENTS a masked block's key ids are read from the stage's kseg_smem first. Two shapes on
     purpose: with SEGMENTS the release waits for that read, inside the branch; without, it stays ahead of the branch
@@ -310,31 +315,35 @@ def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, ks
         if (j < f0) | (f1 <= j):
             ks = kseg_smem.index(idx).load(s_layout)  # [1, BLOCK_N]
             mbarrier.arrive(k_empty.index(idx), count=1)
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, True, SEQ,
-                                          CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, off_b, off_h,
+                                          opts, True, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
+                                          SUB_K, SPEC_MASK)
         else:
             mbarrier.arrive(k_empty.index(idx), count=1)
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, False, SEQ,
-                                          CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, off_b, off_h,
+                                          opts, False, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
+                                          SUB_K, SPEC_MASK)
     else:
         mbarrier.arrive(k_empty.index(idx), count=1)
         if (j < f0) | (f1 <= j):
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, True, SEQ,
-                                          CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, off_b, off_h,
+                                          opts, True, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
+                                          SUB_K, SPEC_MASK)
         else:
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, False, SEQ,
-                                          CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, off_b, off_h,
+                                          opts, False, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
+                                          SUB_K, SPEC_MASK)
     return p, alpha, m_i, l_i
 
 
 @gluon.jit
 def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                    o_desc, lse_ptr, left, right, qk_scale, turn_mine, turn_other, QSEG, kseg_smem, RANGES, ORDER,
-                   HQ: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
+                   opts, HQ: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
                    HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
-                   LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr):
+                   LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr):
     """Tile t, this program's tile tc whose first K/V block is ring block g, for consumer HALF (see _consumer).
     LIST: the blocks of the tile's list (RANGES), each under the element mask where its entry says so and then, with
     SUB_Q, also under its word of visible sub-blocks; the empty row's entry (block N_N, past the end) hides every key.
@@ -393,8 +402,8 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
     mbarrier.arrive(turn_other, count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j0, fa0, fb0, q_row0, left, right, qk_scale, qs, kseg_smem,
-                                        k_empty, idx, w0, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout,
-                                        SUB_Q, SUB_K)
+                                        k_empty, idx, w0, off_b, off_h, opts, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS,
+                                        BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
 
     # block j: issue S_j and P_{j-1} V_{j-1}; the softmax of S_j runs while the second is in flight
@@ -420,8 +429,8 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
         mbarrier.arrive(turn_other, count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j, fa, fb, q_row0, left, right, qk_scale, qs, kseg_smem,
-                                            k_empty, idx, w, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout,
-                                            SUB_Q, SUB_K)
+                                            k_empty, idx, w, off_b, off_h, opts, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS,
+                                            BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK)
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p16))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -452,12 +461,12 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, lse_ptr, pid,
-              nprog, left, right, qk_scale, turn_mine, turn_other, QSEG, kseg_smem, RANGES, ORDER, tile_smem,
+              nprog, left, right, qk_scale, turn_mine, turn_other, QSEG, kseg_smem, RANGES, ORDER, tile_smem, opts,
               HQ: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
               HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
-              LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr):
+              LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr):
     """One 64-row half (HALF 0: the first to issue) of every tile of this program: the pipelined loop (softmax
     of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile. The two halves
     take turns issuing their matmuls (turn_mine / turn_other: a token passed back and forth, its phase from the
@@ -474,18 +483,18 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
         while t < N_M * BH:
             g += _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                                 v_empty, o_desc, lse_ptr, left, right, qk_scale, turn_mine, turn_other, QSEG,
-                                kseg_smem, RANGES, ORDER, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
+                                kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
                                 CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q,
-                                SUB_K)
+                                SUB_K, SPEC_MASK)
             tc += 1
             t = _tile_take(q_ready, tile_smem, tc, HALF)
     else:
         for t in range(pid, N_M * BH, nprog):
             g += _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                                 v_empty, o_desc, lse_ptr, left, right, qk_scale, turn_mine, turn_other, QSEG,
-                                kseg_smem, RANGES, ORDER, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
+                                kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
                                 CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q,
-                                SUB_K)
+                                SUB_K, SPEC_MASK)
             tc += 1
 
 
@@ -497,7 +506,8 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
                                SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                PRODUCER_REGS: gl.constexpr, HEAD_GROUP: gl.constexpr, DYNAMIC: gl.constexpr,
                                LIST: gl.constexpr, LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr,
-                               SUB_Q: gl.constexpr, SUB_K: gl.constexpr):
+                               SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
+                               SPEC_OPTIONS: gl.constexpr):
     """Q [B, SEQ, HQ, D], K and V [B, SEQ, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32). F32 = [scale, ...],
     I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch (unused by the body).
     SEGMENTS: segment ids QSEG, KSEG [B, SEQ] (int32, negative = padding) and their tile ranges RANGES [B, N_M, 4]
@@ -511,6 +521,9 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
     and the segment ids' tiles): RANGES is then the lists [LIST_BATCH, LIST_HEADS, N_M, 1 + N_N (+ N_N)] (`_list_row`,
     `host.fwd_lists`); a listed block takes the element mask (causal, window, segment ids, the sequence's end and,
     with SUB_Q x SUB_K sub-blocks, the entry's word of visible ones) where its entry says so, none otherwise.
+    SPEC_MASK (LIST): a spec's mask, `_spec_mask` of its kernel module (elementwise on tiles of positions), joins the
+    element mask, with the options it reads loaded once by SPEC_OPTIONS (`_spec_options`: from F32 / I32, as the
+    generated kernels lay them out); None, None without.
     Grid (P,), P <= number of tiles (`grid`); 4 warps asked, 12 run (two consumers, a producer)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
@@ -521,6 +534,9 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
     qk_scale = gl.load(F32) * 1.4426950408889634
     left = gl.load(I32)
     right = gl.load(I32 + 1)
+    opts = 0  # SPEC_MASK: the options the spec's mask reads (a tuple)
+    if SPEC_MASK is not None:
+        opts = SPEC_OPTIONS(F32, I32)
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, ROWS, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, D], dtype)
@@ -566,12 +582,14 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
                      nprog, left, right, qk_scale, turn.index(0), turn.index(1), QSEG, kseg_smem, RANGES, ORDER,
-                     tile_smem, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
-                     SEGMENTS, ORDERED, 0, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K)),
+                     tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL,
+                     WINDOW, SEGMENTS, ORDERED, 0, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K,
+                     SPEC_MASK)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
                      nprog, left, right, qk_scale, turn.index(1), turn.index(0), QSEG, kseg_smem, RANGES, ORDER,
-                     tile_smem, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
-                     SEGMENTS, ORDERED, 1, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K)),
+                     tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL,
+                     WINDOW, SEGMENTS, ORDERED, 1, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K,
+                     SPEC_MASK)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, tile_smem, TILE_CTR, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ, HKV,
                      SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED,
@@ -712,7 +730,7 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
               h, n, f0, f1, off_b, S, WINDOW_LEFT, qs_smem, ks, WG: gl.constexpr, D: gl.constexpr,
               BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, RELEASE_V: gl.constexpr,
-              SEGMENTS: gl.constexpr, bits, SUB_Q: gl.constexpr, SUB_K: gl.constexpr):
+              SEGMENTS: gl.constexpr, bits, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, opts, SPEC_MASK: gl.constexpr):
     """Consumer warpgroup WG, one ring item gi (query block m of head h in stage s, parity ph) against its 64 keys
     of key block n (views k_mine, v_mine; k_dq: K for its share of dQ): S^T and dP^T, P^T and dS^T, dV += P^T dO and
     dK += dS^T Q, the dS^T half into dS buffer gi % 2 for the joint dQ = dS K (DQ_MODE 0: whole tiles alternating
@@ -720,7 +738,8 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
     accumulator. RELEASE_V: V buffer vb goes back to the producer (v_empty) once the dP^T of the tile's last item
     (it == n_it - 1) retired. SEGMENTS: masked items also compare segment ids (qs_smem: the stage's query rows' ids,
     from the producer; ks: the warpgroup's keys' ids; padding, negative, sees nothing). SUB_Q: masked items keep only
-    the sub-blocks their list entry's word ``bits`` marks (`_sub_blocks`).
+    the sub-blocks their list entry's word ``bits`` marks (`_sub_blocks`); SPEC_MASK: the spec's mask too (`_spec_mask`,
+    on positions: [1, BLOCK_M] queries by [HALF, 1] keys, batch row off_b, query head h, the options opts).
     Returns (dk, dv)."""
     HALF: gl.constexpr = BLOCK_N // 2
     if DQ_MODE == 0:
@@ -759,6 +778,9 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
         if SUB_Q > 0:
             pT = gl.where(_sub_blocks(bits, gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), SUB_Q, SUB_K, BLOCK_M,
                                       BLOCK_N), pT, 0.0)
+        if SPEC_MASK is not None:
+            pT = gl.where(SPEC_MASK(gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), off_b, h, off_b * 0 + S,
+                                    off_b * 0 + S, opts), pT, 0.0)
     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     if RELEASE_V:
         mbarrier.arrive(v_empty.index(vb), count=1, pred=it == n_it - 1)
@@ -835,7 +857,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
                   sm_scale, H, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, WG: gl.constexpr, D: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
                   DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr, lrow, LIST: gl.constexpr, N_MQ: gl.constexpr,
-                  LIST_W: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr):
+                  LIST_W: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, opts, SPEC_MASK: gl.constexpr):
     """Warpgroup WG's 64 keys: dK, dV over the program's query blocks (S^T, dP^T, P^T, dS^T; dV += P^T dO,
     dK += dS^T Q), its dS^T half into shared memory for the joint dQ = dS K (DQ_MODE: how the two warpgroups
     share it), dQ * scale reduce-added into the float32 accumulator; then dK * scale and dV stored. LIST: the
@@ -888,7 +910,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, None, 0, it, 0, dq_desc, s_zero, dq_zero,
                            qk2, sm_scale, it, s, ph, m, h, n, fa, fb, off_b, S, WINDOW_LEFT, qs_smem, ks, WG, D,
-                           BLOCK_M, BLOCK_N, MASK, DQ_MODE, False, SEGMENTS, w, SUB_Q, SUB_K)
+                           BLOCK_M, BLOCK_N, MASK, DQ_MODE, False, SEGMENTS, w, SUB_Q, SUB_K, opts, SPEC_MASK)
 
     # epilogue: dK (scaled) and dV of this WG's 64 keys, straight from registers
     _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, S, HKV, WG, D, BLOCK_N)
@@ -953,7 +975,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
                                MASK: gl.constexpr, DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr,
                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LIST: gl.constexpr,
                                LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr,
-                               SUB_K: gl.constexpr):
+                               SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SPEC_OPTIONS: gl.constexpr):
     """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
     float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. LSE, DELTA: [B, HQ, SEQ]
     (DELTA = rowsum(dO * O) - d lse). MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
@@ -966,10 +988,15 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     LIST_HEADS, N_N, 1 + W (+ W)] (`_list_row`, `_bwd_list_item`, `host.bwd_lists`), ORDER the programs' order by
     their work; an item takes the element mask (the mask, segment ids, the
     sequence's end and, with SUB_Q x SUB_K sub-blocks, the entry's word of visible ones) where its entry says so.
+    SPEC_MASK, SPEC_OPTIONS (LIST): a spec's mask and its options' loader (`_spec_mask`, `_spec_options`; the
+    forward's), joined with the element mask; None, None without.
     Grid (cdiv(SEQ, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
     gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
     sm_scale = gl.load(F32)
     WINDOW_LEFT = gl.load(I32)
+    opts = 0  # SPEC_MASK: the options the spec's mask reads (a tuple)
+    if SPEC_MASK is not None:
+        opts = SPEC_OPTIONS(F32, I32)
     GROUP = HQ // HKV
     n = gl.program_id(0)  # causal / window: small n has the most query blocks -> scheduled first
     pid_bh = gl.program_id(1)
@@ -1023,12 +1050,12 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
                          q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
                          off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, 0, D,
                          BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
-                         SUB_K)),
+                         SUB_K, opts, SPEC_MASK)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
                          q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
                          off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, 1, D,
                          BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
-                         SUB_K)),
+                         SUB_K, opts, SPEC_MASK)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
                          do_ready, qd_empty, misc_bar.index(0), LSE, DELTA, off_b, off_hk, n, SEQ, m_lo, nm, HQ, GROUP,
                          QSEG, qs_smem, D, BLOCK_M, BLOCK_N, NUM_STAGES, SEGMENTS, lrow, LIST, N_MQ, LIST_W,
@@ -1196,7 +1223,7 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem,
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero,
                            dq_zero, qk2, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, WINDOW_LEFT, lse_smem, 0, WG,
-                           D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, False, 0, 0, 0)
+                           D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, False, 0, 0, 0, 0, None)
     # every wgmma of the tile has retired (each item ends with a full wait): K is free for the producer
     mbarrier.arrive(k_empty.index(kb), count=1)
 

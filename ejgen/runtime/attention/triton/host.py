@@ -45,6 +45,17 @@ class Layout:
     builtin_mask_only: bool = False  # no mask of the spec's own (causal / sliding window at most): the Gluon
     #                                  kernels may run (packages rendered before it say nothing: they do not)
     mask_tiles: Callable | None = None  # the spec's mask by tile, (t, ctx) -> kinds (ejgen.emit.attention.intervals)
+    gluon_mask: bool = False  # the kernel module's `_spec_mask` / `_spec_options` serve the Hopper kernels too (a
+    #                           spec mask of no params: docs/DESIGN.md §6); packages rendered before say nothing
+    mask_divides: bool = False  # the spec's mask divides positions by a run-time value (`gluon.host.fwd_key_tiles`)
+
+    def spec_mask(self) -> tuple | None:
+        """(`_spec_mask`, `_spec_options`) of the kernel module, the Hopper kernels' SPEC_MASK / SPEC_OPTIONS (None
+        without a spec mask they can call)."""
+        if not self.gluon_mask:
+            return None
+        module = self.kernels()
+        return module._spec_mask, module._spec_options
 
     def kernels(self):
         return importlib.import_module(self.kernel_module)
@@ -279,31 +290,42 @@ def _grid_batch(q, ctx, cfg):
     return ctx["cu_q"].shape[0] - 1 if cfg.varlen else q.shape[0]
 
 
-def _gluon_segments(ctx, cfg, seq: int, pass_: str):
-    """The Gluon kernels' QSEG, KSEG and RANGES inputs: segment ids and their tile ranges, else placeholders (with a
-    block layout RANGES is then replaced by the lists: `gluon_attention.fwd_lists` / `bwd_lists`)."""
+def _gluon_segments(ctx, cfg, seq: int, pass_: str, listed: bool, block_n: int | None = None):
+    """The Gluon kernels' QSEG, KSEG and RANGES inputs: segment ids and their tile ranges (the forward's key blocks of
+    ``block_n``), else placeholders (where the kernel walks lists, ``listed``, RANGES is then replaced by them:
+    `gluon_attention.fwd_lists` / `bwd_lists`)."""
     if not cfg.segments:
         return [_dummy(jnp.int32)] * 3
     ids = [ctx["q_seg"], ctx["kv_seg"]]
-    return ids + [_dummy(jnp.int32) if cfg.layout else gluon_attention.segment_ranges(ctx, cfg, seq, pass_)]
+    keys = {} if block_n is None else {"block_n": block_n}
+    return ids + [_dummy(jnp.int32) if listed else gluon_attention.segment_ranges(ctx, cfg, seq, pass_, **keys)]
 
 
-def _gluon_forward(q, k, v, scalars, ctx, cfg):
+def _gluon_spec(layout: Layout):
+    """(the spec's mask for the Hopper kernels, `Layout.spec_mask`, or None; its tiles, `Layout.mask_tiles`)."""
+    spec = layout.spec_mask()
+    return spec, layout.mask_tiles if spec is not None else None
+
+
+def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
     segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`);
     where the queue wins (`gluon_attention.dynamic_tiles`) its programs take them from a counter. With a block
-    layout each query tile walks its list of key blocks (`gluon_attention.fwd_lists`; LIST), in the order of their
-    counts."""
+    layout or a spec mask each query tile walks its list of key blocks (`gluon_attention.fwd_lists`; LIST), in the
+    order of their counts, the spec's mask on the partial ones (SPEC_MASK)."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
     grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
-    segments = _gluon_segments(ctx, cfg, sq, "fwd")
-    ordered = gluon_attention.ordered(cfg)
+    spec, mask_tiles = _gluon_spec(layout)
+    listed = gluon_attention.listed(cfg, spec is not None)
+    tiles = gluon_attention.fwd_key_tiles(cfg, spec is not None and layout.mask_divides)
+    segments = _gluon_segments(ctx, cfg, sq, "fwd", listed, tiles["BLOCK_N"])
+    ordered = gluon_attention.ordered(cfg) or listed
     dynamic = gluon_attention.dynamic_tiles(  # tiles from a zeroed counter (TILE_CTR), the order as one list
-        cfg.causal, cfg.window, cfg.segments or cfg.layout, gluon_attention.fwd_tiles(batch, hq, sq), grid[0])
+        cfg.causal, cfg.window, cfg.segments or listed, gluon_attention.fwd_tiles(batch, hq, sq), grid[0])
     lists = None
-    if cfg.layout:
-        segments[2], lists, work = gluon_attention.fwd_lists(ctx, cfg, sq)
+    if listed:
+        segments[2], lists, work = gluon_attention.fwd_lists(ctx, cfg, sq, mask_tiles, batch, hq, tiles["BLOCK_N"])
         order = gluon_attention.order_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hq,
                                               1 if dynamic else grid[0])
     elif ordered:
@@ -316,7 +338,7 @@ def _gluon_forward(q, k, v, scalars, ctx, cfg):
          jax.ShapeDtypeStruct((1, ), jnp.int32), _scratch(grid)],
         zeroed=(2, ) if dynamic else (), num_warps=4, num_stages=1,
         **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments, ordered, dynamic,
-                                     lists))
+                                     lists, spec, tiles))
     return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
 
 
@@ -344,36 +366,41 @@ def choose(layout: Layout, call, deterministic: bool):
     for pass_, name in (("fwd", "forward"), ("bwd", "backward")):
         why_not = _gluon_ineligible(layout, call.q, call.k, call.v, call.cfg, pass_, deterministic)
         picked.append("triton" if why_not else "gluon")
+        spec = "; the spec's mask on partial tiles (`_spec_mask`)" if not layout.builtin_mask_only else ""
         reasons.append(f"{name}: triton (generated), not gluon: {why_not}" if why_not
-                       else f"{name}: gluon (the Hopper kernel set covers this call)")
+                       else f"{name}: gluon (the Hopper kernel set covers this call{spec})")
     return picked[0], picked[1], tuple(reasons)
 
 
-def _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, ctx, cfg):
+def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg):
     """The warp-specialised Gluon backward (gluon_attention): (dq, dk, dv), dq [B, Sq, Hq, D] added up in float32
-    by reduce-adds (not bitwise reproducible run to run, like cuDNN's)."""
+    by reduce-adds (not bitwise reproducible run to run, like cuDNN's). Each key block walks a list of query blocks
+    where the forward's tiles would (a block layout, a spec mask, whose element mask runs on partial items) and with
+    segment ids under a window (`gluon_attention.listed`)."""
     batch, sq, hq, d = q4.shape
     hkv = k.shape[2]
+    spec, mask_tiles = _gluon_spec(layout)
+    listed = gluon_attention.listed(cfg, spec is not None, "bwd")
     outs = [jax.ShapeDtypeStruct((batch, sq, hq, d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    if cfg.window and not cfg.layout:  # causal with a window to the left (gluon_attention.ineligible): the persistent
+    if cfg.window and not listed:  # causal with a window to the left (gluon_attention.ineligible): the persistent
         # kernel, whose tile counter is zeroed like the dQ accumulator
         kernel, grid = gluon_attention.pbwd_kernel(), gluon_attention.pbwd_grid(batch, hkv, sq)
         outs.append(jax.ShapeDtypeStruct((1, ), jnp.int32))
         zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d)
     else:
         kernel, grid = gluon_attention.bwd_kernel(), (_cdiv(sq, gluon_attention.BWD_TILES["BLOCK_N"]), batch * hkv)
-        segments = _gluon_segments(ctx, cfg, sq, "bwd")
+        segments = _gluon_segments(ctx, cfg, sq, "bwd", listed)
         lists = None
-        if cfg.layout:  # each key block walks its list of query blocks, the programs launched most work first
-            segments[2], lists, work = gluon_attention.bwd_lists(ctx, cfg, sq, hkv)
+        if listed:  # each key block walks its list of query blocks, the programs launched most work first
+            segments[2], lists, work = gluon_attention.bwd_lists(ctx, cfg, sq, hkv, mask_tiles, batch, hq)
             order = gluon_attention.programs_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hkv)
         elif cfg.segments:
             order = gluon_attention.bwd_order(segments[2], hkv, sq, cfg.causal, gluon_attention.ordered(cfg))
         else:
             order = _dummy(jnp.int32)
         zeroed, consts = (0, ), gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window,
-                                                                cfg.segments, lists)
+                                                                cfg.segments, lists, spec)
         scalars = [*scalars, *segments, order]
     dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, k, v, do4, lse3, delta3, *scalars],
                                             outs + [_scratch(grid)], zeroed=zeroed, num_warps=4, num_stages=1, **consts)
@@ -392,7 +419,7 @@ def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
     hq, dv = hkv * groups, v.shape[-1]
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     if choice.forward == "gluon":
-        out, lse = _gluon_forward(q, k, v, scalars, ctx, cfg)
+        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg)
         return out, lse, None
     conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg, dims=(d, dv))
     consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
@@ -457,7 +484,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
     lse3 = lse.reshape(batch, hq, sq)
     if choice.backward == "gluon":  # no bias, sinks or params here: no other gradients
         delta3 = _delta(out, d_out, d_lse).reshape(batch, hq, sq)
-        dq, dk, dv_ = _gluon_backward(q4, k, v, do4, lse3, delta3, scalars, ctx, cfg)
+        dq, dk, dv_ = _gluon_backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg)
         return dq.reshape(q.shape), dk, dv_, {}
     kernels = layout.kernels()
     n_seq = _grid_batch(q, ctx, cfg)
