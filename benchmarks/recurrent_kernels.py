@@ -65,7 +65,7 @@ FLAG = 2e-2
 SWEEP = {  # other launch settings to time with --sweep (block_k, block_v, warps, stages; 0: the head dim whole)
     "chunk_state": [(64, 64, 4, 2), (64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 3),
                     (128, 64, 8, 2)],
-    "chunk_intra": [(0, 0, 4, 1), (0, 32, 4, 1), (0, 64, 2, 1), (0, 64, 8, 1), (0, 64, 4, 2)],
+    "chunk_intra": [(32, 64, 4, 1), (64, 64, 4, 1), (32, 64, 8, 1), (64, 64, 8, 2), (128, 64, 8, 1)],
     "chunk_output": [(128, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3),
                      (32, 64, 4, 2)],
     "chunk_state_bwd": [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
@@ -119,10 +119,11 @@ def traffic(which, cfg, tiles, direct=True):
     if which in ("chunk_state", "chunk_state_bwd"):
         read = rows * (2 * kd * nv + 2 * vd * nk + gate * nv)
         return read + state, 2 * rows * kd * vd
-    if which == "chunk_intra":  # a program per sub-chunk: its q, k, gates, those of the sub-chunks before it
-        before = (c // sub - 1) / 2
-        read = rows * (2 * 2 * kd + gate) * (1 + before)
-        return read + rows * c * 2, rows * 2 * kd * (c / 2 + sub / 2)
+    if which == "chunk_intra":  # a program per chunk: q, k, gates once (the diagonal's rows again from cache), A;
+        # the products of the sub-chunks before each, [C, K] x [K, C] masked (nsub - 1 of them), the diagonal's
+        # elementwise q k e^x (counted as 2 flops a term); the backward's dA (do, v; dA float32) is not modelled
+        read = rows * (2 * 2 * kd + gate)
+        return read + rows * c * 2, rows * 2 * kd * c * (nsub - 1) + rows * 2 * kd * sub
     if which == "chunk_output":  # per block of V: q, k (no gk) or gates (gk), the chunk's A (gk); v, the state
         a = 2 * c if cfg.has("gk") else 0
         read = rows * ((2 * (kd if cfg.has("gk") else 2 * kd) + (gate if cfg.has("gk") else 4) + a) * nv + 2 * vd)
@@ -171,7 +172,7 @@ def stages(op_name, b, t, h, d):
     a = None
     if cfg.has("gk"):
         a, _ = add("chunk_intra", lambda q, k, g: host.chunk_intra(kernels, q, k, g, ctx, cfg), q, k, gates,
-                   grid=(n_c * (cfg.chunk // host.SUB), rows_h))
+                   grid=(n_c, rows_h))
     add("chunk_output", lambda q, k, v, g, hs, a: host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a), q, k, v,
         gates, hs, a, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h))
     dhs, dh0 = add("chunk_state_bwd", lambda q, g, do, dht: host.chunk_state_grads(kernels, q, g, ctx, cfg, do, dht),
@@ -179,7 +180,7 @@ def stages(op_name, b, t, h, d):
     a = intra = None
     if cfg.has("gk"):
         a, da = add("chunk_intra + dA", lambda q, k, v, g, do: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do),
-                    q, k, v, gates, do, grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
+                    q, k, v, gates, do, grid=(n_c, rows_h), which="chunk_intra")
         intra = add("chunk_grads_intra", lambda q, k, g, da: host.chunk_grads_intra(kernels, q, k, g, ctx, cfg, da), q,
                     k, gates, da, grid=(n_c * (cfg.chunk // host.SUB), -(-cfg.dk // blocks["chunk_grads_intra"]["BK"]),
                                         rows_h))

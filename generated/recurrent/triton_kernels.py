@@ -23,8 +23,8 @@ Chunked kernels (chunks of C steps, sub-chunks of BC; gates g, g_gamma, gk; note
 - `*_chunk_state_kernel`: the state at every chunk's start and the final state, a program per (block of K x block
   of V, sequence x head) over the chunks in order; `*_chunk_state_bwd_kernel`: the adjoint at every chunk's end and
   d initial_state, backwards over the chunks;
-- `*_chunk_intra_kernel` (gk): every chunk's intra-chunk matrix A [C, C], a program per sub-chunk writing its rows
-  (blocks left of the diagonal factored through the sub-chunk's start, the diagonal block by `_intra`);
+- `*_chunk_intra_kernel` (gk): every chunk's intra-chunk matrix A [C, C], a program per chunk (blocks left of the
+  diagonal factored through each sub-chunk's start, the diagonal blocks by `_intra`);
 - `*_chunk_output_kernel`: o of a chunk from the state at its start, o = scale (q ⊙ e^P) S + A v, a program per
   (chunk, block of V) in products of the whole chunk (A read, or with a scalar gate formed there);
 - `*_chunk_grads_v_kernel`, `*_chunk_grads_qk_kernel`: dv, dq and dk (and with gates the key side's log decay
@@ -274,6 +274,17 @@ def _steps(bos, eos, first, COUNT: tl.constexpr, REVERSE: tl.constexpr):
 
 
 @triton.jit
+def _steps_at(bos, eos, o_s, REVERSE: tl.constexpr):
+    """Rows and validity of the steps o_s (a vector, processing order) of the sequence [bos, eos)."""
+    m_s = o_s < eos - bos
+    if REVERSE:
+        rows = eos - 1 - o_s
+    else:
+        rows = bos + o_s
+    return tl.where(m_s, rows, 0), m_s
+
+
+@triton.jit
 def _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, USE_G: tl.constexpr,
              USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr):
     """The key side's log gate of the steps `rows` ([S, BK] with gk, else [S, 1]); 0 on invalid steps."""
@@ -349,6 +360,30 @@ def _cumsum_before(x, axis: tl.constexpr):
 
 
 @triton.jit
+def _seg_cumsum(x, BC: tl.constexpr):
+    """The inclusive cumsum of x [C, N] down the rows of each run of BC (a chunk's sub-chunks): each row the sum of its
+    own sub-chunk's steps up to it, no difference of longer sums."""
+    y = tl.cumsum(tl.reshape(x, [x.shape[0] // BC, BC, x.shape[1]]), axis=1)
+    return tl.reshape(y, [x.shape[0], x.shape[1]])
+
+
+@triton.jit
+def _through(b_l, o_c, b: tl.constexpr):
+    """[C, N]: L(j, b] (the log gates of steps j + 1 .. b) for the steps j <= b of a chunk (b_l [C, N]), 0 after b: a
+    reverse cumsum of the steps up to b less step j's own, as `_after`."""
+    upto = o_c[:, None] <= b
+    return tl.where(upto, _cumsum(tl.where(upto, b_l, 0.0), axis=0, reverse=True) - b_l, 0.0)
+
+
+@triton.jit
+def _from(b_l, o_c, b: tl.constexpr):
+    """[C, N]: L(b, t] (the log gates of steps b + 1 .. t) for the steps t > b of a chunk, 0 up to b: a cumsum of the
+    steps after b."""
+    after = o_c[:, None] > b
+    return tl.where(after, _cumsum(tl.where(after, b_l, 0.0), axis=0), 0.0)
+
+
+@triton.jit
 def _dot(a, b, DT: tl.constexpr):
     """a @ b in float32: operands rounded to the inputs' 16-bit dtype (DT) for the tensor cores, exact float32 for
     float32 inputs. In Triton's interpreter (UPCAST, tests on a CPU) 16-bit operands are widened after the rounding:
@@ -394,25 +429,27 @@ def _segsum(b_l, o_r):
 
 
 @triton.jit
-def _intra(b_q, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H: tl.constexpr, HKV: tl.constexpr,
+def _intra(b_a, b_q, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_c, H: tl.constexpr, HKV: tl.constexpr,
            K: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
            REVERSE: tl.constexpr, MAP: tl.constexpr):
-    """[BC, BC]: D[i, j] = sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, else 0, per key channel (gk): the block of a
-    sub-chunk (its BC steps from step `start`; q, L [BC, BK]) with itself, every decay a sum of the pair's own steps.
-    A column j at a time, k_j and the log gate of step j + 1 read as rows (no extraction from a register tile),
-    X[i] = L(j, i] kept by adding each step as j goes down."""
-    b_x = tl.zeros_like(b_q)  # [BC, BK]: L(j, i] for i > j, 0 elsewhere
-    b_next = tl.zeros_like(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK]: the log gate of step j + 1
-    b_d = tl.zeros([BC, BC], dtype=tl.float32)
+    """b_a [C, C] plus the diagonal blocks of a chunk's matrix (its C steps from step `first`; q [C, BK]), D[i, j] = sum_c q_ic
+    k_jc e^{L(j, i]_c} for j <= i in the same sub-chunk of BC steps, else 0, every decay the sum of the pair's own
+    steps. A column j of every sub-chunk at a time, k_j and the log gate of step j + 1 read as rows (each row of the
+    tile the step of its own sub-chunk: no extraction from a register tile), X[i] = L(j, i] kept by adding each step as
+    j goes down."""
+    o_in = o_c % BC  # a step's place in its sub-chunk
+    o_sub = o_c - o_in  # its sub-chunk's first step
+    b_x = tl.zeros_like(b_q)  # [C, BK]: L(j, i] for i > j, 0 elsewhere
+    b_next = tl.zeros_like(b_q)  # [C, BK]: the log gate of step j + 1 of each row's sub-chunk
     for back in range(0, BC):
         j = BC - 1 - back
-        b_x = tl.where(o_r[:, None] > j, b_x + b_next, 0.0)
-        rows_j, m_j = _steps(bos, eos, start + j, 1, REVERSE)
-        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
-        b_col = tl.sum(b_q * b_kj * tl.exp(b_x), axis=1)  # [BC]
-        b_d = tl.where((o_r[None, :] == j) & (o_r[:, None] >= j), b_col[:, None], b_d)
+        b_x = tl.where(o_in[:, None] > j, b_x + b_next, 0.0)
+        rows_j, m_j = _steps_at(bos, eos, first + o_sub + j, REVERSE)
+        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
+        b_col = tl.sum(b_q * b_kj * tl.exp(b_x), axis=1)  # [C]
+        b_a += tl.where((o_c[None, :] == o_sub[:, None] + j) & (o_in[:, None] >= j), b_col[:, None], 0.0)
         b_next = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-    return b_d
+    return b_a
 
 
 @triton.jit
@@ -502,53 +539,46 @@ def recurrent_chunk_intra_kernel(
 ):
     """With a gate per key channel (gk): A [chunks, H, C, C] (q's dtype), each chunk's intra-chunk matrix
         A_ij = scale sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, 0 above the diagonal,
-    a program per (sub-chunk I of a chunk, sequence x head) writing rows I (K whole). A block (I, J) left of the
-    diagonal is factored through the step before I, b: e^{L(j, i]} = e^{L(b, i]} e^{L(j, b]}, with L(b, i] the prefix
-    sums inside I and L(j, b] = L(j, end of J] plus the whole sub-chunks between J and I, so both exponents are sums of
-    their own steps, <= 0 for decaying gates; their product in TF32 (`_dot_state`). The diagonal block from each pair's
-    own segment sum (`_intra`). GRADS (the backward): also DA [chunks, H, C, C] float32, dA_ij = scale do_i · v_j for
-    j <= i, 0 above (V in blocks of BV)."""
+    a program per (chunk, sequence x head), K in blocks of BK, products over the chunk's C rows. The blocks left of
+    the diagonal, rows of sub-chunk I, are factored through the step b before I: e^{L(j, i]} = e^{L(b, i]} e^{L(j, b]},
+    L(b, i] the prefix sums inside I and L(j, b] the sums of the steps after j up to b (`_through`), both sums of
+    their own steps, <= 0 for decaying gates: for each I one TF32 product (`_dot_state`) of q e^{L(b, i]} on I's rows
+    and k e^{L(j, b]} on the steps before I, [C, BK] x [BK, C] (zeros elsewhere). The diagonal blocks from each pair's
+    own segment sum (`_intra`, every sub-chunk at once). GRADS (the backward): also DA [chunks, H, C, C] float32,
+    dA_ij = scale do_i · v_j for j <= i, 0 above (V in blocks of BV)."""
     NSUB: tl.constexpr = C // BC
-    i_ci, i_bh = tl.program_id(0), tl.program_id(1)
-    i_c, i_i = i_ci // NSUB, i_ci % NSUB
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
     i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
-    o_k = tl.arange(0, BK)
-    o_r = tl.arange(0, BC)
-    m_k = o_k < K
-    start = i_t * C + i_i * BC
-    rows, m_s = _steps(bos, eos, start, BC, REVERSE)
-    b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
-    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK]
-    b_qb = b_q * tl.exp(_cumsum(b_l, axis=0))  # q_i e^{L(b, i]}
-    p_rows = ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C  # rows I of the chunk's [C, C]
-    b_between = tl.zeros_like(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK]: L(end of J, b]
-    for back in range(0, i_i):
-        i_j = i_i - 1 - back
-        b_kb, b_tot = _keys_to(K_, G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, b_between, i_h, i_hk, o_k, m_k, H, HKV,
-                               K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
-        b_a = _dot_state(b_qb, tl.trans(b_kb), DT) * SCALE
-        tl.store(A + p_rows + i_j * BC + o_r[None, :], b_a.to(A.dtype.element_ty))
-        b_between += b_tot
-    b_d = _intra(b_q, b_l, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC, USE_G,
-                 USE_GAMMA, USE_GK, REVERSE, MAP)
-    tl.store(A + p_rows + i_i * BC + o_r[None, :], (b_d * SCALE).to(A.dtype.element_ty))
-    for i_j in range(i_i + 1, NSUB):
-        tl.store(A + p_rows + i_j * BC + o_r[None, :], tl.zeros([BC, BC], dtype=A.dtype.element_ty))
+    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
+    o_c = tl.arange(0, C)
+    b_a = tl.zeros([C, C], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
+        b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
+        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK]
+        b_qb = b_q * tl.exp(_seg_cumsum(b_l, BC))  # q_i e^{L(b, i]}, b the step before i's sub-chunk
+        for i_i in tl.static_range(1, NSUB):
+            b_kb = b_k * tl.exp(_through(b_l, o_c, i_i * BC - 1))  # k_j e^{L(j, b]} (0 after b)
+            b_qi = tl.where(o_c[:, None] // BC == i_i, b_qb, 0.0)
+            b_a += _dot_state(b_qi, tl.trans(tl.where(o_c[:, None] < i_i * BC, b_kb, 0.0)), DT)
+        b_a = _intra(b_a, b_q, K_, G, GAMMA, GK, bos, eos, i_t * C, i_h, i_hk, o_k, m_k, o_c, H, HKV, K, BC, USE_G,
+                      USE_GAMMA, USE_GK, REVERSE, MAP)
+    p_c = ((i_cg * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :]  # the chunk's [C, C]
+    tl.store(A + p_c, (b_a * SCALE).to(A.dtype.element_ty))
     if GRADS:
-        o_c = tl.arange(0, C)
-        rows_c, m_c = _steps(bos, eos, i_t * C, C, REVERSE)
-        b_da = tl.zeros([BC, C], dtype=tl.float32)
+        b_da = tl.zeros([C, C], dtype=tl.float32)
         for i_v in range(0, tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
-            b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [BC, BV]
-            b_da += _dot(b_do, tl.trans(_load_v(V_, rows_c, m_c, i_hk, o_v, m_v, HKV, V)), DT)
-        b_da = tl.where(i_i * BC + o_r[:, None] >= o_c[None, :], b_da * SCALE, 0.0)
-        tl.store(DA + p_rows + o_c[None, :], b_da)
+            b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
+            b_da += _dot(b_do, tl.trans(_load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)), DT)
+        tl.store(DA + p_c, tl.where(o_c[:, None] >= o_c[None, :], b_da * SCALE, 0.0))
 
 
 @triton.jit

@@ -56,12 +56,12 @@ class Tiles:
 
 
 # The chunked kernels' launches (notes/recurrent-perf.md): the state kernels walk a sequence's chunks in order, so
-# their programs are blocks of the state (rows of K decay on their own); chunk_intra is a program per sub-chunk (K
-# whole); the others a program per chunk (C rows) and block of V or K.
+# their programs are blocks of the state (rows of K decay on their own); chunk_intra is a program per chunk (K and, for
+# dA, V in loops of blocks); the others a program per chunk (C rows) and block of V or K.
 CHUNKED = {
     "chunk_state": Tiles(64, 64, 8, 2),
     "chunk_state_bwd": Tiles(64, 64, 8, 2),
-    "chunk_intra": Tiles(0, 64, 4, 1),
+    "chunk_intra": Tiles(64, 64, 8, 1),
     "chunk_output": Tiles(64, 64, 8, 2),
     "chunk_grads_intra": Tiles(64, 0, 4, 1),
     "chunk_grads_qk": Tiles(64, 32, 8, 2),
@@ -69,18 +69,9 @@ CHUNKED = {
 }
 
 
-# The head dim a chunked kernel's program takes whole in one tile: the intra-chunk matrices sum over K (its CHUNKED
-# block there must be 0; a part of it would leave the other channels out of every product). The output, dv and dq /
-# dk kernels take the head dim they sum over in a loop of blocks.
-WHOLE = {"chunk_intra": "block_k"}
-
-
 def tiles(which: str, dk: int, dv: int) -> tuple[dict, dict]:
     """({"BK", "BV"}: the blocks of chunked kernel ``which`` for head dims dk, dv; its launch options)."""
     t = CHUNKED[which]
-    if which in WHOLE and getattr(t, WHOLE[which]):
-        raise ValueError(f"host.CHUNKED[{which!r}].{WHOLE[which]} must be 0: the kernel takes that head dim whole, "
-                         f"got {t}")
     bk, bv = _pow2(dk), _pow2(dv)
     blocks = dict(BK=min(t.block_k, bk) if t.block_k else bk, BV=min(t.block_v, bv) if t.block_v else bv)
     return blocks, dict(num_warps=t.num_warps, num_stages=t.num_stages)
@@ -243,15 +234,15 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg):
 
 def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None):
     """With gk: (A [chunks, H, C, C] in q's dtype, every chunk's intra-chunk matrix (scale included); with v and do
-    (the backward) also dA = scale do vᵀ [chunks, H, C, C] float32, else None), a program per (sub-chunk, chunk,
-    sequence x head)."""
+    (the backward) also dA = scale do vᵀ [chunks, H, C, C] float32, else None), a program per (chunk, sequence x
+    head)."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_intra", cfg.dk, cfg.dv)
     grads = do is not None
     square = (per_row * grid_rows, cfg.heads, cfg.chunk, cfg.chunk)
     a, da = triton_call.launch(
-        kernels.get("chunk_intra"), (per_row * (cfg.chunk // SUB), grid_rows * cfg.heads),
+        kernels.get("chunk_intra"), (per_row, grid_rows * cfg.heads),
         [q, k, v if grads else _dummy(q.dtype), *ins[:3], ins[5], chunks, do if grads else _dummy(q.dtype)],
         [jax.ShapeDtypeStruct(square, q.dtype), jax.ShapeDtypeStruct(square if grads else (1,), F32)],
         BC=SUB, GRADS=grads, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
