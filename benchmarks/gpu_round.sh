@@ -19,6 +19,8 @@
 #          recurrent table against fla's times (GPU 1, once GPU 2 has them);
 #          GPUs 2-3: the 2-GPU ring timed and profiled at 32k; then GPU 2: fla's times, dispatch.py, documents vs
 #          Flex; GPU 3: the zoo's segment-key variants vs Flex, then the zoo's GPU tests
+#   final  one GPU, in turn: the zoo's spec masks on the Hopper kernels (GPU tests), a Gluon + generated-kernel
+#          sanity subset, gla's chunked kernels alone, the mask variants vs Flex            (issues 15, 17)
 #   dispatch GPU 3: how much of a short call is not its kernels (dispatch.py), with XLA's command buffers on and
 #          off, then the zoo's GPU tests                                               (issues 14, 15)
 #
@@ -138,6 +140,16 @@ lane_after() {
     wait
   ) &
   wait
+}
+
+lane_final() {
+  export CUDA_VISIBLE_DEVICES=$(gpu 0)
+  EJGEN_FAILURE_LOG=$PWD/$log/zoo-failures.txt job zoo-gluon 150 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
+    tests/zoo/test_zoo_gluon.py
+  job rec-kernels 80 python3 benchmarks/recurrent_kernels.py --ops gla
+  EJGEN_FAILURE_LOG=$PWD/$log/gluon-failures.txt job gluon-tests 90 python3 -m pytest -m gpu -q -rf \
+    -p no:cacheprovider tests/attention/test_gluon.py -k "document_masks_match or block_layouts_match"
+  OUT=$PWD/$log job zoo-bench 200 bash benchmarks/zoo_session.sh natten2d,dilated,sliding_tile,paligemma --first
 }
 
 nvidia-smi --query-gpu=index,name --format=csv,noheader > "$log/summary.txt"
