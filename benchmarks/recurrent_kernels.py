@@ -69,7 +69,7 @@ SWEEP = {  # other launch settings to time with --sweep (block_k, block_v, warps
     "chunk_output": [(128, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3),
                      (32, 64, 4, 2)],
     "chunk_state_bwd": [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
-    "chunk_grads_intra": [(32, 0, 4, 1), (128, 0, 4, 1), (64, 0, 2, 1), (64, 0, 8, 1), (64, 0, 4, 2)],
+    "chunk_grads_intra": [(32, 0, 8, 1), (32, 0, 4, 1), (64, 0, 4, 1), (128, 0, 8, 1), (64, 0, 8, 2)],
     "chunk_grads_qk": [(64, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 2), (64, 32, 8, 3), (128, 32, 8, 2), (32, 64, 8, 2)],
     "chunk_grads_v": [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2)],
 }
@@ -129,9 +129,12 @@ def traffic(which, cfg, tiles, direct=True):
         read = rows * ((2 * (kd if cfg.has("gk") else 2 * kd) + (gate if cfg.has("gk") else 4) + a) * nv + 2 * vd)
         flops = rows * (2 * kd * vd + 2 * c * vd + (0 if cfg.has("gk") else 2 * c * kd * nv))
         return read + state + rows * 2 * vd, flops
-    if which == "chunk_grads_intra":  # a program per (sub-chunk, block of K): q, k, gates of its chunk, blocks of dA
-        read = rows * (2 * 2 * kd + gate) * nsub + rows * c * 4 * nk
-        flops = rows * 2 * sub * kd * 2 * (nsub + 1)
+    if which == "chunk_grads_intra":  # a program per (chunk, block of K): q, k, gates once (the diagonal's rows again
+        # from cache), the chunk's dA (float32) per block; two masked [C, C] x [C, BK] products per boundary between
+        # sub-chunks (nsub - 1), the diagonal's elementwise terms (dq, dk, the pairs: counted as 2 flops each); writes
+        # dq, dk and the log gate's parts in float32
+        read = rows * (2 * 2 * kd + gate) + rows * c * 4 * nk
+        flops = rows * 4 * c * kd * (nsub - 1) + rows * 2 * sub * kd * 3
         return read + rows * 3 * 4 * kd, flops
     if which == "chunk_grads_qk":  # per block of K: q, k, gates, do and v whole, both states; with gk the parts
         gk = cfg.has("gk")
@@ -182,8 +185,7 @@ def stages(op_name, b, t, h, d):
         a, da = add("chunk_intra + dA", lambda q, k, v, g, do: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do),
                     q, k, v, gates, do, grid=(n_c, rows_h), which="chunk_intra")
         intra = add("chunk_grads_intra", lambda q, k, g, da: host.chunk_grads_intra(kernels, q, k, g, ctx, cfg, da), q,
-                    k, gates, da, grid=(n_c * (cfg.chunk // host.SUB), -(-cfg.dk // blocks["chunk_grads_intra"]["BK"]),
-                                        rows_h))
+                    k, gates, da, grid=(n_c, -(-cfg.dk // blocks["chunk_grads_intra"]["BK"]), rows_h))
     dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do, intra: host.chunk_grads_qk(
         kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra), q, k, v, gates, hs, dhs, do, intra,
         grid=(n_c, -(-cfg.dk // blocks["chunk_grads_qk"]["BK"]), rows_h))

@@ -31,7 +31,7 @@ Chunked kernels (chunks of C steps, sub-chunks of BC; gates g, g_gamma, gk; note
 - `*_chunk_grads_v_kernel`, `*_chunk_grads_qk_kernel`: dv, dq and dk (and with gates the key side's log decay
   gradient) of a chunk from the state at its start and the adjoint at its end, a program per (chunk, block of V for
   dv, of K for dq and dk) in products of the whole chunk; with gk the intra kernel also writes dA = do vᵀ and
-  `*_chunk_grads_intra_kernel` (a program per sub-chunk and block of K) what the pairs of steps inside a chunk give
+  `*_chunk_grads_intra_kernel` (a program per chunk and block of K) what the pairs of steps inside a chunk give
   dq, dk and the log decay gradient.
 """
 
@@ -361,10 +361,10 @@ def _cumsum_before(x, axis: tl.constexpr):
 
 
 @triton.jit
-def _seg_cumsum(x, BC: tl.constexpr):
+def _seg_cumsum(x, BC: tl.constexpr, reverse: tl.constexpr = False):
     """The inclusive cumsum of x [C, N] down the rows of each run of BC (a chunk's sub-chunks): each row the sum of its
-    own sub-chunk's steps up to it, no difference of longer sums."""
-    y = tl.cumsum(tl.reshape(x, [x.shape[0] // BC, BC, x.shape[1]]), axis=1)
+    own sub-chunk's steps up to it (from it to the run's end with `reverse`), no difference of longer sums."""
+    y = tl.cumsum(tl.reshape(x, [x.shape[0] // BC, BC, x.shape[1]]), axis=1, reverse=reverse)
     return tl.reshape(y, [x.shape[0], x.shape[1]])
 
 
@@ -451,37 +451,6 @@ def _intra(b_a, b_q, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_c
         b_a += tl.where((o_c[None, :] == o_sub[:, None] + j) & (o_in[:, None] >= j), b_col[:, None], 0.0)
         b_next = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
     return b_a
-
-
-@triton.jit
-def _keys_to(K_, G, GAMMA, GK, bos, eos, first, b_between, i_h, i_hk, o_k, m_k, H: tl.constexpr, HKV: tl.constexpr,
-             K: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
-             REVERSE: tl.constexpr, MAP: tl.constexpr):
-    """(k_j e^{L(j, b]} [BC, BK] for the sub-chunk of BC steps from step `first`, b a step at or after its end with
-    L(its end, b] = b_between [1, BK]; the sub-chunk's log gates summed [1, BK]): L(j, b] = the sum after j inside the
-    sub-chunk (`_after`) plus b_between, each a sum of its own steps."""
-    rows, m_s = _steps(bos, eos, first, BC, REVERSE)
-    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-    b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP) * tl.exp(_after(b_l) + b_between)
-    return b_k, tl.sum(b_l, axis=0, keep_dims=True)
-
-
-@triton.jit
-def _queries_from(Q, G, GAMMA, GK, bos, eos, first, b_between, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
-                  BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
-                  REVERSE: tl.constexpr, MAP: tl.constexpr):
-    """(q_t e^{L(b, t]} [BC, BK] for the sub-chunk of BC steps from step `first`, b a step before it with
-    L(b, first - 1] = b_between; its log gates summed): the prefix sums inside the sub-chunk plus b_between."""
-    rows, m_s = _steps(bos, eos, first, BC, REVERSE)
-    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-    b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP) * tl.exp(_cumsum(b_l, axis=0) + b_between)
-    return b_q, tl.sum(b_l, axis=0, keep_dims=True)
-
-
-@triton.jit
-def _block(p, i_i, i_j, o_r, C: tl.constexpr, BC: tl.constexpr):
-    """Block (I, J) [BC, BC] of the sub-chunks of a chunk's [C, C] matrix at p."""
-    return tl.load(p + (i_i * BC + o_r[:, None]) * C + i_j * BC + o_r[None, :])
 
 
 @triton.jit
@@ -692,32 +661,52 @@ def _per_gate(x, USE_GK: tl.constexpr):
 
 
 @triton.jit
-def _intra_grads(b_q, b_p, p_da, K_, G, GAMMA, GK, bos, eos, start, i_h, i_hk, o_k, m_k, o_r, H: tl.constexpr,
-                 HKV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr,
-                 USE_GK: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr):
-    """The pairs of a sub-chunk with itself, per key channel (q [BC, BK], P [BC, BK] the prefix sums of its log gates
-    inside it; p_da its diagonal block of the chunk's dA [C, C], dA_ij = scale do_i · v_j): (dq_i = sum_{j <= i} dA_ij
-    k_j e^{L(j, i]}, dk_j = sum_{i >= j} dA_ij q_i e^{L(j, i]}, and by s the pairs r < s <= t, inner_s = sum q_t k_r
-    e^{L(r, t]} dA_tr). A column j at a time, k_j and the log gate of step j read as rows (e^{P_i - P_j}, P_j summed as
-    the rows come), dA's column j read from memory."""
-    b_dq = tl.zeros_like(b_q)
-    b_dk = tl.zeros_like(b_q)
+def _seg_sums(x, BC: tl.constexpr):
+    """[C, N]: each row of x [C, N] replaced by the sum of its own sub-chunk's rows (runs of BC)."""
+    NS: tl.constexpr = x.shape[0] // BC
+    y = tl.sum(tl.reshape(x, [NS, BC, x.shape[1]]), axis=1, keep_dims=True)  # [NS, 1, N]
+    return tl.reshape(tl.broadcast_to(y, [NS, BC, x.shape[1]]), [x.shape[0], x.shape[1]])
+
+
+@triton.jit
+def _seg_cumsum_before(x, BC: tl.constexpr):
+    """`_cumsum_before` (an exclusive cumsum, never an inclusive one less the element) down the rows of each run of BC
+    rows of x [C, N] (a chunk's sub-chunks)."""
+    z = tl.reshape(x, [x.shape[0] // BC, BC, x.shape[1]])
+    y, _ = tl.associative_scan((tl.zeros_like(z), z), 1, _before_combine)
+    return tl.reshape(y, [x.shape[0], x.shape[1]])
+
+
+@triton.jit
+def _intra_grads(b_dq, b_dk, b_dlog, b_q, b_p, p_da, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_c,
+                 H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                 USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr,
+                 MAP: tl.constexpr):
+    """dq, dk and the log decay gradient (b_dq, b_dk, b_dlog [C, BK]) plus the pairs of each sub-chunk with itself,
+    every sub-chunk of the chunk at once, per key channel (q [C, BK] of the
+    chunk's C steps from step `first`, P [C, BK] the prefix sums of the log gates inside each sub-chunk; p_da the
+    chunk's dA [C, C], dA_ij = scale do_i · v_j): dq_i = sum_{j <= i} dA_ij k_j e^{L(j, i]}, dk_j = sum_{i >= j} dA_ij
+    q_i e^{L(j, i]}, and by s the pairs r < s <= t, inner_s = sum q_t k_r e^{L(r, t]} dA_tr, i, j, r, s, t in one
+    sub-chunk. A column j of every sub-chunk at a time (as `_intra`): k_j and the log gate of step j read as rows (each
+    row of the tile the step of its own sub-chunk; e^{P_i - P_j}, P_j summed as the rows come), dA's column j read from
+    memory; the sums over a sub-chunk's rows by `_seg_sums`."""
+    o_in = o_c % BC  # a step's place in its sub-chunk
+    o_sub = o_c - o_in  # its sub-chunk's first step
     b_pairs = tl.zeros_like(b_q)  # by t: the pairs (r <= j, t) so far
-    b_inner = tl.zeros_like(b_q)
-    b_pj = tl.zeros_like(tl.sum(b_p, axis=0, keep_dims=True))  # [1, BK]: P_j
-    for j in range(0, o_r.shape[0]):
-        rows_j, m_j = _steps(bos, eos, start + j, 1, REVERSE)
-        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
+    b_pj = tl.zeros_like(b_q)  # P_j of each row's sub-chunk
+    for j in range(0, BC):
+        rows_j, m_j = _steps_at(bos, eos, first + o_sub + j, REVERSE)
+        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         b_pj += _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-        b_daj = tl.load(p_da + o_r * C + j, mask=o_r >= j, other=0.0)  # [BC]: dA[:, j], i >= j
-        b_decay = tl.exp(tl.where(o_r[:, None] > j, b_p - b_pj, 0.0))  # e^{L(j, i]} for i >= j
+        b_daj = tl.load(p_da + o_c * C + o_sub + j, mask=o_in >= j, other=0.0)  # [C]: dA[i, j], i >= j
+        b_decay = tl.exp(tl.where(o_in[:, None] > j, b_p - b_pj, 0.0))  # e^{L(j, i]} for i >= j
         b_dqj = b_daj[:, None] * b_kj * b_decay
         b_dq += b_dqj
-        b_dk = tl.where(o_r[:, None] == j, tl.sum(b_daj[:, None] * b_q * b_decay, axis=0)[None, :], b_dk)
+        b_dk = tl.where(o_in[:, None] == j, b_dk + _seg_sums(b_daj[:, None] * b_q * b_decay, BC), b_dk)
         b_pairs += b_q * b_dqj
-        b_after = tl.sum(tl.where(o_r[:, None] > j, b_pairs, 0.0), axis=0)  # t >= s = j + 1
-        b_inner = tl.where(o_r[:, None] == j + 1, b_after[None, :], b_inner)
-    return b_dq, b_dk, b_inner
+        b_after = _seg_sums(tl.where(o_in[:, None] > j, b_pairs, 0.0), BC)  # t >= s = j + 1
+        b_dlog = tl.where(o_in[:, None] == j + 1, b_dlog + b_after, b_dlog)
+    return b_dq, b_dk, b_dlog
 
 
 @triton.jit
@@ -730,82 +719,62 @@ def linear_attention_chunk_grads_intra_kernel(
 ):
     """With gk: what the pairs of steps inside a chunk give dq, dk and the key side's log decay gradient (float32, per
     query head, DQI, DKI, DLI [rows, H, K]; `chunk_grads_qk` adds the pairs with the start state or end adjoint), a
-    program per (sub-chunk I of a chunk, block of BK channels, sequence x head). With dA_tr = scale do_t · v_r (DA,
-    `chunk_intra`) and, per channel, W_tr = dA_tr q_t k_r e^{L(r, t]}:
+    program per (chunk, block of BK channels, sequence x head), products over the chunk's C rows. With dA_tr = scale
+    do_t · v_r (DA, `chunk_intra`) and, per channel, W_tr = dA_tr q_t k_r e^{L(r, t]}:
         dq_t = sum_{r <= t} dA_tr k_r e^{L(r, t]},   dk_r = sum_{t >= r} dA_tr q_t e^{L(r, t]},
         dlog_s = the sum of W_tr over the pairs r < s <= t    (docs/DESIGN.md §3 linear recurrent, "Gates' gradients")
-    over r, t in the chunk. Blocks off the diagonal are factored through the boundary between (as `chunk_intra`'s):
-    r before I to t in I through the step b before I, r in I to t after I through I's last step e. For s in I, the
-    pairs r < s <= t by where r and t lie: r before I, t in I (q_t ⊙ its dq from before I, summed over t >= s); r in
-    I, t after I (k_r ⊙ its dk from after I, over r < s); r before I, t after I (the same for every s of I: through b,
-    all of I, and the steps after e); both in I (`_intra_grads`). No term is subtracted from another."""
+    over r, t in the chunk. The pairs in different sub-chunks are factored through a boundary b between sub-chunks (the
+    last step of one, as `chunk_intra`'s): with K_b = k e^{L(j, b]} on the steps j <= b (`_through`), Q_b = q
+    e^{L(b, t]} on the steps t > b (`_from`), both exponents sums of their own steps, and dA_b the block of dA with
+    t > b >= r, two TF32 products [C, C] x [C, BK] per b (M = C): Y_b = dA_b K_b, X_b = dA_bᵀ Q_b. For t in the
+    sub-chunk after b, dq_t = Y_b e^{L(b, t]} (prefix sums inside it); for r in the sub-chunk before b, dk_r = X_b
+    e^{L(r, b]} (sums after r inside it). For s in sub-chunk I, the pairs r < s <= t by where r and t lie: r before I,
+    t in I (q_t ⊙ its dq from before I, a reverse cumsum inside I); r in I, t after I (k_r ⊙ its dk from after I, an
+    exclusive cumsum inside I); r before I, t after I (the same for every s of I: Q_b ⊙ Y_b summed over the steps
+    after I, b the step before I); both in I (`_intra_grads`, every sub-chunk at once). No term is subtracted from
+    another."""
     NSUB: tl.constexpr = C // BC
-    i_ci, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_c, i_i = i_ci // NSUB, i_ci % NSUB
+    i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
     i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
-    n_sub = tl.cdiv(tl.minimum(eos - bos - i_t * C, C), BC)
-    if i_i >= n_sub:
-        return
+    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
+    o_c = tl.arange(0, C)
+    o_sub = o_c // BC  # each step's sub-chunk
     o_k = i_k * BK + tl.arange(0, BK)
-    o_r = tl.arange(0, BC)
     m_k = o_k < K
-    start = i_t * C + i_i * BC
-    rows, m_s = _steps(bos, eos, start, BC, REVERSE)
-    b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
+    b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
     b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
-    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK]
-    b_p = _cumsum(b_l, axis=0)
-    b_tot = tl.sum(b_l, axis=0, keep_dims=True)  # [1, BK]: L(b, e]
+    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK]
     p_da = DA + (i_cg * H + i_h).to(tl.int64) * C * C  # the chunk's dA [C, C]
-    # r before I, t in I: dq_t = e^{L(b, t]} sum_r dA_tr k_r e^{L(r, b]}
-    b_y = tl.zeros_like(b_q)
-    b_between = tl.zeros_like(b_tot)
-    for back in range(0, i_i):
-        i_j = i_i - 1 - back
-        b_kb, b_lj = _keys_to(K_, G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, b_between, i_h, i_hk, o_k, m_k, H, HKV,
-                              K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
-        b_y += _dot_state(_block(p_da, i_i, i_j, o_r, C, BC), b_kb, DT)
-        b_between += b_lj
+    b_y = tl.zeros_like(b_q)  # by t: sum over r before t's sub-chunk of dA_tr k_r e^{L(r, b]}
+    b_x = tl.zeros_like(b_q)  # by r: sum over t after r's sub-chunk of dA_tr q_t e^{L(e, t]}
+    b_span = tl.zeros_like(b_q)  # by s: the pairs from before its sub-chunk to after it
+    for i_i in tl.static_range(1, NSUB):
+        upto = o_c <= i_i * BC - 1  # b = i_i BC - 1: the steps up to b
+        b_kb = tl.where(upto[:, None], b_k * tl.exp(_through(b_l, o_c, i_i * BC - 1)), 0.0)  # k_j e^{L(j, b]}
+        b_qb = tl.where(upto[:, None], 0.0, b_q * tl.exp(_from(b_l, o_c, i_i * BC - 1)))  # q_t e^{L(b, t]}
+        b_dab = tl.load(p_da + o_c[:, None] * C + o_c[None, :], mask=upto[None, :] & (o_c[:, None] > i_i * BC - 1),
+                        other=0.0)  # dA_tr, t > b >= r
+        b_yb = _dot_state(b_dab, b_kb, DT)  # rows t > b
+        b_xb = _dot_state(tl.trans(b_dab), b_qb, DT)  # rows r <= b
+        b_y = tl.where(o_sub[:, None] == i_i, b_yb, b_y)
+        b_x = tl.where(o_sub[:, None] == i_i - 1, b_xb, b_x)
+        b_over = tl.sum(tl.where(o_sub[:, None] > i_i, b_qb * b_yb, 0.0), axis=0)  # t after sub-chunk i_i
+        b_span = tl.where(o_sub[:, None] == i_i, b_over[None, :], b_span)
+    b_p = _seg_cumsum(b_l, BC)  # L(b, t]: prefix sums inside each sub-chunk
     b_dq = b_y * tl.exp(b_p)
-    # r in I, t after I: dk_r = e^{L(r, e]} sum_t dA_tr q_t e^{L(e, t]}
-    b_x = tl.zeros_like(b_q)
-    b_between = tl.zeros_like(b_tot)
-    for i_u in range(i_i + 1, n_sub):
-        b_qe, b_lu = _queries_from(Q, G, GAMMA, GK, bos, eos, i_t * C + i_u * BC, b_between, i_h, o_k, m_k, H, K, BC,
-                                   USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
-        b_x += _dot_state(tl.trans(_block(p_da, i_u, i_i, o_r, C, BC)), b_qe, DT)
-        b_between += b_lu
-    b_dk = b_x * tl.exp(_after(b_l))
-    b_dlog = _cumsum(b_q * b_dq, axis=0, reverse=True) + _cumsum_before(b_k * b_dk, 0)
-    # r before I, t after I, for every s of I: sum over t of q_t e^{L(b, t]} ⊙ sum over r of dA_tr k_r e^{L(r, b]}
-    b_span = tl.zeros_like(b_tot)
-    b_from = b_tot  # L(b, the step before sub-chunk i_u]
-    for i_u in range(i_i + 1, n_sub):
-        b_qb, b_lu = _queries_from(Q, G, GAMMA, GK, bos, eos, i_t * C + i_u * BC, b_from, i_h, o_k, m_k, H, K, BC,
-                                   USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
-        b_yu = tl.zeros_like(b_q)
-        b_between = tl.zeros_like(b_tot)
-        for back in range(0, i_i):
-            i_j = i_i - 1 - back
-            b_kb, b_lj = _keys_to(K_, G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, b_between, i_h, i_hk, o_k, m_k, H,
-                                  HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
-            b_yu += _dot_state(_block(p_da, i_u, i_j, o_r, C, BC), b_kb, DT)
-            b_between += b_lj
-        b_span += tl.sum(b_qb * b_yu, axis=0, keep_dims=True)
-        b_from += b_lu
-    # both in I
-    b_dqd, b_dkd, b_inner = _intra_grads(b_q, b_p, p_da + (i_i * BC) * (C + 1), K_, G, GAMMA, GK, bos, eos, start,
-                                         i_h, i_hk, o_k, m_k, o_r, H, HKV, K, C, USE_G, USE_GAMMA, USE_GK, REVERSE,
-                                         MAP)
+    b_dk = b_x * tl.exp(_seg_cumsum(b_l, BC, True) - b_l)  # L(r, e]: the sums after r inside its sub-chunk
+    b_dlog = _seg_cumsum(b_q * b_dq, BC, True) + _seg_cumsum_before(b_k * b_dk, BC) + b_span
+    b_dq, b_dk, b_dlog = _intra_grads(b_dq, b_dk, b_dlog, b_q, b_p, p_da, K_, G, GAMMA, GK, bos, eos, i_t * C, i_h,
+                                      i_hk, o_k, m_k, o_c, H, HKV, K, C, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
     p_i = (rows[:, None] * H + i_h) * K + o_k[None, :]
     m_i = m_s[:, None] & m_k[None, :]
-    tl.store(DQI + p_i, b_dq + b_dqd, mask=m_i)
-    tl.store(DKI + p_i, b_dk + b_dkd, mask=m_i)
-    tl.store(DLI + p_i, b_dlog + b_span + b_inner, mask=m_i)
+    tl.store(DQI + p_i, b_dq, mask=m_i)
+    tl.store(DKI + p_i, b_dk, mask=m_i)
+    tl.store(DLI + p_i, b_dlog, mask=m_i)
 
 
 @triton.jit

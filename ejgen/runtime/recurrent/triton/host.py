@@ -63,7 +63,7 @@ CHUNKED = {
     "chunk_state_bwd": Tiles(64, 64, 8, 2),
     "chunk_intra": Tiles(64, 64, 8, 1),
     "chunk_output": Tiles(64, 64, 8, 2),
-    "chunk_grads_intra": Tiles(64, 0, 4, 1),
+    "chunk_grads_intra": Tiles(64, 0, 8, 1),
     "chunk_grads_qk": Tiles(64, 32, 8, 2),
     "chunk_grads_v": Tiles(64, 64, 8, 2),
 }
@@ -294,15 +294,15 @@ def _direct(kernels, cfg) -> bool:
 
 def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da):
     """With gk: (DQI, DKI, DLI [B, T, H, K] float32, per query head): what the pairs of steps inside each chunk give dq,
-    dk and the key side's log decay gradient, from dA (``chunk_intra``), a program per (sub-chunk, block of K, chunk,
-    sequence x head)."""
+    dk and the key side's log decay gradient, from dA (``chunk_intra``), a program per (chunk, block of K, sequence x
+    head)."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_intra", cfg.dk, cfg.dv)
     out = jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dk,), F32)
     return tuple(triton_call.launch(
         kernels.get("chunk_grads_intra"),
-        (per_row * (cfg.chunk // SUB), packing.cdiv(cfg.dk, blocks["BK"]), grid_rows * cfg.heads),
+        (per_row, packing.cdiv(cfg.dk, blocks["BK"]), grid_rows * cfg.heads),
         [q, k, *ins[:3], ins[5], chunks, da], [out, out, out], BC=SUB, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks}))
 
