@@ -49,6 +49,7 @@ job() {  # job NAME SECONDS CMD...: the command under min(SECONDS, time left - 1
   timeout "$secs" "$@" > "$log/$name.txt" 2>&1
   rc=$?
   echo "$name: rc $rc in $(( $(date +%s) - s )) s (limit $secs)" >> "$log/summary.txt"
+  { cat "$log/summary.txt"; tail -40 "$log/$name.txt"; } >> "$OUT/progress.txt" 2>/dev/null  # a call cut short
 }
 
 lane_rec() {
@@ -149,7 +150,9 @@ lane_final() {
   job rec-kernels 80 python3 benchmarks/recurrent_kernels.py --ops gla
   EJGEN_FAILURE_LOG=$PWD/$log/gluon-failures.txt job gluon-tests 90 python3 -m pytest -m gpu -q -rf \
     -p no:cacheprovider tests/attention/test_gluon.py -k "document_masks_match or block_layouts_match"
-  OUT=$PWD/$log job zoo-bench 200 bash benchmarks/zoo_session.sh natten2d,dilated,sliding_tile,paligemma --first
+  EJGEN_FAILURE_LOG=$PWD/$log/rec-failures.txt job rec-tests 90 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
+    tests/recurrent -k "triton and (gla or recurrent)"
+  OUT=$PWD/$log job zoo-bench 160 bash benchmarks/zoo_session.sh ${FINAL_ZOO:-natten2d,dilated,paligemma} --first
 }
 
 nvidia-smi --query-gpu=index,name --format=csv,noheader > "$log/summary.txt"
@@ -163,9 +166,10 @@ wait
   [ -f "$log/gluon-failures.txt" ] && { echo "== gluon failures"; cut -c1-400 "$log/gluon-failures.txt"; }
   [ -f "$log/gluon-shards/failures.txt" ] && { echo "== gluon failures"; cut -c1-400 "$log/gluon-shards/failures.txt"; }
   [ -f "$log/ring-failures.txt" ] && { echo "== ring failures"; cut -c1-400 "$log/ring-failures.txt"; }
+  [ -f "$log/rec-failures.txt" ] && { echo "== recurrent failures"; cut -c1-400 "$log/rec-failures.txt"; }
   [ -f "$log/zoo-failures.txt" ] && { echo "== zoo failures"; cut -c1-400 "$log/zoo-failures.txt"; }
   for f in rec-tests gluon-tests rec-kernels rec-decode layouts layouts-flex layouts-32k fla rec-bench \
-           dispatch-nocb documents zoo-bench zoo-tests ring-profile ring-tests trace; do
+           dispatch-nocb documents zoo-gluon zoo-bench zoo-tests ring-profile ring-tests trace; do
     [ -f "$log/$f.txt" ] && { echo "== $f"; grep -vE "DeprecationWarning|^  (return|from) " "$log/$f.txt" | tail -70; }
   done
   [ -f "$log/trace/profile.md" ] && { echo "== trace/profile.md"; cat "$log/trace/profile.md"; }
