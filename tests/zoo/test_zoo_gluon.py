@@ -258,9 +258,6 @@ ZOO_COMPILES = [  # one call's constexprs each: a mask dividing positions (narro
     dict(spec="ejgen.zoo.paligemma_prefix_attention", causal=False, head_dim=64, dtype="float16"),
     dict(spec="ejgen.zoo.sink_window_attention", causal=True),
 ]
-# spilled bytes a thread that remain (Triton 3.9 / the GPU host's 3.6): NATTEN 2-D's backward divides the query side
-# of every item (16 columns a thread) next to dK, dV and dP^T
-SPILL_ALLOWED = {("ejgen.zoo.natten_2d_attention", "gluon_bwd_kernel"): 64}
 
 
 def _check_zoo_compiles(results):
@@ -271,12 +268,13 @@ def _check_zoo_compiles(results):
             assert meta["warps"] == 12 and meta["cubin"] and meta["wgmma"], (kw, name)
             assert meta["shared"] <= 227 * 1024, (kw, name, meta["shared"])
             assert "ld.local" not in meta["ptx"], f"{kw} {name}: registers spilled (PTX)"
-            assert meta["stack"] <= SPILL_ALLOWED.get((kw["spec"], name), 0), f"{kw} {name}: {meta['stack']} B spilled"
+            assert meta["stack"] == 0, f"{kw} {name}: {meta['stack']} B of registers spilled (SASS)"
 
 
 def test_zoo_mask_kernels_compile_for_sm90():
     """The Hopper forward and backward with a spec's mask (`_spec_mask` called from the Gluon kernels) compile for
-    sm_90: 12 warps, shared memory within Hopper's 227 KB, no spilled registers (one bounded exception)."""
+    sm_90: 12 warps, shared memory within Hopper's 227 KB, no spilled registers (the PTX's locals, the SASS's stack;
+    NATTEN 2-D's divisions: narrow forward key tiles, the backward's mask before dP^T)."""
     from ejgen.testing.aot import compile_all_in_subprocess
 
     if not gluon_attention.importable()[0]:

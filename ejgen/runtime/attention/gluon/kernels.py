@@ -725,6 +725,33 @@ def _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready
 
 
 @gluon.jit
+def _bwd_item_mask(pT, cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, WINDOW_LEFT, opts, WG: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, SEGMENTS: gl.constexpr,
+                   SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr):
+    """P^T [HALF keys, BLOCK_M queries] of a masked item (query block m, key block n, stage s) under the element mask:
+    causal / window and the ends (`_bwd_mask`), SEGMENTS the ids, SUB_Q the entry's word, SPEC_MASK the spec's (see
+    `_bwd_item`)."""
+    HALF: gl.constexpr = BLOCK_N // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    # the query offsets of this thread's columns come from shared memory (a load is not hoisted): as an
+    # arange they were hoisted out of the item loop into 16 registers
+    keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    rows = m * BLOCK_M + cols_smem.load(gl.SliceLayout(0, s_layout))
+    pT = _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK)
+    if SEGMENTS:
+        qs = qs_smem.index(s).load(s_layout)  # [1, BM]
+        pT = gl.where((gl.expand_dims(ks, 1) == qs) & (qs >= 0), pT, 0.0)
+    if SUB_Q > 0:
+        pT = gl.where(_sub_blocks(bits, gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), SUB_Q, SUB_K, BLOCK_M,
+                                  BLOCK_N), pT, 0.0)
+    if SPEC_MASK is not None:
+        pT = gl.where(SPEC_MASK(gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), off_b, h, off_b * 0 + S,
+                                off_b * 0 + S, opts), pT, 0.0)
+    return pT
+
+
+@gluon.jit
 def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
               do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero, dq_zero, qk2, sm_scale, gi, s, ph, m,
               h, n, f0, f1, off_b, S, WINDOW_LEFT, qs_smem, ks, WG: gl.constexpr, D: gl.constexpr,
@@ -761,26 +788,24 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
     # S^T and dP^T issued back to back; the exp of S^T runs while dP^T is on the tensor cores
     mbarrier.wait(q_ready.index(s), ph)
     st_tok = warpgroup_mma(k_mine, q_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.wait(do_ready.index(s), ph)
-    dp_tok = warpgroup_mma(v_mine, do_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
-    lse2 = lse_smem.index(s).load(s_layout)  # [1, BM]: lse * log2(e), written by the producer before do_ready
-    pT = gl.exp2(st * qk2 - lse2)
-    if (m < f0) | (m >= f1):
-        # the query offsets of this thread's columns come from shared memory (a load is not hoisted): as an
-        # arange they were hoisted out of the item loop into 16 registers
-        keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=row_l)
-        rows = m * BLOCK_M + cols_smem.load(col_l)
-        pT = _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK)
-        if SEGMENTS:
-            qs = qs_smem.index(s).load(s_layout)  # [1, BM]
-            pT = gl.where((gl.expand_dims(ks, 1) == qs) & (qs >= 0), pT, 0.0)
-        if SUB_Q > 0:
-            pT = gl.where(_sub_blocks(bits, gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), SUB_Q, SUB_K, BLOCK_M,
-                                      BLOCK_N), pT, 0.0)
-        if SPEC_MASK is not None:
-            pT = gl.where(SPEC_MASK(gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), off_b, h, off_b * 0 + S,
-                                    off_b * 0 + S, opts), pT, 0.0)
+    if SPEC_MASK is not None and ((m < f0) | (m >= f1)):
+        # the spec's mask before dP^T is issued: the registers dP^T holds in flight are the mask's meanwhile (sm_90,
+        # Triton 3.9, spilled bytes a thread: NATTEN 2-D 48 -> 0, sliding tile 560 -> 168; not measured for time)
+        st = warpgroup_mma_wait(num_outstanding=0, deps=(st_tok, ))
+        pT = _bwd_item_mask(gl.exp2(st * qk2 - lse_smem.index(s).load(s_layout)), cols_smem, qs_smem, ks, bits, m, n,
+                            s, off_b, h, S, WINDOW_LEFT, opts, WG, BLOCK_M, BLOCK_N, MASK, SEGMENTS, SUB_Q, SUB_K,
+                            SPEC_MASK)
+        mbarrier.wait(do_ready.index(s), ph)
+        dp_tok = warpgroup_mma(v_mine, do_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    else:
+        mbarrier.wait(do_ready.index(s), ph)
+        dp_tok = warpgroup_mma(v_mine, do_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+        lse2 = lse_smem.index(s).load(s_layout)  # [1, BM]: lse * log2(e), written by the producer before do_ready
+        pT = gl.exp2(st * qk2 - lse2)
+        if (m < f0) | (m >= f1):
+            pT = _bwd_item_mask(pT, cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, WINDOW_LEFT, opts, WG, BLOCK_M,
+                                BLOCK_N, MASK, SEGMENTS, SUB_Q, SUB_K, SPEC_MASK)
     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     if RELEASE_V:
         mbarrier.arrive(v_empty.index(vb), count=1, pred=it == n_it - 1)
