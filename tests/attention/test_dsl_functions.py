@@ -30,7 +30,7 @@ params:
   w: {shape: [heads], dtype: float32, grad: true}
 score: >
   s + 0.01 * s ** 5 - 0.05 * s ** 2 + w[h] * s ** 3 / 10 + 0.001 * s ** 6 + 0.5 * s ** 1 + s ** 0
-  + abs(s) ** 1.5 / 4 + (1.0 + abs(s)) ** w[h] + (1.0 + s * s) ** -2
+  + abs(s) ** 1.5 / 4 + (1.0 + abs(s)) ** w[h] + (1.0 + s * s) ** -2 + (2.0 + abs(s)) ** -w[h]
 """,
     "transcendental": """\
 name: transcendental
@@ -58,7 +58,7 @@ mask: (max(q_idx - kv_idx, 0) < 20 and not (kv_idx == 5)) or abs(q_idx - kv_idx)
 def powers(s, ix, params, options):
     w = oracle.param_at(params["w"], ix.h)
     return (s + 0.01 * s ** 5 - 0.05 * s ** 2 + w * s ** 3 / 10 + 0.001 * s ** 6 + 0.5 * s + 1.0
-            + jnp.abs(s) ** 1.5 / 4 + (1.0 + jnp.abs(s)) ** w + (1.0 + s * s) ** -2)
+            + jnp.abs(s) ** 1.5 / 4 + (1.0 + jnp.abs(s)) ** w + (1.0 + s * s) ** -2 + (2.0 + jnp.abs(s)) ** -w)
 
 
 def transcendental(s, ix, params, options):

@@ -93,14 +93,14 @@ class TlPrinter(Printer):
     def power(self, e: Binary) -> str:
         """Python's ``a ** b``: a constant integer exponent by products (up to 4 inline, else `_ipow`), a
         negative one as their reciprocal, any other by `_pow` (exact signs for a negative base)."""
-        b, sign = (e.b.x, -1) if isinstance(e.b, Unary) and e.b.op == "-" else (e.b, 1)
         if _integer_power(e):
+            b, sign = (e.b.x, -1) if isinstance(e.b, Unary) and e.b.op == "-" else (e.b, 1)
             n, base = sign * int(b.value), f"({self(e.a)})"
             if n == 0:
                 return "1.0"
             product = " * ".join([base] * abs(n)) if abs(n) <= 4 else f"_ipow({base}, {abs(n)})"
             return product if n > 0 else f"(1.0 / ({product}))"
-        return f"_pow({self(e.a)}, {self(b)})"
+        return f"_pow({self(e.a)}, {self(e.b)})"  # the exponent whole: its sign too
 
     def clamped(self, dim, idx: Expr) -> str:
         top = str(dim - 1) if isinstance(dim, int) else f"{DIM_CONSTEXPR[dim]} - 1"
