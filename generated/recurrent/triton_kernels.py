@@ -432,11 +432,11 @@ def _segsum(b_l, o_r):
 def _intra(b_a, b_q, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_c, H: tl.constexpr, HKV: tl.constexpr,
            K: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
            REVERSE: tl.constexpr, MAP: tl.constexpr):
-    """b_a [C, C] plus the diagonal blocks of a chunk's matrix (its C steps from step `first`; q [C, BK]), D[i, j] = sum_c q_ic
-    k_jc e^{L(j, i]_c} for j <= i in the same sub-chunk of BC steps, else 0, every decay the sum of the pair's own
-    steps. A column j of every sub-chunk at a time, k_j and the log gate of step j + 1 read as rows (each row of the
-    tile the step of its own sub-chunk: no extraction from a register tile), X[i] = L(j, i] kept by adding each step as
-    j goes down."""
+    """b_a [C, C] plus the diagonal blocks of a chunk's matrix (its C steps from step `first`; q [C, BK]),
+    D[i, j] = sum_c q_ic k_jc e^{L(j, i]_c} for j <= i in the same sub-chunk of BC steps, else 0, every decay the sum
+    of the pair's own steps. A column j of every sub-chunk at a time, k_j and the log gate of step j + 1 read as rows
+    (each row of the tile the step of its own sub-chunk: no extraction from a register tile), X[i] = L(j, i] kept by
+    adding each step as j goes down."""
     o_in = o_c % BC  # a step's place in its sub-chunk
     o_sub = o_c - o_in  # its sub-chunk's first step
     b_x = tl.zeros_like(b_q)  # [C, BK]: L(j, i] for i > j, 0 elsewhere
