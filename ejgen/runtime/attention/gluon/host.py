@@ -73,7 +73,10 @@ NARROW_TILES = dict(BLOCK_N=64, NUM_STAGES=3)
 def fwd_key_tiles(cfg, divides: bool) -> dict:
     """The forward's key tiles for a call: NARROW_TILES for a spec mask that divides positions (``divides``) or
     segment ids under a window, without a block layout (whose fit is judged at TILES, `layout_misfit`); else TILES."""
-    return NARROW_TILES if (divides or (cfg.segments and cfg.window)) and not cfg.layout else TILES
+    from ejgen.runtime.core import settings
+
+    windowed_ids = cfg.segments and cfg.window and settings.current().gluon_spec_masks
+    return NARROW_TILES if (divides or windowed_ids) and not cfg.layout else TILES
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,7 +116,10 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
         (spec and not layout.gluon_mask, "the spec has a mask of its own that the Hopper kernels cannot call (it reads "
                                          "params, or raises to a power that is not a constant integer)"),
         (spec and not settings.current().gluon_spec_masks, "the spec has a mask of its own, and the gluon_spec_masks "
-                                                            "setting is off (EJGEN_GLUON_SPEC_MASKS=0)"),
+                                                            "setting is off (its default until the GPU suite has run "
+                                                            "it: EJGEN_GLUON_SPEC_MASKS=1)"),
+        (pass_ == "bwd" and cfg.window and cfg.segments and not settings.current().gluon_spec_masks,
+         "segment ids with a sliding window (the backward's lists: with gluon_spec_masks, EJGEN_GLUON_SPEC_MASKS=1)"),
         (not layout.score_is_identity or layout.params, "the spec's score is not the scaled dot product"),
         (features, f"{', '.join(features)} (the Hopper kernels take none of: soft cap, sinks, bias, a dense mask, "
                    f"positions, varlen)"),
