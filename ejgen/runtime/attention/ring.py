@@ -720,6 +720,21 @@ def _merge(acc, lse, out_p, lse_p, q0, chunk: int):
     return lax.dynamic_update_slice_in_dim(acc, merged, q0, 1), lax.dynamic_update_slice_in_dim(lse, new, q0, 3)
 
 
+def _placed(parts, chunk: int, rows: int):
+    """float32 [B, rows, ...]: the pairs' results ``parts`` [(start, x [B, chunk, ...])] added up on rows
+    [start, start + chunk), slot after slot (starts are multiples of ``chunk``, traced), zeros on rows no pair has:
+    per chunk of rows, a sum of selects, which XLA fuses with its readers: the sums, in the order, of adding each
+    into zeros in turn (x + 0 is x; a pair that misses a chunk adds +0 there)."""
+    chunks = []
+    for c in range(rows // chunk):
+        total = None
+        for start, x in parts:
+            x = jnp.where(start == c * chunk, x.astype(jnp.float32), 0.0)
+            total = jnp.zeros_like(x) + x if total is None else total + x
+        chunks.append(total)
+    return chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=1)
+
+
 def _backward(plan: Plan, residuals, cotangents):
     """The forward's ring walked back: each device starts from the block it held at the forward's last step (saved by
     the forward: one more block per device), blocks travel one hop the other way each step (device i to i - 1) with
@@ -733,19 +748,18 @@ def _backward(plan: Plan, residuals, cotangents):
     f32 = jnp.float32
     param_names = [n for n in ctx if n.startswith("param_")]
     zeros = lambda x: jnp.zeros(x.shape, f32)  # noqa: E731
-    dq = zeros(q)
-    grads = {n[len("param_"):]: zeros(ctx[n]) for n in param_names}
-    dq, grads = vma.vary((dq, grads), axes)
+    grads = vma.vary({n[len("param_"):]: zeros(ctx[n]) for n in param_names}, axes)
     own = _held(k, v, ctx)
     wire = Wire.of(own)
-    # the accumulators (float32) join the block's buffer on the wire, in its unit where that is no wider
+    # the accumulators (float32) travel as one float32 buffer where they go alone, and join the block's buffer, in
+    # its unit, where that is no wider
     joined = wire.unit.itemsize <= 4
-    owed = Wire.of({"k": jax.ShapeDtypeStruct(k.shape, f32), "v": jax.ShapeDtypeStruct(v.shape, f32)},
-                   unit=wire.unit if joined else None)
+    acc_shapes = {"k": jax.ShapeDtypeStruct(k.shape, f32), "v": jax.ShapeDtypeStruct(v.shape, f32)}
+    alone, owed = Wire.of(acc_shapes), Wire.of(acc_shapes, unit=wire.unit if joined else None)
     size = wire.size
     # travel: the held block's buffer (None: the device's own block, not packed); pending: dK/dV of the block held
-    # last step, to pass on (None before the first step)
-    travel, pending = last_held, None
+    # last step, to pass on (None before the first step); dq None before the first step's pairs
+    travel, pending, dq = last_held, None, None
     for stage, xs, at, count in _runs(plan, reverse=True):
         chunk = stage.chunk
         first, last = at == 0, at + count == plan.steps
@@ -760,46 +774,55 @@ def _backward(plan: Plan, residuals, cotangents):
             # in flight while this step computes, as one buffer: the block held now, to the device behind for the
             # next step, and the accumulators of the block held last step, which that device holds now
             block = None if keep else wire.pack(own) if travel is None else travel
-            sent = None if first else owed.pack(pending)
-            received = {}  # read only after the step's kernels (`_after_kernels`)
-            if block is not None and sent is not None and joined:
-                received["both"] = _shift(plan, jnp.concatenate([block, sent]), -1)
+            received, both = {}, block is not None and not first and joined  # read only after the step's kernels
+            if both:
+                received["both"] = _shift(plan, jnp.concatenate([block, owed.pack(pending)]), -1)
             else:
                 if block is not None:
                     received["block"] = _shift(plan, block, -1)
-                if sent is not None:
-                    received["owed"] = _shift(plan, sent, -1)
+                if not first:
+                    received["owed"] = _shift(plan, alone.pack(pending), -1)
             slots, t = xs
             s = (r - t) % plan.devices
-            part = vma.vary({"k": zeros(k), "v": zeros(v)}, axes)
+            pairs = []  # per slot: (q0, k0, the pair's dq, dk, dv, param gradients as its kernels give them)
             for j in range(slots.shape[0]):
                 q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
 
                 def run(kind, q0=q0, k0=k0):
-                    dq_p, dk_p, dv_p, dparams = _pair_backward(plan, kind, chunk, q, held, ctx, out, lse, d_out,
-                                                               d_lse, q0, k0, r, s)
-                    return (dq_p.astype(f32), dk_p.astype(f32), dv_p.astype(f32),
-                            {n: dparams[n].astype(f32) for n in grads})
+                    return _pair_backward(plan, kind, chunk, q, held, ctx, out, lse, d_out, d_lse, q0, k0, r, s)
 
-                def skip():
-                    return vma.vary((jnp.zeros(q.shape[:1] + (chunk,) + q.shape[2:], f32),
-                                     jnp.zeros(k.shape[:1] + (chunk,) + k.shape[2:], f32),
-                                     jnp.zeros(v.shape[:1] + (chunk,) + v.shape[2:], f32),
-                                     {n: zeros(ctx["param_" + n]) for n in grads}), axes)
+                def skip(j=j, run=run):  # zeros as the slot's kernels give their results
+                    kinds = sorted(stage.kinds(j) - {SKIP})
+                    like = (jax.eval_shape(functools.partial(run, kinds[0])) if kinds else
+                            (jax.ShapeDtypeStruct(q.shape[:1] + (chunk,) + q.shape[2:], q.dtype),
+                             jax.ShapeDtypeStruct(k.shape[:1] + (chunk,) + k.shape[2:], k.dtype),
+                             jax.ShapeDtypeStruct(v.shape[:1] + (chunk,) + v.shape[2:], v.dtype),
+                             {n: jax.ShapeDtypeStruct(ctx["param_" + n].shape, f32) for n in grads}))
+                    return vma.vary(jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), like), axes)
 
-                dq_p, dk_p, dv_p, dparams = _switch(stage, j, kind, run, skip)
-                add = lambda x, y, at: lax.dynamic_update_slice_in_dim(x, _rows(x, at, chunk) + y, at, 1)  # noqa
-                dq = add(dq, dq_p, q0)
-                part = {"k": add(part["k"], dk_p, k0), "v": add(part["v"], dv_p, k0)}
-                grads = {n: grads[n] + dparams[n] for n in grads}
-            if received:
-                received, dq, part, grads = _after_kernels(received, dq, part, grads)
-            both = received.get("both")
-            ahead = received.get("block") if both is None else both[:size]
-            arrived = received.get("owed") if both is None else both[size:]
-            pending = part if arrived is None else {n: x + part[n] for n, x in owed.unpack(arrived).items()}
+                pairs.append((q0, k0, _switch(stage, j, kind, run, skip)))
+            results = [p[2] for p in pairs]
+            if received:  # the kernels' own outputs: what adds them up is free to fuse with what reads received
+                received, results = _after_kernels(received, results)
+            # dK / dV of the held block, this step's part: the pairs placed on their key rows (no zeros written and
+            # updated in place, no separate concatenation onto the wire: XLA fuses it into what reads it)
+            part = {n: _placed([(k0, res[i]) for (_, k0, _), res in zip(pairs, results)], chunk, x.shape[1])
+                    for i, n, x in ((1, "k", k), (2, "v", v))}
+            for (q0, _, _), res in zip(pairs, results):  # dq adds up at home, one pair after another
+                dq_p = res[0].astype(f32)
+                dq = (_placed([(q0, dq_p)], chunk, q.shape[1]) if dq is None
+                      else lax.dynamic_update_slice_in_dim(dq, _rows(dq, q0, chunk) + dq_p, q0, 1))
+                grads = {n: grads[n] + res[3][n].astype(f32) for n in grads}
+            if both:
+                ahead, arrived = received["both"][:size], owed.unpack(received["both"][size:])
+            else:
+                ahead, arrived = received.get("block"), received.get("owed")
+                arrived = None if arrived is None else alone.unpack(arrived)
+            pending = part if arrived is None else {n: x + part[n] for n, x in arrived.items()}
             return (ahead, pending, dq, grads), None
 
+        if dq is None and count > 1:  # a scan carries the accumulator from its first step
+            dq = vma.vary(zeros(q), axes)
         travel, pending, dq, grads = _steps(body, (travel, pending, dq, grads), xs)
     # each block's accumulators in the inputs' dtypes (the rounding the result gets anyway), sent home from a ring
     # that ends on a device ahead (a window's right side)
