@@ -111,6 +111,18 @@ def _check_float(spec, name, x):
 
 HEADS_MAJOR = "heads_major"  # q [B, Hkv, G, Sq, D], k/v [B, Hkv, Sk, D], out [B, Hkv, G, Sq, Dv]
 SEQ_MAJOR = "seq_major"  # q [B, Sq, Hkv, G, D], k/v [B, Sk, Hkv, D], out [B, Sq, Hkv, G, Dv]: the caller's own
+# A backend backward's ctx entry: delta = rowsum(dO * O) - d lse [B, Hkv, G, Sq] float32 (padded rows 0), computed
+# once by a caller that runs the backward on many slices of the same rows (ring attention's pairs); a backward that
+# would compute it in XLA takes it instead (`given_delta`), one whose kernels compute it on the way ignores it
+DELTA = "delta"
+
+
+def given_delta(ctx: dict):
+    """(ctx without the `DELTA` entry, that entry or None)."""
+    if DELTA not in ctx:
+        return ctx, None
+    ctx = dict(ctx)
+    return ctx, ctx.pop(DELTA)
 # layout, so that no transpose is paid before or after the kernels. lse is [B, Hkv, G, Sq] in both.
 
 

@@ -499,15 +499,17 @@ def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s)
     return _from_kernel(out, backend.TENSOR_LAYOUT, chunk), lse[..., :chunk]
 
 
-def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, q0, k0, r, s):
+def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0, r, s):
     """(dq [B, chunk, Hkv, G, D], dk, dv [B, chunk, Hkv, D], param gradients) of one pair of one kind, from the
-    global out and lse of its query rows."""
+    global out and lse of its query rows and their delta, computed once per backward (`api.DELTA`: a backend that
+    would compute it in XLA takes it, one pass over dO and O instead of one per pair)."""
     cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s)
     backend = plan.backend
     layout = backend.TENSOR_LAYOUT
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), layout)
     padded = qk.shape[1 if layout == api.SEQ_MAJOR else 3]
     rows = lambda x, axis=1: _rows(x, q0, chunk, axis)  # noqa: E731
+    ck = {**ck, api.DELTA: _to_kernel(rows(delta, 3), layout, padded, 0)}  # padded rows: rowsum(0 * 0) - 0
     dq, dk, dv, dctx = backend.backward(
         qk, kk, vk, _to_kernel(rows(out), layout, padded, 0), _to_kernel(rows(lse, 3), layout, padded, NEG_INF),
         None, _to_kernel(rows(d_out), layout, padded, 0), _to_kernel(rows(d_lse, 3), layout, padded, 0), ck, cfg,
@@ -749,6 +751,7 @@ def _backward(plan: Plan, residuals, cotangents):
     param_names = [n for n in ctx if n.startswith("param_")]
     zeros = lambda x: jnp.zeros(x.shape, f32)  # noqa: E731
     grads = vma.vary({n[len("param_"):]: zeros(ctx[n]) for n in param_names}, axes)
+    delta = jnp.moveaxis(jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1), 1, 3) - d_lse  # [B, Hkv, G, n]
     own = _held(k, v, ctx)
     wire = Wire.of(own)
     # the accumulators (float32) travel as one float32 buffer where they go alone, and join the block's buffer, in
@@ -789,7 +792,8 @@ def _backward(plan: Plan, residuals, cotangents):
                 q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
 
                 def run(kind, q0=q0, k0=k0):
-                    return _pair_backward(plan, kind, chunk, q, held, ctx, out, lse, d_out, d_lse, q0, k0, r, s)
+                    return _pair_backward(plan, kind, chunk, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0,
+                                          r, s)
 
                 def skip(j=j, run=run):  # zeros as the slot's kernels give their results
                     kinds = sorted(stage.kinds(j) - {SKIP})
@@ -832,7 +836,6 @@ def _backward(plan: Plan, residuals, cotangents):
         home = back.unpack(_shift(plan, back.pack(home), -plan.start))
     dctx = {"params": grads}
     if plan.sinks:
-        delta = jnp.moveaxis(jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1), 1, 3) - d_lse
         dctx["softmax_aux"] = api.sinks_grad(ctx["softmax_aux"], lse, delta)
     return dq.astype(q.dtype), home["k"], home["v"], api.ctx_cotangents(ctx, dctx)
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejgen.runtime.attention import tiles
-from ejgen.runtime.attention.api import HEADS_MAJOR, sinks_grad
+from ejgen.runtime.attention.api import HEADS_MAJOR, given_delta, sinks_grad
 from ejgen.runtime.core import kernels as kernel_choice
 from ejgen.runtime.core import vma
 
@@ -260,6 +260,7 @@ class XlaAttention:
         cap and the score hook. Every reduction runs in a fixed order: results are deterministic.
         """
         del kernels
+        ctx, delta = given_delta(ctx)
         ctx, cfg = tiles.layout_as_mask(ctx, cfg, q.shape[0])
         batch, kv_heads, groups, sq, _ = q.shape
         sk = k.shape[2]
@@ -267,7 +268,8 @@ class XlaAttention:
         n_q, n_kv = sq // block_q, sk // block_k
         shape = (batch, kv_heads, groups)
         f32 = jnp.float32
-        delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1) - d_lse
+        if delta is None:
+            delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1) - d_lse
         lse_safe = jnp.where(lse == NEG_INF, 0.0, lse)
         if kinds is None and self.hooks.runtime_mask(cfg):  # not from a forward of this call (ring attention's steps)
             kinds = self._block_kinds(q, k, ctx, cfg, block_q, block_k)

@@ -23,7 +23,7 @@ import functools
 import jax.numpy as jnp
 
 from ejgen.runtime.attention import tiles
-from ejgen.runtime.attention.api import HEADS_MAJOR, sinks_grad
+from ejgen.runtime.attention.api import HEADS_MAJOR, given_delta, sinks_grad
 from ejgen.runtime.attention.pallas import common as _rt
 from ejgen.runtime.attention.pallas.common import NEG_INF, PAD
 from ejgen.runtime.attention.pallas.gpu import BlockSizes, GpuKernels
@@ -67,9 +67,11 @@ class PallasAttention:
         """Gradients (dq, dk, dv, dctx) from the saved lse: ds = p * (dp - delta) with
         delta = rowsum(d_out * out) - d_lse, then back through the soft cap and the score hook."""
         del kernels, kinds
+        ctx, delta = given_delta(ctx)
         ctx, cfg = tiles.layout_as_mask(ctx, cfg, q.shape[0])
         f32 = jnp.float32
-        delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1) - d_lse
+        if delta is None:
+            delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1) - d_lse
         lse_safe = jnp.where(lse == NEG_INF, 0.0, lse)
         gpu = functools.partial(self.gpu.backward, cfg=cfg)
         tpu = functools.partial(self.tpu.backward, cfg=cfg)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.attention import tiles
-from ejgen.runtime.attention.api import SEQ_MAJOR, sinks_grad
+from ejgen.runtime.attention.api import SEQ_MAJOR, given_delta, sinks_grad
 from ejgen.runtime.attention.gluon import host as gluon_attention
 from ejgen.runtime.attention.triton import configs as triton_configs
 from ejgen.runtime.core import kernels, settings, sizes
@@ -475,6 +475,7 @@ def _delta(out, d_out, d_lse):
 
 def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
     _check_layout(q, cfg)
+    ctx, given = given_delta(ctx)  # the caller's (ring attention's), or none: the kernels' or XLA's own
     ctx, cfg = _masks(ctx, cfg, q.shape[0])
     batch, sq, hkv, groups, d = q.shape
     hq, sk, dv = hkv * groups, k.shape[1], v.shape[-1]
@@ -483,7 +484,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
     q4, do4 = q.reshape(batch, sq, hq, d), d_out.reshape(batch, sq, hq, dv)
     lse3 = lse.reshape(batch, hq, sq)
     if choice.backward == "gluon":  # no bias, sinks or params here: no other gradients
-        delta3 = _delta(out, d_out, d_lse).reshape(batch, hq, sq)
+        delta3 = (_delta(out, d_out, d_lse) if given is None else given).reshape(batch, hq, sq)
         dq, dk, dv_ = _gluon_backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg)
         return dq.reshape(q.shape), dk, dv_, {}
     kernels = layout.kernels()
@@ -508,8 +509,8 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
         return dq, delta
 
     dq = None
-    if atomic or band:  # the dK/dV kernel runs first: delta from one pass of XLA over dO and O
-        delta3 = _delta(out, d_out, d_lse).reshape(batch, hq, sq)
+    if atomic or band:  # the dK/dV kernel runs first: delta from one pass of XLA over dO and O (or the caller's)
+        delta3 = (_delta(out, d_out, d_lse) if given is None else given).reshape(batch, hq, sq)
     else:  # the dQ kernel runs first and computes delta on the way (its tiles of dO are loaded anyway)
         dq_consts = dict(_constexprs(layout, q, k, v, cfg, dq_conf, features[0], features[3], aux), DQ_DELTA=True)
         dq_tuned = _autotune(layout, "dq", dq_conf)
@@ -571,7 +572,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
 # the sinks or a param is mapped (or params need gradients) do the calls run one after another
 # with lax.map.
 
-_BATCHED_CTX = ("bias", "mask", "layout", "q_seg", "kv_seg")
+_BATCHED_CTX = ("bias", "mask", "layout", "q_seg", "kv_seg", "delta")
 _IGNORED_CTX = ("q_pos", "kv_pos")  # the kernels compute positions themselves
 
 
