@@ -85,7 +85,8 @@ def _spec_options(F32, I32):
 @triton.jit
 def _spec_mask(q_idx, kv_idx, off_b, off_h, q_len, kv_len, OPTIONS):
     """The spec's mask on broadcastable tiles of indices (OPTIONS: `_spec_options`), of elementwise builtins only:
-    the Hopper kernels call it too, on partial tiles, with indices in their own layouts."""
+    the Hopper kernels call it too, on partial tiles, with indices in their own layouts (a mask that reads params
+    takes them and DIMS, and stays on the generated kernels)."""
     opt_prefix_len = OPTIONS[0]
     return ((kv_idx <= q_idx) | (kv_idx < opt_prefix_len))
 
