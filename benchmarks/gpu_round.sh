@@ -152,7 +152,8 @@ lane_final() {
     -p no:cacheprovider tests/attention/test_gluon.py -k "document_masks_match or block_layouts_match"
   EJGEN_FAILURE_LOG=$PWD/$log/rec-failures.txt job rec-tests 90 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
     tests/recurrent -k "triton and (gla or recurrent)"
-  OUT=$PWD/$log job zoo-bench 160 bash benchmarks/zoo_session.sh ${FINAL_ZOO:-natten2d,dilated,paligemma} --first
+  EJGEN_GLUON_SPEC_MASKS=1 OUT=$PWD/$log job zoo-bench 160 bash benchmarks/zoo_session.sh \
+    ${FINAL_ZOO:-natten2d,dilated,paligemma} --first
 }
 
 nvidia-smi --query-gpu=index,name --format=csv,noheader > "$log/summary.txt"
