@@ -112,7 +112,10 @@ def pytest_runtest_makereport(item, call):
 # quarter over that,
 # more for the families still growing (multidevice, pooling, recurrent, decode); their sum, 1447, leaves room for a
 # family to come (NEW_FAMILY_BUDGET).
-BUDGET_SECONDS = {"attention": 660, "zoo": 150, "blocksparse": 140, "compiler": 110, "multidevice": 160, "pooling": 60,
+# Session 16 (CI's clean clone, 1902 tests, 695 s): attention 596, zoo 221 (the spec masks' Hopper kernels compiled for
+# sm_90 on both Tritons, tests/zoo/test_zoo_gluon.py), multidevice 146, blocksparse 132, compiler 77, recurrent 73,
+# pooling 45, decode 43: zoo 150 -> 240.
+BUDGET_SECONDS = {"attention": 660, "zoo": 240, "blocksparse": 140, "compiler": 110, "multidevice": 160, "pooling": 60,
                   "recurrent": 107, "decode": 60}
 NEW_FAMILY_BUDGET = 107  # each family still to come
 
