@@ -21,6 +21,11 @@
 #          Flex; GPU 3: the zoo's segment-key variants vs Flex, then the zoo's GPU tests
 #   final  one GPU, in turn: the zoo's spec masks on the Hopper kernels (GPU tests), a Gluon + generated-kernel
 #          sanity subset, gla's chunked kernels alone, the mask variants vs Flex            (issues 15, 17)
+#   verify what session 16 landed without a GPU run (4 GPUs, one call):
+#          GPU 0: the zoo's spec masks on the Hopper kernels (GPU tests), then the mask variants vs Flex with them on
+#          and off (EJGEN_GLUON_SPEC_MASKS A/B); GPU 1: gla's chunked kernels alone, the recurrent Triton GPU tests,
+#          then the launch-settings sweep; GPUs 2-3: the ring's GPU tests, the ring timed and profiled, then GPU 2:
+#          dispatch.py and documents vs Flex, GPU 3: fla's times and ejgen's recurrent table against them
 #   dispatch GPU 3: how much of a short call is not its kernels (dispatch.py), with XLA's command buffers on and
 #          off, then the zoo's GPU tests                                               (issues 14, 15)
 #
@@ -156,6 +161,47 @@ lane_final() {
     ${FINAL_ZOO:-natten2d,dilated,paligemma} --first
 }
 
+lane_verify() {
+  (
+    export CUDA_VISIBLE_DEVICES=$(gpu 0)
+    EJGEN_FAILURE_LOG=$PWD/$log/zoo-failures.txt job zoo-gluon 200 python3 -m pytest -m gpu -q -rf \
+      -p no:cacheprovider tests/zoo/test_zoo_gluon.py
+    EJGEN_GLUON_SPEC_MASKS=1 OUT=$PWD/$log job zoo-bench 200 bash benchmarks/zoo_session.sh \
+      natten1d,natten2d,dilated,sliding_tile,paligemma,prefix_lm,streaming --first
+    cp -r "$log/zoo" "$log/zoo-on" 2>/dev/null
+    EJGEN_GLUON_SPEC_MASKS=0 OUT=$PWD/$log/off job zoo-bench-off 150 bash benchmarks/zoo_session.sh \
+      natten1d,natten2d,sliding_tile,paligemma,prefix_lm --first
+  ) &
+  (
+    export CUDA_VISIBLE_DEVICES=$(gpu 1)
+    job rec-kernels 100 python3 benchmarks/recurrent_kernels.py --ops gla,simple_gla
+    OUT=$PWD/$log GPUS="$(gpu 1)" PER_GPU=3 job rec-tests 200 bash benchmarks/gpu_shards.sh rec-shards 185 \
+      -k triton tests/recurrent
+    job rec-sweep 150 python3 benchmarks/recurrent_kernels.py --ops gla --sweep --no-check
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=$(gpu 2),$(gpu 3) EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 \
+      python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/multidevice/test_ring_gpu.py
+    CUDA_VISIBLE_DEVICES=$(gpu 2),$(gpu 3) job ring-profile 170 python3 benchmarks/ring.py --devices 2 \
+      --parts time,profile --seqs 32768 --heads 16/16 --orders zigzag --passes fwd,fwdbwd --out "$log/ring"
+    (
+      export CUDA_VISIBLE_DEVICES=$(gpu 2)
+      job dispatch 120 python3 benchmarks/dispatch.py --cases documents,flamingo --out "$log/disp"
+      job documents 120 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --out "$log/bs"
+      job layouts-flex 90 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --out "$log/bs"
+    ) &
+    (
+      export CUDA_VISIBLE_DEVICES=$(gpu 3)
+      job fla 150 python3 benchmarks/recurrent_fla.py --out "$log/fla/fla.json"
+      fla=()
+      [ -f "$log/fla/fla.json" ] && fla=(--fla "$log/fla/fla.json")
+      job rec-bench 150 python3 benchmarks/recurrent.py "${fla[@]}" --out "$log/recb"
+    ) &
+    wait
+  ) &
+  wait
+}
+
 nvidia-smi --query-gpu=index,name --format=csv,noheader > "$log/summary.txt"
 for lane in ${*:-rec gluon fla}; do
   "lane_$lane" &
@@ -170,7 +216,7 @@ wait
   [ -f "$log/rec-failures.txt" ] && { echo "== recurrent failures"; cut -c1-400 "$log/rec-failures.txt"; }
   [ -f "$log/zoo-failures.txt" ] && { echo "== zoo failures"; cut -c1-400 "$log/zoo-failures.txt"; }
   for f in rec-tests gluon-tests rec-kernels rec-decode layouts layouts-flex layouts-32k fla rec-bench \
-           dispatch-nocb documents zoo-gluon zoo-bench zoo-tests ring-profile ring-tests trace; do
+           dispatch-nocb documents zoo-gluon zoo-bench zoo-bench-off rec-sweep zoo-tests ring-profile ring-tests trace; do
     [ -f "$log/$f.txt" ] && { echo "== $f"; grep -vE "DeprecationWarning|^  (return|from) " "$log/$f.txt" | tail -70; }
   done
   [ -f "$log/trace/profile.md" ] && { echo "== trace/profile.md"; cat "$log/trace/profile.md"; }
@@ -178,6 +224,7 @@ wait
   [ -f "$log/dispatch.txt" ] && { echo "== dispatch (whole)"; grep -vE "DeprecationWarning|^  (return|from) " \
     "$log/dispatch.txt"; }
   [ -f "$log/zoo/table.md" ] && { echo "== zoo/table.md"; cat "$log/zoo/table.md"; }
+  [ -f "$log/off/zoo/table.md" ] && { echo "== zoo/table.md (EJGEN_GLUON_SPEC_MASKS=0)"; cat "$log/off/zoo/table.md"; }
 } > "$OUT/round.txt" 2>&1
 tuned=$(find "$log/fla" -maxdepth 1 -name fla_tuned -type d 2>/dev/null)
 [ -n "$tuned" ] && tar czf "$OUT/fla_tuned.tgz" -C "$tuned" .
