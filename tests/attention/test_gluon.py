@@ -18,9 +18,9 @@ from ejgen.testing.shapes import AttnShape  # noqa: E402
 
 from ejgen.runtime.attention.config import AttentionConfig  # noqa: E402
 from ejgen.runtime.attention.gluon import host as gluon_attention  # noqa: E402
-from ejgen.runtime.core import kernels as core_kernels  # noqa: E402
 from ejgen.runtime.launch import triton_call  # noqa: E402
 from ejgen.testing.aot import compile_gluon_in_subprocess  # noqa: E402
+from hopper_fakes import pretend_hopper  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
 
@@ -222,20 +222,7 @@ def test_the_launches_match_the_kernels_signatures(monkeypatch):
     (no GPU here): the kernels' numbers are the GPU tests' business."""
     from ejgen.ops import flash_attention
 
-    if not gluon_attention.importable()[0]:
-        pytest.fail(gluon_attention.importable()[1])
-    seen = []
-
-    def fake_launch(kernel, grid, inputs, outs, **kw):
-        seen.append((kernel, grid, inputs, outs, kw))
-        return [jnp.zeros(o.shape, o.dtype) for o in outs]
-
-    monkeypatch.setattr(triton_call, "mode", lambda: ("gpu", ""))
-    monkeypatch.setattr(triton_call, "launch", fake_launch)
-    monkeypatch.setattr(core_kernels, "target", lambda: core_kernels.Target("gpu", "sm90"))
-    monkeypatch.setattr(gluon_attention, "num_sms", lambda: 7)
-    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
-    monkeypatch.delenv("EJGEN_GLUON", raising=False)
+    seen = pretend_hopper(monkeypatch, sms=7, values=False)
     b, s, hq, hkv, d = 2, 300, 4, 2, 128
     q = jnp.ones((b, s, hq, d), jnp.bfloat16)
     kv = jnp.ones((b, s, hkv, d), jnp.bfloat16)
@@ -281,21 +268,7 @@ def test_document_masks_reach_the_kernels_with_their_tile_ranges(monkeypatch):
     from ejgen.ops import flash_attention
     from ejgen.types import MaskInfo
 
-    if not gluon_attention.importable()[0]:
-        pytest.fail(gluon_attention.importable()[1])
-    seen = []
-
-    def fake_launch(kernel, grid, inputs, outs, **kw):
-        values = []  # the inputs' values, once the call runs (they are traced here)
-        jax.debug.callback(lambda *xs: values.extend(np.asarray(x) for x in xs), *inputs)
-        seen.append((kernel, grid, values, outs, kw))
-        return [jnp.zeros(o.shape, o.dtype) for o in outs]
-
-    monkeypatch.setattr(triton_call, "mode", lambda: ("gpu", ""))
-    monkeypatch.setattr(triton_call, "launch", fake_launch)
-    monkeypatch.setattr(core_kernels, "target", lambda: core_kernels.Target("gpu", "sm90"))
-    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
-    monkeypatch.delenv("EJGEN_GLUON", raising=False)
+    seen = pretend_hopper(monkeypatch)
     s = 640  # documents [0, 300), [300, 512), padding [512, 640)
     ids = np.where(np.arange(s) < 300, 0, np.where(np.arange(s) < 512, 1, -1)).astype(np.int32)[None]
     q = jnp.ones((1, s, 2, 128), jnp.bfloat16)
@@ -333,22 +306,7 @@ def test_the_dynamic_tile_queue_follows_the_setting_and_its_measured_default(mon
     from ejgen.runtime.core import settings as core_settings
     from ejgen.types import MaskInfo
 
-    if not gluon_attention.importable()[0]:
-        pytest.fail(gluon_attention.importable()[1])
-    seen = []
-
-    def fake_launch(kernel, grid, inputs, outs, **kw):
-        values = []
-        jax.debug.callback(lambda *xs: values.extend(np.asarray(x) for x in xs), *inputs)
-        seen.append((kernel, grid, values, outs, kw))
-        return [jnp.zeros(o.shape, o.dtype) for o in outs]
-
-    monkeypatch.setattr(triton_call, "mode", lambda: ("gpu", ""))
-    monkeypatch.setattr(triton_call, "launch", fake_launch)
-    monkeypatch.setattr(core_kernels, "target", lambda: core_kernels.Target("gpu", "sm90"))
-    monkeypatch.setattr(gluon_attention, "num_sms", lambda: 3)
-    for var in ("EJGEN_TRITON_CONFIG", "EJGEN_GLUON", "EJGEN_GLUON_DYNAMIC_TILES"):
-        monkeypatch.delenv(var, raising=False)
+    seen = pretend_hopper(monkeypatch, sms=3)
     s = 640  # documents [0, 300), [300, 512), padding [512, 640)
     ids = np.where(np.arange(s) < 300, 0, np.where(np.arange(s) < 512, 1, -1)).astype(np.int32)[None]
     q = jnp.ones((1, s, 2, 128), jnp.bfloat16)
@@ -811,22 +769,7 @@ def test_block_layouts_reach_the_kernels_as_lists(monkeypatch):
     from ejgen.ops import flash_attention
     from ejgen.types import BlockMask
 
-    if not gluon_attention.importable()[0]:
-        pytest.fail(gluon_attention.importable()[1])
-    seen = []
-
-    def fake_launch(kernel, grid, inputs, outs, **kw):
-        values = []
-        jax.debug.callback(lambda *xs: values.extend(np.asarray(x) for x in xs), *inputs)
-        seen.append((kernel, grid, values, outs, kw))
-        return [jnp.zeros(o.shape, o.dtype) for o in outs]
-
-    monkeypatch.setattr(triton_call, "mode", lambda: ("gpu", ""))
-    monkeypatch.setattr(triton_call, "launch", fake_launch)
-    monkeypatch.setattr(core_kernels, "target", lambda: core_kernels.Target("gpu", "sm90"))
-    monkeypatch.setattr(gluon_attention, "num_sms", lambda: 3)
-    for var in ("EJGEN_TRITON_CONFIG", "EJGEN_GLUON", "EJGEN_GLUON_DYNAMIC_TILES"):
-        monkeypatch.delenv(var, raising=False)
+    seen = pretend_hopper(monkeypatch, sms=3)
     s, hq, hkv = 640, 4, 2
     rng = np.random.default_rng(1)
     lay = rng.random((1, hq, s // 64, s // 64)) < 0.4

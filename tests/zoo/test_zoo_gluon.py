@@ -22,9 +22,8 @@ pytest.importorskip("triton", reason="the triton extra is part of the test insta
 
 from ejgen.runtime.attention.config import AttentionConfig  # noqa: E402
 from ejgen.runtime.attention.gluon import host as gluon_attention  # noqa: E402
-from ejgen.runtime.core import kernels as core_kernels  # noqa: E402
-from ejgen.runtime.launch import triton_call  # noqa: E402
 from test_gluon import _walk  # noqa: E402  (the kernels' walk of a list row)
+from hopper_fakes import pretend_hopper  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
 
@@ -215,22 +214,7 @@ def test_spec_masks_reach_the_kernels_as_lists(monkeypatch):
     module's `_spec_mask` / `_spec_options` as SPEC_MASK / SPEC_OPTIONS, the lists of the mask's tiles (LIST; the
     forward's tiles in the order of their counts, its key blocks narrow: the mask divides positions) and the options
     in I32 where `_spec_options` reads them. A fake launch (the kernels' numbers are the GPU tests' business)."""
-    if not gluon_attention.importable()[0]:
-        pytest.fail(gluon_attention.importable()[1])
-    seen = []
-
-    def fake_launch(kernel, grid, inputs, outs, **kw):
-        values = []
-        jax.debug.callback(lambda *xs: values.extend(np.asarray(x) for x in xs), *inputs)
-        seen.append((kernel, grid, values, outs, kw))
-        return [jnp.zeros(o.shape, o.dtype) for o in outs]
-
-    monkeypatch.setattr(triton_call, "mode", lambda: ("gpu", ""))
-    monkeypatch.setattr(triton_call, "launch", fake_launch)
-    monkeypatch.setattr(core_kernels, "target", lambda: core_kernels.Target("gpu", "sm90"))
-    monkeypatch.setattr(gluon_attention, "num_sms", lambda: 3)
-    for var in ("EJGEN_TRITON_CONFIG", "EJGEN_GLUON", "EJGEN_GLUON_DYNAMIC_TILES"):
-        monkeypatch.delenv(var, raising=False)
+    seen = pretend_hopper(monkeypatch, sms=3)
     monkeypatch.setenv("EJGEN_GLUON_SPEC_MASKS", "1")
     name, s, hq, hkv = "natten_2d_attention", 640, 4, 2
     q = jnp.ones((1, s, hq, 128), jnp.bfloat16)
