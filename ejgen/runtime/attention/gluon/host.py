@@ -70,13 +70,19 @@ TILES = dict(BLOCK_N=128, NUM_STAGES=2)
 NARROW_TILES = dict(BLOCK_N=64, NUM_STAGES=3)
 
 
-def fwd_key_tiles(cfg, divides: bool) -> dict:
-    """The forward's key tiles for a call: NARROW_TILES for a spec mask that divides positions (``divides``) or
-    segment ids under a window, without a block layout (whose fit is judged at TILES, `layout_misfit`); else TILES."""
+def windowed_ids(cfg) -> bool:
+    """Segment ids under a sliding window on the paths the gluon_spec_masks setting holds back until the GPU suite
+    has run them (the backward on lists, the forward's narrow key tiles): off, such calls are as before."""
     from ejgen.runtime.core import settings
 
-    windowed_ids = cfg.segments and cfg.window and settings.current().gluon_spec_masks
-    return NARROW_TILES if (divides or windowed_ids) and not cfg.layout else TILES
+    return bool(cfg.segments and cfg.window and settings.current().gluon_spec_masks)
+
+
+def fwd_key_tiles(cfg, divides: bool) -> dict:
+    """The forward's key tiles for a call: NARROW_TILES for a spec mask that divides positions (``divides``) or
+    segment ids under a window (`windowed_ids`), without a block layout (whose fit is judged at TILES,
+    `layout_misfit`); else TILES."""
+    return NARROW_TILES if (divides or windowed_ids(cfg)) and not cfg.layout else TILES
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,7 +124,7 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
         (spec and not settings.current().gluon_spec_masks, "the spec has a mask of its own, and the gluon_spec_masks "
                                                             "setting is off (its default until the GPU suite has run "
                                                             "it: EJGEN_GLUON_SPEC_MASKS=1)"),
-        (pass_ == "bwd" and cfg.window and cfg.segments and not settings.current().gluon_spec_masks,
+        (pass_ == "bwd" and cfg.window and cfg.segments and not windowed_ids(cfg),
          "segment ids with a sliding window (the backward's lists: with gluon_spec_masks, EJGEN_GLUON_SPEC_MASKS=1)"),
         (not layout.score_is_identity or layout.params, "the spec's score is not the scaled dot product"),
         (features, f"{', '.join(features)} (the Hopper kernels take none of: soft cap, sinks, bias, a dense mask, "
@@ -197,7 +203,7 @@ def listed(cfg, spec: bool, pass_: str = "fwd") -> bool:
     """Whether the pass's kernel walks lists of blocks (LIST, `fwd_lists` / `bwd_lists`) rather than ranges: with a
     block layout, with a spec mask (``spec``: its tiles by interval arithmetic, which scatter), and in the backward
     with segment ids under a window (the per-program kernel on lists: the windows' persistent one takes no ids)."""
-    return bool(cfg.layout or spec or (pass_ == "bwd" and cfg.window and cfg.segments))
+    return bool(cfg.layout or spec or (pass_ == "bwd" and windowed_ids(cfg)))
 
 
 # Where the dynamic tile queue wins (H200, session 15, `benchmarks/gluon_dynamic_tiles.py`, one run, bf16, H 16,
