@@ -2,25 +2,18 @@
 # One device call that checks and times what landed since the last GPU run, one lane of jobs per GPU of a 4-GPU host
 # (fewer GPUs: lanes share them), every job under a timeout and the whole call under DEADLINE seconds (default 560):
 #
-#   bash benchmarks/gpu_round.sh [LANE...]       LANE: rec | gluon | fla   (default all three, in parallel)
+#   bash benchmarks/gpu_round.sh [LANE...]   LANE: verify | rec | fla | gtests | layouts | dispatch (default verify;
+#                                            several run in parallel)
 #
 #   rec    GPUs 0-1: the recurrent GPU suite (3 pytest processes a GPU), then each chunked launch alone
 #          (recurrent_kernels.py) on GPU 0, and on GPU 1 the decode table, then (time allowing) every kernel of one
 #          call of the zoo's masked cases (trace_table.py: the XLA prologue before the kernel; issues 14, 15)
 #                                                                                    (issue 17: the rewritten kernels)
-#   gluon  GPU 2: the whole Gluon GPU file (block-layout cases included), then layouts vs FlexAttention (issue 14)
 #   fla    GPU 3: flash-linear-attention's times (recurrent_fla.py, its autotune), then ejgen's table with fla's
 #          column (recurrent.py --fla)                                               (issue 17's target)
 #   gtests GPUs 0-1: the Gluon GPU file sharded (2 processes a GPU; one process takes over 200 s), then the 2-GPU
 #          ring's per-device kernel timeline at 32k (ring.py --parts profile)           (issues 14, 18)
 #   layouts GPU 2: block layouts vs FlexAttention, 8k first, each case printed as it ends   (issue 14)
-#   after  the lanes of a round after kernel work (issues 14, 15, 17, 18), in parallel:
-#          GPUs 0-1: the recurrent Triton GPU tests sharded, then each chunked launch alone (GPU 0) and ejgen's
-#          recurrent table against fla's times (GPU 1, once GPU 2 has them);
-#          GPUs 2-3: the 2-GPU ring timed and profiled at 32k; then GPU 2: fla's times, dispatch.py, documents vs
-#          Flex; GPU 3: the zoo's segment-key variants vs Flex, then the zoo's GPU tests
-#   final  one GPU, in turn: the zoo's spec masks on the Hopper kernels (GPU tests), a Gluon + generated-kernel
-#          sanity subset, gla's chunked kernels alone, the mask variants vs Flex            (issues 15, 17)
 #   verify what session 16 landed without a GPU run (4 GPUs, one call):
 #          GPU 0: the zoo's spec masks on the Hopper kernels (GPU tests), then the mask variants vs Flex with them on
 #          and off (EJGEN_GLUON_SPEC_MASKS A/B); GPU 1: gla's chunked kernels alone, the recurrent Triton GPU tests,
@@ -69,14 +62,6 @@ lane_rec() {
   wait
 }
 
-lane_gluon() {
-  export CUDA_VISIBLE_DEVICES=$(gpu 2)
-  EJGEN_FAILURE_LOG=$PWD/$log/gluon-failures.txt job gluon-tests 200 python3 -m pytest -m gpu -q -rf \
-    -p no:cacheprovider tests/attention/test_gluon.py
-  job layouts 150 python3 benchmarks/blocksparse.py --layouts-only --rounds 2 --reps 4 --out "$log/bs"
-  job layouts-flex 120 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --out "$log/bs"
-}
-
 lane_fla() {
   export CUDA_VISIBLE_DEVICES=$(gpu 3)
   job fla 330 python3 benchmarks/recurrent_fla.py --out "$log/fla/fla.json"
@@ -108,57 +93,6 @@ lane_dispatch() {
     --out "$log/disp2"
   EJGEN_FAILURE_LOG=$PWD/$log/zoo-failures.txt job zoo-tests 220 python3 -m pytest -m gpu -q -rf \
     -p no:cacheprovider tests/zoo
-}
-
-lane_after() {
-  (
-    OUT=$PWD/$log GPUS="$(gpu 0) $(gpu 1)" PER_GPU=3 job rec-tests 230 bash benchmarks/gpu_shards.sh rec-shards 215 \
-      -k triton tests/recurrent
-    CUDA_VISIBLE_DEVICES=$(gpu 0) job rec-kernels 170 python3 benchmarks/recurrent_kernels.py &
-    (
-      export CUDA_VISIBLE_DEVICES=$(gpu 1)
-      for _ in $(seq 60); do [ -f "$log/fla/fla.json" ] && break; sleep 5; done
-      fla=()
-      [ -f "$log/fla/fla.json" ] && fla=(--fla "$log/fla/fla.json")
-      job rec-bench 180 python3 benchmarks/recurrent.py "${fla[@]}" --out "$log/recb"
-    ) &
-    wait
-  ) &
-  (
-    CUDA_VISIBLE_DEVICES=$(gpu 2),$(gpu 3) job ring-profile 170 python3 benchmarks/ring.py --devices 2 \
-      --parts time,profile --seqs 32768 --heads 16/16 --orders zigzag --passes fwd,fwdbwd --out "$log/ring"
-    CUDA_VISIBLE_DEVICES=$(gpu 2),$(gpu 3) EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 \
-      python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/multidevice/test_ring_gpu.py
-    (
-      export CUDA_VISIBLE_DEVICES=$(gpu 2)
-      job fla 240 python3 benchmarks/recurrent_fla.py --out "$log/fla/fla.json"
-      job dispatch 150 python3 benchmarks/dispatch.py --out "$log/disp"
-      job documents 120 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --out "$log/bs"
-      job layouts-flex 90 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --out "$log/bs"
-    ) &
-    (
-      export CUDA_VISIBLE_DEVICES=$(gpu 3)
-      OUT=$PWD/$log job zoo-bench 240 bash benchmarks/zoo_session.sh causal,chunked,flamingo,dilated,documents,paligemma \
-        --first
-      EJGEN_FAILURE_LOG=$PWD/$log/zoo-failures.txt job zoo-tests 200 python3 -m pytest -m gpu -q -rf \
-        -p no:cacheprovider tests/zoo
-    ) &
-    wait
-  ) &
-  wait
-}
-
-lane_final() {
-  export CUDA_VISIBLE_DEVICES=$(gpu 0)
-  EJGEN_FAILURE_LOG=$PWD/$log/zoo-failures.txt job zoo-gluon 150 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
-    tests/zoo/test_zoo_gluon.py
-  job rec-kernels 80 python3 benchmarks/recurrent_kernels.py --ops gla
-  EJGEN_FAILURE_LOG=$PWD/$log/gluon-failures.txt job gluon-tests 90 python3 -m pytest -m gpu -q -rf \
-    -p no:cacheprovider tests/attention/test_gluon.py -k "document_masks_match or block_layouts_match"
-  EJGEN_FAILURE_LOG=$PWD/$log/rec-failures.txt job rec-tests 90 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
-    tests/recurrent -k "triton and (gla or recurrent)"
-  EJGEN_GLUON_SPEC_MASKS=1 OUT=$PWD/$log job zoo-bench 160 bash benchmarks/zoo_session.sh \
-    ${FINAL_ZOO:-natten2d,dilated,paligemma} --first
 }
 
 lane_verify() {
@@ -203,7 +137,7 @@ lane_verify() {
 }
 
 nvidia-smi --query-gpu=index,name --format=csv,noheader > "$log/summary.txt"
-for lane in ${*:-rec gluon fla}; do
+for lane in ${*:-verify}; do
   "lane_$lane" &
 done
 wait
