@@ -128,15 +128,15 @@ def test_the_backward_covers_short_causal_windows_but_not_two_sided_ones():
     assert (consts["MASK"], consts["DQ_MODE"]) == (2, 1)
     assert gluon_attention.bwd_constexprs(2, 8, 2, 1000, 64, False, False)["DQ_MODE"] == 0  # half of 64: no slice
     documents = _cfg(causal=True, window=True, window_span=1024, segments=True)  # the per-program kernel on lists
-    assert not gluon_attention.listed(documents, False, "bwd")  # off until GPU-run: the generated backward
+    assert gluon_attention.listed(documents, False, "bwd") and not gluon_attention.listed(documents, False)
     why = gluon_attention.ineligible(layout, documents, *arrays, False, "bwd")
-    assert why.startswith("segment ids with a sliding window (the backward's lists"), why
+    assert why is None or not gluon_attention.importable()[0], why
     from ejgen.ops import settings
 
-    with settings(gluon_spec_masks=True):
-        assert gluon_attention.listed(documents, False, "bwd") and not gluon_attention.listed(documents, False)
+    with settings(gluon_spec_masks=False):  # the setting off: the generated backward, saying why
+        assert not gluon_attention.listed(documents, False, "bwd")
         why = gluon_attention.ineligible(layout, documents, *arrays, False, "bwd")
-    assert why is None or not gluon_attention.importable()[0], why
+    assert why.startswith("segment ids with a sliding window (the backward's lists"), why
 
 
 @pytest.mark.parametrize("cfg,arrays", [

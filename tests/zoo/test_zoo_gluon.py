@@ -149,9 +149,9 @@ def test_dilated_window_backward_walks_lists_of_its_segment_ids():
     from ejgen.ops import settings
 
     cfg = AttentionConfig(seq_q=seq, seq_k=seq, causal=True, window=True, segments=True)
-    assert not gluon_attention.listed(cfg, False, "bwd")  # gluon_spec_masks off (its default until GPU-run)
-    with settings(gluon_spec_masks=True):
-        assert gluon_attention.listed(cfg, False, "bwd") and not gluon_attention.listed(cfg, False, "fwd")
+    assert gluon_attention.listed(cfg, False, "bwd") and not gluon_attention.listed(cfg, False, "fwd")
+    with settings(gluon_spec_masks=False):
+        assert not gluon_attention.listed(cfg, False, "bwd")
     ctx = {"q_seg": ids, "kv_seg": ids, "window_left": jnp.int32(300), "window_right": jnp.int32(0)}
     bwd, bc, _ = gluon_attention.bwd_lists(ctx, cfg, seq, 1)
     fwd, fc, _ = gluon_attention.fwd_lists(ctx, cfg, seq)  # (the forward walks ranges; its lists hold the same pairs)
@@ -174,18 +174,14 @@ EXPLAIN_CASES = [  # (name, options as explain takes them, runtime features)
 @pytest.mark.parametrize("name,options,features", EXPLAIN_CASES, ids=[c[0] for c in EXPLAIN_CASES])
 def test_zoo_masks_take_the_hopper_kernels(monkeypatch, name, options, features):
     """On sm_90 both passes of the zoo's mask variants take the Hopper set (before: the generated kernels, "the spec
-    has a mask of its own"; the dilated window's backward: "segment ids with a sliding window"); the setting
-    gluon_spec_masks off (its default until the GPU suite has run these kernels) keeps the spec masks on the generated
-    kernels, saying so."""
+    has a mask of its own"; the dilated window's backward: "segment ids with a sliding window"), the setting
+    gluon_spec_masks being on by default; off, it keeps the spec masks on the generated kernels, saying so."""
     monkeypatch.delenv("EJGEN_GLUON_SPEC_MASKS", raising=False)
     from ejgen.ops import explain, settings
 
     q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
-    default = explain(_op(name), q, kv, kv, target="sm90", **options, **features)
-    assert default.backward == "triton" and "gluon_spec_masks" in default.text(), default.text()
-    with settings(gluon_spec_masks=True):
-        choice = explain(_op(name), q, kv, kv, target="sm90", **options, **features)
+    choice = explain(_op(name), q, kv, kv, target="sm90", **options, **features)
     assert (choice.platform, choice.forward, choice.backward) == ("triton", "gluon", "gluon"), choice.text()
     spec = not _layout(name).builtin_mask_only
     assert ("the spec's mask on partial tiles" in choice.text()) == spec, choice.text()
@@ -219,7 +215,7 @@ def test_spec_masks_reach_the_kernels_as_lists(monkeypatch):
     forward's tiles in the order of their counts, its key blocks narrow: the mask divides positions) and the options
     in I32 where `_spec_options` reads them. A fake launch (the kernels' numbers are the GPU tests' business)."""
     seen = pretend_hopper(monkeypatch, sms=3)
-    monkeypatch.setenv("EJGEN_GLUON_SPEC_MASKS", "1")
+    monkeypatch.delenv("EJGEN_GLUON_SPEC_MASKS", raising=False)  # on by default
     name, s, hq, hkv = "natten_2d_attention", 640, 4, 2
     q = jnp.ones((1, s, hq, 128), jnp.bfloat16)
     kv = jnp.ones((1, s, hkv, 128), jnp.bfloat16)
@@ -320,7 +316,6 @@ def test_zoo_masks_on_the_hopper_kernels_match_the_oracle(monkeypatch, triton_la
     from test_zoo import ZOO
 
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
-    monkeypatch.setenv("EJGEN_GLUON_SPEC_MASKS", "1")  # off by default until this test has passed on a GPU
     monkeypatch.setattr(gluon_attention, "num_sms", lambda: 7)
     monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "1" if dynamic else "0")
     if not gluon_attention.hopper():

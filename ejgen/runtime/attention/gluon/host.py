@@ -71,8 +71,8 @@ NARROW_TILES = dict(BLOCK_N=64, NUM_STAGES=3)
 
 
 def windowed_ids(cfg) -> bool:
-    """Segment ids under a sliding window on the paths the gluon_spec_masks setting holds back until the GPU suite
-    has run them (the backward on lists, the forward's narrow key tiles): off, such calls are as before."""
+    """Segment ids under a sliding window on the paths the gluon_spec_masks setting governs (the backward on lists,
+    the forward's narrow key tiles): with it off, such calls take the generated backward and the forward's TILES."""
     from ejgen.runtime.core import settings
 
     return bool(cfg.segments and cfg.window and settings.current().gluon_spec_masks)
@@ -122,10 +122,10 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
         (spec and not layout.gluon_mask, "the spec has a mask of its own that the Hopper kernels cannot call (it reads "
                                          "params, or raises to a power that is not a constant integer)"),
         (spec and not settings.current().gluon_spec_masks, "the spec has a mask of its own, and the gluon_spec_masks "
-                                                            "setting is off (its default until the GPU suite has run "
-                                                            "it: EJGEN_GLUON_SPEC_MASKS=1)"),
+                                                            "setting is off (EJGEN_GLUON_SPEC_MASKS=0)"),
         (pass_ == "bwd" and cfg.window and cfg.segments and not windowed_ids(cfg),
-         "segment ids with a sliding window (the backward's lists: with gluon_spec_masks, EJGEN_GLUON_SPEC_MASKS=1)"),
+         "segment ids with a sliding window (the backward's lists: the gluon_spec_masks setting is off, "
+         "EJGEN_GLUON_SPEC_MASKS=0)"),
         (not layout.score_is_identity or layout.params, "the spec's score is not the scaled dot product"),
         (features, f"{', '.join(features)} (the Hopper kernels take none of: soft cap, sinks, bias, a dense mask, "
                    f"positions, varlen)"),
