@@ -3,7 +3,9 @@ here touches the file system except reading templates (``ejgen.writer`` writes).
 
 A family is a planner (``ejgen.plan.<family>``) and an emitter (``ejgen.emit.<family>.op``) whose
 ``BACKENDS`` name the templates of each backend (``ejgen/templates/<family>/<backend>/``); adding
-a family adds one entry to ``FAMILIES`` (docs/DESIGN.md §9).
+a family adds one entry to ``FAMILIES`` (docs/DESIGN.md §9). What several of a family's ops would repeat but
+for their names its ``shared`` step renders once per package, in a folder ``_<family>/`` (docs/DESIGN.md §5,
+shared folders).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class Family:
     describe: Callable  # plan -> its notation block (`ejgen show`, the op's docstring)
     backends: tuple  # the backends it has templates for
     exports: Callable = lambda plan: []  # plan -> the op's further functions the package exports (decode modes)
+    # [(plan, backends, common)] of the family's ops in the package, render -> the files they share (and those of
+    # their own folders that point at them, which ``emit`` leaves out)
+    shared: Callable = lambda ops, render: {}
 
 
 FAMILIES = {
@@ -43,7 +48,7 @@ FAMILIES = {
                         attention_op.exports),
     "pooling": Family(plan_pooling, pooling_op.emit, describe_pooling, tuple(pooling_op.BACKENDS)),
     "linear_recurrent": Family(plan_recurrent, recurrent_op.emit, describe_recurrent, tuple(recurrent_op.BACKENDS),
-                               recurrent_op.exports),
+                               recurrent_op.exports, recurrent_op.emit_shared),
 }
 
 _ENV = jinja2.Environment(
@@ -89,16 +94,37 @@ def describe(variant_plan) -> str:
     return _family(variant_plan.variant).describe(variant_plan)
 
 
-def render_op(variant_plan) -> dict[str, str]:
+def _backends(variant_plan) -> list[str]:
+    """The backends of the spec that its family can emit; at least one."""
     v = variant_plan.variant
     family = _family(v)
     backends = [b for b in v.backends if b in family.backends]
     if not backends:
         raise SpecError(f"spec '{v.name}' names no backend that can be emitted yet "
                         f"(emitted: {', '.join(family.backends)})", v.loc)
-    common = {"name": v.name, "spec_path": _spec_path(v.path), "spec_hash": v.source_hash,
-              "summary": _summary(v.doc, v.family)}
-    return family.emit(variant_plan, backends, common, _template)
+    return backends
+
+
+def _common(variant_plan) -> dict:
+    v = variant_plan.variant
+    return {"name": v.name, "spec_path": _spec_path(v.path), "spec_hash": v.source_hash,
+            "summary": _summary(v.doc, v.family)}
+
+
+def render_op(variant_plan) -> dict[str, str]:
+    """The files of one op's folder, but those its family's ``shared`` step writes."""
+    return _family(variant_plan.variant).emit(variant_plan, _backends(variant_plan), _common(variant_plan), _template)
+
+
+def _shared(plans) -> dict[str, str]:
+    """The files each family's ops share, by the family's ``shared`` step: nothing where no op of the package
+    shares (so that a build without such ops writes no shared folder, and the writer drops an old one)."""
+    files: dict[str, str] = {}
+    for name, family in FAMILIES.items():
+        ops = [(p, _backends(p), _common(p)) for p in plans if p.variant.family == name]
+        if ops:
+            files.update(family.shared(ops, _template))
+    return files
 
 
 def render(variants) -> dict[str, str]:
@@ -107,6 +133,12 @@ def render(variants) -> dict[str, str]:
     files: dict[str, str] = {}
     for p in plans:
         files.update(render_op(p))
+    shared = _shared(plans)
+    for path in sorted(set(shared) & set(files)):
+        op = next(p.variant for p in plans if p.variant.name == path.split("/")[0])
+        raise SpecError(f"spec '{op.name}' is named like the package's folder of shared kernels "
+                        f"('{path.split('/')[0]}'); rename it", op.loc)
+    files.update(shared)
     digest = hashlib.sha256("".join(p.variant.source_hash for p in plans).encode()).hexdigest()
     folder = _spec_path(plans[0].variant.path).split("/")[0] + "/" if plans else "(no specs)"
     files["__init__.py"] = _template(

@@ -1,9 +1,12 @@
 """The files of one recurrent op: its folder's ``__init__.py``, ``op.py`` (arguments, ``custom_vjp``), ``hooks.py``
 (the spec's feature map and gate map in jnp, where it has either), ``decode.py`` and one module per backend
-(docs/DESIGN.md §9)."""
+(docs/DESIGN.md §9); and the files the ops of a package share (``emit_shared``: the Triton kernels of the specs
+without hooks, rendered once)."""
 
 from __future__ import annotations
 
+import hashlib
+import re
 import textwrap
 from typing import Callable
 
@@ -22,6 +25,13 @@ BACKENDS = {
     "pallas": Backend(flags, {"pallas.py": "recurrent/pallas/recurrent.py.j2"}, "pallas"),
     "xla": Backend(flags, {"xla.py": "recurrent/xla/recurrent.py.j2"}, "xla"),
 }
+
+# The Triton kernels of a spec without hooks read nothing of it (its gates and features are constexpr flags the host
+# passes): every such op of a package binds its kernel names to one module, SHARED_FOLDER/triton_kernels.py, whose
+# functions, named SHARED_PREFIX_<which>_kernel, are what profiles show (Triton names a kernel by its function).
+SHARED_FOLDER = "_linear_recurrent"
+SHARED_PREFIX = "linear_recurrent"
+KERNELS_FILE, KERNELS_TEMPLATE = "triton_kernels.py", BACKENDS["triton"].files["triton_kernels.py"]
 
 ARGUMENT_DOCS = {
     "g": "float [B, T, H]: a log gate per head and step",
@@ -133,5 +143,43 @@ def emit(plan: RecurrentPlan, backends: list[str], common: dict, render: Callabl
         backend = BACKENDS[name]
         context = backend.context(plan)
         for file, template in backend.files.items():
+            if name == "triton" and file == KERNELS_FILE and shares_kernels(plan, backends):
+                continue  # emit_shared's
             files[f"{v.name}/{file}"] = render(template, **common, **context)
+    return files
+
+
+def shares_kernels(plan: RecurrentPlan, backends: list[str]) -> bool:
+    """The op's Triton kernels are the package's shared ones: it has Triton kernels and no hooks."""
+    return "triton" in backends and not has_hooks(plan)
+
+
+def emit_shared(ops: list, render: Callable[..., str]) -> dict[str, str]:
+    """``{path: text}`` of what the package's recurrent ops ``[(plan, backends, common)]`` share: where any has no
+    hooks, ``SHARED_FOLDER`` (its ``__init__.py`` and the kernels, rendered once) and each such op's
+    ``triton_kernels.py``, which binds the names the host looks up (``<name>_<which>_kernel``) to them; nothing
+    where none. The kernels are rendered from each sharing spec's own context, and must come out the same: a
+    template that reads more of a spec than its hooks fails the build here rather than run another spec's kernels."""
+    sharing = [(plan, common) for plan, backends, common in ops if shares_kernels(plan, backends)]
+    if not sharing:
+        return {}
+    header = {"spec_path": sharing[0][1]["spec_path"].split("/")[0] + "/",
+              "spec_hash": hashlib.sha256("".join(c["spec_hash"] for _, c in sharing).encode()).hexdigest()}
+    texts = {plan.name: render(KERNELS_TEMPLATE, **header, **triton.template_context(plan), name=SHARED_PREFIX)
+             for plan, _ in sharing}
+    kernels = texts[sharing[0][0].name]
+    differ = [name for name, text in texts.items() if text != kernels]
+    if differ:
+        raise AssertionError(f"the Triton kernels of {sharing[0][0].name} and {', '.join(differ)} differ though "
+                             f"none has hooks: {KERNELS_TEMPLATE} reads more of a spec than its hooks; share only "
+                             f"what renders the same (emit/recurrent/op.py, shares_kernels)")
+    which = re.findall(rf"^def {SHARED_PREFIX}_(\w+)_kernel\(", kernels, re.MULTILINE)
+    names = [plan.name for plan, _ in sharing]
+    files = {
+        f"{SHARED_FOLDER}/__init__.py": render("recurrent/shared_init.py.j2", **header, ops=names),
+        f"{SHARED_FOLDER}/{KERNELS_FILE}": kernels,
+    }
+    for plan, common in sharing:
+        files[f"{plan.name}/{KERNELS_FILE}"] = render("recurrent/triton/shared_kernels.py.j2", **common,
+                                                      folder=SHARED_FOLDER, prefix=SHARED_PREFIX, kernels=which)
     return files
