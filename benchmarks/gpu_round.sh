@@ -2,7 +2,7 @@
 # One device call that checks and times what landed since the last GPU run, one lane of jobs per GPU of a 4-GPU host
 # (fewer GPUs: lanes share them), every job under a timeout and the whole call under DEADLINE seconds (default 560):
 #
-#   bash benchmarks/gpu_round.sh [LANE...]   LANE: verify | rec | fla | gtests | layouts | dispatch (default verify;
+#   bash benchmarks/gpu_round.sh [LANE...]   LANE: verify | zoo | intra | rec | fla | gtests | layouts | dispatch (default verify;
 #                                            several run in parallel)
 #
 #   rec    GPUs 0-1: the recurrent GPU suite (3 pytest processes a GPU), then each chunked launch alone
@@ -19,6 +19,9 @@
 #          and off (EJGEN_GLUON_SPEC_MASKS A/B); GPU 1: gla's chunked kernels alone, the recurrent Triton GPU tests,
 #          then the launch-settings sweep; GPUs 2-3: the ring's GPU tests, the ring timed and profiled, then GPU 2:
 #          dispatch.py and documents vs Flex, GPU 3: fla's times and ejgen's recurrent table against them
+#   zoo    GPUs 0 and 3: every zoo case against FlexAttention, half on each (ejgen, then Flex in its own process)
+#   intra  GPU 1: gla's kernels, the intra-chunk kernels' settings and their Nsight Compute counters; GPU 2: fla and
+#          ejgen's recurrent table; then the recurrent Triton GPU tests on both                    (issue 17)
 #   dispatch GPU 3: how much of a short call is not its kernels (dispatch.py), with XLA's command buffers on and
 #          off, then the zoo's GPU tests                                               (issues 14, 15)
 #
@@ -95,6 +98,44 @@ lane_dispatch() {
     -p no:cacheprovider tests/zoo
 }
 
+lane_zoo() {  # the whole zoo against Flex, half the cases on each of GPUs 0 and 3 (ejgen, then Flex in its own process)
+  local half
+  for half in "0 causal,causal_zoo,chunked,dilated,t5,natten1d,natten2d,streaming,gpt_oss" \
+              "3 gemma2,gemma3,paligemma,alibi,sliding_tile,sliding_window,documents,flamingo,prefix_lm"; do
+    (
+      set -- $half
+      export CUDA_VISIBLE_DEVICES=$(gpu $1)
+      job zoo-ejgen-$1 330 python3 benchmarks/zoo.py --out "$log/zoo$1" --cases "$2" --reps 4 --rounds 2
+      job zoo-flex-$1 220 env -u PYTHONPATH python3 benchmarks/flex_zoo.py --out "$log/zoo$1" --cases "$2" --reps 6
+      python3 benchmarks/zoo.py --out "$log/zoo$1" --table --plot "" > "$log/zoo$1/table.md" 2>&1
+    ) &
+  done
+  wait
+}
+
+lane_intra() {  # GPU 1: gla's chunked kernels alone, the intra-chunk kernels' launch settings, their Nsight Compute
+  # counters (occupancy, stall reasons, throughput); GPU 2: fla, then ejgen's recurrent table against it; then the
+  # recurrent Triton GPU tests on both
+  (
+    export CUDA_VISIBLE_DEVICES=$(gpu 1)
+    job rec-kernels 150 python3 benchmarks/recurrent_kernels.py --ops gla --sweep \
+      --sweep-kernels chunk_intra,chunk_grads_intra
+    job ncu 120 ncu --clock-control none -k regex:'chunk_(grads_)?intra' --launch-count 2 --section SpeedOfLight \
+      --section Occupancy --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
+      python3 benchmarks/recurrent_kernels.py --ops gla --no-check --reps 1 --rounds 1
+  ) &
+  (
+    export CUDA_VISIBLE_DEVICES=$(gpu 2)
+    job fla 120 python3 benchmarks/recurrent_fla.py --out "$log/fla/fla.json"
+    local fla=()
+    [ -f "$log/fla/fla.json" ] && fla=(--fla "$log/fla/fla.json")
+    job rec-bench 150 python3 benchmarks/recurrent.py "${fla[@]}" --out "$log/recb"
+  ) &
+  wait
+  OUT=$PWD/$log GPUS="$(gpu 1) $(gpu 2)" PER_GPU=2 job rec-tests 200 bash benchmarks/gpu_shards.sh rec-shards 185 \
+    -k triton tests/recurrent
+}
+
 lane_verify() {
   (
     export CUDA_VISIBLE_DEVICES=$(gpu 0)
@@ -150,7 +191,8 @@ wait
   [ -f "$log/rec-failures.txt" ] && { echo "== recurrent failures"; cut -c1-400 "$log/rec-failures.txt"; }
   [ -f "$log/zoo-failures.txt" ] && { echo "== zoo failures"; cut -c1-400 "$log/zoo-failures.txt"; }
   for f in rec-tests gluon-tests rec-kernels rec-decode layouts layouts-flex layouts-32k fla rec-bench \
-           dispatch-nocb documents zoo-gluon zoo-bench zoo-bench-off rec-sweep zoo-tests ring-profile ring-tests trace; do
+           dispatch-nocb documents zoo-gluon zoo-bench zoo-bench-off rec-sweep zoo-tests ring-profile ring-tests trace \
+           zoo-ejgen-0 zoo-flex-0 zoo-ejgen-3 zoo-flex-3; do
     [ -f "$log/$f.txt" ] && { echo "== $f"; grep -vE "DeprecationWarning|^  (return|from) " "$log/$f.txt" | tail -70; }
   done
   [ -f "$log/trace/profile.md" ] && { echo "== trace/profile.md"; cat "$log/trace/profile.md"; }
@@ -159,6 +201,9 @@ wait
     "$log/dispatch.txt"; }
   [ -f "$log/zoo/table.md" ] && { echo "== zoo/table.md"; cat "$log/zoo/table.md"; }
   [ -f "$log/off/zoo/table.md" ] && { echo "== zoo/table.md (EJGEN_GLUON_SPEC_MASKS=0)"; cat "$log/off/zoo/table.md"; }
+  for z in 0 3; do [ -f "$log/zoo$z/table.md" ] && { echo "== zoo$z/table.md"; cat "$log/zoo$z/table.md"; }; done
+  [ -f "$log/ncu.txt" ] && { echo "== ncu (whole)"; grep -vE "DeprecationWarning|^  (return|from) |^\| " "$log/ncu.txt" \
+    | grep -E "^  [a-z_]+.*kernel|Duration|Occupancy|Registers|Stall|Throughput|Warp Cycles|Eligible|Issued|Block Limit|One or More|No Eligible|Active Warps|L1|L2|DRAM|Memory|Executed Ipc" | head -150; }
 } > "$OUT/round.txt" 2>&1
 tuned=$(find "$log/fla" -maxdepth 1 -name fla_tuned -type d 2>/dev/null)
 [ -n "$tuned" ] && tar czf "$OUT/fla_tuned.tgz" -C "$tuned" .

@@ -41,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sweep", action="store_true", help="also time each kernel under the settings of SWEEP")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the XLA backend")
+    p.add_argument("--sweep-kernels", default="", help="comma-separated kernels to sweep (default: every one)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in Triton's interpreter")
     return p.parse_args(argv)
 
@@ -65,11 +66,11 @@ FLAG = 2e-2
 SWEEP = {  # other launch settings to time with --sweep (block_k, block_v, warps, stages; 0: the head dim whole)
     "chunk_state": [(64, 64, 4, 2), (64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 3),
                     (128, 64, 8, 2)],
-    "chunk_intra": [(32, 64, 4, 1), (64, 64, 4, 1), (32, 64, 8, 1), (64, 64, 8, 2), (128, 64, 8, 1)],
+    "chunk_intra": [(16, 64, 4, 1), (32, 64, 2, 1), (32, 64, 8, 1), (64, 64, 4, 1), (64, 64, 8, 1)],
     "chunk_output": [(128, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3),
                      (32, 64, 4, 2)],
     "chunk_state_bwd": [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
-    "chunk_grads_intra": [(32, 0, 8, 1), (32, 0, 4, 1), (64, 0, 4, 1), (128, 0, 8, 1), (64, 0, 8, 2)],
+    "chunk_grads_intra": [(16, 0, 4, 1), (32, 0, 2, 1), (32, 0, 8, 1), (64, 0, 8, 1), (16, 0, 2, 1)],
     "chunk_grads_qk": [(64, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 2), (64, 32, 8, 3), (128, 32, 8, 2), (32, 64, 8, 2)],
     "chunk_grads_v": [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2)],
 }
@@ -175,7 +176,7 @@ def stages(op_name, b, t, h, d):
     a = None
     if cfg.has("gk"):
         a, _ = add("chunk_intra", lambda q, k, g: host.chunk_intra(kernels, q, k, g, ctx, cfg), q, k, gates,
-                   grid=(n_c, rows_h))
+                   grid=(n_c * (cfg.chunk // host.SUB), rows_h))
     add("chunk_output", lambda q, k, v, g, hs, a: host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a), q, k, v,
         gates, hs, a, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h))
     dhs, dh0 = add("chunk_state_bwd", lambda q, g, do, dht: host.chunk_state_grads(kernels, q, g, ctx, cfg, do, dht),
@@ -183,9 +184,10 @@ def stages(op_name, b, t, h, d):
     a = intra = None
     if cfg.has("gk"):
         a, da = add("chunk_intra + dA", lambda q, k, v, g, do: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do),
-                    q, k, v, gates, do, grid=(n_c, rows_h), which="chunk_intra")
+                    q, k, v, gates, do, grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
         intra = add("chunk_grads_intra", lambda q, k, g, da: host.chunk_grads_intra(kernels, q, k, g, ctx, cfg, da), q,
-                    k, gates, da, grid=(n_c, -(-cfg.dk // blocks["chunk_grads_intra"]["BK"]), rows_h))
+                    k, gates, da, grid=(n_c * (cfg.chunk // host.SUB), -(-cfg.dk // blocks["chunk_grads_intra"]["BK"]),
+                                        rows_h))
     dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do, intra: host.chunk_grads_qk(
         kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra), q, k, v, gates, hs, dhs, do, intra,
         grid=(n_c, -(-cfg.dk // blocks["chunk_grads_qk"]["BK"]), rows_h))
@@ -260,14 +262,14 @@ def table(title, rows, ms):
           "twice, as the op runs it)")
 
 
-def sweep(op_name, stage_list, reps, rounds, batch):
-    """Each kernel under the settings of SWEEP (the others at their defaults)."""
+def sweep(op_name, stage_list, reps, rounds, batch, only=()):
+    """Each kernel (of ``only``, if given) under the settings of SWEEP (the others at their defaults)."""
     defaults = dict(host.CHUNKED)
     print(f"\n{op_name}: launch settings (BK, BV, warps, stages; * = default)\n")
     print("| kernel | settings | ms |")
     print("|---|---|---|")
     for s in stage_list:
-        if s.tiles is None:
+        if s.tiles is None or only and s.which not in only:
             continue
         for setting in [dataclasses.astuple(defaults[s.which])] + SWEEP.get(s.which, []):
             host.CHUNKED[s.which] = host.Tiles(*setting)
@@ -301,7 +303,7 @@ def main():
             ms = time_stages(stage_list, reps, rounds, batch)
             table(f"{op_name} B{b} T{t}", stage_list, ms)
             if args.sweep:
-                sweep(op_name, stage_list, reps, rounds, batch)
+                sweep(op_name, stage_list, reps, rounds, batch, [k for k in args.sweep_kernels.split(",") if k])
 
 
 if __name__ == "__main__":

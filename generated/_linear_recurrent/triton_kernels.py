@@ -360,15 +360,7 @@ def _cumsum_before(x, axis: tl.constexpr):
 
 
 @triton.jit
-def _seg_cumsum(x, BC: tl.constexpr, reverse: tl.constexpr = False):
-    """The inclusive cumsum of x [C, N] down the rows of each run of BC (a chunk's sub-chunks): each row the sum of its
-    own sub-chunk's steps up to it (from it to the run's end with `reverse`), no difference of longer sums."""
-    y = tl.cumsum(tl.reshape(x, [x.shape[0] // BC, BC, x.shape[1]]), axis=1, reverse=reverse)
-    return tl.reshape(y, [x.shape[0], x.shape[1]])
-
-
-@triton.jit
-def _through(b_l, o_c, b: tl.constexpr):
+def _through(b_l, o_c, b):
     """[C, N]: L(j, b] (the log gates of steps j + 1 .. b) for the steps j <= b of a chunk (b_l [C, N]), 0 after b: a
     reverse cumsum of the steps up to b less step j's own, as `_after`."""
     upto = o_c[:, None] <= b
@@ -376,7 +368,7 @@ def _through(b_l, o_c, b: tl.constexpr):
 
 
 @triton.jit
-def _from(b_l, o_c, b: tl.constexpr):
+def _from(b_l, o_c, b):
     """[C, N]: L(b, t] (the log gates of steps b + 1 .. t) for the steps t > b of a chunk, 0 up to b: a cumsum of the
     steps after b."""
     after = o_c[:, None] > b
@@ -429,25 +421,22 @@ def _segsum(b_l, o_r):
 
 
 @triton.jit
-def _intra(b_a, b_q, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_c, H: tl.constexpr, HKV: tl.constexpr,
-           K: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
-           REVERSE: tl.constexpr, MAP: tl.constexpr):
-    """b_a [C, C] plus the diagonal blocks of a chunk's matrix (its C steps from step `first`; q [C, BK]),
-    D[i, j] = sum_c q_ic k_jc e^{L(j, i]_c} for j <= i in the same sub-chunk of BC steps, else 0, every decay the sum
-    of the pair's own steps. A column j of every sub-chunk at a time, k_j and the log gate of step j + 1 read as rows
-    (each row of the tile the step of its own sub-chunk: no extraction from a register tile), X[i] = L(j, i] kept by
-    adding each step as j goes down."""
-    o_in = o_c % BC  # a step's place in its sub-chunk
-    o_sub = o_c - o_in  # its sub-chunk's first step
-    b_x = tl.zeros_like(b_q)  # [C, BK]: L(j, i] for i > j, 0 elsewhere
-    b_next = tl.zeros_like(b_q)  # [C, BK]: the log gate of step j + 1 of each row's sub-chunk
-    for back in range(0, BC):
+def _intra(b_a, b_q, K_, G, GAMMA, GK, bos, eos, first, col, i_h, i_hk, o_k, m_k, o_r, o_c, H: tl.constexpr,
+           HKV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr,
+           USE_GK: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr):
+    """b_a [BC, C] (rows: a sub-chunk's BC steps from step `first`, q [BC, BK]; columns: the chunk's steps, the
+    sub-chunk's from `col`) plus its diagonal block, D[i, j] = sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, both in the
+    sub-chunk, every decay the sum of the pair's own steps: a column j at a time, k_j and the log gate of step j + 1
+    read as one row [1, BK], X[i] = L(j, i] kept by adding each step as j goes down."""
+    b_x = tl.zeros_like(b_q)  # [BC, BK]: L(j, i] for i > j, 0 elsewhere
+    b_next = tl.zeros([1, b_q.shape[1]], dtype=tl.float32)  # the log gate of step j + 1
+    for back in tl.static_range(0, BC):  # unrolled: the rows' loads do not wait on the sums before them
         j = BC - 1 - back
-        b_x = tl.where(o_in[:, None] > j, b_x + b_next, 0.0)
-        rows_j, m_j = _steps_at(bos, eos, first + o_sub + j, REVERSE)
-        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
-        b_col = tl.sum(b_q * b_kj * tl.exp(b_x), axis=1)  # [C]
-        b_a += tl.where((o_c[None, :] == o_sub[:, None] + j) & (o_in[:, None] >= j), b_col[:, None], 0.0)
+        b_x = tl.where(o_r[:, None] > j, b_x + b_next, 0.0)
+        rows_j, m_j = _steps_at(bos, eos, first + j + tl.zeros([1], dtype=tl.int32), REVERSE)
+        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
+        b_col = tl.sum(b_q * b_kj * tl.exp(b_x), axis=1)  # [BC]
+        b_a += tl.where((o_c[None, :] == col + j) & (o_r[:, None] >= j), b_col[:, None], 0.0)
         b_next = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
     return b_a
 
@@ -508,46 +497,50 @@ def linear_recurrent_chunk_intra_kernel(
 ):
     """With a gate per key channel (gk): A [chunks, H, C, C] (q's dtype), each chunk's intra-chunk matrix
         A_ij = scale sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, 0 above the diagonal,
-    a program per (chunk, sequence x head), K in blocks of BK, products over the chunk's C rows. The blocks left of
-    the diagonal, rows of sub-chunk I, are factored through the step b before I: e^{L(j, i]} = e^{L(b, i]} e^{L(j, b]},
-    L(b, i] the prefix sums inside I and L(j, b] the sums of the steps after j up to b (`_through`), both sums of
-    their own steps, <= 0 for decaying gates: for each I one TF32 product (`_dot_state`) of q e^{L(b, i]} on I's rows
-    and k e^{L(j, b]} on the steps before I, [C, BK] x [BK, C] (zeros elsewhere). The diagonal blocks from each pair's
-    own segment sum (`_intra`, every sub-chunk at once). GRADS (the backward): also DA [chunks, H, C, C] float32,
-    dA_ij = scale do_i · v_j for j <= i, 0 above (V in blocks of BV)."""
+    a program per (sub-chunk I of BC rows of a chunk, sequence x head): A's rows I [BC, C], K in blocks of BK. The
+    columns before I are factored through the step b before I: e^{L(j, i]} = e^{L(b, i]} e^{L(j, b]}, L(b, i] the
+    prefix sums inside I and L(j, b] the sums of the steps after j up to b (`_through`), both sums of their own steps,
+    <= 0 for decaying gates: one TF32 product (`_dot_state`) of q e^{L(b, i]} [BC, BK] and k e^{L(j, b]} on the
+    steps up to b [BK, C]. The diagonal block from each pair's own segment sum (`_intra`). Small programs (BC rows,
+    a few warps) keep many on each SM: the one-program-per-chunk form held one a SM (255 registers a thread) and
+    waited on its loads (1.24 ms of gla's 2.1 ms forward at B4 T4096 on an H100). GRADS (the backward): also DA
+    [chunks, H, C, C] float32, dA_ij = scale do_i · v_j for j <= i, 0 above (V in blocks of BV)."""
     NSUB: tl.constexpr = C // BC
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_cs, i_bh = tl.program_id(0), tl.program_id(1)
+    i_c, i_i = i_cs // NSUB, i_cs % NSUB
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
     i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
-    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
+    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)  # the chunk's steps
+    rows_i, m_i = _steps(bos, eos, i_t * C + i_i * BC, BC, REVERSE)  # sub-chunk I's
     o_c = tl.arange(0, C)
-    b_a = tl.zeros([C, C], dtype=tl.float32)
+    o_r = tl.arange(0, BC)
+    b = i_i * BC - 1  # the step before I
+    b_a = tl.zeros([BC, C], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
-        b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
-        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK]
-        b_qb = b_q * tl.exp(_seg_cumsum(b_l, BC))  # q_i e^{L(b, i]}, b the step before i's sub-chunk
-        for i_i in tl.static_range(1, NSUB):
-            b_kb = b_k * tl.exp(_through(b_l, o_c, i_i * BC - 1))  # k_j e^{L(j, b]} (0 after b)
-            b_qi = tl.where(o_c[:, None] // BC == i_i, b_qb, 0.0)
-            b_a += _dot_state(b_qi, tl.trans(tl.where(o_c[:, None] < i_i * BC, b_kb, 0.0)), DT)
-        b_a = _intra(b_a, b_q, K_, G, GAMMA, GK, bos, eos, i_t * C, i_h, i_hk, o_k, m_k, o_c, H, HKV, K, BC, USE_G,
-                      USE_GAMMA, USE_GK, REVERSE, MAP)
-    p_c = ((i_cg * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :]  # the chunk's [C, C]
+        b_q = _load_qk(Q, rows_i, m_i, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
+        if i_i > 0:
+            b_li = _key_log(G, GAMMA, GK, rows_i, m_i, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK]
+            b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
+            b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+            b_kb = tl.where(o_c[:, None] <= b, b_k * tl.exp(_through(b_l, o_c, b)), 0.0)  # k_j e^{L(j, b]}
+            b_a += _dot_state(b_q * tl.exp(_cumsum(b_li, axis=0)), tl.trans(b_kb), DT)  # q_i e^{L(b, i]}
+        b_a = _intra(b_a, b_q, K_, G, GAMMA, GK, bos, eos, i_t * C + i_i * BC, i_i * BC, i_h, i_hk, o_k, m_k, o_r,
+                     o_c, H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+    p_c = ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_c[None, :]  # rows I of the chunk's
     tl.store(A + p_c, (b_a * SCALE).to(A.dtype.element_ty))
     if GRADS:
-        b_da = tl.zeros([C, C], dtype=tl.float32)
+        b_da = tl.zeros([BC, C], dtype=tl.float32)
         for i_v in range(0, tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
-            b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
+            b_do = _load_v(DO, rows_i, m_i, i_h, o_v, m_v, H, V)  # [BC, BV]
             b_da += _dot(b_do, tl.trans(_load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)), DT)
-        tl.store(DA + p_c, tl.where(o_c[:, None] >= o_c[None, :], b_da * SCALE, 0.0))
+        tl.store(DA + p_c, tl.where(i_i * BC + o_r[:, None] >= o_c[None, :], b_da * SCALE, 0.0))
 
 
 @triton.jit
@@ -660,51 +653,31 @@ def _per_gate(x, USE_GK: tl.constexpr):
 
 
 @triton.jit
-def _seg_sums(x, BC: tl.constexpr):
-    """[C, N]: each row of x [C, N] replaced by the sum of its own sub-chunk's rows (runs of BC)."""
-    NS: tl.constexpr = x.shape[0] // BC
-    y = tl.sum(tl.reshape(x, [NS, BC, x.shape[1]]), axis=1, keep_dims=True)  # [NS, 1, N]
-    return tl.reshape(tl.broadcast_to(y, [NS, BC, x.shape[1]]), [x.shape[0], x.shape[1]])
-
-
-@triton.jit
-def _seg_cumsum_before(x, BC: tl.constexpr):
-    """`_cumsum_before` (an exclusive cumsum, never an inclusive one less the element) down the rows of each run of BC
-    rows of x [C, N] (a chunk's sub-chunks)."""
-    z = tl.reshape(x, [x.shape[0] // BC, BC, x.shape[1]])
-    y, _ = tl.associative_scan((tl.zeros_like(z), z), 1, _before_combine)
-    return tl.reshape(y, [x.shape[0], x.shape[1]])
-
-
-@triton.jit
-def _intra_grads(b_dq, b_dk, b_dlog, b_q, b_p, p_da, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_c,
-                 H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+def _intra_grads(b_dq, b_dk, b_dlog, b_q, b_p, p_da, K_, G, GAMMA, GK, bos, eos, first, col, i_h, i_hk, o_k, m_k,
+                 o_r, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                  USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr,
                  MAP: tl.constexpr):
-    """dq, dk and the log decay gradient (b_dq, b_dk, b_dlog [C, BK]) plus the pairs of each sub-chunk with itself,
-    every sub-chunk of the chunk at once, per key channel (q [C, BK] of the
-    chunk's C steps from step `first`, P [C, BK] the prefix sums of the log gates inside each sub-chunk; p_da the
-    chunk's dA [C, C], dA_ij = scale do_i · v_j): dq_i = sum_{j <= i} dA_ij k_j e^{L(j, i]}, dk_j = sum_{i >= j} dA_ij
-    q_i e^{L(j, i]}, and by s the pairs r < s <= t, inner_s = sum q_t k_r e^{L(r, t]} dA_tr, i, j, r, s, t in one
-    sub-chunk. A column j of every sub-chunk at a time (as `_intra`): k_j and the log gate of step j read as rows (each
-    row of the tile the step of its own sub-chunk; e^{P_i - P_j}, P_j summed as the rows come), dA's column j read from
-    memory; the sums over a sub-chunk's rows by `_seg_sums`."""
-    o_in = o_c % BC  # a step's place in its sub-chunk
-    o_sub = o_c - o_in  # its sub-chunk's first step
+    """dq, dk and the log decay gradient (b_dq, b_dk, b_dlog [BC, BK]) plus the pairs of a sub-chunk with itself, per
+    key channel (q [BC, BK] of its BC steps from step `first`, its columns of dA from `col`; P [BC, BK] the prefix sums
+    of the log gates inside it; p_da the chunk's dA [C, C] from the sub-chunk's first row, dA_ij = scale do_i · v_j):
+    dq_i = sum_{j <= i} dA_ij k_j e^{L(j, i]}, dk_j = sum_{i >= j} dA_ij q_i e^{L(j, i]}, and by s the pairs
+    r < s <= t, inner_s = sum q_t k_r e^{L(r, t]} dA_tr, i, j, r, s, t in the sub-chunk. A column j at a time: k_j
+    and the log gate of step j read as one row [1, BK] (e^{P_i - P_j}, P_j summed as the rows come), dA's column j
+    read from memory."""
     b_pairs = tl.zeros_like(b_q)  # by t: the pairs (r <= j, t) so far
-    b_pj = tl.zeros_like(b_q)  # P_j of each row's sub-chunk
-    for j in range(0, BC):
-        rows_j, m_j = _steps_at(bos, eos, first + o_sub + j, REVERSE)
-        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
+    b_pj = tl.zeros([1, b_q.shape[1]], dtype=tl.float32)  # P_j
+    for j in tl.static_range(0, BC):  # unrolled: the rows' and dA's loads do not wait on the sums before them
+        rows_j, m_j = _steps_at(bos, eos, first + j + tl.zeros([1], dtype=tl.int32), REVERSE)
+        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
         b_pj += _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-        b_daj = tl.load(p_da + o_c * C + o_sub + j, mask=o_in >= j, other=0.0)  # [C]: dA[i, j], i >= j
-        b_decay = tl.exp(tl.where(o_in[:, None] > j, b_p - b_pj, 0.0))  # e^{L(j, i]} for i >= j
+        b_daj = tl.load(p_da + o_r * C + col + j, mask=o_r >= j, other=0.0)  # [BC]: dA[i, j], i >= j
+        b_decay = tl.exp(tl.where(o_r[:, None] > j, b_p - b_pj, 0.0))  # e^{L(j, i]} for i >= j
         b_dqj = b_daj[:, None] * b_kj * b_decay
         b_dq += b_dqj
-        b_dk = tl.where(o_in[:, None] == j, b_dk + _seg_sums(b_daj[:, None] * b_q * b_decay, BC), b_dk)
+        b_dk = tl.where(o_r[:, None] == j, b_dk + tl.sum(b_daj[:, None] * b_q * b_decay, axis=0)[None, :], b_dk)
         b_pairs += b_q * b_dqj
-        b_after = _seg_sums(tl.where(o_in[:, None] > j, b_pairs, 0.0), BC)  # t >= s = j + 1
-        b_dlog = tl.where(o_in[:, None] == j + 1, b_dlog + b_after, b_dlog)
+        b_after = tl.sum(tl.where(o_r[:, None] > j, b_pairs, 0.0), axis=0)  # t >= s = j + 1
+        b_dlog = tl.where(o_r[:, None] == j + 1, b_dlog + b_after[None, :], b_dlog)
     return b_dq, b_dk, b_dlog
 
 
@@ -718,62 +691,69 @@ def linear_recurrent_chunk_grads_intra_kernel(
 ):
     """With gk: what the pairs of steps inside a chunk give dq, dk and the key side's log decay gradient (float32, per
     query head, DQI, DKI, DLI [rows, H, K]; `chunk_grads_qk` adds the pairs with the start state or end adjoint), a
-    program per (chunk, block of BK channels, sequence x head), products over the chunk's C rows. With dA_tr = scale
-    do_t · v_r (DA, `chunk_intra`) and, per channel, W_tr = dA_tr q_t k_r e^{L(r, t]}:
+    program per (sub-chunk I of BC rows of a chunk, block of BK channels, sequence x head): I's rows. With dA_tr =
+    scale do_t · v_r (DA, `chunk_intra`) and, per channel, W_tr = dA_tr q_t k_r e^{L(r, t]}:
         dq_t = sum_{r <= t} dA_tr k_r e^{L(r, t]},   dk_r = sum_{t >= r} dA_tr q_t e^{L(r, t]},
         dlog_s = the sum of W_tr over the pairs r < s <= t    (docs/DESIGN.md §3 linear recurrent, "Gates' gradients")
-    over r, t in the chunk. The pairs in different sub-chunks are factored through a boundary b between sub-chunks (the
-    last step of one, as `chunk_intra`'s): with K_b = k e^{L(j, b]} on the steps j <= b (`_through`), Q_b = q
-    e^{L(b, t]} on the steps t > b (`_from`), both exponents sums of their own steps, and dA_b the block of dA with
-    t > b >= r, two TF32 products [C, C] x [C, BK] per b (M = C): Y_b = dA_b K_b, X_b = dA_bᵀ Q_b. For t in the
-    sub-chunk after b, dq_t = Y_b e^{L(b, t]} (prefix sums inside it); for r in the sub-chunk before b, dk_r = X_b
-    e^{L(r, b]} (sums after r inside it). For s in sub-chunk I, the pairs r < s <= t by where r and t lie: r before I,
-    t in I (q_t ⊙ its dq from before I, a reverse cumsum inside I); r in I, t after I (k_r ⊙ its dk from after I, an
-    exclusive cumsum inside I); r before I, t after I (the same for every s of I: Q_b ⊙ Y_b summed over the steps
-    after I, b the step before I); both in I (`_intra_grads`, every sub-chunk at once). No term is subtracted from
-    another."""
+    over r, t in the chunk. The pairs with the steps before I are factored through the step b before I, those with
+    the steps after I through I's last step e, every exponent a sum of its own steps: with K_b = k e^{L(j, b]} on the
+    steps j <= b (`_through`) and Q_e = q e^{L(e, t]} on the steps t > e (`_from`), TF32 products (`_dot_state`)
+    Y = dA[I, :b] K_b (then dq_t = Y_t e^{L(b, t]}, prefix sums inside I) and X = dA[e:, I]ᵀ Q_e (dk_r = X_r
+    e^{L(r, e]}, the sums after r inside I). For s in I, the pairs r < s <= t by where r and t lie: r before I, t in
+    I (q_t ⊙ its dq from before I, a reverse cumsum inside I); r in I, t after I (k_r ⊙ its dk from after I, an
+    exclusive cumsum inside I); r before I, t after I (the same for every s of I: Q_b ⊙ dA[e:, :b] K_b summed over
+    the steps after I, Q_b = q e^{L(b, t]}); both in I (`_intra_grads`). No term is subtracted from another."""
     NSUB: tl.constexpr = C // BC
-    i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_cs, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, i_i = i_cs // NSUB, i_cs % NSUB
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
     i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
-    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
+    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)  # the chunk's steps
+    rows_i, m_i = _steps(bos, eos, i_t * C + i_i * BC, BC, REVERSE)  # sub-chunk I's
     o_c = tl.arange(0, C)
-    o_sub = o_c // BC  # each step's sub-chunk
+    o_r = tl.arange(0, BC)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
-    b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
-    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK]
+    b = i_i * BC - 1  # the step before I
+    e = b + BC  # I's last step
+    b_q = _load_qk(Q, rows_i, m_i, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
+    b_k = _load_qk(K_, rows_i, m_i, i_hk, o_k, m_k, HKV, K, MAP)
+    b_li = _key_log(G, GAMMA, GK, rows_i, m_i, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK]
+    b_p = _cumsum(b_li, axis=0)  # L(b, t]: prefix sums inside I
     p_da = DA + (i_cg * H + i_h).to(tl.int64) * C * C  # the chunk's dA [C, C]
-    b_y = tl.zeros_like(b_q)  # by t: sum over r before t's sub-chunk of dA_tr k_r e^{L(r, b]}
-    b_x = tl.zeros_like(b_q)  # by r: sum over t after r's sub-chunk of dA_tr q_t e^{L(e, t]}
-    b_span = tl.zeros_like(b_q)  # by s: the pairs from before its sub-chunk to after it
-    for i_i in tl.static_range(1, NSUB):
-        upto = o_c <= i_i * BC - 1  # b = i_i BC - 1: the steps up to b
-        b_kb = tl.where(upto[:, None], b_k * tl.exp(_through(b_l, o_c, i_i * BC - 1)), 0.0)  # k_j e^{L(j, b]}
-        b_qb = tl.where(upto[:, None], 0.0, b_q * tl.exp(_from(b_l, o_c, i_i * BC - 1)))  # q_t e^{L(b, t]}
-        b_dab = tl.load(p_da + o_c[:, None] * C + o_c[None, :], mask=upto[None, :] & (o_c[:, None] > i_i * BC - 1),
-                        other=0.0)  # dA_tr, t > b >= r
-        b_yb = _dot_state(b_dab, b_kb, DT)  # rows t > b
-        b_xb = _dot_state(tl.trans(b_dab), b_qb, DT)  # rows r <= b
-        b_y = tl.where(o_sub[:, None] == i_i, b_yb, b_y)
-        b_x = tl.where(o_sub[:, None] == i_i - 1, b_xb, b_x)
-        b_over = tl.sum(tl.where(o_sub[:, None] > i_i, b_qb * b_yb, 0.0), axis=0)  # t after sub-chunk i_i
-        b_span = tl.where(o_sub[:, None] == i_i, b_over[None, :], b_span)
-    b_p = _seg_cumsum(b_l, BC)  # L(b, t]: prefix sums inside each sub-chunk
-    b_dq = b_y * tl.exp(b_p)
-    b_dk = b_x * tl.exp(_seg_cumsum(b_l, BC, True) - b_l)  # L(r, e]: the sums after r inside its sub-chunk
-    b_dlog = _seg_cumsum(b_q * b_dq, BC, True) + _seg_cumsum_before(b_k * b_dk, BC) + b_span
-    b_dq, b_dk, b_dlog = _intra_grads(b_dq, b_dk, b_dlog, b_q, b_p, p_da, K_, G, GAMMA, GK, bos, eos, i_t * C, i_h,
-                                      i_hk, o_k, m_k, o_c, H, HKV, K, C, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
-    p_i = (rows[:, None] * H + i_h) * K + o_k[None, :]
-    m_i = m_s[:, None] & m_k[None, :]
-    tl.store(DQI + p_i, b_dq, mask=m_i)
-    tl.store(DKI + p_i, b_dk, mask=m_i)
-    tl.store(DLI + p_i, b_dlog, mask=m_i)
+    b_dq = tl.zeros_like(b_q)
+    b_dk = tl.zeros_like(b_q)
+    b_dlog = tl.zeros_like(b_q)
+    if i_i > 0 or i_i < NSUB - 1:
+        b_kc = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]: the chunk's
+        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+        b_qc = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)
+        if i_i > 0:
+            b_kb = tl.where(o_c[:, None] <= b, b_kc * tl.exp(_through(b_l, o_c, b)), 0.0)  # k_j e^{L(j, b]}
+            b_dai = tl.load(p_da + (b + 1 + o_r[:, None]) * C + o_c[None, :], mask=o_c[None, :] <= b, other=0.0)
+            b_dq = _dot_state(b_dai, b_kb, DT) * tl.exp(b_p)  # dA_tr, t in I, r <= b
+            if i_i < NSUB - 1:  # the pairs from before I to after it
+                b_dae = tl.load(p_da + o_c[:, None] * C + o_c[None, :], mask=(o_c[:, None] > e) & (o_c[None, :] <= b),
+                                other=0.0)  # dA_tr, t > e, r <= b
+                b_qb = tl.where(o_c[:, None] > e, b_qc * tl.exp(_from(b_l, o_c, b)), 0.0)  # q_t e^{L(b, t]}
+                b_dlog += tl.sum(b_qb * _dot_state(b_dae, b_kb, DT), axis=0)[None, :]
+        if i_i < NSUB - 1:
+            b_qe = tl.where(o_c[:, None] > e, b_qc * tl.exp(_from(b_l, o_c, e)), 0.0)  # q_t e^{L(e, t]}
+            b_dat = tl.load(p_da + o_c[None, :] * C + b + 1 + o_r[:, None], mask=o_c[None, :] > e,
+                            other=0.0)  # [r, t]: dA_tr, r in I, t > e
+            b_dk = _dot_state(b_dat, b_qe, DT) * tl.exp(_after(b_li))  # L(r, e]: the sums after r inside I
+    b_dlog += _cumsum(b_q * b_dq, axis=0, reverse=True) + _cumsum_before(b_k * b_dk, 0)
+    b_dq, b_dk, b_dlog = _intra_grads(b_dq, b_dk, b_dlog, b_q, b_p, p_da + (b + 1) * C, K_, G, GAMMA, GK, bos, eos,
+                                      i_t * C + i_i * BC, b + 1, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, C, BC, USE_G,
+                                      USE_GAMMA, USE_GK, REVERSE, MAP)
+    p_i = (rows_i[:, None] * H + i_h) * K + o_k[None, :]
+    m_w = m_i[:, None] & m_k[None, :]
+    tl.store(DQI + p_i, b_dq, mask=m_w)
+    tl.store(DKI + p_i, b_dk, mask=m_w)
+    tl.store(DLI + p_i, b_dlog, mask=m_w)
 
 
 @triton.jit

@@ -56,14 +56,16 @@ class Tiles:
 
 
 # The chunked kernels' launches (notes/recurrent-perf.md): the state kernels walk a sequence's chunks in order, so
-# their programs are blocks of the state (rows of K decay on their own); chunk_intra is a program per chunk (K and, for
-# dA, V in loops of blocks); the others a program per chunk (C rows) and block of V or K.
+# their programs are blocks of the state (rows of K decay on their own); the intra-chunk kernels (gk) a program per
+# sub-chunk (SUB rows: chunk_intra with K and, for dA, V in loops of blocks; chunk_grads_intra per block of K), small
+# enough for several on an SM (chunk_intra 128 registers a thread, chunk_grads_intra 192 at BK 32, sm_90); the others
+# a program per chunk (C rows) and block of V or K.
 CHUNKED = {
     "chunk_state": Tiles(64, 64, 8, 2),
     "chunk_state_bwd": Tiles(64, 64, 8, 2),
-    "chunk_intra": Tiles(64, 64, 8, 1),
+    "chunk_intra": Tiles(32, 64, 4, 1),
     "chunk_output": Tiles(64, 64, 8, 2),
-    "chunk_grads_intra": Tiles(64, 0, 8, 1),
+    "chunk_grads_intra": Tiles(32, 0, 4, 1),
     "chunk_grads_qk": Tiles(64, 32, 8, 2),
     "chunk_grads_v": Tiles(64, 64, 8, 2),
 }
@@ -234,15 +236,15 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg):
 
 def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None):
     """With gk: (A [chunks, H, C, C] in q's dtype, every chunk's intra-chunk matrix (scale included); with v and do
-    (the backward) also dA = scale do vᵀ [chunks, H, C, C] float32, else None), a program per (chunk, sequence x
-    head)."""
+    (the backward) also dA = scale do vᵀ [chunks, H, C, C] float32, else None), a program per (sub-chunk of SUB rows,
+    sequence x head)."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_intra", cfg.dk, cfg.dv)
     grads = do is not None
     square = (per_row * grid_rows, cfg.heads, cfg.chunk, cfg.chunk)
     a, da = triton_call.launch(
-        kernels.get("chunk_intra"), (per_row, grid_rows * cfg.heads),
+        kernels.get("chunk_intra"), (per_row * (cfg.chunk // SUB), grid_rows * cfg.heads),
         [q, k, v if grads else _dummy(q.dtype), *ins[:3], ins[5], chunks, do if grads else _dummy(q.dtype)],
         [jax.ShapeDtypeStruct(square, q.dtype), jax.ShapeDtypeStruct(square if grads else (1,), F32)],
         BC=SUB, GRADS=grads, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
@@ -294,15 +296,15 @@ def _direct(kernels, cfg) -> bool:
 
 def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da):
     """With gk: (DQI, DKI, DLI [B, T, H, K] float32, per query head): what the pairs of steps inside each chunk give dq,
-    dk and the key side's log decay gradient, from dA (``chunk_intra``), a program per (chunk, block of K, sequence x
-    head)."""
+    dk and the key side's log decay gradient, from dA (``chunk_intra``), a program per (sub-chunk of SUB rows, block
+    of K, sequence x head)."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_intra", cfg.dk, cfg.dv)
     out = jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dk,), F32)
     return tuple(triton_call.launch(
         kernels.get("chunk_grads_intra"),
-        (per_row, packing.cdiv(cfg.dk, blocks["BK"]), grid_rows * cfg.heads),
+        (per_row * (cfg.chunk // SUB), packing.cdiv(cfg.dk, blocks["BK"]), grid_rows * cfg.heads),
         [q, k, *ins[:3], ins[5], chunks, da], [out, out, out], BC=SUB, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks}))
 
