@@ -80,11 +80,15 @@ def table(slices: list[dict], label: str, gap_us: float = 1000.0, width: int = 7
     by_proc = collections.defaultdict(list)
     for s in pool:
         by_proc[s["process"]].append(s)
-    for proc in sorted(by_proc):
-        call = last_call(by_proc[proc], gap_us)
+    calls = {proc: last_call(by_proc[proc], gap_us) for proc in sorted(by_proc)}
+    first = min(min(s["ts"] for s in call) for call in calls.values())
+    for proc, call in calls.items():
         t0 = min(s["ts"] for s in call)
         t1 = max(s["ts"] + s["dur"] for s in call)
-        lines.append(f"{proc}: last call {t1 - t0:.1f} us, {len(call)} slices")
+        # where the devices' calls start against each other (one timeline): a device launched late holds the others
+        # at the first transfer (issue 18: the 2-GPU ring's forward+backward started 5.5 ms apart)
+        lines.append(f"{proc}: last call {t1 - t0:.1f} us, {len(call)} slices, starts {t0 - first:.1f} us after "
+                     f"the first device's")
         lines.append("| start us | dur us | stream | kernel |")
         lines.append("|---|---|---|---|")
         for s in call[:100]:
@@ -96,7 +100,23 @@ def table(slices: list[dict], label: str, gap_us: float = 1000.0, width: int = 7
             sums[kind(s["name"])] += s["dur"]
         lines.append("per kind (us, summed over streams): " + ", ".join(f"{k} {v:.1f}" for k, v in sums.most_common()))
         lines.append("")
+    if device and len(calls) > 1:
+        lines += launches(slices, first, max(s["ts"] + s["dur"] for call in calls.values() for s in call))
     return "\n".join(lines)
+
+
+def launches(slices: list[dict], first: float, end: float, before_us: float = 20000.0) -> list[str]:
+    """The host's per-device launch slices (named "[<device>] ...Execute...") of the last call, from ``before_us``
+    before the first device's kernels to the call's end, with their start against that first kernel: which device's
+    launch came late, and what held it."""
+    rows = sorted((s for s in slices if not _is_device(s["process"]) and s["name"].startswith("[")
+                   and "Execute" in s["name"] and first - before_us <= s["ts"] <= end), key=lambda s: s["ts"])
+    if not rows:
+        return []
+    lines = ["host launch slices of the last call (start us against the first device's first kernel)",
+             "| start | dur | thread | name |", "|---|---|---|---|"]
+    lines += [f"| {s['ts'] - first:.1f} | {s['dur']:.1f} | {s['thread'][:24]} | {s['name'][:70]} |" for s in rows[-24:]]
+    return lines + [""]
 
 
 def profile(fn, args, trace_dir: Path, calls: int = 3, label: str = "", gap_us: float = 1000.0) -> str:

@@ -650,12 +650,13 @@ def _forward(q, k, v, ctx, plan: Plan):
         chunk = stage.chunk
         first, last = at == 0, at + count == plan.steps
 
-        def body(carry, xs, stage=stage, chunk=chunk, first=first, last=last):
+        def body(carry, xs, stage=stage, chunk=chunk, first=first, last=last, unrolled=count == 1):
             travel, acc, lse = carry
             held = own if first and plan.start == 0 else wire.unpack(travel)
             ahead = travel if last else _shift(plan, travel, 1)  # the next step's block, in flight meanwhile
             slots, t = xs
             s = (r - t) % plan.devices
+            pairs = []  # per slot: (q0, the pair's out and lse as its kernels give them)
             for j in range(slots.shape[0]):
                 q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
 
@@ -666,13 +667,18 @@ def _forward(q, k, v, ctx, plan: Plan):
                     return vma.vary((jnp.zeros((b, chunk, hkv, g, dv), q.dtype),
                                      jnp.full((b, hkv, g, chunk), NEG_INF, jnp.float32)), axes)
 
-                out_p, lse_p = _switch(stage, j, kind, run, skip)
+                pairs.append((q0, _switch(stage, j, kind, run, skip)))
+            if not last:  # the barrier ties the kernels' own results (docs/DESIGN.md §3, Ring attention): the float32
+                # writes and merges come after it, free to fuse with their readers (the next step's merges, the
+                # final cast); tying the merged float32 rows made XLA write them out before the barrier (2 H100s,
+                # 32k tokens, zigzag: the first step's 128 MiB float32 rows, a 65 us select between the kernels)
+                ahead, results = _after_kernels(ahead, [p[1] for p in pairs])
+                pairs = [(q0, res) for (q0, _), res in zip(pairs, results)]
+            for j, (q0, (out_p, lse_p)) in enumerate(pairs):
                 if first and _fresh(stage, j):  # the rows' first result: written, not merged into zeros
                     acc, lse = _write(acc, lse, out_p, lse_p, q0, chunk)
-                else:
-                    acc, lse = _merge(acc, lse, out_p, lse_p, q0, chunk)
-            if not last:
-                ahead, acc, lse = _after_kernels(ahead, acc, lse)
+                else:  # outside a loop, rows updated by selects (fused with the reader), not in place
+                    acc, lse = _merge(acc, lse, out_p, lse_p, q0, chunk, in_place=not unrolled)
             return (ahead, acc, lse), None
 
         travel, acc, lse = _steps(body, (travel, acc, lse), xs)
@@ -712,14 +718,36 @@ def _write(acc, lse, out_p, lse_p, q0, chunk: int):
     return lax.dynamic_update_slice_in_dim(acc, out_p, q0, 1), lax.dynamic_update_slice_in_dim(lse, lse_p, q0, 3)
 
 
-def _merge(acc, lse, out_p, lse_p, q0, chunk: int):
+def _merge(acc, lse, out_p, lse_p, q0, chunk: int, in_place: bool = True):
     """Merge one pair's normalised output into the running one of its query rows [q0, q0 + chunk), by their lse
-    (float32)."""
-    old_acc, old = _rows(acc, q0, chunk), _rows(lse, q0, chunk, 3)
-    new = jnp.logaddexp(old, lse_p)
-    base = _finite(new)
-    merged = old_acc * _moved(jnp.exp(old - base)) + out_p.astype(jnp.float32) * _moved(jnp.exp(lse_p - base))
-    return lax.dynamic_update_slice_in_dim(acc, merged, q0, 1), lax.dynamic_update_slice_in_dim(lse, new, q0, 3)
+    (float32). ``in_place``: the rows updated in place (a loop's carried buffers); else by `_updated`'s selects."""
+
+    def merged(old_acc, old):
+        new = jnp.logaddexp(old, lse_p)
+        base = _finite(new)
+        return (old_acc * _moved(jnp.exp(old - base)) + out_p.astype(jnp.float32) * _moved(jnp.exp(lse_p - base)),
+                new)
+
+    if in_place:
+        new_acc, new = merged(_rows(acc, q0, chunk), _rows(lse, q0, chunk, 3))
+        return lax.dynamic_update_slice_in_dim(acc, new_acc, q0, 1), lax.dynamic_update_slice_in_dim(lse, new, q0, 3)
+    return _updated((acc, lse), (1, 3), q0, chunk, merged)
+
+
+def _updated(xs: tuple, axes: tuple, start, chunk: int, update):
+    """``xs`` with rows [start, start + chunk) along ``axes`` (one per array; ``start`` a traced multiple of
+    ``chunk``) replaced by ``update(*those rows)``, bitwise as dynamic_update_slice would write them, by a select per
+    chunk of rows instead (docs/DESIGN.md §3, Ring attention): outside a loop XLA fuses that into what reads the
+    result (the next merge, the final cast), where an update in place is a buffer written out first."""
+    rows = xs[0].shape[axes[0]]
+    if chunk == rows:
+        return update(*xs)
+    parts = [[] for _ in xs]
+    for c in range(rows // chunk):
+        old = [lax.slice_in_dim(x, c * chunk, (c + 1) * chunk, axis=a) for x, a in zip(xs, axes)]
+        for part, o, u in zip(parts, old, update(*old)):
+            part.append(jnp.where(start == c * chunk, u, o))
+    return tuple(jnp.concatenate(part, axis=a) for part, a in zip(parts, axes))
 
 
 def _placed(parts, chunk: int, rows: int):
@@ -771,7 +799,7 @@ def _backward(plan: Plan, residuals, cotangents):
         here = plan.distance(plan.steps - 1 - at) if count == 1 else None
         keep = last or (count == 1 and at == plan.steps - 2 and plan.start == 0)
 
-        def body(carry, xs, stage=stage, chunk=chunk, first=first, keep=keep, here=here):
+        def body(carry, xs, stage=stage, chunk=chunk, first=first, keep=keep, here=here, unrolled=count == 1):
             travel, pending, dq, grads = carry
             held = own if travel is None or here == 0 else wire.unpack(travel)
             # in flight while this step computes, as one buffer: the block held now, to the device behind for the
@@ -814,8 +842,15 @@ def _backward(plan: Plan, residuals, cotangents):
                     for i, n, x in ((1, "k", k), (2, "v", v))}
             for (q0, _, _), res in zip(pairs, results):  # dq adds up at home, one pair after another
                 dq_p = res[0].astype(f32)
-                dq = (_placed([(q0, dq_p)], chunk, q.shape[1]) if dq is None
-                      else lax.dynamic_update_slice_in_dim(dq, _rows(dq, q0, chunk) + dq_p, q0, 1))
+                if dq is None:
+                    dq = _placed([(q0, dq_p)], chunk, q.shape[1])
+                elif unrolled:  # outside a loop by selects, which XLA fuses up to the final cast, not a float32 dq
+                    # written out between steps (docs/DESIGN.md §3, Ring attention; 2 H100s, 32k tokens, zigzag: the
+                    # fusion before the last kernel took 178 us for the 384 MiB of the wire's concatenation, about
+                    # what the 192 MiB of dq's float32 rows beside it add)
+                    dq = _updated((dq,), (1,), q0, chunk, lambda old, dq_p=dq_p: (old + dq_p,))[0]
+                else:
+                    dq = lax.dynamic_update_slice_in_dim(dq, _rows(dq, q0, chunk) + dq_p, q0, 1)
                 grads = {n: grads[n] + res[3][n].astype(f32) for n in grads}
             if both:
                 ahead, arrived = received["both"][:size], owed.unpack(received["both"][size:])
