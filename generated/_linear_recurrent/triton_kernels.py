@@ -421,24 +421,39 @@ def _segsum(b_l, o_r):
 
 
 @triton.jit
-def _intra(b_a, b_q, K_, G, GAMMA, GK, bos, eos, first, col, i_h, i_hk, o_k, m_k, o_r, o_c, H: tl.constexpr,
+def _sub(P, bos, eos, first, i_h, o_k, m_k, HEADS: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+         REVERSE: tl.constexpr, MAP: tl.constexpr):
+    """[BC, BK]: q or k (P) of the BC steps of a sub-chunk from step `first` (`_load_qk`)."""
+    rows, m_s = _steps(bos, eos, first, BC, REVERSE)
+    return _load_qk(P, rows, m_s, i_h, o_k, m_k, HEADS, K, MAP)
+
+
+@triton.jit
+def _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+             USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr):
+    """[BC, BK]: the key side's log gate of the BC steps of a sub-chunk from step `first` (`_key_log`)."""
+    rows, m_s = _steps(bos, eos, first, BC, REVERSE)
+    return _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+
+
+@triton.jit
+def _intra(b_q, b_p, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H: tl.constexpr,
            HKV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr,
            USE_GK: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr):
-    """b_a [BC, C] (rows: a sub-chunk's BC steps from step `first`, q [BC, BK]; columns: the chunk's steps, the
-    sub-chunk's from `col`) plus its diagonal block, D[i, j] = sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, both in the
-    sub-chunk, every decay the sum of the pair's own steps: a column j at a time, k_j and the log gate of step j + 1
-    read as one row [1, BK], X[i] = L(j, i] kept by adding each step as j goes down."""
-    b_x = tl.zeros_like(b_q)  # [BC, BK]: L(j, i] for i > j, 0 elsewhere
-    b_next = tl.zeros([1, b_q.shape[1]], dtype=tl.float32)  # the log gate of step j + 1
-    for back in tl.static_range(0, BC):  # unrolled: the rows' loads do not wait on the sums before them
-        j = BC - 1 - back
-        b_x = tl.where(o_r[:, None] > j, b_x + b_next, 0.0)
+    """[BC, BC]: a sub-chunk's diagonal block (its BC steps from step `first`, q [BC, BK] with the head dim whole; P
+    [BC, BK] the prefix sums of the log gates inside it), D[i, j] = sum_c q_ic k_jc e^{P_ic - P_jc} for j <= i, 0
+    above. A column j at a time, k_j and the log gate of step j read as one row [1, BK], P_j summed as the rows come:
+    a difference of prefix sums of at most BC steps, as the backward's (`_intra_grads`). (Unrolled, the loop's loads
+    all start at once and hold 250 registers a thread.)"""
+    b_d = tl.zeros([BC, BC], dtype=tl.float32)
+    b_pj = tl.zeros([1, b_q.shape[1]], dtype=tl.float32)  # P_j
+    for j in range(0, BC):
         rows_j, m_j = _steps_at(bos, eos, first + j + tl.zeros([1], dtype=tl.int32), REVERSE)
         b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
-        b_col = tl.sum(b_q * b_kj * tl.exp(b_x), axis=1)  # [BC]
-        b_a += tl.where((o_c[None, :] == col + j) & (o_r[:, None] >= j), b_col[:, None], 0.0)
-        b_next = _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-    return b_a
+        b_pj += _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+        b_col = tl.sum(b_q * b_kj * tl.exp(tl.where(o_r[:, None] > j, b_p - b_pj, 0.0)), axis=1)  # [BC]
+        b_d = tl.where((o_r[None, :] == j) & (o_r[:, None] >= j), b_col[:, None], b_d)
+    return b_d
 
 
 @triton.jit
@@ -497,14 +512,14 @@ def linear_recurrent_chunk_intra_kernel(
 ):
     """With a gate per key channel (gk): A [chunks, H, C, C] (q's dtype), each chunk's intra-chunk matrix
         A_ij = scale sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, 0 above the diagonal,
-    a program per (sub-chunk I of BC rows of a chunk, sequence x head): A's rows I [BC, C], K in blocks of BK. The
-    columns before I are factored through the step b before I: e^{L(j, i]} = e^{L(b, i]} e^{L(j, b]}, L(b, i] the
-    prefix sums inside I and L(j, b] the sums of the steps after j up to b (`_through`), both sums of their own steps,
-    <= 0 for decaying gates: one TF32 product (`_dot_state`) of q e^{L(b, i]} [BC, BK] and k e^{L(j, b]} on the
-    steps up to b [BK, C]. The diagonal block from each pair's own segment sum (`_intra`). Small programs (BC rows,
-    a few warps) keep many on each SM: the one-program-per-chunk form held one a SM (255 registers a thread) and
-    waited on its loads (1.24 ms of gla's 2.1 ms forward at B4 T4096 on an H100). GRADS (the backward): also DA
-    [chunks, H, C, C] float32, dA_ij = scale do_i · v_j for j <= i, 0 above (V in blocks of BV)."""
+    a program per (sub-chunk I of BC rows of a chunk, sequence x head): A's rows I, a [BC, BC] block at a time, the
+    head dim whole (BK >= K: every tile [BC, BK], a few warps, many products a thread between two reductions). The
+    blocks J < I are factored through the step b before I, e^{L(j, i]} = e^{L(b, i]} e^{L(j, b]}: L(b, i] the prefix
+    sums inside I, L(j, b] the sums after j inside J plus the whole sub-chunks between J and I, every exponent a sum
+    of its own steps, <= 0 for decaying gates; one TF32 product (`_dot_state`) of q e^{L(b, i]} and k e^{L(j, b]}
+    for each. The diagonal block from `_intra`; zeros right of it. GRADS (the backward): also DA [chunks, H, C, C]
+    float32, dA_ij = scale do_i · v_j for j <= i, 0 above (V in blocks of BV)."""
+    tl.static_assert(BK >= K, "chunk_intra takes the head dim whole (host.CHUNKED block_k 0)")
     NSUB: tl.constexpr = C // BC
     i_cs, i_bh = tl.program_id(0), tl.program_id(1)
     i_c, i_i = i_cs // NSUB, i_cs % NSUB
@@ -513,33 +528,40 @@ def linear_recurrent_chunk_intra_kernel(
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
     i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
-    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)  # the chunk's steps
-    rows_i, m_i = _steps(bos, eos, i_t * C + i_i * BC, BC, REVERSE)  # sub-chunk I's
-    o_c = tl.arange(0, C)
+    first = i_t * C + i_i * BC  # I's first step
     o_r = tl.arange(0, BC)
-    b = i_i * BC - 1  # the step before I
-    b_a = tl.zeros([BC, C], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_q = _load_qk(Q, rows_i, m_i, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
-        if i_i > 0:
-            b_li = _key_log(G, GAMMA, GK, rows_i, m_i, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK]
-            b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
-            b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-            b_kb = tl.where(o_c[:, None] <= b, b_k * tl.exp(_through(b_l, o_c, b)), 0.0)  # k_j e^{L(j, b]}
-            b_a += _dot_state(b_q * tl.exp(_cumsum(b_li, axis=0)), tl.trans(b_kb), DT)  # q_i e^{L(b, i]}
-        b_a = _intra(b_a, b_q, K_, G, GAMMA, GK, bos, eos, i_t * C + i_i * BC, i_i * BC, i_h, i_hk, o_k, m_k, o_r,
-                     o_c, H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
-    p_c = ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_c[None, :]  # rows I of the chunk's
-    tl.store(A + p_c, (b_a * SCALE).to(A.dtype.element_ty))
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
+    b_p = _cumsum(_sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
+                           REVERSE), axis=0)  # L(b, i]
+    p_a = A + ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_r[None, :]  # rows I, block 0
+    b_qb = b_q * tl.exp(b_p)
+    b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
+    for back in range(0, i_i):
+        i_j = i_i - 1 - back
+        b_k = _sub(K_, bos, eos, i_t * C + i_j * BC, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
+        b_l = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
+                       REVERSE)
+        b_kb = b_k * tl.exp(_after(b_l) + b_dec)  # k_j e^{L(j, b]}
+        tl.store(p_a + i_j * BC, (_dot_state(b_qb, tl.trans(b_kb), DT) * SCALE).to(A.dtype.element_ty))
+        b_dec += tl.sum(b_l, axis=0, keep_dims=True)
+    b_d = _intra(b_q, b_p, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC, USE_G,
+                 USE_GAMMA, USE_GK, REVERSE, MAP)
+    tl.store(p_a + i_i * BC, (b_d * SCALE).to(A.dtype.element_ty))
+    for i_j in range(i_i + 1, NSUB):
+        tl.store(p_a + i_j * BC, tl.zeros([BC, BC], dtype=A.dtype.element_ty))
     if GRADS:
+        rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)  # the chunk's steps
+        rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
+        o_c = tl.arange(0, C)
         b_da = tl.zeros([BC, C], dtype=tl.float32)
         for i_v in range(0, tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
             b_do = _load_v(DO, rows_i, m_i, i_h, o_v, m_v, H, V)  # [BC, BV]
             b_da += _dot(b_do, tl.trans(_load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)), DT)
+        p_c = ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_c[None, :]
         tl.store(DA + p_c, tl.where(i_i * BC + o_r[:, None] >= o_c[None, :], b_da * SCALE, 0.0))
 
 
@@ -653,24 +675,23 @@ def _per_gate(x, USE_GK: tl.constexpr):
 
 
 @triton.jit
-def _intra_grads(b_dq, b_dk, b_dlog, b_q, b_p, p_da, K_, G, GAMMA, GK, bos, eos, first, col, i_h, i_hk, o_k, m_k,
-                 o_r, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+def _intra_grads(b_dq, b_dk, b_dlog, b_q, b_p, p_da, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_r,
+                 H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                  USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr,
                  MAP: tl.constexpr):
     """dq, dk and the log decay gradient (b_dq, b_dk, b_dlog [BC, BK]) plus the pairs of a sub-chunk with itself, per
-    key channel (q [BC, BK] of its BC steps from step `first`, its columns of dA from `col`; P [BC, BK] the prefix sums
-    of the log gates inside it; p_da the chunk's dA [C, C] from the sub-chunk's first row, dA_ij = scale do_i · v_j):
-    dq_i = sum_{j <= i} dA_ij k_j e^{L(j, i]}, dk_j = sum_{i >= j} dA_ij q_i e^{L(j, i]}, and by s the pairs
-    r < s <= t, inner_s = sum q_t k_r e^{L(r, t]} dA_tr, i, j, r, s, t in the sub-chunk. A column j at a time: k_j
-    and the log gate of step j read as one row [1, BK] (e^{P_i - P_j}, P_j summed as the rows come), dA's column j
-    read from memory."""
+    key channel (q [BC, BK] of its BC steps from step `first`; P [BC, BK] the prefix sums of the log gates inside it;
+    p_da its diagonal block of dA, row stride C, dA_ij = scale do_i · v_j): dq_i = sum_{j <= i} dA_ij k_j
+    e^{L(j, i]}, dk_j = sum_{i >= j} dA_ij q_i e^{L(j, i]}, and by s the pairs r < s <= t, inner_s = sum q_t k_r
+    e^{L(r, t]} dA_tr, i, j, r, s, t in the sub-chunk. A column j at a time: k_j and the log gate of step j read as
+    one row [1, BK] (e^{P_i - P_j}, P_j summed as the rows come), dA's column j read from memory."""
     b_pairs = tl.zeros_like(b_q)  # by t: the pairs (r <= j, t) so far
     b_pj = tl.zeros([1, b_q.shape[1]], dtype=tl.float32)  # P_j
-    for j in tl.static_range(0, BC):  # unrolled: the rows' and dA's loads do not wait on the sums before them
+    for j in range(0, BC):
         rows_j, m_j = _steps_at(bos, eos, first + j + tl.zeros([1], dtype=tl.int32), REVERSE)
         b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
         b_pj += _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-        b_daj = tl.load(p_da + o_r * C + col + j, mask=o_r >= j, other=0.0)  # [BC]: dA[i, j], i >= j
+        b_daj = tl.load(p_da + o_r * C + j, mask=o_r >= j, other=0.0)  # [BC]: dA[i, j], i >= j
         b_decay = tl.exp(tl.where(o_r[:, None] > j, b_p - b_pj, 0.0))  # e^{L(j, i]} for i >= j
         b_dqj = b_daj[:, None] * b_kj * b_decay
         b_dq += b_dqj
@@ -691,18 +712,19 @@ def linear_recurrent_chunk_grads_intra_kernel(
 ):
     """With gk: what the pairs of steps inside a chunk give dq, dk and the key side's log decay gradient (float32, per
     query head, DQI, DKI, DLI [rows, H, K]; `chunk_grads_qk` adds the pairs with the start state or end adjoint), a
-    program per (sub-chunk I of BC rows of a chunk, block of BK channels, sequence x head): I's rows. With dA_tr =
-    scale do_t · v_r (DA, `chunk_intra`) and, per channel, W_tr = dA_tr q_t k_r e^{L(r, t]}:
+    program per (sub-chunk I of BC rows of a chunk, block of BK channels, sequence x head): I's rows, every tile
+    [BC, BK] (as `chunk_intra`'s; here the channels are independent, the sums run over steps). With dA_tr = scale do_t · v_r (DA, `chunk_intra`) and, per channel,
+    W_tr = dA_tr q_t k_r e^{L(r, t]}:
         dq_t = sum_{r <= t} dA_tr k_r e^{L(r, t]},   dk_r = sum_{t >= r} dA_tr q_t e^{L(r, t]},
         dlog_s = the sum of W_tr over the pairs r < s <= t    (docs/DESIGN.md §3 linear recurrent, "Gates' gradients")
-    over r, t in the chunk. The pairs with the steps before I are factored through the step b before I, those with
-    the steps after I through I's last step e, every exponent a sum of its own steps: with K_b = k e^{L(j, b]} on the
-    steps j <= b (`_through`) and Q_e = q e^{L(e, t]} on the steps t > e (`_from`), TF32 products (`_dot_state`)
-    Y = dA[I, :b] K_b (then dq_t = Y_t e^{L(b, t]}, prefix sums inside I) and X = dA[e:, I]ᵀ Q_e (dk_r = X_r
-    e^{L(r, e]}, the sums after r inside I). For s in I, the pairs r < s <= t by where r and t lie: r before I, t in
-    I (q_t ⊙ its dq from before I, a reverse cumsum inside I); r in I, t after I (k_r ⊙ its dk from after I, an
-    exclusive cumsum inside I); r before I, t after I (the same for every s of I: Q_b ⊙ dA[e:, :b] K_b summed over
-    the steps after I, Q_b = q e^{L(b, t]}); both in I (`_intra_grads`). No term is subtracted from another."""
+    over r, t in the chunk. A sub-chunk J before I meets I through the step b before I (k_J e^{L(j, b]}, L(j, b] the
+    sums after j in J plus the whole sub-chunks between), one after I through I's last step e (q_J e^{L(e, t]}): TF32
+    products (`_dot_state`) of [BC, BC] blocks of dA with them, Y = sum_J dA[I, J] K_b (dq_t = Y_t e^{L(b, t]}, prefix
+    sums inside I) and X = sum_J dA[J, I]ᵀ Q_e (dk_r = X_r e^{L(r, e]}, the sums after r inside I). For s in I, the
+    pairs r < s <= t by where r and t lie: r before I, t in I (q_t ⊙ its dq from before I, a reverse cumsum inside
+    I); r in I, t after I (k_r ⊙ its dk from after I, an exclusive cumsum inside I); r before I, t after I (the same
+    for every s of I: Q_b ⊙ dA[J', J] K_b summed over the steps t of each J' after I, Q_b = q e^{L(b, t]}); both in I
+    (`_intra_grads`). No term is subtracted from another."""
     NSUB: tl.constexpr = C // BC
     i_cs, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_c, i_i = i_cs // NSUB, i_cs % NSUB
@@ -711,44 +733,54 @@ def linear_recurrent_chunk_grads_intra_kernel(
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
     i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
-    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)  # the chunk's steps
-    rows_i, m_i = _steps(bos, eos, i_t * C + i_i * BC, BC, REVERSE)  # sub-chunk I's
-    o_c = tl.arange(0, C)
+    first = i_t * C + i_i * BC  # I's first step
     o_r = tl.arange(0, BC)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b = i_i * BC - 1  # the step before I
-    e = b + BC  # I's last step
-    b_q = _load_qk(Q, rows_i, m_i, i_h, o_k, m_k, H, K, MAP)  # [BC, BK]
-    b_k = _load_qk(K_, rows_i, m_i, i_hk, o_k, m_k, HKV, K, MAP)
-    b_li = _key_log(G, GAMMA, GK, rows_i, m_i, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [BC, BK]
+    b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
+    b_k = _sub(K_, bos, eos, first, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
+    b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE)
     b_p = _cumsum(b_li, axis=0)  # L(b, t]: prefix sums inside I
+    b_tot = tl.sum(b_li, axis=0, keep_dims=True)  # L(b, e]
     p_da = DA + (i_cg * H + i_h).to(tl.int64) * C * C  # the chunk's dA [C, C]
-    b_dq = tl.zeros_like(b_q)
-    b_dk = tl.zeros_like(b_q)
-    b_dlog = tl.zeros_like(b_q)
-    if i_i > 0 or i_i < NSUB - 1:
-        b_kc = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]: the chunk's
-        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-        b_qc = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)
-        if i_i > 0:
-            b_kb = tl.where(o_c[:, None] <= b, b_kc * tl.exp(_through(b_l, o_c, b)), 0.0)  # k_j e^{L(j, b]}
-            b_dai = tl.load(p_da + (b + 1 + o_r[:, None]) * C + o_c[None, :], mask=o_c[None, :] <= b, other=0.0)
-            b_dq = _dot_state(b_dai, b_kb, DT) * tl.exp(b_p)  # dA_tr, t in I, r <= b
-            if i_i < NSUB - 1:  # the pairs from before I to after it
-                b_dae = tl.load(p_da + o_c[:, None] * C + o_c[None, :], mask=(o_c[:, None] > e) & (o_c[None, :] <= b),
-                                other=0.0)  # dA_tr, t > e, r <= b
-                b_qb = tl.where(o_c[:, None] > e, b_qc * tl.exp(_from(b_l, o_c, b)), 0.0)  # q_t e^{L(b, t]}
-                b_dlog += tl.sum(b_qb * _dot_state(b_dae, b_kb, DT), axis=0)[None, :]
-        if i_i < NSUB - 1:
-            b_qe = tl.where(o_c[:, None] > e, b_qc * tl.exp(_from(b_l, o_c, e)), 0.0)  # q_t e^{L(e, t]}
-            b_dat = tl.load(p_da + o_c[None, :] * C + b + 1 + o_r[:, None], mask=o_c[None, :] > e,
-                            other=0.0)  # [r, t]: dA_tr, r in I, t > e
-            b_dk = _dot_state(b_dat, b_qe, DT) * tl.exp(_after(b_li))  # L(r, e]: the sums after r inside I
-    b_dlog += _cumsum(b_q * b_dq, axis=0, reverse=True) + _cumsum_before(b_k * b_dk, 0)
-    b_dq, b_dk, b_dlog = _intra_grads(b_dq, b_dk, b_dlog, b_q, b_p, p_da + (b + 1) * C, K_, G, GAMMA, GK, bos, eos,
-                                      i_t * C + i_i * BC, b + 1, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, C, BC, USE_G,
+    p_blk = o_r[:, None] * C + o_r[None, :]  # a [BC, BC] block of it
+    b_y = tl.zeros_like(b_q)  # by t in I: sum over r before I of dA_tr k_r e^{L(r, b]}
+    b_span = tl.zeros([1, BK], dtype=tl.float32)  # the pairs from before I to after it
+    b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
+    for back in range(0, i_i):
+        i_j = i_i - 1 - back
+        b_kj = _sub(K_, bos, eos, i_t * C + i_j * BC, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
+        b_lj = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
+                        REVERSE)
+        b_kb = b_kj * tl.exp(_after(b_lj) + b_dec)  # k_r e^{L(r, b]}
+        b_y += _dot_state(tl.load(p_da + (i_i * BC) * C + i_j * BC + p_blk), b_kb, DT)
+        b_run = b_tot  # L(b, start of J'): I and the sub-chunks between I and J'
+        for i_o in range(i_i + 1, NSUB):  # the sub-chunks J' after I
+            b_lo = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA,
+                            USE_GK, REVERSE)
+            b_qo = _sub(Q, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)
+            b_qb = b_qo * tl.exp(b_run + _cumsum(b_lo, axis=0))  # q_t e^{L(b, t]}
+            b_z = _dot_state(tl.load(p_da + (i_o * BC) * C + i_j * BC + p_blk), b_kb, DT)
+            b_span += tl.sum(b_qb * b_z, axis=0, keep_dims=True)
+            b_run += tl.sum(b_lo, axis=0, keep_dims=True)
+        b_dec += tl.sum(b_lj, axis=0, keep_dims=True)
+    b_x = tl.zeros_like(b_q)  # by r in I: sum over t after I of dA_tr q_t e^{L(e, t]}
+    b_run = tl.zeros([1, BK], dtype=tl.float32)  # L(e, start of J']
+    for i_o in range(i_i + 1, NSUB):
+        b_lo = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
+                        REVERSE)
+        b_qo = _sub(Q, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)
+        b_qe = b_qo * tl.exp(b_run + _cumsum(b_lo, axis=0))  # q_t e^{L(e, t]}
+        b_dat = tl.load(p_da + (i_o * BC) * C + i_i * BC + o_r[None, :] * C + o_r[:, None])  # [r, t]: dA_tr
+        b_x += _dot_state(b_dat, b_qe, DT)
+        b_run += tl.sum(b_lo, axis=0, keep_dims=True)
+    b_dq = b_y * tl.exp(b_p)
+    b_dk = b_x * tl.exp(_after(b_li))  # L(r, e]: the sums after r inside I
+    b_dlog = _cumsum(b_q * b_dq, axis=0, reverse=True) + _cumsum_before(b_k * b_dk, 0) + b_span
+    b_dq, b_dk, b_dlog = _intra_grads(b_dq, b_dk, b_dlog, b_q, b_p, p_da + (i_i * BC) * C + i_i * BC, K_, G, GAMMA,
+                                      GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, C, BC, USE_G,
                                       USE_GAMMA, USE_GK, REVERSE, MAP)
+    rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
     p_i = (rows_i[:, None] * H + i_h) * K + o_k[None, :]
     m_w = m_i[:, None] & m_k[None, :]
     tl.store(DQI + p_i, b_dq, mask=m_w)
