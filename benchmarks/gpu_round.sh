@@ -19,6 +19,7 @@
 #          and off (EJGEN_GLUON_SPEC_MASKS A/B); GPU 1: gla's chunked kernels alone, the recurrent Triton GPU tests,
 #          then the launch-settings sweep; GPUs 2-3: the ring's GPU tests, the ring timed and profiled, then GPU 2:
 #          dispatch.py and documents vs Flex, GPU 3: fla's times and ejgen's recurrent table against them
+#   final  session 17's last call (lane_final's comment)
 #   zoo    GPUs 0 and 3: every zoo case against FlexAttention, half on each (ejgen, then Flex in its own process)
 #   intra  GPU 1: gla's kernels, the intra-chunk kernels' settings and their Nsight Compute counters; GPU 2: fla and
 #          ejgen's recurrent table; then the recurrent Triton GPU tests on both                    (issue 17)
@@ -96,6 +97,41 @@ lane_dispatch() {
     --out "$log/disp2"
   EJGEN_FAILURE_LOG=$PWD/$log/zoo-failures.txt job zoo-tests 220 python3 -m pytest -m gpu -q -rf \
     -p no:cacheprovider tests/zoo
+}
+
+lane_final() {  # session 17's last call: gla's rewritten intra kernels (GPU 0, then their counters and the zoo's
+  # slow gpt-oss case traced), fla and ejgen's recurrent table (GPU 1), the ring after its glue changes with two NCCL
+  # settings (GPUs 2-3); then the recurrent Triton GPU tests on GPUs 1-3
+  (
+    export CUDA_VISIBLE_DEVICES=$(gpu 0)
+    job rec-kernels 120 python3 benchmarks/recurrent_kernels.py --ops gla --sweep \
+      --sweep-kernels chunk_intra,chunk_grads_intra
+    job trace 100 python3 benchmarks/trace_table.py --cases gpt_oss,gemma3,sliding_window --out "$log/trace"
+    job ncu 90 ncu --clock-control none -k regex:'chunk_(grads_)?intra' --launch-count 3 --section SpeedOfLight \
+      --section Occupancy --section WarpStateStats --section LaunchStats \
+      python3 benchmarks/recurrent_kernels.py --ops gla --no-check --reps 1 --rounds 1
+  ) &
+  (
+    export CUDA_VISIBLE_DEVICES=$(gpu 1)
+    job fla 100 python3 benchmarks/recurrent_fla.py --out "$log/fla/fla.json"
+    local fla=()
+    [ -f "$log/fla/fla.json" ] && fla=(--fla "$log/fla/fla.json")
+    job rec-bench 120 python3 benchmarks/recurrent.py "${fla[@]}" --out "$log/recb"
+  ) &
+  (
+    export CUDA_VISIBLE_DEVICES=$(gpu 2),$(gpu 3)
+    EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 100 python3 -m pytest -m gpu -q -rf \
+      -p no:cacheprovider tests/multidevice/test_ring_gpu.py
+    local ring=(benchmarks/ring.py --devices 2 --seqs 32768 --heads 16/16 --orders zigzag --passes fwd,fwdbwd)
+    job ring-profile 100 python3 "${ring[@]}" --parts time,profile --out "$log/ring"
+    job ring-memcpy 60 env XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true python3 "${ring[@]}" --parts time \
+      --out "$log/ring-memcpy"
+    job ring-nch4 60 env XLA_FLAGS=--xla_gpu_nccl_p2p_max_nchannels=4 python3 "${ring[@]}" --parts time \
+      --out "$log/ring-nch4"
+  ) &
+  wait
+  OUT=$PWD/$log GPUS="$(gpu 1) $(gpu 2) $(gpu 3)" PER_GPU=2 job rec-tests 210 bash benchmarks/gpu_shards.sh \
+    rec-shards 195 -k triton tests/recurrent
 }
 
 lane_zoo() {  # the whole zoo against Flex, half the cases on each of GPUs 0 and 3 (ejgen, then Flex in its own process)
@@ -192,7 +228,7 @@ wait
   [ -f "$log/zoo-failures.txt" ] && { echo "== zoo failures"; cut -c1-400 "$log/zoo-failures.txt"; }
   for f in rec-tests gluon-tests rec-kernels rec-decode layouts layouts-flex layouts-32k fla rec-bench \
            dispatch-nocb documents zoo-gluon zoo-bench zoo-bench-off rec-sweep zoo-tests ring-profile ring-tests trace \
-           zoo-ejgen-0 zoo-flex-0 zoo-ejgen-3 zoo-flex-3; do
+           zoo-ejgen-0 zoo-flex-0 zoo-ejgen-3 zoo-flex-3 ring-memcpy ring-nch4; do
     [ -f "$log/$f.txt" ] && { echo "== $f"; grep -vE "DeprecationWarning|^  (return|from) " "$log/$f.txt" | tail -70; }
   done
   [ -f "$log/trace/profile.md" ] && { echo "== trace/profile.md"; cat "$log/trace/profile.md"; }
@@ -202,8 +238,8 @@ wait
   [ -f "$log/zoo/table.md" ] && { echo "== zoo/table.md"; cat "$log/zoo/table.md"; }
   [ -f "$log/off/zoo/table.md" ] && { echo "== zoo/table.md (EJGEN_GLUON_SPEC_MASKS=0)"; cat "$log/off/zoo/table.md"; }
   for z in 0 3; do [ -f "$log/zoo$z/table.md" ] && { echo "== zoo$z/table.md"; cat "$log/zoo$z/table.md"; }; done
-  [ -f "$log/ncu.txt" ] && { echo "== ncu (whole)"; grep -vE "DeprecationWarning|^  (return|from) |^\| " "$log/ncu.txt" \
-    | grep -E "^  [a-z_]+.*kernel|Duration|Occupancy|Registers|Stall|Throughput|Warp Cycles|Eligible|Issued|Block Limit|One or More|No Eligible|Active Warps|L1|L2|DRAM|Memory|Executed Ipc" | head -150; }
+  [ -f "$log/ncu.txt" ] && { echo "== ncu (whole)"; grep -E "^  [a-z_]+.*kernel|^    [A-Z]" "$log/ncu.txt" \
+    | grep -vE "^    (OPT|INF|WRN) " | head -220; }
 } > "$OUT/round.txt" 2>&1
 tuned=$(find "$log/fla" -maxdepth 1 -name fla_tuned -type d 2>/dev/null)
 [ -n "$tuned" ] && tar czf "$OUT/fla_tuned.tgz" -C "$tuned" .
