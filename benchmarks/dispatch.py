@@ -73,7 +73,8 @@ def device_us(fn, args, trace_dir: Path) -> tuple[float, float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="causal,documents,chunked,flamingo")
-    p.add_argument("--passes", default="fwd,fwdbwd")
+    p.add_argument("--passes", default="fwd,fwdbwd", help="fwd, fwdbwd, fwd-args, fwdbwd-args (-args: the learnable "
+                   "inputs passed as arguments)")
     p.add_argument("--out", default="bench-out/dispatch")
     p.add_argument("--seq", type=int, default=8192, help="tokens (a multiple of 256; small for a CPU smoke run)")
     args = p.parse_args(argv)
@@ -102,9 +103,14 @@ def main(argv=None) -> int:
         learn = {n: jnp.asarray(a) for n, a in case.arrays.items() if n in case.learnable}
         fixed = {n: jnp.asarray(a) for n, a in case.arrays.items() if n not in case.learnable}
         fns = {"fwd": jax.jit(lambda q, k, v: call(q, k, v, learn, fixed)),
-               "fwdbwd": jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: call(q, k, v, learn, fixed), q, k, v)[1](do))}
+               "fwdbwd": jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: call(q, k, v, learn, fixed), q, k, v)[1](do)),
+               # the learnable inputs (sinks, T5's table) as arguments of the executable, as zoo.py and training pass
+               # them, not constants folded into it
+               "fwd-args": jax.jit(lambda q, k, v, learn: call(q, k, v, learn, fixed)),
+               "fwdbwd-args": jax.jit(lambda q, k, v, learn: jax.vjp(lambda q, k, v, learn: call(q, k, v, learn, fixed),
+                                                                      q, k, v, learn)[1](do))}
         for pass_ in [x for x in args.passes.split(",") if x]:
-            fn, a = fns[pass_], (q, k, v)
+            fn, a = fns[pass_], (q, k, v) + ((learn,) if pass_.endswith("-args") else ())
             kern, span = device_us(fn, a, out / f"trace-{key}-{pass_}")
             hosts.append(host_table(out / f"trace-{key}-{pass_}", f"{case.label} {pass_}"))
             enq = enqueue_us(fn, a)

@@ -19,7 +19,7 @@
 #          and off (EJGEN_GLUON_SPEC_MASKS A/B); GPU 1: gla's chunked kernels alone, the recurrent Triton GPU tests,
 #          then the launch-settings sweep; GPUs 2-3: the ring's GPU tests, the ring timed and profiled, then GPU 2:
 #          dispatch.py and documents vs Flex, GPU 3: fla's times and ejgen's recurrent table against them
-#   final  session 17's last call (lane_final's comment)
+#   final  session 17's third call (lane_final's comment); last: its fourth, on two GPUs (lane_last's)
 #   zoo    GPUs 0 and 3: every zoo case against FlexAttention, half on each (ejgen, then Flex in its own process)
 #   intra  GPU 1: gla's kernels, the intra-chunk kernels' settings and their Nsight Compute counters; GPU 2: fla and
 #          ejgen's recurrent table; then the recurrent Triton GPU tests on both                    (issue 17)
@@ -97,6 +97,23 @@ lane_dispatch() {
     --out "$log/disp2"
   EJGEN_FAILURE_LOG=$PWD/$log/zoo-failures.txt job zoo-tests 220 python3 -m pytest -m gpu -q -rf \
     -p no:cacheprovider tests/zoo
+}
+
+lane_last() {  # two GPUs, under 4 minutes: the ring timed as the project times (4 calls a sample) with its one-GPU row;
+  # then gla's kernels (GPU 0) beside gpt-oss and Gemma 3 alone in zoo.py and gpt-oss's sinks as an argument in
+  # dispatch.py (GPU 1); then the recurrent Triton GPU tests with gk (the rewritten kernels)
+  CUDA_VISIBLE_DEVICES=$(gpu 0),$(gpu 1) job ring-profile 60 python3 benchmarks/ring.py --devices 2 --parts time \
+    --seqs 32768 --heads 16/16 --orders zigzag --passes fwd,fwdbwd --batch 4 --out "$log/ring"
+  CUDA_VISIBLE_DEVICES=$(gpu 0) job rec-kernels 70 python3 benchmarks/recurrent_kernels.py --ops gla --no-check \
+    --rounds 2 &
+  (
+    export CUDA_VISIBLE_DEVICES=$(gpu 1)
+    job zoo-ejgen-1 60 python3 benchmarks/zoo.py --out "$log/zoo1" --cases gpt_oss,gemma3 --reps 4 --rounds 2
+    job dispatch 40 python3 benchmarks/dispatch.py --cases gpt_oss --passes fwd,fwd-args,fwdbwd-args --out "$log/disp"
+  ) &
+  wait
+  OUT=$PWD/$log GPUS="$(gpu 0) $(gpu 1)" PER_GPU=3 job rec-tests 90 bash benchmarks/gpu_shards.sh rec-shards 80 \
+    -k "triton and gk" tests/recurrent
 }
 
 lane_final() {  # session 17's last call: gla's rewritten intra kernels (GPU 0, then their counters and the zoo's
@@ -228,7 +245,7 @@ wait
   [ -f "$log/zoo-failures.txt" ] && { echo "== zoo failures"; cut -c1-400 "$log/zoo-failures.txt"; }
   for f in rec-tests gluon-tests rec-kernels rec-decode layouts layouts-flex layouts-32k fla rec-bench \
            dispatch-nocb documents zoo-gluon zoo-bench zoo-bench-off rec-sweep zoo-tests ring-profile ring-tests trace \
-           zoo-ejgen-0 zoo-flex-0 zoo-ejgen-3 zoo-flex-3 ring-memcpy ring-nch4; do
+           zoo-ejgen-0 zoo-flex-0 zoo-ejgen-3 zoo-flex-3 ring-memcpy ring-nch4 zoo-ejgen-1; do
     [ -f "$log/$f.txt" ] && { echo "== $f"; grep -vE "DeprecationWarning|^  (return|from) " "$log/$f.txt" | tail -70; }
   done
   [ -f "$log/trace/profile.md" ] && { echo "== trace/profile.md"; cat "$log/trace/profile.md"; }

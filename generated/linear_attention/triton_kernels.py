@@ -42,6 +42,7 @@ import triton.language as tl
 
 
 UPCAST = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # Triton decides at decoration, so do we
+LOG2E = tl.constexpr(1.4426950408889634)  # e^x = 2^(x log2 e)
 
 
 @triton.jit
@@ -292,7 +293,6 @@ def _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H: tl.constexpr, K: tl.cons
     if USE_GK:
         b_l = _gate_map(tl.load(GK + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :],
                                 other=0.0))
-        b_l = tl.where(m_s[:, None] & m_k[None, :], b_l, 0.0)
     else:
         b_l = tl.zeros([rows.shape[0], 1], dtype=tl.float32)
     if USE_G:
@@ -310,7 +310,8 @@ def _load_qk(P, rows, m_s, i_h, o_k, m_k, HEADS: tl.constexpr, K: tl.constexpr, 
     b_x = tl.load(P + (rows[:, None] * HEADS + i_h) * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
     if MAP:
         b_x = _feature_map(b_x)
-    return tl.where(m, b_x, 0.0)
+    b_x = tl.where(m, b_x, 0.0)
+    return b_x  # (without a feature map the masked load's zeros stand: no select per element)
 
 
 @triton.jit
@@ -442,17 +443,19 @@ def _intra(b_q, b_p, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_r
            HKV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr,
            USE_GK: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr):
     """[BC, BC]: a sub-chunk's diagonal block (its BC steps from step `first`, q [BC, BK] with the head dim whole; P
-    [BC, BK] the prefix sums of the log gates inside it), D[i, j] = sum_c q_ic k_jc e^{P_ic - P_jc} for j <= i, 0
+    [BC, BK] the prefix sums of the log gates inside it times log2 e, each gate scaled before the sum as the loop
+    scales its rows, so both sides add the same numbers), D[i, j] = sum_c q_ic k_jc 2^{P_ic - P_jc} for j <= i, 0
     above. A column j at a time, k_j and the log gate of step j read as one row [1, BK], P_j summed as the rows come:
     a difference of prefix sums of at most BC steps, as the backward's (`_intra_grads`). (Unrolled, the loop's loads
     all start at once and hold 250 registers a thread.)"""
     b_d = tl.zeros([BC, BC], dtype=tl.float32)
-    b_pj = tl.zeros([1, b_q.shape[1]], dtype=tl.float32)  # P_j
+    b_pj = tl.zeros_like(b_q)  # P_j (log2 units, as b_p: sums of the same products l log2 e)
     for j in range(0, BC):
-        rows_j, m_j = _steps_at(bos, eos, first + j + tl.zeros([1], dtype=tl.int32), REVERSE)
-        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
-        b_pj += _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-        b_col = tl.sum(b_q * b_kj * tl.exp(tl.where(o_r[:, None] > j, b_p - b_pj, 0.0)), axis=1)  # [BC]
+        rows_j, m_j = _steps_at(bos, eos, first + j + tl.zeros_like(o_r), REVERSE)
+        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [BC, BK], every row k_j
+        b_pj += _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK) * LOG2E
+        # rows i < j: 2 to 0, not to a sum of positive terms that could overflow (the select below drops them)
+        b_col = tl.sum(b_q * b_kj * tl.exp2(tl.where(o_r[:, None] > j, b_p - b_pj, 0.0)), axis=1)  # [BC]
         b_d = tl.where((o_r[None, :] == j) & (o_r[:, None] >= j), b_col[:, None], b_d)
     return b_d
 
@@ -534,8 +537,8 @@ def linear_attention_chunk_intra_kernel(
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
-    b_p = _cumsum(_sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
-                           REVERSE), axis=0)  # L(b, i]
+    b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE)
+    b_p = _cumsum(b_li, axis=0)  # L(b, i]
     p_a = A + ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_r[None, :]  # rows I, block 0
     b_qb = b_q * tl.exp(b_p)
     b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
@@ -547,8 +550,8 @@ def linear_attention_chunk_intra_kernel(
         b_kb = b_k * tl.exp(_after(b_l) + b_dec)  # k_j e^{L(j, b]}
         tl.store(p_a + i_j * BC, (_dot_state(b_qb, tl.trans(b_kb), DT) * SCALE).to(A.dtype.element_ty))
         b_dec += tl.sum(b_l, axis=0, keep_dims=True)
-    b_d = _intra(b_q, b_p, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC, USE_G,
-                 USE_GAMMA, USE_GK, REVERSE, MAP)
+    b_d = _intra(b_q, _cumsum(b_li * LOG2E, axis=0), K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H,
+                 HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
     tl.store(p_a + i_i * BC, (b_d * SCALE).to(A.dtype.element_ty))
     for i_j in range(i_i + 1, NSUB):
         tl.store(p_a + i_j * BC, tl.zeros([BC, BC], dtype=A.dtype.element_ty))
@@ -681,19 +684,21 @@ def _intra_grads(b_dq, b_dk, b_dlog, b_q, b_p, p_da, K_, G, GAMMA, GK, bos, eos,
                  USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr,
                  MAP: tl.constexpr):
     """dq, dk and the log decay gradient (b_dq, b_dk, b_dlog [BC, BK]) plus the pairs of a sub-chunk with itself, per
-    key channel (q [BC, BK] of its BC steps from step `first`; P [BC, BK] the prefix sums of the log gates inside it;
+    key channel (q [BC, BK] of its BC steps from step `first`; P [BC, BK] the prefix sums of the log gates inside it
+    times log2 e, as `_intra`'s;
     p_da its diagonal block of dA, row stride C, dA_ij = scale do_i · v_j): dq_i = sum_{j <= i} dA_ij k_j
     e^{L(j, i]}, dk_j = sum_{i >= j} dA_ij q_i e^{L(j, i]}, and by s the pairs r < s <= t, inner_s = sum q_t k_r
-    e^{L(r, t]} dA_tr, i, j, r, s, t in the sub-chunk. A column j at a time: k_j and the log gate of step j read as
-    one row [1, BK] (e^{P_i - P_j}, P_j summed as the rows come), dA's column j read from memory."""
+    e^{L(r, t]} dA_tr, i, j, r, s, t in the sub-chunk. A column j at a time: k_j and the log gate of step j read into
+    every row [BC, BK] (the tiles keep q's layout: `_intra`) (e^{P_i - P_j}, P_j summed as the rows come), dA's
+    column j read from memory."""
     b_pairs = tl.zeros_like(b_q)  # by t: the pairs (r <= j, t) so far
-    b_pj = tl.zeros([1, b_q.shape[1]], dtype=tl.float32)  # P_j
+    b_pj = tl.zeros_like(b_q)  # P_j (log2 units, as b_p), in every row
     for j in range(0, BC):
-        rows_j, m_j = _steps_at(bos, eos, first + j + tl.zeros([1], dtype=tl.int32), REVERSE)
-        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [1, BK]
-        b_pj += _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+        rows_j, m_j = _steps_at(bos, eos, first + j + tl.zeros_like(o_r), REVERSE)
+        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [BC, BK], every row k_j (q's layout)
+        b_pj += _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK) * LOG2E
         b_daj = tl.load(p_da + o_r * C + j, mask=o_r >= j, other=0.0)  # [BC]: dA[i, j], i >= j
-        b_decay = tl.exp(tl.where(o_r[:, None] > j, b_p - b_pj, 0.0))  # e^{L(j, i]} for i >= j
+        b_decay = tl.exp2(tl.where(o_r[:, None] > j, b_p - b_pj, 0.0))  # e^{L(j, i]} for i >= j
         b_dqj = b_daj[:, None] * b_kj * b_decay
         b_dq += b_dqj
         b_dk = tl.where(o_r[:, None] == j, b_dk + tl.sum(b_daj[:, None] * b_q * b_decay, axis=0)[None, :], b_dk)
@@ -714,7 +719,8 @@ def linear_attention_chunk_grads_intra_kernel(
     """With gk: what the pairs of steps inside a chunk give dq, dk and the key side's log decay gradient (float32, per
     query head, DQI, DKI, DLI [rows, H, K]; `chunk_grads_qk` adds the pairs with the start state or end adjoint), a
     program per (sub-chunk I of BC rows of a chunk, block of BK channels, sequence x head): I's rows, every tile
-    [BC, BK] (as `chunk_intra`'s; here the channels are independent, the sums run over steps). With dA_tr = scale do_t · v_r (DA, `chunk_intra`) and, per channel,
+    [BC, BK] (as `chunk_intra`'s; here the channels are independent, the sums run over steps). With dA_tr = scale
+    do_t · v_r (DA, `chunk_intra`) and, per channel,
     W_tr = dA_tr q_t k_r e^{L(r, t]}:
         dq_t = sum_{r <= t} dA_tr k_r e^{L(r, t]},   dk_r = sum_{t >= r} dA_tr q_t e^{L(r, t]},
         dlog_s = the sum of W_tr over the pairs r < s <= t    (docs/DESIGN.md §3 linear recurrent, "Gates' gradients")
@@ -778,9 +784,9 @@ def linear_attention_chunk_grads_intra_kernel(
     b_dq = b_y * tl.exp(b_p)
     b_dk = b_x * tl.exp(_after(b_li))  # L(r, e]: the sums after r inside I
     b_dlog = _cumsum(b_q * b_dq, axis=0, reverse=True) + _cumsum_before(b_k * b_dk, 0) + b_span
-    b_dq, b_dk, b_dlog = _intra_grads(b_dq, b_dk, b_dlog, b_q, b_p, p_da + (i_i * BC) * C + i_i * BC, K_, G, GAMMA,
-                                      GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, C, BC, USE_G,
-                                      USE_GAMMA, USE_GK, REVERSE, MAP)
+    b_dq, b_dk, b_dlog = _intra_grads(b_dq, b_dk, b_dlog, b_q, _cumsum(b_li * LOG2E, axis=0),
+                                      p_da + (i_i * BC) * C + i_i * BC, K_, G, GAMMA, GK, bos, eos, first, i_h,
+                                      i_hk, o_k, m_k, o_r, H, HKV, K, C, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
     rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
     p_i = (rows_i[:, None] * H + i_h) * K + o_k[None, :]
     m_w = m_i[:, None] & m_k[None, :]

@@ -57,16 +57,17 @@ class Tiles:
 
 # The chunked kernels' launches (notes/recurrent-perf.md): the state kernels walk a sequence's chunks in order, so
 # their programs are blocks of the state (rows of K decay on their own); the intra-chunk kernels (gk) a program per
-# sub-chunk (SUB rows) in two warps, chunk_intra with the head dim whole (block_k 0; its diagonal loop sums over the
-# channels), chunk_grads_intra per block of K: each thread holds many of a [SUB, K] tile's products between the
-# reductions of their 16-step loops (at 32-channel blocks and 4 warps, 4 a thread: 1.3 and 5.2 ms at B4 T4096 on an
-# H200, issue-bound); the others a program per chunk (C rows) and block of V or K.
+# sub-chunk (SUB rows), chunk_intra with the head dim whole (block_k 0; its diagonal loop sums over the channels) in
+# two warps, chunk_grads_intra per block of 32 channels in one warp (its loop sums over steps: one warp needs no
+# barrier; 410 instructions a step against 2 x 280 in two, sm_90 SASS). Both are issue-bound (Nsight Compute, H200:
+# notes/recurrent-perf.md): fewer instructions a step is what counts, not occupancy or blocks; the others a program per
+# chunk (C rows) and block of V or K.
 CHUNKED = {
     "chunk_state": Tiles(64, 64, 8, 2),
     "chunk_state_bwd": Tiles(64, 64, 8, 2),
     "chunk_intra": Tiles(0, 64, 2, 1),
     "chunk_output": Tiles(64, 64, 8, 2),
-    "chunk_grads_intra": Tiles(32, 0, 2, 1),
+    "chunk_grads_intra": Tiles(32, 0, 1, 1),
     "chunk_grads_qk": Tiles(64, 32, 8, 2),
     "chunk_grads_v": Tiles(64, 64, 8, 2),
 }
