@@ -228,7 +228,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     consts = dict(T=0 if varlen else 4096, H=heads, HKV=kv_heads, K=dk, V=dv, BK=bk, SCALE=dk ** -0.5,
                   USE_G="g" in gates, USE_GAMMA="g_gamma" in gates, USE_GK="gk" in gates, USE_GV="gv" in gates,
                   USE_H0=h0, VARLEN=varlen, REVERSE=reverse, ROWS=4 * 4096, C=chunk, BC=host.SUB, MAP=True,
-                  BT=host.FUSED_BT, GRADS=True,
+                  BT=host.FUSED_BT, GRADS=True, WITH_A=True,
                   DT={"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[dtype])
     fused = min(host.FUSED_BV, bvf)
     compiled = {}

@@ -512,7 +512,7 @@ def linear_attention_chunk_intra_kernel(
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr, GRADS: tl.constexpr,
+    DT: tl.constexpr, GRADS: tl.constexpr, WITH_A: tl.constexpr,
 ):
     """With a gate per key channel (gk): A [chunks, H, C, C] (q's dtype), each chunk's intra-chunk matrix
         A_ij = scale sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, 0 above the diagonal,
@@ -522,7 +522,8 @@ def linear_attention_chunk_intra_kernel(
     sums inside I, L(j, b] the sums after j inside J plus the whole sub-chunks between J and I, every exponent a sum
     of its own steps, <= 0 for decaying gates; one TF32 product (`_dot_state`) of q e^{L(b, i]} and k e^{L(j, b]}
     for each. The diagonal block from `_intra`; zeros right of it. GRADS (the backward): also DA [chunks, H, C, C]
-    float32, dA_ij = scale do_i · v_j for j <= i, 0 above (V in blocks of BV)."""
+    float32, dA_ij = scale do_i · v_j for j <= i, 0 above (V in blocks of BV); without WITH_A only dA (the backward
+    of a forward that kept A)."""
     tl.static_assert(BK >= K, "chunk_intra takes the head dim whole (host.CHUNKED block_k 0)")
     NSUB: tl.constexpr = C // BC
     i_cs, i_bh = tl.program_id(0), tl.program_id(1)
@@ -536,25 +537,26 @@ def linear_attention_chunk_intra_kernel(
     o_r = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
-    b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE)
-    b_p = _cumsum(b_li, axis=0)  # L(b, i]
-    p_a = A + ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_r[None, :]  # rows I, block 0
-    b_qb = b_q * tl.exp(b_p)
-    b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
-    for back in range(0, i_i):
-        i_j = i_i - 1 - back
-        b_k = _sub(K_, bos, eos, i_t * C + i_j * BC, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
-        b_l = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
-                       REVERSE)
-        b_kb = b_k * tl.exp(_after(b_l) + b_dec)  # k_j e^{L(j, b]}
-        tl.store(p_a + i_j * BC, (_dot_state(b_qb, tl.trans(b_kb), DT) * SCALE).to(A.dtype.element_ty))
-        b_dec += tl.sum(b_l, axis=0, keep_dims=True)
-    b_d = _intra(b_q, _cumsum(b_li * LOG2E, axis=0), K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H,
-                 HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
-    tl.store(p_a + i_i * BC, (b_d * SCALE).to(A.dtype.element_ty))
-    for i_j in range(i_i + 1, NSUB):
-        tl.store(p_a + i_j * BC, tl.zeros([BC, BC], dtype=A.dtype.element_ty))
+    if WITH_A:
+        b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
+        b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE)
+        b_p = _cumsum(b_li, axis=0)  # L(b, i]
+        p_a = A + ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_r[None, :]  # rows I, block 0
+        b_qb = b_q * tl.exp(b_p)
+        b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
+        for back in range(0, i_i):
+            i_j = i_i - 1 - back
+            b_k = _sub(K_, bos, eos, i_t * C + i_j * BC, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
+            b_l = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA,
+                           USE_GK, REVERSE)
+            b_kb = b_k * tl.exp(_after(b_l) + b_dec)  # k_j e^{L(j, b]}
+            tl.store(p_a + i_j * BC, (_dot_state(b_qb, tl.trans(b_kb), DT) * SCALE).to(A.dtype.element_ty))
+            b_dec += tl.sum(b_l, axis=0, keep_dims=True)
+        b_d = _intra(b_q, _cumsum(b_li * LOG2E, axis=0), K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_r,
+                     H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+        tl.store(p_a + i_i * BC, (b_d * SCALE).to(A.dtype.element_ty))
+        for i_j in range(i_i + 1, NSUB):
+            tl.store(p_a + i_j * BC, tl.zeros([BC, BC], dtype=A.dtype.element_ty))
     if GRADS:
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)  # the chunk's steps
         rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)

@@ -150,8 +150,11 @@ def forward(kernels: Kernels, q, k, v, gates, h0, ctx, cfg, save: bool):
 
 def backward(kernels: Kernels, q, k, v, gates, h0, ctx, res, do, dht, cfg):
     """(dq, dk, dv in their inputs' dtypes, dgates, dh0)."""
-    backward_kernels = chunked_backward if cfg.algorithm == "chunked" else _fused_backward
-    dphi_q, dphi_k, dv_h, dh0, d_key, d_value = backward_kernels(kernels, q, k, v, gates, h0, ctx, do, dht, cfg)
+    if cfg.algorithm == "chunked":
+        dphi_q, dphi_k, dv_h, dh0, d_key, d_value = chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg,
+                                                                     res)
+    else:
+        dphi_q, dphi_k, dv_h, dh0, d_key, d_value = _fused_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg)
     return gradients.finish(kernels.hooks, q, k, v, gates, h0, cfg, dphi_q, dphi_k, dv_h, dh0, d_key, d_value)
 
 
@@ -236,10 +239,10 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg):
     return hs, ht
 
 
-def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None):
-    """With gk: (A [chunks, H, C, C] in q's dtype, every chunk's intra-chunk matrix (scale included); with v and do
-    (the backward) also dA = scale do vᵀ [chunks, H, C, C] float32, else None), a program per (sub-chunk of SUB rows,
-    sequence x head)."""
+def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True):
+    """With gk: (A [chunks, H, C, C] in q's dtype, every chunk's intra-chunk matrix (scale included), or None without
+    ``with_a``; with v and do (the backward) also dA = scale do vᵀ [chunks, H, C, C] float32, else None), a program per
+    (sub-chunk of SUB rows, sequence x head)."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_intra", cfg.dk, cfg.dv)
@@ -248,9 +251,10 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None):
     a, da = triton_call.launch(
         kernels.get("chunk_intra"), (per_row * (cfg.chunk // SUB), grid_rows * cfg.heads),
         [q, k, v if grads else _dummy(q.dtype), *ins[:3], ins[5], chunks, do if grads else _dummy(q.dtype)],
-        [jax.ShapeDtypeStruct(square, q.dtype), jax.ShapeDtypeStruct(square if grads else (1,), F32)],
-        BC=SUB, GRADS=grads, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
-    return a, da if grads else None
+        [jax.ShapeDtypeStruct(square if with_a else (1,), q.dtype),
+         jax.ShapeDtypeStruct(square if grads else (1,), F32)],
+        BC=SUB, GRADS=grads, WITH_A=with_a, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+    return a if with_a else None, da if grads else None
 
 
 def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None):
@@ -268,9 +272,12 @@ def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None):
 
 
 def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
+    """With gk the intra-chunk matrices A are kept for the backward (``save``; [chunks, H, C, C] in q's dtype, half
+    of q's size at K = 128, as fla keeps them): forming them again cost 0.78 of the backward's 0.85 ms intra kernel
+    (B4 T4096, H100, session 17); the backward's intra kernel then forms dA alone."""
     hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg)
     a = chunk_intra(kernels, q, k, gates, ctx, cfg)[0] if cfg.has("gk") else None
-    return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a), ht, {}
+    return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a), ht, {"a": a} if save and a is not None else {}
 
 
 def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht):
@@ -353,15 +360,17 @@ def key_log_grad(dlog, cfg):
     return dlog if cfg.has("gk") else jnp.sum(dlog, axis=0)
 
 
-def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg):
+def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg, res=None):
     """(dq, dk of the mapped q and k, dv; per query head, float32 or the inputs' dtype (``_direct``); dh0; the key
-    side's log decay gradient d_key [B, T, H, K | 1] or None; None)."""
+    side's log decay gradient d_key [B, T, H, K | 1] or None; None). ``res``: the forward's residuals (A with gk)."""
     hs, _ = chunk_states(kernels, k, v, gates, h0, ctx, cfg)
     do = do.astype(q.dtype)
     dhs, dh0 = chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht)
     a = intra = None
     if cfg.has("gk"):
-        a, da = chunk_intra(kernels, q, k, gates, ctx, cfg, v, do)
+        kept = (res or {}).get("a")
+        a, da = chunk_intra(kernels, q, k, gates, ctx, cfg, v, do, with_a=kept is None)
+        a = kept if kept is not None else a
         intra = chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da)
     dq, dk, dlog = chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra)
     dv = chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a)
