@@ -21,8 +21,9 @@
 #          dispatch.py and documents vs Flex, GPU 3: fla's times and ejgen's recurrent table against them
 #   final  session 17's third call (lane_final's comment); last: its fourth, on two GPUs (lane_last's)
 #   zoo    GPUs 0 and 3: every zoo case against FlexAttention, half on each (ejgen, then Flex in its own process).
-#          Not beside a lane that runs test shards: short kernels are host-bound, and pytest processes compiling on
-#          every core slowed gpt-oss's 87 us forward to 0.586 ms a call (session 17, calls 2 and 5)
+#          Not beside a lane that runs test shards: short kernels are host-bound, and gpt-oss's 80-88 us forward
+#          timed 0.586 ms a call beside them (session 17 call 2, H200) against 0.129 alone (call 5, H100); the
+#          likely cause, pytest processes compiling on every core, is not proven
 #   intra  GPU 1: gla's kernels, the intra-chunk kernels' settings and their Nsight Compute counters; GPU 2: fla and
 #          ejgen's recurrent table; then the recurrent Triton GPU tests on both                    (issue 17)
 #   dispatch GPU 3: how much of a short call is not its kernels (dispatch.py), with XLA's command buffers on and
