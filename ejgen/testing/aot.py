@@ -233,7 +233,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     fused = min(host.FUSED_BV, bvf)
     compiled = {}
     for which in ("fused_fwd", "fused_bwd", "chunk_state", "chunk_intra", "chunk_state_bwd", "chunk_output",
-                  "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"):
+                  "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"):
         if kernels is not None and which not in kernels or which.endswith("intra") and "gk" not in gates:
             continue  # (the intra-chunk kernels run with gk only; chunk_intra as the backward's, with dA)
         if which.startswith("fused"):

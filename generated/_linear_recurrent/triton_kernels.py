@@ -630,6 +630,63 @@ def linear_recurrent_chunk_output_kernel(
 
 
 @triton.jit
+def linear_recurrent_chunk_fused_fwd_kernel(
+    Q, K_, V_, G, GAMMA, GK, H0, CU, FIRST, A, O, HT,
+    T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
+    USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, USE_H0: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr,
+    MAP: tl.constexpr, DT: tl.constexpr,
+):
+    """The forward in one pass, `chunk_state` and `chunk_output` fused: a program per (sequence x head, block of BV
+    value columns) walks the sequence's chunks in order with its state [BK >= K, BV] in float32 registers, and for
+    each chunk writes o = scale (q ⊙ e^{P}) S + A v (as `chunk_output`, A from `chunk_intra` with gk, else formed
+    here) before it moves the state on, S' = diag(e^{L_C}) S + (k e^{L(j, C]})ᵀ v (as `chunk_state`). No state goes to
+    memory but the last (HT): the two-pass forward writes and reads every chunk's state, 2 x 268 MB float32 at B4
+    T4096 H16 K = V = 128. Fewer programs (sequences x heads x V / BV) than the two passes: host.CHUNK_FORWARD
+    chooses."""
+    tl.static_assert(BK >= K, "chunk_fused_fwd takes the head dim whole (host.CHUNKED block_k 0)")
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    i_hk = i_h // (H // HKV)
+    bos, eos = _bounds(CU, i_n, T, VARLEN)
+    if VARLEN:
+        first = tl.load(FIRST + i_n).to(tl.int64)
+    else:
+        first = i_n.to(tl.int64) * tl.cdiv(T, C)
+    GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    p_h = o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(H0 + i_nh.to(tl.int64) * K * V + p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
+    for i_t in range(0, tl.cdiv(eos - bos, C)):
+        rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
+        b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
+        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
+        b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
+        if USE_GK:
+            b_o = _dot_state(b_q * tl.exp(_cumsum(b_l, axis=0)), b_h, DT)
+            p_a = A + (((first + i_t) * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :]
+            b_a = tl.load(p_a, mask=o_c[:, None] >= o_c[None, :], other=0.0).to(tl.float32)
+        else:
+            b_o = _dot_state(b_q, b_h, DT)
+            if GATED:  # e^{P} on the rows of q S: q meets the state's product exact
+                b_o = b_o * tl.exp(_cumsum(b_l, axis=0))
+            b_a = _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
+            b_a = _intra_scalar(b_a, b_l, o_c, GATED) * SCALE
+        b_o = b_o * SCALE + _dot(b_a, b_v, DT)
+        tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
+                 mask=m_s[:, None] & m_v[None, :])
+        b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK] (after the output: fewer live tiles)
+        b_h = b_h * tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
+        b_h += _dot(tl.trans(b_k * tl.exp(_after(b_l))), b_v, DT)
+    tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_k[:, None] & m_v[None, :])
+
+
+@triton.jit
 def linear_recurrent_chunk_state_bwd_kernel(
     Q, G, GAMMA, GK, CU, FIRST, DO, DHT, DHS, DH0,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,

@@ -121,6 +121,40 @@ def test_triton_chunked_kernels_by_blocks(case, monkeypatch):
     check(case, "triton")
 
 
+FUSED_CHUNK_CASES = (
+    Case("recurrent", ("g", "g_gamma", "gk"), shape=(1, 23, 2, 2, 16, 24), cu=SHORT, h0=True, reverse=True),
+    Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 40, 2, 2, 16, 32), chunk=32, h0=True),
+    Case("linear_attention", (), shape=(1, 37, 2, 1, 16, 48), chunk=16),
+)
+
+
+@pytest.mark.parametrize("case", FUSED_CHUNK_CASES, ids=[c.id for c in FUSED_CHUNK_CASES])
+def test_triton_fused_chunk_forward(case, monkeypatch, launched):
+    """The one-pass chunked forward (host.CHUNK_FORWARD "fused": a program per sequence x head and block of V walks
+    the chunks with its state in registers): gk with the intra kernel's A, scalar gates, no gate with a feature map;
+    packed sequences (an empty one among them), reverse, initial_state, GQA, bf16; o, final_state and every gradient
+    (the backward as ever) against the oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "CHUNK_FORWARD", "fused")
+    check(case, "triton", hooks=_hooks(case))
+    assert any(n.endswith("chunk_fused_fwd_kernel") for n in launched), launched
+    assert not any(n.endswith("chunk_output_kernel") for n in launched), launched
+
+
+def test_the_chunked_forward_form_is_checked(monkeypatch):
+    """EJGEN_CHUNK_FORWARD picks the chunked forward's form; a value that is not one is one clear error."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setenv("EJGEN_CHUNK_FORWARD", "fused")
+    assert host.chunk_forward() == "fused"
+    monkeypatch.setenv("EJGEN_CHUNK_FORWARD", "fast")
+    with pytest.raises(ValueError, match="EJGEN_CHUNK_FORWARD='fast': expected one of two_pass, fused"):
+        host.chunk_forward()
+    monkeypatch.delenv("EJGEN_CHUNK_FORWARD")
+    assert host.chunk_forward() == host.CHUNK_FORWARD == "two_pass"
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("recurrent_ops")

@@ -67,6 +67,7 @@ CHUNKED = {
     "chunk_state_bwd": Tiles(64, 64, 8, 2),
     "chunk_intra": Tiles(0, 64, 2, 1),
     "chunk_output": Tiles(64, 64, 8, 2),
+    "chunk_fused_fwd": Tiles(0, 32, 8, 1),
     "chunk_grads_intra": Tiles(32, 0, 1, 1),
     "chunk_grads_qk": Tiles(64, 32, 8, 2),
     "chunk_grads_v": Tiles(64, 64, 8, 2),
@@ -271,13 +272,51 @@ def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None):
     return o
 
 
+# The chunked forward: "two_pass" (chunk_state writes every chunk's start state, chunk_output reads them; programs per
+# chunk) or "fused" (chunk_fused_fwd: a program per sequence x head and block of 32 value columns walks the chunks
+# with its state in registers, no states in memory). Not GPU-timed yet (session 17): two_pass stays the default until
+# the benchmark says where fused wins; EJGEN_CHUNK_FORWARD=fused (read at each call) selects it for a measurement.
+CHUNK_FORWARD = "two_pass"
+CHUNK_FORWARDS = ("two_pass", "fused")
+
+
+def chunk_forward() -> str:
+    """The chunked forward's form: EJGEN_CHUNK_FORWARD if set, else CHUNK_FORWARD."""
+    import os
+
+    form = os.environ.get("EJGEN_CHUNK_FORWARD", CHUNK_FORWARD)
+    if form not in CHUNK_FORWARDS:
+        raise ValueError(f"EJGEN_CHUNK_FORWARD={form!r}: expected one of {', '.join(CHUNK_FORWARDS)}")
+    return form
+
+
+def chunk_fused_forward(kernels, q, k, v, gates, h0, ctx, cfg, a=None):
+    """(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] float32) in one pass (``chunk_fused_fwd``), with gk from
+    the intra-chunk matrices ``a``."""
+    ins, consts = _common(q, k, v, gates, h0, ctx, cfg)
+    _, first, _, _ = _layout(ctx, cfg)
+    blocks, options = tiles("chunk_fused_fwd", cfg.dk, cfg.dv)
+    sds = jax.ShapeDtypeStruct
+    o, ht = triton_call.launch(
+        kernels.get("chunk_fused_fwd"), (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dv, blocks["BV"])),
+        [q, k, v, *ins[:3], ins[4], ins[5], first, _dummy(q.dtype) if a is None else a],
+        [sds(q.shape[:3] + (cfg.dv,), q.dtype), sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
+        zeroed=(0,) if cfg.varlen else (), BC=SUB, USE_H0=h0 is not None, **options,
+        **{**_chunk_consts(q, cfg, consts), **blocks})
+    return o, ht
+
+
 def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     """With gk the intra-chunk matrices A are kept for the backward (``save``; [chunks, H, C, C] in q's dtype, half
     of q's size at K = 128, as fla keeps them): forming them again cost 0.78 of the backward's 0.85 ms intra kernel
     (B4 T4096, H100, session 17); the backward's intra kernel then forms dA alone."""
-    hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg)
     a = chunk_intra(kernels, q, k, gates, ctx, cfg)[0] if cfg.has("gk") else None
-    return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a), ht, {"a": a} if save and a is not None else {}
+    res = {"a": a} if save and a is not None else {}
+    if chunk_forward() == "fused":
+        o, ht = chunk_fused_forward(kernels, q, k, v, gates, h0, ctx, cfg, a)
+        return o, ht, res
+    hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg)
+    return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a), ht, res
 
 
 def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht):
