@@ -3,7 +3,8 @@ simple_gla and lightning_attention ops, forward and forward+backward, bf16, H = 
 B2 T16384, next to flash-linear-attention's chunk_gla / fused_recurrent_gla / chunk_simple_gla timed in a process of
 their own (`benchmarks/recurrent_fla.py`, torch: run it first on the same machine and pass its JSON with --fla).
 
-Impls: `ejgen-triton` (algorithm chunked, chunks of 64), `ejgen-triton-fused` (the fused recurrence; forward only
+Impls: `ejgen-triton` (algorithm chunked, chunks of 64), `ejgen-triton-onepass` (chunked with the one-pass forward,
+host.CHUNK_FORWARD "fused"), `ejgen-triton-fused` (the fused recurrence; forward only
 at T4096, the fused kernels are for decoding and short sequences), `ejgen-xla` (`--xla`: the chunked jnp backend).
 Every ejgen impl's forward is checked against the XLA backend in float32 on the same inputs (relative error of o and
 the final state, their first 2^20 entries each; FLAG past 2e-2).
@@ -111,14 +112,21 @@ def impls(op_name, args, gates, do, smoke):
     """{name: (fwd fn, fwd+bwd fn)} of a case."""
     op = getattr(generated, op_name)
     out = {}
-    platforms = [("ejgen-triton", "triton", "chunked")]
+    platforms = [("ejgen-triton", "triton", "chunked", "two_pass"),
+                 ("ejgen-triton-onepass", "triton", "chunked", "fused")]
     if args[0].shape[1] <= 4096:
-        platforms.append(("ejgen-triton-fused", "triton", "fused"))
+        platforms.append(("ejgen-triton-fused", "triton", "fused", "two_pass"))
     if ARGS.xla or smoke:
-        platforms.append(("ejgen-xla", "xla", "chunked"))
-    for name, platform, algorithm in platforms:
-        def fwd(q, k, v, g, platform=platform, algorithm=algorithm):
-            return op(q, k, v, **g, platform=platform, algorithm=algorithm)
+        platforms.append(("ejgen-xla", "xla", "chunked", "two_pass"))
+    for name, platform, algorithm, form in platforms:
+        def fwd(q, k, v, g, platform=platform, algorithm=algorithm, form=form):
+            from ejgen.runtime.recurrent.triton import host
+
+            kept, host.CHUNK_FORWARD = host.CHUNK_FORWARD, form  # read as the call is traced
+            try:
+                return op(q, k, v, **g, platform=platform, algorithm=algorithm)
+            finally:
+                host.CHUNK_FORWARD = kept
 
         def fwd_bwd(q, k, v, g, do, fwd=fwd):
             (o, ht), vjp = jax.vjp(fwd, q, k, v, g)
