@@ -45,7 +45,7 @@ class Family:
 
 FAMILIES = {
     "attention": Family(plan_attention, attention_op.emit, describe_attention, tuple(attention_op.BACKENDS),
-                        attention_op.exports),
+                        attention_op.exports, attention_op.emit_shared),
     "pooling": Family(plan_pooling, pooling_op.emit, describe_pooling, tuple(pooling_op.BACKENDS)),
     "linear_recurrent": Family(plan_recurrent, recurrent_op.emit, describe_recurrent, tuple(recurrent_op.BACKENDS),
                                recurrent_op.exports, recurrent_op.emit_shared),

@@ -1,8 +1,12 @@
 """The files of one attention op: its glue (`op.py`: argument checks, kernel choice, custom_vjp)
-and, per backend the spec lists, the modules rendered from that backend's templates."""
+and, per backend the spec lists, the modules rendered from that backend's templates; and the files the ops of a
+package share (``emit_shared``: the backend modules of the specs with no hooks of their own, rendered once per set of
+built-in masks)."""
 
 from __future__ import annotations
 
+import hashlib
+import re
 import textwrap
 from typing import Callable
 
@@ -109,10 +113,13 @@ def emit(plan: AttentionPlan, backends: list[str], common: dict, render: Callabl
             options=[{"name": o.name, "type": o.type} for o in v.options],
         ),
     }
+    key = shared_key(plan)
     for name in backends:
         backend = BACKENDS[name]
         context = backend.context(plan)
         for file, template in backend.files.items():
+            if key is not None and file in SHARED_FILES:
+                continue  # emit_shared's
             files[f"{v.name}/{file}"] = render(template, **common, **context)
     modes = decode_modes(plan)
     if modes:
@@ -185,3 +192,91 @@ def _decode_doc(doc: str, name: str, accepted: list) -> str:
 def _decode_default(a) -> str:
     """Decode is causal by nature: a runtime causal flag defaults to on."""
     return "True" if a.name == "causal" else a.default
+
+
+# The backend modules of a spec with no hooks of its own (identity score; no mask, params or options) read nothing of
+# it but its name and the built-in masks it prints (causal, sliding window: constexpr-guarded code for each). Every
+# such op of a package with the same masks binds its names to one module per file, SHARED_FOLDER/<masks>/<file>,
+# rendered with the name SHARED_PREFIX_<masks>: the name profiles show (Triton names a kernel by its function, the
+# Pallas kernels are named after NAME). The triton_launch.py of each op stays its own (it names the op's Layout).
+SHARED_FOLDER = "_attention"
+SHARED_PREFIX = "attention"
+SHARED_FILES = ("triton_kernels.py", "pallas.py", "xla.py")
+BUILTIN_MASKS = {"causal": "causal", "sliding_window": "window"}  # feature -> its word in a key
+
+
+def shared_key(plan: AttentionPlan) -> str | None:
+    """The built-in masks of a spec with no hooks of its own (`causal_window`, `causal`, ..., `unmasked`): its backend
+    modules are the package's shared ones of that key; None for a spec with a score, mask, param or option."""
+    v = plan.variant
+    if not plan.score_is_identity or plan.spec_mask is not None or plan.segment_key is not None or v.params \
+            or v.options:
+        return None
+    return "_".join(word for feature, word in BUILTIN_MASKS.items() if plan.has(feature)) or "unmasked"
+
+
+def _bound_names(file: str, text: str, prefix: str) -> list[str]:
+    """What an op's module takes from a shared one: the kernels (their names past the prefix) of `triton_kernels.py`;
+    every top-level assignment of the others (the backend interface, `_KERNELS`, `__all__`)."""
+    if file == "triton_kernels.py":
+        return re.findall(rf"^def {prefix}_(\w+_kernel)\(", text, re.MULTILINE)
+    return re.findall(r"^([A-Za-z_]\w*) = ", text, re.MULTILINE)
+
+
+def _named(plan: AttentionPlan, name: str) -> AttentionPlan:
+    """The plan under another name (what a context prints of the spec's name, the shared module's)."""
+    return attrs.evolve(plan, variant=attrs.evolve(plan.variant, name=name))
+
+
+def emit_shared(ops: list, render: Callable[..., str]) -> dict[str, str]:
+    """``{path: text}`` of what the package's attention ops ``[(plan, backends, common)]`` share: for each key of
+    `shared_key` some op has, ``SHARED_FOLDER/<key>/`` with the backend modules of ``SHARED_FILES`` those ops have,
+    each rendered once, and each such op's module of that name, which binds the names the runtime and the op's glue
+    look up to them; nothing where no op has a key. Each file is rendered from each sharing spec's own context and
+    must come out the same: a template that reads more of a spec than `shared_key` says fails the build here rather
+    than run another spec's kernels."""
+    keyed = [(shared_key(plan), plan, backends, common) for plan, backends, common in ops]
+    keyed = sorted((k for k in keyed if k[0] is not None), key=lambda k: (k[0], k[1].name))
+    if not keyed:
+        return {}
+    package = keyed[0][3]["spec_path"].split("/")[0] + "/"
+
+    def header(sharing):
+        return {"spec_path": package,
+                "spec_hash": hashlib.sha256("".join(c["spec_hash"] for *_, c in sharing).encode()).hexdigest()}
+
+    files, keys = {}, {}
+    for key in sorted({k[0] for k in keyed}):
+        group = [k for k in keyed if k[0] == key]
+        folder, prefix = f"{SHARED_FOLDER}/{key}", f"{SHARED_PREFIX}_{key}"
+        keys[key] = [plan.name for _, plan, _, _ in group]
+        modules = []
+        for backend_name, backend in BACKENDS.items():
+            for file, template in backend.files.items():
+                sharing = [(plan, common) for _, plan, backends, common in group
+                           if file in SHARED_FILES and backend_name in backends]
+                if not sharing:
+                    continue
+                texts = {plan.name: render(template, **header(group), **backend.context(_named(plan, prefix)), name=prefix)
+                         for plan, _ in sharing}
+                text = texts[sharing[0][0].name]
+                differ = [name for name, t in texts.items() if t != text]
+                if differ:
+                    raise AssertionError(
+                        f"the {file} of {sharing[0][0].name} and {', '.join(differ)} differ though all have no hooks "
+                        f"and the built-in masks '{key}': {template} reads more of a spec than its masks; share only "
+                        f"what renders the same (emit/attention/op.py, shared_key)")
+                files[f"{folder}/{file}"] = text
+                modules.append(file[:-len(".py")])
+                names = _bound_names(file, text, prefix)
+                for plan, common in sharing:
+                    bound = ([(f"{plan.name}_{n}", f"{prefix}_{n}") for n in names] if file == "triton_kernels.py"
+                             else [(n, n) for n in names])
+                    files[f"{plan.name}/{file}"] = render("attention/shared_binding.py.j2", **common, folder=folder,
+                                                          module=file[:-len(".py")], key=key, prefix=prefix,
+                                                          bound=bound)
+        files[f"{folder}/__init__.py"] = render("attention/shared_init.py.j2", **header(group), key=key,
+                                                ops=keys[key], modules=modules, prefix=prefix)
+    files[f"{SHARED_FOLDER}/__init__.py"] = render("attention/shared_init.py.j2", **header(keyed), key=None,
+                                                   groups="; ".join(f"`{k}`: {', '.join(v)}" for k, v in keys.items()))
+    return files
