@@ -18,6 +18,8 @@ KERNELS = {"fused_fwd", "fused_bwd", "chunk_state", "chunk_intra", "chunk_state_
 FORWARD = ("fused_fwd", "chunk_state", "chunk_output")
 CASES = [  # every kernel for Hopper; Ampere's forward (its mma lowering) with other flags and head dims
     ("recurrent-sm90-every-gate-bf16", "recurrent", 90, dict(gates=("g", "g_gamma", "gk", "gv"), kv_heads=4)),
+    ("gla-sm90-head-dim-256", "gla", 90,  # chunk_intra's warps grow with the head dim (host.tiles)
+     dict(gates=("gk",), dk=256, dv=256, kernels=("chunk_intra", "chunk_grads_intra"), max_spill=0)),
     ("linear-attention-sm80-varlen-reverse-f16", "linear_attention", 80,
      dict(gates=(), dtype="float16", varlen=True, reverse=True, dk=64, dv=256, h0=False, kernels=FORWARD)),
 ]
@@ -25,15 +27,17 @@ CASES = [  # every kernel for Hopper; Ampere's forward (its mma lowering) with o
 
 @pytest.mark.parametrize("name,capability,config", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_recurrent_kernels_compile_ahead_of_time(name, capability, config):
+    config = dict(config)
+    max_spill = config.pop("max_spill", 64)  # a few words at most (Triton 3.9, dq / dk with gk: 24 bytes)
     compiled = compile_recurrent_in_subprocess("ejgen.generated", name, capability=capability, with_ptx=True,
                                                with_resources=True, **config)
     assert set(compiled) == set(config.get("kernels", KERNELS))
     for kernel, c in compiled.items():
         assert c["cubin"], f"{kernel}: no cubin"
         assert c["shared"] <= 232448, f"{kernel}: {c['shared']} bytes of shared memory"
-        if kernel.startswith("chunk"):  # a few words at most (Triton 3.9, dq / dk with gk: 24 bytes)
-            assert c["stack"] <= 64, f"{kernel}: {c['stack']} bytes of spilled registers per thread"
-    if capability >= 90:  # the states' products run on the warpgroup tensor cores
+        if kernel.startswith("chunk"):
+            assert c["stack"] <= max_spill, f"{kernel}: {c['stack']} bytes of spilled registers per thread"
+    if capability >= 90 and "chunk_state" in compiled:  # the states' products run on the warpgroup tensor cores
         assert compiled["chunk_state"]["wgmma"] and compiled["chunk_state_bwd"]["wgmma"]
     rounded = {"chunk_intra", "chunk_output", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"}  # TF32 rounded
     for kernel in rounded & set(compiled):
