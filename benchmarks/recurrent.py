@@ -4,7 +4,7 @@ B2 T16384, next to flash-linear-attention's chunk_gla / fused_recurrent_gla / ch
 their own (`benchmarks/recurrent_fla.py`, torch: run it first on the same machine and pass its JSON with --fla).
 
 Impls: `ejgen-triton` (algorithm chunked, chunks of 64), `ejgen-triton-onepass` (chunked with the one-pass forward,
-host.CHUNK_FORWARD "fused"), `ejgen-triton-fused` (the fused recurrence; forward only
+the chunk_forward setting "fused"), `ejgen-triton-fused` (the fused recurrence; forward only
 at T4096, the fused kernels are for decoding and short sequences), `ejgen-xla` (`--xla`: the chunked jnp backend).
 Every ejgen impl's forward is checked against the XLA backend in float32 on the same inputs (relative error of o and
 the final state, their first 2^20 entries each; FLAG past 2e-2).
@@ -120,13 +120,10 @@ def impls(op_name, args, gates, do, smoke):
         platforms.append(("ejgen-xla", "xla", "chunked", "two_pass"))
     for name, platform, algorithm, form in platforms:
         def fwd(q, k, v, g, platform=platform, algorithm=algorithm, form=form):
-            from ejgen.runtime.recurrent.triton import host
+            from ejgen.ops import settings
 
-            kept, host.CHUNK_FORWARD = host.CHUNK_FORWARD, form  # read as the call is traced
-            try:
+            with settings(chunk_forward=form):  # read as the call is traced
                 return op(q, k, v, **g, platform=platform, algorithm=algorithm)
-            finally:
-                host.CHUNK_FORWARD = kept
 
         def fwd_bwd(q, k, v, g, do, fwd=fwd):
             (o, ht), vjp = jax.vjp(fwd, q, k, v, g)

@@ -642,7 +642,7 @@ def linear_recurrent_chunk_fused_fwd_kernel(
     each chunk writes o = scale (q ⊙ e^{P}) S + A v (as `chunk_output`, A from `chunk_intra` with gk, else formed
     here) before it moves the state on, S' = diag(e^{L_C}) S + (k e^{L(j, C]})ᵀ v (as `chunk_state`). No state goes to
     memory but the last (HT): the two-pass forward writes and reads every chunk's state, 2 x 268 MB float32 at B4
-    T4096 H16 K = V = 128. Fewer programs (sequences x heads x V / BV) than the two passes: host.CHUNK_FORWARD
+    T4096 H16 K = V = 128. Fewer programs (sequences x heads x V / BV) than the two passes: the chunk_forward setting
     chooses."""
     tl.static_assert(BK >= K, "chunk_fused_fwd takes the head dim whole (host.CHUNKED block_k 0)")
     i_nh, i_v = tl.program_id(0), tl.program_id(1)

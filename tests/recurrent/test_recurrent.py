@@ -130,29 +130,34 @@ FUSED_CHUNK_CASES = (
 
 @pytest.mark.parametrize("case", FUSED_CHUNK_CASES, ids=[c.id for c in FUSED_CHUNK_CASES])
 def test_triton_fused_chunk_forward(case, monkeypatch, launched):
-    """The one-pass chunked forward (host.CHUNK_FORWARD "fused": a program per sequence x head and block of V walks
+    """The one-pass chunked forward (chunk_forward "fused": a program per sequence x head and block of V walks
     the chunks with its state in registers): gk with the intra kernel's A, scalar gates, no gate with a feature map;
     packed sequences (an empty one among them), reverse, initial_state, GQA, bf16; o, final_state and every gradient
     (the backward as ever) against the oracle."""
-    from ejgen.runtime.recurrent.triton import host
-
-    monkeypatch.setattr(host, "CHUNK_FORWARD", "fused")
+    monkeypatch.setenv("EJGEN_CHUNK_FORWARD", "fused")
     check(case, "triton", hooks=_hooks(case))
     assert any(n.endswith("chunk_fused_fwd_kernel") for n in launched), launched
     assert not any(n.endswith("chunk_output_kernel") for n in launched), launched
 
 
 def test_the_chunked_forward_form_is_checked(monkeypatch):
-    """EJGEN_CHUNK_FORWARD picks the chunked forward's form; a value that is not one is one clear error."""
-    from ejgen.runtime.recurrent.triton import host
+    """EJGEN_CHUNK_FORWARD (or settings(chunk_forward=...)) picks the chunked forward's form; a value that is not one
+    is one clear error."""
+    from ejgen.ops import settings
+    from ejgen.runtime.core import settings as core_settings
 
     monkeypatch.setenv("EJGEN_CHUNK_FORWARD", "fused")
-    assert host.chunk_forward() == "fused"
+    assert core_settings.current().chunk_forward == "fused"
     monkeypatch.setenv("EJGEN_CHUNK_FORWARD", "fast")
     with pytest.raises(ValueError, match="EJGEN_CHUNK_FORWARD='fast': expected one of two_pass, fused"):
-        host.chunk_forward()
+        core_settings.current()
     monkeypatch.delenv("EJGEN_CHUNK_FORWARD")
-    assert host.chunk_forward() == host.CHUNK_FORWARD == "two_pass"
+    assert core_settings.current().chunk_forward == "two_pass"
+    with settings(chunk_forward="fused") as s:
+        assert s.chunk_forward == "fused"
+    with pytest.raises(ValueError, match="chunk_forward='fast': expected one of two_pass, fused"):
+        with settings(chunk_forward="fast"):
+            pass
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,9 @@ Each has a default, an environment variable (read at call time) and a scoped ove
 - ``gluon_dynamic_tiles`` (EJGEN_GLUON_DYNAMIC_TILES: ``1`` / ``0`` / ``auto``, default auto): whether the Hopper
   forward's persistent programs take their tiles from a shared counter instead of a static split; auto (None)
   takes it where it was measured to win (`gluon.host.dynamic_tiles`).
+- ``chunk_forward`` (EJGEN_CHUNK_FORWARD: ``two_pass`` / ``fused``, default two_pass): the linear recurrent chunked
+  forward on Triton, two passes (the chunk states through memory) or one (`chunk_fused_fwd`, the state in registers;
+  not the default until GPU-timed, docs/DESIGN.md §3).
 - ``triton_configs`` (EJGEN_TRITON_CONFIG, e.g. ``"fwd=128,64,8,3;dkdv=64,128,8,3"``): pinned Triton
   configs per pass (tuning, tests); a pinned pass never takes the Hopper set.
 - ``triton_autotune`` (EJGEN_TRITON_AUTOTUNE=1): jax-triton's autotuner over `ejgen tune`'s candidates.
@@ -35,6 +38,7 @@ class Settings:
     gluon: bool = True
     gluon_spec_masks: bool = True
     gluon_dynamic_tiles: bool | None = None  # None: auto
+    chunk_forward: str = "two_pass"
     triton_configs: str = ""
     triton_autotune: bool = False
 
@@ -44,6 +48,7 @@ _ENV = {
     "gluon": ("EJGEN_GLUON", lambda t: t.strip().lower() not in ("0", "false", "no", "off")),
     "gluon_spec_masks": ("EJGEN_GLUON_SPEC_MASKS", lambda t: t.strip().lower() not in ("0", "false", "no", "off")),
     "gluon_dynamic_tiles": ("EJGEN_GLUON_DYNAMIC_TILES", lambda t: _on_off_auto("EJGEN_GLUON_DYNAMIC_TILES", t)),
+    "chunk_forward": ("EJGEN_CHUNK_FORWARD", lambda t: _one_of("EJGEN_CHUNK_FORWARD", t, CHUNK_FORWARDS)),
     "triton_configs": ("EJGEN_TRITON_CONFIG", str),
     "triton_autotune": ("EJGEN_TRITON_AUTOTUNE", lambda t: t.strip() == "1"),
 }
@@ -59,6 +64,17 @@ def _on_off_auto(var: str, text: str) -> bool | None:
     if word in ("", "auto"):
         return None
     raise ValueError(f"ejgen settings: {var}={text!r}: expected 1, 0 or auto")
+
+
+CHUNK_FORWARDS = ("two_pass", "fused")
+
+
+def _one_of(var: str, text: str, words: tuple) -> str:
+    """A variable naming one of ``words``."""
+    word = text.strip().lower()
+    if word not in words:
+        raise ValueError(f"ejgen settings: {var}={text!r}: expected one of {', '.join(words)}")
+    return word
 
 
 _OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("ejgen_settings", default=())
@@ -80,9 +96,13 @@ def current() -> Settings:
 def settings(**changes):
     """Override settings inside a ``with`` block (this thread / context only)."""
     known = {f.name: f.type for f in dataclasses.fields(Settings)}
+    changes = dict(changes)
     for name, value in changes.items():
         if name not in known:
             raise TypeError(f"ejgen settings: unknown setting {name!r} (known: {', '.join(known)})")
+        if name == "chunk_forward":
+            changes[name] = _one_of(name, value if isinstance(value, str) else repr(value), CHUNK_FORWARDS)
+            continue
         want = str if name == "triton_configs" else bool
         if not (isinstance(value, want) or (value is None and name == "gluon_dynamic_tiles")):
             also = " or None (auto)" if name == "gluon_dynamic_tiles" else ""

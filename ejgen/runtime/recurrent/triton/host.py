@@ -24,7 +24,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from ejgen.runtime.core import sizes
+from ejgen.runtime.core import settings, sizes
 from ejgen.runtime.launch import triton_call
 from ejgen.runtime.recurrent import gates as gradients
 from ejgen.runtime.recurrent import packing
@@ -275,22 +275,10 @@ def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None):
     return o
 
 
-# The chunked forward: "two_pass" (chunk_state writes every chunk's start state, chunk_output reads them; programs per
-# chunk) or "fused" (chunk_fused_fwd: a program per sequence x head and block of 32 value columns walks the chunks
-# with its state in registers, no states in memory). Not GPU-timed yet (session 17): two_pass stays the default until
-# the benchmark says where fused wins; EJGEN_CHUNK_FORWARD=fused (read at each call) selects it for a measurement.
-CHUNK_FORWARD = "two_pass"
-CHUNK_FORWARDS = ("two_pass", "fused")
-
-
-def chunk_forward() -> str:
-    """The chunked forward's form: EJGEN_CHUNK_FORWARD if set, else CHUNK_FORWARD."""
-    import os
-
-    form = os.environ.get("EJGEN_CHUNK_FORWARD", CHUNK_FORWARD)
-    if form not in CHUNK_FORWARDS:
-        raise ValueError(f"EJGEN_CHUNK_FORWARD={form!r}: expected one of {', '.join(CHUNK_FORWARDS)}")
-    return form
+# The chunked forward's form is the `chunk_forward` setting (EJGEN_CHUNK_FORWARD): "two_pass" (chunk_state writes
+# every chunk's start state, chunk_output reads them; programs per chunk) or "fused" (chunk_fused_fwd: a program per
+# sequence x head and block of 32 value columns walks the chunks with its state in registers, no states in memory).
+# Not GPU-timed yet (session 17): two_pass stays the default until the benchmark says where fused wins.
 
 
 def chunk_fused_forward(kernels, q, k, v, gates, h0, ctx, cfg, a=None):
@@ -315,7 +303,7 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     (B4 T4096, H100, session 17); the backward's intra kernel then forms dA alone."""
     a = chunk_intra(kernels, q, k, gates, ctx, cfg)[0] if cfg.has("gk") else None
     res = {"a": a} if save and a is not None else {}
-    if chunk_forward() == "fused":
+    if settings.current().chunk_forward == "fused":
         o, ht = chunk_fused_forward(kernels, q, k, v, gates, h0, ctx, cfg, a)
         return o, ht, res
     hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg)
