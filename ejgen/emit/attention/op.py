@@ -5,13 +5,13 @@ built-in masks)."""
 
 from __future__ import annotations
 
-import hashlib
 import re
 import textwrap
 from typing import Callable
 
 import attrs
 
+from ejgen.emit import shared
 from ejgen.emit.attention import pallas, triton, xla
 from ejgen.emit.attention.common import scalar_layout
 from ejgen.emit.attention.describe import describe
@@ -239,11 +239,9 @@ def emit_shared(ops: list, render: Callable[..., str]) -> dict[str, str]:
     keyed = sorted((k for k in keyed if k[0] is not None), key=lambda k: (k[0], k[1].name))
     if not keyed:
         return {}
-    package = keyed[0][3]["spec_path"].split("/")[0] + "/"
 
     def header(sharing):
-        return {"spec_path": package,
-                "spec_hash": hashlib.sha256("".join(c["spec_hash"] for *_, c in sharing).encode()).hexdigest()}
+        return shared.header([common for *_, common in sharing])
 
     files, keys = {}, {}
     for key in sorted({k[0] for k in keyed}):
@@ -257,15 +255,10 @@ def emit_shared(ops: list, render: Callable[..., str]) -> dict[str, str]:
                            if file in SHARED_FILES and backend_name in backends]
                 if not sharing:
                     continue
-                texts = {plan.name: render(template, **header(group), **backend.context(_named(plan, prefix)), name=prefix)
-                         for plan, _ in sharing}
-                text = texts[sharing[0][0].name]
-                differ = [name for name, t in texts.items() if t != text]
-                if differ:
-                    raise AssertionError(
-                        f"the {file} of {sharing[0][0].name} and {', '.join(differ)} differ though all have no hooks "
-                        f"and the built-in masks '{key}': {template} reads more of a spec than its masks; share only "
-                        f"what renders the same (emit/attention/op.py, shared_key)")
+                text = shared.rendered_once(
+                    {plan.name: render(template, **header(group), **backend.context(_named(plan, prefix)), name=prefix)
+                     for plan, _ in sharing}, file, template, f"all have no hooks and the built-in masks '{key}'",
+                    "its masks", "emit/attention/op.py, shared_key")
                 files[f"{folder}/{file}"] = text
                 modules.append(file[:-len(".py")])
                 names = _bound_names(file, text, prefix)

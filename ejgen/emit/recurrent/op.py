@@ -5,11 +5,11 @@ without hooks, rendered once)."""
 
 from __future__ import annotations
 
-import hashlib
 import re
 import textwrap
 from typing import Callable
 
+from ejgen.emit import shared
 from ejgen.emit.attention.op import Backend
 from ejgen.emit.layout import WIDTH
 from ejgen.emit.recurrent import triton
@@ -163,16 +163,11 @@ def emit_shared(ops: list, render: Callable[..., str]) -> dict[str, str]:
     sharing = [(plan, common) for plan, backends, common in ops if shares_kernels(plan, backends)]
     if not sharing:
         return {}
-    header = {"spec_path": sharing[0][1]["spec_path"].split("/")[0] + "/",
-              "spec_hash": hashlib.sha256("".join(c["spec_hash"] for _, c in sharing).encode()).hexdigest()}
-    texts = {plan.name: render(KERNELS_TEMPLATE, **header, **triton.template_context(plan), name=SHARED_PREFIX)
-             for plan, _ in sharing}
-    kernels = texts[sharing[0][0].name]
-    differ = [name for name, text in texts.items() if text != kernels]
-    if differ:
-        raise AssertionError(f"the Triton kernels of {sharing[0][0].name} and {', '.join(differ)} differ though "
-                             f"none has hooks: {KERNELS_TEMPLATE} reads more of a spec than its hooks; share only "
-                             f"what renders the same (emit/recurrent/op.py, shares_kernels)")
+    header = shared.header([common for _, common in sharing])
+    kernels = shared.rendered_once(
+        {plan.name: render(KERNELS_TEMPLATE, **header, **triton.template_context(plan), name=SHARED_PREFIX)
+         for plan, _ in sharing}, "Triton kernels", KERNELS_TEMPLATE, "none has hooks", "its hooks",
+        "emit/recurrent/op.py, shares_kernels")
     which = re.findall(rf"^def {SHARED_PREFIX}_(\w+)_kernel\(", kernels, re.MULTILINE)
     names = [plan.name for plan, _ in sharing]
     files = {
