@@ -252,7 +252,7 @@ def table(title, rows, ms):
     print("|---|---|---|---|---|---|")
     for s in rows:
         t = ms[id(s)]
-        tiles = "" if s.tiles is None else ", ".join(str(x) for x in dataclasses.astuple(s.tiles))
+        tiles = "" if s.tiles is None else ", ".join(str(x) for x in dataclasses.astuple(s.tiles)[:4])
         rate = (f"{s.bytes / t / 1e6:.0f}", f"{s.flops / t / 1e9:.1f}") if s.bytes else ("", "")
         print(f"| {s.name} | {'x'.join(map(str, s.grid))} | {tiles} | {t:.3f} | {rate[0]} | {rate[1]} |", flush=True)
     kernels = [s for s in rows if s.tiles is not None]
@@ -281,7 +281,7 @@ def sweep(op_name, stage_list, reps, rounds, batch, only=()):
             except Exception as e:  # noqa: BLE001 - a setting that does not compile is reported, not fatal
                 shown = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
             mark = " *" if host.Tiles(*setting) == defaults[s.which] else ""
-            print(f"| {s.name} | {', '.join(map(str, setting))}{mark} | {shown} |", flush=True)
+            print(f"| {s.name} | {', '.join(map(str, setting[:4]))}{mark} | {shown} |", flush=True)
         host.CHUNKED[s.which] = defaults[s.which]
 
 

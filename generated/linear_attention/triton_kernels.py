@@ -468,6 +468,21 @@ def _blocks(V: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
+def _advance(b_h, b_k, b_v, b_l, DT: tl.constexpr):
+    """The state [BK, BV] after a chunk (k [C, BK], v [C, BV], its key side's log gates [C, BK | 1]):
+    S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j (`chunk_state`, `chunk_fused_fwd`)."""
+    b_h = b_h * tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
+    return b_h + _dot(tl.trans(b_k * tl.exp(_after(b_l))), b_v, DT)
+
+
+@triton.jit
+def _load_a(A, chunk, i_h, o_c, H: tl.constexpr, C: tl.constexpr):
+    """A chunk's intra-chunk matrix [C, C] float32 (`chunk_intra`'s, with gk), zeros above the diagonal."""
+    p_a = A + ((chunk * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :]
+    return tl.load(p_a, mask=o_c[:, None] >= o_c[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def linear_attention_chunk_state_kernel(
     K_, V_, G, GAMMA, GK, H0, CU, FIRST, HS, HT,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -500,9 +515,7 @@ def linear_attention_chunk_state_kernel(
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
-        b_after = _after(b_l)  # L(j, C]
-        b_h = b_h * tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
-        b_h += _dot(tl.trans(b_k * tl.exp(b_after)), b_v, DT)
+        b_h = _advance(b_h, b_k, b_v, b_l, DT)
     tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
 
 
@@ -620,8 +633,7 @@ def linear_attention_chunk_output_kernel(
         b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
         b_o += _dot_state(b_q, b_s, DT)
     if USE_GK:
-        p_a = A + ((i_cg * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :]
-        b_a = tl.load(p_a, mask=o_c[:, None] >= o_c[None, :], other=0.0).to(tl.float32)
+        b_a = _load_a(A, i_cg, i_h, o_c, H, C)
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
         if GATED:
@@ -673,8 +685,7 @@ def linear_attention_chunk_fused_fwd_kernel(
         b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
         if USE_GK:
             b_o = _dot_state(b_q * tl.exp(_cumsum(b_l, axis=0)), b_h, DT)
-            p_a = A + (((first + i_t) * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :]
-            b_a = tl.load(p_a, mask=o_c[:, None] >= o_c[None, :], other=0.0).to(tl.float32)
+            b_a = _load_a(A, first + i_t, i_h, o_c, H, C)
         else:
             b_o = _dot_state(b_q, b_h, DT)
             if GATED:  # e^{P} on the rows of q S: q meets the state's product exact
@@ -685,8 +696,7 @@ def linear_attention_chunk_fused_fwd_kernel(
         tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
                  mask=m_s[:, None] & m_v[None, :])
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK] (after the output: fewer live tiles)
-        b_h = b_h * tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
-        b_h += _dot(tl.trans(b_k * tl.exp(_after(b_l))), b_v, DT)
+        b_h = _advance(b_h, b_k, b_v, b_l, DT)
     tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_k[:, None] & m_v[None, :])
 
 
@@ -974,8 +984,7 @@ def linear_attention_chunk_grads_v_kernel(
         b_dh = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_dv += _dot_state(b_k, b_dh, DT)
     if USE_GK:
-        p_a = A + ((i_cg * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :]
-        b_a = tl.load(p_a, mask=o_c[:, None] >= o_c[None, :], other=0.0).to(tl.float32)
+        b_a = _load_a(A, i_cg, i_h, o_c, H, C)
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
         if GATED:

@@ -47,6 +47,7 @@ class Tiles:
     block_v: int
     num_warps: int = NUM_WARPS
     num_stages: int = 1
+    wide_warps: int = 0  # warps where block_k 0 takes a head dim wider than 128 (0: num_warps)
 
     def __post_init__(self):
         for name in ("block_k", "block_v"):
@@ -65,7 +66,8 @@ class Tiles:
 CHUNKED = {
     "chunk_state": Tiles(64, 64, 8, 2),
     "chunk_state_bwd": Tiles(64, 64, 8, 2),
-    "chunk_intra": Tiles(0, 64, 2, 1),
+    # [16, 256] tiles: 440 bytes spilled a thread in 2 warps, 56 in 4, none in 8 (sm_90, Triton 3.9)
+    "chunk_intra": Tiles(0, 64, 2, 1, wide_warps=8),
     "chunk_output": Tiles(64, 64, 8, 2),
     "chunk_fused_fwd": Tiles(0, 32, 8, 1),
     "chunk_grads_intra": Tiles(32, 0, 1, 1),
@@ -79,9 +81,7 @@ def tiles(which: str, dk: int, dv: int) -> tuple[dict, dict]:
     t = CHUNKED[which]
     bk, bv = _pow2(dk), _pow2(dv)
     blocks = dict(BK=min(t.block_k, bk) if t.block_k else bk, BV=min(t.block_v, bv) if t.block_v else bv)
-    warps = t.num_warps
-    if which == "chunk_intra" and not t.block_k and bk > 128:  # [16, 256] tiles: 440 bytes spilled a thread in 2
-        warps = max(warps, 8)  # warps, 56 in 4, none in 8 (sm_90, Triton 3.9)
+    warps = t.wide_warps if t.wide_warps and not t.block_k and bk > 128 else t.num_warps
     return blocks, dict(num_warps=warps, num_stages=t.num_stages)
 
 
