@@ -13,6 +13,8 @@ Parts (`--parts`, default all three):
 - profile: where the time of one call goes (`trace_table.py`): the one-GPU call and the zigzag ring at each of
   `--seqs` / `--heads` / `--passes` run under JAX's profiler; per device, the last call's kernels in time order
   (start, duration, stream) and the time per kernel kind, written to `<out>/profile.md` (issue 18's 32k gap).
+- gaps: the same calls `--batch` at a time back to back, as `time` times them, under the profiler
+  (`trace_table.back_to_back`): per device the span against the busy time and the idle gaps, to `<out>/gaps.md`.
 `--scaling` replaces `time` by issue 19's sweep over 1, 2, 4, ... N GPUs (the first k devices): strong scaling at
 S=`--strong-seq` (128k; one GPU runs flash_attention) and weak scaling at S = `--weak-base` x k (128k per GPU:
 128k, 256k, 512k, 1M), zigzag, forward and forward+backward.
@@ -52,7 +54,7 @@ from pathlib import Path
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=0, help="GPUs of the ring (default: all)")
-    p.add_argument("--parts", default="check,time,mesh", help="comma-separated: check, time, mesh, profile")
+    p.add_argument("--parts", default="check,time,mesh", help="comma-separated: check, time, mesh, profile, gaps")
     p.add_argument("--scaling", action="store_true", help="issue 19's sweep over 1, 2, 4, ... GPUs instead of time")
     p.add_argument("--seqs", default="32768,131072", help="sequence lengths of the time part")
     p.add_argument("--heads", default="16/16,32/8", help="Hq/Hkv layouts")
@@ -278,6 +280,33 @@ def part_profile(devices, platform, out_dir):
                 del args
 
 
+def part_gaps(devices, platform, out_dir):
+    """The one-GPU call and the zigzag ring, ``--batch`` calls back to back under the profiler (module docstring)."""
+    from trace_table import back_to_back
+
+    n = len(devices)
+    mesh = _mesh(devices)
+    one = jax.sharding.SingleDeviceSharding(devices[0])
+    tables = []
+    for seq in SEQS:
+        for heads in HEADS:
+            for impl, sharding, fn in (("1gpu", one, single_gpu(platform)),
+                                       (f"ring-zigzag-{n}", NamedSharding(mesh, P(None, "sp")),
+                                        ring_fn(mesh, "zigzag", platform))):
+                args = _inputs(1, seq, *heads, sharding)
+                fns = _passes(fn)
+                for pass_ in PASSES:
+                    label = f"{impl} S={_k(seq)} heads={heads[0]}/{heads[1]} {pass_}"
+                    try:
+                        tables.append(back_to_back(fns[pass_], args, out_dir / f"gaps-{impl}-{seq}-{pass_}",
+                                                   calls=max(2, ARGS.batch), label=label))
+                    except Exception as e:  # noqa: BLE001 (the other cases go on)
+                        tables.append(f"### {label}\nfailed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                        traceback.print_exc()
+                    (out_dir / "gaps.md").write_text("\n\n".join(tables))
+                del args
+
+
 def part_scaling(devices, platform, out_dir):
     """Strong (S fixed) and weak (S = base x GPUs) scaling over the first 1, 2, 4, ... GPUs, zigzag."""
     counts = [c for c in (1, 2, 4, 8, 16) if c <= len(devices)]
@@ -397,6 +426,8 @@ def main():
         part_mesh(devices, platform, out_dir)
     if "profile" in parts:
         part_profile(devices, platform, out_dir)
+    if "gaps" in parts:
+        part_gaps(devices, platform, out_dir)
     summarise(out_dir)
 
 

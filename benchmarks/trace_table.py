@@ -138,6 +138,73 @@ def profile(fn, args, trace_dir: Path, calls: int = 3, label: str = "", gap_us: 
     return text
 
 
+def back_to_back(fn, args, trace_dir: Path, calls: int = 4, label: str = "", gap_us: float = 20.0) -> str:
+    """``calls`` calls of ``fn(*args)`` dispatched back to back and waited for once (the timed method,
+    ejgen/testing/timing.py) under the profiler: per device, the span of all of them against the sum of its busy time
+    (the union of its slices over streams), and its idle gaps over ``gap_us`` with the kernels either side; the host's
+    seconds to return from each dispatch. Tells idle devices (launch, a host wait) from slower kernels (clocks) when a
+    timed call is longer than its profiled span (issue 18: the ring's 1.5-2 ms a call)."""
+    import time
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    trace_dir = Path(trace_dir)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    dispatch = []
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        jax.block_until_ready(fn(*args))
+        time.sleep(0.005)
+        t_all = time.perf_counter()
+        outs = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            outs.append(fn(*args))
+            dispatch.append((time.perf_counter() - t0) * 1e3)
+        jax.block_until_ready(outs)
+        wall = (time.perf_counter() - t_all) * 1e3
+    slices = load(trace_dir)
+    device = [s for s in slices if _is_device(s["process"])]
+    lines = [f"### {label} ({calls} calls back to back)",
+             f"host: {wall / calls:.3f} ms a call waited for once; dispatch returns " +
+             ", ".join(f"{d:.2f}" for d in dispatch) + " ms"]
+    by_proc = collections.defaultdict(list)
+    for s in device:
+        by_proc[s["process"]].append(s)
+    for proc in sorted(by_proc):
+        # the batch: the slices after the 5 ms sleep (the last idle gap over 1 ms before the end)
+        call = sorted(last_call(by_proc[proc], 1000.0), key=lambda s: s["ts"])
+        if not call:
+            continue
+        t0, busy, end, gaps = call[0]["ts"], 0.0, call[0]["ts"], []
+        prev = call[0]
+        for s in call:
+            if s["ts"] > end:
+                if s["ts"] - end > gap_us:
+                    gaps.append((s["ts"] - end, end - t0, prev["name"], s["name"]))
+            lo = max(s["ts"], end)
+            hi = s["ts"] + s["dur"]
+            if hi > lo:
+                busy += hi - lo
+            if hi > end:
+                end, prev = hi, s
+        span = end - t0
+        idle = sum(g[0] for g in gaps)
+        lines.append(f"{proc}: span {span / calls / 1e3:.3f} ms a call, busy {busy / calls / 1e3:.3f}, "
+                     f"idle in gaps over {gap_us:.0f} us {idle / calls / 1e3:.3f} ({len(gaps)} gaps)")
+        for size, at, before, after in sorted(gaps, reverse=True)[:10]:
+            lines.append(f"  gap {size:.1f} us at {at / 1e3:.3f} ms: after {before[:50]} | before {after[:50]}")
+    host = collections.Counter()
+    for s in slices:
+        if not _is_device(s["process"]):
+            host[s["name"][:60]] += s["dur"]
+    lines.append("host slices by total us (all threads): " +
+                 ", ".join(f"{n} {v:.0f}" for n, v in host.most_common(12)))
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
 def main(argv=None) -> int:
     import argparse
     import sys
