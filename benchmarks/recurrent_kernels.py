@@ -183,6 +183,9 @@ def stages(op_name, b, t, h, d):
                    q, gates, do, dht, grid=(nkv("chunk_state_bwd"), rows_h))
     a = intra = None
     if cfg.has("gk"):
+        add("dA alone (the op's)", lambda q, k, v, g, do: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do,
+                                                                          with_a=False)[1],
+            q, k, v, gates, do, grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
         a, da = add("chunk_intra + dA", lambda q, k, v, g, do: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do),
                     q, k, v, gates, do, grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
         intra = add("chunk_grads_intra", lambda q, k, g, da: host.chunk_grads_intra(kernels, q, k, g, ctx, cfg, da), q,
