@@ -57,15 +57,19 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
     if WINDOW:  # keys before the last query row's window: never seen, skipped from a block boundary
         lo += tl.maximum(length - SQ - window_left, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(lo + SPLIT, end)
+    if PAGED and PAGE % BLOCK_N != 0:  # the first block's pages; each step reads the next block's (below)
+        t_next = lo + tl.arange(0, BLOCK_N)
+        pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
     for n0 in tl.range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         col_ok = t < hi
         if PAGED and PAGE % BLOCK_N == 0:  # the block lies in one page (n0 is a multiple of BLOCK_N): one table read
             page = tl.load(TABLE + off_b * MAX_PAGES + n0 // PAGE)
             rows = page.to(tl.int64) * PAGE + t % PAGE
-        elif PAGED:
-            page = tl.load(TABLE + off_b * MAX_PAGES + t // PAGE, mask=col_ok, other=0)
-            rows = page.to(tl.int64) * PAGE + t % PAGE
+        elif PAGED:  # a block over several pages: their numbers read a step ahead, so K's load waits on no table read
+            rows = pages.to(tl.int64) * PAGE + t % PAGE
+            t_next = t + BLOCK_N
+            pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
         else:
             rows = off_b.to(tl.int64) * SEQ_K + t
         p_k = K + (rows * HKV + off_hk)[:, None] * D + o_d[None, :]
