@@ -38,7 +38,7 @@ def settings(quick: bool):
     """(BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM), the current default first."""
     base = (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, split_k.WAVES, split_k.PROGRAMS_PER_SM)
     more = [(64, 2, 4, 1, 2), (64, 2, 4, 1, 3), (64, 2, 4, 1, 5), (64, 2, 4, 2, 4), (64, 3, 4, 1, 4),
-            (128, 2, 8, 1, 4)]
+            (128, 2, 8, 1, 4), (64, 3, 4, 1, 2), (64, 4, 4, 1, 4), (128, 3, 8, 1, 2)]
     out = [base] + [s for s in more if s != base]
     return out[:3] if quick else out
 

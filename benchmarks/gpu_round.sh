@@ -28,6 +28,9 @@
 #   dispatch       how much of a short call is not its kernels (dispatch.py: documents, Flamingo)
 #   dispatch-nocb  the same with XLA's command buffers off
 #   decode         the decode / paged decode table (decode.py)                        (issue 16)
+#   decode-tune    the decode kernel's launch settings on the cases short of their targets (decode_tune.py)
+#   decode-tests   the decode GPU tests, sharded 3 processes a GPU
+#   launch         the host's cost of one Triton launch by PTX size (launch_cost.py)   (issues 14, 15)
 #   ring-tests     the ring's GPU tests (2 GPUs)                                       (issue 18)
 #   ring-time      the ring at 32k, zigzag, timed as the project times (2 GPUs)
 #   ring-gaps      the same calls back to back under the profiler: idle gaps against slower kernels (2 GPUs)
@@ -112,6 +115,10 @@ j_dispatch() { job dispatch 100 python3 benchmarks/dispatch.py --cases documents
 j_dispatch-nocb() { job dispatch-nocb 100 env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 \
   benchmarks/dispatch.py --cases documents,flamingo --out "$log/disp-nocb"; }
 j_decode() { job decode 300 python3 benchmarks/decode.py --out "$log/decode"; }
+j_decode-tune() { job decode-tune 300 python3 benchmarks/decode_tune.py --budget-s 260 --out "$log/dtune" \
+  --cases decode-B4-S32k,paged16-B8-S8k,decode-B8-S8k; }
+j_decode-tests() { shards decode-tests 200 3 tests/decode; }
+j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }
 j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 python3 -m pytest -m gpu -q -rf \
   -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
