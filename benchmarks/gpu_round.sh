@@ -116,7 +116,7 @@ j_dispatch-nocb() { job dispatch-nocb 100 env XLA_FLAGS=--xla_gpu_enable_command
   benchmarks/dispatch.py --cases documents,flamingo --out "$log/disp-nocb"; }
 j_decode() { job decode 300 python3 benchmarks/decode.py --out "$log/decode"; }
 j_decode-tune() { job decode-tune 300 python3 benchmarks/decode_tune.py --budget-s 260 --out "$log/dtune" \
-  --cases decode-B4-S32k,paged16-B8-S8k,decode-B8-S8k; }
+  --cases ${DECODE_TUNE_CASES:-decode-B4-S32k,paged16-B8-S8k,decode-B8-S8k}; }
 j_decode-tests() { shards decode-tests 200 3 tests/decode; }
 j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }
 j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 python3 -m pytest -m gpu -q -rf \

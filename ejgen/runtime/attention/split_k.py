@@ -17,6 +17,8 @@ PROGRAMS_PER_SM = 4  # resident programs per SM the splits fill: fewer leave too
 WAVES = 1  # programs per slot
 MIN_SPLIT_BLOCKS = 4  # a split reads at least this many key blocks (its fixed cost: the query, the partial stores)
 BATCH_INVARIANT_SPLIT = 512  # keys per split with batch_invariant: the same whatever the batch
+MAX_SPLIT_KEYS = 0  # keys per split at most (0: no cap): short splits balance a ragged batch, whose long sequences
+# would otherwise hold a few programs long after the others ended (one split count serves the whole batch)
 INTERPRET_SMS = 2  # the interpreters' cost grows with the programs, empty ones included
 
 
@@ -35,6 +37,8 @@ def splits(batch: int, kv_heads: int, seq: int, block_n: int, slots: int, batch_
         per = -(-BATCH_INVARIANT_SPLIT // block_n)
     else:
         per = -(-blocks // max(1, min(WAVES * slots // (batch * kv_heads), blocks // MIN_SPLIT_BLOCKS)))
+        if MAX_SPLIT_KEYS:
+            per = max(1, min(per, MAX_SPLIT_KEYS // block_n))
     return -(-blocks // per), per * block_n
 
 
