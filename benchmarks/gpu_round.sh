@@ -28,7 +28,8 @@
 #   dispatch       how much of a short call is not its kernels (dispatch.py: documents, Flamingo)
 #   dispatch-nocb  the same with XLA's command buffers off
 #   decode         the decode / paged decode table (decode.py)                        (issue 16)
-#   decode-tune    the decode kernel's launch settings on the cases short of their targets (decode_tune.py)
+#   decode-tune    the decode kernel's launch settings on the cases short of their targets (decode_tune.py;
+#                  DECODE_TUNE_CASES), decode-tune-b on others (DECODE_TUNE_CASES_B)
 #   decode-tests   the decode GPU tests, sharded 3 processes a GPU
 #   launch         the host's cost of one Triton launch by PTX size (launch_cost.py)   (issues 14, 15)
 #   ring-tests     the ring's GPU tests (2 GPUs)                                       (issue 18)
@@ -117,6 +118,8 @@ j_dispatch-nocb() { job dispatch-nocb 100 env XLA_FLAGS=--xla_gpu_enable_command
 j_decode() { job decode 300 python3 benchmarks/decode.py --out "$log/decode"; }
 j_decode-tune() { job decode-tune 300 python3 benchmarks/decode_tune.py --budget-s 260 --out "$log/dtune" \
   --cases ${DECODE_TUNE_CASES:-decode-B4-S32k,paged16-B8-S8k,decode-B8-S8k}; }
+j_decode-tune-b() { job decode-tune-b 300 python3 benchmarks/decode_tune.py --budget-s 260 --out "$log/dtune-b" \
+  --cases "${DECODE_TUNE_CASES_B:-decode-B32-S8k,decode-B8-S8k}"; }
 j_decode-tests() { shards decode-tests 200 3 tests/decode; }
 j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }
 j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 python3 -m pytest -m gpu -q -rf \
