@@ -343,17 +343,17 @@ def _before_combine(a_before, a_through, b_before, b_through):
 
 
 @triton.jit
-def _cumsum_before(x, axis: tl.constexpr):
+def _cumsum_before(x, axis: tl.constexpr, reverse: tl.constexpr = False):
     """The sum of the elements before each one along `axis` (an exclusive cumsum), never with the element itself: an
     inclusive cumsum less it would keep its rounding, and in the gates' gradients the term of step s can be e^20 times
     the sum of the pairs r < s (docs/DESIGN.md §3 linear recurrent, "Gates' gradients"). A [S, 1] column as a vector
-    (`_cumsum`)."""
+    (`_cumsum`). With `reverse` the sum of those after it."""
     if x.shape[1] == 1:
         v = tl.reshape(x, [x.shape[0]])
-        before, _ = tl.associative_scan((tl.zeros_like(v), v), 0, _before_combine)
+        before, _ = tl.associative_scan((tl.zeros_like(v), v), 0, _before_combine, reverse=reverse)
         y = tl.expand_dims(before, 1)
     else:
-        y, _ = tl.associative_scan((tl.zeros_like(x), x), axis, _before_combine)
+        y, _ = tl.associative_scan((tl.zeros_like(x), x), axis, _before_combine, reverse=reverse)
     return y
 
 
@@ -403,10 +403,22 @@ def _dot_state(a, b, DT: tl.constexpr):
     """a @ b where one operand is a float32 state (or its adjoint): exact for float32 inputs, TF32 for 16-bit ones
     (a state rounded to bf16 would err by 2^-9 in every product). Both operands are rounded to TF32 first (`_tf32`),
     so the tensor cores read them exactly and the interpreter computes the same products."""
+    return _dot_rounded(_rounded(a, DT), _rounded(b, DT), DT)
+
+
+@triton.jit
+def _rounded(x, DT: tl.constexpr):
+    """An operand of `_dot_state` as it reads it: float32, rounded to TF32 for 16-bit inputs (DT). Rounding again
+    changes nothing: a tile in several products is rounded once (`_dot_rounded`)."""
     if DT == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
-    a, b = _tf32(a.to(tl.float32)), _tf32(b.to(tl.float32))
-    if UPCAST:
+        return x
+    return _tf32(x.to(tl.float32))
+
+
+@triton.jit
+def _dot_rounded(a, b, DT: tl.constexpr):
+    """`_dot_state` of operands already `_rounded`."""
+    if DT == tl.float32 or UPCAST:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b, input_precision="tf32")
 
@@ -744,33 +756,134 @@ def _per_gate(x, USE_GK: tl.constexpr):
 
 
 @triton.jit
-def _intra_grads(b_dq, b_dk, b_dlog, b_q, b_p, p_da, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_r,
-                 H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+def _interleave4(x0, x1, x2, x3):
+    """[4 NP, N] from four [NP, N] tiles: row 4 p + m is row p of x_m."""
+    y = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # [NP, N, 2, 2]: x_{2 i + j} at [p, n, j, i]
+    return tl.reshape(tl.permute(y, (0, 3, 2, 1)), [4 * x0.shape[0], x0.shape[1]])
+
+
+@triton.jit
+def _deinterleave4(x):
+    """`_interleave4`'s inverse: four [S / 4, N] tiles from x [S, N], x_m the rows 4 p + m."""
+    y = tl.permute(tl.reshape(x, [x.shape[0] // 4, 2, 2, x.shape[1]]), (0, 3, 2, 1))  # x_{2 i + j} at [p, n, j, i]
+    y0, y1 = tl.split(y)
+    x0, x1 = tl.split(y0)
+    x2, x3 = tl.split(y1)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _piece_rows(Q, K_, G, GAMMA, GK, bos, eos, o_s, i_h, i_hk, o_k, m_k, H: tl.constexpr, HKV: tl.constexpr,
+                K: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
+                REVERSE: tl.constexpr, MAP: tl.constexpr):
+    """q, k and the key side's log gate (times log2 e) of the steps o_s [NP], one row each [NP, BK]."""
+    rows, m_s = _steps_at(bos, eos, o_s, REVERSE)
+    b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)
+    b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
+    return b_q, b_k, _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK) * LOG2E
+
+
+@triton.jit
+def _intra_grads(b_dq, b_dk, b_span, b_q, b_k, b_p, p_da, Q, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k,
+                 o_r, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                  USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr,
-                 MAP: tl.constexpr):
-    """dq, dk and the log decay gradient (b_dq, b_dk, b_dlog [BC, BK]) plus the pairs of a sub-chunk with itself, per
-    key channel (q [BC, BK] of its BC steps from step `first`; P [BC, BK] the prefix sums of the log gates inside it
-    times log2 e, as `_intra`'s;
-    p_da its diagonal block of dA, row stride C, dA_ij = scale do_i · v_j): dq_i = sum_{j <= i} dA_ij k_j
-    e^{L(j, i]}, dk_j = sum_{i >= j} dA_ij q_i e^{L(j, i]}, and by s the pairs r < s <= t, inner_s = sum q_t k_r
-    e^{L(r, t]} dA_tr, i, j, r, s, t in the sub-chunk. A column j at a time: k_j and the log gate of step j read into
-    every row [BC, BK] (the tiles keep q's layout: `_intra`) (e^{P_i - P_j}, P_j summed as the rows come), dA's
-    column j read from memory."""
-    b_pairs = tl.zeros_like(b_q)  # by t: the pairs (r <= j, t) so far
-    b_pj = tl.zeros_like(b_q)  # P_j (log2 units, as b_p), in every row
-    for j in range(0, BC):
-        rows_j, m_j = _steps_at(bos, eos, first + j + tl.zeros_like(o_r), REVERSE)
-        b_kj = _load_qk(K_, rows_j, m_j, i_hk, o_k, m_k, HKV, K, MAP)  # [BC, BK], every row k_j (q's layout)
-        b_pj += _key_log(G, GAMMA, GK, rows_j, m_j, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK) * LOG2E
-        b_daj = tl.load(p_da + o_r * C + j, mask=o_r >= j, other=0.0)  # [BC]: dA[i, j], i >= j
-        b_decay = tl.exp2(tl.where(o_r[:, None] > j, b_p - b_pj, 0.0))  # e^{L(j, i]} for i >= j
-        b_dqj = b_daj[:, None] * b_kj * b_decay
-        b_dq += b_dqj
-        b_dk = tl.where(o_r[:, None] == j, b_dk + tl.sum(b_daj[:, None] * b_q * b_decay, axis=0)[None, :], b_dk)
-        b_pairs += b_q * b_dqj
-        b_after = tl.sum(tl.where(o_r[:, None] > j, b_pairs, 0.0), axis=0)  # t >= s = j + 1
-        b_dlog = tl.where(o_r[:, None] == j + 1, b_dlog + b_after[None, :], b_dlog)
-    return b_dq, b_dk, b_dlog
+                 MAP: tl.constexpr, DT: tl.constexpr):
+    """A sub-chunk's [BC, BK] dq, dk and the log decay gradient, given by step dq from the steps before the sub-chunk
+    (b_dq), dk from those after it (b_dk) and the pairs from before it to after it (b_span [1, BK]), per key channel
+    (q, k [BC, BK] of its BC steps from step `first`; P [BC, BK] the prefix sums of the log gates inside it times
+    log2 e; p_da its diagonal block of dA, row stride C, dA_tr = scale do_t · v_r). The pairs of the sub-chunk with
+    itself add dq_t = sum_{r <= t} dA_tr k_r e^{L(r, t]}, dk_r = sum_{t >= r} dA_tr q_t e^{L(r, t]}; the gradient of
+    step s sums W_tr = dA_tr q_t k_r e^{L(r, t]} (t's dq times q_t, r's dk times k_r) over the pairs r < s <= t.
+    The sub-chunk in pieces of PC = 4 steps. Pairs in two pieces as the kernel meets sub-chunks, through the last step
+    c of each piece but the last, e^{L(r, t]} = 2^{P_t - P_c} 2^{P_c - P_r} (exponents <= 0, differences of P as
+    the sub-chunk's), a TF32 product each: M = dA[t > c, r <= c] (k_r 2^{P_c - P_r}) (times 2^{P_t - P_c}: dq of
+    the piece after c from the pieces up to c; times q_t, summed over t after that piece: by s in it, the pairs from
+    before it to after it) and N = dA[t > c, r <= c]ᵀ (q_t 2^{P_t - P_c}) (times 2^{P_c - P_r}: dk of the piece
+    before c from the pieces after it). Then piece by piece (`_piece_pairs`): by s, the pairs with t (r) in s's piece
+    from its dq (dk) from before (after) that piece; those with t (r) in a later (earlier) piece of the sub-chunk
+    and r (t) outside it from the pieces' sums of q ⊙ dq (k ⊙ dk), exclusive, over the pieces."""
+    PC: tl.constexpr = 4
+    tl.static_assert(BC % PC == 0, "sub-chunks of whole pieces of 4 steps")
+    NP: tl.constexpr = BC // PC
+    piece = (o_r // PC)[:, None]
+    o_p = tl.arange(0, NP)
+    # by piece: the pairs r before the sub-chunk, t in a later piece; r in an earlier piece, t after the sub-chunk
+    b_sq = tl.sum(tl.reshape(b_q * b_dq, [NP, PC, b_q.shape[1]]), axis=1)  # [NP, BK]
+    b_sk = tl.sum(tl.reshape(b_k * b_dk, [NP, PC, b_q.shape[1]]), axis=1)
+    b_span = b_span + _cumsum_before(b_sq, 0, reverse=True) + _cumsum_before(b_sk, 0)
+    b_da = _rounded(tl.load(p_da + o_r[:, None] * C + o_r[None, :]), DT)  # [t, r], zeros above the diagonal
+    for n in range(0, NP - 1):  # (a loop: unrolled, the three held 255 registers and spilled)
+        c = n * PC + PC - 1  # the last step of piece n
+        after = o_r[:, None] > c
+        b_pc = tl.gather(b_p, tl.full([1, b_p.shape[1]], c, tl.int32), 0)  # [1, BK]: P_c
+        b_d = tl.exp2(tl.where(after, b_p - b_pc, b_pc - b_p))  # 2^{L(c, t]} after c, 2^{L(r, c]} up to c
+        b_dac = tl.where(after & (o_r[None, :] <= c), b_da, 0.0)
+        b_m = b_d * _dot_rounded(b_dac, _rounded(b_k * b_d, DT), DT)  # t > c: sum_{r <= c} dA_tr k_r e^{L(r, t]}
+        b_dq += tl.where(piece == n + 1, b_m, 0.0)
+        b_dk += tl.where(piece == n, b_d * _dot_rounded(tl.trans(b_dac), _rounded(b_q * b_d, DT), DT), 0.0)
+        if n + 2 < NP:  # s in piece n + 1: the pairs r up to c, t after its piece
+            b_after = tl.sum(tl.where(o_r[:, None] > c + PC, b_q * b_m, 0.0), axis=0, keep_dims=True)
+            b_span += tl.where(o_p[:, None] == n + 1, b_after, 0.0)
+    return _piece_pairs(b_dq, b_dk, b_span, p_da + PC * o_p * (C + 1), Q, K_, G, GAMMA, GK, bos, eos,
+                        first + PC * o_p, i_h, i_hk, o_k, m_k, H, HKV, K, C, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+
+
+@triton.jit
+def _piece_pairs(b_dqx, b_dkx, b_span, p_da, Q, K_, G, GAMMA, GK, bos, eos, o_p, i_h, i_hk, o_k, m_k,
+                 H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr,
+                 USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr):
+    """`_intra_grads`' [4 NP, BK] (dq, dk, dlog) in pieces of 4 steps (from the steps o_p [NP]; p_da [NP] each
+    piece's first diagonal entry of dA, row stride C), given by step dq from the steps before its piece (b_dqx
+    [4 NP, BK]), dk from those after (b_dkx) and by piece the pairs from before it to after it (b_span [NP, BK]):
+    elementwise on [NP, BK] tiles, x_m the step at position m of every piece (`_deinterleave4`). The pairs r <= t in
+    a piece, u_tr = dA_tr e^{L(r, t]}, each exponent the sum of its own steps; by s the pairs r < s <= t with r
+    before s's piece and t in it (q_t ⊙ its dq from before), r in it and t after (k_r ⊙ its dk from after), both
+    in it, or r before and t after (b_span)."""
+    q0, k0, l0 = _piece_rows(Q, K_, G, GAMMA, GK, bos, eos, o_p, i_h, i_hk, o_k, m_k, H, HKV, K, USE_G, USE_GAMMA,
+                             USE_GK, REVERSE, MAP)
+    q1, k1, l1 = _piece_rows(Q, K_, G, GAMMA, GK, bos, eos, o_p + 1, i_h, i_hk, o_k, m_k, H, HKV, K, USE_G,
+                             USE_GAMMA, USE_GK, REVERSE, MAP)
+    q2, k2, l2 = _piece_rows(Q, K_, G, GAMMA, GK, bos, eos, o_p + 2, i_h, i_hk, o_k, m_k, H, HKV, K, USE_G,
+                             USE_GAMMA, USE_GK, REVERSE, MAP)
+    q3, k3, l3 = _piece_rows(Q, K_, G, GAMMA, GK, bos, eos, o_p + 3, i_h, i_hk, o_k, m_k, H, HKV, K, USE_G,
+                             USE_GAMMA, USE_GK, REVERSE, MAP)
+    l12 = l1 + l2
+    l23 = l2 + l3
+    u00 = tl.load(p_da)[:, None]
+    u11 = tl.load(p_da + C + 1)[:, None]
+    u22 = tl.load(p_da + 2 * (C + 1))[:, None]
+    u33 = tl.load(p_da + 3 * (C + 1))[:, None]
+    u10 = tl.load(p_da + C)[:, None] * tl.exp2(l1)
+    u21 = tl.load(p_da + 2 * C + 1)[:, None] * tl.exp2(l2)
+    u32 = tl.load(p_da + 3 * C + 2)[:, None] * tl.exp2(l3)
+    u20 = tl.load(p_da + 2 * C)[:, None] * tl.exp2(l12)
+    u31 = tl.load(p_da + 3 * C + 1)[:, None] * tl.exp2(l23)
+    u30 = tl.load(p_da + 3 * C)[:, None] * tl.exp2(l12 + l3)
+    x0, x1, x2, x3 = _deinterleave4(b_dqx)
+    dq0 = x0 + u00 * k0
+    dq1 = x1 + u10 * k0 + u11 * k1
+    dq2 = x2 + u20 * k0 + u21 * k1 + u22 * k2
+    dq3 = x3 + u30 * k0 + u31 * k1 + u32 * k2 + u33 * k3
+    g3 = q3 * x3  # q_t ⊙ its dq from before its piece
+    g23 = q2 * x2 + g3
+    g123 = q1 * x1 + g23
+    g0123 = q0 * x0 + g123
+    x0, x1, x2, x3 = _deinterleave4(b_dkx)
+    dk0 = x0 + u00 * q0 + u10 * q1 + u20 * q2 + u30 * q3
+    dk1 = x1 + u11 * q1 + u21 * q2 + u31 * q3
+    dk2 = x2 + u22 * q2 + u32 * q3
+    dk3 = x3 + u33 * q3
+    h0 = k0 * x0  # k_r ⊙ its dk from after its piece
+    h01 = h0 + k1 * x1
+    h012 = h01 + k2 * x2
+    w30 = u30 * q3 * k0
+    w31 = u31 * q3 * k1
+    w20 = u20 * q2 * k0
+    dl0 = b_span + g0123
+    dl1 = b_span + g123 + h0 + u10 * q1 * k0 + w20 + w30  # s = 1: r = 0, t >= 1 in the piece
+    dl2 = b_span + g23 + h01 + w20 + w30 + u21 * q2 * k1 + w31  # s = 2: r < 2, t >= 2
+    dl3 = b_span + g3 + h012 + w30 + w31 + u32 * q3 * k2  # s = 3: r < 3, t = 3
+    return _interleave4(dq0, dq1, dq2, dq3), _interleave4(dk0, dk1, dk2, dk3), _interleave4(dl0, dl1, dl2, dl3)
 
 
 @triton.jit
@@ -809,14 +922,11 @@ def linear_recurrent_chunk_grads_intra_kernel(
     o_r = tl.arange(0, BC)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
-    b_k = _sub(K_, bos, eos, first, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
-    b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE)
-    b_p = _cumsum(b_li, axis=0)  # L(b, t]: prefix sums inside I
-    b_tot = tl.sum(b_li, axis=0, keep_dims=True)  # L(b, e]
+    b_tot = tl.sum(_sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE),
+                   axis=0, keep_dims=True)  # L(b, e]
     p_da = DA + (i_cg * H + i_h).to(tl.int64) * C * C  # the chunk's dA [C, C]
     p_blk = o_r[:, None] * C + o_r[None, :]  # a [BC, BC] block of it
-    b_y = tl.zeros_like(b_q)  # by t in I: sum over r before I of dA_tr k_r e^{L(r, b]}
+    b_y = tl.zeros([BC, BK], dtype=tl.float32)  # by t in I: sum over r before I of dA_tr k_r e^{L(r, b]}
     b_span = tl.zeros([1, BK], dtype=tl.float32)  # the pairs from before I to after it
     b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
     for back in range(0, i_i):
@@ -836,7 +946,7 @@ def linear_recurrent_chunk_grads_intra_kernel(
             b_span += tl.sum(b_qb * b_z, axis=0, keep_dims=True)
             b_run += tl.sum(b_lo, axis=0, keep_dims=True)
         b_dec += tl.sum(b_lj, axis=0, keep_dims=True)
-    b_x = tl.zeros_like(b_q)  # by r in I: sum over t after I of dA_tr q_t e^{L(e, t]}
+    b_x = tl.zeros_like(b_y)  # by r in I: sum over t after I of dA_tr q_t e^{L(e, t]}
     b_run = tl.zeros([1, BK], dtype=tl.float32)  # L(e, start of J']
     for i_o in range(i_i + 1, NSUB):
         b_lo = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
@@ -846,12 +956,16 @@ def linear_recurrent_chunk_grads_intra_kernel(
         b_dat = tl.load(p_da + (i_o * BC) * C + i_i * BC + o_r[None, :] * C + o_r[:, None])  # [r, t]: dA_tr
         b_x += _dot_state(b_dat, b_qe, DT)
         b_run += tl.sum(b_lo, axis=0, keep_dims=True)
-    b_dq = b_y * tl.exp(b_p)
-    b_dk = b_x * tl.exp(_after(b_li))  # L(r, e]: the sums after r inside I
-    b_dlog = _cumsum(b_q * b_dq, axis=0, reverse=True) + _cumsum_before(b_k * b_dk, 0) + b_span
-    b_dq, b_dk, b_dlog = _intra_grads(b_dq, b_dk, b_dlog, b_q, _cumsum(b_li * LOG2E, axis=0),
-                                      p_da + (i_i * BC) * C + i_i * BC, K_, G, GAMMA, GK, bos, eos, first, i_h,
-                                      i_hk, o_k, m_k, o_r, H, HKV, K, C, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+    # I's own rows read here, not held through the loops above (they held 32 bytes of registers too many)
+    b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
+    b_k = _sub(K_, bos, eos, first, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
+    b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE)
+    # L(b, t] log2 e: prefix sums inside I, each gate scaled before the sum (both sides of `_intra_grads`' differences
+    # add the same numbers); b_x by L(r, e], the sums after r inside I
+    b_p = _cumsum(b_li * LOG2E, axis=0)
+    b_dq, b_dk, b_dlog = _intra_grads(b_y * tl.exp2(b_p), b_x * tl.exp(_after(b_li)), b_span, b_q, b_k, b_p,
+                                      p_da + (i_i * BC) * C + i_i * BC, Q, K_, G, GAMMA, GK, bos, eos, first, i_h,
+                                      i_hk, o_k, m_k, o_r, H, HKV, K, C, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT)
     rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
     p_i = (rows_i[:, None] * H + i_h) * K + o_k[None, :]
     m_w = m_i[:, None] & m_k[None, :]

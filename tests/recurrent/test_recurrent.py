@@ -47,6 +47,8 @@ TRITON_CASES = (
     Case("recurrent", ("g", "g_gamma", "gk"), shape=(1, 23, 2, 2, 16, 24), cu=SHORT, h0=True, reverse=True),
     Case("recurrent", ALL, shape=(1, 12, 2, 1, 16, 16), cu=(0, 3, 3, 8, 9, 11), h0=True, reverse=True, **FUSED),
     Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(1, 40, 2, 2, 16, 32), chunk=32, h0=True),
+    # gk in bfloat16 (TF32 products) in chunks of 64: four sub-chunks, each in four pieces (`_intra_grads`)
+    Case("gla", ("gk",), dtype="bfloat16", shape=(1, 70, 2, 1, 32, 16), chunk=64),
 )
 ELU1 = {"feature_map": lambda x: jnp.where(x > 0, x + 1.0, jnp.exp(x))}  # elu(x) + 1, by hand
 
