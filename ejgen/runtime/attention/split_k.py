@@ -2,9 +2,10 @@
 modes"): how many splits a call takes, and the merge of the splits' partial results by lse (sinks included).
 
 Splits: one count for every sequence of a call, B x Hkv x splits about the GPU's program slots (SMs x
-PROGRAMS_PER_SM, fewer where their shared memory does not fit), at least MIN_SPLIT_BLOCKS key blocks each; a split
-past its sequence's end is a program that returns at once. ``batch_invariant``: BATCH_INVARIANT_SPLIT keys per split,
-so a sequence's splits, and so its result, do not depend on what else is in the batch."""
+PROGRAMS_PER_SM, fewer where their shared memory does not fit), at least MIN_SPLIT_BLOCKS key blocks and at most
+MAX_SPLIT_KEYS keys each; a split past its sequence's end is a program that returns at once. ``batch_invariant``:
+BATCH_INVARIANT_SPLIT keys per split, so a sequence's splits, and so its result, do not depend on what else is in the
+batch."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ PROGRAMS_PER_SM = 4  # resident programs per SM the splits fill: fewer leave too
 WAVES = 1  # programs per slot
 MIN_SPLIT_BLOCKS = 4  # a split reads at least this many key blocks (its fixed cost: the query, the partial stores)
 BATCH_INVARIANT_SPLIT = 512  # keys per split with batch_invariant: the same whatever the batch
-MAX_SPLIT_KEYS = 0  # keys per split at most (0: no cap): short splits balance a ragged batch, whose long sequences
-# would otherwise hold a few programs long after the others ended (one split count serves the whole batch)
+MAX_SPLIT_KEYS = 4096  # keys per split at most (0: no cap): the split count comes from the cache rows, so in a ragged
+# batch (lengths 1..16k in rows of 16k, B32) its long sequences held 8k-key programs long after the others ended: 346 us
+# (1.36x its bytes' time in a uniform batch); capped at 2048, 303 us (H200, session 18, decode_tune.py). 4096 leaves
+# every uniform case of the benchmark as it was (their splits are 1024-4096 keys): 2048 cost B32 S8k 8% there.
 INTERPRET_SMS = 2  # the interpreters' cost grows with the programs, empty ones included
 
 
