@@ -1,6 +1,6 @@
 """Launch settings of the Triton decode kernel (issue 16; `ejgen.runtime.attention.triton.decode`), measured on one
-GPU: (BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM, MAX_SPLIT_KEYS) over the decode benchmark's batches (benchmarks/decode.py),
-cuDNN timed in the same run for scale. Every setting of a case is compiled, then all are timed in
+GPU: (BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM, MAX_SPLIT_KEYS) over the decode benchmark's batches
+(benchmarks/decode.py), cuDNN timed in the same run for scale. Every setting of a case is compiled, then all are timed in
 `--rounds` interleaved rounds (median of medians). Prints a table of µs per case with the best setting per case
 marked, and the geometric mean of cuDNN time / time over cases per setting.
 
@@ -77,8 +77,8 @@ def main():
         fn, fargs = impls[ref_name][0]()
         exe = jax.jit(fn).lower(*fargs).compile()
         prepared[case.name] = (d, impls, bench.to_f32(exe(*fargs), d["out_shape"]))
-        cudnn[case.name] = statistics.median(
-            median_seconds(exe, fargs, args.reps, warmup=1, warm_seconds=0.3, batch=8) for _ in range(args.rounds)) * 1e6
+        cudnn[case.name] = 1e6 * statistics.median(
+            median_seconds(exe, fargs, args.reps, warmup=1, warm_seconds=0.3, batch=8) for _ in range(args.rounds))
         print(f"{case.name}: {ref_name} {cudnn[case.name]:.1f} us", flush=True)
     results = {}  # (setting, case) -> us
     chosen = settings(args.quick)
@@ -111,7 +111,8 @@ def main():
         del compiled
     apply(chosen[0])
     names = [c.name for c in cases]
-    lines = ["| BLOCK_N, stages, warps, waves, programs/SM, max split keys | " + " | ".join(names) + " | geomean vs cuDNN |",
+    lines = ["| BLOCK_N, stages, warps, waves, programs/SM, max split keys | " + " | ".join(names)
+             + " | geomean vs cuDNN |",
              "|---" * (len(names) + 2) + "|"]
     best = {n: min((us for (s, c), us in results.items() if c == n), default=None) for n in names}
     for s in chosen:
