@@ -391,11 +391,12 @@ def _dot(a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def _tf32(x):
+def _tf32(x, BITS: tl.constexpr = False):
     """float32 x rounded to TF32 (10 bits of mantissa, to nearest, ties away from zero): cvt.rna on the GPU, the same
-    on its bits in the interpreter (UPCAST). The tensor cores would truncate instead (they read the top 19 bits of a
+    on its bits (2^12 added, the low 13 cleared) in the interpreter (UPCAST) or with BITS (2 SASS instructions an
+    element against cvt.rna's 3; `_rounded`). The tensor cores would truncate instead (they read the top 19 bits of a
     float32 operand), twice the error and biased."""
-    if UPCAST:
+    if UPCAST or BITS:
         bits = x.to(tl.int32, bitcast=True)
         return ((bits + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
     return tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [x.to(tl.int32, bitcast=True)],
@@ -407,16 +408,19 @@ def _dot_state(a, b, DT: tl.constexpr):
     """a @ b where one operand is a float32 state (or its adjoint): exact for float32 inputs, TF32 for 16-bit ones
     (a state rounded to bf16 would err by 2^-9 in every product). Both operands are rounded to TF32 first (`_tf32`),
     so the tensor cores read them exactly and the interpreter computes the same products."""
-    return _dot_rounded(_rounded(a, DT), _rounded(b, DT), DT)
+    if DT == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return _dot_rounded(_tf32(a.to(tl.float32)), _tf32(b.to(tl.float32)), DT)
 
 
 @triton.jit
 def _rounded(x, DT: tl.constexpr):
-    """An operand of `_dot_state` as it reads it: float32, rounded to TF32 for 16-bit inputs (DT). Rounding again
-    changes nothing: a tile in several products is rounded once (`_dot_rounded`)."""
+    """An operand of `_dot_state` as it reads it: float32, rounded to TF32 for 16-bit inputs (DT), on its bits (the
+    same numbers as cvt.rna in fewer instructions; `chunk_grads_intra`, where the rounding was a fifth of the products'
+    instructions). Rounding again changes nothing: a tile in several products is rounded once (`_dot_rounded`)."""
     if DT == tl.float32:
         return x
-    return _tf32(x.to(tl.float32))
+    return _tf32(x.to(tl.float32), True)
 
 
 @triton.jit
@@ -908,7 +912,7 @@ def linear_attention_chunk_grads_intra_kernel(
         dlog_s = the sum of W_tr over the pairs r < s <= t    (docs/DESIGN.md §3 linear recurrent, "Gates' gradients")
     over r, t in the chunk. A sub-chunk J before I meets I through the step b before I (k_J e^{L(j, b]}, L(j, b] the
     sums after j in J plus the whole sub-chunks between), one after I through I's last step e (q_J e^{L(e, t]}): TF32
-    products (`_dot_state`) of [BC, BC] blocks of dA with them, Y = sum_J dA[I, J] K_b (dq_t = Y_t e^{L(b, t]}, prefix
+    products (`_dot_rounded`) of [BC, BC] blocks of dA with them, Y = sum_J dA[I, J] K_b (dq_t = Y_t e^{L(b, t]}, prefix
     sums inside I) and X = sum_J dA[J, I]ᵀ Q_e (dk_r = X_r e^{L(r, e]}, the sums after r inside I). For s in I, the
     pairs r < s <= t by where r and t lie: r before I, t in I (q_t ⊙ its dq from before I, a reverse cumsum inside
     I); r in I, t after I (k_r ⊙ its dk from after I, an exclusive cumsum inside I); r before I, t after I (the same
@@ -938,15 +942,15 @@ def linear_attention_chunk_grads_intra_kernel(
         b_kj = _sub(K_, bos, eos, i_t * C + i_j * BC, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
         b_lj = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
                         REVERSE)
-        b_kb = b_kj * tl.exp(_after(b_lj) + b_dec)  # k_r e^{L(r, b]}
-        b_y += _dot_state(tl.load(p_da + (i_i * BC) * C + i_j * BC + p_blk), b_kb, DT)
+        b_kb = _rounded(b_kj * tl.exp(_after(b_lj) + b_dec), DT)  # k_r e^{L(r, b]}
+        b_y += _dot_rounded(_rounded(tl.load(p_da + (i_i * BC) * C + i_j * BC + p_blk), DT), b_kb, DT)
         b_run = b_tot  # L(b, start of J'): I and the sub-chunks between I and J'
         for i_o in range(i_i + 1, NSUB):  # the sub-chunks J' after I
             b_lo = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA,
                             USE_GK, REVERSE)
             b_qo = _sub(Q, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)
             b_qb = b_qo * tl.exp(b_run + _cumsum(b_lo, axis=0))  # q_t e^{L(b, t]}
-            b_z = _dot_state(tl.load(p_da + (i_o * BC) * C + i_j * BC + p_blk), b_kb, DT)
+            b_z = _dot_rounded(_rounded(tl.load(p_da + (i_o * BC) * C + i_j * BC + p_blk), DT), b_kb, DT)
             b_span += tl.sum(b_qb * b_z, axis=0, keep_dims=True)
             b_run += tl.sum(b_lo, axis=0, keep_dims=True)
         b_dec += tl.sum(b_lj, axis=0, keep_dims=True)
@@ -958,7 +962,7 @@ def linear_attention_chunk_grads_intra_kernel(
         b_qo = _sub(Q, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)
         b_qe = b_qo * tl.exp(b_run + _cumsum(b_lo, axis=0))  # q_t e^{L(e, t]}
         b_dat = tl.load(p_da + (i_o * BC) * C + i_i * BC + o_r[None, :] * C + o_r[:, None])  # [r, t]: dA_tr
-        b_x += _dot_state(b_dat, b_qe, DT)
+        b_x += _dot_rounded(_rounded(b_dat, DT), _rounded(b_qe, DT), DT)
         b_run += tl.sum(b_lo, axis=0, keep_dims=True)
     # I's own rows read here, not held through the loops above (they held 32 bytes of registers too many)
     b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
