@@ -44,6 +44,11 @@ def ptx_bytes(repeat: int) -> tuple[int, int]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    import os
+
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    if cache:  # Triton's cache manager does not make a missing directory's parents (GPU host, session 18)
+        os.makedirs(cache, exist_ok=True)
     src = ASTSource(launch_probe_kernel, {"X": "*fp32", "Y": "*fp32", "REPEAT": "constexpr"},
                     constexprs={"REPEAT": repeat})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
