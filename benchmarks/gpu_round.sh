@@ -14,6 +14,7 @@
 #   ncu-intra      Nsight Compute counters of the intra-chunk kernels (issue-bound or not)
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane
+#   rec-light      the recurrent table's lightning rows alone
 #   rec-decode     the recurrent decode table
 #   attn-tests     every attention GPU test (the Gluon file included), sharded 2 processes a GPU
 #   gluon-tests    the Gluon GPU tests, sharded 2 processes a GPU                     (issues 14, 15)
@@ -87,6 +88,7 @@ j_rec-bench() {
   [ -f "$log/fla/fla.json" ] && fla=(--fla "$log/fla/fla.json")
   job rec-bench 180 python3 benchmarks/recurrent.py "${fla[@]}" --out "$log/recb"
 }
+j_rec-light() { job rec-light 150 python3 benchmarks/recurrent.py --cases lightning --out "$log/light"; }
 j_rec-decode() { job rec-decode 150 python3 benchmarks/recurrent.py --decode-only --out "$log/dec"; }
 j_attn-tests() { shards attn-tests 240 2 tests/attention; }
 j_gluon-tests() { shards gluon-tests 290 2 tests/attention/test_gluon.py; }
