@@ -297,6 +297,30 @@ def test_splits_fill_the_program_slots():
     assert fixed == {split_k.BATCH_INVARIANT_SPLIT}
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_triton_decode_merges_its_splits_in_the_kernel_or_after_it(merge, monkeypatch):
+    """The Triton kernel's two merges of its splits (`triton.decode.MERGE`: the last split of each sequence and kv head
+    to end merges them, counting on an atomic; else `split_k.merge` in XLA) against the oracle: many splits a
+    sequence, GQA 4 at Sq 2, two sinks a head, an empty sequence (o = 0, lse the sinks')."""
+    from ejgen.ops import ragged_decode_attention
+    from ejgen.runtime.attention import split_k
+    from ejgen.runtime.attention.triton import decode
+
+    monkeypatch.setattr(decode, "MERGE", merge)
+    rng = rng_for("merge", merge)
+    batch, hq, hkv, d, seq = 3, 4, 1, 16, 300
+    q = jnp.asarray(rng.standard_normal((batch, 2, hq, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((batch, seq, hkv, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((batch, seq, hkv, d)), jnp.float32)
+    starts, ends = np.asarray([5, 0, 40], np.int32), np.asarray([300, 0, 200], np.int32)
+    aux = jnp.asarray(rng.standard_normal((hq, 2)), jnp.float32)
+    slots = split_k.slots(decode.INTERPRET_BLOCK_N, d, d, 4, decode.NUM_STAGES, sms=split_k.INTERPRET_SMS)
+    assert split_k.splits(batch, hkv, seq, decode.INTERPRET_BLOCK_N, slots)[0] > 1, "the case must split"
+    out, lse = ragged_decode_attention(q, k, v, starts, ends, softmax_aux=aux, return_lse=True, platform="triton")
+    ref_out, ref_lse = reference(np.asarray(q), np.asarray(k), np.asarray(v), starts, ends, softmax_aux=np.asarray(aux))
+    _check(out, lse, ref_out, ref_lse, "float32")
+
+
 @pytest.mark.parametrize("backend", ["triton", "pallas", "pallas-tpu"])
 def test_batch_invariant_results_do_not_depend_on_the_batch(backend):
     """Sequence 0 alone and next to three others: bitwise the same output (each kernel interpreted)."""

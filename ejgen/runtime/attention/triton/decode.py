@@ -19,7 +19,10 @@ from ejgen.runtime.launch import triton_call
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
-MERGE = True  # the kernel's last split of each (sequence, kv head) merges them (no merge launch); False: split_k.merge
+MERGE = False  # True: the last split of each (sequence, kv head) to end merges them in the kernel, no merge launch.
+# Off: on an H100 (session 18, call 8) the in-kernel merge ran B4 S32k and B8 S8k at 0.96x cuDNN, where split_k.merge
+# had given 1.04x both (session 13, another H100), and the Pallas kernel with split_k.merge beat it in the same run
+# (B4 S32k 216.9 against 223.5 us, the ragged batch 403.3 against 435.3); not A/B-timed on one card yet: decode_tune.py
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
 
 
