@@ -260,7 +260,8 @@ def table(title, rows, ms):
         print(f"| {s.name} | {'x'.join(map(str, s.grid))} | {tiles} | {t:.3f} | {rate[0]} | {rate[1]} |", flush=True)
     kernels = [s for s in rows if s.tiles is not None]
     fwd = sum(ms[id(s)] for s in kernels if s.name in ("chunk_state", "chunk_intra", "chunk_output"))
-    bwd = sum(ms[id(s)] for s in rows if s.name not in ("chunk_intra", "chunk_output", "op fwd", "op fwd+bwd"))
+    bwd = sum(ms[id(s)] for s in rows  # the op's backward forms dA alone (A kept from the forward: e319652)
+              if s.name not in ("chunk_intra", "chunk_output", "chunk_intra + dA", "op fwd", "op fwd+bwd"))
     print(f"\nsum of parts: fwd {fwd:.3f} ms (state, intra, output); fwd+bwd {fwd + bwd:.3f} ms (the state kernel "
           "twice, as the op runs it)")
 
