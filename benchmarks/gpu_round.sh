@@ -11,7 +11,9 @@
 #   rec-tests      the recurrent Triton GPU tests, sharded 3 processes a GPU          (issue 17)
 #   rec-kernels    gla's chunked kernels one by one (recurrent_kernels.py)
 #   rec-sweep      the same under each launch setting of the intra-chunk kernels
-#   ncu-intra      Nsight Compute counters of the intra-chunk kernels (issue-bound or not)
+#   ncu-intra      Nsight Compute counters of the intra-chunk kernels (issue-bound or not; it catches chunk_intra's
+#                  two launches first)
+#   ncu-grads      the same for chunk_grads_intra alone, with its memory and scheduler counters
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane
 #   rec-light      the recurrent table's lightning rows alone
@@ -81,6 +83,10 @@ j_rec-sweep() { job rec-sweep 150 python3 benchmarks/recurrent_kernels.py --ops 
   --sweep-kernels chunk_intra,chunk_grads_intra; }
 j_ncu-intra() { job ncu 120 ncu --clock-control none -k regex:'chunk_(grads_)?intra' --launch-count 2 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+  python3 benchmarks/recurrent_kernels.py --ops gla --no-check --reps 1 --rounds 1; }
+j_ncu-grads() { job ncu-grads 120 ncu --clock-control none -k regex:'chunk_grads_intra' --launch-count 1 \
+  --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+  --section MemoryWorkloadAnalysis --section SchedulerStats \
   python3 benchmarks/recurrent_kernels.py --ops gla --no-check --reps 1 --rounds 1; }
 j_fla() { job fla 150 python3 benchmarks/recurrent_fla.py --out "$log/fla/fla.json"; }
 j_rec-bench() {
@@ -168,7 +174,7 @@ wait
     [ -f "$f" ] && { echo "== failures: $f"; cut -c1-400 "$f"; }
   done
   for f in "$log"/*.txt; do
-    case $(basename "$f") in summary.txt|clocks-*|ncu.txt|dispatch*.txt) continue;; esac
+    case $(basename "$f") in summary.txt|clocks-*|ncu*.txt|dispatch*.txt) continue;; esac
     echo "== $(basename "$f" .txt)"; grep -vE "DeprecationWarning|^  (return|from) " "$f" | tail -70
   done
   for f in "$log"/clocks-*.txt; do  # per GPU: samples, median and lowest SM clock, highest power
@@ -192,8 +198,10 @@ PY
   for f in "$log"/dispatch*.txt; do
     [ -f "$f" ] && { echo "== $(basename "$f" .txt) (whole)"; grep -vE "DeprecationWarning|^  (return|from) " "$f"; }
   done
-  [ -f "$log/ncu.txt" ] && { echo "== ncu (whole)"; grep -E "^  [a-z_]+.*kernel|^    [A-Z]" "$log/ncu.txt" \
-    | grep -vE "^    (OPT|INF|WRN) " | head -220; }
+  for f in "$log"/ncu*.txt; do
+    [ -f "$f" ] && { echo "== $(basename "$f" .txt) (whole)"; grep -E "^  [a-z_]+.*kernel|^    [A-Z]" "$f" \
+      | grep -vE "^    (OPT|INF|WRN) " | head -220; }
+  done
 } > "$OUT/round.txt" 2>&1
 tuned=$(find "$log/fla" -maxdepth 1 -name fla_tuned -type d 2>/dev/null)
 [ -n "$tuned" ] && tar czf "$OUT/fla_tuned.tgz" -C "$tuned" .
