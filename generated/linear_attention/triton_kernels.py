@@ -545,15 +545,16 @@ def linear_attention_chunk_intra_kernel(
 ):
     """With a gate per key channel (gk): A [chunks, H, C, C] (q's dtype), each chunk's intra-chunk matrix
         A_ij = scale sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, 0 above the diagonal,
-    a program per (sub-chunk I of BC rows of a chunk, sequence x head): A's rows I, a [BC, BC] block at a time, the
-    head dim whole (BK >= K: every tile [BC, BK], a few warps, many products a thread between two reductions). The
-    blocks J < I are factored through the step b before I, e^{L(j, i]} = e^{L(b, i]} e^{L(j, b]}: L(b, i] the prefix
-    sums inside I, L(j, b] the sums after j inside J plus the whole sub-chunks between J and I, every exponent a sum
-    of its own steps, <= 0 for decaying gates; one TF32 product (`_dot_state`) of q e^{L(b, i]} and k e^{L(j, b]}
-    for each. The diagonal block from `_intra`; zeros right of it. GRADS (the backward): also DA [chunks, H, C, C]
+    a program per (sub-chunk I of BC rows of a chunk, sequence x head): A's rows I, the head dim in blocks of BK (each
+    block's tiles [BC, BK]; the rows' sums gather in float32 over the blocks: at K 128 the head dim whole holds 254
+    registers a thread, 8 warps an SM, blocks of 32 142, 14 warps, for more shuffles in the diagonal's row sums;
+    host.CHUNKED chooses). The blocks J < I are factored through the step b before
+    I, e^{L(j, i]} = e^{L(b, i]} e^{L(j, b]}: L(b, i] the prefix sums inside I, L(j, b] the sums after j inside J plus
+    the whole sub-chunks between J and I, every exponent a sum of its own steps, <= 0 for decaying gates; one TF32
+    product (`_dot_state`) of q e^{L(b, i]} and k e^{L(j, b]} for each. The diagonal block from `_intra`; zeros right
+    of it; rows I written once, whole. GRADS (the backward): also DA [chunks, H, C, C]
     float32, dA_ij = scale do_i · v_j for j <= i, 0 above (V in blocks of BV); without WITH_A only dA (the backward
     of a forward that kept A)."""
-    tl.static_assert(BK >= K, "chunk_intra takes the head dim whole (host.CHUNKED block_k 0)")
     NSUB: tl.constexpr = C // BC
     i_cs, i_bh = tl.program_id(0), tl.program_id(1)
     i_c, i_i = i_cs // NSUB, i_cs % NSUB
@@ -564,28 +565,33 @@ def linear_attention_chunk_intra_kernel(
     bos, eos = _bounds(CU, i_n, T, VARLEN)
     first = i_t * C + i_i * BC  # I's first step
     o_r = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
     if WITH_A:
-        b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
-        b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE)
-        b_p = _cumsum(b_li, axis=0)  # L(b, i]
-        p_a = A + ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_r[None, :]  # rows I, block 0
-        b_qb = b_q * tl.exp(b_p)
-        b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
-        for back in range(0, i_i):
-            i_j = i_i - 1 - back
-            b_k = _sub(K_, bos, eos, i_t * C + i_j * BC, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
-            b_l = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA,
-                           USE_GK, REVERSE)
-            b_kb = b_k * tl.exp(_after(b_l) + b_dec)  # k_j e^{L(j, b]}
-            tl.store(p_a + i_j * BC, (_dot_state(b_qb, tl.trans(b_kb), DT) * SCALE).to(A.dtype.element_ty))
-            b_dec += tl.sum(b_l, axis=0, keep_dims=True)
-        b_d = _intra(b_q, _cumsum(b_li * LOG2E, axis=0), K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_r,
-                     H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
-        tl.store(p_a + i_i * BC, (b_d * SCALE).to(A.dtype.element_ty))
-        for i_j in range(i_i + 1, NSUB):
-            tl.store(p_a + i_j * BC, tl.zeros([BC, BC], dtype=A.dtype.element_ty))
+        o_j = tl.arange(0, NSUB)
+        b_row = tl.zeros([BC, NSUB, BC], dtype=tl.float32)  # A's rows I, block j of columns at [:, j, :]
+        b_d = tl.zeros([BC, BC], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
+            b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
+                            REVERSE)
+            b_qb = b_q * tl.exp(_cumsum(b_li, axis=0))  # q e^{L(b, i]}
+            b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
+            for back in range(0, i_i):
+                i_j = i_i - 1 - back
+                b_k = _sub(K_, bos, eos, i_t * C + i_j * BC, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
+                b_l = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA,
+                               USE_GK, REVERSE)
+                b_kb = b_k * tl.exp(_after(b_l) + b_dec)  # k_j e^{L(j, b]}
+                b_blk = _dot_state(b_qb, tl.trans(b_kb), DT)
+                b_row += tl.where(o_j[None, :, None] == i_j, tl.expand_dims(b_blk, 1), 0.0)
+                b_dec += tl.sum(b_l, axis=0, keep_dims=True)
+            b_d += _intra(b_q, _cumsum(b_li * LOG2E, axis=0), K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k,
+                          m_k, o_r, H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+        b_row += tl.where(o_j[None, :, None] == i_i, tl.expand_dims(b_d, 1), 0.0)  # blocks right of I stay 0
+        o_c = tl.arange(0, C)
+        p_a = A + ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_c[None, :]  # rows I
+        tl.store(p_a, (tl.reshape(b_row, [BC, C]) * SCALE).to(A.dtype.element_ty))
     if GRADS:
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)  # the chunk's steps
         rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)

@@ -58,11 +58,13 @@ class Tiles:
 
 # The chunked kernels' launches (notes/recurrent-perf.md): the state kernels walk a sequence's chunks in order, so
 # their programs are blocks of the state (rows of K decay on their own); the intra-chunk kernels (gk) a program per
-# sub-chunk (SUB rows), chunk_intra with the head dim whole (block_k 0; its diagonal loop sums over the channels) in
-# two warps, chunk_grads_intra per block of 32 channels in one warp (its loop sums over steps: one warp needs no
-# barrier; 410 instructions a step against 2 x 280 in two, sm_90 SASS). Both are issue-bound (Nsight Compute, H200:
-# notes/recurrent-perf.md): fewer instructions a step is what counts, not occupancy or blocks; the others a program per
-# chunk (C rows) and block of V or K.
+# sub-chunk (SUB rows): chunk_intra with the head dim whole (block_k 0) in two warps, chunk_grads_intra per block of
+# 32 channels in one warp (its loop sums over steps: one warp needs no barrier; 410 instructions a step against
+# 2 x 280 in two, sm_90 SASS); the others a program per chunk (C rows) and block of V or K. The intra-chunk kernels
+# hold 217-254 registers a thread, 8-9 warps an SM whatever their warps, and their time follows neither their warps
+# nor (chunk_grads_intra, session 18) their instruction count: they wait on latency. chunk_intra in blocks of 32
+# channels (its rows' sums gathered in float32) holds 142 registers, 14 warps an SM, for more shuffles in its
+# diagonal's row sums: not yet timed (recurrent_kernels.py --sweep).
 CHUNKED = {
     "chunk_state": Tiles(64, 64, 8, 2),
     "chunk_state_bwd": Tiles(64, 64, 8, 2),
