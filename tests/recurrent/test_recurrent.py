@@ -113,12 +113,12 @@ def test_triton_against_the_oracle(case, launched):
 ], ids=lambda c: c.id)
 def test_triton_chunked_kernels_by_blocks(case, monkeypatch):
     """The chunked kernels' programs by blocks of K and V (the state kernels, dq / dk and their log decay gradient by
-    blocks of K, o and dv by blocks of V; the GPU's blocks are 32 to 64 wide): 16-wide blocks here, so every kernel
-    sees two or three of each, against the oracle."""
+    blocks of K, o and dv by blocks of V, chunk_intra's rows summed over blocks of K; the GPU's blocks are 32 to 64
+    wide): 16-wide blocks here, so every kernel sees two or three of each, against the oracle."""
     from ejgen.runtime.recurrent.triton import host
 
-    small = {n: host.Tiles(16 if t.block_k else 0, 16 if t.block_v else 0, t.num_warps, t.num_stages)
-             for n, t in host.CHUNKED.items()}
+    small = {n: host.Tiles(16 if t.block_k or n == "chunk_intra" else 0, 16 if t.block_v else 0, t.num_warps,
+                           t.num_stages) for n, t in host.CHUNKED.items()}
     monkeypatch.setattr(host, "CHUNKED", small)
     check(case, "triton")
 
