@@ -109,6 +109,18 @@ def check_zigzag_features(backend, failures, devices=4):
     check(failures, sharded, ref)
 
 
+def check_zigzag_coalesced(backend, failures, devices=4):
+    """`check_zigzag_features` with each later step's two full blocks run as one call (ring.COALESCE: c queries
+    against the whole held block, or every local query against one key chunk), the backward as it is."""
+    from ejgen.runtime.attention import ring
+
+    before, ring.COALESCE = ring.COALESCE, True
+    try:
+        check_zigzag_features(backend, failures, devices)
+    finally:
+        ring.COALESCE = before
+
+
 def check_window(backend, failures, devices=4):
     """A sliding window (6, 3) without causal, contiguous: blocks the window cuts run with the tokens' positions,
     blocks it misses are skipped; the ring starts one device ahead (the right side) and takes three steps of four."""
@@ -340,6 +352,7 @@ def check_blocksparse(backend, failures, devices=2):
 CHECKS = {
     "zigzag-causal-gqa-segments-sinks-softcap": (check_zigzag_features, {"xla": 4, "pallas": 2, "triton": 2}),
     "alibi-zigzag": (check_alibi, {"xla": 4, "pallas": 2, "triton": 2}),
+    "zigzag-coalesced-steps": (check_zigzag_coalesced, {"xla": 4}),
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),
     "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),

@@ -25,7 +25,8 @@ from ejgen.zoo import flamingo_cross_attention_ring, natten_1d_attention_ring
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = {
-    "xla": {"zigzag-causal-gqa-segments-sinks-softcap-4", "alibi-zigzag-4", "window-noncausal-contiguous-4",
+    "xla": {"zigzag-causal-gqa-segments-sinks-softcap-4", "alibi-zigzag-4", "zigzag-coalesced-steps-4",
+            "window-noncausal-contiguous-4",
             "window-ahead-gqa-segments-contiguous-3", "zigzag-causal-window-2", "contiguous-causal-2",
             "causal-window-mqa-shared-sinks-8", "prefix_lm-zigzag-2", "chunked_local-zigzag-4",
             "key-reads-lengths-zigzag-4", "key-with-segment-ids-contiguous-2", "set_mesh-global-zigzag-4",
@@ -90,6 +91,17 @@ def test_zigzag_balances_causal_work(devices):
             before = (r - t) % devices < r
             want = [(0, 0, ring.FULL), (1, 0, ring.FULL)] if before else [(1, 0, ring.FULL), (1, 1, ring.FULL)]
             assert runs[r] == want, (t, r, runs[r])
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+def test_zigzag_later_steps_coalesce_into_one_call(devices):
+    """`ring._wide`: every step after the first of a causal zigzag ring gives each device two full blocks sharing a
+    query chunk or a key chunk (one call with ring.COALESCE); a window's steps (pairs cut by it) do not."""
+    n = 8
+    stages = ring._stages("zigzag", devices, n, 0, devices, True, None, False)
+    assert [ring._wide(stage) for stage in stages] == [False, True]
+    windowed = ring._stages("zigzag", devices, n, 0, devices, True, (5, 0), False)
+    assert not any(ring._wide(stage) for stage in windowed)
 
 
 def test_window_takes_only_the_steps_it_reaches():

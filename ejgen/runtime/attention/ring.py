@@ -50,6 +50,12 @@ from ejgen.types import MaskInfo
 # 16.64 -> 16.12 (notes/gluon-persistent-fwd.md, "Dynamic tile queue").
 GLUON_DYNAMIC_TILES = True
 
+# Zigzag steps after the first run each device's two full c x c pairs as one call (`_wide`): they always share a
+# query chunk (c queries against the whole held block, c x 2c) or a key chunk (every local query against it, 2c x c).
+# One launch, one merge and half the per-tile prologues a step instead of two; the backward keeps its pairs. Off until
+# timed on two GPUs (session 18: ring.py --parts time with it on and off, same call).
+COALESCE = False
+
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
 KIND_NAMES = ("skip", "full", "diagonal", "placed")
@@ -160,6 +166,7 @@ class Plan:
     stages: tuple
     calls: tuple  # ((sq, sk, kind), AttentionConfig, KernelChoice)
     sinks: bool
+    wide: tuple = ()  # per stage: whether the forward runs its steps' pairs as one call (`_wide`)
 
     def call(self, sq: int, sk: int, kind: int):
         for key, cfg, choice in self.calls:
@@ -265,6 +272,21 @@ def _stages(order, devices, n, start, steps, causal, window, reads_positions) ->
     if start == 0 and window is None:  # the first step is each device's own blocks: one causal call over both
         return tuple(s for s in (stage(n, 0, 1), stage(n // 2, 1, steps - 1) if steps > 1 else None) if s)
     return (stage(n // 2, 0, steps),)
+
+
+def _wide(stage: Stage) -> bool:
+    """Whether every step of a stage of zigzag chunks gives every device exactly two FULL pairs that share a query
+    chunk and take both key chunks (c x 2c) or share a key chunk and take both query chunks (2c x c): the forward then
+    runs them as one call (COALESCE). Causal zigzag rings past their first step are so; windows are not."""
+    if len(stage.slots[0]) != 2:
+        return False
+    for step in stage.slots:
+        for (qa, ka, kind_a), (qb, kb, kind_b) in zip(*step):
+            if kind_a != FULL or kind_b != FULL:
+                return False
+            if not ((qa == qb and {ka, kb} == {0, 1}) or (ka == kb and {qa, qb} == {0, 1})):
+                return False
+    return True
 
 
 def _window_sides(window) -> tuple | None:
@@ -406,13 +428,17 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
     stages = _stages(token_order, devices, n, start, steps, causal, window, reads)
     det = deterministic
     calls = {}
-    for stage in stages:
-        for kind in sorted({k for j in range(len(stage.slots[0])) for k in stage.kinds(j)} - {SKIP}):
-            key = (stage.chunk, stage.chunk, kind)
+    wide = tuple(COALESCE and token_order == "zigzag" and stage.chunk * 2 == n and _wide(stage) for stage in stages)
+    for stage, coalesced in zip(stages, wide):
+        keys = [(stage.chunk, stage.chunk, kind)
+                for kind in sorted({k for j in range(len(stage.slots[0])) for k in stage.kinds(j)} - {SKIP})]
+        if coalesced:
+            keys += [(stage.chunk, n, FULL), (n, stage.chunk, FULL)]
+        for key in keys:
             if key not in calls:
                 calls[key] = _choose(spec, backends, platform, backend, call, key, det)
     plan = Plan(spec.name, backends[backend], axis_name, devices, token_order, n, start, steps, stages,
-                tuple((k, cfg, choice) for k, (cfg, choice) in calls.items()), call.cfg.sinks)
+                tuple((k, cfg, choice) for k, (cfg, choice) in calls.items()), call.cfg.sinks, wide)
     q, k, v, ctx = api.vary_alike(call.q, call.k, call.v, ctx)
     out, lse = _ring(q, k, v, ctx, plan)
     b, _, hkv, g, dv = out.shape
@@ -462,41 +488,66 @@ def _rows(x, start, count: int, axis: int = 1):
     return lax.dynamic_slice_in_dim(x, start, count, axis=axis)
 
 
-def _pair_ctx(plan: Plan, ctx: dict, chunk: int, kind: int, held: dict, q0, k0, r, s):
-    """The ctx of one pair (query rows [q0, q0 + chunk), held key rows [k0, k0 + chunk); offsets traced): the
-    call's scalars, params and options, the chunks' segment ids and positions."""
+def _pair_ctx(plan: Plan, ctx: dict, chunk: int, kind: int, held: dict, q0, k0, r, s, sk: int | None = None):
+    """The ctx of one pair (query rows [q0, q0 + chunk), held key rows [k0, k0 + sk), sk = chunk unless given;
+    offsets traced): the call's scalars, params and options, the chunks' segment ids and positions."""
+    sk = sk or chunk
     out = {n: x for n, x in ctx.items() if n not in ("q_seg", "kv_seg", "softmax_aux")}
     batch = held["k"].shape[0]
     if kind == PLACED:
         q_pos = _rows(device_positions(plan.order, plan.devices, plan.length, r, jnp), q0, chunk, 0)
-        kv_pos = _rows(device_positions(plan.order, plan.devices, plan.length, s, jnp), k0, chunk, 0)
+        kv_pos = _rows(device_positions(plan.order, plan.devices, plan.length, s, jnp), k0, sk, 0)
     else:
-        q_pos = kv_pos = jnp.arange(chunk, dtype=jnp.int32)
+        q_pos, kv_pos = jnp.arange(chunk, dtype=jnp.int32), jnp.arange(sk, dtype=jnp.int32)
     out["q_pos"] = jnp.broadcast_to(q_pos[None], (batch, chunk))
-    out["kv_pos"] = jnp.broadcast_to(kv_pos[None], (batch, chunk))
+    out["kv_pos"] = jnp.broadcast_to(kv_pos[None], (batch, sk))
     if "q_seg" in ctx:
         out["q_seg"] = _rows(ctx["q_seg"], q0, chunk)
-        out["kv_seg"] = _rows(held["kv_seg"], k0, chunk)
+        out["kv_seg"] = _rows(held["kv_seg"], k0, sk)
     return out
 
 
-def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s):
-    """(cfg, kernels, the pair's Prepared call) of one kind."""
-    cfg, choice = plan.call(chunk, chunk, kind)
-    one = api.Prepared(cfg, _rows(q, q0, chunk), _rows(held["k"], k0, chunk), _rows(held["v"], k0, chunk),
-                       _pair_ctx(plan, ctx, chunk, kind, held, q0, k0, r, s), {}, False, plan.op)
+def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int | None = None):
+    """(cfg, kernels, the pair's Prepared call) of one kind (query rows ``chunk``, key rows ``sk``: chunk unless
+    given)."""
+    sk = sk or chunk
+    cfg, choice = plan.call(chunk, sk, kind)
+    one = api.Prepared(cfg, _rows(q, q0, chunk), _rows(held["k"], k0, sk), _rows(held["v"], k0, sk),
+                       _pair_ctx(plan, ctx, chunk, kind, held, q0, k0, r, s, sk), {}, False, plan.op)
     return cfg, choice, one
 
 
-def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s):
-    """(out [B, chunk, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, chunk]) of one pair of one kind."""
-    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s)
+def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int | None = None):
+    """(out [B, chunk, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, chunk]) of one pair of one kind (key rows ``sk``:
+    chunk unless given)."""
+    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk)
     backend = plan.backend
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
     asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()
     with asked:  # read when the kernel's launch is traced
         out, lse, _ = backend.forward(qk, kk, vk, ck, cfg, choice)
     return _from_kernel(out, backend.TENSOR_LAYOUT, chunk), lse[..., :chunk]
+
+
+def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, axes):
+    """(out [B, n, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, n]) of a step's two FULL pairs as one call (`_wide`):
+    where they share a query chunk, its c rows against the whole held block (the other rows: 0 and -inf), else every
+    local row against the shared key chunk."""
+    n = 2 * chunk
+    b, _, hkv, g, _ = q.shape
+
+    def one_query_chunk():
+        q0 = slots[0, r, 0] * chunk
+        out, lse = _pair_forward(plan, FULL, chunk, q, held, ctx, q0, 0, r, s, n)
+        pad_out = vma.vary(jnp.zeros((b, n) + out.shape[2:], out.dtype), axes)
+        pad_lse = vma.vary(jnp.full((b, hkv, g, n), NEG_INF, jnp.float32), axes)
+        return (lax.dynamic_update_slice_in_dim(pad_out, out, q0, 1),
+                lax.dynamic_update_slice_in_dim(pad_lse, lse, q0, 3))
+
+    def one_key_chunk():
+        return _pair_forward(plan, FULL, n, q, held, ctx, 0, slots[0, r, 1] * chunk, r, s, chunk)
+
+    return lax.cond(slots[0, r, 0] == slots[1, r, 0], one_query_chunk, one_key_chunk)
 
 
 def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0, r, s):
@@ -649,13 +700,20 @@ def _forward(q, k, v, ctx, plan: Plan):
     for stage, xs, at, count in _runs(plan):
         chunk = stage.chunk
         first, last = at == 0, at + count == plan.steps
+        wide = bool(plan.wide) and plan.wide[plan.stages.index(stage)] and not first
 
-        def body(carry, xs, stage=stage, chunk=chunk, first=first, last=last, unrolled=count == 1):
+        def body(carry, xs, stage=stage, chunk=chunk, first=first, last=last, unrolled=count == 1, wide=wide):
             travel, acc, lse = carry
             held = own if first and plan.start == 0 else wire.unpack(travel)
             ahead = travel if last else _shift(plan, travel, 1)  # the next step's block, in flight meanwhile
             slots, t = xs
             s = (r - t) % plan.devices
+            if wide:  # one call for the step's two pairs (COALESCE), merged into every row
+                result = _wide_forward(plan, chunk, q, held, ctx, slots, r, s, axes)
+                if not last:
+                    ahead, result = _after_kernels(ahead, result)
+                acc, lse = _merge(acc, lse, *result, 0, 2 * chunk, in_place=not unrolled)
+                return (ahead, acc, lse), None
             pairs = []  # per slot: (q0, the pair's out and lse as its kernels give them)
             for j in range(slots.shape[0]):
                 q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
