@@ -37,7 +37,8 @@
 #   launch         the host's cost of one Triton launch by PTX size (launch_cost.py)   (issues 14, 15)
 #   ring-tests     the ring's GPU tests (2 GPUs)                                       (issue 18)
 #   ring-time      the ring at 32k, zigzag, timed as the project times (2 GPUs)
-#   ring-wide      the same with and without each later step's two blocks as one call (ring.COALESCE; 2 GPUs)
+#   ring-wide      the same with and without each later step's two blocks as one call (ring.COALESCE; 2 GPUs;
+#                  meaningful once the Hopper forward takes Sq != Sk: until then the wide calls run the generated one)
 #   ring-gaps      the same calls back to back under the profiler: idle gaps against slower kernels (2 GPUs)
 #   ring-profile   one call's kernels per device (2 GPUs)
 # Every lane also samples its GPUs' SM clocks and power (nvidia-smi, 200 ms) into clocks-<GPUS>.txt.
