@@ -37,8 +37,9 @@
 #   launch         the host's cost of one Triton launch by PTX size (launch_cost.py)   (issues 14, 15)
 #   ring-tests     the ring's GPU tests (2 GPUs)                                       (issue 18)
 #   ring-time      the ring at 32k, zigzag, timed as the project times (2 GPUs)
-#   ring-wide      the same with and without each later step's two blocks as one call (ring.COALESCE; 2 GPUs;
-#                  meaningful once the Hopper forward takes Sq != Sk: until then the wide calls run the generated one)
+#   ring-wide      the same with and without each later step's two blocks as one call (ring.COALESCE; 2 GPUs),
+#                  the wide calls on the Hopper forward (EJGEN_GLUON_CROSS=1: run gluon-tests first, it is not yet
+#                  GPU-checked)
 #   ring-gaps      the same calls back to back under the profiler: idle gaps against slower kernels (2 GPUs)
 #   ring-profile   one call's kernels per device (2 GPUs)
 # Every lane also samples its GPUs' SM clocks and power (nvidia-smi, 200 ms) into clocks-<GPUS>.txt.
@@ -135,7 +136,8 @@ j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"
 j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 python3 -m pytest -m gpu -q -rf \
   -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
-j_ring-wide() { job ring-wide 150 python3 "${RING[@]}" --parts time --coalesce both --out "$log/ring-wide"; }
+j_ring-wide() { job ring-wide 150 env EJGEN_GLUON_CROSS=1 python3 "${RING[@]}" --parts time --coalesce both \
+  --out "$log/ring-wide"; }
 j_ring-gaps() { job ring-gaps 120 python3 "${RING[@]}" --parts gaps --out "$log/ring"; }
 j_ring-profile() { job ring-profile 100 python3 "${RING[@]}" --parts profile --out "$log/ring"; }
 

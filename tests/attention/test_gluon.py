@@ -117,6 +117,36 @@ def test_calls_the_kernel_does_not_cover_say_why(spec, cfg, arrays, pinned, reas
     assert why is not None and why.startswith(reason), why
 
 
+def test_keys_of_another_length_take_the_hopper_forward_with_the_gluon_cross_setting():
+    """Sq != Sk: the Hopper forward with gluon_cross on (SEQ_K its own constexpr) where nothing ties queries to keys'
+    positions (no causal, window, segment ids); the backward never; off by default (not yet GPU-run)."""
+    from ejgen.ops import settings
+
+    layout, cross, arrays = _layout("flash_attention"), _cfg(seq_k=640), _qkv(sk=640)
+    assert gluon_attention.ineligible(layout, cross, *arrays, False).startswith("Sq 512 != Sk 640")
+    with settings(gluon_cross=True):
+        why = gluon_attention.ineligible(layout, cross, *arrays, False)
+        assert why is None or not gluon_attention.importable()[0], why
+        assert gluon_attention.ineligible(layout, cross, *arrays, False, "bwd").startswith("Sq 512 != Sk 640")
+        causal = gluon_attention.ineligible(layout, _cfg(causal=True, seq_k=640), *arrays, False)
+        assert causal.startswith("Sq 512 != Sk 640 (the Hopper forward takes it with the gluon_cross setting on, "
+                                 "without causal"), causal
+    consts = gluon_attention.constexprs(2, 8, 2, 512, 128, False, False, seq_k=640)
+    assert (consts["SEQ"], consts["SEQ_K"]) == (512, 640)
+    assert gluon_attention.constexprs(2, 8, 2, 512, 128, False, False)["SEQ_K"] == 512
+
+
+def test_the_cross_forward_compiles_for_sm90():
+    """The forward with SEQ_K != SEQ (1000 queries, 2100 keys, no causal): compiled for sm_90 without spills, its
+    loads and products as the square kernel's."""
+    if not gluon_attention.importable()[0]:
+        pytest.fail(gluon_attention.importable()[1])
+    compiled = compile_gluon_in_subprocess(causal=False, seq=1000, seq_k=2100, forward_only=True, with_ptx=True)
+    meta = compiled["gluon_fwd_kernel"]
+    assert meta["cubin"] and meta["wgmma"] and "cp.async.bulk.tensor" in meta["ptx"]
+    assert "ld.local" not in meta["ptx"], "registers spilled"
+
+
 def test_the_backward_covers_short_causal_windows_but_not_two_sided_ones():
     layout, arrays = _layout("flash_attention"), _qkv()
     short = _cfg(causal=True, window=True, window_span=1024)
@@ -191,6 +221,29 @@ def test_gluon_forward_matches_the_oracle(monkeypatch, triton_launches, triton_a
     # the Gluon backward: one kernel, the persistent one for causal windows
     assert backward == (["dq", "dkdv"] if two_sided else ["persistent"] if window else ["bwd"]), backward
 
+
+
+CROSS_GPU_CASES = [  # (id, shape, dtype): Sq != Sk, no causal: the Hopper forward with gluon_cross on
+    ("cross-gqa-d128-ragged", AttnShape(2, 300, 1100, 4, 2, 128), "bfloat16"),
+    ("cross-more-queries-f16-d64", AttnShape(1, 2600, 700, 2, 2, 64), "float16"),
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype", [c[1:] for c in CROSS_GPU_CASES], ids=[c[0] for c in CROSS_GPU_CASES])
+def test_gluon_cross_forward_matches_the_oracle(monkeypatch, triton_launches, triton_against_oracle, shape, dtype):
+    """gluon_cross (off by default until this passes on the GPU host): the forward on the Hopper kernel with its own
+    key count, the backward on the generated kernels, against the oracle (output, lse, every gradient)."""
+    from ejgen.ops import settings
+
+    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
+    if not gluon_attention.hopper():
+        pytest.skip("not a Hopper GPU")
+    with settings(gluon_cross=True):
+        triton_against_oracle(shape, {}, dtype, "gluon-cross")
+    gluon = [kw for _, kw in triton_launches if "HEAD_GROUP" in kw]  # the Hopper forward's launches
+    assert gluon and all(kw["SEQ_K"] == shape.kv_len != kw["SEQ"] for kw in gluon), triton_launches
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")

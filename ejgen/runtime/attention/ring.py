@@ -53,9 +53,9 @@ GLUON_DYNAMIC_TILES = True
 # Zigzag steps after the first run each device's two full c x c pairs as one call (`_wide`): they always share a
 # query chunk (c queries against the whole held block, c x 2c) or a key chunk (every local query against it, 2c x c).
 # One launch, one merge and half the per-tile prologues a step instead of two; the backward keeps its pairs. Off: the
-# wide calls have Sq != Sk, which the Hopper kernels do not take (`gluon.host.ineligible`), so on a GPU they would run
-# the generated kernels; they first need the Hopper forward for Sq != Sk without causal (or the call as a 2c x 2c one
-# with a block layout), then a timing on two GPUs (ring.py --coalesce both).
+# wide calls have Sq != Sk, which the Hopper forward takes only with the gluon_cross setting (not yet GPU-run; without
+# it they run the generated kernels); both wait for the GPU suite and a timing on two GPUs (ring.py --coalesce both
+# with EJGEN_GLUON_CROSS=1).
 COALESCE = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")

@@ -133,7 +133,10 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
         (q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype,
          f"dtype {q.dtype} (16-bit only)"),
         (d != dv or d not in HEAD_DIMS, f"head dims {d}/{dv} (equal, one of {HEAD_DIMS})"),
-        (q.shape[1] != k.shape[1], f"Sq {q.shape[1]} != Sk {k.shape[1]}"),
+        (q.shape[1] != k.shape[1] and not (pass_ == "fwd" and settings.current().gluon_cross and not (
+            cfg.causal or cfg.window or cfg.segments or cfg.layout or spec)),
+         f"Sq {q.shape[1]} != Sk {k.shape[1]} (the Hopper forward takes it with the gluon_cross setting on, without "
+         f"causal, a window, segment ids, a block layout or a spec mask; the backward never)"),
         (pass_ == "bwd" and cfg.window and not cfg.causal, "a sliding window without causal (the backward's masks: "
                                                           "causal, with a window to the left)"),
     ]
@@ -187,12 +190,13 @@ def spec_constexprs(spec: tuple | None) -> dict:
 
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
                segments: bool = False, ordered: bool = False, dynamic: bool = False, lists: dict | None = None,
-               spec: tuple | None = None, tiles: dict | None = None) -> dict:
-    """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq, hkv, d] (16-bit). ``dynamic``: the
-    programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block lists'
-    constexprs (`fwd_lists`), else ranges; ``spec``: the spec's mask (`spec_constexprs`: lists only); ``tiles``: the
-    key tiles (`fwd_key_tiles`; default TILES)."""
-    return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, BLOCK_M=BLOCK_M, CAUSAL=causal, WINDOW=window, SEGMENTS=segments,
+               spec: tuple | None = None, tiles: dict | None = None, seq_k: int | None = None) -> dict:
+    """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq_k (default seq), hkv, d] (16-bit).
+    ``dynamic``: the programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block
+    lists' constexprs (`fwd_lists`), else ranges; ``spec``: the spec's mask (`spec_constexprs`: lists only); ``tiles``:
+    the key tiles (`fwd_key_tiles`; default TILES)."""
+    return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, SEQ_K=seq_k or seq, D=d, BLOCK_M=BLOCK_M, CAUSAL=causal,
+                WINDOW=window, SEGMENTS=segments,
                 ORDERED=ordered,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                 HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **(tiles or TILES),

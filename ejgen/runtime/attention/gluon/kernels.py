@@ -38,14 +38,14 @@ else:  # Triton 3.6: its builder has the bulk reduce (the op 3.9's async_atomic_
 
 
 @gluon.jit
-def _blocks(q_lo, left, right, SEQ: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+def _blocks(q_lo, left, right, SEQ_K: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
             CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """Key blocks [lo, hi) meeting the visible band of query rows [q_lo, q_lo + ROWS), and [f0, f1): the
-    blocks visible to every one of those rows and inside the sequence (no element mask)."""
+    blocks visible to every one of those rows and inside the keys (SEQ_K of them; no element mask)."""
     q_hi = q_lo + ROWS
-    hi_key = q_lo * 0 + SEQ
+    hi_key = q_lo * 0 + SEQ_K
     lo_key = q_lo * 0
-    fe = q_lo * 0 + SEQ // BLOCK_N  # blocks below fe have no key past a row's reach (nor past SEQ)
+    fe = q_lo * 0 + SEQ_K // BLOCK_N  # blocks below fe have no key past a row's reach (nor past SEQ_K)
     fs = q_lo * 0  # blocks from fs have no key before a row's reach
     if CAUSAL:
         hi_key = gl.minimum(hi_key, q_hi)
@@ -63,11 +63,11 @@ def _blocks(q_lo, left, right, SEQ: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: g
 
 @gluon.jit
 def _tile_blocks(i_m, off_b, left, right, RANGES, SEQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr):
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, SEQ_K: gl.constexpr):
     """`_blocks` of query tile i_m of batch row off_b; with SEGMENTS joined with the tile's range of the segment ids
     (RANGES [B, N_M, 4]: lo, hi, full lo, full hi, `block_mask.tile_ranges`): visited in both, full in both. A tile
     whose ranges do not meet (padding rows) still visits one block, under the element mask: the loops need one."""
-    lo, hi, f0, f1 = _blocks(i_m * BLOCK_M, left, right, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    lo, hi, f0, f1 = _blocks(i_m * BLOCK_M, left, right, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     if SEGMENTS:
         N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
         r = RANGES + (off_b * N_M + i_m) * 4
@@ -168,7 +168,7 @@ def _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_r
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
                    ITEM: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
-                   LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr):
+                   LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SEQ_K: gl.constexpr):
     """Tile t, this program's tile tc, whose first K/V block is ring block g: its two Q halves into Q set tc % 2
     (DYNAMIC: t into each half's tile slot first), then (DYNAMIC) the fetch-and-add that takes the program's next
     tile, then its K/V blocks (LIST: the blocks of its list, RANGES, in order; an entry past the last block, the
@@ -182,14 +182,14 @@ def _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_r
     off_h = bh % HQ
     kv_col = (off_h // (HQ // HKV)) * D
     q_row0 = i_m * BLOCK_M
-    N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
+    N_N: gl.constexpr = (SEQ_K + BLOCK_N - 1) // BLOCK_N
     if LIST:
         lrow = _list_row(RANGES, off_b, off_h, i_m, N_M, N_N, LIST_BATCH, LIST_HEADS, SUB_Q)
         hi = gl.load(lrow)  # >= 1 (`host.fwd_lists`)
         lo = hi * 0
     else:
         lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                      SEGMENTS)
+                                      SEGMENTS, SEQ_K)
     qb = (tc % 2) * 2
     q_phase = (tc // 2) & 1
     for h in gl.static_range(2):
@@ -213,7 +213,7 @@ def _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_r
         phase = (gi // NUM_STAGES) & 1
         if SEGMENTS:
             cols = j * BLOCK_N + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ids_l)), 0)
-            ids = gl.load(KSEG + off_b.to(gl.int64) * SEQ + cols, mask=cols < SEQ, other=-2)
+            ids = gl.load(KSEG + off_b.to(gl.int64) * SEQ_K + cols, mask=cols < SEQ_K, other=-2)
         mbarrier.wait(k_empty.index(idx), phase ^ 1)
         mbarrier.expect(k_ready.index(idx), BLOCK_N * D * ITEM)
         tma_load(k_desc, [off_b, j * BLOCK_N, kv_col], k_ready.index(idx), k_smem.index(idx))
@@ -234,7 +234,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
               N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
               SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, ITEM: gl.constexpr, DYNAMIC: gl.constexpr,
-              LIST: gl.constexpr, LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr):
+              LIST: gl.constexpr, LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr,
+              SEQ_K: gl.constexpr):
     """Per tile: its two Q halves into Q set tc % 2 (once the consumers released that set, two tiles ago), then
     its K/V blocks into the ring; with SEGMENTS each block's key ids too, into kseg_smem next to its K (read before
     the stage is free, stored after; k_ready then counts this warp's arrive as well). Empty barriers start free:
@@ -250,7 +251,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             n, t = _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG,
                                   kseg_smem, HQ, HKV, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
-                                  SEGMENTS, ORDERED, ITEM, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q)
+                                  SEGMENTS, ORDERED, ITEM, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K)
             g += n
             tc += 1
         qb = (tc % 2) * 2
@@ -263,27 +264,28 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             n, _ = _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG,
                                   kseg_smem, HQ, HKV, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
-                                  SEGMENTS, ORDERED, ITEM, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q)
+                                  SEGMENTS, ORDERED, ITEM, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K)
             g += n
             tc += 1
 
 
 @gluon.jit
 def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, off_b, off_h, opts, MASKED: gl.constexpr,
-             SEQ: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ROWS: gl.constexpr,
-             BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr,
-             SPEC_MASK: gl.constexpr):
+             SEQ_K: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
+             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SUB_Q: gl.constexpr,
+             SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr):
     """Online softmax of one block in exp2 (scale * log2 e folded in): (p, alpha, m, l). With SEGMENTS the element
     mask also compares the rows' segment ids qs with the block's keys' ks ([1, BLOCK_N]; padding, negative, sees
     nothing); with SUB_Q it keeps only the sub-blocks the list entry's word ``bits`` marks (`_sub_blocks`); with
     SPEC_MASK (a spec's `_spec_mask`) it is the spec's mask too, on positions, of batch row off_b and query head off_h
-    and the options opts (`_spec_options`)."""
+    and the options opts (`_spec_options`; q_len = kv_len = SEQ_K: a spec mask is not taken where Sq != Sk). SEQ_K: the
+    keys' count (the element mask hides the last block's keys past it)."""
     if MASKED:
         rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         c2 = gl.expand_dims(cols, 0)
         dist = c2 - gl.expand_dims(rows, 1)  # key - query
-        keep = c2 < SEQ
+        keep = c2 < SEQ_K
         if CAUSAL:
             keep = keep & (dist <= 0)
         if WINDOW:
@@ -294,7 +296,8 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, off_b,
         if SUB_Q > 0:
             keep = keep & _sub_blocks(bits, gl.expand_dims(rows, 1), c2, SUB_Q, SUB_K, 2 * ROWS, BLOCK_N)
         if SPEC_MASK is not None:
-            keep = keep & SPEC_MASK(gl.expand_dims(rows, 1), c2, off_b, off_h, off_b * 0 + SEQ, off_b * 0 + SEQ, opts)
+            keep = keep & SPEC_MASK(gl.expand_dims(rows, 1), c2, off_b, off_h, off_b * 0 + SEQ_K, off_b * 0 + SEQ_K,
+                                    opts)
         s = gl.where(keep, s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no visible key yet: no inf - inf
@@ -304,9 +307,9 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, off_b,
 
 @gluon.jit
 def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem, k_empty, idx, bits, off_b,
-                   off_h, opts, SEQ: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
-                   ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SUB_Q: gl.constexpr,
-                   SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr):
+                   off_h, opts, SEQ_K: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                   SEGMENTS: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                   SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr):
     """K stage idx back to the producer (S_j has retired), then block j's softmax, under the element mask outside
     [f0, f1); with SEGMENTS a masked block's key ids are read from the stage's kseg_smem first. Two shapes on
     purpose: with SEGMENTS the release waits for that read, inside the branch; without, it stays ahead of the branch
@@ -316,22 +319,22 @@ def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, ks
             ks = kseg_smem.index(idx).load(s_layout)  # [1, BLOCK_N]
             mbarrier.arrive(k_empty.index(idx), count=1)
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, off_b, off_h,
-                                          opts, True, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
+                                          opts, True, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
                                           SUB_K, SPEC_MASK)
         else:
             mbarrier.arrive(k_empty.index(idx), count=1)
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, off_b, off_h,
-                                          opts, False, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
+                                          opts, False, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
                                           SUB_K, SPEC_MASK)
     else:
         mbarrier.arrive(k_empty.index(idx), count=1)
         if (j < f0) | (f1 <= j):
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, off_b, off_h,
-                                          opts, True, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
+                                          opts, True, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
                                           SUB_K, SPEC_MASK)
         else:
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, off_b, off_h,
-                                          opts, False, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
+                                          opts, False, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
                                           SUB_K, SPEC_MASK)
     return p, alpha, m_i, l_i
 
@@ -343,7 +346,8 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
                    HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
-                   LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr):
+                   LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
+                   SEQ_K: gl.constexpr):
     """Tile t, this program's tile tc whose first K/V block is ring block g, for consumer HALF (see _consumer).
     LIST: the blocks of the tile's list (RANGES), each under the element mask where its entry says so and then, with
     SUB_Q, also under its word of visible sub-blocks; the empty row's entry (block N_N, past the end) hides every key.
@@ -360,7 +364,7 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
     i_m, bh = _tile_at(t, ORDER, N_M, BH, HS, CAUSAL, ORDERED)
     off_b = bh // HQ
     off_h = bh % HQ
-    N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
+    N_N: gl.constexpr = (SEQ_K + BLOCK_N - 1) // BLOCK_N
     if LIST:
         lrow = _list_row(RANGES, off_b, off_h, i_m, N_M, N_N, LIST_BATCH, LIST_HEADS, SUB_Q)
         hi = gl.load(lrow)  # >= 1 (`host.fwd_lists`)
@@ -369,7 +373,7 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
         f1 = lo
     else:
         lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                      SEGMENTS)
+                                      SEGMENTS, SEQ_K)
     q_row0 = i_m * BLOCK_M + HALF * ROWS
     # the rows' segment ids (SEGMENTS; else unused), read once per tile
     seg_rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
@@ -402,7 +406,7 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
     mbarrier.arrive(turn_other, count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j0, fa0, fb0, q_row0, left, right, qk_scale, qs, kseg_smem,
-                                        k_empty, idx, w0, off_b, off_h, opts, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS,
+                                        k_empty, idx, w0, off_b, off_h, opts, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS,
                                         BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
 
@@ -429,7 +433,7 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
         mbarrier.arrive(turn_other, count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j, fa, fb, q_row0, left, right, qk_scale, qs, kseg_smem,
-                                            k_empty, idx, w, off_b, off_h, opts, SEQ, CAUSAL, WINDOW, SEGMENTS, ROWS,
+                                            k_empty, idx, w, off_b, off_h, opts, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS,
                                             BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK)
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p16))
         mbarrier.arrive(v_empty.index(prev), count=1)
@@ -466,7 +470,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
               HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
-              LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr):
+              LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
+              SEQ_K: gl.constexpr):
     """One 64-row half (HALF 0: the first to issue) of every tile of this program: the pipelined loop (softmax
     of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile. The two halves
     take turns issuing their matmuls (turn_mine / turn_other: a token passed back and forth, its phase from the
@@ -485,7 +490,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
                                 v_empty, o_desc, lse_ptr, left, right, qk_scale, turn_mine, turn_other, QSEG,
                                 kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
                                 CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q,
-                                SUB_K, SPEC_MASK)
+                                SUB_K, SPEC_MASK, SEQ_K)
             tc += 1
             t = _tile_take(q_ready, tile_smem, tc, HALF)
     else:
@@ -494,7 +499,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
                                 v_empty, o_desc, lse_ptr, left, right, qk_scale, turn_mine, turn_other, QSEG,
                                 kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
                                 CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q,
-                                SUB_K, SPEC_MASK)
+                                SUB_K, SPEC_MASK, SEQ_K)
             tc += 1
 
 
@@ -507,9 +512,11 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
                                PRODUCER_REGS: gl.constexpr, HEAD_GROUP: gl.constexpr, DYNAMIC: gl.constexpr,
                                LIST: gl.constexpr, LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr,
                                SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
-                               SPEC_OPTIONS: gl.constexpr):
-    """Q [B, SEQ, HQ, D], K and V [B, SEQ, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32). F32 = [scale, ...],
-    I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch (unused by the body).
+                               SPEC_OPTIONS: gl.constexpr, SEQ_K: gl.constexpr):
+    """Q [B, SEQ, HQ, D], K and V [B, SEQ_K, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32); SEQ_K = SEQ but where
+    the host takes Sq != Sk (no causal, window, segment ids, lists or spec mask: `host.ineligible`, gluon_cross).
+    F32 = [scale, ...], I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch (unused by
+    the body).
     SEGMENTS: segment ids QSEG, KSEG [B, SEQ] (int32, negative = padding) and their tile ranges RANGES [B, N_M, 4]
     (int32, in key blocks: `_tile_blocks`); without it those three are placeholders. ORDERED: the tiles in the
     order ORDER [N_M * B * HQ] gives (`_tile_at`), else `_tile`'s (ORDER a placeholder).
@@ -544,9 +551,9 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
                                         block_shape=[1, ROWS, D], layout=q_layout)
     o_desc = tma.make_tensor_descriptor(O, shape=[B, SEQ, HQ * D], strides=[SEQ * HQ * D, HQ * D, 1],
                                         block_shape=[1, ROWS, D], layout=q_layout)
-    k_desc = tma.make_tensor_descriptor(K, shape=[B, SEQ, HKV * D], strides=[SEQ * HKV * D, HKV * D, 1],
+    k_desc = tma.make_tensor_descriptor(K, shape=[B, SEQ_K, HKV * D], strides=[SEQ_K * HKV * D, HKV * D, 1],
                                         block_shape=[1, BLOCK_N, D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V, shape=[B, SEQ, HKV * D], strides=[SEQ * HKV * D, HKV * D, 1],
+    v_desc = tma.make_tensor_descriptor(V, shape=[B, SEQ_K, HKV * D], strides=[SEQ_K * HKV * D, HKV * D, 1],
                                         block_shape=[1, BLOCK_N, D], layout=kv_layout)
 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -584,16 +591,16 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
                      nprog, left, right, qk_scale, turn.index(0), turn.index(1), QSEG, kseg_smem, RANGES, ORDER,
                      tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL,
                      WINDOW, SEGMENTS, ORDERED, 0, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K,
-                     SPEC_MASK)),
+                     SPEC_MASK, SEQ_K)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
                      nprog, left, right, qk_scale, turn.index(1), turn.index(0), QSEG, kseg_smem, RANGES, ORDER,
                      tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL,
                      WINDOW, SEGMENTS, ORDERED, 1, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K,
-                     SPEC_MASK)),
+                     SPEC_MASK, SEQ_K)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, tile_smem, TILE_CTR, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ, HKV,
                      SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED,
-                     dtype.primitive_bitwidth // 8, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q)),
+                     dtype.primitive_bitwidth // 8, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

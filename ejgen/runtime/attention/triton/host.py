@@ -338,7 +338,7 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg):
          jax.ShapeDtypeStruct((1, ), jnp.int32), _scratch(grid)],
         zeroed=(2, ) if dynamic else (), num_warps=4, num_stages=1,
         **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments, ordered, dynamic,
-                                     lists, spec, tiles))
+                                     lists, spec, tiles, seq_k=k.shape[1]))
     return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
 
 
