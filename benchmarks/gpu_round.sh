@@ -35,6 +35,8 @@
 #                  DECODE_TUNE_CASES), decode-tune-b on others (DECODE_TUNE_CASES_B)
 #   decode-tests   the decode GPU tests, sharded 3 processes a GPU
 #   launch         the host's cost of one Triton launch by PTX size (launch_cost.py)   (issues 14, 15)
+#   cross          cross-attention (Sq != Sk): the Hopper forward with gluon_cross against the generated kernels and
+#                  cuDNN (cross.py; run gluon-tests first: the cross forward is not yet GPU-checked)
 #   ring-tests     the ring's GPU tests (2 GPUs)                                       (issue 18)
 #   ring-time      the ring at 32k, zigzag, timed as the project times (2 GPUs)
 #   ring-wide      the same with and without each later step's two blocks as one call (ring.COALESCE; 2 GPUs),
@@ -132,6 +134,7 @@ j_decode-tune() { job decode-tune 300 python3 benchmarks/decode_tune.py --budget
 j_decode-tune-b() { job decode-tune-b 300 python3 benchmarks/decode_tune.py --budget-s 260 --out "$log/dtune-b" \
   --cases "${DECODE_TUNE_CASES_B:-decode-B32-S8k,decode-B8-S8k}"; }
 j_decode-tests() { shards decode-tests 200 3 tests/decode; }
+j_cross() { job cross 150 python3 benchmarks/cross.py --out "$log/cross"; }
 j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }
 j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 python3 -m pytest -m gpu -q -rf \
   -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
