@@ -121,6 +121,34 @@ def check_zigzag_coalesced(backend, failures, devices=4):
         ring.COALESCE = before
 
 
+def check_zigzag_coalescing_gated(backend, failures, devices=2):
+    """ring.COALESCE on, but the wide calls' forward on other kernels than the square ones' (as on a Hopper GPU
+    without gluon_cross: the square ones on the Hopper set, the wide ones on the generated kernels): no stage
+    coalesces, and the ring still equals the oracle."""
+    import dataclasses
+
+    from ejgen.runtime.attention import ring
+
+    real_choose, real_wide, before = ring._choose, ring._wide_forward, ring.COALESCE
+    wide_calls = []
+
+    def choose(spec, backends, platform, backend_name, call, key, det):
+        cfg, choice = real_choose(spec, backends, platform, backend_name, call, key, det)
+        return cfg, dataclasses.replace(choice, forward=choice.forward + ("" if key[0] == key[1] else "-other"))
+
+    def wide(*args, **kwargs):
+        wide_calls.append(1)
+        return real_wide(*args, **kwargs)
+
+    ring.COALESCE, ring._choose, ring._wide_forward = True, choose, wide
+    try:
+        check_zigzag_features(backend, failures, devices)
+    finally:
+        ring.COALESCE, ring._choose, ring._wide_forward = before, real_choose, real_wide
+    if wide_calls:
+        failures.append(f"a stage coalesced into calls on other kernels than its square ones ({len(wide_calls)})")
+
+
 def check_window(backend, failures, devices=4):
     """A sliding window (6, 3) without causal, contiguous: blocks the window cuts run with the tokens' positions,
     blocks it misses are skipped; the ring starts one device ahead (the right side) and takes three steps of four."""
@@ -353,6 +381,7 @@ CHECKS = {
     "zigzag-causal-gqa-segments-sinks-softcap": (check_zigzag_features, {"xla": 4, "pallas": 2, "triton": 2}),
     "alibi-zigzag": (check_alibi, {"xla": 4, "pallas": 2, "triton": 2}),
     "zigzag-coalesced-steps": (check_zigzag_coalesced, {"xla": 4}),
+    "zigzag-coalescing-gated": (check_zigzag_coalescing_gated, {"xla": 2}),
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),
     "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),

@@ -52,10 +52,11 @@ GLUON_DYNAMIC_TILES = True
 
 # Zigzag steps after the first run each device's two full c x c pairs as one call (`_wide`): they always share a
 # query chunk (c queries against the whole held block, c x 2c) or a key chunk (every local query against it, 2c x c).
-# One launch, one merge and half the per-tile prologues a step instead of two; the backward keeps its pairs. Off: the
-# wide calls have Sq != Sk, which the Hopper forward takes only with the gluon_cross setting (not yet GPU-run; without
-# it they run the generated kernels); both wait for the GPU suite and a timing on two GPUs (ring.py --coalesce both
-# with EJGEN_GLUON_CROSS=1).
+# One launch, one merge and half the per-tile prologues a step instead of two; the backward keeps its pairs; a stage
+# coalesces only where the wide calls take the same forward kernels as the square ones. Off: the wide calls have
+# Sq != Sk, which the Hopper forward takes only with the gluon_cross setting (not yet GPU-run; without it a GPU ring
+# would not coalesce); both wait for the GPU suite and a timing on two GPUs (ring.py --coalesce both with
+# EJGEN_GLUON_CROSS=1).
 COALESCE = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
@@ -429,16 +430,23 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
     start, steps = _interval(needed, devices)
     stages = _stages(token_order, devices, n, start, steps, causal, window, reads)
     det = deterministic
-    calls = {}
-    wide = tuple(COALESCE and token_order == "zigzag" and stage.chunk * 2 == n and _wide(stage) for stage in stages)
-    for stage, coalesced in zip(stages, wide):
+    calls, wide = {}, []
+    for stage in stages:
         keys = [(stage.chunk, stage.chunk, kind)
                 for kind in sorted({k for j in range(len(stage.slots[0])) for k in stage.kinds(j)} - {SKIP})]
-        if coalesced:
-            keys += [(stage.chunk, n, FULL), (n, stage.chunk, FULL)]
         for key in keys:
             if key not in calls:
                 calls[key] = _choose(spec, backends, platform, backend, call, key, det)
+        coalesced = COALESCE and token_order == "zigzag" and stage.chunk * 2 == n and _wide(stage)
+        if coalesced:  # only where the wide calls take the square ones' forward kernels (the Hopper set takes Sq !=
+            # Sk only with gluon_cross: without it they would fall to the generated kernels, slower than two calls)
+            square = calls[(stage.chunk, stage.chunk, FULL)][1].forward
+            for key in ((stage.chunk, n, FULL), (n, stage.chunk, FULL)):
+                if key not in calls:
+                    calls[key] = _choose(spec, backends, platform, backend, call, key, det)
+                coalesced = coalesced and calls[key][1].forward == square
+        wide.append(coalesced)
+    wide = tuple(wide)
     plan = Plan(spec.name, backends[backend], axis_name, devices, token_order, n, start, steps, stages,
                 tuple((k, cfg, choice) for k, (cfg, choice) in calls.items()), call.cfg.sinks, wide)
     q, k, v, ctx = api.vary_alike(call.q, call.k, call.v, ctx)
