@@ -125,14 +125,17 @@ j_layouts() {
   job layouts-32k 200 python3 benchmarks/blocksparse.py --layouts-only --layout-tokens 32768 --rounds 2 --reps 4 \
     --out "$log/bs32"
 }
-j_dispatch() { job dispatch 100 python3 benchmarks/dispatch.py --cases documents,flamingo --out "$log/disp"; }
-j_dispatch-nocb() { job dispatch-nocb 100 env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 \
-  benchmarks/dispatch.py --cases documents,flamingo --out "$log/disp-nocb"; }
+dispatch() {  # dispatch NAME XLA_FLAGS
+  job "$1" 100 env XLA_FLAGS="$2" python3 benchmarks/dispatch.py --cases documents,flamingo --out "$log/$1"
+}
+j_dispatch() { dispatch dispatch ""; }
+j_dispatch-nocb() { dispatch dispatch-nocb --xla_gpu_enable_command_buffer=; }
 j_decode() { job decode 300 python3 benchmarks/decode.py --out "$log/decode"; }
-j_decode-tune() { job decode-tune 300 python3 benchmarks/decode_tune.py --budget-s 260 --out "$log/dtune" \
-  --cases ${DECODE_TUNE_CASES:-decode-B4-S32k,paged16-B8-S8k,decode-B8-S8k}; }
-j_decode-tune-b() { job decode-tune-b 300 python3 benchmarks/decode_tune.py --budget-s 260 --out "$log/dtune-b" \
-  --cases "${DECODE_TUNE_CASES_B:-decode-B32-S8k,decode-B8-S8k}"; }
+decode_tune() {  # decode_tune NAME CASES
+  job "$1" 300 python3 benchmarks/decode_tune.py --budget-s 260 --out "$log/$1" --cases "$2"
+}
+j_decode-tune() { decode_tune decode-tune "${DECODE_TUNE_CASES:-decode-B4-S32k,paged16-B8-S8k,decode-B8-S8k}"; }
+j_decode-tune-b() { decode_tune decode-tune-b "${DECODE_TUNE_CASES_B:-decode-B32-S8k,decode-B8-S8k}"; }
 j_decode-tests() { shards decode-tests 200 3 tests/decode; }
 j_cross() { job cross 150 python3 benchmarks/cross.py --out "$log/cross"; }
 j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }

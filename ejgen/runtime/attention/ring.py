@@ -498,10 +498,9 @@ def _rows(x, start, count: int, axis: int = 1):
     return lax.dynamic_slice_in_dim(x, start, count, axis=axis)
 
 
-def _pair_ctx(plan: Plan, ctx: dict, chunk: int, kind: int, held: dict, q0, k0, r, s, sk: int | None = None):
-    """The ctx of one pair (query rows [q0, q0 + chunk), held key rows [k0, k0 + sk), sk = chunk unless given;
-    offsets traced): the call's scalars, params and options, the chunks' segment ids and positions."""
-    sk = sk or chunk
+def _pair_ctx(plan: Plan, ctx: dict, chunk: int, kind: int, held: dict, q0, k0, r, s, sk: int):
+    """The ctx of one pair (query rows [q0, q0 + chunk), held key rows [k0, k0 + sk); offsets traced): the call's
+    scalars, params and options, the chunks' segment ids and positions."""
     out = {n: x for n, x in ctx.items() if n not in ("q_seg", "kv_seg", "softmax_aux")}
     batch = held["k"].shape[0]
     if kind == PLACED:
@@ -517,10 +516,8 @@ def _pair_ctx(plan: Plan, ctx: dict, chunk: int, kind: int, held: dict, q0, k0, 
     return out
 
 
-def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int | None = None):
-    """(cfg, kernels, the pair's Prepared call) of one kind (query rows ``chunk``, key rows ``sk``: chunk unless
-    given)."""
-    sk = sk or chunk
+def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int):
+    """(cfg, kernels, the pair's Prepared call) of one kind (query rows ``chunk``, key rows ``sk``)."""
     cfg, choice = plan.call(chunk, sk, kind)
     one = api.Prepared(cfg, _rows(q, q0, chunk), _rows(held["k"], k0, sk), _rows(held["v"], k0, sk),
                        _pair_ctx(plan, ctx, chunk, kind, held, q0, k0, r, s, sk), {}, False, plan.op)
@@ -530,7 +527,7 @@ def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk
 def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int | None = None):
     """(out [B, chunk, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, chunk]) of one pair of one kind (key rows ``sk``:
     chunk unless given)."""
-    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk)
+    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk or chunk)
     backend = plan.backend
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
     asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()
@@ -564,7 +561,7 @@ def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_
     """(dq [B, chunk, Hkv, G, D], dk, dv [B, chunk, Hkv, D], param gradients) of one pair of one kind, from the
     global out and lse of its query rows and their delta, computed once per backward (`api.DELTA`: a backend that
     would compute it in XLA takes it, one pass over dO and O instead of one per pair)."""
-    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s)
+    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, chunk)
     backend = plan.backend
     layout = backend.TENSOR_LAYOUT
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), layout)
