@@ -1,5 +1,5 @@
 """Launch settings of the Triton decode kernel (issue 16; `ejgen.runtime.attention.triton.decode`), measured on one
-GPU: (BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM, MAX_SPLIT_KEYS, MERGE) over the decode benchmark's
+GPU: (BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM, MAX_SPLIT_KEYS) over the decode benchmark's
 batches (benchmarks/decode.py), cuDNN timed in the same run for scale. Every setting of a case is compiled, then all are timed
 in `--rounds` interleaved rounds (median of medians). Prints a table of µs per case with the best setting per case
 marked, and the geometric mean of cuDNN time / time over cases per setting.
@@ -35,18 +35,18 @@ CASES = ("decode-B8-S8k", "decode-B32-S8k", "decode-B4-S32k", "decode-B32-ragged
 
 
 def settings(quick: bool):
-    """(BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM, MAX_SPLIT_KEYS, MERGE), the current default first."""
+    """(BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM, MAX_SPLIT_KEYS), the current default first."""
     base = (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, split_k.WAVES, split_k.PROGRAMS_PER_SM,
-            split_k.MAX_SPLIT_KEYS, host.MERGE)
-    more = [(64, 2, 4, 1, 4, 4096, not host.MERGE), (64, 3, 4, 1, 2, 4096, False), (64, 3, 4, 1, 2, 4096, True),
-            (64, 2, 4, 1, 4, 2048, False), (64, 2, 4, 1, 3, 4096, False), (128, 3, 8, 1, 2, 4096, False)]
+            split_k.MAX_SPLIT_KEYS)
+    more = [(64, 3, 4, 1, 2, 4096), (64, 2, 4, 1, 4, 2048), (64, 2, 4, 1, 3, 4096), (128, 3, 8, 1, 2, 4096),
+            (64, 2, 4, 2, 4, 4096), (64, 3, 4, 1, 3, 4096)]
     out = [base] + [s for s in more if s != base]
     return out[:3] if quick else out
 
 
 def apply(setting):
     (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, split_k.WAVES, split_k.PROGRAMS_PER_SM,
-     split_k.MAX_SPLIT_KEYS, host.MERGE) = setting
+     split_k.MAX_SPLIT_KEYS) = setting
 
 
 def main():
@@ -111,7 +111,7 @@ def main():
         del compiled
     apply(chosen[0])
     names = [c.name for c in cases]
-    lines = ["| BLOCK_N, stages, warps, waves, programs/SM, max split keys, merge in kernel | " + " | ".join(names)
+    lines = ["| BLOCK_N, stages, warps, waves, programs/SM, max split keys | " + " | ".join(names)
              + " | geomean vs cuDNN |",
              "|---" * (len(names) + 2) + "|"]
     best = {n: min((us for (s, c), us in results.items() if c == n), default=None) for n in names}

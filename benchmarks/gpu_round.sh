@@ -35,13 +35,11 @@
 #                  DECODE_TUNE_CASES), decode-tune-b on others (DECODE_TUNE_CASES_B)
 #   decode-tests   the decode GPU tests, sharded 3 processes a GPU
 #   launch         the host's cost of one Triton launch by PTX size (launch_cost.py)   (issues 14, 15)
-#   cross          cross-attention (Sq != Sk): the Hopper forward with gluon_cross against the generated kernels and
-#                  cuDNN (cross.py; run gluon-tests first: the cross forward is not yet GPU-checked)
+#   cross          cross-attention (Sq != Sk): the Hopper forward (gluon_cross) against the generated kernels and
+#                  cuDNN (cross.py)
 #   ring-tests     the ring's GPU tests (2 GPUs)                                       (issue 18)
 #   ring-time      the ring at 32k, zigzag, timed as the project times (2 GPUs)
-#   ring-wide      the same with and without each later step's two blocks as one call (ring.COALESCE; 2 GPUs),
-#                  the wide calls on the Hopper forward (EJGEN_GLUON_CROSS=1: run gluon-tests first, it is not yet
-#                  GPU-checked)
+#   ring-wide      the same with and without each later step's two blocks as one call (ring.COALESCE; 2 GPUs)
 #   ring-gaps      the same calls back to back under the profiler: idle gaps against slower kernels (2 GPUs)
 #   ring-profile   one call's kernels per device (2 GPUs)
 # Every lane also samples its GPUs' SM clocks and power (nvidia-smi, 200 ms) into clocks-<GPUS>.txt.
@@ -73,8 +71,9 @@ job() {  # job NAME SECONDS CMD...: the command under min(SECONDS, time left - 1
   { cat "$log/summary.txt"; tail -40 "$log/$name.txt"; } >> "$OUT/progress.txt" 2>/dev/null  # a call cut short
 }
 
-shards() {  # shards NAME SECONDS PER_GPU PYTEST-ARGS...: gpu_shards.sh over the lane's GPUs
-  local name=$1 secs=$2 per=$3
+shards() {  # shards NAME SECONDS PER_GPU PYTEST-ARGS...: gpu_shards.sh over the lane's GPUs (SHARDS_PER_GPU overrides
+  # PER_GPU: a lane of test jobs alone on a 4-GPU host keeps 16 processes busy, one of 4 cores each)
+  local name=$1 secs=$2 per=${SHARDS_PER_GPU:-$3}
   shift 3
   OUT=$PWD/$log GPUS="${CUDA_VISIBLE_DEVICES//,/ }" PER_GPU=$per job "$name" "$secs" bash benchmarks/gpu_shards.sh \
     "$name-shards" $(( secs - 15 )) "$@"
@@ -101,7 +100,7 @@ j_rec-bench() {
 }
 j_rec-light() { job rec-light 150 python3 benchmarks/recurrent.py --cases lightning --out "$log/light"; }
 j_rec-decode() { job rec-decode 150 python3 benchmarks/recurrent.py --decode-only --out "$log/dec"; }
-j_attn-tests() { shards attn-tests 240 2 tests/attention; }
+j_attn-tests() { shards attn-tests 450 2 tests/attention; }
 j_gluon-tests() { shards gluon-tests 290 2 tests/attention/test_gluon.py; }
 j_zoo-tests() { shards zoo-tests 220 2 tests/zoo; }
 j_zoo-gluon() { shards zoo-gluon 200 2 tests/zoo/test_zoo_gluon.py; }
@@ -142,7 +141,7 @@ j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"
 j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 python3 -m pytest -m gpu -q -rf \
   -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
-j_ring-wide() { job ring-wide 150 env EJGEN_GLUON_CROSS=1 python3 "${RING[@]}" --parts time --coalesce both \
+j_ring-wide() { job ring-wide 150 python3 "${RING[@]}" --parts time --coalesce both \
   --out "$log/ring-wide"; }
 j_ring-gaps() { job ring-gaps 120 python3 "${RING[@]}" --parts gaps --out "$log/ring"; }
 j_ring-profile() { job ring-profile 100 python3 "${RING[@]}" --parts profile --out "$log/ring"; }

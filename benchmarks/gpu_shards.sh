@@ -16,10 +16,13 @@ echo "$(wc -l < "$log/ids.txt") tests over GPUs ${gpu_list[*]} in $shards proces
 for ((i = 0; i < shards; i++)); do
   awk -v i=$i -v n=$shards 'NR % n == i' "$log/ids.txt" > "$log/ids$i.txt"
   [ -s "$log/ids$i.txt" ] || continue
-  CUDA_VISIBLE_DEVICES=${gpu_list[$((i % ${#gpu_list[@]}))]} EJGEN_FAILURE_LOG=$log/failures.txt timeout "$limit" \
+  CUDA_VISIBLE_DEVICES=${gpu_list[$((i % ${#gpu_list[@]}))]} EJGEN_FAILURE_LOG=$log/failures.txt \
+    EJGEN_SHARD_SELECTION=$log/ids.txt timeout "$limit" \
     python3 -m pytest -m gpu -v --tb=no -p no:cacheprovider $(cat "$log/ids$i.txt") > "$log/shard$i.txt" 2>&1 &
 done
 wait
-echo "passed $(cat "$log"/shard*.txt | grep -c ' PASSED') failed $(cat "$log"/shard*.txt | grep -c ' FAILED')" \
-  "not reached $(( $(wc -l < "$log/ids.txt") - $(cat "$log"/shard*.txt | grep -cE ' (PASSED|FAILED|SKIPPED|ERROR)') ))"
+failed=$(cat "$log"/shard*.txt | grep -cE ' (FAILED|ERROR)')
+unreached=$(( $(wc -l < "$log/ids.txt") - $(cat "$log"/shard*.txt | grep -cE ' (PASSED|FAILED|SKIPPED|ERROR)') ))
+echo "passed $(cat "$log"/shard*.txt | grep -c ' PASSED') failed $failed not reached $unreached"
 [ -f "$log/failures.txt" ] && cut -c1-300 "$log/failures.txt"
+(( failed == 0 && unreached == 0 ))  # the status: 0 only where every test ran and passed

@@ -7,7 +7,8 @@ Parts (`--parts`, default all three):
   layouts), forward and forward+backward: relative error of out, lse, dq, dk, dv (PASS under 2e-2, bf16).
 - time: causal forward and forward+backward at each of `--seqs` (default 32k and 128k) for each head layout: one GPU
   (`flash_attention` on device 0, sequences up to `--single-max`), and the ring over N GPUs in each token order
-  (`--coalesce on|both`: zigzag also with each later step's two blocks as one call, ring-zigzag-wide).
+  (zigzag with each later step's two blocks as one call, ring.COALESCE; `--coalesce off|both`: as two calls,
+  ring-zigzag-pairs).
 - mesh: the mesh wrapper on a dp=2 x sp=N/2 mesh (N >= 4; N = 2 runs dp=1 x sp=2), a training-like step: forward
   and backward under jit with inputs cut P("dp", "sp"): `flash_attention(q, k, v, causal=True, mesh=mesh,
   in_specs=P("dp", "sp"), token_order="zigzag")`, B=2, S=`--mesh-seq`.
@@ -69,9 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--batch", type=int, default=4, help="calls a sample dispatches back to back (the project's method, "
                    "BENCHMARKS.md); 1 counts the host's launch and wake-up once per call")
-    p.add_argument("--coalesce", choices=("off", "on", "both"), default="off",
-                   help="time zigzag rings with each later step's two blocks as one call (ring.COALESCE): impl "
-                        "ring-zigzag-wide; both: with and without, same process")
+    p.add_argument("--coalesce", choices=("off", "on", "both"), default="on",
+                   help="time zigzag rings with each later step's two blocks as one call (ring.COALESCE, the "
+                        "default) or as two (impl ring-zigzag-pairs); both: each, same process")
     p.add_argument("--budget-s", type=float, default=500, help="start no case after this many seconds")
     p.add_argument("--out", default="bench-out/ring")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on 4 CPU devices, platform xla")
@@ -251,17 +252,17 @@ def part_time(devices, platform, out_dir):
                 del args
             args = _inputs(1, seq, *heads, NamedSharding(mesh, P(None, "sp")))
             for order in ORDERS:
-                variants = [False] if order != "zigzag" else {"off": [False], "on": [True],
+                variants = [True] if order != "zigzag" else {"off": [False], "on": [True],
                                                               "both": [False, True]}[ARGS.coalesce]
                 for wide in variants:
                     from ejgen.runtime.attention import ring as ring_runtime
 
-                    ring_runtime.COALESCE = wide  # read as the call is traced (each case's first call)
+                    default, ring_runtime.COALESCE = ring_runtime.COALESCE, wide  # read as each case is traced
                     fns = _passes(ring_fn(mesh, order, platform))
                     for pass_ in PASSES:
-                        time_case("time", seq, heads, f"ring-{order}" + ("-wide" if wide else ""), n, pass_,
+                        time_case("time", seq, heads, f"ring-{order}" + ("" if wide else "-pairs"), n, pass_,
                                   fns[pass_], args, out_dir)
-                    ring_runtime.COALESCE = False
+                    ring_runtime.COALESCE = default
             del args
 
 

@@ -128,10 +128,22 @@ class Suite:
             problems.append("no case with two tiles or more on both axes")
         return problems
 
-    def check_collected(self, items, backends) -> None:
+    def check_collected(self, items, backends, selection: list | None = None) -> None:
         """Fail unless the conformance items pytest collected for this suite cover the design on each of
-        ``backends`` (the run's, after -m / -k selection and any subsetting)."""
+        ``backends`` (the run's, after -m / -k selection and any subsetting). ``selection``: where this process runs
+        one shard of a larger selection (benchmarks/gpu_shards.sh), that whole selection's test ids instead; a
+        conformance case's id is ``<test>[<backend>-<case id>]``."""
         ran = {b: [] for b in backends}
+        if selection is not None:
+            names = {item.originalname for item in items if (m := item.get_closest_marker("conformance"))
+                     and m.args == (self.family,)} or {"test_" + self.family}
+            for node in selection:
+                name, _, param = node.rpartition("::")[2].partition("[")
+                for backend in ran:
+                    case_id = param[:-1].removeprefix(backend + "-")
+                    if name in names and case_id != param[:-1] and case_id in self._rows:
+                        ran[backend].append(self._rows[case_id])
+            items = ()
         for item in items:
             mark = item.get_closest_marker("conformance")
             params = getattr(getattr(item, "callspec", None), "params", {})

@@ -153,8 +153,7 @@ def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str 
     kernel = importlib.import_module(f"{package}.{name}.triton_decode").decode_kernel
     ptr = _DTYPES[dtype]
     pointers = dict(Q=ptr, K=ptr, V=ptr, STARTS="*i32", ENDS="*i32", TABLE="*i32", F32="*fp32", I32="*i32",
-                    SINKS="*fp32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", OUT=ptr, LSE="*fp32", COUNT="*i32",
-                    SCRATCH="*u8")
+                    O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", SCRATCH="*u8")
     for p, dt in (params or {}).items():
         pointers[f"PARAM_{p}"] = "*i32" if dt == "int32" else _DTYPES.get(dt, "*fp32")
     n_splits, per_split = split_k.splits(8, 8, 8192, decode.BLOCK_N, slots=528)
@@ -163,7 +162,7 @@ def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str 
                   G=groups, M_PAD=max(16, 1 << (groups * queries - 1).bit_length()), BLOCK_N=decode.BLOCK_N,
                   SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, PAGED=paged,
                   PAGE=16 if paged else 1, MAX_PAGES=512 if paged else 1,
-                  PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False, MERGE=decode.MERGE, N_SINKS=0)
+                  PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False)
     sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
     source = ASTSource(fn=kernel, signature=sig, constexprs={n: consts[n] for n in kernel.arg_names if n in consts},

@@ -6,13 +6,11 @@ Program (b, kv head, split): the query rows of every head of the kv head's group
 packed into the matrix dimension, M = G * SQ rows: each K / V byte is read once per kv head) against the keys
 [start + split * SPLIT, min(start + (split + 1) * SPLIT, end)) of sequence b, in blocks of BLOCK_N; the spec's score
 and mask at positions in the sequence (q_idx = L - SQ + i, kv_idx = j - start, q_len = kv_len = L). Writes the
-split's unnormalised output and its running max and sum (float32). MERGE: the last of a (b, kv head)'s splits to end
-(a counter per pair, COUNT) merges them all (and the N_SINKS sinks of each row's head) by lse into OUT [B, SQ, HQ, DV]
-in Q's dtype and LSE [B, HKV, G, SQ], reading the partials in split order (the same sums whichever program ends
-last), with no launch of its own; else `ejgen.runtime.attention.split_k.merge` does it. PAGED: key row t of
+split's unnormalised output and its running max and sum (float32), which `ejgen.runtime.attention.split_k.merge`
+merges by lse. PAGED: key row t of
 sequence b is row t % PAGE of page TABLE[b, t // PAGE] (start 0); else row t of the cache row b. WINDOW: the splits
 start at the block holding the first key the first query row sees. A program whose split starts past its sequence's
-end reads no key (it still stores its empty partial and counts).
+end reads no key (it still stores its empty partial).
 Runtime scalars: F32 = [scale, softcap], I32 = [window_left, window_right, opt_max_distance].
 """
 
@@ -23,14 +21,12 @@ from ejgen.runtime.attention.triton.lib import Dims, _tanh
 
 
 @triton.jit
-def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, SINKS, O_PART, M_PART, L_PART, OUT, LSE,
-                  COUNT, SCRATCH, B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SQ: tl.constexpr,
-                  SEQ_K: tl.constexpr,
+def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, M_PART, L_PART, SCRATCH,
+                  B: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, SQ: tl.constexpr, SEQ_K: tl.constexpr,
                   D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, G: tl.constexpr,
                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                  MERGE: tl.constexpr, N_SINKS: tl.constexpr):
+                  PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SQ, SEQ_K, D, DV, D_PAD, DV_PAD, M_PAD, BLOCK_N)
     off_b = tl.program_id(0)
     off_hk = tl.program_id(1)
@@ -111,32 +107,3 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, SINKS, O
     tl.store(O_PART + (part * M_PAD + r[:, None]) * DV_PAD + o_dv[None, :], acc)
     tl.store(M_PART + part * M_PAD + r, m_i)
     tl.store(L_PART + part * M_PAD + r, l_i)
-    if MERGE:  # the pair's last split to end merges: its partials' stores come before the counter (release), the
-        # merge's loads after it (acquire), from L2 (.cg: no stale L1 lines)
-        if tl.atomic_add(COUNT + pair, 1, sem="acq_rel", scope="gpu") == N_SPLITS - 1:
-            first = (pair * N_SPLITS).to(tl.int64)
-            m = tl.full([M_PAD], float("-inf"), tl.float32)
-            for j in tl.range(0, N_SPLITS):
-                m = tl.maximum(m, tl.load(M_PART + (first + j) * M_PAD + r, cache_modifier=".cg"))
-            if N_SINKS > 0:  # each row's head's sinks join the max and the denominator
-                p_sink = SINKS + (off_hk * G + r // SQ) * N_SINKS
-                for j in tl.static_range(N_SINKS):
-                    m = tl.maximum(m, tl.load(p_sink + j, mask=row_ok, other=float("-inf")))
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            denom = tl.zeros([M_PAD], tl.float32)
-            o = tl.zeros([M_PAD, DV_PAD], tl.float32)
-            for j in tl.range(0, N_SPLITS):
-                m_j = tl.load(M_PART + (first + j) * M_PAD + r, cache_modifier=".cg")
-                w = tl.where(m_j == float("-inf"), 0.0, tl.exp(m_j - m_safe))
-                denom += w * tl.load(L_PART + (first + j) * M_PAD + r, cache_modifier=".cg")
-                o += w[:, None] * tl.load(O_PART + ((first + j) * M_PAD + r[:, None]) * DV_PAD + o_dv[None, :],
-                                          cache_modifier=".cg")
-            if N_SINKS > 0:
-                for j in tl.static_range(N_SINKS):
-                    denom += tl.exp(tl.load(p_sink + j, mask=row_ok, other=float("-inf")) - m_safe)
-            some = denom > 0
-            o = o / tl.where(some, denom, 1.0)[:, None]
-            lse = tl.where(some, m_safe + tl.log(tl.where(some, denom, 1.0)), float("-inf"))
-            p_o = OUT + (((off_b * SQ + r % SQ) * HQ).to(tl.int64)[:, None] + off_h) * DV + o_dv[None, :]
-            tl.store(p_o, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (o_dv[None, :] < DV))
-            tl.store(LSE + pair.to(tl.int64) * G * SQ + r, lse, mask=row_ok)

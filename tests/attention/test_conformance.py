@@ -225,18 +225,21 @@ SUITE = conformance.Suite(
 def _takes_hopper_kernels(case: Case, deterministic: bool = False) -> tuple:
     """(forward, backward): whether a triton call of ``case`` must take the hand-written Hopper kernels here,
     stated from docs/DESIGN.md §6 (not from the runtime's own test): an sm_90 GPU with the gluon setting on,
-    16-bit inputs, head dims 64 or 128 (D = Dv), Sq = Sk, not varlen, no feature but causal, a window and
-    segment ids; the backward also not a window without causal, nor a window with segment ids, and not
-    deterministic."""
+    16-bit inputs, head dims 64 or 128 (D = Dv), Sq = Sk (the forward also Sq != Sk with the gluon_cross setting where
+    there is no causal, window or segment ids), not varlen, no feature but causal, a window and segment ids; the
+    backward also Sq = Sk, not a window without causal, nor a window with segment ids unless the gluon_spec_masks
+    setting is on, and not deterministic."""
     from ejgen.runtime.core import kernels, settings
 
-    f, shape = case.features, case.shape
-    here = ON_GPU and kernels.target().arch == "sm90" and settings.current().gluon
+    f, shape, now = case.features, case.shape, settings.current()
+    here = ON_GPU and kernels.target().arch == "sm90" and now.gluon
+    square = isinstance(shape, AttnShape) and shape.q_len == shape.kv_len
+    cross = now.gluon_cross and not f.causal and f.window is None and not f.segments
     fwd = (here and case.dtype in ("bfloat16", "float16") and isinstance(shape, AttnShape)
-           and shape.head_dim == shape.dv and shape.head_dim in (64, 128) and shape.q_len == shape.kv_len
+           and shape.head_dim == shape.dv and shape.head_dim in (64, 128) and (square or cross)
            and f.atoms <= {"segments"})
-    bwd = (fwd and not deterministic and not (f.window is not None and not f.causal)
-           and not (f.window is not None and f.segments))
+    bwd = (fwd and square and not deterministic and not (f.window is not None and not f.causal)
+           and not (f.window is not None and f.segments and not now.gluon_spec_masks))
     return fwd, bwd
 
 
@@ -613,8 +616,13 @@ def test_eager_call_without_jit(backend):
 def test_the_collected_cases_cover_the_design(request):
     """The conformance cases pytest collected for this run (after selection and subsetting) cover the
     design on every backend: every valid pair of levels, and every level on a shape of two tiles or more on
-    both axes of that backend; each backend refuses only what it declares."""
-    SUITE.check_collected(request.session.items, ACCELERATOR_BACKENDS if ON_GPU else BACKENDS)
+    both axes of that backend; each backend refuses only what it declares. Run as one shard of a selection
+    (benchmarks/gpu_shards.sh sets EJGEN_SHARD_SELECTION to the file of its test ids): that whole selection's."""
+    import os
+
+    shard = os.environ.get("EJGEN_SHARD_SELECTION")
+    selection = open(shard).read().split() if shard else None
+    SUITE.check_collected(request.session.items, ACCELERATOR_BACKENDS if ON_GPU else BACKENDS, selection)
 
 
 def test_the_design_covers_the_plan():

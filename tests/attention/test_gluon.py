@@ -109,7 +109,7 @@ def _qkv(sq=512, sk=512, d=128, dv=None, dtype=jnp.bfloat16):
     ("flash_attention", _cfg(), _qkv(dtype=jnp.float32), False, "dtype float32"),
     ("flash_attention", _cfg(), _qkv(d=96), False, "head dims 96/96"),
     ("flash_attention", _cfg(), _qkv(dv=64), False, "head dims 128/64"),
-    ("flash_attention", _cfg(seq_k=640), _qkv(sk=640), False, "Sq 512 != Sk 640"),
+    ("flash_attention", _cfg(causal=True, seq_k=640), _qkv(sk=640), False, "Sq 512 != Sk 640"),
     ("flash_attention", _cfg(segments=True, dense_mask=True), _qkv(), False, "a dense mask (the Hopper"),
 ])
 def test_calls_the_kernel_does_not_cover_say_why(spec, cfg, arrays, pinned, reason):
@@ -118,19 +118,19 @@ def test_calls_the_kernel_does_not_cover_say_why(spec, cfg, arrays, pinned, reas
 
 
 def test_keys_of_another_length_take_the_hopper_forward_with_the_gluon_cross_setting():
-    """Sq != Sk: the Hopper forward with gluon_cross on (SEQ_K its own constexpr) where nothing ties queries to keys'
-    positions (no causal, window, segment ids); the backward never; off by default (not yet GPU-run)."""
+    """Sq != Sk: the Hopper forward (SEQ_K its own constexpr) where nothing ties queries to keys' positions (no
+    causal, window, segment ids); the backward never; on by default, off with gluon_cross=False."""
     from ejgen.ops import settings
 
     layout, cross, arrays = _layout("flash_attention"), _cfg(seq_k=640), _qkv(sk=640)
-    assert gluon_attention.ineligible(layout, cross, *arrays, False).startswith("Sq 512 != Sk 640")
-    with settings(gluon_cross=True):
-        why = gluon_attention.ineligible(layout, cross, *arrays, False)
-        assert why is None or not gluon_attention.importable()[0], why
-        assert gluon_attention.ineligible(layout, cross, *arrays, False, "bwd").startswith("Sq 512 != Sk 640")
-        causal = gluon_attention.ineligible(layout, _cfg(causal=True, seq_k=640), *arrays, False)
-        assert causal.startswith("Sq 512 != Sk 640 (the Hopper forward takes it with the gluon_cross setting on, "
-                                 "without causal"), causal
+    why = gluon_attention.ineligible(layout, cross, *arrays, False)
+    assert why is None or not gluon_attention.importable()[0], why
+    assert gluon_attention.ineligible(layout, cross, *arrays, False, "bwd").startswith("Sq 512 != Sk 640")
+    causal = gluon_attention.ineligible(layout, _cfg(causal=True, seq_k=640), *arrays, False)
+    assert causal.startswith("Sq 512 != Sk 640 (the Hopper forward takes it with the gluon_cross setting on, "
+                             "without causal"), causal
+    with settings(gluon_cross=False):
+        assert gluon_attention.ineligible(layout, cross, *arrays, False).startswith("Sq 512 != Sk 640")
     consts = gluon_attention.constexprs(2, 8, 2, 512, 128, False, False, seq_k=640)
     assert (consts["SEQ"], consts["SEQ_K"]) == (512, 640)
     assert gluon_attention.constexprs(2, 8, 2, 512, 128, False, False)["SEQ_K"] == 512
@@ -233,8 +233,9 @@ CROSS_GPU_CASES = [  # (id, shape, dtype): Sq != Sk, no causal: the Hopper forwa
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,dtype", [c[1:] for c in CROSS_GPU_CASES], ids=[c[0] for c in CROSS_GPU_CASES])
 def test_gluon_cross_forward_matches_the_oracle(monkeypatch, triton_launches, triton_against_oracle, shape, dtype):
-    """gluon_cross (off by default until this passes on the GPU host): the forward on the Hopper kernel with its own
-    key count, the backward on the generated kernels, against the oracle (output, lse, every gradient)."""
+    """gluon_cross (on by default since this passed on the GPU host, session 19): the forward on the Hopper kernel
+    with its own key count, the backward on the generated kernels, against the oracle (output, lse, every
+    gradient)."""
     from ejgen.ops import settings
 
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)

@@ -61,6 +61,17 @@ def test_the_hopper_set_says_why_it_declines(change, why):
     assert why in choice.reasons[1] and why in choice.reasons[2]
 
 
+def test_cross_attention_takes_the_hopper_forward_and_the_generated_backward():
+    """Sq != Sk without causal: the Hopper forward (gluon_cross, on by default), the generated backward; the
+    setting off keeps both generated."""
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+    choice = explain(flash_attention, BF16, kv, kv, target="sm90")
+    assert (choice.forward, choice.backward) == ("gluon", "triton")
+    assert "Sq 1024 != Sk 512" in choice.reasons[2]
+    with settings(gluon_cross=False):
+        assert explain(flash_attention, BF16, kv, kv, target="sm90").forward == "triton"
+
+
 def test_deterministic_keeps_the_hopper_backward_out():
     per_call = explain(flash_attention, BF16, BF16_KV, BF16_KV, causal=True, target="sm90", deterministic=True)
     assert (per_call.forward, per_call.backward, per_call.deterministic) == ("gluon", "triton", True)

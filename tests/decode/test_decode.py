@@ -297,17 +297,14 @@ def test_splits_fill_the_program_slots():
     assert fixed == {split_k.BATCH_INVARIANT_SPLIT}
 
 
-@pytest.mark.parametrize("merge", [True, False])
-def test_triton_decode_merges_its_splits_in_the_kernel_or_after_it(merge, monkeypatch):
-    """The Triton kernel's two merges of its splits (`triton.decode.MERGE`: the last split of each sequence and kv head
-    to end merges them, counting on an atomic; else `split_k.merge` in XLA) against the oracle: many splits a
-    sequence, GQA 4 at Sq 2, two sinks a head, an empty sequence (o = 0, lse the sinks')."""
+def test_triton_decode_merges_many_splits_with_sinks():
+    """The Triton kernel's splits merged by `split_k.merge` against the oracle: many splits a sequence, GQA 4 at Sq 2,
+    two sinks a head, an empty sequence (o = 0, lse the sinks')."""
     from ejgen.ops import ragged_decode_attention
     from ejgen.runtime.attention import split_k
     from ejgen.runtime.attention.triton import decode
 
-    monkeypatch.setattr(decode, "MERGE", merge)
-    rng = rng_for("merge", merge)
+    rng = rng_for("merge")
     batch, hq, hkv, d, seq = 3, 4, 1, 16, 300
     q = jnp.asarray(rng.standard_normal((batch, 2, hq, d)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((batch, seq, hkv, d)), jnp.float32)

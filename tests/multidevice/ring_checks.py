@@ -109,12 +109,12 @@ def check_zigzag_features(backend, failures, devices=4):
     check(failures, sharded, ref)
 
 
-def check_zigzag_coalesced(backend, failures, devices=4):
-    """`check_zigzag_features` with each later step's two full blocks run as one call (ring.COALESCE: c queries
-    against the whole held block, or every local query against one key chunk), the backward as it is."""
+def check_zigzag_pairs(backend, failures, devices=4):
+    """`check_zigzag_features` with each later step's two full blocks run as two calls (ring.COALESCE off; on, the
+    default, they run as one: c queries against the whole held block, or every local query against one key chunk)."""
     from ejgen.runtime.attention import ring
 
-    before, ring.COALESCE = ring.COALESCE, True
+    before, ring.COALESCE = ring.COALESCE, False
     try:
         check_zigzag_features(backend, failures, devices)
     finally:
@@ -380,7 +380,7 @@ def check_blocksparse(backend, failures, devices=2):
 CHECKS = {
     "zigzag-causal-gqa-segments-sinks-softcap": (check_zigzag_features, {"xla": 4, "pallas": 2, "triton": 2}),
     "alibi-zigzag": (check_alibi, {"xla": 4, "pallas": 2, "triton": 2}),
-    "zigzag-coalesced-steps": (check_zigzag_coalesced, {"xla": 4}),
+    "zigzag-pairs-steps": (check_zigzag_pairs, {"xla": 4}),
     "zigzag-coalescing-gated": (check_zigzag_coalescing_gated, {"xla": 2}),
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),

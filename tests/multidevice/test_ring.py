@@ -25,7 +25,7 @@ from ejgen.zoo import flamingo_cross_attention_ring, natten_1d_attention_ring
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = {
-    "xla": {"zigzag-causal-gqa-segments-sinks-softcap-4", "alibi-zigzag-4", "zigzag-coalesced-steps-4",
+    "xla": {"zigzag-causal-gqa-segments-sinks-softcap-4", "alibi-zigzag-4", "zigzag-pairs-steps-4",
             "zigzag-coalescing-gated-2",
             "window-noncausal-contiguous-4",
             "window-ahead-gqa-segments-contiguous-3", "zigzag-causal-window-2", "contiguous-causal-2",

@@ -53,11 +53,10 @@ GLUON_DYNAMIC_TILES = True
 # Zigzag steps after the first run each device's two full c x c pairs as one call (`_wide`): they always share a
 # query chunk (c queries against the whole held block, c x 2c) or a key chunk (every local query against it, 2c x c).
 # One launch, one merge and half the per-tile prologues a step instead of two; the backward keeps its pairs; a stage
-# coalesces only where the wide calls take the same forward kernels as the square ones. Off: the wide calls have
-# Sq != Sk, which the Hopper forward takes only with the gluon_cross setting (not yet GPU-run; without it a GPU ring
-# would not coalesce); both wait for the GPU suite and a timing on two GPUs (ring.py --coalesce both with
-# EJGEN_GLUON_CROSS=1).
-COALESCE = False
+# coalesces only where the wide calls take the same forward kernels as the square ones (on a GPU: the Hopper forward
+# with the gluon_cross setting, on by default). 2 H100s (session 19), 32k tokens, 16/16 heads: forward 4.30 ->
+# 4.07 ms (1.60x -> 1.69x one GPU), forward+backward 15.46 -> 15.65 (its backward unchanged: noise).
+COALESCE = True
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3

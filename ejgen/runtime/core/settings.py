@@ -16,9 +16,10 @@ Each has a default, an environment variable (read at call time) and a scoped ove
 - ``gluon_dynamic_tiles`` (EJGEN_GLUON_DYNAMIC_TILES: ``1`` / ``0`` / ``auto``, default auto): whether the Hopper
   forward's persistent programs take their tiles from a shared counter instead of a static split; auto (None)
   takes it where it was measured to win (`gluon.host.dynamic_tiles`).
-- ``gluon_cross`` (EJGEN_GLUON_CROSS, default off): the Hopper forward also takes Sq != Sk (cross-attention without
-  causal, a window, segment ids, a layout or a spec mask; the key count a constexpr of its own, SEQ_K). Off until the
-  GPU suite has run it (session 18: compiled for sm_90, not yet run on a GPU).
+- ``gluon_cross`` (EJGEN_GLUON_CROSS, default on; ``0`` turns it off): the Hopper forward also takes Sq != Sk
+  (cross-attention without causal, a window, segment ids, a layout or a spec mask; the key count a constexpr of its
+  own, SEQ_K). On since the GPU suite passed it (session 19, H100) and it measured 1.08-1.43x the generated kernels
+  (BENCHMARKS.md).
 - ``chunk_forward`` (EJGEN_CHUNK_FORWARD: ``two_pass`` / ``fused``, default two_pass): the linear recurrent chunked
   forward on Triton, two passes (the chunk states through memory) or one (`chunk_fused_fwd`, the state in registers;
   not the default until GPU-timed, docs/DESIGN.md §3).
@@ -41,7 +42,7 @@ class Settings:
     gluon: bool = True
     gluon_spec_masks: bool = True
     gluon_dynamic_tiles: bool | None = None  # None: auto
-    gluon_cross: bool = False
+    gluon_cross: bool = True
     chunk_forward: str = "two_pass"
     triton_configs: str = ""
     triton_autotune: bool = False
@@ -52,7 +53,7 @@ _ENV = {
     "gluon": ("EJGEN_GLUON", lambda t: t.strip().lower() not in ("0", "false", "no", "off")),
     "gluon_spec_masks": ("EJGEN_GLUON_SPEC_MASKS", lambda t: t.strip().lower() not in ("0", "false", "no", "off")),
     "gluon_dynamic_tiles": ("EJGEN_GLUON_DYNAMIC_TILES", lambda t: _on_off_auto("EJGEN_GLUON_DYNAMIC_TILES", t)),
-    "gluon_cross": ("EJGEN_GLUON_CROSS", lambda t: t.strip().lower() in ("1", "true", "yes", "on")),
+    "gluon_cross": ("EJGEN_GLUON_CROSS", lambda t: t.strip().lower() not in ("0", "false", "no", "off")),
     "chunk_forward": ("EJGEN_CHUNK_FORWARD", lambda t: _one_of("EJGEN_CHUNK_FORWARD", t, CHUNK_FORWARDS)),
     "triton_configs": ("EJGEN_TRITON_CONFIG", str),
     "triton_autotune": ("EJGEN_TRITON_AUTOTUNE", lambda t: t.strip() == "1"),

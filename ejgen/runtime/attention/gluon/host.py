@@ -7,7 +7,8 @@ persistent backward.
 
 The forward:
 
-Where it runs: sm_90 GPUs, 16-bit q/k/v with head dim 64 or 128 (= value head dim), Sq == Sk, no varlen,
+Where it runs: sm_90 GPUs, 16-bit q/k/v with head dim 64 or 128 (= value head dim), Sq == Sk (the forward also Sq !=
+Sk where nothing ties queries to key positions: setting gluon_cross), no varlen,
 and a spec whose score is the scaled dot product (no soft cap, sinks, bias, dense mask, positions or params; segment
 ids are taken: their tile ranges join the band's, the ids are compared on partial blocks only, `segment_ranges`,
 `tile_order`; a block layout too, whose blocks cover or divide the tiles: the kernels then walk lists of blocks,

@@ -1,7 +1,7 @@
 """Host side of the Triton decode kernel (`decode_kernel` of a spec's `triton_decode.py`; docs/DESIGN.md §3,
 "Decode and paged modes"): the launch over (batch, kv head, split) programs; the split count is
-`ejgen.runtime.attention.split_k`'s, shared with the Pallas GPU kernel, and so is the merge of the splits by lse where
-the kernel does not merge them itself (MERGE: the last split of each pair to end does). Paged calls read the pages
+`ejgen.runtime.attention.split_k`'s, shared with the Pallas GPU kernel, and so is the merge of the splits by lse (an
+in-kernel merge by the last split of each pair to end lost to it on one H100, session 19). Paged calls read the pages
 through the block table inside the kernel (no gather of the cache)."""
 
 from __future__ import annotations
@@ -19,10 +19,6 @@ from ejgen.runtime.launch import triton_call
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
-MERGE = False  # True: the last split of each (sequence, kv head) to end merges them in the kernel, no merge launch.
-# Off: on an H100 (session 18, call 8) the in-kernel merge ran B4 S32k and B8 S8k at 0.96x cuDNN, where split_k.merge
-# had given 1.04x both (session 13, another H100), and the Pallas kernel with split_k.merge beat it in the same run
-# (B4 S32k 216.9 against 223.5 us, the ragged batch 403.3 against 435.3); not A/B-timed on one card yet: decode_tune.py
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
 
 
@@ -44,24 +40,18 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
     table = call.tables if paged else jnp.zeros((1,), jnp.int32)
     inputs = [q.reshape(batch, sq, hkv * groups, d), k, v, call.starts, call.ends, table, *scalars]
     inputs += [ctx[f"param_{p}"] for p in params]
-    sinks = ctx.get("softmax_aux") if cfg.sinks else None  # [Hkv, G, n]
-    inputs.append(jnp.zeros((1,), jnp.float32) if sinks is None else sinks.astype(jnp.float32).reshape(-1))
+    sinks = ctx.get("softmax_aux") if cfg.sinks else None  # [Hkv, G, n]: split_k.merge adds them
     grid = (batch, hkv, n_splits)
     parts = (batch, hkv, n_splits, m_pad)
     sds = jax.ShapeDtypeStruct
-    merged = [sds((batch, sq, hkv * groups, dv), q.dtype), sds((batch, hkv, groups, sq), jnp.float32),
-              sds((batch * hkv,), jnp.int32)] if MERGE else [sds((1,), q.dtype), sds((1,), jnp.float32),
-                                                            sds((1,), jnp.int32)]
-    outs = [sds(parts + (dv_pad,), jnp.float32), sds(parts, jnp.float32), sds(parts, jnp.float32), *merged,
+    outs = [sds(parts + (dv_pad,), jnp.float32), sds(parts, jnp.float32), sds(parts, jnp.float32),
             sds((math.prod(grid) * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)]
     kernel = importlib.import_module(kernel_module).decode_kernel
-    o_part, m_part, l_part, out, lse, *_ = triton_call.launch(
-        kernel, grid, inputs, outs, zeroed=(5,) if MERGE else (), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    o_part, m_part, l_part, _ = triton_call.launch(
+        kernel, grid, inputs, outs, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         B=batch, HQ=hkv * groups, HKV=hkv, SQ=sq, SEQ_K=k.shape[1], D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad, G=groups,
         M_PAD=m_pad, BLOCK_N=block_n, SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=cfg.causal, WINDOW=cfg.window,
         SOFTCAP=cfg.softcap, PAGED=paged, PAGE=call.page if paged else 1,
         MAX_PAGES=call.tables.shape[1] if paged else 1, PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
-        UPCAST=interpret and q.dtype == jnp.bfloat16, MERGE=MERGE, N_SINKS=0 if sinks is None else sinks.shape[-1])
-    if MERGE:
-        return out.reshape(batch, sq, hkv, groups, dv), lse
+        UPCAST=interpret and q.dtype == jnp.bfloat16)
     return split_k.merge(o_part, m_part, l_part, sinks, groups, sq, dv, q.dtype)
