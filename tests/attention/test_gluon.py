@@ -195,6 +195,70 @@ def test_off_a_hopper_gpu_the_generated_kernels_run(monkeypatch):
     assert (choice.forward, choice.backward) == ("triton", "triton") and "gluon setting is off" in choice.text()
 
 
+def _stand_in_kernels(monkeypatch):
+    """The Gluon forward and backward replaced by plain jnp attention with their signatures (causal or not, no
+    sinks of their own, lse in and delta given to the backward as the kernels take them): what the host hands them
+    and does with their results, checked off a GPU."""
+    from ejgen.runtime.attention.triton import host as triton_host
+
+    def scores(q5, k, cfg, scale):  # q [B, Sq, Hkv, G, D], k [B, Sk, Hkv, D] -> [B, Hkv, G, Sq, Sk] float32
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", q5.astype(jnp.float32), k.astype(jnp.float32)) * scale
+        if cfg.causal:
+            sq, sk = s.shape[-2:]
+            s = jnp.where(jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq), s, -jnp.inf)
+        return s
+
+    def forward(layout, q, k, v, scalars, ctx, cfg):
+        s = scores(q, k, cfg, scalars[0][0])
+        lse = jax.nn.logsumexp(s, axis=-1)
+        p = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse)[..., None])
+        return jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32)).astype(q.dtype), lse
+
+    def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg):
+        b, sq, hq, d = q4.shape
+        hkv = k.shape[2]
+        q5, do5 = q4.reshape(b, sq, hkv, hq // hkv, d), do4.reshape(b, sq, hkv, hq // hkv, -1)
+        scale = scalars[0][0]
+        lse, delta = lse3.reshape(b, hkv, hq // hkv, sq), delta3.reshape(b, hkv, hq // hkv, sq)
+        p = jnp.exp(scores(q5, k, cfg, scale) - lse[..., None])
+        dp = jnp.einsum("bqhgd,bkhd->bhgqk", do5.astype(jnp.float32), v.astype(jnp.float32))
+        ds = p * (dp - delta[..., None]) * scale
+        dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k.astype(jnp.float32)).reshape(q4.shape)
+        dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, q5.astype(jnp.float32))
+        dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, do5.astype(jnp.float32))
+        return dq.astype(q4.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    monkeypatch.setattr(triton_host, "_gluon_forward", forward)
+    monkeypatch.setattr(triton_host, "_gluon_backward", backward)
+
+
+@pytest.mark.parametrize("sinks,causal", [("h", True), ("hn", False), ("n", True)])
+def test_sinks_join_outside_the_hopper_kernels(monkeypatch, run_vjp, sinks, causal):
+    """The Hopper set takes sinks outside its kernels (`api.join_sinks` on the forward's out and lse; the backward
+    from that lse, the sinks' gradient from it): with stand-ins for the kernels (`_stand_in_kernels`), the call
+    against the oracle (out, lse, every gradient, the sinks' included), every sink form; the Hopper set is chosen."""
+    import numpy as np
+
+    import oracle
+    from ejgen.ops import explain, flash_attention
+    from ejgen.testing.shapes import random_cotangents, random_qkv, random_sinks, rng_for
+
+    pretend_hopper(monkeypatch)
+    _stand_in_kernels(monkeypatch)
+    shape = AttnShape(2, 40, 40, 4, 2, 64)
+    rng = rng_for("gluon-sinks", sinks, causal)
+    diff = random_qkv(shape, "float32", rng)
+    diff = {n: x.astype(jnp.bfloat16) for n, x in diff.items()}
+    diff["softmax_aux"] = random_sinks(sinks, shape.q_heads, rng) + 2.0  # a large share of the mass
+    d_out, d_lse = random_cotangents(shape, "bfloat16", rng)
+    choice = explain(flash_attention, *(diff[n] for n in ("query", "key", "value")), causal=causal,
+                     softmax_aux=diff["softmax_aux"], platform="triton")
+    assert (choice.forward, choice.backward) == ("gluon", "gluon"), choice.text()
+    out, lse, grads = run_vjp(flash_attention, diff, {}, {"causal": causal, "platform": "triton"}, d_out, d_lse)
+    ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, causal=causal, d_out=d_out, d_lse=d_lse)
+    oracle.check_attention(out, lse, grads, ref, diff, "bfloat16")
+
+
 GPU_CASES = [  # (id, shape, features, dtype): calls the Gluon forward takes
     ("causal-gqa-d64-ragged", AttnShape(2, 300, 300, 4, 2, 64), dict(causal=True), "bfloat16"),
     ("plain-d128", AttnShape(1, 384, 384, 2, 2, 128), dict(), "bfloat16"),
@@ -202,6 +266,10 @@ GPU_CASES = [  # (id, shape, features, dtype): calls the Gluon forward takes
      "bfloat16"),
     ("two-sided-window-f16", AttnShape(1, 2600, 2600, 2, 2, 64), dict(sliding_window=(1100, 1000)), "float16"),
     ("causal-f16-d128", AttnShape(1, 512, 512, 4, 1, 128), dict(causal=True), "float16"),
+    # sinks join outside the kernels: gpt-oss's form (a causal window and a sink a head), and two sinks a head
+    ("causal-window-sinks-gqa", AttnShape(1, 1500, 1500, 4, 2, 64), dict(causal=True, sliding_window=(700, 0),
+                                                                         sinks="h"), "bfloat16"),
+    ("plain-sinks-hn-f16", AttnShape(2, 400, 400, 2, 2, 128), dict(sinks="hn"), "float16"),
 ]
 
 

@@ -610,6 +610,16 @@ def ctx_cotangents(ctx: dict, dctx: dict) -> dict:
     return out
 
 
+def join_sinks(out, lse, aux):
+    """(out, lse) of attention without sinks [B, S, Hkv, G, Dv] / [B, Hkv, G, S] -> with the sinks ``aux`` [Hkv, G, n]
+    in the denominator (docs/DESIGN.md §3): lse' = logaddexp(lse, logsumexp(aux)), out' = out e^{lse - lse'}; a row
+    that saw no key keeps o = 0 and takes the sinks' lse. out in float32 (the caller casts). For kernels that take no
+    sinks of their own: the ring's final merge, the Hopper set."""
+    total = jnp.logaddexp(lse, jax.nn.logsumexp(aux.astype(jnp.float32), axis=-1)[None, :, :, None])
+    weight = jnp.exp(lse - jnp.where(total == -jnp.inf, 0.0, total))  # 0 where the row saw no key
+    return out.astype(jnp.float32) * jnp.moveaxis(weight, 3, 1)[..., None], total
+
+
 def sinks_grad(aux, lse, delta, seq_q: int | None = None):
     """d loss / d softmax_aux [Hkv, G, n] = -sum over batch and rows of p_sink * delta, with
     p_sink = exp(aux - lse) (lse [B, Hkv, G, Sq], delta = rowsum(d_out * out) - d_lse); rows at

@@ -747,10 +747,7 @@ def _forward(q, k, v, ctx, plan: Plan):
 
         travel, acc, lse = _steps(body, (travel, acc, lse), xs)
     if plan.sinks:
-        aux = ctx["softmax_aux"]  # [Hkv, G, n_sinks]
-        total = jnp.logaddexp(lse, jax.nn.logsumexp(aux, axis=-1)[None, :, :, None])
-        acc = acc * _moved(jnp.exp(lse - _finite(total)))
-        lse = total
+        acc, lse = api.join_sinks(acc, lse, ctx["softmax_aux"])  # aux [Hkv, G, n_sinks]
     return acc.astype(q.dtype), lse, travel
 
 

@@ -9,7 +9,8 @@ The forward:
 
 Where it runs: sm_90 GPUs, 16-bit q/k/v with head dim 64 or 128 (= value head dim), Sq == Sk (the forward also Sq !=
 Sk where nothing ties queries to key positions: setting gluon_cross), no varlen,
-and a spec whose score is the scaled dot product (no soft cap, sinks, bias, dense mask, positions or params; segment
+and a spec whose score is the scaled dot product (no soft cap, bias, dense mask, positions or params; sinks join the
+kernels' lse and output outside them, `api.join_sinks`, and their gradient comes from that lse; segment
 ids are taken: their tile ranges join the band's, the ids are compared on partial blocks only, `segment_ranges`,
 `tile_order`; a block layout too, whose blocks cover or divide the tiles: the kernels then walk lists of blocks,
 `fwd_lists`, `bwd_lists`, `layout_misfit`; and a mask of the spec's own that reads no params, its tiles listed the
@@ -111,9 +112,9 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
     import jax.numpy as jnp
 
     d, dv = q.shape[-1], v.shape[-1]
-    features = [what for on, what in ((cfg.softcap, "soft cap"), (cfg.sinks, "sinks"), (cfg.bias, "bias"),
+    features = [what for on, what in ((cfg.softcap, "soft cap"), (cfg.bias, "bias"),
                                       (cfg.dense_mask, "a dense mask"), (cfg.positions, "positions"),
-                                      (cfg.varlen, "varlen")) if on]
+                                      (cfg.varlen, "varlen")) if on]  # sinks: joined outside the kernels
     from ejgen.runtime.core import settings
 
     misfit = layout_misfit(cfg) if cfg.layout else None
@@ -128,7 +129,7 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
          "segment ids with a sliding window (the backward's lists: the gluon_spec_masks setting is off, "
          "EJGEN_GLUON_SPEC_MASKS=0)"),
         (not layout.score_is_identity or layout.params, "the spec's score is not the scaled dot product"),
-        (features, f"{', '.join(features)} (the Hopper kernels take none of: soft cap, sinks, bias, a dense mask, "
+        (features, f"{', '.join(features)} (the Hopper kernels take none of: soft cap, bias, a dense mask, "
                    f"positions, varlen)"),
         (misfit, misfit),
         (q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype,

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.attention import tiles
-from ejgen.runtime.attention.api import SEQ_MAJOR, given_delta, sinks_grad
+from ejgen.runtime.attention.api import SEQ_MAJOR, given_delta, join_sinks, sinks_grad
 from ejgen.runtime.attention.gluon import host as gluon_attention
 from ejgen.runtime.attention.triton import configs as triton_configs
 from ejgen.runtime.core import kernels, settings, sizes
@@ -420,6 +420,9 @@ def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     if choice.forward == "gluon":
         out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg)
+        if cfg.sinks:  # the kernels take none: the sinks join the denominator here (the backward reads this lse)
+            out, lse = join_sinks(out, lse, ctx["softmax_aux"])
+            out = out.astype(q.dtype)
         return out, lse, None
     conf = _config(layout, "fwd", max(d, dv), jnp.dtype(q.dtype).itemsize * 8, cfg, dims=(d, dv))
     consts = _constexprs(layout, q, k, v, cfg, conf, features[0], features[3], aux)
@@ -483,10 +486,11 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     q4, do4 = q.reshape(batch, sq, hq, d), d_out.reshape(batch, sq, hq, dv)
     lse3 = lse.reshape(batch, hq, sq)
-    if choice.backward == "gluon":  # no bias, sinks or params here: no other gradients
-        delta3 = (_delta(out, d_out, d_lse) if given is None else given).reshape(batch, hq, sq)
-        dq, dk, dv_ = _gluon_backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg)
-        return dq.reshape(q.shape), dk, dv_, {}
+    if choice.backward == "gluon":  # no bias or params here; sinks are in lse (the forward's), their gradient from it
+        delta = _delta(out, d_out, d_lse) if given is None else given
+        dq, dk, dv_ = _gluon_backward(layout, q4, k, v, do4, lse3, delta.reshape(batch, hq, sq), scalars, ctx, cfg)
+        dctx = {"softmax_aux": sinks_grad(ctx["softmax_aux"], lse, delta.reshape(lse.shape))} if cfg.sinks else {}
+        return dq.reshape(q.shape), dk, dv_, dctx
     kernels = layout.kernels()
     n_seq = _grid_batch(q, ctx, cfg)
 
