@@ -21,6 +21,8 @@
 #   attn-tests     every attention GPU test (the Gluon file included), sharded 2 processes a GPU
 #   gluon-tests    the Gluon GPU tests, sharded 2 processes a GPU                     (issues 14, 15)
 #   zoo-tests      the zoo's GPU tests (every spec on the GPU backends)                (issue 15)
+#   hopper-tests   the Gluon GPU tests and the conformance suite's Hopper cases (soft caps, sinks included)
+#   zoo-capsinks   the zoo's GPU tests of Gemma 2 / 3, gpt-oss and the sink window (soft caps and sinks)
 #   zoo-gluon      the zoo's spec masks on the Hopper kernels
 #   zoo-a, zoo-b   half the zoo each against FlexAttention (zoo.py, then flex_zoo.py in its own process). Not beside
 #                  a lane that compiles tests: short kernels are host-bound (session 17: gpt-oss's 80-88 us forward
@@ -103,6 +105,9 @@ j_rec-decode() { job rec-decode 150 python3 benchmarks/recurrent.py --decode-onl
 j_attn-tests() { shards attn-tests 450 2 tests/attention; }
 j_gluon-tests() { shards gluon-tests 290 2 tests/attention/test_gluon.py; }
 j_zoo-tests() { shards zoo-tests 220 2 tests/zoo; }
+j_hopper-tests() { shards hopper-tests 290 2 tests/attention/test_gluon.py tests/attention/test_conformance.py \
+  -k "gluon or hopper_kernels"; }
+j_zoo-capsinks() { shards zoo-capsinks 200 2 tests/zoo -k "gemma or gpt_oss or sink"; }
 j_zoo-gluon() { shards zoo-gluon 200 2 tests/zoo/test_zoo_gluon.py; }
 zoo_half() {
   job zoo-ejgen-$1 330 python3 benchmarks/zoo.py --out "$log/zoo$1" --cases "$2" --reps 4 --rounds 2

@@ -81,13 +81,13 @@ def compile_attention(package: str, name: str, *, capability: int = 90, params: 
 def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: int = 128, causal: bool = True,
                   window: bool = False, segments: bool = False, batch: int = 2, heads: int = 8, kv_heads: int = 2,
                   seq: int = 1000, dynamic: bool = False, forward_only: bool = False, layout=None,
-                  spec: str | None = None, seq_k: int | None = None) -> dict:
+                  spec: str | None = None, seq_k: int | None = None, softcap: bool = False) -> dict:
     """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs; ``dynamic``:
     the forward's dynamic tile queue; ``forward_only``: the forward alone; ``layout``: a block layout of (block_q,
     block_k, per head) (the kernels walk lists: LIST, `gluon.host.fwd_lists` / `bwd_lists`); ``spec``: a generated
     op's package (``"ejgen.zoo.natten_2d_attention"``) whose mask the kernels evaluate on partial tiles (SPEC_MASK,
     lists shared by the heads unless ``layout`` says otherwise); ``seq_k``: keys of another length than the queries
-    (the forward's SEQ_K, `gluon_cross`)."""
+    (the forward's SEQ_K, `gluon_cross`); ``softcap``: the logits capped (SOFTCAP)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -117,7 +117,8 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     divides = bool(spec) and importlib.import_module(f"{spec}.triton_launch").LAYOUT.mask_divides
     tiles = gluon_attention.fwd_key_tiles(call, divides)
     fwd_consts = gluon_attention.constexprs(*args, ordered=gluon_attention.ordered(call) or bool(fwd_lists),
-                                            dynamic=dynamic, lists=fwd_lists, spec=mask, tiles=tiles, seq_k=seq_k)
+                                            dynamic=dynamic, lists=fwd_lists, spec=mask, tiles=tiles, seq_k=seq_k,
+                                            softcap=softcap)
     segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32", ORDER="*i32")
     bwd_pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
                         DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)
@@ -125,12 +126,12 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                 dict(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", TILE_CTR="*i32",
                      SCRATCH="*u8", **segs)),
                ("gluon_bwd_kernel", gluon_attention.bwd_kernel(),
-                gluon_attention.bwd_constexprs(*args, lists=bwd_lists, spec=mask), bwd_pointers)]
+                gluon_attention.bwd_constexprs(*args, lists=bwd_lists, spec=mask, softcap=softcap), bwd_pointers)]
     if forward_only:
         kernels = kernels[:1]
     elif causal and window and not bwd_lists:  # the persistent backward runs causal windows
         kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(),
-                        gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim), bwd_pointers))
+                        gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim, softcap), bwd_pointers))
     for name, kernel, consts, pointers in kernels:
         sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}

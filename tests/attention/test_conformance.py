@@ -226,8 +226,8 @@ def _takes_hopper_kernels(case: Case, deterministic: bool = False) -> tuple:
     """(forward, backward): whether a triton call of ``case`` must take the hand-written Hopper kernels here,
     stated from docs/DESIGN.md §6 (not from the runtime's own test): an sm_90 GPU with the gluon setting on,
     16-bit inputs, head dims 64 or 128 (D = Dv), Sq = Sk (the forward also Sq != Sk with the gluon_cross setting where
-    there is no causal, window or segment ids), not varlen, no feature but causal, a window, segment ids and sinks
-    (joined outside the kernels); the
+    there is no causal, window or segment ids), not varlen, no feature but causal, a window, segment ids, a soft cap
+    and sinks (joined outside the kernels); the
     backward also Sq = Sk, not a window without causal, nor a window with segment ids unless the gluon_spec_masks
     setting is on, and not deterministic."""
     from ejgen.runtime.core import kernels, settings
@@ -238,7 +238,7 @@ def _takes_hopper_kernels(case: Case, deterministic: bool = False) -> tuple:
     cross = now.gluon_cross and not f.causal and f.window is None and not f.segments
     fwd = (here and case.dtype in ("bfloat16", "float16") and isinstance(shape, AttnShape)
            and shape.head_dim == shape.dv and shape.head_dim in (64, 128) and (square or cross)
-           and f.atoms <= {"segments", "sinks"})
+           and f.atoms <= {"segments", "sinks", "soft_cap"})
     bwd = (fwd and square and not deterministic and not (f.window is not None and not f.causal)
            and not (f.window is not None and f.segments and not now.gluon_spec_masks))
     return fwd, bwd
@@ -416,6 +416,10 @@ HOPPER_CASES = tuple(
     Case(Features(causal=STRUCTURES[st][0], window=STRUCTURES[st][1], segments=seg), GPU_SHAPES[i % 2],
          ("bfloat16", "float16")[i // 2 % 2])
     for i, (st, seg) in enumerate(itertools.product(("causal", "none", "causal-win20,7", "win16"), ("packed", "random")))
+) + (  # a soft cap (SOFTCAP in the kernels) and sinks (joined outside them): Gemma 2 / 3 and gpt-oss forms
+    Case(Features(causal=True, soft_cap=2.0), GPU_SHAPES[0], "bfloat16"),
+    Case(Features(causal=True, window=(20, 0), soft_cap=3.0, sinks="h"), GPU_SHAPES[1], "float16"),
+    Case(Features(soft_cap=1.5, sinks="hn"), GPU_SHAPES[1], "bfloat16"),
 )
 
 

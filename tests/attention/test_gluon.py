@@ -33,14 +33,17 @@ def _layout(spec: str):
     return importlib.import_module(f"ejgen.generated.{spec}.triton_launch").LAYOUT
 
 
-@pytest.mark.parametrize("dtype,d,causal,window,segments", [("bfloat16", 128, True, True, False),
-                                                            ("float16", 64, False, False, False),
-                                                            ("bfloat16", 128, True, False, True)])
-def test_the_kernel_compiles_for_sm90_within_the_launch_budget(dtype, d, causal, window, segments):
+@pytest.mark.parametrize("dtype,d,causal,window,segments,softcap", [("bfloat16", 128, True, True, False, False),
+                                                                    ("float16", 64, False, False, False, False),
+                                                                    ("bfloat16", 128, True, False, True, False),
+                                                                    ("bfloat16", 128, True, True, False, True),
+                                                                    ("float16", 64, False, False, False, True)])
+def test_the_kernel_compiles_for_sm90_within_the_launch_budget(dtype, d, causal, window, segments, softcap):
+    """Forward and backward (and the persistent backward of causal windows); SOFTCAP: a soft cap (Gemma 2 / 3)."""
     if not gluon_attention.importable()[0]:
         pytest.fail(f"the test install's Triton has no Gluon warp specialisation: {gluon_attention.importable()[1]}")
     compiled = compile_gluon_in_subprocess(dtype=dtype, head_dim=d, causal=causal, window=window, segments=segments,
-                                           with_ptx=True)
+                                           softcap=softcap, with_ptx=True)
     persistent_bwd = ("gluon_bwd_persistent_kernel", ) if causal and window else ()
     assert set(compiled) == {"gluon_fwd_kernel", "gluon_bwd_kernel", *persistent_bwd}
     for name in compiled:
@@ -103,7 +106,7 @@ def _qkv(sq=512, sk=512, d=128, dv=None, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("spec,cfg,arrays,pinned,reason", [
     ("flash_attention", _cfg(causal=True), _qkv(), True, "a fwd config is pinned"),
     ("alibi_attention", _cfg(causal=True), _qkv(), False, "the spec's score is not the scaled dot product"),
-    ("flash_attention", _cfg(softcap=True), _qkv(), False, "soft cap (the Hopper kernels take none of"),
+    ("flash_attention", _cfg(bias=True), _qkv(), False, "bias (the Hopper kernels take none of"),
     ("flash_attention", _cfg(varlen=True), _qkv(), False, "varlen (the Hopper kernels take none of"),
     ("flash_attention", _cfg(layout=True, layout_block=(64, 64), positions=True), _qkv(), False, "positions (the Hopper"),
     ("flash_attention", _cfg(), _qkv(dtype=jnp.float32), False, "dtype float32"),
@@ -270,6 +273,12 @@ GPU_CASES = [  # (id, shape, features, dtype): calls the Gluon forward takes
     ("causal-window-sinks-gqa", AttnShape(1, 1500, 1500, 4, 2, 64), dict(causal=True, sliding_window=(700, 0),
                                                                          sinks="h"), "bfloat16"),
     ("plain-sinks-hn-f16", AttnShape(2, 400, 400, 2, 2, 128), dict(sinks="hn"), "float16"),
+    # soft caps (the kernels' SOFTCAP), small enough to bend most logits: Gemma 2's (causal), Gemma 3's (a causal
+    # window, with sinks too), and one without causal in f16
+    ("causal-softcap-gqa-d64", AttnShape(2, 300, 300, 4, 2, 64), dict(causal=True, logits_soft_cap=2.0), "bfloat16"),
+    ("causal-window-softcap-sinks", AttnShape(1, 1500, 1500, 4, 2, 128),
+     dict(causal=True, sliding_window=(700, 0), logits_soft_cap=3.0, sinks="h"), "bfloat16"),
+    ("plain-softcap-f16", AttnShape(1, 384, 384, 2, 2, 128), dict(logits_soft_cap=1.5), "float16"),
 ]
 
 

@@ -44,7 +44,6 @@ def test_auto_by_target(target, platform, forward, backward):
 @pytest.mark.parametrize("change,why", [
     (dict(q=jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.float32)), "16-bit only"),
     (dict(d=96), "head dims 96/96"),
-    (dict(logits_soft_cap=30.0), "not gluon: soft cap ("),
     (dict(mask_info="dense"), "not gluon: a dense mask ("),
     (dict(kv_len=512), "Sq 1024 != Sk 512"),
 ])
@@ -59,6 +58,16 @@ def test_the_hopper_set_says_why_it_declines(change, why):
     choice = explain(flash_attention, q, kv, kv, causal=True, target="sm90", **change)
     assert (choice.forward, choice.backward) == ("triton", "triton")
     assert why in choice.reasons[1] and why in choice.reasons[2]
+
+
+def test_soft_cap_and_sinks_take_the_hopper_set():
+    """A soft cap (the kernels' SOFTCAP) and sinks (joined outside them) keep the Hopper set both ways, with a
+    window too (Gemma 2 and 3, gpt-oss)."""
+    aux = jax.ShapeDtypeStruct((8,), jnp.float32)
+    for kw in (dict(logits_soft_cap=30.0), dict(softmax_aux=aux), dict(logits_soft_cap=50.0, sliding_window=(1023, 0)),
+               dict(softmax_aux=aux, sliding_window=(127, 0))):
+        choice = explain(flash_attention, BF16, BF16_KV, BF16_KV, causal=True, target="sm90", **kw)
+        assert (choice.forward, choice.backward) == ("gluon", "gluon"), (kw, choice.text())
 
 
 def test_cross_attention_takes_the_hopper_forward_and_the_generated_backward():

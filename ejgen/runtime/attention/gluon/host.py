@@ -9,7 +9,8 @@ The forward:
 
 Where it runs: sm_90 GPUs, 16-bit q/k/v with head dim 64 or 128 (= value head dim), Sq == Sk (the forward also Sq !=
 Sk where nothing ties queries to key positions: setting gluon_cross), no varlen,
-and a spec whose score is the scaled dot product (no soft cap, bias, dense mask, positions or params; sinks join the
+and a spec whose score is the scaled dot product (no bias, dense mask, positions or params; a soft cap is taken,
+SOFTCAP: the logits capped before the mask and the softmax, the backward's dS times 1 - tanh^2; sinks join the
 kernels' lse and output outside them, `api.join_sinks`, and their gradient comes from that lse; segment
 ids are taken: their tile ranges join the band's, the ids are compared on partial blocks only, `segment_ranges`,
 `tile_order`; a block layout too, whose blocks cover or divide the tiles: the kernels then walk lists of blocks,
@@ -112,9 +113,9 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
     import jax.numpy as jnp
 
     d, dv = q.shape[-1], v.shape[-1]
-    features = [what for on, what in ((cfg.softcap, "soft cap"), (cfg.bias, "bias"),
-                                      (cfg.dense_mask, "a dense mask"), (cfg.positions, "positions"),
-                                      (cfg.varlen, "varlen")) if on]  # sinks: joined outside the kernels
+    features = [what for on, what in ((cfg.bias, "bias"), (cfg.dense_mask, "a dense mask"),
+                                      (cfg.positions, "positions"), (cfg.varlen, "varlen")) if on]
+    # (sinks join outside the kernels; a soft cap is the kernels' SOFTCAP)
     from ejgen.runtime.core import settings
 
     misfit = layout_misfit(cfg) if cfg.layout else None
@@ -129,8 +130,8 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
          "segment ids with a sliding window (the backward's lists: the gluon_spec_masks setting is off, "
          "EJGEN_GLUON_SPEC_MASKS=0)"),
         (not layout.score_is_identity or layout.params, "the spec's score is not the scaled dot product"),
-        (features, f"{', '.join(features)} (the Hopper kernels take none of: soft cap, bias, a dense mask, "
-                   f"positions, varlen)"),
+        (features, f"{', '.join(features)} (the Hopper kernels take none of: bias, a dense mask, positions, "
+                   f"varlen)"),
         (misfit, misfit),
         (q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype,
          f"dtype {q.dtype} (16-bit only)"),
@@ -192,8 +193,10 @@ def spec_constexprs(spec: tuple | None) -> dict:
 
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
                segments: bool = False, ordered: bool = False, dynamic: bool = False, lists: dict | None = None,
-               spec: tuple | None = None, tiles: dict | None = None, seq_k: int | None = None) -> dict:
+               spec: tuple | None = None, tiles: dict | None = None, seq_k: int | None = None,
+               softcap: bool = False) -> dict:
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq_k (default seq), hkv, d] (16-bit).
+    ``softcap``: the logits capped (SOFTCAP; the cap is F32[1]).
     ``dynamic``: the programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block
     lists' constexprs (`fwd_lists`), else ranges; ``spec``: the spec's mask (`spec_constexprs`: lists only); ``tiles``:
     the key tiles (`fwd_key_tiles`; default TILES)."""
@@ -202,7 +205,7 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                 ORDERED=ordered,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                 HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **(tiles or TILES),
-                **(lists or NO_LISTS), **spec_constexprs(spec))
+                **(lists or NO_LISTS), **spec_constexprs(spec), SOFTCAP=softcap)
 
 
 def listed(cfg, spec: bool, pass_: str = "fwd") -> bool:
@@ -253,13 +256,14 @@ def bwd_kernel():
 
 
 def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
-                   segments: bool = False, lists: dict | None = None, spec: tuple | None = None) -> dict:
+                   segments: bool = False, lists: dict | None = None, spec: tuple | None = None,
+                   softcap: bool = False) -> dict:
     """The backward's constexprs (window: causal with a window to the left, `ineligible`; ``lists``: the block
-    lists' constexprs, `bwd_lists`; ``spec``: the spec's mask, `spec_constexprs`)."""
+    lists' constexprs, `bwd_lists`; ``spec``: the spec's mask, `spec_constexprs`; ``softcap``: SOFTCAP)."""
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, MASK=2 if window else int(causal), DQ_MODE=1 if d == 128 else 0,
                 SEGMENTS=segments,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES, **(lists or NO_LISTS),
-                **spec_constexprs(spec))
+                **spec_constexprs(spec), SOFTCAP=softcap)
 
 
 # The persistent backward (gluon_kernels.gluon_attention_bwd_persistent_kernel) for causal sliding windows: one
@@ -300,10 +304,10 @@ def pbwd_kernel():
     return importlib.import_module("ejgen.runtime.attention.gluon.kernels").gluon_attention_bwd_persistent_kernel
 
 
-def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int) -> dict:
+def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bool = False) -> dict:
     """The persistent backward's constexprs for a causal sliding window (MASK 2); its launch also passes a zeroed
     int32 tile counter (TILE_CTR: the kernel takes its tiles from it)."""
-    base = bwd_constexprs(batch, hq, hkv, seq, d, True, True)
+    base = bwd_constexprs(batch, hq, hkv, seq, d, True, True, softcap=softcap)
     for name in ("SEGMENTS", *NO_LISTS, *spec_constexprs(None)):  # segment ids, layouts and spec masks with a window
         del base[name]  # take the per-program backward over lists (`listed`)
     return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"]))

@@ -270,16 +270,38 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, off_b, off_h, opts, MASKED: gl.constexpr,
-             SEQ_K: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr,
+def _tanh(x):
+    """tanh x = 1 - 2 / (e^{2x} + 1), the divide approximate (2 ulp): -1 and 1 at the ends (no inf / inf); within 1e-7
+    of tanh everywhere, as the generated kernels' (lib._tanh)."""
+    return 1.0 - gl.fdiv(gl.full_like(x, 2.0), gl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@gluon.jit
+def _logits2(s, scale, cap_out, SOFTCAP: gl.constexpr):
+    """Scaled logits in log2 units from S: s * scale (scale: the softmax scale times log2 e), or with SOFTCAP the
+    capped ones, cap tanh(scale s / cap) log2 e (scale: the softmax scale / cap, cap_out: cap log2 e)."""
+    if SOFTCAP:
+        return _tanh(s * scale) * cap_out
+    return s * scale
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, ks, bits, off_b, off_h, opts,
+             MASKED: gl.constexpr, SEQ_K: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+             SEGMENTS: gl.constexpr,
              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SUB_Q: gl.constexpr,
-             SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr):
-    """Online softmax of one block in exp2 (scale * log2 e folded in): (p, alpha, m, l). With SEGMENTS the element
+             SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SOFTCAP: gl.constexpr):
+    """Online softmax of one block in exp2 (scale * log2 e folded in): (p, alpha, m, l). SOFTCAP: the logits capped
+    first, cap tanh(scale s / cap) (`_logits2`), so the mask's -inf stays -inf. With SEGMENTS the element
     mask also compares the rows' segment ids qs with the block's keys' ks ([1, BLOCK_N]; padding, negative, sees
     nothing); with SUB_Q it keeps only the sub-blocks the list entry's word ``bits`` marks (`_sub_blocks`); with
     SPEC_MASK (a spec's `_spec_mask`) it is the spec's mask too, on positions, of batch row off_b and query head off_h
     and the options opts (`_spec_options`; q_len = kv_len = SEQ_K: a spec mask is not taken where Sq != Sk). SEQ_K: the
     keys' count (the element mask hides the last block's keys past it)."""
+    scale = qk_scale
+    if SOFTCAP:  # the logits in log2 units from here
+        s = _logits2(s, qk_scale, cap_out, SOFTCAP)
+        scale = 1.0
     if MASKED:
         rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -299,17 +321,17 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, off_b,
             keep = keep & SPEC_MASK(gl.expand_dims(rows, 1), c2, off_b, off_h, off_b * 0 + SEQ_K, off_b * 0 + SEQ_K,
                                     opts)
         s = gl.where(keep, s, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale)
     m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no visible key yet: no inf - inf
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    p = gl.exp2(s * scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 @gluon.jit
-def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, kseg_smem, k_empty, idx, bits, off_b,
-                   off_h, opts, SEQ_K: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, cap_out, qs, kseg_smem, k_empty, idx, bits,
+                   off_b, off_h, opts, SEQ_K: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                    SEGMENTS: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                   SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr):
+                   SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SOFTCAP: gl.constexpr):
     """K stage idx back to the producer (S_j has retired), then block j's softmax, under the element mask outside
     [f0, f1); with SEGMENTS a masked block's key ids are read from the stage's kseg_smem first. Two shapes on
     purpose: with SEGMENTS the release waits for that read, inside the branch; without, it stays ahead of the branch
@@ -318,36 +340,41 @@ def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, qs, ks
         if (j < f0) | (f1 <= j):
             ks = kseg_smem.index(idx).load(s_layout)  # [1, BLOCK_N]
             mbarrier.arrive(k_empty.index(idx), count=1)
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, ks, bits, off_b, off_h,
-                                          opts, True, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
-                                          SUB_K, SPEC_MASK)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, ks, bits, off_b,
+                                          off_h, opts, True, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout,
+                                          SUB_Q,
+                                          SUB_K, SPEC_MASK, SOFTCAP)
         else:
             mbarrier.arrive(k_empty.index(idx), count=1)
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, off_b, off_h,
-                                          opts, False, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
-                                          SUB_K, SPEC_MASK)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, qs, bits, off_b,
+                                          off_h, opts, False, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout,
+                                          SUB_Q,
+                                          SUB_K, SPEC_MASK, SOFTCAP)
     else:
         mbarrier.arrive(k_empty.index(idx), count=1)
         if (j < f0) | (f1 <= j):
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, off_b, off_h,
-                                          opts, True, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
-                                          SUB_K, SPEC_MASK)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, qs, bits, off_b,
+                                          off_h, opts, True, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout,
+                                          SUB_Q,
+                                          SUB_K, SPEC_MASK, SOFTCAP)
         else:
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, qs, qs, bits, off_b, off_h,
-                                          opts, False, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q,
-                                          SUB_K, SPEC_MASK)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, qs, bits, off_b,
+                                          off_h, opts, False, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout,
+                                          SUB_Q,
+                                          SUB_K, SPEC_MASK, SOFTCAP)
     return p, alpha, m_i, l_i
 
 
 @gluon.jit
 def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                   o_desc, lse_ptr, left, right, qk_scale, turn_mine, turn_other, QSEG, kseg_smem, RANGES, ORDER,
-                   opts, HQ: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   o_desc, lse_ptr, left, right, qk_scale, cap_out, turn_mine, turn_other, QSEG, kseg_smem, RANGES,
+                   ORDER, opts, HQ: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr,
+                   HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                   NUM_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
                    HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
                    LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
-                   SEQ_K: gl.constexpr):
+                   SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr):
     """Tile t, this program's tile tc whose first K/V block is ring block g, for consumer HALF (see _consumer).
     LIST: the blocks of the tile's list (RANGES), each under the element mask where its entry says so and then, with
     SUB_Q, also under its word of visible sub-blocks; the empty row's entry (block N_N, past the end) hides every key.
@@ -405,9 +432,9 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
                           use_acc=False, is_async=True)
     mbarrier.arrive(turn_other, count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-    p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j0, fa0, fb0, q_row0, left, right, qk_scale, qs, kseg_smem,
-                                        k_empty, idx, w0, off_b, off_h, opts, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS,
-                                        BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK)
+    p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j0, fa0, fb0, q_row0, left, right, qk_scale, cap_out, qs,
+                                        kseg_smem, k_empty, idx, w0, off_b, off_h, opts, SEQ_K, CAUSAL, WINDOW,
+                                        SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK, SOFTCAP)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
 
     # block j: issue S_j and P_{j-1} V_{j-1}; the softmax of S_j runs while the second is in flight
@@ -432,9 +459,9 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
         acc_tok = warpgroup_mma(p16, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
         mbarrier.arrive(turn_other, count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-        p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j, fa, fb, q_row0, left, right, qk_scale, qs, kseg_smem,
-                                            k_empty, idx, w, off_b, off_h, opts, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS,
-                                            BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK)
+        p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j, fa, fb, q_row0, left, right, qk_scale, cap_out, qs,
+                                            kseg_smem, k_empty, idx, w, off_b, off_h, opts, SEQ_K, CAUSAL, WINDOW,
+                                            SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK, SOFTCAP)
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p16))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -465,13 +492,13 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, lse_ptr, pid,
-              nprog, left, right, qk_scale, turn_mine, turn_other, QSEG, kseg_smem, RANGES, ORDER, tile_smem, opts,
-              HQ: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
+              nprog, left, right, qk_scale, cap_out, turn_mine, turn_other, QSEG, kseg_smem, RANGES, ORDER, tile_smem,
+              opts, HQ: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
               HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
               LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
-              SEQ_K: gl.constexpr):
+              SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr):
     """One 64-row half (HALF 0: the first to issue) of every tile of this program: the pipelined loop (softmax
     of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile. The two halves
     take turns issuing their matmuls (turn_mine / turn_other: a token passed back and forth, its phase from the
@@ -487,19 +514,19 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
         t = _tile_take(q_ready, tile_smem, tc, HALF)
         while t < N_M * BH:
             g += _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                v_empty, o_desc, lse_ptr, left, right, qk_scale, turn_mine, turn_other, QSEG,
+                                v_empty, o_desc, lse_ptr, left, right, qk_scale, cap_out, turn_mine, turn_other, QSEG,
                                 kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
                                 CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q,
-                                SUB_K, SPEC_MASK, SEQ_K)
+                                SUB_K, SPEC_MASK, SEQ_K, SOFTCAP)
             tc += 1
             t = _tile_take(q_ready, tile_smem, tc, HALF)
     else:
         for t in range(pid, N_M * BH, nprog):
             g += _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                v_empty, o_desc, lse_ptr, left, right, qk_scale, turn_mine, turn_other, QSEG,
+                                v_empty, o_desc, lse_ptr, left, right, qk_scale, cap_out, turn_mine, turn_other, QSEG,
                                 kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
                                 CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q,
-                                SUB_K, SPEC_MASK, SEQ_K)
+                                SUB_K, SPEC_MASK, SEQ_K, SOFTCAP)
             tc += 1
 
 
@@ -512,11 +539,11 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
                                PRODUCER_REGS: gl.constexpr, HEAD_GROUP: gl.constexpr, DYNAMIC: gl.constexpr,
                                LIST: gl.constexpr, LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr,
                                SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
-                               SPEC_OPTIONS: gl.constexpr, SEQ_K: gl.constexpr):
+                               SPEC_OPTIONS: gl.constexpr, SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr):
     """Q [B, SEQ, HQ, D], K and V [B, SEQ_K, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32); SEQ_K = SEQ but where
     the host takes Sq != Sk (no causal, window, segment ids, lists or spec mask: `host.ineligible`, gluon_cross).
-    F32 = [scale, ...], I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch (unused by
-    the body).
+    F32 = [scale, soft cap, ...], I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch
+    (unused by the body). SOFTCAP: the logits capped, cap tanh(scale s / cap) (docs/DESIGN.md §3).
     SEGMENTS: segment ids QSEG, KSEG [B, SEQ] (int32, negative = padding) and their tile ranges RANGES [B, N_M, 4]
     (int32, in key blocks: `_tile_blocks`); without it those three are placeholders. ORDERED: the tiles in the
     order ORDER [N_M * B * HQ] gives (`_tile_at`), else `_tile`'s (ORDER a placeholder).
@@ -539,6 +566,10 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     qk_scale = gl.load(F32) * 1.4426950408889634
+    cap_out = qk_scale * 0.0  # SOFTCAP: cap log2 e, qk_scale the softmax scale / cap (`_logits2`)
+    if SOFTCAP:
+        cap_out = gl.load(F32 + 1) * 1.4426950408889634
+        qk_scale = gl.load(F32) / gl.load(F32 + 1)
     left = gl.load(I32)
     right = gl.load(I32 + 1)
     opts = 0  # SPEC_MASK: the options the spec's mask reads (a tuple)
@@ -588,15 +619,15 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, turn.index(0), turn.index(1), QSEG, kseg_smem, RANGES, ORDER,
-                     tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL,
+                     nprog, left, right, qk_scale, cap_out, turn.index(0), turn.index(1), QSEG, kseg_smem, RANGES,
+                     ORDER, tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL,
                      WINDOW, SEGMENTS, ORDERED, 0, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K,
-                     SPEC_MASK, SEQ_K)),
+                     SPEC_MASK, SEQ_K, SOFTCAP)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, turn.index(1), turn.index(0), QSEG, kseg_smem, RANGES, ORDER,
-                     tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL,
+                     nprog, left, right, qk_scale, cap_out, turn.index(1), turn.index(0), QSEG, kseg_smem, RANGES,
+                     ORDER, tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL,
                      WINDOW, SEGMENTS, ORDERED, 1, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K,
-                     SPEC_MASK, SEQ_K)),
+                     SPEC_MASK, SEQ_K, SOFTCAP)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, tile_smem, TILE_CTR, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ, HKV,
                      SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED,
@@ -648,8 +679,7 @@ def _opaque_zero():
 @gluon.jit
 def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
                   do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm, H, GROUP, QSEG,
-                  qs_smem,
-                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  qs_smem, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   SEGMENTS: gl.constexpr, lrow, LIST: gl.constexpr, N_MQ: gl.constexpr, LIST_W: gl.constexpr,
                   SUB_Q: gl.constexpr):
     """The program's K and V once, then per (query head, query block) Q and dO by TMA into the ring and the
@@ -760,11 +790,12 @@ def _bwd_item_mask(pT, cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, WINDO
 
 @gluon.jit
 def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
-              do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero, dq_zero, qk2, sm_scale, gi, s, ph, m,
-              h, n, f0, f1, off_b, S, WINDOW_LEFT, qs_smem, ks, WG: gl.constexpr, D: gl.constexpr,
-              BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, RELEASE_V: gl.constexpr,
-              SEGMENTS: gl.constexpr, bits, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, opts, SPEC_MASK: gl.constexpr):
+              do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero, dq_zero, qk2, cap_out, sm_scale, gi,
+              s, ph, m, h, n, f0, f1, off_b, S, WINDOW_LEFT, qs_smem, ks, WG: gl.constexpr, D: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr,
+              RELEASE_V: gl.constexpr,
+              SEGMENTS: gl.constexpr, bits, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, opts, SPEC_MASK: gl.constexpr,
+              SOFTCAP: gl.constexpr):
     """Consumer warpgroup WG, one ring item gi (query block m of head h in stage s, parity ph) against its 64 keys
     of key block n (views k_mine, v_mine; k_dq: K for its share of dQ): S^T and dP^T, P^T and dS^T, dV += P^T dO and
     dK += dS^T Q, the dS^T half into dS buffer gi % 2 for the joint dQ = dS K (DQ_MODE 0: whole tiles alternating
@@ -774,7 +805,9 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
     from the producer; ks: the warpgroup's keys' ids; padding, negative, sees nothing). SUB_Q: masked items keep only
     the sub-blocks their list entry's word ``bits`` marks (`_sub_blocks`); SPEC_MASK: the spec's mask too (`_spec_mask`,
     on positions: [1, BLOCK_M] queries by [HALF, 1] keys, batch row off_b, query head h, the options opts).
-    Returns (dk, dv)."""
+    SOFTCAP: P from the capped logits (`_logits2`: qk2 the scale / cap, cap_out cap log2 e) and dS^T times the cap's
+    derivative 1 - t^2, t = tanh(scale s / cap) read back from P (log2 P = cap_out t - lse log2 e: no tile of t held
+    across dP^T). Returns (dk, dv)."""
     HALF: gl.constexpr = BLOCK_N // 2
     if DQ_MODE == 0:
         DQ_N: gl.constexpr = D
@@ -799,9 +832,9 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
         # the spec's mask before dP^T is issued: the registers dP^T holds in flight are the mask's meanwhile (sm_90,
         # Triton 3.9, spilled bytes a thread: NATTEN 2-D 48 -> 0, sliding tile 560 -> 168; not measured for time)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st_tok, ))
-        pT = _bwd_item_mask(gl.exp2(st * qk2 - lse_smem.index(s).load(s_layout)), cols_smem, qs_smem, ks, bits, m, n,
-                            s, off_b, h, S, WINDOW_LEFT, opts, WG, BLOCK_M, BLOCK_N, MASK, SEGMENTS, SUB_Q, SUB_K,
-                            SPEC_MASK)
+        pT = _bwd_item_mask(gl.exp2(_logits2(st, qk2, cap_out, SOFTCAP) - lse_smem.index(s).load(s_layout)),
+                            cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, WINDOW_LEFT, opts, WG, BLOCK_M, BLOCK_N,
+                            MASK, SEGMENTS, SUB_Q, SUB_K, SPEC_MASK)
         mbarrier.wait(do_ready.index(s), ph)
         dp_tok = warpgroup_mma(v_mine, do_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     else:
@@ -809,7 +842,7 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
         dp_tok = warpgroup_mma(v_mine, do_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
         lse2 = lse_smem.index(s).load(s_layout)  # [1, BM]: lse * log2(e), written by the producer before do_ready
-        pT = gl.exp2(st * qk2 - lse2)
+        pT = gl.exp2(_logits2(st, qk2, cap_out, SOFTCAP) - lse2)  # (with SOFTCAP: 8-88 B spilled a thread, sm_90)
         if (m < f0) | (m >= f1):
             pT = _bwd_item_mask(pT, cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, WINDOW_LEFT, opts, WG, BLOCK_M,
                                 BLOCK_N, MASK, SEGMENTS, SUB_Q, SUB_K, SPEC_MASK)
@@ -817,7 +850,11 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
     if RELEASE_V:
         mbarrier.arrive(v_empty.index(vb), count=1, pred=it == n_it - 1)
     dlt = dlt_smem.index(s).load(s_layout)  # [1, BM]
-    dsT = (pT * (dpT - dlt)).to(dtype)
+    ds = pT * (dpT - dlt)
+    if SOFTCAP:  # d (cap tanh(x / cap)) / dx = 1 - t^2; where P is 0 (masked, or too small) dS is 0 anyway
+        t = (gl.log2(pT) + lse_smem.index(s).load(s_layout)) * (1.0 / cap_out)
+        ds = gl.where(pT > 0.0, ds * (1.0 - t * t), 0.0)
+    dsT = ds.to(dtype)
     pT16 = gl.convert_layout(pT.to(dtype), a_layout)
     dv_tok = warpgroup_mma(pT16, do_view, dv, is_async=True)
     dsT_a = gl.convert_layout(dsT, a_layout)
@@ -849,6 +886,15 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
         fence_async_shared()
         tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, h * D + WG * DQ_N], dq_smem)
     return dk, dv
+
+
+@gluon.jit
+def _bwd_scales(sm_scale, cap, SOFTCAP: gl.constexpr):
+    """(qk2, cap_out) of `_logits2` in the backward: the scale times log2 e, or with SOFTCAP the scale / cap and
+    cap log2 e."""
+    if SOFTCAP:
+        return sm_scale / cap, cap * 1.4426950408889634
+    return sm_scale * 1.4426950408889634, sm_scale * 0.0
 
 
 @gluon.jit
@@ -886,10 +932,11 @@ def _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, S, HKV, 
 @gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
                   do_ready, qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, off_b, off_hk, n, S, m_lo, nm, f0, f1,
-                  sm_scale, H, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, WG: gl.constexpr, D: gl.constexpr,
+                  sm_scale, cap, H, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, WG: gl.constexpr, D: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
                   DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr, lrow, LIST: gl.constexpr, N_MQ: gl.constexpr,
-                  LIST_W: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, opts, SPEC_MASK: gl.constexpr):
+                  LIST_W: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, opts, SPEC_MASK: gl.constexpr,
+                  SOFTCAP: gl.constexpr):
     """Warpgroup WG's 64 keys: dK, dV over the program's query blocks (S^T, dP^T, P^T, dS^T; dV += P^T dO,
     dK += dS^T Q), its dS^T half into shared memory for the joint dQ = dS K (DQ_MODE: how the two warpgroups
     share it), dQ * scale reduce-added into the float32 accumulator; then dK * scale and dV stored. LIST: the
@@ -904,7 +951,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
     dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
     s_zero, dq_zero = _bwd_zeros(BLOCK_M, BLOCK_N, D, DQ_MODE)
-    qk2 = sm_scale * 1.4426950408889634
+    qk2, cap_out = _bwd_scales(sm_scale, cap, SOFTCAP)
     # SEGMENTS: this warpgroup's keys' segment ids, read once (else unused)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -941,8 +988,9 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
             k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, None, 0, it, 0, dq_desc, s_zero, dq_zero,
-                           qk2, sm_scale, it, s, ph, m, h, n, fa, fb, off_b, S, WINDOW_LEFT, qs_smem, ks, WG, D,
-                           BLOCK_M, BLOCK_N, MASK, DQ_MODE, False, SEGMENTS, w, SUB_Q, SUB_K, opts, SPEC_MASK)
+                           qk2, cap_out, sm_scale, it, s, ph, m, h, n, fa, fb, off_b, S, WINDOW_LEFT, qs_smem, ks, WG,
+                           D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, False, SEGMENTS, w, SUB_Q, SUB_K, opts, SPEC_MASK,
+                           SOFTCAP)
 
     # epilogue: dK (scaled) and dV of this WG's 64 keys, straight from registers
     _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, S, HKV, WG, D, BLOCK_N)
@@ -1007,11 +1055,13 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
                                MASK: gl.constexpr, DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr,
                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LIST: gl.constexpr,
                                LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr,
-                               SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SPEC_OPTIONS: gl.constexpr):
+                               SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SPEC_OPTIONS: gl.constexpr,
+                               SOFTCAP: gl.constexpr):
     """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
     float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. LSE, DELTA: [B, HQ, SEQ]
     (DELTA = rowsum(dO * O) - d lse). MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
-    F32 = [scale, ...]. SEGMENTS: segment ids QSEG, KSEG [B, SEQ] (int32, negative = padding) and each key block's
+    F32 = [scale, soft cap, ...] (SOFTCAP: the logits capped, `_logits2`). SEGMENTS: segment ids QSEG, KSEG [B, SEQ]
+    (int32, negative = padding) and each key block's
     range of query blocks under them, RANGES [B, cdiv(SEQ, BLOCK_N), 4] (lo, hi, full lo, full hi), joined with the
     mask's (a key block no query sees: dK = dV = 0), and the programs' order ORDER [cdiv(SEQ, BLOCK_N) * B * HKV]
     (`host.bwd_order`: the most work first); without it placeholders. LIST (1: one list for the kv head's query
@@ -1025,6 +1075,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     Grid (cdiv(SEQ, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
     gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
     sm_scale = gl.load(F32)
+    cap = gl.load(F32 + 1)  # SOFTCAP (else unused)
     WINDOW_LEFT = gl.load(I32)
     opts = 0  # SPEC_MASK: the options the spec's mask reads (a tuple)
     if SPEC_MASK is not None:
@@ -1080,14 +1131,14 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     gl.warp_specialize([
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
                          q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
-                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, 0, D,
-                         BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
-                         SUB_K, opts, SPEC_MASK)),
+                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, cap, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, 0,
+                         D, BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
+                         SUB_K, opts, SPEC_MASK, SOFTCAP)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
                          q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
-                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, 1, D,
-                         BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
-                         SUB_K, opts, SPEC_MASK)),
+                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, cap, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, 1,
+                         D, BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
+                         SUB_K, opts, SPEC_MASK, SOFTCAP)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
                          do_ready, qd_empty, misc_bar.index(0), LSE, DELTA, off_b, off_hk, n, SEQ, m_lo, nm, HQ, GROUP,
                          QSEG, qs_smem, D, BLOCK_M, BLOCK_N, NUM_STAGES, SEGMENTS, lrow, LIST, N_MQ, LIST_W,
@@ -1202,12 +1253,12 @@ def _pbwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 
 
 @gluon.jit
-def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                         lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty,
                         ds_bar, dq_desc, dk_ptr, dv_ptr, sm_scale, WINDOW_LEFT, WG: gl.constexpr, B: gl.constexpr,
                         HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
-                        V_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr):
+                        V_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, SOFTCAP: gl.constexpr):
     """Tile t, the program's tile tc whose first ring item is g, for warpgroup WG (see _pbwd_consumer). Returns the
     number of ring items of the tile."""
     GROUP: gl.constexpr = HQ // HKV
@@ -1254,8 +1305,8 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem,
         # V goes back to the producer after the tile's last dP^T (the next tile's V lands under the rest)
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero,
-                           dq_zero, qk2, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, WINDOW_LEFT, lse_smem, 0, WG,
-                           D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, False, 0, 0, 0, 0, None)
+                           dq_zero, qk2, cap_out, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, WINDOW_LEFT,
+                           lse_smem, 0, WG, D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, False, 0, 0, 0, 0, None, SOFTCAP)
     # every wgmma of the tile has retired (each item ends with a full wait): K is free for the producer
     mbarrier.arrive(k_empty.index(kb), count=1)
 
@@ -1267,10 +1318,10 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem,
 @gluon.jit
 def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready,
                    qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, tile_smem, tile_ready, tile_empty, dq_desc,
-                   dk_ptr, dv_ptr, pid, sm_scale, WINDOW_LEFT, WG: gl.constexpr, B: gl.constexpr, HQ: gl.constexpr,
+                   dk_ptr, dv_ptr, pid, sm_scale, cap, WINDOW_LEFT, WG: gl.constexpr, B: gl.constexpr, HQ: gl.constexpr,
                    HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-                   MASK: gl.constexpr, DQ_MODE: gl.constexpr, TILE_STAGES: gl.constexpr):
+                   MASK: gl.constexpr, DQ_MODE: gl.constexpr, TILE_STAGES: gl.constexpr, SOFTCAP: gl.constexpr):
     """Warpgroup WG's 64 keys of every tile of this program: dK, dV over the tile's query blocks (S^T, dP^T, P^T,
     dS^T; dV += P^T dO, dK += dS^T Q), its dS^T half into shared memory for the joint dQ = dS K (DQ_MODE 1: each
     warpgroup half of dQ's columns, 0: whole tiles alternating between the warpgroups), dQ * scale reduce-added
@@ -1279,16 +1330,17 @@ def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
     N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
     BH: gl.constexpr = B * HKV
     s_zero, dq_zero = _bwd_zeros(BLOCK_M, BLOCK_N, D, DQ_MODE)
-    qk2 = sm_scale * 1.4426950408889634
+    qk2, cap_out = _bwd_scales(sm_scale, cap, SOFTCAP)
 
     g = pid * 0  # ring items consumed so far (all tiles): Q / dO stage and phase, dS buffer, join parity
     tc = pid * 0  # tiles done so far: K buffer tc % K_STAGES, V buffer tc % V_STAGES
     t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
     while t < N_N * BH:
-        g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                                 lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready,
+        g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem, k_smem, v_smem, ds_smem,
+                                 dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty,
+                                 v_ready,
                                  v_empty, ds_bar, dq_desc, dk_ptr, dv_ptr, sm_scale, WINDOW_LEFT, WG, B, HQ, HKV, SEQ,
-                                 D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE)
+                                 D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, SOFTCAP)
         tc += 1
         t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
     tma.store_wait(0)
@@ -1299,10 +1351,12 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
                                 B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                                 D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, V_STAGES: gl.constexpr):
+                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, V_STAGES: gl.constexpr,
+                                SOFTCAP: gl.constexpr):
     """gluon_attention_bwd_kernel's arguments and results (dK, dV deterministic; dQ * scale reduce-added in float32
     into the zeroed DQ_ACC [B, SEQ, HQ, D]; LSE, DELTA [B, HQ, SEQ]; MASK 0 none, 1 causal, 2 causal with a window
-    of I32[0] keys to the left; F32 = [scale, ...]). Persistent: grid (P,), P <= the number of (key block, batch *
+    of I32[0] keys to the left; F32 = [scale, soft cap, ...]; SOFTCAP as there). Persistent: grid (P,), P <= the
+    number of (key block, batch *
     kv head) tiles (`host.pbwd_grid`); 4 warps asked, 12 run (two consumers, a producer). Tiles in kv-head order
     (one (batch, kv head)'s key blocks back to back): program pid's first tile is pid, each next one P +
     atomic_add(TILE_CTR, 1) (TILE_CTR: one int32, zero at launch, like DQ_ACC; left at the number of tiles fetched,
@@ -1312,6 +1366,7 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
     gl.static_assert(BLOCK_N == 128, "two consumer warpgroups of 64 keys")
     K_STAGES: gl.constexpr = 2  # K is needed first in a tile and released last
     sm_scale = gl.load(F32)
+    cap = gl.load(F32 + 1)  # SOFTCAP (else unused)
     WINDOW_LEFT = gl.load(I32)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -1350,12 +1405,14 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
     gl.warp_specialize([
         (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
                           q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem,
-                          tile_ready, tile_empty, dq_desc, DK, DV, pid, sm_scale, WINDOW_LEFT, 0, B, HQ, HKV, SEQ, D,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, TILE_STAGES)),
+                          tile_ready, tile_empty, dq_desc, DK, DV, pid, sm_scale, cap, WINDOW_LEFT, 0, B, HQ, HKV,
+                          SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, TILE_STAGES,
+                          SOFTCAP)),
         (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
                           q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem,
-                          tile_ready, tile_empty, dq_desc, DK, DV, pid, sm_scale, WINDOW_LEFT, 1, B, HQ, HKV, SEQ, D,
-                          BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, TILE_STAGES)),
+                          tile_ready, tile_empty, dq_desc, DK, DV, pid, sm_scale, cap, WINDOW_LEFT, 1, B, HQ, HKV,
+                          SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, TILE_STAGES,
+                          SOFTCAP)),
         (_pbwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
                           do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, tile_smem, tile_ready, tile_empty,
                           TILE_CTR, LSE, DELTA, pid, nprog, WINDOW_LEFT, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N,
