@@ -90,6 +90,9 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=450,
                    help="start no case after this many seconds (the rest are recorded as skipped)")
     p.add_argument("--stream-gib", type=float, default=2.0, help="size of the streaming-bandwidth array")
+    p.add_argument("--trace", action="store_true",
+                   help="after timing a case, its ejgen-triton and cudnn calls back to back under the profiler "
+                        "(trace_table.back_to_back: each kernel, the device's busy time against the span, idle gaps)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU: XLA and Triton's interpreter (sets TRITON_INTERPRET=1)")
     return p.parse_args(argv)
@@ -382,6 +385,16 @@ def run_case(case: Case, d: dict, args, on_gpu: bool, batch: int) -> list[dict]:
             sec = statistics.median(ts)
             rows[name]["us"] = sec * 1e6
             rows[name]["gbs"] = nbytes / sec / 1e9
+    if args.trace and on_gpu:  # where a call's time goes: its kernels (split-K, merge) and the gaps between them
+        from trace_table import back_to_back, profile
+
+        for name in ("ejgen-triton", "cudnn"):
+            if name in compiled:
+                exe, fargs = compiled[name]
+                where = Path(args.out) / "trace" / f"{case.name}-{name}"
+                profile(exe, fargs, where / "one", label=f"{case.name} / {name}: one call's kernels")  # prints it
+                print(back_to_back(exe, fargs, where / "batch", calls=batch, label=f"{case.name} / {name}",
+                                   gap_us=2.0), flush=True)
     del compiled
     return list(rows.values())
 

@@ -36,6 +36,9 @@
 #   decode-tune    the decode kernel's launch settings on the cases short of their targets (decode_tune.py;
 #                  DECODE_TUNE_CASES), decode-tune-b on others (DECODE_TUNE_CASES_B)
 #   decode-tests   the decode GPU tests, sharded 3 processes a GPU
+#   decode-trace   B4 S32k and B32 S8k decode (ejgen, cuDNN) under the profiler: kernels, busy time, gaps
+#   hopper-features  soft caps and sinks on the Hopper set against the generated kernels, same card, with the
+#                  exact and the fast tanh (hopper_features.py)                         (issue 15)
 #   launch         the host's cost of one Triton launch by PTX size (launch_cost.py)   (issues 14, 15)
 #   cross          cross-attention (Sq != Sk): the Hopper forward (gluon_cross) against the generated kernels and
 #                  cuDNN (cross.py)
@@ -140,6 +143,10 @@ decode_tune() {  # decode_tune NAME CASES
 }
 j_decode-tune() { decode_tune decode-tune "${DECODE_TUNE_CASES:-decode-B4-S32k,paged16-B8-S8k,decode-B8-S8k}"; }
 j_decode-tune-b() { decode_tune decode-tune-b "${DECODE_TUNE_CASES_B:-decode-B32-S8k,decode-B8-S8k}"; }
+j_decode-trace() { job decode-trace 150 python3 benchmarks/decode.py --cases B4-S32k,B32-S8k --platforms triton,cudnn \
+  --trace --rounds 2 --out "$log/dtrace"; }
+j_hopper-features() { job hopper-features 240 python3 benchmarks/hopper_features.py --fast-tanh both \
+  --out "$log/hfeat"; }
 j_decode-tests() { shards decode-tests 200 3 tests/decode; }
 j_cross() { job cross 150 python3 benchmarks/cross.py --out "$log/cross"; }
 j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }

@@ -81,19 +81,22 @@ def compile_attention(package: str, name: str, *, capability: int = 90, params: 
 def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: int = 128, causal: bool = True,
                   window: bool = False, segments: bool = False, batch: int = 2, heads: int = 8, kv_heads: int = 2,
                   seq: int = 1000, dynamic: bool = False, forward_only: bool = False, layout=None,
-                  spec: str | None = None, seq_k: int | None = None, softcap: bool = False) -> dict:
+                  spec: str | None = None, seq_k: int | None = None, softcap: bool = False,
+                  fast_tanh: bool = False) -> dict:
     """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs; ``dynamic``:
     the forward's dynamic tile queue; ``forward_only``: the forward alone; ``layout``: a block layout of (block_q,
     block_k, per head) (the kernels walk lists: LIST, `gluon.host.fwd_lists` / `bwd_lists`); ``spec``: a generated
     op's package (``"ejgen.zoo.natten_2d_attention"``) whose mask the kernels evaluate on partial tiles (SPEC_MASK,
     lists shared by the heads unless ``layout`` says otherwise); ``seq_k``: keys of another length than the queries
-    (the forward's SEQ_K, `gluon_cross`); ``softcap``: the logits capped (SOFTCAP)."""
+    (the forward's SEQ_K, `gluon_cross`); ``softcap``: the logits capped (SOFTCAP), with ``fast_tanh`` by the
+    hardware's approximate tanh (`gluon.host.FAST_TANH`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from ejgen.runtime.attention.gluon import host as gluon_attention
 
+    gluon_attention.FAST_TANH = fast_tanh  # (a fresh interpreter per compile: `compile_gluon_in_subprocess`)
     ptr = _DTYPES[dtype]
     args = (batch, heads, kv_heads, seq, head_dim, causal, window, segments)
     compiled = {}

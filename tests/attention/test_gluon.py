@@ -37,13 +37,15 @@ def _layout(spec: str):
                                                                     ("float16", 64, False, False, False, False),
                                                                     ("bfloat16", 128, True, False, True, False),
                                                                     ("bfloat16", 128, True, True, False, True),
-                                                                    ("float16", 64, False, False, False, True)])
+                                                                    ("float16", 64, False, False, False, True),
+                                                                    ("bfloat16", 128, True, False, True, "fast")])
 def test_the_kernel_compiles_for_sm90_within_the_launch_budget(dtype, d, causal, window, segments, softcap):
-    """Forward and backward (and the persistent backward of causal windows); SOFTCAP: a soft cap (Gemma 2 / 3)."""
+    """Forward and backward (and the persistent backward of causal windows); SOFTCAP: a soft cap (Gemma 2 / 3), "fast"
+    with the hardware's approximate tanh (`host.FAST_TANH`)."""
     if not gluon_attention.importable()[0]:
         pytest.fail(f"the test install's Triton has no Gluon warp specialisation: {gluon_attention.importable()[1]}")
     compiled = compile_gluon_in_subprocess(dtype=dtype, head_dim=d, causal=causal, window=window, segments=segments,
-                                           softcap=softcap, with_ptx=True)
+                                           softcap=bool(softcap), fast_tanh=softcap == "fast", with_ptx=True)
     persistent_bwd = ("gluon_bwd_persistent_kernel", ) if causal and window else ()
     assert set(compiled) == {"gluon_fwd_kernel", "gluon_bwd_kernel", *persistent_bwd}
     for name in compiled:
@@ -280,6 +282,24 @@ GPU_CASES = [  # (id, shape, features, dtype): calls the Gluon forward takes
      dict(causal=True, sliding_window=(700, 0), logits_soft_cap=3.0, sinks="h"), "bfloat16"),
     ("plain-softcap-f16", AttnShape(1, 384, 384, 2, 2, 128), dict(logits_soft_cap=1.5), "float16"),
 ]
+
+
+SOFTCAP_CASES = [c for c in GPU_CASES if "logits_soft_cap" in c[2]]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,features,dtype", [c[1:] for c in SOFTCAP_CASES], ids=[c[0] for c in SOFTCAP_CASES])
+def test_gluon_soft_cap_with_the_fast_tanh_matches_the_oracle(monkeypatch, triton_launches, triton_against_oracle,
+                                                                shape, features, dtype):
+    """`host.FAST_TANH` (off until this passes and is timed): the soft-cap cases with the hardware's tanh.approx in
+    the forward and the backward, against the oracle."""
+    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
+    monkeypatch.setattr(gluon_attention, "FAST_TANH", True)
+    if not gluon_attention.hopper():
+        pytest.skip("not a Hopper GPU")
+    triton_against_oracle(shape, features, dtype, "gluon-fast-tanh")
+    assert triton_launches and all(kw.get("SOFTCAP") == 2 for _, kw in triton_launches), triton_launches
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")

@@ -196,7 +196,7 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                spec: tuple | None = None, tiles: dict | None = None, seq_k: int | None = None,
                softcap: bool = False) -> dict:
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq_k (default seq), hkv, d] (16-bit).
-    ``softcap``: the logits capped (SOFTCAP; the cap is F32[1]).
+    ``softcap``: the logits capped (SOFTCAP, `softcap_constexpr`; the cap is F32[1]).
     ``dynamic``: the programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block
     lists' constexprs (`fwd_lists`), else ranges; ``spec``: the spec's mask (`spec_constexprs`: lists only); ``tiles``:
     the key tiles (`fwd_key_tiles`; default TILES)."""
@@ -205,7 +205,20 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                 ORDERED=ordered,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                 HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **(tiles or TILES),
-                **(lists or NO_LISTS), **spec_constexprs(spec), SOFTCAP=softcap)
+                **(lists or NO_LISTS), **spec_constexprs(spec), SOFTCAP=softcap_constexpr(softcap))
+
+
+# The soft cap's tanh in the kernels: False, tanh from exp2 and an approximate divide (two MUFU operations an element,
+# within 1e-7); True, the hardware's tanh.approx.f32 (one, relative error about 2^-11). With the exact form a soft-cap
+# forward took 1.9x the plain causal one (H100, session 19: three MUFU operations an element against one, the softmax
+# no longer under the matrix products). Off until the GPU tests pass with it and `benchmarks/hopper_features.py
+# --fast-tanh both` times it.
+FAST_TANH = False
+
+
+def softcap_constexpr(softcap: bool) -> int:
+    """SOFTCAP of the kernels: 0 no soft cap, 1 the exact tanh, 2 the approximate one (`FAST_TANH`)."""
+    return (2 if FAST_TANH else 1) if softcap else 0
 
 
 def listed(cfg, spec: bool, pass_: str = "fwd") -> bool:
@@ -263,7 +276,7 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, MASK=2 if window else int(causal), DQ_MODE=1 if d == 128 else 0,
                 SEGMENTS=segments,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES, **(lists or NO_LISTS),
-                **spec_constexprs(spec), SOFTCAP=softcap)
+                **spec_constexprs(spec), SOFTCAP=softcap_constexpr(softcap))
 
 
 # The persistent backward (gluon_kernels.gluon_attention_bwd_persistent_kernel) for causal sliding windows: one

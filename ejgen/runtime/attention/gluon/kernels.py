@@ -270,18 +270,23 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 
 @gluon.jit
-def _tanh(x):
+def _tanh(x, FAST: gl.constexpr):
     """tanh x = 1 - 2 / (e^{2x} + 1), the divide approximate (2 ulp): -1 and 1 at the ends (no inf / inf); within 1e-7
-    of tanh everywhere, as the generated kernels' (lib._tanh)."""
+    of tanh everywhere, as the generated kernels' (lib._tanh). Two MUFU operations an element (exp2, reciprocal).
+    FAST: the hardware's tanh.approx.f32, one MUFU operation, relative error about 2^-11 (`host.FAST_TANH`)."""
+    if FAST:
+        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
     return 1.0 - gl.fdiv(gl.full_like(x, 2.0), gl.exp2(x * 2.8853900817779268) + 1.0)
 
 
 @gluon.jit
 def _logits2(s, scale, cap_out, SOFTCAP: gl.constexpr):
-    """Scaled logits in log2 units from S: s * scale (scale: the softmax scale times log2 e), or with SOFTCAP the
-    capped ones, cap tanh(scale s / cap) log2 e (scale: the softmax scale / cap, cap_out: cap log2 e)."""
+    """Scaled logits in log2 units from S: s * scale (scale: the softmax scale times log2 e), or with SOFTCAP (1: the
+    exact tanh, 2: the hardware's approximate one, `_tanh`) the capped ones, cap tanh(scale s / cap) log2 e (scale:
+    the softmax scale / cap, cap_out: cap log2 e)."""
     if SOFTCAP:
-        return _tanh(s * scale) * cap_out
+        return _tanh(s * scale, SOFTCAP == 2) * cap_out
     return s * scale
 
 
