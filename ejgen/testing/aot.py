@@ -129,7 +129,8 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                 dict(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", TILE_CTR="*i32",
                      SCRATCH="*u8", **segs)),
                ("gluon_bwd_kernel", gluon_attention.bwd_kernel(),
-                gluon_attention.bwd_constexprs(*args, lists=bwd_lists, spec=mask, softcap=softcap), bwd_pointers)]
+                gluon_attention.bwd_constexprs(*args, lists=bwd_lists, spec=mask, softcap=softcap, seq_k=seq_k),
+                bwd_pointers)]
     if forward_only:
         kernels = kernels[:1]
     elif causal and window and not bwd_lists:  # the persistent backward runs causal windows

@@ -225,11 +225,11 @@ SUITE = conformance.Suite(
 def _takes_hopper_kernels(case: Case, deterministic: bool = False) -> tuple:
     """(forward, backward): whether a triton call of ``case`` must take the hand-written Hopper kernels here,
     stated from docs/DESIGN.md §6 (not from the runtime's own test): an sm_90 GPU with the gluon setting on,
-    16-bit inputs, head dims 64 or 128 (D = Dv), Sq = Sk (the forward also Sq != Sk with the gluon_cross setting where
-    there is no causal, window or segment ids), not varlen, no feature but causal, a window, segment ids, a soft cap
-    and sinks (joined outside the kernels); the
-    backward also Sq = Sk, not a window without causal, nor a window with segment ids unless the gluon_spec_masks
-    setting is on, and not deterministic."""
+    16-bit inputs, head dims 64 or 128 (D = Dv), Sq = Sk (or Sq != Sk with the gluon_cross setting where there is no
+    causal, window or segment ids; the backward that only with gluon.host.CROSS_BACKWARD), not varlen, no feature
+    but causal, a window, segment ids, a soft cap and sinks (joined outside the kernels); the backward also not a
+    window without causal, nor a window with segment ids unless the gluon_spec_masks setting is on, and not
+    deterministic."""
     from ejgen.runtime.core import kernels, settings
 
     f, shape, now = case.features, case.shape, settings.current()
@@ -239,7 +239,10 @@ def _takes_hopper_kernels(case: Case, deterministic: bool = False) -> tuple:
     fwd = (here and case.dtype in ("bfloat16", "float16") and isinstance(shape, AttnShape)
            and shape.head_dim == shape.dv and shape.head_dim in (64, 128) and (square or cross)
            and f.atoms <= {"segments", "sinks", "soft_cap"})
-    bwd = (fwd and square and not deterministic and not (f.window is not None and not f.causal)
+    from ejgen.runtime.attention.gluon import host as gluon_host
+
+    bwd = (fwd and (square or gluon_host.CROSS_BACKWARD) and not deterministic
+           and not (f.window is not None and not f.causal)
            and not (f.window is not None and f.segments and not now.gluon_spec_masks))
     return fwd, bwd
 

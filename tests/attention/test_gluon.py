@@ -122,34 +122,45 @@ def test_calls_the_kernel_does_not_cover_say_why(spec, cfg, arrays, pinned, reas
     assert why is not None and why.startswith(reason), why
 
 
-def test_keys_of_another_length_take_the_hopper_forward_with_the_gluon_cross_setting():
-    """Sq != Sk: the Hopper forward (SEQ_K its own constexpr) where nothing ties queries to keys' positions (no
-    causal, window, segment ids); the backward never; on by default, off with gluon_cross=False."""
+def test_keys_of_another_length_take_the_hopper_kernels_with_the_gluon_cross_setting(monkeypatch):
+    """Sq != Sk: the Hopper forward and backward (SEQ_K their own constexpr) where nothing ties queries to keys'
+    positions (no causal, window, segment ids); on by default (the backward with CROSS_BACKWARD), off with
+    gluon_cross=False."""
     from ejgen.ops import settings
 
     layout, cross, arrays = _layout("flash_attention"), _cfg(seq_k=640), _qkv(sk=640)
     why = gluon_attention.ineligible(layout, cross, *arrays, False)
     assert why is None or not gluon_attention.importable()[0], why
-    assert gluon_attention.ineligible(layout, cross, *arrays, False, "bwd").startswith("Sq 512 != Sk 640")
-    causal = gluon_attention.ineligible(layout, _cfg(causal=True, seq_k=640), *arrays, False)
-    assert causal.startswith("Sq 512 != Sk 640 (the Hopper forward takes it with the gluon_cross setting on, "
+    assert gluon_attention.ineligible(layout, cross, *arrays, False, "bwd").startswith(
+        "Sq 512 != Sk 640 in the backward (gluon.host.CROSS_BACKWARD")
+    with monkeypatch.context() as m:
+        m.setattr(gluon_attention, "CROSS_BACKWARD", True)
+        why = gluon_attention.ineligible(layout, cross, *arrays, False, "bwd")
+        assert why is None or not gluon_attention.importable()[0], why
+    causal = gluon_attention.ineligible(layout, _cfg(causal=True, seq_k=640), *arrays, False, "bwd")
+    assert causal.startswith("Sq 512 != Sk 640 (the Hopper kernels take it with the gluon_cross setting on, "
                              "without causal"), causal
     with settings(gluon_cross=False):
-        assert gluon_attention.ineligible(layout, cross, *arrays, False).startswith("Sq 512 != Sk 640")
-    consts = gluon_attention.constexprs(2, 8, 2, 512, 128, False, False, seq_k=640)
-    assert (consts["SEQ"], consts["SEQ_K"]) == (512, 640)
-    assert gluon_attention.constexprs(2, 8, 2, 512, 128, False, False)["SEQ_K"] == 512
+        for pass_ in ("fwd", "bwd"):
+            assert gluon_attention.ineligible(layout, cross, *arrays, False, pass_).startswith("Sq 512 != Sk 640")
+    for constexprs in (gluon_attention.constexprs, gluon_attention.bwd_constexprs):
+        consts = constexprs(2, 8, 2, 512, 128, False, False, seq_k=640)
+        assert (consts["SEQ"], consts["SEQ_K"]) == (512, 640)
+        assert constexprs(2, 8, 2, 512, 128, False, False)["SEQ_K"] == 512
 
 
-def test_the_cross_forward_compiles_for_sm90():
-    """The forward with SEQ_K != SEQ (1000 queries, 2100 keys, no causal): compiled for sm_90 without spills, its
-    loads and products as the square kernel's."""
+@pytest.mark.parametrize("seq,seq_k", [(1000, 2100), (2100, 700)], ids=["more-keys", "more-queries"])
+def test_the_cross_kernels_compile_for_sm90(seq, seq_k):
+    """The forward and the backward with SEQ_K != SEQ (no causal): compiled for sm_90 without spills (the cubin's
+    stack), their loads and products as the square kernels', the backward's dQ by bulk reduce-adds."""
     if not gluon_attention.importable()[0]:
         pytest.fail(gluon_attention.importable()[1])
-    compiled = compile_gluon_in_subprocess(causal=False, seq=1000, seq_k=2100, forward_only=True, with_ptx=True)
-    meta = compiled["gluon_fwd_kernel"]
-    assert meta["cubin"] and meta["wgmma"] and "cp.async.bulk.tensor" in meta["ptx"]
-    assert "ld.local" not in meta["ptx"], "registers spilled"
+    compiled = compile_gluon_in_subprocess(causal=False, seq=seq, seq_k=seq_k, with_ptx=True, with_resources=True)
+    assert set(compiled) == {"gluon_fwd_kernel", "gluon_bwd_kernel"}
+    for name, meta in compiled.items():
+        assert meta["cubin"] and meta["wgmma"] and "cp.async.bulk.tensor" in meta["ptx"], name
+        assert meta["stack"] == 0, f"{name}: {meta['stack']} bytes spilled a thread"
+    assert "cp.reduce.async.bulk.tensor" in compiled["gluon_bwd_kernel"]["ptx"]
 
 
 def test_the_backward_covers_short_causal_windows_but_not_two_sided_ones():
@@ -329,19 +340,22 @@ CROSS_GPU_CASES = [  # (id, shape, dtype): Sq != Sk, no causal: the Hopper forwa
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,dtype", [c[1:] for c in CROSS_GPU_CASES], ids=[c[0] for c in CROSS_GPU_CASES])
-def test_gluon_cross_forward_matches_the_oracle(monkeypatch, triton_launches, triton_against_oracle, shape, dtype):
-    """gluon_cross (on by default since this passed on the GPU host, session 19): the forward on the Hopper kernel
-    with its own key count, the backward on the generated kernels, against the oracle (output, lse, every
-    gradient)."""
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd-bwd"])
+def test_gluon_cross_matches_the_oracle(monkeypatch, triton_launches, triton_against_oracle, shape, dtype, backward):
+    """gluon_cross (on by default since the forward passed on the GPU host, session 19): the forward on the Hopper
+    kernel with its own key count, and the backward too with `host.CROSS_BACKWARD` (off until this passes), against
+    the oracle (output, lse, every gradient)."""
     from ejgen.ops import settings
 
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
     if not gluon_attention.hopper():
         pytest.skip("not a Hopper GPU")
+    monkeypatch.setattr(gluon_attention, "CROSS_BACKWARD", backward)
     with settings(gluon_cross=True):
         triton_against_oracle(shape, {}, dtype, "gluon-cross")
-    gluon = [kw for _, kw in triton_launches if "HEAD_GROUP" in kw]  # the Hopper forward's launches
-    assert gluon and all(kw["SEQ_K"] == shape.kv_len != kw["SEQ"] for kw in gluon), triton_launches
+    gluon = [(p, kw) for p, kw in triton_launches if "SEQ_K" in kw]  # the Hopper kernels' launches
+    assert {p for p, _ in gluon} == ({"fwd", "bwd"} if backward else {"fwd"}), triton_launches
+    assert all(kw["SEQ_K"] == shape.kv_len != kw["SEQ"] for _, kw in gluon), triton_launches
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")

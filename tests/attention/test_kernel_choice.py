@@ -70,15 +70,21 @@ def test_soft_cap_and_sinks_take_the_hopper_set():
         assert (choice.forward, choice.backward) == ("gluon", "gluon"), (kw, choice.text())
 
 
-def test_cross_attention_takes_the_hopper_forward_and_the_generated_backward():
-    """Sq != Sk without causal: the Hopper forward (gluon_cross, on by default), the generated backward; the
-    setting off keeps both generated."""
+def test_cross_attention_takes_the_hopper_set(monkeypatch):
+    """Sq != Sk without causal: the Hopper forward (gluon_cross, on by default) and, with gluon.host.CROSS_BACKWARD,
+    the backward; the setting off keeps both generated, and says why."""
+    from ejgen.runtime.attention.gluon import host as gluon_host
+
     kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
     choice = explain(flash_attention, BF16, kv, kv, target="sm90")
-    assert (choice.forward, choice.backward) == ("gluon", "triton")
-    assert "Sq 1024 != Sk 512" in choice.reasons[2]
+    assert (choice.forward, choice.backward) == ("gluon", "triton"), choice.text()
+    assert "CROSS_BACKWARD" in choice.reasons[2]
+    monkeypatch.setattr(gluon_host, "CROSS_BACKWARD", True)
+    choice = explain(flash_attention, BF16, kv, kv, target="sm90")
+    assert (choice.forward, choice.backward) == ("gluon", "gluon"), choice.text()
     with settings(gluon_cross=False):
-        assert explain(flash_attention, BF16, kv, kv, target="sm90").forward == "triton"
+        off = explain(flash_attention, BF16, kv, kv, target="sm90")
+        assert (off.forward, off.backward) == ("triton", "triton") and "Sq 1024 != Sk 512" in off.reasons[2]
 
 
 def test_deterministic_keeps_the_hopper_backward_out():

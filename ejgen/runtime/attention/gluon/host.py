@@ -8,7 +8,7 @@ persistent backward.
 The forward:
 
 Where it runs: sm_90 GPUs, 16-bit q/k/v with head dim 64 or 128 (= value head dim), Sq == Sk (the forward also Sq !=
-Sk where nothing ties queries to key positions: setting gluon_cross), no varlen,
+Sk where nothing ties queries to key positions: setting gluon_cross; the backward too with CROSS_BACKWARD), no varlen,
 and a spec whose score is the scaled dot product (no bias, dense mask, positions or params; a soft cap is taken,
 SOFTCAP: the logits capped before the mask and the softmax, the backward's dS times 1 - tanh^2; sinks join the
 kernels' lse and output outside them, `api.join_sinks`, and their gradient comes from that lse; segment
@@ -107,6 +107,13 @@ def hopper() -> bool:
     return kernels.target().arch == "sm90"
 
 
+# The backward takes Sq != Sk too (SEQ_K, as the forward under gluon_cross): compiled for sm_90 without spills on
+# Triton 3.9 and 3.6, its PTX for Sq = Sk unchanged (session 19), not yet run on a GPU: off until
+# `test_gluon_cross_matches_the_oracle` passes there. It lets the ring's coalesced steps run their backward as one
+# call as well (ring.COALESCE).
+CROSS_BACKWARD = False
+
+
 def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | None:
     """Why the Gluon forward (pass_ "fwd") or backward ("bwd") cannot run this call (None: it can). q is
     [B, Sq, Hkv, G, D]."""
@@ -136,10 +143,13 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
         (q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype,
          f"dtype {q.dtype} (16-bit only)"),
         (d != dv or d not in HEAD_DIMS, f"head dims {d}/{dv} (equal, one of {HEAD_DIMS})"),
-        (q.shape[1] != k.shape[1] and not (pass_ == "fwd" and settings.current().gluon_cross and not (
+        (q.shape[1] != k.shape[1] and not (settings.current().gluon_cross and not (
             cfg.causal or cfg.window or cfg.segments or cfg.layout or spec)),
-         f"Sq {q.shape[1]} != Sk {k.shape[1]} (the Hopper forward takes it with the gluon_cross setting on, without "
-         f"causal, a window, segment ids, a block layout or a spec mask; the backward never)"),
+         f"Sq {q.shape[1]} != Sk {k.shape[1]} (the Hopper kernels take it with the gluon_cross setting on, without "
+         f"causal, a window, segment ids, a block layout or a spec mask)"),
+        (pass_ == "bwd" and q.shape[1] != k.shape[1] and not CROSS_BACKWARD,
+         f"Sq {q.shape[1]} != Sk {k.shape[1]} in the backward (gluon.host.CROSS_BACKWARD: off until the GPU suite has "
+         f"run it)"),
         (pass_ == "bwd" and cfg.window and not cfg.causal, "a sliding window without causal (the backward's masks: "
                                                           "causal, with a window to the left)"),
     ]
@@ -270,11 +280,12 @@ def bwd_kernel():
 
 def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
                    segments: bool = False, lists: dict | None = None, spec: tuple | None = None,
-                   softcap: bool = False) -> dict:
+                   softcap: bool = False, seq_k: int | None = None) -> dict:
     """The backward's constexprs (window: causal with a window to the left, `ineligible`; ``lists``: the block
-    lists' constexprs, `bwd_lists`; ``spec``: the spec's mask, `spec_constexprs`; ``softcap``: SOFTCAP)."""
-    return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, D=d, MASK=2 if window else int(causal), DQ_MODE=1 if d == 128 else 0,
-                SEGMENTS=segments,
+    lists' constexprs, `bwd_lists`; ``spec``: the spec's mask, `spec_constexprs`; ``softcap``: SOFTCAP; ``seq_k``: the
+    keys' count, default seq: another only without causal, a window, segment ids or lists, gluon_cross)."""
+    return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, SEQ_K=seq_k or seq, D=d, MASK=2 if window else int(causal),
+                DQ_MODE=1 if d == 128 else 0, SEGMENTS=segments,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES, **(lists or NO_LISTS),
                 **spec_constexprs(spec), SOFTCAP=softcap_constexpr(softcap))
 
@@ -321,8 +332,8 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bo
     """The persistent backward's constexprs for a causal sliding window (MASK 2); its launch also passes a zeroed
     int32 tile counter (TILE_CTR: the kernel takes its tiles from it)."""
     base = bwd_constexprs(batch, hq, hkv, seq, d, True, True, softcap=softcap)
-    for name in ("SEGMENTS", *NO_LISTS, *spec_constexprs(None)):  # segment ids, layouts and spec masks with a window
-        del base[name]  # take the per-program backward over lists (`listed`)
+    for name in ("SEGMENTS", "SEQ_K", *NO_LISTS, *spec_constexprs(None)):  # segment ids, layouts and spec masks with
+        del base[name]  # a window take the per-program backward over lists (`listed`); keys as many as queries
     return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"]))
 
 

@@ -650,9 +650,10 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
 # be sliced).
 
 @gluon.jit
-def _qblock_range(n, S, WINDOW_LEFT, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr):
+def _qblock_range(n, S, SK, WINDOW_LEFT, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr):
     """Query blocks [m_lo, m_hi) that see some key of key block n, and [f0, f1) inside it: the blocks that need no
-    element mask (every (query, key) pair visible, all rows and keys < S)."""
+    element mask (every (query, key) pair visible, all rows < S and keys < SK; SK = S but for the cross backward,
+    whose MASK is 0)."""
     num_m = (S + BLOCK_M - 1) // BLOCK_M
     k_lo = n * BLOCK_N
     m_lo = n * 0
@@ -665,8 +666,8 @@ def _qblock_range(n, S, WINDOW_LEFT, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexp
     if MASK == 2:  # window: i - j <= WINDOW_LEFT
         m_hi = gl.minimum(m_hi, (k_lo + BLOCK_N - 1 + WINDOW_LEFT) // BLOCK_M + 1)
         full_hi = gl.minimum(full_hi, (k_lo + WINDOW_LEFT + 1) // BLOCK_M)
-    # a key block reaching past S: every query block masked
-    full_hi = full_hi * gl.minimum((S - k_lo) // BLOCK_N, 1)
+    # a key block reaching past SK: every query block masked
+    full_hi = full_hi * gl.minimum((SK - k_lo) // BLOCK_N, 1)
     f0 = gl.minimum(gl.maximum(m_lo, full_lo), m_hi)
     f1 = gl.maximum(f0, gl.minimum(full_hi, m_hi))
     return m_lo, m_hi, f0, f1
@@ -726,12 +727,12 @@ def _bwd_list_item(lrow, it, cnt, N_MQ: gl.constexpr, LIST_W: gl.constexpr, LIST
 
 
 @gluon.jit
-def _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK: gl.constexpr):
-    """P^T with invisible (key, query) pairs and rows or keys past S set to 0."""
+def _bwd_mask(pT, keys, rows, S, SK, WINDOW_LEFT, MASK: gl.constexpr):
+    """P^T with invisible (key, query) pairs and rows past S or keys past SK set to 0."""
     k2 = gl.expand_dims(keys, 1)  # [HALF, 1]
     r2 = gl.expand_dims(rows, 0)  # [1, BLOCK_M]
     dist = r2 - k2  # query - key  [HALF, BLOCK_M]
-    keep = (k2 < S) & (r2 < S)
+    keep = (k2 < SK) & (r2 < S)
     if MASK >= 1:
         keep = keep & (dist >= 0)
     if MASK == 2:
@@ -767,7 +768,7 @@ def _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready
 
 
 @gluon.jit
-def _bwd_item_mask(pT, cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, WINDOW_LEFT, opts, WG: gl.constexpr,
+def _bwd_item_mask(pT, cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, SK, WINDOW_LEFT, opts, WG: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, SEGMENTS: gl.constexpr,
                    SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr):
     """P^T [HALF keys, BLOCK_M queries] of a masked item (query block m, key block n, stage s) under the element mask:
@@ -780,7 +781,7 @@ def _bwd_item_mask(pT, cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, WINDO
     # arange they were hoisted out of the item loop into 16 registers
     keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     rows = m * BLOCK_M + cols_smem.load(gl.SliceLayout(0, s_layout))
-    pT = _bwd_mask(pT, keys, rows, S, WINDOW_LEFT, MASK)
+    pT = _bwd_mask(pT, keys, rows, S, SK, WINDOW_LEFT, MASK)
     if SEGMENTS:
         qs = qs_smem.index(s).load(s_layout)  # [1, BM]
         pT = gl.where((gl.expand_dims(ks, 1) == qs) & (qs >= 0), pT, 0.0)
@@ -789,14 +790,14 @@ def _bwd_item_mask(pT, cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, WINDO
                                   BLOCK_N), pT, 0.0)
     if SPEC_MASK is not None:
         pT = gl.where(SPEC_MASK(gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), off_b, h, off_b * 0 + S,
-                                off_b * 0 + S, opts), pT, 0.0)
+                                off_b * 0 + SK, opts), pT, 0.0)
     return pT
 
 
 @gluon.jit
 def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
               do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero, dq_zero, qk2, cap_out, sm_scale, gi,
-              s, ph, m, h, n, f0, f1, off_b, S, WINDOW_LEFT, qs_smem, ks, WG: gl.constexpr, D: gl.constexpr,
+              s, ph, m, h, n, f0, f1, off_b, S, SK, WINDOW_LEFT, qs_smem, ks, WG: gl.constexpr, D: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr,
               RELEASE_V: gl.constexpr,
               SEGMENTS: gl.constexpr, bits, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, opts, SPEC_MASK: gl.constexpr,
@@ -838,7 +839,8 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
         # Triton 3.9, spilled bytes a thread: NATTEN 2-D 48 -> 0, sliding tile 560 -> 168; not measured for time)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st_tok, ))
         pT = _bwd_item_mask(gl.exp2(_logits2(st, qk2, cap_out, SOFTCAP) - lse_smem.index(s).load(s_layout)),
-                            cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, WINDOW_LEFT, opts, WG, BLOCK_M, BLOCK_N,
+                            cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, SK, WINDOW_LEFT, opts, WG, BLOCK_M,
+                            BLOCK_N,
                             MASK, SEGMENTS, SUB_Q, SUB_K, SPEC_MASK)
         mbarrier.wait(do_ready.index(s), ph)
         dp_tok = warpgroup_mma(v_mine, do_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -849,8 +851,8 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
         lse2 = lse_smem.index(s).load(s_layout)  # [1, BM]: lse * log2(e), written by the producer before do_ready
         pT = gl.exp2(_logits2(st, qk2, cap_out, SOFTCAP) - lse2)  # (with SOFTCAP: 8-88 B spilled a thread, sm_90)
         if (m < f0) | (m >= f1):
-            pT = _bwd_item_mask(pT, cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, WINDOW_LEFT, opts, WG, BLOCK_M,
-                                BLOCK_N, MASK, SEGMENTS, SUB_Q, SUB_K, SPEC_MASK)
+            pT = _bwd_item_mask(pT, cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, SK, WINDOW_LEFT, opts, WG,
+                                BLOCK_M, BLOCK_N, MASK, SEGMENTS, SUB_Q, SUB_K, SPEC_MASK)
     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     if RELEASE_V:
         mbarrier.arrive(v_empty.index(vb), count=1, pred=it == n_it - 1)
@@ -919,25 +921,26 @@ def _bwd_zeros(BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, DQ
 
 
 @gluon.jit
-def _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, S, HKV, WG: gl.constexpr, D: gl.constexpr,
+def _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, SK, HKV, WG: gl.constexpr, D: gl.constexpr,
                     BLOCK_N: gl.constexpr):
-    """Warpgroup WG's dK (scaled) and dV rows of key block n, straight from registers (rows past S masked)."""
+    """Warpgroup WG's dK (scaled) and dV rows of key block n of SK keys, straight from registers (rows past SK
+    masked)."""
     HALF: gl.constexpr = BLOCK_N // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
     dtype: gl.constexpr = dk_ptr.dtype.element_ty
     r_o = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
     c_o = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-    offs = ((off_b * S + gl.expand_dims(r_o, 1)).to(gl.int64) * HKV + off_hk) * D + gl.expand_dims(c_o, 0)
-    omask = (gl.expand_dims(r_o, 1) < S) & (gl.expand_dims(c_o, 0) < D)
+    offs = ((off_b * SK + gl.expand_dims(r_o, 1)).to(gl.int64) * HKV + off_hk) * D + gl.expand_dims(c_o, 0)
+    omask = (gl.expand_dims(r_o, 1) < SK) & (gl.expand_dims(c_o, 0) < D)
     gl.store(dk_ptr + offs, (dk * sm_scale).to(dtype), mask=omask)
     gl.store(dv_ptr + offs, dv.to(dtype), mask=omask)
 
 
 @gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
-                  do_ready, qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, off_b, off_hk, n, S, m_lo, nm, f0, f1,
-                  sm_scale, cap, H, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, WG: gl.constexpr, D: gl.constexpr,
+                  do_ready, qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, off_b, off_hk, n, S, SK, m_lo, nm, f0,
+                  f1, sm_scale, cap, H, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, WG: gl.constexpr, D: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
                   DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr, lrow, LIST: gl.constexpr, N_MQ: gl.constexpr,
                   LIST_W: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, opts, SPEC_MASK: gl.constexpr,
@@ -963,7 +966,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
     keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     ks = keys
     if SEGMENTS:
-        ks = gl.load(KSEG + off_b.to(gl.int64) * S + keys, mask=keys < S, other=-2)
+        ks = gl.load(KSEG + off_b.to(gl.int64) * SK + keys, mask=keys < SK, other=-2)
     mbarrier.wait(kv_bar, 0)
 
     n_items = GROUP * nm
@@ -993,23 +996,23 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
             k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, None, 0, it, 0, dq_desc, s_zero, dq_zero,
-                           qk2, cap_out, sm_scale, it, s, ph, m, h, n, fa, fb, off_b, S, WINDOW_LEFT, qs_smem, ks, WG,
-                           D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, False, SEGMENTS, w, SUB_Q, SUB_K, opts, SPEC_MASK,
+                           qk2, cap_out, sm_scale, it, s, ph, m, h, n, fa, fb, off_b, S, SK, WINDOW_LEFT, qs_smem, ks,
+                           WG, D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, False, SEGMENTS, w, SUB_Q, SUB_K, opts, SPEC_MASK,
                            SOFTCAP)
 
     # epilogue: dK (scaled) and dV of this WG's 64 keys, straight from registers
-    _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, S, HKV, WG, D, BLOCK_N)
+    _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, SK, HKV, WG, D, BLOCK_N)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _bwd_buffers(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 DQ_MODE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
-    """Both backwards' tensor descriptors (Q, dO, K, V over [B, SEQ, heads * D]; the float32 dQ accumulator in
-    tiles of DQ_N columns: D, or D / 2 with DQ_MODE 1) and shared buffers (K_STAGES K, V_STAGES V, NUM_STAGES Q
-    and dO with their lse and delta rows, two dS^T and two dQ staging tiles, the column offsets 0 .. BLOCK_M - 1,
-    the Q / dO ring's barriers), in the order both kernels allocate them."""
+                 DQ_MODE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, SEQ_K: gl.constexpr):
+    """Both backwards' tensor descriptors (Q, dO over [B, SEQ, heads * D], K, V over [B, SEQ_K, heads * D]; the
+    float32 dQ accumulator in tiles of DQ_N columns: D, or D / 2 with DQ_MODE 1) and shared buffers (K_STAGES K,
+    V_STAGES V, NUM_STAGES Q and dO with their lse and delta rows, two dS^T and two dQ staging tiles, the column
+    offsets 0 .. BLOCK_M - 1, the Q / dO ring's barriers), in the order both kernels allocate them."""
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, D], dtype)
@@ -1024,9 +1027,9 @@ def _bwd_buffers(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl
                                         block_shape=[1, BLOCK_M, D], layout=q_layout)
     do_desc = tma.make_tensor_descriptor(DO, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
                                          block_shape=[1, BLOCK_M, D], layout=q_layout)
-    k_desc = tma.make_tensor_descriptor(K, shape=[B, SEQ, HKV * D], strides=[SEQ * (HKV * D), HKV * D, 1],
+    k_desc = tma.make_tensor_descriptor(K, shape=[B, SEQ_K, HKV * D], strides=[SEQ_K * (HKV * D), HKV * D, 1],
                                         block_shape=[1, BLOCK_N, D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V, shape=[B, SEQ, HKV * D], strides=[SEQ * (HKV * D), HKV * D, 1],
+    v_desc = tma.make_tensor_descriptor(V, shape=[B, SEQ_K, HKV * D], strides=[SEQ_K * (HKV * D), HKV * D, 1],
                                         block_shape=[1, BLOCK_N, D], layout=kv_layout)
     dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
                                          block_shape=[1, BLOCK_M, DQ_N], layout=dq_layout)
@@ -1061,10 +1064,12 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LIST: gl.constexpr,
                                LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr,
                                SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SPEC_OPTIONS: gl.constexpr,
-                               SOFTCAP: gl.constexpr):
+                               SOFTCAP: gl.constexpr, SEQ_K: gl.constexpr):
     """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
     float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. LSE, DELTA: [B, HQ, SEQ]
-    (DELTA = rowsum(dO * O) - d lse). MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
+    (DELTA = rowsum(dO * O) - d lse). K, V, DK, DV: [B, SEQ_K, HKV, D]; SEQ_K = SEQ but where the host takes Sq != Sk
+    (MASK 0, no segment ids, lists or spec mask: `host.ineligible`, gluon_cross). MASK: 0 none, 1 causal, 2 causal
+    with a window of I32[0] keys to the left.
     F32 = [scale, soft cap, ...] (SOFTCAP: the logits capped, `_logits2`). SEGMENTS: segment ids QSEG, KSEG [B, SEQ]
     (int32, negative = padding) and each key block's
     range of query blocks under them, RANGES [B, cdiv(SEQ, BLOCK_N), 4] (lo, hi, full lo, full hi), joined with the
@@ -1077,7 +1082,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     sequence's end and, with SUB_Q x SUB_K sub-blocks, the entry's word of visible ones) where its entry says so.
     SPEC_MASK, SPEC_OPTIONS (LIST): a spec's mask and its options' loader (`_spec_mask`, `_spec_options`; the
     forward's), joined with the element mask; None, None without.
-    Grid (cdiv(SEQ, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
+    Grid (cdiv(SEQ_K, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
     gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
     sm_scale = gl.load(F32)
     cap = gl.load(F32 + 1)  # SOFTCAP (else unused)
@@ -1098,9 +1103,9 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
 
     (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
      cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N,
-                                                            NUM_STAGES, DQ_MODE, 1, 1)
+                                                            NUM_STAGES, DQ_MODE, 1, 1, SEQ_K)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    misc_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # 0: K/V loaded, 1: dSEQ halves written
+    misc_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # 0: K/V loaded, 1: dS^T halves written
     ids_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     qs_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 1, BLOCK_M if SEGMENTS else 32], ids_layout)
     for i in gl.static_range(NUM_STAGES):
@@ -1117,7 +1122,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     else:
         LIST_W: gl.constexpr = N_MQ
     lrow = 0  # LIST: the key block's list (a pointer: the partitions capture it only then)
-    m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
+    m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, SEQ_K, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
     if LIST:  # m_hi - m_lo: the list's count (items: GROUP * count, or count with LIST 2)
         lrow = _list_row(RANGES, off_b, off_hk, n, (SEQ + BLOCK_N - 1) // BLOCK_N, LIST_W, LIST_BATCH, LIST_HEADS,
                          SUB_Q)
@@ -1136,12 +1141,14 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     gl.warp_specialize([
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
                          q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
-                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, cap, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, 0,
+                         off_hk, n, SEQ, SEQ_K, m_lo, nm, f0, f1, sm_scale, cap, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem,
+                         KSEG, 0,
                          D, BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
                          SUB_K, opts, SPEC_MASK, SOFTCAP)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
                          q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
-                         off_hk, n, SEQ, m_lo, nm, f0, f1, sm_scale, cap, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, 1,
+                         off_hk, n, SEQ, SEQ_K, m_lo, nm, f0, f1, sm_scale, cap, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem,
+                         KSEG, 1,
                          D, BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
                          SUB_K, opts, SPEC_MASK, SOFTCAP)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
@@ -1202,7 +1209,7 @@ def _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_de
     n, bh = _tile(t, N_N, BH, 1, False)  # kv-head order: sections of one (batch, kv head)
     off_b = bh // HKV
     off_hk = bh % HKV
-    m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
+    m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
     nm = m_hi - m_lo
     kb = tc % K_STAGES
     mbarrier.wait(k_empty.index(kb), ((tc // K_STAGES) & 1) ^ 1)
@@ -1280,7 +1287,7 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem
     n, bh = _tile(t, N_N, BH, 1, False)  # kv-head order, as in _pbwd_producer_tile
     off_b = bh // HKV
     off_hk = bh % HKV
-    m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
+    m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
     nm = m_hi - m_lo
     n_it = GROUP * nm  # >= 1: every key block below SEQ meets some query block
     kb = tc % K_STAGES
@@ -1310,7 +1317,7 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem
         # V goes back to the producer after the tile's last dP^T (the next tile's V lands under the rest)
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero,
-                           dq_zero, qk2, cap_out, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, WINDOW_LEFT,
+                           dq_zero, qk2, cap_out, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, SEQ, WINDOW_LEFT,
                            lse_smem, 0, WG, D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, False, 0, 0, 0, 0, None, SOFTCAP)
     # every wgmma of the tile has retired (each item ends with a full wait): K is free for the producer
     mbarrier.arrive(k_empty.index(kb), count=1)
@@ -1378,7 +1385,7 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
 
     (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
      cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N,
-                                                            NUM_STAGES, DQ_MODE, K_STAGES, V_STAGES)
+                                                            NUM_STAGES, DQ_MODE, K_STAGES, V_STAGES, SEQ)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)

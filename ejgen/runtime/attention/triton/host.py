@@ -389,7 +389,8 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
         outs.append(jax.ShapeDtypeStruct((1, ), jnp.int32))
         zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d, cfg.softcap)
     else:
-        kernel, grid = gluon_attention.bwd_kernel(), (_cdiv(sq, gluon_attention.BWD_TILES["BLOCK_N"]), batch * hkv)
+        sk = k.shape[1]  # Sq != Sk: gluon_cross, no causal, window, segment ids or lists (gluon_attention.ineligible)
+        kernel, grid = gluon_attention.bwd_kernel(), (_cdiv(sk, gluon_attention.BWD_TILES["BLOCK_N"]), batch * hkv)
         segments = _gluon_segments(ctx, cfg, sq, "bwd", listed)
         lists = None
         if listed:  # each key block walks its list of query blocks, the programs launched most work first
@@ -400,7 +401,7 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
         else:
             order = _dummy(jnp.int32)
         zeroed, consts = (0, ), gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window,
-                                                                cfg.segments, lists, spec, cfg.softcap)
+                                                                cfg.segments, lists, spec, cfg.softcap, sk)
         scalars = [*scalars, *segments, order]
     dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, k, v, do4, lse3, delta3, *scalars],
                                             outs + [_scratch(grid)], zeroed=zeroed, num_warps=4, num_stages=1, **consts)
