@@ -121,6 +121,46 @@ def check_zigzag_pairs(backend, failures, devices=4):
         ring.COALESCE = before
 
 
+def check_zigzag_backward_coalesced(backend, failures, devices=4):
+    """`check_zigzag_features` where the later steps' backward runs each device's two full blocks as one call too
+    (`ring._wide_backward`: dq of one query chunk and dK/dV of the whole held block, or dq of every local row and
+    dK/dV of one key chunk), which must happen here (every backend takes Sq != Sk with the square calls' kernels);
+    then with the wide calls' backward on other kernels than the square ones' (as on a Hopper GPU without
+    gluon.host.CROSS_BACKWARD): the forward still coalesces, the backward keeps its pairs, and the ring still equals
+    the oracle."""
+    import dataclasses
+
+    from ejgen.runtime.attention import ring
+
+    real_choose, real_fwd, real_bwd = ring._choose, ring._wide_forward, ring._wide_backward
+    seen = {"fwd": 0, "bwd": 0}
+
+    def wide_fwd(*args, **kwargs):
+        seen["fwd"] += 1
+        return real_fwd(*args, **kwargs)
+
+    def wide_bwd(*args, **kwargs):
+        seen["bwd"] += 1
+        return real_bwd(*args, **kwargs)
+
+    def choose(spec, backends, platform, backend_name, call, key, det):
+        cfg, choice = real_choose(spec, backends, platform, backend_name, call, key, det)
+        return cfg, dataclasses.replace(choice, backward=choice.backward + ("" if key[0] == key[1] else "-other"))
+
+    ring._wide_forward, ring._wide_backward = wide_fwd, wide_bwd
+    try:
+        check_zigzag_features(backend, failures, devices)
+        if not (seen["fwd"] and seen["bwd"]):
+            failures.append(f"the later steps did not coalesce both ways ({seen})")
+        seen.update(fwd=0, bwd=0)
+        ring._choose = choose
+        check_zigzag_features(backend, failures, 2)
+        if not seen["fwd"] or seen["bwd"]:
+            failures.append(f"with the wide calls' backward on other kernels: {seen} (forward coalesced, backward not)")
+    finally:
+        ring._choose, ring._wide_forward, ring._wide_backward = real_choose, real_fwd, real_bwd
+
+
 def check_zigzag_coalescing_gated(backend, failures, devices=2):
     """ring.COALESCE on, but the wide calls' forward on other kernels than the square ones' (as on a Hopper GPU
     without gluon_cross: the square ones on the Hopper set, the wide ones on the generated kernels): no stage
@@ -382,6 +422,7 @@ CHECKS = {
     "alibi-zigzag": (check_alibi, {"xla": 4, "pallas": 2, "triton": 2}),
     "zigzag-pairs-steps": (check_zigzag_pairs, {"xla": 4}),
     "zigzag-coalescing-gated": (check_zigzag_coalescing_gated, {"xla": 2}),
+    "zigzag-backward-coalesced": (check_zigzag_backward_coalesced, {"xla": 4}),
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),
     "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),

@@ -26,7 +26,7 @@ from ejgen.zoo import flamingo_cross_attention_ring, natten_1d_attention_ring
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = {
     "xla": {"zigzag-causal-gqa-segments-sinks-softcap-4", "alibi-zigzag-4", "zigzag-pairs-steps-4",
-            "zigzag-coalescing-gated-2",
+            "zigzag-coalescing-gated-2", "zigzag-backward-coalesced-4",
             "window-noncausal-contiguous-4",
             "window-ahead-gqa-segments-contiguous-3", "zigzag-causal-window-2", "contiguous-causal-2",
             "causal-window-mqa-shared-sinks-8", "prefix_lm-zigzag-2", "chunked_local-zigzag-4",

@@ -52,10 +52,12 @@ GLUON_DYNAMIC_TILES = True
 
 # Zigzag steps after the first run each device's two full c x c pairs as one call (`_wide`): they always share a
 # query chunk (c queries against the whole held block, c x 2c) or a key chunk (every local query against it, 2c x c).
-# One launch, one merge and half the per-tile prologues a step instead of two; the backward keeps its pairs; a stage
-# coalesces only where the wide calls take the same forward kernels as the square ones (on a GPU: the Hopper forward
-# with the gluon_cross setting, on by default). 2 H100s (session 19), 32k tokens, 16/16 heads: forward 4.30 ->
-# 4.07 ms (1.60x -> 1.69x one GPU), forward+backward 15.46 -> 15.65 (its backward unchanged: noise).
+# One launch, one merge and half the per-tile prologues a step instead of two. A stage coalesces its forward only
+# where the wide calls take the same forward kernels as the square ones (on a GPU: the Hopper forward with the
+# gluon_cross setting, on by default), its backward likewise (`_wide_backward`; the Hopper backward takes Sq != Sk
+# with gluon.host.CROSS_BACKWARD, off until GPU-run: a GPU ring's backward keeps its pairs until then). 2 H100s
+# (session 19), 32k tokens, 16/16 heads, forward coalesced: forward 4.30 -> 4.07 ms (1.60x -> 1.69x one GPU),
+# forward+backward 15.46 -> 15.65 (its backward on pairs: noise).
 COALESCE = True
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
@@ -169,6 +171,7 @@ class Plan:
     calls: tuple  # ((sq, sk, kind), AttentionConfig, KernelChoice)
     sinks: bool
     wide: tuple = ()  # per stage: whether the forward runs its steps' pairs as one call (`_wide`)
+    wide_bwd: tuple = ()  # per stage: whether the backward does (`_wide_backward`)
 
     def call(self, sq: int, sk: int, kind: int):
         for key, cfg, choice in self.calls:
@@ -429,7 +432,7 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
     start, steps = _interval(needed, devices)
     stages = _stages(token_order, devices, n, start, steps, causal, window, reads)
     det = deterministic
-    calls, wide = {}, []
+    calls, wide, wide_bwd = {}, [], []
     for stage in stages:
         keys = [(stage.chunk, stage.chunk, kind)
                 for kind in sorted({k for j in range(len(stage.slots[0])) for k in stage.kinds(j)} - {SKIP})]
@@ -439,15 +442,20 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
         coalesced = COALESCE and token_order == "zigzag" and stage.chunk * 2 == n and _wide(stage)
         if coalesced:  # only where the wide calls take the square ones' forward kernels (the Hopper set takes Sq !=
             # Sk only with gluon_cross: without it they would fall to the generated kernels, slower than two calls)
-            square = calls[(stage.chunk, stage.chunk, FULL)][1].forward
+            square = calls[(stage.chunk, stage.chunk, FULL)][1]
+            backward = coalesced
             for key in ((stage.chunk, n, FULL), (n, stage.chunk, FULL)):
                 if key not in calls:
                     calls[key] = _choose(spec, backends, platform, backend, call, key, det)
-                coalesced = coalesced and calls[key][1].forward == square
+                coalesced = coalesced and calls[key][1].forward == square.forward
+                backward = backward and calls[key][1].backward == square.backward
+            wide_bwd.append(coalesced and backward)  # (the Hopper backward takes Sq != Sk with CROSS_BACKWARD)
+        else:
+            wide_bwd.append(False)
         wide.append(coalesced)
-    wide = tuple(wide)
+    wide, wide_bwd = tuple(wide), tuple(wide_bwd)
     plan = Plan(spec.name, backends[backend], axis_name, devices, token_order, n, start, steps, stages,
-                tuple((k, cfg, choice) for k, (cfg, choice) in calls.items()), call.cfg.sinks, wide)
+                tuple((k, cfg, choice) for k, (cfg, choice) in calls.items()), call.cfg.sinks, wide, wide_bwd)
     q, k, v, ctx = api.vary_alike(call.q, call.k, call.v, ctx)
     out, lse = _ring(q, k, v, ctx, plan)
     b, _, hkv, g, dv = out.shape
@@ -556,11 +564,14 @@ def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, axes):
     return lax.cond(slots[0, r, 0] == slots[1, r, 0], one_query_chunk, one_key_chunk)
 
 
-def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0, r, s):
-    """(dq [B, chunk, Hkv, G, D], dk, dv [B, chunk, Hkv, D], param gradients) of one pair of one kind, from the
-    global out and lse of its query rows and their delta, computed once per backward (`api.DELTA`: a backend that
-    would compute it in XLA takes it, one pass over dO and O instead of one per pair)."""
-    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, chunk)
+def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0, r, s,
+                   sk: int | None = None):
+    """(dq [B, chunk, Hkv, G, D], dk, dv [B, sk, Hkv, D], param gradients) of one pair of one kind (key rows ``sk``:
+    chunk unless given), from the global out and lse of its query rows and their delta, computed once per backward
+    (`api.DELTA`: a backend that would compute it in XLA takes it, one pass over dO and O instead of one per
+    pair)."""
+    sk = sk or chunk
+    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk)
     backend = plan.backend
     layout = backend.TENSOR_LAYOUT
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), layout)
@@ -571,8 +582,34 @@ def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_
         qk, kk, vk, _to_kernel(rows(out), layout, padded, 0), _to_kernel(rows(lse, 3), layout, padded, NEG_INF),
         None, _to_kernel(rows(d_out), layout, padded, 0), _to_kernel(rows(d_lse, 3), layout, padded, 0), ck, cfg,
         choice)
-    return (_from_kernel(dq, layout, chunk), _from_kernel(dk, layout, chunk), _from_kernel(dv, layout, chunk),
+    return (_from_kernel(dq, layout, chunk), _from_kernel(dk, layout, sk), _from_kernel(dv, layout, sk),
             dctx.get("params", {}))
+
+
+def _wide_backward(plan: Plan, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, slots, r, s, axes):
+    """(dq [B, n, Hkv, G, D] float32 on every local row, zeros on rows it does not reach; dk, dv [B, n, Hkv, D]
+    float32 of the whole held block; param gradients) of a step's two FULL pairs as one call, as `_wide_forward`:
+    one query chunk against the whole held block, or every local row against one key chunk."""
+    n = 2 * chunk
+    f32 = jnp.float32
+
+    def placed(x, start, rows):  # x [B, chunk, ...] on rows [start, start + chunk) of zeros [B, rows, ...]
+        zeros = vma.vary(jnp.zeros((x.shape[0], rows) + x.shape[2:], f32), axes)
+        return lax.dynamic_update_slice_in_dim(zeros, x.astype(f32), start, 1)
+
+    def one_query_chunk():
+        q0 = slots[0, r, 0] * chunk
+        dq, dk, dv, params = _pair_backward(plan, FULL, chunk, q, held, ctx, out, lse, d_out, d_lse, delta, q0, 0, r,
+                                            s, n)
+        return placed(dq, q0, n), dk.astype(f32), dv.astype(f32), jax.tree.map(lambda x: x.astype(f32), params)
+
+    def one_key_chunk():
+        k0 = slots[0, r, 1] * chunk
+        dq, dk, dv, params = _pair_backward(plan, FULL, n, q, held, ctx, out, lse, d_out, d_lse, delta, 0, k0, r, s,
+                                            chunk)
+        return dq.astype(f32), placed(dk, k0, n), placed(dv, k0, n), jax.tree.map(lambda x: x.astype(f32), params)
+
+    return lax.cond(slots[0, r, 0] == slots[1, r, 0], one_query_chunk, one_key_chunk)
 
 
 def _switch(stage: Stage, slot: int, kind, run, skip):
@@ -859,8 +896,10 @@ def _backward(plan: Plan, residuals, cotangents):
         # it where the ring starts at distance 0: the device behind then holds its own block)
         here = plan.distance(plan.steps - 1 - at) if count == 1 else None
         keep = last or (count == 1 and at == plan.steps - 2 and plan.start == 0)
+        wide = bool(plan.wide_bwd) and plan.wide_bwd[plan.stages.index(stage)]  # (never the diagonal step's stage)
 
-        def body(carry, xs, stage=stage, chunk=chunk, first=first, keep=keep, here=here, unrolled=count == 1):
+        def body(carry, xs, stage=stage, chunk=chunk, first=first, keep=keep, here=here, unrolled=count == 1,
+                 wide=wide):
             travel, pending, dq, grads = carry
             held = own if travel is None or here == 0 else wire.unpack(travel)
             # in flight while this step computes, as one buffer: the block held now, to the device behind for the
@@ -876,6 +915,20 @@ def _backward(plan: Plan, residuals, cotangents):
                     received["owed"] = _shift(plan, alone.pack(pending), -1)
             slots, t = xs
             s = (r - t) % plan.devices
+            if wide:  # the step's two pairs as one call (`_wide_backward`): dK / dV of the whole held block, dq of
+                # every local row
+                dq_w, dk_w, dv_w, params_w = _wide_backward(plan, chunk, q, held, ctx, out, lse, d_out, d_lse, delta,
+                                                            slots, r, s, axes)
+                results = (dq_w, dk_w, dv_w, params_w)
+                if received:
+                    received, results = _after_kernels(received, results)
+                dq_w, part_k, part_v, params_w = results
+                dq = dq_w if dq is None else dq + dq_w
+                grads = {n: grads[n] + params_w[n] for n in grads}
+                ahead, arrived = _arrived(received, both, size, owed, alone)
+                part = {"k": part_k, "v": part_v}
+                pending = part if arrived is None else {n: x + part[n] for n, x in arrived.items()}
+                return (ahead, pending, dq, grads), None
             pairs = []  # per slot: (q0, k0, the pair's dq, dk, dv, param gradients as its kernels give them)
             for j in range(slots.shape[0]):
                 q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
@@ -913,11 +966,7 @@ def _backward(plan: Plan, residuals, cotangents):
                 else:
                     dq = lax.dynamic_update_slice_in_dim(dq, _rows(dq, q0, chunk) + dq_p, q0, 1)
                 grads = {n: grads[n] + res[3][n].astype(f32) for n in grads}
-            if both:
-                ahead, arrived = received["both"][:size], owed.unpack(received["both"][size:])
-            else:
-                ahead, arrived = received.get("block"), received.get("owed")
-                arrived = None if arrived is None else alone.unpack(arrived)
+            ahead, arrived = _arrived(received, both, size, owed, alone)
             pending = part if arrived is None else {n: x + part[n] for n, x in arrived.items()}
             return (ahead, pending, dq, grads), None
 
@@ -934,6 +983,15 @@ def _backward(plan: Plan, residuals, cotangents):
     if plan.sinks:
         dctx["softmax_aux"] = api.sinks_grad(ctx["softmax_aux"], lse, delta)
     return dq.astype(q.dtype), home["k"], home["v"], api.ctx_cotangents(ctx, dctx)
+
+
+def _arrived(received: dict, both: bool, size: int, owed, alone) -> tuple:
+    """(the block for the next step or None, the dK/dV accumulators that arrived with it or None) from a backward
+    step's transfers (`_backward`: one joined buffer, or the block and the accumulators apart)."""
+    if both:
+        return received["both"][:size], owed.unpack(received["both"][size:])
+    arrived = received.get("owed")
+    return received.get("block"), None if arrived is None else alone.unpack(arrived)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("plan",))
