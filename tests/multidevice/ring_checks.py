@@ -121,6 +121,47 @@ def check_zigzag_pairs(backend, failures, devices=4):
         ring.COALESCE = before
 
 
+def _coalescing(other: str | None = None):
+    """A context for the coalescing checks: ring.COALESCE on, ring._wide_forward / _wide_backward counted (the dict
+    it yields: "fwd", "bwd"), and with ``other`` ("forward" or "backward") the wide calls' kernels for that pass
+    made to differ from the square ones' (as on a Hopper GPU without gluon_cross, or without
+    gluon.host.CROSS_BACKWARD)."""
+    import contextlib
+    import dataclasses
+
+    from ejgen.runtime.attention import ring
+
+    @contextlib.contextmanager
+    def scope():
+        saved = ring.COALESCE, ring._choose, ring._wide_forward, ring._wide_backward
+        real_choose, real_fwd, real_bwd = saved[1:]
+        seen = {"fwd": 0, "bwd": 0}
+
+        def wide_fwd(*args, **kwargs):
+            seen["fwd"] += 1
+            return real_fwd(*args, **kwargs)
+
+        def wide_bwd(*args, **kwargs):
+            seen["bwd"] += 1
+            return real_bwd(*args, **kwargs)
+
+        def choose(spec, backends, platform, backend_name, call, key, det):
+            cfg, choice = real_choose(spec, backends, platform, backend_name, call, key, det)
+            if key[0] == key[1]:
+                return cfg, choice
+            return cfg, dataclasses.replace(choice, **{other: getattr(choice, other) + "-other"})
+
+        ring.COALESCE, ring._wide_forward, ring._wide_backward = True, wide_fwd, wide_bwd
+        if other:
+            ring._choose = choose
+        try:
+            yield seen
+        finally:
+            ring.COALESCE, ring._choose, ring._wide_forward, ring._wide_backward = saved
+
+    return scope()
+
+
 def check_zigzag_backward_coalesced(backend, failures, devices=4):
     """`check_zigzag_features` where the later steps' backward runs each device's two full blocks as one call too
     (`ring._wide_backward`: dq of one query chunk and dK/dV of the whole held block, or dq of every local row and
@@ -128,65 +169,24 @@ def check_zigzag_backward_coalesced(backend, failures, devices=4):
     then with the wide calls' backward on other kernels than the square ones' (as on a Hopper GPU without
     gluon.host.CROSS_BACKWARD): the forward still coalesces, the backward keeps its pairs, and the ring still equals
     the oracle."""
-    import dataclasses
-
-    from ejgen.runtime.attention import ring
-
-    real_choose, real_fwd, real_bwd = ring._choose, ring._wide_forward, ring._wide_backward
-    seen = {"fwd": 0, "bwd": 0}
-
-    def wide_fwd(*args, **kwargs):
-        seen["fwd"] += 1
-        return real_fwd(*args, **kwargs)
-
-    def wide_bwd(*args, **kwargs):
-        seen["bwd"] += 1
-        return real_bwd(*args, **kwargs)
-
-    def choose(spec, backends, platform, backend_name, call, key, det):
-        cfg, choice = real_choose(spec, backends, platform, backend_name, call, key, det)
-        return cfg, dataclasses.replace(choice, backward=choice.backward + ("" if key[0] == key[1] else "-other"))
-
-    ring._wide_forward, ring._wide_backward = wide_fwd, wide_bwd
-    try:
+    with _coalescing() as seen:
         check_zigzag_features(backend, failures, devices)
-        if not (seen["fwd"] and seen["bwd"]):
-            failures.append(f"the later steps did not coalesce both ways ({seen})")
-        seen.update(fwd=0, bwd=0)
-        ring._choose = choose
+    if not (seen["fwd"] and seen["bwd"]):
+        failures.append(f"the later steps did not coalesce both ways ({seen})")
+    with _coalescing("backward") as seen:
         check_zigzag_features(backend, failures, 2)
-        if not seen["fwd"] or seen["bwd"]:
-            failures.append(f"with the wide calls' backward on other kernels: {seen} (forward coalesced, backward not)")
-    finally:
-        ring._choose, ring._wide_forward, ring._wide_backward = real_choose, real_fwd, real_bwd
+    if not seen["fwd"] or seen["bwd"]:
+        failures.append(f"with the wide calls' backward on other kernels: {seen} (forward coalesced, backward not)")
 
 
 def check_zigzag_coalescing_gated(backend, failures, devices=2):
     """ring.COALESCE on, but the wide calls' forward on other kernels than the square ones' (as on a Hopper GPU
     without gluon_cross: the square ones on the Hopper set, the wide ones on the generated kernels): no stage
-    coalesces, and the ring still equals the oracle."""
-    import dataclasses
-
-    from ejgen.runtime.attention import ring
-
-    real_choose, real_wide, before = ring._choose, ring._wide_forward, ring.COALESCE
-    wide_calls = []
-
-    def choose(spec, backends, platform, backend_name, call, key, det):
-        cfg, choice = real_choose(spec, backends, platform, backend_name, call, key, det)
-        return cfg, dataclasses.replace(choice, forward=choice.forward + ("" if key[0] == key[1] else "-other"))
-
-    def wide(*args, **kwargs):
-        wide_calls.append(1)
-        return real_wide(*args, **kwargs)
-
-    ring.COALESCE, ring._choose, ring._wide_forward = True, choose, wide
-    try:
+    coalesces, forward or backward, and the ring still equals the oracle."""
+    with _coalescing("forward") as seen:
         check_zigzag_features(backend, failures, devices)
-    finally:
-        ring.COALESCE, ring._choose, ring._wide_forward = before, real_choose, real_wide
-    if wide_calls:
-        failures.append(f"a stage coalesced into calls on other kernels than its square ones ({len(wide_calls)})")
+    if seen["fwd"] or seen["bwd"]:
+        failures.append(f"a stage coalesced into calls on other kernels than its square ones ({seen})")
 
 
 def check_window(backend, failures, devices=4):

@@ -14,8 +14,10 @@ KERNEL_SETS = {
     "gluon": KernelSet(
         "gluon", "triton", ("fwd",),
         "hand-written Hopper kernels (Gluon: warp-specialised, persistent): sm_90, bf16/f16, head dim 64 or "
-        "128, Sq == Sk, no mask but causal / sliding window (backward: no window, or one with causal), "
-        "no soft cap, sinks, bias, segments, params; dQ added by reduce-adds in run-time order"),
+        "128; causal, sliding windows (backward: none, or one with causal), segment ids, block layouts, a spec's "
+        "mask that reads no params, a soft cap, sinks (joined outside the kernels); Sq == Sk, or Sq != Sk without "
+        "masks (gluon_cross; the backward with gluon.host.CROSS_BACKWARD); no bias, dense mask, positions, varlen "
+        "or score of a spec's own; dQ added by reduce-adds in run-time order"),
     "pallas": KernelSet(
         "pallas", "pallas", ("fwd", "bwd"),
         "Pallas kernels generated from the spec: GPUs through the Triton lowering, TPUs through Mosaic, "

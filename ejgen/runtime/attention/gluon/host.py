@@ -17,11 +17,12 @@ ids are taken: their tile ranges join the band's, the ids are compared on partia
 `fwd_lists`, `bwd_lists`, `layout_misfit`; and a mask of the spec's own that reads no params, its tiles listed the
 same way and the generated `_spec_mask` called on the partial ones, `listed`, `spec_constexprs`):
 the kernel-set contract, docs/DESIGN.md §6
-(`ineligible`). `triton_attention` takes it for those calls and keeps the generated Triton kernel for every
-other one (and for the backward, which reads this kernel's O and lse). The element semantics are
-docs/DESIGN.md §3's: key j is visible to query i iff (not causal or j <= i) and (no window or
-i - left <= j <= i + right) and the ids, the layout and the spec's mask let it through; lse is the natural-log
-log-sum-exp of the scaled logits, -inf on a row that sees no key.
+(`ineligible`). `triton_attention` takes it for those calls and keeps the generated Triton kernels for every
+other one (a pass the Hopper backward does not cover runs the generated backward, which reads this kernel's O and
+lse). The element semantics are docs/DESIGN.md §3's: key j is visible to query i iff (not causal or j <= i) and (no
+window or i - left <= j <= i + right) and the ids, the layout and the spec's mask let it through; the kernels' lse is
+the natural-log log-sum-exp of the scaled logits (capped with a soft cap; sinks are joined after the kernel, by the
+host), -inf on a row that sees no key.
 
 Shape of the kernel (persistent: one program per SM walks tiles of 128 query rows of one head):
   * a producer warp (few registers) issues tensor-memory-accelerator loads: the two 64-row halves of a
@@ -204,9 +205,9 @@ def spec_constexprs(spec: tuple | None) -> dict:
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
                segments: bool = False, ordered: bool = False, dynamic: bool = False, lists: dict | None = None,
                spec: tuple | None = None, tiles: dict | None = None, seq_k: int | None = None,
-               softcap: bool = False) -> dict:
+               softcap: bool = False, fast_tanh_ok: bool = True) -> dict:
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq_k (default seq), hkv, d] (16-bit).
-    ``softcap``: the logits capped (SOFTCAP, `softcap_constexpr`; the cap is F32[1]).
+    ``softcap``: the logits capped (SOFTCAP, `softcap_constexpr`, ``fast_tanh_ok`` its fast_ok; the cap is F32[1]).
     ``dynamic``: the programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block
     lists' constexprs (`fwd_lists`), else ranges; ``spec``: the spec's mask (`spec_constexprs`: lists only); ``tiles``:
     the key tiles (`fwd_key_tiles`; default TILES)."""
@@ -215,7 +216,8 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                 ORDERED=ordered,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                 HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **(tiles or TILES),
-                **(lists or NO_LISTS), **spec_constexprs(spec), SOFTCAP=softcap_constexpr(softcap))
+                **(lists or NO_LISTS), **spec_constexprs(spec),
+                SOFTCAP=softcap_constexpr(softcap, fast_tanh_ok))
 
 
 # The soft cap's tanh in the kernels: False, tanh from exp2 and an approximate divide (two MUFU operations an element,
@@ -226,9 +228,11 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
 FAST_TANH = False
 
 
-def softcap_constexpr(softcap: bool) -> int:
-    """SOFTCAP of the kernels: 0 no soft cap, 1 the exact tanh, 2 the approximate one (`FAST_TANH`)."""
-    return (2 if FAST_TANH else 1) if softcap else 0
+def softcap_constexpr(softcap: bool, fast_ok: bool = True) -> int:
+    """SOFTCAP of the kernels: 0 no soft cap, 1 the exact tanh, 2 the approximate one (`FAST_TANH`, and ``fast_ok``:
+    a forward takes it only where its backward is the Hopper one too, whose P is then of the same logits as the
+    forward's lse; the generated backward's exact tanh against an approximate lse would not sum to 1)."""
+    return (2 if FAST_TANH and fast_ok else 1) if softcap else 0
 
 
 def listed(cfg, spec: bool, pass_: str = "fwd") -> bool:

@@ -271,8 +271,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 @gluon.jit
 def _tanh(x, FAST: gl.constexpr):
-    """tanh x = 1 - 2 / (e^{2x} + 1), the divide approximate (2 ulp): -1 and 1 at the ends (no inf / inf); within 1e-7
-    of tanh everywhere, as the generated kernels' (lib._tanh). Two MUFU operations an element (exp2, reciprocal).
+    """tanh x = 1 - 2 / (e^{2x} + 1), the divide approximate (2 ulp): -1 and 1 at the ends (no inf / inf); within
+    about 3e-7 of tanh everywhere, as the generated kernels' (lib._tanh). Two MUFU operations an element (exp2,
+    reciprocal).
     FAST: the hardware's tanh.approx.f32, one MUFU operation, relative error about 2^-11 (`host.FAST_TANH`)."""
     if FAST:
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
@@ -288,6 +289,15 @@ def _logits2(s, scale, cap_out, SOFTCAP: gl.constexpr):
     if SOFTCAP:
         return _tanh(s * scale, SOFTCAP == 2) * cap_out
     return s * scale
+
+
+@gluon.jit
+def _scales(sm_scale, cap, SOFTCAP: gl.constexpr):
+    """(scale, cap_out) of `_logits2`, forward and backward: the softmax scale times log2 e (cap_out unused), or with
+    SOFTCAP the scale / cap and cap log2 e."""
+    if SOFTCAP:
+        return sm_scale / cap, cap * 1.4426950408889634
+    return sm_scale * 1.4426950408889634, sm_scale * 0.0
 
 
 @gluon.jit
@@ -570,11 +580,7 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
     dtype: gl.constexpr = Q.dtype.element_ty
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    qk_scale = gl.load(F32) * 1.4426950408889634
-    cap_out = qk_scale * 0.0  # SOFTCAP: cap log2 e, qk_scale the softmax scale / cap (`_logits2`)
-    if SOFTCAP:
-        cap_out = gl.load(F32 + 1) * 1.4426950408889634
-        qk_scale = gl.load(F32) / gl.load(F32 + 1)
+    qk_scale, cap_out = _scales(gl.load(F32), gl.load(F32 + 1), SOFTCAP)  # F32[1]: the soft cap (read with SOFTCAP)
     left = gl.load(I32)
     right = gl.load(I32 + 1)
     opts = 0  # SPEC_MASK: the options the spec's mask reads (a tuple)
@@ -860,7 +866,7 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
     ds = pT * (dpT - dlt)
     if SOFTCAP:  # d (cap tanh(x / cap)) / dx = 1 - t^2; where P is 0 (masked, or too small) dS is 0 anyway
         t = (gl.log2(pT) + lse_smem.index(s).load(s_layout)) * (1.0 / cap_out)
-        ds = gl.where(pT > 0.0, ds * (1.0 - t * t), 0.0)
+        ds = gl.where(pT > 0.0, ds * gl.maximum(1.0 - t * t, 0.0), 0.0)  # (|t| read back a hair over 1: 0)
     dsT = ds.to(dtype)
     pT16 = gl.convert_layout(pT.to(dtype), a_layout)
     dv_tok = warpgroup_mma(pT16, do_view, dv, is_async=True)
@@ -893,15 +899,6 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
         fence_async_shared()
         tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, h * D + WG * DQ_N], dq_smem)
     return dk, dv
-
-
-@gluon.jit
-def _bwd_scales(sm_scale, cap, SOFTCAP: gl.constexpr):
-    """(qk2, cap_out) of `_logits2` in the backward: the scale times log2 e, or with SOFTCAP the scale / cap and
-    cap log2 e."""
-    if SOFTCAP:
-        return sm_scale / cap, cap * 1.4426950408889634
-    return sm_scale * 1.4426950408889634, sm_scale * 0.0
 
 
 @gluon.jit
@@ -959,7 +956,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
     dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
     s_zero, dq_zero = _bwd_zeros(BLOCK_M, BLOCK_N, D, DQ_MODE)
-    qk2, cap_out = _bwd_scales(sm_scale, cap, SOFTCAP)
+    qk2, cap_out = _scales(sm_scale, cap, SOFTCAP)
     # SEGMENTS: this warpgroup's keys' segment ids, read once (else unused)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -1084,6 +1081,9 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     forward's), joined with the element mask; None, None without.
     Grid (cdiv(SEQ_K, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
     gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
+    gl.static_assert(SEQ_K == SEQ or (MASK == 0 and not SEGMENTS and not LIST and SPEC_MASK is None),
+                     "keys of another length only without masks, segment ids or lists (their ranges and lists are "
+                     "in query positions and key blocks of SEQ)")
     sm_scale = gl.load(F32)
     cap = gl.load(F32 + 1)  # SOFTCAP (else unused)
     WINDOW_LEFT = gl.load(I32)
@@ -1342,7 +1342,7 @@ def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
     N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
     BH: gl.constexpr = B * HKV
     s_zero, dq_zero = _bwd_zeros(BLOCK_M, BLOCK_N, D, DQ_MODE)
-    qk2, cap_out = _bwd_scales(sm_scale, cap, SOFTCAP)
+    qk2, cap_out = _scales(sm_scale, cap, SOFTCAP)
 
     g = pid * 0  # ring items consumed so far (all tiles): Q / dO stage and phase, dS buffer, join parity
     tc = pid * 0  # tiles done so far: K buffer tc % K_STAGES, V buffer tc % V_STAGES

@@ -307,12 +307,13 @@ def _gluon_spec(layout: Layout):
     return spec, layout.mask_tiles if spec is not None else None
 
 
-def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg):
+def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, gluon_backward: bool = True):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
     segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`);
     where the queue wins (`gluon_attention.dynamic_tiles`) its programs take them from a counter. With a block
     layout or a spec mask each query tile walks its list of key blocks (`gluon_attention.fwd_lists`; LIST), in the
-    order of their counts, the spec's mask on the partial ones (SPEC_MASK)."""
+    order of their counts, the spec's mask on the partial ones (SPEC_MASK). ``gluon_backward``: whether the call's
+    backward is the Hopper one (the fast tanh of a soft cap only then, `gluon_attention.softcap_constexpr`)."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
     grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
@@ -338,7 +339,8 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg):
          jax.ShapeDtypeStruct((1, ), jnp.int32), _scratch(grid)],
         zeroed=(2, ) if dynamic else (), num_warps=4, num_stages=1,
         **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments, ordered, dynamic,
-                                     lists, spec, tiles, seq_k=k.shape[1], softcap=cfg.softcap))
+                                     lists, spec, tiles, seq_k=k.shape[1], softcap=cfg.softcap,
+                                     fast_tanh_ok=gluon_backward))
     return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
 
 
@@ -420,7 +422,7 @@ def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
     hq, dv = hkv * groups, v.shape[-1]
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     if choice.forward == "gluon":
-        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg)
+        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.backward == "gluon")
         if cfg.sinks:  # the kernels take none: the sinks join the denominator here (the backward reads this lse)
             out, lse = join_sinks(out, lse, ctx["softmax_aux"])
             out = out.astype(q.dtype)
