@@ -182,6 +182,9 @@ declare -A PRESETS=(
   [zoo]="0:zoo-a 3:zoo-b"
   [rec]="0:rec-kernels,rec-sweep 1:fla,rec-bench 2-3:rec-tests"
   [attention]="0-1:gluon-tests,zoo-tests 2:documents,dispatch 3:layouts"
+  # what session 19 staged: the cross backward and the fast tanh checked, the soft cap and sinks timed against the
+  # generated kernels, the ring with coalesced backward steps, decode under the profiler
+  [staged]="0:gluon-tests 1:hopper-features,decode-trace 2-3:ring-wide-bwd"
 )
 plan=()
 for arg in "${@:-zoo}"; do
