@@ -37,11 +37,9 @@
 #                  DECODE_TUNE_CASES), decode-tune-b on others (DECODE_TUNE_CASES_B)
 #   decode-tests   the decode GPU tests, sharded 3 processes a GPU
 #   decode-trace   B4 S32k and B32 S8k decode (ejgen, cuDNN) under the profiler: kernels, busy time, gaps
-#   hopper-features  soft caps and sinks on the Hopper set against the generated kernels, same card, with the
-#                  exact and the fast tanh (hopper_features.py)                         (issue 15)
+#   hopper-features  soft caps, sinks and cross-attention (Sq != Sk) on the Hopper set against the generated kernels
+#                  and cuDNN, same card, with the exact and the fast tanh (hopper_features.py)  (issues 15, 18)
 #   launch         the host's cost of one Triton launch by PTX size (launch_cost.py)   (issues 14, 15)
-#   cross          cross-attention (Sq != Sk): the Hopper forward (gluon_cross) against the generated kernels and
-#                  cuDNN (cross.py)
 #   ring-tests     the ring's GPU tests (2 GPUs)                                       (issue 18)
 #   ring-time      the ring at 32k, zigzag, timed as the project times (2 GPUs)
 #   ring-wide      the same with and without each later step's two blocks as one call (ring.COALESCE; 2 GPUs)
@@ -150,7 +148,6 @@ j_decode-trace() { job decode-trace 150 python3 benchmarks/decode.py --cases B4-
 j_hopper-features() { job hopper-features 240 python3 benchmarks/hopper_features.py --fast-tanh both \
   --out "$log/hfeat"; }
 j_decode-tests() { shards decode-tests 200 3 tests/decode; }
-j_cross() { job cross 150 python3 benchmarks/cross.py --out "$log/cross"; }
 j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }
 j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 python3 -m pytest -m gpu -q -rf \
   -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }

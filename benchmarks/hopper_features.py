@@ -1,16 +1,17 @@
-"""A soft cap and sinks on the Hopper kernel set against the generated Triton kernels, one GPU, one process (same-card
-A/B): Gemma 2 (causal, soft cap 50), Gemma 3 local (causal, window 1024, soft cap 50), gpt-oss (causal, window 128,
-a sink a head), and plain causal for scale; bf16, B 1, S 8192, H 16, D 128. Each case's Hopper call is checked
-against the generated one (max abs difference of the output, and of dq for fwd+bwd).
+"""The Hopper kernel set on what it took over from the generated Triton kernels, one GPU, one process (same-card
+A/B): soft caps and sinks (Gemma 2: causal, soft cap 50; Gemma 3 local: causal, window 1024, soft cap 50; gpt-oss:
+causal, window 128, a sink a head) and cross-attention (Sq != Sk, no causal: the gluon_cross setting), with plain
+causal for scale; bf16, D 128. Each case runs the generated kernels (the gluon setting off), the Hopper set, with a
+soft cap also the hardware's approximate tanh (`gluon.host.FAST_TANH`, kernels "-fast"), and cuDNN where it has the
+features (no soft cap, no sinks); each call is checked against the generated one (max abs difference of the output,
+and of dq for fwd+bwd).
 
-    python3 benchmarks/hopper_features.py [--cases gemma2,gemma3,gpt_oss] [--fast-tanh off|on|both] [--out DIR]
+    python3 benchmarks/hopper_features.py [--cases gemma2,cross-1x1024x8192x16] [--fast-tanh off|on|both] [--out DIR]
 
-`--fast-tanh both` also times the Hopper set with the hardware's approximate tanh in the soft cap
-(`gluon.host.FAST_TANH`; kernels "gluon-fast").
-
-Prints ms per call (median of interleaved rounds, 4 calls a sample) for each case, pass (fwd, fwd+bwd) and kernel
-set, and hopper / generated; writes <out>/hopper_features.json. `--cpu-smoke` runs the plumbing on tiny shapes in
-Triton's interpreter (the Hopper kernels do not run there: their rows read n/a).
+A case is a name below or cross-BxSqxSkxH. Prints ms per call (median of interleaved rounds, 4 calls a sample) for
+each case, pass (fwd, fwd+bwd) and kernel set, TFLOP/s (4 B H Sq Sk D over the visible pairs, x 3.5 fwd+bwd) and
+generated / this; writes <out>/hopper_features.json. `--cpu-smoke` runs the plumbing on tiny shapes in Triton's
+interpreter (the Hopper kernels do not run there: their rows show the generated kernels).
 """
 
 from __future__ import annotations
@@ -22,21 +23,22 @@ import statistics
 import sys
 from pathlib import Path
 
-CASES = {  # name: flash_attention's keyword arguments (sinks: one logit a head)
+FEATURES = {  # name: flash_attention's keyword arguments (sinks: one logit a head), on B 1, S 8192, H 16
     "causal": dict(causal=True),
     "gemma2": dict(causal=True, logits_soft_cap=50.0),
     "gemma3": dict(causal=True, sliding_window=(1023, 0), logits_soft_cap=50.0),
     "gpt_oss": dict(causal=True, sliding_window=(127, 0), sinks=True),
 }
+CROSS = ("cross-1x1024x8192x16", "cross-4x4096x1024x16", "cross-2x2048x16384x16")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--cases", default=",".join((*FEATURES, *CROSS)))
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default="bench-out/hopper_features")
     p.add_argument("--fast-tanh", choices=("off", "on", "both"), default="both")
+    p.add_argument("--out", default="bench-out/hopper_features")
     p.add_argument("--cpu-smoke", action="store_true")
     return p.parse_args(argv)
 
@@ -55,93 +57,118 @@ from ejgen.runtime.attention.gluon import host as gluon_host  # noqa: E402
 from ejgen.testing.timing import median_seconds  # noqa: E402
 
 
-def calls(kw: dict, aux, hopper: bool):
-    """(fwd, fwd+bwd) jitted for one kernel set (hopper: the gluon setting on, else off: the generated kernels); traced
-    here, so gluon_host.FAST_TANH as it is now holds for them."""
-    extra = dict(kw)
-    if extra.pop("sinks", False):
+def case_of(name: str) -> tuple:
+    """(flash_attention's keyword arguments, (B, Sq, Sk, H)) of a case name."""
+    if name.startswith("cross-"):
+        return {}, tuple(int(x) for x in name[len("cross-"):].split("x"))
+    return FEATURES[name], (1, 8192, 8192, 16)
+
+
+def visible_pairs(kw: dict, sq: int, sk: int) -> float:
+    """Query-key pairs a call computes (causal: half; a window: its width)."""
+    if "sliding_window" in kw:
+        return sq * min(sk, kw["sliding_window"][0] + 1)
+    return sq * sk / 2 if kw.get("causal") else sq * sk
+
+
+def impls(kw: dict, aux):
+    """{label: (fwd, fwd+bwd) builders of q, k, v}: the generated kernels, the Hopper set (with a soft cap also with the
+    fast tanh), and cuDNN where it has the case's features."""
+    extra = {n: x for n, x in kw.items() if n != "sinks"}
+    if kw.get("sinks"):
         extra["softmax_aux"] = aux
 
-    def fwd(q, k, v):
-        with settings(gluon=hopper):  # read as the call is traced
-            return flash_attention(q, k, v, platform="triton", **extra)
+    def ejgen(hopper: bool, fast: bool):
+        def fwd(q, k, v):
+            with settings(gluon=hopper):  # read as the call is traced
+                return flash_attention(q, k, v, platform="triton", **extra)
+        return fwd, fast
 
+    out = {"generated": ejgen(False, False), "hopper": ejgen(True, False)}
+    if "logits_soft_cap" in kw and ARGS.fast_tanh in ("on", "both"):
+        out["hopper-fast"] = ejgen(True, True)
+        if ARGS.fast_tanh == "on":
+            del out["hopper"]
+    if "logits_soft_cap" not in kw and not kw.get("sinks"):
+        def cudnn(q, k, v):
+            window = kw.get("sliding_window")
+            return jax.nn.dot_product_attention(q, k, v, is_causal=kw.get("causal", False), implementation="cudnn",
+                                                local_window_size=window)
+        out["cudnn"] = (cudnn, False)
+    return out
+
+
+def compiled_passes(fwd, fast: bool, args):
+    """(fwd, fwd+bwd) compiled, traced with gluon_host.FAST_TANH = fast."""
     def fwdbwd(q, k, v):
-        with settings(gluon=hopper):
-            out, pull = jax.vjp(lambda q: flash_attention(q, k, v, platform="triton", **extra), q)
-            return out, pull(jnp.ones_like(out))[0]
+        out, pull = jax.vjp(lambda q: fwd(q, k, v), q)
+        return out, pull(jnp.ones_like(out))[0]
 
-    args = tuple(CALL_ARGS)
-    return jax.jit(fwd).lower(*args).compile(), jax.jit(fwdbwd).lower(*args).compile()
+    gluon_host.FAST_TANH = fast
+    try:
+        return jax.jit(fwd).lower(*args).compile(), jax.jit(fwdbwd).lower(*args).compile()
+    finally:
+        gluon_host.FAST_TANH = False
 
 
-CALL_ARGS: list = []  # (q, k, v), set by main before the calls are compiled
+def run_case(name: str) -> list[dict]:
+    kw, (b, sq, sk, h) = case_of(name)
+    d = 128
+    if ARGS.cpu_smoke:
+        b, sq, sk, h, d = 1, 64, (96 if name.startswith("cross-") else 64), 2, 16
+    keys = jax.random.split(jax.random.PRNGKey(sq * 7 + sk), 4)
+    q = jax.random.normal(keys[0], (b, sq, h, d), jnp.bfloat16)
+    k, v = (jax.random.normal(keys[i], (b, sk, h, d), jnp.bfloat16) for i in (1, 2))
+    aux = jax.random.normal(keys[3], (h,), jnp.float32)
+    flops = 4 * b * h * visible_pairs(kw, sq, sk) * d
+    rows, compiled, ref = [], {}, {}
+    for label, (fwd, fast) in impls(kw, aux).items():
+        sets = "cudnn"
+        if label != "cudnn":
+            with settings(gluon=label != "generated"):
+                choice = explain(flash_attention, q, k, v, platform="triton",
+                                 **{n: x for n, x in kw.items() if n != "sinks"},
+                                 **({"softmax_aux": aux} if kw.get("sinks") else {}))
+            sets = f"{choice.forward}/{choice.backward}" + ("-fast" if fast else "")
+        try:
+            fns = compiled_passes(fwd, fast, (q, k, v))
+        except Exception as e:  # noqa: BLE001 (cuDNN off a GPU)
+            rows.append(dict(case=name, impl=label, kernels=sets, error=f"{type(e).__name__}: {str(e)[:120]}"))
+            continue
+        for pass_, fn in zip(("fwd", "fwd+bwd"), fns):
+            res = jax.block_until_ready(fn(q, k, v))
+            first = (res if pass_ == "fwd" else res[1]).astype(jnp.float32)
+            ref.setdefault(pass_, first)  # the generated kernels' (the first impl)
+            compiled[(label, pass_)] = (fn, sets, float(jnp.max(jnp.abs(first - ref[pass_]))))
+    times = {key: [] for key in compiled}
+    for r in range(ARGS.rounds):
+        for key, (fn, _, _) in compiled.items():
+            times[key].append(median_seconds(fn, (q, k, v), ARGS.reps, warmup=1,
+                                             warm_seconds=0.3 if r == 0 else 0.05, batch=4))
+    for (label, pass_), (_, sets, diff) in compiled.items():
+        sec = statistics.median(times[(label, pass_)])
+        base = statistics.median(times[("generated", pass_)]) if ("generated", pass_) in times else None
+        row = dict(case=name, impl=label, pass_=pass_, kernels=sets, ms=round(sec * 1e3, 3),
+                   tflops=round(flops * (3.5 if pass_ == "fwd+bwd" else 1) / sec / 1e12, 1), max_diff=diff,
+                   x_generated=round(base / sec, 2) if base else None)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
 
 
 def main() -> int:
     out_dir = Path(ARGS.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    b, s, h, d = (1, 64, 2, 16) if ARGS.cpu_smoke else (1, 8192, 16, 128)
-    keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    q, k, v = (jax.random.normal(keys[i], (b, s, h, d), jnp.bfloat16) for i in range(3))
-    aux = jax.random.normal(keys[3], (h,), jnp.float32)
-    print(f"{jax.devices()[0].device_kind}; bf16, B {b}, S {s}, H {h}, D {d}", flush=True)
-    CALL_ARGS[:] = [q, k, v]
+    print(f"{jax.devices()[0].device_kind}; bf16", flush=True)
     rows = []
-    variants = [(False, False)] + [(True, fast) for fast in {"off": [False], "on": [True],
-                                                            "both": [False, True]}[ARGS.fast_tanh]]
     for name in [c for c in ARGS.cases.split(",") if c]:
-        kw = CASES[name]
-        compiled, ref = {}, {}
-        for hopper, fast in variants:
-            if fast and "logits_soft_cap" not in kw:
-                continue
-            extra = {n: x for n, x in kw.items() if n != "sinks"}
-            gluon_host.FAST_TANH = fast
-            with settings(gluon=hopper):
-                sets = explain(flash_attention, q, k, v, platform="triton",
-                               **({"softmax_aux": aux} if kw.get("sinks") else {}), **extra)
-            try:
-                fns = calls(kw, aux, hopper)
-            except Exception as e:  # noqa: BLE001 (the Hopper kernels off an sm_90 GPU)
-                rows.append(dict(case=name, pass_="both", kernels=sets.forward, error=str(e).splitlines()[0][:120]))
-                continue
-            finally:
-                gluon_host.FAST_TANH = False
-            for pass_, fn in zip(("fwd", "fwd+bwd"), fns):
-                label = f"{sets.forward}/{sets.backward}" + ("-fast" if fast else "")
-                try:
-                    res = jax.block_until_ready(fn(q, k, v))
-                except Exception as e:  # noqa: BLE001 (the Hopper kernels off an sm_90 GPU)
-                    rows.append(dict(case=name, pass_=pass_, kernels=label, error=str(e).splitlines()[0][:120]))
-                    continue
-                first = res if pass_ == "fwd" else res[1]
-                diff = float(jnp.max(jnp.abs(first.astype(jnp.float32) - ref[pass_]))) if pass_ in ref else 0.0
-                ref.setdefault(pass_, first.astype(jnp.float32))
-                compiled[(hopper, fast, pass_)] = (fn, label, diff)
-        times = {key: [] for key in compiled}
-        for r in range(ARGS.rounds):
-            for key, (fn, _, _) in compiled.items():
-                times[key].append(median_seconds(fn, (q, k, v), ARGS.reps, warmup=1,
-                                                 warm_seconds=0.3 if r == 0 else 0.05, batch=4))
-        for pass_ in ("fwd", "fwd+bwd"):
-            key0 = (False, False, pass_)
-            base = statistics.median(times[key0]) if key0 in times else None
-            for hopper, fast in variants:
-                if (hopper, fast, pass_) not in compiled:
-                    continue
-                _, label, diff = compiled[(hopper, fast, pass_)]
-                ms = statistics.median(times[(hopper, fast, pass_)]) * 1e3
-                row = dict(case=name, pass_=pass_, kernels=label, ms=round(ms, 3), max_diff=diff,
-                           x_generated=round(base * 1e3 / ms, 2) if base else None)
-                rows.append(row)
-                print(row, flush=True)
+        rows += run_case(name)
     (out_dir / "hopper_features.json").write_text(json.dumps(rows, indent=1))
-    print("| case | pass | kernels (fwd/bwd) | ms | generated / this | max diff vs generated | error |")
-    print("|---|---|---|---|---|---|---|")
+    print("| case | impl | pass | kernels (fwd/bwd) | ms | TFLOP/s | generated / this | max diff vs generated | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['pass_']} | {r['kernels']} | {r.get('ms', '')} | {r.get('x_generated', '')} | "
-              f"{r.get('max_diff', '')} | {r.get('error', '')} |")
+        print(f"| {r['case']} | {r['impl']} | {r.get('pass_', '')} | {r['kernels']} | {r.get('ms', '')} | "
+              f"{r.get('tflops', '')} | {r.get('x_generated', '')} | {r.get('max_diff', '')} | {r.get('error', '')} |")
     return 0
 
 

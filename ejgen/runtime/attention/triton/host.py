@@ -492,8 +492,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
     if choice.backward == "gluon":  # no bias or params here; sinks are in lse (the forward's), their gradient from it
         delta = _delta(out, d_out, d_lse) if given is None else given
         dq, dk, dv_ = _gluon_backward(layout, q4, k, v, do4, lse3, delta.reshape(batch, hq, sq), scalars, ctx, cfg)
-        dctx = {"softmax_aux": sinks_grad(ctx["softmax_aux"], lse, delta.reshape(lse.shape))} if cfg.sinks else {}
-        return dq.reshape(q.shape), dk, dv_, dctx
+        return dq.reshape(q.shape), dk, dv_, _ctx_grads(layout, ctx, cfg, lse, delta.reshape(lse.shape), None, ())
     kernels = layout.kernels()
     n_seq = _grid_batch(q, ctx, cfg)
 
@@ -561,17 +560,24 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
         dq, _ = dq_kernel(consts, conf.block_m, None, delta3, _dummy(q.dtype), ds_band, _dummy(jnp.int32))
     delta = delta3.reshape(batch, hkv, groups, sq)
 
+    return dq.reshape(q.shape), dk, dv_, _ctx_grads(layout, ctx, cfg, lse, delta, dbias, dparams)
+
+
+def _ctx_grads(layout: Layout, ctx, cfg, lse, delta, dbias, dparams) -> dict:
+    """The gradients of the call's other inputs, either kernel set's backward: the bias (from the kernels' dbias [B, Hq,
+    Sq, Sk]), the sinks (from lse and delta [B, Hkv, G, Sq], `sinks_grad`), the params (the kernels' per-program
+    partials, summed)."""
     dctx = {}
     if cfg.bias:
-        bias = ctx["bias"]
-        db = dbias.reshape(batch, hkv, groups, sq, sk)
+        bias, (batch, hkv, groups, sq) = ctx["bias"], lse.shape
+        db = dbias.reshape(batch, hkv, groups, sq, dbias.shape[-1])
         dctx["bias"] = jnp.sum(db, axis=tuple(i for i in range(3) if bias.shape[i] == 1), keepdims=True)
     if cfg.sinks:
         dctx["softmax_aux"] = sinks_grad(ctx["softmax_aux"], lse, delta)
     if layout.grad_params:
         dctx["params"] = {p: jnp.sum(g, axis=0).reshape(ctx[f"param_{p}"].shape)
                           for p, g in zip(layout.grad_params, dparams)}
-    return dq.reshape(q.shape), dk, dv_, dctx
+    return dctx
 
 
 # Batching: jax-triton's primitive has no vmap rule. Under vmap, a mapped axis is folded into the
