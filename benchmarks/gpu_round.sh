@@ -145,7 +145,7 @@ j_decode-tune() { decode_tune decode-tune "${DECODE_TUNE_CASES:-decode-B4-S32k,p
 j_decode-tune-b() { decode_tune decode-tune-b "${DECODE_TUNE_CASES_B:-decode-B32-S8k,decode-B8-S8k}"; }
 j_decode-trace() { job decode-trace 150 python3 benchmarks/decode.py --cases B4-S32k,B32-S8k --platforms triton,cudnn \
   --trace --rounds 2 --out "$log/dtrace"; }
-j_hopper-features() { job hopper-features 240 python3 benchmarks/hopper_features.py --fast-tanh both \
+j_hopper-features() { job hopper-features 240 python3 benchmarks/hopper_features.py --fast-tanh both --cross-backward \
   --out "$log/hfeat"; }
 j_decode-tests() { shards decode-tests 200 3 tests/decode; }
 j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }

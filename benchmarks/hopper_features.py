@@ -4,7 +4,7 @@ causal, window 128, a sink a head) and cross-attention (Sq != Sk, no causal: the
 causal for scale; bf16, D 128. Each case runs the generated kernels (the gluon setting off), the Hopper set, with a
 soft cap also the hardware's approximate tanh (`gluon.host.FAST_TANH`, kernels "-fast"), and cuDNN where it has the
 features (no soft cap, no sinks); each call is checked against the generated one (max abs difference of the output,
-and of dq for fwd+bwd).
+and for fwd+bwd of each of dq, dk, dv: the timed backward computes all three).
 
     python3 benchmarks/hopper_features.py [--cases gemma2,cross-1x1024x8192x16] [--fast-tanh off|on|both] [--out DIR]
 
@@ -17,6 +17,7 @@ interpreter (the Hopper kernels do not run there: their rows show the generated 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -38,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--fast-tanh", choices=("off", "on", "both"), default="both")
+    p.add_argument("--cross-backward", action="store_true",
+                   help="cross cases also with the Hopper backward (gluon.host.CROSS_BACKWARD), impl hopper-crossbwd")
     p.add_argument("--out", default="bench-out/hopper_features")
     p.add_argument("--cpu-smoke", action="store_true")
     return p.parse_args(argv)
@@ -78,37 +81,49 @@ def impls(kw: dict, aux):
     if kw.get("sinks"):
         extra["softmax_aux"] = aux
 
-    def ejgen(hopper: bool, fast: bool):
+    def ejgen(hopper: bool, **knobs):
         def fwd(q, k, v):
             with settings(gluon=hopper):  # read as the call is traced
                 return flash_attention(q, k, v, platform="triton", **extra)
-        return fwd, fast
+        return fwd, knobs
 
-    out = {"generated": ejgen(False, False), "hopper": ejgen(True, False)}
+    out = {"generated": ejgen(False), "hopper": ejgen(True)}
     if "logits_soft_cap" in kw and ARGS.fast_tanh in ("on", "both"):
-        out["hopper-fast"] = ejgen(True, True)
+        out["hopper-fast"] = ejgen(True, FAST_TANH=True)
         if ARGS.fast_tanh == "on":
             del out["hopper"]
+    if not kw and ARGS.cross_backward:  # Sq != Sk: the Hopper backward too (gluon.host.CROSS_BACKWARD)
+        out["hopper-crossbwd"] = ejgen(True, CROSS_BACKWARD=True)
     if "logits_soft_cap" not in kw and not kw.get("sinks"):
         def cudnn(q, k, v):
             window = kw.get("sliding_window")
             return jax.nn.dot_product_attention(q, k, v, is_causal=kw.get("causal", False), implementation="cudnn",
                                                 local_window_size=window)
-        out["cudnn"] = (cudnn, False)
+        out["cudnn"] = (cudnn, {})
     return out
 
 
-def compiled_passes(fwd, fast: bool, args):
-    """(fwd, fwd+bwd) compiled, traced with gluon_host.FAST_TANH = fast."""
-    def fwdbwd(q, k, v):
-        out, pull = jax.vjp(lambda q: fwd(q, k, v), q)
-        return out, pull(jnp.ones_like(out))[0]
-
-    gluon_host.FAST_TANH = fast
+@contextlib.contextmanager
+def knobs_set(knobs: dict):
+    """gluon.host's module settings (FAST_TANH, CROSS_BACKWARD) set while a call is traced, restored after."""
+    before = {n: getattr(gluon_host, n) for n in knobs}
+    for n, x in knobs.items():
+        setattr(gluon_host, n, x)
     try:
-        return jax.jit(fwd).lower(*args).compile(), jax.jit(fwdbwd).lower(*args).compile()
+        yield
     finally:
-        gluon_host.FAST_TANH = False
+        for n, x in before.items():
+            setattr(gluon_host, n, x)
+
+
+def compiled_passes(fwd, knobs: dict, args):
+    """(fwd, fwd+bwd) compiled, traced with gluon.host's ``knobs``."""
+    def fwdbwd(q, k, v):  # every gradient: a dq alone would let XLA drop a separate dK/dV kernel
+        out, pull = jax.vjp(fwd, q, k, v)
+        return out, pull(jnp.ones_like(out))
+
+    with knobs_set(knobs):
+        return jax.jit(fwd).lower(*args).compile(), jax.jit(fwdbwd).lower(*args).compile()
 
 
 def run_case(name: str) -> list[dict]:
@@ -122,24 +137,26 @@ def run_case(name: str) -> list[dict]:
     aux = jax.random.normal(keys[3], (h,), jnp.float32)
     flops = 4 * b * h * visible_pairs(kw, sq, sk) * d
     rows, compiled, ref = [], {}, {}
-    for label, (fwd, fast) in impls(kw, aux).items():
+    for label, (fwd, knobs) in impls(kw, aux).items():
         sets = "cudnn"
         if label != "cudnn":
-            with settings(gluon=label != "generated"):
+            with settings(gluon=label != "generated"), knobs_set(knobs):
                 choice = explain(flash_attention, q, k, v, platform="triton",
                                  **{n: x for n, x in kw.items() if n != "sinks"},
                                  **({"softmax_aux": aux} if kw.get("sinks") else {}))
-            sets = f"{choice.forward}/{choice.backward}" + ("-fast" if fast else "")
+            sets = f"{choice.forward}/{choice.backward}" + ("-fast" if knobs.get("FAST_TANH") else "")
         try:
-            fns = compiled_passes(fwd, fast, (q, k, v))
+            fns = compiled_passes(fwd, knobs, (q, k, v))
         except Exception as e:  # noqa: BLE001 (cuDNN off a GPU)
             rows.append(dict(case=name, impl=label, kernels=sets, error=f"{type(e).__name__}: {str(e)[:120]}"))
             continue
         for pass_, fn in zip(("fwd", "fwd+bwd"), fns):
             res = jax.block_until_ready(fn(q, k, v))
-            first = (res if pass_ == "fwd" else res[1]).astype(jnp.float32)
+            first = [(res if pass_ == "fwd" else res[0]).astype(jnp.float32)]
+            if pass_ != "fwd":
+                first += [g.astype(jnp.float32) for g in res[1]]  # dq, dk, dv
             ref.setdefault(pass_, first)  # the generated kernels' (the first impl)
-            compiled[(label, pass_)] = (fn, sets, float(jnp.max(jnp.abs(first - ref[pass_]))))
+            compiled[(label, pass_)] = (fn, sets, max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(first, ref[pass_])))
     times = {key: [] for key in compiled}
     for r in range(ARGS.rounds):
         for key, (fn, _, _) in compiled.items():

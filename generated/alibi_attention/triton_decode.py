@@ -51,6 +51,7 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
     window_left = tl.load(I32)
     window_right = tl.load(I32 + 1)
     opt_max_distance = tl.load(I32 + 2)
+    param_slopes_0 = tl.load(PARAM_slopes + tl.minimum(tl.maximum(off_h, 0), DIMS.HQ - 1))
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, DV_PAD], tl.float32)
@@ -79,8 +80,7 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
             b_k = b_k.to(tl.float32)
         s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale
         kv_idx = (t - start)[None, :]
-        s = (s - tl.load(PARAM_slopes + tl.minimum(tl.maximum(off_h, 0), DIMS.HQ - 1))
-             * tl.minimum(tl.abs(q_idx - kv_idx), opt_max_distance))
+        s = s - param_slopes_0 * tl.minimum(tl.abs(q_idx - kv_idx), opt_max_distance)
         if SOFTCAP:
             s = softcap * _tanh(s / softcap)
         vis = row_ok[:, None] & col_ok[None, :] & (q_idx >= 0)

@@ -58,9 +58,11 @@ class TlPrinter(Printer):
         "sign": "_sign",
     }
 
-    def __init__(self, names, params):
+    def __init__(self, names, params, hoisted=None):
         super().__init__(names)
         self.params = params
+        self.hoisted = hoisted or {}  # ParamRef -> the name it was loaded into before the key loop
+
 
     def int_op(self, e: Binary):
         """`_int_div` / `_int_mod` (Triton's own ``//`` and ``%`` on ints are C's)."""
@@ -124,7 +126,27 @@ class TlPrinter(Printer):
         return " + ".join(terms) if terms else "0"
 
     def param(self, e: ParamRef) -> str:
+        if e in self.hoisted:
+            return self.hoisted[e]
         return f"tl.load(PARAM_{e.name} + {self.flat(e)})"
+
+
+def hoisted_params(exprs, printer: TlPrinter, varying=("s", "kv_idx")) -> list[str]:
+    """Reads of params whose indices stay the same over a kernel's key loop (none of ``varying`` in them: in the
+    decode kernel ``q_idx`` and ``off_h`` are the program's rows, fixed): each loaded once before the loop into
+    ``param_<name>_<i>``, which ``printer`` prints from now on. A load inside the loop is a gather the software
+    pipeline does not prefetch: ALiBi's slopes cost its decode 30% (notes/perf.md). Returns the loading lines."""
+    lines = []
+    for e in exprs:
+        for n in walk(e):
+            if not isinstance(n, ParamRef) or n in printer.hoisted:
+                continue
+            if any(isinstance(x, Var) and x.name in varying for i in n.indices for x in walk(i)):
+                continue
+            name = f"param_{n.name}_{len(printer.hoisted)}"
+            lines.append(f"{name} = {printer(n)}")
+            printer.hoisted[n] = name
+    return lines
 
 
 def _dsl_helpers(plan) -> str:
@@ -314,6 +336,8 @@ def decode_context(plan: AttentionPlan) -> dict:
     spec_mask = plan.spec_mask
     exprs = [plan.score] + ([spec_mask] if spec_mask is not None else [])
     f32, i32 = scalar_layout(variant)
+    bindings = _bindings(exprs, variant)  # options first: a hoisted read may index by one
+    bindings += hoisted_params(exprs, printer)
     return {
         "scalars": textwrap.fill(f"Runtime scalars: F32 = [{', '.join(f32)}], I32 = [{', '.join(i32)}].", WIDTH,
                                  break_on_hyphens=False),
@@ -322,5 +346,5 @@ def decode_context(plan: AttentionPlan) -> dict:
         "score_is_identity": plan.score_is_identity,
         "score_code": printer(plan.score),
         "spec_mask_code": None if spec_mask is None else printer(spec_mask),
-        "mask_bindings": _bindings(exprs, variant),
+        "mask_bindings": bindings,
     }
