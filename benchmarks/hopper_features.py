@@ -2,7 +2,7 @@
 A/B): soft caps and sinks (Gemma 2: causal, soft cap 50; Gemma 3 local: causal, window 1024, soft cap 50; gpt-oss:
 causal, window 128, a sink a head) and cross-attention (Sq != Sk, no causal: the gluon_cross setting), with plain
 causal for scale; bf16, D 128. Each case runs the generated kernels (the gluon setting off), the Hopper set, with a
-soft cap also the hardware's approximate tanh (`gluon.host.FAST_TANH`, kernels "-fast"), and cuDNN where it has the
+soft cap also the hardware's approximate tanh (the fast_tanh setting, kernels "-fast"), and cuDNN where it has the
 features (no soft cap, no sinks); each call is checked against the generated one (max abs difference of the output,
 and for fwd+bwd of each of dq, dk, dv: the timed backward computes all three).
 
@@ -29,6 +29,10 @@ FEATURES = {  # name: flash_attention's keyword arguments (sinks: one logit a he
     "gemma2": dict(causal=True, logits_soft_cap=50.0),
     "gemma3": dict(causal=True, sliding_window=(1023, 0), logits_soft_cap=50.0),
     "gpt_oss": dict(causal=True, sliding_window=(127, 0), sinks=True),
+    # narrow windows alone (where the Hopper set's 128 x 128 tiles waste most): gpt-oss's width, then wider
+    "window128": dict(causal=True, sliding_window=(127, 0)),
+    "window512": dict(causal=True, sliding_window=(511, 0)),
+    "window2048": dict(causal=True, sliding_window=(2047, 0)),
 }
 CROSS = ("cross-1x1024x8192x16", "cross-4x4096x1024x16", "cross-2x2048x16384x16")
 
@@ -40,7 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--fast-tanh", choices=("off", "on", "both"), default="both")
     p.add_argument("--cross-backward", action="store_true",
-                   help="cross cases also with the Hopper backward (gluon.host.CROSS_BACKWARD), impl hopper-crossbwd")
+                   help="cross cases also with the generated backward (gluon.host.CROSS_BACKWARD off), impl "
+                        "hopper-gen-bwd")
     p.add_argument("--out", default="bench-out/hopper_features")
     p.add_argument("--cpu-smoke", action="store_true")
     return p.parse_args(argv)
@@ -81,31 +86,33 @@ def impls(kw: dict, aux):
     if kw.get("sinks"):
         extra["softmax_aux"] = aux
 
-    def ejgen(hopper: bool, **knobs):
+    def ejgen(hopper: bool, fast: bool = False, **knobs):
         def fwd(q, k, v):
-            with settings(gluon=hopper):  # read as the call is traced
+            with settings(gluon=hopper, fast_tanh=fast):  # read as the call is traced
                 return flash_attention(q, k, v, platform="triton", **extra)
-        return fwd, knobs
+        return fwd, dict(knobs, fast=fast)
 
     out = {"generated": ejgen(False), "hopper": ejgen(True)}
     if "logits_soft_cap" in kw and ARGS.fast_tanh in ("on", "both"):
-        out["hopper-fast"] = ejgen(True, FAST_TANH=True)
+        out["hopper-fast"] = ejgen(True, fast=True)
         if ARGS.fast_tanh == "on":
             del out["hopper"]
-    if not kw and ARGS.cross_backward:  # Sq != Sk: the Hopper backward too (gluon.host.CROSS_BACKWARD)
-        out["hopper-crossbwd"] = ejgen(True, CROSS_BACKWARD=True)
+    if not kw and ARGS.cross_backward:  # Sq != Sk: the generated backward too (gluon.host.CROSS_BACKWARD off)
+        out["hopper-gen-bwd"] = ejgen(True, CROSS_BACKWARD=False)
     if "logits_soft_cap" not in kw and not kw.get("sinks"):
         def cudnn(q, k, v):
             window = kw.get("sliding_window")
             return jax.nn.dot_product_attention(q, k, v, is_causal=kw.get("causal", False), implementation="cudnn",
                                                 local_window_size=window)
-        out["cudnn"] = (cudnn, {})
+        out["cudnn"] = (cudnn, {"fast": False})
     return out
 
 
 @contextlib.contextmanager
 def knobs_set(knobs: dict):
-    """gluon.host's module settings (FAST_TANH, CROSS_BACKWARD) set while a call is traced, restored after."""
+    """gluon.host's module settings (CROSS_BACKWARD) set while a call is traced, restored after; ``fast``: the
+    fast_tanh setting."""
+    knobs = {n: x for n, x in knobs.items() if n != "fast"}
     before = {n: getattr(gluon_host, n) for n in knobs}
     for n, x in knobs.items():
         setattr(gluon_host, n, x)
@@ -140,11 +147,11 @@ def run_case(name: str) -> list[dict]:
     for label, (fwd, knobs) in impls(kw, aux).items():
         sets = "cudnn"
         if label != "cudnn":
-            with settings(gluon=label != "generated"), knobs_set(knobs):
+            with settings(gluon=label != "generated", fast_tanh=knobs["fast"]), knobs_set(knobs):
                 choice = explain(flash_attention, q, k, v, platform="triton",
                                  **{n: x for n, x in kw.items() if n != "sinks"},
                                  **({"softmax_aux": aux} if kw.get("sinks") else {}))
-            sets = f"{choice.forward}/{choice.backward}" + ("-fast" if knobs.get("FAST_TANH") else "")
+            sets = f"{choice.forward}/{choice.backward}" + ("-fast" if knobs["fast"] else "")
         try:
             fns = compiled_passes(fwd, knobs, (q, k, v))
         except Exception as e:  # noqa: BLE001 (cuDNN off a GPU)

@@ -89,14 +89,15 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     op's package (``"ejgen.zoo.natten_2d_attention"``) whose mask the kernels evaluate on partial tiles (SPEC_MASK,
     lists shared by the heads unless ``layout`` says otherwise); ``seq_k``: keys of another length than the queries
     (the forward's SEQ_K, `gluon_cross`); ``softcap``: the logits capped (SOFTCAP), with ``fast_tanh`` by the
-    hardware's approximate tanh (`gluon.host.FAST_TANH`)."""
+    hardware's approximate tanh (the fast_tanh setting)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from ejgen.runtime.attention.gluon import host as gluon_attention
 
-    gluon_attention.FAST_TANH = fast_tanh  # (a fresh interpreter per compile: `compile_gluon_in_subprocess`)
+    os.environ["EJGEN_FAST_TANH"] = "1" if fast_tanh else "0"  # read at call time (a fresh interpreter per compile:
+    # `compile_gluon_in_subprocess`)
     ptr = _DTYPES[dtype]
     args = (batch, heads, kv_heads, seq, head_dim, causal, window, segments)
     compiled = {}

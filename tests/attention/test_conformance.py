@@ -228,8 +228,8 @@ def _takes_hopper_kernels(case: Case, deterministic: bool = False) -> tuple:
     16-bit inputs, head dims 64 or 128 (D = Dv), Sq = Sk (or Sq != Sk with the gluon_cross setting where there is no
     causal, window or segment ids; the backward that only with gluon.host.CROSS_BACKWARD), not varlen, no feature
     but causal, a window, segment ids, a soft cap and sinks (joined outside the kernels); the backward also not a
-    window without causal, nor a window with segment ids unless the gluon_spec_masks setting is on, and not
-    deterministic."""
+    window without causal, nor a window with segment ids unless the gluon_spec_masks setting is on, nor a soft cap
+    without the fast_tanh setting, and not deterministic."""
     from ejgen.runtime.core import kernels, settings
 
     f, shape, now = case.features, case.shape, settings.current()
@@ -243,7 +243,8 @@ def _takes_hopper_kernels(case: Case, deterministic: bool = False) -> tuple:
 
     bwd = (fwd and (square or gluon_host.CROSS_BACKWARD) and not deterministic
            and not (f.window is not None and not f.causal)
-           and not (f.window is not None and f.segments and not now.gluon_spec_masks))
+           and not (f.window is not None and f.segments and not now.gluon_spec_masks)
+           and not (f.soft_cap is not None and not now.fast_tanh))
     return fwd, bwd
 
 

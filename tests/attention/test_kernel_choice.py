@@ -61,27 +61,35 @@ def test_the_hopper_set_says_why_it_declines(change, why):
 
 
 def test_soft_cap_and_sinks_take_the_hopper_set():
-    """A soft cap (the kernels' SOFTCAP) and sinks (joined outside them) keep the Hopper set both ways, with a
-    window too (Gemma 2 and 3, gpt-oss)."""
+    """A soft cap (the kernels' SOFTCAP) and sinks (joined outside them) keep the Hopper set, with a window too
+    (Gemma 2 and 3, gpt-oss); a soft cap's backward with the exact tanh runs the generated kernels (faster there),
+    with the fast_tanh setting the Hopper one, and says why."""
     aux = jax.ShapeDtypeStruct((8,), jnp.float32)
-    for kw in (dict(logits_soft_cap=30.0), dict(softmax_aux=aux), dict(logits_soft_cap=50.0, sliding_window=(1023, 0)),
-               dict(softmax_aux=aux, sliding_window=(127, 0))):
+    for kw in (dict(softmax_aux=aux), dict(softmax_aux=aux, sliding_window=(127, 0))):
         choice = explain(flash_attention, BF16, BF16_KV, BF16_KV, causal=True, target="sm90", **kw)
         assert (choice.forward, choice.backward) == ("gluon", "gluon"), (kw, choice.text())
+    for kw in (dict(logits_soft_cap=30.0), dict(logits_soft_cap=50.0, sliding_window=(1023, 0))):
+        choice = explain(flash_attention, BF16, BF16_KV, BF16_KV, causal=True, target="sm90", **kw)
+        assert (choice.forward, choice.backward) == ("gluon", "triton"), (kw, choice.text())
+        assert "a soft cap with the exact tanh" in choice.reasons[2], choice.reasons
+        with settings(fast_tanh=True):
+            fast = explain(flash_attention, BF16, BF16_KV, BF16_KV, causal=True, target="sm90", **kw)
+        assert (fast.forward, fast.backward) == ("gluon", "gluon"), (kw, fast.text())
 
 
 def test_cross_attention_takes_the_hopper_set(monkeypatch):
-    """Sq != Sk without causal: the Hopper forward (gluon_cross, on by default) and, with gluon.host.CROSS_BACKWARD,
-    the backward; the setting off keeps both generated, and says why."""
+    """Sq != Sk without causal: the Hopper forward (gluon_cross, on by default) and backward (gluon.host.
+    CROSS_BACKWARD, on; off sends the backward to the generated kernels and says why); the setting off keeps both
+    generated, and says why."""
     from ejgen.runtime.attention.gluon import host as gluon_host
 
     kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
     choice = explain(flash_attention, BF16, kv, kv, target="sm90")
+    assert (choice.forward, choice.backward) == ("gluon", "gluon"), choice.text()
+    monkeypatch.setattr(gluon_host, "CROSS_BACKWARD", False)
+    choice = explain(flash_attention, BF16, kv, kv, target="sm90")
     assert (choice.forward, choice.backward) == ("gluon", "triton"), choice.text()
     assert "CROSS_BACKWARD" in choice.reasons[2]
-    monkeypatch.setattr(gluon_host, "CROSS_BACKWARD", True)
-    choice = explain(flash_attention, BF16, kv, kv, target="sm90")
-    assert (choice.forward, choice.backward) == ("gluon", "gluon"), choice.text()
     with settings(gluon_cross=False):
         off = explain(flash_attention, BF16, kv, kv, target="sm90")
         assert (off.forward, off.backward) == ("triton", "triton") and "Sq 1024 != Sk 512" in off.reasons[2]

@@ -124,8 +124,8 @@ def check_zigzag_pairs(backend, failures, devices=4):
 def _coalescing(other: str | None = None):
     """A context for the coalescing checks: ring.COALESCE on, ring._wide_forward / _wide_backward counted (the dict
     it yields: "fwd", "bwd"), and with ``other`` ("forward" or "backward") the wide calls' kernels for that pass
-    made to differ from the square ones' (as on a Hopper GPU without gluon_cross, or without
-    gluon.host.CROSS_BACKWARD)."""
+    made to differ from the square pairs' (as where a backend's kernels cannot walk the wide call's block layout of
+    c x c blocks: the Hopper set with c not a whole number of its tiles)."""
     import contextlib
     import dataclasses
 
@@ -147,7 +147,7 @@ def _coalescing(other: str | None = None):
 
         def choose(spec, backends, platform, backend_name, call, key, det):
             cfg, choice = real_choose(spec, backends, platform, backend_name, call, key, det)
-            if key[0] == key[1]:
+            if key[2] != ring.WIDE:
                 return cfg, choice
             return cfg, dataclasses.replace(choice, **{other: getattr(choice, other) + "-other"})
 
@@ -164,11 +164,10 @@ def _coalescing(other: str | None = None):
 
 def check_zigzag_backward_coalesced(backend, failures, devices=4):
     """`check_zigzag_features` where the later steps' backward runs each device's two full blocks as one call too
-    (`ring._wide_backward`: dq of one query chunk and dK/dV of the whole held block, or dq of every local row and
-    dK/dV of one key chunk), which must happen here (every backend takes Sq != Sk with the square calls' kernels);
-    then with the wide calls' backward on other kernels than the square ones' (as on a Hopper GPU without
-    gluon.host.CROSS_BACKWARD): the forward still coalesces, the backward keeps its pairs, and the ring still equals
-    the oracle."""
+    (`ring._wide_backward`: every local row against the whole held block through a 2 x 2 block layout of the pairs
+    it has), which must happen here (every backend walks block layouts with the square calls' kernels); then with
+    the wide call's backward on other kernels than the square ones': the forward still coalesces, the backward keeps
+    its pairs, and the ring still equals the oracle."""
     with _coalescing() as seen:
         check_zigzag_features(backend, failures, devices)
     if not (seen["fwd"] and seen["bwd"]):
@@ -180,13 +179,15 @@ def check_zigzag_backward_coalesced(backend, failures, devices=4):
 
 
 def check_zigzag_coalescing_gated(backend, failures, devices=2):
-    """ring.COALESCE on, but the wide calls' forward on other kernels than the square ones' (as on a Hopper GPU
-    without gluon_cross: the square ones on the Hopper set, the wide ones on the generated kernels): no stage
-    coalesces, forward or backward, and the ring still equals the oracle."""
+    """ring.COALESCE on, but the wide call's forward on other kernels than the square ones' (as on a Hopper GPU where
+    the chunk is not a whole number of the Hopper tiles: the square pairs on the Hopper set, the wide call on the
+    generated kernels): no stage coalesces its forward, each pass is gated apart (the backward, on the square ones'
+    kernels, still coalesces), and the ring still equals the oracle."""
     with _coalescing("forward") as seen:
         check_zigzag_features(backend, failures, devices)
-    if seen["fwd"] or seen["bwd"]:
-        failures.append(f"a stage coalesced into calls on other kernels than its square ones ({seen})")
+    if seen["fwd"] or not seen["bwd"]:
+        failures.append(f"the forward coalesced into calls on other kernels than its square ones, or the backward "
+                        f"did not coalesce on its own ({seen})")
 
 
 def check_window(backend, failures, devices=4):

@@ -51,18 +51,20 @@ from ejgen.types import MaskInfo
 GLUON_DYNAMIC_TILES = True
 
 # Zigzag steps after the first run each device's two full c x c pairs as one call (`_wide`): they always share a
-# query chunk (c queries against the whole held block, c x 2c) or a key chunk (every local query against it, 2c x c).
-# One launch, one merge and half the per-tile prologues a step instead of two. A stage coalesces its forward only
-# where the wide calls take the same forward kernels as the square ones (on a GPU: the Hopper forward with the
-# gluon_cross setting, on by default), its backward likewise (`_wide_backward`; the Hopper backward takes Sq != Sk
-# with gluon.host.CROSS_BACKWARD, off until GPU-run: a GPU ring's backward keeps its pairs until then). 2 H100s
-# (session 19), 32k tokens, 16/16 heads, forward coalesced: forward 4.30 -> 4.07 ms (1.60x -> 1.69x one GPU),
-# forward+backward 15.46 -> 15.65 (its backward on pairs: noise).
+# query chunk (c queries against the whole held block) or a key chunk (every local query against it). One launch, one
+# merge and half the per-tile prologues a step instead of two. The call is the same on every device: all 2c local
+# rows against the whole held block with a 2 x 2 block layout of c x c blocks, built at run time from the device's
+# pairs (`_wide_layout`). Choosing between a c x 2c and a 2c x c call instead needs a `lax.cond` on the device index,
+# which XLA's GPU runtime evaluates on the host: it copies the predicate back and waits for the stream, so the host
+# cannot run ahead of the device (2 H100s, 32k tokens, session 20: the coalesced ring's calls spent 0.8 ms a call
+# idle on that). A stage coalesces where the wide call takes the same kernels as the square ones, forward and
+# backward apart (on a GPU: the Hopper set walks block layouts both ways).
 COALESCE = True
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
 KIND_NAMES = ("skip", "full", "diagonal", "placed")
+WIDE = len(KIND_NAMES)  # a coalesced step's call (`_wide_forward`): never a slot's kind, only a key of Plan.calls
 NEG_INF = float("-inf")
 
 # Arguments of the op that a ring call does not take (yet), and why
@@ -440,19 +442,17 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
             if key not in calls:
                 calls[key] = _choose(spec, backends, platform, backend, call, key, det)
         coalesced = COALESCE and token_order == "zigzag" and stage.chunk * 2 == n and _wide(stage)
-        if coalesced:  # only where the wide calls take the square ones' forward kernels (the Hopper set takes Sq !=
-            # Sk only with gluon_cross: without it they would fall to the generated kernels, slower than two calls)
+        backward = coalesced
+        if coalesced:  # only where the wide call takes the square ones' kernels (a block layout of c x c blocks: the
+            # Hopper set needs c a whole number of its tiles), each pass apart
             square = calls[(stage.chunk, stage.chunk, FULL)][1]
-            backward = coalesced
-            for key in ((stage.chunk, n, FULL), (n, stage.chunk, FULL)):
-                if key not in calls:
-                    calls[key] = _choose(spec, backends, platform, backend, call, key, det)
-                coalesced = coalesced and calls[key][1].forward == square.forward
-                backward = backward and calls[key][1].backward == square.backward
-            wide_bwd.append(coalesced and backward)  # (the Hopper backward takes Sq != Sk with CROSS_BACKWARD)
-        else:
-            wide_bwd.append(False)
+            key = (n, n, WIDE)
+            if key not in calls:
+                calls[key] = _choose(spec, backends, platform, backend, call, key, det)
+            coalesced = calls[key][1].forward == square.forward
+            backward = calls[key][1].backward == square.backward
         wide.append(coalesced)
+        wide_bwd.append(backward)
     wide, wide_bwd = tuple(wide), tuple(wide_bwd)
     plan = Plan(spec.name, backends[backend], axis_name, devices, token_order, n, start, steps, stages,
                 tuple((k, cfg, choice) for k, (cfg, choice) in calls.items()), call.cfg.sinks, wide, wide_bwd)
@@ -468,15 +468,20 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
 
 def _choose(spec, backends, platform, backend, call, key, deterministic):
     """The configuration and kernel choice of one kind of pair: sinks never (they join the final merge once), FULL
-    without causal and window, PLACED with the tokens' positions."""
+    without causal and window, PLACED with the tokens' positions, WIDE as FULL with a 2 x 2 block layout of
+    sq / 2 x sk / 2 blocks (`_wide_layout`)."""
     sq, sk, kind = key
     flags = dict(seq_q=sq, seq_k=sk, sinks=False)
-    if kind == FULL:
+    if kind in (FULL, WIDE):
         flags.update(causal=False, window=False, window_span=0)
     elif kind == PLACED:
         flags.update(positions=True)
+    if kind == WIDE:
+        flags.update(layout=True, layout_block=(sq // 2, sk // 2))
     cfg = dataclasses.replace(call.cfg, **flags)
     ctx = {n: x for n, x in call.ctx.items() if n != "softmax_aux"}
+    if kind == WIDE:
+        ctx["layout"] = jnp.ones((1, 1, 1, 2, 2), bool)
     ctx = {n: (x[:, :sq] if n == "q_seg" else x[:, :sk] if n == "kv_seg" else x) for n, x in ctx.items()}
     one = dataclasses.replace(call, cfg=cfg, q=call.q[:, :sq], k=call.k[:, :sk], v=call.v[:, :sk], ctx=ctx)
     return cfg, api.choose_kernels(spec, backends, platform, backend, one, deterministic)
@@ -505,10 +510,12 @@ def _rows(x, start, count: int, axis: int = 1):
     return lax.dynamic_slice_in_dim(x, start, count, axis=axis)
 
 
-def _pair_ctx(plan: Plan, ctx: dict, chunk: int, kind: int, held: dict, q0, k0, r, s, sk: int):
+def _pair_ctx(plan: Plan, ctx: dict, chunk: int, kind: int, held: dict, q0, k0, r, s, sk: int, layout=None):
     """The ctx of one pair (query rows [q0, q0 + chunk), held key rows [k0, k0 + sk); offsets traced): the call's
-    scalars, params and options, the chunks' segment ids and positions."""
+    scalars, params and options, the chunks' segment ids and positions, a WIDE call's ``layout``."""
     out = {n: x for n, x in ctx.items() if n not in ("q_seg", "kv_seg", "softmax_aux")}
+    if kind == WIDE:
+        out["layout"] = layout
     batch = held["k"].shape[0]
     if kind == PLACED:
         q_pos = _rows(device_positions(plan.order, plan.devices, plan.length, r, jnp), q0, chunk, 0)
@@ -523,18 +530,19 @@ def _pair_ctx(plan: Plan, ctx: dict, chunk: int, kind: int, held: dict, q0, k0, 
     return out
 
 
-def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int):
+def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int, layout=None):
     """(cfg, kernels, the pair's Prepared call) of one kind (query rows ``chunk``, key rows ``sk``)."""
     cfg, choice = plan.call(chunk, sk, kind)
     one = api.Prepared(cfg, _rows(q, q0, chunk), _rows(held["k"], k0, sk), _rows(held["v"], k0, sk),
-                       _pair_ctx(plan, ctx, chunk, kind, held, q0, k0, r, s, sk), {}, False, plan.op)
+                       _pair_ctx(plan, ctx, chunk, kind, held, q0, k0, r, s, sk, layout), {}, False, plan.op)
     return cfg, choice, one
 
 
-def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int | None = None):
+def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int | None = None,
+                  layout=None):
     """(out [B, chunk, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, chunk]) of one pair of one kind (key rows ``sk``:
-    chunk unless given)."""
-    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk or chunk)
+    chunk unless given; a WIDE call's ``layout``)."""
+    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk or chunk, layout)
     backend = plan.backend
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
     asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()
@@ -543,35 +551,30 @@ def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s,
     return _from_kernel(out, backend.TENSOR_LAYOUT, chunk), lse[..., :chunk]
 
 
-def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, axes):
+def _wide_layout(slots, r):
+    """bool [1, 1, 1, 2, 2]: the chunk pairs a coalesced step's call sees (`_wide`): the row of the query chunk both
+    pairs share, or the column of their key chunk. Chosen at run time from the device's index: one call for every
+    device, no branch (see COALESCE)."""
+    (qa, ka), qb = (slots[0, r, 0], slots[0, r, 1]), slots[1, r, 0]
+    ids = jnp.arange(2)
+    return jnp.where(qa == qb, ids[:, None] == qa, ids[None, :] == ka)[None, None, None]
+
+
+def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s):
     """(out [B, n, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, n]) of a step's two FULL pairs as one call (`_wide`):
-    where they share a query chunk, its c rows against the whole held block (the other rows: 0 and -inf), else every
-    local row against the shared key chunk."""
+    every local row against the whole held block through `_wide_layout` (rows it leaves out: 0 and -inf)."""
     n = 2 * chunk
-    b, _, hkv, g, _ = q.shape
-
-    def one_query_chunk():
-        q0 = slots[0, r, 0] * chunk
-        out, lse = _pair_forward(plan, FULL, chunk, q, held, ctx, q0, 0, r, s, n)
-        pad_out = vma.vary(jnp.zeros((b, n) + out.shape[2:], out.dtype), axes)
-        pad_lse = vma.vary(jnp.full((b, hkv, g, n), NEG_INF, jnp.float32), axes)
-        return (lax.dynamic_update_slice_in_dim(pad_out, out, q0, 1),
-                lax.dynamic_update_slice_in_dim(pad_lse, lse, q0, 3))
-
-    def one_key_chunk():
-        return _pair_forward(plan, FULL, n, q, held, ctx, 0, slots[0, r, 1] * chunk, r, s, chunk)
-
-    return lax.cond(slots[0, r, 0] == slots[1, r, 0], one_query_chunk, one_key_chunk)
+    return _pair_forward(plan, WIDE, n, q, held, ctx, 0, 0, r, s, n, _wide_layout(slots, r))
 
 
 def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0, r, s,
-                   sk: int | None = None):
+                   sk: int | None = None, wide_layout=None):
     """(dq [B, chunk, Hkv, G, D], dk, dv [B, sk, Hkv, D], param gradients) of one pair of one kind (key rows ``sk``:
-    chunk unless given), from the global out and lse of its query rows and their delta, computed once per backward
-    (`api.DELTA`: a backend that would compute it in XLA takes it, one pass over dO and O instead of one per
-    pair)."""
+    chunk unless given; a WIDE call's ``wide_layout``), from the global out and lse of its query rows and their
+    delta, computed once per backward (`api.DELTA`: a backend that would compute it in XLA takes it, one pass over dO
+    and O instead of one per pair)."""
     sk = sk or chunk
-    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk)
+    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk, wide_layout)
     backend = plan.backend
     layout = backend.TENSOR_LAYOUT
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), layout)
@@ -586,30 +589,15 @@ def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_
             dctx.get("params", {}))
 
 
-def _wide_backward(plan: Plan, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, slots, r, s, axes):
+def _wide_backward(plan: Plan, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, slots, r, s):
     """(dq [B, n, Hkv, G, D] float32 on every local row, zeros on rows it does not reach; dk, dv [B, n, Hkv, D]
-    float32 of the whole held block; param gradients) of a step's two FULL pairs as one call, as `_wide_forward`:
-    one query chunk against the whole held block, or every local row against one key chunk."""
+    float32 of the whole held block, zeros on keys it does not reach; param gradients) of a step's two FULL pairs as
+    one call, as `_wide_forward`."""
     n = 2 * chunk
     f32 = jnp.float32
-
-    def placed(x, start, rows):  # x [B, chunk, ...] on rows [start, start + chunk) of zeros [B, rows, ...]
-        zeros = vma.vary(jnp.zeros((x.shape[0], rows) + x.shape[2:], f32), axes)
-        return lax.dynamic_update_slice_in_dim(zeros, x.astype(f32), start, 1)
-
-    def one_query_chunk():
-        q0 = slots[0, r, 0] * chunk
-        dq, dk, dv, params = _pair_backward(plan, FULL, chunk, q, held, ctx, out, lse, d_out, d_lse, delta, q0, 0, r,
-                                            s, n)
-        return placed(dq, q0, n), dk.astype(f32), dv.astype(f32), jax.tree.map(lambda x: x.astype(f32), params)
-
-    def one_key_chunk():
-        k0 = slots[0, r, 1] * chunk
-        dq, dk, dv, params = _pair_backward(plan, FULL, n, q, held, ctx, out, lse, d_out, d_lse, delta, 0, k0, r, s,
-                                            chunk)
-        return dq.astype(f32), placed(dk, k0, n), placed(dv, k0, n), jax.tree.map(lambda x: x.astype(f32), params)
-
-    return lax.cond(slots[0, r, 0] == slots[1, r, 0], one_query_chunk, one_key_chunk)
+    dq, dk, dv, params = _pair_backward(plan, WIDE, n, q, held, ctx, out, lse, d_out, d_lse, delta, 0, 0, r, s, n,
+                                        _wide_layout(slots, r))
+    return dq.astype(f32), dk.astype(f32), dv.astype(f32), jax.tree.map(lambda x: x.astype(f32), params)
 
 
 def _switch(stage: Stage, slot: int, kind, run, skip):
@@ -752,7 +740,7 @@ def _forward(q, k, v, ctx, plan: Plan):
             slots, t = xs
             s = (r - t) % plan.devices
             if wide:  # one call for the step's two pairs (COALESCE), merged into every row
-                result = _wide_forward(plan, chunk, q, held, ctx, slots, r, s, axes)
+                result = _wide_forward(plan, chunk, q, held, ctx, slots, r, s)
                 if not last:
                     ahead, result = _after_kernels(ahead, result)
                 acc, lse = _merge(acc, lse, *result, 0, 2 * chunk, in_place=not unrolled)
@@ -918,7 +906,7 @@ def _backward(plan: Plan, residuals, cotangents):
             if wide:  # the step's two pairs as one call (`_wide_backward`): dK / dV of the whole held block, dq of
                 # every local row
                 dq_w, dk_w, dv_w, params_w = _wide_backward(plan, chunk, q, held, ctx, out, lse, d_out, d_lse, delta,
-                                                            slots, r, s, axes)
+                                                            slots, r, s)
                 results = (dq_w, dk_w, dv_w, params_w)
                 if received:
                     received, results = _after_kernels(received, results)

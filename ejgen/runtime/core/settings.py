@@ -20,6 +20,11 @@ Each has a default, an environment variable (read at call time) and a scoped ove
   (cross-attention without causal, a window, segment ids, a layout or a spec mask; the key count a constexpr of its
   own, SEQ_K). On since the GPU suite passed it (session 19, H100) and it measured 1.08-1.43x the generated kernels
   (BENCHMARKS.md).
+- ``fast_tanh`` (EJGEN_FAST_TANH=1, default off): a soft cap's tanh on the Hopper set is the hardware's
+  tanh.approx.f32 (one MUFU operation an element instead of two), forward and backward: a capped logit is within
+  about cap x 2^-11 of the exact one, and so is the lse (outputs stay within the dtype's tolerance; FlashAttention's
+  soft cap takes the same instruction). H100 (session 20): Gemma 2's forward 0.919 -> 0.681 ms, forward+backward
+  with its Hopper backward 4.27 -> 3.32 (the exact tanh's backward runs the generated kernels, 3.75).
 - ``chunk_forward`` (EJGEN_CHUNK_FORWARD: ``two_pass`` / ``fused``, default two_pass): the linear recurrent chunked
   forward on Triton, two passes (the chunk states through memory) or one (`chunk_fused_fwd`, the state in registers;
   not the default until GPU-timed, docs/DESIGN.md §3).
@@ -43,6 +48,7 @@ class Settings:
     gluon_spec_masks: bool = True
     gluon_dynamic_tiles: bool | None = None  # None: auto
     gluon_cross: bool = True
+    fast_tanh: bool = False
     chunk_forward: str = "two_pass"
     triton_configs: str = ""
     triton_autotune: bool = False
@@ -54,6 +60,7 @@ _ENV = {
     "gluon_spec_masks": ("EJGEN_GLUON_SPEC_MASKS", lambda t: t.strip().lower() not in ("0", "false", "no", "off")),
     "gluon_dynamic_tiles": ("EJGEN_GLUON_DYNAMIC_TILES", lambda t: _on_off_auto("EJGEN_GLUON_DYNAMIC_TILES", t)),
     "gluon_cross": ("EJGEN_GLUON_CROSS", lambda t: t.strip().lower() not in ("0", "false", "no", "off")),
+    "fast_tanh": ("EJGEN_FAST_TANH", lambda t: t.strip().lower() in ("1", "true", "yes", "on")),
     "chunk_forward": ("EJGEN_CHUNK_FORWARD", lambda t: _one_of("EJGEN_CHUNK_FORWARD", t, CHUNK_FORWARDS)),
     "triton_configs": ("EJGEN_TRITON_CONFIG", str),
     "triton_autotune": ("EJGEN_TRITON_AUTOTUNE", lambda t: t.strip() == "1"),

@@ -109,10 +109,10 @@ def hopper() -> bool:
 
 
 # The backward takes Sq != Sk too (SEQ_K, as the forward under gluon_cross): compiled for sm_90 without spills on
-# Triton 3.9 and 3.6, its PTX for Sq = Sk unchanged (session 19), not yet run on a GPU: off until
-# `test_gluon_cross_matches_the_oracle` passes there. It lets the ring's coalesced steps run their backward as one
-# call as well (ring.COALESCE).
-CROSS_BACKWARD = False
+# Triton 3.9 and 3.6, its PTX for Sq = Sk unchanged (session 19); `test_gluon_cross_matches_the_oracle` passed on an
+# H100 and it timed 1.11-1.25x the generated backward's forward+backward on the cross cases of
+# `benchmarks/hopper_features.py` (session 20, BENCHMARKS.md). False sends Sq != Sk backwards to the generated kernels.
+CROSS_BACKWARD = True
 
 
 def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | None:
@@ -149,8 +149,10 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
          f"Sq {q.shape[1]} != Sk {k.shape[1]} (the Hopper kernels take it with the gluon_cross setting on, without "
          f"causal, a window, segment ids, a block layout or a spec mask)"),
         (pass_ == "bwd" and q.shape[1] != k.shape[1] and not CROSS_BACKWARD,
-         f"Sq {q.shape[1]} != Sk {k.shape[1]} in the backward (gluon.host.CROSS_BACKWARD: off until the GPU suite has "
-         f"run it)"),
+         f"Sq {q.shape[1]} != Sk {k.shape[1]} in the backward (gluon.host.CROSS_BACKWARD is off)"),
+        (pass_ == "bwd" and cfg.softcap and not settings.current().fast_tanh,
+         "a soft cap with the exact tanh (the generated backward is faster there: Gemma 2, H100, session 20, 2.65 "
+         "against 3.36 ms; the Hopper backward takes it with the fast_tanh setting)"),
         (pass_ == "bwd" and cfg.window and not cfg.causal, "a sliding window without causal (the backward's masks: "
                                                           "causal, with a window to the left)"),
     ]
@@ -220,19 +222,16 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                 SOFTCAP=softcap_constexpr(softcap, fast_tanh_ok))
 
 
-# The soft cap's tanh in the kernels: False, tanh from exp2 and an approximate divide (two MUFU operations an element,
-# within 1e-7); True, the hardware's tanh.approx.f32 (one, relative error about 2^-11). With the exact form a soft-cap
-# forward took 1.9x the plain causal one (H100, session 19: three MUFU operations an element against one, the softmax
-# no longer under the matrix products). Off until the GPU tests pass with it and `benchmarks/hopper_features.py
-# --fast-tanh both` times it.
-FAST_TANH = False
-
-
 def softcap_constexpr(softcap: bool, fast_ok: bool = True) -> int:
-    """SOFTCAP of the kernels: 0 no soft cap, 1 the exact tanh, 2 the approximate one (`FAST_TANH`, and ``fast_ok``:
-    a forward takes it only where its backward is the Hopper one too, whose P is then of the same logits as the
-    forward's lse; the generated backward's exact tanh against an approximate lse would not sum to 1)."""
-    return (2 if FAST_TANH and fast_ok else 1) if softcap else 0
+    """SOFTCAP of the kernels: 0 no soft cap, 1 the exact tanh (from exp2 and an approximate divide: two MUFU
+    operations an element, within 1e-7), 2 the hardware's tanh.approx.f32 (one, relative error about 2^-11): the
+    fast_tanh setting (`ejgen.runtime.core.settings`), and ``fast_ok``: a forward takes it only where its backward is
+    the Hopper one too, whose P is then of the same logits as the forward's lse (the generated backward's exact tanh
+    against an approximate lse would not sum to 1). With the exact form a soft-cap forward takes 1.9x the plain
+    causal one (H100, session 19: three MUFU operations an element against one)."""
+    from ejgen.runtime.core import settings
+
+    return (2 if settings.current().fast_tanh and fast_ok else 1) if softcap else 0
 
 
 def listed(cfg, spec: bool, pass_: str = "fwd") -> bool:

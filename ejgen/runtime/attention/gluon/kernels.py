@@ -274,7 +274,7 @@ def _tanh(x, FAST: gl.constexpr):
     """tanh x = 1 - 2 / (e^{2x} + 1), the divide approximate (2 ulp): -1 and 1 at the ends (no inf / inf); within
     about 3e-7 of tanh everywhere, as the generated kernels' (lib._tanh). Two MUFU operations an element (exp2,
     reciprocal).
-    FAST: the hardware's tanh.approx.f32, one MUFU operation, relative error about 2^-11 (`host.FAST_TANH`)."""
+    FAST: the hardware's tanh.approx.f32, one MUFU operation, relative error about 2^-11 (the fast_tanh setting)."""
     if FAST:
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
                                          pack=1)
