@@ -229,7 +229,8 @@ def _takes_hopper_kernels(case: Case, deterministic: bool = False) -> tuple:
     causal, window or segment ids; the backward that only with gluon.host.CROSS_BACKWARD), not varlen, no feature
     but causal, a window, segment ids, a soft cap and sinks (joined outside the kernels); the backward also not a
     window without causal, nor a window with segment ids unless the gluon_spec_masks setting is on, nor a soft cap
-    without the fast_tanh setting, and not deterministic."""
+    without the fast_tanh setting, nor a window narrower than gluon.host.NARROW_WINDOW keys, and not deterministic;
+    neither pass with sinks and such a narrow window."""
     from ejgen.runtime.core import kernels, settings
 
     f, shape, now = case.features, case.shape, settings.current()
@@ -241,7 +242,9 @@ def _takes_hopper_kernels(case: Case, deterministic: bool = False) -> tuple:
            and f.atoms <= {"segments", "sinks", "soft_cap"})
     from ejgen.runtime.attention.gluon import host as gluon_host
 
-    bwd = (fwd and (square or gluon_host.CROSS_BACKWARD) and not deterministic
+    narrow = f.window is not None and sum(f.window) + 1 < gluon_host.NARROW_WINDOW
+    fwd = fwd and not (narrow and f.sinks)
+    bwd = (fwd and (square or gluon_host.CROSS_BACKWARD) and not deterministic and not narrow
            and not (f.window is not None and not f.causal)
            and not (f.window is not None and f.segments and not now.gluon_spec_masks)
            and not (f.soft_cap is not None and not now.fast_tanh))
@@ -435,6 +438,9 @@ def test_hopper_kernels(run_vjp, monkeypatch, case, deterministic):
     generated backward), and match the oracle; elsewhere the generated kernels, which must match too."""
     from ejgen.ops import settings
 
+    from ejgen.runtime.attention.gluon import host as gluon_host
+
+    monkeypatch.setattr(gluon_host, "NARROW_WINDOW", 0)  # the Hopper kernels on these narrow windows too
     launches = _record_launches(monkeypatch)
     with settings(deterministic=deterministic):
         run_case(case, "triton", run_vjp)

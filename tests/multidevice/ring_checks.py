@@ -122,7 +122,8 @@ def check_zigzag_pairs(backend, failures, devices=4):
 
 
 def _coalescing(other: str | None = None):
-    """A context for the coalescing checks: ring.COALESCE on, ring._wide_forward / _wide_backward counted (the dict
+    """A context for the coalescing checks: ring.COALESCE and COALESCE_BACKWARD on (the latter off by default: slower
+    on a GPU, checked here all the same), ring._wide_forward / _wide_backward counted (the dict
     it yields: "fwd", "bwd"), and with ``other`` ("forward" or "backward") the wide calls' kernels for that pass
     made to differ from the square pairs' (as where a backend's kernels cannot walk the wide call's block layout of
     c x c blocks: the Hopper set with c not a whole number of its tiles)."""
@@ -133,8 +134,8 @@ def _coalescing(other: str | None = None):
 
     @contextlib.contextmanager
     def scope():
-        saved = ring.COALESCE, ring._choose, ring._wide_forward, ring._wide_backward
-        real_choose, real_fwd, real_bwd = saved[1:]
+        saved = ring.COALESCE, ring.COALESCE_BACKWARD, ring._choose, ring._wide_forward, ring._wide_backward
+        real_choose, real_fwd, real_bwd = saved[2:]
         seen = {"fwd": 0, "bwd": 0}
 
         def wide_fwd(*args, **kwargs):
@@ -151,13 +152,13 @@ def _coalescing(other: str | None = None):
                 return cfg, choice
             return cfg, dataclasses.replace(choice, **{other: getattr(choice, other) + "-other"})
 
-        ring.COALESCE, ring._wide_forward, ring._wide_backward = True, wide_fwd, wide_bwd
+        ring.COALESCE, ring.COALESCE_BACKWARD, ring._wide_forward, ring._wide_backward = True, True, wide_fwd, wide_bwd
         if other:
             ring._choose = choose
         try:
             yield seen
         finally:
-            ring.COALESCE, ring._choose, ring._wide_forward, ring._wide_backward = saved
+            ring.COALESCE, ring.COALESCE_BACKWARD, ring._choose, ring._wide_forward, ring._wide_backward = saved
 
     return scope()
 

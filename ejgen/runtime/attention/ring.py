@@ -60,6 +60,11 @@ GLUON_DYNAMIC_TILES = True
 # idle on that). A stage coalesces where the wide call takes the same kernels as the square ones, forward and
 # backward apart (on a GPU: the Hopper set walks block layouts both ways).
 COALESCE = True
+# The backward's wide call (`_wide_backward`) where COALESCE_BACKWARD is on too. Off: on 2 H100s (session 20, 32k
+# tokens, 16/16 heads, per-call device spans of one profiled run) the Hopper backward on the wide call's lists took
+# 0.6-1.2 ms a call more than its two square pairs (15.3 / 16.1 ms against 14.7 / 14.9 with pairs). Checked against
+# the oracle on every backend on the CPU all the same (tests/multidevice/ring_checks.py).
+COALESCE_BACKWARD = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
@@ -442,7 +447,7 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
             if key not in calls:
                 calls[key] = _choose(spec, backends, platform, backend, call, key, det)
         coalesced = COALESCE and token_order == "zigzag" and stage.chunk * 2 == n and _wide(stage)
-        backward = coalesced
+        backward = coalesced and COALESCE_BACKWARD
         if coalesced:  # only where the wide call takes the square ones' kernels (a block layout of c x c blocks: the
             # Hopper set needs c a whole number of its tiles), each pass apart
             square = calls[(stage.chunk, stage.chunk, FULL)][1]
@@ -450,7 +455,7 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
             if key not in calls:
                 calls[key] = _choose(spec, backends, platform, backend, call, key, det)
             coalesced = calls[key][1].forward == square.forward
-            backward = calls[key][1].backward == square.backward
+            backward = backward and calls[key][1].backward == square.backward
         wide.append(coalesced)
         wide_bwd.append(backward)
     wide, wide_bwd = tuple(wide), tuple(wide_bwd)
