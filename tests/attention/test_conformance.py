@@ -242,7 +242,8 @@ def _takes_hopper_kernels(case: Case, deterministic: bool = False) -> tuple:
            and f.atoms <= {"segments", "sinks", "soft_cap"})
     from ejgen.runtime.attention.gluon import host as gluon_host
 
-    narrow = f.window is not None and sum(f.window) + 1 < gluon_host.NARROW_WINDOW
+    sides = (f.window, f.window) if isinstance(f.window, int) else f.window  # an int: that many keys either side
+    narrow = f.window is not None and sum(sides) + 1 < gluon_host.NARROW_WINDOW
     fwd = fwd and not (narrow and f.sinks)
     bwd = (fwd and (square or gluon_host.CROSS_BACKWARD) and not deterministic and not narrow
            and not (f.window is not None and not f.causal)
