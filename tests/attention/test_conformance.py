@@ -229,8 +229,8 @@ def _takes_hopper_kernels(case: Case, deterministic: bool = False) -> tuple:
     causal, window or segment ids; the backward that only with gluon.host.CROSS_BACKWARD), not varlen, no feature
     but causal, a window, segment ids, a soft cap and sinks (joined outside the kernels); the backward also not a
     window without causal, nor a window with segment ids unless the gluon_spec_masks setting is on, nor a soft cap
-    without the fast_tanh setting, nor a window narrower than gluon.host.NARROW_WINDOW keys, and not deterministic;
-    neither pass with sinks and such a narrow window."""
+    without the fast_tanh setting, nor a window narrower than gluon.host.NARROW_WINDOW keys without sinks, and not
+    deterministic."""
     from ejgen.runtime.core import kernels, settings
 
     f, shape, now = case.features, case.shape, settings.current()
@@ -243,8 +243,7 @@ def _takes_hopper_kernels(case: Case, deterministic: bool = False) -> tuple:
     from ejgen.runtime.attention.gluon import host as gluon_host
 
     sides = (f.window, f.window) if isinstance(f.window, int) else f.window  # an int: that many keys either side
-    narrow = f.window is not None and sum(sides) + 1 < gluon_host.NARROW_WINDOW
-    fwd = fwd and not (narrow and f.sinks)
+    narrow = f.window is not None and sum(sides) + 1 < gluon_host.NARROW_WINDOW and not f.sinks
     bwd = (fwd and (square or gluon_host.CROSS_BACKWARD) and not deterministic and not narrow
            and not (f.window is not None and not f.causal)
            and not (f.window is not None and f.segments and not now.gluon_spec_masks)

@@ -114,12 +114,13 @@ def hopper() -> bool:
 # `benchmarks/hopper_features.py` (session 20, BENCHMARKS.md). False sends Sq != Sk backwards to the generated kernels.
 CROSS_BACKWARD = True
 
-# Windows narrower than this many keys (left + right + 1) take the generated backward, and with sinks the generated
-# forward too: the Hopper set's 128 x 128 tiles cut a narrow band mostly into partial tiles, and sinks join outside
-# its kernels, an extra pass over the output that a short call feels. H100, session 20 (`benchmarks/
+# Windows narrower than this many keys (left + right + 1) take the generated backward where there are no sinks: the
+# Hopper set's 128 x 128 tiles cut a narrow band mostly into partial tiles. H100, session 20 (`benchmarks/
 # hopper_features.py`, one process, B 1, S 8192, H 16, D 128; generated / Hopper ms): backward (fwd+bwd less fwd) of a
-# causal window of 128 keys 0.245 / 0.320, 512 0.390 / 0.425, 2048 0.858 / 0.731; gpt-oss (window 128, sinks)
-# forward 0.122 / 0.138. The forward alone wins at every width measured (128: 0.120 / 0.107).
+# causal window of 128 keys 0.245 / 0.320, 512 0.390 / 0.425, 2048 0.858 / 0.731. The forward wins at every width
+# measured (128: 0.120 / 0.107). With sinks both passes stay on the Hopper set: gpt-oss (window 128, learnable sinks,
+# `benchmarks/zoo.py`) took 0.715 ms forward+backward on the generated kernels against 0.434 on the Hopper set
+# (session 20 and 19, H100; its forward alone with sinks closed over: 0.122 / 0.138, `hopper_features.py`).
 NARROW_WINDOW = 1024
 
 
@@ -163,13 +164,9 @@ def ineligible(layout, cfg, q, k, v, pinned: bool, pass_: str = "fwd") -> str | 
          f"causal, a window, segment ids, a block layout or a spec mask)"),
         (pass_ == "bwd" and q.shape[1] != k.shape[1] and not CROSS_BACKWARD,
          f"Sq {q.shape[1]} != Sk {k.shape[1]} in the backward (gluon.host.CROSS_BACKWARD is off)"),
-        (pass_ == "bwd" and narrow_window(cfg),
+        (pass_ == "bwd" and narrow_window(cfg) and not cfg.sinks,
          f"a window of {cfg.window_span + 1} keys, narrower than gluon.host.NARROW_WINDOW = {NARROW_WINDOW} (the "
          f"generated backward is faster there)"),
-        (cfg.sinks and narrow_window(cfg),
-         f"sinks with a window of {cfg.window_span + 1} keys, narrower than gluon.host.NARROW_WINDOW = "
-         f"{NARROW_WINDOW} (the generated kernels fold the sinks in; the Hopper set joins them outside, which a "
-         f"narrow window's short kernels feel)"),
         (pass_ == "bwd" and cfg.softcap and not settings.current().fast_tanh,
          "a soft cap with the exact tanh (the generated backward is faster there: Gemma 2, H100, session 20, 2.65 "
          "against 3.36 ms; the Hopper backward takes it with the fast_tanh setting)"),
