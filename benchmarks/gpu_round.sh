@@ -43,8 +43,8 @@
 #   ring-tests     the ring's GPU tests (2 GPUs)                                       (issue 18)
 #   ring-time      the ring at 32k, zigzag, timed as the project times (2 GPUs)
 #   ring-wide      the same with and without each later step's two blocks as one call (ring.COALESCE; 2 GPUs)
-#   ring-wide-bwd  the same with the Hopper backward on Sq != Sk (gluon.host.CROSS_BACKWARD): the backward's steps
-#                  coalesce too (run gluon-tests first: it is not yet GPU-checked)
+#   ring-wide-bwd  the same with the backward's steps coalesced too (ring.COALESCE_BACKWARD: off by default, slower
+#                  than its pairs on 2 H100s in session 20)
 #   ring-gaps      the same calls back to back under the profiler: idle gaps against slower kernels (2 GPUs)
 #   ring-profile   one call's kernels per device (2 GPUs)
 # Every lane also samples its GPUs' SM clocks and power (nvidia-smi, 200 ms) into clocks-<GPUS>.txt.
@@ -154,7 +154,7 @@ j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 12
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
 j_ring-wide() { job ring-wide 150 python3 "${RING[@]}" --parts time --coalesce both \
   --out "$log/ring-wide"; }
-j_ring-wide-bwd() { job ring-wide-bwd 150 python3 "${RING[@]}" --parts time --coalesce both --cross-backward \
+j_ring-wide-bwd() { job ring-wide-bwd 150 python3 "${RING[@]}" --parts time --coalesce both --coalesce-backward \
   --out "$log/ring-wide-bwd"; }
 j_ring-gaps() { job ring-gaps 120 python3 "${RING[@]}" --parts gaps --out "$log/ring"; }
 j_ring-profile() { job ring-profile 100 python3 "${RING[@]}" --parts profile --out "$log/ring"; }
@@ -182,6 +182,9 @@ declare -A PRESETS=(
   # what session 19 staged: the cross backward and the fast tanh checked, the soft cap and sinks timed against the
   # generated kernels, the ring with coalesced backward steps, decode under the profiler
   [staged]="0:gluon-tests 1:hopper-features,decode-trace 2-3:ring-wide-bwd"
+  # what session 20 left unchecked on a GPU: the conformance suite's Hopper cases with the narrow-window rule (an
+  # int window's sides) and sinks kept on the Hopper set; then (another call, nothing beside it) the zoo
+  [next]="0-1:hopper-tests,zoo-capsinks 2-3:ring-tests,ring-wide"
 )
 plan=()
 for arg in "${@:-zoo}"; do

@@ -73,9 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--coalesce", choices=("off", "on", "both"), default="on",
                    help="time zigzag rings with each later step's two blocks as one call (ring.COALESCE, the "
                         "default) or as two (impl ring-zigzag-pairs); both: each, same process")
-    p.add_argument("--cross-backward", action="store_true",
-                   help="the Hopper backward takes Sq != Sk (gluon.host.CROSS_BACKWARD, off by default until GPU-run): "
-                        "coalesced zigzag steps run their backward as one call too")
+    p.add_argument("--coalesce-backward", action="store_true",
+                   help="coalesced zigzag steps run their backward as one call too (ring.COALESCE_BACKWARD, off by "
+                        "default: slower than the pairs on 2 H100s, session 20)")
     p.add_argument("--budget-s", type=float, default=500, help="start no case after this many seconds")
     p.add_argument("--out", default="bench-out/ring")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on 4 CPU devices, platform xla")
@@ -413,10 +413,10 @@ def main():
     global SEQS, HEADS, ORDERS, PASSES
     out_dir = Path(ARGS.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if ARGS.cross_backward:
-        from ejgen.runtime.attention.gluon import host as gluon_host
+    if ARGS.coalesce_backward:
+        from ejgen.runtime.attention import ring as ring_runtime
 
-        gluon_host.CROSS_BACKWARD = True  # read as each call is traced
+        ring_runtime.COALESCE_BACKWARD = True  # read as each call is traced
     if ARGS.cpu_smoke:
         platform = "xla"
         ARGS.check_seq, ARGS.mesh_seq, ARGS.strong_seq, ARGS.weak_base = 256, 256, 256, 128
