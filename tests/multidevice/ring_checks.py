@@ -191,6 +191,43 @@ def check_zigzag_coalescing_gated(backend, failures, devices=2):
                         f"did not coalesce on its own ({seen})")
 
 
+def _branches(fn, diff, d_out, d_lse) -> list:
+    """The branch ops (`lax.cond` / `lax.switch`) in the lowered forward and backward of ``fn(**diff) -> (out,
+    lse)``."""
+    def run(diff):
+        (out, lse), pull = jax.vjp(lambda d: fn(**d), diff)
+        return out, lse, pull((d_out, d_lse))[0]
+
+    text = jax.jit(run).lower(diff).as_text()
+    return [op for op in ("stablehlo.case", "stablehlo.if") if op in text]
+
+
+def check_zigzag_without_branches(backend, failures, devices=2):
+    """A causal zigzag ring (its later steps coalesced, ring.COALESCE; forward and backward) lowers without a branch
+    on the device index: XLA's GPU runtime evaluates a conditional on the host, copying the predicate back and waiting
+    for the stream, so the host could no longer run ahead of the device (2 H100s, session 20: 0.8 ms a call). On 2
+    and 4 devices, with the wide backward (COALESCE_BACKWARD) off and on; the check sees a branch where there is one:
+    a contiguous causal ring's steps differ by device (full or skipped, `lax.switch`). Lowered, not run, on the
+    triton backend (what a GPU runs: the xla backend's own kernels branch inside their block loops)."""
+    from ejgen.runtime.attention import ring
+
+    shape = AttnShape(1, 32, 32, 2, 2, 16)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-no-branch")
+    saved = ring.COALESCE, ring.COALESCE_BACKWARD
+    try:
+        for n, wide_bwd in ((devices, False), (devices, True), (2 * devices, False)):
+            ring.COALESCE, ring.COALESCE_BACKWARD = True, wide_bwd
+            fn = in_shard_map(ring_attention, n, "zigzag", {}, {}, causal=True, platform=backend)
+            found = _branches(fn, diff, d_out, d_lse)
+            if found:
+                failures.append(f"zigzag on {n} devices (wide backward {wide_bwd}): branches {found}")
+    finally:
+        ring.COALESCE, ring.COALESCE_BACKWARD = saved
+    contiguous = in_shard_map(ring_attention, devices, "contiguous", {}, {}, causal=True, platform=backend)
+    if not _branches(contiguous, diff, d_out, d_lse):
+        failures.append("a contiguous causal ring lowered without the lax.switch its steps need: the check is blind")
+
+
 def check_window(backend, failures, devices=4):
     """A sliding window (6, 3) without causal, contiguous: blocks the window cuts run with the tokens' positions,
     blocks it misses are skipped; the ring starts one device ahead (the right side) and takes three steps of four."""
@@ -425,6 +462,7 @@ CHECKS = {
     "zigzag-pairs-steps": (check_zigzag_pairs, {"xla": 4}),
     "zigzag-coalescing-gated": (check_zigzag_coalescing_gated, {"xla": 2}),
     "zigzag-backward-coalesced": (check_zigzag_backward_coalesced, {"xla": 4}),
+    "zigzag-without-branches": (check_zigzag_without_branches, {"triton": 2}),
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),
     "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),
