@@ -232,7 +232,8 @@ PY
       | grep -vE "^    (OPT|INF|WRN) " | head -220; }
   done
 } > "$OUT/round.txt" 2>&1
-mkdir -p "$OUT/logs" && cp "$log"/*.txt "$OUT/logs/" 2>/dev/null  # every job's whole output (round.txt has tails)
+tar czf "$OUT/logs.tgz" -C "$log" $(cd "$log" && ls *.txt) 2>/dev/null  # every job's whole output in one file
+# (round.txt has tails; the device tool returns few files)
 tuned=$(find "$log/fla" -maxdepth 1 -name fla_tuned -type d 2>/dev/null)
 [ -n "$tuned" ] && tar czf "$OUT/fla_tuned.tgz" -C "$tuned" .
 grep -E "^== summary" -A20 "$OUT/round.txt"

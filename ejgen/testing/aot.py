@@ -89,15 +89,13 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     op's package (``"ejgen.zoo.natten_2d_attention"``) whose mask the kernels evaluate on partial tiles (SPEC_MASK,
     lists shared by the heads unless ``layout`` says otherwise); ``seq_k``: keys of another length than the queries
     (the forward's SEQ_K, `gluon_cross`); ``softcap``: the logits capped (SOFTCAP), with ``fast_tanh`` by the
-    hardware's approximate tanh (the fast_tanh setting)."""
+    hardware's approximate tanh (SOFTCAP 2, `KernelChoice.fast_tanh`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from ejgen.runtime.attention.gluon import host as gluon_attention
 
-    os.environ["EJGEN_FAST_TANH"] = "1" if fast_tanh else "0"  # read at call time (a fresh interpreter per compile:
-    # `compile_gluon_in_subprocess`)
     ptr = _DTYPES[dtype]
     args = (batch, heads, kv_heads, seq, head_dim, causal, window, segments)
     compiled = {}
@@ -122,7 +120,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     tiles = gluon_attention.fwd_key_tiles(call, divides)
     fwd_consts = gluon_attention.constexprs(*args, ordered=gluon_attention.ordered(call) or bool(fwd_lists),
                                             dynamic=dynamic, lists=fwd_lists, spec=mask, tiles=tiles, seq_k=seq_k,
-                                            softcap=softcap)
+                                            softcap=softcap, fast_tanh=fast_tanh)
     segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32", ORDER="*i32")
     bwd_pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
                         DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)
@@ -130,13 +128,15 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                 dict(Q=ptr, K=ptr, V=ptr, F32="*fp32", I32="*i32", O=ptr, LSE="*fp32", TILE_CTR="*i32",
                      SCRATCH="*u8", **segs)),
                ("gluon_bwd_kernel", gluon_attention.bwd_kernel(),
-                gluon_attention.bwd_constexprs(*args, lists=bwd_lists, spec=mask, softcap=softcap, seq_k=seq_k),
+                gluon_attention.bwd_constexprs(*args, lists=bwd_lists, spec=mask, softcap=softcap, seq_k=seq_k,
+                                               fast_tanh=fast_tanh),
                 bwd_pointers)]
     if forward_only:
         kernels = kernels[:1]
     elif causal and window and not bwd_lists:  # the persistent backward runs causal windows
         kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(),
-                        gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim, softcap), bwd_pointers))
+                        gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim, softcap, fast_tanh),
+                        bwd_pointers))
     for name, kernel, consts, pointers in kernels:
         sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}

@@ -237,13 +237,13 @@ def _stand_in_kernels(monkeypatch):
             s = jnp.where(jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq), s, -jnp.inf)
         return s
 
-    def forward(layout, q, k, v, scalars, ctx, cfg, gluon_backward=True):
+    def forward(layout, q, k, v, scalars, ctx, cfg, fast_tanh=False):
         s = scores(q, k, cfg, scalars[0][0])
         lse = jax.nn.logsumexp(s, axis=-1)
         p = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse)[..., None])
         return jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32)).astype(q.dtype), lse
 
-    def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg):
+    def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False):
         b, sq, hq, d = q4.shape
         hkv = k.shape[2]
         q5, do5 = q4.reshape(b, sq, hkv, hq // hkv, d), do4.reshape(b, sq, hkv, hq // hkv, -1)
@@ -325,13 +325,44 @@ def test_the_fast_tanh_only_where_the_backward_is_the_hopper_one_too(monkeypatch
         with settings(deterministic=deterministic, fast_tanh=fast):
             run_vjp(flash_attention, diff, {}, dict(causal=True, platform="triton", **kw), d_out, d_lse)
         names = [kernel.__name__ for kernel, *_ in seen]
-        return ([c["SOFTCAP"] for kernel, *_, c in seen if kernel.__name__ == "gluon_attention_fwd_kernel"],
-                any(n.startswith("gluon_attention_bwd") for n in names))
+        backward = [c["SOFTCAP"] for kernel, *_, c in seen if kernel.__name__.startswith("gluon_attention_bwd")]
+        forward = [c["SOFTCAP"] for kernel, *_, c in seen if kernel.__name__ == "gluon_attention_fwd_kernel"]
+        assert all(b == forward[0] for b in backward), (forward, backward)  # one tanh for both passes
+        return forward, any(n.startswith("gluon_attention_bwd") for n in names)
 
     assert forward_softcap(True, False, logits_soft_cap=30.0) == ([2], True)
     assert forward_softcap(True, True, logits_soft_cap=30.0) == ([1], False)
     assert forward_softcap(False, False, logits_soft_cap=30.0) == ([1], False)
     assert forward_softcap(True, False) == ([0], True)
+
+
+def test_the_fast_tanh_is_decided_once_for_both_passes(monkeypatch):
+    """The fast_tanh setting read when the kernels are chosen (`KernelChoice.fast_tanh`), not again as each pass is
+    traced: a backward traced after the setting's scope has closed (jax.vjp inside it, the pull outside) still takes
+    the forward's tanh (SOFTCAP 2 both), and one chosen without it stays exact in both though the pull runs inside a
+    scope that asks for it."""
+    from ejgen.ops import flash_attention, settings
+    from ejgen.testing.shapes import random_qkv, rng_for
+
+    seen = pretend_hopper(monkeypatch, values=False)
+    shape = AttnShape(1, 256, 256, 4, 2, 128)
+    q, k, v = (x.astype(jnp.bfloat16) for x in random_qkv(shape, "float32", rng_for("fast-tanh-once")).values())
+
+    def softcaps(fast_forward, fast_pull):
+        seen.clear()
+
+        def call(q):
+            return flash_attention(q, k, v, causal=True, logits_soft_cap=30.0, platform="triton")
+
+        with settings(fast_tanh=fast_forward):
+            out, pull = jax.vjp(call, q)
+        with settings(fast_tanh=fast_pull):
+            jax.block_until_ready(pull(jnp.ones_like(out)))
+        return sorted((kernel.__name__, c["SOFTCAP"]) for kernel, *_, c in seen)
+
+    assert softcaps(True, False) == [("gluon_attention_bwd_kernel", 2), ("gluon_attention_fwd_kernel", 2)]
+    assert [c for name, c in softcaps(False, True) if name.startswith("gluon_attention_fwd")] == [1]
+    assert not any(name.startswith("gluon_attention_bwd") for name, _ in softcaps(False, True))
 
 
 SOFTCAP_CASES = [c for c in GPU_CASES if "logits_soft_cap" in c[2]]
@@ -368,7 +399,9 @@ def test_gluon_soft_cap_with_the_fast_tanh_matches_the_oracle(monkeypatch, trito
                               lse_atol=features["logits_soft_cap"] * 2.0 ** -10 if fast else None)
     forwards = [kw for pass_, kw in triton_launches if pass_ == "fwd"]
     assert forwards and all(kw.get("SOFTCAP") == (2 if fast else 1) for kw in forwards), triton_launches
-    assert fast == any(pass_ in ("bwd", "persistent") for pass_, _ in triton_launches), triton_launches
+    backwards = [kw for pass_, kw in triton_launches if pass_ in ("bwd", "persistent")]
+    assert fast == bool(backwards), triton_launches
+    assert all(kw.get("SOFTCAP") == 2 for kw in backwards), triton_launches  # the forward's tanh
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")

@@ -111,7 +111,7 @@ def check_zigzag_features(backend, failures, devices=4):
 
 def check_zigzag_pairs(backend, failures, devices=4):
     """`check_zigzag_features` with each later step's two full blocks run as two calls (ring.COALESCE off; on, the
-    default, they run as one: c queries against the whole held block, or every local query against one key chunk)."""
+    default, they run as one 2c x 2c call with a block layout of the two, `ring._wide_layout`)."""
     from ejgen.runtime.attention import ring
 
     before, ring.COALESCE = ring.COALESCE, False
@@ -126,7 +126,7 @@ def _coalescing(other: str | None = None):
     on a GPU, checked here all the same), ring._wide_forward / _wide_backward counted (the dict
     it yields: "fwd", "bwd"), and with ``other`` ("forward" or "backward") the wide calls' kernels for that pass
     made to differ from the square pairs' (as where a backend's kernels cannot walk the wide call's block layout of
-    c x c blocks: the Hopper set with c not a whole number of its tiles)."""
+    c x c blocks: the Hopper set where c neither covers nor divides its tiles, `gluon.host.layout_misfit`)."""
     import contextlib
     import dataclasses
 
@@ -213,6 +213,12 @@ def check_zigzag_without_branches(backend, failures, devices=2):
 
     shape = AttnShape(1, 32, 32, 2, 2, 16)
     _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-no-branch")
+    with _coalescing() as seen:  # the defaults coalesce the forward and keep the backward's pairs
+        ring.COALESCE_BACKWARD = False
+        _branches(in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend), diff,
+                  d_out, d_lse)
+    if not seen["fwd"] or seen["bwd"]:
+        failures.append(f"the default ring did not coalesce its forward alone: {seen}")
     saved = ring.COALESCE, ring.COALESCE_BACKWARD
     try:
         for n, wide_bwd in ((devices, False), (devices, True), (2 * devices, False)):
@@ -461,7 +467,7 @@ CHECKS = {
     "alibi-zigzag": (check_alibi, {"xla": 4, "pallas": 2, "triton": 2}),
     "zigzag-pairs-steps": (check_zigzag_pairs, {"xla": 4}),
     "zigzag-coalescing-gated": (check_zigzag_coalescing_gated, {"xla": 2}),
-    "zigzag-backward-coalesced": (check_zigzag_backward_coalesced, {"xla": 4}),
+    "zigzag-backward-coalesced": (check_zigzag_backward_coalesced, {"xla": 4, "pallas": 2, "triton": 2}),
     "zigzag-without-branches": (check_zigzag_without_branches, {"triton": 2}),
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),

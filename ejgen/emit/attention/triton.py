@@ -63,7 +63,6 @@ class TlPrinter(Printer):
         self.params = params
         self.hoisted = hoisted or {}  # ParamRef -> the name it was loaded into before the key loop
 
-
     def int_op(self, e: Binary):
         """`_int_div` / `_int_mod` (Triton's own ``//`` and ``%`` on ints are C's)."""
         return f"{'_int_div' if e.op == '//' else '_int_mod'}({self(e.a)}, {self(e.b)})", 9
@@ -136,16 +135,17 @@ def hoisted_params(exprs, printer: TlPrinter, varying=("s", "kv_idx")) -> list[s
     decode kernel ``q_idx`` and ``off_h`` are the program's rows, fixed): each loaded once before the loop into
     ``param_<name>_<i>``, which ``printer`` prints from now on. A load inside the loop is a gather the software
     pipeline does not prefetch: ALiBi's slopes cost its decode 30% (notes/perf.md). Returns the loading lines."""
-    lines = []
+    lines, inside = [], set()  # inside: reads within a hoisted read's indices (loaded with it, not apart)
     for e in exprs:
-        for n in walk(e):
-            if not isinstance(n, ParamRef) or n in printer.hoisted:
+        for n in walk(e):  # outer reads before the reads in their indices
+            if not isinstance(n, ParamRef) or n in printer.hoisted or n in inside:
                 continue
             if any(isinstance(x, Var) and x.name in varying for i in n.indices for x in walk(i)):
                 continue
             name = f"param_{n.name}_{len(printer.hoisted)}"
             lines.append(f"{name} = {printer(n)}")
             printer.hoisted[n] = name
+            inside |= {x for i in n.indices for x in walk(i) if isinstance(x, ParamRef)}
     return lines
 
 

@@ -96,7 +96,10 @@ def choose_kernels(spec: SpecInfo, backends: dict, platform: str, backend: str, 
     if det:
         reasons += ("deterministic: by the call's argument" if deterministic is not None
                     else "deterministic: by the setting (EJGEN_DETERMINISTIC or settings(deterministic=True))",)
-    choice = kernels.KernelChoice(backend, forward, backward, det, (why,) + tuple(reasons))
+    fast = bool(settings.current().fast_tanh and call.cfg.softcap and forward == backward == "gluon")
+    if fast:
+        reasons += ("fast_tanh: the soft cap's tanh is the hardware's approximation, forward and backward",)
+    choice = kernels.KernelChoice(backend, forward, backward, det, (why,) + tuple(reasons), fast)
     return kernels.record(choice, spec.name)
 
 

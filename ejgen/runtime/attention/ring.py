@@ -61,9 +61,10 @@ GLUON_DYNAMIC_TILES = True
 # backward apart (on a GPU: the Hopper set walks block layouts both ways).
 COALESCE = True
 # The backward's wide call (`_wide_backward`) where COALESCE_BACKWARD is on too. Off: on 2 H100s (session 20, 32k
-# tokens, 16/16 heads, per-call device spans of one profiled run) the Hopper backward on the wide call's lists took
-# 0.6-1.2 ms a call more than its two square pairs (15.3 / 16.1 ms against 14.7 / 14.9 with pairs). Checked against
-# the oracle on every backend on the CPU all the same (tests/multidevice/ring_checks.py).
+# tokens, 16/16 heads, per-call device spans of one profiled run each) the ring with the wide backward spanned
+# 15.3 / 16.1 ms a call against 14.7 / 14.9 with its square pairs (the latter run also had session 19's branching
+# forward, so the backward's share is an estimate; the Hopper backward on the wide call's lists is the suspect).
+# Checked against the oracle on the CPU all the same (tests/multidevice/ring_checks.py: xla, both interpreters).
 COALESCE_BACKWARD = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
@@ -288,8 +289,9 @@ def _stages(order, devices, n, start, steps, causal, window, reads_positions) ->
 
 def _wide(stage: Stage) -> bool:
     """Whether every step of a stage of zigzag chunks gives every device exactly two FULL pairs that share a query
-    chunk and take both key chunks (c x 2c) or share a key chunk and take both query chunks (2c x c): the forward then
-    runs them as one call (COALESCE). Causal zigzag rings past their first step are so; windows are not."""
+    chunk and take both key chunks or share a key chunk and take both query chunks: they then run as one 2c x 2c
+    call with a block layout of the two (COALESCE, `_wide_layout`; the backward with COALESCE_BACKWARD). Causal
+    zigzag rings past their first step are so; windows are not."""
     if len(stage.slots[0]) != 2:
         return False
     for step in stage.slots:
@@ -448,14 +450,15 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
                 calls[key] = _choose(spec, backends, platform, backend, call, key, det)
         coalesced = COALESCE and token_order == "zigzag" and stage.chunk * 2 == n and _wide(stage)
         backward = coalesced and COALESCE_BACKWARD
-        if coalesced:  # only where the wide call takes the square ones' kernels (a block layout of c x c blocks: the
-            # Hopper set needs c a whole number of its tiles), each pass apart
+        if coalesced:  # only where the wide call takes the square ones' kernels (a block layout of c x c blocks, which
+            # the Hopper set walks where c covers or divides its tiles: `gluon.host.layout_misfit`), each pass apart
             square = calls[(stage.chunk, stage.chunk, FULL)][1]
             key = (n, n, WIDE)
             if key not in calls:
                 calls[key] = _choose(spec, backends, platform, backend, call, key, det)
-            coalesced = calls[key][1].forward == square.forward
-            backward = backward and calls[key][1].backward == square.backward
+            wide_choice = calls[key][1]  # (the same soft-cap tanh as the square pairs, whose backward may follow it)
+            coalesced = wide_choice.forward == square.forward and wide_choice.fast_tanh == square.fast_tanh
+            backward = backward and wide_choice.backward == square.backward
         wide.append(coalesced)
         wide_bwd.append(backward)
     wide, wide_bwd = tuple(wide), tuple(wide_bwd)

@@ -40,6 +40,9 @@ class KernelChoice:
     backward: str  # kernel set of the backward pass
     deterministic: bool
     reasons: tuple = dataclasses.field(default=(), compare=False)
+    # a soft cap's tanh as the hardware's approximation in both passes (the fast_tanh setting where both are the
+    # Hopper set): decided once, with the kernels, so the backward traced later under other settings still agrees
+    fast_tanh: bool = False
 
     def text(self) -> str:
         lines = [f"platform {self.platform}: forward {self.forward}, backward {self.backward}"

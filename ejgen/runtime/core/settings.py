@@ -20,11 +20,12 @@ Each has a default, an environment variable (read at call time) and a scoped ove
   (cross-attention without causal, a window, segment ids, a layout or a spec mask; the key count a constexpr of its
   own, SEQ_K). On since the GPU suite passed it (session 19, H100) and it measured 1.08-1.43x the generated kernels
   (BENCHMARKS.md).
-- ``fast_tanh`` (EJGEN_FAST_TANH=1, default off): a soft cap's tanh on the Hopper set is the hardware's
-  tanh.approx.f32 (one MUFU operation an element instead of two), forward and backward: a capped logit is within
-  about cap x 2^-11 of the exact one, and so is the lse (outputs stay within the dtype's tolerance; FlashAttention's
-  soft cap takes the same instruction). H100 (session 20): Gemma 2's forward 0.919 -> 0.681 ms, forward+backward
-  with its Hopper backward 4.27 -> 3.32 (the exact tanh's backward runs the generated kernels, 3.75).
+- ``fast_tanh`` (EJGEN_FAST_TANH=1, default off): a soft cap's tanh is the hardware's tanh.approx.f32 (one MUFU
+  operation an element instead of two) in calls whose forward and backward are both the Hopper set (read when the
+  kernels are chosen, `KernelChoice.fast_tanh`; elsewhere the exact tanh): a capped logit is within about
+  cap x 2^-11 of the exact one, and so is the lse (outputs stay within the dtype's tolerance; FlashAttention's soft
+  cap takes the same instruction). H100 (session 20, one run): Gemma 2's forward 0.921 -> 0.671 ms; with the fast
+  tanh the backward is the Hopper one (without it, the generated one: faster for the exact tanh).
 - ``chunk_forward`` (EJGEN_CHUNK_FORWARD: ``two_pass`` / ``fused``, default two_pass): the linear recurrent chunked
   forward on Triton, two passes (the chunk states through memory) or one (`chunk_fused_fwd`, the state in registers;
   not the default until GPU-timed, docs/DESIGN.md §3).

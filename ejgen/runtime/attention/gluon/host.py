@@ -224,9 +224,9 @@ def spec_constexprs(spec: tuple | None) -> dict:
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
                segments: bool = False, ordered: bool = False, dynamic: bool = False, lists: dict | None = None,
                spec: tuple | None = None, tiles: dict | None = None, seq_k: int | None = None,
-               softcap: bool = False, fast_tanh_ok: bool = True) -> dict:
+               softcap: bool = False, fast_tanh: bool = False) -> dict:
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq_k (default seq), hkv, d] (16-bit).
-    ``softcap``: the logits capped (SOFTCAP, `softcap_constexpr`, ``fast_tanh_ok`` its fast_ok; the cap is F32[1]).
+    ``softcap``: the logits capped (SOFTCAP, `softcap_constexpr`, with ``fast_tanh``; the cap is F32[1]).
     ``dynamic``: the programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block
     lists' constexprs (`fwd_lists`), else ranges; ``spec``: the spec's mask (`spec_constexprs`: lists only); ``tiles``:
     the key tiles (`fwd_key_tiles`; default TILES)."""
@@ -236,19 +236,17 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                 HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **(tiles or TILES),
                 **(lists or NO_LISTS), **spec_constexprs(spec),
-                SOFTCAP=softcap_constexpr(softcap, fast_tanh_ok))
+                SOFTCAP=softcap_constexpr(softcap, fast_tanh))
 
 
-def softcap_constexpr(softcap: bool, fast_ok: bool = True) -> int:
+def softcap_constexpr(softcap: bool, fast: bool = False) -> int:
     """SOFTCAP of the kernels: 0 no soft cap, 1 the exact tanh (from exp2 and an approximate divide: two MUFU
-    operations an element, within 1e-7), 2 the hardware's tanh.approx.f32 (one, relative error about 2^-11): the
-    fast_tanh setting (`ejgen.runtime.core.settings`), and ``fast_ok``: a forward takes it only where its backward is
-    the Hopper one too, whose P is then of the same logits as the forward's lse (the generated backward's exact tanh
-    against an approximate lse would not sum to 1). With the exact form a soft-cap forward takes 1.9x the plain
+    operations an element, within 1e-7), 2 the hardware's tanh.approx.f32 (one, relative error about 2^-11): ``fast``,
+    the call's `KernelChoice.fast_tanh` (the fast_tanh setting where both passes are the Hopper set, decided once with
+    the kernels: the backward's P must be of the same logits as the forward's lse, and a generated backward's exact
+    tanh against an approximate lse would not sum to 1). With the exact form a soft-cap forward takes 1.9x the plain
     causal one (H100, session 19: three MUFU operations an element against one)."""
-    from ejgen.runtime.core import settings
-
-    return (2 if settings.current().fast_tanh and fast_ok else 1) if softcap else 0
+    return (2 if fast else 1) if softcap else 0
 
 
 def listed(cfg, spec: bool, pass_: str = "fwd") -> bool:
@@ -300,14 +298,15 @@ def bwd_kernel():
 
 def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
                    segments: bool = False, lists: dict | None = None, spec: tuple | None = None,
-                   softcap: bool = False, seq_k: int | None = None) -> dict:
+                   softcap: bool = False, seq_k: int | None = None, fast_tanh: bool = False) -> dict:
     """The backward's constexprs (window: causal with a window to the left, `ineligible`; ``lists``: the block
-    lists' constexprs, `bwd_lists`; ``spec``: the spec's mask, `spec_constexprs`; ``softcap``: SOFTCAP; ``seq_k``: the
-    keys' count, default seq: another only without causal, a window, segment ids or lists, gluon_cross)."""
+    lists' constexprs, `bwd_lists`; ``spec``: the spec's mask, `spec_constexprs`; ``softcap``: SOFTCAP, with
+    ``fast_tanh``; ``seq_k``: the keys' count, default seq: another only without causal, a window, segment ids or
+    lists, gluon_cross)."""
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, SEQ_K=seq_k or seq, D=d, MASK=2 if window else int(causal),
                 DQ_MODE=1 if d == 128 else 0, SEGMENTS=segments,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES, **(lists or NO_LISTS),
-                **spec_constexprs(spec), SOFTCAP=softcap_constexpr(softcap))
+                **spec_constexprs(spec), SOFTCAP=softcap_constexpr(softcap, fast_tanh))
 
 
 # The persistent backward (gluon_kernels.gluon_attention_bwd_persistent_kernel) for causal sliding windows: one
@@ -348,10 +347,11 @@ def pbwd_kernel():
     return importlib.import_module("ejgen.runtime.attention.gluon.kernels").gluon_attention_bwd_persistent_kernel
 
 
-def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bool = False) -> dict:
+def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bool = False,
+                    fast_tanh: bool = False) -> dict:
     """The persistent backward's constexprs for a causal sliding window (MASK 2); its launch also passes a zeroed
     int32 tile counter (TILE_CTR: the kernel takes its tiles from it)."""
-    base = bwd_constexprs(batch, hq, hkv, seq, d, True, True, softcap=softcap)
+    base = bwd_constexprs(batch, hq, hkv, seq, d, True, True, softcap=softcap, fast_tanh=fast_tanh)
     for name in ("SEGMENTS", "SEQ_K", *NO_LISTS, *spec_constexprs(None)):  # segment ids, layouts and spec masks with
         del base[name]  # a window take the per-program backward over lists (`listed`); keys as many as queries
     return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"]))

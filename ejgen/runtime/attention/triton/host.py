@@ -307,13 +307,13 @@ def _gluon_spec(layout: Layout):
     return spec, layout.mask_tiles if spec is not None else None
 
 
-def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, gluon_backward: bool = True):
+def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool = False):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
     segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`);
     where the queue wins (`gluon_attention.dynamic_tiles`) its programs take them from a counter. With a block
     layout or a spec mask each query tile walks its list of key blocks (`gluon_attention.fwd_lists`; LIST), in the
-    order of their counts, the spec's mask on the partial ones (SPEC_MASK). ``gluon_backward``: whether the call's
-    backward is the Hopper one (the fast tanh of a soft cap only then, `gluon_attention.softcap_constexpr`)."""
+    order of their counts, the spec's mask on the partial ones (SPEC_MASK). ``fast_tanh``: the call's
+    `KernelChoice.fast_tanh` (a soft cap's approximate tanh, `gluon_attention.softcap_constexpr`)."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
     grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
@@ -340,7 +340,7 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, gluon_backward: b
         zeroed=(2, ) if dynamic else (), num_warps=4, num_stages=1,
         **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments, ordered, dynamic,
                                      lists, spec, tiles, seq_k=k.shape[1], softcap=cfg.softcap,
-                                     fast_tanh_ok=gluon_backward))
+                                     fast_tanh=fast_tanh))
     return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
 
 
@@ -374,11 +374,11 @@ def choose(layout: Layout, call, deterministic: bool):
     return picked[0], picked[1], tuple(reasons)
 
 
-def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg):
+def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh: bool = False):
     """The warp-specialised Gluon backward (gluon_attention): (dq, dk, dv), dq [B, Sq, Hq, D] added up in float32
     by reduce-adds (not bitwise reproducible run to run, like cuDNN's). Each key block walks a list of query blocks
     where the forward's tiles would (a block layout, a spec mask, whose element mask runs on partial items) and with
-    segment ids under a window (`gluon_attention.listed`)."""
+    segment ids under a window (`gluon_attention.listed`). ``fast_tanh``: as the forward's (`KernelChoice`)."""
     batch, sq, hq, d = q4.shape
     hkv = k.shape[2]
     spec, mask_tiles = _gluon_spec(layout)
@@ -389,7 +389,7 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
         # kernel, whose tile counter is zeroed like the dQ accumulator
         kernel, grid = gluon_attention.pbwd_kernel(), gluon_attention.pbwd_grid(batch, hkv, sq)
         outs.append(jax.ShapeDtypeStruct((1, ), jnp.int32))
-        zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d, cfg.softcap)
+        zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d, cfg.softcap, fast_tanh)
     else:
         sk = k.shape[1]  # Sq != Sk: gluon_cross, no causal, window, segment ids or lists (gluon_attention.ineligible)
         kernel, grid = gluon_attention.bwd_kernel(), (_cdiv(sk, gluon_attention.BWD_TILES["BLOCK_N"]), batch * hkv)
@@ -403,7 +403,8 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
         else:
             order = _dummy(jnp.int32)
         zeroed, consts = (0, ), gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window,
-                                                                cfg.segments, lists, spec, cfg.softcap, sk)
+                                                                cfg.segments, lists, spec, cfg.softcap, sk,
+                                                                fast_tanh)
         scalars = [*scalars, *segments, order]
     dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, k, v, do4, lse3, delta3, *scalars],
                                             outs + [_scratch(grid)], zeroed=zeroed, num_warps=4, num_stages=1, **consts)
@@ -422,7 +423,7 @@ def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
     hq, dv = hkv * groups, v.shape[-1]
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     if choice.forward == "gluon":
-        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.backward == "gluon")
+        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.fast_tanh)
         if cfg.sinks:  # the kernels take none: the sinks join the denominator here (the backward reads this lse)
             out, lse = join_sinks(out, lse, ctx["softmax_aux"])
             out = out.astype(q.dtype)
@@ -491,7 +492,8 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
     lse3 = lse.reshape(batch, hq, sq)
     if choice.backward == "gluon":  # no bias or params here; sinks are in lse (the forward's), their gradient from it
         delta = _delta(out, d_out, d_lse) if given is None else given
-        dq, dk, dv_ = _gluon_backward(layout, q4, k, v, do4, lse3, delta.reshape(batch, hq, sq), scalars, ctx, cfg)
+        dq, dk, dv_ = _gluon_backward(layout, q4, k, v, do4, lse3, delta.reshape(batch, hq, sq), scalars, ctx, cfg,
+                                      choice.fast_tanh)
         return dq.reshape(q.shape), dk, dv_, _ctx_grads(layout, ctx, cfg, lse, delta.reshape(lse.shape), None, ())
     kernels = layout.kernels()
     n_seq = _grid_batch(q, ctx, cfg)
