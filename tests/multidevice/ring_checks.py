@@ -467,7 +467,8 @@ CHECKS = {
     "alibi-zigzag": (check_alibi, {"xla": 4, "pallas": 2, "triton": 2}),
     "zigzag-pairs-steps": (check_zigzag_pairs, {"xla": 4}),
     "zigzag-coalescing-gated": (check_zigzag_coalescing_gated, {"xla": 2}),
-    "zigzag-backward-coalesced": (check_zigzag_backward_coalesced, {"xla": 4, "pallas": 2, "triton": 2}),
+    "zigzag-backward-coalesced": (check_zigzag_backward_coalesced, {"xla": 4, "triton": 2}),  # (pallas: 7 s more of
+    # the multidevice budget; it passed in session 20)
     "zigzag-without-branches": (check_zigzag_without_branches, {"triton": 2}),
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),

@@ -64,7 +64,7 @@ COALESCE = True
 # tokens, 16/16 heads, per-call device spans of one profiled run each) the ring with the wide backward spanned
 # 15.3 / 16.1 ms a call against 14.7 / 14.9 with its square pairs (the latter run also had session 19's branching
 # forward, so the backward's share is an estimate; the Hopper backward on the wide call's lists is the suspect).
-# Checked against the oracle on the CPU all the same (tests/multidevice/ring_checks.py: xla, both interpreters).
+# Checked against the oracle on the CPU all the same (tests/multidevice/ring_checks.py: xla, the Triton interpreter).
 COALESCE_BACKWARD = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
