@@ -80,57 +80,54 @@ def visible_pairs(kw: dict, sq: int, sk: int) -> float:
 
 
 def impls(kw: dict, aux):
-    """{label: (fwd, fwd+bwd) builders of q, k, v}: the generated kernels, the Hopper set (with a soft cap also with the
-    fast tanh), and cuDNN where it has the case's features."""
+    """{label: (fn of q, k, v, its options for `configured`: None for cuDNN)}: the generated kernels, the Hopper set
+    (with a soft cap also with the fast tanh; cross cases with --cross-backward also with the generated backward), and
+    cuDNN where it has the case's features."""
     extra = {n: x for n, x in kw.items() if n != "sinks"}
     if kw.get("sinks"):
         extra["softmax_aux"] = aux
 
-    def ejgen(hopper: bool, fast: bool = False, **knobs):
-        def fwd(q, k, v):
-            with settings(gluon=hopper, fast_tanh=fast):  # read as the call is traced
-                return flash_attention(q, k, v, platform="triton", **extra)
-        return fwd, dict(knobs, fast=fast)
+    def ejgen(q, k, v):
+        return flash_attention(q, k, v, platform="triton", **extra)
 
-    out = {"generated": ejgen(False), "hopper": ejgen(True)}
+    out = {"generated": (ejgen, dict(gluon=False)), "hopper": (ejgen, dict(gluon=True))}
     if "logits_soft_cap" in kw and ARGS.fast_tanh in ("on", "both"):
-        out["hopper-fast"] = ejgen(True, fast=True)
+        out["hopper-fast"] = (ejgen, dict(gluon=True, fast_tanh=True))
         if ARGS.fast_tanh == "on":
             del out["hopper"]
     if not kw and ARGS.cross_backward:  # Sq != Sk: the generated backward too (gluon.host.CROSS_BACKWARD off)
-        out["hopper-gen-bwd"] = ejgen(True, CROSS_BACKWARD=False)
+        out["hopper-gen-bwd"] = (ejgen, dict(gluon=True, cross_backward=False))
     if "logits_soft_cap" not in kw and not kw.get("sinks"):
         def cudnn(q, k, v):
             window = kw.get("sliding_window")
             return jax.nn.dot_product_attention(q, k, v, is_causal=kw.get("causal", False), implementation="cudnn",
                                                 local_window_size=window)
-        out["cudnn"] = (cudnn, {"fast": False})
+        out["cudnn"] = (cudnn, None)
     return out
 
 
 @contextlib.contextmanager
-def knobs_set(knobs: dict):
-    """gluon.host's module settings (CROSS_BACKWARD) set while a call is traced, restored after; ``fast``: the
-    fast_tanh setting."""
-    knobs = {n: x for n, x in knobs.items() if n != "fast"}
-    before = {n: getattr(gluon_host, n) for n in knobs}
-    for n, x in knobs.items():
-        setattr(gluon_host, n, x)
+def configured(opts: dict | None):
+    """ejgen's settings (gluon, fast_tanh) and gluon.host.CROSS_BACKWARD (``cross_backward``) as ``opts`` asks, while
+    a call is traced or explained (both passes: the kernels and their tanh are chosen at the forward's trace)."""
+    opts = dict(opts or {})
+    cross = opts.pop("cross_backward", gluon_host.CROSS_BACKWARD)
+    before, gluon_host.CROSS_BACKWARD = gluon_host.CROSS_BACKWARD, cross
     try:
-        yield
+        with settings(**opts):
+            yield
     finally:
-        for n, x in before.items():
-            setattr(gluon_host, n, x)
+        gluon_host.CROSS_BACKWARD = before
 
 
-def compiled_passes(fwd, knobs: dict, args):
-    """(fwd, fwd+bwd) compiled, traced with gluon.host's ``knobs``."""
+def compiled_passes(fn, opts: dict | None, args):
+    """(fwd, fwd+bwd) compiled under ``configured(opts)``."""
     def fwdbwd(q, k, v):  # every gradient: a dq alone would let XLA drop a separate dK/dV kernel
-        out, pull = jax.vjp(fwd, q, k, v)
+        out, pull = jax.vjp(fn, q, k, v)
         return out, pull(jnp.ones_like(out))
 
-    with knobs_set(knobs):
-        return jax.jit(fwd).lower(*args).compile(), jax.jit(fwdbwd).lower(*args).compile()
+    with configured(opts):
+        return jax.jit(fn).lower(*args).compile(), jax.jit(fwdbwd).lower(*args).compile()
 
 
 def run_case(name: str) -> list[dict]:
@@ -144,16 +141,16 @@ def run_case(name: str) -> list[dict]:
     aux = jax.random.normal(keys[3], (h,), jnp.float32)
     flops = 4 * b * h * visible_pairs(kw, sq, sk) * d
     rows, compiled, ref = [], {}, {}
-    for label, (fwd, knobs) in impls(kw, aux).items():
+    for label, (fn, opts) in impls(kw, aux).items():
         sets = "cudnn"
-        if label != "cudnn":
-            with settings(gluon=label != "generated", fast_tanh=knobs["fast"]), knobs_set(knobs):
+        if opts is not None:
+            with configured(opts):
                 choice = explain(flash_attention, q, k, v, platform="triton",
                                  **{n: x for n, x in kw.items() if n != "sinks"},
                                  **({"softmax_aux": aux} if kw.get("sinks") else {}))
-            sets = f"{choice.forward}/{choice.backward}" + ("-fast" if knobs["fast"] else "")
+            sets = f"{choice.forward}/{choice.backward}" + ("-fast" if choice.fast_tanh else "")
         try:
-            fns = compiled_passes(fwd, knobs, (q, k, v))
+            fns = compiled_passes(fn, opts, (q, k, v))
         except Exception as e:  # noqa: BLE001 (cuDNN off a GPU)
             rows.append(dict(case=name, impl=label, kernels=sets, error=f"{type(e).__name__}: {str(e)[:120]}"))
             continue

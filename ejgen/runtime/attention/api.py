@@ -86,7 +86,7 @@ def choose_kernels(spec: SpecInfo, backends: dict, platform: str, backend: str, 
     else:
         why = f"platform {backend}: asked for"
     try:
-        forward, backward, reasons = backends[backend].choose(call, det)
+        forward, backward, reasons, *fields = backends[backend].choose(call, det)  # fields: KernelChoice's others
     except kernels.Unsupported as e:
         others = [b for b in backends if b != backend]
         raise ValueError(f"{spec.name}(): platform '{backend}' cannot run this call: {e} (other platforms: "
@@ -96,10 +96,8 @@ def choose_kernels(spec: SpecInfo, backends: dict, platform: str, backend: str, 
     if det:
         reasons += ("deterministic: by the call's argument" if deterministic is not None
                     else "deterministic: by the setting (EJGEN_DETERMINISTIC or settings(deterministic=True))",)
-    fast = bool(settings.current().fast_tanh and call.cfg.softcap and forward == backward == "gluon")
-    if fast:
-        reasons += ("fast_tanh: the soft cap's tanh is the hardware's approximation, forward and backward",)
-    choice = kernels.KernelChoice(backend, forward, backward, det, (why,) + tuple(reasons), fast)
+    more = fields[0] if fields else {}
+    choice = kernels.KernelChoice(backend, forward, backward, det, (why,) + tuple(reasons), **more)
     return kernels.record(choice, spec.name)
 
 

@@ -518,12 +518,12 @@ def _rows(x, start, count: int, axis: int = 1):
     return lax.dynamic_slice_in_dim(x, start, count, axis=axis)
 
 
-def _pair_ctx(plan: Plan, ctx: dict, chunk: int, kind: int, held: dict, q0, k0, r, s, sk: int, layout=None):
+def _pair_ctx(plan: Plan, ctx: dict, chunk: int, kind: int, held: dict, q0, k0, r, s, sk: int, wide_layout=None):
     """The ctx of one pair (query rows [q0, q0 + chunk), held key rows [k0, k0 + sk); offsets traced): the call's
-    scalars, params and options, the chunks' segment ids and positions, a WIDE call's ``layout``."""
+    scalars, params and options, the chunks' segment ids and positions, a WIDE call's block layout."""
     out = {n: x for n, x in ctx.items() if n not in ("q_seg", "kv_seg", "softmax_aux")}
     if kind == WIDE:
-        out["layout"] = layout
+        out["layout"] = wide_layout
     batch = held["k"].shape[0]
     if kind == PLACED:
         q_pos = _rows(device_positions(plan.order, plan.devices, plan.length, r, jnp), q0, chunk, 0)
@@ -538,19 +538,19 @@ def _pair_ctx(plan: Plan, ctx: dict, chunk: int, kind: int, held: dict, q0, k0, 
     return out
 
 
-def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int, layout=None):
+def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int, wide_layout=None):
     """(cfg, kernels, the pair's Prepared call) of one kind (query rows ``chunk``, key rows ``sk``)."""
     cfg, choice = plan.call(chunk, sk, kind)
     one = api.Prepared(cfg, _rows(q, q0, chunk), _rows(held["k"], k0, sk), _rows(held["v"], k0, sk),
-                       _pair_ctx(plan, ctx, chunk, kind, held, q0, k0, r, s, sk, layout), {}, False, plan.op)
+                       _pair_ctx(plan, ctx, chunk, kind, held, q0, k0, r, s, sk, wide_layout), {}, False, plan.op)
     return cfg, choice, one
 
 
 def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int | None = None,
-                  layout=None):
+                  wide_layout=None):
     """(out [B, chunk, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, chunk]) of one pair of one kind (key rows ``sk``:
-    chunk unless given; a WIDE call's ``layout``)."""
-    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk or chunk, layout)
+    chunk unless given; a WIDE call's ``wide_layout``)."""
+    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk or chunk, wide_layout)
     backend = plan.backend
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
     asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()

@@ -359,8 +359,10 @@ def _gluon_ineligible(layout: Layout, q, k, v, cfg, pass_: str, deterministic: b
 
 
 def choose(layout: Layout, call, deterministic: bool):
-    """(forward kernel set, backward kernel set, reasons) of the triton platform for a prepared call: the
-    Hopper set (`gluon`) where it covers the pass, else the kernels generated from the spec."""
+    """(forward kernel set, backward kernel set, reasons, {"fast_tanh": ...}) of the triton platform for a prepared
+    call: the Hopper set (`gluon`) where it covers the pass, else the kernels generated from the spec; a soft cap's
+    tanh the hardware's approximation where the fast_tanh setting asks and both passes are the Hopper set (decided
+    here once: the backward, traced later, reads it from the choice)."""
     d, dv = call.q.shape[-1], call.v.shape[-1]
     if max(d, dv) > triton_configs.MAX_HEAD_DIM:
         raise kernels.Unsupported(f"head dims {d}/{dv}: its kernels take head dims up to {triton_configs.MAX_HEAD_DIM}")
@@ -371,7 +373,10 @@ def choose(layout: Layout, call, deterministic: bool):
         spec = "; the spec's mask on partial tiles (`_spec_mask`)" if not layout.builtin_mask_only else ""
         reasons.append(f"{name}: triton (generated), not gluon: {why_not}" if why_not
                        else f"{name}: gluon (the Hopper kernel set covers this call{spec})")
-    return picked[0], picked[1], tuple(reasons)
+    fast = bool(settings.current().fast_tanh and call.cfg.softcap and picked == ["gluon", "gluon"])
+    if fast:
+        reasons.append("fast_tanh: the soft cap's tanh is the hardware's approximation, forward and backward")
+    return picked[0], picked[1], tuple(reasons), {"fast_tanh": fast}
 
 
 def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh: bool = False):
