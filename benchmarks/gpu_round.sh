@@ -182,9 +182,10 @@ declare -A PRESETS=(
   # what session 19 staged: the cross backward and the fast tanh checked, the soft cap and sinks timed against the
   # generated kernels, the ring with coalesced backward steps, decode under the profiler
   [staged]="0:gluon-tests 1:hopper-features,decode-trace 2-3:ring-wide-bwd"
-  # what session 20 left unchecked on a GPU: the conformance suite's Hopper cases with the narrow-window rule (an
-  # int window's sides) and sinks kept on the Hopper set; then (another call, nothing beside it) the zoo
-  [next]="0-1:hopper-tests,zoo-capsinks 2-3:ring-tests,ring-wide"
+  # what session 20 left unchecked on a GPU: the decode tests with the hoisted param loads, the conformance suite's
+  # Hopper cases with the narrow-window rule (an int window's sides) and sinks kept on the Hopper set; then (another
+  # call, nothing beside it) the zoo
+  [next]="0-1:hopper-tests,zoo-capsinks,decode-tests 2-3:ring-tests,ring-wide"
 )
 plan=()
 for arg in "${@:-zoo}"; do
