@@ -80,7 +80,10 @@ ALL_IMPLS = ("ejgen-triton", "ejgen-triton-bi", "ejgen-triton flash", "ejgen-pal
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench-out/decode")
-    p.add_argument("--reps", type=int, default=5, help="samples per round (each 8 calls back to back)")
+    p.add_argument("--reps", type=int, default=5, help="samples per round (each --calls calls back to back)")
+    p.add_argument("--calls", type=int, default=8,
+                   help="calls a sample dispatches back to back on the GPU: the host's dispatch of a sample's first "
+                        "call (~30 us) and its wake-up after the wait count 1/calls of a row")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median of their medians")
     p.add_argument("--cases", default="", help="comma-separated substrings of case names (default: all)")
     p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
@@ -512,7 +515,8 @@ def report(rows, stream, args, device, hq, hkv, dim, t_start, done: bool):
     fill_ratios(rows, stream["gbs"])
     ts = targets(rows, args.cpu_smoke)
     text = (f"{device}; streaming bandwidth {stream['gbs']:.0f} GB/s (copy {stream['copy_gbs']:.0f}, sum "
-            f"{stream['sum_gbs']:.0f}); bf16, Hq={hq}, Hkv={hkv}, D={dim}; reps {args.reps}, rounds {args.rounds}"
+            f"{stream['sum_gbs']:.0f}); bf16, Hq={hq}, Hkv={hkv}, D={dim}; reps {args.reps}, rounds {args.rounds}, "
+            f"{args.calls} calls a sample"
             f"{'' if done else ' (partial)'}\n\n{table(rows)}\n\n{targets_table(ts)}\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -530,7 +534,7 @@ def main(args):
     if smoke:
         args.reps, args.rounds = min(args.reps, 2), 1
     hq, hkv, dim = (SMOKE["hq"], SMOKE["hkv"], SMOKE["dim"]) if smoke else (HQ, HKV, DIM)
-    batch = 8 if on_gpu else 1
+    batch = args.calls if on_gpu else 1
     device = jax.devices()[0].device_kind
     t_start = time.perf_counter()
     print(f"device: {device} ({jax.default_backend()}), jax {jax.__version__}, Hq={hq} Hkv={hkv} D={dim} bf16",

@@ -35,6 +35,7 @@
 #   decode         the decode / paged decode table (decode.py)                        (issue 16)
 #   decode-tune    the decode kernel's launch settings on the cases short of their targets (decode_tune.py;
 #                  DECODE_TUNE_CASES), decode-tune-b on others (DECODE_TUNE_CASES_B)
+#   decode-steady  the decode table at 32 calls a sample (the host's first dispatch, ~30 us, amortized)
 #   decode-tests   the decode GPU tests, sharded 3 processes a GPU
 #   decode-trace   B4 S32k and B32 S8k decode (ejgen, cuDNN) under the profiler: kernels, busy time, gaps
 #   hopper-features  soft caps, sinks and cross-attention (Sq != Sk) on the Hopper set against the generated kernels
@@ -42,6 +43,7 @@
 #   launch         the host's cost of one Triton launch by PTX size (launch_cost.py)   (issues 14, 15)
 #   ring-tests     the ring's GPU tests (2 GPUs)                                       (issue 18)
 #   ring-time      the ring at 32k, zigzag, timed as the project times (2 GPUs)
+#   ring-steady    the same at 4 and 16 calls a sample (the host's first dispatch a sample, ~1.4 ms, amortized)
 #   ring-wide      the same with and without each later step's two blocks as one call (ring.COALESCE; 2 GPUs)
 #   ring-wide-bwd  the same with the backward's steps coalesced too (ring.COALESCE_BACKWARD: off by default, slower
 #                  than its pairs on 2 H100s in session 20)
@@ -138,6 +140,8 @@ dispatch() {  # dispatch NAME XLA_FLAGS
 j_dispatch() { dispatch dispatch ""; }
 j_dispatch-nocb() { dispatch dispatch-nocb --xla_gpu_enable_command_buffer=; }
 j_decode() { job decode 300 python3 benchmarks/decode.py --out "$log/decode"; }
+j_decode-steady() { job decode-steady 300 python3 benchmarks/decode.py --calls 32 --platforms triton,cudnn \
+  --out "$log/decode-steady"; }
 decode_tune() {  # decode_tune NAME CASES
   job "$1" 300 python3 benchmarks/decode_tune.py --budget-s 260 --out "$log/$1" --cases "$2"
 }
@@ -152,6 +156,7 @@ j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"
 j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 python3 -m pytest -m gpu -q -rf \
   -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
+j_ring-steady() { job ring-steady 170 python3 "${RING[@]}" --parts time --batch 4,16 --out "$log/ring-steady"; }
 j_ring-wide() { job ring-wide 150 python3 "${RING[@]}" --parts time --coalesce both \
   --out "$log/ring-wide"; }
 j_ring-wide-bwd() { job ring-wide-bwd 150 python3 "${RING[@]}" --parts time --coalesce both --coalesce-backward \
@@ -183,9 +188,9 @@ declare -A PRESETS=(
   # generated kernels, the ring with coalesced backward steps, decode under the profiler
   [staged]="0:gluon-tests 1:hopper-features,decode-trace 2-3:ring-wide-bwd"
   # what session 20 left unchecked on a GPU: the decode tests with the hoisted param loads, the conformance suite's
-  # Hopper cases with the narrow-window rule (an int window's sides) and sinks kept on the Hopper set; then (another
-  # call, nothing beside it) the zoo
-  [next]="0-1:hopper-tests,zoo-capsinks,decode-tests 2-3:ring-tests,ring-wide"
+  # Hopper cases with the narrow-window rule (an int window's sides) and sinks kept on the Hopper set, the ring at
+  # 4 and 16 calls a sample; then (another call, nothing beside it) the zoo
+  [next]="0-1:hopper-tests,zoo-capsinks 2-3:decode-tests,ring-tests,ring-steady"
 )
 plan=()
 for arg in "${@:-zoo}"; do
