@@ -34,19 +34,34 @@ CASES = ("decode-B8-S8k", "decode-B32-S8k", "decode-B4-S32k", "decode-B32-ragged
          "paged16-B32-ragged16k", "paged64-B32-ragged16k")
 
 
-def settings(quick: bool):
-    """(BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM, MAX_SPLIT_KEYS), the current default first."""
-    base = (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, split_k.WAVES, split_k.PROGRAMS_PER_SM,
-            split_k.MAX_SPLIT_KEYS)
-    more = [(64, 3, 4, 1, 2, 4096), (64, 2, 4, 1, 4, 2048), (64, 2, 4, 1, 3, 4096), (128, 3, 8, 1, 2, 4096),
-            (64, 2, 4, 2, 4, 4096), (64, 3, 4, 1, 3, 4096)]
+NAMES = ("BLOCK_N", "stages", "warps", "waves", "programs/SM", "max split keys", "pages ahead", "small-page BLOCK_N",
+         "small-page stages")
+
+
+def current():
+    return (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, split_k.WAVES, split_k.PROGRAMS_PER_SM,
+            split_k.MAX_SPLIT_KEYS, int(host.PAGES_AHEAD), host.SMALL_PAGE_BLOCK_N, host.SMALL_PAGE_STAGES)
+
+
+def settings(quick: bool, given: str = ""):
+    """The settings (NAMES) to time, the current default first: ``given`` ("64,3,4,1,2,4096,1,0,0;..."; a tuple
+    shorter than NAMES keeps the defaults of the rest) or a built-in list."""
+    base = current()
+    if given:
+        more = [tuple(int(x) for x in t.split(",")) for t in given.split(";") if t.strip()]
+        more = [m + base[len(m):] for m in more]
+    else:
+        more = [(64, 3, 4, 1, 2, 4096), (64, 2, 4, 1, 4, 2048), (64, 2, 4, 1, 3, 4096), (128, 3, 8, 1, 2, 4096),
+                (64, 2, 4, 2, 4, 4096), (64, 3, 4, 1, 3, 4096)]
+        more = [m + base[len(m):] for m in more]
     out = [base] + [s for s in more if s != base]
     return out[:3] if quick else out
 
 
 def apply(setting):
     (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, split_k.WAVES, split_k.PROGRAMS_PER_SM,
-     split_k.MAX_SPLIT_KEYS) = setting
+     split_k.MAX_SPLIT_KEYS, ahead, host.SMALL_PAGE_BLOCK_N, host.SMALL_PAGE_STAGES) = setting
+    host.PAGES_AHEAD = bool(ahead)
 
 
 def main():
@@ -57,6 +72,8 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--settings", default="", help="';'-separated settings to time after the default (see NAMES)")
+    p.add_argument("--calls", type=int, default=8, help="calls a sample dispatches back to back")
     args = p.parse_args()
     t_start = time.perf_counter()
     out_dir = Path(args.out)
@@ -78,10 +95,10 @@ def main():
         exe = jax.jit(fn).lower(*fargs).compile()
         prepared[case.name] = (d, impls, bench.to_f32(exe(*fargs), d["out_shape"]))
         cudnn[case.name] = 1e6 * statistics.median(
-            median_seconds(exe, fargs, args.reps, warmup=1, warm_seconds=0.3, batch=8) for _ in range(args.rounds))
+            median_seconds(exe, fargs, args.reps, warmup=1, warm_seconds=0.3, batch=args.calls) for _ in range(args.rounds))
         print(f"{case.name}: {ref_name} {cudnn[case.name]:.1f} us", flush=True)
     results = {}  # (setting, case) -> us
-    chosen = settings(args.quick)
+    chosen = settings(args.quick, args.settings)
     for case in cases:
         if time.perf_counter() - t_start > args.budget_s:
             print(f"budget spent: cases from {case.name} on not run", flush=True)
@@ -103,7 +120,7 @@ def main():
         for r in range(args.rounds):
             for s, (exe, fargs) in compiled.items():
                 times[s].append(median_seconds(exe, fargs, args.reps, warmup=1, warm_seconds=0.3 if r == 0 else 0.05,
-                                               batch=8))
+                                               batch=args.calls))
         for s, ts in times.items():
             results[(s, case.name)] = statistics.median(ts) * 1e6
             print(f"  {s} {case.name}: {results[(s, case.name)]:.1f} us "
@@ -111,7 +128,7 @@ def main():
         del compiled
     apply(chosen[0])
     names = [c.name for c in cases]
-    lines = ["| BLOCK_N, stages, warps, waves, programs/SM, max split keys | " + " | ".join(names)
+    lines = ["| " + ", ".join(NAMES) + " | " + " | ".join(names)
              + " | geomean vs cuDNN |",
              "|---" * (len(names) + 2) + "|"]
     best = {n: min((us for (s, c), us in results.items() if c == n), default=None) for n in names}

@@ -34,7 +34,8 @@
 #   dispatch-nocb  the same with XLA's command buffers off
 #   decode         the decode / paged decode table (decode.py)                        (issue 16)
 #   decode-tune    the decode kernel's launch settings on the cases short of their targets (decode_tune.py;
-#                  DECODE_TUNE_CASES), decode-tune-b on others (DECODE_TUNE_CASES_B)
+#                  DECODE_TUNE_CASES, DECODE_TUNE_SETTINGS; 32 calls a sample, DECODE_TUNE_CALLS), decode-tune-b
+#                  and decode-tune-c on others (DECODE_TUNE_CASES_B / _C, DECODE_TUNE_SETTINGS_B / _C)
 #   decode-steady  the decode table at 32 calls a sample (the host's first dispatch, ~30 us, amortized)
 #   decode-tests   the decode GPU tests, sharded 3 processes a GPU
 #   decode-trace   B4 S32k and B32 S8k decode (ejgen, cuDNN) under the profiler: kernels, busy time, gaps
@@ -142,11 +143,16 @@ j_dispatch-nocb() { dispatch dispatch-nocb --xla_gpu_enable_command_buffer=; }
 j_decode() { job decode 300 python3 benchmarks/decode.py --out "$log/decode"; }
 j_decode-steady() { job decode-steady 300 python3 benchmarks/decode.py --calls 32 --platforms triton,cudnn \
   --out "$log/decode-steady"; }
-decode_tune() {  # decode_tune NAME CASES
-  job "$1" 300 python3 benchmarks/decode_tune.py --budget-s 260 --out "$log/$1" --cases "$2"
+decode_tune() {  # decode_tune NAME CASES SETTINGS (decode_tune.py --settings; empty: its own list)
+  job "$1" 300 python3 benchmarks/decode_tune.py --budget-s 260 --out "$log/$1" --cases "$2" --settings "$3" \
+    --calls "${DECODE_TUNE_CALLS:-32}"
 }
-j_decode-tune() { decode_tune decode-tune "${DECODE_TUNE_CASES:-decode-B4-S32k,paged16-B8-S8k,decode-B8-S8k}"; }
-j_decode-tune-b() { decode_tune decode-tune-b "${DECODE_TUNE_CASES_B:-decode-B32-S8k,decode-B8-S8k}"; }
+j_decode-tune() { decode_tune decode-tune "${DECODE_TUNE_CASES:-decode-B4-S32k,paged16-B8-S8k,decode-B8-S8k}" \
+  "${DECODE_TUNE_SETTINGS:-}"; }
+j_decode-tune-b() { decode_tune decode-tune-b "${DECODE_TUNE_CASES_B:-decode-B32-S8k,decode-B8-S8k}" \
+  "${DECODE_TUNE_SETTINGS_B:-}"; }
+j_decode-tune-c() { decode_tune decode-tune-c "${DECODE_TUNE_CASES_C:-paged16-B4-S32k,paged16-B32-S8k}" \
+  "${DECODE_TUNE_SETTINGS_C:-${DECODE_TUNE_SETTINGS:-}}"; }
 j_decode-trace() { job decode-trace 150 python3 benchmarks/decode.py --cases B4-S32k,B32-S8k --platforms triton,cudnn \
   --trace --rounds 2 --out "$log/dtrace"; }
 j_hopper-features() { job hopper-features 240 python3 benchmarks/hopper_features.py --fast-tanh both --cross-backward \

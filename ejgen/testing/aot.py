@@ -167,7 +167,7 @@ def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str 
     consts = dict(B=8, HQ=8 * groups, HKV=8, SQ=queries, SEQ_K=8192, D=head_dim, DV=head_dim, D_PAD=pad, DV_PAD=pad,
                   G=groups, M_PAD=max(16, 1 << (groups * queries - 1).bit_length()), BLOCK_N=decode.BLOCK_N,
                   SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, PAGED=paged,
-                  PAGE=16 if paged else 1, MAX_PAGES=512 if paged else 1,
+                  PAGE=16 if paged else 1, MAX_PAGES=512 if paged else 1, PAGES_AHEAD=decode.PAGES_AHEAD,
                   PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False)
     sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}

@@ -26,7 +26,8 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, O_PART, M_PART, L_PART
                   D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, G: tl.constexpr,
                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, PAGES_AHEAD: tl.constexpr, PRECISION: tl.constexpr,
+                  UPCAST: tl.constexpr):
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SQ, SEQ_K, D, DV, D_PAD, DV_PAD, M_PAD, BLOCK_N)
     off_b = tl.program_id(0)
     off_hk = tl.program_id(1)
@@ -57,7 +58,7 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, O_PART, M_PART, L_PART
     if WINDOW:  # keys before the last query row's window: never seen, skipped from a block boundary
         lo += tl.maximum(length - SQ - window_left, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(lo + SPLIT, end)
-    if PAGED and PAGE % BLOCK_N != 0:  # the first block's pages; each step reads the next block's (below)
+    if PAGED and PAGE % BLOCK_N != 0 and PAGES_AHEAD:  # the first block's pages; each step reads the next block's
         t_next = lo + tl.arange(0, BLOCK_N)
         pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
     for n0 in tl.range(lo, hi, BLOCK_N):
@@ -66,10 +67,13 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, O_PART, M_PART, L_PART
         if PAGED and PAGE % BLOCK_N == 0:  # the block lies in one page (n0 is a multiple of BLOCK_N): one table read
             page = tl.load(TABLE + off_b * MAX_PAGES + n0 // PAGE)
             rows = page.to(tl.int64) * PAGE + t % PAGE
-        elif PAGED:  # a block over several pages: their numbers read a step ahead, so K's load waits on no table read
+        elif PAGED and PAGES_AHEAD:  # a block over several pages: their numbers read a step ahead (a loop carry)
             rows = pages.to(tl.int64) * PAGE + t % PAGE
             t_next = t + BLOCK_N
             pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
+        elif PAGED:  # their numbers read from the block's own positions: the pipeliner stages that load before K's
+            pages = tl.load(TABLE + off_b * MAX_PAGES + t // PAGE, mask=col_ok, other=0)
+            rows = pages.to(tl.int64) * PAGE + t % PAGE
         else:
             rows = off_b.to(tl.int64) * SEQ_K + t
         p_k = K + (rows * HKV + off_hk)[:, None] * D + o_d[None, :]

@@ -19,6 +19,12 @@ from ejgen.runtime.launch import triton_call
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
+# Pages smaller than BLOCK_N (a block over several pages): PAGES_AHEAD reads the next block's page numbers a step
+# ahead (a loop carry), else each block reads its own (an indirect load the software pipeliner stages before K's);
+# SMALL_PAGE_BLOCK_N / SMALL_PAGE_STAGES (0: BLOCK_N / NUM_STAGES) the launch of such calls. decode_tune.py A/Bs them.
+PAGES_AHEAD = True
+SMALL_PAGE_BLOCK_N = 0
+SMALL_PAGE_STAGES = 0
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
 
 
@@ -30,8 +36,10 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
     paged = call.tables is not None
     seq = call.tables.shape[1] * call.page if paged else k.shape[1]
     interpret = triton_call.mode()[0] == "interpret"
-    block_n = INTERPRET_BLOCK_N if interpret else BLOCK_N
-    slots = split_k.slots(block_n, d, dv, q.dtype.itemsize, NUM_STAGES, sms=split_k.INTERPRET_SMS if interpret else None)
+    block_n, stages = (INTERPRET_BLOCK_N if interpret else BLOCK_N), NUM_STAGES
+    if paged and call.page < block_n and not interpret:
+        block_n, stages = SMALL_PAGE_BLOCK_N or block_n, SMALL_PAGE_STAGES or stages
+    slots = split_k.slots(block_n, d, dv, q.dtype.itemsize, stages, sms=split_k.INTERPRET_SMS if interpret else None)
     n_splits, per_split = split_k.splits(batch, hkv, split_k.keys_to_visit(seq, cfg, sq, block_n), block_n, slots,
                                          batch_invariant)
     m_pad = host._pow2(groups * sq)
@@ -48,10 +56,10 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
             sds((math.prod(grid) * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)]
     kernel = importlib.import_module(kernel_module).decode_kernel
     o_part, m_part, l_part, _ = triton_call.launch(
-        kernel, grid, inputs, outs, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        kernel, grid, inputs, outs, num_warps=NUM_WARPS, num_stages=stages,
         B=batch, HQ=hkv * groups, HKV=hkv, SQ=sq, SEQ_K=k.shape[1], D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad, G=groups,
         M_PAD=m_pad, BLOCK_N=block_n, SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=cfg.causal, WINDOW=cfg.window,
         SOFTCAP=cfg.softcap, PAGED=paged, PAGE=call.page if paged else 1,
-        MAX_PAGES=call.tables.shape[1] if paged else 1, PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+        MAX_PAGES=call.tables.shape[1] if paged else 1, PAGES_AHEAD=PAGES_AHEAD, PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         UPCAST=interpret and q.dtype == jnp.bfloat16)
     return split_k.merge(o_part, m_part, l_part, sinks, groups, sq, dv, q.dtype)
