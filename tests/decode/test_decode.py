@@ -160,16 +160,17 @@ def test_flash_decode_matches_the_train_oracle(case, backend):
     assert np.all(np.asarray(out, np.float32)[empty] == 0.0), "an empty sequence gives zeros"
 
 
-PAGED_CASES = [(page, backend, True) for backend in DECODE_BACKENDS for page in (4, 12, 32)] + [(12, "triton", False)]
-"""(page, backend, the Triton kernel's PAGES_AHEAD): its pages smaller than the key block read either way."""
+PAGED_CASES = [(page, backend, False) for backend in DECODE_BACKENDS for page in (4, 12, 32)] + [(12, "triton", True)]
+"""(page, backend, the Triton kernel's PAGES_AHEAD, off by default): its pages smaller than the key block read either
+way."""
 
 
 @pytest.mark.parametrize("page, backend, ahead", PAGED_CASES)
 def test_paged_decode_reads_the_pages_through_the_table(page, backend, ahead, monkeypatch):
     """Pages shuffled in the pool, two sequences sharing their first pages (a common prefix), lengths that end
     inside a page, an empty sequence, a window that skips pages; equal to ragged decode on the same tokens laid out
-    in order. Pages of 4 and 12 (not a power of two) are smaller than the Triton kernel's key block (its page numbers
-    read a step ahead, or with ``ahead`` off each block's own), 32 a multiple of it."""
+    in order. Pages of 4 and 12 (not a power of two) are smaller than the Triton kernel's key block (each block reads
+    its own page numbers, or with ``ahead`` the next block's a step ahead), 32 a multiple of it."""
     from ejgen.ops import page_attention, ragged_decode_attention
     from ejgen.runtime.attention.triton import decode as triton_decode
 
