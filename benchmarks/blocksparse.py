@@ -206,12 +206,17 @@ def main():
     p.add_argument("--out", default="bench-out/blocksparse")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--calls", type=int, default=4, help="calls a sample dispatches back to back (the peer's script "
+                   "takes the same option): the host's dispatch of a sample's first call and its wake-up after the "
+                   "wait count 1/calls of a row")
     p.add_argument("--documents-only", action="store_true", help="only the document-mask call (config sweeps)")
     p.add_argument("--layouts-only", action="store_true", help="only the block layouts (local+global, random)")
     p.add_argument("--layout-tokens", default="8192,32768", help="lengths of the block-layout cases")
     p.add_argument("--probe", action="store_true", help="also the generated kernels on the documents, one document, "
                                                         "and the Gluon kernels' tile ranges alone")
     a = p.parse_args()
+    global BATCH
+    BATCH = a.calls
     rows = [] if a.layouts_only else [r for tokens, docs in CASES
                                       for r in run(tokens, docs, a.reps, a.rounds, a.documents_only, a.probe)]
     if not a.documents_only:

@@ -335,6 +335,9 @@ def main():
     p.add_argument("--out", default="bench-out/zoo")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--calls", type=int, default=4, help="calls a sample dispatches back to back (the peer's script "
+                   "takes the same option): the host's dispatch of a sample's first call and its wake-up after the "
+                   "wait count 1/calls of a row")
     p.add_argument("--cases", default="", help="comma-separated keys or parts of labels (default: all)")
     p.add_argument("--merge", action="store_true", help="keep the other cases' rows of an earlier run in --out "
                                                         "(same sizes and device): a run split over several calls")
@@ -344,6 +347,8 @@ def main():
     p.add_argument("--device", default="cuda")
     p.add_argument("--eager", action="store_true", help="flex_attention without torch.compile (CPU check)")
     a = p.parse_args()
+    global BATCH
+    BATCH = a.calls
     for name, value in (("cache_size_limit", 256), ("recompile_limit", 256),
                         ("accumulated_cache_size_limit", 4096), ("accumulated_recompile_limit", 4096)):
         if hasattr(torch._dynamo.config, name):
@@ -353,7 +358,7 @@ def main():
     chosen = zoo_cases.select(zoo_cases.cases(a.seq, a.heads, a.dim), a.cases)
     device_name = torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device
     meta = dict(side="flex", device=device_name, torch=torch.__version__, eager=a.eager, seq=a.seq, heads=a.heads,
-                dim=a.dim, reps=a.reps, rounds=a.rounds,
+                dim=a.dim, reps=a.reps, rounds=a.rounds, calls=a.calls,
                 cases=[c.describe() for c in zoo_cases.cases(a.seq, a.heads, a.dim)])
     if a.device == "cpu":
         meta["fwd+bwd"] = "FlexAttention's eager math reference (no FlexAttention backward on the CPU)"

@@ -27,6 +27,7 @@
 #   zoo-a, zoo-b   half the zoo each against FlexAttention (zoo.py, then flex_zoo.py in its own process). Not beside
 #                  a lane that compiles tests: short kernels are host-bound (session 17: gpt-oss's 80-88 us forward
 #                  timed 0.586 ms a call beside test shards against 0.129 alone)
+#   zoo-a16, zoo-b16  the same at 16 calls a sample (both sides)
 #   trace          every kernel of one call of a few masked zoo cases (trace_table.py)
 #   documents      documents vs Flex (blocksparse.py, flex_blocksparse.py)             (issue 14)
 #   layouts        block layouts vs Flex, 8k and 32k
@@ -115,13 +116,19 @@ j_hopper-tests() { shards hopper-tests 290 2 tests/attention/test_gluon.py tests
   -k "gluon or hopper_kernels"; }
 j_zoo-capsinks() { shards zoo-capsinks 200 2 tests/zoo -k "gemma or gpt_oss or sink"; }
 j_zoo-gluon() { shards zoo-gluon 200 2 tests/zoo/test_zoo_gluon.py; }
-zoo_half() {
-  job zoo-ejgen-$1 330 python3 benchmarks/zoo.py --out "$log/zoo$1" --cases "$2" --reps 4 --rounds 2
-  job zoo-flex-$1 220 env -u PYTHONPATH python3 benchmarks/flex_zoo.py --out "$log/zoo$1" --cases "$2" --reps 6
+zoo_half() {  # zoo_half NAME CASES [CALLS a sample, both sides; default 4]
+  local calls=${3:-4}
+  job zoo-ejgen-$1 330 python3 benchmarks/zoo.py --out "$log/zoo$1" --cases "$2" --reps 4 --rounds 2 --calls "$calls"
+  job zoo-flex-$1 220 env -u PYTHONPATH python3 benchmarks/flex_zoo.py --out "$log/zoo$1" --cases "$2" --reps 6 \
+    --calls "$calls"
   python3 benchmarks/zoo.py --out "$log/zoo$1" --table --plot "" > "$log/zoo$1/table.md" 2>&1
 }
-j_zoo-a() { zoo_half a causal,causal_zoo,chunked,dilated,t5,natten1d,natten2d,streaming,gpt_oss; }
-j_zoo-b() { zoo_half b gemma2,gemma3,paligemma,alibi,sliding_tile,sliding_window,documents,flamingo,prefix_lm; }
+ZOO_A=causal,causal_zoo,chunked,dilated,t5,natten1d,natten2d,streaming,gpt_oss
+ZOO_B=gemma2,gemma3,paligemma,alibi,sliding_tile,sliding_window,documents,flamingo,prefix_lm
+j_zoo-a() { zoo_half a $ZOO_A; }
+j_zoo-b() { zoo_half b $ZOO_B; }
+j_zoo-a16() { zoo_half a16 $ZOO_A 16; }
+j_zoo-b16() { zoo_half b16 $ZOO_B 16; }
 j_trace() { job trace 120 python3 benchmarks/trace_table.py --cases causal,documents,chunked,flamingo \
   --out "$log/trace"; }
 j_documents() {

@@ -175,7 +175,7 @@ def run(a) -> None:
     chosen = zoo_cases.select(zoo_cases.cases(a.seq, a.heads, a.dim), a.cases)
     meta = dict(side="ejgen", device=jax.devices()[0].device_kind, backend=jax.default_backend(),
                 jax=jax.__version__, platform=a.platform, seq=a.seq, heads=a.heads, dim=a.dim, reps=a.reps,
-                rounds=a.rounds, cases=[c.describe() for c in zoo_cases.cases(a.seq, a.heads, a.dim)])
+                rounds=a.rounds, calls=BATCH, cases=[c.describe() for c in zoo_cases.cases(a.seq, a.heads, a.dim)])
     rows, checks = [], {}
     if a.merge:
         rows, checks = zoo_cases.previous(out / "zoo_ejgen.json", out / "zoo_ejgen_check.npz", meta, chosen)
@@ -340,6 +340,9 @@ def main():
     p.add_argument("--out", default="bench-out/zoo")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--calls", type=int, default=4, help="calls a sample dispatches back to back (the peer's script "
+                   "takes the same option): the host's dispatch of a sample's first call and its wake-up after the "
+                   "wait count 1/calls of a row")
     p.add_argument("--cases", default="", help="comma-separated keys or parts of labels (default: all)")
     p.add_argument("--merge", action="store_true", help="keep the other cases' rows of an earlier run in --out "
                                                         "(same sizes and device): a run split over several calls")
@@ -356,6 +359,8 @@ def main():
         (Path(a.out) / "zoo.md").write_text(text)
         print(text)
     else:
+        global BATCH
+        BATCH = a.calls
         run(a)
 
 
