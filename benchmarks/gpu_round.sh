@@ -30,6 +30,8 @@
 #   zoo-a16, zoo-b16  the same at 16 calls a sample (both sides)
 #   trace          every kernel of one call of a few masked zoo cases (trace_table.py)
 #   documents      documents vs Flex (blocksparse.py, flex_blocksparse.py)             (issue 14)
+#   documents16    the same at 16 calls a sample (both sides)
+#   pause          45 s of nothing (benchmarks after another lane's test shards)
 #   layouts        block layouts vs Flex, 8k and 32k
 #   dispatch       how much of a short call is not its kernels (dispatch.py: documents, Flamingo)
 #   dispatch-nocb  the same with XLA's command buffers off
@@ -135,6 +137,12 @@ j_documents() {
   job documents 120 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --out "$log/bs"
   job layouts-flex 90 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --out "$log/bs"
 }
+j_documents16() {
+  job documents16 150 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --calls 16 --out "$log/bs16"
+  job documents16-flex 120 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --calls 16 \
+    --out "$log/bs16"
+}
+j_pause() { sleep 45; }  # a lane's benchmarks after another lane's test shards have compiled
 j_layouts() {
   job layouts 230 python3 benchmarks/blocksparse.py --layouts-only --layout-tokens 8192 --rounds 2 --reps 4 \
     --out "$log/bs"
