@@ -77,7 +77,9 @@ def arith(tmp_path_factory):
         yield importlib.import_module("arith_pkg").arithmetic_attention
 
 
-OPTIONS = ({"period": 3, "div": 0}, {"period": 4, "div": 6})  # a zero divisor and a positive one
+OPTIONS = ({"period": 3, "div": 0}, {"period": 4, "div": 6}, {"period": -5, "div": -7})
+"""A zero divisor, positive ones and negative ones (Python's signs: the quotient floored, the remainder the divisor's
+sign)."""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -97,3 +99,4 @@ def test_every_integer_operator_matches_its_definition(arith, backend):
                                mask=mask, params=params, options=options, d_out=d_out, d_lse=d_lse)
         oracle.check_attention(out, lse, grads, ref, diff, "float32")
     assert fwd_bwd._cache_size() == 1, "the second option set compiled again"
+
