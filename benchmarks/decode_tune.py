@@ -95,7 +95,8 @@ def main():
         exe = jax.jit(fn).lower(*fargs).compile()
         prepared[case.name] = (d, impls, bench.to_f32(exe(*fargs), d["out_shape"]))
         cudnn[case.name] = 1e6 * statistics.median(
-            median_seconds(exe, fargs, args.reps, warmup=1, warm_seconds=0.3, batch=args.calls) for _ in range(args.rounds))
+            median_seconds(exe, fargs, args.reps, warmup=1, warm_seconds=0.3, batch=args.calls)
+            for _ in range(args.rounds))
         print(f"{case.name}: {ref_name} {cudnn[case.name]:.1f} us", flush=True)
     results = {}  # (setting, case) -> us
     chosen = settings(args.quick, args.settings)

@@ -103,7 +103,8 @@ def main():
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "flex.json").write_text(json.dumps(rows, indent=1))
-    lines = [f"{torch.cuda.get_device_name()}, {CALLS} calls a sample", "", "| tokens | docs | impl | pass | ms |", "|---|---|---|---|---|"]
+    lines = [f"{torch.cuda.get_device_name()}, {CALLS} calls a sample", "", "| tokens | docs | impl | pass | ms |",
+             "|---|---|---|---|---|"]
     lines += [f"| {r['tokens']} | {r['docs']} | {r['impl']} | {r['pass_']} | {r['ms']:.3f} |" for r in rows]
     text = "\n".join(lines) + "\n"
     (out / "flex.md").write_text(text)

@@ -169,8 +169,8 @@ def _mesh(devices, shape=None, names=("sp",)):
 def record(row: dict, out_dir: Path):
     ROWS.append(row)
     (out_dir / "ring.json").write_text(json.dumps(ROWS, indent=1))
-    keys = ("part", "S", "heads", "impl", "gpus", "pass", "calls", "ms", "tflops", "per_gpu", "mtok_gpu", "vs_1gpu", "eff",
-            "compile_s", "error")
+    keys = ("part", "S", "heads", "impl", "gpus", "pass", "calls", "ms", "tflops", "per_gpu", "mtok_gpu", "vs_1gpu",
+            "eff", "compile_s", "error")
     print("  ".join(f"{k}={row[k]}" for k in keys if row.get(k) is not None), flush=True)
 
 
@@ -376,7 +376,8 @@ def summarise(out_dir: Path):
     timed = [r for r in ROWS if r.get("ms")]
     for r in timed:
         base = next((b for b in timed if b["impl"] == "1gpu" and b["heads"] == r["heads"] and b["pass"] == r["pass"]
-                     and b["part"] == r["part"] and b.get("calls") == r.get("calls") and (b["S"] == r["S"] or r["part"] == "scaling-weak")), None)
+                     and b["part"] == r["part"] and b.get("calls") == r.get("calls")
+                     and (b["S"] == r["S"] or r["part"] == "scaling-weak")), None)
         if base is None or r is base:
             continue
         if r["part"] == "scaling-weak":  # work per GPU per second, against one GPU's

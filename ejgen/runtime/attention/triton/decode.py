@@ -63,6 +63,6 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
         B=batch, HQ=hkv * groups, HKV=hkv, SQ=sq, SEQ_K=k.shape[1], D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad, G=groups,
         M_PAD=m_pad, BLOCK_N=block_n, SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=cfg.causal, WINDOW=cfg.window,
         SOFTCAP=cfg.softcap, PAGED=paged, PAGE=call.page if paged else 1,
-        MAX_PAGES=call.tables.shape[1] if paged else 1, PAGES_AHEAD=PAGES_AHEAD, PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
-        UPCAST=interpret and q.dtype == jnp.bfloat16)
+        MAX_PAGES=call.tables.shape[1] if paged else 1, PAGES_AHEAD=PAGES_AHEAD,
+        PRECISION="ieee" if q.dtype == jnp.float32 else "tf32", UPCAST=interpret and q.dtype == jnp.bfloat16)
     return split_k.merge(o_part, m_part, l_part, sinks, groups, sq, dv, q.dtype)
