@@ -28,7 +28,7 @@
 #                  a lane that compiles tests: short kernels are host-bound (session 17: gpt-oss's 80-88 us forward
 #                  timed 0.586 ms a call beside test shards against 0.129 alone)
 #   zoo-a16, zoo-b16  the same at 16 calls a sample (both sides)
-#   trace          every kernel of one call of a few masked zoo cases (trace_table.py)
+#   trace          every kernel of one call of a few masked zoo cases (trace_table.py; TRACE_CASES)
 #   documents      documents vs Flex (blocksparse.py, flex_blocksparse.py)             (issue 14)
 #   documents16    the same at 16 calls a sample (both sides)
 #   pause          45 s of nothing (benchmarks after another lane's test shards)
@@ -131,14 +131,15 @@ j_zoo-a() { zoo_half a $ZOO_A; }
 j_zoo-b() { zoo_half b $ZOO_B; }
 j_zoo-a16() { zoo_half a16 $ZOO_A 16; }
 j_zoo-b16() { zoo_half b16 $ZOO_B 16; }
-j_trace() { job trace 120 python3 benchmarks/trace_table.py --cases causal,documents,chunked,flamingo \
-  --out "$log/trace"; }
+j_trace() { job trace 120 python3 benchmarks/trace_table.py \
+  --cases "${TRACE_CASES:-causal,documents,chunked,flamingo}" --out "$log/trace"; }
 j_documents() {
   job documents 120 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --out "$log/bs"
   job layouts-flex 90 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --out "$log/bs"
 }
 j_documents16() {
-  job documents16 150 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --calls 16 --out "$log/bs16"
+  job documents16 150 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --calls 16 \
+    --out "$log/bs16"
   job documents16-flex 120 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --calls 16 \
     --out "$log/bs16"
 }
@@ -212,6 +213,10 @@ declare -A PRESETS=(
   # Hopper cases with the narrow-window rule (an int window's sides) and sinks kept on the Hopper set, the ring at
   # 4 and 16 calls a sample; then (another call, nothing beside it) the zoo
   [next]="0-1:hopper-tests,zoo-capsinks 2-3:decode-tests,ring-tests,ring-steady"
+  # what session 21 left for the next: the recurrent table with the 16-bit forward states (rec-bench's
+  # ejgen-triton-16bit-states beside fla) and their GPU tests, and traces of NATTEN 2-D and the 8k documents
+  # (TRACE_CASES=causal,natten2d,documents) on a quiet GPU
+  [s22]="0:fla,rec-bench 1:trace 2-3:rec-tests"
 )
 plan=()
 for arg in "${@:-zoo}"; do

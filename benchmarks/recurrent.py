@@ -3,8 +3,9 @@ simple_gla and lightning_attention ops, forward and forward+backward, bf16, H = 
 B2 T16384, next to flash-linear-attention's chunk_gla / fused_recurrent_gla / chunk_simple_gla timed in a process of
 their own (`benchmarks/recurrent_fla.py`, torch: run it first on the same machine and pass its JSON with --fla).
 
-Impls: `ejgen-triton` (algorithm chunked, chunks of 64), `ejgen-triton-onepass` (chunked with the one-pass forward,
-the chunk_forward setting "fused"), `ejgen-triton-fused` (the fused recurrence; forward only
+Impls: `ejgen-triton` (algorithm chunked, chunks of 64), `ejgen-triton-16bit-states` (the same with the forward's
+chunk states stored in the inputs' dtype, the chunk_state_dtype setting "inputs"), `ejgen-triton-onepass` (chunked
+with the one-pass forward, the chunk_forward setting "fused"), `ejgen-triton-fused` (the fused recurrence; forward only
 at T4096, the fused kernels are for decoding and short sequences), `ejgen-xla` (`--xla`: the chunked jnp backend).
 Every ejgen impl's forward is checked against the XLA backend in float32 on the same inputs (relative error of o and
 the final state, their first 2^20 entries each; FLAG past 2e-2).
@@ -113,6 +114,7 @@ def impls(op_name, args, gates, do, smoke):
     op = getattr(generated, op_name)
     out = {}
     platforms = [("ejgen-triton", "triton", "chunked", "two_pass"),
+                 ("ejgen-triton-16bit-states", "triton", "chunked", "two_pass/inputs"),
                  ("ejgen-triton-onepass", "triton", "chunked", "fused")]
     if args[0].shape[1] <= 4096:
         platforms.append(("ejgen-triton-fused", "triton", "fused", "two_pass"))
@@ -122,7 +124,8 @@ def impls(op_name, args, gates, do, smoke):
         def fwd(q, k, v, g, platform=platform, algorithm=algorithm, form=form):
             from ejgen.ops import settings
 
-            with settings(chunk_forward=form):  # read as the call is traced
+            shape, _, stored = form.partition("/")
+            with settings(chunk_forward=shape, chunk_state_dtype=stored or "float32"):  # read as the call is traced
                 return op(q, k, v, **g, platform=platform, algorithm=algorithm)
 
         def fwd_bwd(q, k, v, g, do, fwd=fwd):

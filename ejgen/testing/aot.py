@@ -214,9 +214,11 @@ def compile_pooling(package: str, name: str, *, capability: int = 90, dtype: str
 
 def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", heads: int = 16,
                       kv_heads: int = 16, dk: int = 128, dv: int = 128, chunk: int = 64, gates=("gk",),
-                      h0: bool = True, varlen: bool = False, reverse: bool = False, kernels=None) -> dict:
+                      h0: bool = True, varlen: bool = False, reverse: bool = False, kernels=None,
+                      states: str = "float32") -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
-    the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes."""
+    the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
+    "inputs": the forward's stored chunk states in the inputs' dtype (the chunk_state_dtype setting)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -227,7 +229,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     module = importlib.import_module(f"{package}.{name}.triton_kernels")
     ptr = _DTYPES[dtype]
     pointers = dict(Q=ptr, K_=ptr, V_=ptr, G="*fp32", GAMMA="*fp32", GK="*fp32", GV="*fp32", H0="*fp32", CU="*i32",
-                    FIRST="*i32", CHUNKS="*i32", O=ptr, HT="*fp32", HS="*fp32", DO=ptr, DHT="*fp32", DHS="*fp32",
+                    FIRST="*i32", CHUNKS="*i32", O=ptr, HT="*fp32", HS=ptr if states == "inputs" else "*fp32",
+                    DO=ptr, DHT="*fp32", DHS="*fp32",
                     DQ="*fp32", DK="*fp32", DV="*fp32", DH0="*fp32", DLK="*fp32", DLV="*fp32", CK="*fp32",
                     SCR="*fp32", DLOG="*fp32", A=ptr, DA="*fp32", DQI="*fp32", DKI="*fp32", DLI="*fp32")
     bk = max(16, 1 << (dk - 1).bit_length())

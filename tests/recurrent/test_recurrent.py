@@ -142,9 +142,39 @@ def test_triton_fused_chunk_forward(case, monkeypatch, launched):
     assert not any(n.endswith("chunk_output_kernel") for n in launched), launched
 
 
+STATE_DTYPE_CASES = (
+    Case("gla", ("gk",), dtype="bfloat16", shape=(1, 40, 2, 1, 16, 32), chunk=16, h0=True),
+    Case("simple_gla", ("g", "g_gamma"), dtype="float16", shape=(1, 23, 2, 2, 16, 16), cu=SHORT, chunk=16,
+         reverse=True),
+)
+
+
+@pytest.mark.parametrize("case", STATE_DTYPE_CASES, ids=[c.id for c in STATE_DTYPE_CASES])
+def test_triton_chunk_states_in_the_inputs_dtype(case, monkeypatch):
+    """chunk_state_dtype "inputs": the two-pass chunked forward stores the state at each chunk's start in q's dtype
+    for its output kernel (the carried state, the final state and the backward's states stay float32): gk and scalar
+    gates; packed sequences (an empty one among them), reverse, initial_state, GQA; bf16 and f16. o, final_state
+    and every gradient against the oracle at the dtype's tolerance, and the states the output kernel read were
+    16-bit."""
+    from ejgen.runtime.recurrent.triton import host
+
+    read = []
+    real = host.chunk_output
+
+    def spy(kernels, q, k, v, gates, ctx, cfg, hs, a=None):
+        read.append(hs.dtype)
+        return real(kernels, q, k, v, gates, ctx, cfg, hs, a)
+
+    monkeypatch.setattr(host, "chunk_output", spy)
+    monkeypatch.setenv("EJGEN_CHUNK_STATE_DTYPE", "inputs")
+    check(case, "triton", hooks=_hooks(case))
+    assert read and all(d == jnp.dtype(case.dtype) for d in read), read
+
+
 def test_the_chunked_forward_form_is_checked(monkeypatch):
-    """EJGEN_CHUNK_FORWARD (or settings(chunk_forward=...)) picks the chunked forward's form; a value that is not one
-    is one clear error."""
+    """EJGEN_CHUNK_FORWARD (or settings(chunk_forward=...)) picks the chunked forward's form, EJGEN_CHUNK_STATE_DTYPE
+    (or settings(chunk_state_dtype=...)) the dtype of its stored states; a value that is not one is one clear
+    error."""
     from ejgen.ops import settings
     from ejgen.runtime.core import settings as core_settings
 
@@ -159,6 +189,15 @@ def test_the_chunked_forward_form_is_checked(monkeypatch):
         assert s.chunk_forward == "fused"
     with pytest.raises(ValueError, match="chunk_forward='fast': expected one of two_pass, fused"):
         with settings(chunk_forward="fast"):
+            pass
+    monkeypatch.setenv("EJGEN_CHUNK_STATE_DTYPE", "bf16")
+    with pytest.raises(ValueError, match="EJGEN_CHUNK_STATE_DTYPE='bf16': expected one of float32, inputs"):
+        core_settings.current()
+    monkeypatch.delenv("EJGEN_CHUNK_STATE_DTYPE")
+    with settings(chunk_state_dtype="inputs") as s:
+        assert s.chunk_state_dtype == "inputs"
+    with pytest.raises(ValueError, match="chunk_state_dtype='half': expected one of float32, inputs"):
+        with settings(chunk_state_dtype="half"):
             pass
 
 

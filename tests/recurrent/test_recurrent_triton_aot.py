@@ -63,6 +63,8 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
                   "kernels": chunked, "with_resources": True}
                  for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
+    requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90, "gates": ("gk",),
+                  "kernels": ["chunk_state", "chunk_output"], "states": "inputs", "with_resources": True}]  # 16-bit
     for request, compiled in zip(requests, compile_all_in_subprocess(requests, triton=gpu_host_triton())):
         assert "error" not in compiled, f"{request['name']} {request['gates']}: {compiled.get('error')}"
         for kernel, c in compiled.items():

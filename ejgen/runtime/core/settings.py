@@ -29,6 +29,12 @@ Each has a default, an environment variable (read at call time) and a scoped ove
 - ``chunk_forward`` (EJGEN_CHUNK_FORWARD: ``two_pass`` / ``fused``, default two_pass): the linear recurrent chunked
   forward on Triton, two passes (the chunk states through memory) or one (`chunk_fused_fwd`, the state in registers;
   not the default until GPU-timed, docs/DESIGN.md §3).
+- ``chunk_state_dtype`` (EJGEN_CHUNK_STATE_DTYPE: ``float32`` / ``inputs``, default float32): the dtype in which the
+  linear recurrent chunked forward on Triton (two passes) stores the state at each chunk's start for its output
+  kernel. ``inputs``: q's dtype, as flash-linear-attention stores them (bf16 inputs: half the bytes of the states
+  written and read back; the state carried from chunk to chunk, the final state and the backward's states stay
+  float32). Each stored state is then rounded to the inputs' precision (2^-9 relative for bf16) before its product with
+  q: outputs within the dtype's tolerance (docs/DESIGN.md §3). Opt-in until GPU-timed.
 - ``triton_configs`` (EJGEN_TRITON_CONFIG, e.g. ``"fwd=128,64,8,3;dkdv=64,128,8,3"``): pinned Triton
   configs per pass (tuning, tests); a pinned pass never takes the Hopper set.
 - ``triton_autotune`` (EJGEN_TRITON_AUTOTUNE=1): jax-triton's autotuner over `ejgen tune`'s candidates.
@@ -51,6 +57,7 @@ class Settings:
     gluon_cross: bool = True
     fast_tanh: bool = False
     chunk_forward: str = "two_pass"
+    chunk_state_dtype: str = "float32"
     triton_configs: str = ""
     triton_autotune: bool = False
 
@@ -63,6 +70,8 @@ _ENV = {
     "gluon_cross": ("EJGEN_GLUON_CROSS", lambda t: t.strip().lower() not in ("0", "false", "no", "off")),
     "fast_tanh": ("EJGEN_FAST_TANH", lambda t: t.strip().lower() in ("1", "true", "yes", "on")),
     "chunk_forward": ("EJGEN_CHUNK_FORWARD", lambda t: _one_of("EJGEN_CHUNK_FORWARD", t, CHUNK_FORWARDS)),
+    "chunk_state_dtype": ("EJGEN_CHUNK_STATE_DTYPE",
+                          lambda t: _one_of("EJGEN_CHUNK_STATE_DTYPE", t, CHUNK_STATE_DTYPES)),
     "triton_configs": ("EJGEN_TRITON_CONFIG", str),
     "triton_autotune": ("EJGEN_TRITON_AUTOTUNE", lambda t: t.strip() == "1"),
 }
@@ -81,6 +90,7 @@ def _on_off_auto(var: str, text: str) -> bool | None:
 
 
 CHUNK_FORWARDS = ("two_pass", "fused")
+CHUNK_STATE_DTYPES = ("float32", "inputs")
 
 
 def _one_of(var: str, text: str, words: tuple) -> str:
@@ -114,8 +124,9 @@ def settings(**changes):
     for name, value in changes.items():
         if name not in known:
             raise TypeError(f"ejgen settings: unknown setting {name!r} (known: {', '.join(known)})")
-        if name == "chunk_forward":
-            changes[name] = _one_of(name, value if isinstance(value, str) else repr(value), CHUNK_FORWARDS)
+        if name in ("chunk_forward", "chunk_state_dtype"):
+            words = CHUNK_FORWARDS if name == "chunk_forward" else CHUNK_STATE_DTYPES
+            changes[name] = _one_of(name, value if isinstance(value, str) else repr(value), words)
             continue
         want = str if name == "triton_configs" else bool
         if not (isinstance(value, want) or (value is None and name == "gluon_dynamic_tiles")):

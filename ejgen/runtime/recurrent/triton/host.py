@@ -230,8 +230,9 @@ def _triton_dtype(dtype):
             jnp.dtype(jnp.float16): tl.float16}[jnp.dtype(dtype)]
 
 
-def chunk_states(kernels, k, v, gates, h0, ctx, cfg):
-    """(HS [chunks, H, K, V]: the state at each chunk's start, final_state [N, H, K, V]), float32."""
+def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32):
+    """(HS [chunks, H, K, V]: the state at each chunk's start, in ``dtype`` (the kernel carries it in float32 and
+    rounds what it stores), final_state [N, H, K, V] float32)."""
     ins, consts = _common(k, k, v, gates, h0, ctx, cfg)
     _, first, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_state", cfg.dk, cfg.dv)
@@ -240,7 +241,8 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg):
     sds = jax.ShapeDtypeStruct
     hs, ht = triton_call.launch(
         kernels.get("chunk_state"), grid, [k, v, *ins[:3], ins[4], ins[5], first],
-        [sds((per_row * grid_rows, cfg.heads, cfg.dk, cfg.dv), F32), sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
+        [sds((per_row * grid_rows, cfg.heads, cfg.dk, cfg.dv), dtype),
+         sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
         USE_H0=h0 is not None, **options, **{n: x for n, x in c.items() if n not in ("SCALE",)})
     return hs, ht
 
@@ -308,7 +310,10 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     if settings.current().chunk_forward == "fused":
         o, ht = chunk_fused_forward(kernels, q, k, v, gates, h0, ctx, cfg, a)
         return o, ht, res
-    hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg)
+    # the chunk_state_dtype setting: the output kernel's states in q's dtype (it widens them to float32 for their TF32
+    # product, so a 16-bit state is read exactly), or float32
+    stored = q.dtype if settings.current().chunk_state_dtype == "inputs" else F32
+    hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored)
     return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a), ht, res
 
 
