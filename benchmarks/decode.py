@@ -40,7 +40,7 @@ Columns:
   pallas-paged (JAX's `paged_attention` on the pool in its layout [Hkv, pages, page, D], built outside the timing; it
   has no softmax scale, so its query comes pre-scaled).
 - us: median microseconds per call (medians of `--rounds` interleaved rounds, each the median of `--reps` samples of
-  8 calls dispatched back to back; every impl compiled before any is timed).
+  `--calls` calls, 8 by default, dispatched back to back; every impl compiled before any is timed).
 - GB/s: bytes of K and V actually read (sum of lengths x Hkv x D x 2 bytes x 2) / time.
 - %stream: GB/s over the card's streaming bandwidth (the larger of a jitted bf16 copy, bytes read + written, and a
   jitted sum, bytes read, over a 2 GiB array, measured at the start of the run).
@@ -522,7 +522,8 @@ def report(rows, stream, args, device, hq, hkv, dim, t_start, done: bool):
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode.json").write_text(json.dumps(dict(
         device=device, backend=jax.default_backend(), jax=jax.__version__, smoke=args.cpu_smoke, hq=hq, hkv=hkv,
-        dim=dim, reps=args.reps, rounds=args.rounds, complete=done, stream=stream, rows=rows, targets=ts,
+        dim=dim, reps=args.reps, rounds=args.rounds, calls=args.calls, complete=done, stream=stream, rows=rows,
+        targets=ts,
         wall_s=round(time.perf_counter() - t_start, 1)), indent=1))
     (out / "decode.md").write_text(text)
     return text

@@ -1,8 +1,9 @@
 """Launch settings of the Triton decode kernel (issue 16; `ejgen.runtime.attention.triton.decode`), measured on one
-GPU: (BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM, MAX_SPLIT_KEYS) over the decode benchmark's
-batches (benchmarks/decode.py), cuDNN timed in the same run for scale. Every setting of a case is compiled, then all are timed
-in `--rounds` interleaved rounds (median of medians). Prints a table of µs per case with the best setting per case
-marked, and the geometric mean of cuDNN time / time over cases per setting.
+GPU: the settings of NAMES (BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM, MAX_SPLIT_KEYS, PAGES_AHEAD,
+SMALL_PAGE_BLOCK_N, SMALL_PAGE_STAGES; `--settings` or a built-in list) over the decode benchmark's batches
+(benchmarks/decode.py), cuDNN timed in the same run for scale. Every setting of a case is compiled, then all are
+timed in `--rounds` interleaved rounds (median of medians) of `--calls` calls a sample. Prints a table of µs per
+case with the best setting per case marked, and the geometric mean of cuDNN time / time over cases per setting.
 
     python3 benchmarks/decode_tune.py --out $OUT/decode_tune [--budget-s 420] [--cases decode-B4,paged16-B8]
 
@@ -49,6 +50,9 @@ def settings(quick: bool, given: str = ""):
     base = current()
     if given:
         more = [tuple(int(x) for x in t.split(",")) for t in given.split(";") if t.strip()]
+        if any(len(m) > len(NAMES) for m in more):
+            raise SystemExit(f"decode_tune.py --settings {given!r}: at most {len(NAMES)} numbers a setting "
+                             f"({', '.join(NAMES)})")
         more = [m + base[len(m):] for m in more]
     else:
         more = [(64, 3, 4, 1, 2, 4096), (64, 2, 4, 1, 4, 2048), (64, 2, 4, 1, 3, 4096), (128, 3, 8, 1, 2, 4096),

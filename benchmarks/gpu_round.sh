@@ -29,6 +29,7 @@
 #                  timed 0.586 ms a call beside test shards against 0.129 alone)
 #   zoo-a16, zoo-b16  the same at 16 calls a sample (both sides)
 #   trace          every kernel of one call of a few masked zoo cases (trace_table.py; TRACE_CASES)
+#   trace-natten   the same for causal, NATTEN 2-D and the 8k documents
 #   documents      documents vs Flex (blocksparse.py, flex_blocksparse.py)             (issue 14)
 #   documents16    the same at 16 calls a sample (both sides)
 #   pause          45 s of nothing (benchmarks after another lane's test shards)
@@ -133,6 +134,7 @@ j_zoo-a16() { zoo_half a16 $ZOO_A 16; }
 j_zoo-b16() { zoo_half b16 $ZOO_B 16; }
 j_trace() { job trace 120 python3 benchmarks/trace_table.py \
   --cases "${TRACE_CASES:-causal,documents,chunked,flamingo}" --out "$log/trace"; }
+j_trace-natten() { TRACE_CASES=causal,natten2d,documents j_trace; }
 j_documents() {
   job documents 120 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --out "$log/bs"
   job layouts-flex 90 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --out "$log/bs"
@@ -215,8 +217,8 @@ declare -A PRESETS=(
   [next]="0-1:hopper-tests,zoo-capsinks 2-3:decode-tests,ring-tests,ring-steady"
   # what session 21 left for the next: the recurrent table with the 16-bit forward states (rec-bench's
   # ejgen-triton-16bit-states beside fla) and their GPU tests, and traces of NATTEN 2-D and the 8k documents
-  # (TRACE_CASES=causal,natten2d,documents) on a quiet GPU
-  [s22]="0:fla,rec-bench 1:trace 2-3:rec-tests"
+  # on a quiet GPU
+  [s22]="0:fla,rec-bench 1:trace-natten 2-3:rec-tests"
 )
 plan=()
 for arg in "${@:-zoo}"; do

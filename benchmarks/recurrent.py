@@ -3,8 +3,8 @@ simple_gla and lightning_attention ops, forward and forward+backward, bf16, H = 
 B2 T16384, next to flash-linear-attention's chunk_gla / fused_recurrent_gla / chunk_simple_gla timed in a process of
 their own (`benchmarks/recurrent_fla.py`, torch: run it first on the same machine and pass its JSON with --fla).
 
-Impls: `ejgen-triton` (algorithm chunked, chunks of 64), `ejgen-triton-16bit-states` (the same with the forward's
-chunk states stored in the inputs' dtype, the chunk_state_dtype setting "inputs"), `ejgen-triton-onepass` (chunked
+Impls: `ejgen-triton` (algorithm chunked, chunks of 64), `ejgen-triton-bf16-states` (the same with the forward's
+chunk states stored in bf16, the chunk_state_dtype setting "bfloat16"), `ejgen-triton-onepass` (chunked
 with the one-pass forward, the chunk_forward setting "fused"), `ejgen-triton-fused` (the fused recurrence; forward only
 at T4096, the fused kernels are for decoding and short sequences), `ejgen-xla` (`--xla`: the chunked jnp backend).
 Every ejgen impl's forward is checked against the XLA backend in float32 on the same inputs (relative error of o and
@@ -114,7 +114,7 @@ def impls(op_name, args, gates, do, smoke):
     op = getattr(generated, op_name)
     out = {}
     platforms = [("ejgen-triton", "triton", "chunked", "two_pass"),
-                 ("ejgen-triton-16bit-states", "triton", "chunked", "two_pass/inputs"),
+                 ("ejgen-triton-bf16-states", "triton", "chunked", "two_pass/bfloat16"),
                  ("ejgen-triton-onepass", "triton", "chunked", "fused")]
     if args[0].shape[1] <= 4096:
         platforms.append(("ejgen-triton-fused", "triton", "fused", "two_pass"))

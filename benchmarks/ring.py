@@ -175,7 +175,8 @@ def record(row: dict, out_dir: Path):
 
 
 def time_case(part, seq, heads, impl, gpus, pass_, fn, args, out_dir, batch=1):
-    """Compile (timed), then the median of --reps samples; a failure is a row with its error."""
+    """Compile (timed), then the median of --reps samples at each --batch count (a row each); a failure is a row with
+    its error. Returns the last row."""
     hq, _ = heads
     row = dict(part=part, S=seq, heads=f"{heads[0]}/{heads[1]}", impl=impl, gpus=gpus, **{"pass": pass_})
     if time.perf_counter() - START > ARGS.budget_s:
@@ -423,7 +424,9 @@ def summarise(out_dir: Path):
 
 def main():
     global SEQS, HEADS, ORDERS, PASSES, BATCHES
-    BATCHES = [int(b) for b in str(ARGS.batch).split(",") if b]
+    BATCHES = [int(b) for b in str(ARGS.batch).split(",") if b.strip()]
+    if not BATCHES or min(BATCHES) < 1:
+        raise SystemExit(f"ring.py: --batch {ARGS.batch!r}: one or more positive counts of calls a sample")
     out_dir = Path(ARGS.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if ARGS.coalesce_backward:

@@ -4,7 +4,8 @@ baseline and prefix LM) as its generated op under `jax.jit`, forward and forward
 cases and data in its own process (torch and JAX do not share the GPU well); `--table` joins the two.
 
 Timing as benchmarks/blocksparse.py (docs/DESIGN.md §8): each pass compiled first, then `--rounds` interleaved
-rounds of `median_seconds` (samples of 4 calls back to back after a warm-up that brings the clocks up); a figure
+rounds of `median_seconds` (samples of `--calls` calls back to back, 4 by default and as flex_zoo.py takes them,
+after a warm-up that brings the clocks up); a figure
 is the median over rounds. fwd+bwd is `jax.grad` of sum(out * a fixed random cotangent) with respect to q, k, v
 and the learnable inputs (T5's table, gpt-oss's sinks), the forward included. Each case runs in its own
 try/except (an error is recorded in the JSON and the run goes on), and the JSON is rewritten after every case, so
@@ -246,9 +247,12 @@ def table(out: Path, plot: Path | None) -> str:
              + (" (eager)" if fx.get("eager") else ""),
              (f"S={ej.get('seq', fx.get('seq'))}, H={ej.get('heads', fx.get('heads'))}, "
               f"D={ej.get('dim', fx.get('dim'))}, B=1, bf16")]
-    for name in ("seq", "heads", "dim"):
+    for name in ("seq", "heads", "dim", "calls"):
         if name in ej and name in fx and ej[name] != fx[name]:
-            lines.append(f"**sizes differ: {name} {ej[name]} (ejgen) vs {fx[name]} (Flex)**")
+            lines.append(f"**{'sizes' if name != 'calls' else 'calls a sample'} differ: {name} {ej[name]} (ejgen) vs "
+                         f"{fx[name]} (Flex)**")
+    if "calls" in ej or "calls" in fx:  # the sizes' line
+        lines[1] += f"; {ej.get('calls', fx.get('calls'))} calls a sample"
     header = ("| variant | visible | ejgen fwd ms | Flex fwd ms | Flex / ejgen | ejgen fwd+bwd ms | Flex fwd+bwd ms "
               "| Flex / ejgen | ejgen × causal fwd | ejgen × causal fwd+bwd | ideal × causal | Flex mask build ms "
               "| check |")

@@ -258,7 +258,7 @@ def previous(json_path, npz_path, meta: dict, rerun: list[Case]) -> tuple[list, 
     if not json_path.exists():
         return [], {}
     old = json.loads(json_path.read_text())
-    if any(old.get(k) != meta.get(k) for k in ("seq", "heads", "dim", "device", "platform", "eager")):
+    if any(old.get(k) != meta.get(k) for k in ("seq", "heads", "dim", "device", "platform", "eager", "calls")):
         return [], {}
     again = {c.key for c in rerun}
     rows = [r for r in old.get("rows", []) if r["case"] not in again]

@@ -19,7 +19,8 @@
 - ``explain(op, *args, target=None, **kwargs)``: which platform and kernel sets a call takes, and why,
   without running it (docs/DESIGN.md §6).
 - ``settings(**changes)``: a scoped override of the settings (``deterministic``, ``gluon``,
-  ``chunk_forward``, ``triton_configs``, ``triton_autotune``); ``current_settings()`` the ones in force.
+  ``chunk_forward``, ``chunk_state_dtype``, ``triton_configs``, ``triton_autotune``; the rest in
+  ``ejgen.runtime.core.settings``); ``current_settings()`` the ones in force.
 """
 
 from ejgen.generated import flash_attention, mean_pooling, recurrent, recurrent_cp

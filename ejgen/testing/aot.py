@@ -218,7 +218,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       states: str = "float32") -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
-    "inputs": the forward's stored chunk states in the inputs' dtype (the chunk_state_dtype setting)."""
+    "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
+    chunk_output, the kernels that write and read them: the backward's states stay float32)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -229,8 +230,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     module = importlib.import_module(f"{package}.{name}.triton_kernels")
     ptr = _DTYPES[dtype]
     pointers = dict(Q=ptr, K_=ptr, V_=ptr, G="*fp32", GAMMA="*fp32", GK="*fp32", GV="*fp32", H0="*fp32", CU="*i32",
-                    FIRST="*i32", CHUNKS="*i32", O=ptr, HT="*fp32", HS=ptr if states == "inputs" else "*fp32",
-                    DO=ptr, DHT="*fp32", DHS="*fp32",
+                    FIRST="*i32", CHUNKS="*i32", O=ptr, HT="*fp32", HS="*fp32", DO=ptr, DHT="*fp32", DHS="*fp32",
                     DQ="*fp32", DK="*fp32", DV="*fp32", DH0="*fp32", DLK="*fp32", DLV="*fp32", CK="*fp32",
                     SCR="*fp32", DLOG="*fp32", A=ptr, DA="*fp32", DQI="*fp32", DKI="*fp32", DLI="*fp32")
     bk = max(16, 1 << (dk - 1).bit_length())
@@ -252,6 +252,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
             blocks, options = host.tiles(which, dk, dv)
         kernel = getattr(module, f"{name}_{which}_kernel")
         sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
+        if states == "bfloat16" and which in ("chunk_state", "chunk_output"):
+            sig["HS"] = "*bf16"
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
         kconsts = {**consts, **blocks}
         source = ASTSource(fn=kernel, signature=sig, attrs=aligned,

@@ -402,7 +402,7 @@ def _tf32(x, BITS: tl.constexpr = False):
 @triton.jit
 def _dot_state(a, b, DT: tl.constexpr):
     """a @ b where one operand is a float32 state (or its adjoint): exact for float32 inputs, TF32 for 16-bit ones
-    (a state rounded to bf16 would err by 2^-9 in every product). Both operands are rounded to TF32 first (`_tf32`),
+    (a state rounded to bf16 would err by 2^-8 in every product). Both operands are rounded to TF32 first (`_tf32`),
     so the tensor cores read them exactly and the interpreter computes the same products."""
     if DT == tl.float32:
         return tl.dot(a, b, input_precision="ieee")

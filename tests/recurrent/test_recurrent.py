@@ -151,11 +151,11 @@ STATE_DTYPE_CASES = (
 
 @pytest.mark.parametrize("case", STATE_DTYPE_CASES, ids=[c.id for c in STATE_DTYPE_CASES])
 def test_triton_chunk_states_in_the_inputs_dtype(case, monkeypatch):
-    """chunk_state_dtype "inputs": the two-pass chunked forward stores the state at each chunk's start in q's dtype
-    for its output kernel (the carried state, the final state and the backward's states stay float32): gk and scalar
-    gates; packed sequences (an empty one among them), reverse, initial_state, GQA; bf16 and f16. o, final_state
-    and every gradient against the oracle at the dtype's tolerance, and the states the output kernel read were
-    16-bit."""
+    """chunk_state_dtype "bfloat16": the two-pass chunked forward stores the state at each chunk's start in bf16 for
+    its output kernel (the carried state, the final state and the backward's states stay float32): gk and scalar
+    gates; packed sequences (an empty one among them), reverse, initial_state, GQA; bf16 and f16 inputs. o,
+    final_state and every gradient against the oracle at the dtype's tolerance, and the states the output kernel read
+    were bf16."""
     from ejgen.runtime.recurrent.triton import host
 
     read = []
@@ -166,9 +166,9 @@ def test_triton_chunk_states_in_the_inputs_dtype(case, monkeypatch):
         return real(kernels, q, k, v, gates, ctx, cfg, hs, a)
 
     monkeypatch.setattr(host, "chunk_output", spy)
-    monkeypatch.setenv("EJGEN_CHUNK_STATE_DTYPE", "inputs")
+    monkeypatch.setenv("EJGEN_CHUNK_STATE_DTYPE", "bfloat16")
     check(case, "triton", hooks=_hooks(case))
-    assert read and all(d == jnp.dtype(case.dtype) for d in read), read
+    assert read and all(d == jnp.bfloat16 for d in read), read
 
 
 def test_the_chunked_forward_form_is_checked(monkeypatch):
@@ -191,12 +191,12 @@ def test_the_chunked_forward_form_is_checked(monkeypatch):
         with settings(chunk_forward="fast"):
             pass
     monkeypatch.setenv("EJGEN_CHUNK_STATE_DTYPE", "bf16")
-    with pytest.raises(ValueError, match="EJGEN_CHUNK_STATE_DTYPE='bf16': expected one of float32, inputs"):
+    with pytest.raises(ValueError, match="EJGEN_CHUNK_STATE_DTYPE='bf16': expected one of float32, bfloat16"):
         core_settings.current()
     monkeypatch.delenv("EJGEN_CHUNK_STATE_DTYPE")
-    with settings(chunk_state_dtype="inputs") as s:
-        assert s.chunk_state_dtype == "inputs"
-    with pytest.raises(ValueError, match="chunk_state_dtype='half': expected one of float32, inputs"):
+    with settings(chunk_state_dtype="bfloat16") as s:
+        assert s.chunk_state_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="chunk_state_dtype='half': expected one of float32, bfloat16"):
         with settings(chunk_state_dtype="half"):
             pass
 

@@ -64,7 +64,8 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "kernels": chunked, "with_resources": True}
                  for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90, "gates": ("gk",),
-                  "kernels": ["chunk_state", "chunk_output"], "states": "inputs", "with_resources": True}]  # 16-bit
+                  "kernels": ["chunk_state", "chunk_output"], "states": "bfloat16",  # the opt-in bf16 states
+                  "with_resources": True}]
     for request, compiled in zip(requests, compile_all_in_subprocess(requests, triton=gpu_host_triton())):
         assert "error" not in compiled, f"{request['name']} {request['gates']}: {compiled.get('error')}"
         for kernel, c in compiled.items():

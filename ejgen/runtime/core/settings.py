@@ -29,12 +29,13 @@ Each has a default, an environment variable (read at call time) and a scoped ove
 - ``chunk_forward`` (EJGEN_CHUNK_FORWARD: ``two_pass`` / ``fused``, default two_pass): the linear recurrent chunked
   forward on Triton, two passes (the chunk states through memory) or one (`chunk_fused_fwd`, the state in registers;
   not the default until GPU-timed, docs/DESIGN.md §3).
-- ``chunk_state_dtype`` (EJGEN_CHUNK_STATE_DTYPE: ``float32`` / ``inputs``, default float32): the dtype in which the
-  linear recurrent chunked forward on Triton (two passes) stores the state at each chunk's start for its output
-  kernel. ``inputs``: q's dtype, as flash-linear-attention stores them (bf16 inputs: half the bytes of the states
-  written and read back; the state carried from chunk to chunk, the final state and the backward's states stay
-  float32). Each stored state is then rounded to the inputs' precision (2^-9 relative for bf16) before its product with
-  q: outputs within the dtype's tolerance (docs/DESIGN.md §3). Opt-in until GPU-timed.
+- ``chunk_state_dtype`` (EJGEN_CHUNK_STATE_DTYPE: ``float32`` / ``bfloat16``, default float32): the dtype in which
+  the linear recurrent chunked forward on Triton (two passes) stores the state at each chunk's start for its output
+  kernel. ``bfloat16``, as flash-linear-attention stores them for bf16 inputs: half the bytes written and read back;
+  float32's exponent range, so unnormalised sums that pass float16's 65504 stay finite. The state carried from chunk
+  to chunk, the final state and the backward's states stay float32. Each stored state is rounded to bf16 (2^-8
+  relative) before its product with q: 16-bit outputs stay within their dtype's tolerance (docs/DESIGN.md §3).
+  Opt-in until GPU-timed.
 - ``triton_configs`` (EJGEN_TRITON_CONFIG, e.g. ``"fwd=128,64,8,3;dkdv=64,128,8,3"``): pinned Triton
   configs per pass (tuning, tests); a pinned pass never takes the Hopper set.
 - ``triton_autotune`` (EJGEN_TRITON_AUTOTUNE=1): jax-triton's autotuner over `ejgen tune`'s candidates.
@@ -90,7 +91,7 @@ def _on_off_auto(var: str, text: str) -> bool | None:
 
 
 CHUNK_FORWARDS = ("two_pass", "fused")
-CHUNK_STATE_DTYPES = ("float32", "inputs")
+CHUNK_STATE_DTYPES = ("float32", "bfloat16")
 
 
 def _one_of(var: str, text: str, words: tuple) -> str:

@@ -19,11 +19,12 @@ from ejgen.runtime.launch import triton_call
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
-# Pages smaller than BLOCK_N (a block over several pages): PAGES_AHEAD reads the next block's page numbers a step
-# ahead (a loop carry), else each block reads its own (an indirect load the software pipeliner stages before K's);
-# SMALL_PAGE_BLOCK_N / SMALL_PAGE_STAGES (0: BLOCK_N / NUM_STAGES) the launch of such calls. decode_tune.py A/Bs them.
+# Pages that are not whole multiples of BLOCK_N (a block over several pages: smaller ones, or e.g. 96 keys):
+# PAGES_AHEAD reads the next block's page numbers a step ahead (a loop carry), else each block reads its own (an
+# indirect load the software pipeliner stages before K's). SMALL_PAGE_BLOCK_N / SMALL_PAGE_STAGES (0: BLOCK_N /
+# NUM_STAGES): the launch of calls whose pages are smaller than BLOCK_N. decode_tune.py A/Bs them.
 # Session 21, one H200, 32 calls a sample, page 16 against the contiguous call: each block's own read took the ragged
-# batch (B32, lengths 1..16k) from 298.8 to 272.3 us (0.89 -> 0.98 of contiguous), B8 S8k 81.9 -> 84.1 (1.01 -> 0.95),
+# batch (B32, lengths 1..16k) from 298.8 to 272.3 us (0.89 -> 0.98 of contiguous), B8 S8k 81.9 -> 84.1 (0.99 -> 0.95),
 # B32 S8k 268.6 -> 270.6, B4 S32k 149.2 -> 148.8; blocks of 16 or 32 keys for small pages lost or tied.
 PAGES_AHEAD = False
 SMALL_PAGE_BLOCK_N = 0

@@ -310,9 +310,9 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     if settings.current().chunk_forward == "fused":
         o, ht = chunk_fused_forward(kernels, q, k, v, gates, h0, ctx, cfg, a)
         return o, ht, res
-    # the chunk_state_dtype setting: the output kernel's states in q's dtype (it widens them to float32 for their TF32
-    # product, so a 16-bit state is read exactly), or float32
-    stored = q.dtype if settings.current().chunk_state_dtype == "inputs" else F32
+    # the chunk_state_dtype setting: the output kernel's states in bfloat16 (it widens them to float32 for their
+    # product, so a stored state is read exactly as rounded), or float32
+    stored = jnp.bfloat16 if settings.current().chunk_state_dtype == "bfloat16" else F32
     hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored)
     return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a), ht, res
 
