@@ -1,6 +1,6 @@
 """Launch settings of the Triton decode kernel (issue 16; `ejgen.runtime.attention.triton.decode`), measured on one
-GPU: the settings of NAMES (BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM, MAX_SPLIT_KEYS, PAGES_AHEAD,
-SMALL_PAGE_BLOCK_N, SMALL_PAGE_STAGES; `--settings` or a built-in list) over the decode benchmark's batches
+GPU: the settings of NAMES (BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM, MAX_SPLIT_KEYS, PAGES_AHEAD;
+`--settings` or a built-in list) over the decode benchmark's batches
 (benchmarks/decode.py), cuDNN timed in the same run for scale. Every setting of a case is compiled, then all are
 timed in `--rounds` interleaved rounds (median of medians) of `--calls` calls a sample. Prints a table of µs per
 case with the best setting per case marked, and the geometric mean of cuDNN time / time over cases per setting.
@@ -35,36 +35,32 @@ CASES = ("decode-B8-S8k", "decode-B32-S8k", "decode-B4-S32k", "decode-B32-ragged
          "paged16-B32-ragged16k", "paged64-B32-ragged16k")
 
 
-NAMES = ("BLOCK_N", "stages", "warps", "waves", "programs/SM", "max split keys", "pages ahead", "small-page BLOCK_N",
-         "small-page stages")
+NAMES = ("BLOCK_N", "stages", "warps", "waves", "programs/SM", "max split keys", "pages ahead")
 
 
 def current():
     return (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, split_k.WAVES, split_k.PROGRAMS_PER_SM,
-            split_k.MAX_SPLIT_KEYS, int(host.PAGES_AHEAD), host.SMALL_PAGE_BLOCK_N, host.SMALL_PAGE_STAGES)
+            split_k.MAX_SPLIT_KEYS, int(host.PAGES_AHEAD))
 
 
 def settings(quick: bool, given: str = ""):
-    """The settings (NAMES) to time, the current default first: ``given`` ("64,3,4,1,2,4096,1,0,0;..."; a tuple
-    shorter than NAMES keeps the defaults of the rest) or a built-in list."""
+    """The settings (NAMES) to time, the current default first: ``given`` ("64,3,4,1,2,4096,1;..."; a tuple shorter
+    than NAMES keeps the defaults of the rest) or a built-in list."""
     base = current()
-    if given:
-        more = [tuple(int(x) for x in t.split(",")) for t in given.split(";") if t.strip()]
-        if any(len(m) > len(NAMES) for m in more):
-            raise SystemExit(f"decode_tune.py --settings {given!r}: at most {len(NAMES)} numbers a setting "
-                             f"({', '.join(NAMES)})")
-        more = [m + base[len(m):] for m in more]
-    else:
-        more = [(64, 3, 4, 1, 2, 4096), (64, 2, 4, 1, 4, 2048), (64, 2, 4, 1, 3, 4096), (128, 3, 8, 1, 2, 4096),
-                (64, 2, 4, 2, 4, 4096), (64, 3, 4, 1, 3, 4096)]
-        more = [m + base[len(m):] for m in more]
+    more = ([tuple(int(x) for x in t.split(",")) for t in given.split(";") if t.strip()] if given else
+            [(64, 3, 4, 1, 2, 4096), (64, 2, 4, 1, 4, 2048), (64, 2, 4, 1, 3, 4096), (128, 3, 8, 1, 2, 4096),
+             (64, 2, 4, 2, 4, 4096), (64, 3, 4, 1, 3, 4096)])
+    if any(len(m) > len(NAMES) for m in more):
+        raise SystemExit(f"decode_tune.py --settings {given!r}: at most {len(NAMES)} numbers a setting "
+                         f"({', '.join(NAMES)})")
+    more = [m + base[len(m):] for m in more]
     out = [base] + [s for s in more if s != base]
     return out[:3] if quick else out
 
 
 def apply(setting):
     (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, split_k.WAVES, split_k.PROGRAMS_PER_SM,
-     split_k.MAX_SPLIT_KEYS, ahead, host.SMALL_PAGE_BLOCK_N, host.SMALL_PAGE_STAGES) = setting
+     split_k.MAX_SPLIT_KEYS, ahead) = setting
     host.PAGES_AHEAD = bool(ahead)
 
 

@@ -113,19 +113,19 @@ def impls(op_name, args, gates, do, smoke):
     """{name: (fwd fn, fwd+bwd fn)} of a case."""
     op = getattr(generated, op_name)
     out = {}
-    platforms = [("ejgen-triton", "triton", "chunked", "two_pass"),
-                 ("ejgen-triton-bf16-states", "triton", "chunked", "two_pass/bfloat16"),
-                 ("ejgen-triton-onepass", "triton", "chunked", "fused")]
+    platforms = [("ejgen-triton", "triton", "chunked", {}),
+                 ("ejgen-triton-bf16-states", "triton", "chunked", {"chunk_state_dtype": "bfloat16"}),
+                 ("ejgen-triton-onepass", "triton", "chunked", {"chunk_forward": "fused"})]
     if args[0].shape[1] <= 4096:
-        platforms.append(("ejgen-triton-fused", "triton", "fused", "two_pass"))
+        platforms.append(("ejgen-triton-fused", "triton", "fused", {}))
     if ARGS.xla or smoke:
-        platforms.append(("ejgen-xla", "xla", "chunked", "two_pass"))
-    for name, platform, algorithm, form in platforms:
-        def fwd(q, k, v, g, platform=platform, algorithm=algorithm, form=form):
+        platforms.append(("ejgen-xla", "xla", "chunked", {}))
+    for name, platform, algorithm, asked in platforms:
+        def fwd(q, k, v, g, platform=platform, algorithm=algorithm, asked=asked):
             from ejgen.ops import settings
 
-            shape, _, stored = form.partition("/")
-            with settings(chunk_forward=shape, chunk_state_dtype=stored or "float32"):  # read as the call is traced
+            # the impl's settings over the defaults, read as the call is traced
+            with settings(**{"chunk_forward": "two_pass", "chunk_state_dtype": "float32", **asked}):
                 return op(q, k, v, **g, platform=platform, algorithm=algorithm)
 
         def fwd_bwd(q, k, v, g, do, fwd=fwd):

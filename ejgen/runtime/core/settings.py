@@ -70,9 +70,9 @@ _ENV = {
     "gluon_dynamic_tiles": ("EJGEN_GLUON_DYNAMIC_TILES", lambda t: _on_off_auto("EJGEN_GLUON_DYNAMIC_TILES", t)),
     "gluon_cross": ("EJGEN_GLUON_CROSS", lambda t: t.strip().lower() not in ("0", "false", "no", "off")),
     "fast_tanh": ("EJGEN_FAST_TANH", lambda t: t.strip().lower() in ("1", "true", "yes", "on")),
-    "chunk_forward": ("EJGEN_CHUNK_FORWARD", lambda t: _one_of("EJGEN_CHUNK_FORWARD", t, CHUNK_FORWARDS)),
+    "chunk_forward": ("EJGEN_CHUNK_FORWARD", lambda t: _one_of("EJGEN_CHUNK_FORWARD", t, WORDS["chunk_forward"])),
     "chunk_state_dtype": ("EJGEN_CHUNK_STATE_DTYPE",
-                          lambda t: _one_of("EJGEN_CHUNK_STATE_DTYPE", t, CHUNK_STATE_DTYPES)),
+                          lambda t: _one_of("EJGEN_CHUNK_STATE_DTYPE", t, WORDS["chunk_state_dtype"])),
     "triton_configs": ("EJGEN_TRITON_CONFIG", str),
     "triton_autotune": ("EJGEN_TRITON_AUTOTUNE", lambda t: t.strip() == "1"),
 }
@@ -90,8 +90,8 @@ def _on_off_auto(var: str, text: str) -> bool | None:
     raise ValueError(f"ejgen settings: {var}={text!r}: expected 1, 0 or auto")
 
 
-CHUNK_FORWARDS = ("two_pass", "fused")
-CHUNK_STATE_DTYPES = ("float32", "bfloat16")
+WORDS = {"chunk_forward": ("two_pass", "fused"), "chunk_state_dtype": ("float32", "bfloat16")}
+"""The settings that take one of a few words: the words, by setting."""
 
 
 def _one_of(var: str, text: str, words: tuple) -> str:
@@ -125,9 +125,8 @@ def settings(**changes):
     for name, value in changes.items():
         if name not in known:
             raise TypeError(f"ejgen settings: unknown setting {name!r} (known: {', '.join(known)})")
-        if name in ("chunk_forward", "chunk_state_dtype"):
-            words = CHUNK_FORWARDS if name == "chunk_forward" else CHUNK_STATE_DTYPES
-            changes[name] = _one_of(name, value if isinstance(value, str) else repr(value), words)
+        if name in WORDS:
+            changes[name] = _one_of(name, value if isinstance(value, str) else repr(value), WORDS[name])
             continue
         want = str if name == "triton_configs" else bool
         if not (isinstance(value, want) or (value is None and name == "gluon_dynamic_tiles")):

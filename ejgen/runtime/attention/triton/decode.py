@@ -21,14 +21,11 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 # Pages that are not whole multiples of BLOCK_N (a block over several pages: smaller ones, or e.g. 96 keys):
 # PAGES_AHEAD reads the next block's page numbers a step ahead (a loop carry), else each block reads its own (an
-# indirect load the software pipeliner stages before K's). SMALL_PAGE_BLOCK_N / SMALL_PAGE_STAGES (0: BLOCK_N /
-# NUM_STAGES): the launch of calls whose pages are smaller than BLOCK_N. decode_tune.py A/Bs them.
-# Session 21, one H200, 32 calls a sample, page 16 against the contiguous call: each block's own read took the ragged
-# batch (B32, lengths 1..16k) from 298.8 to 272.3 us (0.89 -> 0.98 of contiguous), B8 S8k 81.9 -> 84.1 (0.99 -> 0.95),
-# B32 S8k 268.6 -> 270.6, B4 S32k 149.2 -> 148.8; blocks of 16 or 32 keys for small pages lost or tied.
+# indirect load the software pipeliner stages before K's); decode_tune.py A/Bs it. Session 21, one H200, 32 calls a
+# sample, page 16 against the contiguous call: each block's own read took the ragged batch (B32, lengths 1..16k) from
+# 298.8 to 272.3 us (0.89 -> 0.98 of contiguous), B8 S8k 81.9 -> 84.1 (0.99 -> 0.95), B32 S8k 268.6 -> 270.6, B4
+# S32k 149.2 -> 148.8. Blocks of 16 or 32 keys for small pages (a launch of their own) lost or tied: not kept.
 PAGES_AHEAD = False
-SMALL_PAGE_BLOCK_N = 0
-SMALL_PAGE_STAGES = 0
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
 
 
@@ -40,10 +37,8 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
     paged = call.tables is not None
     seq = call.tables.shape[1] * call.page if paged else k.shape[1]
     interpret = triton_call.mode()[0] == "interpret"
-    block_n, stages = (INTERPRET_BLOCK_N if interpret else BLOCK_N), NUM_STAGES
-    if paged and call.page < block_n and not interpret:
-        block_n, stages = SMALL_PAGE_BLOCK_N or block_n, SMALL_PAGE_STAGES or stages
-    slots = split_k.slots(block_n, d, dv, q.dtype.itemsize, stages, sms=split_k.INTERPRET_SMS if interpret else None)
+    block_n = INTERPRET_BLOCK_N if interpret else BLOCK_N
+    slots = split_k.slots(block_n, d, dv, q.dtype.itemsize, NUM_STAGES, sms=split_k.INTERPRET_SMS if interpret else None)
     n_splits, per_split = split_k.splits(batch, hkv, split_k.keys_to_visit(seq, cfg, sq, block_n), block_n, slots,
                                          batch_invariant)
     m_pad = host._pow2(groups * sq)
@@ -60,7 +55,7 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
             sds((math.prod(grid) * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)]
     kernel = importlib.import_module(kernel_module).decode_kernel
     o_part, m_part, l_part, _ = triton_call.launch(
-        kernel, grid, inputs, outs, num_warps=NUM_WARPS, num_stages=stages,
+        kernel, grid, inputs, outs, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         B=batch, HQ=hkv * groups, HKV=hkv, SQ=sq, SEQ_K=k.shape[1], D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad, G=groups,
         M_PAD=m_pad, BLOCK_N=block_n, SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=cfg.causal, WINDOW=cfg.window,
         SOFTCAP=cfg.softcap, PAGED=paged, PAGE=call.page if paged else 1,

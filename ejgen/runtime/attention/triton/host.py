@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ejgen.runtime.attention import tiles
 from ejgen.runtime.attention.api import SEQ_MAJOR, given_delta, join_sinks, sinks_grad
@@ -142,17 +141,14 @@ def scalar_arrays(ctx, f32_options: tuple, i32_options: tuple) -> list:
     (`ejgen.emit.attention.common.scalar_layout`), as every generated Triton kernel reads them."""
     f32 = [ctx["scale"], ctx.get("softcap", 1.0)] + [ctx[n] for n in f32_options]
     i32 = [ctx.get("window_left", 0), ctx.get("window_right", 0)] + [ctx[n] for n in i32_options]
-    return [_packed(f32, np.float32), _packed(i32, np.int32)]
+    return [_packed(f32, jnp.float32), _packed(i32, jnp.int32)]
 
 
 def _packed(values: list, dtype):
-    """One array of the kernels' scalars, and past the last one they read a marker (the first plus one): XLA turns a
-    constant whose elements are all equal into a broadcast, a kernel of its own launched before every call's
-    ([window_left, window_right] = [0, 0], session 21); with the marker the array stays a literal. A constant where
-    no value is traced, else a stack of the traced and constant ones (folded where they are constants)."""
-    if not any(isinstance(x, jax.core.Tracer) for x in values):
-        scalars = np.array([np.asarray(x) for x in values], dtype)
-        return jnp.asarray(np.append(scalars, scalars[0] + 1).astype(dtype))
+    """One array of the kernels' scalars, and past the last one they read a marker (the first plus one): XLA folds a
+    stack of constants into one, and turns a constant whose elements are all equal into a broadcast, a kernel of its
+    own launched before every call ([window_left, window_right] = [0, 0], session 21); with the marker the array
+    stays a literal."""
     scalars = [jnp.asarray(x, dtype) for x in values]
     return jnp.stack(scalars + [scalars[0] + jnp.asarray(1, dtype)])
 
