@@ -14,6 +14,7 @@
 #   ncu-intra      Nsight Compute counters of the intra-chunk kernels (issue-bound or not; it catches chunk_intra's
 #                  two launches first)
 #   ncu-grads      the same for chunk_grads_intra alone, with its memory and scheduler counters
+#   fla-profile    fla's B4 T4096 cases, then each one's kernels under torch.profiler (us a call by kernel)
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane
 #   rec-light      the recurrent table's lightning rows alone
@@ -52,6 +53,8 @@
 #   ring-wide      the same with and without each later step's two blocks as one call (ring.COALESCE; 2 GPUs)
 #   ring-wide-bwd  the same with the backward's steps coalesced too (ring.COALESCE_BACKWARD: off by default, slower
 #                  than its pairs on 2 H100s in session 20)
+#   ring-p2p, ring-gaps-p2p, ring-tests-p2p  ring-steady, ring-gaps and ring-tests with XLA's collective-permutes
+#                  as peer copies (--xla_gpu_use_memcpy_local_p2p: copy engines, no NCCL kernels on the SMs)
 #   ring-gaps      the same calls back to back under the profiler: idle gaps against slower kernels (2 GPUs)
 #   ring-profile   one call's kernels per device (2 GPUs)
 # Every lane also samples its GPUs' SM clocks and power (nvidia-smi, 200 ms) into clocks-<GPUS>.txt.
@@ -105,6 +108,8 @@ j_ncu-grads() { job ncu-grads 120 ncu --clock-control none -k regex:'chunk_grads
   --section MemoryWorkloadAnalysis --section SchedulerStats \
   python3 benchmarks/recurrent_kernels.py --ops gla --no-check --reps 1 --rounds 1; }
 j_fla() { job fla 150 python3 benchmarks/recurrent_fla.py --out "$log/fla/fla.json"; }
+j_fla-profile() { job fla 170 python3 benchmarks/recurrent_fla.py --profile --cases "|B4-T4096|" \
+  --out "$log/fla/fla.json"; }
 j_rec-bench() {
   local fla=()
   [ -f "$log/fla/fla.json" ] && fla=(--fla "$log/fla/fla.json")
@@ -181,6 +186,13 @@ j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 12
   -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
 j_ring-steady() { job ring-steady 170 python3 "${RING[@]}" --parts time --batch 4,16 --out "$log/ring-steady"; }
+P2P=--xla_gpu_use_memcpy_local_p2p=true  # collective-permutes between one process's GPUs as copies (copy engines)
+j_ring-p2p() { job ring-p2p 170 env XLA_FLAGS="$P2P" python3 "${RING[@]}" --parts time --batch 4,16 \
+  --out "$log/ring-p2p"; }
+j_ring-gaps-p2p() { job ring-gaps-p2p 120 env XLA_FLAGS="$P2P" python3 "${RING[@]}" --parts gaps \
+  --out "$log/ring-p2p"; }
+j_ring-tests-p2p() { EJGEN_FAILURE_LOG=$PWD/$log/ring-p2p-failures.txt job ring-tests-p2p 120 env XLA_FLAGS="$P2P" \
+  python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
 j_ring-wide() { job ring-wide 150 python3 "${RING[@]}" --parts time --coalesce both \
   --out "$log/ring-wide"; }
 j_ring-wide-bwd() { job ring-wide-bwd 150 python3 "${RING[@]}" --parts time --coalesce both --coalesce-backward \
@@ -219,6 +231,9 @@ declare -A PRESETS=(
   # ejgen-triton-16bit-states beside fla) and their GPU tests, and traces of NATTEN 2-D and the 8k documents
   # on a quiet GPU
   [s22]="0:fla,rec-bench 1:trace-natten 2-3:rec-tests"
+  # session 22's first call: the ring with peer copies against NCCL's kernels; decode at 32 calls after the
+  # scalar arrays' marker, with its tests; fla's kernels one by one beside ejgen's and the bf16 chunk states
+  [s22a]="0-1:ring-steady,ring-p2p,ring-tests-p2p 2:decode-steady,decode-tests 3:fla-profile,rec-bench,rec-kernels"
 )
 plan=()
 for arg in "${@:-zoo}"; do

@@ -74,6 +74,28 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def profile(fn, calls: int = 8) -> dict:
+    """{kernel name: device us a call} over `calls` calls under torch.profiler (after the timed runs: tuned, warm)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if us > 0:
+            per[ev.key[:90]] = round(us / calls, 2)
+    per = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+    for name, us in per.items():
+        log(f"  {us:9.2f} us  {name}")
+    return per
+
+
 def compile_configs_in_parallel(workers: int) -> bool:
     """Before Triton times a kernel's configs for a new key (Autotuner._bench's first call in a run), launch each
     config once as a warm-up (compile only) inside triton.AsyncCompileMode on `workers` threads; the timing loop then
@@ -181,6 +203,8 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--cases", default="", help="comma-separated substrings of '<kernel>|<shape>|<pass>' (default all)")
     p.add_argument("--compile-threads", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, each timed case's kernels under torch.profiler: device time a call by kernel")
     p.add_argument("--tuned", default=str(Path(__file__).resolve().parent / "fla_tuned"),
                    help="autotune results of earlier runs, <dir>/<GPU name>/<hash>/<kernel>.autotune.json")
     args = p.parse_args()
@@ -220,6 +244,8 @@ def main():
                             f"{STATS['configs'] - before['configs']} configs compiled in "
                             f"{STATS['compile_s'] - before['compile_s']:.1f} s); timing")
                         res[key] = timed(fn, args.reps)
+                        if args.profile:
+                            res.setdefault("kernels", {})[key] = profile(fn)
                     res["tuning"][key] = {"first_call_s": round(first, 2), "tuned_kernels": STATS["kernels"]
                                           - before["kernels"], "compiled_configs": STATS["configs"] - before["configs"]}
                     log(f"{key}: {res[key]:.3f} ms")
