@@ -14,6 +14,9 @@
 #   ncu-intra      Nsight Compute counters of the intra-chunk kernels (issue-bound or not; it catches chunk_intra's
 #                  two launches first)
 #   ncu-grads      the same for chunk_grads_intra alone, with its memory and scheduler counters
+#   state-study    gla's chunk_state / chunk_output against variants that change one thing each
+#                  (recurrent_state_study.py: transposed tiles, sums read from memory, 16-bit states)
+#   ncu-state      Nsight Compute counters of chunk_state and chunk_output
 #   fla-profile    fla's B4 T4096 cases, then each one's kernels under torch.profiler (us a call by kernel)
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane
@@ -104,6 +107,11 @@ j_ncu-intra() { job ncu 120 ncu --clock-control none -k regex:'chunk_(grads_)?in
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
   python3 benchmarks/recurrent_kernels.py --ops gla --no-check --reps 1 --rounds 1; }
 j_ncu-grads() { job ncu-grads 120 ncu --clock-control none -k regex:'chunk_grads_intra' --launch-count 1 \
+  --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+  --section MemoryWorkloadAnalysis --section SchedulerStats \
+  python3 benchmarks/recurrent_kernels.py --ops gla --no-check --reps 1 --rounds 1; }
+j_state-study() { job state-study 200 python3 benchmarks/recurrent_state_study.py; }
+j_ncu-state() { job ncu-state 150 ncu --clock-control none -k regex:'chunk_(state|output)_kernel' --launch-count 2 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
   --section MemoryWorkloadAnalysis --section SchedulerStats \
   python3 benchmarks/recurrent_kernels.py --ops gla --no-check --reps 1 --rounds 1; }
@@ -252,7 +260,7 @@ wait
     [ -f "$f" ] && { echo "== failures: $f"; cut -c1-400 "$f"; }
   done
   for f in "$log"/*.txt; do
-    case $(basename "$f") in summary.txt|clocks-*|ncu*.txt|dispatch*.txt) continue;; esac
+    case $(basename "$f") in summary.txt|clocks-*|ncu.txt|ncu-grads.txt|dispatch*.txt) continue;; esac
     echo "== $(basename "$f" .txt)"; grep -vE "DeprecationWarning|^  (return|from) " "$f" | tail -70
   done
   for f in "$log"/clocks-*.txt; do  # per GPU: samples, median and lowest SM clock, highest power
