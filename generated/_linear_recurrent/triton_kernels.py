@@ -317,56 +317,23 @@ def _load_v(P, rows, m_s, i_h, o_v, m_v, HEADS: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit
-def _tri_sum(x, DT: tl.constexpr, REVERSE: tl.constexpr, STRICT: tl.constexpr):
-    """Sums over the rows (steps) of x [S, N] float32 as one product with a 0/1 matrix: y_i = sum_r T_ir x_r with
-    T_ir = 1 for r <= i (r < i STRICT; r >= i, r > i REVERSE). Each y_i is a sum of exactly its own steps, as a scan's,
-    and a step left out has the coefficient 0 exactly (an exclusive sum never holds the element's rounding). A scan
-    over the rows of a [64, 64] tile crosses warps through shared memory at every level: in chunk_state it took more
-    than half the kernel (H200, session 22, benchmarks/recurrent_state_study.py). For 16-bit inputs (DT) the product
-    runs on the tensor cores in two TF32 parts, x = hi + lo, hi = x rounded to TF32 and lo = the rest rounded again:
-    each term errs by at most 2^-22 of itself (float32's own rounding is 2^-24), the sums accumulate in float32.
-    Float32 inputs keep the exact scan (`_cumsum`). Where it runs: a chunk's steps (S >= 32), N from 16 (the tensor
-    cores' least) to 64: a sub-chunk's 16 steps keep the scan (the products' operands pushed chunk_intra, 2 warps on
-    [16, 128] tiles, to 216 bytes of spills a thread on sm_90), and so do tiles of the head dim whole (848 bytes in
-    chunk_fused_fwd's [64, 128]); the conditions sit in each caller as constexpr tests (Triton 3.6 compiles a jit
-    function's bool result as a run-time branch, both sides)."""
-    o = tl.arange(0, x.shape[0])
-    if REVERSE:
-        keep = (o[None, :] > o[:, None]) if STRICT else (o[None, :] >= o[:, None])
-    else:
-        keep = (o[None, :] < o[:, None]) if STRICT else (o[None, :] <= o[:, None])
-    tri = tl.where(keep, 1.0, 0.0)
-    hi = _tf32(x, True)
-    lo = _tf32(x - hi, True)
-    return _dot_rounded(tri, hi, DT) + _dot_rounded(tri, lo, DT)
-
-
-@triton.jit
-def _cumsum(x, DT: tl.constexpr, reverse: tl.constexpr = False, BY_PRODUCT: tl.constexpr = True):
-    """Inclusive sums over the rows (steps, axis 0) of [S, N]: by a triangular product for 16-bit inputs where the
-    tile fits the tensor cores (`_tri_sum`), else tl.cumsum. A [S, 1] column (a scalar gate per step) is summed as a
-    vector (so is any tile where the caller says BY_PRODUCT False: registers): Triton 3.6 (the GPU host's) asserts in its scan lowering on the layout these kernels give a [S, 1] tile
+def _cumsum(x, axis: tl.constexpr, reverse: tl.constexpr = False):
+    """tl.cumsum over the rows (axis 0) of [S, N]. A [S, 1] column (a scalar gate per step) is summed as a vector:
+    Triton 3.6 (the GPU host's) asserts in its scan lowering on the layout these kernels give a [S, 1] tile
     (ScanOpToLLVM: elements repeated along the size-1 dim); 3.9 compiles both."""
     if x.shape[1] == 1:
         y = tl.expand_dims(tl.cumsum(tl.reshape(x, [x.shape[0]]), axis=0, reverse=reverse), 1)
-    elif BY_PRODUCT and DT != tl.float32 and x.shape[0] >= 32 and x.shape[1] >= 16 and x.shape[1] <= 64:
-        y = _tri_sum(x, DT, reverse, False)
     else:
-        y = tl.cumsum(x, axis=0, reverse=reverse)
+        y = tl.cumsum(x, axis=axis, reverse=reverse)
     return y
 
 
 @triton.jit
-def _after(b_l, DT: tl.constexpr, BY_PRODUCT: tl.constexpr = True):
-    """L(j, end]: the log gates of the steps after each step j of b_l [S, BK | 1] to its end (0 for the last step): a
-    strict triangular product (`_tri_sum`), or a reverse cumsum less step j's own. Either errs by u |L[j, end]|; the
-    whole sum less a prefix sum, L_I - P_j, would err by u |L_I| (3e-5 at a sub-chunk of -20 per step) on the terms
-    that matter most, those of the last steps."""
-    if BY_PRODUCT and DT != tl.float32 and b_l.shape[0] >= 32 and b_l.shape[1] >= 16 and b_l.shape[1] <= 64:
-        y = _tri_sum(b_l, DT, True, True)
-    else:
-        y = _cumsum(b_l, DT, True, BY_PRODUCT) - b_l
-    return y
+def _after(b_l):
+    """L(j, end]: the log gates of the steps after each step j of b_l [S, BK | 1] to its end, as a reverse cumsum less
+    step j's own (0 for the last step). Its error is u |L[j, end]|; the whole sum less a prefix sum, L_I - P_j, would
+    err by u |L_I| (3e-5 at a sub-chunk of -20 per step) on the terms that matter most, those of the last steps."""
+    return _cumsum(b_l, axis=0, reverse=True) - b_l
 
 
 @triton.jit
@@ -376,21 +343,34 @@ def _before_combine(a_before, a_through, b_before, b_through):
 
 
 @triton.jit
-def _cumsum_before(x, DT: tl.constexpr, reverse: tl.constexpr = False, BY_PRODUCT: tl.constexpr = True):
-    """The sum of the elements before each one along the rows (an exclusive cumsum), never with the element itself: an
+def _cumsum_before(x, axis: tl.constexpr, reverse: tl.constexpr = False):
+    """The sum of the elements before each one along `axis` (an exclusive cumsum), never with the element itself: an
     inclusive cumsum less it would keep its rounding, and in the gates' gradients the term of step s can be e^20 times
-    the sum of the pairs r < s (docs/DESIGN.md §3 linear recurrent, "Gates' gradients"). A strict triangular product
-    for 16-bit inputs where the tile fits (`_tri_sum`), else a scan; a [S, 1] column as a vector (`_cumsum`). With
-    `reverse` the sum of those after it."""
+    the sum of the pairs r < s (docs/DESIGN.md §3 linear recurrent, "Gates' gradients"). A [S, 1] column as a vector
+    (`_cumsum`). With `reverse` the sum of those after it."""
     if x.shape[1] == 1:
         v = tl.reshape(x, [x.shape[0]])
         before, _ = tl.associative_scan((tl.zeros_like(v), v), 0, _before_combine, reverse=reverse)
         y = tl.expand_dims(before, 1)
-    elif BY_PRODUCT and DT != tl.float32 and x.shape[0] >= 32 and x.shape[1] >= 16 and x.shape[1] <= 64:
-        y = _tri_sum(x, DT, reverse, True)
     else:
-        y, _ = tl.associative_scan((tl.zeros_like(x), x), 0, _before_combine, reverse=reverse)
+        y, _ = tl.associative_scan((tl.zeros_like(x), x), axis, _before_combine, reverse=reverse)
     return y
+
+
+@triton.jit
+def _through(b_l, o_c, b):
+    """[C, N]: L(j, b] (the log gates of steps j + 1 .. b) for the steps j <= b of a chunk (b_l [C, N]), 0 after b: a
+    reverse cumsum of the steps up to b less step j's own, as `_after`."""
+    upto = o_c[:, None] <= b
+    return tl.where(upto, _cumsum(tl.where(upto, b_l, 0.0), axis=0, reverse=True) - b_l, 0.0)
+
+
+@triton.jit
+def _from(b_l, o_c, b):
+    """[C, N]: L(b, t] (the log gates of steps b + 1 .. t) for the steps t > b of a chunk, 0 up to b: a cumsum of the
+    steps after b."""
+    after = o_c[:, None] > b
+    return tl.where(after, _cumsum(tl.where(after, b_l, 0.0), axis=0), 0.0)
 
 
 @triton.jit
@@ -448,10 +428,10 @@ def _dot_rounded(a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def _segsum(b_l, o_r, DT: tl.constexpr, BY_PRODUCT: tl.constexpr = True):
+def _segsum(b_l, o_r):
     """[BC, BC]: X[i, j] = sum of the scalar log gate b_l [BC, 1] over the steps j + 1 .. i for j <= i (0 above the
-    diagonal): each pair's own steps (no difference of prefix sums), a cumsum down the columns (`_cumsum`)."""
-    return _cumsum(tl.where(o_r[:, None] > o_r[None, :], b_l, 0.0), DT, False, BY_PRODUCT)
+    diagonal): each pair's own steps, summed in order (no difference of prefix sums)."""
+    return tl.cumsum(tl.where(o_r[:, None] > o_r[None, :], b_l, 0.0), axis=0)
 
 
 @triton.jit
@@ -504,7 +484,7 @@ def _advance(b_h, b_k, b_v, b_l, DT: tl.constexpr):
     """The state [BK, BV] after a chunk (k [C, BK], v [C, BV], its key side's log gates [C, BK | 1]):
     S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j (`chunk_state`, `chunk_fused_fwd`)."""
     b_h = b_h * tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
-    return b_h + _dot(tl.trans(b_k * tl.exp(_after(b_l, DT))), b_v, DT)
+    return b_h + _dot(tl.trans(b_k * tl.exp(_after(b_l))), b_v, DT)
 
 
 @triton.jit
@@ -591,18 +571,18 @@ def linear_recurrent_chunk_intra_kernel(
             b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
             b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
                             REVERSE)
-            b_qb = b_q * tl.exp(_cumsum(b_li, DT))  # q e^{L(b, i]}
+            b_qb = b_q * tl.exp(_cumsum(b_li, axis=0))  # q e^{L(b, i]}
             b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
             for back in range(0, i_i):
                 i_j = i_i - 1 - back
                 b_k = _sub(K_, bos, eos, i_t * C + i_j * BC, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
                 b_l = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA,
                                USE_GK, REVERSE)
-                b_kb = b_k * tl.exp(_after(b_l, DT) + b_dec)  # k_j e^{L(j, b]}
+                b_kb = b_k * tl.exp(_after(b_l) + b_dec)  # k_j e^{L(j, b]}
                 b_blk = _dot_state(b_qb, tl.trans(b_kb), DT)
                 b_row += tl.where(o_j[None, :, None] == i_j, tl.expand_dims(b_blk, 1), 0.0)
                 b_dec += tl.sum(b_l, axis=0, keep_dims=True)
-            b_d += _intra(b_q, _cumsum(b_li * LOG2E, DT), K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k,
+            b_d += _intra(b_q, _cumsum(b_li * LOG2E, axis=0), K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k,
                           m_k, o_r, H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
         b_row += tl.where(o_j[None, :, None] == i_i, tl.expand_dims(b_d, 1), 0.0)  # blocks right of I stay 0
         o_c = tl.arange(0, C)
@@ -623,12 +603,12 @@ def linear_recurrent_chunk_intra_kernel(
 
 
 @triton.jit
-def _intra_scalar(b_a, b_l, o_c, GATED: tl.constexpr, DT: tl.constexpr, BY_PRODUCT: tl.constexpr = True):
+def _intra_scalar(b_a, b_l, o_c, GATED: tl.constexpr):
     """A matrix of a chunk's pairs of steps [C, C] (q kᵀ, or dA = do vᵀ) times e^{L(j, i]} for j <= i, 0 above the
     diagonal, with a scalar log gate per step b_l [C, 1]: each pair's own segment sum (`_segsum`)."""
     lower = o_c[:, None] >= o_c[None, :]
     if GATED:
-        b_a = b_a * tl.exp(tl.where(lower, _segsum(b_l, o_c, DT, BY_PRODUCT), 0.0))
+        b_a = b_a * tl.exp(tl.where(lower, _segsum(b_l, o_c), 0.0))
     return tl.where(lower, b_a, 0.0)
 
 
@@ -665,7 +645,7 @@ def linear_recurrent_chunk_output_kernel(
         b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
         if USE_GK:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-            b_q = b_q * tl.exp(_cumsum(b_l, DT))
+            b_q = b_q * tl.exp(_cumsum(b_l, axis=0))
         else:
             b_a += _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
         b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
@@ -675,8 +655,8 @@ def linear_recurrent_chunk_output_kernel(
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
         if GATED:
-            b_o = b_o * tl.exp(_cumsum(b_l, DT))
-        b_a = _intra_scalar(b_a, b_l, o_c, GATED, DT) * SCALE
+            b_o = b_o * tl.exp(_cumsum(b_l, axis=0))
+        b_a = _intra_scalar(b_a, b_l, o_c, GATED) * SCALE
     b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
     b_o = b_o * SCALE + _dot(b_a, b_v, DT)
     tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
@@ -722,14 +702,14 @@ def linear_recurrent_chunk_fused_fwd_kernel(
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
         b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
         if USE_GK:
-            b_o = _dot_state(b_q * tl.exp(_cumsum(b_l, DT)), b_h, DT)
+            b_o = _dot_state(b_q * tl.exp(_cumsum(b_l, axis=0)), b_h, DT)
             b_a = _load_a(A, first + i_t, i_h, o_c, H, C)
         else:
             b_o = _dot_state(b_q, b_h, DT)
             if GATED:  # e^{P} on the rows of q S: q meets the state's product exact
-                b_o = b_o * tl.exp(_cumsum(b_l, DT))
+                b_o = b_o * tl.exp(_cumsum(b_l, axis=0))
             b_a = _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
-            b_a = _intra_scalar(b_a, b_l, o_c, GATED, DT, False) * SCALE  # scans: 144 bytes spilled (3.6)
+            b_a = _intra_scalar(b_a, b_l, o_c, GATED) * SCALE
         b_o = b_o * SCALE + _dot(b_a, b_v, DT)
         tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
                  mask=m_s[:, None] & m_v[None, :])
@@ -771,7 +751,7 @@ def linear_recurrent_chunk_state_bwd_kernel(
         b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
         b_dh = b_dh * tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
-        b_dh += _dot(tl.trans(b_q * tl.exp(_cumsum(b_l, DT))), b_do, DT)
+        b_dh += _dot(tl.trans(b_q * tl.exp(_cumsum(b_l, axis=0))), b_do, DT)
     tl.store(DH0 + i_nh.to(tl.int64) * K * V + p_h, b_dh, mask=m_h)
 
 
@@ -840,7 +820,7 @@ def _intra_grads(b_dq, b_dk, b_span, b_q, b_k, b_p, p_da, Q, K_, G, GAMMA, GK, b
     # by piece: the pairs r before the sub-chunk, t in a later piece; r in an earlier piece, t after the sub-chunk
     b_sq = tl.sum(tl.reshape(b_q * b_dq, [NP, PC, b_q.shape[1]]), axis=1)  # [NP, BK]
     b_sk = tl.sum(tl.reshape(b_k * b_dk, [NP, PC, b_q.shape[1]]), axis=1)
-    b_span = b_span + _cumsum_before(b_sq, DT, True) + _cumsum_before(b_sk, DT)
+    b_span = b_span + _cumsum_before(b_sq, 0, reverse=True) + _cumsum_before(b_sk, 0)
     b_da = _rounded(tl.load(p_da + o_r[:, None] * C + o_r[None, :]), DT)  # [t, r], zeros above the diagonal
     for n in range(0, NP - 1):  # (a loop: unrolled, the three held 255 registers and spilled)
         c = n * PC + PC - 1  # the last step of piece n
@@ -964,14 +944,14 @@ def linear_recurrent_chunk_grads_intra_kernel(
         b_kj = _sub(K_, bos, eos, i_t * C + i_j * BC, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
         b_lj = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
                         REVERSE)
-        b_kb = _rounded(b_kj * tl.exp(_after(b_lj, DT) + b_dec), DT)  # k_r e^{L(r, b]}
+        b_kb = _rounded(b_kj * tl.exp(_after(b_lj) + b_dec), DT)  # k_r e^{L(r, b]}
         b_y += _dot_rounded(_rounded(tl.load(p_da + (i_i * BC) * C + i_j * BC + p_blk), DT), b_kb, DT)
         b_run = b_tot  # L(b, start of J'): I and the sub-chunks between I and J'
         for i_o in range(i_i + 1, NSUB):  # the sub-chunks J' after I
             b_lo = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA,
                             USE_GK, REVERSE)
             b_qo = _sub(Q, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)
-            b_qb = b_qo * tl.exp(b_run + _cumsum(b_lo, DT))  # q_t e^{L(b, t]}
+            b_qb = b_qo * tl.exp(b_run + _cumsum(b_lo, axis=0))  # q_t e^{L(b, t]}
             b_z = _dot_rounded(_rounded(tl.load(p_da + (i_o * BC) * C + i_j * BC + p_blk), DT), b_kb, DT)
             b_span += tl.sum(b_qb * b_z, axis=0, keep_dims=True)
             b_run += tl.sum(b_lo, axis=0, keep_dims=True)
@@ -982,7 +962,7 @@ def linear_recurrent_chunk_grads_intra_kernel(
         b_lo = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
                         REVERSE)
         b_qo = _sub(Q, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)
-        b_qe = b_qo * tl.exp(b_run + _cumsum(b_lo, DT))  # q_t e^{L(e, t]}
+        b_qe = b_qo * tl.exp(b_run + _cumsum(b_lo, axis=0))  # q_t e^{L(e, t]}
         b_dat = tl.load(p_da + (i_o * BC) * C + i_i * BC + o_r[None, :] * C + o_r[:, None])  # [r, t]: dA_tr
         b_x += _dot_rounded(_rounded(b_dat, DT), _rounded(b_qe, DT), DT)
         b_run += tl.sum(b_lo, axis=0, keep_dims=True)
@@ -992,8 +972,8 @@ def linear_recurrent_chunk_grads_intra_kernel(
     b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE)
     # L(b, t] log2 e: prefix sums inside I, each gate scaled before the sum (both sides of `_intra_grads`' differences
     # add the same numbers); b_x by L(r, e], the sums after r inside I
-    b_p = _cumsum(b_li * LOG2E, DT)
-    b_dq, b_dk, b_dlog = _intra_grads(b_y * tl.exp2(b_p), b_x * tl.exp(_after(b_li, DT)), b_span, b_q, b_k, b_p,
+    b_p = _cumsum(b_li * LOG2E, axis=0)
+    b_dq, b_dk, b_dlog = _intra_grads(b_y * tl.exp2(b_p), b_x * tl.exp(_after(b_li)), b_span, b_q, b_k, b_p,
                                       p_da + (i_i * BC) * C + i_i * BC, Q, K_, G, GAMMA, GK, bos, eos, first, i_h,
                                       i_hk, o_k, m_k, o_r, H, HKV, K, C, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT)
     rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
@@ -1057,14 +1037,11 @@ def linear_recurrent_chunk_grads_qk_kernel(
     b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
     b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
     if GATED:
-        # scans, not triangular products (`_tri_sum`): with gk these [C, BK] tiles' products spilled 248-288 bytes a
-        # thread (sm_90, 8 warps, BK 64, BV 32)
-        b_dq = b_dq * tl.exp(_cumsum(b_l, DT, False, False))
-        b_dk = b_dk * tl.exp(_after(b_l, DT, False))
+        b_dq = b_dq * tl.exp(_cumsum(b_l, axis=0))
+        b_dk = b_dk * tl.exp(_after(b_l))
         b_end = tl.exp(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK | 1]: e^{L_C}
-        b_dlog = (_cumsum(_per_gate(b_q * b_dq, USE_GK), DT, True, False)
-                  + _cumsum_before(_per_gate(b_k * b_dk, USE_GK), DT, False, False)
-                  + _per_gate(b_hh[None, :] * b_end, USE_GK))
+        b_dlog = (_cumsum(_per_gate(b_q * b_dq, USE_GK), axis=0, reverse=True)
+                  + _cumsum_before(_per_gate(b_k * b_dk, USE_GK), 0) + _per_gate(b_hh[None, :] * b_end, USE_GK))
     p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
     m_qk = m_s[:, None] & m_k[None, :]
     if USE_GK:
@@ -1072,12 +1049,12 @@ def linear_recurrent_chunk_grads_qk_kernel(
         b_dk += tl.load(DKI + p_qk, mask=m_qk, other=0.0)
         b_dlog += tl.load(DLI + p_qk, mask=m_qk, other=0.0)
     else:
-        b_w = _intra_scalar(b_da, b_l, o_c, GATED, DT) * SCALE
+        b_w = _intra_scalar(b_da, b_l, o_c, GATED) * SCALE
         # float32 W in TF32: in bf16, dq and dk erred 1.4x the rounding of the result
         b_dq += _dot_state(b_w, b_k, DT)
         b_dk += _dot_state(tl.trans(b_w), b_q, DT)
         if GATED:  # the pairs inside the chunk, summed over the block's channels: by s, over r < s and t >= s
-            b_after = _cumsum(_dot(b_q, tl.trans(b_k), DT) * b_w, DT, True)  # [s, r]: over t >= s
+            b_after = _cumsum(_dot(b_q, tl.trans(b_k), DT) * b_w, axis=0, reverse=True)  # [s, r]: over t >= s
             b_dlog += tl.expand_dims(tl.sum(tl.where(o_c[None, :] < o_c[:, None], b_after, 0.0), axis=1), 1)
     tl.store(DQ + p_qk, b_dq.to(DQ.dtype.element_ty), mask=m_qk)
     tl.store(DK + p_qk, b_dk.to(DK.dtype.element_ty), mask=m_qk)
@@ -1121,7 +1098,7 @@ def linear_recurrent_chunk_grads_v_kernel(
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         if USE_GK:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-            b_k = b_k * tl.exp(_after(b_l, DT))
+            b_k = b_k * tl.exp(_after(b_l))
         else:
             b_a += _dot(_load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP), tl.trans(b_k), DT)
         b_dh = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
@@ -1131,8 +1108,8 @@ def linear_recurrent_chunk_grads_v_kernel(
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
         if GATED:
-            b_dv = b_dv * tl.exp(_after(b_l, DT))
-        b_a = _intra_scalar(b_a, b_l, o_c, GATED, DT) * SCALE
+            b_dv = b_dv * tl.exp(_after(b_l))
+        b_a = _intra_scalar(b_a, b_l, o_c, GATED) * SCALE
     b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
     b_dv += _dot(tl.trans(b_a), b_do, DT)
     tl.store(DV + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(DV.dtype.element_ty),
