@@ -11,6 +11,7 @@
 #   rec-tests      the recurrent Triton GPU tests, sharded 3 processes a GPU          (issue 17)
 #   rec-kernels    gla's chunked kernels one by one (recurrent_kernels.py)
 #   rec-sweep      the same under each launch setting of the intra-chunk kernels
+#   rec-sweep-sums the same for the kernels that read chunk_sums' gate sums (and chunk_sums itself)
 #   ncu-intra      Nsight Compute counters of the intra-chunk kernels (issue-bound or not; it catches chunk_intra's
 #                  two launches first)
 #   ncu-grads      the same for chunk_grads_intra alone, with its memory and scheduler counters
@@ -103,6 +104,8 @@ j_rec-tests() { shards rec-tests 240 3 -k triton tests/recurrent; }
 j_rec-kernels() { job rec-kernels 150 python3 benchmarks/recurrent_kernels.py --ops gla,simple_gla; }
 j_rec-sweep() { job rec-sweep 150 python3 benchmarks/recurrent_kernels.py --ops gla --sweep --no-check \
   --sweep-kernels chunk_intra,chunk_grads_intra; }
+j_rec-sweep-sums() { job rec-sweep-sums 200 python3 benchmarks/recurrent_kernels.py --ops gla --sweep --no-check \
+  --sweep-kernels chunk_sums,chunk_state,chunk_output,chunk_state_bwd,chunk_grads_v; }
 j_ncu-intra() { job ncu 120 ncu --clock-control none -k regex:'chunk_(grads_)?intra' --launch-count 2 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
   python3 benchmarks/recurrent_kernels.py --ops gla --no-check --reps 1 --rounds 1; }

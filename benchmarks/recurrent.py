@@ -4,7 +4,9 @@ B2 T16384, next to flash-linear-attention's chunk_gla / fused_recurrent_gla / ch
 their own (`benchmarks/recurrent_fla.py`, torch: run it first on the same machine and pass its JSON with --fla).
 
 Impls: `ejgen-triton` (algorithm chunked, chunks of 64), `ejgen-triton-bf16-states` (the same with the forward's
-chunk states stored in bf16, the chunk_state_dtype setting "bfloat16"), `ejgen-triton-onepass` (chunked
+chunk states stored in bf16, the chunk_state_dtype setting "bfloat16"), `ejgen-triton-inline-sums` (each chunked
+kernel scans the gates' sums itself, the chunk_gate_sums setting "inline": the form before session 22),
+`ejgen-triton-onepass` (chunked
 with the one-pass forward, the chunk_forward setting "fused"), `ejgen-triton-fused` (the fused recurrence; forward only
 at T4096, the fused kernels are for decoding and short sequences), `ejgen-xla` (`--xla`: the chunked jnp backend).
 Every ejgen impl's forward is checked against the XLA backend in float32 on the same inputs (relative error of o and
@@ -115,6 +117,7 @@ def impls(op_name, args, gates, do, smoke):
     out = {}
     platforms = [("ejgen-triton", "triton", "chunked", {}),
                  ("ejgen-triton-bf16-states", "triton", "chunked", {"chunk_state_dtype": "bfloat16"}),
+                 ("ejgen-triton-inline-sums", "triton", "chunked", {"chunk_gate_sums": "inline"}),
                  ("ejgen-triton-onepass", "triton", "chunked", {"chunk_forward": "fused"})]
     if args[0].shape[1] <= 4096:
         platforms.append(("ejgen-triton-fused", "triton", "fused", {}))

@@ -64,7 +64,8 @@ from ejgen.testing.timing import median_seconds  # noqa: E402
 GATES = {"gla": ("gk",), "simple_gla": ("g",), "lightning_attention": ("g_gamma",)}
 FLAG = 2e-2
 SWEEP = {  # other launch settings to time with --sweep (block_k, block_v, warps, stages; 0: the head dim whole)
-    "chunk_state": [(64, 64, 4, 2), (64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 3),
+    "chunk_sums": [(64, 0, 8, 1), (32, 0, 4, 1), (128, 0, 4, 1), (64, 0, 2, 1), (32, 0, 2, 1)],
+    "chunk_state": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 3),
                     (128, 64, 8, 2)],
     "chunk_intra": [(0, 64, 4, 1), (0, 64, 1, 1), (32, 64, 2, 1), (64, 64, 4, 1), (64, 64, 2, 1), (32, 64, 4, 1)],
     "chunk_output": [(128, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3),
@@ -117,6 +118,8 @@ def traffic(which, cfg, tiles, direct=True):
     gate = 4 * (kd if cfg.has("gk") else 1)  # bytes of a step's log gate
     state = chunks * kd * vd * 4
     nsub = c // sub
+    if which == "chunk_sums":  # gk: the gates once; P, R per step and L_C per chunk written (float32)
+        return rows * gate * 3 + chunks * kd * 4, 0.0
     if which in ("chunk_state", "chunk_state_bwd"):
         read = rows * (2 * kd * nv + 2 * vd * nk + gate * nv)
         return read + state, 2 * rows * kd * vd
@@ -171,16 +174,21 @@ def stages(op_name, b, t, h, d):
     blocks = {n: host.tiles(n, cfg.dk, cfg.dv)[0] for n in host.CHUNKED}
     n_c, rows_h = -(-t // cfg.chunk), b * h
     nkv = lambda n: -(-cfg.dk // blocks[n]["BK"]) * -(-cfg.dv // blocks[n]["BV"])  # noqa: E731
-    hs, _ = add("chunk_state", lambda k, v, g: host.chunk_states(kernels, k, v, g, None, ctx, cfg), k, v, gates,
-                grid=(nkv("chunk_state"), rows_h))
+    sums = None  # chunk_sums' (gk, the chunk_gate_sums setting "kernel"), which the op forms in each pass
+    if host.chunk_sums(kernels, q, gates, ctx, cfg) is not None:
+        sums = add("chunk_sums", lambda q, g: host.chunk_sums(kernels, q, g, ctx, cfg), q, gates,
+                   grid=(n_c, -(-cfg.dk // blocks["chunk_sums"]["BK"]), rows_h))
+    hs, _ = add("chunk_state", lambda k, v, g, s: host.chunk_states(kernels, k, v, g, None, ctx, cfg, sums=s), k, v,
+                gates, sums, grid=(nkv("chunk_state"), rows_h))
     a = None
     if cfg.has("gk"):
         a, _ = add("chunk_intra", lambda q, k, g: host.chunk_intra(kernels, q, k, g, ctx, cfg), q, k, gates,
                    grid=(n_c * (cfg.chunk // host.SUB), rows_h))
-    add("chunk_output", lambda q, k, v, g, hs, a: host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a), q, k, v,
-        gates, hs, a, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h))
-    dhs, dh0 = add("chunk_state_bwd", lambda q, g, do, dht: host.chunk_state_grads(kernels, q, g, ctx, cfg, do, dht),
-                   q, gates, do, dht, grid=(nkv("chunk_state_bwd"), rows_h))
+    add("chunk_output", lambda q, k, v, g, hs, a, s: host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a, s), q,
+        k, v, gates, hs, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h))
+    dhs, dh0 = add("chunk_state_bwd", lambda q, g, do, dht, s: host.chunk_state_grads(kernels, q, g, ctx, cfg, do,
+                                                                                      dht, s),
+                   q, gates, do, dht, sums, grid=(nkv("chunk_state_bwd"), rows_h))
     a = intra = None
     if cfg.has("gk"):
         add("dA alone (the op's)", lambda q, k, v, g, do: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do,
@@ -191,11 +199,12 @@ def stages(op_name, b, t, h, d):
         intra = add("chunk_grads_intra", lambda q, k, g, da: host.chunk_grads_intra(kernels, q, k, g, ctx, cfg, da), q,
                     k, gates, da, grid=(n_c * (cfg.chunk // host.SUB), -(-cfg.dk // blocks["chunk_grads_intra"]["BK"]),
                                         rows_h))
-    dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do, intra: host.chunk_grads_qk(
-        kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra), q, k, v, gates, hs, dhs, do, intra,
+    dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do, intra, s: host.chunk_grads_qk(
+        kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s), q, k, v, gates, hs, dhs, do, intra, sums,
         grid=(n_c, -(-cfg.dk // blocks["chunk_grads_qk"]["BK"]), rows_h))
-    dv = add("chunk_grads_v", lambda q, k, g, dhs, do, a: host.chunk_grads_v(kernels, q, k, g, ctx, cfg, dhs, do, a),
-             q, k, gates, dhs, do, a, grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h))
+    dv = add("chunk_grads_v", lambda q, k, g, dhs, do, a, s: host.chunk_grads_v(kernels, q, k, g, ctx, cfg, dhs, do,
+                                                                                a, s),
+             q, k, gates, dhs, do, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h))
 
     def glue(q, k, v, g, dq, dk, dv, dh0, dlog):
         d_key = None if dlog is None else host.key_log_grad(dlog, cfg)
@@ -259,11 +268,11 @@ def table(title, rows, ms):
         rate = (f"{s.bytes / t / 1e6:.0f}", f"{s.flops / t / 1e9:.1f}") if s.bytes else ("", "")
         print(f"| {s.name} | {'x'.join(map(str, s.grid))} | {tiles} | {t:.3f} | {rate[0]} | {rate[1]} |", flush=True)
     kernels = [s for s in rows if s.tiles is not None]
-    fwd = sum(ms[id(s)] for s in kernels if s.name in ("chunk_state", "chunk_intra", "chunk_output"))
+    fwd = sum(ms[id(s)] for s in kernels if s.name in ("chunk_sums", "chunk_state", "chunk_intra", "chunk_output"))
     bwd = sum(ms[id(s)] for s in rows  # the op's backward forms dA alone (A kept from the forward: e319652)
               if s.name not in ("chunk_intra", "chunk_output", "chunk_intra + dA", "op fwd", "op fwd+bwd"))
-    print(f"\nsum of parts: fwd {fwd:.3f} ms (state, intra, output); fwd+bwd {fwd + bwd:.3f} ms (the state kernel "
-          "twice, as the op runs it)")
+    print(f"\nsum of parts: fwd {fwd:.3f} ms (sums, state, intra, output); fwd+bwd {fwd + bwd:.3f} ms (the sums and "
+          "state kernels twice, as the op runs them)")
 
 
 def sweep(op_name, stage_list, reps, rounds, batch, only=()):

@@ -212,6 +212,9 @@ def compile_pooling(package: str, name: str, *, capability: int = 90, dtype: str
     return compiled
 
 
+_GK_ONLY = ("chunk_sums", "chunk_intra", "chunk_grads_intra")
+
+
 def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", heads: int = 16,
                       kv_heads: int = 16, dk: int = 128, dv: int = 128, chunk: int = 64, gates=("gk",),
                       h0: bool = True, varlen: bool = False, reverse: bool = False, kernels=None,
@@ -232,20 +235,21 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     pointers = dict(Q=ptr, K_=ptr, V_=ptr, G="*fp32", GAMMA="*fp32", GK="*fp32", GV="*fp32", H0="*fp32", CU="*i32",
                     FIRST="*i32", CHUNKS="*i32", O=ptr, HT="*fp32", HS="*fp32", DO=ptr, DHT="*fp32", DHS="*fp32",
                     DQ="*fp32", DK="*fp32", DV="*fp32", DH0="*fp32", DLK="*fp32", DLV="*fp32", CK="*fp32",
-                    SCR="*fp32", DLOG="*fp32", A=ptr, DA="*fp32", DQI="*fp32", DKI="*fp32", DLI="*fp32")
+                    SCR="*fp32", DLOG="*fp32", A=ptr, DA="*fp32", DQI="*fp32", DKI="*fp32", DLI="*fp32", PS="*fp32",
+                    RS="*fp32", LS="*fp32")
     bk = max(16, 1 << (dk - 1).bit_length())
     bvf = max(16, 1 << (dv - 1).bit_length())
     consts = dict(T=0 if varlen else 4096, H=heads, HKV=kv_heads, K=dk, V=dv, BK=bk, SCALE=dk ** -0.5,
                   USE_G="g" in gates, USE_GAMMA="g_gamma" in gates, USE_GK="gk" in gates, USE_GV="gv" in gates,
                   USE_H0=h0, VARLEN=varlen, REVERSE=reverse, ROWS=4 * 4096, C=chunk, BC=host.SUB, MAP=True,
-                  BT=host.FUSED_BT, GRADS=True, WITH_A=True,
+                  BT=host.FUSED_BT, GRADS=True, WITH_A=True, SUMS="gk" in gates,  # chunk_sums' (the default)
                   DT={"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[dtype])
     fused = min(host.FUSED_BV, bvf)
     compiled = {}
-    for which in ("fused_fwd", "fused_bwd", "chunk_state", "chunk_intra", "chunk_state_bwd", "chunk_output",
-                  "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"):
-        if kernels is not None and which not in kernels or which.endswith("intra") and "gk" not in gates:
-            continue  # (the intra-chunk kernels run with gk only; chunk_intra as the backward's, with dA)
+    for which in ("fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_intra", "chunk_state_bwd",
+                  "chunk_output", "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"):
+        if kernels is not None and which not in kernels or which in _GK_ONLY and "gk" not in gates:
+            continue  # (the intra-chunk kernels and the sums run with gk only; chunk_intra as the backward's, with dA)
         if which.startswith("fused"):
             blocks, options = dict(BV=fused), {"num_warps": host.NUM_WARPS, "num_stages": 1}
         else:

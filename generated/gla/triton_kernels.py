@@ -10,6 +10,7 @@ from .._linear_recurrent import triton_kernels as _shared
 
 gla_fused_fwd_kernel = _shared.linear_recurrent_fused_fwd_kernel
 gla_fused_bwd_kernel = _shared.linear_recurrent_fused_bwd_kernel
+gla_chunk_sums_kernel = _shared.linear_recurrent_chunk_sums_kernel
 gla_chunk_state_kernel = _shared.linear_recurrent_chunk_state_kernel
 gla_chunk_intra_kernel = _shared.linear_recurrent_chunk_intra_kernel
 gla_chunk_output_kernel = _shared.linear_recurrent_chunk_output_kernel

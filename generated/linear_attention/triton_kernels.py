@@ -499,15 +499,57 @@ def _load_a(A, chunk, i_h, o_c, H: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _sums_at(S, rows, m_s, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
+    """[C, BK]: `chunk_sums`' prefix (PS) or after (RS) sums at a chunk's steps (0 on invalid steps)."""
+    return tl.load(S + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0)
+
+
+@triton.jit
+def _total_at(LS, chunk, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
+    """[BK]: `chunk_sums`' L_C, the sum of a chunk's log gates (chunk: its index in the chunk layout)."""
+    return tl.load(LS + (chunk * H + i_h).to(tl.int64) * K + o_k, mask=m_k, other=0.0)
+
+
+@triton.jit
+def linear_attention_chunk_sums_kernel(
+    G, GAMMA, GK, CU, CHUNKS, PS, RS, LS,
+    T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr,
+    USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr,
+):
+    """With gk, the sums of the key side's log gates over each chunk's steps, once for every kernel that reads them
+    (SUMS): PS [rows, H, K] the prefix sums P_i = L(start, i], RS the sums after each step R_j = L(j, end] (`_after`),
+    LS [chunks, H, K] the chunk's whole sum L_C; each a sum of its own steps, the numbers the kernels formed before
+    (docs/DESIGN.md §3 linear recurrent). A program per (chunk, block of K, sequence x head): these scans cross warps,
+    and inside chunk_state's walk over the chunks they were on its critical path, more than half its time (H200,
+    session 22, benchmarks/recurrent_state_study.py)."""
+    i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_bh % H
+    i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
+    i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
+    bos, eos = _bounds(CU, i_n, T, VARLEN)
+    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK]
+    p = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    m = m_s[:, None] & m_k[None, :]
+    tl.store(PS + p, _cumsum(b_l, axis=0), mask=m)
+    tl.store(RS + p, _after(b_l), mask=m)
+    tl.store(LS + (i_cg * H + i_h).to(tl.int64) * K + o_k, tl.sum(b_l, axis=0), mask=m_k)
+
+
+@triton.jit
 def linear_attention_chunk_state_kernel(
-    K_, V_, G, GAMMA, GK, H0, CU, FIRST, HS, HT,
+    K_, V_, G, GAMMA, GK, RS, LS, H0, CU, FIRST, HS, HT,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
     USE_H0: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr,
+    SUMS: tl.constexpr,
 ):
     """HS[first + c] = the state at the start of chunk c of the sequence; HT = the state after its last chunk:
     S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j over the chunk's steps j. A program per (block of BK rows x
-    block of BV columns of the state, sequence x head): the gates decay each row of the state on its own."""
+    block of BV columns of the state, sequence x head): the gates decay each row of the state on its own. SUMS: the
+    gates' sums read from `chunk_sums` (RS, LS), not scanned here."""
     i_k, i_v = _blocks(V, BV)
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -530,8 +572,12 @@ def linear_attention_chunk_state_kernel(
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
-        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
-        b_h = _advance(b_h, b_k, b_v, b_l, DT)
+        if SUMS:
+            b_h = b_h * tl.exp(_total_at(LS, first + i_t, i_h, o_k, m_k, H, K))[:, None]
+            b_h += _dot(tl.trans(b_k * tl.exp(_sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K))), b_v, DT)
+        else:
+            b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
+            b_h = _advance(b_h, b_k, b_v, b_l, DT)
     tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
 
 
@@ -618,17 +664,17 @@ def _intra_scalar(b_a, b_l, o_c, GATED: tl.constexpr):
 
 @triton.jit
 def linear_attention_chunk_output_kernel(
-    Q, K_, V_, G, GAMMA, GK, CU, CHUNKS, HS, A, O,
+    Q, K_, V_, G, GAMMA, GK, PS, CU, CHUNKS, HS, A, O,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr,
+    DT: tl.constexpr, SUMS: tl.constexpr,
 ):
     """o of a chunk's C steps (BV columns), a program per (chunk, block of V), in products of the whole chunk:
         o = scale (q ⊙ e^{P}) S + A v      (S: the state at the chunk's start, HS; P_i = L(start, i], prefix sums)
     A the intra-chunk matrix: with gk read from A (`chunk_intra`); with a scalar gate (or none) here, scale (q kᵀ)
     times e^{L(j, i]} (`_intra_scalar`), and e^{P} scales the rows of q S. K in blocks of BK; the state's product in
-    TF32 (`_dot_state`), A's with v in the inputs' dtype."""
+    TF32 (`_dot_state`), A's with v in the inputs' dtype. SUMS (gk): P read from `chunk_sums` (PS)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -647,7 +693,9 @@ def linear_attention_chunk_output_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
-        if USE_GK:
+        if USE_GK and SUMS:
+            b_q = b_q * tl.exp(_sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K))
+        elif USE_GK:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
             b_q = b_q * tl.exp(_cumsum(b_l, axis=0))
         else:
@@ -724,14 +772,14 @@ def linear_attention_chunk_fused_fwd_kernel(
 
 @triton.jit
 def linear_attention_chunk_state_bwd_kernel(
-    Q, G, GAMMA, GK, CU, FIRST, DO, DHT, DHS, DH0,
+    Q, G, GAMMA, GK, PS, LS, CU, FIRST, DO, DHT, DHS, DH0,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
-    VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr,
+    VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr, SUMS: tl.constexpr,
 ):
     """DHS[first + c] = dL/d(the state at the end of chunk c), from d final_state backwards:
     dS_start = diag(e^{L_C}) dS_end + sum_t (q_t e^{L(start, t]})ᵀ do_t; DH0 = dS at the sequence's start. Blocks as
-    the forward's."""
+    the forward's; SUMS: the gates' sums read from `chunk_sums` (PS, LS)."""
     i_k, i_v = _blocks(V, BV)
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -753,9 +801,13 @@ def linear_attention_chunk_state_bwd_kernel(
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
         b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP) * SCALE  # [C, BK]
         b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
-        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-        b_dh = b_dh * tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
-        b_dh += _dot(tl.trans(b_q * tl.exp(_cumsum(b_l, axis=0))), b_do, DT)
+        if SUMS:
+            b_dh = b_dh * tl.exp(_total_at(LS, first + i_t, i_h, o_k, m_k, H, K))[:, None]
+            b_dh += _dot(tl.trans(b_q * tl.exp(_sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K))), b_do, DT)
+        else:
+            b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+            b_dh = b_dh * tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
+            b_dh += _dot(tl.trans(b_q * tl.exp(_cumsum(b_l, axis=0))), b_do, DT)
     tl.store(DH0 + i_nh.to(tl.int64) * K * V + p_h, b_dh, mask=m_h)
 
 
@@ -990,11 +1042,11 @@ def linear_attention_chunk_grads_intra_kernel(
 
 @triton.jit
 def linear_attention_chunk_grads_qk_kernel(
-    Q, K_, V_, G, GAMMA, GK, CU, CHUNKS, HS, DHS, DO, DQI, DKI, DLI, DQ, DK, DLOG,
+    Q, K_, V_, G, GAMMA, GK, PS, RS, LS, CU, CHUNKS, HS, DHS, DO, DQI, DKI, DLI, DQ, DK, DLOG,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr, ROWS: tl.constexpr,
+    DT: tl.constexpr, ROWS: tl.constexpr, SUMS: tl.constexpr,
 ):
     """dq and dk (of the mapped q and k, per query head; float32, or q's dtype where the host needs no sums) of a
     chunk's C steps in BK channels, a program per (chunk, block of K), V in blocks of BV, in products of the whole
@@ -1039,11 +1091,17 @@ def linear_attention_chunk_grads_qk_kernel(
     b_dq = b_dq * SCALE
     b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
     b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
-    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
-    if GATED:
+    if USE_GK and SUMS:  # the gates' sums from `chunk_sums`
+        b_dq = b_dq * tl.exp(_sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K))
+        b_dk = b_dk * tl.exp(_sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K))
+        b_end = tl.exp(_total_at(LS, i_cg, i_h, o_k, m_k, H, K))[None, :]  # [1, BK]: e^{L_C}
+    else:
+        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
+    if GATED and not (USE_GK and SUMS):
         b_dq = b_dq * tl.exp(_cumsum(b_l, axis=0))
         b_dk = b_dk * tl.exp(_after(b_l))
         b_end = tl.exp(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK | 1]: e^{L_C}
+    if GATED:
         b_dlog = (_cumsum(_per_gate(b_q * b_dq, USE_GK), axis=0, reverse=True)
                   + _cumsum_before(_per_gate(b_k * b_dk, USE_GK), 0) + _per_gate(b_hh[None, :] * b_end, USE_GK))
     p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
@@ -1071,17 +1129,17 @@ def linear_attention_chunk_grads_qk_kernel(
 
 @triton.jit
 def linear_attention_chunk_grads_v_kernel(
-    Q, K_, G, GAMMA, GK, CU, CHUNKS, DHS, A, DO, DV,
+    Q, K_, G, GAMMA, GK, RS, CU, CHUNKS, DHS, A, DO, DV,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr,
+    DT: tl.constexpr, SUMS: tl.constexpr,
 ):
     """dv (per query head; float32, or v's dtype where the host needs no sums) of a chunk's C steps in BV columns, a
     program per (chunk, block of V), the output kernel's transpose in products of the whole chunk:
         dv = (k ⊙ e^{R}) S̄ + Aᵀ do      (S̄: the adjoint of the state at the chunk's end, DHS; R_j = L(j, end])
     A as the output kernel's: with gk read from A (`chunk_intra`), with a scalar gate (or none) formed here, e^{R}
-    scaling the rows of k S̄. K in blocks of BK."""
+    scaling the rows of k S̄. K in blocks of BK. SUMS (gk): R read from `chunk_sums` (RS)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -1100,7 +1158,9 @@ def linear_attention_chunk_grads_v_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
-        if USE_GK:
+        if USE_GK and SUMS:
+            b_k = b_k * tl.exp(_sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K))
+        elif USE_GK:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
             b_k = b_k * tl.exp(_after(b_l))
         else:

@@ -161,9 +161,9 @@ def test_triton_chunk_states_in_the_inputs_dtype(case, monkeypatch):
     read = []
     real = host.chunk_output
 
-    def spy(kernels, q, k, v, gates, ctx, cfg, hs, a=None):
+    def spy(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None):
         read.append(hs.dtype)
-        return real(kernels, q, k, v, gates, ctx, cfg, hs, a)
+        return real(kernels, q, k, v, gates, ctx, cfg, hs, a, sums)
 
     monkeypatch.setattr(host, "chunk_output", spy)
     monkeypatch.setenv("EJGEN_CHUNK_STATE_DTYPE", "bfloat16")
@@ -173,8 +173,8 @@ def test_triton_chunk_states_in_the_inputs_dtype(case, monkeypatch):
 
 def test_the_chunked_forward_form_is_checked(monkeypatch):
     """EJGEN_CHUNK_FORWARD (or settings(chunk_forward=...)) picks the chunked forward's form, EJGEN_CHUNK_STATE_DTYPE
-    (or settings(chunk_state_dtype=...)) the dtype of its stored states; a value that is not one is one clear
-    error."""
+    (or settings(chunk_state_dtype=...)) the dtype of its stored states, EJGEN_CHUNK_GATE_SUMS where the gates' sums
+    are formed; a value that is not one is one clear error."""
     from ejgen.ops import settings
     from ejgen.runtime.core import settings as core_settings
 
@@ -199,6 +199,38 @@ def test_the_chunked_forward_form_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="chunk_state_dtype='half': expected one of float32, bfloat16"):
         with settings(chunk_state_dtype="half"):
             pass
+    monkeypatch.setenv("EJGEN_CHUNK_GATE_SUMS", "once")
+    with pytest.raises(ValueError, match="EJGEN_CHUNK_GATE_SUMS='once': expected one of kernel, inline"):
+        core_settings.current()
+
+
+GATE_SUMS_CASES = (  # gk with the other gates, packed (an empty sequence and one of a step), reverse, GQA, bf16
+    Case("recurrent", ("g", "g_gamma", "gk"), dtype="bfloat16", shape=(1, 41, 4, 2, 16, 24), cu=PACKED, chunk=32,
+         h0=True, reverse=True),
+    Case("gla", ("gk",), shape=(2, 70, 2, 2, 32, 16), chunk=32),
+)
+
+
+@pytest.mark.parametrize("sums", ["kernel", "inline"])
+@pytest.mark.parametrize("case", GATE_SUMS_CASES, ids=[c.id for c in GATE_SUMS_CASES])
+def test_triton_gate_sums_formed_once_or_in_each_kernel(case, sums, monkeypatch):
+    """chunk_gate_sums: with gk the chunked kernels read the gates' sums over each chunk from `chunk_sums` ("kernel",
+    the default) or scan them themselves ("inline"): both against the oracle (o, final_state, every gradient), and
+    the sums kernel ran exactly where asked (forward and backward each form them once)."""
+    from ejgen.runtime.recurrent.triton import host
+
+    formed = []
+    real = host.chunk_sums
+
+    def spy(*args):
+        out = real(*args)
+        formed.append(out is not None)
+        return out
+
+    monkeypatch.setattr(host, "chunk_sums", spy)
+    monkeypatch.setenv("EJGEN_CHUNK_GATE_SUMS", sums)
+    check(case, "triton", hooks=_hooks(case))
+    assert formed and all(f == (sums == "kernel") for f in formed), formed
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ pytest.importorskip("triton", reason="the triton extra is part of the test insta
 from ejgen.testing.aot import (by_gpu_host_triton, compile_all_in_subprocess,  # noqa: E402
                                compile_recurrent_in_subprocess, gpu_host_triton)
 
-KERNELS = {"fused_fwd", "fused_bwd", "chunk_state", "chunk_intra", "chunk_state_bwd", "chunk_output",
-           "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"}  # the *_intra: with gk
+KERNELS = {"fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_intra", "chunk_state_bwd", "chunk_output",
+           "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"}  # the sums, *_intra: with gk
 FORWARD = ("fused_fwd", "chunk_state", "chunk_output")
 CASES = [  # every kernel for Hopper; Ampere's forward (its mma lowering) with other flags and head dims
     ("recurrent-sm90-every-gate-bf16", "recurrent", 90, dict(gates=("g", "g_gamma", "gk", "gv"), kv_heads=4)),
@@ -54,8 +54,8 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
     gate per step (and none) once failed there only (its scan lowering asserted on the [S, 1] cumsums, which 3.9
     compiles); and at the benchmark's shapes (bf16, K = V = 128) no kernel of gla or simple_gla spills."""
     shape = dict(dk=64, dv=128, heads=4, kv_heads=2)
-    chunked = ["chunk_state", "chunk_intra", "chunk_output", "chunk_fused_fwd", "chunk_state_bwd", "chunk_grads_intra",
-               "chunk_grads_qk", "chunk_grads_v"]
+    chunked = ["chunk_sums", "chunk_state", "chunk_intra", "chunk_output", "chunk_fused_fwd", "chunk_state_bwd",
+               "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"]
     requests = [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
                  "dtype": dtype, "kernels": ["chunk_state", "chunk_grads_qk"], **shape}
                 for name, gates, dtype in [("linear_attention", (), "float32"), ("simple_gla", ("g", "g_gamma"),

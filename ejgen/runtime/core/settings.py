@@ -36,6 +36,11 @@ Each has a default, an environment variable (read at call time) and a scoped ove
   to chunk, the final state and the backward's states stay float32. Each stored state is rounded to bf16 (2^-8
   relative) before its product with q: 16-bit outputs stay within their dtype's tolerance (docs/DESIGN.md §3).
   Opt-in until GPU-timed.
+- ``chunk_gate_sums`` (EJGEN_CHUNK_GATE_SUMS: ``kernel`` / ``inline``, default kernel): with a gate per key channel
+  (gk), the linear recurrent chunked kernels on Triton read the sums of the log gates over each chunk's steps (prefix
+  sums, sums after each step, the chunk's whole sum) from one kernel that forms them first (`chunk_sums`), or each
+  scans the gates itself (``inline``, the form before session 22). The same sums either way (each a sum of its own
+  steps); the scans cross warps, and in the state kernels' walks over the chunks they sat on the critical path.
 - ``triton_configs`` (EJGEN_TRITON_CONFIG, e.g. ``"fwd=128,64,8,3;dkdv=64,128,8,3"``): pinned Triton
   configs per pass (tuning, tests); a pinned pass never takes the Hopper set.
 - ``triton_autotune`` (EJGEN_TRITON_AUTOTUNE=1): jax-triton's autotuner over `ejgen tune`'s candidates.
@@ -59,6 +64,7 @@ class Settings:
     fast_tanh: bool = False
     chunk_forward: str = "two_pass"
     chunk_state_dtype: str = "float32"
+    chunk_gate_sums: str = "kernel"
     triton_configs: str = ""
     triton_autotune: bool = False
 
@@ -73,6 +79,8 @@ _ENV = {
     "chunk_forward": ("EJGEN_CHUNK_FORWARD", lambda t: _one_of("EJGEN_CHUNK_FORWARD", t, WORDS["chunk_forward"])),
     "chunk_state_dtype": ("EJGEN_CHUNK_STATE_DTYPE",
                           lambda t: _one_of("EJGEN_CHUNK_STATE_DTYPE", t, WORDS["chunk_state_dtype"])),
+    "chunk_gate_sums": ("EJGEN_CHUNK_GATE_SUMS",
+                        lambda t: _one_of("EJGEN_CHUNK_GATE_SUMS", t, WORDS["chunk_gate_sums"])),
     "triton_configs": ("EJGEN_TRITON_CONFIG", str),
     "triton_autotune": ("EJGEN_TRITON_AUTOTUNE", lambda t: t.strip() == "1"),
 }
@@ -90,7 +98,8 @@ def _on_off_auto(var: str, text: str) -> bool | None:
     raise ValueError(f"ejgen settings: {var}={text!r}: expected 1, 0 or auto")
 
 
-WORDS = {"chunk_forward": ("two_pass", "fused"), "chunk_state_dtype": ("float32", "bfloat16")}
+WORDS = {"chunk_forward": ("two_pass", "fused"), "chunk_state_dtype": ("float32", "bfloat16"),
+         "chunk_gate_sums": ("kernel", "inline")}
 """The settings that take one of a few words: the words, by setting."""
 
 

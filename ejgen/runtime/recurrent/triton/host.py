@@ -66,6 +66,7 @@ class Tiles:
 # channels (its rows' sums gathered in float32) holds 142 registers, 14 warps an SM, for more shuffles in its
 # diagonal's row sums: not yet timed (recurrent_kernels.py --sweep).
 CHUNKED = {
+    "chunk_sums": Tiles(64, 0, 4, 1),
     "chunk_state": Tiles(64, 64, 8, 2),
     "chunk_state_bwd": Tiles(64, 64, 8, 2),
     # [16, 256] tiles: 440 bytes spilled a thread in 2 warps, 56 in 4, none in 8 (sm_90, Triton 3.9)
@@ -230,9 +231,35 @@ def _triton_dtype(dtype):
             jnp.dtype(jnp.float16): tl.float16}[jnp.dtype(dtype)]
 
 
-def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32):
+def chunk_sums(kernels, q, gates, ctx, cfg):
+    """With gk, where the ``chunk_gate_sums`` setting is "kernel": the sums of the key side's log gates over each
+    chunk's steps for the kernels that read them (``SUMS``), (PS, RS [B, T, H, K]: the prefix sums L(start, i] and the
+    sums after each step L(j, end]; LS [chunks, H, K]: the chunk's whole sum), float32; else None (the kernels scan
+    the gates themselves)."""
+    if not cfg.has("gk") or settings.current().chunk_gate_sums != "kernel":
+        return None
+    ins, consts = _common(q, q, q, gates, None, ctx, cfg)
+    chunks, _, per_row, grid_rows = _layout(ctx, cfg)
+    blocks, options = tiles("chunk_sums", cfg.dk, cfg.dv)
+    c = {n: x for n, x in _chunk_consts(q, cfg, consts).items() if n not in ("HKV", "V", "SCALE", "MAP", "DT")}
+    rows = jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dk,), F32)
+    return tuple(triton_call.launch(
+        kernels.get("chunk_sums"), (per_row, packing.cdiv(cfg.dk, blocks["BK"]), grid_rows * cfg.heads),
+        [*ins[:3], ins[5], chunks],
+        [rows, rows, jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads, cfg.dk), F32)],
+        **options, **{**c, "BK": blocks["BK"]}))
+
+
+def _sums(sums, *which):
+    """The arrays ``which`` ("ps", "rs", "ls") of ``chunk_sums``' result, or dummies where it is None."""
+    if sums is None:
+        return [_dummy()] * len(which)
+    return [sums[("ps", "rs", "ls").index(w)] for w in which]
+
+
+def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=None):
     """(HS [chunks, H, K, V]: the state at each chunk's start, in ``dtype`` (the kernel carries it in float32 and
-    rounds what it stores), final_state [N, H, K, V] float32)."""
+    rounds what it stores), final_state [N, H, K, V] float32); ``sums``: ``chunk_sums``' (or None)."""
     ins, consts = _common(k, k, v, gates, h0, ctx, cfg)
     _, first, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_state", cfg.dk, cfg.dv)
@@ -240,10 +267,11 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32):
     grid = (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]))
     sds = jax.ShapeDtypeStruct
     hs, ht = triton_call.launch(
-        kernels.get("chunk_state"), grid, [k, v, *ins[:3], ins[4], ins[5], first],
+        kernels.get("chunk_state"), grid, [k, v, *ins[:3], *_sums(sums, "rs", "ls"), ins[4], ins[5], first],
         [sds((per_row * grid_rows, cfg.heads, cfg.dk, cfg.dv), dtype),
          sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
-        USE_H0=h0 is not None, **options, **{n: x for n, x in c.items() if n not in ("SCALE",)})
+        USE_H0=h0 is not None, SUMS=sums is not None, **options,
+        **{n: x for n, x in c.items() if n not in ("SCALE",)})
     return hs, ht
 
 
@@ -265,17 +293,18 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True):
     return a if with_a else None, da if grads else None
 
 
-def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None):
+def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None):
     """o [B, T, H, V] in q's dtype from the states at the chunks' starts (and with gk the intra-chunk matrices A of
-    ``chunk_intra``)."""
+    ``chunk_intra``; ``sums``: ``chunk_sums``' or None)."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_output", cfg.dk, cfg.dv)
     (o,) = triton_call.launch(
         kernels.get("chunk_output"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
-        [q, k, v, *ins[:3], ins[5], chunks, hs, _dummy(q.dtype) if a is None else a],
+        [q, k, v, *ins[:3], *_sums(sums, "ps"), ins[5], chunks, hs, _dummy(q.dtype) if a is None else a],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
-        zeroed=(0,) if cfg.varlen else (), BC=SUB, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+        zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, **options,
+        **{**_chunk_consts(q, cfg, consts), **blocks})
     return o
 
 
@@ -313,13 +342,14 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     # the chunk_state_dtype setting: the output kernel's states in bfloat16 (it widens them to float32 for their
     # product, so a stored state is read exactly as rounded), or float32
     stored = jnp.bfloat16 if settings.current().chunk_state_dtype == "bfloat16" else F32
-    hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored)
-    return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a), ht, res
+    sums = chunk_sums(kernels, q, gates, ctx, cfg)
+    hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored, sums)
+    return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a, sums), ht, res
 
 
-def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht):
+def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums=None):
     """(DHS [chunks, H, K, V]: the adjoint of the state at each chunk's end, d initial_state [N, H, K, V]), float32
-    (do in q's dtype)."""
+    (do in q's dtype; ``sums``: ``chunk_sums``' or None)."""
     ins, consts = _common(q, q, q, gates, None, ctx, cfg)
     _, first, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_state_bwd", cfg.dk, cfg.dv)
@@ -328,8 +358,8 @@ def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht):
     sds = jax.ShapeDtypeStruct
     state = (cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv)
     dhs, dh0 = triton_call.launch(
-        kernels.get("chunk_state_bwd"), grid, [q, *ins[:3], ins[5], first, do, dht],
-        [sds((per_row * grid_rows,) + state[1:], F32), sds(state, F32)], **options,
+        kernels.get("chunk_state_bwd"), grid, [q, *ins[:3], *_sums(sums, "ps", "ls"), ins[5], first, do, dht],
+        [sds((per_row * grid_rows,) + state[1:], F32), sds(state, F32)], SUMS=sums is not None, **options,
         **{n: x for n, x in c.items() if n != "HKV"})
     return dhs, dh0
 
@@ -355,10 +385,11 @@ def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da):
         **{**_chunk_consts(q, cfg, consts), **blocks}))
 
 
-def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None):
+def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, sums=None):
     """(dq, dk of the mapped q and k per query head, float32, or q's dtype where ``_direct``; the key side's log decay
     gradient, DLOG [B, T, H, K] with gk, else a part per block of K [NK, B, T, H, 1], or None) of every chunk from its
-    start state and end adjoint, by blocks of K; with gk ``intra`` is ``chunk_grads_intra``'s."""
+    start state and end adjoint, by blocks of K; with gk ``intra`` is ``chunk_grads_intra``'s (``sums``:
+    ``chunk_sums``' or None)."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_qk", cfg.dk, cfg.dv)
@@ -371,24 +402,25 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None):
     intra = intra if intra is not None else (_dummy(),) * 3
     dq, dk, dlog = triton_call.launch(
         kernels.get("chunk_grads_qk"), (per_row, nk, grid_rows * cfg.heads),
-        [q, k, v, *ins[:3], ins[5], chunks, hs, dhs, do, *intra],
+        [q, k, v, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[5], chunks, hs, dhs, do, *intra],
         [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if gated else (1,), F32)],
         zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
-        **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+        SUMS=sums is not None, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
     return dq, dk, dlog if gated else None
 
 
-def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None):
+def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None, sums=None):
     """dv [B, T, H, V] per query head (float32, or the inputs' dtype where ``_direct``) of every chunk from its end
-    adjoint, by blocks of V (with gk from the intra-chunk matrices A of ``chunk_intra``)."""
+    adjoint, by blocks of V (with gk from the intra-chunk matrices A of ``chunk_intra``; ``sums``: ``chunk_sums``' or
+    None)."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_v", cfg.dk, cfg.dv)
     (dv,) = triton_call.launch(
         kernels.get("chunk_grads_v"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
-        [q, k, *ins[:3], ins[5], chunks, dhs, _dummy(q.dtype) if a is None else a, do],
+        [q, k, *ins[:3], *_sums(sums, "rs"), ins[5], chunks, dhs, _dummy(q.dtype) if a is None else a, do],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype if _direct(kernels, cfg) else F32)],
-        zeroed=(0,) if cfg.varlen else (), BC=SUB, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+        zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
     return dv
 
 
@@ -400,15 +432,16 @@ def key_log_grad(dlog, cfg):
 def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg, res=None):
     """(dq, dk of the mapped q and k, dv; per query head, float32 or the inputs' dtype (``_direct``); dh0; the key
     side's log decay gradient d_key [B, T, H, K | 1] or None; None). ``res``: the forward's residuals (A with gk)."""
-    hs, _ = chunk_states(kernels, k, v, gates, h0, ctx, cfg)
+    sums = chunk_sums(kernels, q, gates, ctx, cfg)  # formed again: two [B, T, H, K] float32 arrays not kept
+    hs, _ = chunk_states(kernels, k, v, gates, h0, ctx, cfg, sums=sums)
     do = do.astype(q.dtype)
-    dhs, dh0 = chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht)
+    dhs, dh0 = chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums)
     a = intra = None
     if cfg.has("gk"):
         kept = (res or {}).get("a")
         a, da = chunk_intra(kernels, q, k, gates, ctx, cfg, v, do, with_a=kept is None)
         a = kept if kept is not None else a
         intra = chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da)
-    dq, dk, dlog = chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra)
-    dv = chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a)
+    dq, dk, dlog = chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra, sums)
+    dv = chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a, sums)
     return dq, dk, dv, dh0, None if dlog is None else key_log_grad(dlog, cfg), None
