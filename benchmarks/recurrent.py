@@ -131,9 +131,13 @@ def impls(op_name, args, gates, do, smoke):
             with settings(**{"chunk_forward": "two_pass", "chunk_state_dtype": "float32", **asked}):
                 return op(q, k, v, **g, platform=platform, algorithm=algorithm)
 
-        def fwd_bwd(q, k, v, g, do, fwd=fwd):
-            (o, ht), vjp = jax.vjp(fwd, q, k, v, g)
-            return vjp((do, jnp.zeros_like(ht)))
+        def fwd_bwd(q, k, v, g, do, fwd=fwd, asked=asked):
+            from ejgen.ops import settings
+
+            # the backward is traced as vjp is applied: under the impl's settings too
+            with settings(**{"chunk_forward": "two_pass", "chunk_state_dtype": "float32", **asked}):
+                (o, ht), vjp = jax.vjp(fwd, q, k, v, g)
+                return vjp((do, jnp.zeros_like(ht)))
 
         out[name] = (jax.jit(fwd), jax.jit(fwd_bwd))
     return out
