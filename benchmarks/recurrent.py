@@ -3,8 +3,9 @@ simple_gla and lightning_attention ops, forward and forward+backward, bf16, H = 
 B2 T16384, next to flash-linear-attention's chunk_gla / fused_recurrent_gla / chunk_simple_gla timed in a process of
 their own (`benchmarks/recurrent_fla.py`, torch: run it first on the same machine and pass its JSON with --fla).
 
-Impls: `ejgen-triton` (algorithm chunked, chunks of 64), `ejgen-triton-bf16-states` (the same with the forward's
-chunk states stored in bf16, the chunk_state_dtype setting "bfloat16"), `ejgen-triton-inline-sums` (each chunked
+Impls: `ejgen-triton` (algorithm chunked, chunks of 64; its defaults: the forward's chunk states stored in bf16 for
+these bf16 inputs), `ejgen-triton-f32-states` (the same with them in float32, the chunk_state_dtype setting
+"float32": the default before session 22), `ejgen-triton-inline-sums` (each chunked
 kernel scans the gates' sums itself, the chunk_gate_sums setting "inline": the form before session 22),
 `ejgen-triton-onepass` (chunked
 with the one-pass forward, the chunk_forward setting "fused"), `ejgen-triton-fused` (the fused recurrence; forward only
@@ -116,7 +117,7 @@ def impls(op_name, args, gates, do, smoke):
     op = getattr(generated, op_name)
     out = {}
     platforms = [("ejgen-triton", "triton", "chunked", {}),
-                 ("ejgen-triton-bf16-states", "triton", "chunked", {"chunk_state_dtype": "bfloat16"}),
+                 ("ejgen-triton-f32-states", "triton", "chunked", {"chunk_state_dtype": "float32"}),
                  ("ejgen-triton-inline-sums", "triton", "chunked", {"chunk_gate_sums": "inline"}),
                  ("ejgen-triton-onepass", "triton", "chunked", {"chunk_forward": "fused"})]
     if args[0].shape[1] <= 4096:
@@ -128,14 +129,14 @@ def impls(op_name, args, gates, do, smoke):
             from ejgen.ops import settings
 
             # the impl's settings over the defaults, read as the call is traced
-            with settings(**{"chunk_forward": "two_pass", "chunk_state_dtype": "float32", **asked}):
+            with settings(**{"chunk_forward": "two_pass", "chunk_state_dtype": "auto", **asked}):
                 return op(q, k, v, **g, platform=platform, algorithm=algorithm)
 
         def fwd_bwd(q, k, v, g, do, fwd=fwd, asked=asked):
             from ejgen.ops import settings
 
             # the backward is traced as vjp is applied: under the impl's settings too
-            with settings(**{"chunk_forward": "two_pass", "chunk_state_dtype": "float32", **asked}):
+            with settings(**{"chunk_forward": "two_pass", "chunk_state_dtype": "auto", **asked}):
                 (o, ht), vjp = jax.vjp(fwd, q, k, v, g)
                 return vjp((do, jnp.zeros_like(ht)))
 

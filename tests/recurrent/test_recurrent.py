@@ -171,6 +171,38 @@ def test_triton_chunk_states_in_the_inputs_dtype(case, monkeypatch):
     assert read and all(d == jnp.bfloat16 for d in read), read
 
 
+@pytest.mark.parametrize("dtype,stored", [("float16", jnp.bfloat16), ("float32", jnp.float32)])
+def test_triton_chunk_states_auto_by_the_inputs_dtype(dtype, stored, monkeypatch):
+    """chunk_state_dtype "auto" (the default): the stored chunk states are bf16 for 16-bit inputs (f16 here; bf16
+    inputs in every other 16-bit chunked test) and float32 for float32 ones; results against the oracle either way; and by default (chunk_gate_sums "kernel") the gk sums are
+    formed by `chunk_sums` in the forward and the backward."""
+    from ejgen.runtime.recurrent.triton import host
+
+    read = []
+    real = host.chunk_output
+
+    def spy(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None):
+        read.append(hs.dtype)
+        return real(kernels, q, k, v, gates, ctx, cfg, hs, a, sums)
+
+    formed = []
+    real_sums = host.chunk_sums
+
+    def spy_sums(*args):
+        out = real_sums(*args)
+        formed.append(out is not None)
+        return out
+
+    monkeypatch.setattr(host, "chunk_output", spy)
+    monkeypatch.setattr(host, "chunk_sums", spy_sums)
+    monkeypatch.delenv("EJGEN_CHUNK_STATE_DTYPE", raising=False)
+    monkeypatch.delenv("EJGEN_CHUNK_GATE_SUMS", raising=False)
+    case = Case("gla", ("gk",), dtype=dtype, shape=(1, 40, 2, 1, 16, 32), chunk=16, h0=True)
+    check(case, "triton", hooks=_hooks(case))
+    assert read and all(d == stored for d in read), read
+    assert formed and all(formed), formed  # chunk_gate_sums "kernel", the default: forward and backward
+
+
 def test_the_chunked_forward_form_is_checked(monkeypatch):
     """EJGEN_CHUNK_FORWARD (or settings(chunk_forward=...)) picks the chunked forward's form, EJGEN_CHUNK_STATE_DTYPE
     (or settings(chunk_state_dtype=...)) the dtype of its stored states, EJGEN_CHUNK_GATE_SUMS where the gates' sums
@@ -191,12 +223,12 @@ def test_the_chunked_forward_form_is_checked(monkeypatch):
         with settings(chunk_forward="fast"):
             pass
     monkeypatch.setenv("EJGEN_CHUNK_STATE_DTYPE", "bf16")
-    with pytest.raises(ValueError, match="EJGEN_CHUNK_STATE_DTYPE='bf16': expected one of float32, bfloat16"):
+    with pytest.raises(ValueError, match="EJGEN_CHUNK_STATE_DTYPE='bf16': expected one of auto, float32, bfloat16"):
         core_settings.current()
     monkeypatch.delenv("EJGEN_CHUNK_STATE_DTYPE")
     with settings(chunk_state_dtype="bfloat16") as s:
         assert s.chunk_state_dtype == "bfloat16"
-    with pytest.raises(ValueError, match="chunk_state_dtype='half': expected one of float32, bfloat16"):
+    with pytest.raises(ValueError, match="chunk_state_dtype='half': expected one of auto, float32, bfloat16"):
         with settings(chunk_state_dtype="half"):
             pass
     monkeypatch.setenv("EJGEN_CHUNK_GATE_SUMS", "once")
@@ -204,19 +236,11 @@ def test_the_chunked_forward_form_is_checked(monkeypatch):
         core_settings.current()
 
 
-GATE_SUMS_CASES = (  # gk with the other gates, packed (an empty sequence and one of a step), reverse, GQA, bf16
-    Case("recurrent", ("g", "g_gamma", "gk"), dtype="bfloat16", shape=(1, 41, 4, 2, 16, 24), cu=PACKED, chunk=32,
-         h0=True, reverse=True),
-    Case("gla", ("gk",), shape=(2, 70, 2, 2, 32, 16), chunk=32),
-)
-
-
-@pytest.mark.parametrize("sums", ["kernel", "inline"])
-@pytest.mark.parametrize("case", GATE_SUMS_CASES, ids=[c.id for c in GATE_SUMS_CASES])
-def test_triton_gate_sums_formed_once_or_in_each_kernel(case, sums, monkeypatch):
-    """chunk_gate_sums: with gk the chunked kernels read the gates' sums over each chunk from `chunk_sums` ("kernel",
-    the default) or scan them themselves ("inline"): both against the oracle (o, final_state, every gradient), and
-    the sums kernel ran exactly where asked (forward and backward each form them once)."""
+def test_triton_gate_sums_scanned_in_each_kernel(monkeypatch):
+    """chunk_gate_sums "inline": with gk the chunked kernels scan the gates' sums over each chunk themselves (the
+    default, "kernel", forms them once in `chunk_sums`: every other gk test): against the oracle (o, final_state,
+    every gradient) with gk and the scalar gates, packed (an empty sequence and one of a step), reverse, GQA, bf16, and
+    the sums kernel never ran."""
     from ejgen.runtime.recurrent.triton import host
 
     formed = []
@@ -228,9 +252,11 @@ def test_triton_gate_sums_formed_once_or_in_each_kernel(case, sums, monkeypatch)
         return out
 
     monkeypatch.setattr(host, "chunk_sums", spy)
-    monkeypatch.setenv("EJGEN_CHUNK_GATE_SUMS", sums)
+    monkeypatch.setenv("EJGEN_CHUNK_GATE_SUMS", "inline")
+    case = Case("recurrent", ("g", "g_gamma", "gk"), dtype="bfloat16", shape=(1, 41, 2, 1, 16, 16), cu=PACKED,
+                chunk=32, h0=True, reverse=True)
     check(case, "triton", hooks=_hooks(case))
-    assert formed and all(f == (sums == "kernel") for f in formed), formed
+    assert formed and not any(formed), formed
 
 
 @pytest.fixture(scope="module")

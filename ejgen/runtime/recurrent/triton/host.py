@@ -340,8 +340,10 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
         o, ht = chunk_fused_forward(kernels, q, k, v, gates, h0, ctx, cfg, a)
         return o, ht, res
     # the chunk_state_dtype setting: the output kernel's states in bfloat16 (it widens them to float32 for their
-    # product, so a stored state is read exactly as rounded), or float32
-    stored = jnp.bfloat16 if settings.current().chunk_state_dtype == "bfloat16" else F32
+    # product, so a stored state is read exactly as rounded), or float32; auto: bfloat16 for 16-bit inputs
+    asked = settings.current().chunk_state_dtype
+    sixteen = jnp.dtype(q.dtype).itemsize == 2
+    stored = jnp.bfloat16 if asked == "bfloat16" or (asked == "auto" and sixteen) else F32
     sums = chunk_sums(kernels, q, gates, ctx, cfg)
     hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored, sums)
     return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a, sums), ht, res
