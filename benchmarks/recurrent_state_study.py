@@ -3,7 +3,8 @@ chunk_gla_fwd_kernel_o (H200, session 22: 486 / 474 us against 125 / 136 us at B
 
 Times the generated kernels and variants that change one thing each (torch tensors, triton.testing.do_bench; a GPU
 host with torch and Triton):
-  state   ours as generated                 the chunk's gate sums scanned in the kernel on [C, BK] tiles (axis 0)
+  state   ours as generated, SUMS off       the chunk's gate sums scanned in the kernel on [C, BK] tiles (axis 0)
+          (and on: the sums read, as the op runs it since session 22's chunk_sums)
   state-T the same sums on [BK, C] tiles    k and gk loaded transposed: the scan runs along a row, the product's
                                             operand needs no transpose in registers (same numbers as ours)
   state-pre the sums read from memory       L(j, C] and L_C precomputed (fla's chunk_local_cumsum does the like)
@@ -129,11 +130,11 @@ def main():
     dt = tl.bfloat16
     gb = 1e-9
 
-    def ours_state(w=8, s=2):
+    def ours_state(w=8, s=2, sums=False):
         return lambda: ours.linear_recurrent_chunk_state_kernel[(B * H, (K // BK) * (V // BV))](
-            k, v, nil, nil, gk, nil, nil, nil, hs, ht, T=T, H=H, HKV=H, K=K, V=V, BK=BK, BV=BV, C=C, USE_G=False,
-            USE_GAMMA=False, USE_GK=True, USE_H0=False, VARLEN=False, REVERSE=False, MAP=False, DT=dt,
-            num_warps=w, num_stages=s)
+            k, v, nil, nil, gk, after, tot, nil, nil, nil, hs, ht, T=T, H=H, HKV=H, K=K, V=V, BK=BK, BV=BV, C=C,
+            USE_G=False, USE_GAMMA=False, USE_GK=True, USE_H0=False, VARLEN=False, REVERSE=False, MAP=False, DT=dt,
+            SUMS=sums, num_warps=w, num_stages=s)
 
     def state_t(pre_, hs16_, w, s=2):
         out = hs16 if hs16_ else hs
@@ -141,11 +142,11 @@ def main():
             k, v, gk, after, tot, out, T=T, H=H, K=K, V=V, BK=BK, BV=BV, C=C, PRE=pre_, HS16=hs16_,
             num_warps=w, num_stages=s)
 
-    def ours_out(w=8, s=2):
+    def ours_out(w=8, s=2, sums=False):
         return lambda: ours.linear_recurrent_chunk_output_kernel[(NT, V // BV, B * H)](
-            q, k, v, nil, nil, gk, nil, nil, hs, a, o, T=T, H=H, HKV=H, K=K, V=V, BK=BK, BV=BV, C=C, BC=16,
+            q, k, v, nil, nil, gk, pre, nil, nil, hs, a, o, T=T, H=H, HKV=H, K=K, V=V, BK=BK, BV=BV, C=C, BC=16,
             SCALE=K ** -0.5, USE_G=False, USE_GAMMA=False, USE_GK=True, VARLEN=False, REVERSE=False, MAP=False,
-            DT=dt, num_warps=w, num_stages=s)
+            DT=dt, SUMS=sums, num_warps=w, num_stages=s)
 
     def out_t(mode, hs16_, w, s=2):
         return lambda: out_t_kernel[(NT, V // BV, B * H)](
@@ -172,6 +173,8 @@ def main():
 
     run("state (ours, 8 warps, 2 stages)", ours_state(), sb["state"])
     ref_hs = hs.clone()
+    run("state (ours with SUMS: chunk_sums' sums)", ours_state(sums=True), sb["state"],
+        lambda: f"{(hs - ref_hs).abs().max().item():.2e}")
     o_ref = None
     for w in [int(x) for x in args.warps.split(",")]:
         for s in ((2,) if args.cpu else (2, 3)):
@@ -185,6 +188,8 @@ def main():
     hs16.copy_(ref_hs.to(bf))
     run("out (ours, 8 warps, 2 stages)", ours_out(), ob)
     o_ref = o.clone()
+    run("out (ours with SUMS)", ours_out(sums=True), ob,
+        lambda: f"{(o.float() - o_ref.float()).abs().max().item():.2e}")
 
     def odiff():
         return f"{(o.float() - o_ref.float()).abs().max().item():.2e}"
