@@ -161,7 +161,7 @@ def check_wrapper(shape: tuple, names: tuple, in_specs: P, case: Case):
 # theirs on 2 devices (Pallas takes no gv), xla the rest: every gate, GQA, initial and final states, reverse, 2, 4
 # and 8 devices, the chunked and fused algorithms, hooks, the mesh context and the wrapper.
 CHECKS = {
-    "gla-gk-gqa-h0": (check_shard_map(Case("gla", ("gk",), shape=(1, 64, 2, 1, 16, 16), h0=True, chunk=16)),
+    "gla-gk-gqa-h0": (check_shard_map(Case("gla", ("gk",), shape=(1, 48, 2, 1, 16, 16), h0=True, chunk=16)),
                       {"xla": 2, "pallas": 2, "triton": 2}),
     "simple_gla-g-g_gamma-h0-reverse": (
         check_shard_map(Case("simple_gla", ("g", "g_gamma"), shape=(2, 64, 2, 2, 16, 16), h0=True, reverse=True)),
