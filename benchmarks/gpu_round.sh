@@ -245,6 +245,10 @@ declare -A PRESETS=(
   # session 22's first call: the ring with peer copies against NCCL's kernels; decode at 32 calls after the
   # scalar arrays' marker, with its tests; fla's kernels one by one beside ejgen's and the bf16 chunk states
   [s22a]="0-1:ring-steady,ring-p2p,ring-tests-p2p 2:decode-steady,decode-tests 3:fla-profile,rec-bench,rec-kernels"
+  # what session 22 left for the next: the Gluon / conformance / zoo GPU tests not run since the scalar arrays'
+  # marker (session 21); where chunk_intra's time goes (its two parts alone, by warps: state-study) beside fla and
+  # ejgen's recurrent table (after the gate sums and the bf16 chunk states)
+  [s23]="0:fla,rec-bench 1:state-study,rec-kernels 2-3:hopper-tests,zoo-capsinks"
 )
 plan=()
 for arg in "${@:-zoo}"; do

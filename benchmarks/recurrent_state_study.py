@@ -14,6 +14,7 @@ host with torch and Triton):
   out-pre the prefix sums read from memory
   out-rn  ours with the TF32 rounding left to the tensor cores (no cvt.rna: truncation, only to see its cost)
   out-pre16 out-pre with bf16 states and a bf16 product (fla's numerics)
+  intra   chunk_intra (gk) as generated, then its blocks left of the diagonal alone and its diagonal alone, by warps
 
     PYTHONPATH=$PWD python3 benchmarks/recurrent_state_study.py [--b 4 --t 4096]
 Prints a table (us, GB/s of the bytes each reads and writes once) and each variant's largest difference from ours.
@@ -101,6 +102,47 @@ def out_t_kernel(Q, V_, GK, P_PRE, HS, A, O, T: tl.constexpr, H: tl.constexpr, K
     b_v = tl.load(V_ + (rows[:, None] * H + i_h) * V + o_v[None, :])
     b_o = b_o * SCALE + ours._dot(b_a.to(tl.float32), b_v, tl.bfloat16)
     tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty))
+
+
+@triton.jit
+def intra_part_kernel(Q, K_, GK, A, T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                      BC: tl.constexpr, SCALE: tl.constexpr, PART: tl.constexpr):
+    """chunk_intra (gk, dense, forward) with one of its two parts: PART 0 the blocks left of the diagonal (one TF32
+    product each, factored through the step before the sub-chunk), 1 the diagonal block (`_intra`'s 16-step loop).
+    Rows I of A written whole, as the generated kernel writes them."""
+    NSUB: tl.constexpr = C // BC
+    i_cs, i_bh = tl.program_id(0), tl.program_id(1)
+    i_c, i_i = i_cs // NSUB, i_cs % NSUB
+    i_n, i_h = i_bh // H, i_bh % H
+    bos = i_n.to(tl.int64) * T
+    eos = bos + T
+    first = i_c * C + i_i * BC
+    o_r = tl.arange(0, BC)
+    o_k = tl.arange(0, K)
+    m_k = o_k < K
+    o_j = tl.arange(0, NSUB)
+    b_row = tl.zeros([BC, NSUB, BC], dtype=tl.float32)
+    b_q = ours._sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, False, False)
+    b_li = ours._sub_log(GK, GK, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, False, False, True, False)
+    if PART == 0:
+        b_qb = b_q * tl.exp(ours._cumsum(b_li, axis=0))
+        b_dec = tl.zeros([1, K], dtype=tl.float32)
+        for back in range(0, i_i):
+            i_j = i_i - 1 - back
+            b_k = ours._sub(K_, bos, eos, i_c * C + i_j * BC, i_h, o_k, m_k, H, K, BC, False, False)
+            b_l = ours._sub_log(GK, GK, GK, bos, eos, i_c * C + i_j * BC, i_h, o_k, m_k, H, K, BC, False, False,
+                                True, False)
+            b_kb = b_k * tl.exp(ours._after(b_l) + b_dec)
+            b_blk = ours._dot_state(b_qb, tl.trans(b_kb), tl.bfloat16)
+            b_row += tl.where(o_j[None, :, None] == i_j, tl.expand_dims(b_blk, 1), 0.0)
+            b_dec += tl.sum(b_l, axis=0, keep_dims=True)
+    else:
+        b_d = ours._intra(b_q, ours._cumsum(b_li * ours.LOG2E, axis=0), K_, GK, GK, GK, bos, eos, first, i_h, i_h,
+                          o_k, m_k, o_r, H, H, K, BC, False, False, True, False, False)
+        b_row += tl.where(o_j[None, :, None] == i_i, tl.expand_dims(b_d, 1), 0.0)
+    o_c = tl.arange(0, C)
+    p_a = A + (((i_n * (T // C) + i_c) * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_c[None, :]
+    tl.store(p_a, (tl.reshape(b_row, [BC, C]) * SCALE).to(A.dtype.element_ty))
 
 
 def main():
@@ -200,6 +242,30 @@ def main():
             run(f"out-pre w{w} s{s}", out_t(1, False, w, s), ob, odiff)
             run(f"out-rn w{w} s{s}", out_t(2, False, w, s), ob, odiff)
             run(f"out-pre16 w{w} s{s}", out_t(1, True, w, s), ob - B * NT * H * K * V * 2, odiff)
+    # chunk_intra (gk): the generated kernel against its two parts alone (where its 0.78 ms goes), by warps
+    a_ref = torch.zeros_like(a)
+
+    def ours_intra(w=2):
+        return lambda: ours.linear_recurrent_chunk_intra_kernel[(NT * (C // 16), B * H)](
+            q, k, nil, nil, nil, gk, nil, nil, nil, a_ref, nil, T=T, H=H, HKV=H, K=K, V=V, BK=K, BV=64, C=C, BC=16,
+            SCALE=K ** -0.5, USE_G=False, USE_GAMMA=False, USE_GK=True, VARLEN=False, REVERSE=False, MAP=False,
+            DT=dt, GRADS=False, WITH_A=True, num_warps=w, num_stages=1)
+
+    def intra_part(part, w):
+        return lambda: intra_part_kernel[(NT * (C // 16), B * H)](q, k, gk, a, T=T, H=H, K=K, C=C, BC=16,
+                                                                   SCALE=K ** -0.5, PART=part, num_warps=w)
+
+    ib = 3 * B * T * H * K * 2 + B * T * H * K * 4 + B * NT * H * C * C * 2
+    run("intra (ours, 2 warps)", ours_intra(), ib)
+    for w in ((2,) if args.cpu else (1, 2, 4, 8)):
+        run(f"intra left of the diagonal, w{w}", intra_part(0, w), ib)
+        run(f"intra diagonal, w{w}", intra_part(1, w), ib)
+    part_sum = lambda: f"{(a.float() - a_ref.float()).abs().max().item():.2e}"  # noqa: E731
+    intra_part(0, 2)()
+    left = a.clone()
+    intra_part(1, 2)()
+    a.add_(left)
+    run("intra: the two parts' sum against ours (check)", lambda: None, 0, part_sum)
     print(f"\n{'interpreter' if args.cpu else torch.cuda.get_device_name()}; B{B} T{T} H{H} K=V={K}, chunks of {C}, BK = BV = 64, bf16\n")
     print("| kernel | us | GB/s | max diff vs ours |\n|---|---|---|---|")
     for name, us, gbs, diff in rows:
