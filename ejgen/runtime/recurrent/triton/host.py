@@ -8,7 +8,8 @@ forward ``fused_fwd``; backward ``fused_bwd``, whose dq and dk (and the key side
 block of V summed here; with gates it keeps a checkpoint every FUSED_BT steps and a scratch of FUSED_BT states per
 program.
 Chunked (chunks of C steps; a launch per function, ``CHUNKED`` their blocks and settings, notes/recurrent-perf.md):
-forward ``chunk_states``, with gk ``chunk_intra`` (the intra-chunk matrices A), then ``chunk_output``; backward
+forward, with gk ``chunk_intra`` (the intra-chunk matrices A) and ``chunk_sums`` (the gates' sums over each chunk,
+read by the kernels after it), then ``chunk_states`` and ``chunk_output``; backward ``chunk_sums`` and
 ``chunk_states`` again, ``chunk_state_grads``, with gk ``chunk_intra`` (A and dA) and ``chunk_grads_intra`` (the
 gradients' parts from the pairs inside each chunk), then ``chunk_grads_qk`` (dq, dk and the key side's log decay
 gradient by blocks of K) and ``chunk_grads_v``.
