@@ -250,7 +250,7 @@ declare -A PRESETS=(
   # ejgen's recurrent table (after the gate sums and the bf16 chunk states); the tests in a call of their own (fla's
   # host-bound forward timed 1.148 ms beside test shards against 0.748 without, session 22)
   [s23]="0:fla,rec-bench 1:state-study,rec-kernels"
-  [s23-tests]="0-1:hopper-tests,zoo-capsinks 2-3:decode-tests,ring-tests"
+  [s23-tests]="0-1:hopper-tests,zoo-capsinks 2-3:rec-tests,decode-tests,ring-tests"
 )
 plan=()
 for arg in "${@:-zoo}"; do

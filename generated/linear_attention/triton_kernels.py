@@ -484,11 +484,18 @@ def _blocks(V: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
-def _advance(b_h, b_k, b_v, b_l, DT: tl.constexpr):
-    """The state [BK, BV] after a chunk (k [C, BK], v [C, BV], its key side's log gates [C, BK | 1]):
-    S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j (`chunk_state`, `chunk_fused_fwd`)."""
-    b_h = b_h * tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
-    return b_h + _dot(tl.trans(b_k * tl.exp(_after(b_l))), b_v, DT)
+def _advance(b_h, b_x, b_y, b_sums, b_decay, DT: tl.constexpr):
+    """A state (or its adjoint) [BK, BV] carried over a chunk: b_h ⊙ b_decay + (x ⊙ e^{sums})ᵀ y, with x [C, BK],
+    y [C, BV], the log gates' sums [C, BK | 1] and the chunk's decay e^{L_C} as a column [BK | 1, 1]. The state:
+    S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j (`chunk_state`, `chunk_fused_fwd`); the adjoint:
+    dS_start = diag(e^{L_C}) dS_end + sum_t (q_t e^{L(start, t]})ᵀ do_t (`chunk_state_bwd`)."""
+    return b_h * b_decay + _dot(tl.trans(b_x * tl.exp(b_sums)), b_y, DT)
+
+
+@triton.jit
+def _chunk_decay(b_l):
+    """[BK | 1, 1]: e^{L_C}, the chunk's decay of each row of the state, from its log gates b_l [C, BK | 1]."""
+    return tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
 
 
 @triton.jit
@@ -508,6 +515,12 @@ def _sums_at(S, rows, m_s, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
 def _total_at(LS, chunk, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
     """[BK]: `chunk_sums`' L_C, the sum of a chunk's log gates (chunk: its index in the chunk layout)."""
     return tl.load(LS + (chunk * H + i_h).to(tl.int64) * K + o_k, mask=m_k, other=0.0)
+
+
+@triton.jit
+def _chunk_decay_at(LS, chunk, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
+    """`_chunk_decay` from `chunk_sums`' L_C: [BK, 1]."""
+    return tl.exp(_total_at(LS, chunk, i_h, o_k, m_k, H, K))[:, None]
 
 
 @triton.jit
@@ -573,11 +586,12 @@ def linear_attention_chunk_state_kernel(
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
         if SUMS:
-            b_h = b_h * tl.exp(_total_at(LS, first + i_t, i_h, o_k, m_k, H, K))[:, None]
-            b_h += _dot(tl.trans(b_k * tl.exp(_sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K))), b_v, DT)
+            b_after = _sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K)
+            b_decay = _chunk_decay_at(LS, first + i_t, i_h, o_k, m_k, H, K)
         else:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
-            b_h = _advance(b_h, b_k, b_v, b_l, DT)
+            b_after, b_decay = _after(b_l), _chunk_decay(b_l)
+        b_h = _advance(b_h, b_k, b_v, b_after, b_decay, DT)
     tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
 
 
@@ -766,7 +780,7 @@ def linear_attention_chunk_fused_fwd_kernel(
         tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
                  mask=m_s[:, None] & m_v[None, :])
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK] (after the output: fewer live tiles)
-        b_h = _advance(b_h, b_k, b_v, b_l, DT)
+        b_h = _advance(b_h, b_k, b_v, _after(b_l), _chunk_decay(b_l), DT)
     tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_k[:, None] & m_v[None, :])
 
 
@@ -802,12 +816,12 @@ def linear_attention_chunk_state_bwd_kernel(
         b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP) * SCALE  # [C, BK]
         b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
         if SUMS:
-            b_dh = b_dh * tl.exp(_total_at(LS, first + i_t, i_h, o_k, m_k, H, K))[:, None]
-            b_dh += _dot(tl.trans(b_q * tl.exp(_sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K))), b_do, DT)
+            b_pre = _sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K)
+            b_decay = _chunk_decay_at(LS, first + i_t, i_h, o_k, m_k, H, K)
         else:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-            b_dh = b_dh * tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
-            b_dh += _dot(tl.trans(b_q * tl.exp(_cumsum(b_l, axis=0))), b_do, DT)
+            b_pre, b_decay = _cumsum(b_l, axis=0), _chunk_decay(b_l)
+        b_dh = _advance(b_dh, b_q, b_do, b_pre, b_decay, DT)
     tl.store(DH0 + i_nh.to(tl.int64) * K * V + p_h, b_dh, mask=m_h)
 
 
@@ -1091,17 +1105,17 @@ def linear_attention_chunk_grads_qk_kernel(
     b_dq = b_dq * SCALE
     b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
     b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
-    if USE_GK and SUMS:  # the gates' sums from `chunk_sums`
-        b_dq = b_dq * tl.exp(_sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K))
-        b_dk = b_dk * tl.exp(_sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K))
-        b_end = tl.exp(_total_at(LS, i_cg, i_h, o_k, m_k, H, K))[None, :]  # [1, BK]: e^{L_C}
+    if USE_GK and SUMS:  # the gates' sums from `chunk_sums`; e^{L_C} as a row [1, BK | 1]
+        b_pre, b_after = _sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K), _sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K)
+        b_end = tl.exp(_total_at(LS, i_cg, i_h, o_k, m_k, H, K))[None, :]
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
-    if GATED and not (USE_GK and SUMS):
-        b_dq = b_dq * tl.exp(_cumsum(b_l, axis=0))
-        b_dk = b_dk * tl.exp(_after(b_l))
-        b_end = tl.exp(tl.sum(b_l, axis=0, keep_dims=True))  # [1, BK | 1]: e^{L_C}
+        if GATED:
+            b_pre, b_after = _cumsum(b_l, axis=0), _after(b_l)
+            b_end = tl.exp(tl.sum(b_l, axis=0, keep_dims=True))
     if GATED:
+        b_dq = b_dq * tl.exp(b_pre)
+        b_dk = b_dk * tl.exp(b_after)
         b_dlog = (_cumsum(_per_gate(b_q * b_dq, USE_GK), axis=0, reverse=True)
                   + _cumsum_before(_per_gate(b_k * b_dk, USE_GK), 0) + _per_gate(b_hh[None, :] * b_end, USE_GK))
     p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]

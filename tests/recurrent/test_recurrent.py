@@ -149,6 +149,31 @@ STATE_DTYPE_CASES = (
 )
 
 
+def _spy(monkeypatch, name, note):
+    """Wrap the recurrent Triton host's function ``name``: ``note(args, result)`` of each call goes to the list
+    returned (the output kernel's stored states: its args[7], HS; `chunk_sums`' result: None where it did not run)."""
+    from ejgen.runtime.recurrent.triton import host
+
+    seen = []
+    real = getattr(host, name)
+
+    def spy(*args):
+        out = real(*args)
+        seen.append(note(args, out))
+        return out
+
+    monkeypatch.setattr(host, name, spy)
+    return seen
+
+
+def _stored_states(monkeypatch):
+    return _spy(monkeypatch, "chunk_output", lambda args, out: args[7].dtype)
+
+
+def _sums_formed(monkeypatch):
+    return _spy(monkeypatch, "chunk_sums", lambda args, out: out is not None)
+
+
 @pytest.mark.parametrize("case", STATE_DTYPE_CASES, ids=[c.id for c in STATE_DTYPE_CASES])
 def test_triton_chunk_states_in_the_inputs_dtype(case, monkeypatch):
     """chunk_state_dtype "bfloat16": the two-pass chunked forward stores the state at each chunk's start in bf16 for
@@ -156,16 +181,7 @@ def test_triton_chunk_states_in_the_inputs_dtype(case, monkeypatch):
     gates; packed sequences (an empty one among them), reverse, initial_state, GQA; bf16 and f16 inputs. o,
     final_state and every gradient against the oracle at the dtype's tolerance, and the states the output kernel read
     were bf16."""
-    from ejgen.runtime.recurrent.triton import host
-
-    read = []
-    real = host.chunk_output
-
-    def spy(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None):
-        read.append(hs.dtype)
-        return real(kernels, q, k, v, gates, ctx, cfg, hs, a, sums)
-
-    monkeypatch.setattr(host, "chunk_output", spy)
+    read = _stored_states(monkeypatch)
     monkeypatch.setenv("EJGEN_CHUNK_STATE_DTYPE", "bfloat16")
     check(case, "triton", hooks=_hooks(case))
     assert read and all(d == jnp.bfloat16 for d in read), read
@@ -174,27 +190,10 @@ def test_triton_chunk_states_in_the_inputs_dtype(case, monkeypatch):
 @pytest.mark.parametrize("dtype,stored", [("float16", jnp.bfloat16), ("float32", jnp.float32)])
 def test_triton_chunk_states_auto_by_the_inputs_dtype(dtype, stored, monkeypatch):
     """chunk_state_dtype "auto" (the default): the stored chunk states are bf16 for 16-bit inputs (f16 here; bf16
-    inputs in every other 16-bit chunked test) and float32 for float32 ones; results against the oracle either way; and by default (chunk_gate_sums "kernel") the gk sums are
-    formed by `chunk_sums` in the forward and the backward."""
-    from ejgen.runtime.recurrent.triton import host
-
-    read = []
-    real = host.chunk_output
-
-    def spy(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None):
-        read.append(hs.dtype)
-        return real(kernels, q, k, v, gates, ctx, cfg, hs, a, sums)
-
-    formed = []
-    real_sums = host.chunk_sums
-
-    def spy_sums(*args):
-        out = real_sums(*args)
-        formed.append(out is not None)
-        return out
-
-    monkeypatch.setattr(host, "chunk_output", spy)
-    monkeypatch.setattr(host, "chunk_sums", spy_sums)
+    inputs in every other 16-bit chunked test) and float32 for float32 ones; results against the oracle either way;
+    and by default (chunk_gate_sums "kernel") the gk sums are formed by `chunk_sums` in the forward and the
+    backward."""
+    read, formed = _stored_states(monkeypatch), _sums_formed(monkeypatch)
     monkeypatch.delenv("EJGEN_CHUNK_STATE_DTYPE", raising=False)
     monkeypatch.delenv("EJGEN_CHUNK_GATE_SUMS", raising=False)
     case = Case("gla", ("gk",), dtype=dtype, shape=(1, 40, 2, 1, 16, 32), chunk=16, h0=True)
@@ -241,17 +240,7 @@ def test_triton_gate_sums_scanned_in_each_kernel(monkeypatch):
     default, "kernel", forms them once in `chunk_sums`: every other gk test): against the oracle (o, final_state,
     every gradient) with gk and the scalar gates, packed (an empty sequence and one of a step), reverse, GQA, bf16, and
     the sums kernel never ran."""
-    from ejgen.runtime.recurrent.triton import host
-
-    formed = []
-    real = host.chunk_sums
-
-    def spy(*args):
-        out = real(*args)
-        formed.append(out is not None)
-        return out
-
-    monkeypatch.setattr(host, "chunk_sums", spy)
+    formed = _sums_formed(monkeypatch)
     monkeypatch.setenv("EJGEN_CHUNK_GATE_SUMS", "inline")
     case = Case("recurrent", ("g", "g_gamma", "gk"), dtype="bfloat16", shape=(1, 41, 2, 1, 16, 16), cu=PACKED,
                 chunk=32, h0=True, reverse=True)
