@@ -428,10 +428,17 @@ def _dot_rounded(a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def _segsum(b_l, o_r):
-    """[BC, BC]: X[i, j] = sum of the scalar log gate b_l [BC, 1] over the steps j + 1 .. i for j <= i (0 above the
-    diagonal): each pair's own steps, summed in order (no difference of prefix sums)."""
-    return tl.cumsum(tl.where(o_r[:, None] > o_r[None, :], b_l, 0.0), axis=0)
+def _segsum(b_l, o_r, DT: tl.constexpr):
+    """[BC, BC]: X[i, j] = sum of the scalar log gate b_l [BC, 1] over the steps j + 1 .. i for j <= i (garbage above
+    the diagonal: the caller selects before any exp). Float32 inputs: each pair's own steps, summed in order (a scan
+    of the masked [BC, BC] matrix down its rows). 16-bit inputs: P_i - P_j of the prefix sums over the (at most 64)
+    steps, as flash-linear-attention forms it; its error in the exponent is a few u |P| (2e-4 at -20 a step over 64
+    steps, on terms e^{-20} small against the diagonal's), below the 16-bit rounding of the products that follow (2^-9).
+    The scan crossed warps through shared memory on every row of the tile (docs/DESIGN.md §3, linear recurrent)."""
+    if DT == tl.float32:
+        return tl.cumsum(tl.where(o_r[:, None] > o_r[None, :], b_l, 0.0), axis=0)
+    p = tl.cumsum(tl.reshape(b_l, [b_l.shape[0]]), axis=0)
+    return p[:, None] - p[None, :]
 
 
 @triton.jit
@@ -663,12 +670,12 @@ def linear_recurrent_chunk_intra_kernel(
 
 
 @triton.jit
-def _intra_scalar(b_a, b_l, o_c, GATED: tl.constexpr):
+def _intra_scalar(b_a, b_l, o_c, GATED: tl.constexpr, DT: tl.constexpr):
     """A matrix of a chunk's pairs of steps [C, C] (q kᵀ, or dA = do vᵀ) times e^{L(j, i]} for j <= i, 0 above the
-    diagonal, with a scalar log gate per step b_l [C, 1]: each pair's own segment sum (`_segsum`)."""
+    diagonal, with a scalar log gate per step b_l [C, 1] (`_segsum`)."""
     lower = o_c[:, None] >= o_c[None, :]
     if GATED:
-        b_a = b_a * tl.exp(tl.where(lower, _segsum(b_l, o_c), 0.0))
+        b_a = b_a * tl.exp(tl.where(lower, _segsum(b_l, o_c, DT), 0.0))
     return tl.where(lower, b_a, 0.0)
 
 
@@ -684,7 +691,8 @@ def linear_recurrent_chunk_output_kernel(
         o = scale (q ⊙ e^{P}) S + A v      (S: the state at the chunk's start, HS; P_i = L(start, i], prefix sums)
     A the intra-chunk matrix: with gk read from A (`chunk_intra`); with a scalar gate (or none) here, scale (q kᵀ)
     times e^{L(j, i]} (`_intra_scalar`), and e^{P} scales the rows of q S. K in blocks of BK; the state's product in
-    TF32 (`_dot_state`), A's with v in the inputs' dtype. SUMS (gk): P read from `chunk_sums` (PS)."""
+    TF32 (`_dot_state`), or bf16 where the stored states are bf16 for bf16 inputs (STATE16), A's with v in the inputs'
+    dtype. SUMS (gk): P read from `chunk_sums` (PS)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -692,6 +700,9 @@ def linear_recurrent_chunk_output_kernel(
     i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
     GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
+    # stored states in bf16 with bf16 inputs: the state's product in bf16, as the stored state already is (q, or q e^P
+    # with gk rounded to bf16 as well: the same 2^-9 as the state's own rounding; chunk_state_dtype)
+    STATE16: tl.constexpr = (HS.dtype.element_ty == tl.bfloat16) and (DT == tl.bfloat16)
     rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
     o_c = tl.arange(0, C)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -711,14 +722,17 @@ def linear_recurrent_chunk_output_kernel(
         else:
             b_a += _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
         b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
-        b_o += _dot_state(b_q, b_s, DT)
+        if STATE16:
+            b_o += _dot(b_q, b_s, DT)
+        else:
+            b_o += _dot_state(b_q, b_s, DT)
     if USE_GK:
         b_a = _load_a(A, i_cg, i_h, o_c, H, C)
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
         if GATED:
             b_o = b_o * tl.exp(_cumsum(b_l, axis=0))
-        b_a = _intra_scalar(b_a, b_l, o_c, GATED) * SCALE
+        b_a = _intra_scalar(b_a, b_l, o_c, GATED, DT) * SCALE
     b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
     b_o = b_o * SCALE + _dot(b_a, b_v, DT)
     tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
@@ -771,7 +785,7 @@ def linear_recurrent_chunk_fused_fwd_kernel(
             if GATED:  # e^{P} on the rows of q S: q meets the state's product exact
                 b_o = b_o * tl.exp(_cumsum(b_l, axis=0))
             b_a = _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
-            b_a = _intra_scalar(b_a, b_l, o_c, GATED) * SCALE
+            b_a = _intra_scalar(b_a, b_l, o_c, GATED, DT) * SCALE
         b_o = b_o * SCALE + _dot(b_a, b_v, DT)
         tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
                  mask=m_s[:, None] & m_v[None, :])
@@ -1121,7 +1135,7 @@ def linear_recurrent_chunk_grads_qk_kernel(
         b_dk += tl.load(DKI + p_qk, mask=m_qk, other=0.0)
         b_dlog += tl.load(DLI + p_qk, mask=m_qk, other=0.0)
     else:
-        b_w = _intra_scalar(b_da, b_l, o_c, GATED) * SCALE
+        b_w = _intra_scalar(b_da, b_l, o_c, GATED, DT) * SCALE
         # float32 W in TF32: in bf16, dq and dk erred 1.4x the rounding of the result
         b_dq += _dot_state(b_w, b_k, DT)
         b_dk += _dot_state(tl.trans(b_w), b_q, DT)
@@ -1183,7 +1197,7 @@ def linear_recurrent_chunk_grads_v_kernel(
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
         if GATED:
             b_dv = b_dv * tl.exp(_after(b_l))
-        b_a = _intra_scalar(b_a, b_l, o_c, GATED) * SCALE
+        b_a = _intra_scalar(b_a, b_l, o_c, GATED, DT) * SCALE
     b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
     b_dv += _dot(tl.trans(b_a), b_do, DT)
     tl.store(DV + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(DV.dtype.element_ty),
