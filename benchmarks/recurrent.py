@@ -7,8 +7,11 @@ Impls: `ejgen-triton` (algorithm chunked, chunks of 64; its defaults: the forwar
 these bf16 inputs), `ejgen-triton-f32-states` (the same with them in float32, the chunk_state_dtype setting
 "float32": the default before session 22), `ejgen-triton-inline-sums` (each chunked
 kernel scans the gates' sums itself, the chunk_gate_sums setting "inline": the form before session 22),
-`ejgen-triton-onepass` (chunked
-with the one-pass forward, the chunk_forward setting "fused"), `ejgen-triton-fused` (the fused recurrence; forward only
+`ejgen-triton-tf32-products` (the products with a float32 state or adjoint on TF32 operands, the chunk_products
+setting "tf32": the default before session 23; the default rounds them to bf16 for these bf16 inputs),
+`ejgen-triton-onepass` (`--onepass`: chunked
+with the one-pass forward, the chunk_forward setting "fused"; 1.6x the two passes in session 23),
+`ejgen-triton-fused` (the fused recurrence; forward only
 at T4096, the fused kernels are for decoding and short sequences), `ejgen-xla` (`--xla`: the chunked jnp backend).
 Every ejgen impl's forward is checked against the XLA backend in float32 on the same inputs (relative error of o and
 the final state, their first 2^20 entries each; FLAG past 2e-2).
@@ -57,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", default="", help="comma-separated substrings of case names (default: all)")
     p.add_argument("--xla", action="store_true", help="also time the XLA backend")
+    p.add_argument("--onepass", action="store_true", help="also time the one-pass forward (chunk_forward fused)")
     p.add_argument("--decode", action="store_true", help="also time one decode step against the streaming bandwidth")
     p.add_argument("--decode-only", action="store_true", help="only the decode table (implies --decode)")
     p.add_argument("--decode-sweep", action="store_true", help="decode: the fused kernels' FUSED_BV x warps")
@@ -112,6 +116,9 @@ def make_inputs(op, gates, b, t, h, k, v, seed=0):
     return (q, kk, vv), g, do
 
 
+BASE = {"chunk_forward": "two_pass", "chunk_state_dtype": "auto", "chunk_products": "auto"}  # the impls' defaults
+
+
 def impls(op_name, args, gates, do, smoke):
     """{name: (fwd fn, fwd+bwd fn)} of a case."""
     op = getattr(generated, op_name)
@@ -119,7 +126,9 @@ def impls(op_name, args, gates, do, smoke):
     platforms = [("ejgen-triton", "triton", "chunked", {}),
                  ("ejgen-triton-f32-states", "triton", "chunked", {"chunk_state_dtype": "float32"}),
                  ("ejgen-triton-inline-sums", "triton", "chunked", {"chunk_gate_sums": "inline"}),
-                 ("ejgen-triton-onepass", "triton", "chunked", {"chunk_forward": "fused"})]
+                 ("ejgen-triton-tf32-products", "triton", "chunked", {"chunk_products": "tf32"})]
+    if ARGS.onepass:
+        platforms.append(("ejgen-triton-onepass", "triton", "chunked", {"chunk_forward": "fused"}))
     if args[0].shape[1] <= 4096:
         platforms.append(("ejgen-triton-fused", "triton", "fused", {}))
     if ARGS.xla or smoke:
@@ -129,14 +138,14 @@ def impls(op_name, args, gates, do, smoke):
             from ejgen.ops import settings
 
             # the impl's settings over the defaults, read as the call is traced
-            with settings(**{"chunk_forward": "two_pass", "chunk_state_dtype": "auto", **asked}):
+            with settings(**{**BASE, **asked}):
                 return op(q, k, v, **g, platform=platform, algorithm=algorithm)
 
         def fwd_bwd(q, k, v, g, do, fwd=fwd, asked=asked):
             from ejgen.ops import settings
 
             # the backward is traced as vjp is applied: under the impl's settings too
-            with settings(**{"chunk_forward": "two_pass", "chunk_state_dtype": "auto", **asked}):
+            with settings(**{**BASE, **asked}):
                 (o, ht), vjp = jax.vjp(fwd, q, k, v, g)
                 return vjp((do, jnp.zeros_like(ht)))
 

@@ -218,11 +218,12 @@ _GK_ONLY = ("chunk_sums", "chunk_intra", "chunk_grads_intra")
 def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", heads: int = 16,
                       kv_heads: int = 16, dk: int = 128, dv: int = 128, chunk: int = 64, gates=("gk",),
                       h0: bool = True, varlen: bool = False, reverse: bool = False, kernels=None,
-                      states: str = "float32") -> dict:
+                      states: str = "float32", products: str = "tf32") -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
-    chunk_output, the kernels that write and read them: the backward's states stay float32)."""
+    chunk_output, the kernels that write and read them: the backward's states stay float32); ``products``
+    "bfloat16": the state products' operands in bf16 (the chunk_products setting, SP), else TF32."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -243,7 +244,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   USE_G="g" in gates, USE_GAMMA="g_gamma" in gates, USE_GK="gk" in gates, USE_GV="gv" in gates,
                   USE_H0=h0, VARLEN=varlen, REVERSE=reverse, ROWS=4 * 4096, C=chunk, BC=host.SUB, MAP=True,
                   BT=host.FUSED_BT, GRADS=True, WITH_A=True, SUMS="gk" in gates,  # chunk_sums' (the default)
-                  DT={"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[dtype])
+                  DT={"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[dtype],
+                  SP=tl.bfloat16 if products == "bfloat16" else tl.float32)
     fused = min(host.FUSED_BV, bvf)
     compiled = {}
     for which in ("fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_intra", "chunk_state_bwd",

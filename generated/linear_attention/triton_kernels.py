@@ -404,12 +404,15 @@ def _tf32(x, BITS: tl.constexpr = False):
 
 
 @triton.jit
-def _dot_state(a, b, DT: tl.constexpr):
-    """a @ b where one operand is a float32 state (or its adjoint): exact for float32 inputs, TF32 for 16-bit ones
-    (a state rounded to bf16 would err by 2^-8 in every product). Both operands are rounded to TF32 first (`_tf32`),
-    so the tensor cores read them exactly and the interpreter computes the same products."""
+def _dot_state(a, b, DT: tl.constexpr, SP: tl.constexpr = tl.float32):
+    """a @ b where one operand is a float32 state (or its adjoint, or a pair matrix): exact for float32 inputs; for
+    16-bit ones both operands rounded to TF32 (`_tf32`, to nearest, so the tensor cores read them exactly and the
+    interpreter computes the same products), or with SP bf16 (the chunk_products setting) to bf16 (`_dot`: 2^-9
+    relative an operand, as flash-linear-attention multiplies; the tensor cores' full rate)."""
     if DT == tl.float32:
         return tl.dot(a, b, input_precision="ieee")
+    elif SP == tl.bfloat16:
+        return _dot(a, b, tl.bfloat16)
     return _dot_rounded(_tf32(a.to(tl.float32)), _tf32(b.to(tl.float32)), DT)
 
 
@@ -689,14 +692,14 @@ def linear_attention_chunk_output_kernel(
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr, SUMS: tl.constexpr,
+    DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr,
 ):
     """o of a chunk's C steps (BV columns), a program per (chunk, block of V), in products of the whole chunk:
         o = scale (q ⊙ e^{P}) S + A v      (S: the state at the chunk's start, HS; P_i = L(start, i], prefix sums)
     A the intra-chunk matrix: with gk read from A (`chunk_intra`); with a scalar gate (or none) here, scale (q kᵀ)
     times e^{L(j, i]} (`_intra_scalar`), and e^{P} scales the rows of q S. K in blocks of BK; the state's product in
-    TF32 (`_dot_state`), or bf16 where the stored states are bf16 for bf16 inputs (STATE16), A's with v in the inputs'
-    dtype. SUMS (gk): P read from `chunk_sums` (PS)."""
+    TF32 or bf16 (`_dot_state`, SP: the chunk_products setting), A's with v in the inputs' dtype. SUMS (gk): P read
+    from `chunk_sums` (PS)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -704,9 +707,6 @@ def linear_attention_chunk_output_kernel(
     i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
     GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
-    # stored states in bf16 with bf16 inputs: the state's product in bf16, as the stored state already is (q, or q e^P
-    # with gk rounded to bf16 as well: the same 2^-9 as the state's own rounding; chunk_state_dtype)
-    STATE16: tl.constexpr = (HS.dtype.element_ty == tl.bfloat16) and (DT == tl.bfloat16)
     rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
     o_c = tl.arange(0, C)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -726,10 +726,7 @@ def linear_attention_chunk_output_kernel(
         else:
             b_a += _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
         b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
-        if STATE16:
-            b_o += _dot(b_q, b_s, DT)
-        else:
-            b_o += _dot_state(b_q, b_s, DT)
+        b_o += _dot_state(b_q, b_s, DT, SP)
     if USE_GK:
         b_a = _load_a(A, i_cg, i_h, o_c, H, C)
     else:
@@ -1074,7 +1071,7 @@ def linear_attention_chunk_grads_qk_kernel(
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr, ROWS: tl.constexpr, SUMS: tl.constexpr,
+    DT: tl.constexpr, ROWS: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr,
 ):
     """dq and dk (of the mapped q and k, per query head; float32, or q's dtype where the host needs no sums) of a
     chunk's C steps in BK channels, a program per (chunk, block of K), V in blocks of BV, in products of the whole
@@ -1110,8 +1107,8 @@ def linear_attention_chunk_grads_qk_kernel(
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)
         b_h = tl.load(HS + p_h + o_v[None, :], mask=m_h, other=0.0)  # [BK, BV]
         b_dh = tl.load(DHS + p_h + o_v[None, :], mask=m_h, other=0.0)
-        b_dq += _dot_state(b_do, tl.trans(b_h), DT)
-        b_dk += _dot_state(b_v, tl.trans(b_dh), DT)
+        b_dq += _dot_state(b_do, tl.trans(b_h), DT, SP)
+        b_dk += _dot_state(b_v, tl.trans(b_dh), DT, SP)
         if GATED:
             b_hh += tl.sum(b_h * b_dh, axis=1)
         if not USE_GK:
@@ -1140,7 +1137,8 @@ def linear_attention_chunk_grads_qk_kernel(
         b_dlog += tl.load(DLI + p_qk, mask=m_qk, other=0.0)
     else:
         b_w = _intra_scalar(b_da, b_l, o_c, GATED, DT) * SCALE
-        # float32 W in TF32: in bf16, dq and dk erred 1.4x the rounding of the result
+        # float32 W in TF32 whatever SP says: in bf16 (as flash-linear-attention), dq and dk erred 1.4x the rounding
+        # of the result (test_chunked_triton_scalar_gate_dq_dk_in_bfloat16)
         b_dq += _dot_state(b_w, b_k, DT)
         b_dk += _dot_state(tl.trans(b_w), b_q, DT)
         if GATED:  # the pairs inside the chunk, summed over the block's channels: by s, over r < s and t >= s
@@ -1161,7 +1159,7 @@ def linear_attention_chunk_grads_v_kernel(
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr, SUMS: tl.constexpr,
+    DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr,
 ):
     """dv (per query head; float32, or v's dtype where the host needs no sums) of a chunk's C steps in BV columns, a
     program per (chunk, block of V), the output kernel's transpose in products of the whole chunk:
@@ -1194,7 +1192,7 @@ def linear_attention_chunk_grads_v_kernel(
         else:
             b_a += _dot(_load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP), tl.trans(b_k), DT)
         b_dh = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_dv += _dot_state(b_k, b_dh, DT)
+        b_dv += _dot_state(b_k, b_dh, DT, SP)
     if USE_GK:
         b_a = _load_a(A, i_cg, i_h, o_c, H, C)
     else:

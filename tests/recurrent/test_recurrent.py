@@ -202,6 +202,29 @@ def test_triton_chunk_states_auto_by_the_inputs_dtype(dtype, stored, monkeypatch
     assert formed and all(formed), formed  # chunk_gate_sums "kernel", the default: forward and backward
 
 
+@pytest.mark.parametrize("dtype,asked,expected", [
+    ("bfloat16", None, "bfloat16"), ("float16", None, "tf32"), ("float32", None, "tf32"),
+    ("bfloat16", "tf32", "tf32"), ("float16", "bfloat16", "bfloat16"), ("float32", "bfloat16", "tf32")])
+def test_triton_state_products_by_the_inputs_dtype(dtype, asked, expected, monkeypatch):
+    """chunk_products: the operands of the chunked kernels' products with a float32 state or adjoint are bf16 for
+    bf16 inputs by default (auto), TF32 for f16 (a state past f16's range would not fit an f16 operand); float32
+    inputs multiply in float32 whatever is asked. The choice is the call's (its config: the backward, traced later,
+    takes the forward's), it reaches the output, dq / dk and dv kernels, and o, final_state and every gradient stay
+    within the dtype's tolerance of the oracle (gk and a scalar gate)."""
+    seen = _spy(monkeypatch, "chunk_grads_v", lambda args, out: args[5].products)
+    seen += _spy(monkeypatch, "chunk_output", lambda args, out: args[6].products)
+    if asked is None:
+        monkeypatch.delenv("EJGEN_CHUNK_PRODUCTS", raising=False)
+    else:
+        monkeypatch.setenv("EJGEN_CHUNK_PRODUCTS", asked)
+    # f16 inputs with bf16 products asked for: f16 operands lose 3 bits, so bf16's error against f16's tolerance
+    factor = 2.0 if dtype == "float16" and expected == "bfloat16" else 1.0
+    for case in (Case("gla", ("gk",), dtype=dtype, shape=(1, 40, 2, 1, 16, 32), chunk=16, h0=True),
+                 Case("simple_gla", ("g",), dtype=dtype, shape=(1, 40, 2, 2, 16, 16), chunk=16, reverse=True)):
+        check(case, "triton", hooks=_hooks(case), factor=factor)
+    assert seen and set(seen) == {expected}, seen
+
+
 def test_the_chunked_forward_form_is_checked(monkeypatch):
     """EJGEN_CHUNK_FORWARD (or settings(chunk_forward=...)) picks the chunked forward's form, EJGEN_CHUNK_STATE_DTYPE
     (or settings(chunk_state_dtype=...)) the dtype of its stored states, EJGEN_CHUNK_GATE_SUMS where the gates' sums
@@ -232,6 +255,10 @@ def test_the_chunked_forward_form_is_checked(monkeypatch):
             pass
     monkeypatch.setenv("EJGEN_CHUNK_GATE_SUMS", "once")
     with pytest.raises(ValueError, match="EJGEN_CHUNK_GATE_SUMS='once': expected one of kernel, inline"):
+        core_settings.current()
+    monkeypatch.delenv("EJGEN_CHUNK_GATE_SUMS")
+    monkeypatch.setenv("EJGEN_CHUNK_PRODUCTS", "fp8")
+    with pytest.raises(ValueError, match="EJGEN_CHUNK_PRODUCTS='fp8': expected one of auto, tf32, bfloat16"):
         core_settings.current()
 
 

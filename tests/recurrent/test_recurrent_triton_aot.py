@@ -63,9 +63,10 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
                   "kernels": chunked, "with_resources": True}
                  for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
-    requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90, "gates": ("gk",),
-                  "kernels": ["chunk_state", "chunk_output"], "states": "bfloat16",  # the opt-in bf16 states
-                  "with_resources": True}]
+    requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
+                  "kernels": ["chunk_state", "chunk_output", "chunk_grads_qk", "chunk_grads_v"],
+                  "states": "bfloat16", "products": "bfloat16",  # bf16 inputs' defaults (auto): bf16 states, products
+                  "with_resources": True} for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
     for request, compiled in zip(requests, compile_all_in_subprocess(requests, triton=gpu_host_triton())):
         assert "error" not in compiled, f"{request['name']} {request['gates']}: {compiled.get('error')}"
         for kernel, c in compiled.items():

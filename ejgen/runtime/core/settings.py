@@ -43,6 +43,13 @@ Each has a default, an environment variable (read at call time) and a scoped ove
   sums, sums after each step, the chunk's whole sum) from one kernel that forms them first (`chunk_sums`), or each
   scans the gates itself (``inline``, the form before session 22). The same sums either way (each a sum of its own
   steps); the scans cross warps, and in the state kernels' walks over the chunks they sat on the critical path.
+- ``chunk_products`` (EJGEN_CHUNK_PRODUCTS: ``auto`` / ``tf32`` / ``bfloat16``, default auto): the operands of the
+  linear recurrent chunked kernels' products with a float32 state or adjoint (q S, do Sᵀ, v S̄ᵀ, k S̄), for 16-bit
+  inputs: rounded to TF32 (10 bits, to nearest) or to bf16
+  (7 bits: flash-linear-attention's choice, the tensor cores' full rate and half the operand bytes); ``auto``: bf16
+  for bf16 inputs, TF32 for f16 ones (a state past f16's range would not fit an f16 operand). Float32 inputs
+  multiply in exact float32 either way. Read when the op is called (the call's config carries it to the backward).
+  Gradients and outputs stay within the dtype's tolerance either way (docs/DESIGN.md §3, linear recurrent).
 - ``triton_configs`` (EJGEN_TRITON_CONFIG, e.g. ``"fwd=128,64,8,3;dkdv=64,128,8,3"``): pinned Triton
   configs per pass (tuning, tests); a pinned pass never takes the Hopper set.
 - ``triton_autotune`` (EJGEN_TRITON_AUTOTUNE=1): jax-triton's autotuner over `ejgen tune`'s candidates.
@@ -67,6 +74,7 @@ class Settings:
     chunk_forward: str = "two_pass"
     chunk_state_dtype: str = "auto"
     chunk_gate_sums: str = "kernel"
+    chunk_products: str = "auto"
     triton_configs: str = ""
     triton_autotune: bool = False
 
@@ -83,6 +91,8 @@ _ENV = {
                           lambda t: _one_of("EJGEN_CHUNK_STATE_DTYPE", t, WORDS["chunk_state_dtype"])),
     "chunk_gate_sums": ("EJGEN_CHUNK_GATE_SUMS",
                         lambda t: _one_of("EJGEN_CHUNK_GATE_SUMS", t, WORDS["chunk_gate_sums"])),
+    "chunk_products": ("EJGEN_CHUNK_PRODUCTS",
+                       lambda t: _one_of("EJGEN_CHUNK_PRODUCTS", t, WORDS["chunk_products"])),
     "triton_configs": ("EJGEN_TRITON_CONFIG", str),
     "triton_autotune": ("EJGEN_TRITON_AUTOTUNE", lambda t: t.strip() == "1"),
 }
@@ -101,7 +111,7 @@ def _on_off_auto(var: str, text: str) -> bool | None:
 
 
 WORDS = {"chunk_forward": ("two_pass", "fused"), "chunk_state_dtype": ("auto", "float32", "bfloat16"),
-         "chunk_gate_sums": ("kernel", "inline")}
+         "chunk_gate_sums": ("kernel", "inline"), "chunk_products": ("auto", "tf32", "bfloat16")}
 """The settings that take one of a few words: the words, by setting."""
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejgen.runtime.core import kernels, vma
+from ejgen.runtime.core import kernels, settings, vma
 from ejgen.runtime.core.platforms import auto_order, choose_platform  # noqa: F401 (the generated ops call it here)
 from ejgen.runtime.recurrent.config import RecurrentConfig
 
@@ -220,8 +220,20 @@ def prepare(spec: SpecInfo, query, key, value, *, g=None, g_gamma=None, gk=None,
     algorithm, chunk, why = _algorithm(op, algorithm, chunk_size, steps, tuple(gates), chunked)
     cfg = RecurrentConfig(batch=batch, seq_len=steps, heads=heads, kv_heads=kv_heads, dk=dk, dv=dv, n_seqs=n_seqs,
                           varlen=varlen, reverse=reverse, gates=tuple(gates), initial_state=h0 is not None,
-                          scale=scale, algorithm=algorithm, chunk=chunk, dtype=jnp.dtype(q.dtype).name)
+                          scale=scale, algorithm=algorithm, chunk=chunk, dtype=jnp.dtype(q.dtype).name,
+                          products=_products(q.dtype))
     return Prepared(op, q, k, v, gates, h0, {"cu": cu} if varlen else {}, cfg, why)
+
+
+def _products(dtype) -> str:
+    """The chunk_products setting for inputs of ``dtype``: "bfloat16" (bf16 inputs under auto, or asked for 16-bit
+    ones) or "tf32" (float32 inputs, whose kernels multiply in float32, read it as that too)."""
+    asked = settings.current().chunk_products
+    if jnp.dtype(dtype).itemsize != 2:
+        return "tf32"
+    if asked == "bfloat16" or (asked == "auto" and jnp.dtype(dtype) == jnp.bfloat16):
+        return "bfloat16"
+    return "tf32"
 
 
 def vary_alike(*trees):

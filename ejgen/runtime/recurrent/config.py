@@ -23,6 +23,10 @@ class RecurrentConfig:
     algorithm: str  # "chunked" | "fused": the one the call runs (auto resolved)
     chunk: int  # steps of a chunk (chunked); 1 for the fused recurrence
     dtype: str  # q, k, v's dtype name
+    # the operands of the Triton chunked kernels' products with a float32 state or adjoint for 16-bit inputs:
+    # "tf32" or "bfloat16" (the chunk_products setting, resolved when the op is called, so that the backward,
+    # traced later, takes the forward's choice); float32 inputs multiply in float32 whatever it says
+    products: str = "tf32"
 
     def has(self, gate: str) -> bool:
         return gate in self.gates

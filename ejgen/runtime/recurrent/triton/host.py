@@ -225,6 +225,14 @@ def _chunk_consts(q, cfg, consts):
     return c
 
 
+def _products(cfg):
+    """SP, the constexpr of the chunk_products setting (``cfg.products``): bf16 operands for the products with a float32
+    state or adjoint, or float32 (TF32 for 16-bit inputs, exact for float32 ones)."""
+    import triton.language as tl
+
+    return tl.bfloat16 if cfg.products == "bfloat16" else tl.float32
+
+
 def _triton_dtype(dtype):
     import triton.language as tl
 
@@ -304,7 +312,7 @@ def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None):
         kernels.get("chunk_output"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
         [q, k, v, *ins[:3], *_sums(sums, "ps"), ins[5], chunks, hs, _dummy(q.dtype) if a is None else a],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
-        zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, **options,
+        zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg), **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return o
 
@@ -408,7 +416,7 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
         [q, k, v, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[5], chunks, hs, dhs, do, *intra],
         [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if gated else (1,), F32)],
         zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
-        SUMS=sums is not None, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+        SUMS=sums is not None, SP=_products(cfg), **options, **{**_chunk_consts(q, cfg, consts), **blocks})
     return dq, dk, dlog if gated else None
 
 
@@ -423,7 +431,8 @@ def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None, sums=None):
         kernels.get("chunk_grads_v"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
         [q, k, *ins[:3], *_sums(sums, "rs"), ins[5], chunks, dhs, _dummy(q.dtype) if a is None else a, do],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype if _direct(kernels, cfg) else F32)],
-        zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+        zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg), **options,
+        **{**_chunk_consts(q, cfg, consts), **blocks})
     return dv
 
 
