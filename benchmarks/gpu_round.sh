@@ -124,7 +124,7 @@ j_fla-profile() { job fla 170 python3 benchmarks/recurrent_fla.py --profile --ca
 j_rec-bench() {
   local fla=()
   [ -f "$log/fla/fla.json" ] && fla=(--fla "$log/fla/fla.json")
-  job rec-bench 180 python3 benchmarks/recurrent.py "${fla[@]}" --out "$log/recb"
+  job rec-bench 240 python3 benchmarks/recurrent.py "${fla[@]}" --out "$log/recb"
 }
 j_rec-light() { job rec-light 150 python3 benchmarks/recurrent.py --cases lightning --out "$log/light"; }
 j_rec-decode() { job rec-decode 150 python3 benchmarks/recurrent.py --decode-only --out "$log/dec"; }

@@ -19,7 +19,8 @@
 - ``explain(op, *args, target=None, **kwargs)``: which platform and kernel sets a call takes, and why,
   without running it (docs/DESIGN.md §6).
 - ``settings(**changes)``: a scoped override of the settings (``deterministic``, ``gluon``,
-  ``chunk_forward``, ``chunk_state_dtype``, ``chunk_gate_sums``, ``chunk_products``, ``triton_configs``, ``triton_autotune``; the rest in
+  ``chunk_forward``, ``chunk_state_dtype``, ``chunk_gate_sums``, ``chunk_products``, ``triton_configs``,
+  ``triton_autotune``; the rest in
   ``ejgen.runtime.core.settings``); ``current_settings()`` the ones in force.
 """
 
