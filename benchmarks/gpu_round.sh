@@ -15,6 +15,8 @@
 #   ncu-intra      Nsight Compute counters of the intra-chunk kernels (issue-bound or not; it catches chunk_intra's
 #                  two launches first)
 #   ncu-grads      the same for chunk_grads_intra alone, with its memory and scheduler counters
+#   ncu-qk         Nsight Compute of chunk_grads_qk (simple_gla, then gla): stall reasons, memory, source counters
+#                  (~1.0 ms whatever its blocks and warps, session 23)
 #   state-study    gla's chunk_state / chunk_output against variants that change one thing each
 #                  (recurrent_state_study.py: transposed tiles, sums read from memory, 16-bit states)
 #   ncu-state      Nsight Compute counters of chunk_state and chunk_output
@@ -113,6 +115,10 @@ j_ncu-grads() { job ncu-grads 120 ncu --clock-control none -k regex:'chunk_grads
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
   --section MemoryWorkloadAnalysis --section SchedulerStats \
   python3 benchmarks/recurrent_kernels.py --ops gla --no-check --reps 1 --rounds 1; }
+j_ncu-qk() { job ncu-qk 170 ncu --clock-control none -k regex:'chunk_grads_qk' --launch-count 2 \
+  --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+  --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
+  python3 benchmarks/recurrent_kernels.py --ops simple_gla,gla --no-check --reps 1 --rounds 1; }
 j_state-study() { job state-study 200 python3 benchmarks/recurrent_state_study.py; }
 j_ncu-state() { job ncu-state 150 ncu --clock-control none -k regex:'chunk_(state|output)_kernel' --launch-count 2 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
@@ -251,6 +257,10 @@ declare -A PRESETS=(
   # host-bound forward timed 1.148 ms beside test shards against 0.748 without, session 22)
   [s23]="0:fla,rec-bench 1:state-study,rec-kernels"
   [s23-tests]="0-1:hopper-tests,zoo-capsinks 2-3:rec-tests,decode-tests,ring-tests"
+  # what session 23 left for the next: where chunk_grads_qk's ~1 ms goes (Nsight Compute) beside fla and the
+  # recurrent table; the Gluon / conformance cases not reached in session 23's lane; the ring tests (no 2-GPU host
+  # was lent in session 23)
+  [s24]="0:fla,rec-bench,ncu-qk 1:hopper-tests,ring-tests"
 )
 plan=()
 for arg in "${@:-zoo}"; do
