@@ -212,7 +212,7 @@ def compile_pooling(package: str, name: str, *, capability: int = 90, dtype: str
     return compiled
 
 
-_GK_ONLY = ("chunk_sums", "chunk_intra", "chunk_grads_intra")
+_GK_ONLY = ("chunk_intra", "chunk_grads_intra")
 
 
 def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", heads: int = 16,
@@ -243,7 +243,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     consts = dict(T=0 if varlen else 4096, H=heads, HKV=kv_heads, K=dk, V=dv, BK=bk, SCALE=dk ** -0.5,
                   USE_G="g" in gates, USE_GAMMA="g_gamma" in gates, USE_GK="gk" in gates, USE_GV="gv" in gates,
                   USE_H0=h0, VARLEN=varlen, REVERSE=reverse, ROWS=4 * 4096, C=chunk, BC=host.SUB, MAP=True,
-                  BT=host.FUSED_BT, GRADS=True, WITH_A=True, SUMS="gk" in gates,  # chunk_sums' (the default)
+                  BT=host.FUSED_BT, GRADS=True, WITH_A=True,  # chunk_sums' (the default) with a key-side gate:
+                  SUMS=bool(set(gates) & {"g", "g_gamma", "gk"}),
                   DT={"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[dtype],
                   SP=tl.bfloat16 if products == "bfloat16" else tl.float32)
     fused = min(host.FUSED_BV, bvf)
@@ -251,7 +252,9 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     for which in ("fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_intra", "chunk_state_bwd",
                   "chunk_output", "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"):
         if kernels is not None and which not in kernels or which in _GK_ONLY and "gk" not in gates:
-            continue  # (the intra-chunk kernels and the sums run with gk only; chunk_intra as the backward's, with dA)
+            continue  # (the intra-chunk kernels run with gk only; chunk_intra as the backward's, with dA)
+        if which == "chunk_sums" and not set(gates) & {"g", "g_gamma", "gk"}:
+            continue  # (no key-side gate, no sums)
         if which.startswith("fused"):
             blocks, options = dict(BV=fused), {"num_warps": host.NUM_WARPS, "num_stages": 1}
         else:
@@ -262,6 +265,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
             sig["HS"] = "*bf16"
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
         kconsts = {**consts, **blocks}
+        if which == "chunk_sums" and "gk" not in gates:
+            kconsts.update(K=1, BK=1)  # a scalar gate's sums: one a step
         source = ASTSource(fn=kernel, signature=sig, attrs=aligned,
                            constexprs={n: kconsts[n] for n in kernel.arg_names if n in kconsts})
         compiled[which] = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)

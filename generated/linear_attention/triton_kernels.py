@@ -435,16 +435,16 @@ def _dot_rounded(a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def _segsum(b_l, o_r, DT: tl.constexpr):
+def _segsum(b_l, b_p, o_r, DT: tl.constexpr):
     """[BC, BC]: X[i, j] = sum of the scalar log gate b_l [BC, 1] over the steps j + 1 .. i for j <= i (garbage above
     the diagonal: the caller selects before any exp). Float32 inputs: each pair's own steps, summed in order (a scan
     of the masked [BC, BC] matrix down its rows). 16-bit inputs: P_i - P_j of the prefix sums over the (at most 64)
-    steps, as flash-linear-attention forms it; its error in the exponent is a few u |P| (2e-4 at -20 a step over 64
+    steps (b_p [BC, 1], `_cumsum` of b_l or `chunk_sums`' PS), as flash-linear-attention forms it; its error in the exponent is a few u |P| (2e-4 at -20 a step over 64
     steps, on terms e^{-20} small against the diagonal's), below the 16-bit rounding of the products that follow (2^-9).
     The scan crossed warps through shared memory on every row of the tile (docs/DESIGN.md §3, linear recurrent)."""
     if DT == tl.float32:
         return tl.cumsum(tl.where(o_r[:, None] > o_r[None, :], b_l, 0.0), axis=0)
-    p = tl.cumsum(tl.reshape(b_l, [b_l.shape[0]]), axis=0)
+    p = tl.reshape(b_p, [b_p.shape[0]])
     return p[:, None] - p[None, :]
 
 
@@ -516,21 +516,31 @@ def _load_a(A, chunk, i_h, o_c, H: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _sums_at(S, rows, m_s, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
-    """[C, BK]: `chunk_sums`' prefix (PS) or after (RS) sums at a chunk's steps (0 on invalid steps)."""
-    return tl.load(S + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0)
+def _sums_at(S, rows, m_s, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr = True):
+    """`chunk_sums`' prefix (PS) or after (RS) sums at a chunk's steps (0 on invalid steps): [C, BK] with gk, [C, 1]
+    with a scalar gate (its arrays [rows, H])."""
+    if USE_GK:
+        b_s = tl.load(S + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0)
+    else:
+        b_s = tl.load(S + rows * H + i_h, mask=m_s, other=0.0)[:, None]
+    return b_s
 
 
 @triton.jit
-def _total_at(LS, chunk, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
-    """[BK]: `chunk_sums`' L_C, the sum of a chunk's log gates (chunk: its index in the chunk layout)."""
-    return tl.load(LS + (chunk * H + i_h).to(tl.int64) * K + o_k, mask=m_k, other=0.0)
+def _total_at(LS, chunk, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr = True):
+    """`chunk_sums`' L_C, the sum of a chunk's log gates (chunk: its index in the chunk layout): [BK] with gk, [1]
+    with a scalar gate (its array [chunks, H])."""
+    if USE_GK:
+        b_t = tl.load(LS + (chunk * H + i_h).to(tl.int64) * K + o_k, mask=m_k, other=0.0)
+    else:
+        b_t = tl.load(LS + (chunk * H + i_h).to(tl.int64) + tl.zeros([1], dtype=tl.int64))
+    return b_t
 
 
 @triton.jit
-def _chunk_decay_at(LS, chunk, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
-    """`_chunk_decay` from `chunk_sums`' L_C: [BK, 1]."""
-    return tl.exp(_total_at(LS, chunk, i_h, o_k, m_k, H, K))[:, None]
+def _chunk_decay_at(LS, chunk, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr = True):
+    """`_chunk_decay` from `chunk_sums`' L_C: [BK | 1, 1]."""
+    return tl.exp(_total_at(LS, chunk, i_h, o_k, m_k, H, K, USE_GK))[:, None]
 
 
 @triton.jit
@@ -539,8 +549,8 @@ def linear_attention_chunk_sums_kernel(
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr,
 ):
-    """With gk, the sums of the key side's log gates over each chunk's steps, once for every kernel that reads them
-    (SUMS): PS [rows, H, K] the prefix sums P_i = L(start, i], RS the sums after each step R_j = L(j, end] (`_after`),
+    """The sums of the key side's log gates over each chunk's steps, once for every kernel that reads them (SUMS; with
+    gk per channel, with a scalar gate K = 1 and BK = 1): PS [rows, H, K] the prefix sums P_i = L(start, i], RS the sums after each step R_j = L(j, end] (`_after`),
     LS [chunks, H, K] the chunk's whole sum L_C; each a sum of its own steps, the numbers the kernels formed before
     (docs/DESIGN.md §3 linear recurrent). A program per (chunk, block of K, sequence x head): these scans cross warps,
     and inside chunk_state's walk over the chunks they were on its critical path, more than half its time (H200,
@@ -596,8 +606,8 @@ def linear_attention_chunk_state_kernel(
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
         if SUMS:
-            b_after = _sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K)
-            b_decay = _chunk_decay_at(LS, first + i_t, i_h, o_k, m_k, H, K)
+            b_after = _sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
+            b_decay = _chunk_decay_at(LS, first + i_t, i_h, o_k, m_k, H, K, USE_GK)
         else:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
             b_after, b_decay = _after(b_l), _chunk_decay(b_l)
@@ -677,12 +687,13 @@ def linear_attention_chunk_intra_kernel(
 
 
 @triton.jit
-def _intra_scalar(b_a, b_l, o_c, GATED: tl.constexpr, DT: tl.constexpr):
+def _intra_scalar(b_a, b_l, b_p, o_c, GATED: tl.constexpr, DT: tl.constexpr):
     """A matrix of a chunk's pairs of steps [C, C] (q kᵀ, or dA = do vᵀ) times e^{L(j, i]} for j <= i, 0 above the
-    diagonal, with a scalar log gate per step b_l [C, 1] (`_segsum`)."""
+    diagonal, with a scalar log gate per step b_l [C, 1] and its prefix sums b_p [C, 1] (`_segsum`; any sums that
+    differ from them by a constant serve, -R among them)."""
     lower = o_c[:, None] >= o_c[None, :]
     if GATED:
-        b_a = b_a * tl.exp(tl.where(lower, _segsum(b_l, o_c, DT), 0.0))
+        b_a = b_a * tl.exp(tl.where(lower, _segsum(b_l, b_p, o_c, DT), 0.0))
     return tl.where(lower, b_a, 0.0)
 
 
@@ -698,7 +709,7 @@ def linear_attention_chunk_output_kernel(
         o = scale (q ⊙ e^{P}) S + A v      (S: the state at the chunk's start, HS; P_i = L(start, i], prefix sums)
     A the intra-chunk matrix: with gk read from A (`chunk_intra`); with a scalar gate (or none) here, scale (q kᵀ)
     times e^{L(j, i]} (`_intra_scalar`), and e^{P} scales the rows of q S. K in blocks of BK; the state's product in
-    TF32 or bf16 (`_dot_state`, SP: the chunk_products setting), A's with v in the inputs' dtype. SUMS (gk): P read
+    TF32 or bf16 (`_dot_state`, SP: the chunk_products setting), A's with v in the inputs' dtype. SUMS: P read
     from `chunk_sums` (PS)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
@@ -731,9 +742,13 @@ def linear_attention_chunk_output_kernel(
         b_a = _load_a(A, i_cg, i_h, o_c, H, C)
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
+        if SUMS:
+            b_p = _sums_at(PS, rows, m_s, i_h, o_c, m_s, H, K, USE_GK)  # [C, 1]
+        else:
+            b_p = _cumsum(b_l, axis=0)
         if GATED:
-            b_o = b_o * tl.exp(_cumsum(b_l, axis=0))
-        b_a = _intra_scalar(b_a, b_l, o_c, GATED, DT) * SCALE
+            b_o = b_o * tl.exp(b_p)
+        b_a = _intra_scalar(b_a, b_l, b_p, o_c, GATED, DT) * SCALE
     b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
     b_o = b_o * SCALE + _dot(b_a, b_v, DT)
     tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
@@ -783,10 +798,11 @@ def linear_attention_chunk_fused_fwd_kernel(
             b_a = _load_a(A, first + i_t, i_h, o_c, H, C)
         else:
             b_o = _dot_state(b_q, b_h, DT)
+            b_p = _cumsum(b_l, axis=0)
             if GATED:  # e^{P} on the rows of q S: q meets the state's product exact
-                b_o = b_o * tl.exp(_cumsum(b_l, axis=0))
+                b_o = b_o * tl.exp(b_p)
             b_a = _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
-            b_a = _intra_scalar(b_a, b_l, o_c, GATED, DT) * SCALE
+            b_a = _intra_scalar(b_a, b_l, b_p, o_c, GATED, DT) * SCALE
         b_o = b_o * SCALE + _dot(b_a, b_v, DT)
         tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
                  mask=m_s[:, None] & m_v[None, :])
@@ -827,8 +843,8 @@ def linear_attention_chunk_state_bwd_kernel(
         b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP) * SCALE  # [C, BK]
         b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
         if SUMS:
-            b_pre = _sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K)
-            b_decay = _chunk_decay_at(LS, first + i_t, i_h, o_k, m_k, H, K)
+            b_pre = _sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
+            b_decay = _chunk_decay_at(LS, first + i_t, i_h, o_k, m_k, H, K, USE_GK)
         else:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
             b_pre, b_decay = _cumsum(b_l, axis=0), _chunk_decay(b_l)
@@ -1116,9 +1132,10 @@ def linear_attention_chunk_grads_qk_kernel(
     b_dq = b_dq * SCALE
     b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
     b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
-    if USE_GK and SUMS:  # the gates' sums from `chunk_sums`; e^{L_C} as a row [1, BK | 1]
-        b_pre, b_after = _sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K), _sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K)
-        b_end = tl.exp(_total_at(LS, i_cg, i_h, o_k, m_k, H, K))[None, :]
+    if SUMS:  # the gates' sums from `chunk_sums`; e^{L_C} as a row [1, BK | 1]
+        b_pre = _sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
+        b_after = _sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
+        b_end = tl.exp(_total_at(LS, i_cg, i_h, o_k, m_k, H, K, USE_GK))[None, :]
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
         if GATED:
@@ -1136,7 +1153,11 @@ def linear_attention_chunk_grads_qk_kernel(
         b_dk += tl.load(DKI + p_qk, mask=m_qk, other=0.0)
         b_dlog += tl.load(DLI + p_qk, mask=m_qk, other=0.0)
     else:
-        b_w = _intra_scalar(b_da, b_l, o_c, GATED, DT) * SCALE
+        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
+        if GATED:
+            b_w = _intra_scalar(b_da, b_l, b_pre, o_c, GATED, DT) * SCALE
+        else:
+            b_w = _intra_scalar(b_da, b_l, b_l, o_c, GATED, DT) * SCALE
         # float32 W in TF32 whatever SP says: in bf16 (as flash-linear-attention), dq and dk erred 1.4x the rounding
         # of the result (test_chunked_triton_scalar_gate_dq_dk_in_bfloat16)
         b_dq += _dot_state(b_w, b_k, DT)
@@ -1165,7 +1186,7 @@ def linear_attention_chunk_grads_v_kernel(
     program per (chunk, block of V), the output kernel's transpose in products of the whole chunk:
         dv = (k ⊙ e^{R}) S̄ + Aᵀ do      (S̄: the adjoint of the state at the chunk's end, DHS; R_j = L(j, end])
     A as the output kernel's: with gk read from A (`chunk_intra`), with a scalar gate (or none) formed here, e^{R}
-    scaling the rows of k S̄. K in blocks of BK. SUMS (gk): R read from `chunk_sums` (RS)."""
+    scaling the rows of k S̄. K in blocks of BK. SUMS: R read from `chunk_sums` (RS)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -1197,9 +1218,13 @@ def linear_attention_chunk_grads_v_kernel(
         b_a = _load_a(A, i_cg, i_h, o_c, H, C)
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
+        if SUMS:
+            b_r = _sums_at(RS, rows, m_s, i_h, o_c, m_s, H, K, USE_GK)  # [C, 1]
+        else:
+            b_r = _after(b_l)
         if GATED:
-            b_dv = b_dv * tl.exp(_after(b_l))
-        b_a = _intra_scalar(b_a, b_l, o_c, GATED, DT) * SCALE
+            b_dv = b_dv * tl.exp(b_r)
+        b_a = _intra_scalar(b_a, b_l, -b_r, o_c, GATED, DT) * SCALE  # -R: P less the chunk's sum
     b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
     b_dv += _dot(tl.trans(b_a), b_do, DT)
     tl.store(DV + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(DV.dtype.element_ty),

@@ -262,17 +262,31 @@ def test_the_chunked_forward_form_is_checked(monkeypatch):
         core_settings.current()
 
 
-def test_triton_gate_sums_scanned_in_each_kernel(monkeypatch):
-    """chunk_gate_sums "inline": with gk the chunked kernels scan the gates' sums over each chunk themselves (the
-    default, "kernel", forms them once in `chunk_sums`: every other gk test): against the oracle (o, final_state,
-    every gradient) with gk and the scalar gates, packed (an empty sequence and one of a step), reverse, GQA, bf16, and
-    the sums kernel never ran."""
+@pytest.mark.parametrize("gates", [("g", "g_gamma", "gk"), ("g", "g_gamma")], ids=["gk", "scalar"])
+def test_triton_gate_sums_scanned_in_each_kernel(gates, monkeypatch):
+    """chunk_gate_sums "inline": the chunked kernels scan the gates' sums over each chunk themselves (the default,
+    "kernel", forms them once in `chunk_sums`, per channel with gk, one a step with a scalar gate: every other gated
+    test): against the oracle (o, final_state, every gradient) with gk and the scalar gates, and the scalar gates
+    alone, packed (an empty sequence and one of a step), reverse, GQA, bf16, and the sums kernel never ran."""
     formed = _sums_formed(monkeypatch)
     monkeypatch.setenv("EJGEN_CHUNK_GATE_SUMS", "inline")
-    case = Case("recurrent", ("g", "g_gamma", "gk"), dtype="bfloat16", shape=(1, 41, 2, 1, 16, 16), cu=PACKED,
+    case = Case("recurrent", gates, dtype="bfloat16", shape=(1, 41, 2, 1, 16, 16), cu=PACKED,
                 chunk=32, h0=True, reverse=True)
     check(case, "triton", hooks=_hooks(case))
     assert formed and not any(formed), formed
+
+
+@pytest.mark.parametrize("op,gates,dtype", [("simple_gla", ("g",), "bfloat16"),
+                                            ("lightning_attention", ("g_gamma",), "float32")])
+def test_triton_scalar_gate_sums_formed_once(op, gates, dtype, monkeypatch):
+    """A scalar gate's sums over each chunk (prefix, after each step, whole: one a step, [rows, H] and [chunks, H])
+    come from `chunk_sums` by default, in the forward and the backward, as gk's do: the state kernels' walks over the
+    chunks scanned them at every chunk. Against the oracle, packed with an empty sequence, reverse."""
+    formed = _sums_formed(monkeypatch)
+    monkeypatch.delenv("EJGEN_CHUNK_GATE_SUMS", raising=False)
+    case = Case(op, gates, dtype=dtype, shape=(1, 41, 2, 2, 16, 16), cu=PACKED, chunk=16, reverse=True)
+    check(case, "triton", hooks=_hooks(case))
+    assert len(formed) == 2 and all(formed), formed  # the forward's and the backward's
 
 
 @pytest.fixture(scope="module")

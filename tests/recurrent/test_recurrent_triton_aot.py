@@ -72,7 +72,8 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
         for kernel, c in compiled.items():
             assert c["cubin"] and by_gpu_host_triton(c), (request["name"], kernel, c)
             # the one-pass forward (chunk_forward "fused", not the default) holds a [K, 32] state beside q, k
-            # and the gates' [64, K] tiles: 24 bytes spill with a scalar gate on 3.6 (16 before the pairs' sums
-            # became a difference of prefix sums for 16-bit inputs), none with gk
-            allowed = 24 if kernel == "chunk_fused_fwd" and "gk" not in request["gates"] else 0
+            # and the gates' [64, K] tiles: 48 bytes spill with a scalar gate on 3.6 (16 before session 23, when the
+            # pairs' sums became a difference of the prefix sums it also scales q S by), none with gk; 1.6x the two
+            # passes' time anyway (BENCHMARKS.md, session 23)
+            allowed = 48 if kernel == "chunk_fused_fwd" and "gk" not in request["gates"] else 0
             assert c.get("stack", 0) <= allowed, f"{request['name']} {kernel}: {c['stack']} bytes spilled per thread"

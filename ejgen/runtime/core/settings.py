@@ -38,10 +38,11 @@ Each has a default, an environment variable (read at call time) and a scoped ove
   product with q: 16-bit outputs stay within their dtype's tolerance (docs/DESIGN.md §3). H200 (session 22, one run):
   the forward of simple_gla 0.612 -> 0.551 ms, lightning 0.563 -> 0.475, gla 1.587 -> 1.538 (B4 T4096, H 16,
   K = V = 128).
-- ``chunk_gate_sums`` (EJGEN_CHUNK_GATE_SUMS: ``kernel`` / ``inline``, default kernel): with a gate per key channel
-  (gk), the linear recurrent chunked kernels on Triton read the sums of the log gates over each chunk's steps (prefix
-  sums, sums after each step, the chunk's whole sum) from one kernel that forms them first (`chunk_sums`), or each
-  scans the gates itself (``inline``, the form before session 22). The same sums either way (each a sum of its own
+- ``chunk_gate_sums`` (EJGEN_CHUNK_GATE_SUMS: ``kernel`` / ``inline``, default kernel): with a key-side gate (gk per
+  channel; g, g_gamma one a step), the linear recurrent chunked kernels on Triton read the sums of the log gates over
+  each chunk's steps (prefix sums, sums after each step, the chunk's whole sum) from one kernel that forms them first
+  (`chunk_sums`), or each scans the gates itself (``inline``, the form before session 22 for gk, session 23 for the
+  scalar gates). The same sums either way (each a sum of its own
   steps); the scans cross warps, and in the state kernels' walks over the chunks they sat on the critical path.
 - ``chunk_products`` (EJGEN_CHUNK_PRODUCTS: ``auto`` / ``tf32`` / ``bfloat16``, default auto): the operands of the
   linear recurrent chunked kernels' products with a float32 state or adjoint (q S, do Sᵀ, v S̄ᵀ, k S̄), for 16-bit

@@ -8,8 +8,8 @@ forward ``fused_fwd``; backward ``fused_bwd``, whose dq and dk (and the key side
 block of V summed here; with gates it keeps a checkpoint every FUSED_BT steps and a scratch of FUSED_BT states per
 program.
 Chunked (chunks of C steps; a launch per function, ``CHUNKED`` their blocks and settings, notes/recurrent-perf.md):
-forward, with gk ``chunk_intra`` (the intra-chunk matrices A) and ``chunk_sums`` (the gates' sums over each chunk,
-read by the kernels after it), then ``chunk_states`` and ``chunk_output``; backward ``chunk_sums`` and
+forward, with gk ``chunk_intra`` (the intra-chunk matrices A), with a key-side gate ``chunk_sums`` (the gates' sums
+over each chunk, read by the kernels after it), then ``chunk_states`` and ``chunk_output``; backward ``chunk_sums`` and
 ``chunk_states`` again, ``chunk_state_grads``, with gk ``chunk_intra`` (A and dA) and ``chunk_grads_intra`` (the
 gradients' parts from the pairs inside each chunk), then ``chunk_grads_qk`` (dq, dk and the key side's log decay
 gradient by blocks of K) and ``chunk_grads_v``.
@@ -241,22 +241,26 @@ def _triton_dtype(dtype):
 
 
 def chunk_sums(kernels, q, gates, ctx, cfg):
-    """With gk, where the ``chunk_gate_sums`` setting is "kernel": the sums of the key side's log gates over each
-    chunk's steps for the kernels that read them (``SUMS``), (PS, RS [B, T, H, K]: the prefix sums L(start, i] and the
-    sums after each step L(j, end]; LS [chunks, H, K]: the chunk's whole sum), float32; else None (the kernels scan
-    the gates themselves)."""
-    if not cfg.has("gk") or settings.current().chunk_gate_sums != "kernel":
+    """With a key-side gate (gk, g, g_gamma), where the ``chunk_gate_sums`` setting is "kernel": the sums of the key
+    side's log gates over each chunk's steps for the kernels that read them (``SUMS``), (PS, RS [B, T, H, K]: the
+    prefix sums L(start, i] and the sums after each step L(j, end]; LS [chunks, H, K]: the chunk's whole sum), float32,
+    with a scalar gate [B, T, H] and [chunks, H] (K = 1: one sum a step); else None (the kernels scan the gates
+    themselves)."""
+    gk = cfg.has("gk")
+    if not (gk or cfg.has("g") or cfg.has("g_gamma")) or settings.current().chunk_gate_sums != "kernel":
         return None
     ins, consts = _common(q, q, q, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_sums", cfg.dk, cfg.dv)
+    width, block = (cfg.dk, blocks["BK"]) if gk else (1, 1)
     c = {n: x for n, x in _chunk_consts(q, cfg, consts).items() if n not in ("HKV", "V", "SCALE", "MAP", "DT")}
-    rows = jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dk,), F32)
+    per = (width,) if gk else ()
+    rows = jax.ShapeDtypeStruct(q.shape[:3] + per, F32)
     return tuple(triton_call.launch(
-        kernels.get("chunk_sums"), (per_row, packing.cdiv(cfg.dk, blocks["BK"]), grid_rows * cfg.heads),
+        kernels.get("chunk_sums"), (per_row, packing.cdiv(width, block), grid_rows * cfg.heads),
         [*ins[:3], ins[5], chunks],
-        [rows, rows, jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads, cfg.dk), F32)],
-        **options, **{**c, "BK": blocks["BK"]}))
+        [rows, rows, jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads) + per, F32)],
+        **options, **{**c, "K": width, "BK": block}))
 
 
 def _sums(sums, *which):
