@@ -257,10 +257,12 @@ declare -A PRESETS=(
   # host-bound forward timed 1.148 ms beside test shards against 0.748 without, session 22)
   [s23]="0:fla,rec-bench 1:state-study,rec-kernels"
   [s23-tests]="0-1:hopper-tests,zoo-capsinks 2-3:rec-tests,decode-tests,ring-tests"
-  # what session 23 left for the next: where chunk_grads_qk's ~1 ms goes (Nsight Compute) beside fla and the
-  # recurrent table; the Gluon / conformance cases not reached in session 23's lane; the ring tests (no 2-GPU host
-  # was lent in session 23)
-  [s24]="0:fla,rec-bench,ncu-qk 1:hopper-tests,ring-tests"
+  # what session 23 left for the next: the scalar gates' sums from chunk_sums (not GPU-run: rec-bench's
+  # -inline-sums row is the form before), where chunk_grads_qk's ~1 ms goes (Nsight Compute), fla beside them; then,
+  # in a call of their own, the recurrent GPU tests, the Gluon / conformance cases not reached in session 23's lane,
+  # and the ring tests (no 2-GPU host was lent in session 23)
+  [s24]="0:fla,rec-bench,rec-kernels,ncu-qk"
+  [s24-tests]="0:rec-tests,decode-tests 1:hopper-tests,ring-tests"
 )
 plan=()
 for arg in "${@:-zoo}"; do
