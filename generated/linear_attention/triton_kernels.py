@@ -439,9 +439,10 @@ def _segsum(b_l, b_p, o_r, DT: tl.constexpr):
     """[BC, BC]: X[i, j] = sum of the scalar log gate b_l [BC, 1] over the steps j + 1 .. i for j <= i (garbage above
     the diagonal: the caller selects before any exp). Float32 inputs: each pair's own steps, summed in order (a scan
     of the masked [BC, BC] matrix down its rows). 16-bit inputs: P_i - P_j of the prefix sums over the (at most 64)
-    steps (b_p [BC, 1], `_cumsum` of b_l or `chunk_sums`' PS), as flash-linear-attention forms it; its error in the exponent is a few u |P| (2e-4 at -20 a step over 64
-    steps, on terms e^{-20} small against the diagonal's), below the 16-bit rounding of the products that follow (2^-9).
-    The scan crossed warps through shared memory on every row of the tile (docs/DESIGN.md §3, linear recurrent)."""
+    steps (b_p [BC, 1]: `_cumsum` of b_l, or `chunk_sums`' PS), as flash-linear-attention forms it; its error in the
+    exponent is a few u |P| (2e-4 at -20 a step over 64 steps, on terms e^{-20} small against the diagonal's), below
+    the 16-bit rounding of the products that follow (2^-9). The scan crossed warps through shared memory on every row
+    of the tile (docs/DESIGN.md §3, linear recurrent)."""
     if DT == tl.float32:
         return tl.cumsum(tl.where(o_r[:, None] > o_r[None, :], b_l, 0.0), axis=0)
     p = tl.reshape(b_p, [b_p.shape[0]])
@@ -550,8 +551,8 @@ def linear_attention_chunk_sums_kernel(
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr,
 ):
     """The sums of the key side's log gates over each chunk's steps, once for every kernel that reads them (SUMS; with
-    gk per channel, with a scalar gate K = 1 and BK = 1): PS [rows, H, K] the prefix sums P_i = L(start, i], RS the sums after each step R_j = L(j, end] (`_after`),
-    LS [chunks, H, K] the chunk's whole sum L_C; each a sum of its own steps, the numbers the kernels formed before
+    gk per channel, with a scalar gate K = 1 and BK = 1): PS [rows, H, K] the prefix sums P_i = L(start, i], RS the
+    sums after each step R_j = L(j, end] (`_after`), LS [chunks, H, K] the chunk's whole sum L_C; each a sum of its own steps, the numbers the kernels formed before
     (docs/DESIGN.md §3 linear recurrent). A program per (chunk, block of K, sequence x head): these scans cross warps,
     and inside chunk_state's walk over the chunks they were on its critical path, more than half its time (H200,
     session 22, benchmarks/recurrent_state_study.py)."""
