@@ -223,7 +223,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
     chunk_output, the kernels that write and read them: the backward's states stay float32); ``products``
-    "bfloat16": the state products' operands in bf16 (the chunk_products setting, SP), else TF32."""
+    "bfloat16": the state products' operands in bf16 (the chunk_products setting, SP), else TF32; both: the
+    backward's stored states and adjoints in bf16 too, as the host stores them then."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -263,6 +264,9 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
         sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
         if states == "bfloat16" and which in ("chunk_state", "chunk_output"):
             sig["HS"] = "*bf16"
+        if states == "bfloat16" and products == "bfloat16" and which in ("chunk_state_bwd", "chunk_grads_qk",
+                                                                          "chunk_grads_v"):
+            sig.update({n: "*bf16" for n in ("HS", "DHS") if n in sig})  # the backward's, as the host stores them
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
         kconsts = {**consts, **blocks}
         if which == "chunk_sums" and "gk" not in gates:

@@ -1122,8 +1122,8 @@ def linear_attention_chunk_grads_qk_kernel(
         m_h = m_k[:, None] & m_v[None, :]
         b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)
-        b_h = tl.load(HS + p_h + o_v[None, :], mask=m_h, other=0.0)  # [BK, BV]
-        b_dh = tl.load(DHS + p_h + o_v[None, :], mask=m_h, other=0.0)
+        b_h = tl.load(HS + p_h + o_v[None, :], mask=m_h, other=0.0).to(tl.float32)  # [BK, BV] (bf16 or float32)
+        b_dh = tl.load(DHS + p_h + o_v[None, :], mask=m_h, other=0.0).to(tl.float32)
         b_dq += _dot_state(b_do, tl.trans(b_h), DT, SP)
         b_dk += _dot_state(b_v, tl.trans(b_dh), DT, SP)
         if GATED:
@@ -1213,7 +1213,8 @@ def linear_attention_chunk_grads_v_kernel(
             b_k = b_k * tl.exp(_after(b_l))
         else:
             b_a += _dot(_load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP), tl.trans(b_k), DT)
-        b_dh = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dh = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                       other=0.0).to(tl.float32)
         b_dv += _dot_state(b_k, b_dh, DT, SP)
     if USE_GK:
         b_a = _load_a(A, i_cg, i_h, o_c, H, C)

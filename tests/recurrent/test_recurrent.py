@@ -177,7 +177,7 @@ def _sums_formed(monkeypatch):
 @pytest.mark.parametrize("case", STATE_DTYPE_CASES, ids=[c.id for c in STATE_DTYPE_CASES])
 def test_triton_chunk_states_in_the_inputs_dtype(case, monkeypatch):
     """chunk_state_dtype "bfloat16": the two-pass chunked forward stores the state at each chunk's start in bf16 for
-    its output kernel (the carried state, the final state and the backward's states stay float32): gk and scalar
+    its output kernel (the carried state and the final state stay float32): gk and scalar
     gates; packed sequences (an empty one among them), reverse, initial_state, GQA; bf16 and f16 inputs. o,
     final_state and every gradient against the oracle at the dtype's tolerance, and the states the output kernel read
     were bf16."""
@@ -209,10 +209,11 @@ def test_triton_state_products_by_the_inputs_dtype(dtype, asked, expected, monke
     """chunk_products: the operands of the chunked kernels' products with a float32 state or adjoint are bf16 for
     bf16 inputs by default (auto), TF32 for f16 (a state past f16's range would not fit an f16 operand); float32
     inputs multiply in float32 whatever is asked. The choice is the call's (its config: the backward, traced later,
-    takes the forward's), it reaches the output, dq / dk and dv kernels, and o, final_state and every gradient stay
-    within the dtype's tolerance of the oracle (gk and a scalar gate)."""
-    seen = _spy(monkeypatch, "chunk_grads_v", lambda args, out: args[5].products)
-    seen += _spy(monkeypatch, "chunk_output", lambda args, out: args[6].products)
+    takes the forward's), it reaches the output, dq / dk and dv kernels, the backward's stored states and adjoints are
+    bf16 where the products round them so (else float32), and o, final_state and every gradient stay within the
+    dtype's tolerance of the oracle (gk and a scalar gate)."""
+    seen = _spy(monkeypatch, "chunk_output", lambda args, out: args[6].products)
+    adjoints = _spy(monkeypatch, "chunk_grads_v", lambda args, out: (args[5].products, args[6].dtype))
     if asked is None:
         monkeypatch.delenv("EJGEN_CHUNK_PRODUCTS", raising=False)
     else:
@@ -222,7 +223,9 @@ def test_triton_state_products_by_the_inputs_dtype(dtype, asked, expected, monke
     for case in (Case("gla", ("gk",), dtype=dtype, shape=(1, 40, 2, 1, 16, 32), chunk=16, h0=True),
                  Case("simple_gla", ("g",), dtype=dtype, shape=(1, 40, 2, 2, 16, 16), chunk=16, reverse=True)):
         check(case, "triton", hooks=_hooks(case), factor=factor)
+    stored = jnp.dtype(jnp.bfloat16 if expected == "bfloat16" else jnp.float32)
     assert seen and set(seen) == {expected}, seen
+    assert adjoints and set(adjoints) == {(expected, stored)}, adjoints
 
 
 def test_the_chunked_forward_form_is_checked(monkeypatch):

@@ -34,7 +34,7 @@ Each has a default, an environment variable (read at call time) and a scoped ove
   output kernel; ``auto``: bfloat16 for 16-bit inputs, float32 for float32 ones. ``bfloat16``, as
   flash-linear-attention stores them for 16-bit inputs: half the bytes written and read back; float32's exponent
   range, so unnormalised sums that pass float16's 65504 stay finite. The state carried from chunk to chunk, the final
-  state and the backward's states stay float32. Each stored state is rounded to bf16 (2^-8 relative) before its
+  state and the final state stay float32 (the backward's stored states follow ``chunk_products``). Each stored state is rounded to bf16 (2^-8 relative) before its
   product with q: 16-bit outputs stay within their dtype's tolerance (docs/DESIGN.md §3). H200 (session 22, one run):
   the forward of simple_gla 0.612 -> 0.551 ms, lightning 0.563 -> 0.475, gla 1.587 -> 1.538 (B4 T4096, H 16,
   K = V = 128).
@@ -49,7 +49,9 @@ Each has a default, an environment variable (read at call time) and a scoped ove
   inputs: rounded to TF32 (10 bits, to nearest) or to bf16
   (7 bits: flash-linear-attention's choice, the tensor cores' full rate and half the operand bytes); ``auto``: bf16
   for bf16 inputs, TF32 for f16 ones (a state past f16's range would not fit an f16 operand). Float32 inputs
-  multiply in exact float32 either way. Read when the op is called (the call's config carries it to the backward).
+  multiply in exact float32 either way. With bf16 products the backward stores the states and adjoints those kernels
+  read in bf16 (the same products, half the bytes). Read when the op is called (the call's config carries it to the
+  backward).
   Gradients and outputs stay within the dtype's tolerance either way (docs/DESIGN.md §3, linear recurrent).
 - ``triton_configs`` (EJGEN_TRITON_CONFIG, e.g. ``"fwd=128,64,8,3;dkdv=64,128,8,3"``): pinned Triton
   configs per pass (tuning, tests); a pinned pass never takes the Hopper set.

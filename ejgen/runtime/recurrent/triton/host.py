@@ -362,9 +362,9 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a, sums), ht, res
 
 
-def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums=None):
-    """(DHS [chunks, H, K, V]: the adjoint of the state at each chunk's end, d initial_state [N, H, K, V]), float32
-    (do in q's dtype; ``sums``: ``chunk_sums``' or None)."""
+def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums=None, dtype=F32):
+    """(DHS [chunks, H, K, V]: the adjoint of the state at each chunk's end, in ``dtype`` (carried in float32, rounded
+    where it is stored), d initial_state [N, H, K, V] float32) (do in q's dtype; ``sums``: ``chunk_sums``' or None)."""
     ins, consts = _common(q, q, q, gates, None, ctx, cfg)
     _, first, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_state_bwd", cfg.dk, cfg.dv)
@@ -374,7 +374,7 @@ def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums=None):
     state = (cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv)
     dhs, dh0 = triton_call.launch(
         kernels.get("chunk_state_bwd"), grid, [q, *ins[:3], *_sums(sums, "ps", "ls"), ins[5], first, do, dht],
-        [sds((per_row * grid_rows,) + state[1:], F32), sds(state, F32)], SUMS=sums is not None, **options,
+        [sds((per_row * grid_rows,) + state[1:], dtype), sds(state, F32)], SUMS=sums is not None, **options,
         **{n: x for n, x in c.items() if n != "HKV"})
     return dhs, dh0
 
@@ -449,9 +449,13 @@ def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg, res=None):
     """(dq, dk of the mapped q and k, dv; per query head, float32 or the inputs' dtype (``_direct``); dh0; the key
     side's log decay gradient d_key [B, T, H, K | 1] or None; None). ``res``: the forward's residuals (A with gk)."""
     sums = chunk_sums(kernels, q, gates, ctx, cfg)  # formed again: two [B, T, H, K] float32 arrays not kept
-    hs, _ = chunk_states(kernels, k, v, gates, h0, ctx, cfg, sums=sums)
+    # the states and adjoints the dq / dk and dv kernels read, in bf16 where their products round them to bf16 anyway
+    # (chunk_products): half the bytes written and read, the same products; S ⊙ S̄ of the log gates' gradient then
+    # multiplies the rounded values (2^-9 each)
+    stored = jnp.bfloat16 if cfg.products == "bfloat16" else F32
+    hs, _ = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored, sums=sums)
     do = do.astype(q.dtype)
-    dhs, dh0 = chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums)
+    dhs, dh0 = chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, stored)
     a = intra = None
     if cfg.has("gk"):
         kept = (res or {}).get("a")
