@@ -115,8 +115,11 @@ def pytest_runtest_makereport(item, call):
 # Session 16 (CI's clean clone, 1902 tests, 695 s): attention 596, zoo 221 (the spec masks' Hopper kernels compiled for
 # sm_90 on both Tritons, tests/zoo/test_zoo_gluon.py), multidevice 146, blocksparse 132, compiler 77, recurrent 73,
 # pooling 45, decode 43: zoo 150 -> 240.
+# Session 23 (a quiet 2-core machine): attention 855 with multidevice 210 (their two folders alone), recurrent 120 ->
+# 113 after trimming (its chunk_products and scalar chunk_sums tests): recurrent 107 -> 125. The sum of the families
+# measured in sessions 22-23 (~1600-1670 test-seconds) sits at the 15 minutes' edge: attention is where to trim next.
 BUDGET_SECONDS = {"attention": 660, "zoo": 240, "blocksparse": 140, "compiler": 110, "multidevice": 160, "pooling": 60,
-                  "recurrent": 107, "decode": 60}
+                  "recurrent": 125, "decode": 60}
 NEW_FAMILY_BUDGET = 107  # each family still to come
 
 def pytest_terminal_summary(terminalreporter):
