@@ -116,10 +116,10 @@ def traffic(which, cfg, tiles, direct=True):
     bv = min(tiles.block_v or vd, vd)
     nk, nv = -(-kd // bk), -(-vd // bv)
     gate = 4 * (kd if cfg.has("gk") else 1)  # bytes of a step's log gate
-    state = chunks * kd * vd * 4
+    state = chunks * kd * vd * (2 if cfg.products == "bfloat16" else 4)  # stored as the op's backward stores them
     nsub = c // sub
     if which == "chunk_sums":  # gk: the gates once; P, R per step and L_C per chunk written (float32)
-        return rows * gate * 3 + chunks * kd * 4, 0.0
+        return rows * gate * 3 + chunks * gate, 0.0
     if which in ("chunk_state", "chunk_state_bwd"):
         read = rows * (2 * kd * nv + 2 * vd * nk + gate * nv)
         return read + state, 2 * rows * kd * vd
@@ -177,25 +177,28 @@ def stages(op_name, b, t, h, d):
     sums = None  # chunk_sums' (gk, the chunk_gate_sums setting "kernel"), which the op forms in each pass
     if host.chunk_sums(kernels, q, gates, ctx, cfg) is not None:
         sums = add("chunk_sums", lambda q, g: host.chunk_sums(kernels, q, g, ctx, cfg), q, gates,
-                   grid=(n_c, -(-cfg.dk // blocks["chunk_sums"]["BK"]), rows_h))
-    hs, _ = add("chunk_state", lambda k, v, g, s: host.chunk_states(kernels, k, v, g, None, ctx, cfg, sums=s), k, v,
-                gates, sums, grid=(nkv("chunk_state"), rows_h))
+                   grid=(n_c, -(-cfg.dk // blocks["chunk_sums"]["BK"]) if cfg.has("gk") else 1, rows_h))
+    # the states and adjoints as the op's backward stores them (bf16 with bf16 state products: chunk_products)
+    stored = jnp.bfloat16 if cfg.products == "bfloat16" else jnp.float32
+    hs, _ = add("chunk_state", lambda k, v, g, s: host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s),
+                k, v, gates, sums, grid=(nkv("chunk_state"), rows_h))
     a = None
     if cfg.has("gk"):
-        a, _ = add("chunk_intra", lambda q, k, g: host.chunk_intra(kernels, q, k, g, ctx, cfg), q, k, gates,
-                   grid=(n_c * (cfg.chunk // host.SUB), rows_h))
+        a, _ = add("chunk_intra", lambda q, k, g, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, sums=s), q, k,
+                   gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h))
     add("chunk_output", lambda q, k, v, g, hs, a, s: host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a, s), q,
         k, v, gates, hs, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h))
     dhs, dh0 = add("chunk_state_bwd", lambda q, g, do, dht, s: host.chunk_state_grads(kernels, q, g, ctx, cfg, do,
-                                                                                      dht, s),
+                                                                                      dht, s, stored),
                    q, gates, do, dht, sums, grid=(nkv("chunk_state_bwd"), rows_h))
     a = intra = None
     if cfg.has("gk"):
         add("dA alone (the op's)", lambda q, k, v, g, do: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do,
                                                                           with_a=False)[1],
             q, k, v, gates, do, grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
-        a, da = add("chunk_intra + dA", lambda q, k, v, g, do: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do),
-                    q, k, v, gates, do, grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
+        a, da = add("chunk_intra + dA", lambda q, k, v, g, do, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do,
+                                                                                  sums=s),
+                    q, k, v, gates, do, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
         intra = add("chunk_grads_intra", lambda q, k, g, da: host.chunk_grads_intra(kernels, q, k, g, ctx, cfg, da), q,
                     k, gates, da, grid=(n_c * (cfg.chunk // host.SUB), -(-cfg.dk // blocks["chunk_grads_intra"]["BK"]),
                                         rows_h))

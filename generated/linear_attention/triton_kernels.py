@@ -618,11 +618,11 @@ def linear_attention_chunk_state_kernel(
 
 @triton.jit
 def linear_attention_chunk_intra_kernel(
-    Q, K_, V_, G, GAMMA, GK, CU, CHUNKS, DO, A, DA,
+    Q, K_, V_, G, GAMMA, GK, PS, CU, CHUNKS, DO, A, DA,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr, GRADS: tl.constexpr, WITH_A: tl.constexpr,
+    DT: tl.constexpr, GRADS: tl.constexpr, WITH_A: tl.constexpr, SUMS: tl.constexpr,
 ):
     """With a gate per key channel (gk): A [chunks, H, C, C] (q's dtype), each chunk's intra-chunk matrix
         A_ij = scale sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, 0 above the diagonal,
@@ -635,8 +635,12 @@ def linear_attention_chunk_intra_kernel(
     product (`_dot_state`) of q e^{L(b, i]} and k e^{L(j, b]} for each. The diagonal block from `_intra`; zeros right
     of it; rows I written once, whole. GRADS (the backward): also DA [chunks, H, C, C]
     float32, dA_ij = scale do_i · v_j for j <= i, 0 above (V in blocks of BV); without WITH_A only dA (the backward
-    of a forward that kept A)."""
+    of a forward that kept A). SUMS with 16-bit inputs (A is stored in them): the exponents as differences of
+    `chunk_sums`' prefix sums P (PS), L(b, i] = P_i - P_b and L(j, b] = P_b - P_j, each <= 0 for decaying gates and
+    within a few u |P| (at most C steps) of the sums of their own steps, below A's 16-bit rounding: no gates read or
+    scanned for the blocks left of the diagonal (flash-linear-attention factors them the same way)."""
     NSUB: tl.constexpr = C // BC
+    FAST: tl.constexpr = SUMS and DT != tl.float32
     i_cs, i_bh = tl.program_id(0), tl.program_id(1)
     i_c, i_i = i_cs // NSUB, i_cs % NSUB
     i_h = i_bh % H
@@ -654,20 +658,37 @@ def linear_attention_chunk_intra_kernel(
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
             b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
-            b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
-                            REVERSE)
-            b_qb = b_q * tl.exp(_cumsum(b_li, axis=0))  # q e^{L(b, i]}
+            if FAST:  # L(b, i] = P_i - P_b, b the step before I (P_b = 0 for the first sub-chunk)
+                rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
+                o_b = first - 1 + tl.zeros([1], dtype=tl.int32)  # b: the step before I ([1]; none before the first)
+                rows_b, m_b = _steps_at(bos, eos, o_b, REVERSE)
+                b_pb = _sums_at(PS, rows_b, m_b & (o_b >= i_t * C), i_h, o_k, m_k, H, K)  # [1, BK]
+                b_pi = tl.where(m_i[:, None], _sums_at(PS, rows_i, m_i, i_h, o_k, m_k, H, K) - b_pb, 0.0)
+            else:
+                b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
+                                REVERSE)
+                b_pi = _cumsum(b_li, axis=0)
+            b_qb = b_q * tl.exp(b_pi)  # q e^{L(b, i]}
             b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
             for back in range(0, i_i):
                 i_j = i_i - 1 - back
                 b_k = _sub(K_, bos, eos, i_t * C + i_j * BC, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
-                b_l = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA,
-                               USE_GK, REVERSE)
-                b_kb = b_k * tl.exp(_after(b_l) + b_dec)  # k_j e^{L(j, b]}
+                if FAST:  # L(j, b] = P_b - P_j
+                    rows_j, m_j = _steps(bos, eos, i_t * C + i_j * BC, BC, REVERSE)
+                    b_pj = _sums_at(PS, rows_j, m_j, i_h, o_k, m_k, H, K)
+                    b_kb = b_k * tl.exp(tl.where(m_j[:, None], b_pb - b_pj, 0.0))  # k_j e^{L(j, b]}
+                else:
+                    b_l = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, H, K, BC, USE_G,
+                                   USE_GAMMA, USE_GK, REVERSE)
+                    b_kb = b_k * tl.exp(_after(b_l) + b_dec)  # k_j e^{L(j, b]}
+                    b_dec += tl.sum(b_l, axis=0, keep_dims=True)
                 b_blk = _dot_state(b_qb, tl.trans(b_kb), DT)
                 b_row += tl.where(o_j[None, :, None] == i_j, tl.expand_dims(b_blk, 1), 0.0)
-                b_dec += tl.sum(b_l, axis=0, keep_dims=True)
-            b_d += _intra(b_q, _cumsum(b_li * LOG2E, axis=0), K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k,
+            if FAST:
+                b_pi = b_pi * LOG2E
+            else:
+                b_pi = _cumsum(b_li * LOG2E, axis=0)
+            b_d += _intra(b_q, b_pi, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k,
                           m_k, o_r, H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
         b_row += tl.where(o_j[None, :, None] == i_i, tl.expand_dims(b_d, 1), 0.0)  # blocks right of I stay 0
         o_c = tl.arange(0, C)

@@ -288,10 +288,11 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=None):
     return hs, ht
 
 
-def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True):
+def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, sums=None):
     """With gk: (A [chunks, H, C, C] in q's dtype, every chunk's intra-chunk matrix (scale included), or None without
     ``with_a``; with v and do (the backward) also dA = scale do vᵀ [chunks, H, C, C] float32, else None), a program per
-    (sub-chunk of SUB rows, sequence x head)."""
+    (sub-chunk of SUB rows, sequence x head); ``sums``: ``chunk_sums``' (or None), whose prefix sums give 16-bit
+    inputs' exponents."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_intra", cfg.dk, cfg.dv)
@@ -299,10 +300,11 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True):
     square = (per_row * grid_rows, cfg.heads, cfg.chunk, cfg.chunk)
     a, da = triton_call.launch(
         kernels.get("chunk_intra"), (per_row * (cfg.chunk // SUB), grid_rows * cfg.heads),
-        [q, k, v if grads else _dummy(q.dtype), *ins[:3], ins[5], chunks, do if grads else _dummy(q.dtype)],
+        [q, k, v if grads else _dummy(q.dtype), *ins[:3], *_sums(sums, "ps"), ins[5], chunks,
+         do if grads else _dummy(q.dtype)],
         [jax.ShapeDtypeStruct(square if with_a else (1,), q.dtype),
          jax.ShapeDtypeStruct(square if grads else (1,), F32)],
-        BC=SUB, GRADS=grads, WITH_A=with_a, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+        BC=SUB, GRADS=grads, WITH_A=with_a, SUMS=sums is not None, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
     return a if with_a else None, da if grads else None
 
 
@@ -347,7 +349,8 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     """With gk the intra-chunk matrices A are kept for the backward (``save``; [chunks, H, C, C] in q's dtype, half
     of q's size at K = 128, as fla keeps them): forming them again cost 0.78 of the backward's 0.85 ms intra kernel
     (B4 T4096, H100, session 17); the backward's intra kernel then forms dA alone."""
-    a = chunk_intra(kernels, q, k, gates, ctx, cfg)[0] if cfg.has("gk") else None
+    sums = chunk_sums(kernels, q, gates, ctx, cfg)
+    a = chunk_intra(kernels, q, k, gates, ctx, cfg, sums=sums)[0] if cfg.has("gk") else None
     res = {"a": a} if save and a is not None else {}
     if settings.current().chunk_forward == "fused":
         o, ht = chunk_fused_forward(kernels, q, k, v, gates, h0, ctx, cfg, a)
@@ -357,7 +360,6 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     asked = settings.current().chunk_state_dtype
     sixteen = jnp.dtype(q.dtype).itemsize == 2
     stored = jnp.bfloat16 if asked == "bfloat16" or (asked == "auto" and sixteen) else F32
-    sums = chunk_sums(kernels, q, gates, ctx, cfg)
     hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored, sums)
     return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a, sums), ht, res
 
@@ -459,7 +461,7 @@ def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg, res=None):
     a = intra = None
     if cfg.has("gk"):
         kept = (res or {}).get("a")
-        a, da = chunk_intra(kernels, q, k, gates, ctx, cfg, v, do, with_a=kept is None)
+        a, da = chunk_intra(kernels, q, k, gates, ctx, cfg, v, do, with_a=kept is None, sums=sums)
         a = kept if kept is not None else a
         intra = chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da)
     dq, dk, dlog = chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra, sums)
