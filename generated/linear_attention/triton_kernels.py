@@ -552,10 +552,10 @@ def linear_attention_chunk_sums_kernel(
 ):
     """The sums of the key side's log gates over each chunk's steps, once for every kernel that reads them (SUMS; with
     gk per channel, with a scalar gate K = 1 and BK = 1): PS [rows, H, K] the prefix sums P_i = L(start, i], RS the
-    sums after each step R_j = L(j, end] (`_after`), LS [chunks, H, K] the chunk's whole sum L_C; each a sum of its own steps, the numbers the kernels formed before
-    (docs/DESIGN.md §3 linear recurrent). A program per (chunk, block of K, sequence x head): these scans cross warps,
-    and inside chunk_state's walk over the chunks they were on its critical path, more than half its time (H200,
-    session 22, benchmarks/recurrent_state_study.py)."""
+    sums after each step R_j = L(j, end] (`_after`), LS [chunks, H, K] the chunk's whole sum L_C; each a sum of its
+    own steps, the numbers the kernels formed before (docs/DESIGN.md §3 linear recurrent). A program per (chunk, block
+    of K, sequence x head): these scans cross warps, and inside chunk_state's walk over the chunks they were on its
+    critical path, more than half its time (H200, session 22, benchmarks/recurrent_state_study.py)."""
     i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
