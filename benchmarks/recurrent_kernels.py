@@ -116,7 +116,7 @@ def traffic(which, cfg, tiles, direct=True):
     bv = min(tiles.block_v or vd, vd)
     nk, nv = -(-kd // bk), -(-vd // bv)
     gate = 4 * (kd if cfg.has("gk") else 1)  # bytes of a step's log gate
-    state = chunks * kd * vd * (2 if cfg.products == "bfloat16" else 4)  # stored as the op's backward stores them
+    state = chunks * kd * vd * jnp.dtype(host.backward_states_dtype(cfg)).itemsize  # as the op's backward stores them
     nsub = c // sub
     if which == "chunk_sums":  # gk: the gates once; P, R per step and L_C per chunk written (float32)
         return rows * gate * 3 + chunks * gate, 0.0
@@ -178,8 +178,7 @@ def stages(op_name, b, t, h, d):
     if host.chunk_sums(kernels, q, gates, ctx, cfg) is not None:
         sums = add("chunk_sums", lambda q, g: host.chunk_sums(kernels, q, g, ctx, cfg), q, gates,
                    grid=(n_c, -(-cfg.dk // blocks["chunk_sums"]["BK"]) if cfg.has("gk") else 1, rows_h))
-    # the states and adjoints as the op's backward stores them (bf16 with bf16 state products: chunk_products)
-    stored = jnp.bfloat16 if cfg.products == "bfloat16" else jnp.float32
+    stored = host.backward_states_dtype(cfg)  # the states and adjoints as the op's backward stores them
     hs, _ = add("chunk_state", lambda k, v, g, s: host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s),
                 k, v, gates, sums, grid=(nkv("chunk_state"), rows_h))
     a = None

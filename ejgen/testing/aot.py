@@ -245,7 +245,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   USE_G="g" in gates, USE_GAMMA="g_gamma" in gates, USE_GK="gk" in gates, USE_GV="gv" in gates,
                   USE_H0=h0, VARLEN=varlen, REVERSE=reverse, ROWS=4 * 4096, C=chunk, BC=host.SUB, MAP=True,
                   BT=host.FUSED_BT, GRADS=True, WITH_A=True,  # chunk_sums' (the default) with a key-side gate:
-                  SUMS=bool(set(gates) & {"g", "g_gamma", "gk"}),
+                  SUMS=bool(set(gates) & set(host.CHUNKED_GATES)),
                   DT={"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[dtype],
                   SP=tl.bfloat16 if products == "bfloat16" else tl.float32)
     fused = min(host.FUSED_BV, bvf)
@@ -254,7 +254,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   "chunk_output", "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"):
         if kernels is not None and which not in kernels or which in _GK_ONLY and "gk" not in gates:
             continue  # (the intra-chunk kernels run with gk only; chunk_intra as the backward's, with dA)
-        if which == "chunk_sums" and not set(gates) & {"g", "g_gamma", "gk"}:
+        if which == "chunk_sums" and not consts["SUMS"]:
             continue  # (no key-side gate, no sums)
         if which.startswith("fused"):
             blocks, options = dict(BV=fused), {"num_warps": host.NUM_WARPS, "num_stages": 1}

@@ -669,7 +669,8 @@ def linear_attention_chunk_intra_kernel(
                                 REVERSE)
                 b_pi = _cumsum(b_li, axis=0)
             b_qb = b_q * tl.exp(b_pi)  # q e^{L(b, i]}
-            b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
+            if not FAST:
+                b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
             for back in range(0, i_i):
                 i_j = i_i - 1 - back
                 b_k = _sub(K_, bos, eos, i_t * C + i_j * BC, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
@@ -1175,11 +1176,9 @@ def linear_attention_chunk_grads_qk_kernel(
         b_dk += tl.load(DKI + p_qk, mask=m_qk, other=0.0)
         b_dlog += tl.load(DLI + p_qk, mask=m_qk, other=0.0)
     else:
-        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
-        if GATED:
-            b_w = _intra_scalar(b_da, b_l, b_pre, o_c, GATED, DT) * SCALE
-        else:
-            b_w = _intra_scalar(b_da, b_l, b_l, o_c, GATED, DT) * SCALE
+        if SUMS:  # (without them the gates were read above)
+            b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
+        b_w = _intra_scalar(b_da, b_l, b_pre if GATED else b_l, o_c, GATED, DT) * SCALE
         # float32 W in TF32 whatever SP says: in bf16 (as flash-linear-attention), dq and dk erred 1.4x the rounding
         # of the result (test_chunked_triton_scalar_gate_dq_dk_in_bfloat16)
         b_dq += _dot_state(b_w, b_k, DT)

@@ -33,11 +33,11 @@ Each has a default, an environment variable (read at call time) and a scoped ove
   which the linear recurrent chunked forward on Triton (two passes) stores the state at each chunk's start for its
   output kernel; ``auto``: bfloat16 for 16-bit inputs, float32 for float32 ones. ``bfloat16``, as
   flash-linear-attention stores them for 16-bit inputs: half the bytes written and read back; float32's exponent
-  range, so unnormalised sums that pass float16's 65504 stay finite. The state carried from chunk to chunk, the final
-  state and the final state stay float32 (the backward's stored states follow ``chunk_products``). Each stored state is rounded to bf16 (2^-8 relative) before its
-  product with q: 16-bit outputs stay within their dtype's tolerance (docs/DESIGN.md §3). H200 (session 22, one run):
-  the forward of simple_gla 0.612 -> 0.551 ms, lightning 0.563 -> 0.475, gla 1.587 -> 1.538 (B4 T4096, H 16,
-  K = V = 128).
+  range, so unnormalised sums that pass float16's 65504 stay finite. The state carried from chunk to chunk and the
+  final state stay float32 (the backward's stored states follow ``chunk_products``). Each stored state is rounded to
+  bf16 (2^-8 relative) before its product with q: 16-bit outputs stay within their dtype's tolerance (docs/DESIGN.md
+  §3). H200 (session 22, one run): the forward of simple_gla 0.612 -> 0.551 ms, lightning 0.563 -> 0.475, gla 1.587
+  -> 1.538 (B4 T4096, H 16, K = V = 128).
 - ``chunk_gate_sums`` (EJGEN_CHUNK_GATE_SUMS: ``kernel`` / ``inline``, default kernel): with a key-side gate (gk per
   channel; g, g_gamma one a step), the linear recurrent chunked kernels on Triton read the sums of the log gates over
   each chunk's steps (prefix sums, sums after each step, the chunk's whole sum) from one kernel that forms them first

@@ -26,7 +26,7 @@ class RecurrentConfig:
     # the operands of the Triton chunked kernels' products with a float32 state or adjoint for 16-bit inputs:
     # "tf32" or "bfloat16" (the chunk_products setting, resolved when the op is called, so that the backward,
     # traced later, takes the forward's choice); float32 inputs multiply in float32 whatever it says
-    products: str = "tf32"
+    products: str
 
     def has(self, gate: str) -> bool:
         return gate in self.gates

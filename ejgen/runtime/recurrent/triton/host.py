@@ -233,6 +233,13 @@ def _products(cfg):
     return tl.bfloat16 if cfg.products == "bfloat16" else tl.float32
 
 
+def backward_states_dtype(cfg):
+    """The dtype in which the backward stores the states and adjoints its dq / dk and dv kernels read: bf16 where their
+    products round them to bf16 anyway (chunk_products; half the bytes written and read, the same products, and S ⊙ S̄
+    of the log gates' gradient multiplies the rounded values, 2^-9 each), else float32."""
+    return jnp.bfloat16 if cfg.products == "bfloat16" else F32
+
+
 def _triton_dtype(dtype):
     import triton.language as tl
 
@@ -247,7 +254,7 @@ def chunk_sums(kernels, q, gates, ctx, cfg):
     with a scalar gate [B, T, H] and [chunks, H] (K = 1: one sum a step); else None (the kernels scan the gates
     themselves)."""
     gk = cfg.has("gk")
-    if not (gk or cfg.has("g") or cfg.has("g_gamma")) or settings.current().chunk_gate_sums != "kernel":
+    if not any(cfg.has(g) for g in CHUNKED_GATES) or settings.current().chunk_gate_sums != "kernel":  # key-side gates
         return None
     ins, consts = _common(q, q, q, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
@@ -304,7 +311,8 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, su
          do if grads else _dummy(q.dtype)],
         [jax.ShapeDtypeStruct(square if with_a else (1,), q.dtype),
          jax.ShapeDtypeStruct(square if grads else (1,), F32)],
-        BC=SUB, GRADS=grads, WITH_A=with_a, SUMS=sums is not None, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+        BC=SUB, GRADS=grads, WITH_A=with_a, SUMS=sums is not None, **options,
+        **{**_chunk_consts(q, cfg, consts), **blocks})
     return a if with_a else None, da if grads else None
 
 
@@ -349,10 +357,12 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     """With gk the intra-chunk matrices A are kept for the backward (``save``; [chunks, H, C, C] in q's dtype, half
     of q's size at K = 128, as fla keeps them): forming them again cost 0.78 of the backward's 0.85 ms intra kernel
     (B4 T4096, H100, session 17); the backward's intra kernel then forms dA alone."""
-    sums = chunk_sums(kernels, q, gates, ctx, cfg)
+    fused = settings.current().chunk_forward == "fused"
+    # the gates' sums for chunk_intra and the two passes (the one pass reads none)
+    sums = chunk_sums(kernels, q, gates, ctx, cfg) if cfg.has("gk") or not fused else None
     a = chunk_intra(kernels, q, k, gates, ctx, cfg, sums=sums)[0] if cfg.has("gk") else None
     res = {"a": a} if save and a is not None else {}
-    if settings.current().chunk_forward == "fused":
+    if fused:
         o, ht = chunk_fused_forward(kernels, q, k, v, gates, h0, ctx, cfg, a)
         return o, ht, res
     # the chunk_state_dtype setting: the output kernel's states in bfloat16 (it widens them to float32 for their
@@ -451,10 +461,7 @@ def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg, res=None):
     """(dq, dk of the mapped q and k, dv; per query head, float32 or the inputs' dtype (``_direct``); dh0; the key
     side's log decay gradient d_key [B, T, H, K | 1] or None; None). ``res``: the forward's residuals (A with gk)."""
     sums = chunk_sums(kernels, q, gates, ctx, cfg)  # formed again: two [B, T, H, K] float32 arrays not kept
-    # the states and adjoints the dq / dk and dv kernels read, in bf16 where their products round them to bf16 anyway
-    # (chunk_products): half the bytes written and read, the same products; S ⊙ S̄ of the log gates' gradient then
-    # multiplies the rounded values (2^-9 each)
-    stored = jnp.bfloat16 if cfg.products == "bfloat16" else F32
+    stored = backward_states_dtype(cfg)
     hs, _ = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored, sums=sums)
     do = do.astype(q.dtype)
     dhs, dh0 = chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, stored)
