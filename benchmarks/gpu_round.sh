@@ -9,12 +9,15 @@
 # A lane's GPUs are given to its jobs as CUDA_VISIBLE_DEVICES (a GPU index past the host's wraps around, so a plan for
 # 4 GPUs also runs on 2). Jobs (j_<name> below; "(N GPUs)" where a job uses more than one):
 #   rec-tests      the recurrent Triton GPU tests, sharded 3 processes a GPU          (issue 17)
-#   rec-kernels    gla's chunked kernels one by one (recurrent_kernels.py)
+#   rec-kernels    gla's chunked kernels one by one (recurrent_kernels.py; REC_KERNELS_ARGS adds arguments)
+#   rec-kernels-ab the same from abtree/ (a `git archive` of the tree before a change), for a before/after in one call
 #   rec-sweep      the same under each launch setting of the intra-chunk kernels
 #   rec-sweep-sums the same for the kernels that read chunk_sums' gate sums (and chunk_sums itself)
 #   ncu-intra      Nsight Compute counters of the intra-chunk kernels (issue-bound or not; it catches chunk_intra's
 #                  two launches first)
 #   ncu-grads      the same for chunk_grads_intra alone, with its memory and scheduler counters
+#   rec-sweep-long simple_gla's state, output and gradient kernels by launch setting at B2 T16k
+#   ncu-src        per-instruction stall samples (SASS, CUDA lines) of the chunked kernels, CSV files in $OUT
 #   ncu-qk         Nsight Compute of chunk_grads_qk (simple_gla, then gla): stall reasons, memory, source counters
 #                  (~1.0 ms whatever its blocks and warps, session 23)
 #   state-study    gla's chunk_state / chunk_output against variants that change one thing each
@@ -22,7 +25,7 @@
 #   ncu-state      Nsight Compute counters of chunk_state and chunk_output
 #   fla-profile    fla's B4 T4096 cases, then each one's kernels under torch.profiler (us a call by kernel)
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
-#   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane
+#   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane (REC_BENCH_ARGS)
 #   rec-light      the recurrent table's lightning rows alone
 #   rec-decode     the recurrent decode table
 #   attn-tests     every attention GPU test (the Gluon file included), sharded 2 processes a GPU
@@ -103,7 +106,7 @@ shards() {  # shards NAME SECONDS PER_GPU PYTEST-ARGS...: gpu_shards.sh over the
 RING=(benchmarks/ring.py --devices 2 --seqs 32768 --heads 16/16 --orders zigzag --passes fwd,fwdbwd)
 
 j_rec-tests() { shards rec-tests 240 3 -k triton tests/recurrent; }
-j_rec-kernels() { job rec-kernels 150 python3 benchmarks/recurrent_kernels.py --ops gla,simple_gla; }
+j_rec-kernels() { job rec-kernels 200 python3 benchmarks/recurrent_kernels.py --ops gla,simple_gla ${REC_KERNELS_ARGS:-}; }
 j_rec-sweep() { job rec-sweep 150 python3 benchmarks/recurrent_kernels.py --ops gla --sweep --no-check \
   --sweep-kernels chunk_intra,chunk_grads_intra; }
 j_rec-sweep-sums() { job rec-sweep-sums 200 python3 benchmarks/recurrent_kernels.py --ops gla --sweep --no-check \
@@ -119,6 +122,20 @@ j_ncu-qk() { job ncu-qk 170 ncu --clock-control none -k regex:'chunk_grads_qk' -
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
   --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
   python3 benchmarks/recurrent_kernels.py --ops simple_gla,gla --no-check --reps 1 --rounds 1; }
+j_ncu-src() {  # per-instruction stall samples (SASS, CSV) of gla's chunked kernels, then simple_gla's, into $OUT
+  local op n
+  for op in gla:7 simple_gla:3; do
+    n=${op#*:}; op=${op%:*}
+    job ncu-src-$op 150 ncu --clock-control none -k regex:'chunk_(grads_qk|grads_intra|intra|state|output)_kernel' \
+      --launch-count "$n" --section SourceCounters --section WarpStateStats --import-source yes -f -o "$log/src-$op" \
+      python3 benchmarks/recurrent_kernels.py --ops "$op" --no-check --reps 1 --rounds 1
+    # (SASS only: the kernels jax-triton launches carry no line info)
+    ncu -i "$log/src-$op.ncu-rep" --page source --csv --print-source sass 2> "$log/src-$op-err.txt" \
+      | gzip > "$OUT/src-$op.csv.gz"
+  done
+}
+j_rec-sweep-long() { job rec-sweep-long 150 python3 benchmarks/recurrent_kernels.py --ops simple_gla --shapes 2x16384 \
+  --sweep --no-check --sweep-kernels chunk_state,chunk_output,chunk_state_bwd,chunk_grads_v,chunk_grads_qk; }
 j_state-study() { job state-study 200 python3 benchmarks/recurrent_state_study.py; }
 j_ncu-state() { job ncu-state 150 ncu --clock-control none -k regex:'chunk_(state|output)_kernel' --launch-count 2 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
@@ -130,7 +147,12 @@ j_fla-profile() { job fla 170 python3 benchmarks/recurrent_fla.py --profile --ca
 j_rec-bench() {
   local fla=()
   [ -f "$log/fla/fla.json" ] && fla=(--fla "$log/fla/fla.json")
-  job rec-bench 240 python3 benchmarks/recurrent.py "${fla[@]}" --out "$log/recb"
+  job rec-bench 240 python3 benchmarks/recurrent.py "${fla[@]}" ${REC_BENCH_ARGS:-} --out "$log/recb"
+}
+j_rec-kernels-ab() {  # recurrent_kernels.py of the tree in abtree/ (a `git archive` of the code before a change)
+  [ -d abtree ] || { echo "rec-kernels-ab: no abtree/" >> "$log/summary.txt"; return; }
+  job rec-kernels-ab 200 env PYTHONPATH="${PYTHONPATH//$PWD/$PWD/abtree}" python3 abtree/benchmarks/recurrent_kernels.py \
+    --ops gla,simple_gla --no-check --rounds 2 ${REC_KERNELS_ARGS:-}
 }
 j_rec-light() { job rec-light 150 python3 benchmarks/recurrent.py --cases lightning --out "$log/light"; }
 j_rec-decode() { job rec-decode 150 python3 benchmarks/recurrent.py --decode-only --out "$log/dec"; }

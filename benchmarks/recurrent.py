@@ -61,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--cases", default="", help="comma-separated substrings of case names (default: all)")
     p.add_argument("--xla", action="store_true", help="also time the XLA backend")
     p.add_argument("--onepass", action="store_true", help="also time the one-pass forward (chunk_forward fused)")
+    p.add_argument("--no-variants", action="store_true",
+                   help="without the rows that change one setting (-f32-states, -inline-sums, -tf32-products)")
     p.add_argument("--decode", action="store_true", help="also time one decode step against the streaming bandwidth")
     p.add_argument("--decode-only", action="store_true", help="only the decode table (implies --decode)")
     p.add_argument("--decode-sweep", action="store_true", help="decode: the fused kernels' FUSED_BV x warps")
@@ -127,6 +129,8 @@ def impls(op_name, args, gates, do, smoke):
                  ("ejgen-triton-f32-states", "triton", "chunked", {"chunk_state_dtype": "float32"}),
                  ("ejgen-triton-inline-sums", "triton", "chunked", {"chunk_gate_sums": "inline"}),
                  ("ejgen-triton-tf32-products", "triton", "chunked", {"chunk_products": "tf32"})]
+    if ARGS.no_variants:
+        platforms = platforms[:1]
     if ARGS.onepass:
         platforms.append(("ejgen-triton-onepass", "triton", "chunked", {"chunk_forward": "fused"}))
     if args[0].shape[1] <= 4096:

@@ -307,7 +307,13 @@ def _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H: tl.constexpr, K: tl.cons
 def _load_qk(P, rows, m_s, i_h, o_k, m_k, HEADS: tl.constexpr, K: tl.constexpr, MAP: tl.constexpr):
     """[S, BK] float32 rows of q or k, through the feature map (0 on invalid steps and padded lanes)."""
     m = m_s[:, None] & m_k[None, :]
-    b_x = tl.load(P + (rows[:, None] * HEADS + i_h) * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    return _mapped(tl.load(P + (rows[:, None] * HEADS + i_h) * K + o_k[None, :], mask=m, other=0.0), m, MAP)
+
+
+@triton.jit
+def _mapped(b_x, m, MAP: tl.constexpr):
+    """`_load_qk`'s tile from its raw load b_x (m: where it loaded): float32, through the feature map."""
+    b_x = b_x.to(tl.float32)
     if MAP:
         b_x = _feature_map(b_x)
     b_x = tl.where(m, b_x, 0.0)
@@ -488,6 +494,33 @@ def _intra(b_q, b_p, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k, o_r
 
 
 @triton.jit
+def _intra_fast(b_q, b_p, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H: tl.constexpr,
+                HKV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr):
+    """`_intra` for 16-bit inputs with `chunk_sums` (chunk_intra's FAST): P_j - P_b read from PS (b_pb [1, BK]: P_b,
+    as b_p's, which is (P_i - P_b) log2 e) instead of summed from the gates, exponents (P_i - P_j) log2 e; k_j (in
+    its 16 bits) and P_j of step j read one step ahead, in flight while column j - 1 forms (read in the step that used
+    them, their loads stalled ~30% of chunk_intra's samples: loads that feed no product are not pipelined; H200,
+    session 24). Each read as BC equal rows, as `_intra` reads them: rows [1, BK] gave the tiles a layout whose row
+    sums crossed warps (a barrier a column)."""
+    b_d = tl.zeros([BC, BC], dtype=tl.float32)
+    rows_j, m_j = _steps_at(bos, eos, first + tl.zeros_like(o_r), REVERSE)
+    m_j = m_j[:, None] & m_k[None, :]
+    b_kj = tl.load(K_ + (rows_j[:, None] * HKV + i_hk) * K + o_k[None, :], mask=m_j, other=0.0)  # [BC, BK]
+    b_pj = tl.load(PS + (rows_j[:, None] * H + i_h) * K + o_k[None, :], mask=m_j, other=0.0)
+    for j in range(0, BC):
+        rows_n, m_n = _steps_at(bos, eos, first + j + 1 + tl.zeros_like(o_r), REVERSE)
+        m_n = (m_n & (j + 1 < BC))[:, None] & m_k[None, :]
+        b_kn = tl.load(K_ + (rows_n[:, None] * HKV + i_hk) * K + o_k[None, :], mask=m_n, other=0.0)
+        b_pn = tl.load(PS + (rows_n[:, None] * H + i_h) * K + o_k[None, :], mask=m_n, other=0.0)
+        # rows i < j: 2 to 0, not to a difference that could overflow (the select below drops them)
+        b_x = tl.where(o_r[:, None] > j, b_p - (b_pj - b_pb) * LOG2E, 0.0)
+        b_col = tl.sum(b_q * _mapped(b_kj, m_j, MAP) * tl.exp2(b_x), axis=1)  # [BC]
+        b_d = tl.where((o_r[None, :] == j) & (o_r[:, None] >= j), b_col[:, None], b_d)
+        b_kj, b_pj, m_j = b_kn, b_pn, m_n
+    return b_d
+
+
+@triton.jit
 def _blocks(V: tl.constexpr, BV: tl.constexpr):
     """(block of K, block of V) of program id 1 of a state kernel: NV = cdiv(V, BV) blocks of V per block of K."""
     i_kv = tl.program_id(1)
@@ -510,8 +543,12 @@ def _chunk_decay(b_l):
 
 
 @triton.jit
-def _load_a(A, chunk, i_h, o_c, H: tl.constexpr, C: tl.constexpr):
-    """A chunk's intra-chunk matrix [C, C] float32 (`chunk_intra`'s, with gk), zeros above the diagonal."""
+def _load_a(A, chunk, i_h, o_c, H: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr = False):
+    """A chunk's intra-chunk matrix [C, C] float32 (`chunk_intra`'s, with gk), zeros above the diagonal; TRANS: Aᵀ,
+    read so (zeros below the diagonal)."""
+    if TRANS:
+        p_a = A + ((chunk * H + i_h) * C + o_c[None, :]).to(tl.int64) * C + o_c[:, None]
+        return tl.load(p_a, mask=o_c[:, None] <= o_c[None, :], other=0.0).to(tl.float32)
     p_a = A + ((chunk * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :]
     return tl.load(p_a, mask=o_c[:, None] >= o_c[None, :], other=0.0).to(tl.float32)
 
@@ -542,6 +579,28 @@ def _total_at(LS, chunk, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, USE_GK
 def _chunk_decay_at(LS, chunk, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr = True):
     """`_chunk_decay` from `chunk_sums`' L_C: [BK | 1, 1]."""
     return tl.exp(_total_at(LS, chunk, i_h, o_k, m_k, H, K, USE_GK))[:, None]
+
+
+@triton.jit
+def _walk_sums(S, LS, bos, eos, first, i_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+               USE_GK: tl.constexpr, REVERSE: tl.constexpr):
+    """For the walks over a sequence's chunks (`chunk_state`, `chunk_state_bwd`): `chunk_sums`' per-step sums S (RS
+    or PS) [C, BK | 1] of the sequence's chunk i_t (its index in the chunk layout first + i_t) and its log decay L_C
+    [BK | 1] (the caller takes e^ where it uses it, not where the load is issued); 0 for a chunk outside the sequence
+    (i_t < 0 or past its end: the walks read a chunk ahead).
+    Read a chunk ahead because loads that feed no product are not pipelined by Triton: read in the step that used
+    them, they stalled every step of the walk for a global load's latency (H200, session 24: chunk_state's samples at
+    the barrier after the state's store and at the sums' first use, ~50%)."""
+    o_t = i_t + tl.zeros([1], dtype=tl.int32)  # (a tensor whether i_t is one or a constant)
+    live = (o_t >= 0) & (o_t * C < eos - bos)  # [1]
+    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
+    b_s = _sums_at(S, rows, m_s & live, i_h, o_k, m_k, H, K, USE_GK)
+    chunk = (first + i_t) * H + i_h
+    if USE_GK:
+        b_t = tl.load(LS + chunk.to(tl.int64) * K + o_k, mask=m_k & live, other=0.0)
+    else:
+        b_t = tl.load(LS + chunk.to(tl.int64) + tl.zeros([1], dtype=tl.int64), mask=live, other=0.0)
+    return b_s, b_t
 
 
 @triton.jit
@@ -601,18 +660,21 @@ def linear_attention_chunk_state_kernel(
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_h += tl.load(H0 + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
+    if SUMS:
+        b_after, b_decay = _walk_sums(RS, LS, bos, eos, first, 0, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
     for i_t in range(0, tl.cdiv(eos - bos, C)):
         tl.store(HS + ((first + i_t) * H + i_h) * K * V + p_h, b_h, mask=m_h)
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
-        if SUMS:
-            b_after = _sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
-            b_decay = _chunk_decay_at(LS, first + i_t, i_h, o_k, m_k, H, K, USE_GK)
+        if SUMS:  # the next chunk's sums in flight while this one's product forms (`_walk_sums`)
+            b_after_n, b_decay_n = _walk_sums(RS, LS, bos, eos, first, i_t + 1, i_h, o_k, m_k, H, K, C, USE_GK,
+                                              REVERSE)
+            b_h = _advance(b_h, b_k, b_v, b_after, tl.exp(b_decay)[:, None], DT)
+            b_after, b_decay = b_after_n, b_decay_n
         else:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
-            b_after, b_decay = _after(b_l), _chunk_decay(b_l)
-        b_h = _advance(b_h, b_k, b_v, b_after, b_decay, DT)
+            b_h = _advance(b_h, b_k, b_v, _after(b_l), _chunk_decay(b_l), DT)
     tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
 
 
@@ -689,8 +751,12 @@ def linear_attention_chunk_intra_kernel(
                 b_pi = b_pi * LOG2E
             else:
                 b_pi = _cumsum(b_li * LOG2E, axis=0)
-            b_d += _intra(b_q, b_pi, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k,
-                          m_k, o_r, H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+            if FAST:
+                b_d += _intra_fast(b_q, b_pi, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC,
+                                   REVERSE, MAP)
+            else:
+                b_d += _intra(b_q, b_pi, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k,
+                              m_k, o_r, H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
         b_row += tl.where(o_j[None, :, None] == i_i, tl.expand_dims(b_d, 1), 0.0)  # blocks right of I stay 0
         o_c = tl.arange(0, C)
         p_a = A + ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_c[None, :]  # rows I
@@ -718,6 +784,25 @@ def _intra_scalar(b_a, b_l, b_p, o_c, GATED: tl.constexpr, DT: tl.constexpr):
     if GATED:
         b_a = b_a * tl.exp(tl.where(lower, _segsum(b_l, b_p, o_c, DT), 0.0))
     return tl.where(lower, b_a, 0.0)
+
+
+@triton.jit
+def _intra_scalar_t(b_at, b_l, b_p, o_c, GATED: tl.constexpr, DT: tl.constexpr):
+    """`_intra_scalar` of the transposed matrix (b_at [C, C] = k qᵀ): [j, i] times e^{L(j, i]} for j <= i, 0 below
+    the diagonal, the same numbers in the same order (for float32 inputs the scan runs along each row). Formed so
+    because Triton 3.4-3.7.0 on Hopper can miscompile a product whose operand is the transpose of another product's
+    result (flash-linear-attention issue 640): dv's Aᵀ do erred by 4-6% on packed sequences (bf16, H200, session
+    24) while Triton's interpreter was exact."""
+    upper = o_c[:, None] <= o_c[None, :]
+    if GATED:
+        if DT == tl.float32:
+            l_row = tl.reshape(b_l, [b_l.shape[0]])[None, :]
+            b_x = tl.cumsum(tl.where(o_c[None, :] > o_c[:, None], l_row, 0.0), axis=1)
+        else:
+            p = tl.reshape(b_p, [b_p.shape[0]])
+            b_x = p[None, :] - p[:, None]
+        b_at = b_at * tl.exp(tl.where(upper, b_x, 0.0))
+    return tl.where(upper, b_at, 0.0)
 
 
 @triton.jit
@@ -859,19 +944,22 @@ def linear_attention_chunk_state_bwd_kernel(
     p_h = o_k[:, None] * V + o_v[None, :]
     b_dh = tl.load(DHT + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
     n_t = tl.cdiv(eos - bos, C)
+    if SUMS:
+        b_pre, b_decay = _walk_sums(PS, LS, bos, eos, first, n_t - 1, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
     for back in range(0, n_t):
         i_t = n_t - 1 - back
         tl.store(DHS + ((first + i_t) * H + i_h) * K * V + p_h, b_dh, mask=m_h)
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
         b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP) * SCALE  # [C, BK]
         b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
-        if SUMS:
-            b_pre = _sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
-            b_decay = _chunk_decay_at(LS, first + i_t, i_h, o_k, m_k, H, K, USE_GK)
+        if SUMS:  # the previous chunk's sums in flight while this one's product forms (`_walk_sums`)
+            b_pre_n, b_decay_n = _walk_sums(PS, LS, bos, eos, first, i_t - 1, i_h, o_k, m_k, H, K, C, USE_GK,
+                                            REVERSE)
+            b_dh = _advance(b_dh, b_q, b_do, b_pre, tl.exp(b_decay)[:, None], DT)
+            b_pre, b_decay = b_pre_n, b_decay_n
         else:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-            b_pre, b_decay = _cumsum(b_l, axis=0), _chunk_decay(b_l)
-        b_dh = _advance(b_dh, b_q, b_do, b_pre, b_decay, DT)
+            b_dh = _advance(b_dh, b_q, b_do, _cumsum(b_l, axis=0), _chunk_decay(b_l), DT)
     tl.store(DH0 + i_nh.to(tl.int64) * K * V + p_h, b_dh, mask=m_h)
 
 
@@ -1206,8 +1294,9 @@ def linear_attention_chunk_grads_v_kernel(
     """dv (per query head; float32, or v's dtype where the host needs no sums) of a chunk's C steps in BV columns, a
     program per (chunk, block of V), the output kernel's transpose in products of the whole chunk:
         dv = (k ⊙ e^{R}) S̄ + Aᵀ do      (S̄: the adjoint of the state at the chunk's end, DHS; R_j = L(j, end])
-    A as the output kernel's: with gk read from A (`chunk_intra`), with a scalar gate (or none) formed here, e^{R}
-    scaling the rows of k S̄. K in blocks of BK. SUMS: R read from `chunk_sums` (RS)."""
+    A as the output kernel's: with gk read from A (`chunk_intra`) as Aᵀ, with a scalar gate (or none) formed here as
+    Aᵀ = k qᵀ (`_intra_scalar_t`), e^{R} scaling the rows of k S̄. K in blocks of BK. SUMS: R read from `chunk_sums`
+    (RS)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -1221,7 +1310,7 @@ def linear_attention_chunk_grads_v_kernel(
     m_v = o_v < V
     p_h = DHS + (i_cg * H + i_h).to(tl.int64) * K * V
     b_dv = tl.zeros([C, BV], dtype=tl.float32)
-    b_a = tl.zeros([C, C], dtype=tl.float32)
+    b_at = tl.zeros([C, C], dtype=tl.float32)  # Aᵀ: [j, i]
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -1232,12 +1321,13 @@ def linear_attention_chunk_grads_v_kernel(
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
             b_k = b_k * tl.exp(_after(b_l))
         else:
-            b_a += _dot(_load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP), tl.trans(b_k), DT)
+            b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)
+            b_at += _dot(b_k, tl.trans(b_q), DT)
         b_dh = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
                        other=0.0).to(tl.float32)
         b_dv += _dot_state(b_k, b_dh, DT, SP)
     if USE_GK:
-        b_a = _load_a(A, i_cg, i_h, o_c, H, C)
+        b_at = _load_a(A, i_cg, i_h, o_c, H, C, True)
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
         if SUMS:
@@ -1246,8 +1336,8 @@ def linear_attention_chunk_grads_v_kernel(
             b_r = _after(b_l)
         if GATED:
             b_dv = b_dv * tl.exp(b_r)
-        b_a = _intra_scalar(b_a, b_l, -b_r, o_c, GATED, DT) * SCALE  # -R: P less the chunk's sum
+        b_at = _intra_scalar_t(b_at, b_l, -b_r, o_c, GATED, DT) * SCALE  # -R: P less the chunk's sum
     b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
-    b_dv += _dot(tl.trans(b_a), b_do, DT)
+    b_dv += _dot(b_at, b_do, DT)  # (Aᵀ formed as such: `_intra_scalar_t`)
     tl.store(DV + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(DV.dtype.element_ty),
              mask=m_s[:, None] & m_v[None, :])
