@@ -8,7 +8,7 @@
 #
 # A lane's GPUs are given to its jobs as CUDA_VISIBLE_DEVICES (a GPU index past the host's wraps around, so a plan for
 # 4 GPUs also runs on 2). Jobs (j_<name> below; "(N GPUs)" where a job uses more than one):
-#   rec-tests      the recurrent Triton GPU tests, sharded 3 processes a GPU          (issue 17)
+#   rec-tests      the recurrent Triton GPU tests, sharded 3 processes a GPU (REC_TESTS_K: their -k) (issue 17)
 #   rec-kernels    gla's chunked kernels one by one (recurrent_kernels.py; REC_KERNELS_ARGS adds arguments)
 #   rec-kernels-ab the same from abtree/ (a `git archive` of the tree before a change), for a before/after in one call
 #   rec-sweep      the same under each launch setting of the intra-chunk kernels
@@ -105,7 +105,7 @@ shards() {  # shards NAME SECONDS PER_GPU PYTEST-ARGS...: gpu_shards.sh over the
 
 RING=(benchmarks/ring.py --devices 2 --seqs 32768 --heads 16/16 --orders zigzag --passes fwd,fwdbwd)
 
-j_rec-tests() { shards rec-tests 240 3 -k triton tests/recurrent; }
+j_rec-tests() { shards rec-tests 240 3 -k "${REC_TESTS_K:-triton}" tests/recurrent; }
 j_rec-kernels() { job rec-kernels 200 python3 benchmarks/recurrent_kernels.py --ops gla,simple_gla ${REC_KERNELS_ARGS:-}; }
 j_rec-sweep() { job rec-sweep 150 python3 benchmarks/recurrent_kernels.py --ops gla --sweep --no-check \
   --sweep-kernels chunk_intra,chunk_grads_intra; }
