@@ -177,7 +177,7 @@ def stages(op_name, b, t, h, d):
     sums = None  # chunk_sums' (gk, the chunk_gate_sums setting "kernel"), which the op forms in each pass
     if host.chunk_sums(kernels, q, gates, ctx, cfg) is not None:
         sums = add("chunk_sums", lambda q, g: host.chunk_sums(kernels, q, g, ctx, cfg), q, gates,
-                   grid=(n_c, -(-cfg.dk // blocks["chunk_sums"]["BK"]) if cfg.has("gk") else 1, rows_h))
+                   grid=(n_c, -(-cfg.dk // blocks["chunk_sums"]["BK"]), rows_h) if cfg.has("gk") else (n_c, 1, b))
     stored = host.backward_states_dtype(cfg)  # the states and adjoints as the op's backward stores them
     hs, _ = add("chunk_state", lambda k, v, g, s: host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s),
                 k, v, gates, sums, grid=(nkv("chunk_state"), rows_h))

@@ -270,7 +270,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
         kconsts = {**consts, **blocks}
         if which == "chunk_sums" and "gk" not in gates:
-            kconsts.update(K=1, BK=1)  # a scalar gate's sums: one a step
+            kconsts.update(K=1, BK=host.scalar_sums_lanes(heads))  # a scalar gate's sums: one a step, every head
         source = ASTSource(fn=kernel, signature=sig, attrs=aligned,
                            constexprs={n: kconsts[n] for n in kernel.arg_names if n in kconsts})
         compiled[which] = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)

@@ -609,26 +609,45 @@ def linear_attention_chunk_sums_kernel(
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr,
 ):
-    """The sums of the key side's log gates over each chunk's steps, once for every kernel that reads them (SUMS; with
-    gk per channel, with a scalar gate K = 1 and BK = 1): PS [rows, H, K] the prefix sums P_i = L(start, i], RS the
-    sums after each step R_j = L(j, end] (`_after`), LS [chunks, H, K] the chunk's whole sum L_C; each a sum of its
-    own steps, the numbers the kernels formed before (docs/DESIGN.md §3 linear recurrent). A program per (chunk, block
-    of K, sequence x head): these scans cross warps, and inside chunk_state's walk over the chunks they were on its
-    critical path, more than half its time (H200, session 22, benchmarks/recurrent_state_study.py)."""
+    """The sums of the key side's log gates over each chunk's steps, once for every kernel that reads them (SUMS): PS
+    the prefix sums P_i = L(start, i], RS the sums after each step R_j = L(j, end] (`_after`), LS the chunk's whole sum
+    L_C; each a sum of its own steps, the numbers the kernels formed before (docs/DESIGN.md §3 linear recurrent). With
+    gk per channel ([rows, H, K], [chunks, H, K]), a program per (chunk, block of K, sequence x head): these scans
+    cross warps, and inside chunk_state's walk over the chunks they were on its critical path, more than half its time
+    (H200, session 22, benchmarks/recurrent_state_study.py). With a scalar gate one sum a step ([rows, H], [chunks,
+    H]), a program per (chunk, grid row) with every head at once (BK >= H lanes; the heads are contiguous in g): a
+    program per head held a [C, 1] column, 4096 programs of four warps at B4 T4096 H16 (~0.05-0.09 ms, H200)."""
     i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_bh % H
-    i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
+    if USE_GK:
+        i_h = i_bh % H
+        i_row = i_bh // H
+    else:
+        i_row = i_bh
+    i_cg = i_c + i_row * tl.cdiv(T, C)
     i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
     bos, eos = _bounds(CU, i_n, T, VARLEN)
     rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
-    b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK]
-    p = (rows[:, None] * H + i_h) * K + o_k[None, :]
-    m = m_s[:, None] & m_k[None, :]
+    if USE_GK:
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK]
+        p = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        m = m_s[:, None] & m_k[None, :]
+        p_ls = (i_cg * H + i_h).to(tl.int64) * K + o_k
+    else:  # every head: lanes o_k are heads, each column as `_key_log` forms a head's [C, 1]
+        o_k = tl.arange(0, BK)
+        m_k = o_k < H
+        m = m_s[:, None] & m_k[None, :]
+        b_l = tl.zeros([C, BK], dtype=tl.float32)
+        if USE_G:
+            b_l += tl.where(m, _gate_map(tl.load(G + rows[:, None] * H + o_k[None, :], mask=m, other=0.0)), 0.0)
+        if USE_GAMMA:
+            b_l += tl.where(m, tl.load(GAMMA + o_k, mask=m_k, other=0.0)[None, :], 0.0)
+        p = rows[:, None] * H + o_k[None, :]
+        p_ls = i_cg.to(tl.int64) * H + o_k
     tl.store(PS + p, _cumsum(b_l, axis=0), mask=m)
     tl.store(RS + p, _after(b_l), mask=m)
-    tl.store(LS + (i_cg * H + i_h).to(tl.int64) * K + o_k, tl.sum(b_l, axis=0), mask=m_k)
+    tl.store(LS + p_ls, tl.sum(b_l, axis=0), mask=m_k)
 
 
 @triton.jit

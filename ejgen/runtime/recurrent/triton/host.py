@@ -259,15 +259,22 @@ def chunk_sums(kernels, q, gates, ctx, cfg):
     ins, consts = _common(q, q, q, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_sums", cfg.dk, cfg.dv)
-    width, block = (cfg.dk, blocks["BK"]) if gk else (1, 1)
     c = {n: x for n, x in _chunk_consts(q, cfg, consts).items() if n not in ("HKV", "V", "SCALE", "MAP", "DT")}
-    per = (width,) if gk else ()
+    if gk:  # a program per (chunk, block of K, grid row x head)
+        per, grid = (cfg.dk,), (per_row, packing.cdiv(cfg.dk, blocks["BK"]), grid_rows * cfg.heads)
+        c.update(K=cfg.dk, BK=blocks["BK"])
+    else:  # a scalar gate: one sum a step, a program per (chunk, grid row) with every head (`scalar_sums_lanes`)
+        per, grid = (), (per_row, 1, grid_rows)
+        c.update(K=1, BK=scalar_sums_lanes(cfg.heads))
     rows = jax.ShapeDtypeStruct(q.shape[:3] + per, F32)
     return tuple(triton_call.launch(
-        kernels.get("chunk_sums"), (per_row, packing.cdiv(width, block), grid_rows * cfg.heads),
-        [*ins[:3], ins[5], chunks],
-        [rows, rows, jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads) + per, F32)],
-        **options, **{**c, "K": width, "BK": block}))
+        kernels.get("chunk_sums"), grid, [*ins[:3], ins[5], chunks],
+        [rows, rows, jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads) + per, F32)], **options, **c))
+
+
+def scalar_sums_lanes(heads: int) -> int:
+    """``chunk_sums``' lanes with a scalar gate: every head of a chunk in one program (a power of two, at least 16)."""
+    return _pow2(heads)
 
 
 def _sums(sums, *which):
