@@ -281,15 +281,18 @@ def test_triton_gate_sums_scanned_in_each_kernel(gates, monkeypatch):
 
 def test_triton_scalar_gate_sums_formed_once(monkeypatch):
     """A scalar gate's sums over each chunk (prefix, after each step, whole: one a step, [rows, H] and [chunks, H])
-    come from `chunk_sums` by default, in the forward and the backward, as gk's do: the state kernels' walks over the
-    chunks scanned them at every chunk. Against the oracle, packed with an empty sequence, reverse (float32 inputs, the
-    pairs' own sums, in every other scalar-gate Triton test, e.g. the strong gates')."""
+    come from `chunk_sums` by default, as gk's do: the state kernels' walks over the chunks scanned them at every
+    chunk. Formed once, in the forward, and kept for the backward (small, unlike gk's, which the backward forms again).
+    Against the oracle, packed with an empty sequence, reverse (float32 inputs, the pairs' own sums, in every other
+    scalar-gate Triton test, e.g. the strong gates')."""
     formed = _sums_formed(monkeypatch)
+    read = _spy(monkeypatch, "chunk_state_grads", lambda args, out: args[7] is not None)  # its sums
     monkeypatch.delenv("EJGEN_CHUNK_GATE_SUMS", raising=False)
     case = Case("simple_gla", ("g",), dtype="bfloat16", shape=(1, 41, 2, 2, 16, 16), cu=PACKED, chunk=16,
                 reverse=True)
     check(case, "triton", hooks=_hooks(case))
-    assert len(formed) == 2 and all(formed), formed  # the forward's and the backward's
+    assert formed == [True], formed  # the forward's
+    assert read == [True], read  # the backward read the forward's
 
 
 @pytest.fixture(scope="module")

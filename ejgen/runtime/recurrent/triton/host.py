@@ -363,12 +363,17 @@ def chunk_fused_forward(kernels, q, k, v, gates, h0, ctx, cfg, a=None):
 def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     """With gk the intra-chunk matrices A are kept for the backward (``save``; [chunks, H, C, C] in q's dtype, half
     of q's size at K = 128, as fla keeps them): forming them again cost 0.78 of the backward's 0.85 ms intra kernel
-    (B4 T4096, H100, session 17); the backward's intra kernel then forms dA alone."""
+    (B4 T4096, H100, session 17); the backward's intra kernel then forms dA alone. A scalar gate's sums are kept too
+    (one a step: [B, T, H] twice, an eighth of q's size at K = 128, against gk's two [B, T, H, K], formed again)."""
     fused = settings.current().chunk_forward == "fused"
     # the gates' sums for chunk_intra and the two passes (the one pass reads none)
     sums = chunk_sums(kernels, q, gates, ctx, cfg) if cfg.has("gk") or not fused else None
     a = chunk_intra(kernels, q, k, gates, ctx, cfg, sums=sums)[0] if cfg.has("gk") else None
-    res = {"a": a} if save and a is not None else {}
+    res = {}
+    if save and a is not None:
+        res["a"] = a
+    if save and sums is not None and not cfg.has("gk"):
+        res["sums"] = sums
     if fused:
         o, ht = chunk_fused_forward(kernels, q, k, v, gates, h0, ctx, cfg, a)
         return o, ht, res
@@ -466,8 +471,11 @@ def key_log_grad(dlog, cfg):
 
 def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg, res=None):
     """(dq, dk of the mapped q and k, dv; per query head, float32 or the inputs' dtype (``_direct``); dh0; the key
-    side's log decay gradient d_key [B, T, H, K | 1] or None; None). ``res``: the forward's residuals (A with gk)."""
-    sums = chunk_sums(kernels, q, gates, ctx, cfg)  # formed again: two [B, T, H, K] float32 arrays not kept
+    side's log decay gradient d_key [B, T, H, K | 1] or None; None). ``res``: the forward's residuals (A with gk, a
+    scalar gate's sums)."""
+    sums = (res or {}).get("sums")
+    if sums is None:  # formed again with gk: two [B, T, H, K] float32 arrays not kept
+        sums = chunk_sums(kernels, q, gates, ctx, cfg)
     stored = backward_states_dtype(cfg)
     hs, _ = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored, sums=sums)
     do = do.astype(q.dtype)
