@@ -5,12 +5,15 @@ constraints between them, and for each backend (a `Backend`) the shapes it is te
 refuses (a case it cannot run must raise a clear error, and is tested to) and the tiles a case gets on
 this host. From that the base derives
 - the cases each backend runs: a pairwise covering design over the factors (`covering.pairwise`); with
-  ``EJGEN_FULL_SUITE=1`` (the GPU host) over every shape of the suite on every backend;
+  ``EJGEN_FULL_SUITE=1`` (the GPU host) over every shape of the suite on every backend. A backend that runs in an
+  interpreter here (``Backend.interpreted``: the accelerator backends without a GPU, seconds a case) runs, unless
+  ``EJGEN_FULL_SUITE=1``, a subset of those rows that still covers every level of every factor (every shape, and
+  every other level on a shape of two tiles or more): `Suite.rows`; its pairs run on the GPU host;
 - the cases each backend must refuse, one per reason it gives;
-- what each backend's cases must cover: every valid pair of levels, and every level of every factor
-  with a shape of at least two tiles on both sequence axes (a one-block shape never runs the code that
-  carries state from block to block). `check_collected` checks it on the test items pytest actually
-  collected, after any subsetting, so the list cannot drift from what runs.
+- what each backend's cases must cover: every valid pair of levels (an interpreted backend's subset: every
+  level), and every level of every factor with a shape of at least two tiles on both sequence axes (a one-block
+  shape never runs the code that carries state from block to block). `check_collected` checks it on the test
+  items pytest actually collected, after any subsetting, so the list cannot drift from what runs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ class Backend:
     tiles: Callable[[Any, str], tuple]  # (shape, dtype) -> (query tile, key tile) a call gets on this host
     refuses: Callable[[dict], str | None] = lambda row: None  # a (partial) row it cannot run -> the message
     # it must raise (a regular expression); None where it runs the row
+    interpreted: bool = False  # it runs in an interpreter on this host (seconds a case): without EJGEN_FULL_SUITE,
+    # the subset of its pairwise rows that covers every level (Suite.rows), not every pair
+    cost: Callable[[dict], float] = lambda row: 1.0  # a row's seconds here, relative: what the subset weighs
 
 
 @dataclasses.dataclass(eq=False)
@@ -68,11 +74,49 @@ class Suite:
         refuses = self.backend[backend].refuses
         return lambda row: self.valid(row) and refuses(row) is None
 
+    def levels_only(self, backend: str) -> bool:
+        """Whether ``backend``'s cases here need cover every level only (an interpreter, not EJGEN_FULL_SUITE),
+        not every pair of levels."""
+        return self.backend[backend].interpreted and not FULL
+
+    @functools.cache
+    def pairwise_rows(self, backend: str) -> tuple:
+        """The pairwise covering design over the shapes ``backend`` is tested on here (every shape of the suite with
+        ``EJGEN_FULL_SUITE=1``: the family's ``tests_shape`` says so)."""
+        return tuple(covering.pairwise(self.factors_for(backend), self.allowed(backend), seed=self.seed))
+
     @functools.cache
     def rows(self, backend: str) -> tuple:
-        """The rows ``backend`` runs: the covering design over the shapes it is tested on here (every shape of
-        the suite with ``EJGEN_FULL_SUITE=1``: the family's ``tests_shape`` says so)."""
-        return tuple(covering.pairwise(self.factors_for(backend), self.allowed(backend), seed=self.seed))
+        """The rows ``backend`` runs: its pairwise design (`pairwise_rows`); for a backend run in an interpreter,
+        without EJGEN_FULL_SUITE, a few of those rows (a greedy set cover, weighed by ``Backend.cost``) that still
+        hold every shape and every other level on a shape of two tiles or more on both axes, ties broken by the pairs
+        a row adds, in the design's order."""
+        rows = self.pairwise_rows(backend)
+        if not self.levels_only(backend):
+            return rows
+        cost = self.backend[backend].cost
+        items = [self._levels_of(backend, r) for r in rows]
+        pairs = [covering.pairs_of(self._indices(backend, r), list(r)) for r in rows]
+        needed, seen, chosen = set().union(*items), set(), []
+        while needed:
+            best = max((i for i in range(len(rows)) if i not in chosen),
+                       key=lambda i: (len(items[i] & needed) / cost(rows[i]), len(pairs[i] - seen), -i))
+            chosen.append(best)
+            needed -= items[best]
+            seen |= pairs[best]
+        return tuple(rows[i] for i in sorted(chosen))
+
+    def _indices(self, backend: str, row: dict) -> dict:
+        factors = self.factors_for(backend)
+        return {n: [covering._key(v) for v in factors[n]].index(covering._key(row[n])) for n in factors}
+
+    def _levels_of(self, backend: str, row: dict) -> set:
+        """What a row adds to a covering of every level: its shape; its other levels where its shape has two tiles
+        or more on both axes."""
+        items = {("shape", covering._key(row["shape"]))}
+        if self.nondegenerate(backend, row):
+            items |= {(n, covering._key(v)) for n, v in row.items() if n != "shape"}
+        return items
 
     def case(self, row: dict):
         case = self.make_case(row)
@@ -114,7 +158,15 @@ class Suite:
     def missing(self, backend: str, rows) -> list[str]:
         """What ``rows`` (run on ``backend``) leave uncovered, readable; empty when nothing is."""
         factors, allowed = self.factors_for(backend), self.allowed(backend)
-        problems = [f"pair {p}" for p in covering.missing_pairs(rows, factors, allowed)]
+        if self.levels_only(backend):  # every level, not every pair (a level with no pair allowed is not required)
+            required = {(name, covering._key(factors[name][i]))
+                        for pair in covering.required_pairs(factors, allowed) for name, i in pair}
+            present = {(n, covering._key(v)) for r in rows for n, v in r.items()}
+            problems = [f"{name}={covering.label(level)}: no case"
+                        for name, levels in factors.items() for level in levels
+                        if (name, covering._key(level)) in required - present]
+        else:
+            problems = [f"pair {p}" for p in covering.missing_pairs(rows, factors, allowed)]
         for name, levels in factors.items():
             if name == "shape":
                 continue

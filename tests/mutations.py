@@ -49,7 +49,7 @@ MUTATIONS = (
              "ejgen/templates/attention/triton/train_kernels.py.j2",
              "acc = _dot_acc(p.to(b_v.dtype), b_v, acc * alpha[:, None], SCHEDULE)",
              "acc = _dot_acc(p.to(b_v.dtype), b_v, acc, SCHEDULE)",
-             ("tests/attention/test_conformance.py", "-k", "test_attention and triton and B2-Sq37-Sk41")),
+             ("tests/attention/test_conformance.py", "-k", "test_attention and triton and Sq64-Sk64 and f32")),
     Mutation("lse_offset", "lse comes out 0.05 too large (xla)", "ejgen/runtime/attention/xla.py",
              "lse = jnp.where(seen, jnp.where(seen, m, 0.0) + jnp.log(",
              "lse = 0.05 + jnp.where(seen, jnp.where(seen, m, 0.0) + jnp.log(",

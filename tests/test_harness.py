@@ -76,6 +76,43 @@ def test_the_base_checks_pairs_tiles_and_refusals():
     assert [(p.values[0], p.values[2]) for p in refusals] == [("big", "too long")]
 
 
+def test_an_interpreted_backend_runs_the_rows_that_cover_every_level(monkeypatch):
+    """An interpreted backend (without EJGEN_FULL_SUITE) runs a subset of its pairwise rows: every shape, every other
+    level on a shape of two tiles or more; the base checks levels for it, not pairs. With EJGEN_FULL_SUITE, pairs."""
+
+    class Shape:
+        def __init__(self, n):
+            self.n, self.id = n, f"S{n}"
+
+    def toy():
+        return conformance.Suite(
+            family="toy",
+            factors={"mode": ("a", "b", "c", "d"), "flag": (None, "on"), "shape": (Shape(1), Shape(40), Shape(70)),
+                     "dtype": ("f32", "bf16", "f16")},
+            valid=lambda row: True,
+            make_case=lambda row: type("Case", (), {"id": "-".join(map(str, row.values()))})(),
+            lengths=lambda s: (s.n, s.n),
+            backends=(conformance.Backend("slow", lambda s: True, lambda s, d: (16, 16), interpreted=True),),
+        )
+
+    monkeypatch.setattr(conformance, "FULL", False)
+    suite = toy()
+    pairwise, rows = suite.pairwise_rows("slow"), suite.rows("slow")
+    assert len(rows) < len(pairwise) and all(r in pairwise for r in rows)
+    assert suite.missing("slow", rows) == []
+    assert {r["shape"].n for r in rows} == {1, 40, 70}
+    for name in ("mode", "flag", "dtype"):
+        assert {r[name] for r in rows if r["shape"].n > 16} == set(suite.factors[name]), name
+    assert covering.missing_pairs(rows, suite.factors_for("slow"))  # pairs are not required of it
+    others = [r for r in rows if r["mode"] != "a"]
+    assert "mode=a: no case" in suite.missing("slow", others)
+    one_tile = others + [{"mode": "a", "flag": None, "shape": suite.factors["shape"][0], "dtype": "f32"}]
+    assert "mode=a: no case with two tiles or more on both axes" in suite.missing("slow", one_tile)
+    monkeypatch.setattr(conformance, "FULL", True)
+    full = toy()
+    assert full.rows("slow") == full.pairwise_rows("slow") and full.missing("slow", full.rows("slow")) == []
+
+
 try:
     import triton
     import triton.language as tl

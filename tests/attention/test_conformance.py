@@ -4,10 +4,11 @@ dtypes, outputs, lse and every gradient, under jax.jit and jax.vjp / jax.grad.
 The cases are a pairwise covering design (``SUITE``, on the conformance base of ``tests/conformance.py``)
 over the features (mask structure, soft cap, scale, sinks, bias, segment ids or a dense mask), the shapes
 (``ejgen.testing.shapes``: GQA / MQA / MHA, odd lengths, Sq != Sk, S = 1, varlen with empty sequences,
-Dv != D) and the dtypes: every level of every factor meets every level of every other on every backend,
-and every level runs on a shape of two tiles or more on both axes of that backend;
+Dv != D) and the dtypes: every level of every factor meets every level of every other on every backend (the
+interpreters without a GPU: the few of those cases that hold every level, `conformance.Suite.rows`), and every
+level runs on a shape of two tiles or more on both axes of that backend;
 ``test_the_collected_cases_cover_the_design`` checks it on what pytest collected. ``EJGEN_FULL_SUITE=1``
-runs every backend on every shape. On the GPU host the shapes reach the GPU tiles and the Hopper kernels
+runs every backend on every shape, every pair. On the GPU host the shapes reach the GPU tiles and the Hopper kernels
 (``GPU_SHAPES``), head dims 96-256 run, and every triton case asserts which kernels it launched.
 Large-logit cases (scores to +-200, a soft cap far exceeded, dominant sinks) run on every backend, with
 a tolerance widened by the scores' float32 rounding (``oracle.tolerance``).
@@ -194,6 +195,16 @@ def _pallas_tiles(shape, dtype):
     return blocks.block_q, blocks.block_k
 
 
+def _interpreted_triton_cost(row: dict) -> float:
+    """A case's seconds in Triton's interpreter, relative: a second of set-up and tracing, and about a sixteenth
+    for each (query tile, key tile) pair of each head (varlen: of its longest sequences, over the batch)."""
+    shape = row["shape"]
+    sq, sk = _lengths(shape)
+    batch = len(shape.q_lens) if isinstance(shape, VarlenShape) else shape.batch
+    tq, tk = _triton_tiles(shape, row["dtype"])
+    return 1 + batch * shape.q_heads * -(-sq // tq) * -(-sk // tk) / 16
+
+
 def _triton_refuses(row: dict):
     shape = row.get("shape")
     if shape is not None and _dims(shape) > 256:
@@ -215,9 +226,10 @@ SUITE = conformance.Suite(
     lengths=_lengths,
     backends=(
         conformance.Backend("xla", _on_this_host(XLA_SHAPES + INTERPRETER_SHAPES[2:] + (WIDE_SHAPE,)), _xla_tiles),
-        conformance.Backend("triton", _on_this_host(_INTERPRETED), _triton_tiles, _triton_refuses),
+        conformance.Backend("triton", _on_this_host(_INTERPRETED), _triton_tiles, _triton_refuses,
+                            interpreted=not ON_GPU, cost=_interpreted_triton_cost),
         # pallas runs head dims past 256 too, on the GPU host and with EJGEN_FULL_SUITE (xla runs them in CI)
-        conformance.Backend("pallas", _on_this_host(INTERPRETER_SHAPES), _pallas_tiles),
+        conformance.Backend("pallas", _on_this_host(INTERPRETER_SHAPES), _pallas_tiles, interpreted=not ON_GPU),
     ),
 )
 
@@ -268,6 +280,13 @@ LARGE_LOGIT_CASES = (
 
 def _ids(cases):
     return [c.id for c in cases]
+
+
+def _every_backend(cases: dict, interpreted) -> list:
+    """``(backend, case)`` params, ids ``<backend>-<id>``: every case (id -> case) on xla, and on the interpreted
+    backends (no GPU, no EJGEN_FULL_SUITE) the ids in ``interpreted`` only; every case everywhere else."""
+    return [pytest.param(b, case, id=f"{b}-{i}") for b in BACKENDS for i, case in cases.items()
+            if b not in ACCELERATOR_BACKENDS or ON_GPU or conformance.FULL or i in interpreted]
 
 
 def make_inputs(f: Features, shape: AttnShape, dtype: str, rng):
@@ -459,11 +478,16 @@ def test_backends_refuse_what_they_do_not_run(backend, run_vjp, case, message):
         run_case(case, backend, run_vjp)
 
 
-@pytest.mark.parametrize("case", LARGE_LOGIT_CASES, ids=_ids(LARGE_LOGIT_CASES))
+# What the interpreters run in CI (every case on xla, on the GPU host and with EJGEN_FULL_SUITE): each kind of large
+# logit (scores alone, a soft cap exceeded, dominant sinks), each dtype, causal and not
+LARGE_LOGITS_INTERPRETED = tuple(LARGE_LOGIT_CASES[i].id for i in (1, 3, 4))
+
+
+@pytest.mark.parametrize("backend,case", _every_backend({c.id: c for c in LARGE_LOGIT_CASES}, LARGE_LOGITS_INTERPRETED))
 def test_large_logits(backend, run_vjp, case):
-    """Scores up to +-200, a soft cap far exceeded, sinks above every score: on every backend (not
-    the subset), each case with a score or sink that float32's exp overflows on without the
-    running-max subtraction."""
+    """Scores up to +-200, a soft cap far exceeded, sinks above every score: on every backend (the
+    interpreters: `LARGE_LOGITS_INTERPRETED`), each case with a score or sink that float32's exp overflows
+    on without the running-max subtraction."""
     run_case(case, backend, run_vjp)
 
 
@@ -474,11 +498,28 @@ FULLY_MASKED = {
 }
 
 
-@pytest.mark.parametrize("sinks", [None, "h"], ids=["nosinks", "sinks"])
-@pytest.mark.parametrize("how", FULLY_MASKED, ids=list(FULLY_MASKED))
-def test_fully_masked_rows(backend, run_vjp, how, sinks):
+# The interpreters in CI (every way with and without sinks on xla, on the GPU host and with EJGEN_FULL_SUITE): each
+# way, with sinks and without
+FULLY_MASKED_INTERPRETED = ("segments-sinks", "mask-nosinks", "causal_sq_gt_sk-sinks")
+
+
+def test_the_interpreters_meet_every_way_of_masking_rows_fully():
+    """`FULLY_MASKED_INTERPRETED` holds every way of `FULLY_MASKED`, and rows with sinks and without."""
+    ways, sinks = zip(*(i.rsplit("-", 1) for i in FULLY_MASKED_INTERPRETED))
+    assert set(ways) == set(FULLY_MASKED) and set(sinks) == {"sinks", "nosinks"}
+
+
+@pytest.mark.parametrize("backend,how_sinks", _every_backend(
+    {f"{how}-{'sinks' if sinks else 'nosinks'}": (how, sinks) for how in FULLY_MASKED for sinks in (None, "h")},
+    FULLY_MASKED_INTERPRETED))
+def test_fully_masked_rows(backend, run_vjp, how_sinks):
     """Queries that see no key: out exactly 0, lse -inf (the sinks' logsumexp with sinks), zero
     gradients, and no NaN anywhere — with rows chosen by hand, not read from the oracle."""
+    check_fully_masked_rows(backend, run_vjp, *how_sinks)
+
+
+def check_fully_masked_rows(backend, run_vjp, how, sinks):
+    """`test_fully_masked_rows`' check of one way (`FULLY_MASKED`), sinks None or "h"."""
     op, MaskInfo = _flash_attention(), _mask_info()
     shape = FULLY_MASKED[how]
     B, Sq, Sk, Hq = shape.batch, shape.q_len, shape.kv_len, shape.q_heads
@@ -535,11 +576,17 @@ def test_fully_masked_rows(backend, run_vjp, how, sinks):
     oracle.check_attention(out, lse, grads, ref, diff, "float32")
 
 
+# What vmap is about is the extra axis, not the tiles: a small shape of two tiles or more on both axes of each
+# interpreter (Triton's 16 x 16, Pallas' 32 x 16), GQA, ragged ends (a quarter of the Triton interpreter's work of
+# INTERPRETER_SHAPES[0])
+VMAP_SHAPE = AttnShape(1, 40, 37, 2, 1, 16)
+
+
 def test_vmap_over_an_extra_leading_axis(backend):
     """jax.vmap over a leading axis (inputs, bias and segment ids batched, sinks shared) equals a
     Python loop, forward and backward, and the loop equals the oracle."""
     op, MaskInfo = _flash_attention(), _mask_info()
-    E, shape = 2, INTERPRETER_SHAPES[0]
+    E, shape = 2, VMAP_SHAPE
     rng = rng_for("vmap")
     qkv = [random_qkv(shape, "float32", rng) for _ in range(E)]
     q, k, v = (jnp.stack([x[n] for x in qkv]) for n in ("query", "key", "value"))
@@ -672,14 +719,16 @@ F32_EXP_OVERFLOW = float(np.log(np.finfo(np.float32).max))  # 88.72: exp of more
 def test_large_logit_cases_cover_the_plan():
     """Scores of +-200, a soft cap exceeded 5x, sinks above every score, in each dtype, with and
     without causal; each case's largest score or sink overflows float32's exp, and the inputs stay
-    small enough for the CPU suite (S <= 96)."""
-    cases = LARGE_LOGIT_CASES
-    assert {c.dtype for c in cases} == {"float32", "bfloat16", "float16"}
-    assert any(c.features.logits >= 200 and not c.features.atoms for c in cases)
-    assert any(c.features.soft_cap and c.features.logits >= 5 * c.features.soft_cap for c in cases)
-    assert any(c.features.sink_margin for c in cases)
-    assert {c.features.causal for c in cases} == {True, False}
-    for case in cases:
+    small enough for the CPU suite (S <= 96). The interpreters' subset in CI too (`LARGE_LOGITS_INTERPRETED`)."""
+    interpreted = [c for c in LARGE_LOGIT_CASES if c.id in LARGE_LOGITS_INTERPRETED]
+    assert len(interpreted) == len(LARGE_LOGITS_INTERPRETED)
+    for cases in (LARGE_LOGIT_CASES, interpreted):
+        assert {c.dtype for c in cases} == {"float32", "bfloat16", "float16"}
+        assert any(c.features.logits >= 200 and not c.features.atoms for c in cases)
+        assert any(c.features.soft_cap and c.features.logits >= 5 * c.features.soft_cap for c in cases)
+        assert any(c.features.sink_margin for c in cases)
+        assert {c.features.causal for c in cases} == {True, False}
+    for case in LARGE_LOGIT_CASES:
         assert max(case.shape.q_len, case.shape.kv_len) <= 96, case.id
         diff, _, static, _ = make_inputs(case.features, case.shape, case.dtype, rng_for(case.id))
         assert largest_logit(diff, static) > F32_EXP_OVERFLOW, case.id

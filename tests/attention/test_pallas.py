@@ -44,7 +44,8 @@ TPU_CASES = (
     Case(Features(causal=True, bias="1hqk"), M0),
     Case(Features(sinks="h", segments="random"), M0),
     Case(Features(window=(8, 4), mask="bhqk"), G0),
-    Case(Features(causal=True, window=(20, 0), sinks="hn", bias="b1qk", segments="packed", **CAP), G0),
+    # every feature at once in float32: `test_tpu_kernels_in_the_tpu_interpreter` (the same case, the stricter
+    # interpreter)
     Case(Features(sinks="n", bias="11qk", mask="bqk", **CAP), M0),
     Case(Features(causal=True, window=(20, 0), sinks="hn", bias="b1qk", segments="packed", **CAP), G0, "bfloat16"),
     Case(Features(causal=True, sinks="hn", **CAP), VARLEN_SHAPES[0]),
@@ -60,7 +61,7 @@ def test_tpu_kernels(run_vjp, case):
 @pytest.mark.parametrize("how", ["segments", "causal_sq_gt_sk"])
 def test_fully_masked_rows_on_the_tpu_kernels(run_vjp, how):
     with pallas_attention.interpret_kernels("tpu"):
-        conformance.test_fully_masked_rows("pallas", run_vjp, how, "h" if how == "segments" else None)
+        conformance.check_fully_masked_rows("pallas", run_vjp, how, "h" if how == "segments" else None)
 
 
 VARIANT_CASES = (
@@ -78,10 +79,14 @@ def test_variant_on_the_tpu_kernels(run_vjp, case):
         variants.test_variant_matches_oracle("pallas", run_vjp, case)
 
 
+EVERY_FEATURE = Case(Features(causal=True, window=(20, 0), sinks="hn", bias="b1qk", segments="packed", **CAP), G0)
+
+
 def test_tpu_kernels_in_the_tpu_interpreter(run_vjp):
     """The TPU kernels under Pallas' TPU interpreter, which models DMAs and block revisits and
-    fills uninitialised memory with NaN: every feature at once, GQA, odd lengths."""
-    case = Case(Features(causal=True, window=(20, 0), sinks="hn", bias="b1qk", segments="packed", **CAP), G0)
+    fills uninitialised memory with NaN: every feature at once, GQA, odd lengths (TPU_CASES' float32 case of every
+    feature: the same check, stricter)."""
+    case = EVERY_FEATURE
     with pallas_attention.interpret_kernels("tpu", pltpu.InterpretParams()):
         conformance.run_case(case, "pallas", run_vjp)
 

@@ -85,13 +85,13 @@ sign)."""
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_integer_operator_matches_its_definition(arith, backend):
     """Each backend with both option sets, through one compiled function: the options are runtime scalars."""
-    shape = AttnShape(1, 37, 41, 4, 2, 16)
+    shape = AttnShape(1, 37, 41, 2, 1, 16)  # two tiles or more on both axes, GQA (the operators are what counts)
     fwd_bwd = jitted_vjp(arith, {"platform": backend})
     for options in OPTIONS:
         rng = rng_for("arith", backend, str(options))
         diff = random_qkv(shape, "float32", rng)
         diff["query"] = diff["query"] * 3.0  # logits past the clamp and across several integers
-        params = {"w": jnp.asarray(rng.standard_normal((4, 7)), jnp.float32)}
+        params = {"w": jnp.asarray(rng.standard_normal((shape.q_heads, 7)), jnp.float32)}
         diff.update(params)
         d_out, d_lse = random_cotangents(shape, "float32", rng)
         out, lse, grads = fwd_bwd(diff, options, d_out, d_lse)
