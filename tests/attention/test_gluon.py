@@ -19,7 +19,6 @@ from ejgen.testing.shapes import AttnShape  # noqa: E402
 from ejgen.runtime.attention.config import AttentionConfig  # noqa: E402
 from ejgen.runtime.attention.gluon import host as gluon_attention  # noqa: E402
 from ejgen.runtime.launch import triton_call  # noqa: E402
-from ejgen.testing.aot import compile_gluon_in_subprocess  # noqa: E402
 from hopper_fakes import pretend_hopper  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("x64_stays_off", "any_window_width")
@@ -43,38 +42,49 @@ def _layout(spec: str):
 SOFTCAP_SPILL_BUDGET = 96  # bytes a thread the soft cap's backwards may spill (sm_90, Triton 3.9: 56-88 measured)
 
 
-@pytest.mark.parametrize("dtype,d,causal,window,segments,softcap", [("bfloat16", 128, True, True, False, False),
-                                                                    ("float16", 64, False, False, False, False),
-                                                                    ("bfloat16", 128, True, False, True, False),
-                                                                    ("bfloat16", 128, True, True, False, True),
-                                                                    ("float16", 64, False, False, False, True),
-                                                                    ("bfloat16", 128, True, False, True, "fast")])
-def test_the_kernel_compiles_for_sm90_within_the_launch_budget(dtype, d, causal, window, segments, softcap):
-    """Forward and backward (and the persistent backward of causal windows); SOFTCAP: a soft cap (Gemma 2 / 3), "fast"
-    with the hardware's approximate tanh (`host.FAST_TANH`)."""
+# (dtype, head dim, causal, window, segments, soft cap): each compiled with the others in one process (one start and
+# import of Triton and Gluon, not one per configuration: 17 s of 79 from a cold Triton cache, as CI's is)
+LAUNCH_BUDGET_CASES = [("bfloat16", 128, True, True, False, False), ("float16", 64, False, False, False, False),
+                       ("bfloat16", 128, True, False, True, False), ("bfloat16", 128, True, True, False, True),
+                       ("float16", 64, False, False, False, True), ("bfloat16", 128, True, False, True, "fast")]
+
+
+def test_the_kernel_compiles_for_sm90_within_the_launch_budget():
+    """Forward and backward (and the persistent backward of causal windows) of each of `LAUNCH_BUDGET_CASES`, each
+    checked on its own; SOFTCAP: a soft cap (Gemma 2 / 3), "fast" with the hardware's approximate tanh
+    (`host.FAST_TANH`)."""
+    from ejgen.testing.aot import compile_all_in_subprocess
+
     if not gluon_attention.importable()[0]:
         pytest.fail(f"the test install's Triton has no Gluon warp specialisation: {gluon_attention.importable()[1]}")
-    compiled = compile_gluon_in_subprocess(dtype=dtype, head_dim=d, causal=causal, window=window, segments=segments,
-                                           softcap=bool(softcap), fast_tanh=softcap == "fast", with_ptx=True,
-                                           with_resources=True)
+    requests = [dict(gluon=True, dtype=dtype, head_dim=d, causal=causal, window=window, segments=segments,
+                     softcap=bool(softcap), fast_tanh=softcap == "fast", with_ptx=True, with_resources=True)
+                for dtype, d, causal, window, segments, softcap in LAUNCH_BUDGET_CASES]
+    for case, compiled in zip(LAUNCH_BUDGET_CASES, compile_all_in_subprocess(requests)):
+        assert "error" not in compiled, (case, compiled.get("error"))
+        _check_launch_budget(case, compiled)
+
+
+def _check_launch_budget(case, compiled):
+    dtype, d, causal, window, segments, softcap = case
     persistent_bwd = ("gluon_bwd_persistent_kernel", ) if causal and window else ()
-    assert set(compiled) == {"gluon_fwd_kernel", "gluon_bwd_kernel", *persistent_bwd}
+    assert set(compiled) == {"gluon_fwd_kernel", "gluon_bwd_kernel", *persistent_bwd}, case
     for name in compiled:
         meta = compiled[name]
-        assert meta["warps"] == 12, "two consumer warpgroups and a producer warp (padded to a warpgroup)"
-        assert 0 < meta["global_scratch"] <= triton_call.SCRATCH_PER_PROGRAM, name  # the descriptors
-        assert meta["shared"] <= 227 * 1024, (name, meta["shared"])  # Hopper's shared memory per block
-        assert meta["cubin"] and meta["wgmma"]
-        assert "setmaxnreg" in meta["ptx"] and "cp.async.bulk.tensor" in meta["ptx"], name
-        assert "wgmma.wait_group.sync.aligned 1" in meta["ptx"], f"{name}: an exp under a wgmma in flight"
+        assert meta["warps"] == 12, f"{case} {name}: two consumer warpgroups and a producer warp (padded)"
+        assert 0 < meta["global_scratch"] <= triton_call.SCRATCH_PER_PROGRAM, (case, name)  # the descriptors
+        assert meta["shared"] <= 227 * 1024, (case, name, meta["shared"])  # Hopper's shared memory per block
+        assert meta["cubin"] and meta["wgmma"], (case, name)
+        assert "setmaxnreg" in meta["ptx"] and "cp.async.bulk.tensor" in meta["ptx"], (case, name)
+        assert "wgmma.wait_group.sync.aligned 1" in meta["ptx"], f"{case} {name}: an exp under a wgmma in flight"
         # spills (the cubin's stack): none without a soft cap; with one the backwards' (Triton 3.9; 3.6 spills less)
         # 8-88 B a thread at head dim 128 (session 19), its forward with segment ids none
         budget = SOFTCAP_SPILL_BUDGET if softcap and name != "gluon_fwd_kernel" else 0
-        assert meta["stack"] <= budget, f"{name}: {meta['stack']} bytes spilled a thread (budget {budget})"
+        assert meta["stack"] <= budget, f"{case} {name}: {meta['stack']} bytes spilled a thread (budget {budget})"
     for name in ("gluon_bwd_kernel", *persistent_bwd):
-        assert "cp.reduce.async.bulk.tensor" in compiled[name]["ptx"], f"{name}: dQ by bulk reduce-adds"
+        assert "cp.reduce.async.bulk.tensor" in compiled[name]["ptx"], f"{case} {name}: dQ by bulk reduce-adds"
     if persistent_bwd:
-        assert "atom.global" in compiled["gluon_bwd_persistent_kernel"]["ptx"], "tiles from an atomic counter"
+        assert "atom.global" in compiled["gluon_bwd_persistent_kernel"]["ptx"], f"{case}: tiles from an atomic counter"
 
 
 def test_the_dynamic_tile_queue_compiles_like_the_static_split():
@@ -162,18 +172,24 @@ def test_keys_of_another_length_take_the_hopper_kernels_with_the_gluon_cross_set
         assert constexprs(2, 8, 2, 512, 128, False, False)["SEQ_K"] == 512
 
 
-@pytest.mark.parametrize("seq,seq_k", [(1000, 2100), (2100, 700)], ids=["more-keys", "more-queries"])
-def test_the_cross_kernels_compile_for_sm90(seq, seq_k):
-    """The forward and the backward with SEQ_K != SEQ (no causal): compiled for sm_90 without spills (the cubin's
-    stack), their loads and products as the square kernels', the backward's dQ by bulk reduce-adds."""
+def test_the_cross_kernels_compile_for_sm90():
+    """The forward and the backward with SEQ_K != SEQ (no causal), more keys and more queries (in one process):
+    compiled for sm_90 without spills (the cubin's stack), their loads and products as the square kernels', the
+    backward's dQ by bulk reduce-adds."""
+    from ejgen.testing.aot import compile_all_in_subprocess
+
     if not gluon_attention.importable()[0]:
         pytest.fail(gluon_attention.importable()[1])
-    compiled = compile_gluon_in_subprocess(causal=False, seq=seq, seq_k=seq_k, with_ptx=True, with_resources=True)
-    assert set(compiled) == {"gluon_fwd_kernel", "gluon_bwd_kernel"}
-    for name, meta in compiled.items():
-        assert meta["cubin"] and meta["wgmma"] and "cp.async.bulk.tensor" in meta["ptx"], name
-        assert meta["stack"] == 0, f"{name}: {meta['stack']} bytes spilled a thread"
-    assert "cp.reduce.async.bulk.tensor" in compiled["gluon_bwd_kernel"]["ptx"]
+    lengths = {"more-keys": (1000, 2100), "more-queries": (2100, 700)}
+    requests = [dict(gluon=True, causal=False, seq=seq, seq_k=seq_k, with_ptx=True, with_resources=True)
+                for seq, seq_k in lengths.values()]
+    for case, compiled in zip(lengths, compile_all_in_subprocess(requests)):
+        assert "error" not in compiled, (case, compiled.get("error"))
+        assert set(compiled) == {"gluon_fwd_kernel", "gluon_bwd_kernel"}, case
+        for name, meta in compiled.items():
+            assert meta["cubin"] and meta["wgmma"] and "cp.async.bulk.tensor" in meta["ptx"], (case, name)
+            assert meta["stack"] == 0, f"{case} {name}: {meta['stack']} bytes spilled a thread"
+        assert "cp.reduce.async.bulk.tensor" in compiled["gluon_bwd_kernel"]["ptx"], case
 
 
 def test_the_backward_covers_short_causal_windows_but_not_two_sided_ones():
