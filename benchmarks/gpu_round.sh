@@ -40,6 +40,9 @@
 #   zoo-a16, zoo-b16  the same at 16 calls a sample (both sides)
 #   trace          every kernel of one call of a few masked zoo cases (trace_table.py; TRACE_CASES)
 #   trace-natten   the same for causal, NATTEN 2-D and the 8k documents
+#   zoo-ab         zoo.py's AB_CASES (default causal,natten2d; 16 calls) here and in each folder of AB_TREES (A/B)
+#   flex-ab        FlexAttention on AB_CASES (16 calls), its table beside zoo-ab's main rows
+#   ncu-natten     Nsight Compute of NATTEN 2-D's Hopper forward (details and SASS samples into $OUT)
 #   documents      documents vs Flex (blocksparse.py, flex_blocksparse.py)             (issue 14)
 #   documents16    the same at 16 calls a sample (both sides)
 #   pause          45 s of nothing (benchmarks after another lane's test shards)
@@ -176,6 +179,28 @@ j_zoo-a() { zoo_half a $ZOO_A; }
 j_zoo-b() { zoo_half b $ZOO_B; }
 j_zoo-a16() { zoo_half a16 $ZOO_A 16; }
 j_zoo-b16() { zoo_half b16 $ZOO_B 16; }
+j_zoo-ab() {  # zoo.py's AB_CASES (16 calls a sample) in this tree, then in each of AB_TREES (folders holding a
+  # `git archive` of generated, zoo, ejgen and benchmarks, ejgen/generated and ejgen/zoo linked): A/B of kernel changes
+  local t
+  job zoo-ab-main 150 python3 benchmarks/zoo.py --out "$log/zoo-ab-main" --cases "${AB_CASES:-causal,natten2d}" \
+    --reps 4 --rounds 2 --calls 16
+  for t in ${AB_TREES:-}; do
+    job "zoo-ab-$t" 150 env PYTHONPATH="${PYTHONPATH//$PWD/$PWD/$t}" python3 "$t/benchmarks/zoo.py" \
+      --out "$log/zoo-ab-$t" --cases "${AB_CASES:-causal,natten2d}" --reps 4 --rounds 2 --calls 16
+  done
+}
+j_flex-ab() { job flex-ab 200 env -u PYTHONPATH python3 benchmarks/flex_zoo.py --out "$log/zoo-ab-main" \
+  --cases "${AB_CASES:-causal,natten2d}" --reps 6 --calls 16; python3 benchmarks/zoo.py --out "$log/zoo-ab-main" \
+  --table --plot "" > "$log/zoo-ab-main/table.md" 2>&1; }
+j_ncu-natten() {  # Nsight Compute of NATTEN 2-D's Hopper forward: stall reasons, issue, instruction mix, SASS samples
+  job ncu-natten 150 ncu --clock-control none -k regex:'gluon_attention_fwd' --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \
+    --section SourceCounters --import-source yes -f -o "$log/src-natten" \
+    python3 benchmarks/zoo.py --out "$log/zoo-ncu" --cases natten2d --reps 1 --rounds 1 --calls 1
+  ncu -i "$log/src-natten.ncu-rep" --page details > "$log/ncu-natten-details.txt" 2>&1
+  cp "$log/ncu-natten-details.txt" "$OUT/" 2>/dev/null
+  ncu -i "$log/src-natten.ncu-rep" --page source --csv --print-source sass 2> /dev/null | gzip > "$OUT/src-natten.csv.gz"
+}
 j_trace() { job trace 120 python3 benchmarks/trace_table.py \
   --cases "${TRACE_CASES:-causal,documents,chunked,flamingo}" --out "$log/trace"; }
 j_trace-natten() { TRACE_CASES=causal,natten2d,documents j_trace; }

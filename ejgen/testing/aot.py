@@ -102,10 +102,11 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     from ejgen.runtime.attention.config import AttentionConfig
 
     call = AttentionConfig(seq_q=seq, seq_k=seq, causal=causal, window=window, segments=segments)
-    fwd_lists = bwd_lists = mask = None
+    fwd_lists = bwd_lists = mask = staged = None
     if spec:
-        module = importlib.import_module(f"{spec}.triton_kernels")
-        mask = (module._spec_mask, module._spec_options)
+        spec_layout = importlib.import_module(f"{spec}.triton_launch").LAYOUT
+        mask = spec_layout.spec_mask()  # with position terms, theirs
+        staged = spec_layout.staged_mask()  # the forward's key-side terms staged per block
         fwd_lists = dict(gluon_attention.NO_LISTS, LIST=True)
         bwd_lists = dict(gluon_attention.NO_LISTS, LIST=1)
     elif window and segments:  # the backward walks lists (`gluon.host.listed`)
@@ -120,7 +121,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     tiles = gluon_attention.fwd_key_tiles(call, divides)
     fwd_consts = gluon_attention.constexprs(*args, ordered=gluon_attention.ordered(call) or bool(fwd_lists),
                                             dynamic=dynamic, lists=fwd_lists, spec=mask, tiles=tiles, seq_k=seq_k,
-                                            softcap=softcap, fast_tanh=fast_tanh)
+                                            softcap=softcap, fast_tanh=fast_tanh, staged=staged)
     segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32", ORDER="*i32")
     bwd_pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
                         DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)

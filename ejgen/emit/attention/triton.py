@@ -20,8 +20,10 @@ from ejgen.emit.printer import Printer
 from ejgen.emit.attention.common import (MAX_POSITIONAL_DIM, positional, positional_read_fits, range_constraints,
                                          scalar_layout)
 from ejgen.emit.attention.intervals import mask_tiles_context
+from ejgen.emit.attention.xla import JnpPrinter
 from ejgen.errors import SpecError
 from ejgen.ir.expr import Binary, Call, Const, Expr, ParamRef, Unary, Var, to_text, walk
+from ejgen.ir.passes.separate import position_terms
 from ejgen.plan.attention import AttentionPlan
 
 DIM_CONSTEXPR = {"batch": "DIMS.B", "heads": "DIMS.HQ", "kv_heads": "DIMS.HKV", "q_len": "DIMS.SEQ_Q",
@@ -269,6 +271,44 @@ def divides_positions(mask: Expr | None) -> bool:
         and any(isinstance(x, (Var, ParamRef)) for x in walk(n.b)) for n in walk(mask))
 
 
+def position_terms_context(mask: Expr | None, variant, mask_options: list, i32_count: int) -> dict | None:
+    """The Hopper kernels' form of a spec mask with costly one-position terms (`ir/passes/separate.position_terms`;
+    docs/DESIGN.md §6): the terms as jax.numpy over the positions (triton_launch.py's `_position_terms`, formed once
+    a call), the rest of the mask as Triton reading them (triton_kernels.py's `_spec_mask_terms`), and where the
+    table starts in I32 (past its scalars and their marker, 16-byte aligned). None without such terms or where the
+    Hopper kernels do not run the mask (`gluon_mask`)."""
+    if not gluon_mask(mask):
+        return None
+    rest, terms = position_terms(mask)
+    if not terms:
+        return None
+    # table rows: the key side's first (the Hopper forward's producer stages rows 0 .. kv - 1 per key block)
+    order = [i for i, (side, _) in enumerate(terms) if side == "kv"] + [i for i, (side, _) in enumerate(terms)
+                                                                        if side == "q"]
+    row = {i: r for r, i in enumerate(order)}
+    kv = sum(side == "kv" for side, _ in terms)
+    names = _names(variant)
+    tl_printer = TlPrinter({**names, **{f"_t{i}": f"t{i}" for i in range(len(terms))}}, {})
+    jnp_names = {n: n for n in ("q_idx", "kv_idx", "q_len", "kv_len")}
+    jnp_names.update({"q_idx": "pos", "kv_idx": "pos", "q_len": "seq", "kv_len": "seq"})
+    jnp_names.update({o.name: f'ctx["opt_{o.name}"]' for o in variant.options})
+    jnp_printer = JnpPrinter(jnp_names, {})
+    used = {f"opt_{n.name}" for n in walk(rest) if isinstance(n, Var) and n.kind == "option"}
+    return {
+        "rest": rest,
+        "rest_code": tl_printer(rest),
+        "options": [(i, o) for i, o in enumerate(mask_options) if o in used],
+        "count": len(mask_options),
+        "at": -(-(i32_count + 1) // 4) * 4,  # I32's scalars and the marker `host._packed` appends
+        "terms": [{"side": side, "index": "q_idx" if side == "q" else "kv_idx", "text": to_text(t), "row": row[i],
+                   "jnp": jnp_printer(t)} for i, (side, t) in enumerate(terms)],
+        "rows": [{"text": to_text(terms[i][1]), "jnp": jnp_printer(terms[i][1])} for i in order],
+        # the Hopper forward's staged form (`_spec_mask_staged`): key-side terms given per block (at most 4)
+        "kv": kv if 0 < kv <= 4 else 0,
+        "q": [row[i] for i in order if terms[i][0] == "q"],
+    }
+
+
 def template_context(plan: AttentionPlan) -> dict:
     variant = plan.variant
     params = {p.name: p for p in variant.params}
@@ -288,6 +328,7 @@ def template_context(plan: AttentionPlan) -> dict:
     spec_mask = plan.spec_mask
     mask_bindings = [] if spec_mask is None else _bindings([spec_mask], variant)
     mask_options = [line.split(" = ", 1)[0] for line in mask_bindings]
+    terms = position_terms_context(spec_mask, variant, mask_options, len(i32))
     return {
         "title": textwrap.fill(f"Triton kernels of `{plan.name}`: forward with lse; backward as a dK/dV and a dQ kernel.",
                                WIDTH - 3),
@@ -313,7 +354,9 @@ def template_context(plan: AttentionPlan) -> dict:
         "mask_options": f"({mask_options[0]}, )" if len(mask_options) == 1 else f"({', '.join(mask_options)})",
         "mask_option_names": mask_options,
         "gluon_mask": repr(gluon_mask(spec_mask)),
-        "mask_divides": repr(divides_positions(spec_mask)),
+        # the mask the Hopper kernels run: with position terms, the rest of it (`_spec_mask_terms`)
+        "mask_divides": repr(divides_positions(terms["rest"] if terms else spec_mask)),
+        "position_terms": terms,
         "runtime_mask_from_spec": plan.mask.needs_block_mask,
         "builtin_mask_only": repr(spec_mask is None),
         "mask_tiles": mask_tiles_context(spec_mask),

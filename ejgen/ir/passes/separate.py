@@ -15,7 +15,8 @@ and the same under ``!=``, either operand order, sides swapped.
 
 from __future__ import annotations
 
-from ejgen.ir.expr import Binary, Const, Expr, Type, Unary, Var, children, walk, with_children
+from ejgen.ir.expr import (INT_RESULT_FUNCS, Binary, Call, Const, Expr, ParamRef, Type, Unary, Var, children, walk,
+                            with_children)
 
 _Q, _KV = {"q_idx"}, {"kv_idx"}
 
@@ -55,3 +56,53 @@ def separate(e: Expr) -> Expr:
     right = Unary("-", b, ty=Type.INT) if plus else b
     mod = lambda x: Binary("%", x, d, ty=Type.INT)  # noqa: E731
     return Binary(e.op, mod(a), mod(right), loc=e.loc, ty=Type.BOOL)
+
+
+# ------------------------------------------------------------------------------------------- position terms
+
+MAX_POSITION_TERMS = 8  # table rows at most (the rest stays inline)
+
+
+def _costly(e: Expr) -> bool:
+    """Whether ``e`` holds an integer division or modulo by a non-constant, or an int made from a float: twenty-odd
+    instructions a value on a GPU (a constant divisor is a multiply-high)."""
+    for n in walk(e):
+        if isinstance(n, Binary) and n.op in ("//", "%") and not isinstance(n.b, Const):
+            return True
+        if isinstance(n, Call) and n.fn in INT_RESULT_FUNCS and n.args[0].ty is Type.FLOAT:
+            return True
+    return False
+
+
+def _one_position(e: Expr) -> bool:
+    """Of one position (q_idx or kv_idx), lengths and options alone: no b, h, params or logit."""
+    if _side(e) not in ("q", "kv"):
+        return False
+    return not any(isinstance(n, ParamRef) or (isinstance(n, Var) and n.name in ("b", "h", "s")) for n in walk(e))
+
+
+def position_terms(mask: Expr) -> tuple[Expr, list[tuple[str, Expr]]]:
+    """The mask's costly one-position integer terms taken out into a table (docs/DESIGN.md §6, position terms).
+
+    A term of q_idx alone, or of kv_idx alone (with lengths and options), that divides by a run-time value costs its
+    twenty-odd instructions per value of a tile: per key column of every key block in the forward, per query column
+    in the backward (NATTEN 2-D's forward spent half its time there). Its values depend on the position only, so the
+    host forms them once a call, a row of int32 per term over the positions 0 .. S - 1, and the Hopper kernels read
+    them (`_spec_mask_terms`). Returns (the mask with each term replaced by ``Var("_t<i>", kind="term")``, [(side,
+    term)]), the terms maximal (the largest one-position subexpression that holds the costly part), equal ones shared,
+    at most MAX_POSITION_TERMS (the rest stays inline)."""
+    found: list[tuple[str, Expr]] = []
+
+    def visit(e: Expr) -> Expr:
+        if e.ty is Type.INT and not isinstance(e, (Var, Const)) and _one_position(e) and _costly(e):
+            for i, (_, t) in enumerate(found):
+                if t == e:
+                    return Var(f"_t{i}", kind="term", ty=Type.INT)
+            if len(found) < MAX_POSITION_TERMS:
+                found.append((_side(e), e))
+                return Var(f"_t{len(found) - 1}", kind="term", ty=Type.INT)
+        kids = children(e)
+        return with_children(e, tuple(visit(c) for c in kids)) if kids else e
+
+    rest = visit(mask)
+    return rest, found

@@ -9,6 +9,8 @@ Runs through jax-triton on NVIDIA GPUs, and in Triton's interpreter on the CPU w
 TRITON_INTERPRET=1 is set before this module is first used. Kernels mask their edges: no padding.
 """
 
+import jax.numpy as jnp
+
 from ejgen.runtime.attention.triton import host as triton_attention
 from ejgen.runtime.attention.triton.host import available
 from ejgen.runtime.core import intervals as iv
@@ -43,6 +45,37 @@ def _mask_tiles(t, ctx):
     return iv.kinds(v20)
 
 
+
+def _position_terms(seq, ctx):
+    """[6, seq rounded up to 256] int32: the spec mask's costly one-position terms over the positions, formed
+    once a call for the Hopper kernels (`_spec_mask_terms` of triton_kernels.py; docs/DESIGN.md §6, position terms)."""
+    pos = jnp.arange(-(-seq // 256) * 256, dtype=jnp.int32)
+    terms = [
+        # (kv_idx // width)
+        jnp.where(ctx["opt_width"] == 0, 0, pos // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"])),
+        # (kv_idx % width)
+        pos - jnp.where(ctx["opt_width"] == 0, 0, pos // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
+        * ctx["opt_width"],
+        # clamp(((q_idx // width) - (kernel // 2)), 0, ((kv_len // width) - kernel))
+        jnp.clip(jnp.where(ctx["opt_width"] == 0, 0, pos // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
+                 - ctx["opt_kernel"] // 2, 0, jnp.where(ctx["opt_width"] == 0, 0,
+                                                        seq // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
+                 - ctx["opt_kernel"]),
+        # (clamp(((q_idx // width) - (kernel // 2)), 0, ((kv_len // width) - kernel)) + kernel)
+        jnp.clip(jnp.where(ctx["opt_width"] == 0, 0, pos // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
+                 - ctx["opt_kernel"] // 2, 0, jnp.where(ctx["opt_width"] == 0, 0,
+                                                        seq // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
+                 - ctx["opt_kernel"]) + ctx["opt_kernel"],
+        # clamp(((q_idx % width) - (kernel // 2)), 0, (width - kernel))
+        jnp.clip(pos - jnp.where(ctx["opt_width"] == 0, 0, pos // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
+                 * ctx["opt_width"] - ctx["opt_kernel"] // 2, 0, ctx["opt_width"] - ctx["opt_kernel"]),
+        # (clamp(((q_idx % width) - (kernel // 2)), 0, (width - kernel)) + kernel)
+        jnp.clip(pos - jnp.where(ctx["opt_width"] == 0, 0, pos // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
+                 * ctx["opt_width"] - ctx["opt_kernel"] // 2, 0, ctx["opt_width"] - ctx["opt_kernel"])
+        + ctx["opt_kernel"],
+    ]
+    return jnp.stack([jnp.broadcast_to(jnp.asarray(t, jnp.int32), pos.shape) for t in terms])
+
 LAYOUT = triton_attention.Layout(
     kernel_module=__package__ + ".triton_kernels",
     name="natten_2d_attention",
@@ -56,7 +89,10 @@ LAYOUT = triton_attention.Layout(
     builtin_mask_only=False,
     mask_tiles=_mask_tiles,
     gluon_mask=True,
-    mask_divides=True,
+    mask_divides=False,
+    position_terms=_position_terms,
+    position_terms_at=8,
+    position_terms_kv=2,
 )
 
 

@@ -9,6 +9,8 @@ Runs through jax-triton on NVIDIA GPUs, and in Triton's interpreter on the CPU w
 TRITON_INTERPRET=1 is set before this module is first used. Kernels mask their edges: no padding.
 """
 
+import jax.numpy as jnp
+
 from ejgen.runtime.attention.triton import host as triton_attention
 from ejgen.runtime.attention.triton.host import available
 from ejgen.runtime.core import intervals as iv
@@ -50,6 +52,57 @@ def _mask_tiles(t, ctx):
     return iv.kinds(v23)
 
 
+
+def _position_terms(seq, ctx):
+    """[6, seq rounded up to 256] int32: the spec mask's costly one-position terms over the positions, formed
+    once a call for the Hopper kernels (`_spec_mask_terms` of triton_kernels.py; docs/DESIGN.md §6, position terms)."""
+    pos = jnp.arange(-(-seq // 256) * 256, dtype=jnp.int32)
+    terms = [
+        # (kv_idx // ((tile_tokens * grid_h) * grid_w))
+        jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_h"] * ctx["opt_grid_w"] == 0, 0,
+                  pos // jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_h"] * ctx["opt_grid_w"] == 0, 1,
+                                   ctx["opt_tile_tokens"] * ctx["opt_grid_h"] * ctx["opt_grid_w"])),
+        # ((kv_idx // (tile_tokens * grid_w)) % grid_h)
+        jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0, 0,
+                  pos // jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0, 1,
+                                   ctx["opt_tile_tokens"] * ctx["opt_grid_w"]))
+        - jnp.where(ctx["opt_grid_h"] == 0, 0, jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0, 0,
+                                                         pos
+                                                         // jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0,
+                1, ctx["opt_tile_tokens"] * ctx["opt_grid_w"]))
+                    // jnp.where(ctx["opt_grid_h"] == 0, 1, ctx["opt_grid_h"])) * ctx["opt_grid_h"],
+        # ((kv_idx // tile_tokens) % grid_w)
+        jnp.where(ctx["opt_tile_tokens"] == 0, 0, pos
+                  // jnp.where(ctx["opt_tile_tokens"] == 0, 1, ctx["opt_tile_tokens"]))
+        - jnp.where(ctx["opt_grid_w"] == 0, 0, jnp.where(ctx["opt_tile_tokens"] == 0, 0,
+                                                         pos
+                                                         // jnp.where(ctx["opt_tile_tokens"] == 0, 1,
+                ctx["opt_tile_tokens"])) // jnp.where(ctx["opt_grid_w"] == 0, 1, ctx["opt_grid_w"]))
+        * ctx["opt_grid_w"],
+        # (q_idx // ((tile_tokens * grid_h) * grid_w))
+        jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_h"] * ctx["opt_grid_w"] == 0, 0,
+                  pos // jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_h"] * ctx["opt_grid_w"] == 0, 1,
+                                   ctx["opt_tile_tokens"] * ctx["opt_grid_h"] * ctx["opt_grid_w"])),
+        # ((q_idx // (tile_tokens * grid_w)) % grid_h)
+        jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0, 0,
+                  pos // jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0, 1,
+                                   ctx["opt_tile_tokens"] * ctx["opt_grid_w"]))
+        - jnp.where(ctx["opt_grid_h"] == 0, 0, jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0, 0,
+                                                         pos
+                                                         // jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0,
+                1, ctx["opt_tile_tokens"] * ctx["opt_grid_w"]))
+                    // jnp.where(ctx["opt_grid_h"] == 0, 1, ctx["opt_grid_h"])) * ctx["opt_grid_h"],
+        # ((q_idx // tile_tokens) % grid_w)
+        jnp.where(ctx["opt_tile_tokens"] == 0, 0, pos
+                  // jnp.where(ctx["opt_tile_tokens"] == 0, 1, ctx["opt_tile_tokens"]))
+        - jnp.where(ctx["opt_grid_w"] == 0, 0, jnp.where(ctx["opt_tile_tokens"] == 0, 0,
+                                                         pos
+                                                         // jnp.where(ctx["opt_tile_tokens"] == 0, 1,
+                ctx["opt_tile_tokens"])) // jnp.where(ctx["opt_grid_w"] == 0, 1, ctx["opt_grid_w"]))
+        * ctx["opt_grid_w"],
+    ]
+    return jnp.stack([jnp.broadcast_to(jnp.asarray(t, jnp.int32), pos.shape) for t in terms])
+
 LAYOUT = triton_attention.Layout(
     kernel_module=__package__ + ".triton_kernels",
     name="sliding_tile_attention",
@@ -63,7 +116,10 @@ LAYOUT = triton_attention.Layout(
     builtin_mask_only=False,
     mask_tiles=_mask_tiles,
     gluon_mask=True,
-    mask_divides=True,
+    mask_divides=False,
+    position_terms=_position_terms,
+    position_terms_at=12,
+    position_terms_kv=3,
 )
 
 

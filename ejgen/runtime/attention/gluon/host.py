@@ -224,15 +224,21 @@ def spec_constexprs(spec: tuple | None) -> dict:
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
                segments: bool = False, ordered: bool = False, dynamic: bool = False, lists: dict | None = None,
                spec: tuple | None = None, tiles: dict | None = None, seq_k: int | None = None,
-               softcap: bool = False, fast_tanh: bool = False) -> dict:
+               softcap: bool = False, fast_tanh: bool = False, staged: tuple | None = None) -> dict:
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq_k (default seq), hkv, d] (16-bit).
     ``softcap``: the logits capped (SOFTCAP, `softcap_constexpr`, with ``fast_tanh``; the cap is F32[1]).
     ``dynamic``: the programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block
     lists' constexprs (`fwd_lists`), else ranges; ``spec``: the spec's mask (`spec_constexprs`: lists only); ``tiles``:
-    the key tiles (`fwd_key_tiles`; default TILES)."""
+    the key tiles (`fwd_key_tiles`; default TILES). ``staged``: a spec mask's key-side position terms staged per
+    key block (`triton.host.Layout.staged_mask`: its mask, query-side loader, key-side count and table offset; the
+    mask replaces ``spec``'s, KSEG is then I32)."""
+    staged_kw = dict(KV_TERMS=0, TERMS_AT=0, SPEC_QTERMS=None)
+    if staged is not None:
+        spec = (staged[0], spec[1])
+        staged_kw = dict(KV_TERMS=staged[2], TERMS_AT=staged[3], SPEC_QTERMS=staged[1])
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, SEQ_K=seq_k or seq, D=d, BLOCK_M=BLOCK_M, CAUSAL=causal,
                 WINDOW=window, SEGMENTS=segments,
-                ORDERED=ordered,
+                ORDERED=ordered, **staged_kw,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                 HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **(tiles or TILES),
                 **(lists or NO_LISTS), **spec_constexprs(spec),

@@ -161,6 +161,38 @@ def _tile_take(q_ready, tile_smem, tc, HALF: gl.constexpr):
     return gl.max(tile_smem.index(qi).load(one_l), axis=0)
 
 
+@gluon.constexpr_function
+def _pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
+@gluon.jit
+def _terms_load(TERMS, j, SEQ_K: gl.constexpr, KV_TERMS: gl.constexpr, BLOCK_N: gl.constexpr, ids_l: gl.constexpr):
+    """Key block j's rows of the position terms' table (`_spec_options_terms`: rows of the positions 0 .. SEQ_K - 1
+    rounded up to 256, the key side's first): [pow2(KV_TERMS), BLOCK_N] int32 in the producer's layout."""
+    STRIDE: gl.constexpr = (SEQ_K + 255) // 256 * 256
+    rows = gl.expand_dims(gl.arange(0, _pow2(KV_TERMS), layout=gl.SliceLayout(1, ids_l)), 1)
+    cols = j * BLOCK_N + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ids_l)), 0)
+    return gl.load(TERMS + rows * STRIDE + cols, mask=rows < KV_TERMS, other=0)
+
+
+@gluon.jit
+def _terms_read(terms_smem, KV_TERMS: gl.constexpr, s_layout: gl.constexpr):
+    """The key-side terms the producer staged for a block ([pow2(KV_TERMS), BLOCK_N] in shared memory) as a tuple of
+    four [1, BLOCK_N] tiles in the S layout (the table's first KV_TERMS rows; repeats past them, unread)."""
+    k0 = terms_smem.slice(0, 1).load(s_layout)
+    k1 = k0
+    k2 = k0
+    k3 = k0
+    if KV_TERMS > 1:
+        k1 = terms_smem.slice(1, 1).load(s_layout)
+    if KV_TERMS > 2:
+        k2 = terms_smem.slice(2, 1).load(s_layout)
+    if KV_TERMS > 3:
+        k3 = terms_smem.slice(3, 1).load(s_layout)
+    return (k0, k1, k2, k3)
+
+
 @gluon.jit
 def _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                    k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ: gl.constexpr,
@@ -168,7 +200,8 @@ def _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_r
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
                    ITEM: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
-                   LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SEQ_K: gl.constexpr):
+                   LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SEQ_K: gl.constexpr, KV_TERMS: gl.constexpr,
+                   TERMS_AT: gl.constexpr):
     """Tile t, this program's tile tc, whose first K/V block is ring block g: its two Q halves into Q set tc % 2
     (DYNAMIC: t into each half's tile slot first), then (DYNAMIC) the fetch-and-add that takes the program's next
     tile, then its K/V blocks (LIST: the blocks of its list, RANGES, in order; an entry past the last block, the
@@ -214,12 +247,18 @@ def _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_r
         if SEGMENTS:
             cols = j * BLOCK_N + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ids_l)), 0)
             ids = gl.load(KSEG + off_b.to(gl.int64) * SEQ_K + cols, mask=cols < SEQ_K, other=-2)
+        if KV_TERMS > 0:  # the block's key-side position terms: rows of the table in I32 (passed as KSEG too)
+            terms = _terms_load(KSEG + TERMS_AT, j, SEQ_K, KV_TERMS, BLOCK_N, ids_l)
         mbarrier.wait(k_empty.index(idx), phase ^ 1)
         mbarrier.expect(k_ready.index(idx), BLOCK_N * D * ITEM)
         tma_load(k_desc, [off_b, j * BLOCK_N, kv_col], k_ready.index(idx), k_smem.index(idx))
         if SEGMENTS:
             kseg_smem.index(idx).store(ids)
             cta_barrier()  # every lane's ids stored before the (single-thread) arrive
+            mbarrier.arrive(k_ready.index(idx), count=1)
+        if KV_TERMS > 0:
+            kseg_smem.index(idx).store(terms)
+            cta_barrier()  # every lane's terms stored before the (single-thread) arrive
             mbarrier.arrive(k_ready.index(idx), count=1)
         mbarrier.wait(v_empty.index(idx), phase ^ 1)
         mbarrier.expect(v_ready.index(idx), BLOCK_N * D * ITEM)
@@ -235,7 +274,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
               D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
               SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, ITEM: gl.constexpr, DYNAMIC: gl.constexpr,
               LIST: gl.constexpr, LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr,
-              SEQ_K: gl.constexpr):
+              SEQ_K: gl.constexpr, KV_TERMS: gl.constexpr, TERMS_AT: gl.constexpr):
     """Per tile: its two Q halves into Q set tc % 2 (once the consumers released that set, two tiles ago), then
     its K/V blocks into the ring; with SEGMENTS each block's key ids too, into kseg_smem next to its K (read before
     the stage is free, stored after; k_ready then counts this warp's arrive as well). Empty barriers start free:
@@ -251,7 +290,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             n, t = _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG,
                                   kseg_smem, HQ, HKV, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
-                                  SEGMENTS, ORDERED, ITEM, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K)
+                                  SEGMENTS, ORDERED, ITEM, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K,
+                                  KV_TERMS, TERMS_AT)
             g += n
             tc += 1
         qb = (tc % 2) * 2
@@ -264,7 +304,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             n, _ = _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG,
                                   kseg_smem, HQ, HKV, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
-                                  SEGMENTS, ORDERED, ITEM, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K)
+                                  SEGMENTS, ORDERED, ITEM, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K,
+                                  KV_TERMS, TERMS_AT)
             g += n
             tc += 1
 
@@ -305,7 +346,7 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, ks, bit
              MASKED: gl.constexpr, SEQ_K: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
              SEGMENTS: gl.constexpr,
              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, SUB_Q: gl.constexpr,
-             SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SOFTCAP: gl.constexpr):
+             SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SOFTCAP: gl.constexpr, KV_TERMS: gl.constexpr):
     """Online softmax of one block in exp2 (scale * log2 e folded in): (p, alpha, m, l). SOFTCAP: the logits capped
     first, cap tanh(scale s / cap) (`_logits2`), so the mask's -inf stays -inf. With SEGMENTS the element
     mask also compares the rows' segment ids qs with the block's keys' ks ([1, BLOCK_N]; padding, negative, sees
@@ -332,7 +373,10 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, ks, bit
             keep = keep & (q2 == ks) & (q2 >= 0)
         if SUB_Q > 0:
             keep = keep & _sub_blocks(bits, gl.expand_dims(rows, 1), c2, SUB_Q, SUB_K, 2 * ROWS, BLOCK_N)
-        if SPEC_MASK is not None:
+        if KV_TERMS > 0:  # the spec's mask with its terms given: the tile's query side qs, the block's key side ks
+            keep = keep & SPEC_MASK(gl.expand_dims(rows, 1), c2, qs, ks, off_b, off_h, off_b * 0 + SEQ_K,
+                                    off_b * 0 + SEQ_K, opts)
+        elif SPEC_MASK is not None:
             keep = keep & SPEC_MASK(gl.expand_dims(rows, 1), c2, off_b, off_h, off_b * 0 + SEQ_K, off_b * 0 + SEQ_K,
                                     opts)
         s = gl.where(keep, s, -float("inf"))
@@ -346,37 +390,41 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, ks, bit
 def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, cap_out, qs, kseg_smem, k_empty, idx, bits,
                    off_b, off_h, opts, SEQ_K: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                    SEGMENTS: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                   SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SOFTCAP: gl.constexpr):
+                   SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SOFTCAP: gl.constexpr,
+                   KV_TERMS: gl.constexpr):
     """K stage idx back to the producer (S_j has retired), then block j's softmax, under the element mask outside
     [f0, f1); with SEGMENTS a masked block's key ids are read from the stage's kseg_smem first. Two shapes on
     purpose: with SEGMENTS the release waits for that read, inside the branch; without, it stays ahead of the branch
     as in the kernel measured against cuDNN (one form for both changes that kernel's code: PTX compared)."""
-    if SEGMENTS:
+    if SEGMENTS | (KV_TERMS > 0):
         if (j < f0) | (f1 <= j):
-            ks = kseg_smem.index(idx).load(s_layout)  # [1, BLOCK_N]
+            if KV_TERMS > 0:  # the block's key-side position terms, staged by the producer
+                ks = _terms_read(kseg_smem.index(idx), KV_TERMS, s_layout)
+            else:
+                ks = kseg_smem.index(idx).load(s_layout)  # [1, BLOCK_N]
             mbarrier.arrive(k_empty.index(idx), count=1)
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, ks, bits, off_b,
                                           off_h, opts, True, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout,
                                           SUB_Q,
-                                          SUB_K, SPEC_MASK, SOFTCAP)
+                                          SUB_K, SPEC_MASK, SOFTCAP, KV_TERMS)
         else:
             mbarrier.arrive(k_empty.index(idx), count=1)
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, qs, bits, off_b,
                                           off_h, opts, False, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout,
                                           SUB_Q,
-                                          SUB_K, SPEC_MASK, SOFTCAP)
+                                          SUB_K, SPEC_MASK, SOFTCAP, KV_TERMS)
     else:
         mbarrier.arrive(k_empty.index(idx), count=1)
         if (j < f0) | (f1 <= j):
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, qs, bits, off_b,
                                           off_h, opts, True, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout,
                                           SUB_Q,
-                                          SUB_K, SPEC_MASK, SOFTCAP)
+                                          SUB_K, SPEC_MASK, SOFTCAP, KV_TERMS)
         else:
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, qs, bits, off_b,
                                           off_h, opts, False, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout,
                                           SUB_Q,
-                                          SUB_K, SPEC_MASK, SOFTCAP)
+                                          SUB_K, SPEC_MASK, SOFTCAP, KV_TERMS)
     return p, alpha, m_i, l_i
 
 
@@ -389,7 +437,7 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
                    HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
                    LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
-                   SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr):
+                   SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr, KV_TERMS: gl.constexpr, SPEC_QTERMS: gl.constexpr):
     """Tile t, this program's tile tc whose first K/V block is ring block g, for consumer HALF (see _consumer).
     LIST: the blocks of the tile's list (RANGES), each under the element mask where its entry says so and then, with
     SUB_Q, also under its word of visible sub-blocks; the empty row's entry (block N_N, past the end) hides every key.
@@ -422,6 +470,8 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
     qs = seg_rows
     if SEGMENTS:
         qs = gl.load(QSEG + off_b.to(gl.int64) * SEQ + seg_rows, mask=seg_rows < SEQ, other=-1)
+    if KV_TERMS > 0:  # the spec mask's query-side position terms of the tile's rows, once per tile
+        qs = SPEC_QTERMS(gl.expand_dims(seg_rows, 1), off_b * 0 + SEQ_K, off_b * 0 + SEQ_K, opts)
     qi = (tc % 2) * 2 + HALF
     q_buf = q_smem.index(qi)
     q_view = q_buf.reshape([ROWS, D])
@@ -449,7 +499,8 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j0, fa0, fb0, q_row0, left, right, qk_scale, cap_out, qs,
                                         kseg_smem, k_empty, idx, w0, off_b, off_h, opts, SEQ_K, CAUSAL, WINDOW,
-                                        SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK, SOFTCAP)
+                                        SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK, SOFTCAP,
+                                        KV_TERMS)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
 
     # block j: issue S_j and P_{j-1} V_{j-1}; the softmax of S_j runs while the second is in flight
@@ -476,7 +527,8 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j, fa, fb, q_row0, left, right, qk_scale, cap_out, qs,
                                             kseg_smem, k_empty, idx, w, off_b, off_h, opts, SEQ_K, CAUSAL, WINDOW,
-                                            SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK, SOFTCAP)
+                                            SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK, SOFTCAP,
+                                            KV_TERMS)
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p16))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -513,7 +565,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
               HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
               LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
-              SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr):
+              SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr, KV_TERMS: gl.constexpr, SPEC_QTERMS: gl.constexpr):
     """One 64-row half (HALF 0: the first to issue) of every tile of this program: the pipelined loop (softmax
     of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile. The two halves
     take turns issuing their matmuls (turn_mine / turn_other: a token passed back and forth, its phase from the
@@ -532,7 +584,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
                                 v_empty, o_desc, lse_ptr, left, right, qk_scale, cap_out, turn_mine, turn_other, QSEG,
                                 kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
                                 CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q,
-                                SUB_K, SPEC_MASK, SEQ_K, SOFTCAP)
+                                SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS)
             tc += 1
             t = _tile_take(q_ready, tile_smem, tc, HALF)
     else:
@@ -541,7 +593,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
                                 v_empty, o_desc, lse_ptr, left, right, qk_scale, cap_out, turn_mine, turn_other, QSEG,
                                 kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
                                 CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q,
-                                SUB_K, SPEC_MASK, SEQ_K, SOFTCAP)
+                                SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS)
             tc += 1
 
 
@@ -554,7 +606,8 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
                                PRODUCER_REGS: gl.constexpr, HEAD_GROUP: gl.constexpr, DYNAMIC: gl.constexpr,
                                LIST: gl.constexpr, LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr,
                                SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
-                               SPEC_OPTIONS: gl.constexpr, SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr):
+                               SPEC_OPTIONS: gl.constexpr, SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr,
+                               KV_TERMS: gl.constexpr, TERMS_AT: gl.constexpr, SPEC_QTERMS: gl.constexpr):
     """Q [B, SEQ, HQ, D], K and V [B, SEQ_K, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32); SEQ_K = SEQ but where
     the host takes Sq != Sk (no causal, window, segment ids, lists or spec mask: `host.ineligible`, gluon_cross).
     F32 = [scale, soft cap, ...], I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch
@@ -572,7 +625,10 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
     with SUB_Q x SUB_K sub-blocks, the entry's word of visible ones) where its entry says so, none otherwise.
     SPEC_MASK (LIST): a spec's mask, `_spec_mask` of its kernel module (elementwise on tiles of positions), joins the
     element mask, with the options it reads loaded once by SPEC_OPTIONS (`_spec_options`: from F32 / I32, as the
-    generated kernels lay them out); None, None without.
+    generated kernels lay them out); None, None without. KV_TERMS > 0 (no SEGMENTS): the mask's costly one-position
+    terms are given to it (`_spec_mask_staged`, docs/DESIGN.md §6, position terms): the key side's KV_TERMS rows of
+    the table at I32[TERMS_AT] (KSEG is I32 then) staged per key block by the producer next to its K, the query
+    side's read once per tile (SPEC_QTERMS, `_spec_q_terms`).
     Grid (P,), P <= number of tiles (`grid`); 4 warps asked, 12 run (two consumers, a producer)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
@@ -610,14 +666,17 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
     q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     ids_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    kseg_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 1, BLOCK_N if SEGMENTS else 32], ids_layout)
+    ID_ROWS: gl.constexpr = _pow2(KV_TERMS) if KV_TERMS > 0 else 1  # segment ids, or the key-side terms
+    kseg_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, ID_ROWS, BLOCK_N if SEGMENTS or KV_TERMS > 0 else 32],
+                                          ids_layout)
     if DYNAMIC:  # each Q buffer's tile slot: the index of the tile whose Q it holds (16 B)
         tile_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         tile_smem = gl.allocate_shared_memory(gl.int32, [4, 1], tile_layout)
     else:
         tile_smem = kseg_smem  # unused
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=2 if SEGMENTS else 1)  # the K load (and the producer's key ids)
+        mbarrier.init(k_ready.index(i), count=2 if SEGMENTS or KV_TERMS > 0 else 1)  # the K load (and the
+        # producer's key ids or terms)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both consumers
         mbarrier.init(v_empty.index(i), count=2)
@@ -633,16 +692,17 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
                      nprog, left, right, qk_scale, cap_out, turn.index(0), turn.index(1), QSEG, kseg_smem, RANGES,
                      ORDER, tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL,
                      WINDOW, SEGMENTS, ORDERED, 0, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K,
-                     SPEC_MASK, SEQ_K, SOFTCAP)),
+                     SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
                      nprog, left, right, qk_scale, cap_out, turn.index(1), turn.index(0), QSEG, kseg_smem, RANGES,
                      ORDER, tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL,
                      WINDOW, SEGMENTS, ORDERED, 1, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K,
-                     SPEC_MASK, SEQ_K, SOFTCAP)),
+                     SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, tile_smem, TILE_CTR, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ, HKV,
                      SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED,
-                     dtype.primitive_bitwidth // 8, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K)),
+                     dtype.primitive_bitwidth // 8, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K, KV_TERMS,
+                     TERMS_AT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -47,15 +47,42 @@ class Layout:
     mask_tiles: Callable | None = None  # the spec's mask by tile, (t, ctx) -> kinds (ejgen.emit.attention.intervals)
     gluon_mask: bool = False  # the kernel module's `_spec_mask` / `_spec_options` serve the Hopper kernels too (a
     #                           spec mask of no params: docs/DESIGN.md §6); packages rendered before say nothing
-    mask_divides: bool = False  # the spec's mask divides positions by a run-time value (`gluon.host.fwd_key_tiles`)
+    mask_divides: bool = False  # the mask the Hopper kernels run divides positions by a run-time value
+    #                             (`gluon.host.fwd_key_tiles`)
+    # the spec mask's costly one-position terms, (seq, ctx) -> int32 [terms, seq rounded up to 256], which the Hopper
+    # kernels read from I32[position_terms_at] on (`gluon_scalars`; docs/DESIGN.md §6, position terms)
+    position_terms: Callable | None = None
+    position_terms_at: int = 0
+    position_terms_kv: int = 0  # the key side's terms (table rows 0 .. kv - 1), staged by the Hopper forward (1-4)
 
     def spec_mask(self) -> tuple | None:
         """(`_spec_mask`, `_spec_options`) of the kernel module, the Hopper kernels' SPEC_MASK / SPEC_OPTIONS (None
-        without a spec mask they can call)."""
+        without a spec mask they can call); with position terms `_spec_mask_terms` and `_spec_options_terms`, which
+        read them from the table `gluon_scalars` appends to I32."""
         if not self.gluon_mask:
             return None
         module = self.kernels()
+        if self.position_terms is not None:
+            return module._spec_mask_terms, module._spec_options_terms
         return module._spec_mask, module._spec_options
+
+    def staged_mask(self) -> tuple | None:
+        """The Hopper forward's form of a mask with key-side position terms (`gluon.host.constexprs`' ``staged``):
+        (`_spec_mask_staged`, `_spec_q_terms`, the key-side terms, where the table starts in I32), or None."""
+        if not self.gluon_mask or self.position_terms is None or not self.position_terms_kv:
+            return None
+        module = self.kernels()
+        return module._spec_mask_staged, module._spec_q_terms, self.position_terms_kv, self.position_terms_at
+
+    def gluon_scalars(self, scalars: list, ctx, seq: int) -> list:
+        """The Hopper kernels' [F32, I32]: with position terms, I32's scalars, zeros up to position_terms_at and the
+        terms' table ([terms, seq rounded up to 256], row-major) after them."""
+        if self.position_terms is None or not self.gluon_mask:
+            return scalars
+        f32, i32 = scalars
+        table = self.position_terms(seq, ctx)
+        pad = jnp.zeros((self.position_terms_at - i32.shape[0], ), jnp.int32)
+        return [f32, jnp.concatenate([i32, pad, table.reshape(-1)])]
 
     def kernels(self):
         return importlib.import_module(self.kernel_module)
@@ -327,9 +354,16 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
     hq = hkv * groups
     grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
     spec, mask_tiles = _gluon_spec(layout)
+    staged = None
+    if spec is not None:
+        scalars = layout.gluon_scalars(scalars, ctx, sq)
+        # key-side position terms staged by the producer next to each K block (segment ids use that buffer)
+        staged = None if cfg.segments else layout.staged_mask()
     listed = gluon_attention.listed(cfg, spec is not None)
     tiles = gluon_attention.fwd_key_tiles(cfg, spec is not None and layout.mask_divides)
     segments = _gluon_segments(ctx, cfg, sq, "fwd", listed, tiles["BLOCK_N"])
+    if staged is not None:
+        segments[1] = scalars[1]  # KSEG: I32 with the terms' table, whose key-side rows the producer stages
     ordered = gluon_attention.ordered(cfg) or listed
     dynamic = gluon_attention.dynamic_tiles(  # tiles from a zeroed counter (TILE_CTR), the order as one list
         cfg.causal, cfg.window, cfg.segments or listed, gluon_attention.fwd_tiles(batch, hq, sq), grid[0])
@@ -349,7 +383,7 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
         zeroed=(2, ) if dynamic else (), num_warps=4, num_stages=1,
         **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments, ordered, dynamic,
                                      lists, spec, tiles, seq_k=k.shape[1], softcap=cfg.softcap,
-                                     fast_tanh=fast_tanh))
+                                     fast_tanh=fast_tanh, staged=staged))
     return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
 
 
@@ -396,6 +430,8 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
     batch, sq, hq, d = q4.shape
     hkv = k.shape[2]
     spec, mask_tiles = _gluon_spec(layout)
+    if spec is not None:
+        scalars = layout.gluon_scalars(scalars, ctx, sq)
     listed = gluon_attention.listed(cfg, spec is not None, "bwd")
     outs = [jax.ShapeDtypeStruct((batch, sq, hq, d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype)]
