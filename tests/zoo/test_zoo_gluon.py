@@ -267,10 +267,12 @@ TERM_CASES = [
 
 
 def test_position_terms_give_the_spec_mask():
-    """The Hopper kernels' form of a mask with costly one-position terms (`_spec_mask_terms`: the terms read from
-    the table `_position_terms` forms on the host, appended to I32 by `Layout.gluon_scalars`) equals the spec's own
-    `_spec_mask` on every pair of positions up to the table's end (the sequence rounded up to 256), in Triton's
-    interpreter; NATTEN 2-D's and the sliding tile's terms are its divisions (docs/DESIGN.md §6, position terms)."""
+    """The Hopper kernels' forms of a mask with costly one-position terms equal the spec's own `_spec_mask` on every
+    pair of positions up to the table's end (the sequence rounded up to 256), in Triton's interpreter: the backward's
+    `_spec_mask_terms` (the terms read from the table `_position_terms` forms on the host, appended to I32 by
+    `Layout.gluon_scalars`) and the forward's `_spec_mask_staged` (the query side's from `_spec_q_terms`, the key
+    side's rows given as its producer loads them); NATTEN 2-D's and the sliding tile's terms are its divisions
+    (docs/DESIGN.md §6, position terms)."""
     import triton
     import triton.language as tl
 
@@ -279,13 +281,27 @@ def test_position_terms_give_the_spec_mask():
 
     @triton.jit
     def both(F32, I32, I32T, OUT, S: tl.constexpr, WIDE: tl.constexpr, M: tl.constexpr, MASK: tl.constexpr,
-             OPTIONS: tl.constexpr, MASK_T: tl.constexpr, OPTIONS_T: tl.constexpr):
+             OPTIONS: tl.constexpr, MASK_T: tl.constexpr, OPTIONS_T: tl.constexpr, STAGED: tl.constexpr,
+             Q_TERMS: tl.constexpr, KV: tl.constexpr, AT: tl.constexpr):
         q = tl.program_id(0) * M + tl.arange(0, M)[:, None]
         k = tl.program_id(1) * M + tl.arange(0, M)[None, :]
         zero = tl.program_id(0) * 0
         a = MASK(q, k, zero, zero, zero + S, zero + S, OPTIONS(F32, I32))
-        b = MASK_T(q, k, zero, zero, zero + S, zero + S, OPTIONS_T(F32, I32T))
-        tl.store(OUT + q * WIDE + k, a.to(tl.int32) * 2 + b.to(tl.int32))
+        opts = OPTIONS_T(F32, I32T)
+        b = MASK_T(q, k, zero, zero, zero + S, zero + S, opts)
+        # the Hopper forward's staged form: the key side's rows 0 .. KV - 1 as its producer loads them
+        k0 = tl.load(I32T + AT + k)
+        k1 = k0
+        k2 = k0
+        k3 = k0
+        if KV > 1:
+            k1 = tl.load(I32T + AT + WIDE + k)
+        if KV > 2:
+            k2 = tl.load(I32T + AT + 2 * WIDE + k)
+        if KV > 3:
+            k3 = tl.load(I32T + AT + 3 * WIDE + k)
+        c = STAGED(q, k, Q_TERMS(q, zero + S, zero + S, opts), (k0, k1, k2, k3), zero, zero, zero + S, zero + S, opts)
+        tl.store(OUT + q * WIDE + k, a.to(tl.int32) * 4 + b.to(tl.int32) * 2 + c.to(tl.int32))
 
     for name, options, seq in TERM_CASES:
         layout = _layout(name)
@@ -298,15 +314,19 @@ def test_position_terms_give_the_spec_mask():
         wide = -(-seq // 256) * 256
         assert i32_terms.shape[0] == layout.position_terms_at + len(layout.position_terms(seq, ctx).ravel())
         np.testing.assert_array_equal(i32_terms[:i32.shape[0]], i32)  # the scalars where `_spec_options` reads them
-        (both_ways,) = triton_call.launch(
+        staged, q_terms, kv, at = layout.staged_mask()
+        assert at == layout.position_terms_at and 0 < kv <= 4, name
+        (ways,) = triton_call.launch(
             both, (wide // 64, wide // 64), [f32, i32, i32_terms], [jax.ShapeDtypeStruct((wide, wide), jnp.int32)],
             S=seq, WIDE=wide, M=64, MASK=module._spec_mask, OPTIONS=module._spec_options,
-            MASK_T=module._spec_mask_terms, OPTIONS_T=module._spec_options_terms)
-        both_ways = np.asarray(both_ways)
-        spec, terms = both_ways // 2, both_ways % 2
+            MASK_T=module._spec_mask_terms, OPTIONS_T=module._spec_options_terms, STAGED=staged, Q_TERMS=q_terms,
+            KV=kv, AT=at)
+        ways = np.asarray(ways)
+        spec, terms, staged_form = ways // 4, ways // 2 % 2, ways % 2
         if options.get("width") != 0:  # (a width of 0 hides every key, both ways)
             assert spec[:seq, :seq].any() and not spec[:seq, :seq].all(), (name, options)  # a mask worth the check
-        np.testing.assert_array_equal(terms, spec, err_msg=f"{name} {options}")
+        np.testing.assert_array_equal(terms, spec, err_msg=f"{name} {options}: _spec_mask_terms")
+        np.testing.assert_array_equal(staged_form, spec, err_msg=f"{name} {options}: _spec_mask_staged")
 
 
 STAGED_SPILL_BUDGET = 32  # bytes a thread (see `_check_zoo_compiles`)

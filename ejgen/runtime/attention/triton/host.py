@@ -414,6 +414,8 @@ def choose(layout: Layout, call, deterministic: bool):
         why_not = _gluon_ineligible(layout, call.q, call.k, call.v, call.cfg, pass_, deterministic)
         picked.append("triton" if why_not else "gluon")
         spec = "; the spec's mask on partial tiles (`_spec_mask`)" if not layout.builtin_mask_only else ""
+        if spec and layout.position_terms is not None and layout.gluon_mask:
+            spec += ", its costly one-position terms read from a table formed once a call (`_position_terms`)"
         reasons.append(f"{name}: triton (generated), not gluon: {why_not}" if why_not
                        else f"{name}: gluon (the Hopper kernel set covers this call{spec})")
     fast = bool(settings.current().fast_tanh and call.cfg.softcap and picked == ["gluon", "gluon"])
