@@ -82,7 +82,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                   window: bool = False, segments: bool = False, batch: int = 2, heads: int = 8, kv_heads: int = 2,
                   seq: int = 1000, dynamic: bool = False, forward_only: bool = False, layout=None,
                   spec: str | None = None, seq_k: int | None = None, softcap: bool = False,
-                  fast_tanh: bool = False) -> dict:
+                  fast_tanh: bool = False, staged_backward: bool | None = None, backward_only: bool = False) -> dict:
     """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs; ``dynamic``:
     the forward's dynamic tile queue; ``forward_only``: the forward alone; ``layout``: a block layout of (block_q,
     block_k, per head) (the kernels walk lists: LIST, `gluon.host.fwd_lists` / `bwd_lists`); ``spec``: a generated
@@ -102,11 +102,16 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     from ejgen.runtime.attention.config import AttentionConfig
 
     call = AttentionConfig(seq_q=seq, seq_k=seq, causal=causal, window=window, segments=segments)
-    fwd_lists = bwd_lists = mask = staged = None
+    fwd_lists = bwd_lists = mask = staged = staged_bwd = None
     if spec:
         spec_layout = importlib.import_module(f"{spec}.triton_launch").LAYOUT
         mask = spec_layout.spec_mask()  # with position terms, theirs
         staged = spec_layout.staged_mask()  # the forward's key-side terms staged per block
+        if staged_backward is None:  # as calls take it (`triton.host.STAGED_BACKWARD`)
+            from ejgen.runtime.attention.triton import host as triton_host
+
+            staged_backward = triton_host.STAGED_BACKWARD
+        staged_bwd = spec_layout.staged_bwd_mask() if staged_backward else None
         fwd_lists = dict(gluon_attention.NO_LISTS, LIST=True)
         bwd_lists = dict(gluon_attention.NO_LISTS, LIST=1)
     elif window and segments:  # the backward walks lists (`gluon.host.listed`)
@@ -130,10 +135,12 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                      SCRATCH="*u8", **segs)),
                ("gluon_bwd_kernel", gluon_attention.bwd_kernel(),
                 gluon_attention.bwd_constexprs(*args, lists=bwd_lists, spec=mask, softcap=softcap, seq_k=seq_k,
-                                               fast_tanh=fast_tanh),
+                                               fast_tanh=fast_tanh, staged=staged_bwd),
                 bwd_pointers)]
     if forward_only:
         kernels = kernels[:1]
+    elif backward_only:
+        kernels = kernels[1:2]
     elif causal and window and not bwd_lists:  # the persistent backward runs causal windows
         kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(),
                         gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim, softcap, fast_tanh),

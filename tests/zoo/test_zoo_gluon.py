@@ -270,9 +270,10 @@ def test_position_terms_give_the_spec_mask():
     """The Hopper kernels' forms of a mask with costly one-position terms equal the spec's own `_spec_mask` on every
     pair of positions up to the table's end (the sequence rounded up to 256), in Triton's interpreter: the backward's
     `_spec_mask_terms` (the terms read from the table `_position_terms` forms on the host, appended to I32 by
-    `Layout.gluon_scalars`) and the forward's `_spec_mask_staged` (the query side's from `_spec_q_terms`, the key
-    side's rows given as its producer loads them); NATTEN 2-D's and the sliding tile's terms are its divisions
-    (docs/DESIGN.md §6, position terms)."""
+    `Layout.gluon_scalars`) and `_spec_mask_staged` as the forward gives it its terms (the query side's from
+    `_spec_q_terms`, the key side's rows as its producer loads them) and as the backward does (the query side's rows
+    as its producer loads them, the key side's from `_spec_kv_terms`); NATTEN 2-D's and the sliding tile's terms are
+    its divisions (docs/DESIGN.md §6, position terms)."""
     import triton
     import triton.language as tl
 
@@ -282,7 +283,7 @@ def test_position_terms_give_the_spec_mask():
     @triton.jit
     def both(F32, I32, I32T, OUT, S: tl.constexpr, WIDE: tl.constexpr, M: tl.constexpr, MASK: tl.constexpr,
              OPTIONS: tl.constexpr, MASK_T: tl.constexpr, OPTIONS_T: tl.constexpr, STAGED: tl.constexpr,
-             Q_TERMS: tl.constexpr, KV: tl.constexpr, AT: tl.constexpr):
+             Q_TERMS: tl.constexpr, KV: tl.constexpr, AT: tl.constexpr, KV_TERMS: tl.constexpr, NQ: tl.constexpr):
         q = tl.program_id(0) * M + tl.arange(0, M)[:, None]
         k = tl.program_id(1) * M + tl.arange(0, M)[None, :]
         zero = tl.program_id(0) * 0
@@ -301,7 +302,20 @@ def test_position_terms_give_the_spec_mask():
         if KV > 3:
             k3 = tl.load(I32T + AT + 3 * WIDE + k)
         c = STAGED(q, k, Q_TERMS(q, zero + S, zero + S, opts), (k0, k1, k2, k3), zero, zero, zero + S, zero + S, opts)
-        tl.store(OUT + q * WIDE + k, a.to(tl.int32) * 4 + b.to(tl.int32) * 2 + c.to(tl.int32))
+        # the Hopper backward's: the query side's rows (after the key side's) as its producer loads them, the key
+        # side's from `_spec_kv_terms`
+        q0 = tl.load(I32T + AT + KV * WIDE + q)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+        if NQ > 1:
+            q1 = tl.load(I32T + AT + (KV + 1) * WIDE + q)
+        if NQ > 2:
+            q2 = tl.load(I32T + AT + (KV + 2) * WIDE + q)
+        if NQ > 3:
+            q3 = tl.load(I32T + AT + (KV + 3) * WIDE + q)
+        d = STAGED(q, k, (q0, q1, q2, q3), KV_TERMS(k, zero + S, zero + S, opts), zero, zero, zero + S, zero + S, opts)
+        tl.store(OUT + q * WIDE + k, a.to(tl.int32) * 8 + b.to(tl.int32) * 4 + c.to(tl.int32) * 2 + d.to(tl.int32))
 
     for name, options, seq in TERM_CASES:
         layout = _layout(name)
@@ -316,17 +330,20 @@ def test_position_terms_give_the_spec_mask():
         np.testing.assert_array_equal(i32_terms[:i32.shape[0]], i32)  # the scalars where `_spec_options` reads them
         staged, q_terms, kv, at = layout.staged_mask()
         assert at == layout.position_terms_at and 0 < kv <= 4, name
+        staged_bwd, kv_terms, nq, at_bwd, kv_rows = layout.staged_bwd_mask()
+        assert (staged_bwd, at_bwd, kv_rows) == (staged, at, kv) and 0 < nq <= 4, name
         (ways,) = triton_call.launch(
             both, (wide // 64, wide // 64), [f32, i32, i32_terms], [jax.ShapeDtypeStruct((wide, wide), jnp.int32)],
             S=seq, WIDE=wide, M=64, MASK=module._spec_mask, OPTIONS=module._spec_options,
             MASK_T=module._spec_mask_terms, OPTIONS_T=module._spec_options_terms, STAGED=staged, Q_TERMS=q_terms,
-            KV=kv, AT=at)
+            KV=kv, AT=at, KV_TERMS=kv_terms, NQ=nq)
         ways = np.asarray(ways)
-        spec, terms, staged_form = ways // 4, ways // 2 % 2, ways % 2
+        spec, terms, staged_form, staged_bwd_form = ways // 8, ways // 4 % 2, ways // 2 % 2, ways % 2
         if options.get("width") != 0:  # (a width of 0 hides every key, both ways)
             assert spec[:seq, :seq].any() and not spec[:seq, :seq].all(), (name, options)  # a mask worth the check
         np.testing.assert_array_equal(terms, spec, err_msg=f"{name} {options}: _spec_mask_terms")
-        np.testing.assert_array_equal(staged_form, spec, err_msg=f"{name} {options}: _spec_mask_staged")
+        np.testing.assert_array_equal(staged_form, spec, err_msg=f"{name} {options}: _spec_mask_staged (forward)")
+        np.testing.assert_array_equal(staged_bwd_form, spec, err_msg=f"{name} {options}: _spec_mask_staged (backward)")
 
 
 STAGED_SPILL_BUDGET = 32  # bytes a thread (see `_check_zoo_compiles`)
@@ -363,6 +380,25 @@ def test_zoo_mask_kernels_compile_for_sm90():
         pytest.fail(gluon_attention.importable()[1])
     _check_zoo_compiles(compile_all_in_subprocess([dict(gluon=True, with_ptx=True, with_resources=True, **kw)
                                                    for kw in ZOO_COMPILES]))
+
+
+STAGED_BWD_SPILL_BUDGET = 32  # bytes a thread: NATTEN 2-D 8 / 16, sliding tile 0 / 32 (Triton 3.6 / 3.9, session 25)
+
+
+def test_the_staged_backward_compiles_for_sm90():
+    """The Hopper backward with a spec mask's query-side position terms staged per item by its producer
+    (`triton.host.STAGED_BACKWARD`, off until it has run on a GPU) compiles for sm_90 on both Tritons, NATTEN 2-D and
+    the sliding tile: their staged constexprs reach it, its spills within STAGED_BWD_SPILL_BUDGET."""
+    from ejgen.testing.aot import compile_all_in_subprocess, gpu_host_triton
+
+    requests = [dict(gluon=True, spec=f"ejgen.zoo.{name}", causal=False, staged_backward=True, backward_only=True,
+                     with_resources=True) for name in ("natten_2d_attention", "sliding_tile_attention")]
+    for triton in (None, gpu_host_triton()):
+        for request, compiled in zip(requests, compile_all_in_subprocess(requests, triton=triton)):
+            assert "error" not in compiled, (request, compiled.get("error"))
+            meta = compiled["gluon_bwd_kernel"]
+            assert meta["cubin"] and meta["wgmma"] and meta["warps"] == 12, request
+            assert meta["stack"] <= STAGED_BWD_SPILL_BUDGET, (request["spec"], triton, meta["stack"])
 
 
 def test_zoo_mask_kernels_compile_on_the_gpu_hosts_triton():

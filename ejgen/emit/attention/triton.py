@@ -306,6 +306,8 @@ def position_terms_context(mask: Expr | None, variant, mask_options: list, i32_c
         # the Hopper forward's staged form (`_spec_mask_staged`): key-side terms given per block (at most 4)
         "kv": kv if 0 < kv <= 4 else 0,
         "q": [row[i] for i in order if terms[i][0] == "q"],
+        # the Hopper backward's staged form: query-side terms given per item (at most 4, with a staged key side)
+        "q_staged": (len(terms) - kv) if 0 < kv <= 4 and 0 < len(terms) - kv <= 4 else 0,
     }
 
 

@@ -157,6 +157,19 @@ def _spec_mask_staged(q_idx, kv_idx, Q, K, off_b, off_h, q_len, kv_len, OPTIONS)
 
 
 @triton.jit
+def _spec_kv_terms(kv_idx, q_len, kv_len, OPTIONS):
+    """The key side's position terms of keys kv_idx (table rows 0 .. 1; four, repeats past them), once per key block
+    in the Hopper backward (`_spec_mask_staged`, the query side's staged per item)."""
+    terms = OPTIONS[2]
+    stride = (kv_len + 255) // 256 * 256
+    k0 = tl.load(terms + 0 * stride + kv_idx)
+    k1 = tl.load(terms + 1 * stride + kv_idx)
+    k2 = k0
+    k3 = k0
+    return (k0, k1, k2, k3)
+
+
+@triton.jit
 def _visible(q_idx, kv_idx, off_b, off_h, q_len, kv_len, F32, I32, DIMS: tl.constexpr,
              MASKS: tl.constexpr):
     """Element mask from causal, window and the spec's mask (segments and dense masks: `_tile_mask`)."""

@@ -93,6 +93,7 @@ LAYOUT = triton_attention.Layout(
     position_terms=_position_terms,
     position_terms_at=8,
     position_terms_kv=2,
+    position_terms_q=4,
 )
 
 

@@ -120,6 +120,7 @@ LAYOUT = triton_attention.Layout(
     position_terms=_position_terms,
     position_terms_at=12,
     position_terms_kv=3,
+    position_terms_q=3,
 )
 
 

@@ -302,17 +302,27 @@ def bwd_kernel():
     return importlib.import_module("ejgen.runtime.attention.gluon.kernels").gluon_attention_bwd_kernel
 
 
+BWD_NO_TERMS = dict(Q_TERMS=0, TERMS_AT=0, KV_ROWS=0, SPEC_KVTERMS=None)  # the backward's staged position terms
+
+
 def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
                    segments: bool = False, lists: dict | None = None, spec: tuple | None = None,
-                   softcap: bool = False, seq_k: int | None = None, fast_tanh: bool = False) -> dict:
+                   softcap: bool = False, seq_k: int | None = None, fast_tanh: bool = False,
+                   staged: tuple | None = None) -> dict:
     """The backward's constexprs (window: causal with a window to the left, `ineligible`; ``lists``: the block
     lists' constexprs, `bwd_lists`; ``spec``: the spec's mask, `spec_constexprs`; ``softcap``: SOFTCAP, with
     ``fast_tanh``; ``seq_k``: the keys' count, default seq: another only without causal, a window, segment ids or
-    lists, gluon_cross)."""
+    lists, gluon_cross). ``staged``: a spec mask's query-side position terms staged per item
+    (`triton.host.Layout.staged_bwd_mask`: its mask, key-side loader, query-side count, table offset and key-side
+    rows; the mask replaces ``spec``'s, QSEG is then I32)."""
+    terms = dict(BWD_NO_TERMS)
+    if staged is not None:
+        spec = (staged[0], spec[1])
+        terms = dict(Q_TERMS=staged[2], TERMS_AT=staged[3], KV_ROWS=staged[4], SPEC_KVTERMS=staged[1])
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, SEQ_K=seq_k or seq, D=d, MASK=2 if window else int(causal),
                 DQ_MODE=1 if d == 128 else 0, SEGMENTS=segments,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES, **(lists or NO_LISTS),
-                **spec_constexprs(spec), SOFTCAP=softcap_constexpr(softcap, fast_tanh))
+                **spec_constexprs(spec), SOFTCAP=softcap_constexpr(softcap, fast_tanh), **terms)
 
 
 # The persistent backward (gluon_kernels.gluon_attention_bwd_persistent_kernel) for causal sliding windows: one
@@ -358,8 +368,10 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bo
     """The persistent backward's constexprs for a causal sliding window (MASK 2); its launch also passes a zeroed
     int32 tile counter (TILE_CTR: the kernel takes its tiles from it)."""
     base = bwd_constexprs(batch, hq, hkv, seq, d, True, True, softcap=softcap, fast_tanh=fast_tanh)
-    for name in ("SEGMENTS", "SEQ_K", *NO_LISTS, *spec_constexprs(None)):  # segment ids, layouts and spec masks with
-        del base[name]  # a window take the per-program backward over lists (`listed`); keys as many as queries
+    # segment ids, layouts and spec masks with a window take the per-program backward over lists (`listed`); keys
+    # as many as queries
+    for name in ("SEGMENTS", "SEQ_K", *NO_LISTS, *spec_constexprs(None), *BWD_NO_TERMS):
+        del base[name]
     return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"]))
 
 

@@ -167,19 +167,20 @@ def _pow2(n):
 
 
 @gluon.jit
-def _terms_load(TERMS, j, SEQ_K: gl.constexpr, KV_TERMS: gl.constexpr, BLOCK_N: gl.constexpr, ids_l: gl.constexpr):
-    """Key block j's rows of the position terms' table (`_spec_options_terms`: rows of the positions 0 .. SEQ_K - 1
-    rounded up to 256, the key side's first): [pow2(KV_TERMS), BLOCK_N] int32 in the producer's layout."""
-    STRIDE: gl.constexpr = (SEQ_K + 255) // 256 * 256
+def _terms_load(TERMS, j, seq, KV_TERMS: gl.constexpr, BLOCK_N: gl.constexpr, ids_l: gl.constexpr):
+    """Block j's columns of KV_TERMS rows of the position terms' table from TERMS (`_spec_options_terms`: rows of
+    the positions 0 .. seq - 1 rounded up to 256, the key side's first): [pow2(KV_TERMS), BLOCK_N] int32 in the
+    producer's layout (the forward's key side; the backward's query side, BLOCK_N its query block)."""
+    stride = (seq + 255) // 256 * 256
     rows = gl.expand_dims(gl.arange(0, _pow2(KV_TERMS), layout=gl.SliceLayout(1, ids_l)), 1)
     cols = j * BLOCK_N + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ids_l)), 0)
-    return gl.load(TERMS + rows * STRIDE + cols, mask=rows < KV_TERMS, other=0)
+    return gl.load(TERMS + rows * stride + cols, mask=rows < KV_TERMS, other=0)
 
 
 @gluon.jit
 def _terms_read(terms_smem, KV_TERMS: gl.constexpr, s_layout: gl.constexpr):
-    """The key-side terms the producer staged for a block ([pow2(KV_TERMS), BLOCK_N] in shared memory) as a tuple of
-    four [1, BLOCK_N] tiles in the S layout (the table's first KV_TERMS rows; repeats past them, unread)."""
+    """The terms the producer staged for a block ([pow2(KV_TERMS), N] in shared memory) as a tuple of four [1, N]
+    tiles in the S layout (its KV_TERMS rows; repeats past them, unread)."""
     k0 = terms_smem.slice(0, 1).load(s_layout)
     k1 = k0
     k2 = k0
@@ -753,11 +754,13 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
                   do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm, H, GROUP, QSEG,
                   qs_smem, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   SEGMENTS: gl.constexpr, lrow, LIST: gl.constexpr, N_MQ: gl.constexpr, LIST_W: gl.constexpr,
-                  SUB_Q: gl.constexpr):
+                  SUB_Q: gl.constexpr, Q_TERMS: gl.constexpr, TERMS_AT: gl.constexpr, KV_ROWS: gl.constexpr):
     """The program's K and V once, then per (query head, query block) Q and dO by TMA into the ring and the
-    block's lse * log2 e and delta rows (SEGMENTS: and segment ids) into shared memory. LIST: the items of the key
-    block's list (`_bwd_list_item`)."""
+    block's lse * log2 e and delta rows (SEGMENTS: and segment ids; Q_TERMS: the spec mask's query-side position
+    terms) into shared memory. LIST: the items of the key block's list (`_bwd_list_item`)."""
     qseg = QSEG + off_b.to(gl.int64) * S
+    if Q_TERMS > 0:  # QSEG is I32: the terms' table at TERMS_AT, its query-side rows past KV_ROWS key-side ones
+        qseg = QSEG + TERMS_AT + KV_ROWS * ((S + 255) // 256 * 256)
     KV_BYTES: gl.constexpr = BLOCK_N * D * 2
     mbarrier.expect(kv_bar, 2 * KV_BYTES)
     tma_load(k_desc, [off_b, n * BLOCK_N, off_hk * D], kv_bar, k_smem.index(0))
@@ -772,7 +775,7 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
             hq, m, _, _ = _bwd_list_item(lrow, it, nm, N_MQ, LIST_W, LIST, SUB_Q)
         _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, lse_ptr,
                        delta_ptr, off_b, m, off_hk * GROUP + hq, it % NUM_STAGES, (it // NUM_STAGES) & 1, H, S, qseg,
-                       qs_smem, D, BLOCK_M, SEGMENTS)
+                       qs_smem, D, BLOCK_M, SEGMENTS, Q_TERMS)
 
 
 @gluon.jit
@@ -809,11 +812,12 @@ def _bwd_mask(pT, keys, rows, S, SK, WINDOW_LEFT, MASK: gl.constexpr):
 @gluon.jit
 def _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, lse_ptr,
                    delta_ptr, off_b, m, h, s, ph, H, S, qseg, qs_smem, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                   SEGMENTS: gl.constexpr):
+                   SEGMENTS: gl.constexpr, Q_TERMS: gl.constexpr):
     """Producer, one ring item: Q and dO of query block m of head h by TMA into stage s (once both consumers
     released it: empty barriers start free, waiting on the parity before their first phase returns at once), and
     the block's lse * log2 e and delta rows into shared memory (plain loads; do_ready counts this arrival too);
-    SEGMENTS: its rows' segment ids as well (qseg: this batch row's), into qs_smem."""
+    SEGMENTS: its rows' segment ids as well (qseg: this batch row's), into qs_smem; Q_TERMS: its rows' columns of
+    the spec mask's query-side position terms instead (qseg: their first row in the table)."""
     QT_BYTES: gl.constexpr = BLOCK_M * D * (q_smem.dtype.primitive_bitwidth // 8)
     row_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, BLOCK_M // 32], threads_per_warp=[1, 32],
                                            warps_per_cta=[1, 1], order=[1, 0])
@@ -830,13 +834,15 @@ def _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready
     dlt_smem.index(s).store(dlt)
     if SEGMENTS:
         qs_smem.index(s).store(gl.load(qseg + rows, mask=rows < S, other=-1))
+    if Q_TERMS > 0:
+        qs_smem.index(s).store(_terms_load(qseg, m, S, Q_TERMS, BLOCK_M, row_l))
     mbarrier.arrive(do_ready.index(s), count=1)
 
 
 @gluon.jit
 def _bwd_item_mask(pT, cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, SK, WINDOW_LEFT, opts, WG: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, SEGMENTS: gl.constexpr,
-                   SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr):
+                   SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, Q_TERMS: gl.constexpr):
     """P^T [HALF keys, BLOCK_M queries] of a masked item (query block m, key block n, stage s) under the element mask:
     causal / window and the ends (`_bwd_mask`), SEGMENTS the ids, SUB_Q the entry's word, SPEC_MASK the spec's (see
     `_bwd_item`)."""
@@ -854,7 +860,11 @@ def _bwd_item_mask(pT, cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, SK, W
     if SUB_Q > 0:
         pT = gl.where(_sub_blocks(bits, gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), SUB_Q, SUB_K, BLOCK_M,
                                   BLOCK_N), pT, 0.0)
-    if SPEC_MASK is not None:
+    if Q_TERMS > 0:  # the spec's mask with its terms given: the item's query side staged, the keys' ks
+        qt = _terms_read(qs_smem.index(s), Q_TERMS, s_layout)
+        pT = gl.where(SPEC_MASK(gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), qt, ks, off_b, h, off_b * 0 + S,
+                                off_b * 0 + SK, opts), pT, 0.0)
+    elif SPEC_MASK is not None:
         pT = gl.where(SPEC_MASK(gl.expand_dims(rows, 0), gl.expand_dims(keys, 1), off_b, h, off_b * 0 + S,
                                 off_b * 0 + SK, opts), pT, 0.0)
     return pT
@@ -867,7 +877,7 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr,
               RELEASE_V: gl.constexpr,
               SEGMENTS: gl.constexpr, bits, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, opts, SPEC_MASK: gl.constexpr,
-              SOFTCAP: gl.constexpr):
+              SOFTCAP: gl.constexpr, Q_TERMS: gl.constexpr):
     """Consumer warpgroup WG, one ring item gi (query block m of head h in stage s, parity ph) against its 64 keys
     of key block n (views k_mine, v_mine; k_dq: K for its share of dQ): S^T and dP^T, P^T and dS^T, dV += P^T dO and
     dK += dS^T Q, the dS^T half into dS buffer gi % 2 for the joint dQ = dS K (DQ_MODE 0: whole tiles alternating
@@ -907,7 +917,7 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
         pT = _bwd_item_mask(gl.exp2(_logits2(st, qk2, cap_out, SOFTCAP) - lse_smem.index(s).load(s_layout)),
                             cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, SK, WINDOW_LEFT, opts, WG, BLOCK_M,
                             BLOCK_N,
-                            MASK, SEGMENTS, SUB_Q, SUB_K, SPEC_MASK)
+                            MASK, SEGMENTS, SUB_Q, SUB_K, SPEC_MASK, Q_TERMS)
         mbarrier.wait(do_ready.index(s), ph)
         dp_tok = warpgroup_mma(v_mine, do_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     else:
@@ -918,7 +928,7 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
         pT = gl.exp2(_logits2(st, qk2, cap_out, SOFTCAP) - lse2)  # (with SOFTCAP: 8-88 B spilled a thread, sm_90)
         if (m < f0) | (m >= f1):
             pT = _bwd_item_mask(pT, cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, SK, WINDOW_LEFT, opts, WG,
-                                BLOCK_M, BLOCK_N, MASK, SEGMENTS, SUB_Q, SUB_K, SPEC_MASK)
+                                BLOCK_M, BLOCK_N, MASK, SEGMENTS, SUB_Q, SUB_K, SPEC_MASK, Q_TERMS)
     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     if RELEASE_V:
         mbarrier.arrive(v_empty.index(vb), count=1, pred=it == n_it - 1)
@@ -1001,7 +1011,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
                   DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr, lrow, LIST: gl.constexpr, N_MQ: gl.constexpr,
                   LIST_W: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, opts, SPEC_MASK: gl.constexpr,
-                  SOFTCAP: gl.constexpr):
+                  SOFTCAP: gl.constexpr, Q_TERMS: gl.constexpr, SPEC_KVTERMS: gl.constexpr):
     """Warpgroup WG's 64 keys: dK, dV over the program's query blocks (S^T, dP^T, P^T, dS^T; dV += P^T dO,
     dK += dS^T Q), its dS^T half into shared memory for the joint dQ = dS K (DQ_MODE: how the two warpgroups
     share it), dQ * scale reduce-added into the float32 accumulator; then dK * scale and dV stored. LIST: the
@@ -1024,6 +1034,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
     ks = keys
     if SEGMENTS:
         ks = gl.load(KSEG + off_b.to(gl.int64) * SK + keys, mask=keys < SK, other=-2)
+    if Q_TERMS > 0:  # the spec mask's key-side position terms of this warpgroup's keys, once
+        ks = SPEC_KVTERMS(gl.expand_dims(keys, 1), off_b * 0 + S, off_b * 0 + SK, opts)
     mbarrier.wait(kv_bar, 0)
 
     n_items = GROUP * nm
@@ -1055,7 +1067,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, None, 0, it, 0, dq_desc, s_zero, dq_zero,
                            qk2, cap_out, sm_scale, it, s, ph, m, h, n, fa, fb, off_b, S, SK, WINDOW_LEFT, qs_smem, ks,
                            WG, D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, False, SEGMENTS, w, SUB_Q, SUB_K, opts, SPEC_MASK,
-                           SOFTCAP)
+                           SOFTCAP, Q_TERMS)
 
     # epilogue: dK (scaled) and dV of this WG's 64 keys, straight from registers
     _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, SK, HKV, WG, D, BLOCK_N)
@@ -1121,7 +1133,8 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LIST: gl.constexpr,
                                LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr,
                                SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SPEC_OPTIONS: gl.constexpr,
-                               SOFTCAP: gl.constexpr, SEQ_K: gl.constexpr):
+                               SOFTCAP: gl.constexpr, SEQ_K: gl.constexpr, Q_TERMS: gl.constexpr,
+                               TERMS_AT: gl.constexpr, KV_ROWS: gl.constexpr, SPEC_KVTERMS: gl.constexpr):
     """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
     float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. LSE, DELTA: [B, HQ, SEQ]
     (DELTA = rowsum(dO * O) - d lse). K, V, DK, DV: [B, SEQ_K, HKV, D]; SEQ_K = SEQ but where the host takes Sq != Sk
@@ -1138,7 +1151,10 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     their work; an item takes the element mask (the mask, segment ids, the
     sequence's end and, with SUB_Q x SUB_K sub-blocks, the entry's word of visible ones) where its entry says so.
     SPEC_MASK, SPEC_OPTIONS (LIST): a spec's mask and its options' loader (`_spec_mask`, `_spec_options`; the
-    forward's), joined with the element mask; None, None without.
+    forward's), joined with the element mask; None, None without. Q_TERMS > 0 (no SEGMENTS): the mask's costly
+    one-position terms are given to it (`_spec_mask_staged`, docs/DESIGN.md §6, position terms): the query side's
+    Q_TERMS rows of the table at I32[TERMS_AT], past its KV_ROWS key-side rows (QSEG is I32 then), staged per item by
+    the producer next to the lse and delta rows, the key side's read once per program (SPEC_KVTERMS, `_spec_kv_terms`).
     Grid (cdiv(SEQ_K, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
     gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
     gl.static_assert(SEQ_K == SEQ or (MASK == 0 and not SEGMENTS and not LIST and SPEC_MASK is None),
@@ -1167,7 +1183,9 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     misc_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # 0: K/V loaded, 1: dS^T halves written
     ids_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    qs_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 1, BLOCK_M if SEGMENTS else 32], ids_layout)
+    Q_ROWS: gl.constexpr = _pow2(Q_TERMS) if Q_TERMS > 0 else 1  # segment ids, or the query-side terms
+    qs_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, Q_ROWS, BLOCK_M if SEGMENTS or Q_TERMS > 0 else 32],
+                                        ids_layout)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=2)  # dO TMA (expect-tx) + the producer's lse/delta stores
@@ -1204,17 +1222,17 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
                          off_hk, n, SEQ, SEQ_K, m_lo, nm, f0, f1, sm_scale, cap, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem,
                          KSEG, 0,
                          D, BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
-                         SUB_K, opts, SPEC_MASK, SOFTCAP)),
+                         SUB_K, opts, SPEC_MASK, SOFTCAP, Q_TERMS, SPEC_KVTERMS)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
                          q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
                          off_hk, n, SEQ, SEQ_K, m_lo, nm, f0, f1, sm_scale, cap, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem,
                          KSEG, 1,
                          D, BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
-                         SUB_K, opts, SPEC_MASK, SOFTCAP)),
+                         SUB_K, opts, SPEC_MASK, SOFTCAP, Q_TERMS, SPEC_KVTERMS)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
                          do_ready, qd_empty, misc_bar.index(0), LSE, DELTA, off_b, off_hk, n, SEQ, m_lo, nm, HQ, GROUP,
                          QSEG, qs_smem, D, BLOCK_M, BLOCK_N, NUM_STAGES, SEGMENTS, lrow, LIST, N_MQ, LIST_W,
-                         SUB_Q)),
+                         SUB_Q, Q_TERMS, TERMS_AT, KV_ROWS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1290,7 +1308,7 @@ def _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_de
         gi = g + it
         _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, lse_ptr,
                        delta_ptr, off_b, m, h, gi % NUM_STAGES, (gi // NUM_STAGES) & 1, HQ, SEQ, lse_ptr, lse_smem, D,
-                       BLOCK_M, False)
+                       BLOCK_M, False, 0)
     return GROUP * nm, nxt
 
 
@@ -1378,7 +1396,8 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem
         dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
                            cols_smem, q_ready, do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero,
                            dq_zero, qk2, cap_out, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, SEQ, WINDOW_LEFT,
-                           lse_smem, 0, WG, D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, False, 0, 0, 0, 0, None, SOFTCAP)
+                           lse_smem, 0, WG, D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, False, 0, 0, 0, 0, None, SOFTCAP,
+                           0)
     # every wgmma of the tile has retired (each item ends with a full wait): K is free for the producer
     mbarrier.arrive(k_empty.index(kb), count=1)
 

@@ -54,6 +54,7 @@ class Layout:
     position_terms: Callable | None = None
     position_terms_at: int = 0
     position_terms_kv: int = 0  # the key side's terms (table rows 0 .. kv - 1), staged by the Hopper forward (1-4)
+    position_terms_q: int = 0  # the query side's (the rows after them), staged by the Hopper backward (1-4)
 
     def spec_mask(self) -> tuple | None:
         """(`_spec_mask`, `_spec_options`) of the kernel module, the Hopper kernels' SPEC_MASK / SPEC_OPTIONS (None
@@ -73,6 +74,16 @@ class Layout:
             return None
         module = self.kernels()
         return module._spec_mask_staged, module._spec_q_terms, self.position_terms_kv, self.position_terms_at
+
+    def staged_bwd_mask(self) -> tuple | None:
+        """The Hopper backward's form of a mask with query-side position terms (`gluon.host.bwd_constexprs`'
+        ``staged``): (`_spec_mask_staged`, `_spec_kv_terms`, the query-side terms, where the table starts in I32, the
+        key-side rows before theirs), or None."""
+        if self.staged_mask() is None or not self.position_terms_q:
+            return None
+        module = self.kernels()
+        return (module._spec_mask_staged, module._spec_kv_terms, self.position_terms_q, self.position_terms_at,
+                self.position_terms_kv)
 
     def gluon_scalars(self, scalars: list, ctx, seq: int) -> list:
         """The Hopper kernels' [F32, I32]: with position terms, I32's scalars, zeros up to position_terms_at and the
@@ -424,6 +435,13 @@ def choose(layout: Layout, call, deterministic: bool):
     return picked[0], picked[1], tuple(reasons), {"fast_tanh": fast}
 
 
+# The Hopper backward with a spec mask's query-side position terms staged per item by its producer (`Layout.
+# staged_bwd_mask`; else it reads every term from the table in its loop, `_spec_mask_terms`). Compiled for sm_90 in CI
+# and its staged form checked against `_spec_mask` in the interpreter, NOT yet run on a GPU (session 25): on after the
+# zoo's Hopper GPU tests pass with it and it measures faster (NATTEN 2-D, sliding tile: `gpu_round.sh zoo-ab`).
+STAGED_BACKWARD = False
+
+
 def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh: bool = False):
     """The warp-specialised Gluon backward (gluon_attention): (dq, dk, dv), dq [B, Sq, Hq, D] added up in float32
     by reduce-adds (not bitwise reproducible run to run, like cuDNN's). Each key block walks a list of query blocks
@@ -432,8 +450,10 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
     batch, sq, hq, d = q4.shape
     hkv = k.shape[2]
     spec, mask_tiles = _gluon_spec(layout)
+    staged = None
     if spec is not None:
         scalars = layout.gluon_scalars(scalars, ctx, sq)
+        staged = layout.staged_bwd_mask() if STAGED_BACKWARD and not cfg.segments else None
     listed = gluon_attention.listed(cfg, spec is not None, "bwd")
     outs = [jax.ShapeDtypeStruct((batch, sq, hq, d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype)]
@@ -456,7 +476,9 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
             order = _dummy(jnp.int32)
         zeroed, consts = (0, ), gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window,
                                                                 cfg.segments, lists, spec, cfg.softcap, sk,
-                                                                fast_tanh)
+                                                                fast_tanh, staged)
+        if staged is not None:
+            segments[0] = scalars[1]  # QSEG: I32 with the terms' table, whose query-side rows the producer stages
         scalars = [*scalars, *segments, order]
     dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, k, v, do4, lse3, delta3, *scalars],
                                             outs + [_scratch(grid)], zeroed=zeroed, num_warps=4, num_stages=1, **consts)
