@@ -42,6 +42,8 @@
 #   trace-natten   the same for causal, NATTEN 2-D and the 8k documents
 #   zoo-ab         zoo.py's AB_CASES (default causal,natten2d; 16 calls) here and in each folder of AB_TREES (A/B)
 #   flex-ab        FlexAttention on AB_CASES (16 calls), its table beside zoo-ab's main rows
+#   staged-bwd     the Hopper backward's staged position terms switched on in a copy: NATTEN 2-D / sliding tile
+#                  GPU tests there, their zoo rows there and here (session 25: built, not yet GPU-run)
 #   ncu-natten     Nsight Compute of NATTEN 2-D's Hopper forward (details and SASS samples into $OUT)
 #   documents      documents vs Flex (blocksparse.py, flex_blocksparse.py)             (issue 14)
 #   documents16    the same at 16 calls a sample (both sides)
@@ -192,6 +194,23 @@ j_zoo-ab() {  # zoo.py's AB_CASES (16 calls a sample) in this tree, then in each
 j_flex-ab() { job flex-ab 200 env -u PYTHONPATH python3 benchmarks/flex_zoo.py --out "$log/zoo-ab-main" \
   --cases "${AB_CASES:-causal,natten2d}" --reps 6 --calls 16; python3 benchmarks/zoo.py --out "$log/zoo-ab-main" \
   --table --plot "" > "$log/zoo-ab-main/table.md" 2>&1; }
+j_staged-bwd() {  # the Hopper backward's staged position terms (triton/host.STAGED_BACKWARD) switched on in a copy of
+  # this tree: the zoo's Hopper GPU tests of NATTEN 2-D and the sliding tile there, then their zoo rows there and here
+  local t=abstaged
+  rm -rf "$t"; mkdir "$t"
+  tar --exclude=__pycache__ --exclude=ejgen/generated --exclude=ejgen/zoo -cf - generated zoo ejgen benchmarks tests \
+    | tar -x -C "$t"
+  (cd "$t" && ln -sfn ../generated ejgen/generated && ln -sfn ../zoo/generated ejgen/zoo \
+    && sed -i 's/^STAGED_BACKWARD = False$/STAGED_BACKWARD = True/' ejgen/runtime/attention/triton/host.py)
+  grep -q "^STAGED_BACKWARD = True" "$t/ejgen/runtime/attention/triton/host.py" || echo "staged-bwd: no switch" \
+    >> "$log/summary.txt"
+  job staged-bwd-tests 200 env PYTHONPATH="${PYTHONPATH//$PWD/$PWD/$t}" python3 -m pytest -m gpu -q -rf \
+    -p no:cacheprovider "$t/tests/zoo/test_zoo_gluon.py" -k "natten_2d or sliding_tile"
+  job staged-bwd-zoo 120 env PYTHONPATH="${PYTHONPATH//$PWD/$PWD/$t}" python3 "$t/benchmarks/zoo.py" \
+    --out "$log/zoo-staged" --cases natten2d,sliding_tile --reps 4 --rounds 2 --calls 16
+  job staged-bwd-main 120 python3 benchmarks/zoo.py --out "$log/zoo-unstaged" --cases natten2d,sliding_tile --reps 4 \
+    --rounds 2 --calls 16
+}
 j_ncu-natten() {  # Nsight Compute of NATTEN 2-D's Hopper forward: stall reasons, issue, instruction mix, SASS samples
   job ncu-natten 150 ncu --clock-control none -k regex:'gluon_attention_fwd' --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \
@@ -313,7 +332,7 @@ declare -A PRESETS=(
   # what session 25 left for the next: the whole zoo against FlexAttention at 16 calls a sample after the position
   # terms (issue 15's table; on one GPU the halves take a call each: s25a, s25b), then the element mask as one
   # predicate A/B'd (notes/perf.md, session 25: AB_TREES with the patch, AB_CASES causal,natten2d,documents)
-  [s25a]="0:zoo-a16"
+  [s25a]="0:staged-bwd,zoo-a16"
   [s25b]="0:zoo-b16"
 )
 plan=()
