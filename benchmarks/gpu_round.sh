@@ -329,11 +329,13 @@ declare -A PRESETS=(
   # and the ring tests (no 2-GPU host was lent in session 23)
   [s24]="0:fla,rec-bench,rec-kernels,ncu-qk"
   [s24-tests]="0:rec-tests,decode-tests 1:hopper-tests,ring-tests"
-  # what session 25 left for the next: the whole zoo against FlexAttention at 16 calls a sample after the position
-  # terms (issue 15's table; on one GPU the halves take a call each: s25a, s25b), then the element mask as one
-  # predicate A/B'd (notes/perf.md, session 25: AB_TREES with the patch, AB_CASES causal,natten2d,documents)
-  [s25a]="0:staged-bwd,zoo-a16"
-  [s25b]="0:zoo-b16"
+  # what session 25 left for the next: the staged backward's GPU tests and times (s25a); the whole zoo against
+  # FlexAttention at 16 calls a sample after the position terms (issue 15's table; on one GPU the halves take a call
+  # each: s25b, s25c); then the element mask as one predicate A/B'd (notes/perf.md, session 25: AB_TREES with the
+  # patch, AB_CASES causal,natten2d,documents)
+  [s25a]="0:staged-bwd"
+  [s25b]="0:zoo-a16"
+  [s25c]="0:zoo-b16"
 )
 plan=()
 for arg in "${@:-zoo}"; do
