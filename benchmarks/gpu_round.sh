@@ -44,6 +44,8 @@
 #   flex-ab        FlexAttention on AB_CASES (16 calls), its table beside zoo-ab's main rows
 #   staged-bwd     the Hopper backward's staged position terms switched on in a copy: NATTEN 2-D / sliding tile
 #                  GPU tests there, their zoo rows there and here (session 25: built, not yet GPU-run)
+#   select-once    the Hopper forward's element mask as one predicate in a copy: its Gluon GPU tests, the masked
+#                  zoo rows there and here (session 25: static counts only)
 #   ncu-natten     Nsight Compute of NATTEN 2-D's Hopper forward (details and SASS samples into $OUT)
 #   documents      documents vs Flex (blocksparse.py, flex_blocksparse.py)             (issue 14)
 #   documents16    the same at 16 calls a sample (both sides)
@@ -211,6 +213,30 @@ j_staged-bwd() {  # the Hopper backward's staged position terms (triton/host.STA
   job staged-bwd-main 120 python3 benchmarks/zoo.py --out "$log/zoo-unstaged" --cases natten2d,sliding_tile --reps 4 \
     --rounds 2 --calls 16
 }
+j_select-once() {  # the Hopper forward's element mask as one predicate (notes/perf.md, session 25) in a copy of this
+  # tree: the Gluon GPU tests there, then the masked zoo rows there and here
+  local t=abselect
+  rm -rf "$t"; mkdir "$t"
+  tar --exclude=__pycache__ --exclude=ejgen/generated --exclude=ejgen/zoo -cf - generated zoo ejgen benchmarks tests \
+    | tar -x -C "$t"
+  (cd "$t" && ln -sfn ../generated ejgen/generated && ln -sfn ../zoo/generated ejgen/zoo)
+  python3 - "$t/ejgen/runtime/attention/gluon/kernels.py" <<'PY'
+import sys
+p = sys.argv[1]
+s = open(p).read()
+old = '        s = gl.where(keep, s, -float("inf"))\n'
+new = ('        s = gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; selp.f32 $0, $1, 0fFF800000, p; }",\n'
+       '                                      "=r,r,r", [s, keep.to(gl.int32)], dtype=gl.float32, is_pure=True, pack=1)\n')
+assert s.count(old) == 1
+open(p, "w").write(s.replace(old, new))
+PY
+  job select-once-tests 200 env PYTHONPATH="${PYTHONPATH//$PWD/$PWD/$t}" python3 -m pytest -m gpu -q -rf \
+    -p no:cacheprovider "$t/tests/attention/test_gluon.py" "$t/tests/zoo/test_zoo_gluon.py"
+  job select-once-zoo 150 env PYTHONPATH="${PYTHONPATH//$PWD/$PWD/$t}" python3 "$t/benchmarks/zoo.py" \
+    --out "$log/zoo-select" --cases causal,natten2d,sliding_tile,documents,sliding_window --reps 4 --rounds 2 --calls 16
+  job select-once-main 150 python3 benchmarks/zoo.py --out "$log/zoo-noselect" \
+    --cases causal,natten2d,sliding_tile,documents,sliding_window --reps 4 --rounds 2 --calls 16
+}
 j_ncu-natten() {  # Nsight Compute of NATTEN 2-D's Hopper forward: stall reasons, issue, instruction mix, SASS samples
   job ncu-natten 150 ncu --clock-control none -k regex:'gluon_attention_fwd' --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \
@@ -336,6 +362,7 @@ declare -A PRESETS=(
   [s25a]="0:staged-bwd"
   [s25b]="0:zoo-a16"
   [s25c]="0:zoo-b16"
+  [s25d]="0:select-once"
 )
 plan=()
 for arg in "${@:-zoo}"; do
