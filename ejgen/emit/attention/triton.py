@@ -289,8 +289,7 @@ def position_terms_context(mask: Expr | None, variant, mask_options: list, i32_c
     kv = sum(side == "kv" for side, _ in terms)
     names = _names(variant)
     tl_printer = TlPrinter({**names, **{f"_t{i}": f"t{i}" for i in range(len(terms))}}, {})
-    jnp_names = {n: n for n in ("q_idx", "kv_idx", "q_len", "kv_len")}
-    jnp_names.update({"q_idx": "pos", "kv_idx": "pos", "q_len": "seq", "kv_len": "seq"})
+    jnp_names = {"q_idx": "pos", "kv_idx": "pos", "q_len": "seq", "kv_len": "seq"}  # q_len = kv_len on the Hopper set
     jnp_names.update({o.name: f'ctx["opt_{o.name}"]' for o in variant.options})
     jnp_printer = JnpPrinter(jnp_names, {})
     used = {f"opt_{n.name}" for n in walk(rest) if isinstance(n, Var) and n.kind == "option"}
