@@ -105,6 +105,7 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, O_PART, M_PART, L_PART
         m_i = m_new
     pair = off_b * HKV + off_hk
     part = (pair * N_SPLITS + split).to(tl.int64)
-    tl.store(O_PART + (part * M_PAD + r[:, None]) * DV_PAD + o_dv[None, :], acc)
-    tl.store(M_PART + part * M_PAD + r, m_i)
-    tl.store(L_PART + part * M_PAD + r, l_i)
+    # the real rows only (G * SQ of the M_PAD the products take): the partials a quarter of the bytes at G 4, SQ 1
+    tl.store(O_PART + (part * (G * SQ) + r[:, None]) * DV_PAD + o_dv[None, :], acc, mask=row_ok[:, None])
+    tl.store(M_PART + part * (G * SQ) + r, m_i, mask=row_ok)
+    tl.store(L_PART + part * (G * SQ) + r, l_i, mask=row_ok)

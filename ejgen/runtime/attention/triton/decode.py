@@ -49,7 +49,7 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
     inputs += [ctx[f"param_{p}"] for p in params]
     sinks = ctx.get("softmax_aux") if cfg.sinks else None  # [Hkv, G, n]: split_k.merge adds them
     grid = (batch, hkv, n_splits)
-    parts = (batch, hkv, n_splits, m_pad)
+    parts = (batch, hkv, n_splits, groups * sq)  # the real rows (the kernel's M_PAD are the products')
     sds = jax.ShapeDtypeStruct
     outs = [sds(parts + (dv_pad,), jnp.float32), sds(parts, jnp.float32), sds(parts, jnp.float32),
             sds((math.prod(grid) * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)]
