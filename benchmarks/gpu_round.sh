@@ -363,6 +363,7 @@ declare -A PRESETS=(
   [s25b]="0:zoo-a16"
   [s25c]="0:zoo-b16"
   [s25d]="0:select-once"
+  [s25e]="0:decode-steady,decode-tests"  # the decode kernel's partials of real rows only (session 25, not GPU-run)
 )
 plan=()
 for arg in "${@:-zoo}"; do
