@@ -387,12 +387,12 @@ STAGED_BWD_SPILL_BUDGET = 32  # bytes a thread: NATTEN 2-D 8 / 16, sliding tile 
 
 def test_the_staged_backward_compiles_for_sm90():
     """The Hopper backward with a spec mask's query-side position terms staged per item by its producer
-    (`triton.host.STAGED_BACKWARD`, off until it has run on a GPU) compiles for sm_90 on both Tritons, NATTEN 2-D and
-    the sliding tile: their staged constexprs reach it, its spills within STAGED_BWD_SPILL_BUDGET."""
+    (`triton.host.STAGED_BACKWARD`, off until it has run on a GPU) compiles for sm_90 on both Tritons, NATTEN 2-D's
+    four query-side terms (the sliding tile's three take the same path): its spills within STAGED_BWD_SPILL_BUDGET."""
     from ejgen.testing.aot import compile_all_in_subprocess, gpu_host_triton
 
     requests = [dict(gluon=True, spec=f"ejgen.zoo.{name}", causal=False, staged_backward=True, backward_only=True,
-                     with_resources=True) for name in ("natten_2d_attention", "sliding_tile_attention")]
+                     with_resources=True) for name in ("natten_2d_attention", )]
     for triton in (None, gpu_host_triton()):
         for request, compiled in zip(requests, compile_all_in_subprocess(requests, triton=triton)):
             assert "error" not in compiled, (request, compiled.get("error"))
