@@ -98,13 +98,13 @@ def check_shard_map(backend, failures):
 
 
 def check_features(backend, failures):
-    """The mesh wrapper, mesh (4, 2): a window, segment ids, per-head sinks and a full bias (its gradient cut too)."""
+    """The mesh wrapper, mesh (2, 2): a window, segment ids, per-head sinks and a full bias (its gradient cut too)."""
     shape = AttnShape(4, 16, 16, 4, 2, 16)
     rng, diff, d_out, d_lse = inputs(shape, "features")
     diff["bias"] = jnp.asarray(rng.standard_normal((4, 4, 16, 16)), jnp.float32)
     diff["softmax_aux"] = jnp.asarray(rng.standard_normal(4) + 1.0, jnp.float32)
     ids = packed_segments(4, 16, rng)
-    m = mesh((4, 2), ("dp", "tp"))
+    m = mesh((2, 2), ("dp", "tp"))
     kw = dict(sliding_window=(6, 3), mask_info=MaskInfo.from_segments(ids), platform=backend, return_lse=True)
     sharded = vjp_call(lambda **d: flash_attention(**d, **kw, mesh=m, in_specs=P("dp", None, "tp")), diff, d_out, d_lse)
     single = vjp_call(lambda **d: flash_attention(**d, **kw), diff, d_out, d_lse)
@@ -130,13 +130,13 @@ def check_replicated(backend, failures):
 
 
 def check_alibi(backend, failures):
-    """A generated spec with a param and an option: alibi_attention over mesh (2, 4), heads over tp and batch over
+    """A generated spec with a param and an option: alibi_attention over mesh (2, 2), heads over tp and batch over
     dp, so that slopes are cut with the heads and replicated over dp (their gradient: the sum over dp)."""
     shape = AttnShape(2, 16, 16, 4, 4, 16)
     rng, diff, d_out, d_lse = inputs(shape, "alibi")
     diff["slopes"] = jnp.asarray(rng.uniform(0.05, 0.5, 4), jnp.float32)
     kw = dict(causal=True, max_distance=8, platform=backend, return_lse=True)
-    m = mesh((2, 4), ("dp", "tp"))
+    m = mesh((2, 2), ("dp", "tp"))
     spec = P("dp", None, "tp", None)
     sharded = vjp_call(lambda **d: alibi_attention(**d, **kw, mesh=m, in_specs=spec), diff, d_out, d_lse)
     single = vjp_call(lambda **d: alibi_attention(**d, **kw), diff, d_out, d_lse)
@@ -174,8 +174,8 @@ def check_blocksparse(backend, failures):
 # replicated arguments summed over devices, block masks cut by the wrapper): xla alone, to keep the interpreters'
 # share of the budget small.
 CHECKS = {
-    "wrapper-window-segments-sinks-bias-4x2": (check_features, ("xla", "pallas", "triton")),
-    "alibi-slopes-2x4": (check_alibi, ("xla", "pallas", "triton")),
+    "wrapper-window-segments-sinks-bias-2x2": (check_features, ("xla", "pallas", "triton")),
+    "alibi-slopes-2x2": (check_alibi, ("xla", "pallas", "triton")),
     "shard_map-gqa-causal-2x4": (check_shard_map, ("xla",)),
     "blocksparse-layout-segments-8": (check_blocksparse, ("xla",)),
     "wrapper-replicated-sinks-bias-8": (check_replicated, ("xla",)),

@@ -26,10 +26,10 @@ from ejgen.zoo import alibi_fixed_attention
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = {
-    "xla": {"shard_map-gqa-causal-2x4", "wrapper-window-segments-sinks-bias-4x2", "alibi-slopes-2x4",
+    "xla": {"shard_map-gqa-causal-2x4", "wrapper-window-segments-sinks-bias-2x2", "alibi-slopes-2x2",
             "blocksparse-layout-segments-8", "wrapper-replicated-sinks-bias-8"},
-    "pallas": {"wrapper-window-segments-sinks-bias-4x2", "alibi-slopes-2x4"},
-    "triton": {"wrapper-window-segments-sinks-bias-4x2", "alibi-slopes-2x4"},
+    "pallas": {"wrapper-window-segments-sinks-bias-2x2", "alibi-slopes-2x2"},
+    "triton": {"wrapper-window-segments-sinks-bias-2x2", "alibi-slopes-2x2"},
 }
 
 
