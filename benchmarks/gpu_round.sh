@@ -183,6 +183,13 @@ j_zoo-a() { zoo_half a $ZOO_A; }
 j_zoo-b() { zoo_half b $ZOO_B; }
 j_zoo-a16() { zoo_half a16 $ZOO_A 16; }
 j_zoo-b16() { zoo_half b16 $ZOO_B 16; }
+copy_tree() {  # copy_tree DIR: this tree's generated, zoo, ejgen, benchmarks and tests in DIR, its packages linked, to
+  # change one thing in and run beside this tree (PYTHONPATH="${PYTHONPATH//$PWD/$PWD/DIR}")
+  rm -rf "$1"; mkdir "$1"
+  tar --exclude=__pycache__ --exclude=ejgen/generated --exclude=ejgen/zoo -cf - generated zoo ejgen benchmarks tests \
+    | tar -x -C "$1"
+  (cd "$1" && ln -sfn ../generated ejgen/generated && ln -sfn ../zoo/generated ejgen/zoo)
+}
 j_zoo-ab() {  # zoo.py's AB_CASES (16 calls a sample) in this tree, then in each of AB_TREES (folders holding a
   # `git archive` of generated, zoo, ejgen and benchmarks, ejgen/generated and ejgen/zoo linked): A/B of kernel changes
   local t
@@ -199,11 +206,8 @@ j_flex-ab() { job flex-ab 200 env -u PYTHONPATH python3 benchmarks/flex_zoo.py -
 j_staged-bwd() {  # the Hopper backward's staged position terms (triton/host.STAGED_BACKWARD) switched on in a copy of
   # this tree: the zoo's Hopper GPU tests of NATTEN 2-D and the sliding tile there, then their zoo rows there and here
   local t=abstaged
-  rm -rf "$t"; mkdir "$t"
-  tar --exclude=__pycache__ --exclude=ejgen/generated --exclude=ejgen/zoo -cf - generated zoo ejgen benchmarks tests \
-    | tar -x -C "$t"
-  (cd "$t" && ln -sfn ../generated ejgen/generated && ln -sfn ../zoo/generated ejgen/zoo \
-    && sed -i 's/^STAGED_BACKWARD = False$/STAGED_BACKWARD = True/' ejgen/runtime/attention/triton/host.py)
+  copy_tree "$t"
+  sed -i 's/^STAGED_BACKWARD = False$/STAGED_BACKWARD = True/' "$t/ejgen/runtime/attention/triton/host.py"
   grep -q "^STAGED_BACKWARD = True" "$t/ejgen/runtime/attention/triton/host.py" || echo "staged-bwd: no switch" \
     >> "$log/summary.txt"
   job staged-bwd-tests 200 env PYTHONPATH="${PYTHONPATH//$PWD/$PWD/$t}" python3 -m pytest -m gpu -q -rf \
@@ -216,10 +220,7 @@ j_staged-bwd() {  # the Hopper backward's staged position terms (triton/host.STA
 j_select-once() {  # the Hopper forward's element mask as one predicate (notes/perf.md, session 25) in a copy of this
   # tree: the Gluon GPU tests there, then the masked zoo rows there and here
   local t=abselect
-  rm -rf "$t"; mkdir "$t"
-  tar --exclude=__pycache__ --exclude=ejgen/generated --exclude=ejgen/zoo -cf - generated zoo ejgen benchmarks tests \
-    | tar -x -C "$t"
-  (cd "$t" && ln -sfn ../generated ejgen/generated && ln -sfn ../zoo/generated ejgen/zoo)
+  copy_tree "$t"
   python3 - "$t/ejgen/runtime/attention/gluon/kernels.py" <<'PY'
 import sys
 p = sys.argv[1]

@@ -283,7 +283,8 @@ def test_position_terms_give_the_spec_mask():
     @triton.jit
     def both(F32, I32, I32T, OUT, S: tl.constexpr, WIDE: tl.constexpr, M: tl.constexpr, MASK: tl.constexpr,
              OPTIONS: tl.constexpr, MASK_T: tl.constexpr, OPTIONS_T: tl.constexpr, STAGED: tl.constexpr,
-             Q_TERMS: tl.constexpr, KV: tl.constexpr, AT: tl.constexpr, KV_TERMS: tl.constexpr, NQ: tl.constexpr):
+             Q_TERMS: tl.constexpr, KV: tl.constexpr, AT: tl.constexpr, KV_TERMS: tl.constexpr, NQ: tl.constexpr,
+             Q_FIRST: tl.constexpr):
         q = tl.program_id(0) * M + tl.arange(0, M)[:, None]
         k = tl.program_id(1) * M + tl.arange(0, M)[None, :]
         zero = tl.program_id(0) * 0
@@ -302,18 +303,18 @@ def test_position_terms_give_the_spec_mask():
         if KV > 3:
             k3 = tl.load(I32T + AT + 3 * WIDE + k)
         c = STAGED(q, k, Q_TERMS(q, zero + S, zero + S, opts), (k0, k1, k2, k3), zero, zero, zero + S, zero + S, opts)
-        # the Hopper backward's: the query side's rows (after the key side's) as its producer loads them, the key
-        # side's from `_spec_kv_terms`
-        q0 = tl.load(I32T + AT + KV * WIDE + q)
+        # the Hopper backward's: the query side's rows (from row Q_FIRST) as its producer loads them, the key side's
+        # from `_spec_kv_terms`
+        q0 = tl.load(I32T + AT + Q_FIRST * WIDE + q)
         q1 = q0
         q2 = q0
         q3 = q0
         if NQ > 1:
-            q1 = tl.load(I32T + AT + (KV + 1) * WIDE + q)
+            q1 = tl.load(I32T + AT + (Q_FIRST + 1) * WIDE + q)
         if NQ > 2:
-            q2 = tl.load(I32T + AT + (KV + 2) * WIDE + q)
+            q2 = tl.load(I32T + AT + (Q_FIRST + 2) * WIDE + q)
         if NQ > 3:
-            q3 = tl.load(I32T + AT + (KV + 3) * WIDE + q)
+            q3 = tl.load(I32T + AT + (Q_FIRST + 3) * WIDE + q)
         d = STAGED(q, k, (q0, q1, q2, q3), KV_TERMS(k, zero + S, zero + S, opts), zero, zero, zero + S, zero + S, opts)
         tl.store(OUT + q * WIDE + k, a.to(tl.int32) * 8 + b.to(tl.int32) * 4 + c.to(tl.int32) * 2 + d.to(tl.int32))
 
@@ -330,13 +331,13 @@ def test_position_terms_give_the_spec_mask():
         np.testing.assert_array_equal(i32_terms[:i32.shape[0]], i32)  # the scalars where `_spec_options` reads them
         staged, q_terms, kv, at = layout.staged_mask()
         assert at == layout.position_terms_at and 0 < kv <= 4, name
-        staged_bwd, kv_terms, nq, at_bwd, kv_rows = layout.staged_bwd_mask()
-        assert (staged_bwd, at_bwd, kv_rows) == (staged, at, kv) and 0 < nq <= 4, name
+        staged_bwd, kv_terms, nq, at_bwd, q_first = layout.staged_bwd_mask()
+        assert (staged_bwd, at_bwd) == (staged, at) and 0 < nq <= 4 and 0 <= q_first <= kv, name
         (ways,) = triton_call.launch(
             both, (wide // 64, wide // 64), [f32, i32, i32_terms], [jax.ShapeDtypeStruct((wide, wide), jnp.int32)],
             S=seq, WIDE=wide, M=64, MASK=module._spec_mask, OPTIONS=module._spec_options,
             MASK_T=module._spec_mask_terms, OPTIONS_T=module._spec_options_terms, STAGED=staged, Q_TERMS=q_terms,
-            KV=kv, AT=at, KV_TERMS=kv_terms, NQ=nq)
+            KV=kv, AT=at, KV_TERMS=kv_terms, NQ=nq, Q_FIRST=q_first)
         ways = np.asarray(ways)
         spec, terms, staged_form, staged_bwd_form = ways // 8, ways // 4 % 2, ways // 2 % 2, ways % 2
         if options.get("width") != 0:  # (a width of 0 hides every key, both ways)

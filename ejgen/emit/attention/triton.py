@@ -23,7 +23,7 @@ from ejgen.emit.attention.intervals import mask_tiles_context
 from ejgen.emit.attention.xla import JnpPrinter
 from ejgen.errors import SpecError
 from ejgen.ir.expr import Binary, Call, Const, Expr, ParamRef, Unary, Var, to_text, walk
-from ejgen.ir.passes.separate import position_terms
+from ejgen.ir.passes.separate import position_form, position_terms
 from ejgen.plan.attention import AttentionPlan
 
 DIM_CONSTEXPR = {"batch": "DIMS.B", "heads": "DIMS.HQ", "kv_heads": "DIMS.HKV", "q_len": "DIMS.SEQ_Q",
@@ -282,31 +282,42 @@ def position_terms_context(mask: Expr | None, variant, mask_options: list, i32_c
     rest, terms = position_terms(mask)
     if not terms:
         return None
-    # table rows: the key side's first (the Hopper forward's producer stages rows 0 .. kv - 1 per key block)
-    order = [i for i, (side, _) in enumerate(terms) if side == "kv"] + [i for i, (side, _) in enumerate(terms)
-                                                                        if side == "q"]
-    row = {i: r for r, i in enumerate(order)}
-    kv = sum(side == "kv" for side, _ in terms)
+    # one table row per position form (`position_form`: a query-side and a key-side term of one form share it), in
+    # the order key side only, both, query side only: the key side's rows [0, kv) are what the Hopper forward's
+    # producer stages per key block, the query side's [q_first, rows) what the backward's stages per item
+    forms = list(dict.fromkeys(position_form(t) for _, t in terms))
+    sides = {f: {side for side, t in terms if position_form(t) == f} for f in forms}
+    order = ([f for f in forms if sides[f] == {"kv"}] + [f for f in forms if len(sides[f]) == 2]
+             + [f for f in forms if sides[f] == {"q"}])
+    row = {f: r for r, f in enumerate(order)}
+    kv = sum("kv" in sides[f] for f in order)
+    q_first = sum(sides[f] == {"kv"} for f in order)
+    q_rows = len(order) - q_first
     names = _names(variant)
     tl_printer = TlPrinter({**names, **{f"_t{i}": f"t{i}" for i in range(len(terms))}}, {})
-    jnp_names = {"q_idx": "pos", "kv_idx": "pos", "q_len": "seq", "kv_len": "seq"}  # q_len = kv_len on the Hopper set
+    jnp_names = {"pos": "pos", "len": "seq"}  # q_len = kv_len on the Hopper set
     jnp_names.update({o.name: f'ctx["opt_{o.name}"]' for o in variant.options})
     jnp_printer = JnpPrinter(jnp_names, {})
     used = {f"opt_{n.name}" for n in walk(rest) if isinstance(n, Var) and n.kind == "option"}
+    terms_ctx = []
+    for side, t in terms:
+        r = row[position_form(t)]
+        terms_ctx.append({"index": "q_idx" if side == "q" else "kv_idx", "text": to_text(t), "row": r,
+                          "staged": f"K[{r}]" if side == "kv" else f"Q[{r - q_first}]"})
+    staged = 0 < kv <= 4  # the Hopper forward's staged form (`_spec_mask_staged`): at most 4 key-side rows
     return {
         "rest": rest,
         "rest_code": tl_printer(rest),
         "options": [(i, o) for i, o in enumerate(mask_options) if o in used],
         "count": len(mask_options),
         "at": -(-(i32_count + 1) // 4) * 4,  # I32's scalars and the marker `host._packed` appends
-        "terms": [{"side": side, "index": "q_idx" if side == "q" else "kv_idx", "text": to_text(t), "row": row[i],
-                   "jnp": jnp_printer(t)} for i, (side, t) in enumerate(terms)],
-        "rows": [{"text": to_text(terms[i][1]), "jnp": jnp_printer(terms[i][1])} for i in order],
-        # the Hopper forward's staged form (`_spec_mask_staged`): key-side terms given per block (at most 4)
-        "kv": kv if 0 < kv <= 4 else 0,
-        "q": [row[i] for i in order if terms[i][0] == "q"],
-        # the Hopper backward's staged form: query-side terms given per item (at most 4, with a staged key side)
-        "q_staged": (len(terms) - kv) if 0 < kv <= 4 and 0 < len(terms) - kv <= 4 else 0,
+        "terms": terms_ctx,
+        "rows": [{"text": to_text(f), "jnp": jnp_printer(f)} for f in order],  # in pos (a position) and len (S)
+        "kv": kv if staged else 0,
+        "q": list(range(q_first, len(order))),
+        "q_first": q_first,
+        # the Hopper backward's staged form: at most 4 query-side rows, given per item, with a staged key side
+        "q_staged": q_rows if staged and 0 < q_rows <= 4 else 0,
     }
 
 

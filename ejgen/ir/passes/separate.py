@@ -106,3 +106,12 @@ def position_terms(mask: Expr) -> tuple[Expr, list[tuple[str, Expr]]]:
 
     rest = visit(mask)
     return rest, found
+
+
+def position_form(term: Expr) -> Expr:
+    """A term as a function of its position alone (q_idx and kv_idx one name, q_len and kv_len one): a table row over
+    the positions 0 .. S - 1 (Sq = Sk) serves every term of the same form, the query side's and the key side's."""
+    if isinstance(term, Var) and term.name in ("q_idx", "kv_idx", "q_len", "kv_len"):
+        return Var("pos" if term.name.endswith("idx") else "len", kind="builtin", ty=Type.INT)
+    kids = children(term)
+    return with_children(term, tuple(position_form(c) for c in kids)) if kids else term

@@ -110,9 +110,45 @@ def _spec_mask(q_idx, kv_idx, off_b, off_h, q_len, kv_len, OPTIONS):
 def _spec_options_terms(F32, I32):
     """`_spec_options` and, last, the table of the mask's position terms (`_position_terms` of triton_launch.py:
     6 rows of int32 past I32's scalars, from I32[8]), for `_spec_mask_terms`."""
-    opt_kernel = tl.load(I32 + 3)
-    opt_width = tl.load(I32 + 2)
-    return (opt_kernel, opt_width, I32 + 8)
+    options = _spec_options(F32, I32)
+    return (options[0], options[1], I32 + 8)
+
+
+@triton.jit
+def _spec_q_terms(q_idx, q_len, kv_len, OPTIONS):
+    """The query side's position terms of rows q_idx (table rows 2, 3, 4, 5): once per query tile in the Hopper
+    forward (`_spec_mask_staged`)."""
+    terms = OPTIONS[2]
+    stride = (kv_len + 255) // 256 * 256
+    return (tl.load(terms + 2 * stride + q_idx), tl.load(terms + 3 * stride + q_idx),
+            tl.load(terms + 4 * stride + q_idx), tl.load(terms + 5 * stride + q_idx), )
+
+
+@triton.jit
+def _spec_kv_terms(kv_idx, q_len, kv_len, OPTIONS):
+    """The key side's position terms of keys kv_idx (table rows 0 .. 1; four, repeats past them): once per key block
+    in the Hopper backward (`_spec_mask_staged`, the query side's staged per item)."""
+    terms = OPTIONS[2]
+    stride = (kv_len + 255) // 256 * 256
+    k0 = tl.load(terms + 0 * stride + kv_idx)
+    k1 = tl.load(terms + 1 * stride + kv_idx)
+    k2 = k0
+    k3 = k0
+    return (k0, k1, k2, k3)
+
+
+@triton.jit
+def _spec_mask_staged(q_idx, kv_idx, Q, K, off_b, off_h, q_len, kv_len, OPTIONS):
+    """The spec's mask with its costly one-position terms given: Q the query side's (`_spec_q_terms`; in the Hopper
+    forward once per tile, in its backward staged per item), K the key side's (`_spec_kv_terms`; in the forward table
+    rows 0 .. 1 staged per key block by its producer, in the backward once per key block)."""
+    t0 = K[0]  # (kv_idx // width)
+    t1 = Q[0]  # clamp(((q_idx // width) - (kernel // 2)), 0, ((kv_len // width) - kernel))
+    t2 = Q[1]  # (clamp(((q_idx // width) - (kernel // 2)), 0, ((kv_len // width) - kernel)) + kernel)
+    t3 = K[1]  # (kv_idx % width)
+    t4 = Q[2]  # clamp(((q_idx % width) - (kernel // 2)), 0, (width - kernel))
+    t5 = Q[3]  # (clamp(((q_idx % width) - (kernel // 2)), 0, (width - kernel)) + kernel)
+    return ((((((t0 >= t1) & (t0 < t2))) & (t3 >= t4))) & (t3 < t5))
 
 
 @triton.jit
@@ -131,42 +167,6 @@ def _spec_mask_terms(q_idx, kv_idx, off_b, off_h, q_len, kv_len, OPTIONS):
     t4 = tl.load(terms + 4 * stride + q_idx)  # clamp(((q_idx % width) - (kernel // 2)), 0, (width - kernel))
     t5 = tl.load(terms + 5 * stride + q_idx)  # (clamp(((q_idx % width) - (kernel // 2)), 0, (width - kernel)) + kernel)
     return ((((((t0 >= t1) & (t0 < t2))) & (t3 >= t4))) & (t3 < t5))
-
-
-@triton.jit
-def _spec_q_terms(q_idx, q_len, kv_len, OPTIONS):
-    """The query side's position terms of rows q_idx (table rows 2, 3, 4, 5), once per query tile in the Hopper
-    forward (`_spec_mask_staged`)."""
-    terms = OPTIONS[2]
-    stride = (kv_len + 255) // 256 * 256
-    return (tl.load(terms + 2 * stride + q_idx), tl.load(terms + 3 * stride + q_idx),
-            tl.load(terms + 4 * stride + q_idx), tl.load(terms + 5 * stride + q_idx), )
-
-
-@triton.jit
-def _spec_mask_staged(q_idx, kv_idx, Q, K, off_b, off_h, q_len, kv_len, OPTIONS):
-    """`_spec_mask_terms` with its terms given, as the Hopper forward runs it: Q the query side's (`_spec_q_terms`,
-    once per tile), K the key side's (table rows 0 .. 1, staged per key block by its producer)."""
-    t0 = K[0]  # (kv_idx // width)
-    t1 = Q[0]  # clamp(((q_idx // width) - (kernel // 2)), 0, ((kv_len // width) - kernel))
-    t2 = Q[1]  # (clamp(((q_idx // width) - (kernel // 2)), 0, ((kv_len // width) - kernel)) + kernel)
-    t3 = K[1]  # (kv_idx % width)
-    t4 = Q[2]  # clamp(((q_idx % width) - (kernel // 2)), 0, (width - kernel))
-    t5 = Q[3]  # (clamp(((q_idx % width) - (kernel // 2)), 0, (width - kernel)) + kernel)
-    return ((((((t0 >= t1) & (t0 < t2))) & (t3 >= t4))) & (t3 < t5))
-
-
-@triton.jit
-def _spec_kv_terms(kv_idx, q_len, kv_len, OPTIONS):
-    """The key side's position terms of keys kv_idx (table rows 0 .. 1; four, repeats past them), once per key block
-    in the Hopper backward (`_spec_mask_staged`, the query side's staged per item)."""
-    terms = OPTIONS[2]
-    stride = (kv_len + 255) // 256 * 256
-    k0 = tl.load(terms + 0 * stride + kv_idx)
-    k1 = tl.load(terms + 1 * stride + kv_idx)
-    k2 = k0
-    k3 = k0
-    return (k0, k1, k2, k3)
 
 
 @triton.jit

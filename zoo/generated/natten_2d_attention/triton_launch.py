@@ -51,25 +51,25 @@ def _position_terms(seq, ctx):
     once a call for the Hopper kernels (`_spec_mask_terms` of triton_kernels.py; docs/DESIGN.md §6, position terms)."""
     pos = jnp.arange(-(-seq // 256) * 256, dtype=jnp.int32)
     terms = [
-        # (kv_idx // width)
+        # (pos // width)
         jnp.where(ctx["opt_width"] == 0, 0, pos // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"])),
-        # (kv_idx % width)
+        # (pos % width)
         pos - jnp.where(ctx["opt_width"] == 0, 0, pos // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
         * ctx["opt_width"],
-        # clamp(((q_idx // width) - (kernel // 2)), 0, ((kv_len // width) - kernel))
+        # clamp(((pos // width) - (kernel // 2)), 0, ((len // width) - kernel))
         jnp.clip(jnp.where(ctx["opt_width"] == 0, 0, pos // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
                  - ctx["opt_kernel"] // 2, 0, jnp.where(ctx["opt_width"] == 0, 0,
                                                         seq // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
                  - ctx["opt_kernel"]),
-        # (clamp(((q_idx // width) - (kernel // 2)), 0, ((kv_len // width) - kernel)) + kernel)
+        # (clamp(((pos // width) - (kernel // 2)), 0, ((len // width) - kernel)) + kernel)
         jnp.clip(jnp.where(ctx["opt_width"] == 0, 0, pos // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
                  - ctx["opt_kernel"] // 2, 0, jnp.where(ctx["opt_width"] == 0, 0,
                                                         seq // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
                  - ctx["opt_kernel"]) + ctx["opt_kernel"],
-        # clamp(((q_idx % width) - (kernel // 2)), 0, (width - kernel))
+        # clamp(((pos % width) - (kernel // 2)), 0, (width - kernel))
         jnp.clip(pos - jnp.where(ctx["opt_width"] == 0, 0, pos // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
                  * ctx["opt_width"] - ctx["opt_kernel"] // 2, 0, ctx["opt_width"] - ctx["opt_kernel"]),
-        # (clamp(((q_idx % width) - (kernel // 2)), 0, (width - kernel)) + kernel)
+        # (clamp(((pos % width) - (kernel // 2)), 0, (width - kernel)) + kernel)
         jnp.clip(pos - jnp.where(ctx["opt_width"] == 0, 0, pos // jnp.where(ctx["opt_width"] == 0, 1, ctx["opt_width"]))
                  * ctx["opt_width"] - ctx["opt_kernel"] // 2, 0, ctx["opt_width"] - ctx["opt_kernel"])
         + ctx["opt_kernel"],
@@ -94,6 +94,7 @@ LAYOUT = triton_attention.Layout(
     position_terms_at=8,
     position_terms_kv=2,
     position_terms_q=4,
+    position_terms_q_first=2,
 )
 
 

@@ -111,50 +111,39 @@ def _spec_mask(q_idx, kv_idx, off_b, off_h, q_len, kv_len, OPTIONS):
 @triton.jit
 def _spec_options_terms(F32, I32):
     """`_spec_options` and, last, the table of the mask's position terms (`_position_terms` of triton_launch.py:
-    6 rows of int32 past I32's scalars, from I32[12]), for `_spec_mask_terms`."""
-    opt_grid_h = tl.load(I32 + 3)
-    opt_grid_w = tl.load(I32 + 4)
-    opt_radius_h = tl.load(I32 + 6)
-    opt_radius_t = tl.load(I32 + 5)
-    opt_radius_w = tl.load(I32 + 7)
-    opt_tile_tokens = tl.load(I32 + 2)
-    return (opt_grid_h, opt_grid_w, opt_radius_h, opt_radius_t, opt_radius_w, opt_tile_tokens, I32 + 12)
-
-
-@triton.jit
-def _spec_mask_terms(q_idx, kv_idx, off_b, off_h, q_len, kv_len, OPTIONS):
-    """`_spec_mask` with its costly one-position terms read from their table (OPTIONS: `_spec_options_terms`; rows of
-    the positions 0 .. S - 1 rounded up to 256, q_len = kv_len = S): what the Hopper kernels call (docs/DESIGN.md §6,
-    position terms)."""
-    opt_radius_h = OPTIONS[2]
-    opt_radius_t = OPTIONS[3]
-    opt_radius_w = OPTIONS[4]
-    terms = OPTIONS[6]
-    stride = (kv_len + 255) // 256 * 256
-    t0 = tl.load(terms + 3 * stride + q_idx)  # (q_idx // ((tile_tokens * grid_h) * grid_w))
-    t1 = tl.load(terms + 0 * stride + kv_idx)  # (kv_idx // ((tile_tokens * grid_h) * grid_w))
-    t2 = tl.load(terms + 4 * stride + q_idx)  # ((q_idx // (tile_tokens * grid_w)) % grid_h)
-    t3 = tl.load(terms + 1 * stride + kv_idx)  # ((kv_idx // (tile_tokens * grid_w)) % grid_h)
-    t4 = tl.load(terms + 5 * stride + q_idx)  # ((q_idx // tile_tokens) % grid_w)
-    t5 = tl.load(terms + 2 * stride + kv_idx)  # ((kv_idx // tile_tokens) % grid_w)
-    return ((((tl.abs(t0 - t1) <= opt_radius_t) & (tl.abs(t2 - t3) <= opt_radius_h)))
-            & (tl.abs(t4 - t5) <= opt_radius_w))
+    3 rows of int32 past I32's scalars, from I32[12]), for `_spec_mask_terms`."""
+    options = _spec_options(F32, I32)
+    return (options[0], options[1], options[2], options[3], options[4], options[5], I32 + 12)
 
 
 @triton.jit
 def _spec_q_terms(q_idx, q_len, kv_len, OPTIONS):
-    """The query side's position terms of rows q_idx (table rows 3, 4, 5), once per query tile in the Hopper
+    """The query side's position terms of rows q_idx (table rows 0, 1, 2): once per query tile in the Hopper
     forward (`_spec_mask_staged`)."""
     terms = OPTIONS[6]
     stride = (kv_len + 255) // 256 * 256
-    return (tl.load(terms + 3 * stride + q_idx), tl.load(terms + 4 * stride + q_idx),
-            tl.load(terms + 5 * stride + q_idx), )
+    return (tl.load(terms + 0 * stride + q_idx), tl.load(terms + 1 * stride + q_idx),
+            tl.load(terms + 2 * stride + q_idx), )
+
+
+@triton.jit
+def _spec_kv_terms(kv_idx, q_len, kv_len, OPTIONS):
+    """The key side's position terms of keys kv_idx (table rows 0 .. 2; four, repeats past them): once per key block
+    in the Hopper backward (`_spec_mask_staged`, the query side's staged per item)."""
+    terms = OPTIONS[6]
+    stride = (kv_len + 255) // 256 * 256
+    k0 = tl.load(terms + 0 * stride + kv_idx)
+    k1 = tl.load(terms + 1 * stride + kv_idx)
+    k2 = tl.load(terms + 2 * stride + kv_idx)
+    k3 = k0
+    return (k0, k1, k2, k3)
 
 
 @triton.jit
 def _spec_mask_staged(q_idx, kv_idx, Q, K, off_b, off_h, q_len, kv_len, OPTIONS):
-    """`_spec_mask_terms` with its terms given, as the Hopper forward runs it: Q the query side's (`_spec_q_terms`,
-    once per tile), K the key side's (table rows 0 .. 2, staged per key block by its producer)."""
+    """The spec's mask with its costly one-position terms given: Q the query side's (`_spec_q_terms`; in the Hopper
+    forward once per tile, in its backward staged per item), K the key side's (`_spec_kv_terms`; in the forward table
+    rows 0 .. 2 staged per key block by its producer, in the backward once per key block)."""
     opt_radius_h = OPTIONS[2]
     opt_radius_t = OPTIONS[3]
     opt_radius_w = OPTIONS[4]
@@ -169,16 +158,23 @@ def _spec_mask_staged(q_idx, kv_idx, Q, K, off_b, off_h, q_len, kv_len, OPTIONS)
 
 
 @triton.jit
-def _spec_kv_terms(kv_idx, q_len, kv_len, OPTIONS):
-    """The key side's position terms of keys kv_idx (table rows 0 .. 2; four, repeats past them), once per key block
-    in the Hopper backward (`_spec_mask_staged`, the query side's staged per item)."""
+def _spec_mask_terms(q_idx, kv_idx, off_b, off_h, q_len, kv_len, OPTIONS):
+    """`_spec_mask` with its costly one-position terms read from their table (OPTIONS: `_spec_options_terms`; rows of
+    the positions 0 .. S - 1 rounded up to 256, q_len = kv_len = S): what the Hopper kernels call (docs/DESIGN.md §6,
+    position terms)."""
+    opt_radius_h = OPTIONS[2]
+    opt_radius_t = OPTIONS[3]
+    opt_radius_w = OPTIONS[4]
     terms = OPTIONS[6]
     stride = (kv_len + 255) // 256 * 256
-    k0 = tl.load(terms + 0 * stride + kv_idx)
-    k1 = tl.load(terms + 1 * stride + kv_idx)
-    k2 = tl.load(terms + 2 * stride + kv_idx)
-    k3 = k0
-    return (k0, k1, k2, k3)
+    t0 = tl.load(terms + 0 * stride + q_idx)  # (q_idx // ((tile_tokens * grid_h) * grid_w))
+    t1 = tl.load(terms + 0 * stride + kv_idx)  # (kv_idx // ((tile_tokens * grid_h) * grid_w))
+    t2 = tl.load(terms + 1 * stride + q_idx)  # ((q_idx // (tile_tokens * grid_w)) % grid_h)
+    t3 = tl.load(terms + 1 * stride + kv_idx)  # ((kv_idx // (tile_tokens * grid_w)) % grid_h)
+    t4 = tl.load(terms + 2 * stride + q_idx)  # ((q_idx // tile_tokens) % grid_w)
+    t5 = tl.load(terms + 2 * stride + kv_idx)  # ((kv_idx // tile_tokens) % grid_w)
+    return ((((tl.abs(t0 - t1) <= opt_radius_t) & (tl.abs(t2 - t3) <= opt_radius_h)))
+            & (tl.abs(t4 - t5) <= opt_radius_w))
 
 
 @triton.jit

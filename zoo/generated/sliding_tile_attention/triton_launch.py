@@ -54,15 +54,15 @@ def _mask_tiles(t, ctx):
 
 
 def _position_terms(seq, ctx):
-    """[6, seq rounded up to 256] int32: the spec mask's costly one-position terms over the positions, formed
+    """[3, seq rounded up to 256] int32: the spec mask's costly one-position terms over the positions, formed
     once a call for the Hopper kernels (`_spec_mask_terms` of triton_kernels.py; docs/DESIGN.md §6, position terms)."""
     pos = jnp.arange(-(-seq // 256) * 256, dtype=jnp.int32)
     terms = [
-        # (kv_idx // ((tile_tokens * grid_h) * grid_w))
+        # (pos // ((tile_tokens * grid_h) * grid_w))
         jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_h"] * ctx["opt_grid_w"] == 0, 0,
                   pos // jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_h"] * ctx["opt_grid_w"] == 0, 1,
                                    ctx["opt_tile_tokens"] * ctx["opt_grid_h"] * ctx["opt_grid_w"])),
-        # ((kv_idx // (tile_tokens * grid_w)) % grid_h)
+        # ((pos // (tile_tokens * grid_w)) % grid_h)
         jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0, 0,
                   pos // jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0, 1,
                                    ctx["opt_tile_tokens"] * ctx["opt_grid_w"]))
@@ -71,28 +71,7 @@ def _position_terms(seq, ctx):
                                                          // jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0,
                 1, ctx["opt_tile_tokens"] * ctx["opt_grid_w"]))
                     // jnp.where(ctx["opt_grid_h"] == 0, 1, ctx["opt_grid_h"])) * ctx["opt_grid_h"],
-        # ((kv_idx // tile_tokens) % grid_w)
-        jnp.where(ctx["opt_tile_tokens"] == 0, 0, pos
-                  // jnp.where(ctx["opt_tile_tokens"] == 0, 1, ctx["opt_tile_tokens"]))
-        - jnp.where(ctx["opt_grid_w"] == 0, 0, jnp.where(ctx["opt_tile_tokens"] == 0, 0,
-                                                         pos
-                                                         // jnp.where(ctx["opt_tile_tokens"] == 0, 1,
-                ctx["opt_tile_tokens"])) // jnp.where(ctx["opt_grid_w"] == 0, 1, ctx["opt_grid_w"]))
-        * ctx["opt_grid_w"],
-        # (q_idx // ((tile_tokens * grid_h) * grid_w))
-        jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_h"] * ctx["opt_grid_w"] == 0, 0,
-                  pos // jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_h"] * ctx["opt_grid_w"] == 0, 1,
-                                   ctx["opt_tile_tokens"] * ctx["opt_grid_h"] * ctx["opt_grid_w"])),
-        # ((q_idx // (tile_tokens * grid_w)) % grid_h)
-        jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0, 0,
-                  pos // jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0, 1,
-                                   ctx["opt_tile_tokens"] * ctx["opt_grid_w"]))
-        - jnp.where(ctx["opt_grid_h"] == 0, 0, jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0, 0,
-                                                         pos
-                                                         // jnp.where(ctx["opt_tile_tokens"] * ctx["opt_grid_w"] == 0,
-                1, ctx["opt_tile_tokens"] * ctx["opt_grid_w"]))
-                    // jnp.where(ctx["opt_grid_h"] == 0, 1, ctx["opt_grid_h"])) * ctx["opt_grid_h"],
-        # ((q_idx // tile_tokens) % grid_w)
+        # ((pos // tile_tokens) % grid_w)
         jnp.where(ctx["opt_tile_tokens"] == 0, 0, pos
                   // jnp.where(ctx["opt_tile_tokens"] == 0, 1, ctx["opt_tile_tokens"]))
         - jnp.where(ctx["opt_grid_w"] == 0, 0, jnp.where(ctx["opt_tile_tokens"] == 0, 0,
@@ -121,6 +100,7 @@ LAYOUT = triton_attention.Layout(
     position_terms_at=12,
     position_terms_kv=3,
     position_terms_q=3,
+    position_terms_q_first=0,
 )
 
 

@@ -302,7 +302,7 @@ def bwd_kernel():
     return importlib.import_module("ejgen.runtime.attention.gluon.kernels").gluon_attention_bwd_kernel
 
 
-BWD_NO_TERMS = dict(Q_TERMS=0, TERMS_AT=0, KV_ROWS=0, SPEC_KVTERMS=None)  # the backward's staged position terms
+BWD_NO_TERMS = dict(Q_TERMS=0, TERMS_AT=0, Q_FIRST=0, SPEC_KVTERMS=None)  # the backward's staged position terms
 
 
 def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
@@ -313,12 +313,12 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
     lists' constexprs, `bwd_lists`; ``spec``: the spec's mask, `spec_constexprs`; ``softcap``: SOFTCAP, with
     ``fast_tanh``; ``seq_k``: the keys' count, default seq: another only without causal, a window, segment ids or
     lists, gluon_cross). ``staged``: a spec mask's query-side position terms staged per item
-    (`triton.host.Layout.staged_bwd_mask`: its mask, key-side loader, query-side count, table offset and key-side
-    rows; the mask replaces ``spec``'s, QSEG is then I32)."""
+    (`triton.host.Layout.staged_bwd_mask`: its mask, key-side loader, query-side count, table offset and the row of
+    the first; the mask replaces ``spec``'s, QSEG is then I32)."""
     terms = dict(BWD_NO_TERMS)
     if staged is not None:
         spec = (staged[0], spec[1])
-        terms = dict(Q_TERMS=staged[2], TERMS_AT=staged[3], KV_ROWS=staged[4], SPEC_KVTERMS=staged[1])
+        terms = dict(Q_TERMS=staged[2], TERMS_AT=staged[3], Q_FIRST=staged[4], SPEC_KVTERMS=staged[1])
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, SEQ_K=seq_k or seq, D=d, MASK=2 if window else int(causal),
                 DQ_MODE=1 if d == 128 else 0, SEGMENTS=segments,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES, **(lists or NO_LISTS),

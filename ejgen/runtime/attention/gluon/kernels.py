@@ -754,13 +754,13 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
                   do_ready, qd_empty, kv_bar, lse_ptr, delta_ptr, off_b, off_hk, n, S, m_lo, nm, H, GROUP, QSEG,
                   qs_smem, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   SEGMENTS: gl.constexpr, lrow, LIST: gl.constexpr, N_MQ: gl.constexpr, LIST_W: gl.constexpr,
-                  SUB_Q: gl.constexpr, Q_TERMS: gl.constexpr, TERMS_AT: gl.constexpr, KV_ROWS: gl.constexpr):
+                  SUB_Q: gl.constexpr, Q_TERMS: gl.constexpr, TERMS_AT: gl.constexpr, Q_FIRST: gl.constexpr):
     """The program's K and V once, then per (query head, query block) Q and dO by TMA into the ring and the
     block's lse * log2 e and delta rows (SEGMENTS: and segment ids; Q_TERMS: the spec mask's query-side position
     terms) into shared memory. LIST: the items of the key block's list (`_bwd_list_item`)."""
     qseg = QSEG + off_b.to(gl.int64) * S
-    if Q_TERMS > 0:  # QSEG is I32: the terms' table at TERMS_AT, its query-side rows past KV_ROWS key-side ones
-        qseg = QSEG + TERMS_AT + KV_ROWS * ((S + 255) // 256 * 256)
+    if Q_TERMS > 0:  # QSEG is I32: the terms' table at TERMS_AT, its query-side rows from row Q_FIRST
+        qseg = QSEG + TERMS_AT + Q_FIRST * ((S + 255) // 256 * 256)
     KV_BYTES: gl.constexpr = BLOCK_N * D * 2
     mbarrier.expect(kv_bar, 2 * KV_BYTES)
     tma_load(k_desc, [off_b, n * BLOCK_N, off_hk * D], kv_bar, k_smem.index(0))
@@ -1134,7 +1134,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
                                LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr,
                                SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SPEC_OPTIONS: gl.constexpr,
                                SOFTCAP: gl.constexpr, SEQ_K: gl.constexpr, Q_TERMS: gl.constexpr,
-                               TERMS_AT: gl.constexpr, KV_ROWS: gl.constexpr, SPEC_KVTERMS: gl.constexpr):
+                               TERMS_AT: gl.constexpr, Q_FIRST: gl.constexpr, SPEC_KVTERMS: gl.constexpr):
     """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
     float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. LSE, DELTA: [B, HQ, SEQ]
     (DELTA = rowsum(dO * O) - d lse). K, V, DK, DV: [B, SEQ_K, HKV, D]; SEQ_K = SEQ but where the host takes Sq != Sk
@@ -1153,7 +1153,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     SPEC_MASK, SPEC_OPTIONS (LIST): a spec's mask and its options' loader (`_spec_mask`, `_spec_options`; the
     forward's), joined with the element mask; None, None without. Q_TERMS > 0 (no SEGMENTS): the mask's costly
     one-position terms are given to it (`_spec_mask_staged`, docs/DESIGN.md §6, position terms): the query side's
-    Q_TERMS rows of the table at I32[TERMS_AT], past its KV_ROWS key-side rows (QSEG is I32 then), staged per item by
+    Q_TERMS rows of the table at I32[TERMS_AT] from row Q_FIRST (QSEG is I32 then), staged per item by
     the producer next to the lse and delta rows, the key side's read once per program (SPEC_KVTERMS, `_spec_kv_terms`).
     Grid (cdiv(SEQ_K, BLOCK_N), B * HKV); 4 warps asked, 12 run (two consumers, a producer)."""
     gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
@@ -1232,7 +1232,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
                          do_ready, qd_empty, misc_bar.index(0), LSE, DELTA, off_b, off_hk, n, SEQ, m_lo, nm, HQ, GROUP,
                          QSEG, qs_smem, D, BLOCK_M, BLOCK_N, NUM_STAGES, SEGMENTS, lrow, LIST, N_MQ, LIST_W,
-                         SUB_Q, Q_TERMS, TERMS_AT, KV_ROWS)),
+                         SUB_Q, Q_TERMS, TERMS_AT, Q_FIRST)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

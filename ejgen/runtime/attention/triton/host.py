@@ -54,7 +54,8 @@ class Layout:
     position_terms: Callable | None = None
     position_terms_at: int = 0
     position_terms_kv: int = 0  # the key side's terms (table rows 0 .. kv - 1), staged by the Hopper forward (1-4)
-    position_terms_q: int = 0  # the query side's (the rows after them), staged by the Hopper backward (1-4)
+    position_terms_q: int = 0  # the query side's (rows q_first .. q_first + q - 1), staged by the Hopper backward
+    position_terms_q_first: int = 0  # (1-4); rows below q_first are the key side's alone, the rows between both's
 
     def spec_mask(self) -> tuple | None:
         """(`_spec_mask`, `_spec_options`) of the kernel module, the Hopper kernels' SPEC_MASK / SPEC_OPTIONS (None
@@ -78,12 +79,12 @@ class Layout:
     def staged_bwd_mask(self) -> tuple | None:
         """The Hopper backward's form of a mask with query-side position terms (`gluon.host.bwd_constexprs`'
         ``staged``): (`_spec_mask_staged`, `_spec_kv_terms`, the query-side terms, where the table starts in I32, the
-        key-side rows before theirs), or None."""
+        row of the first), or None."""
         if self.staged_mask() is None or not self.position_terms_q:
             return None
         module = self.kernels()
         return (module._spec_mask_staged, module._spec_kv_terms, self.position_terms_q, self.position_terms_at,
-                self.position_terms_kv)
+                self.position_terms_q_first)
 
     def gluon_scalars(self, scalars: list, ctx, seq: int) -> list:
         """The Hopper kernels' [F32, I32]: with position terms, I32's scalars, zeros up to position_terms_at and the
