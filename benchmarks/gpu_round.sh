@@ -360,7 +360,7 @@ declare -A PRESETS=(
   # FlexAttention at 16 calls a sample after the position terms (issue 15's table; on one GPU the halves take a call
   # each: s25b, s25c); then the element mask as one predicate A/B'd (notes/perf.md, session 25: AB_TREES with the
   # patch, AB_CASES causal,natten2d,documents)
-  [s25a]="0:staged-bwd"
+  [s25a]="0:zoo-gluon,staged-bwd"
   [s25b]="0:zoo-a16"
   [s25c]="0:zoo-b16"
   [s25d]="0:select-once"
