@@ -5,13 +5,15 @@
 #   bash benchmarks/gpu_shards.sh NAME SECONDS PYTEST-ARGS...    e.g.  bash benchmarks/gpu_shards.sh rec 240 tests/recurrent
 # Logs: $OUT/NAME/shardI.txt (pytest -v), $OUT/NAME/failures.txt; prints the outcome counts and the failures.
 # GPUS="0 1 2" picks the GPUs (default: all); PER_GPU=N runs N pytest processes on each (compiling is CPU-bound:
-# the GPU host's 16 cores a GPU keep several busy).
+# the GPU host's 16 cores a GPU keep several busy). PART="i/n" keeps the i-th of n interleaved parts of the selection
+# (0-based): a suite longer than one call split over several.
 set -u
 name=$1; limit=$2; shift 2
 log=$OUT/$name; mkdir -p "$log"
 read -ra gpu_list <<< "${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}"
 shards=$(( ${#gpu_list[@]} * ${PER_GPU:-1} ))
-python3 -m pytest --co -q -m gpu -p no:cacheprovider "$@" 2>/dev/null | grep "::" > "$log/ids.txt"
+python3 -m pytest --co -q -m gpu -p no:cacheprovider "$@" 2>/dev/null | grep "::" \
+  | awk -v part="${PART:-0/1}" 'BEGIN { split(part, p, "/") } NR % p[2] == p[1]' > "$log/ids.txt"
 echo "$(wc -l < "$log/ids.txt") tests over GPUs ${gpu_list[*]} in $shards processes, ${limit}s each"
 for ((i = 0; i < shards; i++)); do
   awk -v i=$i -v n=$shards 'NR % n == i' "$log/ids.txt" > "$log/ids$i.txt"

@@ -39,12 +39,13 @@ def parse_args(argv=None):
     p.add_argument("--case", default="natten2d", choices=sorted(CASES))
     p.add_argument("--kernel", default="fwd", choices=["fwd", "bwd"])
     p.add_argument("--top", type=int, default=10, help="opcodes shown per count")
-    p.add_argument("--staged-backward", action="store_true", help="the backward's staged position terms (off by "
-                   "default: triton.host.STAGED_BACKWARD)")
+    p.add_argument("--staged-backward", type=int, choices=[0, 1], default=None, help="the backward's position "
+                   "terms staged (1) or read from the table (0); default: as calls take them, "
+                   "triton.host.STAGED_BACKWARD")
     return p.parse_args(argv)
 
 
-def sass(case: str, kernel: str, staged_backward: bool = False) -> str:
+def sass(case: str, kernel: str, staged_backward: bool | None = None) -> str:
     """The kernel's SASS text (nvdisasm) for one case of `CASES`."""
     import triton
 
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, os.environ["EJGEN_GPU_HOST_TRITON"])
     import triton
 
-    lines = sass(a.case, a.kernel, a.staged_backward).splitlines()
+    lines = sass(a.case, a.kernel, None if a.staged_backward is None else bool(a.staged_backward)).splitlines()
     whole = counts(lines)
     print(f"{a.case} {a.kernel} (Triton {triton.__version__}, sm_90): {sum(whole.values())} instructions; "
           f"local memory {whole['STL'] + whole['LDL']} (STL + LDL)")

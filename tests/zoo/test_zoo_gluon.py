@@ -212,8 +212,9 @@ def test_masks_the_hopper_kernels_cannot_call_keep_the_generated_kernels():
 def test_spec_masks_reach_the_kernels_as_lists(monkeypatch):
     """NATTEN 2-D with GQA on a (pretended) Hopper GPU, forward and backward: both Gluon kernels get the generated
     module's mask with its position terms (docs/DESIGN.md §6): the forward `_spec_mask_staged` with the key side's two
-    terms staged per block (KV_TERMS; KSEG is I32) and the query side's loader (SPEC_QTERMS), the backward
-    `_spec_mask_terms`, both `_spec_options_terms`; the lists of the mask's tiles (LIST; the forward's tiles in the
+    terms staged per block (KV_TERMS; KSEG is I32) and the query side's loader (SPEC_QTERMS), the backward the same
+    with the query side's four staged per item (Q_TERMS from row Q_FIRST) and the key side's loader (SPEC_KVTERMS;
+    `triton.host.STAGED_BACKWARD`), both `_spec_options_terms`; the lists of the mask's tiles (LIST; the forward's tiles in the
     order of their counts, its key blocks the wide ones: what divides positions is in the table) and the options in
     I32 where `_spec_options` reads them, the terms' table from I32[8]. A fake launch (the kernels' numbers are the
     GPU tests' business)."""
@@ -236,10 +237,14 @@ def test_spec_masks_reach_the_kernels_as_lists(monkeypatch):
         names = kernel.arg_names
         assert set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "num_warps", "num_stages"}
         forward = kernel.__name__ == "gluon_attention_fwd_kernel"
-        assert kw["SPEC_MASK"] is (module._spec_mask_staged if forward else module._spec_mask_terms)
+        assert kw["SPEC_MASK"] is module._spec_mask_staged
         assert kw["SPEC_OPTIONS"] is module._spec_options_terms
         if forward:
             assert (kw["KV_TERMS"], kw["TERMS_AT"], kw["SPEC_QTERMS"]) == (2, 8, module._spec_q_terms), kw
+        else:
+            # the query side's four rows (2 .. 5) staged per item, the key side's read by `_spec_kv_terms`
+            assert (kw["Q_TERMS"], kw["TERMS_AT"], kw["Q_FIRST"], kw["SPEC_KVTERMS"]) == (
+                4, 8, 2, module._spec_kv_terms), kw
         assert kw["LIST"] and not kw["SEGMENTS"] and not kw["SUB_Q"], kw
         at = dict(zip(names, inputs))
         np.testing.assert_array_equal(at["RANGES"], table)
@@ -365,8 +370,9 @@ def _check_zoo_compiles(results):
             assert meta["shared"] <= 227 * 1024, (kw, name, meta["shared"])
             assert "ld.local" not in meta["ptx"], f"{kw} {name}: registers spilled (PTX)"  # (ptxas's own spills: stack)
             # NATTEN 2-D's forward with its key-side terms staged at 128-key tiles: Triton 3.9 spills 24 B a thread,
-            # the GPU host's 3.6 none (measured there: 0.335 ms against 0.375 at 64-key tiles, H200, session 25)
-            budget = STAGED_SPILL_BUDGET if "natten_2d" in kw["spec"] and name == "gluon_fwd_kernel" else 0
+            # the GPU host's 3.6 none (measured there: 0.335 ms against 0.375 at 64-key tiles, H200, session 25); its
+            # backward with the query-side terms staged (`triton.host.STAGED_BACKWARD`): 8 / 16 B (3.6 / 3.9)
+            budget = STAGED_SPILL_BUDGET if "natten_2d" in kw["spec"] else 0
             assert meta["stack"] <= budget, f"{kw} {name}: {meta['stack']} B of registers spilled (SASS)"
 
 
@@ -386,14 +392,16 @@ def test_zoo_mask_kernels_compile_for_sm90():
 STAGED_BWD_SPILL_BUDGET = 32  # bytes a thread: NATTEN 2-D 8 / 16, sliding tile 0 / 32 (Triton 3.6 / 3.9, session 25)
 
 
-def test_the_staged_backward_compiles_for_sm90():
-    """The Hopper backward with a spec mask's query-side position terms staged per item by its producer
-    (`triton.host.STAGED_BACKWARD`, off until it has run on a GPU) compiles for sm_90 on both Tritons, NATTEN 2-D's
-    four query-side terms (the sliding tile's three take the same path): its spills within STAGED_BWD_SPILL_BUDGET."""
+def test_the_backwards_position_term_forms_compile_for_sm90():
+    """The Hopper backward's two forms of a mask with query-side position terms compile for sm_90 on both Tritons:
+    the sliding tile's three shared rows staged per item by its producer (`triton.host.STAGED_BACKWARD`, the default;
+    NATTEN 2-D's four in ZOO_COMPILES) and NATTEN 2-D's read from the table in the loop (`_spec_mask_terms`, the form
+    with STAGED_BACKWARD off), their spills within STAGED_BWD_SPILL_BUDGET."""
     from ejgen.testing.aot import compile_all_in_subprocess, gpu_host_triton
 
-    requests = [dict(gluon=True, spec=f"ejgen.zoo.{name}", causal=False, staged_backward=True, backward_only=True,
-                     with_resources=True) for name in ("natten_2d_attention", )]
+    requests = [dict(gluon=True, spec=f"ejgen.zoo.{name}", causal=False, staged_backward=staged, backward_only=True,
+                     with_resources=True)
+                for name, staged in (("sliding_tile_attention", True), ("natten_2d_attention", False))]
     for triton in (None, gpu_host_triton()):
         for request, compiled in zip(requests, compile_all_in_subprocess(requests, triton=triton)):
             assert "error" not in compiled, (request, compiled.get("error"))

@@ -437,10 +437,11 @@ def choose(layout: Layout, call, deterministic: bool):
 
 
 # The Hopper backward with a spec mask's query-side position terms staged per item by its producer (`Layout.
-# staged_bwd_mask`; else it reads every term from the table in its loop, `_spec_mask_terms`). Compiled for sm_90 in CI
-# and its staged form checked against `_spec_mask` in the interpreter, NOT yet run on a GPU (session 25): on after the
-# zoo's Hopper GPU tests pass with it and it measures faster (NATTEN 2-D, sliding tile: `gpu_round.sh zoo-ab`).
-STAGED_BACKWARD = False
+# staged_bwd_mask`; off: it reads every term from the table in its loop, `_spec_mask_terms`). On since session 26: the
+# zoo's Hopper GPU tests of NATTEN 2-D and the sliding tile pass with it, and in one call (H200, 16 calls a sample)
+# NATTEN 2-D's fwd+bwd took 1.128 ms against 1.250 read from the table, the sliding tile's 1.139 against 1.104
+# (within that call's spread: 1.126 read from the table in the next call). Off is kept for A/B runs.
+STAGED_BACKWARD = True
 
 
 def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh: bool = False):
