@@ -25,6 +25,7 @@
 #   ncu-state      Nsight Compute counters of chunk_state and chunk_output
 #   fla-profile    fla's B4 T4096 cases, then each one's kernels under torch.profiler (us a call by kernel)
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
+#   intra-diag     chunk_intra's diagonal from its own launch: GPU tests, gla's kernel rows both ways, its settings
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane (REC_BENCH_ARGS)
 #   rec-light      the recurrent table's lightning rows alone
 #   rec-decode     the recurrent decode table
@@ -115,6 +116,11 @@ shards() {  # shards NAME SECONDS PER_GPU PYTEST-ARGS...: gpu_shards.sh over the
 RING=(benchmarks/ring.py --devices 2 --seqs 32768 --heads 16/16 --orders zigzag --passes fwd,fwdbwd)
 
 j_rec-tests() { shards rec-tests 240 3 -k "${REC_TESTS_K:-triton}" tests/recurrent; }
+j_intra-diag() {  # chunk_intra's diagonal blocks from a launch of their own (host.CHUNK_INTRA_DIAGONAL "kernel",
+  # session 26, not yet GPU-run): its GPU tests, then gla's kernel rows with both forms and the new kernel's settings
+  shards intra-diag-tests 150 2 -k diagonal_in_a_kernel tests/recurrent
+  job intra-diag 200 python3 benchmarks/recurrent_kernels.py --ops gla --sweep --sweep-kernels chunk_intra_diag
+}
 j_rec-kernels() { job rec-kernels 200 python3 benchmarks/recurrent_kernels.py --ops gla,simple_gla ${REC_KERNELS_ARGS:-}; }
 j_rec-sweep() { job rec-sweep 150 python3 benchmarks/recurrent_kernels.py --ops gla --sweep --no-check \
   --sweep-kernels chunk_intra,chunk_grads_intra; }
@@ -376,6 +382,14 @@ declare -A PRESETS=(
   [s25c]="0:zoo-b16"
   [s25d]="0:select-once"
   [s25e]="0:decode-steady,decode-tests"  # the decode kernel's partials of real rows only (session 25, not GPU-run)
+  # what session 26 left for the next (one H200, a call each, ~4-8 min): the whole zoo GPU suite in thirds after the
+  # position terms and the staged backward (issue 15's last condition: s26a, s26b); the one-predicate mask's tests and
+  # its A/B (s26b, s26c); chunk_intra's diagonal from its own launch (issue 17: s26c); decode again (paged B8 S8k
+  # fell to 0.90-0.94 of contiguous in session 26: s26d, with the paged GPU tests)
+  [s26a]="0:zoo-tests-p0,zoo-tests-p1"
+  [s26b]="0:zoo-tests-p2,select-once"
+  [s26c]="0:select-once-ab,intra-diag"
+  [s26d]="0:decode-steady"
 )
 plan=()
 for arg in "${@:-zoo}"; do

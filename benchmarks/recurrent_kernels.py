@@ -68,6 +68,7 @@ SWEEP = {  # other launch settings to time with --sweep (block_k, block_v, warps
     "chunk_state": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 3),
                     (128, 64, 8, 2)],
     "chunk_intra": [(0, 64, 4, 1), (0, 64, 1, 1), (32, 64, 2, 1), (64, 64, 4, 1), (64, 64, 2, 1), (32, 64, 4, 1)],
+    "chunk_intra_diag": [(0, 0, 4, 1), (0, 0, 1, 1), (0, 0, 8, 1), (32, 0, 2, 1), (64, 0, 4, 1), (32, 0, 1, 1)],
     "chunk_output": [(128, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3),
                      (32, 64, 4, 2)],
     "chunk_state_bwd": [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
@@ -123,6 +124,8 @@ def traffic(which, cfg, tiles, direct=True):
     if which in ("chunk_state", "chunk_state_bwd"):
         read = rows * (2 * kd * nv + 2 * vd * nk + gate * nv)
         return read + state, 2 * rows * kd * vd
+    if which == "chunk_intra_diag":  # the row above with the diagonal blocks from their own launch (both launches)
+        which = "chunk_intra"
     if which == "chunk_intra":  # a program per chunk: q, k, gates once (the diagonal's rows again from cache), A;
         # the products of the sub-chunks before each, [C, K] x [K, C] masked (nsub - 1 of them), the diagonal's
         # elementwise q k e^x (counted as 2 flops a term); the backward's dA (do, v; dA float32) is not modelled
@@ -185,6 +188,10 @@ def stages(op_name, b, t, h, d):
     if cfg.has("gk"):
         a, _ = add("chunk_intra", lambda q, k, g, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, sums=s), q, k,
                    gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h))
+        other = "kernel" if host.CHUNK_INTRA_DIAGONAL == "inline" else "inline"  # the other form, both launches
+        add(f"chunk_intra, diagonal {other}", diagonal(other, lambda q, k, g, s: host.chunk_intra(
+            kernels, q, k, g, ctx, cfg, sums=s)), q, k, gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h),
+            which="chunk_intra_diag" if other == "kernel" else "chunk_intra")
     add("chunk_output", lambda q, k, v, g, hs, a, s: host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a, s), q,
         k, v, gates, hs, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h))
     dhs, dh0 = add("chunk_state_bwd", lambda q, g, do, dht, s: host.chunk_state_grads(kernels, q, g, ctx, cfg, do,
@@ -224,7 +231,22 @@ def stages(op_name, b, t, h, d):
 
     add("op fwd", fwd, q, k, v, g)
     add("op fwd+bwd", fwd_bwd, q, k, v, g, do)
+    if cfg.has("gk"):
+        other = "kernel" if host.CHUNK_INTRA_DIAGONAL == "inline" else "inline"
+        add(f"op fwd, chunk_intra's diagonal {other}", diagonal(other, fwd), q, k, v, g)
     return out, (q, k, v, do, g, fwd)
+
+
+def diagonal(form, f):
+    """``f`` traced with chunk_intra's diagonal blocks formed ``form`` ("inline" / "kernel":
+    host.CHUNK_INTRA_DIAGONAL, read when the launch is traced)."""
+    def traced(*args):
+        before, host.CHUNK_INTRA_DIAGONAL = host.CHUNK_INTRA_DIAGONAL, form
+        try:
+            return f(*args)
+        finally:
+            host.CHUNK_INTRA_DIAGONAL = before
+    return traced
 
 
 def check(op_name, inputs):
@@ -272,7 +294,8 @@ def table(title, rows, ms):
     kernels = [s for s in rows if s.tiles is not None]
     fwd = sum(ms[id(s)] for s in kernels if s.name in ("chunk_sums", "chunk_state", "chunk_intra", "chunk_output"))
     bwd = sum(ms[id(s)] for s in rows  # the op's backward forms dA alone (A kept from the forward: e319652)
-              if s.name not in ("chunk_intra", "chunk_output", "chunk_intra + dA", "op fwd", "op fwd+bwd"))
+              if s.name not in ("chunk_intra", "chunk_output", "chunk_intra + dA", "op fwd", "op fwd+bwd")
+              and not s.name.startswith(("chunk_intra, diagonal", "op fwd, ")))  # (the other form's rows)
     print(f"\nsum of parts: fwd {fwd:.3f} ms (sums, state, intra, output); fwd+bwd {fwd + bwd:.3f} ms (the sums and "
           "state kernels twice, as the op runs them)")
 

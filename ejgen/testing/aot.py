@@ -220,19 +220,20 @@ def compile_pooling(package: str, name: str, *, capability: int = 90, dtype: str
     return compiled
 
 
-_GK_ONLY = ("chunk_intra", "chunk_grads_intra")
+_GK_ONLY = ("chunk_intra", "chunk_intra_diag", "chunk_grads_intra")
 
 
 def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", heads: int = 16,
                       kv_heads: int = 16, dk: int = 128, dv: int = 128, chunk: int = 64, gates=("gk",),
                       h0: bool = True, varlen: bool = False, reverse: bool = False, kernels=None,
-                      states: str = "float32", products: str = "tf32") -> dict:
+                      states: str = "float32", products: str = "tf32", intra_diagonal: str | None = None) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
     chunk_output, the kernels that write and read them: the backward's states stay float32); ``products``
     "bfloat16": the state products' operands in bf16 (the chunk_products setting, SP), else TF32; both: the
-    backward's stored states and adjoints in bf16 too, as the host stores them then."""
+    backward's stored states and adjoints in bf16 too, as the host stores them then. ``intra_diagonal``: chunk_intra's
+    diagonal blocks "inline" or read from `chunk_intra_diag`'s ("kernel"; default: host.CHUNK_INTRA_DIAGONAL)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -246,7 +247,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                     FIRST="*i32", CHUNKS="*i32", O=ptr, HT="*fp32", HS="*fp32", DO=ptr, DHT="*fp32", DHS="*fp32",
                     DQ="*fp32", DK="*fp32", DV="*fp32", DH0="*fp32", DLK="*fp32", DLV="*fp32", CK="*fp32",
                     SCR="*fp32", DLOG="*fp32", A=ptr, DA="*fp32", DQI="*fp32", DKI="*fp32", DLI="*fp32", PS="*fp32",
-                    RS="*fp32", LS="*fp32")
+                    RS="*fp32", LS="*fp32", DIAG="*fp32")
     bk = max(16, 1 << (dk - 1).bit_length())
     bvf = max(16, 1 << (dv - 1).bit_length())
     consts = dict(T=0 if varlen else 4096, H=heads, HKV=kv_heads, K=dk, V=dv, BK=bk, SCALE=dk ** -0.5,
@@ -255,11 +256,13 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   BT=host.FUSED_BT, GRADS=True, WITH_A=True,  # chunk_sums' (the default) with a key-side gate:
                   SUMS=bool(set(gates) & set(host.CHUNKED_GATES)),
                   DT={"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[dtype],
-                  SP=tl.bfloat16 if products == "bfloat16" else tl.float32)
+                  SP=tl.bfloat16 if products == "bfloat16" else tl.float32,
+                  DIAG_IN=(intra_diagonal or host.CHUNK_INTRA_DIAGONAL) == "kernel")
     fused = min(host.FUSED_BV, bvf)
     compiled = {}
-    for which in ("fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_intra", "chunk_state_bwd",
-                  "chunk_output", "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"):
+    for which in ("fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_intra", "chunk_intra_diag",
+                  "chunk_state_bwd", "chunk_output", "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk",
+                  "chunk_grads_v"):
         if kernels is not None and which not in kernels or which in _GK_ONLY and "gk" not in gates:
             continue  # (the intra-chunk kernels run with gk only; chunk_intra as the backward's, with dA)
         if which == "chunk_sums" and not consts["SUMS"]:

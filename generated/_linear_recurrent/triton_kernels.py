@@ -695,11 +695,11 @@ def linear_recurrent_chunk_state_kernel(
 
 @triton.jit
 def linear_recurrent_chunk_intra_kernel(
-    Q, K_, V_, G, GAMMA, GK, PS, CU, CHUNKS, DO, A, DA,
+    Q, K_, V_, G, GAMMA, GK, PS, CU, CHUNKS, DIAG, DO, A, DA,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr, GRADS: tl.constexpr, WITH_A: tl.constexpr, SUMS: tl.constexpr,
+    DT: tl.constexpr, GRADS: tl.constexpr, WITH_A: tl.constexpr, SUMS: tl.constexpr, DIAG_IN: tl.constexpr,
 ):
     """With a gate per key channel (gk): A [chunks, H, C, C] (q's dtype), each chunk's intra-chunk matrix
         A_ij = scale sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, 0 above the diagonal,
@@ -715,7 +715,8 @@ def linear_recurrent_chunk_intra_kernel(
     of a forward that kept A). SUMS with 16-bit inputs (A is stored in them): the exponents as differences of
     `chunk_sums`' prefix sums P (PS), L(b, i] = P_i - P_b and L(j, b] = P_b - P_j, each <= 0 for decaying gates and
     within a few u |P| (at most C steps) of the sums of their own steps, below A's 16-bit rounding: no gates read or
-    scanned for the blocks left of the diagonal (flash-linear-attention factors them the same way)."""
+    scanned for the blocks left of the diagonal (flash-linear-attention factors them the same way). DIAG_IN: the
+    diagonal blocks read from DIAG (`chunk_intra_diag`, launched before) instead of formed here."""
     NSUB: tl.constexpr = C // BC
     FAST: tl.constexpr = SUMS and DT != tl.float32
     i_cs, i_bh = tl.program_id(0), tl.program_id(1)
@@ -762,16 +763,16 @@ def linear_recurrent_chunk_intra_kernel(
                     b_dec += tl.sum(b_l, axis=0, keep_dims=True)
                 b_blk = _dot_state(b_qb, tl.trans(b_kb), DT)
                 b_row += tl.where(o_j[None, :, None] == i_j, tl.expand_dims(b_blk, 1), 0.0)
-            if FAST:
-                b_pi = b_pi * LOG2E
-            else:
-                b_pi = _cumsum(b_li * LOG2E, axis=0)
-            if FAST:
-                b_d += _intra_fast(b_q, b_pi, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC,
-                                   REVERSE, MAP)
-            else:
-                b_d += _intra(b_q, b_pi, K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k,
-                              m_k, o_r, H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+            if not DIAG_IN:
+                if FAST:
+                    b_d += _intra_fast(b_q, b_pi * LOG2E, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H,
+                                       HKV, K, BC, REVERSE, MAP)
+                else:
+                    b_d += _intra(b_q, _cumsum(b_li * LOG2E, axis=0), K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk,
+                                  o_k, m_k, o_r, H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+        if DIAG_IN:
+            b_d = tl.load(DIAG + ((i_cg * H + i_h) * NSUB + i_i).to(tl.int64) * (BC * BC) + o_r[:, None] * BC
+                          + o_r[None, :])
         b_row += tl.where(o_j[None, :, None] == i_i, tl.expand_dims(b_d, 1), 0.0)  # blocks right of I stay 0
         o_c = tl.arange(0, C)
         p_a = A + ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_c[None, :]  # rows I
@@ -788,6 +789,50 @@ def linear_recurrent_chunk_intra_kernel(
             b_da += _dot(b_do, tl.trans(_load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)), DT)
         p_c = ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_c[None, :]
         tl.store(DA + p_c, tl.where(i_i * BC + o_r[:, None] >= o_c[None, :], b_da * SCALE, 0.0))
+
+
+@triton.jit
+def linear_recurrent_chunk_intra_diag_kernel(
+    Q, K_, G, GAMMA, GK, PS, CU, CHUNKS, DIAG,
+    T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+    BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr,
+    REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr, SUMS: tl.constexpr,
+):
+    """With gk: each sub-chunk's diagonal block of A, unscaled, into DIAG [chunks, H, C // BC, BC, BC] float32 for
+    `chunk_intra` (DIAG_IN) to place in A: a program per (sub-chunk I of BC rows, sequence x head), the same sums in
+    the same order as `chunk_intra` forms them itself (`_intra_fast` for 16-bit inputs with `chunk_sums`, else
+    `_intra`), in a kernel that holds no other block's tiles (host.CHUNK_INTRA_DIAGONAL "kernel":
+    flash-linear-attention's split of the diagonal from the blocks left of it)."""
+    NSUB: tl.constexpr = C // BC
+    FAST: tl.constexpr = SUMS and DT != tl.float32
+    i_cs, i_bh = tl.program_id(0), tl.program_id(1)
+    i_c, i_i = i_cs // NSUB, i_cs % NSUB
+    i_h = i_bh % H
+    i_hk = i_h // (H // HKV)
+    i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
+    i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
+    bos, eos = _bounds(CU, i_n, T, VARLEN)
+    first = i_t * C + i_i * BC  # I's first step
+    o_r = tl.arange(0, BC)
+    b_d = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
+        if FAST:  # (P_i - P_b) log2 e, b the step before I (P_b = 0 for the first sub-chunk)
+            rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
+            o_b = first - 1 + tl.zeros([1], dtype=tl.int32)
+            rows_b, m_b = _steps_at(bos, eos, o_b, REVERSE)
+            b_pb = _sums_at(PS, rows_b, m_b & (o_b >= i_t * C), i_h, o_k, m_k, H, K)  # [1, BK]
+            b_pi = tl.where(m_i[:, None], _sums_at(PS, rows_i, m_i, i_h, o_k, m_k, H, K) - b_pb, 0.0)
+            b_d += _intra_fast(b_q, b_pi * LOG2E, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H, HKV,
+                               K, BC, REVERSE, MAP)
+        else:
+            b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
+                            REVERSE)
+            b_d += _intra(b_q, _cumsum(b_li * LOG2E, axis=0), K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k,
+                          m_k, o_r, H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+    tl.store(DIAG + ((i_cg * H + i_h) * NSUB + i_i).to(tl.int64) * (BC * BC) + o_r[:, None] * BC + o_r[None, :], b_d)
 
 
 @triton.jit

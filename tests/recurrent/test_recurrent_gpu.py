@@ -52,6 +52,18 @@ def test_triton_against_the_oracle(case):
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 
 
+DIAGONAL = [c for c in CASES if "gk" in c.gates and "gv" not in c.gates and c.algorithm == "chunked" and not c.reverse]
+
+
+@pytest.mark.parametrize("case", DIAGONAL, ids=[c.id for c in DIAGONAL])
+def test_triton_chunk_intra_diagonal_in_a_kernel_of_its_own(case, monkeypatch):
+    """chunk_intra's diagonal blocks from their own launch (host.CHUNK_INTRA_DIAGONAL "kernel") against the oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "CHUNK_INTRA_DIAGONAL", "kernel")
+    check(case, "triton")
+
+
 PALLAS = [c for c in CASES if "gv" not in c.gates and (c.algorithm == "chunked" or (  # the fused forward: dense
     c.cu is None and c.dtype == "bfloat16" and not c.reverse))]
 

@@ -16,13 +16,14 @@ pytest.importorskip("triton", reason="the triton extra is part of the test insta
 from ejgen.testing.aot import (by_gpu_host_triton, compile_all_in_subprocess,  # noqa: E402
                                compile_recurrent_in_subprocess, gpu_host_triton)
 
-KERNELS = {"fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_intra", "chunk_state_bwd", "chunk_output",
-           "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"}  # the sums, *_intra: with gk
+KERNELS = {"fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_intra", "chunk_intra_diag", "chunk_state_bwd",
+           "chunk_output", "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"}  # sums, *_intra*: gk
 FORWARD = ("fused_fwd", "chunk_state", "chunk_output")
 CASES = [  # every kernel for Hopper; Ampere's forward (its mma lowering) with other flags and head dims
     ("recurrent-sm90-every-gate-bf16", "recurrent", 90, dict(gates=("g", "g_gamma", "gk", "gv"), kv_heads=4)),
     ("gla-sm90-head-dim-256", "gla", 90,  # chunk_intra's warps grow with the head dim (host.tiles)
-     dict(gates=("gk",), dk=256, dv=256, kernels=("chunk_intra", "chunk_grads_intra"), max_spill=0)),
+     dict(gates=("gk",), dk=256, dv=256, kernels=("chunk_intra", "chunk_intra_diag", "chunk_grads_intra"),
+          max_spill=0)),
     ("linear-attention-sm80-varlen-reverse-f16", "linear_attention", 80,
      dict(gates=(), dtype="float16", varlen=True, reverse=True, dk=64, dv=256, h0=False, kernels=FORWARD)),
 ]
@@ -54,8 +55,8 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
     gate per step (and none) once failed there only (its scan lowering asserted on the [S, 1] cumsums, which 3.9
     compiles); and at the benchmark's shapes (bf16, K = V = 128) no kernel of gla or simple_gla spills."""
     shape = dict(dk=64, dv=128, heads=4, kv_heads=2)
-    chunked = ["chunk_sums", "chunk_state", "chunk_intra", "chunk_output", "chunk_fused_fwd", "chunk_state_bwd",
-               "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"]
+    chunked = ["chunk_sums", "chunk_state", "chunk_intra", "chunk_intra_diag", "chunk_output", "chunk_fused_fwd",
+               "chunk_state_bwd", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"]
     requests = [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
                  "dtype": dtype, "kernels": ["chunk_state", "chunk_grads_qk"], **shape}
                 for name, gates, dtype in [("linear_attention", (), "float32"), ("simple_gla", ("g", "g_gamma"),
@@ -67,6 +68,9 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "kernels": ["chunk_state", "chunk_output", "chunk_grads_qk", "chunk_grads_v"],
                   "states": "bfloat16", "products": "bfloat16",  # bf16 inputs' defaults (auto): bf16 states, products
                   "with_resources": True} for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
+    requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90, "gates": ("gk",),
+                  "kernels": ["chunk_intra", "chunk_intra_diag"], "intra_diagonal": "kernel",  # both forms
+                  "with_resources": True}]
     for request, compiled in zip(requests, compile_all_in_subprocess(requests, triton=gpu_host_triton())):
         assert "error" not in compiled, f"{request['name']} {request['gates']}: {compiled.get('error')}"
         for kernel, c in compiled.items():

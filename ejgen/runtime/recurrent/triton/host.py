@@ -72,6 +72,7 @@ CHUNKED = {
     "chunk_state_bwd": Tiles(64, 64, 8, 2),
     # [16, 256] tiles: 440 bytes spilled a thread in 2 warps, 56 in 4, none in 8 (sm_90, Triton 3.9)
     "chunk_intra": Tiles(0, 64, 2, 1, wide_warps=8),
+    "chunk_intra_diag": Tiles(0, 0, 2, 1, wide_warps=8),
     "chunk_output": Tiles(64, 64, 8, 2),
     "chunk_fused_fwd": Tiles(0, 32, 8, 1),
     "chunk_grads_intra": Tiles(32, 0, 1, 1),
@@ -302,24 +303,43 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=None):
     return hs, ht
 
 
+# Where chunk_intra's diagonal blocks (a sub-chunk with itself: BC steps of row sums over the head dim) are formed:
+# "inline", in the program that forms the blocks left of them (254 registers at K 128, 8 warps an SM; 0.70 ms of gla's
+# 1.16 ms forward at B4 T4096, H200, session 24), or "kernel": a launch of their own before it (`chunk_intra_diag`,
+# holding only their tiles, as flash-linear-attention splits them: its two intra kernels 0.37 ms on the same card),
+# whose float32 blocks chunk_intra reads (a quarter of A's elements). The same numbers either way. Session 26: built
+# and checked in the interpreter and on sm_90 compiles, NOT yet GPU-timed (`gpu_round.sh intra-diag`).
+CHUNK_INTRA_DIAGONAL = "inline"
+
+
 def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, sums=None):
     """With gk: (A [chunks, H, C, C] in q's dtype, every chunk's intra-chunk matrix (scale included), or None without
     ``with_a``; with v and do (the backward) also dA = scale do vᵀ [chunks, H, C, C] float32, else None), a program per
     (sub-chunk of SUB rows, sequence x head); ``sums``: ``chunk_sums``' (or None), whose prefix sums give 16-bit
-    inputs' exponents."""
+    inputs' exponents. The diagonal blocks: CHUNK_INTRA_DIAGONAL."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_intra", cfg.dk, cfg.dv)
     grads = do is not None
     square = (per_row * grid_rows, cfg.heads, cfg.chunk, cfg.chunk)
+    grid = (per_row * (cfg.chunk // SUB), grid_rows * cfg.heads)
+    c = {**_chunk_consts(q, cfg, consts), **blocks}
+    diag = with_a and CHUNK_INTRA_DIAGONAL == "kernel"
+    diagonal = _dummy()
+    if diag:
+        d_blocks, d_options = tiles("chunk_intra_diag", cfg.dk, cfg.dv)
+        names = set(kernels.get("chunk_intra_diag").arg_names)
+        diagonal, = triton_call.launch(
+            kernels.get("chunk_intra_diag"), grid, [q, k, *ins[:3], *_sums(sums, "ps"), ins[5], chunks],
+            [jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads, cfg.chunk // SUB, SUB, SUB), F32)],
+            BC=SUB, SUMS=sums is not None, **d_options, **{n: x for n, x in {**c, **d_blocks}.items() if n in names})
     a, da = triton_call.launch(
-        kernels.get("chunk_intra"), (per_row * (cfg.chunk // SUB), grid_rows * cfg.heads),
-        [q, k, v if grads else _dummy(q.dtype), *ins[:3], *_sums(sums, "ps"), ins[5], chunks,
+        kernels.get("chunk_intra"), grid,
+        [q, k, v if grads else _dummy(q.dtype), *ins[:3], *_sums(sums, "ps"), ins[5], chunks, diagonal,
          do if grads else _dummy(q.dtype)],
         [jax.ShapeDtypeStruct(square if with_a else (1,), q.dtype),
          jax.ShapeDtypeStruct(square if grads else (1,), F32)],
-        BC=SUB, GRADS=grads, WITH_A=with_a, SUMS=sums is not None, **options,
-        **{**_chunk_consts(q, cfg, consts), **blocks})
+        BC=SUB, GRADS=grads, WITH_A=with_a, SUMS=sums is not None, DIAG_IN=diag, **options, **c)
     return a if with_a else None, da if grads else None
 
 
