@@ -60,6 +60,7 @@
 #   decode-tune    the decode kernel's launch settings on the cases short of their targets (decode_tune.py;
 #                  DECODE_TUNE_CASES, DECODE_TUNE_SETTINGS; 32 calls a sample, DECODE_TUNE_CALLS), decode-tune-b
 #                  and decode-tune-c on others (DECODE_TUNE_CASES_B / _C, DECODE_TUNE_SETTINGS_B / _C)
+#   decode-page    paged 64 with the block's page number read once (default) or per key (decode_tune.py)
 #   decode-steady  the decode table at 32 calls a sample (the host's first dispatch, ~30 us, amortized)
 #   decode-tests   the decode GPU tests, sharded 3 processes a GPU
 #   decode-trace   B4 S32k and B32 S8k decode (ejgen, cuDNN) under the profiler: kernels, busy time, gaps
@@ -303,6 +304,11 @@ j_decode-tune-b() { decode_tune decode-tune-b "${DECODE_TUNE_CASES_B:-decode-B32
   "${DECODE_TUNE_SETTINGS_B:-}"; }
 j_decode-tune-c() { decode_tune decode-tune-c "${DECODE_TUNE_CASES_C:-paged16-B4-S32k,paged16-B32-S8k}" \
   "${DECODE_TUNE_SETTINGS_C:-${DECODE_TUNE_SETTINGS:-}}"; }
+j_decode-page() {  # pages of whole blocks read once a block (the default) or per key (decode.WHOLE_PAGE off), beside
+  # the contiguous batches: the paged 64 B8 S8k shortfall of session 26 (0.90 of contiguous)
+  decode_tune decode-page "decode-B8-S8k,paged64-B8-S8k,paged16-B8-S8k,decode-B4-S32k,paged64-B4-S32k" \
+    "64,2,4,1,4,4096,0,0"
+}
 j_decode-trace() { job decode-trace 150 python3 benchmarks/decode.py --cases B4-S32k,B32-S8k --platforms triton,cudnn \
   --trace --rounds 2 --out "$log/dtrace"; }
 j_hopper-features() { job hopper-features 240 python3 benchmarks/hopper_features.py --fast-tanh both --cross-backward \
@@ -389,7 +395,7 @@ declare -A PRESETS=(
   [s26a]="0:zoo-tests-p0,zoo-tests-p1"
   [s26b]="0:zoo-tests-p2,select-once"
   [s26c]="0:select-once-ab,intra-diag"
-  [s26d]="0:decode-steady"
+  [s26d]="0:decode-page,decode-steady"
 )
 plan=()
 for arg in "${@:-zoo}"; do

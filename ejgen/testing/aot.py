@@ -154,9 +154,10 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
 
 
 def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", params: dict | None = None,
-                   head_dim: int = 128, groups: int = 4, queries: int = 1, paged: bool = False, causal: bool = True,
-                   window: bool = False, softcap: bool = False) -> dict:
-    """The split-K decode kernel of one generated variant (`triton_decode.py`) for one call's constexprs."""
+                   head_dim: int = 128, groups: int = 4, queries: int = 1, paged: bool = False, page: int = 16,
+                   causal: bool = True, window: bool = False, softcap: bool = False) -> dict:
+    """The split-K decode kernel of one generated variant (`triton_decode.py`) for one call's constexprs (``page``:
+    the paged cache's page size; one of the kernel's BLOCK_N or a multiple takes the one-read-a-block path)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -175,7 +176,8 @@ def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str 
     consts = dict(B=8, HQ=8 * groups, HKV=8, SQ=queries, SEQ_K=8192, D=head_dim, DV=head_dim, D_PAD=pad, DV_PAD=pad,
                   G=groups, M_PAD=max(16, 1 << (groups * queries - 1).bit_length()), BLOCK_N=decode.BLOCK_N,
                   SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, PAGED=paged,
-                  PAGE=16 if paged else 1, MAX_PAGES=512 if paged else 1, PAGES_AHEAD=decode.PAGES_AHEAD,
+                  PAGE=page if paged else 1, MAX_PAGES=8192 // page if paged else 1, PAGES_AHEAD=decode.PAGES_AHEAD,
+                  WHOLE_PAGE=decode.WHOLE_PAGE,
                   PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False)
     sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}

@@ -8,7 +8,8 @@ packed into the matrix dimension, M = G * SQ rows: each K / V byte is read once 
 and mask at positions in the sequence (q_idx = L - SQ + i, kv_idx = j - start, q_len = kv_len = L). Writes the
 split's unnormalised output and its running max and sum (float32), which `ejgen.runtime.attention.split_k.merge`
 merges by lse. PAGED: key row t of
-sequence b is row t % PAGE of page TABLE[b, t // PAGE] (start 0); else row t of the cache row b. WINDOW: the splits
+sequence b is row t % PAGE of page TABLE[b, t // PAGE] (start 0), read once a block where a page holds whole blocks
+(WHOLE_PAGE), else per key; else row t of the cache row b. WINDOW: the splits
 start at the block holding the first key the first query row sees. A program whose split starts past its sequence's
 end reads no key (it still stores its empty partial).
 Runtime scalars: F32 = [scale, softcap], I32 = [window_left, window_right, opt_max_distance].
@@ -26,8 +27,8 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
                   D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, G: tl.constexpr,
                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, PAGES_AHEAD: tl.constexpr, PRECISION: tl.constexpr,
-                  UPCAST: tl.constexpr):
+                  PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, PAGES_AHEAD: tl.constexpr, WHOLE_PAGE: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SQ, SEQ_K, D, DV, D_PAD, DV_PAD, M_PAD, BLOCK_N)
     off_b = tl.program_id(0)
     off_hk = tl.program_id(1)
@@ -60,13 +61,14 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
     if WINDOW:  # keys before the last query row's window: never seen, skipped from a block boundary
         lo += tl.maximum(length - SQ - window_left, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(lo + SPLIT, end)
-    if PAGED and PAGE % BLOCK_N != 0 and PAGES_AHEAD:  # the first block's pages; each step reads the next block's
+    if PAGED and (PAGE % BLOCK_N != 0 or not WHOLE_PAGE) and PAGES_AHEAD:  # the first block's pages; a step reads
+        # the next block's
         t_next = lo + tl.arange(0, BLOCK_N)
         pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
     for n0 in tl.range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         col_ok = t < hi
-        if PAGED and PAGE % BLOCK_N == 0:  # the block lies in one page (n0 is a multiple of BLOCK_N): one table read
+        if PAGED and PAGE % BLOCK_N == 0 and WHOLE_PAGE:  # the block lies in one page (n0 a multiple of BLOCK_N)
             page = tl.load(TABLE + off_b * MAX_PAGES + n0 // PAGE)
             rows = page.to(tl.int64) * PAGE + t % PAGE
         elif PAGED and PAGES_AHEAD:  # a block over several pages: their numbers read a step ahead (a loop carry)

@@ -160,21 +160,24 @@ def test_flash_decode_matches_the_train_oracle(case, backend):
     assert np.all(np.asarray(out, np.float32)[empty] == 0.0), "an empty sequence gives zeros"
 
 
-PAGED_CASES = [(page, backend, False) for backend in DECODE_BACKENDS for page in (4, 12, 32)] + [(12, "triton", True)]
-"""(page, backend, the Triton kernel's PAGES_AHEAD, off by default): its pages smaller than the key block read either
-way."""
+PAGED_CASES = [(page, backend, False, True) for backend in DECODE_BACKENDS for page in (4, 12, 32)] + [
+    (12, "triton", True, True), (32, "triton", False, False)]
+"""(page, backend, the Triton kernel's PAGES_AHEAD (off by default), its WHOLE_PAGE (on)): its pages smaller than the
+key block read either way, pages of whole blocks read once a block or per key."""
 
 
-@pytest.mark.parametrize("page, backend, ahead", PAGED_CASES)
-def test_paged_decode_reads_the_pages_through_the_table(page, backend, ahead, monkeypatch):
+@pytest.mark.parametrize("page, backend, ahead, whole", PAGED_CASES)
+def test_paged_decode_reads_the_pages_through_the_table(page, backend, ahead, whole, monkeypatch):
     """Pages shuffled in the pool, two sequences sharing their first pages (a common prefix), lengths that end
     inside a page, an empty sequence, a window that skips pages; equal to ragged decode on the same tokens laid out
     in order. Pages of 4 and 12 (not a power of two) are smaller than the Triton kernel's key block (each block reads
-    its own page numbers, or with ``ahead`` the next block's a step ahead), 32 a multiple of it."""
+    its own page numbers, or with ``ahead`` the next block's a step ahead), 32 a multiple of it (its page number read
+    once a block, or without ``whole`` per key as smaller pages are)."""
     from ejgen.ops import page_attention, ragged_decode_attention
     from ejgen.runtime.attention.triton import decode as triton_decode
 
     monkeypatch.setattr(triton_decode, "PAGES_AHEAD", ahead)
+    monkeypatch.setattr(triton_decode, "WHOLE_PAGE", whole)
 
     rng = rng_for("paged", page)
     batch, hq, hkv, d, max_pages = 4, 8, 2, 16, 6
@@ -275,7 +278,8 @@ def test_a_decode_mode_the_spec_cannot_have_is_a_spec_error(tmp_path, capsys, ch
 @pytest.mark.parametrize("name, capability, kwargs", [
     ("flash_attention", 90, dict(paged=True, window=True, softcap=True, groups=8, queries=2)),
     ("alibi_attention", 80, dict(params={"slopes": "float32"}, groups=4)),
-], ids=["flash-sm90", "alibi-sm80"])
+    ("flash_attention", 90, dict(paged=True, page=64)),  # pages of whole blocks: a block's page read once
+], ids=["flash-sm90", "alibi-sm80", "flash-sm90-page64"])
 def test_decode_kernels_compile_for_the_gpus(name, capability, kwargs):
     """The split-K kernel compiles ahead of time (no GPU here: Triton's own ptxas) for an H100 and an A100."""
     from ejgen.testing.aot import compile_decode_in_subprocess

@@ -26,6 +26,11 @@ NUM_STAGES = 2
 # 298.8 to 272.3 us (0.89 -> 0.98 of contiguous), B8 S8k 81.9 -> 84.1 (0.99 -> 0.95), B32 S8k 268.6 -> 270.6, B4
 # S32k 149.2 -> 148.8. Blocks of 16 or 32 keys for small pages (a launch of their own) lost or tied: not kept.
 PAGES_AHEAD = False
+# Pages that hold whole blocks (PAGE a multiple of BLOCK_N): WHOLE_PAGE reads a block's page number once (a scalar
+# load whose result the block's K and V addresses wait on), else per key as smaller pages do (the indirect load the
+# pipeliner stages). Session 26, one H200, 32 calls a sample: at B8 S8k paged 64 took 86.1 us against the contiguous
+# 77.1 (0.90; 0.99 in session 21) where paged 16, read per key, took 81.7: `decode_tune.py` A/Bs it ("whole page").
+WHOLE_PAGE = True
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
 
 
@@ -59,6 +64,6 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
         B=batch, HQ=hkv * groups, HKV=hkv, SQ=sq, SEQ_K=k.shape[1], D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad, G=groups,
         M_PAD=m_pad, BLOCK_N=block_n, SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=cfg.causal, WINDOW=cfg.window,
         SOFTCAP=cfg.softcap, PAGED=paged, PAGE=call.page if paged else 1,
-        MAX_PAGES=call.tables.shape[1] if paged else 1, PAGES_AHEAD=PAGES_AHEAD,
+        MAX_PAGES=call.tables.shape[1] if paged else 1, PAGES_AHEAD=PAGES_AHEAD, WHOLE_PAGE=WHOLE_PAGE,
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32", UPCAST=interpret and q.dtype == jnp.bfloat16)
     return split_k.merge(o_part, m_part, l_part, sinks, groups, sq, dv, q.dtype)
