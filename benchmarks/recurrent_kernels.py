@@ -188,10 +188,12 @@ def stages(op_name, b, t, h, d):
     if cfg.has("gk"):
         a, _ = add("chunk_intra", lambda q, k, g, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, sums=s), q, k,
                    gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h))
-        other = "kernel" if host.CHUNK_INTRA_DIAGONAL == "inline" else "inline"  # the other form, both launches
-        add(f"chunk_intra, diagonal {other}", diagonal(other, lambda q, k, g, s: host.chunk_intra(
-            kernels, q, k, g, ctx, cfg, sums=s)), q, k, gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h),
-            which="chunk_intra_diag" if other == "kernel" else "chunk_intra")
+        for form, pieces in FORMS:  # the diagonal's other forms (the kernel's: both launches)
+            if (form, pieces) != (host.CHUNK_INTRA_DIAGONAL, host.CHUNK_INTRA_PIECES):
+                add(f"chunk_intra, diagonal {form}{' in pieces' if pieces else ''}", diagonal(
+                    form, pieces, lambda q, k, g, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, sums=s)), q, k,
+                    gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h),
+                    which="chunk_intra_diag" if form == "kernel" else "chunk_intra")
     add("chunk_output", lambda q, k, v, g, hs, a, s: host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a, s), q,
         k, v, gates, hs, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h))
     dhs, dh0 = add("chunk_state_bwd", lambda q, g, do, dht, s: host.chunk_state_grads(kernels, q, g, ctx, cfg, do,
@@ -232,20 +234,27 @@ def stages(op_name, b, t, h, d):
     add("op fwd", fwd, q, k, v, g)
     add("op fwd+bwd", fwd_bwd, q, k, v, g, do)
     if cfg.has("gk"):
-        other = "kernel" if host.CHUNK_INTRA_DIAGONAL == "inline" else "inline"
-        add(f"op fwd, chunk_intra's diagonal {other}", diagonal(other, fwd), q, k, v, g)
+        for form, pieces in FORMS:
+            if (form, pieces) != (host.CHUNK_INTRA_DIAGONAL, host.CHUNK_INTRA_PIECES):
+                add(f"op fwd, chunk_intra's diagonal {form}{' in pieces' if pieces else ''}",
+                    diagonal(form, pieces, fwd), q, k, v, g)
     return out, (q, k, v, do, g, fwd)
 
 
-def diagonal(form, f):
+FORMS = (("inline", False), ("kernel", False), ("kernel", True))
+"""chunk_intra's diagonal blocks: (host.CHUNK_INTRA_DIAGONAL, host.CHUNK_INTRA_PIECES)."""
+
+
+def diagonal(form, pieces, f):
     """``f`` traced with chunk_intra's diagonal blocks formed ``form`` ("inline" / "kernel":
-    host.CHUNK_INTRA_DIAGONAL, read when the launch is traced)."""
+    host.CHUNK_INTRA_DIAGONAL), in pieces of 4 steps or not (host.CHUNK_INTRA_PIECES), read when a launch is traced."""
     def traced(*args):
-        before, host.CHUNK_INTRA_DIAGONAL = host.CHUNK_INTRA_DIAGONAL, form
+        before = host.CHUNK_INTRA_DIAGONAL, host.CHUNK_INTRA_PIECES
+        host.CHUNK_INTRA_DIAGONAL, host.CHUNK_INTRA_PIECES = form, pieces
         try:
             return f(*args)
         finally:
-            host.CHUNK_INTRA_DIAGONAL = before
+            host.CHUNK_INTRA_DIAGONAL, host.CHUNK_INTRA_PIECES = before
     return traced
 
 

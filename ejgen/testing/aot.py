@@ -228,14 +228,16 @@ _GK_ONLY = ("chunk_intra", "chunk_intra_diag", "chunk_grads_intra")
 def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", heads: int = 16,
                       kv_heads: int = 16, dk: int = 128, dv: int = 128, chunk: int = 64, gates=("gk",),
                       h0: bool = True, varlen: bool = False, reverse: bool = False, kernels=None,
-                      states: str = "float32", products: str = "tf32", intra_diagonal: str | None = None) -> dict:
+                      states: str = "float32", products: str = "tf32", intra_diagonal: str | None = None,
+                      intra_pieces: bool | None = None) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
     chunk_output, the kernels that write and read them: the backward's states stay float32); ``products``
     "bfloat16": the state products' operands in bf16 (the chunk_products setting, SP), else TF32; both: the
     backward's stored states and adjoints in bf16 too, as the host stores them then. ``intra_diagonal``: chunk_intra's
-    diagonal blocks "inline" or read from `chunk_intra_diag`'s ("kernel"; default: host.CHUNK_INTRA_DIAGONAL)."""
+    diagonal blocks "inline" or read from `chunk_intra_diag`'s ("kernel"; default: host.CHUNK_INTRA_DIAGONAL), that
+    kernel's in pieces of 4 steps with ``intra_pieces`` (default: host.CHUNK_INTRA_PIECES)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -259,7 +261,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   SUMS=bool(set(gates) & set(host.CHUNKED_GATES)),
                   DT={"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[dtype],
                   SP=tl.bfloat16 if products == "bfloat16" else tl.float32,
-                  DIAG_IN=(intra_diagonal or host.CHUNK_INTRA_DIAGONAL) == "kernel")
+                  DIAG_IN=(intra_diagonal or host.CHUNK_INTRA_DIAGONAL) == "kernel",
+                  PIECES=intra_pieces if intra_pieces is not None else host.CHUNK_INTRA_PIECES)
     fused = min(host.FUSED_BV, bvf)
     compiled = {}
     for which in ("fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_intra", "chunk_intra_diag",

@@ -517,6 +517,44 @@ def _intra_fast(b_q, b_p, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_
 
 
 @triton.jit
+def _intra_pieces(b_q, b_p, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H: tl.constexpr,
+                  HKV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
+                  DT: tl.constexpr):
+    """`_intra_fast`'s block in pieces of 4 steps (BC a multiple of 4): the pairs of two pieces through the last step
+    r before the later piece p, 2^{P_i - P_j} = 2^{P_i - P_r} 2^{P_r - P_j} (both exponents <= 0 for decaying gates,
+    differences of `chunk_sums`' prefix sums as the blocks left of the diagonal take them), one TF32 [BC, BK] x
+    [BK, BC] product per p (`_dot_state`) of q's rows in p and k's rows before p; the pairs inside a piece a step at a
+    time as `_intra_fast` forms them, every piece's step t at once (rows gathered: k and P of step 4 (i // 4) + t for
+    row i). 4 row sums and 8 [BC, BK] exponentials against 16 of each; the products round their operands to TF32,
+    below A's 16-bit rounding."""
+    rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
+    m_ik = m_i[:, None] & m_k[None, :]
+    b_k = _mapped(tl.load(K_ + (rows_i[:, None] * HKV + i_hk) * K + o_k[None, :], mask=m_ik, other=0.0), m_ik, MAP)
+    piece = o_r // 4
+    b_d = tl.zeros([BC, BC], dtype=tl.float32)
+    for p in tl.static_range(1, BC // 4):
+        # r = 4 p - 1, the step before piece p: (P_r - P_b) log2 e as b_p's rows are formed; none past the sequence's
+        # end (then no row of p or after it is either, and k's rows before p take no factor)
+        rows_r, m_r = _steps_at(bos, eos, first + 4 * p - 1 + tl.zeros([1], dtype=tl.int32), REVERSE)
+        b_pr = (_sums_at(PS, rows_r, m_r, i_h, o_k, m_k, H, K) - b_pb) * LOG2E  # [1, BK]
+        in_x = (piece == p)[:, None] & m_ik
+        in_y = (o_r < 4 * p)[:, None] & m_ik & m_r[:, None]
+        b_x = tl.where(in_x, b_q * tl.exp2(tl.where(in_x, b_p - b_pr, 0.0)), 0.0)  # q_i 2^{P_i - P_r}
+        b_y = tl.where(in_y, b_k * tl.exp2(tl.where(in_y, b_pr - b_p, 0.0)), 0.0)  # k_j 2^{P_r - P_j}
+        b_d += _dot_state(b_x, tl.trans(b_y), DT)
+    for t in tl.static_range(0, 4):
+        rows_j, m_j = _steps_at(bos, eos, first + 4 * piece + t, REVERSE)  # row i's column 4 (i // 4) + t
+        m_jk = m_j[:, None] & m_k[None, :]
+        b_kj = tl.load(K_ + (rows_j[:, None] * HKV + i_hk) * K + o_k[None, :], mask=m_jk, other=0.0)
+        b_pj = tl.load(PS + (rows_j[:, None] * H + i_h) * K + o_k[None, :], mask=m_jk, other=0.0)
+        # rows before their column: 2 to 0 (dropped below), the column itself exactly 1, as `_intra_fast`
+        b_x = tl.where((o_r % 4 > t)[:, None], b_p - (b_pj - b_pb) * LOG2E, 0.0)
+        b_col = tl.sum(b_q * _mapped(b_kj, m_jk, MAP) * tl.exp2(b_x), axis=1)  # [BC]
+        b_d = tl.where((o_r[None, :] == 4 * piece[:, None] + t) & (o_r % 4 >= t)[:, None], b_col[:, None], b_d)
+    return b_d
+
+
+@triton.jit
 def _blocks(V: tl.constexpr, BV: tl.constexpr):
     """(block of K, block of V) of program id 1 of a state kernel: NV = cdiv(V, BV) blocks of V per block of K."""
     i_kv = tl.program_id(1)
@@ -796,13 +834,15 @@ def linear_recurrent_chunk_intra_diag_kernel(
     Q, K_, G, GAMMA, GK, PS, CU, CHUNKS, DIAG,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
     BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr,
-    REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr, SUMS: tl.constexpr,
+    REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr, SUMS: tl.constexpr, PIECES: tl.constexpr,
 ):
     """With gk: each sub-chunk's diagonal block of A, unscaled, into DIAG [chunks, H, C // BC, BC, BC] float32 for
     `chunk_intra` (DIAG_IN) to place in A: a program per (sub-chunk I of BC rows, sequence x head), the same sums in
     the same order as `chunk_intra` forms them itself (`_intra_fast` for 16-bit inputs with `chunk_sums`, else
     `_intra`), in a kernel that holds no other block's tiles (host.CHUNK_INTRA_DIAGONAL "kernel":
-    flash-linear-attention's split of the diagonal from the blocks left of it)."""
+    flash-linear-attention's split of the diagonal from the blocks left of it). PIECES (16-bit inputs with the sums):
+    in pieces of 4 steps instead (`_intra_pieces`: products between the pieces, within TF32's rounding of the same
+    numbers)."""
     NSUB: tl.constexpr = C // BC
     FAST: tl.constexpr = SUMS and DT != tl.float32
     i_cs, i_bh = tl.program_id(0), tl.program_id(1)
@@ -825,8 +865,12 @@ def linear_recurrent_chunk_intra_diag_kernel(
             rows_b, m_b = _steps_at(bos, eos, o_b, REVERSE)
             b_pb = _sums_at(PS, rows_b, m_b & (o_b >= i_t * C), i_h, o_k, m_k, H, K)  # [1, BK]
             b_pi = tl.where(m_i[:, None], _sums_at(PS, rows_i, m_i, i_h, o_k, m_k, H, K) - b_pb, 0.0)
-            b_d += _intra_fast(b_q, b_pi * LOG2E, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H, HKV,
-                               K, BC, REVERSE, MAP)
+            if PIECES:
+                b_d += _intra_pieces(b_q, b_pi * LOG2E, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H,
+                                     HKV, K, BC, REVERSE, MAP, DT)
+            else:
+                b_d += _intra_fast(b_q, b_pi * LOG2E, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H,
+                                   HKV, K, BC, REVERSE, MAP)
         else:
             b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
                             REVERSE)

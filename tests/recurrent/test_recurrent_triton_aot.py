@@ -70,7 +70,7 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "with_resources": True} for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90, "gates": ("gk",),
                   "kernels": ["chunk_intra", "chunk_intra_diag"], "intra_diagonal": "kernel",  # both forms
-                  "with_resources": True}]
+                  "intra_pieces": pieces, "with_resources": True} for pieces in (False, True)]
     for request, compiled in zip(requests, compile_all_in_subprocess(requests, triton=gpu_host_triton())):
         assert "error" not in compiled, f"{request['name']} {request['gates']}: {compiled.get('error')}"
         for kernel, c in compiled.items():

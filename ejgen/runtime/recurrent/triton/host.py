@@ -310,6 +310,10 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=None):
 # whose float32 blocks chunk_intra reads (a quarter of A's elements). The same numbers either way. Session 26: built
 # and checked in the interpreter and on sm_90 compiles, NOT yet GPU-timed (`gpu_round.sh intra-diag`).
 CHUNK_INTRA_DIAGONAL = "inline"
+# With "kernel", for 16-bit inputs with the gates' sums: the diagonal in pieces of 4 steps (`_intra_pieces`: three
+# [16, K] x [K, 16] products between the pieces and a 4-step loop inside them, against a 16-step loop of row sums;
+# A within TF32's rounding of the same numbers). Not yet GPU-timed either.
+CHUNK_INTRA_PIECES = False
 
 
 def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, sums=None):
@@ -332,7 +336,8 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, su
         diagonal, = triton_call.launch(
             kernels.get("chunk_intra_diag"), grid, [q, k, *ins[:3], *_sums(sums, "ps"), ins[5], chunks],
             [jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads, cfg.chunk // SUB, SUB, SUB), F32)],
-            BC=SUB, SUMS=sums is not None, **d_options, **{n: x for n, x in {**c, **d_blocks}.items() if n in names})
+            BC=SUB, SUMS=sums is not None, PIECES=CHUNK_INTRA_PIECES, **d_options,
+            **{n: x for n, x in {**c, **d_blocks}.items() if n in names})
     a, da = triton_call.launch(
         kernels.get("chunk_intra"), grid,
         [q, k, v if grads else _dummy(q.dtype), *ins[:3], *_sums(sums, "ps"), ins[5], chunks, diagonal,
