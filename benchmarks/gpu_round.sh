@@ -25,7 +25,8 @@
 #   ncu-state      Nsight Compute counters of chunk_state and chunk_output
 #   fla-profile    fla's B4 T4096 cases, then each one's kernels under torch.profiler (us a call by kernel)
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
-#   intra-diag     chunk_intra's diagonal from its own launch: GPU tests, gla's kernel rows both ways, its settings
+#   intra-diag     chunk_intra's diagonal from its own launch and in pieces of 4 steps: GPU tests, gla's kernel
+#                  rows in each form (inline / kernel, steps / pieces), the diagonal kernel's settings
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane (REC_BENCH_ARGS)
 #   rec-light      the recurrent table's lightning rows alone
 #   rec-decode     the recurrent decode table
@@ -119,7 +120,7 @@ RING=(benchmarks/ring.py --devices 2 --seqs 32768 --heads 16/16 --orders zigzag 
 j_rec-tests() { shards rec-tests 240 3 -k "${REC_TESTS_K:-triton}" tests/recurrent; }
 j_intra-diag() {  # chunk_intra's diagonal blocks from a launch of their own (host.CHUNK_INTRA_DIAGONAL "kernel",
   # session 26, not yet GPU-run): its GPU tests, then gla's kernel rows with both forms and the new kernel's settings
-  shards intra-diag-tests 150 2 -k diagonal_in_a_kernel tests/recurrent
+  shards intra-diag-tests 200 3 -k diagonal_in_a_kernel tests/recurrent
   job intra-diag 200 python3 benchmarks/recurrent_kernels.py --ops gla --sweep --sweep-kernels chunk_intra_diag
 }
 j_rec-kernels() { job rec-kernels 200 python3 benchmarks/recurrent_kernels.py --ops gla,simple_gla ${REC_KERNELS_ARGS:-}; }

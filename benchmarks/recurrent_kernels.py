@@ -241,7 +241,7 @@ def stages(op_name, b, t, h, d):
     return out, (q, k, v, do, g, fwd)
 
 
-FORMS = (("inline", False), ("kernel", False), ("kernel", True))
+FORMS = (("inline", False), ("kernel", False), ("inline", True), ("kernel", True))
 """chunk_intra's diagonal blocks: (host.CHUNK_INTRA_DIAGONAL, host.CHUNK_INTRA_PIECES)."""
 
 

@@ -236,8 +236,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     chunk_output, the kernels that write and read them: the backward's states stay float32); ``products``
     "bfloat16": the state products' operands in bf16 (the chunk_products setting, SP), else TF32; both: the
     backward's stored states and adjoints in bf16 too, as the host stores them then. ``intra_diagonal``: chunk_intra's
-    diagonal blocks "inline" or read from `chunk_intra_diag`'s ("kernel"; default: host.CHUNK_INTRA_DIAGONAL), that
-    kernel's in pieces of 4 steps with ``intra_pieces`` (default: host.CHUNK_INTRA_PIECES)."""
+    diagonal blocks "inline" or read from `chunk_intra_diag`'s ("kernel"; default: host.CHUNK_INTRA_DIAGONAL), in
+    pieces of 4 steps with ``intra_pieces`` (default: host.CHUNK_INTRA_PIECES)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget

@@ -738,6 +738,7 @@ def linear_recurrent_chunk_intra_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, GRADS: tl.constexpr, WITH_A: tl.constexpr, SUMS: tl.constexpr, DIAG_IN: tl.constexpr,
+    PIECES: tl.constexpr,
 ):
     """With a gate per key channel (gk): A [chunks, H, C, C] (q's dtype), each chunk's intra-chunk matrix
         A_ij = scale sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, 0 above the diagonal,
@@ -754,7 +755,8 @@ def linear_recurrent_chunk_intra_kernel(
     `chunk_sums`' prefix sums P (PS), L(b, i] = P_i - P_b and L(j, b] = P_b - P_j, each <= 0 for decaying gates and
     within a few u |P| (at most C steps) of the sums of their own steps, below A's 16-bit rounding: no gates read or
     scanned for the blocks left of the diagonal (flash-linear-attention factors them the same way). DIAG_IN: the
-    diagonal blocks read from DIAG (`chunk_intra_diag`, launched before) instead of formed here."""
+    diagonal blocks read from DIAG (`chunk_intra_diag`, launched before) instead of formed here; PIECES (FAST): formed
+    here in pieces of 4 steps (`_intra_pieces`)."""
     NSUB: tl.constexpr = C // BC
     FAST: tl.constexpr = SUMS and DT != tl.float32
     i_cs, i_bh = tl.program_id(0), tl.program_id(1)
@@ -802,7 +804,10 @@ def linear_recurrent_chunk_intra_kernel(
                 b_blk = _dot_state(b_qb, tl.trans(b_kb), DT)
                 b_row += tl.where(o_j[None, :, None] == i_j, tl.expand_dims(b_blk, 1), 0.0)
             if not DIAG_IN:
-                if FAST:
+                if FAST and PIECES:
+                    b_d += _intra_pieces(b_q, b_pi * LOG2E, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r,
+                                         H, HKV, K, BC, REVERSE, MAP, DT)
+                elif FAST:
                     b_d += _intra_fast(b_q, b_pi * LOG2E, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H,
                                        HKV, K, BC, REVERSE, MAP)
                 else:

@@ -135,8 +135,8 @@ def test_triton_chunk_intra_diagonal_forms(case, monkeypatch, launched):
     """chunk_intra's diagonal blocks formed by a launch of their own (host.CHUNK_INTRA_DIAGONAL "kernel",
     `chunk_intra_diag`) that chunk_intra reads: outputs and gradients equal to the inline form's bit for bit (the same
     sums in the same order); for 16-bit inputs that kernel's blocks in pieces of 4 steps (host.CHUNK_INTRA_PIECES:
-    products between the pieces) against the oracle and within TF32's rounding of the inline form; else the kernel
-    form against the oracle."""
+    products between the pieces) against the oracle and within TF32's rounding of the inline form, and the pieces
+    formed in chunk_intra itself equal to them; else the kernel form against the oracle."""
     from ejgen.runtime.recurrent.triton import host
 
     x, d_out, d_final = inputs(case, 0)
@@ -156,6 +156,9 @@ def test_triton_chunk_intra_diagonal_forms(case, monkeypatch, launched):
         o, _, _ = check(case, "triton")
         np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(inline[0], np.float32), rtol=2e-2,
                                    atol=2e-2)
+        monkeypatch.setattr(host, "CHUNK_INTRA_DIAGONAL", "inline")  # the pieces in chunk_intra itself: the same
+        np.testing.assert_array_equal(np.asarray(run(op, case, x, d_out, d_final, "triton")[0], np.float32),
+                                      np.asarray(o, np.float32))
 
 
 FUSED_CHUNK_CASES = (

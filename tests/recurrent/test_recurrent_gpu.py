@@ -52,17 +52,19 @@ def test_triton_against_the_oracle(case):
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 
 
-DIAGONAL = [(c, pieces) for c in CASES if "gk" in c.gates and "gv" not in c.gates and c.algorithm == "chunked"
-            and not c.reverse for pieces in ((False, True) if c.dtype == "bfloat16" else (False, ))]
+DIAGONAL = [(c, form, pieces) for c in CASES if "gk" in c.gates and "gv" not in c.gates and c.algorithm == "chunked"
+            and not c.reverse for form, pieces in ((("kernel", False), ("kernel", True), ("inline", True))
+                                                   if c.dtype == "bfloat16" else (("kernel", False), ))]
 
 
-@pytest.mark.parametrize("case, pieces", DIAGONAL, ids=[c.id + ("-pieces" if p else "") for c, p in DIAGONAL])
-def test_triton_chunk_intra_diagonal_in_a_kernel_of_its_own(case, pieces, monkeypatch):
-    """chunk_intra's diagonal blocks from their own launch (host.CHUNK_INTRA_DIAGONAL "kernel"), in 16 steps or in
-    pieces of 4 (host.CHUNK_INTRA_PIECES, 16-bit inputs), against the oracle."""
+@pytest.mark.parametrize("case, form, pieces", DIAGONAL,
+                         ids=[f"{c.id}-{f}" + ("-pieces" if p else "") for c, f, p in DIAGONAL])
+def test_triton_chunk_intra_diagonal_in_a_kernel_of_its_own(case, form, pieces, monkeypatch):
+    """chunk_intra's diagonal blocks from their own launch (host.CHUNK_INTRA_DIAGONAL "kernel") in 16 steps, and for
+    16-bit inputs in pieces of 4 (host.CHUNK_INTRA_PIECES) from that launch or formed inline, against the oracle."""
     from ejgen.runtime.recurrent.triton import host
 
-    monkeypatch.setattr(host, "CHUNK_INTRA_DIAGONAL", "kernel")
+    monkeypatch.setattr(host, "CHUNK_INTRA_DIAGONAL", form)
     monkeypatch.setattr(host, "CHUNK_INTRA_PIECES", pieces)
     check(case, "triton")
 

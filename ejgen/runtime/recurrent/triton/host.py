@@ -310,7 +310,7 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=None):
 # whose float32 blocks chunk_intra reads (a quarter of A's elements). The same numbers either way. Session 26: built
 # and checked in the interpreter and on sm_90 compiles, NOT yet GPU-timed (`gpu_round.sh intra-diag`).
 CHUNK_INTRA_DIAGONAL = "inline"
-# With "kernel", for 16-bit inputs with the gates' sums: the diagonal in pieces of 4 steps (`_intra_pieces`: three
+# For 16-bit inputs with the gates' sums, either form: the diagonal in pieces of 4 steps (`_intra_pieces`: three
 # [16, K] x [K, 16] products between the pieces and a 4-step loop inside them, against a 16-step loop of row sums;
 # A within TF32's rounding of the same numbers). Not yet GPU-timed either.
 CHUNK_INTRA_PIECES = False
@@ -344,7 +344,8 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, su
          do if grads else _dummy(q.dtype)],
         [jax.ShapeDtypeStruct(square if with_a else (1,), q.dtype),
          jax.ShapeDtypeStruct(square if grads else (1,), F32)],
-        BC=SUB, GRADS=grads, WITH_A=with_a, SUMS=sums is not None, DIAG_IN=diag, **options, **c)
+        BC=SUB, GRADS=grads, WITH_A=with_a, SUMS=sums is not None, DIAG_IN=diag, PIECES=CHUNK_INTRA_PIECES, **options,
+        **c)
     return a if with_a else None, da if grads else None
 
 
