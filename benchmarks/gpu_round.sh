@@ -389,13 +389,13 @@ declare -A PRESETS=(
   [s25c]="0:zoo-b16"
   [s25d]="0:select-once"
   [s25e]="0:decode-steady,decode-tests"  # the decode kernel's partials of real rows only (session 25, not GPU-run)
-  # what session 26 left for the next (one H200, a call each, ~4-8 min): the whole zoo GPU suite in thirds after the
-  # position terms and the staged backward (issue 15's last condition: s26a, s26b); the one-predicate mask's tests and
-  # its A/B (s26b, s26c); chunk_intra's diagonal from its own launch (issue 17: s26c); decode again (paged B8 S8k
-  # fell to 0.90-0.94 of contiguous in session 26: s26d, with the paged GPU tests)
+  # what session 26 left for the next (one H200; each call ~7-9 min, so ~3 fit a session's 30 min): the whole zoo GPU
+  # suite in thirds after the position terms and the staged backward (issue 15's last condition: s26a, then s26b with
+  # chunk_intra's diagonal forms, issue 17); the one-predicate mask's tests and A/B (s26c); decode's page reads and
+  # table (issue 16: paged B8 S8k fell to 0.90-0.94 of contiguous in session 26: s26d)
   [s26a]="0:zoo-tests-p0,zoo-tests-p1"
-  [s26b]="0:zoo-tests-p2,select-once"
-  [s26c]="0:select-once-ab,intra-diag"
+  [s26b]="0:zoo-tests-p2,intra-diag"
+  [s26c]="0:select-once,select-once-ab"
   [s26d]="0:decode-page,decode-steady"
 )
 plan=()
