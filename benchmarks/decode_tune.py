@@ -1,8 +1,9 @@
 """Launch settings of the Triton decode kernel (issue 16; `ejgen.runtime.attention.triton.decode`), measured on one
 GPU: the settings of NAMES (BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM, MAX_SPLIT_KEYS, PAGES_AHEAD,
-WHOLE_PAGE; `--settings` or a built-in list) over the decode benchmark's batches (benchmarks/decode.py), cuDNN timed in the same run for scale. Every setting of a case is compiled, then all are
-timed in `--rounds` interleaved rounds (median of medians) of `--calls` calls a sample. Prints a table of µs per
-case with the best setting per case marked, and the geometric mean of cuDNN time / time over cases per setting.
+WHOLE_PAGE; `--settings` or a built-in list) over the decode benchmark's batches (benchmarks/decode.py), cuDNN timed
+in the same run for scale. Every setting of a case is compiled, then all are timed in `--rounds` interleaved rounds
+(median of medians) of `--calls` calls a sample. Prints a table of µs per case with the best setting per case marked,
+and the geometric mean of cuDNN time / time over cases per setting.
 
     python3 benchmarks/decode_tune.py --out $OUT/decode_tune [--budget-s 420] [--cases decode-B4,paged16-B8]
 

@@ -16,8 +16,9 @@ pytest.importorskip("triton", reason="the triton extra is part of the test insta
 from ejgen.testing.aot import (by_gpu_host_triton, compile_all_in_subprocess,  # noqa: E402
                                compile_recurrent_in_subprocess, gpu_host_triton)
 
-KERNELS = {"fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_intra", "chunk_intra_diag", "chunk_state_bwd",
-           "chunk_output", "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"}  # sums, *_intra*: gk
+KERNELS = {"fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_intra", "chunk_intra_diag",
+           "chunk_state_bwd", "chunk_output", "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk",
+           "chunk_grads_v"}  # the sums and the *_intra* kernels: with gk
 FORWARD = ("fused_fwd", "chunk_state", "chunk_output")
 CASES = [  # every kernel for Hopper; Ampere's forward (its mma lowering) with other flags and head dims
     ("recurrent-sm90-every-gate-bf16", "recurrent", 90, dict(gates=("g", "g_gamma", "gk", "gv"), kv_heads=4)),

@@ -214,10 +214,10 @@ def test_spec_masks_reach_the_kernels_as_lists(monkeypatch):
     module's mask with its position terms (docs/DESIGN.md §6): the forward `_spec_mask_staged` with the key side's two
     terms staged per block (KV_TERMS; KSEG is I32) and the query side's loader (SPEC_QTERMS), the backward the same
     with the query side's four staged per item (Q_TERMS from row Q_FIRST) and the key side's loader (SPEC_KVTERMS;
-    `triton.host.STAGED_BACKWARD`), both `_spec_options_terms`; the lists of the mask's tiles (LIST; the forward's tiles in the
-    order of their counts, its key blocks the wide ones: what divides positions is in the table) and the options in
-    I32 where `_spec_options` reads them, the terms' table from I32[8]. A fake launch (the kernels' numbers are the
-    GPU tests' business)."""
+    `triton.host.STAGED_BACKWARD`), both `_spec_options_terms`; the lists of the mask's tiles (LIST; the forward's
+    tiles in the order of their counts, its key blocks the wide ones: what divides positions is in the table) and the
+    options in I32 where `_spec_options` reads them, the terms' table from I32[8]. A fake launch (the kernels' numbers
+    are the GPU tests' business)."""
     seen = pretend_hopper(monkeypatch, sms=3)
     monkeypatch.delenv("EJGEN_GLUON_SPEC_MASKS", raising=False)  # on by default
     name, s, hq, hkv = "natten_2d_attention", 640, 4, 2
