@@ -4,9 +4,10 @@ without a GPU, through ejgen's extension of it, and print what jaxlib would have
 jax-triton's package refuses to import without a CUDA jax, so its ``triton_lib`` module is loaded on
 its own, and jaxlib's kernel library is replaced by a recorder. Run in a process without
 TRITON_INTERPRET (test_jax_triton_extension.py does), since the kernels must be compiled, not
-interpreted. Argument: JSON {"kernel": "fwd_kernel" | "foreign", "tma": bool} (one kernel), or
-{"op": true, "autotune": [bool, ...]} (flash_attention's forward and backward, lowered for CUDA once per
-value, in one process).
+interpreted. Argument: JSON {"kernels": [{"kernel": "fwd_kernel" | "foreign", "tma": bool}, ...]} (each kernel in
+turn, in one process), or
+{"op": true, "autotune": [bool, ...], "seq": int, "head_dim": int} (flash_attention's forward and backward, lowered
+for CUDA once per value, in one process).
 """
 
 import importlib
@@ -76,7 +77,7 @@ def lower_op(args, triton_lib, recorder):
     triton_attention._arch = lambda: "sm90"
     from ejgen.ops import flash_attention
 
-    b, s, h, d = 2, args.get("seq", 1024), 4, 64
+    b, s, h, d = 2, args.get("seq", 1024), 4, args.get("head_dim", 64)
     q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
 
     def loss(q, k, v):
@@ -100,13 +101,24 @@ def main():
         return lower_op(args, triton_lib, recorder)
 
     from ejgen.runtime.launch import triton_call
-    from ejgen.testing.aot import _signature, constexprs
 
     triton_call._extend_jax_triton()
+    print(json.dumps([lower_kernel(one, triton_lib, recorder) for one in args["kernels"]]))
+
+
+def lower_kernel(args, triton_lib, recorder):
+    """One kernel through jax-triton's compile path: what its PTX holds. A foreign kernel is lowered before the same
+    kernel as ejgen's own (which it then stays), and nothing is reused from jax-triton's cache between them."""
+    from ejgen.runtime.launch import triton_call
+    from ejgen.testing.aot import _signature, constexprs
+
     module = importlib.import_module("ejgen.generated.flash_attention.triton_kernels")
     kernel = module.flash_attention_fwd_kernel
     if args["kernel"] == "fwd_kernel":
         triton_call._OWN_KERNELS.add(kernel.__name__)  # what `triton_call.launch` does
+    else:
+        assert kernel.__name__ not in triton_call._OWN_KERNELS, "a foreign kernel goes first"
+    triton_lib._COMPILED_KERNEL_CACHE.clear()
     consts = constexprs(causal=True, block_m=64, block_n=128, tma=args["tma"])
     signature = _signature(kernel, "bfloat16", {})
     arg_dtypes = [signature[n] for n in kernel.arg_names if n not in consts]
@@ -118,14 +130,14 @@ def main():
     ptx, name = built["ptx"], built["name"]
     entry = re.search(rf"\.entry\s+{name}\s*\((.*?)\)", ptx, re.S).group(1)
     n = len(re.findall(rf"\b{name}_param_\d+\b", entry))
-    print(json.dumps({
+    return {
         "name": name, "num_warps": built["num_warps"], "explicit_args": len(arg_dtypes), "ptx_params": n,
         "hidden_scratch_reads": ptx.count(f"[{name}_param_{n - 2}]"),
         "last_explicit_reads": ptx.count(f"[{name}_param_{n - 3}]"),
         "bulk_tensor_copies": ptx.count("cp.async.bulk.tensor"),
         "debug_sections": ptx.count(".section\t.debug"), "loc_lines": len(re.findall(r"^\s*\.loc\b", ptx, re.M)),
         "ttir_chars": len(built["ttir"]),
-    }))
+    }
 
 
 if __name__ == "__main__":

@@ -27,9 +27,11 @@ from ejgen.runtime.attention.triton import configs as triton_configs  # noqa: E4
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
 
 BAND = "16,16,4,1,merged,band"
+# Shapes of four or five 16 x 16 tiles a side: each window's band spans two or more key blocks and leaves some out
+# (a batch of two in the f32 case: the band's rows per batch)
 CASES = [  # (id, shape, features, dkdv config)
-    ("causal-window-gqa-ragged", AttnShape(1, 70, 70, 4, 2, 32), dict(causal=True, sliding_window=(20, 0)), BAND),
-    ("two-sided-sq-ne-sk-three-loops", AttnShape(2, 64, 50, 2, 2, 32), dict(sliding_window=(20, 17)), "16,16,4,1,band"),
+    ("causal-window-gqa-ragged", AttnShape(1, 54, 54, 2, 1, 32), dict(causal=True, sliding_window=(20, 0)), BAND),
+    ("two-sided-sq-ne-sk-three-loops", AttnShape(1, 64, 50, 2, 2, 32), dict(sliding_window=(20, 17)), "16,16,4,1,band"),
     ("window-softcap-sinks", AttnShape(1, 80, 80, 2, 1, 16), dict(sliding_window=(40, 0), logits_soft_cap=5.0, sinks="h"),
      BAND),
     ("window-bias-sk-gt-sq", AttnShape(1, 45, 61, 2, 2, 32), dict(sliding_window=(9, 3), bias=True), BAND),
@@ -91,13 +93,13 @@ def test_a_table_band_falls_back_where_the_window_is_too_wide(monkeypatch, trito
     ratio = -(-narrow // d)
     assert narrow <= ratio * d < wide, (conf, narrow, wide)
     monkeypatch.setattr(triton_attention, "BAND_MAX_RATIO", ratio)  # the (8, 0) window's band fits, (100, 0)'s not
-    q = jnp.ones((1, seq, 2, d), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((1, seq, 2, d), jnp.bfloat16)
     for window, passes in (((8, 0), [("dkdv", True, False), ("dq", True, False)]),
                            ((100, 0), [("dq", False, True), ("dkdv", False, False)])):
         triton_launches.clear()
         loss = lambda q: flash_attention(q, q, q, causal=True, sliding_window=window, platform="triton").astype(
             jnp.float32).sum()
-        jax.grad(loss)(q)
+        jax.eval_shape(jax.grad(loss), q)  # the passes are chosen and launched while tracing; the oracle tests run them
         assert _backward_passes(triton_launches) == passes, (window, triton_launches)
 
 
@@ -155,7 +157,7 @@ def test_a_pinned_band_too_wide_is_an_error(monkeypatch):
     window = (triton_attention.BAND_MAX_RATIO * d, 0)  # 18 blocks of 16 (the 20 blocks of keys do not cap it)
     loss = lambda q: flash_attention(q, q, q, sliding_window=window, platform="triton").astype(jnp.float32).sum()
     with pytest.raises(ValueError, match=r"dS band \(288 columns\) is over 16x the head dim"):
-        jax.grad(loss)(jnp.ones((1, 320, 2, d), jnp.bfloat16))
+        jax.eval_shape(jax.grad(loss), jax.ShapeDtypeStruct((1, 320, 2, d), jnp.bfloat16))  # raised while tracing
     # a window wider than the keys: the band is capped by the keys' blocks (2 here) and runs
     assert jnp.isfinite(jax.grad(loss)(jnp.ones((1, 32, 2, d), jnp.bfloat16))).all()
 

@@ -78,11 +78,13 @@ class VariantCase:
 G0, G1, G2, G3 = GQA_SHAPES
 M0, M1, M2, M3 = MHA_SHAPES
 LOCAL = "local_softcap_sinks_attention"
+# G1's kind (odd, Sq > Sk: causal leaves rows empty, MQA, D = 72) at a third of its tiles: the interpreters run it
+G1_SMALL = AttnShape(1, 45, 37, 4, 1, 72)
 
 CASES = (
     VariantCase("alibi_attention", G0),
     VariantCase("alibi_attention", M0, causal=True),
-    VariantCase("alibi_attention", G1, causal=True, segments=True),
+    VariantCase("alibi_attention", G1_SMALL, causal=True, segments=True),
     VariantCase("alibi_attention", M2, options=(("max_distance", 8),)),
     VariantCase("alibi_attention", G3, causal=True, options=(("max_distance", 5),)),
     VariantCase("alibi_attention", G0, causal=True, segments=True, dtype="bfloat16"),
@@ -96,7 +98,7 @@ CASES = (
     ),
     VariantCase(LOCAL, G0, sinks="h", q_scale=4.0),
     VariantCase(LOCAL, M0, sinks="hn", q_scale=4.0),
-    VariantCase(LOCAL, G1, sinks="n", q_scale=4.0),  # Sq > Sk: queries with only the sinks
+    VariantCase(LOCAL, G1_SMALL, sinks="n", q_scale=4.0),  # Sq > Sk: queries with only the sinks
     VariantCase(LOCAL, G3, sinks="h", q_scale=4.0),
     VariantCase(LOCAL, M2, sinks="hn"),
     VariantCase(LOCAL, M0, sinks="h", q_scale=4.0, dtype="bfloat16"),
@@ -241,6 +243,11 @@ def test_option_changes_at_runtime_without_retrace(backend, sweep):
     )
 
 
+# An option's default is the generated function's own keyword default, filled in before a platform is chosen
+# (generated/<name>/op.py): one backend shows it. The interpreted backends meet the defaults against the oracle
+# (test_variant_matches_oracle's INTERPRETED: alibi and relative_bias with defaults) and every option at three values
+# (test_option_changes_at_runtime_without_retrace).
+@pytest.mark.parametrize("backend", ["xla"])
 def test_options_default_to_the_spec(backend):
     """Leaving an option out equals passing the spec's default."""
     shape = OPTION_SHAPE
