@@ -143,7 +143,8 @@ ONE_LOOP = "fwd=16,16,4,1,merged;dkdv=16,16,4,1,merged;dq=16,16,4,1,merged"
 ONE_LOOP_ATOMIC = "fwd=16,16,4,1,merged;dkdv=16,16,4,1,merged,atomic"
 _F, _C, _CAP = conformance.Features, conformance.Case, conformance.CAP
 _ALIGNED = AttnShape(1, 48, 48, 6, 2, 64)  # GQA_SHAPES[3]'s whole blocks and groups of 3, at 3 blocks a side, not 8
-_SQ_GT_SK = AttnShape(1, 45, 37, 4, 1, 72)  # GQA_SHAPES[1]'s kind (odd, Sq > Sk, MQA, D 72) at 3 blocks a side, not 7 x 4
+# GQA_SHAPES[1]'s kind (odd, Sq > Sk, MQA, D 72) at 3 blocks a side, not 7 x 4
+_SQ_GT_SK = AttnShape(1, 45, 37, 4, 1, 72)
 CONFORMANCE = [
     (_C(_F(sinks="h", segments="random"), _ALIGNED), ONE_LOOP_ATOMIC),
     (_C(_F(causal=True, mask="b1qk"), _SQ_GT_SK), ONE_LOOP),
