@@ -275,17 +275,25 @@ def test_a_decode_mode_the_spec_cannot_have_is_a_spec_error(tmp_path, capsys, ch
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, capability, kwargs", [
+DECODE_COMPILES = [  # (name, capability, kwargs)
     ("flash_attention", 90, dict(paged=True, window=True, softcap=True, groups=8, queries=2)),
     ("alibi_attention", 80, dict(params={"slopes": "float32"}, groups=4)),
     ("flash_attention", 90, dict(paged=True, page=64)),  # pages of whole blocks: a block's page read once
-], ids=["flash-sm90", "alibi-sm80", "flash-sm90-page64"])
-def test_decode_kernels_compile_for_the_gpus(name, capability, kwargs):
-    """The split-K kernel compiles ahead of time (no GPU here: Triton's own ptxas) for an H100 and an A100."""
-    from ejgen.testing.aot import compile_decode_in_subprocess
+]
 
-    compiled = compile_decode_in_subprocess("ejgen.generated", name, capability=capability, **kwargs)
-    assert compiled["decode_kernel"]["cubin"] and compiled["decode_kernel"]["shared"] <= 163 * 1024, compiled
+
+@pytest.mark.parametrize("triton", ["here", "gpu host"])
+def test_decode_kernels_compile_for_the_gpus(triton):
+    """The split-K kernel compiles ahead of time (no GPU here: Triton's own ptxas) for an H100 and an A100, on the
+    Triton installed here and the GPU host's (EJGEN_GPU_HOST_TRITON), the requests in one process each."""
+    from ejgen.testing.aot import compile_all_in_subprocess, gpu_host_triton
+
+    requests = [{"decode": True, "package": "ejgen.generated", "name": name, "capability": capability, **kwargs}
+                for name, capability, kwargs in DECODE_COMPILES]
+    folder = gpu_host_triton() if triton == "gpu host" else None
+    for request, compiled in zip(requests, compile_all_in_subprocess(requests, triton=folder)):
+        assert "error" not in compiled, (request, compiled.get("error"))
+        assert compiled["decode_kernel"]["cubin"] and compiled["decode_kernel"]["shared"] <= 163 * 1024, request
 
 
 def test_splits_fill_the_program_slots():
