@@ -188,12 +188,10 @@ def stages(op_name, b, t, h, d):
     if cfg.has("gk"):
         a, _ = add("chunk_intra", lambda q, k, g, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, sums=s), q, k,
                    gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h))
-        for form, pieces in FORMS:  # the diagonal's other forms (the kernel's: both launches)
-            if (form, pieces) != (host.CHUNK_INTRA_DIAGONAL, host.CHUNK_INTRA_PIECES):
-                add(f"chunk_intra, diagonal {form}{' in pieces' if pieces else ''}", diagonal(
-                    form, pieces, lambda q, k, g, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, sums=s)), q, k,
-                    gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h),
-                    which="chunk_intra_diag" if form == "kernel" else "chunk_intra")
+        for form, pieces, named in other_forms():  # (the kernel's: both launches)
+            add(f"chunk_intra, diagonal {named}", diagonal(form, pieces, lambda q, k, g, s: host.chunk_intra(
+                kernels, q, k, g, ctx, cfg, sums=s)), q, k, gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h),
+                which="chunk_intra_diag" if form == "kernel" else "chunk_intra")
     add("chunk_output", lambda q, k, v, g, hs, a, s: host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a, s), q,
         k, v, gates, hs, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h))
     dhs, dh0 = add("chunk_state_bwd", lambda q, g, do, dht, s: host.chunk_state_grads(kernels, q, g, ctx, cfg, do,
@@ -234,15 +232,19 @@ def stages(op_name, b, t, h, d):
     add("op fwd", fwd, q, k, v, g)
     add("op fwd+bwd", fwd_bwd, q, k, v, g, do)
     if cfg.has("gk"):
-        for form, pieces in FORMS:
-            if (form, pieces) != (host.CHUNK_INTRA_DIAGONAL, host.CHUNK_INTRA_PIECES):
-                add(f"op fwd, chunk_intra's diagonal {form}{' in pieces' if pieces else ''}",
-                    diagonal(form, pieces, fwd), q, k, v, g)
+        for form, pieces, named in other_forms():
+            add(f"op fwd, chunk_intra's diagonal {named}", diagonal(form, pieces, fwd), q, k, v, g)
     return out, (q, k, v, do, g, fwd)
 
 
 FORMS = (("inline", False), ("kernel", False), ("inline", True), ("kernel", True))
 """chunk_intra's diagonal blocks: (host.CHUNK_INTRA_DIAGONAL, host.CHUNK_INTRA_PIECES)."""
+
+
+def other_forms():
+    """(form, pieces, its name in a row) of each diagonal form but the host's default."""
+    return [(form, pieces, form + (" in pieces" if pieces else "")) for form, pieces in FORMS
+            if (form, pieces) != (host.CHUNK_INTRA_DIAGONAL, host.CHUNK_INTRA_PIECES)]
 
 
 def diagonal(form, pieces, f):

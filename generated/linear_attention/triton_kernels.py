@@ -736,6 +736,67 @@ def linear_attention_chunk_state_kernel(
 
 
 @triton.jit
+def _sub_program(CU, CHUNKS, T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, C: tl.constexpr,
+                 BC: tl.constexpr, VARLEN: tl.constexpr):
+    """The sub-chunk I of a program of `chunk_intra` and `chunk_intra_diag` (program id 0: chunk x sub-chunk, 1:
+    sequence x head): (its chunk's row in the chunk arrays, I's index in the chunk, the chunk's index in its sequence,
+    the query head, its key / value head, the sequence's bounds, I's first step)."""
+    NSUB: tl.constexpr = C // BC
+    i_cs, i_bh = tl.program_id(0), tl.program_id(1)
+    i_c, i_i = i_cs // NSUB, i_cs % NSUB
+    i_h = i_bh % H
+    i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
+    i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
+    bos, eos = _bounds(CU, i_n, T, VARLEN)
+    return i_cg, i_i, i_t, i_h, i_h // (H // HKV), bos, eos, i_t * C + i_i * BC
+
+
+@triton.jit
+def _sub_logs(G, GAMMA, GK, PS, bos, eos, first, i_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+              C: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr,
+              USE_GK: tl.constexpr, REVERSE: tl.constexpr, FAST: tl.constexpr):
+    """(P_b [1, BK], b_l [BC, BK]): the log decays of sub-chunk I from the step b before it. FAST (16-bit inputs with
+    `chunk_sums`): P_b and L(b, i] = P_i - P_b from the prefix sums (P_b = 0 for the first sub-chunk; 0 on steps past
+    the sequence); else 0 and each step's log gate, whose prefix sums are L(b, i]."""
+    if FAST:
+        rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
+        o_b = first - 1 + tl.zeros([1], dtype=tl.int32)  # b: the step before I ([1]; none before the first)
+        rows_b, m_b = _steps_at(bos, eos, o_b, REVERSE)
+        b_pb = _sums_at(PS, rows_b, m_b & (o_b >= i_t * C), i_h, o_k, m_k, H, K)  # [1, BK]
+        b_l = tl.where(m_i[:, None], _sums_at(PS, rows_i, m_i, i_h, o_k, m_k, H, K) - b_pb, 0.0)
+    else:
+        b_pb = tl.zeros([1, o_k.shape[0]], dtype=tl.float32)
+        b_l = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE)
+    return b_pb, b_l
+
+
+@triton.jit
+def _diagonal(b_q, b_l, b_pb, K_, G, GAMMA, GK, PS, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H: tl.constexpr,
+              HKV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr,
+              USE_GK: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr,
+              PIECES: tl.constexpr):
+    """Sub-chunk I's diagonal block [BC, BC] over a block of channels, from `_sub_logs`' (b_pb, b_l): FAST in pieces
+    of 4 steps (PIECES, `_intra_pieces`) or a step at a time (`_intra_fast`), else `_intra` (log2 units: both sums
+    scale the same gates)."""
+    if FAST and PIECES:
+        b_d = _intra_pieces(b_q, b_l * LOG2E, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H, HKV, K,
+                            BC, REVERSE, MAP, DT)
+    elif FAST:
+        b_d = _intra_fast(b_q, b_l * LOG2E, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H, HKV, K, BC,
+                          REVERSE, MAP)
+    else:
+        b_d = _intra(b_q, _cumsum(b_l * LOG2E, axis=0), K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k, m_k,
+                     o_r, H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+    return b_d
+
+
+@triton.jit
+def _diag_at(DIAG, i_cg, i_h, i_i, o_r, H: tl.constexpr, NSUB: tl.constexpr, BC: tl.constexpr):
+    """Pointers of sub-chunk I's diagonal block in DIAG [chunks, H, NSUB, BC, BC] (`chunk_intra_diag`'s)."""
+    return DIAG + ((i_cg * H + i_h) * NSUB + i_i).to(tl.int64) * (BC * BC) + o_r[:, None] * BC + o_r[None, :]
+
+
+@triton.jit
 def linear_attention_chunk_intra_kernel(
     Q, K_, V_, G, GAMMA, GK, PS, CU, CHUNKS, DIAG, DO, A, DA,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -763,14 +824,7 @@ def linear_attention_chunk_intra_kernel(
     here in pieces of 4 steps (`_intra_pieces`)."""
     NSUB: tl.constexpr = C // BC
     FAST: tl.constexpr = SUMS and DT != tl.float32
-    i_cs, i_bh = tl.program_id(0), tl.program_id(1)
-    i_c, i_i = i_cs // NSUB, i_cs % NSUB
-    i_h = i_bh % H
-    i_hk = i_h // (H // HKV)
-    i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
-    i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
-    bos, eos = _bounds(CU, i_n, T, VARLEN)
-    first = i_t * C + i_i * BC  # I's first step
+    i_cg, i_i, i_t, i_h, i_hk, bos, eos, first = _sub_program(CU, CHUNKS, T, H, HKV, C, BC, VARLEN)
     o_r = tl.arange(0, BC)
     if WITH_A:
         o_j = tl.arange(0, NSUB)
@@ -780,17 +834,12 @@ def linear_attention_chunk_intra_kernel(
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
             b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
-            if FAST:  # L(b, i] = P_i - P_b, b the step before I (P_b = 0 for the first sub-chunk)
-                rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
-                o_b = first - 1 + tl.zeros([1], dtype=tl.int32)  # b: the step before I ([1]; none before the first)
-                rows_b, m_b = _steps_at(bos, eos, o_b, REVERSE)
-                b_pb = _sums_at(PS, rows_b, m_b & (o_b >= i_t * C), i_h, o_k, m_k, H, K)  # [1, BK]
-                b_pi = tl.where(m_i[:, None], _sums_at(PS, rows_i, m_i, i_h, o_k, m_k, H, K) - b_pb, 0.0)
+            b_pb, b_li = _sub_logs(G, GAMMA, GK, PS, bos, eos, first, i_t, i_h, o_k, m_k, H, K, C, BC, USE_G,
+                                   USE_GAMMA, USE_GK, REVERSE, FAST)
+            if FAST:
+                b_qb = b_q * tl.exp(b_li)  # q e^{L(b, i]}
             else:
-                b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
-                                REVERSE)
-                b_pi = _cumsum(b_li, axis=0)
-            b_qb = b_q * tl.exp(b_pi)  # q e^{L(b, i]}
+                b_qb = b_q * tl.exp(_cumsum(b_li, axis=0))
             if not FAST:
                 b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
             for back in range(0, i_i):
@@ -808,18 +857,10 @@ def linear_attention_chunk_intra_kernel(
                 b_blk = _dot_state(b_qb, tl.trans(b_kb), DT)
                 b_row += tl.where(o_j[None, :, None] == i_j, tl.expand_dims(b_blk, 1), 0.0)
             if not DIAG_IN:
-                if FAST and PIECES:
-                    b_d += _intra_pieces(b_q, b_pi * LOG2E, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r,
-                                         H, HKV, K, BC, REVERSE, MAP, DT)
-                elif FAST:
-                    b_d += _intra_fast(b_q, b_pi * LOG2E, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H,
-                                       HKV, K, BC, REVERSE, MAP)
-                else:
-                    b_d += _intra(b_q, _cumsum(b_li * LOG2E, axis=0), K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk,
-                                  o_k, m_k, o_r, H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
+                b_d += _diagonal(b_q, b_li, b_pb, K_, G, GAMMA, GK, PS, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H,
+                                 HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT, FAST, PIECES)
         if DIAG_IN:
-            b_d = tl.load(DIAG + ((i_cg * H + i_h) * NSUB + i_i).to(tl.int64) * (BC * BC) + o_r[:, None] * BC
-                          + o_r[None, :])
+            b_d = tl.load(_diag_at(DIAG, i_cg, i_h, i_i, o_r, H, NSUB, BC))
         b_row += tl.where(o_j[None, :, None] == i_i, tl.expand_dims(b_d, 1), 0.0)  # blocks right of I stay 0
         o_c = tl.arange(0, C)
         p_a = A + ((i_cg * H + i_h) * C + i_i * BC + o_r[:, None]).to(tl.int64) * C + o_c[None, :]  # rows I
@@ -854,38 +895,18 @@ def linear_attention_chunk_intra_diag_kernel(
     numbers)."""
     NSUB: tl.constexpr = C // BC
     FAST: tl.constexpr = SUMS and DT != tl.float32
-    i_cs, i_bh = tl.program_id(0), tl.program_id(1)
-    i_c, i_i = i_cs // NSUB, i_cs % NSUB
-    i_h = i_bh % H
-    i_hk = i_h // (H // HKV)
-    i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
-    i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
-    bos, eos = _bounds(CU, i_n, T, VARLEN)
-    first = i_t * C + i_i * BC  # I's first step
+    i_cg, i_i, i_t, i_h, i_hk, bos, eos, first = _sub_program(CU, CHUNKS, T, H, HKV, C, BC, VARLEN)
     o_r = tl.arange(0, BC)
     b_d = tl.zeros([BC, BC], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
-        if FAST:  # (P_i - P_b) log2 e, b the step before I (P_b = 0 for the first sub-chunk)
-            rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
-            o_b = first - 1 + tl.zeros([1], dtype=tl.int32)
-            rows_b, m_b = _steps_at(bos, eos, o_b, REVERSE)
-            b_pb = _sums_at(PS, rows_b, m_b & (o_b >= i_t * C), i_h, o_k, m_k, H, K)  # [1, BK]
-            b_pi = tl.where(m_i[:, None], _sums_at(PS, rows_i, m_i, i_h, o_k, m_k, H, K) - b_pb, 0.0)
-            if PIECES:
-                b_d += _intra_pieces(b_q, b_pi * LOG2E, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H,
-                                     HKV, K, BC, REVERSE, MAP, DT)
-            else:
-                b_d += _intra_fast(b_q, b_pi * LOG2E, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H,
-                                   HKV, K, BC, REVERSE, MAP)
-        else:
-            b_li = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
-                            REVERSE)
-            b_d += _intra(b_q, _cumsum(b_li * LOG2E, axis=0), K_, G, GAMMA, GK, bos, eos, first, i_h, i_hk, o_k,
-                          m_k, o_r, H, HKV, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP)
-    tl.store(DIAG + ((i_cg * H + i_h) * NSUB + i_i).to(tl.int64) * (BC * BC) + o_r[:, None] * BC + o_r[None, :], b_d)
+        b_pb, b_l = _sub_logs(G, GAMMA, GK, PS, bos, eos, first, i_t, i_h, o_k, m_k, H, K, C, BC, USE_G, USE_GAMMA,
+                              USE_GK, REVERSE, FAST)
+        b_d += _diagonal(b_q, b_l, b_pb, K_, G, GAMMA, GK, PS, bos, eos, first, i_h, i_hk, o_k, m_k, o_r, H, HKV, K,
+                         BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT, FAST, PIECES)
+    tl.store(_diag_at(DIAG, i_cg, i_h, i_i, o_r, H, NSUB, BC), b_d)
 
 
 @triton.jit

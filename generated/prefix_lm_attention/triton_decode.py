@@ -60,14 +60,14 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, O_PART, M_PART, L_PART
     if WINDOW:  # keys before the last query row's window: never seen, skipped from a block boundary
         lo += tl.maximum(length - SQ - window_left, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(lo + SPLIT, end)
-    if PAGED and (PAGE % BLOCK_N != 0 or not WHOLE_PAGE) and PAGES_AHEAD:  # the first block's pages; a step reads
-        # the next block's
+    ONE_READ: tl.constexpr = PAGED and PAGE % BLOCK_N == 0 and WHOLE_PAGE  # a block in one page: one table read
+    if PAGED and not ONE_READ and PAGES_AHEAD:  # the first block's pages; a step reads the next block's
         t_next = lo + tl.arange(0, BLOCK_N)
         pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
     for n0 in tl.range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         col_ok = t < hi
-        if PAGED and PAGE % BLOCK_N == 0 and WHOLE_PAGE:  # the block lies in one page (n0 a multiple of BLOCK_N)
+        if ONE_READ:  # (n0 is a multiple of BLOCK_N)
             page = tl.load(TABLE + off_b * MAX_PAGES + n0 // PAGE)
             rows = page.to(tl.int64) * PAGE + t % PAGE
         elif PAGED and PAGES_AHEAD:  # a block over several pages: their numbers read a step ahead (a loop carry)
