@@ -912,13 +912,15 @@ def _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, l
     st_tok = warpgroup_mma(k_mine, q_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if SPEC_MASK is not None and ((m < f0) | (m >= f1)):
         # the spec's mask before dP^T is issued: the registers dP^T holds in flight are the mask's meanwhile (sm_90,
-        # Triton 3.9, spilled bytes a thread: NATTEN 2-D 48 -> 0, sliding tile 560 -> 168; not measured for time)
+        # Triton 3.9, spilled bytes a thread: NATTEN 2-D 48 -> 0, sliding tile 560 -> 168; not measured for time).
+        # do_ready first: the producer's lse rows and staged terms are plain stores that barrier releases (read after
+        # q_ready alone, the previous round's rows were seen: NATTEN 2-D dK 4.5e-2 off on an H200, session 27)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st_tok, ))
+        mbarrier.wait(do_ready.index(s), ph)
         pT = _bwd_item_mask(gl.exp2(_logits2(st, qk2, cap_out, SOFTCAP) - lse_smem.index(s).load(s_layout)),
                             cols_smem, qs_smem, ks, bits, m, n, s, off_b, h, S, SK, WINDOW_LEFT, opts, WG, BLOCK_M,
                             BLOCK_N,
                             MASK, SEGMENTS, SUB_Q, SUB_K, SPEC_MASK, Q_TERMS)
-        mbarrier.wait(do_ready.index(s), ph)
         dp_tok = warpgroup_mma(v_mine, do_view.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     else:
         mbarrier.wait(do_ready.index(s), ph)
