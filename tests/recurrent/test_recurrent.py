@@ -141,6 +141,8 @@ def test_triton_chunk_intra_diagonal_forms(case, monkeypatch, launched):
 
     x, d_out, d_final = inputs(case, 0)
     op = getattr(generated, case.op)
+    monkeypatch.setattr(host, "CHUNK_INTRA_DIAGONAL", "inline")
+    monkeypatch.setattr(host, "CHUNK_INTRA_PIECES", False)
     inline = run(op, case, x, d_out, d_final, "triton")
     assert "chunk_intra_diag" not in " ".join(launched)
     monkeypatch.setattr(host, "CHUNK_INTRA_DIAGONAL", "kernel")

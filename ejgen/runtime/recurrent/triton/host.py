@@ -307,13 +307,14 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=None):
 # "inline", in the program that forms the blocks left of them (254 registers at K 128, 8 warps an SM; 0.70 ms of gla's
 # 1.16 ms forward at B4 T4096, H200, session 24), or "kernel": a launch of their own before it (`chunk_intra_diag`,
 # holding only their tiles, as flash-linear-attention splits them: its two intra kernels 0.37 ms on the same card),
-# whose float32 blocks chunk_intra reads (a quarter of A's elements). The same numbers either way. Session 26: built
-# and checked in the interpreter and on sm_90 compiles, NOT yet GPU-timed (`gpu_round.sh intra-diag`).
-CHUNK_INTRA_DIAGONAL = "inline"
+# whose float32 blocks chunk_intra reads (a quarter of A's elements). The same numbers either way. Session 27, H200,
+# gla B4 T4096 (`gpu_round.sh intra-diag`): chunk_intra 0.697 ms inline, 0.711 with the kernel's 16-step diagonal,
+# 0.640 inline in pieces, 0.406 the kernel's in pieces (below); the op's forward 1.161 -> 0.877 ms.
+CHUNK_INTRA_DIAGONAL = "kernel"
 # For 16-bit inputs with the gates' sums, either form: the diagonal in pieces of 4 steps (`_intra_pieces`: three
 # [16, K] x [K, 16] products between the pieces and a 4-step loop inside them, against a 16-step loop of row sums;
-# A within TF32's rounding of the same numbers). Not yet GPU-timed either.
-CHUNK_INTRA_PIECES = False
+# A within TF32's rounding of the same numbers). Float32 inputs keep the 16-step loop.
+CHUNK_INTRA_PIECES = True
 
 
 def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, sums=None):
