@@ -27,6 +27,7 @@
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
 #   intra-diag     chunk_intra's diagonal from its own launch and in pieces of 4 steps: GPU tests, gla's kernel
 #                  rows in each form (inline / kernel, steps / pieces), the diagonal kernel's settings
+#   grads-sums     chunk_grads_intra reading chunk_sums' prefix sums: GPU tests, gla's kernel rows both ways
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane (REC_BENCH_ARGS)
 #   rec-light      the recurrent table's lightning rows alone
 #   rec-decode     the recurrent decode table
@@ -122,6 +123,12 @@ j_intra-diag() {  # chunk_intra's diagonal blocks from a launch of their own (ho
   # session 26, not yet GPU-run): its GPU tests, then gla's kernel rows with both forms and the new kernel's settings
   shards intra-diag-tests 200 3 -k diagonal_in_a_kernel tests/recurrent
   job intra-diag 200 python3 benchmarks/recurrent_kernels.py --ops gla --sweep --sweep-kernels chunk_intra_diag
+}
+j_grads-sums() {  # chunk_grads_intra's exponents from chunk_sums' prefix sums (host.GRADS_INTRA_SUMS, session 27, not
+  # yet GPU-run): its GPU tests and the 16-bit strong gates' (NaN rows fixed in session 27), then gla's kernel rows
+  # ("chunk_grads_intra, prefix sums", "op fwd+bwd, chunk_grads_intra's prefix sums") at B4 T4096 and B2 T16k
+  shards grads-sums-tests 200 3 -k "prefix_sums or strong_gates_in_16" tests/recurrent
+  job grads-sums 200 python3 benchmarks/recurrent_kernels.py --ops gla --shapes 4x4096,2x16384 --rounds 2
 }
 j_rec-kernels() { job rec-kernels 200 python3 benchmarks/recurrent_kernels.py --ops gla,simple_gla ${REC_KERNELS_ARGS:-}; }
 j_rec-sweep() { job rec-sweep 150 python3 benchmarks/recurrent_kernels.py --ops gla --sweep --no-check \
@@ -393,6 +400,10 @@ declare -A PRESETS=(
   # suite in thirds after the position terms and the staged backward (issue 15's last condition: s26a, then s26b with
   # chunk_intra's diagonal forms, issue 17); the one-predicate mask's tests and A/B (s26c); decode's page reads and
   # table (issue 16: paged B8 S8k fell to 0.90-0.94 of contiguous in session 26: s26d)
+  # session 27's: chunk_grads_intra from the prefix sums (issue 17) and the decode table at 32 calls (issue 16: paged
+  # B8 S8k was 0.96 / 0.99 of contiguous at 128 calls in decode_tune, 0.94 / 0.90 in session 26's table); the
+  # one-predicate mask still undecided (s26c)
+  [s27a]="0:grads-sums,decode-steady"
   [s26a]="0:zoo-tests-p0,zoo-tests-p1"
   [s26b]="0:zoo-tests-p2,intra-diag"
   [s26c]="0:select-once,select-once-ab"

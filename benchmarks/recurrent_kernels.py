@@ -205,9 +205,15 @@ def stages(op_name, b, t, h, d):
         a, da = add("chunk_intra + dA", lambda q, k, v, g, do, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do,
                                                                                   sums=s),
                     q, k, v, gates, do, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
-        intra = add("chunk_grads_intra", lambda q, k, g, da: host.chunk_grads_intra(kernels, q, k, g, ctx, cfg, da), q,
-                    k, gates, da, grid=(n_c * (cfg.chunk // host.SUB), -(-cfg.dk // blocks["chunk_grads_intra"]["BK"]),
-                                        rows_h))
+        grads_grid = (n_c * (cfg.chunk // host.SUB), -(-cfg.dk // blocks["chunk_grads_intra"]["BK"]), rows_h)
+        intra = add("chunk_grads_intra", lambda q, k, g, da, s: host.chunk_grads_intra(kernels, q, k, g, ctx, cfg, da,
+                                                                                      s),
+                    q, k, gates, da, sums, grid=grads_grid)
+        if sums is not None:
+            named = "scanned gates" if host.GRADS_INTRA_SUMS else "prefix sums"
+            add(f"chunk_grads_intra, {named}", grads_sums(lambda q, k, g, da, s: host.chunk_grads_intra(
+                kernels, q, k, g, ctx, cfg, da, s)), q, k, gates, da, sums, grid=grads_grid,
+                which="chunk_grads_intra")
     dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do, intra, s: host.chunk_grads_qk(
         kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s), q, k, v, gates, hs, dhs, do, intra, sums,
         grid=(n_c, -(-cfg.dk // blocks["chunk_grads_qk"]["BK"]), rows_h))
@@ -234,6 +240,9 @@ def stages(op_name, b, t, h, d):
     if cfg.has("gk"):
         for form, pieces, named in other_forms():
             add(f"op fwd, chunk_intra's diagonal {named}", diagonal(form, pieces, fwd), q, k, v, g)
+        if sums is not None:
+            named = "scanned gates" if host.GRADS_INTRA_SUMS else "prefix sums"
+            add(f"op fwd+bwd, chunk_grads_intra's {named}", grads_sums(fwd_bwd), q, k, v, g, do)
     return out, (q, k, v, do, g, fwd)
 
 
@@ -257,6 +266,19 @@ def diagonal(form, pieces, f):
             return f(*args)
         finally:
             host.CHUNK_INTRA_DIAGONAL, host.CHUNK_INTRA_PIECES = before
+    return traced
+
+
+def grads_sums(f):
+    """``f`` traced with chunk_grads_intra's other form (host.GRADS_INTRA_SUMS flipped), read when a launch is
+    traced."""
+    def traced(*args):
+        before = host.GRADS_INTRA_SUMS
+        host.GRADS_INTRA_SUMS = not before
+        try:
+            return f(*args)
+        finally:
+            host.GRADS_INTRA_SUMS = before
     return traced
 
 

@@ -229,7 +229,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       kv_heads: int = 16, dk: int = 128, dv: int = 128, chunk: int = 64, gates=("gk",),
                       h0: bool = True, varlen: bool = False, reverse: bool = False, kernels=None,
                       states: str = "float32", products: str = "tf32", intra_diagonal: str | None = None,
-                      intra_pieces: bool | None = None) -> dict:
+                      intra_pieces: bool | None = None, grads_sums: bool | None = None) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -237,7 +237,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     "bfloat16": the state products' operands in bf16 (the chunk_products setting, SP), else TF32; both: the
     backward's stored states and adjoints in bf16 too, as the host stores them then. ``intra_diagonal``: chunk_intra's
     diagonal blocks "inline" or read from `chunk_intra_diag`'s ("kernel"; default: host.CHUNK_INTRA_DIAGONAL), in
-    pieces of 4 steps with ``intra_pieces`` (default: host.CHUNK_INTRA_PIECES)."""
+    pieces of 4 steps with ``intra_pieces`` (default: host.CHUNK_INTRA_PIECES); ``grads_sums``: chunk_grads_intra reads
+    `chunk_sums`' prefix sums (default: host.GRADS_INTRA_SUMS)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -285,6 +286,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
             sig.update({n: "*bf16" for n in ("HS", "DHS") if n in sig})  # the backward's, as the host stores them
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
         kconsts = {**consts, **blocks}
+        if which == "chunk_grads_intra":
+            kconsts["SUMS"] = consts["SUMS"] and (grads_sums if grads_sums is not None else host.GRADS_INTRA_SUMS)
         if which == "chunk_sums" and "gk" not in gates:
             kconsts.update(K=1, BK=host.scalar_sums_lanes(heads))  # a scalar gate's sums: one a step, every head
         source = ASTSource(fn=kernel, signature=sig, attrs=aligned,

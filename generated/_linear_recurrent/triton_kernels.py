@@ -499,6 +499,7 @@ def _intra_fast(b_q, b_p, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_
     session 24). Each read as BC equal rows, as `_intra` reads them: rows [1, BK] gave the tiles a layout whose row
     sums crossed warps (a barrier a column)."""
     b_d = tl.zeros([BC, BC], dtype=tl.float32)
+    _, m_i = _steps(bos, eos, first, BC, REVERSE)
     rows_j, m_j = _steps_at(bos, eos, first + tl.zeros_like(o_r), REVERSE)
     m_j = m_j[:, None] & m_k[None, :]
     b_kj = tl.load(K_ + (rows_j[:, None] * HKV + i_hk) * K + o_k[None, :], mask=m_j, other=0.0)  # [BC, BK]
@@ -508,8 +509,10 @@ def _intra_fast(b_q, b_p, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, o_
         m_n = (m_n & (j + 1 < BC))[:, None] & m_k[None, :]
         b_kn = tl.load(K_ + (rows_n[:, None] * HKV + i_hk) * K + o_k[None, :], mask=m_n, other=0.0)
         b_pn = tl.load(PS + (rows_n[:, None] * H + i_h) * K + o_k[None, :], mask=m_n, other=0.0)
-        # rows i < j: 2 to 0, not to a difference that could overflow (the select below drops them)
-        b_x = tl.where(o_r[:, None] > j, b_p - (b_pj - b_pb) * LOG2E, 0.0)
+        # rows i < j and rows past the sequence's end (b_p 0 there, P_j - P_b not: 2^{-(P_j - P_b)} overflowed under
+        # gates of -20 a step, and its product with their zero q turned their row of A NaN, which dv's Aᵀ do then
+        # carried into every key): 2 to 0, not to a difference that could overflow (the select below drops them)
+        b_x = tl.where(((o_r > j) & m_i)[:, None], b_p - (b_pj - b_pb) * LOG2E, 0.0)
         b_col = tl.sum(b_q * _mapped(b_kj, m_j, MAP) * tl.exp2(b_x), axis=1)  # [BC]
         b_d = tl.where((o_r[None, :] == j) & (o_r[:, None] >= j), b_col[:, None], b_d)
         b_kj, b_pj, m_j = b_kn, b_pn, m_n
@@ -547,8 +550,9 @@ def _intra_pieces(b_q, b_p, K_, PS, b_pb, bos, eos, first, i_h, i_hk, o_k, m_k, 
         m_jk = m_j[:, None] & m_k[None, :]
         b_kj = tl.load(K_ + (rows_j[:, None] * HKV + i_hk) * K + o_k[None, :], mask=m_jk, other=0.0)
         b_pj = tl.load(PS + (rows_j[:, None] * H + i_h) * K + o_k[None, :], mask=m_jk, other=0.0)
-        # rows before their column: 2 to 0 (dropped below), the column itself exactly 1, as `_intra_fast`
-        b_x = tl.where((o_r % 4 > t)[:, None], b_p - (b_pj - b_pb) * LOG2E, 0.0)
+        # rows before their column and past the sequence's end: 2 to 0 (dropped below, or q 0), the column itself
+        # exactly 1, as `_intra_fast`
+        b_x = tl.where(((o_r % 4 > t) & m_i)[:, None], b_p - (b_pj - b_pb) * LOG2E, 0.0)
         b_col = tl.sum(b_q * _mapped(b_kj, m_jk, MAP) * tl.exp2(b_x), axis=1)  # [BC]
         b_d = tl.where((o_r[None, :] == 4 * piece[:, None] + t) & (o_r % 4 >= t)[:, None], b_col[:, None], b_d)
     return b_d
@@ -748,17 +752,27 @@ def _sub_program(CU, CHUNKS, T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr
 
 
 @triton.jit
+def _sum_at_step(PS, bos, eos, step, start, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, REVERSE: tl.constexpr):
+    """[1, BK]: `chunk_sums`' prefix sum P at step ``step`` of the chunk that starts at step ``start`` (0 before it),
+    a step past the sequence's end taken as its last (the gates past the end are 0): a reference step b or e of the
+    differences P_b - P_j, P_t - P_e stays inside the sequence, so no difference with a real step's sum overflows
+    (P_b read as 0 past the end made e^{P_b - P_j} e^{1300} under gates of -20 a step, and a NaN row of A)."""
+    o_s = tl.minimum(step, eos - bos - 1) + tl.zeros([1], dtype=tl.int32)
+    rows, m_s = _steps_at(bos, eos, o_s, REVERSE)
+    return _sums_at(PS, rows, m_s & (o_s >= start), i_h, o_k, m_k, H, K)
+
+
+@triton.jit
 def _sub_logs(G, GAMMA, GK, PS, bos, eos, first, i_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
               C: tl.constexpr, BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr,
               USE_GK: tl.constexpr, REVERSE: tl.constexpr, FAST: tl.constexpr):
     """(P_b [1, BK], b_l [BC, BK]): the log decays of sub-chunk I from the step b before it. FAST (16-bit inputs with
-    `chunk_sums`): P_b and L(b, i] = P_i - P_b from the prefix sums (P_b = 0 for the first sub-chunk; 0 on steps past
-    the sequence); else 0 and each step's log gate, whose prefix sums are L(b, i]."""
+    `chunk_sums`): P_b and L(b, i] = P_i - P_b from the prefix sums (P_b = 0 for the first sub-chunk, the sequence's
+    last step's for a sub-chunk past its end: `_sum_at_step`; L 0 on steps past the sequence); else 0 and each step's
+    log gate, whose prefix sums are L(b, i]."""
     if FAST:
         rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
-        o_b = first - 1 + tl.zeros([1], dtype=tl.int32)  # b: the step before I ([1]; none before the first)
-        rows_b, m_b = _steps_at(bos, eos, o_b, REVERSE)
-        b_pb = _sums_at(PS, rows_b, m_b & (o_b >= i_t * C), i_h, o_k, m_k, H, K)  # [1, BK]
+        b_pb = _sum_at_step(PS, bos, eos, first - 1, i_t * C, i_h, o_k, m_k, H, K, REVERSE)  # b: the step before I
         b_l = tl.where(m_i[:, None], _sums_at(PS, rows_i, m_i, i_h, o_k, m_k, H, K) - b_pb, 0.0)
     else:
         b_pb = tl.zeros([1, o_k.shape[0]], dtype=tl.float32)
@@ -906,11 +920,13 @@ def linear_recurrent_chunk_intra_diag_kernel(
 
 
 @triton.jit
-def _intra_scalar(b_a, b_l, b_p, o_c, GATED: tl.constexpr, DT: tl.constexpr):
+def _intra_scalar(b_a, b_l, b_p, o_c, m_s, GATED: tl.constexpr, DT: tl.constexpr):
     """A matrix of a chunk's pairs of steps [C, C] (q kᵀ, or dA = do vᵀ) times e^{L(j, i]} for j <= i, 0 above the
-    diagonal, with a scalar log gate per step b_l [C, 1] and its prefix sums b_p [C, 1] (`_segsum`; any sums that
-    differ from them by a constant serve, -R among them)."""
-    lower = o_c[:, None] >= o_c[None, :]
+    diagonal and on the rows of steps past the sequence's end (m_s [C]: the steps in it), with a scalar log gate per
+    step b_l [C, 1] and its prefix sums b_p [C, 1] (`_segsum`; any sums that differ from them by a constant serve, -R
+    among them). `chunk_sums`' P reads 0 past the end, not the last step's sum: under gates of -20 a step P_i - P_j
+    there overflowed, and the zero row times e^{+1300} was a NaN row that dk's Wᵀ q carried into every key."""
+    lower = (o_c[:, None] >= o_c[None, :]) & m_s[:, None]
     if GATED:
         b_a = b_a * tl.exp(tl.where(lower, _segsum(b_l, b_p, o_c, DT), 0.0))
     return tl.where(lower, b_a, 0.0)
@@ -986,7 +1002,7 @@ def linear_recurrent_chunk_output_kernel(
             b_p = _cumsum(b_l, axis=0)
         if GATED:
             b_o = b_o * tl.exp(b_p)
-        b_a = _intra_scalar(b_a, b_l, b_p, o_c, GATED, DT) * SCALE
+        b_a = _intra_scalar(b_a, b_l, b_p, o_c, m_s, GATED, DT) * SCALE
     b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
     b_o = b_o * SCALE + _dot(b_a, b_v, DT)
     tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
@@ -1040,7 +1056,7 @@ def linear_recurrent_chunk_fused_fwd_kernel(
             if GATED:  # e^{P} on the rows of q S: q meets the state's product exact
                 b_o = b_o * tl.exp(b_p)
             b_a = _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
-            b_a = _intra_scalar(b_a, b_l, b_p, o_c, GATED, DT) * SCALE
+            b_a = _intra_scalar(b_a, b_l, b_p, o_c, m_s, GATED, DT) * SCALE
         b_o = b_o * SCALE + _dot(b_a, b_v, DT)
         tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
                  mask=m_s[:, None] & m_v[None, :])
@@ -1235,12 +1251,39 @@ def _piece_pairs(b_dqx, b_dkx, b_span, p_da, Q, K_, G, GAMMA, GK, bos, eos, o_p,
 
 
 @triton.jit
+def _grads_log(G, GAMMA, GK, PS, bos, eos, first, i_h, o_k, m_k, b_run, b_ref, H: tl.constexpr, K: tl.constexpr,
+               BC: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
+               REVERSE: tl.constexpr, FAST: tl.constexpr, LATER: tl.constexpr):
+    """`chunk_grads_intra`'s exponents [BC, BK] of a sub-chunk J from step ``first`` against a reference step (the
+    step b before I or I's last step e), and the running sum carried to the next sub-chunk. LATER 0 (J before the
+    reference, walked backwards): L(j, b] = the sums after j in J plus b_run, the sub-chunks between; LATER 1 (J after
+    it, walked forwards): L(ref, t] = b_run, the sub-chunks between, plus the prefix sums in J. FAST: P_ref - P_j or
+    P_t - P_ref from the prefix sums (b_ref: P_ref; b_run passed through; 0 on steps past the sequence)."""
+    if FAST:
+        rows, m_s = _steps(bos, eos, first, BC, REVERSE)
+        b_p = _sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K)
+        if LATER:
+            b_e = tl.where(m_s[:, None], b_p - b_ref, 0.0)
+        else:
+            b_e = tl.where(m_s[:, None], b_ref - b_p, 0.0)
+        b_next = b_run
+    else:
+        b_l = _sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE)
+        if LATER:
+            b_e = b_run + _cumsum(b_l, axis=0)
+        else:
+            b_e = _after(b_l) + b_run
+        b_next = b_run + tl.sum(b_l, axis=0, keep_dims=True)
+    return b_e, b_next
+
+
+@triton.jit
 def linear_recurrent_chunk_grads_intra_kernel(
-    Q, K_, G, GAMMA, GK, CU, CHUNKS, DA, DQI, DKI, DLI,
+    Q, K_, G, GAMMA, GK, PS, CU, CHUNKS, DA, DQI, DKI, DLI,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr,
+    DT: tl.constexpr, SUMS: tl.constexpr,
 ):
     """With gk: what the pairs of steps inside a chunk give dq, dk and the key side's log decay gradient (float32, per
     query head, DQI, DKI, DLI [rows, H, K]; `chunk_grads_qk` adds the pairs with the start state or end adjoint), a
@@ -1257,8 +1300,12 @@ def linear_recurrent_chunk_grads_intra_kernel(
     pairs r < s <= t by where r and t lie: r before I, t in I (q_t ⊙ its dq from before I, a reverse cumsum inside
     I); r in I, t after I (k_r ⊙ its dk from after I, an exclusive cumsum inside I); r before I, t after I (the same
     for every s of I: Q_b ⊙ dA[J', J] K_b summed over the steps t of each J' after I, Q_b = q e^{L(b, t]}); both in I
-    (`_intra_grads`). No term is subtracted from another."""
+    (`_intra_grads`). No term is subtracted from another. SUMS with 16-bit inputs (FAST, as `chunk_intra`'s): the
+    exponents between sub-chunks as differences of `chunk_sums`' prefix sums P (PS), L(j, b] = P_b - P_j, L(b, t] =
+    P_t - P_b, L(e, t] = P_t - P_e, each <= 0 for decaying gates: no gates read, scanned or summed over steps for the
+    blocks off I's diagonal (`_grads_log`); I's own exponents stay sums of their own steps."""
     NSUB: tl.constexpr = C // BC
+    FAST: tl.constexpr = SUMS and DT != tl.float32
     i_cs, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_c, i_i = i_cs // NSUB, i_cs % NSUB
     i_h = i_bh % H
@@ -1270,8 +1317,15 @@ def linear_recurrent_chunk_grads_intra_kernel(
     o_r = tl.arange(0, BC)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_tot = tl.sum(_sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE),
-                   axis=0, keep_dims=True)  # L(b, e]
+    if FAST:  # the prefix sums at b, the step before I, and at e, I's last step (L(b, e] not needed)
+        b_pb = _sum_at_step(PS, bos, eos, first - 1, i_t * C, i_h, o_k, m_k, H, K, REVERSE)
+        b_pe = _sum_at_step(PS, bos, eos, first + BC - 1, i_t * C, i_h, o_k, m_k, H, K, REVERSE)
+        b_tot = tl.zeros([1, BK], dtype=tl.float32)
+    else:
+        b_pb = tl.zeros([1, BK], dtype=tl.float32)
+        b_pe = b_pb
+        b_tot = tl.sum(_sub_log(G, GAMMA, GK, bos, eos, first, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
+                                REVERSE), axis=0, keep_dims=True)  # L(b, e]
     p_da = DA + (i_cg * H + i_h).to(tl.int64) * C * C  # the chunk's dA [C, C]
     p_blk = o_r[:, None] * C + o_r[None, :]  # a [BC, BC] block of it
     b_y = tl.zeros([BC, BK], dtype=tl.float32)  # by t in I: sum over r before I of dA_tr k_r e^{L(r, b]}
@@ -1280,30 +1334,27 @@ def linear_recurrent_chunk_grads_intra_kernel(
     for back in range(0, i_i):
         i_j = i_i - 1 - back
         b_kj = _sub(K_, bos, eos, i_t * C + i_j * BC, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
-        b_lj = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
-                        REVERSE)
-        b_kb = _rounded(b_kj * tl.exp(_after(b_lj) + b_dec), DT)  # k_r e^{L(r, b]}
+        b_lj, b_dec = _grads_log(G, GAMMA, GK, PS, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, b_dec, b_pb, H, K,
+                                 BC, USE_G, USE_GAMMA, USE_GK, REVERSE, FAST, 0)
+        b_kb = _rounded(b_kj * tl.exp(b_lj), DT)  # k_r e^{L(r, b]}
         b_y += _dot_rounded(_rounded(tl.load(p_da + (i_i * BC) * C + i_j * BC + p_blk), DT), b_kb, DT)
         b_run = b_tot  # L(b, start of J'): I and the sub-chunks between I and J'
         for i_o in range(i_i + 1, NSUB):  # the sub-chunks J' after I
-            b_lo = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA,
-                            USE_GK, REVERSE)
+            b_lo, b_run = _grads_log(G, GAMMA, GK, PS, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, b_run, b_pb,
+                                     H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, FAST, 1)
             b_qo = _sub(Q, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)
-            b_qb = b_qo * tl.exp(b_run + _cumsum(b_lo, axis=0))  # q_t e^{L(b, t]}
+            b_qb = b_qo * tl.exp(b_lo)  # q_t e^{L(b, t]}
             b_z = _dot_rounded(_rounded(tl.load(p_da + (i_o * BC) * C + i_j * BC + p_blk), DT), b_kb, DT)
             b_span += tl.sum(b_qb * b_z, axis=0, keep_dims=True)
-            b_run += tl.sum(b_lo, axis=0, keep_dims=True)
-        b_dec += tl.sum(b_lj, axis=0, keep_dims=True)
     b_x = tl.zeros_like(b_y)  # by r in I: sum over t after I of dA_tr q_t e^{L(e, t]}
     b_run = tl.zeros([1, BK], dtype=tl.float32)  # L(e, start of J']
     for i_o in range(i_i + 1, NSUB):
-        b_lo = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, USE_G, USE_GAMMA, USE_GK,
-                        REVERSE)
+        b_lo, b_run = _grads_log(G, GAMMA, GK, PS, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, b_run, b_pe, H, K, BC,
+                                 USE_G, USE_GAMMA, USE_GK, REVERSE, FAST, 1)
         b_qo = _sub(Q, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)
-        b_qe = b_qo * tl.exp(b_run + _cumsum(b_lo, axis=0))  # q_t e^{L(e, t]}
+        b_qe = b_qo * tl.exp(b_lo)  # q_t e^{L(e, t]}
         b_dat = tl.load(p_da + (i_o * BC) * C + i_i * BC + o_r[None, :] * C + o_r[:, None])  # [r, t]: dA_tr
         b_x += _dot_rounded(_rounded(b_dat, DT), _rounded(b_qe, DT), DT)
-        b_run += tl.sum(b_lo, axis=0, keep_dims=True)
     # I's own rows read here, not held through the loops above (they held 32 bytes of registers too many)
     b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
     b_k = _sub(K_, bos, eos, first, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
@@ -1396,7 +1447,7 @@ def linear_recurrent_chunk_grads_qk_kernel(
     else:
         if SUMS:  # (without them the gates were read above)
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
-        b_w = _intra_scalar(b_da, b_l, b_pre if GATED else b_l, o_c, GATED, DT) * SCALE
+        b_w = _intra_scalar(b_da, b_l, b_pre if GATED else b_l, o_c, m_s, GATED, DT) * SCALE
         # float32 W in TF32 whatever SP says: in bf16 (as flash-linear-attention), dq and dk erred 1.4x the rounding
         # of the result (test_chunked_triton_scalar_gate_dq_dk_in_bfloat16)
         b_dq += _dot_state(b_w, b_k, DT)

@@ -163,6 +163,45 @@ def test_triton_chunk_intra_diagonal_forms(case, monkeypatch, launched):
                                       np.asarray(o, np.float32))
 
 
+GRADS_SUMS_CASES = (  # 16-bit gk with the gates' sums, chunks of 64 (four sub-chunks, each meeting those before and
+    # after it): packed (an empty sequence, partial chunks and sub-chunks), reversed, GQA, log gates down to -20 a step;
+    # gk with a scalar gate, K != V, an initial state
+    Case("gla", ("gk",), dtype="bfloat16", shape=(1, 100, 2, 1, 16, 16), chunk=64, cu=(0, 70, 70, 97), reverse=True,
+         strong=True),
+    Case("recurrent", ("g", "gk"), dtype="bfloat16", shape=(1, 80, 2, 2, 16, 32), chunk=64, h0=True),
+)
+
+
+@pytest.mark.parametrize("case", GRADS_SUMS_CASES, ids=[c.id for c in GRADS_SUMS_CASES])
+def test_triton_grads_intra_from_the_prefix_sums(case, monkeypatch):
+    """chunk_grads_intra's exponents between sub-chunks from `chunk_sums`' prefix sums (host.GRADS_INTRA_SUMS): every
+    gradient against the oracle and within 2e-2 of the kernel that scans the gates itself; the spy shows which form
+    each backward launched. The gla case's gates of -20 a step over sequences that end inside a chunk also hold the
+    forward's 16-bit forms to finite results (before, a sub-chunk past the end read P_b as 0, and rows past it took
+    2^{-(P_j - P_b)}: A's rows there were NaN, and dv's Aᵀ do carried them into every key)."""
+    from ejgen.runtime.launch import triton_call
+    from ejgen.runtime.recurrent.triton import host
+
+    forms, launch = [], triton_call.launch
+
+    def spy(kernel, *args, **kwargs):
+        if kernel.__name__.endswith("_chunk_grads_intra_kernel"):
+            forms.append(kwargs["SUMS"])
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    x, d_out, d_final = inputs(case, 0)
+    monkeypatch.setattr(host, "GRADS_INTRA_SUMS", False)
+    _, _, scanned = run(getattr(generated, case.op), case, x, d_out, d_final, "triton")
+    monkeypatch.setattr(host, "GRADS_INTRA_SUMS", True)
+    _, _, grads = check(case, "triton")
+    assert forms == [False, True], forms
+    for name in grads:
+        ref = np.asarray(scanned[name], np.float32)
+        np.testing.assert_allclose(np.asarray(grads[name], np.float32), ref, rtol=2e-2,
+                                   atol=2e-2 * float(np.abs(ref).max()), err_msg=name)
+
+
 FUSED_CHUNK_CASES = (
     Case("recurrent", ("g", "g_gamma", "gk"), shape=(1, 23, 2, 2, 16, 24), cu=SHORT, h0=True, reverse=True),
     Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 40, 2, 2, 16, 32), chunk=32, h0=True),
@@ -385,6 +424,17 @@ def test_strong_gates_on_the_chunked_triton_kernels(case):
     L(j, end], is a reverse cumsum less its own step's, not the sub-chunk's sum less a prefix sum (which erred by
     u |L_I|, 3e-5 at -30 per step: dg_gamma 3.9e-5 in the last case, now 4e-6)."""
     check(case, "triton", factor=0.5)
+
+
+def test_strong_gates_in_16_bits_on_the_chunked_triton_kernels():
+    """Scalar gates down to -20 a step in bf16 (16-bit inputs take `chunk_sums`' prefix sums: P_i - P_j), packed
+    sequences that end inside a chunk, reversed: every gradient finite and against the oracle. The prefix sums read 0
+    past a sequence's end, so P_i - P_j overflowed on those rows, and the zero rows of dA times e^{+1300} were NaN rows
+    that dk's Wᵀ q carried into every key (`_intra_scalar` now zeroes them; gk's forms: the prefix-sums test above)."""
+    case = Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(1, 100, 2, 1, 16, 16), chunk=64,
+                cu=(0, 70, 70, 97), reverse=True, strong=True, gamma=-8.0)
+    o, final, grads = check(case, "triton")
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in (o, final, *grads.values()))
 
 
 def test_chunked_triton_scalar_gate_dq_dk_in_bfloat16():

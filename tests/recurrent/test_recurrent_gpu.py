@@ -69,6 +69,32 @@ def test_triton_chunk_intra_diagonal_in_a_kernel_of_its_own(case, form, pieces, 
     check(case, "triton")
 
 
+GRADS_SUMS = [c for c in CASES if "gk" in c.gates and "gv" not in c.gates and c.algorithm == "chunked"
+              and c.dtype == "bfloat16"]
+
+
+@pytest.mark.parametrize("case", GRADS_SUMS, ids=[c.id for c in GRADS_SUMS])
+def test_triton_grads_intra_from_the_prefix_sums(case, monkeypatch):
+    """chunk_grads_intra's exponents between sub-chunks from `chunk_sums`' prefix sums (host.GRADS_INTRA_SUMS), 16-bit
+    inputs, against the oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "GRADS_INTRA_SUMS", True)
+    check(case, "triton")
+
+
+STRONG_16 = [Case(op, gates, dtype="bfloat16", reverse=True, strong=True, chunk=64, **LAYOUTS["packed"])
+             for op, gates in (("gla", ("gk",)), ("simple_gla", ("g", "g_gamma")))]
+
+
+@pytest.mark.parametrize("case", STRONG_16, ids=[c.id for c in STRONG_16])
+def test_strong_gates_in_16_bits_stay_finite(case):
+    """Gates down to -20 a step in bf16 over packed sequences that end inside chunks (the prefix sums' differences of
+    16-bit inputs): every gradient finite and against the oracle (NaN rows past a sequence's end before session 27)."""
+    o, final, grads = check(case, "triton")
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in (o, final, *grads.values()))
+
+
 PALLAS = [c for c in CASES if "gv" not in c.gates and (c.algorithm == "chunked" or (  # the fused forward: dense
     c.cu is None and c.dtype == "bfloat16" and not c.reverse))]
 

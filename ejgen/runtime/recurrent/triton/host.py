@@ -436,19 +436,28 @@ def _direct(kernels, cfg) -> bool:
     return cfg.groups == 1 and kernels.hooks.feature_map_grad is None
 
 
-def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da):
+# chunk_grads_intra's exponents between sub-chunks (16-bit inputs with `chunk_sums`): differences of the prefix sums
+# (PS) instead of each sub-chunk's gates read, scanned and summed over its steps again, as chunk_intra has taken them
+# since session 22 (its blocks left of the diagonal). Session 24's stall samples of chunk_grads_intra (1.8 ms, gla B4
+# T4096, H200, the backward's largest kernel): 28% in reductions over steps, ~10% waiting on gate loads. Session 27:
+# built, checked in the interpreter and compiled for sm_90, NOT GPU-timed (`gpu_round.sh grads-sums`).
+GRADS_INTRA_SUMS = False
+
+
+def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da, sums=None):
     """With gk: (DQI, DKI, DLI [B, T, H, K] float32, per query head): what the pairs of steps inside each chunk give dq,
     dk and the key side's log decay gradient, from dA (``chunk_intra``), a program per (sub-chunk of SUB rows, block
-    of K, sequence x head)."""
+    of K, sequence x head); ``sums``: ``chunk_sums``' (or None), read where GRADS_INTRA_SUMS says."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_intra", cfg.dk, cfg.dv)
     out = jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dk,), F32)
+    sums = sums if GRADS_INTRA_SUMS else None
     return tuple(triton_call.launch(
         kernels.get("chunk_grads_intra"),
         (per_row * (cfg.chunk // SUB), packing.cdiv(cfg.dk, blocks["BK"]), grid_rows * cfg.heads),
-        [q, k, *ins[:3], ins[5], chunks, da], [out, out, out], BC=SUB, **options,
-        **{**_chunk_consts(q, cfg, consts), **blocks}))
+        [q, k, *ins[:3], *_sums(sums, "ps"), ins[5], chunks, da], [out, out, out], BC=SUB, SUMS=sums is not None,
+        **options, **{**_chunk_consts(q, cfg, consts), **blocks}))
 
 
 def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, sums=None):
@@ -512,7 +521,7 @@ def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg, res=None):
         kept = (res or {}).get("a")
         a, da = chunk_intra(kernels, q, k, gates, ctx, cfg, v, do, with_a=kept is None, sums=sums)
         a = kept if kept is not None else a
-        intra = chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da)
+        intra = chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da, sums)
     dq, dk, dlog = chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra, sums)
     dv = chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a, sums)
     return dq, dk, dv, dh0, None if dlog is None else key_log_grad(dlog, cfg), None
