@@ -164,11 +164,10 @@ def test_triton_chunk_intra_diagonal_forms(case, monkeypatch, launched):
 
 
 GRADS_SUMS_CASES = (  # 16-bit gk with the gates' sums, chunks of 64 (four sub-chunks, each meeting those before and
-    # after it): packed (an empty sequence, partial chunks and sub-chunks), reversed, GQA, log gates down to -20 a step;
-    # gk with a scalar gate, K != V, an initial state
+    # after it): packed (an empty sequence, partial chunks and sub-chunks), reversed, GQA, log gates down to -20 a step
+    # (the sums cover every key-side gate alike: gk with a scalar gate runs on the GPU host, test_recurrent_gpu.py)
     Case("gla", ("gk",), dtype="bfloat16", shape=(1, 100, 2, 1, 16, 16), chunk=64, cu=(0, 70, 70, 97), reverse=True,
          strong=True),
-    Case("recurrent", ("g", "gk"), dtype="bfloat16", shape=(1, 80, 2, 2, 16, 32), chunk=64, h0=True),
 )
 
 
