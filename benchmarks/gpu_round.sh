@@ -28,6 +28,7 @@
 #   intra-diag     chunk_intra's diagonal from its own launch and in pieces of 4 steps: GPU tests, gla's kernel
 #                  rows in each form (inline / kernel, steps / pieces), the diagonal kernel's settings
 #   grads-sums     chunk_grads_intra reading chunk_sums' prefix sums: GPU tests, gla's kernel rows both ways
+#   state-groups   the forward's state walk in groups: GPU tests, the kernel and op rows both ways (T 16k, 4k)
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane (REC_BENCH_ARGS)
 #   rec-light      the recurrent table's lightning rows alone
 #   rec-decode     the recurrent decode table
@@ -129,6 +130,12 @@ j_grads-sums() {  # chunk_grads_intra's exponents from chunk_sums' prefix sums (
   # ("chunk_grads_intra, prefix sums", "op fwd+bwd, chunk_grads_intra's prefix sums") at B4 T4096 and B2 T16k
   shards grads-sums-tests 200 3 -k "prefix_sums or strong_gates_in_16" tests/recurrent
   job grads-sums 200 python3 benchmarks/recurrent_kernels.py --ops gla --shapes 4x4096,2x16384 --rounds 2
+}
+j_state-groups() {  # the forward's state walk in groups (host.STATE_GROUPS, session 27, not yet GPU-run): its GPU
+  # tests, then the kernel rows ("chunk_state in N groups ...", "op fwd, the state walk in N groups") where it splits
+  shards state-groups-tests 200 3 -k "walk_in_groups" tests/recurrent
+  job state-groups 200 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention,gla \
+    --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
 j_rec-kernels() { job rec-kernels 200 python3 benchmarks/recurrent_kernels.py --ops gla,simple_gla ${REC_KERNELS_ARGS:-}; }
 j_rec-sweep() { job rec-sweep 150 python3 benchmarks/recurrent_kernels.py --ops gla --sweep --no-check \
@@ -404,6 +411,7 @@ declare -A PRESETS=(
   # B8 S8k was 0.96 / 0.99 of contiguous at 128 calls in decode_tune, 0.94 / 0.90 in session 26's table); the
   # one-predicate mask still undecided (s26c)
   [s27a]="0:grads-sums,decode-steady"
+  [s27b]="0:state-groups,select-once"
   [s26a]="0:zoo-tests-p0,zoo-tests-p1"
   [s26b]="0:zoo-tests-p2,intra-diag"
   [s26c]="0:select-once,select-once-ab"

@@ -184,6 +184,14 @@ def stages(op_name, b, t, h, d):
     stored = host.backward_states_dtype(cfg)  # the states and adjoints as the op's backward stores them
     hs, _ = add("chunk_state", lambda k, v, g, s: host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s),
                 k, v, gates, sums, grid=(nkv("chunk_state"), rows_h))
+    group, ng = flipped("STATE_GROUPS", lambda: host.state_group(cfg))()  # the forward's walk in groups, if it splits
+    if not host.STATE_GROUPS and group:
+        def grouped(k, v, g, s):
+            hs, ht, (gs, dc, _, _) = host.chunk_states_grouped(kernels, k, v, g, None, ctx, cfg, stored, sums=s)
+            return hs, ht, gs, dc
+
+        add(f"chunk_state in {ng} groups of {group} + chunk_state_groups", flipped("STATE_GROUPS", grouped), k, v,
+            gates, sums, grid=(nkv("chunk_state"), rows_h, ng), which="chunk_state")
     a = None
     if cfg.has("gk"):
         a, _ = add("chunk_intra", lambda q, k, g, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, sums=s), q, k,
@@ -243,6 +251,9 @@ def stages(op_name, b, t, h, d):
         if sums is not None:
             named = "scanned gates" if host.GRADS_INTRA_SUMS else "prefix sums"
             add(f"op fwd+bwd, chunk_grads_intra's {named}", grads_sums(fwd_bwd), q, k, v, g, do)
+    if group:
+        named = "one walk a sequence" if host.STATE_GROUPS else f"the state walk in {ng} groups"
+        add(f"op fwd, {named}", flipped("STATE_GROUPS", fwd), q, k, v, g)
     return out, (q, k, v, do, g, fwd)
 
 
@@ -269,17 +280,21 @@ def diagonal(form, pieces, f):
     return traced
 
 
-def grads_sums(f):
-    """``f`` traced with chunk_grads_intra's other form (host.GRADS_INTRA_SUMS flipped), read when a launch is
-    traced."""
+def flipped(name, f):
+    """``f`` traced with the host's switch ``name`` flipped (read when a launch is traced)."""
     def traced(*args):
-        before = host.GRADS_INTRA_SUMS
-        host.GRADS_INTRA_SUMS = not before
+        before = getattr(host, name)
+        setattr(host, name, not before)
         try:
             return f(*args)
         finally:
-            host.GRADS_INTRA_SUMS = before
+            setattr(host, name, before)
     return traced
+
+
+def grads_sums(f):
+    """``f`` traced with chunk_grads_intra's other form (host.GRADS_INTRA_SUMS flipped)."""
+    return flipped("GRADS_INTRA_SUMS", f)
 
 
 def check(op_name, inputs):
@@ -359,7 +374,8 @@ def sweep(op_name, stage_list, reps, rounds, batch, only=()):
 def main():
     args = ARGS
     smoke = args.cpu_smoke
-    shapes = [(1, 64)] if smoke else [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    shapes = [(1, 64)] if smoke and args.shapes == "4x4096" else [tuple(int(x) for x in s.split("x"))
+                                                                    for s in args.shapes.split(",")]
     h, d = (2, 32) if smoke else (16, 128)
     reps, rounds, batch = (1, 1, 1) if smoke else (args.reps, args.rounds, 8)
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; bf16, H={h}, K=V={d}, chunks of 64",

@@ -229,7 +229,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       kv_heads: int = 16, dk: int = 128, dv: int = 128, chunk: int = 64, gates=("gk",),
                       h0: bool = True, varlen: bool = False, reverse: bool = False, kernels=None,
                       states: str = "float32", products: str = "tf32", intra_diagonal: str | None = None,
-                      intra_pieces: bool | None = None, grads_sums: bool | None = None) -> dict:
+                      intra_pieces: bool | None = None, grads_sums: bool | None = None,
+                      state_groups: int = 0) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -238,7 +239,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     backward's stored states and adjoints in bf16 too, as the host stores them then. ``intra_diagonal``: chunk_intra's
     diagonal blocks "inline" or read from `chunk_intra_diag`'s ("kernel"; default: host.CHUNK_INTRA_DIAGONAL), in
     pieces of 4 steps with ``intra_pieces`` (default: host.CHUNK_INTRA_PIECES); ``grads_sums``: chunk_grads_intra reads
-    `chunk_sums`' prefix sums (default: host.GRADS_INTRA_SUMS)."""
+    `chunk_sums`' prefix sums (default: host.GRADS_INTRA_SUMS); ``state_groups``: the forward's state walk in groups of
+    that many chunks (chunk_state and chunk_output with GROUP, and `chunk_state_groups`; 0: one walk a sequence)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -252,7 +254,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                     FIRST="*i32", CHUNKS="*i32", O=ptr, HT="*fp32", HS="*fp32", DO=ptr, DHT="*fp32", DHS="*fp32",
                     DQ="*fp32", DK="*fp32", DV="*fp32", DH0="*fp32", DLK="*fp32", DLV="*fp32", CK="*fp32",
                     SCR="*fp32", DLOG="*fp32", A=ptr, DA="*fp32", DQI="*fp32", DKI="*fp32", DLI="*fp32", PS="*fp32",
-                    RS="*fp32", LS="*fp32", DIAG="*fp32")
+                    RS="*fp32", LS="*fp32", DIAG="*fp32", GE="*fp32", GD="*fp32", DC="*fp32",
+                    GS="*fp32")
     bk = max(16, 1 << (dk - 1).bit_length())
     bvf = max(16, 1 << (dv - 1).bit_length())
     consts = dict(T=0 if varlen else 4096, H=heads, HKV=kv_heads, K=dk, V=dv, BK=bk, SCALE=dk ** -0.5,
@@ -263,18 +266,23 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   DT={"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[dtype],
                   SP=tl.bfloat16 if products == "bfloat16" else tl.float32,
                   DIAG_IN=(intra_diagonal or host.CHUNK_INTRA_DIAGONAL) == "kernel",
-                  PIECES=intra_pieces if intra_pieces is not None else host.CHUNK_INTRA_PIECES)
+                  PIECES=intra_pieces if intra_pieces is not None else host.CHUNK_INTRA_PIECES,
+                  GROUP=state_groups, NG=-(-4096 // chunk // state_groups) if state_groups else 1)
     fused = min(host.FUSED_BV, bvf)
     compiled = {}
-    for which in ("fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_intra", "chunk_intra_diag",
-                  "chunk_state_bwd", "chunk_output", "chunk_fused_fwd", "chunk_grads_intra", "chunk_grads_qk",
-                  "chunk_grads_v"):
+    for which in ("fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_state_groups", "chunk_intra",
+                  "chunk_intra_diag", "chunk_state_bwd", "chunk_output", "chunk_fused_fwd", "chunk_grads_intra",
+                  "chunk_grads_qk", "chunk_grads_v"):
         if kernels is not None and which not in kernels or which in _GK_ONLY and "gk" not in gates:
             continue  # (the intra-chunk kernels run with gk only; chunk_intra as the backward's, with dA)
+        if which == "chunk_state_groups" and not state_groups:
+            continue
         if which == "chunk_sums" and not consts["SUMS"]:
             continue  # (no key-side gate, no sums)
         if which.startswith("fused"):
             blocks, options = dict(BV=fused), {"num_warps": host.NUM_WARPS, "num_stages": 1}
+        elif which == "chunk_state_groups":
+            blocks, options = host.tiles("chunk_state", dk, dv)
         else:
             blocks, options = host.tiles(which, dk, dv)
         kernel = getattr(module, f"{name}_{which}_kernel")

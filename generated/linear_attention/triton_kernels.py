@@ -694,16 +694,21 @@ def linear_attention_chunk_sums_kernel(
 
 @triton.jit
 def linear_attention_chunk_state_kernel(
-    K_, V_, G, GAMMA, GK, RS, LS, H0, CU, FIRST, HS, HT,
+    K_, V_, G, GAMMA, GK, RS, LS, H0, CU, FIRST, HS, HT, GE, GD, DC,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
     USE_H0: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr,
-    SUMS: tl.constexpr,
+    SUMS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
 ):
     """HS[first + c] = the state at the start of chunk c of the sequence; HT = the state after its last chunk:
     S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j over the chunk's steps j. A program per (block of BK rows x
     block of BV columns of the state, sequence x head): the gates decay each row of the state on its own. SUMS: the
-    gates' sums read from `chunk_sums` (RS, LS), not scanned here."""
+    gates' sums read from `chunk_sums` (RS, LS), not scanned here.
+    GROUP > 0 (dense layouts; host.STATE_GROUPS): the walk in NG groups of GROUP chunks, a program per group too
+    (program id 2), each from the zero state: HS holds each chunk's state relative to its group's start, GE [B NG, H,
+    K, V] float32 the group's end state so, GD [B NG, H, K | 1] its log decay L_G (the sum of its chunks' L_C) and DC
+    [chunks, H, K | 1] each chunk's log decay from its group's start, L(group start, chunk start]; no HT
+    (`chunk_state_groups` walks the groups, `chunk_output` adds e^{DC} ⊙ its group's start state)."""
     i_k, i_v = _blocks(V, BV)
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -719,12 +724,26 @@ def linear_attention_chunk_state_kernel(
     m_h = m_k[:, None] & m_v[None, :]
     p_h = o_k[:, None] * V + o_v[None, :]
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
+    t0 = 0
+    t1 = tl.cdiv(eos - bos, C)
+    if GROUP > 0:
+        i_g = tl.program_id(2)
+        t0 = i_g * GROUP
+        t1 = tl.minimum(t0 + GROUP, t1)
+    elif USE_H0:
         b_h += tl.load(H0 + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
+    if USE_GK:  # GROUP: L(group start, chunk start] per row of the state, or one for every row
+        o_d, m_d, KD = o_k, m_k & (tl.zeros_like(o_k) == i_v), K  # (stored by the programs of the first block of V)
+    else:
+        o_d, KD = tl.zeros([1], dtype=tl.int32), 1
+        m_d = o_d == i_v
+    b_dc = tl.zeros(o_d.shape, dtype=tl.float32)
     if SUMS:
-        b_after, b_decay = _walk_sums(RS, LS, bos, eos, first, 0, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
-    for i_t in range(0, tl.cdiv(eos - bos, C)):
+        b_after, b_decay = _walk_sums(RS, LS, bos, eos, first, t0, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
+    for i_t in range(t0, t1):
         tl.store(HS + ((first + i_t) * H + i_h) * K * V + p_h, b_h, mask=m_h)
+        if GROUP > 0:
+            tl.store(DC + ((first + i_t) * H + i_h) * KD + o_d, b_dc, mask=m_d)
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
@@ -732,10 +751,50 @@ def linear_attention_chunk_state_kernel(
             b_after_n, b_decay_n = _walk_sums(RS, LS, bos, eos, first, i_t + 1, i_h, o_k, m_k, H, K, C, USE_GK,
                                               REVERSE)
             b_h = _advance(b_h, b_k, b_v, b_after, tl.exp(b_decay)[:, None], DT)
+            if GROUP > 0:
+                b_dc += b_decay
             b_after, b_decay = b_after_n, b_decay_n
         else:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
             b_h = _advance(b_h, b_k, b_v, _after(b_l), _chunk_decay(b_l), DT)
+            if GROUP > 0:
+                b_dc += tl.sum(b_l, axis=0)
+    if GROUP > 0:
+        at = (i_n * NG + i_g) * H + i_h
+        tl.store(GE + at.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
+        tl.store(GD + at.to(tl.int64) * KD + o_d, b_dc, mask=m_d)
+    else:
+        tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
+
+
+@triton.jit
+def linear_attention_chunk_state_groups_kernel(
+    H0, GE, GD, GS, HT,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_GK: tl.constexpr,
+    USE_H0: tl.constexpr, NG: tl.constexpr,
+):
+    """`chunk_state`'s groups (GROUP > 0) joined: GS[n NG + g] = the state at the start of group g of sequence n
+    (float32), HT = the state after its last group: S_{g+1} = diag(e^{L_G}) S_g + E_g (GE, GD), S_0 = the initial
+    state. A program per (block of BK rows x block of BV columns, sequence x head), NG steps."""
+    i_k, i_v = _blocks(V, BV)
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_h = m_k[:, None] & m_v[None, :]
+    p_h = o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(H0 + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
+    for i_g in range(0, NG):
+        at = ((i_n * NG + i_g) * H + i_h).to(tl.int64)
+        tl.store(GS + at * K * V + p_h, b_h, mask=m_h)
+        if USE_GK:
+            b_d = tl.load(GD + at * K + o_k, mask=m_k, other=0.0)
+        else:
+            b_d = tl.load(GD + at + tl.zeros([1], dtype=tl.int64))
+        b_h = b_h * tl.exp(b_d)[:, None] + tl.load(GE + at * K * V + p_h, mask=m_h, other=0.0)
     tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
 
 
@@ -957,18 +1016,19 @@ def _intra_scalar_t(b_at, b_l, b_p, o_c, GATED: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def linear_attention_chunk_output_kernel(
-    Q, K_, V_, G, GAMMA, GK, PS, CU, CHUNKS, HS, A, O,
+    Q, K_, V_, G, GAMMA, GK, PS, CU, CHUNKS, HS, A, GS, DC, O,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr,
+    DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
 ):
     """o of a chunk's C steps (BV columns), a program per (chunk, block of V), in products of the whole chunk:
         o = scale (q ⊙ e^{P}) S + A v      (S: the state at the chunk's start, HS; P_i = L(start, i], prefix sums)
     A the intra-chunk matrix: with gk read from A (`chunk_intra`); with a scalar gate (or none) here, scale (q kᵀ)
     times e^{L(j, i]} (`_intra_scalar`), and e^{P} scales the rows of q S. K in blocks of BK; the state's product in
     TF32 or bf16 (`_dot_state`, SP: the chunk_products setting), A's with v in the inputs' dtype. SUMS: P read
-    from `chunk_sums` (PS)."""
+    from `chunk_sums` (PS). GROUP > 0 (`chunk_state`'s walk in groups): HS is the state relative to the chunk's group
+    start, S = HS + diag(e^{DC}) GS[group] (float32, formed before its product)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -981,6 +1041,8 @@ def linear_attention_chunk_output_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     p_h = HS + (i_cg * H + i_h).to(tl.int64) * K * V
+    if GROUP > 0:  # its group's start state (the dense layout: sequence i_n, chunk i_t)
+        p_g = GS + ((i_n * NG + i_t // GROUP) * H + i_h).to(tl.int64) * K * V
     b_o = tl.zeros([C, BV], dtype=tl.float32)
     b_a = tl.zeros([C, C], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
@@ -995,6 +1057,13 @@ def linear_attention_chunk_output_kernel(
         else:
             b_a += _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
         b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
+        if GROUP > 0:
+            if USE_GK:
+                b_dc = tl.load(DC + (i_cg * H + i_h).to(tl.int64) * K + o_k, mask=m_k, other=0.0)
+            else:
+                b_dc = tl.load(DC + (i_cg * H + i_h).to(tl.int64) + tl.zeros([1], dtype=tl.int64))
+            b_s = b_s.to(tl.float32) + tl.exp(b_dc)[:, None] * tl.load(
+                p_g + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_o += _dot_state(b_q, b_s, DT, SP)
     if USE_GK:
         b_a = _load_a(A, i_cg, i_h, o_c, H, C)

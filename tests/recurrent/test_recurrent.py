@@ -201,6 +201,37 @@ def test_triton_grads_intra_from_the_prefix_sums(case, monkeypatch):
                                    atol=2e-2 * float(np.abs(ref).max()), err_msg=name)
 
 
+GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in
+    # float32, gates down to -20 a step (every decay still a sum of its own steps: within float32's tolerance)
+    Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 130, 2, 1, 16, 32), chunk=16, h0=True,
+         reverse=True),
+    Case("recurrent", ("g", "gk"), shape=(1, 140, 2, 1, 16, 24), chunk=16, strong=True),
+)
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=[c.id for c in GROUPED_CASES])
+def test_triton_state_walk_in_groups(case, monkeypatch):
+    """The forward's state walk in groups (host.STATE_GROUPS): every group's chunks from the zero state in parallel,
+    the groups joined by `chunk_state_groups`, chunk_output adding each group's start state; here 3 groups of 3
+    chunks (the last chunk short), the final state and every gradient against the oracle. The spy shows the grouped
+    launches (the backward walks as before)."""
+    from ejgen.runtime.launch import triton_call
+    from ejgen.runtime.recurrent.triton import host
+
+    seen, launch = [], triton_call.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        seen.append((kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1], kwargs.get("GROUP"), len(grid)))
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    monkeypatch.setattr(host, "STATE_GROUPS", True)
+    monkeypatch.setattr(host, "MIN_GROUP", 3)
+    check(case, "triton")
+    assert ("state", 3, 3) in seen and ("state_groups", None, 2) in seen and ("output", 3, 3) in seen, seen
+    assert ("state", 0, 2) in seen, seen  # the backward's states
+
+
 FUSED_CHUNK_CASES = (
     Case("recurrent", ("g", "g_gamma", "gk"), shape=(1, 23, 2, 2, 16, 24), cu=SHORT, h0=True, reverse=True),
     Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 40, 2, 2, 16, 32), chunk=32, h0=True),

@@ -95,6 +95,21 @@ def test_strong_gates_in_16_bits_stay_finite(case):
     assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in (o, final, *grads.values()))
 
 
+GROUPED = [c for c in CASES if c.algorithm == "chunked" and c.cu is None and not c.reverse and "gv" not in c.gates
+           and (c.dtype == "bfloat16" or c.op == "recurrent")]
+
+
+@pytest.mark.parametrize("case", GROUPED, ids=[c.id for c in GROUPED])
+def test_triton_state_walk_in_groups(case, monkeypatch):
+    """The forward's state walk in groups (host.STATE_GROUPS; groups of 3 and 2 of the 5 chunks here), against the
+    oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "STATE_GROUPS", True)
+    monkeypatch.setattr(host, "MIN_GROUP", 2)
+    check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
+
+
 PALLAS = [c for c in CASES if "gv" not in c.gates and (c.algorithm == "chunked" or (  # the fused forward: dense
     c.cu is None and c.dtype == "bfloat16" and not c.reverse))]
 

@@ -294,13 +294,69 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=None):
     c = {**_chunk_consts(k, cfg, consts), **blocks}
     grid = (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]))
     sds = jax.ShapeDtypeStruct
-    hs, ht = triton_call.launch(
+    hs, ht, _, _, _ = triton_call.launch(
         kernels.get("chunk_state"), grid, [k, v, *ins[:3], *_sums(sums, "rs", "ls"), ins[4], ins[5], first],
         [sds((per_row * grid_rows, cfg.heads, cfg.dk, cfg.dv), dtype),
-         sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32)],
-        USE_H0=h0 is not None, SUMS=sums is not None, **options,
+         sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32), sds((1,), F32), sds((1,), F32), sds((1,), F32)],
+        USE_H0=h0 is not None, SUMS=sums is not None, GROUP=0, NG=1, **options,
         **{n: x for n, x in c.items() if n not in ("SCALE",)})
     return hs, ht
+
+
+# The forward's state walk in groups (`chunk_state` GROUP > 0, dense layouts): the walk over a sequence's chunks is
+# latency-bound, ~1.6 us a chunk whatever its programs (H200, session 24), and has B x H x (K / 64) x (V / 64)
+# programs: 128 at B2 H16, one an SM, 256 steps at T 16k (~0.41 ms of simple_gla's 0.83 ms forward; fla 0.50). In
+# groups: every group's walk from the zero state in parallel (each chunk's state relative to its group's start, the
+# group's end state and log decay), the groups joined by a walk of NG steps (`chunk_state_groups`), chunk_output
+# adding e^{L(group start, chunk start]} ⊙ the group's start state to the relative one before its product. Groups of
+# at least MIN_GROUP chunks, as many as reach STATE_GROUP_PROGRAMS programs. Session 27: built, checked in the
+# interpreter and compiled for sm_90, NOT GPU-timed (`gpu_round.sh state-groups`): off.
+STATE_GROUPS = False
+STATE_GROUP_PROGRAMS = 1024
+MIN_GROUP = 4
+
+
+def state_group(cfg) -> tuple[int, int]:
+    """(chunks per group, groups per sequence) of the forward's grouped walk, or (0, 1): one walk a sequence (off, a
+    packed layout, or too few chunks to split)."""
+    if not STATE_GROUPS or cfg.varlen:
+        return 0, 1
+    blocks, _ = tiles("chunk_state", cfg.dk, cfg.dv)
+    n_t = packing.cdiv(cfg.seq_len, cfg.chunk)
+    programs = cfg.n_seqs * cfg.heads * packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"])
+    groups = min(packing.cdiv(STATE_GROUP_PROGRAMS, programs), n_t // MIN_GROUP)
+    if groups <= 1:
+        return 0, 1
+    group = packing.cdiv(n_t, groups)
+    return group, packing.cdiv(n_t, group)
+
+
+def chunk_states_grouped(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=None):
+    """`chunk_states` walked in groups (`state_group`; dense layouts): (HS [chunks, H, K, V] in ``dtype``, each
+    chunk's state relative to its group's start, final_state [N, H, K, V] float32, (GS [N NG, H, K, V] float32 the
+    groups' start states, DC [chunks, H, K | 1] each chunk's log decay from its group's start, GROUP, NG)) for
+    `chunk_output`."""
+    group, ng = state_group(cfg)
+    ins, consts = _common(k, k, v, gates, h0, ctx, cfg)
+    _, first, per_row, grid_rows = _layout(ctx, cfg)
+    blocks, options = tiles("chunk_state", cfg.dk, cfg.dv)
+    c = {**_chunk_consts(k, cfg, consts), **blocks}
+    grid = (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]), ng)
+    sds = jax.ShapeDtypeStruct
+    kd = cfg.dk if cfg.has("gk") else 1
+    state = (cfg.heads, cfg.dk, cfg.dv)
+    hs, _, ge, gd, dc = triton_call.launch(
+        kernels.get("chunk_state"), grid, [k, v, *ins[:3], *_sums(sums, "rs", "ls"), ins[4], ins[5], first],
+        [sds((per_row * grid_rows,) + state, dtype), sds((1,), F32), sds((cfg.n_seqs * ng,) + state, F32),
+         sds((cfg.n_seqs * ng, cfg.heads, kd), F32), sds((per_row * grid_rows, cfg.heads, kd), F32)],
+        USE_H0=h0 is not None, SUMS=sums is not None, GROUP=group, NG=ng, **options,
+        **{n: x for n, x in c.items() if n not in ("SCALE",)})
+    gs, ht = triton_call.launch(
+        kernels.get("chunk_state_groups"), grid[:2], [ins[4], ge, gd],
+        [sds((cfg.n_seqs * ng,) + state, F32), sds((cfg.n_seqs,) + state, F32)],
+        H=cfg.heads, K=cfg.dk, V=cfg.dv, BK=blocks["BK"], BV=blocks["BV"], USE_GK=cfg.has("gk"),
+        USE_H0=h0 is not None, NG=ng, **options)
+    return hs, ht, (gs, dc, group, ng)
 
 
 # Where chunk_intra's diagonal blocks (a sub-chunk with itself: BC steps of row sums over the head dim) are formed:
@@ -350,17 +406,20 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, su
     return a if with_a else None, da if grads else None
 
 
-def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None):
+def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None, groups=None):
     """o [B, T, H, V] in q's dtype from the states at the chunks' starts (and with gk the intra-chunk matrices A of
-    ``chunk_intra``; ``sums``: ``chunk_sums``' or None)."""
+    ``chunk_intra``; ``sums``: ``chunk_sums``' or None; ``groups``: `chunk_states_grouped`'s, whose HS are relative
+    to their group's start)."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_output", cfg.dk, cfg.dv)
     (o,) = triton_call.launch(
         kernels.get("chunk_output"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
-        [q, k, v, *ins[:3], *_sums(sums, "ps"), ins[5], chunks, hs, _dummy(q.dtype) if a is None else a],
+        [q, k, v, *ins[:3], *_sums(sums, "ps"), ins[5], chunks, hs, _dummy(q.dtype) if a is None else a,
+         *(groups[:2] if groups else (_dummy(), _dummy()))],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
-        zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg), **options,
+        zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
+        GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return o
 
@@ -409,6 +468,9 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     asked = settings.current().chunk_state_dtype
     sixteen = jnp.dtype(q.dtype).itemsize == 2
     stored = jnp.bfloat16 if asked == "bfloat16" or (asked == "auto" and sixteen) else F32
+    if state_group(cfg)[0]:
+        hs, ht, groups = chunk_states_grouped(kernels, k, v, gates, h0, ctx, cfg, stored, sums)
+        return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a, sums, groups), ht, res
     hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored, sums)
     return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a, sums), ht, res
 
