@@ -28,7 +28,7 @@
 #   intra-diag     chunk_intra's diagonal from its own launch and in pieces of 4 steps: GPU tests, gla's kernel
 #                  rows in each form (inline / kernel, steps / pieces), the diagonal kernel's settings
 #   grads-sums     chunk_grads_intra reading chunk_sums' prefix sums: GPU tests, gla's kernel rows both ways
-#   state-groups   the forward's state walk in groups: GPU tests, the kernel and op rows both ways (T 16k, 4k)
+#   state-groups   the state walks in groups: GPU tests, the kernel and op rows both ways (T 16k, 4k)
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane (REC_BENCH_ARGS)
 #   rec-light      the recurrent table's lightning rows alone
 #   rec-decode     the recurrent decode table
@@ -131,10 +131,10 @@ j_grads-sums() {  # chunk_grads_intra's exponents from chunk_sums' prefix sums (
   shards grads-sums-tests 200 3 -k "prefix_sums or strong_gates_in_16" tests/recurrent
   job grads-sums 200 python3 benchmarks/recurrent_kernels.py --ops gla --shapes 4x4096,2x16384 --rounds 2
 }
-j_state-groups() {  # the forward's state walk in groups (host.STATE_GROUPS, session 27, not yet GPU-run): its GPU
-  # tests, then the kernel rows ("chunk_state in N groups ...", "op fwd, the state walk in N groups") where it splits
+j_state-groups() {  # the state walks in groups (host.STATE_GROUPS, session 27, not yet GPU-run): its GPU tests, then
+  # the kernel rows ("chunk_state in N groups ...", "op fwd / fwd+bwd, the state walks in N groups") where it splits
   shards state-groups-tests 200 3 -k "walk_in_groups" tests/recurrent
-  job state-groups 200 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention,gla \
+  job state-groups 230 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention,gla \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
 j_rec-kernels() { job rec-kernels 200 python3 benchmarks/recurrent_kernels.py --ops gla,simple_gla ${REC_KERNELS_ARGS:-}; }

@@ -252,8 +252,9 @@ def stages(op_name, b, t, h, d):
             named = "scanned gates" if host.GRADS_INTRA_SUMS else "prefix sums"
             add(f"op fwd+bwd, chunk_grads_intra's {named}", grads_sums(fwd_bwd), q, k, v, g, do)
     if group:
-        named = "one walk a sequence" if host.STATE_GROUPS else f"the state walk in {ng} groups"
+        named = "one walk a sequence" if host.STATE_GROUPS else f"the state walks in {ng} groups"
         add(f"op fwd, {named}", flipped("STATE_GROUPS", fwd), q, k, v, g)
+        add(f"op fwd+bwd, {named}", flipped("STATE_GROUPS", fwd_bwd), q, k, v, g, do)
     return out, (q, k, v, do, g, fwd)
 
 

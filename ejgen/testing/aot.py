@@ -239,8 +239,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     backward's stored states and adjoints in bf16 too, as the host stores them then. ``intra_diagonal``: chunk_intra's
     diagonal blocks "inline" or read from `chunk_intra_diag`'s ("kernel"; default: host.CHUNK_INTRA_DIAGONAL), in
     pieces of 4 steps with ``intra_pieces`` (default: host.CHUNK_INTRA_PIECES); ``grads_sums``: chunk_grads_intra reads
-    `chunk_sums`' prefix sums (default: host.GRADS_INTRA_SUMS); ``state_groups``: the forward's state walk in groups of
-    that many chunks (chunk_state and chunk_output with GROUP, and `chunk_state_groups`; 0: one walk a sequence)."""
+    `chunk_sums`' prefix sums (default: host.GRADS_INTRA_SUMS); ``state_groups``: the state walks in groups of that many
+    chunks (the kernels with GROUP, and `chunk_state_groups`; 0: one walk a sequence)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -255,7 +255,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                     DQ="*fp32", DK="*fp32", DV="*fp32", DH0="*fp32", DLK="*fp32", DLV="*fp32", CK="*fp32",
                     SCR="*fp32", DLOG="*fp32", A=ptr, DA="*fp32", DQI="*fp32", DKI="*fp32", DLI="*fp32", PS="*fp32",
                     RS="*fp32", LS="*fp32", DIAG="*fp32", GE="*fp32", GD="*fp32", DC="*fp32",
-                    GS="*fp32")
+                    GS="*fp32", GA="*fp32", DCA="*fp32")
     bk = max(16, 1 << (dk - 1).bit_length())
     bvf = max(16, 1 << (dv - 1).bit_length())
     consts = dict(T=0 if varlen else 4096, H=heads, HKV=kv_heads, K=dk, V=dv, BK=bk, SCALE=dk ** -0.5,
@@ -267,7 +267,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   SP=tl.bfloat16 if products == "bfloat16" else tl.float32,
                   DIAG_IN=(intra_diagonal or host.CHUNK_INTRA_DIAGONAL) == "kernel",
                   PIECES=intra_pieces if intra_pieces is not None else host.CHUNK_INTRA_PIECES,
-                  GROUP=state_groups, NG=-(-4096 // chunk // state_groups) if state_groups else 1)
+                  GROUP=state_groups, NG=-(-4096 // chunk // state_groups) if state_groups else 1, BACKWARD=False)
     fused = min(host.FUSED_BV, bvf)
     compiled = {}
     for which in ("fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_state_groups", "chunk_intra",

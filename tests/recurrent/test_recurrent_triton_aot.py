@@ -73,8 +73,9 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "kernels": ["chunk_intra", "chunk_intra_diag"], "intra_diagonal": "kernel",  # both forms
                   "intra_pieces": pieces, "with_resources": True} for pieces in (False, True)]
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
-                  "kernels": ["chunk_state", "chunk_state_groups", "chunk_output"], "states": "bfloat16",
-                  "products": "bfloat16", "state_groups": 8,  # the forward's walk in groups (host.STATE_GROUPS)
+                  "kernels": ["chunk_state", "chunk_state_groups", "chunk_output", "chunk_state_bwd",
+                              "chunk_grads_qk", "chunk_grads_v"], "states": "bfloat16", "products": "bfloat16",
+                  "state_groups": 8,  # the walks in groups (host.STATE_GROUPS)
                   "with_resources": True} for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
     for request, compiled in zip(requests, compile_all_in_subprocess(requests, triton=gpu_host_triton())):
         assert "error" not in compiled, f"{request['name']} {request['gates']}: {compiled.get('error')}"

@@ -303,22 +303,24 @@ def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=None):
     return hs, ht
 
 
-# The forward's state walk in groups (`chunk_state` GROUP > 0, dense layouts): the walk over a sequence's chunks is
-# latency-bound, ~1.6 us a chunk whatever its programs (H200, session 24), and has B x H x (K / 64) x (V / 64)
-# programs: 128 at B2 H16, one an SM, 256 steps at T 16k (~0.41 ms of simple_gla's 0.83 ms forward; fla 0.50). In
-# groups: every group's walk from the zero state in parallel (each chunk's state relative to its group's start, the
-# group's end state and log decay), the groups joined by a walk of NG steps (`chunk_state_groups`), chunk_output
-# adding e^{L(group start, chunk start]} ⊙ the group's start state to the relative one before its product. Groups of
-# at least MIN_GROUP chunks, as many as reach STATE_GROUP_PROGRAMS programs. Session 27: built, checked in the
-# interpreter and compiled for sm_90, NOT GPU-timed (`gpu_round.sh state-groups`): off.
+# The state walks in groups (`chunk_state` / `chunk_state_bwd` GROUP > 0, dense layouts): a walk over a sequence's
+# chunks is latency-bound, ~1.6 us a chunk whatever its programs (H200, session 24), and has B x H x (K / 64) x
+# (V / 64) programs: 128 at B2 H16, one an SM, 256 steps at T 16k (~0.41 ms of simple_gla's 0.83 ms forward; fla
+# 0.50; the backward walks twice more). In groups: every group's walk from the zero state (the adjoints: from the zero
+# adjoint at the group's end) in parallel, each chunk's state relative to its group's reference, the group's end
+# state and log decay; the groups joined by a walk of NG steps (`chunk_state_groups`); the kernels that read the
+# states (chunk_output, chunk_grads_qk) and adjoints (chunk_grads_qk, chunk_grads_v) adding e^{L(...)} ⊙ their
+# group's, float32, before their products (`_grouped_state`). Groups of at least MIN_GROUP chunks, as many as reach
+# STATE_GROUP_PROGRAMS programs. Session 27: built, checked in the interpreter and compiled for sm_90, NOT GPU-timed
+# (`gpu_round.sh state-groups`): off.
 STATE_GROUPS = False
 STATE_GROUP_PROGRAMS = 1024
 MIN_GROUP = 4
 
 
 def state_group(cfg) -> tuple[int, int]:
-    """(chunks per group, groups per sequence) of the forward's grouped walk, or (0, 1): one walk a sequence (off, a
-    packed layout, or too few chunks to split)."""
+    """(chunks per group, groups per sequence) of the grouped walks, or (0, 1): one walk a sequence (off, a packed
+    layout, or too few chunks to split)."""
     if not STATE_GROUPS or cfg.varlen:
         return 0, 1
     blocks, _ = tiles("chunk_state", cfg.dk, cfg.dv)
@@ -355,7 +357,7 @@ def chunk_states_grouped(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=Non
         kernels.get("chunk_state_groups"), grid[:2], [ins[4], ge, gd],
         [sds((cfg.n_seqs * ng,) + state, F32), sds((cfg.n_seqs,) + state, F32)],
         H=cfg.heads, K=cfg.dk, V=cfg.dv, BK=blocks["BK"], BV=blocks["BV"], USE_GK=cfg.has("gk"),
-        USE_H0=h0 is not None, NG=ng, **options)
+        USE_H0=h0 is not None, NG=ng, BACKWARD=False, **options)
     return hs, ht, (gs, dc, group, ng)
 
 
@@ -478,6 +480,30 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
 def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums=None, dtype=F32):
     """(DHS [chunks, H, K, V]: the adjoint of the state at each chunk's end, in ``dtype`` (carried in float32, rounded
     where it is stored), d initial_state [N, H, K, V] float32) (do in q's dtype; ``sums``: ``chunk_sums``' or None)."""
+    return _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, 0, 1)[:2]
+
+
+def chunk_state_grads_grouped(kernels, q, gates, ctx, cfg, do, dht, sums=None, dtype=F32):
+    """`chunk_state_grads` walked in groups (`state_group`; dense layouts): (DHS in ``dtype``, each chunk's end adjoint
+    relative to its group's end, d initial_state, (GA [N NG, H, K, V] float32 the adjoints at the groups' ends, DCA
+    [chunks, H, K | 1] each chunk's log decay from its end to its group's, GROUP, NG)) for `chunk_grads_qk` and
+    `chunk_grads_v`."""
+    group, ng = state_group(cfg)
+    dhs, _, ge, gd, dca = _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, group, ng)
+    blocks, options = tiles("chunk_state_bwd", cfg.dk, cfg.dv)
+    state = (cfg.heads, cfg.dk, cfg.dv)
+    ga, dh0 = triton_call.launch(
+        kernels.get("chunk_state_groups"),
+        (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"])),
+        [dht, ge, gd], [jax.ShapeDtypeStruct((cfg.n_seqs * ng,) + state, F32),
+                        jax.ShapeDtypeStruct((cfg.n_seqs,) + state, F32)],
+        H=cfg.heads, K=cfg.dk, V=cfg.dv, BK=blocks["BK"], BV=blocks["BV"], USE_GK=cfg.has("gk"), USE_H0=True, NG=ng,
+        BACKWARD=True, **options)
+    return dhs, dh0, (ga, dca, group, ng)
+
+
+def _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, group, ng):
+    """`chunk_state_bwd`'s launch: (DHS, DH0, GE, GD, DC), the last three dummies without groups (``group`` 0)."""
     ins, consts = _common(q, q, q, gates, None, ctx, cfg)
     _, first, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_state_bwd", cfg.dk, cfg.dv)
@@ -485,11 +511,14 @@ def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums=None, dtype=F32
     grid = (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]))
     sds = jax.ShapeDtypeStruct
     state = (cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv)
-    dhs, dh0 = triton_call.launch(
-        kernels.get("chunk_state_bwd"), grid, [q, *ins[:3], *_sums(sums, "ps", "ls"), ins[5], first, do, dht],
-        [sds((per_row * grid_rows,) + state[1:], dtype), sds(state, F32)], SUMS=sums is not None, **options,
-        **{n: x for n, x in c.items() if n != "HKV"})
-    return dhs, dh0
+    kd = cfg.dk if cfg.has("gk") else 1
+    grouped = [sds((cfg.n_seqs * ng,) + state[1:], F32), sds((cfg.n_seqs * ng, cfg.heads, kd), F32),
+               sds((per_row * grid_rows, cfg.heads, kd), F32)] if group else [sds((1,), F32)] * 3
+    return triton_call.launch(
+        kernels.get("chunk_state_bwd"), grid + ((ng,) if group else ()),
+        [q, *ins[:3], *_sums(sums, "ps", "ls"), ins[5], first, do, dht],
+        [sds((per_row * grid_rows,) + state[1:], dtype), sds(state if not group else (1,), F32), *grouped],
+        SUMS=sums is not None, GROUP=group, NG=ng, **options, **{n: x for n, x in c.items() if n != "HKV"})
 
 
 def _direct(kernels, cfg) -> bool:
@@ -522,11 +551,12 @@ def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da, sums=None):
         **options, **{**_chunk_consts(q, cfg, consts), **blocks}))
 
 
-def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, sums=None):
+def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, sums=None, groups=None):
     """(dq, dk of the mapped q and k per query head, float32, or q's dtype where ``_direct``; the key side's log decay
     gradient, DLOG [B, T, H, K] with gk, else a part per block of K [NK, B, T, H, 1], or None) of every chunk from its
     start state and end adjoint, by blocks of K; with gk ``intra`` is ``chunk_grads_intra``'s (``sums``:
-    ``chunk_sums``' or None)."""
+    ``chunk_sums``' or None; ``groups``: (`chunk_states_grouped`'s, `chunk_state_grads_grouped`'s) where HS and DHS are
+    relative to their groups)."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_qk", cfg.dk, cfg.dv)
@@ -539,25 +569,29 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
     intra = intra if intra is not None else (_dummy(),) * 3
     dq, dk, dlog = triton_call.launch(
         kernels.get("chunk_grads_qk"), (per_row, nk, grid_rows * cfg.heads),
-        [q, k, v, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[5], chunks, hs, dhs, do, *intra],
+        [q, k, v, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[5], chunks, hs, dhs,
+         *(groups[0][:2] + groups[1][:2] if groups else [_dummy()] * 4), do, *intra],
         [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if gated else (1,), F32)],
         zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
-        SUMS=sums is not None, SP=_products(cfg), **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+        SUMS=sums is not None, SP=_products(cfg), GROUP=groups[0][2] if groups else 0,
+        NG=groups[0][3] if groups else 1, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
     return dq, dk, dlog if gated else None
 
 
-def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None, sums=None):
+def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None, sums=None, groups=None):
     """dv [B, T, H, V] per query head (float32, or the inputs' dtype where ``_direct``) of every chunk from its end
     adjoint, by blocks of V (with gk from the intra-chunk matrices A of ``chunk_intra``; ``sums``: ``chunk_sums``' or
-    None)."""
+    None; ``groups``: `chunk_state_grads_grouped`'s, where DHS is relative to its groups)."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_v", cfg.dk, cfg.dv)
     (dv,) = triton_call.launch(
         kernels.get("chunk_grads_v"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
-        [q, k, *ins[:3], *_sums(sums, "rs"), ins[5], chunks, dhs, _dummy(q.dtype) if a is None else a, do],
+        [q, k, *ins[:3], *_sums(sums, "rs"), ins[5], chunks, dhs, _dummy(q.dtype) if a is None else a,
+         *(groups[:2] if groups else (_dummy(), _dummy())), do],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype if _direct(kernels, cfg) else F32)],
-        zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg), **options,
+        zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
+        GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return dv
 
@@ -575,15 +609,21 @@ def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg, res=None):
     if sums is None:  # formed again with gk: two [B, T, H, K] float32 arrays not kept
         sums = chunk_sums(kernels, q, gates, ctx, cfg)
     stored = backward_states_dtype(cfg)
-    hs, _ = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored, sums=sums)
     do = do.astype(q.dtype)
-    dhs, dh0 = chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, stored)
+    fwd_groups = bwd_groups = None
+    if state_group(cfg)[0]:  # both walks in groups, joined where the states and adjoints are read
+        hs, _, fwd_groups = chunk_states_grouped(kernels, k, v, gates, h0, ctx, cfg, stored, sums=sums)
+        dhs, dh0, bwd_groups = chunk_state_grads_grouped(kernels, q, gates, ctx, cfg, do, dht, sums, stored)
+    else:
+        hs, _ = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored, sums=sums)
+        dhs, dh0 = chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, stored)
     a = intra = None
     if cfg.has("gk"):
         kept = (res or {}).get("a")
         a, da = chunk_intra(kernels, q, k, gates, ctx, cfg, v, do, with_a=kept is None, sums=sums)
         a = kept if kept is not None else a
         intra = chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da, sums)
-    dq, dk, dlog = chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra, sums)
-    dv = chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a, sums)
+    dq, dk, dlog = chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra, sums,
+                                  (fwd_groups, bwd_groups) if fwd_groups else None)
+    dv = chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a, sums, bwd_groups)
     return dq, dk, dv, dh0, None if dlog is None else key_log_grad(dlog, cfg), None
