@@ -771,11 +771,13 @@ def linear_attention_chunk_state_kernel(
 def linear_attention_chunk_state_groups_kernel(
     H0, GE, GD, GS, HT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_GK: tl.constexpr,
-    USE_H0: tl.constexpr, NG: tl.constexpr,
+    USE_H0: tl.constexpr, NG: tl.constexpr, BACKWARD: tl.constexpr,
 ):
     """`chunk_state`'s groups (GROUP > 0) joined: GS[n NG + g] = the state at the start of group g of sequence n
     (float32), HT = the state after its last group: S_{g+1} = diag(e^{L_G}) S_g + E_g (GE, GD), S_0 = the initial
-    state. A program per (block of BK rows x block of BV columns, sequence x head), NG steps."""
+    state. A program per (block of BK rows x block of BV columns, sequence x head), NG steps. BACKWARD:
+    `chunk_state_bwd`'s groups, last to first: GS[n NG + g] = the adjoint at the end of group g, from H0 = d
+    final_state at the last one's, HT = the adjoint at the sequence's start (d initial_state)."""
     i_k, i_v = _blocks(V, BV)
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -787,7 +789,8 @@ def linear_attention_chunk_state_groups_kernel(
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_h += tl.load(H0 + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
-    for i_g in range(0, NG):
+    for j in range(0, NG):
+        i_g = NG - 1 - j if BACKWARD else j
         at = ((i_n * NG + i_g) * H + i_h).to(tl.int64)
         tl.store(GS + at * K * V + p_h, b_h, mask=m_h)
         if USE_GK:
@@ -1015,6 +1018,22 @@ def _intra_scalar_t(b_at, b_l, b_p, o_c, GATED: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _grouped_state(b_s, GS, DC, i_cg, i_n, i_t, i_h, o_k, m_k, o_v, m_v, H: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, USE_GK: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr):
+    """A chunk's state or adjoint tile [BK, BV] (rows o_k, columns o_v) from the walk in groups (host.STATE_GROUPS):
+    its tile relative to its group's reference (b_s, as stored) plus diag(e^{DC}) times the group's (GS [B NG, H,
+    K, V], float32; DC [chunks, H, K | 1] the log decay between the two), in float32. Dense layouts: sequence i_n,
+    chunk i_t of it (chunk i_cg of the layout)."""
+    if USE_GK:
+        b_dc = tl.load(DC + (i_cg * H + i_h).to(tl.int64) * K + o_k, mask=m_k, other=0.0)
+    else:
+        b_dc = tl.load(DC + (i_cg * H + i_h).to(tl.int64) + tl.zeros([1], dtype=tl.int64))
+    at = ((i_n * NG + i_t // GROUP) * H + i_h).to(tl.int64)
+    b_g = tl.load(GS + at * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+    return b_s.to(tl.float32) + tl.exp(b_dc)[:, None] * b_g
+
+
+@triton.jit
 def linear_attention_chunk_output_kernel(
     Q, K_, V_, G, GAMMA, GK, PS, CU, CHUNKS, HS, A, GS, DC, O,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -1041,8 +1060,6 @@ def linear_attention_chunk_output_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     p_h = HS + (i_cg * H + i_h).to(tl.int64) * K * V
-    if GROUP > 0:  # its group's start state (the dense layout: sequence i_n, chunk i_t)
-        p_g = GS + ((i_n * NG + i_t // GROUP) * H + i_h).to(tl.int64) * K * V
     b_o = tl.zeros([C, BV], dtype=tl.float32)
     b_a = tl.zeros([C, C], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
@@ -1058,12 +1075,7 @@ def linear_attention_chunk_output_kernel(
             b_a += _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
         b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
         if GROUP > 0:
-            if USE_GK:
-                b_dc = tl.load(DC + (i_cg * H + i_h).to(tl.int64) * K + o_k, mask=m_k, other=0.0)
-            else:
-                b_dc = tl.load(DC + (i_cg * H + i_h).to(tl.int64) + tl.zeros([1], dtype=tl.int64))
-            b_s = b_s.to(tl.float32) + tl.exp(b_dc)[:, None] * tl.load(
-                p_g + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+            b_s = _grouped_state(b_s, GS, DC, i_cg, i_n, i_t, i_h, o_k, m_k, o_v, m_v, H, K, V, USE_GK, GROUP, NG)
         b_o += _dot_state(b_q, b_s, DT, SP)
     if USE_GK:
         b_a = _load_a(A, i_cg, i_h, o_c, H, C)
@@ -1140,14 +1152,18 @@ def linear_attention_chunk_fused_fwd_kernel(
 
 @triton.jit
 def linear_attention_chunk_state_bwd_kernel(
-    Q, G, GAMMA, GK, PS, LS, CU, FIRST, DO, DHT, DHS, DH0,
+    Q, G, GAMMA, GK, PS, LS, CU, FIRST, DO, DHT, DHS, DH0, GE, GD, DC,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
     VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr, SUMS: tl.constexpr,
+    GROUP: tl.constexpr, NG: tl.constexpr,
 ):
     """DHS[first + c] = dL/d(the state at the end of chunk c), from d final_state backwards:
     dS_start = diag(e^{L_C}) dS_end + sum_t (q_t e^{L(start, t]})ᵀ do_t; DH0 = dS at the sequence's start. Blocks as
-    the forward's; SUMS: the gates' sums read from `chunk_sums` (PS, LS)."""
+    the forward's; SUMS: the gates' sums read from `chunk_sums` (PS, LS). GROUP > 0: in groups as `chunk_state`'s
+    (program id 2), each from the zero adjoint at its group's end: DHS relative to it, GE the group's start adjoint so,
+    GD its log decay, DC each chunk's log decay from its end to its group's end, L(chunk end, group end]; no DH0
+    (`chunk_state_groups` BACKWARD joins them)."""
     i_k, i_v = _blocks(V, BV)
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -1161,13 +1177,28 @@ def linear_attention_chunk_state_bwd_kernel(
     m_k, m_v = o_k < K, o_v < V
     m_h = m_k[:, None] & m_v[None, :]
     p_h = o_k[:, None] * V + o_v[None, :]
-    b_dh = tl.load(DHT + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
-    n_t = tl.cdiv(eos - bos, C)
+    t0 = 0
+    t1 = tl.cdiv(eos - bos, C)
+    if GROUP > 0:
+        i_g = tl.program_id(2)
+        t0 = i_g * GROUP
+        t1 = tl.minimum(t0 + GROUP, t1)
+        b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    else:
+        b_dh = tl.load(DHT + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
+    if USE_GK:  # GROUP: L(chunk end, group end] per row, or one for every row (as `chunk_state`'s)
+        o_d, m_d, KD = o_k, m_k & (tl.zeros_like(o_k) == i_v), K
+    else:
+        o_d, KD = tl.zeros([1], dtype=tl.int32), 1
+        m_d = o_d == i_v
+    b_dc = tl.zeros(o_d.shape, dtype=tl.float32)
     if SUMS:
-        b_pre, b_decay = _walk_sums(PS, LS, bos, eos, first, n_t - 1, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
-    for back in range(0, n_t):
-        i_t = n_t - 1 - back
+        b_pre, b_decay = _walk_sums(PS, LS, bos, eos, first, t1 - 1, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
+    for back in range(0, t1 - t0):
+        i_t = t1 - 1 - back
         tl.store(DHS + ((first + i_t) * H + i_h) * K * V + p_h, b_dh, mask=m_h)
+        if GROUP > 0:
+            tl.store(DC + ((first + i_t) * H + i_h) * KD + o_d, b_dc, mask=m_d)
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
         b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP) * SCALE  # [C, BK]
         b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
@@ -1175,11 +1206,20 @@ def linear_attention_chunk_state_bwd_kernel(
             b_pre_n, b_decay_n = _walk_sums(PS, LS, bos, eos, first, i_t - 1, i_h, o_k, m_k, H, K, C, USE_GK,
                                             REVERSE)
             b_dh = _advance(b_dh, b_q, b_do, b_pre, tl.exp(b_decay)[:, None], DT)
+            if GROUP > 0:
+                b_dc += b_decay
             b_pre, b_decay = b_pre_n, b_decay_n
         else:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
             b_dh = _advance(b_dh, b_q, b_do, _cumsum(b_l, axis=0), _chunk_decay(b_l), DT)
-    tl.store(DH0 + i_nh.to(tl.int64) * K * V + p_h, b_dh, mask=m_h)
+            if GROUP > 0:
+                b_dc += tl.sum(b_l, axis=0)
+    if GROUP > 0:
+        at = (i_n * NG + i_g) * H + i_h
+        tl.store(GE + at.to(tl.int64) * K * V + p_h, b_dh, mask=m_h)
+        tl.store(GD + at.to(tl.int64) * KD + o_d, b_dc, mask=m_d)
+    else:
+        tl.store(DH0 + i_nh.to(tl.int64) * K * V + p_h, b_dh, mask=m_h)
 
 
 @triton.jit
@@ -1448,11 +1488,12 @@ def linear_attention_chunk_grads_intra_kernel(
 
 @triton.jit
 def linear_attention_chunk_grads_qk_kernel(
-    Q, K_, V_, G, GAMMA, GK, PS, RS, LS, CU, CHUNKS, HS, DHS, DO, DQI, DKI, DLI, DQ, DK, DLOG,
+    Q, K_, V_, G, GAMMA, GK, PS, RS, LS, CU, CHUNKS, HS, DHS, GS, DC, GA, DCA, DO, DQI, DKI, DLI, DQ, DK, DLOG,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr, ROWS: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr,
+    DT: tl.constexpr, ROWS: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr,
+    NG: tl.constexpr,
 ):
     """dq and dk (of the mapped q and k, per query head; float32, or q's dtype where the host needs no sums) of a
     chunk's C steps in BK channels, a program per (chunk, block of K), V in blocks of BV, in products of the whole
@@ -1463,7 +1504,9 @@ def linear_attention_chunk_grads_qk_kernel(
     channels [NK, ROWS, H, 1]): the key side's log decay gradient of each step s, the sum over the pairs r < s <= t
     (docs/DESIGN.md §3 linear recurrent, "Gates' gradients"): from S to t >= s (q_t ⊙ its dq from S, a reverse
     cumsum), from r < s to S̄ (k_r ⊙ its dk from S̄, `_cumsum_before`), from S to S̄ (e^{L_C} S ⊙ S̄ summed over V),
-    and inside the chunk (with a scalar gate the sum over r < s of the sum over t >= s of (q_t · k_r) W_tr)."""
+    and inside the chunk (with a scalar gate the sum over r < s of the sum over t >= s of (q_t · k_r) W_tr).
+    GROUP > 0 (the walks in groups): HS and DHS relative to their groups, joined here (`_grouped_state`: GS, DC the
+    states', GA, DCA the adjoints')."""
     i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -1488,6 +1531,9 @@ def linear_attention_chunk_grads_qk_kernel(
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)
         b_h = tl.load(HS + p_h + o_v[None, :], mask=m_h, other=0.0).to(tl.float32)  # [BK, BV] (bf16 or float32)
         b_dh = tl.load(DHS + p_h + o_v[None, :], mask=m_h, other=0.0).to(tl.float32)
+        if GROUP > 0:
+            b_h = _grouped_state(b_h, GS, DC, i_cg, i_n, i_t, i_h, o_k, m_k, o_v, m_v, H, K, V, USE_GK, GROUP, NG)
+            b_dh = _grouped_state(b_dh, GA, DCA, i_cg, i_n, i_t, i_h, o_k, m_k, o_v, m_v, H, K, V, USE_GK, GROUP, NG)
         b_dq += _dot_state(b_do, tl.trans(b_h), DT, SP)
         b_dk += _dot_state(b_v, tl.trans(b_dh), DT, SP)
         if GATED:
@@ -1539,18 +1585,18 @@ def linear_attention_chunk_grads_qk_kernel(
 
 @triton.jit
 def linear_attention_chunk_grads_v_kernel(
-    Q, K_, G, GAMMA, GK, RS, CU, CHUNKS, DHS, A, DO, DV,
+    Q, K_, G, GAMMA, GK, RS, CU, CHUNKS, DHS, A, GA, DCA, DO, DV,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
-    DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr,
+    DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
 ):
     """dv (per query head; float32, or v's dtype where the host needs no sums) of a chunk's C steps in BV columns, a
     program per (chunk, block of V), the output kernel's transpose in products of the whole chunk:
         dv = (k ⊙ e^{R}) S̄ + Aᵀ do      (S̄: the adjoint of the state at the chunk's end, DHS; R_j = L(j, end])
     A as the output kernel's: with gk read from A (`chunk_intra`) as Aᵀ, with a scalar gate (or none) formed here as
     Aᵀ = k qᵀ (`_intra_scalar_t`), e^{R} scaling the rows of k S̄. K in blocks of BK. SUMS: R read from `chunk_sums`
-    (RS)."""
+    (RS). GROUP > 0: DHS relative to its group's end, joined here (`_grouped_state`: GA, DCA)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -1579,6 +1625,8 @@ def linear_attention_chunk_grads_v_kernel(
             b_at += _dot(b_k, tl.trans(b_q), DT)
         b_dh = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
                        other=0.0).to(tl.float32)
+        if GROUP > 0:
+            b_dh = _grouped_state(b_dh, GA, DCA, i_cg, i_n, i_t, i_h, o_k, m_k, o_v, m_v, H, K, V, USE_GK, GROUP, NG)
         b_dv += _dot_state(b_k, b_dh, DT, SP)
     if USE_GK:
         b_at = _load_a(A, i_cg, i_h, o_c, H, C, True)
