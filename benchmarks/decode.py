@@ -310,7 +310,10 @@ def short_error(e: BaseException) -> str:
 
 
 def stream_bandwidth(gib: float, reps: int, batch: int) -> dict:
-    """GB/s of a jitted bf16 copy (x + 1: read + write) and of a jitted sum (read) over a `gib` GiB array."""
+    """GB/s of a jitted bf16 copy (x + 1: read + write) and of a jitted sum (read) over a `gib` GiB array. At most 8
+    calls a sample: each copy keeps its `gib` GiB output until the sample ends (64 of 2 GiB ran an H200 out of memory,
+    session 27), and a call of ~1 ms needs no longer samples to hide the host."""
+    batch = min(batch, 8)
     n = int(gib * 2 ** 30) // 2
     x = jax.random.normal(jax.random.PRNGKey(7), (n,), jnp.bfloat16)
     copy = jax.jit(lambda x: x + jnp.bfloat16(1)).lower(x).compile()
