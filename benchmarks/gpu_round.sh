@@ -407,11 +407,13 @@ declare -A PRESETS=(
   # suite in thirds after the position terms and the staged backward (issue 15's last condition: s26a, then s26b with
   # chunk_intra's diagonal forms, issue 17); the one-predicate mask's tests and A/B (s26c); decode's page reads and
   # table (issue 16: paged B8 S8k fell to 0.90-0.94 of contiguous in session 26: s26d)
-  # session 27's: chunk_grads_intra from the prefix sums (issue 17) and the decode table at 32 calls (issue 16: paged
-  # B8 S8k was 0.96 / 0.99 of contiguous at 128 calls in decode_tune, 0.94 / 0.90 in session 26's table); the
-  # one-predicate mask still undecided (s26c)
+  # session 27's, in this order: the state walks in groups (issue 17's T16k gap, s27b), chunk_grads_intra from the
+  # prefix sums and the decode table at 32 calls (issue 16: paged B8 S8k was 0.96 / 0.99 of contiguous at 128 calls
+  # in decode_tune, 0.94 / 0.90 in session 26's table; s27a); then the recurrent table with what won (s27c: flip the
+  # defaults first); the one-predicate mask still undecided (s26c)
   [s27a]="0:grads-sums,decode-steady"
-  [s27b]="0:state-groups,select-once"
+  [s27b]="0:state-groups"
+  [s27c]="0:fla,rec-bench"
   [s26a]="0:zoo-tests-p0,zoo-tests-p1"
   [s26b]="0:zoo-tests-p2,intra-diag"
   [s26c]="0:select-once,select-once-ab"
