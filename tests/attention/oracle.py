@@ -8,7 +8,9 @@ exact result for its bf16 values. Results are numpy float64 arrays.
 
 Hooks stand in for a spec's DSL (docs/DESIGN.md §2): ``score(s, ix, params, options) -> s`` and
 ``mask(ix, options) -> bool``, evaluated on the full matrices; ``ix`` holds the index grids
-``b, h, q_idx, kv_idx`` (broadcastable to ``[B, Hq, Sq, Sk]``) and the ints ``q_len, kv_len``.
+``b, h, q_idx, kv_idx`` (broadcastable to ``[B, Hq, Sq, Sk]``) and the ints ``q_len, kv_len``. What is visible
+(the mask hook included, on numpy grids) is evaluated before the jitted evaluation and passed to it, as are the
+scale, the soft cap, the bias (full) and the sinks (padded): one compilation serves every call of a shape.
 ``param_at`` reads a param with one index per dim, each clamped into its dim, as the DSL does.
 """
 
@@ -118,7 +120,7 @@ def visible(
     """Step 4 of §3: bool, broadcastable to ``[B, Hq, Sq, Sk]``."""
     i, j = ix.q_idx, ix.kv_idx
     diag = i + (ix.kv_len - ix.q_len)  # bottom-right aligned diagonal
-    vis = jnp.ones((1, 1, ix.q_len, ix.kv_len), bool)
+    vis = np.ones((1, 1, ix.q_len, ix.kv_len), bool)
     if causal:
         vis = vis & (j <= diag)
     if sliding_window is not None:
@@ -140,27 +142,41 @@ def visible(
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    """Everything about one oracle evaluation that is not an array; hashable, so that the jitted
-    evaluation below is compiled once per configuration and shape."""
+    """What about one oracle evaluation is compiled in; hashable, so that the jitted evaluation below is compiled
+    once per configuration and shape. Everything else is an input of the evaluation (`attention`): which entries are
+    visible (step 4 of §3, evaluated before it, on the host), the scale, the soft cap, a bias of the full score shape
+    and the sinks padded to a few slots; calls of one shape then share one compilation whatever their features."""
 
-    causal: bool
-    sliding_window: object
-    logits_soft_cap: float | None
     score: ScoreFn | None
-    mask: MaskFn | None
-    options: tuple  # (name, value) pairs
-    softmax_scale: float | None
+    options: tuple  # (name, value) pairs; () without a score hook (a mask hook is evaluated before the evaluation)
     params: tuple  # param names, in the order given
+
+
+SINK_SLOTS = 8
+"""The oracle's evaluation takes ``[Hq, n]`` sinks padded with -inf to a multiple of this many (none: all -inf);
+-inf sinks add exactly 0 to every denominator and take no gradient."""
+
+
+def _index(B, Hq, Sq, Sk, xp):
+    return Index(
+        b=xp.arange(B)[:, None, None, None],
+        h=xp.arange(Hq)[None, :, None, None],
+        q_idx=xp.arange(Sq)[None, None, :, None],
+        kv_idx=xp.arange(Sk)[None, None, None, :],
+        q_len=Sq,
+        kv_len=Sk,
+    )
 
 
 def _attention(diff: dict, arrays: dict, cfg: _Config):
     """Dense §3 on float64 inputs; returns ``(out [B,Sq,Hq,Dv], lse [B,Hq,Sq])``.
 
-    ``diff`` holds query, key, value and, when given, bias, softmax_aux and the params;
-    ``arrays`` the segment ids and the dense mask (or None).
+    ``diff`` holds query, key, value, softmax_aux (``[Hq, n]``, -inf slots: none), the params and, but for a
+    packed sequence, bias (``[B, Hq, Sq, Sk]``, zeros: none); ``arrays`` what is visible (``[B, Hq, Sq, Sk]``,
+    steps 4-5: causal, window, segment ids, the dense mask and a mask hook), the scale, the soft cap and whether
+    it applies.
     """
     q, k, v = diff["query"], diff["key"], diff["value"]
-    bias, softmax_aux = diff.get("bias"), diff.get("softmax_aux")
     params = {n: diff[n] for n in cfg.params}
     options = dict(cfg.options)
     B, Sq, Hq, D = q.shape
@@ -168,38 +184,22 @@ def _attention(diff: dict, arrays: dict, cfg: _Config):
     group = Hq // Hkv
     kh = jnp.repeat(k, group, axis=2)  # [B, Sk, Hq, D]: query head h reads kv head h // group
     vh = jnp.repeat(v, group, axis=2)  # [B, Sk, Hq, Dv]
-    scale = 1.0 / np.sqrt(D) if cfg.softmax_scale is None else cfg.softmax_scale
-    s = scale * jnp.einsum("bqhd,bkhd->bhqk", q, kh)  # [B, Hq, Sq, Sk]
-    if bias is not None:
-        s = s + bias
-    ix = Index(
-        b=jnp.arange(B)[:, None, None, None],
-        h=jnp.arange(Hq)[None, :, None, None],
-        q_idx=jnp.arange(Sq)[None, None, :, None],
-        kv_idx=jnp.arange(Sk)[None, None, None, :],
-        q_len=Sq,
-        kv_len=Sk,
-    )
+    s = arrays["scale"] * jnp.einsum("bqhd,bkhd->bhqk", q, kh)  # [B, Hq, Sq, Sk]
+    if "bias" in diff:
+        s = s + diff["bias"]
     if cfg.score is not None:
-        s = cfg.score(s, ix, params, options)
-    if cfg.logits_soft_cap is not None:
-        s = cfg.logits_soft_cap * jnp.tanh(s / cfg.logits_soft_cap)
-    vis = visible(
-        ix, causal=cfg.causal, sliding_window=cfg.sliding_window, mask=cfg.mask, options=options,
-        **arrays,
-    )
-    vis = jnp.broadcast_to(vis, s.shape)
+        s = cfg.score(s, _index(B, Hq, Sq, Sk, jnp), params, options)
+    cap = arrays["cap"]
+    s = jnp.where(arrays["capped"], cap * jnp.tanh(s / cap), s)
+    vis = arrays["visible"]
     m = jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1, initial=-jnp.inf)  # [B, Hq, Sq]
-    if softmax_aux is not None:
-        sinks = sinks_per_head(softmax_aux, Hq)[None, :, None, :]  # [1, Hq, 1, n]
-        m = jnp.maximum(m, jnp.max(sinks, axis=-1))
+    sinks = diff["softmax_aux"][None, :, None, :]  # [1, Hq, 1, n]
+    m = jnp.maximum(m, jnp.max(sinks, axis=-1))
     # The max only stabilises; it cancels exactly, so it carries no gradient.
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     # exp(-inf) = 0 with a zero derivative: masked entries take no value and pass no gradient.
     p = jnp.exp(jnp.where(vis, s - m[..., None], -jnp.inf))  # [B, Hq, Sq, Sk]
-    l = jnp.sum(p, axis=-1)
-    if softmax_aux is not None:
-        l = l + jnp.sum(jnp.exp(sinks - m[..., None]), axis=-1)
+    l = jnp.sum(p, axis=-1) + jnp.sum(jnp.exp(sinks - m[..., None]), axis=-1)
     has_mass = l > 0
     l_safe = jnp.where(has_mass, l, 1.0)
     out = jnp.einsum("bhqk,bkhd->bqhd", p / l_safe[..., None], vh)
@@ -208,22 +208,21 @@ def _attention(diff: dict, arrays: dict, cfg: _Config):
 
 
 def _varlen_attention(diff: dict, arrays: dict, cfg: tuple):
-    """Packed sequences, one dense evaluation each; ``cfg = (_Config, cu_q, cu_k, Tq, Hq, Dv)``."""
-    dense_cfg, cu_q, cu_k, Tq, Hq, Dv = cfg
-    aux = diff.get("softmax_aux")
+    """Packed sequences, one dense evaluation each; ``cfg = (_Config, cu_q, cu_k, Tq, Hq, Dv, whether sinks were
+    given)``, ``arrays`` the scale and soft cap and, per sequence, what is visible."""
+    dense_cfg, cu_q, cu_k, Tq, Hq, Dv, sinks = cfg
+    aux = diff["softmax_aux"]
     out = jnp.zeros((Tq, Hq, Dv))
     lse = jnp.full((Hq, Tq), -jnp.inf)
-    if aux is not None:  # tokens of no sequence still see the sinks
-        lse = lse.at[:].set(jax.nn.logsumexp(sinks_per_head(aux, Hq), axis=-1)[:, None])
+    if sinks:  # tokens of no sequence still see the sinks
+        lse = lse.at[:].set(jax.nn.logsumexp(aux, axis=-1)[:, None])
     for n in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
         if q1 == q0:
             continue
         one = {"query": diff["query"][None, q0:q1], "key": diff["key"][None, k0:k1],
-               "value": diff["value"][None, k0:k1]}
-        if aux is not None:
-            one["softmax_aux"] = aux
-        o, l = _attention(one, arrays, dense_cfg)
+               "value": diff["value"][None, k0:k1], "softmax_aux": aux}
+        o, l = _attention(one, {**arrays, "visible": arrays["visible"][n]}, dense_cfg)
         out = out.at[q0:q1].set(o[0])
         lse = lse.at[:, q0:q1].set(l[0])
     return out, lse
@@ -272,7 +271,7 @@ def _run(fn, diff: dict, arrays: dict, cfg, d_out, d_lse) -> Reference:
     with jax.enable_x64(True):
         args = (
             {n: _f64(x) for n, x in diff.items()},
-            {n: _exact(x) for n, x in arrays.items()},
+            jax.tree.map(_exact, arrays),
             _f64(d_out),
             _f64(d_lse),
         )
@@ -293,14 +292,45 @@ def _run(fn, diff: dict, arrays: dict, cfg, d_out, d_lse) -> Reference:
         return Reference(*_to_numpy((out, lse)), _to_numpy(grads), _to_numpy(stored))
 
 
-def _diff_inputs(query, key, value, bias, softmax_aux, params) -> dict:
-    diff = {"query": query, "key": key, "value": value}
-    if bias is not None:
-        diff["bias"] = bias
-    if softmax_aux is not None:
-        diff["softmax_aux"] = softmax_aux
-    diff.update(params or {})
-    return diff
+def _sinks(softmax_aux, num_heads: int):
+    """``softmax_aux`` (or None) as the evaluation's ``[Hq, n]`` padded with -inf to a multiple of `SINK_SLOTS`."""
+    with jax.enable_x64(True):  # sinks_per_head's jnp keeps float64
+        given = np.zeros((num_heads, 0)) if softmax_aux is None else np.asarray(sinks_per_head(
+            np.asarray(softmax_aux, np.float64), num_heads))
+    slots = max(1, -(-given.shape[1] // SINK_SLOTS)) * SINK_SLOTS
+    return np.concatenate([given, np.full((num_heads, slots - given.shape[1]), -np.inf)], axis=1)
+
+
+def _sinks_gradient(grad, softmax_aux, num_heads: int):
+    """The gradient of the padded ``[Hq, n]`` sinks as one of ``softmax_aux`` in its own form (`sinks_per_head`)."""
+    n = 1 if softmax_aux.ndim == 1 and softmax_aux.shape[0] == num_heads else softmax_aux.shape[-1]
+    grad = grad[:, :n]
+    if softmax_aux.ndim == 2:
+        return grad
+    return grad[:, 0] if softmax_aux.shape[0] == num_heads else grad.sum(axis=0)  # shared: summed over the heads
+
+
+def _bias_gradient(grad, shape):
+    """The gradient of the full ``[B, Hq, Sq, Sk]`` bias as one of a bias of ``shape`` broadcast to it."""
+    lead = grad.ndim - len(shape)
+    grad = grad.sum(axis=tuple(range(lead)))
+    return grad.sum(axis=tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1), keepdims=True)
+
+
+def _grads_as_given(grads: dict, given: dict, num_heads: int) -> dict:
+    """The evaluation's gradients (full bias, padded sinks) keyed and shaped like the call's arguments."""
+    grads = {n: g for n, g in grads.items() if n in given}
+    if "bias" in grads:
+        grads["bias"] = _bias_gradient(grads["bias"], np.shape(given["bias"]))
+    if "softmax_aux" in grads:
+        grads["softmax_aux"] = _sinks_gradient(grads["softmax_aux"], np.asarray(given["softmax_aux"]), num_heads)
+    return grads
+
+
+def _scalars(softmax_scale, head_dim: int, logits_soft_cap) -> dict:
+    scale = 1.0 / np.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    return {"scale": np.float64(scale), "cap": np.float64(1.0 if logits_soft_cap is None else logits_soft_cap),
+            "capped": np.bool_(logits_soft_cap is not None)}
 
 
 def _hashable_window(sliding_window):
@@ -323,18 +353,28 @@ def attention(
     padding, the mask is ``[B, Sq, Sk]`` or ``[B, 1|Hq, Sq, Sk]`` with True = visible.
     """
     _check_heads(query, key)
-    cfg = _Config(
-        causal=bool(causal), sliding_window=_hashable_window(sliding_window),
-        logits_soft_cap=logits_soft_cap, score=score, mask=mask,
-        options=tuple(sorted((options or {}).items())), softmax_scale=softmax_scale,
-        params=tuple(params or {}),
-    )
-    arrays = {
-        "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids,
-        "attention_mask": attention_mask,
-    }
-    diff = _diff_inputs(query, key, value, bias, softmax_aux, params)
-    return _run(_attention, diff, arrays, cfg, d_out, d_lse)
+    B, Sq, Hq, D = np.shape(query)
+    Sk = np.shape(key)[1]
+    cfg = _Config(score=score, options=tuple(sorted((options or {}).items())) if score is not None else (),
+                  params=tuple(params or {}))
+    with jax.enable_x64(True):  # a mask hook may compute with jnp (eagerly, here)
+        vis = visible(_index(B, Hq, Sq, Sk, np), causal=causal, sliding_window=sliding_window,
+                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, attention_mask=attention_mask,
+                      mask=mask, options=options)
+        vis = np.broadcast_to(np.asarray(vis), (B, Hq, Sq, Sk))
+    arrays = {"visible": vis, **_scalars(softmax_scale, D, logits_soft_cap)}
+    given = {"query": query, "key": key, "value": value, **({} if bias is None else {"bias": bias}),
+             **({} if softmax_aux is None else {"softmax_aux": softmax_aux}), **(params or {})}
+    diff = {"query": query, "key": key, "value": value,
+            "bias": np.zeros((B, Hq, Sq, Sk)) if bias is None else np.broadcast_to(
+                np.asarray(bias, np.float64), (B, Hq, Sq, Sk)),
+            "softmax_aux": _sinks(softmax_aux, Hq), **(params or {})}
+    if d_out is not None and d_lse is None:  # no cotangent for lse: zeros (the same compilation as with one)
+        d_lse = np.zeros((B, Hq, Sq))
+    ref = _run(_attention, diff, arrays, cfg, d_out, d_lse)
+    ref.grads = _grads_as_given(ref.grads, given, Hq)
+    ref.stored_out = _grads_as_given(ref.stored_out, given, Hq)
+    return ref
 
 
 def varlen_attention(
@@ -351,15 +391,23 @@ def varlen_attention(
     cu_k = tuple(int(x) for x in np.asarray(cu_seqlens_k))
     if len(cu_q) != len(cu_k):
         raise ValueError("cu_seqlens_q and cu_seqlens_k describe different numbers of sequences")
-    dense_cfg = _Config(
-        causal=bool(causal), sliding_window=_hashable_window(sliding_window),
-        logits_soft_cap=logits_soft_cap, score=None, mask=None, options=(),
-        softmax_scale=softmax_scale, params=(),
-    )
-    cfg = (dense_cfg, cu_q, cu_k, query.shape[0], query.shape[1], value.shape[-1])
-    arrays = {"q_segment_ids": None, "kv_segment_ids": None, "attention_mask": None}
-    diff = _diff_inputs(query, key, value, None, softmax_aux, None)
-    return _run(_varlen_attention, diff, arrays, cfg, d_out, d_lse)
+    Tq, Hq, D = np.shape(query)
+    dense_cfg = _Config(score=None, options=(), params=())
+    cfg = (dense_cfg, cu_q, cu_k, Tq, Hq, np.shape(value)[-1], softmax_aux is not None)
+    vis = tuple(np.broadcast_to(visible(_index(1, Hq, q1 - q0, k1 - k0, np), causal=causal,
+                                        sliding_window=sliding_window), (1, Hq, q1 - q0, k1 - k0))
+                for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]))
+    arrays = {"visible": vis, **_scalars(softmax_scale, D, logits_soft_cap)}
+    given = {"query": query, "key": key, "value": value}
+    if softmax_aux is not None:
+        given["softmax_aux"] = softmax_aux
+    diff = {"query": query, "key": key, "value": value, "softmax_aux": _sinks(softmax_aux, Hq)}
+    if d_out is not None and d_lse is None:
+        d_lse = np.zeros((Hq, Tq))
+    ref = _run(_varlen_attention, diff, arrays, cfg, d_out, d_lse)
+    ref.grads = _grads_as_given(ref.grads, given, Hq)
+    ref.stored_out = _grads_as_given(ref.stored_out, given, Hq)
+    return ref
 
 
 def _check_heads(query, key):
