@@ -43,8 +43,11 @@ def pairwise(factors: Mapping[str, Sequence], valid: Callable[[dict], bool] = la
     for name in names:
         if not factors[name]:
             raise ValueError(f"factor {name!r} has no levels")
-    pos = {n: i for i, n in enumerate(names)}
     uncovered = required_pairs(factors, valid)
+    partners = {(n, i): set() for n in names for i in range(len(factors[n]))}  # (factor, level) -> uncovered pairs'
+    for p, q in uncovered:  # other ends, so that a level's gain is one set intersection
+        partners[p].add(q)
+        partners[q].add(p)
     rng = random.Random(seed)
     rows = []
 
@@ -57,19 +60,22 @@ def pairwise(factors: Mapping[str, Sequence], valid: Callable[[dict], bool] = la
         for _ in range(candidates):
             (a, x), (b, y) = rng.choice(ordered)
             row = {a: x, b: y}
+            taken = {(a, x), (b, y)}  # the row's (factor, level) items
+            given = values(row)
             rest = [n for n in names if n not in row]
             rng.shuffle(rest)
             for name in rest:
                 scored = []
-                for level in range(len(factors[name])):
-                    if not valid(values({**row, name: level})):
+                for level, value in enumerate(factors[name]):
+                    if not valid({**given, name: value}):
                         continue
-                    gain = sum(_pair(pos, (name, level), (other, row[other])) in uncovered for other in row)
-                    scored.append((gain, rng.random(), level))
+                    scored.append((len(partners[(name, level)] & taken), rng.random(), level))
                 if not scored:
                     row = None
                     break
-                row[name] = max(scored)[2]
+                row[name] = level = max(scored)[2]
+                taken.add((name, level))
+                given[name] = factors[name][level]
             if row is None:
                 continue
             gain = len(pairs_of(row, names) & uncovered)
@@ -77,6 +83,9 @@ def pairwise(factors: Mapping[str, Sequence], valid: Callable[[dict], bool] = la
                 best, best_gain = row, gain
         if best is None:
             raise ValueError(f"no valid row covers any of {len(uncovered)} pairs, e.g. {ordered[0]}")
+        for p, q in pairs_of(best, names) & uncovered:
+            partners[p].discard(q)
+            partners[q].discard(p)
         uncovered -= pairs_of(best, names)
         rows.append({n: best[n] for n in names})
     return [values(r) for r in _without_redundant_rows(rows, names)]
@@ -112,10 +121,6 @@ def missing_pairs(rows: Sequence[Mapping], factors: Mapping[str, Sequence],
         f"{a}={label(factors[a][x])} with {b}={label(factors[b][y])}"
         for (a, x), (b, y) in sorted(required_pairs(factors, valid) - covered)
     ]
-
-
-def _pair(pos, p, q):
-    return (p, q) if pos[p[0]] < pos[q[0]] else (q, p)
 
 
 def _key(value):
