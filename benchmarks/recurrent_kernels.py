@@ -214,14 +214,15 @@ def stages(op_name, b, t, h, d):
                                                                                   sums=s),
                     q, k, v, gates, do, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
         grads_grid = (n_c * (cfg.chunk // host.SUB), -(-cfg.dk // blocks["chunk_grads_intra"]["BK"]), rows_h)
-        intra = add("chunk_grads_intra", lambda q, k, g, da, s: host.chunk_grads_intra(kernels, q, k, g, ctx, cfg, da,
-                                                                                      s),
-                    q, k, gates, da, sums, grid=grads_grid)
+
+        def grads_intra(q, k, g, da, s):
+            return host.chunk_grads_intra(kernels, q, k, g, ctx, cfg, da, s)
+
+        intra = add("chunk_grads_intra", grads_intra, q, k, gates, da, sums, grid=grads_grid)
         if sums is not None:
             named = "scanned gates" if host.GRADS_INTRA_SUMS else "prefix sums"
-            add(f"chunk_grads_intra, {named}", grads_sums(lambda q, k, g, da, s: host.chunk_grads_intra(
-                kernels, q, k, g, ctx, cfg, da, s)), q, k, gates, da, sums, grid=grads_grid,
-                which="chunk_grads_intra")
+            add(f"chunk_grads_intra, {named}", flipped("GRADS_INTRA_SUMS", grads_intra), q, k, gates, da, sums,
+                grid=grads_grid, which="chunk_grads_intra")
     dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do, intra, s: host.chunk_grads_qk(
         kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s), q, k, v, gates, hs, dhs, do, intra, sums,
         grid=(n_c, -(-cfg.dk // blocks["chunk_grads_qk"]["BK"]), rows_h))
@@ -250,7 +251,7 @@ def stages(op_name, b, t, h, d):
             add(f"op fwd, chunk_intra's diagonal {named}", diagonal(form, pieces, fwd), q, k, v, g)
         if sums is not None:
             named = "scanned gates" if host.GRADS_INTRA_SUMS else "prefix sums"
-            add(f"op fwd+bwd, chunk_grads_intra's {named}", grads_sums(fwd_bwd), q, k, v, g, do)
+            add(f"op fwd+bwd, chunk_grads_intra's {named}", flipped("GRADS_INTRA_SUMS", fwd_bwd), q, k, v, g, do)
     if group:
         named = "one walk a sequence" if host.STATE_GROUPS else f"the state walks in {ng} groups"
         add(f"op fwd, {named}", flipped("STATE_GROUPS", fwd), q, k, v, g)
@@ -292,10 +293,6 @@ def flipped(name, f):
             setattr(host, name, before)
     return traced
 
-
-def grads_sums(f):
-    """``f`` traced with chunk_grads_intra's other form (host.GRADS_INTRA_SUMS flipped)."""
-    return flipped("GRADS_INTRA_SUMS", f)
 
 
 def check(op_name, inputs):

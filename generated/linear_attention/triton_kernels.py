@@ -693,6 +693,37 @@ def linear_attention_chunk_sums_kernel(
 
 
 @triton.jit
+def _walk_group(bos, eos, o_k, m_k, i_v, C: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr,
+                GROUP: tl.constexpr):
+    """A state walk's chunks and, with GROUP > 0 (host.STATE_GROUPS), its group: (first chunk, end chunk, group
+    (program id 2; 0 without), and the offsets, mask and row length of the group's log decays (DC, GD [.., H, K | 1]:
+    per row of the state with gk, else one; stored by the programs of the first block of V))."""
+    t0 = 0
+    t1 = tl.cdiv(eos - bos, C)
+    i_g = 0
+    if GROUP > 0:
+        i_g = tl.program_id(2)
+        t0 = i_g * GROUP
+        t1 = tl.minimum(t0 + GROUP, t1)
+    if USE_GK:
+        o_d, m_d, KD = o_k, m_k & (tl.zeros_like(o_k) == i_v), K
+    else:
+        o_d, KD = tl.zeros([1], dtype=tl.int32), 1
+        m_d = o_d == i_v
+    return t0, t1, i_g, o_d, m_d, KD
+
+
+@triton.jit
+def _walk_group_end(GE, GD, b_h, b_dc, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H: tl.constexpr, K: tl.constexpr,
+                    V: tl.constexpr, KD, NG: tl.constexpr):
+    """A group's walk done (`_walk_group`): its end state or start adjoint b_h into GE [B NG, H, K, V] and its log
+    decay b_dc into GD [B NG, H, K | 1]."""
+    at = ((i_n * NG + i_g) * H + i_h).to(tl.int64)
+    tl.store(GE + at * K * V + p_h, b_h, mask=m_h)
+    tl.store(GD + at * KD + o_d, b_dc, mask=m_d)
+
+
+@triton.jit
 def linear_attention_chunk_state_kernel(
     K_, V_, G, GAMMA, GK, RS, LS, H0, CU, FIRST, HS, HT, GE, GD, DC,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -724,20 +755,10 @@ def linear_attention_chunk_state_kernel(
     m_h = m_k[:, None] & m_v[None, :]
     p_h = o_k[:, None] * V + o_v[None, :]
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    t0 = 0
-    t1 = tl.cdiv(eos - bos, C)
-    if GROUP > 0:
-        i_g = tl.program_id(2)
-        t0 = i_g * GROUP
-        t1 = tl.minimum(t0 + GROUP, t1)
-    elif USE_H0:
+    t0, t1, i_g, o_d, m_d, KD = _walk_group(bos, eos, o_k, m_k, i_v, C, K, USE_GK, GROUP)
+    if USE_H0 and GROUP == 0:
         b_h += tl.load(H0 + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
-    if USE_GK:  # GROUP: L(group start, chunk start] per row of the state, or one for every row
-        o_d, m_d, KD = o_k, m_k & (tl.zeros_like(o_k) == i_v), K  # (stored by the programs of the first block of V)
-    else:
-        o_d, KD = tl.zeros([1], dtype=tl.int32), 1
-        m_d = o_d == i_v
-    b_dc = tl.zeros(o_d.shape, dtype=tl.float32)
+    b_dc = tl.zeros(o_d.shape, dtype=tl.float32)  # GROUP: L(group start, chunk start]
     if SUMS:
         b_after, b_decay = _walk_sums(RS, LS, bos, eos, first, t0, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
     for i_t in range(t0, t1):
@@ -760,9 +781,7 @@ def linear_attention_chunk_state_kernel(
             if GROUP > 0:
                 b_dc += tl.sum(b_l, axis=0)
     if GROUP > 0:
-        at = (i_n * NG + i_g) * H + i_h
-        tl.store(GE + at.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
-        tl.store(GD + at.to(tl.int64) * KD + o_d, b_dc, mask=m_d)
+        _walk_group_end(GE, GD, b_h, b_dc, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H, K, V, KD, NG)
     else:
         tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
 
@@ -1177,21 +1196,12 @@ def linear_attention_chunk_state_bwd_kernel(
     m_k, m_v = o_k < K, o_v < V
     m_h = m_k[:, None] & m_v[None, :]
     p_h = o_k[:, None] * V + o_v[None, :]
-    t0 = 0
-    t1 = tl.cdiv(eos - bos, C)
+    t0, t1, i_g, o_d, m_d, KD = _walk_group(bos, eos, o_k, m_k, i_v, C, K, USE_GK, GROUP)
     if GROUP > 0:
-        i_g = tl.program_id(2)
-        t0 = i_g * GROUP
-        t1 = tl.minimum(t0 + GROUP, t1)
         b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     else:
         b_dh = tl.load(DHT + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
-    if USE_GK:  # GROUP: L(chunk end, group end] per row, or one for every row (as `chunk_state`'s)
-        o_d, m_d, KD = o_k, m_k & (tl.zeros_like(o_k) == i_v), K
-    else:
-        o_d, KD = tl.zeros([1], dtype=tl.int32), 1
-        m_d = o_d == i_v
-    b_dc = tl.zeros(o_d.shape, dtype=tl.float32)
+    b_dc = tl.zeros(o_d.shape, dtype=tl.float32)  # GROUP: L(chunk end, group end]
     if SUMS:
         b_pre, b_decay = _walk_sums(PS, LS, bos, eos, first, t1 - 1, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
     for back in range(0, t1 - t0):
@@ -1215,9 +1225,7 @@ def linear_attention_chunk_state_bwd_kernel(
             if GROUP > 0:
                 b_dc += tl.sum(b_l, axis=0)
     if GROUP > 0:
-        at = (i_n * NG + i_g) * H + i_h
-        tl.store(GE + at.to(tl.int64) * K * V + p_h, b_dh, mask=m_h)
-        tl.store(GD + at.to(tl.int64) * KD + o_d, b_dc, mask=m_d)
+        _walk_group_end(GE, GD, b_dh, b_dc, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H, K, V, KD, NG)
     else:
         tl.store(DH0 + i_nh.to(tl.int64) * K * V + p_h, b_dh, mask=m_h)
 

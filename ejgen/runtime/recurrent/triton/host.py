@@ -288,19 +288,50 @@ def _sums(sums, *which):
 def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=None):
     """(HS [chunks, H, K, V]: the state at each chunk's start, in ``dtype`` (the kernel carries it in float32 and
     rounds what it stores), final_state [N, H, K, V] float32); ``sums``: ``chunk_sums``' (or None)."""
+    return _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, 0, 1)[:2]
+
+
+def _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, group, ng):
+    """`chunk_state`'s launch: (HS, HT, GE, GD, DC), HT a dummy with groups (``group`` > 0), the last three without."""
     ins, consts = _common(k, k, v, gates, h0, ctx, cfg)
     _, first, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_state", cfg.dk, cfg.dv)
     c = {**_chunk_consts(k, cfg, consts), **blocks}
     grid = (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]))
-    sds = jax.ShapeDtypeStruct
-    hs, ht, _, _, _ = triton_call.launch(
-        kernels.get("chunk_state"), grid, [k, v, *ins[:3], *_sums(sums, "rs", "ls"), ins[4], ins[5], first],
-        [sds((per_row * grid_rows, cfg.heads, cfg.dk, cfg.dv), dtype),
-         sds((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), F32), sds((1,), F32), sds((1,), F32), sds((1,), F32)],
-        USE_H0=h0 is not None, SUMS=sums is not None, GROUP=0, NG=1, **options,
+    return triton_call.launch(
+        kernels.get("chunk_state"), grid + ((ng,) if group else ()),
+        [k, v, *ins[:3], *_sums(sums, "rs", "ls"), ins[4], ins[5], first],
+        [jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads, cfg.dk, cfg.dv), dtype),
+         *_group_outputs(cfg, group, ng, per_row * grid_rows)],
+        USE_H0=h0 is not None, SUMS=sums is not None, GROUP=group, NG=ng, **options,
         **{n: x for n, x in c.items() if n not in ("SCALE",)})
-    return hs, ht
+
+
+def _group_outputs(cfg, group, ng, chunks):
+    """The state walks' outputs after their stored states: the final state / d initial_state (a dummy with groups),
+    then with groups GE [N NG, H, K, V], GD [N NG, H, K | 1], DC [chunks, H, K | 1] (float32), else three dummies."""
+    sds = jax.ShapeDtypeStruct
+    state = (cfg.heads, cfg.dk, cfg.dv)
+    if not group:
+        return [sds((cfg.n_seqs,) + state, F32)] + [sds((1,), F32)] * 3
+    kd = cfg.dk if cfg.has("gk") else 1
+    return [sds((1,), F32), sds((cfg.n_seqs * ng,) + state, F32), sds((cfg.n_seqs * ng, cfg.heads, kd), F32),
+            sds((chunks, cfg.heads, kd), F32)]
+
+
+def _join_groups(kernels, which, start, ge, gd, cfg, ng, backward):
+    """`chunk_state_groups` over the groups of walk ``which`` ("chunk_state" / "chunk_state_bwd": its blocks):
+    (the groups' start states, or with ``backward`` their end adjoints, [N NG, H, K, V]; the final state, or
+    d initial_state) from ``start`` (h0 or None; d final_state)."""
+    blocks, options = tiles(which, cfg.dk, cfg.dv)
+    state = (cfg.heads, cfg.dk, cfg.dv)
+    return triton_call.launch(
+        kernels.get("chunk_state_groups"),
+        (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"])),
+        [_dummy() if start is None else start, ge, gd],
+        [jax.ShapeDtypeStruct((cfg.n_seqs * ng,) + state, F32), jax.ShapeDtypeStruct((cfg.n_seqs,) + state, F32)],
+        H=cfg.heads, K=cfg.dk, V=cfg.dv, BK=blocks["BK"], BV=blocks["BV"], USE_GK=cfg.has("gk"),
+        USE_H0=start is not None, NG=ng, BACKWARD=backward, **options)
 
 
 # The state walks in groups (`chunk_state` / `chunk_state_bwd` GROUP > 0, dense layouts): a walk over a sequence's
@@ -339,25 +370,8 @@ def chunk_states_grouped(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=Non
     groups' start states, DC [chunks, H, K | 1] each chunk's log decay from its group's start, GROUP, NG)) for
     `chunk_output`."""
     group, ng = state_group(cfg)
-    ins, consts = _common(k, k, v, gates, h0, ctx, cfg)
-    _, first, per_row, grid_rows = _layout(ctx, cfg)
-    blocks, options = tiles("chunk_state", cfg.dk, cfg.dv)
-    c = {**_chunk_consts(k, cfg, consts), **blocks}
-    grid = (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]), ng)
-    sds = jax.ShapeDtypeStruct
-    kd = cfg.dk if cfg.has("gk") else 1
-    state = (cfg.heads, cfg.dk, cfg.dv)
-    hs, _, ge, gd, dc = triton_call.launch(
-        kernels.get("chunk_state"), grid, [k, v, *ins[:3], *_sums(sums, "rs", "ls"), ins[4], ins[5], first],
-        [sds((per_row * grid_rows,) + state, dtype), sds((1,), F32), sds((cfg.n_seqs * ng,) + state, F32),
-         sds((cfg.n_seqs * ng, cfg.heads, kd), F32), sds((per_row * grid_rows, cfg.heads, kd), F32)],
-        USE_H0=h0 is not None, SUMS=sums is not None, GROUP=group, NG=ng, **options,
-        **{n: x for n, x in c.items() if n not in ("SCALE",)})
-    gs, ht = triton_call.launch(
-        kernels.get("chunk_state_groups"), grid[:2], [ins[4], ge, gd],
-        [sds((cfg.n_seqs * ng,) + state, F32), sds((cfg.n_seqs,) + state, F32)],
-        H=cfg.heads, K=cfg.dk, V=cfg.dv, BK=blocks["BK"], BV=blocks["BV"], USE_GK=cfg.has("gk"),
-        USE_H0=h0 is not None, NG=ng, BACKWARD=False, **options)
+    hs, _, ge, gd, dc = _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, group, ng)
+    gs, ht = _join_groups(kernels, "chunk_state", h0, ge, gd, cfg, ng, False)
     return hs, ht, (gs, dc, group, ng)
 
 
@@ -490,34 +504,23 @@ def chunk_state_grads_grouped(kernels, q, gates, ctx, cfg, do, dht, sums=None, d
     `chunk_grads_v`."""
     group, ng = state_group(cfg)
     dhs, _, ge, gd, dca = _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, group, ng)
-    blocks, options = tiles("chunk_state_bwd", cfg.dk, cfg.dv)
-    state = (cfg.heads, cfg.dk, cfg.dv)
-    ga, dh0 = triton_call.launch(
-        kernels.get("chunk_state_groups"),
-        (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"])),
-        [dht, ge, gd], [jax.ShapeDtypeStruct((cfg.n_seqs * ng,) + state, F32),
-                        jax.ShapeDtypeStruct((cfg.n_seqs,) + state, F32)],
-        H=cfg.heads, K=cfg.dk, V=cfg.dv, BK=blocks["BK"], BV=blocks["BV"], USE_GK=cfg.has("gk"), USE_H0=True, NG=ng,
-        BACKWARD=True, **options)
+    ga, dh0 = _join_groups(kernels, "chunk_state_bwd", dht, ge, gd, cfg, ng, True)
     return dhs, dh0, (ga, dca, group, ng)
 
 
 def _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, group, ng):
-    """`chunk_state_bwd`'s launch: (DHS, DH0, GE, GD, DC), the last three dummies without groups (``group`` 0)."""
+    """`chunk_state_bwd`'s launch: (DHS, DH0, GE, GD, DC), DH0 a dummy with groups (``group`` > 0), the last three
+    without."""
     ins, consts = _common(q, q, q, gates, None, ctx, cfg)
     _, first, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_state_bwd", cfg.dk, cfg.dv)
     c = {**_chunk_consts(q, cfg, consts), **blocks}
     grid = (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]))
-    sds = jax.ShapeDtypeStruct
-    state = (cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv)
-    kd = cfg.dk if cfg.has("gk") else 1
-    grouped = [sds((cfg.n_seqs * ng,) + state[1:], F32), sds((cfg.n_seqs * ng, cfg.heads, kd), F32),
-               sds((per_row * grid_rows, cfg.heads, kd), F32)] if group else [sds((1,), F32)] * 3
     return triton_call.launch(
         kernels.get("chunk_state_bwd"), grid + ((ng,) if group else ()),
         [q, *ins[:3], *_sums(sums, "ps", "ls"), ins[5], first, do, dht],
-        [sds((per_row * grid_rows,) + state[1:], dtype), sds(state if not group else (1,), F32), *grouped],
+        [jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads, cfg.dk, cfg.dv), dtype),
+         *_group_outputs(cfg, group, ng, per_row * grid_rows)],
         SUMS=sums is not None, GROUP=group, NG=ng, **options, **{n: x for n, x in c.items() if n != "HKV"})
 
 
