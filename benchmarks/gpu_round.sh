@@ -307,7 +307,7 @@ dispatch() {  # dispatch NAME XLA_FLAGS
 j_dispatch() { dispatch dispatch ""; }
 j_dispatch-nocb() { dispatch dispatch-nocb --xla_gpu_enable_command_buffer=; }
 j_decode() { job decode 300 python3 benchmarks/decode.py --out "$log/decode"; }
-j_decode-steady() { job decode-steady 300 python3 benchmarks/decode.py --calls 32 --platforms triton,cudnn \
+j_decode-steady() { job decode-steady 420 python3 benchmarks/decode.py --calls "${DECODE_CALLS:-32}" --platforms triton,cudnn \
   --out "$log/decode-steady"; }
 decode_tune() {  # decode_tune NAME CASES SETTINGS (decode_tune.py --settings; empty: its own list)
   job "$1" 300 python3 benchmarks/decode_tune.py --budget-s 260 --out "$log/$1" --cases "$2" --settings "$3" \

@@ -171,13 +171,14 @@ GRADS_SUMS_CASES = (  # 16-bit gk with the gates' sums, chunks of 64 (four sub-c
 )
 
 
+@pytest.mark.parametrize("sums", [True, False], ids=["prefix-sums", "scanned-gates"])
 @pytest.mark.parametrize("case", GRADS_SUMS_CASES, ids=[c.id for c in GRADS_SUMS_CASES])
-def test_triton_grads_intra_from_the_prefix_sums(case, monkeypatch):
-    """chunk_grads_intra's exponents between sub-chunks from `chunk_sums`' prefix sums (host.GRADS_INTRA_SUMS): every
-    gradient against the oracle; the spy shows the backward launched that form. The gla case's gates of -20 a step
-    over sequences that end inside a chunk also hold the forward's 16-bit forms to finite results (before, a sub-chunk
-    past the end read P_b as 0, and rows past it took 2^{-(P_j - P_b)}: A's rows there were NaN, and dv's Aᵀ do
-    carried them into every key)."""
+def test_triton_grads_intra_from_the_prefix_sums(case, sums, monkeypatch):
+    """chunk_grads_intra's exponents between sub-chunks from `chunk_sums`' prefix sums (host.GRADS_INTRA_SUMS, the
+    default since session 28) and from the gates scanned again (False): every gradient against the oracle; the spy
+    shows the backward launched that form. The gla case's gates of -20 a step over sequences that end inside a chunk
+    also hold the forward's 16-bit forms to finite results (before, a sub-chunk past the end read P_b as 0, and rows
+    past it took 2^{-(P_j - P_b)}: A's rows there were NaN, and dv's Aᵀ do carried them into every key)."""
     from ejgen.runtime.launch import triton_call
     from ejgen.runtime.recurrent.triton import host
 
@@ -189,9 +190,9 @@ def test_triton_grads_intra_from_the_prefix_sums(case, monkeypatch):
         return launch(kernel, *args, **kwargs)
 
     monkeypatch.setattr(triton_call, "launch", spy)
-    monkeypatch.setattr(host, "GRADS_INTRA_SUMS", True)
+    monkeypatch.setattr(host, "GRADS_INTRA_SUMS", sums)
     check(case, "triton")
-    assert forms == [True], forms
+    assert forms == [sums], forms
 
 
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in

@@ -74,12 +74,12 @@ GRADS_SUMS = [c for c in CASES if "gk" in c.gates and "gv" not in c.gates and c.
 
 
 @pytest.mark.parametrize("case", GRADS_SUMS, ids=[c.id for c in GRADS_SUMS])
-def test_triton_grads_intra_from_the_prefix_sums(case, monkeypatch):
-    """chunk_grads_intra's exponents between sub-chunks from `chunk_sums`' prefix sums (host.GRADS_INTRA_SUMS), 16-bit
-    inputs, against the oracle."""
+def test_triton_grads_intra_from_the_scanned_gates(case, monkeypatch):
+    """chunk_grads_intra's exponents between sub-chunks from its gates scanned again (host.GRADS_INTRA_SUMS off; the
+    prefix sums are the default since session 28 and run in every other test), 16-bit inputs, against the oracle."""
     from ejgen.runtime.recurrent.triton import host
 
-    monkeypatch.setattr(host, "GRADS_INTRA_SUMS", True)
+    monkeypatch.setattr(host, "GRADS_INTRA_SUMS", False)
     check(case, "triton")
 
 

@@ -533,9 +533,10 @@ def _direct(kernels, cfg) -> bool:
 # chunk_grads_intra's exponents between sub-chunks (16-bit inputs with `chunk_sums`): differences of the prefix sums
 # (PS) instead of each sub-chunk's gates read, scanned and summed over its steps again, as chunk_intra has taken them
 # since session 22 (its blocks left of the diagonal). Session 24's stall samples of chunk_grads_intra (1.8 ms, gla B4
-# T4096, H200, the backward's largest kernel): 28% in reductions over steps, ~10% waiting on gate loads. Session 27:
-# built, checked in the interpreter and compiled for sm_90, NOT GPU-timed (`gpu_round.sh grads-sums`).
-GRADS_INTRA_SUMS = False
+# T4096, H200, the backward's largest kernel): 28% in reductions over steps, ~10% waiting on gate loads. Session 28
+# (H200, one call, `gpu_round.sh state-groups`): chunk_grads_intra 1.754 -> 1.087 ms (B4 T4096) and 3.487 -> 2.123
+# (B2 T16k); gla op fwd+bwd 3.720 -> 3.104 and 7.693 -> 6.343 ms. The default since; False keeps the scanned gates.
+GRADS_INTRA_SUMS = True
 
 
 def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da, sums=None):
