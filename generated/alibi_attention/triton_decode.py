@@ -65,19 +65,10 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
     if PAGED and not ONE_READ and PAGES_AHEAD:  # the first block's pages; a step reads the next block's
         t_next = lo + tl.arange(0, BLOCK_N)
         pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
-    if ONE_READ and PAGES_AHEAD:  # the first two blocks' pages; a step reads the page two blocks on (the pipeliner
-        # issues the next block's K a step early: its page must be in a register by then)
-        page = tl.load(TABLE + off_b * MAX_PAGES + lo // PAGE, mask=lo < hi, other=0)
-        page_next = tl.load(TABLE + off_b * MAX_PAGES + (lo + BLOCK_N) // PAGE, mask=lo + BLOCK_N < hi, other=0)
     for n0 in tl.range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         col_ok = t < hi
-        if ONE_READ and PAGES_AHEAD:
-            rows = page.to(tl.int64) * PAGE + t % PAGE
-            page = page_next
-            page_next = tl.load(TABLE + off_b * MAX_PAGES + (n0 + 2 * BLOCK_N) // PAGE, mask=n0 + 2 * BLOCK_N < hi,
-                                other=0)
-        elif ONE_READ:  # (n0 is a multiple of BLOCK_N)
+        if ONE_READ:  # (n0 is a multiple of BLOCK_N)
             page = tl.load(TABLE + off_b * MAX_PAGES + n0 // PAGE)
             rows = page.to(tl.int64) * PAGE + t % PAGE
         elif PAGED and PAGES_AHEAD:  # a block over several pages: their numbers read a step ahead (a loop carry)

@@ -161,9 +161,9 @@ def test_flash_decode_matches_the_train_oracle(case, backend):
 
 
 PAGED_CASES = [(page, backend, False, True) for backend in DECODE_BACKENDS for page in (4, 12, 32)] + [
-    (12, "triton", True, True), (32, "triton", False, False), (32, "triton", True, True)]
+    (12, "triton", True, True), (32, "triton", False, False)]
 """(page, backend, the Triton kernel's PAGES_AHEAD (off by default), its WHOLE_PAGE (on)): its pages smaller than the
-key block read either way, pages of whole blocks read once a block, two blocks ahead, or per key."""
+key block read either way, pages of whole blocks read once a block or per key."""
 
 
 @pytest.mark.parametrize("page, backend, ahead, whole", PAGED_CASES)
@@ -172,7 +172,7 @@ def test_paged_decode_reads_the_pages_through_the_table(page, backend, ahead, wh
     inside a page, an empty sequence, a window that skips pages; equal to ragged decode on the same tokens laid out
     in order. Pages of 4 and 12 (not a power of two) are smaller than the Triton kernel's key block (each block reads
     its own page numbers, or with ``ahead`` the next block's a step ahead), 32 a multiple of it (its page number read
-    once a block, with ``ahead`` two blocks before it, or without ``whole`` per key as smaller pages are)."""
+    once a block, or without ``whole`` per key as smaller pages are)."""
     from ejgen.ops import page_attention, ragged_decode_attention
     from ejgen.runtime.attention.triton import decode as triton_decode
 

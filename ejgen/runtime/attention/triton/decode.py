@@ -25,9 +25,6 @@ NUM_STAGES = 2
 # sample, page 16 against the contiguous call: each block's own read took the ragged batch (B32, lengths 1..16k) from
 # 298.8 to 272.3 us (0.89 -> 0.98 of contiguous), B8 S8k 81.9 -> 84.1 (0.99 -> 0.95), B32 S8k 268.6 -> 270.6, B4
 # S32k 149.2 -> 148.8. Blocks of 16 or 32 keys for small pages (a launch of their own) lost or tied: not kept.
-# Pages holding whole blocks (WHOLE_PAGE) with PAGES_AHEAD: the page number two blocks ahead read each step (a loop
-# carry) instead of the block's own before its K (session 28: paged B8 S8k 0.91-0.92 of the contiguous call in the
-# same rounds, H200, 128 calls a sample; decode_tune.py A/Bs it).
 PAGES_AHEAD = False
 # Pages that hold whole blocks (PAGE a multiple of BLOCK_N): WHOLE_PAGE reads a block's page number once (a scalar
 # load whose result the block's K and V addresses wait on), else per key as smaller pages do (the indirect load the
