@@ -131,8 +131,9 @@ j_grads-sums() {  # chunk_grads_intra's exponents from chunk_sums' prefix sums (
   shards grads-sums-tests 200 3 -k "prefix_sums or strong_gates_in_16" tests/recurrent
   job grads-sums 200 python3 benchmarks/recurrent_kernels.py --ops gla --shapes 4x4096,2x16384 --rounds 2
 }
-j_state-groups() {  # the state walks in groups (host.STATE_GROUPS, session 27, not yet GPU-run): its GPU tests, then
-  # the kernel rows ("chunk_state in N groups ...", "op fwd / fwd+bwd, the state walks in N groups") where it splits
+j_state-groups() {  # the state walks in groups (host.STATE_GROUPS; session 28: no gain in the "relative" form; the
+  # "rewalk" form NOT yet GPU-run): GPU tests of both forms, then the kernel rows ("chunk_state in N groups ...",
+  # "... walked twice", "op fwd / fwd+bwd, the state walks in N groups", "..., N groups walked twice") where it splits
   shards state-groups-tests 200 3 -k "walk_in_groups" tests/recurrent
   job state-groups 230 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention,gla \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
@@ -411,6 +412,10 @@ declare -A PRESETS=(
   # prefix sums and the decode table at 32 calls (issue 16: paged B8 S8k was 0.96 / 0.99 of contiguous at 128 calls
   # in decode_tune, 0.94 / 0.90 in session 26's table; s27a); then the recurrent table with what won (s27c: flip the
   # defaults first); the one-predicate mask still undecided (s26c)
+  # session 28's for the next: the state walks in groups walked twice (STATE_GROUP_FORM "rewalk", issue 17's T16k
+  # gap; s28a), then the recurrent table if it wins (s27c, after flipping it on); the decode table at 128 calls
+  # with the same-rounds contiguous pair (DECODE_CALLS=128: paged B8 S8k 0.91-0.92, issue 16)
+  [s28a]="0:state-groups"
   [s27a]="0:grads-sums,decode-steady"
   [s27b]="0:state-groups"
   [s27c]="0:fla,rec-bench"

@@ -192,6 +192,9 @@ def stages(op_name, b, t, h, d):
 
         add(f"chunk_state in {ng} groups of {group} + chunk_state_groups", flipped("STATE_GROUPS", grouped), k, v,
             gates, sums, grid=(nkv("chunk_state"), rows_h, ng), which="chunk_state")
+        add(f"chunk_state in {ng} groups walked twice + chunk_state_groups", switched(REWALK, lambda k, v, g, s: (
+            host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s))), k, v, gates, sums,
+            grid=(nkv("chunk_state"), rows_h, ng), which="chunk_state")
     a = None
     if cfg.has("gk"):
         a, _ = add("chunk_intra", lambda q, k, g, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, sums=s), q, k,
@@ -256,8 +259,14 @@ def stages(op_name, b, t, h, d):
         named = "one walk a sequence" if host.STATE_GROUPS else f"the state walks in {ng} groups"
         add(f"op fwd, {named}", flipped("STATE_GROUPS", fwd), q, k, v, g)
         add(f"op fwd+bwd, {named}", flipped("STATE_GROUPS", fwd_bwd), q, k, v, g, do)
+        if not host.STATE_GROUPS:
+            add(f"op fwd, {ng} groups walked twice", switched(REWALK, fwd), q, k, v, g)
+            add(f"op fwd+bwd, {ng} groups walked twice", switched(REWALK, fwd_bwd), q, k, v, g, do)
     return out, (q, k, v, do, g, fwd)
 
+
+REWALK = {"STATE_GROUPS": True, "STATE_GROUP_FORM": "rewalk"}
+"""The state walks in groups, each walked twice (its end, then from its joined start): the readers unchanged."""
 
 FORMS = (("inline", False), ("kernel", False), ("inline", True), ("kernel", True))
 """chunk_intra's diagonal blocks: (host.CHUNK_INTRA_DIAGONAL, host.CHUNK_INTRA_PIECES)."""
@@ -284,13 +293,20 @@ def diagonal(form, pieces, f):
 
 def flipped(name, f):
     """``f`` traced with the host's switch ``name`` flipped (read when a launch is traced)."""
+    return switched({name: not getattr(host, name)}, f)
+
+
+def switched(values: dict, f):
+    """``f`` traced with the host's settings ``values`` (name: value; read when a launch is traced)."""
     def traced(*args):
-        before = getattr(host, name)
-        setattr(host, name, not before)
+        before = {name: getattr(host, name) for name in values}
+        for name, value in values.items():
+            setattr(host, name, value)
         try:
             return f(*args)
         finally:
-            setattr(host, name, before)
+            for name, value in before.items():
+                setattr(host, name, value)
     return traced
 
 

@@ -729,7 +729,7 @@ def linear_attention_chunk_state_kernel(
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
     USE_H0: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr,
-    SUMS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+    SUMS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, PASS: tl.constexpr,
 ):
     """HS[first + c] = the state at the start of chunk c of the sequence; HT = the state after its last chunk:
     S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j over the chunk's steps j. A program per (block of BK rows x
@@ -739,7 +739,9 @@ def linear_attention_chunk_state_kernel(
     (program id 2), each from the zero state: HS holds each chunk's state relative to its group's start, GE [B NG, H,
     K, V] float32 the group's end state so, GD [B NG, H, K | 1] its log decay L_G (the sum of its chunks' L_C) and DC
     [chunks, H, K | 1] each chunk's log decay from its group's start, L(group start, chunk start]; no HT
-    (`chunk_state_groups` walks the groups, `chunk_output` adds e^{DC} ⊙ its group's start state)."""
+    (`chunk_state_groups` walks the groups, `chunk_output` adds e^{DC} ⊙ its group's start state). The walk in groups
+    twice instead (host.STATE_GROUP_FORM "rewalk"): PASS 1 stores GE and GD alone; PASS 2 starts each group from its
+    start state (H0 [B NG, H, K, V]: `chunk_state_groups`' GS) and stores the true states in HS alone."""
     i_k, i_v = _blocks(V, BV)
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -758,12 +760,15 @@ def linear_attention_chunk_state_kernel(
     t0, t1, i_g, o_d, m_d, KD = _walk_group(bos, eos, o_k, m_k, i_v, C, K, USE_GK, GROUP)
     if USE_H0 and GROUP == 0:
         b_h += tl.load(H0 + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
+    elif GROUP > 0 and PASS == 2:
+        b_h += tl.load(H0 + ((i_n * NG + i_g) * H + i_h).to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
     b_dc = tl.zeros(o_d.shape, dtype=tl.float32)  # GROUP: L(group start, chunk start]
     if SUMS:
         b_after, b_decay = _walk_sums(RS, LS, bos, eos, first, t0, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
     for i_t in range(t0, t1):
-        tl.store(HS + ((first + i_t) * H + i_h) * K * V + p_h, b_h, mask=m_h)
-        if GROUP > 0:
+        if GROUP == 0 or PASS != 1:
+            tl.store(HS + ((first + i_t) * H + i_h) * K * V + p_h, b_h, mask=m_h)
+        if GROUP > 0 and PASS == 0:
             tl.store(DC + ((first + i_t) * H + i_h) * KD + o_d, b_dc, mask=m_d)
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
@@ -781,7 +786,8 @@ def linear_attention_chunk_state_kernel(
             if GROUP > 0:
                 b_dc += tl.sum(b_l, axis=0)
     if GROUP > 0:
-        _walk_group_end(GE, GD, b_h, b_dc, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H, K, V, KD, NG)
+        if PASS != 2:
+            _walk_group_end(GE, GD, b_h, b_dc, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H, K, V, KD, NG)
     else:
         tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
 
@@ -1175,14 +1181,16 @@ def linear_attention_chunk_state_bwd_kernel(
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
     VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr, SUMS: tl.constexpr,
-    GROUP: tl.constexpr, NG: tl.constexpr,
+    GROUP: tl.constexpr, NG: tl.constexpr, PASS: tl.constexpr,
 ):
     """DHS[first + c] = dL/d(the state at the end of chunk c), from d final_state backwards:
     dS_start = diag(e^{L_C}) dS_end + sum_t (q_t e^{L(start, t]})ᵀ do_t; DH0 = dS at the sequence's start. Blocks as
     the forward's; SUMS: the gates' sums read from `chunk_sums` (PS, LS). GROUP > 0: in groups as `chunk_state`'s
     (program id 2), each from the zero adjoint at its group's end: DHS relative to it, GE the group's start adjoint so,
     GD its log decay, DC each chunk's log decay from its end to its group's end, L(chunk end, group end]; no DH0
-    (`chunk_state_groups` BACKWARD joins them)."""
+    (`chunk_state_groups` BACKWARD joins them). Twice (host.STATE_GROUP_FORM "rewalk"): PASS 1 stores GE and GD
+    alone; PASS 2 starts each group from the adjoint at its end (DHT [B NG, H, K, V]: the join's) and stores the true
+    adjoints in DHS alone."""
     i_k, i_v = _blocks(V, BV)
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -1197,7 +1205,9 @@ def linear_attention_chunk_state_bwd_kernel(
     m_h = m_k[:, None] & m_v[None, :]
     p_h = o_k[:, None] * V + o_v[None, :]
     t0, t1, i_g, o_d, m_d, KD = _walk_group(bos, eos, o_k, m_k, i_v, C, K, USE_GK, GROUP)
-    if GROUP > 0:
+    if GROUP > 0 and PASS == 2:
+        b_dh = tl.load(DHT + ((i_n * NG + i_g) * H + i_h).to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
+    elif GROUP > 0:
         b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     else:
         b_dh = tl.load(DHT + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
@@ -1206,8 +1216,9 @@ def linear_attention_chunk_state_bwd_kernel(
         b_pre, b_decay = _walk_sums(PS, LS, bos, eos, first, t1 - 1, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
     for back in range(0, t1 - t0):
         i_t = t1 - 1 - back
-        tl.store(DHS + ((first + i_t) * H + i_h) * K * V + p_h, b_dh, mask=m_h)
-        if GROUP > 0:
+        if GROUP == 0 or PASS != 1:
+            tl.store(DHS + ((first + i_t) * H + i_h) * K * V + p_h, b_dh, mask=m_h)
+        if GROUP > 0 and PASS == 0:
             tl.store(DC + ((first + i_t) * H + i_h) * KD + o_d, b_dc, mask=m_d)
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
         b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP) * SCALE  # [C, BK]
@@ -1225,7 +1236,8 @@ def linear_attention_chunk_state_bwd_kernel(
             if GROUP > 0:
                 b_dc += tl.sum(b_l, axis=0)
     if GROUP > 0:
-        _walk_group_end(GE, GD, b_dh, b_dc, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H, K, V, KD, NG)
+        if PASS != 2:
+            _walk_group_end(GE, GD, b_dh, b_dc, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H, K, V, KD, NG)
     else:
         tl.store(DH0 + i_nh.to(tl.int64) * K * V + p_h, b_dh, mask=m_h)
 

@@ -203,12 +203,14 @@ GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, t
 )
 
 
+@pytest.mark.parametrize("form", ["relative", "rewalk"])
 @pytest.mark.parametrize("case", GROUPED_CASES, ids=[c.id for c in GROUPED_CASES])
-def test_triton_state_walk_in_groups(case, monkeypatch):
+def test_triton_state_walk_in_groups(case, form, monkeypatch):
     """The state walks in groups (host.STATE_GROUPS): every group's chunks from the zero state (the backward's
-    adjoints from the zero adjoint at the group's end) in parallel, the groups joined by `chunk_state_groups`, the
-    kernels that read the states and adjoints adding their group's; here 3 groups of 3 chunks (the last chunk
-    short), the output, the final state and every gradient against the oracle. The spy shows the grouped launches."""
+    adjoints from the zero adjoint at the group's end) in parallel, the groups joined by `chunk_state_groups`, and
+    either ("relative") the kernels that read the states and adjoints adding their group's, or ("rewalk") each group
+    walked again from its joined start, storing the true states; here 3 groups of 3 chunks (the last chunk short),
+    the output, the final state and every gradient against the oracle. The spy shows the grouped launches."""
     from ejgen.runtime.launch import triton_call
     from ejgen.runtime.recurrent.triton import host
 
@@ -220,10 +222,15 @@ def test_triton_state_walk_in_groups(case, monkeypatch):
 
     monkeypatch.setattr(triton_call, "launch", spy)
     monkeypatch.setattr(host, "STATE_GROUPS", True)
+    monkeypatch.setattr(host, "STATE_GROUP_FORM", form)
     monkeypatch.setattr(host, "MIN_GROUP", 3)
     check(case, "triton")
-    assert {n: g for n, g, _ in seen if n in ("state", "output", "state_bwd", "grads_qk", "grads_v")} == dict.fromkeys(
-        ("state", "output", "state_bwd", "grads_qk", "grads_v"), 3), seen
+    walks, readers = ("state", "state_bwd"), ("output", "grads_qk", "grads_v")
+    launched = {n: g for n, g, _ in seen if n in walks + readers}
+    assert launched == {**dict.fromkeys(walks, 3), **dict.fromkeys(readers, 3 if form == "relative" else 0)}, seen
+    if form == "rewalk":  # each walk twice: the groups' ends, then from their starts (the forward's walk in each pass)
+        assert [n for n, _, _ in seen if n in walks] == ["state", "state", "state", "state", "state_bwd",
+                                                           "state_bwd"], seen
     assert sum(n == "state_groups" for n, _, _ in seen) == 3, seen  # the forward's, the backward's states, adjoints
 
 

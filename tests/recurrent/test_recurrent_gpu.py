@@ -99,13 +99,15 @@ GROUPED = [c for c in CASES if c.algorithm == "chunked" and c.cu is None and not
            and (c.dtype == "bfloat16" or c.op == "recurrent")]
 
 
+@pytest.mark.parametrize("form", ["relative", "rewalk"])
 @pytest.mark.parametrize("case", GROUPED, ids=[c.id for c in GROUPED])
-def test_triton_state_walk_in_groups(case, monkeypatch):
-    """The forward's state walk in groups (host.STATE_GROUPS; groups of 3 and 2 of the 5 chunks here), against the
-    oracle."""
+def test_triton_state_walk_in_groups(case, form, monkeypatch):
+    """The state walks in groups (host.STATE_GROUPS; groups of 3 and 2 of the 5 chunks here) in either form
+    (host.STATE_GROUP_FORM), against the oracle."""
     from ejgen.runtime.recurrent.triton import host
 
     monkeypatch.setattr(host, "STATE_GROUPS", True)
+    monkeypatch.setattr(host, "STATE_GROUP_FORM", form)
     monkeypatch.setattr(host, "MIN_GROUP", 2)
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 

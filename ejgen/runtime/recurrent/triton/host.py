@@ -287,12 +287,20 @@ def _sums(sums, *which):
 
 def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=None):
     """(HS [chunks, H, K, V]: the state at each chunk's start, in ``dtype`` (the kernel carries it in float32 and
-    rounds what it stores), final_state [N, H, K, V] float32); ``sums``: ``chunk_sums``' (or None)."""
+    rounds what it stores), final_state [N, H, K, V] float32); ``sums``: ``chunk_sums``' (or None). Walked in groups
+    twice where STATE_GROUP_FORM is "rewalk" and the walk splits (`state_group`)."""
+    group, ng = state_group(cfg) if STATE_GROUP_FORM == "rewalk" else (0, 1)
+    if group:
+        _, _, ge, gd, _ = _states(kernels, k, v, gates, None, ctx, cfg, dtype, sums, group, ng, 1)
+        gs, ht = _join_groups(kernels, "chunk_state", h0, ge, gd, cfg, ng, False)
+        return _states(kernels, k, v, gates, gs, ctx, cfg, dtype, sums, group, ng, 2)[0], ht
     return _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, 0, 1)[:2]
 
 
-def _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, group, ng):
-    """`chunk_state`'s launch: (HS, HT, GE, GD, DC), HT a dummy with groups (``group`` > 0), the last three without."""
+def _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, group, ng, walk_pass=0):
+    """`chunk_state`'s launch: (HS, HT, GE, GD, DC), HT a dummy with groups (``group`` > 0), the last three without;
+    ``walk_pass`` (with groups, `_group_outputs`): 1 the groups' ends alone, 2 the states from the groups' starts
+    (``h0``: `_join_groups`' [N NG, H, K, V])."""
     ins, consts = _common(k, k, v, gates, h0, ctx, cfg)
     _, first, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_state", cfg.dk, cfg.dv)
@@ -301,22 +309,29 @@ def _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, group, ng):
     return triton_call.launch(
         kernels.get("chunk_state"), grid + ((ng,) if group else ()),
         [k, v, *ins[:3], *_sums(sums, "rs", "ls"), ins[4], ins[5], first],
-        [jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads, cfg.dk, cfg.dv), dtype),
-         *_group_outputs(cfg, group, ng, per_row * grid_rows)],
-        USE_H0=h0 is not None, SUMS=sums is not None, GROUP=group, NG=ng, **options,
+        _group_outputs(cfg, group, ng, per_row * grid_rows, dtype, walk_pass),
+        USE_H0=h0 is not None, SUMS=sums is not None, GROUP=group, NG=ng, PASS=walk_pass, **options,
         **{n: x for n, x in c.items() if n not in ("SCALE",)})
 
 
-def _group_outputs(cfg, group, ng, chunks):
-    """The state walks' outputs after their stored states: the final state / d initial_state (a dummy with groups),
-    then with groups GE [N NG, H, K, V], GD [N NG, H, K | 1], DC [chunks, H, K | 1] (float32), else three dummies."""
+def _group_outputs(cfg, group, ng, chunks, dtype, walk_pass=0):
+    """The state walks' outputs: the stored states / adjoints [chunks, H, K, V] in ``dtype``, the final state / d
+    initial_state (a dummy with groups), then with groups GE [N NG, H, K, V], GD [N NG, H, K | 1], DC [chunks, H,
+    K | 1] (float32), else three dummies. ``walk_pass`` 1 (the groups' ends alone): GE and GD; 2 (from the groups'
+    starts): the stored states alone; the rest dummies."""
     sds = jax.ShapeDtypeStruct
     state = (cfg.heads, cfg.dk, cfg.dv)
+    none = sds((1,), F32)
+    stored = sds((chunks,) + state, dtype)
     if not group:
-        return [sds((cfg.n_seqs,) + state, F32)] + [sds((1,), F32)] * 3
+        return [stored, sds((cfg.n_seqs,) + state, F32)] + [none] * 3
     kd = cfg.dk if cfg.has("gk") else 1
-    return [sds((1,), F32), sds((cfg.n_seqs * ng,) + state, F32), sds((cfg.n_seqs * ng, cfg.heads, kd), F32),
-            sds((chunks, cfg.heads, kd), F32)]
+    ends = [sds((cfg.n_seqs * ng,) + state, F32), sds((cfg.n_seqs * ng, cfg.heads, kd), F32)]
+    if walk_pass == 1:
+        return [none, none, *ends, none]
+    if walk_pass == 2:
+        return [stored] + [none] * 4
+    return [stored, none, *ends, sds((chunks, cfg.heads, kd), F32)]
 
 
 def _join_groups(kernels, which, start, ge, gd, cfg, ng, backward):
@@ -343,8 +358,15 @@ def _join_groups(kernels, which, start, ge, gd, cfg, ng, backward):
 # states (chunk_output, chunk_grads_qk) and adjoints (chunk_grads_qk, chunk_grads_v) adding e^{L(...)} ⊙ their
 # group's, float32, before their products (`_grouped_state`). Groups of at least MIN_GROUP chunks, as many as reach
 # STATE_GROUP_PROGRAMS programs. Session 27: built, checked in the interpreter and compiled for sm_90, NOT GPU-timed
-# (`gpu_round.sh state-groups`): off.
+# (`gpu_round.sh state-groups`): off. Session 28 (H200, B2 T16k): simple_gla's chunk_state 0.368 -> 0.248 ms with its
+# join, but the op's forward 0.686 -> 0.707 and fwd+bwd 2.942 -> 2.884 (the readers' added group states cost what the
+# walk saved); B4 T4096 slower (0.299 -> 0.383 fwd): stays off.
 STATE_GROUPS = False
+# How the walks in groups give their readers the states: "relative" (above: each chunk's state relative to its group's
+# start; the readers add the group's start) or "rewalk": each group walked twice, first for its end state and decay
+# alone (no stores a chunk), then, the groups joined, from its true start, storing the true states: the readers
+# unchanged, k and v (q and do) read twice. Session 28: built, checked in the interpreter, NOT GPU-timed.
+STATE_GROUP_FORM = "relative"
 STATE_GROUP_PROGRAMS = 1024
 MIN_GROUP = 4
 
@@ -362,6 +384,11 @@ def state_group(cfg) -> tuple[int, int]:
         return 0, 1
     group = packing.cdiv(n_t, groups)
     return group, packing.cdiv(n_t, group)
+
+
+def relative_groups(cfg) -> bool:
+    """Whether the walks go in groups whose states and adjoints their readers take relative to their group's."""
+    return STATE_GROUP_FORM == "relative" and state_group(cfg)[0] > 0
 
 
 def chunk_states_grouped(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=None):
@@ -484,7 +511,7 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     asked = settings.current().chunk_state_dtype
     sixteen = jnp.dtype(q.dtype).itemsize == 2
     stored = jnp.bfloat16 if asked == "bfloat16" or (asked == "auto" and sixteen) else F32
-    if state_group(cfg)[0]:
+    if relative_groups(cfg):
         hs, ht, groups = chunk_states_grouped(kernels, k, v, gates, h0, ctx, cfg, stored, sums)
         return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a, sums, groups), ht, res
     hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored, sums)
@@ -493,7 +520,13 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
 
 def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums=None, dtype=F32):
     """(DHS [chunks, H, K, V]: the adjoint of the state at each chunk's end, in ``dtype`` (carried in float32, rounded
-    where it is stored), d initial_state [N, H, K, V] float32) (do in q's dtype; ``sums``: ``chunk_sums``' or None)."""
+    where it is stored), d initial_state [N, H, K, V] float32) (do in q's dtype; ``sums``: ``chunk_sums``' or None).
+    Walked in groups twice where STATE_GROUP_FORM is "rewalk" and the walk splits, as `chunk_states`."""
+    group, ng = state_group(cfg) if STATE_GROUP_FORM == "rewalk" else (0, 1)
+    if group:
+        _, _, ge, gd, _ = _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, group, ng, 1)
+        ga, dh0 = _join_groups(kernels, "chunk_state_bwd", dht, ge, gd, cfg, ng, True)
+        return _state_grads(kernels, q, gates, ctx, cfg, do, ga, sums, dtype, group, ng, 2)[0], dh0
     return _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, 0, 1)[:2]
 
 
@@ -508,9 +541,9 @@ def chunk_state_grads_grouped(kernels, q, gates, ctx, cfg, do, dht, sums=None, d
     return dhs, dh0, (ga, dca, group, ng)
 
 
-def _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, group, ng):
+def _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, group, ng, walk_pass=0):
     """`chunk_state_bwd`'s launch: (DHS, DH0, GE, GD, DC), DH0 a dummy with groups (``group`` > 0), the last three
-    without."""
+    without; ``walk_pass`` as `_states`' (2: ``dht`` the adjoints at the groups' ends, `_join_groups`')."""
     ins, consts = _common(q, q, q, gates, None, ctx, cfg)
     _, first, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_state_bwd", cfg.dk, cfg.dv)
@@ -519,9 +552,8 @@ def _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, group, ng):
     return triton_call.launch(
         kernels.get("chunk_state_bwd"), grid + ((ng,) if group else ()),
         [q, *ins[:3], *_sums(sums, "ps", "ls"), ins[5], first, do, dht],
-        [jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads, cfg.dk, cfg.dv), dtype),
-         *_group_outputs(cfg, group, ng, per_row * grid_rows)],
-        SUMS=sums is not None, GROUP=group, NG=ng, **options, **{n: x for n, x in c.items() if n != "HKV"})
+        _group_outputs(cfg, group, ng, per_row * grid_rows, dtype, walk_pass),
+        SUMS=sums is not None, GROUP=group, NG=ng, PASS=walk_pass, **options, **{n: x for n, x in c.items() if n != "HKV"})
 
 
 def _direct(kernels, cfg) -> bool:
@@ -615,7 +647,7 @@ def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg, res=None):
     stored = backward_states_dtype(cfg)
     do = do.astype(q.dtype)
     fwd_groups = bwd_groups = None
-    if state_group(cfg)[0]:  # both walks in groups, joined where the states and adjoints are read
+    if relative_groups(cfg):  # both walks in groups, joined where the states and adjoints are read
         hs, _, fwd_groups = chunk_states_grouped(kernels, k, v, gates, h0, ctx, cfg, stored, sums=sums)
         dhs, dh0, bwd_groups = chunk_state_grads_grouped(kernels, q, gates, ctx, cfg, do, dht, sums, stored)
     else:
