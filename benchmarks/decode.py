@@ -180,6 +180,15 @@ def paged_pool(k, v, page: int, seed: int):
     return pool(k), pool(v), jnp.asarray(perm.reshape(batch, n))
 
 
+def ordered_pool(k, v, page: int):
+    """(k_pool, v_pool, tables) of `paged_pool`'s form with row b's page i at pool[b * n + i]: the cache itself
+    reshaped (no copy), the table in order."""
+    batch, seq = k.shape[:2]
+    n = seq // page
+    pool = lambda x: x.reshape(batch * n, page, *x.shape[2:])
+    return pool(k), pool(v), jnp.arange(batch * n, dtype=jnp.int32).reshape(batch, n)
+
+
 def alibi_slopes(hq: int):
     return jnp.asarray([2.0 ** (-8.0 * (i + 1) / hq) for i in range(hq)], jnp.float32)
 
@@ -208,11 +217,12 @@ def impls_for(case: Case, d: dict, on_gpu: bool):
                     (q, d["k"], d["v"], d["starts"], d["ends"]))
         return build
 
-    def ejgen_paged(platform, **kw):
+    def ejgen_paged(platform, in_order=False, **kw):
         def build():
             from ejgen.ops.decode import page_attention
+            pool = ordered_pool(d["k"], d["v"], case.page) if in_order else (d["k_pool"], d["v_pool"], d["tables"])
             return (lambda q, kp, vp, lens, tab: page_attention(q, kp, vp, lens, tab, platform=platform, **kw),
-                    (q, d["k_pool"], d["v_pool"], d["ends"], d["tables"]))
+                    (q, pool[0], pool[1], d["ends"], pool[2]))
         return build
 
     def alibi(platform):
@@ -241,6 +251,9 @@ def impls_for(case: Case, d: dict, on_gpu: bool):
         # from one pair of neighbours (the contiguous case's own row ran minutes earlier: session 28, one H200, 128
         # calls a sample, paged B8 S8k 0.85 of that row and 0.96 in decode_tune.py's interleaved settings)
         out["ejgen-triton contiguous"] = (ejgen_contig("triton"), "the same keys, contiguous cache (A/B pair)")
+        # the same kernel and table reads with each sequence's pages in order in the pool (the contiguous cache seen
+        # as pages): what of the paged gap is the pages' scattered addresses, what the table's reads in the kernel
+        out["ejgen-triton pages in order"] = (ejgen_paged("triton", in_order=True), "pool = the cache in order")
         out["ejgen-pallas"] = (ejgen_paged("pallas"), "")
         out["ejgen-xla"] = (ejgen_paged("xla"), "reference (gathers the pages)")
     if sq != 1:
