@@ -33,7 +33,9 @@ Columns:
   `batch_invariant=True`: fixed split size), ejgen-pallas (platform "pallas": the Pallas split-K kernel on the spec's
   Pallas hooks, Triton lowering, and its XLA merge), ejgen-xla (the spec's XLA hooks on whole cache rows, paged calls
   gather their pages first), ejgen-triton flash (alibi case only: the flash spec on the same inputs, for the
-  authored-spec target), cudnn (`jax.nn.dot_product_attention`, NO_MASK on uniform batches, key_value_seq_lengths on
+  authored-spec target), ejgen-triton contiguous (paged cases: the contiguous call on the same keys, timed in the
+  case's own rounds: the paged target's pair), ejgen-triton pages in order (paged cases: the paged call on a pool
+  holding each sequence's pages in order), cudnn (`jax.nn.dot_product_attention`, NO_MASK on uniform batches, key_value_seq_lengths on
   the ragged one), cudnn-paged (`jax._src.cudnn.fused_attention_stablehlo.paged_attention`, a private API: the same
   pool and tables), pallas-gqa (JAX's `gqa`, whose wrapper transposes the cache to [B, Hkv, S, D] in every call: timed
   as called), pallas-mqa-bhsd (JAX's `mqa` on a cache transposed once outside the timing: the kernel alone),
