@@ -29,6 +29,7 @@
 #                  rows in each form (inline / kernel, steps / pieces), the diagonal kernel's settings
 #   grads-sums     chunk_grads_intra reading chunk_sums' prefix sums: GPU tests, gla's kernel rows both ways
 #   state-groups   the state walks in groups: GPU tests, the kernel and op rows both ways (T 16k, 4k)
+#   after-sums     the 16-bit after sums formed by their readers: GPU tests (the rows: any rec-kernels table)
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane (REC_BENCH_ARGS)
 #   rec-light      the recurrent table's lightning rows alone
 #   rec-decode     the recurrent decode table
@@ -137,6 +138,11 @@ j_state-groups() {  # the state walks in groups (host.STATE_GROUPS; session 28: 
   shards state-groups-tests 200 3 -k "walk_in_groups" tests/recurrent
   job state-groups 230 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention,gla \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
+}
+j_after-sums() {  # 16-bit after sums formed by their readers (host.AFTER_FROM_PREFIX, session 28, not yet GPU-run):
+  # its GPU tests (its rows, "chunk_sums, no after sums", "op fwd / fwd+bwd, after sums from the prefix sums", come
+  # in every recurrent_kernels.py table, e.g. state-groups' next)
+  shards after-sums-tests 150 3 -k "after_sums" tests/recurrent
 }
 j_rec-kernels() { job rec-kernels 200 python3 benchmarks/recurrent_kernels.py --ops gla,simple_gla ${REC_KERNELS_ARGS:-}; }
 j_rec-sweep() { job rec-sweep 150 python3 benchmarks/recurrent_kernels.py --ops gla --sweep --no-check \
@@ -413,9 +419,10 @@ declare -A PRESETS=(
   # in decode_tune, 0.94 / 0.90 in session 26's table; s27a); then the recurrent table with what won (s27c: flip the
   # defaults first); the one-predicate mask still undecided (s26c)
   # session 28's for the next: the state walks in groups walked twice (STATE_GROUP_FORM "rewalk", issue 17's T16k
-  # gap; s28a), then the recurrent table if it wins (s27c, after flipping it on); the decode table at 128 calls
-  # with the same-rounds contiguous pair (DECODE_CALLS=128: paged B8 S8k 0.91-0.92, issue 16)
-  [s28a]="0:state-groups"
+  # gap) and the after sums formed by their readers (AFTER_FROM_PREFIX; s28a: both built, not GPU-run), then the
+  # recurrent table with what won (s27c, after flipping it on); the decode table at 128 calls with the same-rounds
+  # contiguous pair and the pages in order (DECODE_CALLS=128 ... decode-steady: paged B8 S8k 0.91-0.92, issue 16)
+  [s28a]="0:after-sums,state-groups"
   [s27a]="0:grads-sums,decode-steady"
   [s27b]="0:state-groups"
   [s27c]="0:fla,rec-bench"

@@ -179,8 +179,11 @@ def stages(op_name, b, t, h, d):
     nkv = lambda n: -(-cfg.dk // blocks[n]["BK"]) * -(-cfg.dv // blocks[n]["BV"])  # noqa: E731
     sums = None  # chunk_sums' (gk, the chunk_gate_sums setting "kernel"), which the op forms in each pass
     if host.chunk_sums(kernels, q, gates, ctx, cfg) is not None:
-        sums = add("chunk_sums", lambda q, g: host.chunk_sums(kernels, q, g, ctx, cfg), q, gates,
-                   grid=(n_c, -(-cfg.dk // blocks["chunk_sums"]["BK"]), rows_h) if cfg.has("gk") else (n_c, 1, b))
+        sums_grid = (n_c, -(-cfg.dk // blocks["chunk_sums"]["BK"]), rows_h) if cfg.has("gk") else (n_c, 1, b)
+        sums = add("chunk_sums", lambda q, g: host.chunk_sums(kernels, q, g, ctx, cfg), q, gates, grid=sums_grid)
+        if not host.AFTER_FROM_PREFIX:  # 16-bit inputs: without the after sums (their readers form them)
+            add("chunk_sums, no after sums", switched(AFTER_SUMS, lambda q, g: host.chunk_sums(
+                kernels, q, g, ctx, cfg)), q, gates, grid=sums_grid, which="chunk_sums")
     stored = host.backward_states_dtype(cfg)  # the states and adjoints as the op's backward stores them
     hs, _ = add("chunk_state", lambda k, v, g, s: host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s),
                 k, v, gates, sums, grid=(nkv("chunk_state"), rows_h))
@@ -255,6 +258,9 @@ def stages(op_name, b, t, h, d):
         if sums is not None:
             named = "scanned gates" if host.GRADS_INTRA_SUMS else "prefix sums"
             add(f"op fwd+bwd, chunk_grads_intra's {named}", flipped("GRADS_INTRA_SUMS", fwd_bwd), q, k, v, g, do)
+    if sums is not None and not host.AFTER_FROM_PREFIX:
+        add("op fwd, after sums from the prefix sums", switched(AFTER_SUMS, fwd), q, k, v, g)
+        add("op fwd+bwd, after sums from the prefix sums", switched(AFTER_SUMS, fwd_bwd), q, k, v, g, do)
     if group:
         named = "one walk a sequence" if host.STATE_GROUPS else f"the state walks in {ng} groups"
         add(f"op fwd, {named}", flipped("STATE_GROUPS", fwd), q, k, v, g)
@@ -264,6 +270,9 @@ def stages(op_name, b, t, h, d):
             add(f"op fwd+bwd, {ng} groups walked twice", switched(REWALK, fwd_bwd), q, k, v, g, do)
     return out, (q, k, v, do, g, fwd)
 
+
+AFTER_SUMS = {"AFTER_FROM_PREFIX": True}
+"""16-bit inputs: chunk_sums stores no after sums; chunk_state, chunk_grads_qk and chunk_grads_v form them."""
 
 REWALK = {"STATE_GROUPS": True, "STATE_GROUP_FORM": "rewalk"}
 """The state walks in groups, each walked twice (its end, then from its joined start): the readers unchanged."""

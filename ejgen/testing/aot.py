@@ -230,7 +230,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       h0: bool = True, varlen: bool = False, reverse: bool = False, kernels=None,
                       states: str = "float32", products: str = "tf32", intra_diagonal: str | None = None,
                       intra_pieces: bool | None = None, grads_sums: bool | None = None,
-                      state_groups: int = 0, walk_pass: int = 0) -> dict:
+                      state_groups: int = 0, walk_pass: int = 0, after: bool = True) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -241,7 +241,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     pieces of 4 steps with ``intra_pieces`` (default: host.CHUNK_INTRA_PIECES); ``grads_sums``: chunk_grads_intra reads
     `chunk_sums`' prefix sums (default: host.GRADS_INTRA_SUMS); ``state_groups``: the state walks in groups of that many
     chunks (the kernels with GROUP, and `chunk_state_groups`; 0: one walk a sequence); ``walk_pass``: the walks' PASS
-    with groups (0 relative states; 1, 2 the two walks of host.STATE_GROUP_FORM "rewalk")."""
+    with groups (0 relative states; 1, 2 the two walks of host.STATE_GROUP_FORM "rewalk"); ``after``: chunk_sums
+    stores the after sums RS and their readers read them (False: host.AFTER_FROM_PREFIX's form for 16-bit inputs)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -269,7 +270,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   DIAG_IN=(intra_diagonal or host.CHUNK_INTRA_DIAGONAL) == "kernel",
                   PIECES=intra_pieces if intra_pieces is not None else host.CHUNK_INTRA_PIECES,
                   GROUP=state_groups, NG=-(-4096 // chunk // state_groups) if state_groups else 1, BACKWARD=False,
-                  PASS=walk_pass)
+                  PASS=walk_pass, AFTER=after)
     fused = min(host.FUSED_BV, bvf)
     compiled = {}
     for which in ("fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_state_groups", "chunk_intra",

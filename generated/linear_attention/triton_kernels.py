@@ -624,15 +624,34 @@ def _chunk_decay_at(LS, chunk, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
+def _after_at(PS, RS, LS, chunk, rows, m_s, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr,
+              AFTER: tl.constexpr):
+    """`chunk_sums`' after sums R_j = L(j, end] at a chunk's steps (0 on invalid steps; chunk: its index in the chunk
+    layout), [C, BK | 1]: read from RS where chunk_sums stored them (AFTER), else L_C - P_j from the prefix sums and
+    the chunk's whole sum (host.AFTER_FROM_PREFIX: 16-bit inputs, one [rows, H, K] float32 array less written and read,
+    the difference of two sums as the 16-bit forms take their exponents since session 22)."""
+    if AFTER:
+        return _sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
+    b_p = _sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
+    b_t = _total_at(LS, chunk, i_h, o_k, m_k, H, K, USE_GK)[None, :]
+    if USE_GK:
+        valid = m_s[:, None] & m_k[None, :]
+    else:
+        valid = m_s[:, None]
+    return tl.where(valid, b_t - b_p, 0.0)
+
+
+@triton.jit
 def _walk_sums(S, LS, bos, eos, first, i_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
-               USE_GK: tl.constexpr, REVERSE: tl.constexpr):
+               USE_GK: tl.constexpr, REVERSE: tl.constexpr, FROM_PREFIX: tl.constexpr = False):
     """For the walks over a sequence's chunks (`chunk_state`, `chunk_state_bwd`): `chunk_sums`' per-step sums S (RS
     or PS) [C, BK | 1] of the sequence's chunk i_t (its index in the chunk layout first + i_t) and its log decay L_C
     [BK | 1] (the caller takes e^ where it uses it, not where the load is issued); 0 for a chunk outside the sequence
     (i_t < 0 or past its end: the walks read a chunk ahead).
     Read a chunk ahead because loads that feed no product are not pipelined by Triton: read in the step that used
     them, they stalled every step of the walk for a global load's latency (H200, session 24: chunk_state's samples at
-    the barrier after the state's store and at the sums' first use, ~50%)."""
+    the barrier after the state's store and at the sums' first use, ~50%). FROM_PREFIX: S holds the prefix sums P and
+    the after sums are wanted, R = L_C - P (`_after_at`)."""
     o_t = i_t + tl.zeros([1], dtype=tl.int32)  # (a tensor whether i_t is one or a constant)
     live = (o_t >= 0) & (o_t * C < eos - bos)  # [1]
     rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
@@ -642,6 +661,12 @@ def _walk_sums(S, LS, bos, eos, first, i_t, i_h, o_k, m_k, H: tl.constexpr, K: t
         b_t = tl.load(LS + chunk.to(tl.int64) * K + o_k, mask=m_k & live, other=0.0)
     else:
         b_t = tl.load(LS + chunk.to(tl.int64) + tl.zeros([1], dtype=tl.int64), mask=live, other=0.0)
+    if FROM_PREFIX:
+        if USE_GK:
+            valid = (m_s & live)[:, None] & m_k[None, :]
+        else:
+            valid = (m_s & live)[:, None]
+        b_s = tl.where(valid, b_t[None, :] - b_s, 0.0)
     return b_s, b_t
 
 
@@ -649,7 +674,7 @@ def _walk_sums(S, LS, bos, eos, first, i_t, i_h, o_k, m_k, H: tl.constexpr, K: t
 def linear_attention_chunk_sums_kernel(
     G, GAMMA, GK, CU, CHUNKS, PS, RS, LS,
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr,
-    USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr,
+    USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, AFTER: tl.constexpr,
 ):
     """The sums of the key side's log gates over each chunk's steps, once for every kernel that reads them (SUMS): PS
     the prefix sums P_i = L(start, i], RS the sums after each step R_j = L(j, end] (`_after`), LS the chunk's whole sum
@@ -658,7 +683,8 @@ def linear_attention_chunk_sums_kernel(
     cross warps, and inside chunk_state's walk over the chunks they were on its critical path, more than half its time
     (H200, session 22, benchmarks/recurrent_state_study.py). With a scalar gate one sum a step ([rows, H], [chunks,
     H]), a program per (chunk, grid row) with every head at once (BK >= H lanes; the heads are contiguous in g): a
-    program per head held a [C, 1] column, 4096 programs of four warps at B4 T4096 H16 (~0.05-0.09 ms, H200)."""
+    program per head held a [C, 1] column, 4096 programs of four warps at B4 T4096 H16 (~0.05-0.09 ms, H200). RS only
+    with AFTER (else its readers take L_C - P: `_after_at`)."""
     i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if USE_GK:
         i_h = i_bh % H
@@ -688,7 +714,8 @@ def linear_attention_chunk_sums_kernel(
         p = rows[:, None] * H + o_k[None, :]
         p_ls = i_cg.to(tl.int64) * H + o_k
     tl.store(PS + p, _cumsum(b_l, axis=0), mask=m)
-    tl.store(RS + p, _after(b_l), mask=m)
+    if AFTER:
+        tl.store(RS + p, _after(b_l), mask=m)
     tl.store(LS + p_ls, tl.sum(b_l, axis=0), mask=m_k)
 
 
@@ -725,16 +752,16 @@ def _walk_group_end(GE, GD, b_h, b_dc, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H: tl.
 
 @triton.jit
 def linear_attention_chunk_state_kernel(
-    K_, V_, G, GAMMA, GK, RS, LS, H0, CU, FIRST, HS, HT, GE, GD, DC,
+    K_, V_, G, GAMMA, GK, PS, RS, LS, H0, CU, FIRST, HS, HT, GE, GD, DC,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
     USE_H0: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr,
-    SUMS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, PASS: tl.constexpr,
+    SUMS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, PASS: tl.constexpr, AFTER: tl.constexpr,
 ):
     """HS[first + c] = the state at the start of chunk c of the sequence; HT = the state after its last chunk:
     S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j over the chunk's steps j. A program per (block of BK rows x
     block of BV columns of the state, sequence x head): the gates decay each row of the state on its own. SUMS: the
-    gates' sums read from `chunk_sums` (RS, LS), not scanned here.
+    gates' sums read from `chunk_sums` (RS, LS; without AFTER R = L_C - P from PS), not scanned here.
     GROUP > 0 (dense layouts; host.STATE_GROUPS): the walk in NG groups of GROUP chunks, a program per group too
     (program id 2), each from the zero state: HS holds each chunk's state relative to its group's start, GE [B NG, H,
     K, V] float32 the group's end state so, GD [B NG, H, K | 1] its log decay L_G (the sum of its chunks' L_C) and DC
@@ -764,7 +791,8 @@ def linear_attention_chunk_state_kernel(
         b_h += tl.load(H0 + ((i_n * NG + i_g) * H + i_h).to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
     b_dc = tl.zeros(o_d.shape, dtype=tl.float32)  # GROUP: L(group start, chunk start]
     if SUMS:
-        b_after, b_decay = _walk_sums(RS, LS, bos, eos, first, t0, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
+        b_after, b_decay = _walk_sums(RS if AFTER else PS, LS, bos, eos, first, t0, i_h, o_k, m_k, H, K, C, USE_GK,
+                                      REVERSE, not AFTER)
     for i_t in range(t0, t1):
         if GROUP == 0 or PASS != 1:
             tl.store(HS + ((first + i_t) * H + i_h) * K * V + p_h, b_h, mask=m_h)
@@ -774,8 +802,8 @@ def linear_attention_chunk_state_kernel(
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
         if SUMS:  # the next chunk's sums in flight while this one's product forms (`_walk_sums`)
-            b_after_n, b_decay_n = _walk_sums(RS, LS, bos, eos, first, i_t + 1, i_h, o_k, m_k, H, K, C, USE_GK,
-                                              REVERSE)
+            b_after_n, b_decay_n = _walk_sums(RS if AFTER else PS, LS, bos, eos, first, i_t + 1, i_h, o_k, m_k, H, K,
+                                              C, USE_GK, REVERSE, not AFTER)
             b_h = _advance(b_h, b_k, b_v, b_after, tl.exp(b_decay)[:, None], DT)
             if GROUP > 0:
                 b_dc += b_decay
@@ -1513,7 +1541,7 @@ def linear_attention_chunk_grads_qk_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, ROWS: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr,
-    NG: tl.constexpr,
+    NG: tl.constexpr, AFTER: tl.constexpr,
 ):
     """dq and dk (of the mapped q and k, per query head; float32, or q's dtype where the host needs no sums) of a
     chunk's C steps in BK channels, a program per (chunk, block of K), V in blocks of BV, in products of the whole
@@ -1565,7 +1593,7 @@ def linear_attention_chunk_grads_qk_kernel(
     b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
     if SUMS:  # the gates' sums from `chunk_sums`; e^{L_C} as a row [1, BK | 1]
         b_pre = _sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
-        b_after = _sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
+        b_after = _after_at(PS, RS, LS, i_cg, rows, m_s, i_h, o_k, m_k, H, K, USE_GK, AFTER)
         b_end = tl.exp(_total_at(LS, i_cg, i_h, o_k, m_k, H, K, USE_GK))[None, :]
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
@@ -1605,18 +1633,20 @@ def linear_attention_chunk_grads_qk_kernel(
 
 @triton.jit
 def linear_attention_chunk_grads_v_kernel(
-    Q, K_, G, GAMMA, GK, RS, CU, CHUNKS, DHS, A, GA, DCA, DO, DV,
+    Q, K_, G, GAMMA, GK, PS, RS, LS, CU, CHUNKS, DHS, A, GA, DCA, DO, DV,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+    AFTER: tl.constexpr,
 ):
     """dv (per query head; float32, or v's dtype where the host needs no sums) of a chunk's C steps in BV columns, a
     program per (chunk, block of V), the output kernel's transpose in products of the whole chunk:
         dv = (k ⊙ e^{R}) S̄ + Aᵀ do      (S̄: the adjoint of the state at the chunk's end, DHS; R_j = L(j, end])
     A as the output kernel's: with gk read from A (`chunk_intra`) as Aᵀ, with a scalar gate (or none) formed here as
     Aᵀ = k qᵀ (`_intra_scalar_t`), e^{R} scaling the rows of k S̄. K in blocks of BK. SUMS: R read from `chunk_sums`
-    (RS). GROUP > 0: DHS relative to its group's end, joined here (`_grouped_state`: GA, DCA)."""
+    (RS; without AFTER L_C - P from PS and LS, `_after_at`). GROUP > 0: DHS relative to its group's end, joined here
+    (`_grouped_state`: GA, DCA)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -1636,7 +1666,7 @@ def linear_attention_chunk_grads_v_kernel(
         m_k = o_k < K
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         if USE_GK and SUMS:
-            b_k = b_k * tl.exp(_sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K))
+            b_k = b_k * tl.exp(_after_at(PS, RS, LS, i_cg, rows, m_s, i_h, o_k, m_k, H, K, USE_GK, AFTER))
         elif USE_GK:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
             b_k = b_k * tl.exp(_after(b_l))
@@ -1653,7 +1683,7 @@ def linear_attention_chunk_grads_v_kernel(
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
         if SUMS:
-            b_r = _sums_at(RS, rows, m_s, i_h, o_c, m_s, H, K, USE_GK)  # [C, 1]
+            b_r = _after_at(PS, RS, LS, i_cg, rows, m_s, i_h, o_c, m_s, H, K, USE_GK, AFTER)  # [C, 1]
         else:
             b_r = _after(b_l)
         if GATED:

@@ -195,6 +195,36 @@ def test_triton_grads_intra_from_the_prefix_sums(case, sums, monkeypatch):
     assert forms == [sums], forms
 
 
+AFTER_CASES = (  # 16-bit sums: gk packed (an empty sequence, partial chunks), reversed, gates down to -20 a step; a
+    # scalar gate with g_gamma, GQA, an initial state
+    Case("gla", ("gk",), dtype="bfloat16", shape=(1, 80, 2, 1, 16, 16), chunk=32, cu=(0, 50, 50, 77), reverse=True,
+         strong=True),
+    Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 70, 4, 2, 16, 16), chunk=32, h0=True),
+)
+
+
+@pytest.mark.parametrize("case", AFTER_CASES, ids=[c.id for c in AFTER_CASES])
+def test_triton_after_sums_from_the_prefix_sums(case, monkeypatch):
+    """host.AFTER_FROM_PREFIX: for 16-bit inputs chunk_sums stores no after sums R_j = L(j, end]; chunk_state,
+    chunk_grads_qk and chunk_grads_v take L_C - P_j (`_after_at`): the output, the final state and every gradient
+    against the oracle, and the spy shows every reader launched that way (and chunk_sums without RS)."""
+    from ejgen.runtime.launch import triton_call
+    from ejgen.runtime.recurrent.triton import host
+
+    seen, launch = [], triton_call.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if "AFTER" in kwargs:
+            seen.append((kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1], kwargs["AFTER"]))
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    monkeypatch.setattr(host, "AFTER_FROM_PREFIX", True)
+    check(case, "triton")
+    assert {name for name, _ in seen} == {"sums", "state", "grads_qk", "grads_v"}, seen
+    assert not any(after for _, after in seen), seen
+
+
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in
     # float32, gates down to -20 a step (every decay still a sum of its own steps: within float32's tolerance)
     Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 130, 2, 1, 16, 32), chunk=16, h0=True,

@@ -83,6 +83,20 @@ def test_triton_grads_intra_from_the_scanned_gates(case, monkeypatch):
     check(case, "triton")
 
 
+AFTER = [c for c in CASES if c.algorithm == "chunked" and c.dtype != "float32" and "gv" not in c.gates
+         and set(c.gates) & {"g", "g_gamma", "gk"}]
+
+
+@pytest.mark.parametrize("case", AFTER, ids=[c.id for c in AFTER])
+def test_triton_after_sums_from_the_prefix_sums(case, monkeypatch):
+    """host.AFTER_FROM_PREFIX: the after sums of 16-bit inputs formed where they are read (L_C - P), against the
+    oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "AFTER_FROM_PREFIX", True)
+    check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
+
+
 STRONG_16 = [Case(op, gates, dtype="bfloat16", reverse=True, strong=True, chunk=64, **LAYOUTS["packed"])
              for op, gates in (("gla", ("gk",)), ("simple_gla", ("g", "g_gamma")))]
 

@@ -81,6 +81,10 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "gates": ("g",), "kernels": ["chunk_state", "chunk_state_bwd"], "states": "bfloat16",
                   "products": "bfloat16", "state_groups": 8, "walk_pass": walk_pass,  # the "rewalk" form's walks
                   "with_resources": True} for walk_pass in (1, 2)]
+    requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
+                  "kernels": ["chunk_sums", "chunk_state", "chunk_grads_qk", "chunk_grads_v"], "states": "bfloat16",
+                  "products": "bfloat16", "after": False,  # the after sums formed by their readers
+                  "with_resources": True} for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
     for request, compiled in zip(requests, compile_all_in_subprocess(requests, triton=gpu_host_triton())):
         assert "error" not in compiled, f"{request['name']} {request['gates']}: {compiled.get('error')}"
         for kernel, c in compiled.items():

@@ -248,12 +248,25 @@ def _triton_dtype(dtype):
             jnp.dtype(jnp.float16): tl.float16}[jnp.dtype(dtype)]
 
 
+# 16-bit inputs: the sums after each step, R_j = L(j, end], taken where they are read as L_C - P_j from the prefix
+# sums and the chunk's whole sum (`_after_at`), not stored by chunk_sums: with gk one [B, T, H, K] float32 array less
+# written (chunk_sums, run in each pass) and read (chunk_state, chunk_grads_qk, chunk_grads_v). chunk_sums was 0.149
+# ms of gla's 0.96 ms forward at B4 T4096 and 0.296 of 1.91 at B2 T16k (H200, session 28), writing P and R. Float32
+# inputs keep R as a sum of its own steps. Session 28: built, checked in the interpreter, NOT GPU-timed: off.
+AFTER_FROM_PREFIX = False
+
+
+def after_stored(x) -> bool:
+    """Whether chunk_sums stores the after sums RS for inputs of ``x``'s dtype (else their readers form them)."""
+    return not (AFTER_FROM_PREFIX and jnp.dtype(x.dtype).itemsize == 2)
+
+
 def chunk_sums(kernels, q, gates, ctx, cfg):
     """With a key-side gate (gk, g, g_gamma), where the ``chunk_gate_sums`` setting is "kernel": the sums of the key
     side's log gates over each chunk's steps for the kernels that read them (``SUMS``), (PS, RS [B, T, H, K]: the
-    prefix sums L(start, i] and the sums after each step L(j, end]; LS [chunks, H, K]: the chunk's whole sum), float32,
-    with a scalar gate [B, T, H] and [chunks, H] (K = 1: one sum a step); else None (the kernels scan the gates
-    themselves)."""
+    prefix sums L(start, i] and the sums after each step L(j, end] (a dummy where not `after_stored`); LS [chunks, H,
+    K]: the chunk's whole sum), float32, with a scalar gate [B, T, H] and [chunks, H] (K = 1: one sum a step); else
+    None (the kernels scan the gates themselves)."""
     gk = cfg.has("gk")
     if not any(cfg.has(g) for g in CHUNKED_GATES) or settings.current().chunk_gate_sums != "kernel":  # key-side gates
         return None
@@ -268,9 +281,11 @@ def chunk_sums(kernels, q, gates, ctx, cfg):
         per, grid = (), (per_row, 1, grid_rows)
         c.update(K=1, BK=scalar_sums_lanes(cfg.heads))
     rows = jax.ShapeDtypeStruct(q.shape[:3] + per, F32)
+    after = after_stored(q)
     return tuple(triton_call.launch(
         kernels.get("chunk_sums"), grid, [*ins[:3], ins[5], chunks],
-        [rows, rows, jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads) + per, F32)], **options, **c))
+        [rows, rows if after else jax.ShapeDtypeStruct((1,), F32),
+         jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads) + per, F32)], AFTER=after, **options, **c))
 
 
 def scalar_sums_lanes(heads: int) -> int:
@@ -308,9 +323,10 @@ def _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, group, ng, walk_pas
     grid = (cfg.n_seqs * cfg.heads, packing.cdiv(cfg.dk, blocks["BK"]) * packing.cdiv(cfg.dv, blocks["BV"]))
     return triton_call.launch(
         kernels.get("chunk_state"), grid + ((ng,) if group else ()),
-        [k, v, *ins[:3], *_sums(sums, "rs", "ls"), ins[4], ins[5], first],
+        [k, v, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[4], ins[5], first],
         _group_outputs(cfg, group, ng, per_row * grid_rows, dtype, walk_pass),
-        USE_H0=h0 is not None, SUMS=sums is not None, GROUP=group, NG=ng, PASS=walk_pass, **options,
+        USE_H0=h0 is not None, SUMS=sums is not None, GROUP=group, NG=ng, PASS=walk_pass, AFTER=after_stored(k),
+        **options,
         **{n: x for n, x in c.items() if n not in ("SCALE",)})
 
 
@@ -553,7 +569,8 @@ def _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, group, ng, w
         kernels.get("chunk_state_bwd"), grid + ((ng,) if group else ()),
         [q, *ins[:3], *_sums(sums, "ps", "ls"), ins[5], first, do, dht],
         _group_outputs(cfg, group, ng, per_row * grid_rows, dtype, walk_pass),
-        SUMS=sums is not None, GROUP=group, NG=ng, PASS=walk_pass, **options, **{n: x for n, x in c.items() if n != "HKV"})
+        SUMS=sums is not None, GROUP=group, NG=ng, PASS=walk_pass, **options,
+        **{n: x for n, x in c.items() if n != "HKV"})
 
 
 def _direct(kernels, cfg) -> bool:
@@ -610,7 +627,8 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
         [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if gated else (1,), F32)],
         zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
         SUMS=sums is not None, SP=_products(cfg), GROUP=groups[0][2] if groups else 0,
-        NG=groups[0][3] if groups else 1, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+        NG=groups[0][3] if groups else 1, AFTER=after_stored(q), **options,
+        **{**_chunk_consts(q, cfg, consts), **blocks})
     return dq, dk, dlog if gated else None
 
 
@@ -623,11 +641,11 @@ def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None, sums=None, gr
     blocks, options = tiles("chunk_grads_v", cfg.dk, cfg.dv)
     (dv,) = triton_call.launch(
         kernels.get("chunk_grads_v"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
-        [q, k, *ins[:3], *_sums(sums, "rs"), ins[5], chunks, dhs, _dummy(q.dtype) if a is None else a,
+        [q, k, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[5], chunks, dhs, _dummy(q.dtype) if a is None else a,
          *(groups[:2] if groups else (_dummy(), _dummy())), do],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype if _direct(kernels, cfg) else F32)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
-        GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, **options,
+        GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AFTER=after_stored(q), **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return dv
 
