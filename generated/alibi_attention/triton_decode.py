@@ -28,7 +28,7 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PAGED: tl.constexpr,
                   PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, PAGES_AHEAD: tl.constexpr, WHOLE_PAGE: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  SPLIT_PAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SQ, SEQ_K, D, DV, D_PAD, DV_PAD, M_PAD, BLOCK_N)
     off_b = tl.program_id(0)
     off_hk = tl.program_id(1)
@@ -65,10 +65,21 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
     if PAGED and not ONE_READ and PAGES_AHEAD:  # the first block's pages; a step reads the next block's
         t_next = lo + tl.arange(0, BLOCK_N)
         pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
+    UPFRONT: tl.constexpr = ONE_READ and SPLIT_PAGES > 0
+    if UPFRONT:  # the split's page numbers read before the loop (at most SPLIT_PAGES); a step picks its block's from
+        # registers, so no load of the table stands between a step and the next block's K and V (a page number carried
+        # from step to step instead left the loop unpipelined: no cp.async in its sm_90 PTX, session 28)
+        first_page = lo // PAGE
+        o_p = tl.arange(0, SPLIT_PAGES)
+        split_pages = tl.load(TABLE + off_b * MAX_PAGES + first_page + o_p, mask=(first_page + o_p) * PAGE < hi,
+                              other=0)
     for n0 in tl.range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         col_ok = t < hi
-        if ONE_READ:  # (n0 is a multiple of BLOCK_N)
+        if UPFRONT:  # (one redux.sync a step on sm_90)
+            page = tl.sum(tl.where(o_p == n0 // PAGE - first_page, split_pages, 0))
+            rows = page.to(tl.int64) * PAGE + t % PAGE
+        elif ONE_READ:  # (n0 is a multiple of BLOCK_N)
             page = tl.load(TABLE + off_b * MAX_PAGES + n0 // PAGE)
             rows = page.to(tl.int64) * PAGE + t % PAGE
         elif PAGED and PAGES_AHEAD:  # a block over several pages: their numbers read a step ahead (a loop carry)

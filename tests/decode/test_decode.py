@@ -161,9 +161,10 @@ def test_flash_decode_matches_the_train_oracle(case, backend):
 
 
 PAGED_CASES = [(page, backend, False, True) for backend in DECODE_BACKENDS for page in (4, 12, 32)] + [
-    (12, "triton", True, True), (32, "triton", False, False)]
-"""(page, backend, the Triton kernel's PAGES_AHEAD (off by default), its WHOLE_PAGE (on)): its pages smaller than the
-key block read either way, pages of whole blocks read once a block or per key."""
+    (12, "triton", True, True), (32, "triton", False, False), (64, "triton", True, True)]
+"""(page, backend, the Triton kernel's PAGES_AHEAD (off by default; with whole pages: its PAGES_UPFRONT), its WHOLE_PAGE
+(on)): its pages smaller than the key block read either way, pages of whole blocks read once a block, or with ``ahead``
+all of a split's before its loop, or per key."""
 
 
 @pytest.mark.parametrize("page, backend, ahead, whole", PAGED_CASES)
@@ -171,12 +172,14 @@ def test_paged_decode_reads_the_pages_through_the_table(page, backend, ahead, wh
     """Pages shuffled in the pool, two sequences sharing their first pages (a common prefix), lengths that end
     inside a page, an empty sequence, a window that skips pages; equal to ragged decode on the same tokens laid out
     in order. Pages of 4 and 12 (not a power of two) are smaller than the Triton kernel's key block (each block reads
-    its own page numbers, or with ``ahead`` the next block's a step ahead), 32 a multiple of it (its page number read
-    once a block, or without ``whole`` per key as smaller pages are)."""
+    its own page numbers, or with ``ahead`` the next block's a step ahead), 32 and 64 multiples of it (its page number
+    read once a block, with ``ahead`` (64: on the GPU too) picked from the split's read before its loop, or without
+    ``whole`` per key as smaller pages are)."""
     from ejgen.ops import page_attention, ragged_decode_attention
     from ejgen.runtime.attention.triton import decode as triton_decode
 
     monkeypatch.setattr(triton_decode, "PAGES_AHEAD", ahead)
+    monkeypatch.setattr(triton_decode, "PAGES_UPFRONT", ahead)
     monkeypatch.setattr(triton_decode, "WHOLE_PAGE", whole)
 
     rng = rng_for("paged", page)
@@ -279,6 +282,7 @@ DECODE_COMPILES = [  # (name, capability, kwargs)
     ("flash_attention", 90, dict(paged=True, window=True, softcap=True, groups=8, queries=2)),
     ("alibi_attention", 80, dict(params={"slopes": "float32"}, groups=4)),
     ("flash_attention", 90, dict(paged=True, page=64)),  # pages of whole blocks: a block's page read once
+    ("flash_attention", 90, dict(paged=True, page=64, upfront=True)),  # or all of a split's before the loop
 ]
 
 
@@ -288,12 +292,15 @@ def test_decode_kernels_compile_for_the_gpus(triton):
     Triton installed here and the GPU host's (EJGEN_GPU_HOST_TRITON), the requests in one process each."""
     from ejgen.testing.aot import compile_all_in_subprocess, gpu_host_triton
 
-    requests = [{"decode": True, "package": "ejgen.generated", "name": name, "capability": capability, **kwargs}
-                for name, capability, kwargs in DECODE_COMPILES]
+    requests = [{"decode": True, "package": "ejgen.generated", "name": name, "capability": capability,
+                 "with_ptx": True, **kwargs} for name, capability, kwargs in DECODE_COMPILES]
     folder = gpu_host_triton() if triton == "gpu host" else None
     for request, compiled in zip(requests, compile_all_in_subprocess(requests, triton=folder)):
         assert "error" not in compiled, (request, compiled.get("error"))
         assert compiled["decode_kernel"]["cubin"] and compiled["decode_kernel"]["shared"] <= 163 * 1024, request
+        # the key loop software-pipelined: K and V copied a step ahead (a page number carried from step to step
+        # instead left no cp.async at all, session 28)
+        assert "cp.async" in compiled["decode_kernel"]["ptx"], request
 
 
 def test_splits_fill_the_program_slots():
