@@ -327,10 +327,11 @@ j_decode-tune-b() { decode_tune decode-tune-b "${DECODE_TUNE_CASES_B:-decode-B32
   "${DECODE_TUNE_SETTINGS_B:-}"; }
 j_decode-tune-c() { decode_tune decode-tune-c "${DECODE_TUNE_CASES_C:-paged16-B4-S32k,paged16-B32-S8k}" \
   "${DECODE_TUNE_SETTINGS_C:-${DECODE_TUNE_SETTINGS:-}}"; }
-j_decode-upfront() {  # pages of whole blocks: the split's page numbers read before the loop (decode.PAGES_UPFRONT,
-  # session 28, not yet GPU-run) against each block's read in the loop, at 128 calls a sample; then the decode tests
+j_decode-upfront() {  # the split's page numbers read before the loop (decode.PAGES_UPFRONT, session 28, not yet
+  # GPU-run) against the reads in the loop, pages of 64 and 16, at 128 calls a sample; then the decode tests
   DECODE_TUNE_CALLS=128 decode_tune decode-upfront \
-    "decode-B8-S8k,paged64-B8-S8k,decode-B4-S32k,paged64-B4-S32k,paged64-B32-S8k" "64,2,4,1,4,4096,0,1,1"
+    "decode-B8-S8k,paged64-B8-S8k,paged16-B8-S8k,decode-B4-S32k,paged64-B4-S32k,paged16-B4-S32k,paged64-B32-S8k" \
+    "64,2,4,1,4,4096,0,1,1"
   shards decode-tests 200 3 tests/decode
 }
 j_decode-page() {  # pages of whole blocks read once a block (the default) or per key (decode.WHOLE_PAGE off), beside

@@ -62,11 +62,11 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
         lo += tl.maximum(length - SQ - window_left, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(lo + SPLIT, end)
     ONE_READ: tl.constexpr = PAGED and PAGE % BLOCK_N == 0 and WHOLE_PAGE  # a block in one page: one table read
-    if PAGED and not ONE_READ and PAGES_AHEAD:  # the first block's pages; a step reads the next block's
+    UPFRONT: tl.constexpr = PAGED and SPLIT_PAGES > 0
+    if PAGED and not ONE_READ and PAGES_AHEAD and not UPFRONT:  # the first block's pages; a step reads the next's
         t_next = lo + tl.arange(0, BLOCK_N)
         pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
-    UPFRONT: tl.constexpr = ONE_READ and SPLIT_PAGES > 0
-    if UPFRONT:  # the split's page numbers read before the loop (at most SPLIT_PAGES); a step picks its block's from
+    if UPFRONT:  # the split's page numbers read before the loop (at most SPLIT_PAGES); a step takes its block's from
         # registers, so no load of the table stands between a step and the next block's K and V (a page number carried
         # from step to step instead left the loop unpipelined: no cp.async in its sm_90 PTX, session 28)
         first_page = lo // PAGE
@@ -76,9 +76,12 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
     for n0 in tl.range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         col_ok = t < hi
-        if UPFRONT:  # (one redux.sync a step on sm_90)
+        if UPFRONT and ONE_READ:  # (one redux.sync a step on sm_90)
             page = tl.sum(tl.where(o_p == n0 // PAGE - first_page, split_pages, 0))
             rows = page.to(tl.int64) * PAGE + t % PAGE
+        elif UPFRONT:  # a block over several pages: each key's page number gathered from the split's
+            pages = tl.gather(split_pages, tl.minimum(t // PAGE - first_page, SPLIT_PAGES - 1), 0)
+            rows = pages.to(tl.int64) * PAGE + t % PAGE
         elif ONE_READ:  # (n0 is a multiple of BLOCK_N)
             page = tl.load(TABLE + off_b * MAX_PAGES + n0 // PAGE)
             rows = page.to(tl.int64) * PAGE + t % PAGE

@@ -31,20 +31,24 @@ PAGES_AHEAD = False
 # pipeliner stages). Session 26, one H200, 32 calls a sample: at B8 S8k paged 64 took 86.1 us against the contiguous
 # 77.1 (0.90; 0.99 in session 21) where paged 16, read per key, took 81.7: `decode_tune.py` A/Bs it ("whole page").
 WHOLE_PAGE = True
-# Pages of whole blocks (WHOLE_PAGE): PAGES_UPFRONT reads the split's page numbers once before the key loop (a vector
-# of at most SPLIT_PAGES: `split_pages`), each block's picked from it. Session 28 (H200, 128 calls a sample, decode.py's
-# same-round pairs): paged B8 S8k 0.91-0.92 of the contiguous call; the default reads the table before each block's K
-# on the loop's path (its sm_90 PTX: one ld.global a step beside the next block's cp.async); a page number carried a
-# step ahead instead unpipelined the loop (no cp.async: 88.8 -> 120.0 us) and was dropped. Built; its PTX keeps the
-# cp.async and has no load in the loop; NOT GPU-timed (decode_tune.py's "pages upfront" A/Bs it).
+# PAGES_UPFRONT reads the split's page numbers once before the key loop (a vector of SPLIT_PAGES: `split_pages`; at most
+# UPFRONT_PAGES, else the reads above), a block in one page (WHOLE_PAGE) picking its own from it, a block over several
+# pages gathering each key's (through shared memory). Session 28 (H200, 128 calls a sample, decode.py's same-round
+# pairs): paged B8 S8k 0.91-0.92 of the contiguous call; the default reads the table before each block's K on the
+# loop's path (its sm_90 PTX: an ld.global a step beside the next block's cp.async); a page number carried a step
+# ahead instead unpipelined the loop (no cp.async: 88.8 -> 120.0 us) and was dropped. Built; its PTX keeps the
+# cp.async and has no load in the loop (Triton 3.6 and 3.9); NOT GPU-timed (decode_tune.py's "pages upfront").
 PAGES_UPFRONT = False
+UPFRONT_PAGES = 512  # (int32 registers: 4 a thread at 4 warps; pages of 16 at 4096-key splits take 512)
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
 
 
 def split_pages(per_split: int, page: int) -> int:
     """The page numbers a split's keys span at most (a split need not start on a page's boundary), a power of two: the
-    vector a kernel reading them before its loop holds (PAGES_UPFRONT)."""
-    return host._pow2(per_split // page + 1)
+    vector a kernel reading them before its loop holds (PAGES_UPFRONT), or 0 past UPFRONT_PAGES (the kernel then reads
+    them in its loop)."""
+    n = host._pow2(per_split // page + 1)
+    return n if n <= UPFRONT_PAGES else 0
 
 
 def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: tuple, call, batch_invariant=False):
