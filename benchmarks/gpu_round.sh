@@ -137,7 +137,7 @@ j_state-groups() {  # the state walks in groups (host.STATE_GROUPS; session 28: 
   # "rewalk" form NOT yet GPU-run): GPU tests of both forms, then the kernel rows ("chunk_state in N groups ...",
   # "... walked twice", "op fwd / fwd+bwd, the state walks in N groups", "..., N groups walked twice") where it splits
   shards state-groups-tests 200 3 -k "walk_in_groups" tests/recurrent
-  job state-groups 230 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention,gla \
+  job state-groups 330 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention,gla \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
 j_after-sums() {  # 16-bit after sums formed by their readers (host.AFTER_FROM_PREFIX, session 28, not yet GPU-run):
