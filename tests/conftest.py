@@ -132,6 +132,12 @@ def pytest_runtest_makereport(item, call):
 # GPU host's 3.6 cache still warm): 1097 s; attention 950, zoo 296, recurrent 239, multidevice 208, blocksparse 178,
 # decode 72. The sm_90 Gluon compile tests alone take ~190 test-seconds cold (the launch-budget test 69 s, the list
 # kernels 29, the zoo's masks 29, the dynamic queue 23, cross 20, the backward's position terms 14): next to trim.
+# Session 28: those 8 tests, each tree alone from empty caches of both Tritons, interleaved, medians of 4 (runs vary
+# +-15% here): 235 -> 211 test-seconds; the dynamic queue 21 -> 10 (its static forwards are two of the launch budget's
+# kernels, from Triton's cache), position terms 22 -> 17, zoo masks on 3.6 23 -> 20; the others within noise (launch
+# budget 72, zoo masks 32, list 26, cross 19, list on 3.6 18: every kernel distinct, 3-7 s each). Warm 21.5 -> 6.6:
+# ejgen.testing.aot keeps one compiling process per Triton (~2 s a call saved, every AOT test). Whole suite, both
+# caches cold: 1167 s, 1842 passed. Next: test_triton_aot's compile test, 197 s cold under -n 2 (f32 40, d256 30).
 BUDGET_SECONDS = {"attention": 660, "zoo": 240, "blocksparse": 140, "compiler": 110, "multidevice": 160, "pooling": 60,
                   "recurrent": 125, "decode": 60}
 NEW_FAMILY_BUDGET = 107  # each family still to come

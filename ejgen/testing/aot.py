@@ -7,17 +7,20 @@ ptxas assembles the code, so shapes, layouts and lowering rules are all checked.
 
 Triton chooses between compiler and interpreter when a kernel (its own library included) is
 decorated, so a process that runs the interpreter cannot compile: ``compile_in_subprocess`` runs
-this module's ``main`` in a fresh interpreter with TRITON_INTERPRET unset.
+this module in another interpreter with TRITON_INTERPRET unset, one that stays (`_Server`) for the
+process's later compiles with the same Triton and environment.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
 from ejgen.runtime.attention.triton.configs import band_blocks
@@ -413,13 +416,80 @@ def _in_subprocess(args, triton: str | None = None):
     if not env.get("TRITON_CACHE_DIR"):
         # Triton 3.6 on the GPU host found no cache dir of its own in this subprocess: name one
         env["TRITON_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "ejgen-triton-cache")
-    proc = subprocess.run([sys.executable, "-m", "ejgen.testing.aot", json.dumps(args)], env=env, capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
+    reply = _Server.of(triton, env).ask(args)
+    if "failed" in reply:
         what = ("several kernels" if isinstance(args, list) else "the Gluon forward" if args.get("gluon")
                 else f"{args['package']}.{args['name']}")
-        raise RuntimeError(f"AOT compile of {what} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"AOT compile of {what} failed:\n{reply['failed']}")
+    return reply["result"]
+
+
+class _Server:
+    """One interpreter of this module (``main(["--serve", ...])``) that compiles request after request for this
+    process: Python, JAX, Triton and the packages start and import once, not once a call (~2 s a call, with a cold
+    Triton cache or a warm one). One per Triton folder (None: the installed one); a new one where the environment or
+    the working folder differ from its own (a test's PYTHONPATH or settings), where it died, or after `IDLE` seconds
+    without a request (it exits then: its ~350 MB back)."""
+
+    IDLE = 90
+    _running: dict = {}  # Triton folder -> _Server
+
+    def __init__(self, triton: str | None, env: dict, key):
+        self.triton, self.key = triton, key
+        self.log = tempfile.TemporaryFile()  # its stderr: a crash's last words
+        self.proc = subprocess.Popen([sys.executable, "-m", "ejgen.testing.aot", "--serve", str(self.IDLE)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.used = time.monotonic()
+
+    @classmethod
+    def of(cls, triton: str | None, env: dict) -> "_Server":
+        key = (os.getcwd(), sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST"))
+        server = cls._running.get(triton)
+        # (restarted a little before its own idle limit: it never exits while a request is on its way)
+        if (server is None or server.key != key or server.proc.poll() is not None
+                or time.monotonic() - server.used > 0.75 * cls.IDLE):
+            if server is not None:
+                server.close()
+            server = cls._running[triton] = cls(triton, env, key)
+        return server
+
+    def ask(self, args) -> dict:
+        """``{"result": ...}`` as `main` prints it for ``args``, or ``{"failed": <why>}``."""
+        try:
+            self.proc.stdin.write(json.dumps(args) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        except BaseException:  # (interrupted: its reply would answer the next request)
+            self.close()
+            raise
+        self.used = time.monotonic()
+        if line:
+            return json.loads(line)
+        self.log.seek(0, os.SEEK_END)
+        self.log.seek(max(0, self.log.tell() - 4000))
+        last_words = self.log.read().decode(errors="replace")
+        self.close()
+        return {"failed": f"the compiling process died (exit {self.proc.returncode}):\n{last_words}"}
+
+    def close(self):
+        if self._running.get(self.triton) is self:
+            del self._running[self.triton]
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@atexit.register
+def _close_servers():
+    for server in list(_Server._running.values()):
+        server.close()
 
 
 def _compile(args: dict) -> dict:
@@ -439,18 +509,48 @@ def _compile(args: dict) -> dict:
     return summary(compiled, with_ptx, with_resources)
 
 
-def main(argv=None) -> int:
-    args = json.loads((argv or sys.argv[1:])[0])
+def _answer(args):
+    """`main`'s answer to ``args``: one request's `summary`, or a list of them (a request that failed:
+    ``{"error": <the traceback's end>}``, the others still compiled)."""
     if not isinstance(args, list):
-        print(json.dumps(_compile(args)))
-        return 0
+        return _compile(args)
     results = []
     for request in args:
         try:
             results.append(_compile(request))
         except Exception:  # reported with its request; the others still compile
             results.append({"error": traceback.format_exc()[-4000:]})
-    print(json.dumps(results))
+    return results
+
+
+def _serve(idle: float) -> int:
+    """Requests (JSON, a line each) from stdin until it closes or stays silent ``idle`` seconds; a line of JSON on
+    stdout for each, ``{"result": ...}`` or ``{"failed": <the traceback's end>}``."""
+    import select
+
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever Triton or a tool prints goes to stderr, not between the replies
+    sys.stdout = sys.stderr
+    while select.select([sys.stdin], [], [], idle)[0]:
+        line = sys.stdin.readline()
+        if not line:
+            break
+        try:
+            reply = {"result": _answer(json.loads(line))}
+        except Exception:
+            reply = {"failed": traceback.format_exc()[-4000:]}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+    return 0
+
+
+def main(argv=None) -> int:
+    """``python -m ejgen.testing.aot '<JSON request or list of requests>'``: `_answer`'s JSON on stdout;
+    ``--serve IDLE``: `_serve`."""
+    argv = argv or sys.argv[1:]
+    if argv[0] == "--serve":
+        return _serve(float(argv[1]))
+    print(json.dumps(_answer(json.loads(argv[0]))))
     return 0
 
 
