@@ -174,12 +174,10 @@ def select(cases, filt: str, quick: bool, smoke: bool):
 def paged_pool(k, v, page: int, seed: int):
     """(k_pool, v_pool [B * n, page, Hkv, D], tables int32 [B, n]): cache row b's page i at pool[tables[b, i]],
     the pool's order a seeded shuffle."""
-    batch, seq = k.shape[:2]
-    n = seq // page
-    perm = np.random.default_rng(seed + page).permutation(batch * n).astype(np.int32)
+    k_pages, v_pages, in_order = ordered_pool(k, v, page)
+    perm = np.random.default_rng(seed + page).permutation(in_order.size).astype(np.int32)
     inv = jnp.asarray(np.argsort(perm).astype(np.int32))
-    pool = lambda x: x.reshape(batch * n, page, *x.shape[2:])[inv]
-    return pool(k), pool(v), jnp.asarray(perm.reshape(batch, n))
+    return k_pages[inv], v_pages[inv], jnp.asarray(perm.reshape(in_order.shape))
 
 
 def ordered_pool(k, v, page: int):

@@ -632,13 +632,18 @@ def _after_at(PS, RS, LS, chunk, rows, m_s, i_h, o_k, m_k, H: tl.constexpr, K: t
     the difference of two sums as the 16-bit forms take their exponents since session 22)."""
     if AFTER:
         return _sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
-    b_p = _sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
-    b_t = _total_at(LS, chunk, i_h, o_k, m_k, H, K, USE_GK)[None, :]
+    return _after_from(_sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK),
+                       _total_at(LS, chunk, i_h, o_k, m_k, H, K, USE_GK), m_s, m_k, USE_GK)
+
+
+@triton.jit
+def _after_from(b_p, b_t, m_s, m_k, USE_GK: tl.constexpr):
+    """R_j = L_C - P_j [C, BK | 1] from a chunk's prefix sums b_p and its whole sum b_t [BK | 1], 0 on invalid steps."""
     if USE_GK:
         valid = m_s[:, None] & m_k[None, :]
     else:
         valid = m_s[:, None]
-    return tl.where(valid, b_t - b_p, 0.0)
+    return tl.where(valid, b_t[None, :] - b_p, 0.0)
 
 
 @triton.jit
@@ -662,11 +667,7 @@ def _walk_sums(S, LS, bos, eos, first, i_t, i_h, o_k, m_k, H: tl.constexpr, K: t
     else:
         b_t = tl.load(LS + chunk.to(tl.int64) + tl.zeros([1], dtype=tl.int64), mask=live, other=0.0)
     if FROM_PREFIX:
-        if USE_GK:
-            valid = (m_s & live)[:, None] & m_k[None, :]
-        else:
-            valid = (m_s & live)[:, None]
-        b_s = tl.where(valid, b_t[None, :] - b_s, 0.0)
+        b_s = _after_from(b_s, b_t, m_s & live, m_k, USE_GK)
     return b_s, b_t
 
 
@@ -741,13 +742,42 @@ def _walk_group(bos, eos, o_k, m_k, i_v, C: tl.constexpr, K: tl.constexpr, USE_G
 
 
 @triton.jit
-def _walk_group_end(GE, GD, b_h, b_dc, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H: tl.constexpr, K: tl.constexpr,
-                    V: tl.constexpr, KD, NG: tl.constexpr):
-    """A group's walk done (`_walk_group`): its end state or start adjoint b_h into GE [B NG, H, K, V] and its log
-    decay b_dc into GD [B NG, H, K | 1]."""
-    at = ((i_n * NG + i_g) * H + i_h).to(tl.int64)
-    tl.store(GE + at * K * V + p_h, b_h, mask=m_h)
-    tl.store(GD + at * KD + o_d, b_dc, mask=m_d)
+def _walk_start(S0, i_nh, i_n, i_g, i_h, p_h, m_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                USE: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, PASS: tl.constexpr):
+    """A walk's first tile [BK, BV] float32 (the state, or the adjoint walking back): S0's [N, H, K, V] where USE (h0,
+    d final_state); with groups (`_walk_group`) zero, or in PASS 2 its group's joined start from S0 [N NG, H, K, V]."""
+    if GROUP > 0 and PASS == 2:
+        b_h = tl.load(S0 + ((i_n * NG + i_g) * H + i_h).to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
+    elif USE and GROUP == 0:
+        b_h = tl.load(S0 + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
+    else:
+        b_h = tl.zeros(p_h.shape, dtype=tl.float32)
+    return b_h
+
+
+@triton.jit
+def _walk_store(HS, DC, b_h, b_dc, row, p_h, m_h, o_d, m_d, K: tl.constexpr, V: tl.constexpr, KD,
+                GROUP: tl.constexpr, PASS: tl.constexpr):
+    """A walk's tile at one chunk (row: the chunk's row x H + head) into HS, and with groups (PASS 0) its log decay
+    from its group's reference into DC; PASS 1 (the groups' ends alone) stores neither."""
+    if GROUP == 0 or PASS != 1:
+        tl.store(HS + row * K * V + p_h, b_h, mask=m_h)
+    if GROUP > 0 and PASS == 0:
+        tl.store(DC + row * KD + o_d, b_dc, mask=m_d)
+
+
+@triton.jit
+def _walk_end(GE, GD, HT, b_h, b_dc, i_nh, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H: tl.constexpr, K: tl.constexpr,
+              V: tl.constexpr, KD, GROUP: tl.constexpr, NG: tl.constexpr, PASS: tl.constexpr):
+    """A walk done: its last tile (the final state, or d initial_state) into HT [N, H, K, V]; with groups
+    (`_walk_group`) the group's into GE [B NG, H, K, V] and its log decay b_dc into GD [B NG, H, K | 1], except in
+    PASS 2 (its states from the joined starts: nothing left to join)."""
+    if GROUP == 0:
+        tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
+    elif PASS != 2:
+        at = ((i_n * NG + i_g) * H + i_h).to(tl.int64)
+        tl.store(GE + at * K * V + p_h, b_h, mask=m_h)
+        tl.store(GD + at * KD + o_d, b_dc, mask=m_d)
 
 
 @triton.jit
@@ -783,21 +813,14 @@ def linear_attention_chunk_state_kernel(
     m_k, m_v = o_k < K, o_v < V
     m_h = m_k[:, None] & m_v[None, :]
     p_h = o_k[:, None] * V + o_v[None, :]
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
     t0, t1, i_g, o_d, m_d, KD = _walk_group(bos, eos, o_k, m_k, i_v, C, K, USE_GK, GROUP)
-    if USE_H0 and GROUP == 0:
-        b_h += tl.load(H0 + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
-    elif GROUP > 0 and PASS == 2:
-        b_h += tl.load(H0 + ((i_n * NG + i_g) * H + i_h).to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
+    b_h = _walk_start(H0, i_nh, i_n, i_g, i_h, p_h, m_h, H, K, V, USE_H0, GROUP, NG, PASS)
     b_dc = tl.zeros(o_d.shape, dtype=tl.float32)  # GROUP: L(group start, chunk start]
     if SUMS:
         b_after, b_decay = _walk_sums(RS if AFTER else PS, LS, bos, eos, first, t0, i_h, o_k, m_k, H, K, C, USE_GK,
                                       REVERSE, not AFTER)
     for i_t in range(t0, t1):
-        if GROUP == 0 or PASS != 1:
-            tl.store(HS + ((first + i_t) * H + i_h) * K * V + p_h, b_h, mask=m_h)
-        if GROUP > 0 and PASS == 0:
-            tl.store(DC + ((first + i_t) * H + i_h) * KD + o_d, b_dc, mask=m_d)
+        _walk_store(HS, DC, b_h, b_dc, (first + i_t) * H + i_h, p_h, m_h, o_d, m_d, K, V, KD, GROUP, PASS)
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
@@ -813,11 +836,7 @@ def linear_attention_chunk_state_kernel(
             b_h = _advance(b_h, b_k, b_v, _after(b_l), _chunk_decay(b_l), DT)
             if GROUP > 0:
                 b_dc += tl.sum(b_l, axis=0)
-    if GROUP > 0:
-        if PASS != 2:
-            _walk_group_end(GE, GD, b_h, b_dc, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H, K, V, KD, NG)
-    else:
-        tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
+    _walk_end(GE, GD, HT, b_h, b_dc, i_nh, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H, K, V, KD, GROUP, NG, PASS)
 
 
 @triton.jit
@@ -1233,21 +1252,13 @@ def linear_attention_chunk_state_bwd_kernel(
     m_h = m_k[:, None] & m_v[None, :]
     p_h = o_k[:, None] * V + o_v[None, :]
     t0, t1, i_g, o_d, m_d, KD = _walk_group(bos, eos, o_k, m_k, i_v, C, K, USE_GK, GROUP)
-    if GROUP > 0 and PASS == 2:
-        b_dh = tl.load(DHT + ((i_n * NG + i_g) * H + i_h).to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
-    elif GROUP > 0:
-        b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    else:
-        b_dh = tl.load(DHT + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0)
+    b_dh = _walk_start(DHT, i_nh, i_n, i_g, i_h, p_h, m_h, H, K, V, True, GROUP, NG, PASS)
     b_dc = tl.zeros(o_d.shape, dtype=tl.float32)  # GROUP: L(chunk end, group end]
     if SUMS:
         b_pre, b_decay = _walk_sums(PS, LS, bos, eos, first, t1 - 1, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
     for back in range(0, t1 - t0):
         i_t = t1 - 1 - back
-        if GROUP == 0 or PASS != 1:
-            tl.store(DHS + ((first + i_t) * H + i_h) * K * V + p_h, b_dh, mask=m_h)
-        if GROUP > 0 and PASS == 0:
-            tl.store(DC + ((first + i_t) * H + i_h) * KD + o_d, b_dc, mask=m_d)
+        _walk_store(DHS, DC, b_dh, b_dc, (first + i_t) * H + i_h, p_h, m_h, o_d, m_d, K, V, KD, GROUP, PASS)
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
         b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP) * SCALE  # [C, BK]
         b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
@@ -1263,11 +1274,7 @@ def linear_attention_chunk_state_bwd_kernel(
             b_dh = _advance(b_dh, b_q, b_do, _cumsum(b_l, axis=0), _chunk_decay(b_l), DT)
             if GROUP > 0:
                 b_dc += tl.sum(b_l, axis=0)
-    if GROUP > 0:
-        if PASS != 2:
-            _walk_group_end(GE, GD, b_dh, b_dc, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H, K, V, KD, NG)
-    else:
-        tl.store(DH0 + i_nh.to(tl.int64) * K * V + p_h, b_dh, mask=m_h)
+    _walk_end(GE, GD, DH0, b_dh, b_dc, i_nh, i_n, i_g, i_h, p_h, m_h, o_d, m_d, H, K, V, KD, GROUP, NG, PASS)
 
 
 @triton.jit

@@ -302,14 +302,23 @@ def _sums(sums, *which):
 
 def chunk_states(kernels, k, v, gates, h0, ctx, cfg, dtype=F32, sums=None):
     """(HS [chunks, H, K, V]: the state at each chunk's start, in ``dtype`` (the kernel carries it in float32 and
-    rounds what it stores), final_state [N, H, K, V] float32); ``sums``: ``chunk_sums``' (or None). Walked in groups
-    twice where STATE_GROUP_FORM is "rewalk" and the walk splits (`state_group`)."""
+    rounds what it stores), final_state [N, H, K, V] float32); ``sums``: ``chunk_sums``' (or None); `_walk`."""
+    return _walk(kernels, "chunk_state", h0, cfg, False,
+                 lambda start, *walk: _states(kernels, k, v, gates, start, ctx, cfg, dtype, sums, *walk))
+
+
+def _walk(kernels, which, start, cfg, backward, launch):
+    """A state walk's (stored tiles [chunks, H, K, V], its last tile: the final state or d initial_state) from ``start``
+    (h0 or None, or d final_state); ``launch(start, group, ng, walk_pass)``: `_states` or `_state_grads` on their
+    inputs. Where STATE_GROUP_FORM is "rewalk" and the walk splits (`state_group`), in groups walked twice: the
+    groups' ends alone (PASS 1; their kernels ignore ``start``), joined (`_join_groups`), then each group from its
+    joined start (PASS 2)."""
     group, ng = state_group(cfg) if STATE_GROUP_FORM == "rewalk" else (0, 1)
-    if group:
-        _, _, ge, gd, _ = _states(kernels, k, v, gates, None, ctx, cfg, dtype, sums, group, ng, 1)
-        gs, ht = _join_groups(kernels, "chunk_state", h0, ge, gd, cfg, ng, False)
-        return _states(kernels, k, v, gates, gs, ctx, cfg, dtype, sums, group, ng, 2)[0], ht
-    return _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, 0, 1)[:2]
+    if not group:
+        return launch(start, 0, 1, 0)[:2]
+    _, _, ge, gd, _ = launch(start, group, ng, 1)
+    starts, end = _join_groups(kernels, which, start, ge, gd, cfg, ng, backward)
+    return launch(starts, group, ng, 2)[0], end
 
 
 def _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, group, ng, walk_pass=0):
@@ -537,13 +546,9 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
 def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums=None, dtype=F32):
     """(DHS [chunks, H, K, V]: the adjoint of the state at each chunk's end, in ``dtype`` (carried in float32, rounded
     where it is stored), d initial_state [N, H, K, V] float32) (do in q's dtype; ``sums``: ``chunk_sums``' or None).
-    Walked in groups twice where STATE_GROUP_FORM is "rewalk" and the walk splits, as `chunk_states`."""
-    group, ng = state_group(cfg) if STATE_GROUP_FORM == "rewalk" else (0, 1)
-    if group:
-        _, _, ge, gd, _ = _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, group, ng, 1)
-        ga, dh0 = _join_groups(kernels, "chunk_state_bwd", dht, ge, gd, cfg, ng, True)
-        return _state_grads(kernels, q, gates, ctx, cfg, do, ga, sums, dtype, group, ng, 2)[0], dh0
-    return _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, 0, 1)[:2]
+    `_walk`."""
+    return _walk(kernels, "chunk_state_bwd", dht, cfg, True,
+                 lambda start, *walk: _state_grads(kernels, q, gates, ctx, cfg, do, start, sums, dtype, *walk))
 
 
 def chunk_state_grads_grouped(kernels, q, gates, ctx, cfg, do, dht, sums=None, dtype=F32):
