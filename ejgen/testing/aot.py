@@ -183,8 +183,7 @@ def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str 
                   SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, PAGED=paged,
                   PAGE=page if paged else 1, MAX_PAGES=8192 // page if paged else 1, PAGES_AHEAD=decode.PAGES_AHEAD,
                   WHOLE_PAGE=decode.WHOLE_PAGE,
-                  SPLIT_PAGES=decode.split_pages(per_split, page) if paged and (
-                      decode.PAGES_UPFRONT if upfront is None else upfront) else 0,
+                  SPLIT_PAGES=decode.split_pages(per_split, page, upfront) if paged else 0,
                   PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False)
     sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}

@@ -43,12 +43,12 @@ UPFRONT_PAGES = 512  # (int32 registers: 4 a thread at 4 warps; pages of 16 at 4
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
 
 
-def split_pages(per_split: int, page: int) -> int:
-    """The page numbers a split's keys span at most (a split need not start on a page's boundary), a power of two: the
-    vector a kernel reading them before its loop holds (PAGES_UPFRONT), or 0 past UPFRONT_PAGES (the kernel then reads
-    them in its loop)."""
+def split_pages(per_split: int, page: int, upfront: bool | None = None) -> int:
+    """The kernel's SPLIT_PAGES: the page numbers a split's keys span at most (a split need not start on a page's
+    boundary), a power of two, the vector a kernel reading them before its loop holds; 0 (read in the loop) without
+    ``upfront`` (default PAGES_UPFRONT) or past UPFRONT_PAGES."""
     n = host._pow2(per_split // page + 1)
-    return n if n <= UPFRONT_PAGES else 0
+    return n if (PAGES_UPFRONT if upfront is None else upfront) and n <= UPFRONT_PAGES else 0
 
 
 def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: tuple, call, batch_invariant=False):
@@ -82,6 +82,6 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
         M_PAD=m_pad, BLOCK_N=block_n, SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=cfg.causal, WINDOW=cfg.window,
         SOFTCAP=cfg.softcap, PAGED=paged, PAGE=call.page if paged else 1,
         MAX_PAGES=call.tables.shape[1] if paged else 1, PAGES_AHEAD=PAGES_AHEAD, WHOLE_PAGE=WHOLE_PAGE,
-        SPLIT_PAGES=split_pages(per_split, call.page) if paged and PAGES_UPFRONT else 0,
+        SPLIT_PAGES=split_pages(per_split, call.page) if paged else 0,
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32", UPCAST=interpret and q.dtype == jnp.bfloat16)
     return split_k.merge(o_part, m_part, l_part, sinks, groups, sq, dv, q.dtype)
