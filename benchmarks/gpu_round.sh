@@ -33,6 +33,7 @@
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane (REC_BENCH_ARGS)
 #   rec-light      the recurrent table's lightning rows alone
 #   rec-decode     the recurrent decode table
+#   rec-decode-study  the same with the fused kernels' BV x warps sweep and a 4-step loop's kernels under the profiler
 #   attn-tests     every attention GPU test (the Gluon file included), sharded 2 processes a GPU
 #   gluon-tests    the Gluon GPU tests, sharded 2 processes a GPU                     (issues 14, 15)
 #   zoo-tests      the zoo's GPU tests (every spec on the GPU backends)                (issue 15)
@@ -195,6 +196,8 @@ j_rec-kernels-ab() {  # recurrent_kernels.py of the tree in abtree/ (a `git arch
 }
 j_rec-light() { job rec-light 150 python3 benchmarks/recurrent.py --cases lightning --out "$log/light"; }
 j_rec-decode() { job rec-decode 150 python3 benchmarks/recurrent.py --decode-only --out "$log/dec"; }
+j_rec-decode-study() { job rec-decode-study 240 python3 benchmarks/recurrent.py --decode-only --decode-sweep \
+  --decode-profile --out "$log/dec"; cp -r "$log/dec" "$OUT/rec-decode" 2>/dev/null || true; }
 j_attn-tests() { shards attn-tests 450 2 tests/attention; }
 j_gluon-tests() { shards gluon-tests 290 2 tests/attention/test_gluon.py; }
 j_zoo-tests() { shards zoo-tests 220 2 tests/zoo; }

@@ -178,11 +178,13 @@ def stages(op_name, b, t, h, d):
     n_c, rows_h = -(-t // cfg.chunk), b * h
     nkv = lambda n: -(-cfg.dk // blocks[n]["BK"]) * -(-cfg.dv // blocks[n]["BV"])  # noqa: E731
     sums = None  # chunk_sums' (gk, the chunk_gate_sums setting "kernel"), which the op forms in each pass
+    other = "always" if host.after_stored(q, cfg) else "never"  # the after sums' form the op does not take
+    after = {"AFTER_FROM_PREFIX": other}
     if host.chunk_sums(kernels, q, gates, ctx, cfg) is not None:
         sums_grid = (n_c, -(-cfg.dk // blocks["chunk_sums"]["BK"]), rows_h) if cfg.has("gk") else (n_c, 1, b)
         sums = add("chunk_sums", lambda q, g: host.chunk_sums(kernels, q, g, ctx, cfg), q, gates, grid=sums_grid)
-        if not host.AFTER_FROM_PREFIX:  # 16-bit inputs: without the after sums (their readers form them)
-            add("chunk_sums, no after sums", switched(AFTER_SUMS, lambda q, g: host.chunk_sums(
+        if q.dtype != jnp.float32:  # 16-bit inputs: the after sums' other form (stored, or formed by their readers)
+            add(f"chunk_sums, {AFTER_NAMED[other]}", switched(after, lambda q, g: host.chunk_sums(
                 kernels, q, g, ctx, cfg)), q, gates, grid=sums_grid, which="chunk_sums")
     stored = host.backward_states_dtype(cfg)  # the states and adjoints as the op's backward stores them
     hs, _ = add("chunk_state", lambda k, v, g, s: host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s),
@@ -258,9 +260,9 @@ def stages(op_name, b, t, h, d):
         if sums is not None:
             named = "scanned gates" if host.GRADS_INTRA_SUMS else "prefix sums"
             add(f"op fwd+bwd, chunk_grads_intra's {named}", flipped("GRADS_INTRA_SUMS", fwd_bwd), q, k, v, g, do)
-    if sums is not None and not host.AFTER_FROM_PREFIX:
-        add("op fwd, after sums from the prefix sums", switched(AFTER_SUMS, fwd), q, k, v, g)
-        add("op fwd+bwd, after sums from the prefix sums", switched(AFTER_SUMS, fwd_bwd), q, k, v, g, do)
+    if sums is not None and q.dtype != jnp.float32:
+        add(f"op fwd, {AFTER_NAMED[other]}", switched(after, fwd), q, k, v, g)
+        add(f"op fwd+bwd, {AFTER_NAMED[other]}", switched(after, fwd_bwd), q, k, v, g, do)
     if group:
         named = "one walk a sequence" if host.STATE_GROUPS else f"the state walks in {ng} groups"
         add(f"op fwd, {named}", flipped("STATE_GROUPS", fwd), q, k, v, g)
@@ -271,8 +273,9 @@ def stages(op_name, b, t, h, d):
     return out, (q, k, v, do, g, fwd)
 
 
-AFTER_SUMS = {"AFTER_FROM_PREFIX": True}
-"""16-bit inputs: chunk_sums stores no after sums; chunk_state, chunk_grads_qk and chunk_grads_v form them."""
+AFTER_NAMED = {"never": "after sums stored", "always": "after sums from the prefix sums"}
+"""16-bit inputs, host.AFTER_FROM_PREFIX: chunk_sums stores the after sums ("never"), or chunk_state, chunk_grads_qk
+and chunk_grads_v form them ("always"; the default "gk" forms them for per-key gates only)."""
 
 REWALK = {"STATE_GROUPS": True, "STATE_GROUP_FORM": "rewalk"}
 """The state walks in groups, each walked twice (its end, then from its joined start): the readers unchanged."""

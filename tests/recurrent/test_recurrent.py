@@ -219,7 +219,7 @@ def test_triton_after_sums_from_the_prefix_sums(case, monkeypatch):
         return launch(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(triton_call, "launch", spy)
-    monkeypatch.setattr(host, "AFTER_FROM_PREFIX", True)
+    monkeypatch.setattr(host, "AFTER_FROM_PREFIX", "always")
     check(case, "triton")
     assert {name for name, _ in seen} == {"sums", "state", "grads_qk", "grads_v"}, seen
     assert not any(after for _, after in seen), seen

@@ -93,7 +93,7 @@ def test_triton_after_sums_from_the_prefix_sums(case, monkeypatch):
     oracle."""
     from ejgen.runtime.recurrent.triton import host
 
-    monkeypatch.setattr(host, "AFTER_FROM_PREFIX", True)
+    monkeypatch.setattr(host, "AFTER_FROM_PREFIX", "always")
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 
 

@@ -250,15 +250,20 @@ def _triton_dtype(dtype):
 
 # 16-bit inputs: the sums after each step, R_j = L(j, end], taken where they are read as L_C - P_j from the prefix
 # sums and the chunk's whole sum (`_after_at`), not stored by chunk_sums: with gk one [B, T, H, K] float32 array less
-# written (chunk_sums, run in each pass) and read (chunk_state, chunk_grads_qk, chunk_grads_v). chunk_sums was 0.149
-# ms of gla's 0.96 ms forward at B4 T4096 and 0.296 of 1.91 at B2 T16k (H200, session 28), writing P and R. Float32
-# inputs keep R as a sum of its own steps. Session 28: built, checked in the interpreter, NOT GPU-timed: off.
-AFTER_FROM_PREFIX = False
+# written (chunk_sums, run in each pass) and read (chunk_state, chunk_grads_qk, chunk_grads_v). "gk" (the default)
+# forms them for per-key gates only, "always" for scalar gates too, "never" stores them. H200, session 29, one
+# call (recurrent_kernels.py, op rows stored -> formed): gla B4 T4096 fwd 0.871 -> 0.814 ms, fwd+bwd 3.046 -> 2.975;
+# gla B2 T16k 1.800 -> 1.744, 6.287 -> 6.175; but simple_gla B2 T16k 0.667 -> 0.776 fwd, 2.884 -> 2.919 fwd+bwd
+# (lightning alike): a scalar gate's after sums are [B, T, H], cheaper stored than formed by every reader's tile.
+# Float32 inputs keep R as a sum of its own steps.
+AFTER_FROM_PREFIX = "gk"
 
 
-def after_stored(x) -> bool:
+def after_stored(x, cfg) -> bool:
     """Whether chunk_sums stores the after sums RS for inputs of ``x``'s dtype (else their readers form them)."""
-    return not (AFTER_FROM_PREFIX and jnp.dtype(x.dtype).itemsize == 2)
+    if jnp.dtype(x.dtype).itemsize != 2 or AFTER_FROM_PREFIX == "never":
+        return True
+    return AFTER_FROM_PREFIX == "gk" and not cfg.has("gk")
 
 
 def chunk_sums(kernels, q, gates, ctx, cfg):
@@ -281,7 +286,7 @@ def chunk_sums(kernels, q, gates, ctx, cfg):
         per, grid = (), (per_row, 1, grid_rows)
         c.update(K=1, BK=scalar_sums_lanes(cfg.heads))
     rows = jax.ShapeDtypeStruct(q.shape[:3] + per, F32)
-    after = after_stored(q)
+    after = after_stored(q, cfg)
     return tuple(triton_call.launch(
         kernels.get("chunk_sums"), grid, [*ins[:3], ins[5], chunks],
         [rows, rows if after else jax.ShapeDtypeStruct((1,), F32),
@@ -334,7 +339,7 @@ def _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, group, ng, walk_pas
         kernels.get("chunk_state"), grid + ((ng,) if group else ()),
         [k, v, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[4], ins[5], first],
         _group_outputs(cfg, group, ng, per_row * grid_rows, dtype, walk_pass),
-        USE_H0=h0 is not None, SUMS=sums is not None, GROUP=group, NG=ng, PASS=walk_pass, AFTER=after_stored(k),
+        USE_H0=h0 is not None, SUMS=sums is not None, GROUP=group, NG=ng, PASS=walk_pass, AFTER=after_stored(k, cfg),
         **options,
         **{n: x for n, x in c.items() if n not in ("SCALE",)})
 
@@ -632,7 +637,7 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
         [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if gated else (1,), F32)],
         zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
         SUMS=sums is not None, SP=_products(cfg), GROUP=groups[0][2] if groups else 0,
-        NG=groups[0][3] if groups else 1, AFTER=after_stored(q), **options,
+        NG=groups[0][3] if groups else 1, AFTER=after_stored(q, cfg), **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return dq, dk, dlog if gated else None
 
@@ -650,7 +655,7 @@ def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None, sums=None, gr
          *(groups[:2] if groups else (_dummy(), _dummy())), do],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype if _direct(kernels, cfg) else F32)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
-        GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AFTER=after_stored(q), **options,
+        GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AFTER=after_stored(q, cfg), **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return dv
 
