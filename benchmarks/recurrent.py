@@ -58,6 +58,10 @@ def parse_args(argv=None):
     p.add_argument("--fla", default="", help="JSON written by benchmarks/recurrent_fla.py on the same machine")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--calls", type=int, default=8,
+                   help="train table: calls a sample, dispatched back to back (fla's script times 4 between CUDA "
+                        "events, device time; 2 here before session 29 put ~30-80 us of JAX's dispatch and wake-up "
+                        "in each 0.3-0.9 ms forward)")
     p.add_argument("--cases", default="", help="comma-separated substrings of case names (default: all)")
     p.add_argument("--xla", action="store_true", help="also time the XLA backend")
     p.add_argument("--onepass", action="store_true", help="also time the one-pass forward (chunk_forward fused)")
@@ -164,7 +168,7 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     fla = json.loads(Path(args.fla).read_text()) if args.fla else {}
     device = jax.devices()[0].device_kind
-    print(f"device: {device}; jax {jax.__version__}", flush=True)
+    print(f"device: {device}; jax {jax.__version__}; train table: {args.calls} calls a sample", flush=True)
     toks = [t for t in args.cases.split(",") if t]
     rows = []
     for case, op_name, gates, b, t, h, k, v in cases(smoke):
@@ -199,7 +203,7 @@ def main():
         samples = {key: [] for key in timed}
         for _ in range(args.rounds):  # interleaved rounds
             for key, (exe, fargs, _) in timed.items():
-                samples[key].append(median_seconds(exe, fargs, args.reps, batch=2 if not smoke else 1))
+                samples[key].append(median_seconds(exe, fargs, args.reps, batch=args.calls if not smoke else 1))
         for key, (_, _, row) in timed.items():
             row["ms"] = statistics.median(samples[key]) * 1e3
             peer = fla.get(f"{_fla_name(op_name)}|{case.split('-', 1)[1]}|{row['pass_']}")
@@ -290,11 +294,14 @@ class _FusedConfig:
         self.values = (bv, warps)
 
     def __enter__(self):
-        self.saved = (self.module.FUSED_BV, self.module.NUM_WARPS)
-        self.module.FUSED_BV, self.module.NUM_WARPS = self.values
+        names = ("FUSED_BV", "NUM_WARPS") + (("FUSED_WIDE_BV",) if hasattr(self.module, "FUSED_WIDE_BV") else ())
+        self.saved = {n: getattr(self.module, n) for n in names}
+        for n, x in zip(names, self.values + (0,)):  # (the wide block off: the sweep's BV everywhere)
+            setattr(self.module, n, x)
 
     def __exit__(self, *exc):
-        self.module.FUSED_BV, self.module.NUM_WARPS = self.saved
+        for n, x in self.saved.items():
+            setattr(self.module, n, x)
 
 
 def decode_inputs(b: int, heads: int, dim: int):

@@ -236,7 +236,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       h0: bool = True, varlen: bool = False, reverse: bool = False, kernels=None,
                       states: str = "float32", products: str = "tf32", intra_diagonal: str | None = None,
                       intra_pieces: bool | None = None, grads_sums: bool | None = None,
-                      state_groups: int = 0, walk_pass: int = 0, after: bool = True) -> dict:
+                      state_groups: int = 0, walk_pass: int = 0, after: bool = True,
+                      fused_bv: int | None = None) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -248,7 +249,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     `chunk_sums`' prefix sums (default: host.GRADS_INTRA_SUMS); ``state_groups``: the state walks in groups of that many
     chunks (the kernels with GROUP, and `chunk_state_groups`; 0: one walk a sequence); ``walk_pass``: the walks' PASS
     with groups (0 relative states; 1, 2 the two walks of host.STATE_GROUP_FORM "rewalk"); ``after``: chunk_sums
-    stores the after sums RS and their readers read them (False: host.AFTER_FROM_PREFIX's form for 16-bit inputs)."""
+    stores the after sums RS and their readers read them (False: host.AFTER_FROM_PREFIX's form for 16-bit inputs);
+    ``fused_bv``: the fused kernels' value block (default host.FUSED_BV; host.FUSED_WIDE_BV: a large decode step's)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -277,7 +279,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   PIECES=intra_pieces if intra_pieces is not None else host.CHUNK_INTRA_PIECES,
                   GROUP=state_groups, NG=-(-4096 // chunk // state_groups) if state_groups else 1, BACKWARD=False,
                   PASS=walk_pass, AFTER=after)
-    fused = min(host.FUSED_BV, bvf)
+    fused = min(fused_bv or host.FUSED_BV, bvf)
     compiled = {}
     for which in ("fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_state_groups", "chunk_intra",
                   "chunk_intra_diag", "chunk_state_bwd", "chunk_output", "chunk_fused_fwd", "chunk_grads_intra",

@@ -35,6 +35,33 @@ def test_one_step_at_a_time(backend):
     oracle.assert_close("state", state, final_ref, "float32")
 
 
+def test_a_large_batch_steps_in_wide_value_blocks(monkeypatch):
+    """Triton's fused forward takes value blocks of host.FUSED_WIDE_BV where its grid is large (a decode step of a big
+    batch; here every grid, FUSED_WIDE_PER_SM 0): V 48 in one block of 64 (16 columns masked), against the oracle."""
+    from ejgen.runtime.launch import triton_call
+    from ejgen.runtime.recurrent.triton import host
+
+    blocks, launch = [], triton_call.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        blocks.append(kwargs.get("BV"))
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    monkeypatch.setattr(host, "FUSED_WIDE_PER_SM", 0)
+    case = Case("gla", ("gk",), shape=(3, 2, 2, 1, 16, 48), h0=True)
+    x, d_out, d_final = inputs(case, seed=13)
+    o_ref, final_ref, _ = oracle.recurrent(x, d_out, d_final)
+    step = jax.jit(lambda q, k, v, s, gk: gla_decode(q, k, v, s, gk, platform="triton"))
+    state, outs = jnp.asarray(x["initial_state"]), []
+    for t in range(case.shape[1]):
+        o, state = step(*(jnp.asarray(x[n][:, t]) for n in ("query", "key", "value")), state, jnp.asarray(x["gk"][:, t]))
+        outs.append(o)
+    assert blocks == [64], blocks  # traced once, one launch of 64-column blocks
+    oracle.assert_close("o", jnp.stack(outs, axis=1), o_ref, "float32")
+    oracle.assert_close("state", state, final_ref, "float32")
+
+
 def test_a_few_steps_per_call_with_every_gate_and_their_gradients():
     case = Case("recurrent", ("g", "g_gamma", "gk", "gv"), shape=(2, 3, 2, 2, 16, 16), h0=True)
     x, d_out, d_final = inputs(case, seed=12)

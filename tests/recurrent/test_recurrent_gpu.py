@@ -136,11 +136,17 @@ def test_pallas_against_the_oracle(case):
     check(case, "pallas", hooks=ELU1 if case.op == "linear_attention" else None)
 
 
-@pytest.mark.parametrize("platform", ["triton", "pallas"])
-def test_decode_updates_the_state_in_place(platform):
+@pytest.mark.parametrize("platform,wide", [("triton", False), ("triton", True), ("pallas", False)],
+                         ids=["triton", "triton-wide-blocks", "pallas"])
+def test_decode_updates_the_state_in_place(platform, wide, monkeypatch):
     """A gla_decode step jitted with its state donated: the compiled program copies no state (the kernel writes the
     new state into the old one's buffer) and the donated array is consumed; four such steps, and four in a
-    lax.fori_loop carrying the state, equal four steps on the XLA backend."""
+    lax.fori_loop carrying the state, equal four steps on the XLA backend. ``wide``: Triton's value blocks of
+    host.FUSED_WIDE_BV (a large batch's, here forced)."""
+    from ejgen.runtime.recurrent.triton import host
+
+    if wide:
+        monkeypatch.setattr(host, "FUSED_WIDE_PER_SM", 0)
     b, h, dk, dv = 4, 4, 64, 128
     keys = jax.random.split(jax.random.PRNGKey(3), 5)
     q, k, v = (jax.random.normal(keys[i], (b, h, d), jnp.bfloat16) for i, d in enumerate((dk, dk, dv)))

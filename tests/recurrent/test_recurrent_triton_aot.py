@@ -85,6 +85,9 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "kernels": ["chunk_sums", "chunk_state", "chunk_grads_qk", "chunk_grads_v"], "states": "bfloat16",
                   "products": "bfloat16", "after": False,  # the after sums formed by their readers
                   "with_resources": True} for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
+    requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90,
+                  "gates": ("gk",), "kernels": ["fused_fwd"], "fused_bv": 64,  # a large decode step's (host.
+                  "with_resources": True}]                                     # FUSED_WIDE_BV): no spill either
     for request, compiled in zip(requests, compile_all_in_subprocess(requests, triton=gpu_host_triton())):
         assert "error" not in compiled, f"{request['name']} {request['gates']}: {compiled.get('error')}"
         for kernel, c in compiled.items():
