@@ -27,6 +27,8 @@ CASES = [  # every kernel for Hopper; Ampere's forward (its mma lowering) with o
           max_spill=0)),
     ("linear-attention-sm80-varlen-reverse-f16", "linear_attention", 80,
      dict(gates=(), dtype="float16", varlen=True, reverse=True, dk=64, dv=256, h0=False, kernels=FORWARD)),
+    ("gla-sm80-decode-wide-value-blocks", "gla", 80,  # a large decode step's blocks (host.FUSED_WIDE_BV)
+     dict(gates=("gk",), kernels=("fused_fwd",), fused_bv=64)),
 ]
 
 
