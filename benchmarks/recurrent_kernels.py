@@ -263,10 +263,6 @@ def stages(op_name, b, t, h, d):
     if sums is not None and q.dtype != jnp.float32:
         add(f"op fwd, {AFTER_NAMED[other]}", switched(after, fwd), q, k, v, g)
         add(f"op fwd+bwd, {AFTER_NAMED[other]}", switched(after, fwd_bwd), q, k, v, g, do)
-    if sums is not None and cfg.has("g_gamma") and not cfg.has("g") and not cfg.has("gk"):  # g_gamma's sums by XLA
-        named = "chunk_sums' kernel" if host.GAMMA_SUMS_XLA else "XLA"
-        add(f"op fwd, g_gamma's sums from {named}", flipped("GAMMA_SUMS_XLA", fwd), q, k, v, g)
-        add(f"op fwd+bwd, g_gamma's sums from {named}", flipped("GAMMA_SUMS_XLA", fwd_bwd), q, k, v, g, do)
     if group:
         named = "one walk a sequence" if host.STATE_GROUPS else f"the state walks in {ng} groups"
         add(f"op fwd, {named}", flipped("STATE_GROUPS", fwd), q, k, v, g)

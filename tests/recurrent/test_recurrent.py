@@ -225,31 +225,6 @@ def test_triton_after_sums_from_the_prefix_sums(case, monkeypatch):
     assert not any(after for _, after in seen), seen
 
 
-GAMMA_CASES = (  # g_gamma alone: a partial last chunk with an initial state in bf16; reversed, gamma -20, float32
-    Case("lightning_attention", ("g_gamma",), dtype="bfloat16", shape=(2, 70, 4, 2, 16, 16), chunk=32, h0=True),
-    Case("lightning_attention", ("g_gamma",), shape=(1, 40, 2, 2, 16, 16), chunk=16, reverse=True, gamma=-20.0),
-)
-
-
-@pytest.mark.parametrize("case", GAMMA_CASES, ids=[c.id for c in GAMMA_CASES])
-def test_triton_gamma_sums_from_xla(case, monkeypatch):
-    """host.GAMMA_SUMS_XLA: g_gamma's sums (multiples of gamma by a step's place in its chunk) formed by XLA, no
-    chunk_sums launch: the output, the final state and every gradient (g_gamma's included) against the oracle."""
-    from ejgen.runtime.launch import triton_call
-    from ejgen.runtime.recurrent.triton import host
-
-    seen, launch = [], triton_call.launch
-
-    def spy(kernel, *args, **kwargs):
-        seen.append(kernel.__name__)
-        return launch(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(triton_call, "launch", spy)
-    monkeypatch.setattr(host, "GAMMA_SUMS_XLA", True)
-    check(case, "triton")
-    assert seen and not any("chunk_sums" in name for name in seen), seen
-
-
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in
     # float32, gates down to -20 a step (every decay still a sum of its own steps: within float32's tolerance)
     Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 130, 2, 1, 16, 32), chunk=16, h0=True,

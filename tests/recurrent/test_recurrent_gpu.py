@@ -97,18 +97,6 @@ def test_triton_after_sums_from_the_prefix_sums(case, monkeypatch):
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 
 
-GAMMA = [c for c in CASES if c.op == "lightning_attention" and c.algorithm == "chunked" and c.cu is None]
-
-
-@pytest.mark.parametrize("case", GAMMA, ids=[c.id for c in GAMMA])
-def test_triton_gamma_sums_from_xla(case, monkeypatch):
-    """host.GAMMA_SUMS_XLA: g_gamma's sums formed by XLA (no chunk_sums launch), against the oracle."""
-    from ejgen.runtime.recurrent.triton import host
-
-    monkeypatch.setattr(host, "GAMMA_SUMS_XLA", True)
-    check(case, "triton")
-
-
 STRONG_16 = [Case(op, gates, dtype="bfloat16", reverse=True, strong=True, chunk=64, **LAYOUTS["packed"])
              for op, gates in (("gla", ("gk",)), ("simple_gla", ("g", "g_gamma")))]
 

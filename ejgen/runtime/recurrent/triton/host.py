@@ -281,31 +281,6 @@ def after_stored(x, cfg) -> bool:
     return AFTER_FROM_PREFIX == "gk" and not cfg.has("gk")
 
 
-# g_gamma alone (lightning attention, RetNet), dense layouts: its sums are (w + 1) gamma, (n - 1 - w) gamma and n gamma
-# for step w of a chunk of n steps, formed by XLA (`_gamma_sums`: one fusion over [B, T, H]) instead of chunk_sums'
-# launch (0.076 ms of lightning's 0.676 ms forward at B2 T16k H16, H200, session 29: a latency-bound scan of 2 MB).
-# Session 29: built, checked in the interpreter, NOT GPU-timed: off.
-GAMMA_SUMS_XLA = False
-
-
-def _gamma_sums(q, gates, cfg):
-    """`chunk_sums`' (PS, RS or a dummy, LS) for a dense call whose only key-side gate is g_gamma: from the step's
-    place in its chunk (processing order; reversed calls walk from the end), exact multiples of each head's gamma."""
-    b, t, h = q.shape[:3]
-    c = cfg.chunk
-    gamma = gates["g_gamma"].astype(F32)  # [H]
-    step = jnp.arange(t, dtype=jnp.int32)
-    done = (t - 1 - step) if cfg.reverse else step  # the row's index in processing order
-    start = done // c * c
-    within = done - start  # its place in its chunk
-    count = jnp.minimum(c, t - start)  # the chunk's steps
-    rows = lambda n: jnp.broadcast_to((n.astype(F32)[:, None] * gamma)[None], (b, t, h))  # noqa: E731
-    firsts = jnp.arange(packing.cdiv(t, c), dtype=jnp.int32) * c
-    whole = jnp.minimum(c, t - firsts).astype(F32)[:, None] * gamma  # [chunks, H]
-    after = rows(count - 1 - within) if after_stored(q, cfg) else jnp.zeros((1,), F32)
-    return rows(within + 1), after, jnp.tile(whole, (b, 1))
-
-
 def chunk_sums(kernels, q, gates, ctx, cfg):
     """With a key-side gate (gk, g, g_gamma), where the ``chunk_gate_sums`` setting is "kernel": the sums of the key
     side's log gates over each chunk's steps for the kernels that read them (``SUMS``), (PS, RS [B, T, H, K]: the
@@ -315,8 +290,6 @@ def chunk_sums(kernels, q, gates, ctx, cfg):
     gk = cfg.has("gk")
     if not any(cfg.has(g) for g in CHUNKED_GATES) or settings.current().chunk_gate_sums != "kernel":  # key-side gates
         return None
-    if GAMMA_SUMS_XLA and not gk and not cfg.has("g") and not cfg.varlen:
-        return _gamma_sums(q, gates, cfg)
     ins, consts = _common(q, q, q, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_sums", cfg.dk, cfg.dv)
