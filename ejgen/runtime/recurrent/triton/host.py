@@ -74,8 +74,13 @@ class Tiles:
 # diagonal's row sums: not yet timed (recurrent_kernels.py --sweep).
 CHUNKED = {
     "chunk_sums": Tiles(64, 0, 4, 1),
-    "chunk_state": Tiles(64, 64, 8, 2),
-    "chunk_state_bwd": Tiles(64, 64, 8, 2),
+    # the walks: 4 stages, so a step's k / v loads were issued three steps before (at 2 the next step's go out after
+    # this one's product and each step opens waiting for them: a DRAM latency a chunk). H200, session 29, same call
+    # (this tree and one at 2 stages on the host's two GPUs): B2 T16k chunk_state 0.368 -> 0.282 ms (simple_gla),
+    # 0.479 -> 0.398 (gla); chunk_state_bwd 0.373 -> 0.242; op fwd / fwd+bwd simple_gla 0.675 / 2.886 -> 0.598 /
+    # 2.685, gla 1.734 / 6.143 -> 1.645 / 5.990; B4 T4096 no loss (simple_gla 0.296 / 1.363 -> 0.275 / 1.302)
+    "chunk_state": Tiles(64, 64, 8, 4),
+    "chunk_state_bwd": Tiles(64, 64, 8, 4),
     # [16, 256] tiles: 440 bytes spilled a thread in 2 warps, 56 in 4, none in 8 (sm_90, Triton 3.9)
     "chunk_intra": Tiles(0, 64, 2, 1, wide_warps=8),
     "chunk_intra_diag": Tiles(0, 0, 2, 1, wide_warps=8),
