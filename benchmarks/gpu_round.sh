@@ -30,6 +30,7 @@
 #   grads-sums     chunk_grads_intra reading chunk_sums' prefix sums: GPU tests, gla's kernel rows both ways
 #   state-groups   the state walks in groups: GPU tests, the kernel and op rows both ways (T 16k, 4k)
 #   after-sums     the 16-bit after sums formed by their readers: GPU tests (the rows: any rec-kernels table)
+#   grads-qk       chunk_grads_qk's scalar-gate forms (folded terms, a program a chunk): GPU tests, kernel and op rows
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane (REC_BENCH_ARGS)
 #   rec-light      the recurrent table's lightning rows alone
 #   rec-decode     the recurrent decode table
@@ -139,6 +140,13 @@ j_state-groups() {  # the state walks in groups (host.STATE_GROUPS; session 28: 
   # "... walked twice", "op fwd / fwd+bwd, the state walks in N groups", "..., N groups walked twice") where it splits
   shards state-groups-tests 200 3 -k "walk_in_groups" tests/recurrent
   job state-groups 330 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention,gla \
+    --shapes 2x16384,4x4096 --rounds 2 --no-check
+}
+j_grads-qk() {  # chunk_grads_qk's scalar-gate forms (host.GRADS_QK_FOLD, GRADS_QK_SCALAR_TILES; session 29, not yet
+  # GPU-run): their GPU tests, then the kernel and op rows ("chunk_grads_qk, scalar terms folded", "..., folded, a
+  # program a chunk", "op fwd+bwd, chunk_grads_qk ...") for simple_gla and lightning at B2 T16k and B4 T4096
+  shards grads-qk-tests 200 3 -k "folded_into_the_pairs" tests/recurrent
+  job grads-qk 240 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
 j_after-sums() {  # 16-bit after sums formed by their readers (host.AFTER_FROM_PREFIX, session 28, not yet GPU-run):
@@ -434,6 +442,7 @@ declare -A PRESETS=(
   # recurrent table with what won (s27c, after flipping it on); the decode table at 128 calls with the same-rounds
   # contiguous pair and the pages in order (DECODE_CALLS=128 ... decode-steady: paged B8 S8k 0.91-0.92, issue 16)
   # after s28b (the split's page numbers read up front; flip decode.PAGES_UPFRONT if paged64 wins)
+  [s29a]="0:grads-qk"
   [s28a]="0:after-sums,state-groups"
   [s28b]="0:decode-upfront"
   [s27a]="0:grads-sums,decode-steady"

@@ -234,6 +234,14 @@ def stages(op_name, b, t, h, d):
     dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do, intra, s: host.chunk_grads_qk(
         kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s), q, k, v, gates, hs, dhs, do, intra, sums,
         grid=(n_c, -(-cfg.dk // blocks["chunk_grads_qk"]["BK"]), rows_h))
+    if not cfg.has("gk") and _gated(cfg):  # a scalar gate's other forms of the kernel (GRADS_QK_FORMS)
+        def grads_qk(q, k, v, g, hs, dhs, do, intra, s):
+            return host.chunk_grads_qk(kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s)
+
+        for named, values in GRADS_QK_FORMS:
+            bk = switched(values, lambda: host.grads_qk_tiles(cfg)[0]["BK"])()
+            add(f"chunk_grads_qk, {named}", switched(values, grads_qk), q, k, v, gates, hs, dhs, do, intra, sums,
+                grid=(n_c, -(-cfg.dk // bk), rows_h), which="chunk_grads_qk")
     dv = add("chunk_grads_v", lambda q, k, g, dhs, do, a, s: host.chunk_grads_v(kernels, q, k, g, ctx, cfg, dhs, do,
                                                                                 a, s),
              q, k, gates, dhs, do, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h))
@@ -263,6 +271,9 @@ def stages(op_name, b, t, h, d):
     if sums is not None and q.dtype != jnp.float32:
         add(f"op fwd, {AFTER_NAMED[other]}", switched(after, fwd), q, k, v, g)
         add(f"op fwd+bwd, {AFTER_NAMED[other]}", switched(after, fwd_bwd), q, k, v, g, do)
+    if not cfg.has("gk") and _gated(cfg):
+        for named, values in GRADS_QK_FORMS:
+            add(f"op fwd+bwd, chunk_grads_qk {named}", switched(values, fwd_bwd), q, k, v, g, do)
     if group:
         named = "one walk a sequence" if host.STATE_GROUPS else f"the state walks in {ng} groups"
         add(f"op fwd, {named}", flipped("STATE_GROUPS", fwd), q, k, v, g)
@@ -276,6 +287,18 @@ def stages(op_name, b, t, h, d):
 AFTER_NAMED = {"never": "after sums stored", "always": "after sums from the prefix sums"}
 """16-bit inputs, host.AFTER_FROM_PREFIX: chunk_sums stores the after sums ("never"), or chunk_state, chunk_grads_qk
 and chunk_grads_v form them ("always"; the default "gk" forms them for per-key gates only)."""
+
+GRADS_QK_FORMS = (  # a scalar gate's chunk_grads_qk: its log decay terms in the pairs' scan, and a program a chunk
+    ("scalar terms folded", {"GRADS_QK_FOLD": True}),
+    ("folded, a program a chunk", {"GRADS_QK_FOLD": True, "GRADS_QK_SCALAR_TILES": host.Tiles(128, 64, 8, 2)}),
+    ("a program a chunk, unfolded", {"GRADS_QK_SCALAR_TILES": host.Tiles(128, 64, 8, 2)}),
+)
+"""host.GRADS_QK_FOLD / GRADS_QK_SCALAR_TILES (session 29, not yet GPU-timed): the rows that flip them."""
+
+
+def _gated(cfg) -> bool:
+    return any(cfg.has(g) for g in ("g", "g_gamma", "gk"))
+
 
 REWALK = {"STATE_GROUPS": True, "STATE_GROUP_FORM": "rewalk"}
 """The state walks in groups, each walked twice (its end, then from its joined start): the readers unchanged."""

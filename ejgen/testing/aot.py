@@ -237,7 +237,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       states: str = "float32", products: str = "tf32", intra_diagonal: str | None = None,
                       intra_pieces: bool | None = None, grads_sums: bool | None = None,
                       state_groups: int = 0, walk_pass: int = 0, after: bool = True,
-                      fused_bv: int | None = None) -> dict:
+                      fused_bv: int | None = None, fold: bool | None = None,
+                      grads_qk_tiles: tuple | None = None) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -250,7 +251,10 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     chunks (the kernels with GROUP, and `chunk_state_groups`; 0: one walk a sequence); ``walk_pass``: the walks' PASS
     with groups (0 relative states; 1, 2 the two walks of host.STATE_GROUP_FORM "rewalk"); ``after``: chunk_sums
     stores the after sums RS and their readers read them (False: host.AFTER_FROM_PREFIX's form for 16-bit inputs);
-    ``fused_bv``: the fused kernels' value block (default host.FUSED_BV; host.FUSED_WIDE_BV: a large decode step's)."""
+    ``fused_bv``: the fused kernels' value block (default host.FUSED_BV; host.FUSED_WIDE_BV: a large decode step's);
+    ``fold``: chunk_grads_qk's scalar-gate terms in its [C, C] scan (default host.GRADS_QK_FOLD); ``grads_qk_tiles``:
+    its launch (block_k, block_v, warps, stages) with a scalar gate (default host.GRADS_QK_SCALAR_TILES, else
+    CHUNKED's)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -278,7 +282,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   DIAG_IN=(intra_diagonal or host.CHUNK_INTRA_DIAGONAL) == "kernel",
                   PIECES=intra_pieces if intra_pieces is not None else host.CHUNK_INTRA_PIECES,
                   GROUP=state_groups, NG=-(-4096 // chunk // state_groups) if state_groups else 1, BACKWARD=False,
-                  PASS=walk_pass, AFTER=after)
+                  PASS=walk_pass, AFTER=after, FOLD=host.GRADS_QK_FOLD if fold is None else fold)
     fused = min(fused_bv or host.FUSED_BV, bvf)
     compiled = {}
     for which in ("fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_state_groups", "chunk_intra",
@@ -294,6 +298,9 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
             blocks, options = dict(BV=fused), {"num_warps": host.NUM_WARPS, "num_stages": 1}
         elif which == "chunk_state_groups":
             blocks, options = host.tiles("chunk_state", dk, dv)
+        elif which == "chunk_grads_qk" and "gk" not in gates:
+            blocks, options = host.tiles(which, dk, dv, host.Tiles(*grads_qk_tiles) if grads_qk_tiles
+                                         else host.GRADS_QK_SCALAR_TILES)
         else:
             blocks, options = host.tiles(which, dk, dv)
         kernel = getattr(module, f"{name}_{which}_kernel")

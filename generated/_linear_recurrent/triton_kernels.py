@@ -1274,6 +1274,20 @@ def linear_recurrent_chunk_state_bwd_kernel(
 
 
 @triton.jit
+def _folded(b_m, b_a, b_b, b_c, o_c, C: tl.constexpr):
+    """A scalar gate's pairs inside a chunk, M [t, r] = (q_t · k_r) W_tr, with the step's other terms placed where the
+    scan and the row sums of `chunk_grads_qk` count each once (docs/DESIGN.md §3 linear recurrent, "Gates' gradients":
+    dlog_s = sum_{t >= s} a_t + sum_{r < s} b_r + c + sum_{r < s <= t} M_tr, a = q ⊙ dq and b = k ⊙ dk from the
+    chunk's states summed over the channels [C], c = e^{L_C} S ⊙ S̄ summed [1, 1]): column C - 1, which no s reads
+    (r < s <= C - 1), holds a; row C - 1, in every t >= s, gains b_r left of it and c at its end. One reverse scan
+    down the rows then gives, read at r < s and at column C - 1, every term once and no difference of sums."""
+    last_r, last_t = o_c[None, :] == C - 1, o_c[:, None] == C - 1
+    b_m = tl.where(last_r, b_a[:, None], b_m)
+    b_m = tl.where(last_t & (o_c[None, :] < C - 1), b_m + b_b[None, :], b_m)
+    return tl.where(last_t & last_r, b_m + b_c, b_m)
+
+
+@triton.jit
 def _per_gate(x, USE_GK: tl.constexpr):
     """A share of the key side's log decay gradient: per channel [S, BK] with gk, else summed over them [S, 1]."""
     if USE_GK:
@@ -1544,7 +1558,7 @@ def linear_recurrent_chunk_grads_qk_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, ROWS: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr,
-    NG: tl.constexpr, AFTER: tl.constexpr,
+    NG: tl.constexpr, AFTER: tl.constexpr, FOLD: tl.constexpr,
 ):
     """dq and dk (of the mapped q and k, per query head; float32, or q's dtype where the host needs no sums) of a
     chunk's C steps in BK channels, a program per (chunk, block of K), V in blocks of BV, in products of the whole
@@ -1557,7 +1571,8 @@ def linear_recurrent_chunk_grads_qk_kernel(
     cumsum), from r < s to S̄ (k_r ⊙ its dk from S̄, `_cumsum_before`), from S to S̄ (e^{L_C} S ⊙ S̄ summed over V),
     and inside the chunk (with a scalar gate the sum over r < s of the sum over t >= s of (q_t · k_r) W_tr).
     GROUP > 0 (the walks in groups): HS and DHS relative to their groups, joined here (`_grouped_state`: GS, DC the
-    states', GA, DCA the adjoints')."""
+    states', GA, DCA the adjoints'). FOLD (host.GRADS_QK_FOLD), a scalar gate: the first three terms join the pairs'
+    [C, C] scan (`_folded`) instead of two [C] scans of their own."""
     i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -1603,11 +1618,17 @@ def linear_recurrent_chunk_grads_qk_kernel(
         if GATED:
             b_pre, b_after = _cumsum(b_l, axis=0), _after(b_l)
             b_end = tl.exp(tl.sum(b_l, axis=0, keep_dims=True))
+    FOLDED: tl.constexpr = FOLD and not USE_GK
     if GATED:
         b_dq = b_dq * tl.exp(b_pre)
         b_dk = b_dk * tl.exp(b_after)
-        b_dlog = (_cumsum(_per_gate(b_q * b_dq, USE_GK), axis=0, reverse=True)
-                  + _cumsum_before(_per_gate(b_k * b_dk, USE_GK), 0) + _per_gate(b_hh[None, :] * b_end, USE_GK))
+        if FOLDED:  # the three terms join the pairs' [C, C] scan below (`_folded`)
+            b_qdq = tl.sum(b_q * b_dq, axis=1)  # [C]
+            b_kdk = tl.sum(b_k * b_dk, axis=1)
+            b_ss = tl.sum(b_hh[None, :] * b_end, axis=1, keep_dims=True)  # [1, 1]
+        else:
+            b_dlog = (_cumsum(_per_gate(b_q * b_dq, USE_GK), axis=0, reverse=True)
+                      + _cumsum_before(_per_gate(b_k * b_dk, USE_GK), 0) + _per_gate(b_hh[None, :] * b_end, USE_GK))
     p_qk = (rows[:, None] * H + i_h) * K + o_k[None, :]
     m_qk = m_s[:, None] & m_k[None, :]
     if USE_GK:
@@ -1620,11 +1641,20 @@ def linear_recurrent_chunk_grads_qk_kernel(
         b_w = _intra_scalar(b_da, b_l, b_pre if GATED else b_l, o_c, m_s, GATED, DT) * SCALE
         # float32 W in TF32 whatever SP says: in bf16 (as flash-linear-attention), dq and dk erred 1.4x the rounding
         # of the result (test_chunked_triton_scalar_gate_dq_dk_in_bfloat16)
-        b_dq += _dot_state(b_w, b_k, DT)
-        b_dk += _dot_state(tl.trans(b_w), b_q, DT)
+        # W rounded once; q and k are 16-bit loads widened, TF32 numbers already (`_dot_state` would round them to
+        # themselves), or float32 inputs, exact
+        b_wr = _rounded(b_w, DT)
+        b_dq += _dot_rounded(b_wr, b_k, DT)
+        b_dk += _dot_rounded(tl.trans(b_wr), b_q, DT)
         if GATED:  # the pairs inside the chunk, summed over the block's channels: by s, over r < s and t >= s
-            b_after = _cumsum(_dot(b_q, tl.trans(b_k), DT) * b_w, axis=0, reverse=True)  # [s, r]: over t >= s
-            b_dlog += tl.expand_dims(tl.sum(tl.where(o_c[None, :] < o_c[:, None], b_after, 0.0), axis=1), 1)
+            b_m = _dot(b_q, tl.trans(b_k), DT) * b_w  # [t, r]
+            if FOLDED:
+                b_y = _cumsum(_folded(b_m, b_qdq, b_kdk, b_ss, o_c, C), axis=0, reverse=True)  # [s, r]: over t >= s
+                b_dlog = tl.expand_dims(tl.sum(tl.where((o_c[None, :] < o_c[:, None]) | (o_c[None, :] == C - 1), b_y,
+                                                        0.0), axis=1), 1)
+            else:
+                b_y = _cumsum(b_m, axis=0, reverse=True)  # [s, r]: over t >= s
+                b_dlog += tl.expand_dims(tl.sum(tl.where(o_c[None, :] < o_c[:, None], b_y, 0.0), axis=1), 1)
     tl.store(DQ + p_qk, b_dq.to(DQ.dtype.element_ty), mask=m_qk)
     tl.store(DK + p_qk, b_dk.to(DK.dtype.element_ty), mask=m_qk)
     if GATED:

@@ -225,6 +225,41 @@ def test_triton_after_sums_from_the_prefix_sums(case, monkeypatch):
     assert not any(after for _, after in seen), seen
 
 
+FOLD_CASES = (  # scalar gates: bf16, reversed, an initial state, a partial chunk, K in two blocks of 64 (the host sums
+    # their parts); packed sequences (an empty one) at -20 a step in float32; g_gamma alone, GQA
+    Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 70, 2, 1, 80, 16), chunk=32, h0=True,
+         reverse=True),
+    Case("simple_gla", ("g",), shape=(1, 90, 2, 2, 16, 24), chunk=16, cu=(0, 33, 33, 80), strong=True, h0=True),
+    Case("lightning_attention", ("g_gamma",), shape=(2, 40, 4, 2, 16, 16), chunk=16),
+)
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["blocks-of-k", "a-program-a-chunk"])
+@pytest.mark.parametrize("case", FOLD_CASES, ids=[c.id for c in FOLD_CASES])
+def test_triton_scalar_gate_terms_folded_into_the_pairs_scan(case, whole, monkeypatch):
+    """host.GRADS_QK_FOLD: chunk_grads_qk's scalar-gate log decay gradient with the terms from the chunk's states in
+    the pairs' [C, C] scan (`_folded`), by blocks of 64 channels or (``whole``, host.GRADS_QK_SCALAR_TILES) a program
+    a chunk: every gradient, the gates' included, against the oracle, and the spy shows the launches took it."""
+    from ejgen.runtime.launch import triton_call
+    from ejgen.runtime.recurrent.triton import host
+
+    launches, launch = [], triton_call.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if "FOLD" in kwargs:
+            launches.append((kwargs["FOLD"], grid[1], kwargs["BK"]))
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    monkeypatch.setattr(host, "GRADS_QK_FOLD", True)
+    if whole:
+        monkeypatch.setattr(host, "GRADS_QK_SCALAR_TILES", host.Tiles(128, 64, 8, 2))
+    check(case, "triton")
+    dk = case.shape[4]
+    bk = min(128 if whole else 64, 1 << (dk - 1).bit_length())
+    assert launches == [(True, -(-dk // bk), bk)], launches
+
+
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in
     # float32, gates down to -20 a step (every decay still a sum of its own steps: within float32's tolerance)
     Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 130, 2, 1, 16, 32), chunk=16, h0=True,

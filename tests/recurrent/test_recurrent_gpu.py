@@ -97,6 +97,22 @@ def test_triton_after_sums_from_the_prefix_sums(case, monkeypatch):
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 
 
+FOLDED = [c for c in CASES if c.algorithm == "chunked" and "gk" not in c.gates and "gv" not in c.gates
+          and set(c.gates) & {"g", "g_gamma"} and (c.dtype == "bfloat16" or c.reverse)]
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["blocks-of-k", "a-program-a-chunk"])
+@pytest.mark.parametrize("case", FOLDED, ids=[c.id for c in FOLDED])
+def test_triton_scalar_gate_terms_folded_into_the_pairs_scan(case, whole, monkeypatch):
+    """host.GRADS_QK_FOLD, with or without host.GRADS_QK_SCALAR_TILES' program a chunk, against the oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "GRADS_QK_FOLD", True)
+    if whole:
+        monkeypatch.setattr(host, "GRADS_QK_SCALAR_TILES", host.Tiles(128, 64, 8, 2))
+    check(case, "triton")
+
+
 STRONG_16 = [Case(op, gates, dtype="bfloat16", reverse=True, strong=True, chunk=64, **LAYOUTS["packed"])
              for op, gates in (("gla", ("gk",)), ("simple_gla", ("g", "g_gamma")))]
 

@@ -92,9 +92,10 @@ CHUNKED = {
 }
 
 
-def tiles(which: str, dk: int, dv: int) -> tuple[dict, dict]:
-    """({"BK", "BV"}: the blocks of chunked kernel ``which`` for head dims dk, dv; its launch options)."""
-    t = CHUNKED[which]
+def tiles(which: str, dk: int, dv: int, launch: Tiles | None = None) -> tuple[dict, dict]:
+    """({"BK", "BV"}: the blocks of chunked kernel ``which`` for head dims dk, dv; its launch options), from CHUNKED's
+    launch or ``launch``."""
+    t = launch or CHUNKED[which]
     bk, bv = _pow2(dk), _pow2(dv)
     blocks = dict(BK=min(t.block_k, bk) if t.block_k else bk, BV=min(t.block_v, bv) if t.block_v else bv)
     warps = t.wide_warps if t.wide_warps and not t.block_k and bk > 128 else t.num_warps
@@ -634,6 +635,25 @@ def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da, sums=None):
         **options, **{**_chunk_consts(q, cfg, consts), **blocks}))
 
 
+# chunk_grads_qk with a scalar gate: the log decay gradient's terms from the chunk's states (q ⊙ dq by a reverse
+# cumsum, k ⊙ dk by an exclusive one, S ⊙ S̄) placed in the pairs' [C, C] matrix and summed by its one reverse scan
+# (`_folded`), not by two [C] scans of their own. sm_90 (Triton 3.6, simple_gla, bf16): 231 -> 178 registers, the
+# room a program a chunk (block_k 128) needs to run unspilled (session 29's study). Built, checked in the
+# interpreter, NOT GPU-timed: off.
+GRADS_QK_FOLD = False
+# chunk_grads_qk's launch with a scalar gate where given (else CHUNKED's): Tiles(128, 64, 8, 2) is a program a chunk
+# (K whole up to 128), so dA = do vᵀ, W and the [C, C] scan run once a chunk instead of once per block of 64
+# channels (~-45% instructions a chunk, session 29's study); with GRADS_QK_FOLD no spill (sm_90: 217 registers on
+# Triton 3.6, 255 on 3.9; unfolded 3.6 spills 200 bytes). gk keeps CHUNKED's (at 128 it spills 88-104 bytes). NOT
+# GPU-timed: None.
+GRADS_QK_SCALAR_TILES = None
+
+
+def grads_qk_tiles(cfg) -> tuple[dict, dict]:
+    """`tiles` of chunk_grads_qk for this call: GRADS_QK_SCALAR_TILES' with a scalar gate (or none) where given."""
+    return tiles("chunk_grads_qk", cfg.dk, cfg.dv, None if cfg.has("gk") else GRADS_QK_SCALAR_TILES)
+
+
 def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, sums=None, groups=None):
     """(dq, dk of the mapped q and k per query head, float32, or q's dtype where ``_direct``; the key side's log decay
     gradient, DLOG [B, T, H, K] with gk, else a part per block of K [NK, B, T, H, 1], or None) of every chunk from its
@@ -642,7 +662,7 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
     relative to their groups)."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
-    blocks, options = tiles("chunk_grads_qk", cfg.dk, cfg.dv)
+    blocks, options = grads_qk_tiles(cfg)
     sds = jax.ShapeDtypeStruct
     per_head = q.shape[:3]
     gated = _gated(cfg)
@@ -657,7 +677,7 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
         [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if gated else (1,), F32)],
         zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
         SUMS=sums is not None, SP=_products(cfg), GROUP=groups[0][2] if groups else 0,
-        NG=groups[0][3] if groups else 1, AFTER=after_stored(q, cfg), **options,
+        NG=groups[0][3] if groups else 1, AFTER=after_stored(q, cfg), FOLD=GRADS_QK_FOLD, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return dq, dk, dlog if gated else None
 
