@@ -145,13 +145,14 @@ j_state-groups() {  # the state walks in groups (host.STATE_GROUPS; session 28: 
 j_grads-qk() {  # chunk_grads_qk's scalar-gate forms (host.GRADS_QK_FOLD, GRADS_QK_SCALAR_TILES; session 29, not yet
   # GPU-run): their GPU tests, then the kernel and op rows ("chunk_grads_qk, scalar terms folded", "..., folded, a
   # program a chunk", "op fwd+bwd, chunk_grads_qk ...") for simple_gla and lightning at B2 T16k and B4 T4096
-  shards grads-qk-tests 200 3 -k "folded_into_the_pairs" tests/recurrent
+  shards grads-qk-tests 240 3 -k "folded_into_the_pairs or (triton and chunked and (simple_gla or lightning))" \
+    tests/recurrent  # (the second: the default form, W rounded once since session 29, not yet GPU-run)
   job grads-qk 240 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
-j_after-sums() {  # 16-bit after sums formed by their readers (host.AFTER_FROM_PREFIX, session 28, not yet GPU-run):
-  # its GPU tests (its rows, "chunk_sums, no after sums", "op fwd / fwd+bwd, after sums from the prefix sums", come
-  # in every recurrent_kernels.py table, e.g. state-groups' next)
+j_after-sums() {  # 16-bit after sums formed by their readers (host.AFTER_FROM_PREFIX "always"; "gk", the default since
+  # session 29, forms them for gk only): its GPU tests (the other form's rows, "chunk_sums, after sums stored / from the
+  # prefix sums" and "op fwd / fwd+bwd, ...", come in every recurrent_kernels.py table)
   shards after-sums-tests 150 3 -k "after_sums" tests/recurrent
 }
 j_rec-kernels() { job rec-kernels 200 python3 benchmarks/recurrent_kernels.py --ops gla,simple_gla ${REC_KERNELS_ARGS:-}; }

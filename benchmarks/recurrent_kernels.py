@@ -166,10 +166,10 @@ def stages(op_name, b, t, h, d):
     dht = jnp.zeros((cfg.n_seqs, cfg.heads, cfg.dk, cfg.dv), jnp.float32)
     out = []
 
-    def add(name, raw, *args, grid=(), which=None):
+    def add(name, raw, *args, grid=(), which=None, launch=None):
         fn = jax.jit(raw)
         result = jax.block_until_ready(fn(*args))
-        tiles = host.CHUNKED.get(which or name)
+        tiles = launch or host.CHUNKED.get(which or name)  # (``launch``: the Tiles the row runs, where not CHUNKED's)
         nbytes, flops = traffic(which or name, cfg, tiles, host._direct(kernels, cfg)) if tiles else (0.0, 0.0)
         out.append(Stage(name, raw, fn, args, grid, tiles, nbytes, flops, which or name))
         return result
@@ -241,7 +241,8 @@ def stages(op_name, b, t, h, d):
         for named, values in GRADS_QK_FORMS:
             bk = switched(values, lambda: host.grads_qk_tiles(cfg)[0]["BK"])()
             add(f"chunk_grads_qk, {named}", switched(values, grads_qk), q, k, v, gates, hs, dhs, do, intra, sums,
-                grid=(n_c, -(-cfg.dk // bk), rows_h), which="chunk_grads_qk")
+                grid=(n_c, -(-cfg.dk // bk), rows_h), which="chunk_grads_qk",
+                launch=values.get("GRADS_QK_SCALAR_TILES"))
     dv = add("chunk_grads_v", lambda q, k, g, dhs, do, a, s: host.chunk_grads_v(kernels, q, k, g, ctx, cfg, dhs, do,
                                                                                 a, s),
              q, k, gates, dhs, do, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h))
@@ -392,7 +393,7 @@ def table(title, rows, ms):
     fwd = sum(ms[id(s)] for s in kernels if s.name in ("chunk_sums", "chunk_state", "chunk_intra", "chunk_output"))
     bwd = sum(ms[id(s)] for s in rows  # the op's backward forms dA alone (A kept from the forward: e319652)
               if s.name not in ("chunk_intra", "chunk_output", "chunk_intra + dA", "op fwd", "op fwd+bwd")
-              and not s.name.startswith(("chunk_intra, diagonal", "op fwd, ")))  # (the other form's rows)
+              and ", " not in s.name and not s.name.startswith(("chunk_state in ", "op ")))  # (not the other forms')
     print(f"\nsum of parts: fwd {fwd:.3f} ms (sums, state, intra, output); fwd+bwd {fwd + bwd:.3f} ms (the sums and "
           "state kernels twice, as the op runs them)")
 

@@ -1641,9 +1641,12 @@ def linear_recurrent_chunk_grads_qk_kernel(
         b_w = _intra_scalar(b_da, b_l, b_pre if GATED else b_l, o_c, m_s, GATED, DT) * SCALE
         # float32 W in TF32 whatever SP says: in bf16 (as flash-linear-attention), dq and dk erred 1.4x the rounding
         # of the result (test_chunked_triton_scalar_gate_dq_dk_in_bfloat16)
-        # W rounded once; q and k are 16-bit loads widened, TF32 numbers already (`_dot_state` would round them to
-        # themselves), or float32 inputs, exact
-        b_wr = _rounded(b_w, DT)
+        # W rounded once, as `_dot_state` rounds it (`_tf32`: cvt.rna, which keeps a NaN); q and k are 16-bit loads
+        # widened, TF32 numbers already (`_dot_state` would round them to themselves), or float32 inputs, exact
+        if DT == tl.float32:
+            b_wr = b_w
+        else:
+            b_wr = _tf32(b_w)
         b_dq += _dot_rounded(b_wr, b_k, DT)
         b_dk += _dot_rounded(tl.trans(b_wr), b_q, DT)
         if GATED:  # the pairs inside the chunk, summed over the block's channels: by s, over r < s and t >= s

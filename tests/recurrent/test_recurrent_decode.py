@@ -14,6 +14,7 @@ import pytest
 import recurrent_oracle as oracle
 from recurrent_cases import Case, inputs
 from ejgen.generated import gla_decode, recurrent_decode
+from ejgen.ops import settings
 
 pytestmark = pytest.mark.usefixtures("x64_stays_off")
 
@@ -57,9 +58,15 @@ def test_a_large_batch_steps_in_wide_value_blocks(monkeypatch):
     for t in range(case.shape[1]):
         o, state = step(*(jnp.asarray(x[n][:, t]) for n in ("query", "key", "value")), state, jnp.asarray(x["gk"][:, t]))
         outs.append(o)
-    assert blocks == [64], blocks  # traced once, one launch of 64-column blocks
+    assert blocks and set(blocks) == {64}, blocks  # the launches took 64-column blocks
     oracle.assert_close("o", jnp.stack(outs, axis=1), o_ref, "float32")
     oracle.assert_close("state", state, final_ref, "float32")
+    blocks.clear()  # the fused_value_blocks setting "fixed": 32 columns whatever the grid (batch invariance)
+    with settings(fused_value_blocks="fixed"):
+        jax.jit(lambda q, k, v, s, gk: gla_decode(q, k, v, s, gk, platform="triton"))(
+            *(jnp.asarray(x[n][:, 0]) for n in ("query", "key", "value")), jnp.asarray(x["initial_state"]),
+            jnp.asarray(x["gk"][:, 0]))
+    assert blocks and set(blocks) == {32}, blocks
 
 
 def test_a_few_steps_per_call_with_every_gate_and_their_gradients():

@@ -53,6 +53,12 @@ Each has a default, an environment variable (read at call time) and a scoped ove
   read in bf16 (the same products, half the bytes). Read when the op is called (the call's config carries it to the
   backward).
   Gradients and outputs stay within the dtype's tolerance either way (docs/DESIGN.md §3, linear recurrent).
+- ``fused_value_blocks`` (EJGEN_FUSED_VALUE_BLOCKS: ``auto`` / ``fixed``, default auto): the linear recurrent fused
+  forward on Triton (decode steps, short sequences) takes 64 value columns a program where its grid still gives every
+  SM 16 programs, else 32 (``auto``: a decode step of B128, H 16, K = V = 128 streams its state at 83% of the copy
+  rate against 77%, H200, session 29), or 32 always (``fixed``). The state is the same either way; a step's output
+  sums q ⊙ S over K in an order the block decides, so with ``auto`` it can differ in its last bits between batch sizes
+  (or GPUs with other SM counts): ``fixed`` makes a sequence's output bitwise the same whatever else is in the batch.
 - ``triton_configs`` (EJGEN_TRITON_CONFIG, e.g. ``"fwd=128,64,8,3;dkdv=64,128,8,3"``): pinned Triton
   configs per pass (tuning, tests); a pinned pass never takes the Hopper set.
 - ``triton_autotune`` (EJGEN_TRITON_AUTOTUNE=1): jax-triton's autotuner over `ejgen tune`'s candidates.
@@ -78,6 +84,7 @@ class Settings:
     chunk_state_dtype: str = "auto"
     chunk_gate_sums: str = "kernel"
     chunk_products: str = "auto"
+    fused_value_blocks: str = "auto"
     triton_configs: str = ""
     triton_autotune: bool = False
 
@@ -96,6 +103,8 @@ _ENV = {
                         lambda t: _one_of("EJGEN_CHUNK_GATE_SUMS", t, WORDS["chunk_gate_sums"])),
     "chunk_products": ("EJGEN_CHUNK_PRODUCTS",
                        lambda t: _one_of("EJGEN_CHUNK_PRODUCTS", t, WORDS["chunk_products"])),
+    "fused_value_blocks": ("EJGEN_FUSED_VALUE_BLOCKS",
+                           lambda t: _one_of("EJGEN_FUSED_VALUE_BLOCKS", t, WORDS["fused_value_blocks"])),
     "triton_configs": ("EJGEN_TRITON_CONFIG", str),
     "triton_autotune": ("EJGEN_TRITON_AUTOTUNE", lambda t: t.strip() == "1"),
 }
@@ -114,7 +123,8 @@ def _on_off_auto(var: str, text: str) -> bool | None:
 
 
 WORDS = {"chunk_forward": ("two_pass", "fused"), "chunk_state_dtype": ("auto", "float32", "bfloat16"),
-         "chunk_gate_sums": ("kernel", "inline"), "chunk_products": ("auto", "tf32", "bfloat16")}
+         "chunk_gate_sums": ("kernel", "inline"), "chunk_products": ("auto", "tf32", "bfloat16"),
+         "fused_value_blocks": ("auto", "fixed")}
 """The settings that take one of a few words: the words, by setting."""
 
 

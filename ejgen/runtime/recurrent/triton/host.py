@@ -77,8 +77,10 @@ CHUNKED = {
     # the walks: 4 stages, so a step's k / v loads were issued three steps before (at 2 the next step's go out after
     # this one's product and each step opens waiting for them: a DRAM latency a chunk). H200, session 29, same call
     # (this tree and one at 2 stages on the host's two GPUs): B2 T16k chunk_state 0.368 -> 0.282 ms (simple_gla),
-    # 0.479 -> 0.398 (gla); chunk_state_bwd 0.373 -> 0.242; op fwd / fwd+bwd simple_gla 0.675 / 2.886 -> 0.598 /
-    # 2.685, gla 1.734 / 6.143 -> 1.645 / 5.990; B4 T4096 no loss (simple_gla 0.296 / 1.363 -> 0.275 / 1.302)
+    # 0.479 -> 0.398 (gla); chunk_state_bwd 0.373 -> 0.242 (simple_gla), 0.426 -> 0.374 (gla); op fwd / fwd+bwd
+    # simple_gla 0.675 / 2.886 -> 0.598 / 2.685, gla 1.734 / 6.143 -> 1.645 / 5.990; B4 T4096 no loss (simple_gla
+    # 0.296 / 1.363 -> 0.275 / 1.302). 16-bit inputs only: float32's walks take 112 KB of shared memory at 4 stages,
+    # not timed
     "chunk_state": Tiles(64, 64, 8, 4),
     "chunk_state_bwd": Tiles(64, 64, 8, 4),
     # [16, 256] tiles: 440 bytes spilled a thread in 2 warps, 56 in 4, none in 8 (sm_90, Triton 3.9)
@@ -153,9 +155,12 @@ def _fused_bv(cfg) -> int:
 
 def _fused_forward_bv(cfg) -> int:
     """The fused forward's value columns: FUSED_WIDE_BV where that grid still has FUSED_WIDE_PER_SM programs an SM
-    (a decode step of a large batch streams its state faster in wider tiles), else `_fused_bv`."""
+    (a decode step of a large batch streams its state faster in wider tiles) and the key head dim is at most 128 (at
+    256 a [256, 64] state spills: sm_90, Triton 3.6, 56-80 bytes), unless the ``fused_value_blocks`` setting is
+    "fixed" (a sequence's output then bitwise the same whatever the batch); else `_fused_bv`."""
     bv, wide = _fused_bv(cfg), min(FUSED_WIDE_BV, _pow2(cfg.dv))
-    if wide > bv and cfg.n_seqs * cfg.heads * packing.cdiv(cfg.dv, wide) >= FUSED_WIDE_PER_SM * device.num_sms():
+    if (wide > bv and _pow2(cfg.dk) <= 128 and settings.current().fused_value_blocks == "auto"
+            and cfg.n_seqs * cfg.heads * packing.cdiv(cfg.dv, wide) >= FUSED_WIDE_PER_SM * device.num_sms()):
         return wide
     return bv
 
@@ -282,6 +287,8 @@ AFTER_FROM_PREFIX = "gk"
 
 def after_stored(x, cfg) -> bool:
     """Whether chunk_sums stores the after sums RS for inputs of ``x``'s dtype (else their readers form them)."""
+    if AFTER_FROM_PREFIX not in ("gk", "always", "never"):
+        raise ValueError(f"host.AFTER_FROM_PREFIX must be 'gk', 'always' or 'never', got {AFTER_FROM_PREFIX!r}")
     if jnp.dtype(x.dtype).itemsize != 2 or AFTER_FROM_PREFIX == "never":
         return True
     return AFTER_FROM_PREFIX == "gk" and not cfg.has("gk")
@@ -637,9 +644,9 @@ def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da, sums=None):
 
 # chunk_grads_qk with a scalar gate: the log decay gradient's terms from the chunk's states (q ⊙ dq by a reverse
 # cumsum, k ⊙ dk by an exclusive one, S ⊙ S̄) placed in the pairs' [C, C] matrix and summed by its one reverse scan
-# (`_folded`), not by two [C] scans of their own. sm_90 (Triton 3.6, simple_gla, bf16): 231 -> 178 registers, the
-# room a program a chunk (block_k 128) needs to run unspilled (session 29's study). Built, checked in the
-# interpreter, NOT GPU-timed: off.
+# (`_folded`), not by two [C] scans of their own. sm_90, simple_gla, bf16 states and products: 208 -> 170 registers
+# on Triton 3.6 (185 -> 178 on 3.9), the room a program a chunk (block_k 128) needs to run unspilled (session 29's
+# study). Built, checked in the interpreter, NOT GPU-timed: off.
 GRADS_QK_FOLD = False
 # chunk_grads_qk's launch with a scalar gate where given (else CHUNKED's): Tiles(128, 64, 8, 2) is a program a chunk
 # (K whole up to 128), so dA = do vᵀ, W and the [C, C] scan run once a chunk instead of once per block of 64
@@ -650,8 +657,9 @@ GRADS_QK_SCALAR_TILES = None
 
 
 def grads_qk_tiles(cfg) -> tuple[dict, dict]:
-    """`tiles` of chunk_grads_qk for this call: GRADS_QK_SCALAR_TILES' with a scalar gate (or none) where given."""
-    return tiles("chunk_grads_qk", cfg.dk, cfg.dv, None if cfg.has("gk") else GRADS_QK_SCALAR_TILES)
+    """`tiles` of chunk_grads_qk for this call: GRADS_QK_SCALAR_TILES' with a scalar gate where given."""
+    scalar = not cfg.has("gk") and _gated(cfg)
+    return tiles("chunk_grads_qk", cfg.dk, cfg.dv, GRADS_QK_SCALAR_TILES if scalar else None)
 
 
 def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, sums=None, groups=None):
