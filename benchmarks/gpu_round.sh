@@ -443,7 +443,11 @@ declare -A PRESETS=(
   # recurrent table with what won (s27c, after flipping it on); the decode table at 128 calls with the same-rounds
   # contiguous pair and the pages in order (DECODE_CALLS=128 ... decode-steady: paged B8 S8k 0.91-0.92, issue 16)
   # after s28b (the split's page numbers read up front; flip decode.PAGES_UPFRONT if paged64 wins)
+  # session 29 left: chunk_grads_qk's scalar-gate forms (s29a: flip host.GRADS_QK_FOLD and GRADS_QK_SCALAR_TILES if
+  # "op fwd+bwd, chunk_grads_qk folded, a program a chunk" wins at both shapes), then the table against fla after the
+  # walks' 4 stages (s29b); on a 2-GPU host both at once: `0:grads-qk 1:fla,rec-bench`
   [s29a]="0:grads-qk"
+  [s29b]="0:fla,rec-bench"
   [s28a]="0:after-sums,state-groups"
   [s28b]="0:decode-upfront"
   [s27a]="0:grads-sums,decode-steady"
