@@ -234,7 +234,7 @@ def stages(op_name, b, t, h, d):
     dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do, intra, s: host.chunk_grads_qk(
         kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s), q, k, v, gates, hs, dhs, do, intra, sums,
         grid=(n_c, -(-cfg.dk // blocks["chunk_grads_qk"]["BK"]), rows_h))
-    if not cfg.has("gk") and _gated(cfg):  # a scalar gate's other forms of the kernel (GRADS_QK_FORMS)
+    if not cfg.has("gk") and host._gated(cfg):  # a scalar gate's other forms of the kernel (GRADS_QK_FORMS)
         def grads_qk(q, k, v, g, hs, dhs, do, intra, s):
             return host.chunk_grads_qk(kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s)
 
@@ -272,7 +272,7 @@ def stages(op_name, b, t, h, d):
     if sums is not None and q.dtype != jnp.float32:
         add(f"op fwd, {AFTER_NAMED[other]}", switched(after, fwd), q, k, v, g)
         add(f"op fwd+bwd, {AFTER_NAMED[other]}", switched(after, fwd_bwd), q, k, v, g, do)
-    if not cfg.has("gk") and _gated(cfg):
+    if not cfg.has("gk") and host._gated(cfg):
         for named, values in GRADS_QK_FORMS:
             add(f"op fwd+bwd, chunk_grads_qk {named}", switched(values, fwd_bwd), q, k, v, g, do)
     if group:
@@ -295,10 +295,6 @@ GRADS_QK_FORMS = (  # a scalar gate's chunk_grads_qk: its log decay terms in the
     ("a program a chunk, unfolded", {"GRADS_QK_SCALAR_TILES": host.Tiles(128, 64, 8, 2)}),
 )
 """host.GRADS_QK_FOLD / GRADS_QK_SCALAR_TILES (session 29, not yet GPU-timed): the rows that flip them."""
-
-
-def _gated(cfg) -> bool:
-    return any(cfg.has(g) for g in ("g", "g_gamma", "gk"))
 
 
 REWALK = {"STATE_GROUPS": True, "STATE_GROUP_FORM": "rewalk"}
