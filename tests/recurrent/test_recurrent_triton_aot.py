@@ -90,7 +90,7 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
                   "kernels": ["chunk_grads_qk"], "states": "bfloat16", "products": "bfloat16", "fold": True,
                   "grads_qk_tiles": tiles, "dk": 128, "dv": 128, "with_resources": True}  # folded terms (host.
-                 for name, gates in [("simple_gla", ("g",)), ("lightning_attention", ("g_gamma",))]  # GRADS_QK_FOLD)
+                 for name, gates in [("simple_gla", ("g", "g_gamma"))]  # GRADS_QK_FOLD)
                  for tiles in (None, (128, 64, 8, 2))]  # and a program a chunk (GRADS_QK_SCALAR_TILES): no spill
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90,
                   "gates": ("gk",), "kernels": ["fused_fwd"], "fused_bv": 64,  # a large decode step's (host.
