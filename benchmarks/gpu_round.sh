@@ -67,7 +67,6 @@
 #                  DECODE_TUNE_CASES, DECODE_TUNE_SETTINGS; 32 calls a sample, DECODE_TUNE_CALLS), decode-tune-b
 #                  and decode-tune-c on others (DECODE_TUNE_CASES_B / _C, DECODE_TUNE_SETTINGS_B / _C)
 #   decode-page    paged 64 with the block's page number read once (default) or per key (decode_tune.py)
-#   decode-upfront paged 64 with the split's page numbers read before the loop or each block's in it; decode tests
 #   decode-steady  the decode table at 32 calls a sample (the host's first dispatch, ~30 us, amortized)
 #   decode-tests   the decode GPU tests, sharded 3 processes a GPU
 #   decode-trace   B4 S32k and B32 S8k decode (ejgen, cuDNN) under the profiler: kernels, busy time, gaps
@@ -339,13 +338,6 @@ j_decode-tune-b() { decode_tune decode-tune-b "${DECODE_TUNE_CASES_B:-decode-B32
   "${DECODE_TUNE_SETTINGS_B:-}"; }
 j_decode-tune-c() { decode_tune decode-tune-c "${DECODE_TUNE_CASES_C:-paged16-B4-S32k,paged16-B32-S8k}" \
   "${DECODE_TUNE_SETTINGS_C:-${DECODE_TUNE_SETTINGS:-}}"; }
-j_decode-upfront() {  # the split's page numbers read before the loop (decode.PAGES_UPFRONT, session 28, not yet
-  # GPU-run) against the reads in the loop, pages of 64 and 16, at 128 calls a sample; then the decode tests
-  DECODE_TUNE_CALLS=128 decode_tune decode-upfront \
-    "decode-B8-S8k,paged64-B8-S8k,paged16-B8-S8k,decode-B4-S32k,paged64-B4-S32k,paged16-B4-S32k,paged64-B32-S8k" \
-    "64,2,4,1,4,4096,0,1,1"
-  shards decode-tests 200 3 tests/decode
-}
 j_decode-page() {  # pages of whole blocks read once a block (the default) or per key (decode.WHOLE_PAGE off), beside
   # the contiguous batches: the paged 64 B8 S8k shortfall of session 26 (0.90 of contiguous)
   decode_tune decode-page "decode-B8-S8k,paged64-B8-S8k,paged16-B8-S8k,decode-B4-S32k,paged64-B4-S32k" \
@@ -442,14 +434,13 @@ declare -A PRESETS=(
   # gap) and the after sums formed by their readers (AFTER_FROM_PREFIX; s28a: both built, not GPU-run), then the
   # recurrent table with what won (s27c, after flipping it on); the decode table at 128 calls with the same-rounds
   # contiguous pair and the pages in order (DECODE_CALLS=128 ... decode-steady: paged B8 S8k 0.91-0.92, issue 16)
-  # after s28b (the split's page numbers read up front; flip decode.PAGES_UPFRONT if paged64 wins)
+  # (session 29: s28b's page numbers read up front tied; removed)
   # session 29 left: chunk_grads_qk's scalar-gate forms (s29a: flip host.GRADS_QK_FOLD and GRADS_QK_SCALAR_TILES if
   # "op fwd+bwd, chunk_grads_qk folded, a program a chunk" wins at both shapes), then the table against fla after the
   # walks' 4 stages (s29b); on a 2-GPU host both at once: `0:grads-qk 1:fla,rec-bench`
   [s29a]="0:grads-qk"
   [s29b]="0:fla,rec-bench"
   [s28a]="0:after-sums,state-groups"
-  [s28b]="0:decode-upfront"
   [s27a]="0:grads-sums,decode-steady"
   [s27b]="0:state-groups"
   [s27c]="0:fla,rec-bench"

@@ -43,6 +43,7 @@ interpreter without a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -88,6 +89,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ejgen import generated  # noqa: E402
+from ejgen.ops import settings  # noqa: E402
 from ejgen.testing.timing import median_seconds  # noqa: E402
 
 FLAG = 2e-2
@@ -283,25 +285,21 @@ def decode_fns(platform: str, steps: int = LOOP_STEPS):
     return step, loop
 
 
-class _FusedConfig:
-    """The fused decode kernels' value block and warps for the traces inside (``--decode-sweep``)."""
+@contextlib.contextmanager
+def _fused_config(platform: str, bv: int, warps: int):
+    """The fused decode kernels' value block and warps for the traces inside (``--decode-sweep``; Triton's wide
+    blocks off, the fused_value_blocks setting "fixed": the swept block everywhere)."""
+    from ejgen.runtime.recurrent.pallas import gpu as pallas_gpu
+    from ejgen.runtime.recurrent.triton import host
 
-    def __init__(self, platform: str, bv: int, warps: int):
-        from ejgen.runtime.recurrent.pallas import gpu as pallas_gpu
-        from ejgen.runtime.recurrent.triton import host
-
-        self.module = host if platform == "triton" else pallas_gpu
-        self.values = (bv, warps)
-
-    def __enter__(self):
-        names = ("FUSED_BV", "NUM_WARPS") + (("FUSED_WIDE_BV",) if hasattr(self.module, "FUSED_WIDE_BV") else ())
-        self.saved = {n: getattr(self.module, n) for n in names}
-        for n, x in zip(names, self.values + (0,)):  # (the wide block off: the sweep's BV everywhere)
-            setattr(self.module, n, x)
-
-    def __exit__(self, *exc):
-        for n, x in self.saved.items():
-            setattr(self.module, n, x)
+    module = host if platform == "triton" else pallas_gpu
+    saved = (module.FUSED_BV, module.NUM_WARPS)
+    module.FUSED_BV, module.NUM_WARPS = bv, warps
+    try:
+        with settings(fused_value_blocks="fixed"):
+            yield
+    finally:
+        module.FUSED_BV, module.NUM_WARPS = saved
 
 
 def decode_inputs(b: int, heads: int, dim: int):
@@ -328,7 +326,7 @@ def decode_table(smoke: bool, out_dir: Path):
     def measure(args, platform, config=None, call=True):
         """(seconds per step in the loop, seconds per call of one step or None)."""
         step, loop = decode_fns(platform, steps)
-        with config or _nothing():
+        with config or contextlib.nullcontext():
             loop_exe = jax.jit(loop, donate_argnums=3).lower(*args).compile()
             step_exe = jax.jit(step, donate_argnums=3).lower(*args).compile() if call else None
         per_step = statistics.median(chained_seconds(loop_exe, args, ARGS.reps, 4) for _ in range(ARGS.rounds)) / steps
@@ -360,7 +358,7 @@ def decode_table(smoke: bool, out_dir: Path):
                 for bv in (16, 32, 64):
                     for warps in (2, 4, 8):
                         try:
-                            per_step, _ = measure(args, platform, _FusedConfig(platform, bv, warps), call=False)
+                            per_step, _ = measure(args, platform, _fused_config(platform, bv, warps), call=False)
                             pct = 100 * nbytes / per_step / 1e9 / stream
                             results["rows"].append(dict(batch=b, impl=f"ejgen-{platform}", bv=bv, warps=warps,
                                                         loop_us=per_step * 1e6))
@@ -384,14 +382,6 @@ def decode_table(smoke: bool, out_dir: Path):
                 print(f"profile {platform}: {type(e).__name__}: {e}")
         (out_dir / "decode_profile.md").write_text("\n\n".join(tables))
     (out_dir / "decode.json").write_text(json.dumps(results, indent=1))
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 def _fla_name(op_name: str) -> str:

@@ -158,11 +158,9 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
 
 def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", params: dict | None = None,
                    head_dim: int = 128, groups: int = 4, queries: int = 1, paged: bool = False, page: int = 16,
-                   causal: bool = True, window: bool = False, softcap: bool = False,
-                   upfront: bool | None = None) -> dict:
+                   causal: bool = True, window: bool = False, softcap: bool = False) -> dict:
     """The split-K decode kernel of one generated variant (`triton_decode.py`) for one call's constexprs (``page``:
-    the paged cache's page size; one of the kernel's BLOCK_N or a multiple takes the one-read-a-block path;
-    ``upfront``: such pages' numbers read before the key loop, default decode.PAGES_UPFRONT)."""
+    the paged cache's page size; one of the kernel's BLOCK_N or a multiple takes the one-read-a-block path)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -183,7 +181,6 @@ def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str 
                   SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, PAGED=paged,
                   PAGE=page if paged else 1, MAX_PAGES=8192 // page if paged else 1, PAGES_AHEAD=decode.PAGES_AHEAD,
                   WHOLE_PAGE=decode.WHOLE_PAGE,
-                  SPLIT_PAGES=decode.split_pages(per_split, page, upfront) if paged else 0,
                   PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False)
     sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}

@@ -1651,13 +1651,16 @@ def linear_recurrent_chunk_grads_qk_kernel(
         b_dk += _dot_rounded(tl.trans(b_wr), b_q, DT)
         if GATED:  # the pairs inside the chunk, summed over the block's channels: by s, over r < s and t >= s
             b_m = _dot(b_q, tl.trans(b_k), DT) * b_w  # [t, r]
+            read = o_c[None, :] < o_c[:, None]  # [s, r]: r < s
             if FOLDED:
-                b_y = _cumsum(_folded(b_m, b_qdq, b_kdk, b_ss, o_c, C), axis=0, reverse=True)  # [s, r]: over t >= s
-                b_dlog = tl.expand_dims(tl.sum(tl.where((o_c[None, :] < o_c[:, None]) | (o_c[None, :] == C - 1), b_y,
-                                                        0.0), axis=1), 1)
+                b_m = _folded(b_m, b_qdq, b_kdk, b_ss, o_c, C)
+                read = read | (o_c[None, :] == C - 1)
+            b_y = _cumsum(b_m, axis=0, reverse=True)  # [s, r]: over t >= s
+            b_pairs = tl.expand_dims(tl.sum(tl.where(read, b_y, 0.0), axis=1), 1)
+            if FOLDED:
+                b_dlog = b_pairs
             else:
-                b_y = _cumsum(b_m, axis=0, reverse=True)  # [s, r]: over t >= s
-                b_dlog += tl.expand_dims(tl.sum(tl.where(o_c[None, :] < o_c[:, None], b_y, 0.0), axis=1), 1)
+                b_dlog += b_pairs
     tl.store(DQ + p_qk, b_dq.to(DQ.dtype.element_ty), mask=m_qk)
     tl.store(DK + p_qk, b_dk.to(DK.dtype.element_ty), mask=m_qk)
     if GATED:

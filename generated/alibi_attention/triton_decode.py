@@ -28,7 +28,7 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PAGED: tl.constexpr,
                   PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, PAGES_AHEAD: tl.constexpr, WHOLE_PAGE: tl.constexpr,
-                  SPLIT_PAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SQ, SEQ_K, D, DV, D_PAD, DV_PAD, M_PAD, BLOCK_N)
     off_b = tl.program_id(0)
     off_hk = tl.program_id(1)
@@ -62,36 +62,20 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
         lo += tl.maximum(length - SQ - window_left, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(lo + SPLIT, end)
     ONE_READ: tl.constexpr = PAGED and PAGE % BLOCK_N == 0 and WHOLE_PAGE  # a block in one page: one table read
-    UPFRONT: tl.constexpr = PAGED and SPLIT_PAGES > 0
-    if PAGED and not ONE_READ and PAGES_AHEAD and not UPFRONT:  # the first block's pages; a step reads the next's
+    if PAGED and not ONE_READ and PAGES_AHEAD:  # the first block's pages; a step reads the next block's
         t_next = lo + tl.arange(0, BLOCK_N)
         pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
-    if UPFRONT:  # the split's page numbers read before the loop (at most SPLIT_PAGES); a step takes its block's from
-        # registers, so no load of the table stands between a step and the next block's K and V (a page number carried
-        # from step to step instead left the loop unpipelined: no cp.async in its sm_90 PTX, session 28)
-        first_page = lo // PAGE
-        o_p = tl.arange(0, SPLIT_PAGES)
-        split_pages = tl.load(TABLE + off_b * MAX_PAGES + first_page + o_p, mask=(first_page + o_p) * PAGE < hi,
-                              other=0)
     for n0 in tl.range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         col_ok = t < hi
-        if UPFRONT and ONE_READ:  # (one redux.sync a step on sm_90)
-            page = tl.sum(tl.where(o_p == n0 // PAGE - first_page, split_pages, 0))
-            rows = page.to(tl.int64) * PAGE + t % PAGE
-        elif UPFRONT:  # a block over several pages: each key's page number gathered from the split's
-            pages = tl.gather(split_pages, tl.minimum(t // PAGE - first_page, SPLIT_PAGES - 1), 0)
-            rows = pages.to(tl.int64) * PAGE + t % PAGE
-        elif ONE_READ:  # (n0 is a multiple of BLOCK_N)
-            page = tl.load(TABLE + off_b * MAX_PAGES + n0 // PAGE)
-            rows = page.to(tl.int64) * PAGE + t % PAGE
+        if ONE_READ:  # (n0 is a multiple of BLOCK_N)
+            rows = tl.load(TABLE + off_b * MAX_PAGES + n0 // PAGE).to(tl.int64) * PAGE + t % PAGE
         elif PAGED and PAGES_AHEAD:  # a block over several pages: their numbers read a step ahead (a loop carry)
             rows = pages.to(tl.int64) * PAGE + t % PAGE
             t_next = t + BLOCK_N
             pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
         elif PAGED:  # their numbers read from the block's own positions: the pipeliner stages that load before K's
-            pages = tl.load(TABLE + off_b * MAX_PAGES + t // PAGE, mask=col_ok, other=0)
-            rows = pages.to(tl.int64) * PAGE + t % PAGE
+            rows = tl.load(TABLE + off_b * MAX_PAGES + t // PAGE, mask=col_ok, other=0).to(tl.int64) * PAGE + t % PAGE
         else:
             rows = off_b.to(tl.int64) * SEQ_K + t
         p_k = K + (rows * HKV + off_hk)[:, None] * D + o_d[None, :]

@@ -160,27 +160,23 @@ def test_flash_decode_matches_the_train_oracle(case, backend):
     assert np.all(np.asarray(out, np.float32)[empty] == 0.0), "an empty sequence gives zeros"
 
 
-PAGED_CASES = [(page, backend, False, True, False) for backend in DECODE_BACKENDS for page in (4, 12, 32)] + [
-    (12, "triton", True, True, False), (32, "triton", False, False, False), (12, "triton", False, True, True),
-    (64, "triton", False, True, True)]
-"""(page, backend, the Triton kernel's PAGES_AHEAD (off by default), its WHOLE_PAGE (on), its PAGES_UPFRONT (off)): its
-pages smaller than the key block read in the loop either way or gathered from the split's read before it, pages of
-whole blocks read once a block, picked from the split's, or per key."""
+PAGED_CASES = [(page, backend, False, True) for backend in DECODE_BACKENDS for page in (4, 12, 32)] + [
+    (12, "triton", True, True), (32, "triton", False, False)]
+"""(page, backend, the Triton kernel's PAGES_AHEAD (off by default), its WHOLE_PAGE (on)): its pages smaller than the
+key block read in the loop either way, pages of whole blocks read once a block or per key."""
 
 
-@pytest.mark.parametrize("page, backend, ahead, whole, upfront", PAGED_CASES)
-def test_paged_decode_reads_the_pages_through_the_table(page, backend, ahead, whole, upfront, monkeypatch):
+@pytest.mark.parametrize("page, backend, ahead, whole", PAGED_CASES)
+def test_paged_decode_reads_the_pages_through_the_table(page, backend, ahead, whole, monkeypatch):
     """Pages shuffled in the pool, two sequences sharing their first pages (a common prefix), lengths that end
     inside a page, an empty sequence, a window that skips pages; equal to ragged decode on the same tokens laid out
     in order. Pages of 4 and 12 (not a power of two) are smaller than the Triton kernel's key block (each block reads
     its own page numbers, or with ``ahead`` the next block's a step ahead), 32 and 64 multiples of it (its page number
-    read once a block, or without ``whole`` per key as smaller pages are); with ``upfront`` the split's page numbers
-    read before the loop, a block's (64: on the GPU too) or each key's (12) taken from them."""
+    read once a block, or without ``whole`` per key as smaller pages are)."""
     from ejgen.ops import page_attention, ragged_decode_attention
     from ejgen.runtime.attention.triton import decode as triton_decode
 
     monkeypatch.setattr(triton_decode, "PAGES_AHEAD", ahead)
-    monkeypatch.setattr(triton_decode, "PAGES_UPFRONT", upfront)
     monkeypatch.setattr(triton_decode, "WHOLE_PAGE", whole)
 
     rng = rng_for("paged", page)
@@ -283,8 +279,6 @@ DECODE_COMPILES = [  # (name, capability, kwargs)
     ("flash_attention", 90, dict(paged=True, window=True, softcap=True, groups=8, queries=2)),
     ("alibi_attention", 80, dict(params={"slopes": "float32"}, groups=4)),
     ("flash_attention", 90, dict(paged=True, page=64)),  # pages of whole blocks: a block's page read once
-    ("flash_attention", 90, dict(paged=True, page=64, upfront=True)),  # or all of a split's before the loop
-    ("flash_attention", 90, dict(paged=True, page=16, upfront=True)),  # each key's gathered from the split's
 ]
 
 

@@ -31,24 +31,10 @@ PAGES_AHEAD = False
 # pipeliner stages). Session 26, one H200, 32 calls a sample: at B8 S8k paged 64 took 86.1 us against the contiguous
 # 77.1 (0.90; 0.99 in session 21) where paged 16, read per key, took 81.7: `decode_tune.py` A/Bs it ("whole page").
 WHOLE_PAGE = True
-# PAGES_UPFRONT reads the split's page numbers once before the key loop (a vector of SPLIT_PAGES: `split_pages`; at most
-# UPFRONT_PAGES, else the reads above), a block in one page (WHOLE_PAGE) picking its own from it, a block over several
-# pages gathering each key's (through shared memory). Session 28 (H200, 128 calls a sample, decode.py's same-round
-# pairs): paged B8 S8k 0.91-0.92 of the contiguous call; the default reads the table before each block's K on the
-# loop's path (its sm_90 PTX: an ld.global a step beside the next block's cp.async); a page number carried a step
-# ahead instead unpipelined the loop (no cp.async: 88.8 -> 120.0 us) and was dropped. Built; its PTX keeps the
-# cp.async and has no load in the loop (Triton 3.6 and 3.9); NOT GPU-timed (decode_tune.py's "pages upfront").
-PAGES_UPFRONT = False
-UPFRONT_PAGES = 512  # (int32 registers: 4 a thread at 4 warps; pages of 16 at 4096-key splits take 512)
+# The split's page numbers read once before the key loop instead (a block's picked from them, or each key's gathered)
+# tied the reads in the loop (session 29, H200, 128 calls a sample: paged16 B8 S8k 81.2 -> 80.0 us, the other rows
+# within 1%): removed (notes/perf.md).
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
-
-
-def split_pages(per_split: int, page: int, upfront: bool | None = None) -> int:
-    """The kernel's SPLIT_PAGES: the page numbers a split's keys span at most (a split need not start on a page's
-    boundary), a power of two, the vector a kernel reading them before its loop holds; 0 (read in the loop) without
-    ``upfront`` (default PAGES_UPFRONT) or past UPFRONT_PAGES."""
-    n = host._pow2(per_split // page + 1)
-    return n if (PAGES_UPFRONT if upfront is None else upfront) and n <= UPFRONT_PAGES else 0
 
 
 def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: tuple, call, batch_invariant=False):
@@ -82,6 +68,5 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
         M_PAD=m_pad, BLOCK_N=block_n, SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=cfg.causal, WINDOW=cfg.window,
         SOFTCAP=cfg.softcap, PAGED=paged, PAGE=call.page if paged else 1,
         MAX_PAGES=call.tables.shape[1] if paged else 1, PAGES_AHEAD=PAGES_AHEAD, WHOLE_PAGE=WHOLE_PAGE,
-        SPLIT_PAGES=split_pages(per_split, call.page) if paged else 0,
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32", UPCAST=interpret and q.dtype == jnp.bfloat16)
     return split_k.merge(o_part, m_part, l_part, sinks, groups, sq, dv, q.dtype)
