@@ -30,7 +30,8 @@
 #   grads-sums     chunk_grads_intra reading chunk_sums' prefix sums: GPU tests, gla's kernel rows both ways
 #   state-groups   the state walks in groups: GPU tests, the kernel and op rows both ways (T 16k, 4k)
 #   after-sums     the 16-bit after sums formed by their readers: GPU tests (the rows: any rec-kernels table)
-#   grads-qk       chunk_grads_qk's scalar-gate forms (folded terms, a program a chunk): GPU tests, kernel and op rows
+#   grads-qk-tests chunk_grads_qk's scalar-gate GPU tests (its default form, folded and a program a chunk, and the others)
+#   grads-qk       the same, then its forms' kernel and op rows
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane (REC_BENCH_ARGS)
 #   rec-light      the recurrent table's lightning rows alone
 #   rec-decode     the recurrent decode table
@@ -141,11 +142,13 @@ j_state-groups() {  # the state walks in groups (host.STATE_GROUPS; session 28: 
   job state-groups 330 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention,gla \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
-j_grads-qk() {  # chunk_grads_qk's scalar-gate forms (host.GRADS_QK_FOLD, GRADS_QK_SCALAR_TILES; session 29, not yet
-  # GPU-run): their GPU tests, then the kernel and op rows ("chunk_grads_qk, scalar terms folded", "..., folded, a
-  # program a chunk", "op fwd+bwd, chunk_grads_qk ...") for simple_gla and lightning at B2 T16k and B4 T4096
-  shards grads-qk-tests 240 3 -k "folded_into_the_pairs or (triton and chunked and (simple_gla or lightning))" \
-    tests/recurrent  # (the second: the default form, W rounded once since session 29, not yet GPU-run)
+j_grads-qk-tests() {  # chunk_grads_qk with a scalar gate, folded and a program a chunk (the default since session 30),
+  # and its forms before: the scalar-gate chunked GPU tests
+  shards grads-qk-tests 240 3 -k "triton and chunked and (simple_gla or lightning)" tests/recurrent
+}
+j_grads-qk() {  # the same tests, then the kernel and op rows of chunk_grads_qk's forms ("chunk_grads_qk, unfolded, blocks
+  # of K (before session 30)", "op fwd+bwd, chunk_grads_qk ...") for simple_gla and lightning at B2 T16k and B4 T4096
+  j_grads-qk-tests
   job grads-qk 240 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
@@ -182,15 +185,16 @@ j_ncu-src() {  # per-instruction stall samples (SASS, CSV) of gla's chunked kern
       | gzip > "$OUT/src-$op.csv.gz"
   done
 }
-j_rec-sweep-long() { job rec-sweep-long 150 python3 benchmarks/recurrent_kernels.py --ops simple_gla --shapes 2x16384 \
-  --sweep --no-check --sweep-kernels chunk_state,chunk_output,chunk_state_bwd,chunk_grads_v,chunk_grads_qk; }
+j_rec-sweep-long() { job rec-sweep-long 200 python3 benchmarks/recurrent_kernels.py --ops "${REC_SWEEP_LONG_OPS:-simple_gla}" \
+  --shapes "${REC_SWEEP_LONG_SHAPES:-2x16384}" \
+  --sweep --no-check --sweep-kernels ${REC_SWEEP_LONG_KERNELS:-chunk_state,chunk_output,chunk_state_bwd,chunk_grads_v,chunk_grads_qk}; }
 j_state-study() { job state-study 200 python3 benchmarks/recurrent_state_study.py; }
 j_ncu-state() { job ncu-state 150 ncu --clock-control none -k regex:'chunk_(state|output)_kernel' --launch-count 2 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
   --section MemoryWorkloadAnalysis --section SchedulerStats \
   python3 benchmarks/recurrent_kernels.py --ops gla --no-check --reps 1 --rounds 1; }
 j_fla() { job fla 150 python3 benchmarks/recurrent_fla.py --out "$log/fla/fla.json"; }
-j_fla-profile() { job fla 170 python3 benchmarks/recurrent_fla.py --profile --cases "|B4-T4096|" \
+j_fla-profile() { job fla 170 python3 benchmarks/recurrent_fla.py --profile --cases "${FLA_PROFILE_CASES:-|B4-T4096|}" \
   --out "$log/fla/fla.json"; }
 j_rec-bench() {
   local fla=()
@@ -438,6 +442,12 @@ declare -A PRESETS=(
   # session 29 left: chunk_grads_qk's scalar-gate forms (s29a: flip host.GRADS_QK_FOLD and GRADS_QK_SCALAR_TILES if
   # "op fwd+bwd, chunk_grads_qk folded, a program a chunk" wins at both shapes), then the table against fla after the
   # walks' 4 stages (s29b); on a 2-GPU host both at once: `0:grads-qk 1:fla,rec-bench`
+  # (session 30: s29a's folded chunk_grads_qk won at both shapes, on by default; s30a: its tests with the new default,
+  # then the table against fla)
+  [s30a]="0:grads-qk-tests,fla,rec-bench"
+  # where the B2 T16k forwards' time goes against fla's (issue 17's gap): fla's kernels under the profiler at that
+  # shape (FLA_PROFILE_CASES='|B2-T16384|'), then simple_gla's walks and output kernel by launch setting there
+  [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)
   [s29a]="0:grads-qk"
   [s29b]="0:fla,rec-bench"
   [s28a]="0:after-sums,state-groups"

@@ -231,15 +231,18 @@ def stages(op_name, b, t, h, d):
             named = "scanned gates" if host.GRADS_INTRA_SUMS else "prefix sums"
             add(f"chunk_grads_intra, {named}", flipped("GRADS_INTRA_SUMS", grads_intra), q, k, gates, da, sums,
                 grid=grads_grid, which="chunk_grads_intra")
+    qk_bk = host.grads_qk_form(q.dtype, cfg.products, host._gate_names(cfg), cfg.dk, cfg.dv)[1]["BK"]
     dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do, intra, s: host.chunk_grads_qk(
         kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s), q, k, v, gates, hs, dhs, do, intra, sums,
-        grid=(n_c, -(-cfg.dk // blocks["chunk_grads_qk"]["BK"]), rows_h))
+        grid=(n_c, -(-cfg.dk // qk_bk), rows_h),
+        launch=host.GRADS_QK_SCALAR_TILES if not cfg.has("gk") and host._gated(cfg) else None)
     if not cfg.has("gk") and host._gated(cfg):  # a scalar gate's other forms of the kernel (GRADS_QK_FORMS)
         def grads_qk(q, k, v, g, hs, dhs, do, intra, s):
             return host.chunk_grads_qk(kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s)
 
         for named, values in GRADS_QK_FORMS:
-            bk = switched(values, lambda: host.grads_qk_tiles(cfg)[0]["BK"])()
+            bk = switched(values, lambda: host.grads_qk_form(q.dtype, cfg.products, host._gate_names(cfg),
+                                                             cfg.dk, cfg.dv)[1]["BK"])()
             add(f"chunk_grads_qk, {named}", switched(values, grads_qk), q, k, v, gates, hs, dhs, do, intra, sums,
                 grid=(n_c, -(-cfg.dk // bk), rows_h), which="chunk_grads_qk",
                 launch=values.get("GRADS_QK_SCALAR_TILES"))
@@ -289,12 +292,13 @@ AFTER_NAMED = {"never": "after sums stored", "always": "after sums from the pref
 """16-bit inputs, host.AFTER_FROM_PREFIX: chunk_sums stores the after sums ("never"), or chunk_state, chunk_grads_qk
 and chunk_grads_v form them ("always"; the default "gk" forms them for per-key gates only)."""
 
-GRADS_QK_FORMS = (  # a scalar gate's chunk_grads_qk: its log decay terms in the pairs' scan, and a program a chunk
-    ("scalar terms folded", {"GRADS_QK_FOLD": True}),
-    ("folded, a program a chunk", {"GRADS_QK_FOLD": True, "GRADS_QK_SCALAR_TILES": host.Tiles(128, 64, 8, 2)}),
-    ("a program a chunk, unfolded", {"GRADS_QK_SCALAR_TILES": host.Tiles(128, 64, 8, 2)}),
+GRADS_QK_FORMS = (  # a scalar gate's chunk_grads_qk: its log decay terms in the pairs' scan or not, by blocks of 64
+    # channels or a program a chunk (the default since session 30: folded, a program a chunk)
+    ("unfolded, blocks of K (before session 30)", {"GRADS_QK_FOLD": False, "GRADS_QK_SCALAR_TILES": None}),
+    ("folded, blocks of K", {"GRADS_QK_FOLD": True, "GRADS_QK_SCALAR_TILES": None}),
+    ("unfolded, a program a chunk", {"GRADS_QK_FOLD": False, "GRADS_QK_SCALAR_TILES": host.Tiles(128, 64, 8, 2)}),
 )
-"""host.GRADS_QK_FOLD / GRADS_QK_SCALAR_TILES (session 29, not yet GPU-timed): the rows that flip them."""
+"""host.GRADS_QK_FOLD / GRADS_QK_SCALAR_TILES: the rows that set them otherwise than the defaults."""
 
 
 REWALK = {"STATE_GROUPS": True, "STATE_GROUP_FORM": "rewalk"}

@@ -249,9 +249,9 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     with groups (0 relative states; 1, 2 the two walks of host.STATE_GROUP_FORM "rewalk"); ``after``: chunk_sums
     stores the after sums RS and their readers read them (False: host.AFTER_FROM_PREFIX's form for 16-bit inputs);
     ``fused_bv``: the fused kernels' value block (default host.FUSED_BV; host.FUSED_WIDE_BV: a large decode step's);
-    ``fold``: chunk_grads_qk's scalar-gate terms in its [C, C] scan (default host.GRADS_QK_FOLD); ``grads_qk_tiles``:
-    its launch (block_k, block_v, warps, stages) with a scalar gate (default host.GRADS_QK_SCALAR_TILES, else
-    CHUNKED's)."""
+    ``fold``: chunk_grads_qk's scalar-gate terms in its [C, C] scan; ``grads_qk_tiles``: its launch (block_k,
+    block_v, warps, stages) with a scalar gate (defaults: what host.grads_qk_form gives these inputs on this
+    capability)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -279,7 +279,10 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   DIAG_IN=(intra_diagonal or host.CHUNK_INTRA_DIAGONAL) == "kernel",
                   PIECES=intra_pieces if intra_pieces is not None else host.CHUNK_INTRA_PIECES,
                   GROUP=state_groups, NG=-(-4096 // chunk // state_groups) if state_groups else 1, BACKWARD=False,
-                  PASS=walk_pass, AFTER=after, FOLD=host.GRADS_QK_FOLD if fold is None else fold)
+                  PASS=walk_pass, AFTER=after)
+    host_fold, qk_blocks, qk_options = host.grads_qk_form(
+        dtype, "bfloat16" if products == "bfloat16" else "tf32", gates, dk, dv, arch=f"sm{capability}")
+    consts["FOLD"] = host_fold if fold is None else fold
     fused = min(fused_bv or host.FUSED_BV, bvf)
     compiled = {}
     for which in ("fused_fwd", "fused_bwd", "chunk_sums", "chunk_state", "chunk_state_groups", "chunk_intra",
@@ -295,9 +298,9 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
             blocks, options = dict(BV=fused), {"num_warps": host.NUM_WARPS, "num_stages": 1}
         elif which == "chunk_state_groups":
             blocks, options = host.tiles("chunk_state", dk, dv)
-        elif which == "chunk_grads_qk" and "gk" not in gates:
-            blocks, options = host.tiles(which, dk, dv, host.Tiles(*grads_qk_tiles) if grads_qk_tiles
-                                         else host.GRADS_QK_SCALAR_TILES)
+        elif which == "chunk_grads_qk":
+            blocks, options = (host.tiles(which, dk, dv, host.Tiles(*grads_qk_tiles)) if grads_qk_tiles
+                               else (qk_blocks, qk_options))
         else:
             blocks, options = host.tiles(which, dk, dv)
         kernel = getattr(module, f"{name}_{which}_kernel")

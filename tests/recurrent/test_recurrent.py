@@ -225,21 +225,31 @@ def test_triton_after_sums_from_the_prefix_sums(case, monkeypatch):
     assert not any(after for _, after in seen), seen
 
 
-FOLD_CASES = (  # scalar gates: bf16, reversed, an initial state, a partial chunk, K in two blocks of 64 (the host sums
-    # their parts); packed sequences (an empty one) at -20 a step in float32; g_gamma alone, GQA
+FOLD_CASES = (  # scalar gates, 16-bit inputs (float32 ones take neither form): bf16, reversed, an initial state, a
+    # partial chunk, K in two blocks of 64 (the host sums their parts); packed sequences (an empty one) at -20 a step
+    # in f16; g_gamma alone, GQA
     Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 70, 2, 1, 80, 16), chunk=32, h0=True,
          reverse=True),
-    Case("simple_gla", ("g",), shape=(1, 90, 2, 2, 16, 24), chunk=16, cu=(0, 33, 33, 80), strong=True, h0=True),
-    Case("lightning_attention", ("g_gamma",), shape=(2, 40, 4, 2, 16, 16), chunk=16),
+    Case("simple_gla", ("g",), dtype="float16", shape=(1, 90, 2, 2, 16, 24), chunk=16, cu=(0, 33, 33, 80),
+         strong=True, h0=True),
+    Case("lightning_attention", ("g_gamma",), dtype="bfloat16", shape=(2, 40, 4, 2, 16, 16), chunk=16),
 )
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["blocks-of-k", "a-program-a-chunk"])
-@pytest.mark.parametrize("case", FOLD_CASES, ids=[c.id for c in FOLD_CASES])
-def test_triton_scalar_gate_terms_folded_into_the_pairs_scan(case, whole, monkeypatch):
-    """host.GRADS_QK_FOLD: chunk_grads_qk's scalar-gate log decay gradient with the terms from the chunk's states in
-    the pairs' [C, C] scan (`_folded`), by blocks of 64 channels or (``whole``, host.GRADS_QK_SCALAR_TILES) a program
-    a chunk: every gradient, the gates' included, against the oracle, and the spy shows the launches took it."""
+GRADS_QK_FORMS = {  # (host.GRADS_QK_FOLD, host.GRADS_QK_SCALAR_TILES): the default, and the forms before session 30
+    "folded-a-program-a-chunk": (True, (128, 64, 8, 2)),
+    "folded-blocks-of-k": (True, None),
+    "unfolded-blocks-of-k": (False, None),
+}
+FORM_RUNS = [(c, form) for c in FOLD_CASES for form in GRADS_QK_FORMS]
+
+
+@pytest.mark.parametrize("case,form", FORM_RUNS, ids=[f"{c.id}-{form}" for c, form in FORM_RUNS])
+def test_triton_scalar_gate_grads_qk_forms(case, form, monkeypatch):
+    """chunk_grads_qk with a scalar gate: its log decay gradient's terms from the chunk's states in the pairs' [C, C]
+    scan (host.GRADS_QK_FOLD, `_folded`) or in scans of their own, by blocks of 64 channels or a program a chunk
+    (host.GRADS_QK_SCALAR_TILES; both the default for 16-bit inputs, neither for float32 ones: host.grads_qk_form):
+    every gradient, the gates' included, against the oracle, and the spy shows the launches took that form."""
     from ejgen.runtime.launch import triton_call
     from ejgen.runtime.recurrent.triton import host
 
@@ -250,14 +260,34 @@ def test_triton_scalar_gate_terms_folded_into_the_pairs_scan(case, whole, monkey
             launches.append((kwargs["FOLD"], grid[1], kwargs["BK"]))
         return launch(kernel, grid, *args, **kwargs)
 
+    fold, tiles = GRADS_QK_FORMS[form]
     monkeypatch.setattr(triton_call, "launch", spy)
-    monkeypatch.setattr(host, "GRADS_QK_FOLD", True)
-    if whole:
-        monkeypatch.setattr(host, "GRADS_QK_SCALAR_TILES", host.Tiles(128, 64, 8, 2))
+    monkeypatch.setattr(host, "GRADS_QK_FOLD", fold)
+    monkeypatch.setattr(host, "GRADS_QK_SCALAR_TILES", tiles and host.Tiles(*tiles))
     check(case, "triton")
     dk = case.shape[4]
-    bk = min(128 if whole else 64, 1 << (dk - 1).bit_length())
-    assert launches == [(True, -(-dk // bk), bk)], launches
+    bk = min(128 if tiles else 64, 1 << (dk - 1).bit_length())
+    assert launches == [(fold, -(-dk // bk), bk)], launches
+
+
+def test_grads_qk_form_by_inputs_and_machine():
+    """host.grads_qk_form: folded and a program a chunk for a scalar gate with 16-bit inputs on sm_90 and in the
+    interpreter; by blocks of 64 on sm_80 or with TF32 products (a program a chunk spills), float32 inputs unfolded
+    by blocks of 64 (both spill more), gk by CHUNKED's blocks unfolded."""
+    from ejgen.runtime.recurrent.triton import host
+
+    def form(dtype, gates, arch, dk=128, products="bfloat16"):
+        fold, blocks, _ = host.grads_qk_form(dtype, products, gates, dk, 128, arch=arch)
+        return fold, blocks["BK"], blocks["BV"]
+
+    assert form("bfloat16", ("g", "g_gamma"), "sm90") == (True, 128, 64)
+    assert form("float16", ("g_gamma",), None) == (True, 128, 64)
+    assert form("bfloat16", ("g",), "sm90", dk=256) == (True, 128, 64)
+    assert form("bfloat16", ("g",), "sm80") == (True, 64, 32)
+    assert form("bfloat16", ("g",), "sm90", products="tf32") == (True, 64, 32)
+    assert form("float32", ("g",), "sm90") == (False, 64, 32)
+    assert form("bfloat16", ("gk",), "sm90") == (False, 64, 32)
+    assert form("bfloat16", ("g", "gk"), None) == (False, 64, 32)
 
 
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in

@@ -101,18 +101,20 @@ FOLDED = [c for c in CASES if c.algorithm == "chunked" and "gk" not in c.gates a
           and set(c.gates) & {"g", "g_gamma"} and (c.dtype == "bfloat16" or c.reverse)]
 
 
-FOLDED_RUNS = [(c, False) for c in FOLDED] + [(c, True) for c in FOLDED if c.shape[4] > 64]  # (K 64: one block)
+GRADS_QK_FORMS = {"folded-blocks-of-k": (True, None), "unfolded-blocks-of-k": (False, None)}  # (GRADS_QK_FOLD,
+# GRADS_QK_SCALAR_TILES) before session 30 (the default, folded and a program a chunk: every scalar-gate case above)
+FORM_RUNS = [(c, form) for c in FOLDED for form in GRADS_QK_FORMS if c.shape[4] > 64]  # (K 64: one block)
 
 
-@pytest.mark.parametrize("case,whole", FOLDED_RUNS,
-                         ids=[f"{c.id}-{'a-program-a-chunk' if w else 'blocks-of-k'}" for c, w in FOLDED_RUNS])
-def test_triton_scalar_gate_terms_folded_into_the_pairs_scan(case, whole, monkeypatch):
-    """host.GRADS_QK_FOLD, with or without host.GRADS_QK_SCALAR_TILES' program a chunk, against the oracle."""
+@pytest.mark.parametrize("case,form", FORM_RUNS, ids=[f"{c.id}-{form}" for c, form in FORM_RUNS])
+def test_triton_scalar_gate_grads_qk_forms(case, form, monkeypatch):
+    """chunk_grads_qk with a scalar gate in the forms that are not the default (host.GRADS_QK_FOLD,
+    GRADS_QK_SCALAR_TILES), against the oracle."""
     from ejgen.runtime.recurrent.triton import host
 
-    monkeypatch.setattr(host, "GRADS_QK_FOLD", True)
-    if whole:
-        monkeypatch.setattr(host, "GRADS_QK_SCALAR_TILES", host.Tiles(128, 64, 8, 2))
+    fold, tiles = GRADS_QK_FORMS[form]
+    monkeypatch.setattr(host, "GRADS_QK_FOLD", fold)
+    monkeypatch.setattr(host, "GRADS_QK_SCALAR_TILES", tiles)
     check(case, "triton")
 
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.core import device, settings, sizes
+from ejgen.runtime.core import kernels as chooser
 from ejgen.runtime.launch import triton_call
 from ejgen.runtime.recurrent import gates as gradients
 from ejgen.runtime.recurrent import packing
@@ -646,20 +647,39 @@ def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da, sums=None):
 # cumsum, k ⊙ dk by an exclusive one, S ⊙ S̄) placed in the pairs' [C, C] matrix and summed by its one reverse scan
 # (`_folded`), not by two [C] scans of their own. sm_90, simple_gla, bf16 states and products: 208 -> 170 registers
 # on Triton 3.6 (185 -> 178 on 3.9), the room a program a chunk (block_k 128) needs to run unspilled (session 29's
-# study). Built, checked in the interpreter, NOT GPU-timed: off.
-GRADS_QK_FOLD = False
-# chunk_grads_qk's launch with a scalar gate where given (else CHUNKED's): Tiles(128, 64, 8, 2) is a program a chunk
-# (K whole up to 128), so dA = do vᵀ, W and the [C, C] scan run once a chunk instead of once per block of 64
-# channels (~-45% instructions a chunk, session 29's study); with GRADS_QK_FOLD no spill (sm_90: 217 registers on
-# Triton 3.6, 255 on 3.9; unfolded 3.6 spills 200 bytes). gk keeps CHUNKED's (at 128 it spills 88-104 bytes). NOT
-# GPU-timed: None.
-GRADS_QK_SCALAR_TILES = None
+# study). 16-bit inputs only (`grads_qk_form`): with float32 inputs the fold spills more (sm_90, Triton 3.6, blocks
+# of 64: 720 -> 1424 bytes a thread).
+GRADS_QK_FOLD = True
+# chunk_grads_qk's launch with a scalar gate and 16-bit inputs on sm_90 (and in the interpreter): Tiles(128, 64, 8, 2)
+# is a program a chunk (K whole up to 128), so dA = do vᵀ, W and the [C, C] scan run once a chunk instead of once per
+# block of 64 channels (~-45% instructions a chunk, session 29's study); with GRADS_QK_FOLD no spill (sm_90: 212
+# registers on Triton 3.6, 255 on 3.9; unfolded 3.6 spills 200 bytes), bf16 products only (TF32 ones spill 72
+# bytes). Elsewhere CHUNKED's: float32 inputs spill 4016 bytes a thread at 128 (720 by blocks of 64, unfolded),
+# sm_80 2208 (560). gk keeps CHUNKED's (at 128 it spills 88-104 bytes). Session 30, H200, simple_gla bf16, both on: the kernel 1.796 -> 1.172 ms at B2 T16384 (0.912 ->
+# 0.615 at B4 T4096), op fwd+bwd 2.636 -> 2.013 (1.285 -> 0.979); folded by blocks of 64 alone 1.761, a program a
+# chunk unfolded 1.255 (BENCHMARKS.md, "Session 30").
+GRADS_QK_SCALAR_TILES = Tiles(128, 64, 8, 2)
 
 
-def grads_qk_tiles(cfg) -> tuple[dict, dict]:
-    """`tiles` of chunk_grads_qk for this call: GRADS_QK_SCALAR_TILES' with a scalar gate where given."""
-    scalar = not cfg.has("gk") and _gated(cfg)
-    return tiles("chunk_grads_qk", cfg.dk, cfg.dv, GRADS_QK_SCALAR_TILES if scalar else None)
+def grads_qk_form(dtype, products: str, gates, dk: int, dv: int,
+                  arch: str | None = "here") -> tuple[bool, dict, dict]:
+    """chunk_grads_qk's (FOLD, {"BK", "BV"}, launch options) for inputs of ``dtype``, the call's ``products``
+    ("bfloat16" / "tf32": `RecurrentConfig.products`) and ``gates`` (names) on ``arch`` ("sm90"; None: the Triton
+    interpreter; default: the machine calls run on): GRADS_QK_FOLD and GRADS_QK_SCALAR_TILES where they apply (a
+    scalar gate, 16-bit inputs; a program a chunk with bf16 products on sm_90 alone: TF32 products spill 72 bytes)."""
+    scalar = "gk" not in gates and bool(set(gates) & {"g", "g_gamma", "gv"})
+    sixteen = jnp.dtype(dtype) != jnp.float32
+    if arch == "here":
+        target = chooser.target()
+        arch = target.arch if target.platform == "gpu" else None
+    whole = (scalar and sixteen and products == "bfloat16" and GRADS_QK_SCALAR_TILES is not None
+             and arch in (None, "sm90"))
+    return (GRADS_QK_FOLD and scalar and sixteen,
+            *tiles("chunk_grads_qk", dk, dv, GRADS_QK_SCALAR_TILES if whole else None))
+
+
+def _gate_names(cfg) -> tuple:
+    return tuple(g for g in ("g", "g_gamma", "gk", "gv") if cfg.has(g))
 
 
 def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, sums=None, groups=None):
@@ -670,7 +690,7 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
     relative to their groups)."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
-    blocks, options = grads_qk_tiles(cfg)
+    fold, blocks, options = grads_qk_form(q.dtype, cfg.products, _gate_names(cfg), cfg.dk, cfg.dv)
     sds = jax.ShapeDtypeStruct
     per_head = q.shape[:3]
     gated = _gated(cfg)
@@ -685,7 +705,7 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
         [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if gated else (1,), F32)],
         zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
         SUMS=sums is not None, SP=_products(cfg), GROUP=groups[0][2] if groups else 0,
-        NG=groups[0][3] if groups else 1, AFTER=after_stored(q, cfg), FOLD=GRADS_QK_FOLD, **options,
+        NG=groups[0][3] if groups else 1, AFTER=after_stored(q, cfg), FOLD=fold, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return dq, dk, dlog if gated else None
 
