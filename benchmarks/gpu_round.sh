@@ -447,6 +447,9 @@ declare -A PRESETS=(
   [s30a]="0:grads-qk-tests,fla,rec-bench"
   # where the B2 T16k forwards' time goes against fla's (issue 17's gap): fla's kernels under the profiler at that
   # shape (FLA_PROFILE_CASES='|B2-T16384|'), then simple_gla's walks and output kernel by launch setting there
+  # the scalar gates' walk with kᵀ fed as loaded and e^R on v (chunk_state's V_GATED, session 30's SASS study, not yet
+  # GPU-run): its GPU tests, then the table against fla (s30c; REC_TESTS_K as below)
+  [s30c]="0:rec-tests,fla,rec-bench"
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)
   [s29a]="0:grads-qk"
   [s29b]="0:fla,rec-bench"

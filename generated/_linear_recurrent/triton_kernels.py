@@ -752,6 +752,26 @@ def _walk_start(S0, i_nh, i_n, i_g, i_h, p_h, m_h, H: tl.constexpr, K: tl.conste
 
 
 @triton.jit
+def _advance_v_gated(b_h, K_, V_, PS, LS, rows, m_s, chunk, i_h, i_hk, o_k, m_k, o_v, m_v, H: tl.constexpr,
+                     HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr):
+    """`_advance` of `chunk_state` with a scalar gate and 16-bit inputs: S' = e^{L_C} S + kᵀ (v ⊙ e^{R}), the same
+    sum with the steps' decays on v's rows (a scalar a step scales either side). kᵀ [BK, C] is loaded transposed and
+    fed as loaded, so the product reads it from the asynchronous copy's shared memory (scaled, k crossed registers and
+    shared memory again every step). R_j = L_C - P_j from `chunk_sums`' PS and LS (a scalar; chunk: the chunk's row x
+    H + head), read in the step that uses them: both feed the scaled v, so the pipeliner copies them with k and v
+    (read a step ahead through registers, `_walk_sums`, they were plain loads each step waited on; RS read here would
+    leave L_C, which then scales only the state, a plain load: session 30's SASS study)."""
+    b_t = tl.load(LS + chunk.to(tl.int64))  # L_C
+    b_p = tl.load(PS + rows * H + i_h, mask=m_s, other=0.0)  # [C]
+    b_kt = tl.load(K_ + (rows[None, :] * HKV + i_hk) * K + o_k[:, None], mask=m_k[:, None] & m_s[None, :], other=0.0)
+    b_v = tl.load(V_ + (rows[:, None] * HKV + i_hk) * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
+    b_vs = (b_v.to(tl.float32) * tl.exp(tl.where(m_s, b_t - b_p, 0.0))[:, None]).to(DT)
+    if UPCAST:  # (the interpreter: `_dot`)
+        return tl.dot(b_kt.to(tl.float32), b_vs.to(tl.float32), b_h * tl.exp(b_t), input_precision="ieee")
+    return tl.dot(b_kt, b_vs, b_h * tl.exp(b_t))
+
+
+@triton.jit
 def _walk_store(HS, DC, b_h, b_dc, row, p_h, m_h, o_d, m_d, K: tl.constexpr, V: tl.constexpr, KD,
                 GROUP: tl.constexpr, PASS: tl.constexpr):
     """A walk's tile at one chunk (row: the chunk's row x H + head) into HS, and with groups (PASS 0) its log decay
@@ -812,15 +832,22 @@ def linear_recurrent_chunk_state_kernel(
     t0, t1, i_g, o_d, m_d, KD = _walk_group(bos, eos, o_k, m_k, i_v, C, K, USE_GK, GROUP)
     b_h = _walk_start(H0, i_nh, i_n, i_g, i_h, p_h, m_h, H, K, V, USE_H0, GROUP, NG, PASS)
     b_dc = tl.zeros(o_d.shape, dtype=tl.float32)  # GROUP: L(group start, chunk start]
-    if SUMS:
+    MAPPED: tl.constexpr = False
+    # a scalar gate's walk with 16-bit inputs as loaded (no map on k, no groups): e^{R_j} scales v's rows instead of
+    # k's, so kᵀ goes from its asynchronous copy straight into the product and the sums are copied with k and v
+    V_GATED: tl.constexpr = SUMS and not USE_GK and DT != tl.float32 and GROUP == 0 and not MAPPED
+    if SUMS and not V_GATED:
         b_after, b_decay = _walk_sums(RS if AFTER else PS, LS, bos, eos, first, t0, i_h, o_k, m_k, H, K, C, USE_GK,
                                       REVERSE, not AFTER)
     for i_t in range(t0, t1):
         _walk_store(HS, DC, b_h, b_dc, (first + i_t) * H + i_h, p_h, m_h, o_d, m_d, K, V, KD, GROUP, PASS)
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
-        b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
-        b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
-        if SUMS:  # the next chunk's sums in flight while this one's product forms (`_walk_sums`)
+        if V_GATED:
+            b_h = _advance_v_gated(b_h, K_, V_, PS, LS, rows, m_s, (first + i_t) * H + i_h, i_h, i_hk, o_k, m_k, o_v,
+                                   m_v, H, HKV, K, V, DT)
+        elif SUMS:  # the next chunk's sums in flight while this one's product forms (`_walk_sums`)
+            b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
+            b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
             b_after_n, b_decay_n = _walk_sums(RS if AFTER else PS, LS, bos, eos, first, i_t + 1, i_h, o_k, m_k, H, K,
                                               C, USE_GK, REVERSE, not AFTER)
             b_h = _advance(b_h, b_k, b_v, b_after, tl.exp(b_decay)[:, None], DT)
@@ -828,6 +855,8 @@ def linear_recurrent_chunk_state_kernel(
                 b_dc += b_decay
             b_after, b_decay = b_after_n, b_decay_n
         else:
+            b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
+            b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
             b_h = _advance(b_h, b_k, b_v, _after(b_l), _chunk_decay(b_l), DT)
             if GROUP > 0:
