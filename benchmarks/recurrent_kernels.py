@@ -208,8 +208,13 @@ def stages(op_name, b, t, h, d):
             add(f"chunk_intra, diagonal {named}", diagonal(form, pieces, lambda q, k, g, s: host.chunk_intra(
                 kernels, q, k, g, ctx, cfg, sums=s)), q, k, gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h),
                 which="chunk_intra_diag" if form == "kernel" else "chunk_intra")
-    add("chunk_output", lambda q, k, v, g, hs, a, s: host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a, s), q,
-        k, v, gates, hs, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h))
+    def output(q, k, v, g, hs, a, s):
+        return host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a, s)
+
+    add("chunk_output", output, q, k, v, gates, hs, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]),
+                                                                    rows_h))
+    add(f"chunk_output, {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", output), q, k, v, gates, hs, a,
+        sums, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h), which="chunk_output")
     dhs, dh0 = add("chunk_state_bwd", lambda q, g, do, dht, s: host.chunk_state_grads(kernels, q, g, ctx, cfg, do,
                                                                                       dht, s, stored),
                    q, gates, do, dht, sums, grid=(nkv("chunk_state_bwd"), rows_h))
@@ -266,6 +271,7 @@ def stages(op_name, b, t, h, d):
 
     add("op fwd", fwd, q, k, v, g)
     add("op fwd+bwd", fwd_bwd, q, k, v, g, do)
+    add(f"op fwd, chunk_output {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", fwd), q, k, v, g)
     if cfg.has("gk"):
         for form, pieces, named in other_forms():
             add(f"op fwd, chunk_intra's diagonal {named}", diagonal(form, pieces, fwd), q, k, v, g)
@@ -287,6 +293,9 @@ def stages(op_name, b, t, h, d):
             add(f"op fwd+bwd, {ng} groups walked twice", switched(REWALK, fwd_bwd), q, k, v, g, do)
     return out, (q, k, v, do, g, fwd)
 
+
+AHEAD_NAMED = {True: "reads ahead of its K loop", False: "reads after its K loop"}
+"""host.OUTPUT_AHEAD (session 30, not yet GPU-timed): chunk_output's v, sums and kᵀ read ahead of its K loop."""
 
 AFTER_NAMED = {"never": "after sums stored", "always": "after sums from the prefix sums"}
 """16-bit inputs, host.AFTER_FROM_PREFIX: chunk_sums stores the after sums ("never"), or chunk_state, chunk_grads_qk

@@ -235,7 +235,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       intra_pieces: bool | None = None, grads_sums: bool | None = None,
                       state_groups: int = 0, walk_pass: int = 0, after: bool = True,
                       fused_bv: int | None = None, fold: bool | None = None,
-                      grads_qk_tiles: tuple | None = None) -> dict:
+                      grads_qk_tiles: tuple | None = None, output_ahead: bool | None = None) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -251,7 +251,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     ``fused_bv``: the fused kernels' value block (default host.FUSED_BV; host.FUSED_WIDE_BV: a large decode step's);
     ``fold``: chunk_grads_qk's scalar-gate terms in its [C, C] scan; ``grads_qk_tiles``: its launch (block_k,
     block_v, warps, stages) with a scalar gate (defaults: what host.grads_qk_form gives these inputs on this
-    capability)."""
+    capability); ``output_ahead``: chunk_output's reads ahead of its K loop (default host.OUTPUT_AHEAD)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -279,7 +279,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   DIAG_IN=(intra_diagonal or host.CHUNK_INTRA_DIAGONAL) == "kernel",
                   PIECES=intra_pieces if intra_pieces is not None else host.CHUNK_INTRA_PIECES,
                   GROUP=state_groups, NG=-(-4096 // chunk // state_groups) if state_groups else 1, BACKWARD=False,
-                  PASS=walk_pass, AFTER=after)
+                  PASS=walk_pass, AFTER=after,
+                  AHEAD=host.OUTPUT_AHEAD if output_ahead is None else output_ahead)
     host_fold, qk_blocks, qk_options = host.grads_qk_form(
         dtype, "bfloat16" if products == "bfloat16" else "tf32", gates, dk, dv, arch=f"sm{capability}")
     consts["FOLD"] = host_fold if fold is None else fold

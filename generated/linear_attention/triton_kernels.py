@@ -1141,6 +1141,7 @@ def linear_attention_chunk_output_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     """o of a chunk's C steps (BV columns), a program per (chunk, block of V), in products of the whole chunk:
         o = scale (q ⊙ e^{P}) S + A v      (S: the state at the chunk's start, HS; P_i = L(start, i], prefix sums)
@@ -1148,7 +1149,10 @@ def linear_attention_chunk_output_kernel(
     times e^{L(j, i]} (`_intra_scalar`), and e^{P} scales the rows of q S. K in blocks of BK; the state's product in
     TF32 or bf16 (`_dot_state`, SP: the chunk_products setting), A's with v in the inputs' dtype. SUMS: P read
     from `chunk_sums` (PS). GROUP > 0 (`chunk_state`'s walk in groups): HS is the state relative to the chunk's group
-    start, S = HS + diag(e^{DC}) GS[group] (float32, formed before its product)."""
+    start, S = HS + diag(e^{DC}) GS[group] (float32, formed before its product). AHEAD (host.OUTPUT_AHEAD): v's tile
+    and a scalar gate's P read before the K loop, in flight while it runs (read after it they were plain loads the
+    epilogue waited on: sm_90 PTX, Triton 3.6), and with 16-bit inputs and no map on k, kᵀ loaded transposed and fed
+    to q kᵀ as loaded (not transposed through registers and shared memory each block of K)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -1163,6 +1167,12 @@ def linear_attention_chunk_output_kernel(
     p_h = HS + (i_cg * H + i_h).to(tl.int64) * K * V
     b_o = tl.zeros([C, BV], dtype=tl.float32)
     b_a = tl.zeros([C, C], dtype=tl.float32)
+    MAPPED: tl.constexpr = MAP
+    K_AS_LOADED: tl.constexpr = AHEAD and DT != tl.float32 and not MAPPED
+    if AHEAD:
+        b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
+        if SUMS and not USE_GK:
+            b_p = _sums_at(PS, rows, m_s, i_h, o_c, m_s, H, K, USE_GK)  # [C, 1]
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -1172,6 +1182,10 @@ def linear_attention_chunk_output_kernel(
         elif USE_GK:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
             b_q = b_q * tl.exp(_cumsum(b_l, axis=0))
+        elif K_AS_LOADED:
+            b_kt = tl.load(K_ + (rows[None, :] * HKV + i_hk) * K + o_k[:, None], mask=m_k[:, None] & m_s[None, :],
+                           other=0.0)  # [BK, C]
+            b_a += _dot(b_q, b_kt, DT)
         else:
             b_a += _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
         b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
@@ -1182,14 +1196,15 @@ def linear_attention_chunk_output_kernel(
         b_a = _load_a(A, i_cg, i_h, o_c, H, C)
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
-        if SUMS:
-            b_p = _sums_at(PS, rows, m_s, i_h, o_c, m_s, H, K, USE_GK)  # [C, 1]
-        else:
+        if not SUMS:
             b_p = _cumsum(b_l, axis=0)
+        elif not AHEAD:
+            b_p = _sums_at(PS, rows, m_s, i_h, o_c, m_s, H, K, USE_GK)  # [C, 1]
         if GATED:
             b_o = b_o * tl.exp(b_p)
         b_a = _intra_scalar(b_a, b_l, b_p, o_c, m_s, GATED, DT) * SCALE
-    b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
+    if not AHEAD:
+        b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
     b_o = b_o * SCALE + _dot(b_a, b_v, DT)
     tl.store(O + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(O.dtype.element_ty),
              mask=m_s[:, None] & m_v[None, :])

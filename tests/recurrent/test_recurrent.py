@@ -290,6 +290,38 @@ def test_grads_qk_form_by_inputs_and_machine():
     assert form("bfloat16", ("g", "gk"), None) == (False, 64, 32)
 
 
+AHEAD_CASES = (  # chunk_output's reads ahead (host.OUTPUT_AHEAD): a scalar gate in bf16 (kᵀ as loaded), reversed with
+    # an initial state, K in two blocks; f16 packed sequences at -20 a step; gk (v ahead alone); a map on k (kᵀ through
+    # the map as before); float32 (kᵀ through registers)
+    FOLD_CASES[0],
+    FOLD_CASES[1],
+    Case("gla", ("gk",), dtype="bfloat16", shape=(1, 70, 2, 1, 32, 16), chunk=16, reverse=True),
+    Case("linear_attention", (), dtype="bfloat16", shape=(2, 40, 2, 2, 16, 16), chunk=16),
+    Case("lightning_attention", ("g_gamma",), shape=(2, 40, 4, 2, 16, 16), chunk=16),
+)
+
+
+@pytest.mark.parametrize("case", AHEAD_CASES, ids=[c.id for c in AHEAD_CASES])
+def test_triton_output_reads_ahead(case, monkeypatch):
+    """host.OUTPUT_AHEAD: chunk_output with v's tile and the prefix sums read before its K loop and (16-bit inputs, no
+    map on k) kᵀ loaded transposed: o, final_state and every gradient against the oracle, and the spy shows the
+    launch took it."""
+    from ejgen.runtime.launch import triton_call
+    from ejgen.runtime.recurrent.triton import host
+
+    launches, launch = [], triton_call.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if "AHEAD" in kwargs:
+            launches.append(kwargs["AHEAD"])
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    monkeypatch.setattr(host, "OUTPUT_AHEAD", True)
+    check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
+    assert launches and all(launches), launches
+
+
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in
     # float32, gates down to -20 a step (every decay still a sum of its own steps: within float32's tolerance)
     Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 130, 2, 1, 16, 32), chunk=16, h0=True,

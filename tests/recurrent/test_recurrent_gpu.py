@@ -118,6 +118,18 @@ def test_triton_scalar_gate_grads_qk_forms(case, form, monkeypatch):
     check(case, "triton")
 
 
+AHEAD = [c for c in CASES if c.algorithm == "chunked" and "gv" not in c.gates and (c.dtype == "bfloat16" or c.reverse)]
+
+
+@pytest.mark.parametrize("case", AHEAD, ids=[c.id for c in AHEAD])
+def test_triton_output_reads_ahead(case, monkeypatch):
+    """host.OUTPUT_AHEAD (chunk_output's v, sums and kᵀ read before or as its K loop needs them), against the oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "OUTPUT_AHEAD", True)
+    check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
+
+
 STRONG_16 = [Case(op, gates, dtype="bfloat16", reverse=True, strong=True, chunk=64, **LAYOUTS["packed"])
              for op, gates in (("gla", ("gk",)), ("simple_gla", ("g", "g_gamma")))]
 

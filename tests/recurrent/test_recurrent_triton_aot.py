@@ -92,6 +92,10 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "grads_qk_tiles": tiles, "dk": 128, "dv": 128, "with_resources": True}  # folded terms (host.
                  for name, gates in [("simple_gla", ("g", "g_gamma"))]  # GRADS_QK_FOLD)
                  for tiles in ((64, 32, 8, 2), None)]  # by blocks of 64 and a program a chunk (the default): no spill
+    requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
+                  "kernels": ["chunk_output"], "states": "bfloat16", "products": "bfloat16", "output_ahead": True,
+                  "with_resources": True}  # chunk_output's reads ahead of its K loop (host.OUTPUT_AHEAD)
+                 for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90,
                   "gates": ("gk",), "kernels": ["fused_fwd"], "fused_bv": 64,  # a large decode step's (host.
                   "with_resources": True}]                                     # FUSED_WIDE_BV): no spill either

@@ -508,6 +508,14 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, su
     return a if with_a else None, da if grads else None
 
 
+# chunk_output's reads ahead: v's tile and a scalar gate's prefix sums read before its K loop (after it, sm_90 PTX on
+# Triton 3.6 shows them as plain loads the epilogue waits on, 12 ld.global of the sums and v's tile by ld.global +
+# st.shared, not cp.async), and with 16-bit inputs and no map on k, kᵀ loaded transposed into q kᵀ (in the loop k
+# went to registers and back to shared memory each block of K). The kernel is 1.27x fla's chunk_fwd_kernel_o at
+# simple_gla B2 T16k (0.330 against 0.259 ms, session 30). Built in session 30, NOT GPU-timed: off.
+OUTPUT_AHEAD = False
+
+
 def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None, groups=None):
     """o [B, T, H, V] in q's dtype from the states at the chunks' starts (and with gk the intra-chunk matrices A of
     ``chunk_intra``; ``sums``: ``chunk_sums``' or None; ``groups``: `chunk_states_grouped`'s, whose HS are relative
@@ -521,7 +529,7 @@ def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None, group
          *(groups[:2] if groups else (_dummy(), _dummy()))],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
-        GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, **options,
+        GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AHEAD=OUTPUT_AHEAD, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return o
 
