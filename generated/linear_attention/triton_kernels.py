@@ -1150,9 +1150,10 @@ def linear_attention_chunk_output_kernel(
     TF32 or bf16 (`_dot_state`, SP: the chunk_products setting), A's with v in the inputs' dtype. SUMS: P read
     from `chunk_sums` (PS). GROUP > 0 (`chunk_state`'s walk in groups): HS is the state relative to the chunk's group
     start, S = HS + diag(e^{DC}) GS[group] (float32, formed before its product). AHEAD (host.OUTPUT_AHEAD): v's tile
-    and a scalar gate's P read before the K loop, in flight while it runs (read after it they were plain loads the
-    epilogue waited on: sm_90 PTX, Triton 3.6), and with 16-bit inputs and no map on k, kᵀ loaded transposed and fed
-    to q kᵀ as loaded (not transposed through registers and shared memory each block of K)."""
+    and a scalar gate's P (gk: A, in whole rows) read before the K loop, in flight while it runs (read after it they
+    were plain loads the epilogue waited on, A's 2 bytes at a time: sm_90 PTX, Triton 3.6), and with 16-bit inputs and
+    no map on k, kᵀ loaded transposed and fed to q kᵀ as loaded (not transposed through registers and shared memory
+    each block of K)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -1171,7 +1172,9 @@ def linear_attention_chunk_output_kernel(
     K_AS_LOADED: tl.constexpr = AHEAD and DT != tl.float32 and not MAPPED
     if AHEAD:
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
-        if SUMS and not USE_GK:
+        if USE_GK:  # whole rows (the triangle's mask made it 2-byte loads one by one), the upper half zeroed after
+            b_a_in = tl.load(A + ((i_cg * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :])
+        elif SUMS:
             b_p = _sums_at(PS, rows, m_s, i_h, o_c, m_s, H, K, USE_GK)  # [C, 1]
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -1192,7 +1195,9 @@ def linear_attention_chunk_output_kernel(
         if GROUP > 0:
             b_s = _grouped_state(b_s, GS, DC, i_cg, i_n, i_t, i_h, o_k, m_k, o_v, m_v, H, K, V, USE_GK, GROUP, NG)
         b_o += _dot_state(b_q, b_s, DT, SP)
-    if USE_GK:
+    if USE_GK and AHEAD:
+        b_a = tl.where(o_c[:, None] >= o_c[None, :], b_a_in.to(tl.float32), 0.0)
+    elif USE_GK:
         b_a = _load_a(A, i_cg, i_h, o_c, H, C)
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]

@@ -508,11 +508,12 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, su
     return a if with_a else None, da if grads else None
 
 
-# chunk_output's reads ahead: v's tile and a scalar gate's prefix sums read before its K loop (after it, sm_90 PTX on
-# Triton 3.6 shows them as plain loads the epilogue waits on, 12 ld.global of the sums and v's tile by ld.global +
-# st.shared, not cp.async), and with 16-bit inputs and no map on k, kᵀ loaded transposed into q kᵀ (in the loop k
-# went to registers and back to shared memory each block of K). The kernel is 1.27x fla's chunk_fwd_kernel_o at
-# simple_gla B2 T16k (0.330 against 0.259 ms, session 30). Built in session 30, NOT GPU-timed: off.
+# chunk_output's reads ahead: v's tile and a scalar gate's prefix sums (gk: chunk_intra's A, in whole rows) read
+# before its K loop (after it, sm_90 PTX on Triton 3.6 shows them as plain loads the epilogue waits on: 12 ld.global
+# of the sums, v's tile by ld.global + st.shared, A 2 bytes at a time), and with 16-bit inputs and no map on k, kᵀ
+# loaded transposed into q kᵀ (in the loop k went to registers and back to shared memory each block of K). The kernel
+# is 1.27x fla's chunk_fwd_kernel_o at simple_gla B2 T16k (0.330 against 0.259 ms), gla's 1.67x (0.433 against
+# 0.259; session 30). Built in session 30, NOT GPU-timed: off.
 OUTPUT_AHEAD = False
 
 
