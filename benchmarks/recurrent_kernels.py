@@ -215,9 +215,13 @@ def stages(op_name, b, t, h, d):
                                                                     rows_h))
     add(f"chunk_output, {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", output), q, k, v, gates, hs, a,
         sums, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h), which="chunk_output")
-    dhs, dh0 = add("chunk_state_bwd", lambda q, g, do, dht, s: host.chunk_state_grads(kernels, q, g, ctx, cfg, do,
-                                                                                      dht, s, stored),
-                   q, gates, do, dht, sums, grid=(nkv("chunk_state_bwd"), rows_h))
+    def state_bwd(q, g, do, dht, s):
+        return host.chunk_state_grads(kernels, q, g, ctx, cfg, do, dht, s, stored)
+
+    dhs, dh0 = add("chunk_state_bwd", state_bwd, q, gates, do, dht, sums, grid=(nkv("chunk_state_bwd"), rows_h))
+    if not cfg.has("gk") and host._gated(cfg):
+        add(f"chunk_state_bwd, {ADJOINT_NAMED[not host.ADJOINT_AS_LOADED]}", flipped("ADJOINT_AS_LOADED", state_bwd),
+            q, gates, do, dht, sums, grid=(nkv("chunk_state_bwd"), rows_h), which="chunk_state_bwd")
     a = intra = None
     if cfg.has("gk"):
         add("dA alone (the op's)", lambda q, k, v, g, do: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do,
@@ -272,6 +276,9 @@ def stages(op_name, b, t, h, d):
     add("op fwd", fwd, q, k, v, g)
     add("op fwd+bwd", fwd_bwd, q, k, v, g, do)
     add(f"op fwd, chunk_output {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", fwd), q, k, v, g)
+    if not cfg.has("gk") and host._gated(cfg):
+        add(f"op fwd+bwd, chunk_state_bwd {ADJOINT_NAMED[not host.ADJOINT_AS_LOADED]}",
+            flipped("ADJOINT_AS_LOADED", fwd_bwd), q, k, v, g, do)
     if cfg.has("gk"):
         for form, pieces, named in other_forms():
             add(f"op fwd, chunk_intra's diagonal {named}", diagonal(form, pieces, fwd), q, k, v, g)
@@ -296,6 +303,9 @@ def stages(op_name, b, t, h, d):
 
 AHEAD_NAMED = {True: "reads ahead of its K loop", False: "reads after its K loop"}
 """host.OUTPUT_AHEAD (session 30, not yet GPU-timed): chunk_output's v, sums and kᵀ read ahead of its K loop."""
+
+ADJOINT_NAMED = {True: "qᵀ as loaded", False: "q scaled"}
+"""host.ADJOINT_AS_LOADED (session 30, not yet GPU-timed): chunk_state_bwd's scalar-gate walk as the forward's."""
 
 AFTER_NAMED = {"never": "after sums stored", "always": "after sums from the prefix sums"}
 """16-bit inputs, host.AFTER_FROM_PREFIX: chunk_sums stores the after sums ("never"), or chunk_state, chunk_grads_qk

@@ -235,7 +235,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       intra_pieces: bool | None = None, grads_sums: bool | None = None,
                       state_groups: int = 0, walk_pass: int = 0, after: bool = True,
                       fused_bv: int | None = None, fold: bool | None = None,
-                      grads_qk_tiles: tuple | None = None, output_ahead: bool | None = None) -> dict:
+                      grads_qk_tiles: tuple | None = None, output_ahead: bool | None = None,
+                      adjoint_as_loaded: bool | None = None) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -251,7 +252,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     ``fused_bv``: the fused kernels' value block (default host.FUSED_BV; host.FUSED_WIDE_BV: a large decode step's);
     ``fold``: chunk_grads_qk's scalar-gate terms in its [C, C] scan; ``grads_qk_tiles``: its launch (block_k,
     block_v, warps, stages) with a scalar gate (defaults: what host.grads_qk_form gives these inputs on this
-    capability); ``output_ahead``: chunk_output's reads ahead of its K loop (default host.OUTPUT_AHEAD)."""
+    capability); ``output_ahead``: chunk_output's reads ahead of its K loop (default host.OUTPUT_AHEAD);
+    ``adjoint_as_loaded``: chunk_state_bwd's scalar-gate walk in the forward's form (default host.ADJOINT_AS_LOADED)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -280,7 +282,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   PIECES=intra_pieces if intra_pieces is not None else host.CHUNK_INTRA_PIECES,
                   GROUP=state_groups, NG=-(-4096 // chunk // state_groups) if state_groups else 1, BACKWARD=False,
                   PASS=walk_pass, AFTER=after,
-                  AHEAD=host.OUTPUT_AHEAD if output_ahead is None else output_ahead)
+                  AHEAD=host.OUTPUT_AHEAD if output_ahead is None else output_ahead,
+                  AS_LOADED=host.ADJOINT_AS_LOADED if adjoint_as_loaded is None else adjoint_as_loaded)
     host_fold, qk_blocks, qk_options = host.grads_qk_form(
         dtype, "bfloat16" if products == "bfloat16" else "tf32", gates, dk, dv, arch=f"sm{capability}")
     consts["FOLD"] = host_fold if fold is None else fold

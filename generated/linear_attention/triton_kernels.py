@@ -776,6 +776,25 @@ def _advance_v_gated(b_h, K_, V_, PS, LS, rows, m_s, chunk, i_h, i_hk, o_k, m_k,
 
 
 @triton.jit
+def _retreat_do_gated(b_dh, Q, DO, PS, LS, rows, m_s, chunk, i_h, o_k, m_k, o_v, m_v, H: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr, DT: tl.constexpr):
+    """`_advance` of `chunk_state_bwd` with a scalar gate and 16-bit inputs (host.ADJOINT_AS_LOADED):
+    dS_start = e^{L_C} dS_end + qᵀ (do ⊙ scale e^{P}), the steps' decays on do's rows; qᵀ [BK, C] loaded transposed
+    and fed as loaded. P (PS) and L_C (LS, a scalar; chunk: the chunk's row x H + head) read in the step, both in the
+    scaled do so that the pipeliner copies them with q and do: L_C (clipped at 0, e^{x} <= 1) stands for the steps past
+    the sequence's end, whose do rows are 0 (where only the adjoint's decay read it, it was a plain load the step
+    waited on; taken from P at the chunk's last step by a reduction, Triton loaded P a second time, plainly)."""
+    b_lc = tl.load(LS + chunk.to(tl.int64))  # L_C
+    b_p = tl.load(PS + rows * H + i_h, mask=m_s, other=0.0)  # [C]
+    b_qt = tl.load(Q + (rows[None, :] * H + i_h) * K + o_k[:, None], mask=m_k[:, None] & m_s[None, :], other=0.0)
+    b_do = tl.load(DO + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
+    b_ds = (b_do.to(tl.float32) * (tl.exp(tl.where(m_s, b_p, tl.minimum(b_lc, 0.0))) * SCALE)[:, None]).to(DT)
+    if UPCAST:  # (the interpreter: `_dot`)
+        return tl.dot(b_qt.to(tl.float32), b_ds.to(tl.float32), b_dh * tl.exp(b_lc), input_precision="ieee")
+    return tl.dot(b_qt, b_ds, b_dh * tl.exp(b_lc))
+
+
+@triton.jit
 def _walk_store(HS, DC, b_h, b_dc, row, p_h, m_h, o_d, m_d, K: tl.constexpr, V: tl.constexpr, KD,
                 GROUP: tl.constexpr, PASS: tl.constexpr):
     """A walk's tile at one chunk (row: the chunk's row x H + head) into HS, and with groups (PASS 0) its log decay
@@ -1277,7 +1296,7 @@ def linear_attention_chunk_state_bwd_kernel(
     T: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
     VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr, SUMS: tl.constexpr,
-    GROUP: tl.constexpr, NG: tl.constexpr, PASS: tl.constexpr,
+    GROUP: tl.constexpr, NG: tl.constexpr, PASS: tl.constexpr, AS_LOADED: tl.constexpr,
 ):
     """DHS[first + c] = dL/d(the state at the end of chunk c), from d final_state backwards:
     dS_start = diag(e^{L_C}) dS_end + sum_t (q_t e^{L(start, t]})ᵀ do_t; DH0 = dS at the sequence's start. Blocks as
@@ -1286,7 +1305,8 @@ def linear_attention_chunk_state_bwd_kernel(
     GD its log decay, DC each chunk's log decay from its end to its group's end, L(chunk end, group end]; no DH0
     (`chunk_state_groups` BACKWARD joins them). Twice (host.STATE_GROUP_FORM "rewalk"): PASS 1 stores GE and GD
     alone; PASS 2 starts each group from the adjoint at its end (DHT [B NG, H, K, V]: the join's) and stores the true
-    adjoints in DHS alone."""
+    adjoints in DHS alone. AS_LOADED (host.ADJOINT_AS_LOADED) with a scalar gate and 16-bit inputs, no map on q and no
+    groups: `_retreat_do_gated`, the forward walk's form (`_advance_v_gated`) for the adjoint."""
     i_k, i_v = _blocks(V, BV)
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -1303,15 +1323,20 @@ def linear_attention_chunk_state_bwd_kernel(
     t0, t1, i_g, o_d, m_d, KD = _walk_group(bos, eos, o_k, m_k, i_v, C, K, USE_GK, GROUP)
     b_dh = _walk_start(DHT, i_nh, i_n, i_g, i_h, p_h, m_h, H, K, V, True, GROUP, NG, PASS)
     b_dc = tl.zeros(o_d.shape, dtype=tl.float32)  # GROUP: L(chunk end, group end]
-    if SUMS:
+    MAPPED: tl.constexpr = MAP
+    DO_GATED: tl.constexpr = (AS_LOADED and SUMS and not USE_GK and DT != tl.float32 and GROUP == 0 and not MAPPED)
+    if SUMS and not DO_GATED:
         b_pre, b_decay = _walk_sums(PS, LS, bos, eos, first, t1 - 1, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
     for back in range(0, t1 - t0):
         i_t = t1 - 1 - back
         _walk_store(DHS, DC, b_dh, b_dc, (first + i_t) * H + i_h, p_h, m_h, o_d, m_d, K, V, KD, GROUP, PASS)
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
-        b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP) * SCALE  # [C, BK]
-        b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
-        if SUMS:  # the previous chunk's sums in flight while this one's product forms (`_walk_sums`)
+        if DO_GATED:
+            b_dh = _retreat_do_gated(b_dh, Q, DO, PS, LS, rows, m_s, (first + i_t) * H + i_h, i_h, o_k, m_k, o_v,
+                                     m_v, H, K, V, SCALE, DT)
+        elif SUMS:  # the previous chunk's sums in flight while this one's product forms (`_walk_sums`)
+            b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP) * SCALE  # [C, BK]
+            b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
             b_pre_n, b_decay_n = _walk_sums(PS, LS, bos, eos, first, i_t - 1, i_h, o_k, m_k, H, K, C, USE_GK,
                                             REVERSE)
             b_dh = _advance(b_dh, b_q, b_do, b_pre, tl.exp(b_decay)[:, None], DT)
@@ -1319,6 +1344,8 @@ def linear_attention_chunk_state_bwd_kernel(
                 b_dc += b_decay
             b_pre, b_decay = b_pre_n, b_decay_n
         else:
+            b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP) * SCALE  # [C, BK]
+            b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
             b_dh = _advance(b_dh, b_q, b_do, _cumsum(b_l, axis=0), _chunk_decay(b_l), DT)
             if GROUP > 0:

@@ -322,6 +322,27 @@ def test_triton_output_reads_ahead(case, monkeypatch):
     assert launches and all(launches), launches
 
 
+@pytest.mark.parametrize("case", FOLD_CASES, ids=[c.id for c in FOLD_CASES])
+def test_triton_adjoint_walk_as_loaded(case, monkeypatch):
+    """host.ADJOINT_AS_LOADED: chunk_state_bwd's scalar-gate walk with qᵀ fed as loaded and e^{P} on do's rows (bf16,
+    reversed, an initial state; f16 packed sequences at -20 a step, an empty one; g_gamma alone): every gradient
+    against the oracle, and the spy shows the launch took it."""
+    from ejgen.runtime.launch import triton_call
+    from ejgen.runtime.recurrent.triton import host
+
+    launches, launch = [], triton_call.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if "AS_LOADED" in kwargs:
+            launches.append(kwargs["AS_LOADED"])
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    monkeypatch.setattr(host, "ADJOINT_AS_LOADED", True)
+    check(case, "triton")
+    assert launches and all(launches), launches
+
+
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in
     # float32, gates down to -20 a step (every decay still a sum of its own steps: within float32's tolerance)
     Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 130, 2, 1, 16, 32), chunk=16, h0=True,

@@ -130,6 +130,15 @@ def test_triton_output_reads_ahead(case, monkeypatch):
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 
 
+@pytest.mark.parametrize("case", FOLDED, ids=[c.id for c in FOLDED])
+def test_triton_adjoint_walk_as_loaded(case, monkeypatch):
+    """host.ADJOINT_AS_LOADED (chunk_state_bwd's scalar-gate walk with qᵀ as loaded), against the oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "ADJOINT_AS_LOADED", True)
+    check(case, "triton")
+
+
 STRONG_16 = [Case(op, gates, dtype="bfloat16", reverse=True, strong=True, chunk=64, **LAYOUTS["packed"])
              for op, gates in (("gla", ("gk",)), ("simple_gla", ("g", "g_gamma")))]
 

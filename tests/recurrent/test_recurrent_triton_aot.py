@@ -96,6 +96,10 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "kernels": ["chunk_output"], "states": "bfloat16", "products": "bfloat16", "output_ahead": True,
                   "with_resources": True}  # chunk_output's reads ahead of its K loop (host.OUTPUT_AHEAD)
                  for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
+    requests += [{"recurrent": True, "package": "ejgen.generated", "name": "simple_gla", "capability": 90,
+                  "gates": ("g", "g_gamma"), "kernels": ["chunk_state_bwd"], "states": "bfloat16",
+                  "products": "bfloat16", "adjoint_as_loaded": True,  # the adjoint's walk as the forward's
+                  "with_resources": True}]                             # (host.ADJOINT_AS_LOADED)
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90,
                   "gates": ("gk",), "kernels": ["fused_fwd"], "fused_bv": 64,  # a large decode step's (host.
                   "with_resources": True}]                                     # FUSED_WIDE_BV): no spill either

@@ -605,6 +605,13 @@ def chunk_state_grads_grouped(kernels, q, gates, ctx, cfg, do, dht, sums=None, d
     return dhs, dh0, (ga, dca, group, ng)
 
 
+# chunk_state_bwd with a scalar gate and 16-bit inputs in the forward walk's form (`_retreat_do_gated`: qᵀ fed as
+# loaded, e^{P} on do's rows, the sums read in the step; sm_90 PTX on Triton 3.6: the walk's loop held 3 plain loads
+# of the sums read a step ahead, as the forward's did before session 30 cut its B2 T16k forward by 12%). The walk is
+# 0.244 ms at simple_gla B2 T16k (fla's dh 0.254). Built in session 30, NOT GPU-timed: off.
+ADJOINT_AS_LOADED = False
+
+
 def _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, group, ng, walk_pass=0):
     """`chunk_state_bwd`'s launch: (DHS, DH0, GE, GD, DC), DH0 a dummy with groups (``group`` > 0), the last three
     without; ``walk_pass`` as `_states`' (2: ``dht`` the adjoints at the groups' ends, `_join_groups`')."""
@@ -617,7 +624,7 @@ def _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, group, ng, w
         kernels.get("chunk_state_bwd"), grid + ((ng,) if group else ()),
         [q, *ins[:3], *_sums(sums, "ps", "ls"), ins[5], first, do, dht],
         _group_outputs(cfg, group, ng, per_row * grid_rows, dtype, walk_pass),
-        SUMS=sums is not None, GROUP=group, NG=ng, PASS=walk_pass, **options,
+        SUMS=sums is not None, GROUP=group, NG=ng, PASS=walk_pass, AS_LOADED=ADJOINT_AS_LOADED, **options,
         **{n: x for n, x in c.items() if n != "HKV"})
 
 
