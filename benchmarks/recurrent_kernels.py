@@ -255,9 +255,13 @@ def stages(op_name, b, t, h, d):
             add(f"chunk_grads_qk, {named}", switched(values, grads_qk), q, k, v, gates, hs, dhs, do, intra, sums,
                 grid=(n_c, -(-cfg.dk // bk), rows_h), which="chunk_grads_qk",
                 launch=values.get("GRADS_QK_SCALAR_TILES"))
-    dv = add("chunk_grads_v", lambda q, k, g, dhs, do, a, s: host.chunk_grads_v(kernels, q, k, g, ctx, cfg, dhs, do,
-                                                                                a, s),
-             q, k, gates, dhs, do, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h))
+    def grads_v(q, k, g, dhs, do, a, s):
+        return host.chunk_grads_v(kernels, q, k, g, ctx, cfg, dhs, do, a, s)
+
+    dv = add("chunk_grads_v", grads_v, q, k, gates, dhs, do, a, sums,
+             grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h))
+    add(f"chunk_grads_v, {AHEAD_NAMED[not host.GRADS_V_AHEAD]}", flipped("GRADS_V_AHEAD", grads_v), q, k, gates, dhs,
+        do, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h), which="chunk_grads_v")
 
     def glue(q, k, v, g, dq, dk, dv, dh0, dlog):
         d_key = None if dlog is None else host.key_log_grad(dlog, cfg)
@@ -276,6 +280,9 @@ def stages(op_name, b, t, h, d):
     add("op fwd", fwd, q, k, v, g)
     add("op fwd+bwd", fwd_bwd, q, k, v, g, do)
     add(f"op fwd, chunk_output {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", fwd), q, k, v, g)
+    add(f"op fwd+bwd, chunk_output and chunk_grads_v {AHEAD_NAMED[not host.OUTPUT_AHEAD]}",
+        switched({"OUTPUT_AHEAD": not host.OUTPUT_AHEAD, "GRADS_V_AHEAD": not host.OUTPUT_AHEAD}, fwd_bwd), q, k, v, g,
+        do)
     if not cfg.has("gk") and host._gated(cfg):
         add(f"op fwd+bwd, chunk_state_bwd {ADJOINT_NAMED[not host.ADJOINT_AS_LOADED]}",
             flipped("ADJOINT_AS_LOADED", fwd_bwd), q, k, v, g, do)
@@ -301,8 +308,9 @@ def stages(op_name, b, t, h, d):
     return out, (q, k, v, do, g, fwd)
 
 
-AHEAD_NAMED = {True: "reads ahead of its K loop", False: "reads after its K loop"}
-"""host.OUTPUT_AHEAD (session 30, not yet GPU-timed): chunk_output's v, sums and kᵀ read ahead of its K loop."""
+AHEAD_NAMED = {True: "reads ahead of the K loop", False: "reads after the K loop"}
+"""host.OUTPUT_AHEAD / GRADS_V_AHEAD (session 30, not yet GPU-timed): chunk_output's (chunk_grads_v's) tiles, sums and
+kᵀ (qᵀ) read ahead of their K loops."""
 
 ADJOINT_NAMED = {True: "qᵀ as loaded", False: "q scaled"}
 """host.ADJOINT_AS_LOADED (session 30, not yet GPU-timed): chunk_state_bwd's scalar-gate walk as the forward's."""

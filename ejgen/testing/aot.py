@@ -236,7 +236,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       state_groups: int = 0, walk_pass: int = 0, after: bool = True,
                       fused_bv: int | None = None, fold: bool | None = None,
                       grads_qk_tiles: tuple | None = None, output_ahead: bool | None = None,
-                      adjoint_as_loaded: bool | None = None) -> dict:
+                      adjoint_as_loaded: bool | None = None, grads_v_ahead: bool | None = None) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -253,7 +253,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     ``fold``: chunk_grads_qk's scalar-gate terms in its [C, C] scan; ``grads_qk_tiles``: its launch (block_k,
     block_v, warps, stages) with a scalar gate (defaults: what host.grads_qk_form gives these inputs on this
     capability); ``output_ahead``: chunk_output's reads ahead of its K loop (default host.OUTPUT_AHEAD);
-    ``adjoint_as_loaded``: chunk_state_bwd's scalar-gate walk in the forward's form (default host.ADJOINT_AS_LOADED)."""
+    ``adjoint_as_loaded``: chunk_state_bwd's scalar-gate walk in the forward's form (default host.ADJOINT_AS_LOADED);
+    ``grads_v_ahead``: chunk_grads_v's reads ahead of its K loop (default host.GRADS_V_AHEAD)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -283,7 +284,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   GROUP=state_groups, NG=-(-4096 // chunk // state_groups) if state_groups else 1, BACKWARD=False,
                   PASS=walk_pass, AFTER=after,
                   AHEAD=host.OUTPUT_AHEAD if output_ahead is None else output_ahead,
-                  AS_LOADED=host.ADJOINT_AS_LOADED if adjoint_as_loaded is None else adjoint_as_loaded)
+                  AS_LOADED=host.ADJOINT_AS_LOADED if adjoint_as_loaded is None else adjoint_as_loaded,
+                  GRADS_AHEAD=host.GRADS_V_AHEAD if grads_v_ahead is None else grads_v_ahead)
     host_fold, qk_blocks, qk_options = host.grads_qk_form(
         dtype, "bfloat16" if products == "bfloat16" else "tf32", gates, dk, dv, arch=f"sm{capability}")
     consts["FOLD"] = host_fold if fold is None else fold

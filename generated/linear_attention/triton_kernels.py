@@ -1751,7 +1751,7 @@ def linear_attention_chunk_grads_v_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-    AFTER: tl.constexpr,
+    AFTER: tl.constexpr, GRADS_AHEAD: tl.constexpr,
 ):
     """dv (per query head; float32, or v's dtype where the host needs no sums) of a chunk's C steps in BV columns, a
     program per (chunk, block of V), the output kernel's transpose in products of the whole chunk:
@@ -1759,7 +1759,9 @@ def linear_attention_chunk_grads_v_kernel(
     A as the output kernel's: with gk read from A (`chunk_intra`) as Aᵀ, with a scalar gate (or none) formed here as
     Aᵀ = k qᵀ (`_intra_scalar_t`), e^{R} scaling the rows of k S̄. K in blocks of BK. SUMS: R read from `chunk_sums`
     (RS; without AFTER L_C - P from PS and LS, `_after_at`). GROUP > 0: DHS relative to its group's end, joined here
-    (`_grouped_state`: GA, DCA)."""
+    (`_grouped_state`: GA, DCA). GRADS_AHEAD (host.GRADS_V_AHEAD): as `chunk_output`'s, do's tile and a scalar gate's R
+    (gk: A in whole rows, transposed in registers) read before the K loop, and with 16-bit inputs and no map on q, qᵀ
+    loaded transposed into k qᵀ."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -1774,6 +1776,14 @@ def linear_attention_chunk_grads_v_kernel(
     p_h = DHS + (i_cg * H + i_h).to(tl.int64) * K * V
     b_dv = tl.zeros([C, BV], dtype=tl.float32)
     b_at = tl.zeros([C, C], dtype=tl.float32)  # Aᵀ: [j, i]
+    MAPPED: tl.constexpr = MAP
+    Q_AS_LOADED: tl.constexpr = GRADS_AHEAD and DT != tl.float32 and not MAPPED
+    if GRADS_AHEAD:
+        b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
+        if USE_GK:  # whole rows, the upper half zeroed after (`chunk_output`'s)
+            b_a_in = tl.load(A + ((i_cg * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :])
+        elif SUMS:
+            b_r = _after_at(PS, RS, LS, i_cg, rows, m_s, i_h, o_c, m_s, H, K, USE_GK, AFTER)  # [C, 1]
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -1783,6 +1793,10 @@ def linear_attention_chunk_grads_v_kernel(
         elif USE_GK:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
             b_k = b_k * tl.exp(_after(b_l))
+        elif Q_AS_LOADED:
+            b_qt = tl.load(Q + (rows[None, :] * H + i_h) * K + o_k[:, None], mask=m_k[:, None] & m_s[None, :],
+                           other=0.0)  # [BK, C]
+            b_at += _dot(b_k, b_qt, DT)
         else:
             b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)
             b_at += _dot(b_k, tl.trans(b_q), DT)
@@ -1791,18 +1805,21 @@ def linear_attention_chunk_grads_v_kernel(
         if GROUP > 0:
             b_dh = _grouped_state(b_dh, GA, DCA, i_cg, i_n, i_t, i_h, o_k, m_k, o_v, m_v, H, K, V, USE_GK, GROUP, NG)
         b_dv += _dot_state(b_k, b_dh, DT, SP)
-    if USE_GK:
+    if USE_GK and GRADS_AHEAD:
+        b_at = tl.trans(tl.where(o_c[:, None] >= o_c[None, :], b_a_in.to(tl.float32), 0.0))
+    elif USE_GK:
         b_at = _load_a(A, i_cg, i_h, o_c, H, C, True)
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
-        if SUMS:
-            b_r = _after_at(PS, RS, LS, i_cg, rows, m_s, i_h, o_c, m_s, H, K, USE_GK, AFTER)  # [C, 1]
-        else:
+        if not SUMS:
             b_r = _after(b_l)
+        elif not GRADS_AHEAD:
+            b_r = _after_at(PS, RS, LS, i_cg, rows, m_s, i_h, o_c, m_s, H, K, USE_GK, AFTER)  # [C, 1]
         if GATED:
             b_dv = b_dv * tl.exp(b_r)
         b_at = _intra_scalar_t(b_at, b_l, -b_r, o_c, GATED, DT) * SCALE  # -R: P less the chunk's sum
-    b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
+    if not GRADS_AHEAD:
+        b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
     b_dv += _dot(b_at, b_do, DT)  # (Aᵀ formed as such: `_intra_scalar_t`)
     tl.store(DV + (rows[:, None] * H + i_h) * V + o_v[None, :], b_dv.to(DV.dtype.element_ty),
              mask=m_s[:, None] & m_v[None, :])

@@ -302,24 +302,26 @@ AHEAD_CASES = (  # chunk_output's reads ahead (host.OUTPUT_AHEAD): a scalar gate
 
 
 @pytest.mark.parametrize("case", AHEAD_CASES, ids=[c.id for c in AHEAD_CASES])
-def test_triton_output_reads_ahead(case, monkeypatch):
-    """host.OUTPUT_AHEAD: chunk_output with v's tile and the prefix sums read before its K loop and (16-bit inputs, no
-    map on k) kᵀ loaded transposed: o, final_state and every gradient against the oracle, and the spy shows the
-    launch took it."""
+def test_triton_output_and_grads_v_read_ahead(case, monkeypatch):
+    """host.OUTPUT_AHEAD and GRADS_V_AHEAD: chunk_output and chunk_grads_v with v's (do's) tile and the gates' sums
+    (gk: A in whole rows) read before their K loops and (16-bit inputs, no map) kᵀ (qᵀ) loaded transposed: o,
+    final_state and every gradient against the oracle, and the spy shows both launches took it."""
     from ejgen.runtime.launch import triton_call
     from ejgen.runtime.recurrent.triton import host
 
     launches, launch = [], triton_call.launch
 
     def spy(kernel, grid, *args, **kwargs):
-        if "AHEAD" in kwargs:
-            launches.append(kwargs["AHEAD"])
+        for name in ("AHEAD", "GRADS_AHEAD"):
+            if name in kwargs:
+                launches.append((name, kwargs[name]))
         return launch(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(triton_call, "launch", spy)
     monkeypatch.setattr(host, "OUTPUT_AHEAD", True)
+    monkeypatch.setattr(host, "GRADS_V_AHEAD", True)
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
-    assert launches and all(launches), launches
+    assert {name for name, _ in launches} == {"AHEAD", "GRADS_AHEAD"} and all(on for _, on in launches), launches
 
 
 @pytest.mark.parametrize("case", FOLD_CASES, ids=[c.id for c in FOLD_CASES])

@@ -122,11 +122,13 @@ AHEAD = [c for c in CASES if c.algorithm == "chunked" and "gv" not in c.gates an
 
 
 @pytest.mark.parametrize("case", AHEAD, ids=[c.id for c in AHEAD])
-def test_triton_output_reads_ahead(case, monkeypatch):
-    """host.OUTPUT_AHEAD (chunk_output's v, sums and kᵀ read before or as its K loop needs them), against the oracle."""
+def test_triton_output_and_grads_v_read_ahead(case, monkeypatch):
+    """host.OUTPUT_AHEAD and GRADS_V_AHEAD (chunk_output's and chunk_grads_v's tiles and sums read before or as their
+    K loops need them), against the oracle."""
     from ejgen.runtime.recurrent.triton import host
 
     monkeypatch.setattr(host, "OUTPUT_AHEAD", True)
+    monkeypatch.setattr(host, "GRADS_V_AHEAD", True)
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 
 

@@ -93,8 +93,9 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                  for name, gates in [("simple_gla", ("g", "g_gamma"))]  # GRADS_QK_FOLD)
                  for tiles in ((64, 32, 8, 2), None)]  # by blocks of 64 and a program a chunk (the default): no spill
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
-                  "kernels": ["chunk_output"], "states": "bfloat16", "products": "bfloat16", "output_ahead": True,
-                  "with_resources": True}  # chunk_output's reads ahead of its K loop (host.OUTPUT_AHEAD)
+                  "kernels": ["chunk_output", "chunk_grads_v"], "states": "bfloat16", "products": "bfloat16",
+                  "output_ahead": True, "grads_v_ahead": True,  # the reads ahead of their K loops
+                  "with_resources": True}                       # (host.OUTPUT_AHEAD, GRADS_V_AHEAD)
                  for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "simple_gla", "capability": 90,
                   "gates": ("g", "g_gamma"), "kernels": ["chunk_state_bwd"], "states": "bfloat16",

@@ -726,6 +726,13 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
     return dq, dk, dlog if gated else None
 
 
+# chunk_grads_v's reads ahead, as chunk_output's (OUTPUT_AHEAD): do's tile and a scalar gate's R (gk: chunk_intra's A,
+# in whole rows, transposed in registers) before its K loop, qᵀ loaded transposed for 16-bit inputs with no map on q
+# (sm_90 PTX on Triton 3.6: after the loop gk's Aᵀ was 16 `ld.global.b16` a thread through the triangle's mask, the
+# scalar gate's R 12 plain b32 loads, do's tile ld.global + st.shared). Built in session 30, NOT GPU-timed: off.
+GRADS_V_AHEAD = False
+
+
 def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None, sums=None, groups=None):
     """dv [B, T, H, V] per query head (float32, or the inputs' dtype where ``_direct``) of every chunk from its end
     adjoint, by blocks of V (with gk from the intra-chunk matrices A of ``chunk_intra``; ``sums``: ``chunk_sums``' or
@@ -739,8 +746,8 @@ def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None, sums=None, gr
          *(groups[:2] if groups else (_dummy(), _dummy())), do],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype if _direct(kernels, cfg) else F32)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
-        GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AFTER=after_stored(q, cfg), **options,
-        **{**_chunk_consts(q, cfg, consts), **blocks})
+        GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AFTER=after_stored(q, cfg),
+        GRADS_AHEAD=GRADS_V_AHEAD, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
     return dv
 
 
