@@ -32,8 +32,8 @@
 #   after-sums     the 16-bit after sums formed by their readers: GPU tests (the rows: any rec-kernels table)
 #   grads-qk-tests chunk_grads_qk's scalar-gate GPU tests (its default form, folded and a program a chunk, and the others)
 #   grads-qk       the same, then its forms' kernel and op rows
-#   output-ahead   chunk_output's and chunk_grads_v's reads ahead of their K loops (host.OUTPUT_AHEAD, GRADS_V_AHEAD)
-#                  and the adjoint walk as loaded (host.ADJOINT_AS_LOADED): GPU tests, kernel and op rows
+#   output-ahead   chunk_output's and chunk_grads_v's reads ahead of their K loops (host.OUTPUT_AHEAD, GRADS_V_AHEAD),
+#                  the walks as loaded (GK_WALK_AS_LOADED, ADJOINT_AS_LOADED): GPU tests, kernel and op rows
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane (REC_BENCH_ARGS)
 #   rec-light      the recurrent table's lightning rows alone
 #   rec-decode     the recurrent decode table
@@ -149,12 +149,12 @@ j_grads-qk-tests() {  # chunk_grads_qk with a scalar gate, folded and a program 
   shards grads-qk-tests 240 3 -k "triton and chunked and (simple_gla or lightning)" tests/recurrent
 }
 j_output-ahead() {  # chunk_output's and chunk_grads_v's reads ahead of their K loops (host.OUTPUT_AHEAD,
-  # GRADS_V_AHEAD) and the scalar-gate adjoint walk
+  # GRADS_V_AHEAD), the gk walk as loaded (GK_WALK_AS_LOADED) and the scalar-gate adjoint walk
   # as the forward's (host.ADJOINT_AS_LOADED), session 30, not yet GPU-run: their GPU tests, then the kernel and op
   # rows ("chunk_output, reads ahead of the K loop", "op fwd, chunk_output reads ahead ...", "chunk_grads_v, reads
-  # ahead ...", "op fwd+bwd, chunk_output and chunk_grads_v reads ahead ...", "chunk_state_bwd, qᵀ as loaded", "op
-  # fwd+bwd, chunk_state_bwd qᵀ as loaded") for simple_gla, lightning and gla at B2 T16k and B4 T4096
-  shards output-ahead-tests 200 3 -k "read_ahead or adjoint_walk_as_loaded" tests/recurrent
+  # ahead ...", "op fwd+bwd, chunk_output and chunk_grads_v reads ahead ...", "chunk_state(_bwd), as loaded", "op
+  # fwd(+bwd), gk walk / chunk_state_bwd as loaded") for simple_gla, lightning and gla at B2 T16k and B4 T4096
+  shards output-ahead-tests 240 3 -k "read_ahead or adjoint_walk_as_loaded or gk_walk_as_loaded" tests/recurrent
   job output-ahead 300 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention,gla \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
@@ -462,9 +462,9 @@ declare -A PRESETS=(
   # the scalar gates' walk with kᵀ fed as loaded and e^R on v (chunk_state's V_GATED, session 30's SASS study, not yet
   # GPU-run): its GPU tests, then the table against fla (s30c; REC_TESTS_K as below)
   [s30c]="0:rec-tests,fla,rec-bench"
-  # session 30 left: chunk_output's and chunk_grads_v's reads ahead and the adjoint walk as loaded (s31a: flip
-  # host.OUTPUT_AHEAD, GRADS_V_AHEAD, ADJOINT_AS_LOADED where their rows win at both shapes); then the table against
-  # fla again (s31b)
+  # session 30 left: chunk_output's and chunk_grads_v's reads ahead, the gk walk and the adjoint walk as loaded
+  # (s31a: flip host.OUTPUT_AHEAD, GRADS_V_AHEAD, GK_WALK_AS_LOADED, ADJOINT_AS_LOADED where their rows win at both
+  # shapes); then the table against fla again (s31b)
   [s31a]="0:output-ahead"
   [s31b]="0:fla,rec-bench"
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)

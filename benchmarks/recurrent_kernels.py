@@ -187,8 +187,13 @@ def stages(op_name, b, t, h, d):
             add(f"chunk_sums, {AFTER_NAMED[other]}", switched(after, lambda q, g: host.chunk_sums(
                 kernels, q, g, ctx, cfg)), q, gates, grid=sums_grid, which="chunk_sums")
     stored = host.backward_states_dtype(cfg)  # the states and adjoints as the op's backward stores them
-    hs, _ = add("chunk_state", lambda k, v, g, s: host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s),
-                k, v, gates, sums, grid=(nkv("chunk_state"), rows_h))
+    def walk(k, v, g, s):
+        return host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s)
+
+    hs, _ = add("chunk_state", walk, k, v, gates, sums, grid=(nkv("chunk_state"), rows_h))
+    if cfg.has("gk"):
+        add(f"chunk_state, {ADJOINT_NAMED[not host.GK_WALK_AS_LOADED]}", flipped("GK_WALK_AS_LOADED", walk), k, v,
+            gates, sums, grid=(nkv("chunk_state"), rows_h), which="chunk_state")
     group, ng = flipped("STATE_GROUPS", lambda: host.state_group(cfg))()  # the forward's walk in groups, if it splits
     if not host.STATE_GROUPS and group:
         def grouped(k, v, g, s):
@@ -280,6 +285,11 @@ def stages(op_name, b, t, h, d):
     add("op fwd", fwd, q, k, v, g)
     add("op fwd+bwd", fwd_bwd, q, k, v, g, do)
     add(f"op fwd, chunk_output {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", fwd), q, k, v, g)
+    if cfg.has("gk"):
+        add(f"op fwd, gk walk {ADJOINT_NAMED[not host.GK_WALK_AS_LOADED]}", flipped("GK_WALK_AS_LOADED", fwd), q, k,
+            v, g)
+        add(f"op fwd+bwd, gk walk {ADJOINT_NAMED[not host.GK_WALK_AS_LOADED]}", flipped("GK_WALK_AS_LOADED", fwd_bwd),
+            q, k, v, g, do)
     add(f"op fwd+bwd, chunk_output and chunk_grads_v {AHEAD_NAMED[not host.OUTPUT_AHEAD]}",
         switched({"OUTPUT_AHEAD": not host.OUTPUT_AHEAD, "GRADS_V_AHEAD": not host.OUTPUT_AHEAD}, fwd_bwd), q, k, v, g,
         do)
@@ -312,8 +322,9 @@ AHEAD_NAMED = {True: "reads ahead of the K loop", False: "reads after the K loop
 """host.OUTPUT_AHEAD / GRADS_V_AHEAD (session 30, not yet GPU-timed): chunk_output's (chunk_grads_v's) tiles, sums and
 kᵀ (qᵀ) read ahead of their K loops."""
 
-ADJOINT_NAMED = {True: "qᵀ as loaded", False: "q scaled"}
-"""host.ADJOINT_AS_LOADED (session 30, not yet GPU-timed): chunk_state_bwd's scalar-gate walk as the forward's."""
+ADJOINT_NAMED = {True: "as loaded", False: "scaled through registers"}
+"""host.ADJOINT_AS_LOADED / GK_WALK_AS_LOADED (session 30, not yet GPU-timed): chunk_state_bwd's scalar-gate walk as
+the forward's, chunk_state's gk walk with kᵀ as loaded."""
 
 AFTER_NAMED = {"never": "after sums stored", "always": "after sums from the prefix sums"}
 """16-bit inputs, host.AFTER_FROM_PREFIX: chunk_sums stores the after sums ("never"), or chunk_state, chunk_grads_qk

@@ -345,6 +345,35 @@ def test_triton_adjoint_walk_as_loaded(case, monkeypatch):
     assert launches and all(launches), launches
 
 
+GK_WALK_CASES = (  # gk, 16-bit: bf16 reversed with an initial state, K in two blocks of 64 (a partial one); f16 packed
+    # sequences (an empty one) at -20 a step; the seed's op with g and gk together
+    Case("gla", ("gk",), dtype="bfloat16", shape=(2, 70, 2, 1, 80, 16), chunk=32, h0=True, reverse=True),
+    Case("gla", ("gk",), dtype="float16", shape=(1, 90, 2, 2, 16, 24), chunk=16, cu=(0, 33, 33, 80), strong=True,
+         h0=True),
+    Case("recurrent", ("g", "gk"), dtype="bfloat16", shape=(2, 40, 4, 2, 16, 16), chunk=16),
+)
+
+
+@pytest.mark.parametrize("case", GK_WALK_CASES, ids=[c.id for c in GK_WALK_CASES])
+def test_triton_gk_walk_as_loaded(case, monkeypatch):
+    """host.GK_WALK_AS_LOADED: chunk_state's gk walk with kᵀ and the prefix sums loaded transposed, read in the step
+    (`_advance_k_gated`): o, final_state and every gradient against the oracle, and the spy shows the launch took it."""
+    from ejgen.runtime.launch import triton_call
+    from ejgen.runtime.recurrent.triton import host
+
+    launches, launch = [], triton_call.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if "GK_AS_LOADED" in kwargs:
+            launches.append(kwargs["GK_AS_LOADED"])
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    monkeypatch.setattr(host, "GK_WALK_AS_LOADED", True)
+    check(case, "triton")
+    assert launches and all(launches), launches
+
+
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in
     # float32, gates down to -20 a step (every decay still a sum of its own steps: within float32's tolerance)
     Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 130, 2, 1, 16, 32), chunk=16, h0=True,

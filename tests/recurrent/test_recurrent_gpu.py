@@ -141,6 +141,20 @@ def test_triton_adjoint_walk_as_loaded(case, monkeypatch):
     check(case, "triton")
 
 
+GK_16 = [c for c in CASES if c.algorithm == "chunked" and "gk" in c.gates and "gv" not in c.gates
+         and c.dtype == "bfloat16"]
+
+
+@pytest.mark.parametrize("case", GK_16, ids=[c.id for c in GK_16])
+def test_triton_gk_walk_as_loaded(case, monkeypatch):
+    """host.GK_WALK_AS_LOADED (chunk_state's gk walk with kᵀ and Pᵀ loaded transposed, read in the step), against the
+    oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "GK_WALK_AS_LOADED", True)
+    check(case, "triton")
+
+
 STRONG_16 = [Case(op, gates, dtype="bfloat16", reverse=True, strong=True, chunk=64, **LAYOUTS["packed"])
              for op, gates in (("gla", ("gk",)), ("simple_gla", ("g", "g_gamma")))]
 
