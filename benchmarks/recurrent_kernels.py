@@ -290,9 +290,10 @@ def stages(op_name, b, t, h, d):
             v, g)
         add(f"op fwd+bwd, gk walk {ADJOINT_NAMED[not host.GK_WALK_AS_LOADED]}", flipped("GK_WALK_AS_LOADED", fwd_bwd),
             q, k, v, g, do)
-    add(f"op fwd+bwd, chunk_output and chunk_grads_v {AHEAD_NAMED[not host.OUTPUT_AHEAD]}",
-        switched({"OUTPUT_AHEAD": not host.OUTPUT_AHEAD, "GRADS_V_AHEAD": not host.OUTPUT_AHEAD}, fwd_bwd), q, k, v, g,
-        do)
+    add(f"op fwd+bwd, chunk_output {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", fwd_bwd), q, k, v,
+        g, do)
+    add(f"op fwd+bwd, chunk_grads_v {AHEAD_NAMED[not host.GRADS_V_AHEAD]}", flipped("GRADS_V_AHEAD", fwd_bwd), q, k,
+        v, g, do)
     if not cfg.has("gk") and host._gated(cfg):
         add(f"op fwd+bwd, chunk_state_bwd {ADJOINT_NAMED[not host.ADJOINT_AS_LOADED]}",
             flipped("ADJOINT_AS_LOADED", fwd_bwd), q, k, v, g, do)
@@ -442,11 +443,19 @@ def sweep(op_name, stage_list, reps, rounds, batch, only=()):
     print(f"\n{op_name}: launch settings (BK, BV, warps, stages; * = default)\n")
     print("| kernel | settings | ms |")
     print("|---|---|---|")
+    scalar_tiles = host.GRADS_QK_SCALAR_TILES
     for s in stage_list:
         if s.tiles is None or only and s.which not in only:
             continue
-        for setting in [dataclasses.astuple(defaults[s.which])] + SWEEP.get(s.which, []):
-            host.CHUNKED[s.which] = host.Tiles(*setting)
+        if s.which == "chunk_grads_qk" and s.name != s.which:
+            continue  # (its forms' rows set their own launch: GRADS_QK_FORMS)
+        # a scalar gate's chunk_grads_qk launches GRADS_QK_SCALAR_TILES where host.grads_qk_form takes them
+        scalar = s.which == "chunk_grads_qk" and s.tiles != defaults[s.which]
+        for setting in [dataclasses.astuple(s.tiles)] + SWEEP.get(s.which, []):
+            if scalar:
+                host.GRADS_QK_SCALAR_TILES = host.Tiles(*setting)
+            else:
+                host.CHUNKED[s.which] = host.Tiles(*setting)
             try:
                 fn = jax.jit(s.raw)
                 jax.block_until_ready(fn(*s.args))
@@ -454,9 +463,10 @@ def sweep(op_name, stage_list, reps, rounds, batch, only=()):
                 shown = f"{t:.3f}"
             except Exception as e:  # noqa: BLE001 - a setting that does not compile is reported, not fatal
                 shown = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-            mark = " *" if host.Tiles(*setting) == defaults[s.which] else ""
+            mark = " *" if host.Tiles(*setting) == s.tiles else ""
             print(f"| {s.name} | {', '.join(map(str, setting[:4]))}{mark} | {shown} |", flush=True)
         host.CHUNKED[s.which] = defaults[s.which]
+        host.GRADS_QK_SCALAR_TILES = scalar_tiles
 
 
 def main():

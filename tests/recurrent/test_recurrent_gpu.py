@@ -103,7 +103,8 @@ FOLDED = [c for c in CASES if c.algorithm == "chunked" and "gk" not in c.gates a
 
 GRADS_QK_FORMS = {"folded-blocks-of-k": (True, None), "unfolded-blocks-of-k": (False, None)}  # (GRADS_QK_FOLD,
 # GRADS_QK_SCALAR_TILES) before session 30 (the default, folded and a program a chunk: every scalar-gate case above)
-FORM_RUNS = [(c, form) for c in FOLDED for form in GRADS_QK_FORMS if c.shape[4] > 64]  # (K 64: one block)
+FORM_RUNS = [(c, form) for c in FOLDED for form in GRADS_QK_FORMS  # 16-bit inputs (float32 takes neither form)
+             if c.dtype != "float32"]
 
 
 @pytest.mark.parametrize("case,form", FORM_RUNS, ids=[f"{c.id}-{form}" for c, form in FORM_RUNS])
@@ -132,7 +133,10 @@ def test_triton_output_and_grads_v_read_ahead(case, monkeypatch):
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 
 
-@pytest.mark.parametrize("case", FOLDED, ids=[c.id for c in FOLDED])
+FOLDED_16 = [c for c in FOLDED if c.dtype != "float32"]  # (float32 walks as before whatever the setting)
+
+
+@pytest.mark.parametrize("case", FOLDED_16, ids=[c.id for c in FOLDED_16])
 def test_triton_adjoint_walk_as_loaded(case, monkeypatch):
     """host.ADJOINT_AS_LOADED (chunk_state_bwd's scalar-gate walk with qᵀ as loaded), against the oracle."""
     from ejgen.runtime.recurrent.triton import host
