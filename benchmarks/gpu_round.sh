@@ -154,10 +154,14 @@ j_output-ahead() {  # chunk_output's and chunk_grads_v's reads ahead of their K 
   # rows ("chunk_output, reads ahead of the K loop", "op fwd, chunk_output reads ahead ...", "chunk_grads_v, reads
   # ahead ...", "op fwd+bwd, chunk_output and chunk_grads_v reads ahead ...", "chunk_state(_bwd), as loaded", "op
   # fwd(+bwd), gk walk / chunk_state_bwd as loaded") for simple_gla, lightning and gla at B2 T16k and B4 T4096
-  shards output-ahead-tests 240 3 -k "read_ahead or adjoint_walk_as_loaded or gk_walk_as_loaded" tests/recurrent
-  job output-ahead 300 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention,gla \
-    --shapes 2x16384,4x4096 --rounds 2 --no-check
+  j_output-ahead-tests
+  j_output-ahead-rows
 }
+j_output-ahead-tests() { shards output-ahead-tests 240 3 -k "read_ahead or adjoint_walk_as_loaded or gk_walk_as_loaded" \
+  tests/recurrent; }
+j_output-ahead-rows() { job output-ahead 300 python3 benchmarks/recurrent_kernels.py \
+  --ops "${OUTPUT_AHEAD_OPS:-simple_gla,lightning_attention,gla}" --shapes "${OUTPUT_AHEAD_SHAPES:-2x16384,4x4096}" \
+  --rounds 2 --no-check; }
 j_grads-qk() {  # the same tests, then the kernel and op rows of chunk_grads_qk's forms ("chunk_grads_qk, unfolded, blocks
   # of K (before session 30)", "op fwd+bwd, chunk_grads_qk ...") for simple_gla and lightning at B2 T16k and B4 T4096
   j_grads-qk-tests
@@ -465,7 +469,9 @@ declare -A PRESETS=(
   # session 30 left: chunk_output's and chunk_grads_v's reads ahead, the gk walk and the adjoint walk as loaded
   # (s31a: flip host.OUTPUT_AHEAD, GRADS_V_AHEAD, GK_WALK_AS_LOADED, ADJOINT_AS_LOADED where their rows win at both
   # shapes); then the table against fla again (s31b)
-  [s31a]="0:output-ahead"
+  [s31a]="0:output-ahead"  # (~8 min on one H200: if the call runs short, s31a-tests then s31a-rows)
+  [s31a-tests]="0:output-ahead-tests"
+  [s31a-rows]="0:output-ahead-rows"
   [s31b]="0:fla,rec-bench"
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)
   [s29a]="0:grads-qk"
