@@ -158,7 +158,7 @@ j_output-ahead() {  # chunk_output's and chunk_grads_v's reads ahead of their K 
   j_output-ahead-rows
 }
 j_output-ahead-tests() {
-  shards output-ahead-tests 240 3 -k "read_ahead or adjoint_walk_as_loaded or gk_walk_as_loaded" tests/recurrent
+  shards output-ahead-tests 240 3 -k "read_ahead or walk_as_loaded" tests/recurrent
 }
 j_output-ahead-rows() { job output-ahead 300 python3 benchmarks/recurrent_kernels.py \
   --ops "${OUTPUT_AHEAD_OPS:-simple_gla,lightning_attention,gla}" --shapes "${OUTPUT_AHEAD_SHAPES:-2x16384,4x4096}" \

@@ -245,7 +245,7 @@ def stages(op_name, b, t, h, d):
             named = "scanned gates" if host.GRADS_INTRA_SUMS else "prefix sums"
             add(f"chunk_grads_intra, {named}", flipped("GRADS_INTRA_SUMS", grads_intra), q, k, gates, da, sums,
                 grid=grads_grid, which="chunk_grads_intra")
-    qk_bk = host.grads_qk_form(q.dtype, cfg.products, host._gate_names(cfg), cfg.dk, cfg.dv)[1]["BK"]
+    qk_bk = host.grads_qk_form(q.dtype, cfg.products, cfg.gates, cfg.dk, cfg.dv)[1]["BK"]
     dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do, intra, s: host.chunk_grads_qk(
         kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s), q, k, v, gates, hs, dhs, do, intra, sums,
         grid=(n_c, -(-cfg.dk // qk_bk), rows_h),
@@ -255,7 +255,7 @@ def stages(op_name, b, t, h, d):
             return host.chunk_grads_qk(kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s)
 
         for named, values in GRADS_QK_FORMS:
-            bk = switched(values, lambda: host.grads_qk_form(q.dtype, cfg.products, host._gate_names(cfg),
+            bk = switched(values, lambda: host.grads_qk_form(q.dtype, cfg.products, cfg.gates,
                                                              cfg.dk, cfg.dv)[1]["BK"])()
             add(f"chunk_grads_qk, {named}", switched(values, grads_qk), q, k, v, gates, hs, dhs, do, intra, sums,
                 grid=(n_c, -(-cfg.dk // bk), rows_h), which="chunk_grads_qk",

@@ -42,6 +42,7 @@ import triton.language as tl
 
 UPCAST = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # Triton decides at decoration, so do we
 LOG2E = tl.constexpr(1.4426950408889634)  # e^x = 2^(x log2 e)
+FEATURE_MAP = tl.constexpr(False)  # the spec maps q and k (where MAP asks)
 
 
 @triton.jit
@@ -314,6 +315,22 @@ def _mapped(b_x, m, MAP: tl.constexpr):
     """`_load_qk`'s tile from its raw load b_x (m: where it loaded): float32, through the feature map."""
     b_x = b_x.to(tl.float32)
     return b_x  # (without a feature map the masked load's zeros stand: no select per element)
+
+
+@triton.jit
+def _load_t(P, rows, m_s, i_h, o_k, m_k, HEADS: tl.constexpr, K: tl.constexpr):
+    """[BK, S] rows of q, k or the sums of gk (P [rows, HEADS, K]) transposed as stored, no map, 0 on invalid steps
+    and padded lanes: fed to a product as loaded, the product reads them from the asynchronous copy's shared memory
+    (a tile transposed in registers goes back through shared memory first)."""
+    return tl.load(P + (rows[None, :] * HEADS + i_h) * K + o_k[:, None], mask=m_k[:, None] & m_s[None, :], other=0.0)
+
+
+@triton.jit
+def _dot_acc(a, b, acc):
+    """acc + a @ b, 16-bit operands as they are (widened in the interpreter, UPCAST: `_dot`)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -592,6 +609,19 @@ def _load_a(A, chunk, i_h, o_c, H: tl.constexpr, C: tl.constexpr, TRANS: tl.cons
 
 
 @triton.jit
+def _load_a_rows(A, chunk, i_h, o_c, H: tl.constexpr, C: tl.constexpr):
+    """`_load_a`'s matrix as stored, in whole rows (the triangle's mask made `_load_a` 2-byte loads one by one): its
+    upper half whatever `chunk_intra` left there, for `_lower` to clear."""
+    return tl.load(A + ((chunk * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :])
+
+
+@triton.jit
+def _lower(b_a, o_c):
+    """[C, C] float32: b_a on and below the diagonal, 0 above (as `_load_a` reads it)."""
+    return tl.where(o_c[:, None] >= o_c[None, :], b_a.to(tl.float32), 0.0)
+
+
+@triton.jit
 def _sums_at(S, rows, m_s, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr = True):
     """`chunk_sums`' prefix (PS) or after (RS) sums at a chunk's steps (0 on invalid steps): [C, BK] with gk, [C, 1]
     with a scalar gate (its arrays [rows, H])."""
@@ -763,12 +793,9 @@ def _advance_v_gated(b_h, K_, V_, PS, LS, rows, m_s, chunk, i_h, i_hk, o_k, m_k,
     leave L_C, which then scales only the state, a plain load: session 30's SASS study)."""
     b_t = tl.load(LS + chunk.to(tl.int64))  # L_C
     b_p = tl.load(PS + rows * H + i_h, mask=m_s, other=0.0)  # [C]
-    b_kt = tl.load(K_ + (rows[None, :] * HKV + i_hk) * K + o_k[:, None], mask=m_k[:, None] & m_s[None, :], other=0.0)
     b_v = tl.load(V_ + (rows[:, None] * HKV + i_hk) * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
     b_vs = (b_v.to(tl.float32) * tl.exp(tl.where(m_s, b_t - b_p, 0.0))[:, None]).to(DT)
-    if UPCAST:  # (the interpreter: `_dot`)
-        return tl.dot(b_kt.to(tl.float32), b_vs.to(tl.float32), b_h * tl.exp(b_t), input_precision="ieee")
-    return tl.dot(b_kt, b_vs, b_h * tl.exp(b_t))
+    return _dot_acc(_load_t(K_, rows, m_s, i_hk, o_k, m_k, HKV, K), b_vs, b_h * tl.exp(b_t))
 
 
 @triton.jit
@@ -780,18 +807,14 @@ def _advance_k_gated(b_h, K_, V_, PS, LS, rows, m_s, chunk, i_h, i_hk, o_k, m_k,
     taken from the same tile's first column (R + P), so every sum feeds the product's operand and the pipeliner copies
     it (read a step ahead, `_walk_sums`, they were 8 plain loads a thread a step; L_C read for the decay alone stayed 2:
     sm_90 PTX, Triton 3.6, session 30)."""
-    m_t = m_k[:, None] & m_s[None, :]
     b_lc = tl.load(LS + chunk.to(tl.int64) * K + o_k, mask=m_k, other=0.0)  # [BK]
-    b_pt = tl.load(PS + (rows[None, :] * H + i_h) * K + o_k[:, None], mask=m_t, other=0.0)  # [BK, C]
-    b_kt = tl.load(K_ + (rows[None, :] * HKV + i_hk) * K + o_k[:, None], mask=m_t, other=0.0)
+    b_pt = _load_t(PS, rows, m_s, i_h, o_k, m_k, H, K)  # [BK, C]
     b_v = tl.load(V_ + (rows[:, None] * HKV + i_hk) * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
-    b_r = tl.where(m_t, b_lc[:, None] - b_pt, 0.0)
-    b_ks = (b_kt.to(tl.float32) * tl.exp(b_r)).to(DT)
+    b_r = tl.where(m_k[:, None] & m_s[None, :], b_lc[:, None] - b_pt, 0.0)
+    b_ks = (_load_t(K_, rows, m_s, i_hk, o_k, m_k, HKV, K).to(tl.float32) * tl.exp(b_r)).to(DT)
     first_col = tl.arange(0, b_pt.shape[1])[None, :] == 0
     b_dec = tl.exp(tl.sum(tl.where(first_col, b_r + b_pt, 0.0), axis=1))  # e^{L_C} from the tile's first column
-    if UPCAST:
-        return tl.dot(b_ks.to(tl.float32), b_v.to(tl.float32), b_h * b_dec[:, None], input_precision="ieee")
-    return tl.dot(b_ks, b_v, b_h * b_dec[:, None])
+    return _dot_acc(b_ks, b_v, b_h * b_dec[:, None])
 
 
 @triton.jit
@@ -805,12 +828,9 @@ def _retreat_do_gated(b_dh, Q, DO, PS, LS, rows, m_s, chunk, i_h, o_k, m_k, o_v,
     waited on; taken from P at the chunk's last step by a reduction, Triton loaded P a second time, plainly)."""
     b_lc = tl.load(LS + chunk.to(tl.int64))  # L_C
     b_p = tl.load(PS + rows * H + i_h, mask=m_s, other=0.0)  # [C]
-    b_qt = tl.load(Q + (rows[None, :] * H + i_h) * K + o_k[:, None], mask=m_k[:, None] & m_s[None, :], other=0.0)
     b_do = tl.load(DO + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
     b_ds = (b_do.to(tl.float32) * (tl.exp(tl.where(m_s, b_p, tl.minimum(b_lc, 0.0))) * SCALE)[:, None]).to(DT)
-    if UPCAST:  # (the interpreter: `_dot`)
-        return tl.dot(b_qt.to(tl.float32), b_ds.to(tl.float32), b_dh * tl.exp(b_lc), input_precision="ieee")
-    return tl.dot(b_qt, b_ds, b_dh * tl.exp(b_lc))
+    return _dot_acc(_load_t(Q, rows, m_s, i_h, o_k, m_k, H, K), b_ds, b_dh * tl.exp(b_lc))
 
 
 @triton.jit
@@ -877,11 +897,11 @@ def linear_recurrent_chunk_state_kernel(
     t0, t1, i_g, o_d, m_d, KD = _walk_group(bos, eos, o_k, m_k, i_v, C, K, USE_GK, GROUP)
     b_h = _walk_start(H0, i_nh, i_n, i_g, i_h, p_h, m_h, H, K, V, USE_H0, GROUP, NG, PASS)
     b_dc = tl.zeros(o_d.shape, dtype=tl.float32)  # GROUP: L(group start, chunk start]
-    MAPPED: tl.constexpr = False
     # a scalar gate's walk with 16-bit inputs as loaded (no map on k, no groups): e^{R_j} scales v's rows instead of
     # k's, so kᵀ goes from its asynchronous copy straight into the product and the sums are copied with k and v
-    V_GATED: tl.constexpr = SUMS and not USE_GK and DT != tl.float32 and GROUP == 0 and not MAPPED
-    GK_LOADED: tl.constexpr = GK_AS_LOADED and SUMS and USE_GK and DT != tl.float32 and GROUP == 0 and not MAPPED
+    V_GATED: tl.constexpr = SUMS and not USE_GK and DT != tl.float32 and GROUP == 0 and not (MAP and FEATURE_MAP)
+    GK_LOADED: tl.constexpr = (GK_AS_LOADED and SUMS and USE_GK and DT != tl.float32 and GROUP == 0
+                               and not (MAP and FEATURE_MAP))
     if SUMS and not V_GATED and not GK_LOADED:
         b_after, b_decay = _walk_sums(RS if AFTER else PS, LS, bos, eos, first, t0, i_h, o_k, m_k, H, K, C, USE_GK,
                                       REVERSE, not AFTER)
@@ -1213,12 +1233,11 @@ def linear_recurrent_chunk_output_kernel(
     p_h = HS + (i_cg * H + i_h).to(tl.int64) * K * V
     b_o = tl.zeros([C, BV], dtype=tl.float32)
     b_a = tl.zeros([C, C], dtype=tl.float32)
-    MAPPED: tl.constexpr = False
-    K_AS_LOADED: tl.constexpr = AHEAD and DT != tl.float32 and not MAPPED
+    K_AS_LOADED: tl.constexpr = AHEAD and DT != tl.float32 and not (MAP and FEATURE_MAP)
     if AHEAD:
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
-        if USE_GK:  # whole rows (the triangle's mask made it 2-byte loads one by one), the upper half zeroed after
-            b_a_in = tl.load(A + ((i_cg * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :])
+        if USE_GK:
+            b_a_in = _load_a_rows(A, i_cg, i_h, o_c, H, C)
         elif SUMS:
             b_p = _sums_at(PS, rows, m_s, i_h, o_c, m_s, H, K, USE_GK)  # [C, 1]
     for i_k in range(0, tl.cdiv(K, BK)):
@@ -1231,9 +1250,7 @@ def linear_recurrent_chunk_output_kernel(
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
             b_q = b_q * tl.exp(_cumsum(b_l, axis=0))
         elif K_AS_LOADED:
-            b_kt = tl.load(K_ + (rows[None, :] * HKV + i_hk) * K + o_k[:, None], mask=m_k[:, None] & m_s[None, :],
-                           other=0.0)  # [BK, C]
-            b_a += _dot(b_q, b_kt, DT)
+            b_a += _dot(b_q, _load_t(K_, rows, m_s, i_hk, o_k, m_k, HKV, K), DT)
         else:
             b_a += _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
         b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
@@ -1241,7 +1258,7 @@ def linear_recurrent_chunk_output_kernel(
             b_s = _grouped_state(b_s, GS, DC, i_cg, i_n, i_t, i_h, o_k, m_k, o_v, m_v, H, K, V, USE_GK, GROUP, NG)
         b_o += _dot_state(b_q, b_s, DT, SP)
     if USE_GK and AHEAD:
-        b_a = tl.where(o_c[:, None] >= o_c[None, :], b_a_in.to(tl.float32), 0.0)
+        b_a = _lower(b_a_in, o_c)
     elif USE_GK:
         b_a = _load_a(A, i_cg, i_h, o_c, H, C)
     else:
@@ -1349,8 +1366,8 @@ def linear_recurrent_chunk_state_bwd_kernel(
     t0, t1, i_g, o_d, m_d, KD = _walk_group(bos, eos, o_k, m_k, i_v, C, K, USE_GK, GROUP)
     b_dh = _walk_start(DHT, i_nh, i_n, i_g, i_h, p_h, m_h, H, K, V, True, GROUP, NG, PASS)
     b_dc = tl.zeros(o_d.shape, dtype=tl.float32)  # GROUP: L(chunk end, group end]
-    MAPPED: tl.constexpr = False
-    DO_GATED: tl.constexpr = (AS_LOADED and SUMS and not USE_GK and DT != tl.float32 and GROUP == 0 and not MAPPED)
+    DO_GATED: tl.constexpr = (AS_LOADED and SUMS and not USE_GK and DT != tl.float32 and GROUP == 0
+                               and not (MAP and FEATURE_MAP))
     if SUMS and not DO_GATED:
         b_pre, b_decay = _walk_sums(PS, LS, bos, eos, first, t1 - 1, i_h, o_k, m_k, H, K, C, USE_GK, REVERSE)
     for back in range(0, t1 - t0):
@@ -1808,12 +1825,11 @@ def linear_recurrent_chunk_grads_v_kernel(
     p_h = DHS + (i_cg * H + i_h).to(tl.int64) * K * V
     b_dv = tl.zeros([C, BV], dtype=tl.float32)
     b_at = tl.zeros([C, C], dtype=tl.float32)  # Aᵀ: [j, i]
-    MAPPED: tl.constexpr = False
-    Q_AS_LOADED: tl.constexpr = GRADS_AHEAD and DT != tl.float32 and not MAPPED
+    Q_AS_LOADED: tl.constexpr = GRADS_AHEAD and DT != tl.float32 and not (MAP and FEATURE_MAP)
     if GRADS_AHEAD:
         b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
-        if USE_GK:  # whole rows, the upper half zeroed after (`chunk_output`'s)
-            b_a_in = tl.load(A + ((i_cg * H + i_h) * C + o_c[:, None]).to(tl.int64) * C + o_c[None, :])
+        if USE_GK:
+            b_a_in = _load_a_rows(A, i_cg, i_h, o_c, H, C)
         elif SUMS:
             b_r = _after_at(PS, RS, LS, i_cg, rows, m_s, i_h, o_c, m_s, H, K, USE_GK, AFTER)  # [C, 1]
     for i_k in range(0, tl.cdiv(K, BK)):
@@ -1826,9 +1842,7 @@ def linear_recurrent_chunk_grads_v_kernel(
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
             b_k = b_k * tl.exp(_after(b_l))
         elif Q_AS_LOADED:
-            b_qt = tl.load(Q + (rows[None, :] * H + i_h) * K + o_k[:, None], mask=m_k[:, None] & m_s[None, :],
-                           other=0.0)  # [BK, C]
-            b_at += _dot(b_k, b_qt, DT)
+            b_at += _dot(b_k, _load_t(Q, rows, m_s, i_h, o_k, m_k, H, K), DT)
         else:
             b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)
             b_at += _dot(b_k, tl.trans(b_q), DT)
@@ -1838,7 +1852,7 @@ def linear_recurrent_chunk_grads_v_kernel(
             b_dh = _grouped_state(b_dh, GA, DCA, i_cg, i_n, i_t, i_h, o_k, m_k, o_v, m_v, H, K, V, USE_GK, GROUP, NG)
         b_dv += _dot_state(b_k, b_dh, DT, SP)
     if USE_GK and GRADS_AHEAD:
-        b_at = tl.trans(tl.where(o_c[:, None] >= o_c[None, :], b_a_in.to(tl.float32), 0.0))
+        b_at = tl.trans(_lower(b_a_in, o_c))
     elif USE_GK:
         b_at = _load_a(A, i_cg, i_h, o_c, H, C, True)
     else:

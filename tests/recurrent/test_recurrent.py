@@ -225,6 +225,22 @@ def test_triton_after_sums_from_the_prefix_sums(case, monkeypatch):
     assert not any(after for _, after in seen), seen
 
 
+def launched_with(monkeypatch, *names) -> list:
+    """The Triton launches of the calls that follow that take any of the constexprs ``names``, as they go out: a list of
+    (grid, every keyword of the launch)."""
+    from ejgen.runtime.launch import triton_call
+
+    seen, launch = [], triton_call.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if any(n in kwargs for n in names):
+            seen.append((grid, kwargs))
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    return seen
+
+
 FOLD_CASES = (  # scalar gates, 16-bit inputs (float32 ones take neither form): bf16, reversed, an initial state, a
     # partial chunk, K in two blocks of 64 (the host sums their parts); packed sequences (an empty one) at -20 a step
     # in f16 (TF32 products: by blocks of K whatever GRADS_QK_SCALAR_TILES); g_gamma alone, GQA
@@ -250,21 +266,14 @@ def test_triton_scalar_gate_grads_qk_forms(case, form, monkeypatch):
     scan (host.GRADS_QK_FOLD, `_folded`) or in scans of their own, by blocks of 64 channels or a program a chunk
     (host.GRADS_QK_SCALAR_TILES; both the default for 16-bit inputs, neither for float32 ones: host.grads_qk_form):
     every gradient, the gates' included, against the oracle, and the spy shows the launches took that form."""
-    from ejgen.runtime.launch import triton_call
     from ejgen.runtime.recurrent.triton import host
 
-    launches, launch = [], triton_call.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        if "FOLD" in kwargs:
-            launches.append((kwargs["FOLD"], grid[1], kwargs["BK"]))
-        return launch(kernel, grid, *args, **kwargs)
-
+    seen = launched_with(monkeypatch, "FOLD")
     fold, tiles = GRADS_QK_FORMS[form]
-    monkeypatch.setattr(triton_call, "launch", spy)
     monkeypatch.setattr(host, "GRADS_QK_FOLD", fold)
     monkeypatch.setattr(host, "GRADS_QK_SCALAR_TILES", tiles and host.Tiles(*tiles))
     check(case, "triton")
+    launches = [(kw["FOLD"], grid[1], kw["BK"]) for grid, kw in seen]
     dk = case.shape[4]
     whole = tiles is not None and case.dtype == "bfloat16"  # (a program a chunk with bf16 products: bf16's auto)
     bk = min(128 if whole else 64, 1 << (dk - 1).bit_length())
@@ -307,43 +316,14 @@ def test_triton_output_and_grads_v_read_ahead(case, monkeypatch):
     """host.OUTPUT_AHEAD and GRADS_V_AHEAD: chunk_output and chunk_grads_v with v's (do's) tile and the gates' sums
     (gk: A in whole rows) read before their K loops and (16-bit inputs, no map) kᵀ (qᵀ) loaded transposed: o,
     final_state and every gradient against the oracle, and the spy shows both launches took it."""
-    from ejgen.runtime.launch import triton_call
     from ejgen.runtime.recurrent.triton import host
 
-    launches, launch = [], triton_call.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        for name in ("AHEAD", "GRADS_AHEAD"):
-            if name in kwargs:
-                launches.append((name, kwargs[name]))
-        return launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(triton_call, "launch", spy)
+    seen = launched_with(monkeypatch, "AHEAD", "GRADS_AHEAD")
     monkeypatch.setattr(host, "OUTPUT_AHEAD", True)
     monkeypatch.setattr(host, "GRADS_V_AHEAD", True)
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
+    launches = [(n, kw[n]) for _, kw in seen for n in ("AHEAD", "GRADS_AHEAD") if n in kw]
     assert {name for name, _ in launches} == {"AHEAD", "GRADS_AHEAD"} and all(on for _, on in launches), launches
-
-
-@pytest.mark.parametrize("case", FOLD_CASES, ids=[c.id for c in FOLD_CASES])
-def test_triton_adjoint_walk_as_loaded(case, monkeypatch):
-    """host.ADJOINT_AS_LOADED: chunk_state_bwd's scalar-gate walk with qᵀ fed as loaded and e^{P} on do's rows (bf16,
-    reversed, an initial state; f16 packed sequences at -20 a step, an empty one; g_gamma alone): every gradient
-    against the oracle, and the spy shows the launch took it."""
-    from ejgen.runtime.launch import triton_call
-    from ejgen.runtime.recurrent.triton import host
-
-    launches, launch = [], triton_call.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        if "AS_LOADED" in kwargs:
-            launches.append(kwargs["AS_LOADED"])
-        return launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(triton_call, "launch", spy)
-    monkeypatch.setattr(host, "ADJOINT_AS_LOADED", True)
-    check(case, "triton")
-    assert launches and all(launches), launches
 
 
 GK_WALK_CASES = (  # gk, 16-bit: bf16 reversed with an initial state, K in two blocks of 64 (a partial one); f16 packed
@@ -353,25 +333,23 @@ GK_WALK_CASES = (  # gk, 16-bit: bf16 reversed with an initial state, K in two b
          h0=True),
     Case("recurrent", ("g", "gk"), dtype="bfloat16", shape=(2, 40, 4, 2, 16, 16), chunk=16),
 )
+AS_LOADED_RUNS = ([(c, "ADJOINT_AS_LOADED", "AS_LOADED") for c in FOLD_CASES]  # scalar gates' adjoint walk
+                  + [(c, "GK_WALK_AS_LOADED", "GK_AS_LOADED") for c in GK_WALK_CASES])  # gk's forward walk
 
 
-@pytest.mark.parametrize("case", GK_WALK_CASES, ids=[c.id for c in GK_WALK_CASES])
-def test_triton_gk_walk_as_loaded(case, monkeypatch):
-    """host.GK_WALK_AS_LOADED: chunk_state's gk walk with kᵀ and the prefix sums loaded transposed, read in the step
-    (`_advance_k_gated`): o, final_state and every gradient against the oracle, and the spy shows the launch took it."""
-    from ejgen.runtime.launch import triton_call
+@pytest.mark.parametrize("case,setting,constexpr", AS_LOADED_RUNS,
+                         ids=[f"{c.id}-{setting}" for c, setting, _ in AS_LOADED_RUNS])
+def test_triton_walk_as_loaded(case, setting, constexpr, monkeypatch):
+    """The walks with their tile transposed as loaded: host.ADJOINT_AS_LOADED (chunk_state_bwd's scalar-gate walk, qᵀ
+    fed as loaded and e^{P} on do's rows: `_retreat_do_gated`) and host.GK_WALK_AS_LOADED (chunk_state's gk walk, kᵀ
+    and Pᵀ loaded transposed and read in the step: `_advance_k_gated`): o, final_state and every gradient against the
+    oracle, and the spy shows the launch took it."""
     from ejgen.runtime.recurrent.triton import host
 
-    launches, launch = [], triton_call.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        if "GK_AS_LOADED" in kwargs:
-            launches.append(kwargs["GK_AS_LOADED"])
-        return launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(triton_call, "launch", spy)
-    monkeypatch.setattr(host, "GK_WALK_AS_LOADED", True)
+    seen = launched_with(monkeypatch, constexpr)
+    monkeypatch.setattr(host, setting, True)
     check(case, "triton")
+    launches = [kw[constexpr] for _, kw in seen]
     assert launches and all(launches), launches
 
 

@@ -133,29 +133,18 @@ def test_triton_output_and_grads_v_read_ahead(case, monkeypatch):
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 
 
-FOLDED_16 = [c for c in FOLDED if c.dtype != "float32"]  # (float32 walks as before whatever the setting)
+AS_LOADED_RUNS = ([(c, "ADJOINT_AS_LOADED") for c in FOLDED if c.dtype != "float32"]  # (float32 walks as before)
+                  + [(c, "GK_WALK_AS_LOADED") for c in CASES if c.algorithm == "chunked" and "gk" in c.gates
+                     and "gv" not in c.gates and c.dtype == "bfloat16"])
 
 
-@pytest.mark.parametrize("case", FOLDED_16, ids=[c.id for c in FOLDED_16])
-def test_triton_adjoint_walk_as_loaded(case, monkeypatch):
-    """host.ADJOINT_AS_LOADED (chunk_state_bwd's scalar-gate walk with qᵀ as loaded), against the oracle."""
+@pytest.mark.parametrize("case,setting", AS_LOADED_RUNS, ids=[f"{c.id}-{setting}" for c, setting in AS_LOADED_RUNS])
+def test_triton_walk_as_loaded(case, setting, monkeypatch):
+    """host.ADJOINT_AS_LOADED (chunk_state_bwd's scalar-gate walk with qᵀ as loaded) and GK_WALK_AS_LOADED
+    (chunk_state's gk walk with kᵀ and Pᵀ loaded transposed, read in the step), against the oracle."""
     from ejgen.runtime.recurrent.triton import host
 
-    monkeypatch.setattr(host, "ADJOINT_AS_LOADED", True)
-    check(case, "triton")
-
-
-GK_16 = [c for c in CASES if c.algorithm == "chunked" and "gk" in c.gates and "gv" not in c.gates
-         and c.dtype == "bfloat16"]
-
-
-@pytest.mark.parametrize("case", GK_16, ids=[c.id for c in GK_16])
-def test_triton_gk_walk_as_loaded(case, monkeypatch):
-    """host.GK_WALK_AS_LOADED (chunk_state's gk walk with kᵀ and Pᵀ loaded transposed, read in the step), against the
-    oracle."""
-    from ejgen.runtime.recurrent.triton import host
-
-    monkeypatch.setattr(host, "GK_WALK_AS_LOADED", True)
+    monkeypatch.setattr(host, setting, True)
     check(case, "triton")
 
 

@@ -691,7 +691,7 @@ def grads_qk_form(dtype, products: str, gates, dk: int, dv: int,
     ("bfloat16" / "tf32": `RecurrentConfig.products`) and ``gates`` (names) on ``arch`` ("sm90"; None: the Triton
     interpreter; default: the machine calls run on): GRADS_QK_FOLD and GRADS_QK_SCALAR_TILES where they apply (a
     scalar gate, 16-bit inputs; a program a chunk with bf16 products on sm_90 alone: TF32 products spill 72 bytes)."""
-    scalar = "gk" not in gates and bool(set(gates) & {"g", "g_gamma", "gv"})
+    scalar = "gk" not in gates and bool(gates)  # (gates: of RECURRENT_GATES, as RecurrentConfig.gates)
     sixteen = jnp.dtype(dtype) != jnp.float32
     if arch == "here":
         target = chooser.target()
@@ -702,10 +702,6 @@ def grads_qk_form(dtype, products: str, gates, dk: int, dv: int,
             *tiles("chunk_grads_qk", dk, dv, GRADS_QK_SCALAR_TILES if whole else None))
 
 
-def _gate_names(cfg) -> tuple:
-    return tuple(g for g in ("g", "g_gamma", "gk", "gv") if cfg.has(g))
-
-
 def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, sums=None, groups=None):
     """(dq, dk of the mapped q and k per query head, float32, or q's dtype where ``_direct``; the key side's log decay
     gradient, DLOG [B, T, H, K] with gk, else a part per block of K [NK, B, T, H, 1], or None) of every chunk from its
@@ -714,7 +710,7 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
     relative to their groups)."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
-    fold, blocks, options = grads_qk_form(q.dtype, cfg.products, _gate_names(cfg), cfg.dk, cfg.dv)
+    fold, blocks, options = grads_qk_form(q.dtype, cfg.products, cfg.gates, cfg.dk, cfg.dv)
     sds = jax.ShapeDtypeStruct
     per_head = q.shape[:3]
     gated = _gated(cfg)
