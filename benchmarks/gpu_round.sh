@@ -158,7 +158,7 @@ j_output-ahead() {  # chunk_output's and chunk_grads_v's reads ahead of their K 
   j_output-ahead-rows
 }
 j_output-ahead-tests() {
-  shards output-ahead-tests 240 3 -k "read_ahead or walk_as_loaded" tests/recurrent
+  shards output-ahead-tests 240 3 -k "other_form or after_sums" tests/recurrent
 }
 j_output-ahead-rows() { job output-ahead 300 python3 benchmarks/recurrent_kernels.py \
   --ops "${OUTPUT_AHEAD_OPS:-simple_gla,lightning_attention,gla}" --shapes "${OUTPUT_AHEAD_SHAPES:-2x16384,4x4096}" \
@@ -474,6 +474,11 @@ declare -A PRESETS=(
   [s31a-tests]="0:output-ahead-tests"
   [s31a-rows]="0:output-ahead-rows"
   [s31b]="0:fla,rec-bench"
+  # (session 31: s31a's reads ahead (chunk_output's for every gate, chunk_grads_v's for scalar gates), the adjoint walk as
+  # loaded and the after sums formed by their readers for every gate won, on by default; s31c: the forms the defaults no
+  # longer take, then the chunked Triton GPU tests of the new defaults (REC_TESTS_K as below), 4 processes)
+  [s31c]="0:output-ahead-tests,rec-tests"  # REC_TESTS_K="triton and chunked and not other_form and not after_sums
+  # and not grads_intra and not groups" SHARDS_PER_GPU=4
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)
   [s29a]="0:grads-qk"
   [s29b]="0:fla,rec-bench"

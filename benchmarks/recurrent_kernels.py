@@ -71,10 +71,11 @@ SWEEP = {  # other launch settings to time with --sweep (block_k, block_v, warps
     "chunk_intra_diag": [(0, 0, 4, 1), (0, 0, 1, 1), (0, 0, 8, 1), (32, 0, 2, 1), (64, 0, 4, 1), (32, 0, 1, 1)],
     "chunk_state_bwd": [(64, 64, 8, 2), (64, 64, 8, 3), (64, 64, 4, 4), (64, 64, 4, 2), (32, 64, 4, 4)],
     "chunk_output": [(64, 64, 4, 3), (128, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 128, 8, 2), (64, 128, 8, 3),
-                     (32, 64, 4, 2)],
+                     (32, 64, 4, 2), (64, 128, 8, 2), (64, 128, 4, 2), (32, 128, 4, 3)],
     "chunk_grads_intra": [(32, 0, 2, 1), (64, 0, 2, 1), (64, 0, 4, 1), (16, 0, 1, 1), (16, 0, 2, 1)],
     "chunk_grads_qk": [(64, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 2), (64, 32, 8, 3), (128, 32, 8, 2), (32, 64, 8, 2)],
-    "chunk_grads_v": [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2)],
+    "chunk_grads_v": [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3), (32, 64, 4, 2), (64, 128, 8, 3),
+                      (64, 128, 4, 2)],
 }
 
 
@@ -180,6 +181,8 @@ def stages(op_name, b, t, h, d):
     sums = None  # chunk_sums' (gk, the chunk_gate_sums setting "kernel"), which the op forms in each pass
     other = "always" if host.after_stored(q, cfg) else "never"  # the after sums' form the op does not take
     after = {"AFTER_FROM_PREFIX": other}
+    v_ahead = host.grads_v_ahead(cfg.gates)  # chunk_grads_v's form the op takes, and the other
+    v_other = {"GRADS_V_AHEAD": "never" if v_ahead else "always"}
     if host.chunk_sums(kernels, q, gates, ctx, cfg) is not None:
         sums_grid = (n_c, -(-cfg.dk // blocks["chunk_sums"]["BK"]), rows_h) if cfg.has("gk") else (n_c, 1, b)
         sums = add("chunk_sums", lambda q, g: host.chunk_sums(kernels, q, g, ctx, cfg), q, gates, grid=sums_grid)
@@ -265,7 +268,7 @@ def stages(op_name, b, t, h, d):
 
     dv = add("chunk_grads_v", grads_v, q, k, gates, dhs, do, a, sums,
              grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h))
-    add(f"chunk_grads_v, {AHEAD_NAMED[not host.GRADS_V_AHEAD]}", flipped("GRADS_V_AHEAD", grads_v), q, k, gates, dhs,
+    add(f"chunk_grads_v, {AHEAD_NAMED[not v_ahead]}", switched(v_other, grads_v), q, k, gates, dhs,
         do, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h), which="chunk_grads_v")
 
     def glue(q, k, v, g, dq, dk, dv, dh0, dlog):
@@ -292,7 +295,7 @@ def stages(op_name, b, t, h, d):
             q, k, v, g, do)
     add(f"op fwd+bwd, chunk_output {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", fwd_bwd), q, k, v,
         g, do)
-    add(f"op fwd+bwd, chunk_grads_v {AHEAD_NAMED[not host.GRADS_V_AHEAD]}", flipped("GRADS_V_AHEAD", fwd_bwd), q, k,
+    add(f"op fwd+bwd, chunk_grads_v {AHEAD_NAMED[not v_ahead]}", switched(v_other, fwd_bwd), q, k,
         v, g, do)
     if not cfg.has("gk") and host._gated(cfg):
         add(f"op fwd+bwd, chunk_state_bwd {ADJOINT_NAMED[not host.ADJOINT_AS_LOADED]}",
@@ -320,16 +323,16 @@ def stages(op_name, b, t, h, d):
 
 
 AHEAD_NAMED = {True: "reads ahead of the K loop", False: "reads after the K loop"}
-"""host.OUTPUT_AHEAD / GRADS_V_AHEAD (session 30, not yet GPU-timed): chunk_output's (chunk_grads_v's) tiles, sums and
-kᵀ (qᵀ) read ahead of their K loops."""
+"""host.OUTPUT_AHEAD / GRADS_V_AHEAD (session 30; on since session 31, chunk_grads_v's for scalar gates alone):
+chunk_output's (chunk_grads_v's) tiles, sums and kᵀ (qᵀ) read ahead of their K loops."""
 
 ADJOINT_NAMED = {True: "as loaded", False: "scaled through registers"}
-"""host.ADJOINT_AS_LOADED / GK_WALK_AS_LOADED (session 30, not yet GPU-timed): chunk_state_bwd's scalar-gate walk as
-the forward's, chunk_state's gk walk with kᵀ as loaded."""
+"""host.ADJOINT_AS_LOADED / GK_WALK_AS_LOADED (session 30; the first on since session 31, the second off: it lost):
+chunk_state_bwd's scalar-gate walk as the forward's, chunk_state's gk walk with kᵀ as loaded."""
 
 AFTER_NAMED = {"never": "after sums stored", "always": "after sums from the prefix sums"}
 """16-bit inputs, host.AFTER_FROM_PREFIX: chunk_sums stores the after sums ("never"), or chunk_state, chunk_grads_qk
-and chunk_grads_v form them ("always"; the default "gk" forms them for per-key gates only)."""
+and chunk_grads_v form them ("always", the default since session 31; "gk" forms them for per-key gates only)."""
 
 GRADS_QK_FORMS = (  # a scalar gate's chunk_grads_qk: its log decay terms in the pairs' scan or not, by blocks of 64
     # channels or a program a chunk (the default since session 30: folded, a program a chunk)

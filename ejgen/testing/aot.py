@@ -255,7 +255,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     block_v, warps, stages) with a scalar gate (defaults: what host.grads_qk_form gives these inputs on this
     capability); ``output_ahead``: chunk_output's reads ahead of its K loop (default host.OUTPUT_AHEAD);
     ``adjoint_as_loaded``: chunk_state_bwd's scalar-gate walk in the forward's form (default host.ADJOINT_AS_LOADED);
-    ``grads_v_ahead``: chunk_grads_v's reads ahead of its K loop (default host.GRADS_V_AHEAD); ``gk_walk_as_loaded``:
+    ``grads_v_ahead``: chunk_grads_v's reads ahead of its K loop (default host.grads_v_ahead's); ``gk_walk_as_loaded``:
     chunk_state's gk walk with kᵀ as loaded (default host.GK_WALK_AS_LOADED)."""
     import triton
     import triton.language as tl
@@ -287,7 +287,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   PASS=walk_pass, AFTER=after,
                   AHEAD=host.OUTPUT_AHEAD if output_ahead is None else output_ahead,
                   AS_LOADED=host.ADJOINT_AS_LOADED if adjoint_as_loaded is None else adjoint_as_loaded,
-                  GRADS_AHEAD=host.GRADS_V_AHEAD if grads_v_ahead is None else grads_v_ahead,
+                  GRADS_AHEAD=host.grads_v_ahead(gates) if grads_v_ahead is None else grads_v_ahead,
                   GK_AS_LOADED=host.GK_WALK_AS_LOADED if gk_walk_as_loaded is None else gk_walk_as_loaded)
     host_fold, qk_blocks, qk_options = host.grads_qk_form(
         dtype, "bfloat16" if products == "bfloat16" else "tf32", gates, dk, dv, arch=f"sm{capability}")

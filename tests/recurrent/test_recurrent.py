@@ -204,37 +204,31 @@ AFTER_CASES = (  # 16-bit sums: gk packed (an empty sequence, partial chunks), r
 
 
 @pytest.mark.parametrize("case", AFTER_CASES, ids=[c.id for c in AFTER_CASES])
-def test_triton_after_sums_from_the_prefix_sums(case, monkeypatch):
-    """host.AFTER_FROM_PREFIX: for 16-bit inputs chunk_sums stores no after sums R_j = L(j, end]; chunk_state,
-    chunk_grads_qk and chunk_grads_v take L_C - P_j (`_after_at`): the output, the final state and every gradient
-    against the oracle, and the spy shows every reader launched that way (and chunk_sums without RS)."""
-    from ejgen.runtime.launch import triton_call
+def test_triton_after_sums_stored(case, monkeypatch):
+    """host.AFTER_FROM_PREFIX "never" (the default, "always", forms the after sums R_j = L(j, end] of 16-bit inputs
+    where they are read as L_C - P_j, `_after_at`): chunk_sums stores them and chunk_state, chunk_grads_qk and
+    chunk_grads_v read them: the output, the final state and every gradient against the oracle, and the spy shows
+    every reader launched that way (and chunk_sums with RS)."""
     from ejgen.runtime.recurrent.triton import host
 
-    seen, launch = [], triton_call.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        if "AFTER" in kwargs:
-            seen.append((kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1], kwargs["AFTER"]))
-        return launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(triton_call, "launch", spy)
-    monkeypatch.setattr(host, "AFTER_FROM_PREFIX", "always")
+    seen = launched_with(monkeypatch, "AFTER")
+    monkeypatch.setattr(host, "AFTER_FROM_PREFIX", "never")
     check(case, "triton")
-    assert {name for name, _ in seen} == {"sums", "state", "grads_qk", "grads_v"}, seen
-    assert not any(after for _, after in seen), seen
+    kinds = {kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1] for kernel, _, kw in seen}
+    assert kinds == {"sums", "state", "grads_qk", "grads_v"}, kinds
+    assert all(kw["AFTER"] for _, _, kw in seen), seen
 
 
 def launched_with(monkeypatch, *names) -> list:
     """The Triton launches of the calls that follow that take any of the constexprs ``names``, as they go out: a list of
-    (grid, every keyword of the launch)."""
+    (kernel, grid, every keyword of the launch)."""
     from ejgen.runtime.launch import triton_call
 
     seen, launch = [], triton_call.launch
 
     def spy(kernel, grid, *args, **kwargs):
         if any(n in kwargs for n in names):
-            seen.append((grid, kwargs))
+            seen.append((kernel, grid, kwargs))
         return launch(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(triton_call, "launch", spy)
@@ -273,7 +267,7 @@ def test_triton_scalar_gate_grads_qk_forms(case, form, monkeypatch):
     monkeypatch.setattr(host, "GRADS_QK_FOLD", fold)
     monkeypatch.setattr(host, "GRADS_QK_SCALAR_TILES", tiles and host.Tiles(*tiles))
     check(case, "triton")
-    launches = [(kw["FOLD"], grid[1], kw["BK"]) for grid, kw in seen]
+    launches = [(kw["FOLD"], grid[1], kw["BK"]) for _, grid, kw in seen]
     dk = case.shape[4]
     whole = tiles is not None and case.dtype == "bfloat16"  # (a program a chunk with bf16 products: bf16's auto)
     bk = min(128 if whole else 64, 1 << (dk - 1).bit_length())
@@ -312,18 +306,21 @@ AHEAD_CASES = (  # chunk_output's reads ahead (host.OUTPUT_AHEAD): a scalar gate
 
 
 @pytest.mark.parametrize("case", AHEAD_CASES, ids=[c.id for c in AHEAD_CASES])
-def test_triton_output_and_grads_v_read_ahead(case, monkeypatch):
-    """host.OUTPUT_AHEAD and GRADS_V_AHEAD: chunk_output and chunk_grads_v with v's (do's) tile and the gates' sums
-    (gk: A in whole rows) read before their K loops and (16-bit inputs, no map) kᵀ (qᵀ) loaded transposed: o,
-    final_state and every gradient against the oracle, and the spy shows both launches took it."""
+def test_triton_output_and_grads_v_other_forms(case, monkeypatch):
+    """chunk_output and chunk_grads_v in the forms the defaults do not take: host.OUTPUT_AHEAD off (v's tile and the
+    gates' sums read after the K loop, gk's A through the triangle's mask) and GRADS_V_AHEAD the other way round for
+    the case's gates (its default "scalar" reads ahead for scalar gates: do's tile, R and, 16-bit with no map, qᵀ
+    loaded transposed; gk's Aᵀ in whole rows on "always"): o, final_state and every gradient against the oracle, and
+    the spy shows both launches took them."""
     from ejgen.runtime.recurrent.triton import host
 
     seen = launched_with(monkeypatch, "AHEAD", "GRADS_AHEAD")
-    monkeypatch.setattr(host, "OUTPUT_AHEAD", True)
-    monkeypatch.setattr(host, "GRADS_V_AHEAD", True)
+    v_ahead = not host.grads_v_ahead(case.gates)
+    monkeypatch.setattr(host, "OUTPUT_AHEAD", False)
+    monkeypatch.setattr(host, "GRADS_V_AHEAD", "always" if v_ahead else "never")
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
-    launches = [(n, kw[n]) for _, kw in seen for n in ("AHEAD", "GRADS_AHEAD") if n in kw]
-    assert {name for name, _ in launches} == {"AHEAD", "GRADS_AHEAD"} and all(on for _, on in launches), launches
+    launches = {(n, kw[n]) for _, _, kw in seen for n in ("AHEAD", "GRADS_AHEAD") if n in kw}
+    assert launches == {("AHEAD", False), ("GRADS_AHEAD", v_ahead)}, launches
 
 
 GK_WALK_CASES = (  # gk, 16-bit: bf16 reversed with an initial state, K in two blocks of 64 (a partial one); f16 packed
@@ -339,18 +336,19 @@ AS_LOADED_RUNS = ([(c, "ADJOINT_AS_LOADED", "AS_LOADED") for c in FOLD_CASES]  #
 
 @pytest.mark.parametrize("case,setting,constexpr", AS_LOADED_RUNS,
                          ids=[f"{c.id}-{setting}" for c, setting, _ in AS_LOADED_RUNS])
-def test_triton_walk_as_loaded(case, setting, constexpr, monkeypatch):
-    """The walks with their tile transposed as loaded: host.ADJOINT_AS_LOADED (chunk_state_bwd's scalar-gate walk, qᵀ
-    fed as loaded and e^{P} on do's rows: `_retreat_do_gated`) and host.GK_WALK_AS_LOADED (chunk_state's gk walk, kᵀ
-    and Pᵀ loaded transposed and read in the step: `_advance_k_gated`): o, final_state and every gradient against the
-    oracle, and the spy shows the launch took it."""
+def test_triton_walk_other_form(case, setting, constexpr, monkeypatch):
+    """The walks in the form their setting's default does not take: host.ADJOINT_AS_LOADED (on: chunk_state_bwd's
+    scalar-gate walk, qᵀ fed as loaded and e^{P} on do's rows, `_retreat_do_gated`; off: q scaled through registers)
+    and host.GK_WALK_AS_LOADED (off; on: chunk_state's gk walk, kᵀ and Pᵀ loaded transposed and read in the step,
+    `_advance_k_gated`): o, final_state and every gradient against the oracle, and the spy shows the launch took it."""
     from ejgen.runtime.recurrent.triton import host
 
     seen = launched_with(monkeypatch, constexpr)
-    monkeypatch.setattr(host, setting, True)
+    other = not getattr(host, setting)
+    monkeypatch.setattr(host, setting, other)
     check(case, "triton")
-    launches = [kw[constexpr] for _, kw in seen]
-    assert launches and all(launches), launches
+    launches = [kw[constexpr] for _, _, kw in seen]
+    assert launches and all(on == other for on in launches), launches
 
 
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in

@@ -88,12 +88,12 @@ AFTER = [c for c in CASES if c.algorithm == "chunked" and c.dtype != "float32" a
 
 
 @pytest.mark.parametrize("case", AFTER, ids=[c.id for c in AFTER])
-def test_triton_after_sums_from_the_prefix_sums(case, monkeypatch):
-    """host.AFTER_FROM_PREFIX: the after sums of 16-bit inputs formed where they are read (L_C - P), against the
-    oracle."""
+def test_triton_after_sums_stored(case, monkeypatch):
+    """host.AFTER_FROM_PREFIX "never": the after sums of 16-bit inputs stored by chunk_sums and read (the default
+    forms them where they are read, L_C - P), against the oracle."""
     from ejgen.runtime.recurrent.triton import host
 
-    monkeypatch.setattr(host, "AFTER_FROM_PREFIX", "always")
+    monkeypatch.setattr(host, "AFTER_FROM_PREFIX", "never")
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 
 
@@ -123,13 +123,13 @@ AHEAD = [c for c in CASES if c.algorithm == "chunked" and "gv" not in c.gates an
 
 
 @pytest.mark.parametrize("case", AHEAD, ids=[c.id for c in AHEAD])
-def test_triton_output_and_grads_v_read_ahead(case, monkeypatch):
-    """host.OUTPUT_AHEAD and GRADS_V_AHEAD (chunk_output's and chunk_grads_v's tiles and sums read before or as their
-    K loops need them), against the oracle."""
+def test_triton_output_and_grads_v_other_forms(case, monkeypatch):
+    """chunk_output and chunk_grads_v in the forms the defaults do not take (host.OUTPUT_AHEAD off, GRADS_V_AHEAD the
+    other way round for the case's gates), against the oracle."""
     from ejgen.runtime.recurrent.triton import host
 
-    monkeypatch.setattr(host, "OUTPUT_AHEAD", True)
-    monkeypatch.setattr(host, "GRADS_V_AHEAD", True)
+    monkeypatch.setattr(host, "OUTPUT_AHEAD", False)
+    monkeypatch.setattr(host, "GRADS_V_AHEAD", "never" if host.grads_v_ahead(case.gates) else "always")
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 
 
@@ -139,12 +139,13 @@ AS_LOADED_RUNS = ([(c, "ADJOINT_AS_LOADED") for c in FOLDED if c.dtype != "float
 
 
 @pytest.mark.parametrize("case,setting", AS_LOADED_RUNS, ids=[f"{c.id}-{setting}" for c, setting in AS_LOADED_RUNS])
-def test_triton_walk_as_loaded(case, setting, monkeypatch):
-    """host.ADJOINT_AS_LOADED (chunk_state_bwd's scalar-gate walk with qᵀ as loaded) and GK_WALK_AS_LOADED
-    (chunk_state's gk walk with kᵀ and Pᵀ loaded transposed, read in the step), against the oracle."""
+def test_triton_walk_other_form(case, setting, monkeypatch):
+    """The walks in the form their setting's default does not take: host.ADJOINT_AS_LOADED off (chunk_state_bwd's
+    scalar-gate walk with q scaled through registers) and GK_WALK_AS_LOADED on (chunk_state's gk walk with kᵀ and Pᵀ
+    loaded transposed, read in the step), against the oracle."""
     from ejgen.runtime.recurrent.triton import host
 
-    monkeypatch.setattr(host, setting, True)
+    monkeypatch.setattr(host, setting, not getattr(host, setting))
     check(case, "triton")
 
 

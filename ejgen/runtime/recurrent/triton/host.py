@@ -277,13 +277,14 @@ def _triton_dtype(dtype):
 
 # 16-bit inputs: the sums after each step, R_j = L(j, end], taken where they are read as L_C - P_j from the prefix
 # sums and the chunk's whole sum (`_after_at`), not stored by chunk_sums: with gk one [B, T, H, K] float32 array less
-# written (chunk_sums, run in each pass) and read (chunk_state, chunk_grads_qk, chunk_grads_v). "gk" (the default)
-# forms them for per-key gates only, "always" for scalar gates too, "never" stores them. H200, session 29, one
-# call (recurrent_kernels.py, op rows stored -> formed): gla B4 T4096 fwd 0.871 -> 0.814 ms, fwd+bwd 3.046 -> 2.975;
-# gla B2 T16k 1.800 -> 1.744, 6.287 -> 6.175; but simple_gla B2 T16k 0.667 -> 0.776 fwd, 2.884 -> 2.919 fwd+bwd
-# (lightning alike): a scalar gate's after sums are [B, T, H], cheaper stored than formed by every reader's tile.
-# Float32 inputs keep R as a sum of its own steps.
-AFTER_FROM_PREFIX = "gk"
+# written (chunk_sums, run in each pass) and read (chunk_state, chunk_grads_qk, chunk_grads_v). "always" (the default)
+# forms them for every gate, "gk" for per-key gates only, "never" stores them. H200, session 29, one call
+# (recurrent_kernels.py, op rows stored -> formed): gla B4 T4096 fwd 0.871 -> 0.814 ms, fwd+bwd 3.046 -> 2.975; gla
+# B2 T16k 1.800 -> 1.744, 6.287 -> 6.175; simple_gla then lost (B2 T16k 0.667 -> 0.776 fwd). Session 31 (H200, one
+# call; the walks read the sums in the step since session 30): simple_gla B2 T16k fwd 0.515 -> 0.516, fwd+bwd 1.924
+# -> 1.845; B4 T4096 0.271 -> 0.267, 0.975 -> 0.940; lightning 0.509 -> 0.522, 1.930 -> 1.851 and 0.266 -> 0.265,
+# 0.962 -> 0.936: "always" since. Float32 inputs keep R as a sum of its own steps.
+AFTER_FROM_PREFIX = "always"
 
 
 def after_stored(x, cfg) -> bool:
@@ -521,8 +522,11 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, su
 # of the sums, v's tile by ld.global + st.shared, A 2 bytes at a time), and with 16-bit inputs and no map on k, kᵀ
 # loaded transposed into q kᵀ (in the loop k went to registers and back to shared memory each block of K). The kernel
 # is 1.27x fla's chunk_fwd_kernel_o at simple_gla B2 T16k (0.330 against 0.259 ms), gla's 1.67x (0.433 against
-# 0.259; session 30). Built in session 30, NOT GPU-timed: off.
-OUTPUT_AHEAD = False
+# 0.259; session 30). Session 31, H200, one call (recurrent_kernels.py, kernel and op rows after -> ahead): simple_gla
+# B2 T16k kernel 0.334 -> 0.310 ms, op fwd 0.515 -> 0.493; B4 T4096 0.172 -> 0.159, 0.271 -> 0.241; lightning 0.335 ->
+# 0.315, 0.509 -> 0.501 and 0.181 -> 0.166, 0.266 -> 0.255; gla 0.429 -> 0.416, 1.661 -> 1.652 and 0.221 -> 0.214,
+# 0.804 -> 0.788: on for every gate.
+OUTPUT_AHEAD = True
 
 
 def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None, groups=None):
@@ -616,8 +620,10 @@ def chunk_state_grads_grouped(kernels, q, gates, ctx, cfg, do, dht, sums=None, d
 # chunk_state_bwd with a scalar gate and 16-bit inputs in the forward walk's form (`_retreat_do_gated`: qᵀ fed as
 # loaded, e^{P} on do's rows, the sums read in the step; sm_90 PTX on Triton 3.6: the walk's loop held 3 plain loads
 # of the sums read a step ahead, as the forward's did before session 30 cut its B2 T16k forward by 12%). The walk is
-# 0.244 ms at simple_gla B2 T16k (fla's dh 0.254). Built in session 30, NOT GPU-timed: off.
-ADJOINT_AS_LOADED = False
+# 0.244 ms at simple_gla B2 T16k (fla's dh 0.254). Session 31, H200, one call (kernel, op fwd+bwd; registers -> as
+# loaded): simple_gla B2 T16k 0.241 -> 0.221 ms, 1.924 -> 1.888; B4 T4096 0.116 -> 0.106, 0.975 -> 0.963; lightning
+# 0.244 -> 0.218, 1.930 -> 1.902 and 0.113 -> 0.105, 0.962 -> 0.979 (the one op row that lost; its kernel won): on.
+ADJOINT_AS_LOADED = True
 
 
 def _state_grads(kernels, q, gates, ctx, cfg, do, dht, sums, dtype, group, ng, walk_pass=0):
@@ -733,8 +739,20 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
 # chunk_grads_v's reads ahead, as chunk_output's (OUTPUT_AHEAD): do's tile and a scalar gate's R (gk: chunk_intra's A,
 # in whole rows, transposed in registers) before its K loop, qᵀ loaded transposed for 16-bit inputs with no map on q
 # (sm_90 PTX on Triton 3.6: after the loop gk's Aᵀ was 16 `ld.global.b16` a thread through the triangle's mask, the
-# scalar gate's R 12 plain b32 loads, do's tile ld.global + st.shared). Built in session 30, NOT GPU-timed: off.
-GRADS_V_AHEAD = False
+# scalar gate's R 12 plain b32 loads, do's tile ld.global + st.shared). "scalar" (the default) reads ahead for scalar
+# gates and none, "always" with gk too, "never" not at all. Session 31, H200, one call (kernel, op fwd+bwd; after ->
+# ahead): simple_gla B2 T16k 0.391 -> 0.306 ms, 1.924 -> 1.844; B4 T4096 0.209 -> 0.162, 0.975 -> 0.930; lightning
+# 0.394 -> 0.309, 1.930 -> 1.843 and 0.204 -> 0.160, 0.962 -> 0.917; but gla 0.378 -> 0.437, 6.006 -> 6.054 and
+# 0.204 -> 0.220, 2.940 -> 2.954 (gk's Aᵀ transposed in registers costs more than its plain loads did).
+GRADS_V_AHEAD = "scalar"
+
+
+def grads_v_ahead(gates) -> bool:
+    """Whether chunk_grads_v reads ahead of its K loop (GRADS_AHEAD) for a call with ``gates`` (names, as
+    RecurrentConfig.gates): GRADS_V_AHEAD's rule."""
+    if GRADS_V_AHEAD not in ("scalar", "always", "never"):
+        raise ValueError(f"host.GRADS_V_AHEAD must be 'scalar', 'always' or 'never', got {GRADS_V_AHEAD!r}")
+    return GRADS_V_AHEAD == "always" or GRADS_V_AHEAD == "scalar" and "gk" not in gates
 
 
 def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None, sums=None, groups=None):
@@ -751,7 +769,7 @@ def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None, sums=None, gr
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype if _direct(kernels, cfg) else F32)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
         GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AFTER=after_stored(q, cfg),
-        GRADS_AHEAD=GRADS_V_AHEAD, **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+        GRADS_AHEAD=grads_v_ahead(cfg.gates), **options, **{**_chunk_consts(q, cfg, consts), **blocks})
     return dv
 
 
