@@ -23,6 +23,7 @@
 #   state-study    gla's chunk_state / chunk_output against variants that change one thing each
 #                  (recurrent_state_study.py: transposed tiles, sums read from memory, 16-bit states)
 #   ncu-state      Nsight Compute counters of chunk_state and chunk_output
+#   ncu-out        Nsight Compute of gla's chunk_output (both forms): stalls, memory, source counters
 #   fla-profile    fla's B4 T4096 cases, then each one's kernels under torch.profiler (us a call by kernel)
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
 #   intra-diag     chunk_intra's diagonal from its own launch and in pieces of 4 steps: GPU tests, gla's kernel
@@ -205,6 +206,17 @@ j_ncu-src() {  # per-instruction stall samples (SASS, CSV) of gla's chunked kern
 j_rec-sweep-long() { job rec-sweep-long 200 python3 benchmarks/recurrent_kernels.py --ops "${REC_SWEEP_LONG_OPS:-simple_gla}" \
   --shapes "${REC_SWEEP_LONG_SHAPES:-2x16384}" \
   --sweep --no-check --sweep-kernels ${REC_SWEEP_LONG_KERNELS:-chunk_state,chunk_output,chunk_state_bwd,chunk_grads_v,chunk_grads_qk}; }
+j_ncu-out() {  # chunk_output under ncu at B4 T4096, the default form, one op after the other (NCU_OUT_OPS; gla's was
+  # 1.6x fla's chunk_gla_fwd_kernel_o at B2 T16k in session 31, the scalar gates' 1.2-1.36x fla's chunk_fwd_kernel_o,
+  # whatever their launch setting): where its time goes
+  local op
+  for op in ${NCU_OUT_OPS:-lightning_attention gla}; do
+    job "ncu-out-$op" 120 ncu --clock-control none -k regex:'chunk_output_kernel' --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+      --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
+      python3 benchmarks/recurrent_kernels.py --ops "$op" --no-check --reps 1 --rounds 1
+  done
+}
 j_state-study() { job state-study 200 python3 benchmarks/recurrent_state_study.py; }
 j_ncu-state() { job ncu-state 150 ncu --clock-control none -k regex:'chunk_(state|output)_kernel' --launch-count 2 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
@@ -479,6 +491,8 @@ declare -A PRESETS=(
   # longer take, then the chunked Triton GPU tests of the new defaults (REC_TESTS_K as below), 4 processes)
   [s31c]="0:output-ahead-tests,rec-tests"  # REC_TESTS_K="triton and chunked and not other_form and not after_sums
   # and not grads_intra and not groups" SHARDS_PER_GPU=4
+  [s31d]="0:fla,rec-bench,ncu-out"  # the table against fla with s31a's forms on; chunk_output under ncu
+  [s31e]="0:ncu-out"
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)
   [s29a]="0:grads-qk"
   [s29b]="0:fla,rec-bench"
