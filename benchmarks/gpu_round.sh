@@ -20,8 +20,6 @@
 #   ncu-src        per-instruction stall samples (SASS, CUDA lines) of the chunked kernels, CSV files in $OUT
 #   ncu-qk         Nsight Compute of chunk_grads_qk (simple_gla, then gla): stall reasons, memory, source counters
 #                  (~1.0 ms whatever its blocks and warps, session 23)
-#   state-study    gla's chunk_state / chunk_output against variants that change one thing each
-#                  (recurrent_state_study.py: transposed tiles, sums read from memory, 16-bit states)
 #   ncu-state      Nsight Compute counters of chunk_state and chunk_output
 #   ncu-out        Nsight Compute of gla's chunk_output (both forms): stalls, memory, source counters
 #   fla-profile    fla's B4 T4096 cases, then each one's kernels under torch.profiler (us a call by kernel)
@@ -217,7 +215,6 @@ j_ncu-out() {  # chunk_output under ncu at B4 T4096, the default form, one op af
       python3 benchmarks/recurrent_kernels.py --ops "$op" --no-check --reps 1 --rounds 1
   done
 }
-j_state-study() { job state-study 200 python3 benchmarks/recurrent_state_study.py; }
 j_ncu-state() { job ncu-state 150 ncu --clock-control none -k regex:'chunk_(state|output)_kernel' --launch-count 2 \
   --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
   --section MemoryWorkloadAnalysis --section SchedulerStats \
@@ -435,10 +432,11 @@ declare -A PRESETS=(
   # scalar arrays' marker, with its tests; fla's kernels one by one beside ejgen's and the bf16 chunk states
   [s22a]="0-1:ring-steady,ring-p2p,ring-tests-p2p 2:decode-steady,decode-tests 3:fla-profile,rec-bench,rec-kernels"
   # what session 22 left for the next: the Gluon / conformance / zoo GPU tests not run since the scalar arrays'
-  # marker (session 21); where chunk_intra's time goes (its two parts alone, by warps: state-study) beside fla and
+  # marker (session 21); where chunk_intra's time goes (its two parts alone, by warps: the state-study job, removed in
+  # session 31 with its script) beside fla and
   # ejgen's recurrent table (after the gate sums and the bf16 chunk states); the tests in a call of their own (fla's
   # host-bound forward timed 1.148 ms beside test shards against 0.748 without, session 22)
-  [s23]="0:fla,rec-bench 1:state-study,rec-kernels"
+  [s23]="0:fla,rec-bench 1:rec-kernels"
   [s23-tests]="0-1:hopper-tests,zoo-capsinks 2-3:rec-tests,decode-tests,ring-tests"
   # what session 23 left for the next: the scalar gates' sums from chunk_sums (not GPU-run: rec-bench's
   # -inline-sums row is the form before), where chunk_grads_qk's ~1 ms goes (Nsight Compute), fla beside them; then,

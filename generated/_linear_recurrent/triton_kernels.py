@@ -708,7 +708,7 @@ def linear_recurrent_chunk_sums_kernel(
     L_C; each a sum of its own steps, the numbers the kernels formed before (docs/DESIGN.md §3 linear recurrent). With
     gk per channel ([rows, H, K], [chunks, H, K]), a program per (chunk, block of K, sequence x head): these scans
     cross warps, and inside chunk_state's walk over the chunks they were on its critical path, more than half its time
-    (H200, session 22, benchmarks/recurrent_state_study.py). With a scalar gate one sum a step ([rows, H], [chunks,
+    (H200, session 22: BENCHMARKS.md, "Why the sums"). With a scalar gate one sum a step ([rows, H], [chunks,
     H]), a program per (chunk, grid row) with every head at once (BK >= H lanes; the heads are contiguous in g): a
     program per head held a [C, 1] column, 4096 programs of four warps at B4 T4096 H16 (~0.05-0.09 ms, H200). RS only
     with AFTER (else its readers take L_C - P: `_after_at`)."""
