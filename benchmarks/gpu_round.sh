@@ -21,7 +21,8 @@
 #   ncu-qk         Nsight Compute of chunk_grads_qk (simple_gla, then gla): stall reasons, memory, source counters
 #                  (~1.0 ms whatever its blocks and warps, session 23)
 #   ncu-state      Nsight Compute counters of chunk_state and chunk_output
-#   ncu-out        Nsight Compute of gla's chunk_output (both forms): stalls, memory, source counters
+#   ncu-out        Nsight Compute of chunk_output (NCU_OUT_OPS, the default form): stalls, memory, source counters
+#   blocks-first-tests  the GPU tests of host.BLOCKS_FIRST (a chunk's blocks side by side in the grid)
 #   fla-profile    fla's B4 T4096 cases, then each one's kernels under torch.profiler (us a call by kernel)
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
 #   intra-diag     chunk_intra's diagonal from its own launch and in pieces of 4 steps: GPU tests, gla's kernel
@@ -159,9 +160,14 @@ j_output-ahead() {  # chunk_output's and chunk_grads_v's reads ahead of their K 
 j_output-ahead-tests() {
   shards output-ahead-tests 240 3 -k "other_form or after_sums" tests/recurrent
 }
-j_output-ahead-rows() { job output-ahead 300 python3 benchmarks/recurrent_kernels.py \
+j_output-ahead-rows() { job output-ahead 360 python3 benchmarks/recurrent_kernels.py \
   --ops "${OUTPUT_AHEAD_OPS:-simple_gla,lightning_attention,gla}" --shapes "${OUTPUT_AHEAD_SHAPES:-2x16384,4x4096}" \
   --rounds 2 --no-check; }
+j_blocks-first-tests() {  # chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of a chunk side by side in the
+  # grid (host.BLOCKS_FIRST, session 31, not yet GPU-run): its GPU tests (the rows: "chunk_output / chunk_grads_v /
+  # chunk_grads_qk, blocks of a chunk side by side", "op fwd / fwd+bwd, blocks ...", in every recurrent_kernels.py table)
+  shards blocks-first-tests 200 4 -k "blocks_first" tests/recurrent
+}
 j_grads-qk() {  # the same tests, then the kernel and op rows of chunk_grads_qk's forms ("chunk_grads_qk, unfolded, blocks
   # of K (before session 30)", "op fwd+bwd, chunk_grads_qk ...") for simple_gla and lightning at B2 T16k and B4 T4096
   j_grads-qk-tests
@@ -491,6 +497,11 @@ declare -A PRESETS=(
   # and not grads_intra and not groups" SHARDS_PER_GPU=4
   [s31d]="0:fla,rec-bench,ncu-out"  # the table against fla with s31a's forms on; chunk_output under ncu
   [s31e]="0:ncu-out"
+  # session 31 left: a chunk's blocks side by side in the grid (host.BLOCKS_FIRST): its GPU tests, then the rows of
+  # simple_gla, lightning and gla at B2 T16k and B4 T4096 (flip it where "op fwd, blocks of a chunk side by side" and
+  # "op fwd+bwd, ..." win at both shapes), then the table against fla again (s31d's first two jobs, s32b)
+  [s32a]="0:blocks-first-tests,output-ahead-rows"
+  [s32b]="0:fla,rec-bench"
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)
   [s29a]="0:grads-qk"
   [s29b]="0:fla,rec-bench"

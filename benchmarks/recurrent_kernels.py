@@ -223,6 +223,8 @@ def stages(op_name, b, t, h, d):
                                                                     rows_h))
     add(f"chunk_output, {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", output), q, k, v, gates, hs, a,
         sums, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h), which="chunk_output")
+    add(f"chunk_output, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", output), q, k, v, gates, hs,
+        a, sums, grid=other_order((n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h)), which="chunk_output")
     def state_bwd(q, g, do, dht, s):
         return host.chunk_state_grads(kernels, q, g, ctx, cfg, do, dht, s, stored)
 
@@ -249,20 +251,25 @@ def stages(op_name, b, t, h, d):
             add(f"chunk_grads_intra, {named}", flipped("GRADS_INTRA_SUMS", grads_intra), q, k, gates, da, sums,
                 grid=grads_grid, which="chunk_grads_intra")
     qk_bk = host.grads_qk_form(q.dtype, cfg.products, cfg.gates, cfg.dk, cfg.dv)[1]["BK"]
-    dq, dk, dlog = add("chunk_grads_qk", lambda q, k, v, g, hs, dhs, do, intra, s: host.chunk_grads_qk(
-        kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s), q, k, v, gates, hs, dhs, do, intra, sums,
-        grid=(n_c, -(-cfg.dk // qk_bk), rows_h),
-        launch=host.GRADS_QK_SCALAR_TILES if not cfg.has("gk") and host._gated(cfg) else None)
-    if not cfg.has("gk") and host._gated(cfg):  # a scalar gate's other forms of the kernel (GRADS_QK_FORMS)
-        def grads_qk(q, k, v, g, hs, dhs, do, intra, s):
-            return host.chunk_grads_qk(kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s)
+    scalar_qk = not cfg.has("gk") and host._gated(cfg)  # (a scalar gate's launch: GRADS_QK_SCALAR_TILES)
 
+    def grads_qk(q, k, v, g, hs, dhs, do, intra, s):
+        return host.chunk_grads_qk(kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s)
+
+    dq, dk, dlog = add("chunk_grads_qk", grads_qk, q, k, v, gates, hs, dhs, do, intra, sums,
+                       grid=(n_c, -(-cfg.dk // qk_bk), rows_h),
+                       launch=host.GRADS_QK_SCALAR_TILES if scalar_qk else None)
+    if scalar_qk:  # a scalar gate's other forms of the kernel (GRADS_QK_FORMS)
         for named, values in GRADS_QK_FORMS:
             bk = switched(values, lambda: host.grads_qk_form(q.dtype, cfg.products, cfg.gates,
                                                              cfg.dk, cfg.dv)[1]["BK"])()
             add(f"chunk_grads_qk, {named}", switched(values, grads_qk), q, k, v, gates, hs, dhs, do, intra, sums,
                 grid=(n_c, -(-cfg.dk // bk), rows_h), which="chunk_grads_qk",
                 launch=values.get("GRADS_QK_SCALAR_TILES"))
+    if qk_bk < cfg.dk:  # blocks of K: their other order in the grid
+        add(f"chunk_grads_qk, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", grads_qk), q, k, v,
+            gates, hs, dhs, do, intra, sums, grid=other_order((n_c, -(-cfg.dk // qk_bk), rows_h)),
+            which="chunk_grads_qk", launch=host.GRADS_QK_SCALAR_TILES if scalar_qk else None)
     def grads_v(q, k, g, dhs, do, a, s):
         return host.chunk_grads_v(kernels, q, k, g, ctx, cfg, dhs, do, a, s)
 
@@ -270,6 +277,9 @@ def stages(op_name, b, t, h, d):
              grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h))
     add(f"chunk_grads_v, {AHEAD_NAMED[not v_ahead]}", switched(v_other, grads_v), q, k, gates, dhs,
         do, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h), which="chunk_grads_v")
+    add(f"chunk_grads_v, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", grads_v), q, k, gates, dhs,
+        do, a, sums, grid=other_order((n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h)),
+        which="chunk_grads_v")
 
     def glue(q, k, v, g, dq, dk, dv, dh0, dlog):
         d_key = None if dlog is None else host.key_log_grad(dlog, cfg)
@@ -297,6 +307,8 @@ def stages(op_name, b, t, h, d):
         g, do)
     add(f"op fwd+bwd, chunk_grads_v {AHEAD_NAMED[not v_ahead]}", switched(v_other, fwd_bwd), q, k,
         v, g, do)
+    add(f"op fwd, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", fwd), q, k, v, g)
+    add(f"op fwd+bwd, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", fwd_bwd), q, k, v, g, do)
     if not cfg.has("gk") and host._gated(cfg):
         add(f"op fwd+bwd, chunk_state_bwd {ADJOINT_NAMED[not host.ADJOINT_AS_LOADED]}",
             flipped("ADJOINT_AS_LOADED", fwd_bwd), q, k, v, g, do)
@@ -329,6 +341,17 @@ chunk_output's (chunk_grads_v's) tiles, sums and kᵀ (qᵀ) read ahead of their
 ADJOINT_NAMED = {True: "as loaded", False: "scaled through registers"}
 """host.ADJOINT_AS_LOADED / GK_WALK_AS_LOADED (session 30; the first on since session 31, the second off: it lost):
 chunk_state_bwd's scalar-gate walk as the forward's, chunk_state's gk walk with kᵀ as loaded."""
+
+BLOCKS_NAMED = {True: "blocks of a chunk side by side", False: "chunks first"}
+"""host.BLOCKS_FIRST (session 31, not yet GPU-timed): chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of
+one chunk numbered side by side in the grid (their shared reads from L2), or the chunks first."""
+
+
+def other_order(grid):
+    """A (chunks, blocks, rows) grid as the order host.BLOCKS_FIRST does not take launches it."""
+    n_c, nb, rows = grid
+    return (n_c, nb, rows) if host.BLOCKS_FIRST else (n_c * nb, 1, rows)
+
 
 AFTER_NAMED = {"never": "after sums stored", "always": "after sums from the prefix sums"}
 """16-bit inputs, host.AFTER_FROM_PREFIX: chunk_sums stores the after sums ("never"), or chunk_state, chunk_grads_qk

@@ -256,6 +256,17 @@ def linear_recurrent_fused_bwd_kernel(
 
 
 @triton.jit
+def _program(NB: tl.constexpr, BLOCKS_FIRST: tl.constexpr):
+    """(chunk, block, grid row x head) of a program of a kernel by chunks and NB blocks (of K or V): BLOCKS_FIRST
+    (host.BLOCKS_FIRST) numbers a chunk's blocks side by side in program id 0, so the programs that read the same q,
+    k and sums run together and the second reads them from L2; else the blocks are program id 1 (a chunk's blocks a
+    grid row apart)."""
+    if BLOCKS_FIRST:
+        return tl.program_id(0) // NB, tl.program_id(0) % NB, tl.program_id(2)
+    return tl.program_id(0), tl.program_id(1), tl.program_id(2)
+
+
+@triton.jit
 def _chunk_of(CHUNKS, i_c, NT: tl.constexpr, VARLEN: tl.constexpr):
     """(sequence, chunk within it) of the chunk layout's chunk i_c."""
     if VARLEN:
@@ -1206,7 +1217,7 @@ def linear_recurrent_chunk_output_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-    AHEAD: tl.constexpr,
+    AHEAD: tl.constexpr, BLOCKS_FIRST: tl.constexpr,
 ):
     """o of a chunk's C steps (BV columns), a program per (chunk, block of V), in products of the whole chunk:
         o = scale (q ⊙ e^{P}) S + A v      (S: the state at the chunk's start, HS; P_i = L(start, i], prefix sums)
@@ -1218,8 +1229,8 @@ def linear_recurrent_chunk_output_kernel(
     and a scalar gate's P (gk: A, in whole rows) read before the K loop, in flight while it runs (read after it they
     were plain loads the epilogue waited on, A's 2 bytes at a time: sm_90 PTX, Triton 3.6), and with 16-bit inputs and
     no map on k, kᵀ loaded transposed and fed to q kᵀ as loaded (not transposed through registers and shared memory
-    each block of K)."""
-    i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    each block of K). BLOCKS_FIRST: a chunk's blocks of V side by side in the grid (`_program`)."""
+    i_c, i_v, i_bh = _program((V + BV - 1) // BV, BLOCKS_FIRST)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
@@ -1681,7 +1692,7 @@ def linear_recurrent_chunk_grads_qk_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, ROWS: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr,
-    NG: tl.constexpr, AFTER: tl.constexpr, FOLD: tl.constexpr,
+    NG: tl.constexpr, AFTER: tl.constexpr, FOLD: tl.constexpr, BLOCKS_FIRST: tl.constexpr,
 ):
     """dq and dk (of the mapped q and k, per query head; float32, or q's dtype where the host needs no sums) of a
     chunk's C steps in BK channels, a program per (chunk, block of K), V in blocks of BV, in products of the whole
@@ -1695,8 +1706,9 @@ def linear_recurrent_chunk_grads_qk_kernel(
     and inside the chunk (with a scalar gate the sum over r < s of the sum over t >= s of (q_t · k_r) W_tr).
     GROUP > 0 (the walks in groups): HS and DHS relative to their groups, joined here (`_grouped_state`: GS, DC the
     states', GA, DCA the adjoints'). FOLD (host.GRADS_QK_FOLD), a scalar gate: the first three terms join the pairs'
-    [C, C] scan (`_folded`) instead of two [C] scans of their own."""
-    i_c, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    [C, C] scan (`_folded`) instead of two [C] scans of their own. BLOCKS_FIRST: a chunk's blocks of K side by side
+    in the grid (`_program`)."""
+    i_c, i_k, i_bh = _program((K + BK - 1) // BK, BLOCKS_FIRST)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
@@ -1800,7 +1812,7 @@ def linear_recurrent_chunk_grads_v_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-    AFTER: tl.constexpr, GRADS_AHEAD: tl.constexpr,
+    AFTER: tl.constexpr, GRADS_AHEAD: tl.constexpr, BLOCKS_FIRST: tl.constexpr,
 ):
     """dv (per query head; float32, or v's dtype where the host needs no sums) of a chunk's C steps in BV columns, a
     program per (chunk, block of V), the output kernel's transpose in products of the whole chunk:
@@ -1810,8 +1822,8 @@ def linear_recurrent_chunk_grads_v_kernel(
     (RS; without AFTER L_C - P from PS and LS, `_after_at`). GROUP > 0: DHS relative to its group's end, joined here
     (`_grouped_state`: GA, DCA). GRADS_AHEAD (host.GRADS_V_AHEAD): as `chunk_output`'s, do's tile and a scalar gate's R
     (gk: A in whole rows, transposed in registers) read before the K loop, and with 16-bit inputs and no map on q, qᵀ
-    loaded transposed into k qᵀ."""
-    i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    loaded transposed into k qᵀ. BLOCKS_FIRST: a chunk's blocks of V side by side in the grid (`_program`)."""
+    i_c, i_v, i_bh = _program((V + BV - 1) // BV, BLOCKS_FIRST)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
     i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)

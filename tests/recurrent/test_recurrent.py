@@ -351,6 +351,33 @@ def test_triton_walk_other_form(case, setting, constexpr, monkeypatch):
     assert launches and all(on == other for on in launches), launches
 
 
+BLOCKS_CASES = (  # two blocks of V (and with gk of K, dq / dk's blocks): gk bf16 packed sequences (an empty one)
+    # reversed with an initial state, V and K 80 (partial second blocks); a scalar gate in f16, GQA
+    Case("gla", ("gk",), dtype="bfloat16", shape=(1, 70, 2, 1, 80, 80), chunk=16, cu=(0, 33, 33, 64), h0=True,
+         reverse=True),
+    Case("simple_gla", ("g", "g_gamma"), dtype="float16", shape=(2, 40, 4, 2, 16, 80), chunk=16),
+)
+
+
+@pytest.mark.parametrize("case", BLOCKS_CASES, ids=[c.id for c in BLOCKS_CASES])
+def test_triton_blocks_first(case, monkeypatch):
+    """host.BLOCKS_FIRST: chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of one chunk numbered side by side
+    in program id 0 (`_program`): o, final_state and every gradient against the oracle, and the spy shows each launch
+    took that order (a grid of chunks x blocks, one in its middle dimension; several blocks each)."""
+    from ejgen.runtime.recurrent.triton import host
+
+    seen = launched_with(monkeypatch, "BLOCKS_FIRST")
+    monkeypatch.setattr(host, "BLOCKS_FIRST", True)
+    check(case, "triton")
+    kinds = {kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1] for kernel, _, _ in seen}
+    assert kinds == {"output", "grads_v", "grads_qk"}, kinds
+    assert all(kw["BLOCKS_FIRST"] and grid[1] == 1 for _, grid, kw in seen), seen
+    blocks = {kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1]:
+              -(-kw["K"] // kw["BK"]) if kernel.__name__.endswith("grads_qk_kernel") else -(-kw["V"] // kw["BV"])
+              for kernel, _, kw in seen}
+    assert blocks == {"output": 2, "grads_v": 2, "grads_qk": 2 if "gk" in case.gates else 1}, blocks
+
+
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in
     # float32, gates down to -20 a step (every decay still a sum of its own steps: within float32's tolerance)
     Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 130, 2, 1, 16, 32), chunk=16, h0=True,

@@ -133,6 +133,16 @@ def test_triton_output_and_grads_v_other_forms(case, monkeypatch):
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 
 
+@pytest.mark.parametrize("case", AHEAD, ids=[c.id for c in AHEAD])
+def test_triton_blocks_first(case, monkeypatch):
+    """host.BLOCKS_FIRST (chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of a chunk side by side in the
+    grid; the dense layout's V 128 and the packed one's K 128 in two blocks), against the oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "BLOCKS_FIRST", True)
+    check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
+
+
 AS_LOADED_RUNS = ([(c, "ADJOINT_AS_LOADED") for c in FOLDED if c.dtype != "float32"]  # (float32 walks as before)
                   + [(c, "GK_WALK_AS_LOADED") for c in CASES if c.algorithm == "chunked" and "gk" in c.gates
                      and "gv" not in c.gates and c.dtype == "bfloat16"])

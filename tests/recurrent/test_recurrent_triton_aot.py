@@ -98,6 +98,11 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "after": False,  # (as the host launches 16-bit inputs: the after sums from P)
                   "with_resources": True}  # (host.OUTPUT_AHEAD, GRADS_V_AHEAD)
                  for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
+    requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
+                  "kernels": ["chunk_output", "chunk_grads_v", "chunk_grads_qk"], "states": "bfloat16",
+                  "products": "bfloat16", "after": False, "blocks_first": True,  # a chunk's blocks side by side
+                  "with_resources": True}  # in the grid (host.BLOCKS_FIRST)
+                 for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90, "gates": ("gk",),
                   "kernels": ["chunk_state"], "states": "bfloat16", "products": "bfloat16", "after": False,
                   "gk_walk_as_loaded": True, "with_resources": True}]  # gk's walk as loaded (GK_WALK_AS_LOADED)

@@ -517,6 +517,21 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, su
     return a if with_a else None, da if grads else None
 
 
+# chunk_output, chunk_grads_v and chunk_grads_qk: a chunk's blocks (of V; of K) side by side in program id 0
+# (`_blocks_grid`; the kernels' BLOCKS_FIRST), so the programs that read the same q, k, v / do and the gates' sums
+# run together and the later ones read them from L2. By chunks first (off), a chunk's two blocks of V are a grid row
+# of chunks apart (256 programs at B2 T16k): Nsight Compute on chunk_output at B4 T4096 (H200, session 31) shows
+# 32.5% L2 hits where q and k read once from DRAM would give ~49%, DRAM at 61% of its peak, latency-bound (gla 54.5%,
+# 34.2% hits); a program per chunk's whole V (no second read) lost the occupancy it needs. Built in session 31, NOT
+# GPU-timed: off.
+BLOCKS_FIRST = False
+
+
+def _blocks_grid(per_row: int, blocks: int, rows: int) -> tuple[int, int, int]:
+    """The grid of a kernel by (chunk, ``blocks`` blocks, ``rows`` grid rows x heads), in BLOCKS_FIRST's order."""
+    return (per_row * blocks, 1, rows) if BLOCKS_FIRST else (per_row, blocks, rows)
+
+
 # chunk_output's reads ahead: v's tile and a scalar gate's prefix sums (gk: chunk_intra's A, in whole rows) read
 # before its K loop (after it, sm_90 PTX on Triton 3.6 shows them as plain loads the epilogue waits on: 12 ld.global
 # of the sums, v's tile by ld.global + st.shared, A 2 bytes at a time), and with 16-bit inputs and no map on k, kᵀ
@@ -537,12 +552,13 @@ def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None, group
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_output", cfg.dk, cfg.dv)
     (o,) = triton_call.launch(
-        kernels.get("chunk_output"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
+        kernels.get("chunk_output"), _blocks_grid(per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
         [q, k, v, *ins[:3], *_sums(sums, "ps"), ins[5], chunks, hs, _dummy(q.dtype) if a is None else a,
          *(groups[:2] if groups else (_dummy(), _dummy()))],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
-        GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AHEAD=OUTPUT_AHEAD, **options,
+        GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AHEAD=OUTPUT_AHEAD,
+        BLOCKS_FIRST=BLOCKS_FIRST, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return o
 
@@ -725,13 +741,13 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
     out = q.dtype if _direct(kernels, cfg) else F32
     intra = intra if intra is not None else (_dummy(),) * 3
     dq, dk, dlog = triton_call.launch(
-        kernels.get("chunk_grads_qk"), (per_row, nk, grid_rows * cfg.heads),
+        kernels.get("chunk_grads_qk"), _blocks_grid(per_row, nk, grid_rows * cfg.heads),
         [q, k, v, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[5], chunks, hs, dhs,
          *(groups[0][:2] + groups[1][:2] if groups else [_dummy()] * 4), do, *intra],
         [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if gated else (1,), F32)],
         zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
         SUMS=sums is not None, SP=_products(cfg), GROUP=groups[0][2] if groups else 0,
-        NG=groups[0][3] if groups else 1, AFTER=after_stored(q, cfg), FOLD=fold, **options,
+        NG=groups[0][3] if groups else 1, AFTER=after_stored(q, cfg), FOLD=fold, BLOCKS_FIRST=BLOCKS_FIRST, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return dq, dk, dlog if gated else None
 
@@ -763,13 +779,14 @@ def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None, sums=None, gr
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_v", cfg.dk, cfg.dv)
     (dv,) = triton_call.launch(
-        kernels.get("chunk_grads_v"), (per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
+        kernels.get("chunk_grads_v"), _blocks_grid(per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
         [q, k, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[5], chunks, dhs, _dummy(q.dtype) if a is None else a,
          *(groups[:2] if groups else (_dummy(), _dummy())), do],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype if _direct(kernels, cfg) else F32)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
         GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AFTER=after_stored(q, cfg),
-        GRADS_AHEAD=grads_v_ahead(cfg.gates), **options, **{**_chunk_consts(q, cfg, consts), **blocks})
+        GRADS_AHEAD=grads_v_ahead(cfg.gates), BLOCKS_FIRST=BLOCKS_FIRST, **options,
+        **{**_chunk_consts(q, cfg, consts), **blocks})
     return dv
 
 
