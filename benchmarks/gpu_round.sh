@@ -32,8 +32,9 @@
 #   after-sums     the 16-bit after sums formed by their readers: GPU tests (the rows: any rec-kernels table)
 #   grads-qk-tests chunk_grads_qk's scalar-gate GPU tests (its default form, folded and a program a chunk, and the others)
 #   grads-qk       the same, then its forms' kernel and op rows
-#   output-ahead   chunk_output's and chunk_grads_v's reads ahead of their K loops (host.OUTPUT_AHEAD, GRADS_V_AHEAD),
-#                  the walks as loaded (GK_WALK_AS_LOADED, ADJOINT_AS_LOADED): GPU tests, kernel and op rows
+#   output-ahead   the GPU tests of the forms the defaults do not take (chunk_output's and chunk_grads_v's reads
+#                  after their K loops, the adjoint walk through registers, the after sums stored), then the kernel
+#                  and op rows of every form (recurrent_kernels.py) for simple_gla, lightning and gla at both shapes
 #   rec-bench      ejgen's recurrent table, with fla's column when fla ran before it in the lane (REC_BENCH_ARGS)
 #   rec-light      the recurrent table's lightning rows alone
 #   rec-decode     the recurrent decode table
@@ -148,17 +149,15 @@ j_grads-qk-tests() {  # chunk_grads_qk with a scalar gate, folded and a program 
   # and its forms before: the scalar-gate chunked GPU tests
   shards grads-qk-tests 240 3 -k "triton and chunked and (simple_gla or lightning)" tests/recurrent
 }
-j_output-ahead() {  # chunk_output's and chunk_grads_v's reads ahead of their K loops (host.OUTPUT_AHEAD,
-  # GRADS_V_AHEAD), the gk walk as loaded (GK_WALK_AS_LOADED) and the scalar-gate adjoint walk
-  # as the forward's (host.ADJOINT_AS_LOADED), session 30, not yet GPU-run: their GPU tests, then the kernel and op
-  # rows ("chunk_output, reads ahead of the K loop", "op fwd, chunk_output reads ahead ...", "chunk_grads_v, reads
-  # ahead ...", "op fwd+bwd, chunk_output and chunk_grads_v reads ahead ...", "chunk_state(_bwd), as loaded", "op
-  # fwd(+bwd), gk walk / chunk_state_bwd as loaded") for simple_gla, lightning and gla at B2 T16k and B4 T4096
+j_output-ahead() {  # session 30's forms (on since session 31 but gk's walk as loaded, which lost and is gone): the
+  # GPU tests of the forms the defaults do not take, then the kernel and op rows of every form ("chunk_output, reads
+  # after the K loop", "chunk_grads_v, ...", "chunk_state_bwd, scaled through registers", "..., blocks of a chunk
+  # side by side", the op rows of each) for simple_gla, lightning and gla at B2 T16k and B4 T4096
   j_output-ahead-tests
   j_output-ahead-rows
 }
 j_output-ahead-tests() {
-  shards output-ahead-tests 240 3 -k "other_form or after_sums" tests/recurrent
+  shards output-ahead-tests 240 3 -k "other_form or after_sums or through_registers" tests/recurrent
 }
 j_output-ahead-rows() { job output-ahead 360 python3 benchmarks/recurrent_kernels.py \
   --ops "${OUTPUT_AHEAD_OPS:-simple_gla,lightning_attention,gla}" --shapes "${OUTPUT_AHEAD_SHAPES:-2x16384,4x4096}" \
@@ -484,8 +483,8 @@ declare -A PRESETS=(
   # GPU-run): its GPU tests, then the table against fla (s30c; REC_TESTS_K as below)
   [s30c]="0:rec-tests,fla,rec-bench"
   # session 30 left: chunk_output's and chunk_grads_v's reads ahead, the gk walk and the adjoint walk as loaded
-  # (s31a: flip host.OUTPUT_AHEAD, GRADS_V_AHEAD, GK_WALK_AS_LOADED, ADJOINT_AS_LOADED where their rows win at both
-  # shapes); then the table against fla again (s31b)
+  # (s31a: flip host.OUTPUT_AHEAD, GRADS_V_AHEAD, GK_WALK_AS_LOADED (removed since), ADJOINT_AS_LOADED where their
+  # rows win at both shapes); then the table against fla again (s31b)
   [s31a]="0:output-ahead"  # (~8 min on one H200: if the call runs short, s31a-tests then s31a-rows)
   [s31a-tests]="0:output-ahead-tests"
   [s31a-rows]="0:output-ahead-rows"

@@ -194,9 +194,6 @@ def stages(op_name, b, t, h, d):
         return host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s)
 
     hs, _ = add("chunk_state", walk, k, v, gates, sums, grid=(nkv("chunk_state"), rows_h))
-    if cfg.has("gk"):
-        add(f"chunk_state, {ADJOINT_NAMED[not host.GK_WALK_AS_LOADED]}", flipped("GK_WALK_AS_LOADED", walk), k, v,
-            gates, sums, grid=(nkv("chunk_state"), rows_h), which="chunk_state")
     group, ng = flipped("STATE_GROUPS", lambda: host.state_group(cfg))()  # the forward's walk in groups, if it splits
     if not host.STATE_GROUPS and group:
         def grouped(k, v, g, s):
@@ -298,11 +295,6 @@ def stages(op_name, b, t, h, d):
     add("op fwd", fwd, q, k, v, g)
     add("op fwd+bwd", fwd_bwd, q, k, v, g, do)
     add(f"op fwd, chunk_output {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", fwd), q, k, v, g)
-    if cfg.has("gk"):
-        add(f"op fwd, gk walk {ADJOINT_NAMED[not host.GK_WALK_AS_LOADED]}", flipped("GK_WALK_AS_LOADED", fwd), q, k,
-            v, g)
-        add(f"op fwd+bwd, gk walk {ADJOINT_NAMED[not host.GK_WALK_AS_LOADED]}", flipped("GK_WALK_AS_LOADED", fwd_bwd),
-            q, k, v, g, do)
     add(f"op fwd+bwd, chunk_output {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", fwd_bwd), q, k, v,
         g, do)
     add(f"op fwd+bwd, chunk_grads_v {AHEAD_NAMED[not v_ahead]}", switched(v_other, fwd_bwd), q, k,
@@ -339,8 +331,7 @@ AHEAD_NAMED = {True: "reads ahead of the K loop", False: "reads after the K loop
 chunk_output's (chunk_grads_v's) tiles, sums and kᵀ (qᵀ) read ahead of their K loops."""
 
 ADJOINT_NAMED = {True: "as loaded", False: "scaled through registers"}
-"""host.ADJOINT_AS_LOADED / GK_WALK_AS_LOADED (session 30; the first on since session 31, the second off: it lost):
-chunk_state_bwd's scalar-gate walk as the forward's, chunk_state's gk walk with kᵀ as loaded."""
+"""host.ADJOINT_AS_LOADED (session 30; on since session 31): chunk_state_bwd's scalar-gate walk as the forward's."""
 
 BLOCKS_NAMED = {True: "blocks of a chunk side by side", False: "chunks first"}
 """host.BLOCKS_FIRST (session 31, not yet GPU-timed): chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of

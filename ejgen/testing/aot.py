@@ -237,7 +237,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       fused_bv: int | None = None, fold: bool | None = None,
                       grads_qk_tiles: tuple | None = None, output_ahead: bool | None = None,
                       adjoint_as_loaded: bool | None = None, grads_v_ahead: bool | None = None,
-                      gk_walk_as_loaded: bool | None = None, blocks_first: bool | None = None) -> dict:
+                      blocks_first: bool | None = None) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -255,9 +255,9 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     block_v, warps, stages) with a scalar gate (defaults: what host.grads_qk_form gives these inputs on this
     capability); ``output_ahead``: chunk_output's reads ahead of its K loop (default host.OUTPUT_AHEAD);
     ``adjoint_as_loaded``: chunk_state_bwd's scalar-gate walk in the forward's form (default host.ADJOINT_AS_LOADED);
-    ``grads_v_ahead``: chunk_grads_v's reads ahead of its K loop (default host.grads_v_ahead's); ``gk_walk_as_loaded``:
-    chunk_state's gk walk with kᵀ as loaded (default host.GK_WALK_AS_LOADED); ``blocks_first``: chunk_output's,
-    chunk_grads_v's and chunk_grads_qk's blocks of a chunk side by side in the grid (default host.BLOCKS_FIRST)."""
+    ``grads_v_ahead``: chunk_grads_v's reads ahead of its K loop (default host.grads_v_ahead's); ``blocks_first``:
+    chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of a chunk side by side in the grid (default
+    host.BLOCKS_FIRST)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -289,7 +289,6 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   AHEAD=host.OUTPUT_AHEAD if output_ahead is None else output_ahead,
                   AS_LOADED=host.ADJOINT_AS_LOADED if adjoint_as_loaded is None else adjoint_as_loaded,
                   GRADS_AHEAD=host.grads_v_ahead(gates) if grads_v_ahead is None else grads_v_ahead,
-                  GK_AS_LOADED=host.GK_WALK_AS_LOADED if gk_walk_as_loaded is None else gk_walk_as_loaded,
                   BLOCKS_FIRST=host.BLOCKS_FIRST if blocks_first is None else blocks_first)
     host_fold, qk_blocks, qk_options = host.grads_qk_form(
         dtype, "bfloat16" if products == "bfloat16" else "tf32", gates, dk, dv, arch=f"sm{capability}")

@@ -810,25 +810,6 @@ def _advance_v_gated(b_h, K_, V_, PS, LS, rows, m_s, chunk, i_h, i_hk, o_k, m_k,
 
 
 @triton.jit
-def _advance_k_gated(b_h, K_, V_, PS, LS, rows, m_s, chunk, i_h, i_hk, o_k, m_k, o_v, m_v, H: tl.constexpr,
-                     HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr):
-    """`_advance` of `chunk_state` with gk and 16-bit inputs (host.GK_WALK_AS_LOADED): S' = diag(e^{L_C}) S +
-    (kᵀ ⊙ e^{Rᵀ}) v with kᵀ and the prefix sums Pᵀ [BK, C] loaded transposed (no transpose in registers) and, with L_C
-    [BK] (LS; chunk: the chunk's row x H + head), read in the step: R = L_C - P scales kᵀ and the state's decay is
-    taken from the same tile's first column (R + P), so every sum feeds the product's operand and the pipeliner copies
-    it (read a step ahead, `_walk_sums`, they were 8 plain loads a thread a step; L_C read for the decay alone stayed 2:
-    sm_90 PTX, Triton 3.6, session 30)."""
-    b_lc = tl.load(LS + chunk.to(tl.int64) * K + o_k, mask=m_k, other=0.0)  # [BK]
-    b_pt = _load_t(PS, rows, m_s, i_h, o_k, m_k, H, K)  # [BK, C]
-    b_v = tl.load(V_ + (rows[:, None] * HKV + i_hk) * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
-    b_r = tl.where(m_k[:, None] & m_s[None, :], b_lc[:, None] - b_pt, 0.0)
-    b_ks = (_load_t(K_, rows, m_s, i_hk, o_k, m_k, HKV, K).to(tl.float32) * tl.exp(b_r)).to(DT)
-    first_col = tl.arange(0, b_pt.shape[1])[None, :] == 0
-    b_dec = tl.exp(tl.sum(tl.where(first_col, b_r + b_pt, 0.0), axis=1))  # e^{L_C} from the tile's first column
-    return _dot_acc(b_ks, b_v, b_h * b_dec[:, None])
-
-
-@triton.jit
 def _retreat_do_gated(b_dh, Q, DO, PS, LS, rows, m_s, chunk, i_h, o_k, m_k, o_v, m_v, H: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, SCALE: tl.constexpr, DT: tl.constexpr):
     """`_advance` of `chunk_state_bwd` with a scalar gate and 16-bit inputs (host.ADJOINT_AS_LOADED):
@@ -876,7 +857,6 @@ def linear_recurrent_chunk_state_kernel(
     BV: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
     USE_H0: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr,
     SUMS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, PASS: tl.constexpr, AFTER: tl.constexpr,
-    GK_AS_LOADED: tl.constexpr,
 ):
     """HS[first + c] = the state at the start of chunk c of the sequence; HT = the state after its last chunk:
     S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j over the chunk's steps j. A program per (block of BK rows x
@@ -889,8 +869,8 @@ def linear_recurrent_chunk_state_kernel(
     (`chunk_state_groups` walks the groups, `chunk_output` adds e^{DC} ⊙ its group's start state). The walk in groups
     twice instead (host.STATE_GROUP_FORM "rewalk"): PASS 1 stores GE and GD alone; PASS 2 starts each group from its
     start state (H0 [B NG, H, K, V]: `chunk_state_groups`' GS) and stores the true states in HS alone. A scalar gate
-    with 16-bit inputs walks in `_advance_v_gated`'s form; gk with GK_AS_LOADED (host.GK_WALK_AS_LOADED) in
-    `_advance_k_gated`'s."""
+    with 16-bit inputs walks in `_advance_v_gated`'s form. (gk's walk in that form, kᵀ and Pᵀ loaded transposed and
+    read in the step, took 1.4-1.9x the time: 16 st.shared a step and 117 KB of shared memory; H200, session 31.)"""
     i_k, i_v = _blocks(V, BV)
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -911,9 +891,7 @@ def linear_recurrent_chunk_state_kernel(
     # a scalar gate's walk with 16-bit inputs as loaded (no map on k, no groups): e^{R_j} scales v's rows instead of
     # k's, so kᵀ goes from its asynchronous copy straight into the product and the sums are copied with k and v
     V_GATED: tl.constexpr = SUMS and not USE_GK and DT != tl.float32 and GROUP == 0 and not (MAP and FEATURE_MAP)
-    GK_LOADED: tl.constexpr = (GK_AS_LOADED and SUMS and USE_GK and DT != tl.float32 and GROUP == 0
-                               and not (MAP and FEATURE_MAP))
-    if SUMS and not V_GATED and not GK_LOADED:
+    if SUMS and not V_GATED:
         b_after, b_decay = _walk_sums(RS if AFTER else PS, LS, bos, eos, first, t0, i_h, o_k, m_k, H, K, C, USE_GK,
                                       REVERSE, not AFTER)
     for i_t in range(t0, t1):
@@ -921,9 +899,6 @@ def linear_recurrent_chunk_state_kernel(
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
         if V_GATED:
             b_h = _advance_v_gated(b_h, K_, V_, PS, LS, rows, m_s, (first + i_t) * H + i_h, i_h, i_hk, o_k, m_k, o_v,
-                                   m_v, H, HKV, K, V, DT)
-        elif GK_LOADED:
-            b_h = _advance_k_gated(b_h, K_, V_, PS, LS, rows, m_s, (first + i_t) * H + i_h, i_h, i_hk, o_k, m_k, o_v,
                                    m_v, H, HKV, K, V, DT)
         elif SUMS:  # the next chunk's sums in flight while this one's product forms (`_walk_sums`)
             b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]

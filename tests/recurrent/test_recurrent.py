@@ -323,37 +323,23 @@ def test_triton_output_and_grads_v_other_forms(case, monkeypatch):
     assert launches == {("AHEAD", False), ("GRADS_AHEAD", v_ahead)}, launches
 
 
-GK_WALK_CASES = (  # gk, 16-bit: bf16 reversed with an initial state, K in two blocks of 64 (a partial one); f16 packed
-    # sequences (an empty one) at -20 a step; the seed's op with g and gk together
-    Case("gla", ("gk",), dtype="bfloat16", shape=(2, 70, 2, 1, 80, 16), chunk=32, h0=True, reverse=True),
-    Case("gla", ("gk",), dtype="float16", shape=(1, 90, 2, 2, 16, 24), chunk=16, cu=(0, 33, 33, 80), strong=True,
-         h0=True),
-    Case("recurrent", ("g", "gk"), dtype="bfloat16", shape=(2, 40, 4, 2, 16, 16), chunk=16),
-)
-AS_LOADED_RUNS = ([(c, "ADJOINT_AS_LOADED", "AS_LOADED") for c in FOLD_CASES]  # scalar gates' adjoint walk
-                  + [(c, "GK_WALK_AS_LOADED", "GK_AS_LOADED") for c in GK_WALK_CASES])  # gk's forward walk
-
-
-@pytest.mark.parametrize("case,setting,constexpr", AS_LOADED_RUNS,
-                         ids=[f"{c.id}-{setting}" for c, setting, _ in AS_LOADED_RUNS])
-def test_triton_walk_other_form(case, setting, constexpr, monkeypatch):
-    """The walks in the form their setting's default does not take: host.ADJOINT_AS_LOADED (on: chunk_state_bwd's
-    scalar-gate walk, qᵀ fed as loaded and e^{P} on do's rows, `_retreat_do_gated`; off: q scaled through registers)
-    and host.GK_WALK_AS_LOADED (off; on: chunk_state's gk walk, kᵀ and Pᵀ loaded transposed and read in the step,
-    `_advance_k_gated`): o, final_state and every gradient against the oracle, and the spy shows the launch took it."""
+@pytest.mark.parametrize("case", FOLD_CASES, ids=[c.id for c in FOLD_CASES])
+def test_triton_adjoint_walk_through_registers(case, monkeypatch):
+    """host.ADJOINT_AS_LOADED off (on by default: chunk_state_bwd's scalar-gate walk with qᵀ fed as loaded and e^{P}
+    on do's rows, `_retreat_do_gated`): q scaled through registers, the form float32 inputs take: o, final_state and
+    every gradient against the oracle, and the spy shows the launch took it."""
     from ejgen.runtime.recurrent.triton import host
 
-    seen = launched_with(monkeypatch, constexpr)
-    other = not getattr(host, setting)
-    monkeypatch.setattr(host, setting, other)
+    seen = launched_with(monkeypatch, "AS_LOADED")
+    monkeypatch.setattr(host, "ADJOINT_AS_LOADED", False)
     check(case, "triton")
-    launches = [kw[constexpr] for _, _, kw in seen]
-    assert launches and all(on == other for on in launches), launches
+    launches = [kw["AS_LOADED"] for _, _, kw in seen]
+    assert launches and not any(launches), launches
 
 
 BLOCKS_CASES = (  # two blocks of V (and with gk of K, dq / dk's blocks): gk bf16 packed sequences (an empty one)
     # reversed with an initial state, V and K 80 (partial second blocks); a scalar gate in f16, GQA
-    Case("gla", ("gk",), dtype="bfloat16", shape=(1, 70, 2, 1, 80, 80), chunk=16, cu=(0, 33, 33, 64), h0=True,
+    Case("gla", ("gk",), dtype="bfloat16", shape=(1, 40, 1, 1, 80, 80), chunk=16, cu=(0, 17, 17, 36), h0=True,
          reverse=True),
     Case("simple_gla", ("g", "g_gamma"), dtype="float16", shape=(2, 40, 4, 2, 16, 80), chunk=16),
 )

@@ -103,12 +103,9 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "products": "bfloat16", "after": False, "blocks_first": True,  # a chunk's blocks side by side
                   "with_resources": True}  # in the grid (host.BLOCKS_FIRST)
                  for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
-    requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90, "gates": ("gk",),
-                  "kernels": ["chunk_state"], "states": "bfloat16", "products": "bfloat16", "after": False,
-                  "gk_walk_as_loaded": True, "with_resources": True}]  # gk's walk as loaded (GK_WALK_AS_LOADED)
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "simple_gla", "capability": 90,
                   "gates": ("g", "g_gamma"), "kernels": ["chunk_state_bwd"], "states": "bfloat16",
-                  "products": "bfloat16", "adjoint_as_loaded": True,  # the adjoint's walk as the forward's
+                  "products": "bfloat16", "adjoint_as_loaded": False,  # the adjoint's walk through registers
                   "with_resources": True}]                             # (host.ADJOINT_AS_LOADED)
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90,
                   "gates": ("gk",), "kernels": ["fused_fwd"], "fused_bv": 64,  # a large decode step's (host.

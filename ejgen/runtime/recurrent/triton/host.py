@@ -356,14 +356,6 @@ def _walk(kernels, which, start, cfg, backward, launch):
     return launch(starts, group, ng, 2)[0], end
 
 
-# chunk_state with gk and 16-bit inputs in `_advance_k_gated`'s form: kᵀ and Pᵀ loaded transposed, R = L_C - P and
-# the decay from the same tile, all read in the step (sm_90 PTX, Triton 3.6: 8 plain loads a thread a step in the loop
-# -> none, 16 st.shared (4), 97 registers (76), 117 KB of shared memory (64); the scalar gates' walk in its form went
-# 0.587 -> 0.513 ms at simple_gla B2 T16k fwd). gla's walk is 0.396 ms at B2 T16k, fla's 0.357. Built in session 30,
-# NOT GPU-timed: off.
-GK_WALK_AS_LOADED = False
-
-
 def _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, group, ng, walk_pass=0):
     """`chunk_state`'s launch: (HS, HT, GE, GD, DC), HT a dummy with groups (``group`` > 0), the last three without;
     ``walk_pass`` (with groups, `_group_outputs`): 1 the groups' ends alone, 2 the states from the groups' starts
@@ -378,8 +370,7 @@ def _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, group, ng, walk_pas
         [k, v, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[4], ins[5], first],
         _group_outputs(cfg, group, ng, per_row * grid_rows, dtype, walk_pass),
         USE_H0=h0 is not None, SUMS=sums is not None, GROUP=group, NG=ng, PASS=walk_pass, AFTER=after_stored(k, cfg),
-        GK_AS_LOADED=GK_WALK_AS_LOADED, **options,
-        **{n: x for n, x in c.items() if n not in ("SCALE",)})
+        **options, **{n: x for n, x in c.items() if n not in ("SCALE",)})
 
 
 def _group_outputs(cfg, group, ng, chunks, dtype, walk_pass=0):
