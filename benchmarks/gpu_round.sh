@@ -29,7 +29,8 @@
 #                  rows in each form (inline / kernel, steps / pieces), the diagonal kernel's settings
 #   grads-sums     chunk_grads_intra reading chunk_sums' prefix sums: GPU tests, gla's kernel rows both ways
 #   state-groups   the state walks in groups: GPU tests, the kernel and op rows both ways (T 16k, 4k)
-#   after-sums     the 16-bit after sums formed by their readers: GPU tests (the rows: any rec-kernels table)
+#   after-sums     the 16-bit after sums stored (the default forms them where read): GPU tests (the rows: any
+#                  rec-kernels table)
 #   grads-qk-tests chunk_grads_qk's scalar-gate GPU tests (its default form, folded and a program a chunk, and the others)
 #   grads-qk       the same, then its forms' kernel and op rows
 #   output-ahead   the GPU tests of the forms the defaults do not take (chunk_output's and chunk_grads_v's reads
@@ -173,9 +174,9 @@ j_grads-qk() {  # the same tests, then the kernel and op rows of chunk_grads_qk'
   job grads-qk 240 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
-j_after-sums() {  # 16-bit after sums formed by their readers (host.AFTER_FROM_PREFIX "always"; "gk", the default since
-  # session 29, forms them for gk only): its GPU tests (the other form's rows, "chunk_sums, after sums stored / from the
-  # prefix sums" and "op fwd / fwd+bwd, ...", come in every recurrent_kernels.py table)
+j_after-sums() {  # 16-bit after sums stored by chunk_sums (host.AFTER_FROM_PREFIX "never"; "always", the default since
+  # session 31, forms them where they are read): its GPU tests (the other form's rows, "chunk_sums, after sums stored"
+  # and "op fwd / fwd+bwd, ...", come in every recurrent_kernels.py table)
   shards after-sums-tests 150 3 -k "after_sums" tests/recurrent
 }
 j_rec-kernels() { job rec-kernels 200 python3 benchmarks/recurrent_kernels.py --ops gla,simple_gla ${REC_KERNELS_ARGS:-}; }

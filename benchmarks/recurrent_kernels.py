@@ -216,12 +216,13 @@ def stages(op_name, b, t, h, d):
     def output(q, k, v, g, hs, a, s):
         return host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a, s)
 
-    add("chunk_output", output, q, k, v, gates, hs, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]),
-                                                                    rows_h))
+    out_grid = (n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h)  # (chunks, blocks of V, rows x heads)
+    add("chunk_output", output, q, k, v, gates, hs, a, sums, grid=host._blocks_grid(*out_grid))
     add(f"chunk_output, {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", output), q, k, v, gates, hs, a,
-        sums, grid=(n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h), which="chunk_output")
-    add(f"chunk_output, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", output), q, k, v, gates, hs,
-        a, sums, grid=other_order((n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h)), which="chunk_output")
+        sums, grid=host._blocks_grid(*out_grid), which="chunk_output")
+    if out_grid[1] > 1:  # blocks of V: their other order in the grid
+        add(f"chunk_output, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", output), q, k, v, gates,
+            hs, a, sums, grid=other_order(out_grid), which="chunk_output")
     def state_bwd(q, g, do, dht, s):
         return host.chunk_state_grads(kernels, q, g, ctx, cfg, do, dht, s, stored)
 
@@ -253,30 +254,31 @@ def stages(op_name, b, t, h, d):
     def grads_qk(q, k, v, g, hs, dhs, do, intra, s):
         return host.chunk_grads_qk(kernels, q, k, v, g, ctx, cfg, hs, dhs, do, intra, s)
 
+    qk_grid = (n_c, -(-cfg.dk // qk_bk), rows_h)  # (chunks, blocks of K, rows x heads)
     dq, dk, dlog = add("chunk_grads_qk", grads_qk, q, k, v, gates, hs, dhs, do, intra, sums,
-                       grid=(n_c, -(-cfg.dk // qk_bk), rows_h),
-                       launch=host.GRADS_QK_SCALAR_TILES if scalar_qk else None)
+                       grid=host._blocks_grid(*qk_grid), launch=host.GRADS_QK_SCALAR_TILES if scalar_qk else None)
     if scalar_qk:  # a scalar gate's other forms of the kernel (GRADS_QK_FORMS)
         for named, values in GRADS_QK_FORMS:
             bk = switched(values, lambda: host.grads_qk_form(q.dtype, cfg.products, cfg.gates,
                                                              cfg.dk, cfg.dv)[1]["BK"])()
             add(f"chunk_grads_qk, {named}", switched(values, grads_qk), q, k, v, gates, hs, dhs, do, intra, sums,
-                grid=(n_c, -(-cfg.dk // bk), rows_h), which="chunk_grads_qk",
+                grid=host._blocks_grid(n_c, -(-cfg.dk // bk), rows_h), which="chunk_grads_qk",
                 launch=values.get("GRADS_QK_SCALAR_TILES"))
-    if qk_bk < cfg.dk:  # blocks of K: their other order in the grid
+    if qk_grid[1] > 1:  # blocks of K: their other order in the grid
         add(f"chunk_grads_qk, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", grads_qk), q, k, v,
-            gates, hs, dhs, do, intra, sums, grid=other_order((n_c, -(-cfg.dk // qk_bk), rows_h)),
-            which="chunk_grads_qk", launch=host.GRADS_QK_SCALAR_TILES if scalar_qk else None)
+            gates, hs, dhs, do, intra, sums, grid=other_order(qk_grid), which="chunk_grads_qk",
+            launch=host.GRADS_QK_SCALAR_TILES if scalar_qk else None)
+
     def grads_v(q, k, g, dhs, do, a, s):
         return host.chunk_grads_v(kernels, q, k, g, ctx, cfg, dhs, do, a, s)
 
-    dv = add("chunk_grads_v", grads_v, q, k, gates, dhs, do, a, sums,
-             grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h))
-    add(f"chunk_grads_v, {AHEAD_NAMED[not v_ahead]}", switched(v_other, grads_v), q, k, gates, dhs,
-        do, a, sums, grid=(n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h), which="chunk_grads_v")
-    add(f"chunk_grads_v, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", grads_v), q, k, gates, dhs,
-        do, a, sums, grid=other_order((n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h)),
-        which="chunk_grads_v")
+    dv_grid = (n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h)  # (chunks, blocks of V, rows x heads)
+    dv = add("chunk_grads_v", grads_v, q, k, gates, dhs, do, a, sums, grid=host._blocks_grid(*dv_grid))
+    add(f"chunk_grads_v, {AHEAD_NAMED[not v_ahead]}", switched(v_other, grads_v), q, k, gates, dhs, do, a, sums,
+        grid=host._blocks_grid(*dv_grid), which="chunk_grads_v")
+    if dv_grid[1] > 1:  # blocks of V: their other order in the grid
+        add(f"chunk_grads_v, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", grads_v), q, k, gates,
+            dhs, do, a, sums, grid=other_order(dv_grid), which="chunk_grads_v")
 
     def glue(q, k, v, g, dq, dk, dv, dh0, dlog):
         d_key = None if dlog is None else host.key_log_grad(dlog, cfg)
@@ -299,8 +301,9 @@ def stages(op_name, b, t, h, d):
         g, do)
     add(f"op fwd+bwd, chunk_grads_v {AHEAD_NAMED[not v_ahead]}", switched(v_other, fwd_bwd), q, k,
         v, g, do)
-    add(f"op fwd, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", fwd), q, k, v, g)
-    add(f"op fwd+bwd, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", fwd_bwd), q, k, v, g, do)
+    if max(out_grid[1], qk_grid[1], dv_grid[1]) > 1:  # (one block each: the orders are the same launches)
+        add(f"op fwd, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", fwd), q, k, v, g)
+        add(f"op fwd+bwd, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", fwd_bwd), q, k, v, g, do)
     if not cfg.has("gk") and host._gated(cfg):
         add(f"op fwd+bwd, chunk_state_bwd {ADJOINT_NAMED[not host.ADJOINT_AS_LOADED]}",
             flipped("ADJOINT_AS_LOADED", fwd_bwd), q, k, v, g, do)

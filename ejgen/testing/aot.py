@@ -233,7 +233,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       h0: bool = True, varlen: bool = False, reverse: bool = False, kernels=None,
                       states: str = "float32", products: str = "tf32", intra_diagonal: str | None = None,
                       intra_pieces: bool | None = None, grads_sums: bool | None = None,
-                      state_groups: int = 0, walk_pass: int = 0, after: bool = True,
+                      state_groups: int = 0, walk_pass: int = 0, after: bool | None = None,
                       fused_bv: int | None = None, fold: bool | None = None,
                       grads_qk_tiles: tuple | None = None, output_ahead: bool | None = None,
                       adjoint_as_loaded: bool | None = None, grads_v_ahead: bool | None = None,
@@ -249,7 +249,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     `chunk_sums`' prefix sums (default: host.GRADS_INTRA_SUMS); ``state_groups``: the state walks in groups of that many
     chunks (the kernels with GROUP, and `chunk_state_groups`; 0: one walk a sequence); ``walk_pass``: the walks' PASS
     with groups (0 relative states; 1, 2 the two walks of host.STATE_GROUP_FORM "rewalk"); ``after``: chunk_sums
-    stores the after sums RS and their readers read them (False: host.AFTER_FROM_PREFIX's form for 16-bit inputs);
+    stores the after sums RS and their readers read them (False: formed where read; default: as host.after_stored
+    launches these inputs);
     ``fused_bv``: the fused kernels' value block (default host.FUSED_BV; host.FUSED_WIDE_BV: a large decode step's);
     ``fold``: chunk_grads_qk's scalar-gate terms in its [C, C] scan; ``grads_qk_tiles``: its launch (block_k,
     block_v, warps, stages) with a scalar gate (defaults: what host.grads_qk_form gives these inputs on this
@@ -285,7 +286,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   DIAG_IN=(intra_diagonal or host.CHUNK_INTRA_DIAGONAL) == "kernel",
                   PIECES=intra_pieces if intra_pieces is not None else host.CHUNK_INTRA_PIECES,
                   GROUP=state_groups, NG=-(-4096 // chunk // state_groups) if state_groups else 1, BACKWARD=False,
-                  PASS=walk_pass, AFTER=after,
+                  PASS=walk_pass, AFTER=host.stores_after(dtype, gates) if after is None else after,
                   AHEAD=host.OUTPUT_AHEAD if output_ahead is None else output_ahead,
                   AS_LOADED=host.ADJOINT_AS_LOADED if adjoint_as_loaded is None else adjoint_as_loaded,
                   GRADS_AHEAD=host.grads_v_ahead(gates) if grads_v_ahead is None else grads_v_ahead,

@@ -257,6 +257,14 @@ def linear_attention_fused_bwd_kernel(
 
 
 @triton.jit
+def _chunk_of(CHUNKS, i_c, NT: tl.constexpr, VARLEN: tl.constexpr):
+    """(sequence, chunk within it) of the chunk layout's chunk i_c."""
+    if VARLEN:
+        return tl.load(CHUNKS + 2 * i_c), tl.load(CHUNKS + 2 * i_c + 1)
+    return i_c // NT, i_c % NT
+
+
+@triton.jit
 def _program(NB: tl.constexpr, BLOCKS_FIRST: tl.constexpr):
     """(chunk, block, grid row x head) of a program of a kernel by chunks and NB blocks (of K or V): BLOCKS_FIRST
     (host.BLOCKS_FIRST) numbers a chunk's blocks side by side in program id 0, so the programs that read the same q,
@@ -265,14 +273,6 @@ def _program(NB: tl.constexpr, BLOCKS_FIRST: tl.constexpr):
     if BLOCKS_FIRST:
         return tl.program_id(0) // NB, tl.program_id(0) % NB, tl.program_id(2)
     return tl.program_id(0), tl.program_id(1), tl.program_id(2)
-
-
-@triton.jit
-def _chunk_of(CHUNKS, i_c, NT: tl.constexpr, VARLEN: tl.constexpr):
-    """(sequence, chunk within it) of the chunk layout's chunk i_c."""
-    if VARLEN:
-        return tl.load(CHUNKS + 2 * i_c), tl.load(CHUNKS + 2 * i_c + 1)
-    return i_c // NT, i_c % NT
 
 
 @triton.jit

@@ -267,11 +267,27 @@ def test_triton_scalar_gate_grads_qk_forms(case, form, monkeypatch):
     monkeypatch.setattr(host, "GRADS_QK_FOLD", fold)
     monkeypatch.setattr(host, "GRADS_QK_SCALAR_TILES", tiles and host.Tiles(*tiles))
     check(case, "triton")
-    launches = [(kw["FOLD"], grid[1], kw["BK"]) for _, grid, kw in seen]
+    launches = [(kw["FOLD"], -(-kw["K"] // kw["BK"]), kw["BK"]) for _, _, kw in seen]  # (blocks of K, either order)
     dk = case.shape[4]
     whole = tiles is not None and case.dtype == "bfloat16"  # (a program a chunk with bf16 products: bf16's auto)
     bk = min(128 if whole else 64, 1 << (dk - 1).bit_length())
     assert launches == [(fold, -(-dk // bk), bk)], launches
+
+
+def test_grads_v_ahead_by_gates(monkeypatch):
+    """host.grads_v_ahead: chunk_grads_v reads ahead for scalar gates and none ("scalar", the default), with gk too
+    ("always") or never; a value of another kind is refused by name."""
+    from ejgen.runtime.recurrent.triton import host
+
+    rule = {gates: host.grads_v_ahead(gates) for gates in [(), ("g",), ("g_gamma",), ("gk",), ("g", "gk")]}
+    assert rule == {(): True, ("g",): True, ("g_gamma",): True, ("gk",): False, ("g", "gk"): False}, rule
+    monkeypatch.setattr(host, "GRADS_V_AHEAD", "always")
+    assert host.grads_v_ahead(("gk",)) and host.grads_v_ahead(())
+    monkeypatch.setattr(host, "GRADS_V_AHEAD", "never")
+    assert not host.grads_v_ahead(()) and not host.grads_v_ahead(("g",))
+    monkeypatch.setattr(host, "GRADS_V_AHEAD", True)
+    with pytest.raises(ValueError, match="GRADS_V_AHEAD must be 'scalar', 'always' or 'never', got True"):
+        host.grads_v_ahead(("g",))
 
 
 def test_grads_qk_form_by_inputs_and_machine():
@@ -294,9 +310,9 @@ def test_grads_qk_form_by_inputs_and_machine():
     assert form("bfloat16", ("g", "gk"), None) == (False, 64, 32)
 
 
-AHEAD_CASES = (  # chunk_output's reads ahead (host.OUTPUT_AHEAD): a scalar gate in bf16 (kᵀ as loaded), reversed with
-    # an initial state, K in two blocks; f16 packed sequences at -20 a step; gk (v ahead alone); a map on k (kᵀ through
-    # the map as before); float32 (kᵀ through registers)
+AHEAD_CASES = (  # chunk_output's and chunk_grads_v's forms (reads ahead of the K loop or after it): a scalar gate
+    # in bf16 (kᵀ / qᵀ as loaded where ahead), reversed with an initial state, K in two blocks; f16 packed sequences
+    # at -20 a step; gk (v and A ahead, Aᵀ in whole rows); a map on k (kᵀ through the map); float32 (kᵀ in registers)
     FOLD_CASES[0],
     FOLD_CASES[1],
     Case("gla", ("gk",), dtype="bfloat16", shape=(1, 70, 2, 1, 32, 16), chunk=16, reverse=True),
@@ -337,11 +353,11 @@ def test_triton_adjoint_walk_through_registers(case, monkeypatch):
     assert launches and not any(launches), launches
 
 
-BLOCKS_CASES = (  # two blocks of V (and with gk of K, dq / dk's blocks): gk bf16 packed sequences (an empty one)
-    # reversed with an initial state, V and K 80 (partial second blocks); a scalar gate in f16, GQA
+BLOCKS_CASES = (  # two blocks of V and of K (partial second blocks): gk bf16 packed sequences (an empty one) reversed
+    # with an initial state; a scalar gate in f16, GQA (TF32 products: dq / dk by blocks of 64 channels)
     Case("gla", ("gk",), dtype="bfloat16", shape=(1, 40, 1, 1, 80, 80), chunk=16, cu=(0, 17, 17, 36), h0=True,
          reverse=True),
-    Case("simple_gla", ("g", "g_gamma"), dtype="float16", shape=(2, 40, 4, 2, 16, 80), chunk=16),
+    Case("simple_gla", ("g", "g_gamma"), dtype="float16", shape=(2, 40, 4, 2, 80, 80), chunk=16),
 )
 
 
@@ -361,7 +377,7 @@ def test_triton_blocks_first(case, monkeypatch):
     blocks = {kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1]:
               -(-kw["K"] // kw["BK"]) if kernel.__name__.endswith("grads_qk_kernel") else -(-kw["V"] // kw["BV"])
               for kernel, _, kw in seen}
-    assert blocks == {"output": 2, "grads_v": 2, "grads_qk": 2 if "gk" in case.gates else 1}, blocks
+    assert blocks == {"output": 2, "grads_v": 2, "grads_qk": 2}, blocks
 
 
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in

@@ -94,9 +94,9 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                  for tiles in ((64, 32, 8, 2), None)]  # by blocks of 64 and a program a chunk (the default): no spill
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
                   "kernels": ["chunk_output", "chunk_grads_v"], "states": "bfloat16", "products": "bfloat16",
-                  "output_ahead": True, "grads_v_ahead": True,  # the reads ahead of their K loops
-                  "after": False,  # (as the host launches 16-bit inputs: the after sums from P)
-                  "with_resources": True}  # (host.OUTPUT_AHEAD, GRADS_V_AHEAD)
+                  "output_ahead": False, "grads_v_ahead": name == "gla",  # the forms the defaults do not
+                  "after": False,  # take (host.OUTPUT_AHEAD, GRADS_V_AHEAD; the after sums as the host forms them)
+                  "with_resources": True}
                  for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
                   "kernels": ["chunk_output", "chunk_grads_v", "chunk_grads_qk"], "states": "bfloat16",

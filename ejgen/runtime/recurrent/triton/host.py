@@ -289,11 +289,16 @@ AFTER_FROM_PREFIX = "always"
 
 def after_stored(x, cfg) -> bool:
     """Whether chunk_sums stores the after sums RS for inputs of ``x``'s dtype (else their readers form them)."""
+    return stores_after(x.dtype, cfg.gates)
+
+
+def stores_after(dtype, gates) -> bool:
+    """AFTER_FROM_PREFIX's rule for inputs of ``dtype`` and a call with ``gates`` (names, as RecurrentConfig.gates)."""
     if AFTER_FROM_PREFIX not in ("gk", "always", "never"):
         raise ValueError(f"host.AFTER_FROM_PREFIX must be 'gk', 'always' or 'never', got {AFTER_FROM_PREFIX!r}")
-    if jnp.dtype(x.dtype).itemsize != 2 or AFTER_FROM_PREFIX == "never":
+    if jnp.dtype(dtype).itemsize != 2 or AFTER_FROM_PREFIX == "never":
         return True
-    return AFTER_FROM_PREFIX == "gk" and not cfg.has("gk")
+    return AFTER_FROM_PREFIX == "gk" and "gk" not in gates
 
 
 def chunk_sums(kernels, q, gates, ctx, cfg):
@@ -513,8 +518,8 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, su
 # run together and the later ones read them from L2. By chunks first (off), a chunk's two blocks of V are a grid row
 # of chunks apart (256 programs at B2 T16k): Nsight Compute on chunk_output at B4 T4096 (H200, session 31) shows
 # 32.5% L2 hits where q and k read once from DRAM would give ~49%, DRAM at 61% of its peak, latency-bound (gla 54.5%,
-# 34.2% hits); a program per chunk's whole V (no second read) lost the occupancy it needs. Built in session 31, NOT
-# GPU-timed: off.
+# 34.2% hits); a program per chunk's whole V (no second read, twice the accumulator) did not move it. Built in
+# session 31, NOT GPU-timed: off.
 BLOCKS_FIRST = False
 
 
