@@ -196,10 +196,13 @@ j_ncu-qk() { job ncu-qk 170 ncu --clock-control none -k regex:'chunk_grads_qk' -
   --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
   python3 benchmarks/recurrent_kernels.py --ops simple_gla,gla --no-check --reps 1 --rounds 1; }
 j_ncu-src() {  # per-instruction stall samples (SASS, CSV) of gla's chunked kernels, then simple_gla's, into $OUT
+  # (NCU_SRC_OPS "op:launches ..." and NCU_SRC_KERNELS, a regex, narrow it: e.g. "gla:1 lightning_attention:1" and
+  # 'chunk_output_kernel' for chunk_output's excessive sectors and L1TEX stalls, session 31's ncu-out)
   local op n
-  for op in gla:7 simple_gla:3; do
+  for op in ${NCU_SRC_OPS:-gla:7 simple_gla:3}; do
     n=${op#*:}; op=${op%:*}
-    job ncu-src-$op 150 ncu --clock-control none -k regex:'chunk_(grads_qk|grads_intra|intra|state|output)_kernel' \
+    job ncu-src-$op 150 ncu --clock-control none \
+      -k regex:"${NCU_SRC_KERNELS:-chunk_(grads_qk|grads_intra|intra|state|output)_kernel}" \
       --launch-count "$n" --section SourceCounters --section WarpStateStats --import-source yes -f -o "$log/src-$op" \
       python3 benchmarks/recurrent_kernels.py --ops "$op" --no-check --reps 1 --rounds 1
     # (SASS only: the kernels jax-triton launches carry no line info)
@@ -502,6 +505,8 @@ declare -A PRESETS=(
   # "op fwd+bwd, ..." win at both shapes), then the table against fla again (s31d's first two jobs, s32b)
   [s32a]="0:blocks-first-tests,output-ahead-rows"
   [s32b]="0:fla,rec-bench"
+  [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
+  # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)
   [s29a]="0:grads-qk"
   [s29b]="0:fla,rec-bench"
