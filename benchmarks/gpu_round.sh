@@ -23,6 +23,7 @@
 #   ncu-state      Nsight Compute counters of chunk_state and chunk_output
 #   ncu-out        Nsight Compute of chunk_output (NCU_OUT_OPS, the default form): stalls, memory, source counters
 #   blocks-first-tests  the GPU tests of host.BLOCKS_FIRST (a chunk's blocks side by side in the grid)
+#   fixed-decay-tests   the GPU tests of host.FIXED_DECAY_SUMS (g_gamma alone: its sums formed in the kernels)
 #   fla-profile    fla's B4 T4096 cases, then each one's kernels under torch.profiler (us a call by kernel)
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
 #   intra-diag     chunk_intra's diagonal from its own launch and in pieces of 4 steps: GPU tests, gla's kernel
@@ -167,6 +168,11 @@ j_blocks-first-tests() {  # chunk_output's, chunk_grads_v's and chunk_grads_qk's
   # grid (host.BLOCKS_FIRST, session 31, not yet GPU-run): its GPU tests (the rows: "chunk_output / chunk_grads_v /
   # chunk_grads_qk, blocks of a chunk side by side", "op fwd / fwd+bwd, blocks ...", in every recurrent_kernels.py table)
   shards blocks-first-tests 200 4 -k "blocks_first" tests/recurrent
+}
+j_fixed-decay-tests() {  # a fixed decay's sums formed in the forward's walk and output kernel (host.FIXED_DECAY_SUMS,
+  # session 31, not yet GPU-run): its GPU tests (the rows: "chunk_state / chunk_output / op fwd / op fwd+bwd, a fixed
+  # decay's sums formed in the kernels", lightning's in every recurrent_kernels.py table)
+  shards fixed-decay-tests 120 3 -k "fixed_decay" tests/recurrent
 }
 j_grads-qk() {  # the same tests, then the kernel and op rows of chunk_grads_qk's forms ("chunk_grads_qk, unfolded, blocks
   # of K (before session 30)", "op fwd+bwd, chunk_grads_qk ...") for simple_gla and lightning at B2 T16k and B4 T4096
@@ -500,10 +506,11 @@ declare -A PRESETS=(
   # and not grads_intra and not groups" SHARDS_PER_GPU=4
   [s31d]="0:fla,rec-bench,ncu-out"  # the table against fla with s31a's forms on; chunk_output under ncu
   [s31e]="0:ncu-out"
-  # session 31 left: a chunk's blocks side by side in the grid (host.BLOCKS_FIRST): its GPU tests, then the rows of
-  # simple_gla, lightning and gla at B2 T16k and B4 T4096 (flip it where "op fwd, blocks of a chunk side by side" and
-  # "op fwd+bwd, ..." win at both shapes), then the table against fla again (s31d's first two jobs, s32b)
-  [s32a]="0:blocks-first-tests,output-ahead-rows"
+  # session 31 left: a chunk's blocks side by side in the grid (host.BLOCKS_FIRST) and a fixed decay's sums formed in
+  # the kernels (host.FIXED_DECAY_SUMS): their GPU tests, then the rows of simple_gla, lightning and gla at B2 T16k and
+  # B4 T4096 (flip each where its "op fwd, ..." and "op fwd+bwd, ..." rows win at both shapes), then the table against
+  # fla again (s31d's first two jobs, s32b)
+  [s32a]="0:blocks-first-tests,fixed-decay-tests,output-ahead-rows"
   [s32b]="0:fla,rec-bench"
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)

@@ -193,7 +193,12 @@ def stages(op_name, b, t, h, d):
     def walk(k, v, g, s):
         return host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s)
 
-    hs, _ = add("chunk_state", walk, k, v, gates, sums, grid=(nkv("chunk_state"), rows_h))
+    fixed_ok = cfg.has("g_gamma") and not cfg.has("g") and not cfg.has("gk")  # (host.fixed_decay's gates)
+    fwd_sums = None if host.fixed_decay(cfg) else sums  # the forward walk's and output kernel's (none: formed there)
+    hs, _ = add("chunk_state", walk, k, v, gates, fwd_sums, grid=(nkv("chunk_state"), rows_h))
+    if fixed_ok and sums is not None:  # a fixed decay's sums: the other form
+        add(f"chunk_state, {FIXED_NAMED[not host.FIXED_DECAY_SUMS]}", flipped("FIXED_DECAY_SUMS", walk), k, v, gates,
+            sums if host.FIXED_DECAY_SUMS else None, grid=(nkv("chunk_state"), rows_h), which="chunk_state")
     group, ng = flipped("STATE_GROUPS", lambda: host.state_group(cfg))()  # the forward's walk in groups, if it splits
     if not host.STATE_GROUPS and group:
         def grouped(k, v, g, s):
@@ -217,12 +222,16 @@ def stages(op_name, b, t, h, d):
         return host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a, s)
 
     out_grid = (n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h)  # (chunks, blocks of V, rows x heads)
-    add("chunk_output", output, q, k, v, gates, hs, a, sums, grid=host._blocks_grid(*out_grid))
+    add("chunk_output", output, q, k, v, gates, hs, a, fwd_sums, grid=host._blocks_grid(*out_grid))
     add(f"chunk_output, {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", output), q, k, v, gates, hs, a,
-        sums, grid=host._blocks_grid(*out_grid), which="chunk_output")
+        fwd_sums, grid=host._blocks_grid(*out_grid), which="chunk_output")
     if out_grid[1] > 1:  # blocks of V: their other order in the grid
         add(f"chunk_output, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", output), q, k, v, gates,
-            hs, a, sums, grid=other_order(out_grid), which="chunk_output")
+            hs, a, fwd_sums, grid=other_order(out_grid), which="chunk_output")
+    if fixed_ok and sums is not None:
+        add(f"chunk_output, {FIXED_NAMED[not host.FIXED_DECAY_SUMS]}", flipped("FIXED_DECAY_SUMS", output), q, k, v,
+            gates, hs, a, sums if host.FIXED_DECAY_SUMS else None, grid=host._blocks_grid(*out_grid),
+            which="chunk_output")
     def state_bwd(q, g, do, dht, s):
         return host.chunk_state_grads(kernels, q, g, ctx, cfg, do, dht, s, stored)
 
@@ -301,6 +310,10 @@ def stages(op_name, b, t, h, d):
         g, do)
     add(f"op fwd+bwd, chunk_grads_v {AHEAD_NAMED[not v_ahead]}", switched(v_other, fwd_bwd), q, k,
         v, g, do)
+    if fixed_ok and sums is not None:
+        add(f"op fwd, {FIXED_NAMED[not host.FIXED_DECAY_SUMS]}", flipped("FIXED_DECAY_SUMS", fwd), q, k, v, g)
+        add(f"op fwd+bwd, {FIXED_NAMED[not host.FIXED_DECAY_SUMS]}", flipped("FIXED_DECAY_SUMS", fwd_bwd), q, k, v, g,
+            do)
     if max(out_grid[1], qk_grid[1], dv_grid[1]) > 1:  # (one block each: the orders are the same launches)
         add(f"op fwd, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", fwd), q, k, v, g)
         add(f"op fwd+bwd, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", fwd_bwd), q, k, v, g, do)
@@ -335,6 +348,10 @@ chunk_output's (chunk_grads_v's) tiles, sums and kᵀ (qᵀ) read ahead of their
 
 ADJOINT_NAMED = {True: "as loaded", False: "scaled through registers"}
 """host.ADJOINT_AS_LOADED (session 30; on since session 31): chunk_state_bwd's scalar-gate walk as the forward's."""
+
+FIXED_NAMED = {True: "a fixed decay's sums formed in the kernels", False: "a fixed decay's sums from chunk_sums"}
+"""host.FIXED_DECAY_SUMS (session 31, not yet GPU-timed): with g_gamma alone the forward's walk and output kernel form
+P and L_C from γ, no chunk_sums in the forward."""
 
 BLOCKS_NAMED = {True: "blocks of a chunk side by side", False: "chunks first"}
 """host.BLOCKS_FIRST (session 31, not yet GPU-timed): chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of

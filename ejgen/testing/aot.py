@@ -237,7 +237,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       fused_bv: int | None = None, fold: bool | None = None,
                       grads_qk_tiles: tuple | None = None, output_ahead: bool | None = None,
                       adjoint_as_loaded: bool | None = None, grads_v_ahead: bool | None = None,
-                      blocks_first: bool | None = None) -> dict:
+                      blocks_first: bool | None = None, fixed: bool = False) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -258,7 +258,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     ``adjoint_as_loaded``: chunk_state_bwd's scalar-gate walk in the forward's form (default host.ADJOINT_AS_LOADED);
     ``grads_v_ahead``: chunk_grads_v's reads ahead of its K loop (default host.grads_v_ahead's); ``blocks_first``:
     chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of a chunk side by side in the grid (default
-    host.BLOCKS_FIRST)."""
+    host.BLOCKS_FIRST); ``fixed``: chunk_state's and chunk_output's sums of a fixed decay formed from g_gamma
+    (host.FIXED_DECAY_SUMS: the forward's launches with g_gamma alone, no chunk_sums)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -280,7 +281,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   USE_G="g" in gates, USE_GAMMA="g_gamma" in gates, USE_GK="gk" in gates, USE_GV="gv" in gates,
                   USE_H0=h0, VARLEN=varlen, REVERSE=reverse, ROWS=4 * 4096, C=chunk, BC=host.SUB, MAP=True,
                   BT=host.FUSED_BT, GRADS=True, WITH_A=True,  # chunk_sums' (the default) with a key-side gate:
-                  SUMS=bool(set(gates) & set(host.CHUNKED_GATES)),
+                  SUMS=bool(set(gates) & set(host.CHUNKED_GATES)) and not fixed,  # (fixed: the forward's, none)
                   DT={"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[dtype],
                   SP=tl.bfloat16 if products == "bfloat16" else tl.float32,
                   DIAG_IN=(intra_diagonal or host.CHUNK_INTRA_DIAGONAL) == "kernel",
@@ -290,7 +291,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   AHEAD=host.OUTPUT_AHEAD if output_ahead is None else output_ahead,
                   AS_LOADED=host.ADJOINT_AS_LOADED if adjoint_as_loaded is None else adjoint_as_loaded,
                   GRADS_AHEAD=host.grads_v_ahead(gates) if grads_v_ahead is None else grads_v_ahead,
-                  BLOCKS_FIRST=host.BLOCKS_FIRST if blocks_first is None else blocks_first)
+                  BLOCKS_FIRST=host.BLOCKS_FIRST if blocks_first is None else blocks_first, FIXED=fixed)
     host_fold, qk_blocks, qk_options = host.grads_qk_form(
         dtype, "bfloat16" if products == "bfloat16" else "tf32", gates, dk, dv, arch=f"sm{capability}")
     consts["FOLD"] = host_fold if fold is None else fold

@@ -797,17 +797,31 @@ def _walk_start(S0, i_nh, i_n, i_g, i_h, p_h, m_h, H: tl.constexpr, K: tl.conste
 
 
 @triton.jit
+def _fixed_sums(b_gamma, m_s):
+    """A fixed decay's sums over a chunk's steps (g_gamma alone: every valid step's log gate is the head's γ, and the
+    valid steps come first in processing order): (P [C], P_i = γ (i + 1), 0 past the sequence's end; L_C = γ n)."""
+    o = tl.arange(0, m_s.shape[0])
+    n = tl.sum(m_s.to(tl.int32), axis=0)
+    return tl.where(m_s, (o + 1).to(tl.float32) * b_gamma, 0.0), n.to(tl.float32) * b_gamma
+
+
+@triton.jit
 def _advance_v_gated(b_h, K_, V_, PS, LS, rows, m_s, chunk, i_h, i_hk, o_k, m_k, o_v, m_v, H: tl.constexpr,
-                     HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr):
+                     HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DT: tl.constexpr,
+                     FIXED: tl.constexpr = False, b_gamma=0.0):
     """`_advance` of `chunk_state` with a scalar gate and 16-bit inputs: S' = e^{L_C} S + kᵀ (v ⊙ e^{R}), the same
     sum with the steps' decays on v's rows (a scalar a step scales either side). kᵀ [BK, C] is loaded transposed and
     fed as loaded, so the product reads it from the asynchronous copy's shared memory (scaled, k crossed registers and
     shared memory again every step). R_j = L_C - P_j from `chunk_sums`' PS and LS (a scalar; chunk: the chunk's row x
     H + head), read in the step that uses them: both feed the scaled v, so the pipeliner copies them with k and v
     (read a step ahead through registers, `_walk_sums`, they were plain loads each step waited on; RS read here would
-    leave L_C, which then scales only the state, a plain load: session 30's SASS study)."""
-    b_t = tl.load(LS + chunk.to(tl.int64))  # L_C
-    b_p = tl.load(PS + rows * H + i_h, mask=m_s, other=0.0)  # [C]
+    leave L_C, which then scales only the state, a plain load: session 30's SASS study). FIXED (a fixed decay alone,
+    host.FIXED_DECAY_SUMS): P and L_C formed from the head's γ (b_gamma), nothing read for them (`_fixed_sums`)."""
+    if FIXED:
+        b_p, b_t = _fixed_sums(b_gamma, m_s)
+    else:
+        b_t = tl.load(LS + chunk.to(tl.int64))  # L_C
+        b_p = tl.load(PS + rows * H + i_h, mask=m_s, other=0.0)  # [C]
     b_v = tl.load(V_ + (rows[:, None] * HKV + i_hk) * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
     b_vs = (b_v.to(tl.float32) * tl.exp(tl.where(m_s, b_t - b_p, 0.0))[:, None]).to(DT)
     return _dot_acc(_load_t(K_, rows, m_s, i_hk, o_k, m_k, HKV, K), b_vs, b_h * tl.exp(b_t))
@@ -861,6 +875,7 @@ def linear_attention_chunk_state_kernel(
     BV: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
     USE_H0: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr,
     SUMS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, PASS: tl.constexpr, AFTER: tl.constexpr,
+    FIXED: tl.constexpr,
 ):
     """HS[first + c] = the state at the start of chunk c of the sequence; HT = the state after its last chunk:
     S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j over the chunk's steps j. A program per (block of BK rows x
@@ -873,7 +888,8 @@ def linear_attention_chunk_state_kernel(
     (`chunk_state_groups` walks the groups, `chunk_output` adds e^{DC} ⊙ its group's start state). The walk in groups
     twice instead (host.STATE_GROUP_FORM "rewalk"): PASS 1 stores GE and GD alone; PASS 2 starts each group from its
     start state (H0 [B NG, H, K, V]: `chunk_state_groups`' GS) and stores the true states in HS alone. A scalar gate
-    with 16-bit inputs walks in `_advance_v_gated`'s form. (gk's walk in that form, kᵀ and Pᵀ loaded transposed and
+    with 16-bit inputs walks in `_advance_v_gated`'s form; FIXED (g_gamma alone, no SUMS: host.FIXED_DECAY_SUMS) in
+    that form with its sums formed from γ. (gk's walk in that form, kᵀ and Pᵀ loaded transposed and
     read in the step, took 1.4-1.9x the time: 16 st.shared a step and 117 KB of shared memory; H200, session 31.)"""
     i_k, i_v = _blocks(V, BV)
     i_nh = tl.program_id(0)
@@ -894,7 +910,11 @@ def linear_attention_chunk_state_kernel(
     b_dc = tl.zeros(o_d.shape, dtype=tl.float32)  # GROUP: L(group start, chunk start]
     # a scalar gate's walk with 16-bit inputs as loaded (no map on k, no groups): e^{R_j} scales v's rows instead of
     # k's, so kᵀ goes from its asynchronous copy straight into the product and the sums are copied with k and v
-    V_GATED: tl.constexpr = SUMS and not USE_GK and DT != tl.float32 and GROUP == 0 and not (MAP and FEATURE_MAP)
+    V_GATED: tl.constexpr = ((SUMS or FIXED) and not USE_GK and DT != tl.float32 and GROUP == 0
+                             and not (MAP and FEATURE_MAP))
+    b_gamma = 0.0
+    if FIXED:
+        b_gamma = tl.load(GAMMA + i_h)  # (γ: the one log gate of every step of this head)
     if SUMS and not V_GATED:
         b_after, b_decay = _walk_sums(RS if AFTER else PS, LS, bos, eos, first, t0, i_h, o_k, m_k, H, K, C, USE_GK,
                                       REVERSE, not AFTER)
@@ -903,7 +923,7 @@ def linear_attention_chunk_state_kernel(
         rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
         if V_GATED:
             b_h = _advance_v_gated(b_h, K_, V_, PS, LS, rows, m_s, (first + i_t) * H + i_h, i_h, i_hk, o_k, m_k, o_v,
-                                   m_v, H, HKV, K, V, DT)
+                                   m_v, H, HKV, K, V, DT, FIXED, b_gamma)
         elif SUMS:  # the next chunk's sums in flight while this one's product forms (`_walk_sums`)
             b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
             b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
@@ -1196,7 +1216,7 @@ def linear_attention_chunk_output_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-    AHEAD: tl.constexpr, BLOCKS_FIRST: tl.constexpr,
+    AHEAD: tl.constexpr, BLOCKS_FIRST: tl.constexpr, FIXED: tl.constexpr,
 ):
     """o of a chunk's C steps (BV columns), a program per (chunk, block of V), in products of the whole chunk:
         o = scale (q ⊙ e^{P}) S + A v      (S: the state at the chunk's start, HS; P_i = L(start, i], prefix sums)
@@ -1208,7 +1228,8 @@ def linear_attention_chunk_output_kernel(
     and a scalar gate's P (gk: A, in whole rows) read before the K loop, in flight while it runs (read after it they
     were plain loads the epilogue waited on, A's 2 bytes at a time: sm_90 PTX, Triton 3.6), and with 16-bit inputs and
     no map on k, kᵀ loaded transposed and fed to q kᵀ as loaded (not transposed through registers and shared memory
-    each block of K). BLOCKS_FIRST: a chunk's blocks of V side by side in the grid (`_program`)."""
+    each block of K). BLOCKS_FIRST: a chunk's blocks of V side by side in the grid (`_program`). FIXED (g_gamma alone,
+    no SUMS: host.FIXED_DECAY_SUMS): P formed from the head's γ (`_fixed_sums`), not scanned."""
     i_c, i_v, i_bh = _program((V + BV - 1) // BV, BLOCKS_FIRST)
     i_h = i_bh % H
     i_hk = i_h // (H // HKV)
@@ -1230,6 +1251,9 @@ def linear_attention_chunk_output_kernel(
             b_a_in = _load_a_rows(A, i_cg, i_h, o_c, H, C)
         elif SUMS:
             b_p = _sums_at(PS, rows, m_s, i_h, o_c, m_s, H, K, USE_GK)  # [C, 1]
+    if FIXED:
+        b_pf, _ = _fixed_sums(tl.load(GAMMA + i_h), m_s)
+        b_p = b_pf[:, None]  # [C, 1]
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -1253,9 +1277,9 @@ def linear_attention_chunk_output_kernel(
         b_a = _load_a(A, i_cg, i_h, o_c, H, C)
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_c, m_s, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, 1]
-        if not SUMS:
+        if not SUMS and not FIXED:
             b_p = _cumsum(b_l, axis=0)
-        elif not AHEAD:
+        elif SUMS and not AHEAD:
             b_p = _sums_at(PS, rows, m_s, i_h, o_c, m_s, H, K, USE_GK)  # [C, 1]
         if GATED:
             b_o = b_o * tl.exp(b_p)

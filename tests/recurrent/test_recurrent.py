@@ -380,6 +380,33 @@ def test_triton_blocks_first(case, monkeypatch):
     assert blocks == {"output": 2, "grads_v": 2, "grads_qk": 2}, blocks
 
 
+FIXED_CASES = (  # g_gamma alone: bf16 packed sequences (an empty one, ends inside chunks) reversed with an initial
+    # state; f16 dense, GQA, K and V in two blocks; float32 (the scanned walk, sums formed); the seed's op with g_gamma
+    Case("lightning_attention", ("g_gamma",), dtype="bfloat16", shape=(1, 70, 2, 1, 16, 16), chunk=16,
+         cu=(0, 21, 21, 60), h0=True, reverse=True),
+    Case("lightning_attention", ("g_gamma",), dtype="float16", shape=(2, 40, 4, 2, 80, 80), chunk=32),
+    Case("lightning_attention", ("g_gamma",), shape=(2, 37, 2, 1, 16, 24), chunk=16, h0=True),
+    Case("recurrent", ("g_gamma",), dtype="bfloat16", shape=(2, 40, 2, 2, 16, 16), chunk=16, strong=True),
+)
+
+
+@pytest.mark.parametrize("case", FIXED_CASES, ids=[c.id for c in FIXED_CASES])
+def test_triton_fixed_decay_sums(case, monkeypatch):
+    """host.FIXED_DECAY_SUMS: with g_gamma alone the forward launches no chunk_sums and its walk and output kernel
+    form P_i = γ (i + 1) and L_C = γ n themselves (`_fixed_sums`): o, final_state and every gradient against the
+    oracle, and the spy shows the forward's launches took FIXED, the backward's the sums (chunk_sums once, in it)."""
+    from ejgen.runtime.recurrent.triton import host
+
+    seen = launched_with(monkeypatch, "FIXED", "AFTER")
+    monkeypatch.setattr(host, "FIXED_DECAY_SUMS", True)
+    check(case, "triton")
+    name = lambda kernel: kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1]  # noqa: E731
+    fixed = sorted(name(kernel) for kernel, _, kw in seen if kw.get("FIXED"))
+    assert fixed == ["output", "state"], [(name(kernel), kw.get("FIXED"), kw.get("SUMS")) for kernel, _, kw in seen]
+    assert [name(kernel) for kernel, _, _ in seen].count("sums") == 1  # (the backward's)
+    assert all(kw["SUMS"] for kernel, _, kw in seen if not kw.get("FIXED") and name(kernel) != "sums")
+
+
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in
     # float32, gates down to -20 a step (every decay still a sum of its own steps: within float32's tolerance)
     Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(2, 130, 2, 1, 16, 32), chunk=16, h0=True,

@@ -144,6 +144,19 @@ def test_triton_blocks_first(case, monkeypatch):
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
 
 
+FIXED = [c for c in CASES if c.algorithm == "chunked" and c.gates == ("g_gamma",)]
+
+
+@pytest.mark.parametrize("case", FIXED, ids=[c.id for c in FIXED])
+def test_triton_fixed_decay_sums(case, monkeypatch):
+    """host.FIXED_DECAY_SUMS (g_gamma alone: the forward's walk and output kernel form the decay's sums from γ, no
+    chunk_sums in the forward), against the oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "FIXED_DECAY_SUMS", True)
+    check(case, "triton")
+
+
 AS_LOADED = [c for c in FOLDED if c.dtype != "float32"]  # (float32 walks through registers whatever the setting)
 
 

@@ -103,6 +103,10 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "products": "bfloat16", "after": False, "blocks_first": True,  # a chunk's blocks side by side
                   "with_resources": True}  # in the grid (host.BLOCKS_FIRST)
                  for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
+    requests += [{"recurrent": True, "package": "ejgen.generated", "name": "lightning_attention", "capability": 90,
+                  "gates": ("g_gamma",), "kernels": ["chunk_state", "chunk_output"], "states": "bfloat16",
+                  "products": "bfloat16", "fixed": True,  # a fixed decay's sums formed from γ (host.
+                  "with_resources": True}]                # FIXED_DECAY_SUMS)
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "simple_gla", "capability": 90,
                   "gates": ("g", "g_gamma"), "kernels": ["chunk_state_bwd"], "states": "bfloat16",
                   "products": "bfloat16", "adjoint_as_loaded": False,  # the adjoint's walk through registers
