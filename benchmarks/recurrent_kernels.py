@@ -193,7 +193,7 @@ def stages(op_name, b, t, h, d):
     def walk(k, v, g, s):
         return host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s)
 
-    fixed_ok = cfg.has("g_gamma") and not cfg.has("g") and not cfg.has("gk")  # (host.fixed_decay's gates)
+    fixed_ok = host.decay_is_fixed(cfg)
     fwd_sums = None if host.fixed_decay(cfg) else sums  # the forward walk's and output kernel's (none: formed there)
     hs, _ = add("chunk_state", walk, k, v, gates, fwd_sums, grid=(nkv("chunk_state"), rows_h))
     if fixed_ok and sums is not None:  # a fixed decay's sums: the other form
@@ -360,8 +360,7 @@ one chunk numbered side by side in the grid (their shared reads from L2), or the
 
 def other_order(grid):
     """A (chunks, blocks, rows) grid as the order host.BLOCKS_FIRST does not take launches it."""
-    n_c, nb, rows = grid
-    return (n_c, nb, rows) if host.BLOCKS_FIRST else (n_c * nb, 1, rows)
+    return flipped("BLOCKS_FIRST", host._blocks_grid)(*grid)
 
 
 AFTER_NAMED = {"never": "after sums stored", "always": "after sums from the prefix sums"}

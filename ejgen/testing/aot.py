@@ -258,8 +258,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     ``adjoint_as_loaded``: chunk_state_bwd's scalar-gate walk in the forward's form (default host.ADJOINT_AS_LOADED);
     ``grads_v_ahead``: chunk_grads_v's reads ahead of its K loop (default host.grads_v_ahead's); ``blocks_first``:
     chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of a chunk side by side in the grid (default
-    host.BLOCKS_FIRST); ``fixed``: chunk_state's and chunk_output's sums of a fixed decay formed from g_gamma
-    (host.FIXED_DECAY_SUMS: the forward's launches with g_gamma alone, no chunk_sums)."""
+    host.BLOCKS_FIRST); ``fixed``: no sums (SUMS off), as the forward launches g_gamma alone with
+    host.FIXED_DECAY_SUMS (chunk_state and chunk_output then form the fixed decay's sums from γ)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -291,7 +291,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   AHEAD=host.OUTPUT_AHEAD if output_ahead is None else output_ahead,
                   AS_LOADED=host.ADJOINT_AS_LOADED if adjoint_as_loaded is None else adjoint_as_loaded,
                   GRADS_AHEAD=host.grads_v_ahead(gates) if grads_v_ahead is None else grads_v_ahead,
-                  BLOCKS_FIRST=host.BLOCKS_FIRST if blocks_first is None else blocks_first, FIXED=fixed)
+                  BLOCKS_FIRST=host.BLOCKS_FIRST if blocks_first is None else blocks_first)
     host_fold, qk_blocks, qk_options = host.grads_qk_form(
         dtype, "bfloat16" if products == "bfloat16" else "tf32", gates, dk, dv, arch=f"sm{capability}")
     consts["FOLD"] = host_fold if fold is None else fold

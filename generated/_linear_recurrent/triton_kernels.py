@@ -264,17 +264,6 @@ def _chunk_of(CHUNKS, i_c, NT: tl.constexpr, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _program(NB: tl.constexpr, BLOCKS_FIRST: tl.constexpr):
-    """(chunk, block, grid row x head) of a program of a kernel by chunks and NB blocks (of K or V): BLOCKS_FIRST
-    (host.BLOCKS_FIRST) numbers a chunk's blocks side by side in program id 0, so the programs that read the same q,
-    k and sums run together and the second reads them from L2; else the blocks are program id 1 (a chunk's blocks a
-    grid row apart)."""
-    if BLOCKS_FIRST:
-        return tl.program_id(0) // NB, tl.program_id(0) % NB, tl.program_id(2)
-    return tl.program_id(0), tl.program_id(1), tl.program_id(2)
-
-
-@triton.jit
 def _steps(bos, eos, first, COUNT: tl.constexpr, REVERSE: tl.constexpr):
     """Rows and validity of COUNT steps of the sequence [bos, eos) from step `first` (processing order)."""
     o_s = first + tl.arange(0, COUNT)
@@ -284,6 +273,28 @@ def _steps(bos, eos, first, COUNT: tl.constexpr, REVERSE: tl.constexpr):
     else:
         rows = bos + o_s
     return tl.where(m_s, rows, 0), m_s
+
+
+@triton.jit
+def _chunk_program(CU, CHUNKS, NB: tl.constexpr, T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr,
+                   C: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, BLOCKS_FIRST: tl.constexpr):
+    """The chunk and block of a program of `chunk_output`, `chunk_grads_qk` and `chunk_grads_v` (a program per chunk,
+    block of NB (of K or V) and sequence x head): (the block, its chunk's row in the chunk arrays, the sequence, the
+    chunk's index in it, the query head, its key / value head, the chunk's rows and their validity). BLOCKS_FIRST
+    (host.BLOCKS_FIRST) numbers a chunk's blocks side by side in program id 0, so the programs that read the same q,
+    k and sums run together and the second reads them from L2; else the blocks are program id 1 (a chunk's blocks a
+    grid row apart)."""
+    if BLOCKS_FIRST:
+        i_c, i_b = tl.program_id(0) // NB, tl.program_id(0) % NB
+    else:
+        i_c, i_b = tl.program_id(0), tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_h = i_bh % H
+    i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
+    i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
+    bos, eos = _bounds(CU, i_n, T, VARLEN)
+    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
+    return i_b, i_cg, i_n, i_t, i_h, i_h // (H // HKV), rows, m_s
 
 
 @triton.jit
@@ -871,7 +882,6 @@ def linear_recurrent_chunk_state_kernel(
     BV: tl.constexpr, C: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
     USE_H0: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr, DT: tl.constexpr,
     SUMS: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, PASS: tl.constexpr, AFTER: tl.constexpr,
-    FIXED: tl.constexpr,
 ):
     """HS[first + c] = the state at the start of chunk c of the sequence; HT = the state after its last chunk:
     S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j over the chunk's steps j. A program per (block of BK rows x
@@ -884,9 +894,10 @@ def linear_recurrent_chunk_state_kernel(
     (`chunk_state_groups` walks the groups, `chunk_output` adds e^{DC} ⊙ its group's start state). The walk in groups
     twice instead (host.STATE_GROUP_FORM "rewalk"): PASS 1 stores GE and GD alone; PASS 2 starts each group from its
     start state (H0 [B NG, H, K, V]: `chunk_state_groups`' GS) and stores the true states in HS alone. A scalar gate
-    with 16-bit inputs walks in `_advance_v_gated`'s form; FIXED (g_gamma alone, no SUMS: host.FIXED_DECAY_SUMS) in
-    that form with its sums formed from γ. (gk's walk in that form, kᵀ and Pᵀ loaded transposed and
-    read in the step, took 1.4-1.9x the time: 16 st.shared a step and 117 KB of shared memory; H200, session 31.)"""
+    with 16-bit inputs walks in `_advance_v_gated`'s form; g_gamma alone without SUMS (FIXED; the forward with
+    host.FIXED_DECAY_SUMS) in that form with its sums formed from γ. (gk's walk in that form, kᵀ and Pᵀ loaded
+    transposed and read in the step, took 1.4-1.9x the time: 16 st.shared a step and 117 KB of shared memory; H200,
+    session 31.)"""
     i_k, i_v = _blocks(V, BV)
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -906,10 +917,11 @@ def linear_recurrent_chunk_state_kernel(
     b_dc = tl.zeros(o_d.shape, dtype=tl.float32)  # GROUP: L(group start, chunk start]
     # a scalar gate's walk with 16-bit inputs as loaded (no map on k, no groups): e^{R_j} scales v's rows instead of
     # k's, so kᵀ goes from its asynchronous copy straight into the product and the sums are copied with k and v
+    FIXED: tl.constexpr = not SUMS and USE_GAMMA and not USE_G and not USE_GK  # (`_fixed_sums`)
     V_GATED: tl.constexpr = ((SUMS or FIXED) and not USE_GK and DT != tl.float32 and GROUP == 0
                              and not (MAP and FEATURE_MAP))
     b_gamma = 0.0
-    if FIXED:
+    if FIXED and V_GATED:
         b_gamma = tl.load(GAMMA + i_h)  # (γ: the one log gate of every step of this head)
     if SUMS and not V_GATED:
         b_after, b_decay = _walk_sums(RS if AFTER else PS, LS, bos, eos, first, t0, i_h, o_k, m_k, H, K, C, USE_GK,
@@ -1212,7 +1224,7 @@ def linear_recurrent_chunk_output_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-    AHEAD: tl.constexpr, BLOCKS_FIRST: tl.constexpr, FIXED: tl.constexpr,
+    AHEAD: tl.constexpr, BLOCKS_FIRST: tl.constexpr,
 ):
     """o of a chunk's C steps (BV columns), a program per (chunk, block of V), in products of the whole chunk:
         o = scale (q ⊙ e^{P}) S + A v      (S: the state at the chunk's start, HS; P_i = L(start, i], prefix sums)
@@ -1224,16 +1236,13 @@ def linear_recurrent_chunk_output_kernel(
     and a scalar gate's P (gk: A, in whole rows) read before the K loop, in flight while it runs (read after it they
     were plain loads the epilogue waited on, A's 2 bytes at a time: sm_90 PTX, Triton 3.6), and with 16-bit inputs and
     no map on k, kᵀ loaded transposed and fed to q kᵀ as loaded (not transposed through registers and shared memory
-    each block of K). BLOCKS_FIRST: a chunk's blocks of V side by side in the grid (`_program`). FIXED (g_gamma alone,
-    no SUMS: host.FIXED_DECAY_SUMS): P formed from the head's γ (`_fixed_sums`), not scanned."""
-    i_c, i_v, i_bh = _program((V + BV - 1) // BV, BLOCKS_FIRST)
-    i_h = i_bh % H
-    i_hk = i_h // (H // HKV)
-    i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
-    i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
-    bos, eos = _bounds(CU, i_n, T, VARLEN)
+    each block of K). BLOCKS_FIRST: a chunk's blocks of V side by side in the grid (`_chunk_program`). With g_gamma
+    alone and no SUMS (FIXED; the forward with host.FIXED_DECAY_SUMS): P formed from the head's γ (`_fixed_sums`),
+    not scanned."""
+    i_v, i_cg, i_n, i_t, i_h, i_hk, rows, m_s = _chunk_program(CU, CHUNKS, (V + BV - 1) // BV, T, H, HKV, C,
+                                                              VARLEN, REVERSE, BLOCKS_FIRST)
     GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
-    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
+    FIXED: tl.constexpr = not SUMS and USE_GAMMA and not USE_G and not USE_GK  # (`_fixed_sums`)
     o_c = tl.arange(0, C)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -1706,15 +1715,10 @@ def linear_recurrent_chunk_grads_qk_kernel(
     GROUP > 0 (the walks in groups): HS and DHS relative to their groups, joined here (`_grouped_state`: GS, DC the
     states', GA, DCA the adjoints'). FOLD (host.GRADS_QK_FOLD), a scalar gate: the first three terms join the pairs'
     [C, C] scan (`_folded`) instead of two [C] scans of their own. BLOCKS_FIRST: a chunk's blocks of K side by side
-    in the grid (`_program`)."""
-    i_c, i_k, i_bh = _program((K + BK - 1) // BK, BLOCKS_FIRST)
-    i_h = i_bh % H
-    i_hk = i_h // (H // HKV)
-    i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
-    i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
-    bos, eos = _bounds(CU, i_n, T, VARLEN)
+    in the grid (`_chunk_program`)."""
+    i_k, i_cg, i_n, i_t, i_h, i_hk, rows, m_s = _chunk_program(CU, CHUNKS, (K + BK - 1) // BK, T, H, HKV, C,
+                                                              VARLEN, REVERSE, BLOCKS_FIRST)
     GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
-    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
     o_c = tl.arange(0, C)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
@@ -1821,15 +1825,10 @@ def linear_recurrent_chunk_grads_v_kernel(
     (RS; without AFTER L_C - P from PS and LS, `_after_at`). GROUP > 0: DHS relative to its group's end, joined here
     (`_grouped_state`: GA, DCA). GRADS_AHEAD (host.GRADS_V_AHEAD): as `chunk_output`'s, do's tile and a scalar gate's R
     (gk: A in whole rows, transposed in registers) read before the K loop, and with 16-bit inputs and no map on q, qᵀ
-    loaded transposed into k qᵀ. BLOCKS_FIRST: a chunk's blocks of V side by side in the grid (`_program`)."""
-    i_c, i_v, i_bh = _program((V + BV - 1) // BV, BLOCKS_FIRST)
-    i_h = i_bh % H
-    i_hk = i_h // (H // HKV)
-    i_cg = i_c + (i_bh // H) * tl.cdiv(T, C)
-    i_n, i_t = _chunk_of(CHUNKS, i_cg, tl.cdiv(T, C), VARLEN)
-    bos, eos = _bounds(CU, i_n, T, VARLEN)
+    loaded transposed into k qᵀ. BLOCKS_FIRST: a chunk's blocks of V side by side in the grid (`_chunk_program`)."""
+    i_v, i_cg, i_n, i_t, i_h, i_hk, rows, m_s = _chunk_program(CU, CHUNKS, (V + BV - 1) // BV, T, H, HKV, C,
+                                                              VARLEN, REVERSE, BLOCKS_FIRST)
     GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
-    rows, m_s = _steps(bos, eos, i_t * C, C, REVERSE)
     o_c = tl.arange(0, C)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V

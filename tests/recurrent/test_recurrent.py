@@ -392,19 +392,21 @@ FIXED_CASES = (  # g_gamma alone: bf16 packed sequences (an empty one, ends insi
 
 @pytest.mark.parametrize("case", FIXED_CASES, ids=[c.id for c in FIXED_CASES])
 def test_triton_fixed_decay_sums(case, monkeypatch):
-    """host.FIXED_DECAY_SUMS: with g_gamma alone the forward launches no chunk_sums and its walk and output kernel
-    form P_i = γ (i + 1) and L_C = γ n themselves (`_fixed_sums`): o, final_state and every gradient against the
-    oracle, and the spy shows the forward's launches took FIXED, the backward's the sums (chunk_sums once, in it)."""
+    """host.FIXED_DECAY_SUMS: with g_gamma alone the forward launches no chunk_sums and its walk and output kernel,
+    given no sums, form P_i = γ (i + 1) and L_C = γ n themselves (`_fixed_sums`): o, final_state and every gradient
+    against the oracle, and the spy shows the forward's two launches without sums, the backward's with them
+    (chunk_sums once, in it)."""
     from ejgen.runtime.recurrent.triton import host
 
-    seen = launched_with(monkeypatch, "FIXED", "AFTER")
+    seen = launched_with(monkeypatch, "SUMS", "AFTER")
     monkeypatch.setattr(host, "FIXED_DECAY_SUMS", True)
     check(case, "triton")
     name = lambda kernel: kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1]  # noqa: E731
-    fixed = sorted(name(kernel) for kernel, _, kw in seen if kw.get("FIXED"))
-    assert fixed == ["output", "state"], [(name(kernel), kw.get("FIXED"), kw.get("SUMS")) for kernel, _, kw in seen]
-    assert [name(kernel) for kernel, _, _ in seen].count("sums") == 1  # (the backward's)
-    assert all(kw["SUMS"] for kernel, _, kw in seen if not kw.get("FIXED") and name(kernel) != "sums")
+    launches = [(name(kernel), kw.get("SUMS")) for kernel, _, kw in seen]
+    assert sorted(n for n, sums in launches if sums is False) == ["output", "state"], launches
+    assert [n for n, _ in launches].count("sums") == 1, launches  # (the backward's)
+    assert {n for n, sums in launches if sums is True} == {"state", "state_bwd", "grads_qk", "grads_v"}, launches
+
 
 
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in

@@ -302,16 +302,22 @@ def stores_after(dtype, gates) -> bool:
 
 
 # A fixed decay alone (g_gamma, no g, no gk: Lightning attention, RetNet): every valid step's log gate is the head's
-# γ, so a chunk's sums are P_i = γ (i + 1) and L_C = γ n. The forward's walk and output kernel form them from γ
-# (`_fixed_sums`, the kernels' FIXED) and the forward launches no chunk_sums (the backward forms them as before).
+# γ, so a chunk's sums are P_i = γ (i + 1) and L_C = γ n, which the walk and output kernel form from γ whenever they
+# are given no sums (`_fixed_sums`, the kernels' FIXED). FIXED_DECAY_SUMS: the forward launches no chunk_sums for such
+# a call (the backward forms them as before).
 # fla's chunk_simple_gla with g_gamma alone forms them so: its forward 0.428 ms at B2 T16384 on an H200 against its
 # 0.487 with a g, ours 0.496 for both (session 31). Built in session 31, NOT GPU-timed: off.
 FIXED_DECAY_SUMS = False
 
 
+def decay_is_fixed(cfg) -> bool:
+    """Whether the call's only key-side gate is a fixed decay (g_gamma alone: the kernels' FIXED without sums)."""
+    return cfg.has("g_gamma") and not cfg.has("g") and not cfg.has("gk")
+
+
 def fixed_decay(cfg) -> bool:
-    """Whether the call's only key-side gate is a fixed decay whose sums the kernels form (FIXED_DECAY_SUMS)."""
-    return FIXED_DECAY_SUMS and cfg.has("g_gamma") and not cfg.has("g") and not cfg.has("gk")
+    """Whether the forward leaves a fixed decay's sums to its kernels (FIXED_DECAY_SUMS), launching no chunk_sums."""
+    return FIXED_DECAY_SUMS and decay_is_fixed(cfg)
 
 
 def chunk_sums(kernels, q, gates, ctx, cfg):
@@ -388,7 +394,7 @@ def _states(kernels, k, v, gates, h0, ctx, cfg, dtype, sums, group, ng, walk_pas
         [k, v, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[4], ins[5], first],
         _group_outputs(cfg, group, ng, per_row * grid_rows, dtype, walk_pass),
         USE_H0=h0 is not None, SUMS=sums is not None, GROUP=group, NG=ng, PASS=walk_pass, AFTER=after_stored(k, cfg),
-        FIXED=sums is None and fixed_decay(cfg), **options, **{n: x for n, x in c.items() if n not in ("SCALE",)})
+        **options, **{n: x for n, x in c.items() if n not in ("SCALE",)})
 
 
 def _group_outputs(cfg, group, ng, chunks, dtype, walk_pass=0):
@@ -567,7 +573,7 @@ def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None, group
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
         GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AHEAD=OUTPUT_AHEAD,
-        BLOCKS_FIRST=BLOCKS_FIRST, FIXED=sums is None and fixed_decay(cfg), **options,
+        BLOCKS_FIRST=BLOCKS_FIRST, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return o
 
