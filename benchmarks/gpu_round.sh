@@ -24,6 +24,7 @@
 #   ncu-out        Nsight Compute of chunk_output (NCU_OUT_OPS, the default form): stalls, memory, source counters
 #   blocks-first-tests  the GPU tests of host.BLOCKS_FIRST (a chunk's blocks side by side in the grid)
 #   fixed-decay-tests   the GPU tests of host.FIXED_DECAY_SUMS (g_gamma alone: its sums formed in the kernels)
+#   gated-q        the GPU tests of host.GATED_Q (chunk_intra's q ⊙ e^P for gla's chunk_output), then gla's rows
 #   fla-profile    fla's B4 T4096 cases, then each one's kernels under torch.profiler (us a call by kernel)
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
 #   intra-diag     chunk_intra's diagonal from its own launch and in pieces of 4 steps: GPU tests, gla's kernel
@@ -168,6 +169,12 @@ j_blocks-first-tests() {  # chunk_output's, chunk_grads_v's and chunk_grads_qk's
   # grid (host.BLOCKS_FIRST, session 31, not yet GPU-run): its GPU tests (the rows: "chunk_output / chunk_grads_v /
   # chunk_grads_qk, blocks of a chunk side by side", "op fwd / fwd+bwd, blocks ...", in every recurrent_kernels.py table)
   shards blocks-first-tests 200 4 -k "blocks_first" tests/recurrent
+}
+j_gated-q() {  # chunk_intra's q ⊙ e^{P} read by gla's chunk_output (host.GATED_Q, session 32, not yet GPU-run): its GPU
+  # tests, then gla's kernel and op rows at both shapes ("chunk_intra / chunk_output / op fwd / op fwd+bwd, q ⊙ e^P
+  # ...", in every recurrent_kernels.py table of gla)
+  shards gated-q-tests 150 3 -k "gated_q" tests/recurrent
+  job gated-q 240 python3 benchmarks/recurrent_kernels.py --ops gla --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
 j_fixed-decay-tests() {  # a fixed decay's sums formed in the forward's walk and output kernel (host.FIXED_DECAY_SUMS,
   # session 31, not yet GPU-run): its GPU tests (the rows: "chunk_state / chunk_output / op fwd / op fwd+bwd, a fixed
@@ -512,6 +519,9 @@ declare -A PRESETS=(
   # fla again (s31d's first two jobs, s32b)
   [s32a]="0:blocks-first-tests,fixed-decay-tests,output-ahead-rows"
   [s32b]="0:fla,rec-bench"
+  [s32d]="0:gated-q"  # (session 32: BLOCKS_FIRST on for gk, FIXED_DECAY_SUMS flat, then s32b; s32d: GATED_Q)
+  [s32e]="0:rec-tests,fla,rec-bench"  # REC_TESTS_K="triton and chunked and gk": GATED_Q and BLOCKS_FIRST on for gk;
+  # the table with o returned by every fwd+bwd (before, XLA dropped chunk_output there: nothing read its o)
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)

@@ -183,6 +183,8 @@ def stages(op_name, b, t, h, d):
     after = {"AFTER_FROM_PREFIX": other}
     v_ahead = host.grads_v_ahead(cfg.gates)  # chunk_grads_v's form the op takes, and the other
     v_other = {"GRADS_V_AHEAD": "never" if v_ahead else "always"}
+    b_first = host.blocks_first(cfg.gates)  # the order of a chunk's blocks in the grid the op takes, and the other
+    b_other = {"BLOCKS_FIRST": "never" if b_first else "always"}
     if host.chunk_sums(kernels, q, gates, ctx, cfg) is not None:
         sums_grid = (n_c, -(-cfg.dk // blocks["chunk_sums"]["BK"]), rows_h) if cfg.has("gk") else (n_c, 1, b)
         sums = add("chunk_sums", lambda q, g: host.chunk_sums(kernels, q, g, ctx, cfg), q, gates, grid=sums_grid)
@@ -210,27 +212,38 @@ def stages(op_name, b, t, h, d):
         add(f"chunk_state in {ng} groups walked twice + chunk_state_groups", switched(REWALK, lambda k, v, g, s: (
             host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s))), k, v, gates, sums,
             grid=(nkv("chunk_state"), rows_h, ng), which="chunk_state")
-    a = None
+    a = qg = None
+    gated = host.gated_q(q, cfg, fwd_sums)  # chunk_intra's q ⊙ e^{P} for chunk_output as the op takes it, and the other
+    gated_other = switched({"GATED_Q": not host.GATED_Q}, lambda: host.gated_q(q, cfg, fwd_sums))()
+
+    def intra(gated):
+        return lambda q, k, g, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, sums=s, gated=gated)
+
     if cfg.has("gk"):
-        a, _ = add("chunk_intra", lambda q, k, g, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, sums=s), q, k,
-                   gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h))
+        a, _, qg = add("chunk_intra", intra(gated), q, k, gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h))
+        if gated_other != gated:
+            _, _, qg_other = add(f"chunk_intra, {GATED_NAMED[gated_other]}", intra(gated_other), q, k, gates, sums,
+                                 grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
         for form, pieces, named in other_forms():  # (the kernel's: both launches)
             add(f"chunk_intra, diagonal {named}", diagonal(form, pieces, lambda q, k, g, s: host.chunk_intra(
                 kernels, q, k, g, ctx, cfg, sums=s)), q, k, gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h),
                 which="chunk_intra_diag" if form == "kernel" else "chunk_intra")
-    def output(q, k, v, g, hs, a, s):
-        return host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a, s)
+    def output(q, k, v, g, hs, a, s, qg=None):
+        return host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a, s, qg=qg)
 
     out_grid = (n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h)  # (chunks, blocks of V, rows x heads)
-    add("chunk_output", output, q, k, v, gates, hs, a, fwd_sums, grid=host._blocks_grid(*out_grid))
+    add("chunk_output", output, q, k, v, gates, hs, a, fwd_sums, qg, grid=host._blocks_grid(*out_grid, b_first))
     add(f"chunk_output, {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", output), q, k, v, gates, hs, a,
-        fwd_sums, grid=host._blocks_grid(*out_grid), which="chunk_output")
+        fwd_sums, qg, grid=host._blocks_grid(*out_grid, b_first), which="chunk_output")
     if out_grid[1] > 1:  # blocks of V: their other order in the grid
-        add(f"chunk_output, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", output), q, k, v, gates,
-            hs, a, fwd_sums, grid=other_order(out_grid), which="chunk_output")
+        add(f"chunk_output, {BLOCKS_NAMED[not b_first]}", switched(b_other, output), q, k, v, gates,
+            hs, a, fwd_sums, qg, grid=host._blocks_grid(*out_grid, not b_first), which="chunk_output")
+    if cfg.has("gk") and gated_other != gated:
+        add(f"chunk_output, {GATED_NAMED[gated_other]}", output, q, k, v, gates, hs, a, fwd_sums, qg_other,
+            grid=host._blocks_grid(*out_grid, b_first), which="chunk_output")
     if fixed_ok and sums is not None:
         add(f"chunk_output, {FIXED_NAMED[not host.FIXED_DECAY_SUMS]}", flipped("FIXED_DECAY_SUMS", output), q, k, v,
-            gates, hs, a, sums if host.FIXED_DECAY_SUMS else None, grid=host._blocks_grid(*out_grid),
+            gates, hs, a, sums if host.FIXED_DECAY_SUMS else None, grid=host._blocks_grid(*out_grid, b_first),
             which="chunk_output")
     def state_bwd(q, g, do, dht, s):
         return host.chunk_state_grads(kernels, q, g, ctx, cfg, do, dht, s, stored)
@@ -244,7 +257,7 @@ def stages(op_name, b, t, h, d):
         add("dA alone (the op's)", lambda q, k, v, g, do: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do,
                                                                           with_a=False)[1],
             q, k, v, gates, do, grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
-        a, da = add("chunk_intra + dA", lambda q, k, v, g, do, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do,
+        a, da, _ = add("chunk_intra + dA", lambda q, k, v, g, do, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, v, do,
                                                                                   sums=s),
                     q, k, v, gates, do, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
         grads_grid = (n_c * (cfg.chunk // host.SUB), -(-cfg.dk // blocks["chunk_grads_intra"]["BK"]), rows_h)
@@ -265,29 +278,30 @@ def stages(op_name, b, t, h, d):
 
     qk_grid = (n_c, -(-cfg.dk // qk_bk), rows_h)  # (chunks, blocks of K, rows x heads)
     dq, dk, dlog = add("chunk_grads_qk", grads_qk, q, k, v, gates, hs, dhs, do, intra, sums,
-                       grid=host._blocks_grid(*qk_grid), launch=host.GRADS_QK_SCALAR_TILES if scalar_qk else None)
+                       grid=host._blocks_grid(*qk_grid, b_first),
+                       launch=host.GRADS_QK_SCALAR_TILES if scalar_qk else None)
     if scalar_qk:  # a scalar gate's other forms of the kernel (GRADS_QK_FORMS)
         for named, values in GRADS_QK_FORMS:
             bk = switched(values, lambda: host.grads_qk_form(q.dtype, cfg.products, cfg.gates,
                                                              cfg.dk, cfg.dv)[1]["BK"])()
             add(f"chunk_grads_qk, {named}", switched(values, grads_qk), q, k, v, gates, hs, dhs, do, intra, sums,
-                grid=host._blocks_grid(n_c, -(-cfg.dk // bk), rows_h), which="chunk_grads_qk",
+                grid=host._blocks_grid(n_c, -(-cfg.dk // bk), rows_h, b_first), which="chunk_grads_qk",
                 launch=values.get("GRADS_QK_SCALAR_TILES"))
     if qk_grid[1] > 1:  # blocks of K: their other order in the grid
-        add(f"chunk_grads_qk, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", grads_qk), q, k, v,
-            gates, hs, dhs, do, intra, sums, grid=other_order(qk_grid), which="chunk_grads_qk",
+        add(f"chunk_grads_qk, {BLOCKS_NAMED[not b_first]}", switched(b_other, grads_qk), q, k, v,
+            gates, hs, dhs, do, intra, sums, grid=host._blocks_grid(*qk_grid, not b_first), which="chunk_grads_qk",
             launch=host.GRADS_QK_SCALAR_TILES if scalar_qk else None)
 
     def grads_v(q, k, g, dhs, do, a, s):
         return host.chunk_grads_v(kernels, q, k, g, ctx, cfg, dhs, do, a, s)
 
     dv_grid = (n_c, -(-cfg.dv // blocks["chunk_grads_v"]["BV"]), rows_h)  # (chunks, blocks of V, rows x heads)
-    dv = add("chunk_grads_v", grads_v, q, k, gates, dhs, do, a, sums, grid=host._blocks_grid(*dv_grid))
+    dv = add("chunk_grads_v", grads_v, q, k, gates, dhs, do, a, sums, grid=host._blocks_grid(*dv_grid, b_first))
     add(f"chunk_grads_v, {AHEAD_NAMED[not v_ahead]}", switched(v_other, grads_v), q, k, gates, dhs, do, a, sums,
-        grid=host._blocks_grid(*dv_grid), which="chunk_grads_v")
+        grid=host._blocks_grid(*dv_grid, b_first), which="chunk_grads_v")
     if dv_grid[1] > 1:  # blocks of V: their other order in the grid
-        add(f"chunk_grads_v, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", grads_v), q, k, gates,
-            dhs, do, a, sums, grid=other_order(dv_grid), which="chunk_grads_v")
+        add(f"chunk_grads_v, {BLOCKS_NAMED[not b_first]}", switched(b_other, grads_v), q, k, gates,
+            dhs, do, a, sums, grid=host._blocks_grid(*dv_grid, not b_first), which="chunk_grads_v")
 
     def glue(q, k, v, g, dq, dk, dv, dh0, dlog):
         d_key = None if dlog is None else host.key_log_grad(dlog, cfg)
@@ -299,9 +313,9 @@ def stages(op_name, b, t, h, d):
     def fwd(q, k, v, g):
         return op(q, k, v, **g, platform="triton", algorithm="chunked")
 
-    def fwd_bwd(q, k, v, g, do):
+    def fwd_bwd(q, k, v, g, do):  # (o returned: else XLA drops chunk_output, whose o the backward does not read)
         (o, ht), vjp = jax.vjp(fwd, q, k, v, g)
-        return vjp((do, jnp.zeros_like(ht)))
+        return o, vjp((do, jnp.zeros_like(ht)))
 
     add("op fwd", fwd, q, k, v, g)
     add("op fwd+bwd", fwd_bwd, q, k, v, g, do)
@@ -314,9 +328,12 @@ def stages(op_name, b, t, h, d):
         add(f"op fwd, {FIXED_NAMED[not host.FIXED_DECAY_SUMS]}", flipped("FIXED_DECAY_SUMS", fwd), q, k, v, g)
         add(f"op fwd+bwd, {FIXED_NAMED[not host.FIXED_DECAY_SUMS]}", flipped("FIXED_DECAY_SUMS", fwd_bwd), q, k, v, g,
             do)
+    if cfg.has("gk") and gated_other != gated:
+        add(f"op fwd, {GATED_NAMED[gated_other]}", flipped("GATED_Q", fwd), q, k, v, g)
+        add(f"op fwd+bwd, {GATED_NAMED[gated_other]}", flipped("GATED_Q", fwd_bwd), q, k, v, g, do)
     if max(out_grid[1], qk_grid[1], dv_grid[1]) > 1:  # (one block each: the orders are the same launches)
-        add(f"op fwd, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", fwd), q, k, v, g)
-        add(f"op fwd+bwd, {BLOCKS_NAMED[not host.BLOCKS_FIRST]}", flipped("BLOCKS_FIRST", fwd_bwd), q, k, v, g, do)
+        add(f"op fwd, {BLOCKS_NAMED[not b_first]}", switched(b_other, fwd), q, k, v, g)
+        add(f"op fwd+bwd, {BLOCKS_NAMED[not b_first]}", switched(b_other, fwd_bwd), q, k, v, g, do)
     if not cfg.has("gk") and host._gated(cfg):
         add(f"op fwd+bwd, chunk_state_bwd {ADJOINT_NAMED[not host.ADJOINT_AS_LOADED]}",
             flipped("ADJOINT_AS_LOADED", fwd_bwd), q, k, v, g, do)
@@ -354,14 +371,11 @@ FIXED_NAMED = {True: "a fixed decay's sums formed in the kernels", False: "a fix
 P and L_C from γ, no chunk_sums in the forward."""
 
 BLOCKS_NAMED = {True: "blocks of a chunk side by side", False: "chunks first"}
-"""host.BLOCKS_FIRST (session 31, not yet GPU-timed): chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of
-one chunk numbered side by side in the grid (their shared reads from L2), or the chunks first."""
+"""host.BLOCKS_FIRST (session 31; on for gk since session 32): chunk_output's, chunk_grads_v's and chunk_grads_qk's
+blocks of one chunk numbered side by side in the grid (their shared reads from L2), or the chunks first."""
 
-
-def other_order(grid):
-    """A (chunks, blocks, rows) grid as the order host.BLOCKS_FIRST does not take launches it."""
-    return flipped("BLOCKS_FIRST", host._blocks_grid)(*grid)
-
+GATED_NAMED = {True: "q ⊙ e^P from chunk_intra", False: "q ⊙ e^P formed in chunk_output"}
+"""host.GATED_Q (session 32, on since): with gk, chunk_intra stores q ⊙ e^{P} in bf16 for chunk_output."""
 
 AFTER_NAMED = {"never": "after sums stored", "always": "after sums from the prefix sums"}
 """16-bit inputs, host.AFTER_FROM_PREFIX: chunk_sums stores the after sums ("never"), or chunk_state, chunk_grads_qk

@@ -237,7 +237,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       fused_bv: int | None = None, fold: bool | None = None,
                       grads_qk_tiles: tuple | None = None, output_ahead: bool | None = None,
                       adjoint_as_loaded: bool | None = None, grads_v_ahead: bool | None = None,
-                      blocks_first: bool | None = None, fixed: bool = False) -> dict:
+                      blocks_first: bool | None = None, fixed: bool = False, gated_q: bool | None = None) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -258,8 +258,9 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     ``adjoint_as_loaded``: chunk_state_bwd's scalar-gate walk in the forward's form (default host.ADJOINT_AS_LOADED);
     ``grads_v_ahead``: chunk_grads_v's reads ahead of its K loop (default host.grads_v_ahead's); ``blocks_first``:
     chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of a chunk side by side in the grid (default
-    host.BLOCKS_FIRST); ``fixed``: no sums (SUMS off), as the forward launches g_gamma alone with
-    host.FIXED_DECAY_SUMS (chunk_state and chunk_output then form the fixed decay's sums from γ)."""
+    host.blocks_first's); ``fixed``: no sums (SUMS off), as the forward launches g_gamma alone with
+    host.FIXED_DECAY_SUMS (chunk_state and chunk_output then form the fixed decay's sums from γ); ``gated_q``:
+    chunk_intra stores q ⊙ e^{P} in bf16 and chunk_output reads it (default: as host.GATED_Q launches these inputs)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -274,7 +275,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                     DQ="*fp32", DK="*fp32", DV="*fp32", DH0="*fp32", DLK="*fp32", DLV="*fp32", CK="*fp32",
                     SCR="*fp32", DLOG="*fp32", A=ptr, DA="*fp32", DQI="*fp32", DKI="*fp32", DLI="*fp32", PS="*fp32",
                     RS="*fp32", LS="*fp32", DIAG="*fp32", GE="*fp32", GD="*fp32", DC="*fp32",
-                    GS="*fp32", GA="*fp32", DCA="*fp32")
+                    GS="*fp32", GA="*fp32", DCA="*fp32", QG="*bf16")
     bk = max(16, 1 << (dk - 1).bit_length())
     bvf = max(16, 1 << (dv - 1).bit_length())
     consts = dict(T=0 if varlen else 4096, H=heads, HKV=kv_heads, K=dk, V=dv, BK=bk, SCALE=dk ** -0.5,
@@ -291,7 +292,9 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   AHEAD=host.OUTPUT_AHEAD if output_ahead is None else output_ahead,
                   AS_LOADED=host.ADJOINT_AS_LOADED if adjoint_as_loaded is None else adjoint_as_loaded,
                   GRADS_AHEAD=host.grads_v_ahead(gates) if grads_v_ahead is None else grads_v_ahead,
-                  BLOCKS_FIRST=host.BLOCKS_FIRST if blocks_first is None else blocks_first)
+                  BLOCKS_FIRST=host.blocks_first(gates) if blocks_first is None else blocks_first)
+    consts["GATED_Q"] = (gated_q if gated_q is not None else host.GATED_Q and "gk" in gates and dtype != "float32"
+                         and products == "bfloat16" and consts["SUMS"])
     host_fold, qk_blocks, qk_options = host.grads_qk_form(
         dtype, "bfloat16" if products == "bfloat16" else "tf32", gates, dk, dv, arch=f"sm{capability}")
     consts["FOLD"] = host_fold if fold is None else fold

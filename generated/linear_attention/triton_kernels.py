@@ -1062,12 +1062,12 @@ def _diag_at(DIAG, i_cg, i_h, i_i, o_r, H: tl.constexpr, NSUB: tl.constexpr, BC:
 
 @triton.jit
 def linear_attention_chunk_intra_kernel(
-    Q, K_, V_, G, GAMMA, GK, PS, CU, CHUNKS, DIAG, DO, A, DA,
+    Q, K_, V_, G, GAMMA, GK, PS, CU, CHUNKS, DIAG, DO, A, DA, QG,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, GRADS: tl.constexpr, WITH_A: tl.constexpr, SUMS: tl.constexpr, DIAG_IN: tl.constexpr,
-    PIECES: tl.constexpr,
+    PIECES: tl.constexpr, GATED_Q: tl.constexpr,
 ):
     """With a gate per key channel (gk): A [chunks, H, C, C] (q's dtype), each chunk's intra-chunk matrix
         A_ij = scale sum_c q_ic k_jc e^{L(j, i]_c} for j <= i, 0 above the diagonal,
@@ -1085,7 +1085,10 @@ def linear_attention_chunk_intra_kernel(
     within a few u |P| (at most C steps) of the sums of their own steps, below A's 16-bit rounding: no gates read or
     scanned for the blocks left of the diagonal (flash-linear-attention factors them the same way). DIAG_IN: the
     diagonal blocks read from DIAG (`chunk_intra_diag`, launched before) instead of formed here; PIECES (FAST): formed
-    here in pieces of 4 steps (`_intra_pieces`)."""
+    here in pieces of 4 steps (`_intra_pieces`). GATED_Q (WITH_A and FAST; host.GATED_Q): also QG [B, T, H, K] bf16,
+    q ⊙ e^{P} of rows I rounded to bf16, the operand `chunk_output` multiplies its state by, formed from the same
+    numbers it would form it from, so chunk_output reads 2 bytes a channel instead of q's 2 and P's 4 and takes no
+    exponentials."""
     NSUB: tl.constexpr = C // BC
     FAST: tl.constexpr = SUMS and DT != tl.float32
     i_cg, i_i, i_t, i_h, i_hk, bos, eos, first = _sub_program(CU, CHUNKS, T, H, HKV, C, BC, VARLEN)
@@ -1100,6 +1103,11 @@ def linear_attention_chunk_intra_kernel(
             b_q = _sub(Q, bos, eos, first, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)  # [BC, BK]
             b_pb, b_li = _sub_logs(G, GAMMA, GK, PS, bos, eos, first, i_t, i_h, o_k, m_k, H, K, C, BC, USE_G,
                                    USE_GAMMA, USE_GK, REVERSE, FAST)
+            if GATED_Q:  # chunk_output's operand q ⊙ e^{P}, as it would form it (P_i read, not P_b + L(b, i])
+                rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
+                b_qg = b_q * tl.exp(_sums_at(PS, rows_i, m_i, i_h, o_k, m_k, H, K))
+                tl.store(QG + (rows_i[:, None] * H + i_h) * K + o_k[None, :], b_qg.to(QG.dtype.element_ty),
+                         mask=m_i[:, None] & m_k[None, :])
             if FAST:
                 b_qb = b_q * tl.exp(b_li)  # q e^{L(b, i]}
             else:
@@ -1223,12 +1231,12 @@ def _grouped_state(b_s, GS, DC, i_cg, i_n, i_t, i_h, o_k, m_k, o_v, m_v, H: tl.c
 
 @triton.jit
 def linear_attention_chunk_output_kernel(
-    Q, K_, V_, G, GAMMA, GK, PS, CU, CHUNKS, HS, A, GS, DC, O,
+    Q, K_, V_, G, GAMMA, GK, PS, CU, CHUNKS, HS, A, GS, DC, QG, O,
     T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-    AHEAD: tl.constexpr, BLOCKS_FIRST: tl.constexpr,
+    AHEAD: tl.constexpr, BLOCKS_FIRST: tl.constexpr, GATED_Q: tl.constexpr,
 ):
     """o of a chunk's C steps (BV columns), a program per (chunk, block of V), in products of the whole chunk:
         o = scale (q ⊙ e^{P}) S + A v      (S: the state at the chunk's start, HS; P_i = L(start, i], prefix sums)
@@ -1266,16 +1274,22 @@ def linear_attention_chunk_output_kernel(
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
-        if USE_GK and SUMS:
-            b_q = b_q * tl.exp(_sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K))
+        if USE_GK and GATED_Q:  # q ⊙ e^{P} as chunk_intra rounded it for this product
+            b_q = tl.load(QG + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :],
+                          other=0.0)
         elif USE_GK:
-            b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-            b_q = b_q * tl.exp(_cumsum(b_l, axis=0))
-        elif K_AS_LOADED:
-            b_a += _dot(b_q, _load_t(K_, rows, m_s, i_hk, o_k, m_k, HKV, K), DT)
+            b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
+            if SUMS:
+                b_q = b_q * tl.exp(_sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K))
+            else:
+                b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
+                b_q = b_q * tl.exp(_cumsum(b_l, axis=0))
         else:
-            b_a += _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
+            b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
+            if K_AS_LOADED:
+                b_a += _dot(b_q, _load_t(K_, rows, m_s, i_hk, o_k, m_k, HKV, K), DT)
+            else:
+                b_a += _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
         b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
         if GROUP > 0:
             b_s = _grouped_state(b_s, GS, DC, i_cg, i_n, i_t, i_h, o_k, m_k, o_v, m_v, H, K, V, USE_GK, GROUP, NG)

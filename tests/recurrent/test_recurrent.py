@@ -363,21 +363,64 @@ BLOCKS_CASES = (  # two blocks of V and of K (partial second blocks): gk bf16 pa
 
 @pytest.mark.parametrize("case", BLOCKS_CASES, ids=[c.id for c in BLOCKS_CASES])
 def test_triton_blocks_first(case, monkeypatch):
-    """host.BLOCKS_FIRST: chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of one chunk numbered side by side
-    in program id 0 (`_program`): o, final_state and every gradient against the oracle, and the spy shows each launch
-    took that order (a grid of chunks x blocks, one in its middle dimension; several blocks each)."""
+    """host.BLOCKS_FIRST the other way round for the case's gates (a chunk's blocks side by side in program id 0,
+    `_chunk_program`, for a scalar gate; chunks first for gk; the defaults' forms are every other test's):
+    chunk_output's, chunk_grads_v's and chunk_grads_qk's o, final_state and every gradient against the oracle, and
+    the spy shows each launch took that order (a grid of chunks x blocks, one in its middle dimension where blocks
+    first; two blocks each)."""
     from ejgen.runtime.recurrent.triton import host
 
+    first = not host.blocks_first(case.gates)
     seen = launched_with(monkeypatch, "BLOCKS_FIRST")
-    monkeypatch.setattr(host, "BLOCKS_FIRST", True)
+    monkeypatch.setattr(host, "BLOCKS_FIRST", "always" if first else "never")
     check(case, "triton")
     kinds = {kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1] for kernel, _, _ in seen}
     assert kinds == {"output", "grads_v", "grads_qk"}, kinds
-    assert all(kw["BLOCKS_FIRST"] and grid[1] == 1 for _, grid, kw in seen), seen
     blocks = {kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1]:
               -(-kw["K"] // kw["BK"]) if kernel.__name__.endswith("grads_qk_kernel") else -(-kw["V"] // kw["BV"])
               for kernel, _, kw in seen}
     assert blocks == {"output": 2, "grads_v": 2, "grads_qk": 2}, blocks
+    assert all(kw["BLOCKS_FIRST"] == first and grid[1] == (1 if first else 2) for _, grid, kw in seen), seen
+
+
+def test_blocks_first_by_gates(monkeypatch):
+    """host.blocks_first: a chunk's blocks side by side with gk ("gk", the default), for every gate ("always") or for
+    none ("never"); anything else is refused by name."""
+    from ejgen.runtime.recurrent.triton import host
+
+    rule = {gates: host.blocks_first(gates) for gates in [(), ("g",), ("g_gamma",), ("gk",), ("g", "gk")]}
+    assert rule == {(): False, ("g",): False, ("g_gamma",): False, ("gk",): True, ("g", "gk"): True}, rule
+    monkeypatch.setattr(host, "BLOCKS_FIRST", "always")
+    assert host.blocks_first(()) and host.blocks_first(("g",))
+    monkeypatch.setattr(host, "BLOCKS_FIRST", "never")
+    assert not host.blocks_first(("gk",))
+    monkeypatch.setattr(host, "BLOCKS_FIRST", True)
+    with pytest.raises(ValueError, match="BLOCKS_FIRST must be 'gk', 'always' or 'never', got True"):
+        host.blocks_first(("gk",))
+
+
+GATED_CASES = (  # gk with the gates' sums: bf16 packed sequences (an empty one, ends inside chunks) reversed with an
+    # initial state; dense, GQA, K in two blocks of chunk_output (T past the last whole chunk). bf16 inputs: the
+    # products' operands bf16 (the chunk_products setting's auto), the form's condition (host.gated_q)
+    Case("gla", ("gk",), dtype="bfloat16", shape=(1, 40, 1, 1, 16, 16), chunk=16, cu=(0, 17, 17, 36), h0=True,
+         reverse=True),
+    Case("gla", ("gk",), dtype="bfloat16", shape=(2, 40, 4, 2, 80, 16), chunk=16),
+)
+
+
+@pytest.mark.parametrize("case", GATED_CASES, ids=[c.id for c in GATED_CASES])
+def test_triton_gated_q(case, monkeypatch):
+    """host.GATED_Q the other way round (chunk_intra stores q ⊙ e^{P} in bf16 and chunk_output reads it, or
+    chunk_output forms it; the default's form is every other test's): o, final_state and every gradient against the
+    oracle, and the spy shows the forward's chunk_intra and chunk_output took that form."""
+    from ejgen.runtime.recurrent.triton import host
+
+    gated = not host.GATED_Q
+    seen = launched_with(monkeypatch, "GATED_Q")
+    monkeypatch.setattr(host, "GATED_Q", gated)
+    check(case, "triton")
+    forms = {(kernel.__name__.rsplit("_chunk_", 1)[-1], kw["GATED_Q"]) for kernel, _, kw in seen}
+    assert {("intra_kernel", gated), ("output_kernel", gated)} <= forms, forms
 
 
 FIXED_CASES = (  # g_gamma alone: bf16 packed sequences (an empty one, ends inside chunks) reversed with an initial
@@ -482,8 +525,8 @@ def _spy(monkeypatch, name, note):
     seen = []
     real = getattr(host, name)
 
-    def spy(*args):
-        out = real(*args)
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
         seen.append(note(args, out))
         return out
 

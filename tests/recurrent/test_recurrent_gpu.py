@@ -135,13 +135,27 @@ def test_triton_output_and_grads_v_other_forms(case, monkeypatch):
 
 @pytest.mark.parametrize("case", AHEAD, ids=[c.id for c in AHEAD])
 def test_triton_blocks_first(case, monkeypatch):
-    """host.BLOCKS_FIRST (chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of a chunk side by side in the
-    grid), against the oracle: the dense layout's V 128 in two blocks of chunk_output and chunk_grads_v, the packed
-    one's K 128 in two of chunk_grads_qk with gk and with float32 inputs (a scalar gate's bf16 dq / dk take K whole)."""
+    """host.BLOCKS_FIRST the other way round for the case's gates (chunk_output's, chunk_grads_v's and
+    chunk_grads_qk's blocks of a chunk side by side in the grid for scalar gates, chunks first for gk), against the
+    oracle: the dense layout's V 128 in two blocks of chunk_output and chunk_grads_v, the packed one's K 128 in two of
+    chunk_grads_qk with gk and with float32 inputs (a scalar gate's bf16 dq / dk take K whole)."""
     from ejgen.runtime.recurrent.triton import host
 
-    monkeypatch.setattr(host, "BLOCKS_FIRST", True)
+    monkeypatch.setattr(host, "BLOCKS_FIRST", "never" if host.blocks_first(case.gates) else "always")
     check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
+
+
+GATED = [c for c in CASES if c.algorithm == "chunked" and "gk" in c.gates and c.dtype != "float32"]
+
+
+@pytest.mark.parametrize("case", GATED, ids=[c.id for c in GATED])
+def test_triton_gated_q(case, monkeypatch):
+    """host.GATED_Q the other way round (chunk_intra's q ⊙ e^{P} in bf16 read by chunk_output, or formed there),
+    against the oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "GATED_Q", not host.GATED_Q)
+    check(case, "triton")
 
 
 FIXED = [c for c in CASES if c.algorithm == "chunked" and c.gates == ("g_gamma",)]

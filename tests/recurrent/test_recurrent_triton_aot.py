@@ -57,6 +57,8 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
     """The chunked kernels on the GPU host's Triton (3.6; CI installs it: .ci/run, EJGEN_GPU_HOST_TRITON): a scalar
     gate per step (and none) once failed there only (its scan lowering asserted on the [S, 1] cumsums, which 3.9
     compiles); and at the benchmark's shapes (bf16, K = V = 128) no kernel of gla or simple_gla spills."""
+    from ejgen.runtime.recurrent.triton import host
+
     shape = dict(dk=64, dv=128, heads=4, kv_heads=2)
     chunked = ["chunk_sums", "chunk_state", "chunk_intra", "chunk_intra_diag", "chunk_output", "chunk_fused_fwd",
                "chunk_state_bwd", "chunk_grads_intra", "chunk_grads_qk", "chunk_grads_v"]
@@ -100,9 +102,13 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                  for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
                   "kernels": ["chunk_output", "chunk_grads_v", "chunk_grads_qk"], "states": "bfloat16",
-                  "products": "bfloat16", "after": False, "blocks_first": True,  # a chunk's blocks side by side
-                  "with_resources": True}  # in the grid (host.BLOCKS_FIRST)
+                  "products": "bfloat16", "after": False, "blocks_first": name != "gla",  # the grid order the
+                  "with_resources": True}  # defaults do not take (host.BLOCKS_FIRST: a chunk's blocks side by side)
                  for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
+    requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90, "gates": ("gk",),
+                  "kernels": ["chunk_intra", "chunk_output"], "states": "bfloat16", "products": "bfloat16",
+                  "gated_q": not host.GATED_Q,  # q ⊙ e^{P} from chunk_intra or formed in chunk_output (host.GATED_Q)
+                  "with_resources": True}]
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "lightning_attention", "capability": 90,
                   "gates": ("g_gamma",), "kernels": ["chunk_state", "chunk_output"], "states": "bfloat16",
                   "products": "bfloat16", "fixed": True,  # a fixed decay's sums formed from γ (host.

@@ -499,11 +499,31 @@ CHUNK_INTRA_DIAGONAL = "kernel"
 CHUNK_INTRA_PIECES = True
 
 
-def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, sums=None):
+# gk's chunk_output multiplies its state by q ⊙ e^{P} [C, K] a program: read as q (2 bytes a channel) and P (4 bytes,
+# the second 16 of each thread's 32 fetched again: twice the ideal L2 sectors on the H200, session 32) and formed by
+# both warp groups of each program (an exponential a channel, non-flush-to-zero: 6 instructions). GATED_Q: chunk_intra,
+# which reads q and P for its rows anyway, stores q ⊙ e^{P} rounded to bf16 (QG [B, T, H, K]; `gated_q` says when),
+# the operand chunk_output's bf16 product would round it to, and chunk_output reads that alone: the same numbers, 2
+# bytes a channel written and read against 6 read; chunk_output's registers 102 -> 58 (sm_90, Triton 3.6: 4 programs
+# of 8 warps an SM, not 2). Session 32, H200, one call (recurrent_kernels.py, gla, formed in chunk_output -> from
+# chunk_intra): B2 T16k chunk_output 0.400 -> 0.223 ms, chunk_intra 0.754 -> 0.768, op fwd 1.642 -> 1.476; B4 T4096
+# 0.214 -> 0.129, 0.403 -> 0.412, 0.808 -> 0.720 (fla's chunk_gla forward 1.556 and 0.769 in the call before). On.
+GATED_Q = True
+
+
+def gated_q(q, cfg, sums) -> bool:
+    """Whether the two-pass forward's chunk_intra stores q ⊙ e^{P} for chunk_output (GATED_Q): with gk, 16-bit inputs,
+    the gates' sums (``sums``, `chunk_sums`') and bf16 products (the operand's rounding)."""
+    return (GATED_Q and cfg.has("gk") and sums is not None and jnp.dtype(q.dtype).itemsize == 2
+            and cfg.products == "bfloat16")
+
+
+def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, sums=None, gated=False):
     """With gk: (A [chunks, H, C, C] in q's dtype, every chunk's intra-chunk matrix (scale included), or None without
-    ``with_a``; with v and do (the backward) also dA = scale do vᵀ [chunks, H, C, C] float32, else None), a program per
-    (sub-chunk of SUB rows, sequence x head); ``sums``: ``chunk_sums``' (or None), whose prefix sums give 16-bit
-    inputs' exponents. The diagonal blocks: CHUNK_INTRA_DIAGONAL."""
+    ``with_a``; with v and do (the backward) also dA = scale do vᵀ [chunks, H, C, C] float32, else None; with
+    ``gated`` (`gated_q`'s) q ⊙ e^{P} [B, T, H, K] bf16 for chunk_output, else None), a program per (sub-chunk of SUB
+    rows, sequence x head); ``sums``: ``chunk_sums``' (or None), whose prefix sums give 16-bit inputs' exponents. The
+    diagonal blocks: CHUNK_INTRA_DIAGONAL."""
     ins, consts = _common(q, k, k, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_intra", cfg.dk, cfg.dv)
@@ -521,30 +541,43 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, su
             [jax.ShapeDtypeStruct((per_row * grid_rows, cfg.heads, cfg.chunk // SUB, SUB, SUB), F32)],
             BC=SUB, SUMS=sums is not None, PIECES=CHUNK_INTRA_PIECES, **d_options,
             **{n: x for n, x in {**c, **d_blocks}.items() if n in names})
-    a, da = triton_call.launch(
+    a, da, qg = triton_call.launch(
         kernels.get("chunk_intra"), grid,
         [q, k, v if grads else _dummy(q.dtype), *ins[:3], *_sums(sums, "ps"), ins[5], chunks, diagonal,
          do if grads else _dummy(q.dtype)],
         [jax.ShapeDtypeStruct(square if with_a else (1,), q.dtype),
-         jax.ShapeDtypeStruct(square if grads else (1,), F32)],
-        BC=SUB, GRADS=grads, WITH_A=with_a, SUMS=sums is not None, DIAG_IN=diag, PIECES=CHUNK_INTRA_PIECES, **options,
-        **c)
-    return a if with_a else None, da if grads else None
+         jax.ShapeDtypeStruct(square if grads else (1,), F32),
+         jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dk,) if gated else (1,), jnp.bfloat16)],
+        BC=SUB, GRADS=grads, WITH_A=with_a, SUMS=sums is not None, DIAG_IN=diag, PIECES=CHUNK_INTRA_PIECES,
+        GATED_Q=gated, **options, **c)
+    return a if with_a else None, da if grads else None, qg if gated else None
 
 
 # chunk_output, chunk_grads_v and chunk_grads_qk: a chunk's blocks (of V; of K) side by side in program id 0
 # (`_blocks_grid`; the kernels' BLOCKS_FIRST), so the programs that read the same q, k, v / do and the gates' sums
-# run together and the later ones read them from L2. By chunks first (off), a chunk's two blocks of V are a grid row
-# of chunks apart (256 programs at B2 T16k): Nsight Compute on chunk_output at B4 T4096 (H200, session 31) shows
-# 32.5% L2 hits where q and k read once from DRAM would give ~49%, DRAM at 61% of its peak, latency-bound (gla 54.5%,
-# 34.2% hits); a program per chunk's whole V (no second read, twice the accumulator) did not move it. Built in
-# session 31, NOT GPU-timed: off.
-BLOCKS_FIRST = False
+# run together and the later ones read them from L2. By chunks first, a chunk's two blocks of V are a grid row of
+# chunks apart (256 programs at B2 T16k): Nsight Compute on chunk_output at B4 T4096 (H200, session 31) showed 32.5% L2
+# hits where q and k read once from DRAM would give ~49%. Session 32, H200, one call (recurrent_kernels.py, op fwd /
+# fwd+bwd, chunks first -> blocks first): gla B2 T16k 1.648 -> 1.642 / 6.042 -> 5.975 ms, B4 T4096 0.811 -> 0.810 /
+# 2.967 -> 2.932 (chunk_grads_qk 1.966 -> 1.902 at T16k); the scalar gates won at B2 T16k (simple_gla 0.497 -> 0.480 /
+# 1.798 -> 1.783, lightning 0.491 -> 0.472 / 1.790 -> 1.789) but lost at B4 T4096 (simple_gla 0.248 -> 0.254 / 0.909
+# -> 0.910, lightning 0.245 -> 0.251 / 0.902 -> 0.919). "gk" (the default) takes it with gk alone, "always" for every
+# gate, "never" for none.
+BLOCKS_FIRST = "gk"
 
 
-def _blocks_grid(per_row: int, blocks: int, rows: int) -> tuple[int, int, int]:
-    """The grid of a kernel by (chunk, ``blocks`` blocks, ``rows`` grid rows x heads), in BLOCKS_FIRST's order."""
-    return (per_row * blocks, 1, rows) if BLOCKS_FIRST else (per_row, blocks, rows)
+def blocks_first(gates) -> bool:
+    """Whether chunk_output, chunk_grads_v and chunk_grads_qk number a chunk's blocks side by side (their BLOCKS_FIRST)
+    for a call with ``gates`` (names, as RecurrentConfig.gates): BLOCKS_FIRST's rule."""
+    if BLOCKS_FIRST not in ("gk", "always", "never"):
+        raise ValueError(f"host.BLOCKS_FIRST must be 'gk', 'always' or 'never', got {BLOCKS_FIRST!r}")
+    return BLOCKS_FIRST == "always" or BLOCKS_FIRST == "gk" and "gk" in gates
+
+
+def _blocks_grid(per_row: int, blocks: int, rows: int, first: bool) -> tuple[int, int, int]:
+    """The grid of a kernel by (chunk, ``blocks`` blocks, ``rows`` grid rows x heads), a chunk's blocks side by side
+    where ``first`` (`blocks_first`'s)."""
+    return (per_row * blocks, 1, rows) if first else (per_row, blocks, rows)
 
 
 # chunk_output's reads ahead: v's tile and a scalar gate's prefix sums (gk: chunk_intra's A, in whole rows) read
@@ -559,21 +592,22 @@ def _blocks_grid(per_row: int, blocks: int, rows: int) -> tuple[int, int, int]:
 OUTPUT_AHEAD = True
 
 
-def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None, groups=None):
+def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None, groups=None, qg=None):
     """o [B, T, H, V] in q's dtype from the states at the chunks' starts (and with gk the intra-chunk matrices A of
-    ``chunk_intra``; ``sums``: ``chunk_sums``' or None; ``groups``: `chunk_states_grouped`'s, whose HS are relative
-    to their group's start)."""
+    ``chunk_intra``, and its q ⊙ e^{P} ``qg`` with GATED_Q; ``sums``: ``chunk_sums``' or None; ``groups``:
+    `chunk_states_grouped`'s, whose HS are relative to their group's start)."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_output", cfg.dk, cfg.dv)
     (o,) = triton_call.launch(
-        kernels.get("chunk_output"), _blocks_grid(per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
+        kernels.get("chunk_output"),
+        _blocks_grid(per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads, blocks_first(cfg.gates)),
         [q, k, v, *ins[:3], *_sums(sums, "ps"), ins[5], chunks, hs, _dummy(q.dtype) if a is None else a,
-         *(groups[:2] if groups else (_dummy(), _dummy()))],
+         *(groups[:2] if groups else (_dummy(), _dummy())), _dummy(jnp.bfloat16) if qg is None else qg],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
         GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AHEAD=OUTPUT_AHEAD,
-        BLOCKS_FIRST=BLOCKS_FIRST, **options,
+        BLOCKS_FIRST=blocks_first(cfg.gates), GATED_Q=qg is not None, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return o
 
@@ -608,7 +642,8 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     fused = settings.current().chunk_forward == "fused"
     # the gates' sums for chunk_intra and the two passes (the one pass reads none)
     sums = chunk_sums(kernels, q, gates, ctx, cfg) if cfg.has("gk") or not (fused or fixed_decay(cfg)) else None
-    a = chunk_intra(kernels, q, k, gates, ctx, cfg, sums=sums)[0] if cfg.has("gk") else None
+    gated = not fused and gated_q(q, cfg, sums)
+    a, _, qg = chunk_intra(kernels, q, k, gates, ctx, cfg, sums=sums, gated=gated) if cfg.has("gk") else (None,) * 3
     res = {}
     if save and a is not None:
         res["a"] = a
@@ -624,9 +659,9 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     stored = jnp.bfloat16 if asked == "bfloat16" or (asked == "auto" and sixteen) else F32
     if relative_groups(cfg):
         hs, ht, groups = chunk_states_grouped(kernels, k, v, gates, h0, ctx, cfg, stored, sums)
-        return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a, sums, groups), ht, res
+        return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a, sums, groups, qg), ht, res
     hs, ht = chunk_states(kernels, k, v, gates, h0, ctx, cfg, stored, sums)
-    return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a, sums), ht, res
+    return chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a, sums, qg=qg), ht, res
 
 
 def chunk_state_grads(kernels, q, gates, ctx, cfg, do, dht, sums=None, dtype=F32):
@@ -716,9 +751,9 @@ GRADS_QK_FOLD = True
 # block of 64 channels (~-45% instructions a chunk, session 29's study); with GRADS_QK_FOLD no spill (sm_90: 212
 # registers on Triton 3.6, 255 on 3.9; unfolded 3.6 spills 200 bytes), bf16 products only (TF32 ones spill 72
 # bytes). Elsewhere CHUNKED's: float32 inputs spill 4016 bytes a thread at 128 (720 by blocks of 64, unfolded),
-# sm_80 2208 (560). gk keeps CHUNKED's (at 128 it spills 88-104 bytes). Session 30, H200, simple_gla bf16, both on: the kernel 1.796 -> 1.172 ms at B2 T16384 (0.912 ->
-# 0.615 at B4 T4096), op fwd+bwd 2.636 -> 2.013 (1.285 -> 0.979); folded by blocks of 64 alone 1.761, a program a
-# chunk unfolded 1.255 (BENCHMARKS.md, "Session 30").
+# sm_80 2208 (560). gk keeps CHUNKED's (at 128 it spills 88-104 bytes). Session 30, H200, simple_gla bf16, both on:
+# the kernel 1.796 -> 1.172 ms at B2 T16384 (0.912 -> 0.615 at B4 T4096), op fwd+bwd 2.636 -> 2.013 (1.285 -> 0.979);
+# folded by blocks of 64 alone 1.761, a program a chunk unfolded 1.255 (BENCHMARKS.md, "Session 30").
 GRADS_QK_SCALAR_TILES = Tiles(128, 64, 8, 2)
 
 
@@ -756,13 +791,14 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
     out = q.dtype if _direct(kernels, cfg) else F32
     intra = intra if intra is not None else (_dummy(),) * 3
     dq, dk, dlog = triton_call.launch(
-        kernels.get("chunk_grads_qk"), _blocks_grid(per_row, nk, grid_rows * cfg.heads),
+        kernels.get("chunk_grads_qk"), _blocks_grid(per_row, nk, grid_rows * cfg.heads, blocks_first(cfg.gates)),
         [q, k, v, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[5], chunks, hs, dhs,
          *(groups[0][:2] + groups[1][:2] if groups else [_dummy()] * 4), do, *intra],
         [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if gated else (1,), F32)],
         zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
         SUMS=sums is not None, SP=_products(cfg), GROUP=groups[0][2] if groups else 0,
-        NG=groups[0][3] if groups else 1, AFTER=after_stored(q, cfg), FOLD=fold, BLOCKS_FIRST=BLOCKS_FIRST, **options,
+        NG=groups[0][3] if groups else 1, AFTER=after_stored(q, cfg), FOLD=fold,
+        BLOCKS_FIRST=blocks_first(cfg.gates), **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return dq, dk, dlog if gated else None
 
@@ -794,13 +830,14 @@ def chunk_grads_v(kernels, q, k, gates, ctx, cfg, dhs, do, a=None, sums=None, gr
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
     blocks, options = tiles("chunk_grads_v", cfg.dk, cfg.dv)
     (dv,) = triton_call.launch(
-        kernels.get("chunk_grads_v"), _blocks_grid(per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads),
+        kernels.get("chunk_grads_v"),
+        _blocks_grid(per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads, blocks_first(cfg.gates)),
         [q, k, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[5], chunks, dhs, _dummy(q.dtype) if a is None else a,
          *(groups[:2] if groups else (_dummy(), _dummy())), do],
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype if _direct(kernels, cfg) else F32)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
         GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AFTER=after_stored(q, cfg),
-        GRADS_AHEAD=grads_v_ahead(cfg.gates), BLOCKS_FIRST=BLOCKS_FIRST, **options,
+        GRADS_AHEAD=grads_v_ahead(cfg.gates), BLOCKS_FIRST=blocks_first(cfg.gates), **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return dv
 
@@ -829,7 +866,7 @@ def chunked_backward(kernels, q, k, v, gates, h0, ctx, do, dht, cfg, res=None):
     a = intra = None
     if cfg.has("gk"):
         kept = (res or {}).get("a")
-        a, da = chunk_intra(kernels, q, k, gates, ctx, cfg, v, do, with_a=kept is None, sums=sums)
+        a, da, _ = chunk_intra(kernels, q, k, gates, ctx, cfg, v, do, with_a=kept is None, sums=sums)
         a = kept if kept is not None else a
         intra = chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da, sums)
     dq, dk, dlog = chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra, sums,
