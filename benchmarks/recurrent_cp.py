@@ -118,12 +118,14 @@ def context_parallel(mesh, platform):
 
 
 def _passes(fn):
-    """{"fwd": f(q, k, v, gk, do), "fwdbwd": gradients of (o, final_state) for cotangents (do, 0)} jitted."""
+    """{"fwd": f(q, k, v, gk, do), "fwdbwd": o and the gradients of (o, final_state) for cotangents (do, 0)} jitted
+    (o returned: the backward reads none of it, and XLA would drop the forward's output kernel, as a training step
+    does not)."""
     fwd = jax.jit(lambda q, k, v, gk, do: fn(q, k, v, gk))
 
     def grads(q, k, v, gk, do):
         (o, final), pull = jax.vjp(fn, q, k, v, gk)
-        return pull((do, jnp.zeros_like(final)))
+        return o, pull((do, jnp.zeros_like(final)))
 
     return {"fwd": fwd, "fwdbwd": jax.jit(grads)}
 

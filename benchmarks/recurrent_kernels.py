@@ -367,7 +367,7 @@ ADJOINT_NAMED = {True: "as loaded", False: "scaled through registers"}
 """host.ADJOINT_AS_LOADED (session 30; on since session 31): chunk_state_bwd's scalar-gate walk as the forward's."""
 
 FIXED_NAMED = {True: "a fixed decay's sums formed in the kernels", False: "a fixed decay's sums from chunk_sums"}
-"""host.FIXED_DECAY_SUMS (session 31, not yet GPU-timed): with g_gamma alone the forward's walk and output kernel form
+"""host.FIXED_DECAY_SUMS (session 31; flat on the H200 in session 32, off): with g_gamma alone the forward's walk and output kernel form
 P and L_C from γ, no chunk_sums in the forward."""
 
 BLOCKS_NAMED = {True: "blocks of a chunk side by side", False: "chunks first"}
