@@ -24,6 +24,7 @@
 #   ncu-out        Nsight Compute of chunk_output (NCU_OUT_OPS, the default form): stalls, memory, source counters
 #   blocks-first-tests  the GPU tests of host.BLOCKS_FIRST (a chunk's blocks side by side in the grid)
 #   fixed-decay-tests   the GPU tests of host.FIXED_DECAY_SUMS (g_gamma alone: its sums formed in the kernels)
+#   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), then their rows
 #   gated-q        the GPU tests of host.GATED_Q (chunk_intra's q ⊙ e^P for gla's chunk_output), then gla's rows
 #   fla-profile    fla's B4 T4096 cases, then each one's kernels under torch.profiler (us a call by kernel)
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
@@ -175,6 +176,13 @@ j_gated-q() {  # chunk_intra's q ⊙ e^{P} read by gla's chunk_output (host.GATE
   # ...", in every recurrent_kernels.py table of gla)
   shards gated-q-tests 150 3 -k "gated_q" tests/recurrent
   job gated-q 240 python3 benchmarks/recurrent_kernels.py --ops gla --shapes 2x16384,4x4096 --rounds 2 --no-check
+}
+j_held-gates() {  # the scalar gates held fixed (chunk_grads_qk without the log gates' gradient, session 32, not yet
+  # GPU-run): its GPU tests, then the rows ("chunk_grads_qk, the gates held fixed", "op fwd+bwd, the gates held
+  # fixed") of simple_gla and lightning at both shapes
+  shards held-gates-tests 200 3 -k "held_fixed" tests/recurrent
+  job held-gates 240 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention \
+    --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
 j_fixed-decay-tests() {  # a fixed decay's sums formed in the forward's walk and output kernel (host.FIXED_DECAY_SUMS,
   # session 31, not yet GPU-run): its GPU tests (the rows: "chunk_state / chunk_output / op fwd / op fwd+bwd, a fixed
@@ -522,6 +530,10 @@ declare -A PRESETS=(
   [s32d]="0:gated-q"  # (session 32: BLOCKS_FIRST on for gk, FIXED_DECAY_SUMS flat, then s32b; s32d: GATED_Q)
   [s32e]="0:rec-tests,fla,rec-bench"  # REC_TESTS_K="triton and chunked and gk": GATED_Q and BLOCKS_FIRST on for gk;
   # the table with o returned by every fwd+bwd (before, XLA dropped chunk_output there: nothing read its o)
+  # session 32 left: the scalar gates held fixed (RecurrentConfig.log_grads; lightning's fla comparison, whose backward
+  # forms no g_gamma gradient: rec-bench's "ejgen-triton-fixed-decay" rows), and chunk_grads_qk's three stages
+  # (helper study: both blocks of V in flight; time GRADS_QK_SCALAR_TILES (128, 64, 8, 3) with rec-sweep-long)
+  [s33a]="0:held-gates,fla,rec-bench"
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)

@@ -143,7 +143,11 @@ def impls(op_name, args, gates, do, smoke):
         platforms.append(("ejgen-triton-fused", "triton", "fused", {}))
     if ARGS.xla or smoke:
         platforms.append(("ejgen-xla", "xla", "chunked", {}))
-    for name, platform, algorithm, asked in platforms:
+    platforms = [p + ((),) for p in platforms]  # (the gates each impl's fwd+bwd holds fixed: none)
+    if "g_gamma" in gates:  # the decay held fixed, as Lightning attention and RetNet keep it and as fla's backward
+        # takes it (it forms no g_gamma gradient): no log gates' gradient formed
+        platforms.insert(1, ("ejgen-triton-fixed-decay", "triton", "chunked", {}, ("g_gamma",)))
+    for name, platform, algorithm, asked, held in platforms:
         def fwd(q, k, v, g, platform=platform, algorithm=algorithm, asked=asked):
             from ejgen.ops import settings
 
@@ -151,14 +155,16 @@ def impls(op_name, args, gates, do, smoke):
             with settings(**{**BASE, **asked}):
                 return op(q, k, v, **g, platform=platform, algorithm=algorithm)
 
-        def fwd_bwd(q, k, v, g, do, fwd=fwd, asked=asked):
+        def fwd_bwd(q, k, v, g, do, fwd=fwd, asked=asked, held=held):
             from ejgen.ops import settings
 
             # the backward is traced as vjp is applied: under the impl's settings too. o is returned: the backward
             # reads none of it, and XLA drops a forward kernel whose result nothing reads (chunk_output went
             # untimed in every fwd+bwd row before session 32), where a training step and fla's backward run it
+            fixed = {n: g[n] for n in held}
             with settings(**{**BASE, **asked}):
-                (o, ht), vjp = jax.vjp(fwd, q, k, v, g)
+                (o, ht), vjp = jax.vjp(lambda q, k, v, g: fwd(q, k, v, {**g, **fixed}), q, k, v,
+                                       {n: x for n, x in g.items() if n not in held})
                 return o, vjp((do, jnp.zeros_like(ht)))
 
         out[name] = (jax.jit(fwd), jax.jit(fwd_bwd))

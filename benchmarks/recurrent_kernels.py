@@ -280,6 +280,11 @@ def stages(op_name, b, t, h, d):
     dq, dk, dlog = add("chunk_grads_qk", grads_qk, q, k, v, gates, hs, dhs, do, intra, sums,
                        grid=host._blocks_grid(*qk_grid, b_first),
                        launch=host.GRADS_QK_SCALAR_TILES if scalar_qk else None)
+    if scalar_qk:  # the scalar gates held fixed (RecurrentConfig.log_grads): no log gates' gradient formed
+        fixed_cfg = dataclasses.replace(cfg, log_grads=False)
+        add("chunk_grads_qk, the gates held fixed", lambda q, k, v, g, hs, dhs, do, intra, s: host.chunk_grads_qk(
+            kernels, q, k, v, g, ctx, fixed_cfg, hs, dhs, do, intra, s), q, k, v, gates, hs, dhs, do, intra, sums,
+            grid=host._blocks_grid(*qk_grid, b_first), launch=host.GRADS_QK_SCALAR_TILES, which="chunk_grads_qk")
     if scalar_qk:  # a scalar gate's other forms of the kernel (GRADS_QK_FORMS)
         for named, values in GRADS_QK_FORMS:
             bk = switched(values, lambda: host.grads_qk_form(q.dtype, cfg.products, cfg.gates,
@@ -328,6 +333,12 @@ def stages(op_name, b, t, h, d):
         add(f"op fwd, {FIXED_NAMED[not host.FIXED_DECAY_SUMS]}", flipped("FIXED_DECAY_SUMS", fwd), q, k, v, g)
         add(f"op fwd+bwd, {FIXED_NAMED[not host.FIXED_DECAY_SUMS]}", flipped("FIXED_DECAY_SUMS", fwd_bwd), q, k, v, g,
             do)
+    if scalar_qk:  # the scalar gates held fixed (closed over: the backward forms no log gates' gradient)
+        def fwd_bwd_held(q, k, v, g, do):
+            (o, ht), vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, g), q, k, v)
+            return o, vjp((do, jnp.zeros_like(ht)))
+
+        add("op fwd+bwd, the gates held fixed", fwd_bwd_held, q, k, v, g, do)
     if cfg.has("gk") and gated_other != gated:
         add(f"op fwd, {GATED_NAMED[gated_other]}", flipped("GATED_Q", fwd), q, k, v, g)
         add(f"op fwd+bwd, {GATED_NAMED[gated_other]}", flipped("GATED_Q", fwd_bwd), q, k, v, g, do)
@@ -367,8 +378,8 @@ ADJOINT_NAMED = {True: "as loaded", False: "scaled through registers"}
 """host.ADJOINT_AS_LOADED (session 30; on since session 31): chunk_state_bwd's scalar-gate walk as the forward's."""
 
 FIXED_NAMED = {True: "a fixed decay's sums formed in the kernels", False: "a fixed decay's sums from chunk_sums"}
-"""host.FIXED_DECAY_SUMS (session 31; flat on the H200 in session 32, off): with g_gamma alone the forward's walk and output kernel form
-P and L_C from γ, no chunk_sums in the forward."""
+"""host.FIXED_DECAY_SUMS (session 31; flat on the H200 in session 32, off): with g_gamma alone the forward's walk and
+output kernel form P and L_C from γ, no chunk_sums in the forward."""
 
 BLOCKS_NAMED = {True: "blocks of a chunk side by side", False: "chunks first"}
 """host.BLOCKS_FIRST (session 31; on for gk since session 32): chunk_output's, chunk_grads_v's and chunk_grads_qk's

@@ -237,7 +237,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       fused_bv: int | None = None, fold: bool | None = None,
                       grads_qk_tiles: tuple | None = None, output_ahead: bool | None = None,
                       adjoint_as_loaded: bool | None = None, grads_v_ahead: bool | None = None,
-                      blocks_first: bool | None = None, fixed: bool = False, gated_q: bool | None = None) -> dict:
+                      blocks_first: bool | None = None, fixed: bool = False, gated_q: bool | None = None,
+                      log_grads: bool = True) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -260,7 +261,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     chunk_output's, chunk_grads_v's and chunk_grads_qk's blocks of a chunk side by side in the grid (default
     host.blocks_first's); ``fixed``: no sums (SUMS off), as the forward launches g_gamma alone with
     host.FIXED_DECAY_SUMS (chunk_state and chunk_output then form the fixed decay's sums from γ); ``gated_q``:
-    chunk_intra stores q ⊙ e^{P} in bf16 and chunk_output reads it (default: as host.GATED_Q launches these inputs)."""
+    chunk_intra stores q ⊙ e^{P} in bf16 and chunk_output reads it (default: as host.GATED_Q launches these inputs);
+    ``log_grads``: chunk_grads_qk forms the log gates' gradient (False: a scalar decay held fixed)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -293,6 +295,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   AS_LOADED=host.ADJOINT_AS_LOADED if adjoint_as_loaded is None else adjoint_as_loaded,
                   GRADS_AHEAD=host.grads_v_ahead(gates) if grads_v_ahead is None else grads_v_ahead,
                   BLOCKS_FIRST=host.blocks_first(gates) if blocks_first is None else blocks_first)
+    consts["LOG_GRADS"] = log_grads and bool(set(gates) & {"g", "g_gamma", "gk"})
     consts["GATED_Q"] = (gated_q if gated_q is not None else host.GATED_Q and "gk" in gates and dtype != "float32"
                          and products == "bfloat16" and consts["SUMS"])
     host_fold, qk_blocks, qk_options = host.grads_qk_form(

@@ -1250,7 +1250,8 @@ def linear_attention_chunk_output_kernel(
     no map on k, kᵀ loaded transposed and fed to q kᵀ as loaded (not transposed through registers and shared memory
     each block of K). BLOCKS_FIRST: a chunk's blocks of V side by side in the grid (`_chunk_program`). With g_gamma
     alone and no SUMS (FIXED; the forward with host.FIXED_DECAY_SUMS): P formed from the head's γ (`_fixed_sums`),
-    not scanned."""
+    not scanned. GATED_Q (gk; host.GATED_Q): q ⊙ e^{P} read from QG, as `chunk_intra` stored it rounded to bf16 (the
+    operand's rounding in the state's bf16 product), instead of q and P read and multiplied here."""
     i_v, i_cg, i_n, i_t, i_h, i_hk, rows, m_s = _chunk_program(CU, CHUNKS, (V + BV - 1) // BV, T, H, HKV, C,
                                                               VARLEN, REVERSE, BLOCKS_FIRST)
     GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
@@ -1718,7 +1719,7 @@ def linear_attention_chunk_grads_qk_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, ROWS: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr,
-    NG: tl.constexpr, AFTER: tl.constexpr, FOLD: tl.constexpr, BLOCKS_FIRST: tl.constexpr,
+    NG: tl.constexpr, AFTER: tl.constexpr, FOLD: tl.constexpr, BLOCKS_FIRST: tl.constexpr, LOG_GRADS: tl.constexpr,
 ):
     """dq and dk (of the mapped q and k, per query head; float32, or q's dtype where the host needs no sums) of a
     chunk's C steps in BK channels, a program per (chunk, block of K), V in blocks of BV, in products of the whole
@@ -1733,7 +1734,9 @@ def linear_attention_chunk_grads_qk_kernel(
     GROUP > 0 (the walks in groups): HS and DHS relative to their groups, joined here (`_grouped_state`: GS, DC the
     states', GA, DCA the adjoints'). FOLD (host.GRADS_QK_FOLD), a scalar gate: the first three terms join the pairs'
     [C, C] scan (`_folded`) instead of two [C] scans of their own. BLOCKS_FIRST: a chunk's blocks of K side by side
-    in the grid (`_chunk_program`)."""
+    in the grid (`_chunk_program`). LOG_GRADS (gates; the host's RecurrentConfig.log_grads, with gk always): DLOG
+    formed; without it (a scalar decay held fixed) the gates scale dq and dk alone, and S ⊙ S̄, the pairs' q kᵀ
+    and their [C, C] scan, about half the kernel's instructions, are not formed."""
     i_k, i_cg, i_n, i_t, i_h, i_hk, rows, m_s = _chunk_program(CU, CHUNKS, (K + BK - 1) // BK, T, H, HKV, C,
                                                               VARLEN, REVERSE, BLOCKS_FIRST)
     GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
@@ -1758,7 +1761,7 @@ def linear_attention_chunk_grads_qk_kernel(
             b_dh = _grouped_state(b_dh, GA, DCA, i_cg, i_n, i_t, i_h, o_k, m_k, o_v, m_v, H, K, V, USE_GK, GROUP, NG)
         b_dq += _dot_state(b_do, tl.trans(b_h), DT, SP)
         b_dk += _dot_state(b_v, tl.trans(b_dh), DT, SP)
-        if GATED:
+        if LOG_GRADS:
             b_hh += tl.sum(b_h * b_dh, axis=1)
         if not USE_GK:
             b_da += _dot(b_do, tl.trans(b_v), DT)
@@ -1778,6 +1781,7 @@ def linear_attention_chunk_grads_qk_kernel(
     if GATED:
         b_dq = b_dq * tl.exp(b_pre)
         b_dk = b_dk * tl.exp(b_after)
+    if LOG_GRADS:
         if FOLDED:  # the three terms join the pairs' [C, C] scan below (`_folded`)
             b_qdq = tl.sum(b_q * b_dq, axis=1)  # [C]
             b_kdk = tl.sum(b_k * b_dk, axis=1)
@@ -1799,7 +1803,7 @@ def linear_attention_chunk_grads_qk_kernel(
         # of the result (test_chunked_triton_scalar_gate_dq_dk_in_bfloat16)
         b_dq += _dot_state(b_w, b_k, DT)
         b_dk += _dot_state(tl.trans(b_w), b_q, DT)
-        if GATED:  # the pairs inside the chunk, summed over the block's channels: by s, over r < s and t >= s
+        if LOG_GRADS:  # the pairs inside the chunk, summed over the block's channels: by s, over r < s and t >= s
             b_m = _dot(b_q, tl.trans(b_k), DT) * b_w  # [t, r]
             read = o_c[None, :] < o_c[:, None]  # [s, r]: r < s
             if FOLDED:
@@ -1813,7 +1817,7 @@ def linear_attention_chunk_grads_qk_kernel(
                 b_dlog += b_pairs
     tl.store(DQ + p_qk, b_dq.to(DQ.dtype.element_ty), mask=m_qk)
     tl.store(DK + p_qk, b_dk.to(DK.dtype.element_ty), mask=m_qk)
-    if GATED:
+    if LOG_GRADS:
         if USE_GK:
             tl.store(DLOG + p_qk, b_dlog, mask=m_qk)
         else:

@@ -58,18 +58,22 @@ def _core(q, k, v, gates, h0, ctx, cfg, kernels):
 
 
 def _core_fwd(q, k, v, gates, h0, ctx, cfg, kernels):
+    # (symbolic zeros: the scalar log gates the differentiation perturbs ride in the residuals' structure, each a name
+    # with an empty array; a fixed decay's gradient is not formed)
+    (q, k, v, gates, h0, ctx), perturbed = _recurrent.primals((q, k, v, gates, h0, ctx))
     o, ht, res = BACKENDS[kernels.platform].forward(q, k, v, gates, h0, ctx, cfg, True)
-    return (o, ht), (q, k, v, gates, h0, ctx, res)
+    return (o, ht), (q, k, v, gates, h0, ctx, res, {name: jax.numpy.zeros((0,)) for name in perturbed})
 
 
 def _core_bwd(cfg, kernels, residuals, cotangents):
-    q, k, v, gates, h0, ctx, res = residuals
-    do, dht = cotangents
+    q, k, v, gates, h0, ctx, res, perturbed = residuals
+    do, dht = (_recurrent.instantiated(c) for c in cotangents)
+    cfg = _recurrent.learned(cfg, tuple(perturbed))
     dq, dk, dv, dgates, dh0 = BACKENDS[kernels.platform].backward(q, k, v, gates, h0, ctx, res, do, dht, cfg)
     return dq, dk, dv, dgates, dh0, {key: None for key in ctx}
 
 
-_core.defvjp(_core_fwd, _core_bwd)
+_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
 
 
 def recurrent(

@@ -112,16 +112,17 @@ def inputs(case: Case, seed: int = 0) -> tuple[dict, np.ndarray, np.ndarray]:
     return x, d_out, d_final
 
 
-def run(op, case: Case, x: dict, d_out, d_final, platform: str, **extra):
-    """(o, final_state, grads by argument name) of ``op`` under jit, forward and backward."""
+def run(op, case: Case, x: dict, d_out, d_final, platform: str, fixed=(), **extra):
+    """(o, final_state, grads by argument name) of ``op`` under jit, forward and backward; the arguments named in
+    ``fixed`` are held fixed (closed over, not differentiated: no gradient of theirs)."""
     kwargs = {**case.kwargs(), **extra}
     if case.cu is not None:
         kwargs["cu_seqlens"] = jnp.asarray(np.array(case.cu, np.int32))
 
     @jax.jit
-    def fwd_bwd(args, d_out, d_final):
+    def fwd_bwd(args, held, d_out, d_final):
         def call(a):
-            a = dict(a)
+            a = {**a, **held}
             q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
             return op(q, k, v, **a, platform=platform, **kwargs)
 
@@ -129,23 +130,25 @@ def run(op, case: Case, x: dict, d_out, d_final, platform: str, **extra):
         (grads,) = vjp((d_out, d_final))
         return o, final, grads
 
-    return fwd_bwd({n: jnp.asarray(a) for n, a in x.items()}, jnp.asarray(d_out), jnp.asarray(d_final))
+    arrays = {n: jnp.asarray(a) for n, a in x.items()}
+    return fwd_bwd({n: a for n, a in arrays.items() if n not in fixed}, {n: arrays[n] for n in fixed},
+                   jnp.asarray(d_out), jnp.asarray(d_final))
 
 
 def check(case: Case, platform: str, op=None, hooks: dict | None = None, seed: int = 0, factor: float = 1.0,
-          **extra):
-    """The case on ``platform`` against the oracle: o, final_state and the gradient of every input, each within
-    ``factor`` times the dtype's tolerance."""
+          fixed=(), **extra):
+    """The case on ``platform`` against the oracle: o, final_state and the gradient of every input (but those named
+    in ``fixed``, held fixed: `run`), each within ``factor`` times the dtype's tolerance."""
     op = getattr(generated, case.op) if op is None else op
     x, d_out, d_final = inputs(case, seed)
-    o, final, grads = run(op, case, x, d_out, d_final, platform, **extra)
+    o, final, grads = run(op, case, x, d_out, d_final, platform, fixed=fixed, **extra)
     o_ref, final_ref, grads_ref = oracle.recurrent(x, d_out, d_final, reverse=case.reverse, cu=case.cu,
                                                    **(hooks or {}))
     assert o.dtype == jnp.dtype(case.dtype) and final.dtype == jnp.float32
-    assert set(grads) == set(x)
+    assert set(grads) == set(x) - set(fixed)
     failures = []  # every quantity out of tolerance, not only the first (a GPU log then says which and by how much)
     for name, got, ref in [("o", o, o_ref), ("final_state", final, final_ref)] + \
-            [(f"d{n}", grads[n], grads_ref[n]) for n in x]:
+            [(f"d{n}", grads[n], grads_ref[n]) for n in x if n not in fixed]:
         assert name[0] != "d" or got.dtype == jnp.asarray(x[name[1:]]).dtype, name
         try:
             oracle.assert_close(name, got, ref, case.dtype, factor)

@@ -399,6 +399,32 @@ def test_blocks_first_by_gates(monkeypatch):
         host.blocks_first(("gk",))
 
 
+FIXED_GATE_CASES = (  # (case, the gates held fixed): a fixed decay alone (Lightning attention's), bf16 packed and
+    # reversed; both scalar gates, one held (the log gradient still formed for the other); the seed's op, f16, with g
+    # and gk held (gk's log gradient is always formed)
+    (Case("lightning_attention", ("g_gamma",), dtype="bfloat16", shape=(1, 40, 2, 1, 16, 16), chunk=16,
+          cu=(0, 17, 17, 36), h0=True, reverse=True), ("g_gamma",)),
+    (Case("simple_gla", ("g", "g_gamma"), dtype="float16", shape=(2, 40, 4, 2, 80, 16), chunk=16), ("g_gamma",)),
+    (Case("simple_gla", ("g", "g_gamma"), dtype="bfloat16", shape=(1, 40, 2, 1, 16, 16), chunk=16),
+     ("g", "g_gamma")),
+    (Case("recurrent", ("g", "gk"), dtype="float16", shape=(1, 40, 2, 1, 16, 16), chunk=16), ("g", "gk")),
+)
+
+
+@pytest.mark.parametrize("case, held", FIXED_GATE_CASES,
+                         ids=[f"{c.id}-held-{'+'.join(h)}" for c, h in FIXED_GATE_CASES])
+@pytest.mark.parametrize("platform", ["triton", "xla"])
+def test_gates_held_fixed(case, held, platform, monkeypatch):
+    """Gates held fixed (closed over, not differentiated: a fixed decay, as Lightning attention and RetNet keep it):
+    o, final_state and the other inputs' gradients against the oracle on the chunked Triton kernels and XLA, and on
+    Triton the spy shows chunk_grads_qk forms the log gates' gradient (LOG_GRADS) exactly where a scalar gate is
+    differentiated or gk is there (docs/DESIGN.md §3, "Gates' gradients")."""
+    seen = launched_with(monkeypatch, "LOG_GRADS")
+    check(case, platform, fixed=held, algorithm="chunked")
+    want = "gk" in case.gates or any(n in case.gates and n not in held for n in ("g", "g_gamma"))
+    assert platform != "triton" or [kw["LOG_GRADS"] for _, _, kw in seen] == [want], seen
+
+
 GATED_CASES = (  # gk with the gates' sums: bf16 packed sequences (an empty one, ends inside chunks) reversed with an
     # initial state; dense, GQA, K in two blocks of chunk_output (T past the last whole chunk). bf16 inputs: the
     # products' operands bf16 (the chunk_products setting's auto), the form's condition (host.gated_q)

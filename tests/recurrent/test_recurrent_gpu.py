@@ -158,6 +158,16 @@ def test_triton_gated_q(case, monkeypatch):
     check(case, "triton")
 
 
+HELD = [c for c in CASES if c.algorithm == "chunked" and set(c.gates) & {"g", "g_gamma"} and "gk" not in c.gates]
+
+
+@pytest.mark.parametrize("case", HELD, ids=[c.id for c in HELD])
+def test_triton_scalar_gates_held_fixed(case):
+    """The scalar gates held fixed (closed over: chunk_grads_qk forms no log gates' gradient, LOG_GRADS off), o,
+    final_state and the other gradients against the oracle."""
+    check(case, "triton", fixed=tuple(n for n in ("g", "g_gamma") if n in case.gates))
+
+
 FIXED = [c for c in CASES if c.algorithm == "chunked" and c.gates == ("g_gamma",)]
 
 

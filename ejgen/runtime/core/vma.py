@@ -29,7 +29,11 @@ def typeof(x):
 def _axes_of_one(x) -> frozenset:
     if x is None or not hasattr(x, "dtype"):
         return frozenset()
-    aval = typeof(x)
+    return aval_axes(typeof(x))
+
+
+def aval_axes(aval) -> frozenset:
+    """The mesh axes an abstract value (``typeof``'s, or a symbolic zero's ``aval``) varies over."""
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
         return frozenset(mat.varying)

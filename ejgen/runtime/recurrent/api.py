@@ -236,6 +236,36 @@ def _products(dtype) -> str:
     return "tf32"
 
 
+SCALAR_LOG_GATES = ("g", "g_gamma")  # the gates whose gradients come from one log decay gradient per step
+
+
+def primals(args):
+    """``args``, (q, k, v, gates, h0, ctx) of the op's custom_vjp forward rule (``symbolic_zeros``: each array leaf a
+    ``CustomVJPPrimal``), as (their values, the names of the scalar log gates the differentiation perturbs)."""
+    values = jax.tree.map(lambda p: p.value, args, is_leaf=_is_primal)
+    perturbed = tuple(name for name in SCALAR_LOG_GATES if name in args[3] and args[3][name].perturbed)
+    return values, perturbed
+
+
+def _is_primal(x) -> bool:
+    return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+
+
+def learned(cfg, perturbed):
+    """``cfg`` for the backward: the scalar log gates' gradients formed only where one of them is perturbed
+    (``perturbed``, `primals`' names); a gate held fixed gets a zero cotangent, which JAX drops."""
+    return dataclasses.replace(cfg, log_grads=bool(perturbed) or not any(cfg.has(n) for n in SCALAR_LOG_GATES))
+
+
+def instantiated(cotangent):
+    """A cotangent of the op's outputs as an array: a symbolic zero (the output unused) becomes zeros of its type,
+    varying over the mesh axes it does (inside ``jax.shard_map``)."""
+    if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
+        aval = cotangent.aval
+        return vma.vary(jnp.zeros(aval.shape, aval.dtype), vma.aval_axes(aval))
+    return cotangent
+
+
 def vary_alike(*trees):
     """The inputs of the op's ``custom_vjp``, each made to vary over every mesh axis any of them varies over
     (inside ``jax.shard_map``; outside, all is returned as it is): the kernels' results vary so."""

@@ -64,7 +64,10 @@ def gate_grads(gates, hooks, d_key=None, d_value=None):
     out = {}
     if "gk" in gates:
         out["gk"] = _mapped_grad(hooks, gates["gk"], d_key)
-    if "g" in gates or "g_gamma" in gates:
+    if ("g" in gates or "g_gamma" in gates) and d_key is None:  # not formed, neither being learned
+        # (RecurrentConfig.log_grads): zeros, which JAX drops
+        out.update({name: jnp.zeros_like(gates[name]) for name in ("g", "g_gamma") if name in gates})
+    elif "g" in gates or "g_gamma" in gates:
         scalar = jnp.sum(d_key, axis=3)  # [B, T, H]
         if "g" in gates:
             out["g"] = _mapped_grad(hooks, gates["g"], scalar)

@@ -790,19 +790,20 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
     gated = _gated(cfg)
     nk = packing.cdiv(cfg.dk, blocks["BK"])
     log = per_head + (cfg.dk,) if cfg.has("gk") else (nk,) + per_head + (1,)
+    log_grads = gated and (cfg.has("gk") or cfg.log_grads)  # (a fixed scalar decay's: none, RecurrentConfig)
     out = q.dtype if _direct(kernels, cfg) else F32
     intra = intra if intra is not None else (_dummy(),) * 3
     dq, dk, dlog = triton_call.launch(
         kernels.get("chunk_grads_qk"), _blocks_grid(per_row, nk, grid_rows * cfg.heads, blocks_first(cfg.gates)),
         [q, k, v, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[5], chunks, hs, dhs,
          *(groups[0][:2] + groups[1][:2] if groups else [_dummy()] * 4), do, *intra],
-        [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if gated else (1,), F32)],
-        zeroed=(0, 1) + ((2,) if gated else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
+        [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if log_grads else (1,), F32)],
+        zeroed=(0, 1) + ((2,) if log_grads else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
         SUMS=sums is not None, SP=_products(cfg), GROUP=groups[0][2] if groups else 0,
         NG=groups[0][3] if groups else 1, AFTER=after_stored(q, cfg), FOLD=fold,
-        BLOCKS_FIRST=blocks_first(cfg.gates), **options,
+        BLOCKS_FIRST=blocks_first(cfg.gates), LOG_GRADS=log_grads, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
-    return dq, dk, dlog if gated else None
+    return dq, dk, dlog if log_grads else None
 
 
 # chunk_grads_v's reads ahead, as chunk_output's (OUTPUT_AHEAD): do's tile and a scalar gate's R (gk: chunk_intra's A,
