@@ -397,6 +397,10 @@ GRADS_QK_FORMS = (  # a scalar gate's chunk_grads_qk: its log decay terms in the
     ("unfolded, blocks of K (before session 30)", {"GRADS_QK_FOLD": False, "GRADS_QK_SCALAR_TILES": None}),
     ("folded, blocks of K", {"GRADS_QK_FOLD": True, "GRADS_QK_SCALAR_TILES": None}),
     ("unfolded, a program a chunk", {"GRADS_QK_FOLD": False, "GRADS_QK_SCALAR_TILES": host.Tiles(128, 64, 8, 2)}),
+    # (session 32's helper study: at 2 stages the second block of V is read after the first's products and waited on
+    # at once; 3 put both in flight in the prologue: 215 registers, 120 KB on sm_90, no spill)
+    ("folded, a program a chunk, 3 stages",
+     {"GRADS_QK_FOLD": True, "GRADS_QK_SCALAR_TILES": host.Tiles(128, 64, 8, 3)}),
 )
 """host.GRADS_QK_FOLD / GRADS_QK_SCALAR_TILES: the rows that set them otherwise than the defaults."""
 

@@ -272,6 +272,11 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
 
     module = importlib.import_module(f"{package}.{name}.triton_kernels")
     ptr = _DTYPES[dtype]
+    # dq, dk, dv as the host has the chunked gradient kernels write them: in the inputs' dtype where nothing is left
+    # to do to them in float32 (host._direct: no head groups, no feature map)
+    mapped = getattr(module, "FEATURE_MAP", None)
+    mapped = getattr(module._shared, "FEATURE_MAP", False) if mapped is None else mapped
+    grad = ptr if heads == kv_heads and not getattr(mapped, "value", mapped) else "*fp32"
     pointers = dict(Q=ptr, K_=ptr, V_=ptr, G="*fp32", GAMMA="*fp32", GK="*fp32", GV="*fp32", H0="*fp32", CU="*i32",
                     FIRST="*i32", CHUNKS="*i32", O=ptr, HT="*fp32", HS="*fp32", DO=ptr, DHT="*fp32", DHS="*fp32",
                     DQ="*fp32", DK="*fp32", DV="*fp32", DH0="*fp32", DLK="*fp32", DLV="*fp32", CK="*fp32",
@@ -323,6 +328,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
             blocks, options = host.tiles(which, dk, dv)
         kernel = getattr(module, f"{name}_{which}_kernel")
         sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
+        if which in ("chunk_grads_qk", "chunk_grads_v"):
+            sig.update({n: grad for n in ("DQ", "DK", "DV") if n in sig})
         if states == "bfloat16" and which in ("chunk_state", "chunk_output"):
             sig["HS"] = "*bf16"
         if states == "bfloat16" and products == "bfloat16" and which in ("chunk_state_bwd", "chunk_grads_qk",

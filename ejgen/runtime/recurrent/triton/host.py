@@ -750,7 +750,7 @@ def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da, sums=None):
 GRADS_QK_FOLD = True
 # chunk_grads_qk's launch with a scalar gate and 16-bit inputs on sm_90 (and in the interpreter): Tiles(128, 64, 8, 2)
 # is a program a chunk (K whole up to 128), so dA = do vᵀ, W and the [C, C] scan run once a chunk instead of once per
-# block of 64 channels (~-45% instructions a chunk, session 29's study); with GRADS_QK_FOLD no spill (sm_90: 212
+# block of 64 channels (~-45% instructions a chunk, session 29's study); with GRADS_QK_FOLD no spill (sm_90: 216
 # registers on Triton 3.6, 255 on 3.9; unfolded 3.6 spills 200 bytes), bf16 products only (TF32 ones spill 72
 # bytes). Elsewhere CHUNKED's: float32 inputs spill 4016 bytes a thread at 128 (720 by blocks of 64, unfolded),
 # sm_80 2208 (560). gk keeps CHUNKED's (at 128 it spills 88-104 bytes). Session 30, H200, simple_gla bf16, both on:
