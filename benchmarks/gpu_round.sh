@@ -24,7 +24,8 @@
 #   ncu-out        Nsight Compute of chunk_output (NCU_OUT_OPS, the default form): stalls, memory, source counters
 #   blocks-first-tests  the GPU tests of host.BLOCKS_FIRST (a chunk's blocks side by side in the grid)
 #   fixed-decay-tests   the GPU tests of host.FIXED_DECAY_SUMS (g_gamma alone: its sums formed in the kernels)
-#   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), then their rows
+#   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed) and of g_gamma's total,
+#                  then their rows and chunk_grads_qk's 3 stages
 #   gated-q        the GPU tests of host.GATED_Q (chunk_intra's q ⊙ e^P for gla's chunk_output), then gla's rows
 #   fla-profile    fla's B4 T4096 cases, then each one's kernels under torch.profiler (us a call by kernel)
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
@@ -177,10 +178,11 @@ j_gated-q() {  # chunk_intra's q ⊙ e^{P} read by gla's chunk_output (host.GATE
   shards gated-q-tests 150 3 -k "gated_q" tests/recurrent
   job gated-q 240 python3 benchmarks/recurrent_kernels.py --ops gla --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
-j_held-gates() {  # the scalar gates held fixed (chunk_grads_qk without the log gates' gradient, session 32, not yet
-  # GPU-run): its GPU tests, then the rows ("chunk_grads_qk, the gates held fixed", "op fwd+bwd, the gates held
-  # fixed") of simple_gla and lightning at both shapes
-  shards held-gates-tests 200 3 -k "held_fixed" tests/recurrent
+j_held-gates() {  # the scalar gates held fixed (chunk_grads_qk without the log gates' gradient) and g_gamma's total
+  # (host.GAMMA_TOTAL), session 32, not yet GPU-run: their GPU tests, then the rows ("chunk_grads_qk, the gates held
+  # fixed", "..., 3 stages", "..., g_gamma's total" and their "op fwd+bwd" rows) of simple_gla and lightning at both
+  # shapes (flip GAMMA_TOTAL where lightning's op fwd+bwd wins at both)
+  shards held-gates-tests 200 3 -k "held_fixed or gamma_total" tests/recurrent
   job held-gates 240 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
 }

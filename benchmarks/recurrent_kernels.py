@@ -286,12 +286,12 @@ def stages(op_name, b, t, h, d):
             kernels, q, k, v, g, ctx, fixed_cfg, hs, dhs, do, intra, s), q, k, v, gates, hs, dhs, do, intra, sums,
             grid=host._blocks_grid(*qk_grid, b_first), launch=host.GRADS_QK_SCALAR_TILES, which="chunk_grads_qk")
     if scalar_qk:  # a scalar gate's other forms of the kernel (GRADS_QK_FORMS)
-        for named, values in GRADS_QK_FORMS:
+        for named, values in qk_forms(cfg):
             bk = switched(values, lambda: host.grads_qk_form(q.dtype, cfg.products, cfg.gates,
                                                              cfg.dk, cfg.dv)[1]["BK"])()
             add(f"chunk_grads_qk, {named}", switched(values, grads_qk), q, k, v, gates, hs, dhs, do, intra, sums,
                 grid=host._blocks_grid(n_c, -(-cfg.dk // bk), rows_h, b_first), which="chunk_grads_qk",
-                launch=values.get("GRADS_QK_SCALAR_TILES"))
+                launch=values.get("GRADS_QK_SCALAR_TILES", host.GRADS_QK_SCALAR_TILES))
     if qk_grid[1] > 1:  # blocks of K: their other order in the grid
         add(f"chunk_grads_qk, {BLOCKS_NAMED[not b_first]}", switched(b_other, grads_qk), q, k, v,
             gates, hs, dhs, do, intra, sums, grid=host._blocks_grid(*qk_grid, not b_first), which="chunk_grads_qk",
@@ -358,7 +358,7 @@ def stages(op_name, b, t, h, d):
         add(f"op fwd, {AFTER_NAMED[other]}", switched(after, fwd), q, k, v, g)
         add(f"op fwd+bwd, {AFTER_NAMED[other]}", switched(after, fwd_bwd), q, k, v, g, do)
     if not cfg.has("gk") and host._gated(cfg):
-        for named, values in GRADS_QK_FORMS:
+        for named, values in qk_forms(cfg):
             add(f"op fwd+bwd, chunk_grads_qk {named}", switched(values, fwd_bwd), q, k, v, g, do)
     if group:
         named = "one walk a sequence" if host.STATE_GROUPS else f"the state walks in {ng} groups"
@@ -401,8 +401,16 @@ GRADS_QK_FORMS = (  # a scalar gate's chunk_grads_qk: its log decay terms in the
     # at once; 3 put both in flight in the prologue: 215 registers, 120 KB on sm_90, no spill)
     ("folded, a program a chunk, 3 stages",
      {"GRADS_QK_FOLD": True, "GRADS_QK_SCALAR_TILES": host.Tiles(128, 64, 8, 3)}),
+    # (g_gamma alone: its chunk's whole share, host.GAMMA_TOTAL, not yet GPU-timed; a scan per step for the others)
+    ("folded, a program a chunk, g_gamma's total", {"GAMMA_TOTAL": True}),
 )
-"""host.GRADS_QK_FOLD / GRADS_QK_SCALAR_TILES: the rows that set them otherwise than the defaults."""
+"""host.GRADS_QK_FOLD / GRADS_QK_SCALAR_TILES / GAMMA_TOTAL: the rows that set them otherwise than the defaults."""
+
+
+def qk_forms(cfg):
+    """GRADS_QK_FORMS that change a call of ``cfg``'s launch (g_gamma's total with g_gamma alone)."""
+    return [(named, values) for named, values in GRADS_QK_FORMS
+            if "GAMMA_TOTAL" not in values or host.decay_is_fixed(cfg)]
 
 
 REWALK = {"STATE_GROUPS": True, "STATE_GROUP_FORM": "rewalk"}

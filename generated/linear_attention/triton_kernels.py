@@ -1449,6 +1449,17 @@ def _folded(b_m, b_a, b_b, b_c, o_c, C: tl.constexpr):
 
 
 @triton.jit
+def _reading_steps(o_c, m_s, C: tl.constexpr):
+    """[C, C] float32: how many of a chunk's valid steps s (m_s, a prefix of its C) read the folded matrix's term
+    [t, r] in `chunk_grads_qk`'s scan and row sums (`_folded`): those s <= t with r < s, or every s <= t in column
+    C - 1, which holds the terms each step reads whole."""
+    last = tl.sum(m_s.to(tl.int32)) - 1  # the last valid step
+    t = tl.minimum(o_c[:, None], last)
+    r = o_c[None, :]
+    return tl.where(r == C - 1, t + 1, tl.maximum(t - r, 0)).to(tl.float32)
+
+
+@triton.jit
 def _per_gate(x, USE_GK: tl.constexpr):
     """A share of the key side's log decay gradient: per channel [S, BK] with gk, else summed over them [S, 1]."""
     if USE_GK:
@@ -1720,6 +1731,7 @@ def linear_attention_chunk_grads_qk_kernel(
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, ROWS: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr,
     NG: tl.constexpr, AFTER: tl.constexpr, FOLD: tl.constexpr, BLOCKS_FIRST: tl.constexpr, LOG_GRADS: tl.constexpr,
+    TOTAL: tl.constexpr,
 ):
     """dq and dk (of the mapped q and k, per query head; float32, or q's dtype where the host needs no sums) of a
     chunk's C steps in BK channels, a program per (chunk, block of K), V in blocks of BV, in products of the whole
@@ -1736,7 +1748,10 @@ def linear_attention_chunk_grads_qk_kernel(
     [C, C] scan (`_folded`) instead of two [C] scans of their own. BLOCKS_FIRST: a chunk's blocks of K side by side
     in the grid (`_chunk_program`). LOG_GRADS (gates; the host's RecurrentConfig.log_grads, with gk always): DLOG
     formed; without it (a scalar decay held fixed) the gates scale dq and dk alone, and S ⊙ S̄, the pairs' q kᵀ
-    and their [C, C] scan, about half the kernel's instructions, are not formed."""
+    and their [C, C] scan, about half the kernel's instructions, are not formed. TOTAL (g_gamma alone, folded;
+    host.GAMMA_TOTAL): the host sums a fixed decay's dlog over every step, so the chunk's whole share is formed, each
+    term of the folded matrix once times the number of valid steps s that read it (`_reading_steps`), instead of the
+    reverse scan and row sums; stored at the chunk's first step, 0 at the others."""
     i_k, i_cg, i_n, i_t, i_h, i_hk, rows, m_s = _chunk_program(CU, CHUNKS, (K + BK - 1) // BK, T, H, HKV, C,
                                                               VARLEN, REVERSE, BLOCKS_FIRST)
     GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
@@ -1809,12 +1824,16 @@ def linear_attention_chunk_grads_qk_kernel(
             if FOLDED:
                 b_m = _folded(b_m, b_qdq, b_kdk, b_ss, o_c, C)
                 read = read | (o_c[None, :] == C - 1)
-            b_y = _cumsum(b_m, axis=0, reverse=True)  # [s, r]: over t >= s
-            b_pairs = tl.expand_dims(tl.sum(tl.where(read, b_y, 0.0), axis=1), 1)
-            if FOLDED:
-                b_dlog = b_pairs
+            if FOLDED and TOTAL:  # sum_s dlog_s = sum_{t, r} M'_tr #{valid s <= t that read r}: direct sums still
+                b_total = tl.sum(b_m * _reading_steps(o_c, m_s, C))
+                b_dlog = tl.where(o_c[:, None] == 0, b_total, 0.0)  # [C, 1]
             else:
-                b_dlog += b_pairs
+                b_y = _cumsum(b_m, axis=0, reverse=True)  # [s, r]: over t >= s
+                b_pairs = tl.expand_dims(tl.sum(tl.where(read, b_y, 0.0), axis=1), 1)
+                if FOLDED:
+                    b_dlog = b_pairs
+                else:
+                    b_dlog += b_pairs
     tl.store(DQ + p_qk, b_dq.to(DQ.dtype.element_ty), mask=m_qk)
     tl.store(DK + p_qk, b_dk.to(DK.dtype.element_ty), mask=m_qk)
     if LOG_GRADS:

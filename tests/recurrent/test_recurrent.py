@@ -425,6 +425,28 @@ def test_gates_held_fixed(case, held, platform, monkeypatch):
     assert platform != "triton" or [kw["LOG_GRADS"] for _, _, kw in seen] == [want], seen
 
 
+TOTAL_CASES = (  # g_gamma alone, 16-bit (the folded scan): bf16 packed sequences (an empty one, ends inside chunks)
+    # reversed with an initial state, K whole; f16 dense, GQA, K in two blocks (TF32 products), T past the last chunk
+    Case("lightning_attention", ("g_gamma",), dtype="bfloat16", shape=(1, 40, 2, 1, 16, 16), chunk=16,
+         cu=(0, 17, 17, 36), h0=True, reverse=True),
+    Case("lightning_attention", ("g_gamma",), dtype="float16", shape=(1, 40, 4, 2, 80, 16), chunk=16),
+)
+
+
+@pytest.mark.parametrize("case", TOTAL_CASES, ids=[c.id for c in TOTAL_CASES])
+def test_triton_gamma_total(case, monkeypatch):
+    """host.GAMMA_TOTAL the other way round (g_gamma alone: each chunk's whole share of its log gradient, the folded
+    matrix's terms weighted by the steps that read them, or the per-step scan): o, final_state and every gradient,
+    g_gamma's included, against the oracle, and the spy shows chunk_grads_qk took that form."""
+    from ejgen.runtime.recurrent.triton import host
+
+    total = not host.GAMMA_TOTAL
+    seen = launched_with(monkeypatch, "TOTAL")
+    monkeypatch.setattr(host, "GAMMA_TOTAL", total)
+    check(case, "triton")
+    assert [kw["TOTAL"] for _, _, kw in seen] == [total], seen
+
+
 GATED_CASES = (  # gk with the gates' sums: bf16 packed sequences (an empty one, ends inside chunks) reversed with an
     # initial state; dense, GQA, K in two blocks of chunk_output (T past the last whole chunk). bf16 inputs: the
     # products' operands bf16 (the chunk_products setting's auto), the form's condition (host.gated_q)

@@ -168,6 +168,19 @@ def test_triton_scalar_gates_held_fixed(case):
     check(case, "triton", fixed=tuple(n for n in ("g", "g_gamma") if n in case.gates))
 
 
+TOTAL = [c for c in CASES if c.algorithm == "chunked" and c.gates == ("g_gamma",) and c.dtype != "float32"]
+
+
+@pytest.mark.parametrize("case", TOTAL, ids=[c.id for c in TOTAL])
+def test_triton_gamma_total(case, monkeypatch):
+    """host.GAMMA_TOTAL the other way round (g_gamma alone: each chunk's whole share of its log gradient, or the
+    per-step scan), against the oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "GAMMA_TOTAL", not host.GAMMA_TOTAL)
+    check(case, "triton")
+
+
 FIXED = [c for c in CASES if c.algorithm == "chunked" and c.gates == ("g_gamma",)]
 
 

@@ -110,6 +110,10 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "log_grads": False,  # the scalar gates held fixed (RecurrentConfig.log_grads): 171 registers on
                   "with_resources": True}  # 3.6 against 216
                  for name, gates in [("lightning_attention", ("g_gamma",)), ("simple_gla", ("g", "g_gamma"))]]
+    requests += [{"recurrent": True, "package": "ejgen.generated", "name": "lightning_attention", "capability": 90,
+                  "gates": ("g_gamma",), "kernels": ["chunk_grads_qk"], "states": "bfloat16", "products": "bfloat16",
+                  "dk": 128, "dv": 128, "gamma_total": not host.GAMMA_TOTAL,  # g_gamma's whole share a chunk, or
+                  "with_resources": True}]                                      # its scan (host.GAMMA_TOTAL)
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90, "gates": ("gk",),
                   "kernels": ["chunk_intra", "chunk_output"], "states": "bfloat16", "products": "bfloat16",
                   "gated_q": not host.GATED_Q,  # q ⊙ e^{P} from chunk_intra or formed in chunk_output (host.GATED_Q)

@@ -776,6 +776,15 @@ def grads_qk_form(dtype, products: str, gates, dk: int, dv: int,
             *tiles("chunk_grads_qk", dk, dv, GRADS_QK_SCALAR_TILES if whole else None))
 
 
+# g_gamma alone (Lightning attention, RetNet) learned: the host sums its per-step log gradient over every step, so
+# chunk_grads_qk can form each chunk's whole share instead (the kernels' TOTAL, `_reading_steps`): each term of the
+# folded [C, C] matrix once, times the number of the chunk's steps that read it, no reverse scan and row sums (a
+# helper's static study of sm_90 SASS, Triton 3.6, session 32: -16% instructions a warp, shuffles 278 -> 47, 232
+# registers against 216; the scan block was 665 instructions of 2866). Every term a direct sum still (docs/DESIGN.md
+# §3 linear recurrent, "Gates' gradients"). Built in session 32, NOT GPU-timed: off.
+GAMMA_TOTAL = False
+
+
 def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, sums=None, groups=None):
     """(dq, dk of the mapped q and k per query head, float32, or q's dtype where ``_direct``; the key side's log decay
     gradient, DLOG [B, T, H, K] with gk, else a part per block of K [NK, B, T, H, 1], or None) of every chunk from its
@@ -801,7 +810,8 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
         zeroed=(0, 1) + ((2,) if log_grads else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
         SUMS=sums is not None, SP=_products(cfg), GROUP=groups[0][2] if groups else 0,
         NG=groups[0][3] if groups else 1, AFTER=after_stored(q, cfg), FOLD=fold,
-        BLOCKS_FIRST=blocks_first(cfg.gates), LOG_GRADS=log_grads, **options,
+        BLOCKS_FIRST=blocks_first(cfg.gates), LOG_GRADS=log_grads,
+        TOTAL=GAMMA_TOTAL and fold and log_grads and decay_is_fixed(cfg), **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return dq, dk, dlog if log_grads else None
 
