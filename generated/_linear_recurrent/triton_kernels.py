@@ -46,6 +46,15 @@ FEATURE_MAP = tl.constexpr(False)  # the spec maps q and k (where MAP asks)
 
 
 @triton.jit
+def _exp(x):
+    """e^x as 2^(x log2 e) in a flush-to-zero ex2 (ex2.approx.ftz.f32, one MUFU on sm_90): tl.exp forms the same
+    product but a non-flush-to-zero ex2.approx.f32, which ptxas widens to ~7 instructions (a range check, two
+    scalings) to keep results below 2^-126, decays no sum here can tell from 0 (the helper studies of chunk_output and
+    chunk_grads_qk, session 32: 18% of chunk_output's instructions a warp)."""
+    return tl.exp2(x * LOG2E)
+
+
+@triton.jit
 def _feature_map(x):
     """No feature map: the identity."""
     return x
@@ -82,15 +91,15 @@ def _decay(b_h, G, GK, GV, row, i_h, b_gamma, o_k, o_v, m_k, m_v, H: tl.constexp
            V: tl.constexpr, USE_G: tl.constexpr, USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, USE_GV: tl.constexpr):
     """D_t ⊙ S: the state decayed by step `row`'s gates."""
     if USE_G:
-        b_h = b_h * tl.exp(_gate_map(tl.load(G + row * H + i_h)))
+        b_h = b_h * _exp(_gate_map(tl.load(G + row * H + i_h)))
     if USE_GAMMA:
-        b_h = b_h * tl.exp(b_gamma)
+        b_h = b_h * _exp(b_gamma)
     if USE_GK:
         b_gk = _gate_map(tl.load(GK + (row * H + i_h) * K + o_k, mask=m_k, other=0.0))  # [BK]
-        b_h = b_h * tl.exp(b_gk)[:, None]
+        b_h = b_h * _exp(b_gk)[:, None]
     if USE_GV:
         b_gv = _gate_map(tl.load(GV + (row * H + i_h) * V + o_v, mask=m_v, other=0.0))  # [BV]
-        b_h = b_h * tl.exp(b_gv)[None, :]
+        b_h = b_h * _exp(b_gv)[None, :]
     return b_h
 
 
@@ -610,13 +619,13 @@ def _advance(b_h, b_x, b_y, b_sums, b_decay, DT: tl.constexpr):
     y [C, BV], the log gates' sums [C, BK | 1] and the chunk's decay e^{L_C} as a column [BK | 1, 1]. The state:
     S' = diag(e^{L_C}) S + sum_j (k_j e^{L(j, C]})ᵀ v_j (`chunk_state`, `chunk_fused_fwd`); the adjoint:
     dS_start = diag(e^{L_C}) dS_end + sum_t (q_t e^{L(start, t]})ᵀ do_t (`chunk_state_bwd`)."""
-    return b_h * b_decay + _dot(tl.trans(b_x * tl.exp(b_sums)), b_y, DT)
+    return b_h * b_decay + _dot(tl.trans(b_x * _exp(b_sums)), b_y, DT)
 
 
 @triton.jit
 def _chunk_decay(b_l):
     """[BK | 1, 1]: e^{L_C}, the chunk's decay of each row of the state, from its log gates b_l [C, BK | 1]."""
-    return tl.trans(tl.exp(tl.sum(b_l, axis=0, keep_dims=True)))
+    return tl.trans(_exp(tl.sum(b_l, axis=0, keep_dims=True)))
 
 
 @triton.jit
@@ -668,7 +677,7 @@ def _total_at(LS, chunk, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, USE_GK
 @triton.jit
 def _chunk_decay_at(LS, chunk, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, USE_GK: tl.constexpr = True):
     """`_chunk_decay` from `chunk_sums`' L_C: [BK | 1, 1]."""
-    return tl.exp(_total_at(LS, chunk, i_h, o_k, m_k, H, K, USE_GK))[:, None]
+    return _exp(_total_at(LS, chunk, i_h, o_k, m_k, H, K, USE_GK))[:, None]
 
 
 @triton.jit
@@ -830,8 +839,8 @@ def _advance_v_gated(b_h, K_, V_, PS, LS, rows, m_s, chunk, i_h, i_hk, o_k, m_k,
         b_t = tl.load(LS + chunk.to(tl.int64))  # L_C
         b_p = tl.load(PS + rows * H + i_h, mask=m_s, other=0.0)  # [C]
     b_v = tl.load(V_ + (rows[:, None] * HKV + i_hk) * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
-    b_vs = (b_v.to(tl.float32) * tl.exp(tl.where(m_s, b_t - b_p, 0.0))[:, None]).to(DT)
-    return _dot_acc(_load_t(K_, rows, m_s, i_hk, o_k, m_k, HKV, K), b_vs, b_h * tl.exp(b_t))
+    b_vs = (b_v.to(tl.float32) * _exp(tl.where(m_s, b_t - b_p, 0.0))[:, None]).to(DT)
+    return _dot_acc(_load_t(K_, rows, m_s, i_hk, o_k, m_k, HKV, K), b_vs, b_h * _exp(b_t))
 
 
 @triton.jit
@@ -846,8 +855,8 @@ def _retreat_do_gated(b_dh, Q, DO, PS, LS, rows, m_s, chunk, i_h, o_k, m_k, o_v,
     b_lc = tl.load(LS + chunk.to(tl.int64))  # L_C
     b_p = tl.load(PS + rows * H + i_h, mask=m_s, other=0.0)  # [C]
     b_do = tl.load(DO + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
-    b_ds = (b_do.to(tl.float32) * (tl.exp(tl.where(m_s, b_p, tl.minimum(b_lc, 0.0))) * SCALE)[:, None]).to(DT)
-    return _dot_acc(_load_t(Q, rows, m_s, i_h, o_k, m_k, H, K), b_ds, b_dh * tl.exp(b_lc))
+    b_ds = (b_do.to(tl.float32) * (_exp(tl.where(m_s, b_p, tl.minimum(b_lc, 0.0))) * SCALE)[:, None]).to(DT)
+    return _dot_acc(_load_t(Q, rows, m_s, i_h, o_k, m_k, H, K), b_ds, b_dh * _exp(b_lc))
 
 
 @triton.jit
@@ -937,7 +946,7 @@ def linear_recurrent_chunk_state_kernel(
             b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
             b_after_n, b_decay_n = _walk_sums(RS if AFTER else PS, LS, bos, eos, first, i_t + 1, i_h, o_k, m_k, H, K,
                                               C, USE_GK, REVERSE, not AFTER)
-            b_h = _advance(b_h, b_k, b_v, b_after, tl.exp(b_decay)[:, None], DT)
+            b_h = _advance(b_h, b_k, b_v, b_after, _exp(b_decay)[:, None], DT)
             if GROUP > 0:
                 b_dc += b_decay
             b_after, b_decay = b_after_n, b_decay_n
@@ -981,7 +990,7 @@ def linear_recurrent_chunk_state_groups_kernel(
             b_d = tl.load(GD + at * K + o_k, mask=m_k, other=0.0)
         else:
             b_d = tl.load(GD + at + tl.zeros([1], dtype=tl.int64))
-        b_h = b_h * tl.exp(b_d)[:, None] + tl.load(GE + at * K * V + p_h, mask=m_h, other=0.0)
+        b_h = b_h * _exp(b_d)[:, None] + tl.load(GE + at * K * V + p_h, mask=m_h, other=0.0)
     tl.store(HT + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
 
 
@@ -1101,13 +1110,13 @@ def linear_recurrent_chunk_intra_kernel(
                                    USE_GAMMA, USE_GK, REVERSE, FAST)
             if GATED_Q:  # chunk_output's operand q ⊙ e^{P}, as it would form it (P_i read, not P_b + L(b, i])
                 rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
-                b_qg = b_q * tl.exp(_sums_at(PS, rows_i, m_i, i_h, o_k, m_k, H, K))
+                b_qg = b_q * _exp(_sums_at(PS, rows_i, m_i, i_h, o_k, m_k, H, K))
                 tl.store(QG + (rows_i[:, None] * H + i_h) * K + o_k[None, :], b_qg.to(QG.dtype.element_ty),
                          mask=m_i[:, None] & m_k[None, :])
             if FAST:
-                b_qb = b_q * tl.exp(b_li)  # q e^{L(b, i]}
+                b_qb = b_q * _exp(b_li)  # q e^{L(b, i]}
             else:
-                b_qb = b_q * tl.exp(_cumsum(b_li, axis=0))
+                b_qb = b_q * _exp(_cumsum(b_li, axis=0))
             if not FAST:
                 b_dec = tl.zeros([1, BK], dtype=tl.float32)  # the log gates of the sub-chunks between J and I
             for back in range(0, i_i):
@@ -1116,11 +1125,11 @@ def linear_recurrent_chunk_intra_kernel(
                 if FAST:  # L(j, b] = P_b - P_j
                     rows_j, m_j = _steps(bos, eos, i_t * C + i_j * BC, BC, REVERSE)
                     b_pj = _sums_at(PS, rows_j, m_j, i_h, o_k, m_k, H, K)
-                    b_kb = b_k * tl.exp(tl.where(m_j[:, None], b_pb - b_pj, 0.0))  # k_j e^{L(j, b]}
+                    b_kb = b_k * _exp(tl.where(m_j[:, None], b_pb - b_pj, 0.0))  # k_j e^{L(j, b]}
                 else:
                     b_l = _sub_log(G, GAMMA, GK, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, H, K, BC, USE_G,
                                    USE_GAMMA, USE_GK, REVERSE)
-                    b_kb = b_k * tl.exp(_after(b_l) + b_dec)  # k_j e^{L(j, b]}
+                    b_kb = b_k * _exp(_after(b_l) + b_dec)  # k_j e^{L(j, b]}
                     b_dec += tl.sum(b_l, axis=0, keep_dims=True)
                 b_blk = _dot_state(b_qb, tl.trans(b_kb), DT)
                 b_row += tl.where(o_j[None, :, None] == i_j, tl.expand_dims(b_blk, 1), 0.0)
@@ -1186,7 +1195,7 @@ def _intra_scalar(b_a, b_l, b_p, o_c, m_s, GATED: tl.constexpr, DT: tl.constexpr
     there overflowed, and the zero row times e^{+1300} was a NaN row that dk's Wᵀ q carried into every key."""
     lower = (o_c[:, None] >= o_c[None, :]) & m_s[:, None]
     if GATED:
-        b_a = b_a * tl.exp(tl.where(lower, _segsum(b_l, b_p, o_c, DT), 0.0))
+        b_a = b_a * _exp(tl.where(lower, _segsum(b_l, b_p, o_c, DT), 0.0))
     return tl.where(lower, b_a, 0.0)
 
 
@@ -1205,7 +1214,7 @@ def _intra_scalar_t(b_at, b_l, b_p, o_c, GATED: tl.constexpr, DT: tl.constexpr):
         else:
             p = tl.reshape(b_p, [b_p.shape[0]])
             b_x = p[None, :] - p[:, None]
-        b_at = b_at * tl.exp(tl.where(upper, b_x, 0.0))
+        b_at = b_at * _exp(tl.where(upper, b_x, 0.0))
     return tl.where(upper, b_at, 0.0)
 
 
@@ -1222,7 +1231,7 @@ def _grouped_state(b_s, GS, DC, i_cg, i_n, i_t, i_h, o_k, m_k, o_v, m_v, H: tl.c
         b_dc = tl.load(DC + (i_cg * H + i_h).to(tl.int64) + tl.zeros([1], dtype=tl.int64))
     at = ((i_n * NG + i_t // GROUP) * H + i_h).to(tl.int64)
     b_g = tl.load(GS + at * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-    return b_s.to(tl.float32) + tl.exp(b_dc)[:, None] * b_g
+    return b_s.to(tl.float32) + _exp(b_dc)[:, None] * b_g
 
 
 @triton.jit
@@ -1277,10 +1286,10 @@ def linear_recurrent_chunk_output_kernel(
         elif USE_GK:
             b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
             if SUMS:
-                b_q = b_q * tl.exp(_sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K))
+                b_q = b_q * _exp(_sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K))
             else:
                 b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-                b_q = b_q * tl.exp(_cumsum(b_l, axis=0))
+                b_q = b_q * _exp(_cumsum(b_l, axis=0))
         else:
             b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
             if K_AS_LOADED:
@@ -1302,7 +1311,7 @@ def linear_recurrent_chunk_output_kernel(
         elif SUMS and not AHEAD:
             b_p = _sums_at(PS, rows, m_s, i_h, o_c, m_s, H, K, USE_GK)  # [C, 1]
         if GATED:
-            b_o = b_o * tl.exp(b_p)
+            b_o = b_o * _exp(b_p)
         b_a = _intra_scalar(b_a, b_l, b_p, o_c, m_s, GATED, DT) * SCALE
     if not AHEAD:
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
@@ -1350,13 +1359,13 @@ def linear_recurrent_chunk_fused_fwd_kernel(
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
         b_q = _load_qk(Q, rows, m_s, i_h, o_k, m_k, H, K, MAP)  # [C, BK]
         if USE_GK:
-            b_o = _dot_state(b_q * tl.exp(_cumsum(b_l, axis=0)), b_h, DT)
+            b_o = _dot_state(b_q * _exp(_cumsum(b_l, axis=0)), b_h, DT)
             b_a = _load_a(A, first + i_t, i_h, o_c, H, C)
         else:
             b_o = _dot_state(b_q, b_h, DT)
             b_p = _cumsum(b_l, axis=0)
             if GATED:  # e^{P} on the rows of q S: q meets the state's product exact
-                b_o = b_o * tl.exp(b_p)
+                b_o = b_o * _exp(b_p)
             b_a = _dot(b_q, tl.trans(_load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)), DT)
             b_a = _intra_scalar(b_a, b_l, b_p, o_c, m_s, GATED, DT) * SCALE
         b_o = b_o * SCALE + _dot(b_a, b_v, DT)
@@ -1416,7 +1425,7 @@ def linear_recurrent_chunk_state_bwd_kernel(
             b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
             b_pre_n, b_decay_n = _walk_sums(PS, LS, bos, eos, first, i_t - 1, i_h, o_k, m_k, H, K, C, USE_GK,
                                             REVERSE)
-            b_dh = _advance(b_dh, b_q, b_do, b_pre, tl.exp(b_decay)[:, None], DT)
+            b_dh = _advance(b_dh, b_q, b_do, b_pre, _exp(b_decay)[:, None], DT)
             if GROUP > 0:
                 b_dc += b_decay
             b_pre, b_decay = b_pre_n, b_decay_n
@@ -1682,14 +1691,14 @@ def linear_recurrent_chunk_grads_intra_kernel(
         b_kj = _sub(K_, bos, eos, i_t * C + i_j * BC, i_hk, o_k, m_k, HKV, K, BC, REVERSE, MAP)
         b_lj, b_dec = _grads_log(G, GAMMA, GK, PS, bos, eos, i_t * C + i_j * BC, i_h, o_k, m_k, b_dec, b_pb, H, K,
                                  BC, USE_G, USE_GAMMA, USE_GK, REVERSE, FAST, 0)
-        b_kb = _rounded(b_kj * tl.exp(b_lj), DT)  # k_r e^{L(r, b]}
+        b_kb = _rounded(b_kj * _exp(b_lj), DT)  # k_r e^{L(r, b]}
         b_y += _dot_rounded(_rounded(tl.load(p_da + (i_i * BC) * C + i_j * BC + p_blk), DT), b_kb, DT)
         b_run = b_tot  # L(b, start of J'): I and the sub-chunks between I and J'
         for i_o in range(i_i + 1, NSUB):  # the sub-chunks J' after I
             b_lo, b_run = _grads_log(G, GAMMA, GK, PS, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, b_run, b_pb,
                                      H, K, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, FAST, 1)
             b_qo = _sub(Q, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)
-            b_qb = b_qo * tl.exp(b_lo)  # q_t e^{L(b, t]}
+            b_qb = b_qo * _exp(b_lo)  # q_t e^{L(b, t]}
             b_z = _dot_rounded(_rounded(tl.load(p_da + (i_o * BC) * C + i_j * BC + p_blk), DT), b_kb, DT)
             b_span += tl.sum(b_qb * b_z, axis=0, keep_dims=True)
     b_x = tl.zeros_like(b_y)  # by r in I: sum over t after I of dA_tr q_t e^{L(e, t]}
@@ -1698,7 +1707,7 @@ def linear_recurrent_chunk_grads_intra_kernel(
         b_lo, b_run = _grads_log(G, GAMMA, GK, PS, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, b_run, b_pe, H, K, BC,
                                  USE_G, USE_GAMMA, USE_GK, REVERSE, FAST, 1)
         b_qo = _sub(Q, bos, eos, i_t * C + i_o * BC, i_h, o_k, m_k, H, K, BC, REVERSE, MAP)
-        b_qe = b_qo * tl.exp(b_lo)  # q_t e^{L(e, t]}
+        b_qe = b_qo * _exp(b_lo)  # q_t e^{L(e, t]}
         b_dat = tl.load(p_da + (i_o * BC) * C + i_i * BC + o_r[None, :] * C + o_r[:, None])  # [r, t]: dA_tr
         b_x += _dot_rounded(_rounded(b_dat, DT), _rounded(b_qe, DT), DT)
     # I's own rows read here, not held through the loops above (they held 32 bytes of registers too many)
@@ -1708,7 +1717,7 @@ def linear_recurrent_chunk_grads_intra_kernel(
     # L(b, t] log2 e: prefix sums inside I, each gate scaled before the sum (both sides of `_intra_grads`' differences
     # add the same numbers); b_x by L(r, e], the sums after r inside I
     b_p = _cumsum(b_li * LOG2E, axis=0)
-    b_dq, b_dk, b_dlog = _intra_grads(b_y * tl.exp2(b_p), b_x * tl.exp(_after(b_li)), b_span, b_q, b_k, b_p,
+    b_dq, b_dk, b_dlog = _intra_grads(b_y * tl.exp2(b_p), b_x * _exp(_after(b_li)), b_span, b_q, b_k, b_p,
                                       p_da + (i_i * BC) * C + i_i * BC, Q, K_, G, GAMMA, GK, bos, eos, first, i_h,
                                       i_hk, o_k, m_k, o_r, H, HKV, K, C, BC, USE_G, USE_GAMMA, USE_GK, REVERSE, MAP, DT)
     rows_i, m_i = _steps(bos, eos, first, BC, REVERSE)
@@ -1782,16 +1791,16 @@ def linear_recurrent_chunk_grads_qk_kernel(
     if SUMS:  # the gates' sums from `chunk_sums`; e^{L_C} as a row [1, BK | 1]
         b_pre = _sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
         b_after = _after_at(PS, RS, LS, i_cg, rows, m_s, i_h, o_k, m_k, H, K, USE_GK, AFTER)
-        b_end = tl.exp(_total_at(LS, i_cg, i_h, o_k, m_k, H, K, USE_GK))[None, :]
+        b_end = _exp(_total_at(LS, i_cg, i_h, o_k, m_k, H, K, USE_GK))[None, :]
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
         if GATED:
             b_pre, b_after = _cumsum(b_l, axis=0), _after(b_l)
-            b_end = tl.exp(tl.sum(b_l, axis=0, keep_dims=True))
+            b_end = _exp(tl.sum(b_l, axis=0, keep_dims=True))
     FOLDED: tl.constexpr = FOLD and not USE_GK
     if GATED:
-        b_dq = b_dq * tl.exp(b_pre)
-        b_dk = b_dk * tl.exp(b_after)
+        b_dq = b_dq * _exp(b_pre)
+        b_dk = b_dk * _exp(b_after)
     if LOG_GRADS:
         if FOLDED:  # the three terms join the pairs' [C, C] scan below (`_folded`)
             b_qdq = tl.sum(b_q * b_dq, axis=1)  # [C]
@@ -1884,10 +1893,10 @@ def linear_recurrent_chunk_grads_v_kernel(
         m_k = o_k < K
         b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)  # [C, BK]
         if USE_GK and SUMS:
-            b_k = b_k * tl.exp(_after_at(PS, RS, LS, i_cg, rows, m_s, i_h, o_k, m_k, H, K, USE_GK, AFTER))
+            b_k = b_k * _exp(_after_at(PS, RS, LS, i_cg, rows, m_s, i_h, o_k, m_k, H, K, USE_GK, AFTER))
         elif USE_GK:
             b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)
-            b_k = b_k * tl.exp(_after(b_l))
+            b_k = b_k * _exp(_after(b_l))
         elif Q_AS_LOADED:
             b_at += _dot(b_k, _load_t(Q, rows, m_s, i_h, o_k, m_k, H, K), DT)
         else:
@@ -1909,7 +1918,7 @@ def linear_recurrent_chunk_grads_v_kernel(
         elif not GRADS_AHEAD:
             b_r = _after_at(PS, RS, LS, i_cg, rows, m_s, i_h, o_c, m_s, H, K, USE_GK, AFTER)  # [C, 1]
         if GATED:
-            b_dv = b_dv * tl.exp(b_r)
+            b_dv = b_dv * _exp(b_r)
         b_at = _intra_scalar_t(b_at, b_l, -b_r, o_c, GATED, DT) * SCALE  # -R: P less the chunk's sum
     if not GRADS_AHEAD:
         b_do = _load_v(DO, rows, m_s, i_h, o_v, m_v, H, V)  # [C, BV]
