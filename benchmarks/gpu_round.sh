@@ -533,8 +533,9 @@ declare -A PRESETS=(
   [s32e]="0:rec-tests,fla,rec-bench"  # REC_TESTS_K="triton and chunked and gk": GATED_Q and BLOCKS_FIRST on for gk;
   # the table with o returned by every fwd+bwd (before, XLA dropped chunk_output there: nothing read its o)
   # session 32 left: the scalar gates held fixed (RecurrentConfig.log_grads; lightning's fla comparison, whose backward
-  # forms no g_gamma gradient: rec-bench's "ejgen-triton-fixed-decay" rows), and chunk_grads_qk's three stages
-  # (helper study: both blocks of V in flight; time GRADS_QK_SCALAR_TILES (128, 64, 8, 3) with rec-sweep-long)
+  # forms no g_gamma gradient: rec-bench's "ejgen-triton-fixed-decay" rows), g_gamma's total (host.GAMMA_TOTAL),
+  # chunk_grads_qk at 3 stages and the scalar gates' chunk_output at fla's launch and at 4 warps (the helper studies'
+  # rows in the held-gates job's tables; flip what wins at both shapes), then the table against fla
   [s33a]="0:held-gates,fla,rec-bench"
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)

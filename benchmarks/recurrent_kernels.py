@@ -238,6 +238,11 @@ def stages(op_name, b, t, h, d):
     if out_grid[1] > 1:  # blocks of V: their other order in the grid
         add(f"chunk_output, {BLOCKS_NAMED[not b_first]}", switched(b_other, output), q, k, v, gates,
             hs, a, fwd_sums, qg, grid=host._blocks_grid(*out_grid, not b_first), which="chunk_output")
+    if not cfg.has("gk"):  # the scalar gates' output kernel at other launches (the session 32 helper study)
+        for named, values in output_launches():
+            add(f"chunk_output, {named}", switched(values, output), q, k, v, gates, hs, a, fwd_sums, qg,
+                grid=host._blocks_grid(*out_grid, b_first), which="chunk_output",
+                launch=values["CHUNKED"]["chunk_output"])
     if cfg.has("gk") and gated_other != gated:
         add(f"chunk_output, {GATED_NAMED[gated_other]}", output, q, k, v, gates, hs, a, fwd_sums, qg_other,
             grid=host._blocks_grid(*out_grid, b_first), which="chunk_output")
@@ -339,6 +344,9 @@ def stages(op_name, b, t, h, d):
             return o, vjp((do, jnp.zeros_like(ht)))
 
         add("op fwd+bwd, the gates held fixed", fwd_bwd_held, q, k, v, g, do)
+    if not cfg.has("gk"):
+        for named, values in output_launches():
+            add(f"op fwd, chunk_output {named}", switched(values, fwd), q, k, v, g)
     if cfg.has("gk") and gated_other != gated:
         add(f"op fwd, {GATED_NAMED[gated_other]}", flipped("GATED_Q", fwd), q, k, v, g)
         add(f"op fwd+bwd, {GATED_NAMED[gated_other]}", flipped("GATED_Q", fwd_bwd), q, k, v, g, do)
@@ -411,6 +419,18 @@ def qk_forms(cfg):
     """GRADS_QK_FORMS that change a call of ``cfg``'s launch (g_gamma's total with g_gamma alone)."""
     return [(named, values) for named, values in GRADS_QK_FORMS
             if "GAMMA_TOTAL" not in values or host.decay_is_fixed(cfg)]
+
+
+def output_launches():
+    """chunk_output's other launches for a scalar gate (the session 32 helper study of it against fla's
+    chunk_fwd_kernel_o, whose Hopper autotune almost surely takes 64, 64, 4 warps, 3 stages): fla's launch with v read
+    after the K loop (both blocks of K in flight, v last: 126 registers, 72 KB on sm_90), and 4 warps at 2 stages (128
+    registers, 56 KB: 4 CTAs an SM)."""
+    def launch(tiles, ahead):
+        return {"CHUNKED": {**host.CHUNKED, "chunk_output": tiles}, "OUTPUT_AHEAD": ahead}
+
+    return [("4 warps, 3 stages, reads after the K loop (fla's launch)", launch(host.Tiles(64, 64, 4, 3), False)),
+            ("4 warps, 2 stages", launch(host.Tiles(64, 64, 4, 2), host.OUTPUT_AHEAD))]
 
 
 REWALK = {"STATE_GROUPS": True, "STATE_GROUP_FORM": "rewalk"}
