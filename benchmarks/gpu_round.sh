@@ -24,8 +24,8 @@
 #   ncu-out        Nsight Compute of chunk_output (NCU_OUT_OPS, the default form): stalls, memory, source counters
 #   blocks-first-tests  the GPU tests of host.BLOCKS_FIRST (a chunk's blocks side by side in the grid)
 #   fixed-decay-tests   the GPU tests of host.FIXED_DECAY_SUMS (g_gamma alone: its sums formed in the kernels)
-#   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed) and of g_gamma's total,
-#                  then their rows and chunk_grads_qk's 3 stages
+#   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
+#                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
 #   gated-q        the GPU tests of host.GATED_Q (chunk_intra's q ⊙ e^P for gla's chunk_output), then gla's rows
 #   fla-profile    fla's B4 T4096 cases, then each one's kernels under torch.profiler (us a call by kernel)
 #   fla            flash-linear-attention's times (recurrent_fla.py; its autotune comes back as fla_tuned.tgz)
@@ -182,7 +182,7 @@ j_held-gates() {  # the scalar gates held fixed (chunk_grads_qk without the log 
   # (host.GAMMA_TOTAL), session 32, not yet GPU-run: their GPU tests, then the rows ("chunk_grads_qk, the gates held
   # fixed", "..., 3 stages", "..., g_gamma's total" and their "op fwd+bwd" rows) of simple_gla and lightning at both
   # shapes (flip GAMMA_TOTAL where lightning's op fwd+bwd wins at both)
-  shards held-gates-tests 200 3 -k "held_fixed or gamma_total" tests/recurrent
+  shards held-gates-tests 200 3 -k "held_fixed or gamma_total or output_prefetch" tests/recurrent
   job held-gates 240 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
 }

@@ -426,11 +426,12 @@ def output_launches():
     chunk_fwd_kernel_o, whose Hopper autotune almost surely takes 64, 64, 4 warps, 3 stages): fla's launch with v read
     after the K loop (both blocks of K in flight, v last: 126 registers, 72 KB on sm_90), and 4 warps at 2 stages (128
     registers, 56 KB: 4 CTAs an SM)."""
-    def launch(tiles, ahead):
-        return {"CHUNKED": {**host.CHUNKED, "chunk_output": tiles}, "OUTPUT_AHEAD": ahead}
+    def launch(tiles, ahead, prefetch=False):
+        return {"CHUNKED": {**host.CHUNKED, "chunk_output": tiles}, "OUTPUT_AHEAD": ahead, "OUTPUT_PREFETCH": prefetch}
 
     return [("4 warps, 3 stages, reads after the K loop (fla's launch)", launch(host.Tiles(64, 64, 4, 3), False)),
-            ("4 warps, 2 stages", launch(host.Tiles(64, 64, 4, 2), host.OUTPUT_AHEAD))]
+            ("4 warps, 2 stages", launch(host.Tiles(64, 64, 4, 2), host.OUTPUT_AHEAD)),
+            ("8 warps, 3 stages, v after the K loop prefetched to L2", launch(host.Tiles(64, 64, 8, 3), False, True))]
 
 
 REWALK = {"STATE_GROUPS": True, "STATE_GROUP_FORM": "rewalk"}

@@ -238,7 +238,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       grads_qk_tiles: tuple | None = None, output_ahead: bool | None = None,
                       adjoint_as_loaded: bool | None = None, grads_v_ahead: bool | None = None,
                       blocks_first: bool | None = None, fixed: bool = False, gated_q: bool | None = None,
-                      log_grads: bool = True, gamma_total: bool | None = None) -> dict:
+                      log_grads: bool = True, gamma_total: bool | None = None,
+                      output_prefetch: bool | None = None) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -263,7 +264,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     host.FIXED_DECAY_SUMS (chunk_state and chunk_output then form the fixed decay's sums from γ); ``gated_q``:
     chunk_intra stores q ⊙ e^{P} in bf16 and chunk_output reads it (default: as host.GATED_Q launches these inputs);
     ``log_grads``: chunk_grads_qk forms the log gates' gradient (False: a scalar decay held fixed); ``gamma_total``:
-    g_gamma alone, its chunk's whole share of that gradient (default host.GAMMA_TOTAL)."""
+    g_gamma alone, its chunk's whole share of that gradient (default host.GAMMA_TOTAL); ``output_prefetch``:
+    chunk_output asks L2 for v's tile as it starts (default host.OUTPUT_PREFETCH)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -302,6 +304,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   GRADS_AHEAD=host.grads_v_ahead(gates) if grads_v_ahead is None else grads_v_ahead,
                   BLOCKS_FIRST=host.blocks_first(gates) if blocks_first is None else blocks_first)
     consts["LOG_GRADS"] = log_grads and bool(set(gates) & {"g", "g_gamma", "gk"})
+    consts["PREFETCH"] = host.OUTPUT_PREFETCH if output_prefetch is None else output_prefetch
     consts["TOTAL"] = ((host.GAMMA_TOTAL if gamma_total is None else gamma_total) and tuple(gates) == ("g_gamma",)
                        and consts["LOG_GRADS"])
     consts["GATED_Q"] = (gated_q if gated_q is not None else host.GATED_Q and "gk" in gates and dtype != "float32"

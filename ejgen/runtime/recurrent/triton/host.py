@@ -593,6 +593,14 @@ def _blocks_grid(per_row: int, blocks: int, rows: int, first: bool) -> tuple[int
 # 0.804 -> 0.788: on for every gate.
 OUTPUT_AHEAD = True
 
+# chunk_output's v asked of L2 as each program starts (the kernel's PREFETCH, `_prefetch_rows`: a prefetch.global.L2 a
+# 128-byte line): the session 32 helper study of the scalar gates' output kernel found three DRAM round trips in a row
+# (v's tile stored to shared memory right after its load holds back q, kᵀ and S's copies); with v read after the K
+# loop (OUTPUT_AHEAD off), prefetched, and 3 stages (both blocks of K in flight) one DRAM and one L2 trip at 80
+# registers and 72 KB (3 CTAs an SM), est. 0.30 -> 0.23-0.25 ms at simple_gla B2 T16k. Built in session 32, NOT
+# GPU-timed: off (recurrent_kernels.py's row "chunk_output, 8 warps, 3 stages, v after the K loop prefetched to L2").
+OUTPUT_PREFETCH = False
+
 
 def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None, groups=None, qg=None):
     """o [B, T, H, V] in q's dtype from the states at the chunks' starts (and with gk the intra-chunk matrices A of
@@ -609,7 +617,7 @@ def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None, group
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
         GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AHEAD=OUTPUT_AHEAD,
-        BLOCKS_FIRST=blocks_first(cfg.gates), GATED_Q=qg is not None, **options,
+        BLOCKS_FIRST=blocks_first(cfg.gates), GATED_Q=qg is not None, PREFETCH=OUTPUT_PREFETCH, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return o
 
