@@ -303,7 +303,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   AS_LOADED=host.ADJOINT_AS_LOADED if adjoint_as_loaded is None else adjoint_as_loaded,
                   GRADS_AHEAD=host.grads_v_ahead(gates) if grads_v_ahead is None else grads_v_ahead,
                   BLOCKS_FIRST=host.blocks_first(gates) if blocks_first is None else blocks_first)
-    consts["LOG_GRADS"] = log_grads and bool(set(gates) & {"g", "g_gamma", "gk"})
+    consts["LOG_GRADS"] = bool(set(gates) & {"g", "g_gamma", "gk"}) and (log_grads or "gk" in gates)  # (as the host)
     consts["PREFETCH"] = host.OUTPUT_PREFETCH if output_prefetch is None else output_prefetch
     consts["TOTAL"] = ((host.GAMMA_TOTAL if gamma_total is None else gamma_total) and tuple(gates) == ("g_gamma",)
                        and consts["LOG_GRADS"])

@@ -461,7 +461,8 @@ def _prefetch_rows(P, rows, i_h, first, HEADS: tl.constexpr, N: tl.constexpr, CO
     if not UPCAST:
         LINE: tl.constexpr = 1024 // P.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
         LINES: tl.constexpr = (COLS + LINE - 1) // LINE
-        p = P + (rows[:, None] * HEADS + i_h).to(tl.int64) * N + first + tl.arange(0, LINES)[None, :] * LINE
+        cols = tl.minimum(first + tl.arange(0, LINES) * LINE, N - 1)  # (within the row: the last row's end is the
+        p = P + (rows[:, None] * HEADS + i_h).to(tl.int64) * N + cols[None, :]  # array's)
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
                                   is_pure=False, pack=1)
 
