@@ -195,7 +195,7 @@ def stages(op_name, b, t, h, d):
     def walk(k, v, g, s):
         return host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s)
 
-    fixed_ok = host.decay_is_fixed(cfg)
+    fixed_ok = host.decay_is_fixed(cfg.gates)
     fwd_sums = None if host.fixed_decay(cfg) else sums  # the forward walk's and output kernel's (none: formed there)
     hs, _ = add("chunk_state", walk, k, v, gates, fwd_sums, grid=(nkv("chunk_state"), rows_h))
     if fixed_ok and sums is not None:  # a fixed decay's sums: the other form
@@ -213,8 +213,10 @@ def stages(op_name, b, t, h, d):
             host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s))), k, v, gates, sums,
             grid=(nkv("chunk_state"), rows_h, ng), which="chunk_state")
     a = qg = None
-    gated = host.gated_q(q, cfg, fwd_sums)  # chunk_intra's q ⊙ e^{P} for chunk_output as the op takes it, and the other
-    gated_other = switched({"GATED_Q": not host.GATED_Q}, lambda: host.gated_q(q, cfg, fwd_sums))()
+    def gated_q():  # chunk_intra's q ⊙ e^{P} for chunk_output as the op takes it, and the other
+        return host.gated_q(q.dtype, cfg.products, cfg.gates, fwd_sums is not None)
+
+    gated, gated_other = gated_q(), switched({"GATED_Q": not host.GATED_Q}, gated_q)()
 
     def intra(gated):
         return lambda q, k, g, s: host.chunk_intra(kernels, q, k, g, ctx, cfg, sums=s, gated=gated)
@@ -418,7 +420,7 @@ GRADS_QK_FORMS = (  # a scalar gate's chunk_grads_qk: its log decay terms in the
 def qk_forms(cfg):
     """GRADS_QK_FORMS that change a call of ``cfg``'s launch (g_gamma's total with g_gamma alone)."""
     return [(named, values) for named, values in GRADS_QK_FORMS
-            if "GAMMA_TOTAL" not in values or host.decay_is_fixed(cfg)]
+            if "GAMMA_TOTAL" not in values or host.decay_is_fixed(cfg.gates)]
 
 
 def output_launches():

@@ -303,12 +303,10 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   AS_LOADED=host.ADJOINT_AS_LOADED if adjoint_as_loaded is None else adjoint_as_loaded,
                   GRADS_AHEAD=host.grads_v_ahead(gates) if grads_v_ahead is None else grads_v_ahead,
                   BLOCKS_FIRST=host.blocks_first(gates) if blocks_first is None else blocks_first)
-    consts["LOG_GRADS"] = bool(set(gates) & {"g", "g_gamma", "gk"}) and (log_grads or "gk" in gates)  # (as the host)
+    # (TOTAL as if folded: the kernel takes it with its FOLD alone)
+    consts["LOG_GRADS"], consts["TOTAL"] = host.log_grads(gates, log_grads, True, gamma_total)
     consts["PREFETCH"] = host.OUTPUT_PREFETCH if output_prefetch is None else output_prefetch
-    consts["TOTAL"] = ((host.GAMMA_TOTAL if gamma_total is None else gamma_total) and tuple(gates) == ("g_gamma",)
-                       and consts["LOG_GRADS"])
-    consts["GATED_Q"] = (gated_q if gated_q is not None else host.GATED_Q and "gk" in gates and dtype != "float32"
-                         and products == "bfloat16" and consts["SUMS"])
+    consts["GATED_Q"] = host.gated_q(dtype, products, gates, consts["SUMS"]) if gated_q is None else gated_q
     host_fold, qk_blocks, qk_options = host.grads_qk_form(
         dtype, "bfloat16" if products == "bfloat16" else "tf32", gates, dk, dv, arch=f"sm{capability}")
     consts["FOLD"] = host_fold if fold is None else fold

@@ -1808,12 +1808,8 @@ def linear_recurrent_chunk_grads_qk_kernel(
     b_k = _load_qk(K_, rows, m_s, i_hk, o_k, m_k, HKV, K, MAP)
     if SUMS:  # the gates' sums from `chunk_sums`; e^{L_C} as a row [1, BK | 1]
         b_pre = _sums_at(PS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
-        b_total = _total_at(LS, i_cg, i_h, o_k, m_k, H, K, USE_GK)  # (P and L_C read once: `_after_at`'s R from them)
-        if AFTER:
-            b_after = _sums_at(RS, rows, m_s, i_h, o_k, m_k, H, K, USE_GK)
-        else:
-            b_after = _after_from(b_pre, b_total, m_s, m_k, USE_GK)
-        b_end = _exp(b_total)[None, :]
+        b_after = _after_at(PS, RS, LS, i_cg, rows, m_s, i_h, o_k, m_k, H, K, USE_GK, AFTER)
+        b_end = _exp(_total_at(LS, i_cg, i_h, o_k, m_k, H, K, USE_GK))[None, :]
     else:
         b_l = _key_log(G, GAMMA, GK, rows, m_s, i_h, o_k, m_k, H, K, USE_G, USE_GAMMA, USE_GK)  # [C, BK | 1]
         if GATED:

@@ -58,17 +58,17 @@ def _core(q, k, v, gates, h0, ctx, cfg, kernels):
 
 
 def _core_fwd(q, k, v, gates, h0, ctx, cfg, kernels):
-    # (symbolic zeros: the scalar log gates the differentiation perturbs ride in the residuals' structure, each a name
-    # with an empty array; a fixed decay's gradient is not formed)
+    # (symbolic zeros: whether the differentiation perturbs a scalar log gate rides in the residuals' structure, an
+    # empty array or none; a fixed decay's gradient is not formed)
     (q, k, v, gates, h0, ctx), perturbed = _recurrent.primals((q, k, v, gates, h0, ctx))
     o, ht, res = BACKENDS[kernels.platform].forward(q, k, v, gates, h0, ctx, cfg, True)
-    return (o, ht), (q, k, v, gates, h0, ctx, res, {name: jax.numpy.zeros((0,)) for name in perturbed})
+    return (o, ht), (q, k, v, gates, h0, ctx, res, (jax.numpy.zeros((0,)),) if perturbed else ())
 
 
 def _core_bwd(cfg, kernels, residuals, cotangents):
     q, k, v, gates, h0, ctx, res, perturbed = residuals
     do, dht = (_recurrent.instantiated(c) for c in cotangents)
-    cfg = _recurrent.learned(cfg, tuple(perturbed))
+    cfg = _recurrent.learned(cfg, bool(perturbed))
     dq, dk, dv, dgates, dh0 = BACKENDS[kernels.platform].backward(q, k, v, gates, h0, ctx, res, do, dht, cfg)
     return dq, dk, dv, dgates, dh0, {key: None for key in ctx}
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from ejgen.runtime.core import kernels, settings, vma
 from ejgen.runtime.core.platforms import auto_order, choose_platform  # noqa: F401 (the generated ops call it here)
-from ejgen.runtime.recurrent.config import RecurrentConfig
+from ejgen.runtime.recurrent.config import SCALAR_LOG_GATES, RecurrentConfig
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 ALGORITHMS = ("auto", "chunked", "fused")
@@ -236,25 +236,21 @@ def _products(dtype) -> str:
     return "tf32"
 
 
-SCALAR_LOG_GATES = ("g", "g_gamma")  # the gates whose gradients come from one log decay gradient per step
-
-
 def primals(args):
     """``args``, (q, k, v, gates, h0, ctx) of the op's custom_vjp forward rule (``symbolic_zeros``: each array leaf a
-    ``CustomVJPPrimal``), as (their values, the names of the scalar log gates the differentiation perturbs)."""
+    ``CustomVJPPrimal``), as (their values, whether the differentiation perturbs a scalar log gate)."""
     values = jax.tree.map(lambda p: p.value, args, is_leaf=_is_primal)
-    perturbed = tuple(name for name in SCALAR_LOG_GATES if name in args[3] and args[3][name].perturbed)
-    return values, perturbed
+    return values, any(args[3][name].perturbed for name in SCALAR_LOG_GATES if name in args[3])
 
 
 def _is_primal(x) -> bool:
     return isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
 
 
-def learned(cfg, perturbed):
-    """``cfg`` for the backward: the scalar log gates' gradients formed only where one of them is perturbed
-    (``perturbed``, `primals`' names); a gate held fixed gets a zero cotangent, which JAX drops."""
-    return dataclasses.replace(cfg, log_grads=bool(perturbed) or not any(cfg.has(n) for n in SCALAR_LOG_GATES))
+def learned(cfg, perturbed: bool):
+    """``cfg`` for the backward: the scalar log gates' gradients formed only where one of them is ``perturbed``
+    (`primals`'); gates held fixed get zero cotangents, which JAX drops."""
+    return dataclasses.replace(cfg, log_grads=perturbed)
 
 
 def instantiated(cotangent):

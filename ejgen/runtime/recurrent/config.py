@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 
+SCALAR_LOG_GATES = ("g", "g_gamma")  # the gates whose gradients come from one log decay gradient per step
+
+
 @dataclasses.dataclass(frozen=True)
 class RecurrentConfig:
     batch: int  # B of the call (1 with varlen)
@@ -27,9 +30,9 @@ class RecurrentConfig:
     # "tf32" or "bfloat16" (the chunk_products setting, resolved when the op is called, so that the backward,
     # traced later, takes the forward's choice); float32 inputs multiply in float32 whatever it says
     products: str
-    # whether the backward forms the key side's scalar log gates' gradients (g, g_gamma): False where the op's
-    # custom_vjp sees neither perturbed (a fixed decay, as Lightning attention and RetNet keep it), set by its backward
-    # (`api.learned`); with gk always formed
+    # whether the backward forms the key side's scalar log gates' gradients (SCALAR_LOG_GATES): False where the op's
+    # custom_vjp sees none of them perturbed (a fixed decay, as Lightning attention and RetNet keep it), set by its
+    # backward (`api.learned`); with gk always formed
     log_grads: bool = True
 
     def has(self, gate: str) -> bool:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ejgen.runtime.recurrent.config import SCALAR_LOG_GATES
+
 F32 = jnp.float32
 
 
@@ -64,10 +66,10 @@ def gate_grads(gates, hooks, d_key=None, d_value=None):
     out = {}
     if "gk" in gates:
         out["gk"] = _mapped_grad(hooks, gates["gk"], d_key)
-    if ("g" in gates or "g_gamma" in gates) and d_key is None:  # not formed, neither being learned
-        # (RecurrentConfig.log_grads): zeros, which JAX drops
-        out.update({name: jnp.zeros_like(gates[name]) for name in ("g", "g_gamma") if name in gates})
-    elif "g" in gates or "g_gamma" in gates:
+    scalar_gates = [name for name in SCALAR_LOG_GATES if name in gates]
+    if scalar_gates and d_key is None:  # not formed, none being learned (RecurrentConfig.log_grads): zeros, which JAX
+        out.update({name: jnp.zeros_like(gates[name]) for name in scalar_gates})  # drops
+    elif scalar_gates:
         scalar = jnp.sum(d_key, axis=3)  # [B, T, H]
         if "g" in gates:
             out["g"] = _mapped_grad(hooks, gates["g"], scalar)

@@ -312,14 +312,15 @@ def stores_after(dtype, gates) -> bool:
 FIXED_DECAY_SUMS = False
 
 
-def decay_is_fixed(cfg) -> bool:
-    """Whether the call's only key-side gate is a fixed decay (g_gamma alone: the kernels' FIXED without sums)."""
-    return cfg.has("g_gamma") and not cfg.has("g") and not cfg.has("gk")
+def decay_is_fixed(gates) -> bool:
+    """Whether a call with ``gates`` (names, as RecurrentConfig.gates) has a fixed decay for its only key-side gate
+    (g_gamma alone: the kernels' FIXED without sums)."""
+    return "g_gamma" in gates and "g" not in gates and "gk" not in gates
 
 
 def fixed_decay(cfg) -> bool:
     """Whether the forward leaves a fixed decay's sums to its kernels (FIXED_DECAY_SUMS), launching no chunk_sums."""
-    return FIXED_DECAY_SUMS and decay_is_fixed(cfg)
+    return FIXED_DECAY_SUMS and decay_is_fixed(cfg.gates)
 
 
 def chunk_sums(kernels, q, gates, ctx, cfg):
@@ -513,11 +514,11 @@ CHUNK_INTRA_PIECES = True
 GATED_Q = True
 
 
-def gated_q(q, cfg, sums) -> bool:
-    """Whether the two-pass forward's chunk_intra stores q ⊙ e^{P} for chunk_output (GATED_Q): with gk, 16-bit inputs,
-    the gates' sums (``sums``, `chunk_sums`') and bf16 products (the operand's rounding)."""
-    return (GATED_Q and cfg.has("gk") and sums is not None and jnp.dtype(q.dtype).itemsize == 2
-            and cfg.products == "bfloat16")
+def gated_q(dtype, products, gates, sums: bool) -> bool:
+    """Whether the two-pass forward's chunk_intra stores q ⊙ e^{P} for chunk_output (GATED_Q), for inputs of
+    ``dtype``, the chunk_products setting ``products`` and ``gates`` (names): with gk, 16-bit inputs, the gates' sums
+    (``sums``: `chunk_sums` ran) and bf16 products (the operand's rounding)."""
+    return GATED_Q and "gk" in gates and sums and jnp.dtype(dtype).itemsize == 2 and products == "bfloat16"
 
 
 def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, sums=None, gated=False):
@@ -652,7 +653,7 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     fused = settings.current().chunk_forward == "fused"
     # the gates' sums for chunk_intra and the two passes (the one pass reads none)
     sums = chunk_sums(kernels, q, gates, ctx, cfg) if cfg.has("gk") or not (fused or fixed_decay(cfg)) else None
-    gated = not fused and gated_q(q, cfg, sums)
+    gated = not fused and gated_q(q.dtype, cfg.products, cfg.gates, sums is not None)
     a, _, qg = chunk_intra(kernels, q, k, gates, ctx, cfg, sums=sums, gated=gated) if cfg.has("gk") else (None,) * 3
     res = {}
     if save and a is not None:
@@ -793,6 +794,14 @@ def grads_qk_form(dtype, products: str, gates, dk: int, dv: int,
 GAMMA_TOTAL = False
 
 
+def log_grads(gates, learned: bool, fold: bool, total: bool | None = None) -> tuple[bool, bool]:
+    """chunk_grads_qk's (LOG_GRADS, TOTAL) for a call with ``gates`` (names): the key side's log gates' gradient
+    formed where a scalar one is ``learned`` (RecurrentConfig.log_grads) and with gk always; g_gamma alone, ``fold``ed,
+    as each chunk's total where ``total`` (default GAMMA_TOTAL) says so."""
+    formed = bool(set(gates) & {"g", "g_gamma", "gk"}) and (learned or "gk" in gates)
+    return formed, (GAMMA_TOTAL if total is None else total) and fold and formed and decay_is_fixed(gates)
+
+
 def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, sums=None, groups=None):
     """(dq, dk of the mapped q and k per query head, float32, or q's dtype where ``_direct``; the key side's log decay
     gradient, DLOG [B, T, H, K] with gk, else a part per block of K [NK, B, T, H, 1], or None) of every chunk from its
@@ -807,21 +816,20 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
     gated = _gated(cfg)
     nk = packing.cdiv(cfg.dk, blocks["BK"])
     log = per_head + (cfg.dk,) if cfg.has("gk") else (nk,) + per_head + (1,)
-    log_grads = gated and (cfg.has("gk") or cfg.log_grads)  # (a fixed scalar decay's: none, RecurrentConfig)
+    logs, total = log_grads(cfg.gates, cfg.log_grads, fold)
     out = q.dtype if _direct(kernels, cfg) else F32
     intra = intra if intra is not None else (_dummy(),) * 3
     dq, dk, dlog = triton_call.launch(
         kernels.get("chunk_grads_qk"), _blocks_grid(per_row, nk, grid_rows * cfg.heads, blocks_first(cfg.gates)),
         [q, k, v, *ins[:3], *_sums(sums, "ps", "rs", "ls"), ins[5], chunks, hs, dhs,
          *(groups[0][:2] + groups[1][:2] if groups else [_dummy()] * 4), do, *intra],
-        [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if log_grads else (1,), F32)],
-        zeroed=(0, 1) + ((2,) if log_grads else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
+        [sds(per_head + (cfg.dk,), out), sds(per_head + (cfg.dk,), out), sds(log if logs else (1,), F32)],
+        zeroed=(0, 1) + ((2,) if logs else ()) if cfg.varlen else (), BC=SUB, ROWS=per_head[0] * per_head[1],
         SUMS=sums is not None, SP=_products(cfg), GROUP=groups[0][2] if groups else 0,
         NG=groups[0][3] if groups else 1, AFTER=after_stored(q, cfg), FOLD=fold,
-        BLOCKS_FIRST=blocks_first(cfg.gates), LOG_GRADS=log_grads,
-        TOTAL=GAMMA_TOTAL and fold and log_grads and decay_is_fixed(cfg), **options,
+        BLOCKS_FIRST=blocks_first(cfg.gates), LOG_GRADS=logs, TOTAL=total, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
-    return dq, dk, dlog if log_grads else None
+    return dq, dk, dlog if logs else None
 
 
 # chunk_grads_v's reads ahead, as chunk_output's (OUTPUT_AHEAD): do's tile and a scalar gate's R (gk: chunk_intra's A,
