@@ -24,6 +24,7 @@
 #   ncu-out        Nsight Compute of chunk_output (NCU_OUT_OPS, the default form): stalls, memory, source counters
 #   blocks-first-tests  the GPU tests of host.BLOCKS_FIRST (a chunk's blocks side by side in the grid)
 #   fixed-decay-tests   the GPU tests of host.FIXED_DECAY_SUMS (g_gamma alone: its sums formed in the kernels)
+#   s33            session 33's new defaults: the scalar gates' GPU tests, then their kernel and op rows
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
 #                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
 #   gated-q        the GPU tests of host.GATED_Q (chunk_intra's q ⊙ e^P for gla's chunk_output), then gla's rows
@@ -184,6 +185,14 @@ j_held-gates() {  # the scalar gates held fixed (chunk_grads_qk without the log 
   # shapes (flip GAMMA_TOTAL where lightning's op fwd+bwd wins at both)
   shards held-gates-tests 200 3 -k "held_fixed or gamma_total or output_prefetch" tests/recurrent
   job held-gates 240 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention \
+    --shapes 2x16384,4x4096 --rounds 2 --no-check
+}
+j_s33() {  # session 33's defaults (GAMMA_TOTAL, chunk_grads_qk's 3 stages, chunk_output's 4 warps for the scalar
+  # gates, FIXED_DECAY_SUMS outside a gradient): the scalar gates' GPU tests, then their kernel and op rows at both
+  # shapes (the "(before session 33)" rows are the old defaults)
+  shards s33-tests 240 3 -k "triton and chunked and not gk and (against_the_oracle or fixed_decay_sums or gamma_total \
+or output_at_chunked or held_fixed)" tests/recurrent
+  job s33-rows 240 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
 j_fixed-decay-tests() {  # a fixed decay's sums formed in the forward's walk and output kernel (host.FIXED_DECAY_SUMS,
@@ -537,6 +546,10 @@ declare -A PRESETS=(
   # chunk_grads_qk at 3 stages and the scalar gates' chunk_output at fla's launch and at 4 warps (the helper studies'
   # rows in the held-gates job's tables; flip what wins at both shapes), then the table against fla
   [s33a]="0:held-gates,fla,rec-bench"
+  # session 33: s33a's winners on (GAMMA_TOTAL, 3 stages, 4-warp chunk_output, FIXED_DECAY_SUMS outside a gradient):
+  # their tests and rows (s33b), then the table against fla (s33c, REC_BENCH_ARGS="--no-variants")
+  [s33b]="0:s33"
+  [s33c]="0:fla,rec-bench"
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)

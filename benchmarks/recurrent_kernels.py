@@ -196,7 +196,8 @@ def stages(op_name, b, t, h, d):
         return host.chunk_states(kernels, k, v, g, None, ctx, cfg, stored, sums=s)
 
     fixed_ok = host.decay_is_fixed(cfg.gates)
-    fwd_sums = None if host.fixed_decay(cfg) else sums  # the forward walk's and output kernel's (none: formed there)
+    # the forward walk's and output kernel's outside a gradient, as "op fwd" runs them (none: formed there)
+    fwd_sums = None if host.fixed_decay(cfg, False) else sums
     hs, _ = add("chunk_state", walk, k, v, gates, fwd_sums, grid=(nkv("chunk_state"), rows_h))
     if fixed_ok and sums is not None:  # a fixed decay's sums: the other form
         add(f"chunk_state, {FIXED_NAMED[not host.FIXED_DECAY_SUMS]}", flipped("FIXED_DECAY_SUMS", walk), k, v, gates,
@@ -234,24 +235,27 @@ def stages(op_name, b, t, h, d):
         return host.chunk_output(kernels, q, k, v, g, ctx, cfg, hs, a, s, qg=qg)
 
     out_grid = (n_c, -(-cfg.dv // blocks["chunk_output"]["BV"]), rows_h)  # (chunks, blocks of V, rows x heads)
-    add("chunk_output", output, q, k, v, gates, hs, a, fwd_sums, qg, grid=host._blocks_grid(*out_grid, b_first))
+    out_launch = host.output_launch(q.dtype, cfg.products, cfg.gates)
+    add("chunk_output", output, q, k, v, gates, hs, a, fwd_sums, qg, grid=host._blocks_grid(*out_grid, b_first),
+        launch=out_launch)
     add(f"chunk_output, {AHEAD_NAMED[not host.OUTPUT_AHEAD]}", flipped("OUTPUT_AHEAD", output), q, k, v, gates, hs, a,
-        fwd_sums, qg, grid=host._blocks_grid(*out_grid, b_first), which="chunk_output")
+        fwd_sums, qg, grid=host._blocks_grid(*out_grid, b_first), which="chunk_output", launch=out_launch)
     if out_grid[1] > 1:  # blocks of V: their other order in the grid
         add(f"chunk_output, {BLOCKS_NAMED[not b_first]}", switched(b_other, output), q, k, v, gates,
-            hs, a, fwd_sums, qg, grid=host._blocks_grid(*out_grid, not b_first), which="chunk_output")
-    if not cfg.has("gk"):  # the scalar gates' output kernel at other launches (the session 32 helper study)
+            hs, a, fwd_sums, qg, grid=host._blocks_grid(*out_grid, not b_first), which="chunk_output",
+            launch=out_launch)
+    if not cfg.has("gk") and host._gated(cfg):  # the scalar gates' output kernel at other launches
         for named, values in output_launches():
             add(f"chunk_output, {named}", switched(values, output), q, k, v, gates, hs, a, fwd_sums, qg,
                 grid=host._blocks_grid(*out_grid, b_first), which="chunk_output",
-                launch=values["CHUNKED"]["chunk_output"])
+                launch=values["OUTPUT_SCALAR_TILES"] or host.CHUNKED["chunk_output"])
     if cfg.has("gk") and gated_other != gated:
         add(f"chunk_output, {GATED_NAMED[gated_other]}", output, q, k, v, gates, hs, a, fwd_sums, qg_other,
             grid=host._blocks_grid(*out_grid, b_first), which="chunk_output")
     if fixed_ok and sums is not None:
         add(f"chunk_output, {FIXED_NAMED[not host.FIXED_DECAY_SUMS]}", flipped("FIXED_DECAY_SUMS", output), q, k, v,
             gates, hs, a, sums if host.FIXED_DECAY_SUMS else None, grid=host._blocks_grid(*out_grid, b_first),
-            which="chunk_output")
+            which="chunk_output", launch=out_launch)
     def state_bwd(q, g, do, dht, s):
         return host.chunk_state_grads(kernels, q, g, ctx, cfg, do, dht, s, stored)
 
@@ -336,17 +340,15 @@ def stages(op_name, b, t, h, d):
         g, do)
     add(f"op fwd+bwd, chunk_grads_v {AHEAD_NAMED[not v_ahead]}", switched(v_other, fwd_bwd), q, k,
         v, g, do)
-    if fixed_ok and sums is not None:
+    if fixed_ok and sums is not None:  # (outside a gradient alone: a differentiated forward keeps chunk_sums')
         add(f"op fwd, {FIXED_NAMED[not host.FIXED_DECAY_SUMS]}", flipped("FIXED_DECAY_SUMS", fwd), q, k, v, g)
-        add(f"op fwd+bwd, {FIXED_NAMED[not host.FIXED_DECAY_SUMS]}", flipped("FIXED_DECAY_SUMS", fwd_bwd), q, k, v, g,
-            do)
     if scalar_qk:  # the scalar gates held fixed (closed over: the backward forms no log gates' gradient)
         def fwd_bwd_held(q, k, v, g, do):
             (o, ht), vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, g), q, k, v)
             return o, vjp((do, jnp.zeros_like(ht)))
 
         add("op fwd+bwd, the gates held fixed", fwd_bwd_held, q, k, v, g, do)
-    if not cfg.has("gk"):
+    if not cfg.has("gk") and host._gated(cfg):
         for named, values in output_launches():
             add(f"op fwd, chunk_output {named}", switched(values, fwd), q, k, v, g)
     if cfg.has("gk") and gated_other != gated:
@@ -388,8 +390,8 @@ ADJOINT_NAMED = {True: "as loaded", False: "scaled through registers"}
 """host.ADJOINT_AS_LOADED (session 30; on since session 31): chunk_state_bwd's scalar-gate walk as the forward's."""
 
 FIXED_NAMED = {True: "a fixed decay's sums formed in the kernels", False: "a fixed decay's sums from chunk_sums"}
-"""host.FIXED_DECAY_SUMS (session 31; flat on the H200 in session 32, off): with g_gamma alone the forward's walk and
-output kernel form P and L_C from γ, no chunk_sums in the forward."""
+"""host.FIXED_DECAY_SUMS (session 31; on since session 33 for a forward outside a gradient): with g_gamma alone that
+forward's walk and output kernel form P and L_C from γ, no chunk_sums launched."""
 
 BLOCKS_NAMED = {True: "blocks of a chunk side by side", False: "chunks first"}
 """host.BLOCKS_FIRST (session 31; on for gk since session 32): chunk_output's, chunk_grads_v's and chunk_grads_qk's
@@ -402,17 +404,13 @@ AFTER_NAMED = {"never": "after sums stored", "always": "after sums from the pref
 """16-bit inputs, host.AFTER_FROM_PREFIX: chunk_sums stores the after sums ("never"), or chunk_state, chunk_grads_qk
 and chunk_grads_v form them ("always", the default since session 31; "gk" forms them for per-key gates only)."""
 
-GRADS_QK_FORMS = (  # a scalar gate's chunk_grads_qk: its log decay terms in the pairs' scan or not, by blocks of 64
-    # channels or a program a chunk (the default since session 30: folded, a program a chunk)
-    ("unfolded, blocks of K (before session 30)", {"GRADS_QK_FOLD": False, "GRADS_QK_SCALAR_TILES": None}),
+GRADS_QK_FORMS = (  # a scalar gate's chunk_grads_qk other than the default (folded, a program a chunk, 3 stages, and
+    # with g_gamma alone its chunk's whole share: sessions 30 and 33; the unfolded forms lost in sessions 30-32)
     ("folded, blocks of K", {"GRADS_QK_FOLD": True, "GRADS_QK_SCALAR_TILES": None}),
-    ("unfolded, a program a chunk", {"GRADS_QK_FOLD": False, "GRADS_QK_SCALAR_TILES": host.Tiles(128, 64, 8, 2)}),
-    # (session 32's helper study: at 2 stages the second block of V is read after the first's products and waited on
-    # at once; 3 put both in flight in the prologue: 215 registers, 120 KB on sm_90, no spill)
-    ("folded, a program a chunk, 3 stages",
-     {"GRADS_QK_FOLD": True, "GRADS_QK_SCALAR_TILES": host.Tiles(128, 64, 8, 3)}),
-    # (g_gamma alone: its chunk's whole share, host.GAMMA_TOTAL, not yet GPU-timed; a scan per step for the others)
-    ("folded, a program a chunk, g_gamma's total", {"GAMMA_TOTAL": True}),
+    ("folded, a program a chunk, 2 stages (before session 33)",
+     {"GRADS_QK_FOLD": True, "GRADS_QK_SCALAR_TILES": host.Tiles(128, 64, 8, 2)}),
+    # (g_gamma alone: a reverse scan a step, host.GAMMA_TOTAL off; the others always scan)
+    ("folded, a program a chunk, g_gamma by a scan a step (before session 33)", {"GAMMA_TOTAL": False}),
 )
 """host.GRADS_QK_FOLD / GRADS_QK_SCALAR_TILES / GAMMA_TOTAL: the rows that set them otherwise than the defaults."""
 
@@ -424,15 +422,15 @@ def qk_forms(cfg):
 
 
 def output_launches():
-    """chunk_output's other launches for a scalar gate (the session 32 helper study of it against fla's
-    chunk_fwd_kernel_o, whose Hopper autotune almost surely takes 64, 64, 4 warps, 3 stages): fla's launch with v read
-    after the K loop (both blocks of K in flight, v last: 126 registers, 72 KB on sm_90), and 4 warps at 2 stages (128
-    registers, 56 KB: 4 CTAs an SM)."""
+    """chunk_output's other launches for a scalar gate (host.OUTPUT_SCALAR_TILES: 4 warps, 2 stages since session
+    33): CHUNKED's 8 warps, fla's chunk_fwd_kernel_o launch (its Hopper autotune almost surely takes 64, 64, 4 warps,
+    3 stages) with v read after the K loop (both blocks of K in flight, v last: 126 registers, 72 KB on sm_90), and
+    8 warps at 3 stages with v prefetched to L2 (host.OUTPUT_PREFETCH)."""
     def launch(tiles, ahead, prefetch=False):
-        return {"CHUNKED": {**host.CHUNKED, "chunk_output": tiles}, "OUTPUT_AHEAD": ahead, "OUTPUT_PREFETCH": prefetch}
+        return {"OUTPUT_SCALAR_TILES": tiles, "OUTPUT_AHEAD": ahead, "OUTPUT_PREFETCH": prefetch}
 
-    return [("4 warps, 3 stages, reads after the K loop (fla's launch)", launch(host.Tiles(64, 64, 4, 3), False)),
-            ("4 warps, 2 stages", launch(host.Tiles(64, 64, 4, 2), host.OUTPUT_AHEAD)),
+    return [("8 warps, 2 stages (before session 33)", launch(None, host.OUTPUT_AHEAD)),
+            ("4 warps, 3 stages, reads after the K loop (fla's launch)", launch(host.Tiles(64, 64, 4, 3), False)),
             ("8 warps, 3 stages, v after the K loop prefetched to L2", launch(host.Tiles(64, 64, 8, 3), False, True))]
 
 
@@ -533,23 +531,27 @@ def table(title, rows, ms):
           "state kernels twice, as the op runs them)")
 
 
+SCALAR_LAUNCHES = {"chunk_grads_qk": "GRADS_QK_SCALAR_TILES", "chunk_output": "OUTPUT_SCALAR_TILES"}
+"""The kernels whose launch with a scalar gate is a host switch of its own, not CHUNKED's."""
+
+
 def sweep(op_name, stage_list, reps, rounds, batch, only=()):
     """Each kernel (of ``only``, if given) under the settings of SWEEP (the others at their defaults)."""
     defaults = dict(host.CHUNKED)
     print(f"\n{op_name}: launch settings (BK, BV, warps, stages; * = default)\n")
     print("| kernel | settings | ms |")
     print("|---|---|---|")
-    scalar_tiles = host.GRADS_QK_SCALAR_TILES
+    scalar_tiles = {which: getattr(host, name) for which, name in SCALAR_LAUNCHES.items()}
     for s in stage_list:
         if s.tiles is None or only and s.which not in only:
             continue
-        if s.which == "chunk_grads_qk" and s.name != s.which:
-            continue  # (its forms' rows set their own launch: GRADS_QK_FORMS)
-        # a scalar gate's chunk_grads_qk launches GRADS_QK_SCALAR_TILES where host.grads_qk_form takes them
-        scalar = s.which == "chunk_grads_qk" and s.tiles != defaults[s.which]
+        if s.which in SCALAR_LAUNCHES and s.name != s.which:
+            continue  # (their other forms' rows set their own launch: GRADS_QK_FORMS, output_launches)
+        # a scalar gate's chunk_grads_qk and chunk_output launch their host switch's tiles (SCALAR_LAUNCHES)
+        scalar = s.which in SCALAR_LAUNCHES and s.tiles != defaults[s.which]
         for setting in [dataclasses.astuple(s.tiles)] + SWEEP.get(s.which, []):
             if scalar:
-                host.GRADS_QK_SCALAR_TILES = host.Tiles(*setting)
+                setattr(host, SCALAR_LAUNCHES[s.which], host.Tiles(*setting))
             else:
                 host.CHUNKED[s.which] = host.Tiles(*setting)
             try:
@@ -562,7 +564,8 @@ def sweep(op_name, stage_list, reps, rounds, batch, only=()):
             mark = " *" if host.Tiles(*setting) == s.tiles else ""
             print(f"| {s.name} | {', '.join(map(str, setting[:4]))}{mark} | {shown} |", flush=True)
         host.CHUNKED[s.which] = defaults[s.which]
-        host.GRADS_QK_SCALAR_TILES = scalar_tiles
+        for which, name in SCALAR_LAUNCHES.items():
+            setattr(host, name, scalar_tiles[which])
 
 
 def main():

@@ -239,7 +239,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       adjoint_as_loaded: bool | None = None, grads_v_ahead: bool | None = None,
                       blocks_first: bool | None = None, fixed: bool = False, gated_q: bool | None = None,
                       log_grads: bool = True, gamma_total: bool | None = None,
-                      output_prefetch: bool | None = None) -> dict:
+                      output_prefetch: bool | None = None, output_tiles: tuple | None = None) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -265,7 +265,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     chunk_intra stores q ⊙ e^{P} in bf16 and chunk_output reads it (default: as host.GATED_Q launches these inputs);
     ``log_grads``: chunk_grads_qk forms the log gates' gradient (False: a scalar decay held fixed); ``gamma_total``:
     g_gamma alone, its chunk's whole share of that gradient (default host.GAMMA_TOTAL); ``output_prefetch``:
-    chunk_output asks L2 for v's tile as it starts (default host.OUTPUT_PREFETCH)."""
+    chunk_output asks L2 for v's tile as it starts (default host.OUTPUT_PREFETCH); ``output_tiles``: chunk_output's
+    launch (block_k, block_v, warps, stages; default host.output_launch's for these inputs)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -328,6 +329,9 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
         elif which == "chunk_grads_qk":
             blocks, options = (host.tiles(which, dk, dv, host.Tiles(*grads_qk_tiles)) if grads_qk_tiles
                                else (qk_blocks, qk_options))
+        elif which == "chunk_output":
+            blocks, options = host.tiles(which, dk, dv, host.Tiles(*output_tiles) if output_tiles else host.output_launch(
+                dtype, "bfloat16" if products == "bfloat16" else "tf32", gates))
         else:
             blocks, options = host.tiles(which, dk, dv)
         kernel = getattr(module, f"{name}_{which}_kernel")

@@ -158,6 +158,22 @@ def check(case: Case, platform: str, op=None, hooks: dict | None = None, seed: i
     return o, final, grads
 
 
+def check_forward(case: Case, platform: str, seed: int = 0):
+    """The case's forward outside a gradient (the op's primal: what inference runs, no residuals kept) on
+    ``platform``: o and final_state against the oracle."""
+    x, d_out, d_final = inputs(case, seed)
+    o_ref, final_ref, _ = oracle.recurrent(x, d_out, d_final, reverse=case.reverse, cu=case.cu)
+    kwargs = case.kwargs()
+    if case.cu is not None:
+        kwargs["cu_seqlens"] = jnp.asarray(np.array(case.cu, np.int32))
+    rest = {n: jnp.asarray(a) for n, a in x.items() if n not in ("query", "key", "value")}
+    o, final = getattr(generated, case.op)(*(jnp.asarray(x[n]) for n in ("query", "key", "value")), **rest,
+                                           platform=platform, **kwargs)
+    oracle.assert_close("o", o, o_ref, case.dtype)
+    oracle.assert_close("final_state", final, final_ref, case.dtype)
+    return o, final
+
+
 def check_state_untouched(case: Case, platform: str, seed: int = 5):
     """The case's forward outside a gradient (where the fused kernels write the final state into the initial state's
     buffer) on ``platform``: o and final_state against the oracle, and the caller's initial_state as it was, after an

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import recurrent_oracle as oracle
-from recurrent_cases import HOOKED_ORACLE, Case, built_ops, check, check_state_untouched, inputs, run
+from recurrent_cases import (HOOKED_ORACLE, Case, built_ops, check, check_forward, check_state_untouched, inputs,
+                             run)
 from conftest import on_path
 from ejgen import generated
 from ejgen.ops import explain
@@ -247,7 +248,7 @@ FOLD_CASES = (  # scalar gates, 16-bit inputs (float32 ones take neither form): 
 
 
 GRADS_QK_FORMS = {  # (host.GRADS_QK_FOLD, host.GRADS_QK_SCALAR_TILES): the default, and the forms before session 30
-    "folded-a-program-a-chunk": (True, (128, 64, 8, 2)),
+    "folded-a-program-a-chunk": (True, (128, 64, 8, 3)),
     "folded-blocks-of-k": (True, None),
     "unfolded-blocks-of-k": (False, None),
 }
@@ -399,6 +400,26 @@ def test_blocks_first_by_gates(monkeypatch):
         host.blocks_first(("gk",))
 
 
+def test_output_launch_by_inputs_and_gates(monkeypatch):
+    """host.output_launch: chunk_output at OUTPUT_SCALAR_TILES (4 warps) with a scalar gate alone, 16-bit inputs and
+    bf16 products; CHUNKED's (8 warps) with gk or no gate, float32 inputs (4 warps spill) or TF32 products, and for
+    every call where OUTPUT_SCALAR_TILES is None; the launch takes it."""
+    from ejgen.runtime.recurrent.triton import host
+
+    gates = [(), ("g",), ("g_gamma",), ("g", "g_gamma"), ("gk",), ("g", "gk")]
+    rule = {g: host.output_launch("bfloat16", "bfloat16", g).num_warps for g in gates}
+    assert rule == {(): 8, ("g",): 4, ("g_gamma",): 4, ("g", "g_gamma"): 4, ("gk",): 8, ("g", "gk"): 8}, rule
+    assert host.output_launch("float16", "bfloat16", ("g",)).num_warps == 4
+    assert host.output_launch("float32", "bfloat16", ("g",)).num_warps == 8
+    assert host.output_launch("bfloat16", "tf32", ("g",)).num_warps == 8
+    case = FOLD_CASES[2]  # (g_gamma alone, bf16: bf16 products, the chunk_products setting's auto)
+    seen = launched_with(monkeypatch, "GATED_Q")  # (chunk_output's and chunk_intra's constexpr)
+    check_forward(case, "triton")
+    assert [kw["num_warps"] for _, _, kw in seen] == [4], seen
+    monkeypatch.setattr(host, "OUTPUT_SCALAR_TILES", None)
+    assert {host.output_launch("bfloat16", "bfloat16", g) for g in gates} == {host.CHUNKED["chunk_output"]}
+
+
 FIXED_GATE_CASES = (  # (case, the gates held fixed): a fixed decay alone (Lightning attention's), bf16 packed and
     # reversed; both scalar gates, one held (the log gradient still formed for the other); the seed's op, f16, with g
     # and gk held (gk's log gradient is always formed)
@@ -505,21 +526,28 @@ FIXED_CASES = (  # g_gamma alone: bf16 packed sequences (an empty one, ends insi
 
 @pytest.mark.parametrize("case", FIXED_CASES, ids=[c.id for c in FIXED_CASES])
 def test_triton_fixed_decay_sums(case, monkeypatch):
-    """host.FIXED_DECAY_SUMS: with g_gamma alone the forward launches no chunk_sums and its walk and output kernel,
-    given no sums, form P_i = γ (i + 1) and L_C = γ n themselves (`_fixed_sums`): o, final_state and every gradient
-    against the oracle, and the spy shows the forward's two launches without sums, the backward's with them
-    (chunk_sums once, in it)."""
+    """host.FIXED_DECAY_SUMS: with g_gamma alone a forward outside a gradient launches no chunk_sums and its walk and
+    output kernel, given no sums, form P_i = γ (i + 1) and L_C = γ n themselves (`_fixed_sums`); with the switch off
+    they read chunk_sums'; a differentiated forward keeps chunk_sums' for its backward either way. o and final_state
+    outside a gradient (both ways), o, final_state and every gradient under one, against the oracle, and the spy shows
+    each call's launches."""
     from ejgen.runtime.recurrent.triton import host
 
-    seen = launched_with(monkeypatch, "SUMS", "AFTER")
-    monkeypatch.setattr(host, "FIXED_DECAY_SUMS", True)
-    check(case, "triton")
     name = lambda kernel: kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1]  # noqa: E731
+    for fixed in (host.FIXED_DECAY_SUMS, not host.FIXED_DECAY_SUMS):
+        seen = launched_with(monkeypatch, "SUMS", "AFTER")  # (chunk_sums takes AFTER alone)
+        monkeypatch.setattr(host, "FIXED_DECAY_SUMS", fixed)
+        check_forward(case, "triton")
+        launches = sorted((name(kernel), kw.get("SUMS")) for kernel, _, kw in seen)
+        assert launches == ([("output", False), ("state", False)] if fixed else
+                            [("output", True), ("state", True), ("sums", None)]), (fixed, launches)
+    seen = launched_with(monkeypatch, "SUMS", "AFTER")
+    check(case, "triton")
     launches = [(name(kernel), kw.get("SUMS")) for kernel, _, kw in seen]
-    assert sorted(n for n, sums in launches if sums is False) == ["output", "state"], launches
-    assert [n for n, _ in launches].count("sums") == 1, launches  # (the backward's)
-    assert {n for n, sums in launches if sums is True} == {"state", "state_bwd", "grads_qk", "grads_v"}, launches
-
+    assert [n for n, _ in launches].count("sums") == 1, launches  # (the forward's, kept for the backward)
+    assert all(sums is not False for _, sums in launches), launches
+    assert {n for n, sums in launches if sums is True} >= {"output", "state", "state_bwd", "grads_qk", "grads_v"}, \
+        launches
 
 
 GROUPED_CASES = (  # a scalar gate's sums in bf16, reversed, an initial state, two sequences; gk with a scalar gate in

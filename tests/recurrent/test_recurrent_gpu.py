@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import recurrent_oracle as oracle
-from recurrent_cases import Case, check, check_state_untouched, inputs, run
+from recurrent_cases import Case, check, check_forward, check_state_untouched, inputs, run
 from ejgen import generated
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("x64_stays_off")]
@@ -200,12 +200,27 @@ FIXED = [c for c in CASES if c.algorithm == "chunked" and c.gates == ("g_gamma",
 
 @pytest.mark.parametrize("case", FIXED, ids=[c.id for c in FIXED])
 def test_triton_fixed_decay_sums(case, monkeypatch):
-    """host.FIXED_DECAY_SUMS (g_gamma alone: the forward's walk and output kernel form the decay's sums from γ, no
-    chunk_sums in the forward), against the oracle."""
+    """host.FIXED_DECAY_SUMS both ways (g_gamma alone: a forward outside a gradient forms the decay's sums in its walk
+    and output kernel, no chunk_sums, or reads chunk_sums'), o and final_state against the oracle (a differentiated
+    forward keeps chunk_sums' either way: every other test)."""
     from ejgen.runtime.recurrent.triton import host
 
-    monkeypatch.setattr(host, "FIXED_DECAY_SUMS", True)
-    check(case, "triton")
+    for fixed in (True, False):
+        monkeypatch.setattr(host, "FIXED_DECAY_SUMS", fixed)
+        check_forward(case, "triton")
+
+
+OUTPUT_SCALAR = [c for c in FOLDED if c.dtype == "bfloat16"]  # (bf16 products: the inputs the launch applies to)
+
+
+@pytest.mark.parametrize("case", OUTPUT_SCALAR, ids=[c.id for c in OUTPUT_SCALAR])
+def test_triton_output_at_chunked_launch(case, monkeypatch):
+    """chunk_output with a scalar gate at CHUNKED's launch (8 warps; host.OUTPUT_SCALAR_TILES None; the default 4 warps
+    since session 33: every scalar-gate case), against the oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    monkeypatch.setattr(host, "OUTPUT_SCALAR_TILES", None)
+    check_forward(case, "triton")
 
 
 AS_LOADED = [c for c in FOLDED if c.dtype != "float32"]  # (float32 walks through registers whatever the setting)

@@ -119,6 +119,11 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "gates": ("g_gamma",), "kernels": ["chunk_grads_qk"], "states": "bfloat16", "products": "bfloat16",
                   "dk": 128, "dv": 128, "gamma_total": not host.GAMMA_TOTAL,  # g_gamma's whole share a chunk, or
                   "with_resources": True}]                                      # its scan (host.GAMMA_TOTAL)
+    requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
+                  "kernels": ["chunk_output"], "states": "bfloat16", "products": "bfloat16", "dk": 128, "dv": 128,
+                  "output_tiles": (64, 64, 8, 2),  # a scalar gate's output kernel at CHUNKED's 8 warps (host.
+                  "with_resources": True}          # OUTPUT_SCALAR_TILES None; 4 warps the default)
+                 for name, gates in [("lightning_attention", ("g_gamma",)), ("simple_gla", ("g",))]]
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "gla", "capability": 90, "gates": ("gk",),
                   "kernels": ["chunk_intra", "chunk_output"], "states": "bfloat16", "products": "bfloat16",
                   "gated_q": not host.GATED_Q,  # q ⊙ e^{P} from chunk_intra or formed in chunk_output (host.GATED_Q)

@@ -303,13 +303,15 @@ def stores_after(dtype, gates) -> bool:
 
 # A fixed decay alone (g_gamma, no g, no gk: Lightning attention, RetNet): every valid step's log gate is the head's
 # γ, so a chunk's sums are P_i = γ (i + 1) and L_C = γ n, which the walk and output kernel form from γ whenever they
-# are given no sums (`_fixed_sums`, the kernels' FIXED). FIXED_DECAY_SUMS: the forward launches no chunk_sums for such
-# a call (the backward forms them as before).
+# are given no sums (`_fixed_sums`, the kernels' FIXED). FIXED_DECAY_SUMS: a forward that keeps nothing for a backward
+# (the op called outside a gradient: inference, evaluation) launches no chunk_sums for such a call; a differentiated
+# one keeps chunk_sums' for its backward as before.
 # fla's chunk_simple_gla with g_gamma alone forms them so: its forward 0.428 ms at B2 T16384 on an H200 against its
-# 0.487 with a g, ours 0.496 for both (session 31). Session 32, H200, one call (lightning, op fwd, chunk_sums' ->
-# formed): B2 T16k 0.491 -> 0.489 ms, B4 T4096 0.245 -> 0.243; chunk_output unchanged (0.312 -> 0.312): flat, off.
-# (The kernels' FIXED stays: the chunk_gate_sums setting "inline" launches no sums for any gate.)
-FIXED_DECAY_SUMS = False
+# 0.487 with a g, ours 0.496 for both (session 31). Session 32, H200, one call (lightning, op fwd): B2 T16k 0.491 ->
+# 0.489 ms, flat. Session 33, H200, one call (BENCHMARKS.md "Session 33"): chunk_output 0.304 -> 0.264 (B2 T16k),
+# 0.160 -> 0.142 (B4 T4096); op fwd 0.489 -> 0.442 and 0.244 -> 0.226; but op fwd+bwd, where the backward then
+# forms the sums, 2.027 -> 2.164 and 1.027 -> 1.094: on for the forward outside a gradient alone.
+FIXED_DECAY_SUMS = True
 
 
 def decay_is_fixed(gates) -> bool:
@@ -318,9 +320,10 @@ def decay_is_fixed(gates) -> bool:
     return "g_gamma" in gates and "g" not in gates and "gk" not in gates
 
 
-def fixed_decay(cfg) -> bool:
-    """Whether the forward leaves a fixed decay's sums to its kernels (FIXED_DECAY_SUMS), launching no chunk_sums."""
-    return FIXED_DECAY_SUMS and decay_is_fixed(cfg.gates)
+def fixed_decay(cfg, save: bool) -> bool:
+    """Whether the forward leaves a fixed decay's sums to its kernels (FIXED_DECAY_SUMS), launching no chunk_sums:
+    where it keeps nothing for a backward (not ``save``)."""
+    return FIXED_DECAY_SUMS and decay_is_fixed(cfg.gates) and not save
 
 
 def chunk_sums(kernels, q, gates, ctx, cfg):
@@ -598,9 +601,29 @@ OUTPUT_AHEAD = True
 # 128-byte line): the session 32 helper study of the scalar gates' output kernel found three DRAM round trips in a row
 # (v's tile stored to shared memory right after its load holds back q, kᵀ and S's copies); with v read after the K
 # loop (OUTPUT_AHEAD off), prefetched, and 3 stages (both blocks of K in flight) one DRAM and one L2 trip at 80
-# registers and 72 KB (3 CTAs an SM), est. 0.30 -> 0.23-0.25 ms at simple_gla B2 T16k. Built in session 32, NOT
-# GPU-timed: off (recurrent_kernels.py's row "chunk_output, 8 warps, 3 stages, v after the K loop prefetched to L2").
+# registers and 72 KB (3 CTAs an SM), est. 0.30 -> 0.23-0.25 ms at simple_gla B2 T16k. Session 33, H200, one call
+# (8 warps, 3 stages, v after the K loop prefetched, against the default then): simple_gla B2 T16k 0.299 -> 0.316 ms,
+# B4 T4096 0.157 -> 0.164; lightning 0.304 -> 0.316, 0.160 -> 0.163: slower, off.
 OUTPUT_PREFETCH = False
+
+# chunk_output's launch with a scalar gate (g, g_gamma; gk keeps CHUNKED's, its q ⊙ e^{P} read whole with GATED_Q),
+# 16-bit inputs and bf16 products: 4 warps at 2 stages (153 registers, 56 KB on sm_90, no spill on Triton 3.6 or 3.9:
+# 3 CTAs an SM against 1-2 at 8 warps). Session 33, H200, one call (kernel, op fwd; 8 warps -> 4): simple_gla B2 T16k
+# 0.299 -> 0.285 ms, 0.483 -> 0.471; B4 T4096 0.157 -> 0.145, 0.244 -> 0.241; lightning 0.304 -> 0.290, 0.489 ->
+# 0.474 and 0.160 -> 0.148, 0.244 -> 0.241. fla's launch (4 warps, 3 stages, v after the K loop) 0.293 / 0.156 /
+# 0.293 / 0.155 in the same call. Float32 inputs keep 8 warps (at 4 they spill 1560 bytes a thread on 3.9, 8152 on
+# 3.6, against 304 / 544); TF32 products (f16's auto) were not timed. None: CHUNKED's for every call.
+OUTPUT_SCALAR_TILES = Tiles(64, 64, 4, 2)
+
+
+def output_launch(dtype, products: str, gates) -> Tiles:
+    """chunk_output's launch for inputs of ``dtype``, the chunk_products setting ``products`` and ``gates`` (names, as
+    RecurrentConfig.gates): OUTPUT_SCALAR_TILES with a scalar gate alone, 16-bit inputs and bf16 products, else
+    CHUNKED's."""
+    scalar = "gk" not in gates and bool(set(gates) & {"g", "g_gamma"})
+    if scalar and jnp.dtype(dtype).itemsize == 2 and products == "bfloat16" and OUTPUT_SCALAR_TILES is not None:
+        return OUTPUT_SCALAR_TILES
+    return CHUNKED["chunk_output"]
 
 
 def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None, groups=None, qg=None):
@@ -609,7 +632,7 @@ def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None, group
     `chunk_states_grouped`'s, whose HS are relative to their group's start)."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
-    blocks, options = tiles("chunk_output", cfg.dk, cfg.dv)
+    blocks, options = tiles("chunk_output", cfg.dk, cfg.dv, output_launch(q.dtype, cfg.products, cfg.gates))
     (o,) = triton_call.launch(
         kernels.get("chunk_output"),
         _blocks_grid(per_row, packing.cdiv(cfg.dv, blocks["BV"]), grid_rows * cfg.heads, blocks_first(cfg.gates)),
@@ -652,7 +675,7 @@ def chunked_forward(kernels, q, k, v, gates, h0, ctx, cfg, save):
     (one a step: [B, T, H] twice, an eighth of q's size at K = 128, against gk's two [B, T, H, K], formed again)."""
     fused = settings.current().chunk_forward == "fused"
     # the gates' sums for chunk_intra and the two passes (the one pass reads none)
-    sums = chunk_sums(kernels, q, gates, ctx, cfg) if cfg.has("gk") or not (fused or fixed_decay(cfg)) else None
+    sums = chunk_sums(kernels, q, gates, ctx, cfg) if cfg.has("gk") or not (fused or fixed_decay(cfg, save)) else None
     gated = not fused and gated_q(q.dtype, cfg.products, cfg.gates, sums is not None)
     a, _, qg = chunk_intra(kernels, q, k, gates, ctx, cfg, sums=sums, gated=gated) if cfg.has("gk") else (None,) * 3
     res = {}
@@ -757,15 +780,20 @@ def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da, sums=None):
 # study). 16-bit inputs only (`grads_qk_form`): with float32 inputs the fold spills more (sm_90, Triton 3.6, blocks
 # of 64: 720 -> 1424 bytes a thread).
 GRADS_QK_FOLD = True
-# chunk_grads_qk's launch with a scalar gate and 16-bit inputs on sm_90 (and in the interpreter): Tiles(128, 64, 8, 2)
-# is a program a chunk (K whole up to 128), so dA = do vᵀ, W and the [C, C] scan run once a chunk instead of once per
+# chunk_grads_qk's launch with a scalar gate and 16-bit inputs on sm_90 (and in the interpreter): blocks of 128
+# and 64 are a program a chunk (K whole up to 128), so dA = do vᵀ, W and the [C, C] scan run once a chunk instead of once per
 # block of 64 channels (~-45% instructions a chunk, session 29's study); with GRADS_QK_FOLD no spill (sm_90: 216
 # registers on Triton 3.6, 255 on 3.9; unfolded 3.6 spills 200 bytes), bf16 products only (TF32 ones spill 72
 # bytes). Elsewhere CHUNKED's: float32 inputs spill 4016 bytes a thread at 128 (720 by blocks of 64, unfolded),
 # sm_80 2208 (560). gk keeps CHUNKED's (at 128 it spills 88-104 bytes). Session 30, H200, simple_gla bf16, both on:
 # the kernel 1.796 -> 1.172 ms at B2 T16384 (0.912 -> 0.615 at B4 T4096), op fwd+bwd 2.636 -> 2.013 (1.285 -> 0.979);
 # folded by blocks of 64 alone 1.761, a program a chunk unfolded 1.255 (BENCHMARKS.md, "Session 30").
-GRADS_QK_SCALAR_TILES = Tiles(128, 64, 8, 2)
+# 3 stages (session 32's helper study: at 2 the second block of V is read after the first's products and waited on at
+# once; 3 put both in flight in the prologue: 120 KB of shared memory on sm_90, no spill on Triton 3.6 or 3.9, with or
+# without GAMMA_TOTAL). Session 33, H200, one call (kernel, op fwd+bwd; 2 stages -> 3): simple_gla B2 T16k 1.108 ->
+# 1.080 ms, 2.008 -> 1.982; B4 T4096 0.580 -> 0.564, 1.022 -> 1.006; lightning 1.107 -> 1.078, 2.027 -> 1.982 and
+# 0.584 -> 0.562, 1.027 -> 1.015.
+GRADS_QK_SCALAR_TILES = Tiles(128, 64, 8, 3)
 
 
 def grads_qk_form(dtype, products: str, gates, dk: int, dv: int,
@@ -788,12 +816,11 @@ def grads_qk_form(dtype, products: str, gates, dk: int, dv: int,
 # g_gamma alone (Lightning attention, RetNet) learned: the host sums its per-step log gradient over every step, so
 # chunk_grads_qk can form each chunk's whole share instead (the kernels' TOTAL, `_reading_steps`): each term of the
 # folded [C, C] matrix once, times the number of the chunk's steps that read it, no reverse scan and row sums (a
-# helper's static study of sm_90 SASS, Triton 3.6, session 32: -16% instructions a warp, shuffles 278 -> 47, 232
-# registers against 216; the scan block was 665 instructions of 2866). Every term a direct sum still (docs/DESIGN.md
-# §3 linear recurrent, "Gates' gradients"). Built in session 32, NOT GPU-timed: off.
-GAMMA_TOTAL = False
-
-
+# helper's static study of sm_90 SASS, Triton 3.6, session 32: -16% instructions a warp, shuffles 278 -> 47; the scan
+# block was 665 instructions of 2866). Every term a direct sum still (docs/DESIGN.md §3 linear recurrent, "Gates'
+# gradients"). Session 33, H200, one call (lightning, kernel and op fwd+bwd, per-step scan -> total): B2 T16k 1.107 ->
+# 1.021 ms, 2.027 -> 1.937; B4 T4096 0.584 -> 0.534, 1.027 -> 0.987: on.
+GAMMA_TOTAL = True
 def log_grads(gates, learned: bool, fold: bool, total: bool | None = None) -> tuple[bool, bool]:
     """chunk_grads_qk's (LOG_GRADS, TOTAL) for a call with ``gates`` (names): the key side's log gates' gradient
     formed where a scalar one is ``learned`` (RecurrentConfig.log_grads) and with gk always; g_gamma alone, ``fold``ed,
