@@ -780,8 +780,8 @@ def chunk_grads_intra(kernels, q, k, gates, ctx, cfg, da, sums=None):
 # study). 16-bit inputs only (`grads_qk_form`): with float32 inputs the fold spills more (sm_90, Triton 3.6, blocks
 # of 64: 720 -> 1424 bytes a thread).
 GRADS_QK_FOLD = True
-# chunk_grads_qk's launch with a scalar gate and 16-bit inputs on sm_90 (and in the interpreter): blocks of 128
-# and 64 are a program a chunk (K whole up to 128), so dA = do vᵀ, W and the [C, C] scan run once a chunk instead of once per
+# chunk_grads_qk's launch with a scalar gate and 16-bit inputs on sm_90 (and in the interpreter): blocks of 128 and 64
+# are a program a chunk (K whole up to 128), so dA = do vᵀ, W and the [C, C] scan run once a chunk instead of once per
 # block of 64 channels (~-45% instructions a chunk, session 29's study); with GRADS_QK_FOLD no spill (sm_90: 216
 # registers on Triton 3.6, 255 on 3.9; unfolded 3.6 spills 200 bytes), bf16 products only (TF32 ones spill 72
 # bytes). Elsewhere CHUNKED's: float32 inputs spill 4016 bytes a thread at 128 (720 by blocks of 64, unfolded),
