@@ -192,6 +192,9 @@ j_s33() {  # session 33's defaults (GAMMA_TOTAL, chunk_grads_qk's 3 stages, chun
   # shapes (the "(before session 33)" rows are the old defaults)
   shards s33-tests 240 3 -k "triton and chunked and not gk and (against_the_oracle or fixed_decay_sums or gamma_total \
 or output_at_chunked or held_fixed)" tests/recurrent
+  j_s33-rows
+}
+j_s33-rows() {
   job s33-rows 240 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
 }
@@ -550,6 +553,7 @@ declare -A PRESETS=(
   # their tests and rows (s33b), then the table against fla (s33c, REC_BENCH_ARGS="--no-variants")
   [s33b]="0:s33"
   [s33c]="0:fla,rec-bench"
+  [s33d]="0:s33-rows,fla,rec-bench"  # (s33b's rows stopped on the grouped chunk_grads_qk at 3 stages: 248 KB)
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)

@@ -309,7 +309,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     consts["PREFETCH"] = host.OUTPUT_PREFETCH if output_prefetch is None else output_prefetch
     consts["GATED_Q"] = host.gated_q(dtype, products, gates, consts["SUMS"]) if gated_q is None else gated_q
     host_fold, qk_blocks, qk_options = host.grads_qk_form(
-        dtype, "bfloat16" if products == "bfloat16" else "tf32", gates, dk, dv, arch=f"sm{capability}")
+        dtype, "bfloat16" if products == "bfloat16" else "tf32", gates, dk, dv, arch=f"sm{capability}",
+        grouped=state_groups > 0)
     consts["FOLD"] = host_fold if fold is None else fold
     fused = min(fused_bv or host.FUSED_BV, bvf)
     compiled = {}

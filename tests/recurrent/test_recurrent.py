@@ -294,7 +294,7 @@ def test_grads_v_ahead_by_gates(monkeypatch):
 def test_grads_qk_form_by_inputs_and_machine():
     """host.grads_qk_form: folded and a program a chunk for a scalar gate with 16-bit inputs on sm_90 and in the
     interpreter; by blocks of 64 on sm_80 or with TF32 products (a program a chunk spills), float32 inputs unfolded
-    by blocks of 64 (both spill more), gk by CHUNKED's blocks unfolded."""
+    by blocks of 64 (both spill more), gk by CHUNKED's blocks unfolded; at most 2 stages with the walks in groups."""
     from ejgen.runtime.recurrent.triton import host
 
     def form(dtype, gates, arch, dk=128, products="bfloat16"):
@@ -309,6 +309,9 @@ def test_grads_qk_form_by_inputs_and_machine():
     assert form("float32", ("g",), "sm90") == (False, 64, 32)
     assert form("bfloat16", ("gk",), "sm90") == (False, 64, 32)
     assert form("bfloat16", ("g", "gk"), None) == (False, 64, 32)
+    stages = {grouped: host.grads_qk_form("bfloat16", "bfloat16", ("g",), 128, 128, "sm90", grouped)[2]["num_stages"]
+              for grouped in (False, True)}  # (3 stages with the groups' tiles: 248 KB of shared memory on sm_90)
+    assert stages == {False: host.GRADS_QK_SCALAR_TILES.num_stages, True: 2}, stages
 
 
 AHEAD_CASES = (  # chunk_output's and chunk_grads_v's forms (reads ahead of the K loop or after it): a scalar gate

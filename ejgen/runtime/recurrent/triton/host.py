@@ -796,12 +796,14 @@ GRADS_QK_FOLD = True
 GRADS_QK_SCALAR_TILES = Tiles(128, 64, 8, 3)
 
 
-def grads_qk_form(dtype, products: str, gates, dk: int, dv: int,
-                  arch: str | None = "here") -> tuple[bool, dict, dict]:
+def grads_qk_form(dtype, products: str, gates, dk: int, dv: int, arch: str | None = "here",
+                  grouped: bool = False) -> tuple[bool, dict, dict]:
     """chunk_grads_qk's (FOLD, {"BK", "BV"}, launch options) for inputs of ``dtype``, the call's ``products``
     ("bfloat16" / "tf32": `RecurrentConfig.products`) and ``gates`` (names) on ``arch`` ("sm90"; None: the Triton
     interpreter; default: the machine calls run on): GRADS_QK_FOLD and GRADS_QK_SCALAR_TILES where they apply (a
-    scalar gate, 16-bit inputs; a program a chunk with bf16 products on sm_90 alone: TF32 products spill 72 bytes)."""
+    scalar gate, 16-bit inputs; a program a chunk with bf16 products on sm_90 alone: TF32 products spill 72 bytes);
+    at most 2 stages where the states and adjoints are ``grouped`` (`relative_groups`: the groups' tiles beside them,
+    3 stages ask 248 KB of shared memory, past sm_90's 227)."""
     scalar = "gk" not in gates and bool(gates)  # (gates: of RECURRENT_GATES, as RecurrentConfig.gates)
     sixteen = jnp.dtype(dtype) != jnp.float32
     if arch == "here":
@@ -809,8 +811,10 @@ def grads_qk_form(dtype, products: str, gates, dk: int, dv: int,
         arch = target.arch if target.platform == "gpu" else None
     whole = (scalar and sixteen and products == "bfloat16" and GRADS_QK_SCALAR_TILES is not None
              and arch in (None, "sm90"))
-    return (GRADS_QK_FOLD and scalar and sixteen,
-            *tiles("chunk_grads_qk", dk, dv, GRADS_QK_SCALAR_TILES if whole else None))
+    blocks, options = tiles("chunk_grads_qk", dk, dv, GRADS_QK_SCALAR_TILES if whole else None)
+    if grouped:
+        options["num_stages"] = min(options["num_stages"], 2)
+    return GRADS_QK_FOLD and scalar and sixteen, blocks, options
 
 
 # g_gamma alone (Lightning attention, RetNet) learned: the host sums its per-step log gradient over every step, so
@@ -837,7 +841,7 @@ def chunk_grads_qk(kernels, q, k, v, gates, ctx, cfg, hs, dhs, do, intra=None, s
     relative to their groups)."""
     ins, consts = _common(q, k, v, gates, None, ctx, cfg)
     chunks, _, per_row, grid_rows = _layout(ctx, cfg)
-    fold, blocks, options = grads_qk_form(q.dtype, cfg.products, cfg.gates, cfg.dk, cfg.dv)
+    fold, blocks, options = grads_qk_form(q.dtype, cfg.products, cfg.gates, cfg.dk, cfg.dv, grouped=bool(groups))
     sds = jax.ShapeDtypeStruct
     per_head = q.shape[:3]
     gated = _gated(cfg)
