@@ -24,7 +24,8 @@
 #   ncu-out        Nsight Compute of chunk_output (NCU_OUT_OPS, the default form): stalls, memory, source counters
 #   blocks-first-tests  the GPU tests of host.BLOCKS_FIRST (a chunk's blocks side by side in the grid)
 #   fixed-decay-tests   the GPU tests of host.FIXED_DECAY_SUMS (g_gamma alone: its sums formed in the kernels)
-#   s33            session 33's new defaults: the scalar gates' GPU tests, then their kernel and op rows
+#   s33            session 33's new defaults: the scalar gates' GPU tests, then their kernel and op rows (s33-rows)
+#   s33e-tests     the scalar gates' chunked GPU tests with BLOCKS_FIRST "always" (default and other forms)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
 #                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
 #   gated-q        the GPU tests of host.GATED_Q (chunk_intra's q ⊙ e^P for gla's chunk_output), then gla's rows
@@ -197,6 +198,11 @@ or output_at_chunked or held_fixed)" tests/recurrent
 j_s33-rows() {
   job s33-rows 240 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
+}
+j_s33e-tests() {  # BLOCKS_FIRST "always" beside session 33's other defaults: the scalar gates' chunked GPU tests of
+  # the default forms and of the forms the defaults do not take (chunks first, reads after the K loops, held gates)
+  shards s33e-tests 260 3 -k "triton and chunked and not gk and (against_the_oracle or blocks_first or other_forms \
+or fixed_decay_sums or gamma_total or held_fixed)" tests/recurrent
 }
 j_fixed-decay-tests() {  # a fixed decay's sums formed in the forward's walk and output kernel (host.FIXED_DECAY_SUMS,
   # session 31, not yet GPU-run): its GPU tests (the rows: "chunk_state / chunk_output / op fwd / op fwd+bwd, a fixed
@@ -554,6 +560,7 @@ declare -A PRESETS=(
   [s33b]="0:s33"
   [s33c]="0:fla,rec-bench"
   [s33d]="0:s33-rows,fla,rec-bench"  # (s33b's rows stopped on the grouped chunk_grads_qk at 3 stages: 248 KB)
+  [s33e]="0:s33e-tests,fla,rec-bench"  # BLOCKS_FIRST "always": SHARDS_PER_GPU=5, REC_BENCH_ARGS="--no-variants"
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)

@@ -367,8 +367,8 @@ BLOCKS_CASES = (  # two blocks of V and of K (partial second blocks): gk bf16 pa
 
 @pytest.mark.parametrize("case", BLOCKS_CASES, ids=[c.id for c in BLOCKS_CASES])
 def test_triton_blocks_first(case, monkeypatch):
-    """host.BLOCKS_FIRST the other way round for the case's gates (a chunk's blocks side by side in program id 0,
-    `_chunk_program`, for a scalar gate; chunks first for gk; the defaults' forms are every other test's):
+    """host.BLOCKS_FIRST the other way round for the case's gates (chunks first, a chunk's blocks in program id 1,
+    since the default puts them side by side in program id 0 for every gate: every other test's form):
     chunk_output's, chunk_grads_v's and chunk_grads_qk's o, final_state and every gradient against the oracle, and
     the spy shows each launch took that order (a grid of chunks x blocks, one in its middle dimension where blocks
     first; two blocks each)."""
@@ -388,14 +388,15 @@ def test_triton_blocks_first(case, monkeypatch):
 
 
 def test_blocks_first_by_gates(monkeypatch):
-    """host.blocks_first: a chunk's blocks side by side with gk ("gk", the default), for every gate ("always") or for
-    none ("never"); anything else is refused by name."""
+    """host.blocks_first: a chunk's blocks side by side for every gate ("always", the default since session 33), with
+    gk alone ("gk") or for none ("never"); anything else is refused by name."""
     from ejgen.runtime.recurrent.triton import host
 
-    rule = {gates: host.blocks_first(gates) for gates in [(), ("g",), ("g_gamma",), ("gk",), ("g", "gk")]}
+    every = [(), ("g",), ("g_gamma",), ("gk",), ("g", "gk")]
+    assert all(host.blocks_first(gates) for gates in every)
+    monkeypatch.setattr(host, "BLOCKS_FIRST", "gk")
+    rule = {gates: host.blocks_first(gates) for gates in every}
     assert rule == {(): False, ("g",): False, ("g_gamma",): False, ("gk",): True, ("g", "gk"): True}, rule
-    monkeypatch.setattr(host, "BLOCKS_FIRST", "always")
-    assert host.blocks_first(()) and host.blocks_first(("g",))
     monkeypatch.setattr(host, "BLOCKS_FIRST", "never")
     assert not host.blocks_first(("gk",))
     monkeypatch.setattr(host, "BLOCKS_FIRST", True)

@@ -136,8 +136,8 @@ def test_triton_output_and_grads_v_other_forms(case, monkeypatch):
 @pytest.mark.parametrize("case", AHEAD, ids=[c.id for c in AHEAD])
 def test_triton_blocks_first(case, monkeypatch):
     """host.BLOCKS_FIRST the other way round for the case's gates (chunk_output's, chunk_grads_v's and
-    chunk_grads_qk's blocks of a chunk side by side in the grid for scalar gates, chunks first for gk), against the
-    oracle: the dense layout's V 128 in two blocks of chunk_output and chunk_grads_v, the packed one's K 128 in two of
+    chunk_grads_qk's chunks first in the grid: the default puts a chunk's blocks side by side for every gate), against
+    the oracle: the dense layout's V 128 in two blocks of chunk_output and chunk_grads_v, the packed one's K 128 in two of
     chunk_grads_qk with gk and with float32 inputs (a scalar gate's bf16 dq / dk take K whole)."""
     from ejgen.runtime.recurrent.triton import host
 

@@ -567,9 +567,12 @@ def chunk_intra(kernels, q, k, gates, ctx, cfg, v=None, do=None, with_a=True, su
 # fwd+bwd, chunks first -> blocks first): gla B2 T16k 1.648 -> 1.642 / 6.042 -> 5.975 ms, B4 T4096 0.811 -> 0.810 /
 # 2.967 -> 2.932 (chunk_grads_qk 1.966 -> 1.902 at T16k); the scalar gates won at B2 T16k (simple_gla 0.497 -> 0.480 /
 # 1.798 -> 1.783, lightning 0.491 -> 0.472 / 1.790 -> 1.789) but lost at B4 T4096 (simple_gla 0.248 -> 0.254 / 0.909
-# -> 0.910, lightning 0.245 -> 0.251 / 0.902 -> 0.919). "gk" (the default) takes it with gk alone, "always" for every
-# gate, "never" for none.
-BLOCKS_FIRST = "gk"
+# -> 0.910, lightning 0.245 -> 0.251 / 0.902 -> 0.919): "gk" then. Session 33, H200, one call, with chunk_output at
+# 4 warps for the scalar gates (OUTPUT_SCALAR_TILES): simple_gla B2 T16k 0.472 -> 0.452 / 1.958 -> 1.924, B4 T4096
+# 0.239 -> 0.233 / 1.001 -> 0.990; lightning 0.432 -> 0.424 / 1.884 -> 1.853, 0.220 -> 0.220 / 0.951 -> 0.952
+# (chunk_output 0.286 -> 0.274 and 0.253 -> 0.238 at T16k, chunk_grads_v 0.304 -> 0.293 and 0.322 -> 0.291): "always"
+# (the default) for every gate since. "gk" takes it with gk alone, "never" for none.
+BLOCKS_FIRST = "always"
 
 
 def blocks_first(gates) -> bool:
