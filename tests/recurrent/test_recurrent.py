@@ -532,9 +532,8 @@ FIXED_CASES = (  # g_gamma alone: bf16 packed sequences (an empty one, ends insi
 def test_triton_fixed_decay_sums(case, monkeypatch):
     """host.FIXED_DECAY_SUMS: with g_gamma alone a forward outside a gradient launches no chunk_sums and its walk and
     output kernel, given no sums, form P_i = γ (i + 1) and L_C = γ n themselves (`_fixed_sums`); with the switch off
-    they read chunk_sums'; a differentiated forward keeps chunk_sums' for its backward either way. o and final_state
-    outside a gradient (both ways), o, final_state and every gradient under one, against the oracle, and the spy shows
-    each call's launches."""
+    they read chunk_sums'. o and final_state outside a gradient, both ways, against the oracle, and the spy shows each
+    call's launches."""
     from ejgen.runtime.recurrent.triton import host
 
     name = lambda kernel: kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1]  # noqa: E731
@@ -545,8 +544,18 @@ def test_triton_fixed_decay_sums(case, monkeypatch):
         launches = sorted((name(kernel), kw.get("SUMS")) for kernel, _, kw in seen)
         assert launches == ([("output", False), ("state", False)] if fixed else
                             [("output", True), ("state", True), ("sums", None)]), (fixed, launches)
+
+
+def test_triton_fixed_decay_differentiated_keeps_chunk_sums(monkeypatch):
+    """host.FIXED_DECAY_SUMS on, g_gamma alone under a gradient: the forward launches chunk_sums once and keeps its
+    sums for the backward (forming them there lost, BENCHMARKS.md "Session 33"), every launch reads them; o,
+    final_state and every gradient against the oracle."""
+    from ejgen.runtime.recurrent.triton import host
+
+    name = lambda kernel: kernel.__name__.rsplit("_kernel", 1)[0].split("_chunk_")[-1]  # noqa: E731
+    monkeypatch.setattr(host, "FIXED_DECAY_SUMS", True)
     seen = launched_with(monkeypatch, "SUMS", "AFTER")
-    check(case, "triton")
+    check(FIXED_CASES[0], "triton")
     launches = [(name(kernel), kw.get("SUMS")) for kernel, _, kw in seen]
     assert [n for n, _ in launches].count("sums") == 1, launches  # (the forward's, kept for the backward)
     assert all(sums is not False for _, sums in launches), launches
