@@ -26,6 +26,7 @@
 #   fixed-decay-tests   the GPU tests of host.FIXED_DECAY_SUMS (g_gamma alone: its sums formed in the kernels)
 #   s33            session 33's new defaults: the scalar gates' GPU tests, then their kernel and op rows (s33-rows)
 #   s33e-tests     the scalar gates' chunked GPU tests with BLOCKS_FIRST "always" (default and other forms)
+#   rec-full       every recurrent GPU test, 8 processes a GPU (2 GPUs: one call)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
 #                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
 #   gated-q        the GPU tests of host.GATED_Q (chunk_intra's q ⊙ e^P for gla's chunk_output), then gla's rows
@@ -203,6 +204,10 @@ j_s33e-tests() {  # BLOCKS_FIRST "always" beside session 33's other defaults: th
   # the default forms and of the forms the defaults do not take (chunks first, reads after the K loops, held gates)
   shards s33e-tests 260 3 -k "triton and chunked and not gk and (against_the_oracle or blocks_first or other_forms \
 or fixed_decay_sums or gamma_total or held_fixed)" tests/recurrent
+}
+j_rec-full() {  # every recurrent GPU test (590 under -m gpu in tests/recurrent; ~7.7 process-seconds a test on an H200
+  # in session 33): the whole suite in one call on 2 GPUs at 8 processes each (SHARDS_PER_GPU overrides)
+  shards rec-full 520 8 tests/recurrent
 }
 j_fixed-decay-tests() {  # a fixed decay's sums formed in the forward's walk and output kernel (host.FIXED_DECAY_SUMS,
   # session 31, not yet GPU-run): its GPU tests (the rows: "chunk_state / chunk_output / op fwd / op fwd+bwd, a fixed
@@ -561,6 +566,9 @@ declare -A PRESETS=(
   [s33c]="0:fla,rec-bench"
   [s33d]="0:s33-rows,fla,rec-bench"  # (s33b's rows stopped on the grouped chunk_grads_qk at 3 stages: 248 KB)
   [s33e]="0:s33e-tests,fla,rec-bench"  # BLOCKS_FIRST "always": SHARDS_PER_GPU=5, REC_BENCH_ARGS="--no-variants"
+  # session 34 first (kind nvidia-h200-x2): the whole recurrent GPU suite on session 33's final tree (issue 17's last
+  # condition), DEADLINE=560
+  [s34a]="0-1:rec-full"
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)
