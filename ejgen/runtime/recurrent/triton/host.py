@@ -828,6 +828,8 @@ def grads_qk_form(dtype, products: str, gates, dk: int, dv: int, arch: str | Non
 # gradients"). Session 33, H200, one call (lightning, kernel and op fwd+bwd, per-step scan -> total): B2 T16k 1.107 ->
 # 1.021 ms, 2.027 -> 1.937; B4 T4096 0.584 -> 0.534, 1.027 -> 0.987: on.
 GAMMA_TOTAL = True
+
+
 def log_grads(gates, learned: bool, fold: bool, total: bool | None = None) -> tuple[bool, bool]:
     """chunk_grads_qk's (LOG_GRADS, TOTAL) for a call with ``gates`` (names): the key side's log gates' gradient
     formed where a scalar one is ``learned`` (RecurrentConfig.log_grads) and with gk always; g_gamma alone, ``fold``ed,
