@@ -205,7 +205,7 @@ j_s33e-tests() {  # BLOCKS_FIRST "always" beside session 33's other defaults: th
   shards s33e-tests 260 3 -k "triton and chunked and not gk and (against_the_oracle or blocks_first or other_forms \
 or fixed_decay_sums or gamma_total or held_fixed)" tests/recurrent
 }
-j_rec-full() {  # every recurrent GPU test (590 under -m gpu in tests/recurrent; ~7.7 process-seconds a test on an H200
+j_rec-full() {  # every recurrent GPU test (425 under -m gpu in tests/recurrent; ~7.7 process-seconds a test on an H200
   # in session 33): the whole suite in one call on 2 GPUs at 8 processes each (SHARDS_PER_GPU overrides)
   shards rec-full 520 8 tests/recurrent
 }
