@@ -158,9 +158,11 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
 
 def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", params: dict | None = None,
                    head_dim: int = 128, groups: int = 4, queries: int = 1, paged: bool = False, page: int = 16,
-                   causal: bool = True, window: bool = False, softcap: bool = False) -> dict:
+                   causal: bool = True, window: bool = False, softcap: bool = False,
+                   paged_stages: int | None = None) -> dict:
     """The split-K decode kernel of one generated variant (`triton_decode.py`) for one call's constexprs (``page``:
-    the paged cache's page size; one of the kernel's BLOCK_N or a multiple takes the one-read-a-block path)."""
+    the paged cache's page size; one of the kernel's BLOCK_N or a multiple takes the one-read-a-block path;
+    ``paged_stages``: a paged call's stages, default decode.PAGED_STAGES as the host launches it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -179,7 +181,8 @@ def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str 
     consts = dict(B=8, HQ=8 * groups, HKV=8, SQ=queries, SEQ_K=8192, D=head_dim, DV=head_dim, D_PAD=pad, DV_PAD=pad,
                   G=groups, M_PAD=max(16, 1 << (groups * queries - 1).bit_length()), BLOCK_N=decode.BLOCK_N,
                   SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=causal, WINDOW=window, SOFTCAP=softcap, PAGED=paged,
-                  PAGE=page if paged else 1, MAX_PAGES=8192 // page if paged else 1, PAGES_AHEAD=decode.PAGES_AHEAD,
+                  PAGE=page if paged else 1, MAX_PAGES=8192 // page if paged else 1,
+                  POOL_PAGES=8 * 8192 // page if paged else 1, PAGES_AHEAD=decode.PAGES_AHEAD,
                   WHOLE_PAGE=decode.WHOLE_PAGE,
                   PRECISION="ieee" if dtype == "float32" else "tf32", UPCAST=False)
     sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
@@ -187,7 +190,9 @@ def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str 
     source = ASTSource(fn=kernel, signature=sig, constexprs={n: consts[n] for n in kernel.arg_names if n in consts},
                        attrs=aligned)
     target = GPUTarget("cuda", capability, 32)
-    return {"decode_kernel": triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 2})}
+    paged_stages = decode.PAGED_STAGES if paged_stages is None else paged_stages
+    stages = paged_stages if paged and not decode.PAGES_AHEAD else decode.NUM_STAGES
+    return {"decode_kernel": triton.compile(source, target=target, options={"num_warps": 4, "num_stages": stages})}
 
 
 def compile_pooling(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", batch: int = 32,

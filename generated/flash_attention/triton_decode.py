@@ -27,14 +27,18 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, O_PART, M_PART, L_PART
                   D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr, G: tl.constexpr,
                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, N_SPLITS: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, PAGES_AHEAD: tl.constexpr, WHOLE_PAGE: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, POOL_PAGES: tl.constexpr, PAGES_AHEAD: tl.constexpr,
+                  WHOLE_PAGE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     DIMS: tl.constexpr = Dims(B, HQ, HKV, SQ, SEQ_K, D, DV, D_PAD, DV_PAD, M_PAD, BLOCK_N)
     off_b = tl.program_id(0)
     off_hk = tl.program_id(1)
     split = tl.program_id(2)
-    start = tl.load(STARTS + off_b)
-    end = tl.load(ENDS + off_b)
+    if PAGED:  # start 0; the lengths and (below) the page numbers as given, clamped here
+        start = 0
+        end = tl.minimum(tl.maximum(tl.load(ENDS + off_b), 0), MAX_PAGES * PAGE)
+    else:
+        start = tl.load(STARTS + off_b)
+        end = tl.load(ENDS + off_b)
     length = end - start
     q_len = length
     kv_len = length
@@ -63,17 +67,22 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, O_PART, M_PART, L_PART
     if PAGED and not ONE_READ and PAGES_AHEAD:  # the first block's pages; a step reads the next block's
         t_next = lo + tl.arange(0, BLOCK_N)
         pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
+        pages = tl.minimum(tl.maximum(pages, 0), POOL_PAGES - 1)
     for n0 in tl.range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         col_ok = t < hi
         if ONE_READ:  # (n0 is a multiple of BLOCK_N)
-            rows = tl.load(TABLE + off_b * MAX_PAGES + n0 // PAGE).to(tl.int64) * PAGE + t % PAGE
+            pg = tl.minimum(tl.maximum(tl.load(TABLE + off_b * MAX_PAGES + n0 // PAGE), 0), POOL_PAGES - 1)
+            rows = pg.to(tl.int64) * PAGE + t % PAGE
         elif PAGED and PAGES_AHEAD:  # a block over several pages: their numbers read a step ahead (a loop carry)
             rows = pages.to(tl.int64) * PAGE + t % PAGE
             t_next = t + BLOCK_N
             pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
+            pages = tl.minimum(tl.maximum(pages, 0), POOL_PAGES - 1)
         elif PAGED:  # their numbers read from the block's own positions: the pipeliner stages that load before K's
-            rows = tl.load(TABLE + off_b * MAX_PAGES + t // PAGE, mask=col_ok, other=0).to(tl.int64) * PAGE + t % PAGE
+            pg = tl.minimum(tl.maximum(tl.load(TABLE + off_b * MAX_PAGES + t // PAGE, mask=col_ok, other=0), 0),
+                            POOL_PAGES - 1)
+            rows = pg.to(tl.int64) * PAGE + t % PAGE
         else:
             rows = off_b.to(tl.int64) * SEQ_K + t
         p_k = K + (rows * HKV + off_hk)[:, None] * D + o_d[None, :]

@@ -204,6 +204,30 @@ def test_paged_decode_reads_the_pages_through_the_table(page, backend, ahead, wh
     np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(direct), atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", [b for b in DECODE_BACKENDS if b != "xla"])
+def test_paged_decode_clamps_tables_and_lengths_as_xla_does(backend):
+    """Page numbers outside the pool (negative, past its end: in the pages a sequence reads and past them) and lengths
+    outside [0, capacity] are clamped on every backend alike (the Triton kernel clamps them where it reads them): the
+    backend's output and lse equal the XLA backend's on the same call."""
+    from ejgen.ops import page_attention
+
+    rng = rng_for("paged-clamp", 0)
+    batch, hq, hkv, d, page, max_pages, n_pages = 4, 4, 2, 16, 8, 4, 10
+    k_cache = jnp.asarray(rng.standard_normal((n_pages, page, hkv, d)), jnp.float32)
+    v_cache = jnp.asarray(rng.standard_normal((n_pages, page, hkv, d)), jnp.float32)
+    tables = rng.integers(0, n_pages, (batch, max_pages)).astype(np.int32)
+    tables[0, 1], tables[1, 0], tables[1, 3], tables[3, 2] = -7, n_pages + 5, 2**31 - 1, -(2**31)
+    lens = np.asarray([3 * page - 2, 99 * page, -5, 4 * page], np.int32)  # (past the capacity, negative)
+    q = jnp.asarray(rng.standard_normal((batch, 1, hq, d)), jnp.float32)
+    platform, context = _on(backend)
+    with context():
+        out, lse = page_attention(q, k_cache, v_cache, lens, tables, return_lse=True, platform=platform)
+    ref_out, ref_lse = page_attention(q, k_cache, v_cache, lens, tables, return_lse=True, platform="xla")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-5)
+    assert np.all(np.asarray(out)[2] == 0.0), "a negative length is an empty sequence"
+
+
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("variant", ["alibi_attention", "prefix_lm_attention"])
 def test_authored_specs_decode_with_their_params_and_masks(variant, backend):
@@ -279,6 +303,10 @@ DECODE_COMPILES = [  # (name, capability, kwargs)
     ("flash_attention", 90, dict(paged=True, window=True, softcap=True, groups=8, queries=2)),
     ("alibi_attention", 80, dict(params={"slopes": "float32"}, groups=4)),
     ("flash_attention", 90, dict(paged=True, page=64)),  # pages of whole blocks: a block's page read once
+    # 3 stages for pages smaller than a block and whole ones (decode.PAGED_STAGES: the page numbers copied a step
+    # ahead of K / V, which keep one buffer)
+    ("flash_attention", 90, dict(paged=True, page=16, paged_stages=3)),
+    ("flash_attention", 90, dict(paged=True, page=64, paged_stages=3)),
 ]
 
 
@@ -297,6 +325,8 @@ def test_decode_kernels_compile_for_the_gpus(triton):
         # the key loop software-pipelined: K and V copied a step ahead (a page number carried from step to step
         # instead left no cp.async at all, session 28)
         assert "cp.async" in compiled["decode_kernel"]["ptx"], request
+        if request.get("paged"):  # one K / V buffer at 2 stages or 3: the shared memory the splits were counted with
+            assert compiled["decode_kernel"]["shared"] < 40 * 1024, (request, compiled["decode_kernel"]["shared"])
 
 
 def test_splits_fill_the_program_slots():

@@ -27,14 +27,17 @@ MAX_QUERIES = 16  # query tokens per sequence (speculative verification, chunked
 class Prepared:
     """A checked decode call: q [B, Sq, Hkv, G, D], k/v [B, S, Hkv, D|Dv], the sequences' bounds, ctx, cfg."""
 
-    def __init__(self, q, k, v, starts, ends, ctx, cfg, dims, squeeze, tables=None, page=0):
+    def __init__(self, q, k, v, starts, ends, ctx, cfg, dims, squeeze, tables=None, page=0, raw=None):
         self.q, self.k, self.v, self.starts, self.ends = q, k, v, starts, ends
         self.ctx, self.cfg, self.dims, self.squeeze = ctx, cfg, dims, squeeze
         self.tables, self.page = tables, page  # paged: k / v are the page pools, read through the tables
+        # paged: (block_tables, context_lens) as given (int32, unclamped) for a kernel that clamps them itself: the
+        # clamped tables, lens and zero starts are XLA kernels of their own before the call (issue 16)
+        self.raw = raw
 
     def replace(self, **changes) -> "Prepared":
         fields = dict(q=self.q, k=self.k, v=self.v, starts=self.starts, ends=self.ends, ctx=self.ctx, cfg=self.cfg,
-                      dims=self.dims, squeeze=self.squeeze, tables=self.tables, page=self.page)
+                      dims=self.dims, squeeze=self.squeeze, tables=self.tables, page=self.page, raw=self.raw)
         return Prepared(**{**fields, **changes})
 
 
@@ -116,14 +119,15 @@ def prepare_paged(spec, query, key_cache, value_cache, context_lens, block_table
     if tables.ndim != 2 or tables.shape[0] != batch or not jnp.issubdtype(tables.dtype, jnp.integer):
         raise ValueError(f"{spec.name}: block_tables must be int [batch={batch}, max_pages], got "
                          f"{api._shape(tables)}")
-    lens = _bounds(spec, "context_lens", context_lens, batch)
-    pages = jnp.clip(tables.astype(jnp.int32), 0, key_cache.shape[0] - 1)
+    raw_lens = _bounds(spec, "context_lens", context_lens, batch)
+    raw_tables = tables.astype(jnp.int32)
+    pages = jnp.clip(raw_tables, 0, key_cache.shape[0] - 1)
     page = key_cache.shape[1]
-    lens = jnp.clip(lens, 0, pages.shape[1] * page)
+    lens = jnp.clip(raw_lens, 0, pages.shape[1] * page)
     # checked as the contiguous cache the pages stand for (shapes only), then marked paged
     row = lambda c: jax.ShapeDtypeStruct((batch, pages.shape[1] * page) + c.shape[2:], c.dtype)  # noqa: E731
     call = prepare(spec, query, row(key_cache), row(value_cache), jnp.zeros((batch,), jnp.int32), lens, **features)
-    return call.replace(k=key_cache, v=value_cache, tables=pages, page=page)
+    return call.replace(k=key_cache, v=value_cache, tables=pages, page=page, raw=(raw_tables, raw_lens))
 
 
 def laid_out(call: Prepared) -> Prepared:
@@ -135,7 +139,7 @@ def laid_out(call: Prepared) -> Prepared:
     def lay_out(cache):  # [B, max_pages * page_size, Hkv, D]
         return cache[call.tables].reshape(batch, n * call.page, *cache.shape[2:])
 
-    return call.replace(k=lay_out(call.k), v=lay_out(call.v), tables=None, page=0)
+    return call.replace(k=lay_out(call.k), v=lay_out(call.v), tables=None, page=0, raw=None)
 
 
 def _block(call: Prepared) -> Block:

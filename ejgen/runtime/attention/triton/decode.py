@@ -34,6 +34,15 @@ WHOLE_PAGE = True
 # The split's page numbers read once before the key loop instead (a block's picked from them, or each key's gathered)
 # tied the reads in the loop (session 29, H200, 128 calls a sample: paged16 B8 S8k 81.2 -> 80.0 us, the other rows
 # within 1%): removed (notes/perf.md).
+# Paged calls at PAGED_STAGES (issue 16; a helper's static study of sm_90 SASS, session 33, notes/perf.md): at 3 the
+# pipeliner copies a block's page numbers (cp.async) one step before its K / V, so the table read leaves the path
+# from a block's last barrier to the next block's K / V copies (at 2 a global round trip on it: paged16's 8 table
+# loads a thread, 162 instructions from the last barrier to the first copy on Triton 3.6); K / V keep one buffer
+# (39 KB of shared memory as at 2 stages), so the splits are counted with NUM_STAGES' shared memory. Not with
+# PAGES_AHEAD: the carried page numbers give K / V two buffers at 3 stages. 3.6's loop grows 345 -> 437 instructions
+# (8 redundant 4-byte copies a thread; 3.9: 374 -> 369). Built in session 33, NOT GPU-timed: 2 until
+# `decode_tune.py` ("paged stages") says.
+PAGED_STAGES = 2
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
 
 
@@ -46,14 +55,19 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
     seq = call.tables.shape[1] * call.page if paged else k.shape[1]
     interpret = triton_call.mode()[0] == "interpret"
     block_n = INTERPRET_BLOCK_N if interpret else BLOCK_N
+    stages = PAGED_STAGES if paged and not PAGES_AHEAD else NUM_STAGES
     slots = split_k.slots(block_n, d, dv, q.dtype.itemsize, NUM_STAGES, sms=split_k.INTERPRET_SMS if interpret else None)
     n_splits, per_split = split_k.splits(batch, hkv, split_k.keys_to_visit(seq, cfg, sq, block_n), block_n, slots,
                                          batch_invariant)
     m_pad = host._pow2(groups * sq)
     d_pad, dv_pad = host._pow2(d), host._pow2(dv)
     scalars = host.scalar_arrays(ctx, f32_options, i32_options)
-    table = call.tables if paged else jnp.zeros((1,), jnp.int32)
-    inputs = [q.reshape(batch, sq, hkv * groups, d), k, v, call.starts, call.ends, table, *scalars]
+    if paged:  # as given: the kernel clamps them and takes start 0 (no XLA kernel before the call)
+        table, lens = call.raw if call.raw is not None else (call.tables, call.ends)
+        bounds = [lens, lens]  # (STARTS unread)
+    else:
+        table, bounds = jnp.zeros((1,), jnp.int32), [call.starts, call.ends]
+    inputs = [q.reshape(batch, sq, hkv * groups, d), k, v, *bounds, table, *scalars]
     inputs += [ctx[f"param_{p}"] for p in params]
     sinks = ctx.get("softmax_aux") if cfg.sinks else None  # [Hkv, G, n]: split_k.merge adds them
     grid = (batch, hkv, n_splits)
@@ -63,10 +77,11 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
             sds((math.prod(grid) * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)]
     kernel = importlib.import_module(kernel_module).decode_kernel
     o_part, m_part, l_part, _ = triton_call.launch(
-        kernel, grid, inputs, outs, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        kernel, grid, inputs, outs, num_warps=NUM_WARPS, num_stages=stages,
         B=batch, HQ=hkv * groups, HKV=hkv, SQ=sq, SEQ_K=k.shape[1], D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad, G=groups,
         M_PAD=m_pad, BLOCK_N=block_n, SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=cfg.causal, WINDOW=cfg.window,
         SOFTCAP=cfg.softcap, PAGED=paged, PAGE=call.page if paged else 1,
-        MAX_PAGES=call.tables.shape[1] if paged else 1, PAGES_AHEAD=PAGES_AHEAD, WHOLE_PAGE=WHOLE_PAGE,
+        MAX_PAGES=call.tables.shape[1] if paged else 1, POOL_PAGES=k.shape[0] if paged else 1,
+        PAGES_AHEAD=PAGES_AHEAD, WHOLE_PAGE=WHOLE_PAGE,
         PRECISION="ieee" if q.dtype == jnp.float32 else "tf32", UPCAST=interpret and q.dtype == jnp.bfloat16)
     return split_k.merge(o_part, m_part, l_part, sinks, groups, sq, dv, q.dtype)
