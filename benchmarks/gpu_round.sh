@@ -27,6 +27,7 @@
 #   s33            session 33's new defaults: the scalar gates' GPU tests, then their kernel and op rows (s33-rows)
 #   s33e-tests     the scalar gates' chunked GPU tests with BLOCKS_FIRST "always" (default and other forms)
 #   rec-full       every recurrent GPU test, 8 processes a GPU (2 GPUs: one call)
+#   decode-paged-stages  decode.PAGED_STAGES 2 against 3 (decode_tune.py), paged16 / paged64 beside contiguous
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
 #                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
 #   gated-q        the GPU tests of host.GATED_Q (chunk_intra's q ⊙ e^P for gla's chunk_output), then gla's rows
@@ -428,6 +429,11 @@ j_decode-page() {  # pages of whole blocks read once a block (the default) or pe
   decode_tune decode-page "decode-B8-S8k,paged64-B8-S8k,paged16-B8-S8k,decode-B4-S32k,paged64-B4-S32k" \
     "64,2,4,1,4,4096,0,0"
 }
+j_decode-paged-stages() {  # decode.PAGED_STAGES 2 (the default) against 3 (the page numbers copied a step ahead of
+  # K / V; session 33's helper study), beside the contiguous batches, after the paged call's clamps moved into the kernel
+  decode_tune decode-paged-stages "decode-B8-S8k,paged16-B8-S8k,paged64-B32-ragged16k,paged16-B32-ragged16k" \
+    "64,2,4,1,4,4096,0,1,3"
+}
 j_decode-trace() { job decode-trace 150 python3 benchmarks/decode.py --cases B4-S32k,B32-S8k --platforms triton,cudnn \
   --trace --rounds 2 --out "$log/dtrace"; }
 j_hopper-features() { job hopper-features 240 python3 benchmarks/hopper_features.py --fast-tanh both --cross-backward \
@@ -569,6 +575,9 @@ declare -A PRESETS=(
   # session 34 first (kind nvidia-h200-x2): the whole recurrent GPU suite on session 33's final tree (issue 17's last
   # condition), DEADLINE=560
   [s34a]="0-1:rec-full"
+  # then (kind nvidia-h200): the paged decode's stages A/B'd and the decode table at 128 calls a sample (DECODE_CALLS=
+  # 128, DECODE_TUNE_CALLS=128; the paged call's clamps in the kernel since session 33), and the decode GPU tests
+  [s34b]="0:decode-tests,decode-paged-stages,decode-steady"
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)
