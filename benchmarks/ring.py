@@ -78,6 +78,12 @@ def parse_args(argv=None):
     p.add_argument("--coalesce-backward", action="store_true",
                    help="coalesced zigzag steps run their backward as one call too (ring.COALESCE_BACKWARD, off by "
                         "default: slower than the pairs on 2 H100s, session 20)")
+    p.add_argument("--layout-sections", action="store_true",
+                   help="the wide step's tiles a head section at a time (gluon.host.LAYOUT_HEAD_SECTIONS, an "
+                        "experiment: off by default)")
+    p.add_argument("--narrow-accumulators", action="store_true",
+                   help="the backward's dK/dV accumulators travel in the inputs' dtype where they make one hop (a "
+                        "2-device ring; ring.NARROW_ACCUMULATOR_HOPS = 1, an experiment: float32 by default)")
     p.add_argument("--budget-s", type=float, default=500, help="start no case after this many seconds")
     p.add_argument("--out", default="bench-out/ring")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on 4 CPU devices, platform xla")
@@ -433,6 +439,14 @@ def main():
         from ejgen.runtime.attention import ring as ring_runtime
 
         ring_runtime.COALESCE_BACKWARD = True  # read as each call is traced
+    if ARGS.layout_sections:
+        from ejgen.runtime.attention.gluon import host as gluon_host
+
+        gluon_host.LAYOUT_HEAD_SECTIONS = True  # read as each call is traced
+    if ARGS.narrow_accumulators:
+        from ejgen.runtime.attention import ring as ring_runtime
+
+        ring_runtime.NARROW_ACCUMULATOR_HOPS = 1  # read as each backward is traced
     if ARGS.cpu_smoke:
         platform = "xla"
         ARGS.check_seq, ARGS.mesh_seq, ARGS.strong_seq, ARGS.weak_base = 256, 256, 256, 128

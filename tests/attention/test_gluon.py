@@ -820,6 +820,27 @@ LAYOUT_TABLE_CASES = [  # (id, seq, (block_q, block_k), per head, causal, segmen
 ]
 
 
+def test_layout_head_sections_deal_a_section_at_a_time():
+    """`order_by_work` with ``section`` (gluon.host.LAYOUT_HEAD_SECTIONS, an experiment): still a permutation of the
+    tiles, each section of heads dealt whole (every row of it, heaviest first) before the next (the last section may
+    hold fewer heads); without it, each row's heads stay next to each other."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for batch, hq, n_m, section in ((1, 16, 128, 2), (2, 6, 8, 4), (1, 5, 7, 2)):
+        work = jnp.asarray(rng.integers(0, 5, (batch, 1, n_m)), jnp.int32)
+        bh = batch * hq
+        order = np.asarray(gluon_attention.order_by_work(work, hq, 1, section))
+        assert sorted(order.tolist()) == list(range(n_m * bh))
+        sections = (order % bh) % hq // section
+        assert (np.diff(sections) >= 0).all(), sections
+        tile_work = np.asarray(work)[(order % bh) // hq, 0, order // bh]
+        for s_ in np.unique(sections):
+            assert (np.diff(tile_work[sections == s_]) <= 0).all(), (s_, tile_work[sections == s_])
+        plain = np.asarray(gluon_attention.order_by_work(work, hq, 1))
+        assert (plain[:hq] // bh == plain[0] // bh).all()  # one row's heads first
+
+
 @pytest.mark.parametrize("seq,block,per_head,causal,documents", [c[1:] for c in LAYOUT_TABLE_CASES],
                          ids=[c[0] for c in LAYOUT_TABLE_CASES])
 def test_block_layouts_become_the_kernels_lists(seq, block, per_head, causal, documents):

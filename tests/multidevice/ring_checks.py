@@ -234,6 +234,49 @@ def check_zigzag_without_branches(backend, failures, devices=2):
         failures.append("a contiguous causal ring lowered without the lax.switch its steps need: the check is blind")
 
 
+def check_narrow_accumulators(backend, failures, devices=2):
+    """bf16 inputs, `ring.NARROW_ACCUMULATOR_HOPS` at 1 (an experiment, off by default): on a 2-device zigzag ring
+    (one hop) the backward's dK/dV accumulators travel in bf16, as every other transfer, on a 4-device one (three hops)
+    in float32, and at 0 (the default) in float32 on both; the 2-device ring's gradients stay within bf16's error of
+    the oracle's."""
+    import re
+
+    from ejgen.runtime.attention import ring as ring_runtime
+
+    shape = AttnShape(1, 64, 64, 2, 2, 16)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-narrow")
+    diff = {n: x.astype(jnp.bfloat16) for n, x in diff.items()}
+    d_out = d_out.astype(jnp.bfloat16)
+    before = ring_runtime.NARROW_ACCUMULATOR_HOPS
+    try:
+        for hops, n, want in ((1, devices, {"ui16"}), (1, 2 * devices, {"ui16", "ui32"}),
+                              (0, devices, {"ui16", "ui32"})):
+            ring_runtime.NARROW_ACCUMULATOR_HOPS = hops  # (read as the backward is traced)
+            fn = in_shard_map(ring_attention, n, "zigzag", {}, {}, causal=True, platform=backend)
+
+            def run(diff, fn=fn):
+                (out, lse), pull = jax.vjp(lambda d: fn(**d), diff)
+                return out, lse, pull((d_out, d_lse))[0]
+
+            text = jax.jit(run).lower(diff).as_text()
+            seen = set(re.findall(r"collective_permute.*?-> tensor<\d+x(\w+)>", text))
+            if seen != want:
+                failures.append(f"zigzag on {n} devices, bf16, NARROW_ACCUMULATOR_HOPS {hops}: the transfers are "
+                                f"{sorted(seen)}, not {sorted(want)}")
+        ring_runtime.NARROW_ACCUMULATOR_HOPS = 1
+        fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend)
+        _, _, grads = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    finally:
+        ring_runtime.NARROW_ACCUMULATOR_HOPS = before
+    ref = oracle.attention(**{n: x.astype(jnp.float32) for n, x in diff.items()}, causal=True,
+                           d_out=d_out.astype(jnp.float32), d_lse=d_lse)
+    for name, got in grads.items():
+        want = np.asarray(ref.grads[name], np.float64)
+        err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+        if not err < 2e-2:
+            failures.append(f"bf16 ring on {devices} devices: d{name} relative error {err:.2e} (bf16's: < 2e-2)")
+
+
 def check_window(backend, failures, devices=4):
     """A sliding window (6, 3) without causal, contiguous: blocks the window cuts run with the tokens' positions,
     blocks it misses are skipped; the ring starts one device ahead (the right side) and takes three steps of four."""
@@ -475,6 +518,7 @@ CHECKS = {
     "zigzag-backward-coalesced": (check_zigzag_backward_coalesced, {"xla": 4, "triton": 2}),  # (pallas: 7 s more of
     # the multidevice budget; it passed in session 20)
     "zigzag-without-branches": (check_zigzag_without_branches, {"triton": 2}),
+    "zigzag-narrow-accumulators": (check_narrow_accumulators, {"xla": 2}),
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),
     "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),

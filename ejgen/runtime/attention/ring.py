@@ -67,6 +67,16 @@ COALESCE = True
 # Checked against the oracle on the CPU all the same (tests/multidevice/ring_checks.py: xla, the Triton interpreter).
 COALESCE_BACKWARD = False
 
+# The backward's dK/dV accumulators travel in the inputs' dtype (not float32) where they make at most this many hops
+# before they are home (a ring of two steps: one; the last add and the cast to the inputs' dtype stay float32). Each
+# hop then rounds a partial sum once more; on a 2-device zigzag ring the one travelling partial is a single pair's
+# (already rounded by the kernel that made it) on one device, the sum of two on the other. Half the bytes to pack,
+# send and read back: 2 H200s, 32k tokens, 16/16 heads, bf16: 256 -> 128 MiB a device, est. -68 us of the backward's
+# glue (a helper's study of the ring's HLO, session 33, notes/perf.md; bf16 ring, S 1024: dk's rms error against
+# float64 4.35e-3 -> 4.43e-3). Built in session 33, NOT GPU-timed: 0 (always float32) until `ring.py
+# --narrow-accumulators` says.
+NARROW_ACCUMULATOR_HOPS = 0
+
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
 KIND_NAMES = ("skip", "full", "diagonal", "placed")
@@ -876,11 +886,14 @@ def _backward(plan: Plan, residuals, cotangents):
     delta = jnp.moveaxis(jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1), 1, 3) - d_lse  # [B, Hkv, G, n]
     own = _held(k, v, ctx)
     wire = Wire.of(own)
-    # the accumulators (float32) travel as one float32 buffer where they go alone, and join the block's buffer, in
-    # its unit, where that is no wider
+    # the accumulators travel as one buffer where they go alone, and join the block's buffer, in its unit, where that
+    # is no wider; in float32, or in the inputs' dtypes where they make few hops (NARROW_ACCUMULATOR_HOPS)
     joined = wire.unit.itemsize <= 4
-    acc_shapes = {"k": jax.ShapeDtypeStruct(k.shape, f32), "v": jax.ShapeDtypeStruct(v.shape, f32)}
+    narrow = plan.steps - 1 <= NARROW_ACCUMULATOR_HOPS
+    carried = {"k": k.dtype if narrow else f32, "v": v.dtype if narrow else f32}
+    acc_shapes = {n: jax.ShapeDtypeStruct(x.shape, carried[n]) for n, x in (("k", k), ("v", v))}
     alone, owed = Wire.of(acc_shapes), Wire.of(acc_shapes, unit=wire.unit if joined else None)
+    travelling = lambda acc: {n: x.astype(carried[n]) for n, x in acc.items()}  # noqa: E731
     size = wire.size
     # travel: the held block's buffer (None: the device's own block, not packed); pending: dK/dV of the block held
     # last step, to pass on (None before the first step); dq None before the first step's pairs
@@ -903,12 +916,12 @@ def _backward(plan: Plan, residuals, cotangents):
             block = None if keep else wire.pack(own) if travel is None else travel
             received, both = {}, block is not None and not first and joined  # read only after the step's kernels
             if both:
-                received["both"] = _shift(plan, jnp.concatenate([block, owed.pack(pending)]), -1)
+                received["both"] = _shift(plan, jnp.concatenate([block, owed.pack(travelling(pending))]), -1)
             else:
                 if block is not None:
                     received["block"] = _shift(plan, block, -1)
                 if not first:
-                    received["owed"] = _shift(plan, alone.pack(pending), -1)
+                    received["owed"] = _shift(plan, alone.pack(travelling(pending)), -1)
             slots, t = xs
             s = (r - t) % plan.devices
             if wide:  # the step's two pairs as one call (`_wide_backward`): dK / dV of the whole held block, dq of
@@ -923,7 +936,7 @@ def _backward(plan: Plan, residuals, cotangents):
                 grads = {n: grads[n] + params_w[n] for n in grads}
                 ahead, arrived = _arrived(received, both, size, owed, alone)
                 part = {"k": part_k, "v": part_v}
-                pending = part if arrived is None else {n: x + part[n] for n, x in arrived.items()}
+                pending = part if arrived is None else {n: x.astype(f32) + part[n] for n, x in arrived.items()}
                 return (ahead, pending, dq, grads), None
             pairs = []  # per slot: (q0, k0, the pair's dq, dk, dv, param gradients as its kernels give them)
             for j in range(slots.shape[0]):
@@ -963,7 +976,7 @@ def _backward(plan: Plan, residuals, cotangents):
                     dq = lax.dynamic_update_slice_in_dim(dq, _rows(dq, q0, chunk) + dq_p, q0, 1)
                 grads = {n: grads[n] + res[3][n].astype(f32) for n in grads}
             ahead, arrived = _arrived(received, both, size, owed, alone)
-            pending = part if arrived is None else {n: x + part[n] for n, x in arrived.items()}
+            pending = part if arrived is None else {n: x.astype(f32) + part[n] for n, x in arrived.items()}
             return (ahead, pending, dq, grads), None
 
         if dq is None and count > 1:  # a scan carries the accumulator from its first step
