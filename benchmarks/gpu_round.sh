@@ -28,6 +28,7 @@
 #   s33e-tests     the scalar gates' chunked GPU tests with BLOCKS_FIRST "always" (default and other forms)
 #   rec-full       every recurrent GPU test, 8 processes a GPU (2 GPUs: one call)
 #   decode-paged-stages  decode.PAGED_STAGES 2 against 3 (decode_tune.py), paged16 / paged64 beside contiguous
+#   ring-ab        the ring's default, then --coalesce-backward, --narrow-accumulators, --layout-sections (2 GPUs)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
 #                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
 #   gated-q        the GPU tests of host.GATED_Q (chunk_intra's q ⊙ e^P for gla's chunk_output), then gla's rows
@@ -442,6 +443,13 @@ j_decode-tests() { shards decode-tests 200 3 tests/decode; }
 j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }
 j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 python3 -m pytest -m gpu -q -rf \
   -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
+j_ring-ab() {  # session 33's ring experiments (notes/perf.md, "Session 33"): the default, then each flag in its own
+  # process (the one GPU timed in each: compare each ring row with its own run's one-GPU row)
+  job ring-ab-base 110 python3 "${RING[@]}" --parts time --out "$log/ring-ab-base"
+  job ring-ab-coalesce-bwd 110 python3 "${RING[@]}" --parts time --coalesce-backward --out "$log/ring-ab-cb"
+  job ring-ab-narrow 110 python3 "${RING[@]}" --parts time --narrow-accumulators --out "$log/ring-ab-narrow"
+  job ring-ab-sections 110 python3 "${RING[@]}" --parts time --layout-sections --out "$log/ring-ab-sections"
+}
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
 j_ring-steady() { job ring-steady 170 python3 "${RING[@]}" --parts time --batch 4,16 --out "$log/ring-steady"; }
 P2P=--xla_gpu_use_memcpy_local_p2p=true  # collective-permutes between one process's GPUs as copies (copy engines)
@@ -578,6 +586,9 @@ declare -A PRESETS=(
   # then (kind nvidia-h200): the paged decode's stages A/B'd and the decode table at 128 calls a sample (DECODE_CALLS=
   # 128, DECODE_TUNE_CALLS=128; the paged call's clamps in the kernel since session 33), and the decode GPU tests
   [s34b]="0:decode-tests,decode-paged-stages,decode-steady"
+  # then (kind nvidia-h200-x2): the ring's experiments, each against the default in the same call (ring.py: the
+  # backward as one call, dK/dV accumulators in bf16, the wide step by head sections)
+  [s34c]="0-1:ring-ab"
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)
