@@ -104,6 +104,21 @@ def _generated(f):
     return call
 
 
+def _docs(f):
+    """f with the forward's masked blocks of documents in the DOCS form (`gluon_attention.DOCS_MASKS` on while it
+    traces; session 33, not yet GPU-timed)."""
+    from ejgen.runtime.attention.gluon import host as gluon_attention
+
+    def call(*args):
+        before = gluon_attention.DOCS_MASKS
+        gluon_attention.DOCS_MASKS = True
+        try:
+            return f(*args)
+        finally:
+            gluon_attention.DOCS_MASKS = before
+    return call
+
+
 def _static(f):
     """f with the Gluon kernels' tiles in their static order (`gluon_attention.ordered` off while it traces: the
     forward's tile order and the backward's launch order)."""
@@ -140,6 +155,7 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         impls["ejgen-triton one document"] = lambda q, k, v, info: flash_attention(q, k, v, causal=True, mask_info=one,
                                                                                  platform="triton")
         impls["ejgen-triton documents, static tile order"] = _static(impls["ejgen-triton documents"])
+        impls["ejgen-triton documents, DOCS masks"] = _docs(impls["ejgen-triton documents"])
     if documents_only and not probe:
         impls.pop("ejgen-triton causal (all tokens)")
     flops = 4.0 * HEADS * DIM * visible_pairs(ids)

@@ -29,6 +29,7 @@
 #   rec-full       every recurrent GPU test, 8 processes a GPU (2 GPUs: one call)
 #   decode-paged-stages  decode.PAGED_STAGES 2 against 3 (decode_tune.py), paged16 / paged64 beside contiguous
 #   ring-ab        the ring's default, then --coalesce-backward, --narrow-accumulators, --layout-sections (2 GPUs)
+#   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
 #                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
 #   gated-q        the GPU tests of host.GATED_Q (chunk_intra's q ⊙ e^P for gla's chunk_output), then gla's rows
@@ -443,6 +444,12 @@ j_decode-tests() { shards decode-tests 200 3 tests/decode; }
 j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }
 j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 python3 -m pytest -m gpu -q -rf \
   -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
+j_docs-ab() {  # the forward's DOCS masks (gluon.host.DOCS_MASKS, session 33, not yet GPU-run): the Gluon document
+  # tests (both forms), then blocksparse.py's probe rows ("ejgen-triton documents, DOCS masks" beside the default, the
+  # ideal's causal call and the other probes, one process)
+  shards docs-tests 200 2 -k "document_masks" tests/attention/test_gluon.py
+  job docs-ab 240 python3 benchmarks/blocksparse.py --documents-only --probe --rounds 2 --reps 4 --out "$log/bs-docs"
+}
 j_ring-ab() {  # session 33's ring experiments (notes/perf.md, "Session 33"): the default, then each flag in its own
   # process (the one GPU timed in each: compare each ring row with its own run's one-GPU row)
   job ring-ab-base 110 python3 "${RING[@]}" --parts time --out "$log/ring-ab-base"
@@ -589,6 +596,8 @@ declare -A PRESETS=(
   # then (kind nvidia-h200-x2): the ring's experiments, each against the default in the same call (ring.py: the
   # backward as one call, dK/dV accumulators in bf16, the wide step by head sections)
   [s34c]="0-1:ring-ab"
+  # then (kind nvidia-h200): the forward's DOCS masks for packed documents, tests and probe rows (issue 14)
+  [s34d]="0:docs-ab"
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)

@@ -85,14 +85,16 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                   window: bool = False, segments: bool = False, batch: int = 2, heads: int = 8, kv_heads: int = 2,
                   seq: int = 1000, dynamic: bool = False, forward_only: bool = False, layout=None,
                   spec: str | None = None, seq_k: int | None = None, softcap: bool = False,
-                  fast_tanh: bool = False, staged_backward: bool | None = None, backward_only: bool = False) -> dict:
+                  fast_tanh: bool = False, staged_backward: bool | None = None, backward_only: bool = False,
+                  docs_masks: bool | None = None) -> dict:
     """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs; ``dynamic``:
     the forward's dynamic tile queue; ``forward_only``: the forward alone; ``layout``: a block layout of (block_q,
     block_k, per head) (the kernels walk lists: LIST, `gluon.host.fwd_lists` / `bwd_lists`); ``spec``: a generated
     op's package (``"ejgen.zoo.natten_2d_attention"``) whose mask the kernels evaluate on partial tiles (SPEC_MASK,
     lists shared by the heads unless ``layout`` says otherwise); ``seq_k``: keys of another length than the queries
     (the forward's SEQ_K, `gluon_cross`); ``softcap``: the logits capped (SOFTCAP), with ``fast_tanh`` by the
-    hardware's approximate tanh (SOFTCAP 2, `KernelChoice.fast_tanh`)."""
+    hardware's approximate tanh (SOFTCAP 2, `KernelChoice.fast_tanh`); ``docs_masks``: the forward's DOCS form of
+    segment ids under causal (default `gluon.host.DOCS_MASKS`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -129,7 +131,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     tiles = gluon_attention.fwd_key_tiles(call, divides)
     fwd_consts = gluon_attention.constexprs(*args, ordered=gluon_attention.ordered(call) or bool(fwd_lists),
                                             dynamic=dynamic, lists=fwd_lists, spec=mask, tiles=tiles, seq_k=seq_k,
-                                            softcap=softcap, fast_tanh=fast_tanh, staged=staged)
+                                            softcap=softcap, fast_tanh=fast_tanh, staged=staged, docs=docs_masks)
     segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32", ORDER="*i32")
     bwd_pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
                         DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)

@@ -46,7 +46,8 @@ SOFTCAP_SPILL_BUDGET = 96  # bytes a thread the soft cap's backwards may spill (
 # import of Triton and Gluon, not one per configuration: 17 s of 79 from a cold Triton cache, as CI's is)
 LAUNCH_BUDGET_CASES = [("bfloat16", 128, True, True, False, False), ("float16", 64, False, False, False, False),
                        ("bfloat16", 128, True, False, True, False), ("bfloat16", 128, True, True, False, True),
-                       ("float16", 64, False, False, False, True), ("bfloat16", 128, True, False, True, "fast")]
+                       ("float16", 64, False, False, False, True), ("bfloat16", 128, True, False, True, "fast"),
+                       ("bfloat16", 128, True, False, "docs", False)]  # (segments in the DOCS form, host.DOCS_MASKS)
 
 
 def test_the_kernel_compiles_for_sm90_within_the_launch_budget():
@@ -57,8 +58,9 @@ def test_the_kernel_compiles_for_sm90_within_the_launch_budget():
 
     if not gluon_attention.importable()[0]:
         pytest.fail(f"the test install's Triton has no Gluon warp specialisation: {gluon_attention.importable()[1]}")
-    requests = [dict(gluon=True, dtype=dtype, head_dim=d, causal=causal, window=window, segments=segments,
-                     softcap=bool(softcap), fast_tanh=softcap == "fast", with_ptx=True, with_resources=True)
+    requests = [dict(gluon=True, dtype=dtype, head_dim=d, causal=causal, window=window, segments=bool(segments),
+                     docs_masks=segments == "docs", softcap=bool(softcap), fast_tanh=softcap == "fast", with_ptx=True,
+                     with_resources=True)
                 for dtype, d, causal, window, segments, softcap in LAUNCH_BUDGET_CASES]
     for case, compiled in zip(LAUNCH_BUDGET_CASES, compile_all_in_subprocess(requests)):
         assert "error" not in compiled, (case, compiled.get("error"))
@@ -85,6 +87,8 @@ def _check_launch_budget(case, compiled):
         assert "cp.reduce.async.bulk.tensor" in compiled[name]["ptx"], f"{case} {name}: dQ by bulk reduce-adds"
     if persistent_bwd:
         assert "atom.global" in compiled["gluon_bwd_persistent_kernel"]["ptx"], f"{case}: tiles from an atomic counter"
+    # the DOCS form's select of the ids alone below the diagonal (one setp and selp an element: inline PTX)
+    assert (".reg .pred p;" in compiled["gluon_fwd_kernel"]["ptx"]) == (segments == "docs"), case
 
 
 def test_the_dynamic_tile_queue_compiles_like_the_static_split():
@@ -664,14 +668,21 @@ DOCUMENT_CASES = [  # (id, shape, causal, lengths of the documents, then padding
 ]
 
 
+DOCUMENT_RUNS = [(c, dynamic, docs) for c in DOCUMENT_CASES for dynamic in (False, True)
+                 for docs in ((False, True) if c[2] else (False,))]  # (the DOCS form: causal calls alone)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,causal,lengths", [c[1:] for c in DOCUMENT_CASES], ids=[c[0] for c in DOCUMENT_CASES])
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run_vjp, shape, causal, lengths, dynamic):
+@pytest.mark.parametrize("shape,causal,lengths,dynamic,docs", [(*c[1:], dyn, docs) for c, dyn, docs in DOCUMENT_RUNS],
+                         ids=[f"{c[0]}-{'dynamic' if dyn else 'static'}{'-docs' if docs else ''}"
+                              for c, dyn, docs in DOCUMENT_RUNS])
+def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run_vjp, shape, causal, lengths, dynamic,
+                                               docs):
     """Packed documents (one-token ones, documents of exactly one tile, tiles of padding) on the Hopper kernels,
     forward and backward, against the float64 oracle, on few SMs (programs cross tiles); the forward's static split
-    and its dynamic tile queue."""
+    and its dynamic tile queue; causal ones with the forward's masked blocks in the DOCS form too
+    (`host.DOCS_MASKS`: the ids alone below the diagonal, padding as ids nothing matches)."""
     import numpy as np
 
     import oracle
@@ -682,6 +693,7 @@ def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
     monkeypatch.setattr(gluon_attention, "num_sms", lambda: 7)
     monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "1" if dynamic else "0")
+    monkeypatch.setattr(gluon_attention, "DOCS_MASKS", docs)
     if not gluon_attention.hopper():
         pytest.skip("not a Hopper GPU")
     dtype = "float16" if "f16" in str(shape) or shape.head_dim == 64 else "bfloat16"
@@ -701,6 +713,7 @@ def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run
     kinds = {k for k, _ in triton_launches}
     assert kinds == {"fwd", "bwd"} and all(kw.get("SEGMENTS") for _, kw in triton_launches), triton_launches
     assert all(kw["DYNAMIC"] == dynamic for k, kw in triton_launches if k == "fwd"), triton_launches
+    assert all((kw["SEGMENTS"] == 2) == docs for k, kw in triton_launches if k == "fwd"), triton_launches
 
 
 def test_the_tile_order_deals_the_work_evenly():
@@ -1135,6 +1148,20 @@ def _check_list_compiles(results):
             assert meta["shared"] <= 227 * 1024, (kw, name, meta["shared"])
             assert "ld.local" not in meta["ptx"], f"{kw} {name}: registers spilled"
             assert "wgmma.wait_group.sync.aligned 1" in meta["ptx"] or name != "gluon_fwd_kernel", kw
+
+
+def test_the_docs_form_compiles_on_the_gpu_hosts_triton():
+    """The forward's DOCS form of packed documents (`host.DOCS_MASKS`) with the GPU host's Triton (3.6): it compiles
+    for sm_90 with the ids' one-predicate select, at most one 4-byte slot spilled (3.6 keeps one at kernel entry)."""
+    from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
+
+    (compiled,) = compile_all_in_subprocess([dict(gluon=True, dtype="bfloat16", head_dim=128, causal=True,
+                                                  segments=True, docs_masks=True, forward_only=True, with_ptx=True,
+                                                  with_resources=True)], triton=gpu_host_triton())
+    assert "error" not in compiled, compiled.get("error")
+    meta = compiled["gluon_fwd_kernel"]
+    assert by_gpu_host_triton(meta) and meta["cubin"] and meta["wgmma"] and meta["shared"] <= 227 * 1024, meta
+    assert ".reg .pred p;" in meta["ptx"] and meta["stack"] <= 8, meta["stack"]
 
 
 def test_the_list_kernels_compile_on_the_gpu_hosts_triton():

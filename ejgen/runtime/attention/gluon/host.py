@@ -221,23 +221,37 @@ def spec_constexprs(spec: tuple | None) -> dict:
     return dict(SPEC_MASK=mask, SPEC_OPTIONS=options)
 
 
+# The forward's masked blocks of packed documents (segment ids under causal alone: no window, soft cap, lists or spec
+# mask) in the DOCS form (SEGMENTS 2; `kernels._softmax_ids`): padding rows and keys as ids nothing matches, a block
+# below the diagonal compares the ids alone (one setp and selp an element, inline PTX), one on it the ids and causal.
+# A helper's static study of sm_90 SASS (Triton 3.6, session 33, notes/perf.md): a consumer warp's masked path over
+# the unmasked 286 instructions +702 -> +151 below the diagonal, +354 on it; model: 8k with 8 documents -12 to -17 us
+# a forward, 32k with 64 -58 to -92. Built in session 33, NOT GPU-run: off until the Gluon GPU tests and
+# `blocksparse.py --documents-only --docs-masks` say.
+DOCS_MASKS = False
+
+
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
                segments: bool = False, ordered: bool = False, dynamic: bool = False, lists: dict | None = None,
                spec: tuple | None = None, tiles: dict | None = None, seq_k: int | None = None,
-               softcap: bool = False, fast_tanh: bool = False, staged: tuple | None = None) -> dict:
+               softcap: bool = False, fast_tanh: bool = False, staged: tuple | None = None,
+               docs: bool | None = None) -> dict:
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq_k (default seq), hkv, d] (16-bit).
     ``softcap``: the logits capped (SOFTCAP, `softcap_constexpr`, with ``fast_tanh``; the cap is F32[1]).
     ``dynamic``: the programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block
     lists' constexprs (`fwd_lists`), else ranges; ``spec``: the spec's mask (`spec_constexprs`: lists only); ``tiles``:
     the key tiles (`fwd_key_tiles`; default TILES). ``staged``: a spec mask's key-side position terms staged per
     key block (`triton.host.Layout.staged_mask`: its mask, query-side loader, key-side count and table offset; the
-    mask replaces ``spec``'s, KSEG is then I32)."""
+    mask replaces ``spec``'s, KSEG is then I32). ``docs`` (default DOCS_MASKS): segment ids under causal alone take
+    the DOCS form (SEGMENTS 2)."""
     staged_kw = dict(KV_TERMS=0, TERMS_AT=0, SPEC_QTERMS=None)
     if staged is not None:
         spec = (staged[0], spec[1])
         staged_kw = dict(KV_TERMS=staged[2], TERMS_AT=staged[3], SPEC_QTERMS=staged[1])
+    docs = (DOCS_MASKS if docs is None else docs) and segments and causal and not window and not softcap
+    docs = docs and lists is None and spec is None and staged is None
     return dict(B=batch, HQ=hq, HKV=hkv, SEQ=seq, SEQ_K=seq_k or seq, D=d, BLOCK_M=BLOCK_M, CAUSAL=causal,
-                WINDOW=window, SEGMENTS=segments,
+                WINDOW=window, SEGMENTS=2 if docs else segments,
                 ORDERED=ordered, **staged_kw,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                 HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **(tiles or TILES),

@@ -248,6 +248,8 @@ def _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_r
         if SEGMENTS:
             cols = j * BLOCK_N + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ids_l)), 0)
             ids = gl.load(KSEG + off_b.to(gl.int64) * SEQ_K + cols, mask=cols < SEQ_K, other=-2)
+            if SEGMENTS == 2:  # the DOCS form (`host.DOCS_MASKS`): padding keys INT_MIN + 1, an id no row holds
+                ids = gl.where(ids < 0, -2147483647, ids)
         if KV_TERMS > 0:  # the block's key-side position terms: rows of the table in I32 (passed as KSEG too)
             terms = _terms_load(KSEG + TERMS_AT, j, SEQ_K, KV_TERMS, BLOCK_N, ids_l)
         mbarrier.wait(k_empty.index(idx), phase ^ 1)
@@ -388,16 +390,57 @@ def _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, ks, bit
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 @gluon.jit
+def _softmax_ids(s, m_i, l_i, j, q_row0, qk_scale, qs, ks, DIAGONAL: gl.constexpr, ROWS: gl.constexpr,
+                 BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """`_softmax` of a masked block of segment ids under causal alone (`_block_softmax`'s DOCS form): the ids' equality
+    (padding rows hold INT_MIN, padding keys and keys past the end INT_MIN + 1: no compare of their own), and on a
+    block that reaches past the half's first row (DIAGONAL) the causal bound. Below the diagonal one setp and one selp
+    an element (inline PTX: LLVM lowers a select of an and into a chain of selects and packs the i1 tiles into bytes);
+    on it a plain where (the same PTX form there spilled 32 B a thread at tile start on Triton 3.9). sm_90 SASS, Triton
+    3.6, a consumer warp's masked path over the unmasked 286 instructions: +151 / +354, against +702 before."""
+    q2, k2 = gl.broadcast(gl.expand_dims(qs, 1), ks)
+    if DIAGONAL:
+        rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where((gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1)) & (q2 == k2), s, -float("inf"))
+    else:
+        s = gl.inline_asm_elementwise("{ .reg .pred p; setp.eq.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }",
+                                      "=r,r,r,r", [s, q2, k2], dtype=gl.float32, is_pure=True, pack=1)
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no visible key yet: no inf - inf
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
 def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, cap_out, qs, kseg_smem, k_empty, idx, bits,
                    off_b, off_h, opts, SEQ_K: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                    SEGMENTS: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
                    SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SOFTCAP: gl.constexpr,
-                   KV_TERMS: gl.constexpr):
+                   KV_TERMS: gl.constexpr, DOCS: gl.constexpr = False):
     """K stage idx back to the producer (S_j has retired), then block j's softmax, under the element mask outside
     [f0, f1); with SEGMENTS a masked block's key ids are read from the stage's kseg_smem first. Two shapes on
     purpose: with SEGMENTS the release waits for that read, inside the branch; without, it stays ahead of the branch
-    as in the kernel measured against cuDNN (one form for both changes that kernel's code: PTX compared)."""
-    if SEGMENTS | (KV_TERMS > 0):
+    as in the kernel measured against cuDNN (one form for both changes that kernel's code: PTX compared).
+    DOCS (segment ids under causal alone, `_consumer_tile`): a masked block compares the ids, and the causal bound
+    only where it reaches past the half's first row (`_softmax_ids`)."""
+    if DOCS:
+        if (j < f0) | (f1 <= j):
+            ks = kseg_smem.index(idx).load(s_layout)  # [1, BLOCK_N]
+            mbarrier.arrive(k_empty.index(idx), count=1)
+            if (j + 1) * BLOCK_N > q_row0 + 1:
+                p, alpha, m_i, l_i = _softmax_ids(s, m_i, l_i, j, q_row0, qk_scale, qs, ks, True, ROWS, BLOCK_N,
+                                                  s_layout)
+            else:
+                p, alpha, m_i, l_i = _softmax_ids(s, m_i, l_i, j, q_row0, qk_scale, qs, ks, False, ROWS, BLOCK_N,
+                                                  s_layout)
+        else:
+            mbarrier.arrive(k_empty.index(idx), count=1)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, q_row0, left, right, qk_scale, cap_out, qs, qs, bits, off_b,
+                                          off_h, opts, False, SEQ_K, CAUSAL, WINDOW, SEGMENTS, ROWS, BLOCK_N, s_layout,
+                                          SUB_Q, SUB_K, SPEC_MASK, SOFTCAP, KV_TERMS)
+    elif SEGMENTS | (KV_TERMS > 0):
         if (j < f0) | (f1 <= j):
             if KV_TERMS > 0:  # the block's key-side position terms, staged by the producer
                 ks = _terms_read(kseg_smem.index(idx), KV_TERMS, s_layout)
@@ -469,8 +512,14 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
     # the rows' segment ids (SEGMENTS; else unused), read once per tile
     seg_rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     qs = seg_rows
+    # DOCS (SEGMENTS 2, `host.DOCS_MASKS`: segment ids under causal alone, no window, soft cap, lists or spec mask):
+    # masked blocks compare the ids (and on the diagonal causal)
+    DOCS: gl.constexpr = (SEGMENTS == 2 and CAUSAL and not WINDOW and not SOFTCAP and SUB_Q == 0
+                          and SPEC_MASK is None and KV_TERMS == 0)
     if SEGMENTS:
         qs = gl.load(QSEG + off_b.to(gl.int64) * SEQ + seg_rows, mask=seg_rows < SEQ, other=-1)
+        if DOCS:  # padding rows: INT_MIN, an id no key holds
+            qs = gl.where(qs < 0, -2147483647 - 1, qs)
     if KV_TERMS > 0:  # the spec mask's query-side position terms of the tile's rows, once per tile
         qs = SPEC_QTERMS(gl.expand_dims(seg_rows, 1), off_b * 0 + SEQ_K, off_b * 0 + SEQ_K, opts)
     qi = (tc % 2) * 2 + HALF
@@ -501,7 +550,7 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
     p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j0, fa0, fb0, q_row0, left, right, qk_scale, cap_out, qs,
                                         kseg_smem, k_empty, idx, w0, off_b, off_h, opts, SEQ_K, CAUSAL, WINDOW,
                                         SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK, SOFTCAP,
-                                        KV_TERMS)
+                                        KV_TERMS, DOCS)
     p16 = gl.convert_layout(p.to(dtype), p_layout)
 
     # block j: issue S_j and P_{j-1} V_{j-1}; the softmax of S_j runs while the second is in flight
@@ -529,7 +578,7 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
         p, alpha, m_i, l_i = _block_softmax(s, m_i, l_i, j, fa, fb, q_row0, left, right, qk_scale, cap_out, qs,
                                             kseg_smem, k_empty, idx, w, off_b, off_h, opts, SEQ_K, CAUSAL, WINDOW,
                                             SEGMENTS, ROWS, BLOCK_N, s_layout, SUB_Q, SUB_K, SPEC_MASK, SOFTCAP,
-                                            KV_TERMS)
+                                            KV_TERMS, DOCS)
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p16))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
