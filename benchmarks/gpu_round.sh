@@ -188,7 +188,7 @@ j_held-gates() {  # the scalar gates held fixed (chunk_grads_qk without the log 
   # (host.GAMMA_TOTAL), session 32, not yet GPU-run: their GPU tests, then the rows ("chunk_grads_qk, the gates held
   # fixed", "..., 3 stages", "..., g_gamma's total" and their "op fwd+bwd" rows) of simple_gla and lightning at both
   # shapes (flip GAMMA_TOTAL where lightning's op fwd+bwd wins at both)
-  shards held-gates-tests 200 3 -k "held_fixed or gamma_total or output_prefetch" tests/recurrent
+  shards held-gates-tests 200 3 -k "held_fixed or gamma_total" tests/recurrent
   job held-gates 240 python3 benchmarks/recurrent_kernels.py --ops simple_gla,lightning_attention \
     --shapes 2x16384,4x4096 --rounds 2 --no-check
 }

@@ -246,7 +246,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                       adjoint_as_loaded: bool | None = None, grads_v_ahead: bool | None = None,
                       blocks_first: bool | None = None, fixed: bool = False, gated_q: bool | None = None,
                       log_grads: bool = True, gamma_total: bool | None = None,
-                      output_prefetch: bool | None = None, output_tiles: tuple | None = None) -> dict:
+                      output_tiles: tuple | None = None) -> dict:
     """The fused and chunked kernels of one generated recurrent spec (`triton_kernels.py`), forward and backward, with
     the blocks and launch settings `ejgen.runtime.recurrent.triton.host` gives a call of these shapes; ``states``
     "bfloat16": the two-pass forward's stored chunk states in bf16 (the chunk_state_dtype setting; chunk_state and
@@ -271,8 +271,7 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
     host.FIXED_DECAY_SUMS (chunk_state and chunk_output then form the fixed decay's sums from γ); ``gated_q``:
     chunk_intra stores q ⊙ e^{P} in bf16 and chunk_output reads it (default: as host.GATED_Q launches these inputs);
     ``log_grads``: chunk_grads_qk forms the log gates' gradient (False: a scalar decay held fixed); ``gamma_total``:
-    g_gamma alone, its chunk's whole share of that gradient (default host.GAMMA_TOTAL); ``output_prefetch``:
-    chunk_output asks L2 for v's tile as it starts (default host.OUTPUT_PREFETCH); ``output_tiles``: chunk_output's
+    g_gamma alone, its chunk's whole share of that gradient (default host.GAMMA_TOTAL); ``output_tiles``: chunk_output's
     launch (block_k, block_v, warps, stages; default host.output_launch's for these inputs)."""
     import triton
     import triton.language as tl
@@ -313,7 +312,6 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
                   BLOCKS_FIRST=host.blocks_first(gates) if blocks_first is None else blocks_first)
     # (TOTAL as if folded: the kernel takes it with its FOLD alone)
     consts["LOG_GRADS"], consts["TOTAL"] = host.log_grads(gates, log_grads, True, gamma_total)
-    consts["PREFETCH"] = host.OUTPUT_PREFETCH if output_prefetch is None else output_prefetch
     consts["GATED_Q"] = host.gated_q(dtype, products, gates, consts["SUMS"]) if gated_q is None else gated_q
     host_fold, qk_blocks, qk_options = host.grads_qk_form(
         dtype, "bfloat16" if products == "bfloat16" else "tf32", gates, dk, dv, arch=f"sm{capability}",

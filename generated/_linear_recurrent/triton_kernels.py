@@ -454,20 +454,6 @@ def _tf32(x, BITS: tl.constexpr = False):
 
 
 @triton.jit
-def _prefetch_rows(P, rows, i_h, first, HEADS: tl.constexpr, N: tl.constexpr, COLS: tl.constexpr):
-    """Ask L2 for COLS columns from ``first`` of the rows ``rows`` of P [.., HEADS, N] (head i_h): a prefetch.global.L2
-    a 128-byte line, nothing waits for it (the loads that read them later find them in L2). In Triton's interpreter
-    (UPCAST) nothing: it runs no PTX, and a prefetch changes no value."""
-    if not UPCAST:
-        LINE: tl.constexpr = 1024 // P.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
-        LINES: tl.constexpr = (COLS + LINE - 1) // LINE
-        cols = tl.minimum(first + tl.arange(0, LINES) * LINE, N - 1)  # (within the row: the last row's end is the
-        p = P + (rows[:, None] * HEADS + i_h).to(tl.int64) * N + cols[None, :]  # array's)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def _dot_state(a, b, DT: tl.constexpr, SP: tl.constexpr = tl.float32):
     """a @ b where one operand is a float32 state (or its adjoint, or a pair matrix): exact for float32 inputs; for
     16-bit ones both operands rounded to TF32 (`_tf32`, to nearest, so the tensor cores read them exactly and the
@@ -1255,7 +1241,7 @@ def linear_recurrent_chunk_output_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SCALE: tl.constexpr, USE_G: tl.constexpr,
     USE_GAMMA: tl.constexpr, USE_GK: tl.constexpr, VARLEN: tl.constexpr, REVERSE: tl.constexpr, MAP: tl.constexpr,
     DT: tl.constexpr, SUMS: tl.constexpr, SP: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-    AHEAD: tl.constexpr, BLOCKS_FIRST: tl.constexpr, GATED_Q: tl.constexpr, PREFETCH: tl.constexpr,
+    AHEAD: tl.constexpr, BLOCKS_FIRST: tl.constexpr, GATED_Q: tl.constexpr,
 ):
     """o of a chunk's C steps (BV columns), a program per (chunk, block of V), in products of the whole chunk:
         o = scale (q ⊙ e^{P}) S + A v      (S: the state at the chunk's start, HS; P_i = L(start, i], prefix sums)
@@ -1270,9 +1256,7 @@ def linear_recurrent_chunk_output_kernel(
     each block of K). BLOCKS_FIRST: a chunk's blocks of V side by side in the grid (`_chunk_program`). With g_gamma
     alone and no SUMS (FIXED; the forward with host.FIXED_DECAY_SUMS): P formed from the head's γ (`_fixed_sums`),
     not scanned. GATED_Q (gk; host.GATED_Q): q ⊙ e^{P} read from QG, as `chunk_intra` stored it rounded to bf16 (the
-    operand's rounding in the state's bf16 product), instead of q and P read and multiplied here. PREFETCH
-    (host.OUTPUT_PREFETCH): v's tile asked of L2 as the program starts (`_prefetch_rows`), for a v read after the K
-    loop that then waits on L2, not DRAM."""
+    operand's rounding in the state's bf16 product), instead of q and P read and multiplied here."""
     i_v, i_cg, i_n, i_t, i_h, i_hk, rows, m_s = _chunk_program(CU, CHUNKS, (V + BV - 1) // BV, T, H, HKV, C,
                                                               VARLEN, REVERSE, BLOCKS_FIRST)
     GATED: tl.constexpr = USE_G or USE_GAMMA or USE_GK
@@ -1284,8 +1268,6 @@ def linear_recurrent_chunk_output_kernel(
     b_o = tl.zeros([C, BV], dtype=tl.float32)
     b_a = tl.zeros([C, C], dtype=tl.float32)
     K_AS_LOADED: tl.constexpr = AHEAD and DT != tl.float32 and not (MAP and FEATURE_MAP)
-    if PREFETCH:
-        _prefetch_rows(V_, rows, i_hk, i_v * BV, HKV, V, BV)
     if AHEAD:
         b_v = _load_v(V_, rows, m_s, i_hk, o_v, m_v, HKV, V)  # [C, BV]
         if USE_GK:

@@ -472,28 +472,6 @@ def test_triton_gamma_total(case, monkeypatch):
     assert [kw["TOTAL"] for _, _, kw in seen] == [total], seen
 
 
-PREFETCH_CASES = (  # a scalar gate in bf16, packed sequences (an empty one) reversed; gk in f16, GQA, V in two blocks
-    Case("simple_gla", ("g",), dtype="bfloat16", shape=(1, 40, 2, 1, 16, 16), chunk=16, cu=(0, 17, 17, 36),
-         reverse=True),
-    Case("gla", ("gk",), dtype="float16", shape=(1, 40, 4, 2, 16, 80), chunk=16),
-)
-
-
-@pytest.mark.parametrize("case", PREFETCH_CASES, ids=[c.id for c in PREFETCH_CASES])
-def test_triton_output_prefetch(case, monkeypatch):
-    """host.OUTPUT_PREFETCH with v read after the K loop (the helper study's launch for it): o, final_state and every
-    gradient against the oracle, and the spy shows chunk_output took it (the interpreter runs no prefetch: the GPU
-    suite and the AOT compile check the asm)."""
-    from ejgen.runtime.recurrent.triton import host
-
-    prefetch = not host.OUTPUT_PREFETCH
-    seen = launched_with(monkeypatch, "PREFETCH")
-    monkeypatch.setattr(host, "OUTPUT_PREFETCH", prefetch)
-    monkeypatch.setattr(host, "OUTPUT_AHEAD", False)
-    check(case, "triton")
-    assert [(kw["PREFETCH"], kw["AHEAD"]) for _, _, kw in seen] == [(prefetch, False)], seen
-
-
 GATED_CASES = (  # gk with the gates' sums: bf16 packed sequences (an empty one, ends inside chunks) reversed with an
     # initial state; dense, GQA, K in two blocks of chunk_output (T past the last whole chunk). bf16 inputs: the
     # products' operands bf16 (the chunk_products setting's auto), the form's condition (host.gated_q)

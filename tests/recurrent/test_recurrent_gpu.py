@@ -168,20 +168,6 @@ def test_triton_scalar_gates_held_fixed(case):
     check(case, "triton", fixed=tuple(n for n in ("g", "g_gamma") if n in case.gates))
 
 
-PREFETCH = [c for c in AHEAD if c.dtype == "bfloat16"]
-
-
-@pytest.mark.parametrize("case", PREFETCH, ids=[c.id for c in PREFETCH])
-def test_triton_output_prefetch(case, monkeypatch):
-    """host.OUTPUT_PREFETCH the other way round, v read after the K loop (chunk_output asks L2 for v's tile as it
-    starts: prefetch.global.L2, which the interpreter never runs), against the oracle."""
-    from ejgen.runtime.recurrent.triton import host
-
-    monkeypatch.setattr(host, "OUTPUT_PREFETCH", not host.OUTPUT_PREFETCH)
-    monkeypatch.setattr(host, "OUTPUT_AHEAD", False)
-    check(case, "triton", hooks=ELU1 if case.op == "linear_attention" else None)
-
-
 TOTAL = [c for c in CASES if c.algorithm == "chunked" and c.gates == ("g_gamma",) and c.dtype != "float32"]
 
 

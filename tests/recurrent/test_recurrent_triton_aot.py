@@ -110,11 +110,6 @@ def test_the_gpu_hosts_triton_compiles_the_chunked_kernels():
                   "log_grads": False,  # the scalar gates held fixed (RecurrentConfig.log_grads): 171 registers on
                   "with_resources": True}  # 3.6 against 216
                  for name, gates in [("lightning_attention", ("g_gamma",)), ("simple_gla", ("g", "g_gamma"))]]
-    requests += [{"recurrent": True, "package": "ejgen.generated", "name": name, "capability": 90, "gates": gates,
-                  "kernels": ["chunk_output"], "states": "bfloat16", "products": "bfloat16", "output_ahead": False,
-                  "output_prefetch": not host.OUTPUT_PREFETCH,  # v asked of L2 as a program starts (host.
-                  "with_resources": True}                       # OUTPUT_PREFETCH)
-                 for name, gates in [("gla", ("gk",)), ("simple_gla", ("g",))]]
     requests += [{"recurrent": True, "package": "ejgen.generated", "name": "lightning_attention", "capability": 90,
                   "gates": ("g_gamma",), "kernels": ["chunk_grads_qk"], "states": "bfloat16", "products": "bfloat16",
                   "dk": 128, "dv": 128, "gamma_total": not host.GAMMA_TOTAL,  # g_gamma's whole share a chunk, or

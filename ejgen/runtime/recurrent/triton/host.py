@@ -600,15 +600,6 @@ def _blocks_grid(per_row: int, blocks: int, rows: int, first: bool) -> tuple[int
 # 0.804 -> 0.788: on for every gate.
 OUTPUT_AHEAD = True
 
-# chunk_output's v asked of L2 as each program starts (the kernel's PREFETCH, `_prefetch_rows`: a prefetch.global.L2 a
-# 128-byte line): the session 32 helper study of the scalar gates' output kernel found three DRAM round trips in a row
-# (v's tile stored to shared memory right after its load holds back q, kᵀ and S's copies); with v read after the K
-# loop (OUTPUT_AHEAD off), prefetched, and 3 stages (both blocks of K in flight) one DRAM and one L2 trip at 80
-# registers and 72 KB (3 CTAs an SM), est. 0.30 -> 0.23-0.25 ms at simple_gla B2 T16k. Session 33, H200, one call
-# (8 warps, 3 stages, v after the K loop prefetched, against the default then): simple_gla B2 T16k 0.299 -> 0.316 ms,
-# B4 T4096 0.157 -> 0.164; lightning 0.304 -> 0.316, 0.160 -> 0.163: slower, off.
-OUTPUT_PREFETCH = False
-
 # chunk_output's launch with a scalar gate (g, g_gamma; gk keeps CHUNKED's, its q ⊙ e^{P} read whole with GATED_Q),
 # 16-bit inputs and bf16 products: 4 warps at 2 stages (153 registers, 56 KB on sm_90, no spill on Triton 3.6 or 3.9:
 # 3 CTAs an SM against 1-2 at 8 warps). Session 33, H200, one call (kernel, op fwd; 8 warps -> 4): simple_gla B2 T16k
@@ -644,7 +635,7 @@ def chunk_output(kernels, q, k, v, gates, ctx, cfg, hs, a=None, sums=None, group
         [jax.ShapeDtypeStruct(q.shape[:3] + (cfg.dv,), q.dtype)],
         zeroed=(0,) if cfg.varlen else (), BC=SUB, SUMS=sums is not None, SP=_products(cfg),
         GROUP=groups[2] if groups else 0, NG=groups[3] if groups else 1, AHEAD=OUTPUT_AHEAD,
-        BLOCKS_FIRST=blocks_first(cfg.gates), GATED_Q=qg is not None, PREFETCH=OUTPUT_PREFETCH, **options,
+        BLOCKS_FIRST=blocks_first(cfg.gates), GATED_Q=qg is not None, **options,
         **{**_chunk_consts(q, cfg, consts), **blocks})
     return o
 
