@@ -336,7 +336,8 @@ def compile_recurrent(package: str, name: str, *, capability: int = 90, dtype: s
             blocks, options = (host.tiles(which, dk, dv, host.Tiles(*grads_qk_tiles)) if grads_qk_tiles
                                else (qk_blocks, qk_options))
         elif which == "chunk_output":
-            launch = host.output_launch(dtype, "bfloat16" if products == "bfloat16" else "tf32", gates)
+            launch = host.output_launch(dtype, "bfloat16" if products == "bfloat16" else "tf32", gates,
+                                        arch=f"sm{capability}")
             blocks, options = host.tiles(which, dk, dv, host.Tiles(*output_tiles) if output_tiles else launch)
         else:
             blocks, options = host.tiles(which, dk, dv)

@@ -406,22 +406,23 @@ def test_blocks_first_by_gates(monkeypatch):
 
 def test_output_launch_by_inputs_and_gates(monkeypatch):
     """host.output_launch: chunk_output at OUTPUT_SCALAR_TILES (4 warps) with a scalar gate alone, 16-bit inputs and
-    bf16 products; CHUNKED's (8 warps) with gk or no gate, float32 inputs (4 warps spill) or TF32 products, and for
-    every call where OUTPUT_SCALAR_TILES is None; the launch takes it."""
+    bf16 products on sm_90 and in the interpreter; CHUNKED's (8 warps) with gk or no gate, float32 inputs (4 warps
+    spill), TF32 products or on sm_80, and for every call where OUTPUT_SCALAR_TILES is None; the launch takes it."""
     from ejgen.runtime.recurrent.triton import host
 
     gates = [(), ("g",), ("g_gamma",), ("g", "g_gamma"), ("gk",), ("g", "gk")]
-    rule = {g: host.output_launch("bfloat16", "bfloat16", g).num_warps for g in gates}
+    rule = {g: host.output_launch("bfloat16", "bfloat16", g, "sm90").num_warps for g in gates}
     assert rule == {(): 8, ("g",): 4, ("g_gamma",): 4, ("g", "g_gamma"): 4, ("gk",): 8, ("g", "gk"): 8}, rule
-    assert host.output_launch("float16", "bfloat16", ("g",)).num_warps == 4
-    assert host.output_launch("float32", "bfloat16", ("g",)).num_warps == 8
-    assert host.output_launch("bfloat16", "tf32", ("g",)).num_warps == 8
+    assert host.output_launch("float16", "bfloat16", ("g",), None).num_warps == 4
+    assert host.output_launch("float32", "bfloat16", ("g",), "sm90").num_warps == 8
+    assert host.output_launch("bfloat16", "tf32", ("g",), "sm90").num_warps == 8
+    assert host.output_launch("bfloat16", "bfloat16", ("g",), "sm80").num_warps == 8
     case = FOLD_CASES[2]  # (g_gamma alone, bf16: bf16 products, the chunk_products setting's auto)
     seen = launched_with(monkeypatch, "GATED_Q")  # (chunk_output's and chunk_intra's constexpr)
     check_forward(case, "triton")
     assert [kw["num_warps"] for _, _, kw in seen] == [4], seen
     monkeypatch.setattr(host, "OUTPUT_SCALAR_TILES", None)
-    assert {host.output_launch("bfloat16", "bfloat16", g) for g in gates} == {host.CHUNKED["chunk_output"]}
+    assert {host.output_launch("bfloat16", "bfloat16", g, "sm90") for g in gates} == {host.CHUNKED["chunk_output"]}
 
 
 FIXED_GATE_CASES = (  # (case, the gates held fixed): a fixed decay alone (Lightning attention's), bf16 packed and

@@ -601,7 +601,7 @@ def _blocks_grid(per_row: int, blocks: int, rows: int, first: bool) -> tuple[int
 OUTPUT_AHEAD = True
 
 # chunk_output's launch with a scalar gate (g, g_gamma; gk keeps CHUNKED's, its q ⊙ e^{P} read whole with GATED_Q),
-# 16-bit inputs and bf16 products: 4 warps at 2 stages (153 registers, 56 KB on sm_90, no spill on Triton 3.6 or 3.9:
+# 16-bit inputs and bf16 products on sm_90: 4 warps at 2 stages (153 registers, 56 KB on sm_90, no spill on Triton 3.6 or 3.9:
 # 3 CTAs an SM against 1-2 at 8 warps). Session 33, H200, one call (kernel, op fwd; 8 warps -> 4): simple_gla B2 T16k
 # 0.299 -> 0.285 ms, 0.483 -> 0.471; B4 T4096 0.157 -> 0.145, 0.244 -> 0.241; lightning 0.304 -> 0.290, 0.489 ->
 # 0.474 and 0.160 -> 0.148, 0.244 -> 0.241. fla's launch (4 warps, 3 stages, v after the K loop) 0.293 / 0.156 /
@@ -610,12 +610,17 @@ OUTPUT_AHEAD = True
 OUTPUT_SCALAR_TILES = Tiles(64, 64, 4, 2)
 
 
-def output_launch(dtype, products: str, gates) -> Tiles:
+def output_launch(dtype, products: str, gates, arch: str | None = "here") -> Tiles:
     """chunk_output's launch for inputs of ``dtype``, the chunk_products setting ``products`` and ``gates`` (names, as
-    RecurrentConfig.gates): OUTPUT_SCALAR_TILES with a scalar gate alone, 16-bit inputs and bf16 products, else
-    CHUNKED's."""
+    RecurrentConfig.gates) on ``arch`` ("sm90"; None: the Triton interpreter; default: the machine calls run on):
+    OUTPUT_SCALAR_TILES with a scalar gate alone, 16-bit inputs and bf16 products on sm_90 (where it was timed; sm_80
+    holds 235-252 registers there) and in the interpreter, else CHUNKED's."""
+    if arch == "here":
+        target = chooser.target()
+        arch = target.arch if target.platform == "gpu" else None
     scalar = "gk" not in gates and bool(set(gates) & {"g", "g_gamma"})
-    if scalar and jnp.dtype(dtype).itemsize == 2 and products == "bfloat16" and OUTPUT_SCALAR_TILES is not None:
+    if (scalar and jnp.dtype(dtype).itemsize == 2 and products == "bfloat16" and arch in (None, "sm90")
+            and OUTPUT_SCALAR_TILES is not None):
         return OUTPUT_SCALAR_TILES
     return CHUNKED["chunk_output"]
 
