@@ -43,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the XLA backend")
     p.add_argument("--sweep-kernels", default="", help="comma-separated kernels to sweep (default: every one)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in Triton's interpreter")
+    p.add_argument("--rows", default="", help="comma-separated substrings: the other forms' rows built and timed "
+                   "only where their name holds one (the default kernels and op fwd / fwd+bwd always; compiling the "
+                   "others is most of a table's time)")
     return p.parse_args(argv)
 
 
@@ -168,6 +171,8 @@ def stages(op_name, b, t, h, d):
     out = []
 
     def add(name, raw, *args, grid=(), which=None, launch=None):
+        if not wanted(name):
+            return None  # (another form's row: nothing reads its result)
         fn = jax.jit(raw)
         result = jax.block_until_ready(fn(*args))
         tiles = launch or host.CHUNKED.get(which or name)  # (``launch``: the Tiles the row runs, where not CHUNKED's)
@@ -225,8 +230,9 @@ def stages(op_name, b, t, h, d):
     if cfg.has("gk"):
         a, _, qg = add("chunk_intra", intra(gated), q, k, gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h))
         if gated_other != gated:
-            _, _, qg_other = add(f"chunk_intra, {GATED_NAMED[gated_other]}", intra(gated_other), q, k, gates, sums,
-                                 grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
+            other_intra = add(f"chunk_intra, {GATED_NAMED[gated_other]}", intra(gated_other), q, k, gates, sums,
+                              grid=(n_c * (cfg.chunk // host.SUB), rows_h), which="chunk_intra")
+            qg_other = other_intra and other_intra[2]  # (None where `--rows` leaves the row out)
         for form, pieces, named in other_forms():  # (the kernel's: both launches)
             add(f"chunk_intra, diagonal {named}", diagonal(form, pieces, lambda q, k, g, s: host.chunk_intra(
                 kernels, q, k, g, ctx, cfg, sums=s)), q, k, gates, sums, grid=(n_c * (cfg.chunk // host.SUB), rows_h),
@@ -528,6 +534,12 @@ def table(title, rows, ms):
               and ", " not in s.name and not s.name.startswith(("chunk_state in ", "op ")))  # (not the other forms')
     print(f"\nsum of parts: fwd {fwd:.3f} ms (sums, state, intra, output); fwd+bwd {fwd + bwd:.3f} ms (the sums and "
           "state kernels twice, as the op runs them)")
+
+
+def wanted(name: str) -> bool:
+    """Whether a row is built (`--rows`): every default kernel and op row, another form's where a substring matches."""
+    other = ", " in name or name.startswith("op ") and name not in ("op fwd", "op fwd+bwd")
+    return not (ARGS.rows and other) or any(r in name for r in ARGS.rows.split(",") if r)
 
 
 SCALAR_LAUNCHES = {"chunk_grads_qk": "GRADS_QK_SCALAR_TILES", "chunk_output": "OUTPUT_SCALAR_TILES"}
