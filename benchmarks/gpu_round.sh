@@ -590,9 +590,10 @@ declare -A PRESETS=(
   # session 34 first (kind nvidia-h200-x2): the whole recurrent GPU suite on session 33's final tree (issue 17's last
   # condition), DEADLINE=560
   [s34a]="0-1:rec-full"
-  # then (kind nvidia-h200): the paged decode's stages A/B'd and the decode table at 128 calls a sample (DECODE_CALLS=
-  # 128, DECODE_TUNE_CALLS=128; the paged call's clamps in the kernel since session 33), and the decode GPU tests
-  [s34b]="0:decode-tests,decode-paged-stages,decode-steady"
+  # then (kind nvidia-h200): the decode GPU tests, then the paged decode's stages A/B'd beside the contiguous batches
+  # (DECODE_TUNE_CALLS=128; the paged call's clamps in the kernel since session 33); the decode table (decode-steady,
+  # DECODE_CALLS=128) in a later call
+  [s34b]="0:decode-tests,decode-paged-stages"
   # then (kind nvidia-h200-x2): the ring's experiments, each against the default in the same call (ring.py: the
   # backward as one call, dK/dV accumulators in bf16, the wide step by head sections)
   [s34c]="0-1:ring-ab"
