@@ -138,8 +138,11 @@ def pytest_runtest_makereport(item, call):
 # budget 72, zoo masks 32, list 26, cross 19, list on 3.6 18: every kernel distinct, 3-7 s each). Warm 21.5 -> 6.6:
 # ejgen.testing.aot keeps one compiling process per Triton (~2 s a call saved, every AOT test). Whole suite, both
 # caches cold: 1167 s, 1842 passed. Next: test_triton_aot's compile test, 197 s cold under -n 2 (f32 40, d256 30).
-BUDGET_SECONDS = {"attention": 660, "zoo": 240, "blocksparse": 140, "compiler": 110, "multidevice": 160, "pooling": 60,
-                  "recurrent": 125, "decode": 60}
+# Session 33 (a quiet 2-core machine, warm caches, 1892 tests, 422 s): attention 270, recurrent 126-133 (121-146 over
+# sessions 31-33 with the load), zoo 91-118, multidevice 96, blocksparse 84, compiler 54, decode 30, pooling 23:
+# recurrent 125 -> 140 from the zoo's room (240 -> 225; its sm_90 compiles took 221 in session 16, 296 cold).
+BUDGET_SECONDS = {"attention": 660, "zoo": 225, "blocksparse": 140, "compiler": 110, "multidevice": 160, "pooling": 60,
+                  "recurrent": 140, "decode": 60}
 NEW_FAMILY_BUDGET = 107  # each family still to come
 
 def pytest_terminal_summary(terminalreporter):
