@@ -452,7 +452,7 @@ j_docs-ab() {  # the forward's DOCS masks (gluon.host.DOCS_MASKS, session 33, no
 }
 j_ring-ab() {  # session 33's ring experiments (notes/perf.md, "Session 33"): the default, then each flag in its own
   # process (the one GPU timed in each: compare each ring row with its own run's one-GPU row)
-  job ring-ab-base 110 python3 "${RING[@]}" --parts time --out "$log/ring-ab-base"
+  job ring-ab-base 150 python3 "${RING[@]}" --parts time,gaps --out "$log/ring-ab-base"  # (gaps: device spans)
   job ring-ab-coalesce-bwd 110 python3 "${RING[@]}" --parts time --coalesce-backward --out "$log/ring-ab-cb"
   job ring-ab-narrow 110 python3 "${RING[@]}" --parts time --narrow-accumulators --out "$log/ring-ab-narrow"
   job ring-ab-sections 110 python3 "${RING[@]}" --parts time --layout-sections --out "$log/ring-ab-sections"
