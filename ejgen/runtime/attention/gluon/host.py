@@ -227,7 +227,7 @@ def spec_constexprs(spec: tuple | None) -> dict:
 # A helper's static study of sm_90 SASS (Triton 3.6, session 33, notes/perf.md): a consumer warp's masked path over
 # the unmasked 286 instructions +702 -> +151 below the diagonal, +354 on it; model: 8k with 8 documents -12 to -17 us
 # a forward, 32k with 64 -58 to -92. Built in session 33, NOT GPU-run: off until the Gluon GPU tests and
-# `blocksparse.py --documents-only --docs-masks` say.
+# `blocksparse.py --documents-only --probe` (its "DOCS masks" row) say.
 DOCS_MASKS = False
 
 
@@ -420,7 +420,7 @@ def tile_order(ranges, hq: int, causal: bool, programs: int):
     return order_by_work(jnp.maximum(hi - lo, 1)[:, None], hq, programs)  # a tile visits at least one block
 
 
-# Experiment (session 33 study, notes/studies-s33/ring.md; off: not GPU-timed): a block layout's tiles taken a head
+# Experiment (session 33's ring study, notes/perf.md; off: not GPU-timed): a block layout's tiles taken a head
 # section at a time (`head_group` heads: K and V of a section within L2_KV_BUDGET), every row of a section, heaviest
 # first, before the next section, as `_tile` deals causal calls; off, each row's heads are next to each other, so
 # the dynamic queue has every head's K and V in flight at once (the ring's wide step, 32k tokens over 2 devices: 16
