@@ -587,18 +587,15 @@ declare -A PRESETS=(
   [s33c]="0:fla,rec-bench"
   [s33d]="0:s33-rows,fla,rec-bench"  # (s33b's rows stopped on the grouped chunk_grads_qk at 3 stages: 248 KB)
   [s33e]="0:s33e-tests,fla,rec-bench"  # BLOCKS_FIRST "always": SHARDS_PER_GPU=5, REC_BENCH_ARGS="--no-variants"
-  # session 34 first (kind nvidia-h200-x2): the whole recurrent GPU suite on session 33's final tree (issue 17's last
-  # condition), DEADLINE=560
+  # session 34, all on kind nvidia-h200-x2 (a lane a GPU: one call's time runs two jobs' worth), DEADLINE=560:
+  # s34a the whole recurrent GPU suite on session 33's final tree (issue 17's last condition); s34b the decode GPU
+  # tests and the paged decode's stages A/B'd beside the contiguous batches (DECODE_TUNE_CALLS=128; issue 16) on GPU 0,
+  # the forward's DOCS masks for packed documents, tests and probe rows (issue 14) on GPU 1; s34c the ring's
+  # experiments, each against the default in the same call (issue 18: the backward as one call, dK/dV accumulators in
+  # bf16, the wide step by head sections)
   [s34a]="0-1:rec-full"
-  # then (kind nvidia-h200): the decode GPU tests, then the paged decode's stages A/B'd beside the contiguous batches
-  # (DECODE_TUNE_CALLS=128; the paged call's clamps in the kernel since session 33); the decode table (decode-steady,
-  # DECODE_CALLS=128) in a later call
-  [s34b]="0:decode-tests,decode-paged-stages"
-  # then (kind nvidia-h200-x2): the ring's experiments, each against the default in the same call (ring.py: the
-  # backward as one call, dK/dV accumulators in bf16, the wide step by head sections)
+  [s34b]="0:decode-tests,decode-paged-stages 1:docs-ab"
   [s34c]="0-1:ring-ab"
-  # then (kind nvidia-h200): the forward's DOCS masks for packed documents, tests and probe rows (issue 14)
-  [s34d]="0:docs-ab"
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)
