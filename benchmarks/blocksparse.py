@@ -9,6 +9,7 @@ markdown table; `--json` writes the rows (docs/DESIGN.md §8: medians of interle
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -104,19 +105,17 @@ def _generated(f):
     return call
 
 
-def _docs(f):
-    """f with the forward's masked blocks of documents in the DOCS form (`gluon_attention.DOCS_MASKS` on while it
-    traces; session 33, not yet GPU-timed)."""
+@contextlib.contextmanager
+def _switched(name: str):
+    """`gluon_attention.<name>` on while a call is traced (both passes: the compile loop lowers them inside it)."""
     from ejgen.runtime.attention.gluon import host as gluon_attention
 
-    def call(*args):
-        before = gluon_attention.DOCS_MASKS
-        gluon_attention.DOCS_MASKS = True
-        try:
-            return f(*args)
-        finally:
-            gluon_attention.DOCS_MASKS = before
-    return call
+    before = getattr(gluon_attention, name)
+    setattr(gluon_attention, name, True)
+    try:
+        yield
+    finally:
+        setattr(gluon_attention, name, before)
 
 
 def _static(f):
@@ -149,13 +148,18 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         "ejgen-triton causal (all tokens)": lambda q, k, v, info: flash_attention(q, k, v, causal=True,
                                                                                    platform="triton"),
     }
+    switches = {}  # impl -> the gluon host switch on while it is traced (`_switched`)
     if probe:  # where the time goes: the generated kernels on the same call, one document (segment ids, no cut)
         impls["ejgen-triton documents, generated kernels"] = _generated(impls["ejgen-triton documents"])
         one = MaskInfo.from_segments(jnp.zeros_like(jnp.asarray(ids)))
         impls["ejgen-triton one document"] = lambda q, k, v, info: flash_attention(q, k, v, causal=True, mask_info=one,
                                                                                  platform="triton")
         impls["ejgen-triton documents, static tile order"] = _static(impls["ejgen-triton documents"])
-        impls["ejgen-triton documents, DOCS masks"] = _docs(impls["ejgen-triton documents"])
+        # session 33's forms, off until GPU-run: the forward's DOCS masks, the persistent backward with segment ids
+        impls["ejgen-triton documents, DOCS masks"] = impls["ejgen-triton documents"]
+        impls["ejgen-triton documents, persistent backward"] = impls["ejgen-triton documents"]
+        switches["ejgen-triton documents, DOCS masks"] = "DOCS_MASKS"
+        switches["ejgen-triton documents, persistent backward"] = "PERSISTENT_SEGMENTS_BWD"
     if documents_only and not probe:
         impls.pop("ejgen-triton causal (all tokens)")
     flops = 4.0 * HEADS * DIM * visible_pairs(ids)
@@ -165,7 +169,8 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
             return jnp.sum(f(q, k, v, info).astype(jnp.float32) * do.astype(jnp.float32))
 
         for pass_, fn, mult in (("fwd", f, 1.0), ("fwd+bwd", jax.grad(loss, argnums=(0, 1, 2)), 3.5)):
-            exe = jax.jit(fn).lower(q, k, v, info).compile()
+            with _switched(switches[name]) if name in switches else contextlib.nullcontext():
+                exe = jax.jit(fn).lower(q, k, v, info).compile()
             jax.block_until_ready(exe(q, k, v, info))
             compiled.append((name, pass_, exe, mult))
     times = [[] for _ in compiled]
@@ -230,12 +235,15 @@ def main():
     p.add_argument("--documents-only", action="store_true", help="only the document-mask call (config sweeps)")
     p.add_argument("--layouts-only", action="store_true", help="only the block layouts (local+global, random)")
     p.add_argument("--layout-tokens", default="8192,32768", help="lengths of the block-layout cases")
+    p.add_argument("--doc-cases", default=",".join(f"{t}x{d}" for t, d in CASES),
+                   help="the document cases, comma-separated TOKENSxDOCUMENTS")
     p.add_argument("--probe", action="store_true", help="also the generated kernels on the documents, one document, "
                                                         "and the Gluon kernels' tile ranges alone")
     a = p.parse_args()
     global BATCH
     BATCH = a.calls
-    rows = [] if a.layouts_only else [r for tokens, docs in CASES
+    doc_cases = [tuple(int(x) for x in c.split("x")) for c in a.doc_cases.split(",") if c]
+    rows = [] if a.layouts_only else [r for tokens, docs in doc_cases
                                       for r in run(tokens, docs, a.reps, a.rounds, a.documents_only, a.probe)]
     if not a.documents_only:
         lengths = {int(t) for t in a.layout_tokens.split(",") if t}

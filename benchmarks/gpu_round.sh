@@ -444,11 +444,13 @@ j_decode-tests() { shards decode-tests 200 3 tests/decode; }
 j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }
 j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 python3 -m pytest -m gpu -q -rf \
   -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
-j_docs-ab() {  # the forward's DOCS masks (gluon.host.DOCS_MASKS, session 33, not yet GPU-run): the Gluon document
-  # tests (both forms), then blocksparse.py's probe rows ("ejgen-triton documents, DOCS masks" beside the default, the
-  # ideal's causal call and the other probes, one process)
+j_docs-ab() {  # session 33's document forms, not yet GPU-run: the forward's DOCS masks (gluon.host.DOCS_MASKS) and
+  # the persistent backward with segment ids (PERSISTENT_SEGMENTS_BWD): the Gluon document tests (every form), then
+  # blocksparse.py's probe rows ("ejgen-triton documents, DOCS masks" / ", persistent backward" beside the default,
+  # the ideal's causal call and the other probes, one process) at 8k / 8 and 32k / 64 documents
   shards docs-tests 200 2 -k "document_masks" tests/attention/test_gluon.py
-  job docs-ab 240 python3 benchmarks/blocksparse.py --documents-only --probe --rounds 2 --reps 4 --out "$log/bs-docs"
+  job docs-ab 300 python3 benchmarks/blocksparse.py --documents-only --probe --doc-cases 8192x8,32768x64 --rounds 2 \
+    --reps 4 --out "$log/bs-docs"
 }
 j_ring-ab() {  # session 33's ring experiments (notes/perf.md, "Session 33"): the default, then each flag in its own
   # process (the one GPU timed in each: compare each ring row with its own run's one-GPU row)

@@ -86,7 +86,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                   seq: int = 1000, dynamic: bool = False, forward_only: bool = False, layout=None,
                   spec: str | None = None, seq_k: int | None = None, softcap: bool = False,
                   fast_tanh: bool = False, staged_backward: bool | None = None, backward_only: bool = False,
-                  docs_masks: bool | None = None) -> dict:
+                  docs_masks: bool | None = None, persistent_segments: bool | None = None) -> dict:
     """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs; ``dynamic``:
     the forward's dynamic tile queue; ``forward_only``: the forward alone; ``layout``: a block layout of (block_q,
     block_k, per head) (the kernels walk lists: LIST, `gluon.host.fwd_lists` / `bwd_lists`); ``spec``: a generated
@@ -94,7 +94,9 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     lists shared by the heads unless ``layout`` says otherwise); ``seq_k``: keys of another length than the queries
     (the forward's SEQ_K, `gluon_cross`); ``softcap``: the logits capped (SOFTCAP), with ``fast_tanh`` by the
     hardware's approximate tanh (SOFTCAP 2, `KernelChoice.fast_tanh`); ``docs_masks``: the forward's DOCS form of
-    segment ids under causal (default `gluon.host.DOCS_MASKS`)."""
+    segment ids under causal (default `gluon.host.DOCS_MASKS`); ``persistent_segments``: with segment ids and no
+    window, also the persistent backward that takes them (default `gluon.host.PERSISTENT_SEGMENTS_BWD`; compiled as
+    "gluon_bwd_persistent_kernel")."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -149,6 +151,14 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     elif causal and window and not bwd_lists:  # the persistent backward runs causal windows
         kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(),
                         gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim, softcap, fast_tanh),
+                        bwd_pointers))
+    if persistent_segments is None:
+        persistent_segments = gluon_attention.PERSISTENT_SEGMENTS_BWD
+    if (persistent_segments and segments and not window and not bwd_lists and not forward_only and not backward_only
+            and not spec):
+        kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(segments=True),
+                        gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim, softcap, fast_tanh,
+                                                        segments=True, causal=causal),
                         bwd_pointers))
     for name, kernel, consts, pointers in kernels:
         sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}

@@ -668,32 +668,18 @@ DOCUMENT_CASES = [  # (id, shape, causal, lengths of the documents, then padding
 ]
 
 
-DOCUMENT_RUNS = [(c, dynamic, docs) for c in DOCUMENT_CASES for dynamic in (False, True)
-                 for docs in ((False, True) if c[2] else (False,))]  # (the DOCS form: causal calls alone)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape,causal,lengths,dynamic,docs", [(*c[1:], dyn, docs) for c, dyn, docs in DOCUMENT_RUNS],
-                         ids=[f"{c[0]}-{'dynamic' if dyn else 'static'}{'-docs' if docs else ''}"
-                              for c, dyn, docs in DOCUMENT_RUNS])
-def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run_vjp, shape, causal, lengths, dynamic,
-                                               docs):
-    """Packed documents (one-token ones, documents of exactly one tile, tiles of padding) on the Hopper kernels,
-    forward and backward, against the float64 oracle, on few SMs (programs cross tiles); the forward's static split
-    and its dynamic tile queue; causal ones with the forward's masked blocks in the DOCS form too
-    (`host.DOCS_MASKS`: the ids alone below the diagonal, padding as ids nothing matches)."""
+def _documents_match_the_oracle(monkeypatch, run_vjp, shape, causal, lengths):
+    """Packed documents of ``lengths`` (then padding; the last batch row cut differently) through flash_attention on
+    the Triton platform on 7 SMs (programs cross tiles), forward and backward against the float64 oracle."""
     import numpy as np
 
     import oracle
     from ejgen.ops import flash_attention
-    from ejgen.types import MaskInfo
     from ejgen.testing.shapes import random_cotangents, random_qkv, rng_for
+    from ejgen.types import MaskInfo
 
     monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
     monkeypatch.setattr(gluon_attention, "num_sms", lambda: 7)
-    monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "1" if dynamic else "0")
-    monkeypatch.setattr(gluon_attention, "DOCS_MASKS", docs)
     if not gluon_attention.hopper():
         pytest.skip("not a Hopper GPU")
     dtype = "float16" if "f16" in str(shape) or shape.head_dim == 64 else "bfloat16"
@@ -710,10 +696,51 @@ def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run
     ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, causal=causal, q_segment_ids=ids,
                            kv_segment_ids=ids, d_out=d_out, d_lse=d_lse)
     oracle.check_attention(out, lse, grads, ref, diff, dtype)
+
+
+DOCUMENT_RUNS = [(c, dynamic, docs) for c in DOCUMENT_CASES for dynamic in (False, True)
+                 for docs in ((False, True) if c[2] else (False,))]  # (the DOCS form: causal calls alone)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,causal,lengths,dynamic,docs", [(*c[1:], dyn, docs) for c, dyn, docs in DOCUMENT_RUNS],
+                         ids=[f"{c[0]}-{'dynamic' if dyn else 'static'}{'-docs' if docs else ''}"
+                              for c, dyn, docs in DOCUMENT_RUNS])
+def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run_vjp, shape, causal, lengths, dynamic,
+                                               docs):
+    """Packed documents (one-token ones, documents of exactly one tile, tiles of padding) on the Hopper kernels,
+    forward and backward, against the float64 oracle, on few SMs (programs cross tiles); the forward's static split
+    and its dynamic tile queue; causal ones with the forward's masked blocks in the DOCS form too
+    (`host.DOCS_MASKS`: the ids alone below the diagonal, padding as ids nothing matches)."""
+    monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "1" if dynamic else "0")
+    monkeypatch.setattr(gluon_attention, "DOCS_MASKS", docs)
+    _documents_match_the_oracle(monkeypatch, run_vjp, shape, causal, lengths)
     kinds = {k for k, _ in triton_launches}
     assert kinds == {"fwd", "bwd"} and all(kw.get("SEGMENTS") for _, kw in triton_launches), triton_launches
     assert all(kw["DYNAMIC"] == dynamic for k, kw in triton_launches if k == "fwd"), triton_launches
     assert all((kw["SEGMENTS"] == 2) == docs for k, kw in triton_launches if k == "fwd"), triton_launches
+
+
+PERSISTENT_DOCUMENT_RUNS = [(c, docs) for c in DOCUMENT_CASES if c[2] for docs in (False, True)]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check below)")
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,lengths,docs", [(c[1], c[3], docs) for c, docs in PERSISTENT_DOCUMENT_RUNS],
+                         ids=[f"{c[0]}{'-docs' if docs else ''}" for c, docs in PERSISTENT_DOCUMENT_RUNS])
+def test_gluon_document_masks_on_the_persistent_backward_match_the_oracle(monkeypatch, triton_launches, run_vjp,
+                                                                          shape, lengths, docs):
+    """`host.PERSISTENT_SEGMENTS_BWD` on: the causal document cases' backward on the persistent kernel with segment
+    ids (tiles in `bwd_order`'s order through its tile counter; on 7 SMs each program walks many tiles, key blocks
+    no query sees among them), forward and backward against the float64 oracle."""
+    monkeypatch.setattr(gluon_attention, "DOCS_MASKS", docs)
+    monkeypatch.setattr(gluon_attention, "PERSISTENT_SEGMENTS_BWD", True)
+    _documents_match_the_oracle(monkeypatch, run_vjp, shape, True, lengths)
+    kinds = sorted(k for k, _ in triton_launches)
+    assert kinds == ["fwd", "persistent"], triton_launches
+    assert all(kw.get("SEGMENTS") and kw["MASK"] == 1 for k, kw in triton_launches if k == "persistent"), \
+        triton_launches
 
 
 def test_the_tile_order_deals_the_work_evenly():
@@ -1249,3 +1276,185 @@ def test_gluon_block_layouts_match_the_oracle(monkeypatch, triton_launches, run_
     assert {k for k, _ in triton_launches} == {"fwd", "bwd"}, triton_launches
     assert all(kw["LIST"] and kw["SEGMENTS"] == (ids is not None) for _, kw in triton_launches), triton_launches
     assert all(kw["DYNAMIC"] == dynamic for k, kw in triton_launches if k == "fwd"), triton_launches
+
+
+# (dtype, head dim, soft cap): the persistent backward with segment ids (`host.PERSISTENT_SEGMENTS_BWD`), causal
+PERSISTENT_SEGMENTS_COMPILES = [("bfloat16", 128, False), ("float16", 64, False), ("bfloat16", 128, True)]
+
+
+def _check_persistent_segments(results):
+    for (dtype, d, softcap), compiled in zip(PERSISTENT_SEGMENTS_COMPILES, results):
+        assert "error" not in compiled, (dtype, d, compiled.get("error"))
+        assert set(compiled) == {"gluon_fwd_kernel", "gluon_bwd_kernel", "gluon_bwd_persistent_kernel"}, (dtype, d)
+        meta = compiled["gluon_bwd_persistent_kernel"]
+        assert meta["warps"] == 12 and meta["cubin"] and meta["wgmma"], (dtype, d)
+        assert meta["shared"] <= 227 * 1024, (dtype, d, meta["shared"])  # 512 B of ids more than the window's
+        # no spill (as the window's persistent kernel); with a soft cap the backwards' budget (the window's persistent
+        # kernel: 88 B on 3.9, 16 on 3.6; this one 64 / 80)
+        budget = SOFTCAP_SPILL_BUDGET if softcap else 0
+        assert meta["stack"] <= budget, f"{dtype} {d} {softcap}: {meta['stack']} B spilled (budget {budget})"
+        assert softcap or "ld.local" not in meta["ptx"], (dtype, d)
+        assert "atom.global" in meta["ptx"], f"{dtype} {d}: tiles from an atomic counter"
+        assert "cp.reduce.async.bulk.tensor" in meta["ptx"], f"{dtype} {d}: dQ by bulk reduce-adds"
+        assert "setmaxnreg" in meta["ptx"] and "cp.async.bulk.tensor" in meta["ptx"], (dtype, d)
+
+
+def _persistent_segments_requests():
+    return [dict(gluon=True, dtype=dtype, head_dim=d, causal=True, segments=True, persistent_segments=True,
+                 softcap=softcap, with_ptx=True, with_resources=True)
+            for dtype, d, softcap in PERSISTENT_SEGMENTS_COMPILES]
+
+
+def test_the_persistent_backward_with_segment_ids_compiles_for_sm90():
+    """The persistent backward taking segment ids (`gluon_attention_bwd_segments_persistent_kernel`, behind
+    `host.PERSISTENT_SEGMENTS_BWD`) for causal packed documents, bf16 head dim 128 and f16 64: it compiles for sm_90
+    with no spill (as the window's persistent kernel; a soft cap within the backwards' budget), within Hopper's
+    shared memory, its tiles from the counter."""
+    from ejgen.testing.aot import compile_all_in_subprocess
+
+    if not gluon_attention.importable()[0]:
+        pytest.fail(gluon_attention.importable()[1])
+    _check_persistent_segments(compile_all_in_subprocess(_persistent_segments_requests()))
+
+
+def test_the_persistent_backward_with_segment_ids_compiles_on_the_gpu_hosts_triton():
+    """The same with the GPU host's Triton (EJGEN_GPU_HOST_TRITON: 3.6 where 3.9 is installed)."""
+    from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
+
+    results = compile_all_in_subprocess(_persistent_segments_requests(), triton=gpu_host_triton())
+    _check_persistent_segments(results)
+    assert all(by_gpu_host_triton(r["gluon_bwd_persistent_kernel"]) for r in results), results
+
+
+def test_the_persistent_backward_takes_segment_ids_only_when_switched_on(monkeypatch):
+    """`host.persistent_segments_bwd`: off by default; on, causal calls with segment ids and no window, lists or
+    spec mask; its constexprs: MASK 1 and SEGMENTS, the V buffers that fit next to the ids' rows; the window's
+    persistent kernel keeps its constexprs (no SEGMENTS)."""
+    call = AttentionConfig(seq_q=1024, seq_k=1024, causal=True, segments=True)
+    assert not gluon_attention.PERSISTENT_SEGMENTS_BWD and not gluon_attention.persistent_segments_bwd(call, False)
+    monkeypatch.setattr(gluon_attention, "PERSISTENT_SEGMENTS_BWD", True)
+    assert gluon_attention.persistent_segments_bwd(call, False)
+    assert not gluon_attention.persistent_segments_bwd(call, True)  # lists
+    assert not gluon_attention.persistent_segments_bwd(call, False, spec=True)
+    for other in (dict(causal=False, segments=True), dict(causal=True, window=True, segments=True),
+                  dict(causal=True)):
+        assert not gluon_attention.persistent_segments_bwd(AttentionConfig(seq_q=1024, seq_k=1024, **other), False)
+    for d in gluon_attention.HEAD_DIMS:
+        consts = gluon_attention.pbwd_constexprs(1, 16, 16, 8192, d, segments=True)
+        assert consts["MASK"] == 1 and consts["SEGMENTS"] is True, consts
+        assert set(consts) - {"SEGMENTS"} == set(gluon_attention.pbwd_constexprs(1, 16, 16, 8192, d)), consts
+        smem = gluon_attention.pbwd_smem_bytes(d, consts["V_STAGES"], consts["DQ_MODE"], segments=True)
+        assert smem + gluon_attention.SMEM_RESERVE <= gluon_attention.SMEM_LIMIT, (d, smem)
+    assert "SEGMENTS" not in gluon_attention.pbwd_constexprs(1, 16, 16, 8192, 128)
+    assert gluon_attention.pbwd_kernel(segments=True).arg_names[8:12] == ["QSEG", "KSEG", "RANGES", "ORDER"]
+
+
+def _pbwd_walk(order, work, programs):
+    """The persistent backward's tile counter (numpy): program p takes place p first, then whichever program frees
+    first takes the next place (each tile costs its work plus a fixed 1); returns (place -> program, the
+    programs' finishing times)."""
+    import heapq
+
+    free, owner = [], []
+    for place in range(len(order)):
+        t, p = (0.0, place) if place < programs else heapq.heappop(free)
+        owner.append(p)
+        heapq.heappush(free, (t + 1 + work[order[place]], p))
+    return owner, sorted(t for t, _ in free)
+
+
+@pytest.mark.parametrize("seq,batch,hkv,programs", [(2048, 2, 2, 7), (8192, 1, 4, 132), (1500, 1, 2, 5)])
+def test_the_persistent_backward_with_segment_ids_visits_the_per_program_kernels_blocks(seq, batch, hkv, programs):
+    """numpy model of `gluon_attention_bwd_segments_persistent_kernel`'s walk: the places of `bwd_order` handed out
+    by the tile counter reach every (key block, batch * kv head) tile exactly once, decoded as the kernel decodes
+    them (n = e // (B * HKV)), and each tile's query blocks (`_qblock_range`'s causal range joined with the ids'
+    RANGES, `_pbwd_tile_range`) hold every (key block, query block) pair with a visible (query, key) pair, the ones
+    taken without the element mask wholly visible; heaviest first, the programs finish within one tile of each
+    other's (longest-processing-time first)."""
+    import numpy as np
+
+    bm, bn = gluon_attention.BWD_TILES["BLOCK_M"], gluon_attention.BWD_TILES["BLOCK_N"]
+    rng = np.random.default_rng(seq)
+    ids = np.full((batch, seq), -1, np.int32)
+    for b in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, seq), size=7, replace=False))
+        ids[b] = np.searchsorted(cuts, np.arange(seq), side="right")
+        ids[b, rng.integers(seq // 2, seq):] = -1  # padding to the end
+    ids[-1] = np.roll(ids[-1], 37)  # a padding run first
+    cfg = AttentionConfig(seq_q=seq, seq_k=seq, causal=True, segments=True)
+    j = jnp.asarray(ids)
+    ranges = np.asarray(gluon_attention.segment_ranges({"q_seg": j, "kv_seg": j}, cfg, seq, "bwd"))
+    order = np.asarray(gluon_attention.bwd_order(jnp.asarray(ranges), hkv, seq, True))
+    n_n, n_m, bh = -(-seq // bn), -(-seq // bm), batch * hkv
+    assert sorted(order.tolist()) == list(range(n_n * bh))
+
+    def tile(e):  # _pbwd_tile_range with MASK 1 (_qblock_range's causal part)
+        n, b = e // bh, (e % bh) // hkv
+        k_lo = n * bn
+        m_lo, m_hi = k_lo // bm, n_m
+        f0 = min(max(m_lo, (k_lo + bn - 1 + bm - 1) // bm), m_hi)
+        f1 = max(f0, min(seq // bm * min((seq - k_lo) // bn, 1), m_hi))
+        r = ranges[b, n]
+        m_lo = max(m_lo, r[0])
+        m_hi = max(min(m_hi, r[1]), m_lo)
+        return n, b, m_lo, m_hi, max(f0, r[2]), min(f1, r[3])
+
+    work = {e: tile(e)[3] - tile(e)[2] for e in range(n_n * bh)}
+    owner, finish = _pbwd_walk(order, work, programs)
+    assert len(owner) == n_n * bh and set(owner) <= set(range(programs))
+    assert finish[-1] - finish[0] <= 1 + max(work.values()), finish  # LPT: within one tile
+    q = np.arange(seq)
+    for e in order:
+        n, b, m_lo, m_hi, f0, f1 = tile(int(e))
+        keys = np.arange(n * bn, min(n * bn + bn, seq))
+        for m in range(n_m):
+            rows = q[m * bm:m * bm + bm]
+            vis = (ids[b, rows][:, None] == ids[b, keys][None, :]) & (ids[b, rows][:, None] >= 0) & \
+                (rows[:, None] >= keys[None, :])
+            if vis.any():
+                assert m_lo <= m < m_hi, (e, n, b, m, m_lo, m_hi)
+            if f0 <= m < f1:  # taken without the element mask: every pair visible, a whole block
+                assert vis.all() and len(rows) == bm and len(keys) == bn, (e, n, b, m, f0, f1)
+    assert work[order[0]] == max(work.values())
+
+
+@pytest.mark.parametrize("switch", [False, True])
+def test_the_documents_backward_launches_the_persistent_kernel_when_switched_on(monkeypatch, switch):
+    """On a (pretended) Hopper GPU, causal packed documents: with `host.PERSISTENT_SEGMENTS_BWD` the backward is
+    `gluon_attention_bwd_segments_persistent_kernel` with its arguments in signature order (QSEG, KSEG, RANGES,
+    ORDER after I32: the ids, `segment_ranges(..., "bwd")` and `bwd_order` of them), the persistent grid and the
+    dQ accumulator and tile counter zeroed; off (the default), the per-program kernel as before."""
+    import numpy as np
+
+    from ejgen.ops import flash_attention
+    from ejgen.types import MaskInfo
+
+    seen = pretend_hopper(monkeypatch, sms=7)
+    monkeypatch.setattr(gluon_attention, "PERSISTENT_SEGMENTS_BWD", switch)
+    b, s, hq, hkv, d = 2, 600, 4, 2, 128
+    ids = np.repeat(np.array([0] * 130 + [1] * 300 + [2] * 100 + [-1] * 70, np.int32)[None], b, 0)
+    mask = MaskInfo.from_segments(jnp.asarray(ids))
+    q = jnp.ones((b, s, hq, d), jnp.bfloat16)
+    kv = jnp.ones((b, s, hkv, d), jnp.bfloat16)
+    loss = lambda q, k, v: flash_attention(q, k, v, causal=True, mask_info=mask,
+                                           platform="triton").astype(jnp.float32).sum()
+    jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv))
+    kernels = [kernel.__name__ for kernel, *_ in seen]
+    bwd = "gluon_attention_bwd_segments_persistent_kernel" if switch else "gluon_attention_bwd_kernel"
+    assert kernels == ["gluon_attention_fwd_kernel", bwd], kernels
+    kernel, grid, inputs, outs, kw = seen[1]
+    names = kernel.arg_names
+    assert len(inputs) + len(outs) + len(set(kw) & set(names)) == len(names)
+    assert set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "num_warps", "num_stages"}
+    assert names[8:12] == ["QSEG", "KSEG", "RANGES", "ORDER"] and kw["SEGMENTS"] and kw["MASK"] == 1
+    cfg = AttentionConfig(seq_q=s, seq_k=s, causal=True, segments=True)
+    ranges = gluon_attention.segment_ranges({"q_seg": jnp.asarray(ids), "kv_seg": jnp.asarray(ids)}, cfg, s, "bwd")
+    order = gluon_attention.bwd_order(ranges, hkv, s, True)
+    np.testing.assert_array_equal(inputs[8], ids)
+    np.testing.assert_array_equal(inputs[10], np.asarray(ranges))
+    np.testing.assert_array_equal(inputs[11], np.asarray(order))
+    if switch:
+        assert grid == (7,) and kw["zeroed"] == (0, 3)  # 20 (key block, batch * kv head) tiles on 7 SMs
+        assert names[len(inputs) + 3] == "TILE_CTR" and (outs[3].shape, outs[3].dtype) == ((1, ), jnp.int32)
+    else:
+        assert grid == (5, b * hkv) and kw["zeroed"] == (0, )

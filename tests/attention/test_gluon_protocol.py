@@ -466,13 +466,15 @@ def test_tile_order_is_a_bijection_with_longest_tiles_first():
 
 
 def bwd_program(asyncs, tile_items, tiles, ks, vs, ns, dq_mode, epi_tma, epi_both, mutation=None, dynamic=None,
-                ts=TILE_STAGES):
+                ts=TILE_STAGES, order=None):
     """The three partitions (producer, consumer 0, consumer 1) of one program and the check run at its end.
     tile_items[t]: ring items (query blocks) of tile t. Static (dynamic None): the program walks `tiles` in
     order. Dynamic: dynamic = (first tile, fetch), fetch() the fetch-and-add on the shared tile counter plus
     nprog; the producer makes it after the tile's K load and hands every tile index (and the final one, >= the
     number of tiles) to the consumers through the ring of `ts` slots, tile_ready (count 1) / tile_empty
-    (count 2)."""
+    (count 2). order (segment ids, `gluon_attention_bwd_segments_persistent_kernel`): the places the counter
+    hands out are places in this list of tiles (`host.bwd_order`); the producer posts order[place], the tile, and
+    tiles may have no item (a key block no query sees: its consumers release V themselves)."""
     nt = len(tile_items)
     k_ready = [Bar(1) for _ in range(ks)]
     k_empty = [Bar(1 if mutation == "k_empty_count1" else 2) for _ in range(ks)]
@@ -550,6 +552,9 @@ def bwd_program(asyncs, tile_items, tiles, ks, vs, ns, dq_mode, epi_tma, epi_bot
         seq = iter(tiles or ())
         t = dynamic[0] if dynamic else next(seq, nt)
         while t < nt:
+            place = t
+            if order is not None:
+                t = order[place]  # the ORDER load: the ring carries the tile, not the place
             if dynamic:
                 yield from post(tc, t)
             walked[0].append(t)
@@ -565,6 +570,7 @@ def bwd_program(asyncs, tile_items, tiles, ks, vs, ns, dq_mode, epi_tma, epi_bot
                 yield  # its latency
             else:
                 nxt = next(seq, nt)
+            del place
             yield (v_empty[vb], ((tc // vs) & 1) ^ (0 if mutation == "v_parity" else 1))
             v_ready[vb].expect()
             copy(("V", vb), ("v", t), v_ready[vb])
@@ -652,6 +658,8 @@ def bwd_program(asyncs, tile_items, tiles, ks, vs, ns, dq_mode, epi_tma, epi_bot
                     write(("stage", wg, 1), ("dq", gi))
                     bulk_read(wg, [("stage", wg, 0), ("stage", wg, 1)], [("dq", gi)] * 2)
                     dq_adds.append((t, it, wg, gi))
+            if n_it == 0 and mutation != "empty_keeps_v":  # no last dP^T released V: the tile gives it back
+                v_empty[vb].arrive()
             k_empty[kb].arrive()  # after the tile's last item: no wgmma reads K any more
             if epi_tma:
                 yield store_wait(wg)
@@ -697,7 +705,7 @@ def bwd_run(seed, tiles, ks=2, vs=1, ns=2, dq_mode=1, epi_tma=False, epi_both=Fa
 
 
 def bwd_run_dynamic(seed, tile_items, nprog, ks=2, vs=1, ns=2, dq_mode=1, epi_tma=False, epi_both=False,
-                    mutation=None):
+                    mutation=None, order=None):
     """nprog programs with the dynamic scheduler sharing one tile counter under one random interleaving (so the
     tile each fetch returns is random): no deadlock, no hazard in any program, every tile done exactly once,
     the three partitions of a program walk the same tiles and stop together."""
@@ -711,7 +719,7 @@ def bwd_run_dynamic(seed, tile_items, nprog, ks=2, vs=1, ns=2, dq_mode=1, epi_tm
     asyncs, agents, finals = [], [], []
     for pid in range(nprog):
         a, f = bwd_program(asyncs, tile_items, None, ks, vs, ns, dq_mode, epi_tma, epi_both, mutation,
-                           dynamic=(pid, fetch))
+                           dynamic=(pid, fetch), order=order)
         agents += a
         finals.append(f)
     schedule(rng, agents, asyncs, f"dynamic nprog={nprog} tiles={tile_items}")
@@ -813,3 +821,60 @@ def test_backward_tile_order_is_a_bijection_with_key_blocks_ascending():
                 assert sorted(got) == [(i, b) for i in range(n) for b in range(bh)], (n, bh, hs)
                 assert all(got[t][0] >= got[t - 1][0] for t in range(1, n * bh)
                            if t // (hs * n) == (t - 1) // (hs * n)), (n, bh, hs)
+
+
+# --- the persistent backward with segment ids (packed documents) ------------------------------------------------
+
+
+def random_segment_tiles(rng, most=12):
+    """Key blocks of uneven work, some of none (a key block no query sees: padding, or under causal), and the
+    order the programs take them in: `host.bwd_order`'s most work first, ties in index order."""
+    items = [rng.choice((0, 0, 1, 1, 2, 3, 5, 8)) for _ in range(rng.randint(1, most))]
+    order = sorted(range(len(items)), key=lambda t: (-items[t], t))
+    return items, order
+
+
+def test_backward_with_segment_ids_walks_its_order_once_under_random_interleavings():
+    """The segment ids' persistent backward: uneven tiles (empty ones too) taken in their order through the tile
+    counter by 1-4 programs; every (key block, head) tile done exactly once, by one program, no deadlock or
+    hazard; and with the compiled configurations (head dims 64 and 128)."""
+    rng = random.Random(21)
+    configs = [c.values[0] for c in compiled_configs()]
+    for seed in range(300):
+        items, order = random_segment_tiles(rng)
+        nprog = rng.randint(1, min(4, len(items)))
+        cfg = random_config(rng) if seed % 2 else rng.choice(configs)
+        bwd_run_dynamic(seed, items, nprog, order=order, **cfg)
+
+
+def test_backward_with_segment_ids_starts_the_heaviest_tiles_first():
+    """Places are handed out in counter order, so the tiles start in `bwd_order`'s order: with one program the
+    producer walks the order exactly; with several, the first P tiles of the order are the programs' first."""
+    rng = random.Random(22)
+    for seed in range(100):
+        items, order = random_segment_tiles(rng)
+        asyncs = []
+        ctr = [0]
+
+        def fetch():
+            ctr[0] += 1
+            return 1 + ctr[0] - 1
+
+        agents, final = bwd_program(asyncs, items, None, 2, 1, 2, 1, False, False, dynamic=(0, fetch), order=order)
+        schedule(random.Random(seed), agents, asyncs, f"one program, order {order}")
+        assert final() == order
+
+
+def test_backward_model_catches_an_empty_tile_keeping_its_v_buffer():
+    """Mutation: a tile of no item does not give its V buffer back (no last dP^T to release it): deadlock."""
+    rng = random.Random(23)
+    runs, caught = 60, 0
+    for seed in range(runs):
+        items, order = random_segment_tiles(rng)
+        items = items + [0, 0]  # two empty tiles at least: the second waits for the V the first kept
+        order = sorted(range(len(items)), key=lambda t: (-items[t], t))
+        try:
+            bwd_run_dynamic(seed, items, 1, ks=2, vs=1, ns=2, dq_mode=1, mutation="empty_keeps_v", order=order)
+        except AssertionError:
+            caught += 1
+    assert caught == runs, f"caught in {caught}/{runs} runs only"

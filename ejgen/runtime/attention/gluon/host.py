@@ -350,19 +350,20 @@ SMEM_RESERVE = 1024  # kept free of tiles: barriers, the column table, warp-spec
 PBWD_K_STAGES = 2  # the persistent backward's K buffers (fixed in the kernel: needed first in a tile, released last)
 
 
-def pbwd_smem_bytes(d: int, v_stages: int, dq_mode: int, item: int = 2) -> int:
+def pbwd_smem_bytes(d: int, v_stages: int, dq_mode: int, item: int = 2, segments: bool = False) -> int:
     """Shared memory of the persistent backward's tiles (no barriers): K and V buffers, the Q / dO ring, the dS
-    double buffer, the two warpgroups' float32 dQ staging buffers, the lse / delta rows."""
+    double buffer, the two warpgroups' float32 dQ staging buffers, the lse / delta rows (``segments``: and the
+    rows' segment ids)."""
     bm, bn, stages = BWD_TILES["BLOCK_M"], BWD_TILES["BLOCK_N"], BWD_TILES["NUM_STAGES"]
     dq_n = d if dq_mode == 0 else d // 2
     return ((PBWD_K_STAGES + v_stages) * bn * d * item + 2 * stages * bm * d * item + 2 * bn * bm * item
-            + 2 * bm * dq_n * 4 + 2 * stages * bm * 4)
+            + 2 * bm * dq_n * 4 + (3 if segments else 2) * stages * bm * 4)
 
 
-def pbwd_v_stages(d: int, dq_mode: int, item: int = 2) -> int:
+def pbwd_v_stages(d: int, dq_mode: int, item: int = 2, segments: bool = False) -> int:
     """V_STAGES: two V buffers where they fit next to the two K buffers (head dim 64), else one (head dim 128)."""
     for vs in (2, 1):
-        if pbwd_smem_bytes(d, vs, dq_mode, item) + SMEM_RESERVE <= SMEM_LIMIT:
+        if pbwd_smem_bytes(d, vs, dq_mode, item, segments) + SMEM_RESERVE <= SMEM_LIMIT:
             return vs
     raise ValueError(f"head dim {d}: the persistent backward's tiles do not fit in shared memory")
 
@@ -372,21 +373,43 @@ def pbwd_grid(batch: int, hkv: int, seq: int, sms: int | None = None) -> tuple:
     return persistent_grid(-(-seq // BWD_TILES["BLOCK_N"]) * batch * hkv, sms)
 
 
-def pbwd_kernel():
-    """The persistent Gluon backward (`gluon_kernels`, imported on first use)."""
-    return importlib.import_module("ejgen.runtime.attention.gluon.kernels").gluon_attention_bwd_persistent_kernel
+def pbwd_kernel(segments: bool = False):
+    """The persistent Gluon backward (`gluon_kernels`, imported on first use); ``segments``: its entry with segment
+    ids (`PERSISTENT_SEGMENTS_BWD`)."""
+    kernels = importlib.import_module("ejgen.runtime.attention.gluon.kernels")
+    if segments:
+        return kernels.gluon_attention_bwd_segments_persistent_kernel
+    return kernels.gluon_attention_bwd_persistent_kernel
 
 
 def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bool = False,
-                    fast_tanh: bool = False) -> dict:
-    """The persistent backward's constexprs for a causal sliding window (MASK 2); its launch also passes a zeroed
-    int32 tile counter (TILE_CTR: the kernel takes its tiles from it)."""
-    base = bwd_constexprs(batch, hq, hkv, seq, d, True, True, softcap=softcap, fast_tanh=fast_tanh)
+                    fast_tanh: bool = False, segments: bool = False, causal: bool = True) -> dict:
+    """The persistent backward's constexprs for a causal sliding window (MASK 2); ``segments``: for segment ids
+    without a window instead (MASK 1, 0 without ``causal``; SEGMENTS, `PERSISTENT_SEGMENTS_BWD`); its launch also
+    passes a zeroed int32 tile counter (TILE_CTR: the kernel takes its tiles from it)."""
+    window = not segments
+    base = bwd_constexprs(batch, hq, hkv, seq, d, causal or window, window, segments=segments, softcap=softcap,
+                          fast_tanh=fast_tanh)
     # segment ids, layouts and spec masks with a window take the per-program backward over lists (`listed`); keys
     # as many as queries
-    for name in ("SEGMENTS", "SEQ_K", *NO_LISTS, *spec_constexprs(None), *BWD_NO_TERMS):
+    for name in (*("SEGMENTS", ) * (not segments), "SEQ_K", *NO_LISTS, *spec_constexprs(None), *BWD_NO_TERMS):
         del base[name]
-    return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"]))
+    return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"], segments=segments))
+
+
+# Packed documents' backward on the persistent kernel (session 33, issue 14; off: not GPU-run yet): causal calls
+# with segment ids and no window (no layout or spec mask) take `gluon_attention_bwd_segments_persistent_kernel`,
+# whose programs walk `bwd_order` (most query blocks first) through the tile counter, instead of one program per
+# key block. Model (notes/studies/s33-documents.md, proposal 1): the per-program kernel's ~8.3 SM-us a program of
+# fixed cost drops to ~1.5 a tile, -45..-55 us a fwd+bwd at 8k with 8 documents, -170..-215 at 32k with 64.
+PERSISTENT_SEGMENTS_BWD = False
+
+
+def persistent_segments_bwd(cfg, listed: bool, spec: bool = False) -> bool:
+    """Whether a backward takes the persistent kernel with segment ids (`PERSISTENT_SEGMENTS_BWD`): causal,
+    segment ids, no window, and no lists (block layouts, spec masks: `listed`)."""
+    return bool(PERSISTENT_SEGMENTS_BWD and cfg.segments and cfg.causal and not cfg.window and not listed
+                and not spec and not cfg.layout)
 
 
 def ordered(cfg) -> bool:

@@ -1322,23 +1322,56 @@ def _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES: gl.const
 
 
 @gluon.jit
+def _pbwd_tile_range(t, RANGES, WINDOW_LEFT, B: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, SEGMENTS: gl.constexpr):
+    """Tile t -> (key block n, batch row, kv head) and its query blocks [m_lo, m_hi) with the unmasked ones
+    [f0, f1) (`_qblock_range`). Without SEGMENTS t is a place in the kv-head order (`_tile`); with SEGMENTS it is
+    an entry n * B * HKV + b * HKV + kv head of `host.bwd_order` (the producer posts ORDER[place]), and the range is
+    joined with the segment ids' RANGES [B, N_N, 4] (lo, hi, full lo, full hi) as the per-program kernel joins it:
+    a key block no query sees gets m_hi = m_lo (no item; its dK, dV are 0)."""
+    N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
+    BH: gl.constexpr = B * HKV
+    if SEGMENTS:
+        n = t // BH
+        bh = t % BH
+    else:
+        n, bh = _tile(t, N_N, BH, 1, False)  # kv-head order: sections of one (batch, kv head)
+    off_b = bh // HKV
+    off_hk = bh % HKV
+    m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
+    if SEGMENTS:
+        r = RANGES + (off_b * N_N + n) * 4
+        m_lo = gl.maximum(m_lo, gl.load(r))
+        m_hi = gl.maximum(gl.minimum(m_hi, gl.load(r + 1)), m_lo)
+        f0 = gl.maximum(f0, gl.load(r + 2))
+        f1 = gl.minimum(f1, gl.load(r + 3))  # f1 <= f0: every item masked
+    return n, off_b, off_hk, m_lo, m_hi, f0, f1
+
+
+@gluon.jit
 def _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                         lse_smem, dlt_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, lse_ptr,
                         delta_ptr, WINDOW_LEFT, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr):
+                        K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr, QSEG=None,
+                        RANGES=None, qs_smem=None, SEGMENTS: gl.constexpr = False):
     """Tile t, the program's tile tc, whose first ring item is g: its K and V, then its items' Q / dO / lse /
-    delta. Returns the number of ring items of the tile and the program's next tile (nprog + a fetch-and-add on
-    the tile counter)."""
+    delta (SEGMENTS: and their rows' segment ids from QSEG into qs_smem). Returns the number of ring items of the
+    tile and the program's next tile (nprog + a fetch-and-add on the tile counter)."""
     GROUP: gl.constexpr = HQ // HKV
     N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
     BH: gl.constexpr = B * HKV
     ITEM: gl.constexpr = q_smem.dtype.primitive_bitwidth // 8
     KV_BYTES: gl.constexpr = BLOCK_N * D * ITEM
-    n, bh = _tile(t, N_N, BH, 1, False)  # kv-head order: sections of one (batch, kv head)
-    off_b = bh // HKV
-    off_hk = bh % HKV
-    m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
+    if SEGMENTS:
+        n, off_b, off_hk, m_lo, m_hi, f0, f1 = _pbwd_tile_range(t, RANGES, WINDOW_LEFT, B, HKV, SEQ, BLOCK_M, BLOCK_N,
+                                                                MASK, SEGMENTS)
+        qseg = QSEG + off_b.to(gl.int64) * SEQ
+    else:
+        n, bh = _tile(t, N_N, BH, 1, False)  # kv-head order: sections of one (batch, kv head)
+        off_b = bh // HKV
+        off_hk = bh % HKV
+        m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
     nm = m_hi - m_lo
     kb = tc % K_STAGES
     mbarrier.wait(k_empty.index(kb), ((tc // K_STAGES) & 1) ^ 1)
@@ -1357,9 +1390,14 @@ def _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_de
         m = m_lo + it % nm
         h = off_hk * GROUP + hq
         gi = g + it
-        _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, lse_ptr,
-                       delta_ptr, off_b, m, h, gi % NUM_STAGES, (gi // NUM_STAGES) & 1, HQ, SEQ, lse_ptr, lse_smem, D,
-                       BLOCK_M, False, 0)
+        if SEGMENTS:
+            _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, lse_ptr,
+                           delta_ptr, off_b, m, h, gi % NUM_STAGES, (gi // NUM_STAGES) & 1, HQ, SEQ, qseg, qs_smem, D,
+                           BLOCK_M, True, 0)
+        else:
+            _bwd_load_item(q_desc, do_desc, q_smem, do_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, lse_ptr,
+                           delta_ptr, off_b, m, h, gi % NUM_STAGES, (gi // NUM_STAGES) & 1, HQ, SEQ, lse_ptr, lse_smem,
+                           D, BLOCK_M, False, 0)
     return GROUP * nm, nxt
 
 
@@ -1369,24 +1407,35 @@ def _pbwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
                    lse_ptr, delta_ptr, pid, nprog, WINDOW_LEFT, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                    SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr,
-                   TILE_STAGES: gl.constexpr):
+                   TILE_STAGES: gl.constexpr, QSEG=None, RANGES=None, ORDER=None, qs_smem=None,
+                   SEGMENTS: gl.constexpr = False):
     """Per tile tc of this program: its K into K buffer tc % K_STAGES and its V into V buffer tc % V_STAGES (each
     once the consumers released the tile that held it before), then per (query head, query block) -- ring item g,
     counted over all tiles -- Q and dO by TMA into stage g % NUM_STAGES and the block's lse * log2 e and delta
     rows into shared memory. Empty barriers start free: waiting for the parity before their first phase returns at
     once. The first tile is pid, each next one nprog + a fetch-and-add on the launch's zeroed tile counter, made
     after the current tile's K load (see _pbwd_producer_tile); every tile index, and the final one (>= the number
-    of tiles: stop), goes to the consumers through the tile ring."""
+    of tiles: stop), goes to the consumers through the tile ring. SEGMENTS: the tiles are taken in ORDER's order
+    (`host.bwd_order`, the most query blocks first): place t is the tile ORDER[t], which is what the ring carries."""
     N_T: gl.constexpr = ((SEQ + BLOCK_N - 1) // BLOCK_N) * B * HKV
     g = pid * 0  # ring items issued so far (all tiles of this program)
     tc = pid * 0  # tiles started so far
     t = pid
     while t < N_T:
-        _pbwd_tile_post(tile_smem, tile_ready, tile_empty, tc, t, TILE_STAGES)
-        n_it, nxt = _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem,
-                                        k_smem, v_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty, k_ready,
-                                        k_empty, v_ready, v_empty, lse_ptr, delta_ptr, WINDOW_LEFT, B, HQ, HKV, SEQ, D,
-                                        BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK)
+        if SEGMENTS:  # place t of the order -> its tile
+            e = gl.load(ORDER + t)
+            _pbwd_tile_post(tile_smem, tile_ready, tile_empty, tc, e, TILE_STAGES)
+            n_it, nxt = _pbwd_producer_tile(e, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_desc, q_smem,
+                                            do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty,
+                                            k_ready, k_empty, v_ready, v_empty, lse_ptr, delta_ptr, WINDOW_LEFT, B, HQ,
+                                            HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, QSEG,
+                                            RANGES, qs_smem, SEGMENTS)
+        else:
+            _pbwd_tile_post(tile_smem, tile_ready, tile_empty, tc, t, TILE_STAGES)
+            n_it, nxt = _pbwd_producer_tile(t, g, tc, tile_ctr, nprog, q_desc, do_desc, k_desc, v_desc, q_smem,
+                                            do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready, do_ready, qd_empty,
+                                            k_ready, k_empty, v_ready, v_empty, lse_ptr, delta_ptr, WINDOW_LEFT, B, HQ,
+                                            HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK)
         g += n_it
         tc += 1
         t = nxt
@@ -1399,9 +1448,12 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem
                         ds_bar, dq_desc, dk_ptr, dv_ptr, sm_scale, WINDOW_LEFT, WG: gl.constexpr, B: gl.constexpr,
                         HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
-                        V_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, SOFTCAP: gl.constexpr):
+                        V_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, SOFTCAP: gl.constexpr,
+                        KSEG=None, RANGES=None, qs_smem=None, SEGMENTS: gl.constexpr = False):
     """Tile t, the program's tile tc whose first ring item is g, for warpgroup WG (see _pbwd_consumer). Returns the
-    number of ring items of the tile."""
+    number of ring items of the tile. SEGMENTS: t is a tile of `host.bwd_order` (`_pbwd_tile_range`), masked items
+    compare the rows' ids (qs_smem, from the producer) with the warpgroup's keys' (KSEG) as the per-program kernel
+    does (`_bwd_item_mask`), and a tile of no item releases its V buffer at once."""
     GROUP: gl.constexpr = HQ // HKV
     N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
     BH: gl.constexpr = B * HKV
@@ -1413,12 +1465,20 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
 
-    n, bh = _tile(t, N_N, BH, 1, False)  # kv-head order, as in _pbwd_producer_tile
-    off_b = bh // HKV
-    off_hk = bh % HKV
-    m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
+    if SEGMENTS:
+        n, off_b, off_hk, m_lo, m_hi, f0, f1 = _pbwd_tile_range(t, RANGES, WINDOW_LEFT, B, HKV, SEQ, BLOCK_M, BLOCK_N,
+                                                                MASK, SEGMENTS)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        keys = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+        ks = gl.load(KSEG + off_b.to(gl.int64) * SEQ + keys, mask=keys < SEQ, other=-2)  # this warpgroup's keys' ids
+    else:
+        n, bh = _tile(t, N_N, BH, 1, False)  # kv-head order, as in _pbwd_producer_tile
+        off_b = bh // HKV
+        off_hk = bh % HKV
+        m_lo, m_hi, f0, f1 = _qblock_range(n, SEQ, SEQ, WINDOW_LEFT, BLOCK_M, BLOCK_N, MASK)
     nm = m_hi - m_lo
-    n_it = GROUP * nm  # >= 1: every key block below SEQ meets some query block
+    n_it = GROUP * nm  # >= 1: every key block below SEQ meets some query block (SEGMENTS: >= 0)
     kb = tc % K_STAGES
     vb = tc % V_STAGES
     dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
@@ -1444,11 +1504,20 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem
         else:
             k_dq = k_view.slice(WG * DQ_N, DQ_N, dim=1)
         # V goes back to the producer after the tile's last dP^T (the next tile's V lands under the rest)
-        dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
-                           cols_smem, q_ready, do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero,
-                           dq_zero, qk2, cap_out, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, SEQ, WINDOW_LEFT,
-                           lse_smem, 0, WG, D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, False, 0, 0, 0, 0, None, SOFTCAP,
-                           0)
+        if SEGMENTS:
+            dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
+                               cols_smem, q_ready, do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero,
+                               dq_zero, qk2, cap_out, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, SEQ,
+                               WINDOW_LEFT, qs_smem, ks, WG, D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, True, 0, 0, 0,
+                               0, None, SOFTCAP, 0)
+        else:
+            dk, dv = _bwd_item(dk, dv, k_mine, v_mine, k_dq, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
+                               cols_smem, q_ready, do_ready, qd_empty, ds_bar, v_empty, vb, it, n_it, dq_desc, s_zero,
+                               dq_zero, qk2, cap_out, sm_scale, gi, s, ph, m, h, n, f0, f1, off_b, SEQ, SEQ,
+                               WINDOW_LEFT, lse_smem, 0, WG, D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, True, False, 0, 0, 0,
+                               0, None, SOFTCAP, 0)
+    if SEGMENTS:  # a tile of no item (a key block no query sees): no last dP^T releases V, so it goes back here
+        mbarrier.arrive(v_empty.index(vb), count=1, pred=n_it == 0)
     # every wgmma of the tile has retired (each item ends with a full wait): K is free for the producer
     mbarrier.arrive(k_empty.index(kb), count=1)
 
@@ -1463,7 +1532,8 @@ def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
                    dk_ptr, dv_ptr, pid, sm_scale, cap, WINDOW_LEFT, WG: gl.constexpr, B: gl.constexpr, HQ: gl.constexpr,
                    HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-                   MASK: gl.constexpr, DQ_MODE: gl.constexpr, TILE_STAGES: gl.constexpr, SOFTCAP: gl.constexpr):
+                   MASK: gl.constexpr, DQ_MODE: gl.constexpr, TILE_STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
+                   KSEG=None, RANGES=None, qs_smem=None, SEGMENTS: gl.constexpr = False):
     """Warpgroup WG's 64 keys of every tile of this program: dK, dV over the tile's query blocks (S^T, dP^T, P^T,
     dS^T; dV += P^T dO, dK += dS^T Q), its dS^T half into shared memory for the joint dQ = dS K (DQ_MODE 1: each
     warpgroup half of dQ's columns, 0: whole tiles alternating between the warpgroups), dQ * scale reduce-added
@@ -1478,14 +1548,60 @@ def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
     tc = pid * 0  # tiles done so far: K buffer tc % K_STAGES, V buffer tc % V_STAGES
     t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
     while t < N_N * BH:
-        g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem, k_smem, v_smem, ds_smem,
-                                 dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty,
-                                 v_ready,
-                                 v_empty, ds_bar, dq_desc, dk_ptr, dv_ptr, sm_scale, WINDOW_LEFT, WG, B, HQ, HKV, SEQ,
-                                 D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, SOFTCAP)
+        if SEGMENTS:
+            g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem, k_smem, v_smem,
+                                     ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty,
+                                     k_ready, k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_ptr, dv_ptr, sm_scale,
+                                     WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES,
+                                     V_STAGES, MASK, DQ_MODE, SOFTCAP, KSEG, RANGES, qs_smem, SEGMENTS)
+        else:
+            g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem, k_smem, v_smem,
+                                     ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty,
+                                     k_ready, k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_ptr, dv_ptr, sm_scale,
+                                     WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES,
+                                     V_STAGES, MASK, DQ_MODE, SOFTCAP)
         tc += 1
         t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _pbwd_shared(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+                 D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 DQ_MODE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, TILE_STAGES: gl.constexpr):
+    """The persistent backwards' descriptors, buffers and barriers (`_bwd_buffers`' and the K / V rings', dS^T's and
+    the tile ring's), the barriers initialised and fenced."""
+    (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
+     cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N,
+                                                            NUM_STAGES, DQ_MODE, K_STAGES, V_STAGES, SEQ)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], bar_layout)
+    ds_bar = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)  # both dS^T halves written
+    tile_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    tile_smem = gl.allocate_shared_memory(gl.int32, [TILE_STAGES, 1], tile_layout)
+    tile_ready = gl.allocate_shared_memory(gl.int64, [TILE_STAGES, 1], bar_layout)
+    tile_empty = gl.allocate_shared_memory(gl.int64, [TILE_STAGES, 1], bar_layout)
+    for i in gl.static_range(TILE_STAGES):
+        mbarrier.init(tile_ready.index(i), count=1)  # the producer's store
+        mbarrier.init(tile_empty.index(i), count=2)  # both consumers read it
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=2)  # dO TMA (expect-tx) + the producer's lse / delta (/ id) stores
+        mbarrier.init(qd_empty.index(i), count=2)  # both consumers
+    for i in gl.static_range(K_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+    for i in gl.static_range(V_STAGES):
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(ds_bar.index(0), count=2)
+    fence_async_shared()
+    return (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem,
+            dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, tile_smem,
+            tile_ready, tile_empty)
 
 
 @gluon.jit
@@ -1513,36 +1629,11 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
 
+    TILE_STAGES: gl.constexpr = 2  # the ring of tile indices, producer -> consumers (8 B + 4 barriers)
     (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
-     cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N,
-                                                            NUM_STAGES, DQ_MODE, K_STAGES, V_STAGES, SEQ)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)
-    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], bar_layout)
-    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], bar_layout)
-    ds_bar = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)  # both dS^T halves written
-    # the ring of tile indices, producer -> consumers (8 B + 4 barriers)
-    TILE_STAGES: gl.constexpr = 2
-    tile_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    tile_smem = gl.allocate_shared_memory(gl.int32, [TILE_STAGES, 1], tile_layout)
-    tile_ready = gl.allocate_shared_memory(gl.int64, [TILE_STAGES, 1], bar_layout)
-    tile_empty = gl.allocate_shared_memory(gl.int64, [TILE_STAGES, 1], bar_layout)
-    for i in gl.static_range(TILE_STAGES):
-        mbarrier.init(tile_ready.index(i), count=1)  # the producer's store
-        mbarrier.init(tile_empty.index(i), count=2)  # both consumers read it
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=2)  # dO TMA (expect-tx) + the producer's lse/delta stores
-        mbarrier.init(qd_empty.index(i), count=2)  # both consumers
-    for i in gl.static_range(K_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-    for i in gl.static_range(V_STAGES):
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
-    mbarrier.init(ds_bar.index(0), count=2)
-    fence_async_shared()
+     cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, tile_smem, tile_ready,
+     tile_empty) = _pbwd_shared(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE,
+                                K_STAGES, V_STAGES, TILE_STAGES)
 
     gl.warp_specialize([
         (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
@@ -1559,4 +1650,61 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
                           do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, tile_smem, tile_ready, tile_empty,
                           TILE_CTR, LSE, DELTA, pid, nprog, WINDOW_LEFT, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N,
                           NUM_STAGES, K_STAGES, V_STAGES, MASK, TILE_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def gluon_attention_bwd_segments_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RANGES, ORDER,
+                                                   DQ_ACC, DK, DV, TILE_CTR, SCRATCH, B: gl.constexpr,
+                                                   HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
+                                                   D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                                   NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+                                                   DQ_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                                   PRODUCER_REGS: gl.constexpr, V_STAGES: gl.constexpr,
+                                                   SOFTCAP: gl.constexpr, SEGMENTS: gl.constexpr):
+    """gluon_attention_bwd_persistent_kernel with segment ids (packed documents; `host.PERSISTENT_SEGMENTS_BWD`):
+    its arguments plus the per-program backward's QSEG, KSEG [B, SEQ] (int32, negative = padding), RANGES [B,
+    cdiv(SEQ, BLOCK_N), 4] (each key block's query blocks under the ids, `host.segment_ranges(..., "bwd")`, joined
+    with the mask's: `_pbwd_tile_range`) and ORDER [cdiv(SEQ, BLOCK_N) * B * HKV] (`host.bwd_order`: entries n * B *
+    HKV + b * HKV + kv head, the most query blocks first). The programs walk ORDER through the tile counter: program
+    pid takes place pid first, each next place P + atomic_add(TILE_CTR, 1), so the heaviest tiles start first and
+    the light ones fill the tail (longest-processing-time first). A masked item compares the ids as the per-program
+    kernel does (`_bwd_item_mask`); a key block no query sees stores dK = dV = 0. MASK: 0 or 1 (windows with segment
+    ids walk lists, `host.listed`); SEGMENTS: True. A separate entry, so that the window's kernel (above) keeps its
+    arguments and code."""
+    gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
+    gl.static_assert(BLOCK_N == 128, "two consumer warpgroups of 64 keys")
+    gl.static_assert(SEGMENTS, "the segment ids' persistent backward")
+    gl.static_assert(MASK < 2, "windows with segment ids walk lists (host.listed)")
+    K_STAGES: gl.constexpr = 2  # K is needed first in a tile and released last
+    sm_scale = gl.load(F32)
+    cap = gl.load(F32 + 1)  # SOFTCAP (else unused)
+    WINDOW_LEFT = gl.load(I32)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+
+    TILE_STAGES: gl.constexpr = 2  # the ring of tile indices, producer -> consumers (8 B + 4 barriers)
+    (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
+     cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, tile_smem, tile_ready,
+     tile_empty) = _pbwd_shared(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE,
+                                K_STAGES, V_STAGES, TILE_STAGES)
+    # the ring items' query rows' segment ids, staged by the producer next to their lse and delta rows
+    ids_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    qs_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 1, BLOCK_M], ids_layout)
+
+    gl.warp_specialize([
+        (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
+                          q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem,
+                          tile_ready, tile_empty, dq_desc, DK, DV, pid, sm_scale, cap, WINDOW_LEFT, 0, B, HQ, HKV,
+                          SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, TILE_STAGES,
+                          SOFTCAP, KSEG, RANGES, qs_smem, SEGMENTS)),
+        (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
+                          q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem,
+                          tile_ready, tile_empty, dq_desc, DK, DV, pid, sm_scale, cap, WINDOW_LEFT, 1, B, HQ, HKV,
+                          SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, TILE_STAGES,
+                          SOFTCAP, KSEG, RANGES, qs_smem, SEGMENTS)),
+        (_pbwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
+                          do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, tile_smem, tile_ready, tile_empty,
+                          TILE_CTR, LSE, DELTA, pid, nprog, WINDOW_LEFT, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N,
+                          NUM_STAGES, K_STAGES, V_STAGES, MASK, TILE_STAGES, QSEG, RANGES, ORDER, qs_smem, SEGMENTS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -466,6 +466,15 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
         kernel, grid = gluon_attention.pbwd_kernel(), gluon_attention.pbwd_grid(batch, hkv, sq)
         outs.append(jax.ShapeDtypeStruct((1, ), jnp.int32))
         zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d, cfg.softcap, fast_tanh)
+    elif gluon_attention.persistent_segments_bwd(cfg, listed, spec is not None):  # packed documents, causal: the
+        # persistent kernel walking the programs' order (most work first) through its tile counter
+        kernel, grid = gluon_attention.pbwd_kernel(segments=True), gluon_attention.pbwd_grid(batch, hkv, sq)
+        outs.append(jax.ShapeDtypeStruct((1, ), jnp.int32))
+        segments = _gluon_segments(ctx, cfg, sq, "bwd", False)
+        order = gluon_attention.bwd_order(segments[2], hkv, sq, cfg.causal, gluon_attention.ordered(cfg))
+        zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d, cfg.softcap, fast_tanh,
+                                                                  segments=True, causal=cfg.causal)
+        scalars = [*scalars, *segments, order]
     else:
         sk = k.shape[1]  # Sq != Sk: gluon_cross, no causal, window, segment ids or lists (gluon_attention.ineligible)
         kernel, grid = gluon_attention.bwd_kernel(), (_cdiv(sk, gluon_attention.BWD_TILES["BLOCK_N"]), batch * hkv)
