@@ -1566,11 +1566,20 @@ def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
 
 
 @gluon.jit
-def _pbwd_shared(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
-                 D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 DQ_MODE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, TILE_STAGES: gl.constexpr):
-    """The persistent backwards' descriptors, buffers and barriers (`_bwd_buffers`' and the K / V rings', dS^T's and
-    the tile ring's), the barriers initialised and fenced."""
+def _pbwd_shared(Q, K, V, DO, F32, I32, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl.constexpr,
+                 HKV: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, DQ_MODE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                 TILE_STAGES: gl.constexpr):
+    """The persistent backwards' scalars (scale, soft cap, the window's left reach, program id and count) and their
+    descriptors, buffers and barriers (`_bwd_buffers`' and the K / V rings', dS^T's and the tile ring's), the barriers
+    initialised and fenced."""
+    gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
+    gl.static_assert(BLOCK_N == 128, "two consumer warpgroups of 64 keys")
+    sm_scale = gl.load(F32)
+    cap = gl.load(F32 + 1)  # SOFTCAP (else unused)
+    window_left = gl.load(I32)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
     (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
      cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N,
                                                             NUM_STAGES, DQ_MODE, K_STAGES, V_STAGES, SEQ)
@@ -1599,9 +1608,9 @@ def _pbwd_shared(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl
         mbarrier.init(v_empty.index(i), count=2)
     mbarrier.init(ds_bar.index(0), count=2)
     fence_async_shared()
-    return (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem,
-            dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, tile_smem,
-            tile_ready, tile_empty)
+    return (sm_scale, cap, window_left, pid, nprog, q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem,
+            do_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty,
+            v_ready, v_empty, ds_bar, tile_smem, tile_ready, tile_empty)
 
 
 @gluon.jit
@@ -1620,20 +1629,13 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
     atomic_add(TILE_CTR, 1) (TILE_CTR: one int32, zero at launch, like DQ_ACC; left at the number of tiles fetched,
     so it must be zeroed again before the next launch). K double-buffered; V_STAGES (1 or 2) V buffers
     (`host.pbwd_v_stages`)."""
-    gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
-    gl.static_assert(BLOCK_N == 128, "two consumer warpgroups of 64 keys")
     K_STAGES: gl.constexpr = 2  # K is needed first in a tile and released last
-    sm_scale = gl.load(F32)
-    cap = gl.load(F32 + 1)  # SOFTCAP (else unused)
-    WINDOW_LEFT = gl.load(I32)
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-
     TILE_STAGES: gl.constexpr = 2  # the ring of tile indices, producer -> consumers (8 B + 4 barriers)
-    (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
-     cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, tile_smem, tile_ready,
-     tile_empty) = _pbwd_shared(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE,
-                                K_STAGES, V_STAGES, TILE_STAGES)
+    (sm_scale, cap, WINDOW_LEFT, pid, nprog, q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem,
+     ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty,
+     ds_bar, tile_smem, tile_ready, tile_empty) = _pbwd_shared(Q, K, V, DO, F32, I32, DQ_ACC, B, SEQ, HQ, HKV, D,
+                                                               BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE, K_STAGES,
+                                                               V_STAGES, TILE_STAGES)
 
     gl.warp_specialize([
         (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
@@ -1672,22 +1674,15 @@ def gluon_attention_bwd_segments_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32,
     kernel does (`_bwd_item_mask`); a key block no query sees stores dK = dV = 0. MASK: 0 or 1 (windows with segment
     ids walk lists, `host.listed`); SEGMENTS: True. A separate entry, so that the window's kernel (above) keeps its
     arguments and code."""
-    gl.static_assert(DQ_MODE < 2, "DQ_MODE: 0 (whole dQ tiles alternating) or 1 (half of dQ's columns each)")
-    gl.static_assert(BLOCK_N == 128, "two consumer warpgroups of 64 keys")
     gl.static_assert(SEGMENTS, "the segment ids' persistent backward")
     gl.static_assert(MASK < 2, "windows with segment ids walk lists (host.listed)")
     K_STAGES: gl.constexpr = 2  # K is needed first in a tile and released last
-    sm_scale = gl.load(F32)
-    cap = gl.load(F32 + 1)  # SOFTCAP (else unused)
-    WINDOW_LEFT = gl.load(I32)
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-
     TILE_STAGES: gl.constexpr = 2  # the ring of tile indices, producer -> consumers (8 B + 4 barriers)
-    (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
-     cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, tile_smem, tile_ready,
-     tile_empty) = _pbwd_shared(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE,
-                                K_STAGES, V_STAGES, TILE_STAGES)
+    (sm_scale, cap, WINDOW_LEFT, pid, nprog, q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem,
+     ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty,
+     ds_bar, tile_smem, tile_ready, tile_empty) = _pbwd_shared(Q, K, V, DO, F32, I32, DQ_ACC, B, SEQ, HQ, HKV, D,
+                                                               BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE, K_STAGES,
+                                                               V_STAGES, TILE_STAGES)
     # the ring items' query rows' segment ids, staged by the producer next to their lse and delta rows
     ids_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     qs_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 1, BLOCK_M], ids_layout)
