@@ -148,17 +148,14 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
         kernels = kernels[:1]
     elif backward_only:
         kernels = kernels[1:2]
-    elif causal and window and not bwd_lists:  # the persistent backward runs causal windows
-        kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(),
-                        gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim, softcap, fast_tanh),
-                        bwd_pointers))
     if persistent_segments is None:
         persistent_segments = gluon_attention.PERSISTENT_SEGMENTS_BWD
-    if (persistent_segments and segments and not window and not bwd_lists and not forward_only and not backward_only
-            and not spec):
-        kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(segments=True),
+    documents = persistent_segments and segments and not window and not bwd_lists and not spec
+    if not (forward_only or backward_only) and (causal and window and not bwd_lists or documents):
+        # the persistent backward runs causal windows, and packed documents with PERSISTENT_SEGMENTS_BWD
+        kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(),
                         gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim, softcap, fast_tanh,
-                                                        segments=True, causal=causal),
+                                                        segments=documents, causal=causal),
                         bwd_pointers))
     for name, kernel, consts, pointers in kernels:
         sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}

@@ -1306,7 +1306,7 @@ def _persistent_segments_requests():
 
 
 def test_the_persistent_backward_with_segment_ids_compiles_for_sm90():
-    """The persistent backward taking segment ids (`gluon_attention_bwd_segments_persistent_kernel`, behind
+    """The persistent backward taking segment ids (`gluon_attention_bwd_persistent_kernel` with SEGMENTS, behind
     `host.PERSISTENT_SEGMENTS_BWD`) for causal packed documents, bf16 head dim 128 and f16 64: it compiles for sm_90
     with no spill (as the window's persistent kernel; a soft cap within the backwards' budget), within Hopper's
     shared memory, its tiles from the counter."""
@@ -1329,7 +1329,7 @@ def test_the_persistent_backward_with_segment_ids_compiles_on_the_gpu_hosts_trit
 def test_the_persistent_backward_takes_segment_ids_only_when_switched_on(monkeypatch):
     """`host.persistent_segments_bwd`: off by default; on, causal calls with segment ids and no window, lists or
     spec mask; its constexprs: MASK 1 and SEGMENTS, the V buffers that fit next to the ids' rows; the window's
-    persistent kernel keeps its constexprs (no SEGMENTS)."""
+    persistent kernel keeps its constexprs (SEGMENTS False)."""
     call = AttentionConfig(seq_q=1024, seq_k=1024, causal=True, segments=True)
     assert not gluon_attention.PERSISTENT_SEGMENTS_BWD and not gluon_attention.persistent_segments_bwd(call, False)
     monkeypatch.setattr(gluon_attention, "PERSISTENT_SEGMENTS_BWD", True)
@@ -1342,11 +1342,12 @@ def test_the_persistent_backward_takes_segment_ids_only_when_switched_on(monkeyp
     for d in gluon_attention.HEAD_DIMS:
         consts = gluon_attention.pbwd_constexprs(1, 16, 16, 8192, d, segments=True)
         assert consts["MASK"] == 1 and consts["SEGMENTS"] is True, consts
-        assert set(consts) - {"SEGMENTS"} == set(gluon_attention.pbwd_constexprs(1, 16, 16, 8192, d)), consts
+        assert set(consts) == set(gluon_attention.pbwd_constexprs(1, 16, 16, 8192, d)), consts
         smem = gluon_attention.pbwd_smem_bytes(d, consts["V_STAGES"], consts["DQ_MODE"], segments=True)
         assert smem + gluon_attention.SMEM_RESERVE <= gluon_attention.SMEM_LIMIT, (d, smem)
-    assert "SEGMENTS" not in gluon_attention.pbwd_constexprs(1, 16, 16, 8192, 128)
-    assert gluon_attention.pbwd_kernel(segments=True).arg_names[8:12] == ["QSEG", "KSEG", "RANGES", "ORDER"]
+    window = gluon_attention.pbwd_constexprs(1, 16, 16, 8192, 128)
+    assert window["SEGMENTS"] is False and window["MASK"] == 2, window
+    assert gluon_attention.pbwd_kernel().arg_names[8:12] == ["QSEG", "KSEG", "RANGES", "ORDER"]
 
 
 def _pbwd_walk(order, work, programs):
@@ -1421,7 +1422,7 @@ def test_the_persistent_backward_with_segment_ids_visits_the_per_program_kernels
 @pytest.mark.parametrize("switch", [False, True])
 def test_the_documents_backward_launches_the_persistent_kernel_when_switched_on(monkeypatch, switch):
     """On a (pretended) Hopper GPU, causal packed documents: with `host.PERSISTENT_SEGMENTS_BWD` the backward is
-    `gluon_attention_bwd_segments_persistent_kernel` with its arguments in signature order (QSEG, KSEG, RANGES,
+    `gluon_attention_bwd_persistent_kernel` with SEGMENTS, its arguments in signature order (QSEG, KSEG, RANGES,
     ORDER after I32: the ids, `segment_ranges(..., "bwd")` and `bwd_order` of them), the persistent grid and the
     dQ accumulator and tile counter zeroed; off (the default), the per-program kernel as before."""
     import numpy as np
@@ -1440,7 +1441,7 @@ def test_the_documents_backward_launches_the_persistent_kernel_when_switched_on(
                                            platform="triton").astype(jnp.float32).sum()
     jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv))
     kernels = [kernel.__name__ for kernel, *_ in seen]
-    bwd = "gluon_attention_bwd_segments_persistent_kernel" if switch else "gluon_attention_bwd_kernel"
+    bwd = "gluon_attention_bwd_persistent_kernel" if switch else "gluon_attention_bwd_kernel"
     assert kernels == ["gluon_attention_fwd_kernel", bwd], kernels
     kernel, grid, inputs, outs, kw = seen[1]
     names = kernel.arg_names

@@ -472,7 +472,7 @@ def bwd_program(asyncs, tile_items, tiles, ks, vs, ns, dq_mode, epi_tma, epi_bot
     order. Dynamic: dynamic = (first tile, fetch), fetch() the fetch-and-add on the shared tile counter plus
     nprog; the producer makes it after the tile's K load and hands every tile index (and the final one, >= the
     number of tiles) to the consumers through the ring of `ts` slots, tile_ready (count 1) / tile_empty
-    (count 2). order (segment ids, `gluon_attention_bwd_segments_persistent_kernel`): the places the counter
+    (count 2). order (segment ids, `gluon_attention_bwd_persistent_kernel` with SEGMENTS): the places the counter
     hands out are places in this list of tiles (`host.bwd_order`); the producer posts order[place], the tile, and
     tiles may have no item (a key block no query sees: its consumers release V themselves)."""
     nt = len(tile_items)

@@ -373,13 +373,9 @@ def pbwd_grid(batch: int, hkv: int, seq: int, sms: int | None = None) -> tuple:
     return persistent_grid(-(-seq // BWD_TILES["BLOCK_N"]) * batch * hkv, sms)
 
 
-def pbwd_kernel(segments: bool = False):
-    """The persistent Gluon backward (`gluon_kernels`, imported on first use); ``segments``: its entry with segment
-    ids (`PERSISTENT_SEGMENTS_BWD`)."""
-    kernels = importlib.import_module("ejgen.runtime.attention.gluon.kernels")
-    if segments:
-        return kernels.gluon_attention_bwd_segments_persistent_kernel
-    return kernels.gluon_attention_bwd_persistent_kernel
+def pbwd_kernel():
+    """The persistent Gluon backward (`gluon_kernels`, imported on first use)."""
+    return importlib.import_module("ejgen.runtime.attention.gluon.kernels").gluon_attention_bwd_persistent_kernel
 
 
 def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bool = False,
@@ -392,13 +388,13 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bo
                           fast_tanh=fast_tanh)
     # segment ids, layouts and spec masks with a window take the per-program backward over lists (`listed`); keys
     # as many as queries
-    for name in (*("SEGMENTS", ) * (not segments), "SEQ_K", *NO_LISTS, *spec_constexprs(None), *BWD_NO_TERMS):
+    for name in ("SEQ_K", *NO_LISTS, *spec_constexprs(None), *BWD_NO_TERMS):
         del base[name]
     return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"], segments=segments))
 
 
 # Packed documents' backward on the persistent kernel (session 33, issue 14; off: not GPU-run yet): causal calls
-# with segment ids and no window (no layout or spec mask) take `gluon_attention_bwd_segments_persistent_kernel`,
+# with segment ids and no window (no layout or spec mask) take `gluon_attention_bwd_persistent_kernel` with SEGMENTS,
 # whose programs walk `bwd_order` (most query blocks first) through the tile counter, instead of one program per
 # key block. Model (notes/studies/s33-documents.md, proposal 1): the per-program kernel's ~8.3 SM-us a program of
 # fixed cost drops to ~1.5 a tile, -45..-55 us a fwd+bwd at 8k with 8 documents, -170..-215 at 32k with 64.

@@ -1614,21 +1614,29 @@ def _pbwd_shared(Q, K, V, DO, F32, I32, DQ_ACC, B: gl.constexpr, SEQ: gl.constex
 
 
 @gluon.jit
-def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_ACC, DK, DV, TILE_CTR, SCRATCH,
-                                B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
-                                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                NUM_STAGES: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, V_STAGES: gl.constexpr,
-                                SOFTCAP: gl.constexpr):
+def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RANGES, ORDER, DQ_ACC, DK, DV,
+                                          TILE_CTR, SCRATCH, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+                                          SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+                                          DQ_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                          PRODUCER_REGS: gl.constexpr, V_STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
+                                          SEGMENTS: gl.constexpr):
     """gluon_attention_bwd_kernel's arguments and results (dK, dV deterministic; dQ * scale reduce-added in float32
     into the zeroed DQ_ACC [B, SEQ, HQ, D]; LSE, DELTA [B, HQ, SEQ]; MASK 0 none, 1 causal, 2 causal with a window
     of I32[0] keys to the left; F32 = [scale, soft cap, ...]; SOFTCAP as there). Persistent: grid (P,), P <= the
-    number of (key block, batch *
-    kv head) tiles (`host.pbwd_grid`); 4 warps asked, 12 run (two consumers, a producer). Tiles in kv-head order
-    (one (batch, kv head)'s key blocks back to back): program pid's first tile is pid, each next one P +
-    atomic_add(TILE_CTR, 1) (TILE_CTR: one int32, zero at launch, like DQ_ACC; left at the number of tiles fetched,
-    so it must be zeroed again before the next launch). K double-buffered; V_STAGES (1 or 2) V buffers
-    (`host.pbwd_v_stages`)."""
+    number of (key block, batch * kv head) tiles (`host.pbwd_grid`); 4 warps asked, 12 run (two consumers, a
+    producer). Program pid's first tile is pid, each next one P + atomic_add(TILE_CTR, 1) (TILE_CTR: one int32, zero
+    at launch, like DQ_ACC; left at the number of tiles fetched, so it must be zeroed again before the next launch).
+    K double-buffered; V_STAGES (1 or 2) V buffers (`host.pbwd_v_stages`). Without SEGMENTS (a causal window) the
+    tiles go in kv-head order (one (batch, kv head)'s key blocks back to back) and QSEG, KSEG, RANGES, ORDER are
+    placeholders. SEGMENTS (packed documents, `host.PERSISTENT_SEGMENTS_BWD`; MASK 0 or 1: windows with segment ids
+    walk lists, `host.listed`): QSEG, KSEG [B, SEQ] (int32, negative = padding), RANGES [B, cdiv(SEQ, BLOCK_N), 4]
+    (each key block's query blocks under the ids, `host.segment_ranges(..., "bwd")`, joined with the mask's:
+    `_pbwd_tile_range`) and ORDER [cdiv(SEQ, BLOCK_N) * B * HKV] (`host.bwd_order`: entries n * B * HKV + b * HKV +
+    kv head, the most query blocks first), the places the counter hands out (longest-processing-time first); a
+    masked item compares the ids as the per-program kernel does (`_bwd_item_mask`); a key block no query sees stores
+    dK = dV = 0."""
+    gl.static_assert(not SEGMENTS or MASK < 2, "windows with segment ids walk lists (host.listed)")
     K_STAGES: gl.constexpr = 2  # K is needed first in a tile and released last
     TILE_STAGES: gl.constexpr = 2  # the ring of tile indices, producer -> consumers (8 B + 4 barriers)
     (sm_scale, cap, WINDOW_LEFT, pid, nprog, q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem,
@@ -1636,56 +1644,11 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, DQ_
      ds_bar, tile_smem, tile_ready, tile_empty) = _pbwd_shared(Q, K, V, DO, F32, I32, DQ_ACC, B, SEQ, HQ, HKV, D,
                                                                BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE, K_STAGES,
                                                                V_STAGES, TILE_STAGES)
-
-    gl.warp_specialize([
-        (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
-                          q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem,
-                          tile_ready, tile_empty, dq_desc, DK, DV, pid, sm_scale, cap, WINDOW_LEFT, 0, B, HQ, HKV,
-                          SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, TILE_STAGES,
-                          SOFTCAP)),
-        (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
-                          q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem,
-                          tile_ready, tile_empty, dq_desc, DK, DV, pid, sm_scale, cap, WINDOW_LEFT, 1, B, HQ, HKV,
-                          SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, TILE_STAGES,
-                          SOFTCAP)),
-        (_pbwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
-                          do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, tile_smem, tile_ready, tile_empty,
-                          TILE_CTR, LSE, DELTA, pid, nprog, WINDOW_LEFT, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N,
-                          NUM_STAGES, K_STAGES, V_STAGES, MASK, TILE_STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-@gluon.jit
-def gluon_attention_bwd_segments_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RANGES, ORDER,
-                                                   DQ_ACC, DK, DV, TILE_CTR, SCRATCH, B: gl.constexpr,
-                                                   HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
-                                                   D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                                   NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
-                                                   DQ_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                                   PRODUCER_REGS: gl.constexpr, V_STAGES: gl.constexpr,
-                                                   SOFTCAP: gl.constexpr, SEGMENTS: gl.constexpr):
-    """gluon_attention_bwd_persistent_kernel with segment ids (packed documents; `host.PERSISTENT_SEGMENTS_BWD`):
-    its arguments plus the per-program backward's QSEG, KSEG [B, SEQ] (int32, negative = padding), RANGES [B,
-    cdiv(SEQ, BLOCK_N), 4] (each key block's query blocks under the ids, `host.segment_ranges(..., "bwd")`, joined
-    with the mask's: `_pbwd_tile_range`) and ORDER [cdiv(SEQ, BLOCK_N) * B * HKV] (`host.bwd_order`: entries n * B *
-    HKV + b * HKV + kv head, the most query blocks first). The programs walk ORDER through the tile counter: program
-    pid takes place pid first, each next place P + atomic_add(TILE_CTR, 1), so the heaviest tiles start first and
-    the light ones fill the tail (longest-processing-time first). A masked item compares the ids as the per-program
-    kernel does (`_bwd_item_mask`); a key block no query sees stores dK = dV = 0. MASK: 0 or 1 (windows with segment
-    ids walk lists, `host.listed`); SEGMENTS: True. A separate entry, so that the window's kernel (above) keeps its
-    arguments and code."""
-    gl.static_assert(SEGMENTS, "the segment ids' persistent backward")
-    gl.static_assert(MASK < 2, "windows with segment ids walk lists (host.listed)")
-    K_STAGES: gl.constexpr = 2  # K is needed first in a tile and released last
-    TILE_STAGES: gl.constexpr = 2  # the ring of tile indices, producer -> consumers (8 B + 4 barriers)
-    (sm_scale, cap, WINDOW_LEFT, pid, nprog, q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem,
-     ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty,
-     ds_bar, tile_smem, tile_ready, tile_empty) = _pbwd_shared(Q, K, V, DO, F32, I32, DQ_ACC, B, SEQ, HQ, HKV, D,
-                                                               BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE, K_STAGES,
-                                                               V_STAGES, TILE_STAGES)
-    # the ring items' query rows' segment ids, staged by the producer next to their lse and delta rows
-    ids_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    qs_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 1, BLOCK_M], ids_layout)
+    if SEGMENTS:  # the ring items' query rows' segment ids, staged by the producer next to their lse and delta rows
+        ids_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        qs_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 1, BLOCK_M], ids_layout)
+    else:
+        qs_smem = tile_smem  # unused
 
     gl.warp_specialize([
         (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,

@@ -461,19 +461,17 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
     listed = gluon_attention.listed(cfg, spec is not None, "bwd")
     outs = [jax.ShapeDtypeStruct((batch, sq, hq, d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    if cfg.window and not listed:  # causal with a window to the left (gluon_attention.ineligible): the persistent
-        # kernel, whose tile counter is zeroed like the dQ accumulator
+    documents = gluon_attention.persistent_segments_bwd(cfg, listed, spec is not None)
+    if cfg.window and not listed or documents:  # causal with a window to the left (gluon_attention.ineligible), or
+        # packed documents under causal: the persistent kernel, whose tile counter is zeroed like the dQ accumulator
+        # (documents: its programs walk the programs' order, most work first)
         kernel, grid = gluon_attention.pbwd_kernel(), gluon_attention.pbwd_grid(batch, hkv, sq)
         outs.append(jax.ShapeDtypeStruct((1, ), jnp.int32))
-        zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d, cfg.softcap, fast_tanh)
-    elif gluon_attention.persistent_segments_bwd(cfg, listed, spec is not None):  # packed documents, causal: the
-        # persistent kernel walking the programs' order (most work first) through its tile counter
-        kernel, grid = gluon_attention.pbwd_kernel(segments=True), gluon_attention.pbwd_grid(batch, hkv, sq)
-        outs.append(jax.ShapeDtypeStruct((1, ), jnp.int32))
         segments = _gluon_segments(ctx, cfg, sq, "bwd", False)
-        order = gluon_attention.bwd_order(segments[2], hkv, sq, cfg.causal, gluon_attention.ordered(cfg))
+        order = (gluon_attention.bwd_order(segments[2], hkv, sq, cfg.causal, gluon_attention.ordered(cfg)) if documents
+                 else _dummy(jnp.int32))
         zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d, cfg.softcap, fast_tanh,
-                                                                  segments=True, causal=cfg.causal)
+                                                                  segments=documents, causal=cfg.causal)
         scalars = [*scalars, *segments, order]
     else:
         sk = k.shape[1]  # Sq != Sk: gluon_cross, no causal, window, segment ids or lists (gluon_attention.ineligible)
