@@ -512,10 +512,11 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
     # the rows' segment ids (SEGMENTS; else unused), read once per tile
     seg_rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     qs = seg_rows
-    # DOCS (SEGMENTS 2, `host.DOCS_MASKS`: segment ids under causal alone, no window, soft cap, lists or spec mask):
-    # masked blocks compare the ids (and on the diagonal causal)
-    DOCS: gl.constexpr = (SEGMENTS == 2 and CAUSAL and not WINDOW and not SOFTCAP and SUB_Q == 0
-                          and SPEC_MASK is None and KV_TERMS == 0)
+    # DOCS (SEGMENTS 2, `host.constexprs`' choice: segment ids under causal alone): masked blocks compare the ids (and
+    # on the diagonal causal)
+    DOCS: gl.constexpr = SEGMENTS == 2
+    gl.static_assert(not DOCS or (CAUSAL and not WINDOW and not SOFTCAP and SUB_Q == 0 and SPEC_MASK is None
+                                  and KV_TERMS == 0), "SEGMENTS 2: segment ids under causal alone")
     if SEGMENTS:
         qs = gl.load(QSEG + off_b.to(gl.int64) * SEQ + seg_rows, mask=seg_rows < SEQ, other=-1)
         if DOCS:  # padding rows: INT_MIN, an id no key holds

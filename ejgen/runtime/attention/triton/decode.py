@@ -63,7 +63,7 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
     d_pad, dv_pad = host._pow2(d), host._pow2(dv)
     scalars = host.scalar_arrays(ctx, f32_options, i32_options)
     if paged:  # as given: the kernel clamps them and takes start 0 (no XLA kernel before the call)
-        table, lens = call.raw if call.raw is not None else (call.tables, call.ends)
+        table, lens = call.raw  # (`prepare_paged`'s)
         bounds = [lens, lens]  # (STARTS unread)
     else:
         table, bounds = jnp.zeros((1,), jnp.int32), [call.starts, call.ends]

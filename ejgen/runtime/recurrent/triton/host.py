@@ -30,6 +30,7 @@ from ejgen.runtime.core import kernels as chooser
 from ejgen.runtime.launch import triton_call
 from ejgen.runtime.recurrent import gates as gradients
 from ejgen.runtime.recurrent import packing
+from ejgen.runtime.recurrent.config import SCALAR_LOG_GATES
 
 F32 = jnp.float32
 CHUNKED_GATES = ("g", "g_gamma", "gk")  # the gates the chunked kernels take (gv runs on the fused ones)
@@ -601,8 +602,8 @@ def _blocks_grid(per_row: int, blocks: int, rows: int, first: bool) -> tuple[int
 OUTPUT_AHEAD = True
 
 # chunk_output's launch with a scalar gate (g, g_gamma; gk keeps CHUNKED's, its q ⊙ e^{P} read whole with GATED_Q),
-# 16-bit inputs and bf16 products on sm_90: 4 warps at 2 stages (153 registers, 56 KB on sm_90, no spill on Triton 3.6 or 3.9:
-# 3 CTAs an SM against 1-2 at 8 warps). Session 33, H200, one call (kernel, op fwd; 8 warps -> 4): simple_gla B2 T16k
+# 16-bit inputs and bf16 products on sm_90: 4 warps at 2 stages (153 registers, 56 KB on sm_90, no spill on Triton
+# 3.6 or 3.9: 3 CTAs an SM against 1-2 at 8 warps). Session 33, H200, one call (kernel, op fwd; 8 warps -> 4): simple_gla B2 T16k
 # 0.299 -> 0.285 ms, 0.483 -> 0.471; B4 T4096 0.157 -> 0.145, 0.244 -> 0.241; lightning 0.304 -> 0.290, 0.489 ->
 # 0.474 and 0.160 -> 0.148, 0.244 -> 0.241. fla's launch (4 warps, 3 stages, v after the K loop) 0.293 / 0.156 /
 # 0.293 / 0.155 in the same call. Float32 inputs keep 8 warps (at 4 they spill 1560 bytes a thread on 3.9, 8152 on
@@ -610,16 +611,22 @@ OUTPUT_AHEAD = True
 OUTPUT_SCALAR_TILES = Tiles(64, 64, 4, 2)
 
 
+def _arch(arch: str | None) -> str | None:
+    """A launch rule's ``arch``: "here" resolved to the machine calls run on (its arch on a GPU, None: the Triton
+    interpreter)."""
+    if arch != "here":
+        return arch
+    target = chooser.target()
+    return target.arch if target.platform == "gpu" else None
+
+
 def output_launch(dtype, products: str, gates, arch: str | None = "here") -> Tiles:
     """chunk_output's launch for inputs of ``dtype``, the chunk_products setting ``products`` and ``gates`` (names, as
     RecurrentConfig.gates) on ``arch`` ("sm90"; None: the Triton interpreter; default: the machine calls run on):
     OUTPUT_SCALAR_TILES with a scalar gate alone, 16-bit inputs and bf16 products on sm_90 (where it was timed; sm_80
     holds 235-252 registers there) and in the interpreter, else CHUNKED's."""
-    if arch == "here":
-        target = chooser.target()
-        arch = target.arch if target.platform == "gpu" else None
-    scalar = "gk" not in gates and bool(set(gates) & {"g", "g_gamma"})
-    if (scalar and jnp.dtype(dtype).itemsize == 2 and products == "bfloat16" and arch in (None, "sm90")
+    scalar = "gk" not in gates and bool(set(gates) & set(SCALAR_LOG_GATES))
+    if (scalar and jnp.dtype(dtype).itemsize == 2 and products == "bfloat16" and _arch(arch) in (None, "sm90")
             and OUTPUT_SCALAR_TILES is not None):
         return OUTPUT_SCALAR_TILES
     return CHUNKED["chunk_output"]
@@ -805,11 +812,8 @@ def grads_qk_form(dtype, products: str, gates, dk: int, dv: int, arch: str | Non
     3 stages ask 248 KB of shared memory, past sm_90's 227)."""
     scalar = "gk" not in gates and bool(gates)  # (gates: of RECURRENT_GATES, as RecurrentConfig.gates)
     sixteen = jnp.dtype(dtype) != jnp.float32
-    if arch == "here":
-        target = chooser.target()
-        arch = target.arch if target.platform == "gpu" else None
     whole = (scalar and sixteen and products == "bfloat16" and GRADS_QK_SCALAR_TILES is not None
-             and arch in (None, "sm90"))
+             and _arch(arch) in (None, "sm90"))
     blocks, options = tiles("chunk_grads_qk", dk, dv, GRADS_QK_SCALAR_TILES if whole else None)
     if grouped:
         options["num_stages"] = min(options["num_stages"], 2)
