@@ -448,7 +448,8 @@ j_docs-ab() {  # session 33's document forms, not yet GPU-run: the forward's DOC
   # the persistent backward with segment ids (PERSISTENT_SEGMENTS_BWD): the Gluon document tests (every form), then
   # blocksparse.py's probe rows ("ejgen-triton documents, DOCS masks" / ", persistent backward" beside the default,
   # the ideal's causal call and the other probes, one process) at 8k / 8 and 32k / 64 documents
-  shards docs-tests 200 2 -k "document_masks" tests/attention/test_gluon.py
+  # (and the windows' persistent backward, whose entry took the documents' arguments in session 33's review)
+  shards docs-tests 240 3 -k "document_masks or persistent or window" tests/attention/test_gluon.py
   job docs-ab 300 python3 benchmarks/blocksparse.py --documents-only --probe --doc-cases 8192x8,32768x64 --rounds 2 \
     --reps 4 --out "$log/bs-docs"
 }
