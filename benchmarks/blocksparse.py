@@ -106,12 +106,13 @@ def _generated(f):
 
 
 @contextlib.contextmanager
-def _switched(name: str):
-    """`gluon_attention.<name>` on while a call is traced (both passes: the compile loop lowers them inside it)."""
+def _switched(name: str, value: bool = True):
+    """`gluon_attention.<name>` set to ``value`` while a call is traced (both passes: the compile loop lowers them
+    inside it)."""
     from ejgen.runtime.attention.gluon import host as gluon_attention
 
     before = getattr(gluon_attention, name)
-    setattr(gluon_attention, name, True)
+    setattr(gluon_attention, name, value)
     try:
         yield
     finally:
@@ -148,18 +149,19 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         "ejgen-triton causal (all tokens)": lambda q, k, v, info: flash_attention(q, k, v, causal=True,
                                                                                    platform="triton"),
     }
-    switches = {}  # impl -> the gluon host switch on while it is traced (`_switched`)
+    switches = {}  # impl -> (the gluon host switch, its value) while it is traced (`_switched`)
     if probe:  # where the time goes: the generated kernels on the same call, one document (segment ids, no cut)
         impls["ejgen-triton documents, generated kernels"] = _generated(impls["ejgen-triton documents"])
         one = MaskInfo.from_segments(jnp.zeros_like(jnp.asarray(ids)))
         impls["ejgen-triton one document"] = lambda q, k, v, info: flash_attention(q, k, v, causal=True, mask_info=one,
                                                                                  platform="triton")
         impls["ejgen-triton documents, static tile order"] = _static(impls["ejgen-triton documents"])
-        # session 33's forms, off until GPU-run: the forward's DOCS masks, the persistent backward with segment ids
+        # session 33's forms: the forward's DOCS masks (off: it lost the 32k forward in session 34), the backward one
+        # program a key block (the persistent one with segment ids, on since session 34, off)
         impls["ejgen-triton documents, DOCS masks"] = impls["ejgen-triton documents"]
-        impls["ejgen-triton documents, persistent backward"] = impls["ejgen-triton documents"]
-        switches["ejgen-triton documents, DOCS masks"] = "DOCS_MASKS"
-        switches["ejgen-triton documents, persistent backward"] = "PERSISTENT_SEGMENTS_BWD"
+        impls["ejgen-triton documents, per-program backward"] = impls["ejgen-triton documents"]
+        switches["ejgen-triton documents, DOCS masks"] = ("DOCS_MASKS", True)
+        switches["ejgen-triton documents, per-program backward"] = ("PERSISTENT_SEGMENTS_BWD", False)
     if documents_only and not probe:
         impls.pop("ejgen-triton causal (all tokens)")
     flops = 4.0 * HEADS * DIM * visible_pairs(ids)
@@ -169,7 +171,7 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
             return jnp.sum(f(q, k, v, info).astype(jnp.float32) * do.astype(jnp.float32))
 
         for pass_, fn, mult in (("fwd", f, 1.0), ("fwd+bwd", jax.grad(loss, argnums=(0, 1, 2)), 3.5)):
-            with _switched(switches[name]) if name in switches else contextlib.nullcontext():
+            with _switched(*switches[name]) if name in switches else contextlib.nullcontext():
                 exe = jax.jit(fn).lower(q, k, v, info).compile()
             jax.block_until_ready(exe(q, k, v, info))
             compiled.append((name, pass_, exe, mult))

@@ -1,6 +1,6 @@
 """Launch settings of the Triton decode kernel (issue 16; `ejgen.runtime.attention.triton.decode`), measured on one
 GPU: the settings of NAMES (BLOCK_N, NUM_STAGES, NUM_WARPS, WAVES, PROGRAMS_PER_SM, MAX_SPLIT_KEYS, PAGES_AHEAD,
-WHOLE_PAGE, PAGED_STAGES; `--settings` or a built-in list) over the decode benchmark's batches
+WHOLE_PAGE; `--settings` or a built-in list) over the decode benchmark's batches
 (benchmarks/decode.py), cuDNN timed in the same run for scale. Every setting of a case is compiled, then all are timed in `--rounds` interleaved rounds
 (median of medians) of `--calls` calls a sample. Prints a table of µs per case with the best setting per case marked,
 and the geometric mean of cuDNN time / time over cases per setting.
@@ -35,13 +35,12 @@ CASES = ("decode-B8-S8k", "decode-B32-S8k", "decode-B4-S32k", "decode-B32-ragged
          "paged16-B32-ragged16k", "paged64-B32-ragged16k")
 
 
-NAMES = ("BLOCK_N", "stages", "warps", "waves", "programs/SM", "max split keys", "pages ahead", "whole page",
-         "paged stages")
+NAMES = ("BLOCK_N", "stages", "warps", "waves", "programs/SM", "max split keys", "pages ahead", "whole page")
 
 
 def current():
     return (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, split_k.WAVES, split_k.PROGRAMS_PER_SM,
-            split_k.MAX_SPLIT_KEYS, int(host.PAGES_AHEAD), int(host.WHOLE_PAGE), host.PAGED_STAGES)
+            split_k.MAX_SPLIT_KEYS, int(host.PAGES_AHEAD), int(host.WHOLE_PAGE))
 
 
 def settings(quick: bool, given: str = ""):
@@ -61,7 +60,7 @@ def settings(quick: bool, given: str = ""):
 
 def apply(setting):
     (host.BLOCK_N, host.NUM_STAGES, host.NUM_WARPS, split_k.WAVES, split_k.PROGRAMS_PER_SM,
-     split_k.MAX_SPLIT_KEYS, ahead, whole, host.PAGED_STAGES) = setting
+     split_k.MAX_SPLIT_KEYS, ahead, whole) = setting
     host.PAGES_AHEAD, host.WHOLE_PAGE = bool(ahead), bool(whole)
 
 

@@ -27,8 +27,7 @@
 #   s33            session 33's new defaults: the scalar gates' GPU tests, then their kernel and op rows (s33-rows)
 #   s33e-tests     the scalar gates' chunked GPU tests with BLOCKS_FIRST "always" (default and other forms)
 #   rec-full       every recurrent GPU test, 8 processes a GPU (2 GPUs: one call)
-#   decode-paged-stages  decode.PAGED_STAGES 2 against 3 (decode_tune.py), paged16 / paged64 beside contiguous
-#   ring-ab        the ring's default, then --coalesce-backward, --narrow-accumulators, --layout-sections (2 GPUs)
+#   ring-ab        the ring's default, then --coalesce-backward, --narrow-accumulators (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
 #                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
@@ -431,10 +430,22 @@ j_decode-page() {  # pages of whole blocks read once a block (the default) or pe
   decode_tune decode-page "decode-B8-S8k,paged64-B8-S8k,paged16-B8-S8k,decode-B4-S32k,paged64-B4-S32k" \
     "64,2,4,1,4,4096,0,0"
 }
-j_decode-paged-stages() {  # decode.PAGED_STAGES 2 (the default) against 3 (the page numbers copied a step ahead of
-  # K / V; session 33's helper study), beside the contiguous batches, after the paged call's clamps moved into the kernel
-  decode_tune decode-paged-stages "decode-B8-S8k,paged16-B8-S8k,paged64-B32-ragged16k,paged16-B32-ragged16k" \
-    "64,2,4,1,4,4096,0,1,3"
+j_decode-clamp-ab() {  # paged16's ragged B32 batch, 0.97 of contiguous in session 29, 0.91 in session 34: this tree
+  # against copies of generated, zoo, ejgen and benchmarks made before the call (the tree before the paged call's
+  # clamps moved into the kernel, this tree without the page numbers' clamps), each run in its own process, in the
+  # order DECODE_AB_ORDER_<GPU> gives ("main" and the copies' folder names)
+  local t n=0 order=DECODE_AB_ORDER_$CUDA_VISIBLE_DEVICES tag
+  for t in ${!order:-main}; do
+    n=$(( n + 1 )); tag="$t-g$CUDA_VISIBLE_DEVICES-$n"
+    if [ "$t" = main ]; then
+      job "dab-$tag" 90 python3 benchmarks/decode.py --cases paged16-B32-ragged16k,paged16-B8-S8k \
+        --calls 128 --platforms triton --out "$log/dab-$tag"
+    else
+      (cd "$t" && ln -sfn ../generated ejgen/generated && ln -sfn ../zoo/generated ejgen/zoo)
+      job "dab-$tag" 90 env PYTHONPATH="${PYTHONPATH//$PWD/$PWD/$t}" python3 "$t/benchmarks/decode.py" \
+        --cases paged16-B32-ragged16k,paged16-B8-S8k --calls 128 --platforms triton --out "$log/dab-$tag"
+    fi
+  done
 }
 j_decode-trace() { job decode-trace 150 python3 benchmarks/decode.py --cases B4-S32k,B32-S8k --platforms triton,cudnn \
   --trace --rounds 2 --out "$log/dtrace"; }
@@ -444,11 +455,11 @@ j_decode-tests() { shards decode-tests 200 3 tests/decode; }
 j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }
 j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 python3 -m pytest -m gpu -q -rf \
   -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
-j_docs-ab() {  # session 33's document forms, not yet GPU-run: the forward's DOCS masks (gluon.host.DOCS_MASKS) and
-  # the persistent backward with segment ids (PERSISTENT_SEGMENTS_BWD): the Gluon document tests (every form), then
-  # blocksparse.py's probe rows ("ejgen-triton documents, DOCS masks" / ", persistent backward" beside the default,
-  # the ideal's causal call and the other probes, one process) at 8k / 8 and 32k / 64 documents
-  # (and the windows' persistent backward, whose entry took the documents' arguments in session 33's review)
+j_docs-ab() {  # session 33's document forms: the forward's DOCS masks (gluon.host.DOCS_MASKS, off) and the
+  # backward one program a key block (PERSISTENT_SEGMENTS_BWD off; on since session 34): the Gluon document tests
+  # (every form, and the windows' persistent backward), then blocksparse.py's probe rows ("ejgen-triton documents,
+  # DOCS masks" / ", per-program backward" beside the default, the ideal's causal call and the other probes, one
+  # process) at 8k / 8 and 32k / 64 documents
   shards docs-tests 240 3 -k "document_masks or persistent or window" tests/attention/test_gluon.py
   job docs-ab 300 python3 benchmarks/blocksparse.py --documents-only --probe --doc-cases 8192x8,32768x64 --rounds 2 \
     --reps 4 --out "$log/bs-docs"
@@ -458,7 +469,6 @@ j_ring-ab() {  # session 33's ring experiments (notes/perf.md, "Session 33"): th
   job ring-ab-base 150 python3 "${RING[@]}" --parts time,gaps --out "$log/ring-ab-base"  # (gaps: device spans)
   job ring-ab-coalesce-bwd 110 python3 "${RING[@]}" --parts time --coalesce-backward --out "$log/ring-ab-cb"
   job ring-ab-narrow 110 python3 "${RING[@]}" --parts time --narrow-accumulators --out "$log/ring-ab-narrow"
-  job ring-ab-sections 110 python3 "${RING[@]}" --parts time --layout-sections --out "$log/ring-ab-sections"
 }
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
 j_ring-steady() { job ring-steady 170 python3 "${RING[@]}" --parts time --batch 4,16 --out "$log/ring-steady"; }
@@ -597,8 +607,11 @@ declare -A PRESETS=(
   # experiments, each against the default in the same call (issue 18: the backward as one call, dK/dV accumulators in
   # bf16, the wide step by head sections)
   [s34a]="0-1:rec-full"
-  [s34b]="0:decode-tests,decode-paged-stages 1:docs-ab"
-  [s34c]="0-1:ring-ab"
+  [s34b]="0:decode-tests 1:docs-ab"  # (and decode-paged-stages, removed with decode.PAGED_STAGES after it ran)
+  [s34c]="0-1:ring-ab"  # (and ring-ab-sections, removed with gluon.host.LAYOUT_HEAD_SECTIONS after it ran)
+  # s34d the decode table at 128 calls a sample (issue 16) on GPU 0; the documents against FlexAttention at 16 calls,
+  # the persistent backward on (issue 14), on GPU 1
+  [s34d]="0:decode-steady 1:documents16"
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)

@@ -78,9 +78,6 @@ def parse_args(argv=None):
     p.add_argument("--coalesce-backward", action="store_true",
                    help="coalesced zigzag steps run their backward as one call too (ring.COALESCE_BACKWARD, off by "
                         "default: slower than the pairs on 2 H100s, session 20)")
-    p.add_argument("--layout-sections", action="store_true",
-                   help="the wide step's tiles a head section at a time (gluon.host.LAYOUT_HEAD_SECTIONS, an "
-                        "experiment: off by default)")
     p.add_argument("--narrow-accumulators", action="store_true",
                    help="the backward's dK/dV accumulators travel in the inputs' dtype where they make one hop (a "
                         "2-device ring; ring.NARROW_ACCUMULATOR_HOPS = 1, an experiment: float32 by default)")
@@ -439,10 +436,6 @@ def main():
         from ejgen.runtime.attention import ring as ring_runtime
 
         ring_runtime.COALESCE_BACKWARD = True  # read as each call is traced
-    if ARGS.layout_sections:
-        from ejgen.runtime.attention.gluon import host as gluon_host
-
-        gluon_host.LAYOUT_HEAD_SECTIONS = True  # read as each call is traced
     if ARGS.narrow_accumulators:
         from ejgen.runtime.attention import ring as ring_runtime
 

@@ -167,11 +167,9 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
 
 def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", params: dict | None = None,
                    head_dim: int = 128, groups: int = 4, queries: int = 1, paged: bool = False, page: int = 16,
-                   causal: bool = True, window: bool = False, softcap: bool = False,
-                   paged_stages: int | None = None) -> dict:
+                   causal: bool = True, window: bool = False, softcap: bool = False) -> dict:
     """The split-K decode kernel of one generated variant (`triton_decode.py`) for one call's constexprs (``page``:
-    the paged cache's page size; one of the kernel's BLOCK_N or a multiple takes the one-read-a-block path;
-    ``paged_stages``: a paged call's stages, default decode.PAGED_STAGES as the host launches it)."""
+    the paged cache's page size; one of the kernel's BLOCK_N or a multiple takes the one-read-a-block path)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -199,9 +197,8 @@ def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str 
     source = ASTSource(fn=kernel, signature=sig, constexprs={n: consts[n] for n in kernel.arg_names if n in consts},
                        attrs=aligned)
     target = GPUTarget("cuda", capability, 32)
-    paged_stages = decode.PAGED_STAGES if paged_stages is None else paged_stages
-    stages = paged_stages if paged and not decode.PAGES_AHEAD else decode.NUM_STAGES
-    return {"decode_kernel": triton.compile(source, target=target, options={"num_warps": 4, "num_stages": stages})}
+    return {"decode_kernel": triton.compile(source, target=target,
+                                            options={"num_warps": 4, "num_stages": decode.NUM_STAGES})}
 
 
 def compile_pooling(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", batch: int = 32,

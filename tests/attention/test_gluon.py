@@ -51,8 +51,8 @@ LAUNCH_BUDGET_CASES = [("bfloat16", 128, True, True, False, False), ("float16", 
 
 
 def test_the_kernel_compiles_for_sm90_within_the_launch_budget():
-    """Forward and backward (and the persistent backward of causal windows) of each of `LAUNCH_BUDGET_CASES`, each
-    checked on its own; SOFTCAP: a soft cap (Gemma 2 / 3), "fast" with the hardware's approximate tanh
+    """Forward and backward (and the persistent backward of causal windows and documents) of each of
+    `LAUNCH_BUDGET_CASES`, each checked on its own; SOFTCAP: a soft cap (Gemma 2 / 3), "fast" with the hardware's approximate tanh
     (`host.FAST_TANH`)."""
     from ejgen.testing.aot import compile_all_in_subprocess
 
@@ -69,7 +69,8 @@ def test_the_kernel_compiles_for_sm90_within_the_launch_budget():
 
 def _check_launch_budget(case, compiled):
     dtype, d, causal, window, segments, softcap = case
-    persistent_bwd = ("gluon_bwd_persistent_kernel", ) if causal and window else ()
+    documents = segments and gluon_attention.PERSISTENT_SEGMENTS_BWD  # (causal packed documents: on by default)
+    persistent_bwd = ("gluon_bwd_persistent_kernel", ) if causal and (window or documents) else ()
     assert set(compiled) == {"gluon_fwd_kernel", "gluon_bwd_kernel", *persistent_bwd}, case
     for name in compiled:
         meta = compiled[name]
@@ -545,13 +546,16 @@ def test_the_launches_match_the_kernels_signatures(monkeypatch):
 def test_document_masks_reach_the_kernels_with_their_tile_ranges(monkeypatch):
     """Segment ids on a (pretended) Hopper GPU: both Gluon kernels take the ids and their tile ranges (the forward
     per 128-row query tile in key blocks, the backward per key block in 64-row query blocks), SEGMENTS on; the
-    ranges are the segment ids' own (`block_mask.tile_ranges`), the kernels join them with causal. A fake launch."""
+    ranges are the segment ids' own (`block_mask.tile_ranges`), the kernels join them with causal. A fake launch; the
+    backward one program a key block (`host.PERSISTENT_SEGMENTS_BWD` off: the persistent one's launch has its own
+    test below)."""
     import numpy as np
 
     from ejgen.ops import flash_attention
     from ejgen.types import MaskInfo
 
     seen = pretend_hopper(monkeypatch)
+    monkeypatch.setattr(gluon_attention, "PERSISTENT_SEGMENTS_BWD", False)
     s = 640  # documents [0, 300), [300, 512), padding [512, 640)
     ids = np.where(np.arange(s) < 300, 0, np.where(np.arange(s) < 512, 1, -1)).astype(np.int32)[None]
     q = jnp.ones((1, s, 2, 128), jnp.bfloat16)
@@ -712,9 +716,11 @@ def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run
     """Packed documents (one-token ones, documents of exactly one tile, tiles of padding) on the Hopper kernels,
     forward and backward, against the float64 oracle, on few SMs (programs cross tiles); the forward's static split
     and its dynamic tile queue; causal ones with the forward's masked blocks in the DOCS form too
-    (`host.DOCS_MASKS`: the ids alone below the diagonal, padding as ids nothing matches)."""
+    (`host.DOCS_MASKS`: the ids alone below the diagonal, padding as ids nothing matches); the backward one program a
+    key block (`host.PERSISTENT_SEGMENTS_BWD` off: the next test takes the default, the persistent one)."""
     monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "1" if dynamic else "0")
     monkeypatch.setattr(gluon_attention, "DOCS_MASKS", docs)
+    monkeypatch.setattr(gluon_attention, "PERSISTENT_SEGMENTS_BWD", False)
     _documents_match_the_oracle(monkeypatch, run_vjp, shape, causal, lengths)
     kinds = {k for k, _ in triton_launches}
     assert kinds == {"fwd", "bwd"} and all(kw.get("SEGMENTS") for _, kw in triton_launches), triton_launches
@@ -731,11 +737,11 @@ PERSISTENT_DOCUMENT_RUNS = [(c, docs) for c in DOCUMENT_CASES if c[2] for docs i
                          ids=[f"{c[0]}{'-docs' if docs else ''}" for c, docs in PERSISTENT_DOCUMENT_RUNS])
 def test_gluon_document_masks_on_the_persistent_backward_match_the_oracle(monkeypatch, triton_launches, run_vjp,
                                                                           shape, lengths, docs):
-    """`host.PERSISTENT_SEGMENTS_BWD` on: the causal document cases' backward on the persistent kernel with segment
-    ids (tiles in `bwd_order`'s order through its tile counter; on 7 SMs each program walks many tiles, key blocks
-    no query sees among them), forward and backward against the float64 oracle."""
+    """The default (`host.PERSISTENT_SEGMENTS_BWD` on): the causal document cases' backward on the persistent kernel
+    with segment ids (tiles in `bwd_order`'s order through its tile counter; on 7 SMs each program walks many tiles,
+    key blocks no query sees among them), forward and backward against the float64 oracle."""
     monkeypatch.setattr(gluon_attention, "DOCS_MASKS", docs)
-    monkeypatch.setattr(gluon_attention, "PERSISTENT_SEGMENTS_BWD", True)
+    assert gluon_attention.PERSISTENT_SEGMENTS_BWD
     _documents_match_the_oracle(monkeypatch, run_vjp, shape, True, lengths)
     kinds = sorted(k for k, _ in triton_launches)
     assert kinds == ["fwd", "persistent"], triton_launches
@@ -858,27 +864,6 @@ LAYOUT_TABLE_CASES = [  # (id, seq, (block_q, block_k), per head, causal, segmen
     ("tiles-128-shared-causal", 640, (128, 128), False, True, False),
     ("rows-256-keys-32", 384, (256, 32), True, False, False),
 ]
-
-
-def test_layout_head_sections_deal_a_section_at_a_time():
-    """`order_by_work` with ``section`` (gluon.host.LAYOUT_HEAD_SECTIONS, an experiment): still a permutation of the
-    tiles, each section of heads dealt whole (every row of it, heaviest first) before the next (the last section may
-    hold fewer heads); without it, each row's heads stay next to each other."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    for batch, hq, n_m, section in ((1, 16, 128, 2), (2, 6, 8, 4), (1, 5, 7, 2)):
-        work = jnp.asarray(rng.integers(0, 5, (batch, 1, n_m)), jnp.int32)
-        bh = batch * hq
-        order = np.asarray(gluon_attention.order_by_work(work, hq, 1, section))
-        assert sorted(order.tolist()) == list(range(n_m * bh))
-        sections = (order % bh) % hq // section
-        assert (np.diff(sections) >= 0).all(), sections
-        tile_work = np.asarray(work)[(order % bh) // hq, 0, order // bh]
-        for s_ in np.unique(sections):
-            assert (np.diff(tile_work[sections == s_]) <= 0).all(), (s_, tile_work[sections == s_])
-        plain = np.asarray(gluon_attention.order_by_work(work, hq, 1))
-        assert (plain[:hq] // bh == plain[0] // bh).all()  # one row's heads first
 
 
 @pytest.mark.parametrize("seq,block,per_head,causal,documents", [c[1:] for c in LAYOUT_TABLE_CASES],
@@ -1327,13 +1312,14 @@ def test_the_persistent_backward_with_segment_ids_compiles_on_the_gpu_hosts_trit
 
 
 def test_the_persistent_backward_takes_segment_ids_only_when_switched_on(monkeypatch):
-    """`host.persistent_segments_bwd`: off by default; on, causal calls with segment ids and no window, lists or
-    spec mask; its constexprs: MASK 1 and SEGMENTS, the V buffers that fit next to the ids' rows; the window's
-    persistent kernel keeps its constexprs (SEGMENTS False)."""
+    """`host.persistent_segments_bwd`: on by default, for causal calls with segment ids and no window, lists or
+    spec mask, and never with the switch off; its constexprs: MASK 1 and SEGMENTS, the V buffers that fit next to
+    the ids' rows; the window's persistent kernel keeps its constexprs (SEGMENTS False)."""
     call = AttentionConfig(seq_q=1024, seq_k=1024, causal=True, segments=True)
-    assert not gluon_attention.PERSISTENT_SEGMENTS_BWD and not gluon_attention.persistent_segments_bwd(call, False)
+    assert gluon_attention.PERSISTENT_SEGMENTS_BWD and gluon_attention.persistent_segments_bwd(call, False)
+    monkeypatch.setattr(gluon_attention, "PERSISTENT_SEGMENTS_BWD", False)
+    assert not gluon_attention.persistent_segments_bwd(call, False)
     monkeypatch.setattr(gluon_attention, "PERSISTENT_SEGMENTS_BWD", True)
-    assert gluon_attention.persistent_segments_bwd(call, False)
     assert not gluon_attention.persistent_segments_bwd(call, True)  # lists
     assert not gluon_attention.persistent_segments_bwd(call, False, spec=True)
     for other in (dict(causal=False, segments=True), dict(causal=True, window=True, segments=True),
@@ -1424,7 +1410,7 @@ def test_the_documents_backward_launches_the_persistent_kernel_when_switched_on(
     """On a (pretended) Hopper GPU, causal packed documents: with `host.PERSISTENT_SEGMENTS_BWD` the backward is
     `gluon_attention_bwd_persistent_kernel` with SEGMENTS, its arguments in signature order (QSEG, KSEG, RANGES,
     ORDER after I32: the ids, `segment_ranges(..., "bwd")` and `bwd_order` of them), the persistent grid and the
-    dQ accumulator and tile counter zeroed; off (the default), the per-program kernel as before."""
+    dQ accumulator and tile counter zeroed (the default); off, the per-program kernel."""
     import numpy as np
 
     from ejgen.ops import flash_attention

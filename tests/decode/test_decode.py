@@ -303,10 +303,6 @@ DECODE_COMPILES = [  # (name, capability, kwargs)
     ("flash_attention", 90, dict(paged=True, window=True, softcap=True, groups=8, queries=2)),
     ("alibi_attention", 80, dict(params={"slopes": "float32"}, groups=4)),
     ("flash_attention", 90, dict(paged=True, page=64)),  # pages of whole blocks: a block's page read once
-    # 3 stages for pages smaller than a block and whole ones (decode.PAGED_STAGES: the page numbers copied a step
-    # ahead of K / V, which keep one buffer)
-    ("flash_attention", 90, dict(paged=True, page=16, paged_stages=3)),
-    ("flash_attention", 90, dict(paged=True, page=64, paged_stages=3)),
 ]
 
 

@@ -226,8 +226,9 @@ def spec_constexprs(spec: tuple | None) -> dict:
 # below the diagonal compares the ids alone (one setp and selp an element, inline PTX), one on it the ids and causal.
 # A helper's static study of sm_90 SASS (Triton 3.6, session 33, notes/perf.md): a consumer warp's masked path over
 # the unmasked 286 instructions +702 -> +151 below the diagonal, +354 on it; model: 8k with 8 documents -12 to -17 us
-# a forward, 32k with 64 -58 to -92. Built in session 33, NOT GPU-run: off until the Gluon GPU tests and
-# `blocksparse.py --documents-only --probe` (its "DOCS masks" row) say.
+# a forward, 32k with 64 -58 to -92. Measured (session 34, one H200, `blocksparse.py --probe`, one process; its GPU
+# tests pass): fwd 0.239 -> 0.223 ms at 8k / 8 documents but 0.576 -> 0.600 at 32k / 64 (the default's other rows
+# there 0.565-0.576), fwd+bwd 0.756 -> 0.743 and 2.336 -> 2.256. Off: it loses the 32k forward.
 DOCS_MASKS = False
 
 
@@ -393,12 +394,13 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bo
     return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"], segments=segments))
 
 
-# Packed documents' backward on the persistent kernel (session 33, issue 14; off: not GPU-run yet): causal calls
-# with segment ids and no window (no layout or spec mask) take `gluon_attention_bwd_persistent_kernel` with SEGMENTS,
-# whose programs walk `bwd_order` (most query blocks first) through the tile counter, instead of one program per
-# key block. Model (notes/studies/s33-documents.md, proposal 1): the per-program kernel's ~8.3 SM-us a program of
-# fixed cost drops to ~1.5 a tile, -45..-55 us a fwd+bwd at 8k with 8 documents, -170..-215 at 32k with 64.
-PERSISTENT_SEGMENTS_BWD = False
+# Packed documents' backward on the persistent kernel (session 33, issue 14): causal calls with segment ids and
+# no window (no layout or spec mask) take `gluon_attention_bwd_persistent_kernel` with SEGMENTS, whose programs walk
+# `bwd_order` (most query blocks first) through the tile counter, instead of one program per key block. Model
+# (notes/studies/s33-documents.md, proposal 1): -45..-55 us a fwd+bwd at 8k with 8 documents, -170..-215 at 32k
+# with 64. Measured (session 34, one H200, `blocksparse.py --probe`, one process): fwd+bwd 0.756 -> 0.741 ms at 8k /
+# 8 documents, 2.336 -> 2.284 at 32k / 64; its GPU tests pass. On.
+PERSISTENT_SEGMENTS_BWD = True
 
 
 def persistent_segments_bwd(cfg, listed: bool, spec: bool = False) -> bool:
@@ -439,30 +441,15 @@ def tile_order(ranges, hq: int, causal: bool, programs: int):
     return order_by_work(jnp.maximum(hi - lo, 1)[:, None], hq, programs)  # a tile visits at least one block
 
 
-# Experiment (session 33's ring study, notes/perf.md; off: not GPU-timed): a block layout's tiles taken a head
-# section at a time (`head_group` heads: K and V of a section within L2_KV_BUDGET), every row of a section, heaviest
-# first, before the next section, as `_tile` deals causal calls; off, each row's heads are next to each other, so
-# the dynamic queue has every head's K and V in flight at once (the ring's wide step, 32k tokens over 2 devices: 16
-# heads of 8k or 16k keys, 64-128 MiB against the L2's 50 MB).
-LAYOUT_HEAD_SECTIONS = False
-
-
-def order_by_work(work, hq: int, programs: int, section: int | None = None):
+def order_by_work(work, hq: int, programs: int):
     """`tile_order` from each tile's work, int [B, 1|hq, N_M] (key blocks; 1: every head alike, whose tiles then
-    stay next to each other): heaviest first, dealt as a snake to ``programs`` (1: one list). ``section`` (work of
-    every head alike): heads in sections of that many, each section's tiles heaviest first before the next's."""
+    stay next to each other): heaviest first, dealt as a snake to ``programs`` (1: one list)."""
     import jax.numpy as jnp
 
     batch, heads, n_m = work.shape
     bh = batch * hq
     entry = jnp.arange(n_m * bh, dtype=jnp.int32)  # i_m * bh + (b * hq + h): heads of a row next to each other
-    if heads == 1 and section and section < hq:
-        rank = _rank(work[:, 0].T.reshape(-1))  # per (i_m, b) row
-        h = entry % hq
-        first = (h // section) * section  # the section's first head; the last section may hold fewer
-        k = first * (n_m * batch) + rank[(entry // bh) * batch + (entry % bh) // hq] * jnp.minimum(
-            section, hq - first) + h - first
-    elif heads == 1:
+    if heads == 1:
         rank = _rank(work[:, 0].T.reshape(-1))  # per (i_m, b) row
         k = rank[(entry // bh) * batch + (entry % bh) // hq] * hq + entry % hq  # its place, heaviest first
     else:

@@ -34,15 +34,9 @@ WHOLE_PAGE = True
 # The split's page numbers read once before the key loop instead (a block's picked from them, or each key's gathered)
 # tied the reads in the loop (session 29, H200, 128 calls a sample: paged16 B8 S8k 81.2 -> 80.0 us, the other rows
 # within 1%): removed (notes/perf.md).
-# Paged calls at PAGED_STAGES (issue 16; a helper's static study of sm_90 SASS, session 33, notes/perf.md): at 3 the
-# pipeliner copies a block's page numbers (cp.async) one step before its K / V, so the table read leaves the path
-# from a block's last barrier to the next block's K / V copies (at 2 a global round trip on it: paged16's 8 table
-# loads a thread, 162 instructions from the last barrier to the first copy on Triton 3.6); K / V keep one buffer
-# (39 KB of shared memory as at 2 stages), so the splits are counted with NUM_STAGES' shared memory. Not with
-# PAGES_AHEAD: the carried page numbers give K / V two buffers at 3 stages. 3.6's loop grows 345 -> 437 instructions
-# (8 redundant 4-byte copies a thread; 3.9: 374 -> 369). Built in session 33, NOT GPU-timed: 2 until
-# `decode_tune.py` ("paged stages") says.
-PAGED_STAGES = 2
+# Paged calls at 3 stages (the pipeliner copying a block's page numbers one step before its K / V, which kept one
+# buffer; a helper's static study of sm_90 SASS, session 33, notes/perf.md) lost (session 34, one H200,
+# `decode_tune.py`, 128 calls a sample): paged16 B8 S8k 75.2 -> 131.5 us, the ragged B32 rows within 1%. Removed.
 INTERPRET_BLOCK_N = 16  # the interpreter's cost grows with the tile
 
 
@@ -55,7 +49,6 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
     seq = call.tables.shape[1] * call.page if paged else k.shape[1]
     interpret = triton_call.mode()[0] == "interpret"
     block_n = INTERPRET_BLOCK_N if interpret else BLOCK_N
-    stages = PAGED_STAGES if paged and not PAGES_AHEAD else NUM_STAGES
     slots = split_k.slots(block_n, d, dv, q.dtype.itemsize, NUM_STAGES, sms=split_k.INTERPRET_SMS if interpret else None)
     n_splits, per_split = split_k.splits(batch, hkv, split_k.keys_to_visit(seq, cfg, sq, block_n), block_n, slots,
                                          batch_invariant)
@@ -77,7 +70,7 @@ def forward(kernel_module: str, f32_options: tuple, i32_options: tuple, params: 
             sds((math.prod(grid) * triton_call.SCRATCH_PER_PROGRAM,), jnp.uint8)]
     kernel = importlib.import_module(kernel_module).decode_kernel
     o_part, m_part, l_part, _ = triton_call.launch(
-        kernel, grid, inputs, outs, num_warps=NUM_WARPS, num_stages=stages,
+        kernel, grid, inputs, outs, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         B=batch, HQ=hkv * groups, HKV=hkv, SQ=sq, SEQ_K=k.shape[1], D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad, G=groups,
         M_PAD=m_pad, BLOCK_N=block_n, SPLIT=per_split, N_SPLITS=n_splits, CAUSAL=cfg.causal, WINDOW=cfg.window,
         SOFTCAP=cfg.softcap, PAGED=paged, PAGE=call.page if paged else 1,

@@ -382,10 +382,8 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
     lists = None
     if listed:
         segments[2], lists, work = gluon_attention.fwd_lists(ctx, cfg, sq, mask_tiles, batch, hq, tiles["BLOCK_N"])
-        section = (gluon_attention.head_group(batch, hq, hkv, k.shape[1], d) if gluon_attention.LAYOUT_HEAD_SECTIONS
-                   else None)
         order = gluon_attention.order_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hq,
-                                              1 if dynamic else grid[0], section)
+                                              1 if dynamic else grid[0])
     elif ordered:
         order = gluon_attention.tile_order(segments[2], hq, cfg.causal, 1 if dynamic else grid[0])
     else:
