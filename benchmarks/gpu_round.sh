@@ -470,6 +470,17 @@ j_ring-ab() {  # session 33's ring experiments (notes/perf.md, "Session 33"): th
   job ring-ab-coalesce-bwd 110 python3 "${RING[@]}" --parts time --coalesce-backward --out "$log/ring-ab-cb"
   job ring-ab-narrow 110 python3 "${RING[@]}" --parts time --narrow-accumulators --out "$log/ring-ab-narrow"
 }
+j_ring-wire() {  # the coalesced forward reading K and V out of the received buffer (ring.KV_FROM_WIRE, session 34,
+  # not yet GPU-run): the ring GPU tests (one case with it on), then the default and --kv-from-wire, each in its own
+  # process twice, alternating (compare each ring row with its own run's one-GPU row)
+  EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 150 python3 -m pytest -m gpu -q -rf \
+    -p no:cacheprovider tests/multidevice/test_ring_gpu.py
+  local i
+  for i in 1 2; do
+    job "ring-wire-base-$i" 90 python3 "${RING[@]}" --parts time --out "$log/ring-wire-base-$i"
+    job "ring-wire-on-$i" 90 python3 "${RING[@]}" --parts time --kv-from-wire --out "$log/ring-wire-on-$i"
+  done
+}
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
 j_ring-steady() { job ring-steady 170 python3 "${RING[@]}" --parts time --batch 4,16 --out "$log/ring-steady"; }
 P2P=--xla_gpu_use_memcpy_local_p2p=true  # collective-permutes between one process's GPUs as copies (copy engines)

@@ -78,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--coalesce-backward", action="store_true",
                    help="coalesced zigzag steps run their backward as one call too (ring.COALESCE_BACKWARD, off by "
                         "default: slower than the pairs on 2 H100s, session 20)")
+    p.add_argument("--kv-from-wire", action="store_true",
+                   help="the coalesced forward reads K and V out of the received buffer (ring.KV_FROM_WIRE, off by "
+                        "default until timed)")
     p.add_argument("--narrow-accumulators", action="store_true",
                    help="the backward's dK/dV accumulators travel in the inputs' dtype where they make one hop (a "
                         "2-device ring; ring.NARROW_ACCUMULATOR_HOPS = 1, an experiment: float32 by default)")
@@ -436,6 +439,10 @@ def main():
         from ejgen.runtime.attention import ring as ring_runtime
 
         ring_runtime.COALESCE_BACKWARD = True  # read as each call is traced
+    if ARGS.kv_from_wire:
+        from ejgen.runtime.attention import ring as ring_runtime
+
+        ring_runtime.KV_FROM_WIRE = True  # read as each call is traced
     if ARGS.narrow_accumulators:
         from ejgen.runtime.attention import ring as ring_runtime
 

@@ -260,7 +260,10 @@ def _stand_in_kernels(monkeypatch):
             s = jnp.where(jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq), s, -jnp.inf)
         return s
 
-    def forward(layout, q, k, v, scalars, ctx, cfg, fast_tanh=False):
+    def forward(layout, q, k, v, scalars, ctx, cfg, fast_tanh=False, wire=None):
+        if wire is not None:  # k then v as one 16-bit buffer (`api.KV_WIRE`): read out of it as the kernel does
+            k, v = (jax.lax.bitcast_convert_type(wire[i * k.size:(i + 1) * k.size], k.dtype).reshape(k.shape)
+                    for i in range(2))
         s = scores(q, k, cfg, scalars[0][0])
         lse = jax.nn.logsumexp(s, axis=-1)
         p = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse)[..., None])
@@ -541,6 +544,38 @@ def test_the_launches_match_the_kernels_signatures(monkeypatch):
     assert set(names[len(inputs) + len(outs):]) == set(kw) - launch_options
     assert [tuple(o.shape) for o in outs[:2]] == [(b, s, hq, d), (b, hq, s)]
     assert seen[1][0].__name__ == "gluon_attention_bwd_kernel" and seen[1][4]["MASK"] == 0
+
+
+def test_the_forward_reads_k_and_v_out_of_a_given_wire(monkeypatch):
+    """`api.KV_WIRE` (ring attention's received block, `ring.KV_FROM_WIRE`): on a (pretended) Hopper GPU the forward
+    launches with that 1-D 16-bit buffer as both K and V and KV_AT = k's item count (V's items right after K's);
+    without one, k and v themselves and KV_AT 0; a buffer that cannot hold k then v is refused. A fake launch."""
+    import numpy as np
+    from jax import lax
+
+    from ejgen.ops import flash_attention
+    from ejgen.runtime.attention.triton import host as triton_host
+
+    seen = pretend_hopper(monkeypatch)
+    b, s, h, d = 1, 256, 2, 64
+    q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal((b, s, h, d)), jnp.bfloat16) for i in range(3))
+    wire = jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint16).reshape(-1) for x in (k, v)])
+    given = {"wire": None}
+    monkeypatch.setattr(triton_host, "given_wire", lambda ctx: (ctx, given["wire"]))
+    for buffer in (None, wire):
+        given["wire"] = buffer
+        flash_attention(q, k, v, causal=True, platform="triton")
+        kernel, _, inputs, _, kw = seen.pop()
+        assert kernel.__name__ == "gluon_attention_fwd_kernel" and not seen
+        if buffer is None:
+            assert kw["KV_AT"] == 0 and inputs[1].shape == k.shape and inputs[2].shape == v.shape
+        else:
+            assert kw["KV_AT"] == k.size and kw["KV_AT"] % 8 == 0
+            for x in inputs[1:3]:
+                assert x.dtype == np.uint16 and np.array_equal(x, np.asarray(wire))
+    given["wire"] = wire[: 2 * k.size - 8]  # short of v's last items
+    with pytest.raises(ValueError, match="K/V wire must be 1-D 16-bit holding k then v"):
+        flash_attention(q, k, v, causal=True, platform="triton")
 
 
 def test_document_masks_reach_the_kernels_with_their_tile_ranges(monkeypatch):
@@ -1174,6 +1209,25 @@ def test_the_docs_form_compiles_on_the_gpu_hosts_triton():
     meta = compiled["gluon_fwd_kernel"]
     assert by_gpu_host_triton(meta) and meta["cubin"] and meta["wgmma"] and meta["shared"] <= 227 * 1024, meta
     assert ".reg .pred p;" in meta["ptx"] and meta["stack"] <= 8, meta["stack"]
+
+
+@pytest.mark.parametrize("triton", ["here", "gpu host"])
+def test_the_forward_reading_k_and_v_out_of_a_wire_compiles(triton):
+    """The forward with KV_AT (K and V read out of one buffer of unsigned 16-bit items: ring attention's received
+    block, `ring.KV_FROM_WIRE`), as the ring's coalesced step launches it (a block layout of 2 x 2 chunks, the
+    dynamic queue), on this machine's Triton and the GPU host's (3.6): it compiles for sm_90 with TMA loads, no
+    spill, and its K / V parameters are 16-bit pointers."""
+    from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
+
+    (compiled,) = compile_all_in_subprocess(
+        [dict(gluon=True, dtype="bfloat16", head_dim=128, causal=False, seq=2048, heads=4, kv_heads=4, batch=1,
+              layout=(1024, 1024, False), dynamic=True, kv_wire=True, forward_only=True, with_ptx=True,
+              with_resources=True)], triton=gpu_host_triton() if triton == "gpu host" else None)
+    assert "error" not in compiled, compiled.get("error")
+    meta = compiled["gluon_fwd_kernel"]
+    assert meta["cubin"] and meta["wgmma"] and meta["shared"] <= 227 * 1024 and meta["stack"] <= 8, meta["stack"]
+    assert "cp.async.bulk.tensor" in meta["ptx"]
+    assert triton == "here" or by_gpu_host_triton(meta), meta["triton"]
 
 
 def test_the_list_kernels_compile_on_the_gpu_hosts_triton():

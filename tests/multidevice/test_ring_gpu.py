@@ -50,20 +50,24 @@ def _run(fn, diff, d_out, d_lse):
     return jax.block_until_ready(run(diff, d_out, d_lse))
 
 
-@pytest.mark.parametrize("order", ["zigzag", "contiguous"])
-def test_causal_ring_over_every_gpu(order, caplog, monkeypatch):
+@pytest.mark.parametrize("order,wire", [("zigzag", False), ("contiguous", False), ("zigzag", True)],
+                         ids=["zigzag", "contiguous", "zigzag-kv-from-wire"])
+def test_causal_ring_over_every_gpu(order, wire, caplog, monkeypatch):
     """Causal, GQA 8/2, D 128, bf16 over every GPU: out, lse and every gradient against the oracle; on Hopper every
     kind of step (full blocks, the diagonal, zigzag's coalesced calls) takes the Hopper kernel set both ways:
-    every kernel launched is a Gluon one."""
+    every kernel launched is a Gluon one; with ``wire`` (ring.KV_FROM_WIRE) zigzag's coalesced forward reads K and V
+    out of the received buffer (KV_AT)."""
+    from ejgen.runtime.attention import ring
     from ejgen.runtime.launch import triton_call
 
     launched, launch = [], triton_call.launch
 
     def spy(kernel, *args, **kw):
-        launched.append(kernel.__name__)
+        launched.append((kernel.__name__, kw.get("KV_AT", 0)))
         return launch(kernel, *args, **kw)
 
     monkeypatch.setattr(triton_call, "launch", spy)
+    monkeypatch.setattr(ring, "KV_FROM_WIRE", wire)
     n = GPUS
     shape = AttnShape(1, 256 * n, 256 * n, 8, 2, 128)
     rng = rng_for("ring-gpu", order, shape)
@@ -90,7 +94,8 @@ def test_causal_ring_over_every_gpu(order, caplog, monkeypatch):
     if _hopper():  # a coalesced step is one square call with a 2 x 2 block layout (ring._wide_layout): the Hopper
         # set both ways too
         assert all(c.startswith("platform triton: forward gluon, backward gluon") for c in choices), choices
-        assert launched and all(name.startswith("gluon_") for name in launched), sorted(set(launched))
+        assert launched and all(name.startswith("gluon_") for name, _ in launched), sorted(set(launched))
+        assert any(at > 0 for _, at in launched) == wire, launched
 
 
 def test_window_segments_sinks_ring(caplog):

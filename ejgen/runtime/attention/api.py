@@ -120,10 +120,26 @@ DELTA = "delta"
 
 def given_delta(ctx: dict):
     """(ctx without the `DELTA` entry, that entry or None)."""
-    if DELTA not in ctx:
+    return _given(ctx, DELTA)
+
+
+# A backend forward's ctx entry: K and V as one 1-D buffer of 16-bit items of any type (ring attention's received
+# block, `ring.Wire`: k's items first, v's right after), the call's k and v being its two slices. A forward whose
+# kernel can read them out of the buffer takes it (no copy of the slices before the call: the Hopper forward,
+# KV_AT); any other uses k and v, which hold the same values (`given_wire`).
+KV_WIRE = "kv_wire"
+
+
+def given_wire(ctx: dict):
+    """(ctx without the `KV_WIRE` entry, that entry or None)."""
+    return _given(ctx, KV_WIRE)
+
+
+def _given(ctx: dict, name: str):
+    if name not in ctx:
         return ctx, None
     ctx = dict(ctx)
-    return ctx, ctx.pop(DELTA)
+    return ctx, ctx.pop(name)
 # layout, so that no transpose is paid before or after the kernels. lse is [B, Hkv, G, Sq] in both.
 
 

@@ -77,6 +77,13 @@ COALESCE_BACKWARD = False
 # --narrow-accumulators` says.
 NARROW_ACCUMULATOR_HOPS = 0
 
+# The wide forward reads K and V out of the received buffer (`api.KV_WIRE`: the Hopper forward's KV_AT) instead of
+# the slices `Wire.unpack` makes, which XLA GPU copies before a custom call: 2 x 32 MiB a device at 32k tokens over 2
+# devices, 16/16 heads, bf16, ~65 us of the forward (a helper's study of the ring's HLO, session 33,
+# notes/studies/s33-ring-p2-p3-plan.md, P2a). Built in session 34, NOT GPU-timed: off until `ring.py --kv-from-wire`
+# says.
+KV_FROM_WIRE = False
+
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
 KIND_NAMES = ("skip", "full", "diagonal", "placed")
@@ -557,12 +564,16 @@ def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk
 
 
 def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int | None = None,
-                  wide_layout=None):
+                  wide_layout=None, wire=None):
     """(out [B, chunk, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, chunk]) of one pair of one kind (key rows ``sk``:
-    chunk unless given; a WIDE call's ``wide_layout``)."""
+    chunk unless given; a WIDE call's ``wide_layout``). ``wire``: the held block's buffer as received, for a call
+    over the whole block that the Hopper forward runs to read K and V out of (`api.KV_WIRE`, KV_FROM_WIRE)."""
     cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk or chunk, wide_layout)
     backend = plan.backend
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
+    if (wire is not None and choice.forward == "gluon" and backend.TENSOR_LAYOUT == api.SEQ_MAJOR
+            and kk.shape == held["k"].shape):  # (the whole block, unpadded, in the wire's own layout)
+        ck = {**ck, api.KV_WIRE: wire}
     asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()
     with asked:  # read when the kernel's launch is traced
         out, lse, _ = backend.forward(qk, kk, vk, ck, cfg, choice)
@@ -578,11 +589,12 @@ def _wide_layout(slots, r):
     return jnp.where(qa == qb, ids[:, None] == qa, ids[None, :] == ka)[None, None, None]
 
 
-def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s):
+def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, wire=None):
     """(out [B, n, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, n]) of a step's two FULL pairs as one call (`_wide`):
-    every local row against the whole held block through `_wide_layout` (rows it leaves out: 0 and -inf)."""
+    every local row against the whole held block through `_wide_layout` (rows it leaves out: 0 and -inf);
+    ``wire``: that block's buffer as received (`_pair_forward`)."""
     n = 2 * chunk
-    return _pair_forward(plan, WIDE, n, q, held, ctx, 0, 0, r, s, n, _wide_layout(slots, r))
+    return _pair_forward(plan, WIDE, n, q, held, ctx, 0, 0, r, s, n, _wide_layout(slots, r), wire)
 
 
 def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0, r, s,
@@ -758,7 +770,8 @@ def _forward(q, k, v, ctx, plan: Plan):
             slots, t = xs
             s = (r - t) % plan.devices
             if wide:  # one call for the step's two pairs (COALESCE), merged into every row
-                result = _wide_forward(plan, chunk, q, held, ctx, slots, r, s)
+                result = _wide_forward(plan, chunk, q, held, ctx, slots, r, s,
+                                       travel if _reads_wire(wire) and held is not own else None)
                 if not last:
                     ahead, result = _after_kernels(ahead, result)
                 acc, lse = _merge(acc, lse, *result, 0, 2 * chunk, in_place=not unrolled)
@@ -792,6 +805,13 @@ def _forward(q, k, v, ctx, plan: Plan):
     if plan.sinks:
         acc, lse = api.join_sinks(acc, lse, ctx["softmax_aux"])  # aux [Hkv, G, n_sinks]
     return acc.astype(q.dtype), lse, travel
+
+
+def _reads_wire(wire: "Wire") -> bool:
+    """Whether a wide forward may read K and V out of the received buffer (KV_FROM_WIRE): k then v first in it, of
+    one 16-bit dtype, the buffer's unit."""
+    return (KV_FROM_WIRE and wire.names[:2] == ("k", "v") and wire.dtypes[0] == wire.dtypes[1]
+            and wire.dtypes[0].itemsize == 2 and wire.unit.itemsize == 2)
 
 
 def _finite(x):

@@ -658,7 +658,8 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
                                LIST: gl.constexpr, LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr,
                                SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
                                SPEC_OPTIONS: gl.constexpr, SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr,
-                               KV_TERMS: gl.constexpr, TERMS_AT: gl.constexpr, SPEC_QTERMS: gl.constexpr):
+                               KV_TERMS: gl.constexpr, TERMS_AT: gl.constexpr, SPEC_QTERMS: gl.constexpr,
+                               KV_AT: gl.constexpr):
     """Q [B, SEQ, HQ, D], K and V [B, SEQ_K, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32); SEQ_K = SEQ but where
     the host takes Sq != Sk (no causal, window, segment ids, lists or spec mask: `host.ineligible`, gluon_cross).
     F32 = [scale, soft cap, ...], I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch
@@ -680,6 +681,9 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
     terms are given to it (`_spec_mask_staged`, docs/DESIGN.md §6, position terms): the key side's KV_TERMS rows of
     the table at I32[TERMS_AT] (KSEG is I32 then) staged per key block by the producer next to its K, the query
     side's read once per tile (SPEC_QTERMS, `_spec_q_terms`).
+    KV_AT > 0: K and V are one buffer of 16-bit items of any type (ring attention's received block, `ring.Wire`,
+    unsigned): K its first B * SEQ_K * HKV * D items, V those from KV_AT on (V's own argument unread; KV_AT a
+    multiple of 8, so V's address stays 16-byte aligned for TMA).
     Grid (P,), P <= number of tiles (`grid`); 4 warps asked, 12 run (two consumers, a producer)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
@@ -700,6 +704,10 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
                                         block_shape=[1, ROWS, D], layout=q_layout)
     o_desc = tma.make_tensor_descriptor(O, shape=[B, SEQ, HQ * D], strides=[SEQ * HQ * D, HQ * D, 1],
                                         block_shape=[1, ROWS, D], layout=q_layout)
+    if KV_AT > 0:  # K and V out of one buffer (the wire as received: no copy of its slices before the call)
+        gl.static_assert(KV_AT % 8 == 0, "V's address must stay 16-byte aligned")
+        K = K.to(gl.pointer_type(dtype), bitcast=True)
+        V = K + KV_AT
     k_desc = tma.make_tensor_descriptor(K, shape=[B, SEQ_K, HKV * D], strides=[SEQ_K * HKV * D, HKV * D, 1],
                                         block_shape=[1, BLOCK_N, D], layout=kv_layout)
     v_desc = tma.make_tensor_descriptor(V, shape=[B, SEQ_K, HKV * D], strides=[SEQ_K * HKV * D, HKV * D, 1],

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.attention import tiles
-from ejgen.runtime.attention.api import SEQ_MAJOR, given_delta, join_sinks, sinks_grad
+from ejgen.runtime.attention.api import SEQ_MAJOR, given_delta, given_wire, join_sinks, sinks_grad
 from ejgen.runtime.attention.gluon import host as gluon_attention
 from ejgen.runtime.attention.triton import configs as triton_configs
 from ejgen.runtime.core import kernels, settings, sizes
@@ -355,13 +355,14 @@ def _gluon_spec(layout: Layout):
     return spec, layout.mask_tiles if spec is not None else None
 
 
-def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool = False):
+def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool = False, wire=None):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
     segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`);
     where the queue wins (`gluon_attention.dynamic_tiles`) its programs take them from a counter. With a block
     layout or a spec mask each query tile walks its list of key blocks (`gluon_attention.fwd_lists`; LIST), in the
     order of their counts, the spec's mask on the partial ones (SPEC_MASK). ``fast_tanh``: the call's
-    `KernelChoice.fast_tanh` (a soft cap's approximate tanh, `gluon_attention.softcap_constexpr`)."""
+    `KernelChoice.fast_tanh` (a soft cap's approximate tanh, `gluon_attention.softcap_constexpr`). ``wire``: k and v
+    as one 1-D 16-bit buffer (`api.KV_WIRE`), which the kernel reads them out of (KV_AT; k, v for their shapes)."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
     grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
@@ -388,14 +389,22 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
         order = gluon_attention.tile_order(segments[2], hq, cfg.causal, 1 if dynamic else grid[0])
     else:
         order = _dummy(jnp.int32)
+    kv, kv_at = (k, v), 0
+    if wire is not None:
+        kv_at = math.prod(k.shape)
+        if (wire.ndim != 1 or wire.dtype.itemsize != 2 or k.dtype != v.dtype or k.shape != v.shape
+                or wire.shape[0] < 2 * kv_at or kv_at % 8):
+            raise ValueError(f"the Hopper forward's K/V wire must be 1-D 16-bit holding k then v {k.shape}, got "
+                             f"{wire.dtype}{list(wire.shape)}")
+        kv = (wire, wire)
     out, lse, *_ = triton_call.launch(
-        gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), k, v, *scalars, *segments, order],
+        gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), *kv, *scalars, *segments, order],
         [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
          jax.ShapeDtypeStruct((1, ), jnp.int32), _scratch(grid)],
         zeroed=(2, ) if dynamic else (), num_warps=4, num_stages=1,
         **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments, ordered, dynamic,
                                      lists, spec, tiles, seq_k=k.shape[1], softcap=cfg.softcap,
-                                     fast_tanh=fast_tanh, staged=staged))
+                                     fast_tanh=fast_tanh, staged=staged, kv_at=kv_at))
     return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
 
 
@@ -501,12 +510,13 @@ def _masks(ctx, cfg, batch):
 
 def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
     _check_layout(q, cfg)
+    ctx, wire = given_wire(ctx)  # the caller's (ring attention's) K/V buffer: the Hopper forward reads it
     ctx, cfg = _masks(ctx, cfg, q.shape[0])
     batch, sq, hkv, groups, d = q.shape
     hq, dv = hkv * groups, v.shape[-1]
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     if choice.forward == "gluon":
-        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.fast_tanh)
+        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.fast_tanh, wire)
         if cfg.sinks:  # the kernels take none: the sinks join the denominator here (the backward reads this lse)
             out, lse = join_sinks(out, lse, ctx["softmax_aux"])
             out = out.astype(q.dtype)
