@@ -434,7 +434,7 @@ j_decode-clamp-ab() {  # paged16's ragged B32 batch, 0.97 of contiguous in sessi
   # against copies of generated, zoo, ejgen and benchmarks made before the call (the tree before the paged call's
   # clamps moved into the kernel, this tree without the page numbers' clamps), each run in its own process, in the
   # order DECODE_AB_ORDER_<GPU> gives ("main" and the copies' folder names)
-  local t n=0 order=DECODE_AB_ORDER_$CUDA_VISIBLE_DEVICES tag
+  local t n=0 order=DECODE_AB_ORDER_${CUDA_VISIBLE_DEVICES%%,*} tag
   for t in ${!order:-main}; do
     n=$(( n + 1 )); tag="$t-g$CUDA_VISIBLE_DEVICES-$n"
     if [ "$t" = main ]; then
@@ -470,15 +470,18 @@ j_ring-ab() {  # session 33's ring experiments (notes/perf.md, "Session 33"): th
   job ring-ab-coalesce-bwd 110 python3 "${RING[@]}" --parts time --coalesce-backward --out "$log/ring-ab-cb"
   job ring-ab-narrow 110 python3 "${RING[@]}" --parts time --narrow-accumulators --out "$log/ring-ab-narrow"
 }
-j_ring-wire() {  # the coalesced forward reading K and V out of the received buffer (ring.KV_FROM_WIRE, session 34,
-  # not yet GPU-run): the ring GPU tests (one case with it on), then the default and --kv-from-wire, each in its own
-  # process twice, alternating (compare each ring row with its own run's one-GPU row)
+j_ring-wire() {  # the coalesced forward reading K and V out of the received buffer (ring.KV_FROM_WIRE) and merging
+  # into the first step's result in its kernel (ring.MERGE_IN_KERNEL), session 34, not yet GPU-run: the ring GPU tests
+  # (cases with each on), then the default, --kv-from-wire and both, each in its own process, twice (compare each
+  # ring row with its own run's one-GPU row)
   EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 150 python3 -m pytest -m gpu -q -rf \
     -p no:cacheprovider tests/multidevice/test_ring_gpu.py
   local i
   for i in 1 2; do
-    job "ring-wire-base-$i" 90 python3 "${RING[@]}" --parts time --out "$log/ring-wire-base-$i"
-    job "ring-wire-on-$i" 90 python3 "${RING[@]}" --parts time --kv-from-wire --out "$log/ring-wire-on-$i"
+    job "ring-wire-base-$i" 80 python3 "${RING[@]}" --parts time --out "$log/ring-wire-base-$i"
+    job "ring-wire-on-$i" 80 python3 "${RING[@]}" --parts time --kv-from-wire --out "$log/ring-wire-on-$i"
+    job "ring-wire-merge-$i" 80 python3 "${RING[@]}" --parts time --kv-from-wire --merge-in-kernel \
+      --out "$log/ring-wire-merge-$i"
   done
 }
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }

@@ -81,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--kv-from-wire", action="store_true",
                    help="the coalesced forward reads K and V out of the received buffer (ring.KV_FROM_WIRE, off by "
                         "default until timed)")
+    p.add_argument("--merge-in-kernel", action="store_true",
+                   help="a 2-step ring's last forward merges into the first's result in its kernel "
+                        "(ring.MERGE_IN_KERNEL, off by default until timed)")
     p.add_argument("--narrow-accumulators", action="store_true",
                    help="the backward's dK/dV accumulators travel in the inputs' dtype where they make one hop (a "
                         "2-device ring; ring.NARROW_ACCUMULATOR_HOPS = 1, an experiment: float32 by default)")
@@ -443,6 +446,10 @@ def main():
         from ejgen.runtime.attention import ring as ring_runtime
 
         ring_runtime.KV_FROM_WIRE = True  # read as each call is traced
+    if ARGS.merge_in_kernel:
+        from ejgen.runtime.attention import ring as ring_runtime
+
+        ring_runtime.MERGE_IN_KERNEL = True  # read as each call is traced
     if ARGS.narrow_accumulators:
         from ejgen.runtime.attention import ring as ring_runtime
 

@@ -260,14 +260,19 @@ def _stand_in_kernels(monkeypatch):
             s = jnp.where(jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq), s, -jnp.inf)
         return s
 
-    def forward(layout, q, k, v, scalars, ctx, cfg, fast_tanh=False, wire=None):
+    def forward(layout, q, k, v, scalars, ctx, cfg, fast_tanh=False, wire=None, merge=None):
         if wire is not None:  # k then v as one 16-bit buffer (`api.KV_WIRE`): read out of it as the kernel does
             k, v = (jax.lax.bitcast_convert_type(wire[i * k.size:(i + 1) * k.size], k.dtype).reshape(k.shape)
                     for i in range(2))
         s = scores(q, k, cfg, scalars[0][0])
         lse = jax.nn.logsumexp(s, axis=-1)
         p = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse)[..., None])
-        return jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32)).astype(q.dtype), lse
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32)).astype(q.dtype)
+        if merge is not None:  # (MERGE: into the rows' earlier result, as the kernel's epilogue does)
+            from ejgen.runtime.attention.api import merge_into
+
+            return merge_into(out, lse, merge)
+        return out, lse
 
     def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False):
         b, sq, hq, d = q4.shape
@@ -524,7 +529,7 @@ def test_the_launches_match_the_kernels_signatures(monkeypatch):
     _, grid, inputs, outs, kw = seen[1]
     names = gluon_attention.pbwd_kernel().arg_names
     assert len(inputs) + len(outs) + len(set(kw) & set(names)) == len(names)
-    launch_options = {"zeroed", "num_warps", "num_stages"}
+    launch_options = {"zeroed", "aliases", "num_warps", "num_stages"}
     assert set(names[len(inputs) + len(outs):]) == set(kw) - launch_options, "every constexpr given, no other"
     assert grid == (7,) and kw["zeroed"] == (0, 3)  # 12 (key block, batch * kv head) tiles; dQ and the counter
     assert (outs[3].shape, outs[3].dtype) == ((1, ), jnp.int32) and names[len(inputs) + 3] == "TILE_CTR"
@@ -578,6 +583,60 @@ def test_the_forward_reads_k_and_v_out_of_a_given_wire(monkeypatch):
         flash_attention(q, k, v, causal=True, platform="triton")
 
 
+def test_the_forward_merges_into_a_given_result(monkeypatch):
+    """`api.MERGE_INTO` (ring attention's last step, `ring.MERGE_IN_KERNEL`): on a (pretended) Hopper GPU the forward
+    launches with MERGE, the earlier out and lse as O_PREV and LSE_PREV in the kernel's shapes, aliased to its O and
+    LSE outputs; without one, placeholders and no aliases. A fake launch."""
+    import numpy as np
+
+    from ejgen.ops import flash_attention
+    from ejgen.runtime.attention.triton import host as triton_host
+
+    seen = pretend_hopper(monkeypatch)
+    b, s, h, d = 1, 256, 2, 64
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((b, s, h, d)), jnp.bfloat16)
+    out0 = jnp.asarray(np.random.default_rng(1).standard_normal((b, s, h, 1, d)), jnp.bfloat16)
+    lse0 = jnp.asarray(np.random.default_rng(2).standard_normal((b, h, 1, s)), jnp.float32)
+    given = {"merge": None}
+    monkeypatch.setattr(triton_host, "given_merge", lambda ctx: (ctx, given["merge"]))
+    for earlier in (None, (out0, lse0)):
+        given["merge"] = earlier
+        flash_attention(q, q, q, causal=True, platform="triton")
+        kernel, _, inputs, outs, kw = seen.pop()
+        names = kernel.arg_names
+        at = {n: i for i, n in enumerate(names)}
+        assert kernel.__name__ == "gluon_attention_fwd_kernel" and len(inputs) == at["O"]
+        if earlier is None:
+            assert not kw["MERGE"] and not kw["aliases"] and inputs[at["O_PREV"]].shape == (1, )
+        else:
+            assert kw["MERGE"] and kw["aliases"] == {at["O_PREV"]: 0, at["LSE_PREV"]: 1}
+            np.testing.assert_array_equal(inputs[at["O_PREV"]], np.asarray(out0).reshape(b, s, h, d))
+            np.testing.assert_array_equal(inputs[at["LSE_PREV"]], np.asarray(lse0).reshape(b, h, s))
+
+
+def test_merge_into_is_the_rings_merge():
+    """`api.merge_into` (what the Hopper forward's MERGE epilogue computes, and any other backend after its kernels)
+    against the ring's own float32 merge (`ring._merge` into `_write`'s first result): the same out and lse, rows
+    only one side saw, and rows neither saw (0 and -inf)."""
+    import numpy as np
+
+    from ejgen.runtime.attention import api, ring
+
+    rng = np.random.default_rng(3)
+    shape, lshape = (1, 8, 2, 2, 16), (1, 2, 2, 8)
+    out0, out1 = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
+    lse0, lse1 = (rng.standard_normal(lshape).astype(np.float32) for _ in range(2))
+    lse0[..., 0], lse1[..., 1], lse0[..., 2], lse1[..., 2] = -np.inf, -np.inf, -np.inf, -np.inf
+    out0 = jnp.where(jnp.moveaxis(jnp.asarray(lse0) == -jnp.inf, -1, 1)[..., None], 0.0, out0)
+    out1 = jnp.where(jnp.moveaxis(jnp.asarray(lse1) == -jnp.inf, -1, 1)[..., None], 0.0, out1)
+    got_out, got_lse = api.merge_into(out1, jnp.asarray(lse1), (out0, jnp.asarray(lse0)))
+    acc, lse = ring._write(jnp.zeros(shape), jnp.full(lshape, -jnp.inf), out0, jnp.asarray(lse0), 0, 8)
+    want_out, want_lse = ring._merge(acc, lse, out1, jnp.asarray(lse1), 0, 8)
+    np.testing.assert_allclose(got_out, want_out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6)
+    assert np.all(np.asarray(got_out)[:, 2] == 0) and np.all(np.asarray(got_lse)[..., 2] == -np.inf)
+
+
 def test_document_masks_reach_the_kernels_with_their_tile_ranges(monkeypatch):
     """Segment ids on a (pretended) Hopper GPU: both Gluon kernels take the ids and their tile ranges (the forward
     per 128-row query tile in key blocks, the backward per key block in 64-row query blocks), SEGMENTS on; the
@@ -600,7 +659,7 @@ def test_document_masks_reach_the_kernels_with_their_tile_ranges(monkeypatch):
     assert [k.__name__ for k, *_ in seen] == ["gluon_attention_fwd_kernel", "gluon_attention_bwd_kernel"]
     for kernel, grid, inputs, outs, kw in seen:
         names = kernel.arg_names
-        assert kw["SEGMENTS"] and set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "num_warps", "num_stages"}
+        assert kw["SEGMENTS"] and set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "aliases", "num_warps", "num_stages"}
         at = {n: x for n, x in zip(names, inputs)}
         assert np.array_equal(at["QSEG"], ids) and np.array_equal(at["KSEG"], ids)
     assert seen[0][4]["ORDERED"]  # documents: the forward's tiles in the order of their work
@@ -643,7 +702,7 @@ def test_the_dynamic_tile_queue_follows_the_setting_and_its_measured_default(mon
         assert kernel.__name__ == "gluon_attention_fwd_kernel" and grid == (3, )
         assert names[len(inputs) + len(outs) - 1] == "SCRATCH" and names[len(inputs) + 2] == "TILE_CTR"
         assert (outs[2].shape, outs[2].dtype) == ((1, ), jnp.int32)
-        assert set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "num_warps", "num_stages"}
+        assert set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "aliases", "num_warps", "num_stages"}
         return dict(zip(names, inputs))["ORDER"], kw
 
     def static(order, kw):
@@ -1144,7 +1203,7 @@ def test_block_layouts_reach_the_kernels_as_lists(monkeypatch):
         (fk, fgrid, fin, fouts, fkw), (bk, bgrid, bin_, bouts, bkw) = seen
         for kernel, inputs, outs, kw in ((fk, fin, fouts, fkw), (bk, bin_, bouts, bkw)):
             names = kernel.arg_names
-            assert set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "num_warps", "num_stages"}
+            assert set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "aliases", "num_warps", "num_stages"}
         f, b = dict(zip(fk.arg_names, fin)), dict(zip(bk.arg_names, bin_))
         assert fkw["LIST"] and fkw["ORDERED"] and (fkw["LIST_BATCH"], fkw["LIST_HEADS"]) == (1, hq)
         assert (fkw["SUB_Q"], fkw["SUB_K"]) == (64, 64) and fkw["WINDOW"] == (window is not None)
@@ -1212,22 +1271,28 @@ def test_the_docs_form_compiles_on_the_gpu_hosts_triton():
 
 
 @pytest.mark.parametrize("triton", ["here", "gpu host"])
-def test_the_forward_reading_k_and_v_out_of_a_wire_compiles(triton):
-    """The forward with KV_AT (K and V read out of one buffer of unsigned 16-bit items: ring attention's received
-    block, `ring.KV_FROM_WIRE`), as the ring's coalesced step launches it (a block layout of 2 x 2 chunks, the
-    dynamic queue), on this machine's Triton and the GPU host's (3.6): it compiles for sm_90 with TMA loads, no
-    spill, and its K / V parameters are 16-bit pointers."""
+def test_the_rings_last_forward_compiles(triton):
+    """The forward as the ring's coalesced last step launches it (a block layout of 2 x 2 chunks, the dynamic queue):
+    with KV_AT (K and V read out of one buffer of unsigned 16-bit items: the received block, `ring.KV_FROM_WIRE`),
+    and with MERGE too (its result merged into the first step's in the epilogue, `ring.MERGE_IN_KERNEL`), on this
+    machine's Triton and the GPU host's (3.6): each compiles for sm_90 with TMA loads and no spill; MERGE's epilogue
+    reads the earlier rows (global loads the plain one has none of)."""
     from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
 
-    (compiled,) = compile_all_in_subprocess(
-        [dict(gluon=True, dtype="bfloat16", head_dim=128, causal=False, seq=2048, heads=4, kv_heads=4, batch=1,
-              layout=(1024, 1024, False), dynamic=True, kv_wire=True, forward_only=True, with_ptx=True,
-              with_resources=True)], triton=gpu_host_triton() if triton == "gpu host" else None)
-    assert "error" not in compiled, compiled.get("error")
-    meta = compiled["gluon_fwd_kernel"]
-    assert meta["cubin"] and meta["wgmma"] and meta["shared"] <= 227 * 1024 and meta["stack"] <= 8, meta["stack"]
-    assert "cp.async.bulk.tensor" in meta["ptx"]
-    assert triton == "here" or by_gpu_host_triton(meta), meta["triton"]
+    call = dict(gluon=True, dtype="bfloat16", head_dim=128, causal=False, seq=2048, heads=4, kv_heads=4, batch=1,
+                layout=(1024, 1024, False), dynamic=True, kv_wire=True, forward_only=True, with_ptx=True,
+                with_resources=True)
+    results = compile_all_in_subprocess([call, dict(call, merge=True)],
+                                        triton=gpu_host_triton() if triton == "gpu host" else None)
+    loads = []
+    for compiled in results:
+        assert "error" not in compiled, compiled.get("error")
+        meta = compiled["gluon_fwd_kernel"]
+        assert meta["cubin"] and meta["wgmma"] and meta["shared"] <= 227 * 1024 and meta["stack"] <= 8, meta["stack"]
+        assert "cp.async.bulk.tensor" in meta["ptx"]
+        assert triton == "here" or by_gpu_host_triton(meta), meta["triton"]
+        loads.append(meta["ptx"].count("ld.global"))
+    assert loads[1] > loads[0], loads
 
 
 def test_the_list_kernels_compile_on_the_gpu_hosts_triton():
@@ -1486,7 +1551,7 @@ def test_the_documents_backward_launches_the_persistent_kernel_when_switched_on(
     kernel, grid, inputs, outs, kw = seen[1]
     names = kernel.arg_names
     assert len(inputs) + len(outs) + len(set(kw) & set(names)) == len(names)
-    assert set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "num_warps", "num_stages"}
+    assert set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "aliases", "num_warps", "num_stages"}
     assert names[8:12] == ["QSEG", "KSEG", "RANGES", "ORDER"] and kw["SEGMENTS"] and kw["MASK"] == 1
     cfg = AttentionConfig(seq_q=s, seq_k=s, causal=True, segments=True)
     ranges = gluon_attention.segment_ranges({"q_seg": jnp.asarray(ids), "kv_seg": jnp.asarray(ids)}, cfg, s, "bwd")

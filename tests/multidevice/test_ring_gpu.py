@@ -50,24 +50,27 @@ def _run(fn, diff, d_out, d_lse):
     return jax.block_until_ready(run(diff, d_out, d_lse))
 
 
-@pytest.mark.parametrize("order,wire", [("zigzag", False), ("contiguous", False), ("zigzag", True)],
-                         ids=["zigzag", "contiguous", "zigzag-kv-from-wire"])
-def test_causal_ring_over_every_gpu(order, wire, caplog, monkeypatch):
+@pytest.mark.parametrize("order,wire,merge", [("zigzag", False, False), ("contiguous", False, False),
+                                              ("zigzag", True, False), ("zigzag", True, True)],
+                         ids=["zigzag", "contiguous", "zigzag-kv-from-wire", "zigzag-kv-from-wire-merge-in-kernel"])
+def test_causal_ring_over_every_gpu(order, wire, merge, caplog, monkeypatch):
     """Causal, GQA 8/2, D 128, bf16 over every GPU: out, lse and every gradient against the oracle; on Hopper every
     kind of step (full blocks, the diagonal, zigzag's coalesced calls) takes the Hopper kernel set both ways:
     every kernel launched is a Gluon one; with ``wire`` (ring.KV_FROM_WIRE) zigzag's coalesced forward reads K and V
-    out of the received buffer (KV_AT)."""
+    out of the received buffer (KV_AT), with ``merge`` (ring.MERGE_IN_KERNEL) on 2 GPUs merges into the first step's
+    result in its kernel (MERGE)."""
     from ejgen.runtime.attention import ring
     from ejgen.runtime.launch import triton_call
 
     launched, launch = [], triton_call.launch
 
     def spy(kernel, *args, **kw):
-        launched.append((kernel.__name__, kw.get("KV_AT", 0)))
+        launched.append((kernel.__name__, kw.get("KV_AT", 0), kw.get("MERGE", False)))
         return launch(kernel, *args, **kw)
 
     monkeypatch.setattr(triton_call, "launch", spy)
     monkeypatch.setattr(ring, "KV_FROM_WIRE", wire)
+    monkeypatch.setattr(ring, "MERGE_IN_KERNEL", merge)
     n = GPUS
     shape = AttnShape(1, 256 * n, 256 * n, 8, 2, 128)
     rng = rng_for("ring-gpu", order, shape)
@@ -94,8 +97,9 @@ def test_causal_ring_over_every_gpu(order, wire, caplog, monkeypatch):
     if _hopper():  # a coalesced step is one square call with a 2 x 2 block layout (ring._wide_layout): the Hopper
         # set both ways too
         assert all(c.startswith("platform triton: forward gluon, backward gluon") for c in choices), choices
-        assert launched and all(name.startswith("gluon_") for name, _ in launched), sorted(set(launched))
-        assert any(at > 0 for _, at in launched) == wire, launched
+        assert launched and all(name.startswith("gluon_") for name, *_ in launched), sorted(set(launched))
+        assert any(at > 0 for _, at, _ in launched) == wire, launched
+        assert any(m for *_, m in launched) == (merge and n == 2), launched
 
 
 def test_window_segments_sinks_ring(caplog):

@@ -235,7 +235,7 @@ def test_spec_masks_reach_the_kernels_as_lists(monkeypatch):
              gluon_attention.bwd_lists(ctx, cfg, s, hkv, mask_tiles, 1, hq)[0])
     for (kernel, grid, inputs, outs, kw), table in zip(seen, lists):
         names = kernel.arg_names
-        assert set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "num_warps", "num_stages"}
+        assert set(names[len(inputs) + len(outs):]) == set(kw) - {"zeroed", "aliases", "num_warps", "num_stages"}
         forward = kernel.__name__ == "gluon_attention_fwd_kernel"
         assert kw["SPEC_MASK"] is module._spec_mask_staged
         assert kw["SPEC_OPTIONS"] is module._spec_options_terms

@@ -135,6 +135,34 @@ def given_wire(ctx: dict):
     return _given(ctx, KV_WIRE)
 
 
+# A backend forward's ctx entry: (out [B, Sq, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, Sq] float32), an earlier
+# result of the same query rows over other keys (ring attention's step before its last), which the call's result is
+# merged into by the two lse's weights (`merge_into`): the Hopper forward in its epilogue (MERGE, its outputs
+# written over these buffers), any other after its kernels (`given_merge`).
+MERGE_INTO = "merge_into"
+
+
+def given_merge(ctx: dict):
+    """(ctx without the `MERGE_INTO` entry, that entry or None)."""
+    return _given(ctx, MERGE_INTO)
+
+
+def merge_into(out, lse, earlier):
+    """(out, lse) merged into ``earlier`` = (out, lse) of the same rows over other keys: the softmax over both key
+    sets, in float32, out in ``earlier``'s dtype (rows neither saw: 0 and -inf)."""
+    import jax.numpy as jnp
+
+    out0, lse0 = earlier
+    top = jnp.maximum(lse0, lse)
+    base = jnp.where(top == -jnp.inf, 0.0, top)
+    w0, w1 = jnp.exp(lse0 - base), jnp.exp(lse - base)
+    den = w0 + w1
+    safe = jnp.where(den == 0.0, 1.0, den)
+    weight = lambda w: jnp.moveaxis(w / safe, -1, 1)[..., None]  # noqa: E731  [B, Hkv, G, Sq] -> [B, Sq, Hkv, G, 1]
+    merged = out0.astype(jnp.float32) * weight(w0) + out.astype(jnp.float32) * weight(w1)
+    return merged.astype(out0.dtype), jnp.where(den == 0.0, -jnp.inf, base + jnp.log(safe))
+
+
 def _given(ctx: dict, name: str):
     if name not in ctx:
         return ctx, None

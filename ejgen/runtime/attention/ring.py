@@ -83,6 +83,13 @@ NARROW_ACCUMULATOR_HOPS = 0
 # notes/studies/s33-ring-p2-p3-plan.md, P2a). Built in session 34, NOT GPU-timed: off until `ring.py --kv-from-wire`
 # says.
 KV_FROM_WIRE = False
+# On a ring of two steps (2 devices from the own block, zigzag), the last step's wide forward merges its result into
+# the first step's in its epilogue (the Hopper forward's MERGE over `api.MERGE_INTO`, its outputs written over the
+# first step's out and lse): no float32 rows of the first step, no merge and cast after the kernels (~48 us of the
+# forward at 32k tokens, 16/16 heads; one bf16 rounding of the output instead of two). P2b of
+# notes/studies/s33-ring-p2-p3-plan.md. Built in session 34, NOT GPU-timed: off until `ring.py --merge-in-kernel`
+# says.
+MERGE_IN_KERNEL = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
@@ -564,16 +571,20 @@ def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk
 
 
 def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int | None = None,
-                  wide_layout=None, wire=None):
+                  wide_layout=None, wire=None, earlier=None):
     """(out [B, chunk, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, chunk]) of one pair of one kind (key rows ``sk``:
     chunk unless given; a WIDE call's ``wide_layout``). ``wire``: the held block's buffer as received, for a call
-    over the whole block that the Hopper forward runs to read K and V out of (`api.KV_WIRE`, KV_FROM_WIRE)."""
+    over the whole block that the Hopper forward runs to read K and V out of (`api.KV_WIRE`, KV_FROM_WIRE);
+    ``earlier``: (out, lse) of the same rows over other keys, which the result is merged into (`api.MERGE_INTO`,
+    MERGE_IN_KERNEL: a call of every local row on the triton platform)."""
     cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk or chunk, wide_layout)
     backend = plan.backend
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
     if (wire is not None and choice.forward == "gluon" and backend.TENSOR_LAYOUT == api.SEQ_MAJOR
             and kk.shape == held["k"].shape):  # (the whole block, unpadded, in the wire's own layout)
         ck = {**ck, api.KV_WIRE: wire}
+    if earlier is not None:
+        ck = {**ck, api.MERGE_INTO: earlier}
     asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()
     with asked:  # read when the kernel's launch is traced
         out, lse, _ = backend.forward(qk, kk, vk, ck, cfg, choice)
@@ -589,12 +600,12 @@ def _wide_layout(slots, r):
     return jnp.where(qa == qb, ids[:, None] == qa, ids[None, :] == ka)[None, None, None]
 
 
-def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, wire=None):
+def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, wire=None, earlier=None):
     """(out [B, n, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, n]) of a step's two FULL pairs as one call (`_wide`):
     every local row against the whole held block through `_wide_layout` (rows it leaves out: 0 and -inf);
-    ``wire``: that block's buffer as received (`_pair_forward`)."""
+    ``wire``: that block's buffer as received, ``earlier``: the rows' result so far (`_pair_forward`)."""
     n = 2 * chunk
-    return _pair_forward(plan, WIDE, n, q, held, ctx, 0, 0, r, s, n, _wide_layout(slots, r), wire)
+    return _pair_forward(plan, WIDE, n, q, held, ctx, 0, 0, r, s, n, _wide_layout(slots, r), wire, earlier)
 
 
 def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0, r, s,
@@ -758,6 +769,8 @@ def _forward(q, k, v, ctx, plan: Plan):
     own = _held(k, v, ctx)
     wire = Wire.of(own)
     travel = _shift(plan, wire.pack(own), plan.start)  # the held block as one buffer (see Wire)
+    merging = _merges_in_kernel(plan, n)
+    earlier = []  # (merging) the first step's own out and lse, as its kernel gave them
     for stage, xs, at, count in _runs(plan):
         chunk = stage.chunk
         first, last = at == 0, at + count == plan.steps
@@ -771,7 +784,10 @@ def _forward(q, k, v, ctx, plan: Plan):
             s = (r - t) % plan.devices
             if wide:  # one call for the step's two pairs (COALESCE), merged into every row
                 result = _wide_forward(plan, chunk, q, held, ctx, slots, r, s,
-                                       travel if _reads_wire(wire) and held is not own else None)
+                                       travel if _reads_wire(wire) and held is not own else None,
+                                       earlier[0] if merging else None)
+                if merging:  # (the last step: merged by its kernel)
+                    return (ahead, *result), None
                 if not last:
                     ahead, result = _after_kernels(ahead, result)
                 acc, lse = _merge(acc, lse, *result, 0, 2 * chunk, in_place=not unrolled)
@@ -795,7 +811,9 @@ def _forward(q, k, v, ctx, plan: Plan):
                 ahead, results = _after_kernels(ahead, [p[1] for p in pairs])
                 pairs = [(q0, res) for (q0, _), res in zip(pairs, results)]
             for j, (q0, (out_p, lse_p)) in enumerate(pairs):
-                if first and _fresh(stage, j):  # the rows' first result: written, not merged into zeros
+                if merging:  # (the first step: one pair of every row) kept as the kernel gave it for the last
+                    earlier.append((out_p, lse_p))
+                elif first and _fresh(stage, j):  # the rows' first result: written, not merged into zeros
                     acc, lse = _write(acc, lse, out_p, lse_p, q0, chunk)
                 else:  # outside a loop, rows updated by selects (fused with the reader), not in place
                     acc, lse = _merge(acc, lse, out_p, lse_p, q0, chunk, in_place=not unrolled)
@@ -805,6 +823,23 @@ def _forward(q, k, v, ctx, plan: Plan):
     if plan.sinks:
         acc, lse = api.join_sinks(acc, lse, ctx["softmax_aux"])  # aux [Hkv, G, n_sinks]
     return acc.astype(q.dtype), lse, travel
+
+
+def _merges_in_kernel(plan: Plan, n: int) -> bool:
+    """Whether the last step's wide forward merges its result into the first step's in its kernel (MERGE_IN_KERNEL):
+    a ring of two steps from the device's own block, the first one call of every local row, the second coalesced,
+    both on the Hopper forward, no sinks (they join the merged result after)."""
+    if not MERGE_IN_KERNEL or plan.sinks or plan.start != 0:
+        return False
+    runs = list(_runs(plan))
+    if len(runs) != 2 or any(count != 1 for *_, count in runs):
+        return False
+    (first, _, _, _), (second, _, _, _) = runs
+    wide = bool(plan.wide) and plan.wide[plan.stages.index(second)]
+    if not wide or first.chunk != n or len(first.slots[0]) != 1:
+        return False
+    return all(plan.call(sq, sk, kind)[1].forward == "gluon" for sq, sk, kind in ((n, n, WIDE), *(
+        (n, n, k) for k in first.kinds(0) if k != SKIP)))
 
 
 def _reads_wire(wire: "Wire") -> bool:

@@ -236,7 +236,7 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                segments: bool = False, ordered: bool = False, dynamic: bool = False, lists: dict | None = None,
                spec: tuple | None = None, tiles: dict | None = None, seq_k: int | None = None,
                softcap: bool = False, fast_tanh: bool = False, staged: tuple | None = None,
-               docs: bool | None = None, kv_at: int = 0) -> dict:
+               docs: bool | None = None, kv_at: int = 0, merge: bool = False) -> dict:
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq_k (default seq), hkv, d] (16-bit).
     ``softcap``: the logits capped (SOFTCAP, `softcap_constexpr`, with ``fast_tanh``; the cap is F32[1]).
     ``dynamic``: the programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block
@@ -245,7 +245,8 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
     key block (`triton.host.Layout.staged_mask`: its mask, query-side loader, key-side count and table offset; the
     mask replaces ``spec``'s, KSEG is then I32). ``docs`` (default DOCS_MASKS): segment ids under causal alone take
     the DOCS form (SEGMENTS 2). ``kv_at`` > 0: K and V read out of one 16-bit buffer, V from that item on (KV_AT:
-    ring attention's received wire)."""
+    ring attention's received wire). ``merge``: the result merged into the rows' earlier one (MERGE: O_PREV,
+    LSE_PREV aliased to O, LSE)."""
     staged_kw = dict(KV_TERMS=0, TERMS_AT=0, SPEC_QTERMS=None)
     if staged is not None:
         spec = (staged[0], spec[1])
@@ -258,7 +259,7 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                 HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **(tiles or TILES),
                 **(lists or NO_LISTS), **spec_constexprs(spec),
-                SOFTCAP=softcap_constexpr(softcap, fast_tanh), KV_AT=kv_at)
+                SOFTCAP=softcap_constexpr(softcap, fast_tanh), KV_AT=kv_at, MERGE=merge)
 
 
 def softcap_constexpr(softcap: bool, fast: bool = False) -> int:

@@ -474,18 +474,21 @@ def _block_softmax(s, m_i, l_i, j, f0, f1, q_row0, left, right, qk_scale, cap_ou
 
 @gluon.jit
 def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                   o_desc, lse_ptr, left, right, qk_scale, cap_out, turn_mine, turn_other, QSEG, kseg_smem, RANGES,
+                   o_desc, lse_ptr, o_prev, lse_prev, left, right, qk_scale, cap_out, turn_mine, turn_other, QSEG,
+                   kseg_smem, RANGES,
                    ORDER, opts, HQ: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr,
                    HS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                    NUM_STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
                    HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
                    LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
-                   SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr, KV_TERMS: gl.constexpr, SPEC_QTERMS: gl.constexpr):
+                   SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr, KV_TERMS: gl.constexpr, SPEC_QTERMS: gl.constexpr,
+                   MERGE: gl.constexpr):
     """Tile t, this program's tile tc whose first K/V block is ring block g, for consumer HALF (see _consumer).
     LIST: the blocks of the tile's list (RANGES), each under the element mask where its entry says so and then, with
     SUB_Q, also under its word of visible sub-blocks; the empty row's entry (block N_N, past the end) hides every key.
-    Returns the tile's number of key blocks."""
+    MERGE: the rows' result merged into their earlier one (o_prev, lse_prev: the kernel's own outputs' buffers) by
+    the two lse's weights, as `ring._merge` does. Returns the tile's number of key blocks."""
     ROWS: gl.constexpr = BLOCK_M // 2
     TURN0: gl.constexpr = 1 if HALF == 0 else 0  # the first consumer's first wait passes at once
     dtype: gl.constexpr = q_smem.dtype
@@ -595,9 +598,27 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
 
     # epilogue: O / l through this half's Q buffer (its wgmmas have all retired), lse = (m + log2 l) ln 2
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    o = (acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)).to(dtype)
+    inv = gl.convert_layout(1.0 / l_safe, row_o)
     rows = q_row0 + gl.arange(0, ROWS, layout=row_o)
-    lse = gl.convert_layout((m_i + gl.log2(l_safe)) * 0.6931471805599453, row_o)
+    lse2 = gl.convert_layout(m_i + gl.log2(l_safe), row_o)  # (log2 units: -inf where the row saw no key)
+    if MERGE:  # into the rows' earlier result: o = (o_prev w_prev + O / l w_new) / (w_prev + w_new), w = 2^lse2 / 2^top
+        prev2 = gl.load(lse_prev + bh.to(gl.int64) * SEQ + rows, mask=rows < SEQ,
+                        other=-float("inf")) * 1.4426950408889634
+        top = gl.maximum(prev2, lse2)
+        base = gl.where(top == -float("inf"), 0.0, top)
+        w_prev = gl.exp2(prev2 - base)
+        w_new = gl.exp2(lse2 - base)
+        den = w_prev + w_new
+        den_safe = gl.where(den == 0.0, 1.0, den)  # neither saw a key: o 0, lse -inf
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        at = ((off_b.to(gl.int64) * SEQ + gl.expand_dims(rows, 1)) * HQ + off_h) * D + gl.expand_dims(cols, 0)
+        older = gl.load(o_prev + at, mask=gl.expand_dims(rows < SEQ, 1), other=0.0)
+        o = (older.to(gl.float32) * gl.expand_dims(w_prev / den_safe, 1)
+             + acc * gl.expand_dims(inv * (w_new / den_safe), 1)).to(dtype)
+        lse2 = gl.where(den == 0.0, -float("inf"), base + gl.log2(den_safe))
+    else:
+        o = (acc * gl.expand_dims(inv, 1)).to(dtype)
+    lse = lse2 * 0.6931471805599453
     gl.store(lse_ptr + bh.to(gl.int64) * SEQ + rows, lse, mask=rows < SEQ)
     q_view.store(o)
     fence_async_shared()
@@ -610,13 +631,15 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, lse_ptr, pid,
+              o_prev, lse_prev,
               nprog, left, right, qk_scale, cap_out, turn_mine, turn_other, QSEG, kseg_smem, RANGES, ORDER, tile_smem,
               opts, HQ: gl.constexpr, SEQ: gl.constexpr, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
               HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
               LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
-              SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr, KV_TERMS: gl.constexpr, SPEC_QTERMS: gl.constexpr):
+              SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr, KV_TERMS: gl.constexpr, SPEC_QTERMS: gl.constexpr,
+              MERGE: gl.constexpr):
     """One 64-row half (HALF 0: the first to issue) of every tile of this program: the pipelined loop (softmax
     of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile. The two halves
     take turns issuing their matmuls (turn_mine / turn_other: a token passed back and forth, its phase from the
@@ -632,24 +655,27 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
         t = _tile_take(q_ready, tile_smem, tc, HALF)
         while t < N_M * BH:
             g += _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                v_empty, o_desc, lse_ptr, left, right, qk_scale, cap_out, turn_mine, turn_other, QSEG,
-                                kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
-                                CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q,
-                                SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS)
+                                v_empty, o_desc, lse_ptr, o_prev, lse_prev, left, right, qk_scale, cap_out, turn_mine,
+                                turn_other, QSEG, kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M,
+                                BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST,
+                                LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS,
+                                MERGE)
             tc += 1
             t = _tile_take(q_ready, tile_smem, tc, HALF)
     else:
         for t in range(pid, N_M * BH, nprog):
             g += _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                v_empty, o_desc, lse_ptr, left, right, qk_scale, cap_out, turn_mine, turn_other, QSEG,
-                                kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES,
-                                CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q,
-                                SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS)
+                                v_empty, o_desc, lse_ptr, o_prev, lse_prev, left, right, qk_scale, cap_out, turn_mine,
+                                turn_other, QSEG, kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M,
+                                BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST,
+                                LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS,
+                                MERGE)
             tc += 1
 
 
 @gluon.jit
-def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, LSE, TILE_CTR, SCRATCH,
+def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O_PREV, LSE_PREV, O, LSE, TILE_CTR,
+                               SCRATCH,
                                B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
@@ -659,7 +685,7 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
                                SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
                                SPEC_OPTIONS: gl.constexpr, SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr,
                                KV_TERMS: gl.constexpr, TERMS_AT: gl.constexpr, SPEC_QTERMS: gl.constexpr,
-                               KV_AT: gl.constexpr):
+                               KV_AT: gl.constexpr, MERGE: gl.constexpr):
     """Q [B, SEQ, HQ, D], K and V [B, SEQ_K, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32); SEQ_K = SEQ but where
     the host takes Sq != Sk (no causal, window, segment ids, lists or spec mask: `host.ineligible`, gluon_cross).
     F32 = [scale, soft cap, ...], I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch
@@ -684,6 +710,9 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
     KV_AT > 0: K and V are one buffer of 16-bit items of any type (ring attention's received block, `ring.Wire`,
     unsigned): K its first B * SEQ_K * HKV * D items, V those from KV_AT on (V's own argument unread; KV_AT a
     multiple of 8, so V's address stays 16-byte aligned for TMA).
+    MERGE: the result merged into an earlier one of the same rows, O_PREV like O and LSE_PREV like LSE (the host
+    aliases them to O and LSE: each row read before it is written), by the two lse's weights (ring attention's last
+    step, `ring.MERGE_IN_KERNEL`); without it O_PREV and LSE_PREV are placeholders.
     Grid (P,), P <= number of tiles (`grid`); 4 warps asked, 12 run (two consumers, a producer)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
@@ -748,15 +777,15 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O, 
 
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, cap_out, turn.index(0), turn.index(1), QSEG, kseg_smem, RANGES,
-                     ORDER, tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL,
-                     WINDOW, SEGMENTS, ORDERED, 0, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K,
-                     SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS)),
+                     O_PREV, LSE_PREV, nprog, left, right, qk_scale, cap_out, turn.index(0), turn.index(1),
+                     QSEG, kseg_smem, RANGES, ORDER, tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N,
+                     D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 0, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS,
+                     SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS, MERGE)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
-                     nprog, left, right, qk_scale, cap_out, turn.index(1), turn.index(0), QSEG, kseg_smem, RANGES,
-                     ORDER, tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL,
-                     WINDOW, SEGMENTS, ORDERED, 1, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K,
-                     SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS)),
+                     O_PREV, LSE_PREV, nprog, left, right, qk_scale, cap_out, turn.index(1), turn.index(0),
+                     QSEG, kseg_smem, RANGES, ORDER, tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N,
+                     D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 1, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS,
+                     SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS, MERGE)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, tile_smem, TILE_CTR, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ, HKV,
                      SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED,

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.attention import tiles
-from ejgen.runtime.attention.api import SEQ_MAJOR, given_delta, given_wire, join_sinks, sinks_grad
+from ejgen.runtime.attention.api import (SEQ_MAJOR, given_delta, given_merge, given_wire, join_sinks, merge_into,
+                                         sinks_grad)
 from ejgen.runtime.attention.gluon import host as gluon_attention
 from ejgen.runtime.attention.triton import configs as triton_configs
 from ejgen.runtime.core import kernels, settings, sizes
@@ -355,14 +356,16 @@ def _gluon_spec(layout: Layout):
     return spec, layout.mask_tiles if spec is not None else None
 
 
-def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool = False, wire=None):
+def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool = False, wire=None, merge=None):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
     segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`);
     where the queue wins (`gluon_attention.dynamic_tiles`) its programs take them from a counter. With a block
     layout or a spec mask each query tile walks its list of key blocks (`gluon_attention.fwd_lists`; LIST), in the
     order of their counts, the spec's mask on the partial ones (SPEC_MASK). ``fast_tanh``: the call's
     `KernelChoice.fast_tanh` (a soft cap's approximate tanh, `gluon_attention.softcap_constexpr`). ``wire``: k and v
-    as one 1-D 16-bit buffer (`api.KV_WIRE`), which the kernel reads them out of (KV_AT; k, v for their shapes)."""
+    as one 1-D 16-bit buffer (`api.KV_WIRE`), which the kernel reads them out of (KV_AT; k, v for their shapes).
+    ``merge``: (out, lse) of the same rows over other keys (`api.MERGE_INTO`), which the kernel merges its result into
+    (MERGE), writing over those buffers (aliased)."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
     grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
@@ -397,14 +400,18 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
             raise ValueError(f"the Hopper forward's K/V wire must be 1-D 16-bit holding k then v {k.shape}, got "
                              f"{wire.dtype}{list(wire.shape)}")
         kv = (wire, wire)
+    earlier, aliases = [_dummy(q.dtype), _dummy(jnp.float32)], None
+    if merge is not None:
+        earlier = [merge[0].reshape(batch, sq, hq, d), merge[1].reshape(batch, hq, sq)]
+        aliases = {3 + len(scalars) + len(segments) + 1: 0, 3 + len(scalars) + len(segments) + 2: 1}
     out, lse, *_ = triton_call.launch(
-        gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), *kv, *scalars, *segments, order],
+        gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), *kv, *scalars, *segments, order, *earlier],
         [jax.ShapeDtypeStruct((batch, sq, hq, d), q.dtype), jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32),
          jax.ShapeDtypeStruct((1, ), jnp.int32), _scratch(grid)],
-        zeroed=(2, ) if dynamic else (), num_warps=4, num_stages=1,
+        zeroed=(2, ) if dynamic else (), aliases=aliases, num_warps=4, num_stages=1,
         **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments, ordered, dynamic,
                                      lists, spec, tiles, seq_k=k.shape[1], softcap=cfg.softcap,
-                                     fast_tanh=fast_tanh, staged=staged, kv_at=kv_at))
+                                     fast_tanh=fast_tanh, staged=staged, kv_at=kv_at, merge=merge is not None))
     return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
 
 
@@ -511,12 +518,16 @@ def _masks(ctx, cfg, batch):
 def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
     _check_layout(q, cfg)
     ctx, wire = given_wire(ctx)  # the caller's (ring attention's) K/V buffer: the Hopper forward reads it
+    ctx, merge = given_merge(ctx)  # an earlier result of the rows (ring attention's): merged into
     ctx, cfg = _masks(ctx, cfg, q.shape[0])
     batch, sq, hkv, groups, d = q.shape
     hq, dv = hkv * groups, v.shape[-1]
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     if choice.forward == "gluon":
-        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.fast_tanh, wire)
+        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.fast_tanh, wire, merge)
+        if merge is not None and cfg.sinks:
+            raise ValueError("an earlier result to merge into takes the sinks after the merge (ring attention joins "
+                             "them once, at the end)")
         if cfg.sinks:  # the kernels take none: the sinks join the denominator here (the backward reads this lse)
             out, lse = join_sinks(out, lse, ctx["softmax_aux"])
             out = out.astype(q.dtype)
@@ -535,7 +546,10 @@ def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
         kernel, grid, [q.reshape(batch, sq, hq, d), k, v, *scalars, *features, tiles, aux, *params], outs,
         zeroed=(0, 1) if cfg.varlen else (), num_warps=conf.num_warps, num_stages=conf.num_stages, autotune=tuned,
         **consts)
-    return out.reshape(batch, sq, hkv, groups, dv), lse.reshape(batch, hkv, groups, sq), None
+    out, lse = out.reshape(batch, sq, hkv, groups, dv), lse.reshape(batch, hkv, groups, sq)
+    if merge is not None:
+        out, lse = merge_into(out, lse, merge)
+    return out, lse, None
 
 
 # The dS band (`band` dkdv flag) costs B * Hq * Sq * (its key columns) elements of the input dtype: at most
