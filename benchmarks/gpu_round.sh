@@ -471,17 +471,17 @@ j_ring-ab() {  # session 33's ring experiments (notes/perf.md, "Session 33"): th
   job ring-ab-narrow 110 python3 "${RING[@]}" --parts time --narrow-accumulators --out "$log/ring-ab-narrow"
 }
 j_ring-wire() {  # the coalesced forward reading K and V out of the received buffer (ring.KV_FROM_WIRE) and merging
-  # into the first step's result in its kernel (ring.MERGE_IN_KERNEL), session 34, not yet GPU-run: the ring GPU tests
-  # (cases with each on), then the default, --kv-from-wire and both, each in its own process, twice (compare each
-  # ring row with its own run's one-GPU row)
+  # into the first step's result in its kernel (ring.MERGE_IN_KERNEL), both on since session 34: the ring GPU tests
+  # (cases with each off and on), then the forms before them (--no-kv-from-wire --no-merge-in-kernel), the wire alone
+  # and the default, each in its own process, twice (compare each ring row with its own run's one-GPU row)
   EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 150 python3 -m pytest -m gpu -q -rf \
     -p no:cacheprovider tests/multidevice/test_ring_gpu.py
   local i
   for i in 1 2; do
-    job "ring-wire-base-$i" 80 python3 "${RING[@]}" --parts time --out "$log/ring-wire-base-$i"
-    job "ring-wire-on-$i" 80 python3 "${RING[@]}" --parts time --kv-from-wire --out "$log/ring-wire-on-$i"
-    job "ring-wire-merge-$i" 80 python3 "${RING[@]}" --parts time --kv-from-wire --merge-in-kernel \
-      --out "$log/ring-wire-merge-$i"
+    job "ring-wire-base-$i" 80 python3 "${RING[@]}" --parts time --no-kv-from-wire --no-merge-in-kernel \
+      --out "$log/ring-wire-base-$i"
+    job "ring-wire-on-$i" 80 python3 "${RING[@]}" --parts time --no-merge-in-kernel --out "$log/ring-wire-on-$i"
+    job "ring-wire-merge-$i" 80 python3 "${RING[@]}" --parts time --out "$log/ring-wire-merge-$i"
   done
 }
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
@@ -623,9 +623,13 @@ declare -A PRESETS=(
   [s34a]="0-1:rec-full"
   [s34b]="0:decode-tests 1:docs-ab"  # (and decode-paged-stages, removed with decode.PAGED_STAGES after it ran)
   [s34c]="0-1:ring-ab"  # (and ring-ab-sections, removed with gluon.host.LAYOUT_HEAD_SECTIONS after it ran)
+  # then (DECODE_AB_ORDER_0="abtree-fix main abtree-fix", trees made by hand) "0-1:decode-clamp-ab,ring-wire"; the
+  # last call s34e: the decode GPU tests and the paged rows with the register fix in the template, the ring's new
+  # defaults timed
   # s34d the decode table at 128 calls a sample (issue 16) on GPU 0; the documents against FlexAttention at 16 calls,
   # the persistent backward on (issue 14), on GPU 1
   [s34d]="0:decode-steady 1:documents16"
+  [s34e]="0-1:decode-tests,decode-clamp-ab,ring-time"
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)

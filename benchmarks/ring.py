@@ -78,12 +78,12 @@ def parse_args(argv=None):
     p.add_argument("--coalesce-backward", action="store_true",
                    help="coalesced zigzag steps run their backward as one call too (ring.COALESCE_BACKWARD, off by "
                         "default: slower than the pairs on 2 H100s, session 20)")
-    p.add_argument("--kv-from-wire", action="store_true",
-                   help="the coalesced forward reads K and V out of the received buffer (ring.KV_FROM_WIRE, off by "
-                        "default until timed)")
-    p.add_argument("--merge-in-kernel", action="store_true",
-                   help="a 2-step ring's last forward merges into the first's result in its kernel "
-                        "(ring.MERGE_IN_KERNEL, off by default until timed)")
+    p.add_argument("--no-kv-from-wire", action="store_true",
+                   help="the coalesced forward reads K and V from their slices of the received buffer, copied before "
+                        "the call (ring.KV_FROM_WIRE off; on by default since session 34)")
+    p.add_argument("--no-merge-in-kernel", action="store_true",
+                   help="a 2-step ring's last forward merged into the first's result after its kernel "
+                        "(ring.MERGE_IN_KERNEL off; on by default since session 34)")
     p.add_argument("--narrow-accumulators", action="store_true",
                    help="the backward's dK/dV accumulators travel in the inputs' dtype where they make one hop (a "
                         "2-device ring; ring.NARROW_ACCUMULATOR_HOPS = 1, an experiment: float32 by default)")
@@ -442,14 +442,14 @@ def main():
         from ejgen.runtime.attention import ring as ring_runtime
 
         ring_runtime.COALESCE_BACKWARD = True  # read as each call is traced
-    if ARGS.kv_from_wire:
+    if ARGS.no_kv_from_wire:
         from ejgen.runtime.attention import ring as ring_runtime
 
-        ring_runtime.KV_FROM_WIRE = True  # read as each call is traced
-    if ARGS.merge_in_kernel:
+        ring_runtime.KV_FROM_WIRE = False  # read as each call is traced
+    if ARGS.no_merge_in_kernel:
         from ejgen.runtime.attention import ring as ring_runtime
 
-        ring_runtime.MERGE_IN_KERNEL = True  # read as each call is traced
+        ring_runtime.MERGE_IN_KERNEL = False  # read as each call is traced
     if ARGS.narrow_accumulators:
         from ejgen.runtime.attention import ring as ring_runtime
 

@@ -61,11 +61,15 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, DV_PAD], tl.float32)
+    ONE_READ: tl.constexpr = PAGED and PAGE % BLOCK_N == 0 and WHOLE_PAGE  # a block in one page: one table read
     lo = start + split * SPLIT
+    if PAGED and not ONE_READ:  # + a 0 the compiler cannot see (a volatile re-read): with start the constant 0 LLVM
+        # bounds the keys and widens the loop's to 64 bits, and sm_90 took 116 registers, 4 programs an SM instead of
+        # 5 (ragged B32 paged16 277.8 -> 255.2 us, H200, session 34; notes/studies/s34-paged-ragged/README.md)
+        lo = tl.multiple_of(lo + (tl.load(ENDS + off_b, volatile=True) - tl.load(ENDS + off_b)), BLOCK_N)
     if WINDOW:  # keys before the last query row's window: never seen, skipped from a block boundary
         lo += tl.maximum(length - SQ - window_left, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(lo + SPLIT, end)
-    ONE_READ: tl.constexpr = PAGED and PAGE % BLOCK_N == 0 and WHOLE_PAGE  # a block in one page: one table read
     if PAGED and not ONE_READ and PAGES_AHEAD:  # the first block's pages; a step reads the next block's
         t_next = lo + tl.arange(0, BLOCK_N)
         pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
@@ -82,9 +86,13 @@ def decode_kernel(Q, K, V, STARTS, ENDS, TABLE, F32, I32, PARAM_slopes, O_PART, 
             pages = tl.load(TABLE + off_b * MAX_PAGES + t_next // PAGE, mask=t_next < hi, other=0)
             pages = tl.minimum(tl.maximum(pages, 0), POOL_PAGES - 1)
         elif PAGED:  # their numbers read from the block's own positions: the pipeliner stages that load before K's
-            pg = tl.minimum(tl.maximum(tl.load(TABLE + off_b * MAX_PAGES + t // PAGE, mask=col_ok, other=0), 0),
+            if PAGE & (PAGE - 1) == 0:  # (t >= 0) by shift and mask: t // PAGE, t % PAGE are signed ops to LLVM
+                t_page, t_row = t >> (PAGE.bit_length() - 1), t & (PAGE - 1)
+            else:
+                t_page, t_row = t // PAGE, t % PAGE
+            pg = tl.minimum(tl.maximum(tl.load(TABLE + off_b * MAX_PAGES + t_page, mask=col_ok, other=0), 0),
                             POOL_PAGES - 1)
-            rows = pg.to(tl.int64) * PAGE + t % PAGE
+            rows = pg.to(tl.int64) * PAGE + t_row
         else:
             rows = off_b.to(tl.int64) * SEQ_K + t
         p_k = K + (rows * HKV + off_hk)[:, None] * D + o_d[None, :]

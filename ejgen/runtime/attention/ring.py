@@ -80,16 +80,18 @@ NARROW_ACCUMULATOR_HOPS = 0
 # The wide forward reads K and V out of the received buffer (`api.KV_WIRE`: the Hopper forward's KV_AT) instead of
 # the slices `Wire.unpack` makes, which XLA GPU copies before a custom call: 2 x 32 MiB a device at 32k tokens over 2
 # devices, 16/16 heads, bf16, ~65 us of the forward (a helper's study of the ring's HLO, session 33,
-# notes/studies/s33-ring-p2-p3-plan.md, P2a). Built in session 34, NOT GPU-timed: off until `ring.py --kv-from-wire`
-# says.
-KV_FROM_WIRE = False
+# notes/studies/s33-ring-p2-p3-plan.md, P2a). Session 34 (2 H200s, `ring.py`, each form twice in its own process):
+# forward 4.01 / 4.05 ms -> 4.04 / 3.94 (noise: the default's runs alone span 1%), fwd+bwd 15.19 / 15.08 ->
+# 15.07 / 15.15; its GPU tests pass. On (with MERGE_IN_KERNEL below).
+KV_FROM_WIRE = True
 # On a ring of two steps (2 devices from the own block, zigzag), the last step's wide forward merges its result into
 # the first step's in its epilogue (the Hopper forward's MERGE over `api.MERGE_INTO`, its outputs written over the
 # first step's out and lse): no float32 rows of the first step, no merge and cast after the kernels (~48 us of the
 # forward at 32k tokens, 16/16 heads; one bf16 rounding of the output instead of two). P2b of
-# notes/studies/s33-ring-p2-p3-plan.md. Built in session 34, NOT GPU-timed: off until `ring.py --merge-in-kernel`
-# says.
-MERGE_IN_KERNEL = False
+# notes/studies/s33-ring-p2-p3-plan.md. Session 34 (2 H200s, with KV_FROM_WIRE): forward 4.03 / 3.88 ms against
+# the default's 4.01 / 4.05 (1.74x / 1.86x of the one GPU in the same runs), fwd+bwd 15.15 / 15.13 against 15.19 /
+# 15.08; its GPU test passes (out, lse and gradients against the oracle). On.
+MERGE_IN_KERNEL = True
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
