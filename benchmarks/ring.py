@@ -84,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--no-merge-in-kernel", action="store_true",
                    help="a 2-step ring's last forward merged into the first's result after its kernel "
                         "(ring.MERGE_IN_KERNEL off; on by default since session 34)")
+    p.add_argument("--dq-once", action="store_true",
+                   help="the backward's pairs add dQ into one float32 accumulator in their kernels (ring.DQ_ONCE, off "
+                        "by default until timed)")
     p.add_argument("--narrow-accumulators", action="store_true",
                    help="the backward's dK/dV accumulators travel in the inputs' dtype where they make one hop (a "
                         "2-device ring; ring.NARROW_ACCUMULATOR_HOPS = 1, an experiment: float32 by default)")
@@ -450,6 +453,10 @@ def main():
         from ejgen.runtime.attention import ring as ring_runtime
 
         ring_runtime.MERGE_IN_KERNEL = False  # read as each call is traced
+    if ARGS.dq_once:
+        from ejgen.runtime.attention import ring as ring_runtime
+
+        ring_runtime.DQ_ONCE = True  # read as each backward is traced
     if ARGS.narrow_accumulators:
         from ejgen.runtime.attention import ring as ring_runtime
 

@@ -87,7 +87,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                   spec: str | None = None, seq_k: int | None = None, softcap: bool = False,
                   fast_tanh: bool = False, staged_backward: bool | None = None, backward_only: bool = False,
                   docs_masks: bool | None = None, persistent_segments: bool | None = None,
-                  kv_wire: bool = False, merge: bool = False) -> dict:
+                  kv_wire: bool = False, merge: bool = False, dq_into: bool = False) -> dict:
     """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs; ``dynamic``:
     the forward's dynamic tile queue; ``forward_only``: the forward alone; ``layout``: a block layout of (block_q,
     block_k, per head) (the kernels walk lists: LIST, `gluon.host.fwd_lists` / `bwd_lists`); ``spec``: a generated
@@ -99,7 +99,8 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     window, also the persistent backward that takes them (default `gluon.host.PERSISTENT_SEGMENTS_BWD`; compiled as
     "gluon_bwd_persistent_kernel"); ``kv_wire``: the forward reads K and V out of one buffer of unsigned 16-bit items
     (KV_AT: ring attention's received block, `ring.KV_FROM_WIRE`); ``merge``: the forward merges its result into an
-    earlier one (MERGE: ring attention's last step, `ring.MERGE_IN_KERNEL`)."""
+    earlier one (MERGE: ring attention's last step, `ring.MERGE_IN_KERNEL`); ``dq_into``: the backward adds dQ into
+    an accumulator of twice the rows from a row read at run time (DQ_ROWS, DQ_OFF_AT: `ring.DQ_ONCE`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -142,13 +143,14 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     kv_ptr = "*u16" if kv_wire else ptr
     segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32", ORDER="*i32")
     bwd_pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
-                        DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)
+                        DQ_IN="*fp32", DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)
     kernels = [("gluon_fwd_kernel", gluon_attention.kernel(), fwd_consts,
                 dict(Q=ptr, K=kv_ptr, V=kv_ptr, F32="*fp32", I32="*i32", O_PREV=ptr, LSE_PREV="*fp32", O=ptr,
                      LSE="*fp32", TILE_CTR="*i32",
                      SCRATCH="*u8", **segs)),
                ("gluon_bwd_kernel", gluon_attention.bwd_kernel(),
                 gluon_attention.bwd_constexprs(*args, lists=bwd_lists, spec=mask, softcap=softcap, seq_k=seq_k,
+                                               dq_rows=2 * seq if dq_into else None, dq_off_at=2 if dq_into else 0,
                                                fast_tanh=fast_tanh, staged=staged_bwd),
                 bwd_pointers)]
     if forward_only:

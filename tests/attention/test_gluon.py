@@ -614,6 +614,70 @@ def test_the_forward_merges_into_a_given_result(monkeypatch):
             np.testing.assert_array_equal(inputs[at["LSE_PREV"]], np.asarray(lse0).reshape(b, h, s))
 
 
+def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
+    """`api.DQ_INTO` (ring attention's pairs, `ring.DQ_ONCE`): on a (pretended) Hopper GPU the backward launches with
+    the accumulator as DQ_IN aliased to its DQ_ACC output of the accumulator's shape, nothing zeroed, DQ_ROWS its
+    rows and the row offset appended to I32 (DQ_OFF_AT its index), and returns the accumulator as dq; without one,
+    a placeholder, dQ zeroed, DQ_ROWS the call's rows. A fake launch (the call with the accumulator made beside the
+    op's own backward, in its trace)."""
+    import numpy as np
+
+    from ejgen.ops import flash_attention
+    from ejgen.runtime.attention import api
+    from ejgen.runtime.attention.triton import host as triton_host
+
+    seen = pretend_hopper(monkeypatch)
+    b, s, h, d = 1, 256, 2, 64
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((b, s, h, d)), jnp.bfloat16)
+    acc = jnp.asarray(np.random.default_rng(1).standard_normal((b, 3 * s, h, 1, d)), jnp.float32)
+    real, shapes = triton_host._backward, []
+
+    def beside(layout, q5, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
+        into = {**ctx, api.DQ_INTO: (acc, jnp.asarray(s, jnp.int32))}
+        dq = real(layout, q5, k, v, out, lse, d_out, d_lse, into, cfg, choice)[0]
+        shapes.append((dq.shape, dq.dtype))
+        jax.debug.callback(lambda x: None, dq)  # (kept: its launch runs)
+        return real(layout, q5, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
+
+    monkeypatch.setattr(triton_host, "_backward", beside)
+    jax.grad(lambda q: flash_attention(q, q, q, causal=True, platform="triton").astype(jnp.float32).sum())(q)
+    assert shapes == [(acc.shape, jnp.float32)]
+    bwd = [x for x in seen if x[0].__name__ == "gluon_attention_bwd_kernel"]
+    assert len(bwd) == 2, [x[0].__name__ for x in seen]
+    for kernel, _, inputs, outs, kw in bwd:
+        at = {n: i for i, n in enumerate(kernel.arg_names)}
+        assert len(inputs) == at["DQ_ACC"]
+        if kw["DQ_ROWS"] == s:  # the op's own
+            assert kw["zeroed"] == (0, ) and not kw["aliases"] and kw["DQ_OFF_AT"] == 0
+            assert inputs[at["DQ_IN"]].shape == (1, ) and outs[0].shape == (b, s, h, d)
+        else:
+            assert kw["zeroed"] == () and kw["aliases"] == {at["DQ_IN"]: 0}
+            assert kw["DQ_ROWS"] == 3 * s and outs[0].shape == (b, 3 * s, h, d)
+            np.testing.assert_array_equal(inputs[at["DQ_IN"]], np.asarray(acc).reshape(b, 3 * s, h, d))
+            i32 = inputs[at["I32"]]
+            assert kw["DQ_OFF_AT"] == len(i32) - 1 and i32[-1] == s
+    assert {kw["DQ_ROWS"] for *_, kw in bwd} == {s, 3 * s}
+
+
+@pytest.mark.parametrize("triton", ["here", "gpu host"])
+def test_the_backward_adding_into_an_accumulator_compiles(triton):
+    """The backward adding dQ into a larger accumulator from a row read at run time (DQ_ROWS, DQ_OFF_AT: ring
+    attention's pairs, `ring.DQ_ONCE`), causal and not, on this machine's Triton and the GPU host's (3.6): it compiles
+    for sm_90 with the bulk reduce-adds, no spill."""
+    from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
+
+    results = compile_all_in_subprocess(
+        [dict(gluon=True, dtype="bfloat16", head_dim=128, causal=causal, seq=1024, heads=4, kv_heads=4, batch=1,
+              dq_into=True, backward_only=True, with_ptx=True, with_resources=True) for causal in (True, False)],
+        triton=gpu_host_triton() if triton == "gpu host" else None)
+    for compiled in results:
+        assert "error" not in compiled, compiled.get("error")
+        meta = compiled["gluon_bwd_kernel"]
+        assert meta["cubin"] and meta["shared"] <= 227 * 1024 and meta["stack"] == 0, meta["stack"]
+        assert "cp.reduce.async.bulk.tensor" in meta["ptx"]
+        assert triton == "here" or by_gpu_host_triton(meta), meta["triton"]
+
+
 def test_merge_into_is_the_rings_merge():
     """`api.merge_into` (what the Hopper forward's MERGE epilogue computes, and any other backend after its kernels)
     against the ring's own float32 merge (`ring._merge` into `_write`'s first result): the same out and lse, rows

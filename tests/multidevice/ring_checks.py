@@ -234,6 +234,22 @@ def check_zigzag_without_branches(backend, failures, devices=2):
         failures.append("a contiguous causal ring lowered without the lax.switch its steps need: the check is blind")
 
 
+def check_dq_once(backend, failures, devices=4):
+    """The backward's pairs adding into one float32 dQ of every local row (`ring.DQ_ONCE`; on a GPU the Hopper
+    kernels add into it themselves, elsewhere each pair's dq is added after its kernels), against the oracle:
+    `check_zigzag_features`' call (GQA, segment ids, sinks, soft cap) on a ring of 4 (a scan of two steps carrying
+    the accumulator), and `check_window_ahead`'s on 3 (slots some devices skip: the accumulator passed on as found)."""
+    from ejgen.runtime.attention import ring
+
+    saved = ring._dq_into
+    ring._dq_into = lambda plan: True  # (off a GPU no call is on the Hopper kernels: taken all the same)
+    try:
+        check_zigzag_features(backend, failures, devices)
+        check_window_ahead(backend, failures, 3)
+    finally:
+        ring._dq_into = saved
+
+
 def check_narrow_accumulators(backend, failures, devices=2):
     """bf16 inputs, `ring.NARROW_ACCUMULATOR_HOPS` at 1 (an experiment, off by default): on a 2-device zigzag ring
     (one hop) the backward's dK/dV accumulators travel in bf16, as every other transfer, on a 4-device one (three hops)
@@ -519,6 +535,7 @@ CHECKS = {
     # the multidevice budget; it passed in session 20)
     "zigzag-without-branches": (check_zigzag_without_branches, {"triton": 2}),
     "zigzag-narrow-accumulators": (check_narrow_accumulators, {"xla": 2}),
+    "zigzag-dq-once": (check_dq_once, {"xla": 4}),
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),
     "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),

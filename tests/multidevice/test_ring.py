@@ -25,7 +25,7 @@ from ejgen.zoo import flamingo_cross_attention_ring, natten_1d_attention_ring
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = {
-    "xla": {"alibi-zigzag-2", "zigzag-pairs-steps-2", "zigzag-narrow-accumulators-2",
+    "xla": {"alibi-zigzag-2", "zigzag-pairs-steps-2", "zigzag-narrow-accumulators-2", "zigzag-dq-once-4",
             "zigzag-coalescing-gated-2", "zigzag-backward-coalesced-4",
             "window-noncausal-contiguous-4",
             "window-ahead-gqa-segments-contiguous-3", "zigzag-causal-window-2", "contiguous-causal-2",

@@ -50,27 +50,32 @@ def _run(fn, diff, d_out, d_lse):
     return jax.block_until_ready(run(diff, d_out, d_lse))
 
 
-@pytest.mark.parametrize("order,wire,merge", [("zigzag", False, False), ("contiguous", False, False),
-                                              ("zigzag", True, False), ("zigzag", True, True)],
-                         ids=["zigzag", "contiguous", "zigzag-kv-from-wire", "zigzag-kv-from-wire-merge-in-kernel"])
-def test_causal_ring_over_every_gpu(order, wire, merge, caplog, monkeypatch):
+@pytest.mark.parametrize("order,wire,merge,once", [("zigzag", False, False, False), ("contiguous", False, False, False),
+                                                   ("zigzag", True, False, False), ("zigzag", True, True, False),
+                                                   ("zigzag", True, True, True), ("contiguous", False, False, True)],
+                         ids=["zigzag", "contiguous", "zigzag-kv-from-wire", "zigzag-kv-from-wire-merge-in-kernel",
+                              "zigzag-dq-once", "contiguous-dq-once"])
+def test_causal_ring_over_every_gpu(order, wire, merge, once, caplog, monkeypatch):
     """Causal, GQA 8/2, D 128, bf16 over every GPU: out, lse and every gradient against the oracle; on Hopper every
     kind of step (full blocks, the diagonal, zigzag's coalesced calls) takes the Hopper kernel set both ways:
     every kernel launched is a Gluon one; with ``wire`` (ring.KV_FROM_WIRE) zigzag's coalesced forward reads K and V
     out of the received buffer (KV_AT), with ``merge`` (ring.MERGE_IN_KERNEL) on 2 GPUs merges into the first step's
-    result in its kernel (MERGE)."""
+    result in its kernel (MERGE); with ``once`` (ring.DQ_ONCE) the backward's kernels add dQ into one accumulator
+    (aliased from launch to launch)."""
     from ejgen.runtime.attention import ring
     from ejgen.runtime.launch import triton_call
 
     launched, launch = [], triton_call.launch
 
     def spy(kernel, *args, **kw):
-        launched.append((kernel.__name__, kw.get("KV_AT", 0), kw.get("MERGE", False)))
+        launched.append((kernel.__name__, kw.get("KV_AT", 0), kw.get("MERGE", False),
+                         kernel.__name__ == "gluon_attention_bwd_kernel" and bool(kw.get("aliases"))))
         return launch(kernel, *args, **kw)
 
     monkeypatch.setattr(triton_call, "launch", spy)
     monkeypatch.setattr(ring, "KV_FROM_WIRE", wire)
     monkeypatch.setattr(ring, "MERGE_IN_KERNEL", merge)
+    monkeypatch.setattr(ring, "DQ_ONCE", once)
     n = GPUS
     shape = AttnShape(1, 256 * n, 256 * n, 8, 2, 128)
     rng = rng_for("ring-gpu", order, shape)
@@ -98,8 +103,9 @@ def test_causal_ring_over_every_gpu(order, wire, merge, caplog, monkeypatch):
         # set both ways too
         assert all(c.startswith("platform triton: forward gluon, backward gluon") for c in choices), choices
         assert launched and all(name.startswith("gluon_") for name, *_ in launched), sorted(set(launched))
-        assert any(at > 0 for _, at, _ in launched) == wire, launched
-        assert any(m for *_, m in launched) == (merge and n == 2), launched
+        assert any(at > 0 for _, at, _, _ in launched) == wire, launched
+        assert any(m for _, _, m, _ in launched) == (merge and n == 2), launched
+        assert any(into for *_, into in launched) == once, launched
 
 
 def test_window_segments_sinks_ring(caplog):

@@ -163,6 +163,28 @@ def merge_into(out, lse, earlier):
     return merged.astype(out0.dtype), jnp.where(den == 0.0, -jnp.inf, base + jnp.log(safe))
 
 
+# A backend backward's ctx entry: (acc float32 [B, rows, Hkv, G, D], q0), a dQ accumulator of more rows than the
+# call's, which the call's dq is added into from row q0 on (ring attention's pairs: one accumulator of every local
+# row, `ring.DQ_ONCE`); the backward then returns that accumulator as its dq. The Hopper backward adds into it in its
+# kernel (DQ_ROWS, DQ_OFF_AT, the accumulator aliased), any other after its kernels (`add_rows`).
+DQ_INTO = "dq_into"
+
+
+def given_dq(ctx: dict):
+    """(ctx without the `DQ_INTO` entry, that entry or None)."""
+    return _given(ctx, DQ_INTO)
+
+
+def add_rows(acc, q0, x):
+    """``acc`` float32 [B, rows, ...] with ``x`` [B, n, ...] added on rows [q0, q0 + n) (``q0`` traced or not)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    n = x.shape[1]
+    return lax.dynamic_update_slice_in_dim(acc, lax.dynamic_slice_in_dim(acc, q0, n, 1) + x.astype(jnp.float32),
+                                           q0, 1)
+
+
 def _given(ctx: dict, name: str):
     if name not in ctx:
         return ctx, None

@@ -92,6 +92,13 @@ KV_FROM_WIRE = True
 # the default's 4.01 / 4.05 (1.74x / 1.86x of the one GPU in the same runs), fwd+bwd 15.15 / 15.13 against 15.19 /
 # 15.08; its GPU test passes (out, lse and gradients against the oracle). On.
 MERGE_IN_KERNEL = True
+# The backward's pairs add dQ into one float32 accumulator of every local row, in their kernels (the Hopper backward's
+# DQ_ROWS / DQ_OFF_AT over `api.DQ_INTO`, the accumulator aliased from pair to pair) instead of each zeroing its own,
+# cast to the inputs' dtype, cast back and added up in XLA: one zero-fill and one cast a backward (R128 W64 MiB a
+# device at 32k tokens over 2 devices, 16/16 heads, instead of R256 W64; -67 us model), and dQ rounded once. P3 of
+# notes/studies/s33-ring-p2-p3-plan.md. Built in session 34, NOT GPU-run: off until its GPU test and `ring.py
+# --dq-once` say.
+DQ_ONCE = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
@@ -611,11 +618,12 @@ def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, wire=None, 
 
 
 def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0, r, s,
-                   sk: int | None = None, wide_layout=None):
+                   sk: int | None = None, wide_layout=None, dq_acc=None):
     """(dq [B, chunk, Hkv, G, D], dk, dv [B, sk, Hkv, D], param gradients) of one pair of one kind (key rows ``sk``:
     chunk unless given; a WIDE call's ``wide_layout``), from the global out and lse of its query rows and their
     delta, computed once per backward (`api.DELTA`: a backend that would compute it in XLA takes it, one pass over dO
-    and O instead of one per pair)."""
+    and O instead of one per pair). ``dq_acc``: float32 [B, n, Hkv, G, D], dq of every local row so far, which the
+    pair's dq is added into (`api.DQ_INTO`, DQ_ONCE): its dq is then that accumulator."""
     sk = sk or chunk
     cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk, wide_layout)
     backend = plan.backend
@@ -624,12 +632,18 @@ def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_
     padded = qk.shape[1 if layout == api.SEQ_MAJOR else 3]
     rows = lambda x, axis=1: _rows(x, q0, chunk, axis)  # noqa: E731
     ck = {**ck, api.DELTA: _to_kernel(rows(delta, 3), layout, padded, 0)}  # padded rows: rowsum(0 * 0) - 0
+    into = dq_acc is not None and choice.backward == "gluon"  # (else added here, after the kernels)
+    if into:
+        assert layout == api.SEQ_MAJOR and padded == chunk, "a dQ accumulator takes the pair's rows as they are"
+        ck[api.DQ_INTO] = (dq_acc, q0)
     dq, dk, dv, dctx = backend.backward(
         qk, kk, vk, _to_kernel(rows(out), layout, padded, 0), _to_kernel(rows(lse, 3), layout, padded, NEG_INF),
         None, _to_kernel(rows(d_out), layout, padded, 0), _to_kernel(rows(d_lse, 3), layout, padded, 0), ck, cfg,
         choice)
-    return (_from_kernel(dq, layout, chunk), _from_kernel(dk, layout, sk), _from_kernel(dv, layout, sk),
-            dctx.get("params", {}))
+    if dq_acc is not None and not into:
+        dq = api.add_rows(dq_acc, q0, _from_kernel(dq, layout, chunk))
+    return (dq if dq_acc is not None else _from_kernel(dq, layout, chunk), _from_kernel(dk, layout, sk),
+            _from_kernel(dv, layout, sk), dctx.get("params", {}))
 
 
 def _wide_backward(plan: Plan, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, slots, r, s):
@@ -844,6 +858,13 @@ def _merges_in_kernel(plan: Plan, n: int) -> bool:
         (n, n, k) for k in first.kinds(0) if k != SKIP)))
 
 
+def _dq_into(plan: Plan) -> bool:
+    """Whether the backward's pairs add dQ into one float32 accumulator of every local row in their kernels
+    (DQ_ONCE): every backward call on the Hopper kernels, no wide backward (COALESCE_BACKWARD)."""
+    return bool(DQ_ONCE and not any(plan.wide_bwd or ()) and all(choice.backward == "gluon"
+                                                                 for _, _, choice in plan.calls))
+
+
 def _reads_wire(wire: "Wire") -> bool:
     """Whether a wide forward may read K and V out of the received buffer (KV_FROM_WIRE): k then v first in it, of
     one 16-bit dtype, the buffer's unit."""
@@ -953,8 +974,10 @@ def _backward(plan: Plan, residuals, cotangents):
     travelling = lambda acc: {n: x.astype(carried[n]) for n, x in acc.items()}  # noqa: E731
     size = wire.size
     # travel: the held block's buffer (None: the device's own block, not packed); pending: dK/dV of the block held
-    # last step, to pass on (None before the first step); dq None before the first step's pairs
-    travel, pending, dq = last_held, None, None
+    # last step, to pass on (None before the first step); dq None before the first step's pairs, or (DQ_ONCE) the
+    # one accumulator every pair's kernel adds into
+    into = _dq_into(plan)
+    travel, pending, dq = last_held, None, vma.vary(zeros(q), axes) if into else None
     for stage, xs, at, count in _runs(plan, reverse=True):
         chunk = stage.chunk
         first, last = at == 0, at + count == plan.steps
@@ -996,24 +1019,30 @@ def _backward(plan: Plan, residuals, cotangents):
                 pending = part if arrived is None else {n: x.astype(f32) + part[n] for n, x in arrived.items()}
                 return (ahead, pending, dq, grads), None
             pairs = []  # per slot: (q0, k0, the pair's dq, dk, dv, param gradients as its kernels give them)
+            acc = dq  # (into) the accumulator as the slot's kernels find it
             for j in range(slots.shape[0]):
                 q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
 
-                def run(kind, q0=q0, k0=k0):
+                def run(kind, q0=q0, k0=k0, acc=acc):
                     return _pair_backward(plan, kind, chunk, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0,
-                                          r, s)
+                                          r, s, dq_acc=acc if into else None)
 
-                def skip(j=j, run=run):  # zeros as the slot's kernels give their results
+                def skip(j=j, run=run, acc=acc):  # zeros as the slot's kernels give their results (into: dq as found)
                     kinds = sorted(stage.kinds(j) - {SKIP})
                     like = (jax.eval_shape(functools.partial(run, kinds[0])) if kinds else
                             (jax.ShapeDtypeStruct(q.shape[:1] + (chunk,) + q.shape[2:], q.dtype),
                              jax.ShapeDtypeStruct(k.shape[:1] + (chunk,) + k.shape[2:], k.dtype),
                              jax.ShapeDtypeStruct(v.shape[:1] + (chunk,) + v.shape[2:], v.dtype),
                              {n: jax.ShapeDtypeStruct(ctx["param_" + n].shape, f32) for n in grads}))
-                    return vma.vary(jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), like), axes)
+                    zeros_like = vma.vary(jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), like), axes)
+                    return (acc, *zeros_like[1:]) if into else zeros_like
 
                 pairs.append((q0, k0, _switch(stage, j, kind, run, skip)))
-            results = [p[2] for p in pairs]
+                if into:
+                    acc = pairs[-1][2][0]
+            # (into: each slot's accumulator but the last is read by the next slot's kernel alone, which writes it in
+            # place: tied here, XLA would copy it first)
+            results = [(None, *p[2][1:]) if into and j < len(pairs) - 1 else p[2] for j, p in enumerate(pairs)]
             if received:  # the kernels' own outputs: what adds them up is free to fuse with what reads received
                 received, results = _after_kernels(received, results)
             # dK / dV of the held block, this step's part: the pairs placed on their key rows (no zeros written and
@@ -1021,6 +1050,10 @@ def _backward(plan: Plan, residuals, cotangents):
             part = {n: _placed([(k0, res[i]) for (_, k0, _), res in zip(pairs, results)], chunk, x.shape[1])
                     for i, n, x in ((1, "k", k), (2, "v", v))}
             for (q0, _, _), res in zip(pairs, results):  # dq adds up at home, one pair after another
+                if into:  # (added by the kernels: the last slot's accumulator)
+                    dq = res[0] if res[0] is not None else dq
+                    grads = {n: grads[n] + res[3][n].astype(f32) for n in grads}
+                    continue
                 dq_p = res[0].astype(f32)
                 if dq is None:
                     dq = _placed([(q0, dq_p)], chunk, q.shape[1])

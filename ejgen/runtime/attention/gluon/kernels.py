@@ -1166,9 +1166,11 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
 @gluon.jit
 def _bwd_buffers(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 DQ_MODE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, SEQ_K: gl.constexpr):
+                 DQ_MODE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, SEQ_K: gl.constexpr,
+                 DQ_ROWS: gl.constexpr):
     """Both backwards' tensor descriptors (Q, dO over [B, SEQ, heads * D], K, V over [B, SEQ_K, heads * D]; the
-    float32 dQ accumulator in tiles of DQ_N columns: D, or D / 2 with DQ_MODE 1) and shared buffers (K_STAGES K,
+    float32 dQ accumulator in tiles of DQ_N columns: D, or D / 2 with DQ_MODE 1, SEQ of its DQ_ROWS rows a batch
+    row from DQ_ACC on) and shared buffers (K_STAGES K,
     V_STAGES V, NUM_STAGES Q and dO with their lse and delta rows, two dS^T and two dQ staging tiles, the column
     offsets 0 .. BLOCK_M - 1, the Q / dO ring's barriers), in the order both kernels allocate them."""
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -1189,7 +1191,7 @@ def _bwd_buffers(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl
                                         block_shape=[1, BLOCK_N, D], layout=kv_layout)
     v_desc = tma.make_tensor_descriptor(V, shape=[B, SEQ_K, HKV * D], strides=[SEQ_K * (HKV * D), HKV * D, 1],
                                         block_shape=[1, BLOCK_N, D], layout=kv_layout)
-    dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B, SEQ, HQ * D], strides=[DQ_ROWS * (HQ * D), HQ * D, 1],
                                          block_shape=[1, BLOCK_M, DQ_N], layout=dq_layout)
 
     k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, D], kv_layout)
@@ -1215,7 +1217,8 @@ def _bwd_buffers(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl
 
 
 @gluon.jit
-def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RANGES, ORDER, DQ_ACC, DK, DV, SCRATCH,
+def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RANGES, ORDER, DQ_IN, DQ_ACC, DK, DV,
+                               SCRATCH,
                                B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                MASK: gl.constexpr, DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr,
@@ -1223,9 +1226,13 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
                                LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr,
                                SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr, SPEC_OPTIONS: gl.constexpr,
                                SOFTCAP: gl.constexpr, SEQ_K: gl.constexpr, Q_TERMS: gl.constexpr,
-                               TERMS_AT: gl.constexpr, Q_FIRST: gl.constexpr, SPEC_KVTERMS: gl.constexpr):
+                               TERMS_AT: gl.constexpr, Q_FIRST: gl.constexpr, SPEC_KVTERMS: gl.constexpr,
+                               DQ_ROWS: gl.constexpr, DQ_OFF_AT: gl.constexpr):
     """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
-    float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. LSE, DELTA: [B, HQ, SEQ]
+    float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. DQ_ROWS > SEQ: DQ_ACC is a
+    larger accumulator [B, DQ_ROWS, HQ, D] that the call adds its rows into from row I32[DQ_OFF_AT] on (0: from
+    row 0; ring attention's pairs adding into one dQ of every local row, the host aliasing DQ_IN, that accumulator
+    as given, to DQ_ACC; else DQ_IN a placeholder). LSE, DELTA: [B, HQ, SEQ]
     (DELTA = rowsum(dO * O) - d lse). K, V, DK, DV: [B, SEQ_K, HKV, D]; SEQ_K = SEQ but where the host takes Sq != Sk
     (MASK 0, no segment ids, lists or spec mask: `host.ineligible`, gluon_cross). MASK: 0 none, 1 causal, 2 causal
     with a window of I32[0] keys to the left.
@@ -1265,10 +1272,14 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
         pid_bh = e % (B * HKV)
     off_b = pid_bh // HKV
     off_hk = pid_bh % HKV
+    gl.static_assert(DQ_ROWS >= SEQ, "the dQ accumulator holds the call's rows")
+    dq_base = DQ_ACC
+    if DQ_OFF_AT > 0:  # the call's rows from a row of a larger accumulator on (16-byte aligned: HQ * D * 4 bytes a row)
+        dq_base = DQ_ACC + gl.load(I32 + DQ_OFF_AT).to(gl.int64) * (HQ * D)
 
     (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
-     cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N,
-                                                            NUM_STAGES, DQ_MODE, 1, 1, SEQ_K)
+     cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(Q, K, V, DO, dq_base, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N,
+                                                            NUM_STAGES, DQ_MODE, 1, 1, SEQ_K, DQ_ROWS)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     misc_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # 0: K/V loaded, 1: dS^T halves written
     ids_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -1620,7 +1631,7 @@ def _pbwd_shared(Q, K, V, DO, F32, I32, DQ_ACC, B: gl.constexpr, SEQ: gl.constex
     nprog = gl.num_programs(0)
     (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
      cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N,
-                                                            NUM_STAGES, DQ_MODE, K_STAGES, V_STAGES, SEQ)
+                                                            NUM_STAGES, DQ_MODE, K_STAGES, V_STAGES, SEQ, SEQ)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)

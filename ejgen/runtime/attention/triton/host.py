@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from ejgen.runtime.attention import tiles
-from ejgen.runtime.attention.api import (SEQ_MAJOR, given_delta, given_merge, given_wire, join_sinks, merge_into,
-                                         sinks_grad)
+from ejgen.runtime.attention.api import (SEQ_MAJOR, add_rows, given_delta, given_dq, given_merge, given_wire,
+                                         join_sinks, merge_into, sinks_grad)
 from ejgen.runtime.attention.gluon import host as gluon_attention
 from ejgen.runtime.attention.triton import configs as triton_configs
 from ejgen.runtime.core import kernels, settings, sizes
@@ -460,11 +460,15 @@ def choose(layout: Layout, call, deterministic: bool):
 STAGED_BACKWARD = True
 
 
-def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh: bool = False):
+def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh: bool = False,
+                    dq_into=None):
     """The warp-specialised Gluon backward (gluon_attention): (dq, dk, dv), dq [B, Sq, Hq, D] added up in float32
     by reduce-adds (not bitwise reproducible run to run, like cuDNN's). Each key block walks a list of query blocks
     where the forward's tiles would (a block layout, a spec mask, whose element mask runs on partial items) and with
-    segment ids under a window (`gluon_attention.listed`). ``fast_tanh``: as the forward's (`KernelChoice`)."""
+    segment ids under a window (`gluon_attention.listed`). ``fast_tanh``: as the forward's (`KernelChoice`).
+    ``dq_into``: (acc float32 [B, rows, Hq, D], q0), dq added into acc from row q0 on and acc returned as dq (float32):
+    by the per-program kernel itself (DQ_ROWS, DQ_OFF_AT, acc aliased: no zeroed accumulator, no cast), after the
+    persistent one."""
     batch, sq, hq, d = q4.shape
     hkv = k.shape[2]
     spec, mask_tiles = _gluon_spec(layout)
@@ -505,9 +509,24 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
         if staged is not None:
             segments[0] = scalars[1]  # QSEG: I32 with the terms' table, whose query-side rows the producer stages
         scalars = [*scalars, *segments, order]
+    aliases, persistent = None, kernel is not gluon_attention.bwd_kernel()
+    if not persistent:  # DQ_IN: the accumulator to add into (aliased to DQ_ACC), else a placeholder
+        dq_in = _dummy(jnp.float32)
+        if dq_into is not None:
+            dq_in, q0 = dq_into
+            outs[0] = jax.ShapeDtypeStruct(dq_in.shape, jnp.float32)
+            zeroed, aliases = (), {6 + len(scalars): 0}
+            consts.update(DQ_ROWS=dq_in.shape[1])
+            if not (isinstance(q0, int) and q0 == 0):  # the row, after the scalars the kernel reads
+                consts.update(DQ_OFF_AT=scalars[1].shape[0])
+                scalars = [scalars[0], jnp.concatenate([scalars[1], jnp.asarray(q0, jnp.int32)[None]]), *scalars[2:]]
+        scalars = [*scalars, dq_in]
     dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, k, v, do4, lse3, delta3, *scalars],
-                                            outs + [_scratch(grid)], zeroed=zeroed, num_warps=4, num_stages=1, **consts)
-    return dq_acc.astype(q4.dtype), dk, dv
+                                            outs + [_scratch(grid)], zeroed=zeroed, aliases=aliases, num_warps=4,
+                                            num_stages=1, **consts)
+    if dq_into is None:
+        return dq_acc.astype(q4.dtype), dk, dv
+    return (dq_acc if not persistent else add_rows(dq_into[0], dq_into[1], dq_acc)), dk, dv
 
 
 def _masks(ctx, cfg, batch):
@@ -589,6 +608,10 @@ def _delta(out, d_out, d_lse):
 
 def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
     _check_layout(q, cfg)
+    ctx, into = given_dq(ctx)  # the caller's (ring attention's) dQ accumulator of more rows: added into
+    if into is not None and choice.backward != "gluon":
+        dq, dk, dv, grads = _backward(layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
+        return add_rows(into[0], into[1], dq), dk, dv, grads
     ctx, given = given_delta(ctx)  # the caller's (ring attention's), or none: the kernels' or XLA's own
     ctx, cfg = _masks(ctx, cfg, q.shape[0])
     batch, sq, hkv, groups, d = q.shape
@@ -599,9 +622,13 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
     lse3 = lse.reshape(batch, hq, sq)
     if choice.backward == "gluon":  # no bias or params here; sinks are in lse (the forward's), their gradient from it
         delta = _delta(out, d_out, d_lse) if given is None else given
+        if into is not None:
+            acc = into[0]
+            into = (acc.reshape(acc.shape[:2] + (hq, d)), into[1])
         dq, dk, dv_ = _gluon_backward(layout, q4, k, v, do4, lse3, delta.reshape(batch, hq, sq), scalars, ctx, cfg,
-                                      choice.fast_tanh)
-        return dq.reshape(q.shape), dk, dv_, _ctx_grads(layout, ctx, cfg, lse, delta.reshape(lse.shape), None, ())
+                                      choice.fast_tanh, into)
+        dq = dq.reshape(q.shape if into is None else acc.shape)
+        return dq, dk, dv_, _ctx_grads(layout, ctx, cfg, lse, delta.reshape(lse.shape), None, ())
     kernels = layout.kernels()
     n_seq = _grid_batch(q, ctx, cfg)
 
