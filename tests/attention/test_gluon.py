@@ -274,7 +274,7 @@ def _stand_in_kernels(monkeypatch):
             return merge_into(out, lse, merge)
         return out, lse
 
-    def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False):
+    def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False, dq_into=None):
         b, sq, hq, d = q4.shape
         hkv = k.shape[2]
         q5, do5 = q4.reshape(b, sq, hkv, hq // hkv, d), do4.reshape(b, sq, hkv, hq // hkv, -1)
@@ -286,6 +286,10 @@ def _stand_in_kernels(monkeypatch):
         dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k.astype(jnp.float32)).reshape(q4.shape)
         dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, q5.astype(jnp.float32))
         dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, do5.astype(jnp.float32))
+        if dq_into is not None:  # (DQ_ROWS / DQ_OFF_AT: added into the accumulator, returned as dq)
+            from ejgen.runtime.attention.api import add_rows
+
+            return add_rows(dq_into[0], dq_into[1], dq), dk.astype(k.dtype), dv.astype(v.dtype)
         return dq.astype(q4.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
     monkeypatch.setattr(triton_host, "_gluon_forward", forward)

@@ -915,10 +915,11 @@ def test_the_fused_forward_leaves_the_callers_state_as_it_was(monkeypatch, platf
 
 
 def test_launch_aliases_only_arrays_of_one_shape_and_dtype():
-    """``triton_call.launch(aliases=)``: an input and an output of one shape and dtype share a buffer (the interpreter
-    runs the kernel as without: the input stays as it was); a pair of different shapes or dtypes, an index past the
-    arrays, or a zeroed output (jax-triton would clear the input) is refused on every path, the interpreter's too
-    (it ignores aliases: only the GPU would have said so)."""
+    """``triton_call.launch(aliases=)``: an input and an output of one shape and dtype share a buffer, the output
+    starting as the input (in the interpreter too: a kernel writing part of it leaves the rest as it was; the input
+    array itself stays as it was); a pair of different shapes or dtypes, an index past the arrays, or a zeroed output
+    (jax-triton would clear the input) is refused on every path, the interpreter's too (only the GPU would have said
+    so)."""
     import triton
     import triton.language as tl
 
@@ -934,6 +935,8 @@ def test_launch_aliases_only_arrays_of_one_shape_and_dtype():
     (y,) = triton_call.launch(add_one, (1,), [x], [sds((16,), jnp.float32)], aliases={0: 0}, N=16)
     np.testing.assert_array_equal(y, np.arange(16) + 1.0)
     np.testing.assert_array_equal(x, np.arange(16))
+    (y,) = triton_call.launch(add_one, (1,), [x], [sds((16,), jnp.float32)], aliases={0: 0}, N=8)  # half of it
+    np.testing.assert_array_equal(y, np.concatenate([np.arange(8) + 1.0, np.arange(8, 16)]))
     for inputs_, outs, aliases, zeroed, message in (
             ([x.astype(jnp.bfloat16)], [sds((16,), jnp.float32)], {0: 0}, (),
              "input 0 bfloat16[16] cannot be output 0's buffer, float32[16] (an alias needs one shape and dtype)"),

@@ -64,9 +64,10 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
 
     ``aliases``: {input index: output index}, outputs written into their input's buffer (jax-triton's
     input_output_aliases: XLA copies the input first only where it is still needed, so a donated or loop-carried
-    input is updated in place). The kernel must read each such element before it writes it. The interpreter's
-    outputs are fresh arrays: the same values; both paths check that each pair has one shape and dtype and that the
-    output is not zeroed (jax-triton would clear the input), so the interpreter catches what the GPU would refuse.
+    input is updated in place): an aliased output starts as its input (a kernel may read it there, or only add to
+    it: the Gluon backward's dQ accumulator). The interpreter's outputs are fresh arrays holding the same values;
+    both paths check that each pair has one shape and dtype and that the output is not zeroed (jax-triton would clear
+    the input), so the interpreter catches what the GPU would refuse.
 
     ``autotune``: block configs (``triton_configs.KernelConfig``) for jax-triton's autotuned call, which
     times them on the call's own inputs on the device the first time the compiled program runs; then
@@ -103,7 +104,7 @@ def launch(kernel, grid, inputs, out_shapes, *, zeroed=(), num_warps=4, num_stag
         raise ValueError("EJGEN_TRITON_AUTOTUNE: jax-triton's autotuned call times configs on a GPU; in the "
                          "interpreter, pin a config with EJGEN_TRITON_CONFIG instead")
     if how == "interpret":
-        call = functools.partial(_interpret, kernel, grid, tuple(out_shapes), constexprs)
+        call = functools.partial(_interpret, kernel, grid, tuple(out_shapes), constexprs, dict(aliases or {}))
         outs = jax.pure_callback(call, tuple(out_shapes), *inputs, vmap_method="sequential")
         return list(vma.vary(list(outs), axes))
     raise RuntimeError(f"the triton backend cannot run here: {why}")
@@ -161,13 +162,16 @@ def _to_numpy(t, dtype):
 _INTERPRETER = threading.Lock()  # Triton's interpreter patches triton.language while it runs: one kernel at a time
 
 
-def _interpret(kernel, grid, out_shapes, constexprs, *arrays):
-    """One launch in Triton's interpreter. Under ``shard_map`` every device's callback comes on its own thread,
-    so the launches take turns."""
+def _interpret(kernel, grid, out_shapes, constexprs, aliases, *arrays):
+    """One launch in Triton's interpreter, each aliased output starting as a copy of its input (``aliases``:
+    {input: output}, as on the GPU). Under ``shard_map`` every device's callback comes on its own thread, so the
+    launches take turns."""
     import torch
 
     inputs = [_to_torch(a) for a in arrays]
     outputs = [torch.zeros(s.shape, dtype=_torch_dtype(s.dtype)) for s in out_shapes]
+    for i, o in aliases.items():
+        outputs[o] = inputs[i].clone()
     with _INTERPRETER:
         kernel[grid](*inputs, *outputs, **constexprs)
     return tuple(_to_numpy(o, s.dtype) for o, s in zip(outputs, out_shapes))

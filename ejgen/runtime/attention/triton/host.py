@@ -402,6 +402,10 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
         kv = (wire, wire)
     earlier, aliases = [_dummy(q.dtype), _dummy(jnp.float32)], None
     if merge is not None:
+        want = ((batch, sq, hkv, groups, d), q.dtype), ((batch, hkv, groups, sq), jnp.float32)
+        if any((x.shape, x.dtype) != w for x, w in zip(merge, want)):
+            raise ValueError(f"the Hopper forward's earlier result must be out {want[0]} and lse {want[1]}, got "
+                             f"{[(x.shape, x.dtype) for x in merge]}")
         earlier = [merge[0].reshape(batch, sq, hq, d), merge[1].reshape(batch, hq, sq)]
         aliases = {3 + len(scalars) + len(segments) + 1: 0, 3 + len(scalars) + len(segments) + 2: 1}
     out, lse, *_ = triton_call.launch(
@@ -514,6 +518,10 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
         dq_in = _dummy(jnp.float32)
         if dq_into is not None:
             dq_in, q0 = dq_into
+            if dq_in.shape[0] != batch or dq_in.shape[2:] != (hq, d) or dq_in.dtype != jnp.float32 or (
+                    isinstance(q0, int) and not 0 <= q0 <= dq_in.shape[1] - sq):
+                raise ValueError(f"the Hopper backward's dQ accumulator must be float32 [{batch}, rows, {hq}, {d}] "
+                                 f"holding rows [q0, q0 + {sq}), got {dq_in.dtype}{list(dq_in.shape)} at q0 {q0}")
             outs[0] = jax.ShapeDtypeStruct(dq_in.shape, jnp.float32)
             zeroed, aliases = (), {6 + len(scalars): 0}
             consts.update(DQ_ROWS=dq_in.shape[1])
