@@ -441,26 +441,14 @@ def main():
         raise SystemExit(f"ring.py: --batch {ARGS.batch!r}: one or more positive counts of calls a sample")
     out_dir = Path(ARGS.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if ARGS.coalesce_backward:
-        from ejgen.runtime.attention import ring as ring_runtime
+    from ejgen.runtime.attention import ring as ring_runtime
 
-        ring_runtime.COALESCE_BACKWARD = True  # read as each call is traced
-    if ARGS.no_kv_from_wire:
-        from ejgen.runtime.attention import ring as ring_runtime
-
-        ring_runtime.KV_FROM_WIRE = False  # read as each call is traced
-    if ARGS.no_merge_in_kernel:
-        from ejgen.runtime.attention import ring as ring_runtime
-
-        ring_runtime.MERGE_IN_KERNEL = False  # read as each call is traced
-    if ARGS.dq_once:
-        from ejgen.runtime.attention import ring as ring_runtime
-
-        ring_runtime.DQ_ONCE = True  # read as each backward is traced
-    if ARGS.narrow_accumulators:
-        from ejgen.runtime.attention import ring as ring_runtime
-
-        ring_runtime.NARROW_ACCUMULATOR_HOPS = 1  # read as each backward is traced
+    for flag, switch, value in (("coalesce_backward", "COALESCE_BACKWARD", True),
+                                ("no_kv_from_wire", "KV_FROM_WIRE", False),
+                                ("no_merge_in_kernel", "MERGE_IN_KERNEL", False), ("dq_once", "DQ_ONCE", True),
+                                ("narrow_accumulators", "NARROW_ACCUMULATOR_HOPS", 1)):
+        if getattr(ARGS, flag):  # the ring's switches, read as each call is traced
+            setattr(ring_runtime, switch, value)
     if ARGS.cpu_smoke:
         platform = "xla"
         ARGS.check_seq, ARGS.mesh_seq, ARGS.strong_seq, ARGS.weak_base = 256, 256, 256, 128
