@@ -29,7 +29,7 @@
 #   rec-full       every recurrent GPU test, 8 processes a GPU (2 GPUs: one call)
 #   ring-ab        the ring's default, then --coalesce-backward, --narrow-accumulators (2 GPUs)
 #   ring-wire      the ring tests, then the forward reading the wire / merging in its kernel against before (2 GPUs)
-#   ring-dq        the ring tests, then --dq-once against the default (2 GPUs)
+#   ring-dq        the ring tests, then --dq-once and --kv-from-wire-bwd against the default (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
 #                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
@@ -486,15 +486,18 @@ j_ring-wire() {  # the coalesced forward reading K and V out of the received buf
     job "ring-wire-merge-$i" 80 python3 "${RING[@]}" --parts time --out "$log/ring-wire-merge-$i"
   done
 }
-j_ring-dq() {  # the backward's pairs adding dQ into one accumulator in their kernels (ring.DQ_ONCE, session 34, not
-  # yet GPU-run): the ring GPU tests (its cases: zigzag and contiguous), then the default and --dq-once, each in its
-  # own process, twice, alternating (compare each ring row with its own run's one-GPU row)
-  EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 150 python3 -m pytest -m gpu -q -rf \
+j_ring-dq() {  # the backward's pairs adding dQ into one accumulator in their kernels (ring.DQ_ONCE) and reading K
+  # and V out of the received buffer (ring.KV_FROM_WIRE_BWD), session 34, not yet GPU-run: the ring GPU tests (their
+  # cases, zigzag and contiguous), then the default, --dq-once, and both, each in its own process, twice (compare each
+  # ring row with its own run's one-GPU row)
+  EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 180 python3 -m pytest -m gpu -q -rf \
     -p no:cacheprovider tests/multidevice/test_ring_gpu.py
   local i
   for i in 1 2; do
     job "ring-dq-base-$i" 80 python3 "${RING[@]}" --parts time --out "$log/ring-dq-base-$i"
     job "ring-dq-once-$i" 80 python3 "${RING[@]}" --parts time --dq-once --out "$log/ring-dq-once-$i"
+    job "ring-dq-wire-$i" 80 python3 "${RING[@]}" --parts time --dq-once --kv-from-wire-bwd \
+      --out "$log/ring-dq-wire-$i"
   done
 }
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
@@ -643,7 +646,8 @@ declare -A PRESETS=(
   # the persistent backward on (issue 14), on GPU 1
   [s34d]="0:decode-steady 1:documents16"
   [s34e]="0-1:decode-tests,decode-clamp-ab,ring-time"
-  # session 35: the ring's one dQ accumulator (ring.DQ_ONCE) tested and A/B'd on 2 GPUs (issue 18)
+  # session 35: the ring's one dQ accumulator (ring.DQ_ONCE) and the backward reading the wire (KV_FROM_WIRE_BWD)
+  # tested and A/B'd on 2 GPUs (issue 18), DEADLINE=560
   [s35a]="0-1:ring-dq"
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)

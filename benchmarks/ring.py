@@ -84,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--no-merge-in-kernel", action="store_true",
                    help="a 2-step ring's last forward merged into the first's result after its kernel "
                         "(ring.MERGE_IN_KERNEL off; on by default since session 34)")
+    p.add_argument("--kv-from-wire-bwd", action="store_true",
+                   help="the backward's pairs read K and V out of the received buffer (ring.KV_FROM_WIRE_BWD, off by "
+                        "default until timed)")
     p.add_argument("--dq-once", action="store_true",
                    help="the backward's pairs add dQ into one float32 accumulator in their kernels (ring.DQ_ONCE, off "
                         "by default until timed)")
@@ -446,6 +449,7 @@ def main():
     for flag, switch, value in (("coalesce_backward", "COALESCE_BACKWARD", True),
                                 ("no_kv_from_wire", "KV_FROM_WIRE", False),
                                 ("no_merge_in_kernel", "MERGE_IN_KERNEL", False), ("dq_once", "DQ_ONCE", True),
+                                ("kv_from_wire_bwd", "KV_FROM_WIRE_BWD", True),
                                 ("narrow_accumulators", "NARROW_ACCUMULATOR_HOPS", 1)):
         if getattr(ARGS, flag):  # the ring's switches, read as each call is traced
             setattr(ring_runtime, switch, value)

@@ -98,9 +98,11 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     segment ids under causal (default `gluon.host.DOCS_MASKS`); ``persistent_segments``: with segment ids and no
     window, also the persistent backward that takes them (default `gluon.host.PERSISTENT_SEGMENTS_BWD`; compiled as
     "gluon_bwd_persistent_kernel"); ``kv_wire``: the forward reads K and V out of one buffer of unsigned 16-bit items
-    (KV_AT: ring attention's received block, `ring.KV_FROM_WIRE`); ``merge``: the forward merges its result into an
-    earlier one (MERGE: ring attention's last step, `ring.MERGE_IN_KERNEL`); ``dq_into``: the backward adds dQ into
-    an accumulator of twice the rows from a row read at run time (DQ_ROWS, DQ_OFF_AT: `ring.DQ_ONCE`)."""
+    (KV_AT: ring attention's received block, `ring.KV_FROM_WIRE`), and the backward its keys out of a block of twice
+    the rows from a row read at run time (KV_AT, KV_ROWS, KV_OFF_AT: `ring.KV_FROM_WIRE_BWD`); ``merge``: the forward
+    merges its result into an earlier one (MERGE: ring attention's last step, `ring.MERGE_IN_KERNEL`); ``dq_into``:
+    the backward adds dQ into an accumulator of twice the rows from a row read at run time (DQ_ROWS, DQ_OFF_AT:
+    `ring.DQ_ONCE`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -142,7 +144,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                                             merge=merge)
     kv_ptr = "*u16" if kv_wire else ptr
     segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32", ORDER="*i32")
-    bwd_pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
+    bwd_pointers = dict(Q=ptr, K=kv_ptr, V=kv_ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
                         DQ_IN="*fp32", DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)
     kernels = [("gluon_fwd_kernel", gluon_attention.kernel(), fwd_consts,
                 dict(Q=ptr, K=kv_ptr, V=kv_ptr, F32="*fp32", I32="*i32", O_PREV=ptr, LSE_PREV="*fp32", O=ptr,
@@ -151,6 +153,8 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                ("gluon_bwd_kernel", gluon_attention.bwd_kernel(),
                 gluon_attention.bwd_constexprs(*args, lists=bwd_lists, spec=mask, softcap=softcap, seq_k=seq_k,
                                                dq_rows=2 * seq if dq_into else None, dq_off_at=2 if dq_into else 0,
+                                               kv_at=batch * 2 * seq * kv_heads * head_dim if kv_wire else 0,
+                                               kv_rows=2 * seq if kv_wire else None, kv_off_at=3 if kv_wire else 0,
                                                fast_tanh=fast_tanh, staged=staged_bwd),
                 bwd_pointers)]
     if forward_only:
@@ -165,7 +169,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
         kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(),
                         gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim, softcap, fast_tanh,
                                                         segments=documents, causal=causal),
-                        bwd_pointers))
+                        dict(bwd_pointers, K=ptr, V=ptr)))  # (it reads no wire)
     for name, kernel, consts, pointers in kernels:
         sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}

@@ -274,7 +274,13 @@ def _stand_in_kernels(monkeypatch):
             return merge_into(out, lse, merge)
         return out, lse
 
-    def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False, dq_into=None):
+    def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False, dq_into=None, wire=None):
+        if wire is not None:  # the keys' rows of k then v in one 16-bit buffer (`api.KV_WIRE`), as the kernel reads
+            buffer, k0, rows = wire
+            block = (k.shape[0], rows) + k.shape[2:]
+            k, v = (jax.lax.dynamic_slice_in_dim(jax.lax.bitcast_convert_type(
+                buffer[i * k.size // k.shape[1] * rows:(i + 1) * k.size // k.shape[1] * rows], k.dtype).reshape(block),
+                k0, k.shape[1], 1) for i in range(2))
         b, sq, hq, d = q4.shape
         hkv = k.shape[2]
         q5, do5 = q4.reshape(b, sq, hkv, hq // hkv, d), do4.reshape(b, sq, hkv, hq // hkv, -1)
@@ -622,7 +628,8 @@ def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
     """`api.DQ_INTO` (ring attention's pairs, `ring.DQ_ONCE`): on a (pretended) Hopper GPU the backward launches with
     the accumulator as DQ_IN aliased to its DQ_ACC output of the accumulator's shape, nothing zeroed, DQ_ROWS its
     rows and the row offset appended to I32 (DQ_OFF_AT its index), and returns the accumulator as dq; without one,
-    a placeholder, dQ zeroed, DQ_ROWS the call's rows. A fake launch (the call with the accumulator made beside the
+    a placeholder, dQ zeroed, DQ_ROWS the call's rows. With `api.KV_WIRE` (`ring.KV_FROM_WIRE_BWD`) too: K and V
+    both the buffer, KV_AT k's items, KV_ROWS the block's rows, the keys' row appended to I32 (KV_OFF_AT). A fake launch (the call with the accumulator made beside the
     op's own backward, in its trace)."""
     import numpy as np
 
@@ -634,10 +641,12 @@ def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
     b, s, h, d = 1, 256, 2, 64
     q = jnp.asarray(np.random.default_rng(0).standard_normal((b, s, h, d)), jnp.bfloat16)
     acc = jnp.asarray(np.random.default_rng(1).standard_normal((b, 3 * s, h, 1, d)), jnp.float32)
+    wire = jnp.arange(2 * 2 * b * s * h * d + 16, dtype=jnp.uint16)  # k, v of 2 s rows, then 16 more items
     real, shapes = triton_host._backward, []
 
     def beside(layout, q5, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
-        into = {**ctx, api.DQ_INTO: (acc, jnp.asarray(s, jnp.int32))}
+        into = {**ctx, api.DQ_INTO: (acc, jnp.asarray(s, jnp.int32)), api.KV_WIRE: (wire, jnp.asarray(s // 2, jnp.int32),
+                                                                                     2 * s)}
         dq = real(layout, q5, k, v, out, lse, d_out, d_lse, into, cfg, choice)[0]
         shapes.append((dq.shape, dq.dtype))
         jax.debug.callback(lambda x: None, dq)  # (kept: its launch runs)
@@ -654,25 +663,31 @@ def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
         if kw["DQ_ROWS"] == s:  # the op's own
             assert kw["zeroed"] == (0, ) and not kw["aliases"] and kw["DQ_OFF_AT"] == 0
             assert inputs[at["DQ_IN"]].shape == (1, ) and outs[0].shape == (b, s, h, d)
+            assert kw["KV_AT"] == 0 and kw["KV_ROWS"] == s and inputs[at["K"]].shape == (b, s, h, d)
         else:
             assert kw["zeroed"] == () and kw["aliases"] == {at["DQ_IN"]: 0}
             assert kw["DQ_ROWS"] == 3 * s and outs[0].shape == (b, 3 * s, h, d)
             np.testing.assert_array_equal(inputs[at["DQ_IN"]], np.asarray(acc).reshape(b, 3 * s, h, d))
-            i32 = inputs[at["I32"]]
-            assert kw["DQ_OFF_AT"] == len(i32) - 1 and i32[-1] == s
+            i32 = inputs[at["I32"]]  # (the keys' row, then dQ's)
+            assert kw["KV_OFF_AT"] == len(i32) - 2 and kw["DQ_OFF_AT"] == len(i32) - 1 and list(i32[-2:]) == [s // 2, s]
+            assert kw["KV_AT"] == b * 2 * s * h * d and kw["KV_ROWS"] == 2 * s
+            for x in (inputs[at["K"]], inputs[at["V"]]):
+                assert x.dtype == np.uint16 and np.array_equal(x, np.asarray(wire))
     assert {kw["DQ_ROWS"] for *_, kw in bwd} == {s, 3 * s}
 
 
 @pytest.mark.parametrize("triton", ["here", "gpu host"])
 def test_the_backward_adding_into_an_accumulator_compiles(triton):
     """The backward adding dQ into a larger accumulator from a row read at run time (DQ_ROWS, DQ_OFF_AT: ring
-    attention's pairs, `ring.DQ_ONCE`), causal and not, on this machine's Triton and the GPU host's (3.6): it compiles
-    for sm_90 with the bulk reduce-adds, no spill."""
+    attention's pairs, `ring.DQ_ONCE`), causal, and without causal also reading its keys out of a 16-bit buffer of
+    twice the rows from a row read at run time (KV_AT, KV_ROWS, KV_OFF_AT: `ring.KV_FROM_WIRE_BWD`), on this machine's
+    Triton and the GPU host's (3.6): each compiles for sm_90 with the bulk reduce-adds, no spill."""
     from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
 
     results = compile_all_in_subprocess(
         [dict(gluon=True, dtype="bfloat16", head_dim=128, causal=causal, seq=1024, heads=4, kv_heads=4, batch=1,
-              dq_into=True, backward_only=True, with_ptx=True, with_resources=True) for causal in (True, False)],
+              dq_into=True, kv_wire=wire, backward_only=True, with_ptx=True, with_resources=True)
+         for causal, wire in ((True, False), (False, True))],
         triton=gpu_host_triton() if triton == "gpu host" else None)
     for compiled in results:
         assert "error" not in compiled, compiled.get("error")

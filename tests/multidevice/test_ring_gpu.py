@@ -50,32 +50,43 @@ def _run(fn, diff, d_out, d_lse):
     return jax.block_until_ready(run(diff, d_out, d_lse))
 
 
-@pytest.mark.parametrize("order,wire,merge,once", [("zigzag", False, False, False), ("contiguous", False, False, False),
-                                                   ("zigzag", True, False, False), ("zigzag", True, True, False),
-                                                   ("zigzag", True, True, True), ("contiguous", False, False, True)],
-                         ids=["zigzag", "contiguous", "zigzag-kv-from-wire", "zigzag-kv-from-wire-merge-in-kernel",
-                              "zigzag-dq-once", "contiguous-dq-once"])
-def test_causal_ring_over_every_gpu(order, wire, merge, once, caplog, monkeypatch):
+RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WIRE_BWD)
+    ("zigzag", "zigzag", False, False, False, False), ("contiguous", "contiguous", False, False, False, False),
+    ("zigzag-kv-from-wire", "zigzag", True, False, False, False),
+    ("zigzag-kv-from-wire-merge-in-kernel", "zigzag", True, True, False, False),
+    ("zigzag-dq-once", "zigzag", True, True, True, False),
+    ("contiguous-dq-once", "contiguous", False, False, True, False),
+    ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True),
+    ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True),
+]
+
+
+@pytest.mark.parametrize("order,wire,merge,once,wire_bwd", [c[1:] for c in RING_FORMS],
+                         ids=[c[0] for c in RING_FORMS])
+def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, caplog, monkeypatch):
     """Causal, GQA 8/2, D 128, bf16 over every GPU: out, lse and every gradient against the oracle; on Hopper every
     kind of step (full blocks, the diagonal, zigzag's coalesced calls) takes the Hopper kernel set both ways:
     every kernel launched is a Gluon one; with ``wire`` (ring.KV_FROM_WIRE) zigzag's coalesced forward reads K and V
     out of the received buffer (KV_AT), with ``merge`` (ring.MERGE_IN_KERNEL) on 2 GPUs merges into the first step's
     result in its kernel (MERGE); with ``once`` (ring.DQ_ONCE) the backward's kernels add dQ into one accumulator
-    (aliased from launch to launch)."""
+    (aliased from launch to launch); with ``wire_bwd`` (ring.KV_FROM_WIRE_BWD) the backward's pairs on a received
+    block read K and V out of it (KV_AT)."""
     from ejgen.runtime.attention import ring
     from ejgen.runtime.launch import triton_call
 
     launched, launch = [], triton_call.launch
 
     def spy(kernel, *args, **kw):
-        launched.append((kernel.__name__, kw.get("KV_AT", 0), kw.get("MERGE", False),
-                         kernel.__name__ == "gluon_attention_bwd_kernel" and bool(kw.get("aliases"))))
+        bwd = kernel.__name__ == "gluon_attention_bwd_kernel"
+        launched.append((kernel.__name__, not bwd and kw.get("KV_AT", 0) > 0, kw.get("MERGE", False),
+                         bwd and bool(kw.get("aliases")), bwd and kw.get("KV_AT", 0) > 0))
         return launch(kernel, *args, **kw)
 
     monkeypatch.setattr(triton_call, "launch", spy)
     monkeypatch.setattr(ring, "KV_FROM_WIRE", wire)
     monkeypatch.setattr(ring, "MERGE_IN_KERNEL", merge)
     monkeypatch.setattr(ring, "DQ_ONCE", once)
+    monkeypatch.setattr(ring, "KV_FROM_WIRE_BWD", wire_bwd)
     n = GPUS
     shape = AttnShape(1, 256 * n, 256 * n, 8, 2, 128)
     rng = rng_for("ring-gpu", order, shape)
@@ -103,9 +114,10 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, caplog, monkeypatc
         # set both ways too
         assert all(c.startswith("platform triton: forward gluon, backward gluon") for c in choices), choices
         assert launched and all(name.startswith("gluon_") for name, *_ in launched), sorted(set(launched))
-        assert any(at > 0 for _, at, _, _ in launched) == wire, launched
-        assert any(m for _, _, m, _ in launched) == (merge and n == 2), launched
-        assert any(into for *_, into in launched) == once, launched
+        assert any(x[1] for x in launched) == wire, launched
+        assert any(x[2] for x in launched) == (merge and n == 2), launched
+        assert any(x[3] for x in launched) == once, launched
+        assert any(x[4] for x in launched) == wire_bwd, launched
 
 
 def test_window_segments_sinks_ring(caplog):

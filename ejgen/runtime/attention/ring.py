@@ -99,6 +99,11 @@ MERGE_IN_KERNEL = True
 # notes/studies/s33-ring-p2-p3-plan.md. Built in session 34, NOT GPU-run: off until its GPU test and `ring.py
 # --dq-once` say.
 DQ_ONCE = False
+# The backward's pairs read K and V out of the received buffer (the Hopper backward's KV_AT / KV_ROWS / KV_OFF_AT over
+# `api.KV_WIRE`, the pair's keys at a row of the block) instead of slices copied before each call (2 x 32 MiB a
+# device at 32k tokens over 2 devices, 16/16 heads: ~34 us model). P1 of notes/studies/s33-ring-p2-p3-plan.md. Built in
+# session 34, NOT GPU-run: off until its GPU test and `ring.py --kv-from-wire-bwd` say.
+KV_FROM_WIRE_BWD = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
@@ -618,12 +623,13 @@ def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, wire=None, 
 
 
 def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0, r, s,
-                   sk: int | None = None, wide_layout=None, dq_acc=None):
+                   sk: int | None = None, wide_layout=None, dq_acc=None, wire=None):
     """(dq [B, chunk, Hkv, G, D], dk, dv [B, sk, Hkv, D], param gradients) of one pair of one kind (key rows ``sk``:
     chunk unless given; a WIDE call's ``wide_layout``), from the global out and lse of its query rows and their
     delta, computed once per backward (`api.DELTA`: a backend that would compute it in XLA takes it, one pass over dO
     and O instead of one per pair). ``dq_acc``: float32 [B, n, Hkv, G, D], dq of every local row so far, which the
-    pair's dq is added into (`api.DQ_INTO`, DQ_ONCE): its dq is then that accumulator."""
+    pair's dq is added into (`api.DQ_INTO`, DQ_ONCE): its dq is then that accumulator. ``wire``: the held block's
+    buffer as received, which the Hopper backward reads the pair's K and V out of (`api.KV_WIRE`, KV_FROM_WIRE_BWD)."""
     sk = sk or chunk
     cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk, wide_layout)
     backend = plan.backend
@@ -636,6 +642,9 @@ def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_
     if into:
         assert layout == api.SEQ_MAJOR and padded == chunk, "a dQ accumulator takes the pair's rows as they are"
         ck[api.DQ_INTO] = (dq_acc, q0)
+    if (wire is not None and choice.backward == "gluon" and layout == api.SEQ_MAJOR
+            and kk.shape[1] == sk):  # (the keys unpadded, in the wire's own layout)
+        ck[api.KV_WIRE] = (wire, k0, held["k"].shape[1])
     dq, dk, dv, dctx = backend.backward(
         qk, kk, vk, _to_kernel(rows(out), layout, padded, 0), _to_kernel(rows(lse, 3), layout, padded, NEG_INF),
         None, _to_kernel(rows(d_out), layout, padded, 0), _to_kernel(rows(d_lse, 3), layout, padded, 0), ck, cfg,
@@ -866,9 +875,14 @@ def _dq_into(plan: Plan) -> bool:
 
 
 def _reads_wire(wire: "Wire") -> bool:
-    """Whether a wide forward may read K and V out of the received buffer (KV_FROM_WIRE): k then v first in it, of
+    """Whether a wide forward may read K and V out of the received buffer (KV_FROM_WIRE, `_wire_readable`)."""
+    return _wire_readable(wire, KV_FROM_WIRE)
+
+
+def _wire_readable(wire: "Wire", switch: bool) -> bool:
+    """Whether kernels may read K and V out of a received buffer (where ``switch`` says so): k then v first in it, of
     one 16-bit dtype, the buffer's unit."""
-    return (KV_FROM_WIRE and wire.names[:2] == ("k", "v") and wire.dtypes[0] == wire.dtypes[1]
+    return (switch and wire.names[:2] == ("k", "v") and wire.dtypes[0] == wire.dtypes[1]
             and wire.dtypes[0].itemsize == 2 and wire.unit.itemsize == 2)
 
 
@@ -1020,12 +1034,13 @@ def _backward(plan: Plan, residuals, cotangents):
                 return (ahead, pending, dq, grads), None
             pairs = []  # per slot: (q0, k0, the pair's dq, dk, dv, param gradients as its kernels give them)
             acc = dq  # (into) the accumulator as the slot's kernels find it
+            from_wire = travel if held is not own and _wire_readable(wire, KV_FROM_WIRE_BWD) else None
             for j in range(slots.shape[0]):
                 q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
 
                 def run(kind, q0=q0, k0=k0, acc=acc):
                     return _pair_backward(plan, kind, chunk, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0,
-                                          r, s, dq_acc=acc if into else None)
+                                          r, s, dq_acc=acc if into else None, wire=from_wire)
 
                 def skip(j=j, run=run, acc=acc):  # zeros as the slot's kernels give their results (into: dq as found)
                     kinds = sorted(stage.kinds(j) - {SKIP})

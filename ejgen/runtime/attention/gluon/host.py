@@ -325,14 +325,17 @@ BWD_NO_TERMS = dict(Q_TERMS=0, TERMS_AT=0, Q_FIRST=0, SPEC_KVTERMS=None)  # the 
 def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
                    segments: bool = False, lists: dict | None = None, spec: tuple | None = None,
                    softcap: bool = False, seq_k: int | None = None, fast_tanh: bool = False,
-                   staged: tuple | None = None, dq_rows: int | None = None, dq_off_at: int = 0) -> dict:
+                   staged: tuple | None = None, dq_rows: int | None = None, dq_off_at: int = 0, kv_at: int = 0,
+                   kv_rows: int | None = None, kv_off_at: int = 0) -> dict:
     """The backward's constexprs (window: causal with a window to the left, `ineligible`; ``lists``: the block
     lists' constexprs, `bwd_lists`; ``spec``: the spec's mask, `spec_constexprs`; ``softcap``: SOFTCAP, with
     ``fast_tanh``; ``seq_k``: the keys' count, default seq: another only without causal, a window, segment ids or
     lists, gluon_cross). ``staged``: a spec mask's query-side position terms staged per item
     (`triton.host.Layout.staged_bwd_mask`: its mask, key-side loader, query-side count, table offset and the row of
     the first; the mask replaces ``spec``'s, QSEG is then I32). ``dq_rows``, ``dq_off_at``: dQ added into a larger
-    accumulator of that many rows, from the row at I32[dq_off_at] on (0: row 0; DQ_ROWS, DQ_OFF_AT)."""
+    accumulator of that many rows, from the row at I32[dq_off_at] on (0: row 0; DQ_ROWS, DQ_OFF_AT). ``kv_at`` > 0:
+    K and V read out of one 16-bit buffer of ``kv_rows`` rows a batch row, V from that item on, the keys from the row
+    at I32[kv_off_at] on (KV_AT, KV_ROWS, KV_OFF_AT)."""
     terms = dict(BWD_NO_TERMS)
     if staged is not None:
         spec = (staged[0], spec[1])
@@ -341,7 +344,8 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
                 DQ_MODE=1 if d == 128 else 0, SEGMENTS=segments,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES, **(lists or NO_LISTS),
                 **spec_constexprs(spec), SOFTCAP=softcap_constexpr(softcap, fast_tanh), **terms,
-                DQ_ROWS=dq_rows or seq, DQ_OFF_AT=dq_off_at)
+                DQ_ROWS=dq_rows or seq, DQ_OFF_AT=dq_off_at, KV_AT=kv_at, KV_ROWS=kv_rows or seq_k or seq,
+                KV_OFF_AT=kv_off_at)
 
 
 # The persistent backward (gluon_kernels.gluon_attention_bwd_persistent_kernel) for causal sliding windows: one
@@ -393,7 +397,8 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bo
                           fast_tanh=fast_tanh)
     # segment ids, layouts and spec masks with a window take the per-program backward over lists (`listed`); keys
     # as many as queries
-    for name in ("SEQ_K", *NO_LISTS, *spec_constexprs(None), *BWD_NO_TERMS, "DQ_ROWS", "DQ_OFF_AT"):
+    for name in ("SEQ_K", *NO_LISTS, *spec_constexprs(None), *BWD_NO_TERMS, "DQ_ROWS", "DQ_OFF_AT", "KV_AT",
+                 "KV_ROWS", "KV_OFF_AT"):
         del base[name]
     return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"], segments=segments))
 

@@ -465,14 +465,16 @@ STAGED_BACKWARD = True
 
 
 def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh: bool = False,
-                    dq_into=None):
+                    dq_into=None, wire=None):
     """The warp-specialised Gluon backward (gluon_attention): (dq, dk, dv), dq [B, Sq, Hq, D] added up in float32
     by reduce-adds (not bitwise reproducible run to run, like cuDNN's). Each key block walks a list of query blocks
     where the forward's tiles would (a block layout, a spec mask, whose element mask runs on partial items) and with
     segment ids under a window (`gluon_attention.listed`). ``fast_tanh``: as the forward's (`KernelChoice`).
     ``dq_into``: (acc float32 [B, rows, Hq, D], q0), dq added into acc from row q0 on and acc returned as dq (float32):
     by the per-program kernel itself (DQ_ROWS, DQ_OFF_AT, acc aliased: no zeroed accumulator, no cast), after the
-    persistent one."""
+    persistent one. ``wire``: (buffer, k0, rows), k and v as rows [k0, k0 + Sk) of a block of ``rows`` in one 1-D
+    16-bit buffer (`api.KV_WIRE`), which the per-program kernel reads them out of (KV_AT, KV_ROWS, KV_OFF_AT; the
+    persistent one takes k and v)."""
     batch, sq, hq, d = q4.shape
     hkv = k.shape[2]
     spec, mask_tiles = _gluon_spec(layout)
@@ -513,7 +515,20 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
         if staged is not None:
             segments[0] = scalars[1]  # QSEG: I32 with the terms' table, whose query-side rows the producer stages
         scalars = [*scalars, *segments, order]
-    aliases, persistent = None, kernel is not gluon_attention.bwd_kernel()
+    aliases, persistent, kv = None, kernel is not gluon_attention.bwd_kernel(), (k, v)
+    if not persistent and wire is not None:
+        buffer, k0, rows = wire
+        kv_at = k.shape[0] * rows * k.shape[2] * k.shape[3]
+        if (buffer.ndim != 1 or buffer.dtype.itemsize != 2 or k.dtype != v.dtype or k.shape != v.shape
+                or buffer.shape[0] < 2 * kv_at or kv_at % 8 or rows < k.shape[1]
+                or isinstance(k0, int) and not 0 <= k0 <= rows - k.shape[1]):
+            raise ValueError(f"the Hopper backward's K/V wire must be 1-D 16-bit holding k then v of {rows} rows "
+                             f"with the call's {k.shape[1]} from row {k0}, got {buffer.dtype}{list(buffer.shape)}")
+        kv = (buffer, buffer)
+        consts.update(KV_AT=kv_at, KV_ROWS=rows)
+        if not (isinstance(k0, int) and k0 == 0):  # the row, after the scalars the kernel reads
+            consts.update(KV_OFF_AT=scalars[1].shape[0])
+            scalars = [scalars[0], jnp.concatenate([scalars[1], jnp.asarray(k0, jnp.int32)[None]]), *scalars[2:]]
     if not persistent:  # DQ_IN: the accumulator to add into (aliased to DQ_ACC), else a placeholder
         dq_in = _dummy(jnp.float32)
         if dq_into is not None:
@@ -529,7 +544,7 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
                 consts.update(DQ_OFF_AT=scalars[1].shape[0])
                 scalars = [scalars[0], jnp.concatenate([scalars[1], jnp.asarray(q0, jnp.int32)[None]]), *scalars[2:]]
         scalars = [*scalars, dq_in]
-    dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, k, v, do4, lse3, delta3, *scalars],
+    dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, *kv, do4, lse3, delta3, *scalars],
                                             outs + [_scratch(grid)], zeroed=zeroed, aliases=aliases, num_warps=4,
                                             num_stages=1, **consts)
     if dq_into is None:
@@ -551,7 +566,7 @@ def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
     hq, dv = hkv * groups, v.shape[-1]
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     if choice.forward == "gluon":
-        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.fast_tanh, wire, merge)
+        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.fast_tanh, wire=wire, merge=merge)
         if merge is not None and cfg.sinks:
             raise ValueError("an earlier result to merge into takes the sinks after the merge (ring attention joins "
                              "them once, at the end)")
@@ -621,6 +636,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
         dq, dk, dv, grads = _backward(layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
         return add_rows(into[0], into[1], dq), dk, dv, grads
     ctx, given = given_delta(ctx)  # the caller's (ring attention's), or none: the kernels' or XLA's own
+    ctx, wire = given_wire(ctx)  # the caller's (ring attention's) K/V buffer: the Hopper backward reads it
     ctx, cfg = _masks(ctx, cfg, q.shape[0])
     batch, sq, hkv, groups, d = q.shape
     hq, sk, dv = hkv * groups, k.shape[1], v.shape[-1]
@@ -634,7 +650,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
             acc = into[0]
             into = (acc.reshape(acc.shape[:2] + (hq, d)), into[1])
         dq, dk, dv_ = _gluon_backward(layout, q4, k, v, do4, lse3, delta.reshape(batch, hq, sq), scalars, ctx, cfg,
-                                      choice.fast_tanh, into)
+                                      choice.fast_tanh, dq_into=into, wire=wire)
         dq = dq.reshape(q.shape if into is None else acc.shape)
         return dq, dk, dv_, _ctx_grads(layout, ctx, cfg, lse, delta.reshape(lse.shape), None, ())
     kernels = layout.kernels()
