@@ -276,7 +276,9 @@ def _stand_in_kernels(monkeypatch):
 
     def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False, dq_into=None, wire=None):
         if wire is not None:  # the keys' rows of k then v in one 16-bit buffer (`api.KV_WIRE`), as the kernel reads
-            buffer, k0, rows = wire
+            buffer, k0 = wire
+            rows = buffer.shape[-1]
+            buffer = buffer.reshape(-1)
             block = (k.shape[0], rows) + k.shape[2:]
             k, v = (jax.lax.dynamic_slice_in_dim(jax.lax.bitcast_convert_type(
                 buffer[i * k.size // k.shape[1] * rows:(i + 1) * k.size // k.shape[1] * rows], k.dtype).reshape(block),
@@ -641,12 +643,12 @@ def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
     b, s, h, d = 1, 256, 2, 64
     q = jnp.asarray(np.random.default_rng(0).standard_normal((b, s, h, d)), jnp.bfloat16)
     acc = jnp.asarray(np.random.default_rng(1).standard_normal((b, 3 * s, h, 1, d)), jnp.float32)
-    wire = jnp.arange(2 * 2 * b * s * h * d + 16, dtype=jnp.uint16)  # k, v of 2 s rows, then 16 more items
+    wire = jnp.arange(2 * 2 * b * s * h * d + 2 * s, dtype=jnp.uint16)  # k, v of 2 s rows, then an item a row
     real, shapes = triton_host._backward, []
 
     def beside(layout, q5, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
-        into = {**ctx, api.DQ_INTO: (acc, jnp.asarray(s, jnp.int32)), api.KV_WIRE: (wire, jnp.asarray(s // 2, jnp.int32),
-                                                                                     2 * s)}
+        into = {**ctx, api.DQ_INTO: (acc, jnp.asarray(s, jnp.int32)), api.KV_WIRE: (wire.reshape(-1, 2 * s),
+                                                                                     jnp.asarray(s // 2, jnp.int32))}
         dq = real(layout, q5, k, v, out, lse, d_out, d_lse, into, cfg, choice)[0]
         shapes.append((dq.shape, dq.dtype))
         jax.debug.callback(lambda x: None, dq)  # (kept: its launch runs)
@@ -672,7 +674,7 @@ def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
             assert kw["KV_OFF_AT"] == len(i32) - 2 and kw["DQ_OFF_AT"] == len(i32) - 1 and list(i32[-2:]) == [s // 2, s]
             assert kw["KV_AT"] == b * 2 * s * h * d and kw["KV_ROWS"] == 2 * s
             for x in (inputs[at["K"]], inputs[at["V"]]):
-                assert x.dtype == np.uint16 and np.array_equal(x, np.asarray(wire))
+                assert x.dtype == np.uint16 and np.array_equal(x, np.asarray(wire).reshape(-1, 2 * s))
     assert {kw["DQ_ROWS"] for *_, kw in bwd} == {s, 3 * s}
 
 

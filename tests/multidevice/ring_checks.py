@@ -250,6 +250,54 @@ def check_dq_once(backend, failures, devices=4):
         ring._dq_into = saved
 
 
+def check_hopper_stand_ins(backend, failures, devices=2):
+    """The ring's Hopper-only paths on a pretended Hopper GPU, the Gluon kernels replaced by jnp stand-ins that read
+    K and V out of a given wire and add dQ into a given accumulator as the kernels do (`_stand_in_kernels` of
+    tests/attention/test_gluon.py): a zigzag causal ring of 2 in bf16 with its steps as square pairs (ring.COALESCE
+    off: the stand-ins know no block layout), each device's second step two full blocks at rows 0 and c of the
+    received block, with `ring.KV_FROM_WIRE_BWD` and `ring.DQ_ONCE` off, then on: out and every gradient within
+    bf16's error of the oracle, the Hopper backward given the wire and the accumulator exactly when they are on."""
+    import pytest
+
+    sys.path[:0] = [str(Path(_HERE).parent), str(Path(_HERE).parent / "attention")]
+    from hopper_fakes import pretend_hopper
+    from test_gluon import _stand_in_kernels
+
+    from ejgen.runtime.attention import ring
+    from ejgen.runtime.attention.triton import host as triton_host
+
+    shape = AttnShape(1, 512, 512, 4, 2, 64)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-stand-ins")
+    diff = {n: x.astype(jnp.bfloat16) for n, x in diff.items()}
+    ref = oracle.attention(**{n: x.astype(jnp.float32) for n, x in diff.items()}, causal=True, d_out=d_out,
+                           d_lse=d_lse)
+    d_out = d_out.astype(jnp.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        pretend_hopper(mp, values=False)
+        _stand_in_kernels(mp)
+        stand_in, given = triton_host._gluon_backward, []
+
+        def spy(*args, dq_into=None, wire=None, **kw):
+            given.append((dq_into is not None, wire is not None))
+            return stand_in(*args, dq_into=dq_into, wire=wire, **kw)
+
+        mp.setattr(triton_host, "_gluon_backward", spy)
+        mp.setattr(ring, "COALESCE", False)
+        for on in (False, True):
+            mp.setattr(ring, "KV_FROM_WIRE_BWD", on)
+            mp.setattr(ring, "DQ_ONCE", on)
+            given.clear()
+            fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend)
+            out, lse, grads = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+            if not given or {g[0] for g in given} != {on} or any(g[1] for g in given) != on:
+                failures.append(f"stand-ins, wire and one dQ {on}: the Hopper backward was given {given}")
+            for name, got, want in [("out", out, ref.out)] + [(f"d{n}", grads[n], ref.grads[n]) for n in grads]:
+                want = np.asarray(want, np.float64)
+                err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+                if not err < 2e-2:
+                    failures.append(f"stand-ins, wire and one dQ {on}: {name} relative error {err:.2e} (< 2e-2)")
+
+
 def check_narrow_accumulators(backend, failures, devices=2):
     """bf16 inputs, `ring.NARROW_ACCUMULATOR_HOPS` at 1 (an experiment, off by default): on a 2-device zigzag ring
     (one hop) the backward's dK/dV accumulators travel in bf16, as every other transfer, on a 4-device one (three hops)
@@ -536,6 +584,7 @@ CHECKS = {
     "zigzag-without-branches": (check_zigzag_without_branches, {"triton": 2}),
     "zigzag-narrow-accumulators": (check_narrow_accumulators, {"xla": 2}),
     "zigzag-dq-once": (check_dq_once, {"xla": 4}),
+    "zigzag-hopper-stand-ins": (check_hopper_stand_ins, {"triton": 2}),
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),
     "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),

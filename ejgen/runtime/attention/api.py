@@ -127,8 +127,9 @@ def given_delta(ctx: dict):
 # block, `ring.Wire`: k's items first, v's right after), the call's k and v being its two slices. A forward whose
 # kernel can read them out of the buffer takes it (no copy of the slices before the call: the Hopper forward,
 # KV_AT); any other uses k and v, which hold the same values (`given_wire`). A backend backward takes it as
-# (buffer, k0, rows): k [B, rows, Hkv, D] first in the buffer, the call's keys its rows [k0, k0 + Sk) (the Hopper
-# backward's KV_AT / KV_ROWS / KV_OFF_AT).
+# (buffer, k0): the buffer as [items / rows, rows] (a free reshape: every part of a block is some items a row, and a
+# Python int would be traced on the way to the kernels) with k [B, rows, Hkv, D] first, the call's keys its rows
+# [k0, k0 + Sk) (the Hopper backward's KV_AT / KV_ROWS / KV_OFF_AT).
 KV_WIRE = "kv_wire"
 
 

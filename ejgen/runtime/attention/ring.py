@@ -644,7 +644,7 @@ def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_
         ck[api.DQ_INTO] = (dq_acc, q0)
     if (wire is not None and choice.backward == "gluon" and layout == api.SEQ_MAJOR
             and kk.shape[1] == sk):  # (the keys unpadded, in the wire's own layout)
-        ck[api.KV_WIRE] = (wire, k0, held["k"].shape[1])
+        ck[api.KV_WIRE] = (wire.reshape(-1, held["k"].shape[1]), k0)  # (every part of the block: some items a row)
     dq, dk, dv, dctx = backend.backward(
         qk, kk, vk, _to_kernel(rows(out), layout, padded, 0), _to_kernel(rows(lse, 3), layout, padded, NEG_INF),
         None, _to_kernel(rows(d_out), layout, padded, 0), _to_kernel(rows(d_lse, 3), layout, padded, 0), ck, cfg,

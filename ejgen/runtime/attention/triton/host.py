@@ -472,9 +472,9 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
     segment ids under a window (`gluon_attention.listed`). ``fast_tanh``: as the forward's (`KernelChoice`).
     ``dq_into``: (acc float32 [B, rows, Hq, D], q0), dq added into acc from row q0 on and acc returned as dq (float32):
     by the per-program kernel itself (DQ_ROWS, DQ_OFF_AT, acc aliased: no zeroed accumulator, no cast), after the
-    persistent one. ``wire``: (buffer, k0, rows), k and v as rows [k0, k0 + Sk) of a block of ``rows`` in one 1-D
-    16-bit buffer (`api.KV_WIRE`), which the per-program kernel reads them out of (KV_AT, KV_ROWS, KV_OFF_AT; the
-    persistent one takes k and v)."""
+    persistent one. ``wire``: (buffer [items / rows, rows], k0), k and v as rows [k0, k0 + Sk) of a block of
+    ``rows`` in one 16-bit buffer (`api.KV_WIRE`), which the per-program kernel reads them out of (KV_AT, KV_ROWS,
+    KV_OFF_AT; the persistent one takes k and v)."""
     batch, sq, hq, d = q4.shape
     hkv = k.shape[2]
     spec, mask_tiles = _gluon_spec(layout)
@@ -517,12 +517,14 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
         scalars = [*scalars, *segments, order]
     aliases, persistent, kv = None, kernel is not gluon_attention.bwd_kernel(), (k, v)
     if not persistent and wire is not None:
-        buffer, k0, rows = wire
+        buffer, k0 = wire
+        rows = buffer.shape[-1]
         kv_at = k.shape[0] * rows * k.shape[2] * k.shape[3]
-        if (buffer.ndim != 1 or buffer.dtype.itemsize != 2 or k.dtype != v.dtype or k.shape != v.shape
-                or buffer.shape[0] < 2 * kv_at or kv_at % 8 or rows < k.shape[1]
+        if (buffer.ndim != 2 or buffer.dtype.itemsize != 2 or k.dtype != v.dtype or k.shape != v.shape
+                or buffer.size < 2 * kv_at or kv_at % 8 or rows < k.shape[1]
                 or isinstance(k0, int) and not 0 <= k0 <= rows - k.shape[1]):
-            raise ValueError(f"the Hopper backward's K/V wire must be 1-D 16-bit holding k then v of {rows} rows "
+            raise ValueError(f"the Hopper backward's K/V wire must be 16-bit [items / rows, rows] holding k then v of "
+                             f"{rows} rows "
                              f"with the call's {k.shape[1]} from row {k0}, got {buffer.dtype}{list(buffer.shape)}")
         kv = (buffer, buffer)
         consts.update(KV_AT=kv_at, KV_ROWS=rows)
