@@ -524,8 +524,8 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
                 or buffer.size < 2 * kv_at or kv_at % 8 or rows < k.shape[1]
                 or isinstance(k0, int) and not 0 <= k0 <= rows - k.shape[1]):
             raise ValueError(f"the Hopper backward's K/V wire must be 16-bit [items / rows, rows] holding k then v of "
-                             f"{rows} rows "
-                             f"with the call's {k.shape[1]} from row {k0}, got {buffer.dtype}{list(buffer.shape)}")
+                             f"{rows} rows with the call's {k.shape[1]} from row {k0}, got "
+                             f"{buffer.dtype}{list(buffer.shape)}")
         kv = (buffer, buffer)
         consts.update(KV_AT=kv_at, KV_ROWS=rows)
         if not (isinstance(k0, int) and k0 == 0):  # the row, after the scalars the kernel reads
