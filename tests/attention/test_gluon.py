@@ -699,6 +699,41 @@ def test_the_backward_adding_into_an_accumulator_compiles(triton):
         assert triton == "here" or by_gpu_host_triton(meta), meta["triton"]
 
 
+def test_the_rings_hopper_entries_of_the_wrong_form_are_refused(monkeypatch):
+    """An earlier result (`api.MERGE_INTO`) of other rows, a dQ accumulator (`api.DQ_INTO`) of another head count or
+    dtype, and a backward K/V wire (`api.KV_WIRE`) too short for k then v or whose keys' row runs past its block:
+    each refused with one clear message, on a (pretended) Hopper GPU."""
+    import numpy as np
+
+    from ejgen.ops import flash_attention
+    from ejgen.runtime.attention import api
+    from ejgen.runtime.attention.triton import host as triton_host
+
+    pretend_hopper(monkeypatch, values=False)
+    b, s, h, d = 1, 256, 2, 64
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((b, s, h, d)), jnp.bfloat16)
+    given = {"merge": None}
+    monkeypatch.setattr(triton_host, "given_merge", lambda ctx: (ctx, given["merge"]))
+    given["merge"] = (jnp.zeros((b, s // 2, h, 1, d), jnp.bfloat16), jnp.zeros((b, h, 1, s // 2), jnp.float32))
+    with pytest.raises(ValueError, match="the Hopper forward's earlier result must be out"):
+        flash_attention(q, q, q, causal=True, platform="triton")
+    given["merge"] = None
+    real = triton_host._backward
+    entries = [{api.DQ_INTO: (jnp.zeros((b, 2 * s, h, 1, d), jnp.bfloat16), 0)},
+               {api.DQ_INTO: (jnp.zeros((b, s, h, 1, d), jnp.float32), s)},
+               {api.KV_WIRE: (jnp.zeros((2 * b * s * h * d // (2 * s) - 1, 2 * s), jnp.uint16), 0)},
+               {api.KV_WIRE: (jnp.zeros((2 * b * 2 * s * h * d // (2 * s), 2 * s), jnp.uint16), s + 1)}]
+    messages = ["dQ accumulator must be float32", "dQ accumulator must be float32", "K/V wire must be 16-bit",
+                "K/V wire must be 16-bit"]
+    for entry, message in zip(entries, messages):
+        def backward(layout, q5, k, v, out, lse, d_out, d_lse, ctx, cfg, choice, entry=entry):
+            return real(layout, q5, k, v, out, lse, d_out, d_lse, {**ctx, **entry}, cfg, choice)
+
+        monkeypatch.setattr(triton_host, "_backward", backward)
+        with pytest.raises(ValueError, match=message):
+            jax.grad(lambda q: flash_attention(q, q, q, causal=True, platform="triton").astype(jnp.float32).sum())(q)
+
+
 def test_merge_into_is_the_rings_merge():
     """`api.merge_into` (what the Hopper forward's MERGE epilogue computes, and any other backend after its kernels)
     against the ring's own float32 merge (`ring._merge` into `_write`'s first result): the same out and lse, rows
