@@ -472,33 +472,27 @@ j_ring-ab() {  # session 33's ring experiments (notes/perf.md, "Session 33"): th
   job ring-ab-coalesce-bwd 110 python3 "${RING[@]}" --parts time --coalesce-backward --out "$log/ring-ab-cb"
   job ring-ab-narrow 110 python3 "${RING[@]}" --parts time --narrow-accumulators --out "$log/ring-ab-narrow"
 }
-j_ring-wire() {  # the coalesced forward reading K and V out of the received buffer (ring.KV_FROM_WIRE) and merging
-  # into the first step's result in its kernel (ring.MERGE_IN_KERNEL), both on since session 34: the ring GPU tests
-  # (cases with each off and on), then the forms before them (--no-kv-from-wire --no-merge-in-kernel), the wire alone
-  # and the default, each in its own process, twice (compare each ring row with its own run's one-GPU row)
-  EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 150 python3 -m pytest -m gpu -q -rf \
+ring_forms() {  # ring_forms NAME FORM...: the ring GPU tests, then twice each FORM ("label:ring.py flags") in its own
+  # process, one after another (compare each ring row with its own run's one-GPU row)
+  local name=$1 i f
+  shift
+  EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job "$name-tests" 180 python3 -m pytest -m gpu -q -rf \
     -p no:cacheprovider tests/multidevice/test_ring_gpu.py
-  local i
   for i in 1 2; do
-    job "ring-wire-base-$i" 80 python3 "${RING[@]}" --parts time --no-kv-from-wire --no-merge-in-kernel \
-      --out "$log/ring-wire-base-$i"
-    job "ring-wire-on-$i" 80 python3 "${RING[@]}" --parts time --no-merge-in-kernel --out "$log/ring-wire-on-$i"
-    job "ring-wire-merge-$i" 80 python3 "${RING[@]}" --parts time --out "$log/ring-wire-merge-$i"
+    for f in "$@"; do
+      # shellcheck disable=SC2086  # (the form's flags, word-split)
+      job "$name-${f%%:*}-$i" 80 python3 "${RING[@]}" --parts time ${f#*:} --out "$log/$name-${f%%:*}-$i"
+    done
   done
 }
+j_ring-wire() {  # the coalesced forward reading K and V out of the received buffer (ring.KV_FROM_WIRE) and merging
+  # into the first step's result in its kernel (ring.MERGE_IN_KERNEL), both on since session 34, against the forms
+  # before them
+  ring_forms ring-wire "base:--no-kv-from-wire --no-merge-in-kernel" "on:--no-merge-in-kernel" "merge:"
+}
 j_ring-dq() {  # the backward's pairs adding dQ into one accumulator in their kernels (ring.DQ_ONCE) and reading K
-  # and V out of the received buffer (ring.KV_FROM_WIRE_BWD), session 34, not yet GPU-run: the ring GPU tests (their
-  # cases, zigzag and contiguous), then the default, --dq-once, and both, each in its own process, twice (compare each
-  # ring row with its own run's one-GPU row)
-  EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 180 python3 -m pytest -m gpu -q -rf \
-    -p no:cacheprovider tests/multidevice/test_ring_gpu.py
-  local i
-  for i in 1 2; do
-    job "ring-dq-base-$i" 80 python3 "${RING[@]}" --parts time --out "$log/ring-dq-base-$i"
-    job "ring-dq-once-$i" 80 python3 "${RING[@]}" --parts time --dq-once --out "$log/ring-dq-once-$i"
-    job "ring-dq-wire-$i" 80 python3 "${RING[@]}" --parts time --dq-once --kv-from-wire-bwd \
-      --out "$log/ring-dq-wire-$i"
-  done
+  # and V out of the received buffer (ring.KV_FROM_WIRE_BWD), session 34, not yet GPU-run, against the default
+  ring_forms ring-dq "base:" "once:--dq-once" "wire:--dq-once --kv-from-wire-bwd"
 }
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
 j_ring-steady() { job ring-steady 170 python3 "${RING[@]}" --parts time --batch 4,16 --out "$log/ring-steady"; }

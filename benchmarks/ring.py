@@ -53,6 +53,23 @@ import traceback
 from pathlib import Path
 
 
+# flag -> (the `ejgen.runtime.attention.ring` switch it sets, the value, its help)
+RING_SWITCHES = {
+    "coalesce-backward": ("COALESCE_BACKWARD", True, "coalesced zigzag steps run their backward as one call too "
+                          "(off by default: slower than the pairs on 2 H100s, session 20)"),
+    "no-kv-from-wire": ("KV_FROM_WIRE", False, "the coalesced forward reads K and V from their slices of the received "
+                        "buffer, copied before the call (on by default since session 34)"),
+    "no-merge-in-kernel": ("MERGE_IN_KERNEL", False, "a 2-step ring's last forward merged into the first's result "
+                           "after its kernel (on by default since session 34)"),
+    "kv-from-wire-bwd": ("KV_FROM_WIRE_BWD", True, "the backward's pairs read K and V out of the received buffer "
+                         "(off by default until timed)"),
+    "dq-once": ("DQ_ONCE", True, "the backward's pairs add dQ into one float32 accumulator in their kernels (off by "
+                "default until timed)"),
+    "narrow-accumulators": ("NARROW_ACCUMULATOR_HOPS", 1, "the backward's dK/dV accumulators travel in the inputs' "
+                            "dtype where they make one hop (a 2-device ring; an experiment: float32 by default)"),
+}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=0, help="GPUs of the ring (default: all)")
@@ -75,24 +92,8 @@ def parse_args(argv=None):
     p.add_argument("--coalesce", choices=("off", "on", "both"), default="on",
                    help="time zigzag rings with each later step's two blocks as one call (ring.COALESCE, the "
                         "default) or as two (impl ring-zigzag-pairs); both: each, same process")
-    p.add_argument("--coalesce-backward", action="store_true",
-                   help="coalesced zigzag steps run their backward as one call too (ring.COALESCE_BACKWARD, off by "
-                        "default: slower than the pairs on 2 H100s, session 20)")
-    p.add_argument("--no-kv-from-wire", action="store_true",
-                   help="the coalesced forward reads K and V from their slices of the received buffer, copied before "
-                        "the call (ring.KV_FROM_WIRE off; on by default since session 34)")
-    p.add_argument("--no-merge-in-kernel", action="store_true",
-                   help="a 2-step ring's last forward merged into the first's result after its kernel "
-                        "(ring.MERGE_IN_KERNEL off; on by default since session 34)")
-    p.add_argument("--kv-from-wire-bwd", action="store_true",
-                   help="the backward's pairs read K and V out of the received buffer (ring.KV_FROM_WIRE_BWD, off by "
-                        "default until timed)")
-    p.add_argument("--dq-once", action="store_true",
-                   help="the backward's pairs add dQ into one float32 accumulator in their kernels (ring.DQ_ONCE, off "
-                        "by default until timed)")
-    p.add_argument("--narrow-accumulators", action="store_true",
-                   help="the backward's dK/dV accumulators travel in the inputs' dtype where they make one hop (a "
-                        "2-device ring; ring.NARROW_ACCUMULATOR_HOPS = 1, an experiment: float32 by default)")
+    for flag, (_, _, text) in RING_SWITCHES.items():
+        p.add_argument(f"--{flag}", action="store_true", help=text)
     p.add_argument("--budget-s", type=float, default=500, help="start no case after this many seconds")
     p.add_argument("--out", default="bench-out/ring")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on 4 CPU devices, platform xla")
@@ -446,12 +447,8 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     from ejgen.runtime.attention import ring as ring_runtime
 
-    for flag, switch, value in (("coalesce_backward", "COALESCE_BACKWARD", True),
-                                ("no_kv_from_wire", "KV_FROM_WIRE", False),
-                                ("no_merge_in_kernel", "MERGE_IN_KERNEL", False), ("dq_once", "DQ_ONCE", True),
-                                ("kv_from_wire_bwd", "KV_FROM_WIRE_BWD", True),
-                                ("narrow_accumulators", "NARROW_ACCUMULATOR_HOPS", 1)):
-        if getattr(ARGS, flag):  # the ring's switches, read as each call is traced
+    for flag, (switch, value, _) in RING_SWITCHES.items():
+        if getattr(ARGS, flag.replace("-", "_")):  # the ring's switches, read as each call is traced
             setattr(ring_runtime, switch, value)
     if ARGS.cpu_smoke:
         platform = "xla"

@@ -161,9 +161,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
         kernels = kernels[:1]
     elif backward_only:
         kernels = kernels[1:2]
-    if persistent_segments is None:
-        persistent_segments = gluon_attention.PERSISTENT_SEGMENTS_BWD
-    documents = persistent_segments and segments and not window and not bwd_lists and not spec
+    documents = gluon_attention.persistent_segments_bwd(call, bool(bwd_lists), persistent_segments)
     if not (forward_only or backward_only) and (causal and window and not bwd_lists or documents):
         # the persistent backward runs causal windows, and packed documents with PERSISTENT_SEGMENTS_BWD
         kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(),

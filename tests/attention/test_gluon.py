@@ -8,6 +8,8 @@ the calls they take against the float64 oracle, with a spy showing which kernels
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -262,7 +264,8 @@ def _stand_in_kernels(monkeypatch):
 
     def forward(layout, q, k, v, scalars, ctx, cfg, fast_tanh=False, wire=None, merge=None):
         if wire is not None:  # k then v as one 16-bit buffer (`api.KV_WIRE`): read out of it as the kernel does
-            k, v = (jax.lax.bitcast_convert_type(wire[i * k.size:(i + 1) * k.size], k.dtype).reshape(k.shape)
+            buffer = wire[0].reshape(-1)
+            k, v = (jax.lax.bitcast_convert_type(buffer[i * k.size:(i + 1) * k.size], k.dtype).reshape(k.shape)
                     for i in range(2))
         s = scores(q, k, cfg, scalars[0][0])
         lse = jax.nn.logsumexp(s, axis=-1)
@@ -565,8 +568,9 @@ def test_the_launches_match_the_kernels_signatures(monkeypatch):
 
 def test_the_forward_reads_k_and_v_out_of_a_given_wire(monkeypatch):
     """`api.KV_WIRE` (ring attention's received block, `ring.KV_FROM_WIRE`): on a (pretended) Hopper GPU the forward
-    launches with that 1-D 16-bit buffer as both K and V and KV_AT = k's item count (V's items right after K's);
-    without one, k and v themselves and KV_AT 0; a buffer that cannot hold k then v is refused. A fake launch."""
+    launches with that 16-bit buffer ([items / rows, rows]) as both K and V and KV_AT = k's item count (V's items
+    right after K's); without one, k and v themselves and KV_AT 0; a buffer that cannot hold k then v, or whose keys
+    are not the whole block (a row offset, more rows), is refused. A fake launch."""
     import numpy as np
     from jax import lax
 
@@ -576,11 +580,11 @@ def test_the_forward_reads_k_and_v_out_of_a_given_wire(monkeypatch):
     seen = pretend_hopper(monkeypatch)
     b, s, h, d = 1, 256, 2, 64
     q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal((b, s, h, d)), jnp.bfloat16) for i in range(3))
-    wire = jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint16).reshape(-1) for x in (k, v)])
+    wire = jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint16).reshape(-1) for x in (k, v)]).reshape(-1, s)
     given = {"wire": None}
     monkeypatch.setattr(triton_host, "given_wire", lambda ctx: (ctx, given["wire"]))
     for buffer in (None, wire):
-        given["wire"] = buffer
+        given["wire"] = None if buffer is None else (buffer, None)
         flash_attention(q, k, v, causal=True, platform="triton")
         kernel, _, inputs, _, kw = seen.pop()
         assert kernel.__name__ == "gluon_attention_fwd_kernel" and not seen
@@ -590,9 +594,12 @@ def test_the_forward_reads_k_and_v_out_of_a_given_wire(monkeypatch):
             assert kw["KV_AT"] == k.size and kw["KV_AT"] % 8 == 0
             for x in inputs[1:3]:
                 assert x.dtype == np.uint16 and np.array_equal(x, np.asarray(wire))
-    given["wire"] = wire[: 2 * k.size - 8]  # short of v's last items
-    with pytest.raises(ValueError, match="K/V wire must be 1-D 16-bit holding k then v"):
-        flash_attention(q, k, v, causal=True, platform="triton")
+    for short in ((wire[:-1], None), (wire, 0), (wire.reshape(-1, 2 * s), None)):  # short of v's last items; from
+        # a row (the forward takes the whole block); a block of more rows
+        given["wire"] = short
+        with pytest.raises(ValueError, match=re.escape("the Hopper forward's K/V wire must be 16-bit [items / rows, "
+                                                       "rows] holding k then v")):
+            flash_attention(q, k, v, causal=True, platform="triton")
 
 
 def test_the_forward_merges_into_a_given_result(monkeypatch):
@@ -734,27 +741,34 @@ def test_the_rings_hopper_entries_of_the_wrong_form_are_refused(monkeypatch):
             jax.grad(lambda q: flash_attention(q, q, q, causal=True, platform="triton").astype(jnp.float32).sum())(q)
 
 
-def test_merge_into_is_the_rings_merge():
-    """`api.merge_into` (what the Hopper forward's MERGE epilogue computes, and any other backend after its kernels)
-    against the ring's own float32 merge (`ring._merge` into `_write`'s first result): the same out and lse, rows
-    only one side saw, and rows neither saw (0 and -inf)."""
+def test_merge_into_is_the_softmax_over_both_key_sets():
+    """`api.merge_into` (what the Hopper forward's MERGE epilogue computes, the ring's `_merge` and any other backend
+    after its kernels) against a float64 reference of the softmax over both key sets: out and lse, rows only one side
+    saw, rows neither saw (0 and -inf); and the ring's `_write` of a first result is bitwise its merge into zeros."""
     import numpy as np
 
     from ejgen.runtime.attention import api, ring
 
     rng = np.random.default_rng(3)
     shape, lshape = (1, 8, 2, 2, 16), (1, 2, 2, 8)
-    out0, out1 = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
+    out0, out1 = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
     lse0, lse1 = (rng.standard_normal(lshape).astype(np.float32) for _ in range(2))
     lse0[..., 0], lse1[..., 1], lse0[..., 2], lse1[..., 2] = -np.inf, -np.inf, -np.inf, -np.inf
-    out0 = jnp.where(jnp.moveaxis(jnp.asarray(lse0) == -jnp.inf, -1, 1)[..., None], 0.0, out0)
-    out1 = jnp.where(jnp.moveaxis(jnp.asarray(lse1) == -jnp.inf, -1, 1)[..., None], 0.0, out1)
-    got_out, got_lse = api.merge_into(out1, jnp.asarray(lse1), (out0, jnp.asarray(lse0)))
-    acc, lse = ring._write(jnp.zeros(shape), jnp.full(lshape, -jnp.inf), out0, jnp.asarray(lse0), 0, 8)
-    want_out, want_lse = ring._merge(acc, lse, out1, jnp.asarray(lse1), 0, 8)
+    out0[:, 0], out1[:, 1], out0[:, 2], out1[:, 2] = 0, 0, 0, 0
+    got_out, got_lse = api.merge_into(jnp.asarray(out1), jnp.asarray(lse1), (jnp.asarray(out0), jnp.asarray(lse0)))
+    w0, w1 = np.exp(lse0.astype(np.float64)), np.exp(lse1.astype(np.float64))
+    den = w0 + w1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        weight = lambda w: np.moveaxis(np.where(den > 0, w / den, 0.0), -1, 1)[..., None]  # noqa: E731
+        want_out = out0 * weight(w0) + out1 * weight(w1)
+        want_lse = np.log(den)
     np.testing.assert_allclose(got_out, want_out, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6)
     assert np.all(np.asarray(got_out)[:, 2] == 0) and np.all(np.asarray(got_lse)[..., 2] == -np.inf)
+    zeros, none = jnp.zeros(shape), jnp.full(lshape, -jnp.inf)
+    for written, merged in zip(ring._write(zeros, none, jnp.asarray(out1), jnp.asarray(lse1), 0, 8),
+                               ring._merge(zeros, none, jnp.asarray(out1), jnp.asarray(lse1), 0, 8)):
+        np.testing.assert_array_equal(written, merged)
 
 
 def test_document_masks_reach_the_kernels_with_their_tile_ranges(monkeypatch):
@@ -1560,7 +1574,9 @@ def test_the_persistent_backward_takes_segment_ids_only_when_switched_on(monkeyp
     assert not gluon_attention.persistent_segments_bwd(call, False)
     monkeypatch.setattr(gluon_attention, "PERSISTENT_SEGMENTS_BWD", True)
     assert not gluon_attention.persistent_segments_bwd(call, True)  # lists
-    assert not gluon_attention.persistent_segments_bwd(call, False, spec=True)
+    assert not gluon_attention.persistent_segments_bwd(call, gluon_attention.listed(call, True, "bwd"))  # spec mask
+    assert not gluon_attention.persistent_segments_bwd(call, False, switch=False)
+    assert gluon_attention.persistent_segments_bwd(call, False, switch=True)
     for other in (dict(causal=False, segments=True), dict(causal=True, window=True, segments=True),
                   dict(causal=True)):
         assert not gluon_attention.persistent_segments_bwd(AttentionConfig(seq_q=1024, seq_k=1024, **other), False)

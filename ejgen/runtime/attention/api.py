@@ -123,13 +123,12 @@ def given_delta(ctx: dict):
     return _given(ctx, DELTA)
 
 
-# A backend forward's ctx entry: K and V as one 1-D buffer of 16-bit items of any type (ring attention's received
-# block, `ring.Wire`: k's items first, v's right after), the call's k and v being its two slices. A forward whose
-# kernel can read them out of the buffer takes it (no copy of the slices before the call: the Hopper forward,
-# KV_AT); any other uses k and v, which hold the same values (`given_wire`). A backend backward takes it as
-# (buffer, k0): the buffer as [items / rows, rows] (a free reshape: every part of a block is some items a row, and a
-# Python int would be traced on the way to the kernels) with k [B, rows, Hkv, D] first, the call's keys its rows
-# [k0, k0 + Sk) (the Hopper backward's KV_AT / KV_ROWS / KV_OFF_AT).
+# A backend call's ctx entry: (buffer, k0), a block's K and V in one buffer of 16-bit items of any type (ring
+# attention's received block, `ring.Wire`: k [B, rows, Hkv, D] first, v right after), as [items / rows, rows] (a free
+# reshape: every part of a block is some items a row; a Python int would be traced on the way to the kernels), the
+# call's k and v its rows [k0, k0 + Sk) (k0 None: from row 0). A call whose kernels can read them out of the buffer
+# takes it (no copy of the slices before the call: the Hopper forward's KV_AT, the whole block; the backward's KV_AT /
+# KV_ROWS / KV_OFF_AT); any other uses k and v, which hold the same values (`given_wire`).
 KV_WIRE = "kv_wire"
 
 

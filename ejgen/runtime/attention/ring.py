@@ -594,15 +594,23 @@ def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s,
     cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk or chunk, wide_layout)
     backend = plan.backend
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
-    if (wire is not None and choice.forward == "gluon" and backend.TENSOR_LAYOUT == api.SEQ_MAJOR
-            and kk.shape == held["k"].shape):  # (the whole block, unpadded, in the wire's own layout)
-        ck = {**ck, api.KV_WIRE: wire}
+    if choice.forward == "gluon":
+        ck = _with_wire(ck, wire, held, None, sk or chunk, kk, backend.TENSOR_LAYOUT)
     if earlier is not None:
         ck = {**ck, api.MERGE_INTO: earlier}
     asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()
     with asked:  # read when the kernel's launch is traced
         out, lse, _ = backend.forward(qk, kk, vk, ck, cfg, choice)
     return _from_kernel(out, backend.TENSOR_LAYOUT, chunk), lse[..., :chunk]
+
+
+def _with_wire(ck, wire, held, k0, sk: int, kk, layout: str) -> dict:
+    """``ck`` with `api.KV_WIRE`: the call's ``sk`` keys ``kk`` as rows of the held block's buffer as received,
+    ``wire``, from row ``k0`` on (None: from row 0) where it has one and they are its rows as they are (seq-major,
+    unpadded)."""
+    if wire is None or layout != api.SEQ_MAJOR or kk.shape[1] != sk:
+        return ck
+    return {**ck, api.KV_WIRE: (wire.reshape(-1, held["k"].shape[1]), k0)}  # (every part of a block: items a row)
 
 
 def _wide_layout(slots, r):
@@ -642,9 +650,8 @@ def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_
     if into:
         assert layout == api.SEQ_MAJOR and padded == chunk, "a dQ accumulator takes the pair's rows as they are"
         ck[api.DQ_INTO] = (dq_acc, q0)
-    if (wire is not None and choice.backward == "gluon" and layout == api.SEQ_MAJOR
-            and kk.shape[1] == sk):  # (the keys unpadded, in the wire's own layout)
-        ck[api.KV_WIRE] = (wire.reshape(-1, held["k"].shape[1]), k0)  # (every part of the block: some items a row)
+    if choice.backward == "gluon":
+        ck = _with_wire(ck, wire, held, k0, sk, kk, layout)
     dq, dk, dv, dctx = backend.backward(
         qk, kk, vk, _to_kernel(rows(out), layout, padded, 0), _to_kernel(rows(lse, 3), layout, padded, NEG_INF),
         None, _to_kernel(rows(d_out), layout, padded, 0), _to_kernel(rows(d_lse, 3), layout, padded, 0), ck, cfg,
@@ -809,7 +816,7 @@ def _forward(q, k, v, ctx, plan: Plan):
             s = (r - t) % plan.devices
             if wide:  # one call for the step's two pairs (COALESCE), merged into every row
                 result = _wide_forward(plan, chunk, q, held, ctx, slots, r, s,
-                                       travel if _reads_wire(wire) and held is not own else None,
+                                       travel if _wire_readable(wire, KV_FROM_WIRE) and held is not own else None,
                                        earlier[0] if merging else None)
                 if merging:  # (the last step: merged by its kernel)
                     return (ahead, *result), None
@@ -874,20 +881,11 @@ def _dq_into(plan: Plan) -> bool:
                                                                  for _, _, choice in plan.calls))
 
 
-def _reads_wire(wire: "Wire") -> bool:
-    """Whether a wide forward may read K and V out of the received buffer (KV_FROM_WIRE, `_wire_readable`)."""
-    return _wire_readable(wire, KV_FROM_WIRE)
-
-
 def _wire_readable(wire: "Wire", switch: bool) -> bool:
     """Whether kernels may read K and V out of a received buffer (where ``switch`` says so): k then v first in it, of
     one 16-bit dtype, the buffer's unit."""
     return (switch and wire.names[:2] == ("k", "v") and wire.dtypes[0] == wire.dtypes[1]
             and wire.dtypes[0].itemsize == 2 and wire.unit.itemsize == 2)
-
-
-def _finite(x):
-    return jnp.where(x == NEG_INF, 0.0, x)
 
 
 def _moved(w):
@@ -919,10 +917,7 @@ def _merge(acc, lse, out_p, lse_p, q0, chunk: int, in_place: bool = True):
     (float32). ``in_place``: the rows updated in place (a loop's carried buffers); else by `_updated`'s selects."""
 
     def merged(old_acc, old):
-        new = jnp.logaddexp(old, lse_p)
-        base = _finite(new)
-        return (old_acc * _moved(jnp.exp(old - base)) + out_p.astype(jnp.float32) * _moved(jnp.exp(lse_p - base)),
-                new)
+        return api.merge_into(out_p, lse_p, (old_acc, old))
 
     if in_place:
         new_acc, new = merged(_rows(acc, q0, chunk), _rows(lse, q0, chunk, 3))
@@ -1064,10 +1059,11 @@ def _backward(plan: Plan, residuals, cotangents):
             # updated in place, no separate concatenation onto the wire: XLA fuses it into what reads it)
             part = {n: _placed([(k0, res[i]) for (_, k0, _), res in zip(pairs, results)], chunk, x.shape[1])
                     for i, n, x in ((1, "k", k), (2, "v", v))}
+            if into:  # dq added up by the kernels: the last slot's accumulator
+                dq = results[-1][0]
             for (q0, _, _), res in zip(pairs, results):  # dq adds up at home, one pair after another
-                if into:  # (added by the kernels: the last slot's accumulator)
-                    dq = res[0] if res[0] is not None else dq
-                    grads = {n: grads[n] + res[3][n].astype(f32) for n in grads}
+                grads = {n: grads[n] + res[3][n].astype(f32) for n in grads}
+                if into:
                     continue
                 dq_p = res[0].astype(f32)
                 if dq is None:
@@ -1079,7 +1075,6 @@ def _backward(plan: Plan, residuals, cotangents):
                     dq = _updated((dq,), (1,), q0, chunk, lambda old, dq_p=dq_p: (old + dq_p,))[0]
                 else:
                     dq = lax.dynamic_update_slice_in_dim(dq, _rows(dq, q0, chunk) + dq_p, q0, 1)
-                grads = {n: grads[n] + res[3][n].astype(f32) for n in grads}
             ahead, arrived = _arrived(received, both, size, owed, alone)
             pending = part if arrived is None else {n: x.astype(f32) + part[n] for n, x in arrived.items()}
             return (ahead, pending, dq, grads), None

@@ -412,11 +412,11 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bo
 PERSISTENT_SEGMENTS_BWD = True
 
 
-def persistent_segments_bwd(cfg, listed: bool, spec: bool = False) -> bool:
-    """Whether a backward takes the persistent kernel with segment ids (`PERSISTENT_SEGMENTS_BWD`): causal,
-    segment ids, no window, and no lists (block layouts, spec masks: `listed`)."""
-    return bool(PERSISTENT_SEGMENTS_BWD and cfg.segments and cfg.causal and not cfg.window and not listed
-                and not spec and not cfg.layout)
+def persistent_segments_bwd(cfg, listed: bool, switch: bool | None = None) -> bool:
+    """Whether a backward takes the persistent kernel with segment ids (``switch``, default
+    `PERSISTENT_SEGMENTS_BWD`): causal, segment ids, no window, and no lists (block layouts, spec masks: `listed`)."""
+    on = PERSISTENT_SEGMENTS_BWD if switch is None else switch
+    return bool(on and cfg.segments and cfg.causal and not cfg.window and not listed)
 
 
 def ordered(cfg) -> bool:

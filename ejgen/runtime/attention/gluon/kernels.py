@@ -674,6 +674,22 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
 
 
 @gluon.jit
+def _kv_pointers(K, V, I32, dtype: gl.constexpr, KV_AT: gl.constexpr, KV_OFF_AT: gl.constexpr, ROW: gl.constexpr):
+    """Both kernels' K and V: as given, or (KV_AT > 0) out of one buffer of 16-bit items of any type (ring attention's
+    received block as it came: no copy of its slices before the call), K from its first item, V from item KV_AT
+    (a multiple of 8: 16-byte aligned for TMA), both from row I32[KV_OFF_AT] on (0: from row 0; ROW items a row)."""
+    if KV_AT > 0:
+        gl.static_assert(KV_AT % 8 == 0, "V's address must stay 16-byte aligned")
+        K = K.to(gl.pointer_type(dtype), bitcast=True)
+        V = K + KV_AT
+        if KV_OFF_AT > 0:  # (ROW * 2 bytes a row: 16-byte aligned)
+            row = gl.load(I32 + KV_OFF_AT).to(gl.int64) * ROW
+            K = K + row
+            V = V + row
+    return K, V
+
+
+@gluon.jit
 def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O_PREV, LSE_PREV, O, LSE, TILE_CTR,
                                SCRATCH,
                                B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
@@ -733,10 +749,7 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O_P
                                         block_shape=[1, ROWS, D], layout=q_layout)
     o_desc = tma.make_tensor_descriptor(O, shape=[B, SEQ, HQ * D], strides=[SEQ * HQ * D, HQ * D, 1],
                                         block_shape=[1, ROWS, D], layout=q_layout)
-    if KV_AT > 0:  # K and V out of one buffer (the wire as received: no copy of its slices before the call)
-        gl.static_assert(KV_AT % 8 == 0, "V's address must stay 16-byte aligned")
-        K = K.to(gl.pointer_type(dtype), bitcast=True)
-        V = K + KV_AT
+    K, V = _kv_pointers(K, V, I32, dtype, KV_AT, 0, HKV * D)
     k_desc = tma.make_tensor_descriptor(K, shape=[B, SEQ_K, HKV * D], strides=[SEQ_K * HKV * D, HKV * D, 1],
                                         block_shape=[1, BLOCK_N, D], layout=kv_layout)
     v_desc = tma.make_tensor_descriptor(V, shape=[B, SEQ_K, HKV * D], strides=[SEQ_K * HKV * D, HKV * D, 1],
@@ -1280,14 +1293,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     if DQ_OFF_AT > 0:  # the call's rows from a row of a larger accumulator on (16-byte aligned: HQ * D * 4 bytes a row)
         dq_base = DQ_ACC + gl.load(I32 + DQ_OFF_AT).to(gl.int64) * (HQ * D)
     gl.static_assert(KV_ROWS >= SEQ_K, "K and V hold the call's keys")
-    if KV_AT > 0:  # K and V out of one buffer (the wire as received: no copy of the keys' slices before the call)
-        gl.static_assert(KV_AT % 8 == 0, "V's address must stay 16-byte aligned")
-        K = K.to(gl.pointer_type(Q.dtype.element_ty), bitcast=True)
-        V = K + KV_AT
-        if KV_OFF_AT > 0:  # from a row of the block on (HKV * D * 2 bytes a row: 16-byte aligned)
-            kv_row = gl.load(I32 + KV_OFF_AT).to(gl.int64) * (HKV * D)
-            K = K + kv_row
-            V = V + kv_row
+    K, V = _kv_pointers(K, V, I32, Q.dtype.element_ty, KV_AT, KV_OFF_AT, HKV * D)
 
     (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
      cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(Q, K, V, DO, dq_base, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N,

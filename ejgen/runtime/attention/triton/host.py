@@ -363,7 +363,8 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
     layout or a spec mask each query tile walks its list of key blocks (`gluon_attention.fwd_lists`; LIST), in the
     order of their counts, the spec's mask on the partial ones (SPEC_MASK). ``fast_tanh``: the call's
     `KernelChoice.fast_tanh` (a soft cap's approximate tanh, `gluon_attention.softcap_constexpr`). ``wire``: k and v
-    as one 1-D 16-bit buffer (`api.KV_WIRE`), which the kernel reads them out of (KV_AT; k, v for their shapes).
+    as the whole block of one 16-bit buffer (`api.KV_WIRE`, `_wire_kv`), which the kernel reads them out of (KV_AT;
+    k, v for their shapes).
     ``merge``: (out, lse) of the same rows over other keys (`api.MERGE_INTO`), which the kernel merges its result into
     (MERGE), writing over those buffers (aliased)."""
     batch, sq, hkv, groups, d = q.shape
@@ -394,12 +395,8 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
         order = _dummy(jnp.int32)
     kv, kv_at = (k, v), 0
     if wire is not None:
-        kv_at = math.prod(k.shape)
-        if (wire.ndim != 1 or wire.dtype.itemsize != 2 or k.dtype != v.dtype or k.shape != v.shape
-                or wire.shape[0] < 2 * kv_at or kv_at % 8):
-            raise ValueError(f"the Hopper forward's K/V wire must be 1-D 16-bit holding k then v {k.shape}, got "
-                             f"{wire.dtype}{list(wire.shape)}")
-        kv = (wire, wire)
+        buffer, kv_at, _, _ = _wire_kv(wire, k, v, "forward")
+        kv = (buffer, buffer)
     earlier, aliases = [_dummy(q.dtype), _dummy(jnp.float32)], None
     if merge is not None:
         want = ((batch, sq, hkv, groups, d), q.dtype), ((batch, hkv, groups, sq), jnp.float32)
@@ -472,9 +469,8 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
     segment ids under a window (`gluon_attention.listed`). ``fast_tanh``: as the forward's (`KernelChoice`).
     ``dq_into``: (acc float32 [B, rows, Hq, D], q0), dq added into acc from row q0 on and acc returned as dq (float32):
     by the per-program kernel itself (DQ_ROWS, DQ_OFF_AT, acc aliased: no zeroed accumulator, no cast), after the
-    persistent one. ``wire``: (buffer [items / rows, rows], k0), k and v as rows [k0, k0 + Sk) of a block of
-    ``rows`` in one 16-bit buffer (`api.KV_WIRE`), which the per-program kernel reads them out of (KV_AT, KV_ROWS,
-    KV_OFF_AT; the persistent one takes k and v)."""
+    persistent one. ``wire``: k and v as rows of a block in one 16-bit buffer (`api.KV_WIRE`, `_wire_kv`), which the
+    per-program kernel reads them out of (KV_AT, KV_ROWS, KV_OFF_AT; the persistent one takes k and v)."""
     batch, sq, hq, d = q4.shape
     hkv = k.shape[2]
     spec, mask_tiles = _gluon_spec(layout)
@@ -485,8 +481,9 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
     listed = gluon_attention.listed(cfg, spec is not None, "bwd")
     outs = [jax.ShapeDtypeStruct((batch, sq, hq, d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    documents = gluon_attention.persistent_segments_bwd(cfg, listed, spec is not None)
-    if cfg.window and not listed or documents:  # causal with a window to the left (gluon_attention.ineligible), or
+    documents = gluon_attention.persistent_segments_bwd(cfg, listed)
+    persistent = cfg.window and not listed or documents
+    if persistent:  # causal with a window to the left (gluon_attention.ineligible), or
         # packed documents under causal: the persistent kernel, whose tile counter is zeroed like the dQ accumulator
         # (documents: its programs walk the programs' order, most work first)
         kernel, grid = gluon_attention.pbwd_kernel(), gluon_attention.pbwd_grid(batch, hkv, sq)
@@ -515,22 +512,13 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
         if staged is not None:
             segments[0] = scalars[1]  # QSEG: I32 with the terms' table, whose query-side rows the producer stages
         scalars = [*scalars, *segments, order]
-    aliases, persistent, kv = None, kernel is not gluon_attention.bwd_kernel(), (k, v)
+    aliases, kv = None, (k, v)
     if not persistent and wire is not None:
-        buffer, k0 = wire
-        rows = buffer.shape[-1]
-        kv_at = k.shape[0] * rows * k.shape[2] * k.shape[3]
-        if (buffer.ndim != 2 or buffer.dtype.itemsize != 2 or k.dtype != v.dtype or k.shape != v.shape
-                or buffer.size < 2 * kv_at or kv_at % 8 or rows < k.shape[1]
-                or isinstance(k0, int) and not 0 <= k0 <= rows - k.shape[1]):
-            raise ValueError(f"the Hopper backward's K/V wire must be 16-bit [items / rows, rows] holding k then v of "
-                             f"{rows} rows with the call's {k.shape[1]} from row {k0}, got "
-                             f"{buffer.dtype}{list(buffer.shape)}")
+        buffer, kv_at, rows, k0 = _wire_kv(wire, k, v, "backward")
         kv = (buffer, buffer)
         consts.update(KV_AT=kv_at, KV_ROWS=rows)
-        if not (isinstance(k0, int) and k0 == 0):  # the row, after the scalars the kernel reads
-            consts.update(KV_OFF_AT=scalars[1].shape[0])
-            scalars = [scalars[0], jnp.concatenate([scalars[1], jnp.asarray(k0, jnp.int32)[None]]), *scalars[2:]]
+        if k0 is not None:
+            scalars, consts["KV_OFF_AT"] = _with_row(scalars, k0)
     if not persistent:  # DQ_IN: the accumulator to add into (aliased to DQ_ACC), else a placeholder
         dq_in = _dummy(jnp.float32)
         if dq_into is not None:
@@ -542,9 +530,8 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
             outs[0] = jax.ShapeDtypeStruct(dq_in.shape, jnp.float32)
             zeroed, aliases = (), {6 + len(scalars): 0}
             consts.update(DQ_ROWS=dq_in.shape[1])
-            if not (isinstance(q0, int) and q0 == 0):  # the row, after the scalars the kernel reads
-                consts.update(DQ_OFF_AT=scalars[1].shape[0])
-                scalars = [scalars[0], jnp.concatenate([scalars[1], jnp.asarray(q0, jnp.int32)[None]]), *scalars[2:]]
+            if not (isinstance(q0, int) and q0 == 0):
+                scalars, consts["DQ_OFF_AT"] = _with_row(scalars, q0)
         scalars = [*scalars, dq_in]
     dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, *kv, do4, lse3, delta3, *scalars],
                                             outs + [_scratch(grid)], zeroed=zeroed, aliases=aliases, num_warps=4,
@@ -552,6 +539,30 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
     if dq_into is None:
         return dq_acc.astype(q4.dtype), dk, dv
     return (dq_acc if not persistent else add_rows(dq_into[0], dq_into[1], dq_acc)), dk, dv
+
+
+def _wire_kv(wire, k, v, pass_: str):
+    """(buffer, KV_AT, KV_ROWS, k0) of an `api.KV_WIRE` entry (buffer [items / rows, rows], k0: the call's keys from
+    that row of the block on, None from row 0), checked against the call's k and v: 16-bit, k then v first in the
+    buffer, V's items 16-byte aligned, the keys inside the block (the forward's: the whole block)."""
+    buffer, k0 = wire
+    rows = buffer.shape[-1]
+    kv_at = k.shape[0] * rows * k.shape[2] * k.shape[3]
+    whole = pass_ != "forward" or (k0 is None and rows == k.shape[1])
+    if (buffer.ndim != 2 or buffer.dtype.itemsize != 2 or k.dtype != v.dtype or k.shape != v.shape or not whole
+            or buffer.size < 2 * kv_at or kv_at % 8 or rows < k.shape[1]
+            or isinstance(k0, int) and not 0 <= k0 <= rows - k.shape[1]):
+        raise ValueError(f"the Hopper {pass_}'s K/V wire must be 16-bit [items / rows, rows] holding k then v of "
+                         f"{rows} rows, the call's {k.shape[1]} keys from row {k0 or 0}"
+                         f"{' (all of them)' if pass_ == 'forward' else ''}, got {buffer.dtype}{list(buffer.shape)}")
+    return buffer, kv_at, rows, k0
+
+
+def _with_row(scalars, row):
+    """(the scalars with ``row`` appended to I32, scalars[1]; its index there): a run-time row offset a kernel reads
+    past the scalars it reads (int32, traced or not)."""
+    at = scalars[1].shape[0]
+    return [scalars[0], jnp.concatenate([scalars[1], jnp.asarray(row, jnp.int32)[None]]), *scalars[2:]], at
 
 
 def _masks(ctx, cfg, batch):

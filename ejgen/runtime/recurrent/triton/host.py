@@ -620,14 +620,19 @@ def _arch(arch: str | None) -> str | None:
     return target.arch if target.platform == "gpu" else None
 
 
+def _bf16_products_here(dtype, products: str, arch: str | None) -> bool:
+    """Whether a call's products run as the scalar gates' tuned launches were timed: 16-bit inputs, bf16 products
+    (the chunk_products setting), on sm_90 or in the Triton interpreter (``arch`` as `_arch` takes it)."""
+    return jnp.dtype(dtype).itemsize == 2 and products == "bfloat16" and _arch(arch) in (None, "sm90")
+
+
 def output_launch(dtype, products: str, gates, arch: str | None = "here") -> Tiles:
     """chunk_output's launch for inputs of ``dtype``, the chunk_products setting ``products`` and ``gates`` (names, as
     RecurrentConfig.gates) on ``arch`` ("sm90"; None: the Triton interpreter; default: the machine calls run on):
     OUTPUT_SCALAR_TILES with a scalar gate alone, 16-bit inputs and bf16 products on sm_90 (where it was timed; sm_80
     holds 235-252 registers there) and in the interpreter, else CHUNKED's."""
     scalar = "gk" not in gates and bool(set(gates) & set(SCALAR_LOG_GATES))
-    if (scalar and jnp.dtype(dtype).itemsize == 2 and products == "bfloat16" and _arch(arch) in (None, "sm90")
-            and OUTPUT_SCALAR_TILES is not None):
+    if scalar and _bf16_products_here(dtype, products, arch) and OUTPUT_SCALAR_TILES is not None:
         return OUTPUT_SCALAR_TILES
     return CHUNKED["chunk_output"]
 
@@ -812,8 +817,7 @@ def grads_qk_form(dtype, products: str, gates, dk: int, dv: int, arch: str | Non
     3 stages ask 248 KB of shared memory, past sm_90's 227)."""
     scalar = "gk" not in gates and bool(gates)  # (gates: of RECURRENT_GATES, as RecurrentConfig.gates)
     sixteen = jnp.dtype(dtype) != jnp.float32
-    whole = (scalar and sixteen and products == "bfloat16" and GRADS_QK_SCALAR_TILES is not None
-             and _arch(arch) in (None, "sm90"))
+    whole = scalar and _bf16_products_here(dtype, products, arch) and GRADS_QK_SCALAR_TILES is not None
     blocks, options = tiles("chunk_grads_qk", dk, dv, GRADS_QK_SCALAR_TILES if whole else None)
     if grouped:
         options["num_stages"] = min(options["num_stages"], 2)
