@@ -29,7 +29,7 @@
 #   rec-full       every recurrent GPU test, 8 processes a GPU (2 GPUs: one call)
 #   ring-ab        the ring's default, then --coalesce-backward, --narrow-accumulators (2 GPUs)
 #   ring-wire      the ring tests, then the forward reading the wire / merging in its kernel against before (2 GPUs)
-#   ring-dq        the ring tests, then --dq-once and --kv-from-wire-bwd against the default (2 GPUs)
+#   ring-dq        the ring tests, then the default against --no-kv-from-wire-bwd and --no-dq-once (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
 #                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
@@ -491,8 +491,8 @@ j_ring-wire() {  # the coalesced forward reading K and V out of the received buf
   ring_forms ring-wire "base:--no-kv-from-wire --no-merge-in-kernel" "on:--no-merge-in-kernel" "merge:"
 }
 j_ring-dq() {  # the backward's pairs adding dQ into one accumulator in their kernels (ring.DQ_ONCE) and reading K
-  # and V out of the received buffer (ring.KV_FROM_WIRE_BWD), session 34, not yet GPU-run, against the default
-  ring_forms ring-dq "base:" "once:--dq-once" "wire:--dq-once --kv-from-wire-bwd"
+  # and V out of the received buffer (ring.KV_FROM_WIRE_BWD), both on since session 35, against the forms before them
+  ring_forms ring-dq "base:--no-kv-from-wire-bwd --no-dq-once" "once:--no-kv-from-wire-bwd" "wire:"
 }
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
 j_ring-steady() { job ring-steady 170 python3 "${RING[@]}" --parts time --batch 4,16 --out "$log/ring-steady"; }

@@ -61,10 +61,10 @@ RING_SWITCHES = {
                         "buffer, copied before the call (on by default since session 34)"),
     "no-merge-in-kernel": ("MERGE_IN_KERNEL", False, "a 2-step ring's last forward merged into the first's result "
                            "after its kernel (on by default since session 34)"),
-    "kv-from-wire-bwd": ("KV_FROM_WIRE_BWD", True, "the backward's pairs read K and V out of the received buffer "
-                         "(off by default until timed)"),
-    "dq-once": ("DQ_ONCE", True, "the backward's pairs add dQ into one float32 accumulator in their kernels (off by "
-                "default until timed)"),
+    "no-kv-from-wire-bwd": ("KV_FROM_WIRE_BWD", False, "the backward's pairs read K and V from slices of the "
+                            "received buffer copied before each call (on by default since session 35)"),
+    "no-dq-once": ("DQ_ONCE", False, "the backward's pairs each zero, cast and return their own dQ, added up after "
+                   "the kernels (one accumulator by default since session 35)"),
     "narrow-accumulators": ("NARROW_ACCUMULATOR_HOPS", 1, "the backward's dK/dV accumulators travel in the inputs' "
                             "dtype where they make one hop (a 2-device ring; an experiment: float32 by default)"),
 }

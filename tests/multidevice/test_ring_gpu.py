@@ -58,6 +58,7 @@ RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WI
     ("contiguous-dq-once", "contiguous", False, False, True, False),
     ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True),
     ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True),
+    ("zigzag-defaults", "zigzag", True, True, True, True),  # every switch on: the default since session 35
 ]
 
 

@@ -96,14 +96,16 @@ MERGE_IN_KERNEL = True
 # DQ_ROWS / DQ_OFF_AT over `api.DQ_INTO`, the accumulator aliased from pair to pair) instead of each zeroing its own,
 # cast to the inputs' dtype, cast back and added up in XLA: one zero-fill and one cast a backward (R128 W64 MiB a
 # device at 32k tokens over 2 devices, 16/16 heads, instead of R256 W64; -67 us model), and dQ rounded once. P3 of
-# notes/studies/s33-ring-p2-p3-plan.md. Built in session 34, NOT GPU-run: off until its GPU test and `ring.py
-# --dq-once` say.
-DQ_ONCE = False
+# notes/studies/s33-ring-p2-p3-plan.md. Session 35 (2 H200s, `ring.py`, each form twice in its own process, with
+# KV_FROM_WIRE_BWD below): fwd+bwd 15.01 / 14.93 ms -> 14.88 / 15.02 (this alone) -> 14.87 / 14.95 (both), the same
+# runs' one GPU 26.34-26.46; its GPU tests pass (out, lse and every gradient against the oracle). On.
+DQ_ONCE = True
 # The backward's pairs read K and V out of the received buffer (the Hopper backward's KV_AT / KV_ROWS / KV_OFF_AT over
 # `api.KV_WIRE`, the pair's keys at a row of the block) instead of slices copied before each call (2 x 32 MiB a
 # device at 32k tokens over 2 devices, 16/16 heads: ~34 us model). P1 of notes/studies/s33-ring-p2-p3-plan.md. Built in
-# session 34, NOT GPU-run: off until its GPU test and `ring.py --kv-from-wire-bwd` say.
-KV_FROM_WIRE_BWD = False
+# session 34; session 35 (2 H200s, with DQ_ONCE): fwd+bwd 14.87 / 14.95 ms against 14.88 / 15.02 without it (within
+# the runs' spread, the model's direction); its GPU tests pass. On.
+KV_FROM_WIRE_BWD = True
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
