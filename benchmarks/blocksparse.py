@@ -134,7 +134,8 @@ def _static(f):
     return call
 
 
-def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = False, probe: bool = False) -> list[dict]:
+def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = False, probe: bool = False,
+        trace: Path | None = None, forms: tuple = ()) -> list[dict]:
     ids = document_ids(tokens, docs)
     keys = jax.random.split(jax.random.PRNGKey(tokens + docs), 4)
     q, k, v, do = (jax.random.normal(kk, (1, tokens, HEADS, DIM), jnp.bfloat16) for kk in keys)
@@ -162,6 +163,10 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         impls["ejgen-triton documents, per-program backward"] = impls["ejgen-triton documents"]
         switches["ejgen-triton documents, DOCS masks"] = ("DOCS_MASKS", True)
         switches["ejgen-triton documents, per-program backward"] = ("PERSISTENT_SEGMENTS_BWD", False)
+    for name, value in forms:  # --switch: the documents again with a `gluon.host` switch set while they trace
+        label = f"ejgen-triton documents, {name}={value}"
+        impls[label] = impls["ejgen-triton documents"]
+        switches[label] = (name, value)
     if documents_only and not probe:
         impls.pop("ejgen-triton causal (all tokens)")
     flops = 4.0 * HEADS * DIM * visible_pairs(ids)
@@ -175,6 +180,16 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
                 exe = jax.jit(fn).lower(q, k, v, info).compile()
             jax.block_until_ready(exe(q, k, v, info))
             compiled.append((name, pass_, exe, mult))
+    if trace is not None:  # every kernel of one documents call, then BATCH calls back to back (span, busy, gaps)
+        import trace_table
+
+        for name, pass_, exe, _ in compiled:
+            if name == "ejgen-triton documents":
+                where = trace / f"trace-{tokens}x{docs}-{pass_.replace('+', '')}"
+                label = f"{name} {tokens} tokens / {docs} documents, {pass_}"
+                trace_table.profile(exe, (q, k, v, info), where, label=label)
+                trace_table.back_to_back(exe, (q, k, v, info), Path(f"{where}-batch"), calls=BATCH, label=label,
+                                         gap_us=5.0)
     times = [[] for _ in compiled]
     for r in range(rounds):
         for i, (_, _, exe, _) in enumerate(compiled):
@@ -241,12 +256,18 @@ def main():
                    help="the document cases, comma-separated TOKENSxDOCUMENTS")
     p.add_argument("--probe", action="store_true", help="also the generated kernels on the documents, one document, "
                                                         "and the Gluon kernels' tile ranges alone")
+    p.add_argument("--switch", action="append", default=[], metavar="NAME=0|1",
+                   help="also time the documents with `gluon.host.NAME` set (an A/B in one process; repeatable)")
+    p.add_argument("--trace", action="store_true", help="also print every kernel of one documents call and the "
+                   "device's span, busy time and gaps over 5 us of --calls calls back to back (trace_table.py)")
     a = p.parse_args()
     global BATCH
     BATCH = a.calls
     doc_cases = [tuple(int(x) for x in c.split("x")) for c in a.doc_cases.split(",") if c]
+    forms = tuple((f.split("=")[0], bool(int(f.split("=")[1]))) for f in a.switch)
     rows = [] if a.layouts_only else [r for tokens, docs in doc_cases
-                                      for r in run(tokens, docs, a.reps, a.rounds, a.documents_only, a.probe)]
+                                      for r in run(tokens, docs, a.reps, a.rounds, a.documents_only, a.probe,
+                                                   Path(a.out) if a.trace else None, forms)]
     if not a.documents_only:
         lengths = {int(t) for t in a.layout_tokens.split(",") if t}
         for kind, tokens in LAYOUTS:

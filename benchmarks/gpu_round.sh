@@ -30,6 +30,7 @@
 #   ring-ab        the ring's default, then --coalesce-backward, --narrow-accumulators (2 GPUs)
 #   ring-wire      the ring tests, then the forward reading the wire / merging in its kernel against before (2 GPUs)
 #   ring-dq        the ring tests, then the default against --no-kv-from-wire-bwd and --no-dq-once (2 GPUs)
+#   ring-p7        the ring tests, then the default against --wide-lists-constant (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
 #                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
@@ -72,6 +73,8 @@
 #   select-once-ab the masked zoo rows there and here (session 26: NATTEN 2-D fwd 0.289 there, 0.334-0.338 here in
 #                  other calls; the tests ran out of time, 19 passed)
 #   ncu-natten     Nsight Compute of NATTEN 2-D's Hopper forward (details and SASS samples into $OUT)
+#   docs-plan      the documents' plan kernels: their tests, 16 calls a sample against jnp's plan and Flex, a trace
+#   docs-trace     every kernel of the documents' fwd and fwd+bwd calls, and their gaps (issue 14)
 #   documents      documents vs Flex (blocksparse.py, flex_blocksparse.py)             (issue 14)
 #   documents16    the same at 16 calls a sample (both sides)
 #   pause          45 s of nothing (benchmarks after another lane's test shards)
@@ -395,6 +398,20 @@ j_documents() {
   job documents 120 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --out "$log/bs"
   job layouts-flex 90 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --out "$log/bs"
 }
+j_docs-trace() {  # every kernel of one documents call (8k / 8, 32k / 64; fwd, fwd+bwd) and 4 calls' span and gaps
+  job docs-trace 150 python3 benchmarks/blocksparse.py --documents-only --doc-cases 8192x8,32768x64 --rounds 1 \
+    --reps 2 --trace --out "$log/bs-trace"
+}
+j_docs-plan() {  # the documents' plan in two Triton launches a pass (gluon.host.PLAN_KERNELS, session 35): the Gluon
+  # document tests, then 16 calls a sample against the plan in jnp (one process) and FlexAttention (its own), then
+  # every kernel of one call
+  shards docs-tests 240 3 -k "document_masks or persistent or segment" tests/attention/test_gluon.py
+  job docs-plan 200 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --calls 16 \
+    --switch PLAN_KERNELS=0 --out "$log/bs16"
+  job documents16-flex 120 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --calls 16 \
+    --out "$log/bs16"
+  j_docs-trace
+}
 j_documents16() {
   job documents16 150 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --calls 16 \
     --out "$log/bs16"
@@ -493,6 +510,10 @@ j_ring-wire() {  # the coalesced forward reading K and V out of the received buf
 j_ring-dq() {  # the backward's pairs adding dQ into one accumulator in their kernels (ring.DQ_ONCE) and reading K
   # and V out of the received buffer (ring.KV_FROM_WIRE_BWD), both on since session 35, against the forms before them
   ring_forms ring-dq "base:--no-kv-from-wire-bwd --no-dq-once" "once:--no-kv-from-wire-bwd" "wire:"
+}
+j_ring-p7() {  # the coalesced forward's block lists and tile order built when tracing, picked by the device's index
+  # (ring.WIDE_LISTS_CONSTANT, off: it lost in session 35), against XLA building them every call
+  ring_forms ring-p7 "base:" "on:--wide-lists-constant"
 }
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
 j_ring-steady() { job ring-steady 170 python3 "${RING[@]}" --parts time --batch 4,16 --out "$log/ring-steady"; }
@@ -643,6 +664,9 @@ declare -A PRESETS=(
   # session 35: the ring's one dQ accumulator (ring.DQ_ONCE) and the backward reading the wire (KV_FROM_WIRE_BWD)
   # tested and A/B'd on 2 GPUs (issue 18), DEADLINE=560
   [s35a]="0-1:ring-dq"
+  [s35b]="0:docs-trace"
+  [s35c]="0:docs-plan"
+  [s35d]="0-1:ring-p7"  # (then on by default: it lost and was turned off)
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)

@@ -176,6 +176,36 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     return compiled
 
 
+def compile_plan(*, capability: int = 90, batch: int = 2, seq: int = 32768, heads: int = 16, causal: bool = True,
+                 programs: int = 132) -> dict:
+    """The documents' plan kernels (`gluon.plan`: ranges and order, each pass) with the options and constexprs
+    `gluon.host.segment_plan` gives a call of these shapes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ejgen.runtime.attention.gluon import host as gluon_attention
+    from ejgen.runtime.attention.gluon import plan
+
+    compiled = {}
+    for pass_ in ("fwd", "bwd"):
+        options = gluon_attention.plan_constexprs(batch, seq, pass_, causal)
+        warps = options.pop("num_warps")
+        options.pop("num_stages")
+        n = options["N_O"] * batch
+        kernels = [("ranges", plan.ranges_kernel, options, warps),
+                   ("order", plan.order_kernel, dict(N=n, H=heads, H_PAD=1 << max(heads - 1, 0).bit_length(),
+                                                     PROGRAMS=programs, SNAKE=pass_ == "fwd", BR=plan.BR_ORDER,
+                                                     CH=plan.CH), 4)]
+        for which, kernel, consts, num_warps in kernels:
+            sig = {n: "*i32" if n not in consts else "constexpr" for n in kernel.arg_names}
+            aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n not in consts}
+            source = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=aligned)
+            compiled[f"{which}_{pass_}"] = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                                                          options={"num_warps": num_warps, "num_stages": 1})
+    return compiled
+
+
 def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", params: dict | None = None,
                    head_dim: int = 128, groups: int = 4, queries: int = 1, paged: bool = False, page: int = 16,
                    causal: bool = True, window: bool = False, softcap: bool = False) -> dict:
@@ -561,6 +591,8 @@ def _compile(args: dict) -> dict:
     with_resources = args.pop("with_resources", False)
     if args.pop("gluon", False):
         compiled = compile_gluon(**args)
+    elif args.pop("plan", False):
+        compiled = compile_plan(**args)
     elif args.pop("decode", False):
         compiled = compile_decode(args.pop("package"), args.pop("name"), **args)
     elif args.pop("pooling", False):

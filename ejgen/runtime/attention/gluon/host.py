@@ -530,6 +530,78 @@ def segment_ranges(ctx, cfg, seq: int, pass_: str = "fwd", block_n: int = TILES[
     return block_mask.tile_ranges(kinds, longest=False)  # documents: one run of full tiles per tile
 
 
+# The segment ids' tile ranges and the tiles' order by work in two Triton launches a pass (`plan.ranges_kernel`,
+# `plan.order_kernel`) instead of the 8-9 small XLA kernels `segment_ranges` and `tile_order` / `bwd_order` make
+# (~1.1 us each on an H200, whatever their size: session 35's trace of 8k tokens with 8 documents, ~21 us of a
+# 0.65 ms forward+backward). Bit for bit the same results. Session 35, one H200, 16 calls a sample, one process: the
+# four launches 7.6 us at 8k with 8 documents (a first form, whose ranges programs looped over the inner tiles, took
+# 24 us); fwd+bwd 0.643 -> 0.635 ms at 8k / 8 (1.30x FlexAttention's 0.826 in the same run), 2.181 -> 2.172 at
+# 32k / 64, 9.232 -> 9.321 at 32k / 8 (within that size's 1% spread); forwards alike; the GPU document tests pass. On.
+PLAN_KERNELS = True
+
+
+def segment_plan(ctx, cfg, seq: int, pass_: str, heads: int, programs: int = 1, by_work: bool = True,
+                 block_n: int = TILES["BLOCK_N"]) -> tuple:
+    """(RANGES, ORDER) of a pass over segment ids: `segment_ranges` and the forward's `tile_order` over ``heads``
+    query heads dealt to ``programs`` / the backward's `bwd_order` over ``heads`` kv heads (``by_work``: by their
+    work, else the grid's own order), from the plan kernels where `PLAN_KERNELS` and the ids alone mask the call
+    (no dense mask or block layout, the forward's key tiles TILES'), else in jnp."""
+    import jax
+    import jax.numpy as jnp
+
+    q_ids, kv_ids = ctx["q_seg"], ctx["kv_seg"]
+    fwd = pass_ == "fwd"
+    if not (PLAN_KERNELS and cfg.segments and not (cfg.dense_mask or cfg.layout) and block_n == TILES["BLOCK_N"]
+            and q_ids.shape == kv_ids.shape and q_ids.shape[1] == seq and (fwd or by_work)
+            and _plan_inner_ids(seq, pass_) <= _plan_limit()):
+        keys = {"block_n": block_n} if fwd else {}
+        ranges = segment_ranges(ctx, cfg, seq, pass_, **keys)
+        if fwd:
+            return ranges, tile_order(ranges, heads, cfg.causal, programs)
+        return ranges, bwd_order(ranges, heads, seq, cfg.causal, by_work)
+    from ejgen.runtime.attention.gluon import plan
+    from ejgen.runtime.launch import triton_call
+
+    batch = q_ids.shape[0]
+    (bo, bi), (outer, inner) = (((BLOCK_M, block_n), (q_ids, kv_ids)) if fwd else
+                                ((BWD_TILES["BLOCK_N"], BWD_TILES["BLOCK_M"]), (kv_ids, q_ids)))
+    n_o, n_i = -(-seq // bo), -(-seq // bi)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    ranges, work = triton_call.launch(
+        plan.ranges_kernel, (-(-n_o // plan.BR), batch), [outer.astype(jnp.int32), inner.astype(jnp.int32)],
+        [i32(batch, n_o, 4), i32(n_o * batch)], **plan_constexprs(batch, seq, pass_, cfg.causal))
+    n = n_o * batch
+    (order,) = triton_call.launch(
+        plan.order_kernel, (-(-n // plan.BR_ORDER), ), [work], [i32(n * heads)], num_warps=4, num_stages=1, N=n,
+        H=heads, H_PAD=1 << max(heads - 1, 0).bit_length(), PROGRAMS=programs, SNAKE=fwd, BR=plan.BR_ORDER,
+        CH=plan.CH)
+    return ranges, order
+
+
+def _plan_limit() -> int:
+    from ejgen.runtime.attention.gluon import plan
+
+    return plan.MAX_INNER_IDS
+
+
+def _plan_inner_ids(seq: int, pass_: str) -> int:
+    """The ids one ranges program loads: every inner tile's (the forward's key blocks, the backward's query
+    blocks), padded to a power of two tiles."""
+    bi = TILES["BLOCK_N"] if pass_ == "fwd" else BWD_TILES["BLOCK_M"]
+    return (1 << max(-(-seq // bi) - 1, 0).bit_length()) * bi
+
+
+def plan_constexprs(batch: int, seq: int, pass_: str, causal: bool) -> dict:
+    """The launch options and constexprs of `plan.ranges_kernel` for a pass over ``seq`` tokens."""
+    from ejgen.runtime.attention.gluon import plan
+
+    bo, bi = (BLOCK_M, TILES["BLOCK_N"]) if pass_ == "fwd" else (BWD_TILES["BLOCK_N"], BWD_TILES["BLOCK_M"])
+    n_i = -(-seq // bi)
+    return dict(num_warps=plan.WARPS, num_stages=1, B=batch, S=seq, N_O=-(-seq // bo), N_I=n_i,
+                N_I_PAD=1 << max(n_i - 1, 0).bit_length(), BLOCK_O=bo, BLOCK_I=bi, BACKWARD=pass_ != "fwd",
+                CAUSAL=bool(causal), FWD_BLOCK_N=TILES["BLOCK_N"], BR=plan.BR)
+
+
 # -- block layouts: lists of blocks -----------------------------------------------------------------------------
 MAX_SUB_BLOCKS = 32  # a list entry's word of visible sub-blocks (a layout finer than the kernel's tiles): int32
 
@@ -661,12 +733,23 @@ def fwd_lists(ctx, cfg, seq: int, mask_tiles=None, batch: int = 1, heads: int = 
     the spec's mask, ``mask_tiles`` over ``batch`` x ``heads``, joined with causal, the window and segment ids;
     `_compact`), under jit with the layout and the options traced. TB / TH: 1 where the kinds are the same for every
     batch row / head; ``block_n``: the kernel's key tiles (`fwd_key_tiles`)."""
-    kinds, words, sub_q, sub_k = _list_kinds(ctx, cfg, seq, BLOCK_M, block_n, mask_tiles, batch, heads)
+    kinds, words, _, _ = _list_kinds(ctx, cfg, seq, BLOCK_M, block_n, mask_tiles, batch, heads)
     if words is not None:
         words = _broadcast_like(words, kinds)
     count, table = _compact(kinds, words, empty_entry=True)
-    consts = dict(LIST=True, LIST_BATCH=table.shape[0], LIST_HEADS=table.shape[1], SUB_Q=sub_q, SUB_K=sub_k)
-    return table, consts, count
+    return table, fwd_list_constexprs(table, cfg, block_n), count
+
+
+def fwd_list_constexprs(table, cfg, block_n: int = TILES["BLOCK_N"]) -> dict:
+    """The forward's list constexprs of its block lists ``table`` (`fwd_lists`' RANGES, built here or given:
+    `triton.host._constant_lists`): LIST_BATCH, LIST_HEADS from its shape, SUB_Q, SUB_K from the call's block layout
+    at the kernel's tiles (BLOCK_M x ``block_n``; `_layout_kinds`: 0, 0 where its blocks cover whole tiles)."""
+    sub_q = sub_k = 0
+    if cfg.layout:
+        sub_q, sub_k = _sub_block(BLOCK_M, cfg.layout_block[0]), _sub_block(block_n, cfg.layout_block[1])
+        if (sub_q, sub_k) == (BLOCK_M, block_n):
+            sub_q = sub_k = 0
+    return dict(LIST=True, LIST_BATCH=table.shape[0], LIST_HEADS=table.shape[1], SUB_Q=sub_q, SUB_K=sub_k)
 
 
 def bwd_lists(ctx, cfg, seq: int, hkv: int, mask_tiles=None, batch: int = 1, heads: int = 1):

@@ -8,16 +8,18 @@ everything else is here, once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ejgen.runtime.attention import tiles
-from ejgen.runtime.attention.api import (SEQ_MAJOR, add_rows, given_delta, given_dq, given_merge, given_wire,
-                                         join_sinks, merge_into, sinks_grad)
+from ejgen.runtime.attention.api import (SEQ_MAJOR, add_rows, given_delta, given_dq, given_layouts, given_merge,
+                                         given_wire, join_sinks, merge_into, sinks_grad)
 from ejgen.runtime.attention.gluon import host as gluon_attention
 from ejgen.runtime.attention.triton import configs as triton_configs
 from ejgen.runtime.core import kernels, settings, sizes
@@ -339,15 +341,16 @@ def _grid_batch(q, ctx, cfg):
     return ctx["cu_q"].shape[0] - 1 if cfg.varlen else q.shape[0]
 
 
-def _gluon_segments(ctx, cfg, seq: int, pass_: str, listed: bool, block_n: int | None = None):
+def _gluon_segments(ctx, cfg, seq: int, pass_: str, later: bool, block_n: int | None = None):
     """The Gluon kernels' QSEG, KSEG and RANGES inputs: segment ids and their tile ranges (the forward's key blocks of
-    ``block_n``), else placeholders (where the kernel walks lists, ``listed``, RANGES is then replaced by them:
-    `gluon_attention.fwd_lists` / `bwd_lists`)."""
+    ``block_n``), else placeholders; ``later``: RANGES a placeholder the caller replaces (the lists the kernel walks,
+    `gluon_attention.fwd_lists` / `bwd_lists`, or the ranges that come with the tiles' order,
+    `gluon_attention.segment_plan`)."""
     if not cfg.segments:
         return [_dummy(jnp.int32)] * 3
     ids = [ctx["q_seg"], ctx["kv_seg"]]
     keys = {} if block_n is None else {"block_n": block_n}
-    return ids + [_dummy(jnp.int32) if listed else gluon_attention.segment_ranges(ctx, cfg, seq, pass_, **keys)]
+    return ids + [_dummy(jnp.int32) if later else gluon_attention.segment_ranges(ctx, cfg, seq, pass_, **keys)]
 
 
 def _gluon_spec(layout: Layout):
@@ -356,41 +359,105 @@ def _gluon_spec(layout: Layout):
     return spec, layout.mask_tiles if spec is not None else None
 
 
+def _gluon_walk(layout: Layout, cfg, batch: int, hq: int, sq: int) -> tuple:
+    """(grid, spec, mask_tiles, listed, key tiles, dynamic) of the Gluon forward of a call: its persistent grid, the
+    spec's mask and its tiles (`_gluon_spec`), whether it walks lists of blocks (`gluon_attention.listed`), its key
+    tiles (`gluon_attention.fwd_key_tiles`), whether its programs take tiles from a zeroed counter (TILE_CTR, the order
+    then one list: `gluon_attention.dynamic_tiles`)."""
+    grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
+    spec, mask_tiles = _gluon_spec(layout)
+    listed = gluon_attention.listed(cfg, spec is not None)
+    tiles = gluon_attention.fwd_key_tiles(cfg, spec is not None and layout.mask_divides)
+    dynamic = gluon_attention.dynamic_tiles(cfg.causal, cfg.window, cfg.segments or listed,
+                                            gluon_attention.fwd_tiles(batch, hq, sq), grid[0])
+    return grid, spec, mask_tiles, listed, tiles, dynamic
+
+
+def _gluon_lists(ctx, cfg, mask_tiles, batch: int, hq: int, sq: int, block_n: int, programs: int) -> tuple:
+    """(RANGES int32 [TB, TH, N_M, 1 + N_N (+ N_N)], ORDER int32 [N_M * batch * hq]) of a Gluon forward that walks
+    lists: its block lists (`gluon_attention.fwd_lists`) and its tiles by their counts, heaviest first, dealt to
+    ``programs`` (`gluon_attention.order_by_work`; 1: the dynamic queue's one list)."""
+    table, _, work = gluon_attention.fwd_lists(ctx, cfg, sq, mask_tiles, batch, hq, block_n)
+    return table, gluon_attention.order_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hq, programs)
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts_lists(shape: tuple, cfg, batch: int, hq: int, sq: int, block_n: int, programs: int):
+    """`_gluon_lists` of each of N block layouts alone (bool ``shape`` [N, ...]; no spec mask), stacked, as one
+    compiled program, which `_constant_lists` runs when tracing (under `jax.ensure_compile_time_eval` its ~60 ops
+    would each compile on its own: 1.5 s on a CPU the first time, against ~0.3)."""
+    build = jax.vmap(lambda x: _gluon_lists({"layout": x}, cfg, None, batch, hq, sq, block_n, programs))
+    return jax.jit(build).lower(jax.ShapeDtypeStruct(shape, jnp.bool_)).compile()
+
+
+# The Hopper forward's ctx entry within this module: (RANGES, ORDER) built when tracing (`_constant_lists`), which
+# `_gluon_forward` takes instead of building them
+_FWD_LISTS = "gluon_fwd_lists"
+
+
+def _constant_lists(layout: Layout, q, ctx, cfg, choice) -> dict:
+    """``ctx`` without `api.LAYOUT_CHOICES` (numpy layouts, the call's picked by a traced index); where the call's
+    Hopper forward walks lists that depend on the block layout alone (no segment ids, window, positions, dense mask or
+    spec mask), with `_FWD_LISTS`: its RANGES and ORDER (`_gluon_lists`) built when tracing for each distinct layout
+    of the choices, stacked, and the call's picked by the index (a dynamic slice of each: no int32 ops that build them
+    from the traced layout on every call, ~20 small fusions of ring attention's coalesced step)."""
+    ctx, choices = given_layouts(ctx)
+    alone = cfg.layout and not (cfg.segments or cfg.window or cfg.positions or cfg.dense_mask)
+    if choices is None or choice.forward != "gluon" or not alone:
+        return ctx
+    batch, sq, hkv, groups, _ = q.shape
+    hq = hkv * groups
+    grid, spec, _, listed, tiles, dynamic = _gluon_walk(layout, cfg, batch, hq, sq)
+    if spec is not None or not listed:
+        return ctx
+    layouts, index = choices
+    layouts = np.asarray(layouts)  # (a traced array cannot be: TracerArrayConversionError)
+    if layouts.ndim != 6 or layouts.shape[1:] != ctx["layout"].shape:
+        raise ValueError(f"the block layouts a call's is one of must be [N, *{list(ctx['layout'].shape)}] (its own "
+                         f"layout's shape), got {list(layouts.shape)}")
+    distinct, of = np.unique(layouts.reshape(len(layouts), -1), axis=0, return_inverse=True)
+    distinct, of = distinct.reshape(-1, *layouts.shape[1:]), of.reshape(-1).astype(np.int32)
+    built = _layouts_lists(distinct.shape, cfg, batch, hq, sq, tiles["BLOCK_N"], 1 if dynamic else grid[0])(distinct)
+    pick = lambda x, i: jax.lax.dynamic_index_in_dim(jnp.asarray(x), i, keepdims=False)  # noqa: E731
+    if not np.array_equal(of, np.arange(len(of))):  # (the distinct layouts' lists alone are kept)
+        index = pick(of, index)
+    return {**ctx, _FWD_LISTS: tuple(pick(np.asarray(x), index) for x in built)}
+
+
 def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool = False, wire=None, merge=None):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
     segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`);
     where the queue wins (`gluon_attention.dynamic_tiles`) its programs take them from a counter. With a block
     layout or a spec mask each query tile walks its list of key blocks (`gluon_attention.fwd_lists`; LIST), in the
-    order of their counts, the spec's mask on the partial ones (SPEC_MASK). ``fast_tanh``: the call's
-    `KernelChoice.fast_tanh` (a soft cap's approximate tanh, `gluon_attention.softcap_constexpr`). ``wire``: k and v
-    as the whole block of one 16-bit buffer (`api.KV_WIRE`, `_wire_kv`), which the kernel reads them out of (KV_AT;
-    k, v for their shapes).
+    order of their counts, the spec's mask on the partial ones (SPEC_MASK); lists and order built when tracing where
+    ctx holds them (`_constant_lists`). ``fast_tanh``: the call's `KernelChoice.fast_tanh` (a soft cap's approximate
+    tanh, `gluon_attention.softcap_constexpr`). ``wire``: k and v as the whole block of one 16-bit buffer
+    (`api.KV_WIRE`, `_wire_kv`), which the kernel reads them out of (KV_AT; k, v for their shapes).
     ``merge``: (out, lse) of the same rows over other keys (`api.MERGE_INTO`), which the kernel merges its result into
     (MERGE), writing over those buffers (aliased)."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
-    grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
-    spec, mask_tiles = _gluon_spec(layout)
+    grid, spec, mask_tiles, listed, tiles, dynamic = _gluon_walk(layout, cfg, batch, hq, sq)
     staged = None
     if spec is not None:
         scalars = layout.gluon_scalars(scalars, ctx, sq)
         # key-side position terms staged by the producer next to each K block (segment ids use that buffer)
         staged = None if cfg.segments else layout.staged_mask()
-    listed = gluon_attention.listed(cfg, spec is not None)
-    tiles = gluon_attention.fwd_key_tiles(cfg, spec is not None and layout.mask_divides)
-    segments = _gluon_segments(ctx, cfg, sq, "fwd", listed, tiles["BLOCK_N"])
+    ordered = gluon_attention.ordered(cfg) or listed
+    # RANGES: the lists, or (ordered: segment ids) the plan's with the order
+    segments = _gluon_segments(ctx, cfg, sq, "fwd", ordered, tiles["BLOCK_N"])
     if staged is not None:
         segments[1] = scalars[1]  # KSEG: I32 with the terms' table, whose key-side rows the producer stages
-    ordered = gluon_attention.ordered(cfg) or listed
-    dynamic = gluon_attention.dynamic_tiles(  # tiles from a zeroed counter (TILE_CTR), the order as one list
-        cfg.causal, cfg.window, cfg.segments or listed, gluon_attention.fwd_tiles(batch, hq, sq), grid[0])
-    lists = None
+    lists, given = None, ctx.get(_FWD_LISTS)  # (given: built when tracing, `_constant_lists`)
+    if given is not None and not listed:
+        raise ValueError("the Hopper forward was given block lists built when tracing for a call that walks none")
     if listed:
-        segments[2], lists, work = gluon_attention.fwd_lists(ctx, cfg, sq, mask_tiles, batch, hq, tiles["BLOCK_N"])
-        order = gluon_attention.order_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hq,
-                                              1 if dynamic else grid[0])
+        segments[2], order = given if given is not None else _gluon_lists(
+            ctx, cfg, mask_tiles, batch, hq, sq, tiles["BLOCK_N"], 1 if dynamic else grid[0])
+        lists = gluon_attention.fwd_list_constexprs(segments[2], cfg, tiles["BLOCK_N"])
     elif ordered:
-        order = gluon_attention.tile_order(segments[2], hq, cfg.causal, 1 if dynamic else grid[0])
+        segments[2], order = gluon_attention.segment_plan(ctx, cfg, sq, "fwd", hq, 1 if dynamic else grid[0],
+                                                          block_n=tiles["BLOCK_N"])
     else:
         order = _dummy(jnp.int32)
     kv, kv_at = (k, v), 0
@@ -488,22 +555,25 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
         # (documents: its programs walk the programs' order, most work first)
         kernel, grid = gluon_attention.pbwd_kernel(), gluon_attention.pbwd_grid(batch, hkv, sq)
         outs.append(jax.ShapeDtypeStruct((1, ), jnp.int32))
-        segments = _gluon_segments(ctx, cfg, sq, "bwd", False)
-        order = (gluon_attention.bwd_order(segments[2], hkv, sq, cfg.causal, gluon_attention.ordered(cfg)) if documents
-                 else _dummy(jnp.int32))
+        segments = _gluon_segments(ctx, cfg, sq, "bwd", documents)  # (RANGES: documents, the plan's)
+        order = _dummy(jnp.int32)
+        if documents:
+            segments[2], order = gluon_attention.segment_plan(ctx, cfg, sq, "bwd", hkv,
+                                                              by_work=gluon_attention.ordered(cfg))
         zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d, cfg.softcap, fast_tanh,
                                                                   segments=documents, causal=cfg.causal)
         scalars = [*scalars, *segments, order]
     else:
         sk = k.shape[1]  # Sq != Sk: gluon_cross, no causal, window, segment ids or lists (gluon_attention.ineligible)
         kernel, grid = gluon_attention.bwd_kernel(), (_cdiv(sk, gluon_attention.BWD_TILES["BLOCK_N"]), batch * hkv)
-        segments = _gluon_segments(ctx, cfg, sq, "bwd", listed)
+        segments = _gluon_segments(ctx, cfg, sq, "bwd", listed or cfg.segments)  # (RANGES: the lists or plan's)
         lists = None
         if listed:  # each key block walks its list of query blocks, the programs launched most work first
             segments[2], lists, work = gluon_attention.bwd_lists(ctx, cfg, sq, hkv, mask_tiles, batch, hq)
             order = gluon_attention.programs_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hkv)
         elif cfg.segments:
-            order = gluon_attention.bwd_order(segments[2], hkv, sq, cfg.causal, gluon_attention.ordered(cfg))
+            segments[2], order = gluon_attention.segment_plan(ctx, cfg, sq, "bwd", hkv,
+                                                              by_work=gluon_attention.ordered(cfg))
         else:
             order = _dummy(jnp.int32)
         zeroed, consts = (0, ), gluon_attention.bwd_constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window,
@@ -795,6 +865,7 @@ def _sequential(fn, n, in_batched, args):
 
 
 def forward(layout: Layout, q, k, v, ctx, cfg, choice):
+    ctx = _constant_lists(layout, q, ctx, cfg, choice)  # (before custom_vmap, which traces every ctx entry)
     fn = jax.custom_batching.custom_vmap(lambda q, k, v, ctx: _forward(layout, q, k, v, ctx, cfg, choice)[:2])
 
     @fn.def_vmap
