@@ -189,15 +189,12 @@ def compile_plan(*, capability: int = 90, batch: int = 2, seq: int = 32768, head
 
     compiled = {}
     for pass_ in ("fwd", "bwd"):
-        options = gluon_attention.plan_constexprs(batch, seq, pass_, causal)
-        warps = options.pop("num_warps")
-        options.pop("num_stages")
-        n = options["N_O"] * batch
-        kernels = [("ranges", plan.ranges_kernel, options, warps),
-                   ("order", plan.order_kernel, dict(N=n, H=heads, H_PAD=1 << max(heads - 1, 0).bit_length(),
-                                                     PROGRAMS=programs, SNAKE=pass_ == "fwd", BR=plan.BR_ORDER,
-                                                     CH=plan.CH), 4)]
-        for which, kernel, consts, num_warps in kernels:
+        ranges = gluon_attention.plan_constexprs(batch, seq, pass_, causal)
+        order = gluon_attention.plan_order_constexprs(ranges["N_O"] * batch, heads, programs, pass_)
+        for which, kernel, consts in (("ranges", plan.ranges_kernel, ranges), ("order", plan.order_kernel, order)):
+            consts = dict(consts)
+            num_warps = consts.pop("num_warps")
+            consts.pop("num_stages")
             sig = {n: "*i32" if n not in consts else "constexpr" for n in kernel.arg_names}
             aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n not in consts}
             source = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=aligned)

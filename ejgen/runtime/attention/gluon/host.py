@@ -553,7 +553,7 @@ def segment_plan(ctx, cfg, seq: int, pass_: str, heads: int, programs: int = 1, 
     fwd = pass_ == "fwd"
     if not (PLAN_KERNELS and cfg.segments and not (cfg.dense_mask or cfg.layout) and block_n == TILES["BLOCK_N"]
             and q_ids.shape == kv_ids.shape and q_ids.shape[1] == seq and (fwd or by_work)
-            and _plan_inner_ids(seq, pass_) <= _plan_limit()):
+            and _plan_inner_ids(seq, pass_) <= PLAN_MAX_INNER_IDS):
         keys = {"block_n": block_n} if fwd else {}
         ranges = segment_ranges(ctx, cfg, seq, pass_, **keys)
         if fwd:
@@ -571,17 +571,12 @@ def segment_plan(ctx, cfg, seq: int, pass_: str, heads: int, programs: int = 1, 
         plan.ranges_kernel, (-(-n_o // plan.BR), batch), [outer.astype(jnp.int32), inner.astype(jnp.int32)],
         [i32(batch, n_o, 4), i32(n_o * batch)], **plan_constexprs(batch, seq, pass_, cfg.causal))
     n = n_o * batch
-    (order,) = triton_call.launch(
-        plan.order_kernel, (-(-n // plan.BR_ORDER), ), [work], [i32(n * heads)], num_warps=4, num_stages=1, N=n,
-        H=heads, H_PAD=1 << max(heads - 1, 0).bit_length(), PROGRAMS=programs, SNAKE=fwd, BR=plan.BR_ORDER,
-        CH=plan.CH)
+    (order,) = triton_call.launch(plan.order_kernel, (-(-n // plan.BR_ORDER), ), [work], [i32(n * heads)],
+                                  **plan_order_constexprs(n, heads, programs, pass_))
     return ranges, order
 
 
-def _plan_limit() -> int:
-    from ejgen.runtime.attention.gluon import plan
-
-    return plan.MAX_INNER_IDS
+PLAN_MAX_INNER_IDS = 32768  # the inner tiles' ids one ranges program loads at once (longer sequences: the jnp plan)
 
 
 def _plan_inner_ids(seq: int, pass_: str) -> int:
@@ -600,6 +595,15 @@ def plan_constexprs(batch: int, seq: int, pass_: str, causal: bool) -> dict:
     return dict(num_warps=plan.WARPS, num_stages=1, B=batch, S=seq, N_O=-(-seq // bo), N_I=n_i,
                 N_I_PAD=1 << max(n_i - 1, 0).bit_length(), BLOCK_O=bo, BLOCK_I=bi, BACKWARD=pass_ != "fwd",
                 CAUSAL=bool(causal), FWD_BLOCK_N=TILES["BLOCK_N"], BR=plan.BR)
+
+
+def plan_order_constexprs(entries: int, heads: int, programs: int, pass_: str) -> dict:
+    """The launch options and constexprs of `plan.order_kernel` over ``entries`` (tile, batch row) entries of
+    ``heads`` heads each (the forward's dealt to ``programs`` as a snake)."""
+    from ejgen.runtime.attention.gluon import plan
+
+    return dict(num_warps=4, num_stages=1, N=entries, H=heads, H_PAD=1 << max(heads - 1, 0).bit_length(),
+                PROGRAMS=programs, SNAKE=pass_ == "fwd", BR=plan.BR_ORDER, CH=plan.CH)
 
 
 # -- block layouts: lists of blocks -----------------------------------------------------------------------------

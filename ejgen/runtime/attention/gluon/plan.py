@@ -23,7 +23,6 @@ BIG = tl.constexpr(2**31 - 1)  # tile_bounds' "no id" (int32 max)
 BR = 16  # outer tiles a program (ranges)
 BR_ORDER = 64  # entries a program (order)
 CH = 64  # entries a step (order)
-MAX_INNER_IDS = 32768  # the inner tiles' ids one ranges program loads at once (longer sequences: the jnp plan)
 WARPS = 8  # (64 ids a thread at the most)
 
 
