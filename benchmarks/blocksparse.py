@@ -163,12 +163,14 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         impls["ejgen-triton documents, per-program backward"] = impls["ejgen-triton documents"]
         switches["ejgen-triton documents, DOCS masks"] = ("DOCS_MASKS", True)
         switches["ejgen-triton documents, per-program backward"] = ("PERSISTENT_SEGMENTS_BWD", False)
-    for name, value in forms:  # --switch: the documents again with a `gluon.host` switch set while they trace
-        label = f"ejgen-triton documents, {name}={value}"
-        impls[label] = impls["ejgen-triton documents"]
-        switches[label] = (name, value)
     if documents_only and not probe:
         impls.pop("ejgen-triton causal (all tokens)")
+    for name, value in forms:  # --switch: the documents (and the causal call, where timed) again with a `gluon.host`
+        # switch set while they trace
+        for base in [b for b in ("ejgen-triton documents", "ejgen-triton causal (all tokens)") if b in impls]:
+            label = f"{base}, {name}={value}"
+            impls[label] = impls[base]
+            switches[label] = (name, value)
     flops = 4.0 * HEADS * DIM * visible_pairs(ids)
     compiled = []
     for name, f in impls.items():
@@ -257,7 +259,8 @@ def main():
     p.add_argument("--probe", action="store_true", help="also the generated kernels on the documents, one document, "
                                                         "and the Gluon kernels' tile ranges alone")
     p.add_argument("--switch", action="append", default=[], metavar="NAME=0|1",
-                   help="also time the documents with `gluon.host.NAME` set (an A/B in one process; repeatable)")
+                   help="also time the documents (and the causal call but with --documents-only) with "
+                   "`gluon.host.NAME` set (an A/B in one process; repeatable)")
     p.add_argument("--trace", action="store_true", help="also print every kernel of one documents call and the "
                    "device's span, busy time and gaps over 5 us of --calls calls back to back (trace_table.py)")
     a = p.parse_args()

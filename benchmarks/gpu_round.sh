@@ -30,6 +30,7 @@
 #   ring-ab        the ring's default, then --coalesce-backward, --narrow-accumulators (2 GPUs)
 #   ring-wire      the ring tests, then the forward reading the wire / merging in its kernel against before (2 GPUs)
 #   ring-dq        the ring tests, then the default against --no-kv-from-wire-bwd and --no-dq-once (2 GPUs)
+#   ring-trace-p7  one ring call's kernels and gaps, default and --wide-lists-constant (2 GPUs)
 #   ring-p7        the ring tests, then the default against --wide-lists-constant (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
@@ -74,6 +75,8 @@
 #                  other calls; the tests ran out of time, 19 passed)
 #   ncu-natten     Nsight Compute of NATTEN 2-D's Hopper forward (details and SASS samples into $OUT)
 #   docs-plan      the documents' plan kernels: their tests, 16 calls a sample against jnp's plan and Flex, a trace
+#   docs-delta     the backward's delta kernel (gluon.host.DELTA_KERNEL) and the DOCS masks: the Gluon document and
+#                  sinks tests, 16 calls a sample against each switched (one process) and Flex, a trace
 #   docs-trace     every kernel of the documents' fwd and fwd+bwd calls, and their gaps (issue 14)
 #   documents      documents vs Flex (blocksparse.py, flex_blocksparse.py)             (issue 14)
 #   documents16    the same at 16 calls a sample (both sides)
@@ -412,6 +415,16 @@ j_docs-plan() {  # the documents' plan in two Triton launches a pass (gluon.host
     --out "$log/bs16"
   j_docs-trace
 }
+j_docs-delta() {  # the backward's delta in a Triton kernel (gluon.host.DELTA_KERNEL, session 36) and the forward's DOCS
+  # masks again (off since session 34: a 4-call probe) at 16 calls a sample, documents and plain causal, then Flex
+  shards docs-tests 240 3 -k "document_masks or persistent or segment or sinks or gluon_forward" \
+    tests/attention/test_gluon.py
+  job docs-delta 260 python3 benchmarks/blocksparse.py --doc-cases 8192x8,32768x64 --layout-tokens "" --rounds 2 \
+    --reps 4 --calls 16 --switch DELTA_KERNEL=0 --switch DOCS_MASKS=1 --out "$log/bs16"
+  job documents16-flex 120 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --calls 16 \
+    --out "$log/bs16"
+  j_docs-trace
+}
 j_documents16() {
   job documents16 150 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --calls 16 \
     --out "$log/bs16"
@@ -514,6 +527,11 @@ j_ring-dq() {  # the backward's pairs adding dQ into one accumulator in their ke
 j_ring-p7() {  # the coalesced forward's block lists and tile order built when tracing, picked by the device's index
   # (ring.WIDE_LISTS_CONSTANT, off: it lost in session 35), against XLA building them every call
   ring_forms ring-p7 "base:" "on:--wide-lists-constant"
+}
+j_ring-trace-p7() {  # where ring.WIDE_LISTS_CONSTANT's 0.2 ms went (session 35): one call's kernels and 4 calls'
+  # gaps, the default then the switch on
+  job ring-trace-base 150 python3 "${RING[@]}" --parts profile,gaps --out "$log/ring-trace-base"
+  job ring-trace-p7 150 python3 "${RING[@]}" --parts profile,gaps --wide-lists-constant --out "$log/ring-trace-p7"
 }
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
 j_ring-steady() { job ring-steady 170 python3 "${RING[@]}" --parts time --batch 4,16 --out "$log/ring-steady"; }
@@ -663,6 +681,8 @@ declare -A PRESETS=(
   [s34e]="0-1:decode-tests,decode-clamp-ab,ring-time"
   # session 35: the ring's one dQ accumulator (ring.DQ_ONCE) and the backward reading the wire (KV_FROM_WIRE_BWD)
   # tested and A/B'd on 2 GPUs (issue 18), DEADLINE=560
+  [s36a]="0:docs-delta"
+  [s36b]="0-1:ring-trace-p7,ring-steady"
   [s35a]="0-1:ring-dq"
   [s35b]="0:docs-trace"
   [s35c]="0:docs-plan"

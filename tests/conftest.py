@@ -218,8 +218,9 @@ def run_vjp():
 @pytest.fixture
 def triton_launches(monkeypatch):
     """Every Triton kernel launch of the test, as (pass: 'fwd' | 'dkdv' | 'dq', constexprs): a spy on
-    ``triton_call.launch`` that shows which path a call really took (the documents' plan kernels, `gluon.plan`,
-    which feed the Hopper kernels their tile ranges and order, are not listed)."""
+    ``triton_call.launch`` that shows which path a call really took (the Hopper path's plain Triton kernels,
+    `gluon.host.PLAIN_TRITON`, which feed the Gluon kernels their tile ranges, order and delta, are not listed)."""
+    from ejgen.runtime.attention.gluon import host as gluon_attention
     from ejgen.runtime.launch import triton_call
 
     if triton_call.mode()[0] is None:
@@ -229,7 +230,7 @@ def triton_launches(monkeypatch):
 
     def spy(kernel, grid, inputs, outs, **kw):
         name = kernel.__name__
-        if getattr(kernel, "fn", kernel).__module__ != "ejgen.runtime.attention.gluon.plan":  # (the documents' plan)
+        if getattr(kernel, "fn", kernel).__module__ not in gluon_attention.PLAIN_TRITON:
             seen.append((name.rsplit("_", 2)[-2] if "bwd" in name else "fwd", kw))
         return launch(kernel, grid, inputs, outs, **kw)
 

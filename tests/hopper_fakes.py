@@ -1,6 +1,7 @@
 """A pretended Hopper GPU for tests of what the hosts hand the Gluon kernels: `triton_call.launch` records each
-launch instead of running it (the kernels' numbers are the GPU suite's business); the documents' plan kernels (plain
-Triton, `gluon.plan`), whose results the Gluon kernels take as inputs, run in Triton's interpreter, unrecorded."""
+launch instead of running it (the kernels' numbers are the GPU suite's business); the Hopper path's plain Triton
+kernels (`gluon.host.PLAIN_TRITON`: the documents' plan, the backward's delta), whose results the Gluon kernels take
+as inputs, run in Triton's interpreter, unrecorded."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ def pretend_hopper(monkeypatch, sms: int | None = None, values: bool = True) -> 
     appends (kernel, grid, inputs, outs, constexprs) to, the inputs as their values once the call runs where
     ``values`` (they are traced at launch), else as the traced arrays."""
     from ejgen.runtime.attention.gluon import host as gluon_attention
-    from ejgen.runtime.attention.gluon import plan
     from ejgen.runtime.core import kernels as core_kernels
     from ejgen.runtime.launch import triton_call
 
@@ -29,7 +29,7 @@ def pretend_hopper(monkeypatch, sms: int | None = None, values: bool = True) -> 
     launch_options = ("zeroed", "num_warps", "num_stages", "autotune", "aliases")
 
     def fake_launch(kernel, grid, inputs, outs, **kw):
-        if getattr(kernel, "fn", kernel).__module__ == plan.__name__:  # the documents' plan: run, in the interpreter
+        if getattr(kernel, "fn", kernel).__module__ in gluon_attention.PLAIN_TRITON:  # run, in the interpreter
             constexprs = {k: v for k, v in kw.items() if k not in launch_options}
             run = functools.partial(triton_call._interpret, kernel, grid, tuple(outs), constexprs, {})
             return list(jax.pure_callback(run, tuple(outs), *inputs, vmap_method="sequential"))

@@ -203,6 +203,29 @@ def compile_plan(*, capability: int = 90, batch: int = 2, seq: int = 32768, head
     return compiled
 
 
+def compile_delta(*, capability: int = 90, seq: int = 32768, heads: int = 16, head_dim: int = 128,
+                  dtype: str = "bf16") -> dict:
+    """The Hopper backward's delta kernel (`gluon.delta`) with the options and constexprs `gluon.host.backward_delta`
+    gives a call of these shapes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ejgen.runtime.attention.gluon import delta
+    from ejgen.runtime.attention.gluon import host as gluon_attention
+
+    consts = gluon_attention.delta_constexprs(seq, heads, head_dim)
+    num_warps = consts.pop("num_warps")
+    consts.pop("num_stages")
+    kernel = delta.delta_kernel
+    pointers = dict(O=f"*{dtype}", DO=f"*{dtype}", DLSE="*fp32", DELTA="*fp32")
+    sig = {n: pointers[n] if n in pointers else "constexpr" for n in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in pointers}
+    source = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=aligned)
+    return {"delta": triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                                    options={"num_warps": num_warps, "num_stages": 1})}
+
+
 def compile_decode(package: str, name: str, *, capability: int = 90, dtype: str = "bfloat16", params: dict | None = None,
                    head_dim: int = 128, groups: int = 4, queries: int = 1, paged: bool = False, page: int = 16,
                    causal: bool = True, window: bool = False, softcap: bool = False) -> dict:
@@ -590,6 +613,8 @@ def _compile(args: dict) -> dict:
         compiled = compile_gluon(**args)
     elif args.pop("plan", False):
         compiled = compile_plan(**args)
+    elif args.pop("delta", False):
+        compiled = compile_delta(**args)
     elif args.pop("decode", False):
         compiled = compile_decode(args.pop("package"), args.pop("name"), **args)
     elif args.pop("pooling", False):

@@ -530,6 +530,11 @@ def segment_ranges(ctx, cfg, seq: int, pass_: str = "fwd", block_n: int = TILES[
     return block_mask.tile_ranges(kinds, longest=False)  # documents: one run of full tiles per tile
 
 
+# The Hopper path's kernels in plain Triton (not Gluon; they run in Triton's interpreter on a CPU): the documents'
+# plan and the backward's delta. The tests' pretended Hopper GPU runs them and records only the Gluon kernels.
+PLAIN_TRITON = ("ejgen.runtime.attention.gluon.plan", "ejgen.runtime.attention.gluon.delta")
+
+
 # The segment ids' tile ranges and the tiles' order by work in two Triton launches a pass (`plan.ranges_kernel`,
 # `plan.order_kernel`) instead of the 8-9 small XLA kernels `segment_ranges` and `tile_order` / `bwd_order` make
 # (~1.1 us each on an H200, whatever their size: session 35's trace of 8k tokens with 8 documents, ~21 us of a
@@ -604,6 +609,37 @@ def plan_order_constexprs(entries: int, heads: int, programs: int, pass_: str) -
 
     return dict(num_warps=4, num_stages=1, N=entries, H=heads, H_PAD=1 << max(heads - 1, 0).bit_length(),
                 PROGRAMS=programs, SNAKE=pass_ == "fwd", BR=plan.BR_ORDER, CH=plan.CH)
+
+
+# The backward's delta (rowsum(dO * O) - d lse) in one Triton launch (`delta.delta_kernel`) instead of XLA's fusion,
+# which ran at 2.5 TB/s at 8k tokens with 16 heads (26.0 us of a 0.65 ms documents fwd+bwd, session 35's trace on an
+# H200; 4.1 TB/s at 32k).
+DELTA_KERNEL = True
+
+
+def backward_delta(out, d_out, d_lse):
+    """delta = rowsum(d_out * out) - d_lse in float32, lse's shape [B, Hkv, G, Sq], of out and d_out [B, Sq, Hkv, G,
+    Dv] (the seq-major layout), from `delta.delta_kernel`."""
+    import jax
+    import jax.numpy as jnp
+
+    from ejgen.runtime.attention.gluon import delta
+    from ejgen.runtime.launch import triton_call
+
+    batch, sq, hkv, groups, dv = out.shape
+    hq = hkv * groups
+    (rows,) = triton_call.launch(
+        delta.delta_kernel, (batch * hq, -(-sq // delta.BLOCK)), [out, d_out, d_lse.astype(jnp.float32)],
+        [jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32)], **delta_constexprs(sq, hq, dv))
+    return rows.reshape(d_lse.shape)
+
+
+def delta_constexprs(seq: int, hq: int, dv: int) -> dict:
+    """The launch options and constexprs of `delta.delta_kernel` over ``seq`` rows of ``hq`` heads of ``dv``."""
+    from ejgen.runtime.attention.gluon import delta
+
+    return dict(num_warps=delta.WARPS, num_stages=1, SEQ=seq, H=hq, D=dv, D_PAD=1 << max(dv - 1, 0).bit_length(),
+                BLOCK=delta.BLOCK)
 
 
 # -- block layouts: lists of blocks -----------------------------------------------------------------------------

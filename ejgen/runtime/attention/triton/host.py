@@ -728,7 +728,10 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
     q4, do4 = q.reshape(batch, sq, hq, d), d_out.reshape(batch, sq, hq, dv)
     lse3 = lse.reshape(batch, hq, sq)
     if choice.backward == "gluon":  # no bias or params here; sinks are in lse (the forward's), their gradient from it
-        delta = _delta(out, d_out, d_lse) if given is None else given
+        if given is not None:
+            delta = given
+        else:
+            delta = (gluon_attention.backward_delta if gluon_attention.DELTA_KERNEL else _delta)(out, d_out, d_lse)
         if into is not None:
             acc = into[0]
             into = (acc.reshape(acc.shape[:2] + (hq, d)), into[1])
