@@ -106,13 +106,13 @@ def _generated(f):
 
 
 @contextlib.contextmanager
-def _switched(name: str, value: bool = True):
+def _switched(name: str, value: bool | int = True):
     """`gluon_attention.<name>` set to ``value`` while a call is traced (both passes: the compile loop lowers them
-    inside it)."""
+    inside it); a bool where the switch is one (0 / 1 from --switch), else as given (DQ_CAST_IN_KERNEL=2)."""
     from ejgen.runtime.attention.gluon import host as gluon_attention
 
     before = getattr(gluon_attention, name)
-    setattr(gluon_attention, name, value)
+    setattr(gluon_attention, name, bool(value) if isinstance(before, bool) else value)
     try:
         yield
     finally:
@@ -186,8 +186,9 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         import trace_table
 
         for name, pass_, exe, _ in compiled:
-            if name == "ejgen-triton documents":
-                where = trace / f"trace-{tokens}x{docs}-{pass_.replace('+', '')}"
+            if name.startswith("ejgen-triton documents") and (name in switches or name == "ejgen-triton documents"):
+                form = "" if name not in switches else "-" + "-".join(str(x) for x in switches[name])
+                where = trace / f"trace-{tokens}x{docs}-{pass_.replace('+', '')}{form}"
                 label = f"{name} {tokens} tokens / {docs} documents, {pass_}"
                 trace_table.profile(exe, (q, k, v, info), where, label=label)
                 trace_table.back_to_back(exe, (q, k, v, info), Path(f"{where}-batch"), calls=BATCH, label=label,
@@ -258,16 +259,18 @@ def main():
                    help="the document cases, comma-separated TOKENSxDOCUMENTS")
     p.add_argument("--probe", action="store_true", help="also the generated kernels on the documents, one document, "
                                                         "and the Gluon kernels' tile ranges alone")
-    p.add_argument("--switch", action="append", default=[], metavar="NAME=0|1",
+    p.add_argument("--switch", action="append", default=[], metavar="NAME=INT",
                    help="also time the documents (and the causal call but with --documents-only) with "
-                   "`gluon.host.NAME` set (an A/B in one process; repeatable)")
-    p.add_argument("--trace", action="store_true", help="also print every kernel of one documents call and the "
-                   "device's span, busy time and gaps over 5 us of --calls calls back to back (trace_table.py)")
+                   "`gluon.host.NAME` set (0 / 1 for a bool switch, an int for others: DQ_CAST_IN_KERNEL=2; an A/B "
+                   "in one process; repeatable)")
+    p.add_argument("--trace", action="store_true", help="also print every kernel of one documents call (each --switch "
+                   "form's too) and the device's span, busy time and gaps over 5 us of --calls calls back to back "
+                   "(trace_table.py)")
     a = p.parse_args()
     global BATCH
     BATCH = a.calls
     doc_cases = [tuple(int(x) for x in c.split("x")) for c in a.doc_cases.split(",") if c]
-    forms = tuple((f.split("=")[0], bool(int(f.split("=")[1]))) for f in a.switch)
+    forms = tuple((f.split("=")[0], int(f.split("=")[1])) for f in a.switch)
     rows = [] if a.layouts_only else [r for tokens, docs in doc_cases
                                       for r in run(tokens, docs, a.reps, a.rounds, a.documents_only, a.probe,
                                                    Path(a.out) if a.trace else None, forms)]

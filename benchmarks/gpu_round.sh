@@ -30,6 +30,7 @@
 #   ring-ab        the ring's default, then --coalesce-backward, --narrow-accumulators (2 GPUs)
 #   ring-wire      the ring tests, then the forward reading the wire / merging in its kernel against before (2 GPUs)
 #   ring-dq        the ring tests, then the default against --no-kv-from-wire-bwd and --no-dq-once (2 GPUs)
+#   ring-paired    one GPU and the ring timed in turns, 7 rounds, 4 and 16 calls a sample (2 GPUs)
 #   ring-trace-p7  one ring call's kernels and gaps, default and --wide-lists-constant (2 GPUs)
 #   ring-p7        the ring tests, then the default against --wide-lists-constant (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
@@ -533,6 +534,8 @@ j_ring-trace-p7() {  # where ring.WIDE_LISTS_CONSTANT's 0.2 ms went (session 35)
   job ring-trace-base 150 python3 "${RING[@]}" --parts profile,gaps --out "$log/ring-trace-base"
   job ring-trace-p7 150 python3 "${RING[@]}" --parts profile,gaps --wide-lists-constant --out "$log/ring-trace-p7"
 }
+j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
+  --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
 j_ring-steady() { job ring-steady 170 python3 "${RING[@]}" --parts time --batch 4,16 --out "$log/ring-steady"; }
 P2P=--xla_gpu_use_memcpy_local_p2p=true  # collective-permutes between one process's GPUs as copies (copy engines)

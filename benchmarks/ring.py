@@ -9,6 +9,8 @@ Parts (`--parts`, default all three):
   (`flash_attention` on device 0, sequences up to `--single-max`), and the ring over N GPUs in each token order
   (zigzag with each later step's two blocks as one call, ring.COALESCE; `--coalesce off|both`: as two calls,
   ring-zigzag-pairs).
+- paired: one GPU and the zigzag ring timed in turns, `--rounds` rounds (the same clocks for both: a sustained
+  load lowers an H200's clocks by up to 20%, and `time` measures one GPU first); the ratio's spread over rounds.
 - mesh: the mesh wrapper on a dp=2 x sp=N/2 mesh (N >= 4; N = 2 runs dp=1 x sp=2), a training-like step: forward
   and backward under jit with inputs cut P("dp", "sp"): `flash_attention(q, k, v, causal=True, mesh=mesh,
   in_specs=P("dp", "sp"), token_order="zigzag")`, B=2, S=`--mesh-seq`.
@@ -75,7 +77,8 @@ RING_SWITCHES = {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=0, help="GPUs of the ring (default: all)")
-    p.add_argument("--parts", default="check,time,mesh", help="comma-separated: check, time, mesh, profile, gaps")
+    p.add_argument("--parts", default="check,time,mesh", help="comma-separated: check, time, paired, mesh, profile, "
+                   "gaps")
     p.add_argument("--scaling", action="store_true", help="issue 19's sweep over 1, 2, 4, ... GPUs instead of time")
     p.add_argument("--seqs", default="32768,131072", help="sequence lengths of the time part")
     p.add_argument("--heads", default="16/16,32/8", help="Hq/Hkv layouts")
@@ -87,6 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--check-seq", type=int, default=8192)
     p.add_argument("--mesh-seq", type=int, default=65536)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="rounds of the paired part (one GPU and the ring in turns)")
     p.add_argument("--batch", default="4", help="calls a sample dispatches back to back (the project's method, "
                    "BENCHMARKS.md); 1 counts the host's launch and wake-up once per call. A comma-separated list "
                    "times each case at each (rows keyed by `calls`, each against the one-GPU row of the same calls): "
@@ -222,6 +226,45 @@ def time_case(part, seq, heads, impl, gpus, pass_, fn, args, out_dir, batch=1):
             traceback.print_exc()
         record(timed, out_dir)
     return timed
+
+
+def part_paired(devices, platform, out_dir):
+    """One GPU and the zigzag ring timed in turns (`--rounds` rounds, each a median of `--reps` samples of each):
+    both see the same clocks. Under a sustained load the H200's clocks fall from 1980 MHz to 1590-1740 (session 36's
+    samples), and `time` measures one GPU first, then the ring. A row's ms is the median over rounds; `spread` the
+    lowest and highest ratio of one round's times."""
+    n = len(devices)
+    mesh = _mesh(devices)
+    one = jax.sharding.SingleDeviceSharding(devices[0])
+    for seq in SEQS:
+        for heads in HEADS:
+            single, ring = _inputs(1, seq, *heads, one), _inputs(1, seq, *heads, NamedSharding(mesh, P(None, "sp")))
+            fns = (_passes(single_gpu(platform)), _passes(ring_fn(mesh, "zigzag", platform)))
+            for pass_ in PASSES:
+                rows = [dict(part="paired", S=seq, heads=f"{heads[0]}/{heads[1]}", impl=impl, gpus=gpus,
+                             **{"pass": pass_}) for impl, gpus in (("1gpu", 1), ("ring-zigzag", n))]
+                try:
+                    for f, args in zip(fns, (single, ring)):
+                        jax.block_until_ready(f[pass_](*args))
+                    for calls in BATCHES:
+                        times = [[], []]
+                        for _ in range(ARGS.rounds):
+                            for i, (f, args) in enumerate(zip(fns, (single, ring))):
+                                times[i].append(median_seconds(f[pass_], args, reps=ARGS.reps, warmup=1,
+                                                               warm_seconds=0.1, batch=calls))
+                        ratios = [a / b for a, b in zip(*times)]
+                        for row, t in zip(rows, times):
+                            ms = float(np.median(t)) * 1e3
+                            total = flops(1, heads[0], seq, pass_) / (ms / 1e3) / 1e12
+                            record(dict(row, calls=calls, ms=round(ms, 2), tflops=round(total, 1),
+                                        per_gpu=round(total / row["gpus"], 1),
+                                        spread=f"{min(ratios):.2f}-{max(ratios):.2f}" if row["gpus"] > 1 else None),
+                                   out_dir)
+                except Exception as e:  # noqa: BLE001 (rows with the error; the other cases go on)
+                    for row in rows:
+                        record(dict(row, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"), out_dir)
+                    traceback.print_exc()
+            del single, ring
 
 
 def _relative(a, b):
@@ -406,7 +449,7 @@ def summarise(out_dir: Path):
             r["vs_1gpu"] = round(base["ms"] / r["ms"], 2)
             r["eff"] = round(r["vs_1gpu"] / r["gpus"], 3)
     cols = ("part", "S", "heads", "impl", "gpus", "pass", "calls", "ms", "tflops", "per_gpu", "mtok_gpu", "vs_1gpu",
-            "eff", "compile_s", "error")
+            "eff", "spread", "compile_s", "error")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in ROWS:
         if r["part"] == "check":
@@ -422,10 +465,11 @@ def summarise(out_dir: Path):
                          + f" | {r['result']} |")
     lines += ["", "Targets:"]
     for r in timed:
-        if r["part"] == "time" and r["gpus"] == 2 and r["S"] >= 32768 and r.get("vs_1gpu"):
+        if r["part"] in ("time", "paired") and r["gpus"] == 2 and r["S"] >= 32768 and r.get("vs_1gpu"):
             ok = "met" if r["vs_1gpu"] >= 1.8 else "NOT met"
+            turns = f", in turns (rounds' ratios {r['spread']})" if r["part"] == "paired" else ""
             lines.append(f"- issue 18, 2 GPUs, {r['impl']} S={_k(r['S'])} {r['heads']} {r['pass']}, "
-                         f"{r.get('calls')} calls a sample: "
+                         f"{r.get('calls')} calls a sample{turns}: "
                          f"{r['vs_1gpu']}x one GPU (>= 1.8x: {ok})")
         if r["part"] == "scaling-weak" and r["gpus"] == 8 and r["pass"] == "fwdbwd" and r.get("eff"):
             ok = "met" if r["eff"] >= 0.9 else "NOT met"
@@ -477,6 +521,8 @@ def main():
         part_scaling(devices, platform, out_dir)
     elif "time" in parts:
         part_time(devices, platform, out_dir)
+    if "paired" in parts and len(devices) >= 2:
+        part_paired(devices, platform, out_dir)
     if "mesh" in parts and len(devices) >= 2:
         part_mesh(devices, platform, out_dir)
     if "profile" in parts:
