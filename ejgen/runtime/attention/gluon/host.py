@@ -388,10 +388,13 @@ def pbwd_kernel():
 
 
 def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bool = False,
-                    fast_tanh: bool = False, segments: bool = False, causal: bool = True) -> dict:
+                    fast_tanh: bool = False, segments: bool = False, causal: bool = True, dq_cast: int = 0) -> dict:
     """The persistent backward's constexprs for a causal sliding window (MASK 2); ``segments``: for segment ids
     without a window instead (MASK 1, 0 without ``causal``; SEGMENTS, `PERSISTENT_SEGMENTS_BWD`); its launch also
-    passes a zeroed int32 tile counter (TILE_CTR: the kernel takes its tiles from it)."""
+    passes a zeroed int32 tile counter (TILE_CTR: the kernel takes its tiles from it). ``dq_cast``: DQ_CAST, dQ
+    cast to the inputs' type by the kernel (`DQ_CAST_IN_KERNEL`: 1 arrivals at each tile's end, 2 one tile later;
+    its launch then passes NEED, `bwd_need`, and a counter per (batch row, query head, query block) after the tile
+    counter)."""
     window = not segments
     base = bwd_constexprs(batch, hq, hkv, seq, d, causal or window, window, segments=segments, softcap=softcap,
                           fast_tanh=fast_tanh)
@@ -400,7 +403,7 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bo
     for name in ("SEQ_K", *NO_LISTS, *spec_constexprs(None), *BWD_NO_TERMS, "DQ_ROWS", "DQ_OFF_AT", "KV_AT",
                  "KV_ROWS", "KV_OFF_AT"):
         del base[name]
-    return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"], segments=segments))
+    return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"], segments=segments), DQ_CAST=int(dq_cast))
 
 
 # Packed documents' backward on the persistent kernel (session 33, issue 14): causal calls with segment ids and
@@ -410,6 +413,35 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bo
 # with 64. Measured (session 34, one H200, `blocksparse.py --probe`, one process): fwd+bwd 0.756 -> 0.741 ms at 8k /
 # 8 documents, 2.336 -> 2.284 at 32k / 64; its GPU tests pass. On.
 PERSISTENT_SEGMENTS_BWD = True
+
+
+# dQ cast in the persistent backward with segment ids (notes/studies/s34-dq-pass.md, option (a)): each consumer
+# warpgroup, once its bulk reduce-adds of a tile are complete (a full `cp.async.bulk.wait_group`, not `.read`, and
+# a proxy fence), adds one with release semantics to a counter per (batch row, query head, query block) it added
+# into; the arrival that completes a block's NEED (`bwd_need`) loads the float32 block from L2 and stores it in the
+# inputs' type, so the XLA cast after the kernel (read 64 + write 32 MiB at 8k tokens, 16 heads of 128) goes. 0:
+# off (dQ_ACC cast by XLA); 1: the arrivals at each tile's end (waiting for the tile's last reduce-add to land); 2:
+# the arrivals for a tile at the next tile's end (`cp.async.bulk.wait_group 1`: every reduce-add but the newest,
+# long landed). Not measured on a GPU yet. Off; ring attention's dQ into an accumulator keeps float32.
+DQ_CAST_IN_KERNEL = 0
+
+
+def bwd_need(ranges, seq: int, causal: bool, dq_mode: int):
+    """int32 [B, N_M]: the arrivals each query block's dQ counter gets in the persistent backward with segment ids
+    and DQ_CAST (every query head of a batch row alike): the key blocks whose query blocks (the ids' ``ranges``
+    [B, N_N, 4] joined with causal, as `kernels._pbwd_tile_range` joins them) hold it, twice with DQ_MODE 1 (both
+    consumer warpgroups add a half of its columns). 0: no key block adds into it (padding rows): the kernel's
+    producer writes its zeros."""
+    import jax.numpy as jnp
+
+    bm, bn = BWD_TILES["BLOCK_M"], BWD_TILES["BLOCK_N"]
+    n_m = -(-seq // bm)
+    lo, hi = ranges[..., 0], jnp.minimum(ranges[..., 1], n_m)  # [B, N_N]
+    if causal:
+        lo = jnp.maximum(lo, jnp.arange(ranges.shape[1], dtype=jnp.int32) * bn // bm)
+    m = jnp.arange(n_m, dtype=jnp.int32)
+    inside = (lo[..., None] <= m) & (m < hi[..., None])  # [B, N_N, N_M]
+    return jnp.sum(inside, axis=1, dtype=jnp.int32) * (2 if dq_mode == 1 else 1)
 
 
 def persistent_segments_bwd(cfg, listed: bool, switch: bool | None = None) -> bool:
@@ -613,7 +645,9 @@ def plan_order_constexprs(entries: int, heads: int, programs: int, pass_: str) -
 
 # The backward's delta (rowsum(dO * O) - d lse) in one Triton launch (`delta.delta_kernel`) instead of XLA's fusion,
 # which ran at 2.5 TB/s at 8k tokens with 16 heads (26.0 us of a 0.65 ms documents fwd+bwd, session 35's trace on an
-# H200; 4.1 TB/s at 32k).
+# H200; 4.1 TB/s at 32k). Session 36 (one H200): the kernel 18.8 us at 8k, 67.7 at 32k (trace); fwd+bwd at 16 calls a
+# sample within the rows' spread (documents 8k / 8 0.636 against 0.633 off, 32k / 64 2.181 / 2.178; causal 8k 1.947
+# / 1.967, 32k 27.07 / 27.11); the GPU document and sinks tests pass. On.
 DELTA_KERNEL = True
 
 
