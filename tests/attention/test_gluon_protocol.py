@@ -16,7 +16,11 @@ must be caught: that is what shows the models can fail.
     delta ring and the dS^T double buffer counted across tiles, the dQ staging buffers and their bulk reads,
     the EPI_TMA epilogue, and the dynamic tile scheduler (1-4 programs sharing an atomic tile counter, tile
     indices handed from the producer to the consumers through a ring of tile slots);
-  * both: the tile order (`_tile`) is a bijection onto the tiles.
+  * both: the tile order (`_tile`) is a bijection onto the tiles;
+  * the persistent backward casting dQ itself (DQ_CAST, `host.DQ_CAST_IN_KERNEL`): bulk reduce-adds whose sources
+    are read and whose adds land at random later times, the arrivals on per-block counters after the full wait (1)
+    or a tile later (2), the cast by the arrival that completes a block's NEED (`host.bwd_need`), the producers'
+    zeros for blocks of NEED 0.
 
 Stage counts and the compiled configurations come from ejgen.runtime.attention.gluon.host. The design notes are
 notes/gluon-persistent-fwd.md and notes/gluon-persistent-bwd.md.
@@ -878,3 +882,186 @@ def test_backward_model_catches_an_empty_tile_keeping_its_v_buffer():
         except AssertionError:
             caught += 1
     assert caught == runs, f"caught in {caught}/{runs} runs only"
+
+
+# --- the persistent backward casting dQ (DQ_CAST, `host.DQ_CAST_IN_KERNEL`) -------------------------------------
+
+
+def dq_cast_call(rng):
+    """A random small call of the persistent backward with segment ids: (batch, kv heads, group, query blocks N_M,
+    RANGES [B, N_N, 4] (each key block's query blocks, some empty, the last query block reached by none: padding),
+    the tiles (n, b, kv head) in a random order)."""
+    import numpy as np
+
+    batch, hkv, group = rng.randint(1, 2), rng.randint(1, 2), rng.choice((1, 2))
+    n_m = rng.randint(3, 8)
+    n_n = -(-n_m // 2)  # 128-key blocks over 64-row query blocks
+    ranges = np.zeros((batch, n_n, 4), np.int32)
+    for b in range(batch):
+        for n in range(n_n):
+            lo = rng.randint(min(2 * n, n_m - 2), n_m - 2)  # (below 2 n causal cuts it)
+            hi = lo if rng.random() < 0.2 else rng.randint(lo + 1, n_m - 1)  # some empty; none reaches block n_m - 1
+            ranges[b, n, :2] = lo, hi
+    tiles = [(n, b, hk) for n in range(n_n) for b in range(batch) for hk in range(hkv)]
+    rng.shuffle(tiles)
+    return batch, hkv, group, n_m, ranges, tiles
+
+
+def dq_cast_items(tile, ranges, group, n_m):
+    """The ring items (head in the group's numbering, query block) of a tile, as `_pbwd_tile_range` joins its range
+    with causal (MASK 1: from query block 2 n on)."""
+    n, b, hk = tile
+    m_lo = max(2 * n, int(ranges[b, n, 0]))
+    m_hi = max(min(n_m, int(ranges[b, n, 1])), m_lo)
+    return [(hk * group + hq, m) for hq in range(group) for m in range(m_lo, m_hi)]
+
+
+def dq_cast_run(seed, mode, dq_mode, nprog, mutation=None):
+    """nprog programs of the persistent backward with DQ_CAST ``mode`` (1: arrivals at each tile's end after a full
+    wait; 2: a tile's arrivals at the next tile's end after waiting for all bulk groups but the newest, when that
+    tile issued one, else all; the last tile's after the loop) under one random interleaving. Modelled: each
+    warpgroup's bulk reduce-adds (one bulk group each: its shared-memory source read at one random later time, its
+    add landing in the accumulator at a later one; `tma.store_wait(0)` before reusing the staging buffer waits for
+    the reads only), the arrivals (one atomic per item, interleaved with every other warpgroup's), the casts (the
+    block read from the accumulator at a random later time) and the producers' zeros for NEED 0 blocks. NEED is
+    `host.bwd_need`'s. Checks: every (batch row, head, query block) of dQ written exactly once, a cast one after
+    every add into it landed, a NEED 0 one with zeros; the adds the walk makes into each block are NEED."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = random.Random(seed)
+    batch, hkv, group, n_m, ranges, tiles = dq_cast_call(rng)
+    need = np.asarray(host.bwd_need(jnp.asarray(ranges), n_m * 64, True, dq_mode))
+    if mutation == "need_plus1":
+        need = need + (need > 0)
+    if mutation == "need_minus1":
+        need = need - (need > 0)
+    cuts = sorted(rng.randint(0, len(tiles)) for _ in range(nprog - 1))
+    dealt = [tiles[a:z] for a, z in zip([0] + cuts, cuts + [len(tiles)])]  # each program's tiles, in its order
+    acc, counter, out, adds = {}, {}, {}, {}  # block -> landed adds, arrivals, what dQ holds, adds the walk makes
+    asyncs = []
+
+    def adder(p, wg):  # the ring items warpgroup wg of program p adds dQ of, per tile: [(block, gi)]
+        g, per_tile = 0, []
+        for tile in dealt[p]:
+            items = dq_cast_items(tile, ranges, group, n_m)
+            per_tile.append([((tile[1], h, m), g + it) for it, (h, m) in enumerate(items)
+                             if dq_mode == 1 or (g + it) % 2 == wg])
+            g += len(items)
+        return per_tile
+
+    for p in range(nprog):
+        for wg in (0, 1):
+            for tile_adds in adder(p, wg):
+                for block, _ in tile_adds:
+                    adds[block] = adds.get(block, 0) + 1
+
+    def landed_but(groups, pending, read_only):  # cp.async.bulk.wait_group(.read) pending
+        done = groups[:max(len(groups) - pending, 0)]
+        return lambda: all(gr["read" if read_only else "landed"] for gr in done)
+
+    def reduce_add(groups, block, tag):  # a bulk group: reads its source, then its add lands
+        gr = {"read": False, "landed": False}
+        groups.append(gr)
+
+        def co():
+            yield
+            gr["read"] = True
+            yield
+            acc.setdefault(block, set()).add(tag)
+            gr["landed"] = True
+
+        asyncs.append(co())
+
+    def arrive(tile_adds):  # _pbwd_dq_arrive: the atomics (other warpgroups' in between), then the casts
+        last = []
+        for block, _ in tile_adds:
+            yield
+            old = counter.get(block, 0)
+            counter[block] = old + 1
+            if old == need[block[0], block[2]] - 1:
+                last.append(block)
+        for block in last:
+            yield  # the cast's loads: any time later
+            check(block not in out, f"dQ block {block} written twice ({out.get(block)}, then cast)")
+            got = len(acc.get(block, ()))
+            check(got == adds[block], f"dQ block {block} cast with {got} of its {adds[block]} adds landed")
+            out[block] = "cast"
+
+    def consumer(p, wg):
+        groups, prev = [], None
+        for tile_adds in adder(p, wg):
+            issued = len(groups)
+            for block, gi in tile_adds:
+                yield landed_but(groups, 0, True)  # tma.store_wait(0) (.read) before the staging buffer's reuse
+                reduce_add(groups, block, (p, wg, gi))
+                yield
+            issued = len(groups) > issued
+            if mode == 1:
+                yield landed_but(groups, 0, mutation == "read_only")
+                yield from arrive(tile_adds)
+            else:
+                if prev is not None:
+                    pending = 1 if issued or mutation == "wait1_always" else 0
+                    yield landed_but(groups, pending, mutation == "read_only")
+                    yield from arrive(prev)
+                prev = tile_adds
+        if mode == 2 and prev is not None:
+            yield landed_but(groups, 0, mutation == "read_only")
+            yield from arrive(prev)
+
+    def producer(p):  # _pbwd_dq_zeros, once the program's tiles are posted
+        for _ in range(rng.randint(0, 3)):
+            yield
+        if mutation == "no_zeros":
+            return
+        for e in range(p, batch * n_m, nprog):
+            b, m = divmod(e, n_m)
+            if need[b, m] == 0:
+                for h in range(hkv * group):
+                    check((b, h, m) not in out, f"dQ block {(b, h, m)} written twice (cast, then zeros)")
+                    out[(b, h, m)] = "zeros"
+
+    agents = [a for p in range(nprog) for a in (consumer(p, 0), consumer(p, 1), producer(p))]
+    schedule(rng, agents, asyncs, f"dQ cast mode {mode}, DQ_MODE {dq_mode}, {nprog} programs, tiles {dealt}")
+    for b in range(batch):
+        for m in range(n_m):
+            check(need[b, m] == adds.get((b, 0, m), 0), f"NEED[{b}, {m}] = {need[b, m]}, the walk adds "
+                                                        f"{adds.get((b, 0, m), 0)}")
+            for h in range(hkv * group):
+                check(out.get((b, h, m)) == ("cast" if need[b, m] else "zeros"),
+                      f"dQ block {(b, h, m)}: {out.get((b, h, m))} (NEED {need[b, m]})")
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_dq_cast_under_random_interleavings(mode):
+    """DQ_CAST 1 and 2 on 1-4 programs, DQ_MODE 0 and 1: each dQ block cast once, after every add into it landed,
+    or zeroed by a producer where no key block adds into it; NEED (`host.bwd_need`) counts the walk's adds."""
+    rng = random.Random(40 + mode)
+    for seed in range(300):
+        dq_cast_run(seed, mode, rng.choice((0, 1)), rng.randint(1, 4))
+
+
+DQ_CAST_MUTATIONS = {  # mutation -> (what it breaks, the modes it applies to)
+    "read_only": ("the arrivals after the `.read` wait: the sources read, the adds not yet landed", (1, 2)),
+    "need_plus1": ("NEED one too many: the block is never cast", (1, 2)),
+    "need_minus1": ("NEED one short: the block cast before its last add", (1, 2)),
+    "no_zeros": ("a NEED 0 block left unwritten", (1, 2)),
+    "wait1_always": ("the deferred arrivals wait for all groups but the newest though the tile issued none", (2, )),
+}
+
+
+@pytest.mark.parametrize("mutation,mode", [(m, mode) for m, (_, modes) in DQ_CAST_MUTATIONS.items()
+                                           for mode in modes])
+def test_dq_cast_model_catches_a_broken_protocol(mutation, mode):
+    what = DQ_CAST_MUTATIONS[mutation][0]
+    rng = random.Random(50)
+    runs, caught = 100, 0
+    for seed in range(runs):
+        # wait1_always shows where a warpgroup issues nothing in a tile: DQ_MODE 0, whose items alternate
+        dq_mode = 0 if mutation == "wait1_always" else rng.choice((0, 1))
+        try:
+            dq_cast_run(seed, mode, dq_mode, rng.randint(1, 4), mutation)
+        except AssertionError:
+            caught += 1
+    assert caught >= runs // 20, f"{what}: caught in {caught}/{runs} runs only"
