@@ -87,8 +87,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                   spec: str | None = None, seq_k: int | None = None, softcap: bool = False,
                   fast_tanh: bool = False, staged_backward: bool | None = None, backward_only: bool = False,
                   docs_masks: bool | None = None, persistent_segments: bool | None = None,
-                  kv_wire: bool = False, merge: bool = False, dq_into: bool = False,
-                  dq_cast: int | None = None, persistent_only: bool = False) -> dict:
+                  kv_wire: bool = False, merge: bool = False, dq_into: bool = False) -> dict:
     """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs; ``dynamic``:
     the forward's dynamic tile queue; ``forward_only``: the forward alone; ``layout``: a block layout of (block_q,
     block_k, per head) (the kernels walk lists: LIST, `gluon.host.fwd_lists` / `bwd_lists`); ``spec``: a generated
@@ -103,8 +102,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     the rows from a row read at run time (KV_AT, KV_ROWS, KV_OFF_AT: `ring.KV_FROM_WIRE_BWD`); ``merge``: the forward
     merges its result into an earlier one (MERGE: ring attention's last step, `ring.MERGE_IN_KERNEL`); ``dq_into``:
     the backward adds dQ into an accumulator of twice the rows from a row read at run time (DQ_ROWS, DQ_OFF_AT:
-    `ring.DQ_ONCE`); ``dq_cast``: the persistent backward with segment ids casts dQ itself (DQ_CAST, default
-    `gluon.host.DQ_CAST_IN_KERNEL`); ``persistent_only``: the persistent backward alone."""
+    `ring.DQ_ONCE`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -147,8 +145,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     kv_ptr = "*u16" if kv_wire else ptr
     segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32", ORDER="*i32")
     bwd_pointers = dict(Q=ptr, K=kv_ptr, V=kv_ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
-                        DQ_IN="*fp32", DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", NEED="*i32",
-                        DQ=ptr, **segs)
+                        DQ_IN="*fp32", DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)
     kernels = [("gluon_fwd_kernel", gluon_attention.kernel(), fwd_consts,
                 dict(Q=ptr, K=kv_ptr, V=kv_ptr, F32="*fp32", I32="*i32", O_PREV=ptr, LSE_PREV="*fp32", O=ptr,
                      LSE="*fp32", TILE_CTR="*i32",
@@ -164,16 +161,12 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
         kernels = kernels[:1]
     elif backward_only:
         kernels = kernels[1:2]
-    elif persistent_only:
-        kernels = []
     documents = gluon_attention.persistent_segments_bwd(call, bool(bwd_lists), persistent_segments)
     if not (forward_only or backward_only) and (causal and window and not bwd_lists or documents):
         # the persistent backward runs causal windows, and packed documents with PERSISTENT_SEGMENTS_BWD
         kernels.append(("gluon_bwd_persistent_kernel", gluon_attention.pbwd_kernel(),
                         gluon_attention.pbwd_constexprs(batch, heads, kv_heads, seq, head_dim, softcap, fast_tanh,
-                                                        segments=documents, causal=causal,
-                                                        dq_cast=(gluon_attention.DQ_CAST_IN_KERNEL if dq_cast is None
-                                                                 else dq_cast) if documents else 0),
+                                                        segments=documents, causal=causal),
                         dict(bwd_pointers, K=ptr, V=ptr)))  # (it reads no wire)
     for name, kernel, consts, pointers in kernels:
         sig = {n: pointers.get(n, "constexpr") for n in kernel.arg_names}

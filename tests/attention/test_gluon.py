@@ -956,93 +956,25 @@ def test_gluon_document_masks_match_the_oracle(monkeypatch, triton_launches, run
     assert all((kw["SEGMENTS"] == 2) == docs for k, kw in triton_launches if k == "fwd"), triton_launches
 
 
-PERSISTENT_DOCUMENT_RUNS = [(c, docs, cast) for c in DOCUMENT_CASES if c[2] for docs in (False, True)
-                            for cast in (0, 1, 2)]
+PERSISTENT_DOCUMENT_RUNS = [(c, docs) for c in DOCUMENT_CASES if c[2] for docs in (False, True)]
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check below)")
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,lengths,docs,dq_cast", [(c[1], c[3], docs, cast)
-                                                        for c, docs, cast in PERSISTENT_DOCUMENT_RUNS],
-                         ids=[f"{c[0]}{'-docs' if docs else ''}-dqcast{cast}"
-                              for c, docs, cast in PERSISTENT_DOCUMENT_RUNS])
+@pytest.mark.parametrize("shape,lengths,docs", [(c[1], c[3], docs) for c, docs in PERSISTENT_DOCUMENT_RUNS],
+                         ids=[f"{c[0]}{'-docs' if docs else ''}" for c, docs in PERSISTENT_DOCUMENT_RUNS])
 def test_gluon_document_masks_on_the_persistent_backward_match_the_oracle(monkeypatch, triton_launches, run_vjp,
-                                                                          shape, lengths, docs, dq_cast):
+                                                                          shape, lengths, docs):
     """The default (`host.PERSISTENT_SEGMENTS_BWD` on): the causal document cases' backward on the persistent kernel
     with segment ids (tiles in `bwd_order`'s order through its tile counter; on 7 SMs each program walks many tiles,
-    key blocks no query sees among them), forward and backward against the float64 oracle; with dQ cast by XLA
-    (`host.DQ_CAST_IN_KERNEL` 0) and by the kernel (1: arrivals at each tile's end, 2: a tile later; padding rows'
-    blocks written by the producer)."""
+    key blocks no query sees among them), forward and backward against the float64 oracle."""
     monkeypatch.setattr(gluon_attention, "DOCS_MASKS", docs)
-    monkeypatch.setattr(gluon_attention, "DQ_CAST_IN_KERNEL", dq_cast)
     assert gluon_attention.PERSISTENT_SEGMENTS_BWD
     _documents_match_the_oracle(monkeypatch, run_vjp, shape, True, lengths)
     kinds = sorted(k for k, _ in triton_launches)
     assert kinds == ["fwd", "persistent"], triton_launches
-    assert all(kw.get("SEGMENTS") and kw["MASK"] == 1 and kw["DQ_CAST"] == dq_cast
-               for k, kw in triton_launches if k == "persistent"), triton_launches
-
-
-def _within_a_bf16_ulp(a, b, rows: int = 64):
-    """Per element of two dQs [B, S, H, D] (jnp, on the device): how far apart they are in units of one bf16 ulp
-    of the larger of the two, the ulp floored at 2^-15 of the largest magnitude in the element's (query block of
-    ``rows`` rows, head) (a sum that cancels to near zero keeps float32 rounding of its terms, which another order of
-    the reduce-adds moves by more than one ulp of the tiny result); the largest such distance (a float)."""
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    batch, seq, heads, d = a.shape
-    pad = -seq % rows
-    big = jnp.maximum(jnp.abs(a), jnp.abs(b))
-    block = jnp.pad(big, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(batch, -1, rows, heads, d).max(axis=(2, 4))
-    floor = jnp.repeat(block, rows, axis=1)[:, :seq, :, None] * 2.0**-15
-    mag = jnp.maximum(jnp.maximum(big, floor), 2.0**-126)
-    ulp = 2.0 ** (jnp.floor(jnp.log2(mag)) - 7)  # bf16: 8 significant bits
-    return float(jnp.max(jnp.abs(a - b) / ulp))
-
-
-@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only")
-@pytest.mark.gpu
-@pytest.mark.parametrize("dq_cast", [1, 2])
-def test_the_persistent_backwards_own_dq_cast_matches_xlas_under_repetition(monkeypatch, triton_launches, dq_cast):
-    """Stress (`host.DQ_CAST_IN_KERNEL` 1 / 2): 8k tokens, 8 packed documents and a padding run (blocks no key block
-    adds into), B 1, H 16, D 128, bf16, 200 backwards with the kernel casting dQ against dQ cast by XLA after the
-    kernel (switch 0): each within one bf16 ulp per element (`_within_a_bf16_ulp`: the reduce-adds' order differs
-    run to run, so two switch-off runs differ as much, checked too); a block cast before its last reduce-add landed
-    (a wrong wait, NEED or ordering) misses a key block's share, many ulps. dK and dV, deterministic, bit for bit;
-    the padding rows' dQ zero."""
-    import numpy as np
-
-    from ejgen.ops import flash_attention
-    from ejgen.types import MaskInfo
-
-    if not gluon_attention.hopper():
-        pytest.skip("not a Hopper GPU")
-    monkeypatch.delenv("EJGEN_TRITON_CONFIG", raising=False)
-    b, s, h, d, runs = 1, 8192, 16, 128, 200
-    rng = np.random.default_rng(34)
-    cuts = np.sort(rng.choice(np.arange(1, s - 300), size=7, replace=False))
-    ids = np.searchsorted(cuts, np.arange(s), side="right").astype(np.int32)
-    ids[s - 300:] = -1  # padding: the last query blocks see no key
-    mask = MaskInfo.from_segments(jnp.asarray(ids[None]))
-    q, k, v, do = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16) for _ in range(4))
-
-    def backward(cast):  # traced (and compiled) with the switch set
-        monkeypatch.setattr(gluon_attention, "DQ_CAST_IN_KERNEL", cast)
-        f = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=True, mask_info=mask,
-                                                                             platform="triton"), q, k, v)[1](do))
-        jax.block_until_ready(f(q, k, v))
-        return f
-
-    off, on = backward(0), backward(dq_cast)
-    assert [kw["DQ_CAST"] for k, kw in triton_launches if k == "persistent"] == [0, dq_cast], triton_launches
-    dq0, dk0, dv0 = off(q, k, v)
-    assert _within_a_bf16_ulp(off(q, k, v)[0], dq0) <= 1.0  # the tolerance holds between two switch-off runs
-    worst = 0.0
-    for _ in range(runs):
-        dq, dk, dv = on(q, k, v)
-        worst = max(worst, _within_a_bf16_ulp(dq, dq0))
-        assert bool(jnp.array_equal(dk, dk0)) and bool(jnp.array_equal(dv, dv0))
-    assert worst <= 1.0, f"dQ cast by the kernel {worst:.1f} bf16 ulps from XLA's cast"
-    assert not np.any(np.asarray(dq[:, s - 300:]).astype(np.float32)), "padding rows' dQ not zero"
+    assert all(kw.get("SEGMENTS") and kw["MASK"] == 1 for k, kw in triton_launches if k == "persistent"), \
+        triton_launches
 
 
 def test_the_tile_order_deals_the_work_evenly():
@@ -1768,166 +1700,3 @@ def test_the_documents_backward_launches_the_persistent_kernel_when_switched_on(
         assert names[len(inputs) + 3] == "TILE_CTR" and (outs[3].shape, outs[3].dtype) == ((1, ), jnp.int32)
     else:
         assert grid == (5, b * hkv) and kw["zeroed"] == (0, )
-
-
-# (dtype, head dim, soft cap) x DQ_CAST (`host.DQ_CAST_IN_KERNEL`): the persistent backward with segment ids casting
-# dQ itself
-DQ_CAST_COMPILES = [(*c, cast) for c in PERSISTENT_SEGMENTS_COMPILES for cast in (1, 2)]
-
-
-def _check_dq_cast(results):
-    for (dtype, d, softcap, cast), compiled in zip(DQ_CAST_COMPILES, results):
-        case = (dtype, d, softcap, cast)
-        assert "error" not in compiled, (case, compiled.get("error"))
-        meta = compiled["gluon_bwd_persistent_kernel"]
-        assert meta["warps"] == 12 and meta["registers"] == 168 and meta["cubin"] and meta["wgmma"], case
-        assert meta["shared"] <= gluon_attention.SMEM_LIMIT, (case, meta["shared"])
-        budget = SOFTCAP_SPILL_BUDGET if softcap else 0
-        assert meta["stack"] <= budget, f"{case}: {meta['stack']} B spilled (budget {budget})"
-        ptx = meta["ptx"]
-        assert softcap or "ld.local" not in ptx, case
-        # the arrivals: the reduce-adds landed (the full wait, not .read: 1 with the deferred form too) and fenced
-        # before the release; the cast reads the accumulator from L2
-        waits = set(re.findall(r"cp\.async\.bulk\.wait_group (\d);", ptx))
-        assert waits == ({"0", "1"} if cast == 2 else {"0"}), (case, waits)
-        assert "fence.proxy.async.global" in ptx, case
-        assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx, case
-        assert "atom.global.gpu.relaxed.add" in ptx, f"{case}: tiles from the counter"
-
-
-def _dq_cast_requests():
-    return [dict(gluon=True, dtype=dtype, head_dim=d, causal=True, segments=True, persistent_segments=True,
-                 softcap=softcap, dq_cast=cast, persistent_only=True, with_ptx=True, with_resources=True)
-            for dtype, d, softcap, cast in DQ_CAST_COMPILES]
-
-
-@pytest.mark.parametrize("triton", ["here", "gpu host"])
-def test_the_persistent_backward_casting_dq_compiles(triton):
-    """DQ_CAST 1 and 2 (`host.DQ_CAST_IN_KERNEL`): the persistent backward with segment ids, bf16 head dim 128 (and
-    with a soft cap) and f16 64, compiles for sm_90 on this machine's Triton and the GPU host's (3.6, whose
-    store_wait has no full form: inline PTX on both): 168 registers at entry, no spill (a soft cap within the
-    backwards' budget), within Hopper's shared memory; the PTX holds the full `cp.async.bulk.wait_group` (0, and 1
-    for the deferred arrivals), the proxy fence, the acq_rel arrivals and the `.cg` loads of the cast."""
-    from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
-
-    if not gluon_attention.importable()[0]:
-        pytest.fail(gluon_attention.importable()[1])
-    here = triton == "here"
-    results = compile_all_in_subprocess(_dq_cast_requests(), triton=None if here else gpu_host_triton())
-    _check_dq_cast(results)
-    assert all(by_gpu_host_triton(r["gluon_bwd_persistent_kernel"]) != here for r in results), results
-
-
-@pytest.mark.parametrize("seq,batch,hkv,group", [(2048, 2, 2, 2), (8192, 1, 4, 1), (1500, 1, 2, 4)])
-def test_the_dq_counts_each_query_block_needs_are_its_contributors(seq, batch, hkv, group):
-    """`host.bwd_need` (numpy check): NEED[b, m] is the number of bulk reduce-adds the persistent backward with
-    segment ids makes into query block m of each head of batch row b, counted by walking every (key block, batch
-    row, kv head) tile as the kernel decodes it (`_pbwd_tile_range`'s causal range joined with the ids' RANGES) and
-    its items (head, block), both warpgroups adding a half with DQ_MODE 1 (head dim 128), the one of the item's
-    parity with DQ_MODE 0 (64); a block of NEED 0 has no row that sees a key (its dQ is zero: the producer writes
-    it)."""
-    import numpy as np
-
-    bm, bn = gluon_attention.BWD_TILES["BLOCK_M"], gluon_attention.BWD_TILES["BLOCK_N"]
-    rng = np.random.default_rng(seq + group)
-    ids = np.full((batch, seq), -1, np.int32)
-    for b in range(batch):
-        cuts = np.sort(rng.choice(np.arange(1, seq), size=7, replace=False))
-        ids[b] = np.searchsorted(cuts, np.arange(seq), side="right")
-        ids[b, rng.integers(seq // 2, seq):] = -1  # padding to the end
-    ids[-1] = np.roll(ids[-1], 37)  # a padding run first
-    cfg = AttentionConfig(seq_q=seq, seq_k=seq, causal=True, segments=True)
-    j = jnp.asarray(ids)
-    ranges = np.asarray(gluon_attention.segment_ranges({"q_seg": j, "kv_seg": j}, cfg, seq, "bwd"))
-    n_n, n_m, hq = -(-seq // bn), -(-seq // bm), hkv * group
-    for d in gluon_attention.HEAD_DIMS:
-        dq_mode = gluon_attention.pbwd_constexprs(batch, hq, hkv, seq, d, segments=True)["DQ_MODE"]
-        adds = np.zeros((batch, hq, n_m), np.int64)
-        for n in range(n_n):
-            for b in range(batch):
-                for hk in range(hkv):
-                    m_lo = max(n * bn // bm, ranges[b, n, 0])  # _pbwd_tile_range, MASK 1
-                    m_hi = max(min(n_m, ranges[b, n, 1]), m_lo)
-                    for hq_i in range(group):
-                        for m in range(m_lo, m_hi):
-                            adds[b, hk * group + hq_i, m] += 2 if dq_mode == 1 else 1
-        need = np.asarray(gluon_attention.bwd_need(jnp.asarray(ranges), seq, True, dq_mode))
-        assert need.shape == (batch, n_m) and need.dtype == np.int32
-        np.testing.assert_array_equal(np.broadcast_to(need[:, None], adds.shape), adds)
-    q = np.arange(seq)
-    for b in range(batch):
-        for m in np.flatnonzero(need[b] == 0):
-            rows = q[m * bm:m * bm + bm]
-            vis = (ids[b, rows][:, None] == ids[b][None, :]) & (ids[b, rows][:, None] >= 0) & \
-                (rows[:, None] >= q[None, :])
-            assert not vis.any(), (b, m)
-    assert (need == 0).any() and (need > 0).any()
-
-
-@pytest.mark.parametrize("dq_cast", [0, 1, 2])
-def test_the_documents_backward_casts_dq_in_the_kernel_when_switched_on(monkeypatch, dq_cast):
-    """On a (pretended) Hopper GPU, causal packed documents on the persistent backward: with
-    `host.DQ_CAST_IN_KERNEL` 1 / 2 its launch takes DQ_CAST, NEED (`bwd_need` of the plan's ranges) after ORDER, a
-    zeroed counter of 1 + B * HQ * N_M int32 (the tile counter, then one per (batch row, head, query block)) and dQ
-    in q's type as an output (DQ, after the counter), and the gradient is that output: no float32 [B, S, H, D] ->
-    bf16 convert in the traced program; 0 (the default), placeholders and XLA's cast. A backward adding dQ into an
-    accumulator (`api.DQ_INTO`, ring attention) keeps float32: DQ_CAST 0."""
-    import numpy as np
-
-    from ejgen.ops import flash_attention
-    from ejgen.runtime.attention import api
-    from ejgen.runtime.attention.triton import host as triton_host
-    from ejgen.types import MaskInfo
-
-    assert gluon_attention.DQ_CAST_IN_KERNEL == 0  # off by default
-    seen = pretend_hopper(monkeypatch, sms=7, values=False)
-    b, s, hq, hkv, d = 2, 600, 4, 2, 128
-    ids = np.repeat(np.array([0] * 130 + [1] * 300 + [2] * 100 + [-1] * 70, np.int32)[None], b, 0)
-    mask = MaskInfo.from_segments(jnp.asarray(ids))
-    q = jnp.ones((b, s, hq, d), jnp.bfloat16)
-    kv = jnp.ones((b, s, hkv, d), jnp.bfloat16)
-    loss = lambda q, k, v: flash_attention(q, k, v, causal=True, mask_info=mask, platform="triton").sum()  # noqa
-
-    def converts(cast):  # float32 [B, S, H, D] -> bf16 converts in the traced gradient (the sum's cotangent has one)
-        monkeypatch.setattr(gluon_attention, "DQ_CAST_IN_KERNEL", cast)
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).as_text()
-        return len(re.findall(r"stablehlo\.convert[^\n]*tensor<2x600x4x128xf32>\) -> tensor<2x600x4x128xbf16>", text))
-
-    off = converts(0)
-    assert converts(dq_cast) == off - (1 if dq_cast else 0)
-    kernel, grid, inputs, outs, kw = [x for x in seen if x[0].__name__ == "gluon_attention_bwd_persistent_kernel"][-1]
-    at = {n: i for i, n in enumerate(kernel.arg_names)}
-    assert kw["DQ_CAST"] == dq_cast and kw["zeroed"] == (0, 3) and grid == (7, )
-    assert at["NEED"] == at["ORDER"] + 1 == len(inputs) - 1 and at["DQ"] == at["TILE_CTR"] + 1 == len(inputs) + 4
-    n_m = -(-s // gluon_attention.BWD_TILES["BLOCK_M"])
-    counter, dq = outs[3], outs[4]
-    if dq_cast:
-        assert (counter.shape, counter.dtype) == ((1 + b * hq * n_m, ), jnp.int32)
-        assert (dq.shape, dq.dtype) == ((b, s, hq, d), jnp.bfloat16) and inputs[at["NEED"]].shape == (b, n_m)
-    else:
-        assert counter.shape == (1, ) and dq.shape == (1, ) and inputs[at["NEED"]].shape == (1, )
-
-    # with values: NEED from the plan's ranges; beside the op's own, a backward into an accumulator keeps float32
-    seen = pretend_hopper(monkeypatch, sms=7)
-    acc = jnp.zeros((b, 2 * s, hq, 1, d), jnp.float32)
-    real, shapes = triton_host._backward, []
-
-    def beside(layout, q5, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
-        dq = real(layout, q5, k, v, out, lse, d_out, d_lse, {**ctx, api.DQ_INTO: (acc, 0)}, cfg, choice)[0]
-        shapes.append((dq.shape, dq.dtype))
-        jax.debug.callback(lambda x: None, dq)  # (kept: its launch runs)
-        return real(layout, q5, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
-
-    monkeypatch.setattr(triton_host, "_backward", beside)
-    jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, kv, kv))
-    assert shapes == [(acc.shape, jnp.float32)]
-    bwd = [x for x in seen if x[0].__name__ == "gluon_attention_bwd_persistent_kernel"]
-    assert sorted(kw["DQ_CAST"] for *_, kw in bwd) == [0, dq_cast], [kw["DQ_CAST"] for *_, kw in bwd]
-    for kernel, _, inputs, outs, kw in bwd:
-        if kw["DQ_CAST"]:
-            cfg = AttentionConfig(seq_q=s, seq_k=s, causal=True, segments=True)
-            ranges = gluon_attention.segment_ranges({"q_seg": jnp.asarray(ids), "kv_seg": jnp.asarray(ids)}, cfg, s,
-                                                    "bwd")
-            np.testing.assert_array_equal(inputs[at["NEED"]], np.asarray(gluon_attention.bwd_need(ranges, s, True, 1)))
-        else:
-            assert outs[3].shape == (1, ) and outs[4].shape == (1, )

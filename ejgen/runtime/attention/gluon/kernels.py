@@ -1475,7 +1475,7 @@ def _pbwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
                    SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, MASK: gl.constexpr,
                    TILE_STAGES: gl.constexpr, QSEG=None, RANGES=None, ORDER=None, qs_smem=None,
-                   SEGMENTS: gl.constexpr = False, need_ptr=None, dq_ptr=None, DQ_CAST: gl.constexpr = 0):
+                   SEGMENTS: gl.constexpr = False):
     """Per tile tc of this program: its K into K buffer tc % K_STAGES and its V into V buffer tc % V_STAGES (each
     once the consumers released the tile that held it before), then per (query head, query block) -- ring item g,
     counted over all tiles -- Q and dO by TMA into stage g % NUM_STAGES and the block's lse * log2 e and delta
@@ -1483,8 +1483,7 @@ def _pbwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
     once. The first tile is pid, each next one nprog + a fetch-and-add on the launch's zeroed tile counter, made
     after the current tile's K load (see _pbwd_producer_tile); every tile index, and the final one (>= the number
     of tiles: stop), goes to the consumers through the tile ring. SEGMENTS: the tiles are taken in ORDER's order
-    (`host.bwd_order`, the most query blocks first): place t is the tile ORDER[t], which is what the ring carries.
-    DQ_CAST: then zeros into dQ's blocks no key block adds into (`_pbwd_dq_zeros`)."""
+    (`host.bwd_order`, the most query blocks first): place t is the tile ORDER[t], which is what the ring carries."""
     N_T: gl.constexpr = ((SEQ + BLOCK_N - 1) // BLOCK_N) * B * HKV
     g = pid * 0  # ring items issued so far (all tiles of this program)
     tc = pid * 0  # tiles started so far
@@ -1508,8 +1507,6 @@ def _pbwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
         tc += 1
         t = nxt
     _pbwd_tile_post(tile_smem, tile_ready, tile_empty, tc, t, TILE_STAGES)  # the stop index
-    if DQ_CAST > 0:
-        _pbwd_dq_zeros(need_ptr, dq_ptr, pid, nprog, B, HQ, SEQ, D, BLOCK_M)
 
 
 @gluon.jit
@@ -1597,128 +1594,18 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem
 
 
 @gluon.jit
-def _bulk_wait_landed(PENDING: gl.constexpr):
-    """This thread's bulk copies but the newest PENDING (0 or 1) complete, their writes landed (the full
-    `cp.async.bulk.wait_group`, not `tma.store_wait`'s `.read` form, which only says the sources were read), then a
-    proxy fence: what the bulk reduce-adds wrote (async proxy) ordered before this thread's later generic accesses,
-    a release among them (DQ_CAST). Inline PTX on both Tritons: 3.6's store_wait has no full form and 3.9's
-    (read_only=False) emits no proxy fence."""
-    if PENDING == 0:
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, 0;", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 1; fence.proxy.async.global; mov.b32 $0, 0;", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _pbwd_dq_cast(dq_acc, dq_ptr, off_b, h, m, SEQ: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
-                  BLOCK_M: gl.constexpr, CAST_PARTS: gl.constexpr = 2):
-    """DQ_CAST, a consumer warpgroup: query block m of head h, batch row off_b, from the float32 accumulator
-    (``.cg``: from L2, where the reduce-adds landed; no L1 line of it can be stale) into dQ in its own type (rows
-    past SEQ masked), in CAST_PARTS row slices one after the other, in the registers of the tile's dK / dV (stored
-    by now). One part (D / 2 registers a thread) spilled (sm_90, bf16 D 128, bytes a thread: DQ_CAST 2 on Triton
-    3.6 64, with a soft cap on 3.9 96 against the switch off's 64); two: none, 80 with a soft cap."""
-    TC: gl.constexpr = D // 4  # threads along a row: 16 bytes each
-    blk: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TC, TC], [4, 1], [1, 0])
-    PART: gl.constexpr = BLOCK_M // CAST_PARTS
-    for i in gl.static_range(CAST_PARTS):
-        r = m * BLOCK_M + i * PART + gl.arange(0, PART, layout=gl.SliceLayout(1, blk))
-        c = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-        offs = ((off_b * SEQ + gl.expand_dims(r, 1)).to(gl.int64) * HQ + h) * D + gl.expand_dims(c, 0)  # [PART, D]
-        rows = (gl.expand_dims(r, 1) < SEQ) & (gl.expand_dims(c, 0) < D)
-        x = gl.load(dq_acc + offs, mask=rows, other=0.0, cache_modifier=".cg")
-        gl.store(dq_ptr + offs, x.to(dq_ptr.dtype.element_ty), mask=rows)
-
-
-@gluon.jit
-def _pbwd_dq_arrive(t, g, ctr, need_ptr, dq_acc, dq_ptr, RANGES, WINDOW_LEFT, WG: gl.constexpr, B: gl.constexpr,
-                    HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr):
-    """DQ_CAST, consumer warpgroup WG, after its bulk reduce-adds of tile t (first ring item g) landed
-    (`_bulk_wait_landed` by the thread that issued them): one arrival on the dQ counter (ctr [B, HQ, N_M] int32) of
-    each (query head, query block) item of the tile it added into (DQ_MODE 0: the items gi % 2 == WG; else all),
-    128 at a time, one a thread. The arrival is an acq_rel, gpu-scope atomic add, after a barrier that puts the
-    issuing thread's wait before every thread's release (cumulative: the landed adds are released with it). The
-    arrival that completes a block's count (old == NEED[b, m] - 1: every other warpgroup's adds released before
-    theirs) has acquired them all, and its block is cast (`_pbwd_dq_cast`) once the reduction below, whose barrier
-    orders that thread's acquire before the warpgroup's loads, names it; the lowest item first, until none is
-    left."""
-    GROUP: gl.constexpr = HQ // HKV
-    N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
-    one_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    n, off_b, off_hk, m_lo, m_hi, f0, f1 = _pbwd_tile_range(t, RANGES, WINDOW_LEFT, B, HKV, SEQ, BLOCK_M, BLOCK_N,
-                                                            MASK, SEGMENTS)
-    n_it = GROUP * (m_hi - m_lo)
-    nm = gl.maximum(m_hi - m_lo, 1)
-    cta_barrier()  # the issuing thread's full wait and fence before any thread's release
-    for c in range(0, n_it, 128):
-        it = c + gl.arange(0, 128, layout=one_l)
-        hq = it // nm
-        m = m_lo + it % nm
-        mine = it < n_it
-        if DQ_MODE == 0:  # whole dQ tiles alternate between the warpgroups: this one added ring items gi % 2 == WG
-            mine = mine & ((g + it) % 2 == WG)
-        need = gl.load(need_ptr + off_b * N_M + m, mask=mine, other=0)
-        old = gl.atomic_add(ctr + ((off_b * HQ + off_hk * GROUP + hq) * N_M + m), gl.full([128], 1, gl.int32, one_l),
-                            mask=mine, sem="acq_rel", scope="gpu")  # (a tensor of ones: 3.6 broadcasts no scalar)
-        key = gl.where(mine & (old == need - 1), it, n_it)  # n_it: nothing to cast
-        k = gl.min(key, axis=0)
-        while k < n_it:
-            _pbwd_dq_cast(dq_acc, dq_ptr, off_b, off_hk * GROUP + k // nm, m_lo + k % nm, SEQ, HQ, D, BLOCK_M)
-            key = gl.where(key == k, n_it, key)
-            k = gl.min(key, axis=0)
-
-
-@gluon.jit
-def _pbwd_dq_issued(n_it, g, WG: gl.constexpr, DQ_MODE: gl.constexpr):
-    """Whether warpgroup WG issued a bulk reduce-add in a tile of n_it ring items from item g (DQ_MODE 0: the
-    items gi % 2 == WG only)."""
-    if DQ_MODE == 0:
-        return (n_it > 1) | ((n_it == 1) & (g % 2 == WG))
-    else:
-        return n_it > 0
-
-
-@gluon.jit
-def _pbwd_dq_zeros(need_ptr, dq_ptr, pid, nprog, B: gl.constexpr, HQ: gl.constexpr, SEQ: gl.constexpr,
-                   D: gl.constexpr, BLOCK_M: gl.constexpr):
-    """DQ_CAST, the producer warp once its tiles are posted: zeros into dQ's query blocks no key block adds into
-    (NEED[b, m] == 0: padding rows), blocks pid, pid + nprog, ... of the B * N_M; a block's rows of every head are
-    one run of memory."""
-    N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
-    ROW: gl.constexpr = HQ * D
-    CHUNK: gl.constexpr = 1024
-    z_l: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])
-    zeros = gl.zeros([CHUNK], dq_ptr.dtype.element_ty, layout=z_l)
-    o = gl.arange(0, CHUNK, layout=z_l)
-    for e in range(pid, B * N_M, nprog):
-        if gl.load(need_ptr + e) == 0:
-            off_b = e // N_M
-            m = e % N_M
-            base = dq_ptr + (off_b * SEQ + m * BLOCK_M).to(gl.int64) * ROW
-            count = gl.minimum(SEQ - m * BLOCK_M, BLOCK_M) * ROW
-            for i in range(0, count, CHUNK):
-                gl.store(base + i + o, zeros, mask=i + o < count)
-
-
-@gluon.jit
 def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready,
                    qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, tile_smem, tile_ready, tile_empty, dq_desc,
                    dk_ptr, dv_ptr, pid, sm_scale, cap, WINDOW_LEFT, WG: gl.constexpr, B: gl.constexpr, HQ: gl.constexpr,
                    HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                    MASK: gl.constexpr, DQ_MODE: gl.constexpr, TILE_STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
-                   KSEG=None, RANGES=None, qs_smem=None, SEGMENTS: gl.constexpr = False, ctr=None, need_ptr=None,
-                   dq_acc=None, dq_ptr=None, DQ_CAST: gl.constexpr = 0):
+                   KSEG=None, RANGES=None, qs_smem=None, SEGMENTS: gl.constexpr = False):
     """Warpgroup WG's 64 keys of every tile of this program: dK, dV over the tile's query blocks (S^T, dP^T, P^T,
     dS^T; dV += P^T dO, dK += dS^T Q), its dS^T half into shared memory for the joint dQ = dS K (DQ_MODE 1: each
     warpgroup half of dQ's columns, 0: whole tiles alternating between the warpgroups), dQ * scale reduce-added
     into the float32 accumulator; V released after the tile's last dP^T, K after its last dQ; then dK * scale and
-    dV stored. The tiles come from the producer through the tile ring, until an index >= the number of tiles.
-    DQ_CAST (`_pbwd_dq_arrive`): 1, after each tile's dK / dV, the arrivals for its reduce-adds once all landed;
-    2, after each tile's dK / dV, the arrivals for the tile before it once all its reduce-adds but the newest landed
-    (the newest is this tile's, when this warpgroup issued one in it), the last tile's in a pass after it."""
+    dV stored. The tiles come from the producer through the tile ring, until an index >= the number of tiles."""
     N_N: gl.constexpr = (SEQ + BLOCK_N - 1) // BLOCK_N
     BH: gl.constexpr = B * HKV
     s_zero, dq_zero = _bwd_zeros(BLOCK_M, BLOCK_N, D, DQ_MODE)
@@ -1727,58 +1614,21 @@ def _pbwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, 
     g = pid * 0  # ring items consumed so far (all tiles): Q / dO stage and phase, dS buffer, join parity
     tc = pid * 0  # tiles done so far: K buffer tc % K_STAGES, V buffer tc % V_STAGES
     t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
-    if DQ_CAST == 2:
-        # one pass more than there are tiles, for the last tile's arrivals: one call site of the arrivals (a second,
-        # after the loop, spilled 184 B a thread with a soft cap on Triton 3.6 against 80)
-        live = t < N_N * BH
-        prev = pid * 0 - 1  # the tile whose arrivals are still to make (-1: none), and its first ring item
-        prev_g = pid * 0
-        while live | (prev >= 0):
-            n_it = pid * 0
-            if live:
-                n_it = _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem, k_smem, v_smem,
-                                           ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready,
-                                           qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_ptr,
-                                           dv_ptr, sm_scale, WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N,
-                                           NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, SOFTCAP, KSEG, RANGES,
-                                           qs_smem, SEGMENTS)
-            if prev >= 0:
-                # bulk groups complete in order: all but this tile's newest (none issued here: all) hold prev's
-                if live & _pbwd_dq_issued(n_it, g, WG, DQ_MODE):
-                    _bulk_wait_landed(1)
-                else:
-                    _bulk_wait_landed(0)
-                _pbwd_dq_arrive(prev, prev_g, ctr, need_ptr, dq_acc, dq_ptr, RANGES, WINDOW_LEFT, WG, B, HQ, HKV,
-                                SEQ, D, BLOCK_M, BLOCK_N, MASK, DQ_MODE, SEGMENTS)
-            prev = gl.where(live, t, -1)
-            prev_g = g
-            if live:
-                g += n_it
-                tc += 1
-                t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
-                live = t < N_N * BH
-    else:
-        while t < N_N * BH:
-            if SEGMENTS:
-                n_it = _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem, k_smem, v_smem,
-                                           ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready,
-                                           qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_ptr,
-                                           dv_ptr, sm_scale, WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N,
-                                           NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, SOFTCAP, KSEG, RANGES,
-                                           qs_smem, SEGMENTS)
-            else:
-                n_it = _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem, k_smem, v_smem,
-                                           ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready,
-                                           qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_ptr,
-                                           dv_ptr, sm_scale, WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N,
-                                           NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, SOFTCAP)
-            if DQ_CAST == 1:  # this tile's reduce-adds all landed, then its arrivals
-                _bulk_wait_landed(0)
-                _pbwd_dq_arrive(t, g, ctr, need_ptr, dq_acc, dq_ptr, RANGES, WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D,
-                                BLOCK_M, BLOCK_N, MASK, DQ_MODE, SEGMENTS)
-            g += n_it
-            tc += 1
-            t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
+    while t < N_N * BH:
+        if SEGMENTS:
+            g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem, k_smem, v_smem,
+                                     ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty,
+                                     k_ready, k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_ptr, dv_ptr, sm_scale,
+                                     WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES,
+                                     V_STAGES, MASK, DQ_MODE, SOFTCAP, KSEG, RANGES, qs_smem, SEGMENTS)
+        else:
+            g += _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem, k_smem, v_smem,
+                                     ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready, do_ready, qd_empty,
+                                     k_ready, k_empty, v_ready, v_empty, ds_bar, dq_desc, dk_ptr, dv_ptr, sm_scale,
+                                     WINDOW_LEFT, WG, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES,
+                                     V_STAGES, MASK, DQ_MODE, SOFTCAP)
+        tc += 1
+        t = _pbwd_tile_take(tile_smem, tile_ready, tile_empty, tc, TILE_STAGES)
     tma.store_wait(0)
 
 
@@ -1831,13 +1681,13 @@ def _pbwd_shared(Q, K, V, DO, F32, I32, DQ_ACC, B: gl.constexpr, SEQ: gl.constex
 
 
 @gluon.jit
-def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RANGES, ORDER, NEED, DQ_ACC,
-                                          DK, DV, TILE_CTR, DQ, SCRATCH, B: gl.constexpr, HQ: gl.constexpr,
-                                          HKV: gl.constexpr, SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RANGES, ORDER, DQ_ACC, DK, DV,
+                                          TILE_CTR, SCRATCH, B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+                                          SEQ: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
                                           DQ_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                           PRODUCER_REGS: gl.constexpr, V_STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
-                                          SEGMENTS: gl.constexpr, DQ_CAST: gl.constexpr):
+                                          SEGMENTS: gl.constexpr):
     """gluon_attention_bwd_kernel's arguments and results (dK, dV deterministic; dQ * scale reduce-added in float32
     into the zeroed DQ_ACC [B, SEQ, HQ, D]; LSE, DELTA [B, HQ, SEQ]; MASK 0 none, 1 causal, 2 causal with a window
     of I32[0] keys to the left; F32 = [scale, soft cap, ...]; SOFTCAP as there). Persistent: grid (P,), P <= the
@@ -1852,13 +1702,8 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSE
     `_pbwd_tile_range`) and ORDER [cdiv(SEQ, BLOCK_N) * B * HKV] (`host.bwd_order`: entries n * B * HKV + b * HKV +
     kv head, the most query blocks first), the places the counter hands out (longest-processing-time first); a
     masked item compares the ids as the per-program kernel does (`_bwd_item_mask`); a key block no query sees stores
-    dK = dV = 0. DQ_CAST (`host.DQ_CAST_IN_KERNEL`; 0: NEED and DQ placeholders): dQ also in Q's type into DQ
-    [B, SEQ, HQ, D], each query block cast by the consumer warpgroup whose arrival completes its count (1: arrivals
-    at each tile's end, 2: a tile later, `_pbwd_consumer`, `_pbwd_dq_arrive`): TILE_CTR [1 + B * HQ * N_M] holds a
-    counter per (batch row, query head, query block) after the tile counter (zeroed with it), NEED [B, N_M] (int32)
-    the arrivals that complete one (`host.bwd_need`; 0: the producer writes the block's zeros, `_pbwd_dq_zeros`)."""
+    dK = dV = 0."""
     gl.static_assert(not SEGMENTS or MASK < 2, "windows with segment ids walk lists (host.listed)")
-    gl.static_assert(DQ_CAST < 3, "DQ_CAST: 0 (off), 1 (arrivals at each tile's end) or 2 (a tile later)")
     K_STAGES: gl.constexpr = 2  # K is needed first in a tile and released last
     TILE_STAGES: gl.constexpr = 2  # the ring of tile indices, producer -> consumers (8 B + 4 barriers)
     (sm_scale, cap, WINDOW_LEFT, pid, nprog, q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem,
@@ -1877,15 +1722,14 @@ def gluon_attention_bwd_persistent_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSE
                           q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem,
                           tile_ready, tile_empty, dq_desc, DK, DV, pid, sm_scale, cap, WINDOW_LEFT, 0, B, HQ, HKV,
                           SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, TILE_STAGES,
-                          SOFTCAP, KSEG, RANGES, qs_smem, SEGMENTS, TILE_CTR + 1, NEED, DQ_ACC, DQ, DQ_CAST)),
+                          SOFTCAP, KSEG, RANGES, qs_smem, SEGMENTS)),
         (_pbwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
                           q_ready, do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, ds_bar.index(0), tile_smem,
                           tile_ready, tile_empty, dq_desc, DK, DV, pid, sm_scale, cap, WINDOW_LEFT, 1, B, HQ, HKV,
                           SEQ, D, BLOCK_M, BLOCK_N, NUM_STAGES, K_STAGES, V_STAGES, MASK, DQ_MODE, TILE_STAGES,
-                          SOFTCAP, KSEG, RANGES, qs_smem, SEGMENTS, TILE_CTR + 1, NEED, DQ_ACC, DQ, DQ_CAST)),
+                          SOFTCAP, KSEG, RANGES, qs_smem, SEGMENTS)),
         (_pbwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
                           do_ready, qd_empty, k_ready, k_empty, v_ready, v_empty, tile_smem, tile_ready, tile_empty,
                           TILE_CTR, LSE, DELTA, pid, nprog, WINDOW_LEFT, B, HQ, HKV, SEQ, D, BLOCK_M, BLOCK_N,
-                          NUM_STAGES, K_STAGES, V_STAGES, MASK, TILE_STAGES, QSEG, RANGES, ORDER, qs_smem, SEGMENTS,
-                          NEED, DQ, DQ_CAST)),
+                          NUM_STAGES, K_STAGES, V_STAGES, MASK, TILE_STAGES, QSEG, RANGES, ORDER, qs_smem, SEGMENTS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

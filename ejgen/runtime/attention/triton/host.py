@@ -554,25 +554,15 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
         # packed documents under causal: the persistent kernel, whose tile counter is zeroed like the dQ accumulator
         # (documents: its programs walk the programs' order, most work first)
         kernel, grid = gluon_attention.pbwd_kernel(), gluon_attention.pbwd_grid(batch, hkv, sq)
+        outs.append(jax.ShapeDtypeStruct((1, ), jnp.int32))
         segments = _gluon_segments(ctx, cfg, sq, "bwd", documents)  # (RANGES: documents, the plan's)
         order = _dummy(jnp.int32)
         if documents:
             segments[2], order = gluon_attention.segment_plan(ctx, cfg, sq, "bwd", hkv,
                                                               by_work=gluon_attention.ordered(cfg))
-        # documents: dQ cast by the kernel itself where switched on (gluon_attention.DQ_CAST_IN_KERNEL; not into an
-        # accumulator, whose dQ stays float32): NEED, a dQ counter per (batch row, head, query block) after the tile
-        # counter and dQ in q's type; else NEED and dQ placeholders
-        dq_cast = gluon_attention.DQ_CAST_IN_KERNEL if documents and dq_into is None else 0
         zeroed, consts = (0, 3), gluon_attention.pbwd_constexprs(batch, hq, hkv, sq, d, cfg.softcap, fast_tanh,
-                                                                  segments=documents, causal=cfg.causal,
-                                                                  dq_cast=dq_cast)
-        need, counters, dq_out = _dummy(jnp.int32), 1, jax.ShapeDtypeStruct((1, ), q4.dtype)
-        if dq_cast:
-            need = gluon_attention.bwd_need(segments[2], sq, cfg.causal, consts["DQ_MODE"])
-            counters += batch * hq * -(-sq // gluon_attention.BWD_TILES["BLOCK_M"])
-            dq_out = jax.ShapeDtypeStruct(q4.shape, q4.dtype)
-        outs += [jax.ShapeDtypeStruct((counters, ), jnp.int32), dq_out]
-        scalars = [*scalars, *segments, order, need]
+                                                                  segments=documents, causal=cfg.causal)
+        scalars = [*scalars, *segments, order]
     else:
         sk = k.shape[1]  # Sq != Sk: gluon_cross, no causal, window, segment ids or lists (gluon_attention.ineligible)
         kernel, grid = gluon_attention.bwd_kernel(), (_cdiv(sk, gluon_attention.BWD_TILES["BLOCK_N"]), batch * hkv)
@@ -613,11 +603,9 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
             if not (isinstance(q0, int) and q0 == 0):
                 scalars, consts["DQ_OFF_AT"] = _with_row(scalars, q0)
         scalars = [*scalars, dq_in]
-    dq_acc, dk, dv, *rest = triton_call.launch(kernel, grid, [q4, *kv, do4, lse3, delta3, *scalars],
-                                               outs + [_scratch(grid)], zeroed=zeroed, aliases=aliases, num_warps=4,
-                                               num_stages=1, **consts)
-    if persistent and consts["DQ_CAST"]:  # the kernel's own cast (after the tile counter: DQ)
-        return rest[1], dk, dv
+    dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, *kv, do4, lse3, delta3, *scalars],
+                                            outs + [_scratch(grid)], zeroed=zeroed, aliases=aliases, num_warps=4,
+                                            num_stages=1, **consts)
     if dq_into is None:
         return dq_acc.astype(q4.dtype), dk, dv
     return (dq_acc if not persistent else add_rows(dq_into[0], dq_into[1], dq_acc)), dk, dv
