@@ -108,7 +108,7 @@ def _generated(f):
 @contextlib.contextmanager
 def _switched(name: str, value: bool | int = True):
     """`gluon_attention.<name>` set to ``value`` while a call is traced (both passes: the compile loop lowers them
-    inside it); a bool where the switch is one (0 / 1 from --switch), else as given (DQ_CAST_IN_KERNEL=2)."""
+    inside it); a bool where the switch is one (0 / 1 from --switch), else as given."""
     from ejgen.runtime.attention.gluon import host as gluon_attention
 
     before = getattr(gluon_attention, name)
@@ -261,7 +261,7 @@ def main():
                                                         "and the Gluon kernels' tile ranges alone")
     p.add_argument("--switch", action="append", default=[], metavar="NAME=INT",
                    help="also time the documents (and the causal call but with --documents-only) with "
-                   "`gluon.host.NAME` set (0 / 1 for a bool switch, an int for others: DQ_CAST_IN_KERNEL=2; an A/B "
+                   "`gluon.host.NAME` set (0 / 1 for a bool switch, an int for others; an A/B "
                    "in one process; repeatable)")
     p.add_argument("--trace", action="store_true", help="also print every kernel of one documents call (each --switch "
                    "form's too) and the device's span, busy time and gaps over 5 us of --calls calls back to back "

@@ -78,8 +78,8 @@
 #   docs-plan      the documents' plan kernels: their tests, 16 calls a sample against jnp's plan and Flex, a trace
 #   docs-delta     the backward's delta kernel (gluon.host.DELTA_KERNEL) and the DOCS masks: the Gluon document and
 #                  sinks tests, 16 calls a sample against each switched (one process) and Flex, a trace
-#   docs-dqcast    the documents backward's own dQ cast (DQ_CAST_IN_KERNEL 1 / 2) and the DOCS masks: GPU tests, 16
-#                  calls a sample against each (one process) and Flex, traces of each form
+#   docs-masks     the DOCS masks (on since session 36): the Gluon document tests, 16 calls a sample against them off
+#                  (one process) and Flex
 #   docs-trace     every kernel of the documents' fwd and fwd+bwd calls, and their gaps (issue 14)
 #   documents      documents vs Flex (blocksparse.py, flex_blocksparse.py)             (issue 14)
 #   documents16    the same at 16 calls a sample (both sides)
@@ -428,17 +428,13 @@ j_docs-delta() {  # the backward's delta in a Triton kernel (gluon.host.DELTA_KE
     --out "$log/bs16"
   j_docs-trace
 }
-j_docs-dqcast() {  # the persistent documents backward casting dQ itself (gluon.host.DQ_CAST_IN_KERNEL 1 / 2, session 36,
-  # off) and the DOCS masks: the GPU tests (the oracle over the cast's forms, 200 runs against XLA's cast), then 16
-  # calls a sample of each form (one process) and Flex (its own), then every kernel of each form's calls
-  shards docs-tests 240 3 -k "document_masks or dq_cast or persistent" tests/attention/test_gluon.py
-  job docs-dqcast 220 python3 benchmarks/blocksparse.py --documents-only --doc-cases 8192x8,32768x64 --rounds 2 \
-    --reps 4 --calls 16 --switch DQ_CAST_IN_KERNEL=1 --switch DQ_CAST_IN_KERNEL=2 --switch DOCS_MASKS=1 \
-    --out "$log/bs16"
+j_docs-masks() {  # the forward's DOCS masks, on since session 36: the Gluon document tests, then 16 calls a sample
+  # against them off (one process) and Flex (its own), then every kernel of each form's calls
+  shards docs-tests 240 3 -k "document_masks or persistent or segment" tests/attention/test_gluon.py
+  job docs-masks 200 python3 benchmarks/blocksparse.py --documents-only --doc-cases 8192x8,32768x64 --rounds 2 \
+    --reps 4 --calls 16 --switch DOCS_MASKS=0 --out "$log/bs16"
   job documents16-flex 120 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --calls 16 \
     --out "$log/bs16"
-  job docs-dqcast-trace 150 python3 benchmarks/blocksparse.py --documents-only --doc-cases 8192x8,32768x64 \
-    --rounds 1 --reps 2 --trace --switch DQ_CAST_IN_KERNEL=2 --switch DOCS_MASKS=1 --out "$log/bs-trace"
 }
 j_documents16() {
   job documents16 150 python3 benchmarks/blocksparse.py --documents-only --rounds 2 --reps 4 --calls 16 \
@@ -700,7 +696,7 @@ declare -A PRESETS=(
   # tested and A/B'd on 2 GPUs (issue 18), DEADLINE=560
   [s36a]="0:docs-delta"
   [s36b]="0-1:ring-trace-p7,ring-steady"
-  [s36c]="0:docs-dqcast"
+  [s36c]="0:docs-masks"  # (session 36's call 4 ran docs-dqcast: the in-kernel dQ cast's forms, removed: it lost)
   [s35a]="0-1:ring-dq"
   [s35b]="0:docs-trace"
   [s35c]="0:docs-plan"

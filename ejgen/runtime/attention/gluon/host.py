@@ -228,8 +228,13 @@ def spec_constexprs(spec: tuple | None) -> dict:
 # the unmasked 286 instructions +702 -> +151 below the diagonal, +354 on it; model: 8k with 8 documents -12 to -17 us
 # a forward, 32k with 64 -58 to -92. Measured (session 34, one H200, `blocksparse.py --probe`, one process; its GPU
 # tests pass): fwd 0.239 -> 0.223 ms at 8k / 8 documents but 0.576 -> 0.600 at 32k / 64 (the default's other rows
-# there 0.565-0.576), fwd+bwd 0.756 -> 0.743 and 2.336 -> 2.256. Off: it loses the 32k forward.
-DOCS_MASKS = False
+# there 0.565-0.576), fwd+bwd 0.756 -> 0.743 and 2.336 -> 2.256. Session 36 (one H200, 16 calls a sample, one process
+# each; BENCHMARKS.md), fwd+bwd off -> on: 8k / 8 0.636 -> 0.618 and 0.636 -> 0.613, 32k / 64 2.181 -> 2.135 and
+# 2.189 -> 2.124; forward alone 0.176 -> 0.181 and 0.173 -> 0.168, 32k / 64 0.519 -> 0.530 and 0.510 -> 0.516. The
+# traces say where: the same forward kernel inside a fwd+bwd program takes 156.7 -> 138.9 us at 8k / 8, 475.3 -> 417.7
+# at 32k / 64, and in a forward-only program 146.9 -> 149.4, 470.2 -> 488.8 (why the program matters is not known).
+# On: training steps gain 2-4%; a forward alone of many documents loses 1-2%.
+DOCS_MASKS = True
 
 
 def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, window: bool,
@@ -388,13 +393,10 @@ def pbwd_kernel():
 
 
 def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bool = False,
-                    fast_tanh: bool = False, segments: bool = False, causal: bool = True, dq_cast: int = 0) -> dict:
+                    fast_tanh: bool = False, segments: bool = False, causal: bool = True) -> dict:
     """The persistent backward's constexprs for a causal sliding window (MASK 2); ``segments``: for segment ids
     without a window instead (MASK 1, 0 without ``causal``; SEGMENTS, `PERSISTENT_SEGMENTS_BWD`); its launch also
-    passes a zeroed int32 tile counter (TILE_CTR: the kernel takes its tiles from it). ``dq_cast``: DQ_CAST, dQ
-    cast to the inputs' type by the kernel (`DQ_CAST_IN_KERNEL`: 1 arrivals at each tile's end, 2 one tile later;
-    its launch then passes NEED, `bwd_need`, and a counter per (batch row, query head, query block) after the tile
-    counter)."""
+    passes a zeroed int32 tile counter (TILE_CTR: the kernel takes its tiles from it)."""
     window = not segments
     base = bwd_constexprs(batch, hq, hkv, seq, d, causal or window, window, segments=segments, softcap=softcap,
                           fast_tanh=fast_tanh)
@@ -403,7 +405,7 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bo
     for name in ("SEQ_K", *NO_LISTS, *spec_constexprs(None), *BWD_NO_TERMS, "DQ_ROWS", "DQ_OFF_AT", "KV_AT",
                  "KV_ROWS", "KV_OFF_AT"):
         del base[name]
-    return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"], segments=segments), DQ_CAST=int(dq_cast))
+    return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"], segments=segments))
 
 
 # Packed documents' backward on the persistent kernel (session 33, issue 14): causal calls with segment ids and
@@ -413,35 +415,6 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bo
 # with 64. Measured (session 34, one H200, `blocksparse.py --probe`, one process): fwd+bwd 0.756 -> 0.741 ms at 8k /
 # 8 documents, 2.336 -> 2.284 at 32k / 64; its GPU tests pass. On.
 PERSISTENT_SEGMENTS_BWD = True
-
-
-# dQ cast in the persistent backward with segment ids (notes/studies/s34-dq-pass.md, option (a)): each consumer
-# warpgroup, once its bulk reduce-adds of a tile are complete (a full `cp.async.bulk.wait_group`, not `.read`, and
-# a proxy fence), adds one with release semantics to a counter per (batch row, query head, query block) it added
-# into; the arrival that completes a block's NEED (`bwd_need`) loads the float32 block from L2 and stores it in the
-# inputs' type, so the XLA cast after the kernel (read 64 + write 32 MiB at 8k tokens, 16 heads of 128) goes. 0:
-# off (dQ_ACC cast by XLA); 1: the arrivals at each tile's end (waiting for the tile's last reduce-add to land); 2:
-# the arrivals for a tile at the next tile's end (`cp.async.bulk.wait_group 1`: every reduce-add but the newest,
-# long landed). Not measured on a GPU yet. Off; ring attention's dQ into an accumulator keeps float32.
-DQ_CAST_IN_KERNEL = 0
-
-
-def bwd_need(ranges, seq: int, causal: bool, dq_mode: int):
-    """int32 [B, N_M]: the arrivals each query block's dQ counter gets in the persistent backward with segment ids
-    and DQ_CAST (every query head of a batch row alike): the key blocks whose query blocks (the ids' ``ranges``
-    [B, N_N, 4] joined with causal, as `kernels._pbwd_tile_range` joins them) hold it, twice with DQ_MODE 1 (both
-    consumer warpgroups add a half of its columns). 0: no key block adds into it (padding rows): the kernel's
-    producer writes its zeros."""
-    import jax.numpy as jnp
-
-    bm, bn = BWD_TILES["BLOCK_M"], BWD_TILES["BLOCK_N"]
-    n_m = -(-seq // bm)
-    lo, hi = ranges[..., 0], jnp.minimum(ranges[..., 1], n_m)  # [B, N_N]
-    if causal:
-        lo = jnp.maximum(lo, jnp.arange(ranges.shape[1], dtype=jnp.int32) * bn // bm)
-    m = jnp.arange(n_m, dtype=jnp.int32)
-    inside = (lo[..., None] <= m) & (m < hi[..., None])  # [B, N_N, N_M]
-    return jnp.sum(inside, axis=1, dtype=jnp.int32) * (2 if dq_mode == 1 else 1)
 
 
 def persistent_segments_bwd(cfg, listed: bool, switch: bool | None = None) -> bool:
