@@ -694,7 +694,7 @@ declare -A PRESETS=(
   [s34e]="0-1:decode-tests,decode-clamp-ab,ring-time"
   # session 35: the ring's one dQ accumulator (ring.DQ_ONCE) and the backward reading the wire (KV_FROM_WIRE_BWD)
   # tested and A/B'd on 2 GPUs (issue 18), DEADLINE=560
-  [s36a]="0:docs-delta"
+  [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-trace-p7,ring-steady"
   [s36c]="0:docs-masks"  # (session 36's call 4 ran docs-dqcast: the in-kernel dQ cast's forms, removed: it lost)
   [s35a]="0-1:ring-dq"

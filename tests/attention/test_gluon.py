@@ -334,6 +334,32 @@ def test_sinks_join_outside_the_hopper_kernels(monkeypatch, run_vjp, sinks, caus
     oracle.check_attention(out, lse, grads, ref, diff, "bfloat16")
 
 
+@pytest.mark.parametrize("switch", [True, False], ids=["delta-kernel", "xla-delta"])
+def test_the_hopper_backward_takes_delta_from_the_delta_kernel_when_switched_on(monkeypatch, run_vjp, switch):
+    """`gluon.host.DELTA_KERNEL`: the Hopper backward takes delta from `backward_delta` (the Triton kernel, which the
+    pretended Hopper runs in the interpreter) once a call when on, from XLA when off; either way the gradients are the
+    oracle's (stand-ins for the Gluon kernels, `_stand_in_kernels`; GQA, odd rows)."""
+    import numpy as np
+
+    import oracle
+    from ejgen.ops import flash_attention
+    from ejgen.testing.shapes import random_cotangents, random_qkv, rng_for
+
+    pretend_hopper(monkeypatch)
+    _stand_in_kernels(monkeypatch)
+    monkeypatch.setattr(gluon_attention, "DELTA_KERNEL", switch)
+    calls, kernel = [], gluon_attention.backward_delta
+    monkeypatch.setattr(gluon_attention, "backward_delta", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    shape = AttnShape(1, 70, 70, 4, 2, 64)
+    rng = rng_for("gluon-delta", switch)
+    diff = {n: x.astype(jnp.bfloat16) for n, x in random_qkv(shape, "float32", rng).items()}
+    d_out, d_lse = random_cotangents(shape, "bfloat16", rng)
+    out, lse, grads = run_vjp(flash_attention, diff, {}, {"causal": True, "platform": "triton"}, d_out, d_lse)
+    assert calls == ([(1, 70, 2, 2, 64)] if switch else []), calls
+    ref = oracle.attention(**{n: np.asarray(x) for n, x in diff.items()}, causal=True, d_out=d_out, d_lse=d_lse)
+    oracle.check_attention(out, lse, grads, ref, diff, "bfloat16")
+
+
 GPU_CASES = [  # (id, shape, features, dtype): calls the Gluon forward takes
     ("causal-gqa-d64-ragged", AttnShape(2, 300, 300, 4, 2, 64), dict(causal=True), "bfloat16"),
     ("plain-d128", AttnShape(1, 384, 384, 2, 2, 128), dict(), "bfloat16"),

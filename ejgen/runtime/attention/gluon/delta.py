@@ -3,10 +3,10 @@ delta[b, h, s] = sum over d of dO[b, s, h, d] * O[b, s, h, d] in float32, minus 
 kernels read beside lse ([B, HQ, SEQ]), from O and dO in the caller's seq-major layout.
 
 In XLA the same op (a multiply, a reduction and a transpose of the reduced rows) ran at 2.5 TB/s at 8k tokens with
-16 heads on an H200 (26.0 us, session 35's trace; at 32k it reaches 4.1 TB/s); this kernel took 18.8 us there (3.6
-TB/s) and 67.7 us at 32k (4.0 TB/s, session 36). Here a program reads BLOCK rows of
-one head of both tensors (two 16-byte loads a thread a row segment) and writes its BLOCK deltas contiguously; the
-heads are the grid's fast axis, so the programs in flight read neighbouring segments of the same rows.
+16 heads on an H200 (26.0 us, session 35's trace; 4.1 TB/s at 32k). This kernel took 18.8 us there (3.6 TB/s) and
+67.7 us at 32k (4.0 TB/s, session 36). A program reads BLOCK rows of one head of both tensors (two 16-byte loads a
+thread a row segment) and writes its BLOCK deltas contiguously; the heads are the grid's fast axis, so the programs
+in flight read neighbouring segments of the same rows.
 
 Plain Triton, not Gluon: it runs in Triton's interpreter on the CPU (tests/attention/test_gluon_delta.py).
 """

@@ -232,8 +232,9 @@ def spec_constexprs(spec: tuple | None) -> dict:
 # each; BENCHMARKS.md), fwd+bwd off -> on: 8k / 8 0.636 -> 0.618 and 0.636 -> 0.613, 32k / 64 2.181 -> 2.135 and
 # 2.189 -> 2.124; forward alone 0.176 -> 0.181 and 0.173 -> 0.168, 32k / 64 0.519 -> 0.530 and 0.510 -> 0.516. The
 # traces say where: the same forward kernel inside a fwd+bwd program takes 156.7 -> 138.9 us at 8k / 8, 475.3 -> 417.7
-# at 32k / 64, and in a forward-only program 146.9 -> 149.4, 470.2 -> 488.8 (why the program matters is not known).
-# On: training steps gain 2-4%; a forward alone of many documents loses 1-2%.
+# at 32k / 64, and in a forward-only program 146.9 -> 149.4, 470.2 -> 488.8 (a hypothesis, notes/perf.md "Session 36":
+# a fwd+bwd program keeps the GPU at its power limit, where fewer instructions clock higher). On: training steps gain
+# 2-4%; a forward alone of many documents loses up to 2%.
 DOCS_MASKS = True
 
 
