@@ -401,13 +401,17 @@ def _run_varlen(case: Case, backend: str, run_vjp):
 
 
 def _record_launches(monkeypatch) -> list:
-    """The names of the Triton kernels the test launches, in order (a spy on ``triton_call.launch``)."""
+    """The names of the Triton kernels the test launches, in order (a spy on ``triton_call.launch``; the Hopper
+    path's plain Triton kernels, `gluon.host.PLAIN_TRITON`, which feed the Gluon kernels their plan and delta, are
+    not listed)."""
+    from ejgen.runtime.attention.gluon import host as gluon_attention
     from ejgen.runtime.launch import triton_call
 
     launches, launch = [], triton_call.launch
 
     def spy(kernel, *args, **kw):
-        launches.append(kernel.__name__)
+        if getattr(kernel, "fn", kernel).__module__ not in gluon_attention.PLAIN_TRITON:
+            launches.append(kernel.__name__)
         return launch(kernel, *args, **kw)
 
     monkeypatch.setattr(triton_call, "launch", spy)
