@@ -67,6 +67,8 @@ RING_SWITCHES = {
                             "received buffer copied before each call (on by default since session 35)"),
     "wide-lists-constant": ("WIDE_LISTS_CONSTANT", True, "the coalesced forward's block lists and tile order built "
                             "when tracing, picked by the device's index (off by default: it lost in session 35)"),
+    "q-in-place": ("Q_IN_PLACE", True, "the backward's pairs read their rows of q and dO where they lie instead of "
+                   "copies (off by default: built in session 36, not yet timed)"),
     "no-dq-once": ("DQ_ONCE", False, "the backward's pairs each zero, cast and return their own dQ, added up after "
                    "the kernels (one accumulator by default since session 35)"),
     "narrow-accumulators": ("NARROW_ACCUMULATOR_HOPS", 1, "the backward's dK/dV accumulators travel in the inputs' "

@@ -87,7 +87,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                   spec: str | None = None, seq_k: int | None = None, softcap: bool = False,
                   fast_tanh: bool = False, staged_backward: bool | None = None, backward_only: bool = False,
                   docs_masks: bool | None = None, persistent_segments: bool | None = None,
-                  kv_wire: bool = False, merge: bool = False, dq_into: bool = False) -> dict:
+                  kv_wire: bool = False, merge: bool = False, dq_into: bool = False, q_in_place: bool = False) -> dict:
     """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs; ``dynamic``:
     the forward's dynamic tile queue; ``forward_only``: the forward alone; ``layout``: a block layout of (block_q,
     block_k, per head) (the kernels walk lists: LIST, `gluon.host.fwd_lists` / `bwd_lists`); ``spec``: a generated
@@ -102,7 +102,8 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     the rows from a row read at run time (KV_AT, KV_ROWS, KV_OFF_AT: `ring.KV_FROM_WIRE_BWD`); ``merge``: the forward
     merges its result into an earlier one (MERGE: ring attention's last step, `ring.MERGE_IN_KERNEL`); ``dq_into``:
     the backward adds dQ into an accumulator of twice the rows from a row read at run time (DQ_ROWS, DQ_OFF_AT:
-    `ring.DQ_ONCE`)."""
+    `ring.DQ_ONCE`); ``q_in_place`` (with ``dq_into``): and reads q and dO from that row of tensors of as many rows
+    (QDO_ROWS: `ring.Q_IN_PLACE`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -155,6 +156,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                                                dq_rows=2 * seq if dq_into else None, dq_off_at=2 if dq_into else 0,
                                                kv_at=batch * 2 * seq * kv_heads * head_dim if kv_wire else 0,
                                                kv_rows=2 * seq if kv_wire else None, kv_off_at=3 if kv_wire else 0,
+                                               q_rows=2 * seq if q_in_place else None,
                                                fast_tanh=fast_tanh, staged=staged_bwd),
                 bwd_pointers)]
     if forward_only:

@@ -277,7 +277,11 @@ def _stand_in_kernels(monkeypatch):
             return merge_into(out, lse, merge)
         return out, lse
 
-    def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False, dq_into=None, wire=None):
+    def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False, dq_into=None, wire=None,
+                 q_rows=None):
+        if q_rows is not None:  # (QDO_ROWS: the call's rows of q and dO from the accumulator's row, as the kernel reads)
+            q4, do4 = (jax.lax.dynamic_slice_in_dim(x, dq_into[1], q4.shape[1], 1).reshape(q4.shape)
+                       for x in q_rows)
         if wire is not None:  # the keys' rows of k then v in one 16-bit buffer (`api.KV_WIRE`), as the kernel reads
             buffer, k0 = wire
             rows = buffer.shape[-1]
@@ -664,8 +668,10 @@ def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
     the accumulator as DQ_IN aliased to its DQ_ACC output of the accumulator's shape, nothing zeroed, DQ_ROWS its
     rows and the row offset appended to I32 (DQ_OFF_AT its index), and returns the accumulator as dq; without one,
     a placeholder, dQ zeroed, DQ_ROWS the call's rows. With `api.KV_WIRE` (`ring.KV_FROM_WIRE_BWD`) too: K and V
-    both the buffer, KV_AT k's items, KV_ROWS the block's rows, the keys' row appended to I32 (KV_OFF_AT). A fake launch (the call with the accumulator made beside the
-    op's own backward, in its trace)."""
+    both the buffer, KV_AT k's items, KV_ROWS the block's rows, the keys' row appended to I32 (KV_OFF_AT). With
+    `api.Q_ROWS_FROM` (`ring.Q_IN_PLACE`) too: Q and DO the given tensors of the accumulator's rows, Q_ROWS their
+    rows (the op's own: its rows). A fake launch (the call with the accumulator made beside the op's own backward, in
+    its trace)."""
     import numpy as np
 
     from ejgen.ops import flash_attention
@@ -677,11 +683,14 @@ def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
     q = jnp.asarray(np.random.default_rng(0).standard_normal((b, s, h, d)), jnp.bfloat16)
     acc = jnp.asarray(np.random.default_rng(1).standard_normal((b, 3 * s, h, 1, d)), jnp.float32)
     wire = jnp.arange(2 * 2 * b * s * h * d + 2 * s, dtype=jnp.uint16)  # k, v of 2 s rows, then an item a row
+    q_rows = tuple(jnp.asarray(np.random.default_rng(i).standard_normal((b, 3 * s, h, 1, d)), jnp.bfloat16)
+                   for i in (2, 3))
     real, shapes = triton_host._backward, []
 
     def beside(layout, q5, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
         into = {**ctx, api.DQ_INTO: (acc, jnp.asarray(s, jnp.int32)), api.KV_WIRE: (wire.reshape(-1, 2 * s),
-                                                                                     jnp.asarray(s // 2, jnp.int32))}
+                                                                                     jnp.asarray(s // 2, jnp.int32)),
+                api.Q_ROWS_FROM: q_rows}
         dq = real(layout, q5, k, v, out, lse, d_out, d_lse, into, cfg, choice)[0]
         shapes.append((dq.shape, dq.dtype))
         jax.debug.callback(lambda x: None, dq)  # (kept: its launch runs)
@@ -699,6 +708,7 @@ def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
             assert kw["zeroed"] == (0, ) and not kw["aliases"] and kw["DQ_OFF_AT"] == 0
             assert inputs[at["DQ_IN"]].shape == (1, ) and outs[0].shape == (b, s, h, d)
             assert kw["KV_AT"] == 0 and kw["KV_ROWS"] == s and inputs[at["K"]].shape == (b, s, h, d)
+            assert kw["QDO_ROWS"] == s and inputs[at["Q"]].shape == inputs[at["DO"]].shape == (b, s, h, d)
         else:
             assert kw["zeroed"] == () and kw["aliases"] == {at["DQ_IN"]: 0}
             assert kw["DQ_ROWS"] == 3 * s and outs[0].shape == (b, 3 * s, h, d)
@@ -708,6 +718,9 @@ def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
             assert kw["KV_AT"] == b * 2 * s * h * d and kw["KV_ROWS"] == 2 * s
             for x in (inputs[at["K"]], inputs[at["V"]]):
                 assert x.dtype == np.uint16 and np.array_equal(x, np.asarray(wire).reshape(-1, 2 * s))
+            assert kw["QDO_ROWS"] == 3 * s
+            for name, x in zip(("Q", "DO"), q_rows):
+                np.testing.assert_array_equal(inputs[at[name]], np.asarray(x).reshape(b, 3 * s, h, d))
     assert {kw["DQ_ROWS"] for *_, kw in bwd} == {s, 3 * s}
 
 
@@ -715,14 +728,16 @@ def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
 def test_the_backward_adding_into_an_accumulator_compiles(triton):
     """The backward adding dQ into a larger accumulator from a row read at run time (DQ_ROWS, DQ_OFF_AT: ring
     attention's pairs, `ring.DQ_ONCE`), causal, and without causal also reading its keys out of a 16-bit buffer of
-    twice the rows from a row read at run time (KV_AT, KV_ROWS, KV_OFF_AT: `ring.KV_FROM_WIRE_BWD`), on this machine's
-    Triton and the GPU host's (3.6): each compiles for sm_90 with the bulk reduce-adds, no spill."""
+    twice the rows from a row read at run time (KV_AT, KV_ROWS, KV_OFF_AT: `ring.KV_FROM_WIRE_BWD`), and both again
+    reading q and dO from that row of tensors of the accumulator's rows (QDO_ROWS: `ring.Q_IN_PLACE`), on this
+    machine's Triton and the GPU host's (3.6): each compiles for sm_90 with the bulk reduce-adds, no spill."""
     from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
 
     results = compile_all_in_subprocess(
         [dict(gluon=True, dtype="bfloat16", head_dim=128, causal=causal, seq=1024, heads=4, kv_heads=4, batch=1,
-              dq_into=True, kv_wire=wire, backward_only=True, with_ptx=True, with_resources=True)
-         for causal, wire in ((True, False), (False, True))],
+              dq_into=True, kv_wire=wire, q_in_place=in_place, backward_only=True, with_ptx=True, with_resources=True)
+         for causal, wire, in_place in ((True, False, False), (False, True, False), (True, False, True),
+                                        (False, True, True))],
         triton=gpu_host_triton() if triton == "gpu host" else None)
     for compiled in results:
         assert "error" not in compiled, compiled.get("error")

@@ -255,8 +255,9 @@ def check_hopper_stand_ins(backend, failures, devices=2):
     K and V out of a given wire and add dQ into a given accumulator as the kernels do (`_stand_in_kernels` of
     tests/attention/test_gluon.py): a zigzag causal ring of 2 in bf16 with its steps as square pairs (ring.COALESCE
     off: the stand-ins know no block layout), each device's second step two full blocks at rows 0 and c of the
-    received block, with `ring.KV_FROM_WIRE_BWD` and `ring.DQ_ONCE` off, then on: out and every gradient within
-    bf16's error of the oracle, the Hopper backward given the wire and the accumulator exactly when they are on."""
+    received block, with `ring.KV_FROM_WIRE_BWD`, `ring.DQ_ONCE` and `ring.Q_IN_PLACE` off, then on: out and every
+    gradient within bf16's error of the oracle, the Hopper backward given the wire, the accumulator and q / dO in place
+    exactly when they are on."""
     import pytest
 
     sys.path[:0] = [str(Path(_HERE).parent), str(Path(_HERE).parent / "attention")]
@@ -277,25 +278,28 @@ def check_hopper_stand_ins(backend, failures, devices=2):
         _stand_in_kernels(mp)
         stand_in, given = triton_host._gluon_backward, []
 
-        def spy(*args, dq_into=None, wire=None, **kw):
-            given.append((dq_into is not None, wire is not None))
-            return stand_in(*args, dq_into=dq_into, wire=wire, **kw)
+        def spy(*args, dq_into=None, wire=None, q_rows=None, **kw):
+            given.append((dq_into is not None, wire is not None, q_rows is not None))
+            return stand_in(*args, dq_into=dq_into, wire=wire, q_rows=q_rows, **kw)
 
         mp.setattr(triton_host, "_gluon_backward", spy)
         mp.setattr(ring, "COALESCE", False)
         for on in (False, True):
             mp.setattr(ring, "KV_FROM_WIRE_BWD", on)
             mp.setattr(ring, "DQ_ONCE", on)
+            mp.setattr(ring, "Q_IN_PLACE", on)
             given.clear()
             fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend)
             out, lse, grads = shard_checks.vjp_call(fn, diff, d_out, d_lse)
-            if not given or {g[0] for g in given} != {on} or any(g[1] for g in given) != on:
-                failures.append(f"stand-ins, wire and one dQ {on}: the Hopper backward was given {given}")
+            if (not given or {g[0] for g in given} != {on} or any(g[1] for g in given) != on
+                    or {g[2] for g in given} != {on}):
+                failures.append(f"stand-ins, wire, one dQ and q in place {on}: the Hopper backward was given {given}")
             for name, got, want in [("out", out, ref.out)] + [(f"d{n}", grads[n], ref.grads[n]) for n in grads]:
                 want = np.asarray(want, np.float64)
                 err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
                 if not err < 2e-2:
-                    failures.append(f"stand-ins, wire and one dQ {on}: {name} relative error {err:.2e} (< 2e-2)")
+                    failures.append(f"stand-ins, wire, one dQ and q in place {on}: {name} relative error {err:.2e} "
+                                    "(< 2e-2)")
 
 
 def check_hopper_wide_lists(backend, failures, devices=2):

@@ -50,37 +50,44 @@ def _run(fn, diff, d_out, d_lse):
     return jax.block_until_ready(run(diff, d_out, d_lse))
 
 
-RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WIRE_BWD)
-    ("zigzag", "zigzag", False, False, False, False), ("contiguous", "contiguous", False, False, False, False),
-    ("zigzag-kv-from-wire", "zigzag", True, False, False, False),
-    ("zigzag-kv-from-wire-merge-in-kernel", "zigzag", True, True, False, False),
-    ("zigzag-dq-once", "zigzag", True, True, True, False),
-    ("contiguous-dq-once", "contiguous", False, False, True, False),
-    ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True),
-    ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True),
-    ("zigzag-defaults", "zigzag", True, True, True, True),  # every switch on: the default since session 35
+RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WIRE_BWD, Q_IN_PLACE)
+    ("zigzag", "zigzag", False, False, False, False, False),
+    ("contiguous", "contiguous", False, False, False, False, False),
+    ("zigzag-kv-from-wire", "zigzag", True, False, False, False, False),
+    ("zigzag-kv-from-wire-merge-in-kernel", "zigzag", True, True, False, False, False),
+    ("zigzag-dq-once", "zigzag", True, True, True, False, False),
+    ("contiguous-dq-once", "contiguous", False, False, True, False, False),
+    ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False),
+    ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False),
+    ("zigzag-defaults", "zigzag", True, True, True, True, False),  # the default since session 35
+    ("zigzag-q-in-place", "zigzag", True, True, True, True, True),  # every switch on (session 36: off by default;
+    # contiguous rings' pairs are every local row: nothing to read in place)
 ]
 
 
-@pytest.mark.parametrize("order,wire,merge,once,wire_bwd", [c[1:] for c in RING_FORMS],
+@pytest.mark.parametrize("order,wire,merge,once,wire_bwd,in_place", [c[1:] for c in RING_FORMS],
                          ids=[c[0] for c in RING_FORMS])
-def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, caplog, monkeypatch):
+def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place, caplog, monkeypatch):
     """Causal, GQA 8/2, D 128, bf16 over every GPU: out, lse and every gradient against the oracle; on Hopper every
     kind of step (full blocks, the diagonal, zigzag's coalesced calls) takes the Hopper kernel set both ways:
     every kernel launched is a Gluon one; with ``wire`` (ring.KV_FROM_WIRE) zigzag's coalesced forward reads K and V
     out of the received buffer (KV_AT), with ``merge`` (ring.MERGE_IN_KERNEL) on 2 GPUs merges into the first step's
     result in its kernel (MERGE); with ``once`` (ring.DQ_ONCE) the backward's kernels add dQ into one accumulator
     (aliased from launch to launch); with ``wire_bwd`` (ring.KV_FROM_WIRE_BWD) the backward's pairs on a received
-    block read K and V out of it (KV_AT)."""
+    block read K and V out of it (KV_AT); with ``in_place`` (ring.Q_IN_PLACE, with ``once``) they read their rows of
+    q and dO where they lie (QDO_ROWS)."""
     from ejgen.runtime.attention import ring
+    from ejgen.runtime.attention.gluon import host as gluon_attention
     from ejgen.runtime.launch import triton_call
 
     launched, launch = [], triton_call.launch
 
     def spy(kernel, *args, **kw):
         bwd = kernel.__name__ == "gluon_attention_bwd_kernel"
-        launched.append((kernel.__name__, not bwd and kw.get("KV_AT", 0) > 0, kw.get("MERGE", False),
-                         bwd and bool(kw.get("aliases")), bwd and kw.get("KV_AT", 0) > 0))
+        if getattr(kernel, "fn", kernel).__module__ not in gluon_attention.PLAIN_TRITON:  # (their plan and delta)
+            launched.append((kernel.__name__, not bwd and kw.get("KV_AT", 0) > 0, kw.get("MERGE", False),
+                             bwd and bool(kw.get("aliases")), bwd and kw.get("KV_AT", 0) > 0,
+                             bwd and kw.get("QDO_ROWS", 0) > kw.get("SEQ", 0)))
         return launch(kernel, *args, **kw)
 
     monkeypatch.setattr(triton_call, "launch", spy)
@@ -88,6 +95,7 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, caplog, 
     monkeypatch.setattr(ring, "MERGE_IN_KERNEL", merge)
     monkeypatch.setattr(ring, "DQ_ONCE", once)
     monkeypatch.setattr(ring, "KV_FROM_WIRE_BWD", wire_bwd)
+    monkeypatch.setattr(ring, "Q_IN_PLACE", in_place)
     n = GPUS
     shape = AttnShape(1, 256 * n, 256 * n, 8, 2, 128)
     rng = rng_for("ring-gpu", order, shape)
@@ -119,6 +127,7 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, caplog, 
         assert any(x[2] for x in launched) == (merge and n == 2), launched
         assert any(x[3] for x in launched) == once, launched
         assert any(x[4] for x in launched) == wire_bwd, launched
+        assert any(x[5] for x in launched) == in_place, launched
 
 
 def test_window_segments_sinks_ring(caplog):

@@ -191,6 +191,17 @@ def given_dq(ctx: dict):
     return _given(ctx, DQ_INTO)
 
 
+# A backend backward's ctx entry beside `DQ_INTO`: (q, d_out) [B, rows, Hkv, G, D] of the accumulator's rows, the
+# call's q and d_out being their rows from q0 on. The Hopper backward reads them there (QDO_ROWS: no copies of the
+# rows, `ring.Q_IN_PLACE`); ring attention gives it only with `DQ_INTO`, and only to the Hopper backward.
+Q_ROWS_FROM = "q_rows_from"
+
+
+def given_q_rows(ctx: dict):
+    """(ctx without the `Q_ROWS_FROM` entry, that entry or None)."""
+    return _given(ctx, Q_ROWS_FROM)
+
+
 def add_rows(acc, q0, x):
     """``acc`` float32 [B, rows, ...] with ``x`` [B, n, ...] added on rows [q0, q0 + n) (``q0`` traced or not)."""
     import jax.numpy as jnp

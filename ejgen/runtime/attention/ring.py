@@ -116,6 +116,11 @@ DQ_ONCE = True
 # session 34; session 35 (2 H200s, with DQ_ONCE): fwd+bwd 14.87 / 14.95 ms against 14.88 / 15.02 without it (within
 # the runs' spread, the model's direction); its GPU tests pass. On.
 KV_FROM_WIRE_BWD = True
+# The backward's pairs read their query rows of q and dO where they lie in the local tensors (the Hopper backward's
+# QDO_ROWS over `api.Q_ROWS_FROM`, from the dQ accumulator's row: with DQ_ONCE) instead of row slices copied before each
+# call. Session 36's trace (2 H200s, 32k tokens, 16/16 heads, zigzag): two such copies of 32 MiB, 24.5 us each, before
+# the first backward kernel. Built in session 36, not yet GPU-run: off.
+Q_IN_PLACE = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
@@ -665,8 +670,9 @@ def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_
     chunk unless given; a WIDE call's ``wide_layout``), from the global out and lse of its query rows and their
     delta, computed once per backward (`api.DELTA`: a backend that would compute it in XLA takes it, one pass over dO
     and O instead of one per pair). ``dq_acc``: float32 [B, n, Hkv, G, D], dq of every local row so far, which the
-    pair's dq is added into (`api.DQ_INTO`, DQ_ONCE): its dq is then that accumulator. ``wire``: the held block's
-    buffer as received, which the Hopper backward reads the pair's K and V out of (`api.KV_WIRE`, KV_FROM_WIRE_BWD)."""
+    pair's dq is added into (`api.DQ_INTO`, DQ_ONCE): its dq is then that accumulator, and (Q_IN_PLACE) q and d_out
+    the rows the Hopper backward reads (`api.Q_ROWS_FROM`). ``wire``: the held block's buffer as received, which the
+    Hopper backward reads the pair's K and V out of (`api.KV_WIRE`, KV_FROM_WIRE_BWD)."""
     sk = sk or chunk
     cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk, wide_layout)
     backend = plan.backend
@@ -679,6 +685,8 @@ def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_
     if into:
         assert layout == api.SEQ_MAJOR and padded == chunk, "a dQ accumulator takes the pair's rows as they are"
         ck[api.DQ_INTO] = (dq_acc, q0)
+        if Q_IN_PLACE:  # (the same rows of q and dO, read there)
+            ck[api.Q_ROWS_FROM] = (q, d_out)
     if choice.backward == "gluon":
         ck = _with_wire(ck, wire, held, k0, sk, kk, layout)
     dq, dk, dv, dctx = backend.backward(

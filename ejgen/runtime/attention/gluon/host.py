@@ -332,7 +332,7 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
                    segments: bool = False, lists: dict | None = None, spec: tuple | None = None,
                    softcap: bool = False, seq_k: int | None = None, fast_tanh: bool = False,
                    staged: tuple | None = None, dq_rows: int | None = None, dq_off_at: int = 0, kv_at: int = 0,
-                   kv_rows: int | None = None, kv_off_at: int = 0) -> dict:
+                   kv_rows: int | None = None, kv_off_at: int = 0, q_rows: int | None = None) -> dict:
     """The backward's constexprs (window: causal with a window to the left, `ineligible`; ``lists``: the block
     lists' constexprs, `bwd_lists`; ``spec``: the spec's mask, `spec_constexprs`; ``softcap``: SOFTCAP, with
     ``fast_tanh``; ``seq_k``: the keys' count, default seq: another only without causal, a window, segment ids or
@@ -341,7 +341,8 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
     the first; the mask replaces ``spec``'s, QSEG is then I32). ``dq_rows``, ``dq_off_at``: dQ added into a larger
     accumulator of that many rows, from the row at I32[dq_off_at] on (0: row 0; DQ_ROWS, DQ_OFF_AT). ``kv_at`` > 0:
     K and V read out of one 16-bit buffer of ``kv_rows`` rows a batch row, V from that item on, the keys from the row
-    at I32[kv_off_at] on (KV_AT, KV_ROWS, KV_OFF_AT)."""
+    at I32[kv_off_at] on (KV_AT, KV_ROWS, KV_OFF_AT). ``q_rows``: q and dO read where they lie in tensors of that
+    many rows (``dq_rows``), from the dQ accumulator's row on (QDO_ROWS)."""
     terms = dict(BWD_NO_TERMS)
     if staged is not None:
         spec = (staged[0], spec[1])
@@ -351,7 +352,7 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES, **(lists or NO_LISTS),
                 **spec_constexprs(spec), SOFTCAP=softcap_constexpr(softcap, fast_tanh), **terms,
                 DQ_ROWS=dq_rows or seq, DQ_OFF_AT=dq_off_at, KV_AT=kv_at, KV_ROWS=kv_rows or seq_k or seq,
-                KV_OFF_AT=kv_off_at)
+                KV_OFF_AT=kv_off_at, QDO_ROWS=q_rows or seq)
 
 
 # The persistent backward (gluon_kernels.gluon_attention_bwd_persistent_kernel) for causal sliding windows: one
@@ -404,7 +405,7 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bo
     # segment ids, layouts and spec masks with a window take the per-program backward over lists (`listed`); keys
     # as many as queries
     for name in ("SEQ_K", *NO_LISTS, *spec_constexprs(None), *BWD_NO_TERMS, "DQ_ROWS", "DQ_OFF_AT", "KV_AT",
-                 "KV_ROWS", "KV_OFF_AT"):
+                 "KV_ROWS", "KV_OFF_AT", "QDO_ROWS"):
         del base[name]
     return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"], segments=segments))
 

@@ -1180,10 +1180,11 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
 def _bwd_buffers(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                  DQ_MODE: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, SEQ_K: gl.constexpr,
-                 DQ_ROWS: gl.constexpr, KV_ROWS: gl.constexpr):
-    """Both backwards' tensor descriptors (Q, dO over [B, SEQ, heads * D], K, V over [B, SEQ_K, heads * D]; the
-    float32 dQ accumulator in tiles of DQ_N columns: D, or D / 2 with DQ_MODE 1, SEQ of its DQ_ROWS rows a batch
-    row from DQ_ACC on; K and V likewise SEQ_K of KV_ROWS rows) and shared buffers (K_STAGES K,
+                 DQ_ROWS: gl.constexpr, KV_ROWS: gl.constexpr, QDO_ROWS: gl.constexpr):
+    """Both backwards' tensor descriptors (Q, dO over [B, SEQ, heads * D], SEQ of their QDO_ROWS rows a batch row from
+    Q, DO on; K, V over [B, SEQ_K, heads * D]; the float32 dQ accumulator in tiles of DQ_N columns: D, or D / 2 with
+    DQ_MODE 1, SEQ of its DQ_ROWS rows a batch row from DQ_ACC on; K and V likewise SEQ_K of KV_ROWS rows) and shared
+    buffers (K_STAGES K,
     V_STAGES V, NUM_STAGES Q and dO with their lse and delta rows, two dS^T and two dQ staging tiles, the column
     offsets 0 .. BLOCK_M - 1, the Q / dO ring's barriers), in the order both kernels allocate them."""
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -1196,9 +1197,9 @@ def _bwd_buffers(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl
         DQ_N: gl.constexpr = D // 2
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, DQ_N], gl.float32)
 
-    q_desc = tma.make_tensor_descriptor(Q, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
+    q_desc = tma.make_tensor_descriptor(Q, shape=[B, SEQ, HQ * D], strides=[QDO_ROWS * (HQ * D), HQ * D, 1],
                                         block_shape=[1, BLOCK_M, D], layout=q_layout)
-    do_desc = tma.make_tensor_descriptor(DO, shape=[B, SEQ, HQ * D], strides=[SEQ * (HQ * D), HQ * D, 1],
+    do_desc = tma.make_tensor_descriptor(DO, shape=[B, SEQ, HQ * D], strides=[QDO_ROWS * (HQ * D), HQ * D, 1],
                                          block_shape=[1, BLOCK_M, D], layout=q_layout)
     k_desc = tma.make_tensor_descriptor(K, shape=[B, SEQ_K, HKV * D], strides=[KV_ROWS * (HKV * D), HKV * D, 1],
                                         block_shape=[1, BLOCK_N, D], layout=kv_layout)
@@ -1241,7 +1242,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
                                SOFTCAP: gl.constexpr, SEQ_K: gl.constexpr, Q_TERMS: gl.constexpr,
                                TERMS_AT: gl.constexpr, Q_FIRST: gl.constexpr, SPEC_KVTERMS: gl.constexpr,
                                DQ_ROWS: gl.constexpr, DQ_OFF_AT: gl.constexpr, KV_AT: gl.constexpr,
-                               KV_ROWS: gl.constexpr, KV_OFF_AT: gl.constexpr):
+                               KV_ROWS: gl.constexpr, KV_OFF_AT: gl.constexpr, QDO_ROWS: gl.constexpr):
     """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
     float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. DQ_ROWS > SEQ: DQ_ACC is a
     larger accumulator [B, DQ_ROWS, HQ, D] that the call adds its rows into from row I32[DQ_OFF_AT] on (0: from
@@ -1249,6 +1250,8 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     as given, to DQ_ACC; else DQ_IN a placeholder). KV_AT > 0: K and V are one buffer of 16-bit items of any type
     (ring attention's received block, `ring.KV_FROM_WIRE_BWD`): K [B, KV_ROWS, HKV, D] from its first item, V from
     item KV_AT, the call's SEQ_K keys from row I32[KV_OFF_AT] on (0: from row 0); V's own argument unread.
+    QDO_ROWS > SEQ: Q and DO are [B, QDO_ROWS, HQ, D], the call's rows from the dQ accumulator's row I32[DQ_OFF_AT] on
+    (QDO_ROWS = DQ_ROWS: ring attention's pairs reading their queries where they lie, `ring.Q_IN_PLACE`).
     LSE, DELTA: [B, HQ, SEQ] (DELTA = rowsum(dO * O) - d lse). K, V, DK, DV: [B, SEQ_K, HKV, D]; SEQ_K = SEQ but
     where the host takes Sq != Sk (MASK 0, no segment ids, lists or spec mask: `host.ineligible`, gluon_cross).
     MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
@@ -1289,15 +1292,23 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     off_b = pid_bh // HKV
     off_hk = pid_bh % HKV
     gl.static_assert(DQ_ROWS >= SEQ, "the dQ accumulator holds the call's rows")
+    gl.static_assert(QDO_ROWS == SEQ or QDO_ROWS == DQ_ROWS, "Q and dO in place: the rows of the dQ accumulator's")
     dq_base = DQ_ACC
+    q_base = Q
+    do_base = DO
     if DQ_OFF_AT > 0:  # the call's rows from a row of a larger accumulator on (16-byte aligned: HQ * D * 4 bytes a row)
-        dq_base = DQ_ACC + gl.load(I32 + DQ_OFF_AT).to(gl.int64) * (HQ * D)
+        row = gl.load(I32 + DQ_OFF_AT).to(gl.int64) * (HQ * D)
+        dq_base = DQ_ACC + row
+        if QDO_ROWS > SEQ:  # and of Q and dO, where they lie (HQ * D * 2 bytes a row: 16-byte aligned)
+            q_base = Q + row
+            do_base = DO + row
     gl.static_assert(KV_ROWS >= SEQ_K, "K and V hold the call's keys")
     K, V = _kv_pointers(K, V, I32, Q.dtype.element_ty, KV_AT, KV_OFF_AT, HKV * D)
 
     (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
-     cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(Q, K, V, DO, dq_base, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N,
-                                                            NUM_STAGES, DQ_MODE, 1, 1, SEQ_K, DQ_ROWS, KV_ROWS)
+     cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(q_base, K, V, do_base, dq_base, B, SEQ, HQ, HKV, D,
+                                                            BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE, 1, 1, SEQ_K,
+                                                            DQ_ROWS, KV_ROWS, QDO_ROWS)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     misc_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # 0: K/V loaded, 1: dS^T halves written
     ids_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -1649,7 +1660,8 @@ def _pbwd_shared(Q, K, V, DO, F32, I32, DQ_ACC, B: gl.constexpr, SEQ: gl.constex
     nprog = gl.num_programs(0)
     (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
      cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(Q, K, V, DO, DQ_ACC, B, SEQ, HQ, HKV, D, BLOCK_M, BLOCK_N,
-                                                            NUM_STAGES, DQ_MODE, K_STAGES, V_STAGES, SEQ, SEQ, SEQ)
+                                                            NUM_STAGES, DQ_MODE, K_STAGES, V_STAGES, SEQ, SEQ, SEQ,
+                                                            SEQ)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)

@@ -19,6 +19,7 @@ import numpy as np
 
 from ejgen.runtime.attention import tiles
 from ejgen.runtime.attention.api import (SEQ_MAJOR, add_rows, given_delta, given_dq, given_layouts, given_merge,
+                                        given_q_rows,
                                          given_wire, join_sinks, merge_into, sinks_grad)
 from ejgen.runtime.attention.gluon import host as gluon_attention
 from ejgen.runtime.attention.triton import configs as triton_configs
@@ -529,7 +530,7 @@ STAGED_BACKWARD = True
 
 
 def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh: bool = False,
-                    dq_into=None, wire=None):
+                    dq_into=None, wire=None, q_rows=None):
     """The warp-specialised Gluon backward (gluon_attention): (dq, dk, dv), dq [B, Sq, Hq, D] added up in float32
     by reduce-adds (not bitwise reproducible run to run, like cuDNN's). Each key block walks a list of query blocks
     where the forward's tiles would (a block layout, a spec mask, whose element mask runs on partial items) and with
@@ -537,7 +538,9 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
     ``dq_into``: (acc float32 [B, rows, Hq, D], q0), dq added into acc from row q0 on and acc returned as dq (float32):
     by the per-program kernel itself (DQ_ROWS, DQ_OFF_AT, acc aliased: no zeroed accumulator, no cast), after the
     persistent one. ``wire``: k and v as rows of a block in one 16-bit buffer (`api.KV_WIRE`, `_wire_kv`), which the
-    per-program kernel reads them out of (KV_AT, KV_ROWS, KV_OFF_AT; the persistent one takes k and v)."""
+    per-program kernel reads them out of (KV_AT, KV_ROWS, KV_OFF_AT; the persistent one takes k and v). ``q_rows``
+    (with ``dq_into``, `api.Q_ROWS_FROM`): q and dO of the accumulator's rows [B, rows, Hkv, G, D], whose rows from
+    q0 on the per-program kernel reads as the call's (QDO_ROWS; q4 and do4 then only give the shapes)."""
     batch, sq, hq, d = q4.shape
     hkv = k.shape[2]
     spec, mask_tiles = _gluon_spec(layout)
@@ -600,6 +603,13 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
             outs[0] = jax.ShapeDtypeStruct(dq_in.shape, jnp.float32)
             zeroed, aliases = (), {6 + len(scalars): 0}
             consts.update(DQ_ROWS=dq_in.shape[1])
+            if q_rows is not None:
+                q_full, do_full = (x.reshape(x.shape[:2] + (hq, d)) for x in q_rows)
+                if any(x.shape != dq_in.shape or x.dtype != q4.dtype for x in (q_full, do_full)):
+                    raise ValueError(f"the Hopper backward's q and dO in place must be {q4.dtype}{list(dq_in.shape)} "
+                                     f"like its dQ accumulator, got {[(x.dtype, x.shape) for x in q_rows]}")
+                q4, do4 = q_full, do_full
+                consts.update(QDO_ROWS=dq_in.shape[1])
             if not (isinstance(q0, int) and q0 == 0):
                 scalars, consts["DQ_OFF_AT"] = _with_row(scalars, q0)
         scalars = [*scalars, dq_in]
@@ -715,6 +725,7 @@ def _delta(out, d_out, d_lse):
 def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
     _check_layout(q, cfg)
     ctx, into = given_dq(ctx)  # the caller's (ring attention's) dQ accumulator of more rows: added into
+    ctx, q_rows = given_q_rows(ctx)  # (with it, the Hopper backward's: q and dO of the accumulator's rows)
     if into is not None and choice.backward != "gluon":
         dq, dk, dv, grads = _backward(layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
         return add_rows(into[0], into[1], dq), dk, dv, grads
@@ -736,7 +747,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
             acc = into[0]
             into = (acc.reshape(acc.shape[:2] + (hq, d)), into[1])
         dq, dk, dv_ = _gluon_backward(layout, q4, k, v, do4, lse3, delta.reshape(batch, hq, sq), scalars, ctx, cfg,
-                                      choice.fast_tanh, dq_into=into, wire=wire)
+                                      choice.fast_tanh, dq_into=into, wire=wire, q_rows=q_rows)
         dq = dq.reshape(q.shape if into is None else acc.shape)
         return dq, dk, dv_, _ctx_grads(layout, ctx, cfg, lse, delta.reshape(lse.shape), None, ())
     kernels = layout.kernels()
