@@ -31,7 +31,7 @@
 #   ring-wire      the ring tests, then the forward reading the wire / merging in its kernel against before (2 GPUs)
 #   ring-dq        the ring tests, then the default against --no-kv-from-wire-bwd and --no-dq-once (2 GPUs)
 #   ring-paired    one GPU and the ring timed in turns, 7 rounds, 4 and 16 calls a sample (2 GPUs)
-#   ring-qinplace  the ring tests, then the default against --q-in-place (2 GPUs)
+#   ring-qinplace  the ring tests, then the default against --q-in-place and with --zeros-by-delta (2 GPUs)
 #   ring-trace-p7  one ring call's kernels and gaps, default and --wide-lists-constant (2 GPUs)
 #   ring-p7        the ring tests, then the default against --wide-lists-constant (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
@@ -540,9 +540,10 @@ j_ring-p7() {  # the coalesced forward's block lists and tile order built when t
   # (ring.WIDE_LISTS_CONSTANT, off: it lost in session 35), against XLA building them every call
   ring_forms ring-p7 "base:" "on:--wide-lists-constant"
 }
-j_ring-qinplace() {  # the backward's pairs reading q and dO in place (ring.Q_IN_PLACE, session 36, off): the ring
-  # tests (the zigzag-q-in-place form among them), then the default against it, each twice in its own process
-  ring_forms ring-qinplace "base:" "on:--q-in-place"
+j_ring-qinplace() {  # the backward's pairs reading q and dO in place (ring.Q_IN_PLACE) and the dQ accumulator
+  # zeroed by the delta launch's memset (ring.ZEROS_BY_DELTA), both session 36, off: the ring tests (the
+  # zigzag-every-switch form among them), then the default against each, each twice in its own process
+  ring_forms ring-qinplace "base:" "q:--q-in-place" "both:--q-in-place --zeros-by-delta"
 }
 j_ring-trace-p7() {  # where ring.WIDE_LISTS_CONSTANT's 0.2 ms went (session 35): one call's kernels and 4 calls'
   # gaps, the default then the switch on
@@ -701,7 +702,7 @@ declare -A PRESETS=(
   # tested and A/B'd on 2 GPUs (issue 18), DEADLINE=560
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-trace-p7,ring-steady"
-  [s37a]="0-1:ring-qinplace"  # (next: Q_IN_PLACE's tests and A/B)
+  [s37a]="0-1:ring-qinplace"  # (next: Q_IN_PLACE's and ZEROS_BY_DELTA's tests and A/B)
   [s36c]="0:docs-masks"  # (session 36's call 4 ran docs-dqcast: the in-kernel dQ cast's forms, removed: it lost)
   [s35a]="0-1:ring-dq"
   [s35b]="0:docs-trace"

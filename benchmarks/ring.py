@@ -69,6 +69,9 @@ RING_SWITCHES = {
                             "when tracing, picked by the device's index (off by default: it lost in session 35)"),
     "q-in-place": ("Q_IN_PLACE", True, "the backward's pairs read their rows of q and dO where they lie instead of "
                    "copies (off by default: built in session 36, not yet timed)"),
+    "zeros-by-delta": ("ZEROS_BY_DELTA", True, "the backward's dQ accumulator zeroed by a memset in the delta "
+                       "kernel's launch instead of XLA's broadcast (off by default: built in session 36, not yet "
+                       "timed)"),
     "no-dq-once": ("DQ_ONCE", False, "the backward's pairs each zero, cast and return their own dQ, added up after "
                    "the kernels (one accumulator by default since session 35)"),
     "narrow-accumulators": ("NARROW_ACCUMULATOR_HOPS", 1, "the backward's dK/dV accumulators travel in the inputs' "

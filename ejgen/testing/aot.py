@@ -220,7 +220,7 @@ def compile_delta(*, capability: int = 90, seq: int = 32768, heads: int = 16, he
     num_warps = consts.pop("num_warps")
     consts.pop("num_stages")
     kernel = delta.delta_kernel
-    pointers = dict(O=f"*{dtype}", DO=f"*{dtype}", DLSE="*fp32", DELTA="*fp32")
+    pointers = dict(O=f"*{dtype}", DO=f"*{dtype}", DLSE="*fp32", DELTA="*fp32", ZEROS="*fp32")
     sig = {n: pointers[n] if n in pointers else "constexpr" for n in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n in pointers}
     source = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=aligned)

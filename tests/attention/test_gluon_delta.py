@@ -42,6 +42,27 @@ def test_the_delta_kernel_matches_float64(name):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4 * np.sqrt(dv))
 
 
+def test_the_delta_launch_zeroes_an_accumulator_when_asked(monkeypatch):
+    """``zeros`` (ring attention's dQ accumulator, `ring.ZEROS_BY_DELTA`): the launch asks for that output zeroed (a
+    memset on the GPU; the interpreter starts every output at zero, so the request itself is what is checked), the
+    zeros come back in that shape and delta is unchanged; without it, nothing is zeroed."""
+    launch, asked = triton_call.launch, []
+
+    def spy(kernel, grid, inputs, outs, **kw):
+        asked.append((kw.get("zeroed", ()), [tuple(o.shape) for o in outs]))
+        return launch(kernel, grid, inputs, outs, **kw)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    rng = np.random.default_rng(5)
+    out, d_out = (jnp.asarray(rng.standard_normal((1, 96, 2, 2, 64)), jnp.bfloat16) for _ in range(2))
+    d_lse = jnp.zeros((1, 2, 2, 96), jnp.float32)
+    plain = gluon_attention.backward_delta(out, d_out, d_lse)
+    delta, zeros = gluon_attention.backward_delta(out, d_out, d_lse, (1, 96, 2, 2, 64))
+    assert asked == [((), [(1, 4, 96), (1, )]), ((1, ), [(1, 4, 96), (1, 96, 2, 2, 64)])], asked
+    assert zeros.shape == (1, 96, 2, 2, 64) and zeros.dtype == jnp.float32 and not np.asarray(zeros).any()
+    np.testing.assert_array_equal(np.asarray(delta), np.asarray(plain))
+
+
 @pytest.mark.parametrize("gpu_host", [False, True], ids=["this-triton", "gpu-host-triton"])
 def test_the_delta_kernel_compiles_for_sm90(gpu_host):
     """At 32k rows, 16 heads, head dim 128, bf16: compiles for sm_90 with no spill and no global scratch."""

@@ -255,9 +255,9 @@ def check_hopper_stand_ins(backend, failures, devices=2):
     K and V out of a given wire and add dQ into a given accumulator as the kernels do (`_stand_in_kernels` of
     tests/attention/test_gluon.py): a zigzag causal ring of 2 in bf16 with its steps as square pairs (ring.COALESCE
     off: the stand-ins know no block layout), each device's second step two full blocks at rows 0 and c of the
-    received block, with `ring.KV_FROM_WIRE_BWD`, `ring.DQ_ONCE` and `ring.Q_IN_PLACE` off, then on: out and every
-    gradient within bf16's error of the oracle, the Hopper backward given the wire, the accumulator and q / dO in place
-    exactly when they are on."""
+    received block, with `ring.KV_FROM_WIRE_BWD`, `ring.DQ_ONCE`, `ring.Q_IN_PLACE` and `ring.ZEROS_BY_DELTA` off,
+    then on: out and every gradient within bf16's error of the oracle, the Hopper backward given the wire, the
+    accumulator and q / dO in place exactly when they are on."""
     import pytest
 
     sys.path[:0] = [str(Path(_HERE).parent), str(Path(_HERE).parent / "attention")]
@@ -288,6 +288,7 @@ def check_hopper_stand_ins(backend, failures, devices=2):
             mp.setattr(ring, "KV_FROM_WIRE_BWD", on)
             mp.setattr(ring, "DQ_ONCE", on)
             mp.setattr(ring, "Q_IN_PLACE", on)
+            mp.setattr(ring, "ZEROS_BY_DELTA", on)
             given.clear()
             fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend)
             out, lse, grads = shard_checks.vjp_call(fn, diff, d_out, d_lse)

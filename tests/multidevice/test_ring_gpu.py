@@ -60,8 +60,9 @@ RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WI
     ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False),
     ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False),
     ("zigzag-defaults", "zigzag", True, True, True, True, False),  # the default since session 35
-    ("zigzag-q-in-place", "zigzag", True, True, True, True, True),  # every switch on (session 36: off by default;
-    # contiguous rings' pairs are every local row: nothing to read in place)
+    # every switch on (Q_IN_PLACE and ZEROS_BY_DELTA since session 36, off by default; contiguous rings' pairs are
+    # every local row: nothing to read in place)
+    ("zigzag-every-switch", "zigzag", True, True, True, True, True),
 ]
 
 
@@ -75,7 +76,8 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
     result in its kernel (MERGE); with ``once`` (ring.DQ_ONCE) the backward's kernels add dQ into one accumulator
     (aliased from launch to launch); with ``wire_bwd`` (ring.KV_FROM_WIRE_BWD) the backward's pairs on a received
     block read K and V out of it (KV_AT); with ``in_place`` (ring.Q_IN_PLACE, with ``once``) they read their rows of
-    q and dO where they lie (QDO_ROWS)."""
+    q and dO where they lie (QDO_ROWS), and the accumulator is zeroed by the delta kernel's launch
+    (ring.ZEROS_BY_DELTA)."""
     from ejgen.runtime.attention import ring
     from ejgen.runtime.attention.gluon import host as gluon_attention
     from ejgen.runtime.launch import triton_call
@@ -96,6 +98,7 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
     monkeypatch.setattr(ring, "DQ_ONCE", once)
     monkeypatch.setattr(ring, "KV_FROM_WIRE_BWD", wire_bwd)
     monkeypatch.setattr(ring, "Q_IN_PLACE", in_place)
+    monkeypatch.setattr(ring, "ZEROS_BY_DELTA", in_place)  # (the accumulator's zeros by the delta launch's memset)
     n = GPUS
     shape = AttnShape(1, 256 * n, 256 * n, 8, 2, 128)
     rng = rng_for("ring-gpu", order, shape)

@@ -121,6 +121,11 @@ KV_FROM_WIRE_BWD = True
 # call. Session 36's trace (2 H200s, 32k tokens, 16/16 heads, zigzag): two such copies of 32 MiB, 24.5 us each, before
 # the first backward kernel. Built in session 36, not yet GPU-run: off.
 Q_IN_PLACE = False
+# With DQ_ONCE, the dQ accumulator's zeros by a memset in the delta kernel's launch (`gluon.host.backward_delta`'s
+# ``zeros``) instead of XLA's broadcast: session 36's trace (2 H200s, 32k tokens, 16/16 heads, zigzag) had that
+# broadcast at 58.3 us for 128 MiB (2.3 TB/s), where jax-triton's memsets of float32 accumulators ran at 4.3-4.6
+# TB/s. Built in session 36, not yet GPU-run: off.
+ZEROS_BY_DELTA = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
@@ -1009,7 +1014,9 @@ def _backward(plan: Plan, residuals, cotangents):
     param_names = [n for n in ctx if n.startswith("param_")]
     zeros = lambda x: jnp.zeros(x.shape, f32)  # noqa: E731
     grads = vma.vary({n[len("param_"):]: zeros(ctx[n]) for n in param_names}, axes)
-    delta = _delta(plan, out, d_out, d_lse)  # [B, Hkv, G, n]
+    into = _dq_into(plan)
+    # (into, ZEROS_BY_DELTA: the dQ accumulator's zeros by the delta kernel's launch)
+    delta, dq_zeros = _delta(plan, out, d_out, d_lse, q.shape if into and ZEROS_BY_DELTA else None)
     own = _held(k, v, ctx)
     wire = Wire.of(own)
     # the accumulators travel as one buffer where they go alone, and join the block's buffer, in its unit, where that
@@ -1024,8 +1031,7 @@ def _backward(plan: Plan, residuals, cotangents):
     # travel: the held block's buffer (None: the device's own block, not packed); pending: dK/dV of the block held
     # last step, to pass on (None before the first step); dq None before the first step's pairs, or (DQ_ONCE) the
     # one accumulator every pair's kernel adds into
-    into = _dq_into(plan)
-    travel, pending, dq = last_held, None, vma.vary(zeros(q), axes) if into else None
+    travel, pending, dq = last_held, None, vma.vary(zeros(q) if dq_zeros is None else dq_zeros, axes) if into else None
     for stage, xs, at, count in _runs(plan, reverse=True):
         chunk = stage.chunk
         first, last = at == 0, at + count == plan.steps
@@ -1133,16 +1139,19 @@ def _backward(plan: Plan, residuals, cotangents):
     return dq.astype(q.dtype), home["k"], home["v"], api.ctx_cotangents(ctx, dctx)
 
 
-def _delta(plan: Plan, out, d_out, d_lse):
-    """delta = rowsum(d_out * out) - d_lse [B, Hkv, G, n] of the local rows, once a backward: from the Hopper path's
-    delta kernel where every backward call runs the Hopper kernels (`gluon.host.DELTA_KERNEL`; XLA's fusion took 40 us
-    at 32k tokens over 2 H200s, session 36's trace), else in XLA."""
+def _delta(plan: Plan, out, d_out, d_lse, zeros: tuple | None = None):
+    """(delta = rowsum(d_out * out) - d_lse [B, Hkv, G, n] of the local rows, once a backward; float32 zeros of shape
+    ``zeros`` by that launch's memset, or None): from the Hopper path's delta kernel where every backward call runs
+    the Hopper kernels (`gluon.host.DELTA_KERNEL`; XLA's fusion took 40 us at 32k tokens over 2 H200s, session 36's
+    trace), else in XLA (and no zeros)."""
     from ejgen.runtime.attention.gluon import host as gluon_attention
 
     if gluon_attention.DELTA_KERNEL and all(choice.backward == "gluon" for _, _, choice in plan.calls):
-        return gluon_attention.backward_delta(out, d_out, d_lse)
+        if zeros is not None:
+            return gluon_attention.backward_delta(out, d_out, d_lse, zeros)
+        return gluon_attention.backward_delta(out, d_out, d_lse), None
     f32 = jnp.float32
-    return jnp.moveaxis(jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1), 1, 3) - d_lse
+    return jnp.moveaxis(jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1), 1, 3) - d_lse, None
 
 
 def _arrived(received: dict, both: bool, size: int, owed, alone) -> tuple:

@@ -19,10 +19,11 @@ WARPS = 4
 
 
 @triton.jit
-def delta_kernel(O, DO, DLSE, DELTA, SEQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def delta_kernel(O, DO, DLSE, DELTA, ZEROS, SEQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                 D_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """DELTA float32 [B, H, SEQ] of O, DO [B, SEQ, H, D] (16-bit or float32) and DLSE float32 [B, H, SEQ]; program
-    (b * H + h, row block)."""
+    (b * H + h, row block). ZEROS: an output the kernel leaves alone, which the launch may have zeroed (jax-triton's
+    memset before the kernel: ring attention's dQ accumulator, `ring.ZEROS_BY_DELTA`) or not (a placeholder)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H

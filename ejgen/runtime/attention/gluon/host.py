@@ -626,9 +626,11 @@ def plan_order_constexprs(entries: int, heads: int, programs: int, pass_: str) -
 DELTA_KERNEL = True
 
 
-def backward_delta(out, d_out, d_lse):
+def backward_delta(out, d_out, d_lse, zeros: tuple | None = None):
     """delta = rowsum(d_out * out) - d_lse in float32, lse's shape [B, Hkv, G, Sq], of out and d_out [B, Sq, Hkv, G,
-    Dv] (the seq-major layout), from `delta.delta_kernel`."""
+    Dv] (the seq-major layout), from `delta.delta_kernel`. ``zeros``: a shape; then (delta, float32 zeros of that
+    shape), the zeros by the launch's memset (at ~4.5 TB/s on an H200, where XLA's broadcast of a float32 zero ran at
+    2.3: ring attention's dQ accumulator, `ring.ZEROS_BY_DELTA`)."""
     import jax
     import jax.numpy as jnp
 
@@ -637,10 +639,12 @@ def backward_delta(out, d_out, d_lse):
 
     batch, sq, hkv, groups, dv = out.shape
     hq = hkv * groups
-    (rows,) = triton_call.launch(
+    rows, zeroed = triton_call.launch(
         delta.delta_kernel, (batch * hq, -(-sq // delta.BLOCK)), [out, d_out, d_lse.astype(jnp.float32)],
-        [jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32)], **delta_constexprs(sq, hq, dv))
-    return rows.reshape(d_lse.shape)
+        [jax.ShapeDtypeStruct((batch, hq, sq), jnp.float32), jax.ShapeDtypeStruct(zeros or (1, ), jnp.float32)],
+        zeroed=(1, ) if zeros is not None else (), **delta_constexprs(sq, hq, dv))
+    rows = rows.reshape(d_lse.shape)
+    return rows if zeros is None else (rows, zeroed)
 
 
 def delta_constexprs(seq: int, hq: int, dv: int) -> dict:
