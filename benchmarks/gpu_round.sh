@@ -32,6 +32,7 @@
 #   ring-dq        the ring tests, then the default against --no-kv-from-wire-bwd and --no-dq-once (2 GPUs)
 #   ring-paired    one GPU and the ring timed in turns, 7 rounds, 4 and 16 calls a sample (2 GPUs)
 #   ring-qinplace  the ring tests, then the default against --q-in-place and with --zeros-by-delta (2 GPUs)
+#   ring-trace-coalesce  one ring call's kernels, default and --coalesce-backward (2 GPUs)
 #   ring-trace-p7  one ring call's kernels and gaps, default and --wide-lists-constant (2 GPUs)
 #   ring-p7        the ring tests, then the default against --wide-lists-constant (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
@@ -545,6 +546,12 @@ j_ring-qinplace() {  # the backward's pairs reading q and dO in place (ring.Q_IN
   # zigzag-every-switch form among them), then the default against each, each twice in its own process
   ring_forms ring-qinplace "base:" "q:--q-in-place" "both:--q-in-place --zeros-by-delta"
 }
+j_ring-trace-coalesce() {  # why the coalesced backward (ring.COALESCE_BACKWARD) lost in session 34: one call's
+  # kernels, the default then the switch on (notes/studies/s36-ring-bwd-glue.md, option B)
+  job ring-trace-base 150 python3 "${RING[@]}" --parts profile --out "$log/ring-trace-base"
+  job ring-trace-coalesce 150 python3 "${RING[@]}" --parts profile --coalesce-backward \
+    --out "$log/ring-trace-coalesce"
+}
 j_ring-trace-p7() {  # where ring.WIDE_LISTS_CONSTANT's 0.2 ms went (session 35): one call's kernels and 4 calls'
   # gaps, the default then the switch on
   job ring-trace-base 150 python3 "${RING[@]}" --parts profile,gaps --out "$log/ring-trace-base"
@@ -702,6 +709,7 @@ declare -A PRESETS=(
   # tested and A/B'd on 2 GPUs (issue 18), DEADLINE=560
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-trace-p7,ring-steady"
+  [s37b]="0-1:ring-trace-coalesce"  # (next: option B of notes/studies/s36-ring-bwd-glue.md)
   [s37a]="0-1:ring-qinplace"  # (next: Q_IN_PLACE's and ZEROS_BY_DELTA's tests and A/B)
   [s36c]="0:docs-masks"  # (session 36's call 4 ran docs-dqcast: the in-kernel dQ cast's forms, removed: it lost)
   [s35a]="0-1:ring-dq"
