@@ -33,8 +33,6 @@
 #   ring-paired    one GPU and the ring timed in turns, 7 rounds, 4 and 16 calls a sample (2 GPUs)
 #   ring-qinplace  the ring tests, then the default against --q-in-place and with --zeros-by-delta (2 GPUs)
 #   ring-trace-coalesce  one ring call's kernels, default and --coalesce-backward (2 GPUs)
-#   ring-trace-p7  one ring call's kernels and gaps, default and --wide-lists-constant (2 GPUs)
-#   ring-p7        the ring tests, then the default against --wide-lists-constant (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
 #                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
@@ -537,10 +535,6 @@ j_ring-dq() {  # the backward's pairs adding dQ into one accumulator in their ke
   # and V out of the received buffer (ring.KV_FROM_WIRE_BWD), both on since session 35, against the forms before them
   ring_forms ring-dq "base:--no-kv-from-wire-bwd --no-dq-once" "once:--no-kv-from-wire-bwd" "wire:"
 }
-j_ring-p7() {  # the coalesced forward's block lists and tile order built when tracing, picked by the device's index
-  # (ring.WIDE_LISTS_CONSTANT, off: it lost in session 35), against XLA building them every call
-  ring_forms ring-p7 "base:" "on:--wide-lists-constant"
-}
 j_ring-qinplace() {  # the backward's pairs reading q and dO in place (ring.Q_IN_PLACE) and the dQ accumulator
   # zeroed by the delta launch's memset (ring.ZEROS_BY_DELTA), both session 36, off: the ring tests (the
   # zigzag-every-switch form among them), then the default against each, each twice in its own process
@@ -551,11 +545,6 @@ j_ring-trace-coalesce() {  # why the coalesced backward (ring.COALESCE_BACKWARD)
   job ring-trace-base 150 python3 "${RING[@]}" --parts profile --out "$log/ring-trace-base"
   job ring-trace-coalesce 150 python3 "${RING[@]}" --parts profile --coalesce-backward \
     --out "$log/ring-trace-coalesce"
-}
-j_ring-trace-p7() {  # where ring.WIDE_LISTS_CONSTANT's 0.2 ms went (session 35): one call's kernels and 4 calls'
-  # gaps, the default then the switch on
-  job ring-trace-base 150 python3 "${RING[@]}" --parts profile,gaps --out "$log/ring-trace-base"
-  job ring-trace-p7 150 python3 "${RING[@]}" --parts profile,gaps --wide-lists-constant --out "$log/ring-trace-p7"
 }
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
@@ -708,14 +697,14 @@ declare -A PRESETS=(
   # session 35: the ring's one dQ accumulator (ring.DQ_ONCE) and the backward reading the wire (KV_FROM_WIRE_BWD)
   # tested and A/B'd on 2 GPUs (issue 18), DEADLINE=560
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
-  [s36b]="0-1:ring-trace-p7,ring-steady"
+  [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
   [s37b]="0-1:ring-trace-coalesce"  # (next: option B of notes/studies/s36-ring-bwd-glue.md)
   [s37a]="0-1:ring-qinplace"  # (next: Q_IN_PLACE's and ZEROS_BY_DELTA's tests and A/B)
   [s36c]="0:docs-masks"  # (session 36's call 4 ran docs-dqcast: the in-kernel dQ cast's forms, removed: it lost)
   [s35a]="0-1:ring-dq"
   [s35b]="0:docs-trace"
   [s35c]="0:docs-plan"
-  [s35d]="0-1:ring-p7"  # (then on by default: it lost and was turned off)
+  [s35d]="0-1:ring-tests"  # (session 35's call 5 ran ring-p7: P7's tests and A/B; P7 lost and was removed)
   [s32c]="0:ncu-src"  # NCU_SRC_OPS="gla:1 lightning_attention:1" NCU_SRC_KERNELS=chunk_output_kernel: which loads
   # make gla's chunk_output's 27% excessive sectors and its L1TEX stalls (session 31's ncu-out)
   [s30b]="0:fla-profile,rec-sweep-long"  # (FLA_PROFILE_CASES='|B2-T16384|' REC_SWEEP_LONG_KERNELS=chunk_state,...)

@@ -65,8 +65,6 @@ RING_SWITCHES = {
                            "after its kernel (on by default since session 34)"),
     "no-kv-from-wire-bwd": ("KV_FROM_WIRE_BWD", False, "the backward's pairs read K and V from slices of the "
                             "received buffer copied before each call (on by default since session 35)"),
-    "wide-lists-constant": ("WIDE_LISTS_CONSTANT", True, "the coalesced forward's block lists and tile order built "
-                            "when tracing, picked by the device's index (off by default: it lost in session 35)"),
     "q-in-place": ("Q_IN_PLACE", True, "the backward's pairs read their rows of q and dO where they lie instead of "
                    "copies (off by default: built in session 36, not yet timed)"),
     "zeros-by-delta": ("ZEROS_BY_DELTA", True, "the backward's dQ accumulator zeroed by a memset in the delta "

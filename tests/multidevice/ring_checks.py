@@ -303,89 +303,6 @@ def check_hopper_stand_ins(backend, failures, devices=2):
                                     "(< 2e-2)")
 
 
-def check_hopper_wide_lists(backend, failures, devices=2):
-    """The coalesced Hopper forward's block lists and tile order built when tracing (`ring.WIDE_LISTS_CONSTANT`: every
-    device's from its block layout, stacked, picked by its index; `api.LAYOUT_CHOICES`), on a pretended Hopper GPU
-    whose launches record their inputs' values: zigzag causal rings of 2 and 4 devices (the latter's coalesced steps a
-    scan of two, then one), the switch off, then on. Every launch of every device and step takes bitwise the same
-    inputs (RANGES and ORDER among them; they differ between devices) and the same constexprs; on, they come from the
-    program built and run when tracing (`triton.host._layouts_lists`), and the compiled forward has fewer instructions
-    and none of the list builders' scatters and reduce-windows (off: some)."""
-    import hashlib
-    import re
-
-    import pytest
-
-    sys.path[:0] = [str(Path(_HERE).parent)]
-    from hopper_fakes import pretend_hopper
-
-    from ejgen.runtime.attention import ring
-    from ejgen.runtime.attention.triton import host as triton_host
-    from ejgen.runtime.launch import triton_call
-
-    shape = AttnShape(1, 1024, 1024, 4, 2, 64)  # chunks of 256 (2 devices) and 128 rows (4): whole Hopper tiles
-    _, diff, _, _ = shard_checks.inputs(shape, "ring-wide-lists")
-    diff = {n: x.astype(jnp.bfloat16) for n, x in diff.items()}
-    digest = lambda x: hashlib.sha1(np.ascontiguousarray(x).tobytes()).hexdigest()  # noqa: E731
-    for n in (devices, 2 * devices):
-        runs = {}
-        for on in (False, True):
-            constexprs, got, built = [], [], []
-            real_lists = triton_host._layouts_lists
-
-            def launch(kernel, grid, inputs, outs, constexprs=constexprs, got=got, **kw):
-                at = len(constexprs)
-                constexprs.append(kw)
-                jax.debug.callback(lambda *xs: got.append((at, tuple(np.asarray(x) for x in xs))), *inputs)
-                results = [jnp.zeros(o.shape, o.dtype) for o in outs]
-                for i, o in (kw.get("aliases") or {}).items():  # an aliased output starts as its input
-                    results[o] = inputs[i]
-                return results
-
-            def layouts_lists(shape, *args, built=built):
-                built.append(shape)
-                return real_lists(shape, *args)
-
-            with pytest.MonkeyPatch.context() as mp:
-                pretend_hopper(mp, values=False)
-                mp.setattr(triton_call, "launch", launch)
-                mp.setattr(triton_host, "_layouts_lists", layouts_lists)
-                mp.setattr(ring, "WIDE_LISTS_CONSTANT", on)
-                fn = in_shard_map(ring_attention, n, "zigzag", {}, {}, causal=True, platform=backend)
-                compiled = jax.jit(lambda d, fn=fn: fn(**d)).lower(diff).compile()
-                jax.block_until_ready(compiled(diff))
-            text = compiled.as_text()
-            # per launch, device (its queries) and step (its keys): its inputs' values
-            calls = {(at, digest(xs[0]), digest(xs[1])): xs for at, xs in got}
-            runs[on] = (constexprs, calls, text)
-            what = f"{n} devices, WIDE_LISTS_CONSTANT {on}"
-            listed = [xs for (at, _, _), xs in calls.items() if constexprs[at].get("LIST")]
-            if len(got) != len(calls) or len(listed) != n * (n - 1):
-                failures.append(f"{what}: {len(got)} launches run, {len(calls)} distinct, {len(listed)} of them on "
-                                f"block lists (want one a device and coalesced step: {n * (n - 1)})")
-            tables = {digest(x) for xs in listed for x in xs if x.dtype == np.int32 and x.ndim == 4}
-            if len(tables) < 2:
-                failures.append(f"{what}: the devices' block lists do not differ ({len(tables)}): the check is blind")
-            if bool(built) != on:
-                failures.append(f"{what}: lists built when tracing for layouts {built} (want some exactly when on)")
-        (c_off, off, text_off), (c_on, on, text_on) = runs[False], runs[True]
-        if c_off != c_on:
-            failures.append(f"{n} devices: the launches' constexprs differ with WIDE_LISTS_CONSTANT on: {c_off} / "
-                            f"{c_on}")
-        if set(off) != set(on):
-            failures.append(f"{n} devices: other launches with WIDE_LISTS_CONSTANT on ({len(off)} / {len(on)})")
-        for key in set(off) & set(on):
-            same = [a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(off[key], on[key])]
-            if len(off[key]) != len(on[key]) or not all(same):
-                failures.append(f"{n} devices, launch {key[0]}: inputs {[i for i, s in enumerate(same) if not s]} "
-                                f"differ with WIDE_LISTS_CONSTANT on")
-        count = lambda text: sum(" = " in line for line in text.splitlines())  # noqa: E731
-        builders = lambda text: re.findall(r" (scatter|reduce-window)\(", text)  # noqa: E731
-        if not count(text_on) < count(text_off) or builders(text_on) or not builders(text_off):
-            failures.append(f"{n} devices: compiled forward of {count(text_off)} instructions off, {count(text_on)} "
-                            f"on; list builders' ops off {builders(text_off)}, on {builders(text_on)}")
-
-
 def check_narrow_accumulators(backend, failures, devices=2):
     """bf16 inputs, `ring.NARROW_ACCUMULATOR_HOPS` at 1 (an experiment, off by default): on a 2-device zigzag ring
     (one hop) the backward's dK/dV accumulators travel in bf16, as every other transfer, on a 4-device one (three hops)
@@ -673,7 +590,6 @@ CHECKS = {
     "zigzag-narrow-accumulators": (check_narrow_accumulators, {"xla": 2}),
     "zigzag-dq-once": (check_dq_once, {"xla": 4}),
     "zigzag-hopper-stand-ins": (check_hopper_stand_ins, {"triton": 2}),
-    "zigzag-hopper-wide-lists": (check_hopper_wide_lists, {"triton": 2}),  # (and 4 devices)
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),
     "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),

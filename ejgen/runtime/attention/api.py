@@ -149,20 +149,6 @@ def given_merge(ctx: dict):
     return _given(ctx, MERGE_INTO)
 
 
-# A backend forward's ctx entry: (layouts bool numpy [N, B|1, Hkv|1, G|1, nQ, nK], index int32, traced or not), the
-# call's block layout (ctx "layout") as one of N constants known when tracing, ``layouts[index]`` (ring attention's
-# coalesced steps: every device's layout, picked by the device's index; `ring.WIDE_LISTS_CONSTANT`). The Hopper forward
-# builds its block lists and tile order for each of them when tracing, where they depend on the layout alone, and picks
-# the call's by the index (one dynamic index where the ops that build them from the layout would run every call); any
-# other uses ctx "layout", which holds the same (`given_layouts`).
-LAYOUT_CHOICES = "layout_choices"
-
-
-def given_layouts(ctx: dict):
-    """(ctx without the `LAYOUT_CHOICES` entry, that entry or None)."""
-    return _given(ctx, LAYOUT_CHOICES)
-
-
 def merge_into(out, lse, earlier):
     """(out, lse) merged into ``earlier`` = (out, lse) of the same rows over other keys: the softmax over both key
     sets, in float32, out in ``earlier``'s dtype (rows neither saw: 0 and -inf)."""

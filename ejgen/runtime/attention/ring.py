@@ -92,16 +92,6 @@ KV_FROM_WIRE = True
 # the default's 4.01 / 4.05 (1.74x / 1.86x of the one GPU in the same runs), fwd+bwd 15.15 / 15.13 against 15.19 /
 # 15.08; its GPU test passes (out, lse and gradients against the oracle). On.
 MERGE_IN_KERNEL = True
-# The coalesced forward's block lists and tile order (the Hopper forward's LIST RANGES and ORDER) built when tracing,
-# one set per device from each device's block layout (`_wide_choices`, `api.LAYOUT_CHOICES`), stacked, the device's
-# picked by its index (a dynamic slice of each), where they depend on the layout alone (no segment ids or spec mask),
-# instead of XLA building them from the traced layout on every call (~20 small int32 fusions before the step's kernel:
-# 20-40 us of the forward at 32k tokens over 2 H200s, 16/16 heads, model of a helper's study of the ring's HLO, session
-# 33, notes/studies/s33-ring.md, P7). The same lists, bitwise (tests/multidevice/ring_checks.py), and its GPU tests
-# pass; but it LOST on 2 H200s (session 35, `ring.py`, each form twice in its own process): forward 4.18 / 4.25 ms
-# against 4.03 / 3.95, fwd+bwd 15.26 / 15.28 against 15.14 / 15.05 (why is not known: look at a trace of both forms
-# before trying again, or remove it). Off.
-WIDE_LISTS_CONSTANT = False
 # The backward's pairs add dQ into one float32 accumulator of every local row, in their kernels (the Hopper backward's
 # DQ_ROWS / DQ_OFF_AT over `api.DQ_INTO`, the accumulator aliased from pair to pair) instead of each zeroing its own,
 # cast to the inputs' dtype, cast back and added up in XLA: one zero-fill and one cast a backward (R128 W64 MiB a
@@ -607,10 +597,9 @@ def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk
 
 
 def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int | None = None,
-                  wide_layout=None, wire=None, earlier=None, choices=None):
+                  wide_layout=None, wire=None, earlier=None):
     """(out [B, chunk, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, chunk]) of one pair of one kind (key rows ``sk``:
-    chunk unless given; a WIDE call's ``wide_layout``, and ``choices``: the layouts it is one of and its index,
-    `api.LAYOUT_CHOICES` for the Hopper forward, WIDE_LISTS_CONSTANT). ``wire``: the held block's buffer as received,
+    chunk unless given; a WIDE call's ``wide_layout``). ``wire``: the held block's buffer as received,
     for a call over the whole block that the Hopper forward runs to read K and V out of (`api.KV_WIRE`,
     KV_FROM_WIRE); ``earlier``: (out, lse) of the same rows over other keys, which the result is merged into
     (`api.MERGE_INTO`, MERGE_IN_KERNEL: a call of every local row on the triton platform)."""
@@ -619,8 +608,6 @@ def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s,
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
     if choice.forward == "gluon":
         ck = _with_wire(ck, wire, held, None, sk or chunk, kk, backend.TENSOR_LAYOUT)
-        if choices is not None:
-            ck = {**ck, api.LAYOUT_CHOICES: choices}
     if earlier is not None:
         ck = {**ck, api.MERGE_INTO: earlier}
     asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()
@@ -638,35 +625,21 @@ def _with_wire(ck, wire, held, k0, sk: int, kk, layout: str) -> dict:
     return {**ck, api.KV_WIRE: (wire.reshape(-1, held["k"].shape[1]), k0)}  # (every part of a block: items a row)
 
 
-def _wide_layout(slots, r, xp=jnp):
+def _wide_layout(slots, r):
     """bool [1, 1, 1, 2, 2]: the chunk pairs a coalesced step's call sees (`_wide`): the row of the query chunk both
     pairs share, or the column of their key chunk. Chosen at run time from the device's index: one call for every
-    device, no branch (see COALESCE); with xp=np, of a device ``r`` when tracing (`_wide_choices`)."""
+    device, no branch (see COALESCE)."""
     (qa, ka), qb = (slots[0, r, 0], slots[0, r, 1]), slots[1, r, 0]
-    ids = xp.arange(2)
-    return xp.where(qa == qb, ids[:, None] == qa, ids[None, :] == ka)[None, None, None]
+    ids = jnp.arange(2)
+    return jnp.where(qa == qb, ids[:, None] == qa, ids[None, :] == ka)[None, None, None]
 
 
-def _wide_choices(stage: Stage, step, r) -> tuple:
-    """`api.LAYOUT_CHOICES` of a coalesced step (WIDE_LISTS_CONSTANT): (bool numpy [N, 1, 1, 1, 2, 2], index) the
-    `_wide_layout` of every device at ``step`` of the stage (an int: a run of one step; N = devices, the index the
-    device's own, ``r``), or at every step of it (``step`` traced: a scan's; N = steps x devices, the index step x
-    devices + r), made when tracing."""
-    slots = np.array(stage.slots, np.int32)  # [steps, slots, devices, 3]
-    devices = slots.shape[2]
-    if isinstance(step, int):
-        return np.stack([_wide_layout(slots[step], d, np) for d in range(devices)]), r
-    layouts = [_wide_layout(slots[i], d, np) for i in range(slots.shape[0]) for d in range(devices)]
-    return np.stack(layouts), step * devices + r
-
-
-def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, wire=None, earlier=None, choices=None):
+def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, wire=None, earlier=None):
     """(out [B, n, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, n]) of a step's two FULL pairs as one call (`_wide`):
     every local row against the whole held block through `_wide_layout` (rows it leaves out: 0 and -inf);
-    ``wire``: that block's buffer as received, ``earlier``: the rows' result so far, ``choices``: the layouts the
-    device's is one of (`_wide_choices`; `_pair_forward`)."""
+    ``wire``: that block's buffer as received, ``earlier``: the rows' result so far (`_pair_forward`)."""
     n = 2 * chunk
-    return _pair_forward(plan, WIDE, n, q, held, ctx, 0, 0, r, s, n, _wide_layout(slots, r), wire, earlier, choices)
+    return _pair_forward(plan, WIDE, n, q, held, ctx, 0, 0, r, s, n, _wide_layout(slots, r), wire, earlier)
 
 
 def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0, r, s,
@@ -857,11 +830,9 @@ def _forward(q, k, v, ctx, plan: Plan):
             slots, t = xs
             s = (r - t) % plan.devices
             if wide:  # one call for the step's two pairs (COALESCE), merged into every row
-                step = at - stage.first if unrolled else t - plan.start - stage.first  # (its step in the stage)
                 result = _wide_forward(plan, chunk, q, held, ctx, slots, r, s,
                                        travel if _wire_readable(wire, KV_FROM_WIRE) and held is not own else None,
-                                       earlier[0] if merging else None,
-                                       _wide_choices(stage, step, r) if WIDE_LISTS_CONSTANT else None)
+                                       earlier[0] if merging else None)
                 if merging:  # (the last step: merged by its kernel)
                     return (ahead, *result), None
                 if not last:

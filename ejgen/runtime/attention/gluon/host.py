@@ -794,8 +794,7 @@ def fwd_lists(ctx, cfg, seq: int, mask_tiles=None, batch: int = 1, heads: int = 
 
 
 def fwd_list_constexprs(table, cfg, block_n: int = TILES["BLOCK_N"]) -> dict:
-    """The forward's list constexprs of its block lists ``table`` (`fwd_lists`' RANGES, built here or given:
-    `triton.host._constant_lists`): LIST_BATCH, LIST_HEADS from its shape, SUB_Q, SUB_K from the call's block layout
+    """The forward's list constexprs of its block lists ``table`` (`fwd_lists`' RANGES): LIST_BATCH, LIST_HEADS from its shape, SUB_Q, SUB_K from the call's block layout
     at the kernel's tiles (BLOCK_M x ``block_n``; `_layout_kinds`: 0, 0 where its blocks cover whole tiles)."""
     sub_q = sub_k = 0
     if cfg.layout:

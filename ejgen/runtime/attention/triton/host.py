@@ -8,7 +8,6 @@ everything else is here, once.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import math
 from collections.abc import Callable
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejgen.runtime.attention import tiles
-from ejgen.runtime.attention.api import (SEQ_MAJOR, add_rows, given_delta, given_dq, given_layouts, given_merge,
+from ejgen.runtime.attention.api import (SEQ_MAJOR, add_rows, given_delta, given_dq, given_merge,
                                         given_q_rows,
                                          given_wire, join_sinks, merge_into, sinks_grad)
 from ejgen.runtime.attention.gluon import host as gluon_attention
@@ -382,57 +381,13 @@ def _gluon_lists(ctx, cfg, mask_tiles, batch: int, hq: int, sq: int, block_n: in
     return table, gluon_attention.order_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hq, programs)
 
 
-@functools.lru_cache(maxsize=None)
-def _layouts_lists(shape: tuple, cfg, batch: int, hq: int, sq: int, block_n: int, programs: int):
-    """`_gluon_lists` of each of N block layouts alone (bool ``shape`` [N, ...]; no spec mask), stacked, as one
-    compiled program, which `_constant_lists` runs when tracing (under `jax.ensure_compile_time_eval` its ~60 ops
-    would each compile on its own: 1.5 s on a CPU the first time, against ~0.3)."""
-    build = jax.vmap(lambda x: _gluon_lists({"layout": x}, cfg, None, batch, hq, sq, block_n, programs))
-    return jax.jit(build).lower(jax.ShapeDtypeStruct(shape, jnp.bool_)).compile()
-
-
-# The Hopper forward's ctx entry within this module: (RANGES, ORDER) built when tracing (`_constant_lists`), which
-# `_gluon_forward` takes instead of building them
-_FWD_LISTS = "gluon_fwd_lists"
-
-
-def _constant_lists(layout: Layout, q, ctx, cfg, choice) -> dict:
-    """``ctx`` without `api.LAYOUT_CHOICES` (numpy layouts, the call's picked by a traced index); where the call's
-    Hopper forward walks lists that depend on the block layout alone (no segment ids, window, positions, dense mask or
-    spec mask), with `_FWD_LISTS`: its RANGES and ORDER (`_gluon_lists`) built when tracing for each distinct layout
-    of the choices, stacked, and the call's picked by the index (a dynamic slice of each: no int32 ops that build them
-    from the traced layout on every call, ~20 small fusions of ring attention's coalesced step)."""
-    ctx, choices = given_layouts(ctx)
-    alone = cfg.layout and not (cfg.segments or cfg.window or cfg.positions or cfg.dense_mask)
-    if choices is None or choice.forward != "gluon" or not alone:
-        return ctx
-    batch, sq, hkv, groups, _ = q.shape
-    hq = hkv * groups
-    grid, spec, _, listed, tiles, dynamic = _gluon_walk(layout, cfg, batch, hq, sq)
-    if spec is not None or not listed:
-        return ctx
-    layouts, index = choices
-    layouts = np.asarray(layouts)  # (a traced array cannot be: TracerArrayConversionError)
-    if layouts.ndim != 6 or layouts.shape[1:] != ctx["layout"].shape:
-        raise ValueError(f"the block layouts a call's is one of must be [N, *{list(ctx['layout'].shape)}] (its own "
-                         f"layout's shape), got {list(layouts.shape)}")
-    distinct, of = np.unique(layouts.reshape(len(layouts), -1), axis=0, return_inverse=True)
-    distinct, of = distinct.reshape(-1, *layouts.shape[1:]), of.reshape(-1).astype(np.int32)
-    built = _layouts_lists(distinct.shape, cfg, batch, hq, sq, tiles["BLOCK_N"], 1 if dynamic else grid[0])(distinct)
-    pick = lambda x, i: jax.lax.dynamic_index_in_dim(jnp.asarray(x), i, keepdims=False)  # noqa: E731
-    if not np.array_equal(of, np.arange(len(of))):  # (the distinct layouts' lists alone are kept)
-        index = pick(of, index)
-    return {**ctx, _FWD_LISTS: tuple(pick(np.asarray(x), index) for x in built)}
-
-
 def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool = False, wire=None, merge=None):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
     segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`);
     where the queue wins (`gluon_attention.dynamic_tiles`) its programs take them from a counter. With a block
     layout or a spec mask each query tile walks its list of key blocks (`gluon_attention.fwd_lists`; LIST), in the
-    order of their counts, the spec's mask on the partial ones (SPEC_MASK); lists and order built when tracing where
-    ctx holds them (`_constant_lists`). ``fast_tanh``: the call's `KernelChoice.fast_tanh` (a soft cap's approximate
-    tanh, `gluon_attention.softcap_constexpr`). ``wire``: k and v as the whole block of one 16-bit buffer
+    order of their counts, the spec's mask on the partial ones (SPEC_MASK). ``fast_tanh``: the call's
+    `KernelChoice.fast_tanh` (a soft cap's approximate tanh, `gluon_attention.softcap_constexpr`). ``wire``: k and v as the whole block of one 16-bit buffer
     (`api.KV_WIRE`, `_wire_kv`), which the kernel reads them out of (KV_AT; k, v for their shapes).
     ``merge``: (out, lse) of the same rows over other keys (`api.MERGE_INTO`), which the kernel merges its result into
     (MERGE), writing over those buffers (aliased)."""
@@ -449,12 +404,10 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
     segments = _gluon_segments(ctx, cfg, sq, "fwd", ordered, tiles["BLOCK_N"])
     if staged is not None:
         segments[1] = scalars[1]  # KSEG: I32 with the terms' table, whose key-side rows the producer stages
-    lists, given = None, ctx.get(_FWD_LISTS)  # (given: built when tracing, `_constant_lists`)
-    if given is not None and not listed:
-        raise ValueError("the Hopper forward was given block lists built when tracing for a call that walks none")
+    lists = None
     if listed:
-        segments[2], order = given if given is not None else _gluon_lists(
-            ctx, cfg, mask_tiles, batch, hq, sq, tiles["BLOCK_N"], 1 if dynamic else grid[0])
+        segments[2], order = _gluon_lists(ctx, cfg, mask_tiles, batch, hq, sq, tiles["BLOCK_N"],
+                                          1 if dynamic else grid[0])
         lists = gluon_attention.fwd_list_constexprs(segments[2], cfg, tiles["BLOCK_N"])
     elif ordered:
         segments[2], order = gluon_attention.segment_plan(ctx, cfg, sq, "fwd", hq, 1 if dynamic else grid[0],
@@ -879,7 +832,6 @@ def _sequential(fn, n, in_batched, args):
 
 
 def forward(layout: Layout, q, k, v, ctx, cfg, choice):
-    ctx = _constant_lists(layout, q, ctx, cfg, choice)  # (before custom_vmap, which traces every ctx entry)
     fn = jax.custom_batching.custom_vmap(lambda q, k, v, ctx: _forward(layout, q, k, v, ctx, cfg, choice)[:2])
 
     @fn.def_vmap
