@@ -103,7 +103,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     merges its result into an earlier one (MERGE: ring attention's last step, `ring.MERGE_IN_KERNEL`); ``dq_into``:
     the backward adds dQ into an accumulator of twice the rows from a row read at run time (DQ_ROWS, DQ_OFF_AT:
     `ring.DQ_ONCE`); ``q_in_place`` (with ``dq_into``): and reads q and dO from that row of tensors of as many rows
-    (QDO_ROWS: `ring.Q_IN_PLACE`)."""
+    (QDO_IN_PLACE: `ring.Q_IN_PLACE`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -156,7 +156,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                                                dq_rows=2 * seq if dq_into else None, dq_off_at=2 if dq_into else 0,
                                                kv_at=batch * 2 * seq * kv_heads * head_dim if kv_wire else 0,
                                                kv_rows=2 * seq if kv_wire else None, kv_off_at=3 if kv_wire else 0,
-                                               q_rows=2 * seq if q_in_place else None,
+                                               q_in_place=q_in_place,
                                                fast_tanh=fast_tanh, staged=staged_bwd),
                 bwd_pointers)]
     if forward_only:

@@ -279,7 +279,7 @@ def _stand_in_kernels(monkeypatch):
 
     def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False, dq_into=None, wire=None,
                  q_rows=None):
-        if q_rows is not None:  # (QDO_ROWS: the call's rows of q and dO from the accumulator's row, as the kernel reads)
+        if q_rows is not None:  # (QDO_IN_PLACE: the call's rows of q and dO from the accumulator's row, as the kernel reads)
             q4, do4 = (jax.lax.dynamic_slice_in_dim(x, dq_into[1], q4.shape[1], 1).reshape(q4.shape)
                        for x in q_rows)
         if wire is not None:  # the keys' rows of k then v in one 16-bit buffer (`api.KV_WIRE`), as the kernel reads
@@ -708,7 +708,7 @@ def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
             assert kw["zeroed"] == (0, ) and not kw["aliases"] and kw["DQ_OFF_AT"] == 0
             assert inputs[at["DQ_IN"]].shape == (1, ) and outs[0].shape == (b, s, h, d)
             assert kw["KV_AT"] == 0 and kw["KV_ROWS"] == s and inputs[at["K"]].shape == (b, s, h, d)
-            assert kw["QDO_ROWS"] == s and inputs[at["Q"]].shape == inputs[at["DO"]].shape == (b, s, h, d)
+            assert kw["QDO_IN_PLACE"] is False and inputs[at["Q"]].shape == inputs[at["DO"]].shape == (b, s, h, d)
         else:
             assert kw["zeroed"] == () and kw["aliases"] == {at["DQ_IN"]: 0}
             assert kw["DQ_ROWS"] == 3 * s and outs[0].shape == (b, 3 * s, h, d)
@@ -718,7 +718,7 @@ def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
             assert kw["KV_AT"] == b * 2 * s * h * d and kw["KV_ROWS"] == 2 * s
             for x in (inputs[at["K"]], inputs[at["V"]]):
                 assert x.dtype == np.uint16 and np.array_equal(x, np.asarray(wire).reshape(-1, 2 * s))
-            assert kw["QDO_ROWS"] == 3 * s
+            assert kw["QDO_IN_PLACE"] is True and kw["DQ_ROWS"] == 3 * s
             for name, x in zip(("Q", "DO"), q_rows):
                 np.testing.assert_array_equal(inputs[at[name]], np.asarray(x).reshape(b, 3 * s, h, d))
     assert {kw["DQ_ROWS"] for *_, kw in bwd} == {s, 3 * s}
@@ -729,7 +729,7 @@ def test_the_backward_adding_into_an_accumulator_compiles(triton):
     """The backward adding dQ into a larger accumulator from a row read at run time (DQ_ROWS, DQ_OFF_AT: ring
     attention's pairs, `ring.DQ_ONCE`), causal, and without causal also reading its keys out of a 16-bit buffer of
     twice the rows from a row read at run time (KV_AT, KV_ROWS, KV_OFF_AT: `ring.KV_FROM_WIRE_BWD`), and both again
-    reading q and dO from that row of tensors of the accumulator's rows (QDO_ROWS: `ring.Q_IN_PLACE`), on this
+    reading q and dO from that row of tensors of the accumulator's rows (QDO_IN_PLACE: `ring.Q_IN_PLACE`), on this
     machine's Triton and the GPU host's (3.6): each compiles for sm_90 with the bulk reduce-adds, no spill."""
     from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
 

@@ -76,7 +76,7 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
     result in its kernel (MERGE); with ``once`` (ring.DQ_ONCE) the backward's kernels add dQ into one accumulator
     (aliased from launch to launch); with ``wire_bwd`` (ring.KV_FROM_WIRE_BWD) the backward's pairs on a received
     block read K and V out of it (KV_AT); with ``in_place`` (ring.Q_IN_PLACE, with ``once``) they read their rows of
-    q and dO where they lie (QDO_ROWS), and the accumulator is zeroed by the delta kernel's launch
+    q and dO where they lie (QDO_IN_PLACE), and the accumulator is zeroed by the delta kernel's launch
     (ring.ZEROS_BY_DELTA)."""
     from ejgen.runtime.attention import ring
     from ejgen.runtime.attention.gluon import host as gluon_attention
@@ -89,7 +89,7 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
         if getattr(kernel, "fn", kernel).__module__ not in gluon_attention.PLAIN_TRITON:  # (their plan and delta)
             launched.append((kernel.__name__, not bwd and kw.get("KV_AT", 0) > 0, kw.get("MERGE", False),
                              bwd and bool(kw.get("aliases")), bwd and kw.get("KV_AT", 0) > 0,
-                             bwd and kw.get("QDO_ROWS", 0) > kw.get("SEQ", 0)))
+                             bwd and kw.get("QDO_IN_PLACE", False)))
         return launch(kernel, *args, **kw)
 
     monkeypatch.setattr(triton_call, "launch", spy)

@@ -118,6 +118,13 @@ SEQ_MAJOR = "seq_major"  # q [B, Sq, Hkv, G, D], k/v [B, Sk, Hkv, D], out [B, Sq
 DELTA = "delta"
 
 
+def delta_rows(out, d_out, d_lse):
+    """rowsum(d_out * out) - d_lse in float32, [B, Hkv, G, Sq] like lse, of out and d_out [B, Sq, Hkv, G, Dv] (the
+    seq-major layout), in XLA (`gluon.host.hopper_delta`: the Hopper path's kernel instead)."""
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    return jnp.moveaxis(delta, -3, -1) - d_lse
+
+
 def given_delta(ctx: dict):
     """(ctx without the `DELTA` entry, that entry or None)."""
     return _given(ctx, DELTA)
@@ -178,7 +185,7 @@ def given_dq(ctx: dict):
 
 
 # A backend backward's ctx entry beside `DQ_INTO`: (q, d_out) [B, rows, Hkv, G, D] of the accumulator's rows, the
-# call's q and d_out being their rows from q0 on. The Hopper backward reads them there (QDO_ROWS: no copies of the
+# call's q and d_out being their rows from q0 on. The Hopper backward reads them there (QDO_IN_PLACE: no copies of the
 # rows, `ring.Q_IN_PLACE`); ring attention gives it only with `DQ_INTO`, and only to the Hopper backward.
 Q_ROWS_FROM = "q_rows_from"
 

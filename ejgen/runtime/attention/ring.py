@@ -107,8 +107,8 @@ DQ_ONCE = True
 # the runs' spread, the model's direction); its GPU tests pass. On.
 KV_FROM_WIRE_BWD = True
 # The backward's pairs read their query rows of q and dO where they lie in the local tensors (the Hopper backward's
-# QDO_ROWS over `api.Q_ROWS_FROM`, from the dQ accumulator's row: with DQ_ONCE) instead of row slices copied before each
-# call. Session 36's trace (2 H200s, 32k tokens, 16/16 heads, zigzag): two such copies of 32 MiB, 24.5 us each, before
+# QDO_IN_PLACE over `api.Q_ROWS_FROM`, from the dQ accumulator's row: with DQ_ONCE) instead of row slices copied before
+# each call. Session 36's trace (2 H200s, 32k tokens, 16/16 heads, zigzag): two such copies of 32 MiB, 24.5 us each, before
 # the first backward kernel. Built in session 36, not yet GPU-run: off.
 Q_IN_PLACE = False
 # With DQ_ONCE, the dQ accumulator's zeros by a memset in the delta kernel's launch (`gluon.host.backward_delta`'s
@@ -1112,17 +1112,14 @@ def _backward(plan: Plan, residuals, cotangents):
 
 def _delta(plan: Plan, out, d_out, d_lse, zeros: tuple | None = None):
     """(delta = rowsum(d_out * out) - d_lse [B, Hkv, G, n] of the local rows, once a backward; float32 zeros of shape
-    ``zeros`` by that launch's memset, or None): from the Hopper path's delta kernel where every backward call runs
-    the Hopper kernels (`gluon.host.DELTA_KERNEL`; XLA's fusion took 40 us at 32k tokens over 2 H200s, session 36's
-    trace), else in XLA (and no zeros)."""
-    from ejgen.runtime.attention.gluon import host as gluon_attention
+    ``zeros`` or None): the Hopper backward's (`gluon.host.hopper_delta`: its kernel, and the zeros by that launch's
+    memset; XLA's fusion took 40 us at 32k tokens over 2 H200s, session 36's trace) where every backward call runs
+    the Hopper kernels, else XLA's (`api.delta_rows`; no zeros)."""
+    if all(choice.backward == "gluon" for _, _, choice in plan.calls):
+        from ejgen.runtime.attention.gluon import host as gluon_attention
 
-    if gluon_attention.DELTA_KERNEL and all(choice.backward == "gluon" for _, _, choice in plan.calls):
-        if zeros is not None:
-            return gluon_attention.backward_delta(out, d_out, d_lse, zeros)
-        return gluon_attention.backward_delta(out, d_out, d_lse), None
-    f32 = jnp.float32
-    return jnp.moveaxis(jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1), 1, 3) - d_lse, None
+        return gluon_attention.hopper_delta(out, d_out, d_lse, zeros)
+    return api.delta_rows(out, d_out, d_lse), None
 
 
 def _arrived(received: dict, both: bool, size: int, owed, alone) -> tuple:

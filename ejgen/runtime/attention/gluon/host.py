@@ -332,7 +332,7 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
                    segments: bool = False, lists: dict | None = None, spec: tuple | None = None,
                    softcap: bool = False, seq_k: int | None = None, fast_tanh: bool = False,
                    staged: tuple | None = None, dq_rows: int | None = None, dq_off_at: int = 0, kv_at: int = 0,
-                   kv_rows: int | None = None, kv_off_at: int = 0, q_rows: int | None = None) -> dict:
+                   kv_rows: int | None = None, kv_off_at: int = 0, q_in_place: bool = False) -> dict:
     """The backward's constexprs (window: causal with a window to the left, `ineligible`; ``lists``: the block
     lists' constexprs, `bwd_lists`; ``spec``: the spec's mask, `spec_constexprs`; ``softcap``: SOFTCAP, with
     ``fast_tanh``; ``seq_k``: the keys' count, default seq: another only without causal, a window, segment ids or
@@ -341,8 +341,8 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
     the first; the mask replaces ``spec``'s, QSEG is then I32). ``dq_rows``, ``dq_off_at``: dQ added into a larger
     accumulator of that many rows, from the row at I32[dq_off_at] on (0: row 0; DQ_ROWS, DQ_OFF_AT). ``kv_at`` > 0:
     K and V read out of one 16-bit buffer of ``kv_rows`` rows a batch row, V from that item on, the keys from the row
-    at I32[kv_off_at] on (KV_AT, KV_ROWS, KV_OFF_AT). ``q_rows``: q and dO read where they lie in tensors of that
-    many rows (``dq_rows``), from the dQ accumulator's row on (QDO_ROWS)."""
+    at I32[kv_off_at] on (KV_AT, KV_ROWS, KV_OFF_AT). ``q_in_place``: q and dO read where they lie in tensors of
+    ``dq_rows`` rows, from the dQ accumulator's row on (QDO_IN_PLACE)."""
     terms = dict(BWD_NO_TERMS)
     if staged is not None:
         spec = (staged[0], spec[1])
@@ -352,7 +352,7 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES, **(lists or NO_LISTS),
                 **spec_constexprs(spec), SOFTCAP=softcap_constexpr(softcap, fast_tanh), **terms,
                 DQ_ROWS=dq_rows or seq, DQ_OFF_AT=dq_off_at, KV_AT=kv_at, KV_ROWS=kv_rows or seq_k or seq,
-                KV_OFF_AT=kv_off_at, QDO_ROWS=q_rows or seq)
+                KV_OFF_AT=kv_off_at, QDO_IN_PLACE=bool(q_in_place))
 
 
 # The persistent backward (gluon_kernels.gluon_attention_bwd_persistent_kernel) for causal sliding windows: one
@@ -405,7 +405,7 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bo
     # segment ids, layouts and spec masks with a window take the per-program backward over lists (`listed`); keys
     # as many as queries
     for name in ("SEQ_K", *NO_LISTS, *spec_constexprs(None), *BWD_NO_TERMS, "DQ_ROWS", "DQ_OFF_AT", "KV_AT",
-                 "KV_ROWS", "KV_OFF_AT", "QDO_ROWS"):
+                 "KV_ROWS", "KV_OFF_AT", "QDO_IN_PLACE"):
         del base[name]
     return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"], segments=segments))
 
@@ -647,6 +647,17 @@ def backward_delta(out, d_out, d_lse, zeros: tuple | None = None):
     return rows if zeros is None else (rows, zeroed)
 
 
+def hopper_delta(out, d_out, d_lse, zeros: tuple | None = None) -> tuple:
+    """(delta [B, Hkv, G, Sq], float32 zeros of shape ``zeros`` or None) of the Hopper backward: `backward_delta`'s
+    where DELTA_KERNEL (the zeros by its launch's memset), else XLA's (`api.delta_rows`; no zeros)."""
+    if DELTA_KERNEL:
+        return backward_delta(out, d_out, d_lse, zeros) if zeros is not None else (
+            backward_delta(out, d_out, d_lse), None)
+    from ejgen.runtime.attention import api
+
+    return api.delta_rows(out, d_out, d_lse), None
+
+
 def delta_constexprs(seq: int, hq: int, dv: int) -> dict:
     """The launch options and constexprs of `delta.delta_kernel` over ``seq`` rows of ``hq`` heads of ``dv``."""
     from ejgen.runtime.attention.gluon import delta
@@ -794,8 +805,9 @@ def fwd_lists(ctx, cfg, seq: int, mask_tiles=None, batch: int = 1, heads: int = 
 
 
 def fwd_list_constexprs(table, cfg, block_n: int = TILES["BLOCK_N"]) -> dict:
-    """The forward's list constexprs of its block lists ``table`` (`fwd_lists`' RANGES): LIST_BATCH, LIST_HEADS from its shape, SUB_Q, SUB_K from the call's block layout
-    at the kernel's tiles (BLOCK_M x ``block_n``; `_layout_kinds`: 0, 0 where its blocks cover whole tiles)."""
+    """The forward's list constexprs of its block lists ``table`` (`fwd_lists`' RANGES): LIST_BATCH, LIST_HEADS from
+    its shape, SUB_Q, SUB_K from the call's block layout at the kernel's tiles (BLOCK_M x ``block_n``;
+    `_layout_kinds`: 0, 0 where its blocks cover whole tiles)."""
     sub_q = sub_k = 0
     if cfg.layout:
         sub_q, sub_k = _sub_block(BLOCK_M, cfg.layout_block[0]), _sub_block(block_n, cfg.layout_block[1])

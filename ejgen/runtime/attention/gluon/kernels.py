@@ -1242,7 +1242,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
                                SOFTCAP: gl.constexpr, SEQ_K: gl.constexpr, Q_TERMS: gl.constexpr,
                                TERMS_AT: gl.constexpr, Q_FIRST: gl.constexpr, SPEC_KVTERMS: gl.constexpr,
                                DQ_ROWS: gl.constexpr, DQ_OFF_AT: gl.constexpr, KV_AT: gl.constexpr,
-                               KV_ROWS: gl.constexpr, KV_OFF_AT: gl.constexpr, QDO_ROWS: gl.constexpr):
+                               KV_ROWS: gl.constexpr, KV_OFF_AT: gl.constexpr, QDO_IN_PLACE: gl.constexpr):
     """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
     float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. DQ_ROWS > SEQ: DQ_ACC is a
     larger accumulator [B, DQ_ROWS, HQ, D] that the call adds its rows into from row I32[DQ_OFF_AT] on (0: from
@@ -1250,8 +1250,8 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     as given, to DQ_ACC; else DQ_IN a placeholder). KV_AT > 0: K and V are one buffer of 16-bit items of any type
     (ring attention's received block, `ring.KV_FROM_WIRE_BWD`): K [B, KV_ROWS, HKV, D] from its first item, V from
     item KV_AT, the call's SEQ_K keys from row I32[KV_OFF_AT] on (0: from row 0); V's own argument unread.
-    QDO_ROWS > SEQ: Q and DO are [B, QDO_ROWS, HQ, D], the call's rows from the dQ accumulator's row I32[DQ_OFF_AT] on
-    (QDO_ROWS = DQ_ROWS: ring attention's pairs reading their queries where they lie, `ring.Q_IN_PLACE`).
+    QDO_IN_PLACE: Q and DO are [B, DQ_ROWS, HQ, D] like the dQ accumulator, the call's rows from its row
+    I32[DQ_OFF_AT] on (ring attention's pairs reading their queries where they lie, `ring.Q_IN_PLACE`).
     LSE, DELTA: [B, HQ, SEQ] (DELTA = rowsum(dO * O) - d lse). K, V, DK, DV: [B, SEQ_K, HKV, D]; SEQ_K = SEQ but
     where the host takes Sq != Sk (MASK 0, no segment ids, lists or spec mask: `host.ineligible`, gluon_cross).
     MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
@@ -1292,14 +1292,13 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     off_b = pid_bh // HKV
     off_hk = pid_bh % HKV
     gl.static_assert(DQ_ROWS >= SEQ, "the dQ accumulator holds the call's rows")
-    gl.static_assert(QDO_ROWS == SEQ or QDO_ROWS == DQ_ROWS, "Q and dO in place: the rows of the dQ accumulator's")
     dq_base = DQ_ACC
     q_base = Q
     do_base = DO
     if DQ_OFF_AT > 0:  # the call's rows from a row of a larger accumulator on (16-byte aligned: HQ * D * 4 bytes a row)
         row = gl.load(I32 + DQ_OFF_AT).to(gl.int64) * (HQ * D)
         dq_base = DQ_ACC + row
-        if QDO_ROWS > SEQ:  # and of Q and dO, where they lie (HQ * D * 2 bytes a row: 16-byte aligned)
+        if QDO_IN_PLACE:  # and of Q and dO, where they lie (HQ * D * 2 bytes a row: 16-byte aligned)
             q_base = Q + row
             do_base = DO + row
     gl.static_assert(KV_ROWS >= SEQ_K, "K and V hold the call's keys")
@@ -1308,7 +1307,7 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
      cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(q_base, K, V, do_base, dq_base, B, SEQ, HQ, HKV, D,
                                                             BLOCK_M, BLOCK_N, NUM_STAGES, DQ_MODE, 1, 1, SEQ_K,
-                                                            DQ_ROWS, KV_ROWS, QDO_ROWS)
+                                                            DQ_ROWS, KV_ROWS, DQ_ROWS if QDO_IN_PLACE else SEQ)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     misc_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # 0: K/V loaded, 1: dS^T halves written
     ids_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])

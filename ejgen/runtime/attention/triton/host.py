@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejgen.runtime.attention import tiles
-from ejgen.runtime.attention.api import (SEQ_MAJOR, add_rows, given_delta, given_dq, given_merge,
-                                        given_q_rows,
-                                         given_wire, join_sinks, merge_into, sinks_grad)
+from ejgen.runtime.attention.api import (SEQ_MAJOR, add_rows, delta_rows, given_delta, given_dq, given_merge,
+                                         given_q_rows, given_wire, join_sinks, merge_into, sinks_grad)
 from ejgen.runtime.attention.gluon import host as gluon_attention
 from ejgen.runtime.attention.triton import configs as triton_configs
 from ejgen.runtime.core import kernels, settings, sizes
@@ -387,8 +386,9 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
     where the queue wins (`gluon_attention.dynamic_tiles`) its programs take them from a counter. With a block
     layout or a spec mask each query tile walks its list of key blocks (`gluon_attention.fwd_lists`; LIST), in the
     order of their counts, the spec's mask on the partial ones (SPEC_MASK). ``fast_tanh``: the call's
-    `KernelChoice.fast_tanh` (a soft cap's approximate tanh, `gluon_attention.softcap_constexpr`). ``wire``: k and v as the whole block of one 16-bit buffer
-    (`api.KV_WIRE`, `_wire_kv`), which the kernel reads them out of (KV_AT; k, v for their shapes).
+    `KernelChoice.fast_tanh` (a soft cap's approximate tanh, `gluon_attention.softcap_constexpr`). ``wire``: k and v
+    as the whole block of one 16-bit buffer (`api.KV_WIRE`, `_wire_kv`), which the kernel reads them out of (KV_AT;
+    k, v for their shapes).
     ``merge``: (out, lse) of the same rows over other keys (`api.MERGE_INTO`), which the kernel merges its result into
     (MERGE), writing over those buffers (aliased)."""
     batch, sq, hkv, groups, d = q.shape
@@ -493,7 +493,7 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
     persistent one. ``wire``: k and v as rows of a block in one 16-bit buffer (`api.KV_WIRE`, `_wire_kv`), which the
     per-program kernel reads them out of (KV_AT, KV_ROWS, KV_OFF_AT; the persistent one takes k and v). ``q_rows``
     (with ``dq_into``, `api.Q_ROWS_FROM`): q and dO of the accumulator's rows [B, rows, Hkv, G, D], whose rows from
-    q0 on the per-program kernel reads as the call's (QDO_ROWS; q4 and do4 then only give the shapes)."""
+    q0 on the per-program kernel reads as the call's (QDO_IN_PLACE; q4 and do4 then only give the shapes)."""
     batch, sq, hq, d = q4.shape
     hkv = k.shape[2]
     spec, mask_tiles = _gluon_spec(layout)
@@ -562,7 +562,7 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
                     raise ValueError(f"the Hopper backward's q and dO in place must be {q4.dtype}{list(dq_in.shape)} "
                                      f"like its dQ accumulator, got {[(x.dtype, x.shape) for x in q_rows]}")
                 q4, do4 = q_full, do_full
-                consts.update(QDO_ROWS=dq_in.shape[1])
+                consts.update(QDO_IN_PLACE=True)
             if not (isinstance(q0, int) and q0 == 0):
                 scalars, consts["DQ_OFF_AT"] = _with_row(scalars, q0)
         scalars = [*scalars, dq_in]
@@ -669,12 +669,6 @@ def _band_blocks(conf, cfg, d: int) -> int:
     return 0
 
 
-def _delta(out, d_out, d_lse):
-    """rowsum(dO * O) - d lse, [B, Hkv, G, Sq] like lse."""
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    return jnp.moveaxis(delta, -3, -1) - d_lse
-
-
 def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
     _check_layout(q, cfg)
     ctx, into = given_dq(ctx)  # the caller's (ring attention's) dQ accumulator of more rows: added into
@@ -692,10 +686,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
     q4, do4 = q.reshape(batch, sq, hq, d), d_out.reshape(batch, sq, hq, dv)
     lse3 = lse.reshape(batch, hq, sq)
     if choice.backward == "gluon":  # no bias or params here; sinks are in lse (the forward's), their gradient from it
-        if given is not None:
-            delta = given
-        else:
-            delta = (gluon_attention.backward_delta if gluon_attention.DELTA_KERNEL else _delta)(out, d_out, d_lse)
+        delta = given if given is not None else gluon_attention.hopper_delta(out, d_out, d_lse)[0]
         if into is not None:
             acc = into[0]
             into = (acc.reshape(acc.shape[:2] + (hq, d)), into[1])
@@ -726,7 +717,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
 
     dq = None
     if atomic or band:  # the dK/dV kernel runs first: delta from one pass of XLA over dO and O (or the caller's)
-        delta3 = (_delta(out, d_out, d_lse) if given is None else given).reshape(batch, hq, sq)
+        delta3 = (delta_rows(out, d_out, d_lse) if given is None else given).reshape(batch, hq, sq)
     else:  # the dQ kernel runs first and computes delta on the way (its tiles of dO are loaded anyway)
         dq_consts = dict(_constexprs(layout, q, k, v, cfg, dq_conf, features[0], features[3], aux), DQ_DELTA=True)
         dq_tuned = _autotune(layout, "dq", dq_conf)
@@ -870,7 +861,7 @@ def backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
             shared_batch = (ctx["bias"].shape[1] if ctx_batched["bias"] else ctx["bias"].shape[0]) == 1
             grads["bias"] = jnp.sum(db, axis=1, keepdims=True) if shared_batch else db
         if "softmax_aux" in dctx:
-            delta = _delta(folded[3], folded[5], folded[6])
+            delta = delta_rows(folded[3], folded[5], folded[6])
             grads["softmax_aux"] = jax.vmap(sinks_grad, in_axes=(None, 0, 0))(
                 ctx["softmax_aux"], unfold(folded[4]), unfold(delta))
         result = (unfold(dq), unfold(dk), unfold(dv), grads)
