@@ -31,7 +31,7 @@
 #   ring-wire      the ring tests, then the forward reading the wire / merging in its kernel against before (2 GPUs)
 #   ring-dq        the ring tests, then the default against --no-kv-from-wire-bwd and --no-dq-once (2 GPUs)
 #   ring-paired    one GPU and the ring timed in turns, 7 rounds, 4 and 16 calls a sample (2 GPUs)
-#   ring-qinplace  the ring tests, then the default against --q-in-place and with --zeros-by-delta (2 GPUs)
+#   ring-qinplace  the ring tests, then the default against --no-q-in-place and --no-zeros-by-delta (2 GPUs)
 #   ring-trace-coalesce  one ring call's kernels, default and --coalesce-backward (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
@@ -536,9 +536,9 @@ j_ring-dq() {  # the backward's pairs adding dQ into one accumulator in their ke
   ring_forms ring-dq "base:--no-kv-from-wire-bwd --no-dq-once" "once:--no-kv-from-wire-bwd" "wire:"
 }
 j_ring-qinplace() {  # the backward's pairs reading q and dO in place (ring.Q_IN_PLACE) and the dQ accumulator
-  # zeroed by the delta launch's memset (ring.ZEROS_BY_DELTA), both session 36, off: the ring tests (the
-  # zigzag-every-switch form among them), then the default against each, each twice in its own process
-  ring_forms ring-qinplace "base:" "q:--q-in-place" "both:--q-in-place --zeros-by-delta"
+  # zeroed by the delta launch's memset (ring.ZEROS_BY_DELTA), both on since session 37: the ring tests, then the
+  # default against each off, each twice in its own process (session 37's call 1 ran it with both off by default)
+  ring_forms ring-qinplace "base:--no-q-in-place --no-zeros-by-delta" "q:--no-zeros-by-delta" "both:"
 }
 j_ring-trace-coalesce() {  # why the coalesced backward (ring.COALESCE_BACKWARD) lost in session 34: one call's
   # kernels, the default then the switch on (notes/studies/s36-ring-bwd-glue.md, option B)
@@ -699,7 +699,7 @@ declare -A PRESETS=(
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
   [s37b]="0-1:ring-trace-coalesce"  # (next: option B of notes/studies/s36-ring-bwd-glue.md)
-  [s37a]="0-1:ring-qinplace"  # (next: Q_IN_PLACE's and ZEROS_BY_DELTA's tests and A/B)
+  [s37a]="0-1:ring-qinplace,ring-trace-coalesce"  # (Q_IN_PLACE and ZEROS_BY_DELTA: tests, A/B; then option B trace)
   [s36c]="0:docs-masks"  # (session 36's call 4 ran docs-dqcast: the in-kernel dQ cast's forms, removed: it lost)
   [s35a]="0-1:ring-dq"
   [s35b]="0:docs-trace"

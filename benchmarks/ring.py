@@ -65,11 +65,10 @@ RING_SWITCHES = {
                            "after its kernel (on by default since session 34)"),
     "no-kv-from-wire-bwd": ("KV_FROM_WIRE_BWD", False, "the backward's pairs read K and V from slices of the "
                             "received buffer copied before each call (on by default since session 35)"),
-    "q-in-place": ("Q_IN_PLACE", True, "the backward's pairs read their rows of q and dO where they lie instead of "
-                   "copies (off by default: built in session 36, not yet timed)"),
-    "zeros-by-delta": ("ZEROS_BY_DELTA", True, "the backward's dQ accumulator zeroed by a memset in the delta "
-                       "kernel's launch instead of XLA's broadcast (off by default: built in session 36, not yet "
-                       "timed)"),
+    "no-q-in-place": ("Q_IN_PLACE", False, "the backward's pairs read copies of their rows of q and dO (in place by "
+                      "default since session 37)"),
+    "no-zeros-by-delta": ("ZEROS_BY_DELTA", False, "the backward's dQ accumulator zeroed by XLA's broadcast (by a "
+                          "memset in the delta kernel's launch by default since session 37)"),
     "no-dq-once": ("DQ_ONCE", False, "the backward's pairs each zero, cast and return their own dQ, added up after "
                    "the kernels (one accumulator by default since session 35)"),
     "narrow-accumulators": ("NARROW_ACCUMULATOR_HOPS", 1, "the backward's dK/dV accumulators travel in the inputs' "

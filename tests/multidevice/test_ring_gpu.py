@@ -59,10 +59,10 @@ RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WI
     ("contiguous-dq-once", "contiguous", False, False, True, False, False),
     ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False),
     ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False),
-    ("zigzag-defaults", "zigzag", True, True, True, True, False),  # the default since session 35
-    # every switch on (Q_IN_PLACE and ZEROS_BY_DELTA since session 36, off by default; contiguous rings' pairs are
-    # every local row: nothing to read in place)
-    ("zigzag-every-switch", "zigzag", True, True, True, True, True),
+    ("zigzag-dq-once-copies", "zigzag", True, True, True, True, False),  # session 35's default
+    # the default since session 37: every switch on (Q_IN_PLACE and ZEROS_BY_DELTA; contiguous rings' pairs are every
+    # local row: nothing to read in place)
+    ("zigzag-defaults", "zigzag", True, True, True, True, True),
 ]
 
 

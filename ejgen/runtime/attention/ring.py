@@ -108,14 +108,16 @@ DQ_ONCE = True
 KV_FROM_WIRE_BWD = True
 # The backward's pairs read their query rows of q and dO where they lie in the local tensors (the Hopper backward's
 # QDO_IN_PLACE over `api.Q_ROWS_FROM`, from the dQ accumulator's row: with DQ_ONCE) instead of row slices copied before
-# each call. Session 36's trace (2 H200s, 32k tokens, 16/16 heads, zigzag): two such copies of 32 MiB, 24.5 us each, before
-# the first backward kernel. Built in session 36, not yet GPU-run: off.
-Q_IN_PLACE = False
+# each call. Session 36's trace (2 H200s, 32k tokens, 16/16 heads, zigzag): two such copies of 32 MiB, 24.5 us each,
+# before the first backward kernel. Session 37 (2 H200s, `ring.py`, each form twice in its own process, 4 calls a
+# sample): fwd+bwd 14.99 / 15.19 ms (off) -> 15.01 / 14.99 (this) -> 15.00 / 15.06 (with ZEROS_BY_DELTA), the same
+# runs' one GPU 27.02-27.16: within the runs' spread, fewer bytes by construction; its GPU tests pass. On.
+Q_IN_PLACE = True
 # With DQ_ONCE, the dQ accumulator's zeros by a memset in the delta kernel's launch (`gluon.host.backward_delta`'s
 # ``zeros``) instead of XLA's broadcast: session 36's trace (2 H200s, 32k tokens, 16/16 heads, zigzag) had that
 # broadcast at 58.3 us for 128 MiB (2.3 TB/s), where jax-triton's memsets of float32 accumulators ran at 4.3-4.6
-# TB/s. Built in session 36, not yet GPU-run: off.
-ZEROS_BY_DELTA = False
+# TB/s. Session 37: timed with Q_IN_PLACE above (within the spread); its GPU tests pass. On.
+ZEROS_BY_DELTA = True
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
