@@ -32,6 +32,7 @@
 #   ring-dq        the ring tests, then the default against --no-kv-from-wire-bwd and --no-dq-once (2 GPUs)
 #   ring-paired    one GPU and the ring timed in turns, 7 rounds, 4 and 16 calls a sample (2 GPUs)
 #   ring-qinplace  the ring tests, then the default against --no-q-in-place and --no-zeros-by-delta (2 GPUs)
+#   ring-p5        the ring tests, then the default against --dkv-into, each twice, and one call's kernels of each
 #   ring-trace-coalesce  one ring call's kernels, default and --coalesce-backward (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
@@ -540,6 +541,13 @@ j_ring-qinplace() {  # the backward's pairs reading q and dO in place (ring.Q_IN
   # default against each off, each twice in its own process (session 37's call 1 ran it with both off by default)
   ring_forms ring-qinplace "base:--no-q-in-place --no-zeros-by-delta" "q:--no-zeros-by-delta" "both:"
 }
+j_ring-p5() {  # the backward's first step's pairs writing dK / dV into the buffer that travels home (ring.DKV_INTO,
+  # session 37, off): the ring tests (its zigzag-dkv-into form among them), the default against it twice each in its
+  # own process, then one call's kernels of each
+  ring_forms ring-p5 "base:" "p5:--dkv-into"
+  job ring-trace-p5-base 100 python3 "${RING[@]}" --parts profile --passes fwdbwd --out "$log/ring-trace-p5-base"
+  job ring-trace-p5 100 python3 "${RING[@]}" --parts profile --passes fwdbwd --dkv-into --out "$log/ring-trace-p5"
+}
 j_ring-trace-coalesce() {  # why the coalesced backward (ring.COALESCE_BACKWARD) lost in session 34: one call's
   # kernels, the default then the switch on (notes/studies/s36-ring-bwd-glue.md, option B)
   job ring-trace-base 150 python3 "${RING[@]}" --parts profile --out "$log/ring-trace-base"
@@ -548,6 +556,8 @@ j_ring-trace-coalesce() {  # why the coalesced backward (ring.COALESCE_BACKWARD)
 }
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
+j_ring-paired-p5() { job ring-paired-p5 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 --dkv-into \
+  --out "$log/ring-paired-p5"; }  # (the same with ring.DKV_INTO)
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
 j_ring-steady() { job ring-steady 170 python3 "${RING[@]}" --parts time --batch 4,16 --out "$log/ring-steady"; }
 P2P=--xla_gpu_use_memcpy_local_p2p=true  # collective-permutes between one process's GPUs as copies (copy engines)
@@ -698,7 +708,7 @@ declare -A PRESETS=(
   # tested and A/B'd on 2 GPUs (issue 18), DEADLINE=560
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
-  [s37b]="0-1:ring-trace-coalesce"  # (next: option B of notes/studies/s36-ring-bwd-glue.md)
+  [s37b]="0-1:ring-p5,ring-paired-p5"  # (ring.DKV_INTO: tests, A/B, traces; then it in turns with one GPU)
   [s37a]="0-1:ring-qinplace,ring-trace-coalesce"  # (Q_IN_PLACE and ZEROS_BY_DELTA: tests, A/B; then option B trace)
   [s36c]="0:docs-masks"  # (session 36's call 4 ran docs-dqcast: the in-kernel dQ cast's forms, removed: it lost)
   [s35a]="0-1:ring-dq"

@@ -87,7 +87,8 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                   spec: str | None = None, seq_k: int | None = None, softcap: bool = False,
                   fast_tanh: bool = False, staged_backward: bool | None = None, backward_only: bool = False,
                   docs_masks: bool | None = None, persistent_segments: bool | None = None,
-                  kv_wire: bool = False, merge: bool = False, dq_into: bool = False, q_in_place: bool = False) -> dict:
+                  kv_wire: bool = False, merge: bool = False, dq_into: bool = False, q_in_place: bool = False,
+                  dkv_into: bool = False) -> dict:
     """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs; ``dynamic``:
     the forward's dynamic tile queue; ``forward_only``: the forward alone; ``layout``: a block layout of (block_q,
     block_k, per head) (the kernels walk lists: LIST, `gluon.host.fwd_lists` / `bwd_lists`); ``spec``: a generated
@@ -103,7 +104,8 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     merges its result into an earlier one (MERGE: ring attention's last step, `ring.MERGE_IN_KERNEL`); ``dq_into``:
     the backward adds dQ into an accumulator of twice the rows from a row read at run time (DQ_ROWS, DQ_OFF_AT:
     `ring.DQ_ONCE`); ``q_in_place`` (with ``dq_into``): and reads q and dO from that row of tensors of as many rows
-    (QDO_IN_PLACE: `ring.Q_IN_PLACE`)."""
+    (QDO_IN_PLACE: `ring.Q_IN_PLACE`); ``dkv_into`` (with ``kv_wire``): and writes dK / dV into a buffer laid out as
+    that block's k and v at the keys' row, adding where a run-time flag says (DKV_AT, DKV_ADD_AT: `ring.DKV_INTO`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -146,7 +148,8 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     kv_ptr = "*u16" if kv_wire else ptr
     segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32", ORDER="*i32")
     bwd_pointers = dict(Q=ptr, K=kv_ptr, V=kv_ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",
-                        DQ_IN="*fp32", DQ_ACC="*fp32", DK=ptr, DV=ptr, TILE_CTR="*i32", SCRATCH="*u8", **segs)
+                        DQ_IN="*fp32", DKV_IN="*u16", DQ_ACC="*fp32", DK="*u16" if dkv_into else ptr, DV=ptr,
+                        TILE_CTR="*i32", SCRATCH="*u8", **segs)
     kernels = [("gluon_fwd_kernel", gluon_attention.kernel(), fwd_consts,
                 dict(Q=ptr, K=kv_ptr, V=kv_ptr, F32="*fp32", I32="*i32", O_PREV=ptr, LSE_PREV="*fp32", O=ptr,
                      LSE="*fp32", TILE_CTR="*i32",
@@ -157,6 +160,8 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                                                kv_at=batch * 2 * seq * kv_heads * head_dim if kv_wire else 0,
                                                kv_rows=2 * seq if kv_wire else None, kv_off_at=3 if kv_wire else 0,
                                                q_in_place=q_in_place,
+                                               dkv_at=batch * 2 * seq * kv_heads * head_dim if dkv_into else 0,
+                                               dkv_add_at=4 if dkv_into else 0,
                                                fast_tanh=fast_tanh, staged=staged_bwd),
                 bwd_pointers)]
     if forward_only:

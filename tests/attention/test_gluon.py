@@ -278,7 +278,7 @@ def _stand_in_kernels(monkeypatch):
         return out, lse
 
     def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False, dq_into=None, wire=None,
-                 q_rows=None):
+                 q_rows=None, dkv_into=None):
         if q_rows is not None:  # (QDO_IN_PLACE: the call's rows of q and dO from the accumulator's row, as the kernel reads)
             q4, do4 = (jax.lax.dynamic_slice_in_dim(x, dq_into[1], q4.shape[1], 1).reshape(q4.shape)
                        for x in q_rows)
@@ -301,14 +301,39 @@ def _stand_in_kernels(monkeypatch):
         dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k.astype(jnp.float32)).reshape(q4.shape)
         dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, q5.astype(jnp.float32))
         dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, do5.astype(jnp.float32))
+        if dkv_into is not None:  # (DKV_AT / DKV_ADD_AT: written into a buffer laid out as the wire, at the keys' rows)
+            dk, dv = _into_dkv_wire(dkv_into, wire, dk, dv, k.dtype)
+        else:
+            dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
         if dq_into is not None:  # (DQ_ROWS / DQ_OFF_AT: added into the accumulator, returned as dq)
             from ejgen.runtime.attention.api import add_rows
 
-            return add_rows(dq_into[0], dq_into[1], dq), dk.astype(k.dtype), dv.astype(v.dtype)
-        return dq.astype(q4.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+            return add_rows(dq_into[0], dq_into[1], dq), dk, dv
+        return dq.astype(q4.dtype), dk, dv
 
     monkeypatch.setattr(triton_host, "_gluon_forward", forward)
     monkeypatch.setattr(triton_host, "_gluon_backward", backward)
+
+
+def _into_dkv_wire(dkv_into, wire, dk, dv, dtype):
+    """(the buffer, None) of a stand-in backward given `api.DKV_INTO` (the kernel's DKV_AT / DKV_ADD_AT): dk and dv
+    (float32 [B, Sk, Hkv, D], as the kernel's registers) rounded to ``dtype`` on the K/V wire's rows from its k0 of a
+    buffer laid out as its k and v, added to what they hold first where ``add`` is nonzero; a new buffer starts as NaN
+    everywhere (the garbage no kernel writes: its reader must drop it)."""
+    buffer, add = dkv_into
+    rows, k0 = wire[0].shape[-1], wire[1]
+    block = (dk.shape[0], rows) + dk.shape[2:]
+    unit = jnp.uint16
+    if buffer is None:
+        nan = jax.lax.bitcast_convert_type(jnp.full((), jnp.nan, dtype), unit)
+        buffer = jnp.full((2 * block[0] * block[1] * block[2] * block[3], ), nan, unit)
+    halves = [jax.lax.bitcast_convert_type(half, dtype).reshape(block) for half in jnp.split(buffer, 2)]
+    new = []
+    for half, x in zip(halves, (dk, dv)):
+        old = jax.lax.dynamic_slice_in_dim(half, k0, x.shape[1], 1).astype(jnp.float32)
+        x = x + jnp.where(jnp.asarray(0 if add is None else add) != 0, old, 0.0)
+        new.append(jax.lax.dynamic_update_slice_in_dim(half, x.astype(dtype), k0, 1))
+    return jnp.concatenate([jax.lax.bitcast_convert_type(x, unit).reshape(-1) for x in new]), None
 
 
 @pytest.mark.parametrize("sinks,causal", [("h", True), ("hn", False), ("n", True)])
@@ -724,20 +749,74 @@ def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
     assert {kw["DQ_ROWS"] for *_, kw in bwd} == {s, 3 * s}
 
 
+def test_the_backward_writes_dk_dv_into_a_given_wire(monkeypatch):
+    """`api.DKV_INTO` beside `api.KV_WIRE` (ring attention's first backward step, `ring.DKV_INTO`): on a (pretended)
+    Hopper GPU the backward launches with DK the dK / dV buffer laid out as the wire's k and v (16-bit, twice KV_AT
+    items), DV a placeholder, DKV_AT = KV_AT; without a buffer a new one (DKV_IN a placeholder, nothing aliased),
+    with one that buffer as DKV_IN aliased to DK and the add flag appended to I32 (DKV_ADD_AT its index); the call
+    returns the buffer as dk. The op's own launch: DKV_AT 0, DKV_IN a placeholder. A fake launch."""
+    import numpy as np
+
+    from ejgen.ops import flash_attention
+    from ejgen.runtime.attention import api
+    from ejgen.runtime.attention.triton import host as triton_host
+
+    seen = pretend_hopper(monkeypatch)
+    b, s, h, d = 1, 256, 2, 64
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((b, s, h, d)), jnp.bfloat16)
+    wire = jnp.arange(2 * 2 * b * s * h * d + 2 * s, dtype=jnp.uint16)  # k, v of 2 s rows, then an item a row
+    items = 2 * b * 2 * s * h * d
+    given = jnp.arange(items, dtype=jnp.uint16)[::-1]
+    real, dks = triton_host._backward, []
+
+    def beside(layout, q5, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
+        kv = {api.KV_WIRE: (wire.reshape(-1, 2 * s), jnp.asarray(s, jnp.int32))}
+        for dkv in ((None, None), (given, jnp.asarray(1, jnp.int32))):
+            dk, dv = real(layout, q5, k, v, out, lse, d_out, d_lse, {**ctx, **kv, api.DKV_INTO: dkv}, cfg,
+                          choice)[1:3]
+            dks.append((dk.shape, dk.dtype, dv.shape))
+            jax.debug.callback(lambda x: None, dk)  # (kept: its launch runs)
+        return real(layout, q5, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
+
+    monkeypatch.setattr(triton_host, "_backward", beside)
+    jax.grad(lambda q: flash_attention(q, q, q, causal=True, platform="triton").astype(jnp.float32).sum())(q)
+    assert dks == [((items, ), jnp.uint16, (1, ))] * 2
+    bwd = [x for x in seen if x[0].__name__ == "gluon_attention_bwd_kernel"]
+    assert len(bwd) == 3, [x[0].__name__ for x in seen]
+    own, fresh, into = sorted(bwd, key=lambda x: (x[4]["DKV_AT"], x[4]["DKV_ADD_AT"]))
+    for kernel, _, inputs, outs, kw in (own, fresh, into):
+        at = {n: i for i, n in enumerate(kernel.arg_names)}
+        assert len(inputs) == at["DQ_ACC"]
+        i32 = inputs[at["I32"]]
+        if kw is own[4]:
+            assert kw["DKV_AT"] == 0 and inputs[at["DKV_IN"]].shape == (1, ) and outs[1].shape == (b, s, h, d)
+            continue
+        assert kw["DKV_AT"] == kw["KV_AT"] == b * 2 * s * h * d and outs[1].shape == (items, )
+        assert outs[1].dtype == jnp.uint16 and outs[2].shape == (1, ) and kw["KV_OFF_AT"] > 0 and i32[kw["KV_OFF_AT"]] == s
+        if kw is fresh[4]:
+            assert kw["DKV_ADD_AT"] == 0 and not kw["aliases"] and inputs[at["DKV_IN"]].shape == (1, )
+        else:
+            assert kw["aliases"] == {at["DKV_IN"]: 1} and kw["DKV_ADD_AT"] == len(i32) - 1 and i32[-1] == 1
+            np.testing.assert_array_equal(inputs[at["DKV_IN"]], np.asarray(given))
+
+
 @pytest.mark.parametrize("triton", ["here", "gpu host"])
 def test_the_backward_adding_into_an_accumulator_compiles(triton):
     """The backward adding dQ into a larger accumulator from a row read at run time (DQ_ROWS, DQ_OFF_AT: ring
     attention's pairs, `ring.DQ_ONCE`), causal, and without causal also reading its keys out of a 16-bit buffer of
     twice the rows from a row read at run time (KV_AT, KV_ROWS, KV_OFF_AT: `ring.KV_FROM_WIRE_BWD`), and both again
-    reading q and dO from that row of tensors of the accumulator's rows (QDO_IN_PLACE: `ring.Q_IN_PLACE`), on this
-    machine's Triton and the GPU host's (3.6): each compiles for sm_90 with the bulk reduce-adds, no spill."""
+    reading q and dO from that row of tensors of the accumulator's rows (QDO_IN_PLACE: `ring.Q_IN_PLACE`), and the
+    last also writing dK / dV into a buffer laid out as the block's k and v, adding where a run-time flag says
+    (DKV_AT, DKV_ADD_AT: `ring.DKV_INTO`), on this machine's Triton and the GPU host's (3.6): each compiles for sm_90
+    with the bulk reduce-adds, no spill."""
     from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
 
     results = compile_all_in_subprocess(
         [dict(gluon=True, dtype="bfloat16", head_dim=128, causal=causal, seq=1024, heads=4, kv_heads=4, batch=1,
-              dq_into=True, kv_wire=wire, q_in_place=in_place, backward_only=True, with_ptx=True, with_resources=True)
-         for causal, wire, in_place in ((True, False, False), (False, True, False), (True, False, True),
-                                        (False, True, True))],
+              dq_into=True, kv_wire=wire, q_in_place=in_place, dkv_into=dkv, backward_only=True, with_ptx=True,
+              with_resources=True)
+         for causal, wire, in_place, dkv in ((True, False, False, False), (False, True, False, False),
+                                             (True, False, True, False), (False, True, True, True))],
         triton=gpu_host_triton() if triton == "gpu host" else None)
     for compiled in results:
         assert "error" not in compiled, compiled.get("error")
@@ -749,8 +828,9 @@ def test_the_backward_adding_into_an_accumulator_compiles(triton):
 
 def test_the_rings_hopper_entries_of_the_wrong_form_are_refused(monkeypatch):
     """An earlier result (`api.MERGE_INTO`) of other rows, a dQ accumulator (`api.DQ_INTO`) of another head count or
-    dtype, and a backward K/V wire (`api.KV_WIRE`) too short for k then v or whose keys' row runs past its block:
-    each refused with one clear message, on a (pretended) Hopper GPU."""
+    dtype, a backward K/V wire (`api.KV_WIRE`) too short for k then v or whose keys' row runs past its block, and a
+    dK / dV wire (`api.DKV_INTO`) without a K/V wire or of another size than its k and v: each refused with one clear
+    message, on a (pretended) Hopper GPU."""
     import numpy as np
 
     from ejgen.ops import flash_attention
@@ -771,8 +851,11 @@ def test_the_rings_hopper_entries_of_the_wrong_form_are_refused(monkeypatch):
                {api.DQ_INTO: (jnp.zeros((b, s, h, 1, d), jnp.float32), s)},
                {api.KV_WIRE: (jnp.zeros((2 * b * s * h * d // (2 * s) - 1, 2 * s), jnp.uint16), 0)},
                {api.KV_WIRE: (jnp.zeros((2 * b * 2 * s * h * d // (2 * s), 2 * s), jnp.uint16), s + 1)}]
+    kv = {api.KV_WIRE: (jnp.zeros((2 * b * 2 * s * h * d // (2 * s), 2 * s), jnp.uint16), 0)}
+    entries += [{api.DKV_INTO: (None, None)}, {**kv, api.DKV_INTO: (jnp.zeros((2 * b * s * h * d, ), jnp.uint16), 1)}]
     messages = ["dQ accumulator must be float32", "dQ accumulator must be float32", "K/V wire must be 16-bit",
-                "K/V wire must be 16-bit"]
+                "K/V wire must be 16-bit", "dK / dV into a wire .* reading k and v out of a K/V wire",
+                "dK / dV wire must be 16-bit"]
     for entry, message in zip(entries, messages):
         def backward(layout, q5, k, v, out, lse, d_out, d_lse, ctx, cfg, choice, entry=entry):
             return real(layout, q5, k, v, out, lse, d_out, d_lse, {**ctx, **entry}, cfg, choice)

@@ -255,9 +255,14 @@ def check_hopper_stand_ins(backend, failures, devices=2):
     K and V out of a given wire and add dQ into a given accumulator as the kernels do (`_stand_in_kernels` of
     tests/attention/test_gluon.py): a zigzag causal ring of 2 in bf16 with its steps as square pairs (ring.COALESCE
     off: the stand-ins know no block layout), each device's second step two full blocks at rows 0 and c of the
-    received block, with `ring.KV_FROM_WIRE_BWD`, `ring.DQ_ONCE`, `ring.Q_IN_PLACE` and `ring.ZEROS_BY_DELTA` off,
-    then on: out and every gradient within bf16's error of the oracle, the Hopper backward given the wire, the
-    accumulator and q / dO in place exactly when they are on."""
+    received block, with `ring.KV_FROM_WIRE_BWD`, `ring.DQ_ONCE`, `ring.Q_IN_PLACE`, `ring.ZEROS_BY_DELTA` and
+    `ring.DKV_INTO` off, then on: out and every gradient within bf16's error of the oracle, the Hopper backward given
+    the wire, the accumulator and q / dO in place exactly when they are on, and the dK / dV wire (whose new buffer
+    the stand-ins fill with NaN: rows no pair writes must be dropped by the receiver) on exactly the calls of the
+    received block (the first backward step's, which read K and V out of the wire); with it the dK / dV transfer is
+    the buffer the pairs wrote, in the inputs' dtype (every collective-permute 16-bit), not a float32 wire."""
+    import re
+
     import pytest
 
     sys.path[:0] = [str(Path(_HERE).parent), str(Path(_HERE).parent / "attention")]
@@ -278,9 +283,9 @@ def check_hopper_stand_ins(backend, failures, devices=2):
         _stand_in_kernels(mp)
         stand_in, given = triton_host._gluon_backward, []
 
-        def spy(*args, dq_into=None, wire=None, q_rows=None, **kw):
-            given.append((dq_into is not None, wire is not None, q_rows is not None))
-            return stand_in(*args, dq_into=dq_into, wire=wire, q_rows=q_rows, **kw)
+        def spy(*args, dq_into=None, wire=None, q_rows=None, dkv_into=None, **kw):
+            given.append((dq_into is not None, wire is not None, q_rows is not None, dkv_into is not None))
+            return stand_in(*args, dq_into=dq_into, wire=wire, q_rows=q_rows, dkv_into=dkv_into, **kw)
 
         mp.setattr(triton_host, "_gluon_backward", spy)
         mp.setattr(ring, "COALESCE", False)
@@ -289,17 +294,27 @@ def check_hopper_stand_ins(backend, failures, devices=2):
             mp.setattr(ring, "DQ_ONCE", on)
             mp.setattr(ring, "Q_IN_PLACE", on)
             mp.setattr(ring, "ZEROS_BY_DELTA", on)
+            mp.setattr(ring, "DKV_INTO", on)
             given.clear()
             fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend)
             out, lse, grads = shard_checks.vjp_call(fn, diff, d_out, d_lse)
             if (not given or {g[0] for g in given} != {on} or any(g[1] for g in given) != on
-                    or {g[2] for g in given} != {on}):
-                failures.append(f"stand-ins, wire, one dQ and q in place {on}: the Hopper backward was given {given}")
+                    or {g[2] for g in given} != {on} or any(g[3] != (on and g[1]) for g in given)):
+                failures.append(f"stand-ins, wire, one dQ, q in place and dK / dV into the wire {on}: the Hopper "
+                                f"backward was given {given}")
+
+            def run(diff, fn=fn):
+                (out, lse), pull = jax.vjp(lambda d: fn(**d), diff)
+                return out, lse, pull((d_out, d_lse))[0]
+
+            seen = set(re.findall(r"collective_permute.*?-> tensor<\d+x(\w+)>", jax.jit(run).lower(diff).as_text()))
+            if on and seen != {"ui16"} or not on and seen != {"ui16", "ui32"}:
+                failures.append(f"stand-ins, dK / dV into the wire {on}: the transfers are {sorted(seen)}")
             for name, got, want in [("out", out, ref.out)] + [(f"d{n}", grads[n], ref.grads[n]) for n in grads]:
                 want = np.asarray(want, np.float64)
                 err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
                 if not err < 2e-2:
-                    failures.append(f"stand-ins, wire, one dQ and q in place {on}: {name} relative error {err:.2e} "
+                    failures.append(f"stand-ins, every switch {on}: {name} relative error {err:.2e} "
                                     "(< 2e-2)")
 
 

@@ -50,25 +50,27 @@ def _run(fn, diff, d_out, d_lse):
     return jax.block_until_ready(run(diff, d_out, d_lse))
 
 
-RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WIRE_BWD, Q_IN_PLACE)
-    ("zigzag", "zigzag", False, False, False, False, False),
-    ("contiguous", "contiguous", False, False, False, False, False),
-    ("zigzag-kv-from-wire", "zigzag", True, False, False, False, False),
-    ("zigzag-kv-from-wire-merge-in-kernel", "zigzag", True, True, False, False, False),
-    ("zigzag-dq-once", "zigzag", True, True, True, False, False),
-    ("contiguous-dq-once", "contiguous", False, False, True, False, False),
-    ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False),
-    ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False),
-    ("zigzag-dq-once-copies", "zigzag", True, True, True, True, False),  # session 35's default
+RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WIRE_BWD, Q_IN_PLACE, DKV_INTO)
+    ("zigzag", "zigzag", False, False, False, False, False, False),
+    ("contiguous", "contiguous", False, False, False, False, False, False),
+    ("zigzag-kv-from-wire", "zigzag", True, False, False, False, False, False),
+    ("zigzag-kv-from-wire-merge-in-kernel", "zigzag", True, True, False, False, False, False),
+    ("zigzag-dq-once", "zigzag", True, True, True, False, False, False),
+    ("contiguous-dq-once", "contiguous", False, False, True, False, False, False),
+    ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False, False),
+    ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False, False),
+    ("zigzag-dq-once-copies", "zigzag", True, True, True, True, False, False),  # session 35's default
     # the default since session 37: every switch on (Q_IN_PLACE and ZEROS_BY_DELTA; contiguous rings' pairs are every
     # local row: nothing to read in place)
-    ("zigzag-defaults", "zigzag", True, True, True, True, True),
+    ("zigzag-defaults", "zigzag", True, True, True, True, True, False),
+    # dK / dV written into the wire by the first backward step's pairs (ring.DKV_INTO, session 37)
+    ("zigzag-dkv-into", "zigzag", True, True, True, True, True, True),
 ]
 
 
-@pytest.mark.parametrize("order,wire,merge,once,wire_bwd,in_place", [c[1:] for c in RING_FORMS],
+@pytest.mark.parametrize("order,wire,merge,once,wire_bwd,in_place,dkv", [c[1:] for c in RING_FORMS],
                          ids=[c[0] for c in RING_FORMS])
-def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place, caplog, monkeypatch):
+def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place, dkv, caplog, monkeypatch):
     """Causal, GQA 8/2, D 128, bf16 over every GPU: out, lse and every gradient against the oracle; on Hopper every
     kind of step (full blocks, the diagonal, zigzag's coalesced calls) takes the Hopper kernel set both ways:
     every kernel launched is a Gluon one; with ``wire`` (ring.KV_FROM_WIRE) zigzag's coalesced forward reads K and V
@@ -77,7 +79,8 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
     (aliased from launch to launch); with ``wire_bwd`` (ring.KV_FROM_WIRE_BWD) the backward's pairs on a received
     block read K and V out of it (KV_AT); with ``in_place`` (ring.Q_IN_PLACE, with ``once``) they read their rows of
     q and dO where they lie (QDO_IN_PLACE), and the accumulator is zeroed by the delta kernel's launch
-    (ring.ZEROS_BY_DELTA)."""
+    (ring.ZEROS_BY_DELTA); with ``dkv`` (ring.DKV_INTO) the received block's pairs write dK / dV into the buffer
+    that travels home (DKV_AT), the pairs after the first into the first's, adding where they share keys."""
     from ejgen.runtime.attention import ring
     from ejgen.runtime.attention.gluon import host as gluon_attention
     from ejgen.runtime.launch import triton_call
@@ -89,7 +92,7 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
         if getattr(kernel, "fn", kernel).__module__ not in gluon_attention.PLAIN_TRITON:  # (their plan and delta)
             launched.append((kernel.__name__, not bwd and kw.get("KV_AT", 0) > 0, kw.get("MERGE", False),
                              bwd and bool(kw.get("aliases")), bwd and kw.get("KV_AT", 0) > 0,
-                             bwd and kw.get("QDO_IN_PLACE", False)))
+                             bwd and kw.get("QDO_IN_PLACE", False), bwd and kw.get("DKV_AT", 0) > 0))
         return launch(kernel, *args, **kw)
 
     monkeypatch.setattr(triton_call, "launch", spy)
@@ -99,6 +102,7 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
     monkeypatch.setattr(ring, "KV_FROM_WIRE_BWD", wire_bwd)
     monkeypatch.setattr(ring, "Q_IN_PLACE", in_place)
     monkeypatch.setattr(ring, "ZEROS_BY_DELTA", in_place)  # (the accumulator's zeros by the delta launch's memset)
+    monkeypatch.setattr(ring, "DKV_INTO", dkv)
     n = GPUS
     shape = AttnShape(1, 256 * n, 256 * n, 8, 2, 128)
     rng = rng_for("ring-gpu", order, shape)
@@ -131,6 +135,7 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
         assert any(x[3] for x in launched) == once, launched
         assert any(x[4] for x in launched) == wire_bwd, launched
         assert any(x[5] for x in launched) == in_place, launched
+        assert any(x[6] for x in launched) == (dkv and n == 2), launched
 
 
 def test_window_segments_sinks_ring(caplog):

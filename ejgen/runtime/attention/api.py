@@ -195,6 +195,19 @@ def given_q_rows(ctx: dict):
     return _given(ctx, Q_ROWS_FROM)
 
 
+# A backend backward's ctx entry beside `KV_WIRE`: (buffer, add), dK and dV of the call written into one buffer of
+# 16-bit items laid out as that wire's k and v (dK of its rows, then dV), at the call's keys' rows (ring attention's
+# first backward step: its pairs' dK / dV are then the buffer that travels, `ring.DKV_INTO`); ``buffer`` None: a new
+# one (rows no call writes hold garbage), else that one, written in place; ``add`` (int32, traced; None: 0) nonzero
+# adds to what the rows hold. The call then returns the buffer as its dk. Only the Hopper backward takes it.
+DKV_INTO = "dkv_into"
+
+
+def given_dkv(ctx: dict):
+    """(ctx without the `DKV_INTO` entry, that entry or None)."""
+    return _given(ctx, DKV_INTO)
+
+
 def add_rows(acc, q0, x):
     """``acc`` float32 [B, rows, ...] with ``x`` [B, n, ...] added on rows [q0, q0 + n) (``q0`` traced or not)."""
     import jax.numpy as jnp

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +119,15 @@ Q_IN_PLACE = True
 # broadcast at 58.3 us for 128 MiB (2.3 TB/s), where jax-triton's memsets of float32 accumulators ran at 4.3-4.6
 # TB/s. Session 37: timed with Q_IN_PLACE above (within the spread); its GPU tests pass. On.
 ZEROS_BY_DELTA = True
+# On a ring of two steps from the own block, the backward's first step's pairs (the received block's) write dK / dV
+# straight into the buffer that travels home, in the inputs' dtype (the Hopper backward's DKV_AT / DKV_ADD_AT over
+# `api.DKV_INTO`: the first pair makes the buffer, the next writes into it, adding where it holds rows of the same
+# keys), instead of bf16 outputs placed, packed into a float32 wire (the 384 MiB `input_concatenate_fusion`, 139 us
+# in session 36's trace at 32k tokens over 2 H200s, 16/16 heads) and read back as float32 by the final add (512 ->
+# 384 MiB). Rows no pair wrote travel as garbage and are dropped by the receiver (`_Owed`). A device whose pairs
+# share a key chunk rounds their sum once in the kernel (round(round(A) + B)), so a key's roundings stay four, as
+# with the float32 wire (notes/studies/s36-ring-bwd-glue.md, A2 without its scratch). Built in session 37.
+DKV_INTO = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
@@ -645,14 +655,15 @@ def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, wire=None, 
 
 
 def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0, r, s,
-                   sk: int | None = None, wide_layout=None, dq_acc=None, wire=None):
+                   sk: int | None = None, wide_layout=None, dq_acc=None, wire=None, dkv=None):
     """(dq [B, chunk, Hkv, G, D], dk, dv [B, sk, Hkv, D], param gradients) of one pair of one kind (key rows ``sk``:
     chunk unless given; a WIDE call's ``wide_layout``), from the global out and lse of its query rows and their
     delta, computed once per backward (`api.DELTA`: a backend that would compute it in XLA takes it, one pass over dO
     and O instead of one per pair). ``dq_acc``: float32 [B, n, Hkv, G, D], dq of every local row so far, which the
     pair's dq is added into (`api.DQ_INTO`, DQ_ONCE): its dq is then that accumulator, and (Q_IN_PLACE) q and d_out
     the rows the Hopper backward reads (`api.Q_ROWS_FROM`). ``wire``: the held block's buffer as received, which the
-    Hopper backward reads the pair's K and V out of (`api.KV_WIRE`, KV_FROM_WIRE_BWD)."""
+    Hopper backward reads the pair's K and V out of (`api.KV_WIRE`, KV_FROM_WIRE_BWD). ``dkv`` (with ``wire``, the
+    Hopper backward): (buffer or None, add) of `api.DKV_INTO` (DKV_INTO): dk is then that dK / dV buffer, dv None."""
     sk = sk or chunk
     cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk, wide_layout)
     backend = plan.backend
@@ -669,12 +680,17 @@ def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_
             ck[api.Q_ROWS_FROM] = (q, d_out)
     if choice.backward == "gluon":
         ck = _with_wire(ck, wire, held, k0, sk, kk, layout)
+    if dkv is not None:
+        assert choice.backward == "gluon" and api.KV_WIRE in ck, "dK / dV into a wire: the Hopper backward's, with K/V"
+        ck[api.DKV_INTO] = dkv
     dq, dk, dv, dctx = backend.backward(
         qk, kk, vk, _to_kernel(rows(out), layout, padded, 0), _to_kernel(rows(lse, 3), layout, padded, NEG_INF),
         None, _to_kernel(rows(d_out), layout, padded, 0), _to_kernel(rows(d_lse, 3), layout, padded, 0), ck, cfg,
         choice)
     if dq_acc is not None and not into:
         dq = api.add_rows(dq_acc, q0, _from_kernel(dq, layout, chunk))
+    if dkv is not None:
+        return dq, dk, None, dctx.get("params", {})
     return (dq if dq_acc is not None else _from_kernel(dq, layout, chunk), _from_kernel(dk, layout, sk),
             _from_kernel(dv, layout, sk), dctx.get("params", {}))
 
@@ -898,6 +914,36 @@ def _dq_into(plan: Plan) -> bool:
                                                                  for _, _, choice in plan.calls))
 
 
+def _dkv_into(plan: Plan, k, v) -> bool:
+    """Whether the backward's first step's pairs write dK / dV into the buffer that travels (DKV_INTO): DQ_ONCE's
+    conditions (every backward call on the Hopper kernels, no wide backward), a ring of two steps from the device's
+    own block (the first backward step holds the received block, whose dK / dV make the one hop home; the second
+    keeps its own), that step's pairs reading K and V out of the wire (KV_FROM_WIRE_BWD), none skipped on any device,
+    and k and v of one 16-bit dtype and shape (the wire's layout)."""
+    if not (DKV_INTO and _dq_into(plan) and plan.start == 0 and plan.steps == 2 and k.shape == v.shape
+            and _wire_readable(Wire.of({"k": k, "v": v}), KV_FROM_WIRE_BWD)):
+        return False
+    runs = _runs(plan, reverse=True)
+    stage = runs[0][0]
+    return len(runs) == 2 and all(SKIP not in stage.kinds(j) for j in range(len(stage.slots[0])))
+
+
+class _Owed(typing.NamedTuple):
+    """dK / dV of the block held last step as the buffer its pairs wrote (DKV_INTO: the unit items of k then v of the
+    block's rows, in the inputs' dtype), and ``cover`` bool [rows]: the rows that the pairs of the device sending it
+    here wrote (the rest hold garbage)."""
+
+    buffer: object
+    cover: object
+
+
+def _covered(slots, device, chunk: int, rows: int):
+    """bool [rows]: the key rows that ``device``'s pairs of a step (``slots`` [slots, devices, 3]) reach."""
+    chunks = jnp.arange(rows // chunk, dtype=jnp.int32)
+    hit = functools.reduce(jnp.logical_or, [chunks == slots[j, device, 1] for j in range(slots.shape[0])])
+    return jnp.repeat(hit, chunk)
+
+
 def _wire_readable(wire: "Wire", switch: bool) -> bool:
     """Whether kernels may read K and V out of a received buffer (where ``switch`` says so): k then v first in it, of
     one 16-bit dtype, the buffer's unit."""
@@ -1001,6 +1047,8 @@ def _backward(plan: Plan, residuals, cotangents):
     alone, owed = Wire.of(acc_shapes), Wire.of(acc_shapes, unit=wire.unit if joined else None)
     travelling = lambda acc: {n: x.astype(carried[n]) for n, x in acc.items()}  # noqa: E731
     size = wire.size
+    # DKV_INTO: the first step's pairs write dK / dV into the buffer that travels (`_Owed`), laid out as this wire
+    dkv, dkv_wire = _dkv_into(plan, k, v), Wire.of({"k": k, "v": v})
     # travel: the held block's buffer (None: the device's own block, not packed); pending: dK/dV of the block held
     # last step, to pass on (None before the first step); dq None before the first step's pairs, or (DQ_ONCE) the
     # one accumulator every pair's kernel adds into
@@ -1017,6 +1065,7 @@ def _backward(plan: Plan, residuals, cotangents):
         def body(carry, xs, stage=stage, chunk=chunk, first=first, keep=keep, here=here, unrolled=count == 1,
                  wide=wide):
             travel, pending, dq, grads = carry
+            owed_here = isinstance(pending, _Owed)  # (DKV_INTO: the buffer as the pairs wrote it, sent as it is)
             held = own if travel is None or here == 0 else wire.unpack(travel)
             # in flight while this step computes, as one buffer: the block held now, to the device behind for the
             # next step, and the accumulators of the block held last step, which that device holds now
@@ -1028,7 +1077,8 @@ def _backward(plan: Plan, residuals, cotangents):
                 if block is not None:
                     received["block"] = _shift(plan, block, -1)
                 if not first:
-                    received["owed"] = _shift(plan, alone.pack(travelling(pending)), -1)
+                    received["owed"] = _shift(plan, pending.buffer if owed_here else alone.pack(travelling(pending)),
+                                              -1)
             slots, t = xs
             s = (r - t) % plan.devices
             if wide:  # the step's two pairs as one call (`_wide_backward`): dK / dV of the whole held block, dq of
@@ -1048,12 +1098,19 @@ def _backward(plan: Plan, residuals, cotangents):
             pairs = []  # per slot: (q0, k0, the pair's dq, dk, dv, param gradients as its kernels give them)
             acc = dq  # (into) the accumulator as the slot's kernels find it
             from_wire = travel if held is not own and _wire_readable(wire, KV_FROM_WIRE_BWD) else None
+            into_wire = dkv and first
+            assert not into_wire or (from_wire is not None and not both), "DKV_INTO: the received block's pairs"
+            buffer = None  # (into_wire) the dK / dV buffer as the slot's kernels find it (None: they make it)
             for j in range(slots.shape[0]):
                 q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
+                # (into_wire) added into the buffer's rows where an earlier slot wrote those keys
+                add = None if j == 0 or not into_wire else functools.reduce(
+                    jnp.logical_or, [slots[i, r, 1] == slots[j, r, 1] for i in range(j)]).astype(jnp.int32)
 
-                def run(kind, q0=q0, k0=k0, acc=acc):
+                def run(kind, q0=q0, k0=k0, acc=acc, buffer=buffer, add=add):
                     return _pair_backward(plan, kind, chunk, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0,
-                                          r, s, dq_acc=acc if into else None, wire=from_wire)
+                                          r, s, dq_acc=acc if into else None, wire=from_wire,
+                                          dkv=(buffer, add) if into_wire else None)
 
                 def skip(j=j, run=run, acc=acc):  # zeros as the slot's kernels give their results (into: dq as found)
                     kinds = sorted(stage.kinds(j) - {SKIP})
@@ -1068,15 +1125,20 @@ def _backward(plan: Plan, residuals, cotangents):
                 pairs.append((q0, k0, _switch(stage, j, kind, run, skip)))
                 if into:
                     acc = pairs[-1][2][0]
-            # (into: each slot's accumulator but the last is read by the next slot's kernel alone, which writes it in
-            # place: tied here, XLA would copy it first)
-            results = [(None, *p[2][1:]) if into and j < len(pairs) - 1 else p[2] for j, p in enumerate(pairs)]
+                if into_wire:
+                    buffer = pairs[-1][2][1]
+            # (into: each slot's accumulator but the last, and into_wire its dK / dV buffer, is read by the next
+            # slot's kernel alone, which writes it in place: tied here, XLA would copy it first)
+            results = [p[2] if j == len(pairs) - 1 else (None if into else p[2][0], None if into_wire else p[2][1],
+                                                         *p[2][2:]) for j, p in enumerate(pairs)]
             if received:  # the kernels' own outputs: what adds them up is free to fuse with what reads received
                 received, results = _after_kernels(received, results)
             # dK / dV of the held block, this step's part: the pairs placed on their key rows (no zeros written and
-            # updated in place, no separate concatenation onto the wire: XLA fuses it into what reads it)
-            part = {n: _placed([(k0, res[i]) for (_, k0, _), res in zip(pairs, results)], chunk, x.shape[1])
-                    for i, n, x in ((1, "k", k), (2, "v", v))}
+            # updated in place, no separate concatenation onto the wire: XLA fuses it into what reads it); into_wire:
+            # the buffer they wrote, and the rows that the device sending this step's block here wrote of its own
+            part = None if into_wire else {
+                n: _placed([(k0, res[i]) for (_, k0, _), res in zip(pairs, results)], chunk, x.shape[1])
+                for i, n, x in ((1, "k", k), (2, "v", v))}
             if into:  # dq added up by the kernels: the last slot's accumulator
                 dq = results[-1][0]
             for (q0, _, _), res in zip(pairs, results):  # dq adds up at home, one pair after another
@@ -1093,8 +1155,13 @@ def _backward(plan: Plan, residuals, cotangents):
                     dq = _updated((dq,), (1,), q0, chunk, lambda old, dq_p=dq_p: (old + dq_p,))[0]
                 else:
                     dq = lax.dynamic_update_slice_in_dim(dq, _rows(dq, q0, chunk) + dq_p, q0, 1)
-            ahead, arrived = _arrived(received, both, size, owed, alone)
-            pending = part if arrived is None else {n: x.astype(f32) + part[n] for n, x in arrived.items()}
+            ahead, arrived = _arrived(received, both, size, owed, dkv_wire if owed_here else alone)
+            if owed_here:  # (the rows its sender's pairs wrote; garbage elsewhere, dropped by a select)
+                arrived = {n: jnp.where(pending.cover[:, None, None], x, 0) for n, x in arrived.items()}
+            if into_wire:
+                pending = _Owed(results[-1][1], _covered(slots, (r + 1) % plan.devices, chunk, k.shape[1]))
+            else:
+                pending = part if arrived is None else {n: x.astype(f32) + part[n] for n, x in arrived.items()}
             return (ahead, pending, dq, grads), None
 
         if dq is None and count > 1:  # a scan carries the accumulator from its first step

@@ -332,7 +332,8 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
                    segments: bool = False, lists: dict | None = None, spec: tuple | None = None,
                    softcap: bool = False, seq_k: int | None = None, fast_tanh: bool = False,
                    staged: tuple | None = None, dq_rows: int | None = None, dq_off_at: int = 0, kv_at: int = 0,
-                   kv_rows: int | None = None, kv_off_at: int = 0, q_in_place: bool = False) -> dict:
+                   kv_rows: int | None = None, kv_off_at: int = 0, q_in_place: bool = False, dkv_at: int = 0,
+                   dkv_add_at: int = 0) -> dict:
     """The backward's constexprs (window: causal with a window to the left, `ineligible`; ``lists``: the block
     lists' constexprs, `bwd_lists`; ``spec``: the spec's mask, `spec_constexprs`; ``softcap``: SOFTCAP, with
     ``fast_tanh``; ``seq_k``: the keys' count, default seq: another only without causal, a window, segment ids or
@@ -342,7 +343,9 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
     accumulator of that many rows, from the row at I32[dq_off_at] on (0: row 0; DQ_ROWS, DQ_OFF_AT). ``kv_at`` > 0:
     K and V read out of one 16-bit buffer of ``kv_rows`` rows a batch row, V from that item on, the keys from the row
     at I32[kv_off_at] on (KV_AT, KV_ROWS, KV_OFF_AT). ``q_in_place``: q and dO read where they lie in tensors of
-    ``dq_rows`` rows, from the dQ accumulator's row on (QDO_IN_PLACE)."""
+    ``dq_rows`` rows, from the dQ accumulator's row on (QDO_IN_PLACE). ``dkv_at`` > 0 (with ``kv_at``): dK and dV
+    written into one 16-bit buffer laid out as the K/V wire, dV from that item on, at the keys' row (DKV_AT), and
+    with ``dkv_add_at`` added to what is there where I32[dkv_add_at] != 0 (DKV_ADD_AT)."""
     terms = dict(BWD_NO_TERMS)
     if staged is not None:
         spec = (staged[0], spec[1])
@@ -352,7 +355,7 @@ def bwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, **BWD_TILES, **(lists or NO_LISTS),
                 **spec_constexprs(spec), SOFTCAP=softcap_constexpr(softcap, fast_tanh), **terms,
                 DQ_ROWS=dq_rows or seq, DQ_OFF_AT=dq_off_at, KV_AT=kv_at, KV_ROWS=kv_rows or seq_k or seq,
-                KV_OFF_AT=kv_off_at, QDO_IN_PLACE=bool(q_in_place))
+                KV_OFF_AT=kv_off_at, QDO_IN_PLACE=bool(q_in_place), DKV_AT=dkv_at, DKV_ADD_AT=dkv_add_at)
 
 
 # The persistent backward (gluon_kernels.gluon_attention_bwd_persistent_kernel) for causal sliding windows: one
@@ -405,7 +408,7 @@ def pbwd_constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, softcap: bo
     # segment ids, layouts and spec masks with a window take the per-program backward over lists (`listed`); keys
     # as many as queries
     for name in ("SEQ_K", *NO_LISTS, *spec_constexprs(None), *BWD_NO_TERMS, "DQ_ROWS", "DQ_OFF_AT", "KV_AT",
-                 "KV_ROWS", "KV_OFF_AT", "QDO_IN_PLACE"):
+                 "KV_ROWS", "KV_OFF_AT", "QDO_IN_PLACE", "DKV_AT", "DKV_ADD_AT"):
         del base[name]
     return dict(base, V_STAGES=pbwd_v_stages(d, base["DQ_MODE"], segments=segments))
 

@@ -1091,29 +1091,40 @@ def _bwd_zeros(BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, DQ
 
 @gluon.jit
 def _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, SK, HKV, WG: gl.constexpr, D: gl.constexpr,
-                    BLOCK_N: gl.constexpr):
+                    BLOCK_N: gl.constexpr, ROWS: gl.constexpr, add, ADD: gl.constexpr):
     """Warpgroup WG's dK (scaled) and dV rows of key block n of SK keys, straight from registers (rows past SK
-    masked)."""
+    masked), ROWS rows a batch row. ADD: where ``add`` is nonzero, added in float32 to what those rows hold, one
+    rounding (ring attention's pairs writing dK / dV into one buffer, `ring.DKV_INTO`: each row is one program's, the
+    pairs consecutive launches, so the read-add-write races nothing)."""
     HALF: gl.constexpr = BLOCK_N // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
     dtype: gl.constexpr = dk_ptr.dtype.element_ty
     r_o = n * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
     c_o = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-    offs = ((off_b * SK + gl.expand_dims(r_o, 1)).to(gl.int64) * HKV + off_hk) * D + gl.expand_dims(c_o, 0)
+    offs = ((off_b * ROWS + gl.expand_dims(r_o, 1)).to(gl.int64) * HKV + off_hk) * D + gl.expand_dims(c_o, 0)
     omask = (gl.expand_dims(r_o, 1) < SK) & (gl.expand_dims(c_o, 0) < D)
-    gl.store(dk_ptr + offs, (dk * sm_scale).to(dtype), mask=omask)
-    gl.store(dv_ptr + offs, dv.to(dtype), mask=omask)
+    if ADD:  # (dK's old rows read and added before dV's: one old tile live at a time)
+        old = omask & (add != 0)
+        gl.store(dk_ptr + offs, (dk * sm_scale + gl.load(dk_ptr + offs, mask=old, other=0.0).to(gl.float32)).to(dtype),
+                 mask=omask)
+        gl.store(dv_ptr + offs, (dv + gl.load(dv_ptr + offs, mask=old, other=0.0).to(gl.float32)).to(dtype),
+                 mask=omask)
+    else:
+        gl.store(dk_ptr + offs, (dk * sm_scale).to(dtype), mask=omask)
+        gl.store(dv_ptr + offs, dv.to(dtype), mask=omask)
 
 
 @gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
-                  do_ready, qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, off_b, off_hk, n, S, SK, m_lo, nm, f0,
+                  do_ready, qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, dkv_add, off_b, off_hk, n, S, SK, m_lo, nm,
+                  f0,
                   f1, sm_scale, cap, H, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, WG: gl.constexpr, D: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
                   DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr, lrow, LIST: gl.constexpr, N_MQ: gl.constexpr,
                   LIST_W: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, opts, SPEC_MASK: gl.constexpr,
-                  SOFTCAP: gl.constexpr, Q_TERMS: gl.constexpr, SPEC_KVTERMS: gl.constexpr):
+                  SOFTCAP: gl.constexpr, Q_TERMS: gl.constexpr, SPEC_KVTERMS: gl.constexpr, DK_ROWS: gl.constexpr,
+                  DKV_ADD: gl.constexpr):
     """Warpgroup WG's 64 keys: dK, dV over the program's query blocks (S^T, dP^T, P^T, dS^T; dV += P^T dO,
     dK += dS^T Q), its dS^T half into shared memory for the joint dQ = dS K (DQ_MODE: how the two warpgroups
     share it), dQ * scale reduce-added into the float32 accumulator; then dK * scale and dV stored. LIST: the
@@ -1172,7 +1183,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, d
                            SOFTCAP, Q_TERMS)
 
     # epilogue: dK (scaled) and dV of this WG's 64 keys, straight from registers
-    _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, SK, HKV, WG, D, BLOCK_N)
+    _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, SK, HKV, WG, D, BLOCK_N, DK_ROWS, dkv_add,
+                    DKV_ADD)
     tma.store_wait(0)
 
 
@@ -1231,8 +1243,8 @@ def _bwd_buffers(Q, K, V, DO, DQ_ACC, B: gl.constexpr, SEQ: gl.constexpr, HQ: gl
 
 
 @gluon.jit
-def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RANGES, ORDER, DQ_IN, DQ_ACC, DK, DV,
-                               SCRATCH,
+def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RANGES, ORDER, DQ_IN, DKV_IN, DQ_ACC,
+                               DK, DV, SCRATCH,
                                B: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, SEQ: gl.constexpr,
                                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                MASK: gl.constexpr, DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr,
@@ -1242,7 +1254,8 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
                                SOFTCAP: gl.constexpr, SEQ_K: gl.constexpr, Q_TERMS: gl.constexpr,
                                TERMS_AT: gl.constexpr, Q_FIRST: gl.constexpr, SPEC_KVTERMS: gl.constexpr,
                                DQ_ROWS: gl.constexpr, DQ_OFF_AT: gl.constexpr, KV_AT: gl.constexpr,
-                               KV_ROWS: gl.constexpr, KV_OFF_AT: gl.constexpr, QDO_IN_PLACE: gl.constexpr):
+                               KV_ROWS: gl.constexpr, KV_OFF_AT: gl.constexpr, QDO_IN_PLACE: gl.constexpr,
+                               DKV_AT: gl.constexpr, DKV_ADD_AT: gl.constexpr):
     """One key block of BLOCK_N keys of one kv head: dK, dV over its query heads (deterministic), dQ added in
     float32 to DQ_ACC (zeroed, [B, SEQ, HQ, D], scale applied) by bulk reduce-adds. DQ_ROWS > SEQ: DQ_ACC is a
     larger accumulator [B, DQ_ROWS, HQ, D] that the call adds its rows into from row I32[DQ_OFF_AT] on (0: from
@@ -1252,6 +1265,11 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     item KV_AT, the call's SEQ_K keys from row I32[KV_OFF_AT] on (0: from row 0); V's own argument unread.
     QDO_IN_PLACE: Q and DO are [B, DQ_ROWS, HQ, D] like the dQ accumulator, the call's rows from its row
     I32[DQ_OFF_AT] on (ring attention's pairs reading their queries where they lie, `ring.Q_IN_PLACE`).
+    DKV_AT > 0 (with KV_AT): dK and dV go into one buffer of 16-bit items of any type laid out as the K/V wire (ring
+    attention's dK / dV wire, `ring.DKV_INTO`: the host aliasing DKV_IN, the buffer as given, to DK; else DKV_IN a
+    placeholder): dK [B, KV_ROWS, HKV, D] from its first item, dV from item DKV_AT, the call's rows from row
+    I32[KV_OFF_AT] on (its keys' row in the block); DV's own output a placeholder. DKV_ADD_AT > 0: where
+    I32[DKV_ADD_AT] != 0 they are added to what those rows hold (`_bwd_store_dkdv`).
     LSE, DELTA: [B, HQ, SEQ] (DELTA = rowsum(dO * O) - d lse). K, V, DK, DV: [B, SEQ_K, HKV, D]; SEQ_K = SEQ but
     where the host takes Sq != Sk (MASK 0, no segment ids, lists or spec mask: `host.ineligible`, gluon_cross).
     MASK: 0 none, 1 causal, 2 causal with a window of I32[0] keys to the left.
@@ -1303,6 +1321,15 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
             do_base = DO + row
     gl.static_assert(KV_ROWS >= SEQ_K, "K and V hold the call's keys")
     K, V = _kv_pointers(K, V, I32, Q.dtype.element_ty, KV_AT, KV_OFF_AT, HKV * D)
+    gl.static_assert(DKV_AT == 0 or KV_AT > 0, "dK / dV into a wire take the K/V wire's rows")
+    gl.static_assert(DKV_ADD_AT == 0 or DKV_AT > 0, "dK / dV added into a wire's rows need that wire")
+    dkv_add = 0  # DKV_ADD_AT: whether this call adds into the rows (else unused)
+    if DKV_AT > 0:  # (the same pointers as K's and V's in the wire: the rows' items alike)
+        DK, DV = _kv_pointers(DK, DV, I32, Q.dtype.element_ty, DKV_AT, KV_OFF_AT, HKV * D)
+        if DKV_ADD_AT > 0:
+            dkv_add = gl.load(I32 + DKV_ADD_AT)
+    DK_ROWS: gl.constexpr = KV_ROWS if DKV_AT > 0 else SEQ_K
+    DKV_ADD: gl.constexpr = DKV_ADD_AT > 0
 
     (q_desc, do_desc, k_desc, v_desc, dq_desc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, lse_smem, dlt_smem,
      cols_smem, q_ready, do_ready, qd_empty) = _bwd_buffers(q_base, K, V, do_base, dq_base, B, SEQ, HQ, HKV, D,
@@ -1346,17 +1373,17 @@ def gluon_attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, F32, I32, QSEG, KSEG, RA
     nm = m_hi - m_lo
     gl.warp_specialize([
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(0), lse_smem, dlt_smem, cols_smem,
-                         q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
-                         off_hk, n, SEQ, SEQ_K, m_lo, nm, f0, f1, sm_scale, cap, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem,
-                         KSEG, 0,
+                         q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, dkv_add,
+                         off_b, off_hk, n, SEQ, SEQ_K, m_lo, nm, f0, f1, sm_scale, cap, HQ, HKV, GROUP, WINDOW_LEFT,
+                         qs_smem, KSEG, 0,
                          D, BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
-                         SUB_K, opts, SPEC_MASK, SOFTCAP, Q_TERMS, SPEC_KVTERMS)),
+                         SUB_K, opts, SPEC_MASK, SOFTCAP, Q_TERMS, SPEC_KVTERMS, DK_ROWS, DKV_ADD)),
         (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem.index(1), lse_smem, dlt_smem, cols_smem,
-                         q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, off_b,
-                         off_hk, n, SEQ, SEQ_K, m_lo, nm, f0, f1, sm_scale, cap, HQ, HKV, GROUP, WINDOW_LEFT, qs_smem,
-                         KSEG, 1,
+                         q_ready, do_ready, qd_empty, misc_bar.index(0), misc_bar.index(1), dq_desc, DK, DV, dkv_add,
+                         off_b, off_hk, n, SEQ, SEQ_K, m_lo, nm, f0, f1, sm_scale, cap, HQ, HKV, GROUP, WINDOW_LEFT,
+                         qs_smem, KSEG, 1,
                          D, BLOCK_M, BLOCK_N, NUM_STAGES, MASK, DQ_MODE, SEGMENTS, lrow, LIST, N_MQ, LIST_W, SUB_Q,
-                         SUB_K, opts, SPEC_MASK, SOFTCAP, Q_TERMS, SPEC_KVTERMS)),
+                         SUB_K, opts, SPEC_MASK, SOFTCAP, Q_TERMS, SPEC_KVTERMS, DK_ROWS, DKV_ADD)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, q_ready,
                          do_ready, qd_empty, misc_bar.index(0), LSE, DELTA, off_b, off_hk, n, SEQ, m_lo, nm, HQ, GROUP,
                          QSEG, qs_smem, D, BLOCK_M, BLOCK_N, NUM_STAGES, SEGMENTS, lrow, LIST, N_MQ, LIST_W,
@@ -1599,7 +1626,7 @@ def _pbwd_consumer_tile(t, g, tc, s_zero, dq_zero, qk2, cap_out, q_smem, do_smem
     mbarrier.arrive(k_empty.index(kb), count=1)
 
     # epilogue: dK (scaled) and dV of this warpgroup's 64 keys
-    _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, SEQ, HKV, WG, D, BLOCK_N)
+    _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, SEQ, HKV, WG, D, BLOCK_N, SEQ, 0, False)
     return n_it
 
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejgen.runtime.attention import tiles
-from ejgen.runtime.attention.api import (SEQ_MAJOR, add_rows, delta_rows, given_delta, given_dq, given_merge,
-                                         given_q_rows, given_wire, join_sinks, merge_into, sinks_grad)
+from ejgen.runtime.attention.api import (SEQ_MAJOR, add_rows, delta_rows, given_delta, given_dkv, given_dq,
+                                         given_merge, given_q_rows, given_wire, join_sinks, merge_into, sinks_grad)
 from ejgen.runtime.attention.gluon import host as gluon_attention
 from ejgen.runtime.attention.triton import configs as triton_configs
 from ejgen.runtime.core import kernels, settings, sizes
@@ -483,7 +483,7 @@ STAGED_BACKWARD = True
 
 
 def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh: bool = False,
-                    dq_into=None, wire=None, q_rows=None):
+                    dq_into=None, wire=None, q_rows=None, dkv_into=None):
     """The warp-specialised Gluon backward (gluon_attention): (dq, dk, dv), dq [B, Sq, Hq, D] added up in float32
     by reduce-adds (not bitwise reproducible run to run, like cuDNN's). Each key block walks a list of query blocks
     where the forward's tiles would (a block layout, a spec mask, whose element mask runs on partial items) and with
@@ -493,7 +493,11 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
     persistent one. ``wire``: k and v as rows of a block in one 16-bit buffer (`api.KV_WIRE`, `_wire_kv`), which the
     per-program kernel reads them out of (KV_AT, KV_ROWS, KV_OFF_AT; the persistent one takes k and v). ``q_rows``
     (with ``dq_into``, `api.Q_ROWS_FROM`): q and dO of the accumulator's rows [B, rows, Hkv, G, D], whose rows from
-    q0 on the per-program kernel reads as the call's (QDO_IN_PLACE; q4 and do4 then only give the shapes)."""
+    q0 on the per-program kernel reads as the call's (QDO_IN_PLACE; q4 and do4 then only give the shapes).
+    ``dkv_into`` (with ``wire``, `api.DKV_INTO`): (buffer, add), dK and dV written by the per-program kernel into one
+    16-bit buffer laid out as the wire's k and v (dK then dV of its rows), at the keys' rows, the buffer returned as
+    dk (dv a placeholder): ``buffer`` None a new one (rows no call wrote hold garbage), else that one (aliased);
+    ``add`` (int32, traced or not; None: 0) nonzero adds to what the rows hold (DKV_AT, DKV_ADD_AT)."""
     batch, sq, hq, d = q4.shape
     hkv = k.shape[2]
     spec, mask_tiles = _gluon_spec(layout)
@@ -545,6 +549,22 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
         consts.update(KV_AT=kv_at, KV_ROWS=rows)
         if k0 is not None:
             scalars, consts["KV_OFF_AT"] = _with_row(scalars, k0)
+    dkv_in = _dummy(jnp.uint16)  # DKV_IN: the dK / dV buffer to write into (aliased to DK), else a placeholder
+    if dkv_into is not None:
+        buffer, add = dkv_into
+        if persistent or wire is None:
+            raise ValueError("dK / dV into a wire (`api.DKV_INTO`) take the per-program Hopper backward reading k and "
+                             "v out of a K/V wire (`api.KV_WIRE`): its rows are theirs")
+        items = 2 * consts["KV_AT"]
+        if buffer is not None and (buffer.ndim != 1 or buffer.dtype.itemsize != 2 or buffer.size != items):
+            raise ValueError(f"the Hopper backward's dK / dV wire must be 16-bit [{items}] (dK then dV of the K/V "
+                             f"wire's {consts['KV_ROWS']} rows), got {buffer.dtype}{list(buffer.shape)}")
+        outs[1] = jax.ShapeDtypeStruct((items, ), jnp.uint16 if buffer is None else buffer.dtype)
+        outs[2] = jax.ShapeDtypeStruct((1, ), v.dtype)
+        dkv_in = dkv_in if buffer is None else buffer
+        consts["DKV_AT"] = consts["KV_AT"]
+        if add is not None:
+            scalars, consts["DKV_ADD_AT"] = _with_row(scalars, add)
     if not persistent:  # DQ_IN: the accumulator to add into (aliased to DQ_ACC), else a placeholder
         dq_in = _dummy(jnp.float32)
         if dq_into is not None:
@@ -554,7 +574,7 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
                 raise ValueError(f"the Hopper backward's dQ accumulator must be float32 [{batch}, rows, {hq}, {d}] "
                                  f"holding rows [q0, q0 + {sq}), got {dq_in.dtype}{list(dq_in.shape)} at q0 {q0}")
             outs[0] = jax.ShapeDtypeStruct(dq_in.shape, jnp.float32)
-            zeroed, aliases = (), {6 + len(scalars): 0}
+            zeroed, aliases = (), {6 + len(scalars): 0}  # (DQ_IN: scalars' next)
             consts.update(DQ_ROWS=dq_in.shape[1])
             if q_rows is not None:
                 q_full, do_full = (x.reshape(x.shape[:2] + (hq, d)) for x in q_rows)
@@ -565,7 +585,9 @@ def _gluon_backward(layout: Layout, q4, k, v, do4, lse3, delta3, scalars, ctx, c
                 consts.update(QDO_IN_PLACE=True)
             if not (isinstance(q0, int) and q0 == 0):
                 scalars, consts["DQ_OFF_AT"] = _with_row(scalars, q0)
-        scalars = [*scalars, dq_in]
+        if dkv_into is not None and dkv_into[0] is not None:
+            aliases = {**(aliases or {}), 7 + len(scalars): 1}  # (DKV_IN: after DQ_IN)
+        scalars = [*scalars, dq_in, dkv_in]
     dq_acc, dk, dv, *_ = triton_call.launch(kernel, grid, [q4, *kv, do4, lse3, delta3, *scalars],
                                             outs + [_scratch(grid)], zeroed=zeroed, aliases=aliases, num_warps=4,
                                             num_stages=1, **consts)
@@ -673,6 +695,10 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
     _check_layout(q, cfg)
     ctx, into = given_dq(ctx)  # the caller's (ring attention's) dQ accumulator of more rows: added into
     ctx, q_rows = given_q_rows(ctx)  # (with it, the Hopper backward's: q and dO of the accumulator's rows)
+    ctx, dkv_into = given_dkv(ctx)  # the caller's (ring attention's) dK / dV wire: the Hopper backward writes into it
+    if dkv_into is not None and choice.backward != "gluon":
+        raise ValueError("dK / dV into a wire (`api.DKV_INTO`) are the Hopper backward's: this call's backward is "
+                         f"{choice.backward}")
     if into is not None and choice.backward != "gluon":
         dq, dk, dv, grads = _backward(layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
         return add_rows(into[0], into[1], dq), dk, dv, grads
@@ -691,7 +717,7 @@ def _backward(layout: Layout, q, k, v, out, lse, d_out, d_lse, ctx, cfg, choice)
             acc = into[0]
             into = (acc.reshape(acc.shape[:2] + (hq, d)), into[1])
         dq, dk, dv_ = _gluon_backward(layout, q4, k, v, do4, lse3, delta.reshape(batch, hq, sq), scalars, ctx, cfg,
-                                      choice.fast_tanh, dq_into=into, wire=wire, q_rows=q_rows)
+                                      choice.fast_tanh, dq_into=into, wire=wire, q_rows=q_rows, dkv_into=dkv_into)
         dq = dq.reshape(q.shape if into is None else acc.shape)
         return dq, dk, dv_, _ctx_grads(layout, ctx, cfg, lse, delta.reshape(lse.shape), None, ())
     kernels = layout.kernels()
