@@ -548,6 +548,14 @@ j_ring-p5() {  # the backward's first step's pairs writing dK / dV into the buff
   job ring-trace-p5-base 100 python3 "${RING[@]}" --parts profile --passes fwdbwd --out "$log/ring-trace-p5-base"
   job ring-trace-p5 100 python3 "${RING[@]}" --parts profile --passes fwdbwd --dkv-into --out "$log/ring-trace-p5"
 }
+j_ring-l2() {  # the forward's head sections of 32 MiB of K and V (gluon.host.L2_KV_BUDGET, default 16; session 36: 8
+  # made the ring's first step 3-4% slower) against the default, one GPU's and the ring's calls alike, twice each
+  local i
+  for i in 1 2; do
+    job "ring-l2-base-$i" 80 python3 "${RING[@]}" --parts time --passes fwd --out "$log/ring-l2-base-$i"
+    job "ring-l2-32-$i" 80 python3 "${RING[@]}" --parts time --passes fwd --l2-kv-budget 32 --out "$log/ring-l2-32-$i"
+  done
+}
 j_ring-trace-coalesce() {  # why the coalesced backward (ring.COALESCE_BACKWARD) lost in session 34: one call's
   # kernels, the default then the switch on (notes/studies/s36-ring-bwd-glue.md, option B)
   job ring-trace-base 150 python3 "${RING[@]}" --parts profile --out "$log/ring-trace-base"
@@ -708,6 +716,7 @@ declare -A PRESETS=(
   # tested and A/B'd on 2 GPUs (issue 18), DEADLINE=560
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
+  [s37c]="0:hopper-tests,documents16"  # (the backward kernel's new DKV_IN on one GPU: every Hopper test, documents)
   [s37b]="0-1:ring-p5,ring-paired-p5"  # (ring.DKV_INTO: tests, A/B, traces; then it in turns with one GPU)
   [s37a]="0-1:ring-qinplace,ring-trace-coalesce"  # (Q_IN_PLACE and ZEROS_BY_DELTA: tests, A/B; then option B trace)
   [s36c]="0:docs-masks"  # (session 36's call 4 ran docs-dqcast: the in-kernel dQ cast's forms, removed: it lost)

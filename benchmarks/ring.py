@@ -104,6 +104,8 @@ def parse_args(argv=None):
                         "default) or as two (impl ring-zigzag-pairs); both: each, same process")
     for flag, (_, _, text) in RING_SWITCHES.items():
         p.add_argument(f"--{flag}", action="store_true", help=text)
+    p.add_argument("--l2-kv-budget", type=int, default=0, help="MiB of K and V a head section of the Hopper forward's "
+                   "tile order holds (gluon.host.L2_KV_BUDGET, one GPU's calls and the ring's alike; 0: its default)")
     p.add_argument("--budget-s", type=float, default=500, help="start no case after this many seconds")
     p.add_argument("--out", default="bench-out/ring")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on 4 CPU devices, platform xla")
@@ -500,6 +502,10 @@ def main():
     for flag, (switch, value, _) in RING_SWITCHES.items():
         if getattr(ARGS, flag.replace("-", "_")):  # the ring's switches, read as each call is traced
             setattr(ring_runtime, switch, value)
+    if ARGS.l2_kv_budget:
+        from ejgen.runtime.attention.gluon import host as gluon_host
+
+        gluon_host.L2_KV_BUDGET = ARGS.l2_kv_budget << 20
     if ARGS.cpu_smoke:
         platform = "xla"
         ARGS.check_seq, ARGS.mesh_seq, ARGS.strong_seq, ARGS.weak_base = 256, 256, 256, 128
