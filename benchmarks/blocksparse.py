@@ -135,7 +135,7 @@ def _static(f):
 
 
 def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = False, probe: bool = False,
-        trace: Path | None = None, forms: tuple = ()) -> list[dict]:
+        trace: Path | None = None, forms: tuple = (), causal: bool = False) -> list[dict]:
     ids = document_ids(tokens, docs)
     keys = jax.random.split(jax.random.PRNGKey(tokens + docs), 4)
     q, k, v, do = (jax.random.normal(kk, (1, tokens, HEADS, DIM), jnp.bfloat16) for kk in keys)
@@ -163,7 +163,7 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         impls["ejgen-triton documents, per-program backward"] = impls["ejgen-triton documents"]
         switches["ejgen-triton documents, DOCS masks"] = ("DOCS_MASKS", True)
         switches["ejgen-triton documents, per-program backward"] = ("PERSISTENT_SEGMENTS_BWD", False)
-    if documents_only and not probe:
+    if documents_only and not probe and not causal:  # (``causal``: the causal call, and the ideal, all the same)
         impls.pop("ejgen-triton causal (all tokens)")
     for name, value in forms:  # --switch: the documents (and the causal call, where timed) again with a `gluon.host`
         # switch set while they trace
@@ -203,7 +203,7 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         ms = float(np.median(t)) * 1e3
         rows.append(dict(tokens=tokens, docs=docs, impl=name, pass_=pass_, ms=ms, tflops=mult * flops / ms / 1e9,
                          tile_share=share))
-    for pass_ in () if documents_only and not probe else ("fwd", "fwd+bwd"):
+    for pass_ in () if documents_only and not probe and not causal else ("fwd", "fwd+bwd"):
         full = next(r["ms"] for r in rows if r["impl"].startswith("ejgen-triton causal") and r["pass_"] == pass_)
         rows.append(dict(tokens=tokens, docs=docs, impl="ideal (causal x tile share)", pass_=pass_, ms=full * share,
                          tflops=None, tile_share=share))
@@ -257,6 +257,8 @@ def main():
     p.add_argument("--layout-tokens", default="8192,32768", help="lengths of the block-layout cases")
     p.add_argument("--doc-cases", default=",".join(f"{t}x{d}" for t, d in CASES),
                    help="the document cases, comma-separated TOKENSxDOCUMENTS")
+    p.add_argument("--causal", action="store_true", help="with --documents-only: time the causal call (all tokens) and "
+                   "the ideal too, and each --switch form of it")
     p.add_argument("--probe", action="store_true", help="also the generated kernels on the documents, one document, "
                                                         "and the Gluon kernels' tile ranges alone")
     p.add_argument("--switch", action="append", default=[], metavar="NAME=INT",
@@ -273,7 +275,7 @@ def main():
     forms = tuple((f.split("=")[0], int(f.split("=")[1])) for f in a.switch)
     rows = [] if a.layouts_only else [r for tokens, docs in doc_cases
                                       for r in run(tokens, docs, a.reps, a.rounds, a.documents_only, a.probe,
-                                                   Path(a.out) if a.trace else None, forms)]
+                                                   Path(a.out) if a.trace else None, forms, a.causal)]
     if not a.documents_only:
         lengths = {int(t) for t in a.layout_tokens.split(",") if t}
         for kind, tokens in LAYOUTS:

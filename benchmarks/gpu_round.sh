@@ -32,7 +32,7 @@
 #   ring-dq        the ring tests, then the default against --no-kv-from-wire-bwd and --no-dq-once (2 GPUs)
 #   ring-paired    one GPU and the ring timed in turns, 7 rounds, 4 and 16 calls a sample (2 GPUs)
 #   ring-qinplace  the ring tests, then the default against --no-q-in-place and --no-zeros-by-delta (2 GPUs)
-#   ring-p5        the ring tests, then the default against --dkv-into, each twice, and one call's kernels of each
+#   ring-p5        the ring tests, then the default against --no-dkv-into, each twice, and one call's kernels of each
 #   ring-trace-coalesce  one ring call's kernels, default and --coalesce-backward (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
@@ -443,6 +443,12 @@ j_documents16() {
   job documents16-flex 120 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --calls 16 \
     --out "$log/bs16"
 }
+j_tile-costs() { job tile-costs 300 python3 benchmarks/tile_costs.py --l2-kv-budget 32 --out "$log/tile-costs"; }  # what a
+# tile costs the Hopper kernels beside its blocks (a fit over lengths), and the forward with head sections of 32 MiB
+j_l2-ab() { job l2-ab 280 python3 benchmarks/blocksparse.py --documents-only --causal --doc-cases 8192x8,32768x64 \
+  --rounds 3 --reps 4 --calls 16 --switch L2_KV_BUDGET=33554432 --out "$log/bs-l2"; }  # the forward's head sections
+# of 32 MiB against 16 (gluon.host.L2_KV_BUDGET): documents and the causal call, one process (session 37's tile-costs
+# traces: every causal length faster at 32)
 j_pause() { sleep 45; }  # a lane's benchmarks after another lane's test shards have compiled
 j_layouts() {
   job layouts 230 python3 benchmarks/blocksparse.py --layouts-only --layout-tokens 8192 --rounds 2 --reps 4 \
@@ -542,11 +548,12 @@ j_ring-qinplace() {  # the backward's pairs reading q and dO in place (ring.Q_IN
   ring_forms ring-qinplace "base:--no-q-in-place --no-zeros-by-delta" "q:--no-zeros-by-delta" "both:"
 }
 j_ring-p5() {  # the backward's first step's pairs writing dK / dV into the buffer that travels home (ring.DKV_INTO,
-  # session 37, off): the ring tests (its zigzag-dkv-into form among them), the default against it twice each in its
-  # own process, then one call's kernels of each
-  ring_forms ring-p5 "base:" "p5:--dkv-into"
-  job ring-trace-p5-base 100 python3 "${RING[@]}" --parts profile --passes fwdbwd --out "$log/ring-trace-p5-base"
-  job ring-trace-p5 100 python3 "${RING[@]}" --parts profile --passes fwdbwd --dkv-into --out "$log/ring-trace-p5"
+  # on since session 37; session 37's call 3 ran it with it off by default): the ring tests (its zigzag-dkv-into form
+  # among them), the default against it off twice each in its own process, then one call's kernels of each
+  ring_forms ring-p5 "base:--no-dkv-into" "p5:"
+  job ring-trace-p5-base 100 python3 "${RING[@]}" --parts profile --passes fwdbwd --no-dkv-into \
+    --out "$log/ring-trace-p5-base"
+  job ring-trace-p5 100 python3 "${RING[@]}" --parts profile --passes fwdbwd --out "$log/ring-trace-p5"
 }
 j_ring-l2() {  # the forward's head sections of 32 MiB of K and V (gluon.host.L2_KV_BUDGET, default 16; session 36: 8
   # made the ring's first step 3-4% slower) against the default, one GPU's and the ring's calls alike, twice each
@@ -564,8 +571,8 @@ j_ring-trace-coalesce() {  # why the coalesced backward (ring.COALESCE_BACKWARD)
 }
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
-j_ring-paired-p5() { job ring-paired-p5 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 --dkv-into \
-  --out "$log/ring-paired-p5"; }  # (the same with ring.DKV_INTO)
+j_ring-paired-p5() { job ring-paired-p5 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
+  --out "$log/ring-paired-p5"; }  # (the same, run with ring.DKV_INTO on while it was off by default: session 37)
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
 j_ring-steady() { job ring-steady 170 python3 "${RING[@]}" --parts time --batch 4,16 --out "$log/ring-steady"; }
 P2P=--xla_gpu_use_memcpy_local_p2p=true  # collective-permutes between one process's GPUs as copies (copy engines)
@@ -716,6 +723,9 @@ declare -A PRESETS=(
   # tested and A/B'd on 2 GPUs (issue 18), DEADLINE=560
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
+  [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
+  [s37f]="0:l2-ab"  # (one GPU: head sections of 32 MiB timed against 16, documents and causal)
+  [s37e]="0-1:ring-l2,tile-costs"  # (head sections of 32 MiB on 2 GPUs, then the tile costs on GPU 0)
   [s37c]="0:hopper-tests,documents16"  # (the backward kernel's new DKV_IN on one GPU: every Hopper test, documents)
   [s37b]="0-1:ring-p5,ring-paired-p5"  # (ring.DKV_INTO: tests, A/B, traces; then it in turns with one GPU)
   [s37a]="0-1:ring-qinplace,ring-trace-coalesce"  # (Q_IN_PLACE and ZEROS_BY_DELTA: tests, A/B; then option B trace)

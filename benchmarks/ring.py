@@ -69,8 +69,8 @@ RING_SWITCHES = {
                       "default since session 37)"),
     "no-zeros-by-delta": ("ZEROS_BY_DELTA", False, "the backward's dQ accumulator zeroed by XLA's broadcast (by a "
                           "memset in the delta kernel's launch by default since session 37)"),
-    "dkv-into": ("DKV_INTO", True, "the backward's first step's pairs write dK / dV into the buffer that travels home "
-                 "(off by default: built in session 37)"),
+    "no-dkv-into": ("DKV_INTO", False, "the backward's first step's pairs' dK / dV placed and packed into a float32 "
+                    "wire (written into the buffer that travels home by default since session 37)"),
     "no-dq-once": ("DQ_ONCE", False, "the backward's pairs each zero, cast and return their own dQ, added up after "
                    "the kernels (one accumulator by default since session 35)"),
     "narrow-accumulators": ("NARROW_ACCUMULATOR_HOPS", 1, "the backward's dK/dV accumulators travel in the inputs' "

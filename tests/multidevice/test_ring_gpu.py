@@ -60,11 +60,11 @@ RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WI
     ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False, False),
     ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False, False),
     ("zigzag-dq-once-copies", "zigzag", True, True, True, True, False, False),  # session 35's default
-    # the default since session 37: every switch on (Q_IN_PLACE and ZEROS_BY_DELTA; contiguous rings' pairs are every
-    # local row: nothing to read in place)
-    ("zigzag-defaults", "zigzag", True, True, True, True, True, False),
-    # dK / dV written into the wire by the first backward step's pairs (ring.DKV_INTO, session 37)
-    ("zigzag-dkv-into", "zigzag", True, True, True, True, True, True),
+    # Q_IN_PLACE and ZEROS_BY_DELTA on (session 37; contiguous rings' pairs are every local row: nothing in place)
+    ("zigzag-q-in-place", "zigzag", True, True, True, True, True, False),
+    # the default since session 37: every switch on, dK / dV written into the wire by the first backward step's pairs
+    # (ring.DKV_INTO) too
+    ("zigzag-defaults", "zigzag", True, True, True, True, True, True),
 ]
 
 

@@ -126,8 +126,11 @@ ZEROS_BY_DELTA = True
 # in session 36's trace at 32k tokens over 2 H200s, 16/16 heads) and read back as float32 by the final add (512 ->
 # 384 MiB). Rows no pair wrote travel as garbage and are dropped by the receiver (`_Owed`). A device whose pairs
 # share a key chunk rounds their sum once in the kernel (round(round(A) + B)), so a key's roundings stay four, as
-# with the float32 wire (notes/studies/s36-ring-bwd-glue.md, A2 without its scratch). Built in session 37.
-DKV_INTO = False
+# with the float32 wire (notes/studies/s36-ring-bwd-glue.md, A2 without its scratch). Session 37 (2 H200s, `ring.py`,
+# each form twice in its own process, 4 calls a sample): fwd+bwd 14.70 / 14.63 ms -> 14.55 / 14.57, the same runs' one
+# GPU 26.48-26.63; one call's trace: the pack gone, the send 1110 -> 533 us, the final add 123 -> 91 us, the pair
+# kernels ~2% slower (+45 us each, not understood), the call's span -145 / -166 us; its GPU tests pass. On.
+DKV_INTO = True
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
