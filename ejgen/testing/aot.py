@@ -88,7 +88,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                   fast_tanh: bool = False, staged_backward: bool | None = None, backward_only: bool = False,
                   docs_masks: bool | None = None, persistent_segments: bool | None = None,
                   kv_wire: bool = False, merge: bool = False, dq_into: bool = False, q_in_place: bool = False,
-                  dkv_into: bool = False) -> dict:
+                  dkv_into: bool | str = False) -> dict:
     """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs; ``dynamic``:
     the forward's dynamic tile queue; ``forward_only``: the forward alone; ``layout``: a block layout of (block_q,
     block_k, per head) (the kernels walk lists: LIST, `gluon.host.fwd_lists` / `bwd_lists`); ``spec``: a generated
@@ -105,7 +105,8 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     the backward adds dQ into an accumulator of twice the rows from a row read at run time (DQ_ROWS, DQ_OFF_AT:
     `ring.DQ_ONCE`); ``q_in_place`` (with ``dq_into``): and reads q and dO from that row of tensors of as many rows
     (QDO_IN_PLACE: `ring.Q_IN_PLACE`); ``dkv_into`` (with ``kv_wire``): and writes dK / dV into a buffer laid out as
-    that block's k and v at the keys' row, adding where a run-time flag says (DKV_AT, DKV_ADD_AT: `ring.DKV_INTO`)."""
+    that block's k and v at the keys' row, adding where a run-time flag says (DKV_AT, DKV_ADD_AT: `ring.DKV_INTO`;
+    "store": without the add, as the first pair writing a new buffer)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -161,7 +162,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                                                kv_rows=2 * seq if kv_wire else None, kv_off_at=3 if kv_wire else 0,
                                                q_in_place=q_in_place,
                                                dkv_at=batch * 2 * seq * kv_heads * head_dim if dkv_into else 0,
-                                               dkv_add_at=4 if dkv_into else 0,
+                                               dkv_add_at=4 if dkv_into and dkv_into != "store" else 0,
                                                fast_tanh=fast_tanh, staged=staged_bwd),
                 bwd_pointers)]
     if forward_only:
