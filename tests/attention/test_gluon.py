@@ -865,6 +865,28 @@ def test_the_rings_hopper_entries_of_the_wrong_form_are_refused(monkeypatch):
             jax.grad(lambda q: flash_attention(q, q, q, causal=True, platform="triton").astype(jnp.float32).sum())(q)
 
 
+def test_a_dk_dv_wire_is_refused_off_the_hopper_backward(monkeypatch):
+    """`api.DKV_INTO` given to a call whose backward is not the Hopper one (here the generated Triton kernels: no
+    sm_90 GPU): one clear error when the backward is traced, naming the entry and the backward it got."""
+    import numpy as np
+
+    from ejgen.ops import flash_attention
+    from ejgen.runtime.attention import api
+    from ejgen.runtime.attention.triton import host as triton_host
+
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 128, 2, 64)), jnp.bfloat16)
+    real = triton_host._backward
+
+    def backward(layout, q5, k, v, out, lse, d_out, d_lse, ctx, cfg, choice):
+        return real(layout, q5, k, v, out, lse, d_out, d_lse, {**ctx, api.DKV_INTO: (None, None)}, cfg, choice)
+
+    monkeypatch.setattr(triton_host, "_backward", backward)
+    loss = lambda q: flash_attention(q, q, q, causal=True, platform="triton").astype(jnp.float32).sum()  # noqa: E731
+    with pytest.raises(ValueError, match=r"dK / dV into a wire \(`api.DKV_INTO`\) are the Hopper backward's: this "
+                                         r"call's backward is triton"):
+        jax.jit(jax.grad(loss)).lower(q)
+
+
 def test_merge_into_is_the_softmax_over_both_key_sets():
     """`api.merge_into` (what the Hopper forward's MERGE epilogue computes, the ring's `_merge` and any other backend
     after its kernels) against a float64 reference of the softmax over both key sets: out and lse, rows only one side

@@ -1138,7 +1138,7 @@ def _backward(plan: Plan, residuals, cotangents):
                 received, results = _after_kernels(received, results)
             # dK / dV of the held block, this step's part: the pairs placed on their key rows (no zeros written and
             # updated in place, no separate concatenation onto the wire: XLA fuses it into what reads it); into_wire:
-            # the buffer they wrote, and the rows that the device sending this step's block here wrote of its own
+            # none, the buffer they wrote travels as it is
             part = None if into_wire else {
                 n: _placed([(k0, res[i]) for (_, k0, _), res in zip(pairs, results)], chunk, x.shape[1])
                 for i, n, x in ((1, "k", k), (2, "v", v))}
@@ -1161,7 +1161,7 @@ def _backward(plan: Plan, residuals, cotangents):
             ahead, arrived = _arrived(received, both, size, owed, dkv_wire if owed_here else alone)
             if owed_here:  # (the rows its sender's pairs wrote; garbage elsewhere, dropped by a select)
                 arrived = {n: jnp.where(pending.cover[:, None, None], x, 0) for n, x in arrived.items()}
-            if into_wire:
+            if into_wire:  # (with the rows that the device ahead, whose buffer arrives here next step, writes)
                 pending = _Owed(results[-1][1], _covered(slots, (r + 1) % plan.devices, chunk, k.shape[1]))
             else:
                 pending = part if arrived is None else {n: x.astype(f32) + part[n] for n, x in arrived.items()}
