@@ -563,6 +563,12 @@ j_ring-l2() {  # the forward's head sections of 32 MiB of K and V (gluon.host.L2
     job "ring-l2-32-$i" 80 python3 "${RING[@]}" --parts time --passes fwd --l2-kv-budget 32 --out "$log/ring-l2-32-$i"
   done
 }
+j_ring-trace-dkv() {  # one call's kernels without ring.DKV_INTO, then with it (its default): does the first step's
+  # pair kernels' +2% of session 37's call 3 come back?
+  job ring-trace-dkv-off 100 python3 "${RING[@]}" --parts profile --passes fwdbwd --no-dkv-into \
+    --out "$log/ring-trace-dkv-off"
+  job ring-trace-dkv-on 100 python3 "${RING[@]}" --parts profile --passes fwdbwd --out "$log/ring-trace-dkv-on"
+}
 j_ring-trace-coalesce() {  # why the coalesced backward (ring.COALESCE_BACKWARD) lost in session 34: one call's
   # kernels, the default then the switch on (notes/studies/s36-ring-bwd-glue.md, option B)
   job ring-trace-base 150 python3 "${RING[@]}" --parts profile --out "$log/ring-trace-base"
@@ -724,6 +730,7 @@ declare -A PRESETS=(
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
+  [s37g]="0-1:ring-paired,ring-trace-dkv"  # (the ring's final defaults in turns with one GPU, then DKV_INTO's traces)
   [s37f]="0:l2-ab"  # (one GPU: head sections of 32 MiB timed against 16, documents and causal)
   [s37e]="0-1:ring-l2,tile-costs"  # (head sections of 32 MiB on 2 GPUs, then the tile costs on GPU 0)
   [s37c]="0:hopper-tests,documents16"  # (the backward kernel's new DKV_IN on one GPU: every Hopper test, documents)
