@@ -33,6 +33,7 @@
 #   ring-paired    one GPU and the ring timed in turns, 7 rounds, 4 and 16 calls a sample (2 GPUs)
 #   ring-qinplace  the ring tests, then the default against --no-q-in-place and --no-zeros-by-delta (2 GPUs)
 #   ring-p5        the ring tests, then the default against --no-dkv-into, each twice, and one call's kernels of each
+#   ring-sections  one call's kernels with and without --layout-sections, then each timed twice (2 GPUs)
 #   ring-trace-coalesce  one ring call's kernels, default and --coalesce-backward (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
@@ -569,6 +570,18 @@ j_ring-trace-dkv() {  # one call's kernels without ring.DKV_INTO, then with it (
     --out "$log/ring-trace-dkv-off"
   job ring-trace-dkv-on 100 python3 "${RING[@]}" --parts profile --passes fwdbwd --out "$log/ring-trace-dkv-on"
 }
+j_ring-sections() {  # the wide step's tiles a head section at a time (gluon.host.LAYOUT_HEAD_SECTIONS, restored in
+  # session 37, off; notes/studies/s37-ring-fwd.md, A): one call's kernels of each form, then each timed twice in its
+  # own process (accept: step 1 >= 40 us faster on both GPUs in the traces)
+  job ring-sections-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-sections-trace-off"
+  job ring-sections-trace-on 90 python3 "${RING[@]}" --parts profile --passes fwd --layout-sections \
+    --out "$log/ring-sections-trace-on"
+  local i
+  for i in 1 2; do
+    job "ring-sections-off-$i" 80 python3 "${RING[@]}" --parts time --out "$log/ring-sections-off-$i"
+    job "ring-sections-on-$i" 80 python3 "${RING[@]}" --parts time --layout-sections --out "$log/ring-sections-on-$i"
+  done
+}
 j_ring-trace-coalesce() {  # why the coalesced backward (ring.COALESCE_BACKWARD) lost in session 34: one call's
   # kernels, the default then the switch on (notes/studies/s36-ring-bwd-glue.md, option B)
   job ring-trace-base 150 python3 "${RING[@]}" --parts profile --out "$log/ring-trace-base"
@@ -730,6 +743,7 @@ declare -A PRESETS=(
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
+  [s38a]="0-1:ring-sections"  # (next: notes/studies/s37-ring-fwd.md's A on 2 GPUs)
   [s37g]="0-1:ring-paired,ring-trace-dkv"  # (the ring's final defaults in turns with one GPU, then DKV_INTO's traces)
   [s37f]="0:l2-ab"  # (one GPU: head sections of 32 MiB timed against 16, documents and causal)
   [s37e]="0-1:ring-l2,tile-costs"  # (head sections of 32 MiB on 2 GPUs, then the tile costs on GPU 0)

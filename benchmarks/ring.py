@@ -104,6 +104,8 @@ def parse_args(argv=None):
                         "default) or as two (impl ring-zigzag-pairs); both: each, same process")
     for flag, (_, _, text) in RING_SWITCHES.items():
         p.add_argument(f"--{flag}", action="store_true", help=text)
+    p.add_argument("--layout-sections", action="store_true", help="the wide step's tiles a head section at a time "
+                   "(gluon.host.LAYOUT_HEAD_SECTIONS: off by default, restored in session 37 for a trace)")
     p.add_argument("--l2-kv-budget", type=int, default=0, help="MiB of K and V a head section of the Hopper forward's "
                    "tile order holds (gluon.host.L2_KV_BUDGET, one GPU's calls and the ring's alike; 0: its default)")
     p.add_argument("--budget-s", type=float, default=500, help="start no case after this many seconds")
@@ -502,10 +504,12 @@ def main():
     for flag, (switch, value, _) in RING_SWITCHES.items():
         if getattr(ARGS, flag.replace("-", "_")):  # the ring's switches, read as each call is traced
             setattr(ring_runtime, switch, value)
-    if ARGS.l2_kv_budget:
+    if ARGS.l2_kv_budget or ARGS.layout_sections:  # (read as each call is traced)
         from ejgen.runtime.attention.gluon import host as gluon_host
 
-        gluon_host.L2_KV_BUDGET = ARGS.l2_kv_budget << 20
+        if ARGS.l2_kv_budget:
+            gluon_host.L2_KV_BUDGET = ARGS.l2_kv_budget << 20
+        gluon_host.LAYOUT_HEAD_SECTIONS = gluon_host.LAYOUT_HEAD_SECTIONS or ARGS.layout_sections
     if ARGS.cpu_smoke:
         platform = "xla"
         ARGS.check_seq, ARGS.mesh_seq, ARGS.strong_seq, ARGS.weak_base = 256, 256, 256, 128

@@ -1240,6 +1240,55 @@ LAYOUT_TABLE_CASES = [  # (id, seq, (block_q, block_k), per head, causal, segmen
 ]
 
 
+def test_layout_head_sections_deal_a_section_at_a_time():
+    """`order_by_work` with ``section`` (gluon.host.LAYOUT_HEAD_SECTIONS, off until a GPU trace): still a permutation
+    of the tiles, each section of heads dealt whole (every row of it, heaviest first) before the next (the last
+    section may hold fewer heads); without it, each row's heads stay next to each other."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for batch, hq, n_m, section in ((1, 16, 128, 2), (2, 6, 8, 4), (1, 5, 7, 2)):
+        work = jnp.asarray(rng.integers(0, 5, (batch, 1, n_m)), jnp.int32)
+        bh = batch * hq
+        order = np.asarray(gluon_attention.order_by_work(work, hq, 1, section))
+        assert sorted(order.tolist()) == list(range(n_m * bh))
+        sections = (order % bh) % hq // section
+        assert (np.diff(sections) >= 0).all(), sections
+        tile_work = np.asarray(work)[(order % bh) // hq, 0, order // bh]
+        for s_ in np.unique(sections):
+            assert (np.diff(tile_work[sections == s_]) <= 0).all(), (s_, tile_work[sections == s_])
+        plain = np.asarray(gluon_attention.order_by_work(work, hq, 1))
+        assert (plain[:hq] // bh == plain[0] // bh).all()  # one row's heads first
+
+
+def test_the_forward_deals_layout_tiles_by_head_sections_when_switched_on(monkeypatch):
+    """With `gluon.host.LAYOUT_HEAD_SECTIONS` on, a block-layout call's forward on a (pretended) Hopper GPU launches
+    with its tiles in `order_by_work`'s section order (`head_group` heads a section); off, in the rows' order."""
+    import numpy as np
+
+    from ejgen.ops import blocksparse_attention
+
+    seen = pretend_hopper(monkeypatch)
+    b, h, s, d = 1, 8, 1024, 128
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((b, h, s, d)), jnp.bfloat16)
+    layout = np.tril(np.ones((s // 128, s // 128), bool))[None, None]
+    orders = {}
+    for on in (False, True):
+        monkeypatch.setattr(gluon_attention, "LAYOUT_HEAD_SECTIONS", on)
+        monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * s * d * 2 * 2)  # two kv heads a section
+        seen.clear()
+        jax.block_until_ready(blocksparse_attention(q, q, q, qkv_layouts=layout, chunk_size=128, causal=False,
+                                                    platform="triton"))
+        fwd = [x for x in seen if x[0].__name__ == "gluon_attention_fwd_kernel"]
+        assert len(fwd) == 1 and fwd[0][4]["LIST"], [x[0].__name__ for x in seen]
+        kernel, _, inputs, _, _ = fwd[0]
+        orders[on] = np.asarray(inputs[kernel.arg_names.index("ORDER")])
+    for on, order in orders.items():
+        assert sorted(order.tolist()) == list(range(len(order)))
+        heads = order % h
+        assert (np.diff(heads // 2) >= 0).all() == on, heads[:24]
+
+
 @pytest.mark.parametrize("seq,block,per_head,causal,documents", [c[1:] for c in LAYOUT_TABLE_CASES],
                          ids=[c[0] for c in LAYOUT_TABLE_CASES])
 def test_block_layouts_become_the_kernels_lists(seq, block, per_head, causal, documents):

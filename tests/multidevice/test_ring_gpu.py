@@ -50,27 +50,31 @@ def _run(fn, diff, d_out, d_lse):
     return jax.block_until_ready(run(diff, d_out, d_lse))
 
 
-RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WIRE_BWD, Q_IN_PLACE, DKV_INTO)
-    ("zigzag", "zigzag", False, False, False, False, False, False),
-    ("contiguous", "contiguous", False, False, False, False, False, False),
-    ("zigzag-kv-from-wire", "zigzag", True, False, False, False, False, False),
-    ("zigzag-kv-from-wire-merge-in-kernel", "zigzag", True, True, False, False, False, False),
-    ("zigzag-dq-once", "zigzag", True, True, True, False, False, False),
-    ("contiguous-dq-once", "contiguous", False, False, True, False, False, False),
-    ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False, False),
-    ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False, False),
-    ("zigzag-dq-once-copies", "zigzag", True, True, True, True, False, False),  # session 35's default
+RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WIRE_BWD, Q_IN_PLACE, DKV_INTO,
+    # gluon.host.LAYOUT_HEAD_SECTIONS)
+    ("zigzag", "zigzag", False, False, False, False, False, False, False),
+    ("contiguous", "contiguous", False, False, False, False, False, False, False),
+    ("zigzag-kv-from-wire", "zigzag", True, False, False, False, False, False, False),
+    ("zigzag-kv-from-wire-merge-in-kernel", "zigzag", True, True, False, False, False, False, False),
+    ("zigzag-dq-once", "zigzag", True, True, True, False, False, False, False),
+    ("contiguous-dq-once", "contiguous", False, False, True, False, False, False, False),
+    ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False, False, False),
+    ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False, False, False),
+    ("zigzag-dq-once-copies", "zigzag", True, True, True, True, False, False, False),  # session 35's default
     # Q_IN_PLACE and ZEROS_BY_DELTA on (session 37; contiguous rings' pairs are every local row: nothing in place)
-    ("zigzag-q-in-place", "zigzag", True, True, True, True, True, False),
+    ("zigzag-q-in-place", "zigzag", True, True, True, True, True, False, False),
     # the default since session 37: every switch on, dK / dV written into the wire by the first backward step's pairs
     # (ring.DKV_INTO) too
-    ("zigzag-defaults", "zigzag", True, True, True, True, True, True),
+    ("zigzag-defaults", "zigzag", True, True, True, True, True, True, False),
+    # the wide step's tiles a head section at a time (gluon.host.LAYOUT_HEAD_SECTIONS, off; restored in session 37)
+    ("zigzag-layout-sections", "zigzag", True, True, True, True, True, True, True),
 ]
 
 
-@pytest.mark.parametrize("order,wire,merge,once,wire_bwd,in_place,dkv", [c[1:] for c in RING_FORMS],
+@pytest.mark.parametrize("order,wire,merge,once,wire_bwd,in_place,dkv,sections", [c[1:] for c in RING_FORMS],
                          ids=[c[0] for c in RING_FORMS])
-def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place, dkv, caplog, monkeypatch):
+def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place, dkv, sections, caplog,
+                                   monkeypatch):
     """Causal, GQA 8/2, D 128, bf16 over every GPU: out, lse and every gradient against the oracle; on Hopper every
     kind of step (full blocks, the diagonal, zigzag's coalesced calls) takes the Hopper kernel set both ways:
     every kernel launched is a Gluon one; with ``wire`` (ring.KV_FROM_WIRE) zigzag's coalesced forward reads K and V
@@ -80,7 +84,8 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
     block read K and V out of it (KV_AT); with ``in_place`` (ring.Q_IN_PLACE, with ``once``) they read their rows of
     q and dO where they lie (QDO_IN_PLACE), and the accumulator is zeroed by the delta kernel's launch
     (ring.ZEROS_BY_DELTA); with ``dkv`` (ring.DKV_INTO) the received block's pairs write dK / dV into the buffer
-    that travels home (DKV_AT), the pairs after the first into the first's, adding where they share keys."""
+    that travels home (DKV_AT), the pairs after the first into the first's, adding where they share keys; with
+    ``sections`` (gluon.host.LAYOUT_HEAD_SECTIONS) the wide step's tiles go a head section at a time."""
     from ejgen.runtime.attention import ring
     from ejgen.runtime.attention.gluon import host as gluon_attention
     from ejgen.runtime.launch import triton_call
@@ -103,6 +108,9 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
     monkeypatch.setattr(ring, "Q_IN_PLACE", in_place)
     monkeypatch.setattr(ring, "ZEROS_BY_DELTA", in_place)  # (the accumulator's zeros by the delta launch's memset)
     monkeypatch.setattr(ring, "DKV_INTO", dkv)
+    monkeypatch.setattr(gluon_attention, "LAYOUT_HEAD_SECTIONS", sections)
+    if sections:  # one kv head's K and V of a device's block (256 rows) a section: 2 sections of the 8 query heads
+        monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 256 * 128 * 2)
     n = GPUS
     shape = AttnShape(1, 256 * n, 256 * n, 8, 2, 128)
     rng = rng_for("ring-gpu", order, shape)

@@ -460,15 +460,32 @@ def tile_order(ranges, hq: int, causal: bool, programs: int):
     return order_by_work(jnp.maximum(hi - lo, 1)[:, None], hq, programs)  # a tile visits at least one block
 
 
-def order_by_work(work, hq: int, programs: int):
+# A block layout's tiles taken a head section at a time (`head_group` heads: K and V of a section within
+# L2_KV_BUDGET), every row of a section heaviest first before the next section, as `_tile` deals causal calls; off,
+# each row's heads are next to each other, so the dynamic queue has every head's K and V in flight at once. Session
+# 34 timed it once on the ring (2 H200s, 32k tokens: 1.71 / 1.79x -> 1.72 / 1.78x, no trace) and removed it; session
+# 37's study (notes/studies/s37-ring-fwd.md, A) puts the ring's wide step at the out-of-L2 rate (1.58-1.61 SM-us a
+# block against 1.45 for the same unmasked work alone: 16 heads' K and V, 64-128 MiB, against 50 MB of L2). Restored
+# in session 37, not yet GPU-run: off until a trace of the wide step says (`ring.py --parts profile --layout-sections`).
+LAYOUT_HEAD_SECTIONS = False
+
+
+def order_by_work(work, hq: int, programs: int, section: int | None = None):
     """`tile_order` from each tile's work, int [B, 1|hq, N_M] (key blocks; 1: every head alike, whose tiles then
-    stay next to each other): heaviest first, dealt as a snake to ``programs`` (1: one list)."""
+    stay next to each other): heaviest first, dealt as a snake to ``programs`` (1: one list). ``section`` (work of
+    every head alike): heads in sections of that many, each section's tiles heaviest first before the next's."""
     import jax.numpy as jnp
 
     batch, heads, n_m = work.shape
     bh = batch * hq
     entry = jnp.arange(n_m * bh, dtype=jnp.int32)  # i_m * bh + (b * hq + h): heads of a row next to each other
-    if heads == 1:
+    if heads == 1 and section and section < hq:
+        rank = _rank(work[:, 0].T.reshape(-1))  # per (i_m, b) row
+        h = entry % hq
+        first = (h // section) * section  # the section's first head; the last section may hold fewer
+        k = first * (n_m * batch) + rank[(entry // bh) * batch + (entry % bh) // hq] * jnp.minimum(
+            section, hq - first) + h - first
+    elif heads == 1:
         rank = _rank(work[:, 0].T.reshape(-1))  # per (i_m, b) row
         k = rank[(entry // bh) * batch + (entry % bh) // hq] * hq + entry % hq  # its place, heaviest first
     else:

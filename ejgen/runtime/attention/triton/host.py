@@ -372,12 +372,15 @@ def _gluon_walk(layout: Layout, cfg, batch: int, hq: int, sq: int) -> tuple:
     return grid, spec, mask_tiles, listed, tiles, dynamic
 
 
-def _gluon_lists(ctx, cfg, mask_tiles, batch: int, hq: int, sq: int, block_n: int, programs: int) -> tuple:
+def _gluon_lists(ctx, cfg, mask_tiles, batch: int, hq: int, sq: int, block_n: int, programs: int,
+                 section: int | None = None) -> tuple:
     """(RANGES int32 [TB, TH, N_M, 1 + N_N (+ N_N)], ORDER int32 [N_M * batch * hq]) of a Gluon forward that walks
     lists: its block lists (`gluon_attention.fwd_lists`) and its tiles by their counts, heaviest first, dealt to
-    ``programs`` (`gluon_attention.order_by_work`; 1: the dynamic queue's one list)."""
+    ``programs`` (`gluon_attention.order_by_work`; 1: the dynamic queue's one list), ``section`` heads at a time
+    (`gluon_attention.LAYOUT_HEAD_SECTIONS`)."""
     table, _, work = gluon_attention.fwd_lists(ctx, cfg, sq, mask_tiles, batch, hq, block_n)
-    return table, gluon_attention.order_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hq, programs)
+    return table, gluon_attention.order_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hq, programs,
+                                                section)
 
 
 def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool = False, wire=None, merge=None):
@@ -406,8 +409,10 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
         segments[1] = scalars[1]  # KSEG: I32 with the terms' table, whose key-side rows the producer stages
     lists = None
     if listed:
+        section = (gluon_attention.head_group(batch, hq, hkv, k.shape[1], d)
+                   if gluon_attention.LAYOUT_HEAD_SECTIONS else None)
         segments[2], order = _gluon_lists(ctx, cfg, mask_tiles, batch, hq, sq, tiles["BLOCK_N"],
-                                          1 if dynamic else grid[0])
+                                          1 if dynamic else grid[0], section)
         lists = gluon_attention.fwd_list_constexprs(segments[2], cfg, tiles["BLOCK_N"])
     elif ordered:
         segments[2], order = gluon_attention.segment_plan(ctx, cfg, sq, "fwd", hq, 1 if dynamic else grid[0],
