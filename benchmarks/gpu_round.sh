@@ -572,7 +572,9 @@ j_ring-trace-dkv() {  # one call's kernels without ring.DKV_INTO, then with it (
 }
 j_ring-sections() {  # the wide step's tiles a head section at a time (gluon.host.LAYOUT_HEAD_SECTIONS, restored in
   # session 37, off; notes/studies/s37-ring-fwd.md, A): one call's kernels of each form, then each timed twice in its
-  # own process (accept: step 1 >= 40 us faster on both GPUs in the traces)
+  # own process (accept: step 1 >= 40 us faster on both GPUs in the traces); its GPU ring form first
+  EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-sections-tests 120 python3 -m pytest -m gpu -q -rf \
+    -p no:cacheprovider tests/multidevice/test_ring_gpu.py -k "layout-sections or zigzag-defaults"
   job ring-sections-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-sections-trace-off"
   job ring-sections-trace-on 90 python3 "${RING[@]}" --parts profile --passes fwd --layout-sections \
     --out "$log/ring-sections-trace-on"
