@@ -163,7 +163,8 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         impls["ejgen-triton documents, per-program backward"] = impls["ejgen-triton documents"]
         switches["ejgen-triton documents, DOCS masks"] = ("DOCS_MASKS", True)
         switches["ejgen-triton documents, per-program backward"] = ("PERSISTENT_SEGMENTS_BWD", False)
-    if documents_only and not probe and not causal:  # (``causal``: the causal call, and the ideal, all the same)
+    causal = causal or probe or not documents_only  # the causal call (and the ideal) timed
+    if not causal:
         impls.pop("ejgen-triton causal (all tokens)")
     for name, value in forms:  # --switch: the documents (and the causal call, where timed) again with a `gluon.host`
         # switch set while they trace
@@ -203,7 +204,7 @@ def run(tokens: int, docs: int, reps: int, rounds: int, documents_only: bool = F
         ms = float(np.median(t)) * 1e3
         rows.append(dict(tokens=tokens, docs=docs, impl=name, pass_=pass_, ms=ms, tflops=mult * flops / ms / 1e9,
                          tile_share=share))
-    for pass_ in () if documents_only and not probe and not causal else ("fwd", "fwd+bwd"):
+    for pass_ in ("fwd", "fwd+bwd") if causal else ():
         full = next(r["ms"] for r in rows if r["impl"].startswith("ejgen-triton causal") and r["pass_"] == pass_)
         rows.append(dict(tokens=tokens, docs=docs, impl="ideal (causal x tile share)", pass_=pass_, ms=full * share,
                          tflops=None, tile_share=share))

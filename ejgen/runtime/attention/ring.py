@@ -917,14 +917,14 @@ def _dq_into(plan: Plan) -> bool:
                                                                  for _, _, choice in plan.calls))
 
 
-def _dkv_into(plan: Plan, k, v) -> bool:
+def _dkv_into(plan: Plan, kv: "Wire") -> bool:
     """Whether the backward's first step's pairs write dK / dV into the buffer that travels (DKV_INTO): DQ_ONCE's
     conditions (every backward call on the Hopper kernels, no wide backward), a ring of two steps from the device's
     own block (the first backward step holds the received block, whose dK / dV make the one hop home; the second
     keeps its own), that step's pairs reading K and V out of the wire (KV_FROM_WIRE_BWD), none skipped on any device,
-    and k and v of one 16-bit dtype and shape (the wire's layout)."""
-    if not (DKV_INTO and _dq_into(plan) and plan.start == 0 and plan.steps == 2 and k.shape == v.shape
-            and _wire_readable(Wire.of({"k": k, "v": v}), KV_FROM_WIRE_BWD)):
+    and ``kv`` (the wire of k and v alone, the dK / dV buffer's layout) of one 16-bit dtype and shape."""
+    if not (DKV_INTO and _dq_into(plan) and plan.start == 0 and plan.steps == 2 and kv.shapes[0] == kv.shapes[1]
+            and _wire_readable(kv, KV_FROM_WIRE_BWD)):
         return False
     runs = _runs(plan, reverse=True)
     stage = runs[0][0]
@@ -1051,7 +1051,8 @@ def _backward(plan: Plan, residuals, cotangents):
     travelling = lambda acc: {n: x.astype(carried[n]) for n, x in acc.items()}  # noqa: E731
     size = wire.size
     # DKV_INTO: the first step's pairs write dK / dV into the buffer that travels (`_Owed`), laid out as this wire
-    dkv, dkv_wire = _dkv_into(plan, k, v), Wire.of({"k": k, "v": v})
+    dkv_wire = Wire.of({"k": k, "v": v})
+    dkv = _dkv_into(plan, dkv_wire)
     # travel: the held block's buffer (None: the device's own block, not packed); pending: dK/dV of the block held
     # last step, to pass on (None before the first step); dq None before the first step's pairs, or (DQ_ONCE) the
     # one accumulator every pair's kernel adds into
