@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import typing
 
@@ -137,11 +138,9 @@ DKV_INTO = True
 # heads' halves (`api.HEADS_PART`): K goes during the first, V, held back by a barrier until it is done, during the
 # second. XLA's GPU scheduler keeps one collective-permute in flight, so two hops beside one kernel would leave the
 # second exposed (`Wire`). The step after reads the received k and v as they are. notes/studies/s37-ring-fwd.md, B.
-# Session 38 (2 H200s, 32k tokens, 16/16 heads): XLA ran K's hop synchronously after the first launch (261 us
-# exposed; forward 4.13 / 4.08 ms against 3.91 / 3.94 with the one wire); with each hop and its launch in one XLA
-# scheduling group (`_scheduling_group_id`) both hops ran synchronously after both launches (4.31 / 4.23 against 4.00
-# / 4.00), and at small sizes XLA combined the two hops into one. K's hop now leaves the same barrier as the first
-# launch's q, as V's leaves the second's inputs. Off until a GPU run says.
+# Each hop and its launch form one scheduling group (XLA's `_scheduling_group_id`, `_together`): without them XLA
+# ran K's hop synchronously after the first launch (session 38, 2 H200s: 261 us exposed; forward 4.13 / 4.08 ms
+# against 3.91 / 3.94 with the one wire). Off until a GPU run says.
 SEND_APART = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
@@ -942,16 +941,26 @@ def _send_apart(plan: Plan, kind: int, n: int, q, own: dict, ctx, r, s, halves):
     """(k and v of the device behind, each sent one hop; the first step's out and lse) with K's hop beside the first
     launch (the heads ``halves[0]``) and V's beside the second (``halves[1]``, writing into the first's buffers): V
     waits for the first launch by a barrier (XLA keeps one collective-permute in flight; SEND_APART)."""
-    # each hop's operand and its launch's q out of one barrier: both ready at once (as V and the second launch's
-    # inputs are), so that the scheduler starts the hop before the launch; without it, it ran K's hop synchronously
-    # after the first launch
-    k_go, q_go = lax.optimization_barrier((own["k"], q))
-    k_in = _shift(plan, k_go, 1)
-    result = _pair_forward(plan, kind, n, q_go, own, ctx, 0, 0, r, s, part=(halves[0], None))
+    with _together():
+        k_in = _shift(plan, own["k"], 1)
+        result = _pair_forward(plan, kind, n, q, own, ctx, 0, 0, r, s, part=(halves[0], None))
     v_go, result = lax.optimization_barrier((own["v"], result))
-    v_in = _shift(plan, v_go, 1)
-    result = _pair_forward(plan, kind, n, q, own, ctx, 0, 0, r, s, part=(halves[1], result))
+    with _together():
+        v_in = _shift(plan, v_go, 1)
+        result = _pair_forward(plan, kind, n, q, own, ctx, 0, 0, r, s, part=(halves[1], result))
     return {"k": k_in, "v": v_in}, result
+
+
+_GROUPS = itertools.count(1)
+
+
+def _together():
+    """A context in which every op traced joins one new scheduling group (the frontend attribute
+    `_scheduling_group_id`): XLA's latency-hiding scheduler places a group's collective's start before its compute
+    and the done after it (SEND_APART)."""
+    from jax.experimental.xla_metadata import set_xla_metadata
+
+    return set_xla_metadata(_scheduling_group_id=str(next(_GROUPS)))
 
 
 def _merges_in_kernel(plan: Plan, n: int) -> bool:
