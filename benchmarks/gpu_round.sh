@@ -590,14 +590,14 @@ j_ring-apart() {  # ring.SEND_APART (session 38): its GPU tests and the defaults
   # without it, then the forward timed both ways, each twice in its own process (notes/studies/s37-ring-fwd.md, B)
   EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-apart-tests 120 python3 -m pytest -m gpu -q -rf \
     -p no:cacheprovider tests/multidevice/test_ring_gpu.py -k "apart or one-wire or zigzag-defaults"
-  job ring-apart-trace-on 90 python3 "${RING[@]}" --parts profile --passes fwd --send-apart \
-    --out "$log/ring-apart-trace-on"
-  job ring-apart-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-apart-trace-off"
+  job ring-apart-trace-on 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-apart-trace-on"
+  job ring-apart-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --no-send-apart \
+    --out "$log/ring-apart-trace-off"
   local i
   for i in 1 2; do
-    job "ring-apart-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --send-apart \
-      --out "$log/ring-apart-on-$i"
-    job "ring-apart-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-apart-off-$i"
+    job "ring-apart-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-apart-on-$i"
+    job "ring-apart-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --no-send-apart \
+      --out "$log/ring-apart-off-$i"
   done
 }
 j_ring-trace-coalesce() {  # why the coalesced backward (ring.COALESCE_BACKWARD) lost in session 34: one call's
@@ -761,8 +761,7 @@ declare -A PRESETS=(
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
-  [s38c]="0-1:ring-apart"  # (ring.SEND_APART with its scheduling groups: tests, traces, A/B)
-  [s38b]="0-1:ring-apart,ring-paired"  # (ring.SEND_APART without scheduling groups: lost; then the defaults in turns)
+  [s38b]="0-1:ring-apart,ring-paired"  # (ring.SEND_APART: tests, traces, A/B; then the defaults in turns)
   [s38a]="0-1:ring-sections"  # (next: notes/studies/s37-ring-fwd.md's A on 2 GPUs)
   [s37g]="0-1:ring-paired,ring-trace-dkv"  # (the ring's final defaults in turns with one GPU, then DKV_INTO's traces)
   [s37f]="0:l2-ab"  # (one GPU: head sections of 32 MiB timed against 16, documents and causal)

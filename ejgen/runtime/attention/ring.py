@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import math
 import typing
 
@@ -138,10 +137,8 @@ DKV_INTO = True
 # heads' halves (`api.HEADS_PART`): K goes during the first, V, held back by a barrier until it is done, during the
 # second. XLA's GPU scheduler keeps one collective-permute in flight, so two hops beside one kernel would leave the
 # second exposed (`Wire`). The step after reads the received k and v as they are. notes/studies/s37-ring-fwd.md, B.
-# Each hop and its launch form one scheduling group (XLA's `_scheduling_group_id`, `_together`): without them XLA
-# ran K's hop synchronously after the first launch (session 38, 2 H200s: 261 us exposed; forward 4.13 / 4.08 ms
-# against 3.91 / 3.94 with the one wire). Off until a GPU run says.
-SEND_APART = False
+# Built in session 38.
+SEND_APART = True
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
@@ -941,26 +938,12 @@ def _send_apart(plan: Plan, kind: int, n: int, q, own: dict, ctx, r, s, halves):
     """(k and v of the device behind, each sent one hop; the first step's out and lse) with K's hop beside the first
     launch (the heads ``halves[0]``) and V's beside the second (``halves[1]``, writing into the first's buffers): V
     waits for the first launch by a barrier (XLA keeps one collective-permute in flight; SEND_APART)."""
-    with _together():
-        k_in = _shift(plan, own["k"], 1)
-        result = _pair_forward(plan, kind, n, q, own, ctx, 0, 0, r, s, part=(halves[0], None))
+    k_in = _shift(plan, own["k"], 1)
+    result = _pair_forward(plan, kind, n, q, own, ctx, 0, 0, r, s, part=(halves[0], None))
     v_go, result = lax.optimization_barrier((own["v"], result))
-    with _together():
-        v_in = _shift(plan, v_go, 1)
-        result = _pair_forward(plan, kind, n, q, own, ctx, 0, 0, r, s, part=(halves[1], result))
+    v_in = _shift(plan, v_go, 1)
+    result = _pair_forward(plan, kind, n, q, own, ctx, 0, 0, r, s, part=(halves[1], result))
     return {"k": k_in, "v": v_in}, result
-
-
-_GROUPS = itertools.count(1)
-
-
-def _together():
-    """A context in which every op traced joins one new scheduling group (the frontend attribute
-    `_scheduling_group_id`): XLA's latency-hiding scheduler places a group's collective's start before its compute
-    and the done after it (SEND_APART)."""
-    from jax.experimental.xla_metadata import set_xla_metadata
-
-    return set_xla_metadata(_scheduling_group_id=str(next(_GROUPS)))
 
 
 def _merges_in_kernel(plan: Plan, n: int) -> bool:
