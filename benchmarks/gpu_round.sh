@@ -34,8 +34,6 @@
 #   ring-qinplace  the ring tests, then the default against --no-q-in-place and --no-zeros-by-delta (2 GPUs)
 #   ring-p5        the ring tests, then the default against --no-dkv-into, each twice, and one call's kernels of each
 #   ring-sections  one call's kernels with and without --layout-sections, then each timed twice (2 GPUs)
-#   ring-apart     ring.SEND_APART: its GPU tests, one forward call's kernels with and without, the forward timed both
-#                  ways twice (2 GPUs)
 #   ring-trace-coalesce  one ring call's kernels, default and --coalesce-backward (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
@@ -586,20 +584,6 @@ j_ring-sections() {  # the wide step's tiles a head section at a time (gluon.hos
     job "ring-sections-on-$i" 80 python3 "${RING[@]}" --parts time --layout-sections --out "$log/ring-sections-on-$i"
   done
 }
-j_ring-apart() {  # ring.SEND_APART (session 38): its GPU tests and the defaults', one forward call's kernels with and
-  # without it, then the forward timed both ways, each twice in its own process (notes/studies/s37-ring-fwd.md, B)
-  EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-apart-tests 120 python3 -m pytest -m gpu -q -rf \
-    -p no:cacheprovider tests/multidevice/test_ring_gpu.py -k "apart or one-wire or zigzag-defaults"
-  job ring-apart-trace-on 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-apart-trace-on"
-  job ring-apart-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --no-send-apart \
-    --out "$log/ring-apart-trace-off"
-  local i
-  for i in 1 2; do
-    job "ring-apart-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-apart-on-$i"
-    job "ring-apart-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --no-send-apart \
-      --out "$log/ring-apart-off-$i"
-  done
-}
 j_ring-trace-coalesce() {  # why the coalesced backward (ring.COALESCE_BACKWARD) lost in session 34: one call's
   # kernels, the default then the switch on (notes/studies/s36-ring-bwd-glue.md, option B)
   job ring-trace-base 150 python3 "${RING[@]}" --parts profile --out "$log/ring-trace-base"
@@ -761,7 +745,6 @@ declare -A PRESETS=(
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
-  [s38b]="0-1:ring-apart,ring-paired"  # (ring.SEND_APART: tests, traces, A/B; then the defaults in turns)
   [s38a]="0-1:ring-sections"  # (next: notes/studies/s37-ring-fwd.md's A on 2 GPUs)
   [s37g]="0-1:ring-paired,ring-trace-dkv"  # (the ring's final defaults in turns with one GPU, then DKV_INTO's traces)
   [s37f]="0:l2-ab"  # (one GPU: head sections of 32 MiB timed against 16, documents and causal)

@@ -71,8 +71,6 @@ RING_SWITCHES = {
                           "memset in the delta kernel's launch by default since session 37)"),
     "no-dkv-into": ("DKV_INTO", False, "the backward's first step's pairs' dK / dV placed and packed into a float32 "
                     "wire (written into the buffer that travels home by default since session 37)"),
-    "no-send-apart": ("SEND_APART", False, "the forward alone sends K and V packed into one buffer, its first step "
-                      "one launch (sent as two hops, the first step in two launches, by default since session 38)"),
     "no-dq-once": ("DQ_ONCE", False, "the backward's pairs each zero, cast and return their own dQ, added up after "
                    "the kernels (one accumulator by default since session 35)"),
     "narrow-accumulators": ("NARROW_ACCUMULATOR_HOPS", 1, "the backward's dK/dV accumulators travel in the inputs' "
