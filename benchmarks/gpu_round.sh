@@ -608,6 +608,11 @@ j_ring-wide() { job ring-wide 150 python3 "${RING[@]}" --parts time --coalesce b
 j_ring-wide-bwd() { job ring-wide-bwd 150 python3 "${RING[@]}" --parts time --coalesce both --coalesce-backward \
   --out "$log/ring-wide-bwd"; }
 j_ring-gaps() { job ring-gaps 120 python3 "${RING[@]}" --parts gaps --out "$log/ring"; }
+j_ring-gaps16() {  # where the ring's forward loses at 16 calls a sample (session 38: 1.67-1.71x against 1.76-1.79 at
+  # 4): 16 forward calls back to back under the profiler, then 4
+  job ring-gaps16 120 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --out "$log/ring-gaps16"
+  job ring-gaps4 120 python3 "${RING[@]}" --parts gaps --passes fwd --batch 4 --out "$log/ring-gaps4"
+}
 j_ring-profile() { job ring-profile 100 python3 "${RING[@]}" --parts profile --out "$log/ring"; }
 
 lane() {  # lane GPUS JOBS: the jobs in order on those GPUs, their clocks sampled meanwhile
@@ -745,6 +750,8 @@ declare -A PRESETS=(
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
+  [s38e]="0-1:ring-gaps16"  # (session 38's calls 2-4 ran s38b-d: ring.SEND_APART, K and V as two hops, which lost
+  # three ways and was reverted: BENCHMARKS.md "Session 38")
   [s38a]="0-1:ring-sections"  # (next: notes/studies/s37-ring-fwd.md's A on 2 GPUs)
   [s37g]="0-1:ring-paired,ring-trace-dkv"  # (the ring's final defaults in turns with one GPU, then DKV_INTO's traces)
   [s37f]="0:l2-ab"  # (one GPU: head sections of 32 MiB timed against 16, documents and causal)
