@@ -109,6 +109,8 @@
 #   ring-p2p, ring-gaps-p2p, ring-tests-p2p  ring-steady, ring-gaps and ring-tests with XLA's collective-permutes
 #                  as peer copies (--xla_gpu_use_memcpy_local_p2p: copy engines, no NCCL kernels on the SMs)
 #   ring-gaps      the same calls back to back under the profiler: idle gaps against slower kernels (2 GPUs)
+#   ring-gaps16    the ring's forward alone, 16 then 4 calls back to back under the profiler: gaps, kernels a call
+#   cards          one GPU's 32k causal attention on each card in turns (cards.py: are the host's cards alike?)
 #   ring-profile   one call's kernels per device (2 GPUs)
 # Every lane also samples its GPUs' SM clocks and power (nvidia-smi, 200 ms) into clocks-<GPUS>.txt.
 #
@@ -608,6 +610,9 @@ j_ring-wide() { job ring-wide 150 python3 "${RING[@]}" --parts time --coalesce b
 j_ring-wide-bwd() { job ring-wide-bwd 150 python3 "${RING[@]}" --parts time --coalesce both --coalesce-backward \
   --out "$log/ring-wide-bwd"; }
 j_ring-gaps() { job ring-gaps 120 python3 "${RING[@]}" --parts gaps --out "$log/ring"; }
+j_cards() {  # one GPU's 32k causal attention on each card in turns (issue 18's ring runs at its slower card's pace)
+  job cards 150 python3 benchmarks/cards.py --seq 32768 --heads 16 --batch 16 --rounds 5
+}
 j_ring-gaps16() {  # where the ring's forward loses at 16 calls a sample (session 38: 1.67-1.71x against 1.76-1.79 at
   # 4): 16 forward calls back to back under the profiler, then 4
   job ring-gaps16 120 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --out "$log/ring-gaps16"
@@ -750,6 +755,7 @@ declare -A PRESETS=(
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
+  [s38f]="0-1:cards,ring-gaps16"  # (the cards' speeds; the ring's kernels over 16 and 4 calls)
   [s38e]="0-1:ring-gaps16"  # (session 38's calls 2-4 ran s38b-d: ring.SEND_APART, K and V as two hops, which lost
   # three ways and was reverted: BENCHMARKS.md "Session 38")
   [s38a]="0-1:ring-sections"  # (next: notes/studies/s37-ring-fwd.md's A on 2 GPUs)

@@ -196,6 +196,13 @@ def back_to_back(fn, args, trace_dir: Path, calls: int = 4, label: str = "", gap
                      f"idle in gaps over {gap_us:.0f} us {idle / calls / 1e3:.3f} ({len(gaps)} gaps)")
         for size, at, before, after in sorted(gaps, reverse=True)[:10]:
             lines.append(f"  gap {size:.1f} us at {at / 1e3:.3f} ms: after {before[:50]} | before {after[:50]}")
+        kinds = collections.defaultdict(list)  # kernel name -> its durations in the batch, in time order
+        for s in call:
+            kinds[s["name"].split("(")[0][:40]].append(s["dur"])
+        for name, durs in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))[:4]:  # whether kernels slow down
+            # over the batch (clocks) or some calls (a peer's wait)
+            lines.append(f"  {name}: {sum(durs) / calls:.1f} us a call; first " +
+                         " ".join(f"{d:.0f}" for d in durs[:4]) + " | last " + " ".join(f"{d:.0f}" for d in durs[-4:]))
     host = collections.Counter()
     for s in slices:
         if not _is_device(s["process"]):
