@@ -111,6 +111,7 @@
 #   ring-gaps      the same calls back to back under the profiler: idle gaps against slower kernels (2 GPUs)
 #   ring-gaps16    the ring's forward alone, 16 then 4 calls back to back under the profiler: gaps, kernels a call
 #   cards          one GPU's 32k causal attention on each card in turns (cards.py: are the host's cards alike?)
+#   ring-paired-each  ring-paired with a third form: the one-GPU call on both GPUs at once (every card busy)
 #   ring-profile   one call's kernels per device (2 GPUs)
 # Every lane also samples its GPUs' SM clocks and power (nvidia-smi, 200 ms) into clocks-<GPUS>.txt.
 #
@@ -594,6 +595,8 @@ j_ring-trace-coalesce() {  # why the coalesced backward (ring.COALESCE_BACKWARD)
 }
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
+j_ring-paired-each() { job ring-paired-each 300 python3 "${RING[@]}" --parts paired --each --rounds 7 --batch 4,16 \
+  --out "$log/ring-paired-each"; }  # (with a third form in the turns: the one-GPU call on both GPUs at once)
 j_ring-paired-p5() { job ring-paired-p5 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired-p5"; }  # (the same, run with ring.DKV_INTO on while it was off by default: session 37)
 j_ring-time() { job ring-time 100 python3 "${RING[@]}" --parts time --out "$log/ring"; }
@@ -755,6 +758,7 @@ declare -A PRESETS=(
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
+  [s38g]="0-1:ring-paired-each"  # (the ring in turns with one GPU, and with one GPU's call on both cards at once)
   [s38f]="0-1:cards,ring-gaps16"  # (the cards' speeds; the ring's kernels over 16 and 4 calls)
   [s38e]="0-1:ring-gaps16"  # (session 38's calls 2-4 ran s38b-d: ring.SEND_APART, K and V as two hops, which lost
   # three ways and was reverted: BENCHMARKS.md "Session 38")

@@ -95,6 +95,9 @@ def parse_args(argv=None):
     p.add_argument("--mesh-seq", type=int, default=65536)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5, help="rounds of the paired part (one GPU and the ring in turns)")
+    p.add_argument("--each", action="store_true", help="the paired part's turns take a third form: the one-GPU call "
+                   "on every GPU at once, each its own sequence (impl 1gpu-each; its spread: its rounds' ratios to "
+                   "the ring's times)")
     p.add_argument("--batch", default="4", help="calls a sample dispatches back to back (the project's method, "
                    "BENCHMARKS.md); 1 counts the host's launch and wake-up once per call. A comma-separated list "
                    "times each case at each (rows keyed by `calls`, each against the one-GPU row of the same calls): "
@@ -177,6 +180,16 @@ def single_gpu(platform):
     return lambda q, k, v: flash_attention(q, k, v, causal=True, platform=platform)
 
 
+def each_gpu(mesh, platform):
+    """The one-GPU call on every GPU of ``mesh`` at once, each its own sequence (inputs [GPUs, S, H, D] cut along the
+    batch): one GPU's time with every card busy (`part_paired`'s --each)."""
+    from ejgen.ops import flash_attention
+
+    cut = P("sp")
+    return jax.shard_map(lambda q, k, v: flash_attention(q, k, v, causal=True, platform=platform), mesh=mesh,
+                         in_specs=(cut,) * 3, out_specs=cut)
+
+
 def ring_fn(mesh, order, platform, return_lse=False):
     """``ring_attention`` over mesh axis "sp", inputs [B, S, H, D] cut along the sequence."""
     from ejgen.ops import ring_attention
@@ -240,39 +253,46 @@ def part_paired(devices, platform, out_dir):
     """One GPU and the zigzag ring timed in turns (`--rounds` rounds, each a median of `--reps` samples of each):
     both see the same clocks. Under a sustained load the H200's clocks fall from 1980 MHz to 1590-1740 (session 36's
     samples), and `time` measures one GPU first, then the ring. A row's ms is the median over rounds; `spread` the
-    lowest and highest ratio of one round's times."""
+    lowest and highest ratio of one round's times. --each: a third form in the turns, the one-GPU call on every GPU
+    at once (`each_gpu`, impl 1gpu-each: one GPU's time with every card busy, as the ring's cards are)."""
     n = len(devices)
     mesh = _mesh(devices)
     one = jax.sharding.SingleDeviceSharding(devices[0])
     for seq in SEQS:
         for heads in HEADS:
-            single, ring = _inputs(1, seq, *heads, one), _inputs(1, seq, *heads, NamedSharding(mesh, P(None, "sp")))
-            fns = (_passes(single_gpu(platform)), _passes(ring_fn(mesh, "zigzag", platform)))
+            inputs = [_inputs(1, seq, *heads, one), _inputs(1, seq, *heads, NamedSharding(mesh, P(None, "sp")))]
+            fns = [_passes(single_gpu(platform)), _passes(ring_fn(mesh, "zigzag", platform))]
+            impls = [("1gpu", 1), ("ring-zigzag", n)]
+            if ARGS.each:
+                inputs.append(_inputs(n, seq, *heads, NamedSharding(mesh, P("sp"))))
+                fns.append(_passes(each_gpu(mesh, platform)))
+                impls.append(("1gpu-each", 1))
             for pass_ in PASSES:
                 rows = [dict(part="paired", S=seq, heads=f"{heads[0]}/{heads[1]}", impl=impl, gpus=gpus,
-                             **{"pass": pass_}) for impl, gpus in (("1gpu", 1), ("ring-zigzag", n))]
+                             **{"pass": pass_}) for impl, gpus in impls]
                 try:
-                    for f, args in zip(fns, (single, ring)):
+                    for f, args in zip(fns, inputs):
                         jax.block_until_ready(f[pass_](*args))
                     for calls in BATCHES:
-                        times = [[], []]
+                        times = [[] for _ in fns]
                         for _ in range(ARGS.rounds):
-                            for i, (f, args) in enumerate(zip(fns, (single, ring))):
+                            for i, (f, args) in enumerate(zip(fns, inputs)):
                                 times[i].append(median_seconds(f[pass_], args, reps=ARGS.reps, warmup=1,
                                                                warm_seconds=0.1, batch=calls))
-                        ratios = [a / b for a, b in zip(*times)]
-                        for row, t in zip(rows, times):
+                        ratios = [a / b for a, b in zip(times[0], times[1])]
+                        for i, (row, t) in enumerate(zip(rows, times)):
                             ms = float(np.median(t)) * 1e3
                             total = flops(1, heads[0], seq, pass_) / (ms / 1e3) / 1e12
+                            spread = ratios if i == 1 else [a / b for a, b in zip(t, times[1])] if i == 2 else None
                             record(dict(row, calls=calls, ms=round(ms, 2), tflops=round(total, 1),
                                         per_gpu=round(total / row["gpus"], 1),
-                                        spread=f"{min(ratios):.2f}-{max(ratios):.2f}" if row["gpus"] > 1 else None),
+                                        spread=f"{min(spread):.2f}-{max(spread):.2f}" if spread else None),
                                    out_dir)
                 except Exception as e:  # noqa: BLE001 (rows with the error; the other cases go on)
                     for row in rows:
                         record(dict(row, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"), out_dir)
                     traceback.print_exc()
-            del single, ring
+            del inputs
 
 
 def _relative(a, b):
@@ -479,6 +499,12 @@ def summarise(out_dir: Path):
             lines.append(f"- issue 18, 2 GPUs, {r['impl']} S={_k(r['S'])} {r['heads']} {r['pass']}, "
                          f"{r.get('calls')} calls a sample{turns}: "
                          f"{r['vs_1gpu']}x one GPU (>= 1.8x: {ok})")
+            each = next((b for b in timed if b["impl"] == "1gpu-each" and b["part"] == r["part"] and b["S"] == r["S"]
+                         and b["heads"] == r["heads"] and b["pass"] == r["pass"] and b.get("calls") == r.get("calls")),
+                        None)
+            if each is not None:  # (not the issue's measure: one GPU timed while every card works, as the ring's do)
+                lines.append(f"  - against one GPU's time with every card busy (1gpu-each, {each['ms']} ms): "
+                             f"{each['ms'] / r['ms']:.2f}x (rounds {each['spread']})")
         if r["part"] == "scaling-weak" and r["gpus"] == 8 and r["pass"] == "fwdbwd" and r.get("eff"):
             ok = "met" if r["eff"] >= 0.9 else "NOT met"
             lines.append(f"- issue 19, weak scaling, 8 GPUs, {r['heads']}: {r['eff']:.0%} per GPU (>= 90%: {ok})")
