@@ -27,14 +27,13 @@
 #   s33            session 33's new defaults: the scalar gates' GPU tests, then their kernel and op rows (s33-rows)
 #   s33e-tests     the scalar gates' chunked GPU tests with BLOCKS_FIRST "always" (default and other forms)
 #   rec-full       every recurrent GPU test, 8 processes a GPU (2 GPUs: one call)
-#   ring-ab        the ring's default, then --coalesce-backward, --narrow-accumulators (2 GPUs)
+#   ring-ab        the ring's default, then --narrow-accumulators (2 GPUs)
 #   ring-wire      the ring tests, then the forward reading the wire / merging in its kernel against before (2 GPUs)
 #   ring-dq        the ring tests, then the default against --no-kv-from-wire-bwd and --no-dq-once (2 GPUs)
 #   ring-paired    one GPU and the ring timed in turns, 7 rounds, 4 and 16 calls a sample (2 GPUs)
 #   ring-qinplace  the ring tests, then the default against --no-q-in-place and --no-zeros-by-delta (2 GPUs)
 #   ring-p5        the ring tests, then the default against --no-dkv-into, each twice, and one call's kernels of each
 #   ring-sections  one call's kernels with and without --layout-sections, then each timed twice (2 GPUs)
-#   ring-trace-coalesce  one ring call's kernels, default and --coalesce-backward (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
 #                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
@@ -104,8 +103,6 @@
 #   ring-time      the ring at 32k, zigzag, timed as the project times (2 GPUs)
 #   ring-steady    the same at 4 and 16 calls a sample (the host's first dispatch a sample, ~1.4 ms, amortized)
 #   ring-wide      the same with and without each later step's two blocks as one call (ring.COALESCE; 2 GPUs)
-#   ring-wide-bwd  the same with the backward's steps coalesced too (ring.COALESCE_BACKWARD: off by default, slower
-#                  than its pairs on 2 H100s in session 20)
 #   ring-p2p, ring-gaps-p2p, ring-tests-p2p  ring-steady, ring-gaps and ring-tests with XLA's collective-permutes
 #                  as peer copies (--xla_gpu_use_memcpy_local_p2p: copy engines, no NCCL kernels on the SMs)
 #   ring-gaps      the same calls back to back under the profiler: idle gaps against slower kernels (2 GPUs)
@@ -521,7 +518,6 @@ j_docs-ab() {  # session 33's document forms: the forward's DOCS masks (gluon.ho
 j_ring-ab() {  # session 33's ring experiments (notes/perf.md, "Session 33"): the default, then each flag in its own
   # process (the one GPU timed in each: compare each ring row with its own run's one-GPU row)
   job ring-ab-base 150 python3 "${RING[@]}" --parts time,gaps --out "$log/ring-ab-base"  # (gaps: device spans)
-  job ring-ab-coalesce-bwd 110 python3 "${RING[@]}" --parts time --coalesce-backward --out "$log/ring-ab-cb"
   job ring-ab-narrow 110 python3 "${RING[@]}" --parts time --narrow-accumulators --out "$log/ring-ab-narrow"
 }
 ring_forms() {  # ring_forms NAME FORM...: the ring GPU tests, then twice each FORM ("label:ring.py flags") in its own
@@ -587,12 +583,6 @@ j_ring-sections() {  # the wide step's tiles a head section at a time (gluon.hos
     job "ring-sections-on-$i" 80 python3 "${RING[@]}" --parts time --layout-sections --out "$log/ring-sections-on-$i"
   done
 }
-j_ring-trace-coalesce() {  # why the coalesced backward (ring.COALESCE_BACKWARD) lost in session 34: one call's
-  # kernels, the default then the switch on (notes/studies/s36-ring-bwd-glue.md, option B)
-  job ring-trace-base 150 python3 "${RING[@]}" --parts profile --out "$log/ring-trace-base"
-  job ring-trace-coalesce 150 python3 "${RING[@]}" --parts profile --coalesce-backward \
-    --out "$log/ring-trace-coalesce"
-}
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
 j_ring-paired-each() { job ring-paired-each 300 python3 "${RING[@]}" --parts paired --each --rounds 7 --batch 4,16 \
@@ -610,8 +600,6 @@ j_ring-tests-p2p() { EJGEN_FAILURE_LOG=$PWD/$log/ring-p2p-failures.txt job ring-
   python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
 j_ring-wide() { job ring-wide 150 python3 "${RING[@]}" --parts time --coalesce both \
   --out "$log/ring-wide"; }
-j_ring-wide-bwd() { job ring-wide-bwd 150 python3 "${RING[@]}" --parts time --coalesce both --coalesce-backward \
-  --out "$log/ring-wide-bwd"; }
 j_ring-gaps() { job ring-gaps 120 python3 "${RING[@]}" --parts gaps --out "$log/ring"; }
 j_cards() {  # one GPU's 32k causal attention on each card in turns (issue 18's ring runs at its slower card's pace)
   job cards 150 python3 benchmarks/cards.py --seq 32768 --heads 16 --batch 16 --rounds 5
@@ -645,7 +633,7 @@ declare -A PRESETS=(
   [attention]="0-1:gluon-tests,zoo-tests 2:documents,dispatch 3:layouts"
   # what session 19 staged: the cross backward and the fast tanh checked, the soft cap and sinks timed against the
   # generated kernels, the ring with coalesced backward steps, decode under the profiler
-  [staged]="0:gluon-tests 1:hopper-features,decode-trace 2-3:ring-wide-bwd"
+  [staged]="0:gluon-tests 1:hopper-features,decode-trace 2-3:ring-wide"  # (ring-wide-bwd until session 38)
   # what session 20 left unchecked on a GPU: the decode tests with the hoisted param loads, the conformance suite's
   # Hopper cases with the narrow-window rule (an int window's sides) and sinks kept on the Hopper set, the ring at
   # 4 and 16 calls a sample; then (another call, nothing beside it) the zoo
@@ -745,7 +733,8 @@ declare -A PRESETS=(
   # bf16, the wide step by head sections)
   [s34a]="0-1:rec-full"
   [s34b]="0:decode-tests 1:docs-ab"  # (and decode-paged-stages, removed with decode.PAGED_STAGES after it ran)
-  [s34c]="0-1:ring-ab"  # (and ring-ab-sections, removed with gluon.host.LAYOUT_HEAD_SECTIONS after it ran)
+  [s34c]="0-1:ring-ab"  # (and ring-ab-sections, removed with gluon.host.LAYOUT_HEAD_SECTIONS after it ran, and
+  # ring-ab-coalesce-bwd, removed with ring.COALESCE_BACKWARD in session 38)
   # then (DECODE_AB_ORDER_0="abtree-fix main abtree-fix", trees made by hand) "0-1:decode-clamp-ab,ring-wire"; the
   # last call s34e: the decode GPU tests and the paged rows with the register fix in the template, the ring's new
   # defaults timed
@@ -768,7 +757,8 @@ declare -A PRESETS=(
   [s37e]="0-1:ring-l2,tile-costs"  # (head sections of 32 MiB on 2 GPUs, then the tile costs on GPU 0)
   [s37c]="0:hopper-tests,documents16"  # (the backward kernel's new DKV_IN on one GPU: every Hopper test, documents)
   [s37b]="0-1:ring-p5,ring-paired-p5"  # (ring.DKV_INTO: tests, A/B, traces; then it in turns with one GPU)
-  [s37a]="0-1:ring-qinplace,ring-trace-coalesce"  # (Q_IN_PLACE and ZEROS_BY_DELTA: tests, A/B; then option B trace)
+  [s37a]="0-1:ring-qinplace"  # (Q_IN_PLACE and ZEROS_BY_DELTA: tests, A/B; then ring-trace-coalesce, option B's
+  # trace, removed with ring.COALESCE_BACKWARD in session 38)
   [s36c]="0:docs-masks"  # (session 36's call 4 ran docs-dqcast: the in-kernel dQ cast's forms, removed: it lost)
   [s35a]="0-1:ring-dq"
   [s35b]="0:docs-trace"

@@ -57,8 +57,6 @@ from pathlib import Path
 
 # flag -> (the `ejgen.runtime.attention.ring` switch it sets, the value, its help)
 RING_SWITCHES = {
-    "coalesce-backward": ("COALESCE_BACKWARD", True, "coalesced zigzag steps run their backward as one call too "
-                          "(off by default: slower than the pairs on 2 H100s, session 20)"),
     "no-kv-from-wire": ("KV_FROM_WIRE", False, "the coalesced forward reads K and V from their slices of the received "
                         "buffer, copied before the call (on by default since session 34)"),
     "no-merge-in-kernel": ("MERGE_IN_KERNEL", False, "a 2-step ring's last forward merged into the first's result "

@@ -121,12 +121,11 @@ def check_zigzag_pairs(backend, failures, devices=4):
         ring.COALESCE = before
 
 
-def _coalescing(other: str | None = None):
-    """A context for the coalescing checks: ring.COALESCE and COALESCE_BACKWARD on (the latter off by default: slower
-    on a GPU, checked here all the same), ring._wide_forward / _wide_backward counted (the dict
-    it yields: "fwd", "bwd"), and with ``other`` ("forward" or "backward") the wide calls' kernels for that pass
-    made to differ from the square pairs' (as where a backend's kernels cannot walk the wide call's block layout of
-    c x c blocks: the Hopper set where c neither covers nor divides its tiles, `gluon.host.layout_misfit`)."""
+def _coalescing(other: bool = False):
+    """A context for the coalescing checks: ring.COALESCE on, ring._wide_forward counted (the dict it yields:
+    "fwd"), and with ``other`` the wide call's forward kernels made to differ from the square pairs' (as where a
+    backend's kernels cannot walk the wide call's block layout of c x c blocks: the Hopper set where c neither covers
+    nor divides its tiles, `gluon.host.layout_misfit`)."""
     import contextlib
     import dataclasses
 
@@ -134,61 +133,46 @@ def _coalescing(other: str | None = None):
 
     @contextlib.contextmanager
     def scope():
-        saved = ring.COALESCE, ring.COALESCE_BACKWARD, ring._choose, ring._wide_forward, ring._wide_backward
-        real_choose, real_fwd, real_bwd = saved[2:]
-        seen = {"fwd": 0, "bwd": 0}
+        saved = ring.COALESCE, ring._choose, ring._wide_forward
+        real_choose, real_fwd = saved[1:]
+        seen = {"fwd": 0}
 
         def wide_fwd(*args, **kwargs):
             seen["fwd"] += 1
             return real_fwd(*args, **kwargs)
 
-        def wide_bwd(*args, **kwargs):
-            seen["bwd"] += 1
-            return real_bwd(*args, **kwargs)
-
         def choose(spec, backends, platform, backend_name, call, key, det):
             cfg, choice = real_choose(spec, backends, platform, backend_name, call, key, det)
             if key[2] != ring.WIDE:
                 return cfg, choice
-            return cfg, dataclasses.replace(choice, **{other: getattr(choice, other) + "-other"})
+            return cfg, dataclasses.replace(choice, forward=choice.forward + "-other")
 
-        ring.COALESCE, ring.COALESCE_BACKWARD, ring._wide_forward, ring._wide_backward = True, True, wide_fwd, wide_bwd
+        ring.COALESCE, ring._wide_forward = True, wide_fwd
         if other:
             ring._choose = choose
         try:
             yield seen
         finally:
-            ring.COALESCE, ring.COALESCE_BACKWARD, ring._choose, ring._wide_forward, ring._wide_backward = saved
+            ring.COALESCE, ring._choose, ring._wide_forward = saved
 
     return scope()
 
 
-def check_zigzag_backward_coalesced(backend, failures, devices=4):
-    """`check_zigzag_features` where the later steps' backward runs each device's two full blocks as one call too
-    (`ring._wide_backward`: every local row against the whole held block through a 2 x 2 block layout of the pairs
-    it has), which must happen here (every backend walks block layouts with the square calls' kernels); then with
-    the wide call's backward on other kernels than the square ones': the forward still coalesces, the backward keeps
-    its pairs, and the ring still equals the oracle."""
+def check_zigzag_coalescing_gated(backend, failures, devices=2):
+    """ring.COALESCE on: the later steps' forward runs each device's two full blocks as one call (`ring._wide_forward`,
+    every local row against the whole held block through a 2 x 2 block layout of the pairs), which must happen here
+    (every backend walks block layouts with the square calls' kernels); then with the wide call's forward on other
+    kernels than the square ones' (as on a Hopper GPU where the chunk is not a whole number of the Hopper tiles: the
+    square pairs on the Hopper set, the wide call on the generated kernels), which no stage must coalesce into. The
+    ring equals the oracle both ways."""
     with _coalescing() as seen:
         check_zigzag_features(backend, failures, devices)
-    if not (seen["fwd"] and seen["bwd"]):
-        failures.append(f"the later steps did not coalesce both ways ({seen})")
-    with _coalescing("backward") as seen:
+    if not seen["fwd"]:
+        failures.append(f"the later steps' forward did not coalesce ({seen})")
+    with _coalescing(other=True) as seen:
         check_zigzag_features(backend, failures, devices)
-    if not seen["fwd"] or seen["bwd"]:
-        failures.append(f"with the wide calls' backward on other kernels: {seen} (forward coalesced, backward not)")
-
-
-def check_zigzag_coalescing_gated(backend, failures, devices=2):
-    """ring.COALESCE on, but the wide call's forward on other kernels than the square ones' (as on a Hopper GPU where
-    the chunk is not a whole number of the Hopper tiles: the square pairs on the Hopper set, the wide call on the
-    generated kernels): no stage coalesces its forward, each pass is gated apart (the backward, on the square ones'
-    kernels, still coalesces), and the ring still equals the oracle."""
-    with _coalescing("forward") as seen:
-        check_zigzag_features(backend, failures, devices)
-    if seen["fwd"] or not seen["bwd"]:
-        failures.append(f"the forward coalesced into calls on other kernels than its square ones, or the backward "
-                        f"did not coalesce on its own ({seen})")
+    if seen["fwd"]:
+        failures.append(f"the forward coalesced into calls on other kernels than its square ones ({seen})")
 
 
 def _branches(fn, diff, d_out, d_lse) -> list:
@@ -203,32 +187,20 @@ def _branches(fn, diff, d_out, d_lse) -> list:
 
 
 def check_zigzag_without_branches(backend, failures, devices=2):
-    """A causal zigzag ring (its later steps coalesced, ring.COALESCE; forward and backward) lowers without a branch
-    on the device index: XLA's GPU runtime evaluates a conditional on the host, copying the predicate back and waiting
-    for the stream, so the host could no longer run ahead of the device (2 H100s, session 20: 0.8 ms a call). On 2
-    and 4 devices, with the wide backward (COALESCE_BACKWARD) off and on; the check sees a branch where there is one:
-    a contiguous causal ring's steps differ by device (full or skipped, `lax.switch`). Lowered, not run, on the
-    triton backend (what a GPU runs: the xla backend's own kernels branch inside their block loops)."""
-    from ejgen.runtime.attention import ring
-
+    """A causal zigzag ring (its later steps' forward coalesced, ring.COALESCE; forward and backward) lowers without a
+    branch on the device index: XLA's GPU runtime evaluates a conditional on the host, copying the predicate back and
+    waiting for the stream, so the host could no longer run ahead of the device (2 H100s, session 20: 0.8 ms a call).
+    On 2 and 4 devices; the check sees a branch where there is one: a contiguous causal ring's steps differ by device
+    (full or skipped, `lax.switch`). Lowered, not run, on the triton backend (what a GPU runs: the xla backend's own
+    kernels branch inside their block loops)."""
     shape = AttnShape(1, 32, 32, 2, 2, 16)
     _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-no-branch")
-    with _coalescing() as seen:  # the defaults coalesce the forward and keep the backward's pairs
-        ring.COALESCE_BACKWARD = False
-        _branches(in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend), diff,
-                  d_out, d_lse)
-    if not seen["fwd"] or seen["bwd"]:
-        failures.append(f"the default ring did not coalesce its forward alone: {seen}")
-    saved = ring.COALESCE, ring.COALESCE_BACKWARD
-    try:
-        for n, wide_bwd in ((devices, False), (devices, True), (2 * devices, False)):
-            ring.COALESCE, ring.COALESCE_BACKWARD = True, wide_bwd
-            fn = in_shard_map(ring_attention, n, "zigzag", {}, {}, causal=True, platform=backend)
-            found = _branches(fn, diff, d_out, d_lse)
-            if found:
-                failures.append(f"zigzag on {n} devices (wide backward {wide_bwd}): branches {found}")
-    finally:
-        ring.COALESCE, ring.COALESCE_BACKWARD = saved
+    for n in (devices, 2 * devices):
+        with _coalescing() as seen:
+            found = _branches(in_shard_map(ring_attention, n, "zigzag", {}, {}, causal=True, platform=backend), diff,
+                              d_out, d_lse)
+        if found or not seen["fwd"]:
+            failures.append(f"zigzag on {n} devices: branches {found}, wide forward calls {seen['fwd']}")
     contiguous = in_shard_map(ring_attention, devices, "contiguous", {}, {}, causal=True, platform=backend)
     if not _branches(contiguous, diff, d_out, d_lse):
         failures.append("a contiguous causal ring lowered without the lax.switch its steps need: the check is blind")
@@ -589,18 +561,15 @@ def check_blocksparse(backend, failures, devices=2):
 # score reads global positions), on 2 devices (an interpreted launch costs the same whatever its size). The ring's
 # own machinery (token orders, windows, step selection, the mesh context, the wrapper, the seed's blocksparse entry;
 # 2, 4 and 8 devices) is the same on every backend: xla alone, to keep the interpreters' share of the budget small.
-# On 4 devices xla runs the zigzag call (coalesced both ways, then with the wide backward gated off: the default's
-# kernels) and the window that skips a step; the rest of the machinery on 2 (half the compile time of 4), 3 and 8.
-# Triton runs the zigzag call inside zigzag-backward-coalesced: its second call (the wide backward gated off) runs
-# the default's kernels.
+# On 4 devices xla runs the zigzag call (its forward coalesced, the default's kernels, then with the wide forward gated
+# off) and the window that skips a step; the rest of the machinery on 2 (half the compile time of 4), 3 and 8.
+# Triton runs the zigzag call inside zigzag-coalescing-gated: its first call runs the default's kernels.
 CHECKS = {
-    "zigzag-causal-gqa-segments-sinks-softcap": (check_zigzag_features, {"pallas": 2}),  # xla: inside
-    # zigzag-backward-coalesced-4, whose second call runs this check's kernels (forward coalesced, backward pairs)
+    "zigzag-causal-gqa-segments-sinks-softcap": (check_zigzag_features, {"pallas": 2}),  # xla, triton: inside
+    # zigzag-coalescing-gated, whose first call runs this check with the default's kernels
     "alibi-zigzag": (check_alibi, {"xla": 2, "pallas": 2, "triton": 2}),
     "zigzag-pairs-steps": (check_zigzag_pairs, {"xla": 2}),
-    "zigzag-coalescing-gated": (check_zigzag_coalescing_gated, {"xla": 2}),
-    "zigzag-backward-coalesced": (check_zigzag_backward_coalesced, {"xla": 4, "triton": 2}),  # (pallas: 7 s more of
-    # the multidevice budget; it passed in session 20)
+    "zigzag-coalescing-gated": (check_zigzag_coalescing_gated, {"xla": 4, "triton": 2}),
     "zigzag-without-branches": (check_zigzag_without_branches, {"triton": 2}),
     "zigzag-narrow-accumulators": (check_narrow_accumulators, {"xla": 2}),
     "zigzag-dq-once": (check_dq_once, {"xla": 4}),

@@ -58,15 +58,12 @@ GLUON_DYNAMIC_TILES = True
 # pairs (`_wide_layout`). Choosing between a c x 2c and a 2c x c call instead needs a `lax.cond` on the device index,
 # which XLA's GPU runtime evaluates on the host: it copies the predicate back and waits for the stream, so the host
 # cannot run ahead of the device (2 H100s, 32k tokens, session 20: the coalesced ring's calls spent 0.8 ms a call
-# idle on that). A stage coalesces where the wide call takes the same kernels as the square ones, forward and
-# backward apart (on a GPU: the Hopper set walks block layouts both ways).
+# idle on that). A stage coalesces where the wide call's forward takes the same kernels as the square ones' (on a
+# GPU: the Hopper set walks block layouts). The backward keeps its square pairs: its wide call (the switch
+# COALESCE_BACKWARD, removed in session 38) lost three times, on 2 H100s in session 20 (15.3 / 16.1 ms a call against
+# 14.7 / 14.9), on 2 H200s in session 34, and in session 37's trace, where its one kernel took 5422 us against
+# 2293 + 2295 for the two pairs (+18%: the Hopper backward on the wide call's lists).
 COALESCE = True
-# The backward's wide call (`_wide_backward`) where COALESCE_BACKWARD is on too. Off: on 2 H100s (session 20, 32k
-# tokens, 16/16 heads, per-call device spans of one profiled run each) the ring with the wide backward spanned
-# 15.3 / 16.1 ms a call against 14.7 / 14.9 with its square pairs (the latter run also had session 19's branching
-# forward, so the backward's share is an estimate; the Hopper backward on the wide call's lists is the suspect).
-# Checked against the oracle on the CPU all the same (tests/multidevice/ring_checks.py: xla, the Triton interpreter).
-COALESCE_BACKWARD = False
 
 # The backward's dK/dV accumulators travel in the inputs' dtype (not float32) where they make at most this many hops
 # before they are home (a ring of two steps: one; the last add and the cast to the inputs' dtype stay float32). Each
@@ -244,7 +241,6 @@ class Plan:
     calls: tuple  # ((sq, sk, kind), AttentionConfig, KernelChoice)
     sinks: bool
     wide: tuple = ()  # per stage: whether the forward runs its steps' pairs as one call (`_wide`)
-    wide_bwd: tuple = ()  # per stage: whether the backward does (`_wide_backward`)
 
     def call(self, sq: int, sk: int, kind: int):
         for key, cfg, choice in self.calls:
@@ -355,7 +351,7 @@ def _stages(order, devices, n, start, steps, causal, window, reads_positions) ->
 def _wide(stage: Stage) -> bool:
     """Whether every step of a stage of zigzag chunks gives every device exactly two FULL pairs that share a query
     chunk and take both key chunks or share a key chunk and take both query chunks: they then run as one 2c x 2c
-    call with a block layout of the two (COALESCE, `_wide_layout`; the backward with COALESCE_BACKWARD). Causal
+    call with a block layout of the two (COALESCE, `_wide_layout`: the forward's). Causal
     zigzag rings past their first step are so; windows are not."""
     if len(stage.slots[0]) != 2:
         return False
@@ -506,7 +502,7 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
     start, steps = _interval(needed, devices)
     stages = _stages(token_order, devices, n, start, steps, causal, window, reads)
     det = deterministic
-    calls, wide, wide_bwd = {}, [], []
+    calls, wide = {}, []
     for stage in stages:
         keys = [(stage.chunk, stage.chunk, kind)
                 for kind in sorted({k for j in range(len(stage.slots[0])) for k in stage.kinds(j)} - {SKIP})]
@@ -514,21 +510,17 @@ def _inside(spec, backends, query, key, value, axis_name, devices, token_order, 
             if key not in calls:
                 calls[key] = _choose(spec, backends, platform, backend, call, key, det)
         coalesced = COALESCE and token_order == "zigzag" and stage.chunk * 2 == n and _wide(stage)
-        backward = coalesced and COALESCE_BACKWARD
-        if coalesced:  # only where the wide call takes the square ones' kernels (a block layout of c x c blocks, which
-            # the Hopper set walks where c covers or divides its tiles: `gluon.host.layout_misfit`), each pass apart
+        if coalesced:  # only where the wide call's forward takes the square ones' kernels (a block layout of c x c
+            # blocks, which the Hopper set walks where c covers or divides its tiles: `gluon.host.layout_misfit`)
             square = calls[(stage.chunk, stage.chunk, FULL)][1]
             key = (n, n, WIDE)
             if key not in calls:
                 calls[key] = _choose(spec, backends, platform, backend, call, key, det)
-            wide_choice = calls[key][1]  # (the same soft-cap tanh as the square pairs, whose backward may follow it)
+            wide_choice = calls[key][1]  # (the same soft-cap tanh as the square pairs, whose backward follows it)
             coalesced = wide_choice.forward == square.forward and wide_choice.fast_tanh == square.fast_tanh
-            backward = backward and wide_choice.backward == square.backward
         wide.append(coalesced)
-        wide_bwd.append(backward)
-    wide, wide_bwd = tuple(wide), tuple(wide_bwd)
     plan = Plan(spec.name, backends[backend], axis_name, devices, token_order, n, start, steps, stages,
-                tuple((k, cfg, choice) for k, (cfg, choice) in calls.items()), call.cfg.sinks, wide, wide_bwd)
+                tuple((k, cfg, choice) for k, (cfg, choice) in calls.items()), call.cfg.sinks, tuple(wide))
     q, k, v, ctx = api.vary_alike(call.q, call.k, call.v, ctx)
     out, lse = _ring(q, k, v, ctx, plan)
     b, _, hkv, g, dv = out.shape
@@ -658,9 +650,9 @@ def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, wire=None, 
 
 
 def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0, r, s,
-                   sk: int | None = None, wide_layout=None, dq_acc=None, wire=None, dkv=None):
+                   sk: int | None = None, dq_acc=None, wire=None, dkv=None):
     """(dq [B, chunk, Hkv, G, D], dk, dv [B, sk, Hkv, D], param gradients) of one pair of one kind (key rows ``sk``:
-    chunk unless given; a WIDE call's ``wide_layout``), from the global out and lse of its query rows and their
+    chunk unless given), from the global out and lse of its query rows and their
     delta, computed once per backward (`api.DELTA`: a backend that would compute it in XLA takes it, one pass over dO
     and O instead of one per pair). ``dq_acc``: float32 [B, n, Hkv, G, D], dq of every local row so far, which the
     pair's dq is added into (`api.DQ_INTO`, DQ_ONCE): its dq is then that accumulator, and (Q_IN_PLACE) q and d_out
@@ -668,7 +660,7 @@ def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_
     Hopper backward reads the pair's K and V out of (`api.KV_WIRE`, KV_FROM_WIRE_BWD). ``dkv`` (with ``wire``, the
     Hopper backward): (buffer or None, add) of `api.DKV_INTO` (DKV_INTO): dk is then that dK / dV buffer, dv None."""
     sk = sk or chunk
-    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk, wide_layout)
+    cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk)
     backend = plan.backend
     layout = backend.TENSOR_LAYOUT
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), layout)
@@ -696,17 +688,6 @@ def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_
         return dq, dk, None, dctx.get("params", {})
     return (dq if dq_acc is not None else _from_kernel(dq, layout, chunk), _from_kernel(dk, layout, sk),
             _from_kernel(dv, layout, sk), dctx.get("params", {}))
-
-
-def _wide_backward(plan: Plan, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, slots, r, s):
-    """(dq [B, n, Hkv, G, D] float32 on every local row, zeros on rows it does not reach; dk, dv [B, n, Hkv, D]
-    float32 of the whole held block, zeros on keys it does not reach; param gradients) of a step's two FULL pairs as
-    one call, as `_wide_forward`."""
-    n = 2 * chunk
-    f32 = jnp.float32
-    dq, dk, dv, params = _pair_backward(plan, WIDE, n, q, held, ctx, out, lse, d_out, d_lse, delta, 0, 0, r, s, n,
-                                        _wide_layout(slots, r))
-    return dq.astype(f32), dk.astype(f32), dv.astype(f32), jax.tree.map(lambda x: x.astype(f32), params)
 
 
 def _switch(stage: Stage, slot: int, kind, run, skip):
@@ -912,9 +893,8 @@ def _merges_in_kernel(plan: Plan, n: int) -> bool:
 
 def _dq_into(plan: Plan) -> bool:
     """Whether the backward's pairs add dQ into one float32 accumulator of every local row in their kernels
-    (DQ_ONCE): every backward call on the Hopper kernels, no wide backward (COALESCE_BACKWARD)."""
-    return bool(DQ_ONCE and not any(plan.wide_bwd or ()) and all(choice.backward == "gluon"
-                                                                 for _, _, choice in plan.calls))
+    (DQ_ONCE): every backward call on the Hopper kernels."""
+    return bool(DQ_ONCE and all(choice.backward == "gluon" for _, _, choice in plan.calls))
 
 
 def _dkv_into(plan: Plan, kv: "Wire") -> bool:
@@ -1064,10 +1044,8 @@ def _backward(plan: Plan, residuals, cotangents):
         # it where the ring starts at distance 0: the device behind then holds its own block)
         here = plan.distance(plan.steps - 1 - at) if count == 1 else None
         keep = last or (count == 1 and at == plan.steps - 2 and plan.start == 0)
-        wide = bool(plan.wide_bwd) and plan.wide_bwd[plan.stages.index(stage)]  # (never the diagonal step's stage)
 
-        def body(carry, xs, stage=stage, chunk=chunk, first=first, keep=keep, here=here, unrolled=count == 1,
-                 wide=wide):
+        def body(carry, xs, stage=stage, chunk=chunk, first=first, keep=keep, here=here, unrolled=count == 1):
             travel, pending, dq, grads = carry
             owed_here = isinstance(pending, _Owed)  # (DKV_INTO: the buffer as the pairs wrote it, sent as it is)
             held = own if travel is None or here == 0 else wire.unpack(travel)
@@ -1085,20 +1063,6 @@ def _backward(plan: Plan, residuals, cotangents):
                                               -1)
             slots, t = xs
             s = (r - t) % plan.devices
-            if wide:  # the step's two pairs as one call (`_wide_backward`): dK / dV of the whole held block, dq of
-                # every local row
-                dq_w, dk_w, dv_w, params_w = _wide_backward(plan, chunk, q, held, ctx, out, lse, d_out, d_lse, delta,
-                                                            slots, r, s)
-                results = (dq_w, dk_w, dv_w, params_w)
-                if received:
-                    received, results = _after_kernels(received, results)
-                dq_w, part_k, part_v, params_w = results
-                dq = dq_w if dq is None else dq + dq_w
-                grads = {n: grads[n] + params_w[n] for n in grads}
-                ahead, arrived = _arrived(received, both, size, owed, alone)
-                part = {"k": part_k, "v": part_v}
-                pending = part if arrived is None else {n: x.astype(f32) + part[n] for n, x in arrived.items()}
-                return (ahead, pending, dq, grads), None
             pairs = []  # per slot: (q0, k0, the pair's dq, dk, dv, param gradients as its kernels give them)
             acc = dq  # (into) the accumulator as the slot's kernels find it
             from_wire = travel if held is not own and _wire_readable(wire, KV_FROM_WIRE_BWD) else None
