@@ -48,7 +48,8 @@ def main(argv=None) -> int:
         for (c, pass_), got in times.items():
             got.append(median_seconds(passes[pass_], inputs[c], reps=args.reps, batch=args.batch) * 1e3)
             print(f"round {r} card {c} {pass_}: {got[-1]:.3f} ms", flush=True)
-    print(f"\n| card | name | pass | ms (median of {args.rounds} rounds) | x card 0 | rounds |\n|---|---|---|---|---|---|")
+    print(f"\n| card | name | pass | ms (median of {args.rounds} rounds) | x card 0 | rounds |")
+    print("|---|---|---|---|---|---|")
     for (c, pass_), got in times.items():
         ms, base = statistics.median(got), statistics.median(times[(0, pass_)])
         print(f"| {c} | {cards[c].device_kind} | {pass_} | {ms:.3f} | {base / ms:.3f} | "

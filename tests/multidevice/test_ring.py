@@ -106,6 +106,23 @@ def test_zigzag_later_steps_coalesce_into_one_call(devices):
     assert not any(ring._wide(stage) for stage in windowed)
 
 
+def test_the_backward_reads_only_its_own_calls_kernels():
+    """The backward's Hopper-only paths (DQ_ONCE's one accumulator, the delta kernel) ask that every call the backward
+    runs takes the Hopper backward: its pairs, not a coalesced step's wide call, which only the forward runs (its
+    backward choice, say the generated kernels where the wide layout misfits the Hopper tiles, must not turn them off);
+    a pair on the generated backward does."""
+    import dataclasses
+    import types
+
+    choice = lambda fwd, bwd: types.SimpleNamespace(forward=fwd, backward=bwd)  # noqa: E731
+    pairs = tuple(((8, 8, kind), None, choice("gluon", "gluon")) for kind in (ring.FULL, ring.DIAGONAL))
+    wide = ((16, 16, ring.WIDE), None, choice("gluon", "triton"))
+    plan = ring.Plan("op", None, "sp", 2, "zigzag", 16, 0, 2, (), pairs + (wide,), False, (False, True))
+    assert ring._hopper_backward(plan) and ring._dq_into(plan)
+    generated = dataclasses.replace(plan, calls=(pairs[0], (pairs[1][0], None, choice("gluon", "triton")), wide))
+    assert not ring._hopper_backward(generated) and not ring._dq_into(generated)
+
+
 def test_window_takes_only_the_steps_it_reaches():
     """A causal window of 5 keys over 8 devices of 8 rows reaches one block back: 2 steps, not 8; a window (6, 3)
     without causal reaches one block each way: the ring starts one device ahead and takes 3 steps; windows that cut a

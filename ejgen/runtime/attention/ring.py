@@ -891,10 +891,16 @@ def _merges_in_kernel(plan: Plan, n: int) -> bool:
         (n, n, k) for k in first.kinds(0) if k != SKIP)))
 
 
+def _hopper_backward(plan: Plan) -> bool:
+    """Whether every call the backward runs (its pairs: a coalesced step's wide call is the forward's alone) takes the
+    Hopper backward."""
+    return all(choice.backward == "gluon" for (_, _, kind), _, choice in plan.calls if kind != WIDE)
+
+
 def _dq_into(plan: Plan) -> bool:
     """Whether the backward's pairs add dQ into one float32 accumulator of every local row in their kernels
     (DQ_ONCE): every backward call on the Hopper kernels."""
-    return bool(DQ_ONCE and all(choice.backward == "gluon" for _, _, choice in plan.calls))
+    return bool(DQ_ONCE and _hopper_backward(plan))
 
 
 def _dkv_into(plan: Plan, kv: "Wire") -> bool:
@@ -1152,7 +1158,7 @@ def _delta(plan: Plan, out, d_out, d_lse, zeros: tuple | None = None):
     ``zeros`` or None): the Hopper backward's (`gluon.host.hopper_delta`: its kernel, and the zeros by that launch's
     memset; XLA's fusion took 40 us at 32k tokens over 2 H200s, session 36's trace) where every backward call runs
     the Hopper kernels, else XLA's (`api.delta_rows`; no zeros)."""
-    if all(choice.backward == "gluon" for _, _, choice in plan.calls):
+    if _hopper_backward(plan):
         from ejgen.runtime.attention.gluon import host as gluon_attention
 
         return gluon_attention.hopper_delta(out, d_out, d_lse, zeros)
