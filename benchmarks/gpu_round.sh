@@ -747,6 +747,7 @@ declare -A PRESETS=(
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
+  [s38h]="0-1:ring-tests,ring-time"  # (after ring.COALESCE_BACKWARD's removal: every ring GPU test, the timed ring)
   [s38g]="0-1:ring-paired-each"  # (the ring in turns with one GPU, and with one GPU's call on both cards at once)
   [s38f]="0-1:cards,ring-gaps16"  # (the cards' speeds; the ring's kernels over 16 and 4 calls)
   [s38e]="0-1:ring-gaps16"  # (session 38's calls 2-4 ran s38b-d: ring.SEND_APART, K and V as two hops, which lost
