@@ -106,6 +106,8 @@
 #   ring-p2p, ring-gaps-p2p, ring-tests-p2p  ring-steady, ring-gaps and ring-tests with XLA's collective-permutes
 #                  as peer copies (--xla_gpu_use_memcpy_local_p2p: copy engines, no NCCL kernels on the SMs)
 #   ring-gaps      the same calls back to back under the profiler: idle gaps against slower kernels (2 GPUs)
+#   ring-apart     ring.SEND_APART (K and V as two hops): its GPU tests, one forward call's kernels with and without,
+#                  the forward timed both ways twice (2 GPUs); ring-paired-apart: its forward in turns with one GPU
 #   ring-gaps16    the ring's forward alone, 16 then 4 calls back to back under the profiler: gaps, kernels a call
 #   cards          one GPU's 32k causal attention on each card in turns (cards.py: are the host's cards alike?)
 #   ring-paired-each  ring-paired with a third form: the one-GPU call on both GPUs at once (every card busy)
@@ -583,6 +585,23 @@ j_ring-sections() {  # the wide step's tiles a head section at a time (gluon.hos
     job "ring-sections-on-$i" 80 python3 "${RING[@]}" --parts time --layout-sections --out "$log/ring-sections-on-$i"
   done
 }
+j_ring-apart() {  # ring.SEND_APART (sessions 38-39): its GPU tests and the defaults', one forward call's kernels with
+  # and without it, then the forward timed both ways, each twice in its own process (notes/studies/s37-ring-fwd.md, B;
+  # accept: in the trace both hops overlap a launch, then run ring-paired-apart)
+  EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-apart-tests 120 python3 -m pytest -m gpu -q -rf \
+    -p no:cacheprovider tests/multidevice/test_ring_gpu.py -k "apart or one-wire or zigzag-defaults"
+  job ring-apart-trace-on 90 python3 "${RING[@]}" --parts profile --passes fwd --send-apart \
+    --out "$log/ring-apart-trace-on"
+  job ring-apart-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-apart-trace-off"
+  local i
+  for i in 1 2; do
+    job "ring-apart-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --send-apart \
+      --out "$log/ring-apart-on-$i"
+    job "ring-apart-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-apart-off-$i"
+  done
+}
+j_ring-paired-apart() { job ring-paired-apart 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
+  --passes fwd --send-apart --out "$log/ring-paired-apart"; }  # (ring.SEND_APART's forward in turns with one GPU)
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
 j_ring-paired-each() { job ring-paired-each 300 python3 "${RING[@]}" --parts paired --each --rounds 7 --batch 4,16 \
@@ -747,6 +766,8 @@ declare -A PRESETS=(
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
+  [s39a]="0-1:ring-apart,ring-paired-apart"  # (ring.SEND_APART with K's received buffer in V's barrier: session 38's
+  # call 9 dumped the scheduled HLO of its earlier form, notes/perf.md "Session 38")
   [s38h]="0-1:ring-tests,ring-time"  # (after ring.COALESCE_BACKWARD's removal: every ring GPU test, the timed ring)
   [s38g]="0-1:ring-paired-each"  # (the ring in turns with one GPU, and with one GPU's call on both cards at once)
   [s38f]="0-1:cards,ring-gaps16"  # (the cards' speeds; the ring's kernels over 16 and 4 calls)

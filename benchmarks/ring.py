@@ -69,6 +69,8 @@ RING_SWITCHES = {
                           "memset in the delta kernel's launch by default since session 37)"),
     "no-dkv-into": ("DKV_INTO", False, "the backward's first step's pairs' dK / dV placed and packed into a float32 "
                     "wire (written into the buffer that travels home by default since session 37)"),
+    "send-apart": ("SEND_APART", True, "the forward alone sends K and V as two hops, its first step in two launches "
+                   "over the heads' halves (an experiment of session 38: one packed buffer by default)"),
     "no-dq-once": ("DQ_ONCE", False, "the backward's pairs each zero, cast and return their own dQ, added up after "
                    "the kernels (one accumulator by default since session 35)"),
     "narrow-accumulators": ("NARROW_ACCUMULATOR_HOPS", 1, "the backward's dK/dV accumulators travel in the inputs' "

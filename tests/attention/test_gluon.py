@@ -262,7 +262,7 @@ def _stand_in_kernels(monkeypatch):
             s = jnp.where(jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq), s, -jnp.inf)
         return s
 
-    def forward(layout, q, k, v, scalars, ctx, cfg, fast_tanh=False, wire=None, merge=None):
+    def forward(layout, q, k, v, scalars, ctx, cfg, fast_tanh=False, wire=None, merge=None, part=None):
         if wire is not None:  # k then v as one 16-bit buffer (`api.KV_WIRE`): read out of it as the kernel does
             buffer = wire[0].reshape(-1)
             k, v = (jax.lax.bitcast_convert_type(buffer[i * k.size:(i + 1) * k.size], k.dtype).reshape(k.shape)
@@ -275,6 +275,14 @@ def _stand_in_kernels(monkeypatch):
             from ejgen.runtime.attention.api import merge_into
 
             return merge_into(out, lse, merge)
+        if part is not None:  # (TILE_LO / TILE_HI: the (batch, head) pairs [lo, hi) alone, written into the earlier
+            # launch's buffers, or into new ones whose other rows hold garbage: NaN here)
+            (lo, hi), into = part
+            b, sq, hkv, g, d = out.shape
+            into = into or (jnp.full(out.shape, jnp.nan, out.dtype), jnp.full(lse.shape, jnp.nan, lse.dtype))
+            mine = (jnp.arange(b * hkv * g) >= lo) & (jnp.arange(b * hkv * g) < hi)
+            return (jnp.where(mine.reshape(b, 1, hkv, g, 1), out, into[0]),
+                    jnp.where(mine.reshape(b, hkv, g, 1), lse, into[1]))
         return out, lse
 
     def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False, dq_into=None, wire=None,
@@ -686,6 +694,57 @@ def test_the_forward_merges_into_a_given_result(monkeypatch):
             assert kw["MERGE"] and kw["aliases"] == {at["O_PREV"]: 0, at["LSE_PREV"]: 1}
             np.testing.assert_array_equal(inputs[at["O_PREV"]], np.asarray(out0).reshape(b, s, h, d))
             np.testing.assert_array_equal(inputs[at["LSE_PREV"]], np.asarray(lse0).reshape(b, h, s))
+
+
+def test_the_forward_launches_over_some_heads(monkeypatch):
+    """`api.HEADS_PART` (ring attention's first step in two launches, `ring.SEND_APART`): on a (pretended) Hopper GPU
+    the forward launches over the tiles of those (batch, head) pairs alone (TILE_LO / TILE_HI of `_tile`'s order, a
+    grid of no more programs than those tiles), into new buffers or into the given ones (O_PREV and LSE_PREV, aliased
+    to O and LSE, MERGE off); a range that is not whole head sections, buffers of another shape, sinks and the
+    generated kernels refuse it. A fake launch."""
+    import numpy as np
+
+    from ejgen.ops import flash_attention
+    from ejgen.runtime.attention import api
+    from ejgen.runtime.attention.gluon import host as gluon_attention
+    from ejgen.runtime.attention.triton import host as triton_host
+
+    seen = pretend_hopper(monkeypatch)
+    monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 256 * 64 * 2)  # one kv head's K and V a section
+    b, s, h, d = 1, 256, 2, 64
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((b, s, h, d)), jnp.bfloat16)
+    out0 = jnp.asarray(np.random.default_rng(1).standard_normal((b, s, h, 1, d)), jnp.bfloat16)
+    lse0 = jnp.asarray(np.random.default_rng(2).standard_normal((b, h, 1, s)), jnp.float32)
+    given = {"part": None}
+    monkeypatch.setattr(triton_host, "given_heads_part", lambda ctx: (ctx, given["part"]))
+    for into in (None, (out0, lse0)):
+        given["part"] = api.HeadsPart(into, (1, 2))
+        flash_attention(q, q, q, causal=True, platform="triton")
+        kernel, grid, inputs, outs, kw = seen.pop()
+        at = {n: i for i, n in enumerate(kernel.arg_names)}
+        assert (kw["TILE_LO"], kw["TILE_HI"], kw["MERGE"]) == (2, 4, False) and grid[0] <= 2, (kw, grid)
+        if into is None:
+            assert not kw["aliases"] and inputs[at["O_PREV"]].shape == (1, )
+        else:
+            assert kw["aliases"] == {at["O_PREV"]: 0, at["LSE_PREV"]: 1}
+            np.testing.assert_array_equal(inputs[at["O_PREV"]], np.asarray(out0).reshape(b, s, h, d))
+            np.testing.assert_array_equal(inputs[at["LSE_PREV"]], np.asarray(lse0).reshape(b, h, s))
+    given["part"] = None
+    flash_attention(q, q, q, causal=True, platform="triton")
+    assert (seen[-1][4]["TILE_LO"], seen.pop()[4]["TILE_HI"]) == (0, 4)  # (every tile)
+    monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 2 * 256 * 64 * 2)  # both heads one section
+    given["part"] = api.HeadsPart(None, (1, 2))
+    with pytest.raises(ValueError, match=re.escape("pairs [1, 2) of 2: the range must be whole sections of 2")):
+        flash_attention(q, q, q, causal=True, platform="triton")
+    monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 256 * 64 * 2)
+    given["part"] = api.HeadsPart((out0[:, :128], lse0), (1, 2))
+    with pytest.raises(ValueError, match="buffers to write some heads into must be out"):
+        flash_attention(q, q, q, causal=True, platform="triton")
+    given["part"] = api.HeadsPart(None, (1, 2))
+    with pytest.raises(ValueError, match="or a launch over some heads, takes the sinks after"):
+        flash_attention(q, q, q, causal=True, softmax_aux=jnp.ones((h,), jnp.float32), platform="triton")
+    with pytest.raises(ValueError, match=re.escape("(api.HEADS_PART) is the Hopper forward's alone")):
+        flash_attention(q, q, q, causal=True, bias=jnp.zeros((b, h, s, s), jnp.float32), platform="triton")
 
 
 def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
@@ -1622,6 +1681,24 @@ def test_the_rings_last_forward_compiles(triton):
         assert triton == "here" or by_gpu_host_triton(meta), meta["triton"]
         loads.append(meta["ptx"].count("ld.global"))
     assert loads[1] > loads[0], loads
+
+
+@pytest.mark.parametrize("triton", ["here", "gpu host"])
+def test_the_rings_first_forward_in_two_launches_compiles(triton):
+    """The forward as the ring's first step launches it where K and V go as two hops (`ring.SEND_APART`): causal,
+    the dynamic queue, over the second half of the (batch, head) pairs (TILE_LO / TILE_HI, sections of 2 at 16k
+    keys), on this machine's Triton and the GPU host's (3.6): it compiles for sm_90 with TMA loads and no spill."""
+    from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
+
+    (compiled,) = compile_all_in_subprocess([dict(gluon=True, dtype="bfloat16", head_dim=128, causal=True, seq=16384,
+                                                  heads=8, kv_heads=8, batch=1, dynamic=True, forward_only=True,
+                                                  head_part=(4, 8), with_ptx=True, with_resources=True)],
+                                            triton=gpu_host_triton() if triton == "gpu host" else None)
+    assert "error" not in compiled, compiled.get("error")
+    meta = compiled["gluon_fwd_kernel"]
+    assert meta["cubin"] and meta["wgmma"] and meta["shared"] <= 227 * 1024 and meta["stack"] <= 8, meta["stack"]
+    assert "cp.async.bulk.tensor" in meta["ptx"]
+    assert triton == "here" or by_gpu_host_triton(meta), meta["triton"]
 
 
 def test_the_list_kernels_compile_on_the_gpu_hosts_triton():

@@ -290,6 +290,74 @@ def check_hopper_stand_ins(backend, failures, devices=2):
                                     "(< 2e-2)")
 
 
+def check_send_apart(backend, failures, devices=2):
+    """`ring.SEND_APART` on a pretended Hopper GPU, the Gluon kernels replaced by the jnp stand-ins (as in
+    `check_hopper_stand_ins`; a launch over some heads writes the others' rows as NaN where it makes its buffers):
+    a zigzag causal ring of 2 in bf16, GQA, its head sections cut small (`gluon.host.L2_KV_BUDGET`) so the first
+    step splits. The forward alone (the primal call) sends K and V as two bf16 hops, the first step as two launches
+    over the heads' halves, the second into the first's buffers, V's hop out of the barrier that takes K's received
+    buffer (K's hop ends before V's starts), and out and lse within bf16's error of the oracle; off, or under the
+    backward (residuals kept), one 16-bit wire and no launch over some heads."""
+    import re
+
+    import pytest
+
+    sys.path[:0] = [str(Path(_HERE).parent), str(Path(_HERE).parent / "attention")]
+    from hopper_fakes import pretend_hopper
+    from test_gluon import _stand_in_kernels
+
+    from ejgen.runtime.attention import ring
+    from ejgen.runtime.attention.gluon import host as gluon_attention
+    from ejgen.runtime.attention.triton import host as triton_host
+
+    shape = AttnShape(1, 512, 512, 4, 2, 64)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-send-apart")
+    diff = {n: x.astype(jnp.bfloat16) for n, x in diff.items()}
+    ref = oracle.attention(**{n: x.astype(jnp.float32) for n, x in diff.items()}, causal=True)
+    with pytest.MonkeyPatch.context() as mp:
+        pretend_hopper(mp, values=False)
+        _stand_in_kernels(mp)
+        mp.setattr(gluon_attention, "L2_KV_BUDGET", 2 * (512 // devices) * 64 * 2)  # one kv head a section
+        stand_in, parts = triton_host._gluon_forward, []
+
+        def spy(*args, part=None, **kw):
+            parts.append(None if part is None else (part[0], part[1] is not None))
+            return stand_in(*args, part=part, **kw)
+
+        mp.setattr(triton_host, "_gluon_forward", spy)
+        mp.setattr(ring, "COALESCE", False)
+        for on in (True, False):
+            mp.setattr(ring, "SEND_APART", on)
+            fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend)
+            parts.clear()
+            text = jax.jit(lambda d, fn=fn: fn(**d)).lower(diff).as_text()
+            sent = re.findall(r"collective_permute.*?-> tensor<([\dx]+\w+)>", text)
+            want = ["1x256x2x64xbf16"] * 2 if on else [f"{2 * 256 * 2 * 64}xui16"]
+            if sorted(sent) != want:
+                failures.append(f"send apart {on}: the forward's transfers are {sent}, not {want}")
+            # K's received buffer in the barrier whose first result V's hop sends (K's hop ends before V's starts)
+            hops = re.findall(r"(%\S+) = \"stablehlo.collective_permute\"\((%[^)]+)\)", text)
+            barriers = dict(re.findall(r"(%[\w.]+):\d+ = stablehlo.optimization_barrier ([^:]+):", text))
+            if on and (len(hops) != 2 or not hops[1][1].endswith("#0")
+                       or hops[0][0] not in [x.strip() for x in barriers.get(hops[1][1][:-2], "").split(",")]):
+                failures.append(f"send apart: V's hop is not sent out of a barrier holding K's received buffer: {hops}")
+            split = [p for p in parts if p is not None]
+            if split != ([((0, 2), False), ((2, 4), True)] if on else []):
+                failures.append(f"send apart {on}: the Hopper forward's launches over some heads were {split}")
+            out, lse = jax.block_until_ready(jax.jit(lambda d, fn=fn: fn(**d))(diff))
+            for name, got, want in (("out", out, ref.out), ("lse", lse, ref.lse)):
+                want = np.asarray(want, np.float64)
+                err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+                if not err < 2e-2:
+                    failures.append(f"send apart {on}: {name} relative error {err:.2e} (< 2e-2)")
+        mp.setattr(ring, "SEND_APART", True)
+        parts.clear()
+        text = jax.jit(lambda d: jax.vjp(lambda d: fn(**d), d)[0]).lower(diff).as_text()  # (the residuals' forward)
+        sent = re.findall(r"collective_permute.*?-> tensor<([\dx]+\w+)>", text)
+        if sent != [f"{2 * 256 * 2 * 64}xui16"] or any(p is not None for p in parts):
+            failures.append(f"send apart, residuals kept: the transfers are {sent}, the launches' parts {parts}")
+
+
 def check_narrow_accumulators(backend, failures, devices=2):
     """bf16 inputs, `ring.NARROW_ACCUMULATOR_HOPS` at 1 (an experiment, off by default): on a 2-device zigzag ring
     (one hop) the backward's dK/dV accumulators travel in bf16, as every other transfer, on a 4-device one (three hops)
@@ -574,6 +642,7 @@ CHECKS = {
     "zigzag-narrow-accumulators": (check_narrow_accumulators, {"xla": 2}),
     "zigzag-dq-once": (check_dq_once, {"xla": 4}),
     "zigzag-hopper-stand-ins": (check_hopper_stand_ins, {"triton": 2}),
+    "zigzag-send-apart": (check_send_apart, {"triton": 2}),
     "window-noncausal-contiguous": (check_window, {"xla": 4}),
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),
     "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),

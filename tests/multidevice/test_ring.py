@@ -34,7 +34,7 @@ EXPECTED = {
             "wrapper-dp2-sp2-zigzag-window-segments", "blocksparse-sequence-parallelism-2"},
     "pallas": {"zigzag-causal-gqa-segments-sinks-softcap-2", "alibi-zigzag-2"},
     "triton": {"alibi-zigzag-2", "zigzag-without-branches-2", "zigzag-coalescing-gated-2",
-               "zigzag-hopper-stand-ins-2"},
+               "zigzag-hopper-stand-ins-2", "zigzag-send-apart-2"},
 }
 
 

@@ -146,6 +146,52 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
         assert any(x[6] for x in launched) == (dkv and n == 2), launched
 
 
+@pytest.mark.parametrize("apart", [True, False], ids=["send-apart", "one-wire"])
+def test_forward_alone_sends_k_and_v_apart(apart, monkeypatch):
+    """The forward alone (no residuals) of a causal zigzag ring, GQA 8/2, D 128, bf16 over every GPU, head sections
+    of one kv head: out and lse against the oracle. On Hopper over 2 GPUs with ``apart`` (ring.SEND_APART) the first
+    step is two Gluon launches over the heads' halves (TILE_LO / TILE_HI), the second writing into the first's
+    buffers (aliased), and the wide step reads the received k and v as they are (KV_AT 0), merging in its kernel;
+    without it, one launch of every tile and the wide step reads the wire (KV_AT)."""
+    from ejgen.runtime.attention import ring
+    from ejgen.runtime.attention.gluon import host as gluon_attention
+    from ejgen.runtime.launch import triton_call
+
+    launched, launch = [], triton_call.launch
+
+    def spy(kernel, *args, **kw):
+        if kernel.__name__ == "gluon_attention_fwd_kernel":
+            launched.append((kw["TILE_LO"], kw["TILE_HI"], bool(kw.get("aliases")), kw["KV_AT"] > 0, kw["MERGE"]))
+        return launch(kernel, *args, **kw)
+
+    monkeypatch.setattr(triton_call, "launch", spy)
+    monkeypatch.setattr(ring, "SEND_APART", apart)
+    monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 256 * 128 * 2)  # one kv head's K and V a section
+    n = GPUS
+    shape = AttnShape(1, 256 * n, 256 * n, 8, 2, 128)
+    diff = random_qkv(shape, "bfloat16", rng_for("ring-gpu-apart", shape))
+    mesh = jax.make_mesh((n,), ("sp",))
+
+    @jax.jit
+    def fn(query, key, value):
+        to = lambda x: ring_permute(x, n, token_order="zigzag")  # noqa: E731
+        out, lse = ring_attention(to(query), to(key), to(value), axis_name="sp", causal=True, token_order="zigzag",
+                                  platform="triton", return_lse=True)
+        return ring_unpermute(out, n, token_order="zigzag"), ring_unpermute(lse, n, token_order="zigzag", axis=2)
+
+    with jax.set_mesh(mesh):
+        out, lse = jax.block_until_ready(fn(**diff))
+    ref = oracle.attention(**{k: np.asarray(x) for k, x in diff.items()}, causal=True)
+    tol = oracle.tolerance("bfloat16", None)
+    oracle.assert_close("out", np.asarray(out), ref.out, tol)
+    oracle.assert_close("lse", np.asarray(lse), ref.lse, oracle.LSE_TOLERANCE)
+    if _hopper() and n == 2:
+        tiles = 8 * (256 // gluon_attention.BLOCK_M)  # (batch, head) pairs x query tiles of a device's 256 rows
+        first = [(0, tiles // 2, False, False, False), (tiles // 2, tiles, True, False, False)] if apart else [
+            (0, tiles, False, False, False)]
+        assert launched == first + [(0, tiles, True, not apart, True)], launched
+
+
 def test_window_segments_sinks_ring(caplog):
     """Causal window (300, 0), segment ids, per-head sinks, contiguous over every GPU, head dim 128: blocks the window
     cuts run the generated kernels with global positions (no dS band there); against the oracle."""

@@ -242,7 +242,7 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                segments: bool = False, ordered: bool = False, dynamic: bool = False, lists: dict | None = None,
                spec: tuple | None = None, tiles: dict | None = None, seq_k: int | None = None,
                softcap: bool = False, fast_tanh: bool = False, staged: tuple | None = None,
-               docs: bool | None = None, kv_at: int = 0, merge: bool = False) -> dict:
+               docs: bool | None = None, kv_at: int = 0, merge: bool = False, heads: tuple | None = None) -> dict:
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq_k (default seq), hkv, d] (16-bit).
     ``softcap``: the logits capped (SOFTCAP, `softcap_constexpr`, with ``fast_tanh``; the cap is F32[1]).
     ``dynamic``: the programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block
@@ -252,7 +252,8 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
     mask replaces ``spec``'s, KSEG is then I32). ``docs`` (default DOCS_MASKS): segment ids under causal alone take
     the DOCS form (SEGMENTS 2). ``kv_at`` > 0: K and V read out of one 16-bit buffer, V from that item on (KV_AT:
     ring attention's received wire). ``merge``: the result merged into the rows' earlier one (MERGE: O_PREV,
-    LSE_PREV aliased to O, LSE)."""
+    LSE_PREV aliased to O, LSE). ``heads``: the launch's (batch, head) pairs [lo, hi) of batch * hq (`tile_part`;
+    None: all)."""
     staged_kw = dict(KV_TERMS=0, TERMS_AT=0, SPEC_QTERMS=None)
     if staged is not None:
         spec = (staged[0], spec[1])
@@ -265,7 +266,33 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                 HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **(tiles or TILES),
                 **(lists or NO_LISTS), **spec_constexprs(spec),
-                SOFTCAP=softcap_constexpr(softcap, fast_tanh), KV_AT=kv_at, MERGE=merge)
+                SOFTCAP=softcap_constexpr(softcap, fast_tanh), KV_AT=kv_at, MERGE=merge,
+                **tile_part(batch, hq, hkv, seq, d, heads))
+
+
+def tile_part(batch: int, hq: int, hkv: int, seq: int, d: int, heads: tuple | None = None) -> dict:
+    """TILE_LO, TILE_HI of a forward launch over the (batch, head) pairs [lo, hi) of batch * hq (None: all of them):
+    whole sections of `_tile`'s order (`head_group` pairs each, the last one maybe fewer), whose tiles are then one
+    range of it. A call in two such launches (`ring.SEND_APART`) runs every tile once, each section's heaviest
+    first."""
+    pairs, n_m = batch * hq, -(-seq // BLOCK_M)
+    lo, hi = (0, pairs) if heads is None else heads
+    section = head_group(batch, hq, hkv, seq, d)
+    if not (0 <= lo < hi <= pairs and lo % section == 0 and (hi % section == 0 or hi == pairs)):
+        raise ValueError(f"a forward launch over (batch, head) pairs [{lo}, {hi}) of {pairs}: the range must be whole "
+                         f"sections of {section} pairs (the tile order's, `head_group`)")
+    return dict(TILE_LO=lo * n_m, TILE_HI=hi * n_m)
+
+
+def head_halves(batch: int, hq: int, hkv: int, seq: int, d: int) -> tuple | None:
+    """The (batch, head) pairs of a forward cut in two launches of about half the tiles each, at a section's edge
+    (`tile_part`): ((0, m), (m, batch * hq)), or None where there is a single section."""
+    pairs, section = batch * hq, head_group(batch, hq, hkv, seq, d)
+    sections = -(-pairs // section)
+    if sections < 2:
+        return None
+    m = ((sections + 1) // 2) * section
+    return (0, m), (m, pairs)
 
 
 def softcap_constexpr(softcap: bool, fast: bool = False) -> int:
