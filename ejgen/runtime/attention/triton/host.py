@@ -436,19 +436,14 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
         buffer, kv_at, _, _ = _wire_kv(wire, k, v, "forward")
         kv = (buffer, buffer)
     earlier, aliases = [_dummy(q.dtype), _dummy(jnp.float32)], None
-    if merge is not None:
+    given = merge if merge is not None else into  # (never both: a launch over some heads takes no merge)
+    if given is not None:  # O_PREV, LSE_PREV: aliased to O and LSE
         want = ((batch, sq, hkv, groups, d), q.dtype), ((batch, hkv, groups, sq), jnp.float32)
-        if any((x.shape, x.dtype) != w for x, w in zip(merge, want)):
-            raise ValueError(f"the Hopper forward's earlier result must be out {want[0]} and lse {want[1]}, got "
-                             f"{[(x.shape, x.dtype) for x in merge]}")
-        earlier = [merge[0].reshape(batch, sq, hq, d), merge[1].reshape(batch, hq, sq)]
-    if into is not None:
-        want = ((batch, sq, hkv, groups, d), q.dtype), ((batch, hkv, groups, sq), jnp.float32)
-        if any((x.shape, x.dtype) != w for x, w in zip(into, want)):
-            raise ValueError(f"the Hopper forward's buffers to write some heads into must be out {want[0]} and lse "
-                             f"{want[1]}, got {[(x.shape, x.dtype) for x in into]}")
-        earlier = [into[0].reshape(batch, sq, hq, d), into[1].reshape(batch, hq, sq)]
-    if merge is not None or into is not None:
+        if any((x.shape, x.dtype) != w for x, w in zip(given, want)):
+            what = "earlier result" if merge is not None else "buffers to write some heads into"
+            raise ValueError(f"the Hopper forward's {what} must be out {want[0]} and lse {want[1]}, got "
+                             f"{[(x.shape, x.dtype) for x in given]}")
+        earlier = [given[0].reshape(batch, sq, hq, d), given[1].reshape(batch, hq, sq)]
         aliases = {3 + len(scalars) + len(segments) + 1: 0, 3 + len(scalars) + len(segments) + 2: 1}
     out, lse, *_ = triton_call.launch(
         gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), *kv, *scalars, *segments, order, *earlier],
