@@ -590,8 +590,14 @@ j_ring-apart() {  # ring.SEND_APART (sessions 38-39): its GPU tests and the defa
   # accept: in the trace both hops overlap a launch, then run ring-paired-apart)
   EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-apart-tests 120 python3 -m pytest -m gpu -q -rf \
     -p no:cacheprovider tests/multidevice/test_ring_gpu.py -k "apart or one-wire or zigzag-defaults"
-  job ring-apart-trace-on 90 python3 "${RING[@]}" --parts profile --passes fwd --send-apart \
+  job ring-apart-trace-on 90 env XLA_FLAGS="--xla_dump_to=$log/ring-apart-dump --xla_dump_hlo_as_text \
+    --xla_dump_hlo_module_re=jit__lambda" python3 "${RING[@]}" --parts profile --passes fwd --send-apart \
     --out "$log/ring-apart-trace-on"
+  local f  # the ring's scheduled entry computation: its launches, hops and barriers in the order XLA runs them
+  f=$(grep -l "collective-permute" "$log"/ring-apart-dump/*after_optimizations.txt 2>/dev/null | head -1)
+  [[ -n $f ]] && sed -n '/^ENTRY/,/^}/p' "$f" | grep -E "collective-permute|custom-call\(|async-|tuple\(" \
+    | cut -c1-200 > "$log/ring-apart-schedule.txt"
+  rm -rf "$log/ring-apart-dump"
   job ring-apart-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-apart-trace-off"
   local i
   for i in 1 2; do
