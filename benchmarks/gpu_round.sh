@@ -109,6 +109,7 @@
 #   ring-apart     ring.SEND_APART (K and V as two hops): its GPU tests, one forward call's kernels with and without,
 #                  the forward timed both ways twice (2 GPUs); ring-paired-apart: its forward in turns with one GPU
 #   ring-gaps16    the ring's forward alone, 16 then 4 calls back to back under the profiler: gaps, kernels a call
+#   hop-after      one ring forward call's kernels with its block sent after the first step and as it is (2 GPUs)
 #   wide-step      the ring's second step priced apart on one GPU: plain calls against its block lists (wide_step.py)
 #   cards          one GPU's 32k causal attention on each card in turns (cards.py: are the host's cards alike?)
 #   ring-paired-each  ring-paired with a third form: the one-GPU call on both GPUs at once (every card busy)
@@ -627,6 +628,15 @@ j_ring-tests-p2p() { EJGEN_FAILURE_LOG=$PWD/$log/ring-p2p-failures.txt job ring-
 j_ring-wide() { job ring-wide 150 python3 "${RING[@]}" --parts time --coalesce both \
   --out "$log/ring-wide"; }
 j_ring-gaps() { job ring-gaps 120 python3 "${RING[@]}" --parts gaps --out "$log/ring"; }
+j_hop-after() {  # what the hop beside the first step costs its kernel: one forward call's kernels with the block sent
+  # after that step (ring.HOP_AFTER_FIRST_STEP, a diagnostic) and as it is, each twice (compare the first step's kernel)
+  local i
+  for i in 1 2; do
+    job "hop-after-$i" 80 python3 "${RING[@]}" --parts profile --passes fwd --hop-after-first-step \
+      --out "$log/hop-after-$i"
+    job "hop-beside-$i" 80 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/hop-beside-$i"
+  done
+}
 j_wide-step() {  # the ring's second step priced apart on one GPU: plain calls against its block lists (wide_step.py)
   job wide-step 150 python3 benchmarks/wide_step.py --sections --out "$log/wide-step"
 }
@@ -776,6 +786,7 @@ declare -A PRESETS=(
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
+  [s39c]="0-1:hop-after"  # (the first step's kernel without the hop beside it, against with: twice each)
   [s39b]="0:wide-step"  # (one GPU: what the wide step's lists, order and L2 cost; notes/studies/s37-ring-fwd.md, A)
   [s39a]="0-1:ring-apart,ring-paired-apart"  # (ring.SEND_APART with K's received buffer in V's barrier: session 38's
   # call 9 dumped the scheduled HLO of its earlier form, notes/perf.md "Session 38")

@@ -71,6 +71,9 @@ RING_SWITCHES = {
                     "wire (written into the buffer that travels home by default since session 37)"),
     "send-apart": ("SEND_APART", True, "the forward alone sends K and V as two hops, its first step in two launches "
                    "over the heads' halves (an experiment of session 38: one packed buffer by default)"),
+    "hop-after-first-step": ("HOP_AFTER_FIRST_STEP", True, "a diagnostic: the first step's block sent once its "
+                             "kernels are done (its hop exposed), so a trace shows that step's kernel without the hop "
+                             "beside it"),
     "no-dq-once": ("DQ_ONCE", False, "the backward's pairs each zero, cast and return their own dQ, added up after "
                    "the kernels (one accumulator by default since session 35)"),
     "narrow-accumulators": ("NARROW_ACCUMULATOR_HOPS", 1, "the backward's dK/dV accumulators travel in the inputs' "

@@ -464,6 +464,32 @@ def check_contiguous_causal(backend, failures, devices=2):
     check(failures, sharded, oracle.attention(**diff, causal=True, d_out=d_out, d_lse=d_lse), single)
 
 
+def check_hop_after_first_step(backend, failures, devices=2):
+    """`ring.HOP_AFTER_FIRST_STEP` (a diagnostic: the first step's block sent once its kernels are done): a zigzag
+    causal ring of 2 equals the single-device op and the oracle, forward and gradients, and its forward's hop sends
+    the block out of a barrier that holds the first step's results (on the xla backend: the first step's out)."""
+    import re
+
+    from ejgen.runtime.attention import ring
+
+    shape = AttnShape(1, 64, 64, 2, 2, 16)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-hop-after")
+    before, ring.HOP_AFTER_FIRST_STEP = ring.HOP_AFTER_FIRST_STEP, True
+    try:
+        fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend)
+        text = jax.jit(lambda d: fn(**d)).lower(diff).as_text()
+        sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    finally:
+        ring.HOP_AFTER_FIRST_STEP = before
+    hops = re.findall(r"\"stablehlo.collective_permute\"\((%[\w.]+)#0\)", text)
+    barriers = dict(re.findall(r"(%[\w.]+):\d+ = stablehlo.optimization_barrier ([^:]+):", text))
+    if len(hops) != 1 or hops[0] not in barriers or len(barriers[hops[0]].split(",")) < 2:
+        failures.append(f"the first step's hop does not leave a barrier with its results: {hops}, {barriers}")
+    single = shard_checks.vjp_call(lambda **d: flash_attention(**d, causal=True, platform=backend, return_lse=True),
+                                   diff, d_out, d_lse)
+    check(failures, sharded, oracle.attention(**diff, causal=True, d_out=d_out, d_lse=d_lse), single)
+
+
 def check_causal_window_8(backend, failures, devices=8):
     """Causal with a window of 27 on 8 devices of 8 rows: the ring takes 5 steps of 8 (the window reaches four blocks
     back; the backward's reverse ring runs its middle steps as a scan), sinks shared by all heads, MQA."""
@@ -647,6 +673,7 @@ CHECKS = {
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),
     "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),
     "contiguous-causal": (check_contiguous_causal, {"xla": 2}),
+    "zigzag-hop-after-first-step": (check_hop_after_first_step, {"xla": 2}),
     "causal-window-mqa-shared-sinks": (check_causal_window_8, {"xla": 8}),
     "prefix_lm-zigzag": (check_prefix_lm, {"xla": 2}),
     "chunked_local-zigzag": (check_chunked_local, {"xla": 2}),

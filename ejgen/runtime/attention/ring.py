@@ -143,6 +143,10 @@ DKV_INTO = True
 # nothing. Now K's received buffer joins the barrier that releases V: K's hop must end before V's starts, so the
 # first launch is the only kernel it can overlap. Off: not yet GPU-run in this form.
 SEND_APART = False
+# A diagnostic, never a default: the first step's block sent only once that step's kernels are done (its hop then
+# exposed), so that a trace prices what the hop beside the first step costs its kernel (session 37-38: 1680 us in
+# the ring against 1576 alone at 32k tokens over 2 H200s; `ring.py --hop-after-first-step`).
+HOP_AFTER_FIRST_STEP = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
@@ -849,8 +853,10 @@ def _forward(q, k, v, ctx, plan: Plan, residual: bool = True):
         def body(carry, xs, stage=stage, chunk=chunk, first=first, last=last, unrolled=count == 1, wide=wide, at=at):
             travel, acc, lse = carry
             held = own if first and plan.start == 0 else travel if apart else wire.unpack(travel)
-            # the next step's block, in flight meanwhile (apart: sent by the first step's launches)
-            ahead = travel if last or apart and first else _shift(plan, travel, 1)
+            # the next step's block, in flight meanwhile (apart: sent by the first step's launches; held back: after
+            # them, HOP_AFTER_FIRST_STEP)
+            held_back = HOP_AFTER_FIRST_STEP and first and not apart and not last
+            ahead = travel if last or apart and first or held_back else _shift(plan, travel, 1)
             slots, t = xs
             s = (r - t) % plan.devices
             if wide:  # one call for the step's two pairs (COALESCE), merged into every row
@@ -882,7 +888,11 @@ def _forward(q, k, v, ctx, plan: Plan, residual: bool = True):
                 # writes and merges come after it, free to fuse with their readers (the next step's merges, the
                 # final cast); tying the merged float32 rows made XLA write them out before the barrier (2 H100s,
                 # 32k tokens, zigzag: the first step's 128 MiB float32 rows, a 65 us select between the kernels)
-                ahead, results = _after_kernels(ahead, [p[1] for p in pairs])
+                results = [p[1] for p in pairs]
+                if held_back:  # (the block leaves once the kernels are done)
+                    ahead, results = lax.optimization_barrier((ahead, results))
+                    ahead = _shift(plan, ahead, 1)
+                ahead, results = _after_kernels(ahead, results)
                 pairs = [(q0, res) for (q0, _), res in zip(pairs, results)]
             for j, (q0, (out_p, lse_p)) in enumerate(pairs):
                 if merging:  # (the first step: one pair of every row) kept as the kernel gave it for the last
