@@ -448,8 +448,10 @@ j_documents16() {
   job documents16-flex 120 env -u PYTHONPATH python3 benchmarks/flex_blocksparse.py --reps 6 --calls 16 \
     --out "$log/bs16"
 }
-j_tile-costs() { job tile-costs 300 python3 benchmarks/tile_costs.py --l2-kv-budget 32 --out "$log/tile-costs"; }  # what a
-# tile costs the Hopper kernels beside its blocks (a fit over lengths), and the forward with head sections of 32 MiB
+j_tile-costs() {  # what a tile costs the Hopper kernels beside its blocks (a fit over lengths), and the forward with
+  # head sections of 32 MiB
+  job tile-costs 300 python3 benchmarks/tile_costs.py --l2-kv-budget 32 --out "$log/tile-costs"
+}
 j_l2-ab() { job l2-ab 280 python3 benchmarks/blocksparse.py --documents-only --causal --doc-cases 8192x8,32768x64 \
   --rounds 3 --reps 4 --calls 16 --switch L2_KV_BUDGET=33554432 --out "$log/bs-l2"; }  # the forward's head sections
 # of 32 MiB against 16 (gluon.host.L2_KV_BUDGET): documents and the causal call, one process (session 37's tile-costs
@@ -605,7 +607,8 @@ j_ring-apart() {  # ring.SEND_APART (sessions 38-39): its GPU tests and the defa
   for i in 1 2; do
     job "ring-apart-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --send-apart \
       --out "$log/ring-apart-on-$i"
-    job "ring-apart-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-apart-off-$i"
+    job "ring-apart-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 \
+      --out "$log/ring-apart-off-$i"
   done
 }
 j_ring-paired-apart() { job ring-paired-apart 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \

@@ -277,7 +277,7 @@ def _stand_in_kernels(monkeypatch):
             return merge_into(out, lse, merge)
         if part is not None:  # (TILE_LO / TILE_HI: the (batch, head) pairs [lo, hi) alone, written into the earlier
             # launch's buffers, or into new ones whose other rows hold garbage: NaN here)
-            (lo, hi), into = part
+            (lo, hi), into = part.heads, part.into
             b, sq, hkv, g, d = out.shape
             into = into or (jnp.full(out.shape, jnp.nan, out.dtype), jnp.full(lse.shape, jnp.nan, lse.dtype))
             mine = (jnp.arange(b * hkv * g) >= lo) & (jnp.arange(b * hkv * g) < hi)
@@ -287,7 +287,7 @@ def _stand_in_kernels(monkeypatch):
 
     def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False, dq_into=None, wire=None,
                  q_rows=None, dkv_into=None):
-        if q_rows is not None:  # (QDO_IN_PLACE: the call's rows of q and dO from the accumulator's row, as the kernel reads)
+        if q_rows is not None:  # (QDO_IN_PLACE: the call's rows of q and dO from the accumulator's row, as read)
             q4, do4 = (jax.lax.dynamic_slice_in_dim(x, dq_into[1], q4.shape[1], 1).reshape(q4.shape)
                        for x in q_rows)
         if wire is not None:  # the keys' rows of k then v in one 16-bit buffer (`api.KV_WIRE`), as the kernel reads
@@ -665,20 +665,38 @@ def test_the_forward_reads_k_and_v_out_of_a_given_wire(monkeypatch):
             flash_attention(q, k, v, causal=True, platform="triton")
 
 
+def _earlier_rows(b: int, s: int, h: int, d: int) -> tuple:
+    """q [b, s, h, d] bf16 and an earlier result of its rows, out [b, s, h, 1, d] bf16 and lse [b, h, 1, s] float32:
+    random, for the fake launches that take one."""
+    import numpy as np
+
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((b, s, h, d)), jnp.bfloat16)
+    out0 = jnp.asarray(np.random.default_rng(1).standard_normal((b, s, h, 1, d)), jnp.bfloat16)
+    lse0 = jnp.asarray(np.random.default_rng(2).standard_normal((b, h, 1, s)), jnp.float32)
+    return q, out0, lse0
+
+
+def _assert_earlier_aliased(kernel, inputs, kw, out0, lse0):
+    """The Hopper forward's launch took ``out0`` and ``lse0`` as O_PREV and LSE_PREV in the kernel's shapes (out
+    [B, S, Hq, D], lse [B, Hq, S]), aliased to its O and LSE outputs."""
+    import numpy as np
+
+    at = {n: i for i, n in enumerate(kernel.arg_names)}
+    b, s, h, _, d = out0.shape
+    assert kw["aliases"] == {at["O_PREV"]: 0, at["LSE_PREV"]: 1}
+    np.testing.assert_array_equal(inputs[at["O_PREV"]], np.asarray(out0).reshape(b, s, h, d))
+    np.testing.assert_array_equal(inputs[at["LSE_PREV"]], np.asarray(lse0).reshape(b, h, s))
+
+
 def test_the_forward_merges_into_a_given_result(monkeypatch):
     """`api.MERGE_INTO` (ring attention's last step, `ring.MERGE_IN_KERNEL`): on a (pretended) Hopper GPU the forward
     launches with MERGE, the earlier out and lse as O_PREV and LSE_PREV in the kernel's shapes, aliased to its O and
     LSE outputs; without one, placeholders and no aliases. A fake launch."""
-    import numpy as np
-
     from ejgen.ops import flash_attention
     from ejgen.runtime.attention.triton import host as triton_host
 
     seen = pretend_hopper(monkeypatch)
-    b, s, h, d = 1, 256, 2, 64
-    q = jnp.asarray(np.random.default_rng(0).standard_normal((b, s, h, d)), jnp.bfloat16)
-    out0 = jnp.asarray(np.random.default_rng(1).standard_normal((b, s, h, 1, d)), jnp.bfloat16)
-    lse0 = jnp.asarray(np.random.default_rng(2).standard_normal((b, h, 1, s)), jnp.float32)
+    q, out0, lse0 = _earlier_rows(1, 256, 2, 64)
     given = {"merge": None}
     monkeypatch.setattr(triton_host, "given_merge", lambda ctx: (ctx, given["merge"]))
     for earlier in (None, (out0, lse0)):
@@ -691,9 +709,8 @@ def test_the_forward_merges_into_a_given_result(monkeypatch):
         if earlier is None:
             assert not kw["MERGE"] and not kw["aliases"] and inputs[at["O_PREV"]].shape == (1, )
         else:
-            assert kw["MERGE"] and kw["aliases"] == {at["O_PREV"]: 0, at["LSE_PREV"]: 1}
-            np.testing.assert_array_equal(inputs[at["O_PREV"]], np.asarray(out0).reshape(b, s, h, d))
-            np.testing.assert_array_equal(inputs[at["LSE_PREV"]], np.asarray(lse0).reshape(b, h, s))
+            assert kw["MERGE"]
+            _assert_earlier_aliased(kernel, inputs, kw, out0, lse0)
 
 
 def test_the_forward_launches_over_some_heads(monkeypatch):
@@ -702,8 +719,6 @@ def test_the_forward_launches_over_some_heads(monkeypatch):
     grid of no more programs than those tiles), into new buffers or into the given ones (O_PREV and LSE_PREV, aliased
     to O and LSE, MERGE off); a range that is not whole head sections, buffers of another shape, sinks and the
     generated kernels refuse it. A fake launch."""
-    import numpy as np
-
     from ejgen.ops import flash_attention
     from ejgen.runtime.attention import api
     from ejgen.runtime.attention.gluon import host as gluon_attention
@@ -711,14 +726,12 @@ def test_the_forward_launches_over_some_heads(monkeypatch):
 
     seen = pretend_hopper(monkeypatch)
     monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 256 * 64 * 2)  # one kv head's K and V a section
-    b, s, h, d = 1, 256, 2, 64
-    q = jnp.asarray(np.random.default_rng(0).standard_normal((b, s, h, d)), jnp.bfloat16)
-    out0 = jnp.asarray(np.random.default_rng(1).standard_normal((b, s, h, 1, d)), jnp.bfloat16)
-    lse0 = jnp.asarray(np.random.default_rng(2).standard_normal((b, h, 1, s)), jnp.float32)
+    b, s, h = 1, 256, 2
+    q, out0, lse0 = _earlier_rows(b, s, h, 64)
     given = {"part": None}
     monkeypatch.setattr(triton_host, "given_heads_part", lambda ctx: (ctx, given["part"]))
     for into in (None, (out0, lse0)):
-        given["part"] = api.HeadsPart(into, (1, 2))
+        given["part"] = api.HeadsPart((1, 2), into)
         flash_attention(q, q, q, causal=True, platform="triton")
         kernel, grid, inputs, outs, kw = seen.pop()
         at = {n: i for i, n in enumerate(kernel.arg_names)}
@@ -726,21 +739,19 @@ def test_the_forward_launches_over_some_heads(monkeypatch):
         if into is None:
             assert not kw["aliases"] and inputs[at["O_PREV"]].shape == (1, )
         else:
-            assert kw["aliases"] == {at["O_PREV"]: 0, at["LSE_PREV"]: 1}
-            np.testing.assert_array_equal(inputs[at["O_PREV"]], np.asarray(out0).reshape(b, s, h, d))
-            np.testing.assert_array_equal(inputs[at["LSE_PREV"]], np.asarray(lse0).reshape(b, h, s))
+            _assert_earlier_aliased(kernel, inputs, kw, out0, lse0)
     given["part"] = None
     flash_attention(q, q, q, causal=True, platform="triton")
     assert (seen[-1][4]["TILE_LO"], seen.pop()[4]["TILE_HI"]) == (0, 4)  # (every tile)
     monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 2 * 256 * 64 * 2)  # both heads one section
-    given["part"] = api.HeadsPart(None, (1, 2))
+    given["part"] = api.HeadsPart((1, 2))
     with pytest.raises(ValueError, match=re.escape("pairs [1, 2) of 2: the range must be whole sections of 2")):
         flash_attention(q, q, q, causal=True, platform="triton")
     monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 256 * 64 * 2)
-    given["part"] = api.HeadsPart((out0[:, :128], lse0), (1, 2))
+    given["part"] = api.HeadsPart((1, 2), (out0[:, :128], lse0))
     with pytest.raises(ValueError, match="buffers to write some heads into must be out"):
         flash_attention(q, q, q, causal=True, platform="triton")
-    given["part"] = api.HeadsPart(None, (1, 2))
+    given["part"] = api.HeadsPart((1, 2))
     with pytest.raises(ValueError, match="or a launch over some heads, takes the sinks after"):
         flash_attention(q, q, q, causal=True, softmax_aux=jnp.ones((h,), jnp.float32), platform="triton")
     with pytest.raises(ValueError, match=re.escape("(api.HEADS_PART) is the Hopper forward's alone")):
@@ -851,7 +862,8 @@ def test_the_backward_writes_dk_dv_into_a_given_wire(monkeypatch):
             assert kw["DKV_AT"] == 0 and inputs[at["DKV_IN"]].shape == (1, ) and outs[1].shape == (b, s, h, d)
             continue
         assert kw["DKV_AT"] == kw["KV_AT"] == b * 2 * s * h * d and outs[1].shape == (items, )
-        assert outs[1].dtype == jnp.uint16 and outs[2].shape == (1, ) and kw["KV_OFF_AT"] > 0 and i32[kw["KV_OFF_AT"]] == s
+        assert outs[1].dtype == jnp.uint16 and outs[2].shape == (1, ) and kw["KV_OFF_AT"] > 0
+        assert i32[kw["KV_OFF_AT"]] == s
         if kw is fresh[4]:
             assert kw["DKV_ADD_AT"] == 0 and not kw["aliases"] and inputs[at["DKV_IN"]].shape == (1, )
         else:

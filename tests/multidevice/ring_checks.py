@@ -321,7 +321,7 @@ def check_send_apart(backend, failures, devices=2):
         stand_in, parts = triton_host._gluon_forward, []
 
         def spy(*args, part=None, **kw):
-            parts.append(None if part is None else (part[0], part[1] is not None))
+            parts.append(None if part is None else (part.heads, part.into is not None))
             return stand_in(*args, part=part, **kw)
 
         mp.setattr(triton_host, "_gluon_forward", spy)

@@ -171,8 +171,8 @@ class HeadsPart:
     """`HEADS_PART`'s value: ``heads`` (lo, hi) static (the ctx is traced on its way to the kernels; a launch's tile
     range is a constexpr), ``into`` arrays or None."""
 
-    into: tuple | None
     heads: tuple = dataclasses.field(metadata=dict(static=True))
+    into: tuple | None = None
 
 
 def given_heads_part(ctx: dict):

@@ -638,7 +638,7 @@ def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s,
     if earlier is not None:
         ck = {**ck, api.MERGE_INTO: earlier}
     if part is not None:
-        ck = {**ck, api.HEADS_PART: api.HeadsPart(part[1], part[0])}
+        ck = {**ck, api.HEADS_PART: part}
     asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()
     with asked:  # read when the kernel's launch is traced
         out, lse, _ = backend.forward(qk, kk, vk, ck, cfg, choice)
@@ -938,10 +938,10 @@ def _send_apart(plan: Plan, kind: int, n: int, q, own: dict, ctx, r, s, halves):
     barrier releases V after the first launch and takes K's received buffer, so K's hop ends before V's starts (XLA
     keeps one collective-permute in flight; SEND_APART)."""
     k_in = _shift(plan, own["k"], 1)
-    result = _pair_forward(plan, kind, n, q, own, ctx, 0, 0, r, s, part=(halves[0], None))
+    result = _pair_forward(plan, kind, n, q, own, ctx, 0, 0, r, s, part=api.HeadsPart(halves[0]))
     v_go, result, k_in = lax.optimization_barrier((own["v"], result, k_in))
     v_in = _shift(plan, v_go, 1)
-    result = _pair_forward(plan, kind, n, q, own, ctx, 0, 0, r, s, part=(halves[1], result))
+    result = _pair_forward(plan, kind, n, q, own, ctx, 0, 0, r, s, part=api.HeadsPart(halves[1], result))
     return {"k": k_in, "v": v_in}, result
 
 
@@ -976,7 +976,7 @@ def _dq_into(plan: Plan) -> bool:
 
 def _dkv_into(plan: Plan, kv: "Wire") -> bool:
     """Whether the backward's first step's pairs write dK / dV into the buffer that travels (DKV_INTO): DQ_ONCE's
-    conditions (every backward call on the Hopper kernels, no wide backward), a ring of two steps from the device's
+    conditions (every call the backward runs on the Hopper kernels), a ring of two steps from the device's
     own block (the first backward step holds the received block, whose dK / dV make the one hop home; the second
     keeps its own), that step's pairs reading K and V out of the wire (KV_FROM_WIRE_BWD), none skipped on any device,
     and ``kv`` (the wire of k and v alone, the dK / dV buffer's layout) of one 16-bit dtype and shape."""

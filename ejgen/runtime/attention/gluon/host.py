@@ -493,7 +493,8 @@ def tile_order(ranges, hq: int, causal: bool, programs: int):
 # 34 timed it once on the ring (2 H200s, 32k tokens: 1.71 / 1.79x -> 1.72 / 1.78x, no trace) and removed it; session
 # 37's study (notes/studies/s37-ring-fwd.md, A) puts the ring's wide step at the out-of-L2 rate (1.58-1.61 SM-us a
 # block against 1.45 for the same unmasked work alone: 16 heads' K and V, 64-128 MiB, against 50 MB of L2). Restored
-# in session 37, not yet GPU-run: off until a trace of the wide step says (`ring.py --parts profile --layout-sections`).
+# in session 37; session 38 (2 H200s): the wide step 22 / 61 us faster in one call's traces, the ring's forward
+# timed 1.73 / 1.74x against 1.78 / 1.81x without. Off; `benchmarks/wide_step.py --sections` prices it on one GPU.
 LAYOUT_HEAD_SECTIONS = False
 
 

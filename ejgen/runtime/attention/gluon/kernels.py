@@ -1126,8 +1126,9 @@ def _bwd_store_dkdv(dk, dv, dk_ptr, dv_ptr, off_b, off_hk, n, sm_scale, SK, HKV,
 
 @gluon.jit
 def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, dlt_smem, cols_smem, q_ready,
-                  do_ready, qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, dkv_add, off_b, off_hk, n, S, SK, m_lo, nm,
-                  f0, f1, sm_scale, cap, H, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, WG: gl.constexpr, D: gl.constexpr,
+                  do_ready, qd_empty, kv_bar, ds_bar, dq_desc, dk_ptr, dv_ptr, dkv_add, off_b, off_hk, n, S, SK, m_lo,
+                  nm, f0, f1, sm_scale, cap, H, HKV, GROUP, WINDOW_LEFT, qs_smem, KSEG, WG: gl.constexpr,
+                  D: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
                   DQ_MODE: gl.constexpr, SEGMENTS: gl.constexpr, lrow, LIST: gl.constexpr, N_MQ: gl.constexpr,
                   LIST_W: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, opts, SPEC_MASK: gl.constexpr,

@@ -396,13 +396,13 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
     k, v for their shapes).
     ``merge``: (out, lse) of the same rows over other keys (`api.MERGE_INTO`), which the kernel merges its result into
     (MERGE), writing over those buffers (aliased).
-    ``part``: ((lo, hi), into), the launch over the (batch, head) pairs [lo, hi) of batch * hq alone (`api.HEADS_PART`,
-    `gluon_attention.tile_part`: whole sections of the tile order), writing its rows into ``into`` = (out, lse) of an
-    earlier launch of the others (aliased), or (None) into new buffers whose other rows hold garbage."""
+    ``part``: an `api.HeadsPart`, the launch over its (batch, head) pairs [lo, hi) of batch * hq alone
+    (`gluon_attention.tile_part`: whole sections of the tile order), writing its rows into its ``into`` = (out, lse) of
+    an earlier launch of the others (aliased), or (None) into new buffers whose other rows hold garbage."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
     grid, spec, mask_tiles, listed, tiles, dynamic = _gluon_walk(layout, cfg, batch, hq, sq)
-    heads, into = part or (None, None)
+    heads, into = (part.heads, part.into) if part is not None else (None, None)
     if part is not None:
         if listed or gluon_attention.ordered(cfg) or merge is not None:
             raise ValueError("a forward launch over some heads (api.HEADS_PART) takes the tile order of `_tile`: no "
@@ -662,7 +662,7 @@ def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
             raise ValueError("an earlier result to merge into, or a launch over some heads, takes the sinks after "
                              "(ring attention joins them once, at the end)")
         out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.fast_tanh, wire=wire, merge=merge,
-                                  part=None if part is None else (part.heads, part.into))
+                                  part=part)
         if cfg.sinks:  # the kernels take none: the sinks join the denominator here (the backward reads this lse)
             out, lse = join_sinks(out, lse, ctx["softmax_aux"])
             out = out.astype(q.dtype)
