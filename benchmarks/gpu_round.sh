@@ -33,6 +33,7 @@
 #   ring-paired    one GPU and the ring timed in turns, 7 rounds, 4 and 16 calls a sample (2 GPUs)
 #   ring-qinplace  the ring tests, then the default against --no-q-in-place and --no-zeros-by-delta (2 GPUs)
 #   ring-p5        the ring tests, then the default against --no-dkv-into, each twice, and one call's kernels of each
+#   ring-spans     the GPU tests of gluon.host.LAYOUT_SPANS, one call's kernels with and without it, each timed twice
 #   ring-sections  one call's kernels with and without --layout-sections, then each timed twice (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
@@ -589,6 +590,23 @@ j_ring-sections() {  # the wide step's tiles a head section at a time (gluon.hos
     job "ring-sections-on-$i" 80 python3 "${RING[@]}" --parts time --layout-sections --out "$log/ring-sections-on-$i"
   done
 }
+j_ring-spans() {  # the wide step walking its tiles' spans of key blocks (gluon.host.LAYOUT_SPANS, session 39's default)
+  # against its block lists (--layout-lists): the GPU tests (the kernel's own against the oracle, the ring's forms),
+  # one forward call's kernels of each form, then each timed twice in its own process (accept: the second step faster
+  # on both GPUs in the traces and the forward's times not worse)
+  EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-spans-tests 180 python3 -m pytest -m gpu -q -rf \
+    -p no:cacheprovider tests/attention/test_gluon.py::test_gluon_layout_spans_merged_match_the_oracle \
+    tests/multidevice/test_ring_gpu.py
+  job ring-spans-trace-on 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-spans-trace-on"
+  job ring-spans-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --layout-lists \
+    --out "$log/ring-spans-trace-off"
+  local i
+  for i in 1 2; do
+    job "ring-spans-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-spans-on-$i"
+    job "ring-spans-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-lists \
+      --out "$log/ring-spans-off-$i"
+  done
+}
 j_ring-apart() {  # ring.SEND_APART (sessions 38-39): its GPU tests and the defaults', one forward call's kernels with
   # and without it, then the forward timed both ways, each twice in its own process (notes/studies/s37-ring-fwd.md, B;
   # accept: in the trace both hops overlap a launch, then run ring-paired-apart)
@@ -789,6 +807,8 @@ declare -A PRESETS=(
   [s36a]="0:docs-delta"  # (DOCS_MASKS was off then: its --switch DOCS_MASKS=1 row is the default since)
   [s36b]="0-1:ring-steady"  # (session 36's call 2 also ran ring-trace-p7: P7's trace; P7 removed after)
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
+  [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
+  # A/B, then the forward and fwd+bwd in turns with one GPU)
   [s39c]="0-1:hop-after"  # (the first step's kernel without the hop beside it, against with: twice each)
   [s39b]="0:wide-step"  # (one GPU: what the wide step's lists, order and L2 cost; notes/studies/s37-ring-fwd.md, A)
   [s39a]="0-1:ring-apart,ring-paired-apart"  # (ring.SEND_APART with K's received buffer in V's barrier: session 38's

@@ -713,6 +713,84 @@ def test_the_forward_merges_into_a_given_result(monkeypatch):
             _assert_earlier_aliased(kernel, inputs, kw, out0, lse0)
 
 
+TWO_COLUMN_LAYOUTS = {"row 1": [[False, False], [True, True]], "column 0": [[True, False], [True, False]],
+                      "all but one": [[False, True], [True, True]], "none": [[False, False], [False, False]]}
+
+
+def test_a_merged_layout_of_two_key_columns_walks_spans(monkeypatch):
+    """A block layout of two key columns of whole tiles, merged into an earlier result (`api.MERGE_INTO`: the ring's
+    wide step): on a (pretended) Hopper GPU the forward walks each query tile's span of key blocks (SPANS, RANGES
+    [B, N_M, 4] from the layout's rows: lo, hi, and the same full; 0, 0 for a row that sees none) in `_tile`'s order
+    (no lists, not ORDERED) through the dynamic queue, whatever the setting, the layout per batch row too; without the
+    merge, with causal, with a layout per head, or `host.LAYOUT_SPANS` off, lists as before. A fake launch."""
+    import numpy as np
+
+    from ejgen.ops import blocksparse_attention
+    from ejgen.runtime.attention.gluon import host as gluon_attention
+    from ejgen.runtime.attention.triton import host as triton_host
+    from ejgen.types import BlockMask
+
+    seen = pretend_hopper(monkeypatch)
+    monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "0")
+    b, s, h, d = 2, 512, 2, 64
+    q, out0, lse0 = _earlier_rows(b, s, h, d)
+    given = {"merge": (out0, lse0)}
+    monkeypatch.setattr(triton_host, "given_merge", lambda ctx: (ctx, given["merge"]))
+    qt = q.swapaxes(1, 2)  # (blocksparse_attention takes [B, H, S, D])
+
+    def launch(layout, causal=False):
+        mask = BlockMask.from_layout(jnp.asarray(layout), s, s, s // 2, s // 2)
+        blocksparse_attention(qt, qt, qt, block_mask=mask, causal=causal, platform="triton")
+        kernel, _, inputs, _, kw = seen.pop()
+        return inputs[kernel.arg_names.index("RANGES")], kw
+
+    for name, layout in TWO_COLUMN_LAYOUTS.items():
+        ranges, kw = launch(layout)
+        assert kw["SPANS"] and kw["DYNAMIC"] and kw["MERGE"] and not kw["LIST"] and not kw["ORDERED"], (name, kw)
+        want = []
+        for tile in range(s // 128):  # 128-row tiles, 2 key blocks of 128 a layout column
+            cols = [c for c in range(2) if layout[tile // 2][c]]
+            span = (2 * min(cols), 2 * max(cols) + 2) if cols else (0, 0)
+            want.append(span + span)
+        np.testing.assert_array_equal(ranges, np.broadcast_to(np.asarray(want, np.int32), (b, s // 128, 4)), name)
+    per_batch = np.stack([TWO_COLUMN_LAYOUTS["row 1"], TWO_COLUMN_LAYOUTS["column 0"]])[:, None]  # [B, 1, 2, 2]
+    ranges, kw = launch(per_batch)
+    assert kw["SPANS"] and ranges[0, 0].tolist() == [0, 0, 0, 0] and ranges[1, 0].tolist() == [0, 2, 0, 2], ranges
+    for why, layout, causal, merge, switch in (("no merge", per_batch, False, None, True),
+                                               ("causal", per_batch, True, (out0, lse0), True),
+                                               ("per head", np.ones((1, h, 2, 2), bool), False, (out0, lse0), True),
+                                               ("switch off", per_batch, False, (out0, lse0), False)):
+        given["merge"] = merge
+        monkeypatch.setattr(gluon_attention, "LAYOUT_SPANS", switch)
+        _, kw = launch(layout, causal)
+        assert not kw["SPANS"] and kw["LIST"], (why, kw)
+
+
+def test_layout_spans_are_the_lists_blocks():
+    """`layout_spans` of random layouts of one and two key columns (per batch row, longer and shorter key sequences,
+    rows past the layout's blocks) visits exactly the key blocks that the block lists (`fwd_lists`) of the same
+    layout list, each query tile's in one run."""
+    import numpy as np
+
+    from ejgen.runtime.attention.config import AttentionConfig
+
+    rng = np.random.default_rng(5)
+    for seq, block, cols in ((1024, 512, 2), (1024, 1024, 1), (768, 512, 2), (2048, 1024, 2)):
+        rows = -(-seq // block)
+        lay = jnp.asarray(rng.random((3, 1, 1, rows, cols)) < 0.5)
+        cfg = AttentionConfig(seq_q=seq, seq_k=seq, layout=True, layout_block=(block, block))
+        spans = np.asarray(gluon_attention.layout_spans({"layout": lay}, cfg, seq, seq, 3))
+        table, _, count = gluon_attention.fwd_lists({"layout": lay}, cfg, seq, batch=3)
+        table, count = np.asarray(table), np.asarray(count)
+        for bi in range(3):
+            for tile in range(-(-seq // 128)):
+                listed = sorted(int(e) >> 1 for e in table[bi, 0, tile, 1:1 + count[bi, 0, tile]])
+                if listed == [-(-seq // 128)]:  # (an empty row's one entry, past the end)
+                    listed = []
+                lo, hi, f0, f1 = spans[bi, tile]
+                assert list(range(lo, hi)) == listed and (f0, f1) == (lo, hi), (seq, block, bi, tile, spans[bi, tile])
+
+
 def test_the_forward_launches_over_some_heads(monkeypatch):
     """`api.HEADS_PART` (ring attention's first step in two launches, `ring.SEND_APART`): on a (pretended) Hopper GPU
     the forward launches over the tiles of those (batch, head) pairs alone (TILE_LO / TILE_HI of `_tile`'s order, a
@@ -1674,17 +1752,19 @@ def test_the_docs_form_compiles_on_the_gpu_hosts_triton():
 def test_the_rings_last_forward_compiles(triton):
     """The forward as the ring's coalesced last step launches it (a block layout of 2 x 2 chunks, the dynamic queue):
     with KV_AT (K and V read out of one buffer of unsigned 16-bit items: the received block, `ring.KV_FROM_WIRE`),
-    and with MERGE too (its result merged into the first step's in the epilogue, `ring.MERGE_IN_KERNEL`), on this
-    machine's Triton and the GPU host's (3.6): each compiles for sm_90 with TMA loads and no spill; MERGE's epilogue
-    reads the earlier rows (global loads the plain one has none of)."""
+    and with MERGE too (its result merged into the first step's in the epilogue, `ring.MERGE_IN_KERNEL`), then as it
+    launches by default, walking each tile's span of key blocks instead of a list (SPANS, `host.LAYOUT_SPANS`), on
+    this machine's Triton and the GPU host's (3.6): each compiles for sm_90 with TMA loads and no spill; MERGE's
+    epilogue reads the earlier rows (global loads the plain one has none of); the spans' queue passes over empty
+    tiles by more fetch-and-adds."""
     from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
 
     call = dict(gluon=True, dtype="bfloat16", head_dim=128, causal=False, seq=2048, heads=4, kv_heads=4, batch=1,
                 layout=(1024, 1024, False), dynamic=True, kv_wire=True, forward_only=True, with_ptx=True,
                 with_resources=True)
-    results = compile_all_in_subprocess([call, dict(call, merge=True)],
+    results = compile_all_in_subprocess([call, dict(call, merge=True), dict(call, merge=True, layout=None, spans=True)],
                                         triton=gpu_host_triton() if triton == "gpu host" else None)
-    loads = []
+    loads, atomics = [], []
     for compiled in results:
         assert "error" not in compiled, compiled.get("error")
         meta = compiled["gluon_fwd_kernel"]
@@ -1692,7 +1772,8 @@ def test_the_rings_last_forward_compiles(triton):
         assert "cp.async.bulk.tensor" in meta["ptx"]
         assert triton == "here" or by_gpu_host_triton(meta), meta["triton"]
         loads.append(meta["ptx"].count("ld.global"))
-    assert loads[1] > loads[0], loads
+        atomics.append(meta["ptx"].count("atom.global"))
+    assert loads[1] > loads[0] and atomics[2] > atomics[1], (loads, atomics)
 
 
 @pytest.mark.parametrize("triton", ["here", "gpu host"])
@@ -1750,6 +1831,61 @@ def _gpu_layout(kind, seq, block, heads, rng):
         lay = np.broadcast_to((np.abs(i - j) <= 4) | (i == 0) | (j == 0), (1, heads, n, n)).copy()
         lay[..., 1:, 1:] &= rng.random((1, heads, n - 1, n - 1)) > 0.1  # holes, per head where given
     return lay
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(TWO_COLUMN_LAYOUTS) + ["per batch row"])
+def test_gluon_layout_spans_merged_match_the_oracle(monkeypatch, triton_launches, name):
+    """A layout of two key columns merged into an earlier result (the ring's wide step: SPANS, `host.LAYOUT_SPANS`)
+    on the Hopper forward, on 7 SMs (programs cross many tiles, empty ones passed over in the queue), GQA, keys past
+    the last whole tile: out and lse against the float64 softmax over both key sets (the layout's keys and the
+    earlier result's); the rows of a layout row that sees nothing keep the earlier result bit for bit."""
+    import numpy as np
+
+    from ejgen.ops import flash_attention
+    from ejgen.runtime.attention.triton import host as triton_host
+    from ejgen.types import BlockMask
+
+    if not gluon_attention.hopper():
+        pytest.skip("not a Hopper GPU")
+    monkeypatch.setattr(gluon_attention, "num_sms", lambda: 7)
+    b, s, hq, hkv, d = 2, 1000, 4, 2, 128
+    layout = np.asarray(TWO_COLUMN_LAYOUTS.get(name, [[True, False], [False, True]]))[None, None]
+    if name == "per batch row":
+        layout = np.stack([TWO_COLUMN_LAYOUTS["row 1"], TWO_COLUMN_LAYOUTS["column 0"]])[:, None]
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((b, s, n, d)).astype(np.float32) for n in (hq, hkv, hkv))
+    out0 = rng.standard_normal((b, s, hkv, hq // hkv, d)).astype(np.float32)
+    lse0 = rng.standard_normal((b, hkv, hq // hkv, s)).astype(np.float32) + 3.0
+    q, k, v, out0 = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, out0))
+    monkeypatch.setattr(triton_host, "given_merge", lambda ctx: (ctx, (out0, jnp.asarray(lse0))))
+    mask = BlockMask.from_layout(jnp.asarray(layout), s, s, 512, 512)
+    out, lse = jax.jit(lambda q, k, v: flash_attention(q, k, v, block_mask=mask, return_lse=True,
+                                                       platform="triton"))(q, k, v)
+    assert [kw["SPANS"] for _, kw in triton_launches] == [True], triton_launches
+
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    qg = f64(q).reshape(b, s, hkv, hq // hkv, d)
+    sc = np.einsum("bqhgd,bkhd->bhgqk", qg, f64(k)) / np.sqrt(d)
+    seen = np.repeat(np.repeat(np.broadcast_to(layout[:, 0], (b, 2, 2)), 512, axis=1), 512, axis=2)[:, :s, :s]
+    sc = np.where(seen[:, None, None], sc, -np.inf)
+    top = np.max(sc, axis=-1, keepdims=True)
+    e = np.exp(sc - np.where(np.isfinite(top), top, 0.0))
+    den1 = e.sum(-1)
+    lse1 = np.where(den1 > 0, np.log(np.where(den1 > 0, den1, 1.0)) + top[..., 0], -np.inf)
+    out1 = np.einsum("bhgqk,bkhd->bqhgd", e / np.where(den1 > 0, den1, 1.0)[..., None], f64(v))
+    lse_all = np.logaddexp(f64(lse0), lse1)
+    w0, w1 = np.exp(f64(lse0) - lse_all), np.exp(lse1 - lse_all)
+    want = f64(out0) * np.moveaxis(w0, -1, 1)[..., None] + out1 * np.moveaxis(w1, -1, 1)[..., None]
+    got_out = f64(out).reshape(want.shape)
+    got_lse = f64(lse).reshape(lse_all.shape)
+    assert np.abs(got_out - want).max() < 2e-2 * np.abs(want).max(), np.abs(got_out - want).max()
+    np.testing.assert_allclose(got_lse, lse_all, atol=2e-3)
+    none = ~seen.any(axis=2)  # [b, s]: rows whose layout row sees no key
+    assert none.any() == (name != "column 0"), name
+    np.testing.assert_array_equal(np.asarray(out.reshape(out0.shape))[none], np.asarray(out0)[none])
+    np.testing.assert_array_equal(got_lse.transpose(0, 3, 1, 2)[none], f64(lse0).transpose(0, 3, 1, 2)[none])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on Hopper GPUs only (compile check above)")

@@ -51,29 +51,31 @@ def _run(fn, diff, d_out, d_lse):
 
 
 RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WIRE_BWD, Q_IN_PLACE, DKV_INTO,
-    # gluon.host.LAYOUT_HEAD_SECTIONS)
-    ("zigzag", "zigzag", False, False, False, False, False, False, False),
-    ("contiguous", "contiguous", False, False, False, False, False, False, False),
-    ("zigzag-kv-from-wire", "zigzag", True, False, False, False, False, False, False),
-    ("zigzag-kv-from-wire-merge-in-kernel", "zigzag", True, True, False, False, False, False, False),
-    ("zigzag-dq-once", "zigzag", True, True, True, False, False, False, False),
-    ("contiguous-dq-once", "contiguous", False, False, True, False, False, False, False),
-    ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False, False, False),
-    ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False, False, False),
-    ("zigzag-dq-once-copies", "zigzag", True, True, True, True, False, False, False),  # session 35's default
+    # gluon.host.LAYOUT_HEAD_SECTIONS, gluon.host.LAYOUT_SPANS)
+    ("zigzag", "zigzag", False, False, False, False, False, False, False, True),
+    ("contiguous", "contiguous", False, False, False, False, False, False, False, True),
+    ("zigzag-kv-from-wire", "zigzag", True, False, False, False, False, False, False, True),
+    ("zigzag-kv-from-wire-merge-in-kernel", "zigzag", True, True, False, False, False, False, False, True),
+    ("zigzag-dq-once", "zigzag", True, True, True, False, False, False, False, True),
+    ("contiguous-dq-once", "contiguous", False, False, True, False, False, False, False, True),
+    ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False, False, False, True),
+    ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False, False, False, True),
+    ("zigzag-dq-once-copies", "zigzag", True, True, True, True, False, False, False, True),  # session 35's default
     # Q_IN_PLACE and ZEROS_BY_DELTA on (session 37; contiguous rings' pairs are every local row: nothing in place)
-    ("zigzag-q-in-place", "zigzag", True, True, True, True, True, False, False),
+    ("zigzag-q-in-place", "zigzag", True, True, True, True, True, False, False, True),
     # the default since session 37: every switch on, dK / dV written into the wire by the first backward step's pairs
-    # (ring.DKV_INTO) too
-    ("zigzag-defaults", "zigzag", True, True, True, True, True, True, False),
-    # the wide step's tiles a head section at a time (gluon.host.LAYOUT_HEAD_SECTIONS, off; restored in session 37)
-    ("zigzag-layout-sections", "zigzag", True, True, True, True, True, True, True),
+    # (ring.DKV_INTO) too; since session 39 the wide step walks its tiles' spans of key blocks (LAYOUT_SPANS)
+    ("zigzag-defaults", "zigzag", True, True, True, True, True, True, False, True),
+    # the wide step through block lists (LAYOUT_SPANS off: session 38's default)
+    ("zigzag-lists", "zigzag", True, True, True, True, True, True, False, False),
+    # the lists' tiles a head section at a time (gluon.host.LAYOUT_HEAD_SECTIONS, off; restored in session 37)
+    ("zigzag-layout-sections", "zigzag", True, True, True, True, True, True, True, False),
 ]
 
 
-@pytest.mark.parametrize("order,wire,merge,once,wire_bwd,in_place,dkv,sections", [c[1:] for c in RING_FORMS],
+@pytest.mark.parametrize("order,wire,merge,once,wire_bwd,in_place,dkv,sections,spans", [c[1:] for c in RING_FORMS],
                          ids=[c[0] for c in RING_FORMS])
-def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place, dkv, sections, caplog,
+def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place, dkv, sections, spans, caplog,
                                    monkeypatch):
     """Causal, GQA 8/2, D 128, bf16 over every GPU: out, lse and every gradient against the oracle; on Hopper every
     kind of step (full blocks, the diagonal, zigzag's coalesced calls) takes the Hopper kernel set both ways:
@@ -85,7 +87,9 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
     q and dO where they lie (QDO_IN_PLACE), and the accumulator is zeroed by the delta kernel's launch
     (ring.ZEROS_BY_DELTA); with ``dkv`` (ring.DKV_INTO) the received block's pairs write dK / dV into the buffer
     that travels home (DKV_AT), the pairs after the first into the first's, adding where they share keys; with
-    ``sections`` (gluon.host.LAYOUT_HEAD_SECTIONS) the wide step's tiles go a head section at a time."""
+    ``sections`` (gluon.host.LAYOUT_HEAD_SECTIONS) the wide step's tiles go a head section at a time; with ``spans``
+    (gluon.host.LAYOUT_SPANS) the wide step merged in its kernel walks each tile's span of key blocks (SPANS), no
+    lists."""
     from ejgen.runtime.attention import ring
     from ejgen.runtime.attention.gluon import host as gluon_attention
     from ejgen.runtime.launch import triton_call
@@ -97,7 +101,8 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
         if getattr(kernel, "fn", kernel).__module__ not in gluon_attention.PLAIN_TRITON:  # (their plan and delta)
             launched.append((kernel.__name__, not bwd and kw.get("KV_AT", 0) > 0, kw.get("MERGE", False),
                              bwd and bool(kw.get("aliases")), bwd and kw.get("KV_AT", 0) > 0,
-                             bwd and kw.get("QDO_IN_PLACE", False), bwd and kw.get("DKV_AT", 0) > 0))
+                             bwd and kw.get("QDO_IN_PLACE", False), bwd and kw.get("DKV_AT", 0) > 0,
+                             not bwd and kw.get("SPANS", False)))
         return launch(kernel, *args, **kw)
 
     monkeypatch.setattr(triton_call, "launch", spy)
@@ -109,6 +114,7 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
     monkeypatch.setattr(ring, "ZEROS_BY_DELTA", in_place)  # (the accumulator's zeros by the delta launch's memset)
     monkeypatch.setattr(ring, "DKV_INTO", dkv)
     monkeypatch.setattr(gluon_attention, "LAYOUT_HEAD_SECTIONS", sections)
+    monkeypatch.setattr(gluon_attention, "LAYOUT_SPANS", spans)
     if sections:  # one kv head's K and V of a device's block (256 rows) a section: 2 sections of the 8 query heads
         monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 256 * 128 * 2)
     n = GPUS
@@ -144,6 +150,7 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
         assert any(x[4] for x in launched) == wire_bwd, launched
         assert any(x[5] for x in launched) == in_place, launched
         assert any(x[6] for x in launched) == (dkv and n == 2), launched
+        assert any(x[7] for x in launched) == (spans and merge and n == 2), launched
 
 
 @pytest.mark.parametrize("apart", [True, False], ids=["send-apart", "one-wire"])

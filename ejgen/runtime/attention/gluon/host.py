@@ -242,7 +242,8 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                segments: bool = False, ordered: bool = False, dynamic: bool = False, lists: dict | None = None,
                spec: tuple | None = None, tiles: dict | None = None, seq_k: int | None = None,
                softcap: bool = False, fast_tanh: bool = False, staged: tuple | None = None,
-               docs: bool | None = None, kv_at: int = 0, merge: bool = False, heads: tuple | None = None) -> dict:
+               docs: bool | None = None, kv_at: int = 0, merge: bool = False, heads: tuple | None = None,
+               spans: bool = False) -> dict:
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq_k (default seq), hkv, d] (16-bit).
     ``softcap``: the logits capped (SOFTCAP, `softcap_constexpr`, with ``fast_tanh``; the cap is F32[1]).
     ``dynamic``: the programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block
@@ -253,7 +254,8 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
     the DOCS form (SEGMENTS 2). ``kv_at`` > 0: K and V read out of one 16-bit buffer, V from that item on (KV_AT:
     ring attention's received wire). ``merge``: the result merged into the rows' earlier one (MERGE: O_PREV,
     LSE_PREV aliased to O, LSE). ``heads``: the launch's (batch, head) pairs [lo, hi) of batch * hq (`tile_part`;
-    None: all)."""
+    None: all). ``spans``: RANGES holds each query tile's span of key blocks (SPANS, `layout_spans`; with ``dynamic``
+    and ``merge``)."""
     staged_kw = dict(KV_TERMS=0, TERMS_AT=0, SPEC_QTERMS=None)
     if staged is not None:
         spec = (staged[0], spec[1])
@@ -267,7 +269,7 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                 HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **(tiles or TILES),
                 **(lists or NO_LISTS), **spec_constexprs(spec),
                 SOFTCAP=softcap_constexpr(softcap, fast_tanh), KV_AT=kv_at, MERGE=merge,
-                **tile_part(batch, hq, hkv, seq, d, heads))
+                **tile_part(batch, hq, hkv, seq, d, heads), SPANS=spans)
 
 
 def tile_part(batch: int, hq: int, hkv: int, seq: int, d: int, heads: tuple | None = None) -> dict:
@@ -850,6 +852,46 @@ def fwd_lists(ctx, cfg, seq: int, mask_tiles=None, batch: int = 1, heads: int = 
         words = _broadcast_like(words, kinds)
     count, table = _compact(kinds, words, empty_entry=True)
     return table, fwd_list_constexprs(table, cfg, block_n), count
+
+
+# A block layout of at most two key columns, of whole tiles, merged into an earlier result: each query tile walks the
+# span of key blocks its layout row sees (SPANS, `layout_spans`) in `_tile`'s order of head sections, not a list in
+# the order of their counts (LIST, ORDERED). That is the ring's wide step on 2 devices (`ring._wide_layout`), which
+# then runs as the plain c x 2c or 2c x c call it is, skipping the tiles that see no key. Session 39 (one H200,
+# `benchmarks/wide_step.py`, kernel us): device 0's layout through lists 1579 against 1507 for the plain 8k x 16k
+# call, device 1's 1584 against 1519 for 16k x 8k (the lists' loads, their order's L2 traffic and, on device 0, 1024
+# tiles that see no key).
+LAYOUT_SPANS = True
+
+
+def spanned(cfg, layout_shape: tuple, spec: bool, merge: bool) -> bool:
+    """Whether the forward walks each query tile's span of key blocks (SPANS, `layout_spans`) rather than a list:
+    LAYOUT_SPANS, a block layout (``layout_shape``: [B|1, Hkv|1, G|1, nQ, nK]) the same for every head, of at most two
+    key columns (a row's visible ones are then one run) and blocks of whole tiles, alone (no causal, window, segment
+    ids or spec mask: ``spec``), and a ``merge`` into an earlier result (the rows of a tile that sees no key keep
+    it: the kernel never runs that tile)."""
+    if not (LAYOUT_SPANS and cfg.layout and merge) or spec or cfg.causal or cfg.window or cfg.segments:
+        return False
+    return layout_shape[1] * layout_shape[2] == 1 and layout_shape[4] <= 2 and sub_blocks(cfg.layout_block) == (0, 0)
+
+
+def layout_spans(ctx, cfg, seq: int, seq_k: int, batch: int, block_n: int = TILES["BLOCK_N"]):
+    """SPANS' RANGES int32 [batch, N_M, 4] (`spanned`): for each query tile, the key blocks [lo, hi) of the visible
+    columns of its layout row (one run), its full blocks the same (whole tiles: the kernel adds the keys' end,
+    `_blocks`); lo = hi = 0 where the row sees none."""
+    import jax.numpy as jnp
+
+    lay = ctx["layout"]  # [B|1, 1, 1, nQ, nK]
+    (lq, lk), cols = cfg.layout_block, lay.shape[4]
+    n_m, n_n, per = -(-seq // BLOCK_M), -(-seq_k // block_n), lk // block_n
+    rows = jnp.minimum(jnp.arange(n_m) * BLOCK_M // lq, lay.shape[3] - 1)
+    vis = lay[:, 0, 0][:, rows].astype(bool)  # [B|1, N_M, nK]
+    col = jnp.arange(cols, dtype=jnp.int32)
+    first = jnp.min(jnp.where(vis, col, cols), axis=-1)
+    end = jnp.max(jnp.where(vis, col + 1, 0), axis=-1)
+    lo = jnp.where(end > first, jnp.minimum(first * per, n_n), 0)
+    hi = jnp.where(end > first, jnp.minimum(end * per, n_n), 0)
+    return jnp.broadcast_to(jnp.stack([lo, hi, lo, hi], axis=-1).astype(jnp.int32), (batch, n_m, 4))
 
 
 def fwd_list_constexprs(table, cfg, block_n: int = TILES["BLOCK_N"]) -> dict:

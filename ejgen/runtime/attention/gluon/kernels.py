@@ -63,16 +63,22 @@ def _blocks(q_lo, left, right, SEQ_K: gl.constexpr, ROWS: gl.constexpr, BLOCK_N:
 
 @gluon.jit
 def _tile_blocks(i_m, off_b, left, right, RANGES, SEQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, SEQ_K: gl.constexpr):
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, SEQ_K: gl.constexpr,
+                 SPANS: gl.constexpr):
     """`_blocks` of query tile i_m of batch row off_b; with SEGMENTS joined with the tile's range of the segment ids
     (RANGES [B, N_M, 4]: lo, hi, full lo, full hi, `block_mask.tile_ranges`): visited in both, full in both. A tile
-    whose ranges do not meet (padding rows) still visits one block, under the element mask: the loops need one."""
+    whose ranges do not meet (padding rows) still visits one block, under the element mask: the loops need one.
+    SPANS: RANGES [B, N_M, 4] are the tiles' own spans of key blocks, no ids (`host.layout_spans`): a tile with
+    none (hi <= lo) is never run (`_next_spanned`)."""
     lo, hi, f0, f1 = _blocks(i_m * BLOCK_M, left, right, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    if SEGMENTS:
+    if SEGMENTS or SPANS:
         N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
         r = RANGES + (off_b * N_M + i_m) * 4
         lo = gl.maximum(lo, gl.load(r))
-        hi = gl.maximum(gl.minimum(hi, gl.load(r + 1)), lo + 1)
+        if SPANS:
+            hi = gl.minimum(hi, gl.load(r + 1))
+        else:
+            hi = gl.maximum(gl.minimum(hi, gl.load(r + 1)), lo + 1)
         f0 = gl.maximum(f0, gl.load(r + 2))
         f1 = gl.minimum(f1, gl.load(r + 3))  # f1 <= f0: every block masked
     return lo, hi, f0, f1
@@ -141,6 +147,30 @@ def _tile_at(t, ORDER, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, CA
 
 
 @gluon.jit
+def _next_spanned(t, tile_ctr, RANGES, ORDER, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
+                  CAUSAL: gl.constexpr, ORDERED: gl.constexpr, HQ: gl.constexpr, TILE_LO: gl.constexpr,
+                  TILE_HI: gl.constexpr):
+    """SPANS (the producer, DYNAMIC): tile t of the queue if its span of key blocks (RANGES, `_tile_blocks`) holds
+    one, else the next such tile, each passed over for another fetch-and-add; or one >= TILE_HI, the end. Nobody
+    runs a tile passed over: its rows keep what the outputs held (with MERGE, aliased: their earlier result)."""
+    r = _span_of(gl.minimum(t, TILE_HI - 1), RANGES, ORDER, N_M, BH, HS, CAUSAL, ORDERED, HQ)
+    empty = gl.load(r + 1) <= gl.load(r)
+    while (t < TILE_HI) & empty:
+        t = TILE_LO + gl.atomic_add(tile_ctr, 1, sem="relaxed", scope="gpu")
+        r = _span_of(gl.minimum(t, TILE_HI - 1), RANGES, ORDER, N_M, BH, HS, CAUSAL, ORDERED, HQ)
+        empty = gl.load(r + 1) <= gl.load(r)
+    return t
+
+
+@gluon.jit
+def _span_of(t, RANGES, ORDER, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, CAUSAL: gl.constexpr,
+             ORDERED: gl.constexpr, HQ: gl.constexpr):
+    """SPANS: the address of tile t's row of RANGES [B, N_M, 4] (lo, hi, full lo, full hi)."""
+    i_m, bh = _tile_at(t, ORDER, N_M, BH, HS, CAUSAL, ORDERED)
+    return RANGES + ((bh // HQ) * N_M + i_m) * 4
+
+
+@gluon.jit
 def _tile_post(slot, t):
     """Producer (one warp): tile index t into a Q buffer's tile slot (DYNAMIC), every lane's store ordered before
     the (single-thread) arrive that publishes it: that arrive (plain or expect-tx) has release semantics, the
@@ -202,7 +232,7 @@ def _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_r
                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SEGMENTS: gl.constexpr, ORDERED: gl.constexpr,
                    ITEM: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
                    LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SEQ_K: gl.constexpr, KV_TERMS: gl.constexpr,
-                   TERMS_AT: gl.constexpr):
+                   TERMS_AT: gl.constexpr, SPANS: gl.constexpr):
     """Tile t, this program's tile tc, whose first K/V block is ring block g: its two Q halves into Q set tc % 2
     (DYNAMIC: t into each half's tile slot first), then (DYNAMIC) the fetch-and-add that takes the program's next
     tile, then its K/V blocks (LIST: the blocks of its list, RANGES, in order; an entry past the last block, the
@@ -223,7 +253,7 @@ def _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_r
         lo = hi * 0
     else:
         lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                      SEGMENTS, SEQ_K)
+                                      SEGMENTS, SEQ_K, SPANS)
     qb = (tc % 2) * 2
     q_phase = (tc // 2) & 1
     for h in gl.static_range(2):
@@ -278,7 +308,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
               SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, ITEM: gl.constexpr, DYNAMIC: gl.constexpr,
               LIST: gl.constexpr, LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr,
               SEQ_K: gl.constexpr, KV_TERMS: gl.constexpr, TERMS_AT: gl.constexpr, TILE_LO: gl.constexpr,
-              TILE_HI: gl.constexpr):
+              TILE_HI: gl.constexpr, SPANS: gl.constexpr):
     """Per tile: its two Q halves into Q set tc % 2 (once the consumers released that set, two tiles ago), then
     its K/V blocks into the ring; with SEGMENTS each block's key ids too, into kseg_smem next to its K (read before
     the stage is free, stored after; k_ready then counts this warp's arrive as well). Empty barriers start free:
@@ -289,15 +319,20 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     are [TILE_LO, TILE_HI) (DYNAMIC: the counter's values offset by TILE_LO)."""
     g = pid * 0  # K/V blocks issued so far (all tiles of this program)
     tc = pid * 0  # tiles started so far
+    gl.static_assert(DYNAMIC or not SPANS, "SPANS: the tiles with no key block are passed over in the dynamic queue")
     if DYNAMIC:
         t = TILE_LO + gl.atomic_add(tile_ctr, 1, sem="relaxed", scope="gpu")
+        if SPANS:
+            t = _next_spanned(t, tile_ctr, RANGES, ORDER, N_M, BH, HS, CAUSAL, ORDERED, HQ, TILE_LO, TILE_HI)
         while t < TILE_HI:
             n, t = _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG,
                                   kseg_smem, HQ, HKV, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
                                   SEGMENTS, ORDERED, ITEM, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K,
-                                  KV_TERMS, TERMS_AT)
+                                  KV_TERMS, TERMS_AT, SPANS)
             t += TILE_LO
+            if SPANS:
+                t = _next_spanned(t, tile_ctr, RANGES, ORDER, N_M, BH, HS, CAUSAL, ORDERED, HQ, TILE_LO, TILE_HI)
             g += n
             tc += 1
         qb = (tc % 2) * 2
@@ -311,7 +346,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                   v_ready, k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG,
                                   kseg_smem, HQ, HKV, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
                                   SEGMENTS, ORDERED, ITEM, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K,
-                                  KV_TERMS, TERMS_AT)
+                                  KV_TERMS, TERMS_AT, SPANS)
             g += n
             tc += 1
 
@@ -486,7 +521,7 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
                    HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
                    LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
                    SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr, KV_TERMS: gl.constexpr, SPEC_QTERMS: gl.constexpr,
-                   MERGE: gl.constexpr):
+                   MERGE: gl.constexpr, SPANS: gl.constexpr):
     """Tile t, this program's tile tc whose first K/V block is ring block g, for consumer HALF (see _consumer).
     LIST: the blocks of the tile's list (RANGES), each under the element mask where its entry says so and then, with
     SUB_Q, also under its word of visible sub-blocks; the empty row's entry (block N_N, past the end) hides every key.
@@ -513,7 +548,7 @@ def _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k
         f1 = lo
     else:
         lo, hi, f0, f1 = _tile_blocks(i_m, off_b, left, right, RANGES, SEQ, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                      SEGMENTS, SEQ_K)
+                                      SEGMENTS, SEQ_K, SPANS)
     q_row0 = i_m * BLOCK_M + HALF * ROWS
     # the rows' segment ids (SEGMENTS; else unused), read once per tile
     seg_rows = q_row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
@@ -642,7 +677,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
               HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
               LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
               SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr, KV_TERMS: gl.constexpr, SPEC_QTERMS: gl.constexpr,
-              MERGE: gl.constexpr, TILE_LO: gl.constexpr, TILE_HI: gl.constexpr):
+              MERGE: gl.constexpr, TILE_LO: gl.constexpr, TILE_HI: gl.constexpr, SPANS: gl.constexpr):
     """One 64-row half (HALF 0: the first to issue) of every tile of this program: the pipelined loop (softmax
     of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile. The two halves
     take turns issuing their matmuls (turn_mine / turn_other: a token passed back and forth, its phase from the
@@ -663,7 +698,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
                                 turn_other, QSEG, kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M,
                                 BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST,
                                 LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS,
-                                MERGE)
+                                MERGE, SPANS)
             tc += 1
             t = _tile_take(q_ready, tile_smem, tc, HALF)
     else:
@@ -673,7 +708,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
                                 turn_other, QSEG, kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M,
                                 BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, HALF, DYNAMIC, LIST,
                                 LIST_BATCH, LIST_HEADS, SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS,
-                                MERGE)
+                                MERGE, SPANS)
             tc += 1
 
 
@@ -706,7 +741,7 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O_P
                                SPEC_OPTIONS: gl.constexpr, SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr,
                                KV_TERMS: gl.constexpr, TERMS_AT: gl.constexpr, SPEC_QTERMS: gl.constexpr,
                                KV_AT: gl.constexpr, MERGE: gl.constexpr, TILE_LO: gl.constexpr,
-                               TILE_HI: gl.constexpr):
+                               TILE_HI: gl.constexpr, SPANS: gl.constexpr):
     """Q [B, SEQ, HQ, D], K and V [B, SEQ_K, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32); SEQ_K = SEQ but where
     the host takes Sq != Sk (no causal, window, segment ids, lists or spec mask: `host.ineligible`, gluon_cross).
     F32 = [scale, soft cap, ...], I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch
@@ -734,11 +769,16 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O_P
     MERGE: the result merged into an earlier one of the same rows, O_PREV like O and LSE_PREV like LSE (the host
     aliases them to O and LSE: each row read before it is written), by the two lse's weights (ring attention's last
     step, `ring.MERGE_IN_KERNEL`); without it O_PREV and LSE_PREV are placeholders.
+    SPANS (DYNAMIC; no LIST, SEGMENTS, causal or window): RANGES [B, N_M, 4] gives each query tile's own span of key
+    blocks (lo, hi, full lo, full hi: `host.layout_spans`, a block layout of at most two key columns); the queue
+    passes over a tile whose span is empty (`_next_spanned`), whose rows then keep what O and LSE held: with MERGE,
+    their earlier result (the ring's wide step, `host.LAYOUT_SPANS`).
     TILE_LO, TILE_HI: the launch runs tiles [TILE_LO, TILE_HI) of the order (0, N_M * B * HQ: all). With fewer than
     all, O_PREV and LSE_PREV (aliased to O and LSE, MERGE off) hold the other tiles' rows, which it leaves as they
     are: a call in two launches over whole head sections of `_tile` (`ring.SEND_APART`: the first step's second
     launch, writing over the first's result while V travels).
     Grid (P,), P <= the launch's tiles (`grid`); 4 warps asked, 12 run (two consumers, a producer)."""
+    gl.static_assert(not SPANS or not (LIST or SEGMENTS or CAUSAL or WINDOW), "SPANS: the tiles' spans alone")
     ROWS: gl.constexpr = BLOCK_M // 2
     N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
     BH: gl.constexpr = B * HQ
@@ -802,17 +842,19 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O_P
                      O_PREV, LSE_PREV, nprog, left, right, qk_scale, cap_out, turn.index(0), turn.index(1),
                      QSEG, kseg_smem, RANGES, ORDER, tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N,
                      D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 0, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS,
-                     SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS, MERGE, TILE_LO, TILE_HI)),
+                     SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS, MERGE, TILE_LO, TILE_HI,
+                     SPANS)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
                      O_PREV, LSE_PREV, nprog, left, right, qk_scale, cap_out, turn.index(1), turn.index(0),
                      QSEG, kseg_smem, RANGES, ORDER, tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N,
                      D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 1, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS,
-                     SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS, MERGE, TILE_LO, TILE_HI)),
+                     SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS, MERGE, TILE_LO, TILE_HI,
+                     SPANS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, tile_smem, TILE_CTR, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ, HKV,
                      SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED,
                      dtype.primitive_bitwidth // 8, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K, KV_TERMS,
-                     TERMS_AT, TILE_LO, TILE_HI)),
+                     TERMS_AT, TILE_LO, TILE_HI, SPANS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -414,13 +414,19 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
         scalars = layout.gluon_scalars(scalars, ctx, sq)
         # key-side position terms staged by the producer next to each K block (segment ids use that buffer)
         staged = None if cfg.segments else layout.staged_mask()
-    ordered = gluon_attention.ordered(cfg) or listed
-    # RANGES: the lists, or (ordered: segment ids) the plan's with the order
-    segments = _gluon_segments(ctx, cfg, sq, "fwd", ordered, tiles["BLOCK_N"])
+    # a layout of two key columns merged into an earlier result: each tile's span of key blocks (the ring's wide step)
+    spans = listed and gluon_attention.spanned(cfg, ctx["layout"].shape, spec is not None, merge is not None)
+    ordered = (gluon_attention.ordered(cfg) or listed) and not spans
+    dynamic = dynamic or spans  # (the queue passes over the tiles that see no key)
+    # RANGES: the lists, the spans, or (ordered: segment ids) the plan's with the order
+    segments = _gluon_segments(ctx, cfg, sq, "fwd", ordered or spans, tiles["BLOCK_N"])
     if staged is not None:
         segments[1] = scalars[1]  # KSEG: I32 with the terms' table, whose key-side rows the producer stages
     lists = None
-    if listed:
+    if spans:
+        segments[2], order = gluon_attention.layout_spans(ctx, cfg, sq, k.shape[1], batch, tiles["BLOCK_N"]), \
+            _dummy(jnp.int32)
+    elif listed:
         section = (gluon_attention.head_group(batch, hq, hkv, k.shape[1], d)
                    if gluon_attention.LAYOUT_HEAD_SECTIONS else None)
         segments[2], order = _gluon_lists(ctx, cfg, mask_tiles, batch, hq, sq, tiles["BLOCK_N"],
@@ -453,7 +459,7 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
         **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments, ordered, dynamic,
                                      lists, spec, tiles, seq_k=k.shape[1], softcap=cfg.softcap,
                                      fast_tanh=fast_tanh, staged=staged, kv_at=kv_at, merge=merge is not None,
-                                     heads=heads))
+                                     heads=heads, spans=spans))
     return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
 
 
