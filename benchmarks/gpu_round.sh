@@ -607,6 +607,22 @@ j_ring-spans() {  # the wide step walking its tiles' spans of key blocks (gluon.
       --out "$log/ring-spans-off-$i"
   done
 }
+j_ring-spans-gaps() {  # gluon.host.LAYOUT_SPANS under a sustained load (session 39's call 5: faster in one call's
+  # trace, slower timed): 16 forward calls back to back under the profiler (each kernel's first and last durations),
+  # each form twice, then each timed again, the lists first
+  local i
+  for i in 1 2; do
+    job "ring-spans-gaps-on-$i" 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 \
+      --out "$log/ring-spans-gaps-on-$i"
+    job "ring-spans-gaps-off-$i" 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-lists \
+      --out "$log/ring-spans-gaps-off-$i"
+  done
+  for i in 3 4; do
+    job "ring-spans-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-lists \
+      --out "$log/ring-spans-off-$i"
+    job "ring-spans-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-spans-on-$i"
+  done
+}
 j_ring-apart() {  # ring.SEND_APART (sessions 38-39): its GPU tests and the defaults', one forward call's kernels with
   # and without it, then the forward timed both ways, each twice in its own process (notes/studies/s37-ring-fwd.md, B;
   # accept: in the trace both hops overlap a launch, then run ring-paired-apart)
@@ -809,6 +825,7 @@ declare -A PRESETS=(
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
   [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
   # A/B, then the forward and fwd+bwd in turns with one GPU)
+  [s39e]="0-1:ring-spans-gaps"  # (LAYOUT_SPANS sustained: 16 calls under the profiler, then timed, lists first)
   [s39c]="0-1:hop-after"  # (the first step's kernel without the hop beside it, against with: twice each)
   [s39b]="0:wide-step"  # (one GPU: what the wide step's lists, order and L2 cost; notes/studies/s37-ring-fwd.md, A)
   [s39a]="0-1:ring-apart,ring-paired-apart"  # (ring.SEND_APART with K's received buffer in V's barrier: session 38's
