@@ -623,6 +623,24 @@ j_ring-spans-gaps() {  # gluon.host.LAYOUT_SPANS under a sustained load (session
     job "ring-spans-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-spans-on-$i"
   done
 }
+j_ring-spare() {  # the hop's NCCL kernel against the first step's persistent programs (session 39's call 6: with
+  # LAYOUT_SPANS nothing runs between the pack and the first step, and the hop waited for that step's end): 16 forward
+  # calls back to back under the profiler (with the batch's middle as it ran), then timed at 4 and 16, for the default,
+  # SMs spared for the hop (ring.FIRST_STEP_SPARE_SMS), the block lists, and the hop by copy engines
+  local form args
+  for form in default spare8 spare16 lists p2p; do
+    case $form in
+      default) args=() ;; spare8) args=(--spare-sms 8) ;; spare16) args=(--spare-sms 16) ;;
+      lists) args=(--layout-lists) ;; p2p) args=() ;;
+    esac
+    local flags=""
+    [[ $form == p2p ]] && flags="$P2P"
+    job "ring-spare-gaps-$form" 90 env XLA_FLAGS="$flags" python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 \
+      "${args[@]}" --out "$log/ring-spare-gaps-$form"
+    job "ring-spare-time-$form" 70 env XLA_FLAGS="$flags" python3 "${RING[@]}" --parts time --passes fwd \
+      --batch 4,16 "${args[@]}" --out "$log/ring-spare-time-$form"
+  done
+}
 j_ring-apart() {  # ring.SEND_APART (sessions 38-39): its GPU tests and the defaults', one forward call's kernels with
   # and without it, then the forward timed both ways, each twice in its own process (notes/studies/s37-ring-fwd.md, B;
   # accept: in the trace both hops overlap a launch, then run ring-paired-apart)
@@ -826,6 +844,7 @@ declare -A PRESETS=(
   [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
   # A/B, then the forward and fwd+bwd in turns with one GPU)
   [s39e]="0-1:ring-spans-gaps"  # (LAYOUT_SPANS sustained: 16 calls under the profiler, then timed, lists first)
+  [s39f]="0-1:ring-spare"  # (the hop's kernel against the first step's programs: spared SMs, lists, copy engines)
   [s39c]="0-1:hop-after"  # (the first step's kernel without the hop beside it, against with: twice each)
   [s39b]="0:wide-step"  # (one GPU: what the wide step's lists, order and L2 cost; notes/studies/s37-ring-fwd.md, A)
   [s39a]="0-1:ring-apart,ring-paired-apart"  # (ring.SEND_APART with K's received buffer in V's barrier: session 38's

@@ -203,6 +203,13 @@ def back_to_back(fn, args, trace_dir: Path, calls: int = 4, label: str = "", gap
             # over the batch (clocks) or some calls (a peer's wait)
             lines.append(f"  {name}: {sum(durs) / calls:.1f} us a call; first " +
                          " ".join(f"{d:.0f}" for d in durs[:4]) + " | last " + " ".join(f"{d:.0f}" for d in durs[-4:]))
+        # the batch's middle calls as they ran: which kernels overlap which (a hop beside a step, or alone)
+        big = [s for s in call if s["dur"] >= 20.0]
+        middle = big[len(big) // 2:len(big) // 2 + 16]
+        lines.append("  the middle of the batch (slices >= 20 us; start us from the batch's first, duration, "
+                     "stream):")
+        lines += [f"    {s['ts'] - t0:10.1f} {s['dur']:8.1f}  {s['thread'][:24]:24}  {s['name'][:40]}"
+                  for s in middle]
     host = collections.Counter()
     for s in slices:
         if not _is_device(s["process"]):
