@@ -33,7 +33,8 @@
 #   ring-paired    one GPU and the ring timed in turns, 7 rounds, 4 and 16 calls a sample (2 GPUs)
 #   ring-qinplace  the ring tests, then the default against --no-q-in-place and --no-zeros-by-delta (2 GPUs)
 #   ring-p5        the ring tests, then the default against --no-dkv-into, each twice, and one call's kernels of each
-#   ring-spans     the GPU tests of gluon.host.LAYOUT_SPANS, one call's kernels with and without it, each timed twice
+#   ring-spans     the GPU tests of gluon.host.LAYOUT_SPANS (off), one call's kernels with and without it, each timed
+#                  twice; ring-spans-gaps: each form's 16 calls back to back under the profiler
 #   ring-sections  one call's kernels with and without --layout-sections, then each timed twice (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
@@ -590,56 +591,28 @@ j_ring-sections() {  # the wide step's tiles a head section at a time (gluon.hos
     job "ring-sections-on-$i" 80 python3 "${RING[@]}" --parts time --layout-sections --out "$log/ring-sections-on-$i"
   done
 }
-j_ring-spans() {  # the wide step walking its tiles' spans of key blocks (gluon.host.LAYOUT_SPANS, session 39's default)
-  # against its block lists (--layout-lists): the GPU tests (the kernel's own against the oracle, the ring's forms),
-  # one forward call's kernels of each form, then each timed twice in its own process (accept: the second step faster
-  # on both GPUs in the traces and the forward's times not worse)
+j_ring-spans() {  # the wide step walking its tiles' spans of key blocks (gluon.host.LAYOUT_SPANS, off; session 39)
+  # against its block lists (the default): the GPU tests (the kernel's own against the oracle, the ring's forms), one
+  # forward call's kernels of each form, then each timed twice in its own process (session 39's calls 5-7: the step
+  # faster in the traces, the forward slower timed at 16 calls a sample)
   EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-spans-tests 180 python3 -m pytest -m gpu -q -rf \
     -p no:cacheprovider tests/attention/test_gluon.py::test_gluon_layout_spans_merged_match_the_oracle \
     tests/multidevice/test_ring_gpu.py
-  job ring-spans-trace-on 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-spans-trace-on"
-  job ring-spans-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --layout-lists \
-    --out "$log/ring-spans-trace-off"
+  job ring-spans-trace-on 90 python3 "${RING[@]}" --parts profile --passes fwd --layout-spans \
+    --out "$log/ring-spans-trace-on"
+  job ring-spans-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-spans-trace-off"
   local i
   for i in 1 2; do
-    job "ring-spans-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-spans-on-$i"
-    job "ring-spans-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-lists \
-      --out "$log/ring-spans-off-$i"
+    job "ring-spans-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-spans \
+      --out "$log/ring-spans-on-$i"
+    job "ring-spans-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-spans-off-$i"
   done
 }
-j_ring-spans-gaps() {  # gluon.host.LAYOUT_SPANS under a sustained load (session 39's call 5: faster in one call's
-  # trace, slower timed): 16 forward calls back to back under the profiler (each kernel's first and last durations),
-  # each form twice, then each timed again, the lists first
-  local i
-  for i in 1 2; do
-    job "ring-spans-gaps-on-$i" 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 \
-      --out "$log/ring-spans-gaps-on-$i"
-    job "ring-spans-gaps-off-$i" 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-lists \
-      --out "$log/ring-spans-gaps-off-$i"
-  done
-  for i in 3 4; do
-    job "ring-spans-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-lists \
-      --out "$log/ring-spans-off-$i"
-    job "ring-spans-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-spans-on-$i"
-  done
-}
-j_ring-spare() {  # the hop's NCCL kernel against the first step's persistent programs (session 39's call 6: with
-  # LAYOUT_SPANS nothing runs between the pack and the first step, and the hop waited for that step's end): 16 forward
-  # calls back to back under the profiler (with the batch's middle as it ran), then timed at 4 and 16, for the default,
-  # SMs spared for the hop (ring.FIRST_STEP_SPARE_SMS), the block lists, and the hop by copy engines
-  local form args
-  for form in default spare8 spare16 lists p2p; do
-    case $form in
-      default) args=() ;; spare8) args=(--spare-sms 8) ;; spare16) args=(--spare-sms 16) ;;
-      lists) args=(--layout-lists) ;; p2p) args=() ;;
-    esac
-    local flags=""
-    [[ $form == p2p ]] && flags="$P2P"
-    job "ring-spare-gaps-$form" 90 env XLA_FLAGS="$flags" python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 \
-      "${args[@]}" --out "$log/ring-spare-gaps-$form"
-    job "ring-spare-time-$form" 70 env XLA_FLAGS="$flags" python3 "${RING[@]}" --parts time --passes fwd \
-      --batch 4,16 "${args[@]}" --out "$log/ring-spare-time-$form"
-  done
+j_ring-spans-gaps() {  # LAYOUT_SPANS under a sustained load: 16 forward calls back to back under the profiler (each
+  # kernel's first and last durations, the batch's middle as it ran and the host's launches then), each form once
+  job ring-spans-gaps-on 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans \
+    --out "$log/ring-spans-gaps-on"
+  job ring-spans-gaps-off 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --out "$log/ring-spans-gaps-off"
 }
 j_ring-apart() {  # ring.SEND_APART (sessions 38-39): its GPU tests and the defaults', one forward call's kernels with
   # and without it, then the forward timed both ways, each twice in its own process (notes/studies/s37-ring-fwd.md, B;
@@ -843,8 +816,11 @@ declare -A PRESETS=(
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
   [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
   # A/B, then the forward and fwd+bwd in turns with one GPU)
-  [s39e]="0-1:ring-spans-gaps"  # (LAYOUT_SPANS sustained: 16 calls under the profiler, then timed, lists first)
-  [s39f]="0-1:ring-spare"  # (the hop's kernel against the first step's programs: spared SMs, lists, copy engines)
+  [s39g]="0-1:ring-spans-gaps,ring-paired"  # (LAYOUT_SPANS off again: where the hop's launch goes with it on, then
+  # the default in turns with one GPU)
+  [s39e]="0-1:ring-spans-gaps"  # (LAYOUT_SPANS sustained; its timed half was ring-spans-on/off-3, 4)
+  # s39f: ring-spare (ring.FIRST_STEP_SPARE_SMS 8 / 16, the lists, copy engines, each under the profiler and timed at
+  # 16 calls a sample; the switch removed after it lost: notes/perf.md "Session 39")
   [s39c]="0-1:hop-after"  # (the first step's kernel without the hop beside it, against with: twice each)
   [s39b]="0:wide-step"  # (one GPU: what the wide step's lists, order and L2 cost; notes/studies/s37-ring-fwd.md, A)
   [s39a]="0-1:ring-apart,ring-paired-apart"  # (ring.SEND_APART with K's received buffer in V's barrier: session 38's

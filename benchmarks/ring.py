@@ -112,10 +112,8 @@ def parse_args(argv=None):
         p.add_argument(f"--{flag}", action="store_true", help=text)
     p.add_argument("--layout-sections", action="store_true", help="the wide step's tiles a head section at a time "
                    "(gluon.host.LAYOUT_HEAD_SECTIONS: off by default, restored in session 37 for a trace)")
-    p.add_argument("--spare-sms", type=int, default=0, help="SMs the first step's Hopper forward leaves to the hop's "
-                   "NCCL kernel (ring.FIRST_STEP_SPARE_SMS, an experiment of session 39: 0 by default)")
-    p.add_argument("--layout-lists", action="store_true", help="the wide step through block lists, not its tiles' spans "
-                   "of key blocks (gluon.host.LAYOUT_SPANS off: session 38's form)")
+    p.add_argument("--layout-spans", action="store_true", help="the wide step walking its tiles' spans of key blocks, "
+                   "not block lists (gluon.host.LAYOUT_SPANS, off by default: session 39)")
     p.add_argument("--l2-kv-budget", type=int, default=0, help="MiB of K and V a head section of the Hopper forward's "
                    "tile order holds (gluon.host.L2_KV_BUDGET, one GPU's calls and the ring's alike; 0: its default)")
     p.add_argument("--budget-s", type=float, default=500, help="start no case after this many seconds")
@@ -543,11 +541,10 @@ def main():
         if ARGS.l2_kv_budget:
             gluon_host.L2_KV_BUDGET = ARGS.l2_kv_budget << 20
         gluon_host.LAYOUT_HEAD_SECTIONS = gluon_host.LAYOUT_HEAD_SECTIONS or ARGS.layout_sections
-    ring_runtime.FIRST_STEP_SPARE_SMS = ARGS.spare_sms or ring_runtime.FIRST_STEP_SPARE_SMS
-    if ARGS.layout_lists:
+    if ARGS.layout_spans:
         from ejgen.runtime.attention.gluon import host as gluon_host
 
-        gluon_host.LAYOUT_SPANS = False
+        gluon_host.LAYOUT_SPANS = True
     if ARGS.cpu_smoke:
         platform = "xla"
         ARGS.check_seq, ARGS.mesh_seq, ARGS.strong_seq, ARGS.weak_base = 256, 256, 256, 128

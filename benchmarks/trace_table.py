@@ -210,6 +210,15 @@ def back_to_back(fn, args, trace_dir: Path, calls: int = 4, label: str = "", gap
                      "stream):")
         lines += [f"    {s['ts'] - t0:10.1f} {s['dur']:8.1f}  {s['thread'][:24]:24}  {s['name'][:40]}"
                   for s in middle]
+        if middle:  # the host's launches in that window: when each thread asked for the hop and the steps
+            lo, hi = middle[0]["ts"] - 5000.0, middle[-1]["ts"]
+            asks = sorted((s for s in slices if not _is_device(s["process"]) and lo <= s["ts"] <= hi
+                           and any(w in s["name"].lower() for w in ("nccl", "collective", "launch", "permute"))),
+                          key=lambda s: s["ts"])
+            lines.append("  the host's launch slices in that window (start us from the batch's first, duration, "
+                         "thread):")
+            lines += [f"    {s['ts'] - t0:10.1f} {s['dur']:8.1f}  {s['thread'][:24]:24}  {s['name'][:50]}"
+                      for s in asks[:40]]
     host = collections.Counter()
     for s in slices:
         if not _is_device(s["process"]):

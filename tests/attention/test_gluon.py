@@ -722,7 +722,7 @@ def test_a_merged_layout_of_two_key_columns_walks_spans(monkeypatch):
     wide step): on a (pretended) Hopper GPU the forward walks each query tile's span of key blocks (SPANS, RANGES
     [B, N_M, 4] from the layout's rows: lo, hi, and the same full; 0, 0 for a row that sees none) in `_tile`'s order
     (no lists, not ORDERED) through the dynamic queue, whatever the setting, the layout per batch row too; without the
-    merge, with causal, with a layout per head, or `host.LAYOUT_SPANS` off, lists as before. A fake launch."""
+    merge, with causal, with a layout per head, or `host.LAYOUT_SPANS` off (its default), lists. A fake launch."""
     import numpy as np
 
     from ejgen.ops import blocksparse_attention
@@ -732,6 +732,7 @@ def test_a_merged_layout_of_two_key_columns_walks_spans(monkeypatch):
 
     seen = pretend_hopper(monkeypatch)
     monkeypatch.setenv("EJGEN_GLUON_DYNAMIC_TILES", "0")
+    monkeypatch.setattr(gluon_attention, "LAYOUT_SPANS", True)
     b, s, h, d = 2, 512, 2, 64
     q, out0, lse0 = _earlier_rows(b, s, h, d)
     given = {"merge": (out0, lse0)}
@@ -789,22 +790,6 @@ def test_layout_spans_are_the_lists_blocks():
                     listed = []
                 lo, hi, f0, f1 = spans[bi, tile]
                 assert list(range(lo, hi)) == listed and (f0, f1) == (lo, hi), (seq, block, bi, tile, spans[bi, tile])
-
-
-def test_a_forward_spares_sms_where_asked(monkeypatch):
-    """`gluon.host.sparing` (ring attention's first step beside the hop, `ring.FIRST_STEP_SPARE_SMS`): a forward traced
-    inside it launches that many fewer persistent programs than the GPU has SMs; outside it, one a SM. A fake
-    launch."""
-    from ejgen.ops import flash_attention
-
-    seen = pretend_hopper(monkeypatch, sms=16)
-    q = _earlier_rows(1, 4096, 2, 64)[0]  # 64 tiles of 128 rows
-    for spare, programs in ((0, 16), (4, 12)):
-        with gluon_attention.sparing(spare):
-            flash_attention(q, q, q, causal=True, platform="triton")
-        assert seen.pop()[1] == (programs, ), spare
-    flash_attention(q, q, q, causal=True, platform="triton")
-    assert seen.pop()[1] == (16, )
 
 
 def test_the_forward_launches_over_some_heads(monkeypatch):
@@ -1866,6 +1851,7 @@ def test_gluon_layout_spans_merged_match_the_oracle(monkeypatch, triton_launches
     if not gluon_attention.hopper():
         pytest.skip("not a Hopper GPU")
     monkeypatch.setattr(gluon_attention, "num_sms", lambda: 7)
+    monkeypatch.setattr(gluon_attention, "LAYOUT_SPANS", True)
     b, s, hq, hkv, d = 2, 1000, 4, 2, 128
     layout = np.asarray(TWO_COLUMN_LAYOUTS.get(name, [[True, False], [False, True]]))[None, None]
     if name == "per batch row":

@@ -64,10 +64,10 @@ RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WI
     # Q_IN_PLACE and ZEROS_BY_DELTA on (session 37; contiguous rings' pairs are every local row: nothing in place)
     ("zigzag-q-in-place", "zigzag", True, True, True, True, True, False, False, True),
     # the default since session 37: every switch on, dK / dV written into the wire by the first backward step's pairs
-    # (ring.DKV_INTO) too; since session 39 the wide step walks its tiles' spans of key blocks (LAYOUT_SPANS)
-    ("zigzag-defaults", "zigzag", True, True, True, True, True, True, False, True),
-    # the wide step through block lists (LAYOUT_SPANS off: session 38's default)
-    ("zigzag-lists", "zigzag", True, True, True, True, True, True, False, False),
+    # (ring.DKV_INTO) too
+    ("zigzag-defaults", "zigzag", True, True, True, True, True, True, False, False),
+    # the wide step walking its tiles' spans of key blocks, not lists (gluon.host.LAYOUT_SPANS, off; session 39)
+    ("zigzag-spans", "zigzag", True, True, True, True, True, True, False, True),
     # the lists' tiles a head section at a time (gluon.host.LAYOUT_HEAD_SECTIONS, off; restored in session 37)
     ("zigzag-layout-sections", "zigzag", True, True, True, True, True, True, True, False),
 ]

@@ -53,8 +53,6 @@ against the per-tile form it replaced, window (16k, 1024) 0.704 -> 0.505 ms, 4k 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import importlib
 
@@ -208,23 +206,8 @@ def fwd_tiles(batch: int, hq: int, seq: int) -> int:
 
 
 def grid(batch: int, hq: int, seq: int, sms: int | None = None) -> tuple:
-    """The persistent forward's grid over its tiles (`fwd_tiles`), less the SMs it is asked to spare (`sparing`)."""
-    return persistent_grid(fwd_tiles(batch, hq, seq), (sms or num_sms()) - _SPARED.get())
-
-
-_SPARED = contextvars.ContextVar("ejgen_gluon_spared_sms", default=0)
-
-
-@contextlib.contextmanager
-def sparing(sms: int):
-    """Forwards traced inside launch ``sms`` fewer programs than the GPU has SMs (`grid`), so a kernel that runs
-    beside them finds SMs free whenever it starts: a persistent program holds its SM to the end (ring attention's
-    first step and the hop's NCCL kernel, `ring.FIRST_STEP_SPARE_SMS`)."""
-    token = _SPARED.set(sms)
-    try:
-        yield
-    finally:
-        _SPARED.reset(token)
+    """The persistent forward's grid over its tiles (`fwd_tiles`)."""
+    return persistent_grid(fwd_tiles(batch, hq, seq), sms)
 
 
 NO_LISTS = dict(LIST=False, LIST_BATCH=1, LIST_HEADS=1, SUB_Q=0, SUB_K=0)  # the kernels walk ranges
@@ -874,11 +857,14 @@ def fwd_lists(ctx, cfg, seq: int, mask_tiles=None, batch: int = 1, heads: int = 
 # A block layout of at most two key columns, of whole tiles, merged into an earlier result: each query tile walks the
 # span of key blocks its layout row sees (SPANS, `layout_spans`) in `_tile`'s order of head sections, not a list in
 # the order of their counts (LIST, ORDERED). That is the ring's wide step on 2 devices (`ring._wide_layout`), which
-# then runs as the plain c x 2c or 2c x c call it is, skipping the tiles that see no key. Session 39 (one H200,
-# `benchmarks/wide_step.py`, kernel us): device 0's layout through lists 1579 against 1507 for the plain 8k x 16k
-# call, device 1's 1584 against 1519 for 16k x 8k (the lists' loads, their order's L2 traffic and, on device 0, 1024
-# tiles that see no key).
-LAYOUT_SPANS = True
+# then runs as the plain c x 2c or 2c x c call it is, skipping the tiles that see no key. Session 39 (2 H200s): one
+# GPU prices the lists at +72 / +65 us against the plain calls (`benchmarks/wide_step.py`: 1579 against 1507 us for
+# device 0's 8k x 16k, 1584 against 1519 for device 1's 16k x 8k), and in one ring call's trace the step ran 56 / 75
+# us faster with spans (1571 / 1606 against 1627 / 1682). But the ring's forward timed slower, 4.43-4.46 ms at 16
+# calls a sample against 4.22-4.25 with lists (calls 5-7): over 16 calls back to back one device's hop started only
+# at the end of its first step (its NCCL kernel ~580 us alone a call, on 8 or 16 SMs spared as well), which the lists'
+# small kernels between the pack and that step did not see. Why is open (notes/perf.md, session 39). Off.
+LAYOUT_SPANS = False
 
 
 def spanned(cfg, layout_shape: tuple, spec: bool, merge: bool) -> bool:
