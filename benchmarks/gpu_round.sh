@@ -614,6 +614,14 @@ j_ring-spans-gaps() {  # LAYOUT_SPANS under a sustained load: 16 forward calls b
     --out "$log/ring-spans-gaps-on"
   job ring-spans-gaps-off 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --out "$log/ring-spans-gaps-off"
 }
+j_ring-spacer() {  # LAYOUT_SPANS with a small kernel between the pack and the first step (ring.SPACER_BEFORE_FIRST_STEP,
+  # a diagnostic): 16 calls under the profiler, then timed, and the default (lists) timed beside it
+  job ring-spacer-gaps 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans --spacer \
+    --out "$log/ring-spacer-gaps"
+  job ring-spacer-time 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-spans --spacer \
+    --out "$log/ring-spacer-time"
+  job ring-spacer-lists 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-spacer-lists"
+}
 j_ring-apart() {  # ring.SEND_APART (sessions 38-39): its GPU tests and the defaults', one forward call's kernels with
   # and without it, then the forward timed both ways, each twice in its own process (notes/studies/s37-ring-fwd.md, B;
   # accept: in the trace both hops overlap a launch, then run ring-paired-apart)

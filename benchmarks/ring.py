@@ -71,6 +71,8 @@ RING_SWITCHES = {
                     "wire (written into the buffer that travels home by default since session 37)"),
     "send-apart": ("SEND_APART", True, "the forward alone sends K and V as two hops, its first step in two launches "
                    "over the heads' halves (an experiment of session 38: one packed buffer by default)"),
+    "spacer": ("SPACER_BEFORE_FIRST_STEP", True, "a diagnostic: a small kernel between the pack and the first step, "
+               "which waits for it (session 39: whether the hop's kernel then starts first)"),
     "hop-after-first-step": ("HOP_AFTER_FIRST_STEP", True, "a diagnostic: the first step's block sent once its "
                              "kernels are done (its hop exposed), so a trace shows that step's kernel without the hop "
                              "beside it"),
