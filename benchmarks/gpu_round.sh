@@ -614,12 +614,17 @@ j_ring-spans-gaps() {  # LAYOUT_SPANS under a sustained load: 16 forward calls b
     --out "$log/ring-spans-gaps-on"
   job ring-spans-gaps-off 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --out "$log/ring-spans-gaps-off"
 }
-j_ring-spacer() {  # LAYOUT_SPANS with a small kernel between the pack and the first step (ring.SPACER_BEFORE_FIRST_STEP,
-  # a diagnostic): 16 calls under the profiler, then timed, and the default (lists) timed beside it
-  job ring-spacer-gaps 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans --spacer \
-    --out "$log/ring-spacer-gaps"
-  job ring-spacer-time 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-spans --spacer \
-    --out "$log/ring-spacer-time"
+j_ring-spacer() {  # LAYOUT_SPANS with a kernel between the pack and the first step (ring.SPACER_BEFORE_FIRST_STEP, a
+  # diagnostic: SPACERS items of the block summed; session 39's call 9 ran 4096): for each, 16 calls under the
+  # profiler (does the hop's NCCL kernel start before the first step on both devices?), then timed; the default (lists)
+  # timed last
+  local n
+  for n in ${SPACERS:-4194304 16777216 67108864}; do
+    job "ring-spacer-gaps-$n" 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans \
+      --spacer "$n" --out "$log/ring-spacer-gaps-$n"
+    job "ring-spacer-time-$n" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-spans \
+      --spacer "$n" --out "$log/ring-spacer-time-$n"
+  done
   job ring-spacer-lists 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-spacer-lists"
 }
 j_ring-apart() {  # ring.SEND_APART (sessions 38-39): its GPU tests and the defaults', one forward call's kernels with
@@ -824,6 +829,9 @@ declare -A PRESETS=(
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
   [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
   # A/B, then the forward and fwd+bwd in turns with one GPU)
+  [s40a]="0-1:ring-spacer"  # (session 40 first: how long a kernel between the pack and the first step lets the hop's
+  # NCCL kernel start before that step on both devices; accept: LAYOUT_SPANS with it faster than the lists at 16 calls,
+  # then ring-paired with both on)
   [s39g]="0-1:ring-spans-gaps,ring-paired"  # (LAYOUT_SPANS off again: where the hop's launch goes with it on, then
   # the default in turns with one GPU)
   [s39e]="0-1:ring-spans-gaps"  # (LAYOUT_SPANS sustained; its timed half was ring-spans-on/off-3, 4)

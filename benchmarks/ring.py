@@ -71,8 +71,6 @@ RING_SWITCHES = {
                     "wire (written into the buffer that travels home by default since session 37)"),
     "send-apart": ("SEND_APART", True, "the forward alone sends K and V as two hops, its first step in two launches "
                    "over the heads' halves (an experiment of session 38: one packed buffer by default)"),
-    "spacer": ("SPACER_BEFORE_FIRST_STEP", True, "a diagnostic: a small kernel between the pack and the first step, "
-               "which waits for it (session 39: whether the hop's kernel then starts first)"),
     "hop-after-first-step": ("HOP_AFTER_FIRST_STEP", True, "a diagnostic: the first step's block sent once its "
                              "kernels are done (its hop exposed), so a trace shows that step's kernel without the hop "
                              "beside it"),
@@ -114,6 +112,9 @@ def parse_args(argv=None):
         p.add_argument(f"--{flag}", action="store_true", help=text)
     p.add_argument("--layout-sections", action="store_true", help="the wide step's tiles a head section at a time "
                    "(gluon.host.LAYOUT_HEAD_SECTIONS: off by default, restored in session 37 for a trace)")
+    p.add_argument("--spacer", type=int, default=0, help="a diagnostic: a kernel summing this many items of the packed "
+                   "block between the pack and the first step, which waits for it (ring.SPACER_BEFORE_FIRST_STEP; "
+                   "session 39: whether the hop's kernel then starts first)")
     p.add_argument("--layout-spans", action="store_true", help="the wide step walking its tiles' spans of key blocks, "
                    "not block lists (gluon.host.LAYOUT_SPANS, off by default: session 39)")
     p.add_argument("--l2-kv-budget", type=int, default=0, help="MiB of K and V a head section of the Hopper forward's "
@@ -543,6 +544,7 @@ def main():
         if ARGS.l2_kv_budget:
             gluon_host.L2_KV_BUDGET = ARGS.l2_kv_budget << 20
         gluon_host.LAYOUT_HEAD_SECTIONS = gluon_host.LAYOUT_HEAD_SECTIONS or ARGS.layout_sections
+    ring_runtime.SPACER_BEFORE_FIRST_STEP = ARGS.spacer or ring_runtime.SPACER_BEFORE_FIRST_STEP
     if ARGS.layout_spans:
         from ejgen.runtime.attention.gluon import host as gluon_host
 

@@ -490,6 +490,31 @@ def check_hop_after_first_step(backend, failures, devices=2):
     check(failures, sharded, oracle.attention(**diff, causal=True, d_out=d_out, d_lse=d_lse), single)
 
 
+def check_spacer_before_first_step(backend, failures, devices=2):
+    """`ring.SPACER_BEFORE_FIRST_STEP` (a diagnostic: a kernel summing items of the packed block before the first
+    step, which waits for it): a zigzag causal ring of 2 equals the single-device op and the oracle, forward and
+    gradients, and its forward holds q in a barrier with that sum (a float32 scalar)."""
+    import re
+
+    from ejgen.runtime.attention import ring
+
+    shape = AttnShape(1, 64, 64, 2, 2, 16)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-spacer")
+    before, ring.SPACER_BEFORE_FIRST_STEP = ring.SPACER_BEFORE_FIRST_STEP, 256
+    try:
+        fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend)
+        text = jax.jit(lambda d: fn(**d)).lower(diff).as_text()
+        sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    finally:
+        ring.SPACER_BEFORE_FIRST_STEP = before
+    held = re.findall(r"stablehlo.optimization_barrier [^:]+: (tensor<[^>]*>), tensor<f32>", text)
+    if not held:
+        failures.append("the first step's q is not held in a barrier with the spacer's sum")
+    single = shard_checks.vjp_call(lambda **d: flash_attention(**d, causal=True, platform=backend, return_lse=True),
+                                   diff, d_out, d_lse)
+    check(failures, sharded, oracle.attention(**diff, causal=True, d_out=d_out, d_lse=d_lse), single)
+
+
 def check_causal_window_8(backend, failures, devices=8):
     """Causal with a window of 27 on 8 devices of 8 rows: the ring takes 5 steps of 8 (the window reaches four blocks
     back; the backward's reverse ring runs its middle steps as a scan), sinks shared by all heads, MQA."""
@@ -674,6 +699,7 @@ CHECKS = {
     "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),
     "contiguous-causal": (check_contiguous_causal, {"xla": 2}),
     "zigzag-hop-after-first-step": (check_hop_after_first_step, {"xla": 2}),
+    "zigzag-spacer-before-first-step": (check_spacer_before_first_step, {"xla": 2}),
     "causal-window-mqa-shared-sinks": (check_causal_window_8, {"xla": 8}),
     "prefix_lm-zigzag": (check_prefix_lm, {"xla": 2}),
     "chunked_local-zigzag": (check_chunked_local, {"xla": 2}),

@@ -27,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = {
     "xla": {"alibi-zigzag-2", "zigzag-pairs-steps-2", "zigzag-narrow-accumulators-2", "zigzag-dq-once-4",
             "zigzag-coalescing-gated-4", "window-noncausal-contiguous-4", "zigzag-hop-after-first-step-2",
+            "zigzag-spacer-before-first-step-2",
             "window-ahead-gqa-segments-contiguous-3", "zigzag-causal-window-2", "contiguous-causal-2",
             "causal-window-mqa-shared-sinks-8", "prefix_lm-zigzag-2", "chunked_local-zigzag-2",
             "key-reads-lengths-zigzag-2", "key-with-segment-ids-contiguous-2", "set_mesh-global-zigzag-2",

@@ -65,12 +65,13 @@ GLUON_DYNAMIC_TILES = True
 # 2293 + 2295 for the two pairs (+18%: the Hopper backward on the wide call's lists).
 COALESCE = True
 
-# A diagnostic (off): a small kernel reading the packed block between the pack and the first step, which waits for
-# it. Session 39 (calls 5-8, 2 H200s): where the first step's launch followed the pack at once (gluon.host.
-# LAYOUT_SPANS, no list-building kernels between them), over 16 calls back to back the hop's NCCL kernel started only
-# near that step's end on both devices, and the next step waited for it (~430 us a call); with the lists' ~20 us of
-# small kernels between them it started 1 us after the pack.
-SPACER_BEFORE_FIRST_STEP = False
+# A diagnostic (0: off): a kernel summing this many items of the packed block between the pack and the first step,
+# which waits for it. Session 39 (calls 5-9, 2 H200s): where the first step's launch followed the pack at once
+# (gluon.host.LAYOUT_SPANS, no list-building kernels between them), over 16 calls back to back the hop's NCCL kernel
+# started only near that step's end on both devices, and the next step waited for it (~430 us a call); with the lists'
+# ~20 us of small kernels between them it started 1 us after the pack. 4096 items (call 9): on time on device 0, still
+# late on device 1.
+SPACER_BEFORE_FIRST_STEP = 0
 
 # The backward's dK/dV accumulators travel in the inputs' dtype (not float32) where they make at most this many hops
 # before they are home (a ring of two steps: one; the last add and the cast to the inputs' dtype stay float32). Each
@@ -851,7 +852,8 @@ def _forward(q, k, v, ctx, plan: Plan, residual: bool = True):
     # the held block as one buffer (see Wire), or (apart) k and v as they are, sent apart by the first step
     travel = own if apart else _shift(plan, wire.pack(own), plan.start)
     if SPACER_BEFORE_FIRST_STEP and not apart and plan.start == 0:  # (the first step after a read of the block)
-        q, _ = lax.optimization_barrier((q, jnp.sum(travel.reshape(-1)[:4096].astype(jnp.float32))))
+        read = travel.reshape(-1)[:SPACER_BEFORE_FIRST_STEP]
+        q, _ = lax.optimization_barrier((q, jnp.sum(read.astype(jnp.float32))))
     merging = _merges_in_kernel(plan, n)
     earlier = []  # (merging) the first step's own out and lse, as its kernel gave them
     for stage, xs, at, count in _runs(plan):
