@@ -512,7 +512,7 @@ j_hopper-features() { job hopper-features 240 python3 benchmarks/hopper_features
   --out "$log/hfeat"; }
 j_decode-tests() { shards decode-tests 200 3 tests/decode; }
 j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }
-j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 120 python3 -m pytest -m gpu -q -rf \
+j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 200 python3 -m pytest -m gpu -q -rf \
   -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
 j_docs-ab() {  # session 33's document forms: the forward's DOCS masks (gluon.host.DOCS_MASKS, off) and the
   # backward one program a key block (PERSISTENT_SEGMENTS_BWD off; on since session 34): the Gluon document tests

@@ -867,15 +867,16 @@ def fwd_lists(ctx, cfg, seq: int, mask_tiles=None, batch: int = 1, heads: int = 
 LAYOUT_SPANS = False
 
 
-def spanned(cfg, layout_shape: tuple, spec: bool, merge: bool) -> bool:
+def spanned(cfg, ctx, spec: bool, merge: bool) -> bool:
     """Whether the forward walks each query tile's span of key blocks (SPANS, `layout_spans`) rather than a list:
-    LAYOUT_SPANS, a block layout (``layout_shape``: [B|1, Hkv|1, G|1, nQ, nK]) the same for every head, of at most two
-    key columns (a row's visible ones are then one run) and blocks of whole tiles, alone (no causal, window, segment
-    ids or spec mask: ``spec``), and a ``merge`` into an earlier result (the rows of a tile that sees no key keep
-    it: the kernel never runs that tile)."""
+    LAYOUT_SPANS, a block layout (ctx's, [B|1, Hkv|1, G|1, nQ, nK]) the same for every head, of at most two key
+    columns (a row's visible ones are then one run) and blocks of whole tiles, alone (no causal, window, segment ids
+    or spec mask: ``spec``), and a ``merge`` into an earlier result (the rows of a tile that sees no key keep it: the
+    kernel never runs that tile)."""
     if not (LAYOUT_SPANS and cfg.layout and merge) or spec or cfg.causal or cfg.window or cfg.segments:
         return False
-    return layout_shape[1] * layout_shape[2] == 1 and layout_shape[4] <= 2 and sub_blocks(cfg.layout_block) == (0, 0)
+    shape = ctx["layout"].shape
+    return shape[1] * shape[2] == 1 and shape[4] <= 2 and sub_blocks(cfg.layout_block) == (0, 0)
 
 
 def layout_spans(ctx, cfg, seq: int, seq_k: int, batch: int, block_n: int = TILES["BLOCK_N"]):

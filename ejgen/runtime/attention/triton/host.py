@@ -415,7 +415,7 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
         # key-side position terms staged by the producer next to each K block (segment ids use that buffer)
         staged = None if cfg.segments else layout.staged_mask()
     # a layout of two key columns merged into an earlier result: each tile's span of key blocks (the ring's wide step)
-    spans = listed and gluon_attention.spanned(cfg, ctx["layout"].shape, spec is not None, merge is not None)
+    spans = listed and gluon_attention.spanned(cfg, ctx, spec is not None, merge is not None)
     ordered = (gluon_attention.ordered(cfg) or listed) and not spans
     dynamic = dynamic or spans  # (the queue passes over the tiles that see no key)
     # RANGES: the lists, the spans, or (ordered: segment ids) the plan's with the order
