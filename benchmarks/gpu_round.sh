@@ -605,7 +605,8 @@ j_ring-spans() {  # the wide step walking its tiles' spans of key blocks (gluon.
   for i in 1 2; do
     job "ring-spans-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-spans \
       --out "$log/ring-spans-on-$i"
-    job "ring-spans-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-spans-off-$i"
+    job "ring-spans-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 \
+      --out "$log/ring-spans-off-$i"
   done
 }
 j_ring-spans-gaps() {  # LAYOUT_SPANS under a sustained load: 16 forward calls back to back under the profiler (each

@@ -850,6 +850,8 @@ def _forward(q, k, v, ctx, plan: Plan, residual: bool = True):
     wire = Wire.of(own)
     apart = None if residual else _sends_apart(plan, q, own)
     # the held block as one buffer (see Wire), or (apart) k and v as they are, sent apart by the first step
+    # (in a batch of calls the hop's kernel starts before the first step only where small kernels run between the
+    # pack and that step's launch: docs/DESIGN.md §3, Ring attention, session 39)
     travel = own if apart else _shift(plan, wire.pack(own), plan.start)
     if SPACER_BEFORE_FIRST_STEP and not apart and plan.start == 0:  # (the first step after a read of the block)
         read = travel.reshape(-1)[:SPACER_BEFORE_FIRST_STEP]
