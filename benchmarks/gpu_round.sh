@@ -591,6 +591,15 @@ j_ring-sections() {  # the wide step's tiles a head section at a time (gluon.hos
     job "ring-sections-on-$i" 80 python3 "${RING[@]}" --parts time --layout-sections --out "$log/ring-sections-on-$i"
   done
 }
+fwd_ab() {  # NAME FLAG...: the ring's forward timed at 4 and 16 calls a sample with the flags (NAME-on-1, 2) and
+  # without (NAME-off-1, 2), in turns, each in its own process
+  local name=$1 i
+  shift
+  for i in 1 2; do
+    job "$name-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 "$@" --out "$log/$name-on-$i"
+    job "$name-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/$name-off-$i"
+  done
+}
 j_ring-spans() {  # the wide step walking its tiles' spans of key blocks (gluon.host.LAYOUT_SPANS, off; session 39)
   # against its block lists (the default): the GPU tests (the kernel's own against the oracle, the ring's forms), one
   # forward call's kernels of each form, then each timed twice in its own process (session 39's calls 5-7: the step
@@ -601,13 +610,7 @@ j_ring-spans() {  # the wide step walking its tiles' spans of key blocks (gluon.
   job ring-spans-trace-on 90 python3 "${RING[@]}" --parts profile --passes fwd --layout-spans \
     --out "$log/ring-spans-trace-on"
   job ring-spans-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-spans-trace-off"
-  local i
-  for i in 1 2; do
-    job "ring-spans-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-spans \
-      --out "$log/ring-spans-on-$i"
-    job "ring-spans-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 \
-      --out "$log/ring-spans-off-$i"
-  done
+  fwd_ab ring-spans --layout-spans
 }
 j_ring-spans-gaps() {  # LAYOUT_SPANS under a sustained load: 16 forward calls back to back under the profiler (each
   # kernel's first and last durations, the batch's middle as it ran and the host's launches then), each form once
@@ -642,13 +645,7 @@ j_ring-apart() {  # ring.SEND_APART (sessions 38-39): its GPU tests and the defa
     | cut -c1-200 > "$log/ring-apart-schedule.txt"
   rm -rf "$log/ring-apart-dump"
   job ring-apart-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-apart-trace-off"
-  local i
-  for i in 1 2; do
-    job "ring-apart-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --send-apart \
-      --out "$log/ring-apart-on-$i"
-    job "ring-apart-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 \
-      --out "$log/ring-apart-off-$i"
-  done
+  fwd_ab ring-apart --send-apart
 }
 j_ring-paired-apart() { job ring-paired-apart 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --passes fwd --send-apart --out "$log/ring-paired-apart"; }  # (ring.SEND_APART's forward in turns with one GPU)

@@ -464,23 +464,31 @@ def check_contiguous_causal(backend, failures, devices=2):
     check(failures, sharded, oracle.attention(**diff, causal=True, d_out=d_out, d_lse=d_lse), single)
 
 
+def _zigzag_with(backend, devices, switch: str, value, tag: str):
+    """(the forward's lowered text, the vjp call's results, (diff, d_out, d_lse)) of a zigzag causal ring of 64 rows
+    over ``devices`` with `ring`'s ``switch`` set to ``value`` (restored after), on inputs seeded by ``tag``."""
+    from ejgen.runtime.attention import ring
+
+    shape = AttnShape(1, 64, 64, 2, 2, 16)
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, tag)
+    before = getattr(ring, switch)
+    setattr(ring, switch, value)
+    try:
+        fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend)
+        text = jax.jit(lambda d: fn(**d)).lower(diff).as_text()
+        sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
+    finally:
+        setattr(ring, switch, before)
+    return text, sharded, (diff, d_out, d_lse)
+
+
 def check_hop_after_first_step(backend, failures, devices=2):
     """`ring.HOP_AFTER_FIRST_STEP` (a diagnostic: the first step's block sent once its kernels are done): a zigzag
     causal ring of 2 equals the single-device op and the oracle, forward and gradients, and its forward's hop sends
     the block out of a barrier that holds the first step's results (on the xla backend: the first step's out)."""
     import re
 
-    from ejgen.runtime.attention import ring
-
-    shape = AttnShape(1, 64, 64, 2, 2, 16)
-    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-hop-after")
-    before, ring.HOP_AFTER_FIRST_STEP = ring.HOP_AFTER_FIRST_STEP, True
-    try:
-        fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend)
-        text = jax.jit(lambda d: fn(**d)).lower(diff).as_text()
-        sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
-    finally:
-        ring.HOP_AFTER_FIRST_STEP = before
+    text, sharded, (diff, d_out, d_lse) = _zigzag_with(backend, devices, "HOP_AFTER_FIRST_STEP", True, "ring-hop-after")
     hops = re.findall(r"\"stablehlo.collective_permute\"\((%[\w.]+)#0\)", text)
     barriers = dict(re.findall(r"(%[\w.]+):\d+ = stablehlo.optimization_barrier ([^:]+):", text))
     if len(hops) != 1 or hops[0] not in barriers or len(barriers[hops[0]].split(",")) < 2:
@@ -496,17 +504,7 @@ def check_spacer_before_first_step(backend, failures, devices=2):
     gradients, and its forward holds q in a barrier with that sum (a float32 scalar)."""
     import re
 
-    from ejgen.runtime.attention import ring
-
-    shape = AttnShape(1, 64, 64, 2, 2, 16)
-    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-spacer")
-    before, ring.SPACER_BEFORE_FIRST_STEP = ring.SPACER_BEFORE_FIRST_STEP, 256
-    try:
-        fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend)
-        text = jax.jit(lambda d: fn(**d)).lower(diff).as_text()
-        sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
-    finally:
-        ring.SPACER_BEFORE_FIRST_STEP = before
+    text, sharded, (diff, d_out, d_lse) = _zigzag_with(backend, devices, "SPACER_BEFORE_FIRST_STEP", 256, "ring-spacer")
     held = re.findall(r"stablehlo.optimization_barrier [^:]+: (tensor<[^>]*>), tensor<f32>", text)
     if not held:
         failures.append("the first step's q is not held in a barrier with the spacer's sum")
