@@ -213,7 +213,8 @@ def back_to_back(fn, args, trace_dir: Path, calls: int = 4, label: str = "", gap
         if middle:  # the host's launches in that window: when each thread asked for the hop and the steps
             lo, hi = middle[0]["ts"] - 5000.0, middle[-1]["ts"]
             asks = sorted((s for s in slices if not _is_device(s["process"]) and lo <= s["ts"] <= hi
-                           and any(w in s["name"].lower() for w in ("nccl", "collective", "launch", "permute"))),
+                           and any(w in s["name"].lower() for w in ("nccl", "collective", "launch", "permute",
+                                                                    "execute", "thunk"))),
                           key=lambda s: s["ts"])
             lines.append("  the host's launch slices in that window (start us from the batch's first, duration, "
                          "thread):")

@@ -1753,8 +1753,8 @@ def test_the_docs_form_compiles_on_the_gpu_hosts_triton():
 def test_the_rings_last_forward_compiles(triton):
     """The forward as the ring's coalesced last step launches it (a block layout of 2 x 2 chunks, the dynamic queue):
     with KV_AT (K and V read out of one buffer of unsigned 16-bit items: the received block, `ring.KV_FROM_WIRE`),
-    and with MERGE too (its result merged into the first step's in the epilogue, `ring.MERGE_IN_KERNEL`), then as it
-    launches by default, walking each tile's span of key blocks instead of a list (SPANS, `host.LAYOUT_SPANS`), on
+    and with MERGE too (its result merged into the first step's in the epilogue, `ring.MERGE_IN_KERNEL`), then
+    walking each tile's span of key blocks instead of a list (SPANS, `host.LAYOUT_SPANS`, off by default), on
     this machine's Triton and the GPU host's (3.6): each compiles for sm_90 with TMA loads and no spill; MERGE's
     epilogue reads the earlier rows (global loads the plain one has none of); the spans' queue passes over empty
     tiles by more fetch-and-adds."""

@@ -861,9 +861,10 @@ def fwd_lists(ctx, cfg, seq: int, mask_tiles=None, batch: int = 1, heads: int = 
 # GPU prices the lists at +72 / +65 us against the plain calls (`benchmarks/wide_step.py`: 1579 against 1507 us for
 # device 0's 8k x 16k, 1584 against 1519 for device 1's 16k x 8k), and in one ring call's trace the step ran 56 / 75
 # us faster with spans (1571 / 1606 against 1627 / 1682). But the ring's forward timed slower, 4.43-4.46 ms at 16
-# calls a sample against 4.22-4.25 with lists (calls 5-7): over 16 calls back to back one device's hop started only
-# at the end of its first step (its NCCL kernel ~580 us alone a call, on 8 or 16 SMs spared as well), which the lists'
-# small kernels between the pack and that step did not see. Why is open (notes/perf.md, session 39). Off.
+# calls a sample against 4.22-4.25 with lists (calls 5-7): in a batch of calls the hop's NCCL kernel then started
+# only near the end of the first step (both devices in call 8; with 8 or 16 SMs spared too) and ran ~580 us alone a
+# call, where the lists' small kernels between the pack and that step had kept it first (docs/DESIGN.md §3, Ring
+# attention). Why is open (notes/perf.md, session 39). Off.
 LAYOUT_SPANS = False
 
 

@@ -424,8 +424,8 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
         segments[1] = scalars[1]  # KSEG: I32 with the terms' table, whose key-side rows the producer stages
     lists = None
     if spans:
-        segments[2], order = gluon_attention.layout_spans(ctx, cfg, sq, k.shape[1], batch, tiles["BLOCK_N"]), \
-            _dummy(jnp.int32)
+        segments[2] = gluon_attention.layout_spans(ctx, cfg, sq, k.shape[1], batch, tiles["BLOCK_N"])
+        order = _dummy(jnp.int32)
     elif listed:
         section = (gluon_attention.head_group(batch, hq, hkv, k.shape[1], d)
                    if gluon_attention.LAYOUT_HEAD_SECTIONS else None)
