@@ -33,6 +33,8 @@
 #   ring-paired    one GPU and the ring timed in turns, 7 rounds, 4 and 16 calls a sample (2 GPUs)
 #   ring-qinplace  the ring tests, then the default against --no-q-in-place and --no-zeros-by-delta (2 GPUs)
 #   ring-p5        the ring tests, then the default against --no-dkv-into, each twice, and one call's kernels of each
+#   ring-cga       the hop without NCCL's 4-CTA clusters (NCCL_CGA_CLUSTER_SIZE=0), with SMs spared, under the profiler
+#   ring-spacer    a kernel of SPACERS items between the pack and the first step, under the profiler and timed
 #   ring-spans     the GPU tests of gluon.host.LAYOUT_SPANS (off), one call's kernels with and without it, each timed
 #                  twice; ring-spans-gaps: each form's 16 calls back to back under the profiler
 #   ring-sections  one call's kernels with and without --layout-sections, then each timed twice (2 GPUs)
@@ -631,6 +633,23 @@ j_ring-spacer() {  # LAYOUT_SPANS with a kernel between the pack and the first s
   done
   job ring-spacer-lists 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-spacer-lists"
 }
+j_ring-cga() {  # the hop's NCCL kernel as clusters of 4 CTAs (NCCL's default on Hopper) against the first step's
+  # persistent programs (notes/studies/s39-hop-launch.md, M1 and F1), with LAYOUT_SPANS: 16 calls under the profiler,
+  # then timed, for NCCL_CGA_CLUSTER_SIZE=0; that with 8 SMs spared (ring.FIRST_STEP_SPARE_SMS); 40 SMs spared with
+  # clusters (the cheap check: a threshold far above NCCL's grid); the lists timed last
+  local cga=(env NCCL_CGA_CLUSTER_SIZE=0 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=ENV,INIT)
+  job ring-cga0-gaps 90 "${cga[@]}" python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans \
+    --out "$log/ring-cga0-gaps"
+  job ring-cga0-time 70 "${cga[@]}" python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-spans \
+    --out "$log/ring-cga0-time"
+  job ring-cga0-spare8-gaps 90 "${cga[@]}" python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans \
+    --spare-sms 8 --out "$log/ring-cga0-spare8-gaps"
+  job ring-cga0-spare8-time 70 "${cga[@]}" python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 \
+    --layout-spans --spare-sms 8 --out "$log/ring-cga0-spare8-time"
+  job ring-spare40-gaps 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans --spare-sms 40 \
+    --out "$log/ring-spare40-gaps"
+  job ring-cga-lists 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-cga-lists"
+}
 j_ring-apart() {  # ring.SEND_APART (sessions 38-39): its GPU tests and the defaults', one forward call's kernels with
   # and without it, then the forward timed both ways, each twice in its own process (notes/studies/s37-ring-fwd.md, B;
   # accept: in the trace both hops overlap a launch, then run ring-paired-apart)
@@ -827,9 +846,10 @@ declare -A PRESETS=(
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
   [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
   # A/B, then the forward and fwd+bwd in turns with one GPU)
-  [s40a]="0-1:ring-spacer"  # (session 40 first: how long a kernel between the pack and the first step lets the hop's
-  # NCCL kernel start before that step on both devices; accept: LAYOUT_SPANS with it faster than the lists at 16 calls,
-  # then ring-paired with both on)
+  [s40a]="0-1:ring-cga,ring-spacer"  # (session 40 first, ~6 min: why the hop starts behind the first step. ring-cga
+  # tests NCCL's 4-CTA clusters (notes/studies/s39-hop-launch.md, F1); ring-spacer how long a kernel between the pack
+  # and the first step lets the hop start first on both devices (F3). Accept a form where both GPUs' hops start with
+  # the step in the batch and LAYOUT_SPANS beats the lists at 16 calls; then ring-paired with it)
   [s39g]="0-1:ring-spans-gaps,ring-paired"  # (LAYOUT_SPANS off again: where the hop's launch goes with it on, then
   # the default in turns with one GPU)
   [s39e]="0-1:ring-spans-gaps"  # (LAYOUT_SPANS sustained; its timed half was ring-spans-on/off-3, 4)

@@ -117,6 +117,8 @@ def parse_args(argv=None):
                    "session 39: whether the hop's kernel then starts first)")
     p.add_argument("--layout-spans", action="store_true", help="the wide step walking its tiles' spans of key blocks, "
                    "not block lists (gluon.host.LAYOUT_SPANS, off by default: session 39)")
+    p.add_argument("--spare-sms", type=int, default=0, help="a diagnostic: SMs the first step's Hopper forward leaves to "
+                   "the hop's NCCL kernel (ring.FIRST_STEP_SPARE_SMS; session 39: 8 and 16 did not help)")
     p.add_argument("--l2-kv-budget", type=int, default=0, help="MiB of K and V a head section of the Hopper forward's "
                    "tile order holds (gluon.host.L2_KV_BUDGET, one GPU's calls and the ring's alike; 0: its default)")
     p.add_argument("--budget-s", type=float, default=500, help="start no case after this many seconds")
@@ -545,6 +547,7 @@ def main():
             gluon_host.L2_KV_BUDGET = ARGS.l2_kv_budget << 20
         gluon_host.LAYOUT_HEAD_SECTIONS = gluon_host.LAYOUT_HEAD_SECTIONS or ARGS.layout_sections
     ring_runtime.SPACER_BEFORE_FIRST_STEP = ARGS.spacer or ring_runtime.SPACER_BEFORE_FIRST_STEP
+    ring_runtime.FIRST_STEP_SPARE_SMS = ARGS.spare_sms or ring_runtime.FIRST_STEP_SPARE_SMS
     if ARGS.layout_spans:
         from ejgen.runtime.attention.gluon import host as gluon_host
 

@@ -792,6 +792,22 @@ def test_layout_spans_are_the_lists_blocks():
                 assert list(range(lo, hi)) == listed and (f0, f1) == (lo, hi), (seq, block, bi, tile, spans[bi, tile])
 
 
+def test_a_forward_spares_sms_where_asked(monkeypatch):
+    """`gluon.host.sparing` (ring attention's first step beside the hop, `ring.FIRST_STEP_SPARE_SMS`): a forward traced
+    inside it launches that many fewer persistent programs than the GPU has SMs; outside it, one a SM. A fake
+    launch."""
+    from ejgen.ops import flash_attention
+
+    seen = pretend_hopper(monkeypatch, sms=16)
+    q = _earlier_rows(1, 4096, 2, 64)[0]  # 64 tiles of 128 rows
+    for spare, programs in ((0, 16), (4, 12)):
+        with gluon_attention.sparing(spare):
+            flash_attention(q, q, q, causal=True, platform="triton")
+        assert seen.pop()[1] == (programs, ), spare
+    flash_attention(q, q, q, causal=True, platform="triton")
+    assert seen.pop()[1] == (16, )
+
+
 def test_the_forward_launches_over_some_heads(monkeypatch):
     """`api.HEADS_PART` (ring attention's first step in two launches, `ring.SEND_APART`): on a (pretended) Hopper GPU
     the forward launches over the tiles of those (batch, head) pairs alone (TILE_LO / TILE_HI of `_tile`'s order, a

@@ -73,6 +73,13 @@ COALESCE = True
 # late on device 1.
 SPACER_BEFORE_FIRST_STEP = 0
 
+# A diagnostic (0: off): the first step's Hopper forward leaves this many SMs to the hop beside it
+# (`gluon.host.sparing`). Session 39 (call 7, with LAYOUT_SPANS): 8 and 16 did not bring the hop's start forward (it
+# still began ~110-150 us before the step's end) and cost the step 8-9%. A study of NCCL's source (notes/studies/
+# s39-hop-launch.md) says its SendRecv kernel launches on Hopper as clusters of 4 CTAs, which need 4 idle SMs of one
+# GPC: SMs spared at random over the GPCs rarely give that. Kept to test that with `NCCL_CGA_CLUSTER_SIZE=0` (s40a).
+FIRST_STEP_SPARE_SMS = 0
+
 # The backward's dK/dV accumulators travel in the inputs' dtype (not float32) where they make at most this many hops
 # before they are home (a ring of two steps: one; the last add and the cast to the inputs' dtype stay float32). Each
 # hop then rounds a partial sum once more; on a 2-device zigzag ring the one travelling partial is a single pair's
@@ -631,13 +638,14 @@ def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk
 
 
 def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int | None = None,
-                  wide_layout=None, wire=None, earlier=None, part=None):
+                  wide_layout=None, wire=None, earlier=None, part=None, spare: int = 0):
     """(out [B, chunk, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, chunk]) of one pair of one kind (key rows ``sk``:
     chunk unless given; a WIDE call's ``wide_layout``). ``wire``: the held block's buffer as received,
     for a call over the whole block that the Hopper forward runs to read K and V out of (`api.KV_WIRE`,
     KV_FROM_WIRE); ``earlier``: (out, lse) of the same rows over other keys, which the result is merged into
     (`api.MERGE_INTO`, MERGE_IN_KERNEL: a call of every local row on the triton platform); ``part``: the Hopper
-    forward's launch over some heads alone (`api.HEADS_PART`, SEND_APART)."""
+    forward's launch over some heads alone (`api.HEADS_PART`, SEND_APART); ``spare``: SMs its Hopper forward leaves
+    to a hop beside it (FIRST_STEP_SPARE_SMS)."""
     cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk or chunk, wide_layout)
     backend = plan.backend
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
@@ -647,8 +655,10 @@ def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s,
         ck = {**ck, api.MERGE_INTO: earlier}
     if part is not None:
         ck = {**ck, api.HEADS_PART: part}
+    from ejgen.runtime.attention.gluon import host as gluon_attention
+
     asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()
-    with asked:  # read when the kernel's launch is traced
+    with asked, gluon_attention.sparing(spare):  # read when the kernel's launch is traced
         out, lse, _ = backend.forward(qk, kk, vk, ck, cfg, choice)
     return _from_kernel(out, backend.TENSOR_LAYOUT, chunk), lse[..., :chunk]
 
@@ -889,8 +899,9 @@ def _forward(q, k, v, ctx, plan: Plan, residual: bool = True):
             for j in range(0 if apart and first else slots.shape[0]):
                 q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
 
-                def run(kind, q0=q0, k0=k0):
-                    return _pair_forward(plan, kind, chunk, q, held, ctx, q0, k0, r, s)
+                def run(kind, q0=q0, k0=k0):  # (a hop beside it: SMs spared for its kernel)
+                    spare = FIRST_STEP_SPARE_SMS if first and not (last or held_back) else 0
+                    return _pair_forward(plan, kind, chunk, q, held, ctx, q0, k0, r, s, spare=spare)
 
                 def skip():
                     return vma.vary((jnp.zeros((b, chunk, hkv, g, dv), q.dtype),

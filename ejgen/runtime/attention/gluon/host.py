@@ -53,6 +53,8 @@ against the per-tile form it replaced, window (16k, 1024) 0.704 -> 0.505 ms, 4k 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 
@@ -206,8 +208,23 @@ def fwd_tiles(batch: int, hq: int, seq: int) -> int:
 
 
 def grid(batch: int, hq: int, seq: int, sms: int | None = None) -> tuple:
-    """The persistent forward's grid over its tiles (`fwd_tiles`)."""
-    return persistent_grid(fwd_tiles(batch, hq, seq), sms)
+    """The persistent forward's grid over its tiles (`fwd_tiles`), less the SMs it is asked to spare (`sparing`)."""
+    return persistent_grid(fwd_tiles(batch, hq, seq), (sms or num_sms()) - _SPARED.get())
+
+
+_SPARED = contextvars.ContextVar("ejgen_gluon_spared_sms", default=0)
+
+
+@contextlib.contextmanager
+def sparing(sms: int):
+    """Forwards traced inside launch ``sms`` fewer programs than the GPU has SMs (`grid`), so a kernel that runs
+    beside them finds SMs free whenever it starts: a persistent program holds its SM to the end (ring attention's
+    first step and the hop's NCCL kernel, `ring.FIRST_STEP_SPARE_SMS`)."""
+    token = _SPARED.set(sms)
+    try:
+        yield
+    finally:
+        _SPARED.reset(token)
 
 
 NO_LISTS = dict(LIST=False, LIST_BATCH=1, LIST_HEADS=1, SUB_Q=0, SUB_K=0)  # the kernels walk ranges
