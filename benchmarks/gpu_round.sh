@@ -636,7 +636,8 @@ j_ring-spacer() {  # LAYOUT_SPANS with a kernel between the pack and the first s
 j_ring-cga() {  # the hop's NCCL kernel as clusters of 4 CTAs (NCCL's default on Hopper) against the first step's
   # persistent programs (notes/studies/s39-hop-launch.md, M1 and F1), with LAYOUT_SPANS: 16 calls under the profiler,
   # then timed, for NCCL_CGA_CLUSTER_SIZE=0; that with 8 SMs spared (ring.FIRST_STEP_SPARE_SMS); 40 SMs spared with
-  # clusters (the cheap check: a threshold far above NCCL's grid); the lists timed last
+  # clusters (the cheap check: a threshold far above NCCL's grid); NCCL's P2P grid cut to 2 (F2); the lists timed
+  # last. Each gaps table's "hop start against its step's" line is the answer
   local cga=(env NCCL_CGA_CLUSTER_SIZE=0 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=ENV,INIT)
   job ring-cga0-gaps 90 "${cga[@]}" python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans \
     --out "$log/ring-cga0-gaps"
@@ -648,6 +649,8 @@ j_ring-cga() {  # the hop's NCCL kernel as clusters of 4 CTAs (NCCL's default on
     --layout-spans --spare-sms 8 --out "$log/ring-cga0-spare8-time"
   job ring-spare40-gaps 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans --spare-sms 40 \
     --out "$log/ring-spare40-gaps"
+  job ring-p2p2-gaps 90 env XLA_FLAGS=--xla_gpu_nccl_p2p_max_nchannels=2 python3 "${RING[@]}" --parts gaps \
+    --passes fwd --batch 16 --layout-spans --out "$log/ring-p2p2-gaps"  # (F2: a grid of 2, no clusters)
   job ring-cga-lists 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-cga-lists"
 }
 j_ring-apart() {  # ring.SEND_APART (sessions 38-39): its GPU tests and the defaults', one forward call's kernels with

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import gzip
 import json
+import statistics
 from pathlib import Path
 
 KINDS = (("nccl", "nccl"), ("gluon_attention_fwd", "gluon fwd"), ("gluon_attention_bwd", "gluon bwd"),
@@ -138,6 +139,19 @@ def profile(fn, args, trace_dir: Path, calls: int = 3, label: str = "", gap_us: 
     return text
 
 
+def hop_lead(slices: list[dict], step_us: float = 500.0) -> list[float]:
+    """For each NCCL kernel among one device's ``slices`` (time-sorted), its start less the start of the step it runs
+    beside: the first other kernel of at least ``step_us`` that is running when it starts or starts after it (a hop
+    that starts late in its step shows a large value; one that goes first, a small negative one)."""
+    steps = [s for s in slices if "nccl" not in s["name"].lower() and s["dur"] >= step_us]
+    lead = []
+    for hop in (s for s in slices if "nccl" in s["name"].lower()):
+        beside = [s for s in steps if s["ts"] + s["dur"] > hop["ts"]]
+        if beside:
+            lead.append(hop["ts"] - beside[0]["ts"])
+    return lead
+
+
 def back_to_back(fn, args, trace_dir: Path, calls: int = 4, label: str = "", gap_us: float = 20.0) -> str:
     """``calls`` calls of ``fn(*args)`` dispatched back to back and waited for once (the timed method,
     ejgen/testing/timing.py) under the profiler: per device, the span of all of them against the sum of its busy time
@@ -203,6 +217,10 @@ def back_to_back(fn, args, trace_dir: Path, calls: int = 4, label: str = "", gap
             # over the batch (clocks) or some calls (a peer's wait)
             lines.append(f"  {name}: {sum(durs) / calls:.1f} us a call; first " +
                          " ".join(f"{d:.0f}" for d in durs[:4]) + " | last " + " ".join(f"{d:.0f}" for d in durs[-4:]))
+        lead = hop_lead(call)
+        if lead:  # (session 39: the hop must start before the step it hides behind, notes/studies/s39-hop-launch.md)
+            lines.append(f"  hop start against its step's (us; < 0: before it): median {statistics.median(lead):.1f}, "
+                         f"max {max(lead):.1f}, {sum(x > 100.0 for x in lead)} of {len(lead)} over 100 us late")
         # the batch's middle calls as they ran: which kernels overlap which (a hop beside a step, or alone)
         big = [s for s in call if s["dur"] >= 20.0]
         middle = big[len(big) // 2:len(big) // 2 + 16]
