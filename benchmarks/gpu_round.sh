@@ -37,7 +37,6 @@
 #   ring-spacer    a kernel of SPACERS items between the pack and the first step, under the profiler and timed
 #   ring-spans     the GPU tests of gluon.host.LAYOUT_SPANS (off), one call's kernels with and without it, each timed
 #                  twice; ring-spans-gaps: each form's 16 calls back to back under the profiler
-#   ring-sections  one call's kernels with and without --layout-sections, then each timed twice (2 GPUs)
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
 #   held-gates     the GPU tests of the scalar gates held fixed (no log gradient formed), of g_gamma's total and of
 #                  chunk_output's L2 prefetch, then their rows, chunk_grads_qk's 3 stages, chunk_output's launches
@@ -110,10 +109,7 @@
 #   ring-p2p, ring-gaps-p2p, ring-tests-p2p  ring-steady, ring-gaps and ring-tests with XLA's collective-permutes
 #                  as peer copies (--xla_gpu_use_memcpy_local_p2p: copy engines, no NCCL kernels on the SMs)
 #   ring-gaps      the same calls back to back under the profiler: idle gaps against slower kernels (2 GPUs)
-#   ring-apart     ring.SEND_APART (K and V as two hops): its GPU tests, one forward call's kernels with and without,
-#                  the forward timed both ways twice (2 GPUs); ring-paired-apart: its forward in turns with one GPU
 #   ring-gaps16    the ring's forward alone, 16 then 4 calls back to back under the profiler: gaps, kernels a call
-#   hop-after      one ring forward call's kernels with its block sent after the first step and as it is (2 GPUs)
 #   wide-step      the ring's second step priced apart on one GPU: plain calls against its block lists (wide_step.py)
 #   cards          one GPU's 32k causal attention on each card in turns (cards.py: are the host's cards alike?)
 #   ring-paired-each  ring-paired with a third form: the one-GPU call on both GPUs at once (every card busy)
@@ -579,29 +575,6 @@ j_ring-trace-dkv() {  # one call's kernels without ring.DKV_INTO, then with it (
     --out "$log/ring-trace-dkv-off"
   job ring-trace-dkv-on 100 python3 "${RING[@]}" --parts profile --passes fwdbwd --out "$log/ring-trace-dkv-on"
 }
-j_ring-sections() {  # the wide step's tiles a head section at a time (gluon.host.LAYOUT_HEAD_SECTIONS, restored in
-  # session 37, off; notes/studies/s37-ring-fwd.md, A): one call's kernels of each form, then each timed twice in its
-  # own process (accept: step 1 >= 40 us faster on both GPUs in the traces); its GPU ring form first
-  EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-sections-tests 120 python3 -m pytest -m gpu -q -rf \
-    -p no:cacheprovider tests/multidevice/test_ring_gpu.py -k "layout-sections or zigzag-defaults"
-  job ring-sections-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-sections-trace-off"
-  job ring-sections-trace-on 90 python3 "${RING[@]}" --parts profile --passes fwd --layout-sections \
-    --out "$log/ring-sections-trace-on"
-  local i
-  for i in 1 2; do
-    job "ring-sections-off-$i" 80 python3 "${RING[@]}" --parts time --out "$log/ring-sections-off-$i"
-    job "ring-sections-on-$i" 80 python3 "${RING[@]}" --parts time --layout-sections --out "$log/ring-sections-on-$i"
-  done
-}
-fwd_ab() {  # NAME FLAG...: the ring's forward timed at 4 and 16 calls a sample with the flags (NAME-on-1, 2) and
-  # without (NAME-off-1, 2), in turns, each in its own process
-  local name=$1 i
-  shift
-  for i in 1 2; do
-    job "$name-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 "$@" --out "$log/$name-on-$i"
-    job "$name-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/$name-off-$i"
-  done
-}
 j_ring-spans() {  # the wide step walking its tiles' spans of key blocks (gluon.host.LAYOUT_SPANS, off; session 39)
   # against its block lists (the default): the GPU tests (the kernel's own against the oracle, the ring's forms), one
   # forward call's kernels of each form, then each timed twice in its own process (session 39's calls 5-7: the step
@@ -612,7 +585,13 @@ j_ring-spans() {  # the wide step walking its tiles' spans of key blocks (gluon.
   job ring-spans-trace-on 90 python3 "${RING[@]}" --parts profile --passes fwd --layout-spans \
     --out "$log/ring-spans-trace-on"
   job ring-spans-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-spans-trace-off"
-  fwd_ab ring-spans --layout-spans
+  local i
+  for i in 1 2; do
+    job "ring-spans-on-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-spans \
+      --out "$log/ring-spans-on-$i"
+    job "ring-spans-off-$i" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 \
+      --out "$log/ring-spans-off-$i"
+  done
 }
 j_ring-spans-gaps() {  # LAYOUT_SPANS under a sustained load: 16 forward calls back to back under the profiler (each
   # kernel's first and last durations, the batch's middle as it ran and the host's launches then), each form once
@@ -653,24 +632,6 @@ j_ring-cga() {  # the hop's NCCL kernel as clusters of 4 CTAs (NCCL's default on
     --passes fwd --batch 16 --layout-spans --out "$log/ring-p2p2-gaps"  # (F2: a grid of 2, no clusters)
   job ring-cga-lists 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-cga-lists"
 }
-j_ring-apart() {  # ring.SEND_APART (sessions 38-39): its GPU tests and the defaults', one forward call's kernels with
-  # and without it, then the forward timed both ways, each twice in its own process (notes/studies/s37-ring-fwd.md, B;
-  # accept: in the trace both hops overlap a launch, then run ring-paired-apart)
-  EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-apart-tests 120 python3 -m pytest -m gpu -q -rf \
-    -p no:cacheprovider tests/multidevice/test_ring_gpu.py -k "apart or one-wire or zigzag-defaults"
-  job ring-apart-trace-on 90 env XLA_FLAGS="--xla_dump_to=$log/ring-apart-dump --xla_dump_hlo_as_text \
-    --xla_dump_hlo_module_re=jit__lambda" python3 "${RING[@]}" --parts profile --passes fwd --send-apart \
-    --out "$log/ring-apart-trace-on"
-  local f  # the ring's scheduled entry computation: its launches, hops and barriers in the order XLA runs them
-  f=$(grep -l "collective-permute" "$log"/ring-apart-dump/*after_optimizations.txt 2>/dev/null | head -1)
-  [[ -n $f ]] && sed -n '/^ENTRY/,/^}/p' "$f" | grep -E "collective-permute|custom-call\(|async-|tuple\(" \
-    | cut -c1-200 > "$log/ring-apart-schedule.txt"
-  rm -rf "$log/ring-apart-dump"
-  job ring-apart-trace-off 90 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/ring-apart-trace-off"
-  fwd_ab ring-apart --send-apart
-}
-j_ring-paired-apart() { job ring-paired-apart 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
-  --passes fwd --send-apart --out "$log/ring-paired-apart"; }  # (ring.SEND_APART's forward in turns with one GPU)
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
 j_ring-paired-each() { job ring-paired-each 300 python3 "${RING[@]}" --parts paired --each --rounds 7 --batch 4,16 \
@@ -689,17 +650,8 @@ j_ring-tests-p2p() { EJGEN_FAILURE_LOG=$PWD/$log/ring-p2p-failures.txt job ring-
 j_ring-wide() { job ring-wide 150 python3 "${RING[@]}" --parts time --coalesce both \
   --out "$log/ring-wide"; }
 j_ring-gaps() { job ring-gaps 120 python3 "${RING[@]}" --parts gaps --out "$log/ring"; }
-j_hop-after() {  # what the hop beside the first step costs its kernel: one forward call's kernels with the block sent
-  # after that step (ring.HOP_AFTER_FIRST_STEP, a diagnostic) and as it is, each twice (compare the first step's kernel)
-  local i
-  for i in 1 2; do
-    job "hop-after-$i" 80 python3 "${RING[@]}" --parts profile --passes fwd --hop-after-first-step \
-      --out "$log/hop-after-$i"
-    job "hop-beside-$i" 80 python3 "${RING[@]}" --parts profile --passes fwd --out "$log/hop-beside-$i"
-  done
-}
 j_wide-step() {  # the ring's second step priced apart on one GPU: plain calls against its block lists (wide_step.py)
-  job wide-step 150 python3 benchmarks/wide_step.py --sections --out "$log/wide-step"
+  job wide-step 150 python3 benchmarks/wide_step.py --out "$log/wide-step"
 }
 j_cards() {  # one GPU's 32k causal attention on each card in turns (issue 18's ring runs at its slower card's pace)
   job cards 150 python3 benchmarks/cards.py --seq 32768 --heads 16 --batch 16 --rounds 5
@@ -857,17 +809,18 @@ declare -A PRESETS=(
   # the default in turns with one GPU)
   [s39e]="0-1:ring-spans-gaps"  # (LAYOUT_SPANS sustained; its timed half was ring-spans-on/off-3, 4)
   # s39f: ring-spare (ring.FIRST_STEP_SPARE_SMS 8 / 16, the lists, copy engines, each under the profiler and timed at
-  # 16 calls a sample; the switch removed after it lost: notes/perf.md "Session 39")
-  [s39c]="0-1:hop-after"  # (the first step's kernel without the hop beside it, against with: twice each)
+  # 16 calls a sample; the job went with the switch, which is back as a diagnostic for ring-cga)
+  # s39c: hop-after (the first step's kernel without the hop beside it, ring.HOP_AFTER_FIRST_STEP, removed after it
+  # answered: 51-57 us)
   [s39b]="0:wide-step"  # (one GPU: what the wide step's lists, order and L2 cost; notes/studies/s37-ring-fwd.md, A)
-  [s39a]="0-1:ring-apart,ring-paired-apart"  # (ring.SEND_APART with K's received buffer in V's barrier: session 38's
-  # call 9 dumped the scheduled HLO of its earlier form, notes/perf.md "Session 38")
+  # s39a: ring-apart, ring-paired-apart (ring.SEND_APART's fourth form; removed with it after it lost: BENCHMARKS.md
+  # "Session 39")
   [s38h]="0-1:ring-tests,ring-time"  # (after ring.COALESCE_BACKWARD's removal: every ring GPU test, the timed ring)
   [s38g]="0-1:ring-paired-each"  # (the ring in turns with one GPU, and with one GPU's call on both cards at once)
   [s38f]="0-1:cards,ring-gaps16"  # (the cards' speeds; the ring's kernels over 16 and 4 calls)
   [s38e]="0-1:ring-gaps16"  # (session 38's calls 2-4 ran s38b-d: ring.SEND_APART, K and V as two hops, which lost
   # three ways and was reverted: BENCHMARKS.md "Session 38")
-  [s38a]="0-1:ring-sections"  # (next: notes/studies/s37-ring-fwd.md's A on 2 GPUs)
+  # s38a: ring-sections (gluon.host.LAYOUT_HEAD_SECTIONS; removed with it in session 39: it lost in session 38)
   [s37g]="0-1:ring-paired,ring-trace-dkv"  # (the ring's final defaults in turns with one GPU, then DKV_INTO's traces)
   [s37f]="0:l2-ab"  # (one GPU: head sections of 32 MiB timed against 16, documents and causal)
   [s37e]="0-1:ring-l2,tile-costs"  # (head sections of 32 MiB on 2 GPUs, then the tile costs on GPU 0)

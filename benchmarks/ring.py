@@ -69,11 +69,6 @@ RING_SWITCHES = {
                           "memset in the delta kernel's launch by default since session 37)"),
     "no-dkv-into": ("DKV_INTO", False, "the backward's first step's pairs' dK / dV placed and packed into a float32 "
                     "wire (written into the buffer that travels home by default since session 37)"),
-    "send-apart": ("SEND_APART", True, "the forward alone sends K and V as two hops, its first step in two launches "
-                   "over the heads' halves (an experiment of session 38: one packed buffer by default)"),
-    "hop-after-first-step": ("HOP_AFTER_FIRST_STEP", True, "a diagnostic: the first step's block sent once its "
-                             "kernels are done (its hop exposed), so a trace shows that step's kernel without the hop "
-                             "beside it"),
     "no-dq-once": ("DQ_ONCE", False, "the backward's pairs each zero, cast and return their own dQ, added up after "
                    "the kernels (one accumulator by default since session 35)"),
     "narrow-accumulators": ("NARROW_ACCUMULATOR_HOPS", 1, "the backward's dK/dV accumulators travel in the inputs' "
@@ -110,8 +105,6 @@ def parse_args(argv=None):
                         "default) or as two (impl ring-zigzag-pairs); both: each, same process")
     for flag, (_, _, text) in RING_SWITCHES.items():
         p.add_argument(f"--{flag}", action="store_true", help=text)
-    p.add_argument("--layout-sections", action="store_true", help="the wide step's tiles a head section at a time "
-                   "(gluon.host.LAYOUT_HEAD_SECTIONS: off by default, restored in session 37 for a trace)")
     p.add_argument("--spacer", type=int, default=0, help="a diagnostic: a kernel summing this many items of the packed "
                    "block between the pack and the first step, which waits for it (ring.SPACER_BEFORE_FIRST_STEP; "
                    "session 39: whether the hop's kernel then starts first)")
@@ -540,12 +533,10 @@ def main():
     for flag, (switch, value, _) in RING_SWITCHES.items():
         if getattr(ARGS, flag.replace("-", "_")):  # the ring's switches, read as each call is traced
             setattr(ring_runtime, switch, value)
-    if ARGS.l2_kv_budget or ARGS.layout_sections:  # (read as each call is traced)
+    if ARGS.l2_kv_budget:  # (read as each call is traced)
         from ejgen.runtime.attention.gluon import host as gluon_host
 
-        if ARGS.l2_kv_budget:
-            gluon_host.L2_KV_BUDGET = ARGS.l2_kv_budget << 20
-        gluon_host.LAYOUT_HEAD_SECTIONS = gluon_host.LAYOUT_HEAD_SECTIONS or ARGS.layout_sections
+        gluon_host.L2_KV_BUDGET = ARGS.l2_kv_budget << 20
     ring_runtime.SPACER_BEFORE_FIRST_STEP = ARGS.spacer or ring_runtime.SPACER_BEFORE_FIRST_STEP
     ring_runtime.FIRST_STEP_SPARE_SMS = ARGS.spare_sms or ring_runtime.FIRST_STEP_SPARE_SMS
     if ARGS.layout_spans:

@@ -11,10 +11,10 @@ profiler (the last of 3 single calls, kernel us), the forward of:
 and gives SM-us a visible block (kernel us x SMs / (visible BLOCK_M x BLOCK_N blocks)). What the ring's wide call
 adds beyond these (its merge into the first step's result, K and V read out of the received buffer) is not here.
 Every call takes the dynamic tile queue, as the ring's steps do (`ring.GLUON_DYNAMIC_TILES`).
-`--sections` repeats the layouts with `gluon.host.LAYOUT_HEAD_SECTIONS`. Hopper GPUs only (`--cpu-smoke`: the calls
+Hopper GPUs only (`--cpu-smoke`: the calls
 on the CPU, small, untimed).
 
-    python benchmarks/wide_step.py [--heads 16] [--sections]
+    python benchmarks/wide_step.py [--heads 16]
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=16384, help="a device's local rows (two chunks of rows / 2)")
     p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--sections", action="store_true", help="the layouts again with gluon.host.LAYOUT_HEAD_SECTIONS")
     p.add_argument("--cpu-smoke", action="store_true", help="each call once on the CPU at 512 rows, 2 heads (xla)")
     p.add_argument("--out", default="bench-out/wide-step")
     return p.parse_args(argv)
@@ -95,32 +94,28 @@ def main(argv=None) -> int:
 
     sms, block_m, block_n = gluon_host.num_sms(), gluon_host.BLOCK_M, gluon_host.TILES["BLOCK_N"]
     rows = []
-    for sections in (False, True) if args.sections else (False, ):
-        gluon_host.LAYOUT_HEAD_SECTIONS = sections
-        for name, sq, sk, layout in cases(args.rows):
-            if sections and layout is None:
-                continue
-            blocks = visible_keys(sq, sk, layout) // (block_m * block_n) * args.heads
-            row = dict(case=name, sections=sections, sq=sq, sk=sk, blocks=blocks)
-            try:
-                fn, inputs = call(sq, sk, layout, args.heads, "triton")
-                trace_dir = out / f"trace-{name.replace(' ', '-')}-{int(sections)}"
-                with settings.settings(gluon_dynamic_tiles=True):  # (as the ring's steps ask: ring.GLUON_DYNAMIC_TILES)
-                    profile(fn, inputs, trace_dir, calls=3, label=name)
-                slices = last_call([s for s in load(trace_dir) if _is_device(s["process"])], 1000.0)
-                row["us"] = sum(s["dur"] for s in slices if "gluon_attention_fwd" in s["name"])
-                row["sm_us_block"] = row["us"] * sms / blocks
-            except Exception as e:  # noqa: BLE001  (a row says what failed; the others still run)
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            rows.append(row)
-            print(row, flush=True)
+    for name, sq, sk, layout in cases(args.rows):
+        blocks = visible_keys(sq, sk, layout) // (block_m * block_n) * args.heads
+        row = dict(case=name, sq=sq, sk=sk, blocks=blocks)
+        try:
+            fn, inputs = call(sq, sk, layout, args.heads, "triton")
+            trace_dir = out / f"trace-{name.replace(' ', '-')}"
+            with settings.settings(gluon_dynamic_tiles=True):  # (as the ring's steps ask: ring.GLUON_DYNAMIC_TILES)
+                profile(fn, inputs, trace_dir, calls=3, label=name)
+            slices = last_call([s for s in load(trace_dir) if _is_device(s["process"])], 1000.0)
+            row["us"] = sum(s["dur"] for s in slices if "gluon_attention_fwd" in s["name"])
+            row["sm_us_block"] = row["us"] * sms / blocks
+        except Exception as e:  # noqa: BLE001  (a row says what failed; the others still run)
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
+        print(row, flush=True)
     lines = [f"SMs {sms}, heads {args.heads}, D {D}, bf16, B 1, blocks of {block_m} x {block_n}; kernel us of the "
              "last of 3 traced calls", "",
-             "| case | head sections | Sq x Sk | visible blocks | fwd us | SM-us a block |",
-             "|---|---|---|---|---|---|"]
+             "| case | Sq x Sk | visible blocks | fwd us | SM-us a block |",
+             "|---|---|---|---|---|"]
     for r in rows:
         tail = r["error"] if "error" in r else f"{r['us']:.1f} | {r['sm_us_block']:.3f}"
-        lines.append(f"| {r['case']} | {r['sections']} | {r['sq']} x {r['sk']} | {r['blocks']} | {tail} |")
+        lines.append(f"| {r['case']} | {r['sq']} x {r['sk']} | {r['blocks']} | {tail} |")
     text = "\n".join(lines)
     print(text)
     (out / "wide_step.md").write_text(text + "\n")

@@ -88,7 +88,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                   fast_tanh: bool = False, staged_backward: bool | None = None, backward_only: bool = False,
                   docs_masks: bool | None = None, persistent_segments: bool | None = None,
                   kv_wire: bool = False, merge: bool = False, dq_into: bool = False, q_in_place: bool = False,
-                  dkv_into: bool | str = False, head_part: tuple | None = None, spans: bool = False) -> dict:
+                  dkv_into: bool | str = False, spans: bool = False) -> dict:
     """The Gluon forward and backward (ejgen.runtime.attention.gluon.host) for one call's constexprs; ``dynamic``:
     the forward's dynamic tile queue; ``forward_only``: the forward alone; ``layout``: a block layout of (block_q,
     block_k, per head) (the kernels walk lists: LIST, `gluon.host.fwd_lists` / `bwd_lists`); ``spec``: a generated
@@ -106,10 +106,9 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
     `ring.DQ_ONCE`); ``q_in_place`` (with ``dq_into``): and reads q and dO from that row of tensors of as many rows
     (QDO_IN_PLACE: `ring.Q_IN_PLACE`); ``dkv_into`` (with ``kv_wire``): and writes dK / dV into a buffer laid out as
     that block's k and v at the keys' row, adding where a run-time flag says (DKV_AT, DKV_ADD_AT: `ring.DKV_INTO`;
-    "store": without the add, as the first pair writing a new buffer); ``head_part``: the forward launched over
-    those (batch, head) pairs alone (TILE_LO / TILE_HI, `gluon.host.tile_part`: `ring.SEND_APART`); ``spans``: the
-    forward walks each query tile's span of key blocks (SPANS, `gluon.host.layout_spans`: a layout of two key columns
-    merged into an earlier result, the ring's wide step; with ``dynamic`` and without causal)."""
+    "store": without the add, as the first pair writing a new buffer); ``spans``: the forward walks each query
+    tile's span of key blocks (SPANS, `gluon.host.layout_spans`: a layout of two key columns merged into an earlier
+    result, the ring's wide step; with ``dynamic`` and without causal)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -149,7 +148,7 @@ def compile_gluon(*, capability: int = 90, dtype: str = "bfloat16", head_dim: in
                                             dynamic=dynamic, lists=fwd_lists, spec=mask, tiles=tiles, seq_k=seq_k,
                                             softcap=softcap, fast_tanh=fast_tanh, staged=staged, docs=docs_masks,
                                             kv_at=batch * (seq_k or seq) * kv_heads * head_dim if kv_wire else 0,
-                                            merge=merge, heads=head_part, spans=spans)
+                                            merge=merge, spans=spans)
     kv_ptr = "*u16" if kv_wire else ptr
     segs = dict(QSEG="*i32", KSEG="*i32", RANGES="*i32", ORDER="*i32")
     bwd_pointers = dict(Q=ptr, K=kv_ptr, V=kv_ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", F32="*fp32", I32="*i32",

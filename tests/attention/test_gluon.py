@@ -262,7 +262,7 @@ def _stand_in_kernels(monkeypatch):
             s = jnp.where(jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq), s, -jnp.inf)
         return s
 
-    def forward(layout, q, k, v, scalars, ctx, cfg, fast_tanh=False, wire=None, merge=None, part=None):
+    def forward(layout, q, k, v, scalars, ctx, cfg, fast_tanh=False, wire=None, merge=None):
         if wire is not None:  # k then v as one 16-bit buffer (`api.KV_WIRE`): read out of it as the kernel does
             buffer = wire[0].reshape(-1)
             k, v = (jax.lax.bitcast_convert_type(buffer[i * k.size:(i + 1) * k.size], k.dtype).reshape(k.shape)
@@ -275,14 +275,6 @@ def _stand_in_kernels(monkeypatch):
             from ejgen.runtime.attention.api import merge_into
 
             return merge_into(out, lse, merge)
-        if part is not None:  # (TILE_LO / TILE_HI: the (batch, head) pairs [lo, hi) alone, written into the earlier
-            # launch's buffers, or into new ones whose other rows hold garbage: NaN here)
-            (lo, hi), into = part.heads, part.into
-            b, sq, hkv, g, d = out.shape
-            into = into or (jnp.full(out.shape, jnp.nan, out.dtype), jnp.full(lse.shape, jnp.nan, lse.dtype))
-            mine = (jnp.arange(b * hkv * g) >= lo) & (jnp.arange(b * hkv * g) < hi)
-            return (jnp.where(mine.reshape(b, 1, hkv, g, 1), out, into[0]),
-                    jnp.where(mine.reshape(b, hkv, g, 1), lse, into[1]))
         return out, lse
 
     def backward(layout, q4, k, v, do4, lse3, delta3, scalars, ctx, cfg, fast_tanh=False, dq_into=None, wire=None,
@@ -676,22 +668,12 @@ def _earlier_rows(b: int, s: int, h: int, d: int) -> tuple:
     return q, out0, lse0
 
 
-def _assert_earlier_aliased(kernel, inputs, kw, out0, lse0):
-    """The Hopper forward's launch took ``out0`` and ``lse0`` as O_PREV and LSE_PREV in the kernel's shapes (out
-    [B, S, Hq, D], lse [B, Hq, S]), aliased to its O and LSE outputs."""
-    import numpy as np
-
-    at = {n: i for i, n in enumerate(kernel.arg_names)}
-    b, s, h, _, d = out0.shape
-    assert kw["aliases"] == {at["O_PREV"]: 0, at["LSE_PREV"]: 1}
-    np.testing.assert_array_equal(inputs[at["O_PREV"]], np.asarray(out0).reshape(b, s, h, d))
-    np.testing.assert_array_equal(inputs[at["LSE_PREV"]], np.asarray(lse0).reshape(b, h, s))
-
-
 def test_the_forward_merges_into_a_given_result(monkeypatch):
     """`api.MERGE_INTO` (ring attention's last step, `ring.MERGE_IN_KERNEL`): on a (pretended) Hopper GPU the forward
     launches with MERGE, the earlier out and lse as O_PREV and LSE_PREV in the kernel's shapes, aliased to its O and
     LSE outputs; without one, placeholders and no aliases. A fake launch."""
+    import numpy as np
+
     from ejgen.ops import flash_attention
     from ejgen.runtime.attention.triton import host as triton_host
 
@@ -709,8 +691,10 @@ def test_the_forward_merges_into_a_given_result(monkeypatch):
         if earlier is None:
             assert not kw["MERGE"] and not kw["aliases"] and inputs[at["O_PREV"]].shape == (1, )
         else:
-            assert kw["MERGE"]
-            _assert_earlier_aliased(kernel, inputs, kw, out0, lse0)
+            b, s, h, _, d = out0.shape
+            assert kw["MERGE"] and kw["aliases"] == {at["O_PREV"]: 0, at["LSE_PREV"]: 1}
+            np.testing.assert_array_equal(inputs[at["O_PREV"]], np.asarray(out0).reshape(b, s, h, d))
+            np.testing.assert_array_equal(inputs[at["LSE_PREV"]], np.asarray(lse0).reshape(b, h, s))
 
 
 TWO_COLUMN_LAYOUTS = {"row 1": [[False, False], [True, True]], "column 0": [[True, False], [True, False]],
@@ -806,51 +790,6 @@ def test_a_forward_spares_sms_where_asked(monkeypatch):
         assert seen.pop()[1] == (programs, ), spare
     flash_attention(q, q, q, causal=True, platform="triton")
     assert seen.pop()[1] == (16, )
-
-
-def test_the_forward_launches_over_some_heads(monkeypatch):
-    """`api.HEADS_PART` (ring attention's first step in two launches, `ring.SEND_APART`): on a (pretended) Hopper GPU
-    the forward launches over the tiles of those (batch, head) pairs alone (TILE_LO / TILE_HI of `_tile`'s order, a
-    grid of no more programs than those tiles), into new buffers or into the given ones (O_PREV and LSE_PREV, aliased
-    to O and LSE, MERGE off); a range that is not whole head sections, buffers of another shape, sinks and the
-    generated kernels refuse it. A fake launch."""
-    from ejgen.ops import flash_attention
-    from ejgen.runtime.attention import api
-    from ejgen.runtime.attention.gluon import host as gluon_attention
-    from ejgen.runtime.attention.triton import host as triton_host
-
-    seen = pretend_hopper(monkeypatch)
-    monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 256 * 64 * 2)  # one kv head's K and V a section
-    b, s, h = 1, 256, 2
-    q, out0, lse0 = _earlier_rows(b, s, h, 64)
-    given = {"part": None}
-    monkeypatch.setattr(triton_host, "given_heads_part", lambda ctx: (ctx, given["part"]))
-    for into in (None, (out0, lse0)):
-        given["part"] = api.HeadsPart((1, 2), into)
-        flash_attention(q, q, q, causal=True, platform="triton")
-        kernel, grid, inputs, outs, kw = seen.pop()
-        at = {n: i for i, n in enumerate(kernel.arg_names)}
-        assert (kw["TILE_LO"], kw["TILE_HI"], kw["MERGE"]) == (2, 4, False) and grid[0] <= 2, (kw, grid)
-        if into is None:
-            assert not kw["aliases"] and inputs[at["O_PREV"]].shape == (1, )
-        else:
-            _assert_earlier_aliased(kernel, inputs, kw, out0, lse0)
-    given["part"] = None
-    flash_attention(q, q, q, causal=True, platform="triton")
-    assert (seen[-1][4]["TILE_LO"], seen.pop()[4]["TILE_HI"]) == (0, 4)  # (every tile)
-    monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 2 * 256 * 64 * 2)  # both heads one section
-    given["part"] = api.HeadsPart((1, 2))
-    with pytest.raises(ValueError, match=re.escape("pairs [1, 2) of 2: the range must be whole sections of 2")):
-        flash_attention(q, q, q, causal=True, platform="triton")
-    monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 256 * 64 * 2)
-    given["part"] = api.HeadsPart((1, 2), (out0[:, :128], lse0))
-    with pytest.raises(ValueError, match="buffers to write some heads into must be out"):
-        flash_attention(q, q, q, causal=True, platform="triton")
-    given["part"] = api.HeadsPart((1, 2))
-    with pytest.raises(ValueError, match="or a launch over some heads, takes the sinks after"):
-        flash_attention(q, q, q, causal=True, softmax_aux=jnp.ones((h,), jnp.float32), platform="triton")
-    with pytest.raises(ValueError, match=re.escape("(api.HEADS_PART) is the Hopper forward's alone")):
-        flash_attention(q, q, q, causal=True, bias=jnp.zeros((b, h, s, s), jnp.float32), platform="triton")
 
 
 def test_the_backward_adds_dq_into_a_given_accumulator(monkeypatch):
@@ -1406,55 +1345,6 @@ LAYOUT_TABLE_CASES = [  # (id, seq, (block_q, block_k), per head, causal, segmen
 ]
 
 
-def test_layout_head_sections_deal_a_section_at_a_time():
-    """`order_by_work` with ``section`` (gluon.host.LAYOUT_HEAD_SECTIONS, off until a GPU trace): still a permutation
-    of the tiles, each section of heads dealt whole (every row of it, heaviest first) before the next (the last
-    section may hold fewer heads); without it, each row's heads stay next to each other."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    for batch, hq, n_m, section in ((1, 16, 128, 2), (2, 6, 8, 4), (1, 5, 7, 2)):
-        work = jnp.asarray(rng.integers(0, 5, (batch, 1, n_m)), jnp.int32)
-        bh = batch * hq
-        order = np.asarray(gluon_attention.order_by_work(work, hq, 1, section))
-        assert sorted(order.tolist()) == list(range(n_m * bh))
-        sections = (order % bh) % hq // section
-        assert (np.diff(sections) >= 0).all(), sections
-        tile_work = np.asarray(work)[(order % bh) // hq, 0, order // bh]
-        for s_ in np.unique(sections):
-            assert (np.diff(tile_work[sections == s_]) <= 0).all(), (s_, tile_work[sections == s_])
-        plain = np.asarray(gluon_attention.order_by_work(work, hq, 1))
-        assert (plain[:hq] // bh == plain[0] // bh).all()  # one row's heads first
-
-
-def test_the_forward_deals_layout_tiles_by_head_sections_when_switched_on(monkeypatch):
-    """With `gluon.host.LAYOUT_HEAD_SECTIONS` on, a block-layout call's forward on a (pretended) Hopper GPU launches
-    with its tiles in `order_by_work`'s section order (`head_group` heads a section); off, in the rows' order."""
-    import numpy as np
-
-    from ejgen.ops import blocksparse_attention
-
-    seen = pretend_hopper(monkeypatch)
-    b, h, s, d = 1, 8, 1024, 128
-    q = jnp.asarray(np.random.default_rng(0).standard_normal((b, h, s, d)), jnp.bfloat16)
-    layout = np.tril(np.ones((s // 128, s // 128), bool))[None, None]
-    orders = {}
-    for on in (False, True):
-        monkeypatch.setattr(gluon_attention, "LAYOUT_HEAD_SECTIONS", on)
-        monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * s * d * 2 * 2)  # two kv heads a section
-        seen.clear()
-        jax.block_until_ready(blocksparse_attention(q, q, q, qkv_layouts=layout, chunk_size=128, causal=False,
-                                                    platform="triton"))
-        fwd = [x for x in seen if x[0].__name__ == "gluon_attention_fwd_kernel"]
-        assert len(fwd) == 1 and fwd[0][4]["LIST"], [x[0].__name__ for x in seen]
-        kernel, _, inputs, _, _ = fwd[0]
-        orders[on] = np.asarray(inputs[kernel.arg_names.index("ORDER")])
-    for on, order in orders.items():
-        assert sorted(order.tolist()) == list(range(len(order)))
-        heads = order % h
-        assert (np.diff(heads // 2) >= 0).all() == on, heads[:24]
-
-
 @pytest.mark.parametrize("seq,block,per_head,causal,documents", [c[1:] for c in LAYOUT_TABLE_CASES],
                          ids=[c[0] for c in LAYOUT_TABLE_CASES])
 def test_block_layouts_become_the_kernels_lists(seq, block, per_head, causal, documents):
@@ -1791,24 +1681,6 @@ def test_the_rings_last_forward_compiles(triton):
         loads.append(meta["ptx"].count("ld.global"))
         atomics.append(meta["ptx"].count("atom.global"))
     assert loads[1] > loads[0] and atomics[2] > atomics[1], (loads, atomics)
-
-
-@pytest.mark.parametrize("triton", ["here", "gpu host"])
-def test_the_rings_first_forward_in_two_launches_compiles(triton):
-    """The forward as the ring's first step launches it where K and V go as two hops (`ring.SEND_APART`): causal,
-    the dynamic queue, over the second half of the (batch, head) pairs (TILE_LO / TILE_HI, sections of 2 at 16k
-    keys), on this machine's Triton and the GPU host's (3.6): it compiles for sm_90 with TMA loads and no spill."""
-    from ejgen.testing.aot import by_gpu_host_triton, compile_all_in_subprocess, gpu_host_triton
-
-    (compiled,) = compile_all_in_subprocess([dict(gluon=True, dtype="bfloat16", head_dim=128, causal=True, seq=16384,
-                                                  heads=8, kv_heads=8, batch=1, dynamic=True, forward_only=True,
-                                                  head_part=(4, 8), with_ptx=True, with_resources=True)],
-                                            triton=gpu_host_triton() if triton == "gpu host" else None)
-    assert "error" not in compiled, compiled.get("error")
-    meta = compiled["gluon_fwd_kernel"]
-    assert meta["cubin"] and meta["wgmma"] and meta["shared"] <= 227 * 1024 and meta["stack"] <= 8, meta["stack"]
-    assert "cp.async.bulk.tensor" in meta["ptx"]
-    assert triton == "here" or by_gpu_host_triton(meta), meta["triton"]
 
 
 def test_the_list_kernels_compile_on_the_gpu_hosts_triton():

@@ -51,32 +51,29 @@ def _run(fn, diff, d_out, d_lse):
 
 
 RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WIRE_BWD, Q_IN_PLACE, DKV_INTO,
-    # gluon.host.LAYOUT_HEAD_SECTIONS, gluon.host.LAYOUT_SPANS)
-    ("zigzag", "zigzag", False, False, False, False, False, False, False, True),
-    ("contiguous", "contiguous", False, False, False, False, False, False, False, True),
-    ("zigzag-kv-from-wire", "zigzag", True, False, False, False, False, False, False, True),
-    ("zigzag-kv-from-wire-merge-in-kernel", "zigzag", True, True, False, False, False, False, False, True),
-    ("zigzag-dq-once", "zigzag", True, True, True, False, False, False, False, True),
-    ("contiguous-dq-once", "contiguous", False, False, True, False, False, False, False, True),
-    ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False, False, False, True),
-    ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False, False, False, True),
-    ("zigzag-dq-once-copies", "zigzag", True, True, True, True, False, False, False, True),  # session 35's default
+    # gluon.host.LAYOUT_SPANS)
+    ("zigzag", "zigzag", False, False, False, False, False, False, False),
+    ("contiguous", "contiguous", False, False, False, False, False, False, False),
+    ("zigzag-kv-from-wire", "zigzag", True, False, False, False, False, False, False),
+    ("zigzag-kv-from-wire-merge-in-kernel", "zigzag", True, True, False, False, False, False, False),
+    ("zigzag-dq-once", "zigzag", True, True, True, False, False, False, False),
+    ("contiguous-dq-once", "contiguous", False, False, True, False, False, False, False),
+    ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False, False, False),
+    ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False, False, False),
+    ("zigzag-dq-once-copies", "zigzag", True, True, True, True, False, False, False),  # session 35's default
     # Q_IN_PLACE and ZEROS_BY_DELTA on (session 37; contiguous rings' pairs are every local row: nothing in place)
-    ("zigzag-q-in-place", "zigzag", True, True, True, True, True, False, False, True),
+    ("zigzag-q-in-place", "zigzag", True, True, True, True, True, False, False),
     # the default since session 37: every switch on, dK / dV written into the wire by the first backward step's pairs
     # (ring.DKV_INTO) too
-    ("zigzag-defaults", "zigzag", True, True, True, True, True, True, False, False),
+    ("zigzag-defaults", "zigzag", True, True, True, True, True, True, False),
     # the wide step walking its tiles' spans of key blocks, not lists (gluon.host.LAYOUT_SPANS, off; session 39)
-    ("zigzag-spans", "zigzag", True, True, True, True, True, True, False, True),
-    # the lists' tiles a head section at a time (gluon.host.LAYOUT_HEAD_SECTIONS, off; restored in session 37)
-    ("zigzag-layout-sections", "zigzag", True, True, True, True, True, True, True, False),
+    ("zigzag-spans", "zigzag", True, True, True, True, True, True, True),
 ]
 
 
-@pytest.mark.parametrize("order,wire,merge,once,wire_bwd,in_place,dkv,sections,spans", [c[1:] for c in RING_FORMS],
+@pytest.mark.parametrize("order,wire,merge,once,wire_bwd,in_place,dkv,spans", [c[1:] for c in RING_FORMS],
                          ids=[c[0] for c in RING_FORMS])
-def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place, dkv, sections, spans, caplog,
-                                   monkeypatch):
+def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place, dkv, spans, caplog, monkeypatch):
     """Causal, GQA 8/2, D 128, bf16 over every GPU: out, lse and every gradient against the oracle; on Hopper every
     kind of step (full blocks, the diagonal, zigzag's coalesced calls) takes the Hopper kernel set both ways:
     every kernel launched is a Gluon one; with ``wire`` (ring.KV_FROM_WIRE) zigzag's coalesced forward reads K and V
@@ -87,9 +84,8 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
     q and dO where they lie (QDO_IN_PLACE), and the accumulator is zeroed by the delta kernel's launch
     (ring.ZEROS_BY_DELTA); with ``dkv`` (ring.DKV_INTO) the received block's pairs write dK / dV into the buffer
     that travels home (DKV_AT), the pairs after the first into the first's, adding where they share keys; with
-    ``sections`` (gluon.host.LAYOUT_HEAD_SECTIONS) the wide step's tiles go a head section at a time; with ``spans``
-    (gluon.host.LAYOUT_SPANS) the wide step merged in its kernel walks each tile's span of key blocks (SPANS), no
-    lists."""
+    ``spans`` (gluon.host.LAYOUT_SPANS) the wide step merged in its kernel walks each tile's span of key blocks
+    (SPANS), no lists."""
     from ejgen.runtime.attention import ring
     from ejgen.runtime.attention.gluon import host as gluon_attention
     from ejgen.runtime.launch import triton_call
@@ -113,10 +109,7 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
     monkeypatch.setattr(ring, "Q_IN_PLACE", in_place)
     monkeypatch.setattr(ring, "ZEROS_BY_DELTA", in_place)  # (the accumulator's zeros by the delta launch's memset)
     monkeypatch.setattr(ring, "DKV_INTO", dkv)
-    monkeypatch.setattr(gluon_attention, "LAYOUT_HEAD_SECTIONS", sections)
     monkeypatch.setattr(gluon_attention, "LAYOUT_SPANS", spans)
-    if sections:  # one kv head's K and V of a device's block (256 rows) a section: 2 sections of the 8 query heads
-        monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 256 * 128 * 2)
     n = GPUS
     shape = AttnShape(1, 256 * n, 256 * n, 8, 2, 128)
     rng = rng_for("ring-gpu", order, shape)
@@ -153,27 +146,20 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
         assert any(x[7] for x in launched) == (spans and merge and n == 2), launched
 
 
-@pytest.mark.parametrize("apart", [True, False], ids=["send-apart", "one-wire"])
-def test_forward_alone_sends_k_and_v_apart(apart, monkeypatch):
-    """The forward alone (no residuals) of a causal zigzag ring, GQA 8/2, D 128, bf16 over every GPU, head sections
-    of one kv head: out and lse against the oracle. On Hopper over 2 GPUs with ``apart`` (ring.SEND_APART) the first
-    step is two Gluon launches over the heads' halves (TILE_LO / TILE_HI), the second writing into the first's
-    buffers (aliased), and the wide step reads the received k and v as they are (KV_AT 0), merging in its kernel;
-    without it, one launch of every tile and the wide step reads the wire (KV_AT)."""
-    from ejgen.runtime.attention import ring
-    from ejgen.runtime.attention.gluon import host as gluon_attention
+def test_forward_alone_over_every_gpu(monkeypatch):
+    """The forward alone (the primal call, no residuals) of a causal zigzag ring, GQA 8/2, D 128, bf16 over every
+    GPU: out and lse against the oracle. On Hopper over 2 GPUs the first step is one Gluon launch, and the wide step
+    reads the received wire (KV_AT) and merges into the first step's result in its kernel (MERGE, aliased)."""
     from ejgen.runtime.launch import triton_call
 
     launched, launch = [], triton_call.launch
 
     def spy(kernel, *args, **kw):
         if kernel.__name__ == "gluon_attention_fwd_kernel":
-            launched.append((kw["TILE_LO"], kw["TILE_HI"], bool(kw.get("aliases")), kw["KV_AT"] > 0, kw["MERGE"]))
+            launched.append((bool(kw.get("aliases")), kw["KV_AT"] > 0, kw["MERGE"]))
         return launch(kernel, *args, **kw)
 
     monkeypatch.setattr(triton_call, "launch", spy)
-    monkeypatch.setattr(ring, "SEND_APART", apart)
-    monkeypatch.setattr(gluon_attention, "L2_KV_BUDGET", 2 * 256 * 128 * 2)  # one kv head's K and V a section
     n = GPUS
     shape = AttnShape(1, 256 * n, 256 * n, 8, 2, 128)
     diff = random_qkv(shape, "bfloat16", rng_for("ring-gpu-apart", shape))
@@ -193,10 +179,7 @@ def test_forward_alone_sends_k_and_v_apart(apart, monkeypatch):
     oracle.assert_close("out", np.asarray(out), ref.out, tol)
     oracle.assert_close("lse", np.asarray(lse), ref.lse, oracle.LSE_TOLERANCE)
     if _hopper() and n == 2:
-        tiles = 8 * (256 // gluon_attention.BLOCK_M)  # (batch, head) pairs x query tiles of a device's 256 rows
-        first = [(0, tiles // 2, False, False, False), (tiles // 2, tiles, True, False, False)] if apart else [
-            (0, tiles, False, False, False)]
-        assert launched == first + [(0, tiles, True, not apart, True)], launched
+        assert launched == [(False, False, False), (True, True, True)], launched
 
 
 def test_window_segments_sinks_ring(caplog):

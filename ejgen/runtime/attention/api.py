@@ -156,30 +156,6 @@ def given_merge(ctx: dict):
     return _given(ctx, MERGE_INTO)
 
 
-# A backend forward's ctx entry, a `HeadsPart`: the call's (batch, head) pairs [lo, hi) of batch * Hq alone, whole
-# sections of the Hopper forward's tile order (`gluon.host.tile_part`), their rows written into ``into`` = (out, lse)
-# of the call's shapes, an earlier launch's over the others (the buffers then aliased), or (None) into new buffers
-# whose other rows hold garbage: a call in two launches (ring attention's first step, `ring.SEND_APART`: V sent
-# once the first launch is done). Given only to the triton platform's Hopper forward; its generated kernels refuse
-# it (`given_heads_part`).
-HEADS_PART = "heads_part"
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class HeadsPart:
-    """`HEADS_PART`'s value: ``heads`` (lo, hi) static (the ctx is traced on its way to the kernels; a launch's tile
-    range is a constexpr), ``into`` arrays or None."""
-
-    heads: tuple = dataclasses.field(metadata=dict(static=True))
-    into: tuple | None = None
-
-
-def given_heads_part(ctx: dict):
-    """(ctx without the `HEADS_PART` entry, that entry or None)."""
-    return _given(ctx, HEADS_PART)
-
-
 def merge_into(out, lse, earlier):
     """(out, lse) merged into ``earlier`` = (out, lse) of the same rows over other keys: the softmax over both key
     sets, in float32, out in ``earlier``'s dtype (rows neither saw: 0 and -inf)."""

@@ -143,25 +143,6 @@ ZEROS_BY_DELTA = True
 # GPU 26.48-26.63; one call's trace: the pack gone, the send 1110 -> 533 us, the final add 123 -> 91 us, the pair
 # kernels ~2% slower (+45 us each, not understood), the call's span -145 / -166 us; its GPU tests pass. On.
 DKV_INTO = True
-# On a ring of two steps from the own block, a forward that keeps no residuals (the primal call: inference, a
-# forward alone) sends K and V as two hops instead of one packed `Wire` buffer (the pack: a concatenation of 128 MiB
-# each way, 61 us a device at 32k tokens over 2 H200s, 16/16 heads), with the first step in two launches over the
-# heads' halves (`api.HEADS_PART`): K goes during the first, V, held back by a barrier until it is done, during the
-# second. XLA's GPU scheduler keeps one collective-permute in flight, so two hops beside one kernel would leave the
-# second exposed (`Wire`). The step after reads the received k and v as they are. notes/studies/s37-ring-fwd.md, B.
-# Session 38 (2 H200s, 32k tokens, 16/16 heads; its GPU tests passed): the forward lost 0.1-0.3 ms in three forms.
-# The GPU's scheduled HLO (call 9) says why: XLA's latency-hiding scheduler, walking up from the last step, gave the
-# second launch to K's hop (both hops' results feed the last step alike), so V's, which cannot start before the first
-# launch and must end before K's starts (one collective-permute in flight), ran synchronously between the two
-# launches (235-261 us exposed; forward 4.13 / 4.08 ms against 3.91 / 3.94 with the one wire). With XLA scheduling
-# groups (`_scheduling_group_id`) both ran synchronously; a barrier releasing K with the first launch's q changed
-# nothing. Now K's received buffer joins the barrier that releases V: K's hop must end before V's starts, so the
-# first launch is the only kernel it can overlap. Off: not yet GPU-run in this form.
-SEND_APART = False
-# A diagnostic, never a default: the first step's block sent only once that step's kernels are done (its hop then
-# exposed), so that a trace prices what the hop beside the first step costs its kernel (session 37-38: 1680 us in
-# the ring against 1576 alone at 32k tokens over 2 H200s; `ring.py --hop-after-first-step`).
-HOP_AFTER_FIRST_STEP = False
 
 TOKEN_ORDERS = ("contiguous", "zigzag")
 SKIP, FULL, DIAGONAL, PLACED = 0, 1, 2, 3
@@ -638,14 +619,13 @@ def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk
 
 
 def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int | None = None,
-                  wide_layout=None, wire=None, earlier=None, part=None, spare: int = 0):
+                  wide_layout=None, wire=None, earlier=None, spare: int = 0):
     """(out [B, chunk, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, chunk]) of one pair of one kind (key rows ``sk``:
     chunk unless given; a WIDE call's ``wide_layout``). ``wire``: the held block's buffer as received,
     for a call over the whole block that the Hopper forward runs to read K and V out of (`api.KV_WIRE`,
     KV_FROM_WIRE); ``earlier``: (out, lse) of the same rows over other keys, which the result is merged into
-    (`api.MERGE_INTO`, MERGE_IN_KERNEL: a call of every local row on the triton platform); ``part``: the Hopper
-    forward's launch over some heads alone (`api.HEADS_PART`, SEND_APART); ``spare``: SMs its Hopper forward leaves
-    to a hop beside it (FIRST_STEP_SPARE_SMS)."""
+    (`api.MERGE_INTO`, MERGE_IN_KERNEL: a call of every local row on the triton platform); ``spare``: SMs its Hopper
+    forward leaves to a hop beside it (FIRST_STEP_SPARE_SMS)."""
     cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk or chunk, wide_layout)
     backend = plan.backend
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
@@ -653,8 +633,6 @@ def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s,
         ck = _with_wire(ck, wire, held, None, sk or chunk, kk, backend.TENSOR_LAYOUT)
     if earlier is not None:
         ck = {**ck, api.MERGE_INTO: earlier}
-    if part is not None:
-        ck = {**ck, api.HEADS_PART: part}
     from ejgen.runtime.attention.gluon import host as gluon_attention
 
     asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()
@@ -846,10 +824,9 @@ def _held(k, v, ctx):
     return held
 
 
-def _forward(q, k, v, ctx, plan: Plan, residual: bool = True):
+def _forward(q, k, v, ctx, plan: Plan):
     """(out [B, n, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, n] float32, sinks included, the block held at the last
-    step as its `Wire` buffer: where the backward's reverse ring starts; ``residual`` False: the block as it was
-    held, its buffer or (SEND_APART) the received k and v)."""
+    step as its `Wire` buffer: where the backward's reverse ring starts)."""
     axes = vma.varying_axes(q, k, v, ctx)
     r = lax.axis_index(plan.axis)
     b, n, hkv, g, _ = q.shape
@@ -858,12 +835,10 @@ def _forward(q, k, v, ctx, plan: Plan, residual: bool = True):
                          jnp.full((b, hkv, g, n), NEG_INF, jnp.float32)), axes)
     own = _held(k, v, ctx)
     wire = Wire.of(own)
-    apart = None if residual else _sends_apart(plan, q, own)
-    # the held block as one buffer (see Wire), or (apart) k and v as they are, sent apart by the first step
-    # (in a batch of calls the hop's kernel starts before the first step only where small kernels run between the
-    # pack and that step's launch: docs/DESIGN.md §3, Ring attention, session 39)
-    travel = own if apart else _shift(plan, wire.pack(own), plan.start)
-    if SPACER_BEFORE_FIRST_STEP and not apart and plan.start == 0:  # (the first step after a read of the block)
+    # the held block as one buffer (see Wire; in a batch of calls its hop starts before the first step only where
+    # small kernels run between the pack and that step's launch: docs/DESIGN.md §3, Ring attention, session 39)
+    travel = _shift(plan, wire.pack(own), plan.start)
+    if SPACER_BEFORE_FIRST_STEP and plan.start == 0:  # (the first step after a read of the block)
         read = travel.reshape(-1)[:SPACER_BEFORE_FIRST_STEP]
         q, _ = lax.optimization_barrier((q, jnp.sum(read.astype(jnp.float32))))
     merging = _merges_in_kernel(plan, n)
@@ -875,16 +850,13 @@ def _forward(q, k, v, ctx, plan: Plan, residual: bool = True):
 
         def body(carry, xs, stage=stage, chunk=chunk, first=first, last=last, unrolled=count == 1, wide=wide, at=at):
             travel, acc, lse = carry
-            held = own if first and plan.start == 0 else travel if apart else wire.unpack(travel)
-            # the next step's block, in flight meanwhile (apart: sent by the first step's launches; held back: after
-            # them, HOP_AFTER_FIRST_STEP)
-            held_back = HOP_AFTER_FIRST_STEP and first and not apart and not last
-            ahead = travel if last or apart and first or held_back else _shift(plan, travel, 1)
+            held = own if first and plan.start == 0 else wire.unpack(travel)
+            ahead = travel if last else _shift(plan, travel, 1)  # the next step's block, in flight meanwhile
             slots, t = xs
             s = (r - t) % plan.devices
             if wide:  # one call for the step's two pairs (COALESCE), merged into every row
-                readable = not apart and _wire_readable(wire, KV_FROM_WIRE) and held is not own
-                result = _wide_forward(plan, chunk, q, held, ctx, slots, r, s, travel if readable else None,
+                result = _wide_forward(plan, chunk, q, held, ctx, slots, r, s,
+                                       travel if _wire_readable(wire, KV_FROM_WIRE) and held is not own else None,
                                        earlier[0] if merging else None)
                 if merging:  # (the last step: merged by its kernel)
                     return (ahead, *result), None
@@ -893,14 +865,11 @@ def _forward(q, k, v, ctx, plan: Plan, residual: bool = True):
                 acc, lse = _merge(acc, lse, *result, 0, 2 * chunk, in_place=not unrolled)
                 return (ahead, acc, lse), None
             pairs = []  # per slot: (q0, the pair's out and lse as its kernels give them)
-            if apart and first:  # (one slot, one kind: `_sends_apart`) K sent during the first launch, V the second
-                ahead, result = _send_apart(plan, apart[1], chunk, q, own, ctx, r, s, apart[0])
-                pairs.append((0, result))
-            for j in range(0 if apart and first else slots.shape[0]):
+            for j in range(slots.shape[0]):
                 q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
 
                 def run(kind, q0=q0, k0=k0):  # (a hop beside it: SMs spared for its kernel)
-                    spare = FIRST_STEP_SPARE_SMS if first and not (last or held_back) else 0
+                    spare = FIRST_STEP_SPARE_SMS if first and not last else 0
                     return _pair_forward(plan, kind, chunk, q, held, ctx, q0, k0, r, s, spare=spare)
 
                 def skip():
@@ -912,11 +881,7 @@ def _forward(q, k, v, ctx, plan: Plan, residual: bool = True):
                 # writes and merges come after it, free to fuse with their readers (the next step's merges, the
                 # final cast); tying the merged float32 rows made XLA write them out before the barrier (2 H100s,
                 # 32k tokens, zigzag: the first step's 128 MiB float32 rows, a 65 us select between the kernels)
-                results = [p[1] for p in pairs]
-                if held_back:  # (the block leaves once the kernels are done)
-                    ahead, results = lax.optimization_barrier((ahead, results))
-                    ahead = _shift(plan, ahead, 1)
-                ahead, results = _after_kernels(ahead, results)
+                ahead, results = _after_kernels(ahead, [p[1] for p in pairs])
                 pairs = [(q0, res) for (q0, _), res in zip(pairs, results)]
             for j, (q0, (out_p, lse_p)) in enumerate(pairs):
                 if merging:  # (the first step: one pair of every row) kept as the kernel gave it for the last
@@ -931,42 +896,6 @@ def _forward(q, k, v, ctx, plan: Plan, residual: bool = True):
     if plan.sinks:
         acc, lse = api.join_sinks(acc, lse, ctx["softmax_aux"])  # aux [Hkv, G, n_sinks]
     return acc.astype(q.dtype), lse, travel
-
-
-def _sends_apart(plan: Plan, q, own: dict):
-    """(the head halves of the first step's two launches, that step's kind) where the forward sends K and V as two
-    hops (SEND_APART): a ring of two steps from the own block, that block k and v alone (no segment ids), the first
-    step one call of every local row of one kind on every device, run by the Hopper forward on unpadded rows, of more
-    than one head section (`gluon.host.head_halves`); else None."""
-    if not SEND_APART or plan.start != 0 or plan.steps != 2 or set(own) != {"k", "v"}:
-        return None
-    stage = plan.stages[0]
-    b, n, hkv, g, d = q.shape
-    step = stage.slots[0]
-    kinds = {entry[2] for entry in step[0]}
-    if len(step) != 1 or stage.chunk != n or len(kinds) != 1 or SKIP in kinds:
-        return None
-    kind = min(kinds)
-    cfg, choice = plan.call(n, n, kind)
-    if choice.forward != "gluon" or any(n % size for size in plan.backend.block_sizes(cfg)):
-        return None
-    from ejgen.runtime.attention.gluon import host as gluon_attention
-
-    halves = gluon_attention.head_halves(b, hkv * g, hkv, n, d)
-    return None if halves is None else (halves, kind)
-
-
-def _send_apart(plan: Plan, kind: int, n: int, q, own: dict, ctx, r, s, halves):
-    """(k and v of the device behind, each sent one hop; the first step's out and lse) with K's hop beside the first
-    launch (the heads ``halves[0]``) and V's beside the second (``halves[1]``, writing into the first's buffers): one
-    barrier releases V after the first launch and takes K's received buffer, so K's hop ends before V's starts (XLA
-    keeps one collective-permute in flight; SEND_APART)."""
-    k_in = _shift(plan, own["k"], 1)
-    result = _pair_forward(plan, kind, n, q, own, ctx, 0, 0, r, s, part=api.HeadsPart(halves[0]))
-    v_go, result, k_in = lax.optimization_barrier((own["v"], result, k_in))
-    v_in = _shift(plan, v_go, 1)
-    result = _pair_forward(plan, kind, n, q, own, ctx, 0, 0, r, s, part=api.HeadsPart(halves[1], result))
-    return {"k": k_in, "v": v_in}, result
 
 
 def _merges_in_kernel(plan: Plan, n: int) -> bool:
@@ -1271,7 +1200,7 @@ def _arrived(received: dict, both: bool, size: int, owed, alone) -> tuple:
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("plan",))
 def _ring(q, k, v, ctx, plan):
-    return _forward(q, k, v, ctx, plan, residual=False)[:2]
+    return _forward(q, k, v, ctx, plan)[:2]
 
 
 def _ring_fwd(q, k, v, ctx, plan):

@@ -259,8 +259,7 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                segments: bool = False, ordered: bool = False, dynamic: bool = False, lists: dict | None = None,
                spec: tuple | None = None, tiles: dict | None = None, seq_k: int | None = None,
                softcap: bool = False, fast_tanh: bool = False, staged: tuple | None = None,
-               docs: bool | None = None, kv_at: int = 0, merge: bool = False, heads: tuple | None = None,
-               spans: bool = False) -> dict:
+               docs: bool | None = None, kv_at: int = 0, merge: bool = False, spans: bool = False) -> dict:
     """The kernel's constexprs for q [batch, seq, hq, d] and k, v [batch, seq_k (default seq), hkv, d] (16-bit).
     ``softcap``: the logits capped (SOFTCAP, `softcap_constexpr`, with ``fast_tanh``; the cap is F32[1]).
     ``dynamic``: the programs take their tiles from the launch's zeroed counter (`dynamic_tiles`); ``lists``: the block
@@ -270,9 +269,8 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
     mask replaces ``spec``'s, KSEG is then I32). ``docs`` (default DOCS_MASKS): segment ids under causal alone take
     the DOCS form (SEGMENTS 2). ``kv_at`` > 0: K and V read out of one 16-bit buffer, V from that item on (KV_AT:
     ring attention's received wire). ``merge``: the result merged into the rows' earlier one (MERGE: O_PREV,
-    LSE_PREV aliased to O, LSE). ``heads``: the launch's (batch, head) pairs [lo, hi) of batch * hq (`tile_part`;
-    None: all). ``spans``: RANGES holds each query tile's span of key blocks (SPANS, `layout_spans`; with ``dynamic``
-    and ``merge``)."""
+    LSE_PREV aliased to O, LSE). ``spans``: RANGES holds each query tile's span of key blocks (SPANS,
+    `layout_spans`; with ``dynamic`` and ``merge``)."""
     staged_kw = dict(KV_TERMS=0, TERMS_AT=0, SPEC_QTERMS=None)
     if staged is not None:
         spec = (staged[0], spec[1])
@@ -285,33 +283,7 @@ def constexprs(batch: int, hq: int, hkv: int, seq: int, d: int, causal: bool, wi
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
                 HEAD_GROUP=head_group(batch, hq, hkv, seq, d), DYNAMIC=dynamic, **(tiles or TILES),
                 **(lists or NO_LISTS), **spec_constexprs(spec),
-                SOFTCAP=softcap_constexpr(softcap, fast_tanh), KV_AT=kv_at, MERGE=merge,
-                **tile_part(batch, hq, hkv, seq, d, heads), SPANS=spans)
-
-
-def tile_part(batch: int, hq: int, hkv: int, seq: int, d: int, heads: tuple | None = None) -> dict:
-    """TILE_LO, TILE_HI of a forward launch over the (batch, head) pairs [lo, hi) of batch * hq (None: all of them):
-    whole sections of `_tile`'s order (`head_group` pairs each, the last one maybe fewer), whose tiles are then one
-    range of it. A call in two such launches (`ring.SEND_APART`) runs every tile once, each section's heaviest
-    first."""
-    pairs, n_m = batch * hq, -(-seq // BLOCK_M)
-    lo, hi = (0, pairs) if heads is None else heads
-    section = head_group(batch, hq, hkv, seq, d)
-    if not (0 <= lo < hi <= pairs and lo % section == 0 and (hi % section == 0 or hi == pairs)):
-        raise ValueError(f"a forward launch over (batch, head) pairs [{lo}, {hi}) of {pairs}: the range must be whole "
-                         f"sections of {section} pairs (the tile order's, `head_group`)")
-    return dict(TILE_LO=lo * n_m, TILE_HI=hi * n_m)
-
-
-def head_halves(batch: int, hq: int, hkv: int, seq: int, d: int) -> tuple | None:
-    """The (batch, head) pairs of a forward cut in two launches of about half the tiles each, at a section's edge
-    (`tile_part`): ((0, m), (m, batch * hq)), or None where there is a single section."""
-    pairs, section = batch * hq, head_group(batch, hq, hkv, seq, d)
-    sections = -(-pairs // section)
-    if sections < 2:
-        return None
-    m = ((sections + 1) // 2) * section
-    return (0, m), (m, pairs)
+                SOFTCAP=softcap_constexpr(softcap, fast_tanh), KV_AT=kv_at, MERGE=merge, SPANS=spans)
 
 
 def softcap_constexpr(softcap: bool, fast: bool = False) -> int:
@@ -506,33 +478,15 @@ def tile_order(ranges, hq: int, causal: bool, programs: int):
     return order_by_work(jnp.maximum(hi - lo, 1)[:, None], hq, programs)  # a tile visits at least one block
 
 
-# A block layout's tiles taken a head section at a time (`head_group` heads: K and V of a section within
-# L2_KV_BUDGET), every row of a section heaviest first before the next section, as `_tile` deals causal calls; off,
-# each row's heads are next to each other, so the dynamic queue has every head's K and V in flight at once. Session
-# 34 timed it once on the ring (2 H200s, 32k tokens: 1.71 / 1.79x -> 1.72 / 1.78x, no trace) and removed it; session
-# 37's study (notes/studies/s37-ring-fwd.md, A) puts the ring's wide step at the out-of-L2 rate (1.58-1.61 SM-us a
-# block against 1.45 for the same unmasked work alone: 16 heads' K and V, 64-128 MiB, against 50 MB of L2). Restored
-# in session 37; session 38 (2 H200s): the wide step 22 / 61 us faster in one call's traces, the ring's forward
-# timed 1.73 / 1.74x against 1.78 / 1.81x without. Off; `benchmarks/wide_step.py --sections` prices it on one GPU.
-LAYOUT_HEAD_SECTIONS = False
-
-
-def order_by_work(work, hq: int, programs: int, section: int | None = None):
+def order_by_work(work, hq: int, programs: int):
     """`tile_order` from each tile's work, int [B, 1|hq, N_M] (key blocks; 1: every head alike, whose tiles then
-    stay next to each other): heaviest first, dealt as a snake to ``programs`` (1: one list). ``section`` (work of
-    every head alike): heads in sections of that many, each section's tiles heaviest first before the next's."""
+    stay next to each other): heaviest first, dealt as a snake to ``programs`` (1: one list)."""
     import jax.numpy as jnp
 
     batch, heads, n_m = work.shape
     bh = batch * hq
     entry = jnp.arange(n_m * bh, dtype=jnp.int32)  # i_m * bh + (b * hq + h): heads of a row next to each other
-    if heads == 1 and section and section < hq:
-        rank = _rank(work[:, 0].T.reshape(-1))  # per (i_m, b) row
-        h = entry % hq
-        first = (h // section) * section  # the section's first head; the last section may hold fewer
-        k = first * (n_m * batch) + rank[(entry // bh) * batch + (entry % bh) // hq] * jnp.minimum(
-            section, hq - first) + h - first
-    elif heads == 1:
+    if heads == 1:
         rank = _rank(work[:, 0].T.reshape(-1))  # per (i_m, b) row
         k = rank[(entry // bh) * batch + (entry % bh) // hq] * hq + entry % hq  # its place, heaviest first
     else:

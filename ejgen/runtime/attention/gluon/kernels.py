@@ -148,16 +148,15 @@ def _tile_at(t, ORDER, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr, CA
 
 @gluon.jit
 def _next_spanned(t, tile_ctr, RANGES, ORDER, N_M: gl.constexpr, BH: gl.constexpr, HS: gl.constexpr,
-                  CAUSAL: gl.constexpr, ORDERED: gl.constexpr, HQ: gl.constexpr, TILE_LO: gl.constexpr,
-                  TILE_HI: gl.constexpr):
+                  CAUSAL: gl.constexpr, ORDERED: gl.constexpr, HQ: gl.constexpr):
     """SPANS (the producer, DYNAMIC): tile t of the queue if its span of key blocks (RANGES, `_tile_blocks`) holds
-    one, else the next such tile, each passed over for another fetch-and-add; or one >= TILE_HI, the end. Nobody
+    one, else the next such tile, each passed over for another fetch-and-add; or one past the last, the end. Nobody
     runs a tile passed over: its rows keep what the outputs held (with MERGE, aliased: their earlier result)."""
-    r = _span_of(gl.minimum(t, TILE_HI - 1), RANGES, ORDER, N_M, BH, HS, CAUSAL, ORDERED, HQ)
+    r = _span_of(gl.minimum(t, N_M * BH - 1), RANGES, ORDER, N_M, BH, HS, CAUSAL, ORDERED, HQ)
     empty = gl.load(r + 1) <= gl.load(r)
-    while (t < TILE_HI) & empty:
-        t = TILE_LO + gl.atomic_add(tile_ctr, 1, sem="relaxed", scope="gpu")
-        r = _span_of(gl.minimum(t, TILE_HI - 1), RANGES, ORDER, N_M, BH, HS, CAUSAL, ORDERED, HQ)
+    while (t < N_M * BH) & empty:
+        t = gl.atomic_add(tile_ctr, 1, sem="relaxed", scope="gpu")
+        r = _span_of(gl.minimum(t, N_M * BH - 1), RANGES, ORDER, N_M, BH, HS, CAUSAL, ORDERED, HQ)
         empty = gl.load(r + 1) <= gl.load(r)
     return t
 
@@ -307,32 +306,29 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
               D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
               SEGMENTS: gl.constexpr, ORDERED: gl.constexpr, ITEM: gl.constexpr, DYNAMIC: gl.constexpr,
               LIST: gl.constexpr, LIST_BATCH: gl.constexpr, LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr,
-              SEQ_K: gl.constexpr, KV_TERMS: gl.constexpr, TERMS_AT: gl.constexpr, TILE_LO: gl.constexpr,
-              TILE_HI: gl.constexpr, SPANS: gl.constexpr):
+              SEQ_K: gl.constexpr, KV_TERMS: gl.constexpr, TERMS_AT: gl.constexpr, SPANS: gl.constexpr):
     """Per tile: its two Q halves into Q set tc % 2 (once the consumers released that set, two tiles ago), then
     its K/V blocks into the ring; with SEGMENTS each block's key ids too, into kseg_smem next to its K (read before
     the stage is free, stored after; k_ready then counts this warp's arrive as well). Empty barriers start free:
     waiting for the parity before their first phase returns at once. Static: tiles pid, pid + nprog, ... DYNAMIC:
     every tile from a fetch-and-add on the launch's zeroed counter (the first one too: a program that starts late
     takes what is left), its index handed to the consumers in the tile slots of its Q buffers; the final index
-    (>= TILE_HI) goes in the next Q set's slots with plain arrives on its q_ready barriers: stop. The launch's tiles
-    are [TILE_LO, TILE_HI) (DYNAMIC: the counter's values offset by TILE_LO)."""
+    (>= the number of tiles) goes in the next Q set's slots with plain arrives on its q_ready barriers: stop."""
     g = pid * 0  # K/V blocks issued so far (all tiles of this program)
     tc = pid * 0  # tiles started so far
     gl.static_assert(DYNAMIC or not SPANS, "SPANS: the tiles with no key block are passed over in the dynamic queue")
     if DYNAMIC:
-        t = TILE_LO + gl.atomic_add(tile_ctr, 1, sem="relaxed", scope="gpu")
+        t = gl.atomic_add(tile_ctr, 1, sem="relaxed", scope="gpu")
         if SPANS:
-            t = _next_spanned(t, tile_ctr, RANGES, ORDER, N_M, BH, HS, CAUSAL, ORDERED, HQ, TILE_LO, TILE_HI)
-        while t < TILE_HI:
+            t = _next_spanned(t, tile_ctr, RANGES, ORDER, N_M, BH, HS, CAUSAL, ORDERED, HQ)
+        while t < N_M * BH:
             n, t = _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG,
                                   kseg_smem, HQ, HKV, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
                                   SEGMENTS, ORDERED, ITEM, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K,
                                   KV_TERMS, TERMS_AT, SPANS)
-            t += TILE_LO
             if SPANS:
-                t = _next_spanned(t, tile_ctr, RANGES, ORDER, N_M, BH, HS, CAUSAL, ORDERED, HQ, TILE_LO, TILE_HI)
+                t = _next_spanned(t, tile_ctr, RANGES, ORDER, N_M, BH, HS, CAUSAL, ORDERED, HQ)
             g += n
             tc += 1
         qb = (tc % 2) * 2
@@ -341,7 +337,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             _tile_post(tile_smem.index(qb + h), t)
             mbarrier.arrive(q_ready.index(qb + h), count=1)
     else:
-        for t in range(TILE_LO + pid, TILE_HI, nprog):
+        for t in range(pid, N_M * BH, nprog):
             n, _ = _producer_tile(t, g, tc, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                                   v_ready, k_empty, v_empty, tile_smem, tile_ctr, left, right, RANGES, ORDER, KSEG,
                                   kseg_smem, HQ, HKV, SEQ, N_M, BH, HS, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW,
@@ -677,13 +673,12 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
               HALF: gl.constexpr, DYNAMIC: gl.constexpr, LIST: gl.constexpr, LIST_BATCH: gl.constexpr,
               LIST_HEADS: gl.constexpr, SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
               SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr, KV_TERMS: gl.constexpr, SPEC_QTERMS: gl.constexpr,
-              MERGE: gl.constexpr, TILE_LO: gl.constexpr, TILE_HI: gl.constexpr, SPANS: gl.constexpr):
+              MERGE: gl.constexpr, SPANS: gl.constexpr):
     """One 64-row half (HALF 0: the first to issue) of every tile of this program: the pipelined loop (softmax
     of block j under P_{j-1} V_{j-1}), then the epilogue through this half's Q buffer of the tile. The two halves
     take turns issuing their matmuls (turn_mine / turn_other: a token passed back and forth, its phase from the
-    running block counter), so one half's softmax overlaps the other's matmuls. Static: tiles TILE_LO + pid,
-    TILE_LO + pid + nprog, ... below TILE_HI; DYNAMIC: each tile's index from its Q buffer's tile slot (`_tile_take`),
-    until one >= TILE_HI."""
+    running block counter), so one half's softmax overlaps the other's matmuls. Static: tiles pid, pid + nprog,
+    ...; DYNAMIC: each tile's index from its Q buffer's tile slot (`_tile_take`), until one >= the number of tiles."""
     ROWS: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -692,7 +687,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
     tc = pid * 0  # tiles done so far: Q set tc % 2, parity (tc // 2) & 1
     if DYNAMIC:
         t = _tile_take(q_ready, tile_smem, tc, HALF)
-        while t < TILE_HI:
+        while t < N_M * BH:
             g += _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                                 v_empty, o_desc, lse_ptr, o_prev, lse_prev, left, right, qk_scale, cap_out, turn_mine,
                                 turn_other, QSEG, kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M,
@@ -702,7 +697,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
             tc += 1
             t = _tile_take(q_ready, tile_smem, tc, HALF)
     else:
-        for t in range(TILE_LO + pid, TILE_HI, nprog):
+        for t in range(pid, N_M * BH, nprog):
             g += _consumer_tile(t, g, tc, s_zero, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                                 v_empty, o_desc, lse_ptr, o_prev, lse_prev, left, right, qk_scale, cap_out, turn_mine,
                                 turn_other, QSEG, kseg_smem, RANGES, ORDER, opts, HQ, SEQ, N_M, BH, HS, BLOCK_M,
@@ -740,8 +735,7 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O_P
                                SUB_Q: gl.constexpr, SUB_K: gl.constexpr, SPEC_MASK: gl.constexpr,
                                SPEC_OPTIONS: gl.constexpr, SEQ_K: gl.constexpr, SOFTCAP: gl.constexpr,
                                KV_TERMS: gl.constexpr, TERMS_AT: gl.constexpr, SPEC_QTERMS: gl.constexpr,
-                               KV_AT: gl.constexpr, MERGE: gl.constexpr, TILE_LO: gl.constexpr,
-                               TILE_HI: gl.constexpr, SPANS: gl.constexpr):
+                               KV_AT: gl.constexpr, MERGE: gl.constexpr, SPANS: gl.constexpr):
     """Q [B, SEQ, HQ, D], K and V [B, SEQ_K, HKV, D] -> O like Q, LSE [B, HQ, SEQ] (float32); SEQ_K = SEQ but where
     the host takes Sq != Sk (no causal, window, segment ids, lists or spec mask: `host.ineligible`, gluon_cross).
     F32 = [scale, soft cap, ...], I32 = [window left, window right, ...]; SCRATCH: the descriptors' global scratch
@@ -773,11 +767,7 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O_P
     blocks (lo, hi, full lo, full hi: `host.layout_spans`, a block layout of at most two key columns); the queue
     passes over a tile whose span is empty (`_next_spanned`), whose rows then keep what O and LSE held: with MERGE,
     their earlier result (the ring's wide step, `host.LAYOUT_SPANS`).
-    TILE_LO, TILE_HI: the launch runs tiles [TILE_LO, TILE_HI) of the order (0, N_M * B * HQ: all). With fewer than
-    all, O_PREV and LSE_PREV (aliased to O and LSE, MERGE off) hold the other tiles' rows, which it leaves as they
-    are: a call in two launches over whole head sections of `_tile` (`ring.SEND_APART`: the first step's second
-    launch, writing over the first's result while V travels).
-    Grid (P,), P <= the launch's tiles (`grid`); 4 warps asked, 12 run (two consumers, a producer)."""
+    Grid (P,), P <= number of tiles (`grid`); 4 warps asked, 12 run (two consumers, a producer)."""
     gl.static_assert(not SPANS or not (LIST or SEGMENTS or CAUSAL or WINDOW), "SPANS: the tiles' spans alone")
     ROWS: gl.constexpr = BLOCK_M // 2
     N_M: gl.constexpr = (SEQ + BLOCK_M - 1) // BLOCK_M
@@ -842,19 +832,17 @@ def gluon_attention_fwd_kernel(Q, K, V, F32, I32, QSEG, KSEG, RANGES, ORDER, O_P
                      O_PREV, LSE_PREV, nprog, left, right, qk_scale, cap_out, turn.index(0), turn.index(1),
                      QSEG, kseg_smem, RANGES, ORDER, tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N,
                      D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 0, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS,
-                     SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS, MERGE, TILE_LO, TILE_HI,
-                     SPANS)),
+                     SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS, MERGE, SPANS)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, pid,
                      O_PREV, LSE_PREV, nprog, left, right, qk_scale, cap_out, turn.index(1), turn.index(0),
                      QSEG, kseg_smem, RANGES, ORDER, tile_smem, opts, HQ, SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N,
                      D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED, 1, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS,
-                     SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS, MERGE, TILE_LO, TILE_HI,
-                     SPANS)),
+                     SUB_Q, SUB_K, SPEC_MASK, SEQ_K, SOFTCAP, KV_TERMS, SPEC_QTERMS, MERGE, SPANS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, tile_smem, TILE_CTR, pid, nprog, left, right, RANGES, ORDER, KSEG, kseg_smem, HQ, HKV,
                      SEQ, N_M, BH, HEAD_GROUP, BLOCK_M, BLOCK_N, D, NUM_STAGES, CAUSAL, WINDOW, SEGMENTS, ORDERED,
                      dtype.primitive_bitwidth // 8, DYNAMIC, LIST, LIST_BATCH, LIST_HEADS, SUB_Q, SEQ_K, KV_TERMS,
-                     TERMS_AT, TILE_LO, TILE_HI, SPANS)),
+                     TERMS_AT, SPANS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -18,8 +18,7 @@ import numpy as np
 
 from ejgen.runtime.attention import tiles
 from ejgen.runtime.attention.api import (SEQ_MAJOR, add_rows, delta_rows, given_delta, given_dkv, given_dq,
-                                         given_heads_part, given_merge, given_q_rows, given_wire, join_sinks,
-                                         merge_into, sinks_grad)
+                                         given_merge, given_q_rows, given_wire, join_sinks, merge_into, sinks_grad)
 from ejgen.runtime.attention.gluon import host as gluon_attention
 from ejgen.runtime.attention.triton import configs as triton_configs
 from ejgen.runtime.core import kernels, settings, sizes
@@ -373,19 +372,15 @@ def _gluon_walk(layout: Layout, cfg, batch: int, hq: int, sq: int) -> tuple:
     return grid, spec, mask_tiles, listed, tiles, dynamic
 
 
-def _gluon_lists(ctx, cfg, mask_tiles, batch: int, hq: int, sq: int, block_n: int, programs: int,
-                 section: int | None = None) -> tuple:
+def _gluon_lists(ctx, cfg, mask_tiles, batch: int, hq: int, sq: int, block_n: int, programs: int) -> tuple:
     """(RANGES int32 [TB, TH, N_M, 1 + N_N (+ N_N)], ORDER int32 [N_M * batch * hq]) of a Gluon forward that walks
     lists: its block lists (`gluon_attention.fwd_lists`) and its tiles by their counts, heaviest first, dealt to
-    ``programs`` (`gluon_attention.order_by_work`; 1: the dynamic queue's one list), ``section`` heads at a time
-    (`gluon_attention.LAYOUT_HEAD_SECTIONS`)."""
+    ``programs`` (`gluon_attention.order_by_work`; 1: the dynamic queue's one list)."""
     table, _, work = gluon_attention.fwd_lists(ctx, cfg, sq, mask_tiles, batch, hq, block_n)
-    return table, gluon_attention.order_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hq, programs,
-                                                section)
+    return table, gluon_attention.order_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hq, programs)
 
 
-def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool = False, wire=None, merge=None,
-                   part=None):
+def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool = False, wire=None, merge=None):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
     segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`);
     where the queue wins (`gluon_attention.dynamic_tiles`) its programs take them from a counter. With a block
@@ -395,20 +390,10 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
     as the whole block of one 16-bit buffer (`api.KV_WIRE`, `_wire_kv`), which the kernel reads them out of (KV_AT;
     k, v for their shapes).
     ``merge``: (out, lse) of the same rows over other keys (`api.MERGE_INTO`), which the kernel merges its result into
-    (MERGE), writing over those buffers (aliased).
-    ``part``: an `api.HeadsPart`, the launch over its (batch, head) pairs [lo, hi) of batch * hq alone
-    (`gluon_attention.tile_part`: whole sections of the tile order), writing its rows into its ``into`` = (out, lse) of
-    an earlier launch of the others (aliased), or (None) into new buffers whose other rows hold garbage."""
+    (MERGE), writing over those buffers (aliased)."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
     grid, spec, mask_tiles, listed, tiles, dynamic = _gluon_walk(layout, cfg, batch, hq, sq)
-    heads, into = (part.heads, part.into) if part is not None else (None, None)
-    if part is not None:
-        if listed or gluon_attention.ordered(cfg) or merge is not None:
-            raise ValueError("a forward launch over some heads (api.HEADS_PART) takes the tile order of `_tile`: no "
-                             "block lists, segment order or merge")
-        span = gluon_attention.tile_part(batch, hq, hkv, sq, d, heads)
-        grid = gluon_attention.persistent_grid(span["TILE_HI"] - span["TILE_LO"])
     staged = None
     if spec is not None:
         scalars = layout.gluon_scalars(scalars, ctx, sq)
@@ -427,10 +412,8 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
         segments[2] = gluon_attention.layout_spans(ctx, cfg, sq, k.shape[1], batch, tiles["BLOCK_N"])
         order = _dummy(jnp.int32)
     elif listed:
-        section = (gluon_attention.head_group(batch, hq, hkv, k.shape[1], d)
-                   if gluon_attention.LAYOUT_HEAD_SECTIONS else None)
         segments[2], order = _gluon_lists(ctx, cfg, mask_tiles, batch, hq, sq, tiles["BLOCK_N"],
-                                          1 if dynamic else grid[0], section)
+                                          1 if dynamic else grid[0])
         lists = gluon_attention.fwd_list_constexprs(segments[2], cfg, tiles["BLOCK_N"])
     elif ordered:
         segments[2], order = gluon_attention.segment_plan(ctx, cfg, sq, "fwd", hq, 1 if dynamic else grid[0],
@@ -442,14 +425,12 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
         buffer, kv_at, _, _ = _wire_kv(wire, k, v, "forward")
         kv = (buffer, buffer)
     earlier, aliases = [_dummy(q.dtype), _dummy(jnp.float32)], None
-    given = merge if merge is not None else into  # (never both: a launch over some heads takes no merge)
-    if given is not None:  # O_PREV, LSE_PREV: aliased to O and LSE
+    if merge is not None:  # O_PREV, LSE_PREV: aliased to O and LSE
         want = ((batch, sq, hkv, groups, d), q.dtype), ((batch, hkv, groups, sq), jnp.float32)
-        if any((x.shape, x.dtype) != w for x, w in zip(given, want)):
-            what = "earlier result" if merge is not None else "buffers to write some heads into"
-            raise ValueError(f"the Hopper forward's {what} must be out {want[0]} and lse {want[1]}, got "
-                             f"{[(x.shape, x.dtype) for x in given]}")
-        earlier = [given[0].reshape(batch, sq, hq, d), given[1].reshape(batch, hq, sq)]
+        if any((x.shape, x.dtype) != w for x, w in zip(merge, want)):
+            raise ValueError(f"the Hopper forward's earlier result must be out {want[0]} and lse {want[1]}, got "
+                             f"{[(x.shape, x.dtype) for x in merge]}")
+        earlier = [merge[0].reshape(batch, sq, hq, d), merge[1].reshape(batch, hq, sq)]
         aliases = {3 + len(scalars) + len(segments) + 1: 0, 3 + len(scalars) + len(segments) + 2: 1}
     out, lse, *_ = triton_call.launch(
         gluon_attention.kernel(), grid, [q.reshape(batch, sq, hq, d), *kv, *scalars, *segments, order, *earlier],
@@ -459,7 +440,7 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
         **gluon_attention.constexprs(batch, hq, hkv, sq, d, cfg.causal, cfg.window, cfg.segments, ordered, dynamic,
                                      lists, spec, tiles, seq_k=k.shape[1], softcap=cfg.softcap,
                                      fast_tanh=fast_tanh, staged=staged, kv_at=kv_at, merge=merge is not None,
-                                     heads=heads, spans=spans))
+                                     spans=spans))
     return out.reshape(batch, sq, hkv, groups, d), lse.reshape(batch, hkv, groups, sq)
 
 
@@ -655,20 +636,15 @@ def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
     _check_layout(q, cfg)
     ctx, wire = given_wire(ctx)  # the caller's (ring attention's) K/V buffer: the Hopper forward reads it
     ctx, merge = given_merge(ctx)  # an earlier result of the rows (ring attention's): merged into
-    ctx, part = given_heads_part(ctx)  # some heads alone, into an earlier launch's buffers (ring attention's)
-    if part is not None and choice.forward != "gluon":
-        raise ValueError("a forward launch over some heads (api.HEADS_PART) is the Hopper forward's alone; this call "
-                         f"runs the generated kernels ({choice})")
     ctx, cfg = _masks(ctx, cfg, q.shape[0])
     batch, sq, hkv, groups, d = q.shape
     hq, dv = hkv * groups, v.shape[-1]
     scalars, features, aux, params = _inputs(layout, ctx, cfg, hq)
     if choice.forward == "gluon":
-        if (merge is not None or part is not None) and cfg.sinks:
-            raise ValueError("an earlier result to merge into, or a launch over some heads, takes the sinks after "
-                             "(ring attention joins them once, at the end)")
-        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.fast_tanh, wire=wire, merge=merge,
-                                  part=part)
+        if merge is not None and cfg.sinks:
+            raise ValueError("an earlier result to merge into takes the sinks after the merge (ring attention joins "
+                             "them once, at the end)")
+        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.fast_tanh, wire=wire, merge=merge)
         if cfg.sinks:  # the kernels take none: the sinks join the denominator here (the backward reads this lse)
             out, lse = join_sinks(out, lse, ctx["softmax_aux"])
             out = out.astype(q.dtype)
