@@ -632,6 +632,20 @@ j_ring-cga() {  # the hop's NCCL kernel as clusters of 4 CTAs (NCCL's default on
     --passes fwd --batch 16 --layout-spans --out "$log/ring-p2p2-gaps"  # (F2: a grid of 2, no clusters)
   job ring-cga-lists 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-cga-lists"
 }
+j_ring-cga-paired() {  # session 40's s40a answered ring-cga: with NCCL_CGA_CLUSTER_SIZE=0 and 8 SMs spared, both devices'
+  # hops start with the first step (LAYOUT_SPANS); without the spare, or with clusters and 8, they do not. Is it faster?
+  # The forward in turns with one GPU (the same clocks for both): the lists (default) first, then that form; then how
+  # few spared SMs still let the hop start on time (4, under the profiler)
+  local cga=(env NCCL_CGA_CLUSTER_SIZE=0)
+  job ring-cga-paired-lists 120 "${cga[@]}" python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
+    --out "$log/ring-cga-paired-lists"
+  job ring-cga-paired-spans8 120 "${cga[@]}" python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 \
+    --batch 4,16 --layout-spans --spare-sms 8 --out "$log/ring-cga-paired-spans8"
+  job ring-cga0-spare4-gaps 90 "${cga[@]}" python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans \
+    --spare-sms 4 --out "$log/ring-cga0-spare4-gaps"
+  job ring-paired-fwd 120 python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
+    --out "$log/ring-paired-fwd"
+}
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
 j_ring-paired-each() { job ring-paired-each 300 python3 "${RING[@]}" --parts paired --each --rounds 7 --batch 4,16 \
@@ -801,6 +815,8 @@ declare -A PRESETS=(
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
   [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
   # A/B, then the forward and fwd+bwd in turns with one GPU)
+  [s40b]="0-1:ring-cga-paired"  # (session 40's second: the forward in turns with one GPU, lists and spans with
+  # NCCL_CGA_CLUSTER_SIZE=0 and 8 SMs spared (both hops on time in s40a), 4 spared under the profiler, lists plain)
   [s40a]="0-1:ring-cga,ring-spacer"  # (session 40 first, ~6 min: why the hop starts behind the first step. ring-cga
   # tests NCCL's 4-CTA clusters (notes/studies/s39-hop-launch.md, F1); ring-spacer how long a kernel between the pack
   # and the first step lets the hop start first on both devices (F3). Accept a form where both GPUs' hops start with
