@@ -646,6 +646,22 @@ j_ring-cga-paired() {  # session 40's s40a answered ring-cga: with NCCL_CGA_CLUS
   job ring-paired-fwd 120 python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
     --out "$log/ring-paired-fwd"
 }
+j_ring-apart() {  # ring.KV_APART: the forward's K and V sent as two arrays, no pack, made one collective by XLA's
+  # combiner where its threshold allows (the gaps table's title counts the collective-permutes): under the profiler
+  # with and without the threshold raised, then in turns with one GPU (the same clocks) with it, with it on spans with
+  # NCCL_CGA_CLUSTER_SIZE=0 and 8 SMs spared (s40b's best), and the default
+  local comb=(env XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes=1073741824)
+  job ring-apart-gaps 90 "${comb[@]}" python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --kv-apart \
+    --out "$log/ring-apart-gaps"
+  job ring-apart-paired 120 "${comb[@]}" python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
+    --kv-apart --out "$log/ring-apart-paired"
+  job ring-apart-alone-gaps 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --kv-apart \
+    --out "$log/ring-apart-alone-gaps"
+  job ring-apart-cga-paired 120 "${comb[@]}" NCCL_CGA_CLUSTER_SIZE=0 python3 "${RING[@]}" --parts paired \
+    --passes fwd --rounds 7 --batch 4,16 --kv-apart --layout-spans --spare-sms 8 --out "$log/ring-apart-cga-paired"
+  job ring-paired-fwd 120 python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
+    --out "$log/ring-paired-fwd"
+}
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
 j_ring-paired-each() { job ring-paired-each 300 python3 "${RING[@]}" --parts paired --each --rounds 7 --batch 4,16 \
@@ -815,6 +831,7 @@ declare -A PRESETS=(
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
   [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
   # A/B, then the forward and fwd+bwd in turns with one GPU)
+  [s40c]="0-1:ring-apart"  # (session 40's third: K and V sent apart, one collective by XLA's combiner, no pack)
   [s40b]="0-1:ring-cga-paired"  # (session 40's second: the forward in turns with one GPU, lists and spans with
   # NCCL_CGA_CLUSTER_SIZE=0 and 8 SMs spared (both hops on time in s40a), 4 spared under the profiler, lists plain)
   [s40a]="0-1:ring-cga,ring-spacer"  # (session 40 first, ~6 min: why the hop starts behind the first step. ring-cga

@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -105,6 +106,9 @@ def parse_args(argv=None):
                         "default) or as two (impl ring-zigzag-pairs); both: each, same process")
     for flag, (_, _, text) in RING_SWITCHES.items():
         p.add_argument(f"--{flag}", action="store_true", help=text)
+    p.add_argument("--kv-apart", action="store_true", help="an experiment: the forward's block sent as its arrays, "
+                   "not packed (ring.KV_APART); with XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes "
+                   "over the block's bytes, XLA makes them one collective")
     p.add_argument("--spacer", type=int, default=0, help="a diagnostic: a kernel summing this many items of the packed "
                    "block between the pack and the first step, which waits for it (ring.SPACER_BEFORE_FIRST_STEP; "
                    "session 39: whether the hop's kernel then starts first)")
@@ -390,6 +394,9 @@ def part_profile(devices, platform, out_dir):
                 for pass_ in PASSES:
                     label = f"{impl} S={_k(seq)} heads={heads[0]}/{heads[1]} {pass_}"
                     try:
+                        if impl != "1gpu":  # the collectives XLA made of the ring's hops (ring.KV_APART: combined?)
+                            hlo = fns[pass_].lower(*args).compile().as_text()
+                            label += f" ({_collectives(hlo)})"
                         tables.append(profile(fns[pass_], args, out_dir / f"trace-{impl}-{seq}-{heads[0]}-{pass_}",
                                               label=label))
                     except Exception as e:  # noqa: BLE001 (the other cases go on)
@@ -424,6 +431,14 @@ def part_gaps(devices, platform, out_dir):
                         traceback.print_exc()
                     (out_dir / "gaps.md").write_text("\n\n".join(tables))
                 del args
+
+
+def _collectives(hlo: str) -> str:
+    """How many collective-permutes a compiled module starts, and their operands' shapes."""
+    starts = [line for line in hlo.splitlines() if re.search(r"collective-permute(-start)?\(", line)
+              and " = " in line and "-done" not in line.split(" = ")[1].split("(")[0]]
+    shapes = [line.split(" = ")[1].split(" collective-permute")[0] for line in starts]
+    return f"{len(starts)} collective-permute(s): " + "; ".join(shapes)
 
 
 def part_scaling(devices, platform, out_dir):
@@ -538,6 +553,7 @@ def main():
 
         gluon_host.L2_KV_BUDGET = ARGS.l2_kv_budget << 20
     ring_runtime.SPACER_BEFORE_FIRST_STEP = ARGS.spacer or ring_runtime.SPACER_BEFORE_FIRST_STEP
+    ring_runtime.KV_APART = ARGS.kv_apart or ring_runtime.KV_APART
     ring_runtime.FIRST_STEP_SPARE_SMS = ARGS.spare_sms or ring_runtime.FIRST_STEP_SPARE_SMS
     if ARGS.layout_spans:
         from ejgen.runtime.attention.gluon import host as gluon_host

@@ -80,6 +80,15 @@ SPACER_BEFORE_FIRST_STEP = 0
 # GPC: SMs spared at random over the GPCs rarely give that. Kept to test that with `NCCL_CGA_CLUSTER_SIZE=0` (s40a).
 FIRST_STEP_SPARE_SMS = 0
 
+# An experiment (off): the forward sends the held block as its arrays (one `lax.ppermute` of the dict), not packed into
+# one `Wire` buffer. Alone, XLA GPU keeps one collective-permute in flight (see `Wire`); where the caller's compile
+# raises `xla_gpu_collective_permute_combine_threshold_bytes` over the block's bytes (default 30 MiB + 7; K and V are
+# 64 MiB each at 32k tokens over 2 devices, 16 heads), its CollectivePermuteCombiner makes them one collective: no
+# pack (62 us a call on an H200, the forward's only glue) and a hop that needs nothing computed before it. The
+# backward still starts from the packed buffer (packed after the forward's last step). Session 40 (`ring.py
+# --kv-apart`).
+KV_APART = False
+
 # The backward's dK/dV accumulators travel in the inputs' dtype (not float32) where they make at most this many hops
 # before they are home (a ring of two steps: one; the last add and the cast to the inputs' dtype stay float32). Each
 # hop then rounds a partial sum once more; on a 2-device zigzag ring the one travelling partial is a single pair's
@@ -721,7 +730,8 @@ def _switch(stage: Stage, slot: int, kind, run, skip):
 
 
 def _shift(plan: Plan, x, hops: int):
-    """``x`` (one array: a `Wire` buffer) sent ``hops`` devices along the ring (device i to i + hops)."""
+    """``x`` (a `Wire` buffer, or with KV_APART the block's dict) sent ``hops`` devices along the ring (device i to
+    i + hops)."""
     hops %= plan.devices
     if hops == 0:
         return x
@@ -837,7 +847,9 @@ def _forward(q, k, v, ctx, plan: Plan):
     wire = Wire.of(own)
     # the held block as one buffer (see Wire; in a batch of calls its hop starts before the first step only where
     # small kernels run between the pack and that step's launch: docs/DESIGN.md §3, Ring attention, session 39)
-    travel = _shift(plan, wire.pack(own), plan.start)
+    apart = KV_APART
+    travel = _shift(plan, own if apart else wire.pack(own), plan.start)
+    assert not (apart and SPACER_BEFORE_FIRST_STEP), "ring.KV_APART with SPACER_BEFORE_FIRST_STEP"
     if SPACER_BEFORE_FIRST_STEP and plan.start == 0:  # (the first step after a read of the block)
         read = travel.reshape(-1)[:SPACER_BEFORE_FIRST_STEP]
         q, _ = lax.optimization_barrier((q, jnp.sum(read.astype(jnp.float32))))
@@ -850,13 +862,14 @@ def _forward(q, k, v, ctx, plan: Plan):
 
         def body(carry, xs, stage=stage, chunk=chunk, first=first, last=last, unrolled=count == 1, wide=wide, at=at):
             travel, acc, lse = carry
-            held = own if first and plan.start == 0 else wire.unpack(travel)
+            held = own if first and plan.start == 0 else travel if apart else wire.unpack(travel)
             ahead = travel if last else _shift(plan, travel, 1)  # the next step's block, in flight meanwhile
             slots, t = xs
             s = (r - t) % plan.devices
             if wide:  # one call for the step's two pairs (COALESCE), merged into every row
                 result = _wide_forward(plan, chunk, q, held, ctx, slots, r, s,
-                                       travel if _wire_readable(wire, KV_FROM_WIRE) and held is not own else None,
+                                       travel if not apart and _wire_readable(wire, KV_FROM_WIRE) and held is not own
+                                       else None,
                                        earlier[0] if merging else None)
                 if merging:  # (the last step: merged by its kernel)
                     return (ahead, *result), None
@@ -895,7 +908,7 @@ def _forward(q, k, v, ctx, plan: Plan):
         travel, acc, lse = _steps(body, (travel, acc, lse), xs)
     if plan.sinks:
         acc, lse = api.join_sinks(acc, lse, ctx["softmax_aux"])  # aux [Hkv, G, n_sinks]
-    return acc.astype(q.dtype), lse, travel
+    return acc.astype(q.dtype), lse, wire.pack(travel) if apart else travel
 
 
 def _merges_in_kernel(plan: Plan, n: int) -> bool:
