@@ -662,6 +662,22 @@ j_ring-apart() {  # ring.KV_APART: the forward's K and V sent as two arrays, no 
   job ring-paired-fwd 120 python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
     --out "$log/ring-paired-fwd"
 }
+j_ring-apart-spans() {  # s40c: ring.KV_APART with the threshold raised starts the hop before the first step on both
+  # devices, one collective, no pack (1.77x in turns at 16 calls against the default's 1.74x; with spans, NCCL's
+  # clusters off and 8 SMs spared 1.80x). Without NCCL's variable: KV_APART with LAYOUT_SPANS under the profiler, in
+  # turns (fwd, then fwd+bwd), KV_APART alone in turns again, the default last
+  local comb=(env XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes=1073741824)
+  job ring-as-gaps 90 "${comb[@]}" python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --kv-apart \
+    --layout-spans --out "$log/ring-as-gaps"
+  job ring-as-paired 120 "${comb[@]}" python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
+    --kv-apart --layout-spans --out "$log/ring-as-paired"
+  job ring-as-paired-fwdbwd 150 "${comb[@]}" python3 "${RING[@]}" --parts paired --passes fwdbwd --rounds 7 \
+    --batch 4,16 --kv-apart --layout-spans --out "$log/ring-as-paired-fwdbwd"
+  job ring-apart-paired 120 "${comb[@]}" python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
+    --kv-apart --out "$log/ring-apart-paired"
+  job ring-paired-fwd 120 python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
+    --out "$log/ring-paired-fwd"
+}
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
 j_ring-paired-each() { job ring-paired-each 300 python3 "${RING[@]}" --parts paired --each --rounds 7 --batch 4,16 \
@@ -831,6 +847,7 @@ declare -A PRESETS=(
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
   [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
   # A/B, then the forward and fwd+bwd in turns with one GPU)
+  [s40d]="0-1:ring-apart-spans"  # (session 40's fourth: KV_APART with LAYOUT_SPANS, without NCCL's variable)
   [s40c]="0-1:ring-apart"  # (session 40's third: K and V sent apart, one collective by XLA's combiner, no pack)
   [s40b]="0-1:ring-cga-paired"  # (session 40's second: the forward in turns with one GPU, lists and spans with
   # NCCL_CGA_CLUSTER_SIZE=0 and 8 SMs spared (both hops on time in s40a), 4 spared under the profiler, lists plain)
