@@ -31,10 +31,10 @@
 #   ring-wire      the ring tests, then the forward reading the wire / merging in its kernel against before (2 GPUs)
 #   ring-dq        the ring tests, then the default against --no-kv-from-wire-bwd and --no-dq-once (2 GPUs)
 #   ring-paired    one GPU and the ring timed in turns, 7 rounds, 4 and 16 calls a sample (2 GPUs)
+#   ring-paired-tuned  ring-paired with XLA's combiner over K and V and NCCL_CGA_CLUSTER_SIZE=0 (the recommended setup)
 #   ring-qinplace  the ring tests, then the default against --no-q-in-place and --no-zeros-by-delta (2 GPUs)
 #   ring-p5        the ring tests, then the default against --no-dkv-into, each twice, and one call's kernels of each
 #   ring-cga       the hop without NCCL's 4-CTA clusters (NCCL_CGA_CLUSTER_SIZE=0), with SMs spared, under the profiler
-#   ring-spacer    a kernel of SPACERS items between the pack and the first step, under the profiler and timed
 #   ring-spans     the GPU tests of gluon.host.LAYOUT_SPANS (off), one call's kernels with and without it, each timed
 #                  twice; ring-spans-gaps: each form's 16 calls back to back under the profiler
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
@@ -510,7 +510,7 @@ j_hopper-features() { job hopper-features 240 python3 benchmarks/hopper_features
   --out "$log/hfeat"; }
 j_decode-tests() { shards decode-tests 200 3 tests/decode; }
 j_launch() { job launch 90 python3 benchmarks/launch_cost.py --out "$log/launch"; }
-j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 200 python3 -m pytest -m gpu -q -rf \
+j_ring-tests() { EJGEN_FAILURE_LOG=$PWD/$log/ring-failures.txt job ring-tests 240 python3 -m pytest -m gpu -q -rf \
   -p no:cacheprovider tests/multidevice/test_ring_gpu.py; }
 j_docs-ab() {  # session 33's document forms: the forward's DOCS masks (gluon.host.DOCS_MASKS, off) and the
   # backward one program a key block (PERSISTENT_SEGMENTS_BWD off; on since session 34): the Gluon document tests
@@ -599,19 +599,6 @@ j_ring-spans-gaps() {  # LAYOUT_SPANS under a sustained load: 16 forward calls b
     --out "$log/ring-spans-gaps-on"
   job ring-spans-gaps-off 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --out "$log/ring-spans-gaps-off"
 }
-j_ring-spacer() {  # LAYOUT_SPANS with a kernel between the pack and the first step (ring.SPACER_BEFORE_FIRST_STEP, a
-  # diagnostic: SPACERS items of the block summed; session 39's call 9 ran 4096): for each, 16 calls under the
-  # profiler (does the hop's NCCL kernel start before the first step on both devices?), then timed; the default (lists)
-  # timed last
-  local n
-  for n in ${SPACERS:-4194304 16777216 67108864}; do
-    job "ring-spacer-gaps-$n" 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans \
-      --spacer "$n" --out "$log/ring-spacer-gaps-$n"
-    job "ring-spacer-time-$n" 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-spans \
-      --spacer "$n" --out "$log/ring-spacer-time-$n"
-  done
-  job ring-spacer-lists 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-spacer-lists"
-}
 j_ring-cga() {  # the hop's NCCL kernel as clusters of 4 CTAs (NCCL's default on Hopper) against the first step's
   # persistent programs (notes/studies/s39-hop-launch.md, M1 and F1), with LAYOUT_SPANS: 16 calls under the profiler,
   # then timed, for NCCL_CGA_CLUSTER_SIZE=0; that with 8 SMs spared (ring.FIRST_STEP_SPARE_SMS); 40 SMs spared with
@@ -677,6 +664,13 @@ j_ring-apart-spans() {  # s40c: ring.KV_APART with the threshold raised starts t
     --kv-apart --out "$log/ring-apart-paired"
   job ring-paired-fwd 120 python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
     --out "$log/ring-paired-fwd"
+}
+TUNED=(env XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes=1073741824 NCCL_CGA_CLUSTER_SIZE=0)
+j_ring-paired-tuned() {  # the ring in the configuration docs/DESIGN.md §3 recommends (Ring attention, the hop): XLA's
+  # combiner over K and V (ring.KV_APART then on), NCCL's kernels without clusters (the first step spares
+  # ring.HOP_SMS, the wide step walks spans); in turns with one GPU, fwd and fwd+bwd
+  job ring-paired-tuned 150 "${TUNED[@]}" python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
+    --out "$log/ring-paired-tuned"
 }
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
@@ -847,14 +841,15 @@ declare -A PRESETS=(
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
   [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
   # A/B, then the forward and fwd+bwd in turns with one GPU)
+  [s40e]="0-1:ring-tests,ring-paired-tuned,ring-paired"  # (session 40's final tree: the ring's GPU tests with the
+  # apart and hop-SMs forms, the tuned configuration and the default in turns with one GPU)
   [s40d]="0-1:ring-apart-spans"  # (session 40's fourth: KV_APART with LAYOUT_SPANS, without NCCL's variable)
   [s40c]="0-1:ring-apart"  # (session 40's third: K and V sent apart, one collective by XLA's combiner, no pack)
   [s40b]="0-1:ring-cga-paired"  # (session 40's second: the forward in turns with one GPU, lists and spans with
   # NCCL_CGA_CLUSTER_SIZE=0 and 8 SMs spared (both hops on time in s40a), 4 spared under the profiler, lists plain)
-  [s40a]="0-1:ring-cga,ring-spacer"  # (session 40 first, ~6 min: why the hop starts behind the first step. ring-cga
-  # tests NCCL's 4-CTA clusters (notes/studies/s39-hop-launch.md, F1); ring-spacer how long a kernel between the pack
-  # and the first step lets the hop start first on both devices (F3). Accept a form where both GPUs' hops start with
-  # the step in the batch and LAYOUT_SPANS beats the lists at 16 calls; then ring-paired with it)
+  [s40a]="0-1:ring-cga"  # (session 40's first ran ring-cga and ring-spacer: spacers of 4M-64M items between the pack
+  # and the first step left the hop late on 7-15 of 16 calls; removed with ring.SPACER_BEFORE_FIRST_STEP. Since then
+  # NCCL_CGA_CLUSTER_SIZE=0 alone spares ring._hop_sms' 8 SMs and walks spans: ring-cga0-gaps no longer runs without)
   [s39g]="0-1:ring-spans-gaps,ring-paired"  # (LAYOUT_SPANS off again: where the hop's launch goes with it on, then
   # the default in turns with one GPU)
   [s39e]="0-1:ring-spans-gaps"  # (LAYOUT_SPANS sustained; its timed half was ring-spans-on/off-3, 4)

@@ -109,9 +109,6 @@ def parse_args(argv=None):
     p.add_argument("--kv-apart", action="store_true", help="an experiment: the forward's block sent as its arrays, "
                    "not packed (ring.KV_APART); with XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes "
                    "over the block's bytes, XLA makes them one collective")
-    p.add_argument("--spacer", type=int, default=0, help="a diagnostic: a kernel summing this many items of the packed "
-                   "block between the pack and the first step, which waits for it (ring.SPACER_BEFORE_FIRST_STEP; "
-                   "session 39: whether the hop's kernel then starts first)")
     p.add_argument("--layout-spans", action="store_true", help="the wide step walking its tiles' spans of key blocks, "
                    "not block lists (gluon.host.LAYOUT_SPANS, off by default: session 39)")
     p.add_argument("--spare-sms", type=int, default=0, help="a diagnostic: SMs the first step's Hopper forward leaves to "
@@ -552,7 +549,6 @@ def main():
         from ejgen.runtime.attention.gluon import host as gluon_host
 
         gluon_host.L2_KV_BUDGET = ARGS.l2_kv_budget << 20
-    ring_runtime.SPACER_BEFORE_FIRST_STEP = ARGS.spacer or ring_runtime.SPACER_BEFORE_FIRST_STEP
     ring_runtime.KV_APART = ARGS.kv_apart or ring_runtime.KV_APART
     ring_runtime.FIRST_STEP_SPARE_SMS = ARGS.spare_sms or ring_runtime.FIRST_STEP_SPARE_SMS
     if ARGS.layout_spans:
@@ -576,7 +572,8 @@ def main():
     ORDERS = [o for o in ARGS.orders.split(",") if o]
     PASSES = [p for p in ARGS.passes.split(",") if p]
     print(f"devices: {len(devices)} x {devices[0].device_kind}; jax {jax.__version__}; platform {platform}; "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
+          f"NCCL_CGA_CLUSTER_SIZE={os.environ.get('NCCL_CGA_CLUSTER_SIZE', '')!r}", flush=True)
     parts = [p for p in ARGS.parts.split(",") if p]
     if "check" in parts:
         part_check(devices, platform, out_dir)

@@ -706,7 +706,8 @@ def test_a_merged_layout_of_two_key_columns_walks_spans(monkeypatch):
     wide step): on a (pretended) Hopper GPU the forward walks each query tile's span of key blocks (SPANS, RANGES
     [B, N_M, 4] from the layout's rows: lo, hi, and the same full; 0, 0 for a row that sees none) in `_tile`'s order
     (no lists, not ORDERED) through the dynamic queue, whatever the setting, the layout per batch row too; without the
-    merge, with causal, with a layout per head, or `host.LAYOUT_SPANS` off (its default), lists. A fake launch."""
+    merge, with causal, with a layout per head, or `host.LAYOUT_SPANS` off (its default) outside `host.spanning`,
+    lists. A fake launch."""
     import numpy as np
 
     from ejgen.ops import blocksparse_attention
@@ -749,6 +750,9 @@ def test_a_merged_layout_of_two_key_columns_walks_spans(monkeypatch):
         monkeypatch.setattr(gluon_attention, "LAYOUT_SPANS", switch)
         _, kw = launch(layout, causal)
         assert not kw["SPANS"] and kw["LIST"], (why, kw)
+    with gluon_attention.spanning(True):  # (the ring's last wide step where its hop has SMs: `ring._hop_sms`)
+        _, kw = launch(per_batch)
+    assert kw["SPANS"] and not kw["LIST"], kw
 
 
 def test_layout_spans_are_the_lists_blocks():

@@ -396,26 +396,31 @@ def check_contiguous_causal(backend, failures, devices=2):
     check(failures, sharded, oracle.attention(**diff, causal=True, d_out=d_out, d_lse=d_lse), single)
 
 
-def check_spacer_before_first_step(backend, failures, devices=2):
-    """`ring.SPACER_BEFORE_FIRST_STEP` (a diagnostic: a kernel summing items of the packed block before the first
-    step, which waits for it): a zigzag causal ring of 2 equals the single-device op and the oracle, forward and
-    gradients, and its forward holds q in a barrier with that sum (a float32 scalar)."""
+def check_kv_apart(backend, failures, devices=2):
+    """`ring.KV_APART` (the forward's block sent as its arrays, which XLA GPU's combiner makes one collective): a zigzag
+    causal ring of 2 equals the single-device op and the oracle, forward and gradients; the forward's lowering sends
+    K and V as they are (collective-permutes of their shapes), not packed into one flat buffer."""
     import re
 
     from ejgen.runtime.attention import ring
 
     shape = AttnShape(1, 64, 64, 2, 2, 16)
-    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-spacer")
-    before, ring.SPACER_BEFORE_FIRST_STEP = ring.SPACER_BEFORE_FIRST_STEP, 256
+    _, diff, d_out, d_lse = shard_checks.inputs(shape, "ring-kv-apart")
+    fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend)
+    sent = {}
+    before = ring.KV_APART
     try:
-        fn = in_shard_map(ring_attention, devices, "zigzag", {}, {}, causal=True, platform=backend)
-        text = jax.jit(lambda d: fn(**d)).lower(diff).as_text()
+        for apart in (True, False):
+            ring.KV_APART = apart
+            text = jax.jit(lambda q, k, v: fn(q, k, v)[0]).lower(diff["query"], diff["key"], diff["value"]).as_text()
+            sent[apart] = re.findall(r"stablehlo.collective_permute.*: \((tensor<[^>]*>)\)", text)
+        ring.KV_APART = True
         sharded = shard_checks.vjp_call(fn, diff, d_out, d_lse)
     finally:
-        ring.SPACER_BEFORE_FIRST_STEP = before
-    held = re.findall(r"stablehlo.optimization_barrier [^:]+: (tensor<[^>]*>), tensor<f32>", text)
-    if not held:
-        failures.append("the first step's q is not held in a barrier with the spacer's sum")
+        ring.KV_APART = before
+    own = f"tensor<1x{64 // devices}x2x16xf32>"  # (a device's rows of K or V)
+    if sent[True] != [own, own] or len(sent[False]) != 1 or sent[False][0] == own:
+        failures.append(f"the forward's transfers: apart {sent[True]}, packed {sent[False]}")
     single = shard_checks.vjp_call(lambda **d: flash_attention(**d, causal=True, platform=backend, return_lse=True),
                                    diff, d_out, d_lse)
     check(failures, sharded, oracle.attention(**diff, causal=True, d_out=d_out, d_lse=d_lse), single)
@@ -603,7 +608,7 @@ CHECKS = {
     "window-ahead-gqa-segments-contiguous": (check_window_ahead, {"xla": 3}),
     "zigzag-causal-window": (check_zigzag_window, {"xla": 2}),
     "contiguous-causal": (check_contiguous_causal, {"xla": 2}),
-    "zigzag-spacer-before-first-step": (check_spacer_before_first_step, {"xla": 2}),
+    "zigzag-kv-apart": (check_kv_apart, {"xla": 2}),
     "causal-window-mqa-shared-sinks": (check_causal_window_8, {"xla": 8}),
     "prefix_lm-zigzag": (check_prefix_lm, {"xla": 2}),
     "chunked_local-zigzag": (check_chunked_local, {"xla": 2}),

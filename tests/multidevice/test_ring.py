@@ -26,7 +26,7 @@ from ejgen.zoo import flamingo_cross_attention_ring, natten_1d_attention_ring
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = {
     "xla": {"alibi-zigzag-2", "zigzag-pairs-steps-2", "zigzag-narrow-accumulators-2", "zigzag-dq-once-4",
-            "zigzag-coalescing-gated-4", "window-noncausal-contiguous-4", "zigzag-spacer-before-first-step-2",
+            "zigzag-coalescing-gated-4", "window-noncausal-contiguous-4", "zigzag-kv-apart-2",
             "window-ahead-gqa-segments-contiguous-3", "zigzag-causal-window-2", "contiguous-causal-2",
             "causal-window-mqa-shared-sinks-8", "prefix_lm-zigzag-2", "chunked_local-zigzag-2",
             "key-reads-lengths-zigzag-2", "key-with-segment-ids-contiguous-2", "set_mesh-global-zigzag-2",
@@ -316,3 +316,34 @@ def test_a_rows_first_result_is_written_as_a_merge_into_nothing_would_give_it():
     assert [ring._fresh(stage, j) for j in range(3)] == [True, False, False]  # 1: device 1's rows 1 (even skipped)
     stage = ring.Stage(4, ((((0, 0, full), (1, 0, skip)), ((1, 1, full), (1, 0, full))),), 0)
     assert [ring._fresh(stage, j) for j in range(2)] == [True, True]  # device 1's row 1: its slot 0 skipped
+
+
+def test_the_forward_sends_apart_where_xla_combines(monkeypatch):
+    """`ring.KV_APART` unset: the forward's block goes as its arrays on a GPU where their bytes are within XLA's
+    collective-permute combiner threshold (XLA_FLAGS' last value, else 30 MiB + 7), packed otherwise and off a GPU;
+    set, as set. `ring.FIRST_STEP_SPARE_SMS` unset: HOP_SMS where NCCL_CGA_CLUSTER_SIZE=0, else none."""
+    own = {"k": jax.ShapeDtypeStruct((1, 8192, 16, 128), jnp.bfloat16),  # 32 MiB each
+           "v": jax.ShapeDtypeStruct((1, 8192, 16, 128), jnp.bfloat16)}
+    small = {n: jax.ShapeDtypeStruct((1, 1024, 16, 128), jnp.bfloat16) for n in own}  # 4 MiB each
+    monkeypatch.setattr(ring, "KV_APART", None)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for flags, big_apart in (("", False), ("--xla_gpu_collective_permute_combine_threshold_bytes=67108864", True),
+                             ("--xla_gpu_collective_permute_combine_threshold_bytes=1073741824 --xla_foo=1 "
+                              "--xla_gpu_collective_permute_combine_threshold_bytes=67108863", False)):
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert ring._sends_apart(own) == big_apart and ring._sends_apart(small), flags
+    assert not ring._sends_apart({"k": small["k"]})  # (one array: nothing to pack)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert not ring._sends_apart(small)
+    for given in (True, False):
+        monkeypatch.setattr(ring, "KV_APART", given)
+        assert ring._sends_apart(own) == given
+    monkeypatch.setattr(ring, "FIRST_STEP_SPARE_SMS", None)
+    for env, sms in (("0", ring.HOP_SMS), (" 0 ", ring.HOP_SMS), ("4", 0), (None, 0)):
+        if env is None:
+            monkeypatch.delenv("NCCL_CGA_CLUSTER_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("NCCL_CGA_CLUSTER_SIZE", env)
+        assert ring._hop_sms() == sms, env
+    monkeypatch.setattr(ring, "FIRST_STEP_SPARE_SMS", 3)
+    assert ring._hop_sms() == 3

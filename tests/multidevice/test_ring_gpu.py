@@ -51,29 +51,36 @@ def _run(fn, diff, d_out, d_lse):
 
 
 RING_FORMS = [  # (id, order, KV_FROM_WIRE, MERGE_IN_KERNEL, DQ_ONCE, KV_FROM_WIRE_BWD, Q_IN_PLACE, DKV_INTO,
-    # gluon.host.LAYOUT_SPANS)
-    ("zigzag", "zigzag", False, False, False, False, False, False, False),
-    ("contiguous", "contiguous", False, False, False, False, False, False, False),
-    ("zigzag-kv-from-wire", "zigzag", True, False, False, False, False, False, False),
-    ("zigzag-kv-from-wire-merge-in-kernel", "zigzag", True, True, False, False, False, False, False),
-    ("zigzag-dq-once", "zigzag", True, True, True, False, False, False, False),
-    ("contiguous-dq-once", "contiguous", False, False, True, False, False, False, False),
-    ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False, False, False),
-    ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False, False, False),
-    ("zigzag-dq-once-copies", "zigzag", True, True, True, True, False, False, False),  # session 35's default
+    # gluon.host.LAYOUT_SPANS, KV_APART, FIRST_STEP_SPARE_SMS)
+    ("zigzag", "zigzag", False, False, False, False, False, False, False, False, 0),
+    ("contiguous", "contiguous", False, False, False, False, False, False, False, False, 0),
+    ("zigzag-kv-from-wire", "zigzag", True, False, False, False, False, False, False, False, 0),
+    ("zigzag-kv-from-wire-merge-in-kernel", "zigzag", True, True, False, False, False, False, False, False, 0),
+    ("zigzag-dq-once", "zigzag", True, True, True, False, False, False, False, False, 0),
+    ("contiguous-dq-once", "contiguous", False, False, True, False, False, False, False, False, 0),
+    ("zigzag-kv-from-wire-bwd", "zigzag", True, True, False, True, False, False, False, False, 0),
+    ("contiguous-kv-from-wire-bwd-dq-once", "contiguous", False, False, True, True, False, False, False, False, 0),
+    ("zigzag-dq-once-copies", "zigzag", True, True, True, True, False, False, False, False, 0),  # session 35's default
     # Q_IN_PLACE and ZEROS_BY_DELTA on (session 37; contiguous rings' pairs are every local row: nothing in place)
-    ("zigzag-q-in-place", "zigzag", True, True, True, True, True, False, False),
-    # the default since session 37: every switch on, dK / dV written into the wire by the first backward step's pairs
+    ("zigzag-q-in-place", "zigzag", True, True, True, True, True, False, False, False, 0),
+    # the default since session 37 where the block travels packed (KV_APART off: at 32k and more unless XLA_FLAGS raise
+    # the combiner's threshold): every switch on, dK / dV written into the wire by the first backward step's pairs
     # (ring.DKV_INTO) too
-    ("zigzag-defaults", "zigzag", True, True, True, True, True, True, False),
+    ("zigzag-defaults", "zigzag", True, True, True, True, True, True, False, False, 0),
     # the wide step walking its tiles' spans of key blocks, not lists (gluon.host.LAYOUT_SPANS, off; session 39)
-    ("zigzag-spans", "zigzag", True, True, True, True, True, True, True),
+    ("zigzag-spans", "zigzag", True, True, True, True, True, True, True, False, 0),
+    # the forward's block sent as its arrays (ring.KV_APART; on a GPU by default where XLA's combiner makes them one
+    # collective: these shapes' blocks are under its threshold), then with the first step's SMs spared for the hop
+    # (ring.FIRST_STEP_SPARE_SMS: by default with NCCL_CGA_CLUSTER_SIZE=0), whose wide step walks spans (session 40)
+    ("zigzag-apart", "zigzag", True, True, True, True, True, True, False, True, 0),
+    ("zigzag-hop-sms", "zigzag", True, True, True, True, True, True, False, True, 8),
 ]
 
 
-@pytest.mark.parametrize("order,wire,merge,once,wire_bwd,in_place,dkv,spans", [c[1:] for c in RING_FORMS],
+@pytest.mark.parametrize("order,wire,merge,once,wire_bwd,in_place,dkv,spans,apart,spare", [c[1:] for c in RING_FORMS],
                          ids=[c[0] for c in RING_FORMS])
-def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place, dkv, spans, caplog, monkeypatch):
+def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place, dkv, spans, apart, spare, caplog,
+                                    monkeypatch):
     """Causal, GQA 8/2, D 128, bf16 over every GPU: out, lse and every gradient against the oracle; on Hopper every
     kind of step (full blocks, the diagonal, zigzag's coalesced calls) takes the Hopper kernel set both ways:
     every kernel launched is a Gluon one; with ``wire`` (ring.KV_FROM_WIRE) zigzag's coalesced forward reads K and V
@@ -85,7 +92,9 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
     (ring.ZEROS_BY_DELTA); with ``dkv`` (ring.DKV_INTO) the received block's pairs write dK / dV into the buffer
     that travels home (DKV_AT), the pairs after the first into the first's, adding where they share keys; with
     ``spans`` (gluon.host.LAYOUT_SPANS) the wide step merged in its kernel walks each tile's span of key blocks
-    (SPANS), no lists."""
+    (SPANS), no lists; with ``apart`` (ring.KV_APART) the forward sends K and V as they are (its wide step reads
+    them, not a wire); with ``spare`` (ring.FIRST_STEP_SPARE_SMS) SMs left to the hop, the last wide step walks
+    spans."""
     from ejgen.runtime.attention import ring
     from ejgen.runtime.attention.gluon import host as gluon_attention
     from ejgen.runtime.launch import triton_call
@@ -110,6 +119,8 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
     monkeypatch.setattr(ring, "ZEROS_BY_DELTA", in_place)  # (the accumulator's zeros by the delta launch's memset)
     monkeypatch.setattr(ring, "DKV_INTO", dkv)
     monkeypatch.setattr(gluon_attention, "LAYOUT_SPANS", spans)
+    monkeypatch.setattr(ring, "KV_APART", apart)
+    monkeypatch.setattr(ring, "FIRST_STEP_SPARE_SMS", spare)
     n = GPUS
     shape = AttnShape(1, 256 * n, 256 * n, 8, 2, 128)
     rng = rng_for("ring-gpu", order, shape)
@@ -137,29 +148,35 @@ def test_causal_ring_over_every_gpu(order, wire, merge, once, wire_bwd, in_place
         # set both ways too
         assert all(c.startswith("platform triton: forward gluon, backward gluon") for c in choices), choices
         assert launched and all(name.startswith("gluon_") for name, *_ in launched), sorted(set(launched))
-        assert any(x[1] for x in launched) == wire, launched
+        assert any(x[1] for x in launched) == (wire and not apart), launched
         assert any(x[2] for x in launched) == (merge and n == 2), launched
         assert any(x[3] for x in launched) == once, launched
         assert any(x[4] for x in launched) == wire_bwd, launched
         assert any(x[5] for x in launched) == in_place, launched
         assert any(x[6] for x in launched) == (dkv and n == 2), launched
-        assert any(x[7] for x in launched) == (spans and merge and n == 2), launched
+        assert any(x[7] for x in launched) == ((spans or spare > 0) and merge and n == 2), launched
 
 
-def test_forward_alone_over_every_gpu(monkeypatch):
+@pytest.mark.parametrize("apart,spare", [(False, 0), (True, 0), (True, 8)], ids=["packed", "apart", "hop-sms"])
+def test_forward_alone_over_every_gpu(apart, spare, monkeypatch):
     """The forward alone (the primal call, no residuals) of a causal zigzag ring, GQA 8/2, D 128, bf16 over every
     GPU: out and lse against the oracle. On Hopper over 2 GPUs the first step is one Gluon launch, and the wide step
-    reads the received wire (KV_AT) and merges into the first step's result in its kernel (MERGE, aliased)."""
+    reads the received wire (KV_AT; ``apart``, ring.KV_APART: K and V as received) and merges into the first step's
+    result in its kernel (MERGE, aliased); with ``spare`` SMs left to the hop (ring.FIRST_STEP_SPARE_SMS) the wide
+    step walks spans (SPANS)."""
+    from ejgen.runtime.attention import ring
     from ejgen.runtime.launch import triton_call
 
     launched, launch = [], triton_call.launch
 
     def spy(kernel, *args, **kw):
         if kernel.__name__ == "gluon_attention_fwd_kernel":
-            launched.append((bool(kw.get("aliases")), kw["KV_AT"] > 0, kw["MERGE"]))
+            launched.append((bool(kw.get("aliases")), kw["KV_AT"] > 0, kw["MERGE"], kw.get("SPANS", False)))
         return launch(kernel, *args, **kw)
 
     monkeypatch.setattr(triton_call, "launch", spy)
+    monkeypatch.setattr(ring, "KV_APART", apart)
+    monkeypatch.setattr(ring, "FIRST_STEP_SPARE_SMS", spare)
     n = GPUS
     shape = AttnShape(1, 256 * n, 256 * n, 8, 2, 128)
     diff = random_qkv(shape, "bfloat16", rng_for("ring-gpu-apart", shape))
@@ -179,7 +196,7 @@ def test_forward_alone_over_every_gpu(monkeypatch):
     oracle.assert_close("out", np.asarray(out), ref.out, tol)
     oracle.assert_close("lse", np.asarray(lse), ref.lse, oracle.LSE_TOLERANCE)
     if _hopper() and n == 2:
-        assert launched == [(False, False, False), (True, True, True)], launched
+        assert launched == [(False, False, False, False), (True, not apart, True, spare > 0)], launched
 
 
 def test_window_segments_sinks_ring(caplog):

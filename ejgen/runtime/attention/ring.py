@@ -32,6 +32,8 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
+import re
 import typing
 
 import jax
@@ -65,29 +67,31 @@ GLUON_DYNAMIC_TILES = True
 # 2293 + 2295 for the two pairs (+18%: the Hopper backward on the wide call's lists).
 COALESCE = True
 
-# A diagnostic (0: off): a kernel summing this many items of the packed block between the pack and the first step,
-# which waits for it. Session 39 (calls 5-9, 2 H200s): where the first step's launch followed the pack at once
-# (gluon.host.LAYOUT_SPANS, no list-building kernels between them), over 16 calls back to back the hop's NCCL kernel
-# started only near that step's end on both devices, and the next step waited for it (~430 us a call); with the lists'
-# ~20 us of small kernels between them it started 1 us after the pack. 4096 items (call 9): on time on device 0, still
-# late on device 1.
-SPACER_BEFORE_FIRST_STEP = 0
+# SMs the first step's Hopper forward leaves to the hop beside it (`gluon.host.sparing`; None: HOP_SMS where NCCL's
+# kernels launch without clusters, `_hop_sms`). A persistent program holds its SM to the end: where the step's grid
+# reaches the SMs before the hop's NCCL kernel does, that kernel starts only as the step's programs drain, ~1.5 ms
+# late, and the next step waits for it (session 39). NCCL launches its kernels on Hopper as clusters of 4 CTAs, which
+# need 4 idle SMs of one GPC (notes/studies/s39-hop-launch.md): 8 or 16 spared SMs do not give that (session 39, call
+# 7), 40 do (session 40, s40a); a kernel of 4M-64M items between the pack and the step does not (s40a: late on 7-15
+# of 16 calls), nor does sending the block apart (KV_APART) when the wide step walks spans (s40d: 9 and 14 of 16). With `NCCL_CGA_CLUSTER_SIZE=0` (a process's setting, read by NCCL when it makes its
+# communicators) 8 do on both devices (16 calls back to back, 0 of 16 hops late); 4 do too, but the hop's kernel on 4
+# SMs takes ~1.9 ms, longer than the step (s40b). 2 H200s, 32k, zigzag, 16/16 heads, in turns with one GPU (s40b):
+# 1.81x / 1.78x at 4 / 16 calls a sample with LAYOUT_SPANS against the lists' 1.79x / 1.74x.
+FIRST_STEP_SPARE_SMS = None
+HOP_SMS = 8
 
-# A diagnostic (0: off): the first step's Hopper forward leaves this many SMs to the hop beside it
-# (`gluon.host.sparing`). Session 39 (call 7, with LAYOUT_SPANS): 8 and 16 did not bring the hop's start forward (it
-# still began ~110-150 us before the step's end) and cost the step 8-9%. A study of NCCL's source (notes/studies/
-# s39-hop-launch.md) says its SendRecv kernel launches on Hopper as clusters of 4 CTAs, which need 4 idle SMs of one
-# GPC: SMs spared at random over the GPCs rarely give that. Kept to test that with `NCCL_CGA_CLUSTER_SIZE=0` (s40a).
-FIRST_STEP_SPARE_SMS = 0
-
-# An experiment (off): the forward sends the held block as its arrays (one `lax.ppermute` of the dict), not packed into
-# one `Wire` buffer. Alone, XLA GPU keeps one collective-permute in flight (see `Wire`); where the caller's compile
-# raises `xla_gpu_collective_permute_combine_threshold_bytes` over the block's bytes (default 30 MiB + 7; K and V are
-# 64 MiB each at 32k tokens over 2 devices, 16 heads), its CollectivePermuteCombiner makes them one collective: no
-# pack (62 us a call on an H200, the forward's only glue) and a hop that needs nothing computed before it. The
-# backward still starts from the packed buffer (packed after the forward's last step). Session 40 (`ring.py
-# --kv-apart`).
-KV_APART = False
+# The forward sends the held block as its arrays (one `lax.ppermute` of the dict) rather than packed into one `Wire`
+# buffer (None: where XLA makes one collective of them, `_sends_apart`). XLA GPU keeps one collective-permute in flight
+# (see `Wire`): sent apart, the arrays serialise, the first on the compute stream. Its CollectivePermuteCombiner makes
+# them one collective up to `xla_gpu_collective_permute_combine_threshold_bytes` (XLA_FLAGS; 30 MiB + 7 by default:
+# K and V are 64 MiB each at 32k tokens over 2 devices, 16 heads, bf16). Then there is no pack (62 us a call on an
+# H200, the forward's only glue), and the hop needs nothing computed before it: its NCCL kernel started 13-16 us
+# before the first step on both devices, one collective a call (session 40, s40c, 2 H200s, the threshold at 1 GiB).
+# In turns with one GPU: 1.78x / 1.77x at 4 / 16 calls a sample against the packed block's 1.76x / 1.74x (s40c),
+# 1.75x / 1.76x against 1.77x / 1.72x (s40d); with NCCL's clusters off and the first step's SMs spared
+# (FIRST_STEP_SPARE_SMS), 1.83x / 1.80x (s40c). The backward starts from the packed buffer (packed after the
+# forward's last step, where the training step needs it).
+KV_APART = None
 
 # The backward's dK/dV accumulators travel in the inputs' dtype (not float32) where they make at most this many hops
 # before they are home (a ring of two steps: one; the last add and the cast to the inputs' dtype stay float32). Each
@@ -628,13 +632,14 @@ def _pair_call(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk
 
 
 def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s, sk: int | None = None,
-                  wide_layout=None, wire=None, earlier=None, spare: int = 0):
+                  wide_layout=None, wire=None, earlier=None, spare: int = 0, spans: bool = False):
     """(out [B, chunk, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, chunk]) of one pair of one kind (key rows ``sk``:
     chunk unless given; a WIDE call's ``wide_layout``). ``wire``: the held block's buffer as received,
     for a call over the whole block that the Hopper forward runs to read K and V out of (`api.KV_WIRE`,
     KV_FROM_WIRE); ``earlier``: (out, lse) of the same rows over other keys, which the result is merged into
     (`api.MERGE_INTO`, MERGE_IN_KERNEL: a call of every local row on the triton platform); ``spare``: SMs its Hopper
-    forward leaves to a hop beside it (FIRST_STEP_SPARE_SMS)."""
+    forward leaves to a hop beside it (FIRST_STEP_SPARE_SMS); ``spans``: its Hopper forward walks spans where it can
+    (`gluon.host.spanning`)."""
     cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk or chunk, wide_layout)
     backend = plan.backend
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
@@ -645,7 +650,7 @@ def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s,
     from ejgen.runtime.attention.gluon import host as gluon_attention
 
     asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()
-    with asked, gluon_attention.sparing(spare):  # read when the kernel's launch is traced
+    with asked, gluon_attention.sparing(spare), gluon_attention.spanning(spans):  # read as the launch is traced
         out, lse, _ = backend.forward(qk, kk, vk, ck, cfg, choice)
     return _from_kernel(out, backend.TENSOR_LAYOUT, chunk), lse[..., :chunk]
 
@@ -668,12 +673,14 @@ def _wide_layout(slots, r):
     return jnp.where(qa == qb, ids[:, None] == qa, ids[None, :] == ka)[None, None, None]
 
 
-def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, wire=None, earlier=None):
+def _wide_forward(plan: Plan, chunk: int, q, held, ctx, slots, r, s, wire=None, earlier=None, spans=False):
     """(out [B, n, Hkv, G, Dv] in q's dtype, lse [B, Hkv, G, n]) of a step's two FULL pairs as one call (`_wide`):
     every local row against the whole held block through `_wide_layout` (rows it leaves out: 0 and -inf);
-    ``wire``: that block's buffer as received, ``earlier``: the rows' result so far (`_pair_forward`)."""
+    ``wire``: that block's buffer as received, ``earlier``: the rows' result so far, ``spans``: walked by spans
+    (`_pair_forward`)."""
     n = 2 * chunk
-    return _pair_forward(plan, WIDE, n, q, held, ctx, 0, 0, r, s, n, _wide_layout(slots, r), wire, earlier)
+    return _pair_forward(plan, WIDE, n, q, held, ctx, 0, 0, r, s, n, _wide_layout(slots, r), wire, earlier,
+                         spans=spans)
 
 
 def _pair_backward(plan: Plan, kind: int, chunk: int, q, held, ctx, out, lse, d_out, d_lse, delta, q0, k0, r, s,
@@ -727,6 +734,30 @@ def _switch(stage: Stage, slot: int, kind, run, skip):
     index = jnp.asarray(np.array([present.index(k) if k in present else 0 for k in range(len(KIND_NAMES))],
                                  np.int32))[kind]
     return lax.switch(index, branches)
+
+
+def _combine_threshold() -> int:
+    """XLA GPU's `xla_gpu_collective_permute_combine_threshold_bytes` as XLA_FLAGS sets it (its last value), else XLA's
+    default (30 MiB + 7)."""
+    given = re.findall(r"--xla_gpu_collective_permute_combine_threshold_bytes=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(given[-1]) if given else 30 * 2**20 + 7
+
+
+def _sends_apart(own: dict) -> bool:
+    """Whether the forward sends the held block ``own`` as its arrays (KV_APART; None: on a GPU, where XLA's combiner
+    makes one collective of them: their bytes within its threshold)."""
+    if KV_APART is not None:
+        return KV_APART
+    return (len(own) > 1 and jax.default_backend() == "gpu"
+            and sum(x.size * x.dtype.itemsize for x in own.values()) <= _combine_threshold())
+
+
+def _hop_sms() -> int:
+    """SMs the first step leaves to the hop (FIRST_STEP_SPARE_SMS; None: HOP_SMS where NCCL's kernels launch without
+    clusters, `NCCL_CGA_CLUSTER_SIZE=0`, else none)."""
+    if FIRST_STEP_SPARE_SMS is not None:
+        return FIRST_STEP_SPARE_SMS
+    return HOP_SMS if os.environ.get("NCCL_CGA_CLUSTER_SIZE", "").strip() == "0" else 0
 
 
 def _shift(plan: Plan, x, hops: int):
@@ -847,12 +878,9 @@ def _forward(q, k, v, ctx, plan: Plan):
     wire = Wire.of(own)
     # the held block as one buffer (see Wire; in a batch of calls its hop starts before the first step only where
     # small kernels run between the pack and that step's launch: docs/DESIGN.md §3, Ring attention, session 39)
-    apart = KV_APART
+    apart = _sends_apart(own)
+    spare = _hop_sms()
     travel = _shift(plan, own if apart else wire.pack(own), plan.start)
-    assert not (apart and SPACER_BEFORE_FIRST_STEP), "ring.KV_APART with SPACER_BEFORE_FIRST_STEP"
-    if SPACER_BEFORE_FIRST_STEP and plan.start == 0:  # (the first step after a read of the block)
-        read = travel.reshape(-1)[:SPACER_BEFORE_FIRST_STEP]
-        q, _ = lax.optimization_barrier((q, jnp.sum(read.astype(jnp.float32))))
     merging = _merges_in_kernel(plan, n)
     earlier = []  # (merging) the first step's own out and lse, as its kernel gave them
     for stage, xs, at, count in _runs(plan):
@@ -866,11 +894,13 @@ def _forward(q, k, v, ctx, plan: Plan):
             ahead = travel if last else _shift(plan, travel, 1)  # the next step's block, in flight meanwhile
             slots, t = xs
             s = (r - t) % plan.devices
-            if wide:  # one call for the step's two pairs (COALESCE), merged into every row
+            if wide:  # one call for the step's two pairs (COALESCE), merged into every row; by spans where no hop
+                # runs beside it and the first step's hop had SMs of its own (`_hop_sms`): then no list-building
+                # kernels need run ahead of the first step to let the hop start first (`gluon.host.LAYOUT_SPANS`)
                 result = _wide_forward(plan, chunk, q, held, ctx, slots, r, s,
                                        travel if not apart and _wire_readable(wire, KV_FROM_WIRE) and held is not own
                                        else None,
-                                       earlier[0] if merging else None)
+                                       earlier[0] if merging else None, spans=spare > 0 and last)
                 if merging:  # (the last step: merged by its kernel)
                     return (ahead, *result), None
                 if not last:
@@ -882,8 +912,8 @@ def _forward(q, k, v, ctx, plan: Plan):
                 q0, k0, kind = slots[j, r, 0] * chunk, slots[j, r, 1] * chunk, slots[j, r, 2]
 
                 def run(kind, q0=q0, k0=k0):  # (a hop beside it: SMs spared for its kernel)
-                    spare = FIRST_STEP_SPARE_SMS if first and not last else 0
-                    return _pair_forward(plan, kind, chunk, q, held, ctx, q0, k0, r, s, spare=spare)
+                    return _pair_forward(plan, kind, chunk, q, held, ctx, q0, k0, r, s,
+                                         spare=spare if first and not last else 0)
 
                 def skip():
                     return vma.vary((jnp.zeros((b, chunk, hkv, g, dv), q.dtype),

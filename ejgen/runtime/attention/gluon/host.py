@@ -227,6 +227,20 @@ def sparing(sms: int):
         _SPARED.reset(token)
 
 
+_SPANS = contextvars.ContextVar("ejgen_gluon_spans", default=False)
+
+
+@contextlib.contextmanager
+def spanning(on: bool):
+    """Forwards traced inside walk spans where they can (`spanned`) even with LAYOUT_SPANS off: the ring's wide step
+    where its hop has SMs of its own (`ring._hop_sms`), so no list-building kernels need run before the first step."""
+    token = _SPANS.set(on)
+    try:
+        yield
+    finally:
+        _SPANS.reset(token)
+
+
 NO_LISTS = dict(LIST=False, LIST_BATCH=1, LIST_HEADS=1, SUB_Q=0, SUB_K=0)  # the kernels walk ranges
 
 
@@ -841,11 +855,11 @@ LAYOUT_SPANS = False
 
 def spanned(cfg, ctx, spec: bool, merge: bool) -> bool:
     """Whether the forward walks each query tile's span of key blocks (SPANS, `layout_spans`) rather than a list:
-    LAYOUT_SPANS, a block layout (ctx's, [B|1, Hkv|1, G|1, nQ, nK]) the same for every head, of at most two key
+    LAYOUT_SPANS (or `spanning`), a block layout (ctx's, [B|1, Hkv|1, G|1, nQ, nK]) the same for every head, of at most two key
     columns (a row's visible ones are then one run) and blocks of whole tiles, alone (no causal, window, segment ids
     or spec mask: ``spec``), and a ``merge`` into an earlier result (the rows of a tile that sees no key keep it: the
     kernel never runs that tile)."""
-    if not (LAYOUT_SPANS and cfg.layout and merge) or spec or cfg.causal or cfg.window or cfg.segments:
+    if not ((LAYOUT_SPANS or _SPANS.get()) and cfg.layout and merge) or spec or cfg.causal or cfg.window or cfg.segments:
         return False
     shape = ctx["layout"].shape
     return shape[1] * shape[2] == 1 and shape[4] <= 2 and sub_blocks(cfg.layout_block) == (0, 0)
