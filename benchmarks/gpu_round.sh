@@ -672,6 +672,12 @@ j_ring-paired-tuned() {  # the ring in the configuration docs/DESIGN.md §3 reco
   job ring-paired-tuned 150 "${TUNED[@]}" python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
     --out "$log/ring-paired-tuned"
 }
+j_ring-paired-128k() {  # 128k in turns with one GPU, 3 rounds of 4 calls a sample: the tuned setup, then the default
+  local at=(benchmarks/ring.py --devices 2 --seqs 131072 --heads 16/16 --orders zigzag --passes fwd,fwdbwd --parts paired
+    --rounds 3 --batch 4 --reps 3)
+  job ring-paired-128k-tuned 150 "${TUNED[@]}" python3 "${at[@]}" --out "$log/ring-paired-128k-tuned"
+  job ring-paired-128k 150 python3 "${at[@]}" --out "$log/ring-paired-128k"
+}
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
 j_ring-paired-each() { job ring-paired-each 300 python3 "${RING[@]}" --parts paired --each --rounds 7 --batch 4,16 \
@@ -841,6 +847,7 @@ declare -A PRESETS=(
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
   [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
   # A/B, then the forward and fwd+bwd in turns with one GPU)
+  [s40f]="0-1:ring-paired-128k"  # (session 40: the tuned setup at 128k, against the default, in turns with one GPU)
   [s40e]="0-1:ring-tests,ring-paired-tuned,ring-paired"  # (session 40's final tree: the ring's GPU tests with the
   # apart and hop-SMs forms, the tuned configuration and the default in turns with one GPU)
   [s40d]="0-1:ring-apart-spans"  # (session 40's fourth: KV_APART with LAYOUT_SPANS, without NCCL's variable)
