@@ -111,8 +111,8 @@ def parse_args(argv=None):
                    "over the block's bytes, XLA makes them one collective")
     p.add_argument("--layout-spans", action="store_true", help="the wide step walking its tiles' spans of key blocks, "
                    "not block lists (gluon.host.LAYOUT_SPANS, off by default: session 39)")
-    p.add_argument("--spare-sms", type=int, default=0, help="a diagnostic: SMs the first step's Hopper forward leaves to "
-                   "the hop's NCCL kernel (ring.FIRST_STEP_SPARE_SMS; session 39: 8 and 16 did not help)")
+    p.add_argument("--spare-sms", type=int, default=0, help="SMs the first step's Hopper forward leaves to the hop's "
+                   "NCCL kernel (ring.FIRST_STEP_SPARE_SMS; 0: its default, ring.HOP_SMS with NCCL_CGA_CLUSTER_SIZE=0)")
     p.add_argument("--l2-kv-budget", type=int, default=0, help="MiB of K and V a head section of the Hopper forward's "
                    "tile order holds (gluon.host.L2_KV_BUDGET, one GPU's calls and the ring's alike; 0: its default)")
     p.add_argument("--budget-s", type=float, default=500, help="start no case after this many seconds")

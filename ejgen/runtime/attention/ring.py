@@ -73,8 +73,9 @@ COALESCE = True
 # late, and the next step waits for it (session 39). NCCL launches its kernels on Hopper as clusters of 4 CTAs, which
 # need 4 idle SMs of one GPC (notes/studies/s39-hop-launch.md): 8 or 16 spared SMs do not give that (session 39, call
 # 7), 40 do (session 40, s40a); a kernel of 4M-64M items between the pack and the step does not (s40a: late on 7-15
-# of 16 calls), nor does sending the block apart (KV_APART) when the wide step walks spans (s40d: 9 and 14 of 16). With `NCCL_CGA_CLUSTER_SIZE=0` (a process's setting, read by NCCL when it makes its
-# communicators) 8 do on both devices (16 calls back to back, 0 of 16 hops late); 4 do too, but the hop's kernel on 4
+# of 16 calls), nor does sending the block apart (KV_APART) when the wide step walks spans (s40d: 9 and 14 of 16).
+# With `NCCL_CGA_CLUSTER_SIZE=0` (a process's setting, read by NCCL when it makes its communicators) 8 do on both
+# devices (16 calls back to back, 0 of 16 hops late); 4 do too, but the hop's kernel on 4
 # SMs takes ~1.9 ms, longer than the step (s40b). 2 H200s, 32k, zigzag, 16/16 heads, in turns with one GPU (s40b):
 # 1.81x / 1.78x at 4 / 16 calls a sample with LAYOUT_SPANS against the lists' 1.79x / 1.74x.
 FIRST_STEP_SPARE_SMS = None
@@ -876,8 +877,9 @@ def _forward(q, k, v, ctx, plan: Plan):
                          jnp.full((b, hkv, g, n), NEG_INF, jnp.float32)), axes)
     own = _held(k, v, ctx)
     wire = Wire.of(own)
-    # the held block as one buffer (see Wire; in a batch of calls its hop starts before the first step only where
-    # small kernels run between the pack and that step's launch: docs/DESIGN.md §3, Ring attention, session 39)
+    # the held block as one buffer (see Wire) or, where XLA makes one collective of them, as its arrays (KV_APART); in
+    # a batch of calls its hop starts before the first step only where small kernels run ahead of that step's launch
+    # or the step leaves SMs to it (FIRST_STEP_SPARE_SMS: docs/DESIGN.md §3, Ring attention, sessions 39-40)
     apart = _sends_apart(own)
     spare = _hop_sms()
     travel = _shift(plan, own if apart else wire.pack(own), plan.start)

@@ -849,17 +849,20 @@ def fwd_lists(ctx, cfg, seq: int, mask_tiles=None, batch: int = 1, heads: int = 
 # calls a sample against 4.22-4.25 with lists (calls 5-7): in a batch of calls the hop's NCCL kernel then started
 # only near the end of the first step (both devices in call 8; with 8 or 16 SMs spared too) and ran ~580 us alone a
 # call, where the lists' small kernels between the pack and that step had kept it first (docs/DESIGN.md §3, Ring
-# attention). Why is open (notes/perf.md, session 39). Off.
+# attention). Why (session 40): which of the two grids reaches the SMs first is a race, and NCCL's 4-CTA clusters
+# find no free SMs beside the step's persistent programs. Off here; the ring asks for spans (`spanning`) in its last
+# wide step where the first step leaves SMs to the hop (`ring._hop_sms`, with NCCL_CGA_CLUSTER_SIZE=0).
 LAYOUT_SPANS = False
 
 
 def spanned(cfg, ctx, spec: bool, merge: bool) -> bool:
     """Whether the forward walks each query tile's span of key blocks (SPANS, `layout_spans`) rather than a list:
-    LAYOUT_SPANS (or `spanning`), a block layout (ctx's, [B|1, Hkv|1, G|1, nQ, nK]) the same for every head, of at most two key
-    columns (a row's visible ones are then one run) and blocks of whole tiles, alone (no causal, window, segment ids
-    or spec mask: ``spec``), and a ``merge`` into an earlier result (the rows of a tile that sees no key keep it: the
-    kernel never runs that tile)."""
-    if not ((LAYOUT_SPANS or _SPANS.get()) and cfg.layout and merge) or spec or cfg.causal or cfg.window or cfg.segments:
+    LAYOUT_SPANS (or `spanning`), a block layout (ctx's, [B|1, Hkv|1, G|1, nQ, nK]) the same for every head, of at
+    most two key columns (a row's visible ones are then one run) and blocks of whole tiles, alone (no causal, window,
+    segment ids or spec mask: ``spec``), and a ``merge`` into an earlier result (the rows of a tile that sees no key
+    keep it: the kernel never runs that tile)."""
+    asked = LAYOUT_SPANS or _SPANS.get()
+    if not (asked and cfg.layout and merge) or spec or cfg.causal or cfg.window or cfg.segments:
         return False
     shape = ctx["layout"].shape
     return shape[1] * shape[2] == 1 and shape[4] <= 2 and sub_blocks(cfg.layout_block) == (0, 0)
