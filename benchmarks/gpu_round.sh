@@ -678,6 +678,17 @@ j_ring-paired-128k() {  # 128k in turns with one GPU, 3 rounds of 4 calls a samp
   job ring-paired-128k-tuned 150 "${TUNED[@]}" python3 "${at[@]}" --out "$log/ring-paired-128k-tuned"
   job ring-paired-128k 150 python3 "${at[@]}" --out "$log/ring-paired-128k"
 }
+j_ring-schedule() {  # where XLA schedules the hop's start against the first step's launch (ring.py --parts schedule):
+  # the lists (default), spans, K and V apart with the combiner's threshold raised, and that with spans (session 40)
+  local comb=(env XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes=1073741824)
+  job ring-schedule-lists 60 python3 "${RING[@]}" --parts schedule --passes fwd --out "$log/ring-schedule-lists"
+  job ring-schedule-spans 60 python3 "${RING[@]}" --parts schedule --passes fwd --layout-spans \
+    --out "$log/ring-schedule-spans"
+  job ring-schedule-apart 60 "${comb[@]}" python3 "${RING[@]}" --parts schedule --passes fwd \
+    --out "$log/ring-schedule-apart"
+  job ring-schedule-apart-spans 60 "${comb[@]}" python3 "${RING[@]}" --parts schedule --passes fwd --layout-spans \
+    --out "$log/ring-schedule-apart-spans"
+}
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
 j_ring-paired-each() { job ring-paired-each 300 python3 "${RING[@]}" --parts paired --each --rounds 7 --batch 4,16 \
@@ -847,6 +858,7 @@ declare -A PRESETS=(
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
   [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
   # A/B, then the forward and fwd+bwd in turns with one GPU)
+  [s40g]="0-1:ring-schedule"  # (session 40: the hop's start in XLA's schedule, lists / spans / apart)
   [s40f]="0-1:ring-paired-128k"  # (session 40: the tuned setup at 128k, against the default, in turns with one GPU)
   [s40e]="0-1:ring-tests,ring-paired-tuned,ring-paired"  # (session 40's final tree: the ring's GPU tests with the
   # apart and hop-SMs forms, the tuned configuration and the default in turns with one GPU)

@@ -81,7 +81,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=0, help="GPUs of the ring (default: all)")
     p.add_argument("--parts", default="check,time,mesh", help="comma-separated: check, time, paired, mesh, profile, "
-                   "gaps")
+                   "gaps, schedule")
     p.add_argument("--scaling", action="store_true", help="issue 19's sweep over 1, 2, 4, ... GPUs instead of time")
     p.add_argument("--seqs", default="32768,131072", help="sequence lengths of the time part")
     p.add_argument("--heads", default="16/16,32/8", help="Hq/Hkv layouts")
@@ -391,9 +391,6 @@ def part_profile(devices, platform, out_dir):
                 for pass_ in PASSES:
                     label = f"{impl} S={_k(seq)} heads={heads[0]}/{heads[1]} {pass_}"
                     try:
-                        if impl != "1gpu":  # the collectives XLA made of the ring's hops (ring.KV_APART: combined?)
-                            hlo = fns[pass_].lower(*args).compile().as_text()
-                            label += f" ({_collectives(hlo)})"
                         tables.append(profile(fns[pass_], args, out_dir / f"trace-{impl}-{seq}-{heads[0]}-{pass_}",
                                               label=label))
                     except Exception as e:  # noqa: BLE001 (the other cases go on)
@@ -430,12 +427,37 @@ def part_gaps(devices, platform, out_dir):
                 del args
 
 
-def _collectives(hlo: str) -> str:
-    """How many collective-permutes a compiled module starts, and their operands' shapes."""
-    starts = [line for line in hlo.splitlines() if re.search(r"collective-permute(-start)?\(", line)
-              and " = " in line and "-done" not in line.split(" = ")[1].split("(")[0]]
-    shapes = [line.split(" = ")[1].split(" collective-permute")[0] for line in starts]
-    return f"{len(starts)} collective-permute(s): " + "; ".join(shapes)
+def part_schedule(devices, platform, out_dir):
+    """The ring's compiled forward as XLA scheduled it: its entry computation's collective-permutes (start / done and
+    their operands' shapes), custom calls (kernels) and fusions in order, a line each (schedule.md): where the hop's
+    start sits against the first step's launch (session 40)."""
+    n = len(devices)
+    mesh = _mesh(devices)
+    lines = []
+    for seq in SEQS:
+        for heads in HEADS:
+            args = _inputs(1, seq, *heads, NamedSharding(mesh, P(None, "sp")))
+            hlo = _passes(ring_fn(mesh, "zigzag", platform))["fwd"].lower(*args).compile().as_text()
+            lines.append(f"### ring-zigzag-{n} S={_k(seq)} heads={heads[0]}/{heads[1]} fwd: the entry's schedule")
+            lines += _scheduled(hlo)
+            del args
+    (out_dir / "schedule.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def _scheduled(hlo: str) -> list:
+    """The entry computation's collectives, custom calls and fusions of a compiled module's text, in its order."""
+    entry = hlo[hlo.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    out = []
+    for line in entry.splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT )?(\S+) = (.+?) (collective-permute(?:-start|-done)?|custom-call|fusion|copy"
+                     r"(?:-start|-done)?|all-\w+(?:-start|-done)?)\(", line)
+        if m:
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            out.append(f"  {m.group(3):<24} {m.group(1):<40} {m.group(2)[:60]}"
+                       + (f"  [{target.group(1)}]" if target else ""))
+    return out
 
 
 def part_scaling(devices, platform, out_dir):
@@ -589,6 +611,8 @@ def main():
         part_profile(devices, platform, out_dir)
     if "gaps" in parts:
         part_gaps(devices, platform, out_dir)
+    if "schedule" in parts:
+        part_schedule(devices, platform, out_dir)
     summarise(out_dir)
 
 
