@@ -689,6 +689,17 @@ j_ring-schedule() {  # where XLA schedules the hop's start against the first ste
   job ring-schedule-apart-spans 60 "${comb[@]}" python3 "${RING[@]}" --parts schedule --passes fwd --layout-spans \
     --out "$log/ring-schedule-apart-spans"
 }
+j_ring-qspacer() {  # spans with a kernel on q (ring.Q_SPACER, 16M items) that the first step waits for: the block
+  # packed without process variables, then K and V apart with the combiner's threshold; the schedule and 16 calls under
+  # the profiler (is the hop first on both devices?), then in turns with one GPU where it is
+  local comb=(env XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes=1073741824)
+  job ring-qspacer-packed 60 python3 "${RING[@]}" --parts schedule,gaps --passes fwd --batch 16 --layout-spans \
+    --q-spacer 16777216 --out "$log/ring-qspacer-packed"
+  job ring-qspacer-apart 60 "${comb[@]}" python3 "${RING[@]}" --parts schedule,gaps --passes fwd --batch 16 \
+    --layout-spans --q-spacer 16777216 --out "$log/ring-qspacer-apart"
+  job ring-qspacer-packed-paired 60 python3 "${RING[@]}" --parts paired --passes fwd --rounds 5 --batch 16 \
+    --layout-spans --q-spacer 16777216 --out "$log/ring-qspacer-packed-paired"
+}
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
 j_ring-paired-each() { job ring-paired-each 300 python3 "${RING[@]}" --parts paired --each --rounds 7 --batch 4,16 \
@@ -858,6 +869,7 @@ declare -A PRESETS=(
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
   [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
   # A/B, then the forward and fwd+bwd in turns with one GPU)
+  [s40h]="0-1:ring-qspacer"  # (session 40: spans with a kernel on q ahead of the first step, after the hop's start)
   [s40g]="0-1:ring-schedule"  # (session 40: the hop's start in XLA's schedule, lists / spans / apart)
   [s40f]="0-1:ring-paired-128k"  # (session 40: the tuned setup at 128k, against the default, in turns with one GPU)
   [s40e]="0-1:ring-tests,ring-paired-tuned,ring-paired"  # (session 40's final tree: the ring's GPU tests with the

@@ -111,6 +111,8 @@ def parse_args(argv=None):
                    "over the block's bytes, XLA makes them one collective")
     p.add_argument("--layout-spans", action="store_true", help="the wide step walking its tiles' spans of key blocks, "
                    "not block lists (gluon.host.LAYOUT_SPANS, off by default: session 39)")
+    p.add_argument("--q-spacer", type=int, default=0, help="a diagnostic: items of q summed by a kernel the first "
+                   "step waits for (ring.Q_SPACER)")
     p.add_argument("--spare-sms", type=int, default=0, help="SMs the first step's Hopper forward leaves to the hop's "
                    "NCCL kernel (ring.FIRST_STEP_SPARE_SMS; 0: its default, ring.HOP_SMS with NCCL_CGA_CLUSTER_SIZE=0)")
     p.add_argument("--l2-kv-budget", type=int, default=0, help="MiB of K and V a head section of the Hopper forward's "
@@ -572,6 +574,7 @@ def main():
 
         gluon_host.L2_KV_BUDGET = ARGS.l2_kv_budget << 20
     ring_runtime.KV_APART = ARGS.kv_apart or ring_runtime.KV_APART
+    ring_runtime.Q_SPACER = ARGS.q_spacer or ring_runtime.Q_SPACER
     ring_runtime.FIRST_STEP_SPARE_SMS = ARGS.spare_sms or ring_runtime.FIRST_STEP_SPARE_SMS
     if ARGS.layout_spans:
         from ejgen.runtime.attention.gluon import host as gluon_host

@@ -94,6 +94,12 @@ HOP_SMS = 8
 # forward's last step, where the training step needs it).
 KV_APART = None
 
+# A diagnostic (0: off): a kernel summing this many items of q that the first step waits for. It does not read the
+# block, so XLA schedules it after the hop's start (session 40, `ring.py --parts schedule`: the start always precedes
+# the first step's launch; with lists their small kernels sit between them, with spans nothing does, and the step's
+# grid wins the race for the SMs). Session 39's spacer read the packed block and did not help (s40a).
+Q_SPACER = 0
+
 # The backward's dK/dV accumulators travel in the inputs' dtype (not float32) where they make at most this many hops
 # before they are home (a ring of two steps: one; the last add and the cast to the inputs' dtype stay float32). Each
 # hop then rounds a partial sum once more; on a 2-device zigzag ring the one travelling partial is a single pair's
@@ -883,6 +889,8 @@ def _forward(q, k, v, ctx, plan: Plan):
     apart = _sends_apart(own)
     spare = _hop_sms()
     travel = _shift(plan, own if apart else wire.pack(own), plan.start)
+    if Q_SPACER and plan.start == 0:
+        q, _ = lax.optimization_barrier((q, jnp.sum(q.reshape(-1)[:Q_SPACER].astype(jnp.float32))))
     merging = _merges_in_kernel(plan, n)
     earlier = []  # (merging) the first step's own out and lse, as its kernel gave them
     for stage, xs, at, count in _runs(plan):
