@@ -889,8 +889,9 @@ def _forward(q, k, v, ctx, plan: Plan):
     apart = _sends_apart(own)
     spare = _hop_sms()
     travel = _shift(plan, own if apart else wire.pack(own), plan.start)
-    if Q_SPACER and plan.start == 0:
-        q, _ = lax.optimization_barrier((q, jnp.sum(q.reshape(-1)[:Q_SPACER].astype(jnp.float32))))
+    spacer = None
+    if Q_SPACER and plan.start == 0:  # (its sum reaches the output, times 0: or JAX would drop it)
+        q, spacer = lax.optimization_barrier((q, jnp.sum(q.reshape(-1)[:Q_SPACER].astype(jnp.float32))))
     merging = _merges_in_kernel(plan, n)
     earlier = []  # (merging) the first step's own out and lse, as its kernel gave them
     for stage, xs, at, count in _runs(plan):
@@ -948,6 +949,8 @@ def _forward(q, k, v, ctx, plan: Plan):
         travel, acc, lse = _steps(body, (travel, acc, lse), xs)
     if plan.sinks:
         acc, lse = api.join_sinks(acc, lse, ctx["softmax_aux"])  # aux [Hkv, G, n_sinks]
+    if spacer is not None:
+        acc = acc + (0 * spacer).astype(acc.dtype)
     return acc.astype(q.dtype), lse, wire.pack(travel) if apart else travel
 
 
