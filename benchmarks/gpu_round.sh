@@ -619,8 +619,8 @@ j_ring-cga() {  # the hop's NCCL kernel as clusters of 4 CTAs (NCCL's default on
     --passes fwd --batch 16 --layout-spans --out "$log/ring-p2p2-gaps"  # (F2: a grid of 2, no clusters)
   job ring-cga-lists 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-cga-lists"
 }
-j_ring-cga-paired() {  # session 40's s40a answered ring-cga: with NCCL_CGA_CLUSTER_SIZE=0 and 8 SMs spared, both devices'
-  # hops start with the first step (LAYOUT_SPANS); without the spare, or with clusters and 8, they do not. Is it faster?
+j_ring-cga-paired() {  # session 40's s40a answered ring-cga: with NCCL_CGA_CLUSTER_SIZE=0 and 8 SMs spared, both
+  # devices' hops start with the first step (LAYOUT_SPANS); without the spare, or with clusters and 8, they do not. Is it faster?
   # The forward in turns with one GPU (the same clocks for both): the lists (default) first, then that form; then how
   # few spared SMs still let the hop start on time (4, under the profiler)
   local cga=(env NCCL_CGA_CLUSTER_SIZE=0)
@@ -673,8 +673,8 @@ j_ring-paired-tuned() {  # the ring in the configuration docs/DESIGN.md §3 reco
     --out "$log/ring-paired-tuned"
 }
 j_ring-paired-128k() {  # 128k in turns with one GPU, 3 rounds of 4 calls a sample: the tuned setup, then the default
-  local at=(benchmarks/ring.py --devices 2 --seqs 131072 --heads 16/16 --orders zigzag --passes fwd,fwdbwd --parts paired
-    --rounds 3 --batch 4 --reps 3)
+  local at=(benchmarks/ring.py --devices 2 --seqs 131072 --heads 16/16 --orders zigzag --passes fwd,fwdbwd
+    --parts paired --rounds 3 --batch 4 --reps 3)
   job ring-paired-128k-tuned 150 "${TUNED[@]}" python3 "${at[@]}" --out "$log/ring-paired-128k-tuned"
   job ring-paired-128k 150 python3 "${at[@]}" --out "$log/ring-paired-128k"
 }
@@ -699,6 +699,22 @@ j_ring-qspacer() {  # spans with a kernel on q (ring.Q_SPACER, 16M items) that t
     --layout-spans --q-spacer 16777216 --out "$log/ring-qspacer-apart"
   job ring-qspacer-packed-paired 60 python3 "${RING[@]}" --parts paired --passes fwd --rounds 5 --batch 16 \
     --layout-spans --q-spacer 16777216 --out "$log/ring-qspacer-packed-paired"
+}
+j_ring-qspacer-ab() {  # s40h: spans with ring.Q_SPACER (16M items) put the hop first on both devices without any
+  # process variable (0 / 0 of 16 late) and ran 1.80x in turns at 16 calls (5 rounds), but its tie then was a pass
+  # over the output. With the one-element tie: 4M and 16M items under the profiler, then 16M in turns with one GPU
+  # against the default and the tuned setup, one call
+  local n
+  for n in 4194304 16777216; do
+    job "ring-qspacer-gaps-$n" 60 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans \
+      --q-spacer "$n" --out "$log/ring-qspacer-gaps-$n"
+  done
+  job ring-qspacer-paired 90 python3 "${RING[@]}" --parts paired --passes fwd,fwdbwd --rounds 7 --batch 4,16 \
+    --layout-spans --q-spacer 16777216 --out "$log/ring-qspacer-paired"
+  job ring-paired-default 90 python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
+    --out "$log/ring-paired-default"
+  job ring-paired-tuned-fwd 90 "${TUNED[@]}" python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 \
+    --batch 4,16 --out "$log/ring-paired-tuned-fwd"
 }
 j_ring-paired() { job ring-paired 200 python3 "${RING[@]}" --parts paired --rounds 7 --batch 4,16 \
   --out "$log/ring-paired"; }  # one GPU and the ring in turns: the same clocks for both (session 36)
@@ -869,6 +885,10 @@ declare -A PRESETS=(
   [s37d]="0:tile-costs"  # (one GPU: the per-tile cost of the Hopper kernels, issue 14's short lists, 18's 16k steps)
   [s39d]="0-1:ring-spans,ring-paired"  # (the wide step by its tiles' spans, gluon.host.LAYOUT_SPANS: tests, traces,
   # A/B, then the forward and fwd+bwd in turns with one GPU)
+  [s41a]="0-1:ring-qspacer-ab"  # (session 41 first, ~6 min: spans with a kernel on q after the hop's start, the
+  # one-element tie, under the profiler and in turns against the default and the tuned setup. If its hop is first on
+  # both devices and it beats the default at 16 calls, make it the default (spans + spacer): the process defaults
+  # would then need no variable; run ring-tests with it)
   [s40h]="0-1:ring-qspacer"  # (session 40: spans with a kernel on q ahead of the first step, after the hop's start)
   [s40g]="0-1:ring-schedule"  # (session 40: the hop's start in XLA's schedule, lists / spans / apart)
   [s40f]="0-1:ring-paired-128k"  # (session 40: the tuned setup at 128k, against the default, in turns with one GPU)

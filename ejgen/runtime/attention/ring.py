@@ -97,7 +97,11 @@ KV_APART = None
 # A diagnostic (0: off): a kernel summing this many items of q that the first step waits for. It does not read the
 # block, so XLA schedules it after the hop's start (session 40, `ring.py --parts schedule`: the start always precedes
 # the first step's launch; with lists their small kernels sit between them, with spans nothing does, and the step's
-# grid wins the race for the SMs). Session 39's spacer read the packed block and did not help (s40a).
+# grid wins the race for the SMs). Session 39's spacer (s40a's too) read the packed block, and JAX dropped it: its sum
+# reached nothing. Session 40 (s40h, 2 H200s, 32k, spans, the block packed, no process variable): with 16M items the
+# hop started 21-23 us before the first step on both devices (0 of 16 late), spans 3.688 / 3.666 ms a call against
+# one GPU's 6.769; 1.80x in turns at 16 calls (5 rounds, 1.70-1.84), not yet against the default in one call, and
+# with the sum tied to the whole output then (a pass over it); now to one element. `gpu_round.sh s41a` times it.
 Q_SPACER = 0
 
 # The backward's dK/dV accumulators travel in the inputs' dtype (not float32) where they make at most this many hops
@@ -949,8 +953,8 @@ def _forward(q, k, v, ctx, plan: Plan):
         travel, acc, lse = _steps(body, (travel, acc, lse), xs)
     if plan.sinks:
         acc, lse = api.join_sinks(acc, lse, ctx["softmax_aux"])  # aux [Hkv, G, n_sinks]
-    if spacer is not None:
-        acc = acc + (0 * spacer).astype(acc.dtype)
+    if spacer is not None:  # (one element, updated in place: s40h's whole add took a pass over the output)
+        acc = acc.at[(0,) * acc.ndim].add((0 * spacer).astype(acc.dtype))
     return acc.astype(q.dtype), lse, wire.pack(travel) if apart else travel
 
 
