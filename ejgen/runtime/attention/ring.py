@@ -72,11 +72,11 @@ COALESCE = True
 # reaches the SMs before the hop's NCCL kernel does, that kernel starts only as the step's programs drain, ~1.5 ms
 # late, and the next step waits for it (session 39). NCCL launches its kernels on Hopper as clusters of 4 CTAs, which
 # need 4 idle SMs of one GPC (notes/studies/s39-hop-launch.md): 8 or 16 spared SMs do not give that (session 39, call
-# 7), 40 do (session 40, s40a); a kernel of 4M-64M items between the pack and the step does not (s40a: late on 7-15
-# of 16 calls), nor does sending the block apart (KV_APART) when the wide step walks spans (s40d: 9 and 14 of 16).
-# With `NCCL_CGA_CLUSTER_SIZE=0` (a process's setting, read by NCCL when it makes its communicators) 8 do on both
-# devices (16 calls back to back, 0 of 16 hops late); 4 do too, but the hop's kernel on 4
-# SMs takes ~1.9 ms, longer than the step (s40b). 2 H200s, 32k, zigzag, 16/16 heads, in turns with one GPU (s40b):
+# 7), 40 do (session 40, s40a); session 39's spacer between the pack and the step did not (s40a: late on 7-15 of 16
+# calls; its sum reached nothing, and JAX likely dropped it: see Q_SPACER), nor does sending the block apart
+# (KV_APART) when the wide step walks spans (s40d: 9 and 14 of 16). With `NCCL_CGA_CLUSTER_SIZE=0` (a process's
+# setting, read by NCCL when it makes its communicators) 8 do on both devices (16 calls back to back, 0 of 16 hops
+# late); 4 do too, but the hop's kernel on 4 SMs takes ~1.9 ms, longer than the step (s40b). 2 H200s, 32k, zigzag, 16/16 heads, in turns with one GPU (s40b):
 # 1.81x / 1.78x at 4 / 16 calls a sample with LAYOUT_SPANS against the lists' 1.79x / 1.74x.
 FIRST_STEP_SPARE_SMS = None
 HOP_SMS = 8
