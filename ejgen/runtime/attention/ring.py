@@ -76,8 +76,9 @@ COALESCE = True
 # calls; its sum reached nothing, and JAX likely dropped it: see Q_SPACER), nor does sending the block apart
 # (KV_APART) when the wide step walks spans (s40d: 9 and 14 of 16). With `NCCL_CGA_CLUSTER_SIZE=0` (a process's
 # setting, read by NCCL when it makes its communicators) 8 do on both devices (16 calls back to back, 0 of 16 hops
-# late); 4 do too, but the hop's kernel on 4 SMs takes ~1.9 ms, longer than the step (s40b). 2 H200s, 32k, zigzag, 16/16 heads, in turns with one GPU (s40b):
-# 1.81x / 1.78x at 4 / 16 calls a sample with LAYOUT_SPANS against the lists' 1.79x / 1.74x.
+# late); 4 do too, but the hop's kernel on 4 SMs takes ~1.9 ms, longer than the step (s40b). 2 H200s, 32k, zigzag,
+# 16/16 heads, in turns with one GPU (s40b): 1.81x / 1.78x at 4 / 16 calls a sample with LAYOUT_SPANS against the
+# lists' 1.79x / 1.74x.
 FIRST_STEP_SPARE_SMS = None
 HOP_SMS = 8
 
