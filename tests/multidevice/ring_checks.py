@@ -399,7 +399,8 @@ def check_contiguous_causal(backend, failures, devices=2):
 def check_kv_apart(backend, failures, devices=2):
     """`ring.KV_APART` (the forward's block sent as its arrays, which XLA GPU's combiner makes one collective): a zigzag
     causal ring of 2 equals the single-device op and the oracle, forward and gradients; the forward's lowering sends
-    K and V as they are (collective-permutes of their shapes), not packed into one flat buffer."""
+    K and V as they are (collective-permutes of their shapes), not packed into one flat buffer. `ring.Q_SPACER` kept
+    and harmless."""
     import re
 
     from ejgen.runtime.attention import ring
@@ -424,6 +425,21 @@ def check_kv_apart(backend, failures, devices=2):
     single = shard_checks.vjp_call(lambda **d: flash_attention(**d, causal=True, platform=backend, return_lse=True),
                                    diff, d_out, d_lse)
     check(failures, sharded, oracle.attention(**diff, causal=True, d_out=d_out, d_lse=d_lse), single)
+    # `ring.Q_SPACER` (a diagnostic): the compiled forward keeps its sum over q (session 40: one that reached nothing
+    # was dropped), and the result is unchanged
+    before = ring.Q_SPACER
+    try:
+        ring.Q_SPACER = 100
+        run = jax.jit(lambda q, k, v: fn(q, k, v)[0])
+        hlo = run.lower(diff["query"], diff["key"], diff["value"]).compile().as_text()
+        spaced = run(diff["query"], diff["key"], diff["value"])
+    finally:
+        ring.Q_SPACER = before
+    if not re.search(r"f32\[100\]", hlo):
+        failures.append("ring.Q_SPACER: no sum over 100 items of q in the compiled forward")
+    plain = jax.jit(lambda q, k, v: fn(q, k, v)[0])(diff["query"], diff["key"], diff["value"])
+    if not np.array_equal(np.asarray(spaced), np.asarray(plain)):
+        failures.append("ring.Q_SPACER changed the forward's output")
 
 
 def check_causal_window_8(backend, failures, devices=8):
