@@ -34,7 +34,6 @@
 #   ring-paired-tuned  ring-paired with XLA's combiner over K and V and NCCL_CGA_CLUSTER_SIZE=0 (the recommended setup)
 #   ring-qinplace  the ring tests, then the default against --no-q-in-place and --no-zeros-by-delta (2 GPUs)
 #   ring-p5        the ring tests, then the default against --no-dkv-into, each twice, and one call's kernels of each
-#   ring-cga       the hop without NCCL's 4-CTA clusters (NCCL_CGA_CLUSTER_SIZE=0), with SMs spared, under the profiler
 #   ring-spans     the GPU tests of gluon.host.LAYOUT_SPANS (off), one call's kernels with and without it, each timed
 #                  twice; ring-spans-gaps: each form's 16 calls back to back under the profiler
 #   docs-ab        the Gluon document tests, then blocksparse.py's probe rows with the DOCS masks (issue 14)
@@ -599,72 +598,6 @@ j_ring-spans-gaps() {  # LAYOUT_SPANS under a sustained load: 16 forward calls b
     --out "$log/ring-spans-gaps-on"
   job ring-spans-gaps-off 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --out "$log/ring-spans-gaps-off"
 }
-j_ring-cga() {  # the hop's NCCL kernel as clusters of 4 CTAs (NCCL's default on Hopper) against the first step's
-  # persistent programs (notes/studies/s39-hop-launch.md, M1 and F1), with LAYOUT_SPANS: 16 calls under the profiler,
-  # then timed, for NCCL_CGA_CLUSTER_SIZE=0; that with 8 SMs spared (ring.FIRST_STEP_SPARE_SMS); 40 SMs spared with
-  # clusters (the cheap check: a threshold far above NCCL's grid); NCCL's P2P grid cut to 2 (F2); the lists timed
-  # last. Each gaps table's "hop start against its step's" line is the answer
-  local cga=(env NCCL_CGA_CLUSTER_SIZE=0 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=ENV,INIT)
-  job ring-cga0-gaps 90 "${cga[@]}" python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans \
-    --out "$log/ring-cga0-gaps"
-  job ring-cga0-time 70 "${cga[@]}" python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --layout-spans \
-    --out "$log/ring-cga0-time"
-  job ring-cga0-spare8-gaps 90 "${cga[@]}" python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans \
-    --spare-sms 8 --out "$log/ring-cga0-spare8-gaps"
-  job ring-cga0-spare8-time 70 "${cga[@]}" python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 \
-    --layout-spans --spare-sms 8 --out "$log/ring-cga0-spare8-time"
-  job ring-spare40-gaps 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans --spare-sms 40 \
-    --out "$log/ring-spare40-gaps"
-  job ring-p2p2-gaps 90 env XLA_FLAGS=--xla_gpu_nccl_p2p_max_nchannels=2 python3 "${RING[@]}" --parts gaps \
-    --passes fwd --batch 16 --layout-spans --out "$log/ring-p2p2-gaps"  # (F2: a grid of 2, no clusters)
-  job ring-cga-lists 70 python3 "${RING[@]}" --parts time --passes fwd --batch 4,16 --out "$log/ring-cga-lists"
-}
-j_ring-cga-paired() {  # session 40's s40a answered ring-cga: with NCCL_CGA_CLUSTER_SIZE=0 and 8 SMs spared, both
-  # devices' hops start with the first step (LAYOUT_SPANS); without the spare, or with clusters and 8, they do not. Is it faster?
-  # The forward in turns with one GPU (the same clocks for both): the lists (default) first, then that form; then how
-  # few spared SMs still let the hop start on time (4, under the profiler)
-  local cga=(env NCCL_CGA_CLUSTER_SIZE=0)
-  job ring-cga-paired-lists 120 "${cga[@]}" python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
-    --out "$log/ring-cga-paired-lists"
-  job ring-cga-paired-spans8 120 "${cga[@]}" python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 \
-    --batch 4,16 --layout-spans --spare-sms 8 --out "$log/ring-cga-paired-spans8"
-  job ring-cga0-spare4-gaps 90 "${cga[@]}" python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --layout-spans \
-    --spare-sms 4 --out "$log/ring-cga0-spare4-gaps"
-  job ring-paired-fwd 120 python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
-    --out "$log/ring-paired-fwd"
-}
-j_ring-apart() {  # ring.KV_APART: the forward's K and V sent as two arrays, no pack, made one collective by XLA's
-  # combiner where its threshold allows (the gaps table's title counts the collective-permutes): under the profiler
-  # with and without the threshold raised, then in turns with one GPU (the same clocks) with it, with it on spans with
-  # NCCL_CGA_CLUSTER_SIZE=0 and 8 SMs spared (s40b's best), and the default
-  local comb=(env XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes=1073741824)
-  job ring-apart-gaps 90 "${comb[@]}" python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --kv-apart \
-    --out "$log/ring-apart-gaps"
-  job ring-apart-paired 120 "${comb[@]}" python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
-    --kv-apart --out "$log/ring-apart-paired"
-  job ring-apart-alone-gaps 90 python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --kv-apart \
-    --out "$log/ring-apart-alone-gaps"
-  job ring-apart-cga-paired 120 "${comb[@]}" NCCL_CGA_CLUSTER_SIZE=0 python3 "${RING[@]}" --parts paired \
-    --passes fwd --rounds 7 --batch 4,16 --kv-apart --layout-spans --spare-sms 8 --out "$log/ring-apart-cga-paired"
-  job ring-paired-fwd 120 python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
-    --out "$log/ring-paired-fwd"
-}
-j_ring-apart-spans() {  # s40c: ring.KV_APART with the threshold raised starts the hop before the first step on both
-  # devices, one collective, no pack (1.77x in turns at 16 calls against the default's 1.74x; with spans, NCCL's
-  # clusters off and 8 SMs spared 1.80x). Without NCCL's variable: KV_APART with LAYOUT_SPANS under the profiler, in
-  # turns (fwd, then fwd+bwd), KV_APART alone in turns again, the default last
-  local comb=(env XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes=1073741824)
-  job ring-as-gaps 90 "${comb[@]}" python3 "${RING[@]}" --parts gaps --passes fwd --batch 16 --kv-apart \
-    --layout-spans --out "$log/ring-as-gaps"
-  job ring-as-paired 120 "${comb[@]}" python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
-    --kv-apart --layout-spans --out "$log/ring-as-paired"
-  job ring-as-paired-fwdbwd 150 "${comb[@]}" python3 "${RING[@]}" --parts paired --passes fwdbwd --rounds 7 \
-    --batch 4,16 --kv-apart --layout-spans --out "$log/ring-as-paired-fwdbwd"
-  job ring-apart-paired 120 "${comb[@]}" python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
-    --kv-apart --out "$log/ring-apart-paired"
-  job ring-paired-fwd 120 python3 "${RING[@]}" --parts paired --passes fwd --rounds 7 --batch 4,16 \
-    --out "$log/ring-paired-fwd"
-}
 TUNED=(env XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes=1073741824 NCCL_CGA_CLUSTER_SIZE=0)
 j_ring-paired-tuned() {  # the ring in the configuration docs/DESIGN.md §3 recommends (Ring attention, the hop): XLA's
   # combiner over K and V (ring.KV_APART then on), NCCL's kernels without clusters (the first step spares
@@ -688,17 +621,6 @@ j_ring-schedule() {  # where XLA schedules the hop's start against the first ste
     --out "$log/ring-schedule-apart"
   job ring-schedule-apart-spans 60 "${comb[@]}" python3 "${RING[@]}" --parts schedule --passes fwd --layout-spans \
     --out "$log/ring-schedule-apart-spans"
-}
-j_ring-qspacer() {  # spans with a kernel on q (ring.Q_SPACER, 16M items) that the first step waits for: the block
-  # packed without process variables, then K and V apart with the combiner's threshold; the schedule and 16 calls under
-  # the profiler (is the hop first on both devices?), then in turns with one GPU where it is
-  local comb=(env XLA_FLAGS=--xla_gpu_collective_permute_combine_threshold_bytes=1073741824)
-  job ring-qspacer-packed 60 python3 "${RING[@]}" --parts schedule,gaps --passes fwd --batch 16 --layout-spans \
-    --q-spacer 16777216 --out "$log/ring-qspacer-packed"
-  job ring-qspacer-apart 60 "${comb[@]}" python3 "${RING[@]}" --parts schedule,gaps --passes fwd --batch 16 \
-    --layout-spans --q-spacer 16777216 --out "$log/ring-qspacer-apart"
-  job ring-qspacer-packed-paired 60 python3 "${RING[@]}" --parts paired --passes fwd --rounds 5 --batch 16 \
-    --layout-spans --q-spacer 16777216 --out "$log/ring-qspacer-packed-paired"
 }
 j_ring-qspacer-ab() {  # s40h: spans with ring.Q_SPACER (16M items) put the hop first on both devices without any
   # process variable (0 / 0 of 16 late) and ran 1.80x in turns at 16 calls (5 rounds), but its tie then was a pass
@@ -889,23 +811,24 @@ declare -A PRESETS=(
   # one-element tie, under the profiler and in turns against the default and the tuned setup. If its hop is first on
   # both devices and it beats the default at 16 calls, make it the default (spans + spacer): the process defaults
   # would then need no variable; run ring-tests with it)
-  [s40h]="0-1:ring-qspacer"  # (session 40: spans with a kernel on q ahead of the first step, after the hop's start)
+  # s40h: 0-1:ring-qspacer (session 40: spans with a kernel on q ahead of the first step, after the hop's start; the
+  # job went, superseded by ring-qspacer-ab). s40a-d: their jobs went once answered (BENCHMARKS.md "Session 40")
   [s40g]="0-1:ring-schedule"  # (session 40: the hop's start in XLA's schedule, lists / spans / apart)
   [s40f]="0-1:ring-paired-128k"  # (session 40: the tuned setup at 128k, against the default, in turns with one GPU)
   [s40e]="0-1:ring-tests,ring-paired-tuned,ring-paired"  # (session 40's final tree: the ring's GPU tests with the
   # apart and hop-SMs forms, the tuned configuration and the default in turns with one GPU)
-  [s40d]="0-1:ring-apart-spans"  # (session 40's fourth: KV_APART with LAYOUT_SPANS, without NCCL's variable)
-  [s40c]="0-1:ring-apart"  # (session 40's third: K and V sent apart, one collective by XLA's combiner, no pack)
-  [s40b]="0-1:ring-cga-paired"  # (session 40's second: the forward in turns with one GPU, lists and spans with
+  # s40d: 0-1:ring-apart-spans (session 40's fourth: KV_APART with LAYOUT_SPANS, without NCCL's variable)
+  # s40c: 0-1:ring-apart (session 40's third: K and V sent apart, one collective by XLA's combiner, no pack)
+  # s40b: 0-1:ring-cga-paired (session 40's second: the forward in turns with one GPU, lists and spans with
   # NCCL_CGA_CLUSTER_SIZE=0 and 8 SMs spared (both hops on time in s40a), 4 spared under the profiler, lists plain)
-  [s40a]="0-1:ring-cga"  # (session 40's first ran ring-cga and ring-spacer: spacers of 4M-64M items between the pack
+  # s40a: 0-1:ring-cga (session 40's first ran ring-cga and ring-spacer: spacers of 4M-64M items between the pack
   # and the first step left the hop late on 7-15 of 16 calls; removed with ring.SPACER_BEFORE_FIRST_STEP. Since then
   # NCCL_CGA_CLUSTER_SIZE=0 alone spares ring._hop_sms' 8 SMs and walks spans: ring-cga0-gaps no longer runs without)
   [s39g]="0-1:ring-spans-gaps,ring-paired"  # (LAYOUT_SPANS off again: where the hop's launch goes with it on, then
   # the default in turns with one GPU)
   [s39e]="0-1:ring-spans-gaps"  # (LAYOUT_SPANS sustained; its timed half was ring-spans-on/off-3, 4)
   # s39f: ring-spare (ring.FIRST_STEP_SPARE_SMS 8 / 16, the lists, copy engines, each under the profiler and timed at
-  # 16 calls a sample; the job went with the switch, which is back as a diagnostic for ring-cga)
+  # 16 calls a sample; the job went with the switch, which is back: ring.FIRST_STEP_SPARE_SMS, session 40)
   # s39c: hop-after (the first step's kernel without the hop beside it, ring.HOP_AFTER_FIRST_STEP, removed after it
   # answered: 51-57 us)
   [s39b]="0:wide-step"  # (one GPU: what the wide step's lists, order and L2 cost; notes/studies/s37-ring-fwd.md, A)

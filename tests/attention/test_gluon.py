@@ -262,7 +262,8 @@ def _stand_in_kernels(monkeypatch):
             s = jnp.where(jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + (sk - sq), s, -jnp.inf)
         return s
 
-    def forward(layout, q, k, v, scalars, ctx, cfg, fast_tanh=False, wire=None, merge=None):
+    def forward(layout, q, k, v, scalars, ctx, cfg, fast_tanh=False, wire=None, merge=None, spare=0, spans=False):
+        # (spare, spans: the grid's size and the tiles' walk, not the result)
         if wire is not None:  # k then v as one 16-bit buffer (`api.KV_WIRE`): read out of it as the kernel does
             buffer = wire[0].reshape(-1)
             k, v = (jax.lax.bitcast_convert_type(buffer[i * k.size:(i + 1) * k.size], k.dtype).reshape(k.shape)
@@ -706,8 +707,8 @@ def test_a_merged_layout_of_two_key_columns_walks_spans(monkeypatch):
     wide step): on a (pretended) Hopper GPU the forward walks each query tile's span of key blocks (SPANS, RANGES
     [B, N_M, 4] from the layout's rows: lo, hi, and the same full; 0, 0 for a row that sees none) in `_tile`'s order
     (no lists, not ORDERED) through the dynamic queue, whatever the setting, the layout per batch row too; without the
-    merge, with causal, with a layout per head, or `host.LAYOUT_SPANS` off (its default) outside `host.spanning`,
-    lists. A fake launch."""
+    merge, with causal, with a layout per head, or `host.LAYOUT_SPANS` off (its default) where the call does not ask
+    for spans (`api.SPANS`), lists. A fake launch."""
     import numpy as np
 
     from ejgen.ops import blocksparse_attention
@@ -750,8 +751,8 @@ def test_a_merged_layout_of_two_key_columns_walks_spans(monkeypatch):
         monkeypatch.setattr(gluon_attention, "LAYOUT_SPANS", switch)
         _, kw = launch(layout, causal)
         assert not kw["SPANS"] and kw["LIST"], (why, kw)
-    with gluon_attention.spanning(True):  # (the ring's last wide step where its hop has SMs: `ring._hop_sms`)
-        _, kw = launch(per_batch)
+    monkeypatch.setattr(triton_host, "given_spans", lambda ctx: (ctx, True))  # `api.SPANS`: the ring's last wide
+    _, kw = launch(per_batch)  # step where its hop has SMs (`ring._hop_sms`)
     assert kw["SPANS"] and not kw["LIST"], kw
 
 
@@ -781,17 +782,19 @@ def test_layout_spans_are_the_lists_blocks():
 
 
 def test_a_forward_spares_sms_where_asked(monkeypatch):
-    """`gluon.host.sparing` (ring attention's first step beside the hop, `ring.FIRST_STEP_SPARE_SMS`): a forward traced
-    inside it launches that many fewer persistent programs than the GPU has SMs; outside it, one a SM. A fake
-    launch."""
+    """`api.SPARE_SMS` (ring attention's first step beside the hop, `ring.FIRST_STEP_SPARE_SMS`): a forward given it
+    launches that many fewer persistent programs than the GPU has SMs; without it, one a SM. A fake launch."""
     from ejgen.ops import flash_attention
+    from ejgen.runtime.attention import api
+    from ejgen.runtime.attention.triton import host as triton_host
 
     seen = pretend_hopper(monkeypatch, sms=16)
     q = _earlier_rows(1, 4096, 2, 64)[0]  # 64 tiles of 128 rows
     for spare, programs in ((0, 16), (4, 12)):
-        with gluon_attention.sparing(spare):
-            flash_attention(q, q, q, causal=True, platform="triton")
+        monkeypatch.setattr(triton_host, "given_spare", lambda ctx, spare=spare: (ctx, spare))
+        flash_attention(q, q, q, causal=True, platform="triton")
         assert seen.pop()[1] == (programs, ), spare
+    monkeypatch.setattr(triton_host, "given_spare", api.given_spare)
     flash_attention(q, q, q, causal=True, platform="triton")
     assert seen.pop()[1] == (16, )
 

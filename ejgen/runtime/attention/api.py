@@ -156,6 +156,29 @@ def given_merge(ctx: dict):
     return _given(ctx, MERGE_INTO)
 
 
+# A backend forward's ctx entry: SMs the Hopper forward's persistent grid leaves free for a kernel that runs beside it
+# (ring attention's first step and its hop's NCCL kernel, `ring._hop_sms`): a persistent program holds its SM to the
+# end. Any other forward has no use for it (`given_spare`).
+SPARE_SMS = "spare_sms"
+
+
+def given_spare(ctx: dict):
+    """(ctx without the `SPARE_SMS` entry, that entry or None)."""
+    return _given(ctx, SPARE_SMS)
+
+
+# A backend forward's ctx entry: True where the Hopper forward over a block layout walks each query tile's span of key
+# blocks where it can (`gluon.host.spanned`) whatever LAYOUT_SPANS says (ring attention's last wide step where its
+# hop had SMs of its own, `ring._hop_sms`: no list-building kernels need run ahead of the first step). Any other
+# forward has no use for it (`given_spans`).
+SPANS = "spans"
+
+
+def given_spans(ctx: dict):
+    """(ctx without the `SPANS` entry, that entry or None)."""
+    return _given(ctx, SPANS)
+
+
 def merge_into(out, lse, earlier):
     """(out, lse) merged into ``earlier`` = (out, lse) of the same rows over other keys: the softmax over both key
     sets, in float32, out in ``earlier``'s dtype (rows neither saw: 0 and -inf)."""

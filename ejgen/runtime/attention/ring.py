@@ -67,7 +67,7 @@ GLUON_DYNAMIC_TILES = True
 # 2293 + 2295 for the two pairs (+18%: the Hopper backward on the wide call's lists).
 COALESCE = True
 
-# SMs the first step's Hopper forward leaves to the hop beside it (`gluon.host.sparing`; None: HOP_SMS where NCCL's
+# SMs the first step's Hopper forward leaves to the hop beside it (`api.SPARE_SMS`; None: HOP_SMS where NCCL's
 # kernels launch without clusters, `_hop_sms`). A persistent program holds its SM to the end: where the step's grid
 # reaches the SMs before the hop's NCCL kernel does, that kernel starts only as the step's programs drain, ~1.5 ms
 # late, and the next step waits for it (session 39). NCCL launches its kernels on Hopper as clusters of 4 CTAs, which
@@ -650,19 +650,18 @@ def _pair_forward(plan: Plan, kind: int, chunk: int, q, held, ctx, q0, k0, r, s,
     for a call over the whole block that the Hopper forward runs to read K and V out of (`api.KV_WIRE`,
     KV_FROM_WIRE); ``earlier``: (out, lse) of the same rows over other keys, which the result is merged into
     (`api.MERGE_INTO`, MERGE_IN_KERNEL: a call of every local row on the triton platform); ``spare``: SMs its Hopper
-    forward leaves to a hop beside it (FIRST_STEP_SPARE_SMS); ``spans``: its Hopper forward walks spans where it can
-    (`gluon.host.spanning`)."""
+    forward leaves to a hop beside it (FIRST_STEP_SPARE_SMS, `api.SPARE_SMS`); ``spans``: its Hopper forward walks
+    spans where it can (`api.SPANS`)."""
     cfg, choice, one = _pair_call(plan, kind, chunk, q, held, ctx, q0, k0, r, s, sk or chunk, wide_layout)
     backend = plan.backend
     qk, kk, vk, ck = one.padded(*backend.block_sizes(cfg), backend.TENSOR_LAYOUT)
     if choice.forward == "gluon":
         ck = _with_wire(ck, wire, held, None, sk or chunk, kk, backend.TENSOR_LAYOUT)
+        ck = {**ck, **({api.SPARE_SMS: spare} if spare else {}), **({api.SPANS: True} if spans else {})}
     if earlier is not None:
         ck = {**ck, api.MERGE_INTO: earlier}
-    from ejgen.runtime.attention.gluon import host as gluon_attention
-
     asked = settings.settings(gluon_dynamic_tiles=True) if GLUON_DYNAMIC_TILES else contextlib.nullcontext()
-    with asked, gluon_attention.sparing(spare), gluon_attention.spanning(spans):  # read as the launch is traced
+    with asked:  # read when the kernel's launch is traced
         out, lse, _ = backend.forward(qk, kk, vk, ck, cfg, choice)
     return _from_kernel(out, backend.TENSOR_LAYOUT, chunk), lse[..., :chunk]
 

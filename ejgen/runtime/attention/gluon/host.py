@@ -53,8 +53,6 @@ against the per-tile form it replaced, window (16k, 1024) 0.704 -> 0.505 ms, 4k 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import importlib
 
@@ -207,38 +205,10 @@ def fwd_tiles(batch: int, hq: int, seq: int) -> int:
     return -(-seq // BLOCK_M) * batch * hq
 
 
-def grid(batch: int, hq: int, seq: int, sms: int | None = None) -> tuple:
-    """The persistent forward's grid over its tiles (`fwd_tiles`), less the SMs it is asked to spare (`sparing`)."""
-    return persistent_grid(fwd_tiles(batch, hq, seq), (sms or num_sms()) - _SPARED.get())
-
-
-_SPARED = contextvars.ContextVar("ejgen_gluon_spared_sms", default=0)
-
-
-@contextlib.contextmanager
-def sparing(sms: int):
-    """Forwards traced inside launch ``sms`` fewer programs than the GPU has SMs (`grid`), so a kernel that runs
-    beside them finds SMs free whenever it starts: a persistent program holds its SM to the end (ring attention's
-    first step and the hop's NCCL kernel, `ring.FIRST_STEP_SPARE_SMS`)."""
-    token = _SPARED.set(sms)
-    try:
-        yield
-    finally:
-        _SPARED.reset(token)
-
-
-_SPANS = contextvars.ContextVar("ejgen_gluon_spans", default=False)
-
-
-@contextlib.contextmanager
-def spanning(on: bool):
-    """Forwards traced inside walk spans where they can (`spanned`) even with LAYOUT_SPANS off: the ring's wide step
-    where its hop has SMs of its own (`ring._hop_sms`), so no list-building kernels need run before the first step."""
-    token = _SPANS.set(on)
-    try:
-        yield
-    finally:
-        _SPANS.reset(token)
+def grid(batch: int, hq: int, seq: int, sms: int | None = None, spare: int = 0) -> tuple:
+    """The persistent forward's grid over its tiles (`fwd_tiles`), ``spare`` programs fewer than the GPU has SMs
+    (`api.SPARE_SMS`: a kernel beside it finds them free)."""
+    return persistent_grid(fwd_tiles(batch, hq, seq), (sms or num_sms()) - spare)
 
 
 NO_LISTS = dict(LIST=False, LIST_BATCH=1, LIST_HEADS=1, SUB_Q=0, SUB_K=0)  # the kernels walk ranges
@@ -850,19 +820,18 @@ def fwd_lists(ctx, cfg, seq: int, mask_tiles=None, batch: int = 1, heads: int = 
 # only near the end of the first step (both devices in call 8; with 8 or 16 SMs spared too) and ran ~580 us alone a
 # call, where the lists' small kernels between the pack and that step had kept it first (docs/DESIGN.md §3, Ring
 # attention). Why (session 40): which of the two grids reaches the SMs first is a race, and NCCL's 4-CTA clusters
-# find no free SMs beside the step's persistent programs. Off here; the ring asks for spans (`spanning`) in its last
+# find no free SMs beside the step's persistent programs. Off here; the ring asks for spans (`api.SPANS`) in its last
 # wide step where the first step leaves SMs to the hop (`ring._hop_sms`, with NCCL_CGA_CLUSTER_SIZE=0).
 LAYOUT_SPANS = False
 
 
-def spanned(cfg, ctx, spec: bool, merge: bool) -> bool:
+def spanned(cfg, ctx, spec: bool, merge: bool, asked: bool = False) -> bool:
     """Whether the forward walks each query tile's span of key blocks (SPANS, `layout_spans`) rather than a list:
-    LAYOUT_SPANS (or `spanning`), a block layout (ctx's, [B|1, Hkv|1, G|1, nQ, nK]) the same for every head, of at
-    most two key columns (a row's visible ones are then one run) and blocks of whole tiles, alone (no causal, window,
-    segment ids or spec mask: ``spec``), and a ``merge`` into an earlier result (the rows of a tile that sees no key
-    keep it: the kernel never runs that tile)."""
-    asked = LAYOUT_SPANS or _SPANS.get()
-    if not (asked and cfg.layout and merge) or spec or cfg.causal or cfg.window or cfg.segments:
+    LAYOUT_SPANS (or ``asked``: `api.SPANS`), a block layout (ctx's, [B|1, Hkv|1, G|1, nQ, nK]) the same for every
+    head, of at most two key columns (a row's visible ones are then one run) and blocks of whole tiles, alone (no
+    causal, window, segment ids or spec mask: ``spec``), and a ``merge`` into an earlier result (the rows of a tile that
+    sees no key keep it: the kernel never runs that tile)."""
+    if not ((LAYOUT_SPANS or asked) and cfg.layout and merge) or spec or cfg.causal or cfg.window or cfg.segments:
         return False
     shape = ctx["layout"].shape
     return shape[1] * shape[2] == 1 and shape[4] <= 2 and sub_blocks(cfg.layout_block) == (0, 0)

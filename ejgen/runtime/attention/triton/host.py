@@ -18,7 +18,8 @@ import numpy as np
 
 from ejgen.runtime.attention import tiles
 from ejgen.runtime.attention.api import (SEQ_MAJOR, add_rows, delta_rows, given_delta, given_dkv, given_dq,
-                                         given_merge, given_q_rows, given_wire, join_sinks, merge_into, sinks_grad)
+                                         given_merge, given_q_rows, given_spans, given_spare, given_wire, join_sinks,
+                                         merge_into, sinks_grad)
 from ejgen.runtime.attention.gluon import host as gluon_attention
 from ejgen.runtime.attention.triton import configs as triton_configs
 from ejgen.runtime.core import kernels, settings, sizes
@@ -358,12 +359,13 @@ def _gluon_spec(layout: Layout):
     return spec, layout.mask_tiles if spec is not None else None
 
 
-def _gluon_walk(layout: Layout, cfg, batch: int, hq: int, sq: int) -> tuple:
-    """(grid, spec, mask_tiles, listed, key tiles, dynamic) of the Gluon forward of a call: its persistent grid, the
+def _gluon_walk(layout: Layout, cfg, batch: int, hq: int, sq: int, spare: int = 0) -> tuple:
+    """(grid, spec, mask_tiles, listed, key tiles, dynamic) of the Gluon forward of a call: its persistent grid
+    (``spare`` SMs left free, `api.SPARE_SMS`), the
     spec's mask and its tiles (`_gluon_spec`), whether it walks lists of blocks (`gluon_attention.listed`), its key
     tiles (`gluon_attention.fwd_key_tiles`), whether its programs take tiles from a zeroed counter (TILE_CTR, the order
     then one list: `gluon_attention.dynamic_tiles`)."""
-    grid = gluon_attention.grid(batch, hq, sq)  # persistent: one program per SM
+    grid = gluon_attention.grid(batch, hq, sq, spare=spare)  # persistent: one program per SM
     spec, mask_tiles = _gluon_spec(layout)
     listed = gluon_attention.listed(cfg, spec is not None)
     tiles = gluon_attention.fwd_key_tiles(cfg, spec is not None and layout.mask_divides)
@@ -380,7 +382,8 @@ def _gluon_lists(ctx, cfg, mask_tiles, batch: int, hq: int, sq: int, block_n: in
     return table, gluon_attention.order_by_work(jnp.broadcast_to(work, (batch, ) + work.shape[1:]), hq, programs)
 
 
-def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool = False, wire=None, merge=None):
+def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool = False, wire=None, merge=None,
+                   spare: int = 0, spans: bool = False):
     """The warp-specialised Gluon forward (gluon_attention): (out [B, Sq, Hkv, G, D], lse [B, Hkv, G, Sq]). With
     segment ids (windows aside) its tiles go in the order of their work (`gluon_attention.ordered`, `tile_order`);
     where the queue wins (`gluon_attention.dynamic_tiles`) its programs take them from a counter. With a block
@@ -390,17 +393,18 @@ def _gluon_forward(layout: Layout, q, k, v, scalars, ctx, cfg, fast_tanh: bool =
     as the whole block of one 16-bit buffer (`api.KV_WIRE`, `_wire_kv`), which the kernel reads them out of (KV_AT;
     k, v for their shapes).
     ``merge``: (out, lse) of the same rows over other keys (`api.MERGE_INTO`), which the kernel merges its result into
-    (MERGE), writing over those buffers (aliased)."""
+    (MERGE), writing over those buffers (aliased). ``spare``: SMs its grid leaves free (`api.SPARE_SMS`); ``spans``:
+    a layout walked by spans where it can (`api.SPANS`)."""
     batch, sq, hkv, groups, d = q.shape
     hq = hkv * groups
-    grid, spec, mask_tiles, listed, tiles, dynamic = _gluon_walk(layout, cfg, batch, hq, sq)
+    grid, spec, mask_tiles, listed, tiles, dynamic = _gluon_walk(layout, cfg, batch, hq, sq, spare)
     staged = None
     if spec is not None:
         scalars = layout.gluon_scalars(scalars, ctx, sq)
         # key-side position terms staged by the producer next to each K block (segment ids use that buffer)
         staged = None if cfg.segments else layout.staged_mask()
     # a layout of two key columns merged into an earlier result: each tile's span of key blocks (the ring's wide step)
-    spans = listed and gluon_attention.spanned(cfg, ctx, spec is not None, merge is not None)
+    spans = listed and gluon_attention.spanned(cfg, ctx, spec is not None, merge is not None, spans)
     ordered = (gluon_attention.ordered(cfg) or listed) and not spans
     dynamic = dynamic or spans  # (the queue passes over the tiles that see no key)
     # RANGES: the lists, the spans, or (ordered: segment ids) the plan's with the order
@@ -636,6 +640,8 @@ def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
     _check_layout(q, cfg)
     ctx, wire = given_wire(ctx)  # the caller's (ring attention's) K/V buffer: the Hopper forward reads it
     ctx, merge = given_merge(ctx)  # an earlier result of the rows (ring attention's): merged into
+    ctx, spare = given_spare(ctx)  # SMs left to the ring's hop
+    ctx, spans = given_spans(ctx)  # (the ring's last wide step)
     ctx, cfg = _masks(ctx, cfg, q.shape[0])
     batch, sq, hkv, groups, d = q.shape
     hq, dv = hkv * groups, v.shape[-1]
@@ -644,7 +650,8 @@ def _forward(layout: Layout, q, k, v, ctx, cfg, choice):
         if merge is not None and cfg.sinks:
             raise ValueError("an earlier result to merge into takes the sinks after the merge (ring attention joins "
                              "them once, at the end)")
-        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.fast_tanh, wire=wire, merge=merge)
+        out, lse = _gluon_forward(layout, q, k, v, scalars, ctx, cfg, choice.fast_tanh, wire=wire, merge=merge,
+                                  spare=spare or 0, spans=bool(spans))
         if cfg.sinks:  # the kernels take none: the sinks join the denominator here (the backward reads this lse)
             out, lse = join_sinks(out, lse, ctx["softmax_aux"])
             out = out.astype(q.dtype)
